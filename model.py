@@ -1,0 +1,649 @@
+"""The GPT: configuration, presets, layers, chunked loss, KV cache, generation, parameter/FLOP/memory accounting.
+
+Every stage imports this file. Run it alone to see what a preset is, without allocating a single weight:
+
+    python model.py --preset llama3-1b                 # prints params: 1241581568
+    python model.py --preset d20 --micro_batch 16      # any config field can be overridden: --n_layer 8 ...
+
+Design, in one place:
+- Parameters are fp32 master weights, always. bf16 compute comes from torch.autocast (seed 001: casting the
+  parameters themselves to bf16 froze every RMSNorm scale, because 1.0 - 1e-4 == 1.0 in bf16).
+- The model is built on the meta device and then materialized on its target device, so a 1B model is ready in
+  seconds and an FSDP wrapper can shard it before any memory is touched.
+- The loss never materializes (batch, time, vocab) fp32 logits (seed 004: 34 GB at 64x2048x131072): the head and
+  cross-entropy run in row chunks, and the gradient is computed chunk by chunk in the forward pass.
+"""
+import argparse
+import math
+import re
+import sys
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 4096
+    sequence_len: int = 256
+    n_layer: int = 4
+    n_embd: int = 256
+    n_head: int = 4
+    n_kv_head: int = 4  # < n_head is grouped-query attention; n_head must be a multiple of it
+    head_dim: int = 0  # 0 = n_embd // n_head
+    mlp: str = "relu2"  # 'relu2' (x -> relu(x)^2, two matrices) | 'swiglu' (silu(gate) * up, three matrices)
+    mlp_hidden: int = 0  # 0 = 4*n_embd for relu2, 8/3*n_embd rounded up to a multiple of 64 for swiglu
+    rope_theta: float = 10000.0
+    norm_learnable: bool = False  # RMSNorm with a learnable scale (Llama) or without any weight (modern GPT)
+    norm_eps: float = 1e-6
+    qk_norm: bool = True  # RMSNorm on each head's queries and keys before RoPE
+    tie_embeddings: bool = False  # the output head reuses the token embedding matrix
+    logit_softcap: float = 15.0  # logits -> cap * tanh(logits / cap); 0 = off
+    bitnet: bool = False  # BitNet b1.58: ternary weights, 8-bit activations in every linear layer of the blocks
+    activation_checkpointing: bool = False  # recompute each block in backward instead of storing its activations
+
+    def __post_init__(self):
+        for name in ("vocab_size", "sequence_len", "n_layer", "n_embd", "n_head", "n_kv_head"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be a positive integer")
+        if self.mlp not in ("relu2", "swiglu"):
+            raise ValueError(f"mlp={self.mlp!r} is not allowed: choose one of relu2, swiglu")
+        if self.head_dim == 0:
+            if self.n_embd % self.n_head:
+                raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: allowed n_head for "
+                                 f"this width are {_divisors(self.n_embd)} (or set head_dim explicitly)")
+            self.head_dim = self.n_embd // self.n_head
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even (rotary embeddings rotate pairs of channels)")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}: allowed n_kv_head "
+                             f"are {_divisors(self.n_head)}")
+        if self.mlp_hidden == 0:
+            self.mlp_hidden = 4 * self.n_embd if self.mlp == "relu2" else 64 * math.ceil(8 * self.n_embd / 3 / 64)
+        if self.logit_softcap < 0 or self.norm_eps <= 0 or self.rope_theta <= 0:
+            raise ValueError("logit_softcap must be >= 0, norm_eps and rope_theta > 0")
+
+
+def _divisors(n):
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+# -----------------------------------------------------------------------------
+# Presets. Each is a set of GPTConfig fields; any field can be overridden afterwards.
+
+PRESETS = {
+    # The offline CPU demo and the tests: 5.2M parameters, trains on the demo world in minutes.
+    "tiny": {"vocab_size": 4096, "sequence_len": 256, "n_layer": 4, "n_embd": 256, "n_head": 4, "n_kv_head": 4},
+    # Seed 004's Llama-3-style 1.2B, exactly: 1,241,581,568 parameters.
+    "llama3-1b": {"vocab_size": 131072, "sequence_len": 2048, "n_layer": 16, "n_embd": 2048, "n_head": 32,
+                  "n_kv_head": 8, "mlp": "swiglu", "mlp_hidden": 8192, "rope_theta": 500000.0,
+                  "norm_learnable": True, "norm_eps": 1e-5, "qk_norm": False, "tie_embeddings": True,
+                  "logit_softcap": 0.0},
+    # Seed 002's BitNet b1.58, exactly: 95,367,936 parameters (sequence 256 as in its 12 GB run).
+    "bitnet-95m": {"vocab_size": 32000, "sequence_len": 256, "n_layer": 8, "n_embd": 768, "n_head": 12,
+                   "n_kv_head": 6, "mlp": "swiglu", "mlp_hidden": 3072, "norm_learnable": True, "norm_eps": 1e-5,
+                   "qk_norm": False, "tie_embeddings": True, "logit_softcap": 0.0, "bitnet": True},
+}
+DEPTH_HEAD_DIM = 128
+DEPTH_ASPECT = 64
+
+
+def depth_preset(depth):
+    """d{N}: the one-dial family (nanochat's). Width 64*N rounded up to a multiple of the 128 head dim, so deeper
+    models are also wider at a fixed aspect ratio; every head is a full 128-wide head (good matmul shapes); MHA;
+    RoPE; QK-norm and weightless RMSNorm (no scales to tune, nothing to freeze); relu^2 MLP (cheaper than SwiGLU and
+    as good at this size); untied embeddings (input and output roles want different geometry); logit softcap 15
+    (bounds the logits, which keeps early training stable)."""
+    width = DEPTH_HEAD_DIM * math.ceil(DEPTH_ASPECT * depth / DEPTH_HEAD_DIM)
+    heads = width // DEPTH_HEAD_DIM
+    return {"vocab_size": 65536, "sequence_len": 2048, "n_layer": depth, "n_embd": width, "n_head": heads,
+            "n_kv_head": heads, "mlp": "relu2", "rope_theta": 10000.0, "norm_learnable": False, "qk_norm": True,
+            "tie_embeddings": False, "logit_softcap": 15.0}
+
+
+def preset_names():
+    return ", ".join(PRESETS) + ", d<N> (the depth dial, e.g. d12, d20)"
+
+
+def config_from_preset(name, overrides=None):
+    match = re.fullmatch(r"d(\d+)", name)
+    if match and int(match.group(1)) >= 1:
+        values = depth_preset(int(match.group(1)))
+    elif name in PRESETS:
+        values = dict(PRESETS[name])
+    else:
+        raise ValueError(f"unknown preset {name!r}: allowed presets are {preset_names()}")
+    allowed = [f.name for f in fields(GPTConfig)]
+    for key, value in (overrides or {}).items():
+        if key not in allowed:
+            raise ValueError(f"unknown model field {key!r}: allowed fields are {', '.join(allowed)}")
+        values[key] = value
+    return GPTConfig(**values)
+
+
+def _parse_bool(text):
+    if str(text).lower() in ("1", "true", "yes", "on"):
+        return True
+    if str(text).lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not a boolean: use true or false")
+
+
+def add_model_args(parser, default_preset="tiny"):
+    """Adds --preset and one flag per GPTConfig field (default: the preset's value) to a stage's parser."""
+    group = parser.add_argument_group("model (a preset, then any field overridden)")
+    group.add_argument("--preset", default=default_preset, help=f"one of {preset_names()} (default: %(default)s)")
+    for f in fields(GPTConfig):
+        kind = _parse_bool if f.type is bool else f.type
+        group.add_argument(f"--{f.name}", type=kind, default=None, metavar=f.name.upper(),
+                           help=f"override the preset's {f.name}")
+
+
+def parse_args(parser, argv=None):
+    """parse_args that names the model fields when it meets an option it does not know."""
+    def fail(message):  # one line, without argparse's usage dump above it
+        parser.exit(2, f"{parser.prog}: error: {message}\n")
+    parser.error = fail
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        allowed = ", ".join(f.name for f in fields(GPTConfig))
+        fail(f"unknown option {' '.join(unknown)}: model fields are {allowed}; see --help for the rest")
+    return args
+
+
+def config_from_args(args):
+    overrides = {f.name: getattr(args, f.name) for f in fields(GPTConfig) if getattr(args, f.name, None) is not None}
+    return config_from_preset(args.preset, overrides)
+
+
+# -----------------------------------------------------------------------------
+# Accounting from the config alone: no tensor is allocated, so this is instant for any size.
+
+def param_breakdown(c):
+    d, q_dim, kv_dim = c.n_embd, c.n_head * c.head_dim, c.n_kv_head * c.head_dim
+    attention = c.n_layer * (2 * d * q_dim + 2 * d * kv_dim)  # q, o and k, v projections, no biases
+    mlp = c.n_layer * (3 if c.mlp == "swiglu" else 2) * d * c.mlp_hidden
+    norms = 0
+    if c.norm_learnable:  # two per block + final, and a per-head-dim scale for q and k when QK-norm is on
+        norms = c.n_layer * (2 * d + (2 * c.head_dim if c.qk_norm else 0)) + d
+    counts = {"embeddings": c.vocab_size * d, "attention": attention, "mlp": mlp, "norms": norms,
+                  "head": 0 if c.tie_embeddings else c.vocab_size * d}
+    counts["total"] = sum(counts.values())
+    return counts
+
+
+def num_params(c):
+    return param_breakdown(c)["total"]
+
+
+def flops_per_token(c, seq_len=None):
+    """Training FLOPs per token (forward + backward), the convention of PaLM's MFU and nanochat:
+    6 * (parameters used in matmuls: every projection in the blocks plus the output head, a tied head counted once;
+    the input embedding is a lookup and norms are elementwise, so neither counts)
+    + 12 * n_layer * n_head * head_dim * T (QK^T and attention*V: 2 matmuls x 2 FLOPs per multiply-add x 3 for
+    forward + backward, over the full T x T square, not its causal half)."""
+    b = param_breakdown(c)
+    matmul_params = b["attention"] + b["mlp"] + c.vocab_size * c.n_embd
+    T = seq_len or c.sequence_len
+    return 6 * matmul_params + 12 * c.n_layer * c.n_head * c.head_dim * T
+
+
+OPTIMIZER_BYTES = {"adamw": 8, "adam8bit": 2, "muon": None}  # state bytes per parameter (muon: see below)
+
+
+def memory_estimate(c, micro_batch, seq_len=None, optimizer="muon", bf16=True):
+    """Training memory per device in bytes, the arithmetic of seed 004, for this implementation:
+    fp32 weights and gradients (4 B each per parameter), optimizer state (AdamW: two fp32 moments = 8 B; 8-bit AdamW:
+    2 B; Muon: one fp32 momentum = 4 B for the block matrices, AdamW for embeddings/head/norms), 'activations' = what
+    autograd holds at the end of the forward pass, counted tensor by tensor from this file's forward (the tests
+    check it against torch's saved-tensor hooks), and 'transient' = the largest short-lived buffers (one loss chunk's
+    logits; with activation checkpointing, the one block being recomputed). Not included: allocator fragmentation,
+    the CUDA context, kernels' workspaces."""
+    T = seq_len or c.sequence_len
+    P = num_params(c)
+    b = param_breakdown(c)
+    block_matrices = b["attention"] + b["mlp"]
+    if optimizer == "muon":
+        opt = 4 * block_matrices + 8 * (P - block_matrices)
+    else:
+        opt = OPTIMIZER_BYTES[optimizer] * P
+    tokens = micro_batch * T
+    per_layer = activation_bytes_per_token_layer(c, bf16)
+    weight_copies = (2 if bf16 else (4 if c.bitnet else 0)) * block_matrices  # bf16 casts / BitNet's quantized W
+    if c.activation_checkpointing:  # only each block's fp32 input is kept; blocks are recomputed one at a time
+        blocks = tokens * c.n_layer * 4 * c.n_embd
+        recompute = tokens * per_layer + weight_copies // c.n_layer
+    else:
+        blocks = tokens * c.n_layer * per_layer + weight_copies
+        recompute = 0
+    final_norm = 4 * c.n_embd + 4 + (4 * c.n_embd if c.norm_learnable else 0)
+    # the loss keeps grad_x (fp32, one row per token) and grad_weight (fp32, vocab x n_embd) until backward
+    loss = tokens * 4 * c.n_embd + 4 * c.vocab_size * c.n_embd
+    acts = blocks + tokens * (8 + final_norm) + loss  # 8: the int64 token ids the embedding's backward needs
+    chunk_rows = min(tokens, max(1, LOSS_CHUNK_ELEMENTS // c.vocab_size))
+    transient = max(recompute, 3 * 4 * chunk_rows * c.vocab_size)  # logits, probabilities, tanh of one chunk
+    return {"weights": 4 * P, "gradients": 4 * P, "optimizer": opt, "activations": acts, "transient": transient,
+            "total": 8 * P + opt + acts + transient}
+
+
+def activation_bytes_per_token_layer(c, bf16):
+    """Bytes autograd keeps per token per block. a = 2 (bf16 autocast) or 4 (fp32) for matmul inputs/outputs; norms
+    run in fp32 under autocast, so their inputs and 1/rms are 4-byte whatever the compute dtype."""
+    a = 2 if bf16 else 4
+    d, q_dim, kv_dim, h = c.n_embd, c.n_head * c.head_dim, c.n_kv_head * c.head_dim, c.mlp_hidden
+    norm = 4 * d + 4 + (4 * d if c.norm_learnable else 0)  # input, 1/rms, and the normalized x a scale multiplies
+    attn = norm + a * d  # the q/k/v projections' shared input in the compute dtype
+    if c.qk_norm:  # q and k projection outputs (fp32 for the norm), 1/rms per head, normalized copies if learnable
+        attn += 4 * (q_dim + kv_dim) + 4 * (c.n_head + c.n_kv_head) + (4 * (q_dim + kv_dim) if c.norm_learnable
+                                                                      else 0)
+    attn += a * (2 * q_dim + 2 * kv_dim) + 4 * c.n_head  # SDPA's q, k, v, output (= o_proj's input), logsumexp
+    mlp = norm + a * d + a * h * (4 if c.mlp == "swiglu" else 2)  # swiglu: gate, silu(gate), up, product
+    if c.bitnet:  # each linear layer saves its own 8-bit-quantized input in place of a shared one
+        attn += a * (2 * d + q_dim)  # q, k, v quantize the same input three times; o copies SDPA's saved output
+        mlp += a * d if c.mlp == "swiglu" else 0  # gate and up both quantize the input (down's replaces the product)
+    return attn + mlp
+
+
+# -----------------------------------------------------------------------------
+# Layers
+
+def rms_norm(x, weight, eps):
+    return F.rms_norm(x, (x.size(-1),), weight, eps)
+
+
+def to_compute_dtype(x):
+    """Under autocast, cast a block's normalized input once: otherwise each projection reading it (q, k, v; gate,
+    up) makes and saves its own bf16 copy."""
+    if torch.is_autocast_enabled(x.device.type):
+        return x.to(torch.get_autocast_dtype(x.device.type))
+    return x
+
+
+def apply_rotary(x, cos, sin):
+    # x: (B, T, H, D); rotate the pair (x[i], x[i + D/2]) by the position's angle for channel i
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+
+
+def bitnet_weight(weight):
+    """BitNet b1.58 absmean quantization: W -> round(W / mean|W|) clipped to {-1, 0, +1}, times mean|W|."""
+    scale = weight.abs().mean().clamp(min=1e-5)
+    return (weight / scale).round().clamp(-1, 1) * scale
+
+
+def bitnet_activation(x):
+    """Per-token absmax 8-bit quantization of a linear layer's input."""
+    scale = 127.0 / x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
+    return (x * scale).round().clamp(-128, 127) / scale
+
+
+class Linear(nn.Linear):
+    """A bias-free linear layer; with bitnet=True, BitNet b1.58: fp32 latent weights quantized on the fly with
+    straight-through gradients (the forward sees the quantized values, the backward treats quantization as identity).
+    There is no extra parameter: the norms in front of attention and MLP already normalize the inputs."""
+
+    def __init__(self, fan_in, fan_out, bitnet=False):
+        super().__init__(fan_in, fan_out, bias=False)
+        self.bitnet = bitnet
+
+    def effective_weight(self):
+        if not self.bitnet:
+            return self.weight
+        # quantized value + (w - w) which is exactly 0: the forward sees exactly three values, the backward passes the
+        # gradient straight through to w; quantizing detached values records nothing for autograd
+        w = self.weight.detach()
+        return bitnet_weight(w) + (self.weight - w)
+
+    def forward(self, x):
+        if self.bitnet:
+            x_detached = x.detach()
+            x = bitnet_activation(x_detached) + (x - x_detached)
+        return F.linear(x, self.effective_weight())
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, learnable, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim)) if learnable else None
+        self.eps = eps
+
+    def forward(self, x):
+        # under autocast q and k arrive in bf16: a bf16 copy of the scale keeps the fused kernel (the fp32 master
+        # scale is what the optimizer updates)
+        weight = self.weight.to(x.dtype) if self.weight is not None else None
+        return rms_norm(x, weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, c, layer_idx):
+        super().__init__()
+        self.layer_idx, self.n_head, self.n_kv_head, self.head_dim = layer_idx, c.n_head, c.n_kv_head, c.head_dim
+        self.q_proj = Linear(c.n_embd, c.n_head * c.head_dim, c.bitnet)
+        self.k_proj = Linear(c.n_embd, c.n_kv_head * c.head_dim, c.bitnet)
+        self.v_proj = Linear(c.n_embd, c.n_kv_head * c.head_dim, c.bitnet)
+        self.o_proj = Linear(c.n_head * c.head_dim, c.n_embd, c.bitnet)
+        self.q_norm = RMSNorm(c.head_dim, c.norm_learnable, c.norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.norm_learnable, c.norm_eps) if c.qk_norm else None
+
+    def forward(self, x, cos, sin, kv_cache=None):
+        B, T, _ = x.shape
+        x = to_compute_dtype(x)
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim)
+        if self.q_norm is not None:  # autocast may return fp32 from the norm; SDPA wants one dtype
+            q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, head_dim)
+        if kv_cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            start = kv_cache.pos
+            k, v = kv_cache.update(self.layer_idx, k, v)
+            if T == 1:  # one new query sees the whole cache
+                y = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            else:  # query i sits at position start + i and sees keys 0 .. start + i
+                mask = torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(diagonal=start)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.swiglu = c.mlp == "swiglu"
+        self.up_proj = Linear(c.n_embd, c.mlp_hidden, c.bitnet)
+        self.gate_proj = Linear(c.n_embd, c.mlp_hidden, c.bitnet) if self.swiglu else None
+        self.down_proj = Linear(c.mlp_hidden, c.n_embd, c.bitnet)
+
+    def forward(self, x):
+        x = to_compute_dtype(x)
+        if self.swiglu:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.relu(self.up_proj(x)).square())
+
+
+class Block(nn.Module):
+    def __init__(self, c, layer_idx):
+        super().__init__()
+        self.attn_norm = RMSNorm(c.n_embd, c.norm_learnable, c.norm_eps)
+        self.attn = Attention(c, layer_idx)
+        self.mlp_norm = RMSNorm(c.n_embd, c.norm_learnable, c.norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x, cos, sin, kv_cache=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, kv_cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class KVCache:
+    """Keys and values of every layer for positions 0 .. pos-1; allocated on first use in the compute dtype."""
+
+    def __init__(self, config, batch_size, max_len):
+        if max_len > config.sequence_len:
+            raise ValueError(f"KV cache of {max_len} positions exceeds sequence_len={config.sequence_len}")
+        self.shape = (config.n_layer, batch_size, config.n_kv_head, max_len, config.head_dim)
+        self.k = self.v = None
+        self.pos = 0
+
+    def update(self, layer_idx, k, v):
+        T = k.size(2)
+        if self.k is None:
+            self.k = torch.zeros(self.shape, dtype=k.dtype, device=k.device)
+            self.v = torch.zeros(self.shape, dtype=v.dtype, device=v.device)
+        if self.pos + T > self.shape[3]:
+            raise ValueError(f"KV cache full: {self.pos} + {T} positions > capacity {self.shape[3]}")
+        self.k[layer_idx, :, :, self.pos:self.pos + T] = k
+        self.v[layer_idx, :, :, self.pos:self.pos + T] = v
+        return self.k[layer_idx, :, :, :self.pos + T], self.v[layer_idx, :, :, :self.pos + T]
+
+
+# -----------------------------------------------------------------------------
+# The loss, chunked
+
+LOSS_CHUNK_ELEMENTS = 2 ** 25  # logits per chunk (128 MiB in fp32): rows = this // vocab_size
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Sum of cross-entropies of the head's logits, computed LOSS_CHUNK_ELEMENTS at a time. The gradient with respect
+    to each chunk's logits (softmax - onehot) is known in the forward pass, so it is pushed through the head there and
+    only grad_x (rows x n_embd) and grad_weight (vocab x n_embd) are kept: no logits survive a chunk, and nothing is
+    recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, softcap, compute_dtype):
+        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        rows = max(1, LOSS_CHUNK_ELEMENTS // weight.size(0))
+        loss_sum = torch.zeros((), dtype=torch.float32, device=x.device)
+        grad_x = torch.empty_like(x) if need_grad else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
+        with torch.autocast(x.device.type, enabled=False):
+            w = weight.to(compute_dtype)
+            for start in range(0, x.size(0), rows):
+                xc, tc = x[start:start + rows].to(compute_dtype), targets[start:start + rows]
+                logits = (xc @ w.t()).float()
+                if softcap:
+                    tanh = torch.tanh(logits / softcap)
+                    logits = softcap * tanh
+                valid = tc != -1
+                safe_targets = tc.clamp(min=0).unsqueeze(1)
+                lse = torch.logsumexp(logits, dim=-1)
+                loss_sum += ((lse - logits.gather(1, safe_targets).squeeze(1)) * valid).sum()
+                if need_grad:
+                    dlogits = torch.exp(logits - lse.unsqueeze(1))
+                    dlogits.scatter_add_(1, safe_targets, -torch.ones_like(safe_targets, dtype=dlogits.dtype))
+                    dlogits *= valid.unsqueeze(1)
+                    if softcap:
+                        dlogits *= 1 - tanh * tanh
+                    dlogits = dlogits.to(compute_dtype)
+                    grad_x[start:start + rows] = dlogits @ w
+                    grad_w += (dlogits.t() @ xc).float()
+        ctx.save_for_backward(grad_x, grad_w)
+        return loss_sum
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_x, grad_w = ctx.saved_tensors
+        return grad_x * grad_output, grad_w * grad_output, None, None, None
+
+
+# -----------------------------------------------------------------------------
+# The model
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.norm_f = RMSNorm(config.n_embd, config.norm_learnable, config.norm_eps)
+        self.lm_head = None if config.tie_embeddings else nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # rotary tables are derived, not learned: never saved, recomputed by init_weights() on the real device
+        self.register_buffer("cos", torch.empty(config.sequence_len, config.head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(config.sequence_len, config.head_dim // 2), persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self):
+        """The init scheme. Projections reading the residual stream (q, k, v, up, gate): N(0, 1/fan_in), unit-scale
+        outputs for unit-scale inputs. Projections writing to it (o, down): the same divided by sqrt(2 * n_layer), so
+        the 2 * n_layer residual branches together add O(1) at init (GPT-2). Untied: embedding N(0, 1) (a unit-scale
+        residual stream) and head N(0, 0.001) (logits ~0, so the first loss is ln(vocab)). Tied: one matrix plays
+        both roles, so N(0, 0.3 / sqrt(n_embd)) keeps the logits' std at 0.3 (first loss ln(vocab) + 0.045; the 0.02
+        of GPT-2/Llama gives +0.4 at width 2048, seed 004's 12.26 vs 11.78). Norm scales 1. BitNet latent weights use
+        the same scheme: absmean quantization is scale-free."""
+        c = self.config
+        for block in self.blocks:
+            for name, module in block.named_modules():
+                if isinstance(module, nn.Linear):
+                    std = module.in_features ** -0.5
+                    if name.endswith(("o_proj", "down_proj")):
+                        std /= math.sqrt(2 * c.n_layer)
+                    nn.init.normal_(module.weight, mean=0.0, std=std)
+        if c.tie_embeddings:
+            nn.init.normal_(self.wte.weight, mean=0.0, std=0.3 * c.n_embd ** -0.5)
+        else:
+            nn.init.normal_(self.wte.weight, mean=0.0, std=1.0)
+            nn.init.normal_(self.lm_head.weight, mean=0.0, std=0.001)
+        for module in self.modules():
+            if isinstance(module, RMSNorm) and module.weight is not None:
+                nn.init.ones_(module.weight)
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32, device=self.cos.device)
+                                           / c.head_dim))
+        angles = torch.outer(torch.arange(c.sequence_len, dtype=torch.float32, device=self.cos.device), inv_freq)
+        self.cos.copy_(angles.cos())
+        self.sin.copy_(angles.sin())
+
+    def head_weight(self):
+        return self.wte.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, idx, targets=None, kv_cache=None, reduction="mean", last_only=False):
+        """idx (B, T) token ids. With targets (B, T) (-1 = ignore): the cross-entropy over targets != -1, reduced by
+        'mean' (0 when no target is valid), 'sum', or 'none' ((B, T), 0 where ignored). Without targets: fp32
+        logits (B, T, vocab), or (B, 1, vocab) with last_only. kv_cache: continue from kv_cache.pos, then advance it."""
+        B, T = idx.shape
+        start = kv_cache.pos if kv_cache is not None else 0
+        if start + T > self.config.sequence_len:
+            raise ValueError(f"positions {start}..{start + T - 1} exceed sequence_len={self.config.sequence_len}")
+        cos, sin = self.cos[None, start:start + T, None, :], self.sin[None, start:start + T, None, :]
+        x = self.wte(idx)
+        for block in self.blocks:
+            if self.config.activation_checkpointing and torch.is_grad_enabled() and kv_cache is None:
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, kv_cache)
+        if kv_cache is not None:
+            kv_cache.pos += T
+        x = self.norm_f(x)
+        softcap = self.config.logit_softcap
+        if targets is None:
+            if last_only:
+                x = x[:, -1:]
+            logits = F.linear(x, self.head_weight()).float()
+            return softcap * torch.tanh(logits / softcap) if softcap else logits
+        x, targets = x.reshape(B * T, -1), targets.reshape(B * T)
+        if reduction == "none":
+            return self._per_token_loss(x, targets).view(B, T)
+        compute_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) \
+            else self.head_weight().dtype
+        loss_sum = ChunkedCrossEntropy.apply(x, self.head_weight(), targets, softcap, compute_dtype)
+        if reduction == "sum":
+            return loss_sum
+        return loss_sum / (targets != -1).sum().clamp(min=1)
+
+    def _per_token_loss(self, x, targets):
+        rows = max(1, LOSS_CHUNK_ELEMENTS // self.config.vocab_size)
+        softcap, losses = self.config.logit_softcap, []
+        for start in range(0, x.size(0), rows):
+            logits = F.linear(x[start:start + rows], self.head_weight()).float()
+            if softcap:
+                logits = softcap * torch.tanh(logits / softcap)
+            losses.append(F.cross_entropy(logits, targets[start:start + rows], ignore_index=-1, reduction="none"))
+        return torch.cat(losses)
+
+
+def build_model(config, device="cpu"):
+    """Construct on the meta device (no memory, no init cost), then allocate on `device` and initialize there."""
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device=device)
+    model.init_weights()
+    return model
+
+
+def check_master_weights(model):
+    """Raise if any parameter is not fp32 (seed 001). bf16 compute belongs in autocast, not in the weights."""
+    wrong = [f"{name} ({p.dtype})" for name, p in model.named_parameters() if p.dtype != torch.float32]
+    if wrong:
+        raise ValueError(f"parameters must stay fp32 master weights, use autocast for bf16 compute; not fp32: "
+                         f"{', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}")
+
+
+def autocast_context(device_type, dtype):
+    """dtype 'bfloat16': matmuls in bf16 (fp32 weights untouched); 'float32': plain fp32."""
+    if dtype == "bfloat16":
+        return torch.autocast(device_type, dtype=torch.bfloat16)
+    if dtype == "float32":
+        return nullcontext()
+    raise ValueError(f"dtype={dtype!r} is not allowed: choose bfloat16 or float32")
+
+
+# -----------------------------------------------------------------------------
+# Generation
+
+def sample_next(logits, temperature, top_k, generator):
+    """logits (B, vocab) -> next ids (B, 1). temperature 0 is greedy."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+
+
+@torch.no_grad()
+def generate(model, prompt, max_new_tokens, temperature=1.0, top_k=None, seed=None, dtype="float32"):
+    """Stream token ids after `prompt` (a list of ids): the prompt is prefilled into a KV cache in one forward, then
+    each new token costs one single-position forward. The caller stops early by leaving the loop."""
+    device = model.cos.device
+    total = len(prompt) + max_new_tokens
+    if total > model.config.sequence_len:
+        raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds sequence_len="
+                         f"{model.config.sequence_len}")
+    generator = torch.Generator(device=device)
+    if seed is not None:
+        generator.manual_seed(seed)
+    else:
+        generator.seed()
+    cache = KVCache(model.config, batch_size=1, max_len=total)
+    ids = torch.tensor([prompt], dtype=torch.long, device=device)
+    with autocast_context(device.type, dtype):
+        logits = model(ids, kv_cache=cache, last_only=True)[:, -1]
+        for step in range(max_new_tokens):
+            next_id = sample_next(logits, temperature, top_k, generator)
+            yield next_id.item()
+            if step + 1 < max_new_tokens:
+                logits = model(next_id, kv_cache=cache)[:, -1]
+
+
+# -----------------------------------------------------------------------------
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Print a preset's config, exact parameter count, FLOPs and memory.")
+    add_model_args(parser)
+    parser.add_argument("--micro_batch", type=int, default=8, help="sequences per device for the memory estimate "
+                        "(default: %(default)s)")
+    parser.add_argument("--optimizer", default="muon", choices=sorted(OPTIMIZER_BYTES),
+                        help="optimizer whose state the memory estimate counts (default: %(default)s)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="compute dtype for the activation estimate (default: %(default)s)")
+    args = parse_args(parser, argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    print(f"preset: {args.preset}")
+    for key, value in asdict(config).items():
+        print(f"  {key}: {value}")
+    b = param_breakdown(config)
+    print(f"params: {b['total']}")
+    for key in ("embeddings", "attention", "mlp", "norms", "head"):
+        print(f"  {key}: {b[key]:,} ({100 * b[key] / b['total']:.1f}%)")
+    fpt = flops_per_token(config)
+    print(f"FLOPs/token (train, T={config.sequence_len}): {fpt:.4e} (6 x matmul params + 12 x layers x heads x "
+          f"head_dim x T)")
+    mem = memory_estimate(config, args.micro_batch, optimizer=args.optimizer, bf16=args.dtype == "bfloat16")
+    print(f"training memory per device, micro-batch {args.micro_batch} x {config.sequence_len}, {args.optimizer}, "
+          f"{args.dtype} compute, activation checkpointing {'on' if config.activation_checkpointing else 'off'}:")
+    for key in ("weights", "gradients", "optimizer", "activations", "transient", "total"):
+        print(f"  {key}: {mem[key] / 2**30:.2f} GiB")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
