@@ -1,0 +1,131 @@
+"""Benchmarks: figures printed with their targets. Not tests; nothing here is timed inside pytest.
+
+    python bench.py              # every benchmark
+    python bench.py train decode # a chosen few: train, decode, build
+
+train   forward+backward tokens/s of a preset on this machine: eager fp32, torch.compile fp32, compile + bf16 autocast.
+        Target: compile + bf16 >= 2x eager fp32.
+decode  generation tokens/s with the KV cache vs recomputing the whole context every token, context ending at the
+        preset's sequence length (256 for tiny). Target: >= 5x.
+build   seconds to construct llama3-1b on the meta device and materialize + initialize it on the device.
+"""
+import argparse
+import math
+import time
+
+import torch
+
+from model import KVCache, autocast_context, build_model, config_from_preset, num_params
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench_train(args, device):
+    config = config_from_preset(args.preset)
+    torch.manual_seed(0)
+    idx = torch.randint(0, config.vocab_size, (args.batch, config.sequence_len), device=device)
+    targets = idx.roll(-1, 1)
+    tokens = idx.numel()
+    results = {}
+    for label, compiled, dtype in (("eager fp32", False, "float32"), ("compile fp32", True, "float32"),
+                                   ("compile + bf16", True, "bfloat16")):
+        model = build_model(config, device)
+        step = torch.compile(model) if compiled else model
+        warmup_start = time.perf_counter()
+        for _ in range(args.warmup):  # the first compiled call compiles; later ones are steady state
+            with autocast_context(device.type, dtype):
+                step(idx, targets).backward()
+        sync(device)
+        warmup_s = time.perf_counter() - warmup_start
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            with autocast_context(device.type, dtype):
+                step(idx, targets).backward()
+        sync(device)
+        seconds = time.perf_counter() - start
+        results[label] = tokens * args.steps / seconds
+        print(f"train {args.preset} ({num_params(config):,} params) {label:15s}: {results[label]:9,.0f} tok/s "
+              f"(batch {args.batch} x {config.sequence_len}, {args.steps} steps after {args.warmup} warmup "
+              f"taking {warmup_s:.1f} s)")
+    ratio = results["compile + bf16"] / results["eager fp32"]
+    print(f"train: compile + bf16 / eager fp32 = {ratio:.2f}x (target >= 2x: {'met' if ratio >= 2 else 'MISSED'})")
+
+
+def bench_decode(args, device):
+    config = config_from_preset(args.preset)
+    torch.manual_seed(0)
+    model = build_model(config, device).eval()
+    new_tokens = args.decode_tokens
+    prompt = torch.randint(0, config.vocab_size, (1, config.sequence_len - new_tokens), device=device)
+    results = {}
+    with torch.no_grad():
+        for label in ("recompute", "kv cache"):
+            for timed in (False, True):  # one untimed pass warms up the kernels
+                sync(device)
+                start = time.perf_counter()
+                seq, cache = prompt, KVCache(config, 1, config.sequence_len)
+                logits = model(prompt, kv_cache=cache if label == "kv cache" else None, last_only=True)[:, -1]
+                prefill = time.perf_counter() - start
+                for _ in range(new_tokens):
+                    next_id = logits.argmax(-1, keepdim=True)
+                    seq = torch.cat([seq, next_id], 1)
+                    if label == "kv cache":
+                        logits = model(next_id, kv_cache=cache)[:, -1]
+                    else:
+                        logits = model(seq, last_only=True)[:, -1]
+                sync(device)
+                if timed:
+                    results[label] = new_tokens / (time.perf_counter() - start - prefill)
+                    outputs = seq
+            results[label + " ids"] = outputs
+    same = torch.equal(results["recompute ids"], results["kv cache ids"])
+    for label in ("recompute", "kv cache"):
+        print(f"decode {args.preset} {label:10s}: {results[label]:8,.0f} tok/s ({new_tokens} tokens, context "
+              f"{prompt.size(1)} -> {config.sequence_len})")
+    ratio = results["kv cache"] / results["recompute"]
+    print(f"decode: kv cache / recompute = {ratio:.1f}x (target >= 5x: {'met' if ratio >= 5 else 'MISSED'}); "
+          f"greedy tokens identical: {same}")
+
+
+def bench_build(args, device):
+    config = config_from_preset("llama3-1b")
+    start = time.perf_counter()
+    model = build_model(config, device="meta")
+    meta_s = time.perf_counter() - start
+    start = time.perf_counter()
+    model = build_model(config, device=device)
+    sync(device)
+    real_s = time.perf_counter() - start
+    count = sum(p.numel() for p in model.parameters())
+    print(f"build llama3-1b: meta {meta_s:.2f} s, materialize + init on {device} {real_s:.1f} s, {count:,} params "
+          f"({math.fsum(p.numel() * p.element_size() for p in model.parameters()) / 2**30:.2f} GiB fp32)")
+
+
+BENCHES = {"train": bench_train, "decode": bench_decode, "build": bench_build}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("which", nargs="*", default=list(BENCHES), help=f"any of {', '.join(BENCHES)} (default: all)")
+    parser.add_argument("--preset", default="tiny", help="model preset for train and decode (default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per training step (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=10, help="timed training steps (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed training steps first (default: %(default)s)")
+    parser.add_argument("--decode_tokens", type=int, default=64, help="tokens generated (default: %(default)s)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="device (default: %(default)s)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch "
+          f"{torch.__version__}, {torch.get_num_threads()} CPU threads")
+    for name in args.which:
+        if name not in BENCHES:
+            parser.error(f"unknown benchmark {name!r}: choose from {', '.join(BENCHES)}")
+        BENCHES[name](args, device)
+
+
+if __name__ == "__main__":
+    main()
