@@ -96,8 +96,8 @@ def depth_preset(depth):
     """d{N}: the one-dial family (nanochat's). Width 64*N rounded up to a multiple of the 128 head dim, so deeper
     models are also wider at a fixed aspect ratio; every head is a full 128-wide head (good matmul shapes); MHA;
     RoPE; QK-norm and weightless RMSNorm (no scales to tune, nothing to freeze); relu^2 MLP (two matrices instead of
-    SwiGLU's three; the modded-nanogpt speedruns found it competitive); untied embeddings (input and output roles want different geometry); logit softcap 15
-    (bounds the logits, which keeps early training stable)."""
+    SwiGLU's three; the modded-nanogpt speedruns found it competitive); untied embeddings (input and output roles
+    want different geometry); logit softcap 15 (bounds the logits, which keeps early training stable)."""
     width = DEPTH_HEAD_DIM * math.ceil(DEPTH_ASPECT * depth / DEPTH_HEAD_DIM)
     heads = width // DEPTH_HEAD_DIM
     return {"vocab_size": 65536, "sequence_len": 2048, "n_layer": depth, "n_embd": width, "n_head": heads,
@@ -543,7 +543,8 @@ class GPT(nn.Module):
         rows = max(1, LOSS_CHUNK_ELEMENTS // self.config.vocab_size)
         losses = []
         for start in range(0, x.size(0), rows):
-            logits = softcap_logits(F.linear(x[start:start + rows], self.head_weight()).float(), self.config.logit_softcap)
+            logits = F.linear(x[start:start + rows], self.head_weight()).float()
+            logits = softcap_logits(logits, self.config.logit_softcap)
             losses.append(F.cross_entropy(logits, targets[start:start + rows], ignore_index=-1, reduction="none"))
         return torch.cat(losses)
 
