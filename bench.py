@@ -1,21 +1,27 @@
 """Benchmarks: figures printed with their targets. Not tests; nothing here is timed inside pytest.
 
     python bench.py              # every benchmark
-    python bench.py train decode # a chosen few: train, decode, build
+    python bench.py train decode # a chosen few: train, decode, build, tokenizer
 
 train   forward+backward tokens/s of a preset on this machine: eager fp32, torch.compile fp32, compile + bf16 autocast.
         Target: compile + bf16 >= 2x eager fp32.
 decode  generation tokens/s with the KV cache vs recomputing the whole context every token, context ending at the
         preset's sequence length (256 for tiny). Target: >= 5x.
 build   seconds to construct llama3-1b on the meta device and materialize + initialize it on the device.
+tokenizer  seconds to train a vocab-8192 BPE tokenizer on the training split of the real-text corpus at --corpus
+        (../shared/corpus/realtext: ~16 MB of training text; skipped if absent), reading the shards included, and
+        bytes/token on its validation split. Target: <= 10 s for 50 MB (projected from the measured MB/s).
 """
 import argparse
 import math
 import time
+from pathlib import Path
 
 import torch
 
+from dataset import iter_texts
 from model import KVCache, autocast_context, build_model, config_from_preset, num_params
+from tokenizer import bytes_per_token, counting, train_tokenizer
 
 
 def sync(device):
@@ -104,7 +110,24 @@ def bench_build(args, device):
           f"({math.fsum(p.numel() * p.element_size() for p in model.parameters()) / 2**30:.2f} GiB fp32)")
 
 
-BENCHES = {"train": bench_train, "decode": bench_decode, "build": bench_build}
+def bench_tokenizer(args, device):
+    corpus = Path(args.corpus)
+    if not corpus.is_dir():
+        print(f"tokenizer: skipped, no corpus at {corpus} (pass --corpus DIR: parquet shards, the last one validation)")
+        return
+    stats = {"docs": 0, "chars": 0, "bytes": 0}
+    start = time.perf_counter()  # streaming the shards is part of training, as in `python tokenizer.py train`
+    tokenizer = train_tokenizer(counting(iter_texts(corpus, "train"), stats), 8192)
+    seconds = time.perf_counter() - start
+    mb = stats["bytes"] / 1e6
+    projected = 50 / (mb / seconds)
+    print(f"tokenizer: trained vocab {tokenizer.vocab_size} on {stats['docs']:,} documents, {stats['chars']:,} "
+          f"characters, {mb:.1f} MB in {seconds:.2f} s: {mb / seconds:.1f} MB/s")
+    print(f"tokenizer: projected {projected:.1f} s for 50 MB (target <= 10 s: {'met' if projected <= 10 else 'MISSED'})")
+    print(f"tokenizer: bytes/token on the validation split: {bytes_per_token(tokenizer, iter_texts(corpus, 'val')):.3f}")
+
+
+BENCHES = {"train": bench_train, "decode": bench_decode, "build": bench_build, "tokenizer": bench_tokenizer}
 
 
 def main():
@@ -115,6 +138,8 @@ def main():
     parser.add_argument("--steps", type=int, default=10, help="timed training steps (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed training steps first (default: %(default)s)")
     parser.add_argument("--decode_tokens", type=int, default=64, help="tokens generated (default: %(default)s)")
+    parser.add_argument("--corpus", default=str(Path(__file__).resolve().parent.parent / "shared/corpus/realtext"),
+                        help="text corpus for the tokenizer benchmark (default: %(default)s)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="device (default: %(default)s)")
     args = parser.parse_args()

@@ -1,0 +1,266 @@
+"""dataset.py: shards, ingest, the streaming loader (exact resume, rank disjointness, packing), the chat loader."""
+import io
+import random
+import re
+from collections import Counter
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import dataset as D
+from tokenizer import render_conversation, train_tokenizer
+
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "small", "birds",
+         "sing", "about", "rivers", "mountains", "and", "bright", "green", "fields", "under", "the", "morning", "sun"]
+
+
+def make_docs(n, seed=0, min_words=3, max_words=120):
+    rng = random.Random(seed)
+    return [f"doc{i:04d} " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words)))
+            for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A corpus of 1,100 documents: two training shards with 5 row groups in all, one validation shard."""
+    out = tmp_path_factory.mktemp("corpus")
+    docs = make_docs(1100)
+    D.write_text_shards(docs, out, seed=0, shard_docs=2048, val_fraction=0.1)
+    tok = train_tokenizer(docs, 400)
+    return out, tok
+
+
+def take(loader, n):
+    batches = [next(loader) for _ in range(n)]
+    loader.close()
+    return batches
+
+
+def same(a, b):
+    return len(a) == len(b) and all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
+
+
+# --- shards -----------------------------------------------------------------------------------------------------
+
+def test_write_text_shards_layout(tmp_path):
+    docs = make_docs(3000)
+    paths = D.write_text_shards(docs, tmp_path, seed=1, shard_docs=2048, val_fraction=0.1)
+    assert [p.name for p in paths] == ["shard_00000.parquet", "shard_00001.parquet", "shard_00002.parquet"]
+    metas = [pq.ParquetFile(p).metadata for p in paths]
+    assert [m.num_rows for m in metas] == [2048, 652, 300]
+    assert [m.row_group(0).num_rows for m in metas] == [1024, 652, 300]
+    assert pq.ParquetFile(paths[0]).schema_arrow.names == ["text"]
+    assert metas[0].row_group(0).column(0).compression == "ZSTD"
+    read = [t for split in ("train", "val") for t in D.iter_texts(tmp_path, split)]
+    assert sorted(read) == sorted(docs) and read != docs  # every document once, shuffled
+    assert D.split_shards(tmp_path, "val") == paths[-1:]
+
+
+def test_missing_or_corrupt_data_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist.*dataset.py download"):
+        D.list_shards(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="no .parquet shards"):
+        D.list_shards(tmp_path)
+    D.write_text_shards(make_docs(10), tmp_path)
+    bad = tmp_path / "shard_00000.parquet"
+    bad.write_bytes(bad.read_bytes()[:-100])
+    with pytest.raises(ValueError, match="shard_00000.parquet is not a readable parquet file.*fetch it again"):
+        list(D.iter_texts(tmp_path, "train"))
+
+
+# --- ingest -----------------------------------------------------------------------------------------------------
+
+def test_ingest_txt_jsonl_parquet(tmp_path, capsys):
+    (tmp_path / "a.txt").write_bytes(b"first doc\nstill first\n\n\n\nsecond doc caf\xc3\xa9 bad\xff\xfebyte\n\n  \n")
+    (tmp_path / "b.jsonl").write_text('{"text": "from jsonl"}\n\n{"text": ""}\n{"text": "another"}\n')
+    pq.write_table(pa.table({"text": ["from parquet", None]}), tmp_path / "c.parquet")
+    files = [tmp_path / "a.txt", tmp_path / "b.jsonl", tmp_path / "c.parquet"]
+    result = D.ingest(files, tmp_path / "out", seed=3)
+    docs = sorted(t for split in ("train", "val") for t in D.iter_texts(tmp_path / "out", split))
+    assert docs == sorted(["first doc\nstill first", "second doc café bad\ufffd\ufffdbyte", "from jsonl", "another",
+                           "from parquet"])
+    assert (result["documents"], result["empty"], result["replaced"]) == (5, 3, 2)  # \xff, \xfe: one each
+    assert "empty documents skipped: 3" in capsys.readouterr().out
+    (tmp_path / "d.txt").write_text("para one\n\npara two\n")
+    whole = D.ingest([tmp_path / "a.txt", tmp_path / "d.txt"], tmp_path / "whole", one_per_file=True)
+    docs = sorted(t for split in ("train", "val") for t in D.iter_texts(tmp_path / "whole", split))
+    assert docs == ["first doc\nstill first\n\n\n\nsecond doc café bad\ufffd\ufffdbyte", "para one\n\npara two"]
+    assert whole["documents"] == 2
+
+
+def test_ingest_bad_jsonl_names_file_and_line(tmp_path):
+    (tmp_path / "x.jsonl").write_text('{"text": "ok"}\n{"text": oops}\n')
+    with pytest.raises(ValueError, match=r"x.jsonl:2: not valid JSON"):
+        D.ingest([tmp_path / "x.jsonl"], tmp_path / "out")
+    (tmp_path / "y.jsonl").write_text('{"body": 3}\n{"text": 5}\n')
+    with pytest.raises(TypeError, match=r"y.jsonl:2: expected a JSON object with a string field 'text'"):
+        D.ingest([tmp_path / "y.jsonl"], tmp_path / "out")
+
+
+# --- the text loader --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_resume_is_bit_identical(corpus, world_size, tmp_path):
+    data, tok = corpus
+    kw = {"batch_size": 4, "seq_len": 64, "world_size": world_size, "buffer_docs": 40}
+    for rank in range(world_size):
+        straight = take(D.text_loader(data, "train", tok, rank=rank, **kw), 50)
+        first = D.text_loader(data, "train", tok, rank=rank, **kw)
+        resumed = [next(first) for _ in range(20)]
+        buf = io.BytesIO()
+        torch.save(first.state_dict(), buf)  # through a real checkpoint round trip, weights_only
+        first.close()
+        second = D.text_loader(data, "train", tok, rank=rank, **kw)
+        second.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+        resumed += take(second, 30)
+        assert same(straight, resumed)
+        assert straight[0][0].shape == (4, 64) and straight[0][0].dtype == torch.int64
+
+
+def test_epochs_roll_over_and_are_logged(corpus, capsys):
+    data, tok = corpus
+    loader = D.text_loader(data, "val", tok, batch_size=8, seq_len=64, buffer_docs=20)
+    for _ in range(60):  # the 110 validation documents hold far fewer than 60 x 8 x 65 tokens
+        next(loader)
+    assert loader.state["epoch"] >= 2
+    loader.close()
+    out = capsys.readouterr().out
+    assert "val loader: epoch 1 starts" in out and "val loader: epoch 2 starts" in out
+
+
+def doc_markers(texts):
+    return {m for text in texts for m in re.findall(r"doc\d{4}", text)}
+
+
+@pytest.mark.parametrize("split,world_size", [("train", 2), ("train", 3), ("val", 2)])
+def test_ranks_never_share_a_document(corpus, split, world_size):
+    data, tok = corpus
+    files = D.split_shards(data, split)
+    assigned, seen = [], []
+    for rank in range(world_size):
+        units = D.assign_units(files, rank, world_size)
+        assigned.append(doc_markers(t for path, rg, first, step in units
+                                    for t in D.read_row_group(path, rg)[first::step]))
+        loader = D.text_loader(data, split, tok, batch_size=4, seq_len=64, rank=rank, world_size=world_size,
+                               buffer_docs=10)
+        batches = []
+        while loader.state["epoch"] < 2:  # past the first epoch, so its buffered documents are out too
+            batches.append(next(loader))
+        loader.close()
+        seen.append(doc_markers(tok.decode(row) for x, _ in batches for row in x.tolist()))
+    for i in range(world_size):
+        for j in range(i + 1, world_size):
+            assert not assigned[i] & assigned[j] and not seen[i] & seen[j]
+        assert seen[i] <= assigned[i] and len(seen[i]) > 0.9 * len(assigned[i])  # a crop can split a marker
+    assert set().union(*assigned) == doc_markers(D.iter_texts(data, split))
+
+
+def test_packing_conserves_every_token_and_starts_rows_with_bos(corpus):
+    data, tok = corpus
+    loader = D.text_loader(data, "train", tok, batch_size=4, seq_len=100, buffer_docs=30)
+    batches = [next(loader) for _ in range(40)]
+    state = loader.state_dict()
+    loader.close()
+    for x, y in batches:
+        assert (x[:, 0] == tok.bos_id).all() and torch.equal(x[:, 1:], y[:, :-1]) and (y >= 0).all()
+    # what went in: the first `docs` documents of the split, in order, each BOS + tokens
+    texts = list(D.iter_texts(data, "train"))[:state["stats"]["docs"]]
+    went_in = Counter(t for ids in tok.encode_batch(texts) for t in ids)
+    # what came out: every row (its T+1 tokens) plus what is still buffered; BOS excluded (pieces add their own)
+    came_out = Counter(t for x, y in batches for row in torch.cat([x, y[:, -1:]], 1).tolist() for t in row)
+    came_out.update(state["buffer_ids"].tolist())
+    del came_out[tok.bos_id]
+    assert came_out == went_in
+    assert 0 < state["stats"]["cropped"] < state["stats"]["doc_tokens"]
+
+
+def test_empty_documents_are_skipped_and_counted(tmp_path, corpus):
+    _, tok = corpus
+    pq.write_table(pa.table({"text": ["a b c", "", None, "d e f g"] * 10}), tmp_path / "shard_00000.parquet")
+    pq.write_table(pa.table({"text": ["x"]}), tmp_path / "shard_00001.parquet")
+    loader = D.text_loader(tmp_path, "train", tok, batch_size=2, seq_len=16, buffer_docs=5)
+    while loader.state["epoch"] == 0:
+        next(loader)
+    loader.close()
+    assert loader.state["stats"]["empty"] >= 20 and "empty skipped" in loader.log_line()
+
+
+def test_no_usable_document_is_an_error_not_a_hang(tmp_path, corpus):
+    _, tok = corpus
+    pq.write_table(pa.table({"text": ["", None]}), tmp_path / "shard_00000.parquet")
+    pq.write_table(pa.table({"text": ["x"]}), tmp_path / "shard_00001.parquet")
+    with pytest.raises(ValueError, match="found no usable document"):
+        next(D.text_loader(tmp_path, "train", tok, batch_size=1, seq_len=8))
+
+
+def test_state_for_another_world_size_is_refused(corpus):
+    data, tok = corpus
+    loader = D.text_loader(data, "train", tok, batch_size=2, seq_len=32, world_size=2)
+    next(loader)
+    state = loader.state_dict()
+    loader.close()
+    with pytest.raises(ValueError, match="world_size=2, this loader has world_size=1"):
+        D.text_loader(data, "train", tok, batch_size=2, seq_len=32).load_state_dict(state)
+
+
+# --- the chat loader --------------------------------------------------------------------------------------------
+
+def write_conversations(path, conversations):
+    pq.write_table(pa.table({"messages": conversations}), path, row_group_size=64)
+
+
+def test_chat_rows_mask_pad_and_never_crop(tmp_path, corpus):
+    _, tok = corpus
+    rng = random.Random(0)
+    conversations = []
+    for i in range(300):
+        turns = [{"role": "user", "content": f"doc{i:04d} " + " ".join(rng.choices(WORDS, k=rng.randint(1, 12)))},
+                 {"role": "assistant", "content": " ".join(rng.choices(WORDS, k=rng.randint(1, 25)))}]
+        if i % 7 == 0:
+            turns += [{"role": "user", "content": "and then"}, {"role": "assistant", "content": "more words here"}]
+        conversations.append(turns)
+    conversations[5] = [{"role": "user", "content": "doc0005 no answer"}]
+    conversations[6] = [{"role": "user", "content": "doc0006 " + "long " * 400}, {"role": "assistant", "content": "x"}]
+    conversations[7] = [{"role": "assistant", "content": "doc0007 starts wrong"}, {"role": "user", "content": "y"}]
+    conversations[8] = conversations[0] + [{"role": "user", "content": "z " * 300},
+                                           {"role": "assistant", "content": "cut here"}]
+    write_conversations(tmp_path / "train.parquet", conversations)
+    T = 96
+    loader = D.PackedLoader([tmp_path / "train.parquet"], tok, 4, T, kind="chat", buffer_docs=16, name="sft")
+    batches = []
+    while loader.state["epoch"] < 2:  # past the first epoch, so its buffered conversations are out too
+        batches.append(next(loader))
+    loader.close()
+    stats = loader.state["stats"]
+    passes = loader.state["epoch"] + 1  # the buffer top-up of the current epoch has read past item 8 already
+    assert stats["no_assistant"] == stats["too_long"] == stats["malformed"] == passes  # counted once per pass
+    assert f"no assistant turn {passes}, malformed {passes}, first exchange longer than a row {passes}" in \
+        loader.log_line()
+    rendered = {}
+    for conv in conversations[:7] + conversations[8:]:  # [7] is the malformed one
+        ids, mask = render_conversation(tok, conv, max_tokens=T + 1)
+        if ids and any(mask[1:]):
+            rendered[re.search(r"doc\d{4}", tok.decode(ids)).group()] = (ids, mask)
+    placed = set()
+    for x, y in batches:
+        for row_in, row_t in zip(x.tolist(), y.tolist()):
+            assert any(t != -1 for t in row_t)  # never a row without a trainable target (NaN losses otherwise)
+            starts = [i for i, t in enumerate(row_in) if t == tok.bos_id]
+            assert starts[0] == 0
+            for a, b in zip(starts, starts[1:] + [T]):
+                seg = row_in[a:b]
+                marker = re.search(r"doc\d{4}", tok.decode(seg))
+                if marker is None:  # padding: a BOS input whose target is -1
+                    assert seg == [tok.bos_id] and row_t[a] == -1
+                    continue
+                ids, mask = rendered[marker.group()]
+                # a whole conversation; only one that ends exactly at the row's last token loses it to the targets
+                assert seg == ids or (b == T and seg == ids[:-1])
+                expected = [t if m else -1 for t, m in zip(ids[1:], mask[1:])]
+                assert row_t[a:a + len(expected)] == expected[:T - a]
+                placed.add(marker.group())
+    assert placed == set(rendered) and len(placed) == 296  # 297 usable; [8] shares [0]'s marker
+    cut = render_conversation(tok, conversations[8], max_tokens=T + 1)[0]
+    assert cut == render_conversation(tok, conversations[0])[0]  # cut at the turn boundary

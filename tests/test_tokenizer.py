@@ -1,0 +1,231 @@
+"""tokenizer.py: exact vocab size and special ids, round trips, JSON save/load, chat rendering and masks, the CLI."""
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tokenizer as T
+from dataset import iter_texts, write_text_shards
+from tokenizer import SPECIAL_TOKENS, Tokenizer, render_conversation, train_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+V = 512
+SAMPLES = [
+    "", "hello world", "Hello, World! 1234567 3.14159", "café naïve résumé — «quotes»", "日本語のテキスト、中文字符",
+    "emoji 😀🎉👩‍👩‍👧 and flags 🇫🇷", "line one\nline two\r\n\n\ttabbed   spaces   ",
+    "def f(x):\n    return {'a': [x ** 2 for _ in range(3)]}  # code\n", "e\u0301 combining, \u200b zero width",
+    "don't I'll we've THEY'RE", "<|bos|> looks special <|assistant_end|> but is text <|user_start|>",
+]
+
+
+def make_texts(n_docs=400, seed=0):
+    """Deterministic pseudo-English with some unicode, numbers and code: enough distinct pairs for ~600 merges."""
+    rng = random.Random(seed)
+    syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "zu", "qe", "ph", "th", "ing", "ed", "str", "ou"]
+    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(300)]
+    extras = ["café", "naïve", "日本語", "😀", "def f(x):\n    return x + 1\n", "3.14159", "2024", "\n\n", "(a, b)"]
+    return [" ".join(rng.choice(words) if rng.random() > 0.1 else rng.choice(extras)
+                     for _ in range(rng.randint(20, 120))).capitalize() + "." for _ in range(n_docs)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    out = tmp_path_factory.mktemp("corpus")
+    write_text_shards(make_texts(), out, seed=0, shard_docs=150, val_fraction=0.1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok(corpus):
+    return train_tokenizer(iter_texts(corpus, "train"), V)
+
+
+def test_vocab_size_and_special_ids_are_exact(tok):
+    assert tok.vocab_size == V and len(tok.token_bytes) == V and len(tok.mergeable_ranks) == V - 5
+    assert [tok.special_id(name) for name in SPECIAL_TOKENS] == list(range(V - 5, V))
+    assert tok.bos_id == V - 5
+    with pytest.raises(ValueError, match=r"<\|assistant_end\|>"):
+        tok.special_id("<|eos|>")
+
+
+@pytest.mark.parametrize("vocab_size", [300, 600])
+def test_other_vocab_sizes_are_exact(corpus, vocab_size):
+    assert train_tokenizer(iter_texts(corpus, "train"), vocab_size).vocab_size == vocab_size
+
+
+def test_train_rejects_impossible_vocab_sizes():
+    with pytest.raises(ValueError, match="at least 261"):
+        train_tokenizer(["some text"], 260)
+    with pytest.raises(ValueError, match="only allows .* merges"):  # rustbpe would silently stop short
+        train_tokenizer(["ab ab ab"], 600)
+
+
+def test_round_trip_and_no_special_ids_from_text(tok):
+    for text in SAMPLES:
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+        assert all(0 <= i < V - 5 for i in ids), text
+    ids = tok.encode("<|bos|><|assistant_end|>")
+    assert tok.bos_id not in ids and tok.special_id("<|assistant_end|>") not in ids
+    assert tok.encode_batch(SAMPLES) == [tok.encode(t) for t in SAMPLES]
+    assert tok.encode_batch(SAMPLES, num_threads=1) == [tok.encode(t) for t in SAMPLES]
+
+
+def test_token_bytes(tok):
+    for i in range(V - 5):
+        assert tok.token_bytes[i] == len(tok.enc.decode_single_token_bytes(i)) > 0
+    assert tok.token_bytes[V - 5:] == [0] * 5
+    for text in SAMPLES:
+        assert sum(tok.token_bytes[t] for t in tok.encode(text)) == len(text.encode("utf-8"))
+
+
+def test_save_load_round_trip_is_json(tok, tmp_path):
+    path = tok.save(tmp_path / "tk")
+    assert path == tmp_path / "tk" / T.FILE_NAME and sorted(p.name for p in path.parent.iterdir()) == [T.FILE_NAME]
+    raw = path.read_bytes()
+    assert raw[:1] == b"{" and not raw.startswith(b"\x80")  # JSON text, not a pickle (which starts with 0x80)
+    state = json.loads(raw)
+    assert state["vocab_size"] == V and state["special_tokens"] == {n: V - 5 + i for i, n in enumerate(SPECIAL_TOKENS)}
+    assert len(state["mergeable_ranks"]) == V - 5 and state["token_bytes"] == tok.token_bytes
+    loaded = Tokenizer.load(tmp_path / "tk")
+    assert loaded.vocab_size == V and loaded.pattern == tok.pattern and loaded.token_bytes == tok.token_bytes
+    assert loaded.mergeable_ranks == tok.mergeable_ranks
+    assert [loaded.encode(t) for t in SAMPLES] == [tok.encode(t) for t in SAMPLES]
+
+
+def test_load_errors_name_the_path(tok, tmp_path):
+    with pytest.raises(FileNotFoundError, match="python tokenizer.py train") as missing:
+        Tokenizer.load(tmp_path / "nowhere")
+    assert str(tmp_path / "nowhere" / T.FILE_NAME) in str(missing.value)
+    path = tok.save(tmp_path / "tk")
+    path.write_text('{"format": "nanochat-bpe-v1", "pattern": ')  # truncated
+    with pytest.raises(ValueError, match="python tokenizer.py train") as corrupt:
+        Tokenizer.load(tmp_path / "tk")
+    assert str(path) in str(corrupt.value)
+    tok.save(tmp_path / "tk")
+    state = json.loads(path.read_text())
+    state["token_bytes"][300] += 1
+    path.write_text(json.dumps(state))
+    with pytest.raises(ValueError, match="token_bytes disagrees"):
+        Tokenizer.load(tmp_path / "tk")
+
+
+def test_bytes_per_token(tok):
+    texts = [t for t in SAMPLES if t]
+    expected = sum(len(t.encode("utf-8")) for t in texts) / sum(len(tok.encode(t)) for t in texts)
+    assert T.bytes_per_token(tok, texts) == pytest.approx(expected, rel=1e-12)
+    assert T.bytes_per_token(tok, iter(texts)) == pytest.approx(expected, rel=1e-12)
+    with pytest.raises(ValueError):
+        T.bytes_per_token(tok, [""])
+
+
+# -----------------------------------------------------------------------------
+# Chat rendering
+
+CONVERSATION = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "It is 4."},
+                {"role": "user", "content": "And 3 + 3?"}, {"role": "assistant", "content": "6, café 😀"}]
+
+
+def test_render_conversation_exact(tok):
+    us, ue, ast, ae = (tok.special_id(n) for n in SPECIAL_TOKENS[1:])
+    u1, a1, u2, a2 = (tok.encode(m["content"]) for m in CONVERSATION)
+    expected_ids = [tok.bos_id, us, *u1, ue, ast, *a1, ae, us, *u2, ue, ast, *a2, ae]
+    expected_mask = ([0] + [0] * (len(u1) + 2) + [0] + [1] * (len(a1) + 1)
+                     + [0] * (len(u2) + 2) + [0] + [1] * (len(a2) + 1))
+    ids, mask = render_conversation(tok, CONVERSATION)
+    assert ids == expected_ids and mask == expected_mask
+    assert [i for i, m in zip(ids, mask) if m] == [*a1, ae, *a2, ae]  # only assistant content + assistant_end
+    assert tok.decode([i for i, m in zip(ids, mask) if m and i < V - 5]) == "It is 4.6, café 😀"
+
+
+def test_system_message_is_merged_into_first_user_turn(tok):
+    with_system = [{"role": "system", "content": "Be brief."}] + CONVERSATION
+    merged = [{"role": "user", "content": "Be brief.\n\nWhat is 2 + 2?"}] + CONVERSATION[1:]
+    assert render_conversation(tok, with_system) == render_conversation(tok, merged)
+    ids, _ = render_conversation(tok, with_system)
+    assert ids[2:2 + len(tok.encode("Be brief.\n\nWhat is 2 + 2?"))] == tok.encode("Be brief.\n\nWhat is 2 + 2?")
+
+
+@pytest.mark.parametrize("roles, index", [
+    (["assistant"], 0), (["user", "user"], 1), (["user", "assistant", "assistant"], 2), (["system"], 0),
+    (["system", "assistant"], 1), (["system", "user", "system"], 2), (["user", "assistant", "system"], 2),
+    (["user", "tool"], 1),
+])
+def test_bad_role_order_names_the_message(tok, roles, index):
+    messages = [{"role": role, "content": "x"} for role in roles]
+    with pytest.raises(ValueError, match=f"^message {index}: "):
+        render_conversation(tok, messages)
+
+
+def test_bad_messages(tok):
+    with pytest.raises(ValueError, match="at least one message"):
+        render_conversation(tok, [])
+    with pytest.raises(ValueError, match="^message 1: "):
+        render_conversation(tok, [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}])
+
+
+def test_max_tokens_cuts_at_a_turn_boundary(tok):
+    ids, mask = render_conversation(tok, CONVERSATION)
+    first_end = ids.index(tok.special_id("<|assistant_end|>")) + 1
+    assert render_conversation(tok, CONVERSATION, max_tokens=len(ids)) == (ids, mask)
+    for limit in (len(ids) - 1, first_end + 1, first_end):
+        assert render_conversation(tok, CONVERSATION, max_tokens=limit) == (ids[:first_end], mask[:first_end])
+    assert render_conversation(tok, CONVERSATION, max_tokens=first_end - 1) == ([], [])
+    assert render_conversation(tok, CONVERSATION, max_tokens=1) == ([], [])
+
+
+def test_render_for_completion(tok):
+    prompt = T.render_for_completion(tok, CONVERSATION[:3])
+    assert prompt[-1] == tok.special_id("<|assistant_start|>")
+    full, _ = render_conversation(tok, CONVERSATION)
+    assert prompt == full[:len(prompt)] and prompt[:-1] == render_conversation(tok, CONVERSATION[:3])[0]
+    with pytest.raises(ValueError, match="^message 3: .*end with a user message"):
+        T.render_for_completion(tok, CONVERSATION)
+
+
+# -----------------------------------------------------------------------------
+# Command line
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "tokenizer.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                          check=False, timeout=60)
+
+
+def test_cli_train_then_eval(corpus, tmp_path):
+    out = tmp_path / "tk"
+    result = run_cli("train", "--data-dir", corpus, "--vocab-size", 400, "--out", out)
+    assert result.returncode == 0, result.stderr
+    train = list(iter_texts(corpus, "train"))
+    assert f"training text: {len(train):,} documents, {sum(map(len, train)):,} characters" in result.stdout
+    assert "vocab size: 400 (256 bytes + 139 merges + 5 special tokens)" in result.stdout
+    assert f"saved to {out / T.FILE_NAME}" in result.stdout
+    result = run_cli("eval", "--data-dir", corpus, "--tokenizer", out)
+    assert result.returncode == 0, result.stderr
+    expected = T.bytes_per_token(Tokenizer.load(out), iter_texts(corpus, "val"))
+    assert f"bytes/token: {expected:.6f}" in result.stdout
+    assert f"{len(list(iter_texts(corpus, 'val'))):,} documents" in result.stdout
+
+
+def test_cli_max_chars_and_help(corpus, tmp_path):
+    result = run_cli("train", "--data-dir", corpus, "--vocab-size", 300, "--max-chars", 5000, "--out", tmp_path)
+    assert result.returncode == 0, result.stderr
+    docs, total = 0, 0
+    for text in iter_texts(corpus, "train"):  # iter_texts stops after the document that reaches max_chars
+        docs, total = docs + 1, total + len(text)
+        if total >= 5000:
+            break
+    assert f"training text: {docs:,} documents, {total:,} characters" in result.stdout
+    help_text = run_cli("train", "--help").stdout
+    assert "65536" in help_text and "2000000000" in help_text and "runs/tokenizer" in help_text
+
+
+def test_cli_bad_input(tmp_path):
+    result = run_cli("train", "--data-dir", tmp_path / "missing", "--vocab-size", 300, "--out", tmp_path / "tk")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"data directory {tmp_path / 'missing'} does not exist" in result.stderr  # dataset.list_shards' message
+    result = run_cli("eval", "--data-dir", tmp_path, "--tokenizer", tmp_path / "no_tokenizer")
+    assert result.returncode == 2 and str(tmp_path / "no_tokenizer" / T.FILE_NAME) in result.stderr
+    assert "python tokenizer.py train" in result.stderr
