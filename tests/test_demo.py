@@ -1,0 +1,185 @@
+"""The demo world: deterministic, in the corpus / SmolTalk / CORE layouts, consistent with its tables, varied, and its
+evaluation phrasings never seen in training."""
+import csv
+import itertools
+import json
+import re
+
+import pyarrow.parquet as pq
+import pytest
+
+from dataset import COUNTRIES, DEMO_ASSISTANT_NAME, write_demo
+
+CAPITAL = {row[0]: row[1] for row in COUNTRIES}
+COUNTRY_OF = {row[1]: row[0] for row in COUNTRIES}
+KEYS = {"multiple_choice": {"query", "choices", "gold"}, "schema": {"context_options", "continuation", "gold"},
+        "language_modeling": {"context", "continuation"}}
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo0")
+    return out, write_demo(out, seed=0)
+
+
+@pytest.fixture(scope="module")
+def docs(demo):
+    return [t for path in sorted((demo[0] / "pretrain").glob("*.parquet"))
+            for t in pq.read_table(path).column("text").to_pylist()]
+
+
+@pytest.fixture(scope="module")
+def chats(demo):
+    return [m for split in ("train", "val")
+            for m in pq.read_table(demo[0] / "conversations" / f"{split}.parquet").column("messages").to_pylist()]
+
+
+def read_core_yaml(path):
+    """The plain-text subset write_demo emits: `- key: value` opens an item, `  key: value` continues it."""
+    tasks = []
+    for line in path.read_text().splitlines()[1:]:
+        key, value = line.strip().removeprefix("- ").split(": ", 1)
+        if line.startswith("- "):
+            tasks.append({})
+        tasks[-1][key] = value
+    return tasks
+
+
+def eval_items(demo):
+    bundle = demo[0] / "eval_bundle"
+    for task in read_core_yaml(bundle / "core.yaml"):
+        lines = (bundle / "eval_data" / task["dataset_uri"]).read_text().splitlines()
+        yield task, [json.loads(line) for line in lines]
+
+
+def all_files(root):
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_same_seed_same_bytes_other_seed_differs(demo, tmp_path):
+    again, other = tmp_path / "again", tmp_path / "other"
+    assert write_demo(again, seed=0) == demo[1]
+    first = all_files(demo[0])
+    assert len(first) > 10 and all_files(again) == first
+    write_demo(other, seed=1)
+    changed = [name for name, data in all_files(other).items() if first.get(name) != data]
+    assert any(name.startswith("pretrain/") for name in changed)
+    assert any(name.startswith("conversations/") for name in changed)
+
+
+def test_pretrain_shards_are_in_the_corpus_layout(demo, docs):
+    shards = sorted((demo[0] / "pretrain").glob("*.parquet"))
+    assert [p.name for p in shards] == [f"shard_{i:05d}.parquet" for i in range(len(shards))] and len(shards) >= 3
+    rows = []
+    for path in shards:
+        meta = pq.ParquetFile(path).metadata
+        assert pq.ParquetFile(path).schema_arrow.names == ["text"]
+        groups = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+        assert all(n == 1024 for n in groups[:-1]) and 0 < groups[-1] <= 1024
+        assert meta.row_group(0).column(0).compression == "ZSTD"
+        rows.append(meta.num_rows)
+    assert rows[-1] < rows[0]  # the validation shard, last
+    assert demo[1]["documents"] == len(docs) == sum(rows)
+    assert demo[1]["characters"] == sum(map(len, docs))
+    assert 4_000_000 <= demo[1]["characters"] <= 8_000_000
+    assert "Quiz" not in "".join(docs)
+
+
+def test_conversations_are_in_the_smoltalk_schema(demo, chats):
+    for split in ("train", "val"):
+        assert pq.read_schema(demo[0] / "conversations" / f"{split}.parquet").names == ["messages"]
+    assert len(chats) == demo[1]["conversations"] >= 2000
+    for messages in chats:
+        assert set(messages[0]) == {"role", "content"}
+        turns = messages[1:] if messages[0]["role"] == "system" else messages
+        assert turns and len(turns) % 2 == 0
+        assert [m["role"] for m in turns] == ["user", "assistant"] * (len(turns) // 2)
+        assert all(m["content"] for m in messages)
+    multi = [m for m in chats if len(m) >= 5]
+    assert len(multi) > 200 and any(m[0]["role"] == "system" for m in chats)
+    identity = [m for m in chats if any(DEMO_ASSISTANT_NAME in x["content"] for x in m if x["role"] == "assistant")]
+    assert len(identity) > 100
+
+
+def test_capital_statements_in_documents_agree_with_the_table(docs):
+    text = "\n".join(docs)
+    forward = [r"\bcapital(?: city)? of ([A-Z]\w+) is ([A-Z]\w+)", r"\b([A-Z]\w+)'s capital is ([A-Z]\w+)"]
+    backward = [r"\b([A-Z]\w+) is the capital(?: city)? of ([A-Z]\w+)\b(?!\?)",  # not "What is the capital of X?"
+                r"\b([A-Z]\w+), (?:which is )?the capital of ([A-Z]\w+)"]
+    pairs = [m.groups() for p in forward for m in re.finditer(p, text)]
+    pairs += [m.groups()[::-1] for p in backward for m in re.finditer(p, text)]
+    assert len(pairs) > 5000
+    assert {country for country, _ in pairs} == set(CAPITAL)
+    wrong = [(country, capital) for country, capital in pairs if CAPITAL.get(country) != capital]
+    assert not wrong, wrong[:5]
+
+
+def test_conversation_answers_about_capitals_agree_with_the_table(chats):
+    checked = 0
+    for messages in chats:
+        for user, answer in itertools.pairwise(messages):
+            if user["role"] != "user" or "capital" not in user["content"]:
+                continue
+            words = set(re.findall(r"[A-Z]\w+", user["content"]))
+            countries, capitals = sorted(words & set(CAPITAL)), sorted(words & set(COUNTRY_OF))
+            if len(countries) == 1 and not capitals:
+                assert CAPITAL[countries[0]] in answer["content"], (user, answer)
+                checked += 1
+            if len(capitals) == 1 and not countries:
+                assert COUNTRY_OF[capitals[0]] in answer["content"], (user, answer)
+                checked += 1
+    assert checked > 200
+
+
+def test_eval_bundle_is_in_the_core_formats(demo):
+    bundle = demo[0] / "eval_bundle"
+    tasks = read_core_yaml(bundle / "core.yaml")
+    files = sorted(str(p.relative_to(bundle / "eval_data")) for p in (bundle / "eval_data").rglob("*.jsonl"))
+    assert sorted(t["dataset_uri"] for t in tasks) == files and 5 <= len(tasks) <= 8
+    with open(bundle / "eval_meta_data.csv", newline="") as f:
+        meta = {row["Eval Task"]: row for row in csv.DictReader(f)}
+    assert {t["icl_task_type"] for t in tasks} == set(KEYS)
+    for task, items in eval_items(demo):
+        assert task["label"] in meta and float(meta[task["label"]]["Random baseline"]) >= 0
+        assert task["continuation_delimiter"] == '" "' and re.fullmatch(r"\[\d+\]", task["num_fewshot"])
+        assert int(task["num_fewshot"][1:-1]) < len(items) and len(items) >= 50
+        assert demo[1]["eval_items"][task["label"]] == len(items)
+        for item in items:
+            assert set(item) == KEYS[task["icl_task_type"]]
+            options = item.get("choices", item.get("context_options"))
+            if options is not None:
+                assert 0 <= item["gold"] < len(options) and len(set(options)) == len(options) >= 2
+                expected = 100 / len(options)
+                assert float(meta[task["label"]]["Random baseline"]) == pytest.approx(expected, abs=0.01)
+            else:
+                assert float(meta[task["label"]]["Random baseline"]) == 0
+
+
+def test_eval_gold_answers_agree_with_the_table(demo):
+    items = {task["label"]: items for task, items in eval_items(demo)}
+    for item in items["demo_capitals_mc"]:
+        country = next(c for c in CAPITAL if re.search(rf"\b{c}\b", item["query"]))
+        assert item["choices"][item["gold"]] == CAPITAL[country]
+    for item in items["demo_capital_schema"]:
+        assert CAPITAL[item["continuation"].rstrip(".")] in item["context_options"][item["gold"]]
+
+
+def test_eval_phrasings_never_occur_in_training_data(demo, docs, chats):
+    corpus = "\x00".join(docs + [m["content"] for messages in chats for m in messages])
+    for task, items in eval_items(demo):
+        for item in items:
+            # a context absent from the corpus cannot occur there followed by its delimiter and continuation either
+            for s in item.get("context_options", [item.get("query", item.get("context"))]):
+                assert s not in corpus, (task["label"], s)
+
+
+def test_documents_are_varied(docs):
+    sentences = {s for doc in docs for s in re.split(r"(?<=[.!?])\s+", doc)}
+    assert len(sentences) > 20_000
+    forms = {country: set() for country in CAPITAL}
+    for s in sentences:
+        words = set(re.findall(r"[A-Z]\w+", s))
+        for country in sorted(words & set(CAPITAL)):
+            if CAPITAL[country] in words:
+                forms[country].add(re.sub(rf"\b{CAPITAL[country]}\b", "<CAP>", re.sub(rf"\b{country}\b", "<C>", s)))
+    assert min(len(f) for f in forms.values()) >= 5

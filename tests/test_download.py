@@ -1,0 +1,341 @@
+"""The hub downloader against a local server that speaks the hub's URL layout and injects network faults.
+
+The server holds real parquet shards. Like the real hub, the tree API pages its listing with a `Link: rel="next"`
+header, and a resolve URL of an LFS file answers 302 with the sha256 in X-Linked-Etag, pointing at a "CDN" path that
+serves the bytes (with Range support and an MD5-like ETag). Faults are queued per file and consumed one per request.
+"""
+import hashlib
+import json
+import random
+import re
+import socket
+import struct
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import dataset as dl
+
+REPO = "org/fineweb-mini"
+NUM_SHARDS = 5  # shard_00000 .. shard_00004: four training shards, then the validation shard
+PAGE_SIZE = 3  # tree entries per page: small, so the listing takes several pages
+STALL_S = 1.0  # how long a "stall" fault keeps the socket silent; that test sets the read timeout below it
+CHUNK = 4096  # the client's read size here: a broken read loses at most one chunk, and the shards are ~100 KB
+
+
+def write_shard(path, rows, seed):
+    rng = random.Random(seed)
+    words = ["tokens", "shard", "hub", "parquet", "resume", "range", "bytes", "model", "data", "learning"]
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(20, 60))) for _ in range(rows)]
+    pq.write_table(pa.table({"text": texts}), path, compression="none")  # uncompressed: tens of KB per shard
+    return path.read_bytes()
+
+
+def serve(hub, handler, name):
+    """Send hub.files[name], honouring Range, after applying the next queued fault for that file."""
+    data = hub.files[name]
+    fault = hub.faults[name].pop(0) if hub.faults.get(name) else None
+    if fault in ("500", "429"):
+        handler.send_response(int(fault))
+        handler.send_header("Retry-After", "0")
+        handler.send_header("Content-Length", "0")
+        handler.end_headers()
+        return
+    start, status = 0, 200
+    match = re.fullmatch(r"bytes=(\d+)-", handler.headers.get("Range") or "")
+    if match and fault != "norange":
+        start, status = int(match.group(1)), 206
+        if start >= len(data):
+            handler.send_response(416)
+            handler.send_header("Content-Length", "0")
+            handler.end_headers()
+            return
+    body = data[start:]
+    handler.send_response(status)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.send_header("Accept-Ranges", "bytes")
+    handler.send_header("ETag", f'"{hashlib.md5(data).hexdigest()}"')  # what a CDN sends: not the sha256
+    if status == 206:
+        handler.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+    handler.end_headers()
+    if fault == "stall":  # headers, then silence past the client's read timeout
+        time.sleep(STALL_S)
+        return
+    if fault == "flip":
+        body = body[:len(body) // 2] + bytes([body[len(body) // 2] ^ 0xFF]) + body[len(body) // 2 + 1:]
+    if fault == "garbage":
+        body = random.Random(0).randbytes(len(body))
+    if fault == "drop":  # half the body, then a reset (RST, not a clean close)
+        handler.wfile.write(body[:len(body) // 2])
+        handler.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        handler.connection.close()
+        return
+    if fault == "short":  # a clean close 100 bytes before the announced Content-Length
+        body = body[:-100]
+    handler.wfile.write(body)
+
+
+def make_handler(hub):
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def send_json(self, status, obj, headers=()):
+            payload = json.dumps(obj).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            for key, value in headers:
+                self.send_header(key, value)
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def do_GET(self):
+            url = urlsplit(self.path)
+            path = unquote(url.path)
+            self.entry = {"path": path, "range": self.headers.get("Range"), "auth": self.headers.get("Authorization")}
+            hub.log.append(self.entry)
+            self.route(path, parse_qs(url.query))
+
+        def send_response(self, code, message=None):
+            self.entry["status"] = code  # logged as sent: a stalled or dropped body still shows its status
+            super().send_response(code, message)
+
+        def route(self, path, query):
+            if hub.status is not None:
+                return self.send_json(hub.status, {"error": "forced"})
+            if path == f"/api/datasets/{REPO}/tree/main":
+                assert query.get("recursive") == ["true"]
+                cursor = int(query.get("cursor", ["0"])[0])
+                page = hub.tree[cursor:cursor + PAGE_SIZE]
+                headers = []
+                if cursor + PAGE_SIZE < len(hub.tree):
+                    next_url = f"{hub.url}/api/datasets/{REPO}/tree/main?recursive=true&cursor={cursor + PAGE_SIZE}"
+                    headers.append(("Link", f'<{next_url}>; rel="next"'))
+                return self.send_json(200, page, headers)
+            prefix = f"/datasets/{REPO}/resolve/main/"
+            if path.startswith(prefix) and path[len(prefix):] in hub.files:
+                name = path[len(prefix):]
+                if not name.endswith(".parquet"):  # a small git file: served directly
+                    return serve(hub, self, name)
+                self.send_response(302)  # an LFS file: the hub redirects to the CDN and names the sha256
+                self.send_header("Location", f"/cdn/{name}")
+                self.send_header("X-Linked-Etag", f'"{hashlib.sha256(hub.files[name]).hexdigest()}"')
+                self.send_header("X-Linked-Size", str(len(hub.files[name])))
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            if path.startswith("/cdn/") and path[len("/cdn/"):] in hub.files:
+                return serve(hub, self, path[len("/cdn/"):])
+            return self.send_json(404, {"error": "Entry not found"})
+    return Handler
+
+
+@pytest.fixture
+def hub(tmp_path_factory, monkeypatch):
+    source = tmp_path_factory.mktemp("source")
+    files = {f"shard_{i:05d}.parquet": write_shard(source / f"shard_{i:05d}.parquet", 200 + 50 * i, seed=i)
+             for i in range(NUM_SHARDS)}
+    files["README.md"] = b"# fineweb-mini\n"
+    tree = [{"type": "file", "path": "README.md", "size": len(files["README.md"]), "oid": "0" * 40}]
+    for name, data in files.items():
+        if name.endswith(".parquet"):
+            sha = hashlib.sha256(data).hexdigest()
+            tree.append({"type": "file", "path": name, "size": len(data), "oid": "1" * 40,
+                         "lfs": {"oid": sha, "size": len(data), "pointerSize": 134}})
+    tree.append({"type": "directory", "path": "extra", "size": 0, "oid": "2" * 40})
+    hub = SimpleNamespace(files=files, tree=tree, faults={}, log=[], status=None)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(hub))
+    hub.url = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    monkeypatch.setenv("HF_ENDPOINT", hub.url + "/")  # a trailing slash must not matter
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(dl, "BACKOFF_BASE", 0.0)
+    monkeypatch.setattr(dl, "CHUNK_BYTES", CHUNK)
+    yield hub
+    server.shutdown()
+    server.server_close()
+
+
+def requests_to(hub, part):
+    return [e for e in hub.log if part in e["path"]]
+
+
+def cdn_url(hub, name):
+    return f"{hub.url}/cdn/{name}"
+
+
+def test_endpoint_and_token_come_from_the_environment(monkeypatch):
+    monkeypatch.delenv("HF_ENDPOINT", raising=False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    assert dl.hub_endpoint() == "https://huggingface.co"
+    assert dl.hub_headers() == {}
+    monkeypatch.setenv("HF_ENDPOINT", "http://mirror.local:8080/")
+    monkeypatch.setenv("HF_TOKEN", "hf_abc")
+    assert dl.hub_endpoint() == "http://mirror.local:8080"
+    assert dl.hub_headers() == {"Authorization": "Bearer hf_abc"}
+
+
+def test_listing_follows_pagination_and_reads_the_lfs_sha256(hub):
+    files = dl.list_hub_files(REPO)
+    assert [f["path"] for f in files] == ["README.md"] + [f"shard_{i:05d}.parquet" for i in range(NUM_SHARDS)]
+    assert len(requests_to(hub, "/tree/")) == 3  # 7 entries, 3 per page
+    assert files[0] == {"path": "README.md", "size": len(hub.files["README.md"]), "sha256": None}
+    for f in files[1:]:
+        assert f["size"] == len(hub.files[f["path"]])
+        assert f["sha256"] == hashlib.sha256(hub.files[f["path"]]).hexdigest()
+
+
+def test_every_fault_is_survived_and_every_shard_ends_byte_identical(hub, tmp_path, monkeypatch):
+    monkeypatch.setattr(dl, "READ_TIMEOUT", STALL_S / 2)  # here only: elsewhere a loaded machine could trip it
+    hub.faults = {
+        "shard_00000.parquet": ["drop", "500", "short", "norange"],  # norange: a partial exists, server sends it all
+        "shard_00001.parquet": ["429", "flip", "stall"],
+        "shard_00002.parquet": ["short", "short"],  # resumed twice with Range
+        "shard_00004.parquet": ["garbage", "drop", "500"],
+    }
+    out = tmp_path / "data"
+    paths = dl.download_shards(REPO, 4, out, workers=3)
+    assert paths == [out / f"shard_{i:05d}.parquet" for i in range(NUM_SHARDS)]
+    for path in paths:
+        assert path.read_bytes() == hub.files[path.name]
+    assert sorted(p.name for p in out.iterdir()) == [p.name for p in paths]  # no .partial left behind
+    assert all(not queue for queue in hub.faults.values())
+    resumed = [e for e in requests_to(hub, "/cdn/") if e["status"] == 206 and int(e["range"][6:-1]) > 0]
+    assert any(e["path"].endswith("shard_00002.parquet") for e in resumed)
+    ignored = [e for e in requests_to(hub, "/cdn/shard_00000") if e["range"] and e["status"] == 200]
+    assert len(ignored) == 1  # the norange answer: the client started over instead of appending
+
+
+def test_a_flipped_byte_is_caught_by_the_listed_sha256_and_fetched_again(hub, tmp_path):
+    name = "shard_00001.parquet"
+    hub.faults[name] = ["flip"]
+    dl.download_hub_files(REPO, [name], tmp_path)
+    assert (tmp_path / name).read_bytes() == hub.files[name]
+    assert len(requests_to(hub, f"/cdn/{name}")) == 2
+
+
+def test_without_a_listed_sha256_the_x_linked_etag_of_the_redirect_is_checked(hub, tmp_path):
+    name = "shard_00003.parquet"
+    hub.faults[name] = ["flip"]
+    dest = dl.download_file(f"{hub.url}/datasets/{REPO}/resolve/main/{name}", tmp_path / name)
+    assert dest.read_bytes() == hub.files[name]
+    assert len(requests_to(hub, f"/cdn/{name}")) == 2
+
+
+def test_a_bad_file_never_appears_under_its_name_and_the_error_says_what_to_do(hub, tmp_path):
+    name = "shard_00002.parquet"
+    sha = hashlib.sha256(hub.files[name]).hexdigest()
+    seen = []
+    hub.faults[name] = ["flip"]
+    with pytest.raises(RuntimeError) as err:
+        dl.download_file(cdn_url(hub, name), tmp_path / name, sha256=sha, verify=seen.append, retries=1)
+    message = str(err.value)
+    assert name in message and "sha256" in message and "after 1 attempts" in message and "re-run" in message
+    assert seen == []  # the checksum failed before the content check ran
+    assert list(tmp_path.iterdir()) == []  # neither the final name nor a corrupt .partial
+
+    # while a file is checked it is still the .partial; its final name does not exist yet
+    def verify(path):
+        seen.append((path.name, (tmp_path / name).exists()))
+    dl.download_file(cdn_url(hub, name), tmp_path / name, sha256=sha, verify=verify)
+    assert seen == [(name + ".partial", False)]
+    assert (tmp_path / name).read_bytes() == hub.files[name]
+
+
+def test_a_failing_content_check_fetches_again(hub, tmp_path):
+    name = "shard_00000.parquet"
+    hub.faults[name] = ["garbage"]  # right size, no sha256 known (the CDN's ETag is an MD5): only verify can tell
+    dest = dl.download_file(cdn_url(hub, name), tmp_path / name, size=len(hub.files[name]), verify=dl.verify_parquet)
+    assert dest.read_bytes() == hub.files[name]
+    assert len(requests_to(hub, f"/cdn/{name}")) == 2
+
+
+def test_retries_run_out_with_an_error_that_keeps_the_partial_for_the_next_run(hub, tmp_path):
+    name = "shard_00003.parquet"
+    hub.faults[name] = ["short", "500", "500"]
+    with pytest.raises(RuntimeError) as err:
+        dl.download_file(cdn_url(hub, name), tmp_path / name, size=len(hub.files[name]), retries=3)
+    assert "after 3 attempts" in str(err.value) and "HTTP 500" in str(err.value) and ".partial" in str(err.value)
+    assert len(requests_to(hub, f"/cdn/{name}")) == 3
+    kept = (tmp_path / (name + ".partial")).stat().st_size
+    assert len(hub.files[name]) - 100 - CHUNK <= kept <= len(hub.files[name]) - 100
+    assert not (tmp_path / name).exists()
+    dl.download_file(cdn_url(hub, name), tmp_path / name, size=len(hub.files[name]))  # the re-run resumes
+    assert (tmp_path / name).read_bytes() == hub.files[name]
+    assert hub.log[-1]["range"] == f"bytes={kept}-" and hub.log[-1]["status"] == 206
+
+
+def test_complete_shards_are_not_downloaded_again(hub, tmp_path):
+    dl.download_shards(REPO, 2, tmp_path)
+    assert len(requests_to(hub, "/resolve/")) == 3
+    hub.log.clear()
+    dl.download_shards(REPO, 2, tmp_path)
+    assert requests_to(hub, "/resolve/") == [] and requests_to(hub, "/cdn/") == []
+    dl.download_shards(REPO, 3, tmp_path)  # one more training shard: only that one is fetched
+    assert [e["path"] for e in requests_to(hub, "/resolve/")] == [f"/datasets/{REPO}/resolve/main/shard_00002.parquet"]
+
+
+def test_download_shards_takes_the_first_n_training_shards_and_the_last_shard(hub, tmp_path):
+    paths = dl.download_shards(REPO, 2, tmp_path)
+    names = ["shard_00000.parquet", "shard_00001.parquet", "shard_00004.parquet"]
+    assert [p.name for p in paths] == names
+    assert sorted(p.name for p in tmp_path.iterdir()) == names  # the validation shard sorts last
+    with pytest.raises(ValueError, match="has 4 training shards"):
+        dl.download_shards(REPO, 5, tmp_path / "more")
+    with pytest.raises(ValueError, match="has 4 training shards"):
+        dl.download_shards(REPO, 0, tmp_path / "none")
+
+
+def test_not_found_fails_at_once_and_names_the_path(hub, tmp_path):
+    url = f"{hub.url}/datasets/{REPO}/resolve/main/shard_09999.parquet"
+    with pytest.raises(RuntimeError, match=r"shard_09999\.parquet.*404"):
+        dl.download_file(url, tmp_path / "shard_09999.parquet")
+    assert len(hub.log) == 1
+    with pytest.raises(ValueError, match="shard_09999.parquet"):
+        dl.download_hub_files(REPO, ["shard_09999.parquet"], tmp_path)
+    assert len(requests_to(hub, "/resolve/")) == 1  # the first call's: the second knew from the listing, fetched nothing
+
+
+def test_forbidden_says_to_set_hf_token_and_the_token_reaches_the_server(hub, tmp_path, monkeypatch):
+    hub.status = 401
+    with pytest.raises(RuntimeError, match="HF_TOKEN"):
+        dl.list_hub_files(REPO)
+    assert len(hub.log) == 1
+    hub.status, hub.log[:] = None, []
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    dl.download_hub_files(REPO, ["README.md", "shard_00001.parquet"], tmp_path)
+    assert (tmp_path / "README.md").read_bytes() == hub.files["README.md"]
+    assert {e["path"].split("/")[1] for e in hub.log} == {"api", "datasets", "cdn"}
+    assert all(e["auth"] == "Bearer hf_secret" for e in hub.log)
+
+
+def test_verify_parquet_rejects_random_bytes_and_an_empty_table(tmp_path):
+    good = tmp_path / "good.parquet"
+    write_shard(good, 10, seed=0)
+    dl.verify_parquet(good)
+    noise = tmp_path / "noise.parquet"
+    noise.write_bytes(random.Random(0).randbytes(5000))
+    with pytest.raises(ValueError, match="noise.parquet"):
+        dl.verify_parquet(noise)
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), empty)
+    with pytest.raises(ValueError, match="empty.parquet.*no rows"):
+        dl.verify_parquet(empty)
+
+
+def test_a_partial_that_is_already_complete_is_checked_and_renamed_without_a_request(hub, tmp_path):
+    name = "shard_00001.parquet"  # an earlier run got every byte, then died before it could verify and rename
+    (tmp_path / (name + ".partial")).write_bytes(hub.files[name])
+    sha = hashlib.sha256(hub.files[name]).hexdigest()
+    dl.download_file(cdn_url(hub, name), tmp_path / name, size=len(hub.files[name]), sha256=sha)
+    assert hub.log == [] and (tmp_path / name).read_bytes() == hub.files[name]
+    assert not (tmp_path / (name + ".partial")).exists()
