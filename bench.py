@@ -1,7 +1,7 @@
 """Benchmarks: figures printed with their targets. Not tests; nothing here is timed inside pytest.
 
     python bench.py              # every benchmark
-    python bench.py train decode # a chosen few: train, decode, build, tokenizer
+    python bench.py train decode # a chosen few: train, decode, build, tokenizer, loader
 
 train   forward+backward tokens/s of a preset on this machine: eager fp32, torch.compile fp32, compile + bf16 autocast.
         Target: compile + bf16 >= 2x eager fp32.
@@ -11,6 +11,9 @@ build   seconds to construct llama3-1b on the meta device and materialize + init
 tokenizer  seconds to train a vocab-8192 BPE tokenizer on the training split of the real-text corpus at --corpus
         (../shared/corpus/realtext: ~16 MB of training text; skipped if absent), reading the shards included, and
         bytes/token on its validation split. Target: <= 10 s for 50 MB (projected from the measured MB/s).
+loader  one process's streaming loader (read + tokenize + pack) over one epoch of the same corpus at T = 256, 1024,
+        2048: tokens/s (target >= 1M) and the share of document tokens cropped, i.e. moved to a later row as a
+        BOS-led piece, cut off from their document's start (target <= 20% at T = 2048; nothing is discarded).
 """
 import argparse
 import math
@@ -19,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from dataset import iter_texts
+from dataset import iter_texts, text_loader
 from model import KVCache, autocast_context, build_model, config_from_preset, num_params
 from tokenizer import bytes_per_token, counting, train_tokenizer
 
@@ -127,7 +130,31 @@ def bench_tokenizer(args, device):
     print(f"tokenizer: bytes/token on the validation split: {bytes_per_token(tokenizer, iter_texts(corpus, 'val')):.3f}")
 
 
-BENCHES = {"train": bench_train, "decode": bench_decode, "build": bench_build, "tokenizer": bench_tokenizer}
+def bench_loader(args, device):
+    corpus = Path(args.corpus)
+    if not corpus.is_dir():
+        print(f"loader: skipped, no corpus at {corpus} (pass --corpus DIR: parquet shards, the last one validation)")
+        return
+    tokenizer = train_tokenizer(iter_texts(corpus, "train"), 8192)
+    for seq_len in (256, 1024, 2048):
+        loader = text_loader(corpus, "train", tokenizer, 16, seq_len, device=device)
+        next(loader)  # the first batch waits for the first row group: count from the steady state
+        tokens, start = 0, time.perf_counter()
+        while loader.state["epoch"] == 0:
+            inputs, _ = next(loader)
+            tokens += inputs.numel()
+        rate = tokens / (time.perf_counter() - start)
+        stats = loader.state["stats"]
+        loader.close()
+        cropped = stats["cropped"] / stats["doc_tokens"]
+        target = f" (target <= 20%: {'met' if cropped <= 0.2 else 'MISSED'})" if seq_len == 2048 else ""
+        print(f"loader T={seq_len:4d}: {rate:10,.0f} tok/s (target >= 1M: {'met' if rate >= 1e6 else 'MISSED'}), "
+              f"cropped {100 * cropped:.1f}% of document tokens{target}, none discarded; one epoch of "
+              f"{stats['docs']:,} documents, batch 16")
+
+
+BENCHES = {"train": bench_train, "decode": bench_decode, "build": bench_build, "tokenizer": bench_tokenizer,
+           "loader": bench_loader}
 
 
 def main():

@@ -13,6 +13,7 @@ import bisect
 import codecs
 import csv
 import hashlib
+import heapq
 import itertools
 import json
 import os
@@ -537,8 +538,8 @@ def ingest(files, out_dir, seed=0, column="text", one_per_file=False, val_fracti
 # -----------------------------------------------------------------------------
 # The streaming loader
 
-STAT_KEYS = ("batches", "tokens", "docs", "doc_tokens", "cropped", "padding", "empty", "no_assistant", "too_long",
-             "malformed")
+STAT_KEYS = ("batches", "tokens", "docs", "doc_tokens", "pieces", "cropped", "padding", "empty", "no_assistant",
+             "too_long", "malformed")
 
 
 def assign_units(files, rank, world_size):
@@ -584,9 +585,9 @@ class PackedLoader:
     device (pinned memory, non_blocking) `prefetch` batches ahead of the training step. Every batch travels with the
     state after it, so the state never runs ahead of what the consumer has seen.
 
-    Packing is best-fit from a buffer of `buffer_docs` documents: each row starts with the oldest buffered document
-    (so no document waits more than buffer_docs rows: pure best-fit starves short ones indefinitely), then takes the
-    largest buffered document that fits the space left, again and again; every row starts with a BOS. kind="text": when none fits, the
+    Packing is best-fit from a buffer of `buffer_docs` documents: each row starts with the oldest buffered piece
+    (so nothing waits more than about buffer_docs rows: pure best-fit starves short documents indefinitely), then
+    takes the largest buffered piece that fits the space left, again and again; every row starts with a BOS. kind="text": when none fits, the
     smallest document is cropped to fill the row and its remainder goes back to the buffer as a new BOS-led piece
     (documents longer than a row are cut into row-sized BOS-led pieces on arrival); nothing is discarded, and the
     tokens moved to a later row (cut off from their document's beginning) are counted as 'cropped'. kind="chat":
@@ -734,9 +735,24 @@ class PackedLoader:
         """Packer thread: fill rows from the best-fit buffer, ship each batch to the device with the state after it."""
         epoch, unit, doc = state["epoch"], state["unit"], state["doc"]
         stats, row_len, bos = dict(state["stats"]), self.T + 1, self.tokenizer.bos_id
-        lengths, buffer = [], []  # sorted by length, so the best fit is a bisect
-        for ids, mask, arrival in state["buffer"]:
+        # the buffer: (ids, mask, arrival) sorted by length, so the best fit is a bisect; `live` maps each buffered
+        # piece's arrival number (unique, saved with the state) to its length, and `oldest` is a heap of arrival
+        # numbers (entries no longer live are dropped lazily)
+        lengths, buffer, live, oldest = [], [], {}, []
+
+        def add(ids, mask, arrival):
             insort(lengths, buffer, ids, mask, arrival)
+            live[arrival] = len(ids)
+            heapq.heappush(oldest, arrival)
+
+        def take(i):
+            lengths.pop(i)
+            entry = buffer.pop(i)
+            del live[entry[2]]
+            return entry
+
+        for ids, mask, arrival in state["buffer"]:
+            add(ids, mask, arrival)
         pending, pending_at, docs_this_epoch = [], 0, len(buffer)
         while not self._stop.is_set():
             rows = np.empty((self.B, row_len), dtype=np.int32)
@@ -761,24 +777,28 @@ class PackedLoader:
                     ids, mask = item if self.kind == "chat" else (item, None)
                     stats["docs"], stats["doc_tokens"], docs_this_epoch = stats["docs"] + 1, \
                         stats["doc_tokens"] + len(ids), docs_this_epoch + 1
+                    pieces = [(ids, mask)]
                     if len(ids) > row_len:  # text only (chat renders at most a row): cut into BOS-led pieces
                         stats["cropped"] += len(ids) - row_len
-                        insort(lengths, buffer, ids[:row_len], None, stats["docs"])
-                        for s in range(row_len, len(ids), row_len - 1):
-                            insort(lengths, buffer, np.concatenate([[bos], ids[s:s + row_len - 1]]).astype(np.int32),
-                                   None, stats["docs"])
-                    else:
-                        insort(lengths, buffer, ids, mask, stats["docs"])
+                        pieces = [(ids[:row_len], None)] + [
+                            (np.concatenate([[bos], ids[s:s + row_len - 1]]).astype(np.int32), None)
+                            for s in range(row_len, len(ids), row_len - 1)]
+                    for piece, piece_mask in pieces:
+                        add(piece, piece_mask, stats["pieces"])
+                        stats["pieces"] += 1
                 pos = 0
                 while pos < row_len:
                     space = row_len - pos
-                    if pos == 0:  # the oldest document opens the row (min: the first of equals, deterministic)
-                        i = min(range(len(buffer)), key=lambda j: buffer[j][2])
-                    else:  # the largest document that fits
+                    if pos == 0:  # the oldest piece opens the row
+                        while oldest[0] not in live:
+                            heapq.heappop(oldest)
+                        arrival = oldest[0]
+                        lo = bisect.bisect_left(lengths, live[arrival])
+                        i = next(j for j in range(lo, len(buffer)) if buffer[j][2] == arrival)
+                    else:  # the largest piece that fits
                         i = bisect.bisect_right(lengths, space) - 1
                     if i >= 0:
-                        lengths.pop(i)
-                        ids, mask, _ = buffer.pop(i)
+                        ids, mask, _ = take(i)
                         rows[b, pos:pos + len(ids)] = ids
                         if mask is not None:
                             masks[b, pos:pos + len(ids)] = mask
@@ -787,12 +807,11 @@ class PackedLoader:
                         rows[b, pos:], masks[b, pos:] = bos, 0
                         stats["padding"] += space
                         pos = row_len
-                    else:  # crop the smallest document; its remainder goes back as a BOS-led piece
-                        lengths.pop(0)
-                        ids, _, arrival = buffer.pop(0)
+                    else:  # crop the smallest piece; its remainder goes back as a BOS-led piece
+                        ids, _, arrival = take(0)
                         rows[b, pos:] = ids[:space]
                         stats["cropped"] += len(ids) - space
-                        insort(lengths, buffer, np.concatenate([[bos], ids[space:]]).astype(np.int32), None, arrival)
+                        add(np.concatenate([[bos], ids[space:]]).astype(np.int32), None, arrival)
                         pos = row_len
             stats["batches"], stats["tokens"] = stats["batches"] + 1, stats["tokens"] + self.B * self.T
             after = (epoch, unit, doc)
