@@ -1381,7 +1381,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("download", help="pretraining shards from the hub, plus the last one as validation")
-    p.add_argument("--shards", type=int, required=True, help="number of training shards (~100 MB each on FineWeb-Edu)")
+    p.add_argument("--shards", type=int, required=True, help="number of training shards to fetch (the validation shard comes too)")
     p.add_argument("--dataset", default="karpathy/fineweb-edu-100b-shuffle", help="hub dataset (default: %(default)s)")
     p.add_argument("--data-dir", default=None, help="where to put them (default: <cache>/data/<dataset name>; cache: "
                    f"$NANOCHAT_CACHE or {CACHE_DIR})")

@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 @dataclass
 class GPTConfig:
-    vocab_size: int = 4096
+    vocab_size: int = 1024
     sequence_len: int = 256
     n_layer: int = 4
     n_embd: int = 256
@@ -76,8 +76,9 @@ def _divisors(n):
 # Presets. Each is a set of GPTConfig fields; any field can be overridden afterwards.
 
 PRESETS = {
-    # The offline CPU demo and the tests: 5.2M parameters, trains on the demo world in minutes.
-    "tiny": {"vocab_size": 4096, "sequence_len": 256, "n_layer": 4, "n_embd": 256, "n_head": 4, "n_kv_head": 4},
+    # The offline CPU demo and the tests: 3.7M parameters; vocab 1024 because the demo world's small vocabulary
+    # supports at most ~1,690 BPE tokens; learns the demo world in minutes on a CPU.
+    "tiny": {"vocab_size": 1024, "sequence_len": 256, "n_layer": 4, "n_embd": 256, "n_head": 4, "n_kv_head": 4},
     # Seed 004's Llama-3-style 1.2B, exactly: 1,241,581,568 parameters.
     "llama3-1b": {"vocab_size": 131072, "sequence_len": 2048, "n_layer": 16, "n_embd": 2048, "n_head": 32,
                   "n_kv_head": 8, "mlp": "swiglu", "mlp_hidden": 8192, "rope_theta": 500000.0,
@@ -589,7 +590,7 @@ def sample_next(logits, temperature, top_k, generator):
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
 
 
-@torch.no_grad()
+@torch.inference_mode()  # no autograd bookkeeping at all: measurably less per-op overhead than no_grad
 def generate(model, prompt, max_new_tokens, temperature=1.0, top_k=None, seed=None, dtype="float32"):
     """Stream token ids after `prompt` (a list of ids): the prompt is prefilled into a KV cache in one forward, then
     each new token costs one single-position forward. The caller stops early by leaving the loop."""

@@ -2,7 +2,10 @@
 import io
 import random
 import re
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -12,6 +15,7 @@ import torch
 import dataset as D
 from tokenizer import render_conversation, train_tokenizer
 
+ROOT = Path(__file__).resolve().parent.parent
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "small", "birds",
          "sing", "about", "rivers", "mountains", "and", "bright", "green", "fields", "under", "the", "morning", "sun"]
 
@@ -264,3 +268,17 @@ def test_chat_rows_mask_pad_and_never_crop(tmp_path, corpus):
     assert placed == set(rendered) and len(placed) == 296  # 297 usable; [8] shares [0]'s marker
     cut = render_conversation(tok, conversations[8], max_tokens=T + 1)[0]
     assert cut == render_conversation(tok, conversations[0])[0]  # cut at the turn boundary
+
+
+def test_cli_ingest_then_bad_input_is_one_line(tmp_path):
+    (tmp_path / "a.txt").write_text("one\n\ntwo\n\nthree\n")
+    run = [sys.executable, str(ROOT / "dataset.py")]
+    out = subprocess.run([*run, "ingest", "--out", str(tmp_path / "c"), str(tmp_path / "a.txt")], capture_output=True,
+                         text=True, check=True).stdout
+    assert "1 files -> 3 documents" in out and len(D.list_shards(tmp_path / "c")) == 2
+    for args, message in ((["ingest", "--out", str(tmp_path / "d"), str(tmp_path / "missing.txt")], "no such file"),
+                          (["ingest", "--out", str(tmp_path / "d"), str(tmp_path / "a.csv")], "unsupported file")):
+        if args[-1].endswith(".csv"):
+            (tmp_path / "a.csv").write_text("x")
+        result = subprocess.run([*run, *args], capture_output=True, text=True, check=False)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr

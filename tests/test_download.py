@@ -339,3 +339,52 @@ def test_a_partial_that_is_already_complete_is_checked_and_renamed_without_a_req
     dl.download_file(cdn_url(hub, name), tmp_path / name, size=len(hub.files[name]), sha256=sha)
     assert hub.log == [] and (tmp_path / name).read_bytes() == hub.files[name]
     assert not (tmp_path / (name + ".partial")).exists()
+
+
+def host_repo(hub, monkeypatch, repo, files):
+    """Serve another repo from the same server: nested paths, parquet files as LFS, others as plain git files."""
+    monkeypatch.setitem(globals(), "REPO", repo)
+    hub.files = files
+    hub.tree = [{"type": "file", "path": path, "size": len(data), "oid": "1" * 40,
+                 **({"lfs": {"oid": hashlib.sha256(data).hexdigest(), "size": len(data)}}
+                    if path.endswith(".parquet") else {})} for path, data in files.items()]
+
+
+def parquet_bytes(tmp_path, name, column, rows):
+    pq.write_table(pa.table({column: rows}), tmp_path / name)
+    return (tmp_path / name).read_bytes()
+
+
+def test_download_chat_fetches_only_the_dataset_files_and_converts_lima(hub, tmp_path, monkeypatch):
+    conv = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}] for i in range(5)]
+    files = {f"data/all/train-0000{i}-of-00002.parquet": parquet_bytes(tmp_path, f"t{i}", "messages", conv)
+             for i in range(2)}
+    files["data/all/test-00000-of-00001.parquet"] = parquet_bytes(tmp_path, "v", "messages", conv[:2])
+    files["data/other/train-00000-of-00001.parquet"] = parquet_bytes(tmp_path, "o", "messages", conv)  # not asked for
+    files["README.md"] = b"# smoltalk\n"
+    host_repo(hub, monkeypatch, "HuggingFaceTB/smoltalk", files)
+    hub.faults = {"data/all/train-00001-of-00002.parquet": ["drop", "500"]}
+    out = dl.download_chat("smoltalk", tmp_path / "smoltalk")
+    assert sorted(p.name for p in out.iterdir()) == ["test-00000-of-00001.parquet", "train-00000-of-00002.parquet",
+                                                     "train-00001-of-00002.parquet"]
+    for path, data in files.items():
+        if path.startswith("data/all/"):
+            assert (out / path.split("/")[-1]).read_bytes() == data
+    assert dl.chat_files(out, "val") == [out / "test-00000-of-00001.parquet"]
+    assert [p.name for p in dl.chat_files(out, "train")] == ["train-00000-of-00002.parquet",
+                                                             "train-00001-of-00002.parquet"]
+
+    lima = [{"conversations": ["How?", "Like this.", "And then?", "Then that."], "source": "x"},
+            {"conversations": ["Why?", "Because."], "source": "y"}]
+    host_repo(hub, monkeypatch, "GAIR/lima", {"train.jsonl": "".join(json.dumps(r) + "\n" for r in lima).encode(),
+                                             "test.jsonl": b'{"conversations": ["no answer"]}\n'})
+    out = dl.download_chat("lima", tmp_path / "lima")
+    assert sorted(p.name for p in out.iterdir()) == ["train.jsonl", "train.parquet"]
+    rows = pq.read_table(out / "train.parquet").column("conversations").to_pylist()
+    assert rows == [r["conversations"] for r in lima]
+    assert dl.conversation_messages(rows[1]) == [{"role": "user", "content": "Why?"},
+                                                 {"role": "assistant", "content": "Because."}]
+    with pytest.raises(FileNotFoundError, match="no val conversation files"):
+        dl.chat_files(out, "val")
+    with pytest.raises(ValueError, match="unknown conversation dataset 'alpaca'"):
+        dl.download_chat("alpaca", tmp_path / "x")
