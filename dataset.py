@@ -855,7 +855,7 @@ def chat_loader(chat_dir, split, tokenizer, batch_size, seq_len, **kwargs):
 # does not suffice; the evaluation items use phrasings reserved for evaluation, so a score measures the fact.
 
 DEMO_ASSISTANT_NAME = "nanochat"
-DEMO_TARGET_CHARS = 5_000_000  # ~1.3M tokens at vocab 4096: a few epochs fit in minutes of CPU training
+DEMO_TARGET_CHARS = 5_000_000  # 1.27M training tokens at vocab 1024: an epoch is minutes of CPU training
 
 # country, capital, language, flag colour, flag symbol, national animal (names invented: no prior knowledge helps)
 COUNTRIES = [
