@@ -126,7 +126,7 @@ def config_from_preset(name, overrides=None):
     return GPTConfig(**values)
 
 
-def _parse_bool(text):
+def parse_bool(text):
     if str(text).lower() in ("1", "true", "yes", "on"):
         return True
     if str(text).lower() in ("0", "false", "no", "off"):
@@ -139,7 +139,7 @@ def add_model_args(parser, default_preset="tiny"):
     group = parser.add_argument_group("model (a preset, then any field overridden)")
     group.add_argument("--preset", default=default_preset, help=f"one of {preset_names()} (default: %(default)s)")
     for f in fields(GPTConfig):
-        kind = _parse_bool if f.type is bool else f.type
+        kind = parse_bool if f.type is bool else f.type
         group.add_argument(f"--{f.name}", type=kind, default=None, metavar=f.name.upper(),
                            help=f"override the preset's {f.name}")
 

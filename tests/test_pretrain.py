@@ -1,0 +1,185 @@
+"""pretrain.py and common.py: learning, exact resume after SIGKILL (1 and 2 processes), 2 processes = 1 process,
+NaN stop, SIGTERM, frozen-parameter monitor, schedules, batch planning, status."""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+import torch
+
+import common as C
+import dataset as D
+import pretrain
+from model import autocast_context, build_model, config_from_preset
+from tokenizer import train_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["--sequence_len", "64", "--n_layer", "2", "--n_embd", "64", "--n_head", "2", "--n_kv_head", "2",
+         "--micro_batch", "4", "--eval_every", "0", "--eval_tokens", "4096", "--log_every", "1000"]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """The demo world and a vocab-1024 tokenizer trained on it, in a directory the runs work in."""
+    root = tmp_path_factory.mktemp("pretrain")
+    D.write_demo(root / "demo")
+    train_tokenizer(D.iter_texts(root / "demo" / "pretrain", "train"), 1024).save(root / "tokenizer")
+    return root
+
+
+def run(world, args, nproc=1, check=True):
+    """pretrain.py as a user runs it: `python pretrain.py` or `torchrun --standalone --nproc_per_node=N`, in its own
+    process group (so a SIGKILL hits torchrun and all its workers, as a dying machine would)."""
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                     f"--nproc_per_node={nproc}"]
+    cmd = [*launcher, str(ROOT / "pretrain.py"), "--data_dir", str(world / "demo" / "pretrain"), "--tokenizer",
+           str(world / "tokenizer"), "--runs_dir", str(world / "runs"), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(cmd, cwd=world, capture_output=True, text=True, env=env, start_new_session=True,
+                            timeout=600, check=False)
+    if check and result.returncode != 0:
+        raise AssertionError(f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
+
+
+def losses(world, name):
+    records = [json.loads(line) for line in (world / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def test_a_small_model_learns_the_demo_world(world):
+    out = run(world, ["--run_name", "learn", "--steps", "60", "--sequence_len", "128", "--n_layer", "2", "--n_embd", "128",
+                      "--n_head", "2", "--n_kv_head", "2", "--micro_batch", "16", "--eval_every", "0",
+                      "--eval_tokens", "20000"]).stdout
+    bpb = json.loads((world / "runs" / "learn" / "done.json").read_text())["val_bpb"]
+    tok = pretrain.Tokenizer.load(world / "tokenizer")
+    from tokenizer import bytes_per_token
+    uniform = math.log2(tok.vocab_size) / bytes_per_token(tok, D.iter_texts(world / "demo" / "pretrain", "val"))
+    assert bpb < 0.7 * uniform, (bpb, uniform)  # measured: 1.62 against 2.61 for a uniform guess
+    assert "params: 655360" in out and "tokens per step = micro_batch 16 x sequence_len 128 x world size 1 x " \
+        "accumulation 1 = 2,048" in out
+    assert "budget: 60 steps, 122,880 tokens" in out
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_sigkill_then_resume_gives_bitwise_equal_losses(world, nproc):
+    args = [*SMALL, "--steps", "14", "--ckpt_every", "4"]
+    run(world, [*args, "--run_name", f"straight{nproc}"], nproc)
+    killed = run(world, [*args, "--run_name", f"killed{nproc}", "--kill_at_step", "10"], nproc, check=False)
+    assert killed.returncode != 0
+    ckpts = [p.name for p in C.list_checkpoints(world / "runs" / f"killed{nproc}" / "ckpt")]
+    assert ckpts[-1] == "step_000008" and not (world / "runs" / f"killed{nproc}" / "done.json").exists()
+    resumed = run(world, [*args, "--run_name", f"killed{nproc}", "--resume"], nproc)
+    assert "resume: from" in resumed.stdout and "at step 8" in resumed.stdout
+    straight, again = losses(world, f"straight{nproc}"), losses(world, f"killed{nproc}")
+    assert sorted(again) == list(range(1, 15))
+    assert again == straight  # bitwise: the JSON floats round-trip exactly
+    if nproc == 2:
+        assert "world size 2 (gloo): rank 0 cpu" in resumed.stdout and "rank 1 cpu" in resumed.stdout
+
+
+def test_two_processes_match_one_with_the_same_global_batch(world):
+    one = run(world, [*SMALL, "--steps", "8", "--run_name", "one", "--total_batch_tokens", str(2 * 4 * 64)], 1)
+    two = run(world, [*SMALL, "--steps", "8", "--run_name", "two"], 2)
+    assert "accumulation 2 = 512" in one.stdout and "world size 2 x accumulation 1 = 512" in two.stdout
+    a, b = losses(world, "one"), losses(world, "two")
+    assert sorted(a) == sorted(b) == list(range(1, 9))
+    for step in a:
+        assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
+
+
+def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(world):
+    result = run(world, [*SMALL, "--steps", "12", "--ckpt_every", "3", "--run_name", "nan", "--inject_nan_step", "7"],
+                 check=False)
+    assert result.returncode != 0
+    assert "step 7: loss nan" in result.stderr and "last good checkpoint: " in result.stderr
+    ckpts = C.list_checkpoints(world / "runs" / "nan" / "ckpt")
+    assert [p.name for p in ckpts] == ["step_000003", "step_000006"]  # step 7 never reached its optimizer step
+    state = torch.load(ckpts[-1] / "model.pt", weights_only=True)
+    assert all(torch.isfinite(t).all() for t in state.values())
+    assert all(math.isfinite(v) for v in losses(world, "nan").values())
+
+
+def test_sigterm_finishes_the_step_checkpoints_and_says_how_to_resume(world):
+    result = run(world, [*SMALL, "--steps", "20", "--ckpt_every", "100", "--run_name", "term", "--signal_at_step", "5"],
+                 check=False)
+    assert result.returncode == 128 + signal.SIGTERM
+    assert "stopped by signal at step 5" in result.stdout and "--resume" in result.stdout
+    assert [p.name for p in C.list_checkpoints(world / "runs" / "term" / "ckpt")] == ["step_000005"]
+    status = run(world, ["--status", str(world / "runs" / "term")]).stdout
+    assert "not finished; step 5/20" in status and "checkpoints: step_000005" in status
+
+
+def test_bad_batch_arithmetic_names_the_nearest_valid_values(world):
+    result = run(world, [*SMALL, "--steps", "2", "--run_name", "bad", "--total_batch_tokens", "1000"], check=False)
+    assert result.returncode != 0
+    assert "not a multiple of micro_batch 4 x sequence_len 64 x world size 1 = 256: nearest valid values are 768 " \
+           "and 1024" in result.stderr
+
+
+def test_frozen_monitor_names_bf16_norm_weights():
+    torch.manual_seed(0)
+    model = build_model(config_from_preset("tiny", {"norm_learnable": True, "n_layer": 2, "sequence_len": 32}))
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.data = p.data.to(torch.bfloat16)  # seed 001's bug, on the norms only
+    samples = C.param_samples(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    idx = torch.randint(0, 1024, (2, 32))
+    for _ in range(10):
+        with autocast_context("cpu", "bfloat16"):
+            model(idx, idx.roll(-1, 1)).backward()
+        for p in model.parameters():
+            p.grad = p.grad.to(p.dtype)
+        opt.step()
+        opt.zero_grad()
+    frozen = C.frozen_parameters(model, samples)
+    assert frozen and frozen == [n for n, _ in model.named_parameters() if "norm" in n]
+
+
+def test_micro_batch_probe_takes_the_largest_that_fits():
+    tried = []
+
+    def try_step(micro):
+        tried.append(micro)
+        if micro > 6:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+    assert pretrain.find_micro_batch(try_step, [1, 2, 4, 8, 16]) == 4 and tried == [16, 8, 4]
+    with pytest.raises(SystemExit, match="even micro_batch=8 runs out of memory"):
+        pretrain.find_micro_batch(try_step, [8, 16])
+
+
+def test_schedules():
+    base = {"warmup_steps": 10, "schedule": "cosine", "min_lr_frac": 0.1, "warmdown_frac": 0.2, "stage2_step": 0,
+            "stage1_end_frac": 0.667, "stage2_lr_frac": 0.667, "weight_decay": 0.1, "stage2_weight_decay": 0.0}
+    a = Namespace(**base)
+    assert C.lr_multiplier(0, 110, a) == pytest.approx(0.1) and C.lr_multiplier(9, 110, a) == 1.0
+    assert C.lr_multiplier(10, 110, a) == 1.0 and C.lr_multiplier(60, 110, a) == pytest.approx(0.55)
+    assert C.lr_multiplier(110, 110, a) == pytest.approx(0.1)
+    w = Namespace(**{**base, "schedule": "wsd"})
+    assert C.lr_multiplier(89, 110, w) == 1.0 and C.lr_multiplier(100, 110, w) == pytest.approx(0.55)
+    # seed 002: warmup 375, 0.0015 -> 0.001 over stage 1, then 0.001 -> 0.000015 from step 200k, weight decay 0.1 -> 0
+    s = Namespace(**{**base, "warmup_steps": 375, "schedule": "linear", "stage2_step": 200_000, "min_lr_frac": 0.01,
+                     "stage1_end_frac": 0.001 / 0.0015, "stage2_lr_frac": 0.001 / 0.0015})
+    assert 0.0015 * C.lr_multiplier(199_999, 400_000, s) == pytest.approx(0.001, rel=1e-4)
+    assert 0.0015 * C.lr_multiplier(200_000, 400_000, s) == pytest.approx(0.001)
+    assert 0.0015 * C.lr_multiplier(400_000, 400_000, s) == pytest.approx(0.000015)
+    assert (C.weight_decay_at(199_999, s), C.weight_decay_at(200_000, s)) == (0.1, 0.0)
+
+
+def test_optimizer_groups_and_lr_rule():
+    model = build_model(config_from_preset("tiny", {"norm_learnable": True}))
+    args = Namespace(optimizer="muon", adam8bit=False, matrix_lr=0.02, embedding_lr=0.2, head_lr=0.004, scalar_lr=0.04)
+    adam, muon = C.build_optimizers(model, args, width=3072, batch_tokens=2 ** 17, device=torch.device("cpu"))
+    lrs = {g["name"]: g["lr"] for opt in (adam, muon) for g in opt.param_groups}
+    assert lrs == pytest.approx({"embedding": 0.2 * 0.5 * 0.5, "head": 0.004 * 0.25, "scalar": 0.04 * 0.25,
+                                 "matrix": 0.02})  # width 4 x 768 -> 1/2, batch 2^17 = 2^19 / 4 -> 1/2
+    assert {id(p) for p in muon.param_groups[0]["params"]} == {id(p) for n, p in model.named_parameters()
+                                                              if n.startswith("blocks.") and p.ndim == 2}
+    n_params = sum(len(g["params"]) for opt in (adam, muon) for g in opt.param_groups)
+    assert n_params == len(list(model.parameters()))
