@@ -1,7 +1,7 @@
 """Benchmarks: figures printed with their targets. Not tests; nothing here is timed inside pytest.
 
     python bench.py              # every benchmark
-    python bench.py train decode # a chosen few: train, decode, build, tokenizer, loader
+    python bench.py train decode # a chosen few: train, decode, build, tokenizer, loader, pretrain
 
 train   forward+backward tokens/s of a preset on this machine: eager fp32, torch.compile fp32, compile + bf16 autocast.
         Target: compile + bf16 >= 2x eager fp32.
@@ -11,6 +11,8 @@ build   seconds to construct llama3-1b on the meta device and materialize + init
 tokenizer  seconds to train a vocab-8192 BPE tokenizer on the training split of the real-text corpus at --corpus
         (../shared/corpus/realtext: ~16 MB of training text; skipped if absent), reading the shards included, and
         bytes/token on its validation split. Target: <= 10 s for 50 MB (projected from the measured MB/s).
+pretrain  `python pretrain.py` itself on the demo world (30 steps, micro-batch 16): tokens/s from its metrics.jsonl,
+        eager fp32 and compile + bf16, and MFU against this device's measured matmul throughput.
 loader  one process's streaming loader (read + tokenize + pack) over one epoch of the same corpus at T = 256, 1024,
         2048: tokens/s (target >= 1M) and the share of document tokens cropped, i.e. moved to a later row as a
         BOS-led piece, cut off from their document's start (target <= 20% at T = 2048; nothing is discarded).
@@ -153,8 +155,53 @@ def bench_loader(args, device):
               f"{stats['docs']:,} documents, batch 16")
 
 
+def matmul_peak(device, dtype, n=2048, reps=10):
+    """Measured dense matmul FLOP/s: the achievable peak of this device, for devices the MFU table does not list."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync(device)
+    return 2 * n ** 3 * reps / (time.perf_counter() - start)
+
+
+def bench_pretrain(args, device):
+    """The real command: pretrain.py on the demo world, throughput from its own metrics.jsonl."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    from dataset import write_demo
+    from model import flops_per_token
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        write_demo(tmp / "demo")
+        train_tokenizer(iter_texts(tmp / "demo" / "pretrain", "train"), 1024).save(tmp / "tokenizer")
+        config = config_from_preset(args.preset, {"vocab_size": 1024})
+        for label, dtype, compiled in (("eager fp32", "float32", "false"), ("compile + bf16", "bfloat16", "true")):
+            cmd = [sys.executable, str(Path(__file__).parent / "pretrain.py"), "--preset", args.preset,
+                   "--data_dir", str(tmp / "demo" / "pretrain"), "--tokenizer", str(tmp / "tokenizer"),
+                   "--runs_dir", str(tmp / "runs"), "--run_name", label.replace(" ", ""), "--steps", "30",
+                   "--micro_batch", "16", "--eval_every", "0", "--eval_tokens", "4096", "--dtype", dtype,
+                   "--compile", compiled, "--ckpt_every", "1000"]
+            subprocess.run(cmd, check=True, capture_output=True)
+            records = [json.loads(line) for line in
+                       (tmp / "runs" / label.replace(" ", "") / "metrics.jsonl").read_text().splitlines()]
+            rates = sorted(r["tok_per_s"] for r in records if "tok_per_s" in r and r["step"] > 5)
+            rate = rates[len(rates) // 2]
+            peak = matmul_peak(device, torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+            print(f"pretrain {args.preset} {label:15s}: {rate:8,.0f} tok/s (median of steps 6-30, micro-batch 16 x "
+                  f"{config.sequence_len}); MFU {100 * rate * flops_per_token(config) / peak:.1f}% of this "
+                  f"device's measured {dtype} matmul peak {peak / 1e9:,.0f} GFLOP/s (the run itself logs MFU "
+                  f"'unknown': no rated peak for '{'cpu' if device.type == 'cpu' else torch.cuda.get_device_name()}')")
+
+
 BENCHES = {"train": bench_train, "decode": bench_decode, "build": bench_build, "tokenizer": bench_tokenizer,
-           "loader": bench_loader}
+           "loader": bench_loader, "pretrain": bench_pretrain}
 
 
 def main():

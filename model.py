@@ -590,7 +590,6 @@ def sample_next(logits, temperature, top_k, generator):
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
 
 
-@torch.inference_mode()  # no autograd bookkeeping at all: measurably less per-op overhead than no_grad
 def generate(model, prompt, max_new_tokens, temperature=1.0, top_k=None, seed=None, dtype="float32"):
     """Stream token ids after `prompt` (a list of ids): the prompt is prefilled into a KV cache in one forward, then
     each new token costs one single-position forward. The caller stops early by leaving the loop."""
@@ -605,14 +604,18 @@ def generate(model, prompt, max_new_tokens, temperature=1.0, top_k=None, seed=No
     else:
         generator.seed()
     cache = KVCache(model.config, batch_size=1, max_len=total)
-    ids = torch.tensor([prompt], dtype=torch.long, device=device)
-    with autocast_context(device.type, dtype):
-        logits = model(ids, kv_cache=cache, last_only=True)[:, -1]
-        for step in range(max_new_tokens):
-            next_id = sample_next(logits, temperature, top_k, generator)
-            yield next_id.item()
-            if step + 1 < max_new_tokens:
-                logits = model(next_id, kv_cache=cache)[:, -1]
+
+    def next_token(ids):
+        # contexts entered per step, never held across a `yield`: autocast does not survive one (the decode steps
+        # would run in fp32 against a bf16 cache); inference_mode: less per-op overhead than no_grad
+        with torch.inference_mode(), autocast_context(device.type, dtype):
+            return sample_next(model(ids, kv_cache=cache, last_only=True)[:, -1], temperature, top_k, generator)
+
+    next_id = next_token(torch.tensor([prompt], dtype=torch.long, device=device))
+    for step in range(max_new_tokens):
+        yield next_id.item()
+        if step + 1 < max_new_tokens:
+            next_id = next_token(next_id)
 
 
 # -----------------------------------------------------------------------------

@@ -346,6 +346,18 @@ def test_kv_cache_prefill_in_pieces():
     assert torch.allclose(torch.cat([first, second], 1), full, atol=1e-5)
 
 
+def test_generate_in_bf16_keeps_one_dtype_through_the_cache():
+    torch.manual_seed(0)
+    model = build_model(small(n_kv_head=2)).eval()
+    tokens = list(M.generate(model, [1, 2, 3], 40, temperature=0, dtype="bfloat16"))
+    assert len(tokens) == 40 and all(0 <= t < 512 for t in tokens)
+    with autocast_context("cpu", "bfloat16"), torch.no_grad():  # the same greedy tokens as recomputing in bf16
+        seq = torch.tensor([[1, 2, 3]])
+        for _ in range(5):
+            seq = torch.cat([seq, model(seq, last_only=True)[:, -1].argmax(-1, keepdim=True)], 1)
+    assert tokens[:5] == seq[0, 3:].tolist()
+
+
 def test_generate_sampling_is_seeded_and_bounded():
     torch.manual_seed(0)
     model = build_model(small()).eval()

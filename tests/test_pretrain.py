@@ -183,3 +183,11 @@ def test_optimizer_groups_and_lr_rule():
                                                               if n.startswith("blocks.") and p.ndim == 2}
     n_params = sum(len(g["params"]) for opt in (adam, muon) for g in opt.param_groups)
     assert n_params == len(list(model.parameters()))
+
+
+def test_bf16_run_evaluates_and_samples(world):
+    out = run(world, [*SMALL, "--steps", "4", "--eval_every", "2", "--dtype", "bfloat16", "--run_name", "bf16"]).stdout
+    records = [json.loads(line) for line in (world / "runs" / "bf16" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "val_bpb" in r] == [2] and "final_val_bpb" in records[-1]
+    samples = [json.loads(line) for line in (world / "runs" / "bf16" / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [2] * 4 + [4] * 4 and "eval step 2: val bpb" in out
