@@ -2,10 +2,10 @@
 
     python pretrain.py --data_dir data/demo/pretrain --steps 400                   # one process (CPU or one GPU)
     torchrun --standalone --nproc_per_node=8 pretrain.py --preset d20 --tokens_per_param 20
-    python pretrain.py --run_name NAME --resume                                         # continue from the last checkpoint
+    python pretrain.py --run_name NAME --resume                                    # continue from the last checkpoint
     python pretrain.py --status runs/NAME                                          # a live or finished run
 
-Writes runs/<run>/: config.json, metrics.jsonl (every step), samples.jsonl (every eval), ckpt/step_XXXXXX/.
+Writes runs/<run_name>/: config.json, metrics.jsonl (every step), samples.jsonl (every eval), ckpt/step_XXXXXX/.
 """
 import argparse
 import json
@@ -208,7 +208,9 @@ def main(argv=None):
     tokens_per_step = micro * T * world * accum
     total_steps = plan_steps(args, config, tokens_per_step)
 
-    if args.resume and args.run_name is None:
+    if args.resume not in (None, "latest"):  # a checkpoint path: runs_dir/run_name/ckpt/step_XXXXXX
+        args.runs_dir, args.run_name = str(Path(args.resume).parent.parent.parent), Path(args.resume).parent.parent.name
+    elif args.resume and args.run_name is None:
         args.run_name = newest_run(args.runs_dir)
     args.run_name = args.run_name or f"pretrain_{args.preset}_{time.strftime('%Y%m%d_%H%M%S')}"
     run_dir = Path(args.runs_dir) / args.run_name
@@ -219,7 +221,10 @@ def main(argv=None):
                            world_size=world * accum, device=device) for j in range(accum)]
     start = 0
     if args.resume:
-        path = C.list_checkpoints(run_dir / "ckpt")[-1] if args.resume == "latest" else Path(args.resume)
+        found = C.list_checkpoints(run_dir / "ckpt")
+        if args.resume == "latest" and not found:
+            raise SystemExit(f"--resume: {run_dir}/ckpt has no checkpoint yet")
+        path = found[-1] if args.resume == "latest" else Path(args.resume)
         ckpt = C.load_checkpoint(path, rank, device)
         meta = ckpt["meta"]
         for key, mine in (("model_config", asdict(config)), ("world_size", world), ("micro_batch", micro),
@@ -349,8 +354,9 @@ def main(argv=None):
         if stop.requested():
             path = checkpoint(step + 1)
             if master:
-                print(f"stopped by signal at step {step + 1}; checkpoint {path}. Resume with: "
-                      f"{' '.join(sys.argv)} --run_name {args.run_name} --resume")
+                again = [a for a in sys.argv if a != "--resume"] + \
+                    ([] if "--run_name" in sys.argv else ["--run_name", args.run_name]) + ["--resume"]
+                print(f"stopped by signal at step {step + 1}; checkpoint {path}. Resume with: python {' '.join(again)}")
             C.teardown_distributed()
             sys.exit(128 + (stop.signum or signal.SIGTERM))  # non-zero: a script chaining stages must not go on
         if (step + 1) % args.ckpt_every == 0 or last_step:

@@ -109,10 +109,15 @@ def test_sigterm_finishes_the_step_checkpoints_and_says_how_to_resume(world):
     result = run(world, [*SMALL, "--steps", "20", "--ckpt_every", "100", "--run_name", "term", "--signal_at_step", "5"],
                  check=False)
     assert result.returncode == 128 + signal.SIGTERM
-    assert "stopped by signal at step 5" in result.stdout and "--resume" in result.stdout
+    assert "stopped by signal at step 5" in result.stdout
+    assert result.stdout.count("--resume") == 1 and result.stdout.count("--run_name") == 1
     assert [p.name for p in C.list_checkpoints(world / "runs" / "term" / "ckpt")] == ["step_000005"]
     status = run(world, ["--status", str(world / "runs" / "term")]).stdout
     assert "not finished; step 5/20" in status and "checkpoints: step_000005" in status
+    resumed = run(world, [*SMALL, "--steps", "7", "--resume", str(world / "runs" / "term" / "ckpt" / "step_000005")])
+    assert "at step 5" in resumed.stdout and "done: 7 steps" in resumed.stdout  # the run dir comes from the path
+    nothing = run(world, [*SMALL, "--steps", "7", "--run_name", "empty", "--resume"], check=False)
+    assert nothing.returncode != 0 and "runs/empty/ckpt has no checkpoint yet" in nothing.stderr
 
 
 def test_bad_batch_arithmetic_names_the_nearest_valid_values(world):
@@ -191,3 +196,23 @@ def test_bf16_run_evaluates_and_samples(world):
     assert [r["step"] for r in records if "val_bpb" in r] == [2] and "final_val_bpb" in records[-1]
     samples = [json.loads(line) for line in (world / "runs" / "bf16" / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [2] * 4 + [4] * 4 and "eval step 2: val bpb" in out
+
+
+def test_adam8bit_without_bitsandbytes_says_how_to_get_it():
+    pytest.importorskip("torch")
+    try:
+        import bitsandbytes  # noqa: F401
+        pytest.skip("bitsandbytes is installed here")
+    except ImportError:
+        pass
+    args = Namespace(optimizer="muon", adam8bit=True, matrix_lr=0.02, embedding_lr=0.2, head_lr=0.004, scalar_lr=0.04)
+    with pytest.raises(SystemExit, match="--adam8bit needs bitsandbytes: `pip install bitsandbytes`"):
+        C.build_optimizers(build_model(config_from_preset("tiny")), args, 256, 4096, torch.device("cpu"))
+
+
+def test_memory_growth_warning_needs_steady_growth():
+    mib = 2 ** 20
+    assert C.memory_growing([i * 2 * mib for i in range(60)])  # +2 MiB every step: 98 MiB over the last 50
+    assert not C.memory_growing([i * 2 * mib for i in range(40)])  # too few steps to say
+    assert not C.memory_growing([(i % 2) * 200 * mib + i * mib for i in range(60)])  # it falls sometimes
+    assert not C.memory_growing([i * mib // 4 for i in range(60)])  # steady but tiny: 12 MiB
