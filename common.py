@@ -228,8 +228,8 @@ def versions():
             "numpy": np.__version__}
 
 
-def save_checkpoint(ckpt_dir, step, model, optimizers, loader, meta, rank, keep):
-    """Every rank writes its loader and RNG state; rank 0 the model, optimizers and meta.json; then rank 0 renames
+def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank, keep):
+    """Every rank writes its loader state and RNG state; rank 0 the model, optimizers and meta.json; then rank 0 renames
     the temporary directory into place and deletes all but the newest `keep` checkpoints."""
     final = Path(ckpt_dir) / f"step_{step:06d}"
     tmp = Path(ckpt_dir) / f".tmp_step_{step:06d}"
@@ -237,7 +237,7 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, loader, meta, rank, keep)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    torch.save({"loader": loader.state_dict(), "rng": rng_state()}, tmp / f"rank{rank:03d}.pt")
+    torch.save({"loader": loader_state, "rng": rng_state()}, tmp / f"rank{rank:03d}.pt")
     if rank == 0:
         torch.save(model.state_dict(), tmp / "model.pt")
         torch.save([opt.state_dict() for opt in optimizers], tmp / "optimizers.pt")
@@ -319,10 +319,15 @@ def fmt_duration(seconds):
 # -----------------------------------------------------------------------------
 # Health
 
-def param_samples(model, n=4096):
-    """A strided sample of up to n elements of every parameter: cheap to keep, and an optimizer update (dense for AdamW
-    and Muon) changes every element, so an unchanged sample means an unchanged tensor."""
-    return {name: p.detach().reshape(-1)[::max(1, p.numel() // n)][:n].clone() for name, p in model.named_parameters()}
+def sample(p, n=4096):
+    """A strided sample of up to n elements of a parameter: cheap to keep, and an optimizer update (dense for AdamW
+    and Muon) changes every element, so an unchanged sample means an unchanged tensor. The same p and n always give
+    the same elements."""
+    return p.detach().reshape(-1)[::max(1, p.numel() // n)][:n]
+
+
+def param_samples(model):
+    return {name: sample(p).clone() for name, p in model.named_parameters()}
 
 
 def frozen_parameters(model, samples):
@@ -339,16 +344,14 @@ def update_ratios(optimizers, before):
             num = den = 0.0
             for p in group["params"]:
                 old = before[id(p)]
-                new = p.detach().reshape(-1)[::max(1, p.numel() // old.numel())][:old.numel()]
-                num += (new - old).float().pow(2).sum().item()
+                num += (sample(p) - old).float().pow(2).sum().item()
                 den += old.float().pow(2).sum().item()
             ratios[group["name"]] = math.sqrt(num / den) if den > 0 else None
     return ratios
 
 
-def samples_by_id(optimizers, n=4096):
-    return {id(p): p.detach().reshape(-1)[::max(1, p.numel() // n)][:n].clone()
-            for opt in optimizers for g in opt.param_groups for p in g["params"]}
+def samples_by_id(optimizers):
+    return {id(p): sample(p).clone() for opt in optimizers for g in opt.param_groups for p in g["params"]}
 
 
 def memory_growing(history, min_steps=50, min_growth=64 * 2**20):

@@ -278,8 +278,8 @@ def main(argv=None):
     def checkpoint(step):
         if not all(torch.isfinite(p).all() for p in model.parameters()):  # never write a NaN checkpoint
             raise SystemExit(f"step {step}: parameters are not finite; not writing a checkpoint")
-        return C.save_checkpoint(run_dir / "ckpt", step, model, optimizers, _Loaders(loaders), ckpt_meta, rank,
-                                 args.keep)
+        return C.save_checkpoint(run_dir / "ckpt", step, model, optimizers, [ld.state_dict() for ld in loaders],
+                                 ckpt_meta, rank, args.keep)
 
     for step in range(start, total_steps):
         t0 = C.now()
@@ -369,16 +369,6 @@ def main(argv=None):
     for loader in loaders:
         loader.close()
     C.teardown_distributed()
-
-
-class _Loaders:
-    """The micro-step loaders of one rank, saved as one list."""
-
-    def __init__(self, loaders):
-        self.loaders = loaders
-
-    def state_dict(self):
-        return [ld.state_dict() for ld in self.loaders]
 
 
 def print_status(run_dir):
