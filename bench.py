@@ -18,14 +18,18 @@ loader  one process's streaming loader (read + tokenize + pack) over one epoch o
         BOS-led piece, cut off from their document's start (target <= 20% at T = 2048; nothing is discarded).
 """
 import argparse
+import json
 import math
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from dataset import iter_texts, text_loader
-from model import KVCache, autocast_context, build_model, config_from_preset, num_params
+from dataset import iter_texts, text_loader, write_demo
+from model import KVCache, autocast_context, build_model, config_from_preset, flops_per_token, num_params
 from tokenizer import bytes_per_token, counting, train_tokenizer
 
 
@@ -170,13 +174,6 @@ def matmul_peak(device, dtype, n=2048, reps=10):
 
 def bench_pretrain(args, device):
     """The real command: pretrain.py on the demo world, throughput from its own metrics.jsonl."""
-    import json
-    import subprocess
-    import sys
-    import tempfile
-
-    from dataset import write_demo
-    from model import flops_per_token
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         write_demo(tmp / "demo")
