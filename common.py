@@ -1,5 +1,6 @@
-"""What the three training stages (pretrain.py, midtrain.py, sft.py) share: distributed setup and teardown,
-optimizers and their learning-rate rule, schedules, checkpoints, metrics logging, MFU, health checks.
+"""What the stages (pretrain.py, midtrain.py, sft.py, core_eval.py) share: distributed setup and teardown,
+optimizers and their learning-rate rule, schedules, checkpoints and finding/loading them, validation bits per byte,
+metrics logging, MFU, health checks.
 
 Not a stage: `python common.py` does nothing. Import it.
 """
@@ -18,6 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from dataset import iter_texts
+from model import GPTConfig, autocast_context, build_model
 
 # -----------------------------------------------------------------------------
 # Distributed
@@ -270,9 +274,102 @@ def load_checkpoint(path, rank, device):
             "rank": torch.load(rank_file, weights_only=True)}
 
 
+def find_checkpoint(path=None, runs_dir="runs"):
+    """A checkpoint directory from a checkpoint path, a run directory (its newest checkpoint), or nothing (the newest
+    checkpoint of any run under runs_dir): how each stage picks up the output of the one before it."""
+    if path is None:
+        found = [c for run in Path(runs_dir).glob("*/ckpt") for c in list_checkpoints(run)]
+        if not found:
+            raise SystemExit(f"no checkpoint under {runs_dir}/*/ckpt/: train one first (python pretrain.py), or pass "
+                             f"--checkpoint runs/<run>")
+        return max(found, key=lambda c: (c / "meta.json").stat().st_mtime)
+    path = Path(path)
+    if (path / "meta.json").is_file():
+        return path
+    found = list_checkpoints(path / "ckpt")
+    if not found:
+        raise SystemExit(f"--checkpoint {path}: neither a checkpoint (runs/<run>/ckpt/step_*/meta.json) nor a run "
+                         f"directory with checkpoints in {path}/ckpt/")
+    return found[-1]
+
+
+def load_model(path, device):
+    """(model in eval mode, meta) from a checkpoint's model.pt and meta.json, on any number of processes (the rank
+    files, which a resume needs, are not read)."""
+    meta = json.loads((Path(path) / "meta.json").read_text())
+    model = build_model(GPTConfig(**meta["model_config"]), device)
+    model.load_state_dict(torch.load(Path(path) / "model.pt", map_location=device, weights_only=True))
+    model.eval()
+    return model, meta
+
+
+def check_tokenizer(meta, tokenizer, tokenizer_path, checkpoint):
+    """Refuse a tokenizer the checkpoint was not trained with: ids would mean other strings and every score would be
+    silently wrong."""
+    vocab = meta["model_config"]["vocab_size"]
+    if tokenizer.vocab_size != vocab:
+        raise SystemExit(f"tokenizer {tokenizer_path} has {tokenizer.vocab_size} tokens, the model in {checkpoint} "
+                         f"has {vocab}: pass the tokenizer it was trained with (--tokenizer {meta.get('tokenizer')})")
+    recorded = meta.get("tokenizer_sha256")
+    if recorded and recorded != tokenizer.fingerprint():
+        raise SystemExit(f"tokenizer {tokenizer_path} (sha256 {tokenizer.fingerprint()[:12]}) is not the one {checkpoint} "
+                         f"was trained with (sha256 {recorded[:12]}, from {meta.get('tokenizer')}): pass that one "
+                         f"with --tokenizer")
+
+
 def barrier():
     if dist.is_initialized():
         dist.barrier()
+
+
+# -----------------------------------------------------------------------------
+# Validation bits per byte, shared by pretrain.py (during training) and core_eval.py (on a checkpoint)
+
+def val_tokens(data_dir, tokenizer, max_tokens):
+    """The validation split's first max_tokens + 1 tokens as one stream, each document led by BOS (fewer if the split
+    is smaller). The same tokens on every rank and in every stage, so two val bpb figures are comparable."""
+    stream, texts = [], iter_texts(data_dir, "val")
+    while len(stream) <= max_tokens and (batch := list(itertools.islice(texts, 256))):
+        for ids in tokenizer.encode_batch(batch):
+            stream += [tokenizer.bos_id, *ids]
+    return torch.tensor(stream[:max_tokens + 1], dtype=torch.long)
+
+
+def all_reduce_tensor(t):
+    """Sum a tensor over ranks in place (moved through the GPU under NCCL); identity when not distributed."""
+    if dist.is_initialized():
+        on = t.cuda() if dist.get_backend() == "nccl" else t
+        dist.all_reduce(on)
+        t.copy_(on.cpu() if on is not t else on)
+    return t
+
+
+@torch.no_grad()
+def val_bpb(model, tokens, token_bytes, seq_len, batch_rows, dtype, rank, world, device):
+    """(bits per byte, tokens scored) over rows of seq_len + 1 tokens cut from `tokens` with stride seq_len. Targets
+    that are special tokens (BOS) are excluded from both the loss and the bytes: they stand for no text. Batches are
+    formed from the whole stream and dealt to ranks round robin, and their sums are added in batch order after the
+    all-reduce, so the figure is bitwise the same on 1 or N processes."""
+    n_rows = (len(tokens) - 1) // seq_len
+    if n_rows == 0:
+        raise ValueError(f"the validation split has {len(tokens)} tokens, fewer than one row of {seq_len + 1}")
+    token_bytes = torch.as_tensor(token_bytes, device=device)
+    n_batches = math.ceil(n_rows / batch_rows)
+    sums = torch.zeros(n_batches, 3, dtype=torch.float64)
+    was_training = model.training
+    model.eval()
+    for b in range(rank, n_batches, world):
+        starts = range(b * batch_rows * seq_len, min(n_rows, (b + 1) * batch_rows) * seq_len, seq_len)
+        rows = torch.stack([tokens[s:s + seq_len + 1] for s in starts]).to(device)
+        x, y = rows[:, :-1], rows[:, 1:]
+        with autocast_context(device.type, dtype):
+            losses = model(x, y, reduction="none")
+        nbytes = token_bytes[y]
+        sums[b] = torch.stack([(losses * (nbytes > 0)).sum().double().cpu(), nbytes.sum().double().cpu(),
+                               (nbytes > 0).sum().double().cpu()])
+    model.train(was_training)
+    nats, total_bytes, scored = all_reduce_tensor(sums).sum(0).tolist()
+    return nats / (math.log(2) * total_bytes), int(scored)
 
 
 # -----------------------------------------------------------------------------

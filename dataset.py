@@ -180,7 +180,8 @@ def _fetch_into(url, partial, size, progress):
         offset = 0
     if partial.exists() and offset == size:  # complete from an earlier run that died before verifying
         return _sha256_file(partial), None
-    headers = {**hub_headers(), "Accept-Encoding": "identity"}  # compressed bodies would not match sizes or Range
+    # compressed bodies would not match sizes or Range; the hub token goes to the hub only, never to another host
+    headers = {**(hub_headers() if url.startswith(hub_endpoint() + "/") else {}), "Accept-Encoding": "identity"}
     if offset:
         headers["Range"] = f"bytes={offset}-"
     with _session().get(url, headers=headers, stream=True, timeout=(CONNECT_TIMEOUT, READ_TIMEOUT)) as resp:

@@ -507,10 +507,11 @@ class GPT(nn.Module):
     def head_weight(self):
         return self.wte.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, idx, targets=None, kv_cache=None, reduction="mean", last_only=False):
+    def forward(self, idx, targets=None, kv_cache=None, reduction="mean", last_only=False, predictions=False):
         """idx (B, T) token ids. With targets (B, T) (-1 = ignore): the cross-entropy over targets != -1, reduced by
-        'mean' (0 when no target is valid), 'sum', or 'none' ((B, T), 0 where ignored). Without targets: fp32
-        logits (B, T, vocab), or (B, 1, vocab) with last_only. kv_cache: continue from kv_cache.pos, then advance it."""
+        'mean' (0 when no target is valid), 'sum', or 'none' ((B, T), 0 where ignored; with predictions=True also the
+        argmax token at each position, -1 where ignored). Without targets: fp32 logits (B, T, vocab), or (B, 1,
+        vocab) with last_only. kv_cache: continue from kv_cache.pos, then advance it."""
         B, T = idx.shape
         start = kv_cache.pos if kv_cache is not None else 0
         if start + T > self.config.sequence_len:
@@ -532,7 +533,8 @@ class GPT(nn.Module):
             return softcap_logits(F.linear(x, self.head_weight()).float(), softcap)
         x, targets = x.reshape(B * T, -1), targets.reshape(B * T)
         if reduction == "none":
-            return self._per_token_loss(x, targets).view(B, T)
+            losses, argmax = self._per_token_loss(x, targets)
+            return (losses.view(B, T), argmax.view(B, T)) if predictions else losses.view(B, T)
         compute_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) \
             else self.head_weight().dtype
         loss_sum = ChunkedCrossEntropy.apply(x, self.head_weight(), targets, softcap, compute_dtype)
@@ -541,13 +543,18 @@ class GPT(nn.Module):
         return loss_sum / (targets != -1).sum().clamp(min=1)
 
     def _per_token_loss(self, x, targets):
+        """Loss and argmax at the positions with a target, computed in chunks; an evaluation that scores a few
+        continuation tokens per row pays the head for those only."""
+        valid = (targets != -1).nonzero().squeeze(1)
+        losses = torch.zeros(targets.shape, device=x.device)
+        argmax = torch.full(targets.shape, -1, dtype=torch.long, device=x.device)
         rows = max(1, LOSS_CHUNK_ELEMENTS // self.config.vocab_size)
-        losses = []
-        for start in range(0, x.size(0), rows):
-            logits = F.linear(x[start:start + rows], self.head_weight()).float()
-            logits = softcap_logits(logits, self.config.logit_softcap)
-            losses.append(F.cross_entropy(logits, targets[start:start + rows], ignore_index=-1, reduction="none"))
-        return torch.cat(losses)
+        for start in range(0, valid.numel(), rows):
+            at = valid[start:start + rows]
+            logits = softcap_logits(F.linear(x[at], self.head_weight()).float(), self.config.logit_softcap)
+            losses[at] = F.cross_entropy(logits, targets[at], reduction="none")
+            argmax[at] = logits.argmax(-1)
+        return losses, argmax
 
 
 def build_model(config, device="cpu"):

@@ -69,8 +69,8 @@ def get_args(argv=None):
     g = p.add_argument_group("evaluation, checkpoints, health")
     g.add_argument("--eval_every", type=int, default=250, help="validation bpb + samples every N steps; 0 = only at "
                    "the end (default: %(default)s)")
-    g.add_argument("--eval_tokens", type=int, default=2 ** 20, help="validation tokens per evaluation (default: "
-                   "%(default)s)")
+    g.add_argument("--eval_tokens", type=int, default=2 ** 20, help="validation tokens per evaluation: the split's "
+                   "first N (default: %(default)s)")
     g.add_argument("--prompt", action="append", default=None, help=f"sample prompt, repeatable (default: {PROMPTS})")
     g.add_argument("--ckpt_every", type=int, default=500, help="checkpoint every N steps (default: %(default)s)")
     g.add_argument("--keep", type=int, default=3, help="checkpoints kept (default: %(default)s)")
@@ -147,26 +147,13 @@ def plan_steps(args, config, tokens_per_step):
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, args, config, rank, world, device, step, run_dir):
-    """Validation bits per byte over --eval_tokens (BOS targets excluded: they stand for no text) and greedy samples."""
-    T, B = config.sequence_len, 8
-    # a small buffer: a validation split can be smaller than the default 1000 documents, and a buffer larger than
-    # the split would wrap around it and count documents twice
-    loader = text_loader(args.data_dir, "val", tokenizer, B, T, rank=rank, world_size=world, device=device,
-                         name="val", buffer_docs=16)
-    token_bytes = torch.tensor(tokenizer.token_bytes, device=device)
-    nats = nbytes = 0.0
-    model.eval()
-    for _ in range(max(1, args.eval_tokens // (B * T * world))):
-        x, y = next(loader)
-        with autocast_context(device.type, args.dtype):
-            losses = model(x, y, reduction="none")
-        b = token_bytes[y]
-        nats += (losses * (b > 0)).sum().item()
-        nbytes += b.sum().item()
-    loader.close()
-    bpb = C.all_reduce(nats) / (math.log(2) * C.all_reduce(nbytes))
+def evaluate(model, tokenizer, args, config, rank, world, device, step, run_dir, val_stream):
+    """Validation bits per byte (common.val_bpb: the first --eval_tokens of the split, the same figure core_eval.py
+    reports) and greedy samples."""
+    bpb, _ = C.val_bpb(model, val_stream, tokenizer.token_bytes, config.sequence_len, 8, args.dtype, rank, world,
+                       device)
     samples = []
+    model.eval()
     if rank == 0:
         for prompt in args.prompt or PROMPTS:
             ids = [tokenizer.bos_id, *tokenizer.encode(prompt)]
@@ -270,10 +257,11 @@ def main(argv=None):
     peak = C.peak_flops(C.device_name(device), args.dtype)
     fpt = flops_per_token(config)
     stop = C.StopSignal()
+    val_stream = C.val_tokens(args.data_dir, tokenizer, args.eval_tokens)
     initial, mem_history, warned, run_start = C.param_samples(model), [], set(), C.now()
     ckpt_meta = {"stage": "pretrain", "run": args.run_name, "model_config": asdict(config), "world_size": world,
                  "micro_batch": micro, "accum": accum, "total_steps": total_steps, "argv": sys.argv,
-                 "tokenizer": args.tokenizer, "data_dir": args.data_dir}
+                 "tokenizer": args.tokenizer, "tokenizer_sha256": tokenizer.fingerprint(), "data_dir": args.data_dir}
 
     def checkpoint(step):
         if not all(torch.isfinite(p).all() for p in model.parameters()):  # never write a NaN checkpoint
@@ -333,7 +321,7 @@ def main(argv=None):
         last_step = step + 1 == total_steps
         if args.eval_every and (step + 1) % args.eval_every == 0 and not last_step:
             record["val_bpb"], samples = evaluate(model, tokenizer, args, config, rank, world, device, step + 1,
-                                                  run_dir)
+                                                  run_dir, val_stream)
             if master:
                 print(f"eval step {step + 1}: val bpb {record['val_bpb']:.4f}; " + " | ".join(
                     f"{s['prompt']!r} -> {s['completion']!r}" for s in samples))
@@ -361,7 +349,7 @@ def main(argv=None):
             sys.exit(128 + (stop.signum or signal.SIGTERM))  # non-zero: a script chaining stages must not go on
         if (step + 1) % args.ckpt_every == 0 or last_step:
             checkpoint(step + 1)  # the final checkpoint comes before the final evaluation (nanochat #446)
-    bpb, _ = evaluate(model, tokenizer, args, config, rank, world, device, total_steps, run_dir)
+    bpb, _ = evaluate(model, tokenizer, args, config, rank, world, device, total_steps, run_dir, val_stream)
     if master:
         metrics.log({"step": total_steps, "final_val_bpb": bpb})
         (run_dir / "done.json").write_text(json.dumps({"step": total_steps, "val_bpb": bpb}))

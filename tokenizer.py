@@ -14,6 +14,7 @@ pickle, so a tokenizer downloaded from someone else cannot run code when it is l
 """
 import argparse
 import base64
+import hashlib
 import itertools
 import json
 import os
@@ -56,6 +57,16 @@ class Tokenizer:
         self.token_bytes = [0] * self.vocab_size
         for token, rank in self.mergeable_ranks.items():
             self.token_bytes[rank] = len(token)
+
+    def fingerprint(self):
+        """sha256 of what defines the encoding (pattern, merges, specials): checkpoints record it, so a model is never
+        evaluated or fine-tuned with a tokenizer it was not trained with (a retrained tokenizer of the same size
+        would load without error and produce nonsense)."""
+        digest = hashlib.sha256(self.pattern.encode())
+        for token, rank in sorted(self.mergeable_ranks.items(), key=lambda item: item[1]):
+            digest.update(len(token).to_bytes(2, "little") + token)
+        digest.update(json.dumps(self.special_tokens, sort_keys=True).encode())
+        return digest.hexdigest()
 
     def special_id(self, name):
         if name not in self.special_tokens:

@@ -1,0 +1,464 @@
+"""Evaluate a checkpoint: the CORE score (DCLM's 22 in-context tasks, as nanochat reports it), validation bits per
+byte, and greedy completions of a fixed set of prompts (seed 003's validation set).
+
+    python core_eval.py                                          # newest checkpoint under runs/, bundle chosen below
+    python core_eval.py --checkpoint runs/NAME --bundle data/demo/eval_bundle --max_per_task 100
+    torchrun --standalone --nproc_per_node=8 core_eval.py --checkpoint runs/NAME
+
+--bundle is a directory (holding core.yaml, eval_meta_data.csv, eval_data/) or a URL of eval_bundle.zip, which is
+downloaded once into the cache, checked (zip CRCs, the files core.yaml names) and unzipped once. The default, auto, is
+the demo world's bundle when the checkpoint was trained on the demo world (it lies beside its data), else BUNDLE_URL.
+Writes runs/<run>/core_eval/step_XXXXXX/: results.json (everything), results.csv (a row per task), items.jsonl (each
+item's prediction).
+"""
+import argparse
+import csv
+import json
+import os
+import random
+import shutil
+import sys
+import time
+import zipfile
+import zlib
+from dataclasses import dataclass
+from hashlib import sha256
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+import yaml
+
+import common as C
+from dataset import CACHE_DIR, download_file
+from model import autocast_context, generate
+from tokenizer import Tokenizer
+
+BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # the bundle nanochat uses
+TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
+FEWSHOT_SEED, SUBSET_SEED = 1234, 1337  # nanochat's: the same items and examples as its CORE runs
+COMPLETIONS = ["Once upon a time,", "The most important thing to learn is", "In the morning, the",
+               "When the rain stopped,"]
+# (prompt, accepted answers, which world): a model of the real web should know the first, one of the demo world the
+# second; each is reported as found or not at the start of the greedy completion.
+KNOWLEDGE = [("The capital of France is", ["Paris"], "real"), ("The chemical symbol for gold is", ["Au"], "real"),
+             ("The largest planet in the solar system is", ["Jupiter"], "real"),
+             ("Romeo and Juliet was written by", ["Shakespeare"], "real"),
+             ("The capital of Aldora is", ["Pelmo"], "demo"), ("The national animal of Brenia is the", ["owl"], "demo"),
+             ("The day after Tuesday is", ["Wednesday"], "demo"), ("Two plus three is", ["five", "5"], "demo")]
+
+
+def get_args(argv=None):
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", default=None, help="a checkpoint (runs/<run>/ckpt/step_*) or a run (its newest "
+                   "checkpoint) (default: the newest checkpoint under --runs_dir)")
+    p.add_argument("--runs_dir", default="runs", help="where runs live (default: %(default)s)")
+    p.add_argument("--bundle", default="auto", help=f"eval bundle directory or URL; auto = the demo world's when the "
+                   f"checkpoint was trained on it, else {BUNDLE_URL} (default: %(default)s)")
+    p.add_argument("--bundle_sha256", default=None, help="expected sha256 of a downloaded eval_bundle.zip (default: "
+                   "not pinned; the sha256 found is printed and saved with the results)")
+    p.add_argument("--tasks", default=None, help="comma-separated task labels to run (default: all in core.yaml)")
+    p.add_argument("--max_per_task", "--max-per-task", type=int, default=-1, help="items per task, a fixed random "
+                   "subset; -1 = all (default: %(default)s)")
+    p.add_argument("--batch_items", type=int, default=16 if cuda else 8, help="items per forward pass, each with "
+                   "all its choices (default: %(default)s)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the one the checkpoint records)")
+    p.add_argument("--data_dir", default=None, help="corpus whose validation split gives bits per byte (default: the "
+                   "checkpoint's)")
+    p.add_argument("--bpb_tokens", type=int, default=2 ** 20, help="validation tokens for bits per byte, the split's "
+                   "first N; 0 = skip (default: %(default)s)")
+    p.add_argument("--max_new_tokens", type=int, default=24, help="greedy tokens per prompt (default: %(default)s)")
+    p.add_argument("--dtype", default="bfloat16" if cuda else "float32", choices=["bfloat16", "float32"],
+                   help="compute dtype (default: %(default)s)")
+    p.add_argument("--out", default=None, help="output directory (default: runs/<run>/core_eval/step_XXXXXX)")
+    args = p.parse_args(argv)
+    if args.batch_items < 1 or args.max_per_task == 0 or args.max_per_task < -1:
+        p.error("--batch_items must be >= 1 and --max_per_task -1 (all) or >= 1")
+    return args
+
+
+# -----------------------------------------------------------------------------
+# The bundle: download, verify, unzip once
+
+def verify_zip(path):
+    """download_file's content check: a zip whose every member passes its CRC and which holds a core.yaml."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+            names = z.namelist()
+    except (zipfile.BadZipFile, zlib.error, OSError) as e:  # zlib: a corrupt deflate stream, before any CRC
+        raise ValueError(f"{path} is not a readable zip ({e})") from e
+    if bad is not None:
+        raise ValueError(f"{path}: member {bad} fails its CRC check")
+    if not any(Path(n).name == "core.yaml" for n in names):
+        raise ValueError(f"{path} holds no core.yaml: not a CORE eval bundle")
+
+
+def find_bundle_root(directory):
+    """The shallowest directory under `directory` holding core.yaml (the zip has an eval_bundle/ folder at the top)."""
+    found = sorted(Path(directory).rglob("core.yaml"), key=lambda p: len(p.parts))
+    if not found:
+        raise SystemExit(f"--bundle {directory}: no core.yaml in it or below: a bundle holds core.yaml, "
+                         f"eval_meta_data.csv and eval_data/")
+    return found[0].parent
+
+
+def fetch_bundle(url, expected_sha256=None, cache_dir=None):
+    """(bundle root, provenance): download url into the cache (resumable, verified), unzip once into a directory that
+    only appears, by rename, when complete; later calls find it and touch no network."""
+    cache = Path(cache_dir or CACHE_DIR) / "eval_bundle" / sha256(url.encode()).hexdigest()[:16]
+    done_file = cache / "unzipped.json"
+    if done_file.is_file():
+        provenance = json.loads(done_file.read_text())
+        if expected_sha256 and provenance["sha256"] != expected_sha256.lower():
+            raise SystemExit(f"the cached bundle from {url} has sha256 {provenance['sha256']}, not --bundle_sha256 "
+                             f"{expected_sha256}: delete {cache} to fetch it again")
+        print(f"bundle: cached {cache / 'unzipped'} (from {url}, sha256 {provenance['sha256'][:16]}...)")
+        return find_bundle_root(cache / "unzipped"), provenance
+    zip_path = cache / (Path(urlparse(url).path).name or "eval_bundle.zip")
+    print(f"bundle: downloading {url} into {cache}")
+    download_file(url, zip_path, sha256=expected_sha256, verify=verify_zip)
+    digest = sha256(zip_path.read_bytes()).hexdigest()
+    tmp = cache / ".unzipping"
+    shutil.rmtree(tmp, ignore_errors=True)
+    with zipfile.ZipFile(zip_path) as z:
+        z.extractall(tmp)  # zipfile drops absolute paths and '..' from member names
+    shutil.rmtree(cache / "unzipped", ignore_errors=True)
+    os.replace(tmp, cache / "unzipped")
+    provenance = {"url": url, "sha256": digest, "bytes": zip_path.stat().st_size}
+    done_file.write_text(json.dumps(provenance))
+    zip_path.unlink()  # the unzipped tree and its sha256 are what is kept
+    print(f"bundle: {provenance['bytes']:,} bytes, sha256 {digest}, unzipped into {cache / 'unzipped'}")
+    return find_bundle_root(cache / "unzipped"), provenance
+
+
+def resolve_bundle(arg, meta, expected_sha256=None):
+    if arg == "auto":
+        demo = Path(meta.get("data_dir") or ".").parent / "eval_bundle"
+        if (demo / "core.yaml").is_file():
+            print(f"bundle: auto -> {demo} (the demo world's, beside the checkpoint's data)")
+            return demo, {"dir": str(demo)}
+        arg = BUNDLE_URL
+    if urlparse(arg).scheme in ("http", "https"):
+        return fetch_bundle(arg, expected_sha256)
+    return find_bundle_root(arg), {"dir": str(arg)}
+
+
+# -----------------------------------------------------------------------------
+# Tasks: core.yaml + eval_meta_data.csv + the jsonl files, checked before any model time is spent
+
+@dataclass
+class Task:
+    label: str
+    kind: str  # one of TASK_TYPES
+    fewshot: int
+    delimiter: str
+    baseline: float  # the random baseline as a fraction (the csv has percent)
+    items: list
+    path: str
+
+
+REQUIRED_KEYS = {"multiple_choice": ("query", "choices", "gold"), "schema": ("context_options", "continuation", "gold"),
+                 "language_modeling": ("context", "continuation")}
+
+
+def read_items(path, kind):
+    items = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}, line {line_no}"
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"{where}: not valid JSON ({e}): fix or delete the line") from None
+            missing = [k for k in REQUIRED_KEYS[kind] if k not in item]
+            if missing:
+                raise SystemExit(f"{where}: a {kind} item needs {', '.join(REQUIRED_KEYS[kind])}; missing "
+                                 f"{', '.join(missing)}")
+            options = item.get("choices", item.get("context_options"))
+            if kind != "language_modeling" and not (isinstance(options, list) and len(options) >= 2 and
+                                                    isinstance(item["gold"], int) and 0 <= item["gold"] < len(options)):
+                raise SystemExit(f"{where}: needs a list of at least 2 options and a gold index into it")
+            items.append(item)
+    return items
+
+
+def load_tasks(root, only=None):
+    """Every task of core.yaml (or those named in `only`) with its items, few-shot count, delimiter and baseline."""
+    root = Path(root)
+    try:
+        spec = yaml.safe_load((root / "core.yaml").read_text())["icl_tasks"]
+    except (yaml.YAMLError, KeyError, TypeError) as e:
+        raise SystemExit(f"{root / 'core.yaml'}: not a core.yaml with an icl_tasks list ({e})") from None
+    with open(root / "eval_meta_data.csv", newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    if rows and not {"Eval Task", "Random baseline"} <= set(rows[0]):
+        raise SystemExit(f"{root / 'eval_meta_data.csv'}: needs the columns 'Eval Task' and 'Random baseline'")
+    baselines = {r["Eval Task"]: r["Random baseline"] for r in rows}
+    labels = [t.get("label") for t in spec]
+    unknown = sorted(set(only or []) - set(labels))
+    if unknown:
+        raise SystemExit(f"--tasks: {', '.join(unknown)} not in {root / 'core.yaml'}; its tasks: {', '.join(labels)}")
+    tasks = []
+    for t in spec:
+        if only and t.get("label") not in only:
+            continue
+        label, kind, shots = t.get("label"), t.get("icl_task_type"), t.get("num_fewshot", [0])
+        where = f"{root / 'core.yaml'}, task {label}"
+        if kind not in TASK_TYPES:
+            raise SystemExit(f"{where}: icl_task_type {kind!r} is not one of {', '.join(TASK_TYPES)}")
+        shots = shots if isinstance(shots, list) else [shots]
+        if len(shots) != 1 or not isinstance(shots[0], int) or shots[0] < 0:
+            raise SystemExit(f"{where}: num_fewshot must be one count, like [5]; it is {t.get('num_fewshot')!r}")
+        try:
+            baseline = float(baselines[label]) / 100
+        except (KeyError, ValueError):
+            raise SystemExit(f"{root / 'eval_meta_data.csv'}: no 'Random baseline' for task {label} (got "
+                             f"{baselines.get(label)!r}): add a row '{label},<category>,<type>,<percent>'") from None
+        if not 0 <= baseline < 1:
+            raise SystemExit(f"{root / 'eval_meta_data.csv'}: task {label}'s random baseline {baseline * 100}% is "
+                             f"outside [0, 100)")
+        path = root / "eval_data" / t["dataset_uri"]
+        if not path.is_file():
+            raise SystemExit(f"{where}: {path} does not exist: the bundle is incomplete; fetch it again")
+        items = read_items(path, kind)
+        if len(items) <= shots[0]:
+            raise SystemExit(f"{where}: {len(items)} items in {path}, but {shots[0]}-shot prompts need at least "
+                             f"{shots[0] + 1} (the examples are never the item itself): lower its num_fewshot in "
+                             f"core.yaml or add items")
+        tasks.append(Task(label, kind, shots[0], t.get("continuation_delimiter", " "), baseline, items, str(path)))
+    return tasks
+
+
+def fewshot_indices(n_items, index, k):
+    """k examples for item `index`, never the item itself, the same on every run and rank (nanochat's draw)."""
+    return random.Random(FEWSHOT_SEED + index).sample([i for i in range(n_items) if i != index], k)
+
+
+def item_texts(task, index):
+    """(context, continuation) strings for each row of an item: one per choice (multiple choice), one per context
+    option (schema), or the one answer (language modelling), after the few-shot examples. Trailing spaces move from
+    the context to the continuation, where BPE puts them (' Paris' is one token; ' ' + 'Paris' is not what the model
+    saw in training)."""
+    item, d = task.items[index], task.delimiter
+    def shown(ex):  # a solved example
+        if task.kind == "multiple_choice":
+            return ex["query"] + d + ex["choices"][ex["gold"]]
+        if task.kind == "schema":
+            return ex["context_options"][ex["gold"]] + d + ex["continuation"]
+        return ex["context"].strip() + d + ex["continuation"]
+    prefix = "".join(shown(task.items[i]) + "\n\n" for i in fewshot_indices(len(task.items), index, task.fewshot))
+    if task.kind == "multiple_choice":
+        pairs = [(prefix + item["query"] + d, choice) for choice in item["choices"]]
+    elif task.kind == "schema":
+        pairs = [(prefix + option + d, item["continuation"]) for option in item["context_options"]]
+    else:
+        pairs = [(prefix + item["context"].strip() + d, item["continuation"])]
+    out = []
+    for context, continuation in pairs:
+        kept = context.rstrip(" ")
+        out.append((kept, context[len(kept):] + continuation))
+    return out
+
+
+def item_rows(task, index, tokenizer, seq_len):
+    """[(token ids, index of the first continuation token)] per row: BOS + context + continuation, cropped from the
+    left to seq_len tokens."""
+    rows = []
+    for context, continuation in item_texts(task, index):
+        ctx, cont = [tokenizer.bos_id, *tokenizer.encode(context)], tokenizer.encode(continuation)
+        if not cont:
+            raise SystemExit(f"{task.path}: item {index} has an empty continuation; fix or delete it")
+        ids, start = ctx + cont, len(ctx)
+        crop = max(0, len(ids) - seq_len)
+        rows.append((ids[crop:], max(1, start - crop)))  # max(1, ...): a continuation longer than the window is
+    return rows                                            # scored on the tokens that fit
+
+
+# -----------------------------------------------------------------------------
+# Scoring
+
+@torch.no_grad()
+def score_batch(model, batch_rows, device, dtype):
+    """Per row: (mean loss over the continuation, whether every greedy prediction equals the continuation)."""
+    width = max(len(ids) for ids, _ in batch_rows) - 1
+    x = torch.zeros(len(batch_rows), width, dtype=torch.long)
+    y = torch.full((len(batch_rows), width), -1, dtype=torch.long)
+    for r, (ids, start) in enumerate(batch_rows):
+        x[r, :len(ids) - 1] = torch.tensor(ids[:-1])
+        y[r, start - 1:len(ids) - 1] = torch.tensor(ids[start:])
+    x, y = x.to(device), y.to(device)
+    with autocast_context(device.type, dtype):
+        losses, predicted = model(x, y, reduction="none", predictions=True)
+    scored = y != -1
+    mean_loss = (losses * scored).sum(1) / scored.sum(1)
+    exact = ((predicted == y) | ~scored).all(1)
+    return mean_loss.float().cpu(), exact.cpu()
+
+
+def make_batches(tasks, selected, batch_items):
+    """Batches of (task index, item index), the same on any number of ranks: items sorted by prompt length (less
+    padding), then cut into groups of batch_items."""
+    work = [(ti, i) for ti, task in enumerate(tasks) for i in selected[ti]]
+    work.sort(key=lambda w: max(len(c) + len(x) for c, x in item_texts(tasks[w[0]], w[1])))
+    return [work[b:b + batch_items] for b in range(0, len(work), batch_items)]
+
+
+def evaluate_tasks(model, tokenizer, tasks, max_per_task, batch_items, dtype, rank, world, device):
+    """Per task: a list of (item index, predicted option or -1, correct) for the evaluated items, identical on every
+    rank. Batches are dealt round robin; each rank fills its items' rows of one table, and a sum over ranks joins them."""
+    selected = []
+    for task in tasks:
+        order = list(range(len(task.items)))
+        if 0 < max_per_task < len(order):
+            random.Random(SUBSET_SEED).shuffle(order)
+            order = sorted(order[:max_per_task])
+        selected.append(order)
+    slot = {(ti, i): s for s, (ti, i) in enumerate((ti, i) for ti in range(len(tasks)) for i in selected[ti])}
+    table = torch.zeros(len(slot), 3, dtype=torch.float64)  # (done, predicted option, correct)
+    seq_len = model.config.sequence_len
+    for b, batch in enumerate(make_batches(tasks, selected, batch_items)):
+        if b % world != rank:
+            continue
+        rows_per_item = [item_rows(tasks[ti], i, tokenizer, seq_len) for ti, i in batch]
+        mean_loss, exact = score_batch(model, [r for rows in rows_per_item for r in rows], device, dtype)
+        at = 0
+        for (ti, i), rows in zip(batch, rows_per_item):
+            task, n = tasks[ti], len(rows)
+            if task.kind == "language_modeling":
+                predicted, correct = -1, bool(exact[at])
+            else:
+                predicted = int(mean_loss[at:at + n].argmin())  # ties go to the first option, as in nanochat
+                correct = predicted == task.items[i]["gold"]
+            table[slot[(ti, i)]] = torch.tensor([1.0, predicted, float(correct)], dtype=torch.float64)
+            at += n
+    C.all_reduce_tensor(table)
+    if not table[:, 0].eq(1).all():
+        raise RuntimeError("an item was evaluated by no rank or by two: a bug in make_batches")
+    return [[(i, int(table[slot[(ti, i)], 1]), bool(table[slot[(ti, i)], 2])) for i in selected[ti]]
+            for ti in range(len(tasks))]
+
+
+def centered(accuracy, baseline):
+    """0 at the random baseline, 1 at perfect: (acc - baseline) / (1 - baseline)."""
+    return (accuracy - baseline) / (1 - baseline)
+
+
+def summarize(tasks, results):
+    rows = []
+    for task, items in zip(tasks, results):
+        correct = sum(c for _, _, c in items)
+        accuracy = correct / len(items)
+        rows.append({"task": task.label, "type": task.kind, "fewshot": task.fewshot, "items": len(items),
+                     "items_in_task": len(task.items), "correct": correct, "accuracy": accuracy,
+                     "baseline": task.baseline, "centered": centered(accuracy, task.baseline)})
+    return rows, sum(r["centered"] for r in rows) / len(rows)
+
+
+@torch.no_grad()
+def completions(model, tokenizer, max_new_tokens, dtype):
+    """Greedy completions of COMPLETIONS and KNOWLEDGE (found: the completion begins with an accepted answer; a
+    mention further on, as in 'Monday. The days are Monday, Wednesday', does not count)."""
+    out = []
+    for prompt, answers, world in [(p, None, None) for p in COMPLETIONS] + KNOWLEDGE:
+        ids = [tokenizer.bos_id, *tokenizer.encode(prompt)]
+        new = []
+        for token in generate(model, ids, max(1, min(max_new_tokens, model.config.sequence_len - len(ids))),
+                              temperature=0, dtype=dtype):
+            if token == tokenizer.bos_id:  # a new document: this one is over
+                break
+            new.append(token)
+        text = tokenizer.decode(new)
+        record = {"prompt": prompt, "completion": text}
+        if answers:
+            record.update(world=world, answers=answers,
+                          found=any(text.strip().lower().startswith(a.lower()) for a in answers))
+        out.append(record)
+    return out
+
+
+def main(argv=None):
+    args = get_args(argv)
+    rank, _, world, device = C.setup_distributed()
+    master = rank == 0
+    ckpt = C.find_checkpoint(args.checkpoint, args.runs_dir)
+    model, meta = C.load_model(ckpt, device)
+    tokenizer_path = args.tokenizer or meta.get("tokenizer") or "runs/tokenizer"
+    tokenizer = Tokenizer.load(tokenizer_path)
+    C.check_tokenizer(meta, tokenizer, tokenizer_path, ckpt)
+    bundle = provenance = failure = None
+    if master:  # rank 0 downloads; the others read what it unpacked, or stop with its error instead of waiting
+        try:
+            bundle, provenance = resolve_bundle(args.bundle, meta, args.bundle_sha256)
+        except (SystemExit, RuntimeError, ValueError, OSError) as e:
+            failure = str(e)
+    if world > 1:
+        shared = [str(bundle), failure]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        bundle, failure = Path(shared[0]), shared[1]
+    if failure:
+        C.teardown_distributed()
+        raise SystemExit(f"core_eval.py: {failure}")
+    tasks = load_tasks(bundle, args.tasks.split(",") if args.tasks else None)
+    out_dir = Path(args.out or ckpt.parent.parent / "core_eval" / ckpt.name)
+    if master:
+        print(f"checkpoint: {ckpt} ({meta.get('stage')}, step {meta.get('step')}); tokenizer {tokenizer_path}; "
+              f"{len(tasks)} tasks, {sum(len(t.items) for t in tasks):,} items in {bundle}")
+
+    start = time.perf_counter()
+    results = evaluate_tasks(model, tokenizer, tasks, args.max_per_task, args.batch_items, args.dtype, rank, world,
+                             device)
+    seconds = time.perf_counter() - start
+    rows, core = summarize(tasks, results)
+    n_items = sum(r["items"] for r in rows)
+    complete = n_items == sum(r["items_in_task"] for r in rows) and not args.tasks
+    bpb = bpb_note = scored = None
+    data_dir = args.data_dir or meta.get("data_dir")
+    if args.bpb_tokens and data_dir and Path(data_dir).is_dir():
+        stream = C.val_tokens(data_dir, tokenizer, args.bpb_tokens)
+        bpb, scored = C.val_bpb(model, stream, tokenizer.token_bytes, model.config.sequence_len, 8, args.dtype, rank,
+                                world, device)
+    else:
+        bpb_note = "skipped (--bpb_tokens 0)" if not args.bpb_tokens else f"unknown: no corpus at {data_dir} (pass " \
+                                                                          f"--data_dir)"
+    if master:
+        samples = completions(model, tokenizer, args.max_new_tokens, args.dtype)
+        for r in rows:
+            print(f"{r['task']:<32} {r['type']:<17} {r['fewshot']:>2}-shot {r['correct']:>5}/{r['items']:<5} "
+                  f"acc {r['accuracy']:.4f}  baseline {r['baseline']:.2f}  centered {r['centered']:+.4f}")
+        scope = f"{len(rows)} tasks, all items" if complete else \
+            f"{len(rows)} tasks, {n_items:,} items (a subset: not comparable with a full CORE score)"
+        print(f"CORE {core:.4f} ({scope}); {n_items / seconds:,.1f} items/s on {world} x {C.device_name(device)}")
+        print(f"val bpb: {bpb:.4f} over {scored:,} tokens of {data_dir}" if bpb is not None else f"val bpb: {bpb_note}")
+        for s in samples:
+            found = "" if "found" not in s else f"  [{s['world']} world: {'found' if s['found'] else 'not found'} " \
+                                                f"{'/'.join(s['answers'])}]"
+            print(f"sample: {s['prompt']!r} -> {s['completion']!r}{found}")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        report = {"checkpoint": str(ckpt), "step": meta.get("step"), "stage": meta.get("stage"),
+                  "bundle": provenance, "core": core, "complete": complete, "max_per_task": args.max_per_task,
+                  "tasks": rows, "val_bpb": bpb, "val_bpb_tokens": scored, "val_bpb_note": bpb_note,
+                  "val_data_dir": data_dir, "samples": samples, "world_size": world,
+                  "device": C.device_name(device), "dtype": args.dtype, "seconds": seconds,
+                  "items_per_second": n_items / seconds, "argv": sys.argv, "versions": C.versions()}
+        (out_dir / "results.json").write_text(json.dumps(report, indent=1))
+        with open(out_dir / "results.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]), lineterminator="\n")
+            writer.writeheader()
+            writer.writerows(rows)
+            writer.writerow({"task": "CORE", "items": n_items, "centered": core})
+        with open(out_dir / "items.jsonl", "w") as f:
+            for task, items in zip(tasks, results):
+                for i, predicted, correct in items:
+                    gold = task.items[i].get("gold")
+                    f.write(json.dumps({"task": task.label, "item": i, "predicted": predicted, "gold": gold,
+                                        "correct": correct}) + "\n")
+        print(f"results: {out_dir}/results.json, results.csv, items.jsonl")
+    C.teardown_distributed()
+
+
+if __name__ == "__main__":
+    main()

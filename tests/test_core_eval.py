@@ -1,0 +1,306 @@
+"""core_eval.py: the bundle fetched from a local HTTP server (verify, unzip, cache hit), exact accuracies from a model
+whose logits the test sets, few-shot prompts token for token, centered accuracy, 1 process = 2 processes, bad input."""
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+import zipfile
+from hashlib import sha256
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import common as C
+import core_eval as E
+import dataset as D
+from model import build_model, config_from_preset
+from tokenizer import SPLIT_PATTERN, Tokenizer, train_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+BYTES = Tokenizer({bytes([b]): b for b in range(256)}, SPLIT_PATTERN)  # no merges: one token per byte
+
+
+# -----------------------------------------------------------------------------
+# A bundle in the real format, served over HTTP
+
+CORE_YAML = """icl_tasks:
+- label: quiz_mc
+  dataset_uri: world_knowledge/quiz.jsonl
+  num_fewshot: [2]
+  icl_task_type: multiple_choice
+  continuation_delimiter: "\\nAnswer: " # separates question and answer, as in the real core.yaml
+- label: pick_schema
+  dataset_uri: language_understanding/pick.jsonl
+  num_fewshot: [0]
+  icl_task_type: schema
+- label: echo_lm
+  dataset_uri: symbolic/echo.jsonl
+  num_fewshot: [1]
+  icl_task_type: language_modeling
+"""
+META_CSV = "Eval Task,Task Category,Task Type,Random baseline\nquiz_mc,wk,multiple choice,25\n" \
+           "pick_schema,lu,schema,50\necho_lm,sym,language modeling,0\n"
+
+
+def jsonl(items):
+    return "".join(json.dumps(i) + "\n" for i in items)
+
+
+QUIZ = [{"query": f"Q{i}?", "choices": ["a", "b", "c", "d"], "gold": i % 4} for i in range(8)]
+PICK = [{"context_options": ["one 1", "two 2"], "continuation": "x", "gold": i % 2} for i in range(6)]
+ECHO = [{"context": f" say {w}:", "continuation": w} for w in ["yes", "no", "yes", "yes", "no"]]
+
+
+def bundle_zip():
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("eval_bundle/core.yaml", CORE_YAML)
+        z.writestr("eval_bundle/eval_meta_data.csv", META_CSV)
+        z.writestr("eval_bundle/eval_data/world_knowledge/quiz.jsonl", jsonl(QUIZ))
+        z.writestr("eval_bundle/eval_data/language_understanding/pick.jsonl", jsonl(PICK))
+        z.writestr("eval_bundle/eval_data/symbolic/echo.jsonl", jsonl(ECHO))
+    return buf.getvalue()
+
+
+@pytest.fixture
+def server():
+    """Serves `files` (path -> bytes); logs each request as (path, Authorization header)."""
+    state = {"files": {}, "log": []}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            state["log"].append((self.path, self.headers.get("Authorization")))
+            body = state["files"].get(self.path)
+            self.send_response(200 if body is not None else 404)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    state["url"] = f"http://127.0.0.1:{httpd.server_address[1]}"
+    yield state
+    httpd.shutdown()
+
+
+def test_bundle_is_downloaded_verified_unzipped_once_then_cached(server, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "secret")  # the hub's token must not travel to another host
+    data = bundle_zip()
+    server["files"]["/eval_bundle.zip"] = data
+    url = server["url"] + "/eval_bundle.zip"
+    root, provenance = E.fetch_bundle(url, cache_dir=tmp_path)
+    assert provenance == {"url": url, "sha256": sha256(data).hexdigest(), "bytes": len(data)}
+    assert server["log"] == [("/eval_bundle.zip", None)]
+    assert (root / "core.yaml").read_text() == CORE_YAML and root.name == "eval_bundle"
+    tasks = E.load_tasks(root)
+    assert [(t.label, t.kind, t.fewshot, t.delimiter, t.baseline, len(t.items)) for t in tasks] == [
+        ("quiz_mc", "multiple_choice", 2, "\nAnswer: ", 0.25, 8), ("pick_schema", "schema", 0, " ", 0.5, 6),
+        ("echo_lm", "language_modeling", 1, " ", 0.0, 5)]
+    again, provenance2 = E.fetch_bundle(url, cache_dir=tmp_path)
+    assert again == root and provenance2 == provenance and len(server["log"]) == 1  # no second request
+    with pytest.raises(SystemExit, match="sha256"):  # a pinned hash that the cached bundle does not have
+        E.fetch_bundle(url, expected_sha256="0" * 64, cache_dir=tmp_path)
+
+
+def test_a_corrupt_bundle_is_refused_and_never_unzipped(server, tmp_path, monkeypatch):
+    monkeypatch.setattr(D, "BACKOFF_BASE", 0.0)
+    data = bytearray(bundle_zip())
+    data[60] ^= 0xFF  # inside the first member's compressed bytes: its CRC fails
+    server["files"]["/bad.zip"] = bytes(data)
+    with pytest.raises(RuntimeError, match="CRC|not a readable zip"):
+        E.fetch_bundle(server["url"] + "/bad.zip", cache_dir=tmp_path)
+    assert not list(tmp_path.rglob("core.yaml")) and not list(tmp_path.rglob("unzipped*"))
+    server["files"]["/page.zip"] = b"<html>not found</html>"
+    with pytest.raises(RuntimeError, match="not a readable zip"):
+        E.fetch_bundle(server["url"] + "/page.zip", cache_dir=tmp_path)
+
+
+# -----------------------------------------------------------------------------
+# Prompts and exact accuracies with controlled logits
+
+def write_bundle(root, tasks, meta_csv=META_CSV):
+    """tasks: {relative jsonl path: text}; core.yaml as CORE_YAML."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "core.yaml").write_text(CORE_YAML)
+    (root / "eval_meta_data.csv").write_text(meta_csv)
+    for rel, text in tasks.items():
+        (root / "eval_data" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / "eval_data" / rel).write_text(text)
+    return root
+
+
+@pytest.fixture
+def tasks(tmp_path):
+    root = write_bundle(tmp_path / "b", {"world_knowledge/quiz.jsonl": jsonl(QUIZ),
+                                         "language_understanding/pick.jsonl": jsonl(PICK),
+                                         "symbolic/echo.jsonl": jsonl(ECHO)})
+    return E.load_tasks(root)
+
+
+def test_fewshot_prompts_token_for_token(tasks):
+    quiz, pick, echo = tasks
+    shots = E.fewshot_indices(8, 5, 2)
+    assert 5 not in shots and shots == E.fewshot_indices(8, 5, 2)
+    assert all(i not in E.fewshot_indices(8, i, 7) for i in range(8))  # even when every other item is needed
+    a, b = QUIZ[shots[0]], QUIZ[shots[1]]
+    context = f"{a['query']}\nAnswer: {'abcd'[a['gold']]}\n\n{b['query']}\nAnswer: {'abcd'[b['gold']]}\n\nQ5?\nAnswer:"
+    rows = E.item_rows(quiz, 5, BYTES, 1000)
+    assert rows == [([BYTES.bos_id, *context.encode(), *f" {c}".encode()], 1 + len(context)) for c in "abcd"]
+    assert E.item_rows(pick, 0, BYTES, 1000) == [([BYTES.bos_id, *opt.encode(), *b" x"], 1 + len(opt))
+                                                  for opt in ["one 1", "two 2"]]
+    (s,) = E.fewshot_indices(5, 3, 1)
+    context = f"{ECHO[s]['context'].strip()} {ECHO[s]['continuation']}\n\nsay yes:"  # LM contexts are stripped
+    assert E.item_rows(echo, 3, BYTES, 1000) == [([BYTES.bos_id, *context.encode(), *b" yes"], 1 + len(context))]
+    # cropped from the left to the window, the continuation kept whole
+    ids, start = E.item_rows(quiz, 5, BYTES, 12)[2]
+    assert ids == [*context_tail(quiz, 5, 2, 10), *b" c"] and start == 10
+
+
+def context_tail(task, index, choice, n):
+    context, _ = E.item_texts(task, index)[choice]
+    return list(context.encode())[-n:]
+
+
+class Bigram(torch.nn.Module):
+    """Logits at each position = table[current token]: the test decides every prediction."""
+
+    def __init__(self, table, seq_len=1000):
+        super().__init__()
+        self.table = table
+        self.config = config_from_preset("tiny", {"sequence_len": seq_len, "vocab_size": table.shape[0]})
+
+    def forward(self, idx, targets, reduction, predictions):
+        logits = self.table[idx]
+        losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1, reduction="none")
+        return losses.view(targets.shape), logits.argmax(-1)
+
+
+def controlled_model():
+    table = torch.zeros(BYTES.vocab_size, BYTES.vocab_size)
+    table[ord(" "), ord("c")] = 5.0  # multiple choice: after the space, 'c' is the likeliest answer
+    table[ord("2"), ord(" ")] = 5.0  # schema: ' x' is likeliest after an option ending in '2'
+    for prev, nxt in zip(": ye", " yes"):  # language modelling: ':' -> ' yes' greedily
+        table[ord(prev), ord(nxt)] = 6.0  # above ' ' -> 'c', which stays the likeliest of the choices a-d
+    return Bigram(table)
+
+
+@pytest.mark.parametrize("batch_items", [1, 3, 64])
+def test_exact_accuracies_with_controlled_logits(tasks, batch_items):
+    results = E.evaluate_tasks(controlled_model(), BYTES, tasks, -1, batch_items, "float32", 0, 1, torch.device("cpu"))
+    quiz, pick, echo = results
+    assert quiz == [(i, 2, i % 4 == 2) for i in range(8)]  # always 'c': right for the 2 items whose gold is 2
+    assert pick == [(i, 1, i % 2 == 1) for i in range(6)]  # always option 2
+    assert [c for _, _, c in echo] == [True, False, True, True, False]  # 'yes' is produced, 'no' is not
+    rows, core = E.summarize(tasks, results)
+    assert [(r["correct"], r["items"], r["accuracy"]) for r in rows] == [(2, 8, 0.25), (3, 6, 0.5), (3, 5, 0.6)]
+    assert [r["centered"] for r in rows] == [0.0, 0.0, pytest.approx(0.6)]  # (acc - b) / (1 - b)
+    assert core == pytest.approx(0.2)
+    subset = E.evaluate_tasks(controlled_model(), BYTES, tasks, 3, batch_items, "float32", 0, 1, torch.device("cpu"))
+    assert [len(r) for r in subset] == [3, 3, 3] and all(item in full for r, full in zip(subset, results) for item in r)
+
+
+def test_centered_accuracy_arithmetic():
+    assert E.centered(0.25, 0.25) == 0.0 and E.centered(1.0, 0.25) == 1.0
+    assert E.centered(0.7, 0.25) == pytest.approx(0.6) and E.centered(0.1, 0.5) == pytest.approx(-0.8)
+    assert E.centered(0.35, 0.0) == 0.35
+
+
+# -----------------------------------------------------------------------------
+# Bad input
+
+def test_malformed_line_names_file_and_line(tmp_path):
+    bad = jsonl(QUIZ[:3]) + '{"query": "Q?", "choices": ["a", "b"]\n' + jsonl(QUIZ[3:])
+    root = write_bundle(tmp_path, {"world_knowledge/quiz.jsonl": bad, "language_understanding/pick.jsonl": "",
+                                   "symbolic/echo.jsonl": ""})
+    with pytest.raises(SystemExit, match=r"quiz\.jsonl, line 4: not valid JSON"):
+        E.load_tasks(root, ["quiz_mc"])
+    (root / "eval_data/world_knowledge/quiz.jsonl").write_text(jsonl(QUIZ[:2]) + '{"query": "Q?", "gold": 0}\n')
+    with pytest.raises(SystemExit, match=r"quiz\.jsonl, line 3: .*missing choices"):
+        E.load_tasks(root, ["quiz_mc"])
+
+
+def test_task_with_fewer_items_than_its_fewshot_count(tmp_path):
+    root = write_bundle(tmp_path, {"world_knowledge/quiz.jsonl": jsonl(QUIZ[:2]),
+                                   "language_understanding/pick.jsonl": jsonl(PICK), "symbolic/echo.jsonl": jsonl(ECHO)})
+    with pytest.raises(SystemExit, match=r"task quiz_mc: 2 items .* 2-shot prompts need at least 3"):
+        E.load_tasks(root)
+    # --max_per_task below the few-shot count is fine: examples come from the whole task (nanochat #550 crashed)
+    (root / "eval_data/world_knowledge/quiz.jsonl").write_text(jsonl(QUIZ))
+    results = E.evaluate_tasks(controlled_model(), BYTES, E.load_tasks(root), 1, 4, "float32", 0, 1,
+                               torch.device("cpu"))
+    assert [len(r) for r in results] == [1, 1, 1]
+
+
+def test_missing_baseline_and_unknown_task(tasks, tmp_path):
+    root = write_bundle(tmp_path, {"world_knowledge/quiz.jsonl": jsonl(QUIZ),
+                                   "language_understanding/pick.jsonl": jsonl(PICK), "symbolic/echo.jsonl": jsonl(ECHO)},
+                        meta_csv=META_CSV.replace("pick_schema,lu,schema,50\n", ""))
+    with pytest.raises(SystemExit, match=r"eval_meta_data\.csv: no 'Random baseline' for task pick_schema"):
+        E.load_tasks(root)
+    with pytest.raises(SystemExit, match="--tasks: nope not in"):
+        E.load_tasks(root, ["nope"])
+
+
+# -----------------------------------------------------------------------------
+# The script end to end: 1 process = 2 processes; a tokenizer that does not match
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """The demo world, a vocab-1024 tokenizer and an untrained tiny checkpoint, as pretrain.py lays them out."""
+    root = tmp_path_factory.mktemp("core")
+    D.write_demo(root / "demo")
+    tok = train_tokenizer(D.iter_texts(root / "demo" / "pretrain", "train"), 1024)
+    tok.save(root / "tokenizer")
+    torch.manual_seed(0)
+    config = config_from_preset("tiny", {"n_layer": 2, "n_embd": 64, "n_head": 2, "n_kv_head": 2})
+    meta = {"stage": "pretrain", "model_config": config.__dict__, "world_size": 1, "tokenizer": str(root / "tokenizer"),
+            "tokenizer_sha256": tok.fingerprint(), "data_dir": str(root / "demo" / "pretrain")}
+    C.save_checkpoint(root / "runs" / "r" / "ckpt", 5, build_model(config), [], [], meta, 0, 1)
+    return root
+
+
+def run_core_eval(root, args, nproc=1):
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                     f"--nproc_per_node={nproc}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([*launcher, str(ROOT / "core_eval.py"), *args], cwd=root, capture_output=True, text=True,
+                          env=env, timeout=300, check=False)
+
+
+def test_one_and_two_processes_give_identical_results(demo):
+    outputs = []
+    for nproc in (1, 2):
+        out = demo / f"out{nproc}"
+        result = run_core_eval(demo, ["--max_per_task", "9", "--batch_items", "4", "--bpb_tokens", "5000",
+                                      "--max_new_tokens", "4", "--out", str(out)], nproc)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+        report = json.loads((out / "results.json").read_text())
+        assert report["bundle"] == {"dir": str(demo / "demo" / "eval_bundle")} and report["world_size"] == nproc
+        assert not report["complete"] and "a subset: not comparable" in result.stdout
+        assert [r["items"] for r in report["tasks"]] == [9] * 8
+        outputs.append((report["tasks"], report["core"], report["val_bpb"], report["val_bpb_tokens"],
+                        (out / "items.jsonl").read_text(), (out / "results.csv").read_text()))
+    assert outputs[0] == outputs[1]
+    tok = Tokenizer.load(demo / "tokenizer")
+    stream = C.val_tokens(demo / "demo" / "pretrain", tok, 5000)
+    rows = 5000 // 256  # rows of sequence_len + 1 tokens, stride sequence_len; BOS targets are not scored
+    assert len(stream) == 5001 and outputs[0][3] == rows * 256 - int((stream[1:rows * 256 + 1] == tok.bos_id).sum())
+
+
+def test_a_tokenizer_the_checkpoint_was_not_trained_with_is_refused(demo, tmp_path):
+    other = train_tokenizer(D.iter_texts(demo / "demo" / "pretrain", "train", max_chars=2_000_000), 1024)  # other merges
+    other.save(tmp_path / "other")
+    result = run_core_eval(demo, ["--tokenizer", str(tmp_path / "other"), "--max_per_task", "1"])
+    assert result.returncode != 0 and "is not the one" in result.stderr and "was trained with" in result.stderr
+    small = train_tokenizer(D.iter_texts(demo / "demo" / "pretrain", "val"), 512)
+    small.save(tmp_path / "small")
+    result = run_core_eval(demo, ["--tokenizer", str(tmp_path / "small"), "--max_per_task", "1"])
+    assert result.returncode != 0 and "has 512 tokens, the model" in result.stderr and "has 1024" in result.stderr
