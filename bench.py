@@ -1,7 +1,7 @@
 """Benchmarks: figures printed with their targets. Not tests; nothing here is timed inside pytest.
 
     python bench.py              # every benchmark
-    python bench.py train decode # a chosen few: train, decode, build, tokenizer, loader, pretrain
+    python bench.py train decode # a chosen few: train, decode, build, tokenizer, loader, pretrain, core_eval
 
 train   forward+backward tokens/s of a preset on this machine: eager fp32, torch.compile fp32, compile + bf16 autocast.
         Target: compile + bf16 >= 2x eager fp32.
@@ -13,6 +13,9 @@ tokenizer  seconds to train a vocab-8192 BPE tokenizer on the training split of 
         bytes/token on its validation split. Target: <= 10 s for 50 MB (projected from the measured MB/s).
 pretrain  `python pretrain.py` itself on the demo world (30 steps, micro-batch 16): tokens/s from its metrics.jsonl,
         eager fp32 and compile + bf16, and MFU against this device's measured matmul throughput.
+core_eval  `python core_eval.py` on the demo world's 8 tasks (513 items) for a --preset model (vocab 1024, untrained:
+        the work per item does not depend on the weights): items/s from its results.json, batch_items 1 and 8.
+        --bundle DIR evaluates that bundle instead (the real one: nanochat's eval_bundle.zip, unzipped).
 loader  one process's streaming loader (read + tokenize + pack) over one epoch of the same corpus at T = 256, 1024,
         2048: tokens/s (target >= 1M) and the share of document tokens cropped, i.e. moved to a later row as a
         BOS-led piece, cut off from their document's start (target <= 20% at T = 2048; nothing is discarded).
@@ -28,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+import common as C
 from dataset import iter_texts, text_loader, write_demo
 from model import KVCache, autocast_context, build_model, config_from_preset, flops_per_token, num_params
 from tokenizer import bytes_per_token, counting, train_tokenizer
@@ -197,8 +201,33 @@ def bench_pretrain(args, device):
                   f"'unknown': no rated peak for '{'cpu' if device.type == 'cpu' else torch.cuda.get_device_name()}')")
 
 
+def bench_core_eval(args, device):
+    """The real command on an untrained checkpoint of --preset, saved as pretrain.py saves one."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        write_demo(tmp / "demo")
+        tok = train_tokenizer(iter_texts(tmp / "demo" / "pretrain", "train"), 1024)
+        tok.save(tmp / "tokenizer")
+        config = config_from_preset(args.preset, {"vocab_size": 1024})
+        meta = {"stage": "pretrain", "model_config": config.__dict__, "world_size": 1, "tokenizer": str(tmp / "tokenizer"),
+                "tokenizer_sha256": tok.fingerprint(), "data_dir": str(tmp / "demo" / "pretrain")}
+        C.save_checkpoint(tmp / "runs" / "bench" / "ckpt", 0, build_model(config, device), [], [], meta, 0, 1)
+        bundle = args.bundle or str(tmp / "demo" / "eval_bundle")
+        for batch_items in (1, 8):
+            out = tmp / f"out{batch_items}"
+            subprocess.run([sys.executable, str(Path(__file__).parent / "core_eval.py"), "--checkpoint",
+                            str(tmp / "runs" / "bench"), "--bundle", bundle, "--batch_items", str(batch_items),
+                            "--bpb_tokens", "0", "--max_new_tokens", "1", "--out", str(out)], check=True,
+                           capture_output=True)
+            report = json.loads((out / "results.json").read_text())
+            items = sum(t["items"] for t in report["tasks"])
+            print(f"core_eval {args.preset}: {report['items_per_second']:,.1f} items/s ({items} items in "
+                  f"{len(report['tasks'])} tasks, {report['seconds']:.1f} s, batch_items {batch_items}, "
+                  f"{report['dtype']}, {report['device']})")
+
+
 BENCHES = {"train": bench_train, "decode": bench_decode, "build": bench_build, "tokenizer": bench_tokenizer,
-           "loader": bench_loader, "pretrain": bench_pretrain}
+           "loader": bench_loader, "pretrain": bench_pretrain, "core_eval": bench_core_eval}
 
 
 def main():
@@ -213,6 +242,8 @@ def main():
                         "%(default)s)")
     parser.add_argument("--corpus", default=str(Path(__file__).resolve().parent.parent / "shared/corpus/realtext"),
                         help="text corpus for the tokenizer benchmark (default: %(default)s)")
+    parser.add_argument("--bundle", default=None, help="eval bundle directory for core_eval (default: the demo "
+                        "world's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="device (default: %(default)s)")
     args = parser.parse_args()

@@ -253,18 +253,16 @@ def test_missing_baseline_and_unknown_task(tasks, tmp_path):
 # The script end to end: 1 process = 2 processes; a tokenizer that does not match
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    """The demo world, a vocab-1024 tokenizer and an untrained tiny checkpoint, as pretrain.py lays them out."""
-    root = tmp_path_factory.mktemp("core")
-    D.write_demo(root / "demo")
-    tok = train_tokenizer(D.iter_texts(root / "demo" / "pretrain", "train"), 1024)
-    tok.save(root / "tokenizer")
+def demo(demo_world):
+    """The demo world and its tokenizer (conftest.py), and an untrained tiny checkpoint saved as pretrain.py saves one."""
+    tok = Tokenizer.load(demo_world / "tokenizer")
     torch.manual_seed(0)
     config = config_from_preset("tiny", {"n_layer": 2, "n_embd": 64, "n_head": 2, "n_kv_head": 2})
-    meta = {"stage": "pretrain", "model_config": config.__dict__, "world_size": 1, "tokenizer": str(root / "tokenizer"),
-            "tokenizer_sha256": tok.fingerprint(), "data_dir": str(root / "demo" / "pretrain")}
-    C.save_checkpoint(root / "runs" / "r" / "ckpt", 5, build_model(config), [], [], meta, 0, 1)
-    return root
+    meta = {"stage": "pretrain", "model_config": config.__dict__, "world_size": 1,
+            "tokenizer": str(demo_world / "tokenizer"), "tokenizer_sha256": tok.fingerprint(),
+            "data_dir": str(demo_world / "demo" / "pretrain")}
+    C.save_checkpoint(demo_world / "core_runs" / "r" / "ckpt", 5, build_model(config), [], [], meta, 0, 1)
+    return demo_world
 
 
 def run_core_eval(root, args, nproc=1):
@@ -279,7 +277,7 @@ def test_one_and_two_processes_give_identical_results(demo):
     outputs = []
     for nproc in (1, 2):
         out = demo / f"out{nproc}"
-        result = run_core_eval(demo, ["--max_per_task", "9", "--batch_items", "4", "--bpb_tokens", "5000",
+        result = run_core_eval(demo, ["--runs_dir", "core_runs", "--max_per_task", "9", "--batch_items", "4", "--bpb_tokens", "5000",
                                       "--max_new_tokens", "4", "--out", str(out)], nproc)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
         report = json.loads((out / "results.json").read_text())
@@ -298,9 +296,29 @@ def test_one_and_two_processes_give_identical_results(demo):
 def test_a_tokenizer_the_checkpoint_was_not_trained_with_is_refused(demo, tmp_path):
     other = train_tokenizer(D.iter_texts(demo / "demo" / "pretrain", "train", max_chars=2_000_000), 1024)  # other merges
     other.save(tmp_path / "other")
-    result = run_core_eval(demo, ["--tokenizer", str(tmp_path / "other"), "--max_per_task", "1"])
+    result = run_core_eval(demo, ["--checkpoint", "core_runs/r", "--tokenizer", str(tmp_path / "other")])
     assert result.returncode != 0 and "is not the one" in result.stderr and "was trained with" in result.stderr
     small = train_tokenizer(D.iter_texts(demo / "demo" / "pretrain", "val"), 512)
     small.save(tmp_path / "small")
-    result = run_core_eval(demo, ["--tokenizer", str(tmp_path / "small"), "--max_per_task", "1"])
+    result = run_core_eval(demo, ["--checkpoint", "core_runs/r", "--tokenizer", str(tmp_path / "small")])
     assert result.returncode != 0 and "has 512 tokens, the model" in result.stderr and "has 1024" in result.stderr
+
+
+def test_a_trained_model_beats_chance_on_the_demo_tasks(learned, demo):
+    """conftest's model (1 layer, 150 steps, about a minute) against the untrained one, on all 513 items."""
+    run_dir, _ = learned
+    scores = {}
+    for name, ckpt in (("trained", run_dir), ("untrained", demo / "core_runs" / "r")):
+        out = demo / f"score_{name}"
+        result = run_core_eval(demo, ["--checkpoint", str(ckpt), "--max_new_tokens", "8", "--out", str(out),
+                                      "--bpb_tokens", "20000"])
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+        scores[name] = json.loads((out / "results.json").read_text())
+    trained, untrained = scores["trained"], scores["untrained"]
+    assert trained["complete"] and sum(t["items"] for t in trained["tasks"]) == 513
+    # chance: each MC/schema task's centered accuracy has a spread of ~0.07 over its 57-90 items, so the mean of 8
+    # tasks ~0.025 around 0. Measured: trained 0.099, untrained below 0.03.
+    assert trained["core"] > 0.06 and untrained["core"] < 0.04, (trained["core"], untrained["core"])
+    # the validation bits per byte pretrain.py reported at the end of training: one function, the same tokens (not
+    # bitwise: that run used 2 threads, this one 1)
+    assert trained["val_bpb"] == pytest.approx(json.loads((run_dir / "done.json").read_text())["val_bpb"], rel=1e-6)

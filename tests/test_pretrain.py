@@ -16,7 +16,6 @@ import common as C
 import dataset as D
 import pretrain
 from model import autocast_context, build_model, config_from_preset
-from tokenizer import train_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--sequence_len", "64", "--n_layer", "2", "--n_embd", "64", "--n_head", "2", "--n_kv_head", "2",
@@ -24,12 +23,8 @@ SMALL = ["--sequence_len", "64", "--n_layer", "2", "--n_embd", "64", "--n_head",
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """The demo world and a vocab-1024 tokenizer trained on it, in a directory the runs work in."""
-    root = tmp_path_factory.mktemp("pretrain")
-    D.write_demo(root / "demo")
-    train_tokenizer(D.iter_texts(root / "demo" / "pretrain", "train"), 1024).save(root / "tokenizer")
-    return root
+def world(demo_world):
+    return demo_world
 
 
 def run(world, args, nproc=1, check=True):
@@ -52,18 +47,16 @@ def losses(world, name):
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
-def test_a_small_model_learns_the_demo_world(world):
-    out = run(world, ["--run_name", "learn", "--steps", "60", "--sequence_len", "128", "--n_layer", "2", "--n_embd", "128",
-                      "--n_head", "2", "--n_kv_head", "2", "--micro_batch", "16", "--eval_every", "0",
-                      "--eval_tokens", "20000"]).stdout
-    bpb = json.loads((world / "runs" / "learn" / "done.json").read_text())["val_bpb"]
+def test_a_small_model_learns_the_demo_world(world, learned):
+    run_dir, out = learned
+    bpb = json.loads((run_dir / "done.json").read_text())["val_bpb"]
     tok = pretrain.Tokenizer.load(world / "tokenizer")
     from tokenizer import bytes_per_token
     uniform = math.log2(tok.vocab_size) / bytes_per_token(tok, D.iter_texts(world / "demo" / "pretrain", "val"))
-    assert bpb < 0.7 * uniform, (bpb, uniform)  # measured: 1.62 against 2.65 for a uniform guess
-    assert "params: 655360" in out and "tokens per step = micro_batch 16 x sequence_len 128 x world size 1 x " \
-        "accumulation 1 = 2,048" in out
-    assert "budget: 60 steps, 122,880 tokens" in out
+    assert bpb < 0.25 * uniform, (bpb, uniform)  # measured: 0.455 against 2.65 for a uniform guess
+    assert "params: 1310720" in out and "tokens per step = micro_batch 32 x sequence_len 128 x world size 1 x " \
+        "accumulation 1 = 4,096" in out
+    assert "budget: 150 steps, 614,400 tokens" in out
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
