@@ -61,8 +61,8 @@ def get_args(argv=None):
     p.add_argument("--tasks", default=None, help="comma-separated task labels to run (default: all in core.yaml)")
     p.add_argument("--max_per_task", "--max-per-task", type=int, default=-1, help="items per task, a fixed random "
                    "subset; -1 = all (default: %(default)s)")
-    p.add_argument("--batch_items", type=int, default=16 if cuda else 8, help="items per forward pass, each with "
-                   "all its choices (default: %(default)s)")
+    p.add_argument("--batch_items", type=int, default=16 if cuda else 1, help="items per forward pass, each with "
+                   "all its choices; on a CPU a larger batch only adds padding (default: %(default)s)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the one the checkpoint records)")
     p.add_argument("--data_dir", default=None, help="corpus whose validation split gives bits per byte (default: the "
                    "checkpoint's)")

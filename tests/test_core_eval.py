@@ -2,6 +2,7 @@
 whose logits the test sets, few-shot prompts token for token, centered accuracy, 1 process = 2 processes, bad input."""
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -322,3 +323,26 @@ def test_a_trained_model_beats_chance_on_the_demo_tasks(learned, demo):
     # the validation bits per byte pretrain.py reported at the end of training: one function, the same tokens (not
     # bitwise: that run used 2 threads, this one 1)
     assert trained["val_bpb"] == pytest.approx(json.loads((run_dir / "done.json").read_text())["val_bpb"], rel=1e-6)
+
+
+def test_val_bpb_equals_a_direct_computation(demo_world):
+    tok = Tokenizer.load(demo_world / "tokenizer")
+    docs = list(D.iter_texts(demo_world / "demo" / "pretrain", "val"))
+    stream = C.val_tokens(demo_world / "demo" / "pretrain", tok, 3000)
+    direct = [t for doc in docs[:100] for t in [tok.bos_id, *tok.encode(doc)]][:3001]
+    assert stream.tolist() == direct
+    torch.manual_seed(0)
+    model = build_model(config_from_preset("tiny", {"n_layer": 1, "n_embd": 64, "n_head": 2, "n_kv_head": 2,
+                                                   "sequence_len": 100}))
+    bpb, scored = C.val_bpb(model, stream, tok.token_bytes, 100, 7, "float32", 0, 1, torch.device("cpu"))
+    nats = nbytes = n = 0
+    with torch.no_grad():
+        for start in range(0, 3000, 100):  # 30 rows of 101 tokens, stride 100
+            row = stream[start:start + 101]
+            logp = torch.log_softmax(model(row[None, :-1])[0], -1)
+            for pos, target in enumerate(row[1:].tolist()):
+                if target != tok.bos_id:
+                    nats -= logp[pos, target].item()
+                    nbytes += len(tok.enc.decode_single_token_bytes(target))  # not token_bytes: independent
+                    n += 1
+    assert scored == n and bpb == pytest.approx(nats / (nbytes * math.log(2)), rel=1e-5)

@@ -252,6 +252,11 @@ def test_chunked_loss_and_grads_equal_naive(softcap, tied, monkeypatch):
         assert torch.allclose(per_token.sum(), model(idx, targets, reduction="sum"), atol=1e-4)
         assert (per_token[targets == -1] == 0).all()
         assert torch.allclose(per_token.sum() / (targets != -1).sum(), naive, atol=1e-5)
+        # predictions: the argmax of the full logits where a target exists, -1 elsewhere
+        losses, predicted = model(idx, targets, reduction="none", predictions=True)
+        assert torch.equal(losses, per_token)
+        expected = torch.where(targets != -1, logits.argmax(-1), -1)
+        assert torch.equal(predicted, expected) and (predicted != -1).any()
 
 
 def test_loss_with_no_valid_target_is_zero_not_nan():
