@@ -182,6 +182,9 @@ def read_items(path, kind):
             if kind != "language_modeling" and not (isinstance(options, list) and len(options) >= 2 and
                                                     isinstance(item["gold"], int) and 0 <= item["gold"] < len(options)):
                 raise SystemExit(f"{where}: needs a list of at least 2 options and a gold index into it")
+            texts = [item[k] for k in ("query", "context", "continuation") if k in item] + list(options or [])
+            if not all(isinstance(text, str) for text in texts):
+                raise SystemExit(f"{where}: every query, context, choice and continuation must be a string")
             items.append(item)
     return items
 
@@ -221,7 +224,7 @@ def load_tasks(root, only=None):
         if not 0 <= baseline < 1:
             raise SystemExit(f"{root / 'eval_meta_data.csv'}: task {label}'s random baseline {baseline * 100}% is "
                              f"outside [0, 100)")
-        path = root / "eval_data" / t["dataset_uri"]
+        path = root / "eval_data" / str(t.get("dataset_uri"))
         if not path.is_file():
             raise SystemExit(f"{where}: {path} does not exist: the bundle is incomplete; fetch it again")
         items = read_items(path, kind)

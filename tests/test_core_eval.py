@@ -226,6 +226,14 @@ def test_malformed_line_names_file_and_line(tmp_path):
     (root / "eval_data/world_knowledge/quiz.jsonl").write_text(jsonl(QUIZ[:2]) + '{"query": "Q?", "gold": 0}\n')
     with pytest.raises(SystemExit, match=r"quiz\.jsonl, line 3: .*missing choices"):
         E.load_tasks(root, ["quiz_mc"])
+    (root / "eval_data/world_knowledge/quiz.jsonl").write_text(jsonl(QUIZ[:2]) + '{"query": "Q?", "choices": [1, 2], '
+                                                                '"gold": 5}\n')
+    with pytest.raises(SystemExit, match=r"quiz\.jsonl, line 3: needs a list of at least 2 options and a gold"):
+        E.load_tasks(root, ["quiz_mc"])
+    (root / "eval_data/world_knowledge/quiz.jsonl").write_text(jsonl(QUIZ[:2]) + '{"query": "Q?", "choices": [1, 2], '
+                                                                '"gold": 1}\n')
+    with pytest.raises(SystemExit, match=r"quiz\.jsonl, line 3: every query, context, choice and continuation must"):
+        E.load_tasks(root, ["quiz_mc"])
 
 
 def test_task_with_fewer_items_than_its_fewshot_count(tmp_path):
