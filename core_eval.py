@@ -185,6 +185,8 @@ def read_items(path, kind):
             texts = [item[k] for k in ("query", "context", "continuation") if k in item] + list(options or [])
             if not all(isinstance(text, str) for text in texts):
                 raise SystemExit(f"{where}: every query, context, choice and continuation must be a string")
+            if not all(item.get("choices", [item.get("continuation")])):  # nothing to score: a mean over no tokens
+                raise SystemExit(f"{where}: an empty continuation or choice; fix or delete the line")
             items.append(item)
     return items
 
@@ -273,8 +275,6 @@ def item_rows(task, index, tokenizer, seq_len):
     rows = []
     for context, continuation in item_texts(task, index):
         ctx, cont = [tokenizer.bos_id, *tokenizer.encode(context)], tokenizer.encode(continuation)
-        if not cont:
-            raise SystemExit(f"{task.path}: item {index} has an empty continuation; fix or delete it")
         ids, start = ctx + cont, len(ctx)
         crop = max(0, len(ids) - seq_len)
         rows.append((ids[crop:], max(1, start - crop)))  # max(1, ...): a continuation longer than the window is

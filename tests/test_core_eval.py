@@ -234,6 +234,10 @@ def test_malformed_line_names_file_and_line(tmp_path):
                                                                 '"gold": 1}\n')
     with pytest.raises(SystemExit, match=r"quiz\.jsonl, line 3: every query, context, choice and continuation must"):
         E.load_tasks(root, ["quiz_mc"])
+    (root / "eval_data/world_knowledge/quiz.jsonl").write_text(jsonl(QUIZ[:2]) + '{"query": "Q?", "choices": ["a", ""], '
+                                                                '"gold": 1}\n')
+    with pytest.raises(SystemExit, match=r"quiz\.jsonl, line 3: an empty continuation or choice"):
+        E.load_tasks(root, ["quiz_mc"])
 
 
 def test_task_with_fewer_items_than_its_fewshot_count(tmp_path):
