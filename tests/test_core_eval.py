@@ -4,6 +4,7 @@ import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -217,26 +218,17 @@ def test_centered_accuracy_arithmetic():
 # -----------------------------------------------------------------------------
 # Bad input
 
-def test_malformed_line_names_file_and_line(tmp_path):
-    bad = jsonl(QUIZ[:3]) + '{"query": "Q?", "choices": ["a", "b"]\n' + jsonl(QUIZ[3:])
-    root = write_bundle(tmp_path, {"world_knowledge/quiz.jsonl": bad, "language_understanding/pick.jsonl": "",
-                                   "symbolic/echo.jsonl": ""})
-    with pytest.raises(SystemExit, match=r"quiz\.jsonl, line 4: not valid JSON"):
-        E.load_tasks(root, ["quiz_mc"])
-    (root / "eval_data/world_knowledge/quiz.jsonl").write_text(jsonl(QUIZ[:2]) + '{"query": "Q?", "gold": 0}\n')
-    with pytest.raises(SystemExit, match=r"quiz\.jsonl, line 3: .*missing choices"):
-        E.load_tasks(root, ["quiz_mc"])
-    (root / "eval_data/world_knowledge/quiz.jsonl").write_text(jsonl(QUIZ[:2]) + '{"query": "Q?", "choices": [1, 2], '
-                                                                '"gold": 5}\n')
-    with pytest.raises(SystemExit, match=r"quiz\.jsonl, line 3: needs a list of at least 2 options and a gold"):
-        E.load_tasks(root, ["quiz_mc"])
-    (root / "eval_data/world_knowledge/quiz.jsonl").write_text(jsonl(QUIZ[:2]) + '{"query": "Q?", "choices": [1, 2], '
-                                                                '"gold": 1}\n')
-    with pytest.raises(SystemExit, match=r"quiz\.jsonl, line 3: every query, context, choice and continuation must"):
-        E.load_tasks(root, ["quiz_mc"])
-    (root / "eval_data/world_knowledge/quiz.jsonl").write_text(jsonl(QUIZ[:2]) + '{"query": "Q?", "choices": ["a", ""], '
-                                                                '"gold": 1}\n')
-    with pytest.raises(SystemExit, match=r"quiz\.jsonl, line 3: an empty continuation or choice"):
+@pytest.mark.parametrize("line, message", [
+    ('{"query": "Q?", "choices": ["a", "b"]', "not valid JSON"),
+    ('{"query": "Q?", "gold": 0}', "a multiple_choice item needs query, choices, gold; missing choices"),
+    ('{"query": "Q?", "choices": ["a", "b"], "gold": 5}', "needs a list of at least 2 options and a gold index"),
+    ('{"query": "Q?", "choices": [1, 2], "gold": 1}', "every query, context, choice and continuation must be a string"),
+    ('{"query": "Q?", "choices": ["a", ""], "gold": 1}', "an empty continuation or choice"),
+])
+def test_bad_item_names_file_and_line(tmp_path, line, message):
+    root = write_bundle(tmp_path, {"world_knowledge/quiz.jsonl": jsonl(QUIZ[:3]) + line + "\n" + jsonl(QUIZ[3:]),
+                                   "language_understanding/pick.jsonl": "", "symbolic/echo.jsonl": ""})
+    with pytest.raises(SystemExit, match=re.escape(f"quiz.jsonl, line 4: {message}")):
         E.load_tasks(root, ["quiz_mc"])
 
 
