@@ -61,14 +61,19 @@ def device_name(device):
     return torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
 
 
+def all_reduce_tensor(t, op=None):
+    """Sum (or `op`) a tensor over ranks, in place (through the GPU under NCCL); identity when not distributed."""
+    if dist.is_initialized():
+        on = t.cuda() if dist.get_backend() == "nccl" else t
+        dist.all_reduce(on, op=op or dist.ReduceOp.SUM)
+        if on is not t:
+            t.copy_(on)
+    return t
+
+
 def all_reduce(value, op=None):
     """Sum (or `op`) a float over ranks; identity when not distributed."""
-    if not dist.is_initialized():
-        return value
-    t = torch.tensor(float(value), dtype=torch.float64,
-                     device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
-    return t.item()
+    return all_reduce_tensor(torch.tensor(float(value), dtype=torch.float64), op).item()
 
 
 # -----------------------------------------------------------------------------
@@ -274,15 +279,22 @@ def load_checkpoint(path, rank, device):
             "rank": torch.load(rank_file, weights_only=True)}
 
 
+def newest_checkpoint(runs_dir, stage=None):
+    """The most recently written checkpoint under runs_dir/*/ckpt/ (of that stage only, if given), or None."""
+    found = [c for run in Path(runs_dir).glob("*/ckpt") for c in list_checkpoints(run)
+             if stage is None or json.loads((c / "meta.json").read_text()).get("stage") == stage]
+    return max(found, key=lambda c: (c / "meta.json").stat().st_mtime, default=None)
+
+
 def find_checkpoint(path=None, runs_dir="runs"):
     """A checkpoint directory from a checkpoint path, a run directory (its newest checkpoint), or nothing (the newest
     checkpoint of any run under runs_dir): how each stage picks up the output of the one before it."""
     if path is None:
-        found = [c for run in Path(runs_dir).glob("*/ckpt") for c in list_checkpoints(run)]
-        if not found:
+        found = newest_checkpoint(runs_dir)
+        if found is None:
             raise SystemExit(f"no checkpoint under {runs_dir}/*/ckpt/: train one first (python pretrain.py), or pass "
                              f"--checkpoint runs/<run>")
-        return max(found, key=lambda c: (c / "meta.json").stat().st_mtime)
+        return found
     path = Path(path)
     if (path / "meta.json").is_file():
         return path
@@ -335,15 +347,6 @@ def val_tokens(data_dir, tokenizer, max_tokens):
     return torch.tensor(stream[:max_tokens + 1], dtype=torch.long)
 
 
-def all_reduce_tensor(t):
-    """Sum a tensor over ranks in place (moved through the GPU under NCCL); identity when not distributed."""
-    if dist.is_initialized():
-        on = t.cuda() if dist.get_backend() == "nccl" else t
-        dist.all_reduce(on)
-        t.copy_(on.cpu() if on is not t else on)
-    return t
-
-
 @torch.no_grad()
 def val_bpb(model, tokens, token_bytes, seq_len, batch_rows, dtype, rank, world, device):
     """(bits per byte, tokens scored) over rows of seq_len + 1 tokens cut from `tokens` with stride seq_len. Targets
@@ -365,8 +368,8 @@ def val_bpb(model, tokens, token_bytes, seq_len, batch_rows, dtype, rank, world,
         with autocast_context(device.type, dtype):
             losses = model(x, y, reduction="none")
         nbytes = token_bytes[y]
-        sums[b] = torch.stack([(losses * (nbytes > 0)).sum().double().cpu(), nbytes.sum().double().cpu(),
-                               (nbytes > 0).sum().double().cpu()])
+        text = nbytes > 0
+        sums[b] = torch.stack([(losses * text).sum().double(), nbytes.sum().double(), text.sum().double()]).cpu()
     model.train(was_training)
     nats, total_bytes, scored = all_reduce_tensor(sums).sum(0).tolist()
     return nats / (math.log(2) * total_bytes), int(scored)

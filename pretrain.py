@@ -166,11 +166,10 @@ def evaluate(model, tokenizer, args, config, rank, world, device, step, run_dir,
 
 
 def newest_run(runs_dir):
-    runs = [p.parent.parent for p in Path(runs_dir).glob("*/ckpt/step_*")
-            if json.loads((p / "meta.json").read_text()).get("stage") == "pretrain"]
-    if not runs:
+    newest = C.newest_checkpoint(runs_dir, stage="pretrain")
+    if newest is None:
         raise SystemExit(f"--resume: no pretraining checkpoint under {runs_dir}/*/ckpt/")
-    return max(runs, key=lambda r: max(c.stat().st_mtime for c in C.list_checkpoints(r / "ckpt"))).name
+    return newest.parent.parent.name
 
 
 def main(argv=None):

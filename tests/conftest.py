@@ -1,18 +1,14 @@
 """Fixtures shared by test files: the demo world with its tokenizer, and one small model trained on it by
 pretrain.py (made once per session: training is the slowest thing the suite does)."""
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from launch import run_script
 
 import dataset as D
 from tokenizer import train_tokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
 # 1 layer of width 256, 150 steps of 32 x 128 tokens, Muon lr 0.04: about a minute on 2 CPU cores. Of the small
-# configurations tried, the best CORE per second of training (measured 0.099; 2 layers of 128 for the same steps: 0.05)
+# configurations tried, the best CORE per second of training (measured 0.099; 2 layers of width 128, lr 0.05, same steps: 0.057)
 LEARN_ARGS = ["--run_name", "learn", "--steps", "150", "--sequence_len", "128", "--n_layer", "1", "--n_embd", "256",
               "--n_head", "2", "--n_kv_head", "2", "--micro_batch", "32", "--matrix_lr", "0.04", "--eval_every", "0",
               "--eval_tokens", "20000", "--ckpt_every", "1000"]
@@ -30,9 +26,7 @@ def demo_world(tmp_path_factory):
 @pytest.fixture(scope="session")
 def learned(demo_world):
     """(run directory, pretrain.py's stdout) of LEARN_ARGS, run as a user would."""
-    cmd = [sys.executable, str(ROOT / "pretrain.py"), "--data_dir", str(demo_world / "demo" / "pretrain"),
-           "--tokenizer", str(demo_world / "tokenizer"), "--runs_dir", str(demo_world / "learned"), *LEARN_ARGS]
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(cmd, cwd=demo_world, capture_output=True, text=True, env=env, timeout=600, check=False)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = run_script("pretrain.py", ["--data_dir", str(demo_world / "demo" / "pretrain"), "--tokenizer",
+                                        str(demo_world / "tokenizer"), "--runs_dir", str(demo_world / "learned"),
+                                        *LEARN_ARGS], demo_world, threads=2)
     return demo_world / "learned" / "learn", result.stdout

@@ -3,19 +3,16 @@ whose logits the test sets, few-shot prompts token for token, centered accuracy,
 import io
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 import threading
 import zipfile
 from hashlib import sha256
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from launch import run_script
 
 import common as C
 import core_eval as E
@@ -23,7 +20,6 @@ import dataset as D
 from model import build_model, config_from_preset
 from tokenizer import SPLIT_PATTERN, Tokenizer, train_tokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
 BYTES = Tokenizer({bytes([b]): b for b in range(256)}, SPLIT_PATTERN)  # no merges: one token per byte
 
 
@@ -271,11 +267,7 @@ def demo(demo_world):
 
 
 def run_core_eval(root, args, nproc=1):
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                     f"--nproc_per_node={nproc}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([*launcher, str(ROOT / "core_eval.py"), *args], cwd=root, capture_output=True, text=True,
-                          env=env, timeout=300, check=False)
+    return run_script("core_eval.py", args, root, nproc, check=False)
 
 
 def test_one_and_two_processes_give_identical_results(demo):

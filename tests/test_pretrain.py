@@ -2,22 +2,18 @@
 NaN stop, SIGTERM, frozen-parameter monitor, schedules, batch planning, status."""
 import json
 import math
-import os
 import signal
-import subprocess
-import sys
 from argparse import Namespace
-from pathlib import Path
 
 import pytest
 import torch
+from launch import run_script
 
 import common as C
 import dataset as D
 import pretrain
 from model import autocast_context, build_model, config_from_preset
 
-ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--sequence_len", "64", "--n_layer", "2", "--n_embd", "64", "--n_head", "2", "--n_kv_head", "2",
          "--micro_batch", "4", "--eval_every", "0", "--eval_tokens", "4096", "--log_every", "1000"]
 
@@ -28,18 +24,10 @@ def world(demo_world):
 
 
 def run(world, args, nproc=1, check=True):
-    """pretrain.py as a user runs it: `python pretrain.py` or `torchrun --standalone --nproc_per_node=N`, in its own
-    process group (so a SIGKILL hits torchrun and all its workers, as a dying machine would)."""
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                     f"--nproc_per_node={nproc}"]
-    cmd = [*launcher, str(ROOT / "pretrain.py"), "--data_dir", str(world / "demo" / "pretrain"), "--tokenizer",
-           str(world / "tokenizer"), "--runs_dir", str(world / "runs"), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(cmd, cwd=world, capture_output=True, text=True, env=env, start_new_session=True,
-                            timeout=600, check=False)
-    if check and result.returncode != 0:
-        raise AssertionError(f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return result
+    """pretrain.py on the demo world, as a user runs it."""
+    return run_script("pretrain.py", ["--data_dir", str(world / "demo" / "pretrain"), "--tokenizer",
+                                      str(world / "tokenizer"), "--runs_dir", str(world / "runs"), *args],
+                      world, nproc, check=check)
 
 
 def losses(world, name):

@@ -1,0 +1,20 @@
+"""Run a stage as a user does, for the tests: `python X.py` or `torchrun --standalone --nproc_per_node=N X.py`."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_script(script, args, cwd, nproc=1, threads=1, check=True):
+    """The finished process, in its own process group (so a SIGKILL hits torchrun and all its workers, as a dying
+    machine would). check: a non-zero exit fails the test with the output's tail."""
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                     f"--nproc_per_node={nproc}"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([*launcher, str(ROOT / script), *args], cwd=cwd, capture_output=True, text=True, env=env,
+                            start_new_session=True, timeout=600, check=False)
+    if check and result.returncode != 0:
+        raise AssertionError(f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
