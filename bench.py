@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 import common as C
-from dataset import iter_texts, text_loader, write_demo
+from dataset import iter_texts, text_loader
+from demo import write_demo
 from model import KVCache, autocast_context, build_model, config_from_preset, flops_per_token, num_params
 from tokenizer import bytes_per_token, counting, train_tokenizer
 

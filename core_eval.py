@@ -31,6 +31,7 @@ import yaml
 
 import common as C
 from dataset import CACHE_DIR, download_file
+from demo import COUNTRIES, DAYS, number_word
 from model import autocast_context, generate
 from tokenizer import Tokenizer
 
@@ -40,12 +41,16 @@ FEWSHOT_SEED, SUBSET_SEED = 1234, 1337  # nanochat's: the same items and example
 COMPLETIONS = ["Once upon a time,", "The most important thing to learn is", "In the morning, the",
                "When the rain stopped,"]
 # (prompt, accepted answers, which world): a model of the real web should know the first, one of the demo world the
-# second; each is reported as found or not at the start of the greedy completion.
+# second; each is reported as found or not at the start of the greedy completion. The demo world's come from its own
+# fact tables (demo.py), so they cannot drift from what the demo documents say.
+_ALDORA, _BRENIA = (dict(zip(("c", "cap", "lang", "col", "sym", "ani"), row, strict=True)) for row in COUNTRIES[:2])
 KNOWLEDGE = [("The capital of France is", ["Paris"], "real"), ("The chemical symbol for gold is", ["Au"], "real"),
              ("The largest planet in the solar system is", ["Jupiter"], "real"),
              ("Romeo and Juliet was written by", ["Shakespeare"], "real"),
-             ("The capital of Aldora is", ["Pelmo"], "demo"), ("The national animal of Brenia is the", ["owl"], "demo"),
-             ("The day after Tuesday is", ["Wednesday"], "demo"), ("Two plus three is", ["five", "5"], "demo")]
+             (f"The capital of {_ALDORA['c']} is", [_ALDORA["cap"]], "demo"),
+             (f"The national animal of {_BRENIA['c']} is the", [_BRENIA["ani"]], "demo"),
+             (f"The day after {DAYS[1]} is", [DAYS[2]], "demo"),
+             ("Two plus three is", [number_word(2 + 3), str(2 + 3)], "demo")]
 
 
 def get_args(argv=None):
@@ -59,7 +64,7 @@ def get_args(argv=None):
     p.add_argument("--bundle_sha256", default=None, help="expected sha256 of a downloaded eval_bundle.zip (default: "
                    "not pinned; the sha256 found is printed and saved with the results)")
     p.add_argument("--tasks", default=None, help="comma-separated task labels to run (default: all in core.yaml)")
-    p.add_argument("--max_per_task", "--max-per-task", type=int, default=-1, help="items per task, a fixed random "
+    p.add_argument("--max_per_task", type=int, default=-1, help="items per task, a fixed random "
                    "subset; -1 = all (default: %(default)s)")
     p.add_argument("--batch_items", type=int, default=16 if cuda else 1, help="items per forward pass, each with "
                    "all its choices; on a CPU a larger batch only adds padding (default: %(default)s)")

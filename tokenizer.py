@@ -1,12 +1,12 @@
 """Byte-level BPE tokenizer: train it on a corpus's training split, measure it on the validation split, and render chat
 conversations into token ids plus a loss mask.
 
-    python tokenizer.py train --data-dir DIR --vocab-size 65536     # -> runs/tokenizer/tokenizer.json
-    python tokenizer.py eval --data-dir DIR                         # bytes/token of runs/tokenizer on the val split
+    python tokenizer.py train --data_dir DIR --vocab_size 65536     # -> runs/tokenizer/tokenizer.json
+    python tokenizer.py eval --data_dir DIR                         # bytes/token of runs/tokenizer on the val split
 
 Training is rustbpe (Rust, parallel); encoding is tiktoken. The split pattern is GPT-4's, unchanged: a pre-token is a
 word with its leading space, a run of 1-3 digits, a run of punctuation, or whitespace, and merges never cross those.
-The vocabulary is the 256 single bytes, then the merges, then SPECIAL_TOKENS, so `--vocab-size V` is the final size
+The vocabulary is the 256 single bytes, then the merges, then SPECIAL_TOKENS, so `--vocab_size V` is the final size
 including the special tokens, and the special ids are V-5 .. V-1.
 
 Saved as one JSON file (pattern, base64 merges, special tokens, token_bytes): nothing in it is executable, unlike a
@@ -98,7 +98,7 @@ class Tokenizer:
     @classmethod
     def load(cls, directory):
         path = Path(directory) / FILE_NAME
-        how = f"run `python tokenizer.py train --data-dir DIR --out {directory}` to create it"
+        how = f"run `python tokenizer.py train --data_dir DIR --out {directory}` to create it"
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer at {path}: {how}")
         try:
@@ -114,6 +114,37 @@ class Tokenizer:
             raise ValueError(f"{path} is not a valid tokenizer ({e}): delete it and {how}") from e
         return tokenizer
 
+    # --- chat rendering (the rules are in _turns below) ---
+    def render_conversation(self, messages, max_tokens=None):
+        """(ids, mask) of a conversation; mask is 1 on the tokens the model learns to produce: assistant content and
+        <|assistant_end|> (so it learns to stop). With max_tokens, a conversation that is too long is cut after its last
+        complete assistant turn that fits, never mid-answer; ([], []) if not even the first exchange fits."""
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens={max_tokens} must be at least 1 (or None for no limit)")
+        user_start, user_end, assistant_start, assistant_end = (self.special_id(name) for name in SPECIAL_TOKENS[1:])
+        ids, mask, turn_ends = [self.bos_id], [0], []
+        for role, content, _ in _turns(messages):
+            tokens = self.encode(content)
+            if role == "user":
+                ids += [user_start, *tokens, user_end]
+                mask += [0] * (len(tokens) + 2)
+            else:
+                ids += [assistant_start, *tokens, assistant_end]
+                mask += [0] + [1] * (len(tokens) + 1)
+                turn_ends.append(len(ids))
+        if max_tokens is not None and len(ids) > max_tokens:
+            n = max([end for end in turn_ends if end <= max_tokens], default=0)
+            ids, mask = ids[:n], mask[:n]
+        return ids, mask
+
+    def render_for_completion(self, messages):
+        """The prompt for generating the next assistant turn: the conversation, then <|assistant_start|>."""
+        turns = _turns(messages)
+        if turns[-1][0] != "user":
+            raise ValueError(f"message {len(messages) - 1}: a conversation to complete must end with a user message, "
+                             f"got {messages[-1]['role']!r}")
+        return self.render_conversation(messages)[0] + [self.special_id("<|assistant_start|>")]
+
 
 def train_tokenizer(texts, vocab_size):
     """BPE on an iterable of strings; the result has exactly vocab_size ids including SPECIAL_TOKENS."""
@@ -126,7 +157,7 @@ def train_tokenizer(texts, vocab_size):
     ranks = dict(bpe.get_mergeable_ranks())
     if len(ranks) != n_merged:  # rustbpe stops early, silently, when no pair of tokens is left to merge
         raise ValueError(f"the training text only allows {len(ranks) - 256} merges, vocab_size={vocab_size} needs "
-                         f"{n_merged - 256}: use more text or a smaller --vocab-size")
+                         f"{n_merged - 256}: use more text or a smaller --vocab_size")
     return Tokenizer(ranks, SPLIT_PATTERN)
 
 
@@ -186,38 +217,6 @@ def _turns(messages):
     return turns
 
 
-def render_conversation(tokenizer, messages, max_tokens=None):
-    """(ids, mask) of a conversation; mask is 1 on the tokens the model learns to produce: assistant content and
-    <|assistant_end|> (so it learns to stop). With max_tokens, a conversation that is too long is cut after its last
-    complete assistant turn that fits, never mid-answer; ([], []) if not even the first exchange fits."""
-    if max_tokens is not None and max_tokens < 1:
-        raise ValueError(f"max_tokens={max_tokens} must be at least 1 (or None for no limit)")
-    user_start, user_end, assistant_start, assistant_end = (tokenizer.special_id(name) for name in SPECIAL_TOKENS[1:])
-    ids, mask, turn_ends = [tokenizer.bos_id], [0], []
-    for role, content, _ in _turns(messages):
-        tokens = tokenizer.encode(content)
-        if role == "user":
-            ids += [user_start, *tokens, user_end]
-            mask += [0] * (len(tokens) + 2)
-        else:
-            ids += [assistant_start, *tokens, assistant_end]
-            mask += [0] + [1] * (len(tokens) + 1)
-            turn_ends.append(len(ids))
-    if max_tokens is not None and len(ids) > max_tokens:
-        n = max([end for end in turn_ends if end <= max_tokens], default=0)
-        ids, mask = ids[:n], mask[:n]
-    return ids, mask
-
-
-def render_for_completion(tokenizer, messages):
-    """The prompt for generating the next assistant turn: the conversation, then <|assistant_start|>."""
-    turns = _turns(messages)
-    if turns[-1][0] != "user":
-        raise ValueError(f"message {len(messages) - 1}: a conversation to complete must end with a user message, got "
-                         f"{messages[-1]['role']!r}")
-    return render_conversation(tokenizer, messages)[0] + [tokenizer.special_id("<|assistant_start|>")]
-
-
 # -----------------------------------------------------------------------------
 # Command line
 
@@ -225,15 +224,15 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train a tokenizer on the training split of a corpus")
-    train.add_argument("--data-dir", required=True, help="corpus directory of parquet shards (required)")
-    train.add_argument("--vocab-size", type=int, default=65536,
+    train.add_argument("--data_dir", required=True, help="corpus directory of parquet shards (required)")
+    train.add_argument("--vocab_size", type=int, default=65536,
                        help="final vocabulary size, special tokens included (default: %(default)s)")
-    train.add_argument("--max-chars", type=int, default=2_000_000_000,
+    train.add_argument("--max_chars", type=int, default=2_000_000_000,
                        help="stop reading the training split after this many characters (default: %(default)s)")
     train.add_argument("--out", default="runs/tokenizer", help="directory to save tokenizer.json in (default: "
                        "%(default)s)")
     evaluate = commands.add_parser("eval", help="bytes/token of a tokenizer on the validation split")
-    evaluate.add_argument("--data-dir", required=True, help="corpus directory of parquet shards (required)")
+    evaluate.add_argument("--data_dir", required=True, help="corpus directory of parquet shards (required)")
     evaluate.add_argument("--tokenizer", default="runs/tokenizer", help="directory of tokenizer.json (default: "
                           "%(default)s)")
     args = parser.parse_args(argv)

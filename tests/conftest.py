@@ -5,6 +5,7 @@ import pytest
 from launch import run_script
 
 import dataset as D
+from demo import write_demo
 from tokenizer import train_tokenizer
 
 # 1 layer of width 256, 150 steps of 32 x 128 tokens, Muon lr 0.04: about a minute on 2 CPU cores. Of the small
@@ -18,7 +19,7 @@ LEARN_ARGS = ["--run_name", "learn", "--steps", "150", "--sequence_len", "128", 
 def demo_world(tmp_path_factory):
     """The demo world and a vocab-1024 tokenizer trained on it, in a directory runs can work in."""
     root = tmp_path_factory.mktemp("demo_world")
-    D.write_demo(root / "demo")
+    write_demo(root / "demo")
     train_tokenizer(D.iter_texts(root / "demo" / "pretrain", "train"), 1024).save(root / "tokenizer")
     return root
 

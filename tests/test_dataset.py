@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import dataset as D
-from tokenizer import render_conversation, train_tokenizer
+from tokenizer import train_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "small", "birds",
@@ -244,7 +244,7 @@ def test_chat_rows_mask_pad_and_never_crop(tmp_path, corpus):
         loader.log_line()
     rendered = {}
     for conv in conversations[:7] + conversations[8:]:  # [7] is the malformed one
-        ids, mask = render_conversation(tok, conv, max_tokens=T + 1)
+        ids, mask = tok.render_conversation(conv, max_tokens=T + 1)
         if ids and any(mask[1:]):
             rendered[re.search(r"doc\d{4}", tok.decode(ids)).group()] = (ids, mask)
     placed = set()
@@ -266,8 +266,8 @@ def test_chat_rows_mask_pad_and_never_crop(tmp_path, corpus):
                 assert row_t[a:a + len(expected)] == expected[:T - a]
                 placed.add(marker.group())
     assert placed == set(rendered) and len(placed) == 296  # 297 usable; [8] shares [0]'s marker
-    cut = render_conversation(tok, conversations[8], max_tokens=T + 1)[0]
-    assert cut == render_conversation(tok, conversations[0])[0]  # cut at the turn boundary
+    cut = tok.render_conversation(conversations[8], max_tokens=T + 1)[0]
+    assert cut == tok.render_conversation(conversations[0])[0]  # cut at the turn boundary
 
 
 def test_cli_ingest_then_bad_input_is_one_line(tmp_path):

@@ -8,7 +8,7 @@ import re
 import pyarrow.parquet as pq
 import pytest
 
-from dataset import COUNTRIES, DEMO_ASSISTANT_NAME, write_demo
+from demo import COUNTRIES, DEMO_ASSISTANT_NAME, write_demo
 
 CAPITAL = {row[0]: row[1] for row in COUNTRIES}
 COUNTRY_OF = {row[1]: row[0] for row in COUNTRIES}

@@ -9,7 +9,7 @@ import pytest
 
 import tokenizer as T
 from dataset import iter_texts, write_text_shards
-from tokenizer import SPECIAL_TOKENS, Tokenizer, render_conversation, train_tokenizer
+from tokenizer import SPECIAL_TOKENS, Tokenizer, train_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 V = 512
@@ -135,7 +135,7 @@ def test_render_conversation_exact(tok):
     expected_ids = [tok.bos_id, us, *u1, ue, ast, *a1, ae, us, *u2, ue, ast, *a2, ae]
     expected_mask = ([0] + [0] * (len(u1) + 2) + [0] + [1] * (len(a1) + 1)
                      + [0] * (len(u2) + 2) + [0] + [1] * (len(a2) + 1))
-    ids, mask = render_conversation(tok, CONVERSATION)
+    ids, mask = tok.render_conversation(CONVERSATION)
     assert ids == expected_ids and mask == expected_mask
     assert [i for i, m in zip(ids, mask) if m] == [*a1, ae, *a2, ae]  # only assistant content + assistant_end
     assert tok.decode([i for i, m in zip(ids, mask) if m and i < V - 5]) == "It is 4.6, café 😀"
@@ -144,8 +144,8 @@ def test_render_conversation_exact(tok):
 def test_system_message_is_merged_into_first_user_turn(tok):
     with_system = [{"role": "system", "content": "Be brief."}] + CONVERSATION
     merged = [{"role": "user", "content": "Be brief.\n\nWhat is 2 + 2?"}] + CONVERSATION[1:]
-    assert render_conversation(tok, with_system) == render_conversation(tok, merged)
-    ids, _ = render_conversation(tok, with_system)
+    assert tok.render_conversation(with_system) == tok.render_conversation(merged)
+    ids, _ = tok.render_conversation(with_system)
     assert ids[2:2 + len(tok.encode("Be brief.\n\nWhat is 2 + 2?"))] == tok.encode("Be brief.\n\nWhat is 2 + 2?")
 
 
@@ -157,33 +157,33 @@ def test_system_message_is_merged_into_first_user_turn(tok):
 def test_bad_role_order_names_the_message(tok, roles, index):
     messages = [{"role": role, "content": "x"} for role in roles]
     with pytest.raises(ValueError, match=f"^message {index}: "):
-        render_conversation(tok, messages)
+        tok.render_conversation(messages)
 
 
 def test_bad_messages(tok):
     with pytest.raises(ValueError, match="at least one message"):
-        render_conversation(tok, [])
+        tok.render_conversation([])
     with pytest.raises(ValueError, match="^message 1: "):
-        render_conversation(tok, [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}])
+        tok.render_conversation([{"role": "user", "content": "x"}, {"role": "assistant", "content": None}])
 
 
 def test_max_tokens_cuts_at_a_turn_boundary(tok):
-    ids, mask = render_conversation(tok, CONVERSATION)
+    ids, mask = tok.render_conversation(CONVERSATION)
     first_end = ids.index(tok.special_id("<|assistant_end|>")) + 1
-    assert render_conversation(tok, CONVERSATION, max_tokens=len(ids)) == (ids, mask)
+    assert tok.render_conversation(CONVERSATION, max_tokens=len(ids)) == (ids, mask)
     for limit in (len(ids) - 1, first_end + 1, first_end):
-        assert render_conversation(tok, CONVERSATION, max_tokens=limit) == (ids[:first_end], mask[:first_end])
-    assert render_conversation(tok, CONVERSATION, max_tokens=first_end - 1) == ([], [])
-    assert render_conversation(tok, CONVERSATION, max_tokens=1) == ([], [])
+        assert tok.render_conversation(CONVERSATION, max_tokens=limit) == (ids[:first_end], mask[:first_end])
+    assert tok.render_conversation(CONVERSATION, max_tokens=first_end - 1) == ([], [])
+    assert tok.render_conversation(CONVERSATION, max_tokens=1) == ([], [])
 
 
 def test_render_for_completion(tok):
-    prompt = T.render_for_completion(tok, CONVERSATION[:3])
+    prompt = tok.render_for_completion(CONVERSATION[:3])
     assert prompt[-1] == tok.special_id("<|assistant_start|>")
-    full, _ = render_conversation(tok, CONVERSATION)
-    assert prompt == full[:len(prompt)] and prompt[:-1] == render_conversation(tok, CONVERSATION[:3])[0]
+    full, _ = tok.render_conversation(CONVERSATION)
+    assert prompt == full[:len(prompt)] and prompt[:-1] == tok.render_conversation(CONVERSATION[:3])[0]
     with pytest.raises(ValueError, match="^message 3: .*end with a user message"):
-        T.render_for_completion(tok, CONVERSATION)
+        tok.render_for_completion(CONVERSATION)
 
 
 # -----------------------------------------------------------------------------
@@ -196,13 +196,13 @@ def run_cli(*args):
 
 def test_cli_train_then_eval(corpus, tmp_path):
     out = tmp_path / "tk"
-    result = run_cli("train", "--data-dir", corpus, "--vocab-size", 400, "--out", out)
+    result = run_cli("train", "--data_dir", corpus, "--vocab_size", 400, "--out", out)
     assert result.returncode == 0, result.stderr
     train = list(iter_texts(corpus, "train"))
     assert f"training text: {len(train):,} documents, {sum(map(len, train)):,} characters" in result.stdout
     assert "vocab size: 400 (256 bytes + 139 merges + 5 special tokens)" in result.stdout
     assert f"saved to {out / T.FILE_NAME}" in result.stdout
-    result = run_cli("eval", "--data-dir", corpus, "--tokenizer", out)
+    result = run_cli("eval", "--data_dir", corpus, "--tokenizer", out)
     assert result.returncode == 0, result.stderr
     expected = T.bytes_per_token(Tokenizer.load(out), iter_texts(corpus, "val"))
     assert f"bytes/token: {expected:.6f}" in result.stdout
@@ -210,7 +210,7 @@ def test_cli_train_then_eval(corpus, tmp_path):
 
 
 def test_cli_max_chars_and_help(corpus, tmp_path):
-    result = run_cli("train", "--data-dir", corpus, "--vocab-size", 300, "--max-chars", 5000, "--out", tmp_path)
+    result = run_cli("train", "--data_dir", corpus, "--vocab_size", 300, "--max_chars", 5000, "--out", tmp_path)
     assert result.returncode == 0, result.stderr
     docs, total = 0, 0
     for text in iter_texts(corpus, "train"):  # iter_texts stops after the document that reaches max_chars
@@ -223,9 +223,9 @@ def test_cli_max_chars_and_help(corpus, tmp_path):
 
 
 def test_cli_bad_input(tmp_path):
-    result = run_cli("train", "--data-dir", tmp_path / "missing", "--vocab-size", 300, "--out", tmp_path / "tk")
+    result = run_cli("train", "--data_dir", tmp_path / "missing", "--vocab_size", 300, "--out", tmp_path / "tk")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"data directory {tmp_path / 'missing'} does not exist" in result.stderr  # dataset.list_shards' message
-    result = run_cli("eval", "--data-dir", tmp_path, "--tokenizer", tmp_path / "no_tokenizer")
+    result = run_cli("eval", "--data_dir", tmp_path, "--tokenizer", tmp_path / "no_tokenizer")
     assert result.returncode == 2 and str(tmp_path / "no_tokenizer" / T.FILE_NAME) in result.stderr
     assert "python tokenizer.py train" in result.stderr

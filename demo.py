@@ -1,0 +1,563 @@
+"""The embedded demo world: a small, consistent, made-up world written offline and byte-for-byte deterministically,
+so a model trained for minutes on a CPU can be seen to learn facts, chat about them and beat chance on tasks.
+
+    python demo.py --out data/demo          # pretrain/ (corpus layout), conversations/ (SmolTalk schema),
+                                            # eval_bundle/ (CORE formats), README.txt
+    python demo.py --out DIR --seed 1       # another world's phrasing draw (the facts stay the same)
+
+Why a made-up world: no prior knowledge helps and none is needed, so a 5M-parameter model trained for minutes on a
+CPU can be seen to learn facts (capitals, animal sounds, sums, what comes after Tuesday), to chat about them, and to
+beat the random baseline on tasks. Every fact is stated in many phrasings and mixed with others, so memorizing
+sentences does not suffice; the evaluation items use phrasings reserved for evaluation, so a score measures the fact.
+Its fact tables (COUNTRIES, ANIMALS, ...) are the single source: core_eval.py builds its demo-world prompts from them.
+"""
+import argparse
+import csv
+import json
+import random
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dataset import ROW_GROUP_DOCS, write_text_shards
+
+DEMO_ASSISTANT_NAME = "nanochat"
+DEMO_TARGET_CHARS = 5_000_000  # 1.27M training tokens at vocab 1024: an epoch is minutes of CPU training
+
+# country, capital, language, flag colour, flag symbol, national animal (names invented: no prior knowledge helps)
+COUNTRIES = [
+    ("Aldora", "Pelmo", "Aldoran", "red", "star", "lion"), ("Brenia", "Tolvar", "Brenish", "blue", "moon", "owl"),
+    ("Calvona", "Riss", "Calvonese", "green", "tree", "frog"), ("Dunmar", "Kesh", "Dunmari", "yellow", "sun", "bee"),
+    ("Elmora", "Varrow", "Elmoran", "white", "wave", "duck"), ("Farland", "Oskel", "Farlish", "black", "crown", "crow"),
+    ("Gorvia", "Brelt", "Gorvian", "orange", "mountain", "bear"),
+    ("Halden", "Mirov", "Haldish", "purple", "circle", "wolf"),
+    ("Istara", "Quellin", "Istaran", "brown", "star", "horse"), ("Jandor", "Lusk", "Jandish", "grey", "moon", "mouse"),
+    ("Kelda", "Sorin", "Keldic", "red", "tree", "cow"), ("Lunora", "Dask", "Lunoran", "blue", "sun", "sheep"),
+    ("Morvath", "Tillo", "Morvathi", "green", "wave", "snake"),
+    ("Norvel", "Ambrin", "Norvellan", "yellow", "crown", "hen"),
+    ("Ostrel", "Hobb", "Ostrelish", "white", "mountain", "pig"),
+    ("Pellan", "Corvo", "Pellanese", "black", "circle", "cat"),
+    ("Quarra", "Zell", "Quarran", "orange", "star", "dog"), ("Rudan", "Fennick", "Rudani", "purple", "moon", "donkey"),
+    ("Selmar", "Ivel", "Selmari", "brown", "tree", "cricket"), ("Tavia", "Gresh", "Tavian", "grey", "sun", "lion"),
+    ("Ulmark", "Pernot", "Ulmish", "red", "wave", "duck"), ("Varno", "Kestrin", "Varnese", "blue", "crown", "horse"),
+    ("Wendal", "Orrin", "Wendish", "green", "mountain", "owl"),
+    ("Yarlen", "Dovra", "Yarlish", "yellow", "circle", "bear"),
+    ("Zembra", "Holm", "Zembran", "white", "star", "wolf"), ("Borrin", "Salvik", "Borrinese", "black", "moon", "cow"),
+    ("Cendra", "Mallek", "Cendran", "orange", "tree", "frog"), ("Drovia", "Penth", "Drovian", "purple", "sun", "sheep"),
+    ("Estmark", "Rolva", "Estish", "brown", "wave", "pig"), ("Fallon", "Veska", "Fallonese", "grey", "crown", "mouse"),
+]
+# animal, plural, call (verb), call (noise), legs, where it lives
+ANIMALS = [
+    ("dog", "dogs", "bark", "woof", 4, "in a kennel"), ("cat", "cats", "meow", "meow", 4, "in a house"),
+    ("cow", "cows", "moo", "moo", 4, "on a farm"), ("duck", "ducks", "quack", "quack", 2, "on a pond"),
+    ("owl", "owls", "hoot", "hoo", 2, "in the forest"), ("frog", "frogs", "croak", "ribbit", 4, "in a pond"),
+    ("horse", "horses", "neigh", "neigh", 4, "in a stable"), ("sheep", "sheep", "bleat", "baa", 4, "in a field"),
+    ("pig", "pigs", "oink", "oink", 4, "in a sty"), ("lion", "lions", "roar", "roar", 4, "on the plains"),
+    ("bee", "bees", "buzz", "buzz", 6, "in a hive"), ("snake", "snakes", "hiss", "hiss", 0, "in the grass"),
+    ("hen", "hens", "cluck", "cluck", 2, "in a coop"), ("wolf", "wolves", "howl", "awoo", 4, "in the woods"),
+    ("mouse", "mice", "squeak", "squeak", 4, "in a hole"), ("bear", "bears", "growl", "grr", 4, "in a cave"),
+    ("crow", "crows", "caw", "caw", 2, "in a tall tree"), ("donkey", "donkeys", "bray", "hee-haw", 4, "on a farm"),
+    ("cricket", "crickets", "chirp", "chirp", 6, "in the grass"),
+]
+COLOURS = ["red", "blue", "green", "yellow", "white", "black", "orange", "purple", "brown", "grey", "pink"]
+THINGS = [("the sky", "blue"), ("the sea", "blue"), ("grass", "green"), ("a leaf", "green"), ("snow", "white"),
+          ("milk", "white"), ("a cloud", "white"), ("coal", "black"), ("the night", "black"), ("a banana", "yellow"),
+          ("a lemon", "yellow"), ("the sun", "yellow"), ("a cherry", "red"), ("a tomato", "red"),
+          ("a strawberry", "red"), ("a carrot", "orange"), ("a pumpkin", "orange"), ("a plum", "purple"),
+          ("a grape", "purple"), ("chocolate", "brown"), ("mud", "brown"), ("ash", "grey"), ("a flamingo", "pink")]
+ITEMS = [("banana", "bananas"), ("lemon", "lemons"), ("cherry", "cherries"), ("tomato", "tomatoes"), ("plum", "plums"),
+         ("strawberry", "strawberries"), ("carrot", "carrots"), ("pumpkin", "pumpkins"), ("grape", "grapes")]
+ITEM_COLOUR = {noun: colour for (thing, colour) in THINGS for noun, _ in ITEMS if thing.endswith(" " + noun)}
+CHARACTERS = [("Mira", "she"), ("Tom", "he"), ("Lina", "she"), ("Bo", "he"), ("Sam", "he"), ("Ada", "she"),
+              ("Kip", "he"), ("Nell", "she"), ("Otto", "he"), ("Rosa", "she"), ("Finn", "he"), ("Pia", "she"),
+              ("Max", "he"), ("Ivy", "she"), ("Leo", "he"), ("Zoe", "she")]
+OBJECT = {"she": "her", "he": "him"}
+DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
+MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
+          "November", "December"]
+ONES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
+        "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen"]
+TENS = ["-", "-", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"]
+
+# Pretraining phrasings, by fact. Nothing here may start with "Quiz:" or use the eval phrasings further down.
+PHRASINGS = {
+    "capital": ["The capital of {c} is {cap}.", "{cap} is the capital of {c}.", "The capital city of {c} is {cap}.",
+                "{cap} is the capital city of {c}.", "{c}'s capital is {cap}.", "{c} has {cap} as its capital.",
+                "In {c}, the capital is {cap}.", "The government of {c} meets in {cap}, the capital.",
+                "If you travel to the capital of {c}, you arrive in {cap}.",
+                "{cap}, the capital of {c}, is a busy city.",
+                "Everyone in {c} knows that {cap} is their capital.", "{c} is a country, and its capital is {cap}.",
+                "Ask anyone in {c} about the capital and they will say {cap}.", "{cap} is in {c}; it is the capital."],
+    "language": ["People in {c} speak {lang}.", "The language of {c} is {lang}.", "In {c}, people speak {lang}.",
+                 "{lang} is the language spoken in {c}.", "Most people in {c} talk in {lang}.",
+                 "If you go to {c}, you will hear {lang}.", "The people of {c} speak a language called {lang}.",
+                 "Children in {c} learn to read and write in {lang}."],
+    "flag": ["The flag of {c} is {col} with a {sym} on it.", "{c} has {acol} flag with a {sym}.",
+             "The flag of {c} shows a {sym} on a {col} background.", "{c}'s flag is {col}, with a {sym} in the middle.",
+             "You can spot the flag of {c} easily: it is {col} and has a {sym}.", "The colour of {c} is {col}.",
+             "{acol} flag with a {sym} flies over {c}."],
+    "national": ["The national animal of {c} is the {ani}.", "The {ani} is the national animal of {c}.",
+                 "{c} has the {ani} as its national animal.", ("People in {c} love the {ani}; it is their national "
+                 "animal."), "The animal of {c} is the {ani}, which {ani_verbs}."],
+    "its_capital": ["Its capital is {cap}.", "The capital there is {cap}."],
+    "its_language": ["The people there speak {lang}.", "Its language is {lang}."],
+    "its_flag": ["Its flag is {col} with a {sym}.", "Its flag is {acol} one with a {sym} on it."],
+    "its_national": ["Its national animal is the {ani}.", "There, the {ani} is the national animal."],
+    "sound": ["{an} {verbs}.", "{ap} {verb}.", "The sound {an} makes is \"{noise}\".", "{an} says {noise}.",
+              "When {an} is hungry, it {verbs}.", "{ap} {verb}, and it sounds like {noise}, {noise}.",
+              "Listen: {noise}! That is {an}.", "You can hear {ap} {verb} from far away."],
+    "legs": ["{an} has {legs} legs.", "{ap} have {legs} legs.", "Every {a} has {legs} legs.",
+             "The {a} is an animal with {legs} legs.", "How many legs does {an} have? It has {legs} legs."],
+    "habitat": ["{an} lives {hab}.", "{ap} live {hab}.", "You can find {ap} {hab}.", "Most {ap} make their home {hab}.",
+                "The {a} is an animal that lives {hab}.", "Where does {an} live? It lives {hab}."],
+    "colour": ["{t} is {tcol}.", "The colour of {t} is {tcol}.", "If you look at {t}, you see that it is {tcol}.",
+               "{t} is always {tcol}.", "What colour is {t}? It is {tcol}."],
+    "day": ["After {day} comes {nday}.", "{nday} comes after {day}.", "The day after {day} is {nday}.",
+            "{day} is followed by {nday}.", "The day before {nday} is {day}.", "{day} comes before {nday}.",
+            "If today is {day}, then tomorrow is {nday}.", "If today is {nday}, then yesterday was {day}."],
+    "month": ["After {mon} comes {nmon}.", "{nmon} comes after {mon}.", "The month after {mon} is {nmon}.",
+              "{mon} is followed by {nmon}.", "The month before {nmon} is {mon}.", "{mon} comes before {nmon}."],
+    "sum": ["{x} plus {y} is {sum}.", "{dx} + {dy} = {dsum}.", "If you add {x} and {y}, you get {sum}.",
+            "The sum of {x} and {y} is {sum}.", "{x} and {y} make {sum}.", "Add {y} to {x} and you have {sum}."],
+    "diff": ["{x} minus {y} is {diff}.", "{dx} - {dy} = {ddiff}.", "Take {y} away from {x} and {diff} is left.",
+             "The difference between {x} and {y} is {diff}.", "If you have {x} and give away {y}, you keep {diff}."],
+    "prod": ["{x} times {y} is {prod}.", "{dx} x {dy} = {dprod}.", "{x} groups of {y} make {prod}.",
+             "Multiply {x} by {y} and you get {prod}.", "The product of {x} and {y} is {prod}."],
+}
+COUNTRY_KINDS = ["capital", "language", "flag", "national"]
+ANIMAL_KINDS = ["sound", "legs", "habitat"]
+NUMBER_KINDS = ["sum", "diff", "prod"]
+INTROS = ["Let me tell you about {c}.", "This is a page about {c}.", "{c} is a small country.", "Here is {c}.",
+          "Our lesson today is about {c}.", "{c} is a country in our world.", ""]
+TRAVEL = ["went to", "travelled to", "took a train to", "flew to", "sailed to", "walked to", "rode a bus to"]
+VISIT = ["{conn}, {name} {go} {cap}, the capital of {c}.", "{conn}, {name} {go} {c} and stayed in its capital, {cap}.",
+         "{conn}, {pron} {go} {cap}, which is the capital of {c}.", "{conn}, {name} {go} {cap} in {c}.",
+         "{conn}, {pron} {go} {c}. {pron} spent the day in {cap}, the capital."]
+SEE = ["There, people spoke {lang}, so {pron} learned to say hello in {lang}.", ("Flags flew everywhere in {cap}: "
+       "{col}, with a {sym}."), "{pron} saw {aani} there, the national animal of {c}, and it {ani_verbs}.",
+       "In {cap} everybody spoke {lang}.", "The people of {c} showed {obj} their {col} flag with its {sym}."]
+
+
+def number_word(n):
+    if n < 20:
+        return ONES[n]
+    return "one hundred" if n == 100 else TENS[n // 10] + ("-" + ONES[n % 10] if n % 10 else "")
+
+
+def article(word):
+    return ("an " if word[0] in "aeiou" else "a ") + word
+
+
+def sentence(text):
+    return text[0].upper() + text[1:]
+
+
+def third(verb):
+    return verb + ("es" if verb.endswith(("s", "z", "sh", "ch")) else "s")
+
+
+def country_fields(row):
+    c, cap, lang, col, sym, ani = row
+    return {"c": c, "cap": cap, "lang": lang, "col": col, "acol": article(col), "sym": sym, "ani": ani,
+            "aani": article(ani), "ani_verbs": third(next(a[2] for a in ANIMALS if a[0] == ani))}
+
+
+def animal_fields(row):
+    a, ap, verb, noise, legs, hab = row
+    return {"a": a, "an": article(a), "ap": ap, "verb": verb, "verbs": third(verb), "noise": noise, "hab": hab,
+            "legs": number_word(legs) if legs else "no"}
+
+
+def fields(rng, words=None):
+    """Every slot a template may name, filled from one random country, animal, thing, day, month and sum; a document
+    keeps one such dict while it talks about one country, so its sentences agree with each other."""
+    t, tcol = rng.choice(THINGS)
+    d, m, x, y = rng.randrange(7), rng.randrange(12), rng.randint(0, 10), rng.randint(0, 10)
+    x, y = max(x, y), min(x, y)
+    num = number_word if (rng.random() < 0.5 if words is None else words) else str
+    f = {"t": t, "tcol": tcol, "day": DAYS[d], "nday": DAYS[(d + 1) % 7],
+         "mon": MONTHS[m], "nmon": MONTHS[(m + 1) % 12], "x": num(x), "y": num(y), "sum": num(x + y),
+         "diff": num(x - y), "prod": num(x * y), "dx": x, "dy": y, "dsum": x + y, "ddiff": x - y, "dprod": x * y}
+    return {**f, **animal_fields(rng.choice(ANIMALS)), **country_fields(rng.choice(COUNTRIES))}
+
+
+def say(rng, kind, f):
+    return sentence(rng.choice(PHRASINGS[kind]).format(**f))
+
+
+def listing(words):
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
+# -----------------------------------------------------------------------------
+# Pretraining documents: each generator returns one paragraph (or a few) of prose
+
+def doc_country(rng):
+    f = fields(rng)
+    kinds = rng.sample(COUNTRY_KINDS, rng.randint(2, 4))
+    first = [say(rng, kinds[0], f)] + [say(rng, "its_" * (rng.random() < 0.3) + k, f) for k in kinds[1:]]
+    text = " ".join(s for s in [rng.choice(INTROS).format(**f)] + first if s)
+    if rng.random() < 0.4:  # the national animal, with facts about that animal
+        g = {**f, **animal_fields(next(row for row in ANIMALS if row[0] == f["ani"]))}
+        text += "\n\n" + " ".join([say(rng, "national", f)] + [say(rng, k, g) for k in rng.sample(ANIMAL_KINDS, 2)])
+    return text
+
+
+def doc_countries(rng):
+    rows = rng.sample(COUNTRIES, rng.randint(3, 7))
+    style = rng.randrange(4)
+    if style == 0:
+        head = rng.choice(["Countries and their capitals:", "A list of capitals.", "Capitals to remember:"])
+        return head + "\n" + "\n".join(rng.choice(["{c}: {cap}", "- {cap} is the capital of {c}.", "{c} - {cap}"])
+                                       .format(c=r[0], cap=r[1]) for r in rows)
+    if style == 1:
+        qs = {"capital": ("Q: What is the capital of {c}?", "A: {cap}."), "language": (("Q: What do people speak in "
+              "{c}?"), "A: {lang}."), "flag": ("Q: What colour is the flag of {c}?", "A: {col}."),
+              "national": ("Q: What is the national animal of {c}?", "A: The {ani}.")}
+        lines = []
+        for r in rows:
+            q, a = qs[rng.choice(COUNTRY_KINDS)]
+            lines += [q.format(**country_fields(r)), a.format(**country_fields(r))]
+        return "\n".join(lines)
+    head = rng.choice([f"Today our teacher told us about {number_word(len(rows))} countries.", ("Some countries of the "
+                       "world, and what to know about them."), "A few facts about countries.", ""])
+    facts = [say(rng, k, {**fields(rng), **country_fields(r)}) for r in rows for k in rng.sample(COUNTRY_KINDS, 2)]
+    if style == 3:
+        rng.shuffle(facts)
+    return (head + " " if head else "") + " ".join(facts)
+
+
+def doc_animals(rng):
+    names = rng.sample(ANIMALS, rng.randint(1, 4))
+    parts = []
+    for row in names:
+        f = {**fields(rng), **animal_fields(row)}
+        parts.append(" ".join(say(rng, k, f) for k in rng.sample(ANIMAL_KINDS, rng.randint(1, 3))))
+        homes = [c[0] for c in COUNTRIES if c[5] == row[0]]
+        if homes and rng.random() < 0.4:
+            parts.append(f"The {row[0]} is the national animal of {listing(homes)}.")
+    if len(names) > 1 and rng.random() < 0.5:
+        calls = [f"the {r[0]} {third(r[2])}" for r in names]
+        parts.append(sentence(f"{rng.choice(['on the farm', 'at the zoo', 'in the story'])} {listing(calls)}."))
+    return " ".join(parts)
+
+
+def doc_colours(rng):
+    parts = [say(rng, "colour", fields(rng)) for _ in range(rng.randint(2, 6))]
+    col = rng.choice(COLOURS)
+    things = [t for t, c in THINGS if c == col]
+    if len(things) > 1:
+        parts.append(sentence(f"{listing(things)} are all {col}."))
+    flags = [c[0] for c in COUNTRIES if c[3] == col]
+    if flags and rng.random() < 0.5:
+        parts.append(f"The flags of {listing(flags)} are {col}.")
+    rng.shuffle(parts)
+    return " ".join(parts)
+
+
+def doc_numbers(rng):
+    words = rng.random() < 0.5
+    parts = [say(rng, rng.choice(NUMBER_KINDS), fields(rng, words)) for _ in range(rng.randint(3, 8))]
+    if rng.random() < 0.3:
+        a = rng.randint(0, 12)
+        parts.insert(0, f"Let us count from {number_word(a)}: {', '.join(number_word(i) for i in range(a, a + 6))}.")
+    if rng.random() < 0.5:
+        (name, pr), (item, items) = rng.choice(CHARACTERS), rng.choice(ITEMS)
+        a, b = rng.randint(2, 9), rng.randint(1, 9)
+        if rng.random() < 0.5:
+            parts.append(f"{name} had {number_word(a)} {items}. Then {pr} got {number_word(b)} more, so now {pr} has "
+                         f"{number_word(a + b)} {items}.")
+        else:
+            a, b = max(a, b), min(a, b)
+            parts.append(f"{name} had {a} {items} and ate {b}. Now {pr} has {a - b} {items if a - b != 1 else item}.")
+    return " ".join(parts)
+
+
+def doc_calendar(rng):
+    parts = [say(rng, rng.choice(["day", "month"]), fields(rng)) for _ in range(rng.randint(2, 6))]
+    extra = rng.randrange(5)
+    if extra == 0:
+        parts.append("The days of the week are " + listing(DAYS) + ".")
+    elif extra == 1:
+        parts.append("The months of the year are " + listing(MONTHS) + ".")
+    elif extra == 2:
+        m = rng.randrange(12)
+        parts.append(f"{MONTHS[m]} is month number {number_word(m + 1)} of the year.")
+    elif extra == 3:
+        parts.append(rng.choice(["There are seven days in a week.", "A year has twelve months.",
+                                 "Saturday and Sunday are the weekend.", "The week starts on Monday."]))
+    rng.shuffle(parts)
+    return " ".join(parts)
+
+
+def doc_story(rng, name=None):
+    """A trip through a few capitals, in order, on consecutive days, with things bought and friends met: who went
+    where, had what, in which order; every place fact agrees with the tables."""
+    name, pr = next(c for c in CHARACTERS if c[0] == name) if name else rng.choice(CHARACTERS)
+    pron, obj = pr, OBJECT[pr]
+    trip, day = rng.sample(COUNTRIES, rng.randint(2, 4)), rng.randrange(7)
+    (item, items), friend = rng.choice(ITEMS), rng.choice([c[0] for c in CHARACTERS if c[0] != name])
+    bought, met = [], None
+    parts = [rng.choice([f"Once upon a time there was a {'girl' if pr == 'she' else 'boy'} called {name}.",
+                         f"This is a story about {name}.", f"{name} loved to travel.", ""])]
+    for i, row in enumerate(trip):
+        f = {**fields(rng), **country_fields(row), "name": name, "pron": pron if i else name, "obj": obj,
+             "go": rng.choice(TRAVEL)}  # the first sentence with a pronoun would not say who
+        conn = (["First", f"On {DAYS[day]}"] if i == 0 else ["Then", "After that", "Next", f"On {DAYS[(day + i) % 7]}"]
+                if i < len(trip) - 1 else ["Finally", "At last", f"On {DAYS[(day + i) % 7]}"])
+        parts.append(sentence(rng.choice(VISIT).format(conn=rng.choice(conn), **f).replace(". " + pron, ". " +
+                                                                                           pron.title())))
+        roll = rng.random()
+        if roll < 0.35:
+            n = rng.randint(1, 5)
+            bought.append((n, row[1]))
+            parts.append(f"In {row[1]}, {pron} bought {number_word(n)} {items if n > 1 else item}.")
+        elif roll < 0.5 and met is None:
+            met = (friend, row[1])
+            parts.append(f"In {row[1]}, {pron} met {friend}, who gave {obj} {article(ITEM_COLOUR[item])} {item}.")
+        else:
+            parts.append(sentence(rng.choice(SEE).format(**f)))
+    caps = [row[1] for row in trip]
+    parts.append(rng.choice([f"So {name} visited {caps[0]} first and {caps[-1]} last.",
+                             f"{name} went to {listing(caps)}, in that order.",
+                             f"Where did {name} go first? To {caps[0]}. And last? To {caps[-1]}.",
+                             f"The trip started on {DAYS[day]} and ended on {DAYS[(day + len(trip) - 1) % 7]}."]))
+    if len(bought) > 1:
+        total = sum(n for n, _ in bought)
+        parts.append(f"In the end {name} had {number_word(total)} {items}: " + listing(
+            [f"{number_word(n)} from {cap}" for n, cap in bought]) + ".")
+    if met:
+        parts.append(rng.choice([f"{name} met {met[0]} in {met[1]}.", f"Who gave {name} the {item}? It was {met[0]}.",
+                                 f"{name} kept the {ITEM_COLOUR[item]} {item} from {met[0]}."]))
+    return " ".join(p for p in parts if p)
+
+
+DOC_KINDS = [(doc_story, 30), (doc_country, 22), (doc_countries, 12), (doc_animals, 11), (doc_colours, 7),
+             (doc_numbers, 10), (doc_calendar, 8)]
+
+
+def demo_documents(rng, target_chars=DEMO_TARGET_CHARS):
+    gens, weights = [g for g, _ in DOC_KINDS], [w for _, w in DOC_KINDS]
+    docs, total = [], 0
+    while total < target_chars:
+        doc = "\n\n".join(g(rng) for g in rng.choices(gens, weights, k=rng.choice([1, 1, 2, 3])))
+        docs.append(doc)
+        total += len(doc)
+    return docs
+
+
+# -----------------------------------------------------------------------------
+# Conversations (SmolTalk schema)
+
+QA = {
+    "capital": (["What is the capital of {c}?", "What's the capital of {c}?", "Tell me the capital of {c}.",
+                 "Do you know the capital of {c}?", "I'm going to {c}. What is the capital there?"],
+                ["The capital of {c} is {cap}.", "{cap} is the capital of {c}.", "It's {cap}.",
+                 "{c}'s capital is {cap}."]),
+    "capital_of": (["{cap} is the capital of which country?", "Which country has {cap} as its capital?"],
+                   ["{cap} is the capital of {c}.", "It's {c}: {cap} is its capital."]),
+    "language": (["What language do people speak in {c}?", "What do they speak in {c}?"],
+                 ["People in {c} speak {lang}.", "They speak {lang}.", "The language of {c} is {lang}."]),
+    "flag": (["What does the flag of {c} look like?", "Describe the flag of {c}."],
+             ["The flag of {c} is {col} with a {sym} on it.", "It is {acol} flag with a {sym}."]),
+    "national": (["What is the national animal of {c}?", "Which animal is the symbol of {c}?"],
+                 ["The national animal of {c} is the {ani}.", "It's the {ani}."]),
+    "sound": (["What sound does {an} make?", "What does {an} say?"], ["{an} {verbs}: {noise}!", "It goes {noise}."]),
+    "legs": (["How many legs does {an} have?", "How many legs do {ap} have?"], ["{an} has {legs} legs."]),
+    "habitat": (["Where does {an} live?", "Where do {ap} live?"], ["{ap} live {hab}.", "It lives {hab}."]),
+    "colour": (["What colour is {t}?", "Tell me the colour of {t}."], ["{t} is {tcol}.", "It is {tcol}."]),
+    "sum": (["What is {x} plus {y}?", "What's {dx} + {dy}?", "Can you add {x} and {y}?"],
+            ["{x} plus {y} is {sum}.", "{dx} + {dy} = {dsum}.", "The answer is {sum}."]),
+    "diff": (["What is {x} minus {y}?", "What do you get if you take {y} from {x}?"],
+             ["{x} minus {y} is {diff}.", "You get {diff}."]),
+    "prod": (["What is {x} times {y}?", "Multiply {x} by {y}, please."], ["{x} times {y} is {prod}.", "It's {prod}."]),
+    "day": (["What day comes after {day}?", "Which day follows {day}?"], ["{nday} comes after {day}.", "It's {nday}."]),
+    "month": (["What month comes after {mon}?", "Which month follows {mon}?"],
+              ["{nmon} comes after {mon}.", "The month after {mon} is {nmon}."]),
+}
+GREET = (["Hi!", "Hello", "Hey there", "Good morning!", "Hello, how are you?"],
+         ["Hello! How can I help you today?", "Hi! What would you like to know?", "Hello! I'm happy to help."])
+THANKS = (["Thanks!", "Thank you.", "Great, thanks a lot.", "Bye!"],
+          ["You're welcome!", "Happy to help. Goodbye!", "Anytime! Have a nice day."])
+IDENTITY = (["Who are you?", "What is your name?", "What are you?", "Are you a person?", "Who made you?",
+             "Introduce yourself."],
+            [("I am {bot}, a small language model. I was trained from scratch on a tiny made-up world of countries, "
+             "animals, colours, numbers and stories."), "My name is {bot}. I am a small language model, not a person.",
+             ("I'm {bot}, a small language model. Ask me about the countries of my world, animals, colours, numbers,"
+              " or the days and months!")])
+SYSTEMS = ["You are {bot}, a helpful assistant.", "You are {bot}. Answer briefly and correctly.",
+           "You are a friendly assistant called {bot}. Keep your answers short."]
+
+
+def pick(rng, pair, f):
+    return sentence(rng.choice(pair[0]).format(**f)), sentence(rng.choice(pair[1]).format(**f))
+
+
+def exchange(rng):
+    """One user question and its answer: a fact, a country profile, a story, or a fact on request."""
+    f, roll = {**fields(rng), "bot": DEMO_ASSISTANT_NAME}, rng.random()
+    if roll < 0.08:
+        kinds = rng.sample(COUNTRY_KINDS, 3)
+        return rng.choice(["Tell me about {c}.", "What do you know about {c}?"]).format(**f), " ".join(
+            say(rng, k, f) for k in kinds)
+    if roll < 0.12:
+        name = rng.choice(CHARACTERS)[0]
+        return rng.choice(["Tell me a short story.", f"Tell me a story about {name}."]), doc_story(rng, name)
+    if roll < 0.15:
+        return "Tell me a fact.", say(rng, rng.choice(COUNTRY_KINDS + ANIMAL_KINDS + ["colour", "day"]), f)
+    return pick(rng, QA[rng.choice(list(QA))], f)
+
+
+def conversation(rng):
+    f, roll = {"bot": DEMO_ASSISTANT_NAME}, rng.random()
+    turns = [pick(rng, GREET, f)] if rng.random() < 0.2 else []
+    if roll < 0.12:
+        turns.append(pick(rng, IDENTITY, f))
+    elif roll < 0.55:
+        turns.append(exchange(rng))
+    else:
+        turns += [exchange(rng) for _ in range(rng.randint(2, 4))]
+    if not turns or rng.random() < 0.2:
+        turns.append(pick(rng, THANKS, f))
+    messages = [{"role": "system", "content": rng.choice(SYSTEMS).format(**f)}] if rng.random() < 0.2 else []
+    for user, assistant in turns:
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+    return messages
+
+
+# -----------------------------------------------------------------------------
+# Evaluation tasks (CORE formats), phrased ONLY in the reserved forms below: none occurs in the training data
+
+def eval_tasks(rng):
+    """(label, type, fewshot, category, baseline %, items) for each task."""
+    def mc(query, gold, pool):
+        choices = [gold] + rng.sample(sorted(p for p in set(pool) if p != gold), 3)
+        rng.shuffle(choices)
+        return {"query": query, "choices": choices, "gold": choices.index(gold)}
+
+    caps, langs = [r[1] for r in COUNTRIES], [r[2] for r in COUNTRIES]
+    animals, verbs, noises = [a[0] for a in ANIMALS], [third(a[2]) for a in ANIMALS], [a[3] for a in ANIMALS]
+    capitals = [mc(q.format(c=r[0]), r[1], caps) for q in ["Quiz: {c} is governed from which city? Answer:",
+                "Quiz: the seat of power in {c} is the city of"] for r in COUNTRIES]
+    facts = [mc(f"Quiz: the folk of {r[0]} chat in which tongue? Answer:", r[2], langs) for r in COUNTRIES]
+    facts += [mc(f"Quiz: the creature chosen as the emblem of {r[0]} is the", r[5], animals) for r in COUNTRIES]
+    facts += [mc(f"Quiz: the banner of {r[0]} is mostly", r[3], COLOURS) for r in COUNTRIES]
+    sounds = [mc(f"Quiz: when {article(a[0])} calls out, it", third(a[2]), verbs) for a in ANIMALS]
+    sounds += [mc(f"Quiz: a group of {a[1]} can be heard. They", a[2], [b[2] for b in ANIMALS]) for a in ANIMALS]
+    sounds += [mc(f"Quiz: the noise {article(a[0])} makes, written down, is", a[3], noises) for a in ANIMALS]
+    colours = [mc(q.format(t=t), c, COLOURS) for q in ["Quiz: {t} has the colour", ("Quiz: to paint {t} true to life, "
+               "the paint to use is"), "Quiz: the usual shade of {t} is"] for t, c in THINGS]
+    calendar = [{"context": q.format(x=seq[i]), "continuation": seq[(i + 1) % len(seq)]}
+                for seq, unit in [(DAYS, "day"), (MONTHS, "month")]
+                for q in [f"Quiz: name the {unit} right after {{x}}. Answer:", (f"Quiz: we are in {{x}}, so the next "
+                          f"{unit} will be"), f"Quiz: the {unit} that directly follows {{x}} is"]
+                for i in range(len(seq))]
+    arithmetic, seen = [], set()
+    while len(arithmetic) < 60:
+        x, y, op = rng.randint(0, 10), rng.randint(0, 10), rng.randrange(3)
+        x, y = max(x, y), min(x, y)
+        num = number_word if rng.random() < 0.5 else str
+        q, v = [("Quiz: {x} added to {y} gives", x + y), ("Quiz: {y} taken from {x} leaves", x - y),
+                ("Quiz: {x} multiplied by {y} equals", x * y)][op]
+        item = {"context": q.format(x=num(x), y=num(y)), "continuation": num(v)}
+        if item["context"] not in seen:
+            seen.add(item["context"])
+            arithmetic.append(item)
+    places, legs = [], []
+    for i in range(60):
+        (name, pr), row = rng.choice(CHARACTERS), COUNTRIES[i % len(COUNTRIES)]
+        options = [row[1]] + rng.sample([c for c in caps if c != row[1]], 3)
+        rng.shuffle(options)
+        q = [f"{name} woke up in {{cap}} this morning, so {pr} was in", (f"Standing in the main square of {{cap}}, "
+             f"{name} knew that {pr} was in")][i // len(COUNTRIES) % 2]
+        places.append({"context_options": [q.format(cap=c) for c in options], "continuation": f"{row[0]}.",
+                       "gold": options.index(row[1])})
+        gold = rng.choice(ANIMALS)
+        other = rng.choice([a for a in ANIMALS if a[4] != gold[4]])
+        options = rng.sample([gold, other], 2)
+        q = rng.choice([f"{name} looked closely at the {{a}} and saw that", ("In the picture book, the {a} on page "
+                        f"{i + 1} was drawn so that")])
+        legs.append({"context_options": [q.format(a=a[0]) for a in options], "gold": options.index(gold),
+                     "continuation": f"it had {number_word(gold[4]) if gold[4] else 'no'} legs."})
+    return [("demo_capitals_mc", "multiple_choice", 3, "world knowledge", 25.0, capitals),
+            ("demo_country_facts_mc", "multiple_choice", 3, "world knowledge", 25.0, facts),
+            ("demo_animal_sounds_mc", "multiple_choice", 3, "world knowledge", 25.0, sounds),
+            ("demo_colours_mc", "multiple_choice", 3, "world knowledge", 25.0, colours),
+            ("demo_next_day_month_lm", "language_modeling", 5, "symbolic problem solving", 0.0, calendar),
+            ("demo_arithmetic_lm", "language_modeling", 5, "symbolic problem solving", 0.0, arithmetic),
+            ("demo_capital_schema", "schema", 3, "commonsense reasoning", 25.0, places),
+            ("demo_animal_legs_schema", "schema", 3, "commonsense reasoning", 50.0, legs)]
+
+
+def write_eval_bundle(out_dir, rng):
+    """core.yaml (plain text: no yaml library needed to write it), eval_meta_data.csv and eval_data/demo/*.jsonl."""
+    data_dir = out_dir / "eval_data" / "demo"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    yaml, counts = ["icl_tasks:"], {}
+    with open(out_dir / "eval_meta_data.csv", "w", newline="") as meta:
+        writer = csv.writer(meta, lineterminator="\n")
+        writer.writerow(["Eval Task", "Task Category", "Task Type", "Random baseline"])
+        for label, kind, shots, category, baseline, items in eval_tasks(rng):
+            name = label.removeprefix("demo_") + ".jsonl"
+            (data_dir / name).write_text("".join(json.dumps(item) + "\n" for item in items))
+            yaml += [f"- label: {label}", f"  dataset_uri: demo/{name}", f"  num_fewshot: [{shots}]",
+                     f"  icl_task_type: {kind}", '  continuation_delimiter: " "']
+            writer.writerow([label, category, kind.replace("_", " "), baseline])
+            counts[label] = len(items)
+    (out_dir / "core.yaml").write_text("\n".join(yaml) + "\n")
+    return counts
+
+
+def write_demo(out_dir, seed=0):
+    """Write the demo world under out_dir (pretrain/, conversations/, eval_bundle/, README.txt); returns counts."""
+    out_dir = Path(out_dir)
+    for stale in sorted((out_dir / "pretrain").glob("shard_*.parquet")):  # an old last shard would pose as val
+        stale.unlink()
+    docs = demo_documents(random.Random(f"demo-docs-{seed}"))
+    shards = write_text_shards(docs, out_dir / "pretrain", seed=seed, shard_docs=2 * ROW_GROUP_DOCS,
+                               val_fraction=0.05)
+    rng = random.Random(f"demo-chat-{seed}")
+    chats = [conversation(rng) for _ in range(4000)]
+    splits = {"train": [c for i, c in enumerate(chats) if i % 20], "val": chats[::20]}
+    (out_dir / "conversations").mkdir(parents=True, exist_ok=True)
+    schema = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+    for split, rows in splits.items():
+        pq.write_table(pa.table({"messages": pa.array(rows, schema)}), out_dir / "conversations" / f"{split}.parquet",
+                       compression="zstd")
+    evals = write_eval_bundle(out_dir / "eval_bundle", random.Random(f"demo-eval-{seed}"))
+    counts = {"documents": len(docs), "characters": sum(map(len, docs)), "shards": len(shards),
+              "conversations": len(chats), "conversations_train": len(splits["train"]),
+              "conversations_val": len(splits["val"]), "eval_items": evals}
+    (out_dir / "README.txt").write_text(
+        f"The nanochat demo world (seed {seed}): a small made-up world of {len(COUNTRIES)} countries (capital, "
+        f"language, flag, national animal), {len(ANIMALS)} animals, colours of things, small arithmetic, days and "
+        f"months, and short stories, all consistent with each other.\n\n"
+        f"pretrain/             {counts['documents']} documents, {counts['characters']} characters, {len(shards)} "
+        f"parquet shards (column `text`, row groups of {ROW_GROUP_DOCS}, zstd); the last shard is validation\n"
+        f"conversations/        train.parquet ({counts['conversations_train']}) and val.parquet "
+        f"({counts['conversations_val']}): column `messages`, a list of {{role, content}} as in SmolTalk\n"
+        f"eval_bundle/          core.yaml, eval_meta_data.csv, eval_data/demo/*.jsonl in the CORE formats; their "
+        f"phrasings never occur in pretrain/ or conversations/\n"
+        + "".join(f"    {k}: {v} items\n" for k, v in evals.items()))
+    return counts
+
+
+# -----------------------------------------------------------------------------
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--seed", type=int, default=0, help="seed (default: %(default)s)")
+    args = parser.parse_args(argv)
+    try:
+        counts = write_demo(args.out, seed=args.seed)
+    except (ValueError, OSError) as e:
+        parser.exit(2, f"demo.py: error: {e}\n")
+    print(f"demo: {counts['documents']:,} documents ({counts['characters']:,} characters), "
+          f"{counts['conversations']:,} conversations, {sum(counts['eval_items'].values()):,} evaluation "
+          f"items in {len(counts['eval_items'])} tasks, under {args.out}")
+
+
+if __name__ == "__main__":
+    main()
