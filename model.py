@@ -422,8 +422,11 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     recomputed in backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets, softcap, compute_dtype):
-        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+    def forward(ctx, x, weight, targets, softcap, compute_dtype, grad_enabled):
+        # grad_enabled comes from the caller: inside forward() grad mode is always off, and ctx.needs_input_grad says
+        # only whether the inputs require grad, so under no_grad/inference_mode it would still compute the gradient
+        # (3x the head's cost of an evaluation)
+        need_grad = grad_enabled and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         rows = max(1, LOSS_CHUNK_ELEMENTS // weight.size(0))
         loss_sum = torch.zeros((), dtype=torch.float32, device=x.device)
         grad_x = torch.empty_like(x) if need_grad else None
@@ -455,7 +458,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         grad_x, grad_w = ctx.saved_tensors
-        return grad_x * grad_output, grad_w * grad_output, None, None, None
+        return grad_x * grad_output, grad_w * grad_output, None, None, None, None
 
 
 # -----------------------------------------------------------------------------
@@ -537,7 +540,8 @@ class GPT(nn.Module):
             return (losses.view(B, T), argmax.view(B, T)) if predictions else losses.view(B, T)
         compute_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) \
             else self.head_weight().dtype
-        loss_sum = ChunkedCrossEntropy.apply(x, self.head_weight(), targets, softcap, compute_dtype)
+        loss_sum = ChunkedCrossEntropy.apply(x, self.head_weight(), targets, softcap, compute_dtype,
+                                             torch.is_grad_enabled())
         if reduction == "sum":
             return loss_sum
         return loss_sum / (targets != -1).sum().clamp(min=1)

@@ -267,6 +267,26 @@ def test_loss_with_no_valid_target_is_zero_not_nan():
     assert loss.item() == 0.0 and all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
+def test_loss_without_grad_mode_costs_only_the_forward_head(grad_mode):
+    """Under no_grad/inference_mode the chunked loss must not push gradients through the head: its FLOPs equal
+    those of computing the logits (one head matmul), not three (logits, grad of the input, grad of the weight)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    model = build_model(small(vocab_size=4096))
+    idx = torch.randint(0, 4096, (2, 64))
+
+    def flops(fn):
+        with grad_mode(), FlopCounterMode(display=False) as counter:
+            fn()
+        return counter.get_total_flops()
+    logits_only = flops(lambda: model(idx))
+    assert flops(lambda: model(idx, idx, reduction="sum")) == flops(lambda: model(idx, idx)) == logits_only
+    head = 2 * 2 * 64 * 64 * 4096  # one (B*T x n_embd) @ (n_embd x vocab)
+    with FlopCounterMode(display=False) as with_grad:
+        model(idx, idx)
+    assert with_grad.get_total_flops() == logits_only + 2 * head  # with grad: grad_x and grad_w in the forward
+
 # --- BitNet -----------------------------------------------------------------------------------------------------
 
 def test_bitnet_effective_weights_are_ternary():
