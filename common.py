@@ -1,6 +1,7 @@
 """What the stages (pretrain.py, midtrain.py, sft.py, core_eval.py) share: distributed setup and teardown,
-optimizers and their learning-rate rule, schedules, checkpoints and finding/loading them, validation bits per byte,
-metrics logging, MFU, health checks.
+optimizers and their learning-rate rule, schedules, checkpoints and finding/loading them, the run directory and its
+resume, the training loop with its policies (exact loss over masked targets, NaN stop, SIGTERM, health checks,
+metrics, progress), validation bits per byte, a run's status.
 
 Not a stage: `python common.py` does nothing. Import it.
 """
@@ -10,17 +11,21 @@ import math
 import os
 import platform
 import random
+import shlex
 import shutil
 import signal
+import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dataset import iter_texts
+from dataset import text_loader
 from model import GPTConfig, autocast_context, build_model
 
 # -----------------------------------------------------------------------------
@@ -55,6 +60,23 @@ def teardown_distributed():
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def run_main(main):
+    """A stage's exit: 0 when main() finished, 128 + signal when a signal stopped it after its checkpoint
+    (non-zero, so a script chaining stages stops), 1 with a one-line error when library code raised one naming
+    the fix. Every rank tears the process group down; after an error without the barrier, since the other ranks
+    may never reach it (torchrun stops them when this one exits)."""
+    script = Path(sys.argv[0]).name
+    try:
+        signum = main()
+    except (ValueError, FileNotFoundError, RuntimeError, ImportError) as e:
+        print(f"{script}: error: {e}", file=sys.stderr)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return 1
+    teardown_distributed()
+    return 128 + signum if signum else 0
 
 
 def device_name(device):
@@ -118,7 +140,7 @@ def build_optimizers(model, args, width, batch_tokens, device):
         try:
             import bitsandbytes
         except ImportError as e:
-            raise SystemExit("--adam8bit needs bitsandbytes: `pip install bitsandbytes` (CUDA only), or drop the "
+            raise ImportError("--adam8bit needs bitsandbytes: `pip install bitsandbytes` (CUDA only), or drop the "
                              "flag to use torch's AdamW") from e
         adam = bitsandbytes.optim.AdamW8bit(adam_groups, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0)
     else:
@@ -237,6 +259,20 @@ def versions():
             "numpy": np.__version__}
 
 
+def code_version():
+    """The git commit of the code that runs and whether tracked files differ from it; "unknown" outside a git
+    checkout (a copied tree), never a guess."""
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        changes = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": "unknown", "dirty": "unknown"}
+    return {"commit": commit, "dirty": bool(changes.strip())}
+
+
 def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank, keep):
     """Every rank writes its loader state and RNG state; rank 0 the model, optimizers and meta.json; then rank 0 renames
     the temporary directory into place and deletes all but the newest `keep` checkpoints."""
@@ -261,8 +297,29 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank,
     return final
 
 
+def checkpoint_step(path):
+    """The step of a checkpoint directory step_N; None for anything else."""
+    name = Path(path).name
+    return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
+
+
 def list_checkpoints(ckpt_dir):
-    return sorted(p for p in Path(ckpt_dir).glob("step_*") if p.is_dir())
+    """Complete checkpoints, oldest first by step (by name, step_1000000 would sort before step_999999)."""
+    found = [p for p in Path(ckpt_dir).glob("step_*") if p.is_dir() and checkpoint_step(p) is not None]
+    return sorted(found, key=checkpoint_step)
+
+
+def set_aside_newer(ckpt_dir, step):
+    """Resuming from an older checkpoint abandons the newer ones (another branch of the run): move them, never delete
+    them, into ckpt_dir/../ckpt_abandoned/<time>/ where no --resume looks. Returns where they went, or None."""
+    newer = [c for c in list_checkpoints(ckpt_dir) if checkpoint_step(c) > step]
+    if not newer:
+        return None
+    aside = Path(ckpt_dir).parent / "ckpt_abandoned" / time.strftime("%Y%m%d_%H%M%S")
+    aside.mkdir(parents=True, exist_ok=True)
+    for c in newer:
+        os.replace(c, aside / c.name)
+    return aside
 
 
 def load_checkpoint(path, rank, device):
@@ -292,16 +349,16 @@ def find_checkpoint(path=None, runs_dir="runs"):
     if path is None:
         found = newest_checkpoint(runs_dir)
         if found is None:
-            raise SystemExit(f"no checkpoint under {runs_dir}/*/ckpt/: train one first (python pretrain.py), or pass "
-                             f"--checkpoint runs/<run>")
+            raise FileNotFoundError(f"no checkpoint under {runs_dir}/*/ckpt/: train one first (python pretrain.py), "
+                                    f"or pass --checkpoint runs/<run>")
         return found
     path = Path(path)
     if (path / "meta.json").is_file():
         return path
     found = list_checkpoints(path / "ckpt")
     if not found:
-        raise SystemExit(f"--checkpoint {path}: neither a checkpoint (runs/<run>/ckpt/step_*/meta.json) nor a run "
-                         f"directory with checkpoints in {path}/ckpt/")
+        raise FileNotFoundError(f"--checkpoint {path}: neither a checkpoint (runs/<run>/ckpt/step_*/meta.json) nor a "
+                                f"run directory with checkpoints in {path}/ckpt/")
     return found[-1]
 
 
@@ -320,13 +377,13 @@ def check_tokenizer(meta, tokenizer, tokenizer_path, checkpoint):
     silently wrong."""
     vocab = meta["model_config"]["vocab_size"]
     if tokenizer.vocab_size != vocab:
-        raise SystemExit(f"tokenizer {tokenizer_path} has {tokenizer.vocab_size} tokens, the model in {checkpoint} "
+        raise ValueError(f"tokenizer {tokenizer_path} has {tokenizer.vocab_size} tokens, the model in {checkpoint} "
                          f"has {vocab}: pass the tokenizer it was trained with (--tokenizer {meta.get('tokenizer')})")
     recorded = meta.get("tokenizer_sha256")
     if recorded and recorded != tokenizer.fingerprint():
-        raise SystemExit(f"tokenizer {tokenizer_path} (sha256 {tokenizer.fingerprint()[:12]}) is not the one {checkpoint} "
-                         f"was trained with (sha256 {recorded[:12]}, from {meta.get('tokenizer')}): pass that one "
-                         f"with --tokenizer")
+        raise ValueError(f"tokenizer {tokenizer_path} (sha256 {tokenizer.fingerprint()[:12]}) is not the one "
+                         f"{checkpoint} was trained with (sha256 {recorded[:12]}, from {meta.get('tokenizer')}): pass "
+                         f"that one with --tokenizer")
 
 
 def barrier():
@@ -335,41 +392,159 @@ def barrier():
 
 
 # -----------------------------------------------------------------------------
+# The run directory: runs/<run>/ with config.json, metrics.jsonl, samples.jsonl, ckpt/step_XXXXXX/. Where a run
+# lives, what it resumes from, and the exact command that resumes it.
+
+def add_run_args(parser, stage):
+    """The flags every training stage has for its run directory, checkpoints and testing hooks."""
+    g = parser.add_argument_group("run directory, checkpoints, health")
+    g.add_argument("--run_name", default=None, help=f"outputs go to <runs_dir>/<run_name>/ (default: {stage}_<preset>_"
+                   f"<time>; not --run, which torchrun would take for its own --run-path)")
+    g.add_argument("--runs_dir", default="runs", help="where runs live (default: %(default)s)")
+    g.add_argument("--resume", nargs="?", const="latest", default=None, help="continue from the newest checkpoint of "
+                   "--run_name (or of the newest run of this stage), or from the checkpoint directory given")
+    g.add_argument("--ckpt_every", type=int, default=500, help="checkpoint every N steps (default: %(default)s)")
+    g.add_argument("--keep", type=int, default=3, help="checkpoints kept, newest first; at least 1 (default: "
+                   "%(default)s)")
+    g.add_argument("--frozen_check_step", type=int, default=10, help="steps after the start at which unchanged "
+                   "parameters are named (default: %(default)s)")
+    g.add_argument("--health_every", type=int, default=50, help="log update/parameter RMS ratios every N steps "
+                   "(default: %(default)s)")
+    g.add_argument("--log_every", type=int, default=10, help="progress line every N steps (default: %(default)s)")
+    g.add_argument("--wandb", default=None, help="wandb project to log to (needs `pip install wandb`)")
+    g.add_argument("--status", default=None, metavar="RUN_DIR", help="print a run's status and exit")
+    g.add_argument("--inject_nan_step", type=int, default=-1, help="testing: poison the loss at this step (steps "
+                   "count from 1, as logged)")
+    g.add_argument("--kill_at_step", type=int, default=-1, help="testing: SIGKILL this run's process group after "
+                   "this step (a machine dying mid-run)")
+    g.add_argument("--signal_at_step", type=int, default=-1, help="testing: SIGTERM this process after this step")
+
+
+def resolve_run(args, stage):
+    """(run directory, checkpoint to resume from or None) from --runs_dir, --run_name and --resume [PATH]; sets
+    args.runs_dir and args.run_name to the run's, so the resume command and config.json name it."""
+    if args.keep < 1:
+        raise ValueError(f"--keep {args.keep}: keep at least 1 checkpoint (the newest is the one a resume needs)")
+    if args.resume not in (None, "latest"):  # a checkpoint path: <runs_dir>/<run_name>/ckpt/step_XXXXXX
+        path = Path(args.resume)
+        if not (path / "meta.json").is_file() or checkpoint_step(path) is None:
+            raise FileNotFoundError(f"--resume {path}: not a checkpoint (runs/<run>/ckpt/step_*/ with meta.json)")
+        args.runs_dir, args.run_name = str(path.parent.parent.parent), path.parent.parent.name
+        return path.parent.parent, path
+    if args.resume and args.run_name is None:
+        newest = newest_checkpoint(args.runs_dir, stage=stage)
+        if newest is None:
+            raise FileNotFoundError(f"--resume: no {stage} checkpoint under {args.runs_dir}/*/ckpt/")
+        args.run_name = newest.parent.parent.name
+    args.run_name = args.run_name or f"{stage}_{args.preset}_{time.strftime('%Y%m%d_%H%M%S')}"
+    run_dir = Path(args.runs_dir) / args.run_name
+    if not args.resume:
+        return run_dir, None
+    found = list_checkpoints(run_dir / "ckpt")
+    if not found:
+        raise FileNotFoundError(f"--resume: {run_dir}/ckpt has no checkpoint yet")
+    return run_dir, found[-1]
+
+
+def resume(path, run_dir, model, optimizers, loaders, expected, rank, device):
+    """Restore model, optimizers, loaders and RNG from a checkpoint whose meta agrees with `expected` (else a
+    ValueError naming the difference); newer checkpoints of an abandoned branch are set aside. Returns its step."""
+    ckpt = load_checkpoint(path, rank, device)
+    meta = ckpt["meta"]
+    for key, mine in expected.items():
+        if meta.get(key) != mine:
+            raise ValueError(f"--resume {path}: its {key} is {meta.get(key)}, this run's is {mine}: resume with the "
+                             f"same settings (the command is in {run_dir}/config.json)")
+    model.load_state_dict(ckpt["model"])
+    for opt, state in zip(optimizers, ckpt["optimizers"], strict=True):
+        opt.load_state_dict(state)
+    for loader, state in zip(loaders, ckpt["rank"]["loader"], strict=True):
+        loader.load_state_dict(state)
+    set_rng_state(ckpt["rank"]["rng"])
+    if rank == 0:
+        truncate_metrics(run_dir / "metrics.jsonl", meta["step"])
+        aside = set_aside_newer(run_dir / "ckpt", meta["step"])
+        print(f"resume: from {path} at step {meta['step']}"
+              + (f"; the newer checkpoints of the abandoned branch were moved to {aside}" if aside else ""))
+    barrier()
+    return meta["step"]
+
+
+def resume_command(args):
+    """The exact command that continues this run: this one's arguments without --resume [PATH], --run_name and
+    --runs_dir, then the run's own; under torchrun, the same launch (the workers see its world, not its argv)."""
+    argv, skip = [], False
+    for i, arg in enumerate(sys.argv[1:], start=1):
+        if skip:
+            skip = False
+            continue
+        flag = arg.split("=", 1)[0]
+        if flag in ("--run_name", "--runs_dir") and "=" not in arg:
+            skip = True
+        elif flag == "--resume" and "=" not in arg:  # its value is optional: the next word, unless it is a flag
+            skip = i + 1 < len(sys.argv) and not sys.argv[i + 1].startswith("-")
+        if flag not in ("--run_name", "--runs_dir", "--resume"):
+            argv.append(arg)
+    command = [sys.argv[0], *argv, "--runs_dir", args.runs_dir, "--run_name", args.run_name, "--resume"]
+    if "LOCAL_WORLD_SIZE" not in os.environ:
+        return shlex.join([sys.executable, *command])
+    per_node, world = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["WORLD_SIZE"])
+    nodes = ["--standalone"] if per_node == world else [
+        f"--nnodes={world // per_node}", "--rdzv_backend=c10d",
+        f"--rdzv_endpoint={os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"]
+    prefix = "on every node: " if per_node != world else ""
+    return prefix + shlex.join([sys.executable, "-m", "torch.distributed.run", *nodes, f"--nproc_per_node={per_node}",
+                                *command])
+
+
+def write_config(run_dir, record):
+    """config.json: what the run is (rank 0 only), rewritten by a resume with its own command line."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps({**record, "argv": sys.argv, "versions": versions()}, indent=1,
+                                                    default=str))
+
+
+# -----------------------------------------------------------------------------
 # Validation bits per byte, shared by pretrain.py (during training) and core_eval.py (on a checkpoint)
 
-def val_tokens(data_dir, tokenizer, max_tokens):
-    """The validation split's first max_tokens + 1 tokens as one stream, each document led by BOS (fewer if the split
-    is smaller). The same tokens on every rank and in every stage, so two val bpb figures are comparable."""
-    stream, texts = [], iter_texts(data_dir, "val")
-    while len(stream) <= max_tokens and (batch := list(itertools.islice(texts, 256))):
-        for ids in tokenizer.encode_batch(batch):
-            stream += [tokenizer.bos_id, *ids]
-    return torch.tensor(stream[:max_tokens + 1], dtype=torch.long)
+def val_rows(data_dir, tokenizer, max_tokens, seq_len):
+    """Validation rows of seq_len + 1 tokens, enough for max_tokens targets (fewer if the split is smaller), built
+    the way training rows are: the text loader's BOS-led best-fit packing, one pass over the split, as one virtual
+    rank. So every row starts with BOS as in training (a window starting mid-document would score tokens without
+    their context), and every process and every stage builds the same rows. A last, partly filled row has -1
+    targets after its text."""
+    n_rows = max(1, math.ceil(max_tokens / seq_len))
+    loader = text_loader(data_dir, "val", tokenizer, min(n_rows, 64), seq_len, max_epochs=1, name="val")
+    rows = []
+    try:
+        for inputs, targets in loader:
+            rows.append(torch.cat([inputs[:, :1], targets], dim=1))
+            if sum(len(r) for r in rows) >= n_rows:
+                break
+    finally:
+        loader.close()
+    return torch.cat(rows)[:n_rows]
 
 
 @torch.no_grad()
-def val_bpb(model, tokens, token_bytes, seq_len, batch_rows, dtype, rank, world, device):
-    """(bits per byte, tokens scored) over rows of seq_len + 1 tokens cut from `tokens` with stride seq_len. Targets
-    that are special tokens (BOS) are excluded from both the loss and the bytes: they stand for no text. Batches are
-    formed from the whole stream and dealt to ranks round robin, and their sums are added in batch order after the
-    all-reduce, so the figure is bitwise the same on 1 or N processes."""
-    n_rows = (len(tokens) - 1) // seq_len
-    if n_rows == 0:
-        raise ValueError(f"the validation split has {len(tokens)} tokens, fewer than one row of {seq_len + 1}")
+def val_bpb(model, rows, token_bytes, batch_rows, dtype, rank, world, device):
+    """(bits per byte, tokens scored) over validation rows (val_rows). Targets that are special tokens (BOS) or -1
+    (padding) are excluded from both the loss and the bytes: they stand for no text. Batches are dealt to ranks round
+    robin, and their sums are added in batch order after the all-reduce, so the figure is bitwise the same on 1 or N
+    processes."""
     token_bytes = torch.as_tensor(token_bytes, device=device)
-    n_batches = math.ceil(n_rows / batch_rows)
+    n_batches = math.ceil(len(rows) / batch_rows)
     sums = torch.zeros(n_batches, 3, dtype=torch.float64)
     was_training = model.training
     model.eval()
     for b in range(rank, n_batches, world):
-        starts = range(b * batch_rows * seq_len, min(n_rows, (b + 1) * batch_rows) * seq_len, seq_len)
-        rows = torch.stack([tokens[s:s + seq_len + 1] for s in starts]).to(device)
-        x, y = rows[:, :-1], rows[:, 1:]
-        with autocast_context(device.type, dtype):
-            losses = model(x, y, reduction="none")
-        nbytes = token_bytes[y]
+        batch = rows[b * batch_rows:(b + 1) * batch_rows].to(device)
+        x, y = batch[:, :-1], batch[:, 1:]
+        nbytes = token_bytes[y.clamp(min=0)] * (y != -1)
         text = nbytes > 0
-        sums[b] = torch.stack([(losses * text).sum().double(), nbytes.sum().double(), text.sum().double()]).cpu()
+        with autocast_context(device.type, dtype):
+            losses = model(x, torch.where(text, y, -1), reduction="none")
+        sums[b] = torch.stack([losses.sum().double(), nbytes.sum().double(), text.sum().double()]).cpu()
     model.train(was_training)
     nats, total_bytes, scored = all_reduce_tensor(sums).sum(0).tolist()
     return nats / (math.log(2) * total_bytes), int(scored)
@@ -481,3 +656,237 @@ class StopSignal:
 
 def now():
     return time.perf_counter()
+
+
+# -----------------------------------------------------------------------------
+# Batch planning: the micro-batch that fits, and the accumulation steps that make up the global batch
+
+def find_micro_batch(try_step, candidates):
+    """The largest candidate for which try_step(micro_batch) does not run out of CUDA memory."""
+    for micro in sorted(candidates, reverse=True):
+        try:
+            try_step(micro)
+            return micro
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+    raise RuntimeError(f"even micro_batch={min(candidates)} runs out of memory: lower --sequence_len, use "
+                       f"--activation_checkpointing true, or a smaller model")
+
+
+def probe_step(model, optimizers, seq_len, vocab_size, dtype, device):
+    """try_step for find_micro_batch that allocates what a real training step holds at its peak: activations and
+    gradients (forward + backward at that micro-batch), and the optimizer state, which AdamW and Muon create at their
+    first step (a step at lr 0 creates it without changing a weight; pass throw-away optimizers). DDP's buckets are
+    the gradients themselves (wrap_model uses gradient_as_bucket_view), so nothing else is missing."""
+    def try_step(micro):
+        idx = torch.randint(0, vocab_size, (micro, seq_len), device=device)
+        try:
+            with autocast_context(device.type, dtype):
+                model(idx, idx, reduction="sum").backward()
+            for opt in optimizers:
+                for group in opt.param_groups:
+                    group["lr"] = 0.0
+                opt.step()
+        finally:
+            model.zero_grad(set_to_none=True)
+    return try_step
+
+
+def plan_batch(args, config, world, model, device):
+    """(micro_batch, accumulation steps) for --total_batch_tokens; the error names the nearest valid values."""
+    seq_len, total = config.sequence_len, args.total_batch_tokens
+    if args.micro_batch == 0:
+        per_rank = (total // (seq_len * world)) if total else 8
+        candidates = [m for m in range(1, max(1, per_rank) + 1) if per_rank % m == 0]
+        if device.type == "cuda":
+            throwaway = build_optimizers(model, args, config.n_embd, 1, device)
+            micro = find_micro_batch(probe_step(model, throwaway, seq_len, config.vocab_size, args.dtype, device),
+                                     candidates)
+            del throwaway
+            torch.cuda.empty_cache()
+            micro = int(all_reduce(micro, dist.ReduceOp.MIN if dist.is_initialized() else None))
+            print(f"batch: micro_batch {micro} is the largest that fits on every rank (probed with optimizer state)")
+        else:
+            micro = max(candidates)
+    else:
+        micro = args.micro_batch
+    step_unit = micro * seq_len * world
+    total = total or step_unit
+    if total % step_unit:
+        lo, hi = total // step_unit * step_unit, (total // step_unit + 1) * step_unit
+        raise ValueError(f"--total_batch_tokens {total} is not a multiple of micro_batch {micro} x sequence_len "
+                         f"{seq_len} x world size {world} = {step_unit}: nearest valid values are {lo or hi} and {hi}")
+    return micro, total // step_unit
+
+
+def wrap_model(model, args, world, local_rank, device):
+    """DDP (gradients are views into its all-reduce buckets: no second copy), then torch.compile (after DDP, not
+    before: seed 004)."""
+    train_model = model
+    if world > 1:
+        train_model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
+                          gradient_as_bucket_view=True)
+    return torch.compile(train_model) if args.compile else train_model
+
+
+# -----------------------------------------------------------------------------
+# The training loop, shared by every training stage: a stage builds its model, optimizers and loaders and hands
+# them over; the policies (exact loss, NaN stop, signals, health, metrics, checkpoints) live here once.
+
+def forward_backward(train_model, batches, dtype, device, world, poison=False):
+    """Forward and backward over one optimizer step's micro-batches [(inputs, targets), ...]. Returns the step's
+    (summed token loss, number of targets) over every micro-batch and rank. The loss is exact for masked targets
+    (-1): each micro-batch's backward takes its sum of token losses divided by the count of targets in the whole
+    global batch, counted over all micro-batches and ranks before any backward. (The mean of each micro-batch divided
+    by the accumulation steps weighs a token by how full its micro-batch is: the gradient-accumulation bug of 2024.)
+    DDP averages gradients over ranks, so the local scale is world / count."""
+    count = all_reduce_tensor(torch.stack([(targets != -1).sum() for _, targets in batches]).sum().double())
+    scale = world / count.clamp(min=1)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for j, (inputs, targets) in enumerate(batches):
+        last = j == len(batches) - 1
+        with (train_model.no_sync() if not last and hasattr(train_model, "no_sync") else nullcontext()), \
+                autocast_context(device.type, dtype):
+            loss = train_model(inputs, targets, reduction="sum")
+            if poison:
+                loss = loss * float("nan")
+            (loss * scale).backward()
+        loss_sum += loss.detach().double()
+    return all_reduce_tensor(loss_sum), count
+
+
+def open_wandb(args, master):
+    if not (args.wandb and master):
+        return None
+    try:
+        import wandb
+    except ImportError:
+        raise ImportError("--wandb needs `pip install wandb`") from None
+    wandb.init(project=args.wandb, name=args.run_name, config=vars(args))
+    return wandb
+
+
+def train(args, model, train_model, optimizers, loaders, *, run_dir, start, total_steps, ckpt_meta, evaluate,
+          flops_per_token, rank, world, device):
+    """Steps start..total_steps-1. evaluate(step) returns fields for that step's metrics record (and prints).
+    Returns None when every step ran, or the signal number that stopped the run after its checkpoint."""
+    master, tokens_per_step = rank == 0, sum(ld.B * ld.T for ld in loaders) * world
+    metrics, wandb, stop = Metrics(run_dir / "metrics.jsonl", master), open_wandb(args, master), StopSignal()
+    peak = peak_flops(device_name(device), args.dtype)
+    initial, mem_history, run_start = param_samples(model), [], now()
+
+    def checkpoint(step):
+        if not all(torch.isfinite(p).all() for p in model.parameters()):  # never write a NaN checkpoint
+            raise RuntimeError(f"step {step}: parameters are not finite; not writing a checkpoint")
+        return save_checkpoint(run_dir / "ckpt", step, model, optimizers, [ld.state_dict() for ld in loaders],
+                               ckpt_meta, rank, args.keep)
+
+    for step in range(start, total_steps):
+        t0 = now()
+        lr_mult, wd = apply_schedule(optimizers, step, total_steps, args)
+        batches = [next(loader) for loader in loaders]
+        loss_sum, count = forward_backward(train_model, batches, args.dtype, device, world,
+                                           poison=step + 1 == args.inject_nan_step)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf")).item()
+        loss = loss_sum.item() / max(1.0, count.item())
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            last = list_checkpoints(run_dir / "ckpt")
+            raise RuntimeError(f"step {step + 1}: loss {loss} / grad norm {grad_norm} is not finite: run stopped "
+                               f"before the optimizer step; last good checkpoint: {last[-1] if last else 'none'} "
+                               f"(resume with --resume, perhaps a lower lr)")
+        health = step % args.health_every == 0
+        before = samples_by_id(optimizers) if health else None
+        for opt in optimizers:
+            opt.step()
+        model.zero_grad(set_to_none=world == 1)  # under DDP the gradients are views into its buckets: keep them
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = now() - t0
+        tokens_seen = int(all_reduce(sum(ld.state["stats"]["tokens"] for ld in loaders)))
+        record = {"step": step + 1, "loss": loss, "targets": int(count.item()), "lr_mult": lr_mult,
+                  "weight_decay": wd, "lr": {g["name"]: g["lr"] for opt in optimizers for g in opt.param_groups},
+                  "grad_norm": grad_norm, "tokens": tokens_seen, "tok_per_s": tokens_per_step / dt,
+                  "mfu": tokens_per_step * flops_per_token / dt / (peak * world) if peak else "unknown",
+                  "step_time": dt, "cuda_mem_alloc": torch.cuda.memory_allocated(device) if device.type == "cuda"
+                  else None, "cuda_mem_reserved": torch.cuda.memory_reserved(device) if device.type == "cuda" else None}
+        if health:
+            record["update_rms_ratio"] = update_ratios(optimizers, before)
+        warning = health_warning(model, initial, mem_history, record, step + 1 - start, args)
+        if warning:
+            record["warning"] = warning
+            if master:
+                print(f"WARNING step {step + 1}: {warning}")
+        last_step = step + 1 == total_steps
+        if args.eval_every and (step + 1) % args.eval_every == 0 and not last_step:
+            record.update(evaluate(step + 1))
+        metrics.log(record)
+        if wandb:
+            wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step + 1)
+        if master and ((step + 1) % args.log_every == 0 or last_step or step == start):
+            print(progress_line(record, total_steps, (now() - run_start) / (step + 1 - start)), flush=True)
+        if step + 1 == args.kill_at_step and master:
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+        if step + 1 == args.signal_at_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        if stop.requested():
+            path = checkpoint(step + 1)
+            if master:
+                print(f"stopped by signal at step {step + 1}; checkpoint {path}. Resume with: {resume_command(args)}")
+            return stop.signum or signal.SIGTERM
+        if (step + 1) % args.ckpt_every == 0 or last_step:
+            checkpoint(step + 1)  # the final checkpoint comes before the final evaluation (nanochat #446)
+    return None
+
+
+def health_warning(model, initial, mem_history, record, steps_done, args):
+    """Seed 001's frozen parameters (checked once, frozen_check_step steps after the start) and seed 003's CUDA
+    memory leak (once per 50 steps of growth); None when healthy."""
+    if record["cuda_mem_alloc"] is not None:
+        mem_history.append(record["cuda_mem_alloc"])
+        if memory_growing(mem_history):
+            mem_history.clear()  # warned once; a later warning needs another 50 steps of growth
+            return "CUDA memory allocated grew every step for the last 50 steps: a leak?"
+    if steps_done == args.frozen_check_step:
+        frozen = frozen_parameters(model, initial)
+        if frozen:
+            return f"parameters unchanged after {args.frozen_check_step} steps: {', '.join(frozen)}"
+    return None
+
+
+def progress_line(record, total_steps, seconds_per_step):
+    mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] != "unknown" else "unknown"
+    eta = seconds_per_step * (total_steps - record["step"])
+    return (f"step {record['step']}/{total_steps} loss {record['loss']:.4f} lr x{record['lr_mult']:.3f} gnorm "
+            f"{record['grad_norm']:.3f} {record['tok_per_s']:,.0f} tok/s MFU {mfu} tokens {record['tokens']:,} ETA "
+            f"{fmt_duration(eta)}")
+
+
+def print_status(run_dir):
+    """What a run has done so far, from its files: works while it runs and after it ends, for every stage."""
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: not a run directory (runs/<run>/)")
+    config = json.loads((run_dir / "config.json").read_text())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    total, last = config["total_steps"], steps[-1]
+    print(f"run {run_dir} ({config.get('stage')}): {'finished' if (run_dir / 'done.json').is_file() else 'not finished'}"
+          f"; step {last['step']}/{total}, tokens {last['tokens']:,}")
+    window = max(1, len(steps) // 5)
+    trend = [sum(r["loss"] for r in steps[i:i + window]) / len(steps[i:i + window])
+             for i in range(0, len(steps), window)]
+    print("loss trend (means of fifths): " + " -> ".join(f"{v:.3f}" for v in trend))
+    recent = steps[-20:]
+    rate = sum(r["tok_per_s"] for r in recent) / len(recent)
+    tokens_left = (total - last["step"]) * config["tokens_per_step"]
+    print(f"speed {rate:,.0f} tok/s, MFU {last['mfu']}; ETA {fmt_duration(tokens_left / rate if rate else None)}")
+    vals = [r for r in records if "val_bpb" in r or "final_val_bpb" in r]
+    print(f"last validation: {vals[-1] if vals else 'none yet'}")
+    warnings = [f"step {r['step']}: {r['warning']}" for r in records if "warning" in r]
+    print("health warnings: " + ("; ".join(warnings) if warnings else "none"))
+    samples_path = run_dir / "samples.jsonl"
+    if samples_path.is_file():
+        samples = [json.loads(line) for line in samples_path.read_text().splitlines()]
+        for s in [s for s in samples if s["step"] == samples[-1]["step"]]:
+            print(f"sample step {s['step']}: {s['prompt']!r} -> {s['completion']!r}")
+    ckpts = list_checkpoints(run_dir / "ckpt")
+    print(f"checkpoints: {', '.join(c.name for c in ckpts) if ckpts else 'none'}")

@@ -2,7 +2,10 @@
 NaN stop, SIGTERM, frozen-parameter monitor, schedules, batch planning, status."""
 import json
 import math
+import os
+import shlex
 import signal
+import subprocess
 from argparse import Namespace
 
 import pytest
@@ -87,18 +90,23 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(world):
 
 
 def test_sigterm_finishes_the_step_checkpoints_and_says_how_to_resume(world):
-    result = run(world, [*SMALL, "--steps", "20", "--ckpt_every", "100", "--run_name", "term", "--signal_at_step", "5"],
+    result = run(world, [*SMALL, "--steps", "7", "--ckpt_every", "100", "--run_name", "term", "--signal_at_step", "5"],
                  check=False)
     assert result.returncode == 128 + signal.SIGTERM
     assert "stopped by signal at step 5" in result.stdout
-    assert result.stdout.count("--resume") == 1 and result.stdout.count("--run_name") == 1
     assert [p.name for p in C.list_checkpoints(world / "runs" / "term" / "ckpt")] == ["step_000005"]
     status = run(world, ["--status", str(world / "runs" / "term")]).stdout
-    assert "not finished; step 5/20" in status and "checkpoints: step_000005" in status
-    resumed = run(world, [*SMALL, "--steps", "7", "--resume", str(world / "runs" / "term" / "ckpt" / "step_000005")])
-    assert "at step 5" in resumed.stdout and "done: 7 steps" in resumed.stdout  # the run dir comes from the path
+    assert "not finished; step 5/7" in status and "checkpoints: step_000005" in status
+    command = result.stdout.split("Resume with: ")[1].splitlines()[0]  # run exactly what it printed
+    resumed = subprocess.run(shlex.split(command), cwd=world, capture_output=True, text=True, check=False,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resume: from" in resumed.stdout and "at step 5" in resumed.stdout and "done: 7 steps" in resumed.stdout
+    assert sorted(losses(world, "term")) == list(range(1, 8))
+    again = run(world, [*SMALL, "--steps", "7", "--resume", str(world / "runs" / "term" / "ckpt" / "step_000007")])
+    assert "at step 7" in again.stdout and "done: 7 steps" in again.stdout  # the run dir comes from the path
     nothing = run(world, [*SMALL, "--steps", "7", "--run_name", "empty", "--resume"], check=False)
-    assert nothing.returncode != 0 and "runs/empty/ckpt has no checkpoint yet" in nothing.stderr
+    assert nothing.returncode == 1 and "runs/empty/ckpt has no checkpoint yet" in nothing.stderr
 
 
 def test_bad_batch_arithmetic_names_the_nearest_valid_values(world):
@@ -135,9 +143,47 @@ def test_micro_batch_probe_takes_the_largest_that_fits():
         tried.append(micro)
         if micro > 6:
             raise torch.OutOfMemoryError("CUDA out of memory")
-    assert pretrain.find_micro_batch(try_step, [1, 2, 4, 8, 16]) == 4 and tried == [16, 8, 4]
-    with pytest.raises(SystemExit, match="even micro_batch=8 runs out of memory"):
-        pretrain.find_micro_batch(try_step, [8, 16])
+    assert C.find_micro_batch(try_step, [1, 2, 4, 8, 16]) == 4 and tried == [16, 8, 4]
+    with pytest.raises(RuntimeError, match="even micro_batch=8 runs out of memory"):
+        C.find_micro_batch(try_step, [8, 16])
+
+
+def test_micro_batch_probe_holds_optimizer_state_and_gradients_at_its_peak():
+    """The probe must allocate what step 1 of training does: at its last optimizer step every parameter has a
+    gradient (what DDP's buckets hold: gradient_as_bucket_view) and its optimizer state (AdamW: 2 moments, Muon: a
+    momentum buffer). A fake OOM there, over a memory budget counted from those very tensors, picks the micro-batch
+    that fits once they are counted; no weight changes."""
+    torch.manual_seed(0)
+    model = build_model(config_from_preset("tiny", {"n_layer": 1, "sequence_len": 32}))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = Namespace(optimizer="muon", adam8bit=False, matrix_lr=0.02, embedding_lr=0.2, head_lr=0.004, scalar_lr=0.04)
+    optimizers = C.build_optimizers(model, args, 256, 1, torch.device("cpu"))
+    weights = sum(p.numel() for p in model.parameters())
+    matrices = sum(p.numel() for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2)
+    state_needed = matrices + 2 * (weights - matrices)  # Muon: 1 momentum buffer; AdamW: exp_avg, exp_avg_sq
+    budget = weights + state_needed + 45_000  # in elements: room for 4 micro-batch rows of 10,000 below
+    peaks = {}
+
+    def at_peak(opt, *_):
+        if opt is not optimizers[-1]:
+            return
+        grads = sum(p.grad.numel() for p in model.parameters() if p.grad is not None)
+        state = sum(t.numel() for o in optimizers for s in o.state.values() for t in s.values() if t.dim() > 0)
+        peaks[micro[0]] = (grads, state)
+        if grads + state + micro[0] * 10_000 > budget:  # without the state, 8 rows would fit
+            raise torch.OutOfMemoryError("fake: CUDA out of memory")
+    for opt in optimizers:
+        opt.register_step_post_hook(at_peak)
+    micro = [0]
+    probe = C.probe_step(model, optimizers, 32, 1024, "float32", torch.device("cpu"))
+
+    def try_step(m):
+        micro[0] = m
+        probe(m)
+    assert C.find_micro_batch(try_step, [1, 2, 4, 8]) == 4
+    assert peaks[8] == peaks[4] == (weights, state_needed)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # lr 0: a probe, not a step
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_schedules():
@@ -187,7 +233,7 @@ def test_adam8bit_without_bitsandbytes_says_how_to_get_it():
     except ImportError:
         pass
     args = Namespace(optimizer="muon", adam8bit=True, matrix_lr=0.02, embedding_lr=0.2, head_lr=0.004, scalar_lr=0.04)
-    with pytest.raises(SystemExit, match="--adam8bit needs bitsandbytes: `pip install bitsandbytes`"):
+    with pytest.raises(ImportError, match="--adam8bit needs bitsandbytes: `pip install bitsandbytes`"):
         C.build_optimizers(build_model(config_from_preset("tiny")), args, 256, 4096, torch.device("cpu"))
 
 

@@ -1,0 +1,123 @@
+"""common.py's training loop: the loss of a step is exact however its global batch is split into micro-batches and
+processes, with masked targets; checkpoints ordered by step; resume sets abandoned checkpoints aside; the exact
+resume command."""
+import shlex
+import sys
+from argparse import Namespace
+
+import pytest
+import torch
+from launch import ROOT, run_script
+
+import common as C
+from model import GPTConfig, build_model
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    return build_model(GPTConfig(vocab_size=128, sequence_len=16, n_layer=1, n_embd=32, n_head=2, n_kv_head=2))
+
+
+def global_batch():
+    """8 rows whose share of masked targets (-1) ranges from none to nearly all, as in chat data: a per-micro-batch
+    mean would weigh a token of a nearly empty row 15 times more than one of a full row."""
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randint(0, 128, (8, 16), generator=generator)
+    targets = torch.randint(0, 128, (8, 16), generator=generator)
+    for row in range(8):
+        targets[row, : 2 * row] = -1
+    return inputs, targets
+
+
+def step(micro_batch):
+    """(loss, gradients) of one step over the global batch cut into micro-batches of micro_batch rows, one process."""
+    model = tiny_model()
+    inputs, targets = global_batch()
+    batches = [(inputs[s:s + micro_batch], targets[s:s + micro_batch]) for s in range(0, 8, micro_batch)]
+    loss_sum, count = C.forward_backward(model, batches, "float32", torch.device("cpu"), 1)
+    return (loss_sum / count).item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_same(a, b):
+    assert abs(a[0] - b[0]) < 1e-6, (a[0], b[0])
+    for name in a[1]:
+        assert torch.allclose(a[1][name], b[1][name], rtol=0, atol=1e-6), name
+
+
+def test_loss_and_gradients_do_not_depend_on_the_micro_batch_split():
+    whole = step(8)
+    model = tiny_model()
+    inputs, targets = global_batch()
+    assert abs(whole[0] - model(inputs, targets).item()) < 1e-6  # the mean over the global batch's 128 - 56 targets
+    for micro_batch in (2, 1):
+        assert_same(step(micro_batch), whole)
+
+
+def test_the_per_micro_batch_mean_would_give_other_gradients():
+    """The test above can fail: the accumulation bug (each micro-batch's mean / accumulation steps) moves every
+    gradient here by far more than its tolerance."""
+    model = tiny_model()
+    inputs, targets = global_batch()
+    for r in range(8):
+        (model(inputs[r:r + 1], targets[r:r + 1]) / 8).backward()
+    exact = step(8)[1]
+    worst = max((p.grad - exact[n]).abs().max().item() / exact[n].abs().max().item() for n, p in model.named_parameters())
+    assert worst > 0.05, worst
+
+
+def test_two_processes_give_the_loss_and_gradients_of_one(tmp_path):
+    whole = step(8)
+    out = tmp_path / "two.pt"  # 2 ranks x 2 micro-batches of 2 rows: DDP's all-reduce and no_sync accumulation
+    run_script("tests/exact_loss_worker.py", [str(out), "2"], ROOT, nproc=2)
+    saved = torch.load(out, weights_only=True)
+    assert_same((saved["loss"].item(), saved["grads"]), whole)
+
+
+def checkpoints_at(ckpt_dir, steps):
+    model = tiny_model()
+    for s in steps:
+        C.save_checkpoint(ckpt_dir, s, model, [], [], {"stage": "pretrain", "world_size": 1}, 0, keep=10)
+
+
+def test_the_newest_checkpoint_is_the_highest_step_not_the_last_name(tmp_path):
+    checkpoints_at(tmp_path / "r" / "ckpt", [999_999, 1_000_000])
+    assert [c.name for c in C.list_checkpoints(tmp_path / "r" / "ckpt")] == ["step_999999", "step_1000000"]
+    assert C.find_checkpoint(tmp_path / "r").name == "step_1000000"
+
+
+def test_resuming_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path, capsys):
+    ckpt = tmp_path / "r" / "ckpt"
+    checkpoints_at(ckpt, [2, 4, 6])
+    model = tiny_model()
+    step = C.resume(ckpt / "step_000002", tmp_path / "r", model, [], [], {"world_size": 1}, 0, torch.device("cpu"))
+    assert step == 2 and [c.name for c in C.list_checkpoints(ckpt)] == ["step_000002"]
+    aside = list((tmp_path / "r" / "ckpt_abandoned").glob("*/step_*"))
+    assert sorted(c.name for c in aside) == ["step_000004", "step_000006"]  # moved, not deleted
+    assert all((c / "model.pt").is_file() for c in aside) and "moved to" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="its world_size is 1, this run's is 2"):
+        C.resume(ckpt / "step_000002", tmp_path / "r", model, [], [], {"world_size": 2}, 0, torch.device("cpu"))
+
+
+def test_keep_must_leave_at_least_one_checkpoint(tmp_path):
+    args = Namespace(keep=0, resume=None, run_name="r", runs_dir=str(tmp_path), preset="tiny")
+    with pytest.raises(ValueError, match="--keep 0: keep at least 1"):
+        C.resolve_run(args, "pretrain")
+
+
+@pytest.mark.parametrize("argv", [["--steps", "9", "--resume", "runs/old/ckpt/step_000004", "--seed", "1"],
+                                  ["--resume=runs/old/ckpt/step_000004", "--steps", "9", "--seed", "1"],
+                                  ["--run_name", "old", "--steps", "9", "--resume", "--seed", "1"],
+                                  ["--run_name=old", "--runs_dir", "elsewhere", "--steps", "9", "--seed", "1"]])
+def test_the_resume_command_drops_the_old_resume_and_names_the_run(argv, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["pretrain.py", *argv])
+    for name in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    args = Namespace(runs_dir="runs", run_name="old")
+    expected = ["pretrain.py", "--steps", "9", "--seed", "1", "--runs_dir", "runs", "--run_name", "old", "--resume"]
+    words = shlex.split(C.resume_command(args))
+    assert words[0] == sys.executable and sorted(words[1:]) == sorted(expected) and words[-1] == "--resume"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    words = shlex.split(C.resume_command(args))
+    assert words[:5] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    assert sorted(words[5:]) == sorted(expected)
