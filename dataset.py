@@ -567,10 +567,85 @@ def conversation_messages(item):
     return item or []
 
 
-def insort(lengths, buffer, ids, mask, arrival):
-    i = bisect.bisect_right(lengths, len(ids))
-    lengths.insert(i, len(ids))
-    buffer.insert(i, (ids, mask, arrival))
+def cut_into_pieces(ids, row_len, bos):
+    """A document longer than a row as row-sized pieces, each after the first led by a BOS of its own."""
+    rest = [np.concatenate([[bos], ids[s:s + row_len - 1]]).astype(np.int32)
+            for s in range(row_len, len(ids), row_len - 1)]
+    return [ids[:row_len], *rest]
+
+
+def skipped(item):
+    """An item the reader could not use: None (an empty document) or the reason it was skipped."""
+    return item is None or isinstance(item, str)
+
+
+class PieceBuffer:
+    """The packer's buffer: pieces (ids, mask, arrival number) sorted by length, so the largest piece that fits a
+    space is a bisect. `live` maps each buffered piece's arrival number (unique, saved with the state) to its length
+    and `oldest` is a heap of arrival numbers, so the oldest piece is found without a scan (entries no longer live
+    are dropped lazily). `tokens` is the number of tokens buffered."""
+
+    def __init__(self, pieces):
+        self.lengths, self.pieces, self.live, self.oldest, self.tokens = [], [], {}, [], 0
+        for ids, mask, arrival in pieces:
+            self.add(ids, mask, arrival)
+
+    def __len__(self):
+        return len(self.pieces)
+
+    def add(self, ids, mask, arrival):
+        i = bisect.bisect_right(self.lengths, len(ids))
+        self.lengths.insert(i, len(ids))
+        self.pieces.insert(i, (ids, mask, arrival))
+        self.live[arrival] = len(ids)
+        heapq.heappush(self.oldest, arrival)
+        self.tokens += len(ids)
+
+    def take(self, i):
+        self.lengths.pop(i)
+        ids, mask, arrival = self.pieces.pop(i)
+        del self.live[arrival]
+        self.tokens -= len(ids)
+        return ids, mask, arrival
+
+    def take_oldest(self):
+        while self.oldest[0] not in self.live:
+            heapq.heappop(self.oldest)
+        arrival = self.oldest[0]
+        first = bisect.bisect_left(self.lengths, self.live[arrival])  # among the pieces of its length
+        return self.take(next(i for i in range(first, len(self.pieces)) if self.pieces[i][2] == arrival))
+
+    def take_largest(self, space):
+        """The largest piece of at most `space` tokens, or None if none is that short."""
+        i = bisect.bisect_right(self.lengths, space) - 1
+        return self.take(i) if i >= 0 else None
+
+
+class Pipe:
+    """A bounded queue between the threads of one started pipeline, with that pipeline's stop event: put() and get()
+    give up once it is set. Each start makes its own event and close() only ever sets it, so a thread that outlives
+    close()'s join still finds its pipeline stopped and exits."""
+
+    def __init__(self, maxsize, stop, name):
+        self.queue, self.stop, self.name = queue.Queue(maxsize=maxsize), stop, name
+
+    def put(self, item):
+        """Hand `item` on; False if the pipeline was stopped first."""
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def get(self):
+        while not self.stop.is_set():
+            try:
+                return self.queue.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        raise RuntimeError(f"{self.name} loader was closed while waiting: next() starts it again from its last state")
 
 
 class PackedLoader:
@@ -584,14 +659,10 @@ class PackedLoader:
     device (pinned memory, non_blocking) `prefetch` batches ahead of the training step. Every batch travels with the
     state after it, so the state never runs ahead of what the consumer has seen.
 
-    Packing is best-fit from a buffer of `buffer_docs` documents: each row starts with the oldest buffered piece
-    (so nothing waits more than about buffer_docs rows: pure best-fit starves short documents indefinitely), then
-    takes the largest buffered piece that fits the space left, again and again; every row starts with a BOS. kind="text": when none fits, the
-    smallest document is cropped to fill the row and its remainder goes back to the buffer as a new BOS-led piece
-    (documents longer than a row are cut into row-sized BOS-led pieces on arrival); nothing is discarded, and the
-    tokens moved to a later row (cut off from their document's beginning) are counted as 'cropped'. kind="chat":
-    when none fits the row is padded (inputs BOS, targets -1); conversations are never cropped; targets are -1 on
-    every token that is not assistant content or <|assistant_end|>."""
+    Packing is best-fit from a buffer of about `buffer_docs` pieces (_top_up, _add_document); every row starts with a
+    BOS and with the oldest buffered piece (_fill_row). Text rows have no padding: documents longer than a row are
+    cut into pieces and a piece that does not fit is cropped, its remainder kept for a later row. Chat rows hold whole
+    conversations and are padded; targets are -1 on every token that is not assistant content or <|assistant_end|>."""
 
     def __init__(self, files, tokenizer, batch_size, seq_len, kind="text", rank=0, world_size=1, device="cpu",
                  buffer_docs=1000, threads=None, prefetch=2, name="train"):
@@ -605,7 +676,7 @@ class PackedLoader:
         if not self.units:
             raise ValueError(f"{name}: rank {rank} of {world_size} has no data in {', '.join(map(str, self.files))}")
         self.state = {"epoch": 0, "unit": 0, "doc": 0, "buffer": [], "stats": dict.fromkeys(STAT_KEYS, 0)}
-        self._stop, self._threads, self._batches = threading.Event(), [], None
+        self._threads, self._batches = [], None  # the running pipeline's threads and its Pipe of batches
 
     # --- state ---------------------------------------------------------------------------------------------------
     def state_dict(self):
@@ -626,7 +697,7 @@ class PackedLoader:
                 raise ValueError(f"{self.name} loader: state was saved with {key}={sd[key]}, this loader has {key}="
                                  f"{mine}; an exact resume needs the same {key}")
         if self._batches is not None:
-            raise RuntimeError("load_state_dict() must come before the first batch")
+            raise RuntimeError("load_state_dict() must come before the first batch: close() the loader first")
         bounds = np.cumsum([0, *sd["buffer_lengths"].tolist()])
         ids, masks = sd["buffer_ids"].numpy(), sd["buffer_masks"].numpy()
         buffer = [(ids[a:b].copy(), masks[a:b].copy() if self.kind == "chat" else None, arrival)
@@ -653,54 +724,42 @@ class PackedLoader:
     def __next__(self):
         if self._batches is None:
             self._start()
-        item = self._get(self._batches)
+        item = self._batches.get()
         if isinstance(item, BaseException):
             self.close()
             raise item
         batch, self.state = item
         return batch
 
-    def close(self):
-        self._stop.set()
+    def close(self, timeout=10):
+        """Stop the threads; the next batch starts new ones from self.state."""
+        if self._batches is not None:
+            self._batches.stop.set()  # for good: this start's threads hold this event, whether they join in time or not
         for thread in self._threads:
-            thread.join(timeout=10)
-        self._stop, self._threads, self._batches = threading.Event(), [], None
+            thread.join(timeout=timeout)
+        self._threads, self._batches = [], None
 
     def _start(self):
-        units, self._batches = queue.Queue(maxsize=2), queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()  # this start's own (see Pipe)
+        units, batches = Pipe(2, stop, self.name), Pipe(self.prefetch, stop, self.name)
         start = (self.state["epoch"], self.state["unit"], self.state["doc"])
-        self._threads = [threading.Thread(target=self._guard, args=(self._read, start, units), daemon=True),
-                         threading.Thread(target=self._guard, args=(self._pack, units, self.state), daemon=True)]
+        self._threads = [threading.Thread(target=self._guard, args=(batches, self._read, start, units), daemon=True),
+                         threading.Thread(target=self._guard, args=(batches, self._pack, units, batches, self.state),
+                                          daemon=True)]
+        self._batches = batches
         for thread in self._threads:
             thread.start()
 
-    def _guard(self, fn, *args):
+    def _guard(self, batches, fn, *args):
         try:
             fn(*args)
         except BaseException as e:  # noqa: BLE001 -- handed to the consumer, who raises it, instead of dying silently
-            self._put(self._batches, e)
-
-    def _put(self, q, item):
-        while not self._stop.is_set():
-            try:
-                q.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                pass
-        return False
-
-    def _get(self, q):
-        while not self._stop.is_set():
-            try:
-                return q.get(timeout=0.1)
-            except queue.Empty:
-                pass
-        raise RuntimeError(f"{self.name} loader was closed")
+            batches.put(e)
 
     def _read(self, start, out):
         """Reader thread: per row group, (epoch, unit, first doc index, [encoded doc, or None/reason if skipped])."""
         epoch, unit, doc = start
-        while self._put(out, (epoch, unit, doc, self._encode(self.units[unit], doc))):
+        while out.put((epoch, unit, doc, self._encode(self.units[unit], doc))):
             unit, doc = unit + 1, 0
             if unit == len(self.units):
                 epoch, unit = epoch + 1, 0
@@ -729,96 +788,100 @@ class PackedLoader:
                 out.append((np.array(ids, np.int32), np.array(mask, np.int8)) if ids else "too_long")
         return out
 
-    def _pack(self, units, state):
-        """Packer thread: fill rows from the best-fit buffer, ship each batch to the device with the state after it."""
-        epoch, unit, doc = state["epoch"], state["unit"], state["doc"]
-        stats, row_len, bos = dict(state["stats"]), self.T + 1, self.tokenizer.bos_id
-        # the buffer: (ids, mask, arrival) sorted by length, so the best fit is a bisect; `live` maps each buffered
-        # piece's arrival number (unique, saved with the state) to its length, and `oldest` is a heap of arrival
-        # numbers (entries no longer live are dropped lazily)
-        lengths, buffer, live, oldest = [], [], {}, []
-
-        def add(ids, mask, arrival):
-            insort(lengths, buffer, ids, mask, arrival)
-            live[arrival] = len(ids)
-            heapq.heappush(oldest, arrival)
-
-        def take(i):
-            lengths.pop(i)
-            entry = buffer.pop(i)
-            del live[entry[2]]
-            return entry
-
-        for ids, mask, arrival in state["buffer"]:
-            add(ids, mask, arrival)
-        pending, pending_at, docs_this_epoch = [], 0, len(buffer)
-        while not self._stop.is_set():
-            rows = np.empty((self.B, row_len), dtype=np.int32)
-            masks = np.ones((self.B, row_len), dtype=np.int8) if self.kind == "chat" else None
+    # --- packing -------------------------------------------------------------------------------------------------
+    def _pack(self, units, batches, state):
+        """Packer thread: fill rows from the buffer, ship each batch to the device with the state after it."""
+        stats, buffer = dict(state["stats"]), PieceBuffer(state["buffer"])
+        position = (state["epoch"], state["unit"], state["doc"])  # of the next unread document: where a resume reads on
+        documents = self._documents(units, position, buffered=len(buffer))
+        while True:
+            rows = np.empty((self.B, self.T + 1), dtype=np.int32)
+            masks = np.ones((self.B, self.T + 1), dtype=np.int8) if self.kind == "chat" else None
             for b in range(self.B):
-                while len(buffer) < self.buffer_docs:  # top the buffer up, in document order
-                    while pending_at == len(pending):
-                        item_epoch, unit, doc, pending = self._get(units)
-                        pending_at = 0
-                        if item_epoch != epoch:
-                            if docs_this_epoch == 0:
-                                raise ValueError(f"{self.name} loader: a whole pass over {len(self.units)} row groups "
-                                                 f"found no usable document ({self.log_line()})")
-                            if self.rank == 0:
-                                print(f"{self.name} loader: epoch {item_epoch} starts (the data ran out, starting over)")
-                            epoch, docs_this_epoch = item_epoch, 0
-                    item = pending[pending_at]
-                    pending_at, doc = pending_at + 1, doc + 1
-                    if item is None or isinstance(item, str):
-                        stats[item or "empty"] += 1
-                        continue
-                    ids, mask = item if self.kind == "chat" else (item, None)
-                    stats["docs"], stats["doc_tokens"], docs_this_epoch = stats["docs"] + 1, \
-                        stats["doc_tokens"] + len(ids), docs_this_epoch + 1
-                    pieces = [(ids, mask)]
-                    if len(ids) > row_len:  # text only (chat renders at most a row): cut into BOS-led pieces
-                        stats["cropped"] += len(ids) - row_len
-                        pieces = [(ids[:row_len], None)] + [
-                            (np.concatenate([[bos], ids[s:s + row_len - 1]]).astype(np.int32), None)
-                            for s in range(row_len, len(ids), row_len - 1)]
-                    for piece, piece_mask in pieces:
-                        add(piece, piece_mask, stats["pieces"])
-                        stats["pieces"] += 1
-                pos = 0
-                while pos < row_len:
-                    space = row_len - pos
-                    if pos == 0:  # the oldest piece opens the row
-                        while oldest[0] not in live:
-                            heapq.heappop(oldest)
-                        arrival = oldest[0]
-                        lo = bisect.bisect_left(lengths, live[arrival])
-                        i = next(j for j in range(lo, len(buffer)) if buffer[j][2] == arrival)
-                    else:  # the largest piece that fits
-                        i = bisect.bisect_right(lengths, space) - 1
-                    if i >= 0:
-                        ids, mask, _ = take(i)
-                        rows[b, pos:pos + len(ids)] = ids
-                        if mask is not None:
-                            masks[b, pos:pos + len(ids)] = mask
-                        pos += len(ids)
-                    elif self.kind == "chat":  # pad: conversations are never cropped
-                        rows[b, pos:], masks[b, pos:] = bos, 0
-                        stats["padding"] += space
-                        pos = row_len
-                    else:  # crop the smallest piece; its remainder goes back as a BOS-led piece
-                        ids, _, arrival = take(0)
-                        rows[b, pos:] = ids[:space]
-                        stats["cropped"] += len(ids) - space
-                        add(np.concatenate([[bos], ids[space:]]).astype(np.int32), None, arrival)
-                        pos = row_len
+                position = self._top_up(buffer, documents, stats, position)
+                self._fill_row(buffer, rows[b], None if masks is None else masks[b], stats)
             stats["batches"], stats["tokens"] = stats["batches"] + 1, stats["tokens"] + self.B * self.T
-            after = (epoch, unit, doc)
-            if pending_at == len(pending):  # the next document is the first of the next row group
-                after = (epoch + 1, 0, 0) if unit + 1 == len(self.units) else (epoch, unit + 1, 0)
-            snapshot = {"epoch": after[0], "unit": after[1], "doc": after[2], "stats": dict(stats),
-                        "buffer": list(buffer)}
-            if not self._put(self._batches, (self._to_device(rows, masks), snapshot)):
+            after = {"epoch": position[0], "unit": position[1], "doc": position[2], "stats": dict(stats),
+                     "buffer": list(buffer.pieces)}
+            if not batches.put((self._to_device(rows, masks), after)):
                 return
+
+    def _documents(self, units, start, buffered):
+        """The documents from position `start` on, in order, each as (encoded document or why it is skipped, the
+        position of the next unread document). That position comes with each document, so it is exact even when
+        nothing has been read since a resume. A pass over all the data with no usable document is an error (the
+        buffer would wait forever); `buffered` pieces restored from a checkpoint count as usable."""
+        epoch, usable = start[0], buffered
+        while True:
+            item_epoch, unit, doc, items = units.get()
+            if item_epoch != epoch:
+                if not usable:
+                    raise ValueError(f"{self.name} loader: a whole pass over {len(self.units)} row groups found no "
+                                     f"usable document ({self.log_line()})")
+                if self.rank == 0:
+                    print(f"{self.name} loader: epoch {item_epoch} starts (the data ran out, starting over)")
+                epoch, usable = item_epoch, 0
+            for read, item in enumerate(items, start=1):
+                usable += not skipped(item)
+                last = read == len(items)  # then the next document is the first of the next row group
+                yield item, self._next_unit(epoch, unit) if last else (epoch, unit, doc + read)
+
+    def _next_unit(self, epoch, unit):
+        return (epoch + 1, 0, 0) if unit + 1 == len(self.units) else (epoch, unit + 1, 0)
+
+    def _top_up(self, buffer, documents, stats, position):
+        """Read documents into the buffer, in order, until it holds buffer_docs pieces; text also wants a row's worth
+        of tokens, else the row would take every piece and find nothing left to crop. Returns the position of the
+        next unread document."""
+        while len(buffer) < self.buffer_docs or (self.kind == "text" and buffer.tokens < self.T + 1):
+            item, position = next(documents)
+            self._add_document(buffer, item, stats)
+        return position
+
+    def _add_document(self, buffer, item, stats):
+        """Buffer one document; a skipped one (None: empty, or the reason) is only counted. A text document longer than
+        a row is cut into row-sized BOS-led pieces here (chat renders at most a row): its tokens after the first
+        piece are counted as 'cropped', moved to a later row cut off from the document's start."""
+        if skipped(item):
+            stats[item or "empty"] += 1
+            return
+        ids, mask = item if self.kind == "chat" else (item, None)
+        stats["docs"], stats["doc_tokens"] = stats["docs"] + 1, stats["doc_tokens"] + len(ids)
+        pieces = [(ids, mask)]
+        if len(ids) > self.T + 1:
+            stats["cropped"] += len(ids) - (self.T + 1)
+            pieces = [(piece, None) for piece in cut_into_pieces(ids, self.T + 1, self.tokenizer.bos_id)]
+        for piece, piece_mask in pieces:
+            buffer.add(piece, piece_mask, stats["pieces"])  # arrival numbers count pieces: unique, and in order
+            stats["pieces"] += 1
+
+    def _fill_row(self, buffer, row, row_mask, stats):
+        """The oldest piece opens the row, so nothing waits more than about buffer_docs rows (pure best-fit starves
+        short documents indefinitely); then the largest piece that fits the space left, again and again."""
+        pos, piece = 0, buffer.take_oldest()
+        while piece is not None:
+            ids, mask, _ = piece
+            row[pos:pos + len(ids)] = ids
+            if mask is not None:
+                row_mask[pos:pos + len(ids)] = mask
+            pos += len(ids)
+            piece = buffer.take_largest(len(row) - pos)
+        if pos < len(row):
+            self._pad_or_crop(buffer, row, row_mask, pos, stats)
+
+    def _pad_or_crop(self, buffer, row, row_mask, pos, stats):
+        """No piece fits the rest of the row. Chat pads it (inputs BOS, targets -1): conversations are never cropped.
+        Text crops the smallest piece to fill it and puts the remainder back as a new BOS-led piece, under the same
+        arrival number, so it opens a row soon: nothing is discarded, and the moved tokens are counted as 'cropped'."""
+        bos, space = self.tokenizer.bos_id, len(row) - pos
+        if self.kind == "chat":
+            row[pos:], row_mask[pos:] = bos, 0
+            stats["padding"] += space
+            return
+        ids, _, arrival = buffer.take(0)
+        row[pos:] = ids[:space]
+        stats["cropped"] += len(ids) - space
+        buffer.add(np.concatenate([[bos], ids[space:]]).astype(np.int32), None, arrival)
 
     def _to_device(self, rows, masks):
         inputs, targets = rows[:, :-1], rows[:, 1:].copy()

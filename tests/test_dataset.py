@@ -4,6 +4,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -28,7 +29,7 @@ def make_docs(n, seed=0, min_words=3, max_words=120):
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    """A corpus of 1,100 documents: two training shards with 5 row groups in all, one validation shard."""
+    """A corpus of 1,100 documents: a training shard (one row group of 990) and a validation shard of 110."""
     out = tmp_path_factory.mktemp("corpus")
     docs = make_docs(1100)
     D.write_text_shards(docs, out, seed=0, shard_docs=2048, val_fraction=0.1)
@@ -123,6 +124,59 @@ def test_resume_is_bit_identical(corpus, world_size, tmp_path):
         assert straight[0][0].shape == (4, 64) and straight[0][0].dtype == torch.int64
 
 
+def test_a_checkpoint_one_batch_after_a_resume_is_exact(tmp_path, corpus):
+    """Issue 9: a resumed loader whose restored buffer alone filled the next batch recorded the next row group as its
+    position, so a checkpoint taken one batch after a resume skipped the rest of the current one. Long documents
+    (cut into row-sized pieces, so the buffer holds more than buffer_docs pieces) and small rows make that common."""
+    _, tok = corpus
+    docs = make_docs(24, seed=1, max_words=90)
+    pq.write_table(pa.table({"text": docs}), tmp_path / "long.parquet", row_group_size=4)  # 6 row groups
+
+    def loader(state=None):
+        loader = D.PackedLoader([tmp_path / "long.parquet"], tok, 2, 16, buffer_docs=4)
+        if state is not None:
+            loader.load_state_dict(state)
+        return loader
+
+    straight, batches, states = loader(), [], [None]  # states[k]: the state after k batches
+    first_doc = re.match(r"doc\d{4}", docs[0]).group()
+    while len(batches) < 2 or not any(first_doc in tok.decode(row) for row in batches[-1][0].tolist()):  # epoch 1
+        batches.append(next(straight))
+        states.append(straight.state_dict())
+    straight.close()
+    assert max(len(ids) for ids in tok.encode_batch(docs)) > 4 * 17 and states[-1]["epoch"] == 1
+    diverged = []  # k: resumed after k batches, checkpointed one batch later, resumed from that
+    for k in range(len(batches) - 1):
+        once = loader(states[k])
+        after_one = take(once, 1)
+        if not same(after_one + take(loader(once.state_dict()), len(batches) - k - 1), batches[k:]):
+            diverged.append(k)
+    assert diverged == []
+
+
+def test_a_thread_that_outlives_close_still_stops(tmp_path, corpus):
+    """close() waits a while for the threads, then gives up: a thread still busy then (a slow read) must still find
+    its pipeline stopped once it gets going again, not a fresh stop event that nobody will ever set."""
+    _, tok = corpus
+    pq.write_table(pa.table({"text": make_docs(32)}), tmp_path / "docs.parquet", row_group_size=8)
+    loader = D.PackedLoader([tmp_path / "docs.parquet"], tok, 2, 16, buffer_docs=2)
+    release, encode = threading.Event(), loader._encode
+
+    def slow_encode(unit, skip):
+        if unit[1] > 0:  # row group 0 fills the first batch; the reader then stalls on row group 1
+            release.wait()
+        return encode(unit, skip)
+    loader._encode = slow_encode
+    next(loader)
+    threads = list(loader._threads)
+    loader.close(timeout=0.2)
+    assert threads[0].is_alive()  # the reader outlived the join
+    release.set()
+    for thread in threads:
+        thread.join(timeout=5)
+    assert not any(thread.is_alive() for thread in threads)
+
+
 def test_epochs_roll_over_and_are_logged(corpus, capsys):
     data, tok = corpus
     loader = D.text_loader(data, "val", tok, batch_size=8, seq_len=64, buffer_docs=20)
@@ -178,6 +232,16 @@ def test_packing_conserves_every_token_and_starts_rows_with_bos(corpus):
     del came_out[tok.bos_id]
     assert came_out == went_in
     assert 0 < state["stats"]["cropped"] < state["stats"]["doc_tokens"]
+
+
+def test_short_documents_never_leave_a_row_nothing_to_crop(tmp_path, corpus):
+    """buffer_docs pieces can hold fewer tokens than a row: the packer reads on rather than crop from an empty buffer
+    (an IndexError before)."""
+    _, tok = corpus
+    pq.write_table(pa.table({"text": ["x y"] * 40}), tmp_path / "short.parquet")
+    (x, y), = take(D.PackedLoader([tmp_path / "short.parquet"], tok, 2, 32, buffer_docs=3), 1)
+    doc = [tok.bos_id, *tok.encode("x y")]
+    assert x[0].tolist() + y[0, -1:].tolist() == (doc * 33)[:33] and (x[:, 0] == tok.bos_id).all()
 
 
 def test_empty_documents_are_skipped_and_counted(tmp_path, corpus):
