@@ -1,7 +1,7 @@
 """Benchmarks: figures printed with their targets. Not tests; nothing here is timed inside pytest.
 
     python bench.py              # every benchmark
-    python bench.py train decode # a chosen few: train, decode, build, tokenizer, loader, pretrain, core_eval
+    python bench.py train decode # a chosen few: train, decode, build, tokenizer, loader, pretrain, core_eval, download
 
 train   forward+backward tokens/s of a preset on this machine: eager fp32, torch.compile fp32, compile + bf16 autocast.
         Target: compile + bf16 >= 2x eager fp32.
@@ -19,19 +19,35 @@ core_eval  `python core_eval.py` on the demo world's 8 tasks (513 items) for a -
 loader  one process's streaming loader (read + tokenize + pack) over one epoch of the same corpus at T = 256, 1024,
         2048: tokens/s (target >= 1M) and the share of document tokens cropped, i.e. moved to a later row as a
         BOS-led piece, cut off from their document's start (target <= 20% at T = 2048; nothing is discarded).
+download  `download_shards` of 16 training shards + 1 validation shard (~4 MB parquet each) from a hub stand-in on
+        loopback, 4 workers: shards/s and MB/s of the old client (dataset.py at commit 1d71acd, its own HTTP code on
+        requests, read with `git show`) and of the new one (huggingface_hub), median of --trials rounds, alternating.
+        Loopback measures client overhead only (the server runs in the same process, a share of the same cores),
+        not the network nor the hub's Xet storage, which only the new client can use.
 """
 import argparse
+import hashlib
+import importlib.util
+import io
 import json
 import math
+import os
+import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 
 import common as C
+import dataset
 from dataset import iter_texts, text_loader
 from demo import write_demo
 from model import KVCache, autocast_context, build_model, config_from_preset, flops_per_token, num_params
@@ -227,8 +243,97 @@ def bench_core_eval(args, device):
                   f"{report['dtype']}, {report['device']})")
 
 
+OLD_DOWNLOAD_CLIENT = "1d71acd"  # the last commit whose dataset.py downloads with its own HTTP code on requests
+
+
+def cpu_name():
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
+             if line.startswith("model name")]
+    return f"{names[0] if names else platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def hub_standin(files):
+    """A loopback server answering what both clients ask: the tree API (one page, LFS sha256s) and resolve URLs, HEAD
+    and GET, with the headers hf_hub_download reads (X-Repo-Commit, X-Linked-Etag, X-Linked-Size). No faults, so no
+    Range: nothing is resumed."""
+    shas = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+    tree = json.dumps([{"type": "file", "path": name, "size": len(data), "oid": "0" * 40,
+                        "lfs": {"oid": shas[name], "size": len(data), "pointerSize": 134}}
+                       for name, data in files.items()]).encode()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as the hub and its CDN
+
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            path = unquote(urlsplit(self.path).path)
+            name = path.rsplit("/", 1)[-1]
+            if path.startswith("/api/"):
+                body, headers = tree, {"Content-Type": "application/json"}
+            else:
+                body, headers = files[name], {"X-Repo-Commit": "0" * 40, "ETag": f'"{shas[name]}"',
+                                              "X-Linked-Etag": f'"{shas[name]}"', "X-Linked-Size": str(len(files[name]))}
+            self.send_response(200)
+            for key, value in {**headers, "Content-Length": str(len(body))}.items():
+                self.send_header(key, value)
+            self.end_headers()
+            if self.command == "GET":
+                self.wfile.write(body)
+
+        do_HEAD = do_GET
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def old_download_client(tmp):
+    """dataset.py as of OLD_DOWNLOAD_CLIENT, as a module of its own (written into tmp)."""
+    path = Path(tmp) / f"dataset_{OLD_DOWNLOAD_CLIENT}.py"
+    path.write_text(subprocess.run(["git", "show", f"{OLD_DOWNLOAD_CLIENT}:dataset.py"], cwd=Path(__file__).parent,
+                                   capture_output=True, text=True, check=True).stdout)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def shard_bytes(mb=4):
+    """A parquet shard of random hex text: every shard distinct, nothing compresses."""
+    texts = [os.urandom(2048).hex() for _ in range(mb * 1000 * 1000 // 4096)]
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"text": texts}), buf, compression="none")
+    return buf.getvalue()
+
+
+def bench_download(args, device):
+    files = {f"shard_{i:05d}.parquet": shard_bytes() for i in range(17)}
+    total_mb = sum(map(len, files.values())) / 1e6
+    server = hub_standin(files)
+    os.environ.update(HF_ENDPOINT=f"http://127.0.0.1:{server.server_address[1]}", NO_PROXY="127.0.0.1")
+    with tempfile.TemporaryDirectory() as tmp:
+        clients = {f"old (requests, {OLD_DOWNLOAD_CLIENT})": old_download_client(tmp), "new (huggingface_hub)": dataset}
+        seconds = {label: [] for label in clients}
+        for trial in range(args.trials):
+            for label, client in clients.items():
+                out = Path(tmp) / f"{trial}{label[:3]}"
+                start = time.perf_counter()
+                client.download_shards("bench/shards", 16, out, workers=4)
+                seconds[label].append(time.perf_counter() - start)
+                assert all((out / name).read_bytes() == data for name, data in files.items())
+    server.shutdown()
+    for label, times in seconds.items():
+        median = sorted(times)[len(times) // 2]
+        print(f"download {label:26s}: {len(files) / median:6.1f} shards/s, {total_mb / median:7.1f} MB/s (median of "
+              f"{args.trials}; {len(files)} shards, {total_mb:.0f} MB, 4 workers, loopback)")
+    print(f"download: CPU {cpu_name()}")
+
+
 BENCHES = {"train": bench_train, "decode": bench_decode, "build": bench_build, "tokenizer": bench_tokenizer,
-           "loader": bench_loader, "pretrain": bench_pretrain, "core_eval": bench_core_eval}
+           "loader": bench_loader, "pretrain": bench_pretrain, "core_eval": bench_core_eval, "download": bench_download}
 
 
 def main():
@@ -239,8 +344,8 @@ def main():
     parser.add_argument("--steps", type=int, default=10, help="timed training steps (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed training steps first (default: %(default)s)")
     parser.add_argument("--decode_tokens", type=int, default=64, help="tokens generated (default: %(default)s)")
-    parser.add_argument("--trials", type=int, default=5, help="decode trials, the median is reported (default: "
-                        "%(default)s)")
+    parser.add_argument("--trials", type=int, default=5, help="decode and download trials, the median is reported "
+                        "(default: %(default)s)")
     parser.add_argument("--corpus", default=str(Path(__file__).resolve().parent.parent / "shared/corpus/realtext"),
                         help="text corpus for the tokenizer benchmark (default: %(default)s)")
     parser.add_argument("--bundle", default=None, help="eval bundle directory for core_eval (default: the demo "

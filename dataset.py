@@ -18,18 +18,20 @@ import os
 import queue
 import random
 import re
+import shutil
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
-from urllib.parse import quote, urljoin
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import requests
 import torch
+from huggingface_hub import HfApi, RepoFile, hf_hub_download
+from huggingface_hub.file_download import http_get
+from huggingface_hub.utils import HfHubHTTPError, RepositoryNotFoundError, httpx
 
 CACHE_DIR = Path(os.environ.get("NANOCHAT_CACHE", Path.home() / ".cache" / "nanochat"))
 ROW_GROUP_DOCS = 1024
@@ -41,215 +43,207 @@ def default_data_dir(dataset):
 
 
 # -----------------------------------------------------------------------------
-# Download from the hub. Plain HTTP against the Hugging Face hub's public URL layout:
-#   GET {endpoint}/api/datasets/{repo}/tree/{revision}?recursive=true     file list, sizes, LFS sha256 (paginated)
-#   GET {endpoint}/datasets/{repo}/resolve/{revision}/{path}              the bytes (the hub 302s LFS files to a CDN)
-# Not huggingface_hub.snapshot_download: a shard must never appear under its final name until its size and sha256
-# are checked, a dropped connection must resume from the bytes already on disk, and every failure must be one line
-# that names the file and says what to do. tests/test_download.py serves real bytes and injects each fault handled.
+# Download from the hub, through huggingface_hub: HfApi.list_repo_tree lists a repo (it follows the tree API's pages)
+# with each file's size and sha256 (LFS files) or git blob id (files kept in git); hf_hub_download fetches a file:
+# through hf_xet where the hub keeps it in Xet storage, else over plain HTTP, which it resumes with Range within the
+# call after a timeout or a body cut short (from the last whole chunk written, 10 MB), retrying 429s. Both read
+# HF_TOKEN and take the endpoint from hub_endpoint(); the token goes to the hub, never to the CDN it redirects to.
+# On top of it this file keeps the promises huggingface_hub does not make, each shown by a test in
+# tests/test_download.py:
+#   - a file appears under its final name only after its size, its hash from the listing and, for parquet, its footer
+#     check out; hf_hub_download checks none of them (test_a_flipped_byte_is_caught_by_the_listed_sha256_...);
+#   - a failed check, a 500, a reset mid-body are fetched again with backoff; hf_hub_download gives up on those
+#     (test_every_fault_is_survived_and_every_shard_ends_byte_identical);
+#   - every failure is one line that names the file and says what to do
+#     (test_a_shard_failing_every_check_never_appears_and_the_error_says_what_to_do).
 
 DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
-CHUNK_BYTES = 1 << 20
-CONNECT_TIMEOUT, READ_TIMEOUT = 10, 60  # seconds; read = the longest silence tolerated mid-body
-BACKOFF_BASE, BACKOFF_MAX = 0.5, 30.0  # 8 attempts wait ~60 s in all: enough to ride out a hub hiccup or a 429
+RETRIES = 8  # attempts per file; with the backoff below they wait ~60 s in all: enough to ride out a hub hiccup
+BACKOFF_BASE, BACKOFF_MAX = 0.5, 30.0
 SHARD_NAME = re.compile(r"shard_(\d+)\.parquet")
-SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-
-_thread = threading.local()
 
 
 class _Transient(Exception):
-    """A failure that a later attempt can fix (5xx, 429, a truncated body, a bad checksum)."""
-
-    def __init__(self, message, retry_after=None):
-        super().__init__(message)
-        self.retry_after = retry_after
+    """A downloaded file failed a check (size, hash, content); a fresh download can fix it."""
 
 
-# Everything requests raises for a network that hiccups: resets, refused connections, timeouts, bodies cut short.
-TRANSIENT_ERRORS = (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
-                    requests.exceptions.ContentDecodingError, _Transient)
+class _GaveUp(Exception):
+    """Every attempt failed; the message is the last error's first line."""
 
 
 def hub_endpoint():
-    """$HF_ENDPOINT (a mirror, or a local test server) or the public hub."""
+    """$HF_ENDPOINT (a mirror, or a local test server) or the public hub, read per call: huggingface_hub reads it once,
+    at import, so it is passed to it explicitly."""
     return os.environ.get("HF_ENDPOINT", DEFAULT_HUB_ENDPOINT).rstrip("/")
 
 
-def hub_headers():
-    """Private and gated repos need a token; public ones work without."""
-    token = os.environ.get("HF_TOKEN")
-    return {"Authorization": f"Bearer {token}"} if token else {}
+def _status(error):
+    response = getattr(error, "response", None)
+    return response.status_code if response is not None else None
 
 
-def _session():
-    """One Session per thread: connection reuse without sharing a Session across threads."""
-    if not hasattr(_thread, "session"):
-        _thread.session = requests.Session()
-    return _thread.session
+def _first_line(error):
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
-def _backoff(attempt, error):
-    delay = min(BACKOFF_BASE * 2 ** attempt, BACKOFF_MAX)
-    if isinstance(error, _Transient) and error.retry_after is not None:
-        delay = max(delay, min(error.retry_after, BACKOFF_MAX))
-    time.sleep(delay * random.uniform(0.5, 1.0))  # jitter: parallel workers hit by one 429 do not retry in lockstep
+def _transient(error):
+    """Worth another attempt: network errors, 408/429/5xx answers (left over after huggingface_hub's own retries),
+    bodies short of their size, failed checks. Any other HTTP answer (401, 404, ...) is a mistake to report."""
+    if isinstance(error, HfHubHTTPError):
+        code = _status(error)
+        return code is None or code in (408, 429) or code >= 500
+    return isinstance(error, (httpx.HTTPError, OSError, _Transient))
 
 
-def _check_status(resp, url):
-    """2xx returns; 429/5xx are worth retrying; any other 4xx is a mistake a retry cannot fix, so say which."""
-    code = resp.status_code
-    if code < 400:
-        return
-    if code == 429 or code >= 500:
-        retry_after = resp.headers.get("Retry-After", "")
-        raise _Transient(f"HTTP {code}", float(retry_after) if retry_after.isdigit() else None)
-    if code in (401, 403):
-        # the hub answers 401 for a repo that does not exist as well as for one that is private
-        raise RuntimeError(f"{url} answered HTTP {code}: the repo is private or gated, or does not exist: set HF_TOKEN "
-                           f"to a token that can read it (and accept the dataset's terms on its page if it is gated)")
-    if code == 404:
-        raise RuntimeError(f"{url} answered HTTP 404: not found: check the repo id, the revision and the file path")
-    raise RuntimeError(f"{url} answered HTTP {code} {resp.reason}")
-
-
-def _get_json(url, retries=8):
-    """One page of an API listing, retried like a download; returns (json, url of the next page or None)."""
+def _retrying(attempt, retries):
+    """attempt() until it returns, at most `retries` times, with exponential backoff between tries; raises _GaveUp
+    after the last, and at once what a retry cannot fix."""
     retries = max(1, retries)
-    for attempt in range(retries):
+    for i in range(retries):
         try:
-            resp = _session().get(url, headers=hub_headers(), timeout=(CONNECT_TIMEOUT, READ_TIMEOUT))
-            _check_status(resp, url)
-            try:
-                data = resp.json()
-            except ValueError as e:  # a listing cut short mid-body is not valid JSON
-                raise _Transient(f"unreadable JSON ({e})") from e
-            next_url = resp.links.get("next", {}).get("url")
-            return data, urljoin(url, next_url) if next_url else None
-        except TRANSIENT_ERRORS as e:
-            error = e
-            if attempt + 1 < retries:
-                _backoff(attempt, e)
-    raise RuntimeError(f"could not list {url} after {retries} attempts (last error: {error}): check the network (and "
-                       f"HF_ENDPOINT if set) and re-run the command")
+            return attempt()
+        except Exception as e:
+            if not _transient(e):
+                raise
+            if i + 1 == retries:
+                raise _GaveUp(_first_line(e)) from e
+        # jitter: parallel workers hit by one 429 do not retry in lockstep
+        time.sleep(min(BACKOFF_BASE * 2 ** i, BACKOFF_MAX) * random.uniform(0.5, 1.0))
 
 
-def list_hub_files(repo, revision="main", repo_type="dataset"):
-    """Every file of a repo with its size and, for LFS files, its sha256. The hub pages the tree at 1000 entries and
-    points at the next page with a `Link: <url>; rel="next"` header (fineweb-edu-100b-shuffle has 1823 shards)."""
-    url = f"{hub_endpoint()}/api/{repo_type}s/{repo}/tree/{quote(revision, safe='')}?recursive=true"
-    files = []
-    while url:
-        page, url = _get_json(url)
-        for entry in page:
-            if entry.get("type") != "file":
-                continue
-            lfs = entry.get("lfs") or {}
-            files.append({"path": entry["path"], "size": lfs.get("size", entry.get("size")), "sha256": lfs.get("oid")})
-    return files
-
-
-def _sha256_hex_from_headers(resp):
-    """The hub puts an LFS file's sha256 in X-Linked-Etag on the resolve answer, which is usually a 302 to a CDN whose
-    own ETag is something else (an MD5, a multipart tag): look at every hop, X-Linked-Etag first."""
-    hops = [*resp.history, resp]
-    for header in ("X-Linked-Etag", "ETag"):
-        for hop in hops:
-            value = hop.headers.get(header, "").removeprefix("W/").strip('"').lower()
-            if SHA256_HEX.fullmatch(value):
-                return value
-    return None
-
-
-def _sha256_file(path):
-    digest = hashlib.sha256()
+def _hash_file(path, digest):
     with open(path, "rb") as f:
-        while chunk := f.read(CHUNK_BYTES):
+        while chunk := f.read(1 << 20):
             digest.update(chunk)
-    return digest
+    return digest.hexdigest()
 
 
-def _fetch_into(url, partial, size, progress):
-    """One attempt: resume `partial` with a Range request (or start over if the server ignores it), stream the rest.
-    Returns (sha256 digest of the whole partial, sha256 hex the server announced or None)."""
-    offset = partial.stat().st_size if partial.exists() else 0
-    if size is not None and offset > size:  # longer than the file can be: garbage, start over
-        partial.unlink()
-        offset = 0
-    if partial.exists() and offset == size:  # complete from an earlier run that died before verifying
-        return _sha256_file(partial), None
-    # compressed bodies would not match sizes or Range; the hub token goes to the hub only, never to another host
-    headers = {**(hub_headers() if url.startswith(hub_endpoint() + "/") else {}), "Accept-Encoding": "identity"}
-    if offset:
-        headers["Range"] = f"bytes={offset}-"
-    with _session().get(url, headers=headers, stream=True, timeout=(CONNECT_TIMEOUT, READ_TIMEOUT)) as resp:
-        if resp.status_code == 416:  # the partial is not a prefix of what the server has now
-            partial.unlink()
-            raise _Transient(f"server refused to resume at byte {offset} (HTTP 416); starting over")
-        _check_status(resp, url)
-        if resp.status_code == 206:
-            start = re.match(r"bytes (\d+)-", resp.headers.get("Content-Range", ""))
-            if not start or int(start.group(1)) != offset:
-                partial.unlink()
-                raise _Transient(f"server resumed at {resp.headers.get('Content-Range')!r}, asked for byte {offset}")
-        else:  # 200: the server ignored Range and sends the whole file
-            offset = 0
-        digest = _sha256_file(partial) if offset else hashlib.sha256()
-        length = resp.headers.get("Content-Length")
-        expected_end = offset + int(length) if length and length.isdigit() else None
-        with open(partial, "ab" if offset else "wb") as f:
-            done = offset
-            for chunk in resp.iter_content(CHUNK_BYTES):
-                f.write(chunk)
-                digest.update(chunk)
-                done += len(chunk)
-                if progress:
-                    progress(done)
-        if expected_end is not None and done < expected_end:
-            raise _Transient(f"connection closed after {done} of {expected_end} bytes")
-        return digest, _sha256_hex_from_headers(resp)
+def _check(path, size=None, sha256=None, git_sha1=None, verify=None):
+    """Raise _Transient, deleting path (a bad prefix would poison every resume), unless path has the expected size,
+    sha256, git blob id (the sha1 of b"blob <size>\\0" + content: what the hub lists for a file kept in git) and passes
+    verify(path), which raises ValueError on bad content."""
+    got, problem = path.stat().st_size, None
+    if size is not None and got != size:
+        problem = f"size {got} bytes, expected {size}"
+    elif sha256 and (digest := _hash_file(path, hashlib.sha256())) != sha256.lower():
+        problem = f"sha256 {digest} does not match the expected {sha256}"
+    elif git_sha1 and (digest := _hash_file(path, hashlib.sha1(b"blob %d\0" % got, usedforsecurity=False))) != git_sha1:
+        problem = f"git blob id {digest} does not match the expected {git_sha1}"
+    elif verify:
+        try:
+            verify(path)
+        except ValueError as e:
+            problem = f"content check failed: {e}"
+    if problem:
+        path.unlink()
+        raise _Transient(problem)
 
 
-def download_file(url, dest, size=None, sha256=None, verify=None, progress=None, retries=8):
-    """Stream `url` to `dest`, robust to a flaky network: the bytes go to dest + ".partial", which a retry resumes;
-    dest appears (os.replace) only once the size, the sha256 (given, or announced by the server's ETag) and
-    `verify(partial)` (raises ValueError on bad content) all pass, so a file under its final name is always complete.
-    A dest that already exists with the expected size is not fetched again. progress(bytes_of_this_file_on_disk) is
-    called as bytes arrive. Transient failures (network errors, timeouts, 429, 5xx, short bodies, bad checksums) are
-    retried with exponential backoff up to `retries` attempts in all; other HTTP errors raise at once."""
+class _Bar:
+    """The part of tqdm's interface that huggingface_hub calls on a tqdm_class: silent."""
+
+    def __init__(self, initial=0, **kwargs):
+        self.n = initial
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n=1):
+        self.n += n
+
+    def update_transfer(self, n):  # hf_xet's network bytes: update() counts the bytes written, that is enough
+        pass
+
+    def set_postfix_str(self, *args, **kwargs):
+        pass
+
+    set_transfer_postfix_str = refresh = close = set_postfix_str
+
+
+def download_file(url, dest, size=None, sha256=None, verify=None, retries=RETRIES):
+    """Stream a plain URL (the eval bundle: not a hub repo, so not hf_hub_download, and no token) to dest. The bytes
+    go to dest + ".partial", which huggingface_hub's http_get resumes with Range within an attempt, and which later
+    attempts and later runs resume too (test_retries_run_out_with_an_error_that_keeps_the_partial_for_the_next_run).
+    dest appears (os.replace) only once the size, the sha256 and verify(partial) (raises ValueError on bad content)
+    pass; a dest that exists with the expected size is not fetched again."""
     dest = Path(dest)
     if dest.exists() and (size is None or dest.stat().st_size == size):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     partial = dest.with_name(dest.name + ".partial")
-    retries = max(1, retries)
-    for attempt in range(retries):
+
+    def attempt():
+        offset = partial.stat().st_size if partial.exists() else 0
         try:
-            digest, announced = _fetch_into(url, partial, size, progress)
-            got = partial.stat().st_size
-            if size is not None and got != size:
-                if got > size:
-                    partial.unlink()
-                raise _Transient(f"size {got} bytes, expected {size}")
-            expected = (sha256 or announced or "").lower() or None
-            if expected and digest.hexdigest() != expected:
-                partial.unlink()  # a corrupt prefix would poison every resume: start over
-                raise _Transient(f"sha256 {digest.hexdigest()} does not match the expected {expected}")
-            if verify:
-                try:
-                    verify(partial)
-                except ValueError as e:
-                    partial.unlink()
-                    raise _Transient(f"content check failed: {e}") from e
-            os.replace(partial, dest)
-            return dest
-        except TRANSIENT_ERRORS as e:
-            error = e
-            if attempt + 1 < retries:
-                _backoff(attempt, e)
-    kept = f"; the {partial.stat().st_size} bytes so far are kept in {partial}" if partial.exists() else ""
-    raise RuntimeError(f"could not download {dest.name} from {url} after {retries} attempts (last error: {error}){kept}"
-                       f": re-run the command to resume")
+            with open(partial, "ab") as f:
+                http_get(url, f, resume_size=offset, expected_size=size, tqdm_class=_Bar)
+        except HfHubHTTPError as e:
+            if _status(e) != 416:
+                raise
+            partial.unlink()  # the partial is not a prefix of what the server has now: start over
+            raise _Transient(f"server refused to resume at byte {offset} (HTTP 416)") from e
+        _check(partial, size, sha256, verify=verify)
+        os.replace(partial, dest)
+        return dest
+    try:
+        return _retrying(attempt, retries)
+    except HfHubHTTPError as e:
+        raise RuntimeError(f"{url} answered HTTP {_status(e)}: check the URL") from None
+    except _GaveUp as e:
+        kept = f"; the {partial.stat().st_size} bytes so far are kept in {partial}" if partial.exists() else ""
+        raise RuntimeError(f"could not download {dest.name} from {url} after {max(1, retries)} attempts (last error: "
+                           f"{e}){kept}: re-run the command to resume") from None
+
+
+def _hub_failure(what, error):
+    """The one line for a hub answer a retry cannot fix."""
+    code = _status(error)
+    if code in (401, 403) or isinstance(error, RepositoryNotFoundError):
+        # the hub answers 401 for a repo that does not exist as well as for one that is private
+        return RuntimeError(f"{what}: HTTP {code}: the repo is private or gated, or does not exist: set HF_TOKEN to a "
+                            f"token that can read it (and accept the dataset's terms on its page if it is gated)")
+    if code == 404:
+        return RuntimeError(f"{what}: HTTP 404: not found: check the repo id, the revision and the file path")
+    return RuntimeError(f"{what}: {_first_line(error)}")
+
+
+def list_hub_files(repo, revision="main", repo_type="dataset"):
+    """Every file of a repo: {"path", "size", "sha256" (LFS files), "git_sha1" (files kept in git)}."""
+    api = HfApi(endpoint=hub_endpoint())
+    try:
+        entries = list(api.list_repo_tree(repo, recursive=True, revision=revision, repo_type=repo_type))
+    except HfHubHTTPError as e:
+        if _transient(e):  # huggingface_hub retried 429/5xx five times already
+            raise RuntimeError(f"could not list {repo} at {hub_endpoint()} ({_first_line(e)}): re-run the command "
+                               f"later") from None
+        raise _hub_failure(f"listing {repo} (revision {revision})", e) from None
+    except httpx.HTTPError as e:
+        raise RuntimeError(f"could not list {repo} at {hub_endpoint()} ({_first_line(e)}): check the network (and "
+                           f"HF_ENDPOINT if set) and re-run the command") from None
+    return [{"path": e.path, "size": e.size, "sha256": e.lfs.sha256 if e.lfs else None,
+             "git_sha1": None if e.lfs else e.blob_id} for e in entries if isinstance(e, RepoFile)]
+
+
+def _fetch_hub_file(repo, entry, dest, staging, revision, repo_type, bar):
+    """One listed file: hf_hub_download into the staging dir, checked against the listing, then renamed to dest."""
+    def attempt():
+        path = Path(hf_hub_download(repo, entry["path"], repo_type=repo_type, revision=revision, local_dir=staging,
+                                    endpoint=hub_endpoint(), tqdm_class=bar))
+        verify = verify_parquet if dest.suffix == ".parquet" else None
+        _check(path, entry["size"], entry["sha256"], entry["git_sha1"], verify)
+        os.replace(path, dest)
+        return dest
+    try:
+        return _retrying(attempt, RETRIES)
+    except HfHubHTTPError as e:
+        raise _hub_failure(f"{repo}: {entry['path']}", e) from None
+    except _GaveUp as e:
+        raise RuntimeError(f"could not download {entry['path']} from {repo} after {RETRIES} attempts (last error: {e}):"
+                           f" check the network (and HF_ENDPOINT if set) and re-run the command; complete files are "
+                           f"kept") from None
 
 
 def verify_parquet(path):
@@ -264,8 +258,8 @@ def verify_parquet(path):
 
 
 def _progress_line(total, already):
-    """A callback per file for download_file, all feeding one stderr line: MB done of total, MB/s, ETA. On a terminal
-    the line rewrites itself twice a second; in a log file it is a new line every 30 s."""
+    """A tqdm_class per file for hf_hub_download, all feeding one stderr line: MB done of total, MB/s, ETA. On a
+    terminal the line rewrites itself twice a second; in a log file it is a new line every 30 s."""
     tty = sys.stderr.isatty()
     lock, done, start, last = threading.Lock(), {}, time.time(), [0.0]
 
@@ -282,34 +276,37 @@ def _progress_line(total, already):
         print(("\r" if tty else "") + line + "   ", end="\n" if final or not tty else "", file=sys.stderr, flush=True)
 
     def for_file(key):
-        def update(nbytes):
-            with lock:
-                done[key] = nbytes
-                show()
-        return update
+        class FileBar(_Bar):  # a new one per attempt, starting from the bytes it resumes from: done[key] is on disk
+            def update(self, n=1):
+                super().update(n)
+                with lock:
+                    done[key] = self.n
+                    show()
+        return FileBar
     return for_file, show
 
 
 def _download_entries(repo, entries, out_dir, revision, repo_type, workers):
-    """Download listed entries ({"path", "size", "sha256"}) into out_dir, flat (by file name), in parallel."""
+    """Download listed entries into out_dir, flat (by file name), in parallel. hf_hub_download writes into a staging
+    dir inside out_dir (same disk: the rename is atomic), which is removed at the end."""
     out_dir = Path(out_dir)
     names = [Path(e["path"]).name for e in entries]
     if len(set(names)) != len(names):
         raise ValueError(f"two requested files share a name and would overwrite each other in {out_dir}: {names}")
-    base = f"{hub_endpoint()}/{'datasets/' if repo_type == 'dataset' else ''}{repo}/resolve/{quote(revision, safe='')}"
     dests = [out_dir / name for name in names]
     todo = [(e, d) for e, d in zip(entries, dests) if not (d.exists() and d.stat().st_size == e["size"])]
     total = sum(e["size"] or 0 for e in entries)
     for_file, show = _progress_line(total, total - sum(e["size"] or 0 for e, _ in todo))
-    errors = []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    staging, errors = out_dir / ".hub_download", []
     with ThreadPoolExecutor(max(1, workers)) as pool:
-        futures = [pool.submit(download_file, f"{base}/{quote(e['path'])}", d, e["size"], e["sha256"],
-                               verify_parquet if d.suffix == ".parquet" else None, for_file(d)) for e, d in todo]
+        futures = [pool.submit(_fetch_hub_file, repo, e, d, staging, revision, repo_type, for_file(d)) for e, d in todo]
         for future in as_completed(futures):
             try:
                 future.result()
-            except (RuntimeError, ValueError, OSError) as e:  # let the others finish: a re-run then has less left to fetch
+            except (RuntimeError, ValueError, OSError) as e:  # let the others finish: a re-run then has less to fetch
                 errors.append(e)
+    shutil.rmtree(staging, ignore_errors=True)  # nothing to resume in it: hf_hub_download deletes what it cut short
     if todo:
         show(final=True)
     if len(errors) == 1:

@@ -1,8 +1,12 @@
-"""The hub downloader against a local server that speaks the hub's URL layout and injects network faults.
+"""The hub downloader (huggingface_hub underneath) against local servers that speak the hub's protocol and inject
+network faults.
 
-The server holds real parquet shards. Like the real hub, the tree API pages its listing with a `Link: rel="next"`
-header, and a resolve URL of an LFS file answers 302 with the sha256 in X-Linked-Etag, pointing at a "CDN" path that
-serves the bytes (with Range support and an MD5-like ETag). Faults are queued per file and consumed one per request.
+The hub server holds real parquet shards. Like the real hub, its tree API pages the listing with a `Link: rel="next"`
+header; a HEAD or GET of the resolve URL of an LFS file answers 302 with the sha256 in X-Linked-Etag, the size in
+X-Linked-Size and the commit in X-Repo-Commit, pointing at a second server on another port, the "CDN", which serves
+the bytes (with Range support and an MD5-like ETag); a file kept in git is served by the resolve URL itself, its git
+blob id as ETag. Neither sends Xet headers, so huggingface_hub downloads over plain HTTP. Faults are queued per file
+and consumed one per GET of its bytes.
 """
 import hashlib
 import json
@@ -19,14 +23,16 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from huggingface_hub import constants as hf_constants
 
 import dataset as dl
 
 REPO = "org/fineweb-mini"
+COMMIT = "c0ffee" * 6 + "c0ff"  # the X-Repo-Commit every resolve answer carries, as the hub's do
 NUM_SHARDS = 5  # shard_00000 .. shard_00004: four training shards, then the validation shard
 PAGE_SIZE = 3  # tree entries per page: small, so the listing takes several pages
 STALL_S = 1.0  # how long a "stall" fault keeps the socket silent; that test sets the read timeout below it
-CHUNK = 4096  # the client's read size here: a broken read loses at most one chunk, and the shards are ~100 KB
+CHUNK = 4096  # huggingface_hub's read size here (10 MB by default): it resumes from the last whole chunk it wrote
 
 
 def write_shard(path, rows, seed):
@@ -35,6 +41,18 @@ def write_shard(path, rows, seed):
     texts = [" ".join(rng.choice(words) for _ in range(rng.randint(20, 60))) for _ in range(rows)]
     pq.write_table(pa.table({"text": texts}), path, compression="none")  # uncompressed: tens of KB per shard
     return path.read_bytes()
+
+
+def git_blob_id(data):
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def tree_entry(path, data):
+    """A tree API entry as the hub sends it: parquet files are LFS (sha256 in lfs.oid), others are kept in git."""
+    if path.endswith(".parquet"):
+        lfs = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+        return {"type": "file", "path": path, "size": len(data), "oid": "1" * 40, "lfs": lfs}
+    return {"type": "file", "path": path, "size": len(data), "oid": git_blob_id(data)}
 
 
 def serve(hub, handler, name):
@@ -81,6 +99,23 @@ def serve(hub, handler, name):
     handler.wfile.write(body)
 
 
+def resolve_headers(hub, handler, name):
+    """What the hub's resolve URL answers for a file, before any body: hf_hub_download's HEAD reads these."""
+    data = hub.files[name]
+    if name.endswith(".parquet"):  # an LFS file: the hub redirects to the CDN and names the sha256 and size
+        handler.send_response(302)
+        handler.send_header("Location", f"{hub.cdn_url}/cdn/{name}")
+        handler.send_header("X-Linked-Etag", f'"{hashlib.sha256(data).hexdigest()}"')
+        handler.send_header("X-Linked-Size", str(len(data)))
+        handler.send_header("Content-Length", "0")
+    else:  # a small git file: served directly, its git blob id as ETag
+        handler.send_response(200)
+        handler.send_header("ETag", f'"{git_blob_id(data)}"')
+        handler.send_header("Content-Length", str(len(data)))
+    handler.send_header("X-Repo-Commit", COMMIT)
+    handler.end_headers()
+
+
 def make_handler(hub):
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):
@@ -94,14 +129,18 @@ def make_handler(hub):
             for key, value in headers:
                 self.send_header(key, value)
             self.end_headers()
-            self.wfile.write(payload)
+            if self.command != "HEAD":
+                self.wfile.write(payload)
 
         def do_GET(self):
             url = urlsplit(self.path)
             path = unquote(url.path)
-            self.entry = {"path": path, "range": self.headers.get("Range"), "auth": self.headers.get("Authorization")}
+            self.entry = {"method": self.command, "path": path, "range": self.headers.get("Range"),
+                          "auth": self.headers.get("Authorization"), "port": self.server.server_address[1]}
             hub.log.append(self.entry)
             self.route(path, parse_qs(url.query))
+
+        do_HEAD = do_GET
 
         def send_response(self, code, message=None):
             self.entry["status"] = code  # logged as sent: a stalled or dropped body still shows its status
@@ -122,19 +161,19 @@ def make_handler(hub):
             prefix = f"/datasets/{REPO}/resolve/main/"
             if path.startswith(prefix) and path[len(prefix):] in hub.files:
                 name = path[len(prefix):]
-                if not name.endswith(".parquet"):  # a small git file: served directly
+                if self.command == "GET" and not name.endswith(".parquet"):
                     return serve(hub, self, name)
-                self.send_response(302)  # an LFS file: the hub redirects to the CDN and names the sha256
-                self.send_header("Location", f"/cdn/{name}")
-                self.send_header("X-Linked-Etag", f'"{hashlib.sha256(hub.files[name]).hexdigest()}"')
-                self.send_header("X-Linked-Size", str(len(hub.files[name])))
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-                return
-            if path.startswith("/cdn/") and path[len("/cdn/"):] in hub.files:
+                return resolve_headers(hub, self, name)
+            if path.startswith("/cdn/") and path[len("/cdn/"):] in hub.files and self.command == "GET":
                 return serve(hub, self, path[len("/cdn/"):])
             return self.send_json(404, {"error": "Entry not found"})
     return Handler
+
+
+def start_server(hub):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(hub))
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
 
 
 @pytest.fixture
@@ -142,60 +181,51 @@ def hub(tmp_path_factory, monkeypatch):
     source = tmp_path_factory.mktemp("source")
     files = {f"shard_{i:05d}.parquet": write_shard(source / f"shard_{i:05d}.parquet", 200 + 50 * i, seed=i)
              for i in range(NUM_SHARDS)}
-    files["README.md"] = b"# fineweb-mini\n"
-    tree = [{"type": "file", "path": "README.md", "size": len(files["README.md"]), "oid": "0" * 40}]
-    for name, data in files.items():
-        if name.endswith(".parquet"):
-            sha = hashlib.sha256(data).hexdigest()
-            tree.append({"type": "file", "path": name, "size": len(data), "oid": "1" * 40,
-                         "lfs": {"oid": sha, "size": len(data), "pointerSize": 134}})
-    tree.append({"type": "directory", "path": "extra", "size": 0, "oid": "2" * 40})
+    files = {"README.md": b"# fineweb-mini\n", **files}
+    tree = [tree_entry(path, data) for path, data in files.items()]
+    tree.append({"type": "directory", "path": "extra", "oid": "2" * 40})
     hub = SimpleNamespace(files=files, tree=tree, faults={}, log=[], status=None)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(hub))
-    hub.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
+    (server, hub.url), (cdn, hub.cdn_url) = start_server(hub), start_server(hub)  # another port: another host
     monkeypatch.setenv("HF_ENDPOINT", hub.url + "/")  # a trailing slash must not matter
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
     monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path_factory.mktemp("hf_cache")))  # not the user's
+    monkeypatch.setattr(hf_constants, "DOWNLOAD_CHUNK_SIZE", CHUNK)
     monkeypatch.setattr(dl, "BACKOFF_BASE", 0.0)
-    monkeypatch.setattr(dl, "CHUNK_BYTES", CHUNK)
     yield hub
-    server.shutdown()
-    server.server_close()
+    for s in (server, cdn):
+        s.shutdown()
+        s.server_close()
 
 
-def requests_to(hub, part):
-    return [e for e in hub.log if part in e["path"]]
+def requests_to(hub, part, method=None):
+    return [e for e in hub.log if part in e["path"] and method in (None, e["method"])]
 
 
 def cdn_url(hub, name):
-    return f"{hub.url}/cdn/{name}"
+    return f"{hub.cdn_url}/cdn/{name}"
 
 
-def test_endpoint_and_token_come_from_the_environment(monkeypatch):
+def test_the_endpoint_comes_from_the_environment_at_each_call(monkeypatch):
     monkeypatch.delenv("HF_ENDPOINT", raising=False)
-    monkeypatch.delenv("HF_TOKEN", raising=False)
     assert dl.hub_endpoint() == "https://huggingface.co"
-    assert dl.hub_headers() == {}
     monkeypatch.setenv("HF_ENDPOINT", "http://mirror.local:8080/")
-    monkeypatch.setenv("HF_TOKEN", "hf_abc")
     assert dl.hub_endpoint() == "http://mirror.local:8080"
-    assert dl.hub_headers() == {"Authorization": "Bearer hf_abc"}
 
 
 def test_listing_follows_pagination_and_reads_the_lfs_sha256(hub):
     files = dl.list_hub_files(REPO)
     assert [f["path"] for f in files] == ["README.md"] + [f"shard_{i:05d}.parquet" for i in range(NUM_SHARDS)]
     assert len(requests_to(hub, "/tree/")) == 3  # 7 entries, 3 per page
-    assert files[0] == {"path": "README.md", "size": len(hub.files["README.md"]), "sha256": None}
+    readme = hub.files["README.md"]
+    assert files[0] == {"path": "README.md", "size": len(readme), "sha256": None, "git_sha1": git_blob_id(readme)}
     for f in files[1:]:
-        assert f["size"] == len(hub.files[f["path"]])
+        assert f["size"] == len(hub.files[f["path"]]) and f["git_sha1"] is None
         assert f["sha256"] == hashlib.sha256(hub.files[f["path"]]).hexdigest()
 
 
 def test_every_fault_is_survived_and_every_shard_ends_byte_identical(hub, tmp_path, monkeypatch):
-    monkeypatch.setattr(dl, "READ_TIMEOUT", STALL_S / 2)  # here only: elsewhere a loaded machine could trip it
+    monkeypatch.setattr(hf_constants, "HF_HUB_DOWNLOAD_TIMEOUT", STALL_S / 2)  # here only: a loaded machine could trip it
     hub.faults = {
         "shard_00000.parquet": ["drop", "500", "short", "norange"],  # norange: a partial exists, server sends it all
         "shard_00001.parquet": ["429", "flip", "stall"],
@@ -207,12 +237,13 @@ def test_every_fault_is_survived_and_every_shard_ends_byte_identical(hub, tmp_pa
     assert paths == [out / f"shard_{i:05d}.parquet" for i in range(NUM_SHARDS)]
     for path in paths:
         assert path.read_bytes() == hub.files[path.name]
-    assert sorted(p.name for p in out.iterdir()) == [p.name for p in paths]  # no .partial left behind
+    assert sorted(p.name for p in out.iterdir()) == [p.name for p in paths]  # no staging dir, no partial left behind
     assert all(not queue for queue in hub.faults.values())
     resumed = [e for e in requests_to(hub, "/cdn/") if e["status"] == 206 and int(e["range"][6:-1]) > 0]
     assert any(e["path"].endswith("shard_00002.parquet") for e in resumed)
     ignored = [e for e in requests_to(hub, "/cdn/shard_00000") if e["range"] and e["status"] == 200]
     assert len(ignored) == 1  # the norange answer: the client started over instead of appending
+    assert not requests_to(hub, "xet")  # plain HTTP: the servers advertise no Xet storage
 
 
 def test_a_flipped_byte_is_caught_by_the_listed_sha256_and_fetched_again(hub, tmp_path):
@@ -223,12 +254,23 @@ def test_a_flipped_byte_is_caught_by_the_listed_sha256_and_fetched_again(hub, tm
     assert len(requests_to(hub, f"/cdn/{name}")) == 2
 
 
-def test_without_a_listed_sha256_the_x_linked_etag_of_the_redirect_is_checked(hub, tmp_path):
-    name = "shard_00003.parquet"
-    hub.faults[name] = ["flip"]
-    dest = dl.download_file(f"{hub.url}/datasets/{REPO}/resolve/main/{name}", tmp_path / name)
-    assert dest.read_bytes() == hub.files[name]
-    assert len(requests_to(hub, f"/cdn/{name}")) == 2
+def test_a_file_kept_in_git_is_checked_against_its_git_blob_id(hub, tmp_path):
+    hub.faults["README.md"] = ["flip"]
+    dl.download_hub_files(REPO, ["README.md"], tmp_path)
+    assert (tmp_path / "README.md").read_bytes() == hub.files["README.md"]
+    assert len(requests_to(hub, "/resolve/main/README.md", "GET")) == 2
+
+
+def test_a_shard_failing_every_check_never_appears_and_the_error_says_what_to_do(hub, tmp_path, monkeypatch):
+    name = "shard_00002.parquet"
+    monkeypatch.setattr(dl, "RETRIES", 2)
+    hub.faults[name] = ["flip", "garbage"]
+    with pytest.raises(RuntimeError) as err:
+        dl.download_hub_files(REPO, [name], tmp_path)
+    message = str(err.value)
+    assert "\n" not in message and name in message and "after 2 attempts" in message and "sha256" in message
+    assert "re-run" in message
+    assert list(tmp_path.iterdir()) == []  # neither the final name nor the staging dir
 
 
 def test_a_bad_file_never_appears_under_its_name_and_the_error_says_what_to_do(hub, tmp_path):
@@ -261,11 +303,13 @@ def test_a_failing_content_check_fetches_again(hub, tmp_path):
 
 def test_retries_run_out_with_an_error_that_keeps_the_partial_for_the_next_run(hub, tmp_path):
     name = "shard_00003.parquet"
-    hub.faults[name] = ["short", "500", "500"]
+    # the short body is resumed at once, within the first attempt (huggingface_hub's http_get), and meets a 500
+    hub.faults[name] = ["short", "500", "500", "500"]
     with pytest.raises(RuntimeError) as err:
         dl.download_file(cdn_url(hub, name), tmp_path / name, size=len(hub.files[name]), retries=3)
-    assert "after 3 attempts" in str(err.value) and "HTTP 500" in str(err.value) and ".partial" in str(err.value)
-    assert len(requests_to(hub, f"/cdn/{name}")) == 3
+    assert "after 3 attempts" in str(err.value) and "500" in str(err.value) and ".partial" in str(err.value)
+    assert "\n" not in str(err.value)
+    assert len(requests_to(hub, f"/cdn/{name}")) == 4
     kept = (tmp_path / (name + ".partial")).stat().st_size
     assert len(hub.files[name]) - 100 - CHUNK <= kept <= len(hub.files[name]) - 100
     assert not (tmp_path / name).exists()
@@ -305,17 +349,22 @@ def test_not_found_fails_at_once_and_names_the_path(hub, tmp_path):
     assert len(requests_to(hub, "/resolve/")) == 1  # the first call's: the second knew from the listing, fetched nothing
 
 
-def test_forbidden_says_to_set_hf_token_and_the_token_reaches_the_server(hub, tmp_path, monkeypatch):
+def test_forbidden_says_to_set_hf_token_and_the_token_goes_to_the_hub_only(hub, tmp_path, monkeypatch):
     hub.status = 401
-    with pytest.raises(RuntimeError, match="HF_TOKEN"):
+    with pytest.raises(RuntimeError, match="HF_TOKEN") as err:
         dl.list_hub_files(REPO)
+    assert "\n" not in str(err.value)
     assert len(hub.log) == 1
     hub.status, hub.log[:] = None, []
     monkeypatch.setenv("HF_TOKEN", "hf_secret")
     dl.download_hub_files(REPO, ["README.md", "shard_00001.parquet"], tmp_path)
     assert (tmp_path / "README.md").read_bytes() == hub.files["README.md"]
-    assert {e["path"].split("/")[1] for e in hub.log} == {"api", "datasets", "cdn"}
-    assert all(e["auth"] == "Bearer hf_secret" for e in hub.log)
+    hub_port = int(hub.url.rsplit(":", 1)[1])
+    to_hub = [e for e in hub.log if e["port"] == hub_port]
+    to_cdn = [e for e in hub.log if e["port"] != hub_port]
+    assert {e["path"].split("/")[1] for e in to_hub} == {"api", "datasets"} and to_cdn
+    assert all(e["auth"] == "Bearer hf_secret" for e in to_hub)
+    assert all(e["auth"] is None for e in to_cdn)  # the CDN is another host: the token stays with the hub
 
 
 def test_verify_parquet_rejects_random_bytes_and_an_empty_table(tmp_path):
@@ -345,9 +394,7 @@ def host_repo(hub, monkeypatch, repo, files):
     """Serve another repo from the same server: nested paths, parquet files as LFS, others as plain git files."""
     monkeypatch.setitem(globals(), "REPO", repo)
     hub.files = files
-    hub.tree = [{"type": "file", "path": path, "size": len(data), "oid": "1" * 40,
-                 **({"lfs": {"oid": hashlib.sha256(data).hexdigest(), "size": len(data)}}
-                    if path.endswith(".parquet") else {})} for path, data in files.items()]
+    hub.tree = [tree_entry(path, data) for path, data in files.items()]
 
 
 def parquet_bytes(tmp_path, name, column, rows):
@@ -388,3 +435,12 @@ def test_download_chat_fetches_only_the_dataset_files_and_converts_lima(hub, tmp
         dl.chat_files(out, "val")
     with pytest.raises(ValueError, match="unknown conversation dataset 'alpaca'"):
         dl.download_chat("alpaca", tmp_path / "x")
+
+
+def test_the_cli_exits_2_with_one_line_that_says_what_to_do(hub, tmp_path, capsys):
+    hub.status = 401
+    with pytest.raises(SystemExit) as exit_info:
+        dl.main(["download", "--shards", "2", "--dataset", REPO, "--data_dir", str(tmp_path / "data")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("dataset.py download: error: ") and "HF_TOKEN" in err
+    assert err.count("\n") == 1 and not (tmp_path / "data").exists()
