@@ -659,16 +659,20 @@ class PackedLoader:
     Packing is best-fit from a buffer of about `buffer_docs` pieces (_top_up, _add_document); every row starts with a
     BOS and with the oldest buffered piece (_fill_row). Text rows have no padding: documents longer than a row are
     cut into pieces and a piece that does not fit is cropped, its remainder kept for a later row. Chat rows hold whole
-    conversations and are padded; targets are -1 on every token that is not assistant content or <|assistant_end|>."""
+    conversations and are padded; targets are -1 on every token that is not assistant content or <|assistant_end|>.
+
+    max_epochs=None cycles over the data forever (training); max_epochs=N stops after N passes (validation): the
+    buffer empties into the last rows, whose unfilled end is padded (inputs BOS, targets -1), the last batch may
+    have fewer rows, and then iteration stops."""
 
     def __init__(self, files, tokenizer, batch_size, seq_len, kind="text", rank=0, world_size=1, device="cpu",
-                 buffer_docs=1000, threads=None, prefetch=2, name="train"):
+                 buffer_docs=1000, threads=None, prefetch=2, name="train", max_epochs=None):
         if kind not in ("text", "chat"):
             raise ValueError(f"kind={kind!r} is not allowed: choose text or chat")
         self.files, self.tokenizer, self.kind, self.name = [Path(f) for f in files], tokenizer, kind, name
         self.B, self.T, self.rank, self.world_size = batch_size, seq_len, rank, world_size
         self.device, self.buffer_docs = torch.device(device), buffer_docs
-        self.threads, self.prefetch = threads or os.cpu_count(), prefetch
+        self.threads, self.prefetch, self.max_epochs = threads or os.cpu_count(), prefetch, max_epochs
         self.units = assign_units(self.files, rank, world_size)
         if not self.units:
             raise ValueError(f"{name}: rank {rank} of {world_size} has no data in {', '.join(map(str, self.files))}")
@@ -756,10 +760,11 @@ class PackedLoader:
     def _read(self, start, out):
         """Reader thread: per row group, (epoch, unit, first doc index, [encoded doc, or None/reason if skipped])."""
         epoch, unit, doc = start
-        while out.put((epoch, unit, doc, self._encode(self.units[unit], doc))):
+        while epoch != self.max_epochs and out.put((epoch, unit, doc, self._encode(self.units[unit], doc))):
             unit, doc = unit + 1, 0
             if unit == len(self.units):
                 epoch, unit = epoch + 1, 0
+        out.put(None)  # the data has ended (max_epochs)
 
     def _encode(self, unit, skip):
         path, row_group, first, step = unit
@@ -791,17 +796,26 @@ class PackedLoader:
         stats, buffer = dict(state["stats"]), PieceBuffer(state["buffer"])
         position = (state["epoch"], state["unit"], state["doc"])  # of the next unread document: where a resume reads on
         documents = self._documents(units, position, buffered=len(buffer))
-        while True:
+        padded = self.kind == "chat" or self.max_epochs is not None  # a row that can end in padding needs a mask
+        while len(buffer) or position is not None:
             rows = np.empty((self.B, self.T + 1), dtype=np.int32)
-            masks = np.ones((self.B, self.T + 1), dtype=np.int8) if self.kind == "chat" else None
+            masks = np.ones((self.B, self.T + 1), dtype=np.int8) if padded else None
+            filled = 0
             for b in range(self.B):
                 position = self._top_up(buffer, documents, stats, position)
+                if not len(buffer):  # the data has ended and every piece is in a row: a short last batch
+                    break
                 self._fill_row(buffer, rows[b], None if masks is None else masks[b], stats)
-            stats["batches"], stats["tokens"] = stats["batches"] + 1, stats["tokens"] + self.B * self.T
-            after = {"epoch": position[0], "unit": position[1], "doc": position[2], "stats": dict(stats),
-                     "buffer": list(buffer.pieces)}
-            if not batches.put((self._to_device(rows, masks), after)):
-                return
+                filled += 1
+            if filled:
+                stats["batches"], stats["tokens"] = stats["batches"] + 1, stats["tokens"] + filled * self.T
+                after = {"epoch": self.max_epochs if position is None else position[0], "unit": 0 if position is
+                         None else position[1], "doc": 0 if position is None else position[2], "stats": dict(stats),
+                         "buffer": list(buffer.pieces)}
+                if not batches.put((self._to_device(rows[:filled], None if masks is None else masks[:filled]),
+                                    after)):
+                    return
+        batches.put(StopIteration())  # max_epochs passes are done: __next__ raises it
 
     def _documents(self, units, start, buffered):
         """The documents from position `start` on, in order, each as (encoded document or why it is skipped, the
@@ -809,8 +823,8 @@ class PackedLoader:
         nothing has been read since a resume. A pass over all the data with no usable document is an error (the
         buffer would wait forever); `buffered` pieces restored from a checkpoint count as usable."""
         epoch, usable = start[0], buffered
-        while True:
-            item_epoch, unit, doc, items = units.get()
+        while (got := units.get()) is not None:
+            item_epoch, unit, doc, items = got
             if item_epoch != epoch:
                 if not usable:
                     raise ValueError(f"{self.name} loader: a whole pass over {len(self.units)} row groups found no "
@@ -829,10 +843,12 @@ class PackedLoader:
     def _top_up(self, buffer, documents, stats, position):
         """Read documents into the buffer, in order, until it holds buffer_docs pieces; text also wants a row's worth
         of tokens, else the row would take every piece and find nothing left to crop. Returns the position of the
-        next unread document."""
-        while len(buffer) < self.buffer_docs or (self.kind == "text" and buffer.tokens < self.T + 1):
-            item, position = next(documents)
-            self._add_document(buffer, item, stats)
+        next unread document, None once the data has ended (max_epochs)."""
+        while position is not None and (len(buffer) < self.buffer_docs or
+                                        (self.kind == "text" and buffer.tokens < self.T + 1)):
+            item, position = next(documents, (None, None))
+            if position is not None:
+                self._add_document(buffer, item, stats)
         return position
 
     def _add_document(self, buffer, item, stats):
@@ -871,7 +887,7 @@ class PackedLoader:
         Text crops the smallest piece to fill it and puts the remainder back as a new BOS-led piece, under the same
         arrival number, so it opens a row soon: nothing is discarded, and the moved tokens are counted as 'cropped'."""
         bos, space = self.tokenizer.bos_id, len(row) - pos
-        if self.kind == "chat":
+        if self.kind == "chat" or not len(buffer):  # text: only when the data has ended (max_epochs)
             row[pos:], row_mask[pos:] = bos, 0
             stats["padding"] += space
             return

@@ -234,6 +234,25 @@ def test_packing_conserves_every_token_and_starts_rows_with_bos(corpus):
     assert 0 < state["stats"]["cropped"] < state["stats"]["doc_tokens"]
 
 
+def test_one_pass_yields_every_token_once_then_stops(corpus):
+    """max_epochs=1 (validation): the split's tokens come out exactly once, BOS-led rows as in training, the last
+    row padded with -1 targets, then StopIteration; the rows do not depend on the batch size."""
+    data, tok = corpus
+    passes = {}
+    for batch_size in (1, 7):
+        loader = D.text_loader(data, "val", tok, batch_size=batch_size, seq_len=64, max_epochs=1)
+        passes[batch_size] = torch.cat([torch.cat([x[:, :1], y], 1) for x, y in loader])
+        with pytest.raises(StopIteration):
+            next(loader)
+        loader.close()
+    rows = passes[1]
+    assert torch.equal(rows, passes[7]) and (rows[:, 0] == tok.bos_id).all()
+    went_in = Counter(t for ids in tok.encode_batch(list(D.iter_texts(data, "val"))) for t in ids)
+    came_out = Counter(t for row in rows.tolist() for t in row if t not in (-1, tok.bos_id))
+    assert came_out == went_in
+    assert (rows[:-1] != -1).all() and (rows[-1] == -1).any()  # only the last row is padded
+
+
 def test_short_documents_never_leave_a_row_nothing_to_crop(tmp_path, corpus):
     """buffer_docs pieces can hold fewer tokens than a row: the packer reads on rather than crop from an empty buffer
     (an IndexError before)."""
