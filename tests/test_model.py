@@ -203,7 +203,9 @@ def adamw_steps(model, steps, dtype, lr=3e-4):
 
 
 def test_seed001_bf16_compute_updates_every_parameter():
-    config = config_from_preset("tiny", {"norm_learnable": True, "sequence_len": 64, "n_layer": 2})
+    # small enough for a CPU whose bf16 matmuls are emulated (AVX2 only: ~100x slower than fp32)
+    config = config_from_preset("tiny", {"norm_learnable": True, "sequence_len": 64, "n_layer": 2, "n_embd": 64,
+                                         "n_head": 2, "n_kv_head": 2, "vocab_size": 256})
     torch.manual_seed(0)
     model = build_model(config)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -318,19 +320,20 @@ def test_bitnet_gradients_pass_straight_through():
 def test_bitnet_overfits_one_batch():
     torch.manual_seed(0)
     config = config_from_preset("tiny", {"bitnet": True, "mlp": "swiglu", "tie_embeddings": True,
-                                         "norm_learnable": True, "n_layer": 2, "vocab_size": 256})
+                                         "norm_learnable": True, "n_layer": 2, "vocab_size": 256, "n_embd": 128,
+                                         "n_head": 2, "n_kv_head": 2})
     model = build_model(config)
     idx = torch.randint(0, 256, (4, 64))
     targets = idx.roll(-1, 1)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
-    for _ in range(200):
+    for _ in range(60):  # measured: 5.60 -> 0.044
         loss = model(idx, targets)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    assert losses[-1] < losses[0] / 2, (losses[0], losses[-1])
+    assert losses[-1] < losses[0] / 10, (losses[0], losses[-1])
 
 
 # --- KV cache and generation ------------------------------------------------------------------------------------
