@@ -1,5 +1,5 @@
-"""Evaluate a checkpoint: the CORE score (DCLM's 22 in-context tasks, as nanochat reports it), validation bits per
-byte, and greedy completions of a fixed set of prompts (seed 003's validation set).
+"""Evaluate a checkpoint: the CORE score (DCLM's 22 in-context tasks, by nanochat's rules unless --protocol dclm),
+validation bits per byte, and greedy completions of a fixed set of prompts (seed 003's validation set).
 
     python core_eval.py                                          # newest checkpoint under runs/, bundle chosen below
     python core_eval.py --checkpoint runs/NAME --bundle data/demo/eval_bundle --max_per_task 100
@@ -8,8 +8,9 @@ byte, and greedy completions of a fixed set of prompts (seed 003's validation se
 --bundle is a directory (holding core.yaml, eval_meta_data.csv, eval_data/) or a URL of eval_bundle.zip, which is
 downloaded once into the cache, checked (zip CRCs, the files core.yaml names) and unzipped once. The default, auto, is
 the demo world's bundle when the checkpoint was trained on the demo world (it lies beside its data), else BUNDLE_URL.
+--protocol nanochat (the default) scores the tokens nanochat scores; dclm scores every token of each continuation.
 Writes runs/<run>/core_eval/step_XXXXXX/: results.json (everything), results.csv (a row per task), items.jsonl (each
-item's prediction).
+item's prediction). Bad input stops before any model time is spent, with a message naming what to fix.
 """
 import argparse
 import csv
@@ -37,6 +38,7 @@ from tokenizer import Tokenizer
 
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # the bundle nanochat uses
 TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
+PROTOCOLS = ("nanochat", "dclm")  # which tokens are scored; the items, order and few-shot examples are nanochat's in both
 FEWSHOT_SEED, SUBSET_SEED = 1234, 1337  # nanochat's: the same items and examples as its CORE runs
 COMPLETIONS = ["Once upon a time,", "The most important thing to learn is", "In the morning, the",
                "When the rain stopped,"]
@@ -64,8 +66,11 @@ def get_args(argv=None):
     p.add_argument("--bundle_sha256", default=None, help="expected sha256 of a downloaded eval_bundle.zip (default: "
                    "not pinned; the sha256 found is printed and saved with the results)")
     p.add_argument("--tasks", default=None, help="comma-separated task labels to run (default: all in core.yaml)")
-    p.add_argument("--max_per_task", type=int, default=-1, help="items per task, a fixed random "
-                   "subset; -1 = all (default: %(default)s)")
+    p.add_argument("--protocol", default="nanochat", choices=PROTOCOLS, help="nanochat: whole prompts tokenized at "
+                   "once, scored where the options' tokens differ (nanochat's CORE); dclm: every token of each "
+                   "continuation, tokenized apart from its context (default: %(default)s)")
+    p.add_argument("--max_per_task", type=int, default=-1, help="items per task, nanochat's fixed random subset, "
+                   "which the few-shot examples are drawn from too; -1 = all (default: %(default)s)")
     p.add_argument("--batch_items", type=int, default=16 if cuda else 1, help="items per forward pass, each with "
                    "all its choices; on a CPU a larger batch only adds padding (default: %(default)s)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the one the checkpoint records)")
@@ -104,7 +109,7 @@ def find_bundle_root(directory):
     """The shallowest directory under `directory` holding core.yaml (the zip has an eval_bundle/ folder at the top)."""
     found = sorted(Path(directory).rglob("core.yaml"), key=lambda p: len(p.parts))
     if not found:
-        raise SystemExit(f"--bundle {directory}: no core.yaml in it or below: a bundle holds core.yaml, "
+        raise FileNotFoundError(f"--bundle {directory}: no core.yaml in it or below: a bundle holds core.yaml, "
                          f"eval_meta_data.csv and eval_data/")
     return found[0].parent
 
@@ -117,7 +122,7 @@ def fetch_bundle(url, expected_sha256=None, cache_dir=None):
     if done_file.is_file():
         provenance = json.loads(done_file.read_text())
         if expected_sha256 and provenance["sha256"] != expected_sha256.lower():
-            raise SystemExit(f"the cached bundle from {url} has sha256 {provenance['sha256']}, not --bundle_sha256 "
+            raise ValueError(f"the cached bundle from {url} has sha256 {provenance['sha256']}, not --bundle_sha256 "
                              f"{expected_sha256}: delete {cache} to fetch it again")
         print(f"bundle: cached {cache / 'unzipped'} (from {url}, sha256 {provenance['sha256'][:16]}...)")
         return find_bundle_root(cache / "unzipped"), provenance
@@ -178,20 +183,20 @@ def read_items(path, kind):
             try:
                 item = json.loads(line)
             except json.JSONDecodeError as e:
-                raise SystemExit(f"{where}: not valid JSON ({e}): fix or delete the line") from None
+                raise ValueError(f"{where}: not valid JSON ({e}): fix or delete the line") from None
             missing = [k for k in REQUIRED_KEYS[kind] if k not in item]
             if missing:
-                raise SystemExit(f"{where}: a {kind} item needs {', '.join(REQUIRED_KEYS[kind])}; missing "
+                raise ValueError(f"{where}: a {kind} item needs {', '.join(REQUIRED_KEYS[kind])}; missing "
                                  f"{', '.join(missing)}")
             options = item.get("choices", item.get("context_options"))
             if kind != "language_modeling" and not (isinstance(options, list) and len(options) >= 2 and
                                                     isinstance(item["gold"], int) and 0 <= item["gold"] < len(options)):
-                raise SystemExit(f"{where}: needs a list of at least 2 options and a gold index into it")
+                raise ValueError(f"{where}: needs a list of at least 2 options and a gold index into it")
             texts = [item[k] for k in ("query", "context", "continuation") if k in item] + list(options or [])
             if not all(isinstance(text, str) for text in texts):
-                raise SystemExit(f"{where}: every query, context, choice and continuation must be a string")
+                raise ValueError(f"{where}: every query, context, choice and continuation must be a string")
             if not all(item.get("choices", [item.get("continuation")])):  # nothing to score: a mean over no tokens
-                raise SystemExit(f"{where}: an empty continuation or choice; fix or delete the line")
+                raise ValueError(f"{where}: an empty continuation or choice; fix or delete the line")
             items.append(item)
     return items
 
@@ -202,88 +207,137 @@ def load_tasks(root, only=None):
     try:
         spec = yaml.safe_load((root / "core.yaml").read_text())["icl_tasks"]
     except (yaml.YAMLError, KeyError, TypeError) as e:
-        raise SystemExit(f"{root / 'core.yaml'}: not a core.yaml with an icl_tasks list ({e})") from None
+        raise ValueError(f"{root / 'core.yaml'}: not a core.yaml with an icl_tasks list ({e})") from None
     with open(root / "eval_meta_data.csv", newline="", encoding="utf-8") as f:
         rows = list(csv.DictReader(f))
     if rows and not {"Eval Task", "Random baseline"} <= set(rows[0]):
-        raise SystemExit(f"{root / 'eval_meta_data.csv'}: needs the columns 'Eval Task' and 'Random baseline'")
+        raise ValueError(f"{root / 'eval_meta_data.csv'}: needs the columns 'Eval Task' and 'Random baseline'")
     baselines = {r["Eval Task"]: r["Random baseline"] for r in rows}
     labels = [t.get("label") for t in spec]
     unknown = sorted(set(only or []) - set(labels))
     if unknown:
-        raise SystemExit(f"--tasks: {', '.join(unknown)} not in {root / 'core.yaml'}; its tasks: {', '.join(labels)}")
-    tasks = []
-    for t in spec:
-        if only and t.get("label") not in only:
-            continue
-        label, kind, shots = t.get("label"), t.get("icl_task_type"), t.get("num_fewshot", [0])
-        where = f"{root / 'core.yaml'}, task {label}"
-        if kind not in TASK_TYPES:
-            raise SystemExit(f"{where}: icl_task_type {kind!r} is not one of {', '.join(TASK_TYPES)}")
-        shots = shots if isinstance(shots, list) else [shots]
-        if len(shots) != 1 or not isinstance(shots[0], int) or shots[0] < 0:
-            raise SystemExit(f"{where}: num_fewshot must be one count, like [5]; it is {t.get('num_fewshot')!r}")
-        try:
-            baseline = float(baselines[label]) / 100
-        except (KeyError, ValueError):
-            raise SystemExit(f"{root / 'eval_meta_data.csv'}: no 'Random baseline' for task {label} (got "
-                             f"{baselines.get(label)!r}): add a row '{label},<category>,<type>,<percent>'") from None
-        if not 0 <= baseline < 1:
-            raise SystemExit(f"{root / 'eval_meta_data.csv'}: task {label}'s random baseline {baseline * 100}% is "
-                             f"outside [0, 100)")
-        path = root / "eval_data" / str(t.get("dataset_uri"))
-        if not path.is_file():
-            raise SystemExit(f"{where}: {path} does not exist: the bundle is incomplete; fetch it again")
-        items = read_items(path, kind)
-        if len(items) <= shots[0]:
-            raise SystemExit(f"{where}: {len(items)} items in {path}, but {shots[0]}-shot prompts need at least "
-                             f"{shots[0] + 1} (the examples are never the item itself): lower its num_fewshot in "
-                             f"core.yaml or add items")
-        tasks.append(Task(label, kind, shots[0], t.get("continuation_delimiter", " "), baseline, items, str(path)))
-    return tasks
+        raise ValueError(f"--tasks: {', '.join(unknown)} not in {root / 'core.yaml'}; its tasks: {', '.join(labels)}")
+    return [task_from_spec(root, t, baselines) for t in spec if not only or t.get("label") in only]
 
 
-def fewshot_indices(n_items, index, k):
-    """k examples for item `index`, never the item itself, the same on every run and rank (nanochat's draw)."""
-    return random.Random(FEWSHOT_SEED + index).sample([i for i in range(n_items) if i != index], k)
+def task_from_spec(root, t, baselines):
+    """One task of core.yaml: its entry `t` checked, its baseline, its items read."""
+    label, kind, shots = t.get("label"), t.get("icl_task_type"), t.get("num_fewshot", [0])
+    where = f"{root / 'core.yaml'}, task {label}"
+    if kind not in TASK_TYPES:
+        raise ValueError(f"{where}: icl_task_type {kind!r} is not one of {', '.join(TASK_TYPES)}")
+    shots = shots if isinstance(shots, list) else [shots]
+    if len(shots) != 1 or not isinstance(shots[0], int) or shots[0] < 0:
+        raise ValueError(f"{where}: num_fewshot must be one count, like [5]; it is {t.get('num_fewshot')!r}")
+    try:
+        baseline = float(baselines[label]) / 100
+    except (KeyError, ValueError):
+        raise ValueError(f"{root / 'eval_meta_data.csv'}: no 'Random baseline' for task {label} (got "
+                         f"{baselines.get(label)!r}): add a row '{label},<category>,<type>,<percent>'") from None
+    if not 0 <= baseline < 1:
+        raise ValueError(f"{root / 'eval_meta_data.csv'}: task {label}'s random baseline {baseline * 100}% is outside "
+                         f"[0, 100)")
+    path = root / "eval_data" / str(t.get("dataset_uri"))
+    if not path.is_file():
+        raise FileNotFoundError(f"{where}: {path} does not exist: the bundle is incomplete; fetch it again")
+    items = read_items(path, kind)
+    if len(items) <= shots[0]:
+        raise ValueError(f"{where}: {len(items)} items in {path}, but {shots[0]}-shot prompts need at least "
+                         f"{shots[0] + 1} (the examples are never the item itself): lower its num_fewshot in "
+                         f"core.yaml or add items")
+    return Task(label, kind, shots[0], t.get("continuation_delimiter", " "), baseline, items, str(path))
 
 
-def item_texts(task, index):
-    """(context, continuation) strings for each row of an item: one per choice (multiple choice), one per context
-    option (schema), or the one answer (language modelling), after the few-shot examples. Trailing spaces move from
-    the context to the continuation, where BPE puts them (' Paris' is one token; ' ' + 'Paris' is not what the model
-    saw in training)."""
-    item, d = task.items[index], task.delimiter
-    def shown(ex):  # a solved example
+# -----------------------------------------------------------------------------
+# Prompts and scored tokens
+
+def task_order(n_items, max_per_task):
+    """Item indices in nanochat's order: the task shuffled by random.Random(1337), then cut to max_per_task. The
+    few-shot seeds are positions in this list and the examples come from it, so the cut changes the examples too."""
+    order = list(range(n_items))
+    random.Random(SUBSET_SEED).shuffle(order)
+    return order[:max_per_task] if max_per_task > 0 else order
+
+
+def fewshot_positions(n, position, k):
+    """nanochat's draw: k positions of an n-long (shuffled, cut) list, never `position`, by random.Random(1234 +
+    position). A list too short for k, from a small --max_per_task, gives every other position (nanochat's
+    random.sample raises there, its issue #550)."""
+    others = [p for p in range(n) if p != position]
+    return random.Random(FEWSHOT_SEED + position).sample(others, min(k, len(others)))
+
+
+def prompt_pairs(task, order, position):
+    """(context, continuation) per row of the item at `position` of `order`, as nanochat renders them: the solved
+    few-shot examples, each followed by a blank line, then the item, one row per choice (multiple choice), per context
+    option (schema), or its one answer (language modelling, whose contexts are stripped)."""
+    d = task.delimiter
+    def solved(ex):
         if task.kind == "multiple_choice":
             return ex["query"] + d + ex["choices"][ex["gold"]]
         if task.kind == "schema":
             return ex["context_options"][ex["gold"]] + d + ex["continuation"]
         return ex["context"].strip() + d + ex["continuation"]
-    prefix = "".join(shown(task.items[i]) + "\n\n" for i in fewshot_indices(len(task.items), index, task.fewshot))
+    shots = fewshot_positions(len(order), position, task.fewshot)
+    prefix, item = "".join(solved(task.items[order[p]]) + "\n\n" for p in shots), task.items[order[position]]
     if task.kind == "multiple_choice":
-        pairs = [(prefix + item["query"] + d, choice) for choice in item["choices"]]
-    elif task.kind == "schema":
-        pairs = [(prefix + option + d, item["continuation"]) for option in item["context_options"]]
-    else:
-        pairs = [(prefix + item["context"].strip() + d, item["continuation"])]
-    out = []
+        return [(prefix + item["query"] + d, choice) for choice in item["choices"]]
+    if task.kind == "schema":
+        return [(prefix + option + d, item["continuation"]) for option in item["context_options"]]
+    return [(prefix + item["context"].strip() + d, item["continuation"])]
+
+
+def shared_length(rows):
+    """How many leading tokens all rows have in common."""
+    n = min(map(len, rows))
+    return next((i for i in range(n) if len({row[i] for row in rows}) > 1), n)
+
+
+def nanochat_rows(kind, pairs, tokenizer):
+    """[(ids, index of the first scored token)] by nanochat's rules: a row is BOS + context + continuation tokenized
+    at once. Multiple choice: scored from the end of the rows' common token prefix (a first word all choices share is
+    not); schema: from the start of their common token suffix (which can reach back into the options); language
+    modelling: the tokens after the stripped context's. Where nanochat's span is empty (a mean over nothing, NaN), the
+    boundary moves by one token: a choice that is all common prefix ('Paris' of 'Paris, France') scores its last
+    token, the others from there; options with no common last token score their last tokens. Where BPE merges across
+    the context's end (nanochat asserts it cannot), the answer is scored from where the two tokenizations part."""
+    rows = [[tokenizer.bos_id, *tokenizer.encode(context + continuation)] for context, continuation in pairs]
+    shortest = min(map(len, rows))
+    if kind == "multiple_choice":
+        return [(ids, min(shared_length(rows), shortest - 1)) for ids in rows]
+    if kind == "schema":
+        suffix = min(max(shared_length([ids[::-1] for ids in rows]), 1), shortest - 1)
+        return [(ids, len(ids) - suffix) for ids in rows]
+    (ids,) = rows
+    context = [tokenizer.bos_id, *tokenizer.encode(pairs[0][0].strip())]
+    return [(ids, min(shared_length([context, ids]), len(ids) - 1))]
+
+
+def dclm_rows(pairs, tokenizer):
+    """[(ids, index of the first scored token)], every continuation token scored: context and continuation are
+    tokenized apart, BOS first, and the context's trailing spaces move to the continuation, where BPE puts them
+    (' Paris' is one token; ' ' + 'Paris' is not what the model saw in training)."""
+    rows = []
     for context, continuation in pairs:
         kept = context.rstrip(" ")
-        out.append((kept, context[len(kept):] + continuation))
-    return out
+        ctx = [tokenizer.bos_id, *tokenizer.encode(kept)]
+        rows.append((ctx + tokenizer.encode(context[len(kept):] + continuation), len(ctx)))
+    return rows
 
 
-def item_rows(task, index, tokenizer, seq_len):
-    """[(token ids, index of the first continuation token)] per row: BOS + context + continuation, cropped from the
-    left to seq_len tokens."""
-    rows = []
-    for context, continuation in item_texts(task, index):
-        ctx, cont = [tokenizer.bos_id, *tokenizer.encode(context)], tokenizer.encode(continuation)
-        ids, start = ctx + cont, len(ctx)
-        crop = max(0, len(ids) - seq_len)
-        rows.append((ids[crop:], max(1, start - crop)))  # max(1, ...): a continuation longer than the window is
-    return rows                                            # scored on the tokens that fit
+def fit_window(ids, start, seq_len):
+    """(ids, start, cropped): the model reads a row's first len - 1 tokens, and its rotary tables end at seq_len, so
+    a longer row keeps its BOS and loses the tokens after it (as training cuts a long document into BOS-led pieces).
+    nanochat never crops: its tables are 10x longer. A scored span longer than the window is scored where it fits."""
+    crop = max(0, len(ids) - 1 - seq_len)
+    return ([ids[0], *ids[crop + 1:]], max(1, start - crop), True) if crop else (ids, start, False)
+
+
+def item_rows(task, order, position, tokenizer, seq_len, protocol="nanochat"):
+    """[(ids, first scored index, cropped)] per row of the item at `position` of `order`."""
+    pairs = prompt_pairs(task, order, position)
+    rows = nanochat_rows(task.kind, pairs, tokenizer) if protocol == "nanochat" else dclm_rows(pairs, tokenizer)
+    return [fit_window(ids, start, seq_len) for ids, start in rows]
 
 
 # -----------------------------------------------------------------------------
@@ -291,11 +345,11 @@ def item_rows(task, index, tokenizer, seq_len):
 
 @torch.no_grad()
 def score_batch(model, batch_rows, device, dtype):
-    """Per row: (mean loss over the continuation, whether every greedy prediction equals the continuation)."""
-    width = max(len(ids) for ids, _ in batch_rows) - 1
+    """Per row (ids, start, ...): (mean loss over ids[start:], whether every greedy prediction there is right)."""
+    width = max(len(row[0]) for row in batch_rows) - 1
     x = torch.zeros(len(batch_rows), width, dtype=torch.long)
     y = torch.full((len(batch_rows), width), -1, dtype=torch.long)
-    for r, (ids, start) in enumerate(batch_rows):
+    for r, (ids, start, *_) in enumerate(batch_rows):
         x[r, :len(ids) - 1] = torch.tensor(ids[:-1])
         y[r, start - 1:len(ids) - 1] = torch.tensor(ids[start:])
     x, y = x.to(device), y.to(device)
@@ -307,47 +361,49 @@ def score_batch(model, batch_rows, device, dtype):
     return mean_loss.float().cpu(), exact.cpu()
 
 
-def make_batches(tasks, selected, batch_items):
-    """Batches of (task index, item index), the same on any number of ranks: items sorted by prompt length (less
+def make_batches(tasks, orders, batch_items):
+    """Batches of (task index, position), the same on any number of ranks: items sorted by prompt length (less
     padding), then cut into groups of batch_items."""
-    work = [(ti, i) for ti, task in enumerate(tasks) for i in selected[ti]]
-    work.sort(key=lambda w: max(len(c) + len(x) for c, x in item_texts(tasks[w[0]], w[1])))
+    work = [(ti, p) for ti, order in enumerate(orders) for p in range(len(order))]
+    work.sort(key=lambda w: max(len(c) + len(x) for c, x in prompt_pairs(tasks[w[0]], orders[w[0]], w[1])))
     return [work[b:b + batch_items] for b in range(0, len(work), batch_items)]
 
 
-def evaluate_tasks(model, tokenizer, tasks, max_per_task, batch_items, dtype, rank, world, device):
-    """Per task: a list of (item index, predicted option or -1, correct) for the evaluated items, identical on every
-    rank. Batches are dealt round robin; each rank fills its items' rows of one table, and a sum over ranks joins them."""
-    selected = []
-    for task in tasks:
-        order = list(range(len(task.items)))
-        if 0 < max_per_task < len(order):
-            random.Random(SUBSET_SEED).shuffle(order)
-            order = sorted(order[:max_per_task])
-        selected.append(order)
-    slot = {(ti, i): s for s, (ti, i) in enumerate((ti, i) for ti in range(len(tasks)) for i in selected[ti])}
-    table = torch.zeros(len(slot), 3, dtype=torch.float64)  # (done, predicted option, correct)
-    seq_len = model.config.sequence_len
-    for b, batch in enumerate(make_batches(tasks, selected, batch_items)):
+def judge(task, item, rows, mean_loss, exact):
+    """(predicted option or -1, correct, cropped) of one item from its rows' scores."""
+    cropped = any(row[2] for row in rows)
+    if task.kind == "language_modeling":
+        return -1, bool(exact), cropped
+    predicted = int(mean_loss.argmin())  # ties go to the first option, as in nanochat
+    return predicted, predicted == item["gold"], cropped
+
+
+def evaluate_tasks(model, tokenizer, tasks, max_per_task, batch_items, dtype, rank, world, device,
+                   protocol="nanochat"):
+    """Per task: (item index, predicted option or -1, correct, cropped) for each evaluated item, by item index,
+    identical on every rank. Batches are dealt round robin; each rank fills its items' rows of one table, and a sum
+    over ranks joins them."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
+    orders = [task_order(len(task.items), max_per_task) for task in tasks]
+    offsets = [sum(map(len, orders[:ti])) for ti in range(len(tasks))]
+    table = torch.zeros(sum(map(len, orders)), 4, dtype=torch.float64)  # (done, predicted option, correct, cropped)
+    for b, batch in enumerate(make_batches(tasks, orders, batch_items)):
         if b % world != rank:
             continue
-        rows_per_item = [item_rows(tasks[ti], i, tokenizer, seq_len) for ti, i in batch]
+        rows_per_item = [item_rows(tasks[ti], orders[ti], p, tokenizer, model.config.sequence_len, protocol)
+                         for ti, p in batch]
         mean_loss, exact = score_batch(model, [r for rows in rows_per_item for r in rows], device, dtype)
         at = 0
-        for (ti, i), rows in zip(batch, rows_per_item):
-            task, n = tasks[ti], len(rows)
-            if task.kind == "language_modeling":
-                predicted, correct = -1, bool(exact[at])
-            else:
-                predicted = int(mean_loss[at:at + n].argmin())  # ties go to the first option, as in nanochat
-                correct = predicted == task.items[i]["gold"]
-            table[slot[(ti, i)]] = torch.tensor([1.0, predicted, float(correct)], dtype=torch.float64)
-            at += n
+        for (ti, p), rows in zip(batch, rows_per_item):
+            verdict = judge(tasks[ti], tasks[ti].items[orders[ti][p]], rows, mean_loss[at:at + len(rows)], exact[at])
+            table[offsets[ti] + p] = torch.tensor([1.0, *map(float, verdict)], dtype=torch.float64)
+            at += len(rows)
     C.all_reduce_tensor(table)
     if not table[:, 0].eq(1).all():
         raise RuntimeError("an item was evaluated by no rank or by two: a bug in make_batches")
-    return [[(i, int(table[slot[(ti, i)], 1]), bool(table[slot[(ti, i)], 2])) for i in selected[ti]]
-            for ti in range(len(tasks))]
+    return [sorted((i, int(table[o + p, 1]), bool(table[o + p, 2]), bool(table[o + p, 3])) for p, i in enumerate(order))
+            for order, o in zip(orders, offsets)]
 
 
 def centered(accuracy, baseline):
@@ -356,13 +412,16 @@ def centered(accuracy, baseline):
 
 
 def summarize(tasks, results):
+    """A row per task, and CORE: the mean centered accuracy. fewshot is the count used (fewer than core.yaml's only
+    when --max_per_task leaves too few items to draw from); cropped counts the items cut to fit the window."""
     rows = []
     for task, items in zip(tasks, results):
-        correct = sum(c for _, _, c in items)
+        correct = sum(c for _, _, c, _ in items)
         accuracy = correct / len(items)
-        rows.append({"task": task.label, "type": task.kind, "fewshot": task.fewshot, "items": len(items),
-                     "items_in_task": len(task.items), "correct": correct, "accuracy": accuracy,
-                     "baseline": task.baseline, "centered": centered(accuracy, task.baseline)})
+        rows.append({"task": task.label, "type": task.kind, "fewshot": min(task.fewshot, len(items) - 1),
+                     "items": len(items), "items_in_task": len(task.items), "correct": correct,
+                     "accuracy": accuracy, "baseline": task.baseline, "centered": centered(accuracy, task.baseline),
+                     "cropped": sum(cropped for *_, cropped in items)})
     return rows, sum(r["centered"] for r in rows) / len(rows)
 
 
@@ -388,83 +447,106 @@ def completions(model, tokenizer, max_new_tokens, dtype):
     return out
 
 
-def main(argv=None):
-    args = get_args(argv)
-    rank, _, world, device = C.setup_distributed()
-    master = rank == 0
-    ckpt = C.find_checkpoint(args.checkpoint, args.runs_dir)
-    model, meta = C.load_model(ckpt, device)
-    tokenizer_path = args.tokenizer or meta.get("tokenizer") or "runs/tokenizer"
-    tokenizer = Tokenizer.load(tokenizer_path)
-    C.check_tokenizer(meta, tokenizer, tokenizer_path, ckpt)
+def shared_bundle(args, meta, rank, world):
+    """(bundle root, provenance): rank 0 resolves (and downloads) it; the other ranks get its path, or its error,
+    which every rank raises rather than wait for a bundle that will not come."""
     bundle = provenance = failure = None
-    if master:  # rank 0 downloads; the others read what it unpacked, or stop with its error instead of waiting
+    if rank == 0:
         try:
             bundle, provenance = resolve_bundle(args.bundle, meta, args.bundle_sha256)
-        except (SystemExit, RuntimeError, ValueError, OSError) as e:
+        except (RuntimeError, ValueError, OSError) as e:
             failure = str(e)
     if world > 1:
         shared = [str(bundle), failure]
         torch.distributed.broadcast_object_list(shared, src=0)
         bundle, failure = Path(shared[0]), shared[1]
     if failure:
+        raise RuntimeError(failure)
+    return bundle, provenance
+
+
+def bits_per_byte(args, meta, model, tokenizer, rank, world, device):
+    """The report's val_* entries: bits per byte and tokens scored, or a note saying why there are none."""
+    out = {"val_bpb": None, "val_bpb_tokens": None, "val_bpb_note": None,
+           "val_data_dir": args.data_dir or meta.get("data_dir")}
+    if not args.bpb_tokens:
+        return {**out, "val_bpb_note": "skipped (--bpb_tokens 0)"}
+    if not (out["val_data_dir"] and Path(out["val_data_dir"]).is_dir()):
+        return {**out, "val_bpb_note": f"unknown: no corpus at {out['val_data_dir']} (pass --data_dir)"}
+    stream = C.val_tokens(out["val_data_dir"], tokenizer, args.bpb_tokens)
+    out["val_bpb"], out["val_bpb_tokens"] = C.val_bpb(model, stream, tokenizer.token_bytes, model.config.sequence_len,
+                                                      8, args.dtype, rank, world, device)
+    return out
+
+
+def print_summary(report):
+    for r in report["tasks"]:
+        print(f"{r['task']:<32} {r['type']:<17} {r['fewshot']:>2}-shot {r['correct']:>5}/{r['items']:<5} "
+              f"acc {r['accuracy']:.4f}  baseline {r['baseline']:.2f}  centered {r['centered']:+.4f}")
+    n_items, cropped = (sum(r[k] for r in report["tasks"]) for k in ("items", "cropped"))
+    scope = f"{len(report['tasks'])} tasks, all items" if report["complete"] else \
+        f"{len(report['tasks'])} tasks, {n_items:,} items (a subset: not comparable with a full CORE score)"
+    print(f"CORE {report['core']:.4f} ({report['protocol']} protocol; {scope}; {cropped} items cropped to "
+          f"sequence_len {report['sequence_len']}); {report['items_per_second']:,.1f} items/s on "
+          f"{report['world_size']} x {report['device']}")
+    print(f"val bpb: {report['val_bpb']:.4f} over {report['val_bpb_tokens']:,} tokens of {report['val_data_dir']}"
+          if report["val_bpb"] is not None else f"val bpb: {report['val_bpb_note']}")
+    for s in report["samples"]:
+        found = "" if "found" not in s else f"  [{s['world']} world: {'found' if s['found'] else 'not found'} " \
+                                            f"{'/'.join(s['answers'])}]"
+        print(f"sample: {s['prompt']!r} -> {s['completion']!r}{found}")
+
+
+def write_results(out_dir, report, tasks, results):
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(report, indent=1))
+    with open(out_dir / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["protocol", *report["tasks"][0]], lineterminator="\n")
+        writer.writeheader()
+        writer.writerows({"protocol": report["protocol"], **r} for r in report["tasks"])
+        writer.writerow({"protocol": report["protocol"], "task": "CORE", "centered": report["core"],
+                         "items": sum(r["items"] for r in report["tasks"])})
+    with open(out_dir / "items.jsonl", "w") as f:
+        f.writelines(json.dumps({"task": task.label, "item": i, "predicted": predicted, "gold": task.items[i].get("gold"),
+                                 "correct": correct, "cropped": cropped}) + "\n"
+                     for task, items in zip(tasks, results) for i, predicted, correct, cropped in items)
+    print(f"results: {out_dir}/results.json, results.csv, items.jsonl")
+
+
+def main(argv=None):
+    args = get_args(argv)
+    rank, _, world, device = C.setup_distributed()
+    ckpt = C.find_checkpoint(args.checkpoint, args.runs_dir)
+    model, meta = C.load_model(ckpt, device)
+    tokenizer_path = args.tokenizer or meta.get("tokenizer") or "runs/tokenizer"
+    tokenizer = Tokenizer.load(tokenizer_path)
+    C.check_tokenizer(meta, tokenizer, tokenizer_path, ckpt)
+    try:  # the library's errors name their fix: that line, not a traceback, on every rank
+        bundle, provenance = shared_bundle(args, meta, rank, world)
+        tasks = load_tasks(bundle, args.tasks.split(",") if args.tasks else None)
+    except (RuntimeError, ValueError, OSError) as e:
         C.teardown_distributed()
-        raise SystemExit(f"core_eval.py: {failure}")
-    tasks = load_tasks(bundle, args.tasks.split(",") if args.tasks else None)
-    out_dir = Path(args.out or ckpt.parent.parent / "core_eval" / ckpt.name)
-    if master:
+        sys.exit(f"core_eval.py: error: {e}")
+    if rank == 0:
         print(f"checkpoint: {ckpt} ({meta.get('stage')}, step {meta.get('step')}); tokenizer {tokenizer_path}; "
               f"{len(tasks)} tasks, {sum(len(t.items) for t in tasks):,} items in {bundle}")
-
     start = time.perf_counter()
     results = evaluate_tasks(model, tokenizer, tasks, args.max_per_task, args.batch_items, args.dtype, rank, world,
-                             device)
+                             device, args.protocol)
     seconds = time.perf_counter() - start
     rows, core = summarize(tasks, results)
     n_items = sum(r["items"] for r in rows)
-    complete = n_items == sum(r["items_in_task"] for r in rows) and not args.tasks
-    bpb = bpb_note = scored = None
-    data_dir = args.data_dir or meta.get("data_dir")
-    if args.bpb_tokens and data_dir and Path(data_dir).is_dir():
-        stream = C.val_tokens(data_dir, tokenizer, args.bpb_tokens)
-        bpb, scored = C.val_bpb(model, stream, tokenizer.token_bytes, model.config.sequence_len, 8, args.dtype, rank,
-                                world, device)
-    else:
-        bpb_note = "skipped (--bpb_tokens 0)" if not args.bpb_tokens else f"unknown: no corpus at {data_dir} (pass " \
-                                                                          f"--data_dir)"
-    if master:
-        samples = completions(model, tokenizer, args.max_new_tokens, args.dtype)
-        for r in rows:
-            print(f"{r['task']:<32} {r['type']:<17} {r['fewshot']:>2}-shot {r['correct']:>5}/{r['items']:<5} "
-                  f"acc {r['accuracy']:.4f}  baseline {r['baseline']:.2f}  centered {r['centered']:+.4f}")
-        scope = f"{len(rows)} tasks, all items" if complete else \
-            f"{len(rows)} tasks, {n_items:,} items (a subset: not comparable with a full CORE score)"
-        print(f"CORE {core:.4f} ({scope}); {n_items / seconds:,.1f} items/s on {world} x {C.device_name(device)}")
-        print(f"val bpb: {bpb:.4f} over {scored:,} tokens of {data_dir}" if bpb is not None else f"val bpb: {bpb_note}")
-        for s in samples:
-            found = "" if "found" not in s else f"  [{s['world']} world: {'found' if s['found'] else 'not found'} " \
-                                                f"{'/'.join(s['answers'])}]"
-            print(f"sample: {s['prompt']!r} -> {s['completion']!r}{found}")
-        out_dir.mkdir(parents=True, exist_ok=True)
-        report = {"checkpoint": str(ckpt), "step": meta.get("step"), "stage": meta.get("stage"),
-                  "bundle": provenance, "core": core, "complete": complete, "max_per_task": args.max_per_task,
-                  "tasks": rows, "val_bpb": bpb, "val_bpb_tokens": scored, "val_bpb_note": bpb_note,
-                  "val_data_dir": data_dir, "samples": samples, "world_size": world,
+    bpb = bits_per_byte(args, meta, model, tokenizer, rank, world, device)
+    if rank == 0:
+        report = {"checkpoint": str(ckpt), "step": meta.get("step"), "stage": meta.get("stage"), "bundle": provenance,
+                  "protocol": args.protocol, "core": core, "max_per_task": args.max_per_task, "tasks": rows,
+                  "complete": n_items == sum(r["items_in_task"] for r in rows) and not args.tasks,
+                  "sequence_len": model.config.sequence_len, **bpb, "world_size": world,
+                  "samples": completions(model, tokenizer, args.max_new_tokens, args.dtype),
                   "device": C.device_name(device), "dtype": args.dtype, "seconds": seconds,
                   "items_per_second": n_items / seconds, "argv": sys.argv, "versions": C.versions()}
-        (out_dir / "results.json").write_text(json.dumps(report, indent=1))
-        with open(out_dir / "results.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]), lineterminator="\n")
-            writer.writeheader()
-            writer.writerows(rows)
-            writer.writerow({"task": "CORE", "items": n_items, "centered": core})
-        with open(out_dir / "items.jsonl", "w") as f:
-            for task, items in zip(tasks, results):
-                for i, predicted, correct in items:
-                    gold = task.items[i].get("gold")
-                    f.write(json.dumps({"task": task.label, "item": i, "predicted": predicted, "gold": gold,
-                                        "correct": correct}) + "\n")
-        print(f"results: {out_dir}/results.json, results.csv, items.jsonl")
+        print_summary(report)
+        write_results(Path(args.out or ckpt.parent.parent / "core_eval" / ckpt.name), report, tasks, results)
     C.teardown_distributed()
 
 

@@ -1,5 +1,6 @@
-"""core_eval.py: the bundle fetched from a local HTTP server (verify, unzip, cache hit), exact accuracies from a model
-whose logits the test sets, few-shot prompts token for token, centered accuracy, 1 process = 2 processes, bad input."""
+"""core_eval.py: the bundle fetched from a local HTTP server (verify, unzip, cache hit), nanochat's few-shot draw and
+scored tokens (checked against values worked out by hand), the dclm protocol's, exact accuracies from a model whose
+logits the test sets, centered accuracy, 1 process = 2 processes, bad input."""
 import io
 import json
 import math
@@ -104,7 +105,7 @@ def test_bundle_is_downloaded_verified_unzipped_once_then_cached(server, tmp_pat
         ("echo_lm", "language_modeling", 1, " ", 0.0, 5)]
     again, provenance2 = E.fetch_bundle(url, cache_dir=tmp_path)
     assert again == root and provenance2 == provenance and len(server["log"]) == 1  # no second request
-    with pytest.raises(SystemExit, match="sha256"):  # a pinned hash that the cached bundle does not have
+    with pytest.raises(ValueError, match="sha256"):  # a pinned hash that the cached bundle does not have
         E.fetch_bundle(url, expected_sha256="0" * 64, cache_dir=tmp_path)
 
 
@@ -143,28 +144,102 @@ def tasks(tmp_path):
     return E.load_tasks(root)
 
 
-def test_fewshot_prompts_token_for_token(tasks):
+BOS = BYTES.bos_id
+ORDER8 = [0, 3, 7, 2, 1, 6, 4, 5]  # random.Random(1337).shuffle(list(range(8)))
+
+
+def test_nanochat_shuffles_a_task_by_seed_1337_and_cuts_it_to_max_per_task():
+    assert E.task_order(8, -1) == ORDER8
+    assert E.task_order(8, 3) == [0, 3, 7]  # the first 3 of the shuffled task
+    assert E.task_order(5, -1) == [1, 0, 3, 2, 4]
+
+
+def test_nanochat_draws_examples_by_position_in_the_shuffled_cut_list(tasks):
+    quiz = tasks[0]
+    assert E.fewshot_positions(8, 5, 2) == [0, 2]  # random.Random(1234 + 5).sample([0, 1, 2, 3, 4, 6, 7], 2)
+    assert E.fewshot_positions(3, 1, 2) == [2, 0]  # random.Random(1234 + 1).sample([0, 2], 2)
+    assert all(p not in E.fewshot_positions(8, p, 7) for p in range(8))  # never the item, even when all others are
+    # item 6 is at position 5 of the shuffled task: its examples are those at positions 0 and 2, items 0 and 7
+    shown = "Q0?\nAnswer: a\n\nQ7?\nAnswer: d\n\nQ6?\nAnswer: "
+    assert E.prompt_pairs(quiz, ORDER8, 5) == [(shown, choice) for choice in "abcd"]
+    # cut to 3 items ([0, 3, 7]), item 3 (position 1) draws from those 3 only: positions 2 and 0, items 7 and 0
+    assert E.prompt_pairs(quiz, [0, 3, 7], 1)[0][0] == "Q7?\nAnswer: d\n\nQ0?\nAnswer: a\n\nQ3?\nAnswer: "
+
+
+def test_a_cut_list_too_short_for_the_fewshot_count_gives_every_other_item():
+    assert E.fewshot_positions(2, 1, 5) == [0] and E.fewshot_positions(1, 0, 5) == []
+
+
+def test_nanochat_scores_multiple_choice_after_the_choices_common_tokens(tasks):
+    shown = "Q0?\nAnswer: a\n\nQ7?\nAnswer: d\n\nQ6?\nAnswer: "  # the delimiter's space is shared: only the letter is
+    rows = E.item_rows(tasks[0], ORDER8, 5, BYTES, 1000)  # scored (with BPE, ' a' would be one token and scored)
+    assert rows == [([BOS, *shown.encode(), ord(c)], 1 + len(shown), False) for c in "abcd"]
+
+
+def test_nanochat_does_not_score_a_first_word_every_choice_shares():
+    task = E.Task("t", "multiple_choice", 0, " ", 0.5, [{"query": "Pick:", "choices": ["the red fox", "the blue fox"],
+                                                         "gold": 0}], "t.jsonl")
+    rows = E.item_rows(task, [0], 0, BYTES, 1000)
+    assert rows == [([BOS, *b"Pick: the red fox"], 1 + len("Pick: the "), False),  # 'red fox'
+                    ([BOS, *b"Pick: the blue fox"], 1 + len("Pick: the "), False)]  # 'blue fox'
+    dclm = E.item_rows(task, [0], 0, BYTES, 1000, "dclm")
+    assert [start for _, start in [r[:2] for r in dclm]] == [1 + len("Pick:")] * 2  # ' the red fox', ' the blue fox'
+
+
+def test_nanochat_scores_a_schema_item_from_its_common_suffix_which_reaches_into_the_options():
+    task = E.Task("t", "schema", 0, " ", 0.5, [{"context_options": ["the pig on the farm", "the hen on the farm"],
+                                                "continuation": "slept.", "gold": 0}], "t.jsonl")
+    rows = E.item_rows(task, [0], 0, BYTES, 1000)  # 'pig'/'hen' differ mid-sentence: ' on the farm slept.' is scored
+    assert rows == [([BOS, *f"the {a} on the farm slept.".encode()], 1 + len(f"the {a}"), False) for a in ("pig", "hen")]
+    dclm = E.item_rows(task, [0], 0, BYTES, 1000, "dclm")  # the continuation only: ' slept.'
+    assert [r[1] for r in dclm] == [1 + len("the pig on the farm")] * 2
+
+
+def test_nanochat_scores_a_language_modelling_answer_after_the_stripped_context(tasks):
+    shown = "say no: no\n\nsay yes:"  # item 3, at position 2 of [1, 0, 3, 2, 4]; its example, position 4, is item 4
+    assert E.fewshot_positions(5, 2, 1) == [4]
+    assert E.item_rows(tasks[2], [1, 0, 3, 2, 4], 2, BYTES, 1000) == [([BOS, *shown.encode(), *b" yes"],
+                                                                         1 + len(shown), False)]
+
+
+CATS = Tokenizer({**{bytes([b]): b for b in range(256)}, b"ts": 256}, SPLIT_PATTERN)  # one merge: 'cats' = c a ts
+
+
+def test_where_nanochat_scores_nothing_every_row_still_scores_one_token():
+    mc = E.Task("t", "multiple_choice", 0, " ", 0.5, [{"query": "Capital:", "choices": ["Paris", "Paris, France"],
+                                                       "gold": 0}], "t.jsonl")
+    paris = [BOS, *b"Capital: Paris"]  # all of it is the common prefix: both rows score from its last token, 's'
+    assert E.item_rows(mc, [0], 0, BYTES, 1000) == [(paris, 14, False), ([*paris, *b", France"], 14, False)]
+    same = E.Task("t", "schema", 0, " ", 0.5, [{"context_options": ["same", "same"], "continuation": "x", "gold": 0}],
+                  "t.jsonl")  # identical rows: all common suffix; every token after BOS is scored
+    assert E.item_rows(same, [0], 0, BYTES, 1000) == [([BOS, *b"same x"], 1, False)] * 2
+    apart = E.Task("t", "schema", 0, "", 0.5, [{"context_options": ["cat", "dog"], "continuation": "s", "gold": 0}],
+                   "t.jsonl")  # 'cats' ends in 'ts', 'dogs' in 's': no common last token; each scores its last
+    assert E.item_rows(apart, [0], 0, CATS, 1000) == [([CATS.bos_id, *b"ca", 256], 3, False),
+                                                      ([CATS.bos_id, *b"dogs"], 4, False)]
+    lm = E.Task("t", "language_modeling", 0, "", 0.0, [{"context": "cat", "continuation": "s"}], "t.jsonl")
+    # BPE merges across the context's end ('cat' + 's' = c a ts; nanochat asserts it cannot): scored from 'ts'
+    assert E.item_rows(lm, [0], 0, CATS, 1000) == [([CATS.bos_id, *b"ca", 256], 3, False)]
+
+
+def test_the_dclm_protocol_scores_every_continuation_token_tokenized_apart(tasks):
     quiz, pick, echo = tasks
-    shots = E.fewshot_indices(8, 5, 2)
-    assert 5 not in shots and shots == E.fewshot_indices(8, 5, 2)
-    assert all(i not in E.fewshot_indices(8, i, 7) for i in range(8))  # even when every other item is needed
-    a, b = QUIZ[shots[0]], QUIZ[shots[1]]
-    context = f"{a['query']}\nAnswer: {'abcd'[a['gold']]}\n\n{b['query']}\nAnswer: {'abcd'[b['gold']]}\n\nQ5?\nAnswer:"
-    rows = E.item_rows(quiz, 5, BYTES, 1000)
-    assert rows == [([BYTES.bos_id, *context.encode(), *f" {c}".encode()], 1 + len(context)) for c in "abcd"]
-    assert E.item_rows(pick, 0, BYTES, 1000) == [([BYTES.bos_id, *opt.encode(), *b" x"], 1 + len(opt))
-                                                  for opt in ["one 1", "two 2"]]
-    (s,) = E.fewshot_indices(5, 3, 1)
-    context = f"{ECHO[s]['context'].strip()} {ECHO[s]['continuation']}\n\nsay yes:"  # LM contexts are stripped
-    assert E.item_rows(echo, 3, BYTES, 1000) == [([BYTES.bos_id, *context.encode(), *b" yes"], 1 + len(context))]
-    # cropped from the left to the window, the continuation kept whole
-    ids, start = E.item_rows(quiz, 5, BYTES, 12)[2]
-    assert ids == [*context_tail(quiz, 5, 2, 10), *b" c"] and start == 10
+    shown = "Q0?\nAnswer: a\n\nQ7?\nAnswer: d\n\nQ6?\nAnswer:"  # the delimiter's space moves to the continuation
+    assert E.item_rows(quiz, ORDER8, 5, BYTES, 1000, "dclm") == [([BOS, *shown.encode(), *f" {c}".encode()],
+                                                                  1 + len(shown), False) for c in "abcd"]
+    assert E.item_rows(pick, [0], 0, BYTES, 1000, "dclm") == [([BOS, *opt.encode(), *b" x"], 1 + len(opt), False)
+                                                              for opt in ["one 1", "two 2"]]
+    shown = "say no: no\n\nsay yes:"
+    assert E.item_rows(echo, [1, 0, 3, 2, 4], 2, BYTES, 1000, "dclm") == [([BOS, *shown.encode(), *b" yes"],
+                                                                           1 + len(shown), False)]
 
 
-def context_tail(task, index, choice, n):
-    context, _ = E.item_texts(task, index)[choice]
-    return list(context.encode())[-n:]
+def test_a_row_longer_than_the_window_keeps_its_bos_and_its_scored_tokens(tasks):
+    shown = "Q0?\nAnswer: a\n\nQ7?\nAnswer: d\n\nQ6?\nAnswer: "
+    # sequence_len 12: the model reads 12 tokens of a 13-token row: BOS, the context's last 11 bytes, the choice
+    assert E.item_rows(tasks[0], ORDER8, 5, BYTES, 12)[2] == ([BOS, *shown[-11:].encode(), ord("c")], 12, True)
+    assert E.fit_window(list(range(10)), 2, 4) == ([0, 6, 7, 8, 9], 1, True)  # a scored span too long: what fits
+    assert E.fit_window(list(range(5)), 2, 4) == (list(range(5)), 2, False)
 
 
 class Bigram(torch.nn.Module):
@@ -190,19 +265,24 @@ def controlled_model():
     return Bigram(table)
 
 
+@pytest.mark.parametrize("protocol", E.PROTOCOLS)
 @pytest.mark.parametrize("batch_items", [1, 3, 64])
-def test_exact_accuracies_with_controlled_logits(tasks, batch_items):
-    results = E.evaluate_tasks(controlled_model(), BYTES, tasks, -1, batch_items, "float32", 0, 1, torch.device("cpu"))
+def test_exact_accuracies_with_controlled_logits(tasks, batch_items, protocol):
+    """The bigram model predicts from the current token alone, so both protocols' scored tokens give the same answers
+    here (with single bytes, the choices' common prefix ends after the delimiter's space)."""
+    cpu = torch.device("cpu")
+    results = E.evaluate_tasks(controlled_model(), BYTES, tasks, -1, batch_items, "float32", 0, 1, cpu, protocol)
     quiz, pick, echo = results
-    assert quiz == [(i, 2, i % 4 == 2) for i in range(8)]  # always 'c': right for the 2 items whose gold is 2
-    assert pick == [(i, 1, i % 2 == 1) for i in range(6)]  # always option 2
-    assert [c for _, _, c in echo] == [True, False, True, True, False]  # 'yes' is produced, 'no' is not
+    assert quiz == [(i, 2, i % 4 == 2, False) for i in range(8)]  # always 'c': right for the 2 items whose gold is 2
+    assert pick == [(i, 1, i % 2 == 1, False) for i in range(6)]  # always option 2
+    assert [c for _, _, c, _ in echo] == [True, False, True, True, False]  # 'yes' is produced, 'no' is not
     rows, core = E.summarize(tasks, results)
     assert [(r["correct"], r["items"], r["accuracy"]) for r in rows] == [(2, 8, 0.25), (3, 6, 0.5), (3, 5, 0.6)]
     assert [r["centered"] for r in rows] == [0.0, 0.0, pytest.approx(0.6)]  # (acc - b) / (1 - b)
     assert core == pytest.approx(0.2)
-    subset = E.evaluate_tasks(controlled_model(), BYTES, tasks, 3, batch_items, "float32", 0, 1, torch.device("cpu"))
-    assert [len(r) for r in subset] == [3, 3, 3] and all(item in full for r, full in zip(subset, results) for item in r)
+    subset = E.evaluate_tasks(controlled_model(), BYTES, tasks, 3, batch_items, "float32", 0, 1, cpu, protocol)
+    assert [[i for i, *_ in r] for r in subset] == [[0, 3, 7], [0, 1, 3], [0, 1, 3]]  # each shuffled task's first 3
+    assert all(item in full for r, full in zip(subset, results) for item in r)
 
 
 def test_centered_accuracy_arithmetic():
@@ -224,29 +304,31 @@ def test_centered_accuracy_arithmetic():
 def test_bad_item_names_file_and_line(tmp_path, line, message):
     root = write_bundle(tmp_path, {"world_knowledge/quiz.jsonl": jsonl(QUIZ[:3]) + line + "\n" + jsonl(QUIZ[3:]),
                                    "language_understanding/pick.jsonl": "", "symbolic/echo.jsonl": ""})
-    with pytest.raises(SystemExit, match=re.escape(f"quiz.jsonl, line 4: {message}")):
+    with pytest.raises(ValueError, match=re.escape(f"quiz.jsonl, line 4: {message}")):
         E.load_tasks(root, ["quiz_mc"])
 
 
 def test_task_with_fewer_items_than_its_fewshot_count(tmp_path):
     root = write_bundle(tmp_path, {"world_knowledge/quiz.jsonl": jsonl(QUIZ[:2]),
                                    "language_understanding/pick.jsonl": jsonl(PICK), "symbolic/echo.jsonl": jsonl(ECHO)})
-    with pytest.raises(SystemExit, match=r"task quiz_mc: 2 items .* 2-shot prompts need at least 3"):
+    with pytest.raises(ValueError, match=r"task quiz_mc: 2 items .* 2-shot prompts need at least 3"):
         E.load_tasks(root)
-    # --max_per_task below the few-shot count is fine: examples come from the whole task (nanochat #550 crashed)
+    # --max_per_task below the few-shot count: the examples come from the evaluated items, here none are left
+    # (nanochat's random.sample raises there, its #550); the rows report the count used
     (root / "eval_data/world_knowledge/quiz.jsonl").write_text(jsonl(QUIZ))
-    results = E.evaluate_tasks(controlled_model(), BYTES, E.load_tasks(root), 1, 4, "float32", 0, 1,
-                               torch.device("cpu"))
+    tasks = E.load_tasks(root)
+    results = E.evaluate_tasks(controlled_model(), BYTES, tasks, 1, 4, "float32", 0, 1, torch.device("cpu"))
     assert [len(r) for r in results] == [1, 1, 1]
+    assert [r["fewshot"] for r in E.summarize(tasks, results)[0]] == [0, 0, 0]
 
 
 def test_missing_baseline_and_unknown_task(tasks, tmp_path):
     root = write_bundle(tmp_path, {"world_knowledge/quiz.jsonl": jsonl(QUIZ),
                                    "language_understanding/pick.jsonl": jsonl(PICK), "symbolic/echo.jsonl": jsonl(ECHO)},
                         meta_csv=META_CSV.replace("pick_schema,lu,schema,50\n", ""))
-    with pytest.raises(SystemExit, match=r"eval_meta_data\.csv: no 'Random baseline' for task pick_schema"):
+    with pytest.raises(ValueError, match=r"eval_meta_data\.csv: no 'Random baseline' for task pick_schema"):
         E.load_tasks(root)
-    with pytest.raises(SystemExit, match="--tasks: nope not in"):
+    with pytest.raises(ValueError, match="--tasks: nope not in"):
         E.load_tasks(root, ["nope"])
 
 
@@ -280,6 +362,8 @@ def test_one_and_two_processes_give_identical_results(demo):
         report = json.loads((out / "results.json").read_text())
         assert report["bundle"] == {"dir": str(demo / "demo" / "eval_bundle")} and report["world_size"] == nproc
         assert not report["complete"] and "a subset: not comparable" in result.stdout
+        assert report["protocol"] == "nanochat" and "(nanochat protocol; 8 tasks, 72 items" in result.stdout
+        assert (out / "results.csv").read_text().splitlines()[-1].startswith("nanochat,CORE,")
         assert [r["items"] for r in report["tasks"]] == [9] * 8
         outputs.append((report["tasks"], report["core"], report["val_bpb"], report["val_bpb_tokens"],
                         (out / "items.jsonl").read_text(), (out / "results.csv").read_text()))
@@ -288,6 +372,11 @@ def test_one_and_two_processes_give_identical_results(demo):
     stream = C.val_tokens(demo / "demo" / "pretrain", tok, 5000)
     rows = 5000 // 256  # rows of sequence_len + 1 tokens, stride sequence_len; BOS targets are not scored
     assert len(stream) == 5001 and outputs[0][3] == rows * 256 - int((stream[1:rows * 256 + 1] == tok.bos_id).sum())
+
+
+def test_a_library_error_stops_the_script_with_its_one_line_message(demo, tmp_path):
+    with pytest.raises(SystemExit, match=f"^core_eval.py: error: --bundle {tmp_path}: no core.yaml in it or below"):
+        E.main(["--checkpoint", str(demo / "core_runs" / "r"), "--bundle", str(tmp_path)])
 
 
 def test_a_tokenizer_the_checkpoint_was_not_trained_with_is_refused(demo, tmp_path):
@@ -314,7 +403,7 @@ def test_a_trained_model_beats_chance_on_the_demo_tasks(learned, demo):
     trained, untrained = scores["trained"], scores["untrained"]
     assert trained["complete"] and sum(t["items"] for t in trained["tasks"]) == 513
     # chance: each MC/schema task's centered accuracy has a spread of ~0.07 over its 57-90 items, so the mean of 8
-    # tasks ~0.025 around 0. Measured: trained 0.099, untrained below 0.03.
+    # tasks ~0.025 around 0. Measured (nanochat protocol): trained 0.088, untrained -0.005 (dclm: 0.099, 0.013).
     assert trained["core"] > 0.06 and untrained["core"] < 0.04, (trained["core"], untrained["core"])
     # the validation bits per byte pretrain.py reported at the end of training: one function, the same tokens (not
     # bitwise: that run used 2 threads, this one 1)
