@@ -473,9 +473,9 @@ def bits_per_byte(args, meta, model, tokenizer, rank, world, device):
         return {**out, "val_bpb_note": "skipped (--bpb_tokens 0)"}
     if not (out["val_data_dir"] and Path(out["val_data_dir"]).is_dir()):
         return {**out, "val_bpb_note": f"unknown: no corpus at {out['val_data_dir']} (pass --data_dir)"}
-    stream = C.val_tokens(out["val_data_dir"], tokenizer, args.bpb_tokens)
-    out["val_bpb"], out["val_bpb_tokens"] = C.val_bpb(model, stream, tokenizer.token_bytes, model.config.sequence_len,
-                                                      8, args.dtype, rank, world, device)
+    rows = C.val_rows(out["val_data_dir"], tokenizer, args.bpb_tokens, model.config.sequence_len)
+    out["val_bpb"], out["val_bpb_tokens"] = C.val_bpb(model, rows, tokenizer.token_bytes, 8, args.dtype, rank, world,
+                                                      device)
     return out
 
 
@@ -521,12 +521,8 @@ def main(argv=None):
     tokenizer_path = args.tokenizer or meta.get("tokenizer") or "runs/tokenizer"
     tokenizer = Tokenizer.load(tokenizer_path)
     C.check_tokenizer(meta, tokenizer, tokenizer_path, ckpt)
-    try:  # the library's errors name their fix: that line, not a traceback, on every rank
-        bundle, provenance = shared_bundle(args, meta, rank, world)
-        tasks = load_tasks(bundle, args.tasks.split(",") if args.tasks else None)
-    except (RuntimeError, ValueError, OSError) as e:
-        C.teardown_distributed()
-        sys.exit(f"core_eval.py: error: {e}")
+    bundle, provenance = shared_bundle(args, meta, rank, world)  # rank 0's failure is raised on every rank
+    tasks = load_tasks(bundle, args.tasks.split(",") if args.tasks else None)
     if rank == 0:
         print(f"checkpoint: {ckpt} ({meta.get('stage')}, step {meta.get('step')}); tokenizer {tokenizer_path}; "
               f"{len(tasks)} tasks, {sum(len(t.items) for t in tasks):,} items in {bundle}")
@@ -547,8 +543,7 @@ def main(argv=None):
                   "items_per_second": n_items / seconds, "argv": sys.argv, "versions": C.versions()}
         print_summary(report)
         write_results(Path(args.out or ckpt.parent.parent / "core_eval" / ckpt.name), report, tasks, results)
-    C.teardown_distributed()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(C.run_main(main))  # errors from the library name their fix: one line, exit 1, on every rank

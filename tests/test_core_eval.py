@@ -369,14 +369,16 @@ def test_one_and_two_processes_give_identical_results(demo):
                         (out / "items.jsonl").read_text(), (out / "results.csv").read_text()))
     assert outputs[0] == outputs[1]
     tok = Tokenizer.load(demo / "tokenizer")
-    stream = C.val_tokens(demo / "demo" / "pretrain", tok, 5000)
-    rows = 5000 // 256  # rows of sequence_len + 1 tokens, stride sequence_len; BOS targets are not scored
-    assert len(stream) == 5001 and outputs[0][3] == rows * 256 - int((stream[1:rows * 256 + 1] == tok.bos_id).sum())
+    rows = C.val_rows(demo / "demo" / "pretrain", tok, 5000, 256)  # BOS-led rows as in training
+    targets = rows[:, 1:]
+    assert rows.shape == (20, 257) and outputs[0][3] == int(((targets != -1) & (targets != tok.bos_id)).sum())
 
 
-def test_a_library_error_stops_the_script_with_its_one_line_message(demo, tmp_path):
-    with pytest.raises(SystemExit, match=f"^core_eval.py: error: --bundle {tmp_path}: no core.yaml in it or below"):
-        E.main(["--checkpoint", str(demo / "core_runs" / "r"), "--bundle", str(tmp_path)])
+def test_a_library_error_stops_the_script_with_its_one_line_message(demo, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["core_eval.py"])
+    assert C.run_main(lambda: E.main(["--checkpoint", str(demo / "core_runs" / "r"), "--bundle", str(tmp_path)])) == 1
+    assert capsys.readouterr().err == f"core_eval.py: error: --bundle {tmp_path}: no core.yaml in it or below: a " \
+        f"bundle holds core.yaml, eval_meta_data.csv and eval_data/\n"
 
 
 def test_a_tokenizer_the_checkpoint_was_not_trained_with_is_refused(demo, tmp_path):
@@ -413,20 +415,20 @@ def test_a_trained_model_beats_chance_on_the_demo_tasks(learned, demo):
 def test_val_bpb_equals_a_direct_computation(demo_world):
     tok = Tokenizer.load(demo_world / "tokenizer")
     docs = list(D.iter_texts(demo_world / "demo" / "pretrain", "val"))
-    stream = C.val_tokens(demo_world / "demo" / "pretrain", tok, 3000)
-    direct = [t for doc in docs[:100] for t in [tok.bos_id, *tok.encode(doc)]][:3001]
-    assert stream.tolist() == direct
+    rows = C.val_rows(demo_world / "demo" / "pretrain", tok, 3000, 100)
+    first = tok.encode(docs[0])[:100]
+    assert rows.shape == (30, 101) and (rows[:, 0] == tok.bos_id).all()  # BOS-led, like every training row
+    assert rows[0, 1:1 + len(first)].tolist() == first  # the oldest piece, the split's first document, opens row 0
     torch.manual_seed(0)
     model = build_model(config_from_preset("tiny", {"n_layer": 1, "n_embd": 64, "n_head": 2, "n_kv_head": 2,
                                                    "sequence_len": 100}))
-    bpb, scored = C.val_bpb(model, stream, tok.token_bytes, 100, 7, "float32", 0, 1, torch.device("cpu"))
+    bpb, scored = C.val_bpb(model, rows, tok.token_bytes, 7, "float32", 0, 1, torch.device("cpu"))
     nats = nbytes = n = 0
     with torch.no_grad():
-        for start in range(0, 3000, 100):  # 30 rows of 101 tokens, stride 100
-            row = stream[start:start + 101]
+        for row in rows:
             logp = torch.log_softmax(model(row[None, :-1])[0], -1)
             for pos, target in enumerate(row[1:].tolist()):
-                if target != tok.bos_id:
+                if target not in (tok.bos_id, -1):
                     nats -= logp[pos, target].item()
                     nbytes += len(tok.enc.decode_single_token_bytes(target))  # not token_bytes: independent
                     n += 1
