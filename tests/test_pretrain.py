@@ -10,7 +10,7 @@ from argparse import Namespace
 
 import pytest
 import torch
-from launch import run_script
+from launch import ROOT, run_script
 
 import common as C
 import dataset as D
@@ -33,6 +33,15 @@ def run(world, args, nproc=1, check=True):
                       world, nproc, check=check)
 
 
+def in_process(world, args):
+    """pretrain.py's exit code for a run that stops before training (bad input), without a new interpreter."""
+    argv = ["--data_dir", str(world / "demo" / "pretrain"), "--tokenizer", str(world / "tokenizer"), "--runs_dir",
+            str(world / "runs"), *args]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("sys.argv", ["pretrain.py", *argv])
+        return C.run_main(lambda: pretrain.main(argv))
+
+
 def losses(world, name):
     records = [json.loads(line) for line in (world / "runs" / name / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in records if "loss" in r}
@@ -48,31 +57,46 @@ def test_a_small_model_learns_the_demo_world(world, learned):
     assert "params: 1310720" in out and "tokens per step = micro_batch 32 x sequence_len 128 x world size 1 x " \
         "accumulation 1 = 4,096" in out
     assert "budget: 150 steps, 614,400 tokens" in out
+    # the code that ran: this checkout's commit, recorded in config.json and in every checkpoint's meta.json
+    git = [subprocess.run(["git", "-C", str(ROOT), *words], capture_output=True, text=True, check=False)
+           for words in (["rev-parse", "HEAD"], ["status", "--porcelain", "--untracked-files=no"])]
+    code = {"commit": git[0].stdout.strip(), "dirty": bool(git[1].stdout.strip())} if git[0].returncode == 0 else \
+        {"commit": "unknown", "dirty": "unknown"}  # a copy of the tree without .git
+    meta = json.loads((C.list_checkpoints(run_dir / "ckpt")[-1] / "meta.json").read_text())
+    assert json.loads((run_dir / "config.json").read_text())["code"] == meta["code"] == code
+    assert f"code: commit {code['commit']}, uncommitted changes: {code['dirty']}" in out
+
+
+# One global batch of 2 x 4 rows of 64 tokens: 1 process x 2 accumulation micro-steps, or 2 processes x 1
+KILL_RUN = [*SMALL, "--steps", "14", "--ckpt_every", "4", "--total_batch_tokens", str(2 * 4 * 64)]
+
+
+@pytest.fixture(scope="module")
+def straight(world):
+    """Uninterrupted runs of KILL_RUN on 1 and on 2 processes: {nproc: stdout}."""
+    return {nproc: run(world, [*KILL_RUN, "--run_name", f"straight{nproc}"], nproc).stdout for nproc in (1, 2)}
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_sigkill_then_resume_gives_bitwise_equal_losses(world, nproc):
-    args = [*SMALL, "--steps", "14", "--ckpt_every", "4"]
-    run(world, [*args, "--run_name", f"straight{nproc}"], nproc)
-    killed = run(world, [*args, "--run_name", f"killed{nproc}", "--kill_at_step", "10"], nproc, check=False)
+def test_sigkill_then_resume_gives_bitwise_equal_losses(world, straight, nproc):
+    killed = run(world, [*KILL_RUN, "--run_name", f"killed{nproc}", "--kill_at_step", "10"], nproc, check=False)
     assert killed.returncode != 0
     ckpts = [p.name for p in C.list_checkpoints(world / "runs" / f"killed{nproc}" / "ckpt")]
     assert ckpts[-1] == "step_000008" and not (world / "runs" / f"killed{nproc}" / "done.json").exists()
-    resumed = run(world, [*args, "--run_name", f"killed{nproc}", "--resume"], nproc)
+    resumed = run(world, [*KILL_RUN, "--run_name", f"killed{nproc}", "--resume"], nproc)
     assert "resume: from" in resumed.stdout and "at step 8" in resumed.stdout
-    straight, again = losses(world, f"straight{nproc}"), losses(world, f"killed{nproc}")
+    expected, again = losses(world, f"straight{nproc}"), losses(world, f"killed{nproc}")
     assert sorted(again) == list(range(1, 15))
-    assert again == straight  # bitwise: the JSON floats round-trip exactly
+    assert again == expected  # bitwise: the JSON floats round-trip exactly
     if nproc == 2:
         assert "world size 2 (gloo): rank 0 cpu" in resumed.stdout and "rank 1 cpu" in resumed.stdout
 
 
-def test_two_processes_match_one_with_the_same_global_batch(world):
-    one = run(world, [*SMALL, "--steps", "8", "--run_name", "one", "--total_batch_tokens", str(2 * 4 * 64)], 1)
-    two = run(world, [*SMALL, "--steps", "8", "--run_name", "two"], 2)
-    assert "accumulation 2 = 512" in one.stdout and "world size 2 x accumulation 1 = 512" in two.stdout
-    a, b = losses(world, "one"), losses(world, "two")
-    assert sorted(a) == sorted(b) == list(range(1, 9))
+def test_two_processes_match_one_with_the_same_global_batch(world, straight):
+    assert "world size 1 x accumulation 2 = 512" in straight[1]
+    assert "world size 2 x accumulation 1 = 512" in straight[2]
+    a, b = losses(world, "straight1"), losses(world, "straight2")
+    assert sorted(a) == sorted(b) == list(range(1, 15))
     for step in a:
         assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
 
@@ -89,13 +113,14 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(world):
     assert all(math.isfinite(v) for v in losses(world, "nan").values())
 
 
-def test_sigterm_finishes_the_step_checkpoints_and_says_how_to_resume(world):
+def test_sigterm_finishes_the_step_checkpoints_and_says_how_to_resume(world, capsys):
     result = run(world, [*SMALL, "--steps", "7", "--ckpt_every", "100", "--run_name", "term", "--signal_at_step", "5"],
                  check=False)
     assert result.returncode == 128 + signal.SIGTERM
     assert "stopped by signal at step 5" in result.stdout
     assert [p.name for p in C.list_checkpoints(world / "runs" / "term" / "ckpt")] == ["step_000005"]
-    status = run(world, ["--status", str(world / "runs" / "term")]).stdout
+    pretrain.main(["--status", str(world / "runs" / "term")])  # in-process: it reads files only
+    status = capsys.readouterr().out
     assert "not finished; step 5/7" in status and "checkpoints: step_000005" in status
     command = result.stdout.split("Resume with: ")[1].splitlines()[0]  # run exactly what it printed
     resumed = subprocess.run(shlex.split(command), cwd=world, capture_output=True, text=True, check=False,
@@ -105,15 +130,14 @@ def test_sigterm_finishes_the_step_checkpoints_and_says_how_to_resume(world):
     assert sorted(losses(world, "term")) == list(range(1, 8))
     again = run(world, [*SMALL, "--steps", "7", "--resume", str(world / "runs" / "term" / "ckpt" / "step_000007")])
     assert "at step 7" in again.stdout and "done: 7 steps" in again.stdout  # the run dir comes from the path
-    nothing = run(world, [*SMALL, "--steps", "7", "--run_name", "empty", "--resume"], check=False)
-    assert nothing.returncode == 1 and "runs/empty/ckpt has no checkpoint yet" in nothing.stderr
+    assert in_process(world, [*SMALL, "--steps", "7", "--run_name", "empty", "--resume"]) == 1
+    assert "runs/empty/ckpt has no checkpoint yet" in capsys.readouterr().err
 
 
-def test_bad_batch_arithmetic_names_the_nearest_valid_values(world):
-    result = run(world, [*SMALL, "--steps", "2", "--run_name", "bad", "--total_batch_tokens", "1000"], check=False)
-    assert result.returncode != 0
-    assert "not a multiple of micro_batch 4 x sequence_len 64 x world size 1 = 256: nearest valid values are 768 " \
-           "and 1024" in result.stderr
+def test_bad_batch_arithmetic_names_the_nearest_valid_values(world, capsys):
+    assert in_process(world, [*SMALL, "--steps", "2", "--run_name", "bad", "--total_batch_tokens", "1000"]) == 1
+    assert capsys.readouterr().err == "pretrain.py: error: --total_batch_tokens 1000 is not a multiple of " \
+        "micro_batch 4 x sequence_len 64 x world size 1 = 256: nearest valid values are 768 and 1024\n"
 
 
 def test_frozen_monitor_names_bf16_norm_weights():
