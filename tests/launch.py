@@ -18,3 +18,16 @@ def run_script(script, args, cwd, nproc=1, threads=1, check=True):
     if check and result.returncode != 0:
         raise AssertionError(f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result
+
+
+def run_in_process(main, args, capsys):
+    """A script's main(args) in this process, ended as `python X.py args` would end: (exit code, stdout, stderr). For
+    command lines that finish at once (bad input, --help): a new interpreter costs ~3 s of imports."""
+    try:
+        code = main([str(a) for a in args]) or 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err

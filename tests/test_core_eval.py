@@ -381,15 +381,20 @@ def test_a_library_error_stops_the_script_with_its_one_line_message(demo, tmp_pa
         f"bundle holds core.yaml, eval_meta_data.csv and eval_data/\n"
 
 
-def test_a_tokenizer_the_checkpoint_was_not_trained_with_is_refused(demo, tmp_path):
+def test_a_tokenizer_the_checkpoint_was_not_trained_with_is_refused(demo, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["core_eval.py"])  # in-process: the refusal comes before any evaluation
+
+    def refusal(tokenizer):
+        args = ["--checkpoint", str(demo / "core_runs" / "r"), "--tokenizer", str(tokenizer)]
+        assert C.run_main(lambda: E.main(args)) == 1
+        return capsys.readouterr().err
     other = train_tokenizer(D.iter_texts(demo / "demo" / "pretrain", "train", max_chars=2_000_000), 1024)  # other merges
     other.save(tmp_path / "other")
-    result = run_core_eval(demo, ["--checkpoint", "core_runs/r", "--tokenizer", str(tmp_path / "other")])
-    assert result.returncode != 0 and "is not the one" in result.stderr and "was trained with" in result.stderr
+    err = refusal(tmp_path / "other")
+    assert err.startswith("core_eval.py: error: tokenizer") and "is not the one" in err and "was trained with" in err
     small = train_tokenizer(D.iter_texts(demo / "demo" / "pretrain", "val"), 512)
     small.save(tmp_path / "small")
-    result = run_core_eval(demo, ["--checkpoint", "core_runs/r", "--tokenizer", str(tmp_path / "small")])
-    assert result.returncode != 0 and "has 512 tokens, the model" in result.stderr and "has 1024" in result.stderr
+    assert "has 512 tokens, the model" in (err := refusal(tmp_path / "small")) and "has 1024" in err
 
 
 def test_a_trained_model_beats_chance_on_the_demo_tasks(learned, demo):

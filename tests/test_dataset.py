@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from launch import run_in_process
 
 import dataset as D
 from tokenizer import train_tokenizer
@@ -353,7 +354,7 @@ def test_chat_rows_mask_pad_and_never_crop(tmp_path, corpus):
     assert cut == tok.render_conversation(conversations[0])[0]  # cut at the turn boundary
 
 
-def test_cli_ingest_then_bad_input_is_one_line(tmp_path):
+def test_cli_ingest_then_bad_input_is_one_line(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("one\n\ntwo\n\nthree\n")
     run = [sys.executable, str(ROOT / "dataset.py")]
     out = subprocess.run([*run, "ingest", "--out", str(tmp_path / "c"), str(tmp_path / "a.txt")], capture_output=True,
@@ -363,5 +364,5 @@ def test_cli_ingest_then_bad_input_is_one_line(tmp_path):
                           (["ingest", "--out", str(tmp_path / "d"), str(tmp_path / "a.csv")], "unsupported file")):
         if args[-1].endswith(".csv"):
             (tmp_path / "a.csv").write_text("x")
-        result = subprocess.run([*run, *args], capture_output=True, text=True, check=False)
-        assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr
+        code, _, err = run_in_process(D.main, args, capsys)  # in-process: a new interpreter costs ~3 s
+        assert code == 2 and err.count("\n") == 1 and message in err

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from launch import run_in_process
 
 import model as M
 from model import GPT, GPTConfig, KVCache, autocast_context, build_model, config_from_preset
@@ -110,10 +111,12 @@ def test_memory_estimate_components():
     assert ckpt["activations"] < est["activations"] / 5
 
 
-def test_cli_prints_exact_counts():
-    for name, count in (("llama3-1b", 1241581568), ("bitnet-95m", 95367936)):
-        out = subprocess.run([sys.executable, "model.py", "--preset", name], cwd=ROOT, capture_output=True,
-                             text=True, check=True).stdout
+def test_cli_prints_exact_counts(capsys):
+    as_user = subprocess.run([sys.executable, "model.py", "--preset", "llama3-1b"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout  # once as a user runs it, then in-process
+    code, in_process, _ = run_in_process(M.main, ["--preset", "bitnet-95m"], capsys)
+    assert code == 0
+    for out, count in ((as_user, 1241581568), (in_process, 95367936)):
         assert f"params: {count}\n" in out
         for part in ("embeddings", "attention", "mlp", "norms", "head", "FLOPs/token", "activations"):
             assert part in out
@@ -135,14 +138,12 @@ def test_bad_config_names_field_and_allowed_values(name, overrides, fragments):
         assert fragment in str(err.value)
 
 
-def test_cli_bad_input_is_one_line():
+def test_cli_bad_input_is_one_line(capsys):
     for args, fragment in ((["--preset", "d12", "--n_head", "5"], "n_head=5"),
                            (["--preset", "tiny", "--n_layr", "3"], "model fields are vocab_size"),
                            (["--preset", "gpt5"], "allowed presets are")):
-        result = subprocess.run([sys.executable, "model.py", *args], cwd=ROOT, capture_output=True, text=True,
-                                check=False)
-        assert result.returncode == 2
-        assert result.stderr.count("\n") == 1 and fragment in result.stderr
+        code, _, err = run_in_process(M.main, args, capsys)
+        assert code == 2 and err.count("\n") == 1 and fragment in err
 
 
 def test_cli_overrides_every_field():

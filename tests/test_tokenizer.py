@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from launch import run_in_process
 
 import tokenizer as T
 from dataset import iter_texts, write_text_shards
@@ -209,23 +210,25 @@ def test_cli_train_then_eval(corpus, tmp_path):
     assert f"{len(list(iter_texts(corpus, 'val'))):,} documents" in result.stdout
 
 
-def test_cli_max_chars_and_help(corpus, tmp_path):
-    result = run_cli("train", "--data_dir", corpus, "--vocab_size", 300, "--max_chars", 5000, "--out", tmp_path)
-    assert result.returncode == 0, result.stderr
+def test_cli_max_chars_and_help(corpus, tmp_path, capsys):
+    code, out, err = run_in_process(T.main, ["train", "--data_dir", corpus, "--vocab_size", 300, "--max_chars", 5000,
+                                             "--out", tmp_path], capsys)
+    assert code == 0, err
     docs, total = 0, 0
     for text in iter_texts(corpus, "train"):  # iter_texts stops after the document that reaches max_chars
         docs, total = docs + 1, total + len(text)
         if total >= 5000:
             break
-    assert f"training text: {docs:,} documents, {total:,} characters" in result.stdout
-    help_text = run_cli("train", "--help").stdout
+    assert f"training text: {docs:,} documents, {total:,} characters" in out
+    help_text = run_in_process(T.main, ["train", "--help"], capsys)[1]
     assert "65536" in help_text and "2000000000" in help_text and "runs/tokenizer" in help_text
 
 
-def test_cli_bad_input(tmp_path):
-    result = run_cli("train", "--data_dir", tmp_path / "missing", "--vocab_size", 300, "--out", tmp_path / "tk")
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert f"data directory {tmp_path / 'missing'} does not exist" in result.stderr  # dataset.list_shards' message
-    result = run_cli("eval", "--data_dir", tmp_path, "--tokenizer", tmp_path / "no_tokenizer")
-    assert result.returncode == 2 and str(tmp_path / "no_tokenizer" / T.FILE_NAME) in result.stderr
-    assert "python tokenizer.py train" in result.stderr
+def test_cli_bad_input(tmp_path, capsys):
+    code, _, err = run_in_process(T.main, ["train", "--data_dir", tmp_path / "missing", "--vocab_size", 300, "--out",
+                                           tmp_path / "tk"], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert f"data directory {tmp_path / 'missing'} does not exist" in err  # dataset.list_shards' message
+    code, _, err = run_in_process(T.main, ["eval", "--data_dir", tmp_path, "--tokenizer", tmp_path / "no_tokenizer"],
+                                  capsys)
+    assert code == 2 and str(tmp_path / "no_tokenizer" / T.FILE_NAME) in err and "python tokenizer.py train" in err
