@@ -19,6 +19,11 @@ core_eval  `python core_eval.py` on the demo world's 8 tasks (513 items) for a -
 loader  one process's streaming loader (read + tokenize + pack) over one epoch of the same corpus at T = 256, 1024,
         2048: tokens/s (target >= 1M) and the share of document tokens cropped, i.e. moved to a later row as a
         BOS-led piece, cut off from their document's start (target <= 20% at T = 2048; nothing is discarded).
+cpu     `python pretrain.py` at nanochat's tiny CPU shape (4 layers, width 256, 4 heads of 64, T 256, 8 x 256 tokens a
+        step, vocab 8192 trained on --corpus) on the real-text corpus: eager and compiled, fp32 and (where native) bf16,
+        Muon and AdamW; tok/s the median of steps 11-40 from its metrics.jsonl, with the share of step time waiting
+        for data. Then, in-process, the Muon step's share of an eager fp32 step. Targets (2 cores): compiled Muon
+        >= 2x nanochat's tok/s on the same machine; the Muon step <= 15% of the step.
 download  `download_shards` of 16 training shards + 1 validation shard (~4 MB parquet each) from a hub stand-in on
         loopback, 4 workers: shards/s and MB/s of the old client (dataset.py at commit 1d71acd, its own HTTP code on
         requests, read with `git show`) and of the new one (huggingface_hub), median of --trials rounds, alternating.
@@ -32,7 +37,6 @@ import io
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -246,13 +250,6 @@ def bench_core_eval(args, device):
 OLD_DOWNLOAD_CLIENT = "1d71acd"  # the last commit whose dataset.py downloads with its own HTTP code on requests
 
 
-def cpu_name():
-    cpuinfo = Path("/proc/cpuinfo")
-    names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
-             if line.startswith("model name")]
-    return f"{names[0] if names else platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-
-
 def hub_standin(files):
     """A loopback server answering what both clients ask: the tree API (one page, LFS sha256s) and resolve URLs, HEAD
     and GET, with the headers hf_hub_download reads (X-Repo-Commit, X-Linked-Etag, X-Linked-Size). No faults, so no
@@ -329,11 +326,64 @@ def bench_download(args, device):
         median = sorted(times)[len(times) // 2]
         print(f"download {label:26s}: {len(files) / median:6.1f} shards/s, {total_mb / median:7.1f} MB/s (median of "
               f"{args.trials}; {len(files)} shards, {total_mb:.0f} MB, 4 workers, loopback)")
-    print(f"download: CPU {cpu_name()}")
+    print(f"download: CPU {C.device_name(torch.device('cpu'))}, {os.cpu_count()} cores")
+
+
+def bench_cpu(args, device):
+    """pretrain.py at nanochat's tiny CPU configuration on real text, every precision/compile/optimizer combination."""
+    corpus = Path(args.corpus)
+    if not corpus.is_dir():
+        return print(f"cpu: skipped, no corpus at {corpus}")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        train_tokenizer(iter_texts(corpus, "train"), 8192).save(tmp / "tokenizer")
+        dtypes = ["float32", "bfloat16"] if C.native_bf16(device) else ["float32"]
+        for optimizer in ("muon", "adamw"):
+            for compiled in ("false", "true"):
+                for dtype in dtypes:
+                    name = f"{optimizer}_{dtype}_{'compiled' if compiled == 'true' else 'eager'}"
+                    subprocess.run([sys.executable, str(Path(__file__).parent / "pretrain.py"), "--preset", "tiny",
+                                    "--data_dir", str(corpus), "--tokenizer", str(tmp / "tokenizer"), "--runs_dir",
+                                    str(tmp / "runs"), "--run_name", name, "--steps", "40", "--micro_batch", "8",
+                                    "--eval_every", "0", "--eval_tokens", "4096", "--ckpt_every", "1000",
+                                    "--optimizer", optimizer, "--dtype", dtype, "--compile", compiled],
+                                   check=True, capture_output=True)
+                    records = [json.loads(line) for line in
+                               (tmp / "runs" / name / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+                    timed = [r for r in records if r["step"] > 10]
+                    rate = sorted(r["tok_per_s"] for r in timed)[len(timed) // 2]
+                    wait = sum(r["data_wait"] for r in timed) / len(timed)
+                    print(f"cpu {name:26s}: {rate:7,.0f} tok/s (median of steps 11-40), waiting for data "
+                          f"{100 * wait:.1f}% of the step")
+        muon_share(device)
+
+
+def muon_share(device, steps=10):
+    """Median seconds of forward+backward, the AdamW step and the Muon step for the tiny shape at vocab 8192, eager."""
+    config = config_from_preset("tiny", {"vocab_size": 8192})
+    model = build_model(config, device)
+    args = argparse.Namespace(optimizer="muon", adam8bit=False, matrix_lr=0.02, embedding_lr=0.2, head_lr=0.004,
+                              scalar_lr=0.04)
+    adam, muon = C.build_optimizers(model, args, config.n_embd, 2048, device)
+    idx = torch.randint(0, 8192, (8, 256), device=device)
+    times = {"forward+backward": [], "AdamW step": [], "Muon step": []}
+    for _ in range(steps + 2):
+        for label, work in (("forward+backward", lambda: model(idx, idx).backward()), ("AdamW step", adam.step),
+                            ("Muon step", muon.step)):
+            start = time.perf_counter()
+            work()
+            sync(device)
+            times[label].append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+    median = {label: sorted(t[2:])[steps // 2] for label, t in times.items()}
+    print(f"cpu Muon step (Newton-Schulz in {muon.param_groups[0]['ns_dtype']}): {1000 * median['Muon step']:.1f} ms, "
+          f"{100 * median['Muon step'] / sum(median.values()):.1f}% of an eager fp32 step ("
+          + ", ".join(f"{label} {1000 * t:.1f} ms" for label, t in median.items()) + ")")
 
 
 BENCHES = {"train": bench_train, "decode": bench_decode, "build": bench_build, "tokenizer": bench_tokenizer,
-           "loader": bench_loader, "pretrain": bench_pretrain, "core_eval": bench_core_eval, "download": bench_download}
+           "loader": bench_loader, "pretrain": bench_pretrain, "core_eval": bench_core_eval, "download": bench_download,
+           "cpu": bench_cpu}
 
 
 def main():
@@ -354,8 +404,8 @@ def main():
                         help="device (default: %(default)s)")
     args = parser.parse_args()
     device = torch.device(args.device)
-    print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch "
-          f"{torch.__version__}, {torch.get_num_threads()} CPU threads")
+    print(f"device: {C.device_name(device)}; bf16 native: {C.native_bf16(device)}; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} CPU threads, {os.cpu_count()} cores")
     for name in args.which:
         if name not in BENCHES:
             parser.error(f"unknown benchmark {name!r}: choose from {', '.join(BENCHES)}")

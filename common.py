@@ -80,7 +80,15 @@ def run_main(main):
 
 
 def device_name(device):
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
+    """The GPU's name, or the CPU's model (from /proc/cpuinfo on Linux) and the vector ISA torch's kernels use."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or "cpu"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        model = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                      if line.startswith("model name")), model)
+    return f"{model}, {torch.backends.cpu.get_cpu_capability()}"
 
 
 def all_reduce_tensor(t, op=None):
@@ -148,10 +156,73 @@ def build_optimizers(model, args, width, batch_tokens, device):
                                  fused=device.type == "cuda")
     optimizers = [adam]
     if args.optimizer == "muon":
-        optimizers.append(torch.optim.Muon([{"params": groups["matrix"], "name": "matrix", "base_lr": lrs["matrix"],
-                                             "lr": lrs["matrix"], "wd_on": True}], momentum=0.95, nesterov=True,
-                                           weight_decay=0.0, adjust_lr_fn="original"))
+        optimizers.append(Muon([{"params": groups["matrix"], "name": "matrix", "base_lr": lrs["matrix"],
+                                 "lr": lrs["matrix"], "wd_on": True}], ns_dtype=matmul_dtype(device)))
     return optimizers
+
+
+def native_bf16(device):
+    """Whether bf16 matmuls run natively: CUDA with bf16 support, or a CPU with AVX512-BF16 or AMX. Elsewhere they
+    are emulated: on an AVX2-only CPU a bf16 matmul is ~20-100x slower than the same one in fp32. torch exposes the
+    CPU's flags only through private functions; if they are missing the answer is no (fp32 is never slow)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    flags = [getattr(torch.cpu, name, lambda: False) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return device.type == "cpu" and any(flag() for flag in flags)
+
+
+def matmul_dtype(device):
+    """The dtype for matmuls that need no more: bf16 where native, else fp32."""
+    return "bfloat16" if native_bf16(device) else "float32"
+
+
+def precision_line(args, device, optimizers):
+    """What runs in which dtype, and why: printed before step 1."""
+    muon = [g["ns_dtype"] for opt in optimizers if isinstance(opt, Muon) for g in opt.param_groups]
+    return (f"precision: fp32 weights, compute {args.dtype}" + (f", Muon Newton-Schulz {muon[0]}" if muon else "")
+            + f"; bf16 is {'native' if native_bf16(device) else 'not native (emulated: not used by default)'} on "
+            f"{device_name(device)}")
+
+
+def newton_schulz(grad, steps, dtype):
+    """Approximately orthogonalize a matrix (U S V^T -> U S' V^T with S' ~ 1): the quintic Newton-Schulz iteration with
+    Keller Jordan's coefficients (steep at 0, so 5 steps suffice), in `dtype`. torch.optim.Muon always casts to bf16,
+    which a CPU without native bf16 emulates (measured on an AVX2-only EPYC: 70% of the step)."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = grad.to(getattr(torch, dtype))
+    tall = x.size(0) > x.size(1)
+    x = x.T if tall else x  # iterate on the smaller Gram matrix
+    x = x / x.norm().clamp(min=1e-7)  # spectral norm <= Frobenius norm <= 1: inside the iteration's basin
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # a x + (b G + c G^2) x
+    return x.T if tall else x
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for 2D weights: momentum (Nesterov by default), the update orthogonalized by newton_schulz in ns_dtype,
+    scaled by sqrt(max(1, rows/cols)) (Keller's shape scaling, torch.optim.Muon's "original"), decoupled weight
+    decay lr x wd. The same update rule as torch.optim.Muon (tested against it in bf16), in a dtype of our choice."""
+
+    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0, ns_steps=5,
+                 ns_dtype="bfloat16"):
+        super().__init__(params, {"lr": lr, "momentum": momentum, "nesterov": nesterov, "weight_decay": weight_decay,
+                                  "ns_steps": ns_steps, "ns_dtype": ns_dtype})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if not self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+                buf = self.state[p]["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - group["momentum"])
+                update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+                update = newton_schulz(update, group["ns_steps"], group["ns_dtype"])
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(update.to(p.dtype), alpha=-group["lr"] * max(1, p.size(0) / p.size(1)) ** 0.5)
 
 
 # -----------------------------------------------------------------------------
@@ -719,6 +790,15 @@ def plan_batch(args, config, world, model, device):
     return micro, total // step_unit
 
 
+def loader_threads(args, device):
+    """Tokenizer threads for a loader. Training on the CPU, its cores are busy with torch's threads: one tokenizer
+    thread keeps up (~1M tok/s against a few thousand trained) without taking a core from the step. On a GPU the
+    cores are free: all of this process's share."""
+    if args.loader_threads:
+        return args.loader_threads
+    return 1 if device.type == "cpu" else max(1, os.cpu_count() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
 def wrap_model(model, args, world, local_rank, device):
     """DDP (gradients are views into its all-reduce buckets: no second copy), then torch.compile (after DDP, not
     before: seed 004)."""
@@ -785,6 +865,7 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
         t0 = now()
         lr_mult, wd = apply_schedule(optimizers, step, total_steps, args)
         batches = [next(loader) for loader in loaders]
+        data_wait = now() - t0  # the loaders prefetch: this is time the step stood still waiting for data
         loss_sum, count = forward_backward(train_model, batches, args.dtype, device, world,
                                            poison=step + 1 == args.inject_nan_step)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf")).item()
@@ -806,6 +887,7 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
         record = {"step": step + 1, "loss": loss, "targets": int(count.item()), "lr_mult": lr_mult,
                   "weight_decay": wd, "lr": {g["name"]: g["lr"] for opt in optimizers for g in opt.param_groups},
                   "grad_norm": grad_norm, "tokens": tokens_seen, "tok_per_s": tokens_per_step / dt,
+                  "data_wait": data_wait / dt,
                   "mfu": tokens_per_step * flops_per_token / dt / (peak * world) if peak else "unknown",
                   "step_time": dt, "cuda_mem_alloc": torch.cuda.memory_allocated(device) if device.type == "cuda"
                   else None, "cuda_mem_reserved": torch.cuda.memory_reserved(device) if device.type == "cuda" else None}
@@ -857,8 +939,8 @@ def progress_line(record, total_steps, seconds_per_step):
     mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] != "unknown" else "unknown"
     eta = seconds_per_step * (total_steps - record["step"])
     return (f"step {record['step']}/{total_steps} loss {record['loss']:.4f} lr x{record['lr_mult']:.3f} gnorm "
-            f"{record['grad_norm']:.3f} {record['tok_per_s']:,.0f} tok/s MFU {mfu} tokens {record['tokens']:,} ETA "
-            f"{fmt_duration(eta)}")
+            f"{record['grad_norm']:.3f} {record['tok_per_s']:,.0f} tok/s MFU {mfu} data wait "
+            f"{100 * record['data_wait']:.0f}% tokens {record['tokens']:,} ETA {fmt_duration(eta)}")
 
 
 def print_status(run_dir):

@@ -45,6 +45,8 @@ def get_args(argv=None):
                    help="corpus directory (default: %(default)s)")
     g.add_argument("--tokenizer", default="runs/tokenizer", help="tokenizer directory (default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="init seed, the same on every rank (default: %(default)s)")
+    g.add_argument("--loader_threads", type=int, default=0, help="tokenizer threads per loader; 0 = 1 when training "
+                   "on the CPU (its cores do the training), else the cores per process (default: %(default)s)")
     g = p.add_argument_group("budget: exactly one of")
     budget = g.add_mutually_exclusive_group()
     budget.add_argument("--steps", type=int, help="optimizer steps")
@@ -55,8 +57,9 @@ def get_args(argv=None):
                    "(default: micro_batch x sequence_len x world size, no accumulation)")
     g.add_argument("--micro_batch", type=int, default=0, help="sequences per rank per forward; 0 = find the largest "
                    "that fits on CUDA (on CPU: the whole per-rank batch) (default: %(default)s)")
-    g.add_argument("--dtype", default="bfloat16" if cuda else "float32", choices=["bfloat16", "float32"],
-                   help="compute dtype; weights stay fp32 (default: %(default)s)")
+    g.add_argument("--dtype", default=C.matmul_dtype(torch.device("cuda" if cuda else "cpu")),
+                   choices=["bfloat16", "float32"], help="compute dtype (autocast); weights stay fp32 (default: "
+                   "%(default)s: bfloat16 where this device runs it natively, never an emulated dtype)")
     g.add_argument("--compile", type=parse_bool, default=cuda, help="torch.compile the model (default: %(default)s)")
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval_every", type=int, default=250, help="validation bpb + samples every N steps; 0 = only at "
@@ -129,7 +132,8 @@ def main(argv=None):
     # one loader per accumulation micro-step, as virtual rank rank*accum + j of world*accum: the rows of a global
     # batch are the same however it is split into processes and micro-steps
     loaders = [text_loader(args.data_dir, "train", tokenizer, micro, seq_len, rank=rank * accum + j,
-                           world_size=world * accum, device=device) for j in range(accum)]
+                           world_size=world * accum, device=device, threads=C.loader_threads(args, device))
+               for j in range(accum)]
     layout = {"model_config": asdict(config), "world_size": world, "micro_batch": micro, "accum": accum}
     run = {"stage": "pretrain", "run": args.run_name, **layout, "total_steps": total_steps,
            "tokens_per_step": tokens_per_step, "code": C.code_version(), "tokenizer": args.tokenizer,
@@ -143,6 +147,7 @@ def main(argv=None):
               f"{fpt * total_steps * tokens_per_step:.3e} FLOPs, {total_steps * tokens_per_step / params:.2f} tokens "
               f"per parameter")
         print(f"code: commit {run['code']['commit']}, uncommitted changes: {run['code']['dirty']}")
+        print(C.precision_line(args, device, optimizers))
     start = C.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank, device) if resume_from else 0
 
     train_model = C.wrap_model(model, args, world, local_rank, device)

@@ -121,3 +121,46 @@ def test_the_resume_command_drops_the_old_resume_and_names_the_run(argv, monkeyp
     words = shlex.split(C.resume_command(args))
     assert words[:5] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     assert sorted(words[5:]) == sorted(expected)
+
+
+def test_our_muon_takes_torch_muons_steps_in_bf16_and_stays_close_in_fp32():
+    """common.Muon exists to choose the Newton-Schulz dtype; its update rule is torch.optim.Muon's (momentum,
+    Nesterov, shape scaling, decoupled weight decay), so in bf16 both give the same weights after 3 steps."""
+    weights = {}
+    for name in ("torch", "bfloat16", "float32"):
+        torch.manual_seed(0)
+        tall, wide = torch.nn.Parameter(torch.randn(96, 32)), torch.nn.Parameter(torch.randn(32, 64))
+        kwargs = {"lr": 0.02, "momentum": 0.95, "nesterov": True, "weight_decay": 0.1}
+        opt = torch.optim.Muon([tall, wide], adjust_lr_fn="original", **kwargs) if name == "torch" else \
+            C.Muon([tall, wide], ns_dtype=name, **kwargs)
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            tall.grad, wide.grad = torch.randn(96, 32, generator=generator), torch.randn(32, 64, generator=generator)
+            opt.step()
+        weights[name] = (tall.detach(), wide.detach())
+    torch.manual_seed(0)
+    initial = (torch.randn(96, 32), torch.randn(32, 64))
+    for ours, theirs in zip(weights["bfloat16"], weights["torch"], strict=True):
+        assert torch.allclose(ours, theirs, rtol=0, atol=1e-6)
+    for ours, theirs, start in zip(weights["float32"], weights["torch"], initial, strict=True):
+        moved = (theirs - start).abs().max()  # 3 steps of lr 0.02 x shape scale, and weight decay
+        assert 0 < (ours - theirs).abs().max() < 0.05 * moved  # fp32 differs from bf16 only by rounding
+    assert C.newton_schulz(torch.randn(8, 4), 5, "float32").dtype == torch.float32
+
+
+@pytest.mark.parametrize("avx512_bf16,amx,expected", [(False, False, "float32"), (True, False, "bfloat16"),
+                                                      (False, True, "bfloat16")])
+def test_a_cpu_without_native_bf16_never_gets_it_by_default(avx512_bf16, amx, expected, monkeypatch):
+    """AVX2-only CPUs emulate bf16 matmuls (~20-100x slower): neither the compute dtype nor Muon's Newton-Schulz
+    may default to it there."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    cpu = torch.device("cpu")
+    assert C.matmul_dtype(cpu) == expected
+    args = Namespace(optimizer="muon", adam8bit=False, matrix_lr=0.02, embedding_lr=0.2, head_lr=0.004, scalar_lr=0.04,
+                     dtype=expected)
+    optimizers = C.build_optimizers(tiny_model(), args, 32, 2048, cpu)
+    assert optimizers[1].param_groups[0]["ns_dtype"] == expected
+    native = "native" if expected == "bfloat16" else "not native (emulated: not used by default)"
+    assert C.precision_line(args, cpu, optimizers).startswith(f"precision: fp32 weights, compute {expected}, Muon "
+                                                              f"Newton-Schulz {expected}; bf16 is {native} on ")
