@@ -79,8 +79,9 @@ def get_args(argv=None):
     p.add_argument("--bpb_tokens", type=int, default=2 ** 20, help="validation tokens for bits per byte, the split's "
                    "first N; 0 = skip (default: %(default)s)")
     p.add_argument("--max_new_tokens", type=int, default=24, help="greedy tokens per prompt (default: %(default)s)")
-    p.add_argument("--dtype", default="bfloat16" if cuda else "float32", choices=["bfloat16", "float32"],
-                   help="compute dtype (default: %(default)s)")
+    p.add_argument("--dtype", default=C.matmul_dtype(torch.device("cuda" if cuda else "cpu")),
+                   choices=["bfloat16", "float32"], help="compute dtype (default: %(default)s: bfloat16 where this "
+                   "device runs it natively, as in the training stages)")
     p.add_argument("--out", default=None, help="output directory (default: runs/<run>/core_eval/step_XXXXXX)")
     args = p.parse_args(argv)
     if args.batch_items < 1 or args.max_per_task == 0 or args.max_per_task < -1:
