@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -64,13 +65,18 @@ def teardown_distributed():
 
 def run_main(main):
     """A stage's exit: 0 when main() finished, 128 + signal when a signal stopped it after its checkpoint
-    (non-zero, so a script chaining stages stops), 1 with a one-line error when library code raised one naming
-    the fix. Every rank tears the process group down; after an error without the barrier, since the other ranks
+    (non-zero, so a script chaining stages stops), 1 with a one-line error when this project's code raised one
+    naming the fix (an error raised elsewhere, in torch say, also gets its traceback). Every rank tears the process group down; after an error without the barrier, since the other ranks
     may never reach it (torchrun stops them when this one exits)."""
     script = Path(sys.argv[0]).name
     try:
         signum = main()
     except (ValueError, FileNotFoundError, RuntimeError, ImportError) as e:
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        ours = Path(frame.filename).resolve().parent == Path(__file__).resolve().parent and \
+            (frame.line or "").lstrip().startswith("raise")
+        if not ours:  # raised by torch or another library, or a bug: the traceback is what locates it
+            traceback.print_exception(e)
         print(f"{script}: error: {e}", file=sys.stderr)
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -2,6 +2,7 @@
 processes, with masked targets; checkpoints ordered by step; resume sets abandoned checkpoints aside; the exact
 resume command."""
 import shlex
+import signal
 import sys
 from argparse import Namespace
 
@@ -164,3 +165,16 @@ def test_a_cpu_without_native_bf16_never_gets_it_by_default(avx512_bf16, amx, ex
     native = "native" if expected == "bfloat16" else "not native (emulated: not used by default)"
     assert C.precision_line(args, cpu, optimizers).startswith(f"precision: fp32 weights, compute {expected}, Muon "
                                                               f"Newton-Schulz {expected}; bf16 is {native} on ")
+
+
+def test_a_stage_ends_with_one_line_for_our_errors_and_a_traceback_for_others(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["pretrain.py"])
+    assert C.run_main(lambda: C.find_checkpoint(tmp_path)) == 1  # raised by this project, naming the fix
+    assert capsys.readouterr().err == f"pretrain.py: error: --checkpoint {tmp_path}: neither a checkpoint " \
+        f"(runs/<run>/ckpt/step_*/meta.json) nor a run directory with checkpoints in {tmp_path}/ckpt/\n"
+    assert C.run_main(lambda: torch.zeros(2) @ torch.zeros(3)) == 1  # raised inside torch: where is the question
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback") and err.endswith("pretrain.py: error: inconsistent tensor size, expected "
+                                                        "tensor [2] and src [3] to have the same number of elements, "
+                                                        "but got 2 and 3 elements respectively\n")
+    assert C.run_main(lambda: signal.SIGTERM) == 128 + signal.SIGTERM and C.run_main(lambda: None) == 0
