@@ -592,11 +592,12 @@ def val_rows(data_dir, tokenizer, max_tokens, seq_len):
     targets after its text."""
     n_rows = max(1, math.ceil(max_tokens / seq_len))
     loader = text_loader(data_dir, "val", tokenizer, min(n_rows, 64), seq_len, max_epochs=1, name="val")
-    rows = []
+    rows, have = [], 0
     try:
         for inputs, targets in loader:
             rows.append(torch.cat([inputs[:, :1], targets], dim=1))
-            if sum(len(r) for r in rows) >= n_rows:
+            have += len(inputs)
+            if have >= n_rows:
                 break
     finally:
         loader.close()

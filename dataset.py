@@ -809,9 +809,8 @@ class PackedLoader:
                 filled += 1
             if filled:
                 stats["batches"], stats["tokens"] = stats["batches"] + 1, stats["tokens"] + filled * self.T
-                after = {"epoch": self.max_epochs if position is None else position[0], "unit": 0 if position is
-                         None else position[1], "doc": 0 if position is None else position[2], "stats": dict(stats),
-                         "buffer": list(buffer.pieces)}
+                epoch, unit, doc = position or (self.max_epochs, 0, 0)  # None: the data has ended
+                after = {"epoch": epoch, "unit": unit, "doc": doc, "stats": dict(stats), "buffer": list(buffer.pieces)}
                 if not batches.put((self._to_device(rows[:filled], None if masks is None else masks[:filled]),
                                     after)):
                     return

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 import torch.nn.functional as F
-from launch import run_script
+from launch import run_in_process, run_script
 
 import common as C
 import core_eval as E
@@ -374,20 +374,19 @@ def test_one_and_two_processes_give_identical_results(demo):
     assert rows.shape == (20, 257) and outputs[0][3] == int(((targets != -1) & (targets != tok.bos_id)).sum())
 
 
-def test_a_library_error_stops_the_script_with_its_one_line_message(demo, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("sys.argv", ["core_eval.py"])
-    assert C.run_main(lambda: E.main(["--checkpoint", str(demo / "core_runs" / "r"), "--bundle", str(tmp_path)])) == 1
-    assert capsys.readouterr().err == f"core_eval.py: error: --bundle {tmp_path}: no core.yaml in it or below: a " \
+def test_a_library_error_stops_the_script_with_its_one_line_message(demo, tmp_path, capsys):
+    code, _, err = run_in_process(E.main, ["--checkpoint", demo / "core_runs" / "r", "--bundle", tmp_path], capsys,
+                                  stage="core_eval.py")
+    assert code == 1 and err == f"core_eval.py: error: --bundle {tmp_path}: no core.yaml in it or below: a " \
         f"bundle holds core.yaml, eval_meta_data.csv and eval_data/\n"
 
 
-def test_a_tokenizer_the_checkpoint_was_not_trained_with_is_refused(demo, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("sys.argv", ["core_eval.py"])  # in-process: the refusal comes before any evaluation
-
-    def refusal(tokenizer):
-        args = ["--checkpoint", str(demo / "core_runs" / "r"), "--tokenizer", str(tokenizer)]
-        assert C.run_main(lambda: E.main(args)) == 1
-        return capsys.readouterr().err
+def test_a_tokenizer_the_checkpoint_was_not_trained_with_is_refused(demo, tmp_path, capsys):
+    def refusal(tokenizer):  # in-process: the refusal comes before any evaluation
+        code, _, err = run_in_process(E.main, ["--checkpoint", demo / "core_runs" / "r", "--tokenizer", tokenizer],
+                                      capsys, stage="core_eval.py")
+        assert code == 1
+        return err
     other = train_tokenizer(D.iter_texts(demo / "demo" / "pretrain", "train", max_chars=2_000_000), 1024)  # other merges
     other.save(tmp_path / "other")
     err = refusal(tmp_path / "other")

@@ -10,7 +10,7 @@ from argparse import Namespace
 
 import pytest
 import torch
-from launch import ROOT, run_script
+from launch import ROOT, run_in_process, run_script
 
 import common as C
 import dataset as D
@@ -33,13 +33,10 @@ def run(world, args, nproc=1, check=True):
                       world, nproc, check=check)
 
 
-def in_process(world, args):
-    """pretrain.py's exit code for a run that stops before training (bad input), without a new interpreter."""
-    argv = ["--data_dir", str(world / "demo" / "pretrain"), "--tokenizer", str(world / "tokenizer"), "--runs_dir",
-            str(world / "runs"), *args]
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("sys.argv", ["pretrain.py", *argv])
-        return C.run_main(lambda: pretrain.main(argv))
+def in_process(world, args, capsys):
+    """(exit code, stdout, stderr) of pretrain.py stopping before training (bad input), without a new interpreter."""
+    return run_in_process(pretrain.main, ["--data_dir", world / "demo" / "pretrain", "--tokenizer", world / "tokenizer",
+                                          "--runs_dir", world / "runs", *args], capsys, stage="pretrain.py")
 
 
 def losses(world, name):
@@ -130,13 +127,14 @@ def test_sigterm_finishes_the_step_checkpoints_and_says_how_to_resume(world, cap
     assert sorted(losses(world, "term")) == list(range(1, 8))
     again = run(world, [*SMALL, "--steps", "7", "--resume", str(world / "runs" / "term" / "ckpt" / "step_000007")])
     assert "at step 7" in again.stdout and "done: 7 steps" in again.stdout  # the run dir comes from the path
-    assert in_process(world, [*SMALL, "--steps", "7", "--run_name", "empty", "--resume"]) == 1
-    assert "runs/empty/ckpt has no checkpoint yet" in capsys.readouterr().err
+    code, _, err = in_process(world, [*SMALL, "--steps", "7", "--run_name", "empty", "--resume"], capsys)
+    assert code == 1 and "runs/empty/ckpt has no checkpoint yet" in err
 
 
 def test_bad_batch_arithmetic_names_the_nearest_valid_values(world, capsys):
-    assert in_process(world, [*SMALL, "--steps", "2", "--run_name", "bad", "--total_batch_tokens", "1000"]) == 1
-    assert capsys.readouterr().err == "pretrain.py: error: --total_batch_tokens 1000 is not a multiple of " \
+    code, _, err = in_process(world, [*SMALL, "--steps", "2", "--run_name", "bad", "--total_batch_tokens", "1000"],
+                              capsys)
+    assert code == 1 and err == "pretrain.py: error: --total_batch_tokens 1000 is not a multiple of " \
         "micro_batch 4 x sequence_len 64 x world size 1 = 256: nearest valid values are 768 and 1024\n"
 
 
