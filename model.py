@@ -699,12 +699,12 @@ def lean_decode_step(model, weights, token, pos, kv_cache):
     c, eps = model.config, model.config.norm_eps
     H, K, D = c.n_head, c.n_kv_head, c.head_dim
 
-    def norm(x, w):
-        x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    def norm(x, w):  # rms_norm in 4 small ops (F.rms_norm's CPU path runs ~10)
+        x = x * (x * x).sum(-1, keepdim=True).mul_(1 / x.size(-1)).add_(eps).rsqrt_()
         return x if w is None else x * w
 
-    cos, sin = model.cos[pos], model.sin[pos]  # (1, D/2)
     n = kv_cache.pos + 1  # eager: attend over the filled positions only, not the whole preallocated cache
+    cos, sin = model.cos[n - 1:n], model.sin[n - 1:n]  # (1, D/2) views; indexing by a tensor costs more
     x = model.wte(token).view(1, c.n_embd)
     for i, (wqkv, wo, wup, wgate, wdown, n_attn, n_mlp, n_q, n_k) in enumerate(weights["blocks"]):
         qkv = norm(x, n_attn) @ wqkv
