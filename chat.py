@@ -174,12 +174,14 @@ class Conversation:
             body = body[len(body) - space:] if space > 0 else []
         return head + body + tail, notices
 
-    def respond(self, text, write, temperature, top_k, max_tokens, generator, stop=lambda: False):
+    def respond(self, text, write, temperature, top_k, max_tokens, generator, stop=lambda: False, notify=None):
         """One turn: prefill the new tokens, then sample until an end token, max_tokens, a full cache or stop().
-        write(str) gets the reply's text as it completes, and the notices. Returns this turn's stats."""
+        write(str) gets the reply's text as it completes, notify(str) each notice (default: write). Returns this
+        turn's stats."""
+        notify = notify or (lambda line: write(line + "\n"))
         new, notices = self.fit(text)
         for notice in notices:
-            write(notice + "\n")
+            notify(notice)
         if not new:  # completion mode, nothing typed that survived: nothing to continue from
             self.last = {"prefill": 0, "prefill_s": 0.0, "decode": 0, "decode_s": 0.0, "why": "empty"}
             return self.last
@@ -210,7 +212,8 @@ class Conversation:
         write(feed(None))
         self.pending = self.chat  # sampled <|assistant_end|>, or one closing a cut reply: fed with the next turn
         if why in ("interrupted", "context full"):
-            write(f"\n[reply stopped: {why}]")
+            write("\n")
+            notify(f"[reply stopped: {why}]")
         self.last = {"prefill": len(new), "prefill_s": prefill_s, "decode": count, "decode_s": decode_s, "why": why}
         return self.last
 
@@ -286,8 +289,9 @@ def main(argv=None):
     def turn(text):
         with sigint_flag() as hits:
             s = conv.respond(text, write, args.temperature, args.top_k, args.max_tokens, generator,
-                             lambda: bool(hits))
-        print(file=sys.stdout)
+                             lambda: bool(hits), lambda line: print(line, file=out, flush=True))
+        if s["why"] not in ("interrupted", "context full"):
+            print(file=sys.stdout)
         print(stats_line(s), file=out, flush=True)
 
     if args.prompt is not None:
