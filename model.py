@@ -674,7 +674,8 @@ def generate(model, prompt, max_new_tokens, temperature=1.0, top_k=None, seed=No
 def lean_decode_weights(model):
     """The weights of lean_decode_step: per block (q|k|v stacked, o, up, gate or None, down), each transposed to
     (in, out) and contiguous, and the head's; plus the norms' scales (None when weightless). A copy of the block
-    matrices (an inference-only cost). BitNet's quantized weights are not supported (use GPT.decode_step)."""
+    matrices (an inference-only cost), and the rotary tables laid out for lean_decode_step. BitNet's quantized
+    weights are not supported (use GPT.decode_step)."""
     if model.config.bitnet:
         raise ValueError("lean_decode_step does not support bitnet=True: use GPT.decode_step")
     t = lambda w: w.detach().t().contiguous()
@@ -686,7 +687,8 @@ def lean_decode_weights(model):
                        t(m.up_proj.weight), None if m.gate_proj is None else t(m.gate_proj.weight),
                        t(m.down_proj.weight), scale(b.attn_norm), scale(b.mlp_norm), scale(a.q_norm),
                        scale(a.k_norm)))
-    return {"blocks": blocks, "head": t(model.head_weight()), "norm_f": scale(model.norm_f)}
+    return {"blocks": blocks, "head": t(model.head_weight()), "norm_f": scale(model.norm_f),
+            "cos": torch.cat([model.cos, model.cos], -1), "sin": torch.cat([model.sin, -model.sin], -1)}
 
 
 def lean_decode_step(model, weights, token, pos, kv_cache):
@@ -704,16 +706,17 @@ def lean_decode_step(model, weights, token, pos, kv_cache):
         return x if w is None else x * w
 
     n = kv_cache.pos + 1  # eager: attend over the filled positions only, not the whole preallocated cache
-    cos, sin = model.cos[n - 1:n], model.sin[n - 1:n]  # (1, D/2) views; indexing by a tensor costs more
+    cos, sin = weights["cos"][n - 1:n], weights["sin"][n - 1:n]  # (1, D) views; indexing by a tensor costs more
     x = model.wte(token).view(1, c.n_embd)
     for i, (wqkv, wo, wup, wgate, wdown, n_attn, n_mlp, n_q, n_k) in enumerate(weights["blocks"]):
         qkv = norm(x, n_attn) @ wqkv
-        q, k = qkv[:, :H * D].view(H, D), qkv[:, H * D:(H + K) * D].view(K, D)
-        if c.qk_norm:
-            q, k = norm(q, n_q), norm(k, n_k)
-        qk = torch.cat([q, k])
-        x1, x2 = qk[:, :D // 2], qk[:, D // 2:]
-        qk = torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], -1)
+        qk = qkv[:, :(H + K) * D].view(H + K, D)  # the H query heads, then the K key heads
+        if c.qk_norm and n_q is None:  # weightless: one norm over q and k rows together
+            qk = norm(qk, None)
+        elif c.qk_norm:
+            qk = torch.cat([norm(qk[:H], n_q), norm(qk[H:], n_k)])
+        # apply_rotary's (x1 cos + x2 sin, x2 cos - x1 sin) as x * (cos, cos) + (x2, x1) * (sin, -sin): the same bits
+        qk = qk * cos + torch.cat([qk[:, D // 2:], qk[:, :D // 2]], -1) * sin
         kv_cache.k[i].index_copy_(2, pos, qk[H:].view(1, K, 1, D))
         kv_cache.v[i].index_copy_(2, pos, qkv[:, (H + K) * D:].view(1, K, 1, D))
         y = F.scaled_dot_product_attention(qk[:H].view(1, H, 1, D), kv_cache.k[i, :, :, :n], kv_cache.v[i, :, :, :n],
