@@ -260,7 +260,11 @@ def main(argv=None):
     ckpt, how = pick_checkpoint(args)
     model, meta = C.load_model(ckpt, device)
     tokenizer_path = args.tokenizer or meta.get("tokenizer") or "runs/tokenizer"
-    tokenizer = Tokenizer.load(tokenizer_path)
+    try:
+        tokenizer = Tokenizer.load(tokenizer_path)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"--tokenizer {tokenizer_path}: {e} (or pass the checkpoint's tokenizer directory "
+                                f"with --tokenizer DIR)") from None
     C.check_tokenizer(meta, tokenizer, tokenizer_path, ckpt)
     stage = meta.get("stage") or "unknown"
     chat = stage != "pretrain"

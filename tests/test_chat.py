@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from launch import ROOT
+from launch import ROOT, run_in_process
 from test_chat_train import held_out_questions
 
 import chat
@@ -175,12 +175,16 @@ def test_a_pretraining_checkpoint_completes_text_and_a_100k_message_is_cut(learn
     assert re.search(r"\[\d+ tokens, prefill \d+ tok", err), err
 
 
-def test_bad_checkpoint_is_one_line_naming_the_flag(tmp_path, capsys):
-    from launch import run_in_process
+def test_bad_checkpoint_or_tokenizer_is_one_line_naming_the_flag(demo_world, tmp_path, capsys):
     code, _, err = run_in_process(chat.main, ["--checkpoint", tmp_path / "nothing"], capsys, stage="chat.py")
     assert code == 1 and err.strip().count("\n") == 0 and "--checkpoint" in err, err
     code, _, err = run_in_process(chat.main, ["--runs_dir", tmp_path], capsys, stage="chat.py")
-    assert code == 1 and "no checkpoint under" in err, err
+    assert code == 1 and "no checkpoint under" in err and "--checkpoint" in err, err
+    tokenizer = Tokenizer.load(demo_world / "tokenizer")
+    ckpt = endless_checkpoint(tmp_path / "runs" / "e" / "ckpt", tokenizer, demo_world / "tokenizer")
+    code, _, err = run_in_process(chat.main, ["--checkpoint", ckpt, "--tokenizer", tmp_path / "none"], capsys,
+                                  stage="chat.py")
+    assert code == 1 and err.strip().count("\n") == 0 and f"--tokenizer {tmp_path / 'none'}" in err, err
 
 
 # --- in-process: the pieces that need no terminal ----------------------------------------------------------------
