@@ -102,6 +102,11 @@ class Conversation:
         self.step = self._make_step(decode)
         self.last = {}
         self.reset()
+        if decode == "compiled":  # compile (and on CUDA record the graph) now, not in the first reply: steps at
+            for _ in range(3):    # position 1 that later writes overwrite; the mask hides them until then
+                with torch.inference_mode(), autocast_context(self.device.type, dtype):
+                    self.step(torch.tensor([[tokenizer.bos_id]], device=self.device))
+                self.cache.pos -= 1
 
     def _make_step(self, decode):
         """step(token (1, 1)) -> logits (1, vocab) after feeding the token at cache.pos; advances cache.pos."""
