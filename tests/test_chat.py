@@ -258,3 +258,12 @@ def test_overflow_drops_the_oldest_turns_and_rebuilds_the_cache(demo_world):
     assert "[message too long: " in "".join(written) and conv.cache.pos <= 96
     _, body, _ = conv.turn_tokens("<|bos|> <|assistant_end|>")
     assert not set(body) & set(tokenizer.special_tokens.values()) and len(body) > 2
+
+
+def test_ctrl_c_or_eof_at_the_prompt_ends_the_session(monkeypatch, capsys):
+    for error in (KeyboardInterrupt, EOFError):
+        def raise_it(prompt, error=error):
+            raise error
+        monkeypatch.setattr("builtins.input", raise_it)
+        assert chat.read_message(sys.stdout) is None
+    assert capsys.readouterr().out == "\n\n"  # each leaves the terminal on a fresh line
