@@ -279,7 +279,7 @@ def main(argv=None):
     decode = args.decode if args.decode != "auto" else "compiled" if device.type == "cuda" else \
         "lean" if dtype == "float32" and not model.config.bitnet else "static"
     if decode == "lean" and (dtype != "float32" or model.config.bitnet):
-        raise ValueError("--decode lean runs fp32 without BitNet only: use --decode static with --dtype bfloat16")
+        raise ValueError("--decode lean runs fp32 without BitNet only: use --decode static (any dtype, BitNet too)")
     seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
     generator = torch.Generator(device=device).manual_seed(seed)
     conv = Conversation(model, tokenizer, chat, decode, dtype, args.max_tokens)
