@@ -1,7 +1,8 @@
 """Benchmarks: figures printed with their targets. Not tests; nothing here is timed inside pytest.
 
     python bench.py              # every benchmark
-    python bench.py train decode # a chosen few: train, decode, build, tokenizer, loader, pretrain, core_eval, download
+    python bench.py train decode # a chosen few: train, decode, build, tokenizer, loader, pretrain, core_eval, download,
+                                 # cpu, chat
 
 train   forward+backward tokens/s of a preset on this machine: eager fp32, torch.compile fp32, compile + bf16 autocast.
         Target: compile + bf16 >= 2x eager fp32.
@@ -24,6 +25,10 @@ cpu     `python pretrain.py` at nanochat's tiny CPU shape (4 layers, width 256, 
         Muon and AdamW; tok/s the median of steps 11-40 from its metrics.jsonl, with the share of step time waiting
         for data. Then, in-process, the Muon step's share of an eager fp32 step. Targets (2 cores): compiled Muon
         >= 2x nanochat's tok/s on the same machine; the Muon step <= 15% of the step.
+chat    chat.py's second turn of a 2,000-token conversation (a --preset model with sequence_len 2304, random weights):
+        time to the first token with the KV cache kept vs re-prefilling the history (target >= 5x); and greedy decode
+        tok/s of chat.py's decode paths (lean, static, compiled) vs generate() at the preset's shape (target: lean
+        >= 1.5x generate(), measured in the same run).
 download  `download_shards` of 16 training shards + 1 validation shard (~4 MB parquet each) from a hub stand-in on
         loopback, 4 workers: shards/s and MB/s of the old client (dataset.py at commit 1d71acd, its own HTTP code on
         requests, read with `git show`) and of the new one (huggingface_hub), median of --trials rounds, alternating.
@@ -44,6 +49,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 from urllib.parse import unquote, urlsplit
 
 import pyarrow as pa
@@ -54,7 +60,7 @@ import common as C
 import dataset
 from dataset import iter_texts, text_loader
 from demo import write_demo
-from model import KVCache, autocast_context, build_model, config_from_preset, flops_per_token, num_params
+from model import KVCache, autocast_context, build_model, config_from_preset, flops_per_token, generate, num_params
 from tokenizer import bytes_per_token, counting, train_tokenizer
 
 
@@ -128,6 +134,93 @@ def bench_decode(args, device):
               f"{config.sequence_len})")
     print(f"decode: kv cache / recompute = {median:.1f}x median (range {ratios[0]:.1f}-{ratios[-1]:.1f}; target >= 5x: "
           f"{'met' if median >= 5 else 'MISSED'}); greedy tokens identical: {same}")
+
+
+def bench_chat(args, device):
+    """chat.py's two claims on random weights (timing does not depend on them): a second turn of a 2,000-token
+    conversation starts sooner when the cache is kept than when the whole history is prefilled again, and its decode
+    step is faster than generate()'s."""
+    torch.manual_seed(0)
+    config = config_from_preset(args.preset, {"sequence_len": 2304})
+    model = build_model(config, device).eval()
+    history, turn = torch.randint(0, config.vocab_size, (1, 2000), device=device), torch.randint(0, 1000, (1, 20))
+
+    def first_token(kept):
+        """Seconds from a 20-token turn to its first sampled token: prefill the turn alone (cache kept) or the
+        history + turn (nanochat's CLI re-prefills every turn)."""
+        cache = KVCache(config, 1, config.sequence_len)
+        if kept:
+            model(history, kv_cache=cache)
+        sync(device)
+        start = time.perf_counter()
+        ids = turn.to(device) if kept else torch.cat([history, turn.to(device)], 1)
+        model(ids, kv_cache=cache, last_only=True)[:, -1].argmax(-1).item()
+        return time.perf_counter() - start
+
+    with torch.inference_mode():
+        first_token(True), first_token(False)
+        trials = [(first_token(True), first_token(False)) for _ in range(args.trials)]
+    kept, again = (sorted(t[i] for t in trials)[len(trials) // 2] for i in (0, 1))
+    ratio = sorted(b / a for a, b in trials)[len(trials) // 2]
+    print(f"chat second turn (20 tokens after 2,000; {args.preset} with sequence_len 2304, random weights): first "
+          f"token after {1000 * kept:.1f} ms with the cache kept, {1000 * again:.1f} ms re-prefilling the history; "
+          f"{ratio:.1f}x median of {args.trials} interleaved (target >= 5x: {'met' if ratio >= 5 else 'MISSED'})")
+    bench_chat_decode(args, device)
+
+
+def bench_chat_decode(args, device):
+    """Greedy decode tok/s at the preset's own shape, context 192 -> 256 as in `decode`: generate() against
+    chat.py's decode paths (fp32), interleaved trials, the same tokens checked."""
+    import chat  # here: the other benchmarks do not need it
+    torch.manual_seed(0)
+    config = config_from_preset(args.preset)
+    model = build_model(config, device).eval()
+    n = args.decode_tokens
+    prompt = torch.randint(0, config.vocab_size, (config.sequence_len - n - 1,)).tolist()
+
+    def with_generate():
+        tokens = generate(model, prompt, n + 1, temperature=0)
+        out = [next(tokens)]  # the prefill's token
+        start = time.perf_counter()
+        out += list(tokens)
+        return n / (time.perf_counter() - start), out
+
+    def with_chat(conv):
+        def run():
+            conv.ids, conv.cache.pos = [], 0
+            logits = conv.forward(prompt)
+            start, out = time.perf_counter(), []
+            with torch.inference_mode():
+                for _ in range(n + 1):
+                    token = logits.argmax(-1, keepdim=True)
+                    out.append(token.item())
+                    if len(out) <= n:
+                        logits = conv.step(token)
+            return n / (time.perf_counter() - start), out
+        return run
+
+    tok = SimpleNamespace(special_tokens={"<|assistant_end|>": 0}, special_id=lambda name: 0, bos_id=0)
+    paths = {"generate()": with_generate}
+    for decode in ("lean", "static", "compiled"):
+        start = time.perf_counter()
+        paths[decode] = with_chat(chat.Conversation(model, tok, True, decode))
+        paths[decode]()  # warm up; compiles the compiled one
+        if decode == "compiled":
+            print(f"chat decode compiled: first call (compilation) {time.perf_counter() - start:.1f} s")
+    results = {name: [] for name in paths}
+    for _ in range(args.trials):
+        for name, run in paths.items():
+            results[name].append(run())
+    base = sorted(r[0] for r in results["generate()"])[args.trials // 2]
+    for name, runs in results.items():
+        rate = sorted(r[0] for r in runs)[args.trials // 2]
+        same = all(r[1] == results["generate()"][0][1] for r in runs)
+        print(f"chat decode {args.preset} {name:11s}: {rate:6,.0f} tok/s median of {args.trials} ({rate / base:.2f}x "
+              f"generate(); greedy tokens identical: {same})")
+    lean = sorted(r[0] for r in results["lean"])[args.trials // 2]
+    verdict = "met" if lean >= 1.5 * base else "MISSED"
+    print(f"chat decode: lean / generate() = {lean / base:.2f}x (target >= 1.5x: {verdict}; generate() recorded at "
+          f"276 tok/s in the README's decode row, an earlier session)")
 
 
 def bench_build(args, device):
@@ -415,7 +508,7 @@ def muon_share(device, step_seconds, steps=10):
 
 BENCHES = {"train": bench_train, "decode": bench_decode, "build": bench_build, "tokenizer": bench_tokenizer,
            "loader": bench_loader, "pretrain": bench_pretrain, "core_eval": bench_core_eval, "sft": bench_sft,
-           "download": bench_download, "cpu": bench_cpu}
+           "download": bench_download, "cpu": bench_cpu, "chat": bench_chat}
 
 
 def main():

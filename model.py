@@ -353,7 +353,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.norm_learnable, c.norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.norm_learnable, c.norm_eps) if c.qk_norm else None
 
-    def forward(self, x, cos, sin, kv_cache=None):
+    def forward(self, x, cos, sin, kv_cache=None, step=None):
         B, T, _ = x.shape
         x = to_compute_dtype(x)
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
@@ -365,6 +365,10 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, head_dim)
         if kv_cache is None:
             y = causal_attention(q, k, v)
+        elif step is not None:  # GPT.decode_step: the whole preallocated cache, positions after `pos` masked out
+            pos, valid = step
+            k, v = kv_cache.write_at(self.layer_idx, k, v, pos)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=valid, enable_gqa=True)
         else:
             start = kv_cache.pos
             k, v = kv_cache.update(self.layer_idx, k, v)
@@ -399,8 +403,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(c.n_embd, c.norm_learnable, c.norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x, cos, sin, kv_cache=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, kv_cache)
+    def forward(self, x, cos, sin, kv_cache=None, step=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, kv_cache, step)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -424,6 +428,13 @@ class KVCache:
         self.k[layer_idx, :, :, self.pos:self.pos + T] = k
         self.v[layer_idx, :, :, self.pos:self.pos + T] = v
         return self.k[layer_idx, :, :, :self.pos + T], self.v[layer_idx, :, :, :self.pos + T]
+
+    def write_at(self, layer_idx, k, v, pos):
+        """One position's keys and values written at `pos`, a (1,) long tensor (no Python int, so a compiled step
+        is not specialized on it); returns the layer's whole cache. The cache must be allocated (prefill first)."""
+        self.k[layer_idx].index_copy_(2, pos, k)
+        self.v[layer_idx].index_copy_(2, pos, v)
+        return self.k[layer_idx], self.v[layer_idx]
 
 
 # -----------------------------------------------------------------------------
@@ -563,6 +574,20 @@ class GPT(nn.Module):
             return loss_sum
         return loss_sum / (targets != -1).sum().clamp(min=1)
 
+    def decode_step(self, token, pos, kv_cache):
+        """fp32 logits (B, vocab) of one token per row (B, 1) at position `pos` ((1,) long tensor, the same for every
+        row), with attention over the whole preallocated cache and a mask of the positions <= pos: every shape is the
+        same at every step, so torch.compile traces it once and CUDA graphs can replay it (gpt-fast's static KV
+        cache). The cache must hold positions 0 .. pos-1 (prefill with forward() first); kv_cache.pos is the caller's
+        to advance (a Python int read here would recompile the step at every position)."""
+        cos, sin = self.cos[pos][None, :, None, :], self.sin[pos][None, :, None, :]
+        valid = (torch.arange(kv_cache.shape[3], device=token.device) <= pos).view(1, -1)  # (query, key)
+        x = self.wte(token)
+        for block in self.blocks:
+            x = block(x, cos, sin, kv_cache, (pos, valid))
+        x = self.norm_f(x)
+        return softcap_logits(F.linear(x[:, -1], self.head_weight()).float(), self.config.logit_softcap)
+
     def _per_token_loss(self, x, targets):
         """Loss and argmax at the positions with a target, computed in chunks; an evaluation that scores a few
         continuation tokens per row pays the head for those only."""
@@ -644,6 +669,63 @@ def generate(model, prompt, max_new_tokens, temperature=1.0, top_k=None, seed=No
         yield next_id.item()
         if step + 1 < max_new_tokens:
             next_id = next_token(next_id)
+
+
+def lean_decode_weights(model):
+    """The weights of lean_decode_step: per block (q|k|v stacked, o, up, gate or None, down), each transposed to
+    (in, out) and contiguous, and the head's; plus the norms' scales (None when weightless). A copy of the block
+    matrices (an inference-only cost), and the rotary tables laid out for lean_decode_step. BitNet's quantized
+    weights are not supported (use GPT.decode_step)."""
+    if model.config.bitnet:
+        raise ValueError("lean_decode_step does not support bitnet=True: use GPT.decode_step")
+    t = lambda w: w.detach().t().contiguous()
+    scale = lambda norm: None if norm is None or norm.weight is None else norm.weight.detach()
+    blocks = []
+    for b in model.blocks:
+        a, m = b.attn, b.mlp
+        blocks.append((t(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])), t(a.o_proj.weight),
+                       t(m.up_proj.weight), None if m.gate_proj is None else t(m.gate_proj.weight),
+                       t(m.down_proj.weight), scale(b.attn_norm), scale(b.mlp_norm), scale(a.q_norm),
+                       scale(a.k_norm)))
+    return {"blocks": blocks, "head": t(model.head_weight()), "norm_f": scale(model.norm_f),
+            "cos": torch.cat([model.cos, model.cos], -1), "sin": torch.cat([model.sin, -model.sin], -1)}
+
+
+def lean_decode_step(model, weights, token, pos, kv_cache):
+    """GPT.decode_step for one row in plain fp32 eager mode with fewer, larger ops, for the CPU, where a 1-token step
+    of a small model is bound by per-op overhead, not arithmetic: q, k, v in one matmul against pre-transposed
+    weights (a (1, n) @ (n, m) matmul is ~2x faster than F.linear's x @ W^T on CPU), q and k normalized and rotated
+    together, residual adds fused into addmm, attention over the filled positions only (eager mode may change
+    shapes; a masked 2,048-long cache costs ~0.45 ms a layer on CPU). kv_cache.pos must equal pos. Greedy tokens
+    equal GPT.decode_step's and generate()'s (tested); faster than generate() at the tiny preset (README: chat)."""
+    c, eps = model.config, model.config.norm_eps
+    H, K, D = c.n_head, c.n_kv_head, c.head_dim
+
+    def norm(x, w):  # rms_norm in 4 small ops (F.rms_norm's CPU path runs ~10)
+        x = x * (x * x).sum(-1, keepdim=True).mul_(1 / x.size(-1)).add_(eps).rsqrt_()
+        return x if w is None else x * w
+
+    n = kv_cache.pos + 1  # eager: attend over the filled positions only, not the whole preallocated cache
+    cos, sin = weights["cos"][n - 1:n], weights["sin"][n - 1:n]  # (1, D) views; indexing by a tensor costs more
+    x = model.wte(token).view(1, c.n_embd)
+    for i, (wqkv, wo, wup, wgate, wdown, n_attn, n_mlp, n_q, n_k) in enumerate(weights["blocks"]):
+        qkv = norm(x, n_attn) @ wqkv
+        qk = qkv[:, :(H + K) * D].view(H + K, D)  # the H query heads, then the K key heads
+        if c.qk_norm and n_q is None:  # weightless: one norm over q and k rows together
+            qk = norm(qk, None)
+        elif c.qk_norm:
+            qk = torch.cat([norm(qk[:H], n_q), norm(qk[H:], n_k)])
+        # apply_rotary's (x1 cos + x2 sin, x2 cos - x1 sin) as x * (cos, cos) + (x2, x1) * (sin, -sin): the same bits
+        qk = qk * cos + torch.cat([qk[:, D // 2:], qk[:, :D // 2]], -1) * sin
+        kv_cache.k[i].index_copy_(2, pos, qk[H:].view(1, K, 1, D))
+        kv_cache.v[i].index_copy_(2, pos, qkv[:, (H + K) * D:].view(1, K, 1, D))
+        y = F.scaled_dot_product_attention(qk[:H].view(1, H, 1, D), kv_cache.k[i, :, :, :n], kv_cache.v[i, :, :, :n],
+                                           enable_gqa=True)
+        x = torch.addmm(x, y.view(1, H * D), wo)
+        h = norm(x, n_mlp)
+        h = F.silu(h @ wgate) * (h @ wup) if wgate is not None else F.relu(h @ wup).square_()
+        x = torch.addmm(x, h, wdown)
+    return softcap_logits(norm(x, weights["norm_f"]) @ weights["head"], c.logit_softcap)
 
 
 # -----------------------------------------------------------------------------

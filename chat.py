@@ -1,0 +1,334 @@
+"""Chat with a checkpoint in the terminal. Tokens stream as they are generated, and the conversation stays in the KV
+cache across turns: a new turn prefills only its own new tokens, never the whole history again.
+
+    python chat.py                                        # newest SFT checkpoint, else midtraining, else pretraining
+    python chat.py --checkpoint runs/NAME --temperature 0.8 --top_k 40 --seed 7
+    python chat.py -p "What is the capital of France?"    # answer once and exit; -p - reads the prompt from stdin
+
+Prints the checkpoint it loaded (path, stage, step, exact parameters), device, dtype, decode path, the mode (chat, or
+completion for a pretraining checkpoint: no template, each input is continued as plain text) and the seed; after
+each reply a line [tokens, prefill N tok in S s (tok/s), decode tok/s]. Commands: /clear /stats /help /quit.
+With -p the reply alone goes to stdout, everything else to stderr.
+"""
+import argparse
+import codecs
+import secrets
+import signal
+import sys
+import time
+from contextlib import contextmanager
+
+import torch
+
+import common as C
+from model import KVCache, autocast_context, lean_decode_step, lean_decode_weights, num_params, sample_next
+from tokenizer import Tokenizer
+
+STAGES = ["sft", "midtrain", "pretrain"]  # the order a checkpoint is looked for when --checkpoint is not given
+HELP = ("/clear  forget the conversation (back to <|bos|>)\n/stats  tokens in the cache, context, turns, last "
+        "turn's prefill and decode\n/help   this list\n/quit   exit (also Ctrl-D; Ctrl-C at the prompt)\n"
+        "Ctrl-C during a reply stops that reply; the conversation goes on.")
+
+
+def get_args(argv=None):
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", default=None, help="a checkpoint (runs/<run>/ckpt/step_*) or a run directory "
+                   f"(its newest) (default: the newest under --runs_dir of stage {', else '.join(STAGES)})")
+    p.add_argument("--runs_dir", default="runs", help="where runs live (default: %(default)s)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the one the checkpoint records)")
+    p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature, 0 = greedy (default: "
+                   "%(default)s)")
+    p.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest tokens, 0 = all (default: "
+                   "%(default)s)")
+    p.add_argument("--max_tokens", type=int, default=256, help="most tokens per reply (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a random one, printed so it can "
+                   "be passed back)")
+    p.add_argument("-p", "--prompt", default=None, help="answer this one prompt and exit; - reads it from stdin "
+                   "(default: interactive)")
+    p.add_argument("--device", default="cuda" if cuda else "cpu", help="device (default: %(default)s)")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="compute dtype (default: bfloat16 "
+                   "on a GPU that runs it natively, else float32; on CPU always float32: a 1-token step under bf16 "
+                   "autocast re-casts every weight, measured ~7x slower per matmul, README: chat)")
+    p.add_argument("--decode", default="auto", choices=["auto", "lean", "static", "compiled", "generate"],
+                   help="decode step: lean (fp32 CPU eager, fewer ops), static (GPT.decode_step: fixed shapes), "
+                   "compiled (static under torch.compile), generate (the forward generate() uses); auto = compiled "
+                   "on CUDA, lean on CPU in fp32, measured fastest there (default: %(default)s)")
+    args = p.parse_args(argv)
+    if args.max_tokens < 1 or args.top_k < 0 or args.temperature < 0:
+        p.error("--max_tokens must be >= 1, --top_k >= 0 and --temperature >= 0")
+    return args
+
+
+def pick_checkpoint(args):
+    """(checkpoint, how it was chosen): --checkpoint, else the newest of the first stage in STAGES that has one."""
+    if args.checkpoint is not None:
+        return C.find_checkpoint(args.checkpoint, args.runs_dir), "--checkpoint"
+    for stage in STAGES:
+        found = C.newest_checkpoint(args.runs_dir, stage)
+        if found is not None:
+            return found, f"newest {stage} checkpoint under {args.runs_dir}"
+    raise FileNotFoundError(f"no checkpoint under {args.runs_dir}/*/ckpt/: train one (python pretrain.py, then "
+                            f"midtrain.py, sft.py), or pass --checkpoint runs/<run> (or --runs_dir DIR)")
+
+
+def utf8_stream(tokenizer):
+    """feed(token_id) -> the text completed by its bytes ('' while a character is still split across tokens);
+    feed(None) flushes what is left at the end of a reply (an incomplete character becomes U+FFFD, once)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(token_id):
+        if token_id is None:
+            text = decoder.decode(b"", final=True)
+            decoder.reset()
+            return text
+        return decoder.decode(tokenizer.enc.decode_single_token_bytes(token_id))
+    return feed
+
+
+class Conversation:
+    """The token ids in the KV cache (cache.pos == len(ids); ids[0] is <|bos|>), the index in ids where each exchange
+    starts, and whether the last reply still needs its closing <|assistant_end|> fed (it is sampled, or added when a
+    reply was cut, but enters the cache with the next turn's tokens)."""
+
+    def __init__(self, model, tokenizer, chat, decode="lean", dtype="float32", max_tokens=256):
+        self.model, self.tok, self.chat, self.dtype = model, tokenizer, chat, dtype
+        self.device = model.cos.device
+        self.capacity = model.config.sequence_len
+        self.cache = KVCache(model.config, 1, self.capacity)
+        self.room = min(max_tokens, self.capacity // 4)  # kept free for the reply when old turns must go
+        self.special = set(tokenizer.special_tokens.values())
+        self.end = tokenizer.special_id("<|assistant_end|>")
+        self.step = self._make_step(decode)
+        self.last = {}
+        self.reset()
+        if decode == "compiled":  # compile (and on CUDA record the graph) now, not in the first reply: steps at
+            for _ in range(3):    # position 1 that later writes overwrite; the mask hides them until then
+                with torch.inference_mode(), autocast_context(self.device.type, dtype):
+                    self.step(torch.tensor([[tokenizer.bos_id]], device=self.device))
+                self.cache.pos -= 1
+
+    def _make_step(self, decode):
+        """step(token (1, 1)) -> logits (1, vocab) after feeding the token at cache.pos; advances cache.pos."""
+        model, cache = self.model, self.cache
+        if decode == "generate":
+            return lambda token: model(token, kv_cache=cache)[:, -1]
+        weights = lean_decode_weights(model) if decode == "lean" else None
+        fn = model.decode_step
+        if decode == "compiled":  # gpt-fast: CUDA graphs replay the fixed-shape step; the cache is mutated in place
+            fn = torch.compile(model.decode_step, mode="reduce-overhead" if self.device.type == "cuda" else None,
+                               fullgraph=True)
+
+        def step(token):
+            pos = torch.tensor([cache.pos], device=self.device)
+            logits = lean_decode_step(model, weights, token, pos, cache) if weights else fn(token, pos, cache)
+            cache.pos += 1
+            return logits
+        return step
+
+    def forward(self, ids):
+        """Prefill ids after what the cache holds, in one forward; logits of the last position."""
+        with torch.inference_mode(), autocast_context(self.device.type, self.dtype):
+            logits = self.model(torch.tensor([ids], device=self.device), kv_cache=self.cache, last_only=True)[:, -1]
+        if self.cache.k is not None and self.device.type == "cuda" and not getattr(self.cache, "static", False):
+            torch._dynamo.mark_static_address(self.cache.k)  # CUDA graphs may then write the cache in place
+            torch._dynamo.mark_static_address(self.cache.v)
+            self.cache.static = True
+        self.ids += ids
+        return logits
+
+    def reset(self):
+        self.ids, self.starts, self.pending = [], [], False
+        self.cache.pos = 0
+        self.forward([self.tok.bos_id])
+
+    def turn_tokens(self, text):
+        """(head, body, tail): the tokens a message adds; only body (the text, encoded as plain text: a typed
+        <|bos|> is never a special token) may be cut."""
+        body = self.tok.encode(text)
+        if not self.chat:
+            return [], body, []
+        sid = self.tok.special_id
+        return [self.end] * self.pending + [sid("<|user_start|>")], body, [sid("<|user_end|>"),
+                                                                             sid("<|assistant_start|>")]
+
+    def fit(self, text):
+        """The new tokens of the next turn, made to fit: the oldest exchanges are dropped (<|bos|> kept, the cache
+        rebuilt) until the turn and room for a reply fit the context; a message that cannot fit even alone keeps its
+        last tokens (the end of a long paste is usually the question). Returns (new ids, notices)."""
+        head, body, tail = self.turn_tokens(text)
+        notices, dropped = [], 0
+        while self.starts and len(self.ids) + len(head) + len(body) + len(tail) + self.room > self.capacity:
+            dropped += 1
+            kept = [self.ids[0], *self.ids[self.starts[1]:]] if len(self.starts) > 1 else [self.ids[0]]
+            shift = (self.starts[1] - 1) if len(self.starts) > 1 else 0
+            self.starts = [s - shift for s in self.starts[1:]]
+            if not self.starts:  # nothing left to close: the pending <|assistant_end|> goes with its exchange
+                self.pending = False
+                head = [t for t in head if t != self.end]
+            self.ids, self.cache.pos = [], 0
+            self.forward(kept)
+        if dropped:
+            notices.append(f"[context full: dropped the {dropped} oldest turn{'s' * (dropped > 1)}, kept <|bos|> and "
+                           f"{len(self.starts)} turn{'s' * (len(self.starts) != 1)}; cache rebuilt, "
+                           f"{len(self.ids):,} tokens]")
+        space = self.capacity - self.room - len(self.ids) - len(head) - len(tail)
+        if len(body) > space:
+            notices.append(f"[message too long: {len(body):,} tokens, the context holds {self.capacity:,}; kept its "
+                           f"last {max(space, 0):,} tokens]")
+            body = body[len(body) - space:] if space > 0 else []
+        return head + body + tail, notices
+
+    def respond(self, text, write, temperature, top_k, max_tokens, generator, stop=lambda: False, notify=None):
+        """One turn: prefill the new tokens, then sample until an end token, max_tokens, a full cache or stop().
+        write(str) gets the reply's text as it completes, notify(str) each notice (default: write). Returns this
+        turn's stats."""
+        notify = notify or (lambda line: write(line + "\n"))
+        new, notices = self.fit(text)
+        for notice in notices:
+            notify(notice)
+        if not new:  # completion mode, nothing typed that survived: nothing to continue from
+            self.last = {"prefill": 0, "prefill_s": 0.0, "decode": 0, "decode_s": 0.0, "why": "empty"}
+            return self.last
+        start = len(self.ids)
+        t0 = time.perf_counter()
+        logits = self.forward(new)
+        prefill_s = time.perf_counter() - t0
+        self.starts.append(start + (1 if self.chat and new[0] == self.end else 0))
+        feed, count, why = utf8_stream(self.tok), 0, "max_tokens"
+        t1 = time.perf_counter()
+        with torch.inference_mode(), autocast_context(self.device.type, self.dtype):
+            while count < max_tokens:
+                if stop():
+                    why = "interrupted"
+                    break
+                token = sample_next(logits, temperature, top_k, generator)
+                if token.item() in self.special:
+                    why = "end"
+                    break
+                if len(self.ids) >= self.capacity:
+                    why = "context full"
+                    break
+                write(feed(token.item()))
+                logits = self.step(token)
+                self.ids.append(token.item())
+                count += 1
+        decode_s = time.perf_counter() - t1
+        write(feed(None))
+        self.pending = self.chat  # sampled <|assistant_end|>, or one closing a cut reply: fed with the next turn
+        if why in ("interrupted", "context full"):
+            write("\n")
+            notify(f"[reply stopped: {why}]")
+        self.last = {"prefill": len(new), "prefill_s": prefill_s, "decode": count, "decode_s": decode_s, "why": why}
+        return self.last
+
+
+def stats_line(s):
+    prefill_rate = s["prefill"] / s["prefill_s"] if s["prefill_s"] else 0
+    decode_rate = s["decode"] / s["decode_s"] if s["decode_s"] else 0
+    return (f"[{s['decode']} tokens, prefill {s['prefill']} tok in {s['prefill_s']:.2f} s ({prefill_rate:,.0f} tok/s),"
+            f" decode {decode_rate:,.0f} tok/s]")
+
+
+def print_stats(conv, out):
+    print(f"cache: {len(conv.ids):,} tokens of a {conv.capacity:,}-token context; turns: {len(conv.starts)}", file=out)
+    if conv.last:
+        print(f"last turn: prefilled {conv.last['prefill']} tokens, decoded {conv.last['decode']} (ended: "
+              f"{conv.last['why']}) {stats_line(conv.last)}", file=out)
+
+
+@contextmanager
+def sigint_flag():
+    """During a reply, Ctrl-C (SIGINT) only appends to the yielded list, which the decode loop reads between tokens,
+    so the cache is never left half-written; the previous handler comes back after the reply."""
+    hits = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: hits.append(signum))
+    try:
+        yield hits
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def read_message(out):
+    """The next line typed, or None at EOF or Ctrl-C (both end the session)."""
+    try:
+        return input("> ")
+    except (EOFError, KeyboardInterrupt):
+        print(file=out)
+        return None
+
+
+def main(argv=None):
+    args = get_args(argv)
+    device = torch.device(args.device)
+    out = sys.stderr if args.prompt is not None else sys.stdout  # with -p, stdout holds the reply alone
+    ckpt, how = pick_checkpoint(args)
+    model, meta = C.load_model(ckpt, device)
+    tokenizer_path = args.tokenizer or meta.get("tokenizer") or "runs/tokenizer"
+    try:
+        tokenizer = Tokenizer.load(tokenizer_path)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"--tokenizer {tokenizer_path}: {e} (or pass the checkpoint's tokenizer directory "
+                                f"with --tokenizer DIR)") from None
+    C.check_tokenizer(meta, tokenizer, tokenizer_path, ckpt)
+    stage = meta.get("stage") or "unknown"
+    chat = stage != "pretrain"
+    if chat:
+        C.check_chat_tokenizer(tokenizer, tokenizer_path)
+    dtype = args.dtype or (C.matmul_dtype(device) if device.type == "cuda" else "float32")
+    decode = args.decode if args.decode != "auto" else "compiled" if device.type == "cuda" else \
+        "lean" if dtype == "float32" and not model.config.bitnet else "static"
+    if decode == "lean" and (dtype != "float32" or model.config.bitnet):
+        raise ValueError("--decode lean runs fp32 without BitNet only: use --decode static (any dtype, BitNet too)")
+    seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    conv = Conversation(model, tokenizer, chat, decode, dtype, args.max_tokens)
+    print(f"checkpoint: {ckpt} ({how}): stage {stage}, step {meta.get('step', 'unknown')}, "
+          f"{num_params(model.config):,} parameters, context {conv.capacity:,} tokens; tokenizer {tokenizer_path}",
+          file=out)
+    print(f"device: {C.device_name(device)}; dtype {dtype}; decode {decode}", file=out)
+    print("mode: chat (the chat template; special tokens only by id)" if chat else "mode: completion (a pretraining "
+          "checkpoint: no chat template, each input is continued as plain text)", file=out)
+    print(f"sampling: temperature {args.temperature}, top_k {args.top_k}, max_tokens {args.max_tokens}, seed {seed} "
+          f"(--seed {seed} to reproduce)", file=out)
+
+    def write(text):
+        print(text, end="", flush=True)
+
+    def turn(text):
+        with sigint_flag() as hits:
+            s = conv.respond(text, write, args.temperature, args.top_k, args.max_tokens, generator,
+                             lambda: bool(hits), lambda line: print(line, file=out, flush=True))
+        if s["why"] not in ("interrupted", "context full"):
+            print(file=sys.stdout)
+        print(stats_line(s), file=out, flush=True)
+
+    if args.prompt is not None:
+        text = sys.stdin.buffer.read().decode("utf-8", "replace") if args.prompt == "-" else args.prompt
+        turn(text.strip("\n"))
+        return 0
+    sys.stdin.reconfigure(errors="replace")  # invalid UTF-8 typed or piped in becomes U+FFFD, not a crash
+    if sys.stdin.isatty():
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+    print("type a message; /help for commands", file=out)
+    while (line := read_message(out)) is not None:
+        command = line.strip()
+        if command in ("/quit", "/exit"):
+            break
+        if command == "/help":
+            print(HELP, file=out)
+        elif command == "/clear":
+            conv.reset()
+            print("[conversation cleared]", file=out)
+        elif command == "/stats":
+            print_stats(conv, out)
+        elif command:
+            turn(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(C.run_main(main))
