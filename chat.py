@@ -305,6 +305,9 @@ def main(argv=None):
 
     if args.prompt is not None:
         text = sys.stdin.buffer.read().decode("utf-8", "replace") if args.prompt == "-" else args.prompt
+        if not text.strip():
+            raise ValueError("-p: the prompt is empty" + (" (nothing came on stdin)" if args.prompt == "-" else "")
+                             + ": pass the text to answer, or - and the text on stdin")
         turn(text.strip("\n"))
         return 0
     sys.stdin.reconfigure(errors="replace")  # invalid UTF-8 typed or piped in becomes U+FFFD, not a crash
@@ -325,6 +328,8 @@ def main(argv=None):
             print("[conversation cleared]", file=out)
         elif command == "/stats":
             print_stats(conv, out)
+        elif command.startswith("/") and " " not in command:  # a mistyped command is not sent to the model
+            print(f"unknown command {command}; /help lists them", file=out)
         elif command:
             turn(line)
     return 0

@@ -122,6 +122,9 @@ def test_an_interactive_session_in_a_terminal(demo_world, tmp_path):
         os.write(fd, b"/clear\n")
         read_until(fd, rb"\[conversation cleared\]\r?\n> ", 30, seen)
         assert stats()[0][:2] == [1, 0]
+        os.write(fd, b"/stat\n")  # a mistyped command is refused, not sent to the model
+        read_until(fd, rb"unknown command /stat; /help lists them\r?\n> ", 30, seen)
+        assert stats()[0][:2] == [1, 0]
         os.write(fd, b"\x04")  # Ctrl-D at an empty prompt: EOF
         deadline = time.monotonic() + 30
         while (status := os.waitpid(pid, os.WNOHANG))[0] == 0:
@@ -185,6 +188,8 @@ def test_bad_checkpoint_or_tokenizer_is_one_line_naming_the_flag(demo_world, tmp
     code, _, err = run_in_process(chat.main, ["--checkpoint", ckpt, "--tokenizer", tmp_path / "none"], capsys,
                                   stage="chat.py")
     assert code == 1 and err.strip().count("\n") == 0 and f"--tokenizer {tmp_path / 'none'}" in err, err
+    code, _, err = run_in_process(chat.main, ["--checkpoint", ckpt, "-p", " \n"], capsys, stage="chat.py")
+    assert code == 1 and "-p: the prompt is empty: pass the text" in err, err
 
 
 # --- in-process: the pieces that need no terminal ----------------------------------------------------------------
