@@ -860,7 +860,9 @@ def val_bpb(model, rows, token_bytes, batch_rows, dtype, rank, world, device):
     model.eval()
     for b in range(rank, n_batches, world):
         batch = rows[b * batch_rows:(b + 1) * batch_rows].to(device)
-        x, y = batch[:, :-1], batch[:, 1:]
+        # a last, partly filled row pads with -1: as an input that would index out of the embedding; it only
+        # follows the row's text (causal attention) and its targets are -1, so any token id serves
+        x, y = batch[:, :-1].clamp(min=0), batch[:, 1:]
         nbytes = token_bytes[y.clamp(min=0)] * (y != -1)
         text = nbytes > 0
         with autocast_context(device.type, dtype):

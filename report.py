@@ -140,16 +140,16 @@ def write_report(run):
         lines.append(f"- hardware, {name}: {hardware(run / 'logs' / f'{name}.log')}")
     lines += ["", "## Stages", "", "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
     lines += ["| " + " | ".join(row.values()) + " |" for row in rows]
-    lines += ["", "Wall time: speedrun.sh's clock around the stage (logs/stages.tsv), start-up and evaluation included. "
+    lines += ["", ("Wall time: speedrun.sh's clock around the stage (logs/stages.tsv), start-up and evaluation included. "
               "tok/s: tokens / the summed step times in metrics.jsonl. MFU: the mean of the per-step MFU; unknown "
-              "where the device has no rated peak (any CPU) or the compute is fp32.", "",
-              f"Other stages' wall time (s): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()
+              "where the device has no rated peak (any CPU) or the compute is fp32."), "",
+              "Other stages' wall time (s): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()
                                                             if k not in TRAIN_STAGES), ""]
     lines += ["## Evaluation", ""]
     if core:
         bpb = f"{core['val_bpb']:.4f}" if core.get("val_bpb") is not None else UNKNOWN
-        lines += [f"CORE {core['core']:.4f} ({len(core['tasks'])} tasks, protocol {core['protocol']}); val bpb {bpb} "
-                  f"(core_eval/results.json)", "", "| task | accuracy | centered |", "|---|---|---|"]
+        lines += [(f"CORE {core['core']:.4f} ({len(core['tasks'])} tasks, protocol {core['protocol']}); val bpb {bpb} "
+                  f"(core_eval/results.json)"), "", "| task | accuracy | centered |", "|---|---|---|"]
         lines += [f"| {t['task']} | {t['accuracy']:.4f} | {t['centered']:.4f} |" for t in core["tasks"]]
     else:
         lines.append(f"CORE {UNKNOWN} (no core_eval/results.json)")

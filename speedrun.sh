@@ -106,17 +106,24 @@ trap 'on_signal TERM 143' TERM
 # at its end passes every line through and, for pretraining, adds the expected time once 10 steps are timed.
 # shellcheck disable=SC2016,SC2089,SC2090  # an awk program, read by awk
 SPEEDRUN_AWK='{ print; fflush() }
-eta && !said && $1 == "step" && split($2, s, "/") == 2 && s[1] >= 10 && /ETA/ {
-    printf "speedrun: expected pretraining time left: %s (measured: mean step time of the first %d steps, " \
-        "compilation included)\n", $NF, s[1]; fflush(); said = 1 }'
+eta && !said && $1 == "step" && split($2, s, "/") == 2 && s[1] >= 20 && /ETA/ {
+    for (i = 2; i < NF; i++) { if ($i == "tok/s") rate = $(i - 1); if ($i == "tokens") done = $(i + 1) }
+    gsub(",", "", rate); gsub(",", "", done)
+    if (rate > 0) {
+        left = (s[2] - s[1]) * done / s[1] / rate
+        printf "speedrun: expected pretraining time left: %d:%02d:%02d for %d more steps (measured: %s tok/s at " \
+            "step %d, after compilation and warm-up)\n", left / 3600, left % 3600 / 60, left % 60, s[2] - s[1], rate, s[1]
+        fflush(); said = 1 } }'
 run_stage() {
     local name=$1 log=$SPEEDRUN_LOG rc=0 start
     shift
     start=$(date +%s.%N)
     say "stage $name: $*"
     # shellcheck disable=SC2016  # expanded by the inner bash
-    setsid bash -c 'set -o pipefail; "$@" 2>&1 < /dev/null | tee -a "$SPEEDRUN_LOG" |
-        awk -v eta="$SPEEDRUN_ETA" "$SPEEDRUN_AWK"' speedrun-stage "$@" &
+    # tee and awk ignore TERM and INT: the stage's processes get them, checkpoint, print their last lines and exit,
+    # and only then do tee and awk see the end of their input (a KILL of the group ends them regardless)
+    setsid bash -c 'set -o pipefail; "$@" 2>&1 < /dev/null | (trap "" TERM INT; exec tee -a "$SPEEDRUN_LOG") |
+        (trap "" TERM INT; exec awk -v eta="$SPEEDRUN_ETA" "$SPEEDRUN_AWK")' speedrun-stage "$@" &
     STAGE_PGIDS+=("$!")
     wait "$!" || rc=$?
     STAGE_PGIDS=()
@@ -137,6 +144,8 @@ stage() {  # stage NAME CMD...: run_stage with its log file
     if [ "$STOP_AFTER" = "$1" ]; then say "stopping after $1 (--stop_after)"; exit 0; fi
 }
 skip() { say "stage $1 skipped: $2"; if [ "$STOP_AFTER" = "$1" ]; then exit 0; fi; }
+
+export PYTHONUNBUFFERED=1  # every line reaches the log and the terminal when printed
 
 # --- the interpreter
 if [ -n "${SPEEDRUN_PYTHON:-}" ]; then
