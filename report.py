@@ -93,6 +93,18 @@ def stage_figures(run, name, times):
     }
 
 
+def contained_answers(items_path):
+    """{task: (replies containing an accepted answer as a whole word, replies)} for the generated tasks whose items
+    carry accepted answers (the demo world's demo-answer): a reply in a sentence ("It's Pelmo.") counts here."""
+    counts = {}
+    for item in read_jsonl(items_path):
+        if "answers" in item and "reply" in item:
+            hit = any(re.search(rf"\b{re.escape(a.lower())}\b", item["reply"].lower()) for a in item["answers"])
+            hits, n = counts.get(item["task"], (0, 0))
+            counts[item["task"]] = (hits + hit, n + 1)
+    return counts
+
+
 def plot(run, out):
     """loss.png: training loss against step for each stage; val_bpb.png: pretraining's validation bits per byte."""
     import matplotlib
@@ -159,6 +171,9 @@ def write_report(run):
                   "| task | correct | accuracy | centered |", "|---|---|---|---|"]
         lines += [f"| {t['task']} | {t['correct']}/{t['items']} | {t['accuracy']:.4f} | {t['centered']:.4f} |"
                   for t in chat["tasks"]]
+        for task, (hits, n) in contained_answers(run / "chat_eval_items.jsonl").items():
+            lines += ["", (f"{task}: {hits}/{n} replies contain an accepted answer as a word (chat_eval_items.jsonl; "
+                          f"not ChatCORE's rule, under which the reply must be the answer)")]
     else:
         lines.append(f"ChatCORE {UNKNOWN} (no chat_eval.json)")
     lines += ["", "## Sample answers", ""]

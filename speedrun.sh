@@ -123,7 +123,7 @@ run_stage() {
     # tee and awk ignore TERM and INT: the stage's processes get them, checkpoint, print their last lines and exit,
     # and only then do tee and awk see the end of their input (a KILL of the group ends them regardless)
     setsid bash -c 'set -o pipefail; "$@" 2>&1 < /dev/null | (trap "" TERM INT; exec tee -a "$SPEEDRUN_LOG") |
-        (trap "" TERM INT; exec awk -v eta="$SPEEDRUN_ETA" "$SPEEDRUN_AWK")' speedrun-stage "$@" &
+        (trap "" TERM INT; exec awk $SPEEDRUN_AWK_FLAGS -v eta="$SPEEDRUN_ETA" "$SPEEDRUN_AWK")' speedrun-stage "$@" &
     STAGE_PGIDS+=("$!")
     wait "$!" || rc=$?
     STAGE_PGIDS=()
@@ -135,8 +135,10 @@ run_stage() {
     fi
     say "stage $name done"
 }
+SPEEDRUN_AWK_FLAGS=""  # mawk reads a pipe in large blocks unless told to read it line by line
+if awk -W version 2>&1 | grep -q mawk; then SPEEDRUN_AWK_FLAGS="-W interactive"; fi
 # shellcheck disable=SC2090
-export SPEEDRUN_LOG SPEEDRUN_ETA=0 SPEEDRUN_AWK
+export SPEEDRUN_LOG SPEEDRUN_ETA=0 SPEEDRUN_AWK SPEEDRUN_AWK_FLAGS
 
 stage() {  # stage NAME CMD...: run_stage with its log file
     SPEEDRUN_LOG="$LOGS/$1.log"
@@ -162,7 +164,7 @@ fi
 if command -v nvidia-smi > /dev/null 2>&1; then
     holders=$(nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader 2>/dev/null || true)
     if [ -n "$holders" ] && [ "$FORCE" = 0 ]; then
-        pids=$(echo "$holders" | cut -d, -f1 | tr -d ' ' | tr '\n' ' ')
+        pids=$(echo "$holders" | cut -d, -f1 | tr -d ' ' | paste -sd ' ')
         echo "speedrun.sh: error: processes hold the GPUs (pid, name):" >&2
         echo "$holders" >&2
         echo "They would leave this run short of memory (a zombie worker of an earlier run?). Stop them with" \
