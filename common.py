@@ -3,7 +3,8 @@ optimizers and their learning-rate rule, schedules, checkpoints and finding/load
 resume, the training loop with its policies (exact loss over masked targets, NaN stop, SIGTERM, health checks,
 metrics, progress), validation bits per byte, a run's status.
 
-Not a stage: import it. One command line, speedrun.sh's NCCL check, run under torchrun with one process per GPU:
+Not a stage: import it. One command line, speedrun.sh's NCCL check, run under torchrun with one process per GPU
+(`python common.py probe` alone has no peers and says so):
 
     python -m torch.distributed.run --standalone --nproc_per_node=8 common.py probe --timeout 60
 """
@@ -90,6 +91,9 @@ def probe_all_reduce(timeout_s):
     speedrun.sh runs it before training, under an outer `timeout` as the hard stop for a hang inside NCCL. Returns
     the exit status: 0 when every rank got the sum of the ranks' values."""
     from datetime import timedelta
+    if "RANK" not in os.environ:
+        print("probe: not under torchrun: one process, nothing to all-reduce")
+        return 0
     rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
