@@ -103,7 +103,7 @@ trap 'on_signal TERM 143' TERM
 
 # run_stage NAME CMD...: CMD in a new session (its own process group), stdout+stderr to the terminal and the log,
 # stdin from /dev/null. A failure stops the run naming the stage. The pipeline's status is CMD's (pipefail); the awk
-# at its end passes every line through and, for pretraining, adds the expected time once 10 steps are timed.
+# at its end passes every line through and, for pretraining, adds the expected time once 20 steps are timed.
 # shellcheck disable=SC2016,SC2089,SC2090  # an awk program, read by awk
 SPEEDRUN_AWK='{ print; fflush() }
 eta && !said && $1 == "step" && split($2, s, "/") == 2 && s[1] >= 20 && /ETA/ {
