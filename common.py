@@ -3,7 +3,10 @@ optimizers and their learning-rate rule, schedules, checkpoints and finding/load
 resume, the training loop with its policies (exact loss over masked targets, NaN stop, SIGTERM, health checks,
 metrics, progress), validation bits per byte, a run's status.
 
-Not a stage: `python common.py` does nothing. Import it.
+Not a stage: import it. One command line, speedrun.sh's NCCL check, run under torchrun with one process per GPU
+(`python common.py probe` alone has no peers and says so):
+
+    python -m torch.distributed.run --standalone --nproc_per_node=8 common.py probe --timeout 60
 """
 import ctypes
 import ctypes.util
@@ -81,6 +84,34 @@ def teardown_distributed():
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def probe_all_reduce(timeout_s):
+    """One all-reduce over torchrun's ranks (NCCL on CUDA, gloo on CPU) whose collectives time out after timeout_s:
+    speedrun.sh runs it before training, under an outer `timeout` as the hard stop for a hang inside NCCL. Returns
+    the exit status: 0 when every rank got the sum of the ranks' values."""
+    from datetime import timedelta
+    if "RANK" not in os.environ:
+        print("probe: not under torchrun: one process, nothing to all-reduce")
+        return 0
+    rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s), device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    t = torch.full((1,), float(rank + 1), device=device)
+    dist.all_reduce(t)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    ok = t.item() == world * (world + 1) / 2
+    if rank == 0:
+        print(f"probe: all-reduce over {world} ranks ({dist.get_backend()}, {device_name(device)}): "
+              f"{'ok' if ok else f'wrong sum {t.item()}'}", flush=True)
+    dist.destroy_process_group()
+    return 0 if ok else 1
 
 
 def run_main(main):
@@ -833,7 +864,9 @@ def val_bpb(model, rows, token_bytes, batch_rows, dtype, rank, world, device):
     model.eval()
     for b in range(rank, n_batches, world):
         batch = rows[b * batch_rows:(b + 1) * batch_rows].to(device)
-        x, y = batch[:, :-1], batch[:, 1:]
+        # a last, partly filled row pads with -1: as an input that would index out of the embedding; it only
+        # follows the row's text (causal attention) and its targets are -1, so any token id serves
+        x, y = batch[:, :-1].clamp(min=0), batch[:, 1:]
         nbytes = token_bytes[y.clamp(min=0)] * (y != -1)
         text = nbytes > 0
         with autocast_context(device.type, dtype):
@@ -1195,3 +1228,9 @@ def print_status(run_dir):
             print(f"sample step {s['step']}: {s['prompt']!r} -> {s['completion']!r}")
     ckpts = list_checkpoints(run_dir / "ckpt")
     print(f"checkpoints: {', '.join(c.name for c in ckpts) if ckpts else 'none'}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["probe"]:
+        sys.exit("usage: python common.py probe [--timeout SECONDS] (under torchrun); otherwise import common")
+    sys.exit(probe_all_reduce(float(sys.argv[3]) if sys.argv[2:3] == ["--timeout"] else 60.0))

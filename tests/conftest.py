@@ -1,8 +1,11 @@
-"""Fixtures shared by test files: the demo world with its tokenizer, and one small model trained on it by
-pretrain.py (made once per session: training is the slowest thing the suite does)."""
+"""Fixtures shared by test files: the demo world with its tokenizer, and the demo pipeline run on it once by
+speedrun.sh at a reduced size (made once per session: training is the slowest thing the suite does)."""
+import os
+import subprocess
+import sys
 
 import pytest
-from launch import run_script
+from launch import ROOT
 
 import common as C
 import dataset as D
@@ -28,28 +31,51 @@ def demo_world(tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="session")
-def learned(demo_world):
-    """(run directory, pretrain.py's stdout) of LEARN_ARGS, run as a user would."""
-    result = run_script("pretrain.py", ["--data_dir", str(demo_world / "demo" / "pretrain"), "--tokenizer",
-                                        str(demo_world / "tokenizer"), "--runs_dir", str(demo_world / "learned"),
-                                        *LEARN_ARGS], demo_world, threads=2)
-    return demo_world / "learned" / "learn", result.stdout
+# speedrun.sh's stage arguments for the suite's run: the same model, steps and flags as LEARN_ARGS and the chat chain
+# (the last of a repeated flag wins), so the fixtures below mean what they meant when each stage ran alone
+SPEEDRUN_ENV = {
+    "PRETRAIN_ARGS": " ".join([*LEARN_ARGS[2:], "--compile", "false"]),
+    "MIDTRAIN_ARGS": f"--steps {MIDTRAIN_STEPS} --micro_batch 16 --total_batch_tokens 2048 --eval_rows 32 "
+                     "--ckpt_every 1000",
+    "SFT_ARGS": f"--steps {SFT_STEPS} --eval_rows 32 --ckpt_every 1000",
+    "CORE_ARGS": "--bpb_tokens 20000 --max_new_tokens 8",
+    "CHAT_EVAL_ARGS": "--max_items 20 --max_new_tokens 16",
+}
+
+
+def run_speedrun(args, cwd, env=None, timeout=900):
+    """`bash speedrun.sh ARGS` as a user runs it (with this interpreter instead of .venv), no chat at the end."""
+    env = {**os.environ, "SPEEDRUN_PYTHON": sys.executable, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run(["bash", str(ROOT / "speedrun.sh"), "--no_chat", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout, check=False)
 
 
 @pytest.fixture(scope="session")
-def chat_chain(demo_world, learned):
-    """The demo chain as a user runs it: `learned` (pretrain) -> midtrain.py -> sft.py (which finds the midtraining
-    checkpoint by itself). Checkpoint paths of each stage, and midtrain.py's stdout."""
-    pretrain = C.list_checkpoints(learned[0] / "ckpt")[-1]
-    conversations, runs = demo_world / "demo" / "conversations", demo_world / "chat_runs"
-    common = ["--runs_dir", str(runs), "--eval_every", "0", "--eval_rows", "32", "--ckpt_every", "1000"]
-    mid = run_script("midtrain.py", ["--init", str(pretrain), "--run_name", "mid", "--source",
-                                     f"text:{demo_world / 'demo' / 'pretrain'}:0.3", "--source",
-                                     f"chat:{conversations}:0.7", "--steps", MIDTRAIN_STEPS, "--micro_batch", "16",
-                                     "--total_batch_tokens", "2048", "--supervise", "assistant",
-                                     *common], demo_world, threads=2)
-    run_script("sft.py", ["--run_name", "sft", "--chat_dir", str(conversations), "--steps", SFT_STEPS, *common],
-               demo_world, threads=2)
-    return {"pretrain": pretrain, "midtrain": C.list_checkpoints(runs / "mid" / "ckpt")[-1],
-            "sft": C.list_checkpoints(runs / "sft" / "ckpt")[-1], "midtrain_stdout": mid.stdout}
+def speedrun(demo_world):
+    """The suite's demo pipeline, run once by speedrun.sh itself (demo plan, demo_world's world and tokenizer) into
+    demo_world/chat_runs: pretrain/, core_eval/, midtrain/, sft/, chat_eval.json, logs/, report.md. (run directory,
+    the finished process)."""
+    result = run_speedrun(["--plan", "demo", "--gpus", "0", "--runs_dir", demo_world, "--run_name", "chat_runs",
+                           "--data_dir", demo_world / "demo", "--tokenizer", demo_world / "tokenizer"], demo_world,
+                          SPEEDRUN_ENV)
+    if result.returncode != 0:
+        raise AssertionError(f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return demo_world / "chat_runs", result
+
+
+@pytest.fixture(scope="session")
+def learned(speedrun):
+    """(run directory, pretrain.py's output) of LEARN_ARGS: the speedrun's pretraining stage."""
+    run, _ = speedrun
+    return run / "pretrain", (run / "logs" / "pretrain.log").read_text()
+
+
+@pytest.fixture(scope="session")
+def chat_chain(speedrun):
+    """The demo chain as speedrun.sh runs it: pretrain -> midtrain.py -> sft.py. Checkpoint paths of each stage, and
+    midtrain.py's output."""
+    run, _ = speedrun
+    return {"pretrain": C.list_checkpoints(run / "pretrain" / "ckpt")[-1],
+            "midtrain": C.list_checkpoints(run / "midtrain" / "ckpt")[-1],
+            "sft": C.list_checkpoints(run / "sft" / "ckpt")[-1],
+            "midtrain_stdout": (run / "logs" / "midtrain.log").read_text()}

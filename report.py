@@ -1,0 +1,205 @@
+"""The report of a speedrun: runs/<run>/report.md and its PNG curves, every figure read from the run's own files.
+
+    python report.py runs/speedrun          # what speedrun.sh runs after the last stage
+
+Reads, for each stage run under the speedrun directory (pretrain/, midtrain/, sft/): config.json, metrics.jsonl,
+done.json and samples.jsonl; core_eval/results.json; chat_eval.json; transport.txt (the NCCL decision);
+logs/<stage>.log (the `distributed:` line, where each rank names the device it held, and the parameter count);
+logs/stages.tsv (each stage's wall time, written by speedrun.sh). A figure that is not there is "unknown".
+Writes report.md, loss.png (training loss per stage) and val_bpb.png (pretraining validation bits per byte).
+"""
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+TRAIN_STAGES = ["pretrain", "midtrain", "sft"]
+UNKNOWN = "unknown"
+
+
+def read_json(path):
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def stage_times(run):
+    """{stage: wall seconds} from speedrun.sh's logs/stages.tsv: the last successful run of each stage."""
+    times = {}
+    path = run / "logs" / "stages.tsv"
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        name, seconds, rc = line.split("\t")
+        if rc == "0":
+            times[name] = float(seconds)
+    return times
+
+
+def hardware(log):
+    """The `distributed:` line a stage printed first: '1 x cpu (...)' or 'world size 8 (nccl): rank 0 ...'."""
+    if not log.is_file():
+        return UNKNOWN
+    for line in log.read_text().splitlines():
+        if line.startswith("distributed: "):
+            return line[len("distributed: "):]
+    return UNKNOWN
+
+
+def data_of(config):
+    """What a training stage trained on, from its config.json: the corpus, its shards, and whether it is the demo."""
+    if config is None:
+        return UNKNOWN
+    if config["stage"] == "pretrain":
+        paths = [Path(config["data_dir"])]
+    elif config["stage"] == "midtrain":
+        paths = [Path(s.split(":", 1)[1].rsplit(":", 1)[0]) for s in config["args"]["source"] or []]
+    else:
+        paths = [Path(config["chat_dir"])]
+    parts = []
+    for path in paths:
+        shards = len(list(path.glob("*.parquet")))
+        demo = (path.parent / "chat_eval").is_dir() and (path.parent / "eval_bundle").is_dir()
+        parts.append(f"{path} ({shards} shards{', synthetic demo data' if demo else ''})")
+    return "; ".join(parts)
+
+
+def stage_figures(run, name, times):
+    """The figures of one training stage, as strings, each read from its files ("unknown" where absent)."""
+    run_dir = run / name
+    config, done = read_json(run_dir / "config.json"), read_json(run_dir / "done.json")
+    steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+    log = run / "logs" / f"{name}.log"
+    params = re.findall(r"params: (\d+)", log.read_text()) if log.is_file() else []
+    train_seconds = sum(r["step_time"] for r in steps)
+    mfus = [r["mfu"] for r in steps if isinstance(r.get("mfu"), (int, float))]
+    if done is None:
+        validation = UNKNOWN
+    elif "val_bpb" in done:
+        validation = f"val bpb {done['val_bpb']:.4f}"
+    else:
+        validation = f"val loss {done['val_loss']:.4f}"
+    return {
+        "stage": name,
+        "data": data_of(config),
+        "steps": str(done["step"]) if done else UNKNOWN,
+        "wall time (s)": f"{times[name]:.1f}" if name in times else UNKNOWN,
+        "tokens": f"{steps[-1]['tokens']:,}" if steps else UNKNOWN,
+        "tok/s": f"{steps[-1]['tokens'] / train_seconds:,.0f}" if steps and train_seconds else UNKNOWN,
+        "MFU": f"{100 * sum(mfus) / len(mfus):.1f}%" if mfus and len(mfus) == len(steps) else UNKNOWN,
+        "parameters": f"{int(params[0]):,}" if params else UNKNOWN,
+        "validation": validation,
+    }
+
+
+def contained_answers(items_path):
+    """{task: (replies containing an accepted answer as a whole word, replies)} for the generated tasks whose items
+    carry accepted answers (the demo world's demo-answer): a reply in a sentence ("It's Pelmo.") counts here."""
+    counts = {}
+    for item in read_jsonl(items_path):
+        if "answers" in item and "reply" in item:
+            hit = any(re.search(rf"\b{re.escape(a.lower())}\b", item["reply"].lower()) for a in item["answers"])
+            hits, n = counts.get(item["task"], (0, 0))
+            counts[item["task"]] = (hits + hit, n + 1)
+    return counts
+
+
+def plot(run, out):
+    """loss.png: training loss against step for each stage; val_bpb.png: pretraining's validation bits per byte."""
+    import matplotlib
+    matplotlib.use("Agg")  # no display
+    import matplotlib.pyplot as plt
+    written = []
+    fig, axes = plt.subplots(1, len(TRAIN_STAGES), figsize=(4 * len(TRAIN_STAGES), 3.2))
+    for ax, name in zip(axes, TRAIN_STAGES, strict=True):
+        steps = [r for r in read_jsonl(run / name / "metrics.jsonl") if "loss" in r]
+        ax.plot([r["step"] for r in steps], [r["loss"] for r in steps], lw=1)
+        ax.set_title(f"{name}: training loss")
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=90)
+    plt.close(fig)
+    written.append("loss.png")
+    records = read_jsonl(run / "pretrain" / "metrics.jsonl")
+    points = [(r["step"], r.get("val_bpb", r.get("final_val_bpb"))) for r in records
+              if "val_bpb" in r or "final_val_bpb" in r]
+    fig, ax = plt.subplots(figsize=(4.5, 3.2))
+    ax.plot([s for s, _ in points], [v for _, v in points], marker="o")
+    ax.set_title("pretrain: validation bits per byte")
+    ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out / "val_bpb.png", dpi=90)
+    plt.close(fig)
+    written.append("val_bpb.png")
+    return written
+
+
+def write_report(run):
+    run = Path(run)
+    if not run.is_dir():
+        raise FileNotFoundError(f"{run}: no such speedrun directory (runs/<run>/)")
+    times = stage_times(run)
+    rows = [stage_figures(run, name, times) for name in TRAIN_STAGES]
+    core, chat = read_json(run / "core_eval" / "results.json"), read_json(run / "chat_eval.json")
+    config = read_json(run / "pretrain" / "config.json") or {}
+    code = config.get("code", {})
+    transport = (run / "transport.txt").read_text().strip() if (run / "transport.txt").is_file() else UNKNOWN
+    lines = [f"# Speedrun report: {run}", "",
+             f"- code: commit {code.get('commit', UNKNOWN)}, uncommitted changes: {code.get('dirty', UNKNOWN)}",
+             f"- transport: {transport}"]
+    for name in ["pretrain", "core_eval", "midtrain", "sft", "chat_eval"]:
+        lines.append(f"- hardware, {name}: {hardware(run / 'logs' / f'{name}.log')}")
+    lines += ["", "## Stages", "", "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    lines += ["| " + " | ".join(row.values()) + " |" for row in rows]
+    lines += ["", ("Wall time: speedrun.sh's clock around the stage (logs/stages.tsv), start-up and evaluation included. "
+              "tok/s: tokens / the summed step times in metrics.jsonl. MFU: the mean of the per-step MFU; unknown "
+              "where the device has no rated peak (any CPU) or the compute is fp32."), "",
+              "Other stages' wall time (s): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()
+                                                            if k not in TRAIN_STAGES), ""]
+    lines += ["## Evaluation", ""]
+    if core:
+        bpb = f"{core['val_bpb']:.4f}" if core.get("val_bpb") is not None else UNKNOWN
+        lines += [(f"CORE {core['core']:.4f} ({len(core['tasks'])} tasks, protocol {core['protocol']}); val bpb {bpb} "
+                  f"(core_eval/results.json)"), "", "| task | accuracy | centered |", "|---|---|---|"]
+        lines += [f"| {t['task']} | {t['accuracy']:.4f} | {t['centered']:.4f} |" for t in core["tasks"]]
+    else:
+        lines.append(f"CORE {UNKNOWN} (no core_eval/results.json)")
+    lines.append("")
+    if chat:
+        lines += [f"ChatCORE {chat['chatcore']:.4f} (tasks from {chat['tasks_from']}; chat_eval.json)", "",
+                  "| task | correct | accuracy | centered |", "|---|---|---|---|"]
+        lines += [f"| {t['task']} | {t['correct']}/{t['items']} | {t['accuracy']:.4f} | {t['centered']:.4f} |"
+                  for t in chat["tasks"]]
+        for task, (hits, n) in contained_answers(run / "chat_eval_items.jsonl").items():
+            lines += ["", (f"{task}: {hits}/{n} replies contain an accepted answer as a word (chat_eval_items.jsonl; "
+                          f"not ChatCORE's rule, under which the reply must be the answer)")]
+    else:
+        lines.append(f"ChatCORE {UNKNOWN} (no chat_eval.json)")
+    lines += ["", "## Sample answers", ""]
+    samples = read_jsonl(run / "sft" / "samples.jsonl")
+    last = [s for s in samples if s["step"] == samples[-1]["step"]] if samples else []
+    lines += [f"- {s['question']!r} -> {s['answer']!r}" for s in last] or [f"- {UNKNOWN} (no sft/samples.jsonl)"]
+    if core:
+        lines += [f"- (pretrain) {s['prompt']!r} -> {s['completion']!r}" for s in core.get("samples", [])[:6]
+                  if isinstance(s, dict) and "prompt" in s]
+    written = plot(run, run)
+    lines += ["", "## Curves", ""] + [f"![{name}]({name})" for name in written] + [""]
+    (run / "report.md").write_text("\n".join(lines))
+    print(f"report: {run / 'report.md'}, " + ", ".join(str(run / n) for n in written))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run", help="the speedrun directory, runs/<run>")
+    args = parser.parse_args(argv)
+    try:
+        write_report(args.run)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        print(f"report.py: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""speedrun.sh, the main job: the suite's demo pipeline (conftest's `speedrun` fixture) ran every stage and wrote a
+report whose figures are the logs'; an interrupted run leaves no process behind and resumes to the same losses; the
+NCCL probe falls back to seed 003's safe flags after a hang; GPUs held by other processes stop it before it starts."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from conftest import run_speedrun
+from launch import ROOT, run_script
+from test_chat_train import held_out_questions
+
+import common as C
+from tokenizer import Tokenizer
+
+TRAIN_STAGES = ["pretrain", "midtrain", "sft"]
+
+
+def table(md, header):
+    """The rows of the markdown table whose header row starts with `header`, as dicts."""
+    lines = md.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {header} |"))
+    keys = [c.strip() for c in lines[start].strip("|").split("|")]
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(dict(zip(keys, [c.strip() for c in line.strip("|").split("|")], strict=True)))
+    return rows
+
+
+def test_the_pipeline_ran_every_stage_and_the_report_shows_the_logs_figures(speedrun, demo_world):
+    run, result = speedrun
+    ran = [line.split("\t") for line in (run / "logs" / "stages.tsv").read_text().splitlines()]
+    assert [name for name, _, rc in ran if rc == "0"] == ["pretrain", "core_eval", "midtrain", "sft", "chat_eval",
+                                                          "report"], ran
+    assert f"stage data skipped: the demo world is in {demo_world / 'demo'}" in result.stdout
+    assert "stage tokenizer skipped: using --tokenizer" in result.stdout
+    md = (run / "report.md").read_text()
+    times = {name: float(seconds) for name, seconds, rc in ran if rc == "0"}
+    rows = {r["stage"]: r for r in table(md, "stage")}
+    assert list(rows) == TRAIN_STAGES
+    for name in TRAIN_STAGES:
+        row, done = rows[name], json.loads((run / name / "done.json").read_text())
+        steps = [json.loads(line) for line in (run / name / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in steps if "loss" in r]
+        log = (run / "logs" / f"{name}.log").read_text()
+        assert row["steps"] == str(done["step"]) == str(len(steps))
+        assert row["wall time (s)"] == f"{times[name]:.1f}"
+        assert row["tokens"] == f"{steps[-1]['tokens']:,}"
+        assert row["tok/s"] == f"{steps[-1]['tokens'] / sum(r['step_time'] for r in steps):,.0f}"
+        assert row["MFU"] == "unknown"  # a CPU has no rated peak
+        params = int(re.search(r"params: (\d+)", log).group(1))
+        assert row["parameters"] == f"{params:,}" == "1,310,720"
+        assert row["validation"] == (f"val bpb {done['val_bpb']:.4f}" if name == "pretrain" else
+                                     f"val loss {done['val_loss']:.4f}")
+        assert "synthetic demo data" in row["data"]
+        hardware = next(line for line in log.splitlines() if line.startswith("distributed: "))
+        assert f"- hardware, {name}: {hardware[len('distributed: '):]}\n" in md
+        assert "world size 1 (gloo): rank 0 cpu (" in hardware
+    core = json.loads((run / "core_eval" / "results.json").read_text())
+    assert f"CORE {core['core']:.4f} (8 tasks" in md and f"val bpb {core['val_bpb']:.4f}" in md
+    assert {r["task"]: r["accuracy"] for r in table(md, "task")[:8]} == {t["task"]: f"{t['accuracy']:.4f}"
+                                                                         for t in core["tasks"]}
+    chat = json.loads((run / "chat_eval.json").read_text())
+    assert f"ChatCORE {chat['chatcore']:.4f}" in md
+    for t in chat["tasks"]:
+        assert f"| {t['task']} | {t['correct']}/{t['items']} | {t['accuracy']:.4f} | {t['centered']:.4f} |" in md
+    items = [json.loads(line) for line in (run / "chat_eval_items.jsonl").read_text().splitlines()]
+    answers = [i for i in items if i["task"] == "demo-answer"]
+    hits = sum(any(re.search(rf"\b{re.escape(a.lower())}\b", i["reply"].lower()) for a in i["answers"]) for i in answers)
+    assert f"demo-answer: {hits}/{len(answers)} replies contain an accepted answer as a word" in md
+    assert "- transport: gloo (cpu)" in md and (run / "transport.txt").read_text().strip() == "gloo (cpu)"
+    commit = json.loads((run / "pretrain" / "config.json").read_text())["code"]["commit"]
+    assert f"- code: commit {commit}," in md
+    samples = [json.loads(line) for line in (run / "sft" / "samples.jsonl").read_text().splitlines()]
+    assert f"- {samples[-1]['question']!r} -> {samples[-1]['answer']!r}" in md
+    for png in ("loss.png", "val_bpb.png"):
+        data = (run / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000, png
+        assert f"![{png}]({png})" in md
+
+
+def test_the_final_model_answers_a_held_out_demo_question(speedrun, demo_world):
+    run, result = speedrun
+    sft = C.list_checkpoints(run / "sft" / "ckpt")[-1]
+    model, _ = C.load_model(sft, torch.device("cpu"))
+    questions = held_out_questions()[:20]
+    answers = C.chat_answers(model, Tokenizer.load(demo_world / "tokenizer"), [q for q, _ in questions], "float32",
+                             max_tokens=16)
+    right = [a["answer"] for (_, word), a in zip(questions, answers, strict=True) if word.lower() in a["answer"].lower()]
+    assert right, answers
+    assert f"done. Chat with it: {sys.executable} {ROOT / 'chat.py'} --runs_dir {run}" in result.stdout  # no TTY
+
+
+# A pretraining small and quick enough to interrupt and resume in seconds
+SMALL = ("--sequence_len 64 --n_layer 1 --n_embd 64 --n_head 2 --n_kv_head 2 --micro_batch 4 --eval_tokens 2048 "
+         "--eval_every 0 --compile false --ckpt_every 10 --log_every 50 --steps 120")
+
+
+def processes_mentioning(text):
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if proc.name.isdigit() and text in cmdline and int(proc.name) != os.getpid():
+            found.append((proc.name, cmdline))
+    return found
+
+
+def test_killing_speedrun_mid_pretraining_leaves_no_process_and_a_rerun_resumes_to_the_same_losses(demo_world,
+                                                                                                    tmp_path):
+    """`kill <speedrun.sh>` during pretraining, as a user would: the trap ends every stage's process group (the stage
+    checkpoints first); the rerun skips what finished and resumes. Only pretraining runs (--stop_after pretrain): the
+    later stages resume through the same code, and a second whole pipeline to compare with would cost minutes."""
+    args = ["--plan", "demo", "--gpus", "0", "--runs_dir", tmp_path, "--run_name", "r", "--data_dir",
+            demo_world / "demo", "--tokenizer", demo_world / "tokenizer", "--stop_after", "pretrain"]
+    env = {**os.environ, "SPEEDRUN_PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "PRETRAIN_ARGS": SMALL}
+    proc = subprocess.Popen(["bash", str(ROOT / "speedrun.sh"), "--no_chat", *map(str, args)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    metrics = tmp_path / "r" / "pretrain" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 20):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGTERM)  # the shell only, as `kill PID` does
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, (out, err)
+    assert "speedrun: stopped by SIGTERM" in err
+    assert processes_mentioning(str(tmp_path)) == []
+    stopped = len(metrics.read_text().splitlines())
+    assert 20 <= stopped < 120 and "stopped by signal at step" in out, out[-2000:]
+
+    again = run_speedrun(args, tmp_path, {"PRETRAIN_ARGS": SMALL})
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "stage pretrain was interrupted: resuming from its last checkpoint" in again.stdout
+    assert f"resume: from {tmp_path / 'r' / 'pretrain' / 'ckpt'}/step_" in again.stdout
+
+    straight = run_script("pretrain.py", ["--data_dir", demo_world / "demo" / "pretrain", "--tokenizer",
+                                          demo_world / "tokenizer", "--runs_dir", tmp_path / "straight", "--run_name",
+                                          "s", "--preset", "tiny", *SMALL.split()], tmp_path, threads=2)
+    assert straight.returncode == 0
+
+    def losses(path):
+        return [(r["step"], r["loss"]) for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
+
+    assert losses(metrics) == losses(tmp_path / "straight" / "s" / "metrics.jsonl")  # bitwise
+    assert len(losses(metrics)) == 120
+
+
+def test_a_failed_stage_stops_the_run_naming_it(demo_world, tmp_path):
+    """A stage exits 7 (an interpreter that fails at once stands in for a crashing stage): the status survives the
+    pipeline into the log, the run stops there with the stage's name and log, and exits with that status."""
+    failing = tmp_path / "python"
+    failing.write_text("#!/bin/sh\necho 'stage output' >&2\nexit 7\n")
+    failing.chmod(0o755)
+    result = run_speedrun(["--plan", "demo", "--gpus", "0", "--runs_dir", tmp_path, "--data_dir", demo_world / "demo",
+                           "--tokenizer", demo_world / "tokenizer"], tmp_path, {"SPEEDRUN_PYTHON": str(failing)})
+    assert result.returncode == 7
+    log = tmp_path / "speedrun" / "logs" / "pretrain.log"
+    assert f"speedrun: stage pretrain failed (exit 7); log: {log}" in result.stderr
+    assert "stage output" in log.read_text() and "stage output" in result.stdout
+    assert "stage core_eval" not in result.stdout
+
+
+def probe_only(tmp_path, command, **env):
+    return run_speedrun(["--probe_only", "--gpus", "2", "--runs_dir", tmp_path, "--run_name", "p"], tmp_path,
+                        {"SPEEDRUN_PROBE_CMD": command, "SPEEDRUN_PROBE_TIMEOUT": "2", **env}, timeout=60)
+
+
+def test_a_hung_nccl_probe_falls_back_to_the_safe_flags_and_leaves_nothing_running(tmp_path):
+    marker = f"sleep 77.{os.getpid()}"  # hangs unless the safe flags are set
+    hang = f'[ "${{NCCL_P2P_DISABLE:-}}" = 1 ] && [ "$NCCL_NET" = Socket ] && exit 0; {marker}'
+    result = probe_only(tmp_path, hang)
+    assert result.returncode == 0, result.stderr
+    assert "NCCL probe failed (exit 124, hung past 2s): retrying with seed 003's safe flags NCCL_P2P_DISABLE=1 " \
+           "NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_NET=Socket NCCL_NET_PLUGIN=none" in result.stdout
+    assert (tmp_path / "p" / "transport.txt").read_text().startswith("nccl safe flags (NCCL_P2P_DISABLE=1 ")
+    assert processes_mentioning(marker) == []
+    assert probe_only(tmp_path, "exit 0").stdout.count("transport: nccl default") == 1
+    forced = probe_only(tmp_path, f"{marker}", NCCL_SAFE="1")
+    assert "transport: nccl safe flags (NCCL_SAFE=1: NCCL_P2P_DISABLE=1" in forced.stdout
+    failed = probe_only(tmp_path, "exit 3")
+    assert failed.returncode == 3 and "stage nccl_probe failed (exit 3) even with the safe flags" in failed.stderr
+
+
+def test_processes_holding_the_gpus_stop_it_with_the_kill_command(tmp_path):
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho '4242, python'\necho '4343, python'\n")
+    fake.chmod(0o755)
+    result = run_speedrun(["--gpus", "0", "--runs_dir", tmp_path], tmp_path,
+                          {"PATH": f"{fake.parent}:{os.environ['PATH']}"})
+    assert result.returncode == 1
+    assert "processes hold the GPUs" in result.stderr and "`kill 4242 4343`" in result.stderr
+
+
+def test_help_lists_every_flag_with_its_default():
+    result = subprocess.run(["bash", str(ROOT / "speedrun.sh"), "--help"], capture_output=True, text=True, check=True)
+    for flag in ["--plan", "--depth N", "(default: 20)", "--run_name NAME", "(default: speedrun)", "--data_dir",
+                 "--gpus", "--no_chat", "--runs_dir DIR", "(default: runs)", "PRETRAIN_ARGS", "CHAT_EVAL_ARGS",
+                 "NCCL_SAFE=1"]:
+        assert flag in result.stdout, flag
