@@ -1,10 +1,12 @@
 """Fixtures shared by test files: the demo world with its tokenizer, and the demo pipeline run on it once by
 speedrun.sh at a reduced size (made once per session: training is the slowest thing the suite does)."""
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
+import torch
 from launch import ROOT
 
 import common as C
@@ -50,14 +52,45 @@ def run_speedrun(args, cwd, env=None, timeout=900):
                           capture_output=True, text=True, timeout=timeout, check=False)
 
 
+# The suite's pipeline takes over two minutes on one core. It starts in the background with the first test, the tests
+# that need it run last, and everything else runs meanwhile on the other core: each side gets one thread (two
+# threads each on 2 cores made both several times slower).
+PIPELINE_FIXTURES = {"speedrun", "learned", "chat_chain"}
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # for the scripts the tests start without setting it
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # and the tests that compute in this process
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: bool(PIPELINE_FIXTURES & set(item.fixturenames)))  # stable: file order otherwise
+
+
+@pytest.fixture(scope="session", autouse=True)
+def pipeline_started(request, demo_world):
+    """speedrun.sh on demo_world in the background, if a selected test needs it: the Popen, and its output files."""
+    if not any(PIPELINE_FIXTURES & set(item.fixturenames) for item in request.session.items):
+        yield None
+        return
+    args = ["--no_chat", "--plan", "demo", "--gpus", "0", "--runs_dir", demo_world, "--run_name", "chat_runs",
+            "--data_dir", demo_world / "demo", "--tokenizer", demo_world / "tokenizer"]
+    env = {**os.environ, "SPEEDRUN_PYTHON": sys.executable, "PYTHONPATH": str(ROOT), **SPEEDRUN_ENV}
+    outputs = (demo_world / "speedrun.out", demo_world / "speedrun.err")
+    with open(outputs[0], "w") as out, open(outputs[1], "w") as err:
+        process = subprocess.Popen(["bash", str(ROOT / "speedrun.sh"), *map(str, args)], cwd=demo_world, env=env,
+                                   stdout=out, stderr=err, start_new_session=True)
+    yield process, outputs
+    if process.poll() is None:  # the session ended first (an error, or Ctrl-C): nothing of it may survive
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait()
+
+
 @pytest.fixture(scope="session")
-def speedrun(demo_world):
+def speedrun(demo_world, pipeline_started):
     """The suite's demo pipeline, run once by speedrun.sh itself (demo plan, demo_world's world and tokenizer) into
     demo_world/chat_runs: pretrain/, core_eval/, midtrain/, sft/, chat_eval.json, logs/, report.md. (run directory,
     the finished process)."""
-    result = run_speedrun(["--plan", "demo", "--gpus", "0", "--runs_dir", demo_world, "--run_name", "chat_runs",
-                           "--data_dir", demo_world / "demo", "--tokenizer", demo_world / "tokenizer"], demo_world,
-                          SPEEDRUN_ENV)
+    process, outputs = pipeline_started
+    process.wait(timeout=900)
+    result = subprocess.CompletedProcess(process.args, process.returncode, *(path.read_text() for path in outputs))
     if result.returncode != 0:
         raise AssertionError(f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return demo_world / "chat_runs", result

@@ -396,16 +396,17 @@ def test_a_tokenizer_the_checkpoint_was_not_trained_with_is_refused(demo, tmp_pa
     assert "has 512 tokens, the model" in (err := refusal(tmp_path / "small")) and "has 1024" in err
 
 
-def test_a_trained_model_beats_chance_on_the_demo_tasks(learned, demo):
-    """conftest's model (1 layer, 150 steps, about a minute) against the untrained one, on all 513 items."""
+def test_a_trained_model_beats_chance_on_the_demo_tasks(speedrun, learned, demo, capsys):
+    """conftest's model (1 layer, 150 steps, about a minute), scored by speedrun.sh's core_eval stage, against the
+    untrained one scored here the same way (in this process), on all 513 items."""
     run_dir, _ = learned
-    scores = {}
-    for name, ckpt in (("trained", run_dir), ("untrained", demo / "core_runs" / "r")):
-        out = demo / f"score_{name}"
-        result = run_core_eval(demo, ["--checkpoint", str(ckpt), "--max_new_tokens", "8", "--out", str(out),
-                                      "--bpb_tokens", "20000"])
-        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-        scores[name] = json.loads((out / "results.json").read_text())
+    scores = {"trained": json.loads((speedrun[0] / "core_eval" / "results.json").read_text())}
+    assert scores["trained"]["checkpoint"] == str(C.list_checkpoints(run_dir / "ckpt")[-1])
+    out = demo / "score_untrained"
+    code, _, err = run_in_process(E.main, ["--checkpoint", demo / "core_runs" / "r", "--max_new_tokens", "8", "--out",
+                                           out, "--bpb_tokens", "20000"], capsys, stage="core_eval.py")
+    assert code == 0, err[-3000:]
+    scores["untrained"] = json.loads((out / "results.json").read_text())
     trained, untrained = scores["trained"], scores["untrained"]
     assert trained["complete"] and sum(t["items"] for t in trained["tasks"]) == 513
     # chance: each MC/schema task's centered accuracy has a spread of ~0.07 over its 57-90 items, so the mean of 8

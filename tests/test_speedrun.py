@@ -145,7 +145,7 @@ def test_killing_speedrun_mid_pretraining_leaves_no_process_and_a_rerun_resumes_
 
     straight = run_script("pretrain.py", ["--data_dir", demo_world / "demo" / "pretrain", "--tokenizer",
                                           demo_world / "tokenizer", "--runs_dir", tmp_path / "straight", "--run_name",
-                                          "s", "--preset", "tiny", *SMALL.split()], tmp_path, threads=2)
+                                          "s", "--preset", "tiny", *SMALL.split()], tmp_path, threads=1)
     assert straight.returncode == 0
 
     def losses(path):
