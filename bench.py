@@ -1,8 +1,8 @@
 """Benchmarks: figures printed with their targets. Not tests; nothing here is timed inside pytest.
 
     python bench.py              # every benchmark
-    python bench.py train decode # a chosen few: train, decode, build, tokenizer, loader, pretrain, core_eval, download,
-                                 # cpu, chat
+    python bench.py train decode # a chosen few: train, decode, build, tokenizer, loader, pretrain, core_eval, sft,
+                                 # download, cpu, chat
 
 train   forward+backward tokens/s of a preset on this machine: eager fp32, torch.compile fp32, compile + bf16 autocast.
         Target: compile + bf16 >= 2x eager fp32.

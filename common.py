@@ -8,6 +8,7 @@ Not a stage: import it. One command line, speedrun.sh's NCCL check, run under to
 
     python -m torch.distributed.run --standalone --nproc_per_node=8 common.py probe --timeout 60
 """
+import argparse
 import ctypes
 import ctypes.util
 import hashlib
@@ -256,9 +257,10 @@ def newton_schulz(stack, steps, dtype):
     x = stack.to(getattr(torch, dtype))  # in place from here on: `stack` itself when it is in `dtype` already
     x.div_(x.norm(dim=(-2, -1), keepdim=True).clamp_(min=1e-7))  # spectral norm <= Frobenius norm <= 1: the basin
     rows, columns = x.shape[-2:]
-    gram_flops, flops = 4 * rows * rows * columns + (8 * steps - 6) * rows ** 3, steps * (4 * rows * rows * columns + 2 * rows ** 3)
-    if x.dtype in (torch.float32, torch.float64) and gram_flops < flops:  # the FLOPs as counted below
-        return newton_schulz_gram(x, steps)  # FLOPs of each form, as counted in its docstring
+    gram_flops = 4 * rows * rows * columns + (8 * steps - 6) * rows ** 3  # each form's, as newton_schulz_gram counts
+    direct_flops = steps * (4 * rows * rows * columns + 2 * rows ** 3)
+    if x.dtype in (torch.float32, torch.float64) and gram_flops < direct_flops:
+        return newton_schulz_gram(x, steps)
     for _ in range(steps):
         gram = x @ x.mT  # rows x rows: the smaller Gram matrix
         x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # a x + (b G + c G^2) x
@@ -1231,6 +1233,8 @@ def print_status(run_dir):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] != ["probe"]:
-        sys.exit("usage: python common.py probe [--timeout SECONDS] (under torchrun); otherwise import common")
-    sys.exit(probe_all_reduce(float(sys.argv[3]) if sys.argv[2:3] == ["--timeout"] else 60.0))
+    parser = argparse.ArgumentParser(description="speedrun.sh's NCCL check, under torchrun; otherwise import common")
+    parser.add_argument("command", choices=["probe"], help="probe: one all-reduce over torchrun's ranks")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a collective counts as hung "
+                        "(default: %(default)s)")
+    sys.exit(probe_all_reduce(parser.parse_args().timeout))

@@ -717,10 +717,8 @@ def lean_decode_step(model, weights, token, pos, kv_cache):
             qk = torch.cat([norm(qk[:H], n_q), norm(qk[H:], n_k)])
         # apply_rotary's (x1 cos + x2 sin, x2 cos - x1 sin) as x * (cos, cos) + (x2, x1) * (sin, -sin): the same bits
         qk = qk * cos + torch.cat([qk[:, D // 2:], qk[:, :D // 2]], -1) * sin
-        kv_cache.k[i].index_copy_(2, pos, qk[H:].view(1, K, 1, D))
-        kv_cache.v[i].index_copy_(2, pos, qkv[:, (H + K) * D:].view(1, K, 1, D))
-        y = F.scaled_dot_product_attention(qk[:H].view(1, H, 1, D), kv_cache.k[i, :, :, :n], kv_cache.v[i, :, :, :n],
-                                           enable_gqa=True)
+        keys, values = kv_cache.write_at(i, qk[H:].view(1, K, 1, D), qkv[:, (H + K) * D:].view(1, K, 1, D), pos)
+        y = F.scaled_dot_product_attention(qk[:H].view(1, H, 1, D), keys[:, :, :n], values[:, :, :n], enable_gqa=True)
         x = torch.addmm(x, y.view(1, H * D), wo)
         h = norm(x, n_mlp)
         h = F.silu(h @ wgate) * (h @ wup) if wgate is not None else F.relu(h @ wup).square_()
