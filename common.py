@@ -1305,6 +1305,20 @@ def forward_backward(train_model, batches, dtype, device, world, poison=False):
     return all_reduce_tensor(loss_sum), count
 
 
+def clip_grad_norm(parameters, max_norm):
+    """torch.nn.utils.clip_grad_norm_'s scaling (by max_norm / (norm + 1e-6) when that is below 1), with the squares
+    summed in fp64: sharded gradients are summed shard by shard and then over ranks, and in fp32 that other order
+    moved the clip factor's last bit, so a resume at another world size drifted from the straight run. In fp64 the
+    orders agree to ~1e-16, far below fp32's rounding. Returns the norm (fp32)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    squares = torch.stack([torch.linalg.vector_norm(local(g), dtype=torch.float64) ** 2 for g in grads]).sum()
+    if any(isinstance(g, DTensor) for g in grads):  # FSDP2 shards every parameter: add the other ranks' shards
+        squares = all_reduce_tensor(squares)
+    norm = squares.sqrt().float()
+    torch._foreach_mul_([local(g) for g in grads], (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return norm
+
+
 def open_wandb(args, master):
     if not (args.wandb and master):
         return None
@@ -1342,8 +1356,7 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
         mark_progress(step + 1)
         loss_sum, count = forward_backward(train_model, batches, args.dtype, device, world,
                                            poison=step + 1 == args.inject_nan_step)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
-        grad_norm = (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).item()
+        grad_norm = clip_grad_norm(model.parameters(), args.grad_clip or float("inf")).item()
         loss = loss_sum.item() / max(1.0, count.item())
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             last = list_checkpoints(run_dir / "ckpt")
@@ -1459,7 +1472,7 @@ def print_status(run_dir):
     print(f"checkpoints: {', '.join(c.name for c in ckpts) if ckpts else 'none'}")
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description="speedrun.sh's NCCL check (probe, under torchrun), and a sharded "
                                      "checkpoint's model.pt (consolidate); otherwise import common")
     parser.add_argument("command", choices=["probe", "consolidate"], help="probe: one all-reduce over torchrun's "
@@ -1467,7 +1480,7 @@ def main():
     parser.add_argument("checkpoint", nargs="?", help="consolidate: a step_* directory or a run directory (its newest)")
     parser.add_argument("--timeout", type=float, default=60.0, help="probe: seconds before a collective counts as "
                         "hung (default: %(default)s)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.command == "probe":
         return probe_all_reduce(args.timeout)
     if args.checkpoint is None:

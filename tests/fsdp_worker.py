@@ -31,7 +31,7 @@ def losses(wrap, optimizer, dtype, rank, world, local_rank, device, activation_c
         mine = slice(rank * rows, (rank + 1) * rows)  # of the global batch rolled by the step: other rows each step
         batch = [(inputs.roll(step, 0)[mine], targets.roll(step, 0)[mine])]
         loss_sum, count = C.forward_backward(train_model, batch, dtype, device, world)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        C.clip_grad_norm(model.parameters(), 1.0)
         for opt in optimizers:
             opt.step()
         model.zero_grad(set_to_none=C.is_sharded(model))
