@@ -98,9 +98,7 @@ def test_two_processes_match_one_with_the_same_global_batch(world, straight):
     assert "world size 1 x accumulation 2 = 512" in straight[1]
     assert "world size 2 x accumulation 1 = 512" in straight[2]
     a, b = losses(world, "straight1"), losses(world, "straight2")
-    assert sorted(a) == sorted(b) == list(range(1, 15))
-    for step in a:
-        assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
+    assert sorted(a) == list(range(1, 15)) and a == b  # bitwise: accumulation, DDP and FSDP2 add the same numbers
 
 
 def test_a_sharded_checkpoint_of_two_processes_resumes_on_one_bitwise_and_consolidates(world, straight, tmp_path,
