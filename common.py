@@ -436,31 +436,32 @@ class Muon(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is not None:
                     by_shape.setdefault((min(p.shape), max(p.shape)), []).append(p)
-            for params in by_shape.values():
-                for p in params:
-                    if not self.state[p]:
-                        self.state[p]["momentum_buffer"] = torch.zeros_like(p)  # a DTensor shard for a sharded p
-                buffers = [local(self.state[p]["momentum_buffer"]) for p in params]
-                grads = [local(p.grad) for p in params]
-                torch._foreach_lerp_(buffers, grads, 1 - group["momentum"])
-                updates = torch._foreach_lerp(grads, buffers, group["momentum"]) if group["nesterov"] else buffers
-                updates = [whole(u, p) for u, p in zip(updates, params, strict=True)]
-                wide = torch.empty((len(params), *min(params[0].shape, params[0].shape[::-1])), device=updates[0].device,
-                                   dtype=getattr(torch, group["ns_dtype"]))
-                torch._foreach_copy_([w.mT if p.size(0) > p.size(1) else w for w, p in zip(wide, params, strict=True)],
-                                     updates)  # stacked and cast in one pass
-                wide = newton_schulz(wide, group["ns_steps"], group["ns_dtype"]).unbind(0)
-                rows, columns = params[0].shape  # the first's: the others are the same or its transpose
-                shards = [shard_of(w.mT if p.size(0) > p.size(1) else w, p) for w, p in zip(wide, params, strict=True)]
-                talls = [p.size(0) > p.size(1) for p in params]
-                params = [local(p) for p in params]
-                torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
-                for tall in (False, True):  # shape scale sqrt(max(1, rows/cols)), folded into the step as torch does
-                    chosen = [i for i, t in enumerate(talls) if t == tall]
-                    if chosen:
-                        scale = (max(rows, columns) / min(rows, columns)) ** 0.5 if tall else 1
-                        torch._foreach_add_([params[i] for i in chosen], [shards[i] for i in chosen],
-                                            alpha=-group["lr"] * scale)
+            for same_shape in by_shape.values():  # sharded: one matrix at a time (one whole matrix gathered at once)
+                for params in ([p] for p in same_shape) if isinstance(same_shape[0], DTensor) else [same_shape]:
+                    for p in params:
+                        if not self.state[p]:
+                            self.state[p]["momentum_buffer"] = torch.zeros_like(p)  # a DTensor shard for a sharded p
+                    buffers = [local(self.state[p]["momentum_buffer"]) for p in params]
+                    grads = [local(p.grad) for p in params]
+                    torch._foreach_lerp_(buffers, grads, 1 - group["momentum"])
+                    updates = torch._foreach_lerp(grads, buffers, group["momentum"]) if group["nesterov"] else buffers
+                    updates = [whole(u, p) for u, p in zip(updates, params, strict=True)]
+                    wide = torch.empty((len(params), *min(params[0].shape, params[0].shape[::-1])),
+                                       device=updates[0].device, dtype=getattr(torch, group["ns_dtype"]))
+                    talls = [p.size(0) > p.size(1) for p in params]
+                    torch._foreach_copy_([w.mT if tall else w for w, tall in zip(wide, talls, strict=True)],
+                                         updates)  # stacked and cast in one pass
+                    wide = newton_schulz(wide, group["ns_steps"], group["ns_dtype"]).unbind(0)
+                    rows, columns = params[0].shape  # the first's: the others are the same or its transpose
+                    shards = [shard_of(w.mT if tall else w, p) for w, p, tall in zip(wide, params, talls, strict=True)]
+                    params = [local(p) for p in params]
+                    torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+                    for tall in (False, True):  # shape scale sqrt(max(1, rows/cols)), folded in as torch does
+                        chosen = [i for i, t in enumerate(talls) if t == tall]
+                        if chosen:
+                            scale = (max(rows, columns) / min(rows, columns)) ** 0.5 if tall else 1
+                            torch._foreach_add_([params[i] for i in chosen], [shards[i] for i in chosen],
+                                                alpha=-group["lr"] * scale)
 
 
 # -----------------------------------------------------------------------------
@@ -1487,7 +1488,9 @@ def main(argv=None):
         parser.error("consolidate needs a checkpoint: python common.py consolidate runs/<run>[/ckpt/step_N]")
     try:
         path = find_checkpoint(args.checkpoint)
-        print(f"consolidate: wrote {consolidate(path)} ({sum(t.numel() for t in torch.load(path / 'model.pt', weights_only=True).values()):,} parameters)")
+        written = consolidate(path)
+        count = sum(t.numel() for t in torch.load(written, weights_only=True).values())
+        print(f"consolidate: wrote {written} ({count:,} parameters)")
     except (FileNotFoundError, ValueError) as e:
         print(f"common.py: error: {e}", file=sys.stderr)
         return 1
