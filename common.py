@@ -263,8 +263,8 @@ def shard_model(model, args, world, device):
     estimate = memory_estimate(model.config, 1, optimizer=optimizer, bf16=args.dtype == "bfloat16")
     state = estimate["weights"] + estimate["gradients"] + estimate["optimizer"]
     capacity = device_memory(device)
-    fits = f"weights + gradients + optimizer state {state / 2**30:.2f} GiB {'<=' if state <= capacity else '>'} " \
-           f"{capacity / 2**30:.2f} GiB per process ({device_name(device)})"
+    fits = f"weights + gradients + optimizer state {fmt_bytes(state)} {'<=' if state <= capacity else '>'} " \
+           f"{fmt_bytes(capacity)} per process ({device_name(device)})"
     shard = args.fsdp == "true" or (args.fsdp == "auto" and state > capacity)
     if shard and world == 1:
         return f"sharding: none: one process has nothing to shard with ({fits})"
@@ -275,8 +275,8 @@ def shard_model(model, args, world, device):
     for block in model.blocks:
         fully_shard(block, mp_policy=block_policy)
     fully_shard(model, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False))
-    return f"sharding: FSDP2 over {world} ranks (--fsdp {args.fsdp}: {fits}); about {state / world / 2**30:.2f} " \
-        f"GiB of it per rank"
+    return f"sharding: FSDP2 over {world} ranks (--fsdp {args.fsdp}: {fits}); about {fmt_bytes(state / world)} of it " \
+        "per rank"
 
 
 # -----------------------------------------------------------------------------
@@ -1123,6 +1123,10 @@ def truncate_metrics(path, last_step):
     if path.is_file():
         lines = [line for line in path.read_text().splitlines() if json.loads(line).get("step", 0) <= last_step]
         path.write_text("".join(line + "\n" for line in lines))
+
+
+def fmt_bytes(count):
+    return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
 
 
 def fmt_duration(seconds):
