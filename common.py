@@ -421,8 +421,9 @@ class Muon(torch.optim.Optimizer):
     Matrices of one shape up to a transpose (an MLP's up and down projections) are orthogonalized as one stack: one
     batched matmul instead of one per matrix halves the bf16 Muon step at the tiny shape (107 -> ~55 ms; compiling
     it measured no faster). FSDP-sharded parameters: the momentum is updated on each rank's shard; Newton-Schulz needs
-    whole matrices, so each update is all-gathered, every rank orthogonalizes all of them (the same numbers on every
-    rank; the compute is not divided) and keeps its own rows."""
+    whole matrices, so the updates go in rounds of one matrix per rank: each is all-gathered, rank i orthogonalizes
+    the round's i-th and broadcasts it, and every rank keeps its rows of each. The compute is divided by the ranks;
+    at most `world size` whole matrices are in memory at once."""
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0, ns_steps=5,
                  ns_dtype="bfloat16"):
@@ -436,32 +437,42 @@ class Muon(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is not None:
                     by_shape.setdefault((min(p.shape), max(p.shape)), []).append(p)
-            for same_shape in by_shape.values():  # sharded: one matrix at a time (one whole matrix gathered at once)
-                for params in ([p] for p in same_shape) if isinstance(same_shape[0], DTensor) else [same_shape]:
-                    for p in params:
-                        if not self.state[p]:
-                            self.state[p]["momentum_buffer"] = torch.zeros_like(p)  # a DTensor shard for a sharded p
-                    buffers = [local(self.state[p]["momentum_buffer"]) for p in params]
-                    grads = [local(p.grad) for p in params]
-                    torch._foreach_lerp_(buffers, grads, 1 - group["momentum"])
-                    updates = torch._foreach_lerp(grads, buffers, group["momentum"]) if group["nesterov"] else buffers
-                    updates = [whole(u, p) for u, p in zip(updates, params, strict=True)]
-                    wide = torch.empty((len(params), *min(params[0].shape, params[0].shape[::-1])),
-                                       device=updates[0].device, dtype=getattr(torch, group["ns_dtype"]))
-                    talls = [p.size(0) > p.size(1) for p in params]
-                    torch._foreach_copy_([w.mT if tall else w for w, tall in zip(wide, talls, strict=True)],
-                                         updates)  # stacked and cast in one pass
-                    wide = newton_schulz(wide, group["ns_steps"], group["ns_dtype"]).unbind(0)
-                    rows, columns = params[0].shape  # the first's: the others are the same or its transpose
-                    shards = [shard_of(w.mT if tall else w, p) for w, p, tall in zip(wide, params, talls, strict=True)]
-                    params = [local(p) for p in params]
-                    torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
-                    for tall in (False, True):  # shape scale sqrt(max(1, rows/cols)), folded in as torch does
-                        chosen = [i for i, t in enumerate(talls) if t == tall]
-                        if chosen:
-                            scale = (max(rows, columns) / min(rows, columns)) ** 0.5 if tall else 1
-                            torch._foreach_add_([params[i] for i in chosen], [shards[i] for i in chosen],
-                                                alpha=-group["lr"] * scale)
+            for same_shape in by_shape.values():
+                sharded = isinstance(same_shape[0], DTensor)  # then in rounds of one matrix per rank
+                size = dist.get_world_size() if sharded else len(same_shape)
+                for start in range(0, len(same_shape), size):
+                    self.update(group, same_shape[start:start + size], sharded)
+
+    def update(self, group, params, sharded):
+        """Momentum, Newton-Schulz and the step for matrices of one shape up to a transpose. Sharded: rank i
+        orthogonalizes params[i] and broadcasts it; every rank keeps its rows of each."""
+        for p in params:
+            if not self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p)  # a DTensor shard for a sharded p
+        buffers = [local(self.state[p]["momentum_buffer"]) for p in params]
+        grads = [local(p.grad) for p in params]
+        torch._foreach_lerp_(buffers, grads, 1 - group["momentum"])
+        updates = torch._foreach_lerp(grads, buffers, group["momentum"]) if group["nesterov"] else buffers
+        updates = [whole(u, p) for u, p in zip(updates, params, strict=True)]  # all-gathered when sharded
+        talls, shape = [p.size(0) > p.size(1) for p in params], min(params[0].shape, params[0].shape[::-1])
+        mine = [i for i in ([dist.get_rank()] if sharded else range(len(params))) if i < len(params)]
+        wide = torch.empty((len(mine), *shape), device=updates[0].device, dtype=getattr(torch, group["ns_dtype"]))
+        torch._foreach_copy_([w.mT if talls[i] else w for w, i in zip(wide, mine, strict=True)],
+                             [updates[i] for i in mine])  # stacked and cast in one pass
+        done = dict(zip(mine, newton_schulz(wide, group["ns_steps"], group["ns_dtype"]).unbind(0), strict=True))
+        for i in range(len(params)) if sharded else ():  # each result from the rank that computed it
+            done[i] = done.get(i, torch.empty(shape, device=wide.device, dtype=wide.dtype))
+            dist.broadcast(done[i], src=i)
+        shards = [shard_of(done[i].mT if talls[i] else done[i], p) for i, p in enumerate(params)]
+        rows, columns = params[0].shape  # the first's: the others are the same or its transpose
+        params = [local(p) for p in params]
+        torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+        for tall in (False, True):  # shape scale sqrt(max(1, rows/cols)), folded into the step as torch does
+            chosen = [i for i, t in enumerate(talls) if t == tall]
+            if chosen:
+                scale = (max(rows, columns) / min(rows, columns)) ** 0.5 if tall else 1
+                torch._foreach_add_([params[i] for i in chosen], [shards[i] for i in chosen],
+                                    alpha=-group["lr"] * scale)
 
 
 # -----------------------------------------------------------------------------
