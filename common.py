@@ -55,26 +55,21 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 # Distributed
 
 
-def keep_freed_memory():
+def keep_freed_memory(keep=True):
     """Have glibc keep freed memory for reuse instead of giving it back to the OS. A training step allocates the same
     large tensors every time (the tiny shape's 2048 x 8192 logits among them); by default glibc serves each from fresh
     mmap pages and unmaps them when freed, and the page faults that follow cost a quarter of a CPU step (compiled
     bf16 forward+backward at the tiny shape: 330-350 ms with this, 430-490 without). The price: the process keeps
-    its peak heap. A no-op where the C library has no mallopt (macOS; musl's does nothing)."""
+    its peak heap, fragments included. keep=False restores glibc's thresholds and returns what is free to the OS
+    (malloc_trim also releases pages in the middle of the heap): shard_model does, since a sharded run is one short
+    of memory (llama3-1b on 2 CPU processes: 8.4 GiB per rank after a step with glibc's defaults; with this kept, 24
+    GB ran out). A no-op where the C library has no mallopt (macOS; musl's does nothing)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: allocations under 1 GiB come from the heap...
-        libc.mallopt(-1, 2 ** 31 - 1)  # M_TRIM_THRESHOLD: ...which is not trimmed (the value is a C int)
-    except (OSError, AttributeError, TypeError):
-        pass
-
-
-def release_freed_memory():
-    """Give the pages glibc holds free back to the OS (malloc_trim also releases them from the middle of the heap):
-    after sharding, the whole model built on every rank is free but, under keep_freed_memory, kept (llama3-1b: 2.3
-    GiB per rank that the training step could not reuse; 2 ranks ran out of 24 GB). A no-op without glibc."""
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+        libc.mallopt(-3, 1 << 30 if keep else 128 * 1024)  # M_MMAP_THRESHOLD: allocations under 1 GiB from the heap...
+        libc.mallopt(-1, 2 ** 31 - 1 if keep else 128 * 1024)  # M_TRIM_THRESHOLD: ...which is not trimmed (a C int)
+        if not keep:
+            libc.malloc_trim(0)
     except (OSError, AttributeError, TypeError):
         pass
 
@@ -286,7 +281,7 @@ def shard_model(model, args, world, device):
         fully_shard(block, mp_policy=block_policy)
     fully_shard(model, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False))
     if device.type == "cpu":
-        release_freed_memory()
+        keep_freed_memory(False)
     return f"sharding: FSDP2 over {world} ranks (--fsdp {args.fsdp}: {fits}); about {fmt_bytes(state / world)} of it " \
         "per rank"
 
