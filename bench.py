@@ -2,7 +2,7 @@
 
     python bench.py              # every benchmark
     python bench.py train decode # a chosen few: train, decode, build, tokenizer, loader, pretrain, core_eval, sft,
-                                 # download, cpu, chat
+                                 # download, cpu, chat, fsdp
 
 train   forward+backward tokens/s of a preset on this machine: eager fp32, torch.compile fp32, compile + bf16 autocast.
         Target: compile + bf16 >= 2x eager fp32.
@@ -46,6 +46,7 @@ import io
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -530,7 +531,7 @@ def bench_fsdp_rank(args, device):
     if rank == 0:
         print(f"fsdp {args.preset} ({num_params(config):,} params), {world} processes, micro-batch 1 x "
               f"{args.fsdp_seq}, Muon, {dtype}: {sharding}")
-        median = sorted(times[1:] or times)[len(times[1:] or times) // 2]
+        median = statistics.median(times[1:] or times)
         print(f"fsdp build + shard {built:.1f} s; step times " + ", ".join(f"{t:.1f}" for t in times)
               + f" s (median after the first: {median:.1f} s)")
         print("fsdp peak resident memory per rank above its start (torch imported) " + ", ".join(
