@@ -2,7 +2,7 @@
 
     python bench.py              # every benchmark
     python bench.py train decode # a chosen few: train, decode, build, tokenizer, loader, pretrain, core_eval, sft,
-                                 # download, cpu, chat
+                                 # download, cpu, chat, fsdp
 
 train   forward+backward tokens/s of a preset on this machine: eager fp32, torch.compile fp32, compile + bf16 autocast.
         Target: compile + bf16 >= 2x eager fp32.
@@ -29,6 +29,10 @@ chat    chat.py's second turn of a 2,000-token conversation (a --preset model wi
         time to the first token with the KV cache kept vs re-prefilling the history (target >= 5x); and greedy decode
         tok/s of chat.py's decode paths (lean, static, compiled) vs generate() at the preset's shape (target: lean
         >= 1.5x generate(), measured in the same run).
+fsdp    `--preset` (default of this benchmark: llama3-1b, seed 004) sharded by FSDP2 over 2 CPU processes (torchrun,
+        gloo, one thread each), micro-batch 1 x --fsdp_seq tokens of random ids, Muon, bf16 where native: seconds per
+        step (steps after the first) and each rank's peak resident memory, against model.py's estimate per rank
+        ((weights + gradients + optimizer state) / 2 + activations + transient).
 download  `download_shards` of 16 training shards + 1 validation shard (~4 MB parquet each) from a hub stand-in on
         loopback, 4 workers: shards/s and MB/s of the old client (dataset.py at commit 1d71acd, its own HTTP code on
         requests, read with `git show`) and of the new one (huggingface_hub), median of --trials rounds, alternating.
@@ -42,6 +46,7 @@ import io
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -60,7 +65,16 @@ import common as C
 import dataset
 from dataset import iter_texts, text_loader
 from demo import write_demo
-from model import KVCache, autocast_context, build_model, config_from_preset, flops_per_token, generate, num_params
+from model import (
+    KVCache,
+    autocast_context,
+    build_model,
+    config_from_preset,
+    flops_per_token,
+    generate,
+    memory_estimate,
+    num_params,
+)
 from tokenizer import bytes_per_token, counting, train_tokenizer
 
 
@@ -474,6 +488,59 @@ def bench_cpu(args, device):
         muon_share(device, 2048 / rates[f"muon_{C.matmul_dtype(device)}_compiled"])
 
 
+def bench_fsdp(args, device):
+    """Runs this file's fsdp_rank under torchrun on 2 processes and prints what rank 0 reports."""
+    preset = args.preset if args.preset != "tiny" else "llama3-1b"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+               "fsdp_rank", "--preset", preset, "--fsdp_steps", str(args.fsdp_steps), "--fsdp_seq", str(args.fsdp_seq)]
+    result = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                            check=False)
+    if result.returncode:
+        return print(f"fsdp: failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
+    print("\n".join(line for line in result.stdout.splitlines() if line.startswith(("fsdp", "distributed"))))
+
+
+def bench_fsdp_rank(args, device):
+    """One rank of bench_fsdp: the shared loop's pieces on a sharded model, timed; peak RSS gathered to rank 0."""
+    import resource
+    rank, _, world, device = C.setup_distributed()
+    baseline = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # torch, imported
+    config = config_from_preset(args.preset, {"sequence_len": args.fsdp_seq})
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    model = build_model(config, device)
+    dtype = C.matmul_dtype(device)
+    run = argparse.Namespace(fsdp="true", optimizer="muon", adam8bit=False, dtype=dtype, compile=False, matrix_lr=0.02,
+                             embedding_lr=0.2, head_lr=0.004, scalar_lr=0.04)
+    sharding = C.shard_model(model, run, world, device)
+    optimizers = C.build_optimizers(model, run, config.n_embd, world * args.fsdp_seq, device)
+    built, times = time.perf_counter() - start, []
+    for _ in range(args.fsdp_steps):
+        start = time.perf_counter()
+        ids = torch.randint(0, config.vocab_size, (1, args.fsdp_seq + 1))
+        C.forward_backward(model, [(ids[:, :-1], ids[:, 1:])], dtype, device, world)
+        C.clip_grad_norm(model.parameters(), 1.0)
+        for opt in optimizers:
+            opt.step()
+        model.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    peaks = [None] * world
+    torch.distributed.all_gather_object(peaks, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline)
+    est = memory_estimate(config, 1, args.fsdp_seq, optimizer="muon", bf16=dtype == "bfloat16")
+    per_rank = (est["weights"] + est["gradients"] + est["optimizer"]) / world + est["activations"] + est["transient"]
+    if rank == 0:
+        print(f"fsdp {args.preset} ({num_params(config):,} params), {world} processes, micro-batch 1 x "
+              f"{args.fsdp_seq}, Muon, {dtype}: {sharding}")
+        median = statistics.median(times[1:] or times)
+        print(f"fsdp build + shard {built:.1f} s; step times " + ", ".join(f"{t:.1f}" for t in times)
+              + f" s (median after the first: {median:.1f} s)")
+        print("fsdp peak resident memory per rank above its start (torch imported) " + ", ".join(
+              f"{p / 2**30:.2f}" for p in peaks) + f" GiB; model.py's estimate per rank {per_rank / 2**30:.2f} GiB (weights, gradients, optimizer / {world}: "
+              f"{(est['weights'] + est['gradients'] + est['optimizer']) / world / 2**30:.2f}; activations "
+              f"{est['activations'] / 2**30:.2f}; transient {est['transient'] / 2**30:.2f})")
+    C.teardown_distributed()
+
+
 def muon_share(device, step_seconds, steps=10):
     """Median seconds of the Muon step for the tiny shape at vocab 8192 (and of forward+backward, compiled in the
     default compute dtype, and the AdamW step beside it), and its share of step_seconds, the median training step of
@@ -508,7 +575,7 @@ def muon_share(device, step_seconds, steps=10):
 
 BENCHES = {"train": bench_train, "decode": bench_decode, "build": bench_build, "tokenizer": bench_tokenizer,
            "loader": bench_loader, "pretrain": bench_pretrain, "core_eval": bench_core_eval, "sft": bench_sft,
-           "download": bench_download, "cpu": bench_cpu, "chat": bench_chat}
+           "download": bench_download, "cpu": bench_cpu, "chat": bench_chat, "fsdp": bench_fsdp}
 
 
 def main():
@@ -525,6 +592,8 @@ def main():
                         help="text corpus for the tokenizer benchmark (default: %(default)s)")
     parser.add_argument("--bundle", default=None, help="eval bundle directory for core_eval (default: the demo "
                         "world's)")
+    parser.add_argument("--fsdp_steps", type=int, default=3, help="fsdp: steps timed (default: %(default)s)")
+    parser.add_argument("--fsdp_seq", type=int, default=256, help="fsdp: tokens per sequence (default: %(default)s)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="device (default: %(default)s)")
     args = parser.parse_args()
@@ -533,6 +602,8 @@ def main():
         C.keep_freed_memory()  # as every stage does on CPU
     print(f"device: {C.device_name(device)}; bf16 native: {C.native_bf16(device)}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} CPU threads, {os.cpu_count()} cores")
+    if args.which == ["fsdp_rank"]:  # one rank of the fsdp benchmark, under the torchrun that bench_fsdp starts
+        return bench_fsdp_rank(args, device)
     for name in args.which:
         if name not in BENCHES:
             parser.error(f"unknown benchmark {name!r}: choose from {', '.join(BENCHES)}")

@@ -25,39 +25,61 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dataset import chat_loader, text_loader
-from model import GPTConfig, autocast_context, build_model, generate, parse_bool
+from model import GPTConfig, autocast_context, build_model, generate, memory_estimate, parse_bool
 from tokenizer import SPECIAL_TOKENS
+
+# torch.distributed.checkpoint warns on every save and load in a process without torch.distributed (one-process runs
+# and `consolidate`), which is how this code means to use it
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 # -----------------------------------------------------------------------------
 # Distributed
 
 
-def keep_freed_memory():
+def keep_freed_memory(keep=True):
     """Have glibc keep freed memory for reuse instead of giving it back to the OS. A training step allocates the same
     large tensors every time (the tiny shape's 2048 x 8192 logits among them); by default glibc serves each from fresh
     mmap pages and unmaps them when freed, and the page faults that follow cost a quarter of a CPU step (compiled
     bf16 forward+backward at the tiny shape: 330-350 ms with this, 430-490 without). The price: the process keeps
-    its peak heap. A no-op where the C library has no mallopt (macOS; musl's does nothing)."""
+    its peak heap, fragments included. keep=False restores glibc's thresholds and returns what is free to the OS
+    (malloc_trim also releases pages in the middle of the heap): shard_model does, since a sharded run is one short
+    of memory (llama3-1b on 2 CPU processes: 8.4 GiB per rank after a step with glibc's defaults; with this kept, 24
+    GB ran out). A no-op where the C library has no mallopt (macOS; musl's does nothing)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: allocations under 1 GiB come from the heap...
-        libc.mallopt(-1, 2 ** 31 - 1)  # M_TRIM_THRESHOLD: ...which is not trimmed (the value is a C int)
+        libc.mallopt(-3, 1 << 30 if keep else 128 * 1024)  # M_MMAP_THRESHOLD: allocations under 1 GiB from the heap...
+        libc.mallopt(-1, 2 ** 31 - 1 if keep else 128 * 1024)  # M_TRIM_THRESHOLD: ...which is not trimmed (a C int)
+        if not keep:
+            libc.malloc_trim(0)
     except (OSError, AttributeError, TypeError):
         pass
 
 
-def setup_distributed():
+def setup_distributed(timeout_s=600):
     """Initialize from torchrun's environment (or run as one process). Returns (rank, local_rank, world_size, device).
-    NCCL on CUDA, gloo on CPU. Prints the world as initialized: each rank reports the device it actually holds."""
+    NCCL on CUDA, gloo on CPU; a collective that waits longer than timeout_s (a dead or hung peer) raises instead of
+    hanging. Prints the world as initialized, as the first line: each rank reports its host and the device it holds
+    (seed 000: one GPU passed off as four)."""
+    from datetime import timedelta
     if not torch.cuda.is_available():
         keep_freed_memory()
     if "RANK" not in os.environ:
@@ -68,15 +90,15 @@ def setup_distributed():
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, timeout=timedelta(seconds=timeout_s))
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
     names = [None] * world_size
     dist.all_gather_object(names, f"{device} ({device_name(device)}) on {platform.node()}")
     if rank == 0:
         print(f"distributed: world size {dist.get_world_size()} ({dist.get_backend()}): "
-              + ", ".join(f"rank {r} {n}" for r, n in enumerate(names)))
+              + ", ".join(f"rank {r} {n}" for r, n in enumerate(names)), flush=True)
     return rank, local_rank, world_size, device
 
 
@@ -124,6 +146,11 @@ def run_main(main):
     try:
         signum = main()
     except (ValueError, FileNotFoundError, RuntimeError, ImportError) as e:
+        stopped = stopped_ranks()
+        if stopped:  # a collective failed: its peer died (connection reset) or hung (--dist_timeout)
+            print(f"{script}: error on rank {dist.get_rank()}: a collective failed ({str(e).splitlines()[0][:160]}): "
+                  f"{stopped}", file=sys.stderr, flush=True)
+            return 1  # no teardown: its barrier would wait for the stopped rank
         frame = traceback.extract_tb(e.__traceback__)[-1]
         ours = Path(frame.filename).resolve().parent == Path(__file__).resolve().parent and \
             (frame.line or "").lstrip().startswith("raise")
@@ -135,6 +162,55 @@ def run_main(main):
         return 1
     teardown_distributed()
     return 128 + signum if signum else 0
+
+
+def mark_progress(step):
+    """Record in torchrun's store (one small message) that this rank, this process, entered `step`: what
+    stopped_ranks reads when a collective fails."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.distributed_c10d._get_default_store().set(f"progress/{dist.get_rank()}",
+                                                       f"{step} {os.getpid()} {platform.node()}")
+
+
+def process_alive(pid):
+    """Whether a process of this host runs: not gone, not a zombie (killed, not yet reaped by torchrun)."""
+    if not Path("/proc").is_dir():  # macOS: existence only
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def stopped_ranks():
+    """After an error under torchrun: the ranks that died (process gone, checked on this host) or did not reach this
+    rank's step (hung, or slower than --dist_timeout), from mark_progress's records; "" when none is behind."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return ""
+    try:
+        store, here = dist.distributed_c10d._get_default_store(), platform.node()
+        records = {r: store.get(f"progress/{r}").decode().split() if store.check([f"progress/{r}"]) else None
+                   for r in range(dist.get_world_size())}
+    except (RuntimeError, ValueError):  # the store went with a node
+        return "another rank died or hung (torchrun's store is unreachable; its failure summary names the rank)"
+    mine = int(records[dist.get_rank()][0]) if records[dist.get_rank()] else 0
+    found = []
+    for r, record in records.items():
+        if record is None:
+            found.append(f"rank {r} never reached step 1")
+            continue
+        step, pid, host = int(record[0]), int(record[1]), record[2]
+        if host == here and not process_alive(pid):
+            found.append(f"rank {r} died (process {pid} on {host} is gone; it was in step {step})")
+        elif step < mine:
+            found.append(f"rank {r} is stuck in step {step} (process {pid} on {host}) while this rank is in {mine}")
+    return "; ".join(found)
 
 
 def device_name(device):
@@ -162,6 +238,52 @@ def all_reduce_tensor(t, op=None):
 def all_reduce(value, op=None):
     """Sum (or `op`) a float over ranks; identity when not distributed."""
     return all_reduce_tensor(torch.tensor(float(value), dtype=torch.float64), op).item()
+
+
+def local(tensor):
+    """A tensor's part on this rank: the shard of an FSDP-sharded parameter (a DTensor), else the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def is_sharded(model):
+    return isinstance(model, FSDPModule)
+
+
+def device_memory(device):
+    """Bytes one process may use: the GPU's memory, or on a CPU the machine's RAM shared by this node's processes."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ram // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def shard_model(model, args, world, device):
+    """FSDP2 (fully_shard on each block, then the root) when --fsdp true, or with --fsdp auto when fp32 weights +
+    gradients + optimizer state would not fit one device by model.py's estimate; prints the decision and its figures.
+    Weights stay fp32 shards; each block is all-gathered in the compute dtype (bf16: half the traffic) and its
+    gradients reduce-scattered in fp32. The block's input is not cast, so the residual stream stays fp32 as under
+    autocast, and the root (embedding, final norm, head) gathers in fp32: the same numbers as DDP + autocast.
+    Returns the line that says whether it did and why (common.is_sharded(model) tells later)."""
+    optimizer = "adam8bit" if args.optimizer == "adamw" and args.adam8bit else args.optimizer
+    estimate = memory_estimate(model.config, 1, optimizer=optimizer, bf16=args.dtype == "bfloat16")
+    state = estimate["weights"] + estimate["gradients"] + estimate["optimizer"]
+    capacity = device_memory(device)
+    fits = f"weights + gradients + optimizer state {fmt_bytes(state)} {'<=' if state <= capacity else '>'} " \
+           f"{fmt_bytes(capacity)} per process ({device_name(device)})"
+    shard = args.fsdp == "true" or (args.fsdp == "auto" and state > capacity)
+    if shard and world == 1:
+        return f"sharding: none: one process has nothing to shard with ({fits})"
+    if not shard:
+        return f"sharding: none, {'DDP' if world > 1 else 'one process'} (--fsdp {args.fsdp}: {fits})"
+    compute = getattr(torch, args.dtype)
+    block_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=block_policy)
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False))
+    if device.type == "cpu":
+        keep_freed_memory(False)
+    return f"sharding: FSDP2 over {world} ranks (--fsdp {args.fsdp}: {fits}); about {fmt_bytes(state / world)} of it " \
+        "per rank"
 
 
 # -----------------------------------------------------------------------------
@@ -284,13 +406,31 @@ def newton_schulz_gram(x, steps):
     return product @ x
 
 
+def whole(shard, param):
+    """The whole matrix of a sharded parameter's update from each rank's shard (an all-gather); else the update."""
+    if not isinstance(param, DTensor):
+        return shard
+    return DTensor.from_local(shard, param.device_mesh, param.placements, shape=param.shape,
+                              stride=param.stride()).full_tensor()
+
+
+def shard_of(matrix, param):
+    """This rank's rows of a whole matrix that every rank holds, laid out as `param` is sharded (no communication)."""
+    if not isinstance(param, DTensor):
+        return matrix
+    return distribute_tensor(matrix, param.device_mesh, param.placements, src_data_rank=None).to_local()
+
+
 class Muon(torch.optim.Optimizer):
     """Muon for 2D weights: momentum (Nesterov by default), the update orthogonalized by newton_schulz in ns_dtype,
     scaled by sqrt(max(1, rows/cols)) (Keller's shape scaling, torch.optim.Muon's "original"), decoupled weight
     decay lr x wd. The same update rule as torch.optim.Muon (tested against it in bf16), in a dtype of our choice.
     Matrices of one shape up to a transpose (an MLP's up and down projections) are orthogonalized as one stack: one
     batched matmul instead of one per matrix halves the bf16 Muon step at the tiny shape (107 -> ~55 ms; compiling
-    it measured no faster)."""
+    it measured no faster). FSDP-sharded parameters: the momentum is updated on each rank's shard; Newton-Schulz needs
+    whole matrices, so the updates go in rounds of one matrix per rank: each is all-gathered, rank i orthogonalizes
+    the round's i-th and broadcasts it, and every rank keeps its rows of each. The compute is divided by the ranks;
+    at most `world size` whole matrices are in memory at once."""
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0, ns_steps=5,
                  ns_dtype="bfloat16"):
@@ -298,32 +438,48 @@ class Muon(torch.optim.Optimizer):
                                   "ns_steps": ns_steps, "ns_dtype": ns_dtype})
 
     @torch.no_grad()
-    def step(self):
+    def step(self, closure=None):  # closure: torch.distributed.checkpoint initializes state with step(closure=None)
         for group in self.param_groups:
             by_shape = {}  # (rows, columns) with rows <= columns -> the parameters of that shape or its transpose
             for p in group["params"]:
                 if p.grad is not None:
                     by_shape.setdefault((min(p.shape), max(p.shape)), []).append(p)
-            for params in by_shape.values():
-                for p in params:
-                    if not self.state[p]:
-                        self.state[p]["momentum_buffer"] = torch.zeros_like(p)
-                buffers = [self.state[p]["momentum_buffer"] for p in params]
-                torch._foreach_lerp_(buffers, [p.grad for p in params], 1 - group["momentum"])
-                updates = torch._foreach_lerp([p.grad for p in params], buffers, group["momentum"]) \
-                    if group["nesterov"] else buffers
-                wide = torch.empty((len(params), *min(params[0].shape, params[0].shape[::-1])), device=params[0].device,
-                                   dtype=getattr(torch, group["ns_dtype"]))
-                torch._foreach_copy_([w.mT if p.size(0) > p.size(1) else w for w, p in zip(wide, params, strict=True)],
-                                     updates)  # stacked and cast in one pass
-                wide = newton_schulz(wide, group["ns_steps"], group["ns_dtype"]).unbind(0)
-                torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
-                for tall in (False, True):  # shape scale sqrt(max(1, rows/cols)), folded into the step as torch does
-                    chosen = [i for i, p in enumerate(params) if (p.size(0) > p.size(1)) == tall]
-                    if chosen:
-                        scale = max(1, params[chosen[0]].size(0) / params[chosen[0]].size(1)) ** 0.5
-                        torch._foreach_add_([params[i] for i in chosen], [wide[i].mT if tall else wide[i]
-                                            for i in chosen], alpha=-group["lr"] * scale)
+            for same_shape in by_shape.values():
+                sharded = isinstance(same_shape[0], DTensor)  # then in rounds of one matrix per rank
+                size = dist.get_world_size() if sharded else len(same_shape)
+                for start in range(0, len(same_shape), size):
+                    self.update(group, same_shape[start:start + size], sharded)
+
+    def update(self, group, params, sharded):
+        """Momentum, Newton-Schulz and the step for matrices of one shape up to a transpose. Sharded: rank i
+        orthogonalizes params[i] and broadcasts it; every rank keeps its rows of each."""
+        for p in params:
+            if not self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p)  # a DTensor shard for a sharded p
+        buffers = [local(self.state[p]["momentum_buffer"]) for p in params]
+        grads = [local(p.grad) for p in params]
+        torch._foreach_lerp_(buffers, grads, 1 - group["momentum"])
+        updates = torch._foreach_lerp(grads, buffers, group["momentum"]) if group["nesterov"] else buffers
+        updates = [whole(u, p) for u, p in zip(updates, params, strict=True)]  # all-gathered when sharded
+        talls, shape = [p.size(0) > p.size(1) for p in params], min(params[0].shape, params[0].shape[::-1])
+        mine = [i for i in ([dist.get_rank()] if sharded else range(len(params))) if i < len(params)]
+        wide = torch.empty((len(mine), *shape), device=updates[0].device, dtype=getattr(torch, group["ns_dtype"]))
+        torch._foreach_copy_([w.mT if talls[i] else w for w, i in zip(wide, mine, strict=True)],
+                             [updates[i] for i in mine])  # stacked and cast in one pass
+        done = dict(zip(mine, newton_schulz(wide, group["ns_steps"], group["ns_dtype"]).unbind(0), strict=True))
+        for i in range(len(params)) if sharded else ():  # each result from the rank that computed it
+            done[i] = done.get(i, torch.empty(shape, device=wide.device, dtype=wide.dtype))
+            dist.broadcast(done[i], src=i)
+        shards = [shard_of(done[i].mT if talls[i] else done[i], p) for i, p in enumerate(params)]
+        rows, columns = params[0].shape  # the first's: the others are the same or its transpose
+        params = [local(p) for p in params]
+        torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+        for tall in (False, True):  # shape scale sqrt(max(1, rows/cols)), folded into the step as torch does
+            chosen = [i for i, t in enumerate(talls) if t == tall]
+            if chosen:
+                scale = (max(rows, columns) / min(rows, columns)) ** 0.5 if tall else 1
+                torch._foreach_add_([params[i] for i in chosen], [shards[i] for i in chosen],
+                                    alpha=-group["lr"] * scale)
 
 
 # -----------------------------------------------------------------------------
@@ -406,7 +562,14 @@ def add_schedule_args(parser):
 
 # -----------------------------------------------------------------------------
 # Checkpoints: runs/<run>/ckpt/step_XXXXXX/, written to a temporary directory and renamed into place, so a directory
-# with that name is always complete. Everything loads with weights_only=True.
+# with that name is always complete. Everything loads with weights_only=True. In each:
+#   state/      model and optimizer state by parameter name, torch.distributed.checkpoint: every rank writes its own
+#               shards in parallel, and any world size reads them back (what --resume loads)
+#   rankNNN.pt  that rank's data-loader positions and RNG state
+#   model.pt    the whole model in one file (what chat, evaluation, export and the next stage read): written by rank 0
+#               when the model is not sharded; for a sharded run at its last step, or by `python common.py
+#               consolidate CHECKPOINT`
+#   meta.json   what the run is, the step, the versions
 
 def rng_state():
     np_state = np.random.get_state(legacy=False)
@@ -445,9 +608,10 @@ def code_version():
     return {"commit": commit, "dirty": bool(changes.strip())}
 
 
-def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank, keep):
-    """Every rank writes its loader state and RNG state; rank 0 the model, optimizers and meta.json; then rank 0 renames
-    the temporary directory into place and deletes all but the newest `keep` checkpoints."""
+def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank, keep, consolidate=False):
+    """Every rank writes its shards of state/, its loader and RNG state; rank 0 model.pt (unless the model is sharded
+    and not `consolidate`) and meta.json; then rank 0 renames the temporary directory into place and deletes all but
+    the newest `keep` checkpoints."""
     final = Path(ckpt_dir) / f"step_{step:06d}"
     tmp = Path(ckpt_dir) / f".tmp_step_{step:06d}"
     if rank == 0:
@@ -455,10 +619,16 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank,
         tmp.mkdir(parents=True)
     barrier()
     torch.save({"loader": loader_state, "rng": rng_state()}, tmp / f"rank{rank:03d}.pt")
+    model_state, optimizer_state = get_state_dict(model, optimizers)
+    dcp.save({"model": model_state, "optimizers": optimizer_state}, checkpoint_id=tmp / "state",
+             no_dist=not dist.is_initialized())
+    if is_sharded(model) and consolidate:  # gathered to rank 0, shard by shard, into CPU memory
+        model_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
-        torch.save(model.state_dict(), tmp / "model.pt")
-        torch.save([opt.state_dict() for opt in optimizers], tmp / "optimizers.pt")
-        (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "versions": versions()}, indent=1))
+        if not is_sharded(model) or consolidate:
+            torch.save(model_state, tmp / "model.pt")
+        (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "sharded": is_sharded(model),
+                                                   "versions": versions()}, indent=1))
     barrier()
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -494,18 +664,41 @@ def set_aside_newer(ckpt_dir, step):
     return aside
 
 
-def load_checkpoint(path, rank, device):
+def load_state(path, model, optimizers):
+    """Model and optimizer state from a checkpoint's state/ into `model` (sharded or not) and `optimizers`, whatever
+    the world size that wrote it. Optimizer state must exist to be loaded into: get_state_dict creates it with a
+    step at lr 0, which changes no weight."""
+    if not (Path(path) / "state").is_dir():
+        raise FileNotFoundError(f"{path} has no state/ directory: written by an older version of this code, it "
+                                f"cannot be resumed; start the run again, or use its model.pt with --init")
+    model_state, optimizer_state = get_state_dict(model, optimizers)
+    dcp.load({"model": model_state, "optimizers": optimizer_state}, checkpoint_id=Path(path) / "state",
+             no_dist=not dist.is_initialized())
+    set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optimizer_state)
+
+
+def load_rank_states(path, meta, rank, accum):
+    """(loader states, RNG state) for this rank's `accum` virtual ranks rank*accum+j from the rank files of a run
+    with another world size, as long as the virtual ranks (world size x accumulation) are as many."""
+    states, old_accum = [], meta["accum"]
+    for virtual in range(rank * accum, (rank + 1) * accum):
+        rank_file = Path(path) / f"rank{virtual // old_accum:03d}.pt"
+        states.append(torch.load(rank_file, weights_only=True))
+        states[-1]["loader"] = states[-1]["loader"][virtual % old_accum]
+    return [s["loader"] for s in states], states[0]["rng"]
+
+
+def consolidate(path):
+    """Write model.pt (the whole model, one file) from a sharded checkpoint's state/, in this one process. Returns
+    its path."""
     path = Path(path)
-    if not (path / "meta.json").is_file():
-        raise FileNotFoundError(f"{path} is not a checkpoint (no meta.json): checkpoints are runs/<run>/ckpt/step_*")
     meta = json.loads((path / "meta.json").read_text())
-    rank_file = path / f"rank{rank:03d}.pt"
-    if not rank_file.is_file():
-        raise ValueError(f"{path} has no state for rank {rank}: it was written by {meta['world_size']} ranks; resume "
-                         f"with the same number of processes")
-    return {"meta": meta, "model": torch.load(path / "model.pt", map_location=device, weights_only=True),
-            "optimizers": torch.load(path / "optimizers.pt", map_location=device, weights_only=True),
-            "rank": torch.load(rank_file, weights_only=True)}
+    model = build_model(GPTConfig(**meta["model_config"]), "cpu")
+    model_state = model.state_dict()
+    dcp.load({"model": model_state}, checkpoint_id=path / "state", no_dist=True)
+    torch.save(model_state, path / ".model.pt.tmp")
+    os.replace(path / ".model.pt.tmp", path / "model.pt")
+    return path / "model.pt"
 
 
 def newest_checkpoint(runs_dir, stage=None):
@@ -538,6 +731,9 @@ def load_model(path, device):
     """(model in eval mode, meta) from a checkpoint's model.pt and meta.json, on any number of processes (the rank
     files, which a resume needs, are not read)."""
     meta = json.loads((Path(path) / "meta.json").read_text())
+    if not (Path(path) / "model.pt").is_file():
+        raise FileNotFoundError(f"{path} holds a sharded model (state/) and no model.pt yet: write it with `python "
+                                f"common.py consolidate {path}`")
     model = build_model(GPTConfig(**meta["model_config"]), device)
     model.load_state_dict(torch.load(Path(path) / "model.pt", map_location=device, weights_only=True))
     model.eval()
@@ -590,6 +786,15 @@ def add_run_args(parser, stage):
     g.add_argument("--kill_at_step", type=int, default=-1, help="testing: SIGKILL this run's process group after "
                    "this step (a machine dying mid-run)")
     g.add_argument("--signal_at_step", type=int, default=-1, help="testing: SIGTERM this process after this step")
+    g = parser.add_argument_group("distributed (under torchrun)")
+    g.add_argument("--fsdp", default="auto", choices=["auto", "true", "false"], help="shard weights, gradients and "
+                   "optimizer state over the ranks with FSDP2; auto: when they would not fit one device by model.py's "
+                   "estimate (default: %(default)s)")
+    g.add_argument("--dist_timeout", type=float, default=600, help="seconds a collective may wait for the other ranks "
+                   "before the run stops with an error (a dead or hung rank) (default: %(default)s)")
+    g.add_argument("--die_at_step", type=int, default=-1, help="testing: the last rank SIGKILLs itself at this step")
+    g.add_argument("--hang_at_step", type=int, default=-1, help="testing: the last rank stops taking part in "
+                   "collectives at this step")
 
 
 def resolve_run(args, stage):
@@ -618,25 +823,33 @@ def resolve_run(args, stage):
     return run_dir, found[-1]
 
 
-def resume(path, run_dir, model, optimizers, loaders, expected, rank, device):
-    """Restore model, optimizers, loaders and RNG from a checkpoint whose meta agrees with `expected` (else a
-    ValueError naming the difference); newer checkpoints of an abandoned branch are set aside. Returns its step."""
-    ckpt = load_checkpoint(path, rank, device)
-    meta = ckpt["meta"]
-    for key, mine in expected.items():
-        if meta.get(key) != mine:
-            raise ValueError(f"--resume {path}: its {key} is {meta.get(key)}, this run's is {mine}: resume with the "
-                             f"same settings (the command is in {run_dir}/config.json)")
-    model.load_state_dict(ckpt["model"])
-    for opt, state in zip(optimizers, ckpt["optimizers"], strict=True):
-        opt.load_state_dict(state)
-    for loader, state in zip(loaders, ckpt["rank"]["loader"], strict=True):
+def resume(path, run_dir, model, optimizers, loaders, layout, rank):
+    """Restore model, optimizers, loaders and RNG from a checkpoint whose model and micro-batch agree with `layout`
+    and whose virtual ranks (world size x accumulation: one data stream each) are as many, so every stream continues
+    where it stopped: 2 processes x 1 micro-step resume as 1 x 2 (else a ValueError naming the difference). Newer
+    checkpoints of an abandoned branch are set aside. Returns its step."""
+    meta = json.loads((Path(path) / "meta.json").read_text())
+    for key in ("model_config", "micro_batch"):
+        if meta.get(key) != layout[key]:
+            raise ValueError(f"--resume {path}: its {key} is {meta.get(key)}, this run's is {layout[key]}: resume with "
+                             f"the same settings (the command is in {run_dir}/config.json)")
+    virtual, mine = meta["world_size"] * meta["accum"], layout["world_size"] * layout["accum"]
+    if virtual != mine:
+        raise ValueError(f"--resume {path}: written by {meta['world_size']} processes x {meta['accum']} "
+                         f"accumulation steps = {virtual} data streams, this run has {layout['world_size']} x "
+                         f"{layout['accum']} = {mine}: pick --total_batch_tokens and the process count so that "
+                         f"processes x accumulation = {virtual}")
+    load_state(path, model, optimizers)
+    loader_states, rng = load_rank_states(path, meta, rank, layout["accum"])
+    for loader, state in zip(loaders, loader_states, strict=True):
         loader.load_state_dict(state)
-    set_rng_state(ckpt["rank"]["rng"])
+    set_rng_state(rng)
     if rank == 0:
         truncate_metrics(run_dir / "metrics.jsonl", meta["step"])
         aside = set_aside_newer(run_dir / "ckpt", meta["step"])
-        print(f"resume: from {path} at step {meta['step']}"
+        sharding = ["sharded" if flag else "not sharded" for flag in (meta.get("sharded"), is_sharded(model))]
+        print(f"resume: from {path} at step {meta['step']} ({meta['world_size']} -> {layout['world_size']} processes, "
+              f"{sharding[0]} -> {sharding[1]})"
               + (f"; the newer checkpoints of the abandoned branch were moved to {aside}" if aside else ""))
     barrier()
     return meta["step"]
@@ -765,6 +978,12 @@ def check_chat_tokenizer(tokenizer, tokenizer_path):
                          f"with tokenizer.py (it adds {', '.join(SPECIAL_TOKENS)}) and pretrain with it")
 
 
+def rounds(n_batches, world, model):
+    """Batches dealt round robin: n_batches, rounded up to a multiple of world for a sharded model, whose every forward
+    needs every rank (a rank with one batch fewer would leave the others waiting in an all-gather)."""
+    return math.ceil(n_batches / world) * world if is_sharded(model) else n_batches
+
+
 @torch.no_grad()
 def chat_val_loss(model, batches, dtype, rank, world, device):
     """Mean loss per supervised token over validation batches [(inputs, targets)], dealt to ranks round robin and
@@ -772,8 +991,12 @@ def chat_val_loss(model, batches, dtype, rank, world, device):
     sums = torch.zeros(len(batches), 2, dtype=torch.float64)
     was_training = model.training
     model.eval()
-    for b in range(rank, len(batches), world):
-        inputs, targets = (t.to(device) for t in batches[b])
+    for b in range(rank, rounds(len(batches), world, model), world):
+        inputs, targets = (t.to(device) for t in batches[b % len(batches)])
+        if b >= len(batches):  # sharded: a forward every rank joins (its all-gathers), not counted
+            with autocast_context(device.type, dtype):
+                model(inputs, targets, reduction="sum")
+            continue
         with autocast_context(device.type, dtype):
             loss_sum = model(inputs, targets, reduction="sum")
         sums[b] = torch.stack([loss_sum.double().cpu(), (targets != -1).sum().double().cpu()])
@@ -802,8 +1025,8 @@ def chat_validation(model, tokenizer, questions, dtype, rank, world, device, run
     """A chat stage's evaluation: the validation loss per supervised token, and greedy answers to `questions`
     (rank 0: printed and appended to samples.jsonl). Returns the loss."""
     loss = chat_val_loss(model, batches, dtype, rank, world, device)
+    answers = chat_answers(model, tokenizer, questions, dtype) if rank == 0 or is_sharded(model) else None
     if rank == 0:
-        answers = chat_answers(model, tokenizer, questions, dtype)
         with open(run_dir / "samples.jsonl", "a") as f:
             f.writelines(json.dumps({"step": step, **a}) + "\n" for a in answers)
         print(f"eval step {step}: val loss {loss:.4f}; " + " | ".join(
@@ -813,7 +1036,8 @@ def chat_validation(model, tokenizer, questions, dtype, rank, world, device, run
 
 @torch.no_grad()
 def chat_answers(model, tokenizer, questions, dtype, max_tokens=64):
-    """Greedy answers to one-turn questions, each up to <|assistant_end|> (whether it came is recorded)."""
+    """Greedy answers to one-turn questions, each up to <|assistant_end|> (whether it came is recorded). A sharded
+    model is run by every rank, each answer to its full length (the same number of forwards on every rank)."""
     end, answers = tokenizer.special_id("<|assistant_end|>"), []
     was_training = model.training
     model.eval()
@@ -822,10 +1046,12 @@ def chat_answers(model, tokenizer, questions, dtype, max_tokens=64):
         out = []
         for token in generate(model, prompt, min(max_tokens, model.config.sequence_len - len(prompt)), temperature=0,
                               dtype=dtype):
-            if token == end:
-                break
             out.append(token)
-        answers.append({"question": question, "answer": tokenizer.decode(out), "ended": token == end})
+            if token == end and not is_sharded(model):
+                break
+        ended = end in out
+        answers.append({"question": question, "answer": tokenizer.decode(out[:out.index(end)] if ended else out),
+                        "ended": ended})
     model.train(was_training)
     return answers
 
@@ -864,7 +1090,11 @@ def val_bpb(model, rows, token_bytes, batch_rows, dtype, rank, world, device):
     sums = torch.zeros(n_batches, 3, dtype=torch.float64)
     was_training = model.training
     model.eval()
-    for b in range(rank, n_batches, world):
+    for b in range(rank, rounds(n_batches, world, model), world):
+        if b >= n_batches:  # sharded: a forward every rank joins (its all-gathers), on batch 0, not counted
+            with autocast_context(device.type, dtype):
+                model(rows[:batch_rows].to(device)[:, :-1].clamp(min=0))
+            continue
         batch = rows[b * batch_rows:(b + 1) * batch_rows].to(device)
         # a last, partly filled row pads with -1: as an input that would index out of the embedding; it only
         # follows the row's text (causal attention) and its targets are -1, so any token id serves
@@ -913,6 +1143,10 @@ def truncate_metrics(path, last_step):
         path.write_text("".join(line + "\n" for line in lines))
 
 
+def fmt_bytes(count):
+    return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
+
+
 def fmt_duration(seconds):
     if seconds is None or not math.isfinite(seconds):
         return "unknown"
@@ -927,7 +1161,8 @@ def sample(p, n=4096):
     """A strided sample of up to n elements of a parameter: cheap to keep, and an optimizer update (dense for AdamW
     and Muon) changes every element, so an unchanged sample means an unchanged tensor. The same p and n always give
     the same elements."""
-    return p.detach().reshape(-1)[::max(1, p.numel() // n)][:n]
+    p = local(p).detach()  # a sharded parameter: this rank's shard
+    return p.reshape(-1)[::max(1, p.numel() // n)][:n]
 
 
 def param_samples(model):
@@ -937,7 +1172,7 @@ def param_samples(model):
 def frozen_parameters(model, samples):
     """Names of parameters whose sample has not changed (seed 001: bf16 norm weights that never move)."""
     now = param_samples(model)
-    return [name for name in samples if torch.equal(now[name], samples[name])]
+    return [name for name in samples if samples[name].numel() and torch.equal(now[name], samples[name])]
 
 
 def update_ratios(optimizers, before):
@@ -1058,10 +1293,10 @@ def loader_threads(args, device):
 
 
 def wrap_model(model, args, world, local_rank, device):
-    """DDP (gradients are views into its all-reduce buckets: no second copy), then torch.compile (after DDP, not
-    before: seed 004)."""
+    """DDP (gradients are views into its all-reduce buckets: no second copy) unless shard_model sharded it, then
+    torch.compile (after DDP, not before: seed 004)."""
     train_model = model
-    if world > 1:
+    if world > 1 and not is_sharded(model):
         train_model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
                           gradient_as_bucket_view=True)
     return torch.compile(train_model) if args.compile else train_model
@@ -1093,6 +1328,20 @@ def forward_backward(train_model, batches, dtype, device, world, poison=False):
     return all_reduce_tensor(loss_sum), count
 
 
+def clip_grad_norm(parameters, max_norm):
+    """torch.nn.utils.clip_grad_norm_'s scaling (by max_norm / (norm + 1e-6) when that is below 1), with the squares
+    summed in fp64: sharded gradients are summed shard by shard and then over ranks, and in fp32 that other order
+    moved the clip factor's last bit, so a resume at another world size drifted from the straight run. In fp64 the
+    orders agree to ~1e-16, far below fp32's rounding. Returns the norm (fp32)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    squares = torch.stack([torch.linalg.vector_norm(local(g), dtype=torch.float64) ** 2 for g in grads]).sum()
+    if any(isinstance(g, DTensor) for g in grads):  # FSDP2 shards every parameter: add the other ranks' shards
+        squares = all_reduce_tensor(squares)
+    norm = squares.sqrt().float()
+    torch._foreach_mul_([local(g) for g in grads], (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return norm
+
+
 def open_wandb(args, master):
     if not (args.wandb and master):
         return None
@@ -1113,20 +1362,24 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
     peak = peak_flops(device_name(device), args.dtype)
     initial, mem_history, run_start = param_samples(model), [], now()
 
-    def checkpoint(step):
-        if not all(torch.isfinite(p).all() for p in model.parameters()):  # never write a NaN checkpoint
+    def checkpoint(step, last=False):
+        finite = all(torch.isfinite(local(p)).all() for p in model.parameters())  # each rank checks its shards
+        if all_reduce(0.0 if finite else 1.0, dist.ReduceOp.MAX if dist.is_initialized() else None):
             raise RuntimeError(f"step {step}: parameters are not finite; not writing a checkpoint")
         return save_checkpoint(run_dir / "ckpt", step, model, optimizers, [ld.state_dict() for ld in loaders],
-                               ckpt_meta, rank, args.keep)
+                               ckpt_meta, rank, args.keep, consolidate=last)
 
     for step in range(start, total_steps):
         t0 = now()
         lr_mult, wd = apply_schedule(optimizers, step, total_steps, args)
         batches = [next(loader) for loader in loaders]
         data_wait = now() - t0  # the loaders prefetch: this is time the step stood still waiting for data
+        if rank == world - 1 and step + 1 in (args.die_at_step, args.hang_at_step):
+            die_or_hang(step + 1 == args.die_at_step)
+        mark_progress(step + 1)
         loss_sum, count = forward_backward(train_model, batches, args.dtype, device, world,
                                            poison=step + 1 == args.inject_nan_step)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf")).item()
+        grad_norm = clip_grad_norm(model.parameters(), args.grad_clip or float("inf")).item()
         loss = loss_sum.item() / max(1.0, count.item())
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             last = list_checkpoints(run_dir / "ckpt")
@@ -1137,7 +1390,7 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
         before = samples_by_id(optimizers) if health else None
         for opt in optimizers:
             opt.step()
-        model.zero_grad(set_to_none=world == 1)  # under DDP the gradients are views into its buckets: keep them
+        model.zero_grad(set_to_none=world == 1 or is_sharded(model))  # DDP's gradients are views into its buckets
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = now() - t0
@@ -1174,8 +1427,18 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
                 print(f"stopped by signal at step {step + 1}; checkpoint {path}. Resume with: {resume_command(args)}")
             return stop.signum or signal.SIGTERM
         if (step + 1) % args.ckpt_every == 0 or last_step:
-            checkpoint(step + 1)  # the final checkpoint comes before the final evaluation (nanochat #446)
+            checkpoint(step + 1, last_step)  # the final checkpoint comes before the final evaluation (nanochat #446)
     return None
+
+
+def die_or_hang(die):
+    """Testing hooks (--die_at_step, --hang_at_step): this rank dies by SIGKILL, or stops taking part in collectives
+    until it is stopped (a rank wedged mid-step), just before the step's first collective."""
+    if die:
+        os.kill(os.getpid(), signal.SIGKILL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's SIGTERM ends it at once, not after its 30 s grace
+    while True:
+        time.sleep(1)
 
 
 def health_warning(model, initial, mem_history, record, steps_done, args):
@@ -1232,9 +1495,29 @@ def print_status(run_dir):
     print(f"checkpoints: {', '.join(c.name for c in ckpts) if ckpts else 'none'}")
 
 
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="speedrun.sh's NCCL check (probe, under torchrun), and a sharded "
+                                     "checkpoint's model.pt (consolidate); otherwise import common")
+    parser.add_argument("command", choices=["probe", "consolidate"], help="probe: one all-reduce over torchrun's "
+                        "ranks; consolidate: write CHECKPOINT/model.pt from its shards, in one process")
+    parser.add_argument("checkpoint", nargs="?", help="consolidate: a step_* directory or a run directory (its newest)")
+    parser.add_argument("--timeout", type=float, default=60.0, help="probe: seconds before a collective counts as "
+                        "hung (default: %(default)s)")
+    args = parser.parse_args(argv)
+    if args.command == "probe":
+        return probe_all_reduce(args.timeout)
+    if args.checkpoint is None:
+        parser.error("consolidate needs a checkpoint: python common.py consolidate runs/<run>[/ckpt/step_N]")
+    try:
+        path = find_checkpoint(args.checkpoint)
+        written = consolidate(path)
+        count = sum(t.numel() for t in torch.load(written, weights_only=True).values())
+        print(f"consolidate: wrote {written} ({count:,} parameters)")
+    except (FileNotFoundError, ValueError) as e:
+        print(f"common.py: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="speedrun.sh's NCCL check, under torchrun; otherwise import common")
-    parser.add_argument("command", choices=["probe"], help="probe: one all-reduce over torchrun's ranks")
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a collective counts as hung "
-                        "(default: %(default)s)")
-    sys.exit(probe_all_reduce(parser.parse_args().timeout))
+    sys.exit(main())

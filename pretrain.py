@@ -90,7 +90,7 @@ def evaluate(model, tokenizer, args, rank, world, device, run_dir, val_rows, ste
     """Validation bits per byte (common.val_bpb: the first --eval_tokens of the split in BOS-led rows, the same figure
     core_eval.py reports) and greedy samples; prints them and returns the metrics fields."""
     bpb, _ = C.val_bpb(model, val_rows, tokenizer.token_bytes, 8, args.dtype, rank, world, device)
-    if rank == 0:
+    if rank == 0 or C.is_sharded(model):  # a sharded model's forward needs every rank
         model.eval()
         samples = []
         for prompt in args.prompt or PROMPTS:
@@ -99,6 +99,7 @@ def evaluate(model, tokenizer, args, rank, world, device, run_dir, val_rows, ste
                                 dtype=args.dtype))
             samples.append({"step": step, "prompt": prompt, "completion": tokenizer.decode(out)})
         model.train()
+    if rank == 0:
         with open(run_dir / "samples.jsonl", "a") as f:
             f.writelines(json.dumps(s) + "\n" for s in samples)
         print(f"eval step {step}: val bpb {bpb:.4f}; " + " | ".join(f"{s['prompt']!r} -> {s['completion']!r}"
@@ -110,7 +111,7 @@ def main(argv=None):
     parser, args = get_args(argv)
     if args.status:
         return C.print_status(Path(args.status))
-    rank, local_rank, world, device = C.setup_distributed()
+    rank, local_rank, world, device = C.setup_distributed(args.dist_timeout)
     master = rank == 0
     tokenizer = Tokenizer.load(args.tokenizer)
     if args.vocab_size not in (None, tokenizer.vocab_size):
@@ -123,6 +124,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     model = build_model(config, device)
     check_master_weights(model)
+    sharding = C.shard_model(model, args, world, device)
     micro, accum = C.plan_batch(args, config, world, model, device)
     seq_len, params, fpt = config.sequence_len, num_params(config), flops_per_token(config)
     tokens_per_step = micro * seq_len * world * accum
@@ -141,6 +143,7 @@ def main(argv=None):
     if master:
         C.write_config(run_dir, {**run, "args": vars(args)})
         print(f"model: {args.preset}, params: {params}; FLOPs/token {fpt:.4e}")
+        print(sharding)
         print(f"batch: tokens per step = micro_batch {micro} x sequence_len {seq_len} x world size {world} x "
               f"accumulation {accum} = {tokens_per_step:,}")
         print(f"budget: {total_steps:,} steps, {total_steps * tokens_per_step:,} tokens, "
@@ -148,7 +151,7 @@ def main(argv=None):
               f"per parameter")
         print(f"code: commit {run['code']['commit']}, uncommitted changes: {run['code']['dirty']}")
         print(C.precision_line(args, device, optimizers))
-    start = C.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank, device) if resume_from else 0
+    start = C.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank) if resume_from else 0
 
     train_model = C.wrap_model(model, args, world, local_rank, device)
     val_rows = C.val_rows(args.data_dir, tokenizer, args.eval_tokens, seq_len)

@@ -89,7 +89,7 @@ def main(argv=None):
     _, args = get_args(argv)
     if args.status:
         return C.print_status(Path(args.status))
-    rank, local_rank, world, device = C.setup_distributed()
+    rank, local_rank, world, device = C.setup_distributed(args.dist_timeout)
     master = rank == 0
     parent = C.find_parent(args.init, args.runs_dir, ["midtrain", "pretrain"])
     model, parent_meta = C.load_model(parent, device)
@@ -98,6 +98,7 @@ def main(argv=None):
     tokenizer = Tokenizer.load(args.tokenizer)
     C.check_chat_tokenizer(tokenizer, args.tokenizer)
     C.check_tokenizer(parent_meta, tokenizer, args.tokenizer, parent)
+    sharding = C.shard_model(model, args, world, device)
     args.preset = parent_meta.get("run", "sft")  # names the default run directory
     config = replace(model.config, sequence_len=args.sequence_len)  # the rows; the model keeps the parent's tables
     micro, accum = C.plan_batch(args, config, world, model, device)
@@ -119,13 +120,14 @@ def main(argv=None):
         C.write_config(run_dir, {**run, "args": vars(args)})
         print(f"init: {parent} ({parent_meta.get('stage')}, step {parent_meta.get('step')}), params: {params}")
         print("inherited:\n" + "\n".join(f"  {name:<18} {value!s:<14} {source}" for name, value, source in inherited))
+        print(sharding)
         print(f"batch: tokens per step = micro_batch {micro} x sequence_len {seq_len} x world size {world} x "
               f"accumulation {accum} = {tokens_per_step:,} (padding included)")
         print(f"budget: {total_steps:,} steps" + (f" = {args.epochs:g} epochs of {epoch_batches:,} batches"
                                                   if args.epochs else ""))
         print(f"code: commit {run['code']['commit']}, uncommitted changes: {run['code']['dirty']}")
         print(C.precision_line(args, device, optimizers))
-    start = C.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank, device) if resume_from else 0
+    start = C.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank) if resume_from else 0
 
     train_model = C.wrap_model(model, args, world, local_rank, device)
     evaluator = partial(evaluate, model, tokenizer, args, rank, world, device, run_dir,

@@ -4,6 +4,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 from argparse import Namespace
@@ -64,23 +65,27 @@ def test_a_small_model_learns_the_demo_world(world, learned):
     assert f"code: commit {code['commit']}, uncommitted changes: {code['dirty']}" in out
 
 
-# One global batch of 2 x 4 rows of 64 tokens: 1 process x 2 accumulation micro-steps, or 2 processes x 1
-KILL_RUN = [*SMALL, "--steps", "14", "--ckpt_every", "4", "--total_batch_tokens", str(2 * 4 * 64)]
+# One global batch of 2 x 4 rows of 64 tokens: 1 process x 2 accumulation micro-steps, or 2 processes x 1, the 2
+# processes sharding the model (FSDP2); fp32, where the two are bitwise equal (bf16: FSDP2's casts are not autocast's)
+KILL_RUN = [*SMALL, "--steps", "14", "--ckpt_every", "4", "--total_batch_tokens", str(2 * 4 * 64), "--dtype", "float32"]
+SHARDED = {1: [], 2: ["--fsdp", "true"]}
 
 
 @pytest.fixture(scope="module")
 def straight(world):
     """Uninterrupted runs of KILL_RUN on 1 and on 2 processes: {nproc: stdout}."""
-    return {nproc: run(world, [*KILL_RUN, "--run_name", f"straight{nproc}"], nproc).stdout for nproc in (1, 2)}
+    return {nproc: run(world, [*KILL_RUN, *SHARDED[nproc], "--run_name", f"straight{nproc}"], nproc).stdout
+            for nproc in (1, 2)}
 
 
 @pytest.mark.parametrize("nproc", [2])  # 1 process: the SIGTERM test below resumes bitwise too
 def test_sigkill_then_resume_gives_bitwise_equal_losses(world, straight, nproc):
-    killed = run(world, [*KILL_RUN, "--run_name", f"killed{nproc}", "--kill_at_step", "10"], nproc, check=False)
+    killed = run(world, [*KILL_RUN, *SHARDED[nproc], "--run_name", f"killed{nproc}", "--kill_at_step", "10"], nproc,
+                 check=False)
     assert killed.returncode != 0
     ckpts = [p.name for p in C.list_checkpoints(world / "runs" / f"killed{nproc}" / "ckpt")]
     assert ckpts[-1] == "step_000008" and not (world / "runs" / f"killed{nproc}" / "done.json").exists()
-    resumed = run(world, [*KILL_RUN, "--run_name", f"killed{nproc}", "--resume"], nproc)
+    resumed = run(world, [*KILL_RUN, *SHARDED[nproc], "--run_name", f"killed{nproc}", "--resume"], nproc)
     assert "resume: from" in resumed.stdout and "at step 8" in resumed.stdout
     expected, again = losses(world, f"straight{nproc}"), losses(world, f"killed{nproc}")
     assert sorted(again) == list(range(1, 15))
@@ -93,9 +98,29 @@ def test_two_processes_match_one_with_the_same_global_batch(world, straight):
     assert "world size 1 x accumulation 2 = 512" in straight[1]
     assert "world size 2 x accumulation 1 = 512" in straight[2]
     a, b = losses(world, "straight1"), losses(world, "straight2")
-    assert sorted(a) == sorted(b) == list(range(1, 15))
-    for step in a:
-        assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
+    assert sorted(a) == list(range(1, 15)) and a == b  # bitwise: accumulation, DDP and FSDP2 add the same numbers
+
+
+def test_a_sharded_checkpoint_of_two_processes_resumes_on_one_bitwise_and_consolidates(world, straight, tmp_path,
+                                                                                        capsys):
+    """straight2 ran sharded on 2 processes x 1 micro-step; a copy resumes on 1 process x 2 micro-steps: the same 2
+    data streams, the same losses, bitwise."""
+    assert "sharding: FSDP2 over 2 ranks (--fsdp true:" in straight[2]
+    step12, step14 = (world / "runs" / "straight2" / "ckpt" / f"step_0000{s}" for s in (12, 14))
+    assert (step12 / "state").is_dir() and not (step12 / "model.pt").exists()  # every rank wrote its own shards
+    assert (step14 / "model.pt").is_file()  # the last step is consolidated: the next stage reads it
+    with pytest.raises(FileNotFoundError, match=f"python common.py consolidate {step12}"):
+        C.load_model(step12, torch.device("cpu"))
+    copy = tmp_path / "step_000014"  # consolidated in one process from the shards = what the run gathered at its end
+    shutil.copytree(step14, copy, ignore=shutil.ignore_patterns("model.pt"))
+    code, out, _ = run_in_process(C.main, ["consolidate", copy], capsys)
+    assert code == 0 and f"consolidate: wrote {copy / 'model.pt'} (229,376 parameters)" in out
+    gathered, consolidated = (torch.load(p / "model.pt", weights_only=True) for p in (step14, copy))
+    assert gathered.keys() == consolidated.keys() and all(torch.equal(gathered[k], consolidated[k]) for k in gathered)
+    shutil.copytree(world / "runs" / "straight2", world / "runs" / "sharded_to_one")
+    resumed = run(world, [*KILL_RUN, "--resume", str(world / "runs" / "sharded_to_one" / "ckpt" / "step_000012")])
+    assert "accumulation 2 = 512" in resumed.stdout and "(2 -> 1 processes, sharded -> not sharded)" in resumed.stdout
+    assert losses(world, "sharded_to_one") == losses(world, "straight2")  # bitwise: JSON floats round-trip exactly
 
 
 def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(world):

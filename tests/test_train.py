@@ -74,10 +74,19 @@ def test_two_processes_give_the_loss_and_gradients_of_one(tmp_path):
     assert_same((saved["loss"].item(), saved["grads"]), whole)
 
 
+LAYOUT = {"model_config": "tiny", "micro_batch": 4, "world_size": 1, "accum": 2}  # what a checkpoint's layout must match
+
+
 def checkpoints_at(ckpt_dir, steps):
     model = tiny_model()
     for s in steps:
-        C.save_checkpoint(ckpt_dir, s, model, [], [], {"stage": "pretrain", "world_size": 1}, 0, keep=10)
+        C.save_checkpoint(ckpt_dir, s, model, [], ["stream 0", "stream 1"], {"stage": "pretrain", **LAYOUT}, 0, keep=10)
+
+
+class Stream:
+    """A data loader as resume sees it."""
+    def load_state_dict(self, state):
+        self.state = state
 
 
 def test_the_newest_checkpoint_is_the_highest_step_not_the_last_name(tmp_path):
@@ -90,13 +99,17 @@ def test_resuming_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path, c
     ckpt = tmp_path / "r" / "ckpt"
     checkpoints_at(ckpt, [2, 4, 6])
     model = tiny_model()
-    step = C.resume(ckpt / "step_000002", tmp_path / "r", model, [], [], {"world_size": 1}, 0, torch.device("cpu"))
+    with pytest.raises(ValueError, match="1 processes x 2 accumulation steps = 2 data streams, this run has 1 x 1 = 1"):
+        C.resume(ckpt / "step_000002", tmp_path / "r", model, [], [], {**LAYOUT, "accum": 1}, 0)
+    with pytest.raises(ValueError, match="its micro_batch is 4, this run's is 8"):
+        C.resume(ckpt / "step_000002", tmp_path / "r", model, [], [], {**LAYOUT, "micro_batch": 8}, 0)
+    streams = [Stream(), Stream()]
+    step = C.resume(ckpt / "step_000002", tmp_path / "r", model, [], streams, LAYOUT, 0)
+    assert [s.state for s in streams] == ["stream 0", "stream 1"]
     assert step == 2 and [c.name for c in C.list_checkpoints(ckpt)] == ["step_000002"]
     aside = list((tmp_path / "r" / "ckpt_abandoned").glob("*/step_*"))
     assert sorted(c.name for c in aside) == ["step_000004", "step_000006"]  # moved, not deleted
     assert all((c / "model.pt").is_file() for c in aside) and "moved to" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="its world_size is 1, this run's is 2"):
-        C.resume(ckpt / "step_000002", tmp_path / "r", model, [], [], {"world_size": 2}, 0, torch.device("cpu"))
 
 
 def test_keep_must_leave_at_least_one_checkpoint(tmp_path):
