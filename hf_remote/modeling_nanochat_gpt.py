@@ -1,0 +1,68 @@
+"""A nanochat model in transformers: Llama with QK-norm, the relu^2 MLP and the logit softcap where its config asks
+for them. export.py copies this file next to the weights; load it with
+
+    AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
+
+Everything else is transformers' own Llama (attention, RoPE, cache, generation). Each feature replaces one module
+after LlamaForCausalLM has built itself, so LlamaAttention's forward runs unchanged: the q/k projections return
+normalized heads, the head returns capped logits (so a loss computed from labels sees the capped logits too).
+Weightless RMSNorms are exported as scales of ones: x * 1.0 == x exactly.
+"""
+import torch
+from torch import nn
+from transformers import LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from .configuration_nanochat_gpt import NanochatGPTConfig
+
+
+class Relu2MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(torch.relu(self.up_proj(x)).square())
+
+
+class HeadNormLinear(nn.Linear):
+    """A q or k projection followed by an RMSNorm over each head's channels (QK-norm). Its output feeds LlamaAttention,
+    which splits the heads and applies RoPE: the norm comes before the rotation, as in the model it was trained as."""
+
+    def __init__(self, in_features, out_features, head_dim, eps):
+        super().__init__(in_features, out_features, bias=False)
+        self.norm = LlamaRMSNorm(head_dim, eps=eps)
+
+    def forward(self, x):
+        heads = super().forward(x).unflatten(-1, (-1, self.norm.weight.numel()))
+        return self.norm(heads).flatten(-2)
+
+
+class SoftcapLinear(nn.Linear):
+    """The output head with the logit softcap: cap * tanh(logits / cap)."""
+
+    def __init__(self, in_features, out_features, cap):
+        super().__init__(in_features, out_features, bias=False)
+        self.cap = cap
+
+    def forward(self, x):
+        return self.cap * torch.tanh(super().forward(x) / self.cap)
+
+
+class NanochatGPTForCausalLM(LlamaForCausalLM):
+    config_class = NanochatGPTConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        d, eps = config.hidden_size, config.rms_norm_eps
+        for layer in self.model.layers:
+            if config.mlp == "relu2":
+                layer.mlp = Relu2MLP(config)
+            if config.qk_norm:
+                attn = layer.self_attn
+                attn.q_proj = HeadNormLinear(d, config.num_attention_heads * attn.head_dim, attn.head_dim, eps)
+                attn.k_proj = HeadNormLinear(d, config.num_key_value_heads * attn.head_dim, attn.head_dim, eps)
+        if config.logit_softcap:
+            self.lm_head = SoftcapLinear(d, config.vocab_size, config.logit_softcap)
+        self.post_init()  # again: initializes the new modules and ties a new head to the embeddings
