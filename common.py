@@ -32,15 +32,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dataset import chat_loader, text_loader
@@ -240,13 +231,23 @@ def all_reduce(value, op=None):
     return all_reduce_tensor(torch.tensor(float(value), dtype=torch.float64), op).item()
 
 
+# FSDP2, DTensor and torch.distributed.checkpoint are imported where they are used: together they cost ~1.4 s of CPU
+# per process (sympy among them), which a run that never shards does not pay. Until shard_model or a sharded
+# checkpoint imports them, no parameter can be a DTensor.
+
+def is_dtensor(tensor):
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
 def local(tensor):
     """A tensor's part on this rank: the shard of an FSDP-sharded parameter (a DTensor), else the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def is_sharded(model):
-    return isinstance(model, FSDPModule)
+    module = sys.modules.get("torch.distributed.fsdp")
+    return module is not None and isinstance(model, module.FSDPModule)
 
 
 def device_memory(device):
@@ -275,6 +276,7 @@ def shard_model(model, args, world, device):
         return f"sharding: none: one process has nothing to shard with ({fits})"
     if not shard:
         return f"sharding: none, {'DDP' if world > 1 else 'one process'} (--fsdp {args.fsdp}: {fits})"
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     compute = getattr(torch, args.dtype)
     block_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for block in model.blocks:
@@ -408,16 +410,17 @@ def newton_schulz_gram(x, steps):
 
 def whole(shard, param):
     """The whole matrix of a sharded parameter's update from each rank's shard (an all-gather); else the update."""
-    if not isinstance(param, DTensor):
+    if not is_dtensor(param):
         return shard
-    return DTensor.from_local(shard, param.device_mesh, param.placements, shape=param.shape,
+    return type(param).from_local(shard, param.device_mesh, param.placements, shape=param.shape,
                               stride=param.stride()).full_tensor()
 
 
 def shard_of(matrix, param):
     """This rank's rows of a whole matrix that every rank holds, laid out as `param` is sharded (no communication)."""
-    if not isinstance(param, DTensor):
+    if not is_dtensor(param):
         return matrix
+    from torch.distributed.tensor import distribute_tensor
     return distribute_tensor(matrix, param.device_mesh, param.placements, src_data_rank=None).to_local()
 
 
@@ -445,7 +448,7 @@ class Muon(torch.optim.Optimizer):
                 if p.grad is not None:
                     by_shape.setdefault((min(p.shape), max(p.shape)), []).append(p)
             for same_shape in by_shape.values():
-                sharded = isinstance(same_shape[0], DTensor)  # then in rounds of one matrix per rank
+                sharded = is_dtensor(same_shape[0])  # then in rounds of one matrix per rank
                 size = dist.get_world_size() if sharded else len(same_shape)
                 for start in range(0, len(same_shape), size):
                     self.update(group, same_shape[start:start + size], sharded)
@@ -609,9 +612,9 @@ def code_version():
 
 
 def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank, keep, consolidate=False):
-    """Every rank writes its shards of state/, its loader and RNG state; rank 0 model.pt (unless the model is sharded
-    and not `consolidate`) and meta.json; then rank 0 renames the temporary directory into place and deletes all but
-    the newest `keep` checkpoints."""
+    """Every rank writes its loader and RNG state; a sharded model's ranks their shards of state/ (and with
+    `consolidate`, model.pt gathered to rank 0); an unsharded model's rank 0 model.pt and optimizers.pt; rank 0
+    meta.json. Then rank 0 renames the temporary directory into place and deletes all but the newest `keep`."""
     final = Path(ckpt_dir) / f"step_{step:06d}"
     tmp = Path(ckpt_dir) / f".tmp_step_{step:06d}"
     if rank == 0:
@@ -619,14 +622,19 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank,
         tmp.mkdir(parents=True)
     barrier()
     torch.save({"loader": loader_state, "rng": rng_state()}, tmp / f"rank{rank:03d}.pt")
-    model_state, optimizer_state = get_state_dict(model, optimizers)
-    dcp.save({"model": model_state, "optimizers": optimizer_state}, checkpoint_id=tmp / "state",
-             no_dist=not dist.is_initialized())
-    if is_sharded(model) and consolidate:  # gathered to rank 0, shard by shard, into CPU memory
-        model_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if is_sharded(model):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+        model_state, optimizer_state = get_state_dict(model, optimizers)
+        dcp.save({"model": model_state, "optimizers": optimizer_state}, checkpoint_id=tmp / "state")
+        if consolidate:  # gathered to rank 0, shard by shard, into CPU memory
+            model_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if rank == 0:
+                torch.save(model_state, tmp / "model.pt")
+    elif rank == 0:
+        torch.save(model.state_dict(), tmp / "model.pt")
+        torch.save(named_optimizer_state(model, optimizers), tmp / "optimizers.pt")
     if rank == 0:
-        if not is_sharded(model) or consolidate:
-            torch.save(model_state, tmp / "model.pt")
         (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "sharded": is_sharded(model),
                                                    "versions": versions()}, indent=1))
     barrier()
@@ -664,17 +672,56 @@ def set_aside_newer(ckpt_dir, step):
     return aside
 
 
-def load_state(path, model, optimizers):
-    """Model and optimizer state from a checkpoint's state/ into `model` (sharded or not) and `optimizers`, whatever
-    the world size that wrote it. Optimizer state must exist to be loaded into: get_state_dict creates it with a
-    step at lr 0, which changes no weight."""
-    if not (Path(path) / "state").is_dir():
-        raise FileNotFoundError(f"{path} has no state/ directory: written by an older version of this code, it "
-                                f"cannot be resumed; start the run again, or use its model.pt with --init")
-    model_state, optimizer_state = get_state_dict(model, optimizers)
-    dcp.load({"model": model_state, "optimizers": optimizer_state}, checkpoint_id=Path(path) / "state",
-             no_dist=not dist.is_initialized())
-    set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optimizer_state)
+def named_optimizer_state(model, optimizers):
+    """The optimizers' state dicts as one, keyed by parameter name instead of position: the form of
+    torch.distributed.checkpoint's full optimizer state dict, which a sharded run loads too."""
+    names, merged = {id(p): name for name, p in model.named_parameters()}, {"state": {}, "param_groups": []}
+    for opt in optimizers:
+        state, params = opt.state_dict(), [p for group in opt.param_groups for p in group["params"]]
+        merged["state"].update({names[id(params[i])]: s for i, s in state["state"].items()})
+        merged["param_groups"] += [{**g, "params": [names[id(params[i])] for i in g["params"]]}
+                                   for g in state["param_groups"]]
+    return merged
+
+
+def load_named_optimizer_state(model, optimizers, merged):
+    """named_optimizer_state's dict back into unsharded optimizers (positions from this run's parameter order)."""
+    names, groups = {id(p): name for name, p in model.named_parameters()}, iter(merged["param_groups"])
+    for opt in optimizers:
+        saved = [next(groups) for _ in opt.param_groups]
+        order = [name for group in saved for name in group["params"]]
+        if order != [names[id(p)] for group in opt.param_groups for p in group["params"]]:
+            raise ValueError("the checkpoint's optimizer holds other parameters than this run's: resume with the same "
+                             "--optimizer and model")
+        index = {name: i for i, name in enumerate(order)}
+        opt.load_state_dict({"state": {index[name]: s for name, s in merged["state"].items() if name in index},
+                             "param_groups": [{**g, "params": [index[name] for name in g["params"]]} for g in saved]})
+
+
+def load_state(path, model, optimizers, device):
+    """Model and optimizer state from a checkpoint into `model` (sharded or not) and `optimizers`, whatever the world
+    size that wrote it: a sharded checkpoint's state/ through torch.distributed.checkpoint (optimizer state must exist
+    to be loaded into: get_state_dict creates it with a step at lr 0, which changes no weight), an unsharded one's
+    model.pt and optimizers.pt (into a sharded model: as full state dicts that set_state_dict shards)."""
+    path = Path(path)
+    if (path / "state").is_dir() or is_sharded(model):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    if (path / "state").is_dir():
+        model_state, optimizer_state = get_state_dict(model, optimizers)
+        dcp.load({"model": model_state, "optimizers": optimizer_state}, checkpoint_id=path / "state",
+                 no_dist=not dist.is_initialized())
+        return set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    model_state = torch.load(path / "model.pt", map_location=device, weights_only=True)
+    optimizer_state = torch.load(path / "optimizers.pt", map_location=device, weights_only=True)
+    if "state" not in optimizer_state:  # a list, one state dict per optimizer
+        raise ValueError(f"{path}/optimizers.pt is in the format of an older version of this code (by position): "
+                         f"it cannot be resumed; start the run again, or use its model.pt with --init")
+    if is_sharded(model):
+        return set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optimizer_state,
+                              options=StateDictOptions(full_state_dict=True))
+    model.load_state_dict(model_state)
+    load_named_optimizer_state(model, optimizers, optimizer_state)
 
 
 def load_rank_states(path, meta, rank, accum):
@@ -693,6 +740,7 @@ def consolidate(path):
     its path."""
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
+    import torch.distributed.checkpoint as dcp
     model = build_model(GPTConfig(**meta["model_config"]), "cpu")
     model_state = model.state_dict()
     dcp.load({"model": model_state}, checkpoint_id=path / "state", no_dist=True)
@@ -823,7 +871,7 @@ def resolve_run(args, stage):
     return run_dir, found[-1]
 
 
-def resume(path, run_dir, model, optimizers, loaders, layout, rank):
+def resume(path, run_dir, model, optimizers, loaders, layout, rank, device):
     """Restore model, optimizers, loaders and RNG from a checkpoint whose model and micro-batch agree with `layout`
     and whose virtual ranks (world size x accumulation: one data stream each) are as many, so every stream continues
     where it stopped: 2 processes x 1 micro-step resume as 1 x 2 (else a ValueError naming the difference). Newer
@@ -839,7 +887,7 @@ def resume(path, run_dir, model, optimizers, loaders, layout, rank):
                          f"accumulation steps = {virtual} data streams, this run has {layout['world_size']} x "
                          f"{layout['accum']} = {mine}: pick --total_batch_tokens and the process count so that "
                          f"processes x accumulation = {virtual}")
-    load_state(path, model, optimizers)
+    load_state(path, model, optimizers, device)
     loader_states, rng = load_rank_states(path, meta, rank, layout["accum"])
     for loader, state in zip(loaders, loader_states, strict=True):
         loader.load_state_dict(state)
@@ -1335,7 +1383,7 @@ def clip_grad_norm(parameters, max_norm):
     orders agree to ~1e-16, far below fp32's rounding. Returns the norm (fp32)."""
     grads = [p.grad for p in parameters if p.grad is not None]
     squares = torch.stack([torch.linalg.vector_norm(local(g), dtype=torch.float64) ** 2 for g in grads]).sum()
-    if any(isinstance(g, DTensor) for g in grads):  # FSDP2 shards every parameter: add the other ranks' shards
+    if any(is_dtensor(g) for g in grads):  # FSDP2 shards every parameter: add the other ranks' shards
         squares = all_reduce_tensor(squares)
     norm = squares.sqrt().float()
     torch._foreach_mul_([local(g) for g in grads], (max_norm / (norm + 1e-6)).clamp(max=1.0))

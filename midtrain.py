@@ -149,7 +149,7 @@ def main(argv=None):
         print(f"budget: {total_steps:,} steps, {total_steps * tokens_per_step:,} tokens")
         print(f"code: commit {run['code']['commit']}, uncommitted changes: {run['code']['dirty']}")
         print(C.precision_line(args, device, optimizers))
-    start = C.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank) if resume_from else 0
+    start = C.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank, device) if resume_from else 0
 
     train_model = C.wrap_model(model, args, world, local_rank, device)
     val_chat_dir = args.val_chat_dir or next((s["path"] for s in sources if s["kind"] == "chat"), None)

@@ -151,7 +151,7 @@ def main(argv=None):
               f"per parameter")
         print(f"code: commit {run['code']['commit']}, uncommitted changes: {run['code']['dirty']}")
         print(C.precision_line(args, device, optimizers))
-    start = C.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank) if resume_from else 0
+    start = C.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank, device) if resume_from else 0
 
     train_model = C.wrap_model(model, args, world, local_rank, device)
     val_rows = C.val_rows(args.data_dir, tokenizer, args.eval_tokens, seq_len)

@@ -127,7 +127,7 @@ def main(argv=None):
                                                   if args.epochs else ""))
         print(f"code: commit {run['code']['commit']}, uncommitted changes: {run['code']['dirty']}")
         print(C.precision_line(args, device, optimizers))
-    start = C.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank) if resume_from else 0
+    start = C.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank, device) if resume_from else 0
 
     train_model = C.wrap_model(model, args, world, local_rank, device)
     evaluator = partial(evaluate, model, tokenizer, args, rank, world, device, run_dir,

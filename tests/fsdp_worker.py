@@ -1,12 +1,13 @@
 """Run under torchrun by tests/test_distributed.py: 20 steps of the shared loop's pieces (common.forward_backward,
 gradient clipping, the optimizers, common.shard_model) on the same model and global batches, once through DDP and
-once sharded by FSDP2: Muon and AdamW in fp32, Muon in bf16 (FSDP2's MixedPrecisionPolicy against DDP's autocast),
-and FSDP2 with activation checkpointing; rank 0 saves every run's losses."""
+once sharded by FSDP2: Muon in fp32 and bf16 (FSDP2's MixedPrecisionPolicy against DDP's autocast), AdamW in fp32
+(FSDP2 with activation checkpointing). Also one step's loss and gradients through DDP with 2 micro-batches a rank
+(no_sync accumulation) on test_train's masked global batch. Rank 0 saves it all."""
 import sys
 from argparse import Namespace
 
 import torch
-from test_train import global_batch
+from test_train import global_batch, tiny_model
 
 import common as C
 from model import GPTConfig, build_model
@@ -41,10 +42,17 @@ def losses(wrap, optimizer, dtype, rank, world, local_rank, device, activation_c
 
 if __name__ == "__main__":
     rank, local_rank, world, device = C.setup_distributed()
-    runs = {f"{wrap} {optimizer} {dtype}": losses(wrap, optimizer, dtype, rank, world, local_rank, device)
-            for optimizer, dtype in [("muon", "float32"), ("adamw", "float32"), ("muon", "bfloat16")]
+    runs = {f"{wrap} {optimizer} {dtype}": losses(wrap, optimizer, dtype, rank, world, local_rank, device,
+                                                  activation_checkpointing=optimizer == "adamw" and wrap == "fsdp")
+            for optimizer, dtype in [("muon", "float32"), ("muon", "bfloat16"), ("adamw", "float32")]
             for wrap in ("ddp", "fsdp")}
-    runs["fsdp muon float32 checkpointed"] = losses("fsdp", "muon", "float32", rank, world, local_rank, device, True)
+    model = tiny_model()
+    train_model = C.wrap_model(model, Namespace(compile=False), world, local_rank, device)
+    inputs, targets = global_batch()
+    rows = len(inputs) // world
+    mine = [(inputs[s:s + 2], targets[s:s + 2]) for s in range(rank * rows, (rank + 1) * rows, 2)]
+    loss_sum, count = C.forward_backward(train_model, mine, "float32", device, world)
     if rank == 0:
+        runs["one step"] = {"loss": loss_sum / count, "grads": {n: p.grad for n, p in model.named_parameters()}}
         torch.save(runs, sys.argv[1])
     C.teardown_distributed()

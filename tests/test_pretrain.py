@@ -1,5 +1,6 @@
-"""pretrain.py and common.py: learning, exact resume after SIGKILL (1 and 2 processes), 2 processes = 1 process,
-NaN stop, SIGTERM, frozen-parameter monitor, schedules, batch planning, status."""
+"""pretrain.py and common.py: learning, exact resume after SIGKILL (2 sharded processes) and SIGTERM (1 process),
+1 process = 2 sharded processes, resumes across world sizes and sharding (2 -> 1; 1 -> two "nodes"), consolidation,
+NaN stop, frozen-parameter monitor, schedules, batch planning, status."""
 import json
 import math
 import os
@@ -7,6 +8,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 from argparse import Namespace
 
 import pytest
@@ -121,6 +123,32 @@ def test_a_sharded_checkpoint_of_two_processes_resumes_on_one_bitwise_and_consol
     resumed = run(world, [*KILL_RUN, "--resume", str(world / "runs" / "sharded_to_one" / "ckpt" / "step_000012")])
     assert "accumulation 2 = 512" in resumed.stdout and "(2 -> 1 processes, sharded -> not sharded)" in resumed.stdout
     assert losses(world, "sharded_to_one") == losses(world, "straight2")  # bitwise: JSON floats round-trip exactly
+
+
+def test_two_nodes_meet_through_c10d_and_resume_a_one_process_checkpoint_sharded_to_its_losses(world, straight):
+    """Two torchrun "nodes" of one process each, rendezvous on 127.0.0.1 (README: several nodes), resume a copy of
+    straight1 (1 process x 2 micro-steps, not sharded) at step 8 as 2 sharded processes x 1: the same losses, bitwise.
+    The first line lists both ranks with their host and device."""
+    shutil.copytree(world / "runs" / "straight1", world / "runs" / "two_nodes")
+    port = 29500 + os.getpid() % 1000
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two_nodes",
+               str(ROOT / "pretrain.py"), "--data_dir", str(world / "demo" / "pretrain"), "--tokenizer",
+               str(world / "tokenizer"), *KILL_RUN, "--fsdp", "true",
+               "--resume", str(world / "runs" / "two_nodes" / "ckpt" / "step_000008")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    nodes = [subprocess.Popen(command, cwd=world, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    first_lines = [out.splitlines()[0] for out, _ in outputs if out]
+    assert len(first_lines) == 1  # rank 0 prints, on whichever node it landed
+    host = os.uname().nodename
+    assert first_lines[0].startswith("distributed: world size 2 (gloo): rank 0 cpu (") and f"on {host}, rank 1 cpu (" \
+        in first_lines[0] and first_lines[0].endswith(f"on {host}"), first_lines[0]
+    out = "".join(out for out, _ in outputs)
+    assert "(1 -> 2 processes, not sharded -> sharded)" in out and "done: 14 steps" in out
+    assert losses(world, "two_nodes") == losses(world, "straight1")
 
 
 def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(world):

@@ -1,6 +1,6 @@
-"""common.py's training loop: the loss of a step is exact however its global batch is split into micro-batches and
-processes, with masked targets; checkpoints ordered by step; resume sets abandoned checkpoints aside; the exact
-resume command."""
+"""common.py's training loop: the loss of a step is exact however its global batch is split into micro-batches, with
+masked targets (and into processes: tests/test_distributed.py); checkpoints ordered by step; resume sets abandoned
+checkpoints aside and checks the layout; the exact resume command."""
 import shlex
 import signal
 import sys
@@ -8,7 +8,6 @@ from argparse import Namespace
 
 import pytest
 import torch
-from launch import ROOT, run_script
 
 import common as C
 from model import GPTConfig, build_model
@@ -66,14 +65,6 @@ def test_the_per_micro_batch_mean_would_give_other_gradients():
     assert worst > 0.05, worst
 
 
-def test_two_processes_give_the_loss_and_gradients_of_one(tmp_path):
-    whole = step(8)
-    out = tmp_path / "two.pt"  # 2 ranks x 2 micro-batches of 2 rows: DDP's all-reduce and no_sync accumulation
-    run_script("tests/exact_loss_worker.py", [str(out), "2"], ROOT, nproc=2)
-    saved = torch.load(out, weights_only=True)
-    assert_same((saved["loss"].item(), saved["grads"]), whole)
-
-
 LAYOUT = {"model_config": "tiny", "micro_batch": 4, "world_size": 1, "accum": 2}  # what a checkpoint's layout must match
 
 
@@ -100,11 +91,11 @@ def test_resuming_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path, c
     checkpoints_at(ckpt, [2, 4, 6])
     model = tiny_model()
     with pytest.raises(ValueError, match="1 processes x 2 accumulation steps = 2 data streams, this run has 1 x 1 = 1"):
-        C.resume(ckpt / "step_000002", tmp_path / "r", model, [], [], {**LAYOUT, "accum": 1}, 0)
+        C.resume(ckpt / "step_000002", tmp_path / "r", model, [], [], {**LAYOUT, "accum": 1}, 0, torch.device("cpu"))
     with pytest.raises(ValueError, match="its micro_batch is 4, this run's is 8"):
-        C.resume(ckpt / "step_000002", tmp_path / "r", model, [], [], {**LAYOUT, "micro_batch": 8}, 0)
+        C.resume(ckpt / "step_000002", tmp_path / "r", model, [], [], {**LAYOUT, "micro_batch": 8}, 0, torch.device("cpu"))
     streams = [Stream(), Stream()]
-    step = C.resume(ckpt / "step_000002", tmp_path / "r", model, [], streams, LAYOUT, 0)
+    step = C.resume(ckpt / "step_000002", tmp_path / "r", model, [], streams, LAYOUT, 0, torch.device("cpu"))
     assert [s.state for s in streams] == ["stream 0", "stream 1"]
     assert step == 2 and [c.name for c in C.list_checkpoints(ckpt)] == ["step_000002"]
     aside = list((tmp_path / "r" / "ckpt_abandoned").glob("*/step_*"))
