@@ -397,6 +397,7 @@ def tiny(demo_world):
     return demo_world
 
 
+@pytest.mark.two_processes
 def test_the_demo_tasks_run_end_to_end_on_two_processes_and_report_what_ran(tiny):
     """As a user runs it, under torchrun: the items are dealt to 2 ranks, and give what one rank alone gives."""
     result = run_script("chat_eval.py", ["--runs_dir", "chat_runs", "--max_items", "4", "--max_new_tokens", "6",

@@ -352,6 +352,7 @@ def run_core_eval(root, args, nproc=1):
     return run_script("core_eval.py", args, root, nproc, check=False)
 
 
+@pytest.mark.two_processes
 def test_one_and_two_processes_give_identical_results(demo):
     outputs = []
     for nproc in (1, 2):

@@ -28,7 +28,7 @@ def losses(run_dir):
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def worker_runs(tmp_path_factory):
     """tests/fsdp_worker.py's results, one torchrun launch for the tests below."""
     out = tmp_path_factory.mktemp("fsdp") / "runs.pt"
@@ -52,6 +52,7 @@ def test_two_processes_give_the_loss_and_gradients_of_one(worker_runs):
     assert_same((saved["loss"].item(), saved["grads"]), step(8))
 
 
+@pytest.mark.two_processes
 def test_a_rank_that_dies_or_hangs_stops_the_others_within_a_minute_naming_it(demo_world):
     """Two runs at once, 2 processes each: rank 1 is SIGKILLed, or stops taking part in collectives, just before step
     3's first collective. Rank 0 fails in that collective (connection reset, or --dist_timeout), names rank 1 from

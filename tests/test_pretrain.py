@@ -72,20 +72,22 @@ def test_a_small_model_learns_the_demo_world(world, learned):
 KILL_RUN = [*SMALL, "--steps", "14", "--ckpt_every", "4", "--total_batch_tokens", str(2 * 4 * 64), "--dtype", "float32"]
 
 
-@pytest.fixture(scope="module")
-def straight(world):
+# session-scoped: conftest sorts this file's 2-process tests after the others, and a module-scoped fixture would be
+# torn down in between and run again
+@pytest.fixture(scope="session")
+def straight(demo_world):
     """An uninterrupted run of KILL_RUN on 1 process (x 2 micro-steps): its stdout."""
-    return run(world, [*KILL_RUN, "--run_name", "straight1"]).stdout
+    return run(demo_world, [*KILL_RUN, "--run_name", "straight1"]).stdout
 
 
-@pytest.fixture(scope="module")
-def killed(world):
+@pytest.fixture(scope="session")
+def killed(demo_world):
     """KILL_RUN on 2 sharded processes (x 1 micro-step), SIGKILLed after step 10, then resumed: (killed, the
     checkpoints it left, resumed)."""
     args = [*KILL_RUN, "--fsdp", "true", "--run_name", "killed2"]
-    killed = run(world, [*args, "--kill_at_step", "10"], 2, check=False)
-    left = [p.name for p in C.list_checkpoints(world / "runs" / "killed2" / "ckpt")]
-    return killed, left, run(world, [*args, "--resume"], 2)
+    killed = run(demo_world, [*args, "--kill_at_step", "10"], 2, check=False)
+    left = [p.name for p in C.list_checkpoints(demo_world / "runs" / "killed2" / "ckpt")]
+    return killed, left, run(demo_world, [*args, "--resume"], 2)
 
 
 def test_sigkill_then_resume_gives_bitwise_equal_losses(world, straight, killed):
@@ -125,6 +127,7 @@ def test_a_sharded_checkpoint_of_two_processes_resumes_on_one_bitwise_and_consol
     assert losses(world, "sharded_to_one") == losses(world, "straight1")  # bitwise: JSON floats round-trip exactly
 
 
+@pytest.mark.two_processes
 def test_two_nodes_meet_through_c10d_and_resume_a_one_process_checkpoint_sharded_to_its_losses(world, straight):
     """Two torchrun "nodes" of one process each, rendezvous on 127.0.0.1 (README: several nodes), resume a copy of
     straight1 (1 process x 2 micro-steps, not sharded) at step 8 as 2 sharded processes x 1: the same losses, bitwise.
