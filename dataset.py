@@ -29,9 +29,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from huggingface_hub import HfApi, RepoFile, hf_hub_download
-from huggingface_hub.file_download import http_get
-from huggingface_hub.utils import HfHubHTTPError, RepositoryNotFoundError, httpx
 
 CACHE_DIR = Path(os.environ.get("NANOCHAT_CACHE", Path.home() / ".cache" / "nanochat"))
 ROW_GROUP_DOCS = 1024
@@ -43,7 +40,8 @@ def default_data_dir(dataset):
 
 
 # -----------------------------------------------------------------------------
-# Download from the hub, through huggingface_hub: HfApi.list_repo_tree lists a repo (it follows the tree API's pages)
+# Download from the hub, through huggingface_hub (imported in the functions that use it: ~0.35 s of CPU that every
+# stage importing this file would pay for nothing): HfApi.list_repo_tree lists a repo (it follows the tree API's pages)
 # with each file's size and sha256 (LFS files) or git blob id (files kept in git); hf_hub_download fetches a file:
 # through hf_xet where the hub keeps it in Xet storage, else over plain HTTP, which it resumes with Range within the
 # call after a timeout or a body cut short (from the last whole chunk written, 10 MB), retrying 429s. Both read
@@ -89,6 +87,7 @@ def _first_line(error):
 def _transient(error):
     """Worth another attempt: network errors, 408/429/5xx answers (left over after huggingface_hub's own retries),
     bodies short of their size, failed checks. Any other HTTP answer (401, 404, ...) is a mistake to report."""
+    from huggingface_hub.utils import HfHubHTTPError, httpx
     if isinstance(error, HfHubHTTPError):
         code = _status(error)
         return code is None or code in (408, 429) or code >= 500
@@ -169,6 +168,8 @@ def download_file(url, dest, size=None, sha256=None, verify=None, retries=RETRIE
     attempts and later runs resume too (test_retries_run_out_with_an_error_that_keeps_the_partial_for_the_next_run).
     dest appears (os.replace) only once the size, the sha256 and verify(partial) (raises ValueError on bad content)
     pass; a dest that exists with the expected size is not fetched again."""
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.utils import HfHubHTTPError
     dest = Path(dest)
     if dest.exists() and (size is None or dest.stat().st_size == size):
         return dest
@@ -200,6 +201,7 @@ def download_file(url, dest, size=None, sha256=None, verify=None, retries=RETRIE
 
 def _hub_failure(what, error):
     """The one line for a hub answer a retry cannot fix."""
+    from huggingface_hub.utils import RepositoryNotFoundError
     code = _status(error)
     if code in (401, 403) or isinstance(error, RepositoryNotFoundError):
         # the hub answers 401 for a repo that does not exist as well as for one that is private
@@ -212,6 +214,8 @@ def _hub_failure(what, error):
 
 def list_hub_files(repo, revision="main", repo_type="dataset"):
     """Every file of a repo: {"path", "size", "sha256" (LFS files), "git_sha1" (files kept in git)}."""
+    from huggingface_hub import HfApi, RepoFile
+    from huggingface_hub.utils import HfHubHTTPError, httpx
     api = HfApi(endpoint=hub_endpoint())
     try:
         entries = list(api.list_repo_tree(repo, recursive=True, revision=revision, repo_type=repo_type))
@@ -229,6 +233,8 @@ def list_hub_files(repo, revision="main", repo_type="dataset"):
 
 def _fetch_hub_file(repo, entry, dest, staging, revision, repo_type, bar):
     """One listed file: hf_hub_download into the staging dir, checked against the listing, then renamed to dest."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.utils import HfHubHTTPError
     def attempt():
         path = Path(hf_hub_download(repo, entry["path"], repo_type=repo_type, revision=revision, local_dir=staging,
                                     endpoint=hub_endpoint(), tqdm_class=bar))

@@ -17,7 +17,7 @@ STEPS = 20
 
 def losses(wrap, optimizer, dtype, rank, world, local_rank, device, activation_checkpointing=False):
     torch.manual_seed(0)
-    model = build_model(GPTConfig(vocab_size=128, sequence_len=16, n_layer=2, n_embd=64, n_head=2, n_kv_head=2,
+    model = build_model(GPTConfig(vocab_size=128, sequence_len=16, n_layer=1, n_embd=64, n_head=2, n_kv_head=2,
                                   activation_checkpointing=activation_checkpointing))
     args = Namespace(compile=False, fsdp="true" if wrap == "fsdp" else "false", optimizer=optimizer, adam8bit=False,
                      dtype=dtype, matrix_lr=0.02 if optimizer == "muon" else 0.003, embedding_lr=0.3, head_lr=0.004,
