@@ -72,7 +72,7 @@ def test_a_small_model_learns_the_demo_world(world, learned):
 KILL_RUN = [*SMALL, "--steps", "14", "--ckpt_every", "4", "--total_batch_tokens", str(2 * 4 * 64), "--dtype", "float32"]
 
 
-# session-scoped: conftest sorts this file's 2-process tests after the others, and a module-scoped fixture would be
+# session-scoped: conftest sorts this file's 2-process tests after its others, and a module-scoped fixture would be
 # torn down in between and run again
 @pytest.fixture(scope="session")
 def straight(demo_world):
