@@ -60,17 +60,18 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # for the scripts the tests start
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # and the tests that compute in this process
 
 
-# Order: one-process tests, then tests that run 2 processes at once, then the tests that need the pipeline. The
-# pipeline outlasts the one-process tests; the 2-process ones keep both cores busy until it ends instead of one core
-# waiting for it (measured on 2 cores: 4:54 with the 2-process tests last, one core idle for 15 s).
+# Order: one-process tests (beside the pipeline), then the tests that need the pipeline, then the tests that run 2
+# processes at once, when the pipeline has ended: 3 busy processes on 2 cores made the 2-process ones 2-3x slower
+# (gloo's waits), so they wait for free cores. Measured on 2 cores: 4:54 in this order, 5:48 with them before the
+# pipeline's tests.
 TWO_PROCESS_FIXTURES = {"killed", "worker_runs"}
 
 
 def pytest_collection_modifyitems(items):
     def order(item):
-        if PIPELINE_FIXTURES & set(item.fixturenames):
+        if TWO_PROCESS_FIXTURES & set(item.fixturenames) or item.get_closest_marker("two_processes"):
             return 2
-        return 1 if TWO_PROCESS_FIXTURES & set(item.fixturenames) or item.get_closest_marker("two_processes") else 0
+        return 1 if PIPELINE_FIXTURES & set(item.fixturenames) else 0
     items.sort(key=order)  # stable: file order otherwise
 
 
