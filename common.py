@@ -198,9 +198,10 @@ def stopped_ranks():
             continue
         step, pid, host = int(record[0]), int(record[1]), record[2]
         if host == here and not process_alive(pid):
-            found.append(f"rank {r} died (process {pid} on {host} is gone; it was in step {step})")
+            found.append(f"rank {r} died (process {pid} on {host} is gone; it last entered step {step})")
         elif step < mine:
-            found.append(f"rank {r} is stuck in step {step} (process {pid} on {host}) while this rank is in {mine}")
+            found.append(f"rank {r} is stuck: it last entered step {step}, this rank is in step {mine} (process "
+                         f"{pid} on {host})")
     return "; ".join(found)
 
 
@@ -831,8 +832,6 @@ def add_run_args(parser, stage):
     g.add_argument("--status", default=None, metavar="RUN_DIR", help="print a run's status and exit")
     g.add_argument("--inject_nan_step", type=int, default=-1, help="testing: poison the loss at this step (steps "
                    "count from 1, as logged)")
-    g.add_argument("--kill_at_step", type=int, default=-1, help="testing: SIGKILL this run's process group after "
-                   "this step (a machine dying mid-run)")
     g.add_argument("--signal_at_step", type=int, default=-1, help="testing: SIGTERM this process after this step")
     g = parser.add_argument_group("distributed (under torchrun)")
     g.add_argument("--fsdp", default="auto", choices=["auto", "true", "false"], help="shard weights, gradients and "
@@ -1465,8 +1464,6 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
             wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step + 1)
         if master and ((step + 1) % args.log_every == 0 or last_step or step == start):
             print(progress_line(record, total_steps, (now() - run_start) / (step + 1 - start)), flush=True)
-        if step + 1 == args.kill_at_step and master:
-            os.killpg(os.getpgid(0), signal.SIGKILL)
         if step + 1 == args.signal_at_step:
             os.kill(os.getpid(), signal.SIGTERM)
         if stop.requested():

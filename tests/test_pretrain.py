@@ -14,6 +14,7 @@ from argparse import Namespace
 import pytest
 import torch
 from launch import ROOT, run_in_process, run_script
+from test_speedrun import processes_mentioning
 
 import common as C
 import dataset as D
@@ -82,18 +83,24 @@ def straight(demo_world):
 
 @pytest.fixture(scope="session")
 def killed(demo_world):
-    """KILL_RUN on 2 sharded processes (x 1 micro-step), SIGKILLed after step 10, then resumed: (killed, the
-    checkpoints it left, resumed)."""
+    """KILL_RUN on 2 sharded processes (x 1 micro-step) whose rank 1 is SIGKILLed in step 10, then resumed: (killed,
+    the checkpoints it left, resumed)."""
     args = [*KILL_RUN, "--fsdp", "true", "--run_name", "killed2"]
-    killed = run(demo_world, [*args, "--kill_at_step", "10"], 2, check=False)
+    killed = run(demo_world, [*args, "--die_at_step", "10", "--dist_timeout", "30"], 2, check=False)
     left = [p.name for p in C.list_checkpoints(demo_world / "runs" / "killed2" / "ckpt")]
     return killed, left, run(demo_world, [*args, "--resume"], 2)
 
 
-def test_sigkill_then_resume_gives_bitwise_equal_losses(world, straight, killed):
-    """The 2 sharded processes, killed and resumed, log the losses of the 1 uninterrupted process, bitwise: the same
-    data streams, and accumulation, DDP and FSDP2 add the same numbers (1 process resumed: the SIGTERM test)."""
+def test_a_rank_killed_mid_step_stops_the_run_naming_it_and_the_resume_gives_bitwise_equal_losses(world, straight,
+                                                                                                   killed):
+    """Rank 1 of the 2 sharded processes dies by SIGKILL just before step 10's first collective (a machine going
+    away): rank 0 names it and torchrun ends the run, no process left. Resumed, they log the losses of the 1
+    uninterrupted process, bitwise: the same data streams, and accumulation, DDP and FSDP2 add the same numbers (1
+    process resumed: the SIGTERM test; a hung rank: tests/test_distributed.py)."""
     assert killed[0].returncode != 0 and killed[1] == ["step_000004", "step_000008"]
+    assert "pretrain.py: error on rank 0: a collective failed (" in killed[0].stderr
+    assert "rank 1 died (process " in killed[0].stderr and "; it last entered step 9)" in killed[0].stderr
+    assert processes_mentioning("--run_name killed2 ") == []
     assert "resume: from" in killed[2].stdout and "at step 8 (2 -> 2 processes, sharded -> sharded)" in killed[2].stdout
     assert "world size 2 (gloo): rank 0 cpu" in killed[2].stdout and "rank 1 cpu" in killed[2].stdout
     again = losses(world, "killed2")
