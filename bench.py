@@ -593,7 +593,8 @@ def main():
     parser.add_argument("--bundle", default=None, help="eval bundle directory for core_eval (default: the demo "
                         "world's)")
     parser.add_argument("--fsdp_steps", type=int, default=3, help="fsdp: steps timed (default: %(default)s)")
-    parser.add_argument("--fsdp_seq", type=int, default=256, help="fsdp: tokens per sequence (default: %(default)s)")
+    parser.add_argument("--fsdp_seq", type=int, default=128, help="fsdp: tokens per sequence (default: %(default)s; "
+                        "llama3-1b at 256 does not fit 2 processes in 24 GB)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="device (default: %(default)s)")
     args = parser.parse_args()
