@@ -22,7 +22,6 @@ import torch
 
 import common as C
 from model import KVCache, autocast_context, lean_decode_step, lean_decode_weights, num_params, sample_next
-from tokenizer import Tokenizer
 
 STAGES = ["sft", "midtrain", "pretrain"]  # the order a checkpoint is looked for when --checkpoint is not given
 HELP = ("/clear  forget the conversation (back to <|bos|>)\n/stats  tokens in the cache, context, turns, last "
@@ -264,13 +263,7 @@ def main(argv=None):
     out = sys.stderr if args.prompt is not None else sys.stdout  # with -p, stdout holds the reply alone
     ckpt, how = pick_checkpoint(args)
     model, meta = C.load_model(ckpt, device)
-    tokenizer_path = args.tokenizer or meta.get("tokenizer") or "runs/tokenizer"
-    try:
-        tokenizer = Tokenizer.load(tokenizer_path)
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"--tokenizer {tokenizer_path}: {e} (or pass the checkpoint's tokenizer directory "
-                                f"with --tokenizer DIR)") from None
-    C.check_tokenizer(meta, tokenizer, tokenizer_path, ckpt)
+    tokenizer, tokenizer_path = C.checkpoint_tokenizer(meta, ckpt, args.tokenizer)
     stage = meta.get("stage") or "unknown"
     chat = stage != "pretrain"
     if chat:

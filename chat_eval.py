@@ -32,7 +32,6 @@ import common as C
 import sandbox
 from dataset import CACHE_DIR, download_hub_files, list_hub_files
 from model import autocast_context, generate, num_params
-from tokenizer import Tokenizer
 
 # task: (hub repo, its test split's files, kind, random baseline). Kinds: categorical (a letter's logit), gsm8k (the
 # final number), humaneval (the program passes the task's tests), exact (the answer, after normalization).
@@ -359,9 +358,7 @@ def main(argv=None):
     rank, _, world, device = C.setup_distributed()
     ckpt = C.find_checkpoint(args.checkpoint, args.runs_dir)
     model, meta = C.load_model(ckpt, device)
-    tokenizer_path = args.tokenizer or meta.get("tokenizer") or "runs/tokenizer"
-    tokenizer = Tokenizer.load(tokenizer_path)
-    C.check_tokenizer(meta, tokenizer, tokenizer_path, ckpt)
+    tokenizer, tokenizer_path = C.checkpoint_tokenizer(meta, ckpt, args.tokenizer)
     demo_dir = resolve_demo(args.demo, meta)
     available = DEMO_TASKS if demo_dir is not None else HUB_TASKS
     tasks = args.tasks.split(",") if args.tasks else list(available)

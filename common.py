@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dataset import chat_loader, text_loader
 from model import GPTConfig, autocast_context, build_model, generate, memory_estimate, parse_bool
-from tokenizer import SPECIAL_TOKENS
+from tokenizer import SPECIAL_TOKENS, Tokenizer
 
 # torch.distributed.checkpoint warns on every save and load in a process without torch.distributed (one-process runs
 # and `consolidate`), which is how this code means to use it
@@ -728,12 +728,11 @@ def load_state(path, model, optimizers, device):
 def load_rank_states(path, meta, rank, accum):
     """(loader states, RNG state) for this rank's `accum` virtual ranks rank*accum+j from the rank files of a run
     with another world size, as long as the virtual ranks (world size x accumulation) are as many."""
-    states, old_accum = [], meta["accum"]
-    for virtual in range(rank * accum, (rank + 1) * accum):
-        rank_file = Path(path) / f"rank{virtual // old_accum:03d}.pt"
-        states.append(torch.load(rank_file, weights_only=True))
-        states[-1]["loader"] = states[-1]["loader"][virtual % old_accum]
-    return [s["loader"] for s in states], states[0]["rng"]
+    old_accum, virtuals = meta["accum"], range(rank * accum, (rank + 1) * accum)
+    files = {old: torch.load(Path(path) / f"rank{old:03d}.pt", weights_only=True)  # each file once
+             for old in sorted({virtual // old_accum for virtual in virtuals})}
+    loaders = [files[virtual // old_accum]["loader"][virtual % old_accum] for virtual in virtuals]
+    return loaders, files[virtuals[0] // old_accum]["rng"]
 
 
 def consolidate(path):
@@ -787,6 +786,19 @@ def load_model(path, device):
     model.load_state_dict(torch.load(Path(path) / "model.pt", map_location=device, weights_only=True))
     model.eval()
     return model, meta
+
+
+def checkpoint_tokenizer(meta, checkpoint, flag=None):
+    """(tokenizer, its path) for a checkpoint: --tokenizer's value if given, else the one its meta records (else
+    runs/tokenizer), refused unless the checkpoint was trained with it (check_tokenizer)."""
+    path = flag or meta.get("tokenizer") or "runs/tokenizer"
+    try:
+        tokenizer = Tokenizer.load(path)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"--tokenizer {path}: {e} (or pass the checkpoint's tokenizer directory with "
+                                f"--tokenizer DIR)") from None
+    check_tokenizer(meta, tokenizer, path, checkpoint)
+    return tokenizer, path
 
 
 def check_tokenizer(meta, tokenizer, tokenizer_path, checkpoint):

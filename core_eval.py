@@ -34,7 +34,6 @@ import common as C
 from dataset import CACHE_DIR, download_file
 from demo import COUNTRIES, DAYS, number_word
 from model import autocast_context, generate
-from tokenizer import Tokenizer
 
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # the bundle nanochat uses
 TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
@@ -519,9 +518,7 @@ def main(argv=None):
     rank, _, world, device = C.setup_distributed()
     ckpt = C.find_checkpoint(args.checkpoint, args.runs_dir)
     model, meta = C.load_model(ckpt, device)
-    tokenizer_path = args.tokenizer or meta.get("tokenizer") or "runs/tokenizer"
-    tokenizer = Tokenizer.load(tokenizer_path)
-    C.check_tokenizer(meta, tokenizer, tokenizer_path, ckpt)
+    tokenizer, tokenizer_path = C.checkpoint_tokenizer(meta, ckpt, args.tokenizer)
     bundle, provenance = shared_bundle(args, meta, rank, world)  # rank 0's failure is raised on every rank
     tasks = load_tasks(bundle, args.tasks.split(",") if args.tasks else None)
     if rank == 0:

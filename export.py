@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 
 import common as C
 from dataset import hub_endpoint
-from tokenizer import SPECIAL_TOKENS, Tokenizer
+from tokenizer import SPECIAL_TOKENS
 
 REMOTE_CODE = Path(__file__).resolve().parent / "hf_remote"
 REMOTE_FILES = ("configuration_nanochat_gpt.py", "modeling_nanochat_gpt.py")
@@ -234,13 +234,7 @@ def main(argv=None):
         raise ValueError(f"--out {out} is not empty and holds no export: pass a new directory or a previous export")
     ckpt = C.find_checkpoint(args.checkpoint, args.runs_dir)
     model, meta = C.load_model(ckpt, "cpu")
-    tokenizer_path = args.tokenizer or meta.get("tokenizer") or "runs/tokenizer"
-    try:
-        tokenizer = Tokenizer.load(tokenizer_path)
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"--tokenizer {tokenizer_path}: {e} (or pass the checkpoint's tokenizer directory "
-                                f"with --tokenizer DIR)") from None
-    C.check_tokenizer(meta, tokenizer, tokenizer_path, ckpt)
+    tokenizer, tokenizer_path = C.checkpoint_tokenizer(meta, ckpt, args.tokenizer)
     C.check_chat_tokenizer(tokenizer, tokenizer_path)
     kind = export_kind(asdict(model.config))
     tensors = hf_state_dict(model)  # before anything is written: it refuses a tensor it cannot place
