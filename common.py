@@ -292,22 +292,27 @@ def shard_model(model, args, world, device):
 # -----------------------------------------------------------------------------
 # Optimizers. The rule: base learning rates are set for a width of 768 and a batch of 2^19 tokens (nanochat's
 # reference point). AdamW groups scale with 1/sqrt(width/768) (wider models need smaller steps per coordinate) and
-# with sqrt(batch/2^19) (the square-root rule: the gradient's noise falls with sqrt(batch)). Muon's update is
-# orthogonalized, so its size depends on neither the width nor the gradient's noise: its lr is not scaled (on the demo
-# world at 4K-token batches, also scaling Muon by sqrt(batch) left val bpb at 1.00 after 80 steps instead of 0.66).
+# with (batch/2^19)^(1/8). The square-root rule nanochat uses (the gradient's noise falls with sqrt(batch)) starved the
+# embedding and the head at CPU batches: at 2^11 tokens (nanochat's tiny CPU shape, realtext, 300 steps) 8x its lrs
+# took val bpb from 2.127 to 1.854 (README: Model quality). The exponent 1/8 keeps nanochat's tuned lrs at 2^19 and
+# gives that measured optimum at 2^11. Muon's update is orthogonalized, so its size depends on neither the width nor
+# the gradient's noise: its lr is not scaled (at 2^11 tokens, scaling it by sqrt(batch) cost 0.016 bpb; on the demo
+# world at 4K-token batches it left val bpb at 1.00 after 80 steps instead of 0.66).
 
-REF_WIDTH, REF_BATCH = 768, 2 ** 19
+REF_WIDTH, REF_BATCH, BATCH_EXPONENT = 768, 2 ** 19, 1 / 8
 
 
 def param_groups(model):
-    """Split parameters by role: 'matrix' (2D weights inside the blocks), 'embedding', 'head', 'scalar' (norms and any
-    other 1D parameter)."""
-    groups = {"matrix": [], "embedding": [], "head": [], "scalar": []}
+    """Split parameters by role: 'matrix' (2D weights inside the blocks), 'embedding', 'value_embedding', 'head',
+    'scalar' (norms and any other 1D parameter)."""
+    groups = {"matrix": [], "embedding": [], "value_embedding": [], "head": [], "scalar": []}
     for name, p in model.named_parameters():
         if name.startswith("blocks.") and p.ndim == 2:
             groups["matrix"].append(p)
         elif name.startswith("wte."):
             groups["embedding"].append(p)
+        elif name.startswith("value_embeds."):
+            groups["value_embedding"].append(p)
         elif name.startswith("lm_head."):
             groups["head"].append(p)
         else:
@@ -319,11 +324,12 @@ def build_optimizers(model, args, width, batch_tokens, device):
     """Muon for the block matrices and AdamW for the rest (args.optimizer == 'muon'), or AdamW everywhere ('adamw');
     args.adam8bit swaps AdamW for bitsandbytes' AdamW8bit. Returns a list of optimizers; every param group carries
     'name' and 'base_lr' (the lr at multiplier 1) and 'wd_on' (whether weight decay applies)."""
-    width_factor, batch_factor = (width / REF_WIDTH) ** -0.5, (batch_tokens / REF_BATCH) ** 0.5
+    width_factor, batch_factor = (width / REF_WIDTH) ** -0.5, (batch_tokens / REF_BATCH) ** BATCH_EXPONENT
     lrs = {"matrix": args.matrix_lr * (1 if args.optimizer == "muon" else width_factor * batch_factor),
            "embedding": args.embedding_lr * width_factor * batch_factor,
            "head": args.head_lr * width_factor * batch_factor,
-           "scalar": args.scalar_lr * width_factor * batch_factor}
+           "scalar": args.scalar_lr * width_factor * batch_factor,
+           "value_embedding": args.embedding_lr * width_factor * batch_factor / 2}  # nanochat's: half the embedding's
     groups = param_groups(model)
     adam_groups = [{"params": ps, "name": k, "base_lr": lrs[k], "lr": lrs[k], "wd_on": k == "matrix"}
                    for k, ps in groups.items() if k != "matrix" or args.optimizer == "adamw"]

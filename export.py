@@ -20,7 +20,7 @@ converters take as it is.
 
 What maps how (README: Export to Hugging Face):
 - swiglu, no QK-norm, no softcap (the llama3-1b preset): a plain LlamaForCausalLM, no code of ours.
-- QK-norm, relu^2, the logit softcap (the d{N} family and tiny): transformers' Llama plus hf_remote/'s modules.
+- QK-norm, relu^2, the logit softcap, value embeddings (the d{N} family and tiny): transformers' Llama plus hf_remote/'s modules.
 - Weightless RMSNorms become scales of ones (exact: x * 1.0 == x). BitNet is refused, and so is any GPTConfig field
   this file does not know unless it is off (False, 0, empty): a new feature is mapped here before it is exported.
 - RoPE: model.py rotates each pair (x[i], x[i + D/2]) by -angle, transformers' Llama by +angle; swapping the two
@@ -47,7 +47,7 @@ LLAMA_FIELDS = {"vocab_size": "vocab_size", "sequence_len": "max_position_embedd
                 "n_embd": "hidden_size", "n_head": "num_attention_heads", "n_kv_head": "num_key_value_heads",
                 "head_dim": "head_dim", "mlp_hidden": "intermediate_size", "rope_theta": "rope_theta",
                 "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings"}
-CUSTOM_FIELDS = {"qk_norm": False, "mlp": "swiglu", "logit_softcap": 0.0}  # Llama's value; any other: hf_remote/
+CUSTOM_FIELDS = {"qk_norm": False, "mlp": "swiglu", "logit_softcap": 0.0, "value_embeds": False}  # Llama's value; any other: hf_remote/
 EXACT_FIELDS = {"norm_learnable", "activation_checkpointing"}  # ones for weightless norms; training only
 REFUSED = {"bitnet": "BitNet b1.58 quantizes weights to {-1, 0, +1} and activations to 8 bits inside every layer, "
                      "which neither Llama nor hf_remote/ does; its fp32 latent weights would be another model"}
@@ -124,6 +124,9 @@ def hf_state_dict(model, permute=True):
                                                                                c.head_dim))
         for name in ("v_proj", "o_proj"):
             out[theirs + f"self_attn.{name}.weight"] = sd.pop(ours + f"attn.{name}.weight")
+        if f"value_embeds.{i}.weight" in sd:  # hf_remote's ValueEmbedProjection: the table and gate live in v_proj
+            out[theirs + "self_attn.v_proj.value_embed.weight"] = sd.pop(f"value_embeds.{i}.weight")
+            out[theirs + "self_attn.v_proj.gate.weight"] = sd.pop(ours + "attn.ve_gate.weight")
         for name in ("gate_proj", "up_proj", "down_proj"):
             if ours + f"mlp.{name}.weight" in sd:
                 out[theirs + f"mlp.{name}.weight"] = sd.pop(ours + f"mlp.{name}.weight")

@@ -45,6 +45,7 @@ class GPTConfig:
     logit_softcap: float = 15.0  # logits -> cap * tanh(logits / cap); 0 = off
     bitnet: bool = False  # BitNet b1.58: ternary weights, 8-bit activations in every linear layer of the blocks
     activation_checkpointing: bool = False  # recompute each block in backward instead of storing its activations
+    value_embeds: bool = False  # a second token embedding per layer on alternating layers, gated into the values
 
     def __post_init__(self):
         for name in ("vocab_size", "sequence_len", "n_layer", "n_embd", "n_head", "n_kv_head"):
@@ -78,7 +79,8 @@ def _divisors(n):
 PRESETS = {
     # The offline CPU demo and the tests: 3.7M parameters; vocab 1024 because the demo world's small vocabulary
     # supports at most ~1,690 BPE tokens; learns the demo world in minutes on a CPU.
-    "tiny": {"vocab_size": 1024, "sequence_len": 256, "n_layer": 4, "n_embd": 256, "n_head": 4, "n_kv_head": 4},
+    "tiny": {"vocab_size": 1024, "sequence_len": 256, "n_layer": 4, "n_embd": 256, "n_head": 4, "n_kv_head": 4,
+             "value_embeds": True},
     # Seed 004's Llama-3-style 1.2B, exactly: 1,241,581,568 parameters.
     "llama3-1b": {"vocab_size": 131072, "sequence_len": 2048, "n_layer": 16, "n_embd": 2048, "n_head": 32,
                   "n_kv_head": 8, "mlp": "swiglu", "mlp_hidden": 8192, "rope_theta": 500000.0,
@@ -89,6 +91,7 @@ PRESETS = {
                    "n_kv_head": 6, "mlp": "swiglu", "mlp_hidden": 3072, "norm_learnable": True, "norm_eps": 1e-5,
                    "qk_norm": False, "tie_embeddings": True, "logit_softcap": 0.0, "bitnet": True},
 }
+VE_GATE_CHANNELS = 12  # a value embedding's gate reads the first 12 channels of the block's normalized input
 DEPTH_HEAD_DIM = 128
 DEPTH_ASPECT = 64
 
@@ -103,7 +106,7 @@ def depth_preset(depth):
     heads = width // DEPTH_HEAD_DIM
     return {"vocab_size": 65536, "sequence_len": 2048, "n_layer": depth, "n_embd": width, "n_head": heads,
             "n_kv_head": heads, "mlp": "relu2", "rope_theta": 10000.0, "norm_learnable": False, "qk_norm": True,
-            "tie_embeddings": False, "logit_softcap": 15.0}
+            "tie_embeddings": False, "logit_softcap": 15.0, "value_embeds": True}
 
 
 def preset_names():
@@ -164,15 +167,22 @@ def config_from_args(args):
 # -----------------------------------------------------------------------------
 # Accounting from the config alone: no tensor is allocated, so this is instant for any size.
 
+def value_embed_layers(c):
+    """The layers with a value embedding: every other one, counted back from the last (which always has one)."""
+    return [i for i in range(c.n_layer) if c.value_embeds and i % 2 == (c.n_layer - 1) % 2]
+
+
 def param_breakdown(c):
     d, q_dim, kv_dim = c.n_embd, c.n_head * c.head_dim, c.n_kv_head * c.head_dim
-    attention = c.n_layer * (2 * d * q_dim + 2 * d * kv_dim)  # q, o and k, v projections, no biases
+    ve_layers = len(value_embed_layers(c))
+    # q, o and k, v projections, no biases; a value embedding's gate reads VE_GATE_CHANNELS channels per KV head
+    attention = c.n_layer * (2 * d * q_dim + 2 * d * kv_dim) + ve_layers * VE_GATE_CHANNELS * c.n_kv_head
     mlp = c.n_layer * (3 if c.mlp == "swiglu" else 2) * d * c.mlp_hidden
     norms = 0
     if c.norm_learnable:  # two per block + final, and a per-head-dim scale for q and k when QK-norm is on
         norms = c.n_layer * (2 * d + (2 * c.head_dim if c.qk_norm else 0)) + d
-    counts = {"embeddings": c.vocab_size * d, "attention": attention, "mlp": mlp, "norms": norms,
-                  "head": 0 if c.tie_embeddings else c.vocab_size * d}
+    counts = {"embeddings": c.vocab_size * d, "value_embeds": ve_layers * c.vocab_size * kv_dim,
+              "attention": attention, "mlp": mlp, "norms": norms, "head": 0 if c.tie_embeddings else c.vocab_size * d}
     counts["total"] = sum(counts.values())
     return counts
 
@@ -186,7 +196,8 @@ def flops_per_token(c, seq_len=None):
     6 * (parameters used in matmuls: every projection in the blocks plus the output head, a tied head counted once;
     the input embedding is a lookup and norms are elementwise, so neither counts)
     + 12 * n_layer * n_head * head_dim * T (QK^T and attention*V: 2 matmuls x 2 FLOPs per multiply-add x 3 for
-    forward + backward, over the full T x T square, not its causal half)."""
+    forward + backward, over the full T x T square, not its causal half). Value embeddings are lookups too; their
+    gates are small matmuls and count."""
     b = param_breakdown(c)
     matmul_params = b["attention"] + b["mlp"] + c.vocab_size * c.n_embd
     T = seq_len or c.sequence_len
@@ -215,11 +226,14 @@ def memory_estimate(c, micro_batch, seq_len=None, optimizer="muon", bf16=True):
     tokens = micro_batch * T
     per_layer = activation_bytes_per_token_layer(c, bf16)
     weight_copies = (2 if bf16 else (4 if c.bitnet else 0)) * block_matrices  # bf16 casts / BitNet's quantized W
-    if c.activation_checkpointing:  # only each block's fp32 input is kept; blocks are recomputed one at a time
-        blocks = tokens * c.n_layer * 4 * c.n_embd
-        recompute = tokens * per_layer + weight_copies // c.n_layer
+    ve_layers, kv_dim = len(value_embed_layers(c)), c.n_kv_head * c.head_dim
+    # a value embedding: its lookup in the compute dtype and the gate (sigmoid's output, and 3x it) for the product
+    per_ve_layer = (2 if bf16 else 4) * (kv_dim + 2 * c.n_kv_head + (VE_GATE_CHANNELS if c.bitnet else 0))
+    if c.activation_checkpointing:  # only each block's fp32 inputs (x, a value embedding) are kept; blocks are
+        blocks = tokens * (c.n_layer * 4 * c.n_embd + ve_layers * 4 * kv_dim)  # recomputed one at a time
+        recompute = tokens * (per_layer + (per_ve_layer if ve_layers else 0)) + weight_copies // c.n_layer
     else:
-        blocks = tokens * c.n_layer * per_layer + weight_copies
+        blocks = tokens * (c.n_layer * per_layer + ve_layers * per_ve_layer) + weight_copies
         recompute = 0
     final_norm = 4 * c.n_embd + 4 + (4 * c.n_embd if c.norm_learnable else 0)
     # the loss keeps grad_x (fp32, one row per token) and grad_weight (fp32, vocab x n_embd) until backward
@@ -352,13 +366,18 @@ class Attention(nn.Module):
         self.o_proj = Linear(c.n_head * c.head_dim, c.n_embd, c.bitnet)
         self.q_norm = RMSNorm(c.head_dim, c.norm_learnable, c.norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.norm_learnable, c.norm_eps) if c.qk_norm else None
+        # value embedding gate: per KV head, how much of the token's value embedding joins v, in (0, 3)
+        self.ve_gate = Linear(VE_GATE_CHANNELS, c.n_kv_head, c.bitnet) if layer_idx in value_embed_layers(c) else None
 
-    def forward(self, x, cos, sin, kv_cache=None, step=None):
+    def forward(self, x, cos, sin, kv_cache=None, step=None, value_embed=None):
         B, T, _ = x.shape
         x = to_compute_dtype(x)
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim)
+        if value_embed is not None:
+            gate = 3 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
+            v = v + gate.unsqueeze(-1) * value_embed.view(B, T, self.n_kv_head, self.head_dim).to(v.dtype)
         if self.q_norm is not None:  # autocast may return fp32 from the norm; SDPA wants one dtype
             q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -403,8 +422,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(c.n_embd, c.norm_learnable, c.norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x, cos, sin, kv_cache=None, step=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, kv_cache, step)
+    def forward(self, x, cos, sin, kv_cache=None, step=None, value_embed=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, kv_cache, step, value_embed)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -500,6 +519,11 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.norm_f = RMSNorm(config.n_embd, config.norm_learnable, config.norm_eps)
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # value embeddings (modded-nanogpt, after ResFormer's value residual): a per-token vector added to attention's
+        # values, so a layer can read what a token is without the residual stream carrying it there; on alternating
+        # layers. A lookup: many parameters, next to no FLOPs (README: Model quality)
+        self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(config.vocab_size, config.n_kv_head * config.head_dim)
+                                           for i in value_embed_layers(config)})
         # rotary tables are derived, not learned: never saved, recomputed by init_weights() on the real device
         self.register_buffer("cos", torch.empty(config.sequence_len, config.head_dim // 2), persistent=False)
         self.register_buffer("sin", torch.empty(config.sequence_len, config.head_dim // 2), persistent=False)
@@ -529,6 +553,9 @@ class GPT(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm) and module.weight is not None:
                 nn.init.ones_(module.weight)
+        for i, table in self.value_embeds.items():  # std 1/sqrt(n_embd), as v_proj's outputs; gates start near 1.5
+            nn.init.uniform_(table.weight, -(3 / c.n_embd) ** 0.5, (3 / c.n_embd) ** 0.5)
+            nn.init.uniform_(self.blocks[int(i)].attn.ve_gate.weight, 0.0, 0.02)
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32, device=self.cos.device)
                                            / c.head_dim))
         angles = torch.outer(torch.arange(c.sequence_len, dtype=torch.float32, device=self.cos.device), inv_freq)
@@ -549,11 +576,12 @@ class GPT(nn.Module):
             raise ValueError(f"positions {start}..{start + T - 1} exceed sequence_len={self.config.sequence_len}")
         cos, sin = self.cos[None, start:start + T, None, :], self.sin[None, start:start + T, None, :]
         x = self.wte(idx)
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
+            value_embed = self.value_embeds[str(i)](idx) if str(i) in self.value_embeds else None
             if self.config.activation_checkpointing and torch.is_grad_enabled() and kv_cache is None:
-                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, None, None, value_embed, use_reentrant=False)
             else:
-                x = block(x, cos, sin, kv_cache)
+                x = block(x, cos, sin, kv_cache, None, value_embed)
         if kv_cache is not None:
             kv_cache.pos += T
         x = self.norm_f(x)
@@ -583,8 +611,9 @@ class GPT(nn.Module):
         cos, sin = self.cos[pos][None, :, None, :], self.sin[pos][None, :, None, :]
         valid = (torch.arange(kv_cache.shape[3], device=token.device) <= pos).view(1, -1)  # (query, key)
         x = self.wte(token)
-        for block in self.blocks:
-            x = block(x, cos, sin, kv_cache, (pos, valid))
+        for i, block in enumerate(self.blocks):
+            value_embed = self.value_embeds[str(i)](token) if str(i) in self.value_embeds else None
+            x = block(x, cos, sin, kv_cache, (pos, valid), value_embed)
         x = self.norm_f(x)
         return softcap_logits(F.linear(x[:, -1], self.head_weight()).float(), self.config.logit_softcap)
 
@@ -686,7 +715,7 @@ def lean_decode_weights(model):
         blocks.append((t(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])), t(a.o_proj.weight),
                        t(m.up_proj.weight), None if m.gate_proj is None else t(m.gate_proj.weight),
                        t(m.down_proj.weight), scale(b.attn_norm), scale(b.mlp_norm), scale(a.q_norm),
-                       scale(a.k_norm)))
+                       scale(a.k_norm), None if a.ve_gate is None else t(a.ve_gate.weight)))
     return {"blocks": blocks, "head": t(model.head_weight()), "norm_f": scale(model.norm_f),
             "cos": torch.cat([model.cos, model.cos], -1), "sin": torch.cat([model.sin, -model.sin], -1)}
 
@@ -708,8 +737,13 @@ def lean_decode_step(model, weights, token, pos, kv_cache):
     n = kv_cache.pos + 1  # eager: attend over the filled positions only, not the whole preallocated cache
     cos, sin = weights["cos"][n - 1:n], weights["sin"][n - 1:n]  # (1, D) views; indexing by a tensor costs more
     x = model.wte(token).view(1, c.n_embd)
-    for i, (wqkv, wo, wup, wgate, wdown, n_attn, n_mlp, n_q, n_k) in enumerate(weights["blocks"]):
-        qkv = norm(x, n_attn) @ wqkv
+    for i, (wqkv, wo, wup, wgate, wdown, n_attn, n_mlp, n_q, n_k, w_ve) in enumerate(weights["blocks"]):
+        h = norm(x, n_attn)
+        qkv = h @ wqkv
+        if w_ve is not None:  # the value embedding, gated per KV head, joins the values
+            gate = 3 * torch.sigmoid(h[:, :VE_GATE_CHANNELS] @ w_ve)
+            ve = model.value_embeds[str(i)](token).view(K, D) * gate.view(K, 1)
+            qkv = torch.cat([qkv[:, :(H + K) * D], qkv[:, (H + K) * D:] + ve.view(1, K * D)], -1)
         qk = qkv[:, :(H + K) * D].view(H + K, D)  # the H query heads, then the K key heads
         if c.qk_norm and n_q is None:  # weightless: one norm over q and k rows together
             qk = norm(qk, None)
@@ -747,7 +781,7 @@ def main(argv=None):
         print(f"  {key}: {value}")
     b = param_breakdown(config)
     print(f"params: {b['total']}")
-    for key in ("embeddings", "attention", "mlp", "norms", "head"):
+    for key in ("embeddings", "value_embeds", "attention", "mlp", "norms", "head"):
         print(f"  {key}: {b[key]:,} ({100 * b[key] / b['total']:.1f}%)")
     fpt = flops_per_token(config)
     print(f"FLOPs/token (train, T={config.sequence_len}): {fpt:.4e} (6 x matmul params + 12 x layers x heads x "

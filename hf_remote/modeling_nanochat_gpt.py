@@ -1,5 +1,5 @@
-"""A nanochat model in transformers: Llama with QK-norm, the relu^2 MLP and the logit softcap where its config asks
-for them. export.py copies this file next to the weights; load it with
+"""A nanochat model in transformers: Llama with QK-norm, the relu^2 MLP, the logit softcap and value embeddings where
+its config asks for them. export.py copies this file next to the weights; load it with
 
     AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
 
@@ -50,6 +50,25 @@ class SoftcapLinear(nn.Linear):
         return self.cap * torch.tanh(super().forward(x) / self.cap)
 
 
+class ValueEmbedProjection(nn.Linear):
+    """v_proj plus the layer's value embedding: v + 3 sigmoid(gate(x[..., :12])) * table[token], per KV head. The
+    token ids come from `ids`, the list the model's pre-hook fills with each forward's input_ids."""
+
+    def __init__(self, in_features, out_features, vocab_size, kv_heads, ids, gate_channels=12):
+        super().__init__(in_features, out_features, bias=False)
+        self.value_embed = nn.Embedding(vocab_size, out_features)
+        self.gate = nn.Linear(gate_channels, kv_heads, bias=False)
+        self.ids = ids
+
+    def forward(self, x):
+        if self.ids[0] is None:
+            raise ValueError("this model has value embeddings, which need the token ids: pass input_ids, not "
+                             "inputs_embeds")
+        gate = 3 * torch.sigmoid(self.gate(x[..., :self.gate.in_features]))
+        embed = self.value_embed(self.ids[0]).unflatten(-1, (gate.size(-1), -1))
+        return super().forward(x) + (gate.unsqueeze(-1) * embed).flatten(-2)
+
+
 class NanochatGPTForCausalLM(LlamaForCausalLM):
     config_class = NanochatGPTConfig
 
@@ -63,6 +82,17 @@ class NanochatGPTForCausalLM(LlamaForCausalLM):
                 attn = layer.self_attn
                 attn.q_proj = HeadNormLinear(d, config.num_attention_heads * attn.head_dim, attn.head_dim, eps)
                 attn.k_proj = HeadNormLinear(d, config.num_key_value_heads * attn.head_dim, attn.head_dim, eps)
+        if config.value_embeds:  # every other layer, counted back from the last
+            self.token_ids = [None]
+            layers = config.num_hidden_layers
+            for i in range(layers - 1, -1, -2):
+                attn = self.model.layers[i].self_attn
+                attn.v_proj = ValueEmbedProjection(d, config.num_key_value_heads * attn.head_dim, config.vocab_size,
+                                                   config.num_key_value_heads, self.token_ids)
+            self.model.register_forward_pre_hook(self.remember_ids, with_kwargs=True)
         if config.logit_softcap:
             self.lm_head = SoftcapLinear(d, config.vocab_size, config.logit_softcap)
         self.post_init()  # again: initializes the new modules and ties a new head to the embeddings
+
+    def remember_ids(self, module, args, kwargs):
+        self.token_ids[0] = kwargs.get("input_ids", args[0] if args else None)

@@ -220,7 +220,7 @@ def small_model(**overrides):
     return model
 
 
-@pytest.mark.parametrize("overrides", [{}, {"n_kv_head": 2, "mlp": "swiglu", "norm_learnable": True,
+@pytest.mark.parametrize("overrides", [{"value_embeds": True}, {"n_kv_head": 2, "mlp": "swiglu", "norm_learnable": True,
                                             "tie_embeddings": True, "qk_norm": False}])
 def test_decode_paths_give_generates_greedy_tokens(overrides):
     model = small_model(**overrides)

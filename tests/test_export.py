@@ -209,11 +209,13 @@ def test_a_llama_family_model_exports_as_plain_llama_with_equal_logits_and_greed
     assert ours == theirs and len(ours) == 32
 
 
-def test_a_qk_norm_relu2_softcap_model_exports_as_custom_code_with_equal_logits_and_greedy_tokens(random_exports):
+def test_a_qk_norm_relu2_softcap_value_embedding_model_exports_as_custom_code_with_equal_logits_and_tokens(
+        random_exports):
     model, out = random_exports["custom"]
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["NanochatGPTForCausalLM"] and config["model_type"] == "nanochat_gpt"
-    assert (config["qk_norm"], config["mlp"], config["logit_softcap"]) == (True, "relu2", 15.0)
+    assert (config["qk_norm"], config["mlp"], config["logit_softcap"], config["value_embeds"]) == (True, "relu2",
+                                                                                                   15.0, True)
     with pytest.raises(ValueError, match="trust_remote_code"):  # never silently loaded as something else
         load_hf(out, trust_remote_code=False)
     hf = load_hf(out, trust_remote_code=True)

@@ -51,7 +51,8 @@ def test_param_formula_equals_built_model_for_random_configs():
                            n_embd=rng.choice([head_dim * n_head, 48, 96]), n_head=n_head, n_kv_head=n_kv_head,
                            head_dim=head_dim, mlp=rng.choice(["relu2", "swiglu"]), mlp_hidden=rng.choice([0, 100]),
                            norm_learnable=rng.random() < 0.5, qk_norm=rng.random() < 0.5,
-                           tie_embeddings=rng.random() < 0.5, bitnet=rng.random() < 0.3)
+                           tie_embeddings=rng.random() < 0.5, bitnet=rng.random() < 0.3,
+                           value_embeds=rng.random() < 0.5)
         model = meta_model(config)
         breakdown = M.param_breakdown(config)
         assert sum(p.numel() for p in model.parameters()) == breakdown["total"], config
@@ -67,8 +68,11 @@ def test_flops_formula_counts_every_matmul_weight():
         T = config.sequence_len
         expected = 6 * matmul + 12 * config.n_layer * config.n_head * config.head_dim * T
         assert M.flops_per_token(config) == expected
-    # d12 by hand: 12 layers x 12*768^2 block matrices + 65536*768 head, attention 12*12*6*128*2048
-    assert M.flops_per_token(config_from_preset("d12")) == 6 * (12 * 12 * 768**2 + 65536 * 768) + 12 * 12 * 768 * 2048
+    # d12 by hand: 12 layers x 12*768^2 block matrices + 6 value-embedding gates of 12 x 6 + 65536*768 head,
+    # attention 12*12*6*128*2048; the 6 value-embedding tables (layers 1, 3, .., 11) are lookups
+    assert M.flops_per_token(config_from_preset("d12")) == (6 * (12 * 12 * 768**2 + 6 * 12 * 6 + 65536 * 768)
+                                                            + 12 * 12 * 768 * 2048)
+    assert M.param_breakdown(config_from_preset("d12"))["value_embeds"] == 6 * 65536 * 768
 
 
 def saved_activation_bytes(config, batch, dtype):
@@ -296,13 +300,14 @@ def test_bitnet_effective_weights_are_ternary():
     torch.manual_seed(0)
     model = build_model(config_from_preset("tiny", {"bitnet": True, "mlp": "swiglu", "n_kv_head": 2}))
     linears = [m for m in model.blocks.modules() if isinstance(m, M.Linear)]
-    assert len(linears) == 4 * 7
+    assert len(linears) == 4 * 7 + 2  # and the gates of the 2 value embeddings
     for layer in linears:
         w = layer.effective_weight().detach()
         scale = layer.weight.abs().mean()
-        values = torch.unique(w)
-        assert len(values) == 3
-        assert torch.allclose(values, torch.stack([-scale, torch.zeros(()), scale]))
+        levels = torch.stack([-scale, torch.zeros(()), scale])
+        assert ((w.unsqueeze(-1) - levels).abs().amin(-1) < 1e-6).all()  # every value one of three levels
+        if layer.weight.numel() > 1000:  # a projection (the gates start all positive: {0, +scale})
+            assert len(torch.unique(w)) == 3
     x = torch.randn(5, 256)
     q = M.bitnet_activation(x) * (127.0 / x.abs().amax(-1, keepdim=True))
     assert torch.allclose(q, q.round(), atol=1e-4) and q.abs().max() <= 127.0001  # 8-bit levels per token
