@@ -2,7 +2,7 @@
 
     python bench.py              # every benchmark
     python bench.py train decode # a chosen few: train, decode, build, tokenizer, loader, pretrain, core_eval, sft,
-                                 # download, cpu, chat, fsdp
+                                 # download, cpu, chat, fsdp, quality
 
 train   forward+backward tokens/s of a preset on this machine: eager fp32, torch.compile fp32, compile + bf16 autocast.
         Target: compile + bf16 >= 2x eager fp32.
@@ -33,6 +33,10 @@ fsdp    `--preset` (default of this benchmark: llama3-1b, seed 004) sharded by F
         gloo, one thread each), micro-batch 1 x --fsdp_seq tokens of random ids, Muon, bf16 where native: seconds per
         step (steps after the first) and each rank's peak resident memory, against model.py's estimate per rank
         ((weights + gradients + optimizer state) / 2 + activations + transient).
+quality `python pretrain.py` at nanochat's tiny CPU shape (as cpu above; compiled, bf16 where native) for 300 steps of
+        2,048 tokens (614,400 tokens), on the real-text corpus: the final validation bpb over the validation shard's
+        first 524,288 tokens, per row of QUALITY_VARIANTS (the defaults, and the defaults with one issue-16 change
+        undone) and per seed (--seeds 3), --quality_jobs runs at a time; the median per row. README: Model quality.
 download  `download_shards` of 16 training shards + 1 validation shard (~4 MB parquet each) from a hub stand-in on
         loopback, 4 workers: shards/s and MB/s of the old client (dataset.py at commit 1d71acd, its own HTTP code on
         requests, read with `git show`) and of the new one (huggingface_hub), median of --trials rounds, alternating.
@@ -488,6 +492,47 @@ def bench_cpu(args, device):
         muon_share(device, 2048 / rates[f"muon_{C.matmul_dtype(device)}_compiled"])
 
 
+# bench.py quality: each row is pretrain.py's defaults plus these flags (the first row: the defaults themselves).
+# At 2^11 tokens a step, AdamW lrs 8x smaller are the square-root rule's (2^-8)^(1/2) against (2^-8)^(1/8).
+SQRT_RULE_LRS = ["--embedding_lr", "0.025", "--head_lr", "0.0005", "--scalar_lr", "0.005"]
+QUALITY_VARIANTS = {"defaults": [], "no_value_embeds": ["--value_embeds", "false"], "sqrt_rule_lrs": SQRT_RULE_LRS,
+                    "before_issue16": ["--value_embeds", "false", *SQRT_RULE_LRS]}
+
+
+def quality_run(corpus, tokenizer, runs, name, seed, flags, threads):
+    """One pretrain.py run at nanochat's tiny CPU shape; its final validation bpb, from its done.json."""
+    command = [sys.executable, str(Path(__file__).parent / "pretrain.py"), "--preset", "tiny", "--vocab_size", "8192",
+               "--data_dir", str(corpus), "--tokenizer", str(tokenizer), "--runs_dir", str(runs), "--run_name",
+               f"{name}_s{seed}", "--seed", str(seed), "--steps", "300", "--micro_batch", "8", "--total_batch_tokens",
+               "2048", "--eval_every", "0", "--eval_tokens", "524288", "--ckpt_every", "1000", "--compile", "true",
+               *flags]
+    subprocess.run(command, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    return json.loads((Path(runs) / f"{name}_s{seed}" / "done.json").read_text())["val_bpb"]
+
+
+def bench_quality(args, device):
+    """Validation bpb after 614,400 tokens at nanochat's tiny CPU shape on the real-text corpus, per variant and seed,
+    --quality_jobs runs at a time (each on cores / jobs threads): the medians README's quality table reports."""
+    from concurrent.futures import ThreadPoolExecutor
+    corpus = Path(args.corpus)
+    if not corpus.is_dir():
+        return print(f"quality: skipped, no corpus at {corpus}")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        train_tokenizer(iter_texts(corpus, "train"), 8192).save(tmp / "tokenizer")
+        threads = max(1, (os.cpu_count() or 1) // args.quality_jobs)
+        jobs = [(name, seed) for name in args.variants for seed in range(args.seeds)]
+        with ThreadPoolExecutor(args.quality_jobs) as pool:
+            bpbs = list(pool.map(lambda job: quality_run(corpus, tmp / "tokenizer", tmp / "runs", *job,
+                                                          QUALITY_VARIANTS[job[0]], threads), jobs))
+        config = config_from_preset("tiny", {"vocab_size": 8192})
+        for name in args.variants:
+            mine = [bpb for (n, _), bpb in zip(jobs, bpbs, strict=True) if n == name]
+            print(f"quality {name:14s}: val bpb median {statistics.median(mine):.4f} over seeds {list(range(args.seeds))}"
+                  f" ({', '.join(f'{b:.4f}' for b in mine)}); flags: {' '.join(QUALITY_VARIANTS[name]) or '(none)'}")
+        print(f"quality: FLOPs/token {flops_per_token(config):.4e}, parameters {num_params(config):,} (defaults)")
+
+
 def bench_fsdp(args, device):
     """Runs this file's fsdp_rank under torchrun on 2 processes and prints what rank 0 reports."""
     preset = args.preset if args.preset != "tiny" else "llama3-1b"
@@ -575,7 +620,8 @@ def muon_share(device, step_seconds, steps=10):
 
 BENCHES = {"train": bench_train, "decode": bench_decode, "build": bench_build, "tokenizer": bench_tokenizer,
            "loader": bench_loader, "pretrain": bench_pretrain, "core_eval": bench_core_eval, "sft": bench_sft,
-           "download": bench_download, "cpu": bench_cpu, "chat": bench_chat, "fsdp": bench_fsdp}
+           "download": bench_download, "cpu": bench_cpu, "chat": bench_chat, "fsdp": bench_fsdp,
+           "quality": bench_quality}
 
 
 def main():
@@ -595,6 +641,10 @@ def main():
     parser.add_argument("--fsdp_steps", type=int, default=3, help="fsdp: steps timed (default: %(default)s)")
     parser.add_argument("--fsdp_seq", type=int, default=128, help="fsdp: tokens per sequence (default: %(default)s; "
                         "llama3-1b at 256 does not fit 2 processes in 24 GB)")
+    parser.add_argument("--variants", nargs="+", default=list(QUALITY_VARIANTS), help="quality: which rows (default: "
+                        "all)")
+    parser.add_argument("--seeds", type=int, default=3, help="quality: seeds per row (default: %(default)s)")
+    parser.add_argument("--quality_jobs", type=int, default=2, help="quality: runs at a time (default: %(default)s)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="device (default: %(default)s)")
     args = parser.parse_args()

@@ -325,7 +325,9 @@ def build_optimizers(model, args, width, batch_tokens, device):
     args.adam8bit swaps AdamW for bitsandbytes' AdamW8bit. Returns a list of optimizers; every param group carries
     'name' and 'base_lr' (the lr at multiplier 1) and 'wd_on' (whether weight decay applies)."""
     width_factor, batch_factor = (width / REF_WIDTH) ** -0.5, (batch_tokens / REF_BATCH) ** BATCH_EXPONENT
-    lrs = {"matrix": args.matrix_lr * (1 if args.optimizer == "muon" else width_factor * batch_factor),
+    # AdamW on the block matrices keeps the square-root rule: at 2^11 tokens, 8x its lr cost 0.036 bpb (1.899 -> 1.935)
+    sqrt_factor = (batch_tokens / REF_BATCH) ** 0.5
+    lrs = {"matrix": args.matrix_lr * (1 if args.optimizer == "muon" else width_factor * sqrt_factor),
            "embedding": args.embedding_lr * width_factor * batch_factor,
            "head": args.head_lr * width_factor * batch_factor,
            "scalar": args.scalar_lr * width_factor * batch_factor,

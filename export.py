@@ -10,7 +10,7 @@ modeling_nanochat_gpt.py (from hf_remote/). Prints what it read and wrote; for t
 
     export: checkpoint runs/speedrun/sft/ckpt/step_000200 (stage sft, step 200), 3,670,016 parameters
     export: tokenizer runs/speedrun/tokenizer (vocab 1024)
-    export: custom code (qk_norm True, mlp relu2, logit_softcap 15.0: not Llama): load with trust_remote_code=True
+    export: custom code (qk_norm True, mlp relu2, logit_softcap 15.0, value_embeds True: not Llama): load with trust_remote_code=True
     wrote hf/mychat/model.safetensors (14,695,960 bytes)
     ...
 
