@@ -476,9 +476,11 @@ class Muon(torch.optim.Optimizer):
         talls, shape = [p.size(0) > p.size(1) for p in params], min(params[0].shape, params[0].shape[::-1])
         mine = [i for i in ([dist.get_rank()] if sharded else range(len(params))) if i < len(params)]
         wide = torch.empty((len(mine), *shape), device=updates[0].device, dtype=getattr(torch, group["ns_dtype"]))
-        torch._foreach_copy_([w.mT if talls[i] else w for w, i in zip(wide, mine, strict=True)],
-                             [updates[i] for i in mine])  # stacked and cast in one pass
-        done = dict(zip(mine, newton_schulz(wide, group["ns_steps"], group["ns_dtype"]).unbind(0), strict=True))
+        done = {}
+        if mine:  # sharded, a round with fewer matrices than ranks (one value-embedding gate) leaves some rank none
+            torch._foreach_copy_([w.mT if talls[i] else w for w, i in zip(wide, mine, strict=True)],
+                                 [updates[i] for i in mine])  # stacked and cast in one pass
+            done = dict(zip(mine, newton_schulz(wide, group["ns_steps"], group["ns_dtype"]).unbind(0), strict=True))
         for i in range(len(params)) if sharded else ():  # each result from the rank that computed it
             done[i] = done.get(i, torch.empty(shape, device=wide.device, dtype=wide.dtype))
             dist.broadcast(done[i], src=i)
