@@ -125,7 +125,7 @@ def test_a_sharded_checkpoint_of_two_processes_resumes_on_one_bitwise_and_consol
     copy = tmp_path / "step_000014"  # consolidated in one process from the shards = what the run gathered at its end
     shutil.copytree(step14, copy, ignore=shutil.ignore_patterns("model.pt"))
     code, out, _ = run_in_process(C.main, ["consolidate", copy], capsys)
-    assert code == 0 and f"consolidate: wrote {copy / 'model.pt'} (229,376 parameters)" in out
+    assert code == 0 and f"consolidate: wrote {copy / 'model.pt'} (294,936 parameters)" in out
     gathered, consolidated = (torch.load(p / "model.pt", weights_only=True) for p in (step14, copy))
     assert gathered.keys() == consolidated.keys() and all(torch.equal(gathered[k], consolidated[k]) for k in gathered)
     shutil.copytree(world / "runs" / "killed2", world / "runs" / "sharded_to_one")
