@@ -191,6 +191,12 @@ def num_params(c):
     return param_breakdown(c)["total"]
 
 
+def budget_params(c):
+    """The parameters --tokens_per_param counts: all but the value-embedding tables. Those are per-token lookups that
+    cost no FLOPs (60% of d20's parameters); counting them would multiply d20's training tokens by 2.5x."""
+    return num_params(c) - param_breakdown(c)["value_embeds"]
+
+
 def flops_per_token(c, seq_len=None):
     """Training FLOPs per token (forward + backward), the convention of PaLM's MFU and nanochat:
     6 * (parameters used in matmuls: every projection in the blocks plus the output head, a tied head counted once;

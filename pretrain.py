@@ -22,6 +22,7 @@ import common as C
 from dataset import default_data_dir, text_loader
 from model import (
     add_model_args,
+    budget_params,
     build_model,
     check_master_weights,
     config_from_args,
@@ -51,7 +52,7 @@ def get_args(argv=None):
     budget = g.add_mutually_exclusive_group()
     budget.add_argument("--steps", type=int, help="optimizer steps")
     budget.add_argument("--target_flops", type=float, help="total training FLOPs (model.py's FLOPs/token x tokens)")
-    budget.add_argument("--tokens_per_param", type=float, help="tokens per parameter (Chinchilla: 20)")
+    budget.add_argument("--tokens_per_param", type=float, help="tokens per parameter, value-embedding tables not counted (Chinchilla: 20)")
     g = p.add_argument_group("batch and precision")
     g.add_argument("--total_batch_tokens", type=int, default=None, help="tokens per optimizer step over all ranks "
                    "(default: micro_batch x sequence_len x world size, no accumulation)")
@@ -82,7 +83,7 @@ def plan_steps(args, config, tokens_per_step):
         return args.steps
     if args.target_flops is not None:
         return math.ceil(args.target_flops / (flops_per_token(config) * tokens_per_step))
-    return math.ceil(args.tokens_per_param * num_params(config) / tokens_per_step)
+    return math.ceil(args.tokens_per_param * budget_params(config) / tokens_per_step)
 
 
 @torch.no_grad()
@@ -147,8 +148,8 @@ def main(argv=None):
         print(f"batch: tokens per step = micro_batch {micro} x sequence_len {seq_len} x world size {world} x "
               f"accumulation {accum} = {tokens_per_step:,}")
         print(f"budget: {total_steps:,} steps, {total_steps * tokens_per_step:,} tokens, "
-              f"{fpt * total_steps * tokens_per_step:.3e} FLOPs, {total_steps * tokens_per_step / params:.2f} tokens "
-              f"per parameter")
+              f"{fpt * total_steps * tokens_per_step:.3e} FLOPs, {total_steps * tokens_per_step / budget_params(config):.2f} tokens "
+              f"per parameter (value-embedding tables not counted)")
         print(f"code: commit {run['code']['commit']}, uncommitted changes: {run['code']['dirty']}")
         print(C.precision_line(args, device, optimizers))
     start = C.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank, device) if resume_from else 0
