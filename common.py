@@ -375,26 +375,36 @@ def precision_line(args, device, optimizers):
             f"{device_name(device)}")
 
 
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic: steep at 0, so 5 steps suffice
+# Polar Express (Amsel et al. 2025; the coefficients modded-nanogpt and nanochat use): a different quintic a x + b x^3
+# + c x^5 at each step, each the best for the singular values the steps before can leave, with a 2% safety margin
+# (the input is divided by 1.02 x its Frobenius norm). 5 steps; a 6th and later reuse the last.
+POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
+                 (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+                 (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+                 (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+                 (2.3465413258596377, -1.7097828382687081, 0.42323551169305323))
+
+
+def quintic_coefficients(steps):
+    return [POLAR_EXPRESS[min(step, len(POLAR_EXPRESS) - 1)] for step in range(steps)]
 
 
 def newton_schulz(stack, steps, dtype):
     """Approximately orthogonalize a stack of same-shape matrices, rows <= columns (U S V^T -> U S' V^T with S' ~ 1),
-    all at once, with matmuls in `dtype`: X <- a X + (b G + c G^2) X, G = X X^T, torch.optim.Muon's iteration.
-    torch.optim.Muon always casts to bf16, which a CPU without native bf16 emulates (an AVX2-only EPYC: 70% of the
+    all at once, with matmuls in `dtype`: X <- a X + (b G + c G^2) X, G = X X^T, with Polar Express's (a, b, c) at
+    each step (torch.optim.Muon's iteration uses one fixed triple). torch.optim.Muon always casts to bf16, which a CPU without native bf16 emulates (an AVX2-only EPYC: 70% of the
     step). Wide matrices (columns > 1.5 x rows, an MLP's) take the same iteration in its Gram form (newton_schulz_gram):
     fewer FLOPs, the same result up to rounding. Only in fp32 or fp64: in bf16 the Gram matrix loses the small singular
     values (error 0.37 against an fp64 iteration where the singular values fall to 0.01 of the largest; torch's form:
     0.03)."""
-    a, b, c = NS_COEFFICIENTS
     x = stack.to(getattr(torch, dtype))  # in place from here on: `stack` itself when it is in `dtype` already
-    x.div_(x.norm(dim=(-2, -1), keepdim=True).clamp_(min=1e-7))  # spectral norm <= Frobenius norm <= 1: the basin
+    x.div_(x.norm(dim=(-2, -1), keepdim=True).mul_(1.02).clamp_(min=1e-7))  # spectral norm < Frobenius norm: the basin
     rows, columns = x.shape[-2:]
     gram_flops = 4 * rows * rows * columns + (8 * steps - 6) * rows ** 3  # each form's, as newton_schulz_gram counts
     direct_flops = steps * (4 * rows * rows * columns + 2 * rows ** 3)
     if x.dtype in (torch.float32, torch.float64) and gram_flops < direct_flops:
         return newton_schulz_gram(x, steps)
-    for _ in range(steps):
+    for a, b, c in quintic_coefficients(steps):
         gram = x @ x.mT  # rows x rows: the smaller Gram matrix
         x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # a x + (b G + c G^2) x
     return x
@@ -404,11 +414,11 @@ def newton_schulz_gram(x, steps):
     """newton_schulz's iteration for normalized wide x (m rows, n columns): every step multiplies X on the left by
     P = p(G) = aI + bG + cG^2, so X_k = Q X_0 with Q = P_k ... P_1, and G_k+1 = P G_k P (P commutes with G_k). Only the
     m x m matrices G, P, Q are iterated; X is touched twice. FLOPs 4m^2n + (8 steps - 6) m^3 against steps x (4m^2n +
-    2m^3): 44% fewer for the tiny MLP's 256 x 1024 (fp32: 84 -> 46 ms). In fp32 it stays within 1.3e-4 of an fp64
-    iteration even where the singular values span 1e-4 (tested), 100x below torch.optim.Muon's own bf16 rounding."""
-    a, b, c = NS_COEFFICIENTS
+    2m^3): 44% fewer for the tiny MLP's 256 x 1024 (fp32: 84 -> 46 ms). In fp32 it stays within 1.1e-3 of an fp64
+    iteration even where the singular values span 1e-4 (tested; 1.3e-4 with the fixed quintic of before), 200x below
+    bf16's rounding of the direct form there (0.26)."""
     gram, product = x @ x.mT, None
-    for step in range(steps):
+    for step, (a, b, c) in enumerate(quintic_coefficients(steps)):
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         poly.diagonal(dim1=-2, dim2=-1).add_(a)
         product = poly if product is None else poly @ product
@@ -445,9 +455,9 @@ class Muon(torch.optim.Optimizer):
     at most `world size` whole matrices are in memory at once."""
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0, ns_steps=5,
-                 ns_dtype="bfloat16"):
+                 ns_dtype="bfloat16", neuron_beta2=0.95):
         super().__init__(params, {"lr": lr, "momentum": momentum, "nesterov": nesterov, "weight_decay": weight_decay,
-                                  "ns_steps": ns_steps, "ns_dtype": ns_dtype})
+                                  "ns_steps": ns_steps, "ns_dtype": ns_dtype, "neuron_beta2": neuron_beta2})
 
     @torch.no_grad()
     def step(self, closure=None):  # closure: torch.distributed.checkpoint initializes state with step(closure=None)
@@ -484,7 +494,8 @@ class Muon(torch.optim.Optimizer):
         for i in range(len(params)) if sharded else ():  # each result from the rank that computed it
             done[i] = done.get(i, torch.empty(shape, device=wide.device, dtype=wide.dtype))
             dist.broadcast(done[i], src=i)
-        shards = [shard_of(done[i].mT if talls[i] else done[i], p) for i, p in enumerate(params)]
+        fulls = [self.neuron_normalized(done[i].mT if talls[i] else done[i], p, group) for i, p in enumerate(params)]
+        shards = [shard_of(full, p) for full, p in zip(fulls, params, strict=True)]
         rows, columns = params[0].shape  # the first's: the others are the same or its transpose
         params = [local(p) for p in params]
         torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
@@ -494,6 +505,24 @@ class Muon(torch.optim.Optimizer):
                 scale = (max(rows, columns) / min(rows, columns)) ** 0.5 if tall else 1
                 torch._foreach_add_([params[i] for i in chosen], [shards[i] for i in chosen],
                                     alpha=-group["lr"] * scale)
+
+    def neuron_normalized(self, update, param, group):
+        """NorMuon (Li et al. 2025), on the whole orthogonalized update in the parameter's orientation: each neuron's
+        step (a row of a tall or square matrix, a column of a wide one: the longer side) is divided by the root of
+        the running mean (beta2) of its mean square, then the whole is rescaled to the norm it had. Orthogonalization
+        leaves neurons' step sizes uneven; this evens them out and keeps the update's size. The state is that running
+        mean, one number per neuron, the same on every rank (every rank sees every whole update)."""
+        reduce = -1 if update.size(0) >= update.size(1) else -2
+        precise = update.to(torch.promote_types(update.dtype, torch.float32))  # bf16 -> fp32; fp64 stays
+        mean_square = precise.square().mean(dim=reduce, keepdim=True)
+        state = self.state[param]
+        if "neuron_second_moment" not in state:
+            state["neuron_second_moment"] = torch.zeros_like(mean_square)
+        second_moment = state["neuron_second_moment"]
+        second_moment.lerp_(mean_square, 1 - group["neuron_beta2"])
+        scale = second_moment.clamp(min=1e-10).rsqrt()
+        norm_ratio = (mean_square.sum() / (mean_square * scale.square()).sum().clamp(min=1e-20)).sqrt()
+        return (precise * (scale * norm_ratio)).to(update.dtype)
 
 
 # -----------------------------------------------------------------------------
@@ -1519,6 +1548,12 @@ def health_warning(model, initial, mem_history, record, steps_done, args):
             return "CUDA memory allocated grew every step for the last 50 steps: a leak?"
     if steps_done == args.frozen_check_step:
         frozen = frozen_parameters(model, initial)
+        if frozen and len(frozen) == sum(1 for sample in initial.values() if sample.numel()):
+            # nothing learns (an H100 run under torch.compile with torch 2.11 got every gradient 0 from the loss):
+            # hours of such a run would only print plausible tok/s and MFU
+            raise RuntimeError(f"no parameter changed in {args.frozen_check_step} steps: every gradient is zero or no "
+                               f"optimizer steps; stopped. Rerun with --compile false to tell whether compilation "
+                               f"is the cause")
         if frozen:
             return f"parameters unchanged after {args.frozen_check_step} steps: {', '.join(frozen)}"
     return None

@@ -197,6 +197,14 @@ def budget_params(c):
     return num_params(c) - param_breakdown(c)["value_embeds"]
 
 
+def muon_neurons(c):
+    """Neurons of the block matrices as NorMuon counts them, the longer side of each: its state per matrix."""
+    d, q_dim, kv_dim = c.n_embd, c.n_head * c.head_dim, c.n_kv_head * c.head_dim
+    mlp = (3 if c.mlp == "swiglu" else 2) * max(d, c.mlp_hidden)
+    gates = len(value_embed_layers(c)) * max(VE_GATE_CHANNELS, c.n_kv_head)
+    return c.n_layer * (2 * max(d, q_dim) + 2 * max(d, kv_dim) + mlp) + gates
+
+
 def flops_per_token(c, seq_len=None):
     """Training FLOPs per token (forward + backward), the convention of PaLM's MFU and nanochat:
     6 * (parameters used in matmuls: every projection in the blocks plus the output head, a tied head counted once;
@@ -225,8 +233,8 @@ def memory_estimate(c, micro_batch, seq_len=None, optimizer="muon", bf16=True):
     P = num_params(c)
     b = param_breakdown(c)
     block_matrices = b["attention"] + b["mlp"]
-    if optimizer == "muon":
-        opt = 4 * block_matrices + 8 * (P - block_matrices)
+    if optimizer == "muon":  # + NorMuon's fp32 second moment per neuron (common.Muon.neuron_normalized)
+        opt = 4 * block_matrices + 4 * muon_neurons(c) + 8 * (P - block_matrices)
     else:
         opt = OPTIMIZER_BYTES[optimizer] * P
     tokens = micro_batch * T
@@ -295,6 +303,16 @@ def causal_attention(q, k, v):
         return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
                                               enable_gqa=True).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def masked_attention(q, k, v, valid):
+    """Attention of one query position over a preallocated cache with a (query, key) boolean mask, in plain matmuls.
+    SDPA there let torch.compile on an H100 pick the memory-efficient kernel, which refused the 1-token query's strides
+    ("query is not correctly aligned"); for one query the matmuls are as fast."""
+    group = q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = (q @ k.transpose(-2, -1)).float() * q.size(-1) ** -0.5
+    return scores.masked_fill(~valid, float("-inf")).softmax(dim=-1).to(v.dtype) @ v
 
 
 def to_compute_dtype(x):
@@ -393,7 +411,7 @@ class Attention(nn.Module):
         elif step is not None:  # GPT.decode_step: the whole preallocated cache, positions after `pos` masked out
             pos, valid = step
             k, v = kv_cache.write_at(self.layer_idx, k, v, pos)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=valid, enable_gqa=True)
+            y = masked_attention(q, k, v, valid)
         else:
             start = kv_cache.pos
             k, v = kv_cache.update(self.layer_idx, k, v)
@@ -481,9 +499,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         # (3x the head's cost of an evaluation)
         need_grad = grad_enabled and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         rows = max(1, LOSS_CHUNK_ELEMENTS // weight.size(0))
-        loss_sum = torch.zeros((), dtype=torch.float32, device=x.device)
-        grad_x = torch.empty_like(x) if need_grad else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
+        # no in-place writes into buffers that only backward reads: under torch.compile on CUDA (torch 2.11, an H100)
+        # those writes were dropped and every gradient came out 0; chunks joined by cat and sums out of place are not
+        loss_sum, grad_x_chunks, grad_w = torch.zeros((), dtype=torch.float32, device=x.device), [], None
         with torch.autocast(x.device.type, enabled=False):
             w = weight.to(compute_dtype)
             for start in range(0, x.size(0), rows):
@@ -495,7 +513,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 valid = tc != -1
                 safe_targets = tc.clamp(min=0).unsqueeze(1)
                 lse = torch.logsumexp(logits, dim=-1)
-                loss_sum += ((lse - logits.gather(1, safe_targets).squeeze(1)) * valid).sum()
+                loss_sum = loss_sum + ((lse - logits.gather(1, safe_targets).squeeze(1)) * valid).sum()
                 if need_grad:
                     dlogits = torch.exp(logits - lse.unsqueeze(1))
                     dlogits.scatter_add_(1, safe_targets, -torch.ones_like(safe_targets, dtype=dlogits.dtype))
@@ -503,8 +521,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                     if softcap:
                         dlogits *= 1 - capped * capped
                     dlogits = dlogits.to(compute_dtype)
-                    grad_x[start:start + rows] = dlogits @ w
-                    grad_w += (dlogits.t() @ xc).float()
+                    grad_x_chunks.append(dlogits @ w)
+                    chunk_grad_w = (dlogits.t() @ xc).float()
+                    grad_w = chunk_grad_w if grad_w is None else grad_w + chunk_grad_w
+        grad_x = torch.cat(grad_x_chunks).to(x.dtype) if need_grad else None
         ctx.save_for_backward(grad_x, grad_w)
         return loss_sum
 

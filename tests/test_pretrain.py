@@ -18,6 +18,7 @@ from test_speedrun import processes_mentioning
 
 import common as C
 import dataset as D
+import model as M
 import pretrain
 from model import autocast_context, build_model, config_from_preset
 
@@ -220,6 +221,17 @@ def test_frozen_monitor_names_bf16_norm_weights():
     assert frozen and frozen == [n for n, _ in model.named_parameters() if "norm" in n]
 
 
+def test_a_run_in_which_no_parameter_moves_is_stopped_and_one_that_moves_is_warned_about():
+    model = build_model(config_from_preset("tiny", {"n_layer": 1, "sequence_len": 32}))
+    initial, args = C.param_samples(model), Namespace(frozen_check_step=10)
+    with pytest.raises(RuntimeError, match="no parameter changed in 10 steps: every gradient is zero"):
+        C.health_warning(model, initial, [], {"cuda_mem_alloc": None}, 10, args)
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    warning = C.health_warning(model, initial, [], {"cuda_mem_alloc": None}, 10, args)
+    assert warning.startswith("parameters unchanged after 10 steps: wte.weight") and "lm_head" not in warning
+
+
 def test_micro_batch_probe_takes_the_largest_that_fits():
     tried = []
 
@@ -244,7 +256,10 @@ def test_micro_batch_probe_holds_optimizer_state_and_gradients_at_its_peak():
     optimizers = C.build_optimizers(model, args, 256, 1, torch.device("cpu"))
     weights = sum(p.numel() for p in model.parameters())
     matrices = sum(p.numel() for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2)
-    state_needed = matrices + 2 * (weights - matrices)  # Muon: 1 momentum buffer; AdamW: exp_avg, exp_avg_sq
+    neurons = sum(max(p.shape) for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2)
+    assert neurons == M.muon_neurons(model.config)
+    # Muon: 1 momentum buffer and NorMuon's second moment per neuron; AdamW: exp_avg, exp_avg_sq
+    state_needed = matrices + neurons + 2 * (weights - matrices)
     budget = weights + state_needed + 45_000  # in elements: room for 4 micro-batch rows of 10,000 below
     peaks = {}
 
