@@ -495,8 +495,13 @@ def bench_cpu(args, device):
 # bench.py quality: each row is pretrain.py's defaults plus these flags (the first row: the defaults themselves).
 # At 2^11 tokens a step, AdamW lrs 8x smaller are the square-root rule's (2^-8)^(1/2) against (2^-8)^(1/8).
 SQRT_RULE_LRS = ["--embedding_lr", "0.025", "--head_lr", "0.0005", "--scalar_lr", "0.005"]
-QUALITY_VARIANTS = {"defaults": [], "no_value_embeds": ["--value_embeds", "false"], "sqrt_rule_lrs": SQRT_RULE_LRS,
-                    "before_issue16": ["--value_embeds", "false", *SQRT_RULE_LRS]}
+# each issue-16 change that has a flag, undone; Polar Express + NorMuon have none (they replaced the old Muon), so
+# "without_issue16" is the old defaults with the new Muon
+QUALITY_VARIANTS = {"defaults": [], "no_value_embeds": ["--value_embeds", "false"],
+                    "no_resid_lambdas": ["--resid_lambdas", "false"], "no_momentum_warmup": ["--muon_momentum_warmup", "0"],
+                    "sqrt_rule_lrs": SQRT_RULE_LRS,
+                    "without_issue16": ["--value_embeds", "false", "--resid_lambdas", "false", "--muon_momentum_warmup",
+                                        "0", *SQRT_RULE_LRS]}
 
 
 def quality_run(corpus, tokenizer, runs, name, seed, flags, threads):

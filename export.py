@@ -10,7 +10,7 @@ modeling_nanochat_gpt.py (from hf_remote/). Prints what it read and wrote; for t
 
     export: checkpoint runs/speedrun/sft/ckpt/step_000200 (stage sft, step 200), 3,670,016 parameters
     export: tokenizer runs/speedrun/tokenizer (vocab 1024)
-    export: custom code (qk_norm True, mlp relu2, logit_softcap 15.0, value_embeds True: not Llama): load with trust_remote_code=True
+    export: custom code (qk_norm True, mlp relu2, logit_softcap 15.0, value_embeds True, resid_lambdas True: not Llama): load with trust_remote_code=True
     wrote hf/mychat/model.safetensors (14,695,960 bytes)
     ...
 
@@ -47,7 +47,8 @@ LLAMA_FIELDS = {"vocab_size": "vocab_size", "sequence_len": "max_position_embedd
                 "n_embd": "hidden_size", "n_head": "num_attention_heads", "n_kv_head": "num_key_value_heads",
                 "head_dim": "head_dim", "mlp_hidden": "intermediate_size", "rope_theta": "rope_theta",
                 "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings"}
-CUSTOM_FIELDS = {"qk_norm": False, "mlp": "swiglu", "logit_softcap": 0.0, "value_embeds": False}  # Llama's value; any other: hf_remote/
+# Llama's value of each; any other needs hf_remote/
+CUSTOM_FIELDS = {"qk_norm": False, "mlp": "swiglu", "logit_softcap": 0.0, "value_embeds": False, "resid_lambdas": False}
 EXACT_FIELDS = {"norm_learnable", "activation_checkpointing"}  # ones for weightless norms; training only
 REFUSED = {"bitnet": "BitNet b1.58 quantizes weights to {-1, 0, +1} and activations to 8 bits inside every layer, "
                      "which neither Llama nor hf_remote/ does; its fp32 latent weights would be another model"}
@@ -132,6 +133,9 @@ def hf_state_dict(model, permute=True):
                 out[theirs + f"mlp.{name}.weight"] = sd.pop(ours + f"mlp.{name}.weight")
     if not c.tie_embeddings:
         out["lm_head.weight"] = sd.pop("lm_head.weight")
+    for name in ("resid_lambdas", "x0_lambdas"):  # hf_remote keeps them on the top module, under the same names
+        if name in sd:
+            out[name] = sd.pop(name)
     if sd:
         raise ValueError(f"the checkpoint holds tensors export.py does not map: {', '.join(sorted(sd))}")
     return {name: t.float().contiguous() for name, t in out.items()}

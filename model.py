@@ -46,6 +46,7 @@ class GPTConfig:
     bitnet: bool = False  # BitNet b1.58: ternary weights, 8-bit activations in every linear layer of the blocks
     activation_checkpointing: bool = False  # recompute each block in backward instead of storing its activations
     value_embeds: bool = False  # a second token embedding per layer on alternating layers, gated into the values
+    resid_lambdas: bool = False  # block i reads resid_lambdas[i] * x + x0_lambdas[i] * (the token embedding), learned
 
     def __post_init__(self):
         for name in ("vocab_size", "sequence_len", "n_layer", "n_embd", "n_head", "n_kv_head"):
@@ -80,7 +81,7 @@ PRESETS = {
     # The offline CPU demo and the tests: 4.2M parameters (0.5M of them value embeddings); vocab 1024 because the demo world's small vocabulary
     # supports at most ~1,690 BPE tokens; learns the demo world in minutes on a CPU.
     "tiny": {"vocab_size": 1024, "sequence_len": 256, "n_layer": 4, "n_embd": 256, "n_head": 4, "n_kv_head": 4,
-             "value_embeds": True},
+             "value_embeds": True, "resid_lambdas": True},
     # Seed 004's Llama-3-style 1.2B, exactly: 1,241,581,568 parameters.
     "llama3-1b": {"vocab_size": 131072, "sequence_len": 2048, "n_layer": 16, "n_embd": 2048, "n_head": 32,
                   "n_kv_head": 8, "mlp": "swiglu", "mlp_hidden": 8192, "rope_theta": 500000.0,
@@ -106,7 +107,8 @@ def depth_preset(depth):
     heads = width // DEPTH_HEAD_DIM
     return {"vocab_size": 65536, "sequence_len": 2048, "n_layer": depth, "n_embd": width, "n_head": heads,
             "n_kv_head": heads, "mlp": "relu2", "rope_theta": 10000.0, "norm_learnable": False, "qk_norm": True,
-            "tie_embeddings": False, "logit_softcap": 15.0, "value_embeds": True}
+            "tie_embeddings": False, "logit_softcap": 15.0, "value_embeds": True,
+            "resid_lambdas": True}
 
 
 def preset_names():
@@ -182,7 +184,8 @@ def param_breakdown(c):
     if c.norm_learnable:  # two per block + final, and a per-head-dim scale for q and k when QK-norm is on
         norms = c.n_layer * (2 * d + (2 * c.head_dim if c.qk_norm else 0)) + d
     counts = {"embeddings": c.vocab_size * d, "value_embeds": ve_layers * c.vocab_size * kv_dim,
-              "attention": attention, "mlp": mlp, "norms": norms, "head": 0 if c.tie_embeddings else c.vocab_size * d}
+              "attention": attention, "mlp": mlp, "norms": norms, "head": 0 if c.tie_embeddings else c.vocab_size * d,
+              "scalars": 2 * c.n_layer if c.resid_lambdas else 0}
     counts["total"] = sum(counts.values())
     return counts
 
@@ -252,7 +255,10 @@ def memory_estimate(c, micro_batch, seq_len=None, optimizer="muon", bf16=True):
     final_norm = 4 * c.n_embd + 4 + (4 * c.n_embd if c.norm_learnable else 0)
     # the loss keeps grad_x (fp32, one row per token) and grad_weight (fp32, vocab x n_embd) until backward
     loss = tokens * 4 * c.n_embd + 4 * c.vocab_size * c.n_embd
-    acts = blocks + tokens * (8 + final_norm) + loss  # 8: the int64 token ids the embedding's backward needs
+    # the residual scalars' products keep each block's fp32 input before the mix (block 0's is the embedding) for
+    # their gradients: outside any checkpointed block, so with checkpointing too
+    mixes = tokens * c.n_layer * 4 * c.n_embd if c.resid_lambdas else 0
+    acts = blocks + mixes + tokens * (8 + final_norm) + loss  # 8: the int64 token ids the embedding's backward needs
     chunk_rows = min(tokens, max(1, LOSS_CHUNK_ELEMENTS // c.vocab_size))
     transient = max(recompute, 3 * 4 * chunk_rows * c.vocab_size)  # logits, probabilities, tanh of one chunk
     return {"weights": 4 * P, "gradients": 4 * P, "optimizer": opt, "activations": acts, "transient": transient,
@@ -550,6 +556,10 @@ class GPT(nn.Module):
         # layers. A lookup: many parameters, next to no FLOPs (README: Model quality)
         self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(config.vocab_size, config.n_kv_head * config.head_dim)
                                            for i in value_embed_layers(config)})
+        # residual scalars (modded-nanogpt, nanochat): each block reads resid * x + x0 * (the token embedding), so a
+        # layer can scale the stream it reads and take the embedding back in directly (README: Model quality)
+        self.resid_lambdas = nn.Parameter(torch.ones(config.n_layer)) if config.resid_lambdas else None
+        self.x0_lambdas = nn.Parameter(torch.zeros(config.n_layer)) if config.resid_lambdas else None
         # rotary tables are derived, not learned: never saved, recomputed by init_weights() on the real device
         self.register_buffer("cos", torch.empty(config.sequence_len, config.head_dim // 2), persistent=False)
         self.register_buffer("sin", torch.empty(config.sequence_len, config.head_dim // 2), persistent=False)
@@ -582,6 +592,9 @@ class GPT(nn.Module):
         for i, table in self.value_embeds.items():  # std 1/sqrt(n_embd), as v_proj's outputs; gates start near 1.5
             nn.init.uniform_(table.weight, -(3 / c.n_embd) ** 0.5, (3 / c.n_embd) ** 0.5)
             nn.init.uniform_(self.blocks[int(i)].attn.ve_gate.weight, 0.0, 0.02)
+        if c.resid_lambdas:  # at init the stream as it is, plus a tenth of the embedding
+            self.resid_lambdas.fill_(1.0)
+            self.x0_lambdas.fill_(0.1)
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32, device=self.cos.device)
                                            / c.head_dim))
         angles = torch.outer(torch.arange(c.sequence_len, dtype=torch.float32, device=self.cos.device), inv_freq)
@@ -591,6 +604,12 @@ class GPT(nn.Module):
     def value_embed(self, layer_idx, ids):
         """Layer layer_idx's value embedding of the token ids, or None where the layer has none."""
         return self.value_embeds[str(layer_idx)](ids) if str(layer_idx) in self.value_embeds else None
+
+    def mix_embedding(self, layer_idx, x, x0):
+        """Block layer_idx's input: resid_lambdas[i] * x + x0_lambdas[i] * x0 (x0 the token embedding), or x."""
+        if self.resid_lambdas is None:
+            return x
+        return self.resid_lambdas[layer_idx] * x + self.x0_lambdas[layer_idx] * x0
 
     def head_weight(self):
         return self.wte.weight if self.lm_head is None else self.lm_head.weight
@@ -605,9 +624,9 @@ class GPT(nn.Module):
         if start + T > self.config.sequence_len:
             raise ValueError(f"positions {start}..{start + T - 1} exceed sequence_len={self.config.sequence_len}")
         cos, sin = self.cos[None, start:start + T, None, :], self.sin[None, start:start + T, None, :]
-        x = self.wte(idx)
+        x = x0 = self.wte(idx)
         for i, block in enumerate(self.blocks):
-            value_embed = self.value_embed(i, idx)
+            x, value_embed = self.mix_embedding(i, x, x0), self.value_embed(i, idx)
             if self.config.activation_checkpointing and torch.is_grad_enabled() and kv_cache is None:
                 x = checkpoint(block, x, cos, sin, None, None, value_embed, use_reentrant=False)
             else:
@@ -640,9 +659,9 @@ class GPT(nn.Module):
         to advance (a Python int read here would recompile the step at every position)."""
         cos, sin = self.cos[pos][None, :, None, :], self.sin[pos][None, :, None, :]
         valid = (torch.arange(kv_cache.shape[3], device=token.device) <= pos).view(1, -1)  # (query, key)
-        x = self.wte(token)
+        x = x0 = self.wte(token)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, kv_cache, (pos, valid), self.value_embed(i, token))
+            x = block(self.mix_embedding(i, x, x0), cos, sin, kv_cache, (pos, valid), self.value_embed(i, token))
         x = self.norm_f(x)
         return softcap_logits(F.linear(x[:, -1], self.head_weight()).float(), self.config.logit_softcap)
 
@@ -765,8 +784,9 @@ def lean_decode_step(model, weights, token, pos, kv_cache):
 
     n = kv_cache.pos + 1  # eager: attend over the filled positions only, not the whole preallocated cache
     cos, sin = weights["cos"][n - 1:n], weights["sin"][n - 1:n]  # (1, D) views; indexing by a tensor costs more
-    x = model.wte(token).view(1, c.n_embd)
+    x = x0 = model.wte(token).view(1, c.n_embd)
     for i, (wqkv, wo, wup, wgate, wdown, n_attn, n_mlp, n_q, n_k, w_ve) in enumerate(weights["blocks"]):
+        x = model.mix_embedding(i, x, x0)
         h = norm(x, n_attn)
         qkv = h @ wqkv
         if w_ve is not None:  # the value embedding, gated per KV head, joins the values
@@ -810,7 +830,7 @@ def main(argv=None):
         print(f"  {key}: {value}")
     b = param_breakdown(config)
     print(f"params: {b['total']}")
-    for key in ("embeddings", "value_embeds", "attention", "mlp", "norms", "head"):
+    for key in ("embeddings", "value_embeds", "attention", "mlp", "norms", "head", "scalars"):
         print(f"  {key}: {b[key]:,} ({100 * b[key] / b['total']:.1f}%)")
     fpt = flops_per_token(config)
     print(f"FLOPs/token (train, T={config.sequence_len}): {fpt:.4e} (6 x matmul params + 12 x layers x heads x "

@@ -1,4 +1,4 @@
-"""The config of a nanochat model that a plain Llama cannot represent: LlamaConfig's fields plus the four features
+"""The config of a nanochat model that a plain Llama cannot represent: LlamaConfig's fields plus the five features
 modeling_nanochat_gpt.py adds. export.py copies this file next to the weights; transformers loads it with
 trust_remote_code=True (written for transformers 5.x, tested with 5.23.0)."""
 from huggingface_hub.dataclasses import strict
@@ -16,3 +16,4 @@ class NanochatGPTConfig(LlamaConfig):
     mlp: str = "swiglu"  # 'swiglu' (Llama's gated MLP) | 'relu2': down(relu(up(x))^2), no gate
     logit_softcap: float = 0.0  # logits -> cap * tanh(logits / cap); 0 = off
     value_embeds: bool = False  # a token embedding gated into the values of every other layer, the last included
+    resid_lambdas: bool = False  # layer i reads resid_lambdas[i] * hidden + x0_lambdas[i] * (the token embedding)

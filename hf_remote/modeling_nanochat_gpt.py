@@ -1,5 +1,5 @@
-"""A nanochat model in transformers: Llama with QK-norm, the relu^2 MLP, the logit softcap and value embeddings where
-its config asks for them. export.py copies this file next to the weights; load it with
+"""A nanochat model in transformers: Llama with QK-norm, the relu^2 MLP, the logit softcap, value embeddings and the
+residual scalars where its config asks for them. export.py copies this file next to the weights; load it with
 
     AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
 
@@ -8,6 +8,8 @@ after LlamaForCausalLM has built itself, so LlamaAttention's forward runs unchan
 normalized heads, the head returns capped logits (so a loss computed from labels sees the capped logits too).
 Weightless RMSNorms are exported as scales of ones: x * 1.0 == x exactly.
 """
+import functools
+
 import torch
 from torch import nn
 from transformers import LlamaForCausalLM
@@ -90,9 +92,26 @@ class NanochatGPTForCausalLM(LlamaForCausalLM):
                 attn.v_proj = ValueEmbedProjection(d, config.num_key_value_heads * attn.head_dim, config.vocab_size,
                                                    config.num_key_value_heads, self.token_ids)
             self.model.register_forward_pre_hook(self.remember_ids, with_kwargs=True)
+        if config.resid_lambdas:  # each layer's input mixed with the token embedding by two learned scalars
+            self.resid_lambdas = nn.Parameter(torch.ones(config.num_hidden_layers))
+            self.x0_lambdas = nn.Parameter(torch.zeros(config.num_hidden_layers))
+            self.token_embeds = [None]
+            self.model.register_forward_pre_hook(self.remember_embeds, with_kwargs=True)
+            self.model.embed_tokens.register_forward_hook(lambda module, args, out: self.token_embeds.__setitem__(0, out))
+            for i, layer in enumerate(self.model.layers):
+                layer.register_forward_pre_hook(functools.partial(self.mix_embedding, i), with_kwargs=True)
         if config.logit_softcap:
             self.lm_head = SoftcapLinear(d, config.vocab_size, config.logit_softcap)
         self.post_init()  # again: initializes the new modules and ties a new head to the embeddings
 
     def remember_ids(self, module, args, kwargs):
         self.token_ids[0] = kwargs.get("input_ids", args[0] if args else None)
+
+    def remember_embeds(self, module, args, kwargs):  # inputs_embeds given: the model does not call embed_tokens
+        self.token_embeds[0] = kwargs.get("inputs_embeds")
+
+    def mix_embedding(self, i, module, args, kwargs):
+        """Layer i's input hidden states (its first argument, or hidden_states=) -> resid[i] * them + x0[i] * x0."""
+        hidden = args[0] if args else kwargs["hidden_states"]
+        mixed = self.resid_lambdas[i] * hidden + self.x0_lambdas[i] * self.token_embeds[0]
+        return ((mixed, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": mixed})

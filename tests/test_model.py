@@ -44,7 +44,7 @@ def test_seed_parameter_counts_are_exact():
 def test_token_budget_counts_every_parameter_but_the_value_embedding_tables():
     config = config_from_preset("d20")
     tables = sum(p.numel() for n, p in meta_model(config).named_parameters() if n.startswith("value_embeds."))
-    assert M.budget_params(config) == M.num_params(config) - tables == 560_989_360  # d20 before value embeddings + 1,200 gate weights
+    assert M.budget_params(config) == M.num_params(config) - tables == 560_989_400  # + VE gates, resid scalars
     assert M.budget_params(config_from_preset("llama3-1b")) == M.num_params(config_from_preset("llama3-1b"))
 
 

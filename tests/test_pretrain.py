@@ -56,7 +56,7 @@ def test_a_small_model_learns_the_demo_world(world, learned):
     from tokenizer import bytes_per_token
     uniform = math.log2(tok.vocab_size) / bytes_per_token(tok, D.iter_texts(world / "demo" / "pretrain", "val"))
     assert bpb < 0.25 * uniform, (bpb, uniform)  # measured: 0.282 (value embeddings, issue 16; 0.455 before) against 2.65 for a uniform guess
-    assert "params: 1572888" in out and "tokens per step = micro_batch 32 x sequence_len 128 x world size 1 x " \
+    assert "params: 1572890" in out and "tokens per step = micro_batch 32 x sequence_len 128 x world size 1 x " \
         "accumulation 1 = 4,096" in out
     assert "budget: 150 steps, 614,400 tokens" in out
     # the code that ran: this checkout's commit, recorded in config.json and in every checkpoint's meta.json
@@ -126,7 +126,7 @@ def test_a_sharded_checkpoint_of_two_processes_resumes_on_one_bitwise_and_consol
     copy = tmp_path / "step_000014"  # consolidated in one process from the shards = what the run gathered at its end
     shutil.copytree(step14, copy, ignore=shutil.ignore_patterns("model.pt"))
     code, out, _ = run_in_process(C.main, ["consolidate", copy], capsys)
-    assert code == 0 and f"consolidate: wrote {copy / 'model.pt'} (294,936 parameters)" in out
+    assert code == 0 and f"consolidate: wrote {copy / 'model.pt'} (294,940 parameters)" in out
     gathered, consolidated = (torch.load(p / "model.pt", weights_only=True) for p in (step14, copy))
     assert gathered.keys() == consolidated.keys() and all(torch.equal(gathered[k], consolidated[k]) for k in gathered)
     shutil.copytree(world / "runs" / "killed2", world / "runs" / "sharded_to_one")
@@ -229,7 +229,8 @@ def test_a_run_in_which_no_parameter_moves_is_stopped_and_one_that_moves_is_warn
     with torch.no_grad():
         model.lm_head.weight.add_(1.0)
     warning = C.health_warning(model, initial, [], {"cuda_mem_alloc": None}, 10, args)
-    assert warning.startswith("parameters unchanged after 10 steps: wte.weight") and "lm_head" not in warning
+    assert warning.startswith("parameters unchanged after 10 steps: resid_lambdas, x0_lambdas, wte.weight")
+    assert "lm_head" not in warning
 
 
 def test_micro_batch_probe_takes_the_largest_that_fits():
@@ -303,6 +304,16 @@ def test_schedules():
     assert (C.weight_decay_at(199_999, s), C.weight_decay_at(200_000, s)) == (0.1, 0.0)
 
 
+def test_muon_momentum_rises_from_0_85_to_0_95_over_the_warmup_and_is_applied_by_the_schedule():
+    args = Namespace(muon_momentum_warmup=300, warmup_steps=0, stage2_step=0, schedule="constant", min_lr_frac=0.0,
+                     warmdown_frac=0.2, weight_decay=0.0)
+    assert [C.muon_momentum(step, args) for step in (0, 150, 300, 5000)] == [0.85, pytest.approx(0.90), 0.95, 0.95]
+    assert C.muon_momentum(0, Namespace(muon_momentum_warmup=0)) == 0.95
+    muon = C.Muon([{"params": [torch.nn.Parameter(torch.zeros(4, 4))], "base_lr": 0.02, "wd_on": True}])
+    C.apply_schedule([muon], 30, 1000, args)
+    assert muon.param_groups[0]["momentum"] == pytest.approx(0.86)
+
+
 def test_optimizer_groups_and_lr_rule():
     model = build_model(config_from_preset("tiny", {"norm_learnable": True}))
     args = Namespace(optimizer="muon", adam8bit=False, matrix_lr=0.02, embedding_lr=0.2, head_lr=0.004, scalar_lr=0.04)
@@ -310,7 +321,9 @@ def test_optimizer_groups_and_lr_rule():
     lrs = {g["name"]: g["lr"] for opt in (adam, muon) for g in opt.param_groups}
     batch = 0.25 ** (1 / 8)  # batch 2^17 = 2^19 / 4; width 4 x 768 -> 1/2
     assert lrs == pytest.approx({"embedding": 0.2 * 0.5 * batch, "value_embedding": 0.1 * 0.5 * batch,
-                                 "head": 0.004 * 0.5 * batch, "scalar": 0.04 * 0.5 * batch, "matrix": 0.02})
+                                 "head": 0.004 * 0.5 * batch, "scalar": 0.04 * 0.5 * batch, "matrix": 0.02,
+                                 "resid_lambdas": 0.005, "x0_lambdas": 0.5})  # nanochat's, unscaled
+    assert [g["betas"] for g in adam.param_groups if g["name"] == "x0_lambdas"] == [(0.96, 0.95)]
     assert {id(p) for p in muon.param_groups[0]["params"]} == {id(p) for n, p in model.named_parameters()
                                                               if n.startswith("blocks.") and p.ndim == 2}
     n_params = sum(len(g["params"]) for opt in (adam, muon) for g in opt.param_groups)
