@@ -260,7 +260,10 @@ def memory_estimate(c, micro_batch, seq_len=None, optimizer="muon", bf16=True):
     mixes = tokens * c.n_layer * 4 * c.n_embd if c.resid_lambdas else 0
     acts = blocks + mixes + tokens * (8 + final_norm) + loss  # 8: the int64 token ids the embedding's backward needs
     chunk_rows = min(tokens, max(1, LOSS_CHUNK_ELEMENTS // c.vocab_size))
-    transient = max(recompute, 3 * 4 * chunk_rows * c.vocab_size)  # logits, probabilities, tanh of one chunk
+    # in the loss: a chunk's logits, probabilities and tanh, with the head gradient's running sum held twice while the
+    # chunk's share is added (out of place); at its end the row gradients' chunks and their concatenation
+    loss_transient = max(3 * 4 * chunk_rows * c.vocab_size + 4 * c.vocab_size * c.n_embd, tokens * 4 * c.n_embd)
+    transient = max(recompute, loss_transient)
     return {"weights": 4 * P, "gradients": 4 * P, "optimizer": opt, "activations": acts, "transient": transient,
             "total": 8 * P + opt + acts + transient}
 
