@@ -399,8 +399,8 @@ def quintic_coefficients(steps):
 def newton_schulz(stack, steps, dtype):
     """Approximately orthogonalize a stack of same-shape matrices, rows <= columns (U S V^T -> U S' V^T with S' ~ 1),
     all at once, with matmuls in `dtype`: X <- a X + (b G + c G^2) X, G = X X^T, with Polar Express's (a, b, c) at
-    each step (torch.optim.Muon's iteration uses one fixed triple). torch.optim.Muon always casts to bf16, which a CPU without native bf16 emulates (an AVX2-only EPYC: 70% of the
-    step). Wide matrices (columns > 1.5 x rows, an MLP's) take the same iteration in its Gram form (newton_schulz_gram):
+    each step (torch.optim.Muon's iteration uses one fixed triple). torch.optim.Muon always casts to bf16, which a CPU
+    without native bf16 emulates (an AVX2-only EPYC: 70% of the step). Wide matrices (columns > 1.5 x rows, an MLP's) take the same iteration in its Gram form (newton_schulz_gram):
     fewer FLOPs, the same result up to rounding. Only in fp32 or fp64: in bf16 the Gram matrix loses the small singular
     values (error 0.37 against an fp64 iteration where the singular values fall to 0.01 of the largest; torch's form:
     0.03)."""
@@ -451,9 +451,10 @@ def shard_of(matrix, param):
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon for 2D weights: momentum (Nesterov by default), the update orthogonalized by newton_schulz in ns_dtype,
-    scaled by sqrt(max(1, rows/cols)) (Keller's shape scaling, torch.optim.Muon's "original"), decoupled weight
-    decay lr x wd. The same update rule as torch.optim.Muon (tested against it in bf16), in a dtype of our choice.
+    """Muon for 2D weights: momentum (Nesterov by default; the schedule sets it, common.muon_momentum), the update
+    orthogonalized by newton_schulz (Polar Express) in ns_dtype, then NorMuon's per-neuron normalization
+    (neuron_normalized), scaled by sqrt(max(1, rows/cols)) (Keller's shape scaling, torch.optim.Muon's "original"),
+    decoupled weight decay lr x wd. Tested against the rule written out in fp64 (tests/test_train.py).
     Matrices of one shape up to a transpose (an MLP's up and down projections) are orthogonalized as one stack: one
     batched matmul instead of one per matrix halves the bf16 Muon step at the tiny shape (107 -> ~55 ms; compiling
     it measured no faster). FSDP-sharded parameters: the momentum is updated on each rank's shard; Newton-Schulz needs
