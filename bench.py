@@ -498,8 +498,8 @@ SQRT_RULE_LRS = ["--embedding_lr", "0.025", "--head_lr", "0.0005", "--scalar_lr"
 # each issue-16 change that has a flag, undone; Polar Express + NorMuon have none (they replaced the old Muon), so
 # "without_issue16" is the old defaults with the new Muon
 QUALITY_VARIANTS = {"defaults": [], "no_value_embeds": ["--value_embeds", "false"],
-                    "no_resid_lambdas": ["--resid_lambdas", "false"], "no_momentum_warmup": ["--muon_momentum_warmup", "0"],
-                    "sqrt_rule_lrs": SQRT_RULE_LRS,
+                    "no_resid_lambdas": ["--resid_lambdas", "false"],
+                    "no_momentum_warmup": ["--muon_momentum_warmup", "0"], "sqrt_rule_lrs": SQRT_RULE_LRS,
                     "without_issue16": ["--value_embeds", "false", "--resid_lambdas", "false", "--muon_momentum_warmup",
                                         "0", *SQRT_RULE_LRS]}
 

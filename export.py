@@ -6,12 +6,12 @@
 
 Writes into --out: model.safetensors (fp32), config.json, generation_config.json, tokenizer.json, tokenizer_config.json,
 chat_template.jinja, and where a plain Llama cannot represent the model, configuration_nanochat_gpt.py and
-modeling_nanochat_gpt.py (from hf_remote/). Prints what it read and wrote; for the demo speedrun's chat model:
+modeling_nanochat_gpt.py (from hf_remote/). Prints what it read and wrote; for the demo speedrun's pretrained model:
 
-    export: checkpoint runs/speedrun/sft/ckpt/step_000200 (stage sft, step 200), 3,670,016 parameters
+    export: checkpoint runs/speedrun/pretrain/ckpt/step_000400 (stage pretrain, step 400), 4,194,408 parameters
     export: tokenizer runs/speedrun/tokenizer (vocab 1024)
     export: custom code (qk_norm True, mlp relu2, logit_softcap 15.0, value_embeds True, resid_lambdas True: not Llama): load with trust_remote_code=True
-    wrote hf/mychat/model.safetensors (14,695,960 bytes)
+    wrote hf/mychat/model.safetensors (16,794,152 bytes)
     ...
 
 Load it with AutoModelForCausalLM.from_pretrained("hf/mychat", trust_remote_code=True), and AutoTokenizer the same

@@ -318,10 +318,10 @@ def masked_attention(q, k, v, valid):
     """Attention of one query position over a preallocated cache with a (query, key) boolean mask, in plain matmuls.
     SDPA there let torch.compile on an H100 pick the memory-efficient kernel, which refused the 1-token query's strides
     ("query is not correctly aligned"); for one query the matmuls are as fast."""
-    group = q.size(1) // k.size(1)
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = (q @ k.transpose(-2, -1)).float() * q.size(-1) ** -0.5
-    return scores.masked_fill(~valid, float("-inf")).softmax(dim=-1).to(v.dtype) @ v
+    B, H, T, D = q.shape
+    grouped = q.view(B, k.size(1), H // k.size(1), T, D)  # each KV head's query heads: no copy of the cache
+    scores = (grouped @ k.unsqueeze(2).transpose(-2, -1)).float() * D ** -0.5
+    return (scores.masked_fill(~valid, float("-inf")).softmax(dim=-1).to(v.dtype) @ v.unsqueeze(2)).view(B, H, T, D)
 
 
 def to_compute_dtype(x):

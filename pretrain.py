@@ -52,7 +52,8 @@ def get_args(argv=None):
     budget = g.add_mutually_exclusive_group()
     budget.add_argument("--steps", type=int, help="optimizer steps")
     budget.add_argument("--target_flops", type=float, help="total training FLOPs (model.py's FLOPs/token x tokens)")
-    budget.add_argument("--tokens_per_param", type=float, help="tokens per parameter, value-embedding tables not counted (Chinchilla: 20)")
+    budget.add_argument("--tokens_per_param", type=float, help="tokens per parameter, value-embedding tables not "
+                        "counted (Chinchilla: 20)")
     g = p.add_argument_group("batch and precision")
     g.add_argument("--total_batch_tokens", type=int, default=None, help="tokens per optimizer step over all ranks "
                    "(default: micro_batch x sequence_len x world size, no accumulation)")
@@ -128,6 +129,7 @@ def main(argv=None):
     sharding = C.shard_model(model, args, world, device)
     micro, accum = C.plan_batch(args, config, world, model, device)
     seq_len, params, fpt = config.sequence_len, num_params(config), flops_per_token(config)
+    counted = budget_params(config)  # what --tokens_per_param counts
     tokens_per_step = micro * seq_len * world * accum
     total_steps = plan_steps(args, config, tokens_per_step)
     run_dir, resume_from = C.resolve_run(args, "pretrain")
@@ -148,8 +150,8 @@ def main(argv=None):
         print(f"batch: tokens per step = micro_batch {micro} x sequence_len {seq_len} x world size {world} x "
               f"accumulation {accum} = {tokens_per_step:,}")
         print(f"budget: {total_steps:,} steps, {total_steps * tokens_per_step:,} tokens, "
-              f"{fpt * total_steps * tokens_per_step:.3e} FLOPs, {total_steps * tokens_per_step / budget_params(config):.2f} tokens "
-              f"per parameter (value-embedding tables not counted)")
+              f"{fpt * total_steps * tokens_per_step:.3e} FLOPs, {total_steps * tokens_per_step / counted:.2f} tokens per "
+              f"parameter (value-embedding tables not counted)")
         print(f"code: commit {run['code']['commit']}, uncommitted changes: {run['code']['dirty']}")
         print(C.precision_line(args, device, optimizers))
     start = C.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank, device) if resume_from else 0

@@ -97,7 +97,7 @@ class NanochatGPTForCausalLM(LlamaForCausalLM):
             self.x0_lambdas = nn.Parameter(torch.zeros(config.num_hidden_layers))
             self.token_embeds = [None]
             self.model.register_forward_pre_hook(self.remember_embeds, with_kwargs=True)
-            self.model.embed_tokens.register_forward_hook(lambda module, args, out: self.token_embeds.__setitem__(0, out))
+            self.model.embed_tokens.register_forward_hook(self.remember_embedding)
             for i, layer in enumerate(self.model.layers):
                 layer.register_forward_pre_hook(functools.partial(self.mix_embedding, i), with_kwargs=True)
         if config.logit_softcap:
@@ -109,6 +109,9 @@ class NanochatGPTForCausalLM(LlamaForCausalLM):
 
     def remember_embeds(self, module, args, kwargs):  # inputs_embeds given: the model does not call embed_tokens
         self.token_embeds[0] = kwargs.get("inputs_embeds")
+
+    def remember_embedding(self, module, args, out):
+        self.token_embeds[0] = out
 
     def mix_embedding(self, i, module, args, kwargs):
         """Layer i's input hidden states (its first argument, or hidden_states=) -> resid[i] * them + x0[i] * x0."""

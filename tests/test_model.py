@@ -133,6 +133,16 @@ def test_cli_prints_exact_counts(capsys):
             assert part in out
 
 
+@pytest.mark.parametrize("n_kv_head", [1, 2, 4])
+def test_the_decode_steps_attention_equals_sdpa_with_the_same_mask(n_kv_head):
+    generator = torch.Generator().manual_seed(n_kv_head)
+    q, k, v = (torch.randn(2, heads, length, 16, generator=generator) for heads, length in
+               ((4, 1), (n_kv_head, 10), (n_kv_head, 10)))
+    valid = (torch.arange(10) <= 6).view(1, -1)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=valid, enable_gqa=True)
+    assert (M.masked_attention(q, k, v, valid) - expected).abs().max() < 1e-6
+
+
 # --- bad input --------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name,overrides,fragments", [
