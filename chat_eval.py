@@ -64,9 +64,9 @@ def get_args(argv=None):
     p.add_argument("--memory_mb", type=int, default=512, help="address space per HumanEval program (default: "
                    "%(default)s)")
     p.add_argument("--sandbox", default="auto", choices=["auto", "namespaces", "process"], help="how HumanEval "
-                   "programs are contained (sandbox.py): auto = the namespaces level where this machine allows it, "
-                   "else the process level; namespaces = refuse to run them without it; process = the process level "
-                   "only (default: %(default)s)")
+                   "programs are contained (sandbox.py): auto or namespaces = the namespaces level, and HumanEval "
+                   "refused where this machine gives none; process = the process level, accepting what it does not "
+                   "contain (sandbox.py --probe) (default: %(default)s)")
     p.add_argument("--cache_dir", default=str(CACHE_DIR / "chat_eval"), help="where the hub tasks' files are kept "
                    "(default: %(default)s)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the one the checkpoint records)")
@@ -368,10 +368,7 @@ def main(argv=None):
                          f"{', '.join(available)}" + ("" if demo_dir is None else " (--demo none for the hub tasks)"))
     level = contained = None
     if "HumanEval" in tasks:
-        level, why = ("process", "--sandbox process") if args.sandbox == "process" else sandbox.sandbox_level()
-        if args.sandbox == "namespaces" and level != "namespaces":
-            raise RuntimeError(f"--sandbox namespaces: this machine does not give them ({why}): use --sandbox auto "
-                               f"to run HumanEval with the process level, or leave HumanEval out (--tasks)")
+        level, why = sandbox.choose(args.sandbox)  # never the process level unless asked for
         contained = sandbox.describe(level, why)
     loaded = fetch_everywhere(lambda: {t: load_items(t, args.cache_dir, demo_dir, args.max_items) for t in tasks},
                               rank, world)

@@ -25,10 +25,13 @@ What stays readable: the system directories (/usr, /etc, ...), as for any local 
 world-readable files.
 
 Level "process" (not Linux, no unshare, or the kernel, a container's seccomp profile or AppArmor refuses the
-namespaces) is the common part alone: reading any file the user can read by its absolute path, writing any file the user
-can write, and reaching the network through the original socket class or ctypes are NOT prevented; as root, fork
-bombs are bounded only by the timeout. describe() says which level runs and why; chat_eval.py prints it and saves it
-with its results.
+namespaces) is the common part alone, and runs only where the caller asks for it (choose: --sandbox process), never
+as a silent fallback. As root on Linux the program still runs as nobody with no capability (setuid needs no
+namespace), so the process limit holds and root's files that are not world-readable stay closed; the interpreter's
+library, where nobody may not enter it (/root/.pyenv), is reached through a descriptor opened before. NOT prevented:
+reading any file its user (nobody, as root) can read by its absolute path, writing what it can write, and reaching the
+network through the original socket class or ctypes. describe() says which level runs and why; chat_eval.py prints it
+and saves it with its results.
 """
 import argparse
 import json
@@ -56,10 +59,10 @@ cfg = json.loads(sys.argv[1])
 sys.argv = ["program"]
 source = sys.stdin.read()
 os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 if cfg["hide"]:
     RDONLY, NOSUID, NODEV, NOEXEC, REMOUNT, NOATIME, NODIRATIME, BIND, REC, RELATIME = (
         1, 2, 4, 8, 32, 1024, 2048, 4096, 16384, 1 << 21)  # mount(2)'s MS_* flags
-    libc = ctypes.CDLL(None, use_errno=True)
     def mount(src, target, fstype, flags, data=None):
         args = [None if a is None else a.encode() for a in (src, target, fstype, data)]
         if libc.mount(args[0], args[1], args[2], ctypes.c_ulong(flags), args[3]) != 0:
@@ -78,12 +81,23 @@ if cfg["hide"]:
         mount(None, path, None, REMOUNT | BIND | RDONLY | kept_flags)
         os.close(fd)
     os.chdir("/tmp")
-    if cfg["drop"]:  # real root: become nobody, with no capability (and RLIMIT_NPROC enforced)
-        os.setgroups([])
-        os.setgid(65534)
-        os.setuid(65534)
-    elif libc.unshare(0x10000000 | 0x00020000) != 0:  # CLONE_NEWUSER | CLONE_NEWNS: the mounts above become locked
-        raise OSError(ctypes.get_errno(), "sandbox: cannot lock the mounts")
+if cfg["drop"]:  # real root: become nobody, with no capability (and RLIMIT_NPROC enforced)
+    for prefix in cfg["reach"]:  # the interpreter's own library, under a directory nobody may not enter (/root):
+        fd = os.open(prefix, os.O_PATH | os.O_DIRECTORY)  # reached through a descriptor opened as root, from
+        def moved(paths):  # sys.path and the imported packages' (encodings finds its codecs by its __path__)
+            return ["/proc/self/fd/%d" % fd + p[len(prefix):] if p == prefix or p.startswith(prefix + "/") else p
+                    for p in paths]
+        sys.path[:] = moved(sys.path)
+        for module in list(sys.modules.values()):
+            if isinstance(getattr(module, "__path__", None), list):
+                module.__path__[:] = moved(module.__path__)
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+    libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: setuid made /proc/self root's; those descriptors need it ours
+elif cfg["hide"] and libc.unshare(0x10000000 | 0x00020000) != 0:  # CLONE_NEWUSER | CLONE_NEWNS: the mounts above
+    raise OSError(ctypes.get_errno(), "sandbox: cannot lock the mounts")  # become locked
+if libc:
     libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: no setuid program gives anything back
 import socket, _socket
 class _NoNetwork(socket.socket):
@@ -124,18 +138,25 @@ def hidden_paths():
     return sorted(p for p in hide if os.path.exists(p))
 
 
+def world_reachable(path):
+    """Whether any user may enter `path` (every directory on the way searchable by others)."""
+    path = Path(path)
+    return all(os.stat(p).st_mode & 0o001 for p in [path, *path.parents])
+
+
 def command(level):
     """(argv, config for BOOTSTRAP) of a run at `level`."""
     exe, prefixes = interpreter()
     run = [exe, "-I", "-c", BOOTSTRAP]
-    if level != "namespaces":
-        return run, {"hide": [], "keep": [], "drop": False}
-    root = os.geteuid() == 0
+    root = os.geteuid() == 0 and sys.platform.startswith("linux")
+    if level != "namespaces":  # as root the program still runs as nobody: the process limit holds, root's files
+        return run, {"hide": [], "keep": [], "drop": root,  # (not world-readable) do not open
+                     "reach": [p for p in prefixes if root and not world_reachable(p)]}
     hide = hidden_paths()
     keep = [p for p in prefixes if any(p == h or p.startswith(h + "/") for h in hide)]
     unshare = [shutil.which("unshare") or "unshare", *([] if root else ["--user", "--map-root-user"]), "--mount",
                "--net", "--pid", "--fork", "--kill-child", "--mount-proc", "--"]
-    return unshare + run, {"hide": hide, "keep": keep, "drop": root}
+    return unshare + run, {"hide": hide, "keep": keep, "drop": root, "reach": []}
 
 
 def tasks_of(uid):
@@ -165,14 +186,18 @@ def set_limits(cpu_s, memory_bytes, nproc, fsize):
 
 def run(program, timeout_s=5.0, cpu_s=None, memory_mb=512, nproc=16, level=None):
     """Run `program` (Python source) in the sandbox; returns a Result. Never raises for anything the program does.
-    nproc: how many processes (and threads) it may add to those its user runs (as root: to nobody's)."""
-    level = level or sandbox_level()[0]
+    nproc: how many processes (and threads) it may add to those its user runs (as root: to nobody's). level: None
+    = the namespaces level, and RuntimeError where this machine gives none (choose); "process" only where the user
+    accepted what it does not contain."""
+    level = level or choose("auto")[0]
     argv, cfg = command(level)
     cpu_s = max(1, int(cpu_s if cpu_s is not None else timeout_s + 0.999))
     uid = NOBODY if cfg["drop"] else os.getuid()  # root is not limited: only the nobody the program runs as
     limits = (cpu_s, memory_mb << 20, tasks_of(uid) + nproc, OUTPUT_BYTES)
     with tempfile.TemporaryDirectory(prefix="sandbox_") as private, tempfile.TemporaryDirectory(prefix="work_") as work:
         (Path(private) / "program.py").write_text(program)  # kept apart from its (empty) working directory
+        if cfg["drop"]:
+            os.chown(work, NOBODY, NOBODY)  # the process level's working directory, nobody's to list and write
         start = time.perf_counter()
         with open(Path(private) / "program.py") as stdin, open(Path(private) / "output", "wb") as out:
             # preexec_fn in a threaded parent (torch's) is safe here: between fork and exec it only calls setrlimit,
@@ -213,6 +238,27 @@ def sandbox_level():
     return _LEVEL
 
 
+def choose(requested="auto"):
+    """(level, why) for model-written code. "auto" or "namespaces": the namespaces level, or a RuntimeError naming the
+    choice where this machine gives none: such code never runs uncontained unless asked for. "process": the process
+    level, whose limits are set out by describe(), because the caller accepted what it does not contain."""
+    if requested == "process":
+        return "process", "--sandbox process: the user accepted what it does not contain"
+    level, why = sandbox_level()
+    if level != "namespaces":
+        raise RuntimeError(f"--sandbox {requested}: this machine gives no namespaces to contain model-written code "
+                           f"({why}); at the process level it could {uncontained()}. Allow namespaces (README: the "
+                           f"sandbox), accept that with --sandbox process, or leave HumanEval out (--tasks)")
+    return level, why
+
+
+def uncontained():
+    """What the process level does not contain, here."""
+    files = "read any world-readable file and write any world-writable one (it runs as nobody)" \
+        if os.geteuid() == 0 and sys.platform.startswith("linux") else "read and write every file this user can"
+    return f"{files}, by absolute path, and reach the network through the original socket class or ctypes"
+
+
 def describe(level=None, why=None):
     """One line: the level (default: the probed one), and what it does and does not contain."""
     level, why = (level, why) if level else sandbox_level()
@@ -220,9 +266,7 @@ def describe(level=None, why=None):
         who = "nobody (uid 65534)" if os.geteuid() == 0 else "this user, in a nested user namespace"
         return (f"sandbox: namespaces ({why}); runs as {who}; no network; hidden: {', '.join(hidden_paths())}; "
                 f"readable: the system directories")
-    return (f"sandbox: process only ({why}); NOT contained: reading or writing this user's files by absolute path, "
-            f"network through the original socket class or ctypes" + ("; fork bombs beyond the timeout (running as root)" if os.geteuid() == 0
-                                         else ""))
+    return f"sandbox: process only ({why}); NOT contained: it can {uncontained()}"
 
 
 def main(argv=None):
@@ -231,15 +275,27 @@ def main(argv=None):
     parser.add_argument("--probe", action="store_true", help="print the level this machine gives and exit")
     parser.add_argument("--timeout", type=float, default=5.0, help="wall-clock seconds (default: %(default)s)")
     parser.add_argument("--memory_mb", type=int, default=512, help="address space limit (default: %(default)s)")
+    parser.add_argument("--sandbox", default="auto", choices=["auto", "namespaces", "process"], help="auto or "
+                        "namespaces: the namespaces level, refused where this machine gives none; process: the "
+                        "process level, accepting what it does not contain (default: %(default)s)")
     args = parser.parse_args(argv)
     if not args.probe and not args.program:
         parser.error("give a program to run, or --probe")
-    print(describe())
+    if args.probe:
+        print(describe())
+        return 0
+    try:
+        level, why = choose(args.sandbox)
+    except RuntimeError as e:
+        print(f"sandbox.py: error: {e}", file=sys.stderr)
+        return 1
+    print(describe(level, why))
     if args.program:
-        result = run(Path(args.program).read_text(), args.timeout, memory_mb=args.memory_mb)
+        result = run(Path(args.program).read_text(), args.timeout, memory_mb=args.memory_mb, level=level)
         print(f"status: {result.status} (exit code {result.returncode}), {result.seconds:.2f} s; output:")
         print(result.output)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

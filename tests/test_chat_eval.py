@@ -140,7 +140,7 @@ def test_gsm8k_takes_the_number_after_the_marker_else_the_last_number():
 
 def humaneval(reply):
     item = E.make_item("HumanEval", ADD, "row 0")
-    result = sandbox.run(E.humaneval_program(item, reply, "PASSED-42"), timeout_s=FAST)
+    result = sandbox.run(E.humaneval_program(item, reply, "PASSED-42"), timeout_s=FAST, level=sandbox.sandbox_level()[0])
     return result.status == "ok" and "PASSED-42" in result.output.splitlines()
 
 
@@ -198,8 +198,6 @@ def test_a_program_that_loops_forever_is_stopped_at_the_timeout(level):
 
 
 def test_a_fork_bomb_is_bounded_and_all_of_it_killed(level):
-    if level == "process" and os.geteuid() == 0:
-        pytest.skip("as root without namespaces RLIMIT_NPROC is not enforced: a fork bomb would reach this machine")
     program = ("import os, time\nn = 0\nwhile True:\n    try:\n        pid = os.fork()\n    except OSError:\n"
                "        os.write(1, b'fork refused after %d\\n' % n)\n        break\n    n = 0 if pid == 0 else n + 1\n"
                "time.sleep(60)\n")
@@ -233,7 +231,7 @@ def test_a_secret_file_outside_the_sandbox_cannot_be_read(level, tmp_path):
                f"    except OSError as e:\n        print(type(e).__name__)\n")
     found = contained(program, level).output
     assert "the launch codes" not in found.splitlines()[1] and "[]" in found.splitlines()[0]  # an empty cwd
-    if level == "process":
+    if level == "process" and os.geteuid() != 0:  # as root it runs as nobody, who may not enter tmp_path
         pytest.skip("process level: a file this user can read is readable by its absolute path (README: sandbox)")
     assert "the launch codes" not in found and found.count("Error") == 4
 
@@ -259,8 +257,6 @@ def test_no_socket_reaches_a_listener_here(level):
 def test_the_evaluator_scores_hostile_programs_as_failures_and_keeps_going():
     hostile = {"loop": "while True:\n    pass", "fork": "import os\nwhile True:\n    os.fork()",
                "alloc": "blocks = []\nwhile True:\n    blocks.append(bytearray(10**8))", "exit": "import os\nos._exit(0)"}
-    if sandbox.sandbox_level()[0] != "namespaces" and os.geteuid() == 0:
-        del hostile["fork"]  # unbounded as root without namespaces (test_a_fork_bomb_is_bounded_and_all_of_it_killed)
     rows = [{**ADD, "task_id": name, "prompt": f"# {name}\n" + ADD["prompt"]} for name in [*hostile, "good"]]
     script = {f"# {name}\n": f"```python\n{code}\n```" for name, code in hostile.items()}
     script["# good\n"] = "```python\ndef add(a, b):\n    return a + b\n```"
@@ -432,9 +428,10 @@ def test_the_demo_tasks_run_end_to_end_on_two_processes_and_report_what_ran(tiny
 
 def test_the_hub_tasks_run_end_to_end_with_the_sandbox(tiny, hub, tmp_path, capsys):
     out = tmp_path / "report.json"
+    accept = [] if sandbox.sandbox_level()[0] == "namespaces" else ["--sandbox", "process"]  # no namespaces here
     code, stdout, err = run_in_process(E.main, ["--checkpoint", tiny / "chat_runs" / "r", "--demo", "none",
                                                 "--max_items", "2", "--max_new_tokens", "3", "--dtype", "float32",
-                                                "--cache_dir", tmp_path / "cache", "--out", out], capsys,
+                                                "--cache_dir", tmp_path / "cache", "--out", out, *accept], capsys,
                                        stage="chat_eval.py")
     assert code == 0, err
     report = json.loads(out.read_text())
@@ -445,15 +442,28 @@ def test_the_hub_tasks_run_end_to_end_with_the_sandbox(tiny, hub, tmp_path, caps
     assert "HumanEval      humaneval         0/2" in stdout and not report["complete"]
 
 
-def test_sandbox_namespaces_refuses_humaneval_where_there_are_none(tiny, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("choice", ["auto", "namespaces"])
+def test_humaneval_is_refused_where_there_are_no_namespaces_unless_the_process_level_is_asked_for(
+        choice, tiny, tmp_path, capsys, monkeypatch):
+    """Never a silent fallback: without namespaces model-written code runs only with --sandbox process."""
     monkeypatch.setattr(sandbox, "_LEVEL", ("process", "no unshare command"))  # a machine without namespaces
     code, out, err = run_in_process(E.main, ["--checkpoint", tiny / "chat_runs" / "r", "--demo", "none", "--tasks",
-                                             "HumanEval", "--sandbox", "namespaces", "--cache_dir", tmp_path], capsys,
+                                             "HumanEval", "--sandbox", choice, "--cache_dir", tmp_path], capsys,
                                     stage="chat_eval.py")
-    assert code == 1 and err == ("chat_eval.py: error: --sandbox namespaces: this machine does not give them (no "
-                                 "unshare command): use --sandbox auto to run HumanEval with the process level, or "
-                                 "leave HumanEval out (--tasks)\n") and "HumanEval " not in out
+    assert code == 1 and err.startswith(f"chat_eval.py: error: --sandbox {choice}: this machine gives no namespaces "
+                                        "to contain model-written code (no unshare command); at the process level it "
+                                        "could read ") and "HumanEval " not in out
+    assert err.endswith("accept that with --sandbox process, or leave HumanEval out (--tasks)\n")
     assert not list(tmp_path.iterdir())  # before any download
+    with pytest.raises(RuntimeError, match="this machine gives no namespaces"):
+        sandbox.run("print('ran')")  # the library's default is the same
+    assert sandbox.run("print('ran')", level="process").output == "ran\n"  # asked for: it runs
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="as root only")
+def test_as_root_the_process_level_runs_the_program_as_nobody_with_the_interpreter_reachable():
+    result = contained("import os, decimal\nprint(os.getuid(), os.getgid(), os.getgroups())\n", "process")
+    assert result.status == "ok" and result.output == "65534 65534 []\n", result.output
 
 
 @pytest.mark.parametrize("args, message", [
