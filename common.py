@@ -73,6 +73,8 @@ def setup_distributed(timeout_s=600):
     from datetime import timedelta
     if not torch.cuda.is_available():
         keep_freed_memory()
+    if "RANK" in os.environ:
+        die_with_launcher()
     if "RANK" not in os.environ:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         print(f"distributed: single process, device {device_name(device)}")
@@ -91,6 +93,26 @@ def setup_distributed(timeout_s=600):
         print(f"distributed: world size {dist.get_world_size()} ({dist.get_backend()}): "
               + ", ".join(f"rank {r} {n}" for r, n in enumerate(names)), flush=True)
     return rank, local_rank, world_size, device
+
+
+def die_with_launcher():
+    """Under torchrun: this worker gets SIGKILL when its launcher dies. torchrun starts each worker in a session of
+    its own, so a kill of torchrun's process group never reaches it, and a torchrun killed before it stopped a slow
+    or stuck worker (a rank inside an NCCL call that never returns) would leave that worker holding its GPU. The
+    kernel sends the signal when the thread that started us ends: torchrun starts its workers from its main thread.
+    Linux only (prctl); elsewhere nothing is set."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    try:  # the launcher died before the line above (we were handed to init): nobody would ever stop us
+        orphaned = os.getppid() != parent or b"torch" not in Path(f"/proc/{parent}/cmdline").read_bytes()
+    except OSError:
+        orphaned = True
+    if orphaned and (parent == 1 or os.getppid() != parent):  # (torchrun itself may be pid 1 in a container)
+        raise RuntimeError("the launcher (torchrun) that started this worker has already exited: nothing to run for")
 
 
 def teardown_distributed():
@@ -669,10 +691,13 @@ def code_version():
     return {"commit": commit, "dirty": bool(changes.strip())}
 
 
-def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank, keep, consolidate=False):
+def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank, keep, consolidate=False, delay_s=0):
     """Every rank writes its loader and RNG state; a sharded model's ranks their shards of state/ (and with
     `consolidate`, model.pt gathered to rank 0); an unsharded model's rank 0 model.pt and optimizers.pt; rank 0
-    meta.json. Then rank 0 renames the temporary directory into place and deletes all but the newest `keep`."""
+    meta.json. Then rank 0 renames the temporary directory into place and deletes all but the newest `keep`, and
+    writes how long the save took into ckpt_dir/save_seconds: what speedrun.sh gives a stopped stage to checkpoint
+    before it kills it (a d20 checkpoint is about 15 GB). delay_s: testing, rank 0 writes that much slower."""
+    started = time.perf_counter()
     final = Path(ckpt_dir) / f"step_{step:06d}"
     tmp = Path(ckpt_dir) / f".tmp_step_{step:06d}"
     if rank == 0:
@@ -693,6 +718,7 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank,
         torch.save(model.state_dict(), tmp / "model.pt")
         torch.save(named_optimizer_state(model, optimizers), tmp / "optimizers.pt")
     if rank == 0:
+        time.sleep(delay_s)
         (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "sharded": is_sharded(model),
                                                    "versions": versions()}, indent=1))
     barrier()
@@ -702,6 +728,8 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank,
         for old in list_checkpoints(ckpt_dir)[:-keep]:
             shutil.rmtree(old)
     barrier()
+    if rank == 0:
+        (Path(ckpt_dir) / "save_seconds").write_text(f"{time.perf_counter() - started:.1f}\n")
     return final
 
 
@@ -911,6 +939,10 @@ def add_run_args(parser, stage):
     g.add_argument("--die_at_step", type=int, default=-1, help="testing: the last rank SIGKILLs itself at this step")
     g.add_argument("--hang_at_step", type=int, default=-1, help="testing: the last rank stops taking part in "
                    "collectives at this step")
+    g.add_argument("--stuck_at_step", type=int, default=-1, help=argparse.SUPPRESS)  # testing: as --hang_at_step,
+    # and the rank ignores SIGTERM, SIGINT and SIGHUP: a rank inside an NCCL call never returns to run its handler
+    g.add_argument("--checkpoint_delay", type=float, default=0, help=argparse.SUPPRESS)  # testing: rank 0 takes
+    # this many seconds longer to write each checkpoint (a d20's 15 GB)
 
 
 def resolve_run(args, stage):
@@ -1319,11 +1351,12 @@ def memory_growing(history, min_steps=50, min_growth=64 * 2**20):
 
 
 class StopSignal:
-    """SIGTERM/SIGINT set a flag; the training loop finishes its step, checkpoints and exits with a resume line."""
+    """SIGTERM/SIGINT/SIGHUP (torchrun forwards each; SIGHUP: the terminal closed) set a flag; the training loop
+    finishes its step, checkpoints and exits with a resume line."""
 
     def __init__(self):
         self.signum = None
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
@@ -1483,15 +1516,15 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
         if all_reduce(0.0 if finite else 1.0, dist.ReduceOp.MAX if dist.is_initialized() else None):
             raise RuntimeError(f"step {step}: parameters are not finite; not writing a checkpoint")
         return save_checkpoint(run_dir / "ckpt", step, model, optimizers, [ld.state_dict() for ld in loaders],
-                               ckpt_meta, rank, args.keep, consolidate=last)
+                               ckpt_meta, rank, args.keep, consolidate=last, delay_s=args.checkpoint_delay)
 
     for step in range(start, total_steps):
         t0 = now()
         lr_mult, wd = apply_schedule(optimizers, step, total_steps, args)
         batches = [next(loader) for loader in loaders]
         data_wait = now() - t0  # the loaders prefetch: this is time the step stood still waiting for data
-        if rank == world - 1 and step + 1 in (args.die_at_step, args.hang_at_step):
-            die_or_hang(step + 1 == args.die_at_step)
+        if rank == world - 1 and step + 1 in (args.die_at_step, args.hang_at_step, args.stuck_at_step):
+            die_or_hang(step + 1 == args.die_at_step, step + 1 == args.stuck_at_step)
         mark_progress(step + 1)
         loss_sum, count = forward_backward(train_model, batches, args.dtype, device, world,
                                            poison=step + 1 == args.inject_nan_step)
@@ -1546,12 +1579,15 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
     return None
 
 
-def die_or_hang(die):
-    """Testing hooks (--die_at_step, --hang_at_step): this rank dies by SIGKILL, or stops taking part in collectives
-    until it is stopped (a rank wedged mid-step), just before the step's first collective."""
+def die_or_hang(die, stuck=False):
+    """Testing hooks (--die_at_step, --hang_at_step, --stuck_at_step): this rank dies by SIGKILL, or stops taking
+    part in collectives until it is stopped (a rank wedged mid-step), just before the step's first collective; stuck:
+    only SIGKILL stops it (a rank inside a C call that never returns runs no handler)."""
     if die:
         os.kill(os.getpid(), signal.SIGKILL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's SIGTERM ends it at once, not after its 30 s grace
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP) if stuck else (signal.SIGTERM,):
+        # hang: torchrun's SIGTERM ends it at once, not after its 30 s grace; stuck: nothing but SIGKILL ends it
+        signal.signal(sig, signal.SIG_IGN if stuck else signal.SIG_DFL)
     while True:
         time.sleep(1)
 

@@ -41,7 +41,8 @@ environment:
   NCCL_SAFE=1         skip the NCCL probe and run with seed 003's safe flags
   SPEEDRUN_PYTHON     the interpreter (default: .venv/bin/python, created from requirements.txt when missing)
   SPEEDRUN_PROBE_TIMEOUT  seconds before the NCCL probe counts as hung (default: 120)
-  SPEEDRUN_KILL_WAIT  seconds a stage gets to checkpoint after SIGTERM before SIGKILL (default: 30)
+  SPEEDRUN_KILL_WAIT  seconds a stopped stage gets to end before SIGKILL, plus twice its last measured checkpoint
+                      save, plus as long as a checkpoint is still being written (default: 30)
 EOF
 }
 
@@ -73,33 +74,77 @@ LOGS="$RUN/logs"
 mkdir -p "$LOGS"
 say() { echo "speedrun: $*" | tee -a "$LOGS/speedrun.log"; }
 
-# --- process hygiene: every stage runs in its own process group; on exit, INT or TERM each live group is ended
+# --- process hygiene: every stage runs in its own process group and carries this run's mark in its environment
+# (SPEEDRUN_MARK, inherited by everything it starts: torchrun's workers too, whose sessions are their own and which
+# outlive torchrun's process group). On exit, INT, TERM or HUP: torchrun's workers get SIGTERM themselves (torchrun
+# is not signalled, so its own grace does not start while rank 0 checkpoints), other stages' groups too; they get
+# KILL_WAIT seconds plus twice the last measured checkpoint save of the running stage (<stage>/ckpt/save_seconds),
+# and more while a checkpoint is still being written; then every marked process and group gets SIGKILL. Workers
+# also die with torchrun (common.die_with_launcher).
 STAGE_PGIDS=() BG_PGIDS=()  # the running stage's group; a background download's
 KILL_WAIT=${SPEEDRUN_KILL_WAIT:-30}
+MARK="speedrun-$$-$(date +%s%N)"  # not exported: only the stages carry it (run_stage, probe, the download)
+STAGE_CKPT=""  # the running training stage's checkpoint directory
+marked() {  # pids of the live processes carrying this run's mark; with an argument, only torchrun's workers
+    local files
+    files=$(grep -lzxF "SPEEDRUN_MARK=$MARK" /proc/[0-9]*/environ 2>/dev/null || true)
+    [ -n "$files" ] && [ -n "${1:-}" ] && files=$(grep -lz '^LOCAL_RANK=' $files 2>/dev/null || true)
+    for f in $files; do f=${f#/proc/}; echo "${f%/environ}"; done
+}
+checkpoint_grace() {  # KILL_WAIT plus twice the running stage's last measured save, in whole seconds
+    local saved=0
+    [ -n "$STAGE_CKPT" ] && [ -f "$STAGE_CKPT/save_seconds" ] && saved=$(head -c 32 "$STAGE_CKPT/save_seconds")
+    awk -v k="$KILL_WAIT" -v s="$saved" 'BEGIN { g = k + 2 * s; printf "%d", g == int(g) ? g : int(g) + 1 }'
+}
+writing_checkpoint() {  # a file of a checkpoint in progress changed in the last 5 seconds
+    [ -n "$STAGE_CKPT" ] && [ -d "$STAGE_CKPT" ] &&
+        [ -n "$(find "$STAGE_CKPT" -path '*/.tmp_step_*' -newermt '-5 seconds' -print -quit 2>/dev/null)" ]
+}
 end_groups() {
-    local pg alive t
+    local pg alive deadline workers grace t told=()
+    workers=$(marked workers)
+    # shellcheck disable=SC2086  # a list of pids
+    if [ -n "$workers" ]; then
+        kill -TERM $workers 2>/dev/null || true
+        told=("${BG_PGIDS[@]}")  # the stage's group (torchrun, tee, awk) ends when its workers have
+    else
+        told=("${STAGE_PGIDS[@]}" "${BG_PGIDS[@]}")
+    fi
     STAGE_PGIDS+=("${BG_PGIDS[@]}")
     BG_PGIDS=()
-    for pg in "${STAGE_PGIDS[@]}"; do kill -TERM -- "-$pg" 2>/dev/null || true; done
-    for ((t = 0; t < KILL_WAIT * 10; t++)); do
-        alive=0
-        for pg in "${STAGE_PGIDS[@]}"; do kill -0 -- "-$pg" 2>/dev/null && alive=1; done
-        [ "$alive" = 0 ] && break
+    for pg in "${told[@]}"; do kill -TERM -- "-$pg" 2>/dev/null || true; done
+    grace=$(checkpoint_grace)
+    deadline=$((SECONDS + grace))
+    while :; do
+        alive=$(marked)
+        for pg in "${STAGE_PGIDS[@]}"; do kill -0 -- "-$pg" 2>/dev/null && alive+=" $pg"; done
+        [ -z "${alive// /}" ] && break
+        if [ "$SECONDS" -ge "$deadline" ]; then
+            writing_checkpoint || break
+            deadline=$((SECONDS + 5))
+        fi
         sleep 0.1
     done
+    if [ -n "${alive// /}" ]; then
+        echo "speedrun: stage processes still running after ${grace}s: killing them (SIGKILL)" >&2 || true
+    fi
     for pg in "${STAGE_PGIDS[@]}"; do kill -KILL -- "-$pg" 2>/dev/null || true; done
+    # shellcheck disable=SC2046  # a list of pids
+    kill -KILL $(marked) 2>/dev/null || true
+    for ((t = 0; t < 100; t++)); do [ -z "$(marked)" ] && break; sleep 0.1; done  # gone, not just signalled
     STAGE_PGIDS=()
 }
 on_signal() {
-    trap - INT TERM
+    trap - INT TERM HUP
     echo "speedrun: stopped by SIG$1: ending every stage (each training stage checkpoints first); rerun the same" \
-        "command to resume" >&2
+        "command to resume" >&2 || true  # (after SIGHUP the terminal may be gone)
     end_groups
     exit "$2"
 }
 trap 'end_groups' EXIT
 trap 'on_signal INT 130' INT
 trap 'on_signal TERM 143' TERM
+trap 'on_signal HUP 129' HUP
 
 # run_stage NAME CMD...: CMD in a new session (its own process group), stdout+stderr to the terminal and the log,
 # stdin from /dev/null. A failure stops the run naming the stage. The pipeline's status is CMD's (pipefail); the awk
@@ -122,8 +167,9 @@ run_stage() {
     # shellcheck disable=SC2016  # expanded by the inner bash
     # tee and awk ignore TERM and INT: the stage's processes get them, checkpoint, print their last lines and exit,
     # and only then do tee and awk see the end of their input (a KILL of the group ends them regardless)
-    setsid bash -c 'set -o pipefail; "$@" 2>&1 < /dev/null | (trap "" TERM INT; exec tee -a "$SPEEDRUN_LOG") |
-        (trap "" TERM INT; exec awk $SPEEDRUN_AWK_FLAGS -v eta="$SPEEDRUN_ETA" "$SPEEDRUN_AWK")' speedrun-stage "$@" &
+    SPEEDRUN_MARK=$MARK TORCH_ELASTIC_SHUTDOWN_TIMEOUT=$(checkpoint_grace) setsid bash -c 'set -o pipefail
+        "$@" 2>&1 < /dev/null | (trap "" TERM INT HUP; exec tee -a "$SPEEDRUN_LOG") |
+        (trap "" TERM INT HUP; exec awk $SPEEDRUN_AWK_FLAGS -v eta="$SPEEDRUN_ETA" "$SPEEDRUN_AWK")' speedrun-stage "$@" &
     STAGE_PGIDS+=("$!")
     wait "$!" || rc=$?
     STAGE_PGIDS=()
@@ -191,9 +237,9 @@ PROBE_TIMEOUT=${SPEEDRUN_PROBE_TIMEOUT:-120}
 probe() {  # the probe in its own process group under a hard timeout; its status
     local rc=0
     if [ -n "${SPEEDRUN_PROBE_CMD:-}" ]; then  # tests inject a hang here
-        setsid timeout -k 5 "$PROBE_TIMEOUT" bash -c "$SPEEDRUN_PROBE_CMD" >> "$LOGS/probe.log" 2>&1 &
+        SPEEDRUN_MARK=$MARK setsid timeout -k 5 "$PROBE_TIMEOUT" bash -c "$SPEEDRUN_PROBE_CMD" >> "$LOGS/probe.log" 2>&1 &
     else
-        setsid timeout -k 5 "$PROBE_TIMEOUT" "${LAUNCH[@]}" "$ROOT/common.py" probe --timeout "$PROBE_TIMEOUT" \
+        SPEEDRUN_MARK=$MARK setsid timeout -k 5 "$PROBE_TIMEOUT" "${LAUNCH[@]}" "$ROOT/common.py" probe --timeout "$PROBE_TIMEOUT" \
             >> "$LOGS/probe.log" 2>&1 < /dev/null &
     fi
     STAGE_PGIDS+=("$!")
@@ -247,8 +293,9 @@ train_stage() {  # NAME SCRIPT ARGS...
         say "stage $name was interrupted: resuming from its last checkpoint"
     fi
     [ "$name" = pretrain ] && SPEEDRUN_ETA=1
+    STAGE_CKPT="$RUN/$name/ckpt"
     stage "$name" "${LAUNCH[@]}" "$script" "$@" --runs_dir "$RUN" --run_name "$name" "${resume[@]}"
-    SPEEDRUN_ETA=0
+    STAGE_CKPT="" SPEEDRUN_ETA=0
 }
 
 # --- data and tokenizer
@@ -271,7 +318,7 @@ else
     # waits for them. A complete shard is never fetched again.
     stage data "$PY" "$ROOT/dataset.py" download --shards 8 --data_dir "$CORPUS"
     say "downloading $SHARDS FineWeb-Edu training shards into $CORPUS in the background (log: $LOGS/download.log)"
-    setsid "$PY" "$ROOT/dataset.py" download --shards "$SHARDS" --data_dir "$CORPUS" >> "$LOGS/download.log" 2>&1 < /dev/null &
+    SPEEDRUN_MARK=$MARK setsid "$PY" "$ROOT/dataset.py" download --shards "$SHARDS" --data_dir "$CORPUS" >> "$LOGS/download.log" 2>&1 < /dev/null &
     SHARD_PID=$!
     BG_PGIDS+=("$SHARD_PID")
 fi

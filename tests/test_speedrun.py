@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import run_speedrun
 from launch import ROOT, run_script
@@ -208,3 +209,115 @@ def test_help_lists_every_flag_with_its_default():
                  "--gpus", "--no_chat", "--runs_dir DIR", "(default: runs)", "PRETRAIN_ARGS", "CHAT_EVAL_ARGS",
                  "NCCL_SAFE=1"]:
         assert flag in result.stdout, flag
+
+
+# -----------------------------------------------------------------------------
+# Stopping a two-process stage: torchrun's workers run in sessions of their own, so nothing of the run may depend on
+# a signal to torchrun's process group reaching them. Every scenario runs at once (each alone takes ~20 s here).
+
+STOP_ARGS = SMALL.replace("--steps 120", "--steps 100000")  # never ends by itself
+CKPT_FILES = {"meta.json", "model.pt", "optimizers.pt", "rank000.pt", "rank001.pt"}
+
+
+def whole_checkpoints(ckpt_dir):
+    """The steps of ckpt_dir's checkpoints, each checked whole: every file there and loadable."""
+    steps = []
+    for ckpt in C.list_checkpoints(ckpt_dir):
+        assert {p.name for p in ckpt.iterdir()} == CKPT_FILES, ckpt
+        for name in CKPT_FILES - {"meta.json"}:
+            torch.load(ckpt / name, map_location="cpu", weights_only=False)
+        assert json.loads((ckpt / "meta.json").read_text())["step"] == C.checkpoint_step(ckpt)
+        steps.append(C.checkpoint_step(ckpt))
+    return steps
+
+
+def start_two_process_pretraining(demo_world, run_dir, extra="", env=None):
+    """speedrun.sh's pretraining stage with 2 CPU processes (gloo), in a new session as a terminal's job is."""
+    args = ["--no_chat", "--plan", "demo", "--gpus", "2", "--runs_dir", run_dir, "--run_name", "r", "--data_dir",
+            demo_world / "demo", "--tokenizer", demo_world / "tokenizer", "--stop_after", "pretrain"]
+    env = {**os.environ, "SPEEDRUN_PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "NCCL_SAFE": "1",
+           "PRETRAIN_ARGS": f"{STOP_ARGS} {extra}", **(env or {})}
+    return subprocess.Popen(["bash", str(ROOT / "speedrun.sh"), *map(str, args)], cwd=run_dir, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def steps_logged(run_dir):
+    metrics = run_dir / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+
+
+@pytest.mark.two_processes
+def test_stopping_two_process_pretraining_leaves_no_process_and_whole_checkpoints(demo_world, tmp_path):
+    """Ctrl-C (SIGINT to speedrun's process group, as a terminal sends it), SIGHUP (the terminal closed), SIGTERM; a
+    rank that ignores SIGTERM (stuck in C code: only SIGKILL ends it); a SIGTERM checkpoint slower than
+    SPEEDRUN_KILL_WAIT (3 s here), which gets twice its measured save time; and torchrun itself SIGKILLed, its
+    workers not told (one of them stuck). After each, no process of the run remains, and every checkpoint there is
+    whole: a stop checkpoint at the step the stage says it stopped at, or none where a rank was stuck."""
+    scenarios = {  # name: (how it is stopped, steps logged before, extra pretraining flags, environment)
+        "ctrl_c": (lambda p: os.killpg(p.pid, signal.SIGINT), 20, "", {}),
+        "hangup": (lambda p: os.kill(p.pid, signal.SIGHUP), 20, "", {}),
+        "term": (lambda p: os.kill(p.pid, signal.SIGTERM), 20, "", {}),
+        "stuck": (lambda p: os.kill(p.pid, signal.SIGTERM), 14, "--stuck_at_step 15", {"SPEEDRUN_KILL_WAIT": "2"}),
+        "slow": (lambda p: os.kill(p.pid, signal.SIGTERM), 12, "--checkpoint_delay 4", {"SPEEDRUN_KILL_WAIT": "3"}),
+    }
+    runs = {}
+    for name, (_, _, extra, env) in scenarios.items():
+        (tmp_path / name).mkdir()
+        runs[name] = start_two_process_pretraining(demo_world, tmp_path / name, extra, env)
+    orphan_dir = tmp_path / "orphan"  # torchrun alone, SIGKILLed: its workers die with it (PR_SET_PDEATHSIG)
+    torchrun = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                 str(ROOT / "pretrain.py"), "--data_dir", str(demo_world / "demo" / "pretrain"),
+                                 "--tokenizer", str(demo_world / "tokenizer"), "--preset", "tiny", *STOP_ARGS.split(),
+                                 "--runs_dir", str(orphan_dir), "--run_name", "r", "--stuck_at_step", "5"],
+                                env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        check_stops(scenarios, runs, torchrun, tmp_path, orphan_dir)
+    finally:  # a failed assertion leaves nothing running either
+        for p in [*runs.values(), torchrun]:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for pid, _ in processes_mentioning(str(tmp_path)):  # workers in their own sessions
+            os.kill(int(pid), signal.SIGKILL)
+
+
+def check_stops(scenarios, runs, torchrun, tmp_path, orphan_dir):
+    stopped, deadline = {}, time.time() + 240
+    while len(stopped) < len(scenarios) + 1:
+        assert time.time() < deadline, f"not all stopped: {sorted(stopped)}"
+        for name, (stop, steps, _, _) in scenarios.items():
+            if name not in stopped and steps_logged(tmp_path / name / "r" / "pretrain") >= steps:
+                assert runs[name].poll() is None, runs[name].communicate()
+                if name == "stuck":
+                    time.sleep(1)  # rank 1 is inside step 15's hook now, ignoring signals
+                if name != "slow" or (tmp_path / name / "r" / "pretrain" / "ckpt" / "save_seconds").is_file():
+                    stop(runs[name])
+                    stopped[name] = time.time()
+        if "orphan" not in stopped and steps_logged(orphan_dir / "r") >= 4:
+            time.sleep(1)
+            torchrun.kill()  # SIGKILL: no chance to stop its workers
+            stopped["orphan"] = time.time()
+        time.sleep(0.05)
+    codes = {"ctrl_c": 130, "hangup": 129, "term": 143, "stuck": 143, "slow": 143}
+    for name, run in runs.items():
+        out, err = run.communicate(timeout=120)
+        assert run.returncode == codes[name], (name, out[-2000:], err[-2000:])
+        assert time.time() - stopped[name] < 60
+        assert processes_mentioning(str(tmp_path / name)) == [], name  # speedrun exits only when all are gone
+        steps = whole_checkpoints(tmp_path / name / "r" / "pretrain" / "ckpt")
+        if name == "stuck":  # no stop checkpoint: rank 1 never reached it; SIGKILL once the grace had passed
+            assert steps == [10] and "killing them (SIGKILL)" in err, (steps, err[-2000:])
+            continue
+        at = int(re.search(r"stopped by signal at step (\d+); checkpoint ", out).group(1))
+        assert at >= scenarios[name][1] and steps[-1] == at, (name, steps, out[-2000:])
+        assert "killing them" not in err, name
+    saved = float((tmp_path / "slow" / "r" / "pretrain" / "ckpt" / "save_seconds").read_text())
+    assert saved >= 4  # the stop checkpoint took longer than SPEEDRUN_KILL_WAIT and was not killed
+    torchrun.wait(timeout=30)
+    deadline = time.time() + 10
+    while processes_mentioning(str(orphan_dir)) and time.time() < deadline:
+        time.sleep(0.1)
+    assert processes_mentioning(str(orphan_dir)) == []  # the workers died with torchrun
+    assert whole_checkpoints(orphan_dir / "r" / "ckpt") == []  # none written yet (every 10 steps)
