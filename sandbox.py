@@ -5,7 +5,8 @@
 
 Every run, at either level: a fresh `python -I` (the base interpreter in isolated mode: no PYTHON* variables, no user
 site, no script directory on sys.path) reading the program from stdin; its working directory empty; its own session,
-whose process group is killed when the run ends or its wall-clock timeout passes; the environment PATH and LANG only
+whose process group is killed when the run ends or its wall-clock timeout passes, or when the evaluator itself
+dies (a thread of the program's own waits on a pipe whose other end only the evaluator holds); the environment PATH and LANG only
 (no HF_TOKEN, nothing else of ours); limits set by setrlimit (in preexec_fn) before it starts: CPU seconds, address
 space, processes (at most `nproc` more than its user already runs: a fork bomb stops there), file size (which also
 caps its output: that goes to a file, not into our memory), no core dumps, 64 open files; socket.socket replaced by a
@@ -99,6 +100,14 @@ elif cfg["hide"] and libc.unshare(0x10000000 | 0x00020000) != 0:  # CLONE_NEWUSE
     raise OSError(ctypes.get_errno(), "sandbox: cannot lock the mounts")  # become locked
 if libc:
     libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: no setuid program gives anything back
+def _watch(fd=cfg["watch"]):  # the evaluator holds the pipe's other end: at its end, however it ended (a stage
+    os.read(fd, 1)  # stopped, a SIGKILL), no one enforces the timeout, so the program and its group end here (at the
+    try:  # namespaces level the pid namespace ends with its first process, this one, which SIGKILL from inside
+        os.killpg(0, 9)  # would not end)
+    finally:
+        os._exit(137)
+import threading
+threading.Thread(target=_watch, daemon=True).start()
 import socket, _socket
 class _NoNetwork(socket.socket):
     def __init__(self, *args, **kwargs):
@@ -199,12 +208,17 @@ def run(program, timeout_s=5.0, cpu_s=None, memory_mb=512, nproc=16, level=None)
         if cfg["drop"]:
             os.chown(work, NOBODY, NOBODY)  # the process level's working directory, nobody's to list and write
         start = time.perf_counter()
+        watch, alive = os.pipe()  # the program's end sees EOF when ours closes: when this process ends
         with open(Path(private) / "program.py") as stdin, open(Path(private) / "output", "wb") as out:
             # preexec_fn in a threaded parent (torch's) is safe here: between fork and exec it only calls setrlimit,
             # a system call that takes no lock another thread could hold
-            proc = subprocess.Popen([*argv, json.dumps(cfg)], stdin=stdin, stdout=out, stderr=subprocess.STDOUT,
-                                    cwd=work, env=ENV, start_new_session=True, close_fds=True,
-                                    preexec_fn=lambda: set_limits(*limits))  # noqa: PLW1509
+            try:
+                proc = subprocess.Popen([*argv, json.dumps({**cfg, "watch": watch})], stdin=stdin, stdout=out,
+                                        stderr=subprocess.STDOUT, cwd=work, env=ENV, start_new_session=True,
+                                        close_fds=True, pass_fds=(watch,),
+                                        preexec_fn=lambda: set_limits(*limits))  # noqa: PLW1509
+            finally:
+                os.close(watch)
             try:
                 code = proc.wait(timeout=timeout_s)
                 status = "ok" if code == 0 else "killed" if code < 0 else "error"
@@ -216,6 +230,7 @@ def run(program, timeout_s=5.0, cpu_s=None, memory_mb=512, nproc=16, level=None)
                 except (ProcessLookupError, PermissionError):
                     pass
                 proc.wait()
+                os.close(alive)
         seconds = time.perf_counter() - start
         data = (Path(private) / "output").read_bytes()
     return Result(status, code, data[-4000:].decode("utf-8", "replace"), seconds)

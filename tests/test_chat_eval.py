@@ -6,6 +6,8 @@ import json
 import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from decimal import Decimal
@@ -19,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from huggingface_hub import constants as hf_constants
-from launch import run_in_process, run_script
+from launch import ROOT, run_in_process, run_script
 from test_download import resolve_headers, serve, tree_entry
 
 import chat_eval as E
@@ -190,6 +192,27 @@ def contained(program, level, **kw):
         time.sleep(0.05)
     assert not sandbox_processes(), "a sandboxed process outlived its run"
     return result
+
+
+def test_a_program_outlives_no_evaluator_killed_while_it_runs(level):
+    """The evaluator (a chat_eval worker that speedrun.sh stops, say) dies by SIGKILL while a program sleeps with a
+    minute left on its timeout: the program and its group end with it, not a minute later."""
+    code = f"import sandbox; sandbox.run({SLEEPER!r}, timeout_s=60, level={level!r})"
+    evaluator = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, start_new_session=True,
+                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.time() + 20
+    while len(sandbox_processes()) < 2 and time.time() < deadline:  # the program and the child it forked
+        time.sleep(0.05)
+    assert sandbox_processes(), "the program never started"
+    evaluator.kill()
+    evaluator.wait()
+    deadline = time.time() + 3
+    while sandbox_processes() and time.time() < deadline:
+        time.sleep(0.05)
+    assert not sandbox_processes(), "a sandboxed process outlived its evaluator"
+
+
+SLEEPER = "import os, time\nos.fork()\ntime.sleep(60)\n"
 
 
 def test_a_program_that_loops_forever_is_stopped_at_the_timeout(level):
