@@ -5,12 +5,12 @@
 
 Every run, at either level: a fresh `python -I` (the base interpreter in isolated mode: no PYTHON* variables, no user
 site, no script directory on sys.path) reading the program from stdin; its working directory empty; its own session,
-whose process group is killed when the run ends or its wall-clock timeout passes, or when the evaluator itself
-dies (a thread of the program's own waits on a pipe whose other end only the evaluator holds); the environment PATH and LANG only
-(no HF_TOKEN, nothing else of ours); limits set by setrlimit (in preexec_fn) before it starts: CPU seconds, address
-space, processes (at most `nproc` more than its user already runs: a fork bomb stops there), file size (which also
-caps its output: that goes to a file, not into our memory), no core dumps, 64 open files; socket.socket replaced by a
-class that raises (best effort: a program can reach the original through the class's __mro__ or ctypes).
+whose process group is killed when the run ends or its wall-clock timeout passes, or when the evaluator itself dies (a
+thread of the program's own waits on a pipe whose other end only the evaluator holds); the environment PATH and LANG
+only (no HF_TOKEN, nothing else of ours); limits set by setrlimit (in preexec_fn) before it starts: CPU seconds,
+address space, processes (at most `nproc` more than its user already runs: a fork bomb stops there), file size (which
+also caps its output: that goes to a file, not into our memory), no core dumps, 64 open files; socket.socket replaced
+by a class that raises (best effort: a program can reach the original through the class's __mro__ or ctypes).
 
 Level "namespaces" (Linux, where `unshare` can create them; probed once per process) adds what no rlimit gives:
 - a network namespace: no interface but a loopback that is down, so no socket reaches anything, patched or not;

@@ -169,7 +169,8 @@ run_stage() {
     # and only then do tee and awk see the end of their input (a KILL of the group ends them regardless)
     SPEEDRUN_MARK=$MARK TORCH_ELASTIC_SHUTDOWN_TIMEOUT=$(checkpoint_grace) setsid bash -c 'set -o pipefail
         "$@" 2>&1 < /dev/null | (trap "" TERM INT HUP; exec tee -a "$SPEEDRUN_LOG") |
-        (trap "" TERM INT HUP; exec awk $SPEEDRUN_AWK_FLAGS -v eta="$SPEEDRUN_ETA" "$SPEEDRUN_AWK")' speedrun-stage "$@" &
+        (trap "" TERM INT HUP; exec awk $SPEEDRUN_AWK_FLAGS -v eta="$SPEEDRUN_ETA" "$SPEEDRUN_AWK")' \
+        speedrun-stage "$@" &
     STAGE_PGIDS+=("$!")
     wait "$!" || rc=$?
     STAGE_PGIDS=()
@@ -237,9 +238,11 @@ PROBE_TIMEOUT=${SPEEDRUN_PROBE_TIMEOUT:-120}
 probe() {  # the probe in its own process group under a hard timeout; its status
     local rc=0
     if [ -n "${SPEEDRUN_PROBE_CMD:-}" ]; then  # tests inject a hang here
-        SPEEDRUN_MARK=$MARK setsid timeout -k 5 "$PROBE_TIMEOUT" bash -c "$SPEEDRUN_PROBE_CMD" >> "$LOGS/probe.log" 2>&1 &
+        SPEEDRUN_MARK=$MARK setsid timeout -k 5 "$PROBE_TIMEOUT" bash -c "$SPEEDRUN_PROBE_CMD" \
+            >> "$LOGS/probe.log" 2>&1 &
     else
-        SPEEDRUN_MARK=$MARK setsid timeout -k 5 "$PROBE_TIMEOUT" "${LAUNCH[@]}" "$ROOT/common.py" probe --timeout "$PROBE_TIMEOUT" \
+        SPEEDRUN_MARK=$MARK setsid timeout -k 5 "$PROBE_TIMEOUT" "${LAUNCH[@]}" "$ROOT/common.py" probe \
+            --timeout "$PROBE_TIMEOUT" \
             >> "$LOGS/probe.log" 2>&1 < /dev/null &
     fi
     STAGE_PGIDS+=("$!")
@@ -318,7 +321,8 @@ else
     # waits for them. A complete shard is never fetched again.
     stage data "$PY" "$ROOT/dataset.py" download --shards 8 --data_dir "$CORPUS"
     say "downloading $SHARDS FineWeb-Edu training shards into $CORPUS in the background (log: $LOGS/download.log)"
-    SPEEDRUN_MARK=$MARK setsid "$PY" "$ROOT/dataset.py" download --shards "$SHARDS" --data_dir "$CORPUS" >> "$LOGS/download.log" 2>&1 < /dev/null &
+    SPEEDRUN_MARK=$MARK setsid "$PY" "$ROOT/dataset.py" download --shards "$SHARDS" --data_dir "$CORPUS" \
+        >> "$LOGS/download.log" 2>&1 < /dev/null &
     SHARD_PID=$!
     BG_PGIDS+=("$SHARD_PID")
 fi

@@ -142,7 +142,8 @@ def test_gsm8k_takes_the_number_after_the_marker_else_the_last_number():
 
 def humaneval(reply):
     item = E.make_item("HumanEval", ADD, "row 0")
-    result = sandbox.run(E.humaneval_program(item, reply, "PASSED-42"), timeout_s=FAST, level=sandbox.sandbox_level()[0])
+    result = sandbox.run(E.humaneval_program(item, reply, "PASSED-42"), timeout_s=FAST,
+                         level=sandbox.sandbox_level()[0])
     return result.status == "ok" and "PASSED-42" in result.output.splitlines()
 
 
