@@ -42,7 +42,8 @@ environment:
   SPEEDRUN_PYTHON     the interpreter (default: .venv/bin/python, created from requirements.txt when missing)
   SPEEDRUN_PROBE_TIMEOUT  seconds before the NCCL probe counts as hung (default: 120)
   SPEEDRUN_KILL_WAIT  seconds a stopped stage gets to end before SIGKILL, plus twice its last measured checkpoint
-                      save, plus as long as a checkpoint is still being written (default: 30)
+                      save, plus as long as a checkpoint is still being written, and as much again once it is saved
+                      (default: 30)
 EOF
 }
 
@@ -79,8 +80,8 @@ say() { echo "speedrun: $*" | tee -a "$LOGS/speedrun.log"; }
 # outlive torchrun's process group). On exit, INT, TERM or HUP: torchrun's workers get SIGTERM themselves (torchrun
 # is not signalled, so its own grace does not start while rank 0 checkpoints), other stages' groups too; they get
 # KILL_WAIT seconds plus twice the last measured checkpoint save of the running stage (<stage>/ckpt/save_seconds),
-# and more while a checkpoint is still being written; then every marked process and group gets SIGKILL. Workers
-# also die with torchrun (common.die_with_launcher).
+# more while a checkpoint is still being written, and KILL_WAIT more once it is saved; then every marked process
+# and group gets SIGKILL. Workers also die with torchrun (common.die_with_launcher).
 STAGE_PGIDS=() BG_PGIDS=()  # the running stage's group; a background download's
 KILL_WAIT=${SPEEDRUN_KILL_WAIT:-30}
 MARK="speedrun-$$-$(date +%s%N)"  # not exported: only the stages carry it (run_stage, probe, the download)
@@ -100,8 +101,12 @@ writing_checkpoint() {  # a file of a checkpoint in progress changed in the last
     [ -n "$STAGE_CKPT" ] && [ -d "$STAGE_CKPT" ] &&
         [ -n "$(find "$STAGE_CKPT" -path '*/.tmp_step_*' -newermt '-5 seconds' -print -quit 2>/dev/null)" ]
 }
+saved_since() {  # a checkpoint of the running stage was saved since $1 (seconds since the epoch)
+    [ -n "$STAGE_CKPT" ] && [ -n "$(find "$STAGE_CKPT" -maxdepth 1 -name save_seconds -newermt "@$1" 2>/dev/null)" ]
+}
 end_groups() {
-    local pg alive deadline workers grace t told=()
+    local pg alive deadline workers grace t told=() since exiting=0
+    since=$(date +%s.%N)
     workers=$(marked workers)
     # shellcheck disable=SC2086  # a list of pids
     if [ -n "$workers" ]; then
@@ -120,8 +125,13 @@ end_groups() {
         for pg in "${STAGE_PGIDS[@]}"; do kill -0 -- "-$pg" 2>/dev/null && alive+=" $pg"; done
         [ -z "${alive// /}" ] && break
         if [ "$SECONDS" -ge "$deadline" ]; then
-            writing_checkpoint || break
-            deadline=$((SECONDS + 5))
+            if writing_checkpoint; then
+                deadline=$((SECONDS + 5))
+            elif [ "$exiting" = 0 ] && saved_since "$since"; then  # checkpointed: KILL_WAIT more to exit
+                exiting=1 deadline=$((SECONDS + KILL_WAIT)) grace=$((grace + KILL_WAIT))
+            else
+                break
+            fi
         fi
         sleep 0.1
     done
