@@ -1,12 +1,15 @@
 """speedrun.sh, the main job: the suite's demo pipeline (conftest's `speedrun` fixture) ran every stage and wrote a
 report whose figures are the logs'; an interrupted run leaves no process behind and resumes to the same losses; the
 NCCL probe falls back to seed 003's safe flags after a hang; GPUs held by other processes stop it before it starts."""
+import fcntl
 import json
 import os
+import pty
 import re
 import signal
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -231,14 +234,36 @@ def whole_checkpoints(ckpt_dir):
     return steps
 
 
-def start_two_process_pretraining(demo_world, run_dir, extra="", env=None):
-    """speedrun.sh's pretraining stage with 2 CPU processes (gloo), in a new session as a terminal's job is."""
+def start_two_process_pretraining(demo_world, run_dir, extra="", env=None, terminal=False):
+    """speedrun.sh's pretraining stage with 2 CPU processes (gloo), in a new session as a terminal's job is; with
+    terminal, in a pseudo-terminal that is its controlling terminal: (the process, the terminal's master end)."""
     args = ["--no_chat", "--plan", "demo", "--gpus", "2", "--runs_dir", run_dir, "--run_name", "r", "--data_dir",
             demo_world / "demo", "--tokenizer", demo_world / "tokenizer", "--stop_after", "pretrain"]
     env = {**os.environ, "SPEEDRUN_PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "NCCL_SAFE": "1",
            "PRETRAIN_ARGS": f"{STOP_ARGS} {extra}", **(env or {})}
-    return subprocess.Popen(["bash", str(ROOT / "speedrun.sh"), *map(str, args)], cwd=run_dir, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    command = ["bash", str(ROOT / "speedrun.sh"), *map(str, args)]
+    if not terminal:
+        return subprocess.Popen(command, cwd=run_dir, env=env, text=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True), None
+    master, slave = pty.openpty()
+
+    def controlling_terminal():
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    process = subprocess.Popen(command, cwd=run_dir, env=env, stdin=slave, stdout=slave, stderr=slave,
+                               preexec_fn=controlling_terminal)  # noqa: PLW1509
+    os.close(slave)
+    os.set_blocking(master, False)
+    return process, master
+
+
+def drain(master):
+    """Read what a terminal shows, so that writes to it never block."""
+    try:
+        while os.read(master, 1 << 16):
+            pass
+    except (BlockingIOError, OSError):
+        pass
 
 
 def steps_logged(run_dir):
@@ -248,22 +273,26 @@ def steps_logged(run_dir):
 
 @pytest.mark.two_processes
 def test_stopping_two_process_pretraining_leaves_no_process_and_whole_checkpoints(demo_world, tmp_path):
-    """Ctrl-C (SIGINT to speedrun's process group, as a terminal sends it), SIGHUP (the terminal closed), SIGTERM; a
-    rank that ignores SIGTERM (stuck in C code: only SIGKILL ends it); a SIGTERM checkpoint slower than
-    SPEEDRUN_KILL_WAIT (3 s here), which gets twice its measured save time; and torchrun itself SIGKILLed, its
-    workers not told (one of them stuck). After each, no process of the run remains, and every checkpoint there is
-    whole: a stop checkpoint at the step the stage says it stopped at, or none where a rank was stuck."""
+    """Ctrl-C (SIGINT to speedrun's process group, as a terminal sends it), the terminal closed (a pseudo-terminal whose
+    master end closes: the kernel's SIGHUP, and output that can no longer be written), SIGTERM; a rank that ignores
+    SIGTERM (stuck in C code: only SIGKILL ends it); a SIGTERM checkpoint slower than SPEEDRUN_KILL_WAIT (3 s here),
+    which gets twice its measured save time; and torchrun itself SIGKILLed, its workers not told (one of them stuck).
+    After each, no process of the run remains, and every checkpoint there is whole: a stop checkpoint at the step the
+    stage says it stopped at, or none where a rank was stuck."""
     scenarios = {  # name: (how it is stopped, steps logged before, extra pretraining flags, environment)
         "ctrl_c": (lambda p: os.killpg(p.pid, signal.SIGINT), 20, "", {}),
-        "hangup": (lambda p: os.kill(p.pid, signal.SIGHUP), 20, "", {}),
+        "hangup": (lambda p: os.close(terminals.pop("hangup")), 20, "", {}),
         "term": (lambda p: os.kill(p.pid, signal.SIGTERM), 20, "", {}),
         "stuck": (lambda p: os.kill(p.pid, signal.SIGTERM), 14, "--stuck_at_step 15", {"SPEEDRUN_KILL_WAIT": "2"}),
         "slow": (lambda p: os.kill(p.pid, signal.SIGTERM), 12, "--checkpoint_delay 4", {"SPEEDRUN_KILL_WAIT": "3"}),
     }
-    runs = {}
+    runs, terminals = {}, {}
     for name, (_, _, extra, env) in scenarios.items():
         (tmp_path / name).mkdir()
-        runs[name] = start_two_process_pretraining(demo_world, tmp_path / name, extra, env)
+        runs[name], master = start_two_process_pretraining(demo_world, tmp_path / name, extra, env,
+                                                            terminal=name == "hangup")
+        if master is not None:
+            terminals[name] = master
     orphan_dir = tmp_path / "orphan"  # torchrun alone, SIGKILLed: its workers die with it (PR_SET_PDEATHSIG)
     torchrun = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                                  str(ROOT / "pretrain.py"), "--data_dir", str(demo_world / "demo" / "pretrain"),
@@ -272,8 +301,10 @@ def test_stopping_two_process_pretraining_leaves_no_process_and_whole_checkpoint
                                 env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        check_stops(scenarios, runs, torchrun, tmp_path, orphan_dir)
+        check_stops(scenarios, runs, terminals, torchrun, tmp_path, orphan_dir)
     finally:  # a failed assertion leaves nothing running either
+        for master in terminals.values():
+            os.close(master)
         for p in [*runs.values(), torchrun]:
             try:
                 os.killpg(p.pid, signal.SIGKILL)
@@ -283,9 +314,11 @@ def test_stopping_two_process_pretraining_leaves_no_process_and_whole_checkpoint
             os.kill(int(pid), signal.SIGKILL)
 
 
-def check_stops(scenarios, runs, torchrun, tmp_path, orphan_dir):
+def check_stops(scenarios, runs, terminals, torchrun, tmp_path, orphan_dir):
     stopped, deadline = {}, time.time() + 240
     while len(stopped) < len(scenarios) + 1:
+        for master in terminals.values():
+            drain(master)
         assert time.time() < deadline, f"not all stopped: {sorted(stopped)}"
         for name, (stop, steps, _, _) in scenarios.items():
             if name not in stopped and steps_logged(tmp_path / name / "r" / "pretrain") >= steps:
@@ -302,7 +335,9 @@ def check_stops(scenarios, runs, torchrun, tmp_path, orphan_dir):
         time.sleep(0.05)
     codes = {"ctrl_c": 130, "hangup": 129, "term": 143, "stuck": 143, "slow": 143}
     for name, run in runs.items():
-        out, err = run.communicate(timeout=120)
+        _, err = run.communicate(timeout=120)
+        err = err or ""  # the terminal's is gone with it
+        out = (tmp_path / name / "r" / "logs" / "pretrain.log").read_text()
         assert run.returncode == codes[name], (name, out[-2000:], err[-2000:])
         assert time.time() - stopped[name] < 60
         assert processes_mentioning(str(tmp_path / name)) == [], name  # speedrun exits only when all are gone
