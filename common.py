@@ -73,7 +73,7 @@ def setup_distributed(timeout_s=600):
     from datetime import timedelta
     if not torch.cuda.is_available():
         keep_freed_memory()
-    if "RANK" in os.environ:
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun (other launchers set RANK too)
         die_with_launcher()
     if "RANK" not in os.environ:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
