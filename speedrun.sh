@@ -87,7 +87,7 @@ KILL_WAIT=${SPEEDRUN_KILL_WAIT:-30}
 MARK="speedrun-$$-$(date +%s%N)"  # not exported: only the stages carry it (run_stage, probe, the download)
 STAGE_CKPT=""  # the running training stage's checkpoint directory
 marked() {  # pids of the live processes carrying this run's mark; with an argument, only torchrun's workers
-    local files
+    local files f
     files=$(grep -lzxF "SPEEDRUN_MARK=$MARK" /proc/[0-9]*/environ 2>/dev/null || true)
     [ -n "$files" ] && [ -n "${1:-}" ] && files=$(grep -lz '^LOCAL_RANK=' $files 2>/dev/null || true)
     for f in $files; do f=${f#/proc/}; echo "${f%/environ}"; done
@@ -175,7 +175,7 @@ run_stage() {
     start=$(date +%s.%N)
     say "stage $name: $*"
     # shellcheck disable=SC2016  # expanded by the inner bash
-    # tee and awk ignore TERM and INT: the stage's processes get them, checkpoint, print their last lines and exit,
+    # tee and awk ignore TERM, INT and HUP: the stage's processes get them, checkpoint, print their last lines, exit,
     # and only then do tee and awk see the end of their input (a KILL of the group ends them regardless)
     SPEEDRUN_MARK=$MARK TORCH_ELASTIC_SHUTDOWN_TIMEOUT=$(checkpoint_grace) setsid bash -c 'set -o pipefail
         "$@" 2>&1 < /dev/null | (trap "" TERM INT HUP; exec tee -a "$SPEEDRUN_LOG") |
