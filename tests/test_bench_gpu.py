@@ -4,6 +4,7 @@ import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from launch import ROOT
@@ -35,7 +36,8 @@ def test_gpu_dry_run_rows_hold_figures_computed_from_the_runs(tmp_path):
         assert row["flops_per_token"] == flops_per_token(config)
         assert row["memory_estimate"] == memory_estimate(config, row["micro_batch"], bf16=row["dtype"] == "bfloat16")[
             "total"]
-        records = [json.loads(line) for line in open(os.path.join(row["run_dir"], "metrics.jsonl"))]
+        metrics = Path(row["run_dir"]) / "metrics.jsonl"
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
         times = [r["step_time"] for r in records if "loss" in r and r["step"] > 1]  # the dry run times steps 2..
         assert len(times) == row["steps"] - 1
         assert row["step_time_median_s"] == statistics.median(times)
