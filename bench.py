@@ -795,7 +795,8 @@ class GpuBattery:
         self.bench = Path(args.bench_dir).resolve()
         self.work = Path(tempfile.mkdtemp(prefix="gpu_bench_"))
         self.here = Path(__file__).resolve().parent
-        self.dtype = "bfloat16" if device.type == "cuda" else C.matmul_dtype(device)
+        # bf16 on the GPU, as nanochat there; fp32 in the dry run, as nanochat on a CPU
+        self.dtype = "bfloat16" if device.type == "cuda" else "float32"
         self.peak = C.peak_flops(C.device_name(device), self.dtype)
         self.peak_source = "rated dense bf16 peak (common.PEAK_BF16_FLOPS)"
         if self.peak is None:  # a CPU, or a GPU the table lacks: this device's own measured matmul throughput
@@ -961,6 +962,8 @@ class GpuBattery:
         self.throughput(row, [t[1] for t in timed], skip)
         if timed and self.device.type == "cuda":
             row["mfu_nanochat_reported"] = statistics.median(t[2] for t in timed) / 100  # its own FLOPs/token
+        dtype = re.search(r"^COMPUTE_DTYPE: torch\.(\w+)", text, re.MULTILINE)
+        row["dtype"] = dtype[1] if dtype else "unknown"
         flops = re.search(r"Estimated FLOPs per token: ([\d.e+]+)", text)
         row["flops_per_token_nanochat"] = float(flops[1]) if flops else "unknown"
         params = re.search(r"^total\s*: ([\d,]+)$", text, re.MULTILINE)
