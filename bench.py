@@ -37,6 +37,12 @@ quality `python pretrain.py` at nanochat's tiny CPU shape (as cpu above; compile
         2,048 tokens (614,400 tokens), on the real-text corpus: the final validation bpb over the validation shard's
         first 524,288 tokens, per row of QUALITY_VARIANTS (the defaults, and the defaults with one issue-16 change
         undone) and per seed (--seeds 3), --quality_jobs runs at a time; the median per row. README: Model quality.
+gpu     (not part of "all") the GPU battery: pretraining tok/s, MFU and peak memory against model.py's estimate at
+        d20, d12 and d26 beside nanochat's own scripts/base_train.py at the same shape and batch; validation bpb at
+        d12 after the same tokens at 2^19 and 2^17 tokens a step, beside nanochat's; the demo plan end to end; chat
+        decode tok/s. `python bench.py gpu_prepare --nanochat_mirror DIR --corpus DIR` first fills .bench/ (what a
+        GPU machine without network needs); `python bench.py gpu --rows ...` on the GPU writes gpu_bench.json and
+        gpu_bench.md to --out; `python bench.py gpu --dry_run` runs every row at toy size on the CPU.
 download  `download_shards` of 16 training shards + 1 validation shard (~4 MB parquet each) from a hub stand-in on
         loopback, 4 workers: shards/s and MB/s of the old client (dataset.py at commit 1d71acd, its own HTTP code on
         requests, read with `git show`) and of the new one (huggingface_hub), median of --trials rounds, alternating.
@@ -814,6 +820,9 @@ class GpuBattery:
             self.tok_nanochat = self.bench / "tokenizer_nanochat"
             prepared = self.bench / "PREPARED.json"
             self.vocab = json.loads(prepared.read_text())["vocab"] if prepared.is_file() else None
+        if not (self.tok_ours / "tokenizer.json").is_file():
+            raise SystemExit(f"gpu: no tokenizer in {self.tok_ours}: run `python bench.py gpu_prepare` where the "
+                             "nanochat mirror and the corpus are, and carry its folder (--bench_dir)")
         self.nanochat_missing = self.check_nanochat()
         self.micro_cache = {}
 
@@ -869,7 +878,8 @@ class GpuBattery:
             seq = DRY["seq_len"]
             batch = spec["batch"] * seq // 2048 // 16  # 2^19 -> 16 rows of 64: the same ratio between the two batches
             return batch, max(3, round(spec["steps"] * DRY["steps_scale"])), DRY["skip"]
-        return spec["batch"], spec["steps"], 3  # steps 1-3: compilation and the allocator's warm-up
+        steps = self.args.bpb_tokens // spec["batch"] if spec.get("bpb") else spec["steps"]
+        return spec["batch"], steps, 3  # steps 1-3: compilation and the allocator's warm-up
 
     def ours(self, name, spec):
         preset, overrides = self.shape(spec["depth"])
@@ -935,22 +945,27 @@ class GpuBattery:
         nanochat_data(base, self.corpus)
         shutil.copytree(self.tok_nanochat, base / "tokenizer")
         bpb = spec.get("bpb") or self.dry
-        command = [sys.executable, "-m", "scripts.base_train", "--run=dummy", f"--device-type={self.device.type}",
-                   f"--depth={depth}", f"--aspect-ratio={DEPTH_ASPECT}", f"--head-dim={DEPTH_HEAD_DIM}",
-                   "--window-pattern=L", f"--max-seq-len={seq}", f"--device-batch-size={micro}",
-                   f"--total-batch-size={batch}", f"--num-iterations={steps}",
-                   f"--eval-every={steps if bpb else -1}",
-                   f"--eval-tokens={EVAL_TOKENS if not self.dry else 4096}", "--core-metric-every=-1",
-                   "--sample-every=-1", "--save-every=-1", f"--model-tag=bench_{name}"]
-        row.update(model=f"d{depth}", seq_len=seq, micro_batch=micro, tokens_per_step=batch, steps=steps,
+        row.update(model=f"d{depth}", seq_len=seq, tokens_per_step=batch, steps=steps,
                    flops_per_token=ours["flops_per_token"], compiled=True,
                    attention="SDPA (FA3 needs the `kernels` package and the hub: unavailable offline)")
         log = self.work / f"{name}_nanochat.log"
-        status, wall, rss = run_logged(command, log, cwd=self.bench / "nanochat",
-                                       env=nanochat_env(self.bench, base, torch.get_num_threads()))
-        row.update(command=f"cd {self.bench / 'nanochat'} && NANOCHAT_BASE_DIR=$WORK/{base.name} PYTHONPATH="
-                   f"{self.bench / 'stub'} " + " ".join(map(str, command)).replace(sys.executable, "python"),
-                   exit=status, wall_s=wall)
+        while True:  # ours' micro-batch; halved while nanochat runs out of memory at it (it has no probe)
+            command = [sys.executable, "-m", "scripts.base_train", "--run=dummy", f"--device-type={self.device.type}",
+                       f"--depth={depth}", f"--aspect-ratio={DEPTH_ASPECT}", f"--head-dim={DEPTH_HEAD_DIM}",
+                       "--window-pattern=L", f"--max-seq-len={seq}", f"--device-batch-size={micro}",
+                       f"--total-batch-size={batch}", f"--num-iterations={steps}",
+                       f"--eval-every={steps if bpb else -1}",
+                       f"--eval-tokens={EVAL_TOKENS if not self.dry else 4096}", "--core-metric-every=-1",
+                       "--sample-every=-1", "--save-every=-1", f"--model-tag=bench_{name}"]
+            status, wall, rss = run_logged(command, log, cwd=self.bench / "nanochat",
+                                           env=nanochat_env(self.bench, base, torch.get_num_threads()))
+            if not (status and out_of_memory(log) and micro > 1):
+                break
+            row.setdefault("out_of_memory_at_micro_batch", []).append(micro)
+            micro //= 2
+        row.update(micro_batch=micro, exit=status, wall_s=wall,
+                   command=f"cd {self.bench / 'nanochat'} && NANOCHAT_BASE_DIR=$WORK/{base.name} PYTHONPATH="
+                   f"{self.bench / 'stub'} " + " ".join(map(str, command)).replace(sys.executable, "python"))
         if status:
             row["status"] = "failed: " + ("out of memory" if out_of_memory(log) else tail(log, 3))
             return row
@@ -976,7 +991,8 @@ class GpuBattery:
             row["peak_memory"], row["peak_memory_kind"] = rss, "peak resident set of the process (CPU)"
         vals = re.findall(r"Validation bpb: ([\d.]+)", text)
         row["val_bpb"] = float(vals[-1]) if bpb and vals else None
-        row["status"] = "ok"
+        row["status"] = "ok" + (f" at micro-batch {micro} (out of memory at {row['out_of_memory_at_micro_batch']})"
+                                if "out_of_memory_at_micro_batch" in row else "")
         shutil.rmtree(base / "base_checkpoints", ignore_errors=True)
         return row
 
@@ -1143,6 +1159,9 @@ def main():
                    "(default: %(default)s, nanochat's)")
     g.add_argument("--wheels_python", default="3.12", help="gpu_prepare: Python version of the GPU machine, for the "
                    "wheels of nanochat's dependencies it may lack; none = no wheels (default: %(default)s)")
+    g.add_argument("--bpb_tokens", type=int, default=BPB_TOKENS, help="gpu: training tokens of each bpb row, the "
+                   "same at both batches (default: %(default)s = 64 steps of 2^19; the carried corpus's training "
+                   "split is ~3.6M tokens at vocab 32768, so that is ~9 epochs)")
     g.add_argument("--max_micro", type=int, default=256, help="gpu_probe: largest micro-batch tried (default: "
                    "%(default)s)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
