@@ -1066,6 +1066,9 @@ def gpu_markdown(result):
              "FLOPs); nanochat's own figure beside it. tok/s = tokens per step / median step time of the timed steps.")
     columns = ("| row | side | model, micro x seq, tokens/step | steps (timed) | tok/s | MFU (nanochat's own) | "
                "peak memory / model.py estimate | val bpb | status | command |")
+    others = [e for e in result.get("environments", []) if e != env]
+    header += "".join(f"; another call: {e['device']}, driver {e['driver']}, torch {e['torch']}, commit {e['commit']}, "
+                      f"{e['date']}" for e in others)
     out = [title, "", header, "", notes, "", columns, "|---" * 10 + "|"]
     for r in result["rows"]:
         shape = (f"{r.get('model', '')}, {r.get('micro_batch', '?')} x {r.get('seq_len', '?')}, "
@@ -1085,9 +1088,25 @@ def gpu_markdown(result):
     return "\n".join(out) + "\n"
 
 
+def merge_gpu_results(results):
+    """One battery result from several calls' gpu_bench.json: their rows in call order; the first call's environment
+    heads the table, and every call's environment is kept (a later call may have got another machine)."""
+    environments = [r["environment"] for r in results]
+    return {"dry_run": any(r["dry_run"] for r in results), "environment": environments[0],
+            "environments": environments, "rows": [row for r in results for row in r["rows"]],
+            "calls": results[0]["calls"]}
+
+
 def bench_gpu(args, device):
     """`bench.py gpu`: the rows chosen by --rows, in the battery's order; writes gpu_bench.json and gpu_bench.md to
     --out (and prints the table)."""
+    out = Path(args.out)
+    if args.merge:  # no device needed: the calls' files, fetched from the GPU machine
+        result = merge_gpu_results([json.loads(Path(path).read_text()) for path in args.merge])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gpu_bench.json").write_text(json.dumps(result, indent=1) + "\n")
+        (out / "gpu_bench.md").write_text(gpu_markdown(result))
+        return print(gpu_markdown(result))
     if device.type != "cuda" and not args.dry_run:
         raise SystemExit("gpu: no CUDA device; on a CPU run `python bench.py gpu --dry_run` (toy sizes)")
     unknown = [r for r in args.rows if r not in GPU_ROWS]
@@ -1096,7 +1115,6 @@ def bench_gpu(args, device):
     battery = GpuBattery(args, device)
     result = {"dry_run": args.dry_run, "environment": gpu_environment(device), "rows": [],
               "calls": [" ".join(["python3 bench.py gpu --rows", *rows, "--out $OUT"]) for rows in GPU_CALLS]}
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in [r for r in GPU_ROWS if r in args.rows]:
         print(f"gpu: row {name} ...", flush=True)
@@ -1162,6 +1180,8 @@ def main():
     g.add_argument("--bpb_tokens", type=int, default=BPB_TOKENS, help="gpu: training tokens of each bpb row, the "
                    "same at both batches (default: %(default)s = 64 steps of 2^19; the carried corpus's training "
                    "split is ~3.6M tokens at vocab 32768, so that is ~9 epochs)")
+    g.add_argument("--merge", nargs="+", default=None, metavar="JSON", help="gpu: instead of running rows, merge "
+                   "these gpu_bench.json files (one per call) into one gpu_bench.json + gpu_bench.md in --out")
     g.add_argument("--max_micro", type=int, default=256, help="gpu_probe: largest micro-batch tried (default: "
                    "%(default)s)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
