@@ -686,10 +686,10 @@ def gpu_prepare(args, device):
     bench, corpus = Path(args.bench_dir).resolve(), Path(args.corpus)
     mirror = Path(args.nanochat_mirror)
     if not sorted(corpus.glob("shard_*.parquet")):
-        raise SystemExit(f"gpu_prepare: no shard_*.parquet in {corpus}: pass --corpus DIR (the last shard is the "
+        raise FileNotFoundError(f"gpu_prepare: no shard_*.parquet in {corpus}: pass --corpus DIR (the last shard is the "
                          "validation split)")
     if not (mirror / "HEAD").is_file() and not (mirror / ".git").exists():
-        raise SystemExit(f"gpu_prepare: {mirror} is not a git directory: fetch github:karpathy/nanochat and pass "
+        raise FileNotFoundError(f"gpu_prepare: {mirror} is not a git directory: fetch github:karpathy/nanochat and pass "
                          "--nanochat_mirror <its git dir>")
     bench.mkdir(parents=True, exist_ok=True)
     tree = bench / "nanochat"
@@ -715,7 +715,7 @@ def gpu_prepare(args, device):
                              "--max-chars=1000000000"], cwd=tree, env=nanochat_env(bench, nc_base),
                             capture_output=True, text=True, check=False)
     if result.returncode:
-        raise SystemExit(f"gpu_prepare: nanochat's tok_train failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+        raise RuntimeError(f"gpu_prepare: nanochat's tok_train failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
     shutil.rmtree(bench / "tokenizer_nanochat", ignore_errors=True)
     shutil.copytree(nc_base / "tokenizer", bench / "tokenizer_nanochat")
     shutil.rmtree(nc_base)
@@ -821,7 +821,7 @@ class GpuBattery:
             prepared = self.bench / "PREPARED.json"
             self.vocab = json.loads(prepared.read_text())["vocab"] if prepared.is_file() else None
         if not (self.tok_ours / "tokenizer.json").is_file():
-            raise SystemExit(f"gpu: no tokenizer in {self.tok_ours}: run `python bench.py gpu_prepare` where the "
+            raise FileNotFoundError(f"gpu: no tokenizer in {self.tok_ours}: run `python bench.py gpu_prepare` where the "
                              "nanochat mirror and the corpus are, and carry its folder (--bench_dir)")
         self.nanochat_missing = self.check_nanochat()
         self.micro_cache = {}
@@ -1108,10 +1108,10 @@ def bench_gpu(args, device):
         (out / "gpu_bench.md").write_text(gpu_markdown(result))
         return print(gpu_markdown(result))
     if device.type != "cuda" and not args.dry_run:
-        raise SystemExit("gpu: no CUDA device; on a CPU run `python bench.py gpu --dry_run` (toy sizes)")
+        raise ValueError("gpu: no CUDA device; on a CPU run `python bench.py gpu --dry_run` (toy sizes)")
     unknown = [r for r in args.rows if r not in GPU_ROWS]
     if unknown:
-        raise SystemExit(f"gpu: unknown rows {unknown}: choose from {', '.join(GPU_ROWS)}")
+        raise ValueError(f"gpu: unknown rows {unknown}: choose from {', '.join(GPU_ROWS)}")
     battery = GpuBattery(args, device)
     result = {"dry_run": args.dry_run, "environment": gpu_environment(device), "rows": [],
               "calls": [" ".join(["python3 bench.py gpu --rows", *rows, "--out $OUT"]) for rows in GPU_CALLS]}
@@ -1200,7 +1200,10 @@ def main():
         if args.which == ["gpu_prepare"] and not args.nanochat_mirror:
             parser.error("gpu_prepare needs --nanochat_mirror (the git directory `fetch github:karpathy/nanochat` "
                          "gives) or $NANOCHAT_MIRROR")
-        return {"gpu": bench_gpu, "gpu_prepare": gpu_prepare, "gpu_probe": gpu_probe}[args.which[0]](args, device)
+        try:
+            return {"gpu": bench_gpu, "gpu_prepare": gpu_prepare, "gpu_probe": gpu_probe}[args.which[0]](args, device)
+        except (FileNotFoundError, ValueError) as e:  # ours, each naming its fix: one line, not a traceback
+            parser.exit(1, f"bench.py: error: {e}\n")
     for name in args.which:
         if name not in BENCHES:
             parser.error(f"unknown benchmark {name!r}: choose from {', '.join(BENCHES)}")
