@@ -670,7 +670,8 @@ WANDB_STUB = '''"""Stand-in for wandb (bench.py gpu_prepare): nanochat's base_tr
 def init(*args, **kwargs):
     raise RuntimeError("wandb stub: run nanochat with --run dummy")
 '''
-SITECUSTOMIZE = '''"""bench.py gpu_prepare: packages this machine lacks come from ../pylib (appended: its own come first)."""
+SITECUSTOMIZE = '''"""bench.py gpu_prepare: packages this machine lacks come from ../pylib (appended: its own
+come first)."""
 import sys
 from pathlib import Path
 
@@ -686,11 +687,11 @@ def gpu_prepare(args, device):
     bench, corpus = Path(args.bench_dir).resolve(), Path(args.corpus)
     mirror = Path(args.nanochat_mirror)
     if not sorted(corpus.glob("shard_*.parquet")):
-        raise FileNotFoundError(f"gpu_prepare: no shard_*.parquet in {corpus}: pass --corpus DIR (the last shard is the "
-                         "validation split)")
+        raise FileNotFoundError(f"gpu_prepare: no shard_*.parquet in {corpus}: pass --corpus DIR (the last shard is "
+                                "the validation split)")
     if not (mirror / "HEAD").is_file() and not (mirror / ".git").exists():
-        raise FileNotFoundError(f"gpu_prepare: {mirror} is not a git directory: fetch github:karpathy/nanochat and pass "
-                         "--nanochat_mirror <its git dir>")
+        raise FileNotFoundError(f"gpu_prepare: {mirror} is not a git directory: fetch github:karpathy/nanochat and "
+                                "pass --nanochat_mirror <its git dir>")
     bench.mkdir(parents=True, exist_ok=True)
     tree = bench / "nanochat"
     shutil.rmtree(tree, ignore_errors=True)
@@ -715,7 +716,8 @@ def gpu_prepare(args, device):
                              "--max-chars=1000000000"], cwd=tree, env=nanochat_env(bench, nc_base),
                             capture_output=True, text=True, check=False)
     if result.returncode:
-        raise RuntimeError(f"gpu_prepare: nanochat's tok_train failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+        raise RuntimeError(f"gpu_prepare: nanochat's tok_train failed:\n{result.stdout[-2000:]}\n"
+                           f"{result.stderr[-2000:]}")
     shutil.rmtree(bench / "tokenizer_nanochat", ignore_errors=True)
     shutil.copytree(nc_base / "tokenizer", bench / "tokenizer_nanochat")
     shutil.rmtree(nc_base)
@@ -821,8 +823,8 @@ class GpuBattery:
             prepared = self.bench / "PREPARED.json"
             self.vocab = json.loads(prepared.read_text())["vocab"] if prepared.is_file() else None
         if not (self.tok_ours / "tokenizer.json").is_file():
-            raise FileNotFoundError(f"gpu: no tokenizer in {self.tok_ours}: run `python bench.py gpu_prepare` where the "
-                             "nanochat mirror and the corpus are, and carry its folder (--bench_dir)")
+            raise FileNotFoundError(f"gpu: no tokenizer in {self.tok_ours}: run `python bench.py gpu_prepare` where "
+                                    "the nanochat mirror and the corpus are, and carry its folder (--bench_dir)")
         self.nanochat_missing = self.check_nanochat()
         self.micro_cache = {}
 
@@ -834,8 +836,8 @@ class GpuBattery:
         if not (self.bench / "stub" / "wandb.py").is_file():
             return f"no wandb stub in {self.bench / 'stub'} (run `python bench.py gpu_prepare`)"
         imports = "import tiktoken, rustbpe, pyarrow, filelock, jinja2, yaml, requests, wandb"
-        check = subprocess.run([sys.executable, "-c", imports], env=nanochat_env(self.bench, self.work), capture_output=True,
-                               text=True, check=False)
+        check = subprocess.run([sys.executable, "-c", imports], env=nanochat_env(self.bench, self.work),
+                               capture_output=True, text=True, check=False)
         if check.returncode:
             return "nanochat's dependencies do not import: " + check.stderr.strip().splitlines()[-1]
         if self.dry:  # its tokenizer for the toy world, by its own trainer
