@@ -482,12 +482,15 @@ class Muon(torch.optim.Optimizer):
     it measured no faster). FSDP-sharded parameters: the momentum is updated on each rank's shard; Newton-Schulz needs
     whole matrices, so the updates go in rounds of one matrix per rank: each is all-gathered, rank i orthogonalizes
     the round's i-th and broadcasts it, and every rank keeps its rows of each. The compute is divided by the ranks;
-    at most `world size` whole matrices are in memory at once."""
+    at most `world size` whole matrices are in memory at once. Under DDP (whole parameters, the same gradients on
+    every rank) each rank orthogonalizes its contiguous share of a shape's stack and an all-gather gives every rank
+    all of them, instead of every rank computing every matrix (divide_work=False: the old way, for comparison)."""
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0, ns_steps=5,
-                 ns_dtype="bfloat16", neuron_beta2=0.95):
+                 ns_dtype="bfloat16", neuron_beta2=0.95, divide_work=True):
         super().__init__(params, {"lr": lr, "momentum": momentum, "nesterov": nesterov, "weight_decay": weight_decay,
                                   "ns_steps": ns_steps, "ns_dtype": ns_dtype, "neuron_beta2": neuron_beta2})
+        self.divide_work = divide_work
 
     @torch.no_grad()
     def step(self, closure=None):  # closure: torch.distributed.checkpoint initializes state with step(closure=None)
@@ -514,7 +517,12 @@ class Muon(torch.optim.Optimizer):
         updates = torch._foreach_lerp(grads, buffers, group["momentum"]) if group["nesterov"] else buffers
         updates = [whole(u, p) for u, p in zip(updates, params, strict=True)]  # all-gathered when sharded
         talls, shape = [p.size(0) > p.size(1) for p in params], min(params[0].shape, params[0].shape[::-1])
-        mine = [i for i in ([dist.get_rank()] if sharded else range(len(params))) if i < len(params)]
+        share = 0  # under DDP: matrices per rank, each rank the next `share` of the stack
+        if not sharded and self.divide_work and dist.is_initialized() and dist.get_world_size() > 1:
+            share = math.ceil(len(params) / dist.get_world_size())
+            mine = range(dist.get_rank() * share, min(len(params), (dist.get_rank() + 1) * share))
+        else:
+            mine = [i for i in ([dist.get_rank()] if sharded else range(len(params))) if i < len(params)]
         wide = torch.empty((len(mine), *shape), device=updates[0].device, dtype=getattr(torch, group["ns_dtype"]))
         done = {}
         if mine:  # sharded, a round with fewer matrices than ranks (one value-embedding gate) leaves some rank none
@@ -524,6 +532,12 @@ class Muon(torch.optim.Optimizer):
         for i in range(len(params)) if sharded else ():  # each result from the rank that computed it
             done[i] = done.get(i, torch.empty(shape, device=wide.device, dtype=wide.dtype))
             dist.broadcast(done[i], src=i)
+        if share:  # every rank's share, padded to `share` matrices (the last rank's may be short or empty)
+            padded = torch.zeros((share, *shape), device=wide.device, dtype=wide.dtype)
+            padded[:len(mine)] = torch.stack([done[i] for i in mine]) if mine else padded[:0]
+            gathered = [torch.empty_like(padded) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, padded)
+            done = dict(enumerate(torch.cat(gathered)[:len(params)].unbind(0)))
         fulls = [self.neuron_normalized(done[i].mT if talls[i] else done[i], p, group) for i, p in enumerate(params)]
         shards = [shard_of(full, p) for full, p in zip(fulls, params, strict=True)]
         rows, columns = params[0].shape  # the first's: the others are the same or its transpose
@@ -1528,8 +1542,11 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
         mark_progress(step + 1)
         loss_sum, count = forward_backward(train_model, batches, args.dtype, device, world,
                                            poison=step + 1 == args.inject_nan_step)
-        grad_norm = clip_grad_norm(model.parameters(), args.grad_clip or float("inf")).item()
-        loss = loss_sum.item() / max(1.0, count.item())
+        norm = clip_grad_norm(model.parameters(), args.grad_clip or float("inf"))
+        # the step's one read from the device, which the non-finite stop below needs before the optimizer step: one
+        # transfer for the three figures instead of one wait per .item() (values exact: fp64, fp32 -> fp64)
+        loss_sum, count, grad_norm = torch.stack([loss_sum, count, norm.double()]).tolist()
+        loss = loss_sum / max(1.0, count)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             last = list_checkpoints(run_dir / "ckpt")
             raise RuntimeError(f"step {step + 1}: loss {loss} / grad norm {grad_norm} is not finite: run stopped "
@@ -1544,7 +1561,7 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
             torch.cuda.synchronize()
         dt = now() - t0
         tokens_seen = int(all_reduce(sum(ld.state["stats"]["tokens"] for ld in loaders)))
-        record = {"step": step + 1, "loss": loss, "targets": int(count.item()), "lr_mult": lr_mult,
+        record = {"step": step + 1, "loss": loss, "targets": int(count), "lr_mult": lr_mult,
                   "weight_decay": wd, "lr": {g["name"]: g["lr"] for opt in optimizers for g in opt.param_groups},
                   "grad_norm": grad_norm, "tokens": tokens_seen, "tok_per_s": tokens_per_step / dt,
                   "data_wait": data_wait / dt,

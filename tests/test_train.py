@@ -8,6 +8,7 @@ from argparse import Namespace
 
 import pytest
 import torch
+from launch import ROOT, run_script
 
 import common as C
 from model import GPTConfig, build_model
@@ -232,3 +233,20 @@ def test_a_stage_ends_with_one_line_for_our_errors_and_a_traceback_for_others(tm
                                                         "tensor [2] and src [3] to have the same number of elements, "
                                                         "but got 2 and 3 elements respectively\n")
     assert C.run_main(lambda: signal.SIGTERM) == 128 + signal.SIGTERM and C.run_main(lambda: None) == 0
+
+
+@pytest.mark.two_processes
+def test_muon_under_ddp_divides_the_orthogonalization_between_ranks_and_takes_the_same_steps(tmp_path):
+    """2 gloo processes (tests/muon_worker.py): each rank runs Newton-Schulz on its share of each shape's stack and an
+    all-gather gives every rank all of them; 3 steps equal, bitwise, the steps of one process computing every matrix
+    (fp32 and bf16 Newton-Schulz), and each rank orthogonalized half of the 10 matrices (the lone gate: rank 0)."""
+    out = tmp_path / "muon.pt"
+    run_script("tests/muon_worker.py", [str(out)], ROOT, nproc=2)
+    result = torch.load(out, weights_only=True)
+    for dtype in ("float32", "bfloat16"):
+        for divided, alone in zip(result[f"divided {dtype}"], result[f"alone {dtype}"], strict=True):
+            assert torch.equal(divided, alone), dtype
+        assert all(not torch.equal(p, start) for p, start in zip(result[f"divided {dtype}"], result["initial"],
+                                                                  strict=True))  # every matrix took its steps
+    # per step, 5 squares: 3 + 2; 4 of the MLP shape up to a transpose: 2 + 2; the gate: 1 + 0; 3 steps
+    assert result["counts per rank"] == [3 * 6, 3 * 4]
