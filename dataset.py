@@ -332,10 +332,67 @@ def download_hub_files(repo, paths, out_dir, revision="main", repo_type="dataset
     return _download_entries(repo, [by_path[p] for p in paths], out_dir, revision, repo_type, workers)
 
 
+LISTING = ".hub_listing.json"  # in a download directory: the repo's listing (sizes, hashes) its files were checked with
+
+
+def _saved_listing(out_dir, repo, revision):
+    """The listing saved by an earlier download into out_dir of this repo and revision, or None."""
+    try:
+        saved = json.loads((Path(out_dir) / LISTING).read_text())
+    except (OSError, ValueError):
+        return None
+    return saved["files"] if (saved.get("repo"), saved.get("revision")) == (repo, revision) else None
+
+
+def _complete_on_disk(entries, out_dir, workers=4):
+    """True when every entry is in out_dir (flat, by file name) with its listed size and sha256 or git blob id: a rerun
+    then needs no hub. Hashing is what makes it safe: ~20 GB of shards take tens of seconds, a hub outage hours."""
+    def ok(e):
+        path = Path(out_dir) / Path(e["path"]).name
+        if not path.is_file() or path.stat().st_size != e["size"] or not (e["sha256"] or e["git_sha1"]):
+            return False
+        if e["sha256"]:
+            return _hash_file(path, hashlib.sha256()) == e["sha256"].lower()
+        return _hash_file(path, hashlib.sha1(b"blob %d\0" % e["size"], usedforsecurity=False)) == e["git_sha1"]
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        return all(pool.map(ok, entries))
+
+
+def _listing(repo, revision, out_dir, select, workers=4):
+    """(entries chosen by select(listing), from_disk). The listing saved at the last download is tried first: when
+    every chosen file is on disk and matches its stored hashes, no hub call is made (a resume during a hub outage, or
+    offline). Otherwise the hub is listed and its listing saved in out_dir for the next run."""
+    saved = _saved_listing(out_dir, repo, revision)
+    if saved is not None:
+        try:
+            chosen = select(saved)
+        except ValueError:
+            chosen = None  # the saved listing cannot answer this request (more shards than it had): ask the hub
+        if chosen and _complete_on_disk(chosen, out_dir, workers):
+            return chosen, True
+    files = list_hub_files(repo, revision)
+    chosen = select(files)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    tmp = Path(out_dir) / (LISTING + ".tmp")
+    tmp.write_text(json.dumps({"repo": repo, "revision": revision, "files": files}))
+    os.replace(tmp, Path(out_dir) / LISTING)
+    return chosen, False
+
+
 def download_shards(dataset, num_shards, data_dir, workers=4, revision="main"):
     """The first num_shards training shards of a FineWeb-Edu-layout dataset (shard_00000.parquet, ...) plus its last
-    shard, the validation split: data_dir ends with num_shards + 1 files, the validation shard last in sorted order."""
-    shards = sorted((f for f in list_hub_files(dataset, revision) if SHARD_NAME.fullmatch(Path(f["path"]).name)),
+    shard, the validation split: data_dir ends with num_shards + 1 files, the validation shard last in sorted order.
+    A rerun whose files are all on disk and match the hashes listed at download time makes no hub call."""
+    def select(files):
+        return _select_shards(dataset, files, num_shards)
+    chosen, from_disk = _listing(dataset, revision, data_dir, select, workers)
+    if from_disk:
+        return [Path(data_dir) / Path(e["path"]).name for e in chosen]
+    return _download_entries(dataset, chosen, data_dir, revision, "dataset", workers)
+
+
+def _select_shards(dataset, files, num_shards):
+    shards = sorted((f for f in files if SHARD_NAME.fullmatch(Path(f["path"]).name)),
                     key=lambda f: int(SHARD_NAME.fullmatch(Path(f["path"]).name).group(1)))
     if len(shards) < 2:
         raise ValueError(f"{dataset} has {len(shards)} shard_NNNNN.parquet files; a corpus needs training shards and a "
@@ -344,7 +401,7 @@ def download_shards(dataset, num_shards, data_dir, workers=4, revision="main"):
     if not 1 <= num_shards <= available:
         raise ValueError(f"--shards {num_shards} is not available: {dataset} has {available} training shards (plus "
                          f"the validation shard): choose 1..{available}")
-    return _download_entries(dataset, shards[:num_shards] + shards[-1:], data_dir, revision, "dataset", workers)
+    return shards[:num_shards] + shards[-1:]
 
 
 # Conversations. A chat directory holds parquet files with a `messages` column (SmolTalk, UltraChat) or a
@@ -363,10 +420,15 @@ def download_chat(name, out_dir=None, workers=4):
         raise ValueError(f"unknown conversation dataset {name!r}: choose from {', '.join(CHAT_DATASETS)}")
     repo, pattern = CHAT_DATASETS[name]
     out_dir = Path(out_dir or CACHE_DIR / "chat" / name)
-    entries = [f for f in list_hub_files(repo) if re.fullmatch(pattern, f["path"])]
-    if not entries:
-        raise ValueError(f"{repo} has no files matching {pattern}: the dataset's layout changed; please report it")
-    for path in _download_entries(repo, entries, out_dir, "main", "dataset", workers):
+    def select(files):
+        entries = [f for f in files if re.fullmatch(pattern, f["path"])]
+        if not entries:
+            raise ValueError(f"{repo} has no files matching {pattern}: the dataset's layout changed; please report it")
+        return entries
+    entries, from_disk = _listing(repo, "main", out_dir, select, workers)
+    paths = [out_dir / Path(e["path"]).name for e in entries] if from_disk else \
+        _download_entries(repo, entries, out_dir, "main", "dataset", workers)
+    for path in paths:
         if path.suffix == ".jsonl" and not path.with_suffix(".parquet").exists():
             text, _ = decode_utf8(path.read_bytes())
             rows = [json.loads(line)["conversations"] for line in text.splitlines() if line.strip()]
