@@ -19,7 +19,8 @@ usage() {
 usage: bash speedrun.sh [flags]
 
   --plan gpu|demo     gpu: d20-class model on FineWeb-Edu, every stage; demo: the offline demo world, preset tiny,
-                      on the CPU (default: gpu when CUDA GPUs are present, else demo)
+                      on the CPU (default: gpu when torch sees CUDA GPUs, else demo; GPUs that nvidia-smi lists
+                      but torch cannot use stop the run with the driver and wheel versions)
   --depth N           gpu plan: model depth, the d{N} preset (default: $DEPTH)
   --run_name NAME     everything goes to <runs_dir>/NAME/ (default: $RUN_NAME)
   --runs_dir DIR      (default: $RUNS_DIR)
@@ -174,6 +175,25 @@ if command -v nvidia-smi > /dev/null 2>&1; then
 fi
 if [ "$GPUS" = auto ]; then
     GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+    # GPUs the driver sees but torch cannot use (a driver older than the CUDA the torch wheel was built for): an
+    # error, never a silent CPU demo on a rented GPU box
+    SMI_GPUS=0
+    if [ "$GPUS" = 0 ] && command -v nvidia-smi > /dev/null 2>&1; then
+        SMI_GPUS=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -c . || true)
+    fi
+    if [ "$SMI_GPUS" -gt 0 ]; then
+        driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 | tr -d ' ')
+        driver_cuda=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9.]*\).*/\1/p' | head -1)
+        read -r torch_version torch_cuda <<< "$("$PY" -c 'import torch; print(torch.__version__, torch.version.cuda)')"
+        echo "speedrun.sh: error: nvidia-smi lists $SMI_GPUS GPU(s) but torch $torch_version sees none. The driver" \
+            "is ${driver:-unknown} (it supports CUDA ${driver_cuda:-unknown}); this torch wheel was built for CUDA" \
+            "$([ "$torch_cuda" = None ] && echo "none (a CPU-only wheel)" || echo "$torch_cuda")." >&2
+        echo "Install a torch wheel built for a CUDA the driver supports, e.g. \`$PY -m pip install" \
+            "torch==${torch_version%%+*} --index-url https://download.pytorch.org/whl/cuXYZ\` with XYZ at most" \
+            "${driver_cuda:-that of the driver} without the dot (pytorch.org lists the builds), or update" \
+            "the driver; --gpus 0 runs on the CPU regardless." >&2
+        exit 1
+    fi
 fi
 [ "$PLAN" = auto ] && { [ "$GPUS" -gt 0 ] && PLAN=gpu || PLAN=demo; }
 if [ "$PLAN" = gpu ] && [ "$GPUS" -lt 1 ] && [ "$PROBE_ONLY" = 0 ]; then

@@ -208,3 +208,32 @@ def test_help_lists_every_flag_with_its_default():
                  "--gpus", "--no_chat", "--runs_dir DIR", "(default: runs)", "PRETRAIN_ARGS", "CHAT_EVAL_ARGS",
                  "NCCL_SAFE=1"]:
         assert flag in result.stdout, flag
+
+
+FAKE_SMI = """#!/bin/sh
+case "$*" in
+    *query-compute-apps*) ;;
+    *query-gpu=name*) echo 'NVIDIA H100 80GB HBM3'; echo 'NVIDIA H100 80GB HBM3' ;;
+    *query-gpu=driver_version*) echo '470.57.02'; echo '470.57.02' ;;
+    *) echo '| NVIDIA-SMI 470.57.02    Driver Version: 470.57.02    CUDA Version: 11.4     |' ;;
+esac
+"""
+
+
+def test_gpus_the_driver_lists_but_torch_cannot_use_stop_the_run_naming_driver_and_wheel(tmp_path):
+    """nvidia-smi (a fake on PATH) lists 2 GPUs with a driver for CUDA 11.4; this torch (the CPU wheel) sees none: the
+    auto plan is an error naming the driver, the wheel's CUDA and the pip command, not a silent CPU demo."""
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text(FAKE_SMI)
+    fake.chmod(0o755)
+    env = {"PATH": f"{fake.parent}:{os.environ['PATH']}", "SPEEDRUN_PROBE_CMD": "exit 0"}
+    result = run_speedrun(["--runs_dir", tmp_path, "--probe_only"], tmp_path, env, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    cuda = torch.version.cuda or "none (a CPU-only wheel)"
+    assert f"nvidia-smi lists 2 GPU(s) but torch {torch.__version__} sees none. The driver is 470.57.02 (it supports " \
+           f"CUDA 11.4); this torch wheel was built for CUDA {cuda}." in result.stderr
+    assert f"pip install torch=={torch.__version__.split('+')[0]} --index-url https://download.pytorch.org/whl/cuXYZ" \
+           in result.stderr and "plan demo" not in result.stdout
+    chosen = run_speedrun(["--runs_dir", tmp_path, "--probe_only", "--gpus", "0"], tmp_path, env, timeout=120)
+    assert chosen.returncode == 0 and "plan demo" in chosen.stdout  # the CPU on purpose: allowed
