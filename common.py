@@ -962,6 +962,7 @@ def resume(path, run_dir, model, optimizers, loaders, layout, rank, device):
     set_rng_state(rng)
     if rank == 0:
         truncate_metrics(run_dir / "metrics.jsonl", meta["step"])
+        truncate_metrics(run_dir / "samples.jsonl", meta["step"])
         aside = set_aside_newer(run_dir / "ckpt", meta["step"])
         sharding = ["sharded" if flag else "not sharded" for flag in (meta.get("sharded"), is_sharded(model))]
         print(f"resume: from {path} at step {meta['step']} ({meta['world_size']} -> {layout['world_size']} processes, "
@@ -1341,6 +1342,18 @@ def now():
 # -----------------------------------------------------------------------------
 # Batch planning: the micro-batch that fits, and the accumulation steps that make up the global batch
 
+MAX_MICRO_BATCH = 1024  # the probe's ceiling without --total_batch_tokens: sequences per rank per forward
+
+
+def micro_batch_candidates(total, seq_len, world):
+    """The micro-batches plan_batch probes: with --total_batch_tokens, the divisors of its per-rank sequences; without,
+    the powers of two up to MAX_MICRO_BATCH (the largest that fits is the help text's promise, not a cap of 8)."""
+    if total:
+        per_rank = max(1, total // (seq_len * world))
+        return [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+    return [2 ** k for k in range(MAX_MICRO_BATCH.bit_length())]
+
+
 def find_micro_batch(try_step, candidates):
     """The largest candidate for which try_step(micro_batch) does not run out of CUDA memory."""
     for micro in sorted(candidates, reverse=True):
@@ -1376,8 +1389,7 @@ def plan_batch(args, config, world, model, device):
     """(micro_batch, accumulation steps) for --total_batch_tokens; the error names the nearest valid values."""
     seq_len, total = config.sequence_len, args.total_batch_tokens
     if args.micro_batch == 0:
-        per_rank = (total // (seq_len * world)) if total else 8
-        candidates = [m for m in range(1, max(1, per_rank) + 1) if per_rank % m == 0]
+        candidates = micro_batch_candidates(total, seq_len, world)
         if device.type == "cuda":
             throwaway = build_optimizers(model, args, config.n_embd, 1, device)
             micro = find_micro_batch(probe_step(model, throwaway, seq_len, config.vocab_size, args.dtype, device),
@@ -1387,7 +1399,7 @@ def plan_batch(args, config, world, model, device):
             micro = int(all_reduce(micro, dist.ReduceOp.MIN if dist.is_initialized() else None))
             print(f"batch: micro_batch {micro} is the largest that fits on every rank (probed with optimizer state)")
         else:
-            micro = max(candidates)
+            micro = max(candidates) if total else 8  # the CPU: no memory probe; 8 sequences keep a step short
     else:
         micro = args.micro_batch
     step_unit = micro * seq_len * world
@@ -1474,6 +1486,13 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
     """Steps start..total_steps-1. evaluate(step) returns fields for that step's metrics record (and prints).
     Returns None when every step ran, or the signal number that stopped the run after its checkpoint."""
     master, tokens_per_step = rank == 0, sum(ld.B * ld.T for ld in loaders) * world
+    if master and start == 0:
+        # a stage restarted before its first checkpoint starts over: the lines of the earlier start would count its
+        # steps twice (the report sums them)
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            if (run_dir / name).is_file():
+                (run_dir / name).unlink()
+                print(f"run dir: {run_dir / name} of an earlier start without a checkpoint removed: starting over")
     metrics, wandb, stop = Metrics(run_dir / "metrics.jsonl", master), open_wandb(args, master), StopSignal()
     peak = peak_flops(device_name(device), args.dtype)
     initial, mem_history, run_start = param_samples(model), [], now()

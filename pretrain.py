@@ -58,7 +58,8 @@ def get_args(argv=None):
     g.add_argument("--total_batch_tokens", type=int, default=None, help="tokens per optimizer step over all ranks "
                    "(default: micro_batch x sequence_len x world size, no accumulation)")
     g.add_argument("--micro_batch", type=int, default=0, help="sequences per rank per forward; 0 = find the largest "
-                   "that fits on CUDA (on CPU: the whole per-rank batch) (default: %(default)s)")
+                   "that fits on CUDA (a divisor of the per-rank batch; without --total_batch_tokens a power of two up "
+                   "to 1024), on CPU the whole per-rank batch (8 without --total_batch_tokens) (default: %(default)s)")
     g.add_argument("--dtype", default=C.matmul_dtype(torch.device("cuda" if cuda else "cpu")),
                    choices=["bfloat16", "float32"], help="compute dtype (autocast); weights stay fp32 (default: "
                    "%(default)s: bfloat16 where this device runs it natively, never an emulated dtype)")

@@ -54,7 +54,8 @@ def data_of(config):
     if config["stage"] == "pretrain":
         paths = [Path(config["data_dir"])]
     elif config["stage"] == "midtrain":
-        paths = [Path(s.split(":", 1)[1].rsplit(":", 1)[0]) for s in config["args"]["source"] or []]
+        # the sources it trained on, the defaults included (config["args"]["source"] is only what was passed)
+        paths = [Path(s["path"]) for s in config.get("sources") or []]
     else:
         paths = [Path(config["chat_dir"])]
     parts = []

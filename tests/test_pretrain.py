@@ -245,6 +245,31 @@ def test_micro_batch_probe_takes_the_largest_that_fits():
         C.find_micro_batch(try_step, [8, 16])
 
 
+def test_without_a_total_batch_the_probe_is_not_capped_at_8():
+    """No --total_batch_tokens: the probe's candidates go up to 1024 sequences, so a GPU on which 48 fit gets 32 (the
+    largest power of two that fits), not 8; with a total, the divisors of its per-rank sequences, as before."""
+    def try_step(micro):
+        if micro > 48:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+    candidates = C.micro_batch_candidates(None, 2048, 8)
+    assert max(candidates) == 1024 and C.find_micro_batch(try_step, candidates) == 32
+    assert C.micro_batch_candidates(524288, 2048, 8) == [1, 2, 4, 8, 16, 32]
+
+
+def test_a_stage_restarted_before_its_first_checkpoint_counts_each_step_once(world):
+    """The first start dies (SIGKILL) at step 3, before any checkpoint; speedrun's rerun then starts it over (no
+    checkpoint, no --resume): metrics.jsonl holds that second start's steps only, each once."""
+    args = [*SMALL, "--run_name", "restart", "--steps", "6", "--ckpt_every", "100", "--compile", "false"]
+    died = run(world, [*args, "--die_at_step", "3"], check=False)
+    assert died.returncode != 0
+    metrics = world / "runs" / "restart" / "metrics.jsonl"
+    assert [r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r] == [1, 2]
+    again = run(world, args)
+    assert "of an earlier start without a checkpoint removed: starting over" in again.stdout
+    steps = [r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
 def test_micro_batch_probe_holds_optimizer_state_and_gradients_at_its_peak():
     """The probe must allocate what step 1 of training does: at its last optimizer step every parameter has a
     gradient (what DDP's buckets hold: gradient_as_bucket_view) and its optimizer state (AdamW: 2 moments, Muon: a

@@ -237,3 +237,18 @@ def test_gpus_the_driver_lists_but_torch_cannot_use_stop_the_run_naming_driver_a
            in result.stderr and "plan demo" not in result.stdout
     chosen = run_speedrun(["--runs_dir", tmp_path, "--probe_only", "--gpus", "0"], tmp_path, env, timeout=120)
     assert chosen.returncode == 0 and "plan demo" in chosen.stdout  # the CPU on purpose: allowed
+
+
+def test_the_report_names_midtrainings_default_sources(tmp_path):
+    """On the gpu plan midtrain.py runs with its default sources (no --source): the report's data column reads the
+    sources the stage recorded in config.json, not the flags it was given."""
+    import report
+    corpus, chat = tmp_path / "fineweb", tmp_path / "smoltalk"
+    for d, names in ((corpus, ["shard_00000.parquet", "shard_00001.parquet"]), (chat, ["train-0.parquet"])):
+        d.mkdir()
+        for name in names:
+            (d / name).write_bytes(b"")
+    config = {"stage": "midtrain", "args": {"source": None},
+              "sources": [{"name": "text:fineweb", "kind": "text", "path": str(corpus), "share": 0.3},
+                          {"name": "chat:smoltalk", "kind": "chat", "path": str(chat), "share": 0.7}]}
+    assert report.data_of(config) == f"{corpus} (2 shards); {chat} (1 shards)"
