@@ -40,7 +40,8 @@ environment:
   PRETRAIN_ARGS MIDTRAIN_ARGS SFT_ARGS CORE_ARGS CHAT_EVAL_ARGS   extra flags appended to that stage's command line
                       (the last of a repeated flag wins), e.g. PRETRAIN_ARGS="--steps 100"
   NCCL_SAFE=1         skip the NCCL probe and run with seed 003's safe flags
-  SPEEDRUN_PYTHON     the interpreter (default: .venv/bin/python, created from requirements.txt when missing)
+  SPEEDRUN_PYTHON     the interpreter (default: .venv/bin/python, installed from requirements.txt unless .venv
+                      records a completed install of this requirements.txt)
   SPEEDRUN_PROBE_TIMEOUT  seconds before the NCCL probe counts as hung (default: 120)
   SPEEDRUN_KILL_WAIT  seconds a stage gets to checkpoint after SIGTERM before SIGKILL (default: 30)
 EOF
@@ -151,14 +152,43 @@ skip() { say "stage $1 skipped: $2"; if [ "$STOP_AFTER" = "$1" ]; then exit 0; f
 export PYTHONUNBUFFERED=1  # every line reaches the log and the terminal when printed
 
 # --- the interpreter
+# .venv counts as installed only when it holds the sha256 of the requirements.txt whose pip install completed: an
+# interrupted pip, or a venv made without pip (python3-venv missing), is repaired or redone, never skipped
 if [ -n "${SPEEDRUN_PYTHON:-}" ]; then
     PY=$SPEEDRUN_PYTHON
 else
-    if [ ! -x "$ROOT/.venv/bin/python" ]; then
-        say "creating .venv from requirements.txt"
-        python3 -m venv "$ROOT/.venv" && "$ROOT/.venv/bin/pip" install -q -r "$ROOT/requirements.txt"
+    VENV=$ROOT/.venv
+    want=$(sha256sum "$ROOT/requirements.txt" | cut -d' ' -f1)
+    have=$(cat "$VENV/installed-requirements.sha256" 2>/dev/null || true)
+    if [ "$have" != "$want" ]; then
+        if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -m pip --version > /dev/null 2>&1; then
+            if [ -e "$VENV" ]; then
+                say "$VENV has no working python or pip (an interrupted creation, or python3-venv missing): recreating it"
+            else
+                say "creating $VENV from requirements.txt"
+            fi
+            rm -rf "$VENV"
+            if ! python3 -m venv "$VENV"; then
+                rm -rf "$VENV"
+                echo "speedrun.sh: error: \`python3 -m venv $VENV\` failed: install the venv module (Debian/Ubuntu:" \
+                    "\`apt-get install python3-venv\`) and rerun, or set SPEEDRUN_PYTHON to an interpreter with" \
+                    "requirements.txt installed" >&2
+                exit 1
+            fi
+        elif [ -n "$have" ]; then
+            say "requirements.txt changed since $VENV was installed: installing it again"
+        else
+            say "$VENV is a half install (no record that pip install -r requirements.txt completed): repairing it"
+        fi
+        if ! "$VENV/bin/python" -m pip install -q -r "$ROOT/requirements.txt"; then
+            echo "speedrun.sh: error: pip install -r $ROOT/requirements.txt into $VENV failed (above); fix the cause" \
+                "and rerun: the install is repaired then (or delete $VENV to start it afresh)" >&2
+            exit 1
+        fi
+        echo "$want" > "$VENV/installed-requirements.sha256"
+        say "$VENV: requirements.txt installed (sha256 ${want:0:12}... recorded in $VENV/installed-requirements.sha256)"
     fi
-    PY=$ROOT/.venv/bin/python
+    PY=$VENV/bin/python
 fi
 
 # --- GPUs: how many, and whether something else holds them (seed 000: zombie workers from an earlier run)

@@ -252,3 +252,55 @@ def test_the_report_names_midtrainings_default_sources(tmp_path):
               "sources": [{"name": "text:fineweb", "kind": "text", "path": str(corpus), "share": 0.3},
                           {"name": "chat:smoltalk", "kind": "chat", "path": str(chat), "share": 0.7}]}
     assert report.data_of(config) == f"{corpus} (2 shards); {chat} (1 shards)"
+
+
+def test_a_half_installed_venv_is_repaired_and_a_completed_install_is_recorded(tmp_path):
+    """speedrun.sh and requirements.txt copied beside a .venv whose python is a stand-in (pip calls are logged, and
+    fail when PIP_RC says so): a .venv without the record of a completed install is repaired, a failed pip is an
+    error that records nothing, a .venv without python is recreated (python3 -m venv, a stand-in too), and a recorded
+    install is not touched again."""
+    import hashlib
+    import shutil
+    repo, bin_dir, log = tmp_path / "repo", tmp_path / "bin", tmp_path / "pip.log"
+    repo.mkdir()
+    bin_dir.mkdir()
+    for name in ("speedrun.sh", "requirements.txt"):
+        shutil.copy(ROOT / name, repo / name)
+    fake_python = (f'#!/bin/sh\nif [ "$1 $2" = "-m pip" ]; then\n  [ "$3" = --version ] && exit 0\n'
+                   f'  echo "$*" >> {log}; exit ${{PIP_RC:-0}}\nfi\nexec {sys.executable} "$@"\n')
+
+    def make_venv():
+        (repo / ".venv" / "bin").mkdir(parents=True)
+        (repo / ".venv" / "bin" / "python").write_text(fake_python)
+        (repo / ".venv" / "bin" / "python").chmod(0o755)
+    (bin_dir / "python3").write_text(f'#!/bin/sh\n[ "$1" = -m ] && [ "$2" = venv ] || exit 99\necho "venv $3" >> {log}\n'
+                                     f'mkdir -p "$3/bin"\nprintf %s \'{fake_python}\' > "$3/bin/python"\n'
+                                     f'chmod +x "$3/bin/python"\n')
+    (bin_dir / "python3").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "SPEEDRUN_PYTHON"}
+    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", SPEEDRUN_PROBE_CMD="exit 0")
+
+    def speedrun(**extra):
+        return subprocess.run(["bash", str(repo / "speedrun.sh"), "--gpus", "0", "--probe_only", "--runs_dir",
+                               str(tmp_path / "runs")], cwd=tmp_path, env={**env, **extra}, capture_output=True,
+                              text=True, timeout=120, check=False)
+    record = repo / ".venv" / "installed-requirements.sha256"
+    want = hashlib.sha256((repo / "requirements.txt").read_bytes()).hexdigest()
+    make_venv()  # bin/python exists, as after an interrupted pip: today's check counts that as installed
+    failed = speedrun(PIP_RC="1")
+    assert failed.returncode == 1 and "is a half install" in failed.stdout
+    assert "pip install -r" in failed.stderr and "failed" in failed.stderr and not record.exists()
+    repaired = speedrun()
+    assert repaired.returncode == 0, repaired.stderr
+    assert "is a half install (no record that pip install -r requirements.txt completed): repairing it" in \
+        repaired.stdout
+    assert record.read_text().strip() == want
+    assert log.read_text().splitlines() == [f"-m pip install -q -r {repo / 'requirements.txt'}"] * 2
+    again = speedrun()
+    assert again.returncode == 0 and "requirements.txt" not in again.stdout and len(log.read_text().splitlines()) == 2
+    shutil.rmtree(repo / ".venv")
+    (repo / ".venv").mkdir()  # what python3 -m venv leaves when ensurepip is missing, roughly: no bin/python
+    recreated = speedrun()
+    assert recreated.returncode == 0 and "has no working python or pip" in recreated.stdout
+    assert log.read_text().splitlines()[2:] == [f"venv {repo / '.venv'}", f"-m pip install -q -r {repo / 'requirements.txt'}"]
+    assert record.read_text().strip() == want
