@@ -100,10 +100,15 @@ def teardown_distributed():
         dist.destroy_process_group()
 
 
-def probe_all_reduce(timeout_s):
-    """One all-reduce over torchrun's ranks (NCCL on CUDA, gloo on CPU) whose collectives time out after timeout_s:
-    speedrun.sh runs it before training, under an outer `timeout` as the hard stop for a hang inside NCCL. Returns
-    the exit status: 0 when every rank got the sum of the ranks' values."""
+PROBE_MBYTES = 64  # the probe's message: a DDP gradient bucket is 25 MB; NVLS and P2P over NVSwitch start near here
+
+
+def probe_all_reduce(timeout_s, mbytes=PROBE_MBYTES, iters=5):
+    """All-reduces over torchrun's ranks (NCCL on CUDA, gloo on CPU) whose collectives time out after timeout_s:
+    speedrun.sh runs it before training, under an outer `timeout` as the hard stop for a hang inside NCCL. First 4
+    bytes, then a message of `mbytes` MB (a gradient bucket's size: the large-message algorithms a 4-byte probe never
+    reaches), timed over `iters` repeats after one warm-up, and the bus bandwidth printed (algorithm bandwidth x
+    2(n-1)/n, nccl-tests' figure). Returns the exit status: 0 when every rank got the right sums."""
     from datetime import timedelta
     if "RANK" not in os.environ:
         print("probe: not under torchrun: one process, nothing to all-reduce")
@@ -116,14 +121,33 @@ def probe_all_reduce(timeout_s):
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    expected = world * (world + 1) / 2
     t = torch.full((1,), float(rank + 1), device=device)
     dist.all_reduce(t)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    ok = t.item() == world * (world + 1) / 2
+    ok = t.item() == expected
+    where = f"{world} ranks ({dist.get_backend()}, {device_name(device)})"
     if rank == 0:
-        print(f"probe: all-reduce over {world} ranks ({dist.get_backend()}, {device_name(device)}): "
-              f"{'ok' if ok else f'wrong sum {t.item()}'}", flush=True)
+        print(f"probe: 4-byte all-reduce over {where}: {'ok' if ok else f'wrong sum {t.item()}'}", flush=True)
+    numel = int(mbytes * 1e6) // 4
+    big = torch.full((numel,), float(rank + 1), device=device)  # small integers: exact sums in fp32
+    dist.all_reduce(big)  # warm-up: connections and buffers of the large-message path
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+    sync(device)
+    good = bool((big == expected).all())
+    big.fill_(float(rank + 1))
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(big)
+    sync(device)
+    seconds = (time.perf_counter() - start) / iters
+    seconds = all_reduce(seconds, dist.ReduceOp.MAX)  # the slowest rank's time is the collective's
+    good = good and bool(torch.isfinite(big).all())
+    ok = ok and good
+    if rank == 0:
+        bus = numel * 4 / seconds * 2 * (world - 1) / world / 1e9
+        print(f"probe: {numel * 4 / 1e6:.0f} MB all-reduce over {where}: {'ok' if good else 'wrong sums'}, "
+              f"{seconds * 1e3:.1f} ms each ({iters} timed), bus bandwidth {bus:.2f} GB/s", flush=True)
     dist.destroy_process_group()
     return 0 if ok else 1
 
@@ -1638,14 +1662,16 @@ def print_status(run_dir):
 def main(argv=None):
     parser = argparse.ArgumentParser(description="speedrun.sh's NCCL check (probe, under torchrun), and a sharded "
                                      "checkpoint's model.pt (consolidate); otherwise import common")
-    parser.add_argument("command", choices=["probe", "consolidate"], help="probe: one all-reduce over torchrun's "
-                        "ranks; consolidate: write CHECKPOINT/model.pt from its shards, in one process")
+    parser.add_argument("command", choices=["probe", "consolidate"], help="probe: a 4-byte and a timed large all-reduce "
+                        "over torchrun's ranks; consolidate: write CHECKPOINT/model.pt from its shards, in one process")
     parser.add_argument("checkpoint", nargs="?", help="consolidate: a step_* directory or a run directory (its newest)")
     parser.add_argument("--timeout", type=float, default=60.0, help="probe: seconds before a collective counts as "
                         "hung (default: %(default)s)")
+    parser.add_argument("--mbytes", type=float, default=PROBE_MBYTES, help="probe: size of the timed all-reduce in MB "
+                        "(default: %(default)s)")
     args = parser.parse_args(argv)
     if args.command == "probe":
-        return probe_all_reduce(args.timeout)
+        return probe_all_reduce(args.timeout, args.mbytes)
     if args.checkpoint is None:
         parser.error("consolidate needs a checkpoint: python common.py consolidate runs/<run>[/ckpt/step_N]")
     try:

@@ -3,7 +3,7 @@
     python report.py runs/speedrun          # what speedrun.sh runs after the last stage
 
 Reads, for each stage run under the speedrun directory (pretrain/, midtrain/, sft/): config.json, metrics.jsonl,
-done.json and samples.jsonl; core_eval/results.json; chat_eval.json; transport.txt (the NCCL decision);
+done.json and samples.jsonl; core_eval/results.json; chat_eval.json; transport.txt (the NCCL decision and the bandwidth its probe measured);
 logs/<stage>.log (the `distributed:` line, where each rank names the device it held, and the parameter count);
 logs/stages.tsv (each stage's wall time, written by speedrun.sh). A figure that is not there is "unknown".
 Writes report.md, loss.png (training loss per stage) and val_bpb.png (pretraining validation bits per byte).

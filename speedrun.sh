@@ -33,16 +33,17 @@ usage: bash speedrun.sh [flags]
   --stop_after STAGE  stop after this stage: data tokenizer pretrain core_eval midtrain sft chat_eval report
   --no_chat           do not start chat.py at the end (it starts only when stdin is a terminal anyway)
   --force             start although other processes hold the GPUs
-  --probe_only        run the NCCL check, record the transport, and exit
+  --probe_only        run the NCCL check, record the transport and its measured bandwidth, and exit
   -h, --help          this text
 
 environment:
   PRETRAIN_ARGS MIDTRAIN_ARGS SFT_ARGS CORE_ARGS CHAT_EVAL_ARGS   extra flags appended to that stage's command line
                       (the last of a repeated flag wins), e.g. PRETRAIN_ARGS="--steps 100"
-  NCCL_SAFE=1         skip the NCCL probe and run with seed 003's safe flags
+  NCCL_SAFE=1         skip the NCCL probe and run with the safe flags (P2P and InfiniBand off)
   SPEEDRUN_PYTHON     the interpreter (default: .venv/bin/python, installed from requirements.txt unless .venv
                       records a completed install of this requirements.txt)
   SPEEDRUN_PROBE_TIMEOUT  seconds before the NCCL probe counts as hung (default: 120)
+  SPEEDRUN_PROBE_MB   size of the probe's timed all-reduce in MB (default: 64)
   SPEEDRUN_KILL_WAIT  seconds a stage gets to checkpoint after SIGTERM before SIGKILL (default: 30)
 EOF
 }
@@ -235,20 +236,25 @@ LAUNCH=("$PY" -m torch.distributed.run --standalone "--nproc_per_node=$NPROC")
 say "plan $PLAN, run $RUN, $NPROC process(es) per stage ($([ "$GPUS" -gt 0 ] && echo "$GPUS GPUs" || echo CPU))," \
     "commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)"
 
-# --- NCCL: one all-reduce with a timeout before training; on a hang or failure, seed 003's safe flags
+# --- NCCL: a 4-byte and a timed gradient-bucket-sized all-reduce before training; on a hang or failure, the safe
+# flags (P2P and InfiniBand off, sockets over loopback: what stopped multi-GPU runs from hanging), their cost printed
 SAFE_FLAGS="NCCL_P2P_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_NET=Socket NCCL_NET_PLUGIN=none"
 PROBE_TIMEOUT=${SPEEDRUN_PROBE_TIMEOUT:-120}
+PROBE_MB=${SPEEDRUN_PROBE_MB:-64}  # a gradient bucket's size: where NVLS and P2P over NVSwitch take over
+PROBE_BW=""  # the last probe's measured bus bandwidth ("12.34 GB/s"), empty when it printed none
 probe() {  # the probe in its own process group under a hard timeout; its status
-    local rc=0
+    local rc=0 before
+    before=$(wc -l < "$LOGS/probe.log" 2>/dev/null || echo 0)
     if [ -n "${SPEEDRUN_PROBE_CMD:-}" ]; then  # tests inject a hang here
         setsid timeout -k 5 "$PROBE_TIMEOUT" bash -c "$SPEEDRUN_PROBE_CMD" >> "$LOGS/probe.log" 2>&1 &
     else
         setsid timeout -k 5 "$PROBE_TIMEOUT" "${LAUNCH[@]}" "$ROOT/common.py" probe --timeout "$PROBE_TIMEOUT" \
-            >> "$LOGS/probe.log" 2>&1 < /dev/null &
+            --mbytes "$PROBE_MB" >> "$LOGS/probe.log" 2>&1 < /dev/null &
     fi
     STAGE_PGIDS+=("$!")
     wait "$!" || rc=$?
     end_groups  # nothing of a hung probe survives it
+    PROBE_BW=$(tail -n "+$((before + 1))" "$LOGS/probe.log" | sed -n 's/.*all-reduce over .*: ok, .* bus bandwidth \([0-9.]* GB\/s\).*/\1/p' | tail -1)
     return "$rc"
 }
 use_safe_flags() { local kv; for kv in $SAFE_FLAGS; do export "${kv?}"; done; }
@@ -258,14 +264,18 @@ elif [ "${NCCL_SAFE:-0}" = 1 ]; then
     use_safe_flags
     TRANSPORT="nccl safe flags (NCCL_SAFE=1: $SAFE_FLAGS)"
 elif probe; then
-    TRANSPORT="nccl default"
+    TRANSPORT="nccl default, all-reduce bus bandwidth ${PROBE_BW:-unknown} (${PROBE_MB} MB message)"
 else
     rc=$?
+    DEFAULT_BW=${PROBE_BW:-none: it $([ "$rc" = 124 ] || [ "$rc" = 137 ] && echo hung || echo failed)}
     say "NCCL probe failed (exit $rc$([ "$rc" = 124 ] || [ "$rc" = 137 ] && echo ", hung past ${PROBE_TIMEOUT}s")):" \
-        "retrying with seed 003's safe flags $SAFE_FLAGS; log: $LOGS/probe.log"
+        "retrying with the safe flags $SAFE_FLAGS; log: $LOGS/probe.log"
     use_safe_flags
     if probe; then
-        TRANSPORT="nccl safe flags ($SAFE_FLAGS)"
+        TRANSPORT="nccl safe flags ($SAFE_FLAGS), all-reduce bus bandwidth ${PROBE_BW:-unknown} (${PROBE_MB} MB message;"
+        TRANSPORT+=" default flags: $DEFAULT_BW)"
+        say "the safe flags cost: all-reduce bus bandwidth ${PROBE_BW:-unknown} with them (P2P and InfiniBand off:" \
+            "gradients go through host memory and sockets); with the default flags: $DEFAULT_BW"
     else
         rc=$?
         echo "speedrun: stage nccl_probe failed (exit $rc) even with the safe flags; log: $LOGS/probe.log" >&2

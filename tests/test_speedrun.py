@@ -177,14 +177,22 @@ def probe_only(tmp_path, command, **env):
 
 def test_a_hung_nccl_probe_falls_back_to_the_safe_flags_and_leaves_nothing_running(tmp_path):
     marker = f"sleep 77.{os.getpid()}"  # hangs unless the safe flags are set
-    hang = f'[ "${{NCCL_P2P_DISABLE:-}}" = 1 ] && [ "$NCCL_NET" = Socket ] && exit 0; {marker}'
+    measured = "probe: 64 MB all-reduce over 2 ranks (nccl, fake): ok, 40.0 ms each (5 timed), bus bandwidth 1.60 GB/s"
+    hang = f'[ "${{NCCL_P2P_DISABLE:-}}" = 1 ] && [ "$NCCL_NET" = Socket ] && {{ echo "{measured}"; exit 0; }}; {marker}'
     result = probe_only(tmp_path, hang)
     assert result.returncode == 0, result.stderr
-    assert "NCCL probe failed (exit 124, hung past 2s): retrying with seed 003's safe flags NCCL_P2P_DISABLE=1 " \
+    assert "NCCL probe failed (exit 124, hung past 2s): retrying with the safe flags NCCL_P2P_DISABLE=1 " \
            "NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_NET=Socket NCCL_NET_PLUGIN=none" in result.stdout
-    assert (tmp_path / "p" / "transport.txt").read_text().startswith("nccl safe flags (NCCL_P2P_DISABLE=1 ")
+    transport = (tmp_path / "p" / "transport.txt").read_text()
+    assert transport.startswith("nccl safe flags (NCCL_P2P_DISABLE=1 ")
+    assert transport.strip().endswith("all-reduce bus bandwidth 1.60 GB/s (64 MB message; default flags: none: it "
+                                      "hung)")
+    assert "the safe flags cost: all-reduce bus bandwidth 1.60 GB/s with them" in result.stdout
     assert processes_mentioning(marker) == []
-    assert probe_only(tmp_path, "exit 0").stdout.count("transport: nccl default") == 1
+    fast = measured.replace("1.60", "98.70")
+    default = probe_only(tmp_path, f'echo "{fast}"')
+    assert default.stdout.count("transport: nccl default, all-reduce bus bandwidth 98.70 GB/s (64 MB message)") == 1
+    assert "transport: nccl default, all-reduce bus bandwidth unknown" in probe_only(tmp_path, "exit 0").stdout
     forced = probe_only(tmp_path, f"{marker}", NCCL_SAFE="1")
     assert "transport: nccl safe flags (NCCL_SAFE=1: NCCL_P2P_DISABLE=1" in forced.stdout
     failed = probe_only(tmp_path, "exit 3")
