@@ -1557,7 +1557,7 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
         record = {"step": step + 1, "loss": loss, "targets": int(count.item()), "lr_mult": lr_mult,
                   "weight_decay": wd, "lr": {g["name"]: g["lr"] for opt in optimizers for g in opt.param_groups},
                   "grad_norm": grad_norm, "tokens": tokens_seen, "tok_per_s": tokens_per_step / dt,
-                  "data_wait": data_wait / dt,
+                  "data_wait": data_wait / dt, "epoch": max(ld.epoch for ld in loaders) + 1,  # this rank's; 1: first pass
                   "mfu": tokens_per_step * flops_per_token / dt / (peak * world) if peak else "unknown",
                   "step_time": dt, "cuda_mem_alloc": torch.cuda.memory_allocated(device) if device.type == "cuda"
                   else None, "cuda_mem_reserved": torch.cuda.memory_reserved(device) if device.type == "cuda" else None,
@@ -1625,7 +1625,8 @@ def progress_line(record, total_steps, seconds_per_step):
     eta = seconds_per_step * (total_steps - record["step"])
     return (f"step {record['step']}/{total_steps} loss {record['loss']:.4f} lr x{record['lr_mult']:.3f} gnorm "
             f"{record['grad_norm']:.3f} {record['tok_per_s']:,.0f} tok/s MFU {mfu} data wait "
-            f"{100 * record['data_wait']:.0f}% tokens {record['tokens']:,} ETA {fmt_duration(eta)}")
+            f"{100 * record['data_wait']:.0f}% tokens {record['tokens']:,} epoch {record['epoch']}"
+            f"{' (repeating data)' if record['epoch'] > 1 else ''} ETA {fmt_duration(eta)}")
 
 
 def print_status(run_dir):

@@ -14,6 +14,7 @@ import hashlib
 import heapq
 import itertools
 import json
+import math
 import os
 import queue
 import random
@@ -414,8 +415,9 @@ CHAT_DATASETS = {  # name: (hub repo, the files to fetch)
 }
 
 
-def download_chat(name, out_dir=None, workers=4):
-    """Fetch a conversation dataset into out_dir (default: <cache>/chat/<name>); LIMA's jsonl becomes parquet."""
+def download_chat(name, out_dir=None, workers=4, check_only=False):
+    """Fetch a conversation dataset into out_dir (default: <cache>/chat/<name>); LIMA's jsonl becomes parquet.
+    check_only: only list it (the error a gated or missing dataset gets, in seconds), or find it complete on disk."""
     if name not in CHAT_DATASETS:
         raise ValueError(f"unknown conversation dataset {name!r}: choose from {', '.join(CHAT_DATASETS)}")
     repo, pattern = CHAT_DATASETS[name]
@@ -426,6 +428,8 @@ def download_chat(name, out_dir=None, workers=4):
             raise ValueError(f"{repo} has no files matching {pattern}: the dataset's layout changed; please report it")
         return entries
     entries, from_disk = _listing(repo, "main", out_dir, select, workers)
+    if check_only:
+        return out_dir
     paths = [out_dir / Path(e["path"]).name for e in entries] if from_disk else \
         _download_entries(repo, entries, out_dir, "main", "dataset", workers)
     for path in paths:
@@ -463,6 +467,58 @@ def list_shards(data_dir):
         raise FileNotFoundError(f"no .parquet shards in {data_dir}: run `python dataset.py download --shards N "
                                 f"--data_dir {data_dir}` or `python dataset.py ingest --out {data_dir} FILES...`")
     return shards
+
+
+TOKEN_COUNTS = ".token_counts.json"  # in a corpus directory: {tokenizer fingerprint: {shard name: [tokens, docs]}}
+
+
+def shard_tokens(path, tokenizer, threads=None):
+    """(tokens, documents) of one shard as the pretraining loader trains on them: each non-empty document's tokens
+    plus its BOS. Counted once per (shard, tokenizer) and kept in the corpus directory's .token_counts.json."""
+    path = Path(path)
+    cache = path.parent / TOKEN_COUNTS
+    key = tokenizer.fingerprint()
+    try:
+        counts = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        counts = {}
+    if path.name in counts.get(key, {}):
+        return tuple(counts[key][path.name])
+    tokens = docs = 0
+    for index in range(open_parquet(path).num_row_groups):
+        texts = [t for t in read_row_group(path, index) if t]
+        tokens += sum(len(ids) + 1 for ids in tokenizer.encode_batch(texts, num_threads=threads or os.cpu_count()))
+        docs += len(texts)
+    counts.setdefault(key, {})[path.name] = [tokens, docs]
+    tmp = cache.with_name(cache.name + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(counts))
+    os.replace(tmp, cache)
+    return tokens, docs
+
+
+def corpus_budget(data_dir, tokenizer, budget_tokens):
+    """How the training split of a corpus compares with a token budget: {"shards", "docs", "measured_shard",
+    "tokens_per_doc", "tokens" (estimated: the first shard's tokens per document x every training shard's documents,
+    from the parquet footers), "epochs" (budget / tokens)}. The first shard is counted with the tokenizer; the others
+    are assumed to hold documents of the same mean length (FineWeb's shards are one shuffled stream cut in pieces)."""
+    train = split_shards(data_dir, "train")
+    tokens0, docs0 = shard_tokens(train[0], tokenizer)
+    docs = sum(open_parquet(p).metadata.num_rows for p in train)
+    per_doc = tokens0 / max(1, docs0)
+    tokens = int(per_doc * docs)
+    return {"shards": len(train), "docs": docs, "measured_shard": train[0].name, "tokens_per_doc": per_doc,
+            "tokens_per_shard": tokens0, "tokens": tokens, "epochs": budget_tokens / max(1, tokens)}
+
+
+def budget_line(b, budget_tokens):
+    """The plan's data line: what the budget needs against what the corpus holds; says so when data repeats."""
+    line = (f"data: budget {budget_tokens:,} tokens; corpus {b['shards']} training shards, {b['docs']:,} documents x "
+            f"{b['tokens_per_doc']:,.0f} tokens (the mean of {b['measured_shard']}, counted with this tokenizer) = "
+            f"~{b['tokens']:,} tokens: {b['epochs']:.2f} epochs")
+    if b["epochs"] > 1:
+        line += (f". This run REPEATS data: {b['epochs']:.2f} passes over the corpus (more shards: `python dataset.py "
+                 f"download --shards N`; N ~ {math.ceil(budget_tokens / max(1, b['tokens_per_shard'])) + 1})")
+    return line
 
 
 def split_shards(data_dir, split):
@@ -769,6 +825,11 @@ class PackedLoader:
         self._reported = 0  # skipped conversations printed so far
 
     # --- state ---------------------------------------------------------------------------------------------------
+    @property
+    def epoch(self):
+        """The pass over this rank's data that the next row comes from (0: the first; 1 and up: repeated data)."""
+        return self.state["epoch"]
+
     def state_dict(self):
         buffer = self.state["buffer"]
         ids = np.concatenate([x for x, _, _ in buffer]) if buffer else np.zeros(0, np.int32)
@@ -1129,6 +1190,11 @@ class MixtureLoader:
         stats = {key: sum(loader.state["stats"][key] for loader in self.loaders) for key in STAT_KEYS}
         return {"stats": {**stats, "batches": self.batches}}
 
+    @property
+    def epoch(self):
+        """The furthest pass any source is in (0: the first)."""
+        return max(loader.epoch for loader in self.loaders)
+
     def state_dict(self):
         return {"kind": "mixture", "names": list(self.names), "shares": list(self.targets), "batches": self.batches,
                 "sources": [loader.state_dict() for loader in self.loaders]}
@@ -1175,6 +1241,8 @@ def main(argv=None):
     p.add_argument("--workers", type=int, default=4, help="parallel downloads (default: %(default)s)")
     p = commands.add_parser("download-chat", help="conversation datasets from the hub")
     p.add_argument("names", nargs="+", choices=sorted(CHAT_DATASETS), help="which ones")
+    p.add_argument("--check", action="store_true", help="only list them on the hub (a gated or missing dataset fails "
+                   "in seconds) unless complete on disk; download nothing (default: off)")
     p.add_argument("--workers", type=int, default=4, help="parallel downloads (default: %(default)s)")
     p = commands.add_parser("ingest", help="your own .txt/.jsonl/.parquet files as a corpus")
     p.add_argument("files", nargs="+", help=".txt (documents split on blank lines), .jsonl, .parquet")
@@ -1193,7 +1261,8 @@ def main(argv=None):
             print(f"download: {len(paths) - 1} training shards + 1 validation shard in {data_dir}")
         elif args.command == "download-chat":
             for name in args.names:
-                print(f"download-chat: {name} in {download_chat(name, workers=args.workers)}")
+                out = download_chat(name, workers=args.workers, check_only=args.check)
+                print(f"download-chat: {name} {'is available' if args.check else 'in'} {out}")
         else:
             ingest(args.files, args.out, seed=args.seed, column=args.column, one_per_file=args.one_per_file,
                    val_fraction=args.val_fraction)

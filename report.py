@@ -63,6 +63,10 @@ def data_of(config):
         shards = len(list(path.glob("*.parquet")))
         demo = (path.parent / "chat_eval").is_dir() and (path.parent / "eval_bundle").is_dir()
         parts.append(f"{path} ({shards} shards{', synthetic demo data' if demo else ''})")
+    budget = config.get("data") if config["stage"] == "pretrain" else None
+    if budget:  # pretrain.py's check of the budget against the corpus
+        parts.append(f"{budget['epochs']:.2f} epochs of it" + (" (this run REPEATED data)" if budget["epochs"] > 1
+                                                               else ""))
     return "; ".join(parts)
 
 

@@ -12,7 +12,10 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")" && pwd)  # the scripts; relative paths (--runs_dir, --data_dir) are the caller's
 
 PLAN=auto DEPTH=20 RUN_NAME=speedrun DATA_DIR="" GPUS=auto NO_CHAT=0 RUNS_DIR=runs FORCE=0 TOKENIZER=""
-SHARDS=240 STOP_AFTER="" PROBE_ONLY=0 VOCAB=""
+SHARDS="" STOP_AFTER="" PROBE_ONLY=0 VOCAB=""
+# the conversation datasets the gpu plan's midtraining and SFT read (dataset.py download-chat names): checked and
+# fetched at the start, with the CORE bundle and the ChatCORE tasks, so a gated or missing one fails in minutes
+CHAT_SOURCES=(smoltalk ultrachat)
 
 usage() {
     cat <<EOF
@@ -27,7 +30,8 @@ usage: bash speedrun.sh [flags]
   --data_dir DIR      gpu: the FineWeb-Edu corpus directory (default: dataset.py's cache); demo: the demo world
                       (default: <runs_dir>/<run_name>/demo, written by demo.py when missing)
   --gpus N            processes per stage = GPUs used (default: all CUDA GPUs; 0 = CPU, one process)
-  --shards N          gpu plan: FineWeb-Edu training shards to download (default: $SHARDS)
+  --shards N          gpu plan: FineWeb-Edu training shards to download (default: what the budget needs: its
+                      tokens / the first shard's tokens counted with the tokenizer, plus one)
   --vocab_size N      tokenizer vocabulary (default: 65536 gpu, 1024 demo)
   --tokenizer DIR     use this trained tokenizer instead of training one (default: train <run>/tokenizer)
   --stop_after STAGE  stop after this stage: data tokenizer pretrain core_eval midtrain sft chat_eval report
@@ -287,7 +291,6 @@ say "transport: $TRANSPORT"
 [ "$PROBE_ONLY" = 1 ] && exit 0
 
 split_args() { read -r -a "$1" <<< "${2:-}"; }  # an env var's words as an array (no globbing, no eval)
-split_args PRETRAIN_EXTRA "${PRETRAIN_ARGS:-}"
 split_args MIDTRAIN_EXTRA "${MIDTRAIN_ARGS:-}"
 split_args SFT_EXTRA "${SFT_ARGS:-}"
 split_args CORE_EXTRA "${CORE_ARGS:-}"
@@ -327,13 +330,20 @@ else
     DATA_DIR=${DATA_DIR:-$(PYTHONPATH=$ROOT "$PY" -c 'from dataset import default_data_dir as d; print(d("karpathy/fineweb-edu-100b-shuffle"))')}
     VOCAB=${VOCAB:-65536}
     CORPUS=$DATA_DIR
-    # 8 shards first (what the tokenizer trains on), then the rest in the background while it trains; pretraining
-    # waits for them. A complete shard is never fetched again.
+    # fail in minutes, not hours: the later stages' datasets are listed now (a gated or missing one stops the run
+    # here; the ChatCORE tasks' test files are small and fetched now), then the chat data and the CORE bundle are
+    # fetched in the background
+    stage preflight "$PY" "$ROOT/dataset.py" download-chat --check "${CHAT_SOURCES[@]}"
+    stage chatcore_tasks "$PY" "$ROOT/chat_eval.py" --download_only
+    say "fetching ${CHAT_SOURCES[*]} and the CORE bundle in the background (log: $LOGS/prefetch.log)"
+    # shellcheck disable=SC2016  # expanded by the inner bash
+    setsid bash -c '"$1" "$2/dataset.py" download-chat "${@:3}" && "$1" "$2/core_eval.py" --download_only' \
+        prefetch "$PY" "$ROOT" "${CHAT_SOURCES[@]}" >> "$LOGS/prefetch.log" 2>&1 < /dev/null &
+    PREFETCH_PID=$!
+    BG_PGIDS+=("$PREFETCH_PID")
+    # 8 shards first (what the tokenizer trains on, and what the budget's shard count is measured on). A complete
+    # shard is never fetched again.
     stage data "$PY" "$ROOT/dataset.py" download --shards 8 --data_dir "$CORPUS"
-    say "downloading $SHARDS FineWeb-Edu training shards into $CORPUS in the background (log: $LOGS/download.log)"
-    setsid "$PY" "$ROOT/dataset.py" download --shards "$SHARDS" --data_dir "$CORPUS" >> "$LOGS/download.log" 2>&1 < /dev/null &
-    SHARD_PID=$!
-    BG_PGIDS+=("$SHARD_PID")
 fi
 if [ -n "$TOKENIZER" ]; then
     TOK=$TOKENIZER
@@ -345,7 +355,23 @@ else
     TOK="$RUN/tokenizer"
     stage tokenizer "$PY" "$ROOT/tokenizer.py" train --data_dir "$CORPUS" --vocab_size "$VOCAB" --out "$TOK"
 fi
-if [ -n "$SHARD_PID" ]; then
+GPU_BUDGET=(--preset "d$DEPTH" --tokens_per_param 20 --total_batch_tokens 524288)  # the gpu plan's pretraining
+split_args PRETRAIN_EXTRA "${PRETRAIN_ARGS:-}"
+if [ "$PLAN" = gpu ]; then
+    # the shards the budget needs (a deeper model needs more: d24 about 340, d26 about 415), measured with this
+    # tokenizer; the same step checks the free disk against the shards and the checkpoints to come
+    stage data_plan "$PY" "$ROOT/pretrain.py" --data_plan --data_dir "$CORPUS" --tokenizer "$TOK" --runs_dir "$RUN" \
+        "${GPU_BUDGET[@]}" "${PRETRAIN_EXTRA[@]}"
+    NEEDED=$(sed -n 's/^data plan shards: \([0-9]*\)$/\1/p' "$LOGS/data_plan.log" | tail -1)
+    if [ -z "$SHARDS" ]; then
+        SHARDS=$NEEDED
+    elif [ "$SHARDS" -lt "$NEEDED" ]; then
+        say "--shards $SHARDS is fewer than the $NEEDED the budget needs: pretraining will repeat data (it says so)"
+    fi
+    say "downloading $SHARDS FineWeb-Edu training shards into $CORPUS in the background (log: $LOGS/download.log)"
+    setsid "$PY" "$ROOT/dataset.py" download --shards "$SHARDS" --data_dir "$CORPUS" >> "$LOGS/download.log" 2>&1 < /dev/null &
+    SHARD_PID=$!
+    BG_PGIDS+=("$SHARD_PID")
     say "waiting for the shard download (log: $LOGS/download.log)"
     rc=0
     wait "$SHARD_PID" || rc=$?
@@ -353,7 +379,17 @@ if [ -n "$SHARD_PID" ]; then
         echo "speedrun: stage download failed (exit $rc); log: $LOGS/download.log" >&2
         exit "$rc"
     fi
-    BG_PGIDS=()
+    BG_PGIDS=("$PREFETCH_PID")
+    # the prefetch may still run (pretraining does not wait for it); if it has failed already, stop before the hours
+    if ! kill -0 "$PREFETCH_PID" 2>/dev/null; then
+        rc=0
+        wait "$PREFETCH_PID" || rc=$?
+        if [ "$rc" != 0 ]; then
+            echo "speedrun: stage prefetch failed (exit $rc) before pretraining; log: $LOGS/prefetch.log" >&2
+            exit "$rc"
+        fi
+        PREFETCH_PID="" BG_PGIDS=()
+    fi
 fi
 
 # --- the stages
@@ -365,7 +401,7 @@ if [ "$PLAN" = demo ]; then
     SFT=(--chat_dir "$DATA_DIR/conversations" --steps 200 --eval_every 0 --ckpt_every 100)
     CHAT_EVAL=(--demo "$DATA_DIR" --max_new_tokens 32)
 else
-    PRETRAIN=(--preset "d$DEPTH" --tokens_per_param 20 --total_batch_tokens 524288 --eval_every 250 --ckpt_every 1000)
+    PRETRAIN=("${GPU_BUDGET[@]}" --eval_every 250 --ckpt_every 1000)
     MIDTRAIN=(--tokens 500000000 --ckpt_every 1000)
     SFT=(--chat_dir "$(PYTHONPATH=$ROOT "$PY" -c 'from dataset import CACHE_DIR; print(CACHE_DIR / "chat" / "smoltalk")')"
          --epochs 1 --ckpt_every 1000)
@@ -377,17 +413,22 @@ fi
 
 train_stage pretrain "$ROOT/pretrain.py" --data_dir "$CORPUS" --tokenizer "$TOK" "${PRETRAIN[@]}" "${PRETRAIN_EXTRA[@]}"
 
+if [ -n "${PREFETCH_PID:-}" ]; then
+    say "waiting for the prefetch of the chat data and evaluation files (log: $LOGS/prefetch.log)"
+    rc=0
+    wait "$PREFETCH_PID" || rc=$?
+    if [ "$rc" != 0 ]; then
+        echo "speedrun: stage prefetch failed (exit $rc); log: $LOGS/prefetch.log; rerun to resume" >&2
+        exit "$rc"
+    fi
+    BG_PGIDS=()
+fi
 if [ -f "$RUN/core_eval/results.json" ]; then
     skip core_eval "$RUN/core_eval/results.json exists"
 else
     stage core_eval "${LAUNCH[@]}" "$ROOT/core_eval.py" --checkpoint "$RUN/pretrain" --out "$RUN/core_eval" "${CORE_EXTRA[@]}"
 fi
 
-if [ "$PLAN" = gpu ] && [ ! -f "$RUN/midtrain/done.json" ]; then
-    for chat in smoltalk ultrachat; do
-        stage "download_$chat" "$PY" "$ROOT/dataset.py" download-chat "$chat"
-    done
-fi
 train_stage midtrain "$ROOT/midtrain.py" --init "$RUN/pretrain" "${MIDTRAIN[@]}" "${MIDTRAIN_EXTRA[@]}"
 train_stage sft "$ROOT/sft.py" --init "$RUN/midtrain" "${SFT[@]}" "${SFT_EXTRA[@]}"
 

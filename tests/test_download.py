@@ -478,3 +478,14 @@ def test_a_rerun_with_every_file_on_disk_and_matching_needs_no_hub(hub, tmp_path
         dl.download_shards(REPO, 2, out)
     with pytest.raises(RuntimeError, match="could not list"):  # more shards than are on disk: the hub too
         dl.download_shards(REPO, 3, tmp_path / "other")
+
+
+def test_check_only_lists_a_chat_dataset_without_downloading_and_a_gated_one_fails_at_once(hub, tmp_path, monkeypatch):
+    conv = [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]]
+    host_repo(hub, monkeypatch, "HuggingFaceTB/smoltalk",
+              {"data/all/train-00000-of-00001.parquet": parquet_bytes(tmp_path, "t", "messages", conv)})
+    out = dl.download_chat("smoltalk", tmp_path / "smoltalk", check_only=True)
+    assert requests_to(hub, "/tree/") and not requests_to(hub, "/resolve/") and not list(out.glob("*.parquet"))
+    hub.status = 401  # gated: the error says what to do, before anything else has run
+    with pytest.raises(RuntimeError, match="HF_TOKEN"):
+        dl.download_chat("smoltalk", tmp_path / "gated", check_only=True)
