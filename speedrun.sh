@@ -34,7 +34,8 @@ usage: bash speedrun.sh [flags]
                       tokens / the first shard's tokens counted with the tokenizer, plus one)
   --vocab_size N      tokenizer vocabulary (default: 65536 gpu, 1024 demo)
   --tokenizer DIR     use this trained tokenizer instead of training one (default: train <run>/tokenizer)
-  --stop_after STAGE  stop after this stage: data tokenizer pretrain core_eval midtrain sft chat_eval report
+  --stop_after STAGE  stop after this stage: data tokenizer download pretrain core_eval midtrain sft chat_eval
+                      report (download: gpu plan, every shard and the prefetched chat and evaluation data are in)
   --no_chat           do not start chat.py at the end (it starts only when stdin is a terminal anyway)
   --force             start although other processes hold the GPUs
   --probe_only        run the NCCL check, record the transport and its measured bandwidth, and exit
@@ -72,7 +73,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 case "$PLAN" in auto|gpu|demo) ;; *) echo "speedrun.sh: error: --plan $PLAN: use gpu or demo" >&2; exit 2 ;; esac
-case "$STOP_AFTER" in ""|data|tokenizer|pretrain|core_eval|midtrain|sft|chat_eval|report) ;;
+case "$STOP_AFTER" in ""|data|tokenizer|download|pretrain|core_eval|midtrain|sft|chat_eval|report) ;;
     *) echo "speedrun.sh: error: --stop_after $STOP_AFTER: not a stage (bash speedrun.sh --help)" >&2; exit 2 ;; esac
 
 RUN="$RUNS_DIR/$RUN_NAME"
@@ -248,7 +249,7 @@ PROBE_MB=${SPEEDRUN_PROBE_MB:-64}  # a gradient bucket's size: where NVLS and P2
 PROBE_BW=""  # the last probe's measured bus bandwidth ("12.34 GB/s"), empty when it printed none
 probe() {  # the probe in its own process group under a hard timeout; its status
     local rc=0 before
-    before=$(wc -l < "$LOGS/probe.log" 2>/dev/null || echo 0)
+    before=$(cat "$LOGS/probe.log" 2>/dev/null | wc -l)
     if [ -n "${SPEEDRUN_PROBE_CMD:-}" ]; then  # tests inject a hang here
         setsid timeout -k 5 "$PROBE_TIMEOUT" bash -c "$SPEEDRUN_PROBE_CMD" >> "$LOGS/probe.log" 2>&1 &
     else
@@ -291,6 +292,7 @@ say "transport: $TRANSPORT"
 [ "$PROBE_ONLY" = 1 ] && exit 0
 
 split_args() { read -r -a "$1" <<< "${2:-}"; }  # an env var's words as an array (no globbing, no eval)
+split_args PRETRAIN_EXTRA "${PRETRAIN_ARGS:-}"
 split_args MIDTRAIN_EXTRA "${MIDTRAIN_ARGS:-}"
 split_args SFT_EXTRA "${SFT_ARGS:-}"
 split_args CORE_EXTRA "${CORE_ARGS:-}"
@@ -315,7 +317,19 @@ train_stage() {  # NAME SCRIPT ARGS...
 }
 
 # --- data and tokenizer
-SHARD_PID=""
+PREFETCH_PID=""
+wait_prefetch() {  # WHEN: the background fetch of the chat data and CORE bundle; a failure stops the run
+    local rc=0
+    [ -n "$PREFETCH_PID" ] || return 0
+    say "waiting for the prefetch of the chat data and the CORE bundle (log: $LOGS/prefetch.log)"
+    wait "$PREFETCH_PID" || rc=$?
+    PREFETCH_PID="" BG_PGIDS=()
+    if [ "$rc" != 0 ]; then
+        echo "speedrun: stage prefetch failed (exit $rc)$1; log: $LOGS/prefetch.log; fix its cause and rerun (what" \
+            "finished is kept)" >&2
+        exit "$rc"
+    fi
+}
 if [ "$PLAN" = demo ]; then
     DATA_DIR=${DATA_DIR:-$RUN/demo}
     VOCAB=${VOCAB:-1024}
@@ -334,11 +348,15 @@ else
     # here; the ChatCORE tasks' test files are small and fetched now), then the chat data and the CORE bundle are
     # fetched in the background
     stage preflight "$PY" "$ROOT/dataset.py" download-chat --check "${CHAT_SOURCES[@]}"
-    stage chatcore_tasks "$PY" "$ROOT/chat_eval.py" --download_only
+    stage chatcore_tasks "$PY" "$ROOT/chat_eval.py" --download_only "${CHAT_EVAL_EXTRA[@]}"
     say "fetching ${CHAT_SOURCES[*]} and the CORE bundle in the background (log: $LOGS/prefetch.log)"
+    # the inner bash gets: python, root, the number of chat sources, the sources, then CORE_ARGS (its --bundle is
+    # the bundle fetched)
     # shellcheck disable=SC2016  # expanded by the inner bash
-    setsid bash -c '"$1" "$2/dataset.py" download-chat "${@:3}" && "$1" "$2/core_eval.py" --download_only' \
-        prefetch "$PY" "$ROOT" "${CHAT_SOURCES[@]}" >> "$LOGS/prefetch.log" 2>&1 < /dev/null &
+    setsid bash -c 'py=$1 root=$2 n=$3; shift 3
+        "$py" "$root/dataset.py" download-chat "${@:1:n}" && "$py" "$root/core_eval.py" --download_only "${@:n+1}"' \
+        prefetch "$PY" "$ROOT" "${#CHAT_SOURCES[@]}" "${CHAT_SOURCES[@]}" "${CORE_EXTRA[@]}" \
+        >> "$LOGS/prefetch.log" 2>&1 < /dev/null &
     PREFETCH_PID=$!
     BG_PGIDS+=("$PREFETCH_PID")
     # 8 shards first (what the tokenizer trains on, and what the budget's shard count is measured on). A complete
@@ -356,7 +374,6 @@ else
     stage tokenizer "$PY" "$ROOT/tokenizer.py" train --data_dir "$CORPUS" --vocab_size "$VOCAB" --out "$TOK"
 fi
 GPU_BUDGET=(--preset "d$DEPTH" --tokens_per_param 20 --total_batch_tokens 524288)  # the gpu plan's pretraining
-split_args PRETRAIN_EXTRA "${PRETRAIN_ARGS:-}"
 if [ "$PLAN" = gpu ]; then
     # the shards the budget needs (a deeper model needs more: d24 about 340, d26 about 415), measured with this
     # tokenizer; the same step checks the free disk against the shards and the checkpoints to come
@@ -368,27 +385,15 @@ if [ "$PLAN" = gpu ]; then
     elif [ "$SHARDS" -lt "$NEEDED" ]; then
         say "--shards $SHARDS is fewer than the $NEEDED the budget needs: pretraining will repeat data (it says so)"
     fi
-    say "downloading $SHARDS FineWeb-Edu training shards into $CORPUS in the background (log: $LOGS/download.log)"
-    setsid "$PY" "$ROOT/dataset.py" download --shards "$SHARDS" --data_dir "$CORPUS" >> "$LOGS/download.log" 2>&1 < /dev/null &
-    SHARD_PID=$!
-    BG_PGIDS+=("$SHARD_PID")
-    say "waiting for the shard download (log: $LOGS/download.log)"
-    rc=0
-    wait "$SHARD_PID" || rc=$?
-    if [ "$rc" != 0 ]; then
-        echo "speedrun: stage download failed (exit $rc); log: $LOGS/download.log" >&2
-        exit "$rc"
+    SPEEDRUN_LOG="$LOGS/download.log"
+    run_stage download "$PY" "$ROOT/dataset.py" download --shards "$SHARDS" --data_dir "$CORPUS"
+    # the prefetch may still run: pretraining does not wait for it, but if it has failed already, stop before the hours
+    if ! kill -0 "$PREFETCH_PID" 2>/dev/null || [ "$STOP_AFTER" = download ]; then
+        wait_prefetch " before pretraining"
     fi
-    BG_PGIDS=("$PREFETCH_PID")
-    # the prefetch may still run (pretraining does not wait for it); if it has failed already, stop before the hours
-    if ! kill -0 "$PREFETCH_PID" 2>/dev/null; then
-        rc=0
-        wait "$PREFETCH_PID" || rc=$?
-        if [ "$rc" != 0 ]; then
-            echo "speedrun: stage prefetch failed (exit $rc) before pretraining; log: $LOGS/prefetch.log" >&2
-            exit "$rc"
-        fi
-        PREFETCH_PID="" BG_PGIDS=()
+    if [ "$STOP_AFTER" = download ]; then
+        say "stopping after download (--stop_after): every shard and the chat and evaluation data are in"
+        exit 0
     fi
 fi
 
@@ -413,16 +418,7 @@ fi
 
 train_stage pretrain "$ROOT/pretrain.py" --data_dir "$CORPUS" --tokenizer "$TOK" "${PRETRAIN[@]}" "${PRETRAIN_EXTRA[@]}"
 
-if [ -n "${PREFETCH_PID:-}" ]; then
-    say "waiting for the prefetch of the chat data and evaluation files (log: $LOGS/prefetch.log)"
-    rc=0
-    wait "$PREFETCH_PID" || rc=$?
-    if [ "$rc" != 0 ]; then
-        echo "speedrun: stage prefetch failed (exit $rc); log: $LOGS/prefetch.log; rerun to resume" >&2
-        exit "$rc"
-    fi
-    BG_PGIDS=()
-fi
+wait_prefetch ""
 if [ -f "$RUN/core_eval/results.json" ]; then
     skip core_eval "$RUN/core_eval/results.json exists"
 else

@@ -312,3 +312,99 @@ def test_a_half_installed_venv_is_repaired_and_a_completed_install_is_recorded(t
     assert recreated.returncode == 0 and "has no working python or pip" in recreated.stdout
     assert log.read_text().splitlines()[2:] == [f"venv {repo / '.venv'}", f"-m pip install -q -r {repo / 'requirements.txt'}"]
     assert record.read_text().strip() == want
+
+
+def test_the_gpu_plans_data_path_against_a_stand_in_hub_then_offline(tmp_path, monkeypatch):
+    """The gpu plan's data section on the CPU (--gpus 1 with a stand-in probe; nothing trains: --stop_after), against
+    one local server speaking the hub's protocol for FineWeb, the two chat sources and the four ChatCORE repos, and a
+    second serving the CORE bundle:
+    - a chat source missing from the hub stops the run at the preflight, before the tokenizer;
+    - the shard count comes from the budget and the first shard's tokens (here 7.5 shards' worth: 8, plus one
+      spare, one more than the tokenizer's 8), and the chat data, the ChatCORE tasks and the CORE bundle are all
+      fetched before --stop_after download returns;
+    - with both servers stopped, the same command succeeds again from disk."""
+    import hashlib
+    import math
+    import threading
+    from http.server import ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from test_chat_eval import LAYOUTS, hub_handler
+    from test_core_eval import bundle_zip
+
+    import model as M
+    rng = __import__("random").Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 8))) for _ in range(400)]
+    files = {}
+
+    def put(name, table):
+        pq.write_table(table, tmp_path / "tmp.parquet")
+        files[name] = (tmp_path / "tmp.parquet").read_bytes()
+    for i in range(10):  # 9 training shards and the validation shard
+        put(f"karpathy/fineweb-edu-100b-shuffle/shard_{i:05d}.parquet",
+            pa.table({"text": [" ".join(rng.choice(words) for _ in range(rng.randint(10, 30))) for _ in range(300)]}))
+    conv = [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]] * 3
+    chat = {"HuggingFaceTB/smoltalk/data/all/train-00000-of-00001.parquet": conv,
+            "HuggingFaceTB/smoltalk/data/all/test-00000-of-00001.parquet": conv,
+            "HuggingFaceH4/ultrachat_200k/data/train_sft-00000-of-00001.parquet": conv,
+            "HuggingFaceH4/ultrachat_200k/data/test_sft-00000-of-00001.parquet": conv}
+    for name, rows in chat.items():
+        put(name, pa.table({"messages": rows}))
+    for repo, layout in LAYOUTS.items():
+        for path, rows in layout.items():
+            put(f"{repo}/{path}", pa.Table.from_pylist(rows))
+    hub = SimpleNamespace(files=files, faults={}, log=[])
+    bundle = bundle_zip()
+    servers = [ThreadingHTTPServer(("127.0.0.1", 0), hub_handler(hub)) for _ in range(3)]  # hub, "CDN", bundle
+    for server in servers:
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    url, hub.cdn_url, bundle_url = (f"http://127.0.0.1:{s.server_address[1]}" for s in servers)
+    hub.files["eval_bundle.zip"] = bundle  # the third server answers /cdn/eval_bundle.zip with it
+    env = {"HF_ENDPOINT": url, "NO_PROXY": "127.0.0.1", "HF_HOME": str(tmp_path / "hf"), "SPEEDRUN_PROBE_CMD": "exit 0",
+           "NANOCHAT_CACHE": str(tmp_path / "cache"), "CORE_ARGS": f"--bundle {bundle_url}/cdn/eval_bundle.zip"}
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    corpus = tmp_path / "corpus"
+    args = ["--plan", "gpu", "--gpus", "1", "--runs_dir", tmp_path / "runs", "--data_dir", corpus, "--vocab_size",
+            "320"]
+    try:
+        ultrachat = {k: files.pop(k) for k in list(files) if k.startswith("HuggingFaceH4/")}
+        missing = run_speedrun([*args, "--run_name", "missing", "--stop_after", "download"], tmp_path, env)
+        assert missing.returncode == 2 and "speedrun: stage preflight failed (exit 2)" in missing.stderr
+        assert "HuggingFaceH4/ultrachat_200k has no files matching" in missing.stdout
+        assert "stage tokenizer" not in missing.stdout and not corpus.exists()
+        files.update(ultrachat)
+
+        first = run_speedrun([*args, "--stop_after", "tokenizer"], tmp_path, env)
+        assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+        tok = Tokenizer.load(tmp_path / "runs" / "speedrun" / "tokenizer")
+        shard0 = pq.read_table(corpus / "shard_00000.parquet").column("text").to_pylist()
+        per_shard = sum(len(tok.encode(t)) + 1 for t in shard0)
+        params = M.budget_params(M.config_from_preset("d20", {"vocab_size": tok.vocab_size}))
+        tpp = 7.5 * per_shard / params
+        steps = math.ceil(tpp * params / 4096)
+        want = math.ceil(steps * 4096 / per_shard) + 1
+        env["PRETRAIN_ARGS"] = f"--tokens_per_param {tpp!r} --total_batch_tokens 4096"
+        second = run_speedrun([*args, "--stop_after", "download"], tmp_path, env)
+        assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+        assert f"data plan shards: {want}\n" in second.stdout and want == 9
+        assert sorted(p.name for p in corpus.glob("*.parquet")) == [f"shard_{i:05d}.parquet"
+                                                                    for i in [*range(want), 9]]
+        for name in ("smoltalk", "ultrachat"):
+            assert len(list((tmp_path / "cache" / "chat" / name).glob("*.parquet"))) == 2
+        for task in ("ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval"):
+            assert (tmp_path / "cache" / "chat_eval" / task / "files.json").is_file()
+        assert list((tmp_path / "cache" / "eval_bundle").glob("*/unzipped.json"))
+        assert "stopping after download (--stop_after): every shard and the chat and evaluation data are in" in \
+            second.stdout
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+    hub.log.clear()
+    offline = run_speedrun([*args, "--stop_after", "download"], tmp_path, env)
+    assert offline.returncode == 0, offline.stdout[-3000:] + offline.stderr[-3000:]
+    assert "stage tokenizer skipped" in offline.stdout and hub.log == []
+    digest = hashlib.sha256((corpus / "shard_00000.parquet").read_bytes()).hexdigest()
+    assert digest == hashlib.sha256(files["karpathy/fineweb-edu-100b-shuffle/shard_00000.parquet"]).hexdigest()
