@@ -169,7 +169,8 @@ else
     if [ "$have" != "$want" ]; then
         if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -m pip --version > /dev/null 2>&1; then
             if [ -e "$VENV" ]; then
-                say "$VENV has no working python or pip (an interrupted creation, or python3-venv missing): recreating it"
+                say "$VENV has no working python or pip (an interrupted creation, or python3-venv missing):" \
+                    "recreating it"
             else
                 say "creating $VENV from requirements.txt"
             fi
@@ -249,7 +250,7 @@ PROBE_MB=${SPEEDRUN_PROBE_MB:-64}  # a gradient bucket's size: where NVLS and P2
 PROBE_BW=""  # the last probe's measured bus bandwidth ("12.34 GB/s"), empty when it printed none
 probe() {  # the probe in its own process group under a hard timeout; its status
     local rc=0 before
-    before=$(cat "$LOGS/probe.log" 2>/dev/null | wc -l)
+    before=$({ cat "$LOGS/probe.log" 2>/dev/null || true; } | wc -l)
     if [ -n "${SPEEDRUN_PROBE_CMD:-}" ]; then  # tests inject a hang here
         setsid timeout -k 5 "$PROBE_TIMEOUT" bash -c "$SPEEDRUN_PROBE_CMD" >> "$LOGS/probe.log" 2>&1 &
     else
@@ -259,7 +260,8 @@ probe() {  # the probe in its own process group under a hard timeout; its status
     STAGE_PGIDS+=("$!")
     wait "$!" || rc=$?
     end_groups  # nothing of a hung probe survives it
-    PROBE_BW=$(tail -n "+$((before + 1))" "$LOGS/probe.log" | sed -n 's/.*all-reduce over .*: ok, .* bus bandwidth \([0-9.]* GB\/s\).*/\1/p' | tail -1)
+    PROBE_BW=$(tail -n "+$((before + 1))" "$LOGS/probe.log" 2>/dev/null |
+        sed -n 's/.*all-reduce over .*: ok, .* bus bandwidth \([0-9.]* GB\/s\).*/\1/p' | tail -1)
     return "$rc"
 }
 use_safe_flags() { local kv; for kv in $SAFE_FLAGS; do export "${kv?}"; done; }
@@ -277,8 +279,8 @@ else
         "retrying with the safe flags $SAFE_FLAGS; log: $LOGS/probe.log"
     use_safe_flags
     if probe; then
-        TRANSPORT="nccl safe flags ($SAFE_FLAGS), all-reduce bus bandwidth ${PROBE_BW:-unknown} (${PROBE_MB} MB message;"
-        TRANSPORT+=" default flags: $DEFAULT_BW)"
+        TRANSPORT="nccl safe flags ($SAFE_FLAGS), all-reduce bus bandwidth ${PROBE_BW:-unknown}"
+        TRANSPORT+=" (${PROBE_MB} MB message; default flags: $DEFAULT_BW)"
         say "the safe flags cost: all-reduce bus bandwidth ${PROBE_BW:-unknown} with them (P2P and InfiniBand off:" \
             "gradients go through host memory and sockets); with the default flags: $DEFAULT_BW"
     else
@@ -318,7 +320,7 @@ train_stage() {  # NAME SCRIPT ARGS...
 
 # --- data and tokenizer
 PREFETCH_PID=""
-wait_prefetch() {  # WHEN: the background fetch of the chat data and CORE bundle; a failure stops the run
+wait_prefetch() {  # [WHERE]: wait for the background fetch of the chat data and CORE bundle; its failure stops the run
     local rc=0
     [ -n "$PREFETCH_PID" ] || return 0
     say "waiting for the prefetch of the chat data and the CORE bundle (log: $LOGS/prefetch.log)"
