@@ -237,6 +237,10 @@ if [ "$PLAN" = gpu ] && [ "$GPUS" -lt 1 ] && [ "$PROBE_ONLY" = 0 ]; then
     echo "speedrun.sh: error: --plan gpu needs CUDA GPUs and torch sees none; use --plan demo on the CPU" >&2
     exit 2
 fi
+if [ "$PLAN" = demo ] && [ "$STOP_AFTER" = download ]; then
+    echo "speedrun.sh: error: --stop_after download: the demo plan has no download stage (use data)" >&2
+    exit 2
+fi
 NPROC=$((GPUS > 0 ? GPUS : 1))
 LAUNCH=("$PY" -m torch.distributed.run --standalone "--nproc_per_node=$NPROC")
 say "plan $PLAN, run $RUN, $NPROC process(es) per stage ($([ "$GPUS" -gt 0 ] && echo "$GPUS GPUs" || echo CPU))," \

@@ -245,6 +245,8 @@ def test_gpus_the_driver_lists_but_torch_cannot_use_stop_the_run_naming_driver_a
            in result.stderr and "plan demo" not in result.stdout
     chosen = run_speedrun(["--runs_dir", tmp_path, "--probe_only", "--gpus", "0"], tmp_path, env, timeout=120)
     assert chosen.returncode == 0 and "plan demo" in chosen.stdout  # the CPU on purpose: allowed
+    demo = run_speedrun(["--runs_dir", tmp_path, "--gpus", "0", "--stop_after", "download"], tmp_path, env, timeout=120)
+    assert demo.returncode == 2 and "the demo plan has no download stage" in demo.stderr  # else it would run it all
 
 
 def test_the_report_names_midtrainings_default_sources(tmp_path):
