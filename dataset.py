@@ -491,8 +491,11 @@ def shard_tokens(path, tokenizer, threads=None):
         docs += len(texts)
     counts.setdefault(key, {})[path.name] = [tokens, docs]
     tmp = cache.with_name(cache.name + f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(counts))
-    os.replace(tmp, cache)
+    try:
+        tmp.write_text(json.dumps(counts))
+        os.replace(tmp, cache)
+    except OSError:  # a read-only corpus: counted again next time, nothing else lost
+        tmp.unlink(missing_ok=True)
     return tokens, docs
 
 

@@ -447,3 +447,24 @@ def test_the_data_plan_stops_when_the_disk_cannot_hold_the_checkpoints(world, tm
         pretrain.main(args)  # one disk here: the shards and the checkpoints together
     need = float(re.search(r"need ([\d.]+) GB", str(err.value)).group(1))
     assert need == pytest.approx(shards + ckpts, abs=0.11)
+
+
+def test_a_shards_token_count_is_cached_and_a_read_only_corpus_still_counts(world, tmp_path):
+    from tokenizer import Tokenizer
+    corpus = tmp_path / "corpus"
+    shutil.copytree(world / "demo" / "pretrain", corpus)
+    tok = Tokenizer.load(world / "tokenizer")
+    first = min(corpus.glob("*.parquet"))
+    texts = [t for i in range(D.open_parquet(first).num_row_groups) for t in D.read_row_group(first, i) if t]
+    counted = (sum(len(tok.encode(t)) + 1 for t in texts), len(texts))
+    assert D.shard_tokens(first, tok) == counted
+    assert json.loads((corpus / D.TOKEN_COUNTS).read_text())[tok.fingerprint()][first.name] == list(counted)
+    (corpus / D.TOKEN_COUNTS).unlink()
+    corpus.chmod(0o555)
+    try:
+        if os.access(corpus, os.W_OK):  # root ignores the mode: make the cache write fail another way
+            (corpus / D.TOKEN_COUNTS).mkdir()
+        assert D.shard_tokens(first, tok) == counted
+        assert not list(corpus.glob("*.tmp"))  # no temporary file left behind
+    finally:
+        corpus.chmod(0o755)
