@@ -73,6 +73,8 @@ def get_args(argv=None):
     p.add_argument("--dtype", default=C.matmul_dtype(torch.device("cuda" if cuda else "cpu")),
                    choices=["bfloat16", "float32"], help="compute dtype (default: %(default)s: bfloat16 where this "
                    "device runs it natively, as in the training stages)")
+    p.add_argument("--download_only", action="store_true", help="fetch the hub tasks' files (--tasks, default all) "
+                   "into --cache_dir and exit, no checkpoint needed: speedrun.sh does it at the start (default: off)")
     p.add_argument("--out", default=None, help="report file; the items go beside it as <name>_items.jsonl (default: "
                    "runs/<run>/chat_eval.json)")
     args = p.parse_args(argv)
@@ -355,6 +357,14 @@ def fetch_everywhere(fetch, rank, world):
 
 def main(argv=None):
     args = get_args(argv)
+    if args.download_only:  # before pretraining: a gated or missing task stops the run hours earlier
+        tasks = args.tasks.split(",") if args.tasks else list(HUB_TASKS)
+        unknown = [t for t in tasks if t not in HUB_TASKS]
+        if unknown:
+            raise ValueError(f"--tasks: {', '.join(unknown)} not among the hub tasks: {', '.join(HUB_TASKS)}")
+        for task in tasks:
+            print(f"download: {task}: {len(hub_files(task, args.cache_dir))} files in {Path(args.cache_dir) / task}")
+        return
     rank, _, world, device = C.setup_distributed()
     ckpt = C.find_checkpoint(args.checkpoint, args.runs_dir)
     model, meta = C.load_model(ckpt, device)

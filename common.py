@@ -122,10 +122,15 @@ def teardown_distributed():
         dist.destroy_process_group()
 
 
-def probe_all_reduce(timeout_s):
-    """One all-reduce over torchrun's ranks (NCCL on CUDA, gloo on CPU) whose collectives time out after timeout_s:
-    speedrun.sh runs it before training, under an outer `timeout` as the hard stop for a hang inside NCCL. Returns
-    the exit status: 0 when every rank got the sum of the ranks' values."""
+PROBE_MBYTES = 64  # the probe's message: a DDP gradient bucket is 25 MB; NVLS and P2P over NVSwitch start near here
+
+
+def probe_all_reduce(timeout_s, mbytes=PROBE_MBYTES, iters=5):
+    """All-reduces over torchrun's ranks (NCCL on CUDA, gloo on CPU) whose collectives time out after timeout_s:
+    speedrun.sh runs it before training, under an outer `timeout` as the hard stop for a hang inside NCCL. First 4
+    bytes, then a message of `mbytes` MB (a gradient bucket's size: the large-message algorithms a 4-byte probe never
+    reaches), timed over `iters` repeats after one warm-up, and the bus bandwidth printed (algorithm bandwidth x
+    2(n-1)/n, nccl-tests' figure). Returns the exit status: 0 when every rank got the right sums."""
     from datetime import timedelta
     if "RANK" not in os.environ:
         print("probe: not under torchrun: one process, nothing to all-reduce")
@@ -138,14 +143,33 @@ def probe_all_reduce(timeout_s):
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    expected = world * (world + 1) / 2
     t = torch.full((1,), float(rank + 1), device=device)
     dist.all_reduce(t)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    ok = t.item() == world * (world + 1) / 2
+    ok = t.item() == expected
+    where = f"{world} ranks ({dist.get_backend()}, {device_name(device)})"
     if rank == 0:
-        print(f"probe: all-reduce over {world} ranks ({dist.get_backend()}, {device_name(device)}): "
-              f"{'ok' if ok else f'wrong sum {t.item()}'}", flush=True)
+        print(f"probe: 4-byte all-reduce over {where}: {'ok' if ok else f'wrong sum {t.item()}'}", flush=True)
+    numel = int(mbytes * 1e6) // 4
+    big = torch.full((numel,), float(rank + 1), device=device)  # small integers: exact sums in fp32
+    dist.all_reduce(big)  # warm-up: connections and buffers of the large-message path
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+    sync(device)
+    good = bool((big == expected).all())
+    big.fill_(float(rank + 1))
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(big)
+    sync(device)
+    seconds = (time.perf_counter() - start) / iters
+    seconds = all_reduce(seconds, dist.ReduceOp.MAX)  # the slowest rank's time is the collective's
+    good = good and bool(torch.isfinite(big).all())
+    ok = ok and good
+    if rank == 0:
+        bus = numel * 4 / seconds * 2 * (world - 1) / world / 1e9
+        print(f"probe: {numel * 4 / 1e6:.0f} MB all-reduce over {where}: {'ok' if good else 'wrong sums'}, "
+              f"{seconds * 1e3:.1f} ms each ({iters} timed), bus bandwidth {bus:.2f} GB/s", flush=True)
     dist.destroy_process_group()
     return 0 if ok else 1
 
@@ -1008,6 +1032,7 @@ def resume(path, run_dir, model, optimizers, loaders, layout, rank, device):
     set_rng_state(rng)
     if rank == 0:
         truncate_metrics(run_dir / "metrics.jsonl", meta["step"])
+        truncate_metrics(run_dir / "samples.jsonl", meta["step"])
         aside = set_aside_newer(run_dir / "ckpt", meta["step"])
         sharding = ["sharded" if flag else "not sharded" for flag in (meta.get("sharded"), is_sharded(model))]
         print(f"resume: from {path} at step {meta['step']} ({meta['world_size']} -> {layout['world_size']} processes, "
@@ -1388,6 +1413,18 @@ def now():
 # -----------------------------------------------------------------------------
 # Batch planning: the micro-batch that fits, and the accumulation steps that make up the global batch
 
+MAX_MICRO_BATCH = 1024  # the probe's ceiling without --total_batch_tokens: sequences per rank per forward
+
+
+def micro_batch_candidates(total, seq_len, world):
+    """The micro-batches plan_batch probes: with --total_batch_tokens, the divisors of its per-rank sequences; without,
+    the powers of two up to MAX_MICRO_BATCH (the largest that fits is the help text's promise, not a cap of 8)."""
+    if total:
+        per_rank = max(1, total // (seq_len * world))
+        return [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+    return [2 ** k for k in range(MAX_MICRO_BATCH.bit_length())]
+
+
 def find_micro_batch(try_step, candidates):
     """The largest candidate for which try_step(micro_batch) does not run out of CUDA memory."""
     for micro in sorted(candidates, reverse=True):
@@ -1423,8 +1460,7 @@ def plan_batch(args, config, world, model, device):
     """(micro_batch, accumulation steps) for --total_batch_tokens; the error names the nearest valid values."""
     seq_len, total = config.sequence_len, args.total_batch_tokens
     if args.micro_batch == 0:
-        per_rank = (total // (seq_len * world)) if total else 8
-        candidates = [m for m in range(1, max(1, per_rank) + 1) if per_rank % m == 0]
+        candidates = micro_batch_candidates(total, seq_len, world)
         if device.type == "cuda":
             throwaway = build_optimizers(model, args, config.n_embd, 1, device)
             micro = find_micro_batch(probe_step(model, throwaway, seq_len, config.vocab_size, args.dtype, device),
@@ -1434,7 +1470,7 @@ def plan_batch(args, config, world, model, device):
             micro = int(all_reduce(micro, dist.ReduceOp.MIN if dist.is_initialized() else None))
             print(f"batch: micro_batch {micro} is the largest that fits on every rank (probed with optimizer state)")
         else:
-            micro = max(candidates)
+            micro = max(candidates) if total else 8  # the CPU: no memory probe; 8 sequences keep a step short
     else:
         micro = args.micro_batch
     step_unit = micro * seq_len * world
@@ -1521,6 +1557,13 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
     """Steps start..total_steps-1. evaluate(step) returns fields for that step's metrics record (and prints).
     Returns None when every step ran, or the signal number that stopped the run after its checkpoint."""
     master, tokens_per_step = rank == 0, sum(ld.B * ld.T for ld in loaders) * world
+    if master and start == 0:
+        # a stage restarted before its first checkpoint starts over: the lines of the earlier start would count its
+        # steps twice (the report sums them)
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            if (run_dir / name).is_file():
+                (run_dir / name).unlink()
+                print(f"run dir: {run_dir / name} of an earlier start without a checkpoint removed: starting over")
     metrics, wandb, stop = Metrics(run_dir / "metrics.jsonl", master), open_wandb(args, master), StopSignal()
     peak = peak_flops(device_name(device), args.dtype)
     initial, mem_history, run_start = param_samples(model), [], now()
@@ -1564,7 +1607,7 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
         record = {"step": step + 1, "loss": loss, "targets": int(count), "lr_mult": lr_mult,
                   "weight_decay": wd, "lr": {g["name"]: g["lr"] for opt in optimizers for g in opt.param_groups},
                   "grad_norm": grad_norm, "tokens": tokens_seen, "tok_per_s": tokens_per_step / dt,
-                  "data_wait": data_wait / dt,
+                  "data_wait": data_wait / dt, "epoch": max(ld.epoch for ld in loaders) + 1,  # this rank's; 1: first pass
                   "mfu": tokens_per_step * flops_per_token / dt / (peak * world) if peak else "unknown",
                   "step_time": dt, "cuda_mem_alloc": torch.cuda.memory_allocated(device) if device.type == "cuda"
                   else None, "cuda_mem_reserved": torch.cuda.memory_reserved(device) if device.type == "cuda" else None,
@@ -1635,7 +1678,8 @@ def progress_line(record, total_steps, seconds_per_step):
     eta = seconds_per_step * (total_steps - record["step"])
     return (f"step {record['step']}/{total_steps} loss {record['loss']:.4f} lr x{record['lr_mult']:.3f} gnorm "
             f"{record['grad_norm']:.3f} {record['tok_per_s']:,.0f} tok/s MFU {mfu} data wait "
-            f"{100 * record['data_wait']:.0f}% tokens {record['tokens']:,} ETA {fmt_duration(eta)}")
+            f"{100 * record['data_wait']:.0f}% tokens {record['tokens']:,} epoch {record['epoch']}"
+            f"{' (repeating data)' if record['epoch'] > 1 else ''} ETA {fmt_duration(eta)}")
 
 
 def print_status(run_dir):
@@ -1672,14 +1716,16 @@ def print_status(run_dir):
 def main(argv=None):
     parser = argparse.ArgumentParser(description="speedrun.sh's NCCL check (probe, under torchrun), and a sharded "
                                      "checkpoint's model.pt (consolidate); otherwise import common")
-    parser.add_argument("command", choices=["probe", "consolidate"], help="probe: one all-reduce over torchrun's "
-                        "ranks; consolidate: write CHECKPOINT/model.pt from its shards, in one process")
+    parser.add_argument("command", choices=["probe", "consolidate"], help="probe: a 4-byte and a timed large all-reduce "
+                        "over torchrun's ranks; consolidate: write CHECKPOINT/model.pt from its shards, in one process")
     parser.add_argument("checkpoint", nargs="?", help="consolidate: a step_* directory or a run directory (its newest)")
     parser.add_argument("--timeout", type=float, default=60.0, help="probe: seconds before a collective counts as "
                         "hung (default: %(default)s)")
+    parser.add_argument("--mbytes", type=float, default=PROBE_MBYTES, help="probe: size of the timed all-reduce in MB "
+                        "(default: %(default)s)")
     args = parser.parse_args(argv)
     if args.command == "probe":
-        return probe_all_reduce(args.timeout)
+        return probe_all_reduce(args.timeout, args.mbytes)
     if args.checkpoint is None:
         parser.error("consolidate needs a checkpoint: python common.py consolidate runs/<run>[/ckpt/step_N]")
     try:

@@ -82,6 +82,9 @@ def get_args(argv=None):
                    choices=["bfloat16", "float32"], help="compute dtype (default: %(default)s: bfloat16 where this "
                    "device runs it natively, as in the training stages)")
     p.add_argument("--out", default=None, help="output directory (default: runs/<run>/core_eval/step_XXXXXX)")
+    p.add_argument("--download_only", action="store_true", help="fetch and check the bundle (--bundle; auto: the "
+                   "hub bundle) into the cache and exit, no checkpoint needed: speedrun.sh does it at the start "
+                   "(default: off)")
     args = p.parse_args(argv)
     if args.batch_items < 1 or args.max_per_task == 0 or args.max_per_task < -1:
         p.error("--batch_items must be >= 1 and --max_per_task -1 (all) or >= 1")
@@ -515,6 +518,11 @@ def write_results(out_dir, report, tasks, results):
 
 def main(argv=None):
     args = get_args(argv)
+    if args.download_only:  # before pretraining: a bundle that cannot be fetched stops the run hours earlier
+        bundle, _ = resolve_bundle(BUNDLE_URL if args.bundle == "auto" else args.bundle, {}, args.bundle_sha256)
+        tasks = load_tasks(bundle, args.tasks.split(",") if args.tasks else None)
+        print(f"bundle: {len(tasks)} tasks, {sum(len(t.items) for t in tasks):,} items in {bundle}")
+        return
     rank, _, world, device = C.setup_distributed()
     ckpt = C.find_checkpoint(args.checkpoint, args.runs_dir)
     model, meta = C.load_model(ckpt, device)

@@ -14,6 +14,7 @@ import hashlib
 import heapq
 import itertools
 import json
+import math
 import os
 import queue
 import random
@@ -332,10 +333,67 @@ def download_hub_files(repo, paths, out_dir, revision="main", repo_type="dataset
     return _download_entries(repo, [by_path[p] for p in paths], out_dir, revision, repo_type, workers)
 
 
+LISTING = ".hub_listing.json"  # in a download directory: the repo's listing (sizes, hashes) its files were checked with
+
+
+def _saved_listing(out_dir, repo, revision):
+    """The listing saved by an earlier download into out_dir of this repo and revision, or None."""
+    try:
+        saved = json.loads((Path(out_dir) / LISTING).read_text())
+    except (OSError, ValueError):
+        return None
+    return saved["files"] if (saved.get("repo"), saved.get("revision")) == (repo, revision) else None
+
+
+def _complete_on_disk(entries, out_dir, workers=4):
+    """True when every entry is in out_dir (flat, by file name) with its listed size and sha256 or git blob id: a rerun
+    then needs no hub. Hashing is what makes it safe: ~20 GB of shards take tens of seconds, a hub outage hours."""
+    def ok(e):
+        path = Path(out_dir) / Path(e["path"]).name
+        if not path.is_file() or path.stat().st_size != e["size"] or not (e["sha256"] or e["git_sha1"]):
+            return False
+        if e["sha256"]:
+            return _hash_file(path, hashlib.sha256()) == e["sha256"].lower()
+        return _hash_file(path, hashlib.sha1(b"blob %d\0" % e["size"], usedforsecurity=False)) == e["git_sha1"]
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        return all(pool.map(ok, entries))
+
+
+def _listing(repo, revision, out_dir, select, workers=4):
+    """(entries chosen by select(listing), from_disk). The listing saved at the last download is tried first: when
+    every chosen file is on disk and matches its stored hashes, no hub call is made (a resume during a hub outage, or
+    offline). Otherwise the hub is listed and its listing saved in out_dir for the next run."""
+    saved = _saved_listing(out_dir, repo, revision)
+    if saved is not None:
+        try:
+            chosen = select(saved)
+        except ValueError:
+            chosen = None  # the saved listing cannot answer this request (more shards than it had): ask the hub
+        if chosen and _complete_on_disk(chosen, out_dir, workers):
+            return chosen, True
+    files = list_hub_files(repo, revision)
+    chosen = select(files)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    tmp = Path(out_dir) / (LISTING + ".tmp")
+    tmp.write_text(json.dumps({"repo": repo, "revision": revision, "files": files}))
+    os.replace(tmp, Path(out_dir) / LISTING)
+    return chosen, False
+
+
 def download_shards(dataset, num_shards, data_dir, workers=4, revision="main"):
     """The first num_shards training shards of a FineWeb-Edu-layout dataset (shard_00000.parquet, ...) plus its last
-    shard, the validation split: data_dir ends with num_shards + 1 files, the validation shard last in sorted order."""
-    shards = sorted((f for f in list_hub_files(dataset, revision) if SHARD_NAME.fullmatch(Path(f["path"]).name)),
+    shard, the validation split: data_dir ends with num_shards + 1 files, the validation shard last in sorted order.
+    A rerun whose files are all on disk and match the hashes listed at download time makes no hub call."""
+    def select(files):
+        return _select_shards(dataset, files, num_shards)
+    chosen, from_disk = _listing(dataset, revision, data_dir, select, workers)
+    if from_disk:
+        return [Path(data_dir) / Path(e["path"]).name for e in chosen]
+    return _download_entries(dataset, chosen, data_dir, revision, "dataset", workers)
+
+
+def _select_shards(dataset, files, num_shards):
+    shards = sorted((f for f in files if SHARD_NAME.fullmatch(Path(f["path"]).name)),
                     key=lambda f: int(SHARD_NAME.fullmatch(Path(f["path"]).name).group(1)))
     if len(shards) < 2:
         raise ValueError(f"{dataset} has {len(shards)} shard_NNNNN.parquet files; a corpus needs training shards and a "
@@ -344,7 +402,7 @@ def download_shards(dataset, num_shards, data_dir, workers=4, revision="main"):
     if not 1 <= num_shards <= available:
         raise ValueError(f"--shards {num_shards} is not available: {dataset} has {available} training shards (plus "
                          f"the validation shard): choose 1..{available}")
-    return _download_entries(dataset, shards[:num_shards] + shards[-1:], data_dir, revision, "dataset", workers)
+    return shards[:num_shards] + shards[-1:]
 
 
 # Conversations. A chat directory holds parquet files with a `messages` column (SmolTalk, UltraChat) or a
@@ -357,16 +415,24 @@ CHAT_DATASETS = {  # name: (hub repo, the files to fetch)
 }
 
 
-def download_chat(name, out_dir=None, workers=4):
-    """Fetch a conversation dataset into out_dir (default: <cache>/chat/<name>); LIMA's jsonl becomes parquet."""
+def download_chat(name, out_dir=None, workers=4, check_only=False):
+    """Fetch a conversation dataset into out_dir (default: <cache>/chat/<name>); LIMA's jsonl becomes parquet.
+    check_only: only list it (the error a gated or missing dataset gets, in seconds), or find it complete on disk."""
     if name not in CHAT_DATASETS:
         raise ValueError(f"unknown conversation dataset {name!r}: choose from {', '.join(CHAT_DATASETS)}")
     repo, pattern = CHAT_DATASETS[name]
     out_dir = Path(out_dir or CACHE_DIR / "chat" / name)
-    entries = [f for f in list_hub_files(repo) if re.fullmatch(pattern, f["path"])]
-    if not entries:
-        raise ValueError(f"{repo} has no files matching {pattern}: the dataset's layout changed; please report it")
-    for path in _download_entries(repo, entries, out_dir, "main", "dataset", workers):
+    def select(files):
+        entries = [f for f in files if re.fullmatch(pattern, f["path"])]
+        if not entries:
+            raise ValueError(f"{repo} has no files matching {pattern}: the dataset's layout changed; please report it")
+        return entries
+    entries, from_disk = _listing(repo, "main", out_dir, select, workers)
+    if check_only:
+        return out_dir
+    paths = [out_dir / Path(e["path"]).name for e in entries] if from_disk else \
+        _download_entries(repo, entries, out_dir, "main", "dataset", workers)
+    for path in paths:
         if path.suffix == ".jsonl" and not path.with_suffix(".parquet").exists():
             text, _ = decode_utf8(path.read_bytes())
             rows = [json.loads(line)["conversations"] for line in text.splitlines() if line.strip()]
@@ -401,6 +467,61 @@ def list_shards(data_dir):
         raise FileNotFoundError(f"no .parquet shards in {data_dir}: run `python dataset.py download --shards N "
                                 f"--data_dir {data_dir}` or `python dataset.py ingest --out {data_dir} FILES...`")
     return shards
+
+
+TOKEN_COUNTS = ".token_counts.json"  # in a corpus directory: {tokenizer fingerprint: {shard name: [tokens, docs]}}
+
+
+def shard_tokens(path, tokenizer, threads=None):
+    """(tokens, documents) of one shard as the pretraining loader trains on them: each non-empty document's tokens
+    plus its BOS. Counted once per (shard, tokenizer) and kept in the corpus directory's .token_counts.json."""
+    path = Path(path)
+    cache = path.parent / TOKEN_COUNTS
+    key = tokenizer.fingerprint()
+    try:
+        counts = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        counts = {}
+    if path.name in counts.get(key, {}):
+        return tuple(counts[key][path.name])
+    tokens = docs = 0
+    for index in range(open_parquet(path).num_row_groups):
+        texts = [t for t in read_row_group(path, index) if t]
+        tokens += sum(len(ids) + 1 for ids in tokenizer.encode_batch(texts, num_threads=threads or os.cpu_count()))
+        docs += len(texts)
+    counts.setdefault(key, {})[path.name] = [tokens, docs]
+    tmp = cache.with_name(cache.name + f".{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(counts))
+        os.replace(tmp, cache)
+    except OSError:  # a read-only corpus: counted again next time, nothing else lost
+        tmp.unlink(missing_ok=True)
+    return tokens, docs
+
+
+def corpus_budget(data_dir, tokenizer, budget_tokens):
+    """How the training split of a corpus compares with a token budget: {"shards", "docs", "measured_shard",
+    "tokens_per_doc", "tokens" (estimated: the first shard's tokens per document x every training shard's documents,
+    from the parquet footers), "epochs" (budget / tokens)}. The first shard is counted with the tokenizer; the others
+    are assumed to hold documents of the same mean length (FineWeb's shards are one shuffled stream cut in pieces)."""
+    train = split_shards(data_dir, "train")
+    tokens0, docs0 = shard_tokens(train[0], tokenizer)
+    docs = sum(open_parquet(p).metadata.num_rows for p in train)
+    per_doc = tokens0 / max(1, docs0)
+    tokens = int(per_doc * docs)
+    return {"shards": len(train), "docs": docs, "measured_shard": train[0].name, "tokens_per_doc": per_doc,
+            "tokens_per_shard": tokens0, "tokens": tokens, "epochs": budget_tokens / max(1, tokens)}
+
+
+def budget_line(b, budget_tokens):
+    """The plan's data line: what the budget needs against what the corpus holds; says so when data repeats."""
+    line = (f"data: budget {budget_tokens:,} tokens; corpus {b['shards']} training shards, {b['docs']:,} documents x "
+            f"{b['tokens_per_doc']:,.0f} tokens (the mean of {b['measured_shard']}, counted with this tokenizer) = "
+            f"~{b['tokens']:,} tokens: {b['epochs']:.2f} epochs")
+    if b["epochs"] > 1:
+        line += (f". This run REPEATS data: {b['epochs']:.2f} passes over the corpus (more shards: `python dataset.py "
+                 f"download --shards N`; N ~ {math.ceil(budget_tokens / max(1, b['tokens_per_shard'])) + 1})")
+    return line
 
 
 def split_shards(data_dir, split):
@@ -707,6 +828,11 @@ class PackedLoader:
         self._reported = 0  # skipped conversations printed so far
 
     # --- state ---------------------------------------------------------------------------------------------------
+    @property
+    def epoch(self):
+        """The pass over this rank's data that the next row comes from (0: the first; 1 and up: repeated data)."""
+        return self.state["epoch"]
+
     def state_dict(self):
         buffer = self.state["buffer"]
         ids = np.concatenate([x for x, _, _ in buffer]) if buffer else np.zeros(0, np.int32)
@@ -1067,6 +1193,11 @@ class MixtureLoader:
         stats = {key: sum(loader.state["stats"][key] for loader in self.loaders) for key in STAT_KEYS}
         return {"stats": {**stats, "batches": self.batches}}
 
+    @property
+    def epoch(self):
+        """The furthest pass any source is in (0: the first)."""
+        return max(loader.epoch for loader in self.loaders)
+
     def state_dict(self):
         return {"kind": "mixture", "names": list(self.names), "shares": list(self.targets), "batches": self.batches,
                 "sources": [loader.state_dict() for loader in self.loaders]}
@@ -1113,6 +1244,8 @@ def main(argv=None):
     p.add_argument("--workers", type=int, default=4, help="parallel downloads (default: %(default)s)")
     p = commands.add_parser("download-chat", help="conversation datasets from the hub")
     p.add_argument("names", nargs="+", choices=sorted(CHAT_DATASETS), help="which ones")
+    p.add_argument("--check", action="store_true", help="only list them on the hub (a gated or missing dataset fails "
+                   "in seconds) unless complete on disk; download nothing (default: off)")
     p.add_argument("--workers", type=int, default=4, help="parallel downloads (default: %(default)s)")
     p = commands.add_parser("ingest", help="your own .txt/.jsonl/.parquet files as a corpus")
     p.add_argument("files", nargs="+", help=".txt (documents split on blank lines), .jsonl, .parquet")
@@ -1131,7 +1264,8 @@ def main(argv=None):
             print(f"download: {len(paths) - 1} training shards + 1 validation shard in {data_dir}")
         elif args.command == "download-chat":
             for name in args.names:
-                print(f"download-chat: {name} in {download_chat(name, workers=args.workers)}")
+                out = download_chat(name, workers=args.workers, check_only=args.check)
+                print(f"download-chat: {name} {'is available' if args.check else 'in'} {out}")
         else:
             ingest(args.files, args.out, seed=args.seed, column=args.column, one_per_file=args.one_per_file,
                    val_fraction=args.val_fraction)

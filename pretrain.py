@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import common as C
-from dataset import default_data_dir, text_loader
+from dataset import budget_line, corpus_budget, default_data_dir, shard_tokens, split_shards, text_loader
 from model import (
     add_model_args,
     budget_params,
@@ -46,6 +46,9 @@ def get_args(argv=None):
                    help="corpus directory (default: %(default)s)")
     g.add_argument("--tokenizer", default="runs/tokenizer", help="tokenizer directory (default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="init seed, the same on every rank (default: %(default)s)")
+    g.add_argument("--data_plan", action="store_true", help="print the training shards the budget needs (its "
+                   "tokens / the tokens of --data_dir's first training shard, counted with --tokenizer, plus one) and "
+                   "exit; needs --total_batch_tokens (default: off)")
     g.add_argument("--loader_threads", type=int, default=0, help="tokenizer threads per loader; 0 = 1 when training "
                    "on the CPU (its cores do the training), else the cores per process (default: %(default)s)")
     g = p.add_argument_group("budget: exactly one of")
@@ -58,7 +61,8 @@ def get_args(argv=None):
     g.add_argument("--total_batch_tokens", type=int, default=None, help="tokens per optimizer step over all ranks "
                    "(default: micro_batch x sequence_len x world size, no accumulation)")
     g.add_argument("--micro_batch", type=int, default=0, help="sequences per rank per forward; 0 = find the largest "
-                   "that fits on CUDA (on CPU: the whole per-rank batch) (default: %(default)s)")
+                   "that fits on CUDA (a divisor of the per-rank batch; without --total_batch_tokens a power of two up "
+                   "to 1024), on CPU the whole per-rank batch (8 without --total_batch_tokens) (default: %(default)s)")
     g.add_argument("--dtype", default=C.matmul_dtype(torch.device("cuda" if cuda else "cpu")),
                    choices=["bfloat16", "float32"], help="compute dtype (autocast); weights stay fp32 (default: "
                    "%(default)s: bfloat16 where this device runs it natively, never an emulated dtype)")
@@ -77,6 +81,60 @@ def get_args(argv=None):
     if args.matrix_lr is None:
         args.matrix_lr = 0.02 if args.optimizer == "muon" else 0.003
     return p, args
+
+
+def data_plan(args, config, tokenizer):
+    """--data_plan: the training shards a budget needs, from the first shard's token count (speedrun.sh downloads
+    that many). The last line, `data plan shards: N`, is the one to parse."""
+    if not args.total_batch_tokens:
+        raise ValueError("--data_plan needs --total_batch_tokens (the tokens per step the run will use)")
+    steps = plan_steps(args, config, args.total_batch_tokens)
+    budget = steps * args.total_batch_tokens
+    first = split_shards(args.data_dir, "train")[0]
+    per_shard, docs = shard_tokens(first, tokenizer)
+    shards = math.ceil(budget / per_shard) + 1  # one spare: the other shards' documents vary a little in length
+    print(f"data plan: budget {steps:,} steps x {args.total_batch_tokens:,} tokens = {budget:,} tokens; "
+          f"{per_shard:,} tokens in {first.name} ({docs:,} documents, counted with this tokenizer)")
+    check_disk(args, config, Path(args.data_dir), shards)
+    print(f"data plan shards: {shards}")
+
+
+TRAINING_STAGES = 3  # pretrain, midtrain, sft: each keeps up to --keep checkpoints of this model
+
+
+def check_disk(args, config, data_dir, shards):
+    """Free disk against the plan's estimate, before any of it is spent: the shards still missing (their listed sizes
+    when dataset.py saved the hub's listing, else the mean of those on disk) on data_dir's disk, and TRAINING_STAGES x
+    --keep checkpoints on --runs_dir's. A checkpoint is estimated at 12 bytes a parameter (fp32 weights + AdamW's two
+    moments; Muon keeps one, so this is an upper bound: d20, 1.4B parameters, writes about 15 GB)."""
+    import shutil
+    have = {p.name: p.stat().st_size for p in data_dir.glob("*.parquet")}
+    listing = data_dir / ".hub_listing.json"
+    listed = sorted((f for f in json.loads(listing.read_text())["files"] if f["path"].endswith(".parquet")),
+                    key=lambda f: f["path"]) if listing.is_file() else []
+    if listed:
+        wanted = listed[:shards] + listed[-1:]
+        shard_bytes = sum(f["size"] for f in wanted if have.get(Path(f["path"]).name) != f["size"])
+    else:
+        shard_bytes = max(0, shards + 1 - len(have)) * (sum(have.values()) // max(1, len(have)))
+    ckpt = 12 * num_params(config)
+    ckpt_bytes = TRAINING_STAGES * args.keep * ckpt
+    runs_dir = Path(args.runs_dir)
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    needs = {}  # device: [bytes, free, where]
+    for path, count, what in ((data_dir, shard_bytes, "shards"), (runs_dir, ckpt_bytes, "checkpoints")):
+        dev = path.stat().st_dev
+        needs.setdefault(dev, [0, shutil.disk_usage(path).free, []])
+        needs[dev][0] += count
+        needs[dev][2].append(f"{what} in {path}")
+    print(f"data plan disk: {shard_bytes / 1e9:.1f} GB of shards still to fetch; checkpoints {TRAINING_STAGES} stages "
+          f"x --keep {args.keep} x {ckpt / 1e9:.1f} GB (12 bytes x {num_params(config):,} parameters, an upper bound) "
+          f"= {ckpt_bytes / 1e9:.1f} GB")
+    for need, free, where in needs.values():
+        if need > free:
+            raise ValueError(f"not enough disk: {', '.join(where)} need {need / 1e9:.1f} GB, {free / 1e9:.1f} GB are "
+                             f"free there: free space, keep fewer checkpoints (--keep 1 in PRETRAIN_ARGS, "
+                             f"MIDTRAIN_ARGS and SFT_ARGS), or put --data_dir / --runs_dir on a larger disk")
 
 
 def plan_steps(args, config, tokens_per_step):
@@ -123,6 +181,8 @@ def main(argv=None):
         config = config_from_args(args)
     except ValueError as e:
         parser.error(str(e))
+    if args.data_plan:
+        return data_plan(args, config, tokenizer)
     torch.manual_seed(args.seed)
     model = build_model(config, device)
     check_master_weights(model)
@@ -140,7 +200,9 @@ def main(argv=None):
                            world_size=world * accum, device=device, threads=C.loader_threads(args, device))
                for j in range(accum)]
     layout = {"model_config": asdict(config), "world_size": world, "micro_batch": micro, "accum": accum}
-    run = {"stage": "pretrain", "run": args.run_name, **layout, "total_steps": total_steps,
+    # does the corpus hold the budget? (rank 0 counts; the others need not wait for it before their next collective)
+    data = corpus_budget(args.data_dir, tokenizer, total_steps * tokens_per_step) if master else None
+    run = {"data": data, "stage": "pretrain", "run": args.run_name, **layout, "total_steps": total_steps,
            "tokens_per_step": tokens_per_step, "code": C.code_version(), "tokenizer": args.tokenizer,
            "tokenizer_sha256": tokenizer.fingerprint(), "data_dir": args.data_dir}
     if master:
@@ -152,6 +214,7 @@ def main(argv=None):
         print(f"budget: {total_steps:,} steps, {total_steps * tokens_per_step:,} tokens, "
               f"{fpt * total_steps * tokens_per_step:.3e} FLOPs, {total_steps * tokens_per_step / counted:.2f} tokens per "
               f"parameter (value-embedding tables not counted)")
+        print(budget_line(data, total_steps * tokens_per_step))
         print(f"code: commit {run['code']['commit']}, uncommitted changes: {run['code']['dirty']}")
         print(C.precision_line(args, device, optimizers))
     start = C.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank, device) if resume_from else 0

@@ -3,7 +3,7 @@
     python report.py runs/speedrun          # what speedrun.sh runs after the last stage
 
 Reads, for each stage run under the speedrun directory (pretrain/, midtrain/, sft/): config.json, metrics.jsonl,
-done.json and samples.jsonl; core_eval/results.json; chat_eval.json; transport.txt (the NCCL decision);
+done.json and samples.jsonl; core_eval/results.json; chat_eval.json; transport.txt (the NCCL decision and the bandwidth its probe measured);
 logs/<stage>.log (the `distributed:` line, where each rank names the device it held, and the parameter count);
 logs/stages.tsv (each stage's wall time, written by speedrun.sh). A figure that is not there is "unknown".
 Writes report.md, loss.png (training loss per stage) and val_bpb.png (pretraining validation bits per byte).
@@ -54,7 +54,8 @@ def data_of(config):
     if config["stage"] == "pretrain":
         paths = [Path(config["data_dir"])]
     elif config["stage"] == "midtrain":
-        paths = [Path(s.split(":", 1)[1].rsplit(":", 1)[0]) for s in config["args"]["source"] or []]
+        # the sources it trained on, the defaults included (config["args"]["source"] is only what was passed)
+        paths = [Path(s["path"]) for s in config.get("sources") or []]
     else:
         paths = [Path(config["chat_dir"])]
     parts = []
@@ -62,6 +63,10 @@ def data_of(config):
         shards = len(list(path.glob("*.parquet")))
         demo = (path.parent / "chat_eval").is_dir() and (path.parent / "eval_bundle").is_dir()
         parts.append(f"{path} ({shards} shards{', synthetic demo data' if demo else ''})")
+    budget = config.get("data") if config["stage"] == "pretrain" else None
+    if budget:  # pretrain.py's check of the budget against the corpus
+        parts.append(f"{budget['epochs']:.2f} epochs of it" + (" (this run REPEATED data)" if budget["epochs"] > 1
+                                                               else ""))
     return "; ".join(parts)
 
 

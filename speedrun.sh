@@ -12,35 +12,43 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")" && pwd)  # the scripts; relative paths (--runs_dir, --data_dir) are the caller's
 
 PLAN=auto DEPTH=20 RUN_NAME=speedrun DATA_DIR="" GPUS=auto NO_CHAT=0 RUNS_DIR=runs FORCE=0 TOKENIZER=""
-SHARDS=240 STOP_AFTER="" PROBE_ONLY=0 VOCAB=""
+SHARDS="" STOP_AFTER="" PROBE_ONLY=0 VOCAB=""
+# the conversation datasets the gpu plan's midtraining and SFT read (dataset.py download-chat names): checked and
+# fetched at the start, with the CORE bundle and the ChatCORE tasks, so a gated or missing one fails in minutes
+CHAT_SOURCES=(smoltalk ultrachat)
 
 usage() {
     cat <<EOF
 usage: bash speedrun.sh [flags]
 
   --plan gpu|demo     gpu: d20-class model on FineWeb-Edu, every stage; demo: the offline demo world, preset tiny,
-                      on the CPU (default: gpu when CUDA GPUs are present, else demo)
+                      on the CPU (default: gpu when torch sees CUDA GPUs, else demo; GPUs that nvidia-smi lists
+                      but torch cannot use stop the run with the driver and wheel versions)
   --depth N           gpu plan: model depth, the d{N} preset (default: $DEPTH)
   --run_name NAME     everything goes to <runs_dir>/NAME/ (default: $RUN_NAME)
   --runs_dir DIR      (default: $RUNS_DIR)
   --data_dir DIR      gpu: the FineWeb-Edu corpus directory (default: dataset.py's cache); demo: the demo world
                       (default: <runs_dir>/<run_name>/demo, written by demo.py when missing)
   --gpus N            processes per stage = GPUs used (default: all CUDA GPUs; 0 = CPU, one process)
-  --shards N          gpu plan: FineWeb-Edu training shards to download (default: $SHARDS)
+  --shards N          gpu plan: FineWeb-Edu training shards to download (default: what the budget needs: its
+                      tokens / the first shard's tokens counted with the tokenizer, plus one)
   --vocab_size N      tokenizer vocabulary (default: 65536 gpu, 1024 demo)
   --tokenizer DIR     use this trained tokenizer instead of training one (default: train <run>/tokenizer)
-  --stop_after STAGE  stop after this stage: data tokenizer pretrain core_eval midtrain sft chat_eval report
+  --stop_after STAGE  stop after this stage: data tokenizer download pretrain core_eval midtrain sft chat_eval
+                      report (download: gpu plan, every shard and the prefetched chat and evaluation data are in)
   --no_chat           do not start chat.py at the end (it starts only when stdin is a terminal anyway)
   --force             start although other processes hold the GPUs
-  --probe_only        run the NCCL check, record the transport, and exit
+  --probe_only        run the NCCL check, record the transport and its measured bandwidth, and exit
   -h, --help          this text
 
 environment:
   PRETRAIN_ARGS MIDTRAIN_ARGS SFT_ARGS CORE_ARGS CHAT_EVAL_ARGS   extra flags appended to that stage's command line
                       (the last of a repeated flag wins), e.g. PRETRAIN_ARGS="--steps 100"
-  NCCL_SAFE=1         skip the NCCL probe and run with seed 003's safe flags
-  SPEEDRUN_PYTHON     the interpreter (default: .venv/bin/python, created from requirements.txt when missing)
+  NCCL_SAFE=1         skip the NCCL probe and run with the safe flags (P2P and InfiniBand off)
+  SPEEDRUN_PYTHON     the interpreter (default: .venv/bin/python, installed from requirements.txt unless .venv
+                      records a completed install of this requirements.txt)
   SPEEDRUN_PROBE_TIMEOUT  seconds before the NCCL probe counts as hung (default: 120)
+  SPEEDRUN_PROBE_MB   size of the probe's timed all-reduce in MB (default: 64)
   SPEEDRUN_KILL_WAIT  seconds a stopped stage gets to end before SIGKILL, plus twice its last measured checkpoint
                       save, plus as long as a checkpoint is still being written, and as much again once it is saved
                       (default: 30)
@@ -67,7 +75,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 case "$PLAN" in auto|gpu|demo) ;; *) echo "speedrun.sh: error: --plan $PLAN: use gpu or demo" >&2; exit 2 ;; esac
-case "$STOP_AFTER" in ""|data|tokenizer|pretrain|core_eval|midtrain|sft|chat_eval|report) ;;
+case "$STOP_AFTER" in ""|data|tokenizer|download|pretrain|core_eval|midtrain|sft|chat_eval|report) ;;
     *) echo "speedrun.sh: error: --stop_after $STOP_AFTER: not a stage (bash speedrun.sh --help)" >&2; exit 2 ;; esac
 
 RUN="$RUNS_DIR/$RUN_NAME"
@@ -207,14 +215,44 @@ skip() { say "stage $1 skipped: $2"; if [ "$STOP_AFTER" = "$1" ]; then exit 0; f
 export PYTHONUNBUFFERED=1  # every line reaches the log and the terminal when printed
 
 # --- the interpreter
+# .venv counts as installed only when it holds the sha256 of the requirements.txt whose pip install completed: an
+# interrupted pip, or a venv made without pip (python3-venv missing), is repaired or redone, never skipped
 if [ -n "${SPEEDRUN_PYTHON:-}" ]; then
     PY=$SPEEDRUN_PYTHON
 else
-    if [ ! -x "$ROOT/.venv/bin/python" ]; then
-        say "creating .venv from requirements.txt"
-        python3 -m venv "$ROOT/.venv" && "$ROOT/.venv/bin/pip" install -q -r "$ROOT/requirements.txt"
+    VENV=$ROOT/.venv
+    want=$(sha256sum "$ROOT/requirements.txt" | cut -d' ' -f1)
+    have=$(cat "$VENV/installed-requirements.sha256" 2>/dev/null || true)
+    if [ "$have" != "$want" ]; then
+        if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -m pip --version > /dev/null 2>&1; then
+            if [ -e "$VENV" ]; then
+                say "$VENV has no working python or pip (an interrupted creation, or python3-venv missing):" \
+                    "recreating it"
+            else
+                say "creating $VENV from requirements.txt"
+            fi
+            rm -rf "$VENV"
+            if ! python3 -m venv "$VENV"; then
+                rm -rf "$VENV"
+                echo "speedrun.sh: error: \`python3 -m venv $VENV\` failed: install the venv module (Debian/Ubuntu:" \
+                    "\`apt-get install python3-venv\`) and rerun, or set SPEEDRUN_PYTHON to an interpreter with" \
+                    "requirements.txt installed" >&2
+                exit 1
+            fi
+        elif [ -n "$have" ]; then
+            say "requirements.txt changed since $VENV was installed: installing it again"
+        else
+            say "$VENV is a half install (no record that pip install -r requirements.txt completed): repairing it"
+        fi
+        if ! "$VENV/bin/python" -m pip install -q -r "$ROOT/requirements.txt"; then
+            echo "speedrun.sh: error: pip install -r $ROOT/requirements.txt into $VENV failed (above); fix the cause" \
+                "and rerun: the install is repaired then (or delete $VENV to start it afresh)" >&2
+            exit 1
+        fi
+        echo "$want" > "$VENV/installed-requirements.sha256"
+        say "$VENV: requirements.txt installed (sha256 ${want:0:12}... recorded in $VENV/installed-requirements.sha256)"
     fi
-    PY=$ROOT/.venv/bin/python
+    PY=$VENV/bin/python
 fi
 
 # --- GPUs: how many, and whether something else holds them (seed 000: zombie workers from an earlier run)
@@ -231,10 +269,33 @@ if command -v nvidia-smi > /dev/null 2>&1; then
 fi
 if [ "$GPUS" = auto ]; then
     GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+    # GPUs the driver sees but torch cannot use (a driver older than the CUDA the torch wheel was built for): an
+    # error, never a silent CPU demo on a rented GPU box
+    SMI_GPUS=0
+    if [ "$GPUS" = 0 ] && command -v nvidia-smi > /dev/null 2>&1; then
+        SMI_GPUS=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -c . || true)
+    fi
+    if [ "$SMI_GPUS" -gt 0 ]; then
+        driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 | tr -d ' ')
+        driver_cuda=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9.]*\).*/\1/p' | head -1)
+        read -r torch_version torch_cuda <<< "$("$PY" -c 'import torch; print(torch.__version__, torch.version.cuda)')"
+        echo "speedrun.sh: error: nvidia-smi lists $SMI_GPUS GPU(s) but torch $torch_version sees none. The driver" \
+            "is ${driver:-unknown} (it supports CUDA ${driver_cuda:-unknown}); this torch wheel was built for CUDA" \
+            "$([ "$torch_cuda" = None ] && echo "none (a CPU-only wheel)" || echo "$torch_cuda")." >&2
+        echo "Install a torch wheel built for a CUDA the driver supports, e.g. \`$PY -m pip install" \
+            "torch==${torch_version%%+*} --index-url https://download.pytorch.org/whl/cuXYZ\` with XYZ at most" \
+            "${driver_cuda:-that of the driver} without the dot (pytorch.org lists the builds), or update" \
+            "the driver; --gpus 0 runs on the CPU regardless." >&2
+        exit 1
+    fi
 fi
 [ "$PLAN" = auto ] && { [ "$GPUS" -gt 0 ] && PLAN=gpu || PLAN=demo; }
 if [ "$PLAN" = gpu ] && [ "$GPUS" -lt 1 ] && [ "$PROBE_ONLY" = 0 ]; then
     echo "speedrun.sh: error: --plan gpu needs CUDA GPUs and torch sees none; use --plan demo on the CPU" >&2
+    exit 2
+fi
+if [ "$PLAN" = demo ] && [ "$STOP_AFTER" = download ]; then
+    echo "speedrun.sh: error: --stop_after download: the demo plan has no download stage (use data)" >&2
     exit 2
 fi
 NPROC=$((GPUS > 0 ? GPUS : 1))
@@ -242,22 +303,27 @@ LAUNCH=("$PY" -m torch.distributed.run --standalone "--nproc_per_node=$NPROC")
 say "plan $PLAN, run $RUN, $NPROC process(es) per stage ($([ "$GPUS" -gt 0 ] && echo "$GPUS GPUs" || echo CPU))," \
     "commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)"
 
-# --- NCCL: one all-reduce with a timeout before training; on a hang or failure, seed 003's safe flags
+# --- NCCL: a 4-byte and a timed gradient-bucket-sized all-reduce before training; on a hang or failure, the safe
+# flags (P2P and InfiniBand off, sockets over loopback: what stopped multi-GPU runs from hanging), their cost printed
 SAFE_FLAGS="NCCL_P2P_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_NET=Socket NCCL_NET_PLUGIN=none"
 PROBE_TIMEOUT=${SPEEDRUN_PROBE_TIMEOUT:-120}
+PROBE_MB=${SPEEDRUN_PROBE_MB:-64}  # a gradient bucket's size: where NVLS and P2P over NVSwitch take over
+PROBE_BW=""  # the last probe's measured bus bandwidth ("12.34 GB/s"), empty when it printed none
 probe() {  # the probe in its own process group under a hard timeout; its status
-    local rc=0
+    local rc=0 before
+    before=$({ cat "$LOGS/probe.log" 2>/dev/null || true; } | wc -l)
     if [ -n "${SPEEDRUN_PROBE_CMD:-}" ]; then  # tests inject a hang here
         SPEEDRUN_MARK=$MARK setsid timeout -k 5 "$PROBE_TIMEOUT" bash -c "$SPEEDRUN_PROBE_CMD" \
             >> "$LOGS/probe.log" 2>&1 &
     else
         SPEEDRUN_MARK=$MARK setsid timeout -k 5 "$PROBE_TIMEOUT" "${LAUNCH[@]}" "$ROOT/common.py" probe \
-            --timeout "$PROBE_TIMEOUT" \
-            >> "$LOGS/probe.log" 2>&1 < /dev/null &
+            --timeout "$PROBE_TIMEOUT" --mbytes "$PROBE_MB" >> "$LOGS/probe.log" 2>&1 < /dev/null &
     fi
     STAGE_PGIDS+=("$!")
     wait "$!" || rc=$?
     end_groups  # nothing of a hung probe survives it
+    PROBE_BW=$(tail -n "+$((before + 1))" "$LOGS/probe.log" 2>/dev/null |
+        sed -n 's/.*all-reduce over .*: ok, .* bus bandwidth \([0-9.]* GB\/s\).*/\1/p' | tail -1)
     return "$rc"
 }
 use_safe_flags() { local kv; for kv in $SAFE_FLAGS; do export "${kv?}"; done; }
@@ -267,14 +333,18 @@ elif [ "${NCCL_SAFE:-0}" = 1 ]; then
     use_safe_flags
     TRANSPORT="nccl safe flags (NCCL_SAFE=1: $SAFE_FLAGS)"
 elif probe; then
-    TRANSPORT="nccl default"
+    TRANSPORT="nccl default, all-reduce bus bandwidth ${PROBE_BW:-unknown} (${PROBE_MB} MB message)"
 else
     rc=$?
+    DEFAULT_BW=${PROBE_BW:-none: it $([ "$rc" = 124 ] || [ "$rc" = 137 ] && echo hung || echo failed)}
     say "NCCL probe failed (exit $rc$([ "$rc" = 124 ] || [ "$rc" = 137 ] && echo ", hung past ${PROBE_TIMEOUT}s")):" \
-        "retrying with seed 003's safe flags $SAFE_FLAGS; log: $LOGS/probe.log"
+        "retrying with the safe flags $SAFE_FLAGS; log: $LOGS/probe.log"
     use_safe_flags
     if probe; then
-        TRANSPORT="nccl safe flags ($SAFE_FLAGS)"
+        TRANSPORT="nccl safe flags ($SAFE_FLAGS), all-reduce bus bandwidth ${PROBE_BW:-unknown}"
+        TRANSPORT+=" (${PROBE_MB} MB message; default flags: $DEFAULT_BW)"
+        say "the safe flags cost: all-reduce bus bandwidth ${PROBE_BW:-unknown} with them (P2P and InfiniBand off:" \
+            "gradients go through host memory and sockets); with the default flags: $DEFAULT_BW"
     else
         rc=$?
         echo "speedrun: stage nccl_probe failed (exit $rc) even with the safe flags; log: $LOGS/probe.log" >&2
@@ -312,7 +382,19 @@ train_stage() {  # NAME SCRIPT ARGS...
 }
 
 # --- data and tokenizer
-SHARD_PID=""
+PREFETCH_PID=""
+wait_prefetch() {  # [WHERE]: wait for the background fetch of the chat data and CORE bundle; its failure stops the run
+    local rc=0
+    [ -n "$PREFETCH_PID" ] || return 0
+    say "waiting for the prefetch of the chat data and the CORE bundle (log: $LOGS/prefetch.log)"
+    wait "$PREFETCH_PID" || rc=$?
+    PREFETCH_PID="" BG_PGIDS=()
+    if [ "$rc" != 0 ]; then
+        echo "speedrun: stage prefetch failed (exit $rc)$1; log: $LOGS/prefetch.log; fix its cause and rerun (what" \
+            "finished is kept)" >&2
+        exit "$rc"
+    fi
+}
 if [ "$PLAN" = demo ]; then
     DATA_DIR=${DATA_DIR:-$RUN/demo}
     VOCAB=${VOCAB:-1024}
@@ -327,14 +409,24 @@ else
     DATA_DIR=${DATA_DIR:-$(PYTHONPATH=$ROOT "$PY" -c 'from dataset import default_data_dir as d; print(d("karpathy/fineweb-edu-100b-shuffle"))')}
     VOCAB=${VOCAB:-65536}
     CORPUS=$DATA_DIR
-    # 8 shards first (what the tokenizer trains on), then the rest in the background while it trains; pretraining
-    # waits for them. A complete shard is never fetched again.
+    # fail in minutes, not hours: the later stages' datasets are listed now (a gated or missing one stops the run
+    # here; the ChatCORE tasks' test files are small and fetched now), then the chat data and the CORE bundle are
+    # fetched in the background
+    stage preflight "$PY" "$ROOT/dataset.py" download-chat --check "${CHAT_SOURCES[@]}"
+    stage chatcore_tasks "$PY" "$ROOT/chat_eval.py" --download_only "${CHAT_EVAL_EXTRA[@]}"
+    say "fetching ${CHAT_SOURCES[*]} and the CORE bundle in the background (log: $LOGS/prefetch.log)"
+    # the inner bash gets: python, root, the number of chat sources, the sources, then CORE_ARGS (its --bundle is
+    # the bundle fetched)
+    # shellcheck disable=SC2016  # expanded by the inner bash
+    SPEEDRUN_MARK=$MARK setsid bash -c 'py=$1 root=$2 n=$3; shift 3
+        "$py" "$root/dataset.py" download-chat "${@:1:n}" && "$py" "$root/core_eval.py" --download_only "${@:n+1}"' \
+        prefetch "$PY" "$ROOT" "${#CHAT_SOURCES[@]}" "${CHAT_SOURCES[@]}" "${CORE_EXTRA[@]}" \
+        >> "$LOGS/prefetch.log" 2>&1 < /dev/null &
+    PREFETCH_PID=$!
+    BG_PGIDS+=("$PREFETCH_PID")
+    # 8 shards first (what the tokenizer trains on, and what the budget's shard count is measured on). A complete
+    # shard is never fetched again.
     stage data "$PY" "$ROOT/dataset.py" download --shards 8 --data_dir "$CORPUS"
-    say "downloading $SHARDS FineWeb-Edu training shards into $CORPUS in the background (log: $LOGS/download.log)"
-    SPEEDRUN_MARK=$MARK setsid "$PY" "$ROOT/dataset.py" download --shards "$SHARDS" --data_dir "$CORPUS" \
-        >> "$LOGS/download.log" 2>&1 < /dev/null &
-    SHARD_PID=$!
-    BG_PGIDS+=("$SHARD_PID")
 fi
 if [ -n "$TOKENIZER" ]; then
     TOK=$TOKENIZER
@@ -346,15 +438,28 @@ else
     TOK="$RUN/tokenizer"
     stage tokenizer "$PY" "$ROOT/tokenizer.py" train --data_dir "$CORPUS" --vocab_size "$VOCAB" --out "$TOK"
 fi
-if [ -n "$SHARD_PID" ]; then
-    say "waiting for the shard download (log: $LOGS/download.log)"
-    rc=0
-    wait "$SHARD_PID" || rc=$?
-    if [ "$rc" != 0 ]; then
-        echo "speedrun: stage download failed (exit $rc); log: $LOGS/download.log" >&2
-        exit "$rc"
+GPU_BUDGET=(--preset "d$DEPTH" --tokens_per_param 20 --total_batch_tokens 524288)  # the gpu plan's pretraining
+if [ "$PLAN" = gpu ]; then
+    # the shards the budget needs (a deeper model needs more: d24 about 340, d26 about 415), measured with this
+    # tokenizer; the same step checks the free disk against the shards and the checkpoints to come
+    stage data_plan "$PY" "$ROOT/pretrain.py" --data_plan --data_dir "$CORPUS" --tokenizer "$TOK" --runs_dir "$RUN" \
+        "${GPU_BUDGET[@]}" "${PRETRAIN_EXTRA[@]}"
+    NEEDED=$(sed -n 's/^data plan shards: \([0-9]*\)$/\1/p' "$LOGS/data_plan.log" | tail -1)
+    if [ -z "$SHARDS" ]; then
+        SHARDS=$NEEDED
+    elif [ "$SHARDS" -lt "$NEEDED" ]; then
+        say "--shards $SHARDS is fewer than the $NEEDED the budget needs: pretraining will repeat data (it says so)"
     fi
-    BG_PGIDS=()
+    SPEEDRUN_LOG="$LOGS/download.log"
+    run_stage download "$PY" "$ROOT/dataset.py" download --shards "$SHARDS" --data_dir "$CORPUS"
+    # the prefetch may still run: pretraining does not wait for it, but if it has failed already, stop before the hours
+    if ! kill -0 "$PREFETCH_PID" 2>/dev/null || [ "$STOP_AFTER" = download ]; then
+        wait_prefetch " before pretraining"
+    fi
+    if [ "$STOP_AFTER" = download ]; then
+        say "stopping after download (--stop_after): every shard and the chat and evaluation data are in"
+        exit 0
+    fi
 fi
 
 # --- the stages
@@ -366,7 +471,7 @@ if [ "$PLAN" = demo ]; then
     SFT=(--chat_dir "$DATA_DIR/conversations" --steps 200 --eval_every 0 --ckpt_every 100)
     CHAT_EVAL=(--demo "$DATA_DIR" --max_new_tokens 32)
 else
-    PRETRAIN=(--preset "d$DEPTH" --tokens_per_param 20 --total_batch_tokens 524288 --eval_every 250 --ckpt_every 1000)
+    PRETRAIN=("${GPU_BUDGET[@]}" --eval_every 250 --ckpt_every 1000)
     MIDTRAIN=(--tokens 500000000 --ckpt_every 1000)
     SFT=(--chat_dir "$(PYTHONPATH=$ROOT "$PY" -c 'from dataset import CACHE_DIR; print(CACHE_DIR / "chat" / "smoltalk")')"
          --epochs 1 --ckpt_every 1000)
@@ -378,17 +483,13 @@ fi
 
 train_stage pretrain "$ROOT/pretrain.py" --data_dir "$CORPUS" --tokenizer "$TOK" "${PRETRAIN[@]}" "${PRETRAIN_EXTRA[@]}"
 
+wait_prefetch ""
 if [ -f "$RUN/core_eval/results.json" ]; then
     skip core_eval "$RUN/core_eval/results.json exists"
 else
     stage core_eval "${LAUNCH[@]}" "$ROOT/core_eval.py" --checkpoint "$RUN/pretrain" --out "$RUN/core_eval" "${CORE_EXTRA[@]}"
 fi
 
-if [ "$PLAN" = gpu ] && [ ! -f "$RUN/midtrain/done.json" ]; then
-    for chat in smoltalk ultrachat; do
-        stage "download_$chat" "$PY" "$ROOT/dataset.py" download-chat "$chat"
-    done
-fi
 train_stage midtrain "$ROOT/midtrain.py" --init "$RUN/pretrain" "${MIDTRAIN[@]}" "${MIDTRAIN_EXTRA[@]}"
 train_stage sft "$ROOT/sft.py" --init "$RUN/midtrain" "${SFT[@]}" "${SFT_EXTRA[@]}"
 

@@ -500,3 +500,17 @@ def test_bad_input_stops_with_one_line_before_any_evaluation(tiny, capsys, args,
     code, out, err = run_in_process(E.main, ["--checkpoint", tiny / "chat_runs" / "r", *args], capsys,
                                     stage="chat_eval.py")
     assert code == 1 and err == f"chat_eval.py: error: {message}\n" and "task " not in out
+
+
+def test_download_only_fetches_every_hub_task_without_a_checkpoint(hub, tmp_path, capsys):
+    """What speedrun.sh runs before pretraining: no checkpoint, no process group; every task's test files cached."""
+    cache = tmp_path / "cache"
+    E.main(["--download_only", "--cache_dir", str(cache)])
+    out = capsys.readouterr().out
+    for task in E.HUB_TASKS:
+        assert f"download: {task}: 1 files in {cache / task}" in out
+        assert (cache / task / "files.json").is_file()
+    requests = len(hub.log)
+    assert {t: E.load_items(t, cache, None, 1)[1] for t in E.HUB_TASKS} and len(hub.log) == requests  # cached
+    with pytest.raises(ValueError, match="--tasks: Trivia not among the hub tasks"):
+        E.main(["--download_only", "--cache_dir", str(cache), "--tasks", "Trivia"])

@@ -439,3 +439,15 @@ def test_val_bpb_equals_a_direct_computation(demo_world):
                     nbytes += len(tok.enc.decode_single_token_bytes(target))  # not token_bytes: independent
                     n += 1
     assert scored == n and bpb == pytest.approx(nats / (nbytes * math.log(2)), rel=1e-5)
+
+
+def test_download_only_fetches_and_checks_the_bundle_without_a_checkpoint(server, tmp_path, monkeypatch, capsys):
+    """What speedrun.sh runs at the start, in the background: the bundle cached and its tasks loaded; a bad URL is an
+    error before any training (here a 404)."""
+    monkeypatch.setattr(E, "CACHE_DIR", tmp_path)
+    server["files"]["/eval_bundle.zip"] = bundle_zip()
+    E.main(["--download_only", "--bundle", server["url"] + "/eval_bundle.zip"])
+    assert "bundle: 3 tasks, 19 items in " in capsys.readouterr().out
+    assert len(server["log"]) == 1
+    with pytest.raises(RuntimeError, match="404"):
+        E.main(["--download_only", "--bundle", server["url"] + "/missing.zip"])

@@ -3,6 +3,7 @@ gradients; a rank that hangs stops the run with a message naming it and leaves n
 checkpoints resumed at another world size, consolidated, and two "nodes" meeting through c10d rendezvous:
 tests/test_pretrain.py)."""
 import json
+import re
 import time
 
 import pytest
@@ -62,3 +63,16 @@ def test_a_rank_that_hangs_stops_the_others_within_a_minute_naming_it(demo_world
     assert "pretrain.py: error on rank 0: a collective failed (" in result.stderr, result.stderr[-3000:]
     assert "rank 1 is stuck: it last entered step 2, this rank is in step 3 (process " in result.stderr
     assert processes_mentioning("--run_name rank_hangs ") == []
+
+
+@pytest.mark.two_processes
+def test_the_nccl_probe_times_a_gradient_bucket_sized_all_reduce(tmp_path):
+    """speedrun.sh's probe (common.py probe) on gloo, 2 processes: after the 4-byte check it all-reduces 25 MB, a DDP
+    bucket, checks the sums and prints the time and bus bandwidth it measured."""
+    result = run_script("common.py", ["probe", "--timeout", "60", "--mbytes", "25"], tmp_path, nproc=2)
+    assert "probe: 4-byte all-reduce over 2 ranks (gloo, " in result.stdout and ": ok" in result.stdout
+    line = next(x for x in result.stdout.splitlines() if x.startswith("probe: 25 MB all-reduce over 2 ranks (gloo"))
+    match = re.search(r": ok, ([\d.]+) ms each \(5 timed\), bus bandwidth ([\d.]+) GB/s$", line)
+    assert match, line
+    ms, bus = map(float, match.groups())
+    assert ms > 0 and bus == pytest.approx(25e6 / (ms / 1e3) * 2 * (2 - 1) / 2 / 1e9, rel=0.02)

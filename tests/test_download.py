@@ -186,6 +186,7 @@ def hub(tmp_path_factory, monkeypatch):
     tree.append({"type": "directory", "path": "extra", "oid": "2" * 40})
     hub = SimpleNamespace(files=files, tree=tree, faults={}, log=[], status=None)
     (server, hub.url), (cdn, hub.cdn_url) = start_server(hub), start_server(hub)  # another port: another host
+    hub.servers = [server, cdn]
     monkeypatch.setenv("HF_ENDPOINT", hub.url + "/")  # a trailing slash must not matter
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
     monkeypatch.delenv("HF_TOKEN", raising=False)
@@ -194,8 +195,9 @@ def hub(tmp_path_factory, monkeypatch):
     monkeypatch.setattr(dl, "BACKOFF_BASE", 0.0)
     yield hub
     for s in (server, cdn):
-        s.shutdown()
-        s.server_close()
+        if s.socket.fileno() != -1:  # not stopped by the test
+            s.shutdown()
+            s.server_close()
 
 
 def requests_to(hub, part, method=None):
@@ -237,7 +239,7 @@ def test_every_fault_is_survived_and_every_shard_ends_byte_identical(hub, tmp_pa
     assert paths == [out / f"shard_{i:05d}.parquet" for i in range(NUM_SHARDS)]
     for path in paths:
         assert path.read_bytes() == hub.files[path.name]
-    assert sorted(p.name for p in out.iterdir()) == [p.name for p in paths]  # no staging dir, no partial left behind
+    assert sorted(p.name for p in out.iterdir()) == [dl.LISTING] + [p.name for p in paths]  # no staging dir, no partial
     assert all(not queue for queue in hub.faults.values())
     resumed = [e for e in requests_to(hub, "/cdn/") if e["status"] == 206 and int(e["range"][6:-1]) > 0]
     assert any(e["path"].endswith("shard_00002.parquet") for e in resumed)
@@ -332,7 +334,7 @@ def test_download_shards_takes_the_first_n_training_shards_and_the_last_shard(hu
     paths = dl.download_shards(REPO, 2, tmp_path)
     names = ["shard_00000.parquet", "shard_00001.parquet", "shard_00004.parquet"]
     assert [p.name for p in paths] == names
-    assert sorted(p.name for p in tmp_path.iterdir()) == names  # the validation shard sorts last
+    assert sorted(p.name for p in tmp_path.iterdir()) == [dl.LISTING, *names]  # the validation shard sorts last
     with pytest.raises(ValueError, match="has 4 training shards"):
         dl.download_shards(REPO, 5, tmp_path / "more")
     with pytest.raises(ValueError, match="has 4 training shards"):
@@ -412,8 +414,8 @@ def test_download_chat_fetches_only_the_dataset_files_and_converts_lima(hub, tmp
     host_repo(hub, monkeypatch, "HuggingFaceTB/smoltalk", files)
     hub.faults = {"data/all/train-00001-of-00002.parquet": ["drop", "500"]}
     out = dl.download_chat("smoltalk", tmp_path / "smoltalk")
-    assert sorted(p.name for p in out.iterdir()) == ["test-00000-of-00001.parquet", "train-00000-of-00002.parquet",
-                                                     "train-00001-of-00002.parquet"]
+    assert sorted(p.name for p in out.iterdir()) == [dl.LISTING, "test-00000-of-00001.parquet",
+                                                     "train-00000-of-00002.parquet", "train-00001-of-00002.parquet"]
     for path, data in files.items():
         if path.startswith("data/all/"):
             assert (out / path.split("/")[-1]).read_bytes() == data
@@ -426,7 +428,7 @@ def test_download_chat_fetches_only_the_dataset_files_and_converts_lima(hub, tmp
     host_repo(hub, monkeypatch, "GAIR/lima", {"train.jsonl": "".join(json.dumps(r) + "\n" for r in lima).encode(),
                                              "test.jsonl": b'{"conversations": ["no answer"]}\n'})
     out = dl.download_chat("lima", tmp_path / "lima")
-    assert sorted(p.name for p in out.iterdir()) == ["train.jsonl", "train.parquet"]
+    assert sorted(p.name for p in out.iterdir()) == [dl.LISTING, "train.jsonl", "train.parquet"]
     rows = pq.read_table(out / "train.parquet").column("conversations").to_pylist()
     assert rows == [r["conversations"] for r in lima]
     assert dl.conversation_messages(rows[1]) == [{"role": "user", "content": "Why?"},
@@ -444,3 +446,46 @@ def test_the_cli_exits_2_with_one_line_that_says_what_to_do(hub, tmp_path, capsy
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.startswith("dataset.py download: error: ") and "HF_TOKEN" in err
     assert err.count("\n") == 1 and not (tmp_path / "data").exists()
+
+
+def stop(hub):
+    """The hub and its CDN go away: every later request to them is refused (connection refused, not an HTTP error)."""
+    for server in hub.servers:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_rerun_with_every_file_on_disk_and_matching_needs_no_hub(hub, tmp_path, monkeypatch):
+    out = tmp_path / "data"
+    first = dl.download_shards(REPO, 2, out)
+    conv = [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]]
+    files = {"data/all/train-00000-of-00001.parquet": parquet_bytes(tmp_path, "t", "messages", conv),
+             "data/all/test-00000-of-00001.parquet": parquet_bytes(tmp_path, "v", "messages", conv)}
+    host_repo(hub, monkeypatch, "HuggingFaceTB/smoltalk", files)
+    chat_out = dl.download_chat("smoltalk", tmp_path / "smoltalk")
+    monkeypatch.setitem(globals(), "REPO", "org/fineweb-mini")
+    stop(hub)
+    hub.log.clear()
+    assert dl.download_shards(REPO, 2, out) == first  # offline: the listing saved at download time, hashes checked
+    assert dl.download_shards(REPO, 1, out) == [first[0], first[-1]]  # fewer shards: still all on disk
+    assert dl.download_chat("smoltalk", chat_out) == chat_out
+    assert hub.log == []
+    # a file changed on disk since (one flipped byte, same size): the hub is needed, and its absence is an error
+    data = bytearray(first[1].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    first[1].write_bytes(bytes(data))
+    with pytest.raises(RuntimeError, match="could not list"):
+        dl.download_shards(REPO, 2, out)
+    with pytest.raises(RuntimeError, match="could not list"):  # more shards than are on disk: the hub too
+        dl.download_shards(REPO, 3, tmp_path / "other")
+
+
+def test_check_only_lists_a_chat_dataset_without_downloading_and_a_gated_one_fails_at_once(hub, tmp_path, monkeypatch):
+    conv = [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]]
+    host_repo(hub, monkeypatch, "HuggingFaceTB/smoltalk",
+              {"data/all/train-00000-of-00001.parquet": parquet_bytes(tmp_path, "t", "messages", conv)})
+    out = dl.download_chat("smoltalk", tmp_path / "smoltalk", check_only=True)
+    assert requests_to(hub, "/tree/") and not requests_to(hub, "/resolve/") and not list(out.glob("*.parquet"))
+    hub.status = 401  # gated: the error says what to do, before anything else has run
+    with pytest.raises(RuntimeError, match="HF_TOKEN"):
+        dl.download_chat("smoltalk", tmp_path / "gated", check_only=True)

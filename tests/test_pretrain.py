@@ -4,6 +4,7 @@ NaN stop, frozen-parameter monitor, schedules, batch planning, status."""
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -245,6 +246,31 @@ def test_micro_batch_probe_takes_the_largest_that_fits():
         C.find_micro_batch(try_step, [8, 16])
 
 
+def test_without_a_total_batch_the_probe_is_not_capped_at_8():
+    """No --total_batch_tokens: the probe's candidates go up to 1024 sequences, so a GPU on which 48 fit gets 32 (the
+    largest power of two that fits), not 8; with a total, the divisors of its per-rank sequences, as before."""
+    def try_step(micro):
+        if micro > 48:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+    candidates = C.micro_batch_candidates(None, 2048, 8)
+    assert max(candidates) == 1024 and C.find_micro_batch(try_step, candidates) == 32
+    assert C.micro_batch_candidates(524288, 2048, 8) == [1, 2, 4, 8, 16, 32]
+
+
+def test_a_stage_restarted_before_its_first_checkpoint_counts_each_step_once(world):
+    """The first start dies (SIGKILL) at step 3, before any checkpoint; speedrun's rerun then starts it over (no
+    checkpoint, no --resume): metrics.jsonl holds that second start's steps only, each once."""
+    args = [*SMALL, "--run_name", "restart", "--steps", "6", "--ckpt_every", "100", "--compile", "false"]
+    died = run(world, [*args, "--die_at_step", "3"], check=False)
+    assert died.returncode != 0
+    metrics = world / "runs" / "restart" / "metrics.jsonl"
+    assert [r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r] == [1, 2]
+    again = run(world, args)
+    assert "of an earlier start without a checkpoint removed: starting over" in again.stdout
+    steps = [r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
 def test_micro_batch_probe_holds_optimizer_state_and_gradients_at_its_peak():
     """The probe must allocate what step 1 of training does: at its last optimizer step every parameter has a
     gradient (what DDP's buckets hold: gradient_as_bucket_view) and its optimizer state (AdamW: 2 moments, Muon: a
@@ -356,3 +382,89 @@ def test_memory_growth_warning_needs_steady_growth():
     assert not C.memory_growing([i * 2 * mib for i in range(40)])  # too few steps to say
     assert not C.memory_growing([(i % 2) * 200 * mib + i * mib for i in range(60)])  # it falls sometimes
     assert not C.memory_growing([i * mib // 4 for i in range(60)])  # steady but tiny: 12 MiB
+
+
+def test_a_budget_larger_than_the_corpus_says_so_in_the_plan_every_log_line_and_the_report(world, tmp_path):
+    """A corpus of 2 training shards of 1,200 short documents against a budget of 1.4 times its tokens: --data_plan
+    asks for the shards the budget needs (counted with the tokenizer, as the test counts them here); the run's plan
+    says it repeats data, every progress line and metrics record carries the epoch (the pass the loader reads, up to
+    1,000 documents ahead of the rows trained: 0.4 of a pass here), and the report's data column says so."""
+    import report
+    from tokenizer import Tokenizer
+    rng = __import__("random").Random(0)
+    words = ["river", "stone", "light", "garden", "music", "winter", "paper", "market"]
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 6))) for _ in range(2520)]
+    corpus = tmp_path / "corpus"
+    D.write_text_shards(texts, corpus, shard_docs=1200, val_fraction=0.05)
+    tok = Tokenizer.load(world / "tokenizer")
+
+    def tokens(path):
+        return sum(len(tok.encode(t)) + 1 for i in range(D.open_parquet(path).num_row_groups)
+                   for t in D.read_row_group(path, i) if t)
+    per_shard = tokens(corpus / "shard_00000.parquet")
+    corpus_tokens = sum(tokens(p) for p in sorted(corpus.glob("*.parquet"))[:-1])
+    steps = math.ceil(1.4 * corpus_tokens / 256)  # micro_batch 4 x sequence_len 64
+    common = ["--data_dir", str(corpus), "--tokenizer", str(world / "tokenizer"), "--runs_dir", str(tmp_path / "runs"),
+              "--sequence_len", "64", "--n_layer", "1", "--n_embd", "64", "--n_head", "2", "--n_kv_head", "2",
+              "--eval_every", "0", "--eval_tokens", "512", "--compile", "false", "--steps", str(steps)]
+    plan = run_script("pretrain.py", [*common, "--total_batch_tokens", "256", "--data_plan"], tmp_path)
+    assert f"data plan shards: {math.ceil(steps * 256 / per_shard) + 1}\n" in plan.stdout
+    assert f"{per_shard:,} tokens in shard_00000.parquet (1,200 documents" in plan.stdout
+    result = run_script("pretrain.py", [*common, "--micro_batch", "4", "--log_every", "1", "--run_name", "r",
+                                        "--ckpt_every", "1000"], tmp_path)
+    line = next(x for x in result.stdout.splitlines() if x.startswith("data: budget"))
+    epochs = float(re.search(r": ([\d.]+) epochs\. This run REPEATS data", line).group(1))
+    assert epochs == pytest.approx(steps * 256 / corpus_tokens, rel=0.05)  # the estimate: shard 0's mean length
+    progress = [x for x in result.stdout.splitlines() if x.startswith("step ")]
+    assert len(progress) == steps and all(re.search(r" epoch [12]( \(repeating data\))? ETA", x) for x in progress)
+    assert " epoch 1 ETA" in progress[0] and " epoch 2 (repeating data) ETA" in progress[-1]
+    records = [json.loads(x) for x in (tmp_path / "runs" / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records if "loss" in r][-1] == 2
+    config = json.loads((tmp_path / "runs" / "r" / "config.json").read_text())
+    assert f"{config['data']['epochs']:.2f} epochs of it (this run REPEATED data)" in report.data_of(config)
+
+
+def test_the_data_plan_stops_when_the_disk_cannot_hold_the_checkpoints(world, tmp_path, monkeypatch, capsys):
+    """--data_plan checks free disk against the checkpoints to come (3 stages x --keep x 12 bytes a parameter) and
+    the shards still missing; with 1 MB free it stops naming the need and the fixes, with plenty it passes."""
+    import shutil
+    from collections import namedtuple
+    usage = namedtuple("usage", "total used free")
+    args = ["--data_dir", str(world / "demo" / "pretrain"), "--tokenizer", str(world / "tokenizer"), "--runs_dir",
+            str(tmp_path / "runs"), "--preset", "tiny", "--tokens_per_param", "20", "--total_batch_tokens", "8192",
+            "--keep", "2", "--data_plan"]
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 ** 12, 0, 10 ** 12))
+    pretrain.main(args)
+    out = capsys.readouterr().out
+    params = M.num_params(config_from_preset("tiny", {"vocab_size": 1024}))
+    assert f"checkpoints 3 stages x --keep 2 x {12 * params / 1e9:.1f} GB (12 bytes x {params:,} parameters" in out
+    assert "data plan shards: " in out
+    shards, ckpts = map(float, re.search(r"data plan disk: ([\d.]+) GB of shards .* = ([\d.]+) GB", out).groups())
+    assert ckpts == round(6 * 12 * params / 1e9, 1)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 ** 12, 0, 10 ** 6))
+    with pytest.raises(ValueError, match=rf"not enough disk: shards in .*, checkpoints in {tmp_path / 'runs'} need "
+                                         rf"([\d.]+) GB, 0.0 GB are free there: .*--keep 1") as err:
+        pretrain.main(args)  # one disk here: the shards and the checkpoints together
+    need = float(re.search(r"need ([\d.]+) GB", str(err.value)).group(1))
+    assert need == pytest.approx(shards + ckpts, abs=0.11)
+
+
+def test_a_shards_token_count_is_cached_and_a_read_only_corpus_still_counts(world, tmp_path):
+    from tokenizer import Tokenizer
+    corpus = tmp_path / "corpus"
+    shutil.copytree(world / "demo" / "pretrain", corpus)
+    tok = Tokenizer.load(world / "tokenizer")
+    first = min(corpus.glob("*.parquet"))
+    texts = [t for i in range(D.open_parquet(first).num_row_groups) for t in D.read_row_group(first, i) if t]
+    counted = (sum(len(tok.encode(t)) + 1 for t in texts), len(texts))
+    assert D.shard_tokens(first, tok) == counted
+    assert json.loads((corpus / D.TOKEN_COUNTS).read_text())[tok.fingerprint()][first.name] == list(counted)
+    (corpus / D.TOKEN_COUNTS).unlink()
+    corpus.chmod(0o555)
+    try:
+        if os.access(corpus, os.W_OK):  # root ignores the mode: make the cache write fail another way
+            (corpus / D.TOKEN_COUNTS).mkdir()
+        assert D.shard_tokens(first, tok) == counted
+        assert not list(corpus.glob("*.tmp"))  # no temporary file left behind
+    finally:
+        corpus.chmod(0o755)

@@ -181,14 +181,22 @@ def probe_only(tmp_path, command, **env):
 
 def test_a_hung_nccl_probe_falls_back_to_the_safe_flags_and_leaves_nothing_running(tmp_path):
     marker = f"sleep 77.{os.getpid()}"  # hangs unless the safe flags are set
-    hang = f'[ "${{NCCL_P2P_DISABLE:-}}" = 1 ] && [ "$NCCL_NET" = Socket ] && exit 0; {marker}'
+    measured = "probe: 64 MB all-reduce over 2 ranks (nccl, fake): ok, 40.0 ms each (5 timed), bus bandwidth 1.60 GB/s"
+    hang = f'[ "${{NCCL_P2P_DISABLE:-}}" = 1 ] && [ "$NCCL_NET" = Socket ] && {{ echo "{measured}"; exit 0; }}; {marker}'
     result = probe_only(tmp_path, hang)
     assert result.returncode == 0, result.stderr
-    assert "NCCL probe failed (exit 124, hung past 2s): retrying with seed 003's safe flags NCCL_P2P_DISABLE=1 " \
+    assert "NCCL probe failed (exit 124, hung past 2s): retrying with the safe flags NCCL_P2P_DISABLE=1 " \
            "NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_NET=Socket NCCL_NET_PLUGIN=none" in result.stdout
-    assert (tmp_path / "p" / "transport.txt").read_text().startswith("nccl safe flags (NCCL_P2P_DISABLE=1 ")
+    transport = (tmp_path / "p" / "transport.txt").read_text()
+    assert transport.startswith("nccl safe flags (NCCL_P2P_DISABLE=1 ")
+    assert transport.strip().endswith("all-reduce bus bandwidth 1.60 GB/s (64 MB message; default flags: none: it "
+                                      "hung)")
+    assert "the safe flags cost: all-reduce bus bandwidth 1.60 GB/s with them" in result.stdout
     assert processes_mentioning(marker) == []
-    assert probe_only(tmp_path, "exit 0").stdout.count("transport: nccl default") == 1
+    fast = measured.replace("1.60", "98.70")
+    default = probe_only(tmp_path, f'echo "{fast}"')
+    assert default.stdout.count("transport: nccl default, all-reduce bus bandwidth 98.70 GB/s (64 MB message)") == 1
+    assert "transport: nccl default, all-reduce bus bandwidth unknown" in probe_only(tmp_path, "exit 0").stdout
     forced = probe_only(tmp_path, f"{marker}", NCCL_SAFE="1")
     assert "transport: nccl safe flags (NCCL_SAFE=1: NCCL_P2P_DISABLE=1" in forced.stdout
     failed = probe_only(tmp_path, "exit 3")
@@ -356,3 +364,197 @@ def check_stops(scenarios, runs, terminals, torchrun, tmp_path, orphan_dir):
         time.sleep(0.1)
     assert processes_mentioning(str(orphan_dir)) == []  # the workers died with torchrun
     assert whole_checkpoints(orphan_dir / "r" / "ckpt") == []  # none written yet (every 10 steps)
+
+
+FAKE_SMI = """#!/bin/sh
+case "$*" in
+    *query-compute-apps*) ;;
+    *query-gpu=name*) echo 'NVIDIA H100 80GB HBM3'; echo 'NVIDIA H100 80GB HBM3' ;;
+    *query-gpu=driver_version*) echo '470.57.02'; echo '470.57.02' ;;
+    *) echo '| NVIDIA-SMI 470.57.02    Driver Version: 470.57.02    CUDA Version: 11.4     |' ;;
+esac
+"""
+
+
+def test_gpus_the_driver_lists_but_torch_cannot_use_stop_the_run_naming_driver_and_wheel(tmp_path):
+    """nvidia-smi (a fake on PATH) lists 2 GPUs with a driver for CUDA 11.4; this torch (the CPU wheel) sees none: the
+    auto plan is an error naming the driver, the wheel's CUDA and the pip command, not a silent CPU demo."""
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text(FAKE_SMI)
+    fake.chmod(0o755)
+    env = {"PATH": f"{fake.parent}:{os.environ['PATH']}", "SPEEDRUN_PROBE_CMD": "exit 0"}
+    result = run_speedrun(["--runs_dir", tmp_path, "--probe_only"], tmp_path, env, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    cuda = torch.version.cuda or "none (a CPU-only wheel)"
+    assert f"nvidia-smi lists 2 GPU(s) but torch {torch.__version__} sees none. The driver is 470.57.02 (it supports " \
+           f"CUDA 11.4); this torch wheel was built for CUDA {cuda}." in result.stderr
+    assert f"pip install torch=={torch.__version__.split('+')[0]} --index-url https://download.pytorch.org/whl/cuXYZ" \
+           in result.stderr and "plan demo" not in result.stdout
+    chosen = run_speedrun(["--runs_dir", tmp_path, "--probe_only", "--gpus", "0"], tmp_path, env, timeout=120)
+    assert chosen.returncode == 0 and "plan demo" in chosen.stdout  # the CPU on purpose: allowed
+    demo = run_speedrun(["--runs_dir", tmp_path, "--gpus", "0", "--stop_after", "download"], tmp_path, env, timeout=120)
+    assert demo.returncode == 2 and "the demo plan has no download stage" in demo.stderr  # else it would run it all
+
+
+def test_the_report_names_midtrainings_default_sources(tmp_path):
+    """On the gpu plan midtrain.py runs with its default sources (no --source): the report's data column reads the
+    sources the stage recorded in config.json, not the flags it was given."""
+    import report
+    corpus, chat = tmp_path / "fineweb", tmp_path / "smoltalk"
+    for d, names in ((corpus, ["shard_00000.parquet", "shard_00001.parquet"]), (chat, ["train-0.parquet"])):
+        d.mkdir()
+        for name in names:
+            (d / name).write_bytes(b"")
+    config = {"stage": "midtrain", "args": {"source": None},
+              "sources": [{"name": "text:fineweb", "kind": "text", "path": str(corpus), "share": 0.3},
+                          {"name": "chat:smoltalk", "kind": "chat", "path": str(chat), "share": 0.7}]}
+    assert report.data_of(config) == f"{corpus} (2 shards); {chat} (1 shards)"
+
+
+def test_a_half_installed_venv_is_repaired_and_a_completed_install_is_recorded(tmp_path):
+    """speedrun.sh and requirements.txt copied beside a .venv whose python is a stand-in (pip calls are logged, and
+    fail when PIP_RC says so): a .venv without the record of a completed install is repaired, a failed pip is an
+    error that records nothing, a .venv without python is recreated (python3 -m venv, a stand-in too), and a recorded
+    install is not touched again."""
+    import hashlib
+    import shutil
+    repo, bin_dir, log = tmp_path / "repo", tmp_path / "bin", tmp_path / "pip.log"
+    repo.mkdir()
+    bin_dir.mkdir()
+    for name in ("speedrun.sh", "requirements.txt"):
+        shutil.copy(ROOT / name, repo / name)
+    fake_python = (f'#!/bin/sh\nif [ "$1 $2" = "-m pip" ]; then\n  [ "$3" = --version ] && exit 0\n'
+                   f'  echo "$*" >> {log}; exit ${{PIP_RC:-0}}\nfi\nexec {sys.executable} "$@"\n')
+
+    def make_venv():
+        (repo / ".venv" / "bin").mkdir(parents=True)
+        (repo / ".venv" / "bin" / "python").write_text(fake_python)
+        (repo / ".venv" / "bin" / "python").chmod(0o755)
+    (bin_dir / "python3").write_text(f'#!/bin/sh\n[ "$1" = -m ] && [ "$2" = venv ] || exit 99\necho "venv $3" >> {log}\n'
+                                     f'mkdir -p "$3/bin"\nprintf %s \'{fake_python}\' > "$3/bin/python"\n'
+                                     f'chmod +x "$3/bin/python"\n')
+    (bin_dir / "python3").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "SPEEDRUN_PYTHON"}
+    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", SPEEDRUN_PROBE_CMD="exit 0")
+
+    def speedrun(**extra):
+        return subprocess.run(["bash", str(repo / "speedrun.sh"), "--gpus", "0", "--probe_only", "--runs_dir",
+                               str(tmp_path / "runs")], cwd=tmp_path, env={**env, **extra}, capture_output=True,
+                              text=True, timeout=120, check=False)
+    record = repo / ".venv" / "installed-requirements.sha256"
+    want = hashlib.sha256((repo / "requirements.txt").read_bytes()).hexdigest()
+    make_venv()  # bin/python exists, as after an interrupted pip: today's check counts that as installed
+    failed = speedrun(PIP_RC="1")
+    assert failed.returncode == 1 and "is a half install" in failed.stdout
+    assert "pip install -r" in failed.stderr and "failed" in failed.stderr and not record.exists()
+    repaired = speedrun()
+    assert repaired.returncode == 0, repaired.stderr
+    assert "is a half install (no record that pip install -r requirements.txt completed): repairing it" in \
+        repaired.stdout
+    assert record.read_text().strip() == want
+    assert log.read_text().splitlines() == [f"-m pip install -q -r {repo / 'requirements.txt'}"] * 2
+    again = speedrun()
+    assert again.returncode == 0 and "requirements.txt" not in again.stdout and len(log.read_text().splitlines()) == 2
+    shutil.rmtree(repo / ".venv")
+    (repo / ".venv").mkdir()  # what python3 -m venv leaves when ensurepip is missing, roughly: no bin/python
+    recreated = speedrun()
+    assert recreated.returncode == 0 and "has no working python or pip" in recreated.stdout
+    assert log.read_text().splitlines()[2:] == [f"venv {repo / '.venv'}", f"-m pip install -q -r {repo / 'requirements.txt'}"]
+    assert record.read_text().strip() == want
+
+
+def test_the_gpu_plans_data_path_against_a_stand_in_hub_then_offline(tmp_path, monkeypatch):
+    """The gpu plan's data section on the CPU (--gpus 1 with a stand-in probe; nothing trains: --stop_after), against
+    one local server speaking the hub's protocol for FineWeb, the two chat sources and the four ChatCORE repos, and a
+    second serving the CORE bundle:
+    - a chat source missing from the hub stops the run at the preflight, before the tokenizer;
+    - the shard count comes from the budget and the first shard's tokens (here 7.5 shards' worth: 8, plus one
+      spare, one more than the tokenizer's 8), and the chat data, the ChatCORE tasks and the CORE bundle are all
+      fetched before --stop_after download returns;
+    - with both servers stopped, the same command succeeds again from disk."""
+    import hashlib
+    import math
+    import threading
+    from http.server import ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from test_chat_eval import LAYOUTS, hub_handler
+    from test_core_eval import bundle_zip
+
+    import model as M
+    rng = __import__("random").Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 8))) for _ in range(400)]
+    files = {}
+
+    def put(name, table):
+        pq.write_table(table, tmp_path / "tmp.parquet")
+        files[name] = (tmp_path / "tmp.parquet").read_bytes()
+    for i in range(10):  # 9 training shards and the validation shard
+        put(f"karpathy/fineweb-edu-100b-shuffle/shard_{i:05d}.parquet",
+            pa.table({"text": [" ".join(rng.choice(words) for _ in range(rng.randint(10, 30))) for _ in range(300)]}))
+    conv = [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]] * 3
+    chat = {"HuggingFaceTB/smoltalk/data/all/train-00000-of-00001.parquet": conv,
+            "HuggingFaceTB/smoltalk/data/all/test-00000-of-00001.parquet": conv,
+            "HuggingFaceH4/ultrachat_200k/data/train_sft-00000-of-00001.parquet": conv,
+            "HuggingFaceH4/ultrachat_200k/data/test_sft-00000-of-00001.parquet": conv}
+    for name, rows in chat.items():
+        put(name, pa.table({"messages": rows}))
+    for repo, layout in LAYOUTS.items():
+        for path, rows in layout.items():
+            put(f"{repo}/{path}", pa.Table.from_pylist(rows))
+    hub = SimpleNamespace(files=files, faults={}, log=[])
+    bundle = bundle_zip()
+    servers = [ThreadingHTTPServer(("127.0.0.1", 0), hub_handler(hub)) for _ in range(3)]  # hub, "CDN", bundle
+    for server in servers:
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    url, hub.cdn_url, bundle_url = (f"http://127.0.0.1:{s.server_address[1]}" for s in servers)
+    hub.files["eval_bundle.zip"] = bundle  # the third server answers /cdn/eval_bundle.zip with it
+    env = {"HF_ENDPOINT": url, "NO_PROXY": "127.0.0.1", "HF_HOME": str(tmp_path / "hf"), "SPEEDRUN_PROBE_CMD": "exit 0",
+           "NANOCHAT_CACHE": str(tmp_path / "cache"), "CORE_ARGS": f"--bundle {bundle_url}/cdn/eval_bundle.zip"}
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    corpus = tmp_path / "corpus"
+    args = ["--plan", "gpu", "--gpus", "1", "--runs_dir", tmp_path / "runs", "--data_dir", corpus, "--vocab_size",
+            "320"]
+    try:
+        ultrachat = {k: files.pop(k) for k in list(files) if k.startswith("HuggingFaceH4/")}
+        missing = run_speedrun([*args, "--run_name", "missing", "--stop_after", "download"], tmp_path, env)
+        assert missing.returncode == 2 and "speedrun: stage preflight failed (exit 2)" in missing.stderr
+        assert "HuggingFaceH4/ultrachat_200k has no files matching" in missing.stdout
+        assert "stage tokenizer" not in missing.stdout and not corpus.exists()
+        files.update(ultrachat)
+
+        first = run_speedrun([*args, "--stop_after", "tokenizer"], tmp_path, env)
+        assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+        tok = Tokenizer.load(tmp_path / "runs" / "speedrun" / "tokenizer")
+        shard0 = pq.read_table(corpus / "shard_00000.parquet").column("text").to_pylist()
+        per_shard = sum(len(tok.encode(t)) + 1 for t in shard0)
+        params = M.budget_params(M.config_from_preset("d20", {"vocab_size": tok.vocab_size}))
+        tpp = 7.5 * per_shard / params
+        steps = math.ceil(tpp * params / 4096)
+        want = math.ceil(steps * 4096 / per_shard) + 1
+        env["PRETRAIN_ARGS"] = f"--tokens_per_param {tpp!r} --total_batch_tokens 4096"
+        second = run_speedrun([*args, "--stop_after", "download"], tmp_path, env)
+        assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+        assert f"data plan shards: {want}\n" in second.stdout and want == 9
+        assert sorted(p.name for p in corpus.glob("*.parquet")) == [f"shard_{i:05d}.parquet"
+                                                                    for i in [*range(want), 9]]
+        for name in ("smoltalk", "ultrachat"):
+            assert len(list((tmp_path / "cache" / "chat" / name).glob("*.parquet"))) == 2
+        for task in ("ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval"):
+            assert (tmp_path / "cache" / "chat_eval" / task / "files.json").is_file()
+        assert list((tmp_path / "cache" / "eval_bundle").glob("*/unzipped.json"))
+        assert "stopping after download (--stop_after): every shard and the chat and evaluation data are in" in \
+            second.stdout
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+    hub.log.clear()
+    offline = run_speedrun([*args, "--stop_after", "download"], tmp_path, env)
+    assert offline.returncode == 0, offline.stdout[-3000:] + offline.stderr[-3000:]
+    assert "stage tokenizer skipped" in offline.stdout and hub.log == []
+    digest = hashlib.sha256((corpus / "shard_00000.parquet").read_bytes()).hexdigest()
+    assert digest == hashlib.sha256(files["karpathy/fineweb-edu-100b-shuffle/shard_00000.parquet"]).hexdigest()
