@@ -362,6 +362,8 @@ def main(argv=None):
         unknown = [t for t in tasks if t not in HUB_TASKS]
         if unknown:
             raise ValueError(f"--tasks: {', '.join(unknown)} not among the hub tasks: {', '.join(HUB_TASKS)}")
+        if "HumanEval" in tasks:  # a machine that cannot contain its programs stops the run now, not after training
+            print(sandbox.describe(*sandbox.choose(args.sandbox)))
         for task in tasks:
             print(f"download: {task}: {len(hub_files(task, args.cache_dir))} files in {Path(args.cache_dir) / task}")
         return

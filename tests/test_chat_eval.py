@@ -514,3 +514,19 @@ def test_download_only_fetches_every_hub_task_without_a_checkpoint(hub, tmp_path
     assert {t: E.load_items(t, cache, None, 1)[1] for t in E.HUB_TASKS} and len(hub.log) == requests  # cached
     with pytest.raises(ValueError, match="--tasks: Trivia not among the hub tasks"):
         E.main(["--download_only", "--cache_dir", str(cache), "--tasks", "Trivia"])
+
+
+def test_download_only_refuses_humaneval_at_the_start_where_nothing_can_contain_its_programs(hub, tmp_path, capsys,
+                                                                                              monkeypatch):
+    """speedrun.sh's gpu plan runs --download_only before pretraining: a machine without namespaces stops it there,
+    naming --sandbox process, not after hours of training; with --sandbox process (accepted) it fetches."""
+    monkeypatch.setattr(sandbox, "_LEVEL", ("process", "no unshare command"))
+    cache = tmp_path / "cache"
+    with pytest.raises(RuntimeError, match="accept that with --sandbox process"):
+        E.main(["--download_only", "--cache_dir", str(cache)])
+    assert not cache.exists()
+    E.main(["--download_only", "--cache_dir", str(cache), "--tasks", "ARC-Easy"])  # no program runs: no check
+    E.main(["--download_only", "--cache_dir", str(cache), "--tasks", "HumanEval", "--sandbox", "process"])
+    out = capsys.readouterr().out
+    assert "sandbox: process only (--sandbox process: the user accepted what it does not contain)" in out
+    assert (cache / "HumanEval" / "files.json").is_file()
