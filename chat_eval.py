@@ -30,7 +30,8 @@ import torch
 
 import common as C
 import sandbox
-from dataset import CACHE_DIR, download_hub_files, list_hub_files
+from calculator import ToolUse, reply_text
+from dataset import CACHE_DIR, MC_LETTERS, download_hub_files, list_hub_files, render_mc
 from model import autocast_context, generate, num_params
 
 # task: (hub repo, its test split's files, kind, random baseline). Kinds: categorical (a letter's logit), gsm8k (the
@@ -116,13 +117,6 @@ def read_rows(task, cache_dir, demo_dir):
                                                                                               .to_pylist())]
 
 
-def render_mc(question, letters, choices):
-    """nanochat's multiple-choice message: each choice followed by '=' and its letter, with no space between, so the
-    letter in the prompt is the same token as the bare letter the answer is."""
-    return (f"Multiple Choice question: {question}\n" + "".join(f"- {c}={x}\n" for x, c in zip(letters, choices))
-            + "\nRespond only with the letter of the correct answer.")
-
-
 def make_item(task, row, where):
     """The fields its kind needs ({"prompt", ...}), from a row in the layout the hub (or demo.py) gives it."""
     try:
@@ -133,7 +127,7 @@ def make_item(task, row, where):
             return {"prompt": render_mc(row["question"], letters, row["choices"]["text"]), "letters": letters,
                     "answer": answer}
         if task in ("MMLU", "demo-choice"):
-            letters = list("ABCDEFGHIJ"[:len(row["choices"])])
+            letters = list(MC_LETTERS[:len(row["choices"])])
             return {"prompt": render_mc(row["question"], letters, row["choices"]), "letters": letters,
                     "answer": letters[row["answer" if task == "MMLU" else "gold"]]}
         if task == "GSM8K":
@@ -226,19 +220,20 @@ def letter_choice(model, tokenizer, item, dtype, device):
 
 
 def greedy_reply(model, tokenizer, question, max_new_tokens, dtype):
-    """(text, cut): greedy tokens until <|assistant_end|> (or <|bos|>) or max_new_tokens; cut when the model's
-    window ended the reply first, or the prompt had to be cropped."""
+    """(text, cut, calculator calls): greedy tokens until <|assistant_end|> (or <|bos|>) or max_new_tokens, with the
+    calculator on (a tool call's result is inserted after it, as nanochat's engine does); the text leaves the calls
+    and their outputs out. cut when the model's window ended the reply first, or the prompt had to be cropped."""
     ids, cut = prompt_ids(tokenizer, question, model.config.sequence_len, 1)
     budget = min(max_new_tokens, model.config.sequence_len - len(ids))
     stop = {tokenizer.special_id("<|assistant_end|>"), tokenizer.bos_id}
-    new = []
-    for token in generate(model, ids, budget, temperature=0, dtype=dtype):
+    new, tools = [], ToolUse(tokenizer)
+    for token in generate(model, ids, budget, temperature=0, dtype=dtype, tools=tools):
         if token in stop:
             break
         new.append(token)
     else:
         cut = cut or budget < max_new_tokens
-    return tokenizer.decode(new), cut
+    return reply_text(tokenizer, new), cut, tools.calls
 
 
 def judge(kind, item, model, tokenizer, args, device, marker, level):
@@ -246,16 +241,17 @@ def judge(kind, item, model, tokenizer, args, device, marker, level):
     if kind == "categorical":
         letter, cut = letter_choice(model, tokenizer, item, args.dtype, device)
         return letter == item["answer"], cut, {"predicted": letter}
-    reply, cut = greedy_reply(model, tokenizer, item["prompt"], args.max_new_tokens, args.dtype)
+    reply, cut, calls = greedy_reply(model, tokenizer, item["prompt"], args.max_new_tokens, args.dtype)
+    calls = {"calculator": [list(c) for c in calls]} if calls else {}
     if kind == "gsm8k":
         number = final_number(reply)
         return number == Decimal(item["answer"]), cut, {"predicted": None if number is None else str(number),
-                                                        "reply": reply}
+                                                        "reply": reply, **calls}
     if kind == "exact":
-        return normalize(reply) in {normalize(a) for a in item["answers"]}, cut, {"reply": reply}
+        return normalize(reply) in {normalize(a) for a in item["answers"]}, cut, {"reply": reply, **calls}
     result = sandbox.run(humaneval_program(item, reply, marker), args.timeout, memory_mb=args.memory_mb, level=level)
     passed = result.status == "ok" and marker in result.output.splitlines()
-    return passed, cut, {"status": result.status, "reply": reply, "output": result.output[-500:]}
+    return passed, cut, {"status": result.status, "reply": reply, "output": result.output[-500:], **calls}
 
 
 def evaluate_task(task, items, model, tokenizer, args, rank, world, device, marker, level):

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from calculator import ToolUse, reply_text
 from dataset import chat_loader, text_loader
 from model import GPTConfig, autocast_context, build_model, generate, memory_estimate, parse_bool
 from tokenizer import SPECIAL_TOKENS, Tokenizer
@@ -1159,15 +1160,15 @@ def chat_answers(model, tokenizer, questions, dtype, max_tokens=64):
     model.eval()
     for question in questions:
         prompt = tokenizer.render_for_completion([{"role": "user", "content": question}])
-        out = []
+        out, tools = [], ToolUse(tokenizer)  # the calculator on, as in chat.py and chat_eval.py
         for token in generate(model, prompt, min(max_tokens, model.config.sequence_len - len(prompt)), temperature=0,
-                              dtype=dtype):
+                              dtype=dtype, tools=tools):
             out.append(token)
             if token == end and not is_sharded(model):
                 break
         ended = end in out
-        answers.append({"question": question, "answer": tokenizer.decode(out[:out.index(end)] if ended else out),
-                        "ended": ended})
+        answers.append({"question": question, "answer": reply_text(tokenizer, out[:out.index(end)] if ended else out),
+                        "ended": ended, **({"calculator": [list(c) for c in tools.calls]} if tools.calls else {})})
     model.train(was_training)
     return answers
 
