@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dataset import MC_LETTERS, ROW_GROUP_DOCS, load_identity, write_text_shards
+from dataset import ROW_GROUP_DOCS, load_identity, write_text_shards
 
 # the assistant's name and what it says about itself: identity.json, the one file to edit (SFT on the hub data reads it
 # too, through `python dataset.py download-chat identity`)
@@ -429,8 +429,8 @@ def conversation(rng):
 # (conversations), arithmetic through the calculator (GSM8K's columns, <<expr=result>> and a final '#### N').
 
 CHOICE = {  # kind: (question phrasings, the field that answers it, the pool the wrong choices come from)
-    "capital": (["What is the capital of {c}?", "Which city is the capital of {c}?", "The capital of {c} is which "
-                 "city?"], "cap", [r[1] for r in COUNTRIES]),
+    "capital": (["What is the capital of {c}?", "Which city is the capital of {c}?",
+                 "The capital of {c} is which city?"], "cap", [r[1] for r in COUNTRIES]),
     "language": (["What language do people speak in {c}?", "Which language is spoken in {c}?"], "lang",
                  [r[2] for r in COUNTRIES]),
     "national": (["What is the national animal of {c}?", "Which animal is the national animal of {c}?"], "ani",
@@ -515,7 +515,7 @@ def calculation_row(rng):
         return {"question": sentence(rng.choice(questions).format(**shown)),
                 "answer": f"{call}{sentence(str(shown['x']))} {['plus', 'minus', 'times'][list(SUMS).index(op)]} "
                           f"{shown['y']} is {said}."}
-    (name, pron), (item, items) = rng.choice(CHARACTERS), rng.choice(ITEMS)
+    (name, pron), (_, items) = rng.choice(CHARACTERS), rng.choice(ITEMS)
     story = rng.choice(STORIES[op]).format(name=name, pron=sentence(pron), x=x, y=y, items=items)
     return {"question": story, "answer": f"{STEP[op].format(x=x, y=y, v=v)} {items}.\n#### {v}"}
 

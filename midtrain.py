@@ -27,7 +27,6 @@ from dataset import CACHE_DIR, mixture_loader
 from model import flops_per_token, num_params, parse_args
 from tokenizer import Tokenizer
 
-
 # Token shares of the conversation sources beside the parent's text (0.3): conversation (SmolTalk, UltraChat), the
 # shapes chat_eval.py scores (MMLU and ARC letters, GSM8K with the calculator) and who the assistant is (identity.json)
 DEFAULT_CHAT_SHARES = [("smoltalk", 0.3), ("ultrachat", 0.1), ("mmlu", 0.15), ("gsm8k", 0.1), ("arc-easy", 0.02),

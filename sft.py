@@ -26,7 +26,6 @@ from dataset import chat_loader, mixture_files, parse_chat_sources
 from model import flops_per_token, num_params, parse_args
 from tokenizer import Tokenizer
 
-
 # nanochat's SFT epochs (SmolTalk 1, MMLU auxiliary_train 3, GSM8K 4), with ARC's training questions (letters on
 # science questions) and the identity set (who the assistant is: identity.json) added
 DEFAULT_SOURCES = ["smoltalk:1", "mmlu:3", "gsm8k:4", "arc-easy:1", "arc-challenge:1", "identity:2"]
