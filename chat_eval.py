@@ -263,7 +263,8 @@ def evaluate_task(task, items, model, tokenizer, args, rank, world, device, mark
         correct, cut, record = judge(kind, items[i], model, tokenizer, args, device, marker, level)
         table[i] = torch.tensor([1.0, float(correct), float(cut)], dtype=torch.float64)
         expected = {k: items[i][k] for k in ("id", "answer", "answers") if k in items[i]}
-        records.append({"task": task, "position": i, "row": items[i]["row"], **expected, "correct": bool(correct),
+        records.append({"task": task, "position": i, "row": items[i]["row"], "question": items[i]["prompt"][:300],
+                        **expected, "correct": bool(correct),
                         "cut": bool(cut), **record})
     C.all_reduce_tensor(table)
     if not table[:, 0].eq(1).all():

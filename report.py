@@ -93,6 +93,9 @@ def stage_figures(run, name, times):
     }
 
 
+SAMPLES_PER_TASK = 4
+
+
 def contained_answers(items_path):
     """{task: (replies containing an accepted answer as a whole word, replies)} for the generated tasks whose items
     carry accepted answers (the demo world's demo-answer): a reply in a sentence ("It's Pelmo.") counts here."""
@@ -103,6 +106,22 @@ def contained_answers(items_path):
             hits, n = counts.get(item["task"], (0, 0))
             counts[item["task"]] = (hits + hit, n + 1)
     return counts
+
+
+def marked_answers(items_path, per_task=SAMPLES_PER_TASK):
+    """A line per item for the first few items of each task: right or wrong, the question, the answer given (the
+    letter, or the reply as scored) and the expected one."""
+    lines, shown = [], {}
+    for item in read_jsonl(items_path):
+        if shown.get(item["task"], 0) >= per_task:
+            continue
+        shown[item["task"]] = shown.get(item["task"], 0) + 1
+        given = item.get("predicted") if "reply" not in item or item["task"] == "GSM8K" else item["reply"]
+        expected = item.get("answer", " | ".join(item.get("answers", [])) or UNKNOWN)
+        question = " ".join(str(item.get("question", UNKNOWN)).split())[:120]
+        lines.append(f"- [{'x' if item['correct'] else ' '}] {item['task']}: {question!r} -> {given!r} (expected "
+                     f"{expected!r})")
+    return lines
 
 
 def plot(run, out):
@@ -174,6 +193,8 @@ def write_report(run):
         for task, (hits, n) in contained_answers(run / "chat_eval_items.jsonl").items():
             lines += ["", (f"{task}: {hits}/{n} replies contain an accepted answer as a word (chat_eval_items.jsonl; "
                           f"not ChatCORE's rule, under which the reply must be the answer)")]
+        lines += ["", "ChatCORE sample answers (the first items of each task; [x] right, [ ] wrong):", ""]
+        lines += marked_answers(run / "chat_eval_items.jsonl")
     else:
         lines.append(f"ChatCORE {UNKNOWN} (no chat_eval.json)")
     lines += ["", "## Sample answers", ""]

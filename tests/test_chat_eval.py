@@ -57,7 +57,8 @@ class ScriptedModel(torch.nn.Module):
         at = len(self.seen) - self.seen[::-1].index(start)  # where the reply begins
         prompt = self.tokenizer.decode(self.seen[:at])
         reply = next(text for key, text in self.script.items() if key in prompt)
-        wanted = self.tokenizer.encode(reply) + [self.tokenizer.special_id("<|assistant_end|>")]
+        wanted = list(reply) if isinstance(reply, list) else \
+            self.tokenizer.encode(reply) + [self.tokenizer.special_id("<|assistant_end|>")]  # a list: the ids as given
         logits = torch.zeros(1, 1 if last_only else idx.size(1), self.config.vocab_size)
         logits[0, -1, wanted[min(len(self.seen) - at, len(wanted) - 1)]] = 10.0
         return logits
@@ -124,6 +125,22 @@ def test_a_reply_cut_by_the_window_is_counted_and_a_letter_must_be_one_token():
         [{"role": "user", "content": "long"}]))
     with pytest.raises(ValueError, match="'AB' is 2 tokens"):
         E.letter_choice(model, BYTES, {"prompt": "long", "letters": ["AB", "C"]}, "float32", CPU)
+
+
+def test_gsm8k_is_answered_with_the_calculator_on_and_scored_on_the_text_without_the_calls():
+    """The model writes a call, the calculator's result is fed in place of whatever the model would have written
+    there (the script's 99), and the reply scored is its text: the calls and their outputs are left out."""
+    sid, enc = BYTES.special_id, BYTES.encode
+    call = [sid("<|python_start|>"), *enc("6*7"), sid("<|python_end|>")]
+    scripted = [*call, sid("<|output_start|>"), *enc("99"), sid("<|output_end|>")]  # same length as "42"
+    rows = [{"question": "g0", "answer": "<<6*7=42>>42\n#### 42"}, {"question": "g1", "answer": "#### 3"}]
+    script = {"g0": [*enc("So "), *scripted, *enc("42.\n#### 42"), sid("<|assistant_end|>")],
+              "g1": [*enc("It is "), sid("<|python_start|>"), *enc("__import__('os')"), sid("<|python_end|>"),
+                     *enc(" 3\n#### 3"), sid("<|assistant_end|>")]}
+    verdicts, records = scored("GSM8K", rows, script)
+    assert [c for c, _ in verdicts] == [True, True]
+    assert records[0]["reply"] == "So 42.\n#### 42" and records[0]["calculator"] == [["6*7", "42"]]
+    assert records[1]["reply"] == "It is  3\n#### 3" and records[1]["calculator"][0][1].startswith("refused: '_'")
 
 
 def test_gsm8k_takes_the_number_after_the_marker_else_the_last_number():
