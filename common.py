@@ -305,16 +305,20 @@ REF_WIDTH, REF_BATCH, BATCH_EXPONENT = 768, 2 ** 19, 1 / 8
 
 def param_groups(model):
     """Split parameters by role: 'matrix' (2D weights inside the blocks), 'embedding', 'value_embedding', 'head',
-    'resid_lambdas', 'x0_lambdas', 'scalar' (norms and any other 1D parameter)."""
+    'resid_lambdas', 'x0_lambdas', 'scalar' (norms and any other 1D parameter). A tied embedding (tie_embeddings:
+    the head reuses wte) is in 'head': its gradient is mostly the output's (every position scores the whole
+    vocabulary against it, while an input row gets gradient only where its token occurs), and at the embedding's
+    lr (50x the head's) AdamW moves every coordinate of every logit's weights by that lr each step."""
     groups = {"matrix": [], "embedding": [], "value_embedding": [], "head": [], "resid_lambdas": [], "x0_lambdas": [],
               "scalar": []}
+    tied = model.config.tie_embeddings
     for name, p in model.named_parameters():
         if name in ("resid_lambdas", "x0_lambdas"):
             groups[name].append(p)
         elif name.startswith("blocks.") and p.ndim == 2:
             groups["matrix"].append(p)
         elif name.startswith("wte."):
-            groups["embedding"].append(p)
+            groups["head" if tied else "embedding"].append(p)
         elif name.startswith("value_embeds."):
             groups["value_embedding"].append(p)
         elif name.startswith("lm_head."):
@@ -324,10 +328,11 @@ def param_groups(model):
     return {k: v for k, v in groups.items() if v}
 
 
-def build_optimizers(model, args, width, batch_tokens, device):
+def build_optimizers(model, args, width, batch_tokens, device, lr_scale=1.0):
     """Muon for the block matrices and AdamW for the rest (args.optimizer == 'muon'), or AdamW everywhere ('adamw');
-    args.adam8bit swaps AdamW for bitsandbytes' AdamW8bit. Returns a list of optimizers; every param group carries
-    'name' and 'base_lr' (the lr at multiplier 1) and 'wd_on' (whether weight decay applies)."""
+    args.adam8bit swaps AdamW for bitsandbytes' AdamW8bit. Every lr is multiplied by lr_scale (a chat stage's
+    fraction of its parent's). Returns a list of optimizers; every param group carries 'name' and 'base_lr' (the lr
+    at multiplier 1) and 'wd_on' (whether weight decay applies)."""
     width_factor, batch_factor = (width / REF_WIDTH) ** -0.5, (batch_tokens / REF_BATCH) ** BATCH_EXPONENT
     # AdamW on the block matrices keeps the square-root rule: at 2^11 tokens, 8x its lr cost 0.036 bpb (1.899 -> 1.935)
     sqrt_factor = (batch_tokens / REF_BATCH) ** 0.5
@@ -339,6 +344,7 @@ def build_optimizers(model, args, width, batch_tokens, device):
            # nanochat's, not scaled: scaled by the batch rule (5.8x at 2^11 tokens) one seed in three diverged to
            # +0.03 bpb; unscaled, the three agreed within 0.004
            "resid_lambdas": 0.005, "x0_lambdas": 0.5}
+    lrs = {name: lr * lr_scale for name, lr in lrs.items()}
     groups = param_groups(model)
     adam_groups = [{"params": ps, "name": k, "base_lr": lrs[k], "lr": lrs[k], "wd_on": k == "matrix",
                     **({"betas": (0.96, 0.95)} if k == "x0_lambdas" else {})}  # nanochat's, for the x0 mix
@@ -695,6 +701,7 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank,
         torch.save(named_optimizer_state(model, optimizers), tmp / "optimizers.pt")
     if rank == 0:
         (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "sharded": is_sharded(model),
+                                                   "optimizers": optimizer_layout(optimizers),
                                                    "versions": versions()}, indent=1))
     barrier()
     if rank == 0:
@@ -729,6 +736,12 @@ def set_aside_newer(ckpt_dir, step):
     for c in newer:
         os.replace(c, aside / c.name)
     return aside
+
+
+def optimizer_layout(optimizers):
+    """[[class name, [param group names]], ...]: what a checkpoint's optimizer state is, recorded in its meta.json so
+    a child stage can tell whether that state fits its own optimizers before loading it (warm_start)."""
+    return [[type(opt).__name__, [group["name"] for group in opt.param_groups]] for opt in optimizers]
 
 
 def named_optimizer_state(model, optimizers):
@@ -1076,6 +1089,105 @@ def inherit(args, meta, parent):
         raise ValueError(f"--sequence_len {args.sequence_len} exceeds the parent's "
                          f"{meta['model_config']['sequence_len']} (its rotary tables end there): pass at most that")
     return table
+
+
+def add_warm_start_args(parser, lr_scale, schedule, warmdown_frac, why):
+    """A chat stage's start from its parent's optimizer and its own lr scale and schedule (defaults per stage, `why`
+    says where they come from)."""
+    g = parser.add_argument_group("warm start: the parent's optimizer state and this stage's lrs")
+    g.add_argument("--warm_start", type=parse_bool, default=True, help="continue from the parent checkpoint's "
+                   "optimizer state (AdamW moments, Muon momentum) with the lrs reset to this stage's; a state that "
+                   "does not fit this stage's optimizers is reported and replaced by a fresh one; false: fresh "
+                   "(default: %(default)s)")
+    g.add_argument("--lr_scale", type=float, default=lr_scale, help="every lr is this fraction of the parent's (its "
+                   f"base lrs at this stage's batch; {why}) (default: %(default)s)")
+    parser.set_defaults(schedule=schedule, warmdown_frac=warmdown_frac)
+
+
+def warm_start(parent, parent_meta, model, optimizers, args, device):
+    """Load the parent checkpoint's optimizer state into this stage's optimizers (unsharded or sharded, whatever the
+    parent's world size: load_state), then put back this stage's own hyperparameters (lr, base_lr, weight decay,
+    betas, momentum): the moments continue, the lrs are the stage's. A fresh optimizer at full lr moves every
+    embedding coordinate by about the lr on its first step, since AdamW's first update is sign(gradient); warm
+    moments keep the first steps the size of the parent's last ones. When the parent's state does not fit (another
+    optimizer or other param groups, or a checkpoint that does not record them) the state stays fresh. Returns the
+    line that says which, and why."""
+    if not args.warm_start:
+        return "optimizer: fresh state (--warm_start false)"
+    recorded, mine = parent_meta.get("optimizers"), optimizer_layout(optimizers)
+    if recorded is None:
+        return (f"optimizer: fresh state: {parent}/meta.json does not record its optimizers (written by an older "
+                f"version of this code), so its state cannot be checked against this stage's")
+    if recorded != mine:
+        return (f"optimizer: fresh state: the parent's optimizers {recorded} are not this stage's {mine} (another "
+                f"--optimizer or --adam8bit, or another model)")
+    own = [{k: v for k, v in group.items() if k != "params"} for opt in optimizers for group in opt.param_groups]
+    try:
+        load_state(parent, model, optimizers, device)
+        error = None
+    except (ValueError, KeyError, RuntimeError, FileNotFoundError) as e:
+        error = e
+    for group, hyper in zip((g for opt in optimizers for g in opt.param_groups), own, strict=True):
+        group.update(hyper)
+    if error is not None:
+        for opt in optimizers:  # a partly loaded state is no state
+            opt.state.clear()
+        return f"optimizer: fresh state: the parent's could not be loaded ({type(error).__name__}: {error})"
+    tensors = sum(len(opt.state) for opt in optimizers)
+    return (f"optimizer: warm start from {parent}'s state ({tensors} parameters' moments, step {parent_meta['step']}),"
+            f" lrs reset to {args.lr_scale:g} x the parent's")
+
+
+def pretraining_run(checkpoint, meta):
+    """(data_dir, sequence_len, eval_tokens) of the pretraining run a checkpoint descends from, following each
+    meta.json's parent; None where a link is missing (a parent moved or deleted, or written before it was
+    recorded)."""
+    while meta.get("stage") != "pretrain":
+        path = (meta.get("parent") or {}).get("path")
+        if path is None or not (Path(path) / "meta.json").is_file():
+            return None
+        checkpoint, meta = path, json.loads((Path(path) / "meta.json").read_text())
+    config = Path(checkpoint).parent.parent / "config.json"
+    eval_tokens = json.loads(config.read_text()).get("args", {}).get("eval_tokens") if config.is_file() else None
+    seq_len = (meta.get("hparams") or {}).get("sequence_len")
+    if not meta.get("data_dir") or not seq_len:
+        return None
+    return meta["data_dir"], seq_len, eval_tokens
+
+
+def add_forgetting_args(parser):
+    g = parser.add_argument_group("forgetting")
+    g.add_argument("--bpb_tokens", type=int, default=None, help="at the end, the pretraining val bpb of this stage's "
+                   "model on the first N tokens of the pretraining corpus's val split, in the rows the pretraining "
+                   "run's final evaluation used, so the figures of the stages compare; 0 = skip (default: the "
+                   "pretraining run's --eval_tokens)")
+
+
+def forgetting(model, tokenizer, parent, parent_meta, args, rank, world, device):
+    """How much of its pretraining the stage's model kept: common.val_bpb on the pretraining run's val split, with
+    its row length and token count (pretraining_run), unless --bpb_tokens says otherwise. A dict for done.json whose
+    val_bpb is None, with a note saying why, when the figure cannot be computed."""
+    found = pretraining_run(parent, parent_meta)
+    if args.bpb_tokens == 0:
+        return {"val_bpb": None, "note": "skipped (--bpb_tokens 0)"}
+    if found is None:
+        return {"val_bpb": None, "note": f"unknown: the pretraining run of {parent} is not found through its parents'"
+                                         f" meta.json"}
+    data_dir, seq_len, eval_tokens = found
+    tokens = args.bpb_tokens or eval_tokens
+    if not tokens:
+        return {"val_bpb": None, "note": "unknown: the pretraining run records no --eval_tokens; pass --bpb_tokens"}
+    if not Path(data_dir).is_dir():
+        return {"val_bpb": None, "note": f"unknown: the pretraining corpus {data_dir} is not here"}
+    rows = val_rows(data_dir, tokenizer, tokens, seq_len)
+    bpb, scored = val_bpb(model, rows, tokenizer.token_bytes, 8, args.dtype, rank, world, device)
+    return {"val_bpb": bpb, "tokens": scored, "data_dir": str(data_dir), "sequence_len": seq_len}
+
+
+def forgetting_line(kept):
+    return "pretraining val bpb: " + (f"{kept['val_bpb']:.4f} over {kept['tokens']:,} tokens of {kept['data_dir']} "
+                                      f"(rows of {kept['sequence_len']} tokens)" if kept["val_bpb"] is not None
+                                      else kept["note"])
 
 
 def parent_record(parent, meta):

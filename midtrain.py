@@ -31,6 +31,10 @@ from tokenizer import Tokenizer
 # shapes chat_eval.py scores (MMLU and ARC letters, GSM8K with the calculator) and who the assistant is (identity.json)
 DEFAULT_CHAT_SHARES = [("smoltalk", 0.3), ("ultrachat", 0.1), ("mmlu", 0.15), ("gsm8k", 0.1), ("arc-easy", 0.02),
                        ("arc-challenge", 0.02), ("identity", 0.01)]
+# The stage's lrs and schedule: warm-started from the parent's optimizer state, a fraction of its lrs, flat, then a
+# linear warmdown to 0 (dev/LOG.md, 2026-11-23: the measurements behind these)
+MID_LR_SCALE, MID_WARMDOWN = 1.0, 0.2
+MID_WHY = "nanochat midtrains at 1.0 with a warmdown over the last 20%%"
 
 
 def get_args(argv=None):
@@ -63,6 +67,8 @@ def get_args(argv=None):
                    f"repeatable (default: {C.CHAT_QUESTIONS})")
     C.add_run_args(p, "midtrain")
     C.add_schedule_args(p)
+    C.add_warm_start_args(p, lr_scale=MID_LR_SCALE, schedule="wsd", warmdown_frac=MID_WARMDOWN, why=MID_WHY)
+    C.add_forgetting_args(p)
     C.add_init_args(p, ["pretrain"])
     args = parse_args(p, argv)
     if args.status is None and (args.steps is None) == (args.tokens is None):
@@ -132,7 +138,7 @@ def main(argv=None):
     tokens_per_step = micro * seq_len * world * accum
     total_steps = args.steps or math.ceil(args.tokens / tokens_per_step)
     run_dir, resume_from = C.resolve_run(args, "midtrain")
-    optimizers = C.build_optimizers(model, args, config.n_embd, tokens_per_step, device)
+    optimizers = C.build_optimizers(model, args, config.n_embd, tokens_per_step, device, lr_scale=args.lr_scale)
     loaders = [mixture_loader(sources, tokenizer, micro, seq_len, rank=rank * accum + j, world_size=world * accum,
                               device=device, seed=args.seed, supervise=args.supervise,
                               threads=C.loader_threads(args, device)) for j in range(accum)]
@@ -154,7 +160,12 @@ def main(argv=None):
         print(f"budget: {total_steps:,} steps, {total_steps * tokens_per_step:,} tokens")
         print(f"code: commit {run['code']['commit']}, uncommitted changes: {run['code']['dirty']}")
         print(C.precision_line(args, device, optimizers))
-    start = C.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank, device) if resume_from else 0
+    if resume_from:
+        start = C.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank, device)
+    else:  # the parent's optimizer state, this stage's lrs
+        start, line = 0, C.warm_start(parent, parent_meta, model, optimizers, args, device)
+        if master:
+            print(line)
 
     train_model = C.wrap_model(model, args, world, local_rank, device)
     val_chat_dir = args.val_chat_dir or next((s["path"] for s in sources if s["kind"] == "chat"), None)
@@ -168,10 +179,13 @@ def main(argv=None):
                      flops_per_token=fpt, rank=rank, world=world, device=device)
     if signum is None:
         loss, mixture = (evaluator(total_steps)[key] for key in ("val_loss", "mixture"))
+        kept = C.forgetting(model, tokenizer, parent, parent_meta, args, rank, world, device)
         if master:
             C.Metrics(run_dir / "metrics.jsonl", master).log({"step": total_steps, "final_val_loss": loss,
-                                                              "mixture": mixture})
-            (run_dir / "done.json").write_text(json.dumps({"step": total_steps, "val_loss": loss, "mixture": mixture}))
+                                                              "mixture": mixture, "pretrain_val_bpb": kept["val_bpb"]})
+            (run_dir / "done.json").write_text(json.dumps({"step": total_steps, "val_loss": loss, "mixture": mixture,
+                                                           "pretrain_val_bpb": kept}))
+            print(C.forgetting_line(kept))
             print("mixture realized: " + ", ".join(f"{name} {m['tokens']:,} tokens ({m['share']:.1%}, target "
                                                    f"{m['target']:.0%}), {m['docs']:,} documents"
                                                    for name, m in mixture.items()))

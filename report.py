@@ -124,6 +124,21 @@ def marked_answers(items_path, per_task=SAMPLES_PER_TASK):
     return lines
 
 
+def forgetting_lines(run):
+    """The pretraining val bpb of the pretrained, midtrained and SFT models side by side: pretrain's final evaluation
+    (done.json) and the figure each chat stage computed at its end on the same rows (done.json's pretrain_val_bpb)."""
+    lines = ["| model | pretraining val bpb | change from the pretrained |", "|---|---|---|"]
+    pretrained = (read_json(run / "pretrain" / "done.json") or {}).get("val_bpb")
+    for name, label in [("pretrain", "pretrained"), ("midtrain", "midtrained"), ("sft", "SFT")]:
+        done = read_json(run / name / "done.json") or {}
+        kept = {"val_bpb": done.get("val_bpb")} if name == "pretrain" else done.get("pretrain_val_bpb") or {}
+        bpb = kept.get("val_bpb")
+        change = f"{bpb - pretrained:+.4f}" if bpb is not None and pretrained is not None else UNKNOWN
+        figure = f"{bpb:.4f}" if bpb is not None else f"{UNKNOWN}{' (' + kept['note'] + ')' if 'note' in kept else ''}"
+        lines.append(f"| {label} | {figure} | {change if name != 'pretrain' else ''} |")
+    return lines
+
+
 def plot(run, out):
     """loss.png: training loss against step for each stage; val_bpb.png: pretraining's validation bits per byte."""
     import matplotlib
@@ -184,7 +199,9 @@ def write_report(run):
         lines += [f"| {t['task']} | {t['accuracy']:.4f} | {t['centered']:.4f} |" for t in core["tasks"]]
     else:
         lines.append(f"CORE {UNKNOWN} (no core_eval/results.json)")
-    lines.append("")
+    lines += ["", ("How much each chat stage forgets: the pretraining val bpb of each stage's final model, on the rows "
+                   "of pretraining's final evaluation (pretrain/done.json; midtrain/ and sft/done.json: "
+                   "pretrain_val_bpb)."), "", *forgetting_lines(run), ""]
     if chat:
         lines += [f"ChatCORE {chat['chatcore']:.4f} (tasks from {chat['tasks_from']}; chat_eval.json)", "",
                   "| task | correct | accuracy | centered |", "|---|---|---|---|"]
