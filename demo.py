@@ -587,8 +587,9 @@ def eval_tasks(rng):
 def chat_eval_tasks(rng):
     """{task: items} for chat_eval.py's offline ChatCORE, asked as chat questions in phrasings reserved for it (none
     occurs in the documents or the conversations above, nor in eval_tasks): demo-choice, multiple choice answered by
-    a letter ({"question", "choices", "gold"}: the gold index), and demo-answer, short answers scored by exact match
-    after normalization ({"question", "answers"}: every accepted form)."""
+    a letter ({"question", "choices", "gold"}: the gold index), demo-answer, short answers scored by exact match
+    after normalization ({"question", "answers"}: every accepted form), and demo-words, questions with no instruction
+    on the form of the reply, in words no template uses, for whether the model still answers in its own words."""
     def mc(question, gold, pool):
         choices = [gold] + rng.sample(sorted(p for p in set(pool) if p != gold), 3)
         rng.shuffle(choices)
@@ -614,7 +615,13 @@ def chat_eval_tasks(rng):
     answer += [{"question": f"Reply with one word: which {unit} comes straight after {seq[i]}?",
                 "answers": [seq[(i + 1) % len(seq)]]}
                for seq, unit in [(DAYS, "weekday"), (MONTHS, "month")] for i in range(len(seq))]
-    return {"demo-choice": choice, "demo-answer": answer}
+    words = [{"question": q.format(c=r[0]), "answers": [r[1]]} for r in COUNTRIES for q in [
+        "I am curious about {c}. Which of its cities runs the country?", ("My cousin flew to {c} last week; what is "
+        "the main city there, the one with the government?")]]
+    words += [{"question": q.format(c=r[0]), "answers": [r[5]]} for r in COUNTRIES for q in [
+        "Every land picks a creature to stand for it. Which one did {c} pick?", ("If I drew the beast that "
+        "represents {c}, what would I draw?")]]
+    return {"demo-choice": choice, "demo-answer": answer, "demo-words": words}
 
 
 def write_chat_eval(out_dir, rng):

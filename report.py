@@ -205,7 +205,8 @@ def write_report(run):
     if chat:
         lines += [f"ChatCORE {chat['chatcore']:.4f} (tasks from {chat['tasks_from']}; chat_eval.json)", "",
                   "| task | correct | accuracy | centered |", "|---|---|---|---|"]
-        lines += [f"| {t['task']} | {t['correct']}/{t['items']} | {t['accuracy']:.4f} | {t['centered']:.4f} |"
+        lines += [f"| {t['task']} | {t['correct']}/{t['items']} | {t['accuracy']:.4f} | "
+                  f"{'not in ChatCORE' if t['centered'] is None else format(t['centered'], '.4f')} |"
                   for t in chat["tasks"]]
         for task, (hits, n) in contained_answers(run / "chat_eval_items.jsonl").items():
             lines += ["", (f"{task}: {hits}/{n} replies contain an accepted answer as a word (chat_eval_items.jsonl; "

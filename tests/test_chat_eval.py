@@ -127,6 +127,18 @@ def test_a_reply_cut_by_the_window_is_counted_and_a_letter_must_be_one_token():
         E.letter_choice(model, BYTES, {"prompt": "long", "letters": ["AB", "C"]}, "float32", CPU)
 
 
+def test_own_words_count_when_the_reply_contains_the_answer_and_stay_out_of_chatcore():
+    rows = [{"question": "w1?", "answers": ["Pelmo"]}, {"question": "w2?", "answers": ["owl"]},
+            {"question": "w3?", "answers": ["owl"]}]
+    script = {"w1?": "The government sits in Pelmo.", "w2?": "They chose the owl!", "w3?": "They chose the bowler."}
+    words = scored("demo-words", rows, script)
+    assert [c for c, _ in words[0]] == [True, True, False]  # a whole word: 'bowler' is not 'owl'
+    choice = scored("demo-choice", [{"question": "c?", "choices": ["a", "b", "c", "d"], "gold": 1}], {"c?": "B"})
+    rows, chatcore = E.summarize(["demo-choice", "demo-words"], {"demo-choice": choice[0], "demo-words": words[0]},
+                                 {"demo-choice": 1, "demo-words": 3})
+    assert chatcore == 1.0 and rows[1]["accuracy"] == pytest.approx(2 / 3) and rows[1]["centered"] is None
+
+
 def test_gsm8k_is_answered_with_the_calculator_on_and_scored_on_the_text_without_the_calls():
     """The model writes a call, the calculator's result is fed in place of whatever the model would have written
     there (the script's 99), and the reply scored is its text: the calls and their outputs are left out."""

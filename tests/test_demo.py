@@ -209,7 +209,7 @@ def test_chat_eval_questions_are_held_out_and_agree_with_the_table(demo, docs, c
     corpus = "\x00".join(docs + [m["content"] for messages in chats for m in messages] +
                          [content_text(m["content"]) for rows in tasks.values() for messages in rows
                           for m in messages])
-    for task in ("demo-choice", "demo-answer"):
+    for task in ("demo-choice", "demo-answer", "demo-words"):
         items = [json.loads(line) for line in (demo[0] / "chat_eval" / f"{task}.jsonl").read_text().splitlines()]
         assert len(items) == demo[1]["chat_eval_items"][task] >= 100
         for item in items:  # neither the question nor its opening words (the template) occur in training
