@@ -8,25 +8,55 @@ import pytest
 import torch
 
 import common as C
+import dataset as D
 import midtrain
 import report
 import sft
-from model import PRESETS, GPTConfig, build_model
+from model import PRESETS, GPTConfig, autocast_context, build_model
 from tokenizer import Tokenizer
 
 CPU = torch.device("cpu")
+# measured on the suite's chain: SFT's steps with a fresh optimizer at the parent's full lrs reached 1.24x the parent's
+# loss on the same batch
+WORSE_BOUND = 1.15
 
 
 def losses(run_dir):
     return [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
+def parent_losses(run_dir, n):
+    """The parent model's loss on the first n batches of a stage's run (one process, no accumulation, as the suite
+    runs it), replayed with the stage's own loader and seed: the losses the stage would log if it did not train."""
+    config = json.loads((run_dir / "config.json").read_text())
+    args = config["args"]
+    assert (config["world_size"], config["accum"]) == (1, 1)
+    model, _ = C.load_model(config["parent"]["path"], CPU)
+    tokenizer = Tokenizer.load(config["tokenizer"])
+    shape = (tokenizer, config["micro_batch"], args["sequence_len"])
+    loader = D.chat_loader(config["chat_dir"], "train", *shape, seed=args["seed"], threads=1) \
+        if config["stage"] == "sft" else \
+        D.mixture_loader(config["sources"], *shape, seed=args["seed"], supervise=config["supervise"], threads=1)
+    found = []
+    with torch.no_grad():
+        for _ in range(n):
+            inputs, targets = next(loader)
+            with autocast_context("cpu", args["dtype"]):
+                found.append(model(inputs, targets).item())
+    loader.close()
+    return found
+
+
 @pytest.mark.parametrize("stage", ["midtrain", "sft"])
-def test_no_loss_in_a_chat_stages_first_20_steps_exceeds_one_and_a_quarter_times_its_first(speedrun, stage):
-    # with fresh optimizers at the parent's full lrs, SFT's loss here rose to 1.51x its first within 6 steps
-    first = losses(speedrun[0] / stage)[:20]
-    assert len(first) == 20
-    assert max(first) <= 1.25 * first[0], first
+def test_no_step_of_a_chat_stages_first_20_does_worse_on_its_batch_than_the_parent_did(speedrun, stage):
+    """The loss of a chat stage's step k against the parent model's loss on the same batch k. A loss against the
+    first step's alone cannot tell a spike from a hard batch: here the parent's own losses on SFT's first 20 batches
+    range over 1.38x the first one's."""
+    trained, parent = losses(speedrun[0] / stage)[:20], parent_losses(speedrun[0] / stage, 20)
+    assert len(trained) == 20
+    assert trained[0] == pytest.approx(parent[0], rel=1e-4)  # step 1 trains the parent: the replay is the stage's data
+    ratios = [t / p for t, p in zip(trained, parent, strict=True)]
+    assert max(ratios) <= WORSE_BOUND, [round(r, 3) for r in ratios]
 
 
 def stage_optimizers(stage, parent, extra=()):
