@@ -390,7 +390,7 @@ def main(argv=None):
               f"{num_params(model.config):,} parameters); tokenizer {tokenizer_path}")
         print(f"tasks from {demo_dir or 'the hub'} ({args.cache_dir if demo_dir is None else 'offline'}):")
         for t in tasks:
-            _, _, kind, baseline = available[t]
+            _, _, kind, baseline = ALL_TASKS[t]
             print(f"  {t:<14} {kind:<12} {len(loaded[t][0]):,} of {loaded[t][1]:,} items, baseline {baseline}")
         if contained:
             print(contained)

@@ -495,3 +495,13 @@ def test_bad_input_stops_with_one_line_before_any_evaluation(tiny, capsys, args,
     code, out, err = run_in_process(E.main, ["--checkpoint", tiny / "chat_runs" / "r", *args], capsys,
                                     stage="chat_eval.py")
     assert code == 1 and err == f"chat_eval.py: error: {message}\n" and "task " not in out
+
+
+def test_demo_words_runs_by_name_beside_chatcore_and_is_left_out_of_its_mean(tiny, tmp_path):
+    out = tmp_path / "words.json"
+    result = run_script("chat_eval.py", ["--runs_dir", "chat_runs", "--tasks", "demo-choice,demo-words", "--max_items",
+                                         "3", "--max_new_tokens", "4", "--dtype", "float32", "--out", out], tiny)
+    report = json.loads(out.read_text())
+    choice, words = report["tasks"]
+    assert (words["task"], words["items"], words["items_in_task"], words["centered"]) == ("demo-words", 3, 120, None)
+    assert report["chatcore"] == choice["centered"] and "ChatCORE" in result.stdout and "(1 tasks," in result.stdout
