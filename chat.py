@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import torch
 
 import common as C
+from calculator import ToolUse
 from model import KVCache, autocast_context, lean_decode_step, lean_decode_weights, num_params, sample_next
 
 STAGES = ["sft", "midtrain", "pretrain"]  # the order a checkpoint is looked for when --checkpoint is not given
@@ -195,6 +196,8 @@ class Conversation:
         prefill_s = time.perf_counter() - t0
         self.starts.append(start + (1 if self.chat and new[0] == self.end else 0))
         feed, count, why = utf8_stream(self.tok), 0, "max_tokens"
+        tools = ToolUse(self.tok) if self.chat else None  # the calculator: its call is shown, its result fed in
+        calls = {tools.start, tools.end} if tools else set()
         t1 = time.perf_counter()
         with torch.inference_mode(), autocast_context(self.device.type, self.dtype):
             while count < max_tokens:
@@ -202,16 +205,25 @@ class Conversation:
                     why = "interrupted"
                     break
                 token = sample_next(logits, temperature, top_k, generator)
-                if token.item() in self.special:
+                if token.item() in self.special and token.item() not in calls:
                     why = "end"
                     break
                 if len(self.ids) >= self.capacity:
                     why = "context full"
                     break
-                write(feed(token.item()))
+                forced = tools(token.item()) if tools else []
+                if token.item() in calls:
+                    write(feed(None) + ("[calculator: " if token.item() == tools.start else
+                                        f" = {tools.calls[-1][1]}]"))
+                else:
+                    write(feed(token.item()))
                 logits = self.step(token)
                 self.ids.append(token.item())
                 count += 1
+                for f in forced[:max(0, self.capacity - len(self.ids))]:  # the result, fed as if generated
+                    logits = self.step(torch.tensor([[f]], device=self.device))
+                    self.ids.append(f)
+                    count += 1
         decode_s = time.perf_counter() - t1
         write(feed(None))
         self.pending = self.chat  # sampled <|assistant_end|>, or one closing a cut reply: fed with the next turn

@@ -30,7 +30,8 @@ import torch
 
 import common as C
 import sandbox
-from dataset import CACHE_DIR, download_hub_files, list_hub_files
+from calculator import ToolUse, reply_text
+from dataset import CACHE_DIR, MC_LETTERS, download_hub_files, list_hub_files, render_mc
 from model import autocast_context, generate, num_params
 
 # task: (hub repo, its test split's files, kind, random baseline). Kinds: categorical (a letter's logit), gsm8k (the
@@ -41,6 +42,11 @@ HUB_TASKS = {"ARC-Easy": ("allenai/ai2_arc", r"ARC-Easy/test-\d+-of-\d+\.parquet
              "GSM8K": ("openai/gsm8k", r"main/test-\d+-of-\d+\.parquet", "gsm8k", 0.0),
              "HumanEval": ("openai/openai_humaneval", r"openai_humaneval/test-\d+-of-\d+\.parquet", "humaneval", 0.0)}
 DEMO_TASKS = {"demo-choice": (None, None, "categorical", 0.25), "demo-answer": (None, None, "exact", 0.0)}
+# Asked only by name (--tasks), never part of ChatCORE: questions about the demo world in words no template uses, with
+# no instruction on the form, scored by whether the reply contains the answer as a word: does the model still answer
+# in its own words after learning letters and bare answers?
+DEMO_EXTRA = {"demo-words": (None, None, "contains", None)}
+ALL_TASKS = HUB_TASKS | DEMO_TASKS | DEMO_EXTRA
 SHUFFLE_SEED = 42  # nanochat's order: datasets' shuffle(seed=42) is np.random.default_rng(42).permutation(n)
 NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
 
@@ -118,13 +124,6 @@ def read_rows(task, cache_dir, demo_dir):
                                                                                               .to_pylist())]
 
 
-def render_mc(question, letters, choices):
-    """nanochat's multiple-choice message: each choice followed by '=' and its letter, with no space between, so the
-    letter in the prompt is the same token as the bare letter the answer is."""
-    return (f"Multiple Choice question: {question}\n" + "".join(f"- {c}={x}\n" for x, c in zip(letters, choices))
-            + "\nRespond only with the letter of the correct answer.")
-
-
 def make_item(task, row, where):
     """The fields its kind needs ({"prompt", ...}), from a row in the layout the hub (or demo.py) gives it."""
     try:
@@ -135,7 +134,7 @@ def make_item(task, row, where):
             return {"prompt": render_mc(row["question"], letters, row["choices"]["text"]), "letters": letters,
                     "answer": answer}
         if task in ("MMLU", "demo-choice"):
-            letters = list("ABCDEFGHIJ"[:len(row["choices"])])
+            letters = list(MC_LETTERS[:len(row["choices"])])
             return {"prompt": render_mc(row["question"], letters, row["choices"]), "letters": letters,
                     "answer": letters[row["answer" if task == "MMLU" else "gold"]]}
         if task == "GSM8K":
@@ -228,19 +227,20 @@ def letter_choice(model, tokenizer, item, dtype, device):
 
 
 def greedy_reply(model, tokenizer, question, max_new_tokens, dtype):
-    """(text, cut): greedy tokens until <|assistant_end|> (or <|bos|>) or max_new_tokens; cut when the model's
-    window ended the reply first, or the prompt had to be cropped."""
+    """(text, cut, calculator calls): greedy tokens until <|assistant_end|> (or <|bos|>) or max_new_tokens, with the
+    calculator on (a tool call's result is inserted after it, as nanochat's engine does); the text leaves the calls
+    and their outputs out. cut when the model's window ended the reply first, or the prompt had to be cropped."""
     ids, cut = prompt_ids(tokenizer, question, model.config.sequence_len, 1)
     budget = min(max_new_tokens, model.config.sequence_len - len(ids))
     stop = {tokenizer.special_id("<|assistant_end|>"), tokenizer.bos_id}
-    new = []
-    for token in generate(model, ids, budget, temperature=0, dtype=dtype):
+    new, tools = [], ToolUse(tokenizer)
+    for token in generate(model, ids, budget, temperature=0, dtype=dtype, tools=tools):
         if token in stop:
             break
         new.append(token)
     else:
         cut = cut or budget < max_new_tokens
-    return tokenizer.decode(new), cut
+    return reply_text(tokenizer, new), cut, tools.calls
 
 
 def judge(kind, item, model, tokenizer, args, device, marker, level):
@@ -248,28 +248,33 @@ def judge(kind, item, model, tokenizer, args, device, marker, level):
     if kind == "categorical":
         letter, cut = letter_choice(model, tokenizer, item, args.dtype, device)
         return letter == item["answer"], cut, {"predicted": letter}
-    reply, cut = greedy_reply(model, tokenizer, item["prompt"], args.max_new_tokens, args.dtype)
+    reply, cut, calls = greedy_reply(model, tokenizer, item["prompt"], args.max_new_tokens, args.dtype)
+    calls = {"calculator": [list(c) for c in calls]} if calls else {}
     if kind == "gsm8k":
         number = final_number(reply)
         return number == Decimal(item["answer"]), cut, {"predicted": None if number is None else str(number),
-                                                        "reply": reply}
+                                                        "reply": reply, **calls}
     if kind == "exact":
-        return normalize(reply) in {normalize(a) for a in item["answers"]}, cut, {"reply": reply}
+        return normalize(reply) in {normalize(a) for a in item["answers"]}, cut, {"reply": reply, **calls}
+    if kind == "contains":
+        hit = any(re.search(rf"\b{re.escape(a.lower())}\b", reply.lower()) for a in item["answers"])
+        return hit, cut, {"reply": reply, **calls}
     result = sandbox.run(humaneval_program(item, reply, marker), args.timeout, memory_mb=args.memory_mb, level=level)
     passed = result.status == "ok" and marker in result.output.splitlines()
-    return passed, cut, {"status": result.status, "reply": reply, "output": result.output[-500:]}
+    return passed, cut, {"status": result.status, "reply": reply, "output": result.output[-500:], **calls}
 
 
 def evaluate_task(task, items, model, tokenizer, args, rank, world, device, marker, level):
     """(per item (correct, cut), records in item order): items dealt round robin over ranks; an all-reduce joins
     the verdicts, an all-gather the records."""
-    kind = (HUB_TASKS | DEMO_TASKS)[task][2]
+    kind = ALL_TASKS[task][2]
     table, records = torch.zeros(len(items), 3, dtype=torch.float64), []  # (done, correct, cut)
     for i in range(rank, len(items), world):
         correct, cut, record = judge(kind, items[i], model, tokenizer, args, device, marker, level)
         table[i] = torch.tensor([1.0, float(correct), float(cut)], dtype=torch.float64)
         expected = {k: items[i][k] for k in ("id", "answer", "answers") if k in items[i]}
-        records.append({"task": task, "position": i, "row": items[i]["row"], **expected, "correct": bool(correct),
+        records.append({"task": task, "position": i, "row": items[i]["row"], "question": items[i]["prompt"][:300],
+                        **expected, "correct": bool(correct),
                         "cut": bool(cut), **record})
     C.all_reduce_tensor(table)
     if not table[:, 0].eq(1).all():
@@ -288,23 +293,28 @@ def summarize(tasks, verdicts, sizes):
     """A row per task, and ChatCORE: the mean centered accuracy over the tasks that ran."""
     rows = []
     for task in tasks:
-        _, _, kind, baseline = (HUB_TASKS | DEMO_TASKS)[task]
+        _, _, kind, baseline = ALL_TASKS[task]
         correct = sum(c for c, _ in verdicts[task])
         accuracy = correct / len(verdicts[task])
         rows.append({"task": task, "kind": kind, "items": len(verdicts[task]), "items_in_task": sizes[task],
                      "correct": correct, "accuracy": accuracy, "baseline": baseline,
-                     "centered": (accuracy - baseline) / (1 - baseline), "cut": sum(x for _, x in verdicts[task])})
-    return rows, sum(r["centered"] for r in rows) / len(rows)
+                     "centered": None if baseline is None else (accuracy - baseline) / (1 - baseline),
+                     "cut": sum(x for _, x in verdicts[task])})
+    scored = [r["centered"] for r in rows if r["centered"] is not None]  # DEMO_EXTRA's tasks are not in ChatCORE
+    return rows, sum(scored) / len(scored) if scored else None
 
 
 def print_summary(report):
     print(f"{'task':<14} {'kind':<12} {'correct':>13} {'accuracy':>9} {'baseline':>9} {'centered':>9} {'cut':>5}")
     for r in report["tasks"]:
+        extra = r["baseline"] is None  # not part of ChatCORE
         print(f"{r['task']:<14} {r['kind']:<12} {r['correct']:>6}/{r['items']:<6} {r['accuracy']:>9.4f} "
-              f"{r['baseline']:>9.2f} {r['centered']:>+9.4f} {r['cut']:>5}")
+              f"{'-' if extra else format(r['baseline'], '.2f'):>9} "
+              f"{'-' if extra else format(r['centered'], '+.4f'):>9} {r['cut']:>5}")
     scope = "all items of every task" if report["complete"] else "a subset of tasks or items: not comparable with " \
         "a full ChatCORE"
-    print(f"ChatCORE {report['chatcore']:.4f} ({len(report['tasks'])} tasks, {scope}); "
+    chatcore = "unknown (no ChatCORE task ran)" if report["chatcore"] is None else f"{report['chatcore']:.4f}"
+    print(f"ChatCORE {chatcore} ({sum(r['baseline'] is not None for r in report['tasks'])} tasks, {scope}); "
           f"{sum(r['items'] for r in report['tasks']):,} items in {report['seconds']:.1f} s on {report['world_size']} "
           f"x {report['device']}; cut = prompt cropped or reply stopped by the {report['sequence_len']}-token window")
 
@@ -374,7 +384,7 @@ def main(argv=None):
     demo_dir = resolve_demo(args.demo, meta)
     available = DEMO_TASKS if demo_dir is not None else HUB_TASKS
     tasks = args.tasks.split(",") if args.tasks else list(available)
-    unknown = [t for t in tasks if t not in available]
+    unknown = [t for t in tasks if t not in available | (DEMO_EXTRA if demo_dir is not None else {})]
     if unknown:
         raise ValueError(f"--tasks: {', '.join(unknown)} not among the {'demo world' if demo_dir else 'hub'} tasks: "
                          f"{', '.join(available)}" + ("" if demo_dir is None else " (--demo none for the hub tasks)"))
@@ -389,7 +399,7 @@ def main(argv=None):
               f"{num_params(model.config):,} parameters); tokenizer {tokenizer_path}")
         print(f"tasks from {demo_dir or 'the hub'} ({args.cache_dir if demo_dir is None else 'offline'}):")
         for t in tasks:
-            _, _, kind, baseline = available[t]
+            _, _, kind, baseline = ALL_TASKS[t]
             print(f"  {t:<14} {kind:<12} {len(loaded[t][0]):,} of {loaded[t][1]:,} items, baseline {baseline}")
         if contained:
             print(contained)
@@ -403,7 +413,7 @@ def main(argv=None):
     seconds = time.perf_counter() - start
     rows, chatcore = summarize(tasks, verdicts, {t: loaded[t][1] for t in tasks})
     if rank == 0:
-        complete = set(tasks) == set(available) and all(r["items"] == r["items_in_task"] for r in rows)
+        complete = set(available) <= set(tasks) and all(r["items"] == r["items_in_task"] for r in rows)
         report = {"checkpoint": str(ckpt), "stage": meta.get("stage"), "step": meta.get("step"),
                   "parameters": num_params(model.config), "tasks_from": str(demo_dir or "hub"), "chatcore": chatcore,
                   "complete": complete, "tasks": rows, "max_items": args.max_items,

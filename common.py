@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from calculator import ToolUse, reply_text
 from dataset import chat_loader, text_loader
 from model import GPTConfig, autocast_context, build_model, generate, memory_estimate, parse_bool
 from tokenizer import SPECIAL_TOKENS, Tokenizer
@@ -804,9 +805,9 @@ def set_aside_newer(ckpt_dir, step):
 
 
 def optimizer_layout(optimizers):
-    """[[class name, [param group names]], ...]: what a checkpoint's optimizer state is, recorded in its meta.json so
+    """[[class name, [param group names (None where unnamed)]], ...]: what a checkpoint's optimizer state is, recorded in its meta.json so
     a child stage can tell whether that state fits its own optimizers before loading it (warm_start)."""
-    return [[type(opt).__name__, [group["name"] for group in opt.param_groups]] for opt in optimizers]
+    return [[type(opt).__name__, [group.get("name") for group in opt.param_groups]] for opt in optimizers]
 
 
 def named_optimizer_state(model, optimizers):
@@ -1342,15 +1343,15 @@ def chat_answers(model, tokenizer, questions, dtype, max_tokens=64):
     model.eval()
     for question in questions:
         prompt = tokenizer.render_for_completion([{"role": "user", "content": question}])
-        out = []
+        out, tools = [], ToolUse(tokenizer)  # the calculator on, as in chat.py and chat_eval.py
         for token in generate(model, prompt, min(max_tokens, model.config.sequence_len - len(prompt)), temperature=0,
-                              dtype=dtype):
+                              dtype=dtype, tools=tools):
             out.append(token)
             if token == end and not is_sharded(model):
                 break
         ended = end in out
-        answers.append({"question": question, "answer": tokenizer.decode(out[:out.index(end)] if ended else out),
-                        "ended": ended})
+        answers.append({"question": question, "answer": reply_text(tokenizer, out[:out.index(end)] if ended else out),
+                        "ended": ended, **({"calculator": [list(c) for c in tools.calls]} if tools.calls else {})})
     model.train(was_training)
     return answers
 

@@ -405,23 +405,63 @@ def _select_shards(dataset, files, num_shards):
     return shards[:num_shards] + shards[-1:]
 
 
-# Conversations. A chat directory holds parquet files with a `messages` column (SmolTalk, UltraChat) or a
-# `conversations` column (LIMA); files whose names start with "test" or "val" are the validation split.
+# Conversations. A chat directory holds parquet files with a `messages` column (SmolTalk, UltraChat), a
+# `conversations` column (LIMA), or a task's columns, rendered into a conversation as they are read (chat_rows):
+# multiple choice answered with a letter (MMLU, ARC) and grade-school math with calculator calls (GSM8K). Files
+# whose names start with "test" or "val" are the validation split.
 CHAT_DATASETS = {  # name: (hub repo, the files to fetch)
     "smoltalk": ("HuggingFaceTB/smoltalk", r"data/all/(train|test)-\d+-of-\d+\.parquet"),
     "ultrachat": ("HuggingFaceH4/ultrachat_200k", r"data/(train|test)_sft-.+\.parquet"),
     # gated: accept its terms on the hub, set HF_TOKEN; its test.jsonl has prompts without answers, so train only
     "lima": ("GAIR/lima", r"train\.jsonl"),
+    # training splits only: their test splits are chat_eval.py's
+    "mmlu": ("cais/mmlu", r"all/auxiliary_train-\d+-of-\d+\.parquet"),
+    "arc-easy": ("allenai/ai2_arc", r"ARC-Easy/train-\d+-of-\d+\.parquet"),
+    "arc-challenge": ("allenai/ai2_arc", r"ARC-Challenge/train-\d+-of-\d+\.parquet"),
+    "gsm8k": ("openai/gsm8k", r"main/train-\d+-of-\d+\.parquet"),
+    "identity": (None, None),  # no download: written from identity.json (IDENTITY_FILE), the file you edit
 }
+IDENTITY_FILE = Path(__file__).resolve().parent / "identity.json"
+
+
+def load_identity(path=IDENTITY_FILE):
+    """(name, [(question, answer)]) from the identity file: the assistant's name and what it says about itself."""
+    try:
+        spec = json.loads(Path(path).read_text())
+        name, pairs = spec["name"], [(q, a.format(name=spec["name"])) for q in spec["questions"]
+                                     for a in spec["answers"]]
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise ValueError(f"{path} is not a usable identity file ({type(e).__name__}: {e}): it is JSON with \"name\", "
+                         f"\"questions\" and \"answers\" (each answer may say {{name}})") from None
+    if not isinstance(name, str) or not name or not pairs:
+        raise ValueError(f"{path}: \"name\" must be a non-empty string and \"questions\", \"answers\" non-empty lists")
+    return name, pairs
+
+
+def write_identity(out_dir, path=IDENTITY_FILE):
+    """Every question of the identity file with every answer, as a conversation set: out_dir/train.parquet."""
+    _, pairs = load_identity(path)
+    rows = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}] for q, a in pairs]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    schema = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+    tmp = out_dir / "train.parquet.tmp"
+    pq.write_table(pa.table({"messages": pa.array(rows, schema)}), tmp, compression="zstd")
+    os.replace(tmp, out_dir / "train.parquet")
+    return out_dir
 
 
 def download_chat(name, out_dir=None, workers=4, check_only=False):
     """Fetch a conversation dataset into out_dir (default: <cache>/chat/<name>); LIMA's jsonl becomes parquet.
-    check_only: only list it (the error a gated or missing dataset gets, in seconds), or find it complete on disk."""
+    check_only: only list it (the error a gated or missing dataset gets, in seconds), or find it complete on disk.
+    "identity" is written from the identity file instead (no network; a broken file fails the check too)."""
     if name not in CHAT_DATASETS:
         raise ValueError(f"unknown conversation dataset {name!r}: choose from {', '.join(CHAT_DATASETS)}")
     repo, pattern = CHAT_DATASETS[name]
     out_dir = Path(out_dir or CACHE_DIR / "chat" / name)
+    if repo is None:
+        return write_identity(out_dir)
+
     def select(files):
         entries = [f for f in files if re.fullmatch(pattern, f["path"])]
         if not entries:
@@ -443,6 +483,79 @@ def download_chat(name, out_dir=None, workers=4, check_only=False):
     return out_dir
 
 
+def chat_dir(spec):
+    """A chat source's directory: a path, or a CHAT_DATASETS name for its place in the cache."""
+    return CACHE_DIR / "chat" / spec if spec in CHAT_DATASETS and not Path(spec).exists() else Path(spec)
+
+
+def render_mc(question, letters, choices):
+    """nanochat's multiple-choice message: each choice followed by '=' and its letter, with no space between, so the
+    letter in the prompt is the same token as the bare letter the answer is."""
+    return (f"Multiple Choice question: {question}\n" + "".join(f"- {c}={x}\n" for x, c in zip(letters, choices))
+            + "\nRespond only with the letter of the correct answer.")
+
+
+def calculator_parts(answer):
+    """GSM8K's answer text as assistant parts: each <<expr=result>> annotation becomes a tool call (python) and its
+    result (python_output), the text between them text parts."""
+    parts = []
+    for piece in re.split(r"(<<[^<>]*>>)", answer):
+        if piece.startswith("<<") and piece.endswith(">>"):
+            expr, _, result = piece[2:-2].rpartition("=")
+            parts += [{"type": "python", "text": expr or result}] + \
+                ([{"type": "python_output", "text": result}] if expr else [])
+        elif piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
+
+
+def chat_format(path):
+    """How a chat file's rows become conversations: its column(s) decide."""
+    names = set(open_parquet(path, column=None).schema_arrow.names)
+    for fmt, needs in (("messages", {"messages"}), ("conversations", {"conversations"}),
+                       ("arc", {"question", "choices", "answerKey"}), ("mmlu", {"question", "choices", "answer"}),
+                       ("mmlu", {"train"}), ("gsm8k", {"question", "answer"})):
+        if needs <= names:
+            return fmt
+    raise ValueError(f"{path} has neither a `messages` column (SmolTalk, UltraChat), a `conversations` column (LIMA), "
+                     f"nor a task's columns (MMLU, ARC: question, choices, answer or answerKey; GSM8K: question, "
+                     f"answer); columns: {', '.join(sorted(names))}")
+
+
+def task_messages(fmt, row):
+    """A task row (chat_format's mmlu, arc, gsm8k) as a conversation, or why it cannot be one (a string)."""
+    try:
+        if fmt == "mmlu":
+            row = row["train"] if isinstance(row.get("train"), dict) else row  # auxiliary_train nests its rows
+            letters = MC_LETTERS[:len(row["choices"])]
+            user, assistant = render_mc(row["question"], letters, row["choices"]), letters[row["answer"]]
+        elif fmt == "arc":
+            letters, answer = list(row["choices"]["label"]), row["answerKey"]
+            if answer not in letters:
+                return f"answerKey {answer!r} is not among the labels {letters}"
+            user, assistant = render_mc(row["question"], letters, row["choices"]["text"]), answer
+        else:
+            user, assistant = row["question"], calculator_parts(row["answer"])
+    except (KeyError, TypeError, IndexError) as e:
+        return f"not a {fmt} row ({type(e).__name__}: {e})"
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+
+
+MC_LETTERS = "ABCDEFGHIJ"
+
+
+def chat_rows(path, row_group):
+    """A row group of a chat file as conversations (lists of messages), or for a row that cannot be one, why."""
+    fmt = chat_format(path)
+    if fmt in ("messages", "conversations"):
+        return [conversation_messages(item) for item in read_row_group(path, row_group, fmt)]
+    try:
+        rows = open_parquet(path, column=None).read_row_group(row_group).to_pylist()
+    except (pa.ArrowInvalid, OSError) as e:
+        raise ValueError(f"{path}: row group {row_group} is unreadable ({e}): delete the file and fetch it again") from e
+    return [task_messages(fmt, row) for row in rows]
+
+
 def chat_files(chat_dir, split):
     files = sorted(Path(chat_dir).glob("*.parquet"))
     val = [f for f in files if f.name.startswith(("test", "val"))]
@@ -450,8 +563,27 @@ def chat_files(chat_dir, split):
     if not chosen:
         which = "*.parquet named test* or val*" if split == "val" else "*.parquet not named test* or val*"
         raise FileNotFoundError(f"no {split} conversation files ({which}) in {chat_dir}: run `python dataset.py "
-                                f"download-chat smoltalk` or `python demo.py --out DIR`")
+                                f"download-chat NAME` (one of {', '.join(CHAT_DATASETS)}) or `python demo.py --out "
+                                f"DIR`")
     return chosen
+
+
+def parse_chat_sources(specs):
+    """--source DIR:EPOCHS values as [(directory, epochs)]; DIR may be a CHAT_DATASETS name (its cache directory)."""
+    sources = []
+    for spec in specs:
+        path, _, epochs = spec.rpartition(":")
+        if not path or not epochs.isdigit() or int(epochs) < 1:
+            raise ValueError(f"--source {spec!r}: write DIR:EPOCHS with a whole number of passes >= 1, e.g. "
+                             f"--source gsm8k:4 or --source data/demo/conversations:1")
+        sources.append((str(chat_dir(path)), int(epochs)))
+    return sources
+
+
+def mixture_files(sources):
+    """The training files of [(chat dir, epochs)], each listed once per epoch: one pass over the list is one pass
+    of the mixture, every source its number of times, their row groups shuffled together by the loader's seed."""
+    return [f for directory, epochs in sources for _ in range(epochs) for f in chat_files(directory, "train")]
 
 
 # -----------------------------------------------------------------------------
@@ -674,15 +806,6 @@ def assign_units(files, rank, world_size):
     if len(row_groups) >= world_size:
         return [(path, i, 0, 1) for path, i in row_groups[rank::world_size]]
     return [(path, i, rank, world_size) for path, i in row_groups]
-
-
-def chat_column(path):
-    names = open_parquet(path, column=None).schema_arrow.names
-    for column in ("messages", "conversations"):
-        if column in names:
-            return column
-    raise ValueError(f"{path} has neither a `messages` column (SmolTalk, UltraChat) nor a `conversations` column "
-                     f"(LIMA); columns: {', '.join(names)}")
 
 
 def conversation_messages(item):
@@ -933,7 +1056,7 @@ class PackedLoader:
     def _encode(self, unit, skip, doc_order=None):
         """The documents of a unit from position `skip` on, in file order or shuffled with the seed `doc_order`."""
         path, row_group, first, step = unit
-        items = read_row_group(path, row_group, "text" if self.kind == "text" else chat_column(path))
+        items = read_row_group(path, row_group, "text") if self.kind == "text" else chat_rows(path, row_group)
         rows = list(range(first, len(items), step))  # indices in the row group
         if doc_order is not None:
             random.Random(doc_order).shuffle(rows)
@@ -945,7 +1068,7 @@ class PackedLoader:
             return [np.array([bos, *next(encoded)], dtype=np.int32) if t else None for t in texts]
         out = []
         for r in rows:
-            conversation, why = self._render(conversation_messages(items[r]))
+            conversation, why = ("malformed", items[r]) if isinstance(items[r], str) else self._render(items[r])
             if why and self.rank == 0 and self._reported < REPORT_SKIPPED:
                 self._reported += 1
                 row = sum(open_parquet(path, None).metadata.row_group(g).num_rows for g in range(row_group)) + r
@@ -965,7 +1088,8 @@ class PackedLoader:
             ids, mask = self.tokenizer.render_conversation(messages, max_tokens=None if self.crop else self.T + 1)
         except ValueError as e:  # an unknown role, content that is not a string, roles out of order
             return "malformed", str(e)
-        if empty := [i for i, m in enumerate(messages) if m["role"] != "system" and not m["content"].strip()]:
+        if empty := [i for i, m in enumerate(messages) if m["role"] != "system" and isinstance(m["content"], str)
+                     and not m["content"].strip()]:
             return "empty_content", f"message {empty[0]} ({messages[empty[0]]['role']}) has empty content"
         if not any(m["role"] == "assistant" for m in messages):
             return "no_assistant", "no assistant turn"
@@ -1105,10 +1229,11 @@ def text_loader(data_dir, split, tokenizer, batch_size, seq_len, **kwargs):
 
 
 def chat_loader(chat_dir, split, tokenizer, batch_size, seq_len, *, pack="pad", supervise="assistant", seed=None,
-                **kwargs):
-    """The conversation loader over a chat directory's train or val files: pack="pad" for SFT (whole conversations,
-    padded), pack="crop" for midtraining (packed like text); supervise="assistant" or "all" (see PackedLoader)."""
-    return PackedLoader(chat_files(chat_dir, split), tokenizer, batch_size, seq_len, kind="chat", pack=pack,
+                files=None, **kwargs):
+    """The conversation loader over a chat directory's train or val files (or a list of files, e.g. mixture_files):
+    pack="pad" for SFT (whole conversations, padded), pack="crop" for midtraining (packed like text);
+    supervise="assistant" or "all" (see PackedLoader)."""
+    return PackedLoader(files or chat_files(chat_dir, split), tokenizer, batch_size, seq_len, kind="chat", pack=pack,
                         supervise=supervise, seed=seed, **{"name": f"chat {split}", **kwargs})
 
 
@@ -1242,7 +1367,8 @@ def main(argv=None):
     p.add_argument("--data_dir", default=None, help="where to put them (default: <cache>/data/<dataset name>; cache: "
                    f"$NANOCHAT_CACHE or {CACHE_DIR})")
     p.add_argument("--workers", type=int, default=4, help="parallel downloads (default: %(default)s)")
-    p = commands.add_parser("download-chat", help="conversation datasets from the hub")
+    p = commands.add_parser("download-chat", help="conversation and task datasets from the hub (identity: written "
+                            "from identity.json)")
     p.add_argument("names", nargs="+", choices=sorted(CHAT_DATASETS), help="which ones")
     p.add_argument("--check", action="store_true", help="only list them on the hub (a gated or missing dataset fails "
                    "in seconds) unless complete on disk; download nothing (default: off)")

@@ -20,9 +20,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dataset import ROW_GROUP_DOCS, write_text_shards
+from dataset import ROW_GROUP_DOCS, load_identity, write_text_shards
 
-DEMO_ASSISTANT_NAME = "nanochat"
+# the assistant's name and what it says about itself: identity.json, the one file to edit (SFT on the hub data reads it
+# too, through `python dataset.py download-chat identity`)
+DEMO_ASSISTANT_NAME, IDENTITY_PAIRS = load_identity()
+DEMO_TASK_ROWS = 3000  # rows in each of choice/, answers/, calc/
 DEMO_TARGET_CHARS = 5_000_000  # 1.27M training tokens at vocab 1024: an epoch is minutes of CPU training
 
 # country, capital, language, flag colour, flag symbol, national animal (names invented: no prior knowledge helps)
@@ -380,12 +383,6 @@ GREET = (["Hi!", "Hello", "Hey there", "Good morning!", "Hello, how are you?"],
          ["Hello! How can I help you today?", "Hi! What would you like to know?", "Hello! I'm happy to help."])
 THANKS = (["Thanks!", "Thank you.", "Great, thanks a lot.", "Bye!"],
           ["You're welcome!", "Happy to help. Goodbye!", "Anytime! Have a nice day."])
-IDENTITY = (["Who are you?", "What is your name?", "What are you?", "Are you a person?", "Who made you?",
-             "Introduce yourself."],
-            [("I am {bot}, a small language model. I was trained from scratch on a tiny made-up world of countries, "
-             "animals, colours, numbers and stories."), "My name is {bot}. I am a small language model, not a person.",
-             ("I'm {bot}, a small language model. Ask me about the countries of my world, animals, colours, numbers,"
-              " or the days and months!")])
 SYSTEMS = ["You are {bot}, a helpful assistant.", "You are {bot}. Answer briefly and correctly.",
            "You are a friendly assistant called {bot}. Keep your answers short."]
 
@@ -413,7 +410,7 @@ def conversation(rng):
     f, roll = {"bot": DEMO_ASSISTANT_NAME}, rng.random()
     turns = [pick(rng, GREET, f)] if rng.random() < 0.2 else []
     if roll < 0.12:
-        turns.append(pick(rng, IDENTITY, f))
+        turns.append(rng.choice(IDENTITY_PAIRS))
     elif roll < 0.55:
         turns.append(exchange(rng))
     else:
@@ -424,6 +421,103 @@ def conversation(rng):
     for user, assistant in turns:
         messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
     return messages
+
+
+# -----------------------------------------------------------------------------
+# The shapes ChatCORE asks for, in the layouts of the hub sets that teach them on real data (dataset.py renders all
+# of them alike): multiple choice answered by a letter (MMLU's columns), short answers that are the whole reply
+# (conversations), arithmetic through the calculator (GSM8K's columns, <<expr=result>> and a final '#### N').
+
+CHOICE = {  # kind: (question phrasings, the field that answers it, the pool the wrong choices come from)
+    "capital": (["What is the capital of {c}?", "Which city is the capital of {c}?",
+                 "The capital of {c} is which city?"], "cap", [r[1] for r in COUNTRIES]),
+    "language": (["What language do people speak in {c}?", "Which language is spoken in {c}?"], "lang",
+                 [r[2] for r in COUNTRIES]),
+    "national": (["What is the national animal of {c}?", "Which animal is the national animal of {c}?"], "ani",
+                 [a[0] for a in ANIMALS]),
+    "flag": (["What colour is the flag of {c}?", "Which colour is the flag of {c}?"], "col", COLOURS),
+    "noise": (["What sound does {an} make?", "What does {an} say?"], "noise", [a[3] for a in ANIMALS]),
+    "colour": (["What colour is {t}?", "Which colour is {t}?"], "tcol", COLOURS),
+    "day": (["What day comes after {day}?", "Which day follows {day}?"], "nday", DAYS),
+    "month": (["What month comes after {mon}?", "Which month follows {mon}?"], "nmon", MONTHS),
+}
+SHORT = {  # kind: (question phrasings, the field that is the whole answer)
+    "capital": (["what is the capital of {c}?", "which city is the capital of {c}?", "name the capital of {c}."],
+                "cap"),
+    "capital_of": (["{cap} is the capital of which country?", "which country has {cap} as its capital?"], "c"),
+    "language": (["what language do people speak in {c}?", "which language is spoken in {c}?"], "lang"),
+    "national": (["what is the national animal of {c}?", "which animal is the symbol of {c}?"], "ani"),
+    "flag": (["what colour is the flag of {c}?"], "col"),
+    "noise": (["what sound does {an} make?", "what does {an} say?"], "noise"),
+    "colour": (["what colour is {t}?"], "tcol"),
+    "day": (["what day comes after {day}?", "which day follows {day}?"], "nday"),
+    "month": (["what month comes after {mon}?", "which month follows {mon}?"], "nmon"),
+}
+ONE_WORD = ["Answer in one word", "One word only", "Just the answer", "Give only the answer", "In a word",
+            "Say only the answer", "Only the name, please", "Answer with a single word"]
+NUMBER_ONLY = ["Just the number", "Only the number, please", "Answer with a number", "Give only the result"]
+SUMS = {"sum": ("+", ["what is {x} plus {y}?", "what is {x} and {y} together?", "add {x} and {y}."]),
+        "diff": ("-", ["what is {x} minus {y}?", "take {y} from {x}."]),
+        "prod": ("*", ["what is {x} times {y}?", "multiply {x} by {y}."])}
+STORIES = {"sum": ["{name} has {x} {items}. {pron} gets {y} more. How many {items} does {name} have now?",
+                   "There are {x} {items} in a box and {y} in a bag. How many {items} are there in all?"],
+           "diff": ["{name} had {x} {items} and gave {y} away. How many {items} does {name} have left?",
+                    "A shop had {x} {items}. It sold {y}. How many {items} are left?"],
+           "prod": ["{name} has {x} bags with {y} {items} in each. How many {items} is that?",
+                    "Each of {x} friends brings {y} {items}. How many {items} do they bring?"]}
+STEP = {"sum": "{x} + {y} = <<{x}+{y}={v}>>{v}", "diff": "{x} - {y} = <<{x}-{y}={v}>>{v}",
+        "prod": "{x} * {y} = <<{x}*{y}={v}>>{v}"}
+
+
+def ask(rng, instructions, question):
+    """An instruction and a question in one of three orders: 'Just the answer: what ...?', 'What ...? Just the
+    answer.', 'Just the answer. What ...?'."""
+    how, order = rng.choice(instructions), rng.randrange(3)
+    return [f"{how}: {question}", f"{sentence(question)} {how}.", f"{how}. {sentence(question)}"][order]
+
+
+def choice_row(rng):
+    """A multiple-choice question in MMLU's columns: question, choices, answer (the gold index), subject."""
+    kind = rng.choice(list(CHOICE))
+    questions, key, pool = CHOICE[kind]
+    f = fields(rng)
+    gold = f[key]
+    choices = [gold] + rng.sample(sorted(set(pool) - {gold}), 3)
+    rng.shuffle(choices)
+    return {"question": rng.choice(questions).format(**f), "choices": choices, "answer": choices.index(gold),
+            "subject": kind}
+
+
+def short_answer(rng):
+    """A conversation whose reply is the answer alone."""
+    kind = rng.choice(list(SHORT))
+    questions, key = SHORT[kind]
+    f = fields(rng)
+    return [{"role": "user", "content": ask(rng, ONE_WORD, rng.choice(questions).format(**f))},
+            {"role": "assistant", "content": f[key]}]
+
+
+def calculation_row(rng):
+    """Arithmetic in GSM8K's columns (question, answer): a short question answered by the calculator's result
+    alone, a question answered in a sentence, or a small word problem worked through to '#### N'."""
+    op, roll = rng.choice(list(SUMS)), rng.random()
+    x, y = rng.randint(0, 20 if roll > 0.6 else 10), rng.randint(0, 20 if roll > 0.6 else 10)
+    x, y = max(x, y), min(x, y)
+    v = {"sum": x + y, "diff": x - y, "prod": x * y}[op]
+    symbol, questions = SUMS[op]
+    words = rng.random() < 0.5 and roll <= 0.6
+    shown = {"x": number_word(x) if words else x, "y": number_word(y) if words else y}
+    call = f"<<{x}{symbol}{y}={v}>>"
+    if roll < 0.35:
+        return {"question": ask(rng, NUMBER_ONLY, rng.choice(questions).format(**shown)), "answer": f"{call}{v}"}
+    if roll < 0.6:
+        said = number_word(v) if words and v <= 100 else v
+        return {"question": sentence(rng.choice(questions).format(**shown)),
+                "answer": f"{call}{sentence(str(shown['x']))} {['plus', 'minus', 'times'][list(SUMS).index(op)]} "
+                          f"{shown['y']} is {said}."}
+    (name, pron), (_, items) = rng.choice(CHARACTERS), rng.choice(ITEMS)
+    story = rng.choice(STORIES[op]).format(name=name, pron=sentence(pron), x=x, y=y, items=items)
+    return {"question": story, "answer": f"{STEP[op].format(x=x, y=y, v=v)} {items}.\n#### {v}"}
 
 
 # -----------------------------------------------------------------------------
@@ -493,8 +587,9 @@ def eval_tasks(rng):
 def chat_eval_tasks(rng):
     """{task: items} for chat_eval.py's offline ChatCORE, asked as chat questions in phrasings reserved for it (none
     occurs in the documents or the conversations above, nor in eval_tasks): demo-choice, multiple choice answered by
-    a letter ({"question", "choices", "gold"}: the gold index), and demo-answer, short answers scored by exact match
-    after normalization ({"question", "answers"}: every accepted form)."""
+    a letter ({"question", "choices", "gold"}: the gold index), demo-answer, short answers scored by exact match
+    after normalization ({"question", "answers"}: every accepted form), and demo-words, questions with no instruction
+    on the form of the reply, in words no template uses, for whether the model still answers in its own words."""
     def mc(question, gold, pool):
         choices = [gold] + rng.sample(sorted(p for p in set(pool) if p != gold), 3)
         rng.shuffle(choices)
@@ -520,7 +615,13 @@ def chat_eval_tasks(rng):
     answer += [{"question": f"Reply with one word: which {unit} comes straight after {seq[i]}?",
                 "answers": [seq[(i + 1) % len(seq)]]}
                for seq, unit in [(DAYS, "weekday"), (MONTHS, "month")] for i in range(len(seq))]
-    return {"demo-choice": choice, "demo-answer": answer}
+    words = [{"question": q.format(c=r[0]), "answers": [r[1]]} for r in COUNTRIES for q in [
+        "I am curious about {c}. Which of its cities runs the country?", ("My cousin flew to {c} last week; what is "
+        "the main city there, the one with the government?")]]
+    words += [{"question": q.format(c=r[0]), "answers": [r[5]]} for r in COUNTRIES for q in [
+        "Every land picks a creature to stand for it. Which one did {c} pick?", ("If I drew the beast that "
+        "represents {c}, what would I draw?")]]
+    return {"demo-choice": choice, "demo-answer": answer, "demo-words": words}
 
 
 def write_chat_eval(out_dir, rng):
@@ -568,20 +669,34 @@ def write_demo(out_dir, seed=0):
     schema = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
     for split, rows in splits.items():
         pq.write_table(pa.table({"messages": pa.array(rows, schema)}), out_dir / "conversations" / f"{split}.parquet",
-                       compression="zstd")
+                       row_group_size=64, compression="zstd")
+    rng = random.Random(f"demo-tasks-{seed}")  # the task shapes, each a chat directory of its own
+    tasks = {"choice": pa.Table.from_pylist([choice_row(rng) for _ in range(DEMO_TASK_ROWS)]),
+             "answers": pa.table({"messages": pa.array([short_answer(rng) for _ in range(DEMO_TASK_ROWS)], schema)}),
+             "calc": pa.Table.from_pylist([calculation_row(rng) for _ in range(DEMO_TASK_ROWS)])}
+    for name, table in tasks.items():
+        (out_dir / name).mkdir(parents=True, exist_ok=True)
+        # small row groups: the loader shuffles row groups, so the sources of a mixture interleave finely
+        pq.write_table(table, out_dir / name / "train.parquet", row_group_size=64, compression="zstd")
     evals = write_eval_bundle(out_dir / "eval_bundle", random.Random(f"demo-eval-{seed}"))
     chat_evals = write_chat_eval(out_dir / "chat_eval", random.Random(f"demo-chat-eval-{seed}"))
     counts = {"documents": len(docs), "characters": sum(map(len, docs)), "shards": len(shards),
               "conversations": len(chats), "conversations_train": len(splits["train"]),
-              "conversations_val": len(splits["val"]), "eval_items": evals, "chat_eval_items": chat_evals}
+              "conversations_val": len(splits["val"]), "tasks": {k: t.num_rows for k, t in tasks.items()},
+              "eval_items": evals, "chat_eval_items": chat_evals}
     (out_dir / "README.txt").write_text(
-        f"The nanochat demo world (seed {seed}): a small made-up world of {len(COUNTRIES)} countries (capital, "
+        f"The demo world (seed {seed}): a small made-up world of {len(COUNTRIES)} countries (capital, "
         f"language, flag, national animal), {len(ANIMALS)} animals, colours of things, small arithmetic, days and "
         f"months, and short stories, all consistent with each other.\n\n"
         f"pretrain/             {counts['documents']} documents, {counts['characters']} characters, {len(shards)} "
         f"parquet shards (column `text`, row groups of {ROW_GROUP_DOCS}, zstd); the last shard is validation\n"
         f"conversations/        train.parquet ({counts['conversations_train']}) and val.parquet "
         f"({counts['conversations_val']}): column `messages`, a list of {{role, content}} as in SmolTalk\n"
+        f"choice/               {DEMO_TASK_ROWS} multiple-choice questions answered by a letter, in MMLU's columns "
+        f"(question, choices, answer, subject)\n"
+        f"answers/              {DEMO_TASK_ROWS} conversations whose reply is the answer alone (`messages`)\n"
+        f"calc/                 {DEMO_TASK_ROWS} sums through the calculator, in GSM8K's columns (question, answer "
+        f"with <<expr=result>> and a final '#### N')\n"
         f"eval_bundle/          core.yaml, eval_meta_data.csv, eval_data/demo/*.jsonl in the CORE formats; their "
         f"phrasings never occur in pretrain/ or conversations/\n"
         + "".join(f"    {k}: {v} items\n" for k, v in evals.items())

@@ -2,7 +2,7 @@
 conversations in the chat template, packed BOS-aligned as text is (no padding), so it learns the template, turns and
 when to stop, and keeps its knowledge.
 
-    python midtrain.py --steps 2000        # newest pretrain checkpoint; 30% its corpus, 35% SmolTalk, 35% UltraChat
+    python midtrain.py --steps 2000        # newest pretrain checkpoint; 30% its corpus, 70% conversations and tasks
     python midtrain.py --init runs/base --source text:data/demo/pretrain:0.3 --source chat:data/demo/conversations:0.7
     torchrun --standalone --nproc_per_node=8 midtrain.py --tokens 500000000
     python midtrain.py --run_name NAME --resume                          # continue from the last checkpoint
@@ -27,6 +27,10 @@ from dataset import CACHE_DIR, mixture_loader
 from model import flops_per_token, num_params, parse_args
 from tokenizer import Tokenizer
 
+# Token shares of the conversation sources beside the parent's text (0.3): conversation (SmolTalk, UltraChat), the
+# shapes chat_eval.py scores (MMLU and ARC letters, GSM8K with the calculator) and who the assistant is (identity.json)
+DEFAULT_CHAT_SHARES = [("smoltalk", 0.3), ("ultrachat", 0.1), ("mmlu", 0.15), ("gsm8k", 0.1), ("arc-easy", 0.02),
+                       ("arc-challenge", 0.02), ("identity", 0.01)]
 # The stage's lrs and schedule: warm-started from the parent's optimizer state at its full lrs, flat, then a linear
 # warmdown to 0 over the last 20% (nanochat's midtraining schedule). Against the old recipe (fresh state), 150 steps:
 # on the demo world held-out chat loss 0.289 vs 0.302, pretraining val bpb 0.300 vs 0.301; on real text mixed with
@@ -41,9 +45,9 @@ def get_args(argv=None):
     g = p.add_argument_group("data")
     g.add_argument("--source", action="append", default=None, metavar="KIND:PATH:SHARE", help="a data source and its "
                    "share of the tokens, repeatable; KIND is text (a corpus directory, its train split) or chat (a "
-                   "directory of conversation parquet files) (default: text:<the parent's data_dir>:0.3, "
-                   f"chat:{CACHE_DIR / 'chat' / 'smoltalk'}:0.35, chat:{CACHE_DIR / 'chat' / 'ultrachat'}:0.35, seed "
-                   "003's mixture)")
+                   "directory of conversation or task parquet files) (default: text:<the parent's data_dir>:0.3, "
+                   + ", ".join(f"chat:{CACHE_DIR / 'chat' / name}:{share}" for name, share in DEFAULT_CHAT_SHARES)
+                   + ")")
     g.add_argument("--supervise", default="all", choices=["all", "assistant"], help="conversation tokens that carry "
                    "loss: all of them, as in pretraining, or the assistant's only (default: %(default)s, as nanochat "
                    "midtrains)")
@@ -77,8 +81,8 @@ def get_args(argv=None):
 
 def parse_sources(specs, parent_data_dir):
     """--source KIND:PATH:SHARE values as the mixture loader's source dicts."""
-    specs = specs or [f"text:{parent_data_dir}:0.3", f"chat:{CACHE_DIR / 'chat' / 'smoltalk'}:0.35",
-                      f"chat:{CACHE_DIR / 'chat' / 'ultrachat'}:0.35"]
+    specs = specs or [f"text:{parent_data_dir}:0.3"] + [f"chat:{CACHE_DIR / 'chat' / name}:{share}"
+                                                         for name, share in DEFAULT_CHAT_SHARES]
     sources = []
     for spec in specs:
         kind, _, rest = spec.partition(":")

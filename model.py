@@ -723,9 +723,11 @@ def sample_next(logits, temperature, top_k, generator):
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
 
 
-def generate(model, prompt, max_new_tokens, temperature=1.0, top_k=None, seed=None, dtype="float32"):
+def generate(model, prompt, max_new_tokens, temperature=1.0, top_k=None, seed=None, dtype="float32", tools=None):
     """Stream token ids after `prompt` (a list of ids): the prompt is prefilled into a KV cache in one forward, then
-    each new token costs one single-position forward. The caller stops early by leaving the loop."""
+    each new token costs one single-position forward. tools (calculator.ToolUse) maps each generated token to the
+    tokens to feed after it (a tool call's output), which are yielded too and count against max_new_tokens. The
+    caller stops early by leaving the loop."""
     device = model.cos.device
     total = len(prompt) + max_new_tokens
     if total > model.config.sequence_len:
@@ -744,11 +746,16 @@ def generate(model, prompt, max_new_tokens, temperature=1.0, top_k=None, seed=No
         with torch.inference_mode(), autocast_context(device.type, dtype):
             return sample_next(model(ids, kv_cache=cache, last_only=True)[:, -1], temperature, top_k, generator)
 
-    next_id = next_token(torch.tensor([prompt], dtype=torch.long, device=device))
-    for step in range(max_new_tokens):
-        yield next_id.item()
-        if step + 1 < max_new_tokens:
-            next_id = next_token(next_id)
+    next_id, produced = next_token(torch.tensor([prompt], dtype=torch.long, device=device)), 0
+    while True:
+        feed = [next_id.item()]
+        feed += tools(feed[0]) if tools is not None else []
+        for token in feed[:max_new_tokens - produced]:
+            yield token
+            produced += 1
+        if produced >= max_new_tokens:
+            return
+        next_id = next_token(torch.tensor([feed], dtype=torch.long, device=device))
 
 
 def lean_decode_weights(model):

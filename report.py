@@ -98,6 +98,9 @@ def stage_figures(run, name, times):
     }
 
 
+SAMPLES_PER_TASK = 4
+
+
 def contained_answers(items_path):
     """{task: (replies containing an accepted answer as a whole word, replies)} for the generated tasks whose items
     carry accepted answers (the demo world's demo-answer): a reply in a sentence ("It's Pelmo.") counts here."""
@@ -108,6 +111,22 @@ def contained_answers(items_path):
             hits, n = counts.get(item["task"], (0, 0))
             counts[item["task"]] = (hits + hit, n + 1)
     return counts
+
+
+def marked_answers(items_path, per_task=SAMPLES_PER_TASK):
+    """A line per item for the first few items of each task: right or wrong, the question, the answer given (the
+    letter, or the reply as scored) and the expected one."""
+    lines, shown = [], {}
+    for item in read_jsonl(items_path):
+        if shown.get(item["task"], 0) >= per_task:
+            continue
+        shown[item["task"]] = shown.get(item["task"], 0) + 1
+        given = item.get("predicted") if "reply" not in item or item["task"] == "GSM8K" else item["reply"]
+        expected = item.get("answer", " | ".join(item.get("answers", [])) or UNKNOWN)
+        question = " ".join(str(item.get("question", UNKNOWN)).split())[:120]
+        lines.append(f"- [{'x' if item['correct'] else ' '}] {item['task']}: {question!r} -> {given!r} (expected "
+                     f"{expected!r})")
+    return lines
 
 
 def forgetting_lines(run):
@@ -191,11 +210,14 @@ def write_report(run):
     if chat:
         lines += [f"ChatCORE {chat['chatcore']:.4f} (tasks from {chat['tasks_from']}; chat_eval.json)", "",
                   "| task | correct | accuracy | centered |", "|---|---|---|---|"]
-        lines += [f"| {t['task']} | {t['correct']}/{t['items']} | {t['accuracy']:.4f} | {t['centered']:.4f} |"
+        lines += [f"| {t['task']} | {t['correct']}/{t['items']} | {t['accuracy']:.4f} | "
+                  f"{'not in ChatCORE' if t['centered'] is None else format(t['centered'], '.4f')} |"
                   for t in chat["tasks"]]
         for task, (hits, n) in contained_answers(run / "chat_eval_items.jsonl").items():
             lines += ["", (f"{task}: {hits}/{n} replies contain an accepted answer as a word (chat_eval_items.jsonl; "
                           f"not ChatCORE's rule, under which the reply must be the answer)")]
+        lines += ["", "ChatCORE sample answers (the first items of each task; [x] right, [ ] wrong):", ""]
+        lines += marked_answers(run / "chat_eval_items.jsonl")
     else:
         lines.append(f"ChatCORE {UNKNOWN} (no chat_eval.json)")
     lines += ["", "## Sample answers", ""]

@@ -1,7 +1,8 @@
 """Supervised fine-tuning: a midtrained (or pretrained) checkpoint learns to answer, on conversations, with the loss on
-assistant content and <|assistant_end|> only.
+assistant content, its tool calls and <|assistant_end|> only (not on the user's turns, nor on the calculator's output).
 
-    python sft.py --chat_dir data/demo/conversations                    # from the newest midtrain/pretrain checkpoint
+    python sft.py                       # SmolTalk + MMLU auxiliary_train x3 + GSM8K x4 + ARC + identity, one pass
+    python sft.py --source smoltalk:1 --source gsm8k:2 --source data/my_chats:3       # DIR (or a dataset name):EPOCHS
     python sft.py --init runs/mid_demo --chat_dir DIR --epochs 3        # LIMA-style: a few epochs over a small set
     torchrun --standalone --nproc_per_node=8 sft.py --chat_dir DIR --steps 1000
     python sft.py --run_name NAME --resume                              # continue from the last checkpoint
@@ -21,10 +22,13 @@ from pathlib import Path
 import torch
 
 import common as C
-from dataset import CACHE_DIR, chat_loader
+from dataset import chat_loader, mixture_files, parse_chat_sources
 from model import flops_per_token, num_params, parse_args
 from tokenizer import Tokenizer
 
+# nanochat's SFT epochs (SmolTalk 1, MMLU auxiliary_train 3, GSM8K 4), with ARC's training questions (letters on
+# science questions) and the identity set (who the assistant is: identity.json) added
+DEFAULT_SOURCES = ["smoltalk:1", "mmlu:3", "gsm8k:4", "arc-easy:1", "arc-challenge:1", "identity:2"]
 # The stage's lrs and schedule: warm-started from the parent's optimizer state at 0.3 of its lrs, flat, then a linear
 # warmdown to 0 over the second half. On the demo chain (150 steps) against the old recipe (fresh state, full lrs,
 # warmdown 20%): held-out chat loss 0.227 vs 0.247, pretraining val bpb 0.335 vs 0.669 (its parent: 0.300); 0.8
@@ -36,18 +40,22 @@ SFT_WHY = "measured on the demo world; nanochat's chat_sft uses 0.8"
 def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("data")
-    g.add_argument("--chat_dir", default=str(CACHE_DIR / "chat" / "lima"), help="conversations: *.parquet with a "
-                   "`messages` or `conversations` column; files named test*/val* are held out (default: %(default)s)")
+    g.add_argument("--source", action="append", default=None, metavar="DIR:EPOCHS", help="a chat directory (or a "
+                   "`dataset.py download-chat` name, for its cache directory) and how many times one pass of the "
+                   "mixture goes over it, repeatable; its files named test*/val* are held out (default: "
+                   f"{' '.join(DEFAULT_SOURCES)}, nanochat's epochs for SmolTalk, MMLU and GSM8K)")
+    g.add_argument("--chat_dir", default=None, help="one chat directory, once per pass: the same as --source DIR:1 "
+                   "(default: the --source mixture)")
     g.add_argument("--val_chat_dir", default=None, help="held-out conversations for the validation loss (default: "
-                   "--chat_dir's test*/val* files)")
+                   "the first source's test*/val* files)")
     g.add_argument("--seed", type=int, default=0, help="shuffles the conversations, anew every epoch (default: "
                    "%(default)s)")
     g.add_argument("--loader_threads", type=int, default=0, help="tokenizer threads per loader; 0 = 1 when training "
                    "on the CPU, else the cores per process (default: %(default)s)")
     g = p.add_argument_group("budget: one of")
     budget = g.add_mutually_exclusive_group()
-    budget.add_argument("--epochs", type=float, default=None, help="passes over the conversations (default: 3, as "
-                        "seed 003 on LIMA)")
+    budget.add_argument("--epochs", type=float, default=None, help="passes over the mixture (default: 1, as "
+                        "nanochat)")
     budget.add_argument("--steps", type=int, help="optimizer steps")
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval_every", type=int, default=100, help="validation loss + greedy answers every N steps; 0 = "
@@ -63,15 +71,22 @@ def get_args(argv=None):
     C.add_init_args(p, ["midtrain", "pretrain"])
     args = parse_args(p, argv)
     if args.epochs is None and args.steps is None:
-        args.epochs = 3.0
+        args.epochs = 1.0
+    if args.chat_dir and args.source:
+        p.error("give --chat_dir or --source, not both")
+    try:
+        args.sources = parse_chat_sources([f"{args.chat_dir}:1"] if args.chat_dir else args.source or DEFAULT_SOURCES)
+    except ValueError as e:
+        p.error(str(e))
     return p, args
 
 
 def count_batches(args, tokenizer, micro, seq_len, rank, accum, world):
     """Batches one pass over the conversations packs into, the most over every (virtual) rank: an epoch. (Later
     epochs pack another order, so N epochs end within a few batches of N exact passes.)"""
-    counts = [sum(1 for _ in chat_loader(args.chat_dir, "train", tokenizer, micro, seq_len, rank=rank * accum + j,
-                                         world_size=world * accum, max_epochs=1, threads=1)) for j in range(accum)]
+    counts = [sum(1 for _ in chat_loader(None, "train", tokenizer, micro, seq_len, rank=rank * accum + j,
+                                         world_size=world * accum, max_epochs=1, threads=1,
+                                         files=mixture_files(args.sources))) for j in range(accum)]
     return int(C.all_reduce(max(counts), torch.distributed.ReduceOp.MAX if world > 1 else None))
 
 
@@ -117,13 +132,15 @@ def main(argv=None):
     total_steps = args.steps or math.ceil(args.epochs * epoch_batches)
     run_dir, resume_from = C.resolve_run(args, "sft")
     optimizers = C.build_optimizers(model, args, config.n_embd, tokens_per_step, device, lr_scale=args.lr_scale)
-    loaders = [chat_loader(args.chat_dir, "train", tokenizer, micro, seq_len, rank=rank * accum + j,
+    files = mixture_files(args.sources)
+    loaders = [chat_loader(None, "train", tokenizer, micro, seq_len, rank=rank * accum + j, files=files,
                            world_size=world * accum, device=device, seed=args.seed,
                            threads=C.loader_threads(args, device)) for j in range(accum)]
     layout = {"model_config": parent_meta["model_config"], "world_size": world, "micro_batch": micro, "accum": accum}
     run = {"stage": "sft", "run": args.run_name, **layout, "total_steps": total_steps,
            "tokens_per_step": tokens_per_step, "code": C.code_version(), "tokenizer": args.tokenizer,
-           "tokenizer_sha256": tokenizer.fingerprint(), "chat_dir": args.chat_dir,
+           "tokenizer_sha256": tokenizer.fingerprint(), "chat_dir": str(args.sources[0][0]),
+           "sources": [{"path": str(path), "epochs": epochs} for path, epochs in args.sources],
            "parent": C.parent_record(parent, parent_meta)}
     if master:
         C.write_config(run_dir, {**run, "args": vars(args)})
@@ -132,6 +149,7 @@ def main(argv=None):
         print(sharding)
         print(f"batch: tokens per step = micro_batch {micro} x sequence_len {seq_len} x world size {world} x "
               f"accumulation {accum} = {tokens_per_step:,} (padding included)")
+        print("mixture (passes per epoch): " + ", ".join(f"{path} x{epochs}" for path, epochs in args.sources))
         print(f"budget: {total_steps:,} steps" + (f" = {args.epochs:g} epochs of {epoch_batches:,} batches"
                                                   if args.epochs else ""))
         print(f"code: commit {run['code']['commit']}, uncommitted changes: {run['code']['dirty']}")
@@ -145,7 +163,7 @@ def main(argv=None):
 
     train_model = C.wrap_model(model, args, world, local_rank, device)
     evaluator = partial(evaluate, model, tokenizer, args, rank, world, device, run_dir,
-                        C.chat_val_batches(args.val_chat_dir or args.chat_dir, tokenizer, seq_len, args.eval_rows))
+                        C.chat_val_batches(args.val_chat_dir or args.sources[0][0], tokenizer, seq_len, args.eval_rows))
     ckpt_meta = {**run, "argv": sys.argv, "hparams": C.hparams(args, seq_len, micro, tokens_per_step)}
     signum = C.train(args, model, train_model, optimizers, loaders, run_dir=run_dir, start=start,
                      total_steps=total_steps, ckpt_meta=ckpt_meta, evaluate=evaluator,

@@ -15,7 +15,7 @@ PLAN=auto DEPTH=20 RUN_NAME=speedrun DATA_DIR="" GPUS=auto NO_CHAT=0 RUNS_DIR=ru
 SHARDS="" STOP_AFTER="" PROBE_ONLY=0 VOCAB=""
 # the conversation datasets the gpu plan's midtraining and SFT read (dataset.py download-chat names): checked and
 # fetched at the start, with the CORE bundle and the ChatCORE tasks, so a gated or missing one fails in minutes
-CHAT_SOURCES=(smoltalk ultrachat)
+CHAT_SOURCES=(smoltalk ultrachat mmlu arc-easy arc-challenge gsm8k identity)
 
 usage() {
     cat <<EOF
@@ -398,7 +398,7 @@ wait_prefetch() {  # [WHERE]: wait for the background fetch of the chat data and
 if [ "$PLAN" = demo ]; then
     DATA_DIR=${DATA_DIR:-$RUN/demo}
     VOCAB=${VOCAB:-1024}
-    if compgen -G "$DATA_DIR/pretrain/shard_*.parquet" > /dev/null && [ -d "$DATA_DIR/chat_eval" ]; then
+    if compgen -G "$DATA_DIR/pretrain/shard_*.parquet" > /dev/null && [ -d "$DATA_DIR/chat_eval" ] && [ -d "$DATA_DIR/calc" ]; then
         skip data "the demo world is in $DATA_DIR"
     else
         stage data "$PY" "$ROOT/demo.py" --out "$DATA_DIR"
@@ -466,15 +466,17 @@ fi
 if [ "$PLAN" = demo ]; then
     # measured on a 2-core Xeon with AMX (README: The speedrun): about 10 minutes for the whole pipeline
     PRETRAIN=(--preset tiny --steps 400 --micro_batch 16 --compile true --eval_every 200 --ckpt_every 100)
-    MIDTRAIN=(--source "text:$CORPUS:0.3" --source "chat:$DATA_DIR/conversations:0.7" --supervise assistant
+    # conversations, and the shapes ChatCORE asks for: letters (choice), bare answers (answers), the calculator (calc)
+    MIDTRAIN=(--source "text:$CORPUS:0.3" --source "chat:$DATA_DIR/conversations:0.4" --source "chat:$DATA_DIR/choice:0.1"
+              --source "chat:$DATA_DIR/answers:0.1" --source "chat:$DATA_DIR/calc:0.1" --supervise assistant
               --steps 200 --eval_every 0 --ckpt_every 100)
-    SFT=(--chat_dir "$DATA_DIR/conversations" --steps 200 --eval_every 0 --ckpt_every 100)
+    SFT=(--source "$DATA_DIR/conversations:1" --source "$DATA_DIR/choice:1" --source "$DATA_DIR/answers:1"
+         --source "$DATA_DIR/calc:1" --steps 200 --eval_every 0 --ckpt_every 100)
     CHAT_EVAL=(--demo "$DATA_DIR" --max_new_tokens 32)
 else
     PRETRAIN=("${GPU_BUDGET[@]}" --eval_every 250 --ckpt_every 1000)
     MIDTRAIN=(--tokens 500000000 --ckpt_every 1000)
-    SFT=(--chat_dir "$(PYTHONPATH=$ROOT "$PY" -c 'from dataset import CACHE_DIR; print(CACHE_DIR / "chat" / "smoltalk")')"
-         --epochs 1 --ckpt_every 1000)
+    SFT=(--epochs 1 --ckpt_every 1000)  # sft.py's mixture: SmolTalk, MMLU x3, GSM8K x4, ARC, identity
     CHAT_EVAL=(--demo none)
     say "plan: d$DEPTH ('python model.py --preset d$DEPTH' for its parameters), 20 tokens per parameter at 524,288" \
         "tokens a step on $GPUS GPUs; pretrain.py prints the parameters, tokens and steps before step 1, and" \

@@ -7,7 +7,7 @@ conversations into token ids plus a loss mask.
 Training is rustbpe (Rust, parallel); encoding is tiktoken. The split pattern is GPT-4's, unchanged: a pre-token is a
 word with its leading space, a run of 1-3 digits, a run of punctuation, or whitespace, and merges never cross those.
 The vocabulary is the 256 single bytes, then the merges, then SPECIAL_TOKENS, so `--vocab_size V` is the final size
-including the special tokens, and the special ids are V-5 .. V-1.
+including the special tokens, and the special ids are V-9 .. V-1.
 
 Saved as one JSON file (pattern, base64 merges, special tokens, token_bytes): nothing in it is executable, unlike a
 pickle, so a tokenizer downloaded from someone else cannot run code when it is loaded.
@@ -30,7 +30,11 @@ from dataset import iter_texts
 # digit triples; we keep GPT-4's: at vocab 8192 on the real-text corpus the two differ by 0.03% in bytes/token.
 SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|"""
                  r"""\s*[\r\n]|\s+(?!\S)|\s+""")
-SPECIAL_TOKENS = ["<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>"]
+# The chat template's, then the calculator's: <|python_start|>expr<|python_end|> is a tool call the assistant writes,
+# <|output_start|>result<|output_end|> its result, inserted by generation (calculator.py) and never trained on.
+SPECIAL_TOKENS = ["<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>",
+                  "<|python_start|>", "<|python_end|>", "<|output_start|>", "<|output_end|>"]
+CHAT_SPECIALS = SPECIAL_TOKENS[1:5]
 FILE_NAME = "tokenizer.json"
 FORMAT = "nanochat-bpe-v1"
 
@@ -107,6 +111,10 @@ class Tokenizer:
                 raise ValueError(f"format is {state.get('format')!r}, expected {FORMAT!r}")
             ranks = {base64.b64decode(token, validate=True): rank for token, rank in state["mergeable_ranks"]}
             tokenizer = cls(ranks, state["pattern"])
+            stored = list(state.get("special_tokens") or {})
+            if stored != SPECIAL_TOKENS and stored == SPECIAL_TOKENS[:len(stored)]:
+                raise ValueError(f"it was trained before the special tokens {', '.join(SPECIAL_TOKENS[len(stored):])} "
+                                 f"(the calculator's tool calls) existed; a model pretrained with it cannot use them")
             for key in ("vocab_size", "special_tokens", "token_bytes"):  # stored for readers; must agree with merges
                 if state[key] != getattr(tokenizer, key):
                     raise ValueError(f"stored {key} disagrees with the merges")
@@ -121,20 +129,42 @@ class Tokenizer:
         complete assistant turn that fits, never mid-answer; ([], []) if not even the first exchange fits."""
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens={max_tokens} must be at least 1 (or None for no limit)")
-        user_start, user_end, assistant_start, assistant_end = (self.special_id(name) for name in SPECIAL_TOKENS[1:])
+        user_start, user_end, assistant_start, assistant_end = (self.special_id(name) for name in CHAT_SPECIALS)
         ids, mask, turn_ends = [self.bos_id], [0], []
         for role, content, _ in _turns(messages):
-            tokens = self.encode(content)
             if role == "user":
+                tokens = self.encode(content)
                 ids += [user_start, *tokens, user_end]
                 mask += [0] * (len(tokens) + 2)
             else:
+                tokens, token_mask = self.render_parts(content)
                 ids += [assistant_start, *tokens, assistant_end]
-                mask += [0] + [1] * (len(tokens) + 1)
+                mask += [0, *token_mask, 1]
                 turn_ends.append(len(ids))
         if max_tokens is not None and len(ids) > max_tokens:
             n = max([end for end in turn_ends if end <= max_tokens], default=0)
             ids, mask = ids[:n], mask[:n]
+        return ids, mask
+
+    def render_parts(self, content):
+        """(ids, mask) of an assistant message's content: a string, or a list of parts {"type": "text" | "python" |
+        "python_output", "text"}. A python part is a tool call the model learns to write (<|python_start|>expr
+        <|python_end|>, mask 1); a python_output part is the calculator's answer, which generation inserts, so it is
+        not trained on (<|output_start|>result<|output_end|>, mask 0)."""
+        if isinstance(content, str):
+            tokens = self.encode(content)
+            return tokens, [1] * len(tokens)
+        ids, mask = [], []
+        for part in content:
+            tokens = self.encode(part["text"])
+            if part["type"] == "text":
+                ids, mask = ids + tokens, mask + [1] * len(tokens)
+            elif part["type"] == "python":
+                ids += [self.special_id("<|python_start|>"), *tokens, self.special_id("<|python_end|>")]
+                mask += [1] * (len(tokens) + 2)
+            else:
+                ids += [self.special_id("<|output_start|>"), *tokens, self.special_id("<|output_end|>")]
+                mask += [0] * (len(tokens) + 2)
         return ids, mask
 
     def render_for_completion(self, messages):
@@ -192,6 +222,19 @@ def bytes_per_token(tokenizer, texts):
 # -----------------------------------------------------------------------------
 # Chat rendering
 
+PART_TYPES = ("text", "python", "python_output")
+
+
+def is_parts(content):
+    return isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in PART_TYPES and
+                                             isinstance(p.get("text"), str) for p in content)
+
+
+def content_text(content):
+    """An assistant message's text without its tool calls: the string, or its text parts joined."""
+    return content if isinstance(content, str) else "".join(p["text"] for p in content if p["type"] == "text")
+
+
 def _turns(messages):
     """Validated (role, content) turns with a leading system message merged into the first user turn, and the index of
     the message each turn came from (for error messages)."""
@@ -199,9 +242,10 @@ def _turns(messages):
         raise ValueError("a conversation needs at least one message")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") or \
-                not isinstance(m.get("content"), str):
-            raise ValueError(f"message {i}: must be {{'role': 'system'|'user'|'assistant', 'content': str}}, got "
-                             f"{str(m)[:80]}")
+                not (isinstance(m.get("content"), str) or m.get("role") == "assistant" and is_parts(m["content"])):
+            raise ValueError(f"message {i}: must be {{'role': 'system'|'user'|'assistant', 'content': str (or, for "
+                             f"the assistant, a list of {{'type': 'text'|'python'|'python_output', 'text': str}})}}, "
+                             f"got {str(m)[:80]}")
     turns = [(m["role"], m["content"], i) for i, m in enumerate(messages)]
     if turns[0][0] == "system":
         if len(turns) < 2 or turns[1][0] != "user":

@@ -321,3 +321,25 @@ def test_mixture_shares_must_sum_to_one(world, tmp_path):
         D.mixture_loader([*sources[:2], {**sources[2], "share": 0.3}], tok, 4, 64)
     with pytest.raises(ValueError, match="kind='image': choose text or chat"):
         D.mixture_loader([{**sources[0], "kind": "image", "share": 1.0}], tok, 4, 64)
+
+
+def test_one_pass_of_an_sft_mixture_sees_each_source_its_number_of_epochs(world, tmp_path):
+    """--source A:1 --source B:3: one pass (max_epochs=1) holds every conversation of A once and of B three times,
+    their row groups shuffled together (not read in file order), and a bad spec names the fix."""
+    _, tok, _ = world
+    a = marked_conversations(120, seed=1)
+    b = [exchange(f"other{i:04d} x", "y") for i in range(80)]
+    sources = D.parse_chat_sources([f"{write_chat(tmp_path / 'a', a)}:1", f"{write_chat(tmp_path / 'b', b, 16)}:3"])
+    assert [epochs for _, epochs in sources] == [1, 3]
+    loader = D.chat_loader(None, "train", tok, 4, 128, files=D.mixture_files(sources), seed=0, max_epochs=1,
+                           threads=1)
+    text = "".join(tok.decode(x[x != tok.bos_id].tolist()) for inputs, _ in loader for x in inputs)
+    seen = re.findall(r"(conv|other)(\d{4})", text)
+    counts = Counter(seen)
+    assert {k: v for k, v in counts.items() if k[0] == "conv"} == {("conv", f"{i:04d}"): 1 for i in range(120)}
+    assert {k: v for k, v in counts.items() if k[0] == "other"} == {("other", f"{i:04d}"): 3 for i in range(80)}
+    kinds = [k for k, _ in seen]
+    assert kinds.index("other") < len(kinds) - 1 - kinds[::-1].index("conv")  # row groups shuffled, not file order
+    for bad in ["dir", "dir:0", "dir:1.5", ":2"]:
+        with pytest.raises(ValueError, match="write DIR:EPOCHS"):
+            D.parse_chat_sources([bad])

@@ -59,7 +59,8 @@ class ScriptedModel(torch.nn.Module):
         at = len(self.seen) - self.seen[::-1].index(start)  # where the reply begins
         prompt = self.tokenizer.decode(self.seen[:at])
         reply = next(text for key, text in self.script.items() if key in prompt)
-        wanted = self.tokenizer.encode(reply) + [self.tokenizer.special_id("<|assistant_end|>")]
+        wanted = list(reply) if isinstance(reply, list) else \
+            self.tokenizer.encode(reply) + [self.tokenizer.special_id("<|assistant_end|>")]  # a list: the ids as given
         logits = torch.zeros(1, 1 if last_only else idx.size(1), self.config.vocab_size)
         logits[0, -1, wanted[min(len(self.seen) - at, len(wanted) - 1)]] = 10.0
         return logits
@@ -126,6 +127,34 @@ def test_a_reply_cut_by_the_window_is_counted_and_a_letter_must_be_one_token():
         [{"role": "user", "content": "long"}]))
     with pytest.raises(ValueError, match="'AB' is 2 tokens"):
         E.letter_choice(model, BYTES, {"prompt": "long", "letters": ["AB", "C"]}, "float32", CPU)
+
+
+def test_own_words_count_when_the_reply_contains_the_answer_and_stay_out_of_chatcore():
+    rows = [{"question": "w1?", "answers": ["Pelmo"]}, {"question": "w2?", "answers": ["owl"]},
+            {"question": "w3?", "answers": ["owl"]}]
+    script = {"w1?": "The government sits in Pelmo.", "w2?": "They chose the owl!", "w3?": "They chose the bowler."}
+    words = scored("demo-words", rows, script)
+    assert [c for c, _ in words[0]] == [True, True, False]  # a whole word: 'bowler' is not 'owl'
+    choice = scored("demo-choice", [{"question": "c?", "choices": ["a", "b", "c", "d"], "gold": 1}], {"c?": "B"})
+    rows, chatcore = E.summarize(["demo-choice", "demo-words"], {"demo-choice": choice[0], "demo-words": words[0]},
+                                 {"demo-choice": 1, "demo-words": 3})
+    assert chatcore == 1.0 and rows[1]["accuracy"] == pytest.approx(2 / 3) and rows[1]["centered"] is None
+
+
+def test_gsm8k_is_answered_with_the_calculator_on_and_scored_on_the_text_without_the_calls():
+    """The model writes a call, the calculator's result is fed in place of whatever the model would have written
+    there (the script's 99), and the reply scored is its text: the calls and their outputs are left out."""
+    sid, enc = BYTES.special_id, BYTES.encode
+    call = [sid("<|python_start|>"), *enc("6*7"), sid("<|python_end|>")]
+    scripted = [*call, sid("<|output_start|>"), *enc("99"), sid("<|output_end|>")]  # same length as "42"
+    rows = [{"question": "g0", "answer": "<<6*7=42>>42\n#### 42"}, {"question": "g1", "answer": "#### 3"}]
+    script = {"g0": [*enc("So "), *scripted, *enc("42.\n#### 42"), sid("<|assistant_end|>")],
+              "g1": [*enc("It is "), sid("<|python_start|>"), *enc("__import__('os')"), sid("<|python_end|>"),
+                     *enc(" 3\n#### 3"), sid("<|assistant_end|>")]}
+    verdicts, records = scored("GSM8K", rows, script)
+    assert [c for c, _ in verdicts] == [True, True]
+    assert records[0]["reply"] == "So 42.\n#### 42" and records[0]["calculator"] == [["6*7", "42"]]
+    assert records[1]["reply"] == "It is  3\n#### 3" and records[1]["calculator"][0][1].startswith("refused: '_'")
 
 
 def test_gsm8k_takes_the_number_after_the_marker_else_the_last_number():
@@ -530,3 +559,13 @@ def test_download_only_refuses_humaneval_at_the_start_where_nothing_can_contain_
     out = capsys.readouterr().out
     assert "sandbox: process only (--sandbox process: the user accepted what it does not contain)" in out
     assert (cache / "HumanEval" / "files.json").is_file()
+
+
+def test_demo_words_runs_by_name_beside_chatcore_and_is_left_out_of_its_mean(tiny, tmp_path):
+    out = tmp_path / "words.json"
+    result = run_script("chat_eval.py", ["--runs_dir", "chat_runs", "--tasks", "demo-choice,demo-words", "--max_items",
+                                         "3", "--max_new_tokens", "4", "--dtype", "float32", "--out", out], tiny)
+    report = json.loads(out.read_text())
+    choice, words = report["tasks"]
+    assert (words["task"], words["items"], words["items_in_task"], words["centered"]) == ("demo-words", 3, 120, None)
+    assert report["chatcore"] == choice["centered"] and "ChatCORE" in result.stdout and "(1 tasks," in result.stdout

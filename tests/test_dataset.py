@@ -318,11 +318,12 @@ def test_chat_rows_mask_pad_and_never_crop(tmp_path, corpus):
     T = 96
     loader = D.PackedLoader([tmp_path / "train.parquet"], tok, 4, T, kind="chat", buffer_docs=16, name="sft")
     batches = []
-    while loader.state["epoch"] < 2:  # past the first epoch, so its buffered conversations are out too
+    # past the first epoch (its buffered conversations are out too) and past item 8 of the third pass
+    while (loader.state["epoch"], loader.state["unit"], loader.state["doc"]) < (2, 0, 9):
         batches.append(next(loader))
     loader.close()
     stats = loader.state["stats"]
-    passes = loader.state["epoch"] + 1  # the buffer top-up of the current epoch has read past item 8 already
+    passes = 3
     assert stats["no_assistant"] == stats["too_long"] == stats["malformed"] == passes  # counted once per pass
     assert f"no assistant turn {passes}, malformed {passes}, first exchange longer than a row {passes}" in \
         loader.log_line()

@@ -8,7 +8,10 @@ import re
 import pyarrow.parquet as pq
 import pytest
 
-from demo import COUNTRIES, DEMO_ASSISTANT_NAME, write_demo
+from calculator import calculate
+from dataset import chat_format, chat_rows
+from demo import ANIMALS, COLOURS, COUNTRIES, DAYS, DEMO_ASSISTANT_NAME, MONTHS, number_word, write_demo
+from tokenizer import content_text
 
 CAPITAL = {row[0]: row[1] for row in COUNTRIES}
 COUNTRY_OF = {row[1]: row[0] for row in COUNTRIES}
@@ -173,9 +176,40 @@ def test_eval_phrasings_never_occur_in_training_data(demo, docs, chats):
                 assert s not in corpus, (task["label"], s)
 
 
-def test_chat_eval_questions_are_held_out_and_agree_with_the_table(demo, docs, chats):
-    corpus = "\x00".join(docs + [m["content"] for messages in chats for m in messages])
-    for task in ("demo-choice", "demo-answer"):
+@pytest.fixture(scope="module")
+def tasks(demo):
+    """{source: [conversation]} of choice/, answers/, calc/, read as the loaders read them."""
+    return {name: [c for g in range(pq.ParquetFile(demo[0] / name / "train.parquet").num_row_groups)
+                   for c in chat_rows(demo[0] / name / "train.parquet", g)] for name in ("choice", "answers", "calc")}
+
+
+def test_task_sources_have_the_hub_sets_shapes_and_agree_with_the_tables(demo, tasks):
+    assert {name: chat_format(demo[0] / name / "train.parquet") for name in tasks} == {
+        "choice": "mmlu", "answers": "messages", "calc": "gsm8k"}
+    assert {name: len(rows) for name, rows in tasks.items()} == demo[1]["tasks"] == dict.fromkeys(tasks, 3000)
+    letters = {"A": 0, "B": 0, "C": 0, "D": 0}
+    for user, assistant in tasks["choice"]:
+        letters[assistant["content"]] += 1
+        match = re.search(r"capital of (\w+)", user["content"])
+        if match and match.group(1) in CAPITAL:  # the lettered choice is the table's capital
+            assert f"- {CAPITAL[match.group(1)]}={assistant['content']}\n" in user["content"]
+    assert min(letters.values()) > 600  # the gold letter is spread over A-D
+    for user, assistant in tasks["answers"]:
+        assert len(assistant["content"].split()) <= 2 and assistant["content"] in set(itertools.chain(*COUNTRIES)) | {
+            a for row in ANIMALS for a in map(str, row)} | set(COLOURS) | set(DAYS) | set(MONTHS)
+    for user, assistant in tasks["calc"]:  # every annotated result is the calculator's, and the reply ends on it
+        parts = assistant["content"]
+        calls = [(a["text"], b["text"]) for a, b in itertools.pairwise(parts) if a["type"] == "python"]
+        assert calls and all(calculate(expr) == result for expr, result in calls)
+        said = parts[-1]["text"].lower()
+        assert parts[-1]["type"] == "text" and (calls[-1][1] in said or number_word(int(calls[-1][1])) in said)
+
+
+def test_chat_eval_questions_are_held_out_and_agree_with_the_table(demo, docs, chats, tasks):
+    corpus = "\x00".join(docs + [m["content"] for messages in chats for m in messages] +
+                         [content_text(m["content"]) for rows in tasks.values() for messages in rows
+                          for m in messages])
+    for task in ("demo-choice", "demo-answer", "demo-words"):
         items = [json.loads(line) for line in (demo[0] / "chat_eval" / f"{task}.jsonl").read_text().splitlines()]
         assert len(items) == demo[1]["chat_eval_items"][task] >= 100
         for item in items:  # neither the question nor its opening words (the template) occur in training

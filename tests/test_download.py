@@ -489,3 +489,66 @@ def test_check_only_lists_a_chat_dataset_without_downloading_and_a_gated_one_fai
     hub.status = 401  # gated: the error says what to do, before anything else has run
     with pytest.raises(RuntimeError, match="HF_TOKEN"):
         dl.download_chat("smoltalk", tmp_path / "gated", check_only=True)
+
+
+def table_bytes(tmp_path, name, rows):
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / name)
+    return (tmp_path / name).read_bytes()
+
+
+def test_task_sets_come_through_the_hub_verified_and_read_as_conversations(hub, tmp_path, monkeypatch):
+    """MMLU auxiliary_train (its rows nested under `train`), ARC and GSM8K: only their training files are fetched
+    (their test files are chat_eval's), each checked against the listing, and each row reads as the conversation
+    ChatCORE asks for: a letter, or the calculator's calls and the final '#### N'."""
+    mmlu = [{"train": {"question": "2+2?", "subject": "math", "choices": ["3", "4", "5", "6"], "answer": 1}}]
+    files = {"all/auxiliary_train-00000-of-00001.parquet": table_bytes(tmp_path, "m", mmlu),
+             "all/test-00000-of-00001.parquet": table_bytes(tmp_path, "mt", mmlu)}
+    host_repo(hub, monkeypatch, "cais/mmlu", files)
+    hub.faults = {"all/auxiliary_train-00000-of-00001.parquet": ["drop", "500"]}
+    out = dl.download_chat("mmlu", tmp_path / "mmlu")
+    assert [p.name for p in out.iterdir()] == ["auxiliary_train-00000-of-00001.parquet"]
+    assert (out / "auxiliary_train-00000-of-00001.parquet").read_bytes() == files[
+        "all/auxiliary_train-00000-of-00001.parquet"]
+    [path] = dl.chat_files(out, "train")
+    assert dl.chat_rows(path, 0) == [[
+        {"role": "user", "content": "Multiple Choice question: 2+2?\n- 3=A\n- 4=B\n- 5=C\n- 6=D\n\nRespond only with "
+                                    "the letter of the correct answer."}, {"role": "assistant", "content": "B"}]]
+
+    arc = [{"id": "x", "question": "Sky?", "choices": {"text": ["red", "blue", "green"], "label": ["1", "2", "3"]},
+            "answerKey": "2"}, {"id": "y", "question": "Bad?", "choices": {"text": ["a"], "label": ["A"]},
+                                "answerKey": "E"}]
+    host_repo(hub, monkeypatch, "allenai/ai2_arc", {"ARC-Easy/train-00000-of-00001.parquet": table_bytes(
+        tmp_path, "a", arc), "ARC-Easy/test-00000-of-00001.parquet": table_bytes(tmp_path, "at", arc)})
+    out = dl.download_chat("arc-easy", tmp_path / "arc")
+    rows = dl.chat_rows(out / "train-00000-of-00001.parquet", 0)
+    assert rows[0][1] == {"role": "assistant", "content": "2"} and "- blue=2\n" in rows[0][0]["content"]
+    assert rows[1] == "answerKey 'E' is not among the labels ['A']"  # skipped as malformed by the loader
+
+    answer = "Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.\nShe earned 0.2 x 50 = $<<0.2*50=10>>10.\n#### 10"
+    gsm = [{"question": "How much did she earn?", "answer": answer}]
+    host_repo(hub, monkeypatch, "openai/gsm8k", {"main/train-00000-of-00001.parquet": table_bytes(tmp_path, "g", gsm),
+                                                 "socratic/train-00000-of-00001.parquet": table_bytes(tmp_path, "s",
+                                                                                                      gsm)})
+    out = dl.download_chat("gsm8k", tmp_path / "gsm8k")
+    assert [p.name for p in out.iterdir()] == ["train-00000-of-00001.parquet"]
+    [[user, assistant]] = dl.chat_rows(out / "train-00000-of-00001.parquet", 0)
+    assert user == {"role": "user", "content": "How much did she earn?"}
+    assert assistant["content"] == [
+        {"type": "text", "text": "Weng earns 12/60 = $"}, {"type": "python", "text": "12/60"},
+        {"type": "python_output", "text": "0.2"}, {"type": "text", "text": "0.2 per minute.\nShe earned 0.2 x 50 = $"},
+        {"type": "python", "text": "0.2*50"}, {"type": "python_output", "text": "10"},
+        {"type": "text", "text": "10.\n#### 10"}]
+
+
+def test_the_identity_set_is_every_question_with_every_answer_of_the_one_file(tmp_path):
+    spec = tmp_path / "identity.json"
+    spec.write_text(json.dumps({"name": "Quill", "questions": ["Who are you?", "Your name?"],
+                                "answers": ["I am {name}.", "{name} here, a small model."]}))
+    out = dl.write_identity(tmp_path / "identity", spec)
+    rows = pq.read_table(out / "train.parquet").column("messages").to_pylist()
+    assert [(r[0]["content"], r[1]["content"]) for r in rows] == [
+        ("Who are you?", "I am Quill."), ("Who are you?", "Quill here, a small model."), ("Your name?", "I am Quill."),
+        ("Your name?", "Quill here, a small model.")]
+    spec.write_text(json.dumps({"name": "Quill", "questions": ["Who?"]}))
+    with pytest.raises(ValueError, match="not a usable identity file .*\"answers\""):
+        dl.write_identity(tmp_path / "identity", spec)

@@ -45,9 +45,9 @@ def tok(corpus):
 
 
 def test_vocab_size_and_special_ids_are_exact(tok):
-    assert tok.vocab_size == V and len(tok.token_bytes) == V and len(tok.mergeable_ranks) == V - 5
-    assert [tok.special_id(name) for name in SPECIAL_TOKENS] == list(range(V - 5, V))
-    assert tok.bos_id == V - 5
+    assert tok.vocab_size == V and len(tok.token_bytes) == V and len(tok.mergeable_ranks) == V - len(SPECIAL_TOKENS)
+    assert [tok.special_id(name) for name in SPECIAL_TOKENS] == list(range(V - len(SPECIAL_TOKENS), V))
+    assert tok.bos_id == V - len(SPECIAL_TOKENS)
     with pytest.raises(ValueError, match=r"<\|assistant_end\|>"):
         tok.special_id("<|eos|>")
 
@@ -58,8 +58,8 @@ def test_other_vocab_sizes_are_exact(corpus, vocab_size):
 
 
 def test_train_rejects_impossible_vocab_sizes():
-    with pytest.raises(ValueError, match="at least 261"):
-        train_tokenizer(["some text"], 260)
+    with pytest.raises(ValueError, match="at least 265"):
+        train_tokenizer(["some text"], 264)
     with pytest.raises(ValueError, match="only allows .* merges"):  # rustbpe would silently stop short
         train_tokenizer(["ab ab ab"], 600)
 
@@ -68,7 +68,7 @@ def test_round_trip_and_no_special_ids_from_text(tok):
     for text in SAMPLES:
         ids = tok.encode(text)
         assert tok.decode(ids) == text
-        assert all(0 <= i < V - 5 for i in ids), text
+        assert all(0 <= i < V - len(SPECIAL_TOKENS) for i in ids), text
     ids = tok.encode("<|bos|><|assistant_end|>")
     assert tok.bos_id not in ids and tok.special_id("<|assistant_end|>") not in ids
     assert tok.encode_batch(SAMPLES) == [tok.encode(t) for t in SAMPLES]
@@ -76,9 +76,9 @@ def test_round_trip_and_no_special_ids_from_text(tok):
 
 
 def test_token_bytes(tok):
-    for i in range(V - 5):
+    for i in range(V - len(SPECIAL_TOKENS)):
         assert tok.token_bytes[i] == len(tok.enc.decode_single_token_bytes(i)) > 0
-    assert tok.token_bytes[V - 5:] == [0] * 5
+    assert tok.token_bytes[V - len(SPECIAL_TOKENS):] == [0] * len(SPECIAL_TOKENS)
     for text in SAMPLES:
         assert sum(tok.token_bytes[t] for t in tok.encode(text)) == len(text.encode("utf-8"))
 
@@ -89,8 +89,8 @@ def test_save_load_round_trip_is_json(tok, tmp_path):
     raw = path.read_bytes()
     assert raw[:1] == b"{" and not raw.startswith(b"\x80")  # JSON text, not a pickle (which starts with 0x80)
     state = json.loads(raw)
-    assert state["vocab_size"] == V and state["special_tokens"] == {n: V - 5 + i for i, n in enumerate(SPECIAL_TOKENS)}
-    assert len(state["mergeable_ranks"]) == V - 5 and state["token_bytes"] == tok.token_bytes
+    assert state["vocab_size"] == V and state["special_tokens"] == {n: V - len(SPECIAL_TOKENS) + i for i, n in enumerate(SPECIAL_TOKENS)}
+    assert len(state["mergeable_ranks"]) == V - len(SPECIAL_TOKENS) and state["token_bytes"] == tok.token_bytes
     loaded = Tokenizer.load(tmp_path / "tk")
     assert loaded.vocab_size == V and loaded.pattern == tok.pattern and loaded.token_bytes == tok.token_bytes
     assert loaded.mergeable_ranks == tok.mergeable_ranks
@@ -131,7 +131,7 @@ CONVERSATION = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assista
 
 
 def test_render_conversation_exact(tok):
-    us, ue, ast, ae = (tok.special_id(n) for n in SPECIAL_TOKENS[1:])
+    us, ue, ast, ae = (tok.special_id(n) for n in SPECIAL_TOKENS[1:5])
     u1, a1, u2, a2 = (tok.encode(m["content"]) for m in CONVERSATION)
     expected_ids = [tok.bos_id, us, *u1, ue, ast, *a1, ae, us, *u2, ue, ast, *a2, ae]
     expected_mask = ([0] + [0] * (len(u1) + 2) + [0] + [1] * (len(a1) + 1)
@@ -139,7 +139,34 @@ def test_render_conversation_exact(tok):
     ids, mask = tok.render_conversation(CONVERSATION)
     assert ids == expected_ids and mask == expected_mask
     assert [i for i, m in zip(ids, mask) if m] == [*a1, ae, *a2, ae]  # only assistant content + assistant_end
-    assert tok.decode([i for i, m in zip(ids, mask) if m and i < V - 5]) == "It is 4.6, café 😀"
+    assert tok.decode([i for i, m in zip(ids, mask) if m and i < V - len(SPECIAL_TOKENS)]) == "It is 4.6, café 😀"
+
+
+def test_a_tool_call_is_trained_on_and_its_output_is_not(tok):
+    """GSM8K's 'It is <<2+2=4>>4.' as parts: the call (<|python_start|>2+2<|python_end|>) carries loss, the
+    calculator's output (<|output_start|>4<|output_end|>) does not: generation inserts it."""
+    parts = [{"type": "text", "text": "It is "}, {"type": "python", "text": "2+2"},
+             {"type": "python_output", "text": "4"}, {"type": "text", "text": "4."}]
+    ids, mask = tok.render_conversation([CONVERSATION[0], {"role": "assistant", "content": parts}])
+    ps, pe, os_, oe = (tok.special_id(n) for n in SPECIAL_TOKENS[5:])
+    us, ue, ast, ae = (tok.special_id(n) for n in SPECIAL_TOKENS[1:5])
+    u1, t1, expr, out, t2 = (tok.encode(x) for x in ("What is 2 + 2?", "It is ", "2+2", "4", "4."))
+    assert ids == [tok.bos_id, us, *u1, ue, ast, *t1, ps, *expr, pe, os_, *out, oe, *t2, ae]
+    assert [i for i, m in zip(ids, mask) if m] == [*t1, ps, *expr, pe, *t2, ae]
+    assert sum(mask) == len(t1) + len(expr) + 2 + len(t2) + 1
+
+
+def test_a_tokenizer_from_before_the_calculator_tokens_names_the_command_to_retrain(tok, tmp_path):
+    path = tok.save(tmp_path)
+    state = json.loads(path.read_text())
+    old = SPECIAL_TOKENS[:5]
+    ranks = len(state["mergeable_ranks"])
+    state.update(special_tokens={n: ranks + i for i, n in enumerate(old)}, vocab_size=ranks + 5,
+                 token_bytes=state["token_bytes"][:ranks + 5])
+    path.write_text(json.dumps(state))
+    with pytest.raises(ValueError, match=r"trained before the special tokens <\|python_start\|>.*"
+                                         r"python tokenizer.py train --data_dir DIR --out "):
+        Tokenizer.load(tmp_path)
 
 
 def test_system_message_is_merged_into_first_user_turn(tok):
@@ -201,7 +228,7 @@ def test_cli_train_then_eval(corpus, tmp_path):
     assert result.returncode == 0, result.stderr
     train = list(iter_texts(corpus, "train"))
     assert f"training text: {len(train):,} documents, {sum(map(len, train)):,} characters" in result.stdout
-    assert "vocab size: 400 (256 bytes + 139 merges + 5 special tokens)" in result.stdout
+    assert "vocab size: 400 (256 bytes + 135 merges + 9 special tokens)" in result.stdout
     assert f"saved to {out / T.FILE_NAME}" in result.stdout
     result = run_cli("eval", "--data_dir", corpus, "--tokenizer", out)
     assert result.returncode == 0, result.stderr
