@@ -805,8 +805,9 @@ def set_aside_newer(ckpt_dir, step):
 
 
 def optimizer_layout(optimizers):
-    """[[class name, [param group names (None where unnamed)]], ...]: what a checkpoint's optimizer state is, recorded in its meta.json so
-    a child stage can tell whether that state fits its own optimizers before loading it (warm_start)."""
+    """[[class name, [param group names (None where unnamed)]], ...]: what a checkpoint's optimizer state is,
+    recorded in its meta.json so a child stage can tell whether that state fits its own optimizers before loading it
+    (warm_start)."""
     return [[type(opt).__name__, [group.get("name") for group in opt.param_groups]] for opt in optimizers]
 
 
