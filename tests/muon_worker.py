@@ -46,6 +46,7 @@ def main():
     result["counts per rank"] = counts
     if dist.get_rank() == 0:
         torch.save(result, sys.argv[1])
+    dist.barrier()  # rank 0 saves first: a peer gone mid-teardown aborts gloo
     dist.destroy_process_group()
 
 

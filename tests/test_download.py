@@ -506,7 +506,7 @@ def test_task_sets_come_through_the_hub_verified_and_read_as_conversations(hub, 
     host_repo(hub, monkeypatch, "cais/mmlu", files)
     hub.faults = {"all/auxiliary_train-00000-of-00001.parquet": ["drop", "500"]}
     out = dl.download_chat("mmlu", tmp_path / "mmlu")
-    assert [p.name for p in out.iterdir()] == ["auxiliary_train-00000-of-00001.parquet"]
+    assert sorted(p.name for p in out.iterdir()) == [dl.LISTING, "auxiliary_train-00000-of-00001.parquet"]
     assert (out / "auxiliary_train-00000-of-00001.parquet").read_bytes() == files[
         "all/auxiliary_train-00000-of-00001.parquet"]
     [path] = dl.chat_files(out, "train")
@@ -530,7 +530,7 @@ def test_task_sets_come_through_the_hub_verified_and_read_as_conversations(hub, 
                                                  "socratic/train-00000-of-00001.parquet": table_bytes(tmp_path, "s",
                                                                                                       gsm)})
     out = dl.download_chat("gsm8k", tmp_path / "gsm8k")
-    assert [p.name for p in out.iterdir()] == ["train-00000-of-00001.parquet"]
+    assert sorted(p.name for p in out.iterdir()) == [dl.LISTING, "train-00000-of-00001.parquet"]
     [[user, assistant]] = dl.chat_rows(out / "train-00000-of-00001.parquet", 0)
     assert user == {"role": "user", "content": "How much did she earn?"}
     assert assistant["content"] == [

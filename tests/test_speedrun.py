@@ -505,6 +505,16 @@ def test_the_gpu_plans_data_path_against_a_stand_in_hub_then_offline(tmp_path, m
     for repo, layout in LAYOUTS.items():
         for path, rows in layout.items():
             put(f"{repo}/{path}", pa.Table.from_pylist(rows))
+    # the training splits SFT and midtraining read beside them (ARC-Easy's is in LAYOUTS)
+    task_train = {"cais/mmlu/all/auxiliary_train-00000-of-00001.parquet": [{"train": {
+                      "question": "q?", "subject": "s", "choices": ["a", "b", "c", "d"], "answer": 1}}],
+                  "allenai/ai2_arc/ARC-Challenge/train-00000-of-00001.parquet": [{
+                      "id": "c", "question": "q?", "choices": {"text": ["a", "b"], "label": ["A", "B"]},
+                      "answerKey": "B"}],
+                  "openai/gsm8k/main/train-00000-of-00001.parquet": [{"question": "q?",
+                                                                      "answer": "1 + 1 = <<1+1=2>>2\n#### 2"}]}
+    for name, rows in task_train.items():
+        put(name, pa.Table.from_pylist(rows))
     hub = SimpleNamespace(files=files, faults={}, log=[])
     bundle = bundle_zip()
     servers = [ThreadingHTTPServer(("127.0.0.1", 0), hub_handler(hub)) for _ in range(3)]  # hub, "CDN", bundle
@@ -541,8 +551,9 @@ def test_the_gpu_plans_data_path_against_a_stand_in_hub_then_offline(tmp_path, m
         assert f"data plan shards: {want}\n" in second.stdout and want == 9
         assert sorted(p.name for p in corpus.glob("*.parquet")) == [f"shard_{i:05d}.parquet"
                                                                     for i in [*range(want), 9]]
-        for name in ("smoltalk", "ultrachat"):
-            assert len(list((tmp_path / "cache" / "chat" / name).glob("*.parquet"))) == 2
+        for name, count in (("smoltalk", 2), ("ultrachat", 2), ("mmlu", 1), ("arc-easy", 1), ("arc-challenge", 1),
+                            ("gsm8k", 1), ("identity", 1)):
+            assert len(list((tmp_path / "cache" / "chat" / name).glob("*.parquet"))) == count, name
         for task in ("ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval"):
             assert (tmp_path / "cache" / "chat_eval" / task / "files.json").is_file()
         assert list((tmp_path / "cache" / "eval_bundle").glob("*/unzipped.json"))

@@ -34,7 +34,8 @@ def parent_losses(run_dir, n):
     model, _ = C.load_model(config["parent"]["path"], CPU)
     tokenizer = Tokenizer.load(config["tokenizer"])
     shape = (tokenizer, config["micro_batch"], args["sequence_len"])
-    loader = D.chat_loader(config["chat_dir"], "train", *shape, seed=args["seed"], threads=1) \
+    sources = [(s["path"], s["epochs"]) for s in config["sources"]] if config["stage"] == "sft" else None
+    loader = D.chat_loader(None, "train", *shape, files=D.mixture_files(sources), seed=args["seed"], threads=1) \
         if config["stage"] == "sft" else \
         D.mixture_loader(config["sources"], *shape, seed=args["seed"], supervise=config["supervise"], threads=1)
     found = []
