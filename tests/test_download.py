@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from huggingface_hub import constants as hf_constants
+from huggingface_hub.utils import http_backoff
 
 import dataset as dl
 
@@ -193,6 +194,8 @@ def hub(tmp_path_factory, monkeypatch):
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path_factory.mktemp("hf_cache")))  # not the user's
     monkeypatch.setattr(hf_constants, "DOWNLOAD_CHUNK_SIZE", CHUNK)
     monkeypatch.setattr(dl, "BACKOFF_BASE", 0.0)
+    for wait in ("base_wait_time", "max_wait_time"):  # huggingface_hub's own retries (a stopped hub: 23 s a call)
+        monkeypatch.setitem(http_backoff.__kwdefaults__, wait, 0)
     yield hub
     for s in (server, cdn):
         if s.socket.fileno() != -1:  # not stopped by the test
