@@ -2,9 +2,11 @@
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+GLOO_ABORT = "terminate called without an active exception"
 
 
 def run_script(script, args, cwd, nproc=1, threads=1, check=True):
@@ -13,8 +15,15 @@ def run_script(script, args, cwd, nproc=1, threads=1, check=True):
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                      f"--nproc_per_node={nproc}"]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([*launcher, str(ROOT / script), *args], cwd=cwd, capture_output=True, text=True, env=env,
-                            start_new_session=True, timeout=600, check=False)
+    def launch():
+        return subprocess.run([*launcher, str(ROOT / script), *args], cwd=cwd, capture_output=True, text=True,
+                              env=env, start_new_session=True, timeout=600, check=False)
+    result = launch()
+    if nproc > 1 and result.returncode != 0 and GLOO_ABORT in result.stderr:
+        # an open defect (dev/LOG.md, 2026-11-23): a gloo worker of the suite, now and then, aborts this way; never
+        # reproduced alone (21 runs). Once more, with a warning in the suite's summary, so it stays visible
+        warnings.warn(f"{script}: a rank aborted with {GLOO_ABORT!r}; launched again", stacklevel=2)
+        result = launch()
     if check and result.returncode != 0:
         raise AssertionError(f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result
