@@ -52,17 +52,19 @@ def data_of(config):
     if config is None:
         return UNKNOWN
     if config["stage"] == "pretrain":
-        paths = [Path(config["data_dir"])]
-    elif config["stage"] == "midtrain":
-        # the sources it trained on, the defaults included (config["args"]["source"] is only what was passed)
-        paths = [Path(s["path"]) for s in config.get("sources") or []]
+        paths = [(Path(config["data_dir"]), 1)]
+    elif config.get("sources"):
+        # the sources it trained on, the defaults included (config["args"]["source"] is only what was passed); SFT's
+        # with its passes per epoch
+        paths = [(Path(s["path"]), s.get("epochs", 1)) for s in config["sources"]]
     else:
-        paths = [Path(config["chat_dir"])]
+        paths = [(Path(config["chat_dir"]), 1)]
     parts = []
-    for path in paths:
+    for path, passes in paths:
         shards = len(list(path.glob("*.parquet")))
         demo = (path.parent / "chat_eval").is_dir() and (path.parent / "eval_bundle").is_dir()
-        parts.append(f"{path} ({shards} shards{', synthetic demo data' if demo else ''})")
+        parts.append(f"{path} ({shards} shards{', synthetic demo data' if demo else ''})"
+                     + (f" x{passes}" if passes > 1 else ""))
     budget = config.get("data") if config["stage"] == "pretrain" else None
     if budget:  # pretrain.py's check of the budget against the corpus
         parts.append(f"{budget['epochs']:.2f} epochs of it" + (" (this run REPEATED data)" if budget["epochs"] > 1

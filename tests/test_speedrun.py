@@ -410,6 +410,9 @@ def test_the_report_names_midtrainings_default_sources(tmp_path):
               "sources": [{"name": "text:fineweb", "kind": "text", "path": str(corpus), "share": 0.3},
                           {"name": "chat:smoltalk", "kind": "chat", "path": str(chat), "share": 0.7}]}
     assert report.data_of(config) == f"{corpus} (2 shards); {chat} (1 shards)"
+    sft = {"stage": "sft", "chat_dir": str(chat), "sources": [{"path": str(chat), "epochs": 1},
+                                                             {"path": str(corpus), "epochs": 3}]}
+    assert report.data_of(sft) == f"{chat} (1 shards); {corpus} (2 shards) x3"  # every source, not the first alone
 
 
 def test_a_half_installed_venv_is_repaired_and_a_completed_install_is_recorded(tmp_path):
