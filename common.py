@@ -1210,6 +1210,18 @@ def warm_start(parent, parent_meta, model, optimizers, args, device):
             f" lrs reset to {args.lr_scale:g} x the parent's")
 
 
+def resume_or_warm_start(resume_from, parent, parent_meta, args, run_dir, model, optimizers, loaders, layout, rank,
+                         device):
+    """A chat stage's first step: its own last checkpoint's (resume), else 0 from the parent's optimizer state with
+    this stage's lrs (warm_start, whose line is printed)."""
+    if resume_from:
+        return resume(resume_from, run_dir, model, optimizers, loaders, layout, rank, device)
+    line = warm_start(parent, parent_meta, model, optimizers, args, device)
+    if rank == 0:
+        print(line)
+    return 0
+
+
 def pretraining_run(checkpoint, meta):
     """(data_dir, sequence_len, eval_tokens) of the pretraining run a checkpoint descends from, following each
     meta.json's parent; None where a link is missing (a parent moved or deleted, or written before it was

@@ -163,12 +163,8 @@ def main(argv=None):
         print(f"budget: {total_steps:,} steps, {total_steps * tokens_per_step:,} tokens")
         print(f"code: commit {run['code']['commit']}, uncommitted changes: {run['code']['dirty']}")
         print(C.precision_line(args, device, optimizers))
-    if resume_from:
-        start = C.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank, device)
-    else:  # the parent's optimizer state, this stage's lrs
-        start, line = 0, C.warm_start(parent, parent_meta, model, optimizers, args, device)
-        if master:
-            print(line)
+    start = C.resume_or_warm_start(resume_from, parent, parent_meta, args, run_dir, model, optimizers, loaders, layout,
+                                   rank, device)
 
     train_model = C.wrap_model(model, args, world, local_rank, device)
     val_chat_dir = args.val_chat_dir or next((s["path"] for s in sources if s["kind"] == "chat"), None)

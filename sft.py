@@ -154,12 +154,8 @@ def main(argv=None):
                                                   if args.epochs else ""))
         print(f"code: commit {run['code']['commit']}, uncommitted changes: {run['code']['dirty']}")
         print(C.precision_line(args, device, optimizers))
-    if resume_from:
-        start = C.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank, device)
-    else:  # the parent's optimizer state, this stage's lrs
-        start, line = 0, C.warm_start(parent, parent_meta, model, optimizers, args, device)
-        if master:
-            print(line)
+    start = C.resume_or_warm_start(resume_from, parent, parent_meta, args, run_dir, model, optimizers, loaders, layout,
+                                   rank, device)
 
     train_model = C.wrap_model(model, args, world, local_rank, device)
     evaluator = partial(evaluate, model, tokenizer, args, rank, world, device, run_dir,
