@@ -29,7 +29,7 @@ chat    chat.py's second turn of a 2,000-token conversation (a --preset model wi
         time to the first token with the KV cache kept vs re-prefilling the history (target >= 5x); and greedy decode
         tok/s of chat.py's decode paths (lean, static, compiled) vs generate() at the preset's shape (target: lean
         >= 1.5x generate(), measured in the same run).
-fsdp    `--preset` (default of this benchmark: llama3-1b, seed 004) sharded by FSDP2 over 2 CPU processes (torchrun,
+fsdp    `--preset` (default of this benchmark: llama3-1b) sharded by FSDP2 over 2 CPU processes (torchrun,
         gloo, one thread each), micro-batch 1 x --fsdp_seq tokens of random ids, Muon, bf16 where native: seconds per
         step (steps after the first) and each rank's peak resident memory, against model.py's estimate per rank
         ((weights + gradients + optimizer state) / 2 + activations + transient).

@@ -1,5 +1,5 @@
 """Evaluate a checkpoint: the CORE score (DCLM's 22 in-context tasks, by nanochat's rules unless --protocol dclm),
-validation bits per byte, and greedy completions of a fixed set of prompts (seed 003's validation set).
+validation bits per byte, and greedy completions of a fixed set of prompts, the same at every evaluation.
 
     python core_eval.py                                          # newest checkpoint under runs/, bundle chosen below
     python core_eval.py --checkpoint runs/NAME --bundle data/demo/eval_bundle --max_per_task 100

@@ -255,7 +255,7 @@ else
     PY=$VENV/bin/python
 fi
 
-# --- GPUs: how many, and whether something else holds them (seed 000: zombie workers from an earlier run)
+# --- GPUs: how many, and whether something else holds them (zombie workers of an earlier run hold GPU memory)
 if command -v nvidia-smi > /dev/null 2>&1; then
     holders=$(nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader 2>/dev/null || true)
     if [ -n "$holders" ] && [ "$FORCE" = 0 ]; then

@@ -20,6 +20,62 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert f"\n{command}\n" in readme
 
 
+
+def readme_files_block():
+    """The lines of the README's file tree: the code block under its "## Files" heading."""
+    section = (ROOT / "README.md").read_text().split("\n## Files\n", 1)[1]
+    return section.split("```\n", 2)[1].splitlines()
+
+
+def test_the_readme_stays_a_page_of_at_most_250_lines():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines: move reference to docs/ and records to dev/LOG.md"
+
+
+def test_the_readme_file_tree_names_every_script_and_only_files_that_exist():
+    named = [line.split()[0] for line in readme_files_block() if line.strip()]
+    scripts = sorted(path.name for path in ROOT.glob("*.py"))
+    unnamed = [s for s in scripts if s not in named]
+    assert unnamed == [], f"add a line for each of {unnamed} to the README's file tree (## Files)"
+    missing = [name for name in named if not (ROOT / name).exists()]
+    assert missing == [], f"the README's file tree names {missing}, which do not exist: remove or rename them"
+
+
+def test_every_docs_page_the_readme_links_to_exists():
+    import re
+    links = re.findall(r"\]\((docs/[^)#]*)", (ROOT / "README.md").read_text())
+    pages = {link for link in links if link.endswith(".md")}
+    assert len(pages) >= 8, pages  # one page per concern: speedrun, model, data, training, distributed, eval, chat, export
+    missing = sorted(page for page in pages if not (ROOT / page).is_file())
+    assert missing == [], f"the README links to {missing}, which do not exist"
+
+
+def help_texts(path):
+    """The strings a script's --help can print: help=, description=, epilog= and usage= of any call, and the module
+    docstring where a parser takes description=__doc__."""
+    tree = ast.parse(path.read_text())
+    texts = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        for keyword in node.keywords:
+            if keyword.arg not in ("help", "description", "epilog", "usage"):
+                continue
+            if isinstance(keyword.value, ast.Name) and keyword.value.id == "__doc__":
+                texts.append(ast.get_docstring(tree) or "")
+            texts += [n.value for n in ast.walk(keyword.value) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    return texts
+
+
+def test_the_seed_documents_are_named_by_number_only_in_the_development_log():
+    where = {path.relative_to(ROOT).as_posix(): path.read_text() for path in
+             [ROOT / "README.md", ROOT / "speedrun.sh", *sorted((ROOT / "docs").glob("*.md"))]}
+    where |= {f"{path.name} --help": "\n".join(help_texts(path)) for path in sorted(ROOT.glob("*.py"))}
+    assert len(where) > 20
+    naming = [name for name, text in where.items() if "seed 00" in text.lower()]
+    assert naming == [], f"{naming} name a seed document by number: say what it showed instead (dev/LOG.md only)"
+
+
 def test_ruff_is_clean():
     ruff = Path(sys.executable).with_name("ruff")
     result = subprocess.run([str(ruff), "check", "."], cwd=ROOT, capture_output=True, text=True, check=False)
