@@ -1,4 +1,5 @@
-"""The repository's own promises: CI runs the README's test command verbatim, ruff is clean, files say how to run."""
+"""The repository's own promises: CI runs the README's test command verbatim, the README stays a short page whose file
+tree and links are true, seed documents are named by number only in dev/LOG.md, ruff is clean, files say how to run."""
 import ast
 import json
 import os
