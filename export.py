@@ -18,7 +18,7 @@ Load it with AutoModelForCausalLM.from_pretrained("hf/mychat", trust_remote_code
 way (it reads config.json too); a plain Llama export needs no trust_remote_code, and is the one vLLM and llama.cpp's
 converters take as it is.
 
-What maps how (README: Export to Hugging Face):
+What maps how (docs/export.md):
 - swiglu, no QK-norm, no softcap (the llama3-1b preset): a plain LlamaForCausalLM, no code of ours.
 - QK-norm, relu^2, the logit softcap, value embeddings (the d{N} family and tiny): transformers' Llama plus hf_remote/'s modules.
 - Weightless RMSNorms become scales of ones (exact: x * 1.0 == x). BitNet is refused, and so is any GPTConfig field

@@ -556,11 +556,11 @@ class GPT(nn.Module):
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # value embeddings (modded-nanogpt, after ResFormer's value residual): a per-token vector added to attention's
         # values, so a layer can read what a token is without the residual stream carrying it there; on alternating
-        # layers. A lookup: many parameters, next to no FLOPs (README: Model quality)
+        # layers. A lookup: many parameters, next to no FLOPs (dev/LOG.md: model quality)
         self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(config.vocab_size, config.n_kv_head * config.head_dim)
                                            for i in value_embed_layers(config)})
         # residual scalars (modded-nanogpt, nanochat): each block reads resid * x + x0 * (the token embedding), so a
-        # layer can scale the stream it reads and take the embedding back in directly (README: Model quality)
+        # layer can scale the stream it reads and take the embedding back in directly (dev/LOG.md: model quality)
         self.resid_lambdas = nn.Parameter(torch.ones(config.n_layer)) if config.resid_lambdas else None
         self.x0_lambdas = nn.Parameter(torch.zeros(config.n_layer)) if config.resid_lambdas else None
         # rotary tables are derived, not learned: never saved, recomputed by init_weights() on the real device
@@ -784,7 +784,7 @@ def lean_decode_step(model, weights, token, pos, kv_cache):
     weights (a (1, n) @ (n, m) matmul is ~2x faster than F.linear's x @ W^T on CPU), q and k normalized and rotated
     together, residual adds fused into addmm, attention over the filled positions only (eager mode may change
     shapes; a masked 2,048-long cache costs ~0.45 ms a layer on CPU). kv_cache.pos must equal pos. Greedy tokens
-    equal GPT.decode_step's and generate()'s (tested); faster than generate() at the tiny preset (README: chat)."""
+    equal GPT.decode_step's and generate()'s (tested); faster than generate() at the tiny preset (docs/chat.md)."""
     c, eps = model.config, model.config.norm_eps
     H, K, D = c.n_head, c.n_kv_head, c.head_dim
 

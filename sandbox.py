@@ -262,8 +262,8 @@ def choose(requested="auto"):
     level, why = sandbox_level()
     if level != "namespaces":
         raise RuntimeError(f"--sandbox {requested}: this machine gives no namespaces to contain model-written code "
-                           f"({why}); at the process level it could {uncontained()}. Allow namespaces (README: the "
-                           f"sandbox), accept that with --sandbox process, or leave HumanEval out (--tasks)")
+                           f"({why}); at the process level it could {uncontained()}. Allow namespaces (docs/eval.md, "
+                           f"the sandbox), accept that with --sandbox process, or leave HumanEval out (--tasks)")
     return level, why
 
 

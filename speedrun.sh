@@ -7,7 +7,7 @@
 #
 # Each stage is one of this repository's scripts, run under torchrun with one process per GPU (one on the CPU), in
 # its own process group, its output going to the terminal and to runs/<run>/logs/<stage>.log. A rerun skips the
-# stages that finished and resumes an interrupted training stage from its last checkpoint. README: The speedrun.
+# stages that finished and resumes an interrupted training stage from its last checkpoint. docs/speedrun.md.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")" && pwd)  # the scripts; relative paths (--runs_dir, --data_dir) are the caller's
 
@@ -464,7 +464,7 @@ fi
 
 # --- the stages
 if [ "$PLAN" = demo ]; then
-    # measured on a 2-core Xeon with AMX (README: The speedrun): about 10 minutes for the whole pipeline
+    # measured on a 2-core Xeon with AMX (dev/LOG.md): about 10 minutes for the whole pipeline
     PRETRAIN=(--preset tiny --steps 400 --micro_batch 16 --compile true --eval_every 200 --ckpt_every 100)
     # conversations, and the shapes ChatCORE asks for: letters (choice), bare answers (answers), the calculator (calc)
     MIDTRAIN=(--source "text:$CORPUS:0.3" --source "chat:$DATA_DIR/conversations:0.4" --source "chat:$DATA_DIR/choice:0.1"
