@@ -331,7 +331,7 @@ def bench_pretrain(args, device):
             cmd = [sys.executable, str(Path(__file__).parent / "pretrain.py"), "--preset", args.preset,
                    "--data_dir", str(tmp / "demo" / "pretrain"), "--tokenizer", str(tmp / "tokenizer"),
                    "--runs_dir", str(tmp / "runs"), "--run_name", label.replace(" ", ""), "--steps", "30",
-                   "--micro_batch", "16", "--eval_every", "0", "--eval_tokens", "4096", "--dtype", dtype,
+                   "--micro_batch", "16", "--eval_every", "0", "--bpb_tokens", "4096", "--dtype", dtype,
                    "--compile", compiled, "--ckpt_every", "1000"]
             subprocess.run(cmd, check=True, capture_output=True)
             records = [json.loads(line) for line in
@@ -356,7 +356,7 @@ def bench_sft(args, device):
         subprocess.run([sys.executable, str(script / "pretrain.py"), "--preset", args.preset, "--data_dir",
                         str(tmp / "demo" / "pretrain"), "--tokenizer", str(tmp / "tokenizer"), "--runs_dir",
                         str(tmp / "runs"), "--run_name", "base", "--steps", "1", "--micro_batch", "16",
-                        "--eval_tokens", "4096"], check=True, capture_output=True)
+                        "--bpb_tokens", "4096"], check=True, capture_output=True)
         subprocess.run([sys.executable, str(script / "sft.py"), "--runs_dir", str(tmp / "runs"), "--run_name", "sft",
                         "--chat_dir", str(tmp / "demo" / "conversations"), "--steps", "30", "--eval_every", "0",
                         "--eval_rows", "16"], check=True, capture_output=True)
@@ -491,7 +491,7 @@ def bench_cpu(args, device):
                     subprocess.run([sys.executable, str(Path(__file__).parent / "pretrain.py"), "--preset", "tiny",
                                     "--data_dir", str(corpus), "--tokenizer", str(tmp / "tokenizer"), "--runs_dir",
                                     str(tmp / "runs"), "--run_name", name, "--steps", "40", "--micro_batch", "8",
-                                    "--eval_every", "0", "--eval_tokens", "4096", "--ckpt_every", "1000",
+                                    "--eval_every", "0", "--bpb_tokens", "4096", "--ckpt_every", "1000",
                                     "--optimizer", optimizer, "--dtype", dtype, "--compile", compiled],
                                    check=True, capture_output=True)
                     records = [json.loads(line) for line in
@@ -521,7 +521,7 @@ def quality_run(corpus, tokenizer, runs, name, seed, flags, threads):
     command = [sys.executable, str(Path(__file__).parent / "pretrain.py"), "--preset", "tiny", "--vocab_size", "8192",
                "--data_dir", str(corpus), "--tokenizer", str(tokenizer), "--runs_dir", str(runs), "--run_name",
                f"{name}_s{seed}", "--seed", str(seed), "--steps", "300", "--micro_batch", "8", "--total_batch_tokens",
-               "2048", "--eval_every", "0", "--eval_tokens", "524288", "--ckpt_every", "1000", "--compile", "true",
+               "2048", "--eval_every", "0", "--bpb_tokens", "524288", "--ckpt_every", "1000", "--compile", "true",
                *flags]
     subprocess.run(command, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     return json.loads((Path(runs) / f"{name}_s{seed}" / "done.json").read_text())["val_bpb"]
@@ -894,7 +894,7 @@ class GpuBattery:
                    (f"--{k}", v) for k, v in overrides.items() if k != "vocab_size"),
                    "--data_dir", self.corpus, "--tokenizer", self.tok_ours, "--runs_dir", run_dir.parent,
                    "--run_name", run_dir.name, "--steps", steps, "--total_batch_tokens", batch, "--micro_batch", micro,
-                   "--eval_every", 0, "--eval_tokens", EVAL_TOKENS if not self.dry else 4096, "--ckpt_every", 10 ** 6,
+                   "--eval_every", 0, "--bpb_tokens", EVAL_TOKENS if not self.dry else 4096, "--ckpt_every", 10 ** 6,
                    "--dtype", self.dtype, "--compile", "false" if self.dry else "true", "--log_every", 1]
         row = {"row": name, "side": "ours", "model": preset, "n_layer": config.n_layer, "n_embd": config.n_embd,
                "vocab": config.vocab_size, "seq_len": seq, "micro_batch": micro, "micro_batch_from": how,
@@ -1007,9 +1007,9 @@ class GpuBattery:
         env = {**os.environ, "SPEEDRUN_PYTHON": sys.executable}
         if self.dry:
             command += ["--tokenizer", self.tok_ours, "--data_dir", self.work / "demo"]
-            env.update(PRETRAIN_ARGS="--steps 3 --eval_tokens 4096 --n_layer 1 --n_embd 64 --n_head 1 --n_kv_head 1",
+            env.update(PRETRAIN_ARGS="--steps 3 --bpb_tokens 4096 --n_layer 1 --n_embd 64 --n_head 1 --n_kv_head 1",
                        MIDTRAIN_ARGS="--steps 2 --eval_rows 4", SFT_ARGS="--steps 2 --eval_rows 4",
-                       CORE_ARGS="--bpb_tokens 4096 --max_new_tokens 4 --max_per_task 4",
+                       CORE_ARGS="--bpb_tokens 4096 --max_new_tokens 4 --max_items 4",
                        CHAT_EVAL_ARGS="--max_items 2 --max_new_tokens 4")
         status, wall, _ = run_logged(command, self.work / "demo.log", cwd=self.work, env=env)
         row = {"row": "demo", "side": "ours", "command": " ".join(map(str, command)).replace(str(self.work), "$WORK"),

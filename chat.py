@@ -41,7 +41,7 @@ def get_args(argv=None):
                    "%(default)s)")
     p.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest tokens, 0 = all (default: "
                    "%(default)s)")
-    p.add_argument("--max_tokens", type=int, default=256, help="most tokens per reply (default: %(default)s)")
+    p.add_argument("--max_new_tokens", type=int, default=256, help="most tokens per reply (default: %(default)s)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a random one, printed so it can "
                    "be passed back)")
     p.add_argument("-p", "--prompt", default=None, help="answer this one prompt and exit; - reads it from stdin "
@@ -54,9 +54,9 @@ def get_args(argv=None):
                    help="decode step: lean (fp32 CPU eager, fewer ops), static (GPT.decode_step: fixed shapes), "
                    "compiled (static under torch.compile), generate (the forward generate() uses); auto = compiled "
                    "on CUDA, lean on CPU in fp32, measured fastest there (default: %(default)s)")
-    args = p.parse_args(argv)
-    if args.max_tokens < 1 or args.top_k < 0 or args.temperature < 0:
-        p.error("--max_tokens must be >= 1, --top_k >= 0 and --temperature >= 0")
+    args = p.parse_args(C.renamed_flags(argv, {"--max_tokens": "--max_new_tokens"}))
+    if args.max_new_tokens < 1 or args.top_k < 0 or args.temperature < 0:
+        p.error("--max_new_tokens must be >= 1, --top_k >= 0 and --temperature >= 0")
     return args
 
 
@@ -195,7 +195,7 @@ class Conversation:
         logits = self.forward(new)
         prefill_s = time.perf_counter() - t0
         self.starts.append(start + (1 if self.chat and new[0] == self.end else 0))
-        feed, count, why = utf8_stream(self.tok), 0, "max_tokens"
+        feed, count, why = utf8_stream(self.tok), 0, "max_new_tokens"
         tools = ToolUse(self.tok) if self.chat else None  # the calculator: its call is shown, its result fed in
         calls = {tools.start, tools.end} if tools else set()
         t1 = time.perf_counter()
@@ -287,14 +287,14 @@ def main(argv=None):
         raise ValueError("--decode lean runs fp32 without BitNet only: use --decode static (any dtype, BitNet too)")
     seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
     generator = torch.Generator(device=device).manual_seed(seed)
-    conv = Conversation(model, tokenizer, chat, decode, dtype, args.max_tokens)
+    conv = Conversation(model, tokenizer, chat, decode, dtype, args.max_new_tokens)
     print(f"checkpoint: {ckpt} ({how}): stage {stage}, step {meta.get('step', 'unknown')}, "
           f"{num_params(model.config):,} parameters, context {conv.capacity:,} tokens; tokenizer {tokenizer_path}",
           file=out)
     print(f"device: {C.device_name(device)}; dtype {dtype}; decode {decode}", file=out)
     print("mode: chat (the chat template; special tokens only by id)" if chat else "mode: completion (a pretraining "
           "checkpoint: no chat template, each input is continued as plain text)", file=out)
-    print(f"sampling: temperature {args.temperature}, top_k {args.top_k}, max_tokens {args.max_tokens}, seed {seed} "
+    print(f"sampling: temperature {args.temperature}, top_k {args.top_k}, max_new_tokens {args.max_new_tokens}, seed {seed} "
           f"(--seed {seed} to reproduce)", file=out)
 
     def write(text):
@@ -302,7 +302,7 @@ def main(argv=None):
 
     def turn(text):
         with sigint_flag() as hits:
-            s = conv.respond(text, write, args.temperature, args.top_k, args.max_tokens, generator,
+            s = conv.respond(text, write, args.temperature, args.top_k, args.max_new_tokens, generator,
                              lambda: bool(hits), lambda line: print(line, file=out, flush=True))
         if s["why"] not in ("interrupted", "context full"):
             print(file=sys.stdout)

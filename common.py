@@ -202,6 +202,19 @@ def run_main(main):
     return 128 + signum if signum else 0
 
 
+def renamed_flags(argv, renames):
+    """argv with each old flag name in `renames` ({old: new}) replaced by its new name, and a deprecation line on
+    stderr for each: old names stay accepted for one release (hidden from --help), so scripts and habits keep
+    working while they move to the one vocabulary every script shares."""
+    argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
+    for i, arg in enumerate(argv):
+        name, equals, value = arg.partition("=")
+        if name in renames:
+            print(f"warning: {name} is now {renames[name]}; the old name goes in the next release", file=sys.stderr)
+            argv[i] = renames[name] + equals + value
+    return argv
+
+
 def mark_progress(step):
     """Record in torchrun's store (one small message) that this rank, this process, entered `step`: what
     stopped_ranks reads when a collective fails."""
@@ -855,7 +868,7 @@ def load_state(path, model, optimizers, device):
     optimizer_state = torch.load(path / "optimizers.pt", map_location=device, weights_only=True)
     if "state" not in optimizer_state:  # a list, one state dict per optimizer
         raise ValueError(f"{path}/optimizers.pt is in the format of an older version of this code (by position): "
-                         f"it cannot be resumed; start the run again, or use its model.pt with --init")
+                         f"it cannot be resumed; start the run again, or use its model.pt with --checkpoint")
     if is_sharded(model):
         return set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optimizer_state,
                               options=StateDictOptions(full_state_dict=True))
@@ -1106,10 +1119,10 @@ def hparams(args, seq_len, micro, tokens_per_step):
 
 
 def add_init_args(parser, parents):
-    """--init and the inherited flags of a stage that starts from a checkpoint of one of `parents` (newest first in
+    """--checkpoint and the inherited flags of a stage that starts from a checkpoint of one of `parents` (newest first in
     that order of preference): their defaults become None, meaning "the parent's value"."""
     g = parser.add_argument_group("start: the parent checkpoint and what is inherited from it")
-    g.add_argument("--init", default=None, help=f"checkpoint to start from: a step_* directory or a run directory "
+    g.add_argument("--checkpoint", default=None, help=f"checkpoint to start from: a step_* directory or a run directory "
                    f"(default: the newest {' checkpoint, else the newest '.join(parents)} checkpoint under --runs_dir)")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the parent's)")
     g.add_argument("--sequence_len", type=int, default=None, help="row length, at most the parent's (default: the "
@@ -1129,16 +1142,16 @@ def add_init_args(parser, parents):
 
 
 def find_parent(init, runs_dir, parents):
-    """The checkpoint a stage starts from: --init (a checkpoint or a run directory), else the newest checkpoint of
+    """The checkpoint a stage starts from: --checkpoint (a checkpoint or a run directory), else the newest checkpoint of
     the first of `parents` that has one."""
     if init is not None:
-        return find_checkpoint(init, runs_dir, flag="--init")
+        return find_checkpoint(init, runs_dir, flag="--checkpoint")
     for stage in parents:
         found = newest_checkpoint(runs_dir, stage=stage)
         if found is not None:
             return found
     raise FileNotFoundError(f"no {' or '.join(parents)} checkpoint under {runs_dir}/*/ckpt/: run `python "
-                            f"{parents[-1]}.py` first, or pass --init runs/<run>")
+                            f"{parents[-1]}.py` first, or pass --checkpoint runs/<run>")
 
 
 def inherit(args, meta, parent):
@@ -1232,7 +1245,8 @@ def pretraining_run(checkpoint, meta):
             return None
         checkpoint, meta = path, json.loads((Path(path) / "meta.json").read_text())
     config = Path(checkpoint).parent.parent / "config.json"
-    eval_tokens = json.loads(config.read_text()).get("args", {}).get("eval_tokens") if config.is_file() else None
+    recorded = json.loads(config.read_text()).get("args", {}) if config.is_file() else {}
+    eval_tokens = recorded.get("bpb_tokens", recorded.get("eval_tokens"))  # a run made before the rename: the old name
     seq_len = (meta.get("hparams") or {}).get("sequence_len")
     if not meta.get("data_dir") or not seq_len:
         return None
@@ -1244,7 +1258,7 @@ def add_forgetting_args(parser):
     g.add_argument("--bpb_tokens", type=int, default=None, help="at the end, the pretraining val bpb of this stage's "
                    "model on the first N tokens of the pretraining corpus's val split, in the rows the pretraining "
                    "run's final evaluation used, so the figures of the stages compare; 0 = skip (default: the "
-                   "pretraining run's --eval_tokens)")
+                   "pretraining run's --bpb_tokens)")
 
 
 def forgetting(model, tokenizer, parent, parent_meta, args, rank, world, device):
@@ -1260,7 +1274,7 @@ def forgetting(model, tokenizer, parent, parent_meta, args, rank, world, device)
     data_dir, seq_len, eval_tokens = found
     tokens = args.bpb_tokens or eval_tokens
     if not tokens:
-        return {"val_bpb": None, "note": "unknown: the pretraining run records no --eval_tokens; pass --bpb_tokens"}
+        return {"val_bpb": None, "note": "unknown: the pretraining run records no --bpb_tokens; pass --bpb_tokens"}
     if not Path(data_dir).is_dir():
         return {"val_bpb": None, "note": f"unknown: the pretraining corpus {data_dir} is not here"}
     rows = val_rows(data_dir, tokenizer, tokens, seq_len)

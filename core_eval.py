@@ -2,7 +2,7 @@
 validation bits per byte, and greedy completions of a fixed set of prompts, the same at every evaluation.
 
     python core_eval.py                                          # newest checkpoint under runs/, bundle chosen below
-    python core_eval.py --checkpoint runs/NAME --bundle data/demo/eval_bundle --max_per_task 100
+    python core_eval.py --checkpoint runs/NAME --bundle data/demo/eval_bundle --max_items 100
     torchrun --standalone --nproc_per_node=8 core_eval.py --checkpoint runs/NAME
 
 --bundle is a directory (holding core.yaml, eval_meta_data.csv, eval_data/) or a URL of eval_bundle.zip, which is
@@ -68,7 +68,7 @@ def get_args(argv=None):
     p.add_argument("--protocol", default="nanochat", choices=PROTOCOLS, help="nanochat: whole prompts tokenized at "
                    "once, scored where the options' tokens differ (nanochat's CORE); dclm: every token of each "
                    "continuation, tokenized apart from its context (default: %(default)s)")
-    p.add_argument("--max_per_task", type=int, default=-1, help="items per task, nanochat's fixed random subset, "
+    p.add_argument("--max_items", type=int, default=-1, help="items per task, nanochat's fixed random subset, "
                    "which the few-shot examples are drawn from too; -1 = all (default: %(default)s)")
     p.add_argument("--batch_items", type=int, default=16 if cuda else 1, help="items per forward pass, each with "
                    "all its choices; on a CPU a larger batch only adds padding (default: %(default)s)")
@@ -85,9 +85,9 @@ def get_args(argv=None):
     p.add_argument("--download_only", action="store_true", help="fetch and check the bundle (--bundle; auto: the "
                    "hub bundle) into the cache and exit, no checkpoint needed: speedrun.sh does it at the start "
                    "(default: off)")
-    args = p.parse_args(argv)
-    if args.batch_items < 1 or args.max_per_task == 0 or args.max_per_task < -1:
-        p.error("--batch_items must be >= 1 and --max_per_task -1 (all) or >= 1")
+    args = p.parse_args(C.renamed_flags(argv, {"--max_per_task": "--max_items"}))
+    if args.batch_items < 1 or args.max_items == 0 or args.max_items < -1:
+        p.error("--batch_items must be >= 1 and --max_items -1 (all) or >= 1")
     return args
 
 
@@ -264,7 +264,7 @@ def task_order(n_items, max_per_task):
 
 def fewshot_positions(n, position, k):
     """nanochat's draw: k positions of an n-long (shuffled, cut) list, never `position`, by random.Random(1234 +
-    position). A list too short for k, from a small --max_per_task, gives every other position (nanochat's
+    position). A list too short for k, from a small --max_items, gives every other position (nanochat's
     random.sample raises there, its issue #550)."""
     others = [p for p in range(n) if p != position]
     return random.Random(FEWSHOT_SEED + position).sample(others, min(k, len(others)))
@@ -416,7 +416,7 @@ def centered(accuracy, baseline):
 
 def summarize(tasks, results):
     """A row per task, and CORE: the mean centered accuracy. fewshot is the count used (fewer than core.yaml's only
-    when --max_per_task leaves too few items to draw from); cropped counts the items cut to fit the window."""
+    when --max_items leaves too few items to draw from); cropped counts the items cut to fit the window."""
     rows = []
     for task, items in zip(tasks, results):
         correct = sum(c for _, _, c, _ in items)
@@ -533,7 +533,7 @@ def main(argv=None):
         print(f"checkpoint: {ckpt} ({meta.get('stage')}, step {meta.get('step')}); tokenizer {tokenizer_path}; "
               f"{len(tasks)} tasks, {sum(len(t.items) for t in tasks):,} items in {bundle}")
     start = time.perf_counter()
-    results = evaluate_tasks(model, tokenizer, tasks, args.max_per_task, args.batch_items, args.dtype, rank, world,
+    results = evaluate_tasks(model, tokenizer, tasks, args.max_items, args.batch_items, args.dtype, rank, world,
                              device, args.protocol)
     seconds = time.perf_counter() - start
     rows, core = summarize(tasks, results)
@@ -541,7 +541,7 @@ def main(argv=None):
     bpb = bits_per_byte(args, meta, model, tokenizer, rank, world, device)
     if rank == 0:
         report = {"checkpoint": str(ckpt), "step": meta.get("step"), "stage": meta.get("stage"), "bundle": provenance,
-                  "protocol": args.protocol, "core": core, "max_per_task": args.max_per_task, "tasks": rows,
+                  "protocol": args.protocol, "core": core, "max_items": args.max_items, "tasks": rows,
                   "complete": n_items == sum(r["items_in_task"] for r in rows) and not args.tasks,
                   "sequence_len": model.config.sequence_len, **bpb, "world_size": world,
                   "samples": completions(model, tokenizer, args.max_new_tokens, args.dtype),

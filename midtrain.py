@@ -3,7 +3,7 @@ conversations in the chat template, packed BOS-aligned as text is (no padding), 
 when to stop, and keeps its knowledge.
 
     python midtrain.py --steps 2000        # newest pretrain checkpoint; 30% its corpus, 70% conversations and tasks
-    python midtrain.py --init runs/base --source text:data/demo/pretrain:0.3 --source chat:data/demo/conversations:0.7
+    python midtrain.py --checkpoint runs/base --source text:data/demo/pretrain:0.3 --source chat:data/demo/conversations:0.7
     torchrun --standalone --nproc_per_node=8 midtrain.py --tokens 500000000
     python midtrain.py --run_name NAME --resume                          # continue from the last checkpoint
     python midtrain.py --status runs/NAME
@@ -66,14 +66,14 @@ def get_args(argv=None):
                    "only at the end (default: %(default)s)")
     g.add_argument("--eval_rows", type=int, default=256, help="validation rows of held-out conversations (default: "
                    "%(default)s)")
-    g.add_argument("--question", action="append", default=None, help=f"question answered greedily at every eval, "
+    g.add_argument("--sample_prompt", action="append", default=None, help=f"question answered greedily at every eval, "
                    f"repeatable (default: {C.CHAT_QUESTIONS})")
     C.add_run_args(p, "midtrain")
     C.add_schedule_args(p)
     C.add_warm_start_args(p, lr_scale=MID_LR_SCALE, schedule="wsd", warmdown_frac=MID_WARMDOWN, why=MID_WHY)
     C.add_forgetting_args(p)
     C.add_init_args(p, ["pretrain"])
-    args = parse_args(p, argv)
+    args = parse_args(p, C.renamed_flags(argv, {"--init": "--checkpoint", "--question": "--sample_prompt"}))
     if args.status is None and (args.steps is None) == (args.tokens is None):
         p.error("give exactly one budget: --steps or --tokens")
     return p, args
@@ -109,7 +109,7 @@ def realized_mixture(loaders, sources):
 
 
 def evaluate(model, tokenizer, args, rank, world, device, run_dir, batches, loaders, sources, step):
-    loss = C.chat_validation(model, tokenizer, args.question or C.CHAT_QUESTIONS, args.dtype, rank, world, device,
+    loss = C.chat_validation(model, tokenizer, args.sample_prompt or C.CHAT_QUESTIONS, args.dtype, rank, world, device,
                              run_dir, batches, step)
     mixture = realized_mixture(loaders, sources)
     if rank == 0:
@@ -125,7 +125,7 @@ def main(argv=None):
         return C.print_status(Path(args.status))
     rank, local_rank, world, device = C.setup_distributed(args.dist_timeout)
     master = rank == 0
-    parent = C.find_parent(args.init, args.runs_dir, ["pretrain"])
+    parent = C.find_parent(args.checkpoint, args.runs_dir, ["pretrain"])
     model, parent_meta = C.load_model(parent, device)
     model.train()
     inherited = C.inherit(args, parent_meta, parent)

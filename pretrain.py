@@ -70,12 +70,12 @@ def get_args(argv=None):
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval_every", type=int, default=250, help="validation bpb + samples every N steps; 0 = only at "
                    "the end (default: %(default)s)")
-    g.add_argument("--eval_tokens", type=int, default=2 ** 20, help="validation tokens per evaluation: the split's "
+    g.add_argument("--bpb_tokens", type=int, default=2 ** 20, help="validation tokens per evaluation: the split's "
                    "first N, in BOS-led rows (default: %(default)s)")
-    g.add_argument("--prompt", action="append", default=None, help=f"sample prompt, repeatable (default: {PROMPTS})")
+    g.add_argument("--sample_prompt", action="append", default=None, help=f"sample prompt, repeatable (default: {PROMPTS})")
     C.add_run_args(p, "pretrain")
     C.add_schedule_args(p)
-    args = parse_args(p, argv)
+    args = parse_args(p, C.renamed_flags(argv, {"--eval_tokens": "--bpb_tokens", "--prompt": "--sample_prompt"}))
     if args.status is None and sum(x is not None for x in (args.steps, args.target_flops, args.tokens_per_param)) != 1:
         p.error("give exactly one budget: --steps, --target_flops or --tokens_per_param")
     if args.matrix_lr is None:
@@ -147,13 +147,13 @@ def plan_steps(args, config, tokens_per_step):
 
 @torch.no_grad()
 def evaluate(model, tokenizer, args, rank, world, device, run_dir, val_rows, step):
-    """Validation bits per byte (common.val_bpb: the first --eval_tokens of the split in BOS-led rows, the same figure
+    """Validation bits per byte (common.val_bpb: the first --bpb_tokens of the split in BOS-led rows, the same figure
     core_eval.py reports) and greedy samples; prints them and returns the metrics fields."""
     bpb, _ = C.val_bpb(model, val_rows, tokenizer.token_bytes, 8, args.dtype, rank, world, device)
     if rank == 0 or C.is_sharded(model):  # a sharded model's forward needs every rank
         model.eval()
         samples = []
-        for prompt in args.prompt or PROMPTS:
+        for prompt in args.sample_prompt or PROMPTS:
             ids = [tokenizer.bos_id, *tokenizer.encode(prompt)]
             out = list(generate(model, ids, min(32, model.config.sequence_len - len(ids)), temperature=0,
                                 dtype=args.dtype))
@@ -220,7 +220,7 @@ def main(argv=None):
     start = C.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank, device) if resume_from else 0
 
     train_model = C.wrap_model(model, args, world, local_rank, device)
-    val_rows = C.val_rows(args.data_dir, tokenizer, args.eval_tokens, seq_len)
+    val_rows = C.val_rows(args.data_dir, tokenizer, args.bpb_tokens, seq_len)
     evaluator = partial(evaluate, model, tokenizer, args, rank, world, device, run_dir, val_rows)
     ckpt_meta = {**run, "argv": sys.argv, "hparams": C.hparams(args, seq_len, micro, tokens_per_step)}
     signum = C.train(args, model, train_model, optimizers, loaders, run_dir=run_dir, start=start,

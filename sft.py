@@ -3,7 +3,7 @@ assistant content, its tool calls and <|assistant_end|> only (not on the user's 
 
     python sft.py                       # SmolTalk + MMLU auxiliary_train x3 + GSM8K x4 + ARC + identity, one pass
     python sft.py --source smoltalk:1 --source gsm8k:2 --source data/my_chats:3       # DIR (or a dataset name):EPOCHS
-    python sft.py --init runs/mid_demo --chat_dir DIR --epochs 3        # LIMA-style: a few epochs over a small set
+    python sft.py --checkpoint runs/mid_demo --chat_dir DIR --epochs 3        # LIMA-style: a few epochs over a small set
     torchrun --standalone --nproc_per_node=8 sft.py --chat_dir DIR --steps 1000
     python sft.py --run_name NAME --resume                              # continue from the last checkpoint
     python sft.py --status runs/NAME
@@ -62,14 +62,14 @@ def get_args(argv=None):
                    "only at the end (default: %(default)s)")
     g.add_argument("--eval_rows", type=int, default=256, help="validation rows (held-out conversations, packed as in "
                    "training) (default: %(default)s)")
-    g.add_argument("--question", action="append", default=None, help=f"question answered greedily at every eval, "
+    g.add_argument("--sample_prompt", action="append", default=None, help=f"question answered greedily at every eval, "
                    f"repeatable (default: {C.CHAT_QUESTIONS})")
     C.add_run_args(p, "sft")
     C.add_schedule_args(p)
     C.add_warm_start_args(p, lr_scale=SFT_LR_SCALE, schedule="wsd", warmdown_frac=SFT_WARMDOWN, why=SFT_WHY)
     C.add_forgetting_args(p)
     C.add_init_args(p, ["midtrain", "pretrain"])
-    args = parse_args(p, argv)
+    args = parse_args(p, C.renamed_flags(argv, {"--init": "--checkpoint", "--question": "--sample_prompt"}))
     if args.epochs is None and args.steps is None:
         args.epochs = 1.0
     if args.chat_dir and args.source:
@@ -104,7 +104,7 @@ def packing(loaders):
 
 
 def evaluate(model, tokenizer, args, rank, world, device, run_dir, batches, step):
-    loss = C.chat_validation(model, tokenizer, args.question or C.CHAT_QUESTIONS, args.dtype, rank, world, device,
+    loss = C.chat_validation(model, tokenizer, args.sample_prompt or C.CHAT_QUESTIONS, args.dtype, rank, world, device,
                              run_dir, batches, step)
     return {"val_loss": loss}
 
@@ -115,7 +115,7 @@ def main(argv=None):
         return C.print_status(Path(args.status))
     rank, local_rank, world, device = C.setup_distributed(args.dist_timeout)
     master = rank == 0
-    parent = C.find_parent(args.init, args.runs_dir, ["midtrain", "pretrain"])
+    parent = C.find_parent(args.checkpoint, args.runs_dir, ["midtrain", "pretrain"])
     model, parent_meta = C.load_model(parent, device)
     model.train()
     inherited = C.inherit(args, parent_meta, parent)

@@ -21,7 +21,7 @@ C.keep_freed_memory()  # as the stages do on CPU: tests that train in this proce
 MIDTRAIN_STEPS, SFT_STEPS = "150", "150"  # the chat chain on top of LEARN_ARGS (README: chat training)
 LEARN_ARGS = ["--run_name", "learn", "--steps", "150", "--sequence_len", "128", "--n_layer", "1", "--n_embd", "256",
               "--n_head", "2", "--n_kv_head", "2", "--micro_batch", "32", "--matrix_lr", "0.04", "--eval_every", "0",
-              "--eval_tokens", "20000", "--ckpt_every", "1000"]
+              "--bpb_tokens", "20000", "--ckpt_every", "1000"]
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ STATS = re.compile(rb"\[(\d+) tokens, prefill (\d+) tok in [\d.]+ s \([\d,]+ tok
 
 
 def endless_checkpoint(directory, tokenizer, tokenizer_dir, stage="sft"):
-    """A 2-layer random model that never samples a special token, so a reply runs to --max_tokens: every embedding
+    """A 2-layer random model that never samples a special token, so a reply runs to --max_new_tokens: every embedding
     shares one strong direction u, attention and MLP write nothing, and the special tokens' head rows point to -u."""
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=tokenizer.vocab_size, sequence_len=2048, n_layer=2, n_embd=256, n_head=4,
@@ -68,7 +68,7 @@ def read_until(fd, pattern, seconds, seen):
 def test_an_interactive_session_in_a_terminal(demo_world, tmp_path):
     tokenizer = Tokenizer.load(demo_world / "tokenizer")
     ckpt = endless_checkpoint(tmp_path / "runs" / "endless" / "ckpt", tokenizer, demo_world / "tokenizer")
-    args = ["--checkpoint", str(ckpt), "--max_tokens", "300", "--seed", "1", "--temperature", "1"]
+    args = ["--checkpoint", str(ckpt), "--max_new_tokens", "300", "--seed", "1", "--temperature", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "LC_ALL": "C.UTF-8", "TERM": "dumb"}
     pid, fd = pty.fork()
     if pid == 0:  # the child: chat.py with the pty as its controlling terminal
@@ -160,7 +160,7 @@ def test_prompt_from_stdin_answers_a_held_out_demo_question(chat_chain, demo_wor
             break
     else:
         pytest.fail("the SFT model answers no held-out question")
-    result = run_chat(["--runs_dir", demo_world / "chat_runs", "-p", "-", "--temperature", "0", "--max_tokens", "24"],
+    result = run_chat(["--runs_dir", demo_world / "chat_runs", "-p", "-", "--temperature", "0", "--max_new_tokens", "24"],
                       question.encode(), demo_world)
     err = result.stderr.decode()
     assert result.returncode == 0, err
@@ -171,7 +171,7 @@ def test_prompt_from_stdin_answers_a_held_out_demo_question(chat_chain, demo_wor
 
 def test_a_pretraining_checkpoint_completes_text_and_a_100k_message_is_cut(learned, demo_world):
     message = ("The capital of " + "x" * 100_000 + "\x00\x01 caf\xe9").encode("latin-1")  # binary bytes included
-    result = run_chat(["--checkpoint", learned[0], "-p", "-", "--max_tokens", "8"], message, demo_world)
+    result = run_chat(["--checkpoint", learned[0], "-p", "-", "--max_new_tokens", "8"], message, demo_world)
     err = result.stderr.decode()
     assert result.returncode == 0, err
     assert "stage pretrain" in err and "mode: completion" in err and "[message too long:" in err, err

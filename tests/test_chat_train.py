@@ -78,7 +78,7 @@ def test_a_parent_trained_with_another_tokenizer_is_refused_before_training(stag
                                                                              capsys):
     other = tmp_path / "other_tokenizer"  # the same size, trained on other text: other merges
     train_tokenizer(D.iter_texts(demo_world / "demo" / "pretrain", "val"), 1024).save(other)
-    args = ["--init", chat_chain["pretrain"], "--tokenizer", other, "--runs_dir", tmp_path / "runs", "--steps", "1"]
+    args = ["--checkpoint", chat_chain["pretrain"], "--tokenizer", other, "--runs_dir", tmp_path / "runs", "--steps", "1"]
     args += ["--source", f"chat:{demo_world / 'demo' / 'conversations'}:1"] if stage is midtrain else \
         ["--chat_dir", demo_world / "demo" / "conversations"]
     code, _, err = run_in_process(stage.main, args, capsys, stage=stage.__name__ + ".py")

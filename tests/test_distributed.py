@@ -13,7 +13,7 @@ from test_speedrun import processes_mentioning
 from test_train import assert_same, step
 
 SMALL = ["--sequence_len", "64", "--n_layer", "2", "--n_embd", "64", "--n_head", "2", "--n_kv_head", "2",
-         "--micro_batch", "4", "--eval_every", "0", "--eval_tokens", "4096", "--log_every", "1000", "--dtype", "float32"]
+         "--micro_batch", "4", "--eval_every", "0", "--bpb_tokens", "4096", "--log_every", "1000", "--dtype", "float32"]
 
 
 def pretrain_args(world, args):

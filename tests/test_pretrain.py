@@ -24,7 +24,7 @@ import pretrain
 from model import autocast_context, build_model, config_from_preset
 
 SMALL = ["--sequence_len", "64", "--n_layer", "2", "--n_embd", "64", "--n_head", "2", "--n_kv_head", "2",
-         "--micro_batch", "4", "--eval_every", "0", "--eval_tokens", "4096", "--log_every", "1000"]
+         "--micro_batch", "4", "--eval_every", "0", "--bpb_tokens", "4096", "--log_every", "1000"]
 
 
 @pytest.fixture(scope="module")
@@ -406,7 +406,7 @@ def test_a_budget_larger_than_the_corpus_says_so_in_the_plan_every_log_line_and_
     steps = math.ceil(1.4 * corpus_tokens / 256)  # micro_batch 4 x sequence_len 64
     common = ["--data_dir", str(corpus), "--tokenizer", str(world / "tokenizer"), "--runs_dir", str(tmp_path / "runs"),
               "--sequence_len", "64", "--n_layer", "1", "--n_embd", "64", "--n_head", "2", "--n_kv_head", "2",
-              "--eval_every", "0", "--eval_tokens", "512", "--compile", "false", "--steps", str(steps)]
+              "--eval_every", "0", "--bpb_tokens", "512", "--compile", "false", "--steps", str(steps)]
     plan = run_script("pretrain.py", [*common, "--total_batch_tokens", "256", "--data_plan"], tmp_path)
     assert f"data plan shards: {math.ceil(steps * 256 / per_shard) + 1}\n" in plan.stdout
     assert f"{per_shard:,} tokens in shard_00000.parquet (1,200 documents" in plan.stdout

@@ -103,7 +103,7 @@ def test_the_final_model_answers_a_held_out_demo_question(speedrun, demo_world):
 
 
 # A pretraining small and quick enough to interrupt and resume in seconds
-SMALL = ("--sequence_len 64 --n_layer 1 --n_embd 64 --n_head 2 --n_kv_head 2 --micro_batch 4 --eval_tokens 2048 "
+SMALL = ("--sequence_len 64 --n_layer 1 --n_embd 64 --n_head 2 --n_kv_head 2 --micro_batch 4 --bpb_tokens 2048 "
          "--eval_every 0 --compile false --ckpt_every 10 --log_every 50 --steps 120")
 
 

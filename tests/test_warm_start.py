@@ -65,7 +65,7 @@ def stage_optimizers(stage, parent, extra=()):
     same optimizers built fresh)."""
     model, meta = C.load_model(parent, CPU)
     model.train()
-    _, args = stage.get_args(["--init", str(parent), "--steps", "1", *extra])
+    _, args = stage.get_args(["--checkpoint", str(parent), "--steps", "1", *extra])
     C.inherit(args, meta, parent)
     optimizers, fresh = (C.build_optimizers(model, args, model.config.n_embd, 2048, CPU, lr_scale=args.lr_scale)
                          for _ in range(2))
@@ -113,7 +113,7 @@ def test_each_chat_stage_reports_the_pretraining_val_bpb_its_model_kept(speedrun
     pretrained = json.loads((run / "pretrain" / "done.json").read_text())["val_bpb"]
     meta = json.loads((chat_chain["pretrain"] / "meta.json").read_text())
     dtype = meta["hparams"]["dtype"]
-    # the pretraining run's final evaluation: LEARN_ARGS' --eval_tokens 20000 of the demo corpus in rows of 128
+    # the pretraining run's final evaluation: LEARN_ARGS' --bpb_tokens 20000 of the demo corpus in rows of 128
     rows = C.val_rows(demo_world / "demo" / "pretrain", tokenizer, 20000, 128)
     figures = {"pretrain": pretrained}
     for stage in ("midtrain", "sft"):

@@ -1,0 +1,54 @@
+"""One vocabulary of flags: each concept has one name in every script's --help, and the names it had before stay
+accepted for one release, hidden, with a deprecation line."""
+import importlib
+
+import pytest
+
+# concept: (its one name, the scripts that take it, the old names no --help may show)
+VOCABULARY = {
+    "the checkpoint a stage reads": ("--checkpoint", ["midtrain", "sft", "core_eval", "chat_eval", "chat", "export"],
+                                     ["--init"]),
+    "validation tokens for bits per byte": ("--bpb_tokens", ["pretrain", "midtrain", "sft", "core_eval"],
+                                            ["--eval_tokens"]),
+    "the longest reply": ("--max_new_tokens", ["core_eval", "chat_eval", "chat"], ["--max_tokens"]),
+    "prompts a training stage answers": ("--sample_prompt", ["pretrain", "midtrain", "sft"], ["--question"]),
+    "items per task": ("--max_items", ["core_eval", "chat_eval"], ["--max_per_task"]),
+}
+SCRIPTS = sorted({s for _, scripts, _ in VOCABULARY.values() for s in scripts})
+
+
+def help_text(script, capsys):
+    module = importlib.import_module(script)
+    with pytest.raises(SystemExit) as stop:
+        module.get_args(["--help"])
+    assert stop.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_every_script_names_each_concept_the_same_way_in_its_help(capsys):
+    helps = {script: help_text(script, capsys) for script in SCRIPTS}
+    for concept, (name, scripts, old_names) in VOCABULARY.items():
+        for script in scripts:
+            assert f"{name} " in helps[script], (concept, script)
+        for script, text in helps.items():
+            assert not any(f"{old} " in text or f"{old}\n" in text for old in old_names), (concept, script)
+    assert "--prompt " not in helps["pretrain"]  # chat.py's --prompt (one prompt, then exit) is another concept
+
+
+@pytest.mark.parametrize("script, old, value, new", [
+    ("pretrain", "--eval_tokens", "4096", "bpb_tokens"),
+    ("pretrain", "--prompt", "Once upon a time", "sample_prompt"),
+    ("midtrain", "--init", "runs/base", "checkpoint"),
+    ("sft", "--question", "Who are you?", "sample_prompt"),
+    ("chat", "--max_tokens", "12", "max_new_tokens"),
+    ("core_eval", "--max_per_task", "7", "max_items"),
+])
+def test_an_old_flag_name_still_works_for_one_release_and_says_its_new_name(script, old, value, new, capsys):
+    module = importlib.import_module(script)
+    budget = ["--steps", "1"] if script in ("pretrain", "midtrain", "sft") else []
+    args = module.get_args([f"{old}={value}", *budget])
+    args = args[1] if isinstance(args, tuple) else args  # the training stages return (parser, args)
+    got = getattr(args, new)
+    assert (got[-1] if isinstance(got, list) else str(got)) == value
+    err = capsys.readouterr().err
+    assert f"warning: {old} is now --{new}; the old name goes in the next release" in err
