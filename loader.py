@@ -91,6 +91,110 @@ class PieceBuffer:
         return self.take(i) if i >= 0 else None
 
 
+# -----------------------------------------------------------------------------
+# Packing: pure functions, no threads and no I/O. Given documents' token ids (and loss masks) and the row length, they
+# fill rows; they change only the PieceBuffer, the rows and the stats dict they are handed (STAT_KEYS' counters).
+# A document is what the reader hands over: ids (text), (ids, mask) (a conversation: mask 1 where the token is a
+# target), or a skipped one: None (empty) or the stats key it is counted under ("too_long", "malformed", ...).
+
+_END = object()  # next(documents, _END): the documents have run out
+
+
+def add_document(buffer, document, row_len, bos, stats):
+    """Buffer one document; a skipped one is only counted. A document longer than a row is cut into row-sized BOS-led
+    pieces here (pack="pad" renders at most a row), a conversation's mask with it: its tokens after the first piece
+    are counted as 'cropped', moved to a later row cut off from the document's start."""
+    if skipped(document):
+        stats[document or "empty"] += 1
+        return
+    ids, mask = document if isinstance(document, tuple) else (document, None)
+    stats["docs"], stats["doc_tokens"] = stats["docs"] + 1, stats["doc_tokens"] + len(ids)
+    pieces = [(ids, mask)]
+    if len(ids) > row_len:
+        stats["cropped"] += len(ids) - row_len
+        id_pieces = cut_into_pieces(ids, row_len, bos)
+        mask_pieces = [None] * len(id_pieces) if mask is None else cut_into_pieces(mask, row_len, mask[0])
+        pieces = list(zip(id_pieces, mask_pieces, strict=True))
+    for piece, piece_mask in pieces:
+        buffer.add(piece, piece_mask, stats["pieces"])  # arrival numbers count pieces: unique, and in order
+        stats["pieces"] += 1
+
+
+def top_up(buffer, documents, row_len, bos, crop, buffer_docs, stats):
+    """Read documents (an iterator) into the buffer, in order, until it holds buffer_docs pieces; cropping also wants
+    a row's worth of tokens, else the row would take every piece and find nothing left to crop. Stops early when the
+    documents run out (max_epochs)."""
+    while len(buffer) < buffer_docs or (crop and buffer.tokens < row_len):
+        document = next(documents, _END)
+        if document is _END:
+            return
+        add_document(buffer, document, row_len, bos, stats)
+
+
+def fill_row(buffer, row, row_mask, bos, crop, stats):
+    """The oldest piece opens the row, so nothing waits more than about buffer_docs rows (pure best-fit starves
+    short documents indefinitely); then the largest piece that fits the space left, again and again; then
+    pad_or_crop() the rest. row_mask (None: no masks) gets the pieces' masks where they have one."""
+    pos, piece = 0, buffer.take_oldest()
+    while piece is not None:
+        ids, mask, _ = piece
+        row[pos:pos + len(ids)] = ids
+        if mask is not None:
+            row_mask[pos:pos + len(ids)] = mask
+        pos += len(ids)
+        piece = buffer.take_largest(len(row) - pos)
+    if pos < len(row):
+        pad_or_crop(buffer, row, row_mask, pos, bos, crop, stats)
+
+
+def pad_or_crop(buffer, row, row_mask, pos, bos, crop, stats):
+    """No piece fits the rest of the row from `pos`. pack="pad" (crop=False) pads it (inputs BOS, mask 0: targets -1):
+    conversations are never cropped. pack="crop" crops the smallest piece to fill it and puts the remainder back as a
+    new BOS-led piece (its mask too: mask[0] is the piece's BOS's), under the same arrival number, so it opens a row
+    soon: nothing is discarded, and the moved tokens are counted as 'cropped'."""
+    space = len(row) - pos
+    if not crop or not len(buffer):  # cropping pads only when the data has ended (max_epochs)
+        row[pos:], row_mask[pos:] = bos, 0
+        stats["padding"] += space
+        return
+    ids, mask, arrival = buffer.take(0)
+    row[pos:] = ids[:space]
+    if mask is not None:
+        row_mask[pos:] = mask[:space]
+    stats["cropped"] += len(ids) - space
+    buffer.add(np.concatenate([[bos], ids[space:]]).astype(np.int32),
+               None if mask is None else np.concatenate([mask[:1], mask[space:]]), arrival)
+
+
+def pack_batch(buffer, documents, batch_size, row_len, bos, *, crop, buffer_docs, masked, stats):
+    """(rows, masks) of one batch: up to batch_size int32 rows of row_len tokens, each filled by fill_row() after a
+    top_up() from `documents`, and their int8 masks (1: a target, 0: padding or not supervised), or None when
+    masked=False (text that never pads). Fewer rows, or none, once the documents have run out and the buffer is empty;
+    a batch of rows counts as one in stats (batches, tokens: row_len - 1 targets a row, supervised)."""
+    rows = np.empty((batch_size, row_len), dtype=np.int32)
+    masks = np.ones((batch_size, row_len), dtype=np.int8) if masked else None
+    filled = 0
+    for b in range(batch_size):
+        top_up(buffer, documents, row_len, bos, crop, buffer_docs, stats)
+        if not len(buffer):  # the data has ended and every piece is in a row: a short last batch
+            break
+        fill_row(buffer, rows[b], None if masks is None else masks[b], bos, crop, stats)
+        filled += 1
+    if filled:
+        stats["batches"], stats["tokens"] = stats["batches"] + 1, stats["tokens"] + filled * (row_len - 1)
+        stats["supervised"] += filled * (row_len - 1) if masks is None else int(masks[:filled, 1:].sum())
+    return rows[:filled], None if masks is None else masks[:filled]
+
+
+def inputs_and_targets(rows, masks):
+    """A batch's rows as one int32 array [inputs, targets] of shape (2, rows, row_len - 1): targets are the inputs
+    shifted by one, -1 where the mask is 0 (padding, or not supervised), which cross-entropy ignores."""
+    inputs, targets = rows[:, :-1], rows[:, 1:].copy()
+    if masks is not None:
+        targets[masks[:, 1:] == 0] = -1
+    return np.stack([inputs, targets])
+
+
 class Pipe:
     """A bounded queue between the threads of one started pipeline, with that pipeline's stop event: put() and get()
     give up once it is set. Each start makes its own event and close() only ever sets it, so a thread that outlives
@@ -134,8 +238,8 @@ class PackedLoader:
     from (N, epoch, unit), so small sets are seen in a new order every epoch; the state's (epoch, unit, doc) are then
     positions in those orders, so a resume mid-epoch is still exact.
 
-    Packing is best-fit from a buffer of about `buffer_docs` pieces (_top_up, _add_document); every row starts with a
-    BOS and with the oldest buffered piece (_fill_row). pack="crop" rows have no padding: documents longer than a row
+    Packing is best-fit from a buffer of about `buffer_docs` pieces (top_up, add_document); every row starts with a
+    BOS and with the oldest buffered piece (fill_row). pack="crop" rows have no padding: documents longer than a row
     are cut into BOS-led pieces and a piece that does not fit is cropped, its remainder kept for a later row; a
     conversation's loss mask is cut along with it. pack="pad" rows hold whole conversations (rendered to at most a
     row, cut after an assistant turn) and are padded, so every row has a supervised target. Conversation targets are
@@ -321,37 +425,28 @@ class PackedLoader:
 
     # --- packing -------------------------------------------------------------------------------------------------
     def _pack(self, units, batches, state):
-        """Packer thread: fill rows from the buffer, ship each batch to the device with the state after it."""
+        """Packer thread: pack_batch() rows from the buffer, ship each batch to the device with the state after it."""
         stats, buffer = dict(state["stats"]), PieceBuffer(state["buffer"])
-        position = (state["epoch"], state["unit"], state["doc"])  # of the next unread document: where a resume reads on
+        # of the next unread document: where a resume reads on; _documents moves it, to None once the data has ended
+        position = [(state["epoch"], state["unit"], state["doc"])]
         documents = self._documents(units, position, buffered=len(buffer))
-        padded = self.kind == "chat" or self.max_epochs is not None  # a row that can end in padding needs a mask
-        while len(buffer) or position is not None:
-            rows = np.empty((self.B, self.T + 1), dtype=np.int32)
-            masks = np.ones((self.B, self.T + 1), dtype=np.int8) if padded else None
-            filled = 0
-            for b in range(self.B):
-                position = self._top_up(buffer, documents, stats, position)
-                if not len(buffer):  # the data has ended and every piece is in a row: a short last batch
-                    break
-                self._fill_row(buffer, rows[b], None if masks is None else masks[b], stats)
-                filled += 1
-            if filled:
-                stats["batches"], stats["tokens"] = stats["batches"] + 1, stats["tokens"] + filled * self.T
-                stats["supervised"] += filled * self.T if masks is None else int(masks[:filled, 1:].sum())
-                epoch, unit, doc = position or (self.max_epochs, 0, 0)  # None: the data has ended
+        masked = self.kind == "chat" or self.max_epochs is not None  # a row that can end in padding needs a mask
+        while len(buffer) or position[0] is not None:
+            rows, masks = pack_batch(buffer, documents, self.B, self.T + 1, self.tokenizer.bos_id, crop=self.crop,
+                                     buffer_docs=self.buffer_docs, masked=masked, stats=stats)
+            if len(rows):  # none: the data ended with every piece already in a row
+                epoch, unit, doc = position[0] or (self.max_epochs, 0, 0)  # None: the data has ended
                 after = {"epoch": epoch, "unit": unit, "doc": doc, "stats": dict(stats), "buffer": list(buffer.pieces)}
-                if not batches.put((self._to_device(rows[:filled], None if masks is None else masks[:filled]),
-                                    after)):
+                if not batches.put((self._to_device(rows, masks), after)):
                     return
         batches.put(StopIteration())  # max_epochs passes are done: __next__ raises it
 
-    def _documents(self, units, start, buffered):
-        """The documents from position `start` on, in order, each as (encoded document or why it is skipped, the
-        position of the next unread document). That position comes with each document, so it is exact even when
-        nothing has been read since a resume. A pass over all the data with no usable document is an error (the
-        buffer would wait forever); `buffered` pieces restored from a checkpoint count as usable."""
-        epoch, usable = start[0], buffered
+    def _documents(self, units, position, buffered):
+        """The documents from position[0] on, in order, each an encoded document or why it is skipped; before each
+        is handed out, position[0] becomes the position of the next unread document (None after the last), so it is
+        exact even when nothing has been read since a resume. A pass over all the data with no usable document is an
+        error (the buffer would wait forever); `buffered` pieces restored from a checkpoint count as usable."""
+        epoch, usable = position[0][0], buffered
         while (got := units.get()) is not None:
             item_epoch, unit, doc, items = got
             if item_epoch != epoch:
@@ -364,79 +459,15 @@ class PackedLoader:
             for read, item in enumerate(items, start=1):
                 usable += not skipped(item)
                 last = read == len(items)  # then the next document is the first of the next row group
-                yield item, self._next_unit(epoch, unit) if last else (epoch, unit, doc + read)
+                position[0] = self._next_unit(epoch, unit) if last else (epoch, unit, doc + read)
+                yield item
+        position[0] = None
 
     def _next_unit(self, epoch, unit):
         return (epoch + 1, 0, 0) if unit + 1 == len(self.units) else (epoch, unit + 1, 0)
 
-    def _top_up(self, buffer, documents, stats, position):
-        """Read documents into the buffer, in order, until it holds buffer_docs pieces; cropping also wants a row's
-        worth of tokens, else the row would take every piece and find nothing left to crop. Returns the position of
-        the next unread document, None once the data has ended (max_epochs)."""
-        while position is not None and (len(buffer) < self.buffer_docs or
-                                        (self.crop and buffer.tokens < self.T + 1)):
-            item, position = next(documents, (None, None))
-            if position is not None:
-                self._add_document(buffer, item, stats)
-        return position
-
-    def _add_document(self, buffer, item, stats):
-        """Buffer one document; a skipped one (None: empty, or the reason) is only counted. A document longer than a
-        row is cut into row-sized BOS-led pieces here (pack="pad" renders at most a row), a conversation's mask with
-        it: its tokens after the first piece are counted as 'cropped', moved to a later row cut off from the
-        document's start."""
-        if skipped(item):
-            stats[item or "empty"] += 1
-            return
-        ids, mask = item if self.kind == "chat" else (item, None)
-        stats["docs"], stats["doc_tokens"] = stats["docs"] + 1, stats["doc_tokens"] + len(ids)
-        pieces = [(ids, mask)]
-        if len(ids) > self.T + 1:
-            stats["cropped"] += len(ids) - (self.T + 1)
-            id_pieces = cut_into_pieces(ids, self.T + 1, self.tokenizer.bos_id)
-            mask_pieces = [None] * len(id_pieces) if mask is None else cut_into_pieces(mask, self.T + 1, mask[0])
-            pieces = list(zip(id_pieces, mask_pieces, strict=True))
-        for piece, piece_mask in pieces:
-            buffer.add(piece, piece_mask, stats["pieces"])  # arrival numbers count pieces: unique, and in order
-            stats["pieces"] += 1
-
-    def _fill_row(self, buffer, row, row_mask, stats):
-        """The oldest piece opens the row, so nothing waits more than about buffer_docs rows (pure best-fit starves
-        short documents indefinitely); then the largest piece that fits the space left, again and again."""
-        pos, piece = 0, buffer.take_oldest()
-        while piece is not None:
-            ids, mask, _ = piece
-            row[pos:pos + len(ids)] = ids
-            if mask is not None:
-                row_mask[pos:pos + len(ids)] = mask
-            pos += len(ids)
-            piece = buffer.take_largest(len(row) - pos)
-        if pos < len(row):
-            self._pad_or_crop(buffer, row, row_mask, pos, stats)
-
-    def _pad_or_crop(self, buffer, row, row_mask, pos, stats):
-        """No piece fits the rest of the row. pack="pad" pads it (inputs BOS, targets -1): conversations are never
-        cropped. pack="crop" crops the smallest piece to fill it and puts the remainder back as a new BOS-led piece
-        (its mask too: mask[0] is the piece's BOS's), under the same arrival number, so it opens a row soon: nothing
-        is discarded, and the moved tokens are counted as 'cropped'."""
-        bos, space = self.tokenizer.bos_id, len(row) - pos
-        if not self.crop or not len(buffer):  # cropping pads only when the data has ended (max_epochs)
-            row[pos:], row_mask[pos:] = bos, 0
-            stats["padding"] += space
-            return
-        ids, mask, arrival = buffer.take(0)
-        row[pos:] = ids[:space]
-        if mask is not None:
-            row_mask[pos:] = mask[:space]
-        stats["cropped"] += len(ids) - space
-        buffer.add(np.concatenate([[bos], ids[space:]]).astype(np.int32),
-                   None if mask is None else np.concatenate([mask[:1], mask[space:]]), arrival)
-
     def _to_device(self, rows, masks):
-        inputs, targets = rows[:, :-1], rows[:, 1:].copy()
-        if masks is not None:
-            targets[masks[:, 1:] == 0] = -1
-        batch = torch.from_numpy(np.stack([inputs, targets]))  # int32 on the wire, half the bytes of int64
+        batch = torch.from_numpy(inputs_and_targets(rows, masks))  # int32 on the wire, half the bytes of int64
         if self.device.type == "cuda":
             batch = batch.pin_memory().to(self.device, non_blocking=True)
         batch = batch.long()
