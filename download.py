@@ -2,11 +2,13 @@
 (list_hub_files, download_hub_files), each under its final name only once its size, hash and (parquet) footer check
 out, retried with backoff, with one progress line. The repo's listing is saved beside the files (.hub_listing.json),
 so a rerun whose files are all on disk and intact needs no hub. dataset.py fetches corpora and chat sets through it,
-core_eval.py the eval bundle, chat_eval.py the task sets:
+core_eval.py the eval bundle, chat_eval.py the task sets. By hand:
 
-    from download import download_file, download_hub_files
-    download_hub_files("org/repo", ["data/train.parquet"], "out_dir")
+    python download.py list openai/gsm8k                     # a hub dataset's files: size, sha256 or git blob id
+    python download.py get openai/gsm8k main/test-00000-of-00001.parquet --out DIR   # checked against the listing
+    python download.py url URL --out FILE --sha256 HEX       # a plain URL, resumed from FILE.partial if cut short
 """
+import argparse
 import hashlib
 import json
 import os
@@ -357,3 +359,42 @@ def listed_or_saved(repo, revision, out_dir, select, workers=4):
     tmp.write_text(json.dumps({"repo": repo, "revision": revision, "files": files}))
     os.replace(tmp, Path(out_dir) / LISTING)
     return chosen, False
+
+
+# -----------------------------------------------------------------------------
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("list", help="a hub repo's files with their sizes and hashes")
+    p.add_argument("repo", help="hub repo id, e.g. openai/gsm8k")
+    p.add_argument("--revision", default="main", help="branch, tag or commit (default: %(default)s)")
+    p.add_argument("--repo_type", default="dataset", choices=["dataset", "model"], help="(default: %(default)s)")
+    p = commands.add_parser("get", help="files of a hub repo, checked against its listing, into one directory")
+    p.add_argument("repo", help="hub repo id, e.g. openai/gsm8k")
+    p.add_argument("paths", nargs="+", help="file paths inside the repo (see `list`)")
+    p.add_argument("--out", required=True, help="directory to put them in, by file name (required)")
+    p.add_argument("--revision", default="main", help="branch, tag or commit (default: %(default)s)")
+    p.add_argument("--repo_type", default="dataset", choices=["dataset", "model"], help="(default: %(default)s)")
+    p.add_argument("--workers", type=int, default=4, help="parallel downloads (default: %(default)s)")
+    p = commands.add_parser("url", help="one file from a plain URL, resumable")
+    p.add_argument("url", help="the file's URL")
+    p.add_argument("--out", required=True, help="the file to write (required)")
+    p.add_argument("--size", type=int, default=None, help="expected size in bytes (default: not checked)")
+    p.add_argument("--sha256", default=None, help="expected sha256 in hex (default: not checked)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "list":
+            for f in list_hub_files(args.repo, args.revision, args.repo_type):
+                print(f"{f['path']}\t{f['size']}\t{f['sha256'] or 'git ' + str(f['git_sha1'])}")
+        elif args.command == "get":
+            paths = download_hub_files(args.repo, args.paths, args.out, args.revision, args.repo_type, args.workers)
+            print(f"download.py get: {len(paths)} files of {args.repo} in {args.out}")
+        else:
+            print(f"download.py url: {download_file(args.url, args.out, args.size, args.sha256)}")
+    except (ValueError, RuntimeError, OSError) as e:
+        parser.exit(2, f"download.py {args.command}: error: {e}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,11 +1,14 @@
 """The streaming loaders: batches of (inputs, targets) on the device, from a text corpus (text_loader), conversations
 (chat_loader) or a mixture of both at token shares (mixture_loader), each resumable bit-identically from its
 state_dict(). The packing decisions (which pieces fill a row, where one is cropped, padding, targets) are the pure
-functions below PieceBuffer; PackedLoader is the threads and files around them.
+functions below PieceBuffer; PackedLoader is the threads and files around them. To see what a batch holds:
 
-    loader = text_loader("data/demo/pretrain", "train", tokenizer, batch_size=8, seq_len=256)
-    inputs, targets = next(loader)
+    python loader.py --data_dir data/demo/pretrain --tokenizer runs/tokenizer   # pretraining rows, decoded
+    python loader.py --chat data/demo/conversations --tokenizer runs/tokenizer  # SFT rows: what each row trains on
+
+In code: `inputs, targets = next(text_loader(data_dir, "train", tokenizer, batch_size, seq_len))`.
 """
+import argparse
 import bisect
 import heapq
 import itertools
@@ -18,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dataset import chat_files, chat_rows, check_sources, open_parquet, read_row_group, split_shards
+from dataset import chat_dir, chat_files, chat_rows, check_sources, open_parquet, read_row_group, split_shards
+from tokenizer import Tokenizer
 
 STAT_KEYS = ("batches", "tokens", "supervised", "docs", "doc_tokens", "pieces", "cropped", "padding", "empty",
              "no_assistant", "too_long", "malformed", "empty_content")
@@ -589,3 +593,44 @@ class MixtureLoader:
                          f"{100 * m['share']:.1f}% (target {100 * m['target']:.1f}%)")
         return f"{self.name} loader rank {self.rank}/{self.world_size}: {self.batches:,} batches; " + "; ".join(parts)
 
+
+# -----------------------------------------------------------------------------
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data_dir", help="a text corpus directory (its shards, the last one validation)")
+    source.add_argument("--chat", help="a conversation directory, or a `dataset.py download-chat` name")
+    parser.add_argument("--tokenizer", default="runs/tokenizer", help="directory of tokenizer.json (default: "
+                        "%(default)s)")
+    parser.add_argument("--split", default="train", choices=["train", "val"], help="(default: %(default)s)")
+    parser.add_argument("--batch_size", type=int, default=4, help="rows per batch (default: %(default)s)")
+    parser.add_argument("--seq_len", type=int, default=256, help="tokens per row (default: %(default)s)")
+    parser.add_argument("--pack", default="pad", choices=["pad", "crop"], help="conversations: pad (SFT) or crop "
+                        "(midtraining) (default: %(default)s)")
+    parser.add_argument("--supervise", default="assistant", choices=["assistant", "all"], help="conversations: "
+                        "which tokens are targets (default: %(default)s)")
+    parser.add_argument("--rows", type=int, default=2, help="rows of the first batch to print (default: "
+                        "%(default)s)")
+    args = parser.parse_args(argv)
+    try:
+        tokenizer = Tokenizer.load(args.tokenizer)
+        if args.data_dir:
+            loader = text_loader(args.data_dir, args.split, tokenizer, args.batch_size, args.seq_len)
+        else:
+            loader = chat_loader(chat_dir(args.chat), args.split, tokenizer, args.batch_size, args.seq_len,
+                                 pack=args.pack, supervise=args.supervise)
+        inputs, targets = next(loader)
+        loader.close()
+    except (FileNotFoundError, ValueError) as e:
+        parser.exit(2, f"loader.py: error: {e}\n")
+    for i in range(min(args.rows, len(inputs))):
+        trained = targets[i][targets[i] != -1].tolist()
+        print(f"--- row {i}: {len(trained)} of {args.seq_len} targets; inputs:\n{tokenizer.decode(inputs[i].tolist())}")
+        if len(trained) < args.seq_len:
+            print(f"--- row {i}: its targets (the tokens it trains on), joined:\n{tokenizer.decode(trained)}")
+    print(loader.log_line())
+
+
+if __name__ == "__main__":
+    main()

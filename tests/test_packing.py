@@ -122,3 +122,19 @@ def test_the_loader_gives_exactly_the_rows_pack_batch_makes_from_the_same_docume
         inputs, targets = torch.from_numpy(L.inputs_and_targets(rows, masks)).long()
         assert torch.equal(x, inputs) and torch.equal(y, targets)
     assert loader.state["stats"] == stats
+
+
+def test_loader_py_prints_a_batchs_first_row_and_exactly_the_tokens_it_trains_on(demo_world, capsys):
+    """`python loader.py --chat DIR`: the first row's inputs decoded, then its supervised targets (the assistant's
+    answers and <|assistant_end|>), as chat_loader itself makes them."""
+    tok, chat = Tokenizer.load(demo_world / "tokenizer"), demo_world / "demo" / "conversations"
+    L.main(["--chat", str(chat), "--tokenizer", str(demo_world / "tokenizer"), "--seq_len", "64", "--rows", "1"])
+    out = capsys.readouterr().out
+    loader = L.chat_loader(chat, "train", tok, 4, 64)
+    x, y = next(loader)
+    loader.close()
+    trained = y[0][y[0] != -1].tolist()
+    assert 0 < len(trained) < 64
+    assert out.startswith(f"--- row 0: {len(trained)} of 64 targets; inputs:\n{tok.decode(x[0].tolist())}\n--- row 0: "
+                          f"its targets (the tokens it trains on), joined:\n{tok.decode(trained)}\n")
+    assert tok.decode(trained).endswith("<|assistant_end|>")
