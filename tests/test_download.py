@@ -452,6 +452,20 @@ def test_the_cli_exits_2_with_one_line_that_says_what_to_do(hub, tmp_path, capsy
     assert err.count("\n") == 1 and not (tmp_path / "data").exists()
 
 
+def test_download_py_lists_a_repo_with_its_hashes_and_gets_the_files_named_byte_identical(hub, tmp_path, capsys):
+    """`python download.py list REPO` prints each file's path, size and sha256 (git blob id for a file kept in git);
+    `get REPO PATHS --out DIR` puts exactly those files in DIR."""
+    dl.main(["list", REPO])
+    listed = sorted(line.split("\t") for line in capsys.readouterr().out.splitlines())
+    assert listed == sorted([path, str(len(data)), hashlib.sha256(data).hexdigest() if path.endswith(".parquet")
+                             else f"git {git_blob_id(data)}"] for path, data in hub.files.items())
+    names = ["shard_00003.parquet", "README.md"]
+    dl.main(["get", REPO, *names, "--out", str(tmp_path / "out")])
+    assert capsys.readouterr().out == f"download.py get: 2 files of {REPO} in {tmp_path / 'out'}\n"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(names)
+    assert all((tmp_path / "out" / name).read_bytes() == hub.files[name] for name in names)
+
+
 def stop(hub):
     """The hub and its CDN go away: every later request to them is refused (connection refused, not an HTTP error)."""
     for server in hub.servers:
