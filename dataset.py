@@ -206,7 +206,6 @@ def conversation_messages(item):
     return item or []
 
 
-
 def chat_rows(path, row_group):
     """A row group of a chat file as conversations (lists of messages), or for a row that cannot be one, why."""
     fmt = chat_format(path)
@@ -470,7 +469,6 @@ def check_sources(sources):
     if any(share < 0 for share in shares.values()) or abs(sum(shares.values()) - 1) > 1e-6:
         raise ValueError(f"mixture shares {shares} sum to {sum(shares.values()):.6g}: they must be non-negative and "
                          f"sum to 1")
-
 
 
 # -----------------------------------------------------------------------------

@@ -39,7 +39,6 @@ def assign_units(files, rank, world_size):
     return [(path, i, rank, world_size) for path, i in row_groups]
 
 
-
 def cut_into_pieces(ids, row_len, bos):
     """A document longer than a row as row-sized pieces, each after the first led by a BOS of its own. Cutting its
     loss mask the same way, with the mask's value for BOS as `bos`, keeps each piece's mask aligned with its ids."""
@@ -500,7 +499,6 @@ def mixture_loader(sources, tokenizer, batch_size, seq_len, *, rank=0, world_siz
     source's PackedLoader."""
     return MixtureLoader(sources, tokenizer, batch_size, seq_len, rank=rank, world_size=world_size, device=device,
                          seed=seed, **kwargs)
-
 
 
 class MixtureLoader:
