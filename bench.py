@@ -76,8 +76,9 @@ import torch
 
 import common as C
 import dataset
-from dataset import iter_texts, text_loader
+from dataset import iter_texts
 from demo import write_demo
+from loader import text_loader
 from model import (
     DEPTH_ASPECT,
     DEPTH_HEAD_DIM,

@@ -9,7 +9,7 @@ is the mean over tasks of the centered accuracy, (accuracy - baseline) / (1 - ba
     torchrun --standalone --nproc_per_node=8 chat_eval.py --checkpoint runs/NAME
 
 --demo auto (the default) evaluates the demo world's chat questions (demo.py writes them to <world>/chat_eval/) when
-the checkpoint was trained on the demo world, else the five hub tasks, downloaded once through dataset.py's hub code
+the checkpoint was trained on the demo world, else the five hub tasks, downloaded once through download.py
 into <cache>/chat_eval/<task>/ (later runs touch no network). Items are taken in nanochat's order (its datasets'
 shuffle(seed=42)), so --max_items N scores the same items as nanochat's --max-problems N.
 Writes runs/<run>/chat_eval.json (the report) and chat_eval_items.jsonl (each item's prediction), and appends a line
@@ -31,7 +31,8 @@ import torch
 import common as C
 import sandbox
 from calculator import ToolUse, reply_text
-from dataset import CACHE_DIR, MC_LETTERS, download_hub_files, list_hub_files, render_mc
+from dataset import CACHE_DIR, MC_LETTERS, render_mc
+from download import download_hub_files, list_hub_files
 from model import autocast_context, generate, num_params
 
 # task: (hub repo, its test split's files, kind, random baseline). Kinds: categorical (a letter's logit), gsm8k (the

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from calculator import ToolUse, reply_text
-from dataset import chat_loader, text_loader
+from loader import chat_loader, text_loader
 from model import GPTConfig, autocast_context, build_model, generate, memory_estimate, parse_bool
 from tokenizer import SPECIAL_TOKENS, Tokenizer
 

@@ -31,8 +31,9 @@ import torch
 import yaml
 
 import common as C
-from dataset import CACHE_DIR, download_file
+from dataset import CACHE_DIR
 from demo import COUNTRIES, DAYS, number_word
+from download import download_file
 from model import autocast_context, generate
 
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # the bundle nanochat uses

@@ -37,7 +37,7 @@ import torch
 from safetensors.torch import save_file
 
 import common as C
-from dataset import hub_endpoint
+from download import hub_endpoint
 from tokenizer import SPECIAL_TOKENS
 
 REMOTE_CODE = Path(__file__).resolve().parent / "hf_remote"

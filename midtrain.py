@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 import common as C
-from dataset import CACHE_DIR, mixture_loader
+from dataset import CACHE_DIR
+from loader import mixture_loader
 from model import flops_per_token, num_params, parse_args
 from tokenizer import Tokenizer
 

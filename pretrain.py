@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 import common as C
-from dataset import budget_line, corpus_budget, default_data_dir, shard_tokens, split_shards, text_loader
+from dataset import budget_line, corpus_budget, default_data_dir, shard_tokens, split_shards
+from loader import text_loader
 from model import (
     add_model_args,
     budget_params,

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 import common as C
-from dataset import chat_loader, mixture_files, parse_chat_sources
+from dataset import mixture_files, parse_chat_sources
+from loader import chat_loader
 from model import flops_per_token, num_params, parse_args
 from tokenizer import Tokenizer
 

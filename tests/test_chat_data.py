@@ -1,4 +1,4 @@
-"""dataset.py's loaders for the stages after pretraining: SFT rows (pack="pad"), conversations packed like text
+"""loader.py's loaders for the stages after pretraining: SFT rows (pack="pad"), conversations packed like text
 (pack="crop"), supervise="all"/"assistant", bad conversations skipped and reported, the per-epoch reshuffle (seed=)
 with exact resume, and the token-share mixture of midtraining."""
 import io
@@ -15,6 +15,7 @@ import torch
 from test_dataset import same, take
 
 import dataset as D
+import loader as L
 from tokenizer import Tokenizer
 
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "small", "birds"]
@@ -68,7 +69,7 @@ def test_sft_rows_at_T64_always_have_a_target_and_hold_whole_rendered_conversati
     cut = exchange("short", "fine") + exchange("then", "answer " * 200)  # keeps its first exchange only
     conversations = demo[:200] + [long_answer, cut] * 5 + [exchange("x " * 100, "y")] * 3
     T, B = 64, 8
-    loader = D.chat_loader(write_chat(tmp_path / "chat", conversations), "train", tok, B, T, buffer_docs=16,
+    loader = L.chat_loader(write_chat(tmp_path / "chat", conversations), "train", tok, B, T, buffer_docs=16,
                            supervise=supervise, max_epochs=1)  # one pass: every conversation once
     batches = list(loader)
     loader.close()
@@ -104,7 +105,7 @@ def test_sft_rows_at_T64_always_have_a_target_and_hold_whole_rendered_conversati
 
 def test_a_set_whose_every_first_exchange_is_too_long_is_an_error_not_a_hang(world, tmp_path):
     _, tok, _ = world
-    loader = D.chat_loader(write_chat(tmp_path, [exchange("x " * 100, "y")] * 4), "train", tok, 2, 64)
+    loader = L.chat_loader(write_chat(tmp_path, [exchange("x " * 100, "y")] * 4), "train", tok, 2, 64)
     with pytest.raises(ValueError, match="found no usable document"):
         next(loader)
 
@@ -120,7 +121,7 @@ def test_crop_packs_conversations_like_text_and_every_token_keeps_its_mask(world
     chat_dir = write_chat(tmp_path / "chat", conversations)
     T, runs = 64, {}
     for supervise in ("all", "assistant"):
-        loader = D.chat_loader(chat_dir, "train", tok, 4, T, pack="crop", supervise=supervise, buffer_docs=20)
+        loader = L.chat_loader(chat_dir, "train", tok, 4, T, pack="crop", supervise=supervise, buffer_docs=20)
         runs[supervise] = [next(loader) for _ in range(30)], loader.state_dict()
         loader.close()
     (everything, _), (assistant, state) = runs["all"], runs["assistant"]
@@ -157,7 +158,7 @@ def test_bad_conversations_are_skipped_counted_and_the_first_few_printed_once(wo
            37: [{"role": "user", "content": "a"}, {"role": "assistant", "content": None}]}  # content not a string
     conversations = [bad.get(i, conv) for i, conv in enumerate(good)]
     chat_dir = write_chat(tmp_path / "chat", conversations, row_group_size=16)  # row numbers run across row groups
-    loader = D.chat_loader(chat_dir, "train", tok, 2, 64, buffer_docs=4, max_epochs=2)
+    loader = L.chat_loader(chat_dir, "train", tok, 2, 64, buffer_docs=4, max_epochs=2)
     assert all((y != -1).any(dim=1).all() for _, y in loader)  # two passes
     loader.close()
     stats = loader.state["stats"]
@@ -170,7 +171,7 @@ def test_bad_conversations_are_skipped_counted_and_the_first_few_printed_once(wo
     assert "expected role 'assistant', got 'user'" in printed[3][2] and printed[4][2].startswith("no assistant turn")
     assert "only the first 5 are printed" in printed[4][2]  # and only once: not again in the second pass
     assert "no assistant turn 2, malformed 6, first exchange longer than a row 0, empty content 4" in loader.log_line()
-    rank1 = D.chat_loader(chat_dir, "train", tok, 2, 64, buffer_docs=4, rank=1, world_size=2)
+    rank1 = L.chat_loader(chat_dir, "train", tok, 2, 64, buffer_docs=4, rank=1, world_size=2)
     take(rank1, 3)
     assert "skipping" not in capsys.readouterr().out  # rank 0 reports for everyone
 
@@ -195,7 +196,7 @@ def test_seeded_epochs_visit_every_conversation_in_a_new_order_unit_by_unit(worl
     chat_dir = write_chat(tmp_path / "chat", marked_conversations(32), row_group_size=8)  # 4 units of 8
 
     def orders(seed, epochs=3):
-        return visit_order(D.chat_loader(chat_dir, "train", tok, 4, 64, buffer_docs=1, seed=seed), tok, epochs)
+        return visit_order(L.chat_loader(chat_dir, "train", tok, 4, 64, buffer_docs=1, seed=seed), tok, epochs)
     file_order = [f"conv{i:04d}" for i in range(32)]
     plain, shuffled = orders(None, 2), orders(7)
     assert plain == [file_order, file_order]  # seed=None: today's order, every epoch
@@ -226,7 +227,7 @@ def test_a_seeded_resume_mid_epoch_is_bit_identical(world, tmp_path, kind, pack)
                                                          "train.parquet"]
 
     def loader(seed=5):
-        return D.PackedLoader(files, tok, 4, 64, kind=kind, pack=pack, seed=seed, buffer_docs=6)
+        return L.PackedLoader(files, tok, 4, 64, kind=kind, pack=pack, seed=seed, buffer_docs=6)
     straight, first = loader(), loader()
     expected = [next(straight) for _ in range(40)]
     assert straight.state["epoch"] >= 1  # the run crosses into a reshuffled epoch
@@ -261,7 +262,7 @@ def test_mixture_shares_hold_from_the_first_batches(world, tmp_path):
     sources = three_sources(world, tmp_path)
     two = [{**sources[0], "share": 0.3}, {**sources[1], "share": 0.7}]
     for mix in (two, sources):
-        loader = D.mixture_loader(mix, tok, 4, 64, buffer_docs=20, threads=1)
+        loader = L.mixture_loader(mix, tok, 4, 64, buffer_docs=20, threads=1)
         for n in range(1, 21):
             x, y = next(loader)
             assert x.shape == y.shape == (4, 64) and x.dtype == torch.int64
@@ -275,7 +276,7 @@ def test_mixture_shares_hold_from_the_first_batches(world, tmp_path):
         assert all(f"{name}: {m['tokens']:,} tokens, {m['docs']:,} docs" in loader.log_line()
                    for name, m in mixture.items())
     assert "share 30.0% (target 30.0%)" in loader.log_line()
-    first = D.mixture_loader(two, tok, 1, 64, buffer_docs=20)
+    first = L.mixture_loader(two, tok, 1, 64, buffer_docs=20)
     take(first, 1)
     assert first.mixture()["smol"]["tokens"] == 64  # the first row goes to the largest share, not the first listed
 
@@ -284,7 +285,7 @@ def test_mixture_rows_supervise_as_asked(world, tmp_path):
     _, tok, _ = world
     sources = three_sources(world, tmp_path)[:2]
     for supervise in ("all", "assistant"):
-        loader = D.mixture_loader([{**sources[0], "share": 0.5}, {**sources[1], "share": 0.5}], tok, 4, 64,
+        loader = L.mixture_loader([{**sources[0], "share": 0.5}, {**sources[1], "share": 0.5}], tok, 4, 64,
                                   supervise=supervise, buffer_docs=20)
         batches = take(loader, 5)
         text, chat = (source.state["stats"] for source in loader.loaders)
@@ -299,7 +300,7 @@ def test_mixture_resume_is_bit_identical_and_refuses_another_mixture(world, tmp_
     sources = three_sources(world, tmp_path)
 
     def loader(mix=sources):  # as one accumulation micro-step of rank 0: rank = rank * accum + j
-        return D.mixture_loader(mix, tok, 4, 64, rank=1, world_size=2, buffer_docs=10, seed=3)
+        return L.mixture_loader(mix, tok, 4, 64, rank=1, world_size=2, buffer_docs=10, seed=3)
     expected = take(loader(), 12)
     first = loader()
     resumed = [next(first) for _ in range(5)]
@@ -318,9 +319,9 @@ def test_mixture_shares_must_sum_to_one(world, tmp_path):
     _, tok, _ = world
     sources = three_sources(world, tmp_path)
     with pytest.raises(ValueError, match=r"mixture shares \{'pretrain': 0.3, 'smol': 0.5, 'extra': 0.3\} sum to 1.1"):
-        D.mixture_loader([*sources[:2], {**sources[2], "share": 0.3}], tok, 4, 64)
+        L.mixture_loader([*sources[:2], {**sources[2], "share": 0.3}], tok, 4, 64)
     with pytest.raises(ValueError, match="kind='image': choose text or chat"):
-        D.mixture_loader([{**sources[0], "kind": "image", "share": 1.0}], tok, 4, 64)
+        L.mixture_loader([{**sources[0], "kind": "image", "share": 1.0}], tok, 4, 64)
 
 
 def test_one_pass_of_an_sft_mixture_sees_each_source_its_number_of_epochs(world, tmp_path):
@@ -331,7 +332,7 @@ def test_one_pass_of_an_sft_mixture_sees_each_source_its_number_of_epochs(world,
     b = [exchange(f"other{i:04d} x", "y") for i in range(80)]
     sources = D.parse_chat_sources([f"{write_chat(tmp_path / 'a', a)}:1", f"{write_chat(tmp_path / 'b', b, 16)}:3"])
     assert [epochs for _, epochs in sources] == [1, 3]
-    loader = D.chat_loader(None, "train", tok, 4, 128, files=D.mixture_files(sources), seed=0, max_epochs=1,
+    loader = L.chat_loader(None, "train", tok, 4, 128, files=D.mixture_files(sources), seed=0, max_epochs=1,
                            threads=1)
     text = "".join(tok.decode(x[x != tok.bos_id].tolist()) for inputs, _ in loader for x in inputs)
     seen = re.findall(r"(conv|other)(\d{4})", text)

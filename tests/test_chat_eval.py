@@ -26,7 +26,7 @@ from test_download import resolve_headers, serve, tree_entry
 
 import chat_eval as E
 import common as C
-import dataset as D
+import download
 import sandbox
 from model import GPTConfig, build_model, config_from_preset
 from tokenizer import SPLIT_PATTERN, Tokenizer
@@ -390,7 +390,7 @@ def hub(tmp_path, monkeypatch):
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hf_cache"))
-    monkeypatch.setattr(D, "BACKOFF_BASE", 0.0)
+    monkeypatch.setattr(download, "BACKOFF_BASE", 0.0)
     yield hub
     for server in servers:
         server.shutdown()

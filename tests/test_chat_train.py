@@ -10,6 +10,7 @@ from launch import run_in_process
 import common as C
 import dataset as D
 import demo
+import loader as L
 import midtrain
 import sft
 from model import GPTConfig, build_model, generate
@@ -90,7 +91,7 @@ def test_padding_inputs_change_neither_the_loss_nor_the_gradients(demo_world):
     """A padded row's filler (inputs BOS, targets -1) sits after every real token: with causal attention and masked
     targets, replacing it changes nothing."""
     tokenizer = Tokenizer.load(demo_world / "tokenizer")
-    inputs, targets = next(D.chat_loader(demo_world / "demo" / "conversations", "train", tokenizer, 4, 128,
+    inputs, targets = next(L.chat_loader(demo_world / "demo" / "conversations", "train", tokenizer, 4, 128,
                                          max_epochs=1, threads=1, buffer_docs=2))  # little to fill rows with
     filler = (targets == -1) & (inputs == tokenizer.bos_id)
     padding = filler.flip(1).cumprod(1).flip(1).bool()  # the trailing run of filler in each row

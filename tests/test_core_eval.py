@@ -18,6 +18,7 @@ from launch import run_in_process, run_script
 import common as C
 import core_eval as E
 import dataset as D
+import download
 from model import build_model, config_from_preset
 from tokenizer import SPLIT_PATTERN, Tokenizer, train_tokenizer
 
@@ -110,7 +111,7 @@ def test_bundle_is_downloaded_verified_unzipped_once_then_cached(server, tmp_pat
 
 
 def test_a_corrupt_bundle_is_refused_and_never_unzipped(server, tmp_path, monkeypatch):
-    monkeypatch.setattr(D, "BACKOFF_BASE", 0.0)
+    monkeypatch.setattr(download, "BACKOFF_BASE", 0.0)
     data = bytearray(bundle_zip())
     data[60] ^= 0xFF  # inside the first member's compressed bytes: its CRC fails
     server["files"]["/bad.zip"] = bytes(data)

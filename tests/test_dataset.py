@@ -1,4 +1,5 @@
-"""dataset.py: shards, ingest, the streaming loader (exact resume, rank disjointness, packing), the chat loader."""
+"""dataset.py and loader.py: shards, ingest, the streaming loader (exact resume, rank disjointness, packing), the
+chat loader."""
 import io
 import random
 import re
@@ -15,6 +16,7 @@ import torch
 from launch import run_in_process
 
 import dataset as D
+import loader as L
 from tokenizer import train_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,13 +114,13 @@ def test_resume_is_bit_identical(corpus, world_size, tmp_path):
     data, tok = corpus
     kw = {"batch_size": 4, "seq_len": 64, "world_size": world_size, "buffer_docs": 40}
     for rank in range(world_size):
-        straight = take(D.text_loader(data, "train", tok, rank=rank, **kw), 50)
-        first = D.text_loader(data, "train", tok, rank=rank, **kw)
+        straight = take(L.text_loader(data, "train", tok, rank=rank, **kw), 50)
+        first = L.text_loader(data, "train", tok, rank=rank, **kw)
         resumed = [next(first) for _ in range(20)]
         buf = io.BytesIO()
         torch.save(first.state_dict(), buf)  # through a real checkpoint round trip, weights_only
         first.close()
-        second = D.text_loader(data, "train", tok, rank=rank, **kw)
+        second = L.text_loader(data, "train", tok, rank=rank, **kw)
         second.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
         resumed += take(second, 30)
         assert same(straight, resumed)
@@ -134,7 +136,7 @@ def test_a_checkpoint_one_batch_after_a_resume_is_exact(tmp_path, corpus):
     pq.write_table(pa.table({"text": docs}), tmp_path / "long.parquet", row_group_size=4)  # 6 row groups
 
     def loader(state=None):
-        loader = D.PackedLoader([tmp_path / "long.parquet"], tok, 2, 16, buffer_docs=4)
+        loader = L.PackedLoader([tmp_path / "long.parquet"], tok, 2, 16, buffer_docs=4)
         if state is not None:
             loader.load_state_dict(state)
         return loader
@@ -160,7 +162,7 @@ def test_a_thread_that_outlives_close_still_stops(tmp_path, corpus):
     its pipeline stopped once it gets going again, not a fresh stop event that nobody will ever set."""
     _, tok = corpus
     pq.write_table(pa.table({"text": make_docs(32)}), tmp_path / "docs.parquet", row_group_size=8)
-    loader = D.PackedLoader([tmp_path / "docs.parquet"], tok, 2, 16, buffer_docs=2)
+    loader = L.PackedLoader([tmp_path / "docs.parquet"], tok, 2, 16, buffer_docs=2)
     release, encode = threading.Event(), loader._encode
 
     def slow_encode(unit, skip, *order):
@@ -180,7 +182,7 @@ def test_a_thread_that_outlives_close_still_stops(tmp_path, corpus):
 
 def test_epochs_roll_over_and_are_logged(corpus, capsys):
     data, tok = corpus
-    loader = D.text_loader(data, "val", tok, batch_size=8, seq_len=64, buffer_docs=20)
+    loader = L.text_loader(data, "val", tok, batch_size=8, seq_len=64, buffer_docs=20)
     for _ in range(60):  # the 110 validation documents hold far fewer than 60 x 8 x 65 tokens
         next(loader)
     assert loader.state["epoch"] >= 2
@@ -199,10 +201,10 @@ def test_ranks_never_share_a_document(corpus, split, world_size):
     files = D.split_shards(data, split)
     assigned, seen = [], []
     for rank in range(world_size):
-        units = D.assign_units(files, rank, world_size)
+        units = L.assign_units(files, rank, world_size)
         assigned.append(doc_markers(t for path, rg, first, step in units
                                     for t in D.read_row_group(path, rg)[first::step]))
-        loader = D.text_loader(data, split, tok, batch_size=4, seq_len=64, rank=rank, world_size=world_size,
+        loader = L.text_loader(data, split, tok, batch_size=4, seq_len=64, rank=rank, world_size=world_size,
                                buffer_docs=10)
         batches = []
         while loader.state["epoch"] < 2:  # past the first epoch, so its buffered documents are out too
@@ -218,7 +220,7 @@ def test_ranks_never_share_a_document(corpus, split, world_size):
 
 def test_packing_conserves_every_token_and_starts_rows_with_bos(corpus):
     data, tok = corpus
-    loader = D.text_loader(data, "train", tok, batch_size=4, seq_len=100, buffer_docs=30)
+    loader = L.text_loader(data, "train", tok, batch_size=4, seq_len=100, buffer_docs=30)
     batches = [next(loader) for _ in range(40)]
     state = loader.state_dict()
     loader.close()
@@ -241,7 +243,7 @@ def test_one_pass_yields_every_token_once_then_stops(corpus):
     data, tok = corpus
     passes = {}
     for batch_size in (1, 7):
-        loader = D.text_loader(data, "val", tok, batch_size=batch_size, seq_len=64, max_epochs=1)
+        loader = L.text_loader(data, "val", tok, batch_size=batch_size, seq_len=64, max_epochs=1)
         passes[batch_size] = torch.cat([torch.cat([x[:, :1], y], 1) for x, y in loader])
         with pytest.raises(StopIteration):
             next(loader)
@@ -259,7 +261,7 @@ def test_short_documents_never_leave_a_row_nothing_to_crop(tmp_path, corpus):
     (an IndexError before)."""
     _, tok = corpus
     pq.write_table(pa.table({"text": ["x y"] * 40}), tmp_path / "short.parquet")
-    (x, y), = take(D.PackedLoader([tmp_path / "short.parquet"], tok, 2, 32, buffer_docs=3), 1)
+    (x, y), = take(L.PackedLoader([tmp_path / "short.parquet"], tok, 2, 32, buffer_docs=3), 1)
     doc = [tok.bos_id, *tok.encode("x y")]
     assert x[0].tolist() + y[0, -1:].tolist() == (doc * 33)[:33] and (x[:, 0] == tok.bos_id).all()
 
@@ -268,7 +270,7 @@ def test_empty_documents_are_skipped_and_counted(tmp_path, corpus):
     _, tok = corpus
     pq.write_table(pa.table({"text": ["a b c", "", None, "d e f g"] * 10}), tmp_path / "shard_00000.parquet")
     pq.write_table(pa.table({"text": ["x"]}), tmp_path / "shard_00001.parquet")
-    loader = D.text_loader(tmp_path, "train", tok, batch_size=2, seq_len=16, buffer_docs=5)
+    loader = L.text_loader(tmp_path, "train", tok, batch_size=2, seq_len=16, buffer_docs=5)
     while loader.state["epoch"] == 0:
         next(loader)
     loader.close()
@@ -280,17 +282,17 @@ def test_no_usable_document_is_an_error_not_a_hang(tmp_path, corpus):
     pq.write_table(pa.table({"text": ["", None]}), tmp_path / "shard_00000.parquet")
     pq.write_table(pa.table({"text": ["x"]}), tmp_path / "shard_00001.parquet")
     with pytest.raises(ValueError, match="found no usable document"):
-        next(D.text_loader(tmp_path, "train", tok, batch_size=1, seq_len=8))
+        next(L.text_loader(tmp_path, "train", tok, batch_size=1, seq_len=8))
 
 
 def test_state_for_another_world_size_is_refused(corpus):
     data, tok = corpus
-    loader = D.text_loader(data, "train", tok, batch_size=2, seq_len=32, world_size=2)
+    loader = L.text_loader(data, "train", tok, batch_size=2, seq_len=32, world_size=2)
     next(loader)
     state = loader.state_dict()
     loader.close()
     with pytest.raises(ValueError, match="world_size=2, this loader has world_size=1"):
-        D.text_loader(data, "train", tok, batch_size=2, seq_len=32).load_state_dict(state)
+        L.text_loader(data, "train", tok, batch_size=2, seq_len=32).load_state_dict(state)
 
 
 # --- the chat loader --------------------------------------------------------------------------------------------
@@ -316,7 +318,7 @@ def test_chat_rows_mask_pad_and_never_crop(tmp_path, corpus):
                                            {"role": "assistant", "content": "cut here"}]
     write_conversations(tmp_path / "train.parquet", conversations)
     T = 96
-    loader = D.PackedLoader([tmp_path / "train.parquet"], tok, 4, T, kind="chat", buffer_docs=16, name="sft")
+    loader = L.PackedLoader([tmp_path / "train.parquet"], tok, 4, T, kind="chat", buffer_docs=16, name="sft")
     batches = []
     # past the first epoch (its buffered conversations are out too) and past item 8 of the third pass
     while (loader.state["epoch"], loader.state["unit"], loader.state["doc"]) < (2, 0, 9):

@@ -9,6 +9,7 @@ import torch
 
 import common as C
 import dataset as D
+import loader as L
 import midtrain
 import report
 import sft
@@ -35,9 +36,9 @@ def parent_losses(run_dir, n):
     tokenizer = Tokenizer.load(config["tokenizer"])
     shape = (tokenizer, config["micro_batch"], args["sequence_len"])
     sources = [(s["path"], s["epochs"]) for s in config["sources"]] if config["stage"] == "sft" else None
-    loader = D.chat_loader(None, "train", *shape, files=D.mixture_files(sources), seed=args["seed"], threads=1) \
+    loader = L.chat_loader(None, "train", *shape, files=D.mixture_files(sources), seed=args["seed"], threads=1) \
         if config["stage"] == "sft" else \
-        D.mixture_loader(config["sources"], *shape, seed=args["seed"], supervise=config["supervise"], threads=1)
+        L.mixture_loader(config["sources"], *shape, seed=args["seed"], supervise=config["supervise"], threads=1)
     found = []
     with torch.no_grad():
         for _ in range(n):

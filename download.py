@@ -1,0 +1,400 @@
+"""Downloads, checked and resumable: a file by URL (download_file) and files of a Hugging Face hub repo
+(list_hub_files, download_hub_files), each under its final name only once its size, hash and (parquet) footer check
+out, retried with backoff, with one progress line. The repo's listing is saved beside the files (.hub_listing.json),
+so a rerun whose files are all on disk and intact needs no hub. dataset.py fetches corpora and chat sets through it,
+core_eval.py the eval bundle, chat_eval.py the task sets. By hand:
+
+    python download.py list openai/gsm8k                     # a hub dataset's files: size, sha256 or git blob id
+    python download.py get openai/gsm8k main/test-00000-of-00001.parquet --out DIR   # checked against the listing
+    python download.py url URL --out FILE --sha256 HEX       # a plain URL, resumed from FILE.partial if cut short
+"""
+import argparse
+import hashlib
+import json
+import os
+import random
+import shutil
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+# Download from the hub, through huggingface_hub (imported in the functions that use it: ~0.35 s of CPU that every
+# stage importing this file would pay for nothing): HfApi.list_repo_tree lists a repo (it follows the tree API's pages)
+# with each file's size and sha256 (LFS files) or git blob id (files kept in git); hf_hub_download fetches a file:
+# through hf_xet where the hub keeps it in Xet storage, else over plain HTTP, which it resumes with Range within the
+# call after a timeout or a body cut short (from the last whole chunk written, 10 MB), retrying 429s. Both read
+# HF_TOKEN and take the endpoint from hub_endpoint(); the token goes to the hub, never to the CDN it redirects to.
+# On top of it this file keeps the promises huggingface_hub does not make, each shown by a test in
+# tests/test_download.py:
+#   - a file appears under its final name only after its size, its hash from the listing and, for parquet, its footer
+#     check out; hf_hub_download checks none of them (test_a_flipped_byte_is_caught_by_the_listed_sha256_...);
+#   - a failed check, a 500, a reset mid-body are fetched again with backoff; hf_hub_download gives up on those
+#     (test_every_fault_is_survived_and_every_shard_ends_byte_identical);
+#   - every failure is one line that names the file and says what to do
+#     (test_a_shard_failing_every_check_never_appears_and_the_error_says_what_to_do).
+
+DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
+RETRIES = 8  # attempts per file; with the backoff below they wait ~60 s in all: enough to ride out a hub hiccup
+BACKOFF_BASE, BACKOFF_MAX = 0.5, 30.0
+
+
+class _Transient(Exception):
+    """A downloaded file failed a check (size, hash, content); a fresh download can fix it."""
+
+
+class _GaveUp(Exception):
+    """Every attempt failed; the message is the last error's first line."""
+
+
+def hub_endpoint():
+    """$HF_ENDPOINT (a mirror, or a local test server) or the public hub, read per call: huggingface_hub reads it once,
+    at import, so it is passed to it explicitly."""
+    return os.environ.get("HF_ENDPOINT", DEFAULT_HUB_ENDPOINT).rstrip("/")
+
+
+def _status(error):
+    response = getattr(error, "response", None)
+    return response.status_code if response is not None else None
+
+
+def _first_line(error):
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def _transient(error):
+    """Worth another attempt: network errors, 408/429/5xx answers (left over after huggingface_hub's own retries),
+    bodies short of their size, failed checks. Any other HTTP answer (401, 404, ...) is a mistake to report."""
+    from huggingface_hub.utils import HfHubHTTPError, httpx
+    if isinstance(error, HfHubHTTPError):
+        code = _status(error)
+        return code is None or code in (408, 429) or code >= 500
+    return isinstance(error, (httpx.HTTPError, OSError, _Transient))
+
+
+def _retrying(attempt, retries):
+    """attempt() until it returns, at most `retries` times, with exponential backoff between tries; raises _GaveUp
+    after the last, and at once what a retry cannot fix."""
+    retries = max(1, retries)
+    for i in range(retries):
+        try:
+            return attempt()
+        except Exception as e:
+            if not _transient(e):
+                raise
+            if i + 1 == retries:
+                raise _GaveUp(_first_line(e)) from e
+        # jitter: parallel workers hit by one 429 do not retry in lockstep
+        time.sleep(min(BACKOFF_BASE * 2 ** i, BACKOFF_MAX) * random.uniform(0.5, 1.0))
+
+
+def _hash_file(path, digest):
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _check(path, size=None, sha256=None, git_sha1=None, verify=None):
+    """Raise _Transient, deleting path (a bad prefix would poison every resume), unless path has the expected size,
+    sha256, git blob id (the sha1 of b"blob <size>\\0" + content: what the hub lists for a file kept in git) and passes
+    verify(path), which raises ValueError on bad content."""
+    got, problem = path.stat().st_size, None
+    if size is not None and got != size:
+        problem = f"size {got} bytes, expected {size}"
+    elif sha256 and (digest := _hash_file(path, hashlib.sha256())) != sha256.lower():
+        problem = f"sha256 {digest} does not match the expected {sha256}"
+    elif git_sha1 and (digest := _hash_file(path, hashlib.sha1(b"blob %d\0" % got, usedforsecurity=False))) != git_sha1:
+        problem = f"git blob id {digest} does not match the expected {git_sha1}"
+    elif verify:
+        try:
+            verify(path)
+        except ValueError as e:
+            problem = f"content check failed: {e}"
+    if problem:
+        path.unlink()
+        raise _Transient(problem)
+
+
+class _Bar:
+    """The part of tqdm's interface that huggingface_hub calls on a tqdm_class: silent."""
+
+    def __init__(self, initial=0, **kwargs):
+        self.n = initial
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n=1):
+        self.n += n
+
+    def update_transfer(self, n):  # hf_xet's network bytes: update() counts the bytes written, that is enough
+        pass
+
+    def set_postfix_str(self, *args, **kwargs):
+        pass
+
+    set_transfer_postfix_str = refresh = close = set_postfix_str
+
+
+def download_file(url, dest, size=None, sha256=None, verify=None, retries=RETRIES):
+    """Stream a plain URL (the eval bundle: not a hub repo, so not hf_hub_download, and no token) to dest. The bytes
+    go to dest + ".partial", which huggingface_hub's http_get resumes with Range within an attempt, and which later
+    attempts and later runs resume too (test_retries_run_out_with_an_error_that_keeps_the_partial_for_the_next_run).
+    dest appears (os.replace) only once the size, the sha256 and verify(partial) (raises ValueError on bad content)
+    pass; a dest that exists with the expected size is not fetched again."""
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.utils import HfHubHTTPError
+    dest = Path(dest)
+    if dest.exists() and (size is None or dest.stat().st_size == size):
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    partial = dest.with_name(dest.name + ".partial")
+
+    def attempt():
+        offset = partial.stat().st_size if partial.exists() else 0
+        try:
+            with open(partial, "ab") as f:
+                http_get(url, f, resume_size=offset, expected_size=size, tqdm_class=_Bar)
+        except HfHubHTTPError as e:
+            if _status(e) != 416:
+                raise
+            partial.unlink()  # the partial is not a prefix of what the server has now: start over
+            raise _Transient(f"server refused to resume at byte {offset} (HTTP 416)") from e
+        _check(partial, size, sha256, verify=verify)
+        os.replace(partial, dest)
+        return dest
+    try:
+        return _retrying(attempt, retries)
+    except HfHubHTTPError as e:
+        raise RuntimeError(f"{url} answered HTTP {_status(e)}: check the URL") from None
+    except _GaveUp as e:
+        kept = f"; the {partial.stat().st_size} bytes so far are kept in {partial}" if partial.exists() else ""
+        raise RuntimeError(f"could not download {dest.name} from {url} after {max(1, retries)} attempts (last error: "
+                           f"{e}){kept}: re-run the command to resume") from None
+
+
+def _hub_failure(what, error):
+    """The one line for a hub answer a retry cannot fix."""
+    from huggingface_hub.utils import RepositoryNotFoundError
+    code = _status(error)
+    if code in (401, 403) or isinstance(error, RepositoryNotFoundError):
+        # the hub answers 401 for a repo that does not exist as well as for one that is private
+        return RuntimeError(f"{what}: HTTP {code}: the repo is private or gated, or does not exist: set HF_TOKEN to a "
+                            f"token that can read it (and accept the dataset's terms on its page if it is gated)")
+    if code == 404:
+        return RuntimeError(f"{what}: HTTP 404: not found: check the repo id, the revision and the file path")
+    return RuntimeError(f"{what}: {_first_line(error)}")
+
+
+def list_hub_files(repo, revision="main", repo_type="dataset"):
+    """Every file of a repo: {"path", "size", "sha256" (LFS files), "git_sha1" (files kept in git)}."""
+    from huggingface_hub import HfApi, RepoFile
+    from huggingface_hub.utils import HfHubHTTPError, httpx
+    api = HfApi(endpoint=hub_endpoint())
+    try:
+        entries = list(api.list_repo_tree(repo, recursive=True, revision=revision, repo_type=repo_type))
+    except HfHubHTTPError as e:
+        if _transient(e):  # huggingface_hub retried 429/5xx five times already
+            raise RuntimeError(f"could not list {repo} at {hub_endpoint()} ({_first_line(e)}): re-run the command "
+                               f"later") from None
+        raise _hub_failure(f"listing {repo} (revision {revision})", e) from None
+    except httpx.HTTPError as e:
+        raise RuntimeError(f"could not list {repo} at {hub_endpoint()} ({_first_line(e)}): check the network (and "
+                           f"HF_ENDPOINT if set) and re-run the command") from None
+    return [{"path": e.path, "size": e.size, "sha256": e.lfs.sha256 if e.lfs else None,
+             "git_sha1": None if e.lfs else e.blob_id} for e in entries if isinstance(e, RepoFile)]
+
+
+def _fetch_hub_file(repo, entry, dest, staging, revision, repo_type, bar):
+    """One listed file: hf_hub_download into the staging dir, checked against the listing, then renamed to dest."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.utils import HfHubHTTPError
+    def attempt():
+        path = Path(hf_hub_download(repo, entry["path"], repo_type=repo_type, revision=revision, local_dir=staging,
+                                    endpoint=hub_endpoint(), tqdm_class=bar))
+        verify = verify_parquet if dest.suffix == ".parquet" else None
+        _check(path, entry["size"], entry["sha256"], entry["git_sha1"], verify)
+        os.replace(path, dest)
+        return dest
+    try:
+        return _retrying(attempt, RETRIES)
+    except HfHubHTTPError as e:
+        raise _hub_failure(f"{repo}: {entry['path']}", e) from None
+    except _GaveUp as e:
+        raise RuntimeError(f"could not download {entry['path']} from {repo} after {RETRIES} attempts (last error: {e}):"
+                           f" check the network (and HF_ENDPOINT if set) and re-run the command; complete files are "
+                           f"kept") from None
+
+
+def verify_parquet(path):
+    """A shard is usable if its footer parses and it has rows. Reading the footer catches truncation and non-parquet
+    bodies (an HTML error page saved as .parquet) in milliseconds; bit flips inside are the sha256's job."""
+    try:
+        num_rows = pq.ParquetFile(path).metadata.num_rows
+    except (pa.ArrowInvalid, OSError) as e:
+        raise ValueError(f"{path} is not a readable parquet file ({e})") from e
+    if num_rows <= 0:
+        raise ValueError(f"{path} is a parquet file with no rows")
+
+
+def _progress_line(total, already):
+    """A tqdm_class per file for hf_hub_download, all feeding one stderr line: MB done of total, MB/s, ETA. On a
+    terminal the line rewrites itself twice a second; in a log file it is a new line every 30 s."""
+    tty = sys.stderr.isatty()
+    lock, done, start, last = threading.Lock(), {}, time.time(), [0.0]
+
+    def show(final=False):
+        now = time.time()
+        if not final and now - last[0] < (0.5 if tty else 30):
+            return
+        last[0] = now
+        total_done = already + sum(done.values())
+        rate = (total_done - already) / max(now - start, 1e-6)
+        left = int((total - total_done) / rate) if rate > 0 else None
+        eta = f"{left // 3600}:{left % 3600 // 60:02d}:{left % 60:02d}" if left is not None else "unknown"
+        line = f"download: {total_done / 1e6:.1f}/{total / 1e6:.1f} MB, {rate / 1e6:.1f} MB/s, ETA {eta}"
+        print(("\r" if tty else "") + line + "   ", end="\n" if final or not tty else "", file=sys.stderr, flush=True)
+
+    def for_file(key):
+        class FileBar(_Bar):  # a new one per attempt, starting from the bytes it resumes from: done[key] is on disk
+            def update(self, n=1):
+                super().update(n)
+                with lock:
+                    done[key] = self.n
+                    show()
+        return FileBar
+    return for_file, show
+
+
+def download_entries(repo, entries, out_dir, revision, repo_type, workers):
+    """Download listed entries into out_dir, flat (by file name), in parallel. hf_hub_download writes into a staging
+    dir inside out_dir (same disk: the rename is atomic), which is removed at the end."""
+    out_dir = Path(out_dir)
+    names = [Path(e["path"]).name for e in entries]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two requested files share a name and would overwrite each other in {out_dir}: {names}")
+    dests = [out_dir / name for name in names]
+    todo = [(e, d) for e, d in zip(entries, dests) if not (d.exists() and d.stat().st_size == e["size"])]
+    total = sum(e["size"] or 0 for e in entries)
+    for_file, show = _progress_line(total, total - sum(e["size"] or 0 for e, _ in todo))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    staging, errors = out_dir / ".hub_download", []
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        futures = [pool.submit(_fetch_hub_file, repo, e, d, staging, revision, repo_type, for_file(d)) for e, d in todo]
+        for future in as_completed(futures):
+            try:
+                future.result()
+            except (RuntimeError, ValueError, OSError) as e:  # let the others finish: a re-run then has less to fetch
+                errors.append(e)
+    shutil.rmtree(staging, ignore_errors=True)  # nothing to resume in it: hf_hub_download deletes what it cut short
+    if todo:
+        show(final=True)
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {len(todo)} downloads failed:\n" + "\n".join(map(str, errors)))
+    return dests
+
+
+def download_hub_files(repo, paths, out_dir, revision="main", repo_type="dataset", workers=4):
+    """Download `paths` of a hub repo into out_dir (flat, by file name), `workers` at a time; the repo is listed once
+    for sizes and sha256s. Files already complete are skipped, parquet files are checked with verify_parquet."""
+    by_path = {f["path"]: f for f in list_hub_files(repo, revision, repo_type)}
+    missing = [p for p in paths if p not in by_path]
+    if missing:
+        raise ValueError(f"{repo} (revision {revision}) has no file {', '.join(missing)}")
+    return download_entries(repo, [by_path[p] for p in paths], out_dir, revision, repo_type, workers)
+
+
+LISTING = ".hub_listing.json"  # in a download directory: the repo's listing (sizes, hashes) its files were checked with
+
+
+def _saved_listing(out_dir, repo, revision):
+    """The listing saved by an earlier download into out_dir of this repo and revision, or None."""
+    try:
+        saved = json.loads((Path(out_dir) / LISTING).read_text())
+    except (OSError, ValueError):
+        return None
+    return saved["files"] if (saved.get("repo"), saved.get("revision")) == (repo, revision) else None
+
+
+def _complete_on_disk(entries, out_dir, workers=4):
+    """True when every entry is in out_dir (flat, by file name) with its listed size and sha256 or git blob id: a rerun
+    then needs no hub. Hashing is what makes it safe: ~20 GB of shards take tens of seconds, a hub outage hours."""
+    def ok(e):
+        path = Path(out_dir) / Path(e["path"]).name
+        if not path.is_file() or path.stat().st_size != e["size"] or not (e["sha256"] or e["git_sha1"]):
+            return False
+        if e["sha256"]:
+            return _hash_file(path, hashlib.sha256()) == e["sha256"].lower()
+        return _hash_file(path, hashlib.sha1(b"blob %d\0" % e["size"], usedforsecurity=False)) == e["git_sha1"]
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        return all(pool.map(ok, entries))
+
+
+def listed_or_saved(repo, revision, out_dir, select, workers=4):
+    """(entries chosen by select(listing), from_disk). The listing saved at the last download is tried first: when
+    every chosen file is on disk and matches its stored hashes, no hub call is made (a resume during a hub outage, or
+    offline). Otherwise the hub is listed and its listing saved in out_dir for the next run."""
+    saved = _saved_listing(out_dir, repo, revision)
+    if saved is not None:
+        try:
+            chosen = select(saved)
+        except ValueError:
+            chosen = None  # the saved listing cannot answer this request (more shards than it had): ask the hub
+        if chosen and _complete_on_disk(chosen, out_dir, workers):
+            return chosen, True
+    files = list_hub_files(repo, revision)
+    chosen = select(files)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    tmp = Path(out_dir) / (LISTING + ".tmp")
+    tmp.write_text(json.dumps({"repo": repo, "revision": revision, "files": files}))
+    os.replace(tmp, Path(out_dir) / LISTING)
+    return chosen, False
+
+
+# -----------------------------------------------------------------------------
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("list", help="a hub repo's files with their sizes and hashes")
+    p.add_argument("repo", help="hub repo id, e.g. openai/gsm8k")
+    p.add_argument("--revision", default="main", help="branch, tag or commit (default: %(default)s)")
+    p.add_argument("--repo_type", default="dataset", choices=["dataset", "model"], help="(default: %(default)s)")
+    p = commands.add_parser("get", help="files of a hub repo, checked against its listing, into one directory")
+    p.add_argument("repo", help="hub repo id, e.g. openai/gsm8k")
+    p.add_argument("paths", nargs="+", help="file paths inside the repo (see `list`)")
+    p.add_argument("--out", required=True, help="directory to put them in, by file name (required)")
+    p.add_argument("--revision", default="main", help="branch, tag or commit (default: %(default)s)")
+    p.add_argument("--repo_type", default="dataset", choices=["dataset", "model"], help="(default: %(default)s)")
+    p.add_argument("--workers", type=int, default=4, help="parallel downloads (default: %(default)s)")
+    p = commands.add_parser("url", help="one file from a plain URL, resumable")
+    p.add_argument("url", help="the file's URL")
+    p.add_argument("--out", required=True, help="the file to write (required)")
+    p.add_argument("--size", type=int, default=None, help="expected size in bytes (default: not checked)")
+    p.add_argument("--sha256", default=None, help="expected sha256 in hex (default: not checked)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "list":
+            for f in list_hub_files(args.repo, args.revision, args.repo_type):
+                print(f"{f['path']}\t{f['size']}\t{f['sha256'] or 'git ' + str(f['git_sha1'])}")
+        elif args.command == "get":
+            paths = download_hub_files(args.repo, args.paths, args.out, args.revision, args.repo_type, args.workers)
+            print(f"download.py get: {len(paths)} files of {args.repo} in {args.out}")
+        else:
+            print(f"download.py url: {download_file(args.url, args.out, args.size, args.sha256)}")
+    except (ValueError, RuntimeError, OSError) as e:
+        parser.exit(2, f"download.py {args.command}: error: {e}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,634 @@
+"""The streaming loaders: batches of (inputs, targets) on the device, from a text corpus (text_loader), conversations
+(chat_loader) or a mixture of both at token shares (mixture_loader), each resumable bit-identically from its
+state_dict(). The packing decisions (which pieces fill a row, where one is cropped, padding, targets) are the pure
+functions below PieceBuffer; PackedLoader is the threads and files around them. To see what a batch holds:
+
+    python loader.py --data_dir data/demo/pretrain --tokenizer runs/tokenizer   # pretraining rows, decoded
+    python loader.py --chat data/demo/conversations --tokenizer runs/tokenizer  # SFT rows: what each row trains on
+
+In code: `inputs, targets = next(text_loader(data_dir, "train", tokenizer, batch_size, seq_len))`.
+"""
+import argparse
+import bisect
+import heapq
+import itertools
+import os
+import queue
+import random
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dataset import chat_dir, chat_files, chat_rows, check_sources, open_parquet, read_row_group, split_shards
+from tokenizer import Tokenizer
+
+STAT_KEYS = ("batches", "tokens", "supervised", "docs", "doc_tokens", "pieces", "cropped", "padding", "empty",
+             "no_assistant", "too_long", "malformed", "empty_content")
+REPORT_SKIPPED = 5  # the first few conversations skipped as bad input are printed (file, row, why); the rest counted
+
+
+def assign_units(files, rank, world_size):
+    """What rank `rank` of `world_size` reads: row groups rank, rank+W, ... of the files in order, so ranks never share
+    a document. A split with fewer row groups than ranks (a small validation shard) is dealt by document instead:
+    rank r takes documents r, r+W, ... of every row group. A unit is (path, row group, first doc, doc step)."""
+    row_groups = [(path, i) for path in files for i in range(open_parquet(path, column=None).num_row_groups)]
+    if len(row_groups) >= world_size:
+        return [(path, i, 0, 1) for path, i in row_groups[rank::world_size]]
+    return [(path, i, rank, world_size) for path, i in row_groups]
+
+
+def cut_into_pieces(ids, row_len, bos):
+    """A document longer than a row as row-sized pieces, each after the first led by a BOS of its own. Cutting its
+    loss mask the same way, with the mask's value for BOS as `bos`, keeps each piece's mask aligned with its ids."""
+    rest = [np.concatenate([[bos], ids[s:s + row_len - 1]]).astype(ids.dtype)
+            for s in range(row_len, len(ids), row_len - 1)]
+    return [ids[:row_len], *rest]
+
+
+def skipped(item):
+    """An item the reader could not use: None (an empty document) or the reason it was skipped."""
+    return item is None or isinstance(item, str)
+
+
+class PieceBuffer:
+    """The packer's buffer: pieces (ids, mask, arrival number) sorted by length, so the largest piece that fits a
+    space is a bisect. `live` maps each buffered piece's arrival number (unique, saved with the state) to its length
+    and `oldest` is a heap of arrival numbers, so the oldest piece is found without a scan (entries no longer live
+    are dropped lazily). `tokens` is the number of tokens buffered."""
+
+    def __init__(self, pieces):
+        self.lengths, self.pieces, self.live, self.oldest, self.tokens = [], [], {}, [], 0
+        for ids, mask, arrival in pieces:
+            self.add(ids, mask, arrival)
+
+    def __len__(self):
+        return len(self.pieces)
+
+    def add(self, ids, mask, arrival):
+        i = bisect.bisect_right(self.lengths, len(ids))
+        self.lengths.insert(i, len(ids))
+        self.pieces.insert(i, (ids, mask, arrival))
+        self.live[arrival] = len(ids)
+        heapq.heappush(self.oldest, arrival)
+        self.tokens += len(ids)
+
+    def take(self, i):
+        self.lengths.pop(i)
+        ids, mask, arrival = self.pieces.pop(i)
+        del self.live[arrival]
+        self.tokens -= len(ids)
+        return ids, mask, arrival
+
+    def take_oldest(self):
+        while self.oldest[0] not in self.live:
+            heapq.heappop(self.oldest)
+        arrival = self.oldest[0]
+        first = bisect.bisect_left(self.lengths, self.live[arrival])  # among the pieces of its length
+        return self.take(next(i for i in range(first, len(self.pieces)) if self.pieces[i][2] == arrival))
+
+    def take_largest(self, space):
+        """The largest piece of at most `space` tokens, or None if none is that short."""
+        i = bisect.bisect_right(self.lengths, space) - 1
+        return self.take(i) if i >= 0 else None
+
+
+# -----------------------------------------------------------------------------
+# Packing: pure functions, no threads and no I/O. Given documents' token ids (and loss masks) and the row length, they
+# fill rows; they change only the PieceBuffer, the rows and the stats dict they are handed (STAT_KEYS' counters).
+# A document is what the reader hands over: ids (text), (ids, mask) (a conversation: mask 1 where the token is a
+# target), or a skipped one: None (empty) or the stats key it is counted under ("too_long", "malformed", ...).
+
+_END = object()  # next(documents, _END): the documents have run out
+
+
+def add_document(buffer, document, row_len, bos, stats):
+    """Buffer one document; a skipped one is only counted. A document longer than a row is cut into row-sized BOS-led
+    pieces here (pack="pad" renders at most a row), a conversation's mask with it: its tokens after the first piece
+    are counted as 'cropped', moved to a later row cut off from the document's start."""
+    if skipped(document):
+        stats[document or "empty"] += 1
+        return
+    ids, mask = document if isinstance(document, tuple) else (document, None)
+    stats["docs"], stats["doc_tokens"] = stats["docs"] + 1, stats["doc_tokens"] + len(ids)
+    pieces = [(ids, mask)]
+    if len(ids) > row_len:
+        stats["cropped"] += len(ids) - row_len
+        id_pieces = cut_into_pieces(ids, row_len, bos)
+        mask_pieces = [None] * len(id_pieces) if mask is None else cut_into_pieces(mask, row_len, mask[0])
+        pieces = list(zip(id_pieces, mask_pieces, strict=True))
+    for piece, piece_mask in pieces:
+        buffer.add(piece, piece_mask, stats["pieces"])  # arrival numbers count pieces: unique, and in order
+        stats["pieces"] += 1
+
+
+def top_up(buffer, documents, row_len, bos, crop, buffer_docs, stats):
+    """Read documents (an iterator) into the buffer, in order, until it holds buffer_docs pieces; cropping also wants
+    a row's worth of tokens, else the row would take every piece and find nothing left to crop. Stops early when the
+    documents run out (max_epochs)."""
+    while len(buffer) < buffer_docs or (crop and buffer.tokens < row_len):
+        document = next(documents, _END)
+        if document is _END:
+            return
+        add_document(buffer, document, row_len, bos, stats)
+
+
+def fill_row(buffer, row, row_mask, bos, crop, stats):
+    """The oldest piece opens the row, so nothing waits more than about buffer_docs rows (pure best-fit starves
+    short documents indefinitely); then the largest piece that fits the space left, again and again; then
+    pad_or_crop() the rest. row_mask (None: no masks) gets the pieces' masks where they have one."""
+    pos, piece = 0, buffer.take_oldest()
+    while piece is not None:
+        ids, mask, _ = piece
+        row[pos:pos + len(ids)] = ids
+        if mask is not None:
+            row_mask[pos:pos + len(ids)] = mask
+        pos += len(ids)
+        piece = buffer.take_largest(len(row) - pos)
+    if pos < len(row):
+        pad_or_crop(buffer, row, row_mask, pos, bos, crop, stats)
+
+
+def pad_or_crop(buffer, row, row_mask, pos, bos, crop, stats):
+    """No piece fits the rest of the row from `pos`. pack="pad" (crop=False) pads it (inputs BOS, mask 0: targets -1):
+    conversations are never cropped. pack="crop" crops the smallest piece to fill it and puts the remainder back as a
+    new BOS-led piece (its mask too: mask[0] is the piece's BOS's), under the same arrival number, so it opens a row
+    soon: nothing is discarded, and the moved tokens are counted as 'cropped'."""
+    space = len(row) - pos
+    if not crop or not len(buffer):  # cropping pads only when the data has ended (max_epochs)
+        row[pos:], row_mask[pos:] = bos, 0
+        stats["padding"] += space
+        return
+    ids, mask, arrival = buffer.take(0)
+    row[pos:] = ids[:space]
+    if mask is not None:
+        row_mask[pos:] = mask[:space]
+    stats["cropped"] += len(ids) - space
+    buffer.add(np.concatenate([[bos], ids[space:]]).astype(np.int32),
+               None if mask is None else np.concatenate([mask[:1], mask[space:]]), arrival)
+
+
+def pack_batch(buffer, documents, batch_size, row_len, bos, *, crop, buffer_docs, masked, stats):
+    """(rows, masks) of one batch: up to batch_size int32 rows of row_len tokens, each filled by fill_row() after a
+    top_up() from `documents`, and their int8 masks (1: a target, 0: padding or not supervised), or None when
+    masked=False (text that never pads). Fewer rows, or none, once the documents have run out and the buffer is empty;
+    a batch of rows counts as one in stats (batches, tokens: row_len - 1 targets a row, supervised)."""
+    rows = np.empty((batch_size, row_len), dtype=np.int32)
+    masks = np.ones((batch_size, row_len), dtype=np.int8) if masked else None
+    filled = 0
+    for b in range(batch_size):
+        top_up(buffer, documents, row_len, bos, crop, buffer_docs, stats)
+        if not len(buffer):  # the data has ended and every piece is in a row: a short last batch
+            break
+        fill_row(buffer, rows[b], None if masks is None else masks[b], bos, crop, stats)
+        filled += 1
+    if filled:
+        stats["batches"], stats["tokens"] = stats["batches"] + 1, stats["tokens"] + filled * (row_len - 1)
+        stats["supervised"] += filled * (row_len - 1) if masks is None else int(masks[:filled, 1:].sum())
+    return rows[:filled], None if masks is None else masks[:filled]
+
+
+def inputs_and_targets(rows, masks):
+    """A batch's rows as one int32 array [inputs, targets] of shape (2, rows, row_len - 1): targets are the inputs
+    shifted by one, -1 where the mask is 0 (padding, or not supervised), which cross-entropy ignores."""
+    inputs, targets = rows[:, :-1], rows[:, 1:].copy()
+    if masks is not None:
+        targets[masks[:, 1:] == 0] = -1
+    return np.stack([inputs, targets])
+
+
+class Pipe:
+    """A bounded queue between the threads of one started pipeline, with that pipeline's stop event: put() and get()
+    give up once it is set. Each start makes its own event and close() only ever sets it, so a thread that outlives
+    close()'s join still finds its pipeline stopped and exits."""
+
+    def __init__(self, maxsize, stop, name):
+        self.queue, self.stop, self.name = queue.Queue(maxsize=maxsize), stop, name
+
+    def put(self, item):
+        """Hand `item` on; False if the pipeline was stopped first."""
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def get(self):
+        while not self.stop.is_set():
+            try:
+                return self.queue.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        raise RuntimeError(f"{self.name} loader was closed while waiting: next() starts it again from its last state")
+
+
+class PackedLoader:
+    """(inputs, targets) batches of shape (B, T) for one rank, packed without padding (pack="crop": text, and
+    conversations in midtraining) or from whole conversations padded at the end of a row (pack="pad": SFT). Iterate
+    it; state_dict() is the exact position after the last batch handed out, buffered documents included, and a loader
+    given it by load_state_dict() continues with bit-identical batches.
+
+    Pipeline: a reader thread reads this rank's row groups and tokenizes them (tiktoken's batch encoder runs on
+    `threads` threads outside the GIL); a packer thread fills rows of T+1 tokens and copies each batch to the
+    device (pinned memory, non_blocking) `prefetch` batches ahead of the training step. Every batch travels with the
+    state after it, so the state never runs ahead of what the consumer has seen.
+
+    Order: seed=None reads the row groups ("units") and their documents in file order every epoch (pretraining).
+    seed=N visits the units in an order shuffled from (N, epoch) and the documents of each unit in an order shuffled
+    from (N, epoch, unit), so small sets are seen in a new order every epoch; the state's (epoch, unit, doc) are then
+    positions in those orders, so a resume mid-epoch is still exact.
+
+    Packing is best-fit from a buffer of about `buffer_docs` pieces (top_up, add_document); every row starts with a
+    BOS and with the oldest buffered piece (fill_row). pack="crop" rows have no padding: documents longer than a row
+    are cut into BOS-led pieces and a piece that does not fit is cropped, its remainder kept for a later row; a
+    conversation's loss mask is cut along with it. pack="pad" rows hold whole conversations (rendered to at most a
+    row, cut after an assistant turn) and are padded, so every row has a supervised target. Conversation targets are
+    -1 on padding and, with supervise="assistant", on every token that is not assistant content or <|assistant_end|>;
+    supervise="all" trains on every real token, as text does.
+
+    max_epochs=None cycles over the data forever (training); max_epochs=N stops after N passes (validation): the
+    buffer empties into the last rows, whose unfilled end is padded (inputs BOS, targets -1), the last batch may
+    have fewer rows, and then iteration stops."""
+
+    def __init__(self, files, tokenizer, batch_size, seq_len, kind="text", rank=0, world_size=1, device="cpu",
+                 buffer_docs=1000, threads=None, prefetch=2, name="train", max_epochs=None, pack=None,
+                 supervise=None, seed=None):
+        if kind not in ("text", "chat"):
+            raise ValueError(f"kind={kind!r} is not allowed: choose text or chat")
+        pack = pack or ("crop" if kind == "text" else "pad")
+        supervise = supervise or ("all" if kind == "text" else "assistant")
+        if pack not in ("pad", "crop") or supervise not in ("all", "assistant"):
+            raise ValueError(f"{name}: pack={pack!r}, supervise={supervise!r}: choose pack pad or crop, supervise all or "
+                             f"assistant")
+        if kind == "text" and (pack, supervise) != ("crop", "all"):
+            raise ValueError(f"{name}: text is packed with pack='crop' and supervise='all' (every token is a target), "
+                             f"got pack={pack!r}, supervise={supervise!r}")
+        self.files, self.tokenizer, self.kind, self.name = [Path(f) for f in files], tokenizer, kind, name
+        self.pack, self.crop, self.supervise, self.seed = pack, pack == "crop", supervise, seed
+        self.B, self.T, self.rank, self.world_size = batch_size, seq_len, rank, world_size
+        self.device, self.buffer_docs = torch.device(device), buffer_docs
+        self.threads, self.prefetch, self.max_epochs = threads or os.cpu_count(), prefetch, max_epochs
+        self.units = assign_units(self.files, rank, world_size)
+        if not self.units:
+            raise ValueError(f"{name}: rank {rank} of {world_size} has no data in {', '.join(map(str, self.files))}")
+        self.state = {"epoch": 0, "unit": 0, "doc": 0, "buffer": [], "stats": dict.fromkeys(STAT_KEYS, 0)}
+        self._threads, self._batches = [], None  # the running pipeline's threads and its Pipe of batches
+        self._reported = 0  # skipped conversations printed so far
+
+    # --- state ---------------------------------------------------------------------------------------------------
+    @property
+    def epoch(self):
+        """The pass over this rank's data that the next row comes from (0: the first; 1 and up: repeated data)."""
+        return self.state["epoch"]
+
+    def state_dict(self):
+        buffer = self.state["buffer"]
+        ids = np.concatenate([x for x, _, _ in buffer]) if buffer else np.zeros(0, np.int32)
+        masks = np.concatenate([m for _, m, _ in buffer]) if buffer and self.kind == "chat" else np.zeros(0, np.int8)
+        return {"epoch": self.state["epoch"], "unit": self.state["unit"], "doc": self.state["doc"],
+                "stats": dict(self.state["stats"]), "buffer_ids": torch.from_numpy(ids),
+                "buffer_masks": torch.from_numpy(masks),
+                "buffer_lengths": torch.tensor([len(x) for x, _, _ in buffer], dtype=torch.int64),
+                "buffer_arrivals": torch.tensor([a for _, _, a in buffer], dtype=torch.int64),
+                "rank": self.rank, "world_size": self.world_size, "seq_len": self.T, "kind": self.kind,
+                "pack": self.pack, "supervise": self.supervise, "seed": self.seed}
+
+    def load_state_dict(self, sd):
+        for key, mine in (("rank", self.rank), ("world_size", self.world_size), ("seq_len", self.T),
+                          ("kind", self.kind), ("pack", self.pack), ("supervise", self.supervise), ("seed", self.seed)):
+            if key in sd and sd[key] != mine:  # pack, supervise, seed: absent from states saved before they existed
+                raise ValueError(f"{self.name} loader: state was saved with {key}={sd[key]}, this loader has {key}="
+                                 f"{mine}; an exact resume needs the same {key}")
+        if self._batches is not None:
+            raise RuntimeError("load_state_dict() must come before the first batch: close() the loader first")
+        bounds = np.cumsum([0, *sd["buffer_lengths"].tolist()])
+        ids, masks = sd["buffer_ids"].numpy(), sd["buffer_masks"].numpy()
+        buffer = [(ids[a:b].copy(), masks[a:b].copy() if self.kind == "chat" else None, arrival)
+                  for (a, b), arrival in zip(itertools.pairwise(bounds), sd["buffer_arrivals"].tolist(), strict=True)]
+        self.state = {"epoch": sd["epoch"], "unit": sd["unit"], "doc": sd["doc"], "buffer": buffer,
+                      "stats": {**dict.fromkeys(STAT_KEYS, 0), **sd["stats"]}}
+
+    def log_line(self):
+        s = self.state["stats"]
+        line = (f"{self.name} loader rank {self.rank}/{self.world_size}: epoch {self.state['epoch']}, "
+                f"{s['batches']:,} batches, {s['tokens']:,} tokens, {s['docs']:,} docs, empty skipped {s['empty']:,}")
+        cropped = f"{100 * s['cropped'] / s['doc_tokens']:.1f}%" if s["doc_tokens"] else "n/a"
+        cropped = f", cropped {cropped} of document tokens (moved to a later row as a BOS-led piece; none discarded)"
+        if self.kind == "text":
+            return line + cropped
+        padding = f"{100 * s['padding'] / (s['batches'] * self.B * (self.T + 1)):.1f}%" if s["batches"] else "n/a"
+        supervised = f"{100 * s['supervised'] / s['tokens']:.1f}%" if s["tokens"] else "n/a"
+        cropped = cropped if self.crop else ""
+        return line + (f", supervised {supervised} of targets ({self.supervise}), padding {padding}{cropped}, "
+                       f"skipped: no assistant turn {s['no_assistant']:,}, malformed {s['malformed']:,}, first "
+                       f"exchange longer than a row {s['too_long']:,}, empty content {s['empty_content']:,}")
+
+    # --- the pipeline --------------------------------------------------------------------------------------------
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._batches is None:
+            self._start()
+        item = self._batches.get()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        batch, self.state = item
+        return batch
+
+    def close(self, timeout=10):
+        """Stop the threads; the next batch starts new ones from self.state."""
+        if self._batches is not None:
+            self._batches.stop.set()  # for good: this start's threads hold this event, whether they join in time or not
+        for thread in self._threads:
+            thread.join(timeout=timeout)
+        self._threads, self._batches = [], None
+
+    def _start(self):
+        stop = threading.Event()  # this start's own (see Pipe)
+        units, batches = Pipe(2, stop, self.name), Pipe(self.prefetch, stop, self.name)
+        start = (self.state["epoch"], self.state["unit"], self.state["doc"])
+        self._threads = [threading.Thread(target=self._guard, args=(batches, self._read, start, units), daemon=True),
+                         threading.Thread(target=self._guard, args=(batches, self._pack, units, batches, self.state),
+                                          daemon=True)]
+        self._batches = batches
+        for thread in self._threads:
+            thread.start()
+
+    def _guard(self, batches, fn, *args):
+        try:
+            fn(*args)
+        except BaseException as e:  # noqa: BLE001 -- handed to the consumer, who raises it, instead of dying silently
+            batches.put(e)
+
+    def _read(self, start, out):
+        """Reader thread: per row group, (epoch, unit, first doc index, [encoded doc, or None/reason if skipped]);
+        unit and doc are positions in the epoch's visiting order (see the class docstring)."""
+        epoch, first_unit, doc = start
+        while epoch != self.max_epochs:
+            order = list(range(len(self.units)))  # order[k]: the unit visited k-th this epoch
+            if self.seed is not None:
+                random.Random(f"{self.seed} {epoch}").shuffle(order)
+            for unit in range(first_unit, len(self.units)):
+                doc_order = None if self.seed is None else f"{self.seed} {epoch} {order[unit]}"
+                if not out.put((epoch, unit, doc, self._encode(self.units[order[unit]], doc, doc_order))):
+                    return
+                doc = 0
+            epoch, first_unit = epoch + 1, 0
+        out.put(None)  # the data has ended (max_epochs)
+
+    def _encode(self, unit, skip, doc_order=None):
+        """The documents of a unit from position `skip` on, in file order or shuffled with the seed `doc_order`."""
+        path, row_group, first, step = unit
+        items = read_row_group(path, row_group, "text") if self.kind == "text" else chat_rows(path, row_group)
+        rows = list(range(first, len(items), step))  # indices in the row group
+        if doc_order is not None:
+            random.Random(doc_order).shuffle(rows)
+        rows = rows[skip:]
+        if self.kind == "text":
+            texts = [items[r] for r in rows]
+            encoded = iter(self.tokenizer.encode_batch([t for t in texts if t], num_threads=self.threads))
+            bos = self.tokenizer.bos_id
+            return [np.array([bos, *next(encoded)], dtype=np.int32) if t else None for t in texts]
+        out = []
+        for r in rows:
+            conversation, why = ("malformed", items[r]) if isinstance(items[r], str) else self._render(items[r])
+            if why and self.rank == 0 and self._reported < REPORT_SKIPPED:
+                self._reported += 1
+                row = sum(open_parquet(path, None).metadata.row_group(g).num_rows for g in range(row_group)) + r
+                more = f" (only the first {REPORT_SKIPPED} are printed; log_line() counts them all)" \
+                    if self._reported == REPORT_SKIPPED else ""
+                print(f"{self.name} loader: skipping {path} row {row}: {why}{more}")
+            out.append(conversation)
+        return out
+
+    def _render(self, messages):
+        """(ids, mask) arrays of one conversation, or the stats key it is skipped under; then why it is bad input,
+        None if it is not. pack="pad" renders at most a row, cut after the last assistant turn that fits, so a kept
+        conversation always has a supervised token; pack="crop" renders it whole (it is cut into pieces like text)."""
+        if not messages:
+            return None, "no messages"
+        try:
+            ids, mask = self.tokenizer.render_conversation(messages, max_tokens=None if self.crop else self.T + 1)
+        except ValueError as e:  # an unknown role, content that is not a string, roles out of order
+            return "malformed", str(e)
+        if empty := [i for i, m in enumerate(messages) if m["role"] != "system" and isinstance(m["content"], str)
+                     and not m["content"].strip()]:
+            return "empty_content", f"message {empty[0]} ({messages[empty[0]]['role']}) has empty content"
+        if not any(m["role"] == "assistant" for m in messages):
+            return "no_assistant", "no assistant turn"
+        if not ids:
+            return "too_long", None  # not bad input: a longer row would take it
+        mask = np.ones(len(ids), np.int8) if self.supervise == "all" else np.array(mask, np.int8)
+        return (np.array(ids, np.int32), mask), None
+
+    # --- packing -------------------------------------------------------------------------------------------------
+    def _pack(self, units, batches, state):
+        """Packer thread: pack_batch() rows from the buffer, ship each batch to the device with the state after it."""
+        stats, buffer = dict(state["stats"]), PieceBuffer(state["buffer"])
+        # of the next unread document: where a resume reads on; _documents moves it, to None once the data has ended
+        position = [(state["epoch"], state["unit"], state["doc"])]
+        documents = self._documents(units, position, buffered=len(buffer))
+        masked = self.kind == "chat" or self.max_epochs is not None  # a row that can end in padding needs a mask
+        while len(buffer) or position[0] is not None:
+            rows, masks = pack_batch(buffer, documents, self.B, self.T + 1, self.tokenizer.bos_id, crop=self.crop,
+                                     buffer_docs=self.buffer_docs, masked=masked, stats=stats)
+            if len(rows):  # none: the data ended with every piece already in a row
+                epoch, unit, doc = position[0] or (self.max_epochs, 0, 0)  # None: the data has ended
+                after = {"epoch": epoch, "unit": unit, "doc": doc, "stats": dict(stats), "buffer": list(buffer.pieces)}
+                if not batches.put((self._to_device(rows, masks), after)):
+                    return
+        batches.put(StopIteration())  # max_epochs passes are done: __next__ raises it
+
+    def _documents(self, units, position, buffered):
+        """The documents from position[0] on, in order, each an encoded document or why it is skipped; before each
+        is handed out, position[0] becomes the position of the next unread document (None after the last), so it is
+        exact even when nothing has been read since a resume. A pass over all the data with no usable document is an
+        error (the buffer would wait forever); `buffered` pieces restored from a checkpoint count as usable."""
+        epoch, usable = position[0][0], buffered
+        while (got := units.get()) is not None:
+            item_epoch, unit, doc, items = got
+            if item_epoch != epoch:
+                if not usable:
+                    raise ValueError(f"{self.name} loader: a whole pass over {len(self.units)} row groups found no "
+                                     f"usable document ({self.log_line()})")
+                if self.rank == 0:
+                    print(f"{self.name} loader: epoch {item_epoch} starts (the data ran out, starting over)")
+                epoch, usable = item_epoch, 0
+            for read, item in enumerate(items, start=1):
+                usable += not skipped(item)
+                last = read == len(items)  # then the next document is the first of the next row group
+                position[0] = self._next_unit(epoch, unit) if last else (epoch, unit, doc + read)
+                yield item
+        position[0] = None
+
+    def _next_unit(self, epoch, unit):
+        return (epoch + 1, 0, 0) if unit + 1 == len(self.units) else (epoch, unit + 1, 0)
+
+    def _to_device(self, rows, masks):
+        batch = torch.from_numpy(inputs_and_targets(rows, masks))  # int32 on the wire, half the bytes of int64
+        if self.device.type == "cuda":
+            batch = batch.pin_memory().to(self.device, non_blocking=True)
+        batch = batch.long()
+        return batch[0], batch[1]
+
+
+def text_loader(data_dir, split, tokenizer, batch_size, seq_len, **kwargs):
+    """The pretraining loader over a corpus directory's train or val split."""
+    return PackedLoader(split_shards(data_dir, split), tokenizer, batch_size, seq_len, kind="text",
+                        **{"name": split, **kwargs})
+
+
+def chat_loader(chat_dir, split, tokenizer, batch_size, seq_len, *, pack="pad", supervise="assistant", seed=None,
+                files=None, **kwargs):
+    """The conversation loader over a chat directory's train or val files (or a list of files, e.g. mixture_files):
+    pack="pad" for SFT (whole conversations, padded), pack="crop" for midtraining (packed like text);
+    supervise="assistant" or "all" (see PackedLoader)."""
+    return PackedLoader(files or chat_files(chat_dir, split), tokenizer, batch_size, seq_len, kind="chat", pack=pack,
+                        supervise=supervise, seed=seed, **{"name": f"chat {split}", **kwargs})
+
+
+def mixture_loader(sources, tokenizer, batch_size, seq_len, *, rank=0, world_size=1, device="cpu", seed=0, **kwargs):
+    """Midtraining's loader: rows from a text corpus and conversation sets at configured token shares (MixtureLoader).
+    sources: [{"name", "kind": "text"|"chat", "path": corpus dir (its train split) or chat dir (its train files),
+    "share"}]; supervise="assistant"|"all" (in kwargs) picks the conversations' targets, other kwargs go to every
+    source's PackedLoader."""
+    return MixtureLoader(sources, tokenizer, batch_size, seq_len, rank=rank, world_size=world_size, device=device,
+                         seed=seed, **kwargs)
+
+
+class MixtureLoader:
+    """(inputs, targets) batches of shape (B, T) whose rows come from several sources at configured token shares.
+    Each row is taken from the source whose realized token share is furthest below its target (ties: the first
+    listed), so after n rows every source is within about a row of share * n rows: the mixture holds from the first
+    batches on, not only on average. Each source is a one-row PackedLoader: text_loader over the train split of a
+    corpus, or chat_loader over a chat directory's train files with pack="crop" (conversations packed BOS-aligned like
+    text, no padding). The realized shares come from those loaders' token counts, which their states restore, so
+    state_dict() is just theirs and a resume gives bit-identical batches."""
+
+    def __init__(self, sources, tokenizer, batch_size, seq_len, *, rank=0, world_size=1, device="cpu", seed=0,
+                 supervise="assistant", prefetch=2, name="mixture", **kwargs):
+        check_sources(sources)
+        self.names, self.targets = [s["name"] for s in sources], [float(s["share"]) for s in sources]
+        self.B, self.T, self.rank, self.world_size = batch_size, seq_len, rank, world_size
+        self.device, self.name, self.batches = torch.device(device), name, 0
+        # each source keeps a batch's worth of rows ready (prefetch counts its one-row batches)
+        common = {"rank": rank, "world_size": world_size, "seed": seed, "prefetch": prefetch * batch_size, **kwargs}
+        self.loaders = []
+        for source in sources:
+            if source["kind"] == "text":
+                loader = text_loader(source["path"], "train", tokenizer, 1, seq_len, name=source["name"], **common)
+            else:
+                loader = chat_loader(source["path"], "train", tokenizer, 1, seq_len, pack="crop", supervise=supervise,
+                                     name=source["name"], **common)
+            self.loaders.append(loader)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        tokens = [loader.state["stats"]["tokens"] for loader in self.loaders]
+        rows = []
+        for _ in range(self.B):
+            total = sum(tokens) + self.T  # with this row: the first goes to the largest share, not the first listed
+            i = max(range(len(tokens)), key=lambda k: self.targets[k] * total - tokens[k])  # max keeps the first
+            rows.append(next(self.loaders[i]))
+            tokens[i] = self.loaders[i].state["stats"]["tokens"]
+        self.batches += 1
+        batch = torch.stack([torch.cat([x for x, _ in rows]), torch.cat([y for _, y in rows])])
+        if self.device.type == "cuda":
+            batch = batch.pin_memory().to(self.device, non_blocking=True)
+        return batch[0], batch[1]
+
+    def close(self, timeout=10):
+        for loader in self.loaders:
+            loader.close(timeout)
+
+    @property
+    def state(self):
+        """The sources' counters summed, shaped like a PackedLoader's state["stats"] (what the training loop reads)."""
+        stats = {key: sum(loader.state["stats"][key] for loader in self.loaders) for key in STAT_KEYS}
+        return {"stats": {**stats, "batches": self.batches}}
+
+    @property
+    def epoch(self):
+        """The furthest pass any source is in (0: the first)."""
+        return max(loader.epoch for loader in self.loaders)
+
+    def state_dict(self):
+        return {"kind": "mixture", "names": list(self.names), "shares": list(self.targets), "batches": self.batches,
+                "sources": [loader.state_dict() for loader in self.loaders]}
+
+    def load_state_dict(self, sd):
+        mine = list(zip(self.names, self.targets))
+        saved = list(zip(sd["names"], sd["shares"])) if sd.get("kind") == "mixture" else None
+        if saved != mine:
+            by = f"the mixture {dict(saved)}" if saved else f"a {sd.get('kind')} loader"
+            raise ValueError(f"{self.name} loader: state was saved by {by}, this loader has {dict(mine)}; an exact "
+                             f"resume needs the same sources and shares, in the same order")
+        for loader, state in zip(self.loaders, sd["sources"], strict=True):
+            loader.load_state_dict(state)
+        self.batches = sd["batches"]
+
+    def mixture(self):
+        """{name: {"tokens", "docs", "share" (realized), "target"}}: for a stage's final summary."""
+        total = max(1, sum(loader.state["stats"]["tokens"] for loader in self.loaders))
+        return {name: {"tokens": loader.state["stats"]["tokens"], "docs": loader.state["stats"]["docs"],
+                       "share": loader.state["stats"]["tokens"] / total, "target": target}
+                for name, target, loader in zip(self.names, self.targets, self.loaders)}
+
+    def log_line(self):
+        parts = []
+        for (name, m), loader in zip(self.mixture().items(), self.loaders):
+            s = loader.state["stats"]
+            supervised = f", supervised {100 * s['supervised'] / s['tokens']:.1f}%" \
+                if loader.kind == "chat" and s["tokens"] else ""
+            parts.append(f"{name}: {m['tokens']:,} tokens, {m['docs']:,} docs{supervised}, share "
+                         f"{100 * m['share']:.1f}% (target {100 * m['target']:.1f}%)")
+        return f"{self.name} loader rank {self.rank}/{self.world_size}: {self.batches:,} batches; " + "; ".join(parts)
+
+
+# -----------------------------------------------------------------------------
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data_dir", help="a text corpus directory (its shards, the last one validation)")
+    source.add_argument("--chat", help="a conversation directory, or a `dataset.py download-chat` name")
+    parser.add_argument("--tokenizer", default="runs/tokenizer", help="directory of tokenizer.json (default: "
+                        "%(default)s)")
+    parser.add_argument("--split", default="train", choices=["train", "val"], help="(default: %(default)s)")
+    parser.add_argument("--batch_size", type=int, default=4, help="rows per batch (default: %(default)s)")
+    parser.add_argument("--seq_len", type=int, default=256, help="tokens per row (default: %(default)s)")
+    parser.add_argument("--pack", default="pad", choices=["pad", "crop"], help="conversations: pad (SFT) or crop "
+                        "(midtraining) (default: %(default)s)")
+    parser.add_argument("--supervise", default="assistant", choices=["assistant", "all"], help="conversations: "
+                        "which tokens are targets (default: %(default)s)")
+    parser.add_argument("--rows", type=int, default=2, help="rows of the first batch to print (default: "
+                        "%(default)s)")
+    args = parser.parse_args(argv)
+    try:
+        tokenizer = Tokenizer.load(args.tokenizer)
+        if args.data_dir:
+            loader = text_loader(args.data_dir, args.split, tokenizer, args.batch_size, args.seq_len)
+        else:
+            loader = chat_loader(chat_dir(args.chat), args.split, tokenizer, args.batch_size, args.seq_len,
+                                 pack=args.pack, supervise=args.supervise)
+        inputs, targets = next(loader)
+        loader.close()
+    except (FileNotFoundError, ValueError) as e:
+        parser.exit(2, f"loader.py: error: {e}\n")
+    for i in range(min(args.rows, len(inputs))):
+        trained = targets[i][targets[i] != -1].tolist()
+        print(f"--- row {i}: {len(trained)} of {args.seq_len} targets; inputs:\n{tokenizer.decode(inputs[i].tolist())}")
+        if len(trained) < args.seq_len:
+            print(f"--- row {i}: its targets (the tokens it trains on), joined:\n{tokenizer.decode(trained)}")
+    print(loader.log_line())
+
+
+if __name__ == "__main__":
+    main()
