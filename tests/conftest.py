@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from launch import ROOT
+from helpers import ROOT
 
 import common as C
 import dataset as D
@@ -43,13 +43,6 @@ SPEEDRUN_ENV = {
     "CORE_ARGS": "--bpb_tokens 20000 --max_new_tokens 8",
     "CHAT_EVAL_ARGS": "--max_items 20 --max_new_tokens 16",
 }
-
-
-def run_speedrun(args, cwd, env=None, timeout=900):
-    """`bash speedrun.sh ARGS` as a user runs it (with this interpreter instead of .venv), no chat at the end."""
-    env = {**os.environ, "SPEEDRUN_PYTHON": sys.executable, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run(["bash", str(ROOT / "speedrun.sh"), "--no_chat", *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout, check=False)
 
 
 # The suite's pipeline takes over two minutes on one core. It starts in the background with the first test, the tests

@@ -1,19 +1,17 @@
 """core_eval.py: the bundle fetched from a local HTTP server (verify, unzip, cache hit), nanochat's few-shot draw and
 scored tokens (checked against values worked out by hand), the dclm protocol's, exact accuracies from a model whose
 logits the test sets, centered accuracy, 1 process = 2 processes, bad input."""
-import io
 import json
 import math
 import re
 import threading
-import zipfile
 from hashlib import sha256
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
 import torch.nn.functional as F
-from launch import run_in_process, run_script
+from helpers import CORE_YAML, ECHO, META_CSV, PICK, QUIZ, bundle_zip, jsonl, run_in_process, run_script
 
 import common as C
 import core_eval as E
@@ -26,45 +24,6 @@ BYTES = Tokenizer({bytes([b]): b for b in range(256)}, SPLIT_PATTERN)  # no merg
 
 # -----------------------------------------------------------------------------
 # A bundle in the real format, served over HTTP
-
-CORE_YAML = """icl_tasks:
-- label: quiz_mc
-  dataset_uri: world_knowledge/quiz.jsonl
-  num_fewshot: [2]
-  icl_task_type: multiple_choice
-  continuation_delimiter: "\\nAnswer: " # separates question and answer, as in the real core.yaml
-- label: pick_schema
-  dataset_uri: language_understanding/pick.jsonl
-  num_fewshot: [0]
-  icl_task_type: schema
-- label: echo_lm
-  dataset_uri: symbolic/echo.jsonl
-  num_fewshot: [1]
-  icl_task_type: language_modeling
-"""
-META_CSV = "Eval Task,Task Category,Task Type,Random baseline\nquiz_mc,wk,multiple choice,25\n" \
-           "pick_schema,lu,schema,50\necho_lm,sym,language modeling,0\n"
-
-
-def jsonl(items):
-    return "".join(json.dumps(i) + "\n" for i in items)
-
-
-QUIZ = [{"query": f"Q{i}?", "choices": ["a", "b", "c", "d"], "gold": i % 4} for i in range(8)]
-PICK = [{"context_options": ["one 1", "two 2"], "continuation": "x", "gold": i % 2} for i in range(6)]
-ECHO = [{"context": f" say {w}:", "continuation": w} for w in ["yes", "no", "yes", "yes", "no"]]
-
-
-def bundle_zip():
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
-        z.writestr("eval_bundle/core.yaml", CORE_YAML)
-        z.writestr("eval_bundle/eval_meta_data.csv", META_CSV)
-        z.writestr("eval_bundle/eval_data/world_knowledge/quiz.jsonl", jsonl(QUIZ))
-        z.writestr("eval_bundle/eval_data/language_understanding/pick.jsonl", jsonl(PICK))
-        z.writestr("eval_bundle/eval_data/symbolic/echo.jsonl", jsonl(ECHO))
-    return buf.getvalue()
-
 
 @pytest.fixture
 def server():

@@ -14,8 +14,7 @@ from argparse import Namespace
 
 import pytest
 import torch
-from launch import ROOT, run_in_process, run_script
-from test_speedrun import processes_mentioning
+from helpers import ROOT, processes_mentioning, run_in_process, run_script
 
 import common as C
 import dataset as D

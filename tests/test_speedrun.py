@@ -11,13 +11,19 @@ import subprocess
 import sys
 import termios
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_speedrun
-from launch import ROOT, run_script
-from test_chat_train import held_out_questions
+from helpers import (
+    LAYOUTS,
+    ROOT,
+    bundle_zip,
+    held_out_questions,
+    hub_handler,
+    processes_mentioning,
+    run_script,
+    run_speedrun,
+)
 
 import common as C
 from tokenizer import Tokenizer
@@ -105,18 +111,6 @@ def test_the_final_model_answers_a_held_out_demo_question(speedrun, demo_world):
 # A pretraining small and quick enough to interrupt and resume in seconds
 SMALL = ("--sequence_len 64 --n_layer 1 --n_embd 64 --n_head 2 --n_kv_head 2 --micro_batch 4 --eval_tokens 2048 "
          "--eval_every 0 --compile false --ckpt_every 10 --log_every 50 --steps 120")
-
-
-def processes_mentioning(text):
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if proc.name.isdigit() and text in cmdline and int(proc.name) != os.getpid():
-            found.append((proc.name, cmdline))
-    return found
 
 
 def test_killing_speedrun_mid_pretraining_leaves_no_process_and_a_rerun_resumes_to_the_same_losses(demo_world,
@@ -484,8 +478,6 @@ def test_the_gpu_plans_data_path_against_a_stand_in_hub_then_offline(tmp_path, m
 
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from test_chat_eval import LAYOUTS, hub_handler
-    from test_core_eval import bundle_zip
 
     import model as M
     rng = __import__("random").Random(0)
