@@ -356,17 +356,18 @@ def test_a_tokenizer_the_checkpoint_was_not_trained_with_is_refused(demo, tmp_pa
     assert "has 512 tokens, the model" in (err := refusal(tmp_path / "small")) and "has 1024" in err
 
 
-def test_a_trained_model_beats_chance_on_the_demo_tasks(speedrun, learned, demo, capsys):
-    """conftest's model (1 layer, 150 steps, about a minute), scored by speedrun.sh's core_eval stage, against the
-    untrained one scored here the same way (in this process), on all 513 items."""
+def test_a_trained_model_beats_chance_on_the_demo_tasks(learned, demo, capsys):
+    """conftest's model (1 layer, 150 steps, about a minute) against the untrained one, both scored here (in this
+    process) as speedrun.sh's core_eval stage scores a run (its CORE_ARGS), on all 513 items."""
     run_dir, _ = learned
-    scores = {"trained": json.loads((speedrun[0] / "core_eval" / "results.json").read_text())}
-    assert scores["trained"]["checkpoint"] == str(C.list_checkpoints(run_dir / "ckpt")[-1])
-    out = demo / "score_untrained"
-    code, _, err = run_in_process(E.main, ["--checkpoint", demo / "core_runs" / "r", "--max_new_tokens", "8", "--out",
-                                           out, "--bpb_tokens", "20000"], capsys, stage="core_eval.py")
-    assert code == 0, err[-3000:]
-    scores["untrained"] = json.loads((out / "results.json").read_text())
+    scores = {}
+    for name, checkpoint in (("trained", run_dir), ("untrained", demo / "core_runs" / "r")):
+        out = demo / f"score_{name}"
+        code, _, err = run_in_process(E.main, ["--checkpoint", checkpoint, "--max_new_tokens", "8", "--out", out,
+                                               "--bpb_tokens", "20000"], capsys, stage="core_eval.py")
+        assert code == 0, err[-3000:]
+        scores[name] = json.loads((out / "results.json").read_text())
+    assert scores["trained"]["checkpoint"] == str(C.list_checkpoints(run_dir / "ckpt")[-1])  # a run: its newest
     trained, untrained = scores["trained"], scores["untrained"]
     assert trained["complete"] and sum(t["items"] for t in trained["tasks"]) == 513
     # chance: each MC/schema task's centered accuracy has a spread of ~0.07 over its 57-90 items, so the mean of 8
