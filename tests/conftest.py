@@ -9,16 +9,20 @@ The pipeline's fixtures each need one stage of speedrun.sh (PIPELINE_FIXTURES):
 At session start, when a selected test uses one of them, speedrun.sh starts in the background with --stop_after the
 furthest stage any selected test needs (`pytest tests/test_core_eval.py` pretrains only); each fixture waits for its
 own stage to finish, not for the whole run. Tests run in this order: one process (beside the pipeline), then the
-pipeline's, by stage, then those that run 2 processes at once (TWO_PROCESS_FIXTURES, or marked two_processes)."""
+pipeline's, by stage, then those that run 2 processes at once (TWO_PROCESS_FIXTURES, or marked two_processes).
+
+requirements_resolved: pip's resolutions of requirements.txt for other Pythons (test_repo.py), which wait on the
+package registry rather than the CPU, start at session start too, in threads, when those tests are selected."""
 import os
 import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, resolve_requirements
 
 import common as C
 import dataset as D
@@ -165,3 +169,22 @@ def chat_chain(pipeline_started):
             "midtrain": C.list_checkpoints(run / "midtrain" / "ckpt")[-1],
             "sft": C.list_checkpoints(run / "sft" / "ckpt")[-1],
             "midtrain_stdout": (run / "logs" / "midtrain.log").read_text()}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def requirements_resolved(request, tmp_path_factory):
+    """{Python version: a future of helpers.resolve_requirements} for each selected test_requirements_resolve_on_python,
+    started now: the test only collects the result."""
+    versions = [item.callspec.params["version"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_requirements_resolve_on_python"]
+    if not versions:
+        yield {}
+        return
+    processes = []
+    with ThreadPoolExecutor(len(versions)) as pool:
+        yield {version: pool.submit(resolve_requirements, version,
+                                    tmp_path_factory.mktemp(f"resolve_{version}") / "report.json", processes)
+               for version in versions}
+        for process in processes:  # the session ended before the test collected it (-x, Ctrl-C): stop pip now
+            if process.poll() is None:
+                process.kill()

@@ -16,11 +16,13 @@ import json
 import os
 import random
 import re
+import shutil
 import socket
 import struct
 import subprocess
 import sys
 import time
+import urllib.request
 import warnings
 import zipfile
 from http.server import BaseHTTPRequestHandler
@@ -97,6 +99,52 @@ def processes_mentioning(text):
             found.append((proc.name, cmdline))
     return found
 
+
+# --- requirements.txt resolved by pip for other Pythons (test_repo; started at session start by conftest)
+
+def pyenv_python(version):
+    """The interpreter of a pyenv-installed Python `version` (e.g. "3.10"), or None."""
+    pyenv = shutil.which("pyenv")
+    if pyenv is None:
+        return None
+    for installed in subprocess.run([pyenv, "versions", "--bare"], capture_output=True, text=True, check=False).stdout.split():
+        if installed == version or installed.startswith(version + "."):
+            path = subprocess.run([pyenv, "which", "python"], capture_output=True, text=True, check=False,
+                                  env={**os.environ, "PYENV_VERSION": installed}).stdout.strip()
+            return path or None
+    return None
+
+
+def registry_reachable(python):
+    """The index pip would use (PIP_INDEX_URL, pip config, else PyPI) answers for torch within 20 s."""
+    config = subprocess.run([python, "-m", "pip", "config", "list"], capture_output=True, text=True, check=False).stdout
+    index = os.environ.get("PIP_INDEX_URL") or next(
+        (line.split("=", 1)[1].strip("'\"") for line in config.splitlines() if line.split("=")[0].endswith(
+            ".index-url") and "extra" not in line.split("=")[0]), "https://pypi.org/simple")
+    try:
+        urllib.request.urlopen(index.rstrip("/") + "/torch/", timeout=20).close()
+        return True, index
+    except OSError as e:
+        return False, f"{index}: {e}"
+
+
+def resolve_requirements(version, report, processes):
+    """pip's dry-run resolution of requirements.txt for Python `version` (pyenv's), its install report written to
+    `report`: (reason to skip, None, None) when there is no such Python or no reachable registry, else (None, the
+    finished process, report). The pip process is appended to `processes` (the caller ends it if it must)."""
+    python = pyenv_python(version)
+    if python is None:
+        return f"no Python {version} installed with pyenv here to resolve requirements.txt with", None, None
+    reachable, why = registry_reachable(python)
+    if not reachable:
+        return f"the package registry is unreachable ({why}): cannot resolve requirements.txt", None, None
+    command = [python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
+               "-r", str(ROOT / "requirements.txt")]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PIP_NO_INPUT": "1"})
+    processes.append(process)
+    stdout, stderr = process.communicate(timeout=900)
+    return None, subprocess.CompletedProcess(command, process.returncode, stdout, stderr), report
 
 # --- a tiny model and a global batch with masked targets: one step's loss and gradients are exact however the
 # batch is split (into micro-batches: test_train; into processes: test_distributed, fsdp_worker.py)
