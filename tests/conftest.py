@@ -63,8 +63,8 @@ SPEEDRUN_ENV = {
 # The suite's pipeline takes over two minutes on one core. It starts in the background with the first test, the tests
 # that need it run after the others, and everything else runs meanwhile on the other core: each side gets one thread
 # (two threads each on 2 cores made both several times slower).
-STAGES = ["data", "tokenizer", "download", "pretrain", "core_eval", "midtrain", "sft", "chat_eval", "report"]  # the
-# order speedrun.sh runs them in (its --stop_after)
+# speedrun.sh's stages in the order it runs them (the values of its --stop_after)
+STAGES = ["data", "tokenizer", "download", "pretrain", "core_eval", "midtrain", "sft", "chat_eval", "report"]
 PIPELINE_FIXTURES = {"learned": "pretrain", "chat_chain": "sft", "speedrun": "report"}  # fixture: the stage it needs
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # for the scripts the tests start without setting it
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # and the tests that compute in this process
