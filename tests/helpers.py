@@ -1,10 +1,12 @@
-"""The suite's shared helpers: every function or constant that more than one test file uses lives here, and test
-files import them from here, never from one another (so any test file runs alone: `pytest tests/test_X.py`).
-Fixtures live in conftest.py.
+"""The suite's shared helpers: every function or constant that more than one test file (or conftest.py, or a
+worker script) uses lives here, with what it needs, and test files import them from here, never from one another:
+any test file runs alone (`pytest tests/test_X.py`). Fixtures live in conftest.py.
 
 - launching stages as users do: run_script (`python X.py`, or torchrun with N processes), run_in_process (a script's
   main() in this process, for command lines that end at once), run_speedrun (`bash speedrun.sh`), and
   processes_mentioning (what is left running afterwards);
+- pip's dry-run resolution of requirements.txt for other Pythons (resolve_requirements: test_repo's, which conftest
+  starts at session start);
 - a tiny model and a masked global batch whose step is exact however it is split (test_train, test_distributed,
   fsdp_worker.py), and loader batches compared (take, same);
 - the held-out demo questions the chat chain is scored on;
