@@ -1,13 +1,28 @@
 """Fixtures shared by test files: the demo world with its tokenizer, and the demo pipeline run on it once by
-speedrun.sh at a reduced size (made once per session: training is the slowest thing the suite does)."""
+speedrun.sh at a reduced size (made once per session: training is the slowest thing the suite does). Shared helper
+functions are in helpers.py.
+
+The pipeline's fixtures each need one stage of speedrun.sh (PIPELINE_FIXTURES):
+  learned     pretrain: the pretraining run and its log (tests of pretrain.py, core_eval.py, chat.py on a base model)
+  chat_chain  sft: pretrain -> midtrain -> sft checkpoints (tests of midtraining, SFT, chat.py, the warm start)
+  speedrun    report: the whole run and speedrun.sh's output (tests of speedrun.sh and report.py)
+At session start, when a selected test uses one of them, speedrun.sh starts in the background with --stop_after the
+furthest stage any selected test needs (`pytest tests/test_core_eval.py` pretrains only); each fixture waits for its
+own stage to finish, not for the whole run. Tests run in this order: one process (beside the pipeline), then the
+pipeline's, by stage, then those that run 2 processes at once (TWO_PROCESS_FIXTURES, or marked two_processes).
+
+requirements_resolved: pip's resolutions of requirements.txt for other Pythons (test_repo.py), which wait on the
+package registry rather than the CPU, start at session start too, in threads, when those tests are selected."""
 import os
 import signal
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from launch import ROOT
+from helpers import ROOT, resolve_requirements
 
 import common as C
 import dataset as D
@@ -45,81 +60,131 @@ SPEEDRUN_ENV = {
 }
 
 
-def run_speedrun(args, cwd, env=None, timeout=900):
-    """`bash speedrun.sh ARGS` as a user runs it (with this interpreter instead of .venv), no chat at the end."""
-    env = {**os.environ, "SPEEDRUN_PYTHON": sys.executable, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run(["bash", str(ROOT / "speedrun.sh"), "--no_chat", *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout, check=False)
-
-
 # The suite's pipeline takes over two minutes on one core. It starts in the background with the first test, the tests
-# that need it run last, and everything else runs meanwhile on the other core: each side gets one thread (two
-# threads each on 2 cores made both several times slower).
-PIPELINE_FIXTURES = {"speedrun", "learned", "chat_chain"}
+# that need it run after the others, and everything else runs meanwhile on the other core: each side gets one thread
+# (two threads each on 2 cores made both several times slower).
+# speedrun.sh's stages in the order it runs them (the values of its --stop_after)
+STAGES = ["data", "tokenizer", "download", "pretrain", "core_eval", "midtrain", "sft", "chat_eval", "report"]
+PIPELINE_FIXTURES = {"learned": "pretrain", "chat_chain": "sft", "speedrun": "report"}  # fixture: the stage it needs
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # for the scripts the tests start without setting it
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # and the tests that compute in this process
 
 
-# Order: one-process tests (beside the pipeline), then the tests that need the pipeline, then the tests that run 2
-# processes at once, when the pipeline has ended: 3 busy processes on 2 cores made the 2-process ones 2-3x slower
-# (gloo's waits), so they wait for free cores. Measured on 2 cores: 4:54 in this order, 5:48 with them before the
-# pipeline's tests.
+def stage_needed(item):
+    """The furthest stage of the pipeline the test uses (its index in STAGES), or -1 for none."""
+    return max((STAGES.index(stage) for name, stage in PIPELINE_FIXTURES.items() if name in item.fixturenames),
+               default=-1)
+
+
+# Order: one-process tests (beside the pipeline), then the tests that need the pipeline, by stage (those of pretraining
+# run while the chat stages train), then the tests that run 2 processes at once, when the pipeline has ended: 3 busy
+# processes on 2 cores made the 2-process ones 2-3x slower (gloo's waits), so they wait for free cores. Measured on 2
+# cores: 4:54 in this order, 5:48 with them before the pipeline's tests.
 TWO_PROCESS_FIXTURES = {"killed", "worker_runs"}
 
 
 def pytest_collection_modifyitems(items):
     def order(item):
         if TWO_PROCESS_FIXTURES & set(item.fixturenames) or item.get_closest_marker("two_processes"):
-            return 2
-        return 1 if PIPELINE_FIXTURES & set(item.fixturenames) else 0
+            return 2, 0
+        stage = stage_needed(item)
+        return (0, 0) if stage < 0 else (1, stage)
     items.sort(key=order)  # stable: file order otherwise
 
 
 @pytest.fixture(scope="session", autouse=True)
-def pipeline_started(request, demo_world):
-    """speedrun.sh on demo_world in the background, if a selected test needs it: the Popen, and its output files."""
-    if not any(PIPELINE_FIXTURES & set(item.fixturenames) for item in request.session.items):
+def pipeline_started(request):
+    """speedrun.sh on demo_world in the background up to the furthest stage a selected test needs, if any does: the
+    Popen, its output files, and its run directory."""
+    furthest = max((stage_needed(item) for item in request.session.items), default=-1)
+    if furthest < 0:
         yield None
         return
+    demo_world = request.getfixturevalue("demo_world")  # only here: a file of other tests needs no tokenizer trained
+    # the last stage runs without --stop_after: it ends as a user's run ends (the "done. Chat with it" line)
+    stop_after = [] if STAGES[furthest] == STAGES[-1] else ["--stop_after", STAGES[furthest]]
     args = ["--no_chat", "--plan", "demo", "--gpus", "0", "--runs_dir", demo_world, "--run_name", "chat_runs",
-            "--data_dir", demo_world / "demo", "--tokenizer", demo_world / "tokenizer"]
+            "--data_dir", demo_world / "demo", "--tokenizer", demo_world / "tokenizer", *stop_after]
     env = {**os.environ, "SPEEDRUN_PYTHON": sys.executable, "PYTHONPATH": str(ROOT), **SPEEDRUN_ENV}
     outputs = (demo_world / "speedrun.out", demo_world / "speedrun.err")
     with open(outputs[0], "w") as out, open(outputs[1], "w") as err:
         process = subprocess.Popen(["bash", str(ROOT / "speedrun.sh"), *map(str, args)], cwd=demo_world, env=env,
                                    stdout=out, stderr=err, start_new_session=True)
-    yield process, outputs
+    yield process, outputs, demo_world / "chat_runs"
     if process.poll() is None:  # the session ended first (an error, or Ctrl-C): nothing of it may survive
         os.killpg(process.pid, signal.SIGTERM)
         process.wait()
 
 
+def pipeline_output(process, outputs):
+    return subprocess.CompletedProcess(process.args, process.returncode, *(path.read_text() for path in outputs))
+
+
+def wait_for_stage(pipeline, stage, timeout=900):
+    """The pipeline's run directory once speedrun.sh has finished `stage` (its line in logs/stages.tsv, exit 0); the
+    run's output in the failure when it ended without it."""
+    process, outputs, run = pipeline
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        finished = process.poll() is not None  # read before stages.tsv: a stage listed after the exit is not missed
+        stages = run / "logs" / "stages.tsv"
+        done = [line.split("\t") for line in stages.read_text().splitlines()] if stages.exists() else []
+        if [stage, "0"] in [[name, rc] for name, _, rc in done]:
+            return run
+        if finished:
+            result = pipeline_output(process, outputs)
+            raise AssertionError(f"speedrun.sh ended (exit {result.returncode}) without stage {stage}\n"
+                                 f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        time.sleep(0.5)
+    raise AssertionError(f"speedrun.sh did not finish stage {stage} in {timeout} s: see {outputs[0]}")
+
+
 @pytest.fixture(scope="session")
-def speedrun(demo_world, pipeline_started):
+def speedrun(pipeline_started):
     """The suite's demo pipeline, run once by speedrun.sh itself (demo plan, demo_world's world and tokenizer) into
     demo_world/chat_runs: pretrain/, core_eval/, midtrain/, sft/, chat_eval.json, logs/, report.md. (run directory,
     the finished process)."""
-    process, outputs = pipeline_started
+    process, outputs, run = pipeline_started
     process.wait(timeout=900)
-    result = subprocess.CompletedProcess(process.args, process.returncode, *(path.read_text() for path in outputs))
+    result = pipeline_output(process, outputs)
     if result.returncode != 0:
         raise AssertionError(f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return demo_world / "chat_runs", result
+    return run, result
 
 
 @pytest.fixture(scope="session")
-def learned(speedrun):
+def learned(pipeline_started):
     """(run directory, pretrain.py's output) of LEARN_ARGS: the speedrun's pretraining stage."""
-    run, _ = speedrun
+    run = wait_for_stage(pipeline_started, "pretrain")
     return run / "pretrain", (run / "logs" / "pretrain.log").read_text()
 
 
 @pytest.fixture(scope="session")
-def chat_chain(speedrun):
-    """The demo chain as speedrun.sh runs it: pretrain -> midtrain.py -> sft.py. Checkpoint paths of each stage, and
-    midtrain.py's output."""
-    run, _ = speedrun
-    return {"pretrain": C.list_checkpoints(run / "pretrain" / "ckpt")[-1],
+def chat_chain(pipeline_started):
+    """The demo chain as speedrun.sh runs it: pretrain -> midtrain.py -> sft.py. Its run directory, the checkpoint
+    paths of each stage, and midtrain.py's output."""
+    run = wait_for_stage(pipeline_started, "sft")
+    return {"run": run,
+            "pretrain": C.list_checkpoints(run / "pretrain" / "ckpt")[-1],
             "midtrain": C.list_checkpoints(run / "midtrain" / "ckpt")[-1],
             "sft": C.list_checkpoints(run / "sft" / "ckpt")[-1],
             "midtrain_stdout": (run / "logs" / "midtrain.log").read_text()}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def requirements_resolved(request, tmp_path_factory):
+    """{Python version: a future of helpers.resolve_requirements} for each selected test_requirements_resolve_on_python,
+    started now: the test only collects the result."""
+    versions = [item.callspec.params["version"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_requirements_resolve_on_python"]
+    if not versions:
+        yield {}
+        return
+    processes = []
+    with ThreadPoolExecutor(len(versions)) as pool:
+        yield {version: pool.submit(resolve_requirements, version,
+                                    tmp_path_factory.mktemp(f"resolve_{version}") / "report.json", processes)
+               for version in versions}
+        for process in processes:  # the session ended before the test collected it (-x, Ctrl-C): stop pip now
+            if process.poll() is None:
+                process.kill()

@@ -7,7 +7,7 @@ import sys
 from argparse import Namespace
 
 import torch
-from test_train import global_batch, tiny_model
+from helpers import global_batch, tiny_model
 
 import common as C
 from model import GPTConfig, build_model

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from launch import ROOT
+from helpers import ROOT
 
 import bench
 from model import config_from_preset, flops_per_token, memory_estimate

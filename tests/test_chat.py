@@ -14,8 +14,7 @@ import time
 
 import pytest
 import torch
-from launch import ROOT, run_in_process
-from test_chat_train import held_out_questions
+from helpers import ROOT, held_out_questions, run_in_process
 
 import chat
 import common as C

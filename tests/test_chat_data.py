@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from test_dataset import same, take
+from helpers import same, take
 
 import dataset as D
 import loader as L

@@ -11,18 +11,16 @@ import sys
 import threading
 import time
 from decimal import Decimal
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from types import SimpleNamespace
-from urllib.parse import unquote, urlsplit
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from helpers import ADD, LAYOUTS, ROOT, arc, hub_handler, run_in_process, run_script
 from huggingface_hub import constants as hf_constants
-from launch import ROOT, run_in_process, run_script
-from test_download import resolve_headers, serve, tree_entry
 
 import chat_eval as E
 import common as C
@@ -72,16 +70,6 @@ def scored(task, rows, script, **kw):
     args = SimpleNamespace(dtype="float32", max_new_tokens=64, timeout=FAST, memory_mb=512, **kw)
     return E.evaluate_task(task, items, ScriptedModel(BYTES, script), BYTES, args, 0, 1, CPU, "MARK",
                            sandbox.sandbox_level()[0])
-
-
-def arc(q, answer, labels="ABCD"):
-    return {"id": q, "question": q, "choices": {"text": [f"t{x}" for x in labels], "label": list(labels)},
-            "answerKey": answer}
-
-
-ADD_TEST = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n"
-ADD = {"task_id": "HumanEval/0", "prompt": "import math\n\ndef add(a, b):\n    \"\"\"Add.\"\"\"\n",
-       "canonical_solution": "    return a + b\n", "test": ADD_TEST, "entry_point": "add"}
 
 
 def test_chatcore_from_scripted_replies_is_exact_per_task_and_in_the_mean():
@@ -323,54 +311,6 @@ def test_the_evaluator_scores_hostile_programs_as_failures_and_keeps_going():
 
 # -----------------------------------------------------------------------------
 # The hub tasks from a local server in the hub's protocol, with the real layouts
-
-ARC_ROWS = [arc(f"arc question {i}?", "ABCD"[i % 4]) for i in range(6)] + [arc("digits?", "3", labels="1234")]
-LAYOUTS = {  # repo: {path: rows}; files in other configs and splits are there too, and must not be fetched
-    "allenai/ai2_arc": {"ARC-Easy/test-00000-of-00001.parquet": ARC_ROWS,
-                        "ARC-Easy/train-00000-of-00001.parquet": ARC_ROWS[:2],
-                        "ARC-Challenge/test-00000-of-00001.parquet": ARC_ROWS[3:]},
-    "cais/mmlu": {"all/test-00000-of-00001.parquet": [{"question": f"mmlu {i}?", "subject": "anatomy",
-                                                       "choices": ["w", "x", "y", "z"], "answer": i % 4}
-                                                      for i in range(5)],
-                  "anatomy/test-00000-of-00001.parquet": [{"question": "a?", "subject": "anatomy",
-                                                           "choices": ["w", "x", "y", "z"], "answer": 0}]},
-    "openai/gsm8k": {"main/test-00000-of-00001.parquet": [{"question": f"How many {i}?",
-                                                           "answer": f"{i} + 1 = <<{i}+1={i + 1}>>{i + 1}\n#### {i + 1}"}
-                                                          for i in range(4)],
-                     "socratic/test-00000-of-00001.parquet": [{"question": "s?", "answer": "#### 1"}]},
-    "openai/openai_humaneval": {"openai_humaneval/test-00000-of-00001.parquet": [ADD, {**ADD,
-                                                                                     "task_id": "HumanEval/1"}]},
-}
-
-
-def hub_handler(hub):
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-        def do_GET(self):
-            path = unquote(urlsplit(self.path).path)
-            hub.log.append(path)
-            if m := re.fullmatch(r"/api/datasets/([^/]+/[^/]+)/tree/main", path):
-                payload = json.dumps([tree_entry(p, d) for name, d in hub.files.items()
-                                      for p in [name[len(m.group(1)) + 1:]] if name.startswith(m.group(1) + "/")])
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                return self.wfile.write(payload.encode()) if self.command == "GET" else None
-            if (m := re.fullmatch(r"/datasets/([^/]+/[^/]+)/resolve/main/(.+)", path)) and \
-                    "/".join(m.groups()) in hub.files:  # parquet files are LFS: a redirect to the other server
-                return resolve_headers(hub, self, "/".join(m.groups()))
-            if path.startswith("/cdn/") and path[5:] in hub.files:
-                return serve(hub, self, path[5:])
-            self.send_response(404)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        do_HEAD = do_GET
-    return Handler
-
 
 @pytest.fixture
 def hub(tmp_path, monkeypatch):

@@ -5,23 +5,15 @@ import json
 
 import pytest
 import torch
-from launch import run_in_process
+from helpers import held_out_questions, run_in_process
 
 import common as C
 import dataset as D
-import demo
 import loader as L
 import midtrain
 import sft
 from model import GPTConfig, build_model, generate
 from tokenizer import Tokenizer, train_tokenizer
-
-
-def held_out_questions():
-    """(question, expected word) in phrasings that none of the demo conversations use (demo.QA has others)."""
-    capitals = [(f"Which city is the capital of {row[0]}?", row[1]) for row in demo.COUNTRIES]
-    languages = [(f"In {row[0]}, which language do people speak?", row[2]) for row in demo.COUNTRIES]
-    return capitals + languages
 
 
 def score(checkpoint, tokenizer, questions, chat):

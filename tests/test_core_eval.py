@@ -1,19 +1,17 @@
 """core_eval.py: the bundle fetched from a local HTTP server (verify, unzip, cache hit), nanochat's few-shot draw and
 scored tokens (checked against values worked out by hand), the dclm protocol's, exact accuracies from a model whose
 logits the test sets, centered accuracy, 1 process = 2 processes, bad input."""
-import io
 import json
 import math
 import re
 import threading
-import zipfile
 from hashlib import sha256
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
 import torch.nn.functional as F
-from launch import run_in_process, run_script
+from helpers import CORE_YAML, ECHO, META_CSV, PICK, QUIZ, bundle_zip, jsonl, run_in_process, run_script
 
 import common as C
 import core_eval as E
@@ -27,45 +25,6 @@ BYTES = Tokenizer({bytes([b]): b for b in range(256)}, SPLIT_PATTERN)  # no merg
 
 # -----------------------------------------------------------------------------
 # A bundle in the real format, served over HTTP
-
-CORE_YAML = """icl_tasks:
-- label: quiz_mc
-  dataset_uri: world_knowledge/quiz.jsonl
-  num_fewshot: [2]
-  icl_task_type: multiple_choice
-  continuation_delimiter: "\\nAnswer: " # separates question and answer, as in the real core.yaml
-- label: pick_schema
-  dataset_uri: language_understanding/pick.jsonl
-  num_fewshot: [0]
-  icl_task_type: schema
-- label: echo_lm
-  dataset_uri: symbolic/echo.jsonl
-  num_fewshot: [1]
-  icl_task_type: language_modeling
-"""
-META_CSV = "Eval Task,Task Category,Task Type,Random baseline\nquiz_mc,wk,multiple choice,25\n" \
-           "pick_schema,lu,schema,50\necho_lm,sym,language modeling,0\n"
-
-
-def jsonl(items):
-    return "".join(json.dumps(i) + "\n" for i in items)
-
-
-QUIZ = [{"query": f"Q{i}?", "choices": ["a", "b", "c", "d"], "gold": i % 4} for i in range(8)]
-PICK = [{"context_options": ["one 1", "two 2"], "continuation": "x", "gold": i % 2} for i in range(6)]
-ECHO = [{"context": f" say {w}:", "continuation": w} for w in ["yes", "no", "yes", "yes", "no"]]
-
-
-def bundle_zip():
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
-        z.writestr("eval_bundle/core.yaml", CORE_YAML)
-        z.writestr("eval_bundle/eval_meta_data.csv", META_CSV)
-        z.writestr("eval_bundle/eval_data/world_knowledge/quiz.jsonl", jsonl(QUIZ))
-        z.writestr("eval_bundle/eval_data/language_understanding/pick.jsonl", jsonl(PICK))
-        z.writestr("eval_bundle/eval_data/symbolic/echo.jsonl", jsonl(ECHO))
-    return buf.getvalue()
-
 
 @pytest.fixture
 def server():
@@ -398,17 +357,18 @@ def test_a_tokenizer_the_checkpoint_was_not_trained_with_is_refused(demo, tmp_pa
     assert "has 512 tokens, the model" in (err := refusal(tmp_path / "small")) and "has 1024" in err
 
 
-def test_a_trained_model_beats_chance_on_the_demo_tasks(speedrun, learned, demo, capsys):
-    """conftest's model (1 layer, 150 steps, about a minute), scored by speedrun.sh's core_eval stage, against the
-    untrained one scored here the same way (in this process), on all 513 items."""
+def test_a_trained_model_beats_chance_on_the_demo_tasks(learned, demo, capsys):
+    """conftest's model (1 layer, 150 steps, about a minute) against the untrained one, both scored here (in this
+    process) as speedrun.sh's core_eval stage scores a run (its CORE_ARGS), on all 513 items."""
     run_dir, _ = learned
-    scores = {"trained": json.loads((speedrun[0] / "core_eval" / "results.json").read_text())}
-    assert scores["trained"]["checkpoint"] == str(C.list_checkpoints(run_dir / "ckpt")[-1])
-    out = demo / "score_untrained"
-    code, _, err = run_in_process(E.main, ["--checkpoint", demo / "core_runs" / "r", "--max_new_tokens", "8", "--out",
-                                           out, "--bpb_tokens", "20000"], capsys, stage="core_eval.py")
-    assert code == 0, err[-3000:]
-    scores["untrained"] = json.loads((out / "results.json").read_text())
+    scores = {}
+    for name, checkpoint in (("trained", run_dir), ("untrained", demo / "core_runs" / "r")):
+        out = demo / f"score_{name}"
+        code, _, err = run_in_process(E.main, ["--checkpoint", checkpoint, "--max_new_tokens", "8", "--out", out,
+                                               "--bpb_tokens", "20000"], capsys, stage="core_eval.py")
+        assert code == 0, err[-3000:]
+        scores[name] = json.loads((out / "results.json").read_text())
+    assert scores["trained"]["checkpoint"] == str(C.list_checkpoints(run_dir / "ckpt")[-1])  # a run: its newest
     trained, untrained = scores["trained"], scores["untrained"]
     assert trained["complete"] and sum(t["items"] for t in trained["tasks"]) == 513
     # chance: each MC/schema task's centered accuracy has a spread of ~0.07 over its 57-90 items, so the mean of 8

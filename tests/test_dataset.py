@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from launch import run_in_process
+from helpers import run_in_process, same, take
 
 import dataset as D
 import loader as L
@@ -38,16 +38,6 @@ def corpus(tmp_path_factory):
     D.write_text_shards(docs, out, seed=0, shard_docs=2048, val_fraction=0.1)
     tok = train_tokenizer(docs, 400)
     return out, tok
-
-
-def take(loader, n):
-    batches = [next(loader) for _ in range(n)]
-    loader.close()
-    return batches
-
-
-def same(a, b):
-    return len(a) == len(b) and all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
 
 
 # --- shards -----------------------------------------------------------------------------------------------------

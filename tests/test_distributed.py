@@ -8,9 +8,7 @@ import time
 
 import pytest
 import torch
-from launch import ROOT, run_script
-from test_speedrun import processes_mentioning
-from test_train import assert_same, step
+from helpers import ROOT, assert_same, processes_mentioning, run_script, step
 
 SMALL = ["--sequence_len", "64", "--n_layer", "2", "--n_embd", "64", "--n_head", "2", "--n_kv_head", "2",
          "--micro_batch", "4", "--eval_every", "0", "--bpb_tokens", "4096", "--log_every", "1000", "--dtype", "float32"]

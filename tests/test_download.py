@@ -11,11 +11,7 @@ and consumed one per GET of its bytes.
 import hashlib
 import json
 import random
-import re
-import socket
-import struct
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -23,6 +19,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import STALL_S, git_blob_id, resolve_headers, serve, tree_entry
 from huggingface_hub import constants as hf_constants
 from huggingface_hub.utils import http_backoff
 
@@ -30,10 +27,8 @@ import dataset as D
 import download as dl
 
 REPO = "org/fineweb-mini"
-COMMIT = "c0ffee" * 6 + "c0ff"  # the X-Repo-Commit every resolve answer carries, as the hub's do
 NUM_SHARDS = 5  # shard_00000 .. shard_00004: four training shards, then the validation shard
 PAGE_SIZE = 3  # tree entries per page: small, so the listing takes several pages
-STALL_S = 1.0  # how long a "stall" fault keeps the socket silent; that test sets the read timeout below it
 CHUNK = 4096  # huggingface_hub's read size here (10 MB by default): it resumes from the last whole chunk it wrote
 
 
@@ -43,79 +38,6 @@ def write_shard(path, rows, seed):
     texts = [" ".join(rng.choice(words) for _ in range(rng.randint(20, 60))) for _ in range(rows)]
     pq.write_table(pa.table({"text": texts}), path, compression="none")  # uncompressed: tens of KB per shard
     return path.read_bytes()
-
-
-def git_blob_id(data):
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-
-
-def tree_entry(path, data):
-    """A tree API entry as the hub sends it: parquet files are LFS (sha256 in lfs.oid), others are kept in git."""
-    if path.endswith(".parquet"):
-        lfs = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
-        return {"type": "file", "path": path, "size": len(data), "oid": "1" * 40, "lfs": lfs}
-    return {"type": "file", "path": path, "size": len(data), "oid": git_blob_id(data)}
-
-
-def serve(hub, handler, name):
-    """Send hub.files[name], honouring Range, after applying the next queued fault for that file."""
-    data = hub.files[name]
-    fault = hub.faults[name].pop(0) if hub.faults.get(name) else None
-    if fault in ("500", "429"):
-        handler.send_response(int(fault))
-        handler.send_header("Retry-After", "0")
-        handler.send_header("Content-Length", "0")
-        handler.end_headers()
-        return
-    start, status = 0, 200
-    match = re.fullmatch(r"bytes=(\d+)-", handler.headers.get("Range") or "")
-    if match and fault != "norange":
-        start, status = int(match.group(1)), 206
-        if start >= len(data):
-            handler.send_response(416)
-            handler.send_header("Content-Length", "0")
-            handler.end_headers()
-            return
-    body = data[start:]
-    handler.send_response(status)
-    handler.send_header("Content-Length", str(len(body)))
-    handler.send_header("Accept-Ranges", "bytes")
-    handler.send_header("ETag", f'"{hashlib.md5(data).hexdigest()}"')  # what a CDN sends: not the sha256
-    if status == 206:
-        handler.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
-    handler.end_headers()
-    if fault == "stall":  # headers, then silence past the client's read timeout
-        time.sleep(STALL_S)
-        return
-    if fault == "flip":
-        body = body[:len(body) // 2] + bytes([body[len(body) // 2] ^ 0xFF]) + body[len(body) // 2 + 1:]
-    if fault == "garbage":
-        body = random.Random(0).randbytes(len(body))
-    if fault == "drop":  # half the body, then a reset (RST, not a clean close)
-        handler.wfile.write(body[:len(body) // 2])
-        handler.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        handler.connection.close()
-        return
-    if fault == "short":  # a clean close 100 bytes before the announced Content-Length
-        body = body[:-100]
-    handler.wfile.write(body)
-
-
-def resolve_headers(hub, handler, name):
-    """What the hub's resolve URL answers for a file, before any body: hf_hub_download's HEAD reads these."""
-    data = hub.files[name]
-    if name.endswith(".parquet"):  # an LFS file: the hub redirects to the CDN and names the sha256 and size
-        handler.send_response(302)
-        handler.send_header("Location", f"{hub.cdn_url}/cdn/{name}")
-        handler.send_header("X-Linked-Etag", f'"{hashlib.sha256(data).hexdigest()}"')
-        handler.send_header("X-Linked-Size", str(len(data)))
-        handler.send_header("Content-Length", "0")
-    else:  # a small git file: served directly, its git blob id as ETag
-        handler.send_response(200)
-        handler.send_header("ETag", f'"{git_blob_id(data)}"')
-        handler.send_header("Content-Length", str(len(data)))
-    handler.send_header("X-Repo-Commit", COMMIT)
-    handler.end_headers()
 
 
 def make_handler(hub):

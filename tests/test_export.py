@@ -12,8 +12,8 @@ from itertools import islice
 
 import pytest
 import torch
+from helpers import run_in_process, run_script
 from jinja2 import TemplateError
-from launch import run_in_process, run_script
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 import common as C

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from launch import run_in_process
+from helpers import run_in_process
 
 import model as M
 from model import GPT, GPTConfig, KVCache, autocast_context, build_model, config_from_preset

@@ -2,11 +2,8 @@
 tree and links are true, seed documents are named by number only in dev/LOG.md, ruff is clean, files say how to run."""
 import ast
 import json
-import os
-import shutil
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -108,47 +105,14 @@ def test_every_third_party_import_is_pinned_in_requirements():
     assert third_party and not missing, missing
 
 
-def pyenv_python(version):
-    """The interpreter of a pyenv-installed Python `version` (e.g. "3.10"), or None."""
-    pyenv = shutil.which("pyenv")
-    if pyenv is None:
-        return None
-    for installed in subprocess.run([pyenv, "versions", "--bare"], capture_output=True, text=True, check=False).stdout.split():
-        if installed == version or installed.startswith(version + "."):
-            path = subprocess.run([pyenv, "which", "python"], capture_output=True, text=True, check=False,
-                                  env={**os.environ, "PYENV_VERSION": installed}).stdout.strip()
-            return path or None
-    return None
-
-
-def registry_reachable(python):
-    """The index pip would use (PIP_INDEX_URL, pip config, else PyPI) answers for torch within 20 s."""
-    config = subprocess.run([python, "-m", "pip", "config", "list"], capture_output=True, text=True, check=False).stdout
-    index = os.environ.get("PIP_INDEX_URL") or next(
-        (line.split("=", 1)[1].strip("'\"") for line in config.splitlines() if line.split("=")[0].endswith(
-            ".index-url") and "extra" not in line.split("=")[0]), "https://pypi.org/simple")
-    try:
-        urllib.request.urlopen(index.rstrip("/") + "/torch/", timeout=20).close()
-        return True, index
-    except OSError as e:
-        return False, f"{index}: {e}"
-
-
 @pytest.mark.parametrize("version", ["3.10", "3.11"])
-def test_requirements_resolve_on_python(version, tmp_path):
+def test_requirements_resolve_on_python(version, requirements_resolved):
     """pip resolves requirements.txt for that Python (a dry run: metadata only, nothing installed), every pin as
-    written; on 3.10 the pins whose newest releases need 3.11 take their 3.10 markers."""
-    python = pyenv_python(version)
-    if python is None:
-        pytest.skip(f"no Python {version} installed with pyenv here to resolve requirements.txt with")
-    reachable, why = registry_reachable(python)
-    if not reachable:
-        pytest.skip(f"the package registry is unreachable ({why}): cannot resolve requirements.txt")
-    report = tmp_path / "report.json"
-    result = subprocess.run([python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-                             "--report", str(report), "-r", str(ROOT / "requirements.txt")],
-                            capture_output=True, text=True, check=False, timeout=900,
-                            env={**os.environ, "PIP_NO_INPUT": "1"})
+    written; on 3.10 the pins whose newest releases need 3.11 take their 3.10 markers. (pip started at the session's
+    start, conftest's requirements_resolved: it waits on the network.)"""
+    skip_reason, result, report = requirements_resolved[version].result()
+    if skip_reason:
+        pytest.skip(skip_reason)
     assert result.returncode == 0, result.stderr[-3000:]
     got = {i["metadata"]["name"].lower().replace("_", "-"): i["metadata"]["version"]
            for i in json.loads(report.read_text())["install"]}

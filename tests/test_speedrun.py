@@ -11,13 +11,18 @@ import subprocess
 import sys
 import termios
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_speedrun
-from launch import ROOT, run_script
-from test_chat_train import held_out_questions
+from helpers import (
+    LAYOUTS,
+    ROOT,
+    bundle_zip,
+    held_out_questions,
+    hub_handler,
+    processes_mentioning,
+    run_speedrun,
+)
 
 import common as C
 from tokenizer import Tokenizer
@@ -107,29 +112,24 @@ SMALL = ("--sequence_len 64 --n_layer 1 --n_embd 64 --n_head 2 --n_kv_head 2 --m
          "--eval_every 0 --compile false --ckpt_every 10 --log_every 50 --steps 120")
 
 
-def processes_mentioning(text):
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if proc.name.isdigit() and text in cmdline and int(proc.name) != os.getpid():
-            found.append((proc.name, cmdline))
-    return found
-
-
 def test_killing_speedrun_mid_pretraining_leaves_no_process_and_a_rerun_resumes_to_the_same_losses(demo_world,
                                                                                                     tmp_path):
     """`kill <speedrun.sh>` during pretraining, as a user would: the trap ends every stage's process group (the stage
     checkpoints first); the rerun skips what finished and resumes. Only pretraining runs (--stop_after pretrain): the
     later stages resume through the same code, and a second whole pipeline to compare with would cost minutes."""
-    args = ["--plan", "demo", "--gpus", "0", "--runs_dir", tmp_path, "--run_name", "r", "--data_dir",
+    runs = tmp_path / "speedrun"  # and tmp_path / "straight": the uninterrupted run to compare with
+    args = ["--plan", "demo", "--gpus", "0", "--runs_dir", runs, "--run_name", "r", "--data_dir",
             demo_world / "demo", "--tokenizer", demo_world / "tokenizer", "--stop_after", "pretrain"]
     env = {**os.environ, "SPEEDRUN_PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "PRETRAIN_ARGS": SMALL}
+    # started first: it needs nothing of the run that is stopped and resumed, and trains while that one does
+    straight = subprocess.Popen([sys.executable, str(ROOT / "pretrain.py"), "--data_dir", demo_world / "demo" / "pretrain",
+                                 "--tokenizer", demo_world / "tokenizer", "--runs_dir", tmp_path / "straight",
+                                 "--run_name", "s", "--preset", "tiny", *SMALL.split()], cwd=tmp_path,
+                                env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
     proc = subprocess.Popen(["bash", str(ROOT / "speedrun.sh"), "--no_chat", *map(str, args)], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    metrics = tmp_path / "r" / "pretrain" / "metrics.jsonl"
+    metrics = runs / "r" / "pretrain" / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 20):
         assert proc.poll() is None, proc.communicate()
@@ -138,19 +138,17 @@ def test_killing_speedrun_mid_pretraining_leaves_no_process_and_a_rerun_resumes_
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, (out, err)
     assert "speedrun: stopped by SIGTERM" in err
-    assert processes_mentioning(str(tmp_path)) == []
+    assert processes_mentioning(str(runs)) == []
     stopped = len(metrics.read_text().splitlines())
     assert 20 <= stopped < 120 and "stopped by signal at step" in out, out[-2000:]
 
     again = run_speedrun(args, tmp_path, {"PRETRAIN_ARGS": SMALL})
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     assert "stage pretrain was interrupted: resuming from its last checkpoint" in again.stdout
-    assert f"resume: from {tmp_path / 'r' / 'pretrain' / 'ckpt'}/step_" in again.stdout
+    assert f"resume: from {runs / 'r' / 'pretrain' / 'ckpt'}/step_" in again.stdout
 
-    straight = run_script("pretrain.py", ["--data_dir", demo_world / "demo" / "pretrain", "--tokenizer",
-                                          demo_world / "tokenizer", "--runs_dir", tmp_path / "straight", "--run_name",
-                                          "s", "--preset", "tiny", *SMALL.split()], tmp_path, threads=1)
-    assert straight.returncode == 0
+    _, err = straight.communicate(timeout=120)
+    assert straight.returncode == 0, err[-3000:]
 
     def losses(path):
         return [(r["step"], r["loss"]) for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
@@ -484,8 +482,6 @@ def test_the_gpu_plans_data_path_against_a_stand_in_hub_then_offline(tmp_path, m
 
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from test_chat_eval import LAYOUTS, hub_handler
-    from test_core_eval import bundle_zip
 
     import model as M
     rng = __import__("random").Random(0)

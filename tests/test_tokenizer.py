@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from launch import run_in_process
+from helpers import run_in_process
 
 import tokenizer as T
 from dataset import iter_texts, write_text_shards

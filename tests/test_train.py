@@ -8,41 +8,9 @@ from argparse import Namespace
 
 import pytest
 import torch
-from launch import ROOT, run_script
+from helpers import ROOT, assert_same, global_batch, run_script, step, tiny_model
 
 import common as C
-from model import GPTConfig, build_model
-
-
-def tiny_model():
-    torch.manual_seed(0)
-    return build_model(GPTConfig(vocab_size=128, sequence_len=16, n_layer=1, n_embd=32, n_head=2, n_kv_head=2))
-
-
-def global_batch():
-    """8 rows whose share of masked targets (-1) ranges from none to nearly all, as in chat data: a per-micro-batch
-    mean would weigh a token of a nearly empty row 15 times more than one of a full row."""
-    generator = torch.Generator().manual_seed(1)
-    inputs = torch.randint(0, 128, (8, 16), generator=generator)
-    targets = torch.randint(0, 128, (8, 16), generator=generator)
-    for row in range(8):
-        targets[row, : 2 * row] = -1
-    return inputs, targets
-
-
-def step(micro_batch):
-    """(loss, gradients) of one step over the global batch cut into micro-batches of micro_batch rows, one process."""
-    model = tiny_model()
-    inputs, targets = global_batch()
-    batches = [(inputs[s:s + micro_batch], targets[s:s + micro_batch]) for s in range(0, 8, micro_batch)]
-    loss_sum, count = C.forward_backward(model, batches, "float32", torch.device("cpu"), 1)
-    return (loss_sum / count).item(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def assert_same(a, b):
-    assert abs(a[0] - b[0]) < 1e-6, (a[0], b[0])
-    for name in a[1]:
-        assert torch.allclose(a[1][name], b[1][name], rtol=0, atol=1e-6), name
 
 
 def test_loss_and_gradients_do_not_depend_on_the_micro_batch_split():
@@ -160,14 +128,14 @@ def test_our_muon_takes_the_reference_steps_in_fp64_and_stays_close_in_fp32_and_
     initial = [torch.randn(shape, dtype=torch.float64, generator=generator) for shape in shapes]
     grads = [[torch.randn(shape, dtype=torch.float64, generator=generator) for shape in shapes] for _ in range(3)]
     expected, states = [p.clone() for p in initial], [{} for _ in shapes]
-    for step in range(3):
-        expected = [reference_muon_step(p, g, st) for p, g, st in zip(expected, grads[step], states, strict=True)]
+    for grads_now in grads:
+        expected = [reference_muon_step(p, g, st) for p, g, st in zip(expected, grads_now, states, strict=True)]
     for dtype, tolerance in (("float64", 1e-12), ("float32", 1e-4), ("bfloat16", 0.05)):
         params = [torch.nn.Parameter(p.clone().to(torch.float64 if dtype == "float64" else torch.float32))
                   for p in initial]
         opt = C.Muon(params, ns_dtype=dtype, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1)
-        for step in range(3):
-            for p, g in zip(params, grads[step], strict=True):
+        for grads_now in grads:
+            for p, g in zip(params, grads_now, strict=True):
                 p.grad = g.to(p.dtype)
             opt.step()
         for ours, theirs, start in zip(params, expected, initial, strict=True):

@@ -50,11 +50,11 @@ def parent_losses(run_dir, n):
 
 
 @pytest.mark.parametrize("stage", ["midtrain", "sft"])
-def test_no_step_of_a_chat_stages_first_20_does_worse_on_its_batch_than_the_parent_did(speedrun, stage):
+def test_no_step_of_a_chat_stages_first_20_does_worse_on_its_batch_than_the_parent_did(chat_chain, stage):
     """The loss of a chat stage's step k against the parent model's loss on the same batch k. A loss against the
     first step's alone cannot tell a spike from a hard batch: here the parent's own losses on SFT's first 20 batches
     range over 1.38x the first one's."""
-    trained, parent = losses(speedrun[0] / stage)[:20], parent_losses(speedrun[0] / stage, 20)
+    trained, parent = losses(chat_chain["run"] / stage)[:20], parent_losses(chat_chain["run"] / stage, 20)
     assert len(trained) == 20
     assert trained[0] == pytest.approx(parent[0], rel=1e-4)  # step 1 trains the parent: the replay is the stage's data
     ratios = [t / p for t, p in zip(trained, parent, strict=True)]

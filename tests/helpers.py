@@ -1,0 +1,381 @@
+"""The suite's shared helpers: every function or constant that more than one test file (or conftest.py, or a
+worker script) uses lives here, with what it needs, and test files import them from here, never from one another:
+any test file runs alone (`pytest tests/test_X.py`). Fixtures live in conftest.py.
+
+- launching stages as users do: run_script (`python X.py`, or torchrun with N processes), run_in_process (a script's
+  main() in this process, for command lines that end at once), run_speedrun (`bash speedrun.sh`), and
+  processes_mentioning (what is left running afterwards);
+- pip's dry-run resolution of requirements.txt for other Pythons (resolve_requirements: test_repo's, which conftest
+  starts at session start);
+- a tiny model and a masked global batch whose step is exact however it is split (test_train, test_distributed,
+  fsdp_worker.py), and loader batches compared (take, same);
+- the held-out demo questions the chat chain is scored on;
+- a local server in the Hugging Face hub's protocol (tree_entry, resolve_headers, serve, hub_handler with the real
+  layouts of the ChatCORE tasks in LAYOUTS), and a CORE bundle in the real format (bundle_zip)."""
+import hashlib
+import io
+import json
+import os
+import random
+import re
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+import warnings
+import zipfile
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import torch
+
+import common as C
+import demo
+from model import GPTConfig, build_model
+
+ROOT = Path(__file__).resolve().parent.parent
+GLOO_ABORT = "terminate called without an active exception"
+
+
+def run_script(script, args, cwd, nproc=1, threads=1, check=True):
+    """The finished process, in its own process group (so a SIGKILL hits torchrun and all its workers, as a dying
+    machine would). check: a non-zero exit fails the test with the output's tail."""
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                     f"--nproc_per_node={nproc}"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+    def launch():
+        return subprocess.run([*launcher, str(ROOT / script), *args], cwd=cwd, capture_output=True, text=True,
+                              env=env, start_new_session=True, timeout=600, check=False)
+    result = launch()
+    if nproc > 1 and result.returncode != 0 and GLOO_ABORT in result.stderr:
+        # an open defect (dev/LOG.md, 2026-11-23): a gloo worker of the suite, now and then, aborts this way; never
+        # reproduced alone (21 runs). Once more, with a warning in the suite's summary, so it stays visible
+        warnings.warn(f"{script}: a rank aborted with {GLOO_ABORT!r}; launched again", stacklevel=2)
+        result = launch()
+    if check and result.returncode != 0:
+        raise AssertionError(f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
+
+
+def run_in_process(main, args, capsys, stage=None):
+    """A script's main(args) in this process, ended as `python X.py args` would end: (exit code, stdout, stderr). For
+    command lines that finish at once (bad input, --help): a new interpreter costs ~3 s of imports. stage: the script
+    name of a stage (pretrain.py, core_eval.py), whose __main__ ends it through common.run_main."""
+    args, argv = [str(a) for a in args], sys.argv
+    try:
+        if stage:
+            import common  # here: the data and model command lines need none of torch's distributed machinery
+            sys.argv = [stage, *args]
+            code = common.run_main(lambda: main(args))
+        else:
+            code = main(args) or 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+    finally:
+        sys.argv = argv
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def run_speedrun(args, cwd, env=None, timeout=900):
+    """`bash speedrun.sh ARGS` as a user runs it (with this interpreter instead of .venv), no chat at the end."""
+    env = {**os.environ, "SPEEDRUN_PYTHON": sys.executable, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run(["bash", str(ROOT / "speedrun.sh"), "--no_chat", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def processes_mentioning(text):
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if proc.name.isdigit() and text in cmdline and int(proc.name) != os.getpid():
+            found.append((proc.name, cmdline))
+    return found
+
+
+# --- requirements.txt resolved by pip for other Pythons (test_repo; started at session start by conftest)
+
+def pyenv_python(version):
+    """The interpreter of a pyenv-installed Python `version` (e.g. "3.10"), or None."""
+    pyenv = shutil.which("pyenv")
+    if pyenv is None:
+        return None
+    for installed in subprocess.run([pyenv, "versions", "--bare"], capture_output=True, text=True, check=False).stdout.split():
+        if installed == version or installed.startswith(version + "."):
+            path = subprocess.run([pyenv, "which", "python"], capture_output=True, text=True, check=False,
+                                  env={**os.environ, "PYENV_VERSION": installed}).stdout.strip()
+            return path or None
+    return None
+
+
+def registry_reachable(python):
+    """The index pip would use (PIP_INDEX_URL, pip config, else PyPI) answers for torch within 20 s."""
+    config = subprocess.run([python, "-m", "pip", "config", "list"], capture_output=True, text=True, check=False).stdout
+    index = os.environ.get("PIP_INDEX_URL") or next(
+        (line.split("=", 1)[1].strip("'\"") for line in config.splitlines() if line.split("=")[0].endswith(
+            ".index-url") and "extra" not in line.split("=")[0]), "https://pypi.org/simple")
+    try:
+        urllib.request.urlopen(index.rstrip("/") + "/torch/", timeout=20).close()
+        return True, index
+    except OSError as e:
+        return False, f"{index}: {e}"
+
+
+def resolve_requirements(version, report, processes):
+    """pip's dry-run resolution of requirements.txt for Python `version` (pyenv's), its install report written to
+    `report`: (reason to skip, None, None) when there is no such Python or no reachable registry, else (None, the
+    finished process, report). The pip process is appended to `processes` (the caller ends it if it must)."""
+    python = pyenv_python(version)
+    if python is None:
+        return f"no Python {version} installed with pyenv here to resolve requirements.txt with", None, None
+    reachable, why = registry_reachable(python)
+    if not reachable:
+        return f"the package registry is unreachable ({why}): cannot resolve requirements.txt", None, None
+    command = [python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
+               "-r", str(ROOT / "requirements.txt")]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PIP_NO_INPUT": "1"})
+    processes.append(process)
+    stdout, stderr = process.communicate(timeout=900)
+    return None, subprocess.CompletedProcess(command, process.returncode, stdout, stderr), report
+
+# --- a tiny model and a global batch with masked targets: one step's loss and gradients are exact however the
+# batch is split (into micro-batches: test_train; into processes: test_distributed, fsdp_worker.py)
+
+def tiny_model():
+    torch.manual_seed(0)
+    return build_model(GPTConfig(vocab_size=128, sequence_len=16, n_layer=1, n_embd=32, n_head=2, n_kv_head=2))
+
+
+def global_batch():
+    """8 rows whose share of masked targets (-1) ranges from none to nearly all, as in chat data: a per-micro-batch
+    mean would weigh a token of a nearly empty row 15 times more than one of a full row."""
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randint(0, 128, (8, 16), generator=generator)
+    targets = torch.randint(0, 128, (8, 16), generator=generator)
+    for row in range(8):
+        targets[row, : 2 * row] = -1
+    return inputs, targets
+
+
+def step(micro_batch):
+    """(loss, gradients) of one step over the global batch cut into micro-batches of micro_batch rows, one process."""
+    model = tiny_model()
+    inputs, targets = global_batch()
+    batches = [(inputs[s:s + micro_batch], targets[s:s + micro_batch]) for s in range(0, 8, micro_batch)]
+    loss_sum, count = C.forward_backward(model, batches, "float32", torch.device("cpu"), 1)
+    return (loss_sum / count).item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_same(a, b):
+    assert abs(a[0] - b[0]) < 1e-6, (a[0], b[0])
+    for name in a[1]:
+        assert torch.allclose(a[1][name], b[1][name], rtol=0, atol=1e-6), name
+
+
+# --- loader batches
+
+def take(loader, n):
+    batches = [next(loader) for _ in range(n)]
+    loader.close()
+    return batches
+
+
+def same(a, b):
+    return len(a) == len(b) and all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
+
+
+# --- the demo world's chat
+
+def held_out_questions():
+    """(question, expected word) in phrasings that none of the demo conversations use (demo.QA has others)."""
+    capitals = [(f"Which city is the capital of {row[0]}?", row[1]) for row in demo.COUNTRIES]
+    languages = [(f"In {row[0]}, which language do people speak?", row[2]) for row in demo.COUNTRIES]
+    return capitals + languages
+
+
+# --- a hub on localhost (test_download, test_chat_eval, test_speedrun)
+
+COMMIT = "c0ffee" * 6 + "c0ff"  # the X-Repo-Commit every resolve answer carries, as the hub's do
+STALL_S = 1.0  # how long a "stall" fault keeps the socket silent; that test sets the read timeout below it
+
+
+def git_blob_id(data):
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def tree_entry(path, data):
+    """A tree API entry as the hub sends it: parquet files are LFS (sha256 in lfs.oid), others are kept in git."""
+    if path.endswith(".parquet"):
+        lfs = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+        return {"type": "file", "path": path, "size": len(data), "oid": "1" * 40, "lfs": lfs}
+    return {"type": "file", "path": path, "size": len(data), "oid": git_blob_id(data)}
+
+
+def serve(hub, handler, name):
+    """Send hub.files[name], honouring Range, after applying the next queued fault for that file."""
+    data = hub.files[name]
+    fault = hub.faults[name].pop(0) if hub.faults.get(name) else None
+    if fault in ("500", "429"):
+        handler.send_response(int(fault))
+        handler.send_header("Retry-After", "0")
+        handler.send_header("Content-Length", "0")
+        handler.end_headers()
+        return
+    start, status = 0, 200
+    match = re.fullmatch(r"bytes=(\d+)-", handler.headers.get("Range") or "")
+    if match and fault != "norange":
+        start, status = int(match.group(1)), 206
+        if start >= len(data):
+            handler.send_response(416)
+            handler.send_header("Content-Length", "0")
+            handler.end_headers()
+            return
+    body = data[start:]
+    handler.send_response(status)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.send_header("Accept-Ranges", "bytes")
+    handler.send_header("ETag", f'"{hashlib.md5(data).hexdigest()}"')  # what a CDN sends: not the sha256
+    if status == 206:
+        handler.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+    handler.end_headers()
+    if fault == "stall":  # headers, then silence past the client's read timeout
+        time.sleep(STALL_S)
+        return
+    if fault == "flip":
+        body = body[:len(body) // 2] + bytes([body[len(body) // 2] ^ 0xFF]) + body[len(body) // 2 + 1:]
+    if fault == "garbage":
+        body = random.Random(0).randbytes(len(body))
+    if fault == "drop":  # half the body, then a reset (RST, not a clean close)
+        handler.wfile.write(body[:len(body) // 2])
+        handler.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        handler.connection.close()
+        return
+    if fault == "short":  # a clean close 100 bytes before the announced Content-Length
+        body = body[:-100]
+    handler.wfile.write(body)
+
+
+def resolve_headers(hub, handler, name):
+    """What the hub's resolve URL answers for a file, before any body: hf_hub_download's HEAD reads these."""
+    data = hub.files[name]
+    if name.endswith(".parquet"):  # an LFS file: the hub redirects to the CDN and names the sha256 and size
+        handler.send_response(302)
+        handler.send_header("Location", f"{hub.cdn_url}/cdn/{name}")
+        handler.send_header("X-Linked-Etag", f'"{hashlib.sha256(data).hexdigest()}"')
+        handler.send_header("X-Linked-Size", str(len(data)))
+        handler.send_header("Content-Length", "0")
+    else:  # a small git file: served directly, its git blob id as ETag
+        handler.send_response(200)
+        handler.send_header("ETag", f'"{git_blob_id(data)}"')
+        handler.send_header("Content-Length", str(len(data)))
+    handler.send_header("X-Repo-Commit", COMMIT)
+    handler.end_headers()
+
+
+def arc(q, answer, labels="ABCD"):
+    return {"id": q, "question": q, "choices": {"text": [f"t{x}" for x in labels], "label": list(labels)},
+            "answerKey": answer}
+
+
+ADD_TEST = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n"
+ADD = {"task_id": "HumanEval/0", "prompt": "import math\n\ndef add(a, b):\n    \"\"\"Add.\"\"\"\n",
+       "canonical_solution": "    return a + b\n", "test": ADD_TEST, "entry_point": "add"}
+
+
+ARC_ROWS = [arc(f"arc question {i}?", "ABCD"[i % 4]) for i in range(6)] + [arc("digits?", "3", labels="1234")]
+LAYOUTS = {  # repo: {path: rows}; files in other configs and splits are there too, and must not be fetched
+    "allenai/ai2_arc": {"ARC-Easy/test-00000-of-00001.parquet": ARC_ROWS,
+                        "ARC-Easy/train-00000-of-00001.parquet": ARC_ROWS[:2],
+                        "ARC-Challenge/test-00000-of-00001.parquet": ARC_ROWS[3:]},
+    "cais/mmlu": {"all/test-00000-of-00001.parquet": [{"question": f"mmlu {i}?", "subject": "anatomy",
+                                                       "choices": ["w", "x", "y", "z"], "answer": i % 4}
+                                                      for i in range(5)],
+                  "anatomy/test-00000-of-00001.parquet": [{"question": "a?", "subject": "anatomy",
+                                                           "choices": ["w", "x", "y", "z"], "answer": 0}]},
+    "openai/gsm8k": {"main/test-00000-of-00001.parquet": [{"question": f"How many {i}?",
+                                                           "answer": f"{i} + 1 = <<{i}+1={i + 1}>>{i + 1}\n#### {i + 1}"}
+                                                          for i in range(4)],
+                     "socratic/test-00000-of-00001.parquet": [{"question": "s?", "answer": "#### 1"}]},
+    "openai/openai_humaneval": {"openai_humaneval/test-00000-of-00001.parquet": [ADD, {**ADD,
+                                                                                     "task_id": "HumanEval/1"}]},
+}
+
+
+def hub_handler(hub):
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            path = unquote(urlsplit(self.path).path)
+            hub.log.append(path)
+            if m := re.fullmatch(r"/api/datasets/([^/]+/[^/]+)/tree/main", path):
+                payload = json.dumps([tree_entry(p, d) for name, d in hub.files.items()
+                                      for p in [name[len(m.group(1)) + 1:]] if name.startswith(m.group(1) + "/")])
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                return self.wfile.write(payload.encode()) if self.command == "GET" else None
+            if (m := re.fullmatch(r"/datasets/([^/]+/[^/]+)/resolve/main/(.+)", path)) and \
+                    "/".join(m.groups()) in hub.files:  # parquet files are LFS: a redirect to the other server
+                return resolve_headers(hub, self, "/".join(m.groups()))
+            if path.startswith("/cdn/") and path[5:] in hub.files:
+                return serve(hub, self, path[5:])
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_HEAD = do_GET
+    return Handler
+
+
+# --- a CORE bundle in the real format (test_core_eval, test_speedrun)
+
+CORE_YAML = """icl_tasks:
+- label: quiz_mc
+  dataset_uri: world_knowledge/quiz.jsonl
+  num_fewshot: [2]
+  icl_task_type: multiple_choice
+  continuation_delimiter: "\\nAnswer: " # separates question and answer, as in the real core.yaml
+- label: pick_schema
+  dataset_uri: language_understanding/pick.jsonl
+  num_fewshot: [0]
+  icl_task_type: schema
+- label: echo_lm
+  dataset_uri: symbolic/echo.jsonl
+  num_fewshot: [1]
+  icl_task_type: language_modeling
+"""
+META_CSV = "Eval Task,Task Category,Task Type,Random baseline\nquiz_mc,wk,multiple choice,25\n" \
+           "pick_schema,lu,schema,50\necho_lm,sym,language modeling,0\n"
+
+
+def jsonl(items):
+    return "".join(json.dumps(i) + "\n" for i in items)
+
+
+QUIZ = [{"query": f"Q{i}?", "choices": ["a", "b", "c", "d"], "gold": i % 4} for i in range(8)]
+PICK = [{"context_options": ["one 1", "two 2"], "continuation": "x", "gold": i % 2} for i in range(6)]
+ECHO = [{"context": f" say {w}:", "continuation": w} for w in ["yes", "no", "yes", "yes", "no"]]
+
+
+def bundle_zip():
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("eval_bundle/core.yaml", CORE_YAML)
+        z.writestr("eval_bundle/eval_meta_data.csv", META_CSV)
+        z.writestr("eval_bundle/eval_data/world_knowledge/quiz.jsonl", jsonl(QUIZ))
+        z.writestr("eval_bundle/eval_data/language_understanding/pick.jsonl", jsonl(PICK))
+        z.writestr("eval_bundle/eval_data/symbolic/echo.jsonl", jsonl(ECHO))
+    return buf.getvalue()
