@@ -9,12 +9,13 @@ import pytest
 import torch
 from launch import ROOT
 
-import common as C
+import checkpoint
 import dataset as D
+import distributed
 from demo import write_demo
 from tokenizer import train_tokenizer
 
-C.keep_freed_memory()  # as the stages do on CPU: tests that train in this process get the same speed
+distributed.keep_freed_memory()  # as the stages do on CPU: tests that train in this process get the same speed
 
 # 1 layer of width 256, 150 steps of 32 x 128 tokens, Muon lr 0.04: about a minute on 2 CPU cores. Of the small
 # configurations tried, the best CORE per second of training (measured 0.099; 2 layers of width 128, lr 0.05, same steps: 0.057)
@@ -119,7 +120,7 @@ def chat_chain(speedrun):
     """The demo chain as speedrun.sh runs it: pretrain -> midtrain.py -> sft.py. Checkpoint paths of each stage, and
     midtrain.py's output."""
     run, _ = speedrun
-    return {"pretrain": C.list_checkpoints(run / "pretrain" / "ckpt")[-1],
-            "midtrain": C.list_checkpoints(run / "midtrain" / "ckpt")[-1],
-            "sft": C.list_checkpoints(run / "sft" / "ckpt")[-1],
+    return {"pretrain": checkpoint.list_checkpoints(run / "pretrain" / "ckpt")[-1],
+            "midtrain": checkpoint.list_checkpoints(run / "midtrain" / "ckpt")[-1],
+            "sft": checkpoint.list_checkpoints(run / "sft" / "ckpt")[-1],
             "midtrain_stdout": (run / "logs" / "midtrain.log").read_text()}

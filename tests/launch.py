@@ -32,13 +32,13 @@ def run_script(script, args, cwd, nproc=1, threads=1, check=True):
 def run_in_process(main, args, capsys, stage=None):
     """A script's main(args) in this process, ended as `python X.py args` would end: (exit code, stdout, stderr). For
     command lines that finish at once (bad input, --help): a new interpreter costs ~3 s of imports. stage: the script
-    name of a stage (pretrain.py, core_eval.py), whose __main__ ends it through common.run_main."""
+    name of a stage (pretrain.py, core_eval.py), whose __main__ ends it through distributed.run_main."""
     args, argv = [str(a) for a in args], sys.argv
     try:
         if stage:
-            import common  # here: the data and model command lines need none of torch's distributed machinery
+            import distributed  # here: the data and model command lines need none of torch's distributed machinery
             sys.argv = [stage, *args]
-            code = common.run_main(lambda: main(args))
+            code = distributed.run_main(lambda: main(args))
         else:
             code = main(args) or 0
     except SystemExit as e:

@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from launch import run_in_process, run_script
 
-import common as C
+import checkpoint
 import core_eval as E
 import dataset as D
+import validation
 from model import build_model, config_from_preset
 from tokenizer import SPLIT_PATTERN, Tokenizer, train_tokenizer
 
@@ -344,7 +345,7 @@ def demo(demo_world):
     meta = {"stage": "pretrain", "model_config": config.__dict__, "world_size": 1,
             "tokenizer": str(demo_world / "tokenizer"), "tokenizer_sha256": tok.fingerprint(),
             "data_dir": str(demo_world / "demo" / "pretrain")}
-    C.save_checkpoint(demo_world / "core_runs" / "r" / "ckpt", 5, build_model(config), [], [], meta, 0, 1)
+    checkpoint.save_checkpoint(demo_world / "core_runs" / "r" / "ckpt", 5, build_model(config), [], [], meta, 0, 1)
     return demo_world
 
 
@@ -370,7 +371,7 @@ def test_one_and_two_processes_give_identical_results(demo):
                         (out / "items.jsonl").read_text(), (out / "results.csv").read_text()))
     assert outputs[0] == outputs[1]
     tok = Tokenizer.load(demo / "tokenizer")
-    rows = C.val_rows(demo / "demo" / "pretrain", tok, 5000, 256)  # BOS-led rows as in training
+    rows = validation.val_rows(demo / "demo" / "pretrain", tok, 5000, 256)  # BOS-led rows as in training
     targets = rows[:, 1:]
     assert rows.shape == (20, 257) and outputs[0][3] == int(((targets != -1) & (targets != tok.bos_id)).sum())
 
@@ -402,7 +403,7 @@ def test_a_trained_model_beats_chance_on_the_demo_tasks(speedrun, learned, demo,
     untrained one scored here the same way (in this process), on all 513 items."""
     run_dir, _ = learned
     scores = {"trained": json.loads((speedrun[0] / "core_eval" / "results.json").read_text())}
-    assert scores["trained"]["checkpoint"] == str(C.list_checkpoints(run_dir / "ckpt")[-1])
+    assert scores["trained"]["checkpoint"] == str(checkpoint.list_checkpoints(run_dir / "ckpt")[-1])
     out = demo / "score_untrained"
     code, _, err = run_in_process(E.main, ["--checkpoint", demo / "core_runs" / "r", "--max_new_tokens", "8", "--out",
                                            out, "--bpb_tokens", "20000"], capsys, stage="core_eval.py")
@@ -421,14 +422,14 @@ def test_a_trained_model_beats_chance_on_the_demo_tasks(speedrun, learned, demo,
 def test_val_bpb_equals_a_direct_computation(demo_world):
     tok = Tokenizer.load(demo_world / "tokenizer")
     docs = list(D.iter_texts(demo_world / "demo" / "pretrain", "val"))
-    rows = C.val_rows(demo_world / "demo" / "pretrain", tok, 3000, 100)
+    rows = validation.val_rows(demo_world / "demo" / "pretrain", tok, 3000, 100)
     first = tok.encode(docs[0])[:100]
     assert rows.shape == (30, 101) and (rows[:, 0] == tok.bos_id).all()  # BOS-led, like every training row
     assert rows[0, 1:1 + len(first)].tolist() == first  # the oldest piece, the split's first document, opens row 0
     torch.manual_seed(0)
     model = build_model(config_from_preset("tiny", {"n_layer": 1, "n_embd": 64, "n_head": 2, "n_kv_head": 2,
                                                    "sequence_len": 100}))
-    bpb, scored = C.val_bpb(model, rows, tok.token_bytes, 7, "float32", 0, 1, torch.device("cpu"))
+    bpb, scored = validation.val_bpb(model, rows, tok.token_bytes, 7, "float32", 0, 1, torch.device("cpu"))
     nats = nbytes = n = 0
     with torch.no_grad():
         for row in rows:
