@@ -1,9 +1,8 @@
-"""What every stage uses, and nothing else: the exit of a stage's main() is in distributed.py (run_main); here are
-the facts about the machine and the code (device_name, native_bf16, matmul_dtype, peak_flops, versions, code_version)
-and the small formatting and timing helpers every stage prints with (fmt_bytes, fmt_duration, now).
+"""What every stage uses and no one part owns: facts about the machine and the code (device_name, native_bf16,
+matmul_dtype, peak_flops, versions, code_version) and the formatting and timing helpers every stage prints with
+(fmt_bytes, fmt_duration, now). A stage's exit (run_main) is in distributed.py: it tears the process group down.
 
-Not a stage: import it (`import common`). It imports none of this project's modules, so every other module can
-import it.
+Not a stage: import it (`import common`). It imports none of this project's modules, so any of them may import it.
 """
 import math
 import platform
