@@ -3,7 +3,11 @@ matmul_dtype, peak_flops, versions, code_version) and the formatting and timing 
 (fmt_bytes, fmt_duration, now). A stage's exit (run_main) is in distributed.py: it tears the process group down.
 
 Not a stage: import it (`import common`). It imports none of this project's modules, so any of them may import it.
+One command line, what this machine and this code are, as every stage records them:
+
+    python common.py        # the device, whether bf16 is native, the matmul dtype, the versions, the code's commit
 """
+import argparse
 import math
 import platform
 import subprocess
@@ -91,3 +95,19 @@ def fmt_duration(seconds):
 
 def now():
     return time.perf_counter()
+
+
+def main(argv=None):
+    argparse.ArgumentParser(description="what this machine and this code are, as every stage records them: the "
+                            "device, whether bf16 is native, the matmul dtype, the versions, the code's commit"
+                            ).parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    peak = peak_flops(device_name(device), "bfloat16")
+    print(f"device: {device_name(device)}; bf16 {'native' if native_bf16(device) else 'not native (emulated)'}; "
+          f"matmuls in {matmul_dtype(device)}; dense bf16 peak {f'{peak:.3g} FLOP/s' if peak else 'unknown'}")
+    print(f"versions: {versions()}; code: {code_version()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

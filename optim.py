@@ -3,9 +3,13 @@ Express's Newton-Schulz and NorMuon (Muon, newton_schulz), what runs in which dt
 schedules, a pure function of (step, args): the lr multiplier, the weight decay and Muon's momentum at each step
 (apply_schedule, add_schedule_args).
 
-Not a stage: import it (`import optim`).
+Not a stage: import it (`import optim`). One command line, a schedule as the training stages apply it:
+
+    python optim.py --steps 1000 --schedule wsd --warmdown_frac 0.2    # lr multiplier, weight decay, Muon momentum
 """
+import argparse
 import math
+import sys
 
 import torch
 import torch.distributed as dist
@@ -348,3 +352,20 @@ def add_schedule_args(parser):
                    "starts from (default: %(default)s)")
     g.add_argument("--stage2_weight_decay", type=float, default=0.0, help="two-stage: weight decay from the boundary "
                    "on (default: %(default)s)")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="a schedule as the training stages apply it: the lr multiplier, the "
+                                     "weight decay and Muon's momentum at evenly spaced steps")
+    parser.add_argument("--steps", type=int, default=1000, help="the stage's steps (default: %(default)s)")
+    parser.add_argument("--points", type=int, default=11, help="how many steps to show (default: %(default)s)")
+    add_schedule_args(parser)
+    args = parser.parse_args(argv)
+    for step in sorted({round(i * (args.steps - 1) / max(1, args.points - 1)) for i in range(args.points)}):
+        print(f"step {step + 1}: lr x{lr_multiplier(step, args.steps, args):.4f}, weight decay "
+              f"{weight_decay_at(step, args):g}, Muon momentum {muon_momentum(step, args):.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

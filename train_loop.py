@@ -3,13 +3,17 @@ them over; the policies (exact loss over masked targets, NaN stop, signals, heal
 checkpoints) live here once. With it: batch planning (the micro-batch that fits, plan_batch), the model's wrapping
 (DDP, torch.compile), the health checks, and a run's status from its files (print_status: each stage's --status).
 
-Not a stage: import it (`import train_loop`).
+Not a stage: import it (`import train_loop`). One command line, a run's status (of any stage, live or finished):
+
+    python train_loop.py status runs/<run>
 """
+import argparse
 import itertools
 import json
 import math
 import os
 import signal
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -20,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from checkpoint import list_checkpoints, resume_command, save_checkpoint
 from common import device_name, fmt_duration, now, peak_flops
-from distributed import all_reduce, all_reduce_tensor, is_dtensor, is_sharded, local, mark_progress
+from distributed import all_reduce, all_reduce_tensor, is_dtensor, is_sharded, local, mark_progress, run_main
 from model import autocast_context
 from optim import apply_schedule, build_optimizers
 
@@ -420,3 +424,16 @@ def print_status(run_dir):
             print(f"sample step {s['step']}: {s['prompt']!r} -> {s['completion']!r}")
     ckpts = list_checkpoints(run_dir / "ckpt")
     print(f"checkpoints: {', '.join(c.name for c in ckpts) if ckpts else 'none'}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="a run's status from its files, for every stage, live or finished "
+                                     "(as each stage's --status)")
+    parser.add_argument("command", choices=["status"], help="status: what the run in RUN_DIR has done so far")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (runs/<run>/)")
+    args = parser.parse_args(argv)
+    print_status(Path(args.run_dir))
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))

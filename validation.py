@@ -2,18 +2,23 @@
 a checkpoint), a chat stage's validation loss and greedy answers to a few questions (chat_validation), and how much
 of its pretraining a chat stage's model kept (forgetting). Every figure is the same on 1 or N processes.
 
-Not a stage: import it (`import validation`).
+Not a stage: import it (`import validation`). One command line, a checkpoint's val bpb on the val split of the
+pretraining corpus it descends from, in that run's rows (what the chat stages report as forgetting), in one process:
+
+    python validation.py runs/<run> --bpb_tokens 20000
 """
+import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
 
 from calculator import ToolUse, reply_text
-from checkpoint import pretraining_run
+from checkpoint import checkpoint_tokenizer, find_checkpoint, load_model, pretraining_run
 from dataset import chat_loader, text_loader
-from distributed import all_reduce_tensor, is_sharded
+from distributed import all_reduce_tensor, is_sharded, run_main
 from model import autocast_context, generate
 
 # -----------------------------------------------------------------------------
@@ -186,3 +191,24 @@ def forgetting_line(kept):
     return "pretraining val bpb: " + (f"{kept['val_bpb']:.4f} over {kept['tokens']:,} tokens of {kept['data_dir']} "
                                       f"(rows of {kept['sequence_len']} tokens)" if kept["val_bpb"] is not None
                                       else kept["note"])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="a checkpoint's val bpb on the val split of the pretraining corpus it "
+                                     "descends from, in that run's rows, in one process")
+    parser.add_argument("checkpoint", nargs="?", help="a step_* directory or a run directory (its newest) (default: "
+                        "the newest checkpoint under --runs_dir)")
+    parser.add_argument("--runs_dir", default="runs", help="where runs live (default: %(default)s)")
+    parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"], help="compute dtype (default: "
+                        "%(default)s)")
+    add_forgetting_args(parser)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    path = find_checkpoint(args.checkpoint, args.runs_dir)
+    model, meta = load_model(path, device)
+    tokenizer, _ = checkpoint_tokenizer(meta, path)
+    print(f"{path}: " + forgetting_line(forgetting(model, tokenizer, path, meta, args, 0, 1, device)))
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))
