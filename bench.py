@@ -74,8 +74,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-import common as C
+import checkpoint
+import common
 import dataset
+import distributed
+import optim
+import train_loop
 from dataset import iter_texts
 from demo import write_demo
 from loader import text_loader
@@ -379,7 +383,7 @@ def bench_core_eval(args, device):
         config = config_from_preset(args.preset, {"vocab_size": 1024})
         meta = {"stage": "pretrain", "model_config": config.__dict__, "world_size": 1, "tokenizer": str(tmp / "tokenizer"),
                 "tokenizer_sha256": tok.fingerprint(), "data_dir": str(tmp / "demo" / "pretrain")}
-        C.save_checkpoint(tmp / "runs" / "bench" / "ckpt", 0, build_model(config, device), [], [], meta, 0, 1)
+        checkpoint.save_checkpoint(tmp / "runs" / "bench" / "ckpt", 0, build_model(config, device), [], [], meta, 0, 1)
         bundle = args.bundle or str(tmp / "demo" / "eval_bundle")
         for batch_items in (1, 8):
             out = tmp / f"out{batch_items}"
@@ -473,7 +477,7 @@ def bench_download(args, device):
         median = sorted(times)[len(times) // 2]
         print(f"download {label:26s}: {len(files) / median:6.1f} shards/s, {total_mb / median:7.1f} MB/s (median of "
               f"{args.trials}; {len(files)} shards, {total_mb:.0f} MB, 4 workers, loopback)")
-    print(f"download: CPU {C.device_name(torch.device('cpu'))}, {os.cpu_count()} cores")
+    print(f"download: CPU {common.device_name(torch.device('cpu'))}, {os.cpu_count()} cores")
 
 
 def bench_cpu(args, device):
@@ -484,7 +488,7 @@ def bench_cpu(args, device):
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         train_tokenizer(iter_texts(corpus, "train"), 8192).save(tmp / "tokenizer")
-        dtypes, rates = ["float32", "bfloat16"] if C.native_bf16(device) else ["float32"], {}
+        dtypes, rates = ["float32", "bfloat16"] if common.native_bf16(device) else ["float32"], {}
         for optimizer in ("muon", "adamw"):
             for compiled in ("false", "true"):
                 for dtype in dtypes:
@@ -502,7 +506,7 @@ def bench_cpu(args, device):
                     wait = sum(r["data_wait"] for r in timed) / len(timed)
                     print(f"cpu {name:26s}: {rate:7,.0f} tok/s (median of steps 11-40), waiting for data "
                           f"{100 * wait:.1f}% of the step")
-        muon_share(device, 2048 / rates[f"muon_{C.matmul_dtype(device)}_compiled"])
+        muon_share(device, 2048 / rates[f"muon_{common.matmul_dtype(device)}_compiled"])
 
 
 # bench.py quality: each row is pretrain.py's defaults plus these flags (the first row: the defaults themselves).
@@ -566,23 +570,23 @@ def bench_fsdp(args, device):
 def bench_fsdp_rank(args, device):
     """One rank of bench_fsdp: the shared loop's pieces on a sharded model, timed; peak RSS gathered to rank 0."""
     import resource
-    rank, _, world, device = C.setup_distributed()
+    rank, _, world, device = distributed.setup_distributed()
     baseline = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # torch, imported
     config = config_from_preset(args.preset, {"sequence_len": args.fsdp_seq})
     start = time.perf_counter()
     torch.manual_seed(0)
     model = build_model(config, device)
-    dtype = C.matmul_dtype(device)
+    dtype = common.matmul_dtype(device)
     run = argparse.Namespace(fsdp="true", optimizer="muon", adam8bit=False, dtype=dtype, compile=False, matrix_lr=0.02,
                              embedding_lr=0.2, head_lr=0.004, scalar_lr=0.04)
-    sharding = C.shard_model(model, run, world, device)
-    optimizers = C.build_optimizers(model, run, config.n_embd, world * args.fsdp_seq, device)
+    sharding = distributed.shard_model(model, run, world, device)
+    optimizers = optim.build_optimizers(model, run, config.n_embd, world * args.fsdp_seq, device)
     built, times = time.perf_counter() - start, []
     for _ in range(args.fsdp_steps):
         start = time.perf_counter()
         ids = torch.randint(0, config.vocab_size, (1, args.fsdp_seq + 1))
-        C.forward_backward(model, [(ids[:, :-1], ids[:, 1:])], dtype, device, world)
-        C.clip_grad_norm(model.parameters(), 1.0)
+        train_loop.forward_backward(model, [(ids[:, :-1], ids[:, 1:])], dtype, device, world)
+        train_loop.clip_grad_norm(model.parameters(), 1.0)
         for opt in optimizers:
             opt.step()
         model.zero_grad(set_to_none=True)
@@ -601,7 +605,7 @@ def bench_fsdp_rank(args, device):
               f"{p / 2**30:.2f}" for p in peaks) + f" GiB; model.py's estimate per rank {per_rank / 2**30:.2f} GiB (weights, gradients, optimizer / {world}: "
               f"{(est['weights'] + est['gradients'] + est['optimizer']) / world / 2**30:.2f}; activations "
               f"{est['activations'] / 2**30:.2f}; transient {est['transient'] / 2**30:.2f})")
-    C.teardown_distributed()
+    distributed.teardown_distributed()
 
 
 def muon_share(device, step_seconds, steps=10):
@@ -610,10 +614,10 @@ def muon_share(device, step_seconds, steps=10):
     pretrain.py in the same configuration."""
     config = config_from_preset("tiny", {"vocab_size": 8192})
     model = build_model(config, device)
-    train_model, dtype = torch.compile(model), C.matmul_dtype(device)
+    train_model, dtype = torch.compile(model), common.matmul_dtype(device)
     args = argparse.Namespace(optimizer="muon", adam8bit=False, matrix_lr=0.02, embedding_lr=0.2, head_lr=0.004,
                               scalar_lr=0.04)
-    adam, muon = C.build_optimizers(model, args, config.n_embd, 2048, device)
+    adam, muon = optim.build_optimizers(model, args, config.n_embd, 2048, device)
     idx = torch.randint(0, 8192, (8, 256), device=device)
 
     def forward_backward():
@@ -733,7 +737,7 @@ def gpu_prepare(args, device):
                         args.wheels_python, *NANOCHAT_PIP], check=True)
     size = sum(f.stat().st_size for f in bench.rglob("*") if f.is_file())
     record = {"nanochat_commit": args.nanochat_commit, "vocab": vocab, "corpus": str(corpus),
-              "wheels_python": args.wheels_python, "bytes": size, "code": C.code_version(),
+              "wheels_python": args.wheels_python, "bytes": size, "code": common.code_version(),
               "prepared": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     (bench / "PREPARED.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"gpu_prepare: {bench} holds {size / 2**20:.1f} MiB (the device tool carries at most 64 MiB)")
@@ -789,9 +793,9 @@ def gpu_probe(args, device):
     model = build_model(config, device)
     run = argparse.Namespace(optimizer="muon", adam8bit=False, matrix_lr=0.02, embedding_lr=0.2, head_lr=0.004,
                              scalar_lr=0.04)
-    optimizers = C.build_optimizers(model, run, config.n_embd, 1, device)
-    try_step = C.probe_step(model, optimizers, config.sequence_len, config.vocab_size, "bfloat16", device)
-    micro = C.find_micro_batch(try_step, [2 ** k for k in range(int(math.log2(args.max_micro)) + 1)])
+    optimizers = optim.build_optimizers(model, run, config.n_embd, 1, device)
+    try_step = train_loop.probe_step(model, optimizers, config.sequence_len, config.vocab_size, "bfloat16", device)
+    micro = train_loop.find_micro_batch(try_step, [2 ** k for k in range(int(math.log2(args.max_micro)) + 1)])
     print(f"micro_batch {micro}")
 
 
@@ -806,7 +810,7 @@ class GpuBattery:
         self.here = Path(__file__).resolve().parent
         # bf16 on the GPU, as nanochat there; fp32 in the dry run, as nanochat on a CPU
         self.dtype = "bfloat16" if device.type == "cuda" else "float32"
-        self.peak = C.peak_flops(C.device_name(device), self.dtype)
+        self.peak = common.peak_flops(common.device_name(device), self.dtype)
         self.peak_source = "rated dense bf16 peak (common.PEAK_BF16_FLOPS)"
         if self.peak is None:  # a CPU, or a GPU the table lacks: this device's own measured matmul throughput
             self.peak = matmul_peak(device, getattr(torch, self.dtype))
@@ -1041,9 +1045,9 @@ def gpu_environment(device):
                                     capture_output=True, text=True, timeout=30, check=True).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             driver = "unknown (nvidia-smi did not answer)"
-    code = C.code_version()
+    code = common.code_version()
     prepared = Path(".bench/PREPARED.json")
-    return {"device": C.device_name(device), "driver": driver, "torch": torch.__version__,
+    return {"device": common.device_name(device), "driver": driver, "torch": torch.__version__,
             "cuda": torch.version.cuda or "none", "python": sys.version.split()[0], "commit": code["commit"],
             "dirty": code["dirty"], "prepared_at_commit": json.loads(prepared.read_text())["code"]["commit"]
             if prepared.is_file() else "unknown", "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
@@ -1194,9 +1198,9 @@ def main():
         args.device = "cpu"
     device = torch.device(args.device)
     if device.type == "cpu":
-        C.keep_freed_memory()  # as every stage does on CPU
-    print(f"device: {C.device_name(device)}; bf16 native: {C.native_bf16(device)}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} CPU threads, {os.cpu_count()} cores")
+        distributed.keep_freed_memory()  # as every stage does on CPU
+    print(f"device: {common.device_name(device)}; bf16 native: {common.native_bf16(device)}; torch "
+          f"{torch.__version__}, {torch.get_num_threads()} CPU threads, {os.cpu_count()} cores")
     if args.which == ["fsdp_rank"]:  # one rank of the fsdp benchmark, under the torchrun that bench_fsdp starts
         return bench_fsdp_rank(args, device)
     if args.which in (["gpu"], ["gpu_prepare"], ["gpu_probe"]):  # the GPU battery: never part of "all"

@@ -20,7 +20,9 @@ from contextlib import contextmanager
 
 import torch
 
-import common as C
+import checkpoint
+import common
+import distributed
 from calculator import ToolUse
 from model import KVCache, autocast_context, lean_decode_step, lean_decode_weights, num_params, sample_next
 
@@ -54,7 +56,7 @@ def get_args(argv=None):
                    help="decode step: lean (fp32 CPU eager, fewer ops), static (GPT.decode_step: fixed shapes), "
                    "compiled (static under torch.compile), generate (the forward generate() uses); auto = compiled "
                    "on CUDA, lean on CPU in fp32, measured fastest there (default: %(default)s)")
-    args = p.parse_args(C.renamed_flags(argv, {"--max_tokens": "--max_new_tokens"}))
+    args = p.parse_args(common.renamed_flags(argv, {"--max_tokens": "--max_new_tokens"}))
     if args.max_new_tokens < 1 or args.top_k < 0 or args.temperature < 0:
         p.error("--max_new_tokens must be >= 1, --top_k >= 0 and --temperature >= 0")
     return args
@@ -63,9 +65,9 @@ def get_args(argv=None):
 def pick_checkpoint(args):
     """(checkpoint, how it was chosen): --checkpoint, else the newest of the first stage in STAGES that has one."""
     if args.checkpoint is not None:
-        return C.find_checkpoint(args.checkpoint, args.runs_dir), "--checkpoint"
+        return checkpoint.find_checkpoint(args.checkpoint, args.runs_dir), "--checkpoint"
     for stage in STAGES:
-        found = C.newest_checkpoint(args.runs_dir, stage)
+        found = checkpoint.newest_checkpoint(args.runs_dir, stage)
         if found is not None:
             return found, f"newest {stage} checkpoint under {args.runs_dir}"
     raise FileNotFoundError(f"no checkpoint under {args.runs_dir}/*/ckpt/: train one (python pretrain.py, then "
@@ -274,13 +276,13 @@ def main(argv=None):
     device = torch.device(args.device)
     out = sys.stderr if args.prompt is not None else sys.stdout  # with -p, stdout holds the reply alone
     ckpt, how = pick_checkpoint(args)
-    model, meta = C.load_model(ckpt, device)
-    tokenizer, tokenizer_path = C.checkpoint_tokenizer(meta, ckpt, args.tokenizer)
+    model, meta = checkpoint.load_model(ckpt, device)
+    tokenizer, tokenizer_path = checkpoint.checkpoint_tokenizer(meta, ckpt, args.tokenizer)
     stage = meta.get("stage") or "unknown"
     chat = stage != "pretrain"
     if chat:
-        C.check_chat_tokenizer(tokenizer, tokenizer_path)
-    dtype = args.dtype or (C.matmul_dtype(device) if device.type == "cuda" else "float32")
+        checkpoint.check_chat_tokenizer(tokenizer, tokenizer_path)
+    dtype = args.dtype or (common.matmul_dtype(device) if device.type == "cuda" else "float32")
     decode = args.decode if args.decode != "auto" else "compiled" if device.type == "cuda" else \
         "lean" if dtype == "float32" and not model.config.bitnet else "static"
     if decode == "lean" and (dtype != "float32" or model.config.bitnet):
@@ -291,7 +293,7 @@ def main(argv=None):
     print(f"checkpoint: {ckpt} ({how}): stage {stage}, step {meta.get('step', 'unknown')}, "
           f"{num_params(model.config):,} parameters, context {conv.capacity:,} tokens; tokenizer {tokenizer_path}",
           file=out)
-    print(f"device: {C.device_name(device)}; dtype {dtype}; decode {decode}", file=out)
+    print(f"device: {common.device_name(device)}; dtype {dtype}; decode {decode}", file=out)
     print("mode: chat (the chat template; special tokens only by id)" if chat else "mode: completion (a pretraining "
           "checkpoint: no chat template, each input is continued as plain text)", file=out)
     print(f"sampling: temperature {args.temperature}, top_k {args.top_k}, max_new_tokens {args.max_new_tokens}, seed {seed} "
@@ -341,4 +343,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(C.run_main(main))
+    sys.exit(distributed.run_main(main))

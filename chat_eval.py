@@ -28,8 +28,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-import common as C
+import checkpoint
+import common
+import distributed
 import sandbox
+import train_loop
 from calculator import ToolUse, reply_text
 from dataset import CACHE_DIR, MC_LETTERS, render_mc
 from download import download_hub_files, list_hub_files
@@ -77,7 +80,7 @@ def get_args(argv=None):
     p.add_argument("--cache_dir", default=str(CACHE_DIR / "chat_eval"), help="where the hub tasks' files are kept "
                    "(default: %(default)s)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the one the checkpoint records)")
-    p.add_argument("--dtype", default=C.matmul_dtype(torch.device("cuda" if cuda else "cpu")),
+    p.add_argument("--dtype", default=common.matmul_dtype(torch.device("cuda" if cuda else "cpu")),
                    choices=["bfloat16", "float32"], help="compute dtype (default: %(default)s: bfloat16 where this "
                    "device runs it natively, as in the training stages)")
     p.add_argument("--download_only", action="store_true", help="fetch the hub tasks' files (--tasks, default all) "
@@ -277,7 +280,7 @@ def evaluate_task(task, items, model, tokenizer, args, rank, world, device, mark
         records.append({"task": task, "position": i, "row": items[i]["row"], "question": items[i]["prompt"][:300],
                         **expected, "correct": bool(correct),
                         "cut": bool(cut), **record})
-    C.all_reduce_tensor(table)
+    distributed.all_reduce_tensor(table)
     if not table[:, 0].eq(1).all():
         raise RuntimeError("an item was evaluated by no rank or by two: a bug in evaluate_task")
     if world > 1:
@@ -327,8 +330,8 @@ def write_outputs(report, records, out, run_dir):
     items_path.write_text("".join(json.dumps(r) + "\n" for r in records))
     written = f"{out}, {items_path}"
     if (run_dir / "metrics.jsonl").is_file():  # a run directory: its history gets the scores at this step
-        C.Metrics(run_dir / "metrics.jsonl", True).log({"step": report["step"], "chatcore": report["chatcore"],
-                                                        "chat_eval": {r["task"]: r["accuracy"] for r in
+        train_loop.Metrics(run_dir / "metrics.jsonl", True).log({"step": report["step"], "chatcore": report["chatcore"],
+                                                                 "chat_eval": {r["task"]: r["accuracy"] for r in
                                                                       report["tasks"]},
                                                         "chat_eval_complete": report["complete"]})
         written += f", a line in {run_dir / 'metrics.jsonl'}"
@@ -378,10 +381,10 @@ def main(argv=None):
         for task in tasks:
             print(f"download: {task}: {len(hub_files(task, args.cache_dir))} files in {Path(args.cache_dir) / task}")
         return
-    rank, _, world, device = C.setup_distributed()
-    ckpt = C.find_checkpoint(args.checkpoint, args.runs_dir)
-    model, meta = C.load_model(ckpt, device)
-    tokenizer, tokenizer_path = C.checkpoint_tokenizer(meta, ckpt, args.tokenizer)
+    rank, _, world, device = distributed.setup_distributed()
+    ckpt = checkpoint.find_checkpoint(args.checkpoint, args.runs_dir)
+    model, meta = checkpoint.load_model(ckpt, device)
+    tokenizer, tokenizer_path = checkpoint.checkpoint_tokenizer(meta, ckpt, args.tokenizer)
     demo_dir = resolve_demo(args.demo, meta)
     available = DEMO_TASKS if demo_dir is not None else HUB_TASKS
     tasks = args.tasks.split(",") if args.tasks else list(available)
@@ -421,11 +424,11 @@ def main(argv=None):
                   "max_new_tokens": args.max_new_tokens, "sequence_len": model.config.sequence_len,
                   "sandbox": None if level is None else {"level": level, "description": contained,
                                                          "timeout_s": args.timeout, "memory_mb": args.memory_mb},
-                  "world_size": world, "device": C.device_name(device), "dtype": args.dtype, "seconds": seconds,
-                  "argv": sys.argv, "versions": C.versions()}
+                  "world_size": world, "device": common.device_name(device), "dtype": args.dtype, "seconds": seconds,
+                  "argv": sys.argv, "versions": common.versions()}
         print_summary(report)
         write_outputs(report, records, Path(args.out or ckpt.parent.parent / "chat_eval.json"), ckpt.parent.parent)
 
 
 if __name__ == "__main__":
-    sys.exit(C.run_main(main))  # errors from the library name their fix: one line, exit 1, on every rank
+    sys.exit(distributed.run_main(main))  # errors from the library name their fix: one line, exit 1, on every rank

@@ -30,7 +30,10 @@ from urllib.parse import urlparse
 import torch
 import yaml
 
-import common as C
+import checkpoint
+import common
+import distributed
+import validation
 from dataset import CACHE_DIR
 from demo import COUNTRIES, DAYS, number_word
 from download import download_file
@@ -79,14 +82,14 @@ def get_args(argv=None):
     p.add_argument("--bpb_tokens", type=int, default=2 ** 20, help="validation tokens for bits per byte, the split's "
                    "first N; 0 = skip (default: %(default)s)")
     p.add_argument("--max_new_tokens", type=int, default=24, help="greedy tokens per prompt (default: %(default)s)")
-    p.add_argument("--dtype", default=C.matmul_dtype(torch.device("cuda" if cuda else "cpu")),
+    p.add_argument("--dtype", default=common.matmul_dtype(torch.device("cuda" if cuda else "cpu")),
                    choices=["bfloat16", "float32"], help="compute dtype (default: %(default)s: bfloat16 where this "
                    "device runs it natively, as in the training stages)")
     p.add_argument("--out", default=None, help="output directory (default: runs/<run>/core_eval/step_XXXXXX)")
     p.add_argument("--download_only", action="store_true", help="fetch and check the bundle (--bundle; auto: the "
                    "hub bundle) into the cache and exit, no checkpoint needed: speedrun.sh does it at the start "
                    "(default: off)")
-    args = p.parse_args(C.renamed_flags(argv, {"--max_per_task": "--max_items"}))
+    args = p.parse_args(common.renamed_flags(argv, {"--max_per_task": "--max_items"}))
     if args.batch_items < 1 or args.max_items == 0 or args.max_items < -1:
         p.error("--batch_items must be >= 1 and --max_items -1 (all) or >= 1")
     return args
@@ -403,7 +406,7 @@ def evaluate_tasks(model, tokenizer, tasks, max_per_task, batch_items, dtype, ra
             verdict = judge(tasks[ti], tasks[ti].items[orders[ti][p]], rows, mean_loss[at:at + len(rows)], exact[at])
             table[offsets[ti] + p] = torch.tensor([1.0, *map(float, verdict)], dtype=torch.float64)
             at += len(rows)
-    C.all_reduce_tensor(table)
+    distributed.all_reduce_tensor(table)
     if not table[:, 0].eq(1).all():
         raise RuntimeError("an item was evaluated by no rank or by two: a bug in make_batches")
     return [sorted((i, int(table[o + p, 1]), bool(table[o + p, 2]), bool(table[o + p, 3])) for p, i in enumerate(order))
@@ -477,9 +480,9 @@ def bits_per_byte(args, meta, model, tokenizer, rank, world, device):
         return {**out, "val_bpb_note": "skipped (--bpb_tokens 0)"}
     if not (out["val_data_dir"] and Path(out["val_data_dir"]).is_dir()):
         return {**out, "val_bpb_note": f"unknown: no corpus at {out['val_data_dir']} (pass --data_dir)"}
-    rows = C.val_rows(out["val_data_dir"], tokenizer, args.bpb_tokens, model.config.sequence_len)
-    out["val_bpb"], out["val_bpb_tokens"] = C.val_bpb(model, rows, tokenizer.token_bytes, 8, args.dtype, rank, world,
-                                                      device)
+    rows = validation.val_rows(out["val_data_dir"], tokenizer, args.bpb_tokens, model.config.sequence_len)
+    out["val_bpb"], out["val_bpb_tokens"] = validation.val_bpb(model, rows, tokenizer.token_bytes, 8, args.dtype, rank,
+                                                               world, device)
     return out
 
 
@@ -524,10 +527,10 @@ def main(argv=None):
         tasks = load_tasks(bundle, args.tasks.split(",") if args.tasks else None)
         print(f"bundle: {len(tasks)} tasks, {sum(len(t.items) for t in tasks):,} items in {bundle}")
         return
-    rank, _, world, device = C.setup_distributed()
-    ckpt = C.find_checkpoint(args.checkpoint, args.runs_dir)
-    model, meta = C.load_model(ckpt, device)
-    tokenizer, tokenizer_path = C.checkpoint_tokenizer(meta, ckpt, args.tokenizer)
+    rank, _, world, device = distributed.setup_distributed()
+    ckpt = checkpoint.find_checkpoint(args.checkpoint, args.runs_dir)
+    model, meta = checkpoint.load_model(ckpt, device)
+    tokenizer, tokenizer_path = checkpoint.checkpoint_tokenizer(meta, ckpt, args.tokenizer)
     bundle, provenance = shared_bundle(args, meta, rank, world)  # rank 0's failure is raised on every rank
     tasks = load_tasks(bundle, args.tasks.split(",") if args.tasks else None)
     if rank == 0:
@@ -546,11 +549,11 @@ def main(argv=None):
                   "complete": n_items == sum(r["items_in_task"] for r in rows) and not args.tasks,
                   "sequence_len": model.config.sequence_len, **bpb, "world_size": world,
                   "samples": completions(model, tokenizer, args.max_new_tokens, args.dtype),
-                  "device": C.device_name(device), "dtype": args.dtype, "seconds": seconds,
-                  "items_per_second": n_items / seconds, "argv": sys.argv, "versions": C.versions()}
+                  "device": common.device_name(device), "dtype": args.dtype, "seconds": seconds,
+                  "items_per_second": n_items / seconds, "argv": sys.argv, "versions": common.versions()}
         print_summary(report)
         write_results(Path(args.out or ckpt.parent.parent / "core_eval" / ckpt.name), report, tasks, results)
 
 
 if __name__ == "__main__":
-    sys.exit(C.run_main(main))  # errors from the library name their fix: one line, exit 1, on every rank
+    sys.exit(distributed.run_main(main))  # errors from the library name their fix: one line, exit 1, on every rank

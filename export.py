@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-import common as C
+import checkpoint
+import distributed
 from download import hub_endpoint
 from tokenizer import SPECIAL_TOKENS
 
@@ -239,10 +240,10 @@ def main(argv=None):
     out = Path(args.out)
     if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
         raise ValueError(f"--out {out} is not empty and holds no export: pass a new directory or a previous export")
-    ckpt = C.find_checkpoint(args.checkpoint, args.runs_dir)
-    model, meta = C.load_model(ckpt, "cpu")
-    tokenizer, tokenizer_path = C.checkpoint_tokenizer(meta, ckpt, args.tokenizer)
-    C.check_chat_tokenizer(tokenizer, tokenizer_path)
+    ckpt = checkpoint.find_checkpoint(args.checkpoint, args.runs_dir)
+    model, meta = checkpoint.load_model(ckpt, "cpu")
+    tokenizer, tokenizer_path = checkpoint.checkpoint_tokenizer(meta, ckpt, args.tokenizer)
+    checkpoint.check_chat_tokenizer(tokenizer, tokenizer_path)
     kind = export_kind(asdict(model.config))
     tensors = hf_state_dict(model)  # before anything is written: it refuses a tensor it cannot place
     params = sum(p.numel() for p in model.parameters())
@@ -264,4 +265,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(C.run_main(main))
+    sys.exit(distributed.run_main(main))

@@ -22,7 +22,12 @@ from pathlib import Path
 
 import torch
 
-import common as C
+import checkpoint
+import common
+import distributed
+import optim
+import train_loop
+import validation
 from dataset import CACHE_DIR
 from loader import mixture_loader
 from model import flops_per_token, num_params, parse_args
@@ -68,13 +73,13 @@ def get_args(argv=None):
     g.add_argument("--eval_rows", type=int, default=256, help="validation rows of held-out conversations (default: "
                    "%(default)s)")
     g.add_argument("--sample_prompt", action="append", default=None, help=f"question answered greedily at every eval, "
-                   f"repeatable (default: {C.CHAT_QUESTIONS})")
-    C.add_run_args(p, "midtrain")
-    C.add_schedule_args(p)
-    C.add_warm_start_args(p, lr_scale=MID_LR_SCALE, schedule="wsd", warmdown_frac=MID_WARMDOWN, why=MID_WHY)
-    C.add_forgetting_args(p)
-    C.add_init_args(p, ["pretrain"])
-    args = parse_args(p, C.renamed_flags(argv, {"--init": "--checkpoint", "--question": "--sample_prompt"}))
+                   f"repeatable (default: {validation.CHAT_QUESTIONS})")
+    checkpoint.add_run_args(p, "midtrain")
+    optim.add_schedule_args(p)
+    checkpoint.add_warm_start_args(p, lr_scale=MID_LR_SCALE, schedule="wsd", warmdown_frac=MID_WARMDOWN, why=MID_WHY)
+    validation.add_forgetting_args(p)
+    checkpoint.add_init_args(p, ["pretrain"])
+    args = parse_args(p, common.renamed_flags(argv, {"--init": "--checkpoint", "--question": "--sample_prompt"}))
     if args.status is None and (args.steps is None) == (args.tokens is None):
         p.error("give exactly one budget: --steps or --tokens")
     return p, args
@@ -103,15 +108,15 @@ def realized_mixture(loaders, sources):
     """Tokens and documents per source over every loader of every rank, and the share of the tokens each got."""
     counts = torch.tensor([[loader.mixture()[s["name"]][key] for key in ("tokens", "docs")] for loader in loaders
                            for s in sources], dtype=torch.float64).view(len(loaders), len(sources), 2).sum(0)
-    counts = C.all_reduce_tensor(counts).tolist()
+    counts = distributed.all_reduce_tensor(counts).tolist()
     total = sum(tokens for tokens, _ in counts) or 1
     return {s["name"]: {"tokens": int(tokens), "docs": int(docs), "share": tokens / total, "target": s["share"]}
             for s, (tokens, docs) in zip(sources, counts, strict=True)}
 
 
 def evaluate(model, tokenizer, args, rank, world, device, run_dir, batches, loaders, sources, step):
-    loss = C.chat_validation(model, tokenizer, args.sample_prompt or C.CHAT_QUESTIONS, args.dtype, rank, world, device,
-                             run_dir, batches, step)
+    loss = validation.chat_validation(model, tokenizer, args.sample_prompt or validation.CHAT_QUESTIONS, args.dtype, rank,
+                                      world, device, run_dir, batches, step)
     mixture = realized_mixture(loaders, sources)
     if rank == 0:
         print(f"mixture at step {step}: " + ", ".join(f"{name} {m['share']:.1%} of {m['tokens']:,} tokens (target "
@@ -123,37 +128,37 @@ def evaluate(model, tokenizer, args, rank, world, device, run_dir, batches, load
 def main(argv=None):
     _, args = get_args(argv)
     if args.status:
-        return C.print_status(Path(args.status))
-    rank, local_rank, world, device = C.setup_distributed(args.dist_timeout)
+        return train_loop.print_status(Path(args.status))
+    rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
     master = rank == 0
-    parent = C.find_parent(args.checkpoint, args.runs_dir, ["pretrain"])
-    model, parent_meta = C.load_model(parent, device)
+    parent = checkpoint.find_parent(args.checkpoint, args.runs_dir, ["pretrain"])
+    model, parent_meta = checkpoint.load_model(parent, device)
     model.train()
-    inherited = C.inherit(args, parent_meta, parent)
+    inherited = checkpoint.inherit(args, parent_meta, parent)
     tokenizer = Tokenizer.load(args.tokenizer)
-    C.check_chat_tokenizer(tokenizer, args.tokenizer)
-    C.check_tokenizer(parent_meta, tokenizer, args.tokenizer, parent)
-    sharding = C.shard_model(model, args, world, device)
+    checkpoint.check_chat_tokenizer(tokenizer, args.tokenizer)
+    checkpoint.check_tokenizer(parent_meta, tokenizer, args.tokenizer, parent)
+    sharding = distributed.shard_model(model, args, world, device)
     args.preset = parent_meta.get("run", "mid")  # names the default run directory
     sources = parse_sources(args.source, parent_meta.get("data_dir"))
     config = replace(model.config, sequence_len=args.sequence_len)  # the rows; the model keeps the parent's tables
-    micro, accum = C.plan_batch(args, config, world, model, device)
+    micro, accum = train_loop.plan_batch(args, config, world, model, device)
     seq_len, params, fpt = config.sequence_len, num_params(config), flops_per_token(config)
     tokens_per_step = micro * seq_len * world * accum
     total_steps = args.steps or math.ceil(args.tokens / tokens_per_step)
-    run_dir, resume_from = C.resolve_run(args, "midtrain")
-    optimizers = C.build_optimizers(model, args, config.n_embd, tokens_per_step, device, lr_scale=args.lr_scale)
+    run_dir, resume_from = checkpoint.resolve_run(args, "midtrain")
+    optimizers = optim.build_optimizers(model, args, config.n_embd, tokens_per_step, device, lr_scale=args.lr_scale)
     loaders = [mixture_loader(sources, tokenizer, micro, seq_len, rank=rank * accum + j, world_size=world * accum,
                               device=device, seed=args.seed, supervise=args.supervise,
-                              threads=C.loader_threads(args, device)) for j in range(accum)]
+                              threads=train_loop.loader_threads(args, device)) for j in range(accum)]
     layout = {"model_config": parent_meta["model_config"], "world_size": world, "micro_batch": micro, "accum": accum}
     run = {"stage": "midtrain", "run": args.run_name, **layout, "total_steps": total_steps,
-           "tokens_per_step": tokens_per_step, "code": C.code_version(), "tokenizer": args.tokenizer,
+           "tokens_per_step": tokens_per_step, "code": common.code_version(), "tokenizer": args.tokenizer,
            "tokenizer_sha256": tokenizer.fingerprint(), "sources": sources, "supervise": args.supervise,
            "data_dir": next((s["path"] for s in sources if s["kind"] == "text"), parent_meta.get("data_dir")),
-           "parent": C.parent_record(parent, parent_meta)}
+           "parent": checkpoint.parent_record(parent, parent_meta)}
     if master:
-        C.write_config(run_dir, {**run, "args": vars(args)})
+        checkpoint.write_config(run_dir, {**run, "args": vars(args)})
         print(f"init: {parent} ({parent_meta.get('stage')}, step {parent_meta.get('step')}), params: {params}")
         print("inherited:\n" + "\n".join(f"  {name:<18} {value!s:<14} {source}" for name, value, source in inherited))
         print(sharding)
@@ -163,29 +168,30 @@ def main(argv=None):
               + f"; loss on {args.supervise} conversation tokens")
         print(f"budget: {total_steps:,} steps, {total_steps * tokens_per_step:,} tokens")
         print(f"code: commit {run['code']['commit']}, uncommitted changes: {run['code']['dirty']}")
-        print(C.precision_line(args, device, optimizers))
-    start = C.resume_or_warm_start(resume_from, parent, parent_meta, args, run_dir, model, optimizers, loaders, layout,
-                                   rank, device)
+        print(optim.precision_line(args, device, optimizers))
+    start = checkpoint.resume_or_warm_start(resume_from, parent, parent_meta, args, run_dir, model, optimizers, loaders,
+                                            layout, rank, device)
 
-    train_model = C.wrap_model(model, args, world, local_rank, device)
+    train_model = train_loop.wrap_model(model, args, world, local_rank, device)
     val_chat_dir = args.val_chat_dir or next((s["path"] for s in sources if s["kind"] == "chat"), None)
     if val_chat_dir is None:
         raise ValueError("no chat source to hold conversations out of: pass --val_chat_dir")
     evaluator = partial(evaluate, model, tokenizer, args, rank, world, device, run_dir,
-                        C.chat_val_batches(val_chat_dir, tokenizer, seq_len, args.eval_rows), loaders, sources)
-    ckpt_meta = {**run, "argv": sys.argv, "hparams": C.hparams(args, seq_len, micro, tokens_per_step)}
-    signum = C.train(args, model, train_model, optimizers, loaders, run_dir=run_dir, start=start,
-                     total_steps=total_steps, ckpt_meta=ckpt_meta, evaluate=evaluator,
-                     flops_per_token=fpt, rank=rank, world=world, device=device)
+                        validation.chat_val_batches(val_chat_dir, tokenizer, seq_len, args.eval_rows), loaders, sources)
+    ckpt_meta = {**run, "argv": sys.argv, "hparams": checkpoint.hparams(args, seq_len, micro, tokens_per_step)}
+    signum = train_loop.train(args, model, train_model, optimizers, loaders, run_dir=run_dir, start=start,
+                              total_steps=total_steps, ckpt_meta=ckpt_meta, evaluate=evaluator,
+                              flops_per_token=fpt, rank=rank, world=world, device=device)
     if signum is None:
         loss, mixture = (evaluator(total_steps)[key] for key in ("val_loss", "mixture"))
-        kept = C.forgetting(model, tokenizer, parent, parent_meta, args, rank, world, device)
+        kept = validation.forgetting(model, tokenizer, parent, parent_meta, args, rank, world, device)
         if master:
-            C.Metrics(run_dir / "metrics.jsonl", master).log({"step": total_steps, "final_val_loss": loss,
-                                                              "mixture": mixture, "pretrain_val_bpb": kept["val_bpb"]})
+            train_loop.Metrics(run_dir / "metrics.jsonl", master).log({"step": total_steps, "final_val_loss": loss,
+                                                                       "mixture": mixture,
+                                                                       "pretrain_val_bpb": kept["val_bpb"]})
             (run_dir / "done.json").write_text(json.dumps({"step": total_steps, "val_loss": loss, "mixture": mixture,
                                                            "pretrain_val_bpb": kept}))
-            print(C.forgetting_line(kept))
+            print(validation.forgetting_line(kept))
             print("mixture realized: " + ", ".join(f"{name} {m['tokens']:,} tokens ({m['share']:.1%}, target "
                                                    f"{m['target']:.0%}), {m['docs']:,} documents"
                                                    for name, m in mixture.items()))
@@ -196,4 +202,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(C.run_main(main))
+    sys.exit(distributed.run_main(main))

@@ -236,7 +236,7 @@ def memory_estimate(c, micro_batch, seq_len=None, optimizer="muon", bf16=True):
     P = num_params(c)
     b = param_breakdown(c)
     block_matrices = b["attention"] + b["mlp"]
-    if optimizer == "muon":  # + NorMuon's fp32 second moment per neuron (common.Muon.neuron_normalized)
+    if optimizer == "muon":  # + NorMuon's fp32 second moment per neuron (optim.Muon.neuron_normalized)
         opt = 4 * block_matrices + 4 * muon_neurons(c) + 8 * (P - block_matrices)
     else:
         opt = OPTIMIZER_BYTES[optimizer] * P

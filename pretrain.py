@@ -18,7 +18,12 @@ from pathlib import Path
 
 import torch
 
-import common as C
+import checkpoint
+import common
+import distributed
+import optim
+import train_loop
+import validation
 from dataset import budget_line, corpus_budget, default_data_dir, shard_tokens, split_shards
 from loader import text_loader
 from model import (
@@ -64,7 +69,7 @@ def get_args(argv=None):
     g.add_argument("--micro_batch", type=int, default=0, help="sequences per rank per forward; 0 = find the largest "
                    "that fits on CUDA (a divisor of the per-rank batch; without --total_batch_tokens a power of two up "
                    "to 1024), on CPU the whole per-rank batch (8 without --total_batch_tokens) (default: %(default)s)")
-    g.add_argument("--dtype", default=C.matmul_dtype(torch.device("cuda" if cuda else "cpu")),
+    g.add_argument("--dtype", default=common.matmul_dtype(torch.device("cuda" if cuda else "cpu")),
                    choices=["bfloat16", "float32"], help="compute dtype (autocast); weights stay fp32 (default: "
                    "%(default)s: bfloat16 where this device runs it natively, never an emulated dtype)")
     g.add_argument("--compile", type=parse_bool, default=cuda, help="torch.compile the model (default: %(default)s)")
@@ -74,9 +79,9 @@ def get_args(argv=None):
     g.add_argument("--bpb_tokens", type=int, default=2 ** 20, help="validation tokens per evaluation: the split's "
                    "first N, in BOS-led rows (default: %(default)s)")
     g.add_argument("--sample_prompt", action="append", default=None, help=f"sample prompt, repeatable (default: {PROMPTS})")
-    C.add_run_args(p, "pretrain")
-    C.add_schedule_args(p)
-    args = parse_args(p, C.renamed_flags(argv, {"--eval_tokens": "--bpb_tokens", "--prompt": "--sample_prompt"}))
+    checkpoint.add_run_args(p, "pretrain")
+    optim.add_schedule_args(p)
+    args = parse_args(p, common.renamed_flags(argv, {"--eval_tokens": "--bpb_tokens", "--prompt": "--sample_prompt"}))
     if args.status is None and sum(x is not None for x in (args.steps, args.target_flops, args.tokens_per_param)) != 1:
         p.error("give exactly one budget: --steps, --target_flops or --tokens_per_param")
     if args.matrix_lr is None:
@@ -148,10 +153,10 @@ def plan_steps(args, config, tokens_per_step):
 
 @torch.no_grad()
 def evaluate(model, tokenizer, args, rank, world, device, run_dir, val_rows, step):
-    """Validation bits per byte (common.val_bpb: the first --bpb_tokens of the split in BOS-led rows, the same figure
-    core_eval.py reports) and greedy samples; prints them and returns the metrics fields."""
-    bpb, _ = C.val_bpb(model, val_rows, tokenizer.token_bytes, 8, args.dtype, rank, world, device)
-    if rank == 0 or C.is_sharded(model):  # a sharded model's forward needs every rank
+    """Validation bits per byte (validation.val_bpb: the first --bpb_tokens of the split in BOS-led rows, the same
+    figure core_eval.py reports) and greedy samples; prints them and returns the metrics fields."""
+    bpb, _ = validation.val_bpb(model, val_rows, tokenizer.token_bytes, 8, args.dtype, rank, world, device)
+    if rank == 0 or distributed.is_sharded(model):  # a sharded model's forward needs every rank
         model.eval()
         samples = []
         for prompt in args.sample_prompt or PROMPTS:
@@ -171,8 +176,8 @@ def evaluate(model, tokenizer, args, rank, world, device, run_dir, val_rows, ste
 def main(argv=None):
     parser, args = get_args(argv)
     if args.status:
-        return C.print_status(Path(args.status))
-    rank, local_rank, world, device = C.setup_distributed(args.dist_timeout)
+        return train_loop.print_status(Path(args.status))
+    rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
     master = rank == 0
     tokenizer = Tokenizer.load(args.tokenizer)
     if args.vocab_size not in (None, tokenizer.vocab_size):
@@ -187,27 +192,27 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     model = build_model(config, device)
     check_master_weights(model)
-    sharding = C.shard_model(model, args, world, device)
-    micro, accum = C.plan_batch(args, config, world, model, device)
+    sharding = distributed.shard_model(model, args, world, device)
+    micro, accum = train_loop.plan_batch(args, config, world, model, device)
     seq_len, params, fpt = config.sequence_len, num_params(config), flops_per_token(config)
     counted = budget_params(config)  # what --tokens_per_param counts
     tokens_per_step = micro * seq_len * world * accum
     total_steps = plan_steps(args, config, tokens_per_step)
-    run_dir, resume_from = C.resolve_run(args, "pretrain")
-    optimizers = C.build_optimizers(model, args, config.n_embd, tokens_per_step, device)
+    run_dir, resume_from = checkpoint.resolve_run(args, "pretrain")
+    optimizers = optim.build_optimizers(model, args, config.n_embd, tokens_per_step, device)
     # one loader per accumulation micro-step, as virtual rank rank*accum + j of world*accum: the rows of a global
     # batch are the same however it is split into processes and micro-steps
     loaders = [text_loader(args.data_dir, "train", tokenizer, micro, seq_len, rank=rank * accum + j,
-                           world_size=world * accum, device=device, threads=C.loader_threads(args, device))
+                           world_size=world * accum, device=device, threads=train_loop.loader_threads(args, device))
                for j in range(accum)]
     layout = {"model_config": asdict(config), "world_size": world, "micro_batch": micro, "accum": accum}
     # does the corpus hold the budget? (rank 0 counts; the others need not wait for it before their next collective)
     data = corpus_budget(args.data_dir, tokenizer, total_steps * tokens_per_step) if master else None
     run = {"data": data, "stage": "pretrain", "run": args.run_name, **layout, "total_steps": total_steps,
-           "tokens_per_step": tokens_per_step, "code": C.code_version(), "tokenizer": args.tokenizer,
+           "tokens_per_step": tokens_per_step, "code": common.code_version(), "tokenizer": args.tokenizer,
            "tokenizer_sha256": tokenizer.fingerprint(), "data_dir": args.data_dir}
     if master:
-        C.write_config(run_dir, {**run, "args": vars(args)})
+        checkpoint.write_config(run_dir, {**run, "args": vars(args)})
         print(f"model: {args.preset}, params: {params}; FLOPs/token {fpt:.4e}")
         print(sharding)
         print(f"batch: tokens per step = micro_batch {micro} x sequence_len {seq_len} x world size {world} x "
@@ -217,20 +222,21 @@ def main(argv=None):
               f"parameter (value-embedding tables not counted)")
         print(budget_line(data, total_steps * tokens_per_step))
         print(f"code: commit {run['code']['commit']}, uncommitted changes: {run['code']['dirty']}")
-        print(C.precision_line(args, device, optimizers))
-    start = C.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank, device) if resume_from else 0
+        print(optim.precision_line(args, device, optimizers))
+    start = (checkpoint.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank, device) if resume_from
+             else 0)
 
-    train_model = C.wrap_model(model, args, world, local_rank, device)
-    val_rows = C.val_rows(args.data_dir, tokenizer, args.bpb_tokens, seq_len)
+    train_model = train_loop.wrap_model(model, args, world, local_rank, device)
+    val_rows = validation.val_rows(args.data_dir, tokenizer, args.bpb_tokens, seq_len)
     evaluator = partial(evaluate, model, tokenizer, args, rank, world, device, run_dir, val_rows)
-    ckpt_meta = {**run, "argv": sys.argv, "hparams": C.hparams(args, seq_len, micro, tokens_per_step)}
-    signum = C.train(args, model, train_model, optimizers, loaders, run_dir=run_dir, start=start,
-                     total_steps=total_steps, ckpt_meta=ckpt_meta, evaluate=evaluator,
-                     flops_per_token=fpt, rank=rank, world=world, device=device)
+    ckpt_meta = {**run, "argv": sys.argv, "hparams": checkpoint.hparams(args, seq_len, micro, tokens_per_step)}
+    signum = train_loop.train(args, model, train_model, optimizers, loaders, run_dir=run_dir, start=start,
+                              total_steps=total_steps, ckpt_meta=ckpt_meta, evaluate=evaluator,
+                              flops_per_token=fpt, rank=rank, world=world, device=device)
     if signum is None:
         bpb = evaluator(total_steps)["val_bpb"]
         if master:
-            C.Metrics(run_dir / "metrics.jsonl", master).log({"step": total_steps, "final_val_bpb": bpb})
+            train_loop.Metrics(run_dir / "metrics.jsonl", master).log({"step": total_steps, "final_val_bpb": bpb})
             (run_dir / "done.json").write_text(json.dumps({"step": total_steps, "val_bpb": bpb}))
             print(f"done: {total_steps} steps, val bpb {bpb:.4f}, run dir {run_dir}")
     for loader in loaders:
@@ -239,4 +245,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(C.run_main(main))
+    sys.exit(distributed.run_main(main))

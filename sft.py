@@ -21,7 +21,12 @@ from pathlib import Path
 
 import torch
 
-import common as C
+import checkpoint
+import common
+import distributed
+import optim
+import train_loop
+import validation
 from dataset import mixture_files, parse_chat_sources
 from loader import chat_loader
 from model import flops_per_token, num_params, parse_args
@@ -64,13 +69,13 @@ def get_args(argv=None):
     g.add_argument("--eval_rows", type=int, default=256, help="validation rows (held-out conversations, packed as in "
                    "training) (default: %(default)s)")
     g.add_argument("--sample_prompt", action="append", default=None, help=f"question answered greedily at every eval, "
-                   f"repeatable (default: {C.CHAT_QUESTIONS})")
-    C.add_run_args(p, "sft")
-    C.add_schedule_args(p)
-    C.add_warm_start_args(p, lr_scale=SFT_LR_SCALE, schedule="wsd", warmdown_frac=SFT_WARMDOWN, why=SFT_WHY)
-    C.add_forgetting_args(p)
-    C.add_init_args(p, ["midtrain", "pretrain"])
-    args = parse_args(p, C.renamed_flags(argv, {"--init": "--checkpoint", "--question": "--sample_prompt"}))
+                   f"repeatable (default: {validation.CHAT_QUESTIONS})")
+    checkpoint.add_run_args(p, "sft")
+    optim.add_schedule_args(p)
+    checkpoint.add_warm_start_args(p, lr_scale=SFT_LR_SCALE, schedule="wsd", warmdown_frac=SFT_WARMDOWN, why=SFT_WHY)
+    validation.add_forgetting_args(p)
+    checkpoint.add_init_args(p, ["midtrain", "pretrain"])
+    args = parse_args(p, common.renamed_flags(argv, {"--init": "--checkpoint", "--question": "--sample_prompt"}))
     if args.epochs is None and args.steps is None:
         args.epochs = 1.0
     if args.chat_dir and args.source:
@@ -88,7 +93,7 @@ def count_batches(args, tokenizer, micro, seq_len, rank, accum, world):
     counts = [sum(1 for _ in chat_loader(None, "train", tokenizer, micro, seq_len, rank=rank * accum + j,
                                          world_size=world * accum, max_epochs=1, threads=1,
                                          files=mixture_files(args.sources))) for j in range(accum)]
-    return int(C.all_reduce(max(counts), torch.distributed.ReduceOp.MAX if world > 1 else None))
+    return int(distributed.all_reduce(max(counts), torch.distributed.ReduceOp.MAX if world > 1 else None))
 
 
 def packing(loaders):
@@ -96,8 +101,8 @@ def packing(loaders):
     the conversations skipped by reason."""
     reasons = ["no_assistant", "malformed", "empty_content", "too_long", "empty"]
     keys = ["tokens", "supervised", "padding", "batches", *reasons]
-    totals = C.all_reduce_tensor(torch.tensor([[loader.state["stats"].get(k, 0) for k in keys] for loader in loaders],
-                                              dtype=torch.float64).sum(0)).tolist()
+    counts = torch.tensor([[loader.state["stats"].get(k, 0) for k in keys] for loader in loaders], dtype=torch.float64)
+    totals = distributed.all_reduce_tensor(counts.sum(0)).tolist()
     stats = dict(zip(keys, totals, strict=True))
     positions = stats["tokens"] or 1
     return {"tokens": int(stats["tokens"]), "supervised": stats["supervised"] / positions,
@@ -105,46 +110,46 @@ def packing(loaders):
 
 
 def evaluate(model, tokenizer, args, rank, world, device, run_dir, batches, step):
-    loss = C.chat_validation(model, tokenizer, args.sample_prompt or C.CHAT_QUESTIONS, args.dtype, rank, world, device,
-                             run_dir, batches, step)
+    loss = validation.chat_validation(model, tokenizer, args.sample_prompt or validation.CHAT_QUESTIONS, args.dtype, rank,
+                                      world, device, run_dir, batches, step)
     return {"val_loss": loss}
 
 
 def main(argv=None):
     _, args = get_args(argv)
     if args.status:
-        return C.print_status(Path(args.status))
-    rank, local_rank, world, device = C.setup_distributed(args.dist_timeout)
+        return train_loop.print_status(Path(args.status))
+    rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
     master = rank == 0
-    parent = C.find_parent(args.checkpoint, args.runs_dir, ["midtrain", "pretrain"])
-    model, parent_meta = C.load_model(parent, device)
+    parent = checkpoint.find_parent(args.checkpoint, args.runs_dir, ["midtrain", "pretrain"])
+    model, parent_meta = checkpoint.load_model(parent, device)
     model.train()
-    inherited = C.inherit(args, parent_meta, parent)
+    inherited = checkpoint.inherit(args, parent_meta, parent)
     tokenizer = Tokenizer.load(args.tokenizer)
-    C.check_chat_tokenizer(tokenizer, args.tokenizer)
-    C.check_tokenizer(parent_meta, tokenizer, args.tokenizer, parent)
-    sharding = C.shard_model(model, args, world, device)
+    checkpoint.check_chat_tokenizer(tokenizer, args.tokenizer)
+    checkpoint.check_tokenizer(parent_meta, tokenizer, args.tokenizer, parent)
+    sharding = distributed.shard_model(model, args, world, device)
     args.preset = parent_meta.get("run", "sft")  # names the default run directory
     config = replace(model.config, sequence_len=args.sequence_len)  # the rows; the model keeps the parent's tables
-    micro, accum = C.plan_batch(args, config, world, model, device)
+    micro, accum = train_loop.plan_batch(args, config, world, model, device)
     seq_len, params, fpt = config.sequence_len, num_params(config), flops_per_token(config)
     tokens_per_step = micro * seq_len * world * accum
     epoch_batches = count_batches(args, tokenizer, micro, seq_len, rank, accum, world) if args.epochs else None
     total_steps = args.steps or math.ceil(args.epochs * epoch_batches)
-    run_dir, resume_from = C.resolve_run(args, "sft")
-    optimizers = C.build_optimizers(model, args, config.n_embd, tokens_per_step, device, lr_scale=args.lr_scale)
+    run_dir, resume_from = checkpoint.resolve_run(args, "sft")
+    optimizers = optim.build_optimizers(model, args, config.n_embd, tokens_per_step, device, lr_scale=args.lr_scale)
     files = mixture_files(args.sources)
     loaders = [chat_loader(None, "train", tokenizer, micro, seq_len, rank=rank * accum + j, files=files,
                            world_size=world * accum, device=device, seed=args.seed,
-                           threads=C.loader_threads(args, device)) for j in range(accum)]
+                           threads=train_loop.loader_threads(args, device)) for j in range(accum)]
     layout = {"model_config": parent_meta["model_config"], "world_size": world, "micro_batch": micro, "accum": accum}
     run = {"stage": "sft", "run": args.run_name, **layout, "total_steps": total_steps,
-           "tokens_per_step": tokens_per_step, "code": C.code_version(), "tokenizer": args.tokenizer,
+           "tokens_per_step": tokens_per_step, "code": common.code_version(), "tokenizer": args.tokenizer,
            "tokenizer_sha256": tokenizer.fingerprint(), "chat_dir": str(args.sources[0][0]),
            "sources": [{"path": str(path), "epochs": epochs} for path, epochs in args.sources],
-           "parent": C.parent_record(parent, parent_meta)}
+           "parent": checkpoint.parent_record(parent, parent_meta)}
     if master:
-        C.write_config(run_dir, {**run, "args": vars(args)})
+        checkpoint.write_config(run_dir, {**run, "args": vars(args)})
         print(f"init: {parent} ({parent_meta.get('stage')}, step {parent_meta.get('step')}), params: {params}")
         print("inherited:\n" + "\n".join(f"  {name:<18} {value!s:<14} {source}" for name, value, source in inherited))
         print(sharding)
@@ -154,26 +159,27 @@ def main(argv=None):
         print(f"budget: {total_steps:,} steps" + (f" = {args.epochs:g} epochs of {epoch_batches:,} batches"
                                                   if args.epochs else ""))
         print(f"code: commit {run['code']['commit']}, uncommitted changes: {run['code']['dirty']}")
-        print(C.precision_line(args, device, optimizers))
-    start = C.resume_or_warm_start(resume_from, parent, parent_meta, args, run_dir, model, optimizers, loaders, layout,
-                                   rank, device)
+        print(optim.precision_line(args, device, optimizers))
+    start = checkpoint.resume_or_warm_start(resume_from, parent, parent_meta, args, run_dir, model, optimizers, loaders,
+                                            layout, rank, device)
 
-    train_model = C.wrap_model(model, args, world, local_rank, device)
+    train_model = train_loop.wrap_model(model, args, world, local_rank, device)
     evaluator = partial(evaluate, model, tokenizer, args, rank, world, device, run_dir,
-                        C.chat_val_batches(args.val_chat_dir or args.sources[0][0], tokenizer, seq_len, args.eval_rows))
-    ckpt_meta = {**run, "argv": sys.argv, "hparams": C.hparams(args, seq_len, micro, tokens_per_step)}
-    signum = C.train(args, model, train_model, optimizers, loaders, run_dir=run_dir, start=start,
-                     total_steps=total_steps, ckpt_meta=ckpt_meta, evaluate=evaluator,
-                     flops_per_token=fpt, rank=rank, world=world, device=device)
+                        validation.chat_val_batches(args.val_chat_dir or args.sources[0][0], tokenizer, seq_len,
+                                                    args.eval_rows))
+    ckpt_meta = {**run, "argv": sys.argv, "hparams": checkpoint.hparams(args, seq_len, micro, tokens_per_step)}
+    signum = train_loop.train(args, model, train_model, optimizers, loaders, run_dir=run_dir, start=start,
+                              total_steps=total_steps, ckpt_meta=ckpt_meta, evaluate=evaluator,
+                              flops_per_token=fpt, rank=rank, world=world, device=device)
     if signum is None:
         loss, rows = evaluator(total_steps)["val_loss"], packing(loaders)
-        kept = C.forgetting(model, tokenizer, parent, parent_meta, args, rank, world, device)
+        kept = validation.forgetting(model, tokenizer, parent, parent_meta, args, rank, world, device)
         if master:
-            C.Metrics(run_dir / "metrics.jsonl", master).log({"step": total_steps, "final_val_loss": loss,
-                                                              "pretrain_val_bpb": kept["val_bpb"]})
+            train_loop.Metrics(run_dir / "metrics.jsonl", master).log({"step": total_steps, "final_val_loss": loss,
+                                                                       "pretrain_val_bpb": kept["val_bpb"]})
             (run_dir / "done.json").write_text(json.dumps({"step": total_steps, "val_loss": loss, "rows": rows,
                                                            "pretrain_val_bpb": kept}))
-            print(C.forgetting_line(kept))
+            print(validation.forgetting_line(kept))
             print(f"rows: {rows['tokens']:,} token positions, {rows['supervised']:.1%} supervised, "
                   f"{rows['padding']:.1%} padding; conversations skipped: {rows['skipped']}")
             print(f"done: {total_steps} steps, val loss {loss:.4f}, run dir {run_dir}")
@@ -183,4 +189,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(C.run_main(main))
+    sys.exit(distributed.run_main(main))

@@ -89,7 +89,7 @@ say() { echo "speedrun: $*" | tee -a "$LOGS/speedrun.log"; }
 # is not signalled, so its own grace does not start while rank 0 checkpoints), other stages' groups too; they get
 # KILL_WAIT seconds plus twice the last measured checkpoint save of the running stage (<stage>/ckpt/save_seconds),
 # more while a checkpoint is still being written, and KILL_WAIT more once it is saved; then every marked process
-# and group gets SIGKILL. Workers also die with torchrun (common.die_with_launcher).
+# and group gets SIGKILL. Workers also die with torchrun (distributed.die_with_launcher).
 STAGE_PGIDS=() BG_PGIDS=()  # the running stage's group; a background download's
 KILL_WAIT=${SPEEDRUN_KILL_WAIT:-30}
 MARK="speedrun-$$-$(date +%s%N)"  # not exported: only the stages carry it (run_stage, probe, the download)
@@ -316,7 +316,7 @@ probe() {  # the probe in its own process group under a hard timeout; its status
         SPEEDRUN_MARK=$MARK setsid timeout -k 5 "$PROBE_TIMEOUT" bash -c "$SPEEDRUN_PROBE_CMD" \
             >> "$LOGS/probe.log" 2>&1 &
     else
-        SPEEDRUN_MARK=$MARK setsid timeout -k 5 "$PROBE_TIMEOUT" "${LAUNCH[@]}" "$ROOT/common.py" probe \
+        SPEEDRUN_MARK=$MARK setsid timeout -k 5 "$PROBE_TIMEOUT" "${LAUNCH[@]}" "$ROOT/distributed.py" probe \
             --timeout "$PROBE_TIMEOUT" --mbytes "$PROBE_MB" >> "$LOGS/probe.log" 2>&1 < /dev/null &
     fi
     STAGE_PGIDS+=("$!")

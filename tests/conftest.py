@@ -24,12 +24,13 @@ import pytest
 import torch
 from helpers import ROOT, resolve_requirements
 
-import common as C
+import checkpoint
 import dataset as D
+import distributed
 from demo import write_demo
 from tokenizer import train_tokenizer
 
-C.keep_freed_memory()  # as the stages do on CPU: tests that train in this process get the same speed
+distributed.keep_freed_memory()  # as the stages do on CPU: tests that train in this process get the same speed
 
 # 1 layer of width 256, 150 steps of 32 x 128 tokens, Muon lr 0.04: about a minute on 2 CPU cores. Of the small
 # configurations tried, the best CORE per second of training (measured 0.099; 2 layers of width 128, lr 0.05, same steps: 0.057)
@@ -165,9 +166,9 @@ def chat_chain(pipeline_started):
     paths of each stage, and midtrain.py's output."""
     run = wait_for_stage(pipeline_started, "sft")
     return {"run": run,
-            "pretrain": C.list_checkpoints(run / "pretrain" / "ckpt")[-1],
-            "midtrain": C.list_checkpoints(run / "midtrain" / "ckpt")[-1],
-            "sft": C.list_checkpoints(run / "sft" / "ckpt")[-1],
+            "pretrain": checkpoint.list_checkpoints(run / "pretrain" / "ckpt")[-1],
+            "midtrain": checkpoint.list_checkpoints(run / "midtrain" / "ckpt")[-1],
+            "sft": checkpoint.list_checkpoints(run / "sft" / "ckpt")[-1],
             "midtrain_stdout": (run / "logs" / "midtrain.log").read_text()}
 
 

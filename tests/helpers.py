@@ -33,8 +33,8 @@ from urllib.parse import unquote, urlsplit
 
 import torch
 
-import common as C
 import demo
+import train_loop
 from model import GPTConfig, build_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,13 +64,13 @@ def run_script(script, args, cwd, nproc=1, threads=1, check=True):
 def run_in_process(main, args, capsys, stage=None):
     """A script's main(args) in this process, ended as `python X.py args` would end: (exit code, stdout, stderr). For
     command lines that finish at once (bad input, --help): a new interpreter costs ~3 s of imports. stage: the script
-    name of a stage (pretrain.py, core_eval.py), whose __main__ ends it through common.run_main."""
+    name of a stage (pretrain.py, core_eval.py), whose __main__ ends it through distributed.run_main."""
     args, argv = [str(a) for a in args], sys.argv
     try:
         if stage:
-            import common  # here: the data and model command lines need none of torch's distributed machinery
+            import distributed  # here: the data and model command lines need none of torch's distributed machinery
             sys.argv = [stage, *args]
-            code = common.run_main(lambda: main(args))
+            code = distributed.run_main(lambda: main(args))
         else:
             code = main(args) or 0
     except SystemExit as e:
@@ -172,7 +172,7 @@ def step(micro_batch):
     model = tiny_model()
     inputs, targets = global_batch()
     batches = [(inputs[s:s + micro_batch], targets[s:s + micro_batch]) for s in range(0, 8, micro_batch)]
-    loss_sum, count = C.forward_backward(model, batches, "float32", torch.device("cpu"), 1)
+    loss_sum, count = train_loop.forward_backward(model, batches, "float32", torch.device("cpu"), 1)
     return (loss_sum / count).item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 

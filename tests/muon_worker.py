@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_train.py: common.Muon under 2 gloo processes, where each rank orthogonalizes its
+"""Run under torchrun by tests/test_train.py: optim.Muon under 2 gloo processes, where each rank orthogonalizes its
 share of each shape's matrices and an all-gather shares them, against the same steps with every matrix computed by
 this one process (divide_work=False). Same parameters and gradients on every rank, as DDP leaves them. Rank 0 saves
 the parameters after 3 steps of each, in fp32 and bf16 Newton-Schulz, and how many matrices each rank
@@ -8,7 +8,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-import common as C
+import optim
 
 SHAPES = [(64, 64)] * 5 + [(64, 256), (256, 64)] * 2 + [(12, 2)]  # square ones, an MLP pair of each way, a gate
 
@@ -16,7 +16,7 @@ SHAPES = [(64, 64)] * 5 + [(64, 256), (256, 64)] * 2 + [(12, 2)]  # square ones,
 def run(ns_dtype, divide_work, counted):
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
-    muon = C.Muon([{"params": params}], lr=0.02, weight_decay=0.1, ns_dtype=ns_dtype, divide_work=divide_work)
+    muon = optim.Muon([{"params": params}], lr=0.02, weight_decay=0.1, ns_dtype=ns_dtype, divide_work=divide_work)
     for step in range(3):
         for p in params:
             p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step * 100 + p.numel()))
@@ -27,12 +27,12 @@ def run(ns_dtype, divide_work, counted):
 def main():
     dist.init_process_group("gloo")
     counted = []
-    original = C.newton_schulz
+    original = optim.newton_schulz
 
     def counting(stack, steps, dtype):
         counted.append(stack.size(0))
         return original(stack, steps, dtype)
-    C.newton_schulz = counting
+    optim.newton_schulz = counting
     torch.manual_seed(0)
     result = {"initial": [torch.randn(shape) for shape in SHAPES]}  # as run() draws them
     for ns_dtype in ("float32", "bfloat16"):

@@ -17,8 +17,9 @@ import torch
 from helpers import ROOT, held_out_questions, run_in_process
 
 import chat
-import common as C
+import checkpoint
 import model as M
+import validation
 from model import GPTConfig, KVCache, build_model
 from tokenizer import Tokenizer
 
@@ -42,7 +43,7 @@ def endless_checkpoint(directory, tokenizer, tokenizer_dir, stage="sft"):
         model.lm_head.weight[sorted(tokenizer.special_tokens.values())] = -5 * u
     meta = {"stage": stage, "model_config": config.__dict__, "world_size": 1, "tokenizer": str(tokenizer_dir),
             "tokenizer_sha256": tokenizer.fingerprint()}
-    return C.save_checkpoint(directory, 7, model, [], [], meta, 0, 1)
+    return checkpoint.save_checkpoint(directory, 7, model, [], [], meta, 0, 1)
 
 
 def read_until(fd, pattern, seconds, seen):
@@ -152,9 +153,9 @@ def test_prompt_from_stdin_answers_a_held_out_demo_question(chat_chain, demo_wor
     """The SFT model of the demo chain, found by itself (newest sft under --runs_dir), greedy, through `-p -`: the
     reply is generate()'s greedy answer, and it is right."""
     tokenizer = Tokenizer.load(demo_world / "tokenizer")
-    model, _ = C.load_model(chat_chain["sft"], torch.device("cpu"))
+    model, _ = checkpoint.load_model(chat_chain["sft"], torch.device("cpu"))
     for question, expected in held_out_questions():
-        answer = C.chat_answers(model, tokenizer, [question], "float32", max_tokens=24)[0]["answer"]
+        answer = validation.chat_answers(model, tokenizer, [question], "float32", max_tokens=24)[0]["answer"]
         if expected.lower() in answer.lower():
             break
     else:

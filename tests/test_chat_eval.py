@@ -23,7 +23,7 @@ from helpers import ADD, LAYOUTS, ROOT, arc, hub_handler, run_in_process, run_sc
 from huggingface_hub import constants as hf_constants
 
 import chat_eval as E
-import common as C
+import checkpoint
 import download
 import sandbox
 from model import GPTConfig, build_model, config_from_preset
@@ -381,7 +381,7 @@ def tiny(demo_world):
                                          "sequence_len": 128})
     meta = {"stage": "sft", "model_config": config.__dict__, "world_size": 1, "tokenizer": str(demo_world / "tokenizer"),
             "tokenizer_sha256": tok.fingerprint(), "data_dir": str(demo_world / "demo" / "pretrain")}
-    C.save_checkpoint(demo_world / "chat_runs" / "r" / "ckpt", 7, build_model(config), [], [], meta, 0, 1)
+    checkpoint.save_checkpoint(demo_world / "chat_runs" / "r" / "ckpt", 7, build_model(config), [], [], meta, 0, 1)
     (demo_world / "chat_runs" / "r" / "metrics.jsonl").write_text('{"step": 7, "loss": 6.9}\n')
     return demo_world
 
@@ -411,7 +411,7 @@ def test_the_demo_tasks_run_end_to_end_on_two_processes_and_report_what_ran(tiny
     assert line == {"step": 7, "chatcore": report["chatcore"], "chat_eval": {r["task"]: r["accuracy"] for r in
                                                                              report["tasks"]},
                     "chat_eval_complete": False}
-    model, _ = C.load_model(run / "ckpt" / "step_000007", CPU)  # one rank, in this process
+    model, _ = checkpoint.load_model(run / "ckpt" / "step_000007", CPU)  # one rank, in this process
     args = SimpleNamespace(dtype="float32", max_new_tokens=6)
     alone = [r for task in E.DEMO_TASKS for r in E.evaluate_task(
         task, E.load_items(task, None, tiny / "demo", 4)[0], model, Tokenizer.load(tiny / "tokenizer"), args, 0, 1,

@@ -7,20 +7,21 @@ import pytest
 import torch
 from helpers import held_out_questions, run_in_process
 
-import common as C
+import checkpoint
 import dataset as D
 import loader as L
 import midtrain
 import sft
+import validation
 from model import GPTConfig, build_model, generate
 from tokenizer import Tokenizer, train_tokenizer
 
 
-def score(checkpoint, tokenizer, questions, chat):
+def score(path, tokenizer, questions, chat):
     """Share of questions whose greedy answer contains the expected word, and the share of answers that ended."""
-    model, _ = C.load_model(checkpoint, torch.device("cpu"))
+    model, _ = checkpoint.load_model(path, torch.device("cpu"))
     if chat:
-        answers = C.chat_answers(model, tokenizer, [q for q, _ in questions], "float32", max_tokens=24)
+        answers = validation.chat_answers(model, tokenizer, [q for q, _ in questions], "float32", max_tokens=24)
     else:  # a base model completes text: the question, then the start of an answer
         answers = []
         for question, _ in questions:
@@ -47,7 +48,7 @@ def test_each_checkpoint_names_its_stage_and_parent_with_the_parents_weights_has
     assert (sft_meta["stage"], mid_meta["stage"]) == ("sft", "midtrain")
     assert sft_meta["parent"]["path"] == str(chat_chain["midtrain"])
     assert mid_meta["parent"]["path"] == str(chat_chain["pretrain"])
-    assert mid_meta["parent"] == C.parent_record(chat_chain["pretrain"], json.loads(
+    assert mid_meta["parent"] == checkpoint.parent_record(chat_chain["pretrain"], json.loads(
         (chat_chain["pretrain"] / "meta.json").read_text()))
     assert mid_meta["parent"]["stage"] == "pretrain" and len(mid_meta["parent"]["sha256"]) == 64
 

@@ -13,10 +13,11 @@ import torch
 import torch.nn.functional as F
 from helpers import CORE_YAML, ECHO, META_CSV, PICK, QUIZ, bundle_zip, jsonl, run_in_process, run_script
 
-import common as C
+import checkpoint
 import core_eval as E
 import dataset as D
 import download
+import validation
 from model import build_model, config_from_preset
 from tokenizer import SPLIT_PATTERN, Tokenizer, train_tokenizer
 
@@ -304,7 +305,7 @@ def demo(demo_world):
     meta = {"stage": "pretrain", "model_config": config.__dict__, "world_size": 1,
             "tokenizer": str(demo_world / "tokenizer"), "tokenizer_sha256": tok.fingerprint(),
             "data_dir": str(demo_world / "demo" / "pretrain")}
-    C.save_checkpoint(demo_world / "core_runs" / "r" / "ckpt", 5, build_model(config), [], [], meta, 0, 1)
+    checkpoint.save_checkpoint(demo_world / "core_runs" / "r" / "ckpt", 5, build_model(config), [], [], meta, 0, 1)
     return demo_world
 
 
@@ -330,7 +331,7 @@ def test_one_and_two_processes_give_identical_results(demo):
                         (out / "items.jsonl").read_text(), (out / "results.csv").read_text()))
     assert outputs[0] == outputs[1]
     tok = Tokenizer.load(demo / "tokenizer")
-    rows = C.val_rows(demo / "demo" / "pretrain", tok, 5000, 256)  # BOS-led rows as in training
+    rows = validation.val_rows(demo / "demo" / "pretrain", tok, 5000, 256)  # BOS-led rows as in training
     targets = rows[:, 1:]
     assert rows.shape == (20, 257) and outputs[0][3] == int(((targets != -1) & (targets != tok.bos_id)).sum())
 
@@ -362,13 +363,13 @@ def test_a_trained_model_beats_chance_on_the_demo_tasks(learned, demo, capsys):
     process) as speedrun.sh's core_eval stage scores a run (its CORE_ARGS), on all 513 items."""
     run_dir, _ = learned
     scores = {}
-    for name, checkpoint in (("trained", run_dir), ("untrained", demo / "core_runs" / "r")):
+    for name, path in (("trained", run_dir), ("untrained", demo / "core_runs" / "r")):
         out = demo / f"score_{name}"
-        code, _, err = run_in_process(E.main, ["--checkpoint", checkpoint, "--max_new_tokens", "8", "--out", out,
+        code, _, err = run_in_process(E.main, ["--checkpoint", path, "--max_new_tokens", "8", "--out", out,
                                                "--bpb_tokens", "20000"], capsys, stage="core_eval.py")
         assert code == 0, err[-3000:]
         scores[name] = json.loads((out / "results.json").read_text())
-    assert scores["trained"]["checkpoint"] == str(C.list_checkpoints(run_dir / "ckpt")[-1])  # a run: its newest
+    assert scores["trained"]["checkpoint"] == str(checkpoint.list_checkpoints(run_dir / "ckpt")[-1])  # a run: its newest
     trained, untrained = scores["trained"], scores["untrained"]
     assert trained["complete"] and sum(t["items"] for t in trained["tasks"]) == 513
     # chance: each MC/schema task's centered accuracy has a spread of ~0.07 over its 57-90 items, so the mean of 8
@@ -382,14 +383,14 @@ def test_a_trained_model_beats_chance_on_the_demo_tasks(learned, demo, capsys):
 def test_val_bpb_equals_a_direct_computation(demo_world):
     tok = Tokenizer.load(demo_world / "tokenizer")
     docs = list(D.iter_texts(demo_world / "demo" / "pretrain", "val"))
-    rows = C.val_rows(demo_world / "demo" / "pretrain", tok, 3000, 100)
+    rows = validation.val_rows(demo_world / "demo" / "pretrain", tok, 3000, 100)
     first = tok.encode(docs[0])[:100]
     assert rows.shape == (30, 101) and (rows[:, 0] == tok.bos_id).all()  # BOS-led, like every training row
     assert rows[0, 1:1 + len(first)].tolist() == first  # the oldest piece, the split's first document, opens row 0
     torch.manual_seed(0)
     model = build_model(config_from_preset("tiny", {"n_layer": 1, "n_embd": 64, "n_head": 2, "n_kv_head": 2,
                                                    "sequence_len": 100}))
-    bpb, scored = C.val_bpb(model, rows, tok.token_bytes, 7, "float32", 0, 1, torch.device("cpu"))
+    bpb, scored = validation.val_bpb(model, rows, tok.token_bytes, 7, "float32", 0, 1, torch.device("cpu"))
     nats = nbytes = n = 0
     with torch.no_grad():
         for row in rows:

@@ -33,7 +33,7 @@ def worker_runs(tmp_path_factory):
 
 
 def test_fsdp_takes_the_steps_ddp_takes_with_muon_and_adamw(worker_runs):
-    """Stated tolerance: fp32 none, bitwise (common.clip_grad_norm sums the squares in fp64, so sharding does not
+    """Stated tolerance: fp32 none, bitwise (train_loop.clip_grad_norm sums the squares in fp64, so sharding does not
     move the clip factor); bf16 1e-4 (FSDP2 casts the weights where autocast would; measured equal on this CPU).
     The AdamW FSDP2 run also recomputes its blocks (activation checkpointing): bitwise too."""
     for name, tolerance in [("muon float32", 0), ("adamw float32", 0), ("muon bfloat16", 1e-4)]:
@@ -65,9 +65,9 @@ def test_a_rank_that_hangs_stops_the_others_within_a_minute_naming_it(demo_world
 
 @pytest.mark.two_processes
 def test_the_nccl_probe_times_a_gradient_bucket_sized_all_reduce(tmp_path):
-    """speedrun.sh's probe (common.py probe) on gloo, 2 processes: after the 4-byte check it all-reduces 25 MB, a DDP
-    bucket, checks the sums and prints the time and bus bandwidth it measured."""
-    result = run_script("common.py", ["probe", "--timeout", "60", "--mbytes", "25"], tmp_path, nproc=2)
+    """speedrun.sh's probe (distributed.py probe) on gloo, 2 processes: after the 4-byte check it all-reduces 25 MB, a
+    DDP bucket, checks the sums and prints the time and bus bandwidth it measured."""
+    result = run_script("distributed.py", ["probe", "--timeout", "60", "--mbytes", "25"], tmp_path, nproc=2)
     assert "probe: 4-byte all-reduce over 2 ranks (gloo, " in result.stdout and ": ok" in result.stdout
     line = next(x for x in result.stdout.splitlines() if x.startswith("probe: 25 MB all-reduce over 2 ranks (gloo"))
     match = re.search(r": ok, ([\d.]+) ms each \(5 timed\), bus bandwidth ([\d.]+) GB/s$", line)

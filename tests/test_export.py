@@ -16,7 +16,7 @@ from helpers import run_in_process, run_script
 from jinja2 import TemplateError
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-import common as C
+import checkpoint
 import dataset as D
 import export
 from model import build_model, config_from_preset, generate
@@ -40,7 +40,7 @@ CONVERSATIONS = [
 
 
 def save_random_checkpoint(root, name, preset, overrides, tokenizer, tokenizer_dir):
-    """A checkpoint directory (model.pt + meta.json, as common.load_model reads it) of random weights: norm scales
+    """A checkpoint directory (model.pt + meta.json, as checkpoint.load_model reads it) of random weights: norm scales
     around 1 and a head of unit-scale logits, so no mapping mistake hides behind a scale of ones or tiny logits."""
     torch.manual_seed(0)
     model = build_model(config_from_preset(preset, {**overrides, "vocab_size": tokenizer.vocab_size}))
@@ -79,7 +79,7 @@ def random_exports(tmp_path_factory, multilingual_tokenizer):
     for kind, (preset, overrides) in RANDOM_MODELS.items():
         run = save_random_checkpoint(root, kind, preset, overrides, tokenizer, tokenizer_dir)
         assert export.main(["--checkpoint", str(run), "--out", str(root / f"{kind}_hf")]) == 0
-        exports[kind] = (C.load_model(C.find_checkpoint(run), "cpu")[0], root / f"{kind}_hf")
+        exports[kind] = (checkpoint.load_model(checkpoint.find_checkpoint(run), "cpu")[0], root / f"{kind}_hf")
     return exports
 
 
@@ -151,8 +151,8 @@ class Hub:
 @pytest.fixture(scope="module")
 def trained_export(demo_world, tmp_path_factory):
     """A tiny d{N}-style model (QK-norm, relu^2, softcap, weightless norms, untied, GQA) trained 40 steps on the demo
-    world, checkpointed by common.save_checkpoint, then exported and pushed by `python export.py` as a user runs it.
-    (model, tokenizer, export directory, export.py's stdout, the hub stand-in)."""
+    world, checkpointed by checkpoint.save_checkpoint, then exported and pushed by `python export.py` as a user runs
+    it. (model, tokenizer, export directory, export.py's stdout, the hub stand-in)."""
     root, tokenizer = tmp_path_factory.mktemp("trained"), Tokenizer.load(demo_world / "tokenizer")
     torch.manual_seed(0)
     model = build_model(config_from_preset("tiny", {**SMALL, "n_kv_head": 1}))
@@ -167,7 +167,7 @@ def trained_export(demo_world, tmp_path_factory):
         optimizer.zero_grad(set_to_none=True)
     meta = {"stage": "pretrain", "model_config": asdict(model.config), "tokenizer": str(demo_world / "tokenizer"),
             "tokenizer_sha256": tokenizer.fingerprint()}
-    C.save_checkpoint(root / "runs" / "tiny40" / "ckpt", 40, model, [optimizer], {}, meta, rank=0, keep=1)
+    checkpoint.save_checkpoint(root / "runs" / "tiny40" / "ckpt", 40, model, [optimizer], {}, meta, rank=0, keep=1)
     hub = Hub()
     with pytest.MonkeyPatch.context() as env:
         env.setenv("HF_ENDPOINT", hub.url)

@@ -1,6 +1,6 @@
-"""pretrain.py and common.py: learning, exact resume after SIGKILL (2 sharded processes) and SIGTERM (1 process),
-1 process = 2 sharded processes, resumes across world sizes and sharding (2 -> 1; 1 -> two "nodes"), consolidation,
-NaN stop, frozen-parameter monitor, schedules, batch planning, status."""
+"""pretrain.py and the shared loop (train_loop.py): learning, exact resume after SIGKILL (2 sharded processes) and
+SIGTERM (1 process), 1 process = 2 sharded processes, resumes across world sizes and sharding (2 -> 1; 1 -> two
+"nodes"), consolidation, NaN stop, frozen-parameter monitor, schedules, batch planning, status."""
 import json
 import math
 import os
@@ -16,10 +16,12 @@ import pytest
 import torch
 from helpers import ROOT, processes_mentioning, run_in_process, run_script
 
-import common as C
+import checkpoint
 import dataset as D
 import model as M
+import optim
 import pretrain
+import train_loop
 from model import autocast_context, build_model, config_from_preset
 
 SMALL = ["--sequence_len", "64", "--n_layer", "2", "--n_embd", "64", "--n_head", "2", "--n_kv_head", "2",
@@ -64,7 +66,7 @@ def test_a_small_model_learns_the_demo_world(world, learned):
            for words in (["rev-parse", "HEAD"], ["status", "--porcelain", "--untracked-files=no"])]
     code = {"commit": git[0].stdout.strip(), "dirty": bool(git[1].stdout.strip())} if git[0].returncode == 0 else \
         {"commit": "unknown", "dirty": "unknown"}  # a copy of the tree without .git
-    meta = json.loads((C.list_checkpoints(run_dir / "ckpt")[-1] / "meta.json").read_text())
+    meta = json.loads((checkpoint.list_checkpoints(run_dir / "ckpt")[-1] / "meta.json").read_text())
     assert json.loads((run_dir / "config.json").read_text())["code"] == meta["code"] == code
     assert f"code: commit {code['commit']}, uncommitted changes: {code['dirty']}" in out
 
@@ -88,7 +90,7 @@ def killed(demo_world):
     the checkpoints it left, resumed)."""
     args = [*KILL_RUN, "--fsdp", "true", "--run_name", "killed2"]
     killed = run(demo_world, [*args, "--die_at_step", "10", "--dist_timeout", "30"], 2, check=False)
-    left = [p.name for p in C.list_checkpoints(demo_world / "runs" / "killed2" / "ckpt")]
+    left = [p.name for p in checkpoint.list_checkpoints(demo_world / "runs" / "killed2" / "ckpt")]
     return killed, left, run(demo_world, [*args, "--resume"], 2)
 
 
@@ -121,11 +123,11 @@ def test_a_sharded_checkpoint_of_two_processes_resumes_on_one_bitwise_and_consol
     step12, step14 = (world / "runs" / "killed2" / "ckpt" / f"step_0000{s}" for s in (12, 14))
     assert (step12 / "state").is_dir() and not (step12 / "model.pt").exists()  # every rank wrote its own shards
     assert (step14 / "model.pt").is_file()  # the last step is consolidated: the next stage reads it
-    with pytest.raises(FileNotFoundError, match=f"python common.py consolidate {step12}"):
-        C.load_model(step12, torch.device("cpu"))
+    with pytest.raises(FileNotFoundError, match=f"python checkpoint.py consolidate {step12}"):
+        checkpoint.load_model(step12, torch.device("cpu"))
     copy = tmp_path / "step_000014"  # consolidated in one process from the shards = what the run gathered at its end
     shutil.copytree(step14, copy, ignore=shutil.ignore_patterns("model.pt"))
-    code, out, _ = run_in_process(C.main, ["consolidate", copy], capsys)
+    code, out, _ = run_in_process(checkpoint.main, ["consolidate", copy], capsys)
     assert code == 0 and f"consolidate: wrote {copy / 'model.pt'} (294,940 parameters)" in out
     gathered, consolidated = (torch.load(p / "model.pt", weights_only=True) for p in (step14, copy))
     assert gathered.keys() == consolidated.keys() and all(torch.equal(gathered[k], consolidated[k]) for k in gathered)
@@ -167,7 +169,7 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(world):
                  check=False)
     assert result.returncode != 0
     assert "step 7: loss nan" in result.stderr and "last good checkpoint: " in result.stderr
-    ckpts = C.list_checkpoints(world / "runs" / "nan" / "ckpt")
+    ckpts = checkpoint.list_checkpoints(world / "runs" / "nan" / "ckpt")
     assert [p.name for p in ckpts] == ["step_000003", "step_000006"]  # step 7 never reached its optimizer step
     state = torch.load(ckpts[-1] / "model.pt", weights_only=True)
     assert all(torch.isfinite(t).all() for t in state.values())
@@ -178,7 +180,7 @@ def test_sigterm_finishes_the_step_checkpoints_and_says_how_to_resume(world, str
     result = run(world, [*KILL_RUN, "--ckpt_every", "100", "--run_name", "term", "--signal_at_step", "5"], check=False)
     assert result.returncode == 128 + signal.SIGTERM
     assert "stopped by signal at step 5" in result.stdout
-    assert [p.name for p in C.list_checkpoints(world / "runs" / "term" / "ckpt")] == ["step_000005"]
+    assert [p.name for p in checkpoint.list_checkpoints(world / "runs" / "term" / "ckpt")] == ["step_000005"]
     pretrain.main(["--status", str(world / "runs" / "term")])  # in-process: it reads files only
     status = capsys.readouterr().out
     assert "not finished; step 5/14" in status and "checkpoints: step_000005" in status
@@ -207,7 +209,7 @@ def test_frozen_monitor_names_bf16_norm_weights():
     for name, p in model.named_parameters():
         if "norm" in name:
             p.data = p.data.to(torch.bfloat16)  # seed 001's bug, on the norms only
-    samples = C.param_samples(model)
+    samples = train_loop.param_samples(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     idx = torch.randint(0, 1024, (2, 32))
     for _ in range(10):
@@ -217,18 +219,18 @@ def test_frozen_monitor_names_bf16_norm_weights():
             p.grad = p.grad.to(p.dtype)
         opt.step()
         opt.zero_grad()
-    frozen = C.frozen_parameters(model, samples)
+    frozen = train_loop.frozen_parameters(model, samples)
     assert frozen and frozen == [n for n, _ in model.named_parameters() if "norm" in n]
 
 
 def test_a_run_in_which_no_parameter_moves_is_stopped_and_one_that_moves_is_warned_about():
     model = build_model(config_from_preset("tiny", {"n_layer": 1, "sequence_len": 32}))
-    initial, args = C.param_samples(model), Namespace(frozen_check_step=10)
+    initial, args = train_loop.param_samples(model), Namespace(frozen_check_step=10)
     with pytest.raises(RuntimeError, match="no parameter changed in 10 steps: every gradient is zero"):
-        C.health_warning(model, initial, [], {"cuda_mem_alloc": None}, 10, args)
+        train_loop.health_warning(model, initial, [], {"cuda_mem_alloc": None}, 10, args)
     with torch.no_grad():
         model.lm_head.weight.add_(1.0)
-    warning = C.health_warning(model, initial, [], {"cuda_mem_alloc": None}, 10, args)
+    warning = train_loop.health_warning(model, initial, [], {"cuda_mem_alloc": None}, 10, args)
     assert warning.startswith("parameters unchanged after 10 steps: resid_lambdas, x0_lambdas, wte.weight")
     assert "lm_head" not in warning
 
@@ -240,9 +242,9 @@ def test_micro_batch_probe_takes_the_largest_that_fits():
         tried.append(micro)
         if micro > 6:
             raise torch.OutOfMemoryError("CUDA out of memory")
-    assert C.find_micro_batch(try_step, [1, 2, 4, 8, 16]) == 4 and tried == [16, 8, 4]
+    assert train_loop.find_micro_batch(try_step, [1, 2, 4, 8, 16]) == 4 and tried == [16, 8, 4]
     with pytest.raises(RuntimeError, match="even micro_batch=8 runs out of memory"):
-        C.find_micro_batch(try_step, [8, 16])
+        train_loop.find_micro_batch(try_step, [8, 16])
 
 
 def test_without_a_total_batch_the_probe_is_not_capped_at_8():
@@ -251,9 +253,9 @@ def test_without_a_total_batch_the_probe_is_not_capped_at_8():
     def try_step(micro):
         if micro > 48:
             raise torch.OutOfMemoryError("CUDA out of memory")
-    candidates = C.micro_batch_candidates(None, 2048, 8)
-    assert max(candidates) == 1024 and C.find_micro_batch(try_step, candidates) == 32
-    assert C.micro_batch_candidates(524288, 2048, 8) == [1, 2, 4, 8, 16, 32]
+    candidates = train_loop.micro_batch_candidates(None, 2048, 8)
+    assert max(candidates) == 1024 and train_loop.find_micro_batch(try_step, candidates) == 32
+    assert train_loop.micro_batch_candidates(524288, 2048, 8) == [1, 2, 4, 8, 16, 32]
 
 
 def test_a_stage_restarted_before_its_first_checkpoint_counts_each_step_once(world):
@@ -279,7 +281,7 @@ def test_micro_batch_probe_holds_optimizer_state_and_gradients_at_its_peak():
     model = build_model(config_from_preset("tiny", {"n_layer": 1, "sequence_len": 32}))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     args = Namespace(optimizer="muon", adam8bit=False, matrix_lr=0.02, embedding_lr=0.2, head_lr=0.004, scalar_lr=0.04)
-    optimizers = C.build_optimizers(model, args, 256, 1, torch.device("cpu"))
+    optimizers = optim.build_optimizers(model, args, 256, 1, torch.device("cpu"))
     weights = sum(p.numel() for p in model.parameters())
     matrices = sum(p.numel() for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2)
     neurons = sum(max(p.shape) for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2)
@@ -300,12 +302,12 @@ def test_micro_batch_probe_holds_optimizer_state_and_gradients_at_its_peak():
     for opt in optimizers:
         opt.register_step_post_hook(at_peak)
     micro = [0]
-    probe = C.probe_step(model, optimizers, 32, 1024, "float32", torch.device("cpu"))
+    probe = train_loop.probe_step(model, optimizers, 32, 1024, "float32", torch.device("cpu"))
 
     def try_step(m):
         micro[0] = m
         probe(m)
-    assert C.find_micro_batch(try_step, [1, 2, 4, 8]) == 4
+    assert train_loop.find_micro_batch(try_step, [1, 2, 4, 8]) == 4
     assert peaks[8] == peaks[4] == (weights, state_needed)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # lr 0: a probe, not a step
     assert all(p.grad is None for p in model.parameters())
@@ -315,34 +317,34 @@ def test_schedules():
     base = {"warmup_steps": 10, "schedule": "cosine", "min_lr_frac": 0.1, "warmdown_frac": 0.2, "stage2_step": 0,
             "stage1_end_frac": 0.667, "stage2_lr_frac": 0.667, "weight_decay": 0.1, "stage2_weight_decay": 0.0}
     a = Namespace(**base)
-    assert C.lr_multiplier(0, 110, a) == pytest.approx(0.1) and C.lr_multiplier(9, 110, a) == 1.0
-    assert C.lr_multiplier(10, 110, a) == 1.0 and C.lr_multiplier(60, 110, a) == pytest.approx(0.55)
-    assert C.lr_multiplier(110, 110, a) == pytest.approx(0.1)
+    assert optim.lr_multiplier(0, 110, a) == pytest.approx(0.1) and optim.lr_multiplier(9, 110, a) == 1.0
+    assert optim.lr_multiplier(10, 110, a) == 1.0 and optim.lr_multiplier(60, 110, a) == pytest.approx(0.55)
+    assert optim.lr_multiplier(110, 110, a) == pytest.approx(0.1)
     w = Namespace(**{**base, "schedule": "wsd"})
-    assert C.lr_multiplier(89, 110, w) == 1.0 and C.lr_multiplier(100, 110, w) == pytest.approx(0.55)
+    assert optim.lr_multiplier(89, 110, w) == 1.0 and optim.lr_multiplier(100, 110, w) == pytest.approx(0.55)
     # seed 002: warmup 375, 0.0015 -> 0.001 over stage 1, then 0.001 -> 0.000015 from step 200k, weight decay 0.1 -> 0
     s = Namespace(**{**base, "warmup_steps": 375, "schedule": "linear", "stage2_step": 200_000, "min_lr_frac": 0.01,
                      "stage1_end_frac": 0.001 / 0.0015, "stage2_lr_frac": 0.001 / 0.0015})
-    assert 0.0015 * C.lr_multiplier(199_999, 400_000, s) == pytest.approx(0.001, rel=1e-4)
-    assert 0.0015 * C.lr_multiplier(200_000, 400_000, s) == pytest.approx(0.001)
-    assert 0.0015 * C.lr_multiplier(400_000, 400_000, s) == pytest.approx(0.000015)
-    assert (C.weight_decay_at(199_999, s), C.weight_decay_at(200_000, s)) == (0.1, 0.0)
+    assert 0.0015 * optim.lr_multiplier(199_999, 400_000, s) == pytest.approx(0.001, rel=1e-4)
+    assert 0.0015 * optim.lr_multiplier(200_000, 400_000, s) == pytest.approx(0.001)
+    assert 0.0015 * optim.lr_multiplier(400_000, 400_000, s) == pytest.approx(0.000015)
+    assert (optim.weight_decay_at(199_999, s), optim.weight_decay_at(200_000, s)) == (0.1, 0.0)
 
 
 def test_muon_momentum_rises_from_0_85_to_0_95_over_the_warmup_and_is_applied_by_the_schedule():
     args = Namespace(muon_momentum_warmup=300, warmup_steps=0, stage2_step=0, schedule="constant", min_lr_frac=0.0,
                      warmdown_frac=0.2, weight_decay=0.0)
-    assert [C.muon_momentum(step, args) for step in (0, 150, 300, 5000)] == [0.85, pytest.approx(0.90), 0.95, 0.95]
-    assert C.muon_momentum(0, Namespace(muon_momentum_warmup=0)) == 0.95
-    muon = C.Muon([{"params": [torch.nn.Parameter(torch.zeros(4, 4))], "base_lr": 0.02, "wd_on": True}])
-    C.apply_schedule([muon], 30, 1000, args)
+    assert [optim.muon_momentum(step, args) for step in (0, 150, 300, 5000)] == [0.85, pytest.approx(0.90), 0.95, 0.95]
+    assert optim.muon_momentum(0, Namespace(muon_momentum_warmup=0)) == 0.95
+    muon = optim.Muon([{"params": [torch.nn.Parameter(torch.zeros(4, 4))], "base_lr": 0.02, "wd_on": True}])
+    optim.apply_schedule([muon], 30, 1000, args)
     assert muon.param_groups[0]["momentum"] == pytest.approx(0.86)
 
 
 def test_optimizer_groups_and_lr_rule():
     model = build_model(config_from_preset("tiny", {"norm_learnable": True}))
     args = Namespace(optimizer="muon", adam8bit=False, matrix_lr=0.02, embedding_lr=0.2, head_lr=0.004, scalar_lr=0.04)
-    adam, muon = C.build_optimizers(model, args, width=3072, batch_tokens=2 ** 17, device=torch.device("cpu"))
+    adam, muon = optim.build_optimizers(model, args, width=3072, batch_tokens=2 ** 17, device=torch.device("cpu"))
     lrs = {g["name"]: g["lr"] for opt in (adam, muon) for g in opt.param_groups}
     batch = 0.25 ** (1 / 8)  # batch 2^17 = 2^19 / 4; width 4 x 768 -> 1/2
     assert lrs == pytest.approx({"embedding": 0.2 * 0.5 * batch, "value_embedding": 0.1 * 0.5 * batch,
@@ -372,15 +374,15 @@ def test_adam8bit_without_bitsandbytes_says_how_to_get_it():
         pass
     args = Namespace(optimizer="muon", adam8bit=True, matrix_lr=0.02, embedding_lr=0.2, head_lr=0.004, scalar_lr=0.04)
     with pytest.raises(ImportError, match="--adam8bit needs bitsandbytes: `pip install bitsandbytes`"):
-        C.build_optimizers(build_model(config_from_preset("tiny")), args, 256, 4096, torch.device("cpu"))
+        optim.build_optimizers(build_model(config_from_preset("tiny")), args, 256, 4096, torch.device("cpu"))
 
 
 def test_memory_growth_warning_needs_steady_growth():
     mib = 2 ** 20
-    assert C.memory_growing([i * 2 * mib for i in range(60)])  # +2 MiB every step: 98 MiB over the last 50
-    assert not C.memory_growing([i * 2 * mib for i in range(40)])  # too few steps to say
-    assert not C.memory_growing([(i % 2) * 200 * mib + i * mib for i in range(60)])  # it falls sometimes
-    assert not C.memory_growing([i * mib // 4 for i in range(60)])  # steady but tiny: 12 MiB
+    assert train_loop.memory_growing([i * 2 * mib for i in range(60)])  # +2 MiB every step: 98 MiB over the last 50
+    assert not train_loop.memory_growing([i * 2 * mib for i in range(40)])  # too few steps to say
+    assert not train_loop.memory_growing([(i % 2) * 200 * mib + i * mib for i in range(60)])  # it falls sometimes
+    assert not train_loop.memory_growing([i * mib // 4 for i in range(60)])  # steady but tiny: 12 MiB
 
 
 def test_a_budget_larger_than_the_corpus_says_so_in_the_plan_every_log_line_and_the_report(world, tmp_path,

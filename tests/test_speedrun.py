@@ -24,7 +24,8 @@ from helpers import (
     run_speedrun,
 )
 
-import common as C
+import checkpoint
+import validation
 from tokenizer import Tokenizer
 
 TRAIN_STAGES = ["pretrain", "midtrain", "sft"]
@@ -97,11 +98,11 @@ def test_the_pipeline_ran_every_stage_and_the_report_shows_the_logs_figures(spee
 
 def test_the_final_model_answers_a_held_out_demo_question(speedrun, demo_world):
     run, result = speedrun
-    sft = C.list_checkpoints(run / "sft" / "ckpt")[-1]
-    model, _ = C.load_model(sft, torch.device("cpu"))
+    sft = checkpoint.list_checkpoints(run / "sft" / "ckpt")[-1]
+    model, _ = checkpoint.load_model(sft, torch.device("cpu"))
     questions = held_out_questions()[:20]
-    answers = C.chat_answers(model, Tokenizer.load(demo_world / "tokenizer"), [q for q, _ in questions], "float32",
-                             max_tokens=16)
+    answers = validation.chat_answers(model, Tokenizer.load(demo_world / "tokenizer"), [q for q, _ in questions],
+                                      "float32", max_tokens=16)
     right = [a["answer"] for (_, word), a in zip(questions, answers, strict=True) if word.lower() in a["answer"].lower()]
     assert right, answers
     assert f"done. Chat with it: {sys.executable} {ROOT / 'chat.py'} --runs_dir {run}" in result.stdout  # no TTY
@@ -231,12 +232,12 @@ CKPT_FILES = {"meta.json", "model.pt", "optimizers.pt", "rank000.pt", "rank001.p
 def whole_checkpoints(ckpt_dir):
     """The steps of ckpt_dir's checkpoints, each checked whole: every file there and loadable."""
     steps = []
-    for ckpt in C.list_checkpoints(ckpt_dir):
+    for ckpt in checkpoint.list_checkpoints(ckpt_dir):
         assert {p.name for p in ckpt.iterdir()} == CKPT_FILES, ckpt
         for name in CKPT_FILES - {"meta.json"}:
             torch.load(ckpt / name, map_location="cpu", weights_only=False)
-        assert json.loads((ckpt / "meta.json").read_text())["step"] == C.checkpoint_step(ckpt)
-        steps.append(C.checkpoint_step(ckpt))
+        assert json.loads((ckpt / "meta.json").read_text())["step"] == checkpoint.checkpoint_step(ckpt)
+        steps.append(checkpoint.checkpoint_step(ckpt))
     return steps
 
 

@@ -1,5 +1,5 @@
-"""common.py's training loop: the loss of a step is exact however its global batch is split into micro-batches, with
-masked targets (and into processes: tests/test_distributed.py); checkpoints ordered by step; resume sets abandoned
+"""train_loop.py's training loop: the loss of a step is exact however its global batch is split into micro-batches,
+with masked targets (and into processes: tests/test_distributed.py); checkpoints ordered by step; resume sets abandoned
 checkpoints aside and checks the layout; the exact resume command."""
 import shlex
 import signal
@@ -10,7 +10,10 @@ import pytest
 import torch
 from helpers import ROOT, assert_same, global_batch, run_script, step, tiny_model
 
-import common as C
+import checkpoint
+import common
+import distributed
+import optim
 
 
 def test_loss_and_gradients_do_not_depend_on_the_micro_batch_split():
@@ -40,7 +43,8 @@ LAYOUT = {"model_config": "tiny", "micro_batch": 4, "world_size": 1, "accum": 2}
 def checkpoints_at(ckpt_dir, steps):
     model = tiny_model()
     for s in steps:
-        C.save_checkpoint(ckpt_dir, s, model, [], ["stream 0", "stream 1"], {"stage": "pretrain", **LAYOUT}, 0, keep=10)
+        checkpoint.save_checkpoint(ckpt_dir, s, model, [], ["stream 0", "stream 1"], {"stage": "pretrain", **LAYOUT}, 0,
+                                   keep=10)
 
 
 class Stream:
@@ -51,8 +55,8 @@ class Stream:
 
 def test_the_newest_checkpoint_is_the_highest_step_not_the_last_name(tmp_path):
     checkpoints_at(tmp_path / "r" / "ckpt", [999_999, 1_000_000])
-    assert [c.name for c in C.list_checkpoints(tmp_path / "r" / "ckpt")] == ["step_999999", "step_1000000"]
-    assert C.find_checkpoint(tmp_path / "r").name == "step_1000000"
+    assert [c.name for c in checkpoint.list_checkpoints(tmp_path / "r" / "ckpt")] == ["step_999999", "step_1000000"]
+    assert checkpoint.find_checkpoint(tmp_path / "r").name == "step_1000000"
 
 
 def test_resuming_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path, capsys):
@@ -60,13 +64,15 @@ def test_resuming_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path, c
     checkpoints_at(ckpt, [2, 4, 6])
     model = tiny_model()
     with pytest.raises(ValueError, match="1 processes x 2 accumulation steps = 2 data streams, this run has 1 x 1 = 1"):
-        C.resume(ckpt / "step_000002", tmp_path / "r", model, [], [], {**LAYOUT, "accum": 1}, 0, torch.device("cpu"))
+        checkpoint.resume(ckpt / "step_000002", tmp_path / "r", model, [], [], {**LAYOUT, "accum": 1}, 0,
+                          torch.device("cpu"))
     with pytest.raises(ValueError, match="its micro_batch is 4, this run's is 8"):
-        C.resume(ckpt / "step_000002", tmp_path / "r", model, [], [], {**LAYOUT, "micro_batch": 8}, 0, torch.device("cpu"))
+        checkpoint.resume(ckpt / "step_000002", tmp_path / "r", model, [], [], {**LAYOUT, "micro_batch": 8}, 0,
+                          torch.device("cpu"))
     streams = [Stream(), Stream()]
-    step = C.resume(ckpt / "step_000002", tmp_path / "r", model, [], streams, LAYOUT, 0, torch.device("cpu"))
+    step = checkpoint.resume(ckpt / "step_000002", tmp_path / "r", model, [], streams, LAYOUT, 0, torch.device("cpu"))
     assert [s.state for s in streams] == ["stream 0", "stream 1"]
-    assert step == 2 and [c.name for c in C.list_checkpoints(ckpt)] == ["step_000002"]
+    assert step == 2 and [c.name for c in checkpoint.list_checkpoints(ckpt)] == ["step_000002"]
     aside = list((tmp_path / "r" / "ckpt_abandoned").glob("*/step_*"))
     assert sorted(c.name for c in aside) == ["step_000004", "step_000006"]  # moved, not deleted
     assert all((c / "model.pt").is_file() for c in aside) and "moved to" in capsys.readouterr().out
@@ -75,7 +81,7 @@ def test_resuming_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path, c
 def test_keep_must_leave_at_least_one_checkpoint(tmp_path):
     args = Namespace(keep=0, resume=None, run_name="r", runs_dir=str(tmp_path), preset="tiny")
     with pytest.raises(ValueError, match="--keep 0: keep at least 1"):
-        C.resolve_run(args, "pretrain")
+        checkpoint.resolve_run(args, "pretrain")
 
 
 @pytest.mark.parametrize("argv", [["--steps", "9", "--resume", "runs/old/ckpt/step_000004", "--seed", "1"],
@@ -88,11 +94,11 @@ def test_the_resume_command_drops_the_old_resume_and_names_the_run(argv, monkeyp
         monkeypatch.delenv(name, raising=False)
     args = Namespace(runs_dir="runs", run_name="old")
     expected = ["pretrain.py", "--steps", "9", "--seed", "1", "--runs_dir", "runs", "--run_name", "old", "--resume"]
-    words = shlex.split(C.resume_command(args))
+    words = shlex.split(checkpoint.resume_command(args))
     assert words[0] == sys.executable and sorted(words[1:]) == sorted(expected) and words[-1] == "--resume"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    words = shlex.split(C.resume_command(args))
+    words = shlex.split(checkpoint.resume_command(args))
     assert words[:5] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     assert sorted(words[5:]) == sorted(expected)
 
@@ -106,7 +112,7 @@ def reference_muon_step(param, grad, state, lr=0.02, momentum=0.95, weight_decay
     tall = update.size(0) > update.size(1)
     x = update.mT if tall else update
     x = x / (x.norm() * 1.02)
-    for a, b, c in C.POLAR_EXPRESS:
+    for a, b, c in optim.POLAR_EXPRESS:
         gram = x @ x.mT
         x = a * x + (b * gram + c * gram @ gram) @ x
     x = x.mT if tall else x
@@ -120,7 +126,7 @@ def reference_muon_step(param, grad, state, lr=0.02, momentum=0.95, weight_decay
 
 
 def test_our_muon_takes_the_reference_steps_in_fp64_and_stays_close_in_fp32_and_bf16():
-    """common.Muon's update rule equals the written-out reference (reference_muon_step) in fp64 over 3 steps, also for
+    """optim.Muon's update rule equals the written-out reference (reference_muon_step) in fp64 over 3 steps, also for
     the matrices of one shape up to a transpose that it orthogonalizes as one stack; fp32 and bf16 Newton-Schulz
     differ from it only by rounding."""
     shapes = [(96, 32), (32, 64), (96, 32), (32, 96)]
@@ -133,7 +139,7 @@ def test_our_muon_takes_the_reference_steps_in_fp64_and_stays_close_in_fp32_and_
     for dtype, tolerance in (("float64", 1e-12), ("float32", 1e-4), ("bfloat16", 0.05)):
         params = [torch.nn.Parameter(p.clone().to(torch.float64 if dtype == "float64" else torch.float32))
                   for p in initial]
-        opt = C.Muon(params, ns_dtype=dtype, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1)
+        opt = optim.Muon(params, ns_dtype=dtype, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1)
         for grads_now in grads:
             for p, g in zip(params, grads_now, strict=True):
                 p.grad = g.to(p.dtype)
@@ -141,7 +147,7 @@ def test_our_muon_takes_the_reference_steps_in_fp64_and_stays_close_in_fp32_and_
         for ours, theirs, start in zip(params, expected, initial, strict=True):
             moved = (theirs - start).abs().max()  # 3 steps of lr 0.02 x shape scale, and weight decay
             assert (ours.detach().double() - theirs).abs().max() <= tolerance * moved, dtype
-    assert C.newton_schulz(torch.randn(2, 8, 4), 5, "float32").dtype == torch.float32
+    assert optim.newton_schulz(torch.randn(2, 8, 4), 5, "float32").dtype == torch.float32
 
 
 def test_newton_schulz_gram_form_is_the_same_iteration_and_stays_close_in_fp32_on_ill_conditioned_matrices():
@@ -151,7 +157,7 @@ def test_newton_schulz_gram_form_is_the_same_iteration_and_stays_close_in_fp32_o
     bf16 would lose the small singular values, so bf16 keeps the direct form: bit-identical)."""
     def direct(x):  # the iteration, written out
         x = x / (x.norm(dim=(-2, -1), keepdim=True) * 1.02)
-        for a, b, c in C.POLAR_EXPRESS:
+        for a, b, c in optim.POLAR_EXPRESS:
             gram = x @ x.mT
             x = a * x + (b * gram + c * gram @ gram) @ x
         return x
@@ -160,15 +166,15 @@ def test_newton_schulz_gram_form_is_the_same_iteration_and_stays_close_in_fp32_o
     right, _ = torch.linalg.qr(torch.randn(3, 128, 32, dtype=torch.float64, generator=generator))
     wide = (left * torch.logspace(0, -4, 32, dtype=torch.float64)) @ right.mT  # 3 x 32 x 128, condition 1e4
     reference = direct(wide)
-    assert (C.newton_schulz(wide.clone(), 5, "float64") - reference).abs().max() < 1e-12
-    relative = (C.newton_schulz(wide.float(), 5, "float32").double() - reference).norm() / reference.norm()
+    assert (optim.newton_schulz(wide.clone(), 5, "float64") - reference).abs().max() < 1e-12
+    relative = (optim.newton_schulz(wide.float(), 5, "float32").double() - reference).norm() / reference.norm()
     assert relative < 2e-3
     low = wide.bfloat16()
     x = low / (low.norm(dim=(-2, -1), keepdim=True) * 1.02)
-    for a, b, c in C.POLAR_EXPRESS:
+    for a, b, c in optim.POLAR_EXPRESS:
         gram = x @ x.mT
         x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    assert torch.equal(C.newton_schulz(wide.bfloat16(), 5, "bfloat16"), x)
+    assert torch.equal(optim.newton_schulz(wide.bfloat16(), 5, "bfloat16"), x)
     assert 20 * relative < (x.double() - reference).norm() / reference.norm()
 
 
@@ -180,27 +186,30 @@ def test_a_cpu_without_native_bf16_never_gets_it_by_default(avx512_bf16, amx, ex
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     cpu = torch.device("cpu")
-    assert C.matmul_dtype(cpu) == expected
+    assert common.matmul_dtype(cpu) == expected
     args = Namespace(optimizer="muon", adam8bit=False, matrix_lr=0.02, embedding_lr=0.2, head_lr=0.004, scalar_lr=0.04,
                      dtype=expected)
-    optimizers = C.build_optimizers(tiny_model(), args, 32, 2048, cpu)
+    optimizers = optim.build_optimizers(tiny_model(), args, 32, 2048, cpu)
     assert optimizers[1].param_groups[0]["ns_dtype"] == expected
     native = "native" if expected == "bfloat16" else "not native (emulated: not used by default)"
-    assert C.precision_line(args, cpu, optimizers).startswith(f"precision: fp32 weights, compute {expected}, Muon "
-                                                              f"Newton-Schulz {expected}; bf16 is {native} on ")
+    assert optim.precision_line(args, cpu, optimizers).startswith(f"precision: fp32 weights, compute {expected}, Muon "
+                                                                  f"Newton-Schulz {expected}; bf16 is {native} on ")
 
 
 def test_a_stage_ends_with_one_line_for_our_errors_and_a_traceback_for_others(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("sys.argv", ["pretrain.py"])
-    assert C.run_main(lambda: C.find_checkpoint(tmp_path)) == 1  # raised by this project, naming the fix
+    # raised by this project, naming the fix
+    assert distributed.run_main(lambda: checkpoint.find_checkpoint(tmp_path)) == 1
     assert capsys.readouterr().err == f"pretrain.py: error: --checkpoint {tmp_path}: neither a checkpoint " \
         f"(runs/<run>/ckpt/step_*/meta.json) nor a run directory with checkpoints in {tmp_path}/ckpt/\n"
-    assert C.run_main(lambda: torch.zeros(2) @ torch.zeros(3)) == 1  # raised inside torch: where is the question
+    assert distributed.run_main(lambda: torch.zeros(2) @ torch.zeros(3)) == 1  # raised inside torch: where is the
+    # question
     err = capsys.readouterr().err
     assert err.startswith("Traceback") and err.endswith("pretrain.py: error: inconsistent tensor size, expected "
                                                         "tensor [2] and src [3] to have the same number of elements, "
                                                         "but got 2 and 3 elements respectively\n")
-    assert C.run_main(lambda: signal.SIGTERM) == 128 + signal.SIGTERM and C.run_main(lambda: None) == 0
+    assert distributed.run_main(lambda: signal.SIGTERM) == 128 + signal.SIGTERM
+    assert distributed.run_main(lambda: None) == 0
 
 
 @pytest.mark.two_processes

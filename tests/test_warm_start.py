@@ -7,12 +7,14 @@ import json
 import pytest
 import torch
 
-import common as C
+import checkpoint
 import dataset as D
 import loader as L
 import midtrain
+import optim
 import report
 import sft
+import validation
 from model import PRESETS, GPTConfig, autocast_context, build_model
 from tokenizer import Tokenizer
 
@@ -32,7 +34,7 @@ def parent_losses(run_dir, n):
     config = json.loads((run_dir / "config.json").read_text())
     args = config["args"]
     assert (config["world_size"], config["accum"]) == (1, 1)
-    model, _ = C.load_model(config["parent"]["path"], CPU)
+    model, _ = checkpoint.load_model(config["parent"]["path"], CPU)
     tokenizer = Tokenizer.load(config["tokenizer"])
     shape = (tokenizer, config["micro_batch"], args["sequence_len"])
     sources = [(s["path"], s["epochs"]) for s in config["sources"]] if config["stage"] == "sft" else None
@@ -64,13 +66,13 @@ def test_no_step_of_a_chat_stages_first_20_does_worse_on_its_batch_than_the_pare
 def stage_optimizers(stage, parent, extra=()):
     """A stage's optimizers as its main() builds them on `parent`, warm-started: (optimizers, the printed line, the
     same optimizers built fresh)."""
-    model, meta = C.load_model(parent, CPU)
+    model, meta = checkpoint.load_model(parent, CPU)
     model.train()
     _, args = stage.get_args(["--checkpoint", str(parent), "--steps", "1", *extra])
-    C.inherit(args, meta, parent)
-    optimizers, fresh = (C.build_optimizers(model, args, model.config.n_embd, 2048, CPU, lr_scale=args.lr_scale)
+    checkpoint.inherit(args, meta, parent)
+    optimizers, fresh = (optim.build_optimizers(model, args, model.config.n_embd, 2048, CPU, lr_scale=args.lr_scale)
                          for _ in range(2))
-    return optimizers, C.warm_start(parent, meta, model, optimizers, args, CPU), fresh, model, args
+    return optimizers, checkpoint.warm_start(parent, meta, model, optimizers, args, CPU), fresh, model, args
 
 
 @pytest.mark.parametrize("stage", [midtrain, sft])
@@ -115,19 +117,19 @@ def test_each_chat_stage_reports_the_pretraining_val_bpb_its_model_kept(speedrun
     meta = json.loads((chat_chain["pretrain"] / "meta.json").read_text())
     dtype = meta["hparams"]["dtype"]
     # the pretraining run's final evaluation: LEARN_ARGS' --bpb_tokens 20000 of the demo corpus in rows of 128
-    rows = C.val_rows(demo_world / "demo" / "pretrain", tokenizer, 20000, 128)
+    rows = validation.val_rows(demo_world / "demo" / "pretrain", tokenizer, 20000, 128)
     figures = {"pretrain": pretrained}
     for stage in ("midtrain", "sft"):
         kept = json.loads((run / stage / "done.json").read_text())["pretrain_val_bpb"]
         assert (kept["data_dir"], kept["sequence_len"]) == (str(demo_world / "demo" / "pretrain"), 128)
-        model, _ = C.load_model(chat_chain[stage], CPU)
-        again, scored = C.val_bpb(model, rows, tokenizer.token_bytes, 8, dtype, 0, 1, CPU)
+        model, _ = checkpoint.load_model(chat_chain[stage], CPU)
+        again, scored = validation.val_bpb(model, rows, tokenizer.token_bytes, 8, dtype, 0, 1, CPU)
         assert kept["tokens"] == scored
         assert abs(kept["val_bpb"] - again) < 1e-6, (stage, kept, again)
         figures[stage] = kept["val_bpb"]
     # the same rows pretrain.py scored: its own figure, recomputed from its checkpoint by the stages' function
-    model, _ = C.load_model(chat_chain["pretrain"], CPU)
-    again = C.forgetting(model, tokenizer, chat_chain["pretrain"], meta, argparse.Namespace(bpb_tokens=None,
+    model, _ = checkpoint.load_model(chat_chain["pretrain"], CPU)
+    again = validation.forgetting(model, tokenizer, chat_chain["pretrain"], meta, argparse.Namespace(bpb_tokens=None,
                                                                                              dtype=dtype), 0, 1, CPU)
     assert abs(again["val_bpb"] - pretrained) < 1e-6, (again, pretrained)
     text = (run / "report.md").read_text()
@@ -157,7 +159,7 @@ def tied_model_logits(steps, batch_tokens):
     model = build_model(GPTConfig(**shape))
     args = argparse.Namespace(optimizer="muon", matrix_lr=0.02, embedding_lr=0.2, head_lr=0.004, scalar_lr=0.04,
                               adam8bit=False)
-    optimizers = C.build_optimizers(model, args, 64, batch_tokens, CPU)
+    optimizers = optim.build_optimizers(model, args, 64, batch_tokens, CPU)
     columns = [torch.randint(0, 512, (16, 1), generator=torch.Generator().manual_seed(1))]
     for _ in range(64):  # a stream it can learn: each token t is followed by 5t + 1 mod 512
         columns.append((columns[-1] * 5 + 1) % 512)

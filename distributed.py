@@ -1,0 +1,324 @@
+"""Distributed: setup and teardown under torchrun (NCCL on CUDA, gloo on CPU), workers that die with their launcher,
+a stage's exit (run_main), the ranks that died or hung when a collective fails (mark_progress, stopped_ranks),
+all-reduce helpers, FSDP2 sharding (shard_model, is_sharded, local), and speedrun.sh's NCCL check (the probe).
+
+Not a stage: import it. One command line, speedrun.sh's NCCL check, run under torchrun with one process per GPU
+(`python distributed.py probe` alone has no peers and says so):
+
+    python -m torch.distributed.run --standalone --nproc_per_node=8 distributed.py probe --timeout 60
+"""
+import argparse
+import ctypes
+import ctypes.util
+import os
+import platform
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from common import device_name, fmt_bytes
+from model import memory_estimate
+
+
+def keep_freed_memory(keep=True):
+    """Have glibc keep freed memory for reuse instead of giving it back to the OS. A training step allocates the same
+    large tensors every time (the tiny shape's 2048 x 8192 logits among them); by default glibc serves each from fresh
+    mmap pages and unmaps them when freed, and the page faults that follow cost a quarter of a CPU step (compiled
+    bf16 forward+backward at the tiny shape: 330-350 ms with this, 430-490 without). The price: the process keeps
+    its peak heap, fragments included. keep=False restores glibc's thresholds and returns what is free to the OS
+    (malloc_trim also releases pages in the middle of the heap): shard_model does, since a sharded run is one short
+    of memory (llama3-1b on 2 CPU processes: 8.4 GiB per rank after a step with glibc's defaults; with this kept, 24
+    GB ran out). A no-op where the C library has no mallopt (macOS; musl's does nothing)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mallopt(-3, 1 << 30 if keep else 128 * 1024)  # M_MMAP_THRESHOLD: allocations under 1 GiB from the heap...
+        libc.mallopt(-1, 2 ** 31 - 1 if keep else 128 * 1024)  # M_TRIM_THRESHOLD: ...which is not trimmed (a C int)
+        if not keep:
+            libc.malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass
+
+
+def setup_distributed(timeout_s=600):
+    """Initialize from torchrun's environment (or run as one process). Returns (rank, local_rank, world_size, device).
+    NCCL on CUDA, gloo on CPU; a collective that waits longer than timeout_s (a dead or hung peer) raises instead of
+    hanging. Prints the world as initialized, as the first line: each rank reports its host and the device it holds
+    (seed 000: one GPU passed off as four)."""
+    from datetime import timedelta
+    if not torch.cuda.is_available():
+        keep_freed_memory()
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun (other launchers set RANK too)
+        die_with_launcher()
+    if "RANK" not in os.environ:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        print(f"distributed: single process, device {device_name(device)}")
+        return 0, 0, 1, device
+    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device, timeout=timedelta(seconds=timeout_s))
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    names = [None] * world_size
+    dist.all_gather_object(names, f"{device} ({device_name(device)}) on {platform.node()}")
+    if rank == 0:
+        print(f"distributed: world size {dist.get_world_size()} ({dist.get_backend()}): "
+              + ", ".join(f"rank {r} {n}" for r, n in enumerate(names)), flush=True)
+    return rank, local_rank, world_size, device
+
+
+def die_with_launcher():
+    """Under torchrun: this worker gets SIGKILL when its launcher dies. torchrun starts each worker in a session of
+    its own, so a kill of torchrun's process group never reaches it, and a torchrun killed before it stopped a slow
+    or stuck worker (a rank inside an NCCL call that never returns) would leave that worker holding its GPU. The
+    kernel sends the signal when the thread that started us ends: torchrun starts its workers from its main thread.
+    Linux only (prctl); elsewhere nothing is set."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    try:  # the launcher died before the line above (we were handed to init): nobody would ever stop us
+        orphaned = os.getppid() != parent or b"torch" not in Path(f"/proc/{parent}/cmdline").read_bytes()
+    except OSError:
+        orphaned = True
+    if orphaned and (parent == 1 or os.getppid() != parent):  # (torchrun itself may be pid 1 in a container)
+        raise RuntimeError("the launcher (torchrun) that started this worker has already exited: nothing to run for")
+
+
+def teardown_distributed():
+    """Barrier, then destroy the process group: exiting without it can abort torch at exit or strand workers."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+PROBE_MBYTES = 64  # the probe's message: a DDP gradient bucket is 25 MB; NVLS and P2P over NVSwitch start near here
+
+
+def probe_all_reduce(timeout_s, mbytes=PROBE_MBYTES, iters=5):
+    """All-reduces over torchrun's ranks (NCCL on CUDA, gloo on CPU) whose collectives time out after timeout_s:
+    speedrun.sh runs it before training, under an outer `timeout` as the hard stop for a hang inside NCCL. First 4
+    bytes, then a message of `mbytes` MB (a gradient bucket's size: the large-message algorithms a 4-byte probe never
+    reaches), timed over `iters` repeats after one warm-up, and the bus bandwidth printed (algorithm bandwidth x
+    2(n-1)/n, nccl-tests' figure). Returns the exit status: 0 when every rank got the right sums."""
+    from datetime import timedelta
+    if "RANK" not in os.environ:
+        print("probe: not under torchrun: one process, nothing to all-reduce")
+        return 0
+    rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s), device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    expected = world * (world + 1) / 2
+    t = torch.full((1,), float(rank + 1), device=device)
+    dist.all_reduce(t)
+    ok = t.item() == expected
+    where = f"{world} ranks ({dist.get_backend()}, {device_name(device)})"
+    if rank == 0:
+        print(f"probe: 4-byte all-reduce over {where}: {'ok' if ok else f'wrong sum {t.item()}'}", flush=True)
+    numel = int(mbytes * 1e6) // 4
+    big = torch.full((numel,), float(rank + 1), device=device)  # small integers: exact sums in fp32
+    dist.all_reduce(big)  # warm-up: connections and buffers of the large-message path
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+    sync(device)
+    good = bool((big == expected).all())
+    big.fill_(float(rank + 1))
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(big)
+    sync(device)
+    seconds = (time.perf_counter() - start) / iters
+    seconds = all_reduce(seconds, dist.ReduceOp.MAX)  # the slowest rank's time is the collective's
+    good = good and bool(torch.isfinite(big).all())
+    ok = ok and good
+    if rank == 0:
+        bus = numel * 4 / seconds * 2 * (world - 1) / world / 1e9
+        print(f"probe: {numel * 4 / 1e6:.0f} MB all-reduce over {where}: {'ok' if good else 'wrong sums'}, "
+              f"{seconds * 1e3:.1f} ms each ({iters} timed), bus bandwidth {bus:.2f} GB/s", flush=True)
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+def run_main(main):
+    """A stage's exit: 0 when main() finished, 128 + signal when a signal stopped it after its checkpoint
+    (non-zero, so a script chaining stages stops), 1 with a one-line error when this project's code raised one
+    naming the fix (an error raised elsewhere, in torch say, also gets its traceback). Every rank tears the process group down; after an error without the barrier, since the other ranks
+    may never reach it (torchrun stops them when this one exits)."""
+    script = Path(sys.argv[0]).name
+    try:
+        signum = main()
+    except (ValueError, FileNotFoundError, RuntimeError, ImportError) as e:
+        stopped = stopped_ranks()
+        if stopped:  # a collective failed: its peer died (connection reset) or hung (--dist_timeout)
+            print(f"{script}: error on rank {dist.get_rank()}: a collective failed ({str(e).splitlines()[0][:160]}): "
+                  f"{stopped}", file=sys.stderr, flush=True)
+            return 1  # no teardown: its barrier would wait for the stopped rank
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        ours = Path(frame.filename).resolve().parent == Path(__file__).resolve().parent and \
+            (frame.line or "").lstrip().startswith("raise")
+        if not ours:  # raised by torch or another library, or a bug: the traceback is what locates it
+            traceback.print_exception(e)
+        print(f"{script}: error: {e}", file=sys.stderr)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return 1
+    teardown_distributed()
+    return 128 + signum if signum else 0
+
+
+def mark_progress(step):
+    """Record in torchrun's store (one small message) that this rank, this process, entered `step`: what
+    stopped_ranks reads when a collective fails."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.distributed_c10d._get_default_store().set(f"progress/{dist.get_rank()}",
+                                                       f"{step} {os.getpid()} {platform.node()}")
+
+
+def process_alive(pid):
+    """Whether a process of this host runs: not gone, not a zombie (killed, not yet reaped by torchrun)."""
+    if not Path("/proc").is_dir():  # macOS: existence only
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def stopped_ranks():
+    """After an error under torchrun: the ranks that died (process gone, checked on this host) or did not reach this
+    rank's step (hung, or slower than --dist_timeout), from mark_progress's records; "" when none is behind."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return ""
+    try:
+        store, here = dist.distributed_c10d._get_default_store(), platform.node()
+        records = {r: store.get(f"progress/{r}").decode().split() if store.check([f"progress/{r}"]) else None
+                   for r in range(dist.get_world_size())}
+    except (RuntimeError, ValueError):  # the store went with a node
+        return "another rank died or hung (torchrun's store is unreachable; its failure summary names the rank)"
+    mine = int(records[dist.get_rank()][0]) if records[dist.get_rank()] else 0
+    found = []
+    for r, record in records.items():
+        if record is None:
+            found.append(f"rank {r} never reached step 1")
+            continue
+        step, pid, host = int(record[0]), int(record[1]), record[2]
+        if host == here and not process_alive(pid):
+            found.append(f"rank {r} died (process {pid} on {host} is gone; it last entered step {step})")
+        elif step < mine:
+            found.append(f"rank {r} is stuck: it last entered step {step}, this rank is in step {mine} (process "
+                         f"{pid} on {host})")
+    return "; ".join(found)
+
+
+def all_reduce_tensor(t, op=None):
+    """Sum (or `op`) a tensor over ranks, in place (through the GPU under NCCL); identity when not distributed."""
+    if dist.is_initialized():
+        on = t.cuda() if dist.get_backend() == "nccl" else t
+        dist.all_reduce(on, op=op or dist.ReduceOp.SUM)
+        if on is not t:
+            t.copy_(on)
+    return t
+
+
+def all_reduce(value, op=None):
+    """Sum (or `op`) a float over ranks; identity when not distributed."""
+    return all_reduce_tensor(torch.tensor(float(value), dtype=torch.float64), op).item()
+
+
+# FSDP2, DTensor and torch.distributed.checkpoint are imported where they are used: together they cost ~1.4 s of CPU
+# per process (sympy among them), which a run that never shards does not pay. Until shard_model or a sharded
+# checkpoint imports them, no parameter can be a DTensor.
+
+def is_dtensor(tensor):
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
+def local(tensor):
+    """A tensor's part on this rank: the shard of an FSDP-sharded parameter (a DTensor), else the tensor itself."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
+def is_sharded(model):
+    module = sys.modules.get("torch.distributed.fsdp")
+    return module is not None and isinstance(model, module.FSDPModule)
+
+
+def device_memory(device):
+    """Bytes one process may use: the GPU's memory, or on a CPU the machine's RAM shared by this node's processes."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ram // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def shard_model(model, args, world, device):
+    """FSDP2 (fully_shard on each block, then the root) when --fsdp true, or with --fsdp auto when fp32 weights +
+    gradients + optimizer state would not fit one device by model.py's estimate; prints the decision and its figures.
+    Weights stay fp32 shards; each block is all-gathered in the compute dtype (bf16: half the traffic) and its
+    gradients reduce-scattered in fp32. The block's input is not cast, so the residual stream stays fp32 as under
+    autocast, and the root (embedding, final norm, head) gathers in fp32: the same numbers as DDP + autocast.
+    Returns the line that says whether it did and why (is_sharded(model) tells later)."""
+    optimizer = "adam8bit" if args.optimizer == "adamw" and args.adam8bit else args.optimizer
+    estimate = memory_estimate(model.config, 1, optimizer=optimizer, bf16=args.dtype == "bfloat16")
+    state = estimate["weights"] + estimate["gradients"] + estimate["optimizer"]
+    capacity = device_memory(device)
+    fits = f"weights + gradients + optimizer state {fmt_bytes(state)} {'<=' if state <= capacity else '>'} " \
+           f"{fmt_bytes(capacity)} per process ({device_name(device)})"
+    shard = args.fsdp == "true" or (args.fsdp == "auto" and state > capacity)
+    if shard and world == 1:
+        return f"sharding: none: one process has nothing to shard with ({fits})"
+    if not shard:
+        return f"sharding: none, {'DDP' if world > 1 else 'one process'} (--fsdp {args.fsdp}: {fits})"
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    compute = getattr(torch, args.dtype)
+    block_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=block_policy)
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False))
+    if device.type == "cpu":
+        keep_freed_memory(False)
+    return f"sharding: FSDP2 over {world} ranks (--fsdp {args.fsdp}: {fits}); about {fmt_bytes(state / world)} of it " \
+        "per rank"
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="speedrun.sh's NCCL check, under torchrun: a 4-byte and a timed "
+                                     "large all-reduce over torchrun's ranks; otherwise import distributed")
+    parser.add_argument("command", choices=["probe"], help="probe: a 4-byte and a timed large all-reduce over "
+                        "torchrun's ranks")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a collective counts as hung "
+                        "(default: %(default)s)")
+    parser.add_argument("--mbytes", type=float, default=PROBE_MBYTES, help="size of the timed all-reduce in MB "
+                        "(default: %(default)s)")
+    args = parser.parse_args(argv)
+    return probe_all_reduce(args.timeout, args.mbytes)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

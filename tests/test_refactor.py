@@ -1,0 +1,137 @@
+"""The code's layout: splitting common.py into files named for what they hold changed no number of a training run
+(a short pretraining gives bitwise the losses of the code before the split), the project's modules import one another
+without a cycle, and the testing hooks are hidden from --help while they still parse."""
+import ast
+import json
+import os
+import subprocess
+import sys
+from argparse import Namespace
+
+import pytest
+from helpers import ROOT, run_in_process
+
+import midtrain
+import optim
+import pretrain
+import sft
+import train_loop
+import validation
+
+BEFORE_SPLIT = "b032caf"  # the last commit with the whole of common.py
+HOOKS = ["--inject_nan_step", "--signal_at_step", "--die_at_step", "--hang_at_step", "--stuck_at_step",
+         "--checkpoint_delay"]
+OLD_NAMES = {"--bpb_tokens": "--eval_tokens"}  # the flag's name in that commit
+# the demo world's tiny model in fp32, uncompiled, one process: a few seconds of training
+SHORT_RUN = ["--steps", "6", "--sequence_len", "64", "--n_layer", "2", "--n_embd", "64", "--n_head", "2", "--n_kv_head",
+             "2", "--micro_batch", "4", "--eval_every", "0", "--bpb_tokens", "4096", "--log_every", "1000",
+             "--ckpt_every", "1000", "--dtype", "float32", "--compile", "false"]
+
+
+@pytest.fixture(scope="module")
+def short_runs(demo_world, tmp_path_factory):
+    """The runs directory of SHORT_RUN by pretrain.py of this tree (run "after") and, when this clone has it, of the
+    commit before the split ("before"), on the same data and tokenizer, run side by side."""
+    tmp_path = tmp_path_factory.mktemp("split")
+    trees = {"after": ROOT}
+    known = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{BEFORE_SPLIT}^{{commit}}"],
+                           capture_output=True, check=False)
+    if known.returncode == 0:
+        trees["before"] = tmp_path / "before_split"
+        trees["before"].mkdir()
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", BEFORE_SPLIT], capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", str(trees["before"])], input=archive.stdout, check=True)
+    # each tree's own modules: the script's directory comes first on sys.path, and nothing else is added
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "OMP_NUM_THREADS": "1"}
+    runs = {name: subprocess.Popen(
+        [sys.executable, str(tree / "pretrain.py"), "--data_dir", str(demo_world / "demo" / "pretrain"), "--tokenizer",
+         str(demo_world / "tokenizer"), "--runs_dir", str(tmp_path / "runs"), "--run_name", name,
+         *[OLD_NAMES.get(arg, arg) if name == "before" else arg for arg in SHORT_RUN]],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name, tree in trees.items()}
+    for name, process in runs.items():
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, f"{name}: exit {process.returncode}\n{out[-2000:]}\n{err[-2000:]}"
+    return tmp_path / "runs"
+
+
+def records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_split_changed_no_loss_of_a_short_pretraining(short_runs):
+    """pretrain.py of the commit before the split and of this tree, on the same data and tokenizer: every step's loss
+    and gradient norm, and the final val bpb, are bitwise equal."""
+    if not (short_runs / "before").is_dir():
+        pytest.skip(f"commit {BEFORE_SPLIT} (the code before common.py was split) is not in this clone: a shallow "
+                    f"clone? `git fetch --unshallow` brings it")
+    figures = {}
+    for name in ("before", "after"):
+        records_ = records(short_runs / name)
+        figures[name] = ([(r["step"], r["loss"], r["grad_norm"]) for r in records_ if "loss" in r],
+                         [r["final_val_bpb"] for r in records_ if "final_val_bpb" in r])
+    assert [step for step, _, _ in figures["after"][0]] == [1, 2, 3, 4, 5, 6] and len(figures["after"][1]) == 1
+    assert figures["after"] == figures["before"]  # floats compared with ==: bitwise
+
+
+def test_the_modules_import_one_another_without_a_cycle():
+    """Every import between the project's top-level modules, at module level or inside a function, follows one order
+    (common before distributed before optim before checkpoint ...): a module can be read knowing only those before."""
+    ours = {path.stem for path in ROOT.glob("*.py")}
+    imports = {}
+    for name in ours:
+        tree = ast.parse((ROOT / f"{name}.py").read_text())
+        found = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                 for alias in node.names}
+        found |= {node.module.split(".")[0] for node in ast.walk(tree)
+                  if isinstance(node, ast.ImportFrom) and node.module and not node.level}
+        imports[name] = (found & ours) - {name}
+    order, left = [], dict(imports)
+    while left:
+        ready = sorted(name for name, needs in left.items() if needs <= set(order))
+        assert ready, f"an import cycle among {sorted(left)}: {({n: sorted(left[n] - set(order)) for n in left})}"
+        order += ready
+        for name in ready:
+            del left[name]
+    chain = ["common", "distributed", "optim", "checkpoint", "validation", "train_loop"]
+    assert {name: sorted(imports[name] & set(chain)) for name in chain} == {
+        name: sorted(imports[name] & set(chain[:i])) for i, name in enumerate(chain)}  # each only those before it
+
+
+@pytest.mark.parametrize("stage", [pretrain, midtrain, sft], ids=lambda stage: stage.__name__)
+def test_the_testing_hooks_are_hidden_from_help_and_still_parse(stage, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        stage.get_args(["--help"])
+    shown = capsys.readouterr().out
+    assert exit_.value.code == 0 and "--dist_timeout" in shown  # the group the hooks sit beside is shown
+    assert [hook for hook in HOOKS if hook in shown] == []
+    budget = ["--steps", "10"]  # pretrain.py's one required choice
+    _, args = stage.get_args([*budget, "--inject_nan_step", "7", "--die_at_step", "3", "--hang_at_step", "3",
+                              "--checkpoint_delay", "0.5"])
+    assert train_loop.testing_hooks(args) == {7: {"inject_nan_step"}, 3: {"die_at_step", "hang_at_step"}}
+    assert args.checkpoint_delay == 0.5 and train_loop.testing_hooks(stage.get_args(budget)[1]) is None
+
+
+def test_only_hooks_naming_a_step_that_comes_are_set():
+    """testing_hooks is None unless a hook names a step (steps count from 1: 0 and -1 never come)."""
+    unset = {"inject_nan_step": -1, "signal_at_step": -1, "die_at_step": -1, "hang_at_step": -1, "stuck_at_step": -1}
+    assert train_loop.testing_hooks(Namespace(**unset)) is None
+    assert train_loop.testing_hooks(Namespace(**{**unset, "signal_at_step": 0})) is None
+    assert train_loop.testing_hooks(Namespace(**{**unset, "stuck_at_step": 1})) == {1: {"stuck_at_step"}}
+
+
+def test_the_library_command_lines_report_what_the_stages_report(short_runs, capsys):
+    """validation.py on a run gives the val bpb its pretraining ended with; train_loop.py status prints what
+    pretrain.py --status prints; optim.py prints a schedule's values at the steps it names."""
+    run_dir = short_runs / "after"
+    final = next(r["final_val_bpb"] for r in records(run_dir) if "final_val_bpb" in r)
+    code, out, _ = run_in_process(validation.main, [run_dir], capsys)
+    assert code == 0 and f"pretraining val bpb: {final:.4f} over " in out
+    status = run_in_process(train_loop.main, ["status", run_dir], capsys)
+    assert status[0] == 0 and "step 6/6" in status[1]
+    assert status == run_in_process(pretrain.main, ["--status", run_dir], capsys)
+    code, out, _ = run_in_process(optim.main, ["--steps", "10", "--points", "3", "--warmdown_frac", "0.5",
+                                              "--muon_momentum_warmup", "20"], capsys)
+    assert code == 0 and out == ("step 1: lr x1.0000, weight decay 0, Muon momentum 0.8500\n"
+                                 "step 5: lr x1.0000, weight decay 0, Muon momentum 0.8700\n"
+                                 "step 10: lr x0.2000, weight decay 0, Muon momentum 0.8950\n")

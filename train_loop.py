@@ -1,0 +1,439 @@
+"""The training loop every training stage shares (train): a stage builds its model, optimizers and loaders and hands
+them over; the policies (exact loss over masked targets, NaN stop, signals, health checks, metrics, progress,
+checkpoints) live here once. With it: batch planning (the micro-batch that fits, plan_batch), the model's wrapping
+(DDP, torch.compile), the health checks, and a run's status from its files (print_status: each stage's --status).
+
+Not a stage: import it (`import train_loop`). One command line, a run's status (of any stage, live or finished):
+
+    python train_loop.py status runs/<run>
+"""
+import argparse
+import itertools
+import json
+import math
+import os
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from checkpoint import list_checkpoints, resume_command, save_checkpoint
+from common import device_name, fmt_duration, now, peak_flops
+from distributed import all_reduce, all_reduce_tensor, is_dtensor, is_sharded, local, mark_progress, run_main
+from model import autocast_context
+from optim import apply_schedule, build_optimizers
+
+# -----------------------------------------------------------------------------
+# Metrics
+
+class Metrics:
+    """Appends one JSON object per line to a file (rank 0 only)."""
+
+    def __init__(self, path, enabled):
+        self.path, self.enabled = Path(path), enabled
+
+    def log(self, record):
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+# -----------------------------------------------------------------------------
+# Health
+
+def sample(p, n=4096):
+    """A strided sample of up to n elements of a parameter: cheap to keep, and an optimizer update (dense for AdamW
+    and Muon) changes every element, so an unchanged sample means an unchanged tensor. The same p and n always give
+    the same elements."""
+    p = local(p).detach()  # a sharded parameter: this rank's shard
+    return p.reshape(-1)[::max(1, p.numel() // n)][:n]
+
+
+def param_samples(model):
+    return {name: sample(p).clone() for name, p in model.named_parameters()}
+
+
+def frozen_parameters(model, samples):
+    """Names of parameters whose sample has not changed (seed 001: bf16 norm weights that never move)."""
+    now = param_samples(model)
+    return [name for name in samples if samples[name].numel() and torch.equal(now[name], samples[name])]
+
+
+def update_ratios(optimizers, before):
+    """RMS(update) / RMS(param) per param group, from samples taken just before optimizer.step()."""
+    ratios = {}
+    for opt in optimizers:
+        for group in opt.param_groups:
+            num = den = 0.0
+            for p in group["params"]:
+                old = before[id(p)]
+                num += (sample(p) - old).float().pow(2).sum().item()
+                den += old.float().pow(2).sum().item()
+            ratios[group["name"]] = math.sqrt(num / den) if den > 0 else None
+    return ratios
+
+
+def samples_by_id(optimizers):
+    return {id(p): sample(p).clone() for opt in optimizers for g in opt.param_groups for p in g["params"]}
+
+
+def memory_growing(history, min_steps=50, min_growth=64 * 2**20):
+    """Steadily growing CUDA memory (seed 003's leak): allocated never fell over the last min_steps and grew by more
+    than min_growth bytes."""
+    if len(history) < min_steps:
+        return False
+    window = history[-min_steps:]
+    return all(b >= a for a, b in itertools.pairwise(window)) and window[-1] - window[0] > min_growth
+
+
+class StopSignal:
+    """SIGTERM/SIGINT/SIGHUP (torchrun forwards each; SIGHUP: the terminal closed) set a flag; the training loop
+    finishes its step, checkpoints and exits with a resume line."""
+
+    def __init__(self):
+        self.signum = None
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+
+    def requested(self):
+        """True on every rank if any rank got a signal (torchrun forwards it to all, but not always at once)."""
+        return all_reduce(1.0 if self.signum else 0.0, dist.ReduceOp.MAX if dist.is_initialized() else None) > 0
+
+
+# -----------------------------------------------------------------------------
+# Batch planning: the micro-batch that fits, and the accumulation steps that make up the global batch
+
+MAX_MICRO_BATCH = 1024  # the probe's ceiling without --total_batch_tokens: sequences per rank per forward
+
+
+def micro_batch_candidates(total, seq_len, world):
+    """The micro-batches plan_batch probes: with --total_batch_tokens, the divisors of its per-rank sequences; without,
+    the powers of two up to MAX_MICRO_BATCH (the largest that fits is the help text's promise, not a cap of 8)."""
+    if total:
+        per_rank = max(1, total // (seq_len * world))
+        return [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+    return [2 ** k for k in range(MAX_MICRO_BATCH.bit_length())]
+
+
+def find_micro_batch(try_step, candidates):
+    """The largest candidate for which try_step(micro_batch) does not run out of CUDA memory."""
+    for micro in sorted(candidates, reverse=True):
+        try:
+            try_step(micro)
+            return micro
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+    raise RuntimeError(f"even micro_batch={min(candidates)} runs out of memory: lower --sequence_len, use "
+                       f"--activation_checkpointing true, or a smaller model")
+
+
+def probe_step(model, optimizers, seq_len, vocab_size, dtype, device):
+    """try_step for find_micro_batch that allocates what a real training step holds at its peak: activations and
+    gradients (forward + backward at that micro-batch), and the optimizer state, which AdamW and Muon create at their
+    first step (a step at lr 0 creates it without changing a weight; pass throw-away optimizers). DDP's buckets are
+    the gradients themselves (wrap_model uses gradient_as_bucket_view), so nothing else is missing."""
+    def try_step(micro):
+        idx = torch.randint(0, vocab_size, (micro, seq_len), device=device)
+        try:
+            with autocast_context(device.type, dtype):
+                model(idx, idx, reduction="sum").backward()
+            for opt in optimizers:
+                for group in opt.param_groups:
+                    group["lr"] = 0.0
+                opt.step()
+        finally:
+            model.zero_grad(set_to_none=True)
+    return try_step
+
+
+def plan_batch(args, config, world, model, device):
+    """(micro_batch, accumulation steps) for --total_batch_tokens; the error names the nearest valid values."""
+    seq_len, total = config.sequence_len, args.total_batch_tokens
+    if args.micro_batch == 0:
+        candidates = micro_batch_candidates(total, seq_len, world)
+        if device.type == "cuda":
+            throwaway = build_optimizers(model, args, config.n_embd, 1, device)
+            micro = find_micro_batch(probe_step(model, throwaway, seq_len, config.vocab_size, args.dtype, device),
+                                     candidates)
+            del throwaway
+            torch.cuda.empty_cache()
+            micro = int(all_reduce(micro, dist.ReduceOp.MIN if dist.is_initialized() else None))
+            print(f"batch: micro_batch {micro} is the largest that fits on every rank (probed with optimizer state)")
+        else:
+            micro = max(candidates) if total else 8  # the CPU: no memory probe; 8 sequences keep a step short
+    else:
+        micro = args.micro_batch
+    step_unit = micro * seq_len * world
+    total = total or step_unit
+    if total % step_unit:
+        lo, hi = total // step_unit * step_unit, (total // step_unit + 1) * step_unit
+        raise ValueError(f"--total_batch_tokens {total} is not a multiple of micro_batch {micro} x sequence_len "
+                         f"{seq_len} x world size {world} = {step_unit}: nearest valid values are {lo or hi} and {hi}")
+    return micro, total // step_unit
+
+
+def loader_threads(args, device):
+    """Tokenizer threads for a loader. Training on the CPU, its cores are busy with torch's threads: one tokenizer
+    thread keeps up (~1M tok/s against a few thousand trained) without taking a core from the step. On a GPU the
+    cores are free: all of this process's share."""
+    if args.loader_threads:
+        return args.loader_threads
+    return 1 if device.type == "cpu" else max(1, os.cpu_count() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def wrap_model(model, args, world, local_rank, device):
+    """DDP (gradients are views into its all-reduce buckets: no second copy) unless shard_model sharded it, then
+    torch.compile (after DDP, not before: seed 004)."""
+    train_model = model
+    if world > 1 and not is_sharded(model):
+        train_model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
+                          gradient_as_bucket_view=True)
+    return torch.compile(train_model) if args.compile else train_model
+
+
+# -----------------------------------------------------------------------------
+# The training loop, shared by every training stage: a stage builds its model, optimizers and loaders and hands
+# them over; the policies (exact loss, NaN stop, signals, health, metrics, checkpoints) live here once.
+
+def forward_backward(train_model, batches, dtype, device, world, poison=False):
+    """Forward and backward over one optimizer step's micro-batches [(inputs, targets), ...]. Returns the step's
+    (summed token loss, number of targets) over every micro-batch and rank. The loss is exact for masked targets
+    (-1): each micro-batch's backward takes its sum of token losses divided by the count of targets in the whole
+    global batch, counted over all micro-batches and ranks before any backward. (The mean of each micro-batch divided
+    by the accumulation steps weighs a token by how full its micro-batch is: the gradient-accumulation bug of 2024.)
+    DDP averages gradients over ranks, so the local scale is world / count."""
+    count = all_reduce_tensor(torch.stack([(targets != -1).sum() for _, targets in batches]).sum().double())
+    scale = world / count.clamp(min=1)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for j, (inputs, targets) in enumerate(batches):
+        last = j == len(batches) - 1
+        with (train_model.no_sync() if not last and hasattr(train_model, "no_sync") else nullcontext()), \
+                autocast_context(device.type, dtype):
+            loss = train_model(inputs, targets, reduction="sum")
+            if poison:
+                loss = loss * float("nan")
+            (loss * scale).backward()
+        loss_sum += loss.detach().double()
+    return all_reduce_tensor(loss_sum), count
+
+
+def clip_grad_norm(parameters, max_norm):
+    """torch.nn.utils.clip_grad_norm_'s scaling (by max_norm / (norm + 1e-6) when that is below 1), with the squares
+    summed in fp64: sharded gradients are summed shard by shard and then over ranks, and in fp32 that other order
+    moved the clip factor's last bit, so a resume at another world size drifted from the straight run. In fp64 the
+    orders agree to ~1e-16, far below fp32's rounding. Returns the norm (fp32)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    squares = torch.stack([torch.linalg.vector_norm(local(g), dtype=torch.float64) ** 2 for g in grads]).sum()
+    if any(is_dtensor(g) for g in grads):  # FSDP2 shards every parameter: add the other ranks' shards
+        squares = all_reduce_tensor(squares)
+    norm = squares.sqrt().float()
+    torch._foreach_mul_([local(g) for g in grads], (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return norm
+
+
+def open_wandb(args, master):
+    if not (args.wandb and master):
+        return None
+    try:
+        import wandb
+    except ImportError:
+        raise ImportError("--wandb needs `pip install wandb`") from None
+    wandb.init(project=args.wandb, name=args.run_name, config=vars(args))
+    return wandb
+
+
+def train(args, model, train_model, optimizers, loaders, *, run_dir, start, total_steps, ckpt_meta, evaluate,
+          flops_per_token, rank, world, device):
+    """Steps start..total_steps-1. evaluate(step) returns fields for that step's metrics record (and prints).
+    Returns None when every step ran, or the signal number that stopped the run after its checkpoint."""
+    master, tokens_per_step = rank == 0, sum(ld.B * ld.T for ld in loaders) * world
+    if master and start == 0:
+        # a stage restarted before its first checkpoint starts over: the lines of the earlier start would count its
+        # steps twice (the report sums them)
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            if (run_dir / name).is_file():
+                (run_dir / name).unlink()
+                print(f"run dir: {run_dir / name} of an earlier start without a checkpoint removed: starting over")
+    metrics, wandb, stop = Metrics(run_dir / "metrics.jsonl", master), open_wandb(args, master), StopSignal()
+    peak = peak_flops(device_name(device), args.dtype)
+    initial, mem_history, run_start = param_samples(model), [], now()
+    hooks = testing_hooks(args)  # None in every real run: then each step looks up nothing
+
+    def checkpoint(step, last=False):
+        finite = all(torch.isfinite(local(p)).all() for p in model.parameters())  # each rank checks its shards
+        if all_reduce(0.0 if finite else 1.0, dist.ReduceOp.MAX if dist.is_initialized() else None):
+            raise RuntimeError(f"step {step}: parameters are not finite; not writing a checkpoint")
+        return save_checkpoint(run_dir / "ckpt", step, model, optimizers, [ld.state_dict() for ld in loaders],
+                               ckpt_meta, rank, args.keep, consolidate=last, delay_s=args.checkpoint_delay)
+
+    for step in range(start, total_steps):
+        t0 = now()
+        lr_mult, wd = apply_schedule(optimizers, step, total_steps, args)
+        batches = [next(loader) for loader in loaders]
+        data_wait = now() - t0  # the loaders prefetch: this is time the step stood still waiting for data
+        due = hooks.get(step + 1, ()) if hooks else ()  # the testing hooks set for this step
+        if due and rank == world - 1 and {"die_at_step", "hang_at_step", "stuck_at_step"} & due:
+            die_or_hang("die_at_step" in due, "stuck_at_step" in due)
+        mark_progress(step + 1)
+        loss_sum, count = forward_backward(train_model, batches, args.dtype, device, world,
+                                           poison="inject_nan_step" in due)
+        norm = clip_grad_norm(model.parameters(), args.grad_clip or float("inf"))
+        # the step's one read from the device, which the non-finite stop below needs before the optimizer step: one
+        # transfer for the three figures instead of one wait per .item() (values exact: fp64, fp32 -> fp64)
+        loss_sum, count, grad_norm = torch.stack([loss_sum, count, norm.double()]).tolist()
+        loss = loss_sum / max(1.0, count)
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            last = list_checkpoints(run_dir / "ckpt")
+            raise RuntimeError(f"step {step + 1}: loss {loss} / grad norm {grad_norm} is not finite: run stopped "
+                               f"before the optimizer step; last good checkpoint: {last[-1] if last else 'none'} "
+                               f"(resume with --resume, perhaps a lower lr)")
+        health = step % args.health_every == 0
+        before = samples_by_id(optimizers) if health else None
+        for opt in optimizers:
+            opt.step()
+        model.zero_grad(set_to_none=world == 1 or is_sharded(model))  # DDP's gradients are views into its buckets
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = now() - t0
+        tokens_seen = int(all_reduce(sum(ld.state["stats"]["tokens"] for ld in loaders)))
+        record = {"step": step + 1, "loss": loss, "targets": int(count), "lr_mult": lr_mult,
+                  "weight_decay": wd, "lr": {g["name"]: g["lr"] for opt in optimizers for g in opt.param_groups},
+                  "grad_norm": grad_norm, "tokens": tokens_seen, "tok_per_s": tokens_per_step / dt,
+                  "data_wait": data_wait / dt, "epoch": max(ld.epoch for ld in loaders) + 1,  # this rank's; 1: first pass
+                  "mfu": tokens_per_step * flops_per_token / dt / (peak * world) if peak else "unknown",
+                  "step_time": dt, "cuda_mem_alloc": torch.cuda.memory_allocated(device) if device.type == "cuda"
+                  else None, "cuda_mem_reserved": torch.cuda.memory_reserved(device) if device.type == "cuda" else None,
+                  "cuda_mem_peak": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+        if health:
+            record["update_rms_ratio"] = update_ratios(optimizers, before)
+        warning = health_warning(model, initial, mem_history, record, step + 1 - start, args)
+        if warning:
+            record["warning"] = warning
+            if master:
+                print(f"WARNING step {step + 1}: {warning}")
+        last_step = step + 1 == total_steps
+        if args.eval_every and (step + 1) % args.eval_every == 0 and not last_step:
+            record.update(evaluate(step + 1))
+        metrics.log(record)
+        if wandb:
+            wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step + 1)
+        if master and ((step + 1) % args.log_every == 0 or last_step or step == start):
+            print(progress_line(record, total_steps, (now() - run_start) / (step + 1 - start)), flush=True)
+        if "signal_at_step" in due:
+            os.kill(os.getpid(), signal.SIGTERM)
+        if stop.requested():
+            path = checkpoint(step + 1)
+            if master:
+                print(f"stopped by signal at step {step + 1}; checkpoint {path}. Resume with: {resume_command(args)}")
+            return stop.signum or signal.SIGTERM
+        if (step + 1) % args.ckpt_every == 0 or last_step:
+            checkpoint(step + 1, last_step)  # the final checkpoint comes before the final evaluation (nanochat #446)
+    return None
+
+
+HOOKS = ("inject_nan_step", "signal_at_step", "die_at_step", "hang_at_step", "stuck_at_step")  # add_run_args's
+
+
+def testing_hooks(args):
+    """{step: the names of the testing hooks (hidden flags, add_run_args) set for that step}, or None when none is set,
+    which is every real run: the loop then checks nothing else per step. A value below 1 is never a step."""
+    hooks = {}
+    for name in HOOKS:
+        if getattr(args, name, -1) >= 1:
+            hooks.setdefault(getattr(args, name), set()).add(name)
+    return hooks or None
+
+
+def die_or_hang(die, stuck=False):
+    """Testing hooks (--die_at_step, --hang_at_step, --stuck_at_step): this rank dies by SIGKILL, or stops taking
+    part in collectives until it is stopped (a rank wedged mid-step), just before the step's first collective; stuck:
+    only SIGKILL stops it (a rank inside a C call that never returns runs no handler)."""
+    if die:
+        os.kill(os.getpid(), signal.SIGKILL)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP) if stuck else (signal.SIGTERM,):
+        # hang: torchrun's SIGTERM ends it at once, not after its 30 s grace; stuck: nothing but SIGKILL ends it
+        signal.signal(sig, signal.SIG_IGN if stuck else signal.SIG_DFL)
+    while True:
+        time.sleep(1)
+
+
+def health_warning(model, initial, mem_history, record, steps_done, args):
+    """Seed 001's frozen parameters (checked once, frozen_check_step steps after the start) and seed 003's CUDA
+    memory leak (once per 50 steps of growth); None when healthy."""
+    if record["cuda_mem_alloc"] is not None:
+        mem_history.append(record["cuda_mem_alloc"])
+        if memory_growing(mem_history):
+            mem_history.clear()  # warned once; a later warning needs another 50 steps of growth
+            return "CUDA memory allocated grew every step for the last 50 steps: a leak?"
+    if steps_done == args.frozen_check_step:
+        frozen = frozen_parameters(model, initial)
+        if frozen and len(frozen) == sum(1 for sample in initial.values() if sample.numel()):
+            # nothing learns (an H100 run under torch.compile with torch 2.11 got every gradient 0 from the loss):
+            # hours of such a run would only print plausible tok/s and MFU
+            raise RuntimeError(f"no parameter changed in {args.frozen_check_step} steps: every gradient is zero or no "
+                               f"optimizer steps; stopped. Rerun with --compile false to tell whether compilation "
+                               f"is the cause")
+        if frozen:
+            return f"parameters unchanged after {args.frozen_check_step} steps: {', '.join(frozen)}"
+    return None
+
+
+def progress_line(record, total_steps, seconds_per_step):
+    mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] != "unknown" else "unknown"
+    eta = seconds_per_step * (total_steps - record["step"])
+    return (f"step {record['step']}/{total_steps} loss {record['loss']:.4f} lr x{record['lr_mult']:.3f} gnorm "
+            f"{record['grad_norm']:.3f} {record['tok_per_s']:,.0f} tok/s MFU {mfu} data wait "
+            f"{100 * record['data_wait']:.0f}% tokens {record['tokens']:,} epoch {record['epoch']}"
+            f"{' (repeating data)' if record['epoch'] > 1 else ''} ETA {fmt_duration(eta)}")
+
+
+def print_status(run_dir):
+    """What a run has done so far, from its files: works while it runs and after it ends, for every stage."""
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: not a run directory (runs/<run>/)")
+    config = json.loads((run_dir / "config.json").read_text())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    total, last = config["total_steps"], steps[-1]
+    print(f"run {run_dir} ({config.get('stage')}): {'finished' if (run_dir / 'done.json').is_file() else 'not finished'}"
+          f"; step {last['step']}/{total}, tokens {last['tokens']:,}")
+    window = max(1, len(steps) // 5)
+    trend = [sum(r["loss"] for r in steps[i:i + window]) / len(steps[i:i + window])
+             for i in range(0, len(steps), window)]
+    print("loss trend (means of fifths): " + " -> ".join(f"{v:.3f}" for v in trend))
+    recent = steps[-20:]
+    rate = sum(r["tok_per_s"] for r in recent) / len(recent)
+    tokens_left = (total - last["step"]) * config["tokens_per_step"]
+    print(f"speed {rate:,.0f} tok/s, MFU {last['mfu']}; ETA {fmt_duration(tokens_left / rate if rate else None)}")
+    vals = [r for r in records if "val_bpb" in r or "final_val_bpb" in r]
+    print(f"last validation: {vals[-1] if vals else 'none yet'}")
+    warnings = [f"step {r['step']}: {r['warning']}" for r in records if "warning" in r]
+    print("health warnings: " + ("; ".join(warnings) if warnings else "none"))
+    samples_path = run_dir / "samples.jsonl"
+    if samples_path.is_file():
+        samples = [json.loads(line) for line in samples_path.read_text().splitlines()]
+        for s in [s for s in samples if s["step"] == samples[-1]["step"]]:
+            print(f"sample step {s['step']}: {s['prompt']!r} -> {s['completion']!r}")
+    ckpts = list_checkpoints(run_dir / "ckpt")
+    print(f"checkpoints: {', '.join(c.name for c in ckpts) if ckpts else 'none'}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="a run's status from its files, for every stage, live or finished "
+                                     "(as each stage's --status)")
+    parser.add_argument("command", choices=["status"], help="status: what the run in RUN_DIR has done so far")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (runs/<run>/)")
+    args = parser.parse_args(argv)
+    print_status(Path(args.run_dir))
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))

@@ -1,0 +1,214 @@
+"""Validation: bits per byte on a corpus's val split (val_rows, val_bpb: pretrain.py during training, core_eval.py on
+a checkpoint), a chat stage's validation loss and greedy answers to a few questions (chat_validation), and how much
+of its pretraining a chat stage's model kept (forgetting). Every figure is the same on 1 or N processes.
+
+Not a stage: import it (`import validation`). One command line, a checkpoint's val bpb on the val split of the
+pretraining corpus it descends from, in that run's rows (what the chat stages report as forgetting), in one process:
+
+    python validation.py runs/<run> --bpb_tokens 20000
+"""
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from calculator import ToolUse, reply_text
+from checkpoint import checkpoint_tokenizer, find_checkpoint, load_model, pretraining_run
+from distributed import all_reduce_tensor, is_sharded, run_main
+from loader import chat_loader, text_loader
+from model import autocast_context, generate
+
+# -----------------------------------------------------------------------------
+# Validation bits per byte, shared by pretrain.py (during training) and core_eval.py (on a checkpoint)
+
+def val_rows(data_dir, tokenizer, max_tokens, seq_len):
+    """Validation rows of seq_len + 1 tokens, enough for max_tokens targets (fewer if the split is smaller), built
+    the way training rows are: the text loader's BOS-led best-fit packing, one pass over the split, as one virtual
+    rank. So every row starts with BOS as in training (a window starting mid-document would score tokens without
+    their context), and every process and every stage builds the same rows. A last, partly filled row has -1
+    targets after its text."""
+    n_rows = max(1, math.ceil(max_tokens / seq_len))
+    loader = text_loader(data_dir, "val", tokenizer, min(n_rows, 64), seq_len, max_epochs=1, name="val")
+    rows, have = [], 0
+    try:
+        for inputs, targets in loader:
+            rows.append(torch.cat([inputs[:, :1], targets], dim=1))
+            have += len(inputs)
+            if have >= n_rows:
+                break
+    finally:
+        loader.close()
+    return torch.cat(rows)[:n_rows]
+
+
+@torch.no_grad()
+def val_bpb(model, rows, token_bytes, batch_rows, dtype, rank, world, device):
+    """(bits per byte, tokens scored) over validation rows (val_rows). Targets that are special tokens (BOS) or -1
+    (padding) are excluded from both the loss and the bytes: they stand for no text. Batches are dealt to ranks round
+    robin, and their sums are added in batch order after the all-reduce, so the figure is bitwise the same on 1 or N
+    processes."""
+    token_bytes = torch.as_tensor(token_bytes, device=device)
+    n_batches = math.ceil(len(rows) / batch_rows)
+    sums = torch.zeros(n_batches, 3, dtype=torch.float64)
+    was_training = model.training
+    model.eval()
+    for b in range(rank, rounds(n_batches, world, model), world):
+        if b >= n_batches:  # sharded: a forward every rank joins (its all-gathers), on batch 0, not counted
+            with autocast_context(device.type, dtype):
+                model(rows[:batch_rows].to(device)[:, :-1].clamp(min=0))
+            continue
+        batch = rows[b * batch_rows:(b + 1) * batch_rows].to(device)
+        # a last, partly filled row pads with -1: as an input that would index out of the embedding; it only
+        # follows the row's text (causal attention) and its targets are -1, so any token id serves
+        x, y = batch[:, :-1].clamp(min=0), batch[:, 1:]
+        nbytes = token_bytes[y.clamp(min=0)] * (y != -1)
+        text = nbytes > 0
+        with autocast_context(device.type, dtype):
+            losses = model(x, torch.where(text, y, -1), reduction="none")
+        sums[b] = torch.stack([losses.sum().double(), nbytes.sum().double(), text.sum().double()]).cpu()
+    model.train(was_training)
+    nats, total_bytes, scored = all_reduce_tensor(sums).sum(0).tolist()
+    return nats / (math.log(2) * total_bytes), int(scored)
+
+
+# -----------------------------------------------------------------------------
+# Chat validation: the loss per supervised token and greedy answers
+
+def rounds(n_batches, world, model):
+    """Batches dealt round robin: n_batches, rounded up to a multiple of world for a sharded model, whose every forward
+    needs every rank (a rank with one batch fewer would leave the others waiting in an all-gather)."""
+    return math.ceil(n_batches / world) * world if is_sharded(model) else n_batches
+
+
+@torch.no_grad()
+def chat_val_loss(model, batches, dtype, rank, world, device):
+    """Mean loss per supervised token over validation batches [(inputs, targets)], dealt to ranks round robin and
+    summed in batch order: the same figure on 1 or N processes."""
+    sums = torch.zeros(len(batches), 2, dtype=torch.float64)
+    was_training = model.training
+    model.eval()
+    for b in range(rank, rounds(len(batches), world, model), world):
+        inputs, targets = (t.to(device) for t in batches[b % len(batches)])
+        if b >= len(batches):  # sharded: a forward every rank joins (its all-gathers), not counted
+            with autocast_context(device.type, dtype):
+                model(inputs, targets, reduction="sum")
+            continue
+        with autocast_context(device.type, dtype):
+            loss_sum = model(inputs, targets, reduction="sum")
+        sums[b] = torch.stack([loss_sum.double().cpu(), (targets != -1).sum().double().cpu()])
+    model.train(was_training)
+    loss, count = all_reduce_tensor(sums).sum(0).tolist()
+    return loss / max(count, 1)
+
+
+CHAT_QUESTIONS = ["What is the capital of France?", "How many legs does a spider have?", "What is two plus three?",
+                  "Who are you?"]
+
+
+def chat_val_batches(chat_dir, tokenizer, seq_len, max_rows):
+    """The first max_rows rows of a chat directory's held-out (test*/val*) conversations, padded whole as sft.py packs
+    them, the same on every rank."""
+    batches, rows = [], 0
+    for inputs, targets in chat_loader(chat_dir, "val", tokenizer, 8, seq_len, max_epochs=1, threads=1):
+        batches.append((inputs, targets))
+        rows += len(inputs)
+        if rows >= max_rows:
+            break
+    return batches
+
+
+def chat_validation(model, tokenizer, questions, dtype, rank, world, device, run_dir, batches, step):
+    """A chat stage's evaluation: the validation loss per supervised token, and greedy answers to `questions`
+    (rank 0: printed and appended to samples.jsonl). Returns the loss."""
+    loss = chat_val_loss(model, batches, dtype, rank, world, device)
+    answers = chat_answers(model, tokenizer, questions, dtype) if rank == 0 or is_sharded(model) else None
+    if rank == 0:
+        with open(run_dir / "samples.jsonl", "a") as f:
+            f.writelines(json.dumps({"step": step, **a}) + "\n" for a in answers)
+        print(f"eval step {step}: val loss {loss:.4f}; " + " | ".join(
+            f"{a['question']!r} -> {a['answer']!r}" + ("" if a["ended"] else " [no end]") for a in answers))
+    return loss
+
+
+@torch.no_grad()
+def chat_answers(model, tokenizer, questions, dtype, max_tokens=64):
+    """Greedy answers to one-turn questions, each up to <|assistant_end|> (whether it came is recorded). A sharded
+    model is run by every rank, each answer to its full length (the same number of forwards on every rank)."""
+    end, answers = tokenizer.special_id("<|assistant_end|>"), []
+    was_training = model.training
+    model.eval()
+    for question in questions:
+        prompt = tokenizer.render_for_completion([{"role": "user", "content": question}])
+        out, tools = [], ToolUse(tokenizer)  # the calculator on, as in chat.py and chat_eval.py
+        for token in generate(model, prompt, min(max_tokens, model.config.sequence_len - len(prompt)), temperature=0,
+                              dtype=dtype, tools=tools):
+            out.append(token)
+            if token == end and not is_sharded(model):
+                break
+        ended = end in out
+        answers.append({"question": question, "answer": reply_text(tokenizer, out[:out.index(end)] if ended else out),
+                        "ended": ended, **({"calculator": [list(c) for c in tools.calls]} if tools.calls else {})})
+    model.train(was_training)
+    return answers
+
+
+# -----------------------------------------------------------------------------
+# Forgetting: the pretraining val bpb of a chat stage's model
+
+def add_forgetting_args(parser):
+    g = parser.add_argument_group("forgetting")
+    g.add_argument("--bpb_tokens", type=int, default=None, help="at the end, the pretraining val bpb of this stage's "
+                   "model on the first N tokens of the pretraining corpus's val split, in the rows the pretraining "
+                   "run's final evaluation used, so the figures of the stages compare; 0 = skip (default: the "
+                   "pretraining run's --bpb_tokens)")
+
+
+def forgetting(model, tokenizer, parent, parent_meta, args, rank, world, device):
+    """How much of its pretraining the stage's model kept: val_bpb on the pretraining run's val split, with
+    its row length and token count (pretraining_run), unless --bpb_tokens says otherwise. A dict for done.json whose
+    val_bpb is None, with a note saying why, when the figure cannot be computed."""
+    found = pretraining_run(parent, parent_meta)
+    if args.bpb_tokens == 0:
+        return {"val_bpb": None, "note": "skipped (--bpb_tokens 0)"}
+    if found is None:
+        return {"val_bpb": None, "note": f"unknown: the pretraining run of {parent} is not found through its parents'"
+                                         f" meta.json"}
+    data_dir, seq_len, eval_tokens = found
+    tokens = args.bpb_tokens or eval_tokens
+    if not tokens:
+        return {"val_bpb": None, "note": "unknown: the pretraining run records no --bpb_tokens; pass --bpb_tokens"}
+    if not Path(data_dir).is_dir():
+        return {"val_bpb": None, "note": f"unknown: the pretraining corpus {data_dir} is not here"}
+    rows = val_rows(data_dir, tokenizer, tokens, seq_len)
+    bpb, scored = val_bpb(model, rows, tokenizer.token_bytes, 8, args.dtype, rank, world, device)
+    return {"val_bpb": bpb, "tokens": scored, "data_dir": str(data_dir), "sequence_len": seq_len}
+
+
+def forgetting_line(kept):
+    return "pretraining val bpb: " + (f"{kept['val_bpb']:.4f} over {kept['tokens']:,} tokens of {kept['data_dir']} "
+                                      f"(rows of {kept['sequence_len']} tokens)" if kept["val_bpb"] is not None
+                                      else kept["note"])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="a checkpoint's val bpb on the val split of the pretraining corpus it "
+                                     "descends from, in that run's rows, in one process")
+    parser.add_argument("checkpoint", nargs="?", help="a step_* directory or a run directory (its newest) (default: "
+                        "the newest checkpoint under --runs_dir)")
+    parser.add_argument("--runs_dir", default="runs", help="where runs live (default: %(default)s)")
+    parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"], help="compute dtype (default: "
+                        "%(default)s)")
+    add_forgetting_args(parser)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    path = find_checkpoint(args.checkpoint, args.runs_dir)
+    model, meta = load_model(path, device)
+    tokenizer, _ = checkpoint_tokenizer(meta, path)
+    print(f"{path}: " + forgetting_line(forgetting(model, tokenizer, path, meta, args, 0, 1, device)))
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))
