@@ -51,7 +51,7 @@ def get_args(argv=None):
     p.add_argument("--device", default="cuda" if cuda else "cpu", help="device (default: %(default)s)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="compute dtype (default: bfloat16 "
                    "on a GPU that runs it natively, else float32; on CPU always float32: a 1-token step under bf16 "
-                   "autocast re-casts every weight, measured ~7x slower per matmul, README: chat)")
+                   "autocast re-casts every weight, measured ~7x slower per matmul: docs/chat.md)")
     p.add_argument("--decode", default="auto", choices=["auto", "lean", "static", "compiled", "generate"],
                    help="decode step: lean (fp32 CPU eager, fewer ops), static (GPT.decode_step: fixed shapes), "
                    "compiled (static under torch.compile), generate (the forward generate() uses); auto = compiled "

@@ -48,7 +48,7 @@ def setup_distributed(timeout_s=600):
     """Initialize from torchrun's environment (or run as one process). Returns (rank, local_rank, world_size, device).
     NCCL on CUDA, gloo on CPU; a collective that waits longer than timeout_s (a dead or hung peer) raises instead of
     hanging. Prints the world as initialized, as the first line: each rank reports its host and the device it holds
-    (seed 000: one GPU passed off as four)."""
+    (a run once passed one GPU off as four)."""
     from datetime import timedelta
     if not torch.cuda.is_available():
         keep_freed_memory()

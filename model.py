@@ -6,11 +6,11 @@ Every stage imports this file. Run it alone to see what a preset is, without all
     python model.py --preset d20 --micro_batch 16      # any config field can be overridden: --n_layer 8 ...
 
 Design, in one place:
-- Parameters are fp32 master weights, always. bf16 compute comes from torch.autocast (seed 001: casting the
+- Parameters are fp32 master weights, always. bf16 compute comes from torch.autocast (a run that cast the
   parameters themselves to bf16 froze every RMSNorm scale, because 1.0 - 1e-4 == 1.0 in bf16).
 - The model is built on the meta device and then materialized on its target device, so a 1B model is ready in
   seconds and an FSDP wrapper can shard it before any memory is touched.
-- The loss never materializes (batch, time, vocab) fp32 logits (seed 004: 34 GB at 64x2048x131072): the head and
+- The loss never materializes (batch, time, vocab) fp32 logits (34 GB at 64x2048x131072, measured): the head and
   cross-entropy run in row chunks, and the gradient is computed chunk by chunk in the forward pass.
 """
 import argparse
@@ -82,12 +82,12 @@ PRESETS = {
     # supports at most ~1,690 BPE tokens; learns the demo world in minutes on a CPU.
     "tiny": {"vocab_size": 1024, "sequence_len": 256, "n_layer": 4, "n_embd": 256, "n_head": 4, "n_kv_head": 4,
              "value_embeds": True, "resid_lambdas": True},
-    # Seed 004's Llama-3-style 1.2B, exactly: 1,241,581,568 parameters.
+    # A measured Llama-3-style 1.2B run's model, exactly: 1,241,581,568 parameters.
     "llama3-1b": {"vocab_size": 131072, "sequence_len": 2048, "n_layer": 16, "n_embd": 2048, "n_head": 32,
                   "n_kv_head": 8, "mlp": "swiglu", "mlp_hidden": 8192, "rope_theta": 500000.0,
                   "norm_learnable": True, "norm_eps": 1e-5, "qk_norm": False, "tie_embeddings": True,
                   "logit_softcap": 0.0},
-    # Seed 002's BitNet b1.58, exactly: 95,367,936 parameters (sequence 256 as in its 12 GB run).
+    # A measured BitNet b1.58 run's model, exactly: 95,367,936 parameters (sequence 256 as in its 12 GB run).
     "bitnet-95m": {"vocab_size": 32000, "sequence_len": 256, "n_layer": 8, "n_embd": 768, "n_head": 12,
                    "n_kv_head": 6, "mlp": "swiglu", "mlp_hidden": 3072, "norm_learnable": True, "norm_eps": 1e-5,
                    "qk_norm": False, "tie_embeddings": True, "logit_softcap": 0.0, "bitnet": True},
@@ -225,7 +225,7 @@ OPTIMIZER_BYTES = {"adamw": 8, "adam8bit": 2, "muon": None}  # state bytes per p
 
 
 def memory_estimate(c, micro_batch, seq_len=None, optimizer="muon", bf16=True):
-    """Training memory per device in bytes, the arithmetic of seed 004, for this implementation:
+    """Training memory per device in bytes, the arithmetic of a measured 1B run, for this implementation:
     fp32 weights and gradients (4 B each per parameter), optimizer state (AdamW: two fp32 moments = 8 B; 8-bit AdamW:
     2 B; Muon: one fp32 momentum = 4 B for the block matrices, AdamW for embeddings/head/norms), 'activations' = what
     autograd holds at the end of the forward pass, counted tensor by tensor from this file's forward (the tests
@@ -574,7 +574,7 @@ class GPT(nn.Module):
         the 2 * n_layer residual branches together add O(1) at init (GPT-2). Untied: embedding N(0, 1) (a unit-scale
         residual stream) and head N(0, 0.001) (logits ~0, so the first loss is ln(vocab)). Tied: one matrix plays
         both roles, so N(0, 0.3 / sqrt(n_embd)) keeps the logits' std at 0.3 (first loss ln(vocab) + 0.045; the 0.02
-        of GPT-2/Llama gives +0.4 at width 2048, seed 004's 12.26 vs 11.78). Norm scales 1. BitNet latent weights use
+        of GPT-2/Llama gives +0.4 at width 2048, a measured 12.26 vs 11.78). Norm scales 1. BitNet latent weights use
         the same scheme: absmean quantization is scale-free."""
         c = self.config
         for block in self.blocks:
@@ -693,7 +693,7 @@ def build_model(config, device="cpu"):
 
 
 def check_master_weights(model):
-    """Raise if any parameter is not fp32 (seed 001). bf16 compute belongs in autocast, not in the weights."""
+    """Raise if any parameter is not fp32 (bf16 norms once froze). bf16 compute belongs in autocast, not in the weights."""
     wrong = [f"{name} ({p.dtype})" for name, p in model.named_parameters() if p.dtype != torch.float32]
     if wrong:
         raise ValueError(f"parameters must stay fp32 master weights, use autocast for bf16 compute; not fp32: "

@@ -22,7 +22,7 @@ from distributed import is_dtensor, local
 # reference point). AdamW groups scale with 1/sqrt(width/768) (wider models need smaller steps per coordinate) and
 # with (batch/2^19)^(1/8). The square-root rule nanochat uses (the gradient's noise falls with sqrt(batch)) starved the
 # embedding and the head at CPU batches: at 2^11 tokens (nanochat's tiny CPU shape, realtext, 300 steps) 8x its lrs
-# took val bpb from 2.127 to 1.854 (README: Model quality). The exponent 1/8 keeps nanochat's tuned lrs at 2^19 and
+# took val bpb from 2.127 to 1.854 (dev/LOG.md: model quality). The exponent 1/8 keeps nanochat's tuned lrs at 2^19 and
 # gives that measured optimum at 2^11. Muon's update is orthogonalized, so its size depends on neither the width nor
 # the gradient's noise: its lr is not scaled (at 2^11 tokens, scaling it by sqrt(batch) cost 0.016 bpb; on the demo
 # world at 4K-token batches it left val bpb at 1.00 after 80 steps instead of 0.66).
@@ -284,7 +284,7 @@ def decay(progress, start, end, shape, warmdown_frac):
 
 
 def lr_multiplier(step, total, args):
-    """Warmup, then one decay segment; with a stage boundary (seed 002's two-stage schedule) a second segment that
+    """Warmup, then one decay segment; with a stage boundary (a two-stage schedule) a second segment that
     restarts the decay at the boundary."""
     if step < args.warmup_steps:
         return (step + 1) / args.warmup_steps
@@ -323,7 +323,7 @@ def add_schedule_args(parser):
     g.add_argument("--optimizer", default="muon", choices=["muon", "adamw"],
                    help="muon: Muon for block matrices + AdamW for the rest; adamw: AdamW everywhere (default: "
                         "%(default)s)")
-    g.add_argument("--adam8bit", action="store_true", help="bitsandbytes AdamW8bit instead of AdamW (seed 004)")
+    g.add_argument("--adam8bit", action="store_true", help="bitsandbytes AdamW8bit instead of AdamW (less optimizer memory)")
     g.add_argument("--matrix_lr", type=float, default=None, help="block matrices, at width 768 and batch 2^19 tokens "
                    "(default: 0.02 with muon, 0.003 with adamw)")
     g.add_argument("--embedding_lr", type=float, default=0.2, help="token embedding, same reference (default: "
@@ -344,7 +344,7 @@ def add_schedule_args(parser):
                    "(default: %(default)s)")
     g.add_argument("--min_lr_frac", type=float, default=0.0, help="final lr as a fraction of the peak (default: "
                    "%(default)s)")
-    g.add_argument("--stage2_step", type=int, default=0, help="two-stage schedule (seed 002): step where the decay "
+    g.add_argument("--stage2_step", type=int, default=0, help="two-stage schedule: step where the decay "
                    "restarts and weight decay changes; 0 = one stage (default: %(default)s)")
     g.add_argument("--stage1_end_frac", type=float, default=0.667, help="two-stage: lr fraction reached at the "
                    "boundary (default: %(default)s)")

@@ -59,7 +59,7 @@ def param_samples(model):
 
 
 def frozen_parameters(model, samples):
-    """Names of parameters whose sample has not changed (seed 001: bf16 norm weights that never move)."""
+    """Names of parameters whose sample has not changed (bf16 norm weights that never move, say)."""
     now = param_samples(model)
     return [name for name in samples if samples[name].numel() and torch.equal(now[name], samples[name])]
 
@@ -83,7 +83,7 @@ def samples_by_id(optimizers):
 
 
 def memory_growing(history, min_steps=50, min_growth=64 * 2**20):
-    """Steadily growing CUDA memory (seed 003's leak): allocated never fell over the last min_steps and grew by more
+    """Steadily growing CUDA memory (a leak seen in a real run): allocated never fell over the last min_steps and grew by more
     than min_growth bytes."""
     if len(history) < min_steps:
         return False
@@ -191,7 +191,7 @@ def loader_threads(args, device):
 
 def wrap_model(model, args, world, local_rank, device):
     """DDP (gradients are views into its all-reduce buckets: no second copy) unless shard_model sharded it, then
-    torch.compile (after DDP, not before: seed 004)."""
+    torch.compile (after DDP, not before)."""
     train_model = model
     if world > 1 and not is_sharded(model):
         train_model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
@@ -366,7 +366,7 @@ def die_or_hang(die, stuck=False):
 
 
 def health_warning(model, initial, mem_history, record, steps_done, args):
-    """Seed 001's frozen parameters (checked once, frozen_check_step steps after the start) and seed 003's CUDA
+    """Frozen parameters (checked once, frozen_check_step steps after the start) and a steadily growing CUDA
     memory leak (once per 50 steps of growth); None when healthy."""
     if record["cuda_mem_alloc"] is not None:
         mem_history.append(record["cuda_mem_alloc"])

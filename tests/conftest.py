@@ -34,7 +34,7 @@ distributed.keep_freed_memory()  # as the stages do on CPU: tests that train in 
 
 # 1 layer of width 256, 150 steps of 32 x 128 tokens, Muon lr 0.04: about a minute on 2 CPU cores. Of the small
 # configurations tried, the best CORE per second of training (measured 0.099; 2 layers of width 128, lr 0.05, same steps: 0.057)
-MIDTRAIN_STEPS, SFT_STEPS = "150", "150"  # the chat chain on top of LEARN_ARGS (README: chat training)
+MIDTRAIN_STEPS, SFT_STEPS = "150", "150"  # the chat chain on top of LEARN_ARGS (docs/training.md: chat training)
 LEARN_ARGS = ["--run_name", "learn", "--steps", "150", "--sequence_len", "128", "--n_layer", "1", "--n_embd", "256",
               "--n_head", "2", "--n_kv_head", "2", "--micro_batch", "32", "--matrix_lr", "0.04", "--eval_every", "0",
               "--bpb_tokens", "20000", "--ckpt_every", "1000"]

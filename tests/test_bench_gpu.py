@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT
 
-import bench
+import bench_gpu
 from model import config_from_preset, flops_per_token, memory_estimate
 
 
@@ -56,6 +56,6 @@ def test_gpu_dry_run_rows_hold_figures_computed_from_the_runs(tmp_path):
     assert decode["decode_tok_per_s_lean"] > 0 and decode["decode_tok_per_s_generate()"] > 0
     markdown = (out / "gpu_bench.md").read_text()
     assert "unavailable: no nanochat tree" in markdown and "--dry_run" in markdown
-    both = bench.merge_gpu_results([data, data])  # two calls' files, as `bench.py gpu --merge` reads them
+    both = bench_gpu.merge_gpu_results([data, data])  # two calls' files, as `bench.py gpu --merge` reads them
     assert both["rows"] == data["rows"] + data["rows"]  # one call's rows after the other's, unchanged
-    assert bench.gpu_markdown(both).count("| mfu_d20 | ours |") == 2
+    assert bench_gpu.gpu_markdown(both).count("| mfu_d20 | ours |") == 2

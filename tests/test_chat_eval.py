@@ -273,7 +273,7 @@ def test_a_secret_file_outside_the_sandbox_cannot_be_read(level, tmp_path):
     found = contained(program, level).output
     assert "the launch codes" not in found.splitlines()[1] and "[]" in found.splitlines()[0]  # an empty cwd
     if level == "process" and os.geteuid() != 0:  # as root it runs as nobody, who may not enter tmp_path
-        pytest.skip("process level: a file this user can read is readable by its absolute path (README: sandbox)")
+        pytest.skip("process level: a file this user can read is readable by its absolute path (docs/eval.md: the sandbox)")
     assert "the launch codes" not in found and found.count("Error") == 4
 
 

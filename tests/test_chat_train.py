@@ -37,7 +37,7 @@ def test_the_chat_chain_answers_held_out_questions_better_than_its_base(chat_cha
     questions = held_out_questions()
     sft_correct, sft_ended, answers = score(chat_chain["sft"], tokenizer, questions, chat=True)
     base_correct, _, _ = score(chat_chain["pretrain"], tokenizer, questions, chat=False)
-    assert sft_correct >= 0.3, answers  # measured 0.48 (README: chat training)
+    assert sft_correct >= 0.3, answers  # measured 0.48 (docs/training.md: chat training)
     assert sft_correct > base_correct + 0.1, (sft_correct, base_correct)
     assert sft_ended >= 0.9, answers  # answers end with <|assistant_end|>
 

@@ -1,4 +1,4 @@
-"""Beyond one device (README: scale-out): FSDP2 takes DDP's steps, and 2 processes give one process's loss and
+"""Beyond one device (docs/distributed.md): FSDP2 takes DDP's steps, and 2 processes give one process's loss and
 gradients; a rank that hangs stops the run with a message naming it and leaves no process (one that dies, and sharded
 checkpoints resumed at another world size, consolidated, and two "nodes" meeting through c10d rendezvous:
 tests/test_pretrain.py)."""

@@ -139,7 +139,7 @@ def test_a_sharded_checkpoint_of_two_processes_resumes_on_one_bitwise_and_consol
 
 @pytest.mark.two_processes
 def test_two_nodes_meet_through_c10d_and_resume_a_one_process_checkpoint_sharded_to_its_losses(world, straight):
-    """Two torchrun "nodes" of one process each, rendezvous on 127.0.0.1 (README: several nodes), resume a copy of
+    """Two torchrun "nodes" of one process each, rendezvous on 127.0.0.1 (docs/distributed.md), resume a copy of
     straight1 (1 process x 2 micro-steps, not sharded) at step 8 as 2 sharded processes x 1: the same losses, bitwise.
     The first line lists both ranks with their host and device."""
     shutil.copytree(world / "runs" / "straight1", world / "runs" / "two_nodes")
@@ -208,7 +208,7 @@ def test_frozen_monitor_names_bf16_norm_weights():
     model = build_model(config_from_preset("tiny", {"norm_learnable": True, "n_layer": 2, "sequence_len": 32}))
     for name, p in model.named_parameters():
         if "norm" in name:
-            p.data = p.data.to(torch.bfloat16)  # seed 001's bug, on the norms only
+            p.data = p.data.to(torch.bfloat16)  # bf16 parameters' bug, on the norms only
     samples = train_loop.param_samples(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     idx = torch.randint(0, 1024, (2, 32))
@@ -322,7 +322,7 @@ def test_schedules():
     assert optim.lr_multiplier(110, 110, a) == pytest.approx(0.1)
     w = Namespace(**{**base, "schedule": "wsd"})
     assert optim.lr_multiplier(89, 110, w) == 1.0 and optim.lr_multiplier(100, 110, w) == pytest.approx(0.55)
-    # seed 002: warmup 375, 0.0015 -> 0.001 over stage 1, then 0.001 -> 0.000015 from step 200k, weight decay 0.1 -> 0
+    # a real run's two-stage schedule: warmup 375, 0.0015 -> 0.001 over stage 1, then 0.001 -> 0.000015 from step 200k, weight decay 0.1 -> 0
     s = Namespace(**{**base, "warmup_steps": 375, "schedule": "linear", "stage2_step": 200_000, "min_lr_frac": 0.01,
                      "stage1_end_frac": 0.001 / 0.0015, "stage2_lr_frac": 0.001 / 0.0015})
     assert 0.0015 * optim.lr_multiplier(199_999, 400_000, s) == pytest.approx(0.001, rel=1e-4)

@@ -1,6 +1,6 @@
 """speedrun.sh, the main job: the suite's demo pipeline (conftest's `speedrun` fixture) ran every stage and wrote a
 report whose figures are the logs'; an interrupted run leaves no process behind and resumes to the same losses; the
-NCCL probe falls back to seed 003's safe flags after a hang; GPUs held by other processes stop it before it starts."""
+NCCL probe falls back to the safe flags after a hang; GPUs held by other processes stop it before it starts."""
 import fcntl
 import json
 import os

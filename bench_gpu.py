@@ -1,0 +1,651 @@
+"""The GPU battery, and the device measurements bench.py shares with it: what a session with a GPU runs first.
+
+    python bench.py gpu_prepare --nanochat_mirror DIR --corpus DIR   # on a machine with both: fills .bench/
+    python bench.py gpu --rows mfu_d20 --out $OUT                    # on the GPU, one device call per row group
+    python bench.py gpu --dry_run                                    # every row at toy size on the CPU
+    python bench.py gpu --merge A/gpu_bench.json B/gpu_bench.json    # the calls' files into one table
+
+Rows: pretraining tok/s, MFU and peak memory against model.py's estimate at d20, d12 and d26 beside nanochat's own
+scripts/base_train.py at the same shape and batch; validation bpb at d12 after the same tokens at 2^19 and 2^17
+tokens a step, beside nanochat's; the demo plan end to end; chat decode tok/s. bench.py parses the flags
+(add_gpu_args) and calls bench_gpu, gpu_prepare or gpu_probe; `python bench_gpu.py` alone prints this text.
+"""
+import argparse
+import itertools
+import json
+import math
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+import common
+import optim
+import train_loop
+from dataset import iter_texts
+from demo import write_demo
+from model import (
+    DEPTH_ASPECT,
+    DEPTH_HEAD_DIM,
+    build_model,
+    config_from_preset,
+    flops_per_token,
+    generate,
+    memory_estimate,
+    num_params,
+)
+from tokenizer import train_tokenizer
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def matmul_peak(device, dtype, n=2048, reps=10):
+    """Measured dense matmul FLOP/s: the achievable peak of this device, for devices the MFU table does not list."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync(device)
+    return 2 * n ** 3 * reps / (time.perf_counter() - start)
+
+
+def bench_chat_decode(args, device, decodes=("lean", "static", "compiled")):
+    """Greedy decode tok/s at the preset's own shape, context 192 -> 256 as in `decode`: generate() against
+    chat.py's decode paths (fp32), interleaved trials, the same tokens checked. Returns {path: median tok/s}."""
+    import chat  # here: the other benchmarks do not need it
+    torch.manual_seed(0)
+    config = config_from_preset(args.preset)
+    model = build_model(config, device).eval()
+    n = args.decode_tokens
+    prompt = torch.randint(0, config.vocab_size, (config.sequence_len - n - 1,)).tolist()
+
+    def with_generate():
+        tokens = generate(model, prompt, n + 1, temperature=0)
+        out = [next(tokens)]  # the prefill's token
+        start = time.perf_counter()
+        out += list(tokens)
+        return n / (time.perf_counter() - start), out
+
+    def with_chat(conv):
+        def run():
+            conv.ids, conv.cache.pos = [], 0
+            logits = conv.forward(prompt)
+            start, out = time.perf_counter(), []
+            with torch.inference_mode():
+                for _ in range(n + 1):
+                    token = logits.argmax(-1, keepdim=True)
+                    out.append(token.item())
+                    if len(out) <= n:
+                        logits = conv.step(token)
+            return n / (time.perf_counter() - start), out
+        return run
+
+    tok = SimpleNamespace(special_tokens={"<|assistant_end|>": 0}, special_id=lambda name: 0, bos_id=0)
+    paths = {"generate()": with_generate}
+    for decode in decodes:
+        start = time.perf_counter()
+        paths[decode] = with_chat(chat.Conversation(model, tok, True, decode))
+        paths[decode]()  # warm up; compiles the compiled one
+        if decode == "compiled":
+            print(f"chat decode compiled: first call (compilation) {time.perf_counter() - start:.1f} s")
+    results = {name: [] for name in paths}
+    for _ in range(args.trials):
+        for name, run in paths.items():
+            results[name].append(run())
+    base = sorted(r[0] for r in results["generate()"])[args.trials // 2]
+    for name, runs in results.items():
+        rate = sorted(r[0] for r in runs)[args.trials // 2]
+        same = all(r[1] == results["generate()"][0][1] for r in runs)
+        print(f"chat decode {args.preset} {name:11s}: {rate:6,.0f} tok/s median of {args.trials} ({rate / base:.2f}x "
+              f"generate(); greedy tokens identical: {same})")
+    lean = sorted(r[0] for r in results["lean"])[args.trials // 2]
+    verdict = "met" if lean >= 1.5 * base else "MISSED"
+    print(f"chat decode: lean / generate() = {lean / base:.2f}x (target >= 1.5x: {verdict}; generate() recorded at "
+          f"276 tok/s in the README's decode row, an earlier session)")
+    return {name: sorted(r[0] for r in runs)[args.trials // 2] for name, runs in results.items()}
+
+
+# -----------------------------------------------------------------------------
+# bench.py gpu: the battery a session with a GPU runs first (dev/LOG.md: the GPU battery). Every row runs a real command
+# (pretrain.py, nanochat's scripts/base_train.py, speedrun.sh) and its figures are read back from that command's own
+# files and output. `gpu_prepare` makes the carry folder (.bench/) on a machine with the nanochat mirror and the corpus.
+
+NANOCHAT_COMMIT = "92d63d4e8bb4df75c3b71618f31ddde2378b2bcd"  # the commit the CPU side-by-side measured
+GPU_VOCAB = 32768  # nanochat's default tokenizer size (2^15): both sides train their own on the carried corpus
+BIG_BATCH, SMALL_BATCH = 2 ** 19, 2 ** 17  # tokens per optimizer step: nanochat's d20 batch, and a quarter of it
+BPB_TOKENS = 64 * BIG_BATCH  # training tokens of each bpb row: 64 steps at 2^19, 256 at 2^17
+EVAL_TOKENS = 2 ** 18  # validation tokens of each bpb row (the validation shard holds ~2^19 at vocab 32768)
+# the rows, in the order to run them when the whole battery does not fit: d20's MFU beside nanochat, d12's bpb at 2^19
+# beside nanochat, then the rest. d12's throughput, MFU and memory are bpb_d12_b19's (the same shape and batch).
+GPU_ROWS = {
+    "mfu_d20": {"depth": 20, "batch": BIG_BATCH, "steps": 12, "nanochat": True},
+    "bpb_d12_b19": {"depth": 12, "batch": BIG_BATCH, "steps": BPB_TOKENS // BIG_BATCH, "nanochat": True, "bpb": True},
+    "bpb_d12_b17": {"depth": 12, "batch": SMALL_BATCH, "steps": BPB_TOKENS // SMALL_BATCH, "nanochat": True,
+                    "bpb": True},
+    "mfu_d26": {"depth": 26, "batch": BIG_BATCH, "steps": 8, "nanochat": True},
+    "demo": {},
+    "chat_decode": {},
+}
+# one `run` call each, under 10 minutes on one H100 by this estimate (not yet measured): a row's two runs (ours,
+# nanochat's) each pay start-up, compilation and a final checkpoint besides their steps
+GPU_CALLS = [["mfu_d20"], ["bpb_d12_b19"], ["bpb_d12_b17"], ["mfu_d26"], ["demo", "chat_decode"]]
+# the dry run: every row at a toy size on the CPU (depth 2, sequence 64, the demo world, vocab 1024)
+DRY = {"seq_len": 64, "micro": 4, "vocab": 1024, "steps_scale": 1 / 16, "skip": 1}
+NANOCHAT_PIP = ["tiktoken", "rustbpe", "regex", "filelock", "jinja2", "markupsafe", "pyyaml", "requests", "urllib3",
+                "idna", "certifi", "charset-normalizer"]
+WANDB_STUB = '''"""Stand-in for wandb (bench.py gpu_prepare): nanochat's base_train imports it unconditionally and, with
+--run dummy, never calls it."""
+
+
+def init(*args, **kwargs):
+    raise RuntimeError("wandb stub: run nanochat with --run dummy")
+'''
+SITECUSTOMIZE = '''"""bench.py gpu_prepare: packages this machine lacks come from ../pylib (appended: its own
+come first)."""
+import sys
+from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parent.parent / "pylib"))
+'''
+
+
+def gpu_prepare(args, device):
+    """Fill --bench_dir (default .bench, ignored by git) with what the battery carries to a GPU machine that has no
+    network: nanochat's tree at a pinned commit (from a local mirror, no .git), the corpus shards, both tokenizers
+    trained on the corpus's training split, a wandb stub, and wheels of nanochat's pure dependencies for the GPU
+    machine's Python (--wheels_python; skipped with --wheels_python none)."""
+    bench, corpus = Path(args.bench_dir).resolve(), Path(args.corpus)
+    mirror = Path(args.nanochat_mirror)
+    if not sorted(corpus.glob("shard_*.parquet")):
+        raise FileNotFoundError(f"gpu_prepare: no shard_*.parquet in {corpus}: pass --corpus DIR (the last shard is "
+                                "the validation split)")
+    if not (mirror / "HEAD").is_file() and not (mirror / ".git").exists():
+        raise FileNotFoundError(f"gpu_prepare: {mirror} is not a git directory: fetch github:karpathy/nanochat and "
+                                "pass --nanochat_mirror <its git dir>")
+    bench.mkdir(parents=True, exist_ok=True)
+    tree = bench / "nanochat"
+    shutil.rmtree(tree, ignore_errors=True)
+    tree.mkdir()
+    archive = subprocess.run(["git", f"--git-dir={mirror / '.git' if (mirror / '.git').exists() else mirror}",
+                              "archive", args.nanochat_commit], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    (tree / "COMMIT").write_text(args.nanochat_commit + "\n")
+    shutil.rmtree(bench / "corpus", ignore_errors=True)
+    (bench / "corpus").mkdir()
+    for shard in sorted(corpus.glob("shard_*.parquet")):
+        shutil.copy(shard, bench / "corpus" / shard.name)
+    vocab = args.gpu_vocab
+    start = time.perf_counter()
+    train_tokenizer(iter_texts(bench / "corpus", "train"), vocab).save(bench / "tokenizer_ours")
+    print(f"gpu_prepare: this repository's tokenizer, vocab {vocab}: {time.perf_counter() - start:.1f} s")
+    nc_base = bench / "nc_base_prepare"
+    shutil.rmtree(nc_base, ignore_errors=True)
+    nanochat_data(nc_base, bench / "corpus")
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "scripts.tok_train", f"--vocab-size={vocab}",
+                             "--max-chars=1000000000"], cwd=tree, env=nanochat_env(bench, nc_base),
+                            capture_output=True, text=True, check=False)
+    if result.returncode:
+        raise RuntimeError(f"gpu_prepare: nanochat's tok_train failed:\n{result.stdout[-2000:]}\n"
+                           f"{result.stderr[-2000:]}")
+    shutil.rmtree(bench / "tokenizer_nanochat", ignore_errors=True)
+    shutil.copytree(nc_base / "tokenizer", bench / "tokenizer_nanochat")
+    shutil.rmtree(nc_base)
+    print(f"gpu_prepare: nanochat's tokenizer (scripts.tok_train), vocab {vocab}: {time.perf_counter() - start:.1f} s")
+    (bench / "stub").mkdir(exist_ok=True)
+    (bench / "stub" / "wandb.py").write_text(WANDB_STUB)
+    (bench / "stub" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    if args.wheels_python != "none":
+        shutil.rmtree(bench / "pylib", ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(bench / "pylib"), "--no-deps",
+                        "--only-binary=:all:", "--platform", "manylinux2014_x86_64", "--python-version",
+                        args.wheels_python, *NANOCHAT_PIP], check=True)
+    size = sum(f.stat().st_size for f in bench.rglob("*") if f.is_file())
+    record = {"nanochat_commit": args.nanochat_commit, "vocab": vocab, "corpus": str(corpus),
+              "wheels_python": args.wheels_python, "bytes": size, "code": common.code_version(),
+              "prepared": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    (bench / "PREPARED.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(f"gpu_prepare: {bench} holds {size / 2**20:.1f} MiB (the device tool carries at most 64 MiB)")
+    print("then, on the GPU machine, one call each (carry: [\"" + os.path.relpath(bench) + "\"]):")
+    for rows in GPU_CALLS:
+        print(f"    python3 bench.py gpu --rows {' '.join(rows)} --out $OUT")
+
+
+def nanochat_data(base, corpus):
+    """$NANOCHAT_BASE_DIR's data folder as nanochat expects it: the corpus shards (links), the last one validation."""
+    data = base / "base_data_climbmix"
+    data.mkdir(parents=True, exist_ok=True)
+    for shard in sorted(Path(corpus).glob("shard_*.parquet")):
+        (data / shard.name).symlink_to(shard.resolve())
+
+
+def nanochat_env(bench, base, threads=None):
+    """Environment for nanochat's scripts: its base dir, the wandb stub (and the carried wheels) on PYTHONPATH."""
+    env = {**os.environ, "NANOCHAT_BASE_DIR": str(base), "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(bench) / "stub"), os.environ.get("PYTHONPATH")]))}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def run_logged(command, log, cwd=None, env=None):
+    """Run a command with its output in `log`; returns (exit status, wall seconds, peak resident bytes of the
+    process and its waited-for children, from wait4)."""
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        out.write("$ " + " ".join(map(str, command)) + "\n")
+        out.flush()
+        process = subprocess.Popen(list(map(str, command)), stdout=out, stderr=subprocess.STDOUT, cwd=cwd, env=env)
+        _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    return process.returncode, time.perf_counter() - start, usage.ru_maxrss * 1024
+
+
+def tail(path, lines=15):
+    return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+
+
+def out_of_memory(log):
+    text = Path(log).read_text(errors="replace")
+    return "OutOfMemoryError" in text or "CUDA out of memory" in text
+
+
+def gpu_probe(args, device):
+    """`bench.py gpu_probe`: the largest micro-batch (a power of 2 up to --max_micro) with which a training step of
+    --preset fits this GPU, by pretrain.py's own probe (forward, backward and optimizer state at that batch). Runs in
+    its own process so that the battery's runs start with the GPU's memory untouched."""
+    config = config_from_preset(args.preset, {"vocab_size": args.gpu_vocab})
+    model = build_model(config, device)
+    run = argparse.Namespace(optimizer="muon", adam8bit=False, matrix_lr=0.02, embedding_lr=0.2, head_lr=0.004,
+                             scalar_lr=0.04)
+    optimizers = optim.build_optimizers(model, run, config.n_embd, 1, device)
+    try_step = train_loop.probe_step(model, optimizers, config.sequence_len, config.vocab_size, "bfloat16", device)
+    micro = train_loop.find_micro_batch(try_step, [2 ** k for k in range(int(math.log2(args.max_micro)) + 1)])
+    print(f"micro_batch {micro}")
+
+
+class GpuBattery:
+    """The rows of `bench.py gpu`. Each row is a dict of what ran (command, status) and what it measured, with
+    'unknown' or 'unavailable: <why>' where a figure could not be had."""
+
+    def __init__(self, args, device):
+        self.args, self.device, self.dry = args, device, args.dry_run
+        self.bench = Path(args.bench_dir).resolve()
+        self.work = Path(tempfile.mkdtemp(prefix="gpu_bench_"))
+        self.here = Path(__file__).resolve().parent
+        # bf16 on the GPU, as nanochat there; fp32 in the dry run, as nanochat on a CPU
+        self.dtype = "bfloat16" if device.type == "cuda" else "float32"
+        self.peak = common.peak_flops(common.device_name(device), self.dtype)
+        self.peak_source = "rated dense bf16 peak (common.PEAK_BF16_FLOPS)"
+        if self.peak is None:  # a CPU, or a GPU the table lacks: this device's own measured matmul throughput
+            self.peak = matmul_peak(device, getattr(torch, self.dtype))
+            self.peak_source = f"measured 2048x2048 {self.dtype} matmul throughput of this device"
+        if self.dry:  # the toy world: the demo corpus and tokenizers trained on it here
+            write_demo(self.work / "demo")
+            self.corpus = self.work / "demo" / "pretrain"
+            self.tok_ours = self.work / "tokenizer_ours"
+            train_tokenizer(iter_texts(self.corpus, "train"), DRY["vocab"]).save(self.tok_ours)
+            self.tok_nanochat = None  # trained by nanochat's tok_train when its tree is present
+            self.vocab = DRY["vocab"]
+        else:
+            self.corpus, self.tok_ours = self.bench / "corpus", self.bench / "tokenizer_ours"
+            self.tok_nanochat = self.bench / "tokenizer_nanochat"
+            prepared = self.bench / "PREPARED.json"
+            self.vocab = json.loads(prepared.read_text())["vocab"] if prepared.is_file() else None
+        if not (self.tok_ours / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"gpu: no tokenizer in {self.tok_ours}: run `python bench.py gpu_prepare` where "
+                                    "the nanochat mirror and the corpus are, and carry its folder (--bench_dir)")
+        self.nanochat_missing = self.check_nanochat()
+        self.micro_cache = {}
+
+    def check_nanochat(self):
+        """Why nanochat's rows cannot run here, or None."""
+        tree = self.bench / "nanochat"
+        if not (tree / "scripts" / "base_train.py").is_file():
+            return f"no nanochat tree at {tree} (run `python bench.py gpu_prepare` where the mirror is, and carry it)"
+        if not (self.bench / "stub" / "wandb.py").is_file():
+            return f"no wandb stub in {self.bench / 'stub'} (run `python bench.py gpu_prepare`)"
+        imports = "import tiktoken, rustbpe, pyarrow, filelock, jinja2, yaml, requests, wandb"
+        check = subprocess.run([sys.executable, "-c", imports], env=nanochat_env(self.bench, self.work),
+                               capture_output=True, text=True, check=False)
+        if check.returncode:
+            return "nanochat's dependencies do not import: " + check.stderr.strip().splitlines()[-1]
+        if self.dry:  # its tokenizer for the toy world, by its own trainer
+            base = self.work / "nc_tok"
+            nanochat_data(base, self.corpus)
+            result = subprocess.run([sys.executable, "-m", "scripts.tok_train", f"--vocab-size={DRY['vocab']}"],
+                                    cwd=tree, env=nanochat_env(self.bench, base), capture_output=True, text=True,
+                                    check=False)
+            if result.returncode:
+                return "nanochat's tok_train failed: " + (result.stdout + result.stderr).strip().splitlines()[-1]
+            self.tok_nanochat = base / "tokenizer"
+        elif not (self.tok_nanochat / "tokenizer.pkl").is_file():
+            return f"no nanochat tokenizer in {self.tok_nanochat} (run `python bench.py gpu_prepare`)"
+        return None
+
+    def shape(self, depth):
+        """(preset, config overrides, micro-batch cap) of a row's model: d{depth} at sequence 2048 on the GPU; the dry
+        run's toy: depth 2 (one 128-wide head), sequence 64, its micro-batch fixed."""
+        if self.dry:
+            return "d2", {"sequence_len": DRY["seq_len"], "vocab_size": self.vocab}
+        return f"d{depth}", {"vocab_size": self.vocab}
+
+    def micro_batch(self, preset, overrides, per_step):
+        """The largest micro-batch that fits (pretrain.py's probe, in its own process), capped at the step's rows."""
+        if self.dry:
+            return min(DRY["micro"], per_step), "fixed (dry run, CPU)"
+        if preset not in self.micro_cache:
+            log = self.work / f"probe_{preset}.log"
+            status, _, _ = run_logged([sys.executable, Path(__file__), "gpu_probe", "--preset", preset, "--gpu_vocab",
+                                       overrides["vocab_size"], "--max_micro", 256], log)
+            found = [line for line in Path(log).read_text().splitlines() if line.startswith("micro_batch ")]
+            if status or not found:
+                raise RuntimeError(f"micro-batch probe of {preset} failed (exit {status}):\n{tail(log)}")
+            self.micro_cache[preset] = int(found[-1].split()[1])
+        return min(self.micro_cache[preset], per_step), "largest that fits (pretrain.py's probe, eager)"
+
+    def row_size(self, spec):
+        """(tokens per step, steps, steps skipped before timing) of a training row at this run's scale."""
+        if self.dry:
+            seq = DRY["seq_len"]
+            batch = spec["batch"] * seq // 2048 // 16  # 2^19 -> 16 rows of 64: the same ratio between the two batches
+            return batch, max(3, round(spec["steps"] * DRY["steps_scale"])), DRY["skip"]
+        steps = self.args.bpb_tokens // spec["batch"] if spec.get("bpb") else spec["steps"]
+        return spec["batch"], steps, 3  # steps 1-3: compilation and the allocator's warm-up
+
+    def ours(self, name, spec):
+        preset, overrides = self.shape(spec["depth"])
+        config = config_from_preset(preset, overrides)
+        seq = config.sequence_len
+        batch, steps, skip = self.row_size(spec)
+        micro, how = self.micro_batch(preset, overrides, batch // seq)
+        run_dir = self.work / "runs" / f"{name}_ours"
+        command = [sys.executable, self.here / "pretrain.py", "--preset", preset, *itertools.chain.from_iterable(
+                   (f"--{k}", v) for k, v in overrides.items() if k != "vocab_size"),
+                   "--data_dir", self.corpus, "--tokenizer", self.tok_ours, "--runs_dir", run_dir.parent,
+                   "--run_name", run_dir.name, "--steps", steps, "--total_batch_tokens", batch, "--micro_batch", micro,
+                   "--eval_every", 0, "--bpb_tokens", EVAL_TOKENS if not self.dry else 4096, "--ckpt_every", 10 ** 6,
+                   "--dtype", self.dtype, "--compile", "false" if self.dry else "true", "--log_every", 1]
+        row = {"row": name, "side": "ours", "model": preset, "n_layer": config.n_layer, "n_embd": config.n_embd,
+               "vocab": config.vocab_size, "seq_len": seq, "micro_batch": micro, "micro_batch_from": how,
+               "tokens_per_step": batch, "steps": steps, "dtype": self.dtype, "compiled": not self.dry,
+               "attention": "SDPA (torch.nn.functional.scaled_dot_product_attention)",
+               "flops_per_token": flops_per_token(config), "params": num_params(config),
+               "memory_estimate": memory_estimate(config, micro, optimizer="muon",
+                                                  bf16=self.dtype == "bfloat16")["total"]}
+        status, wall, rss = run_logged(command, self.work / f"{name}_ours.log")
+        row.update(command=" ".join(map(str, command)).replace(str(self.work), "$WORK"), exit=status, wall_s=wall)
+        if status:
+            row["status"] = "failed: " + ("out of memory" if out_of_memory(self.work / f"{name}_ours.log") else
+                                          tail(self.work / f"{name}_ours.log", 3))
+            return row
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        timed = [r for r in records if "loss" in r and r["step"] > skip]
+        self.throughput(row, [r["step_time"] for r in timed], skip)
+        steps_logged = [r for r in records if "loss" in r]  # the last record is the final evaluation's
+        row["peak_memory"] = steps_logged[-1]["cuda_mem_peak"] if self.device.type == "cuda" else rss
+        row["peak_memory_kind"] = "torch.cuda.max_memory_allocated" if self.device.type == "cuda" else \
+            "peak resident set of the process (CPU: includes torch itself)"
+        row["loss_first_last"] = [steps_logged[0]["loss"], steps_logged[-1]["loss"]]
+        done = json.loads((run_dir / "done.json").read_text())
+        row.update(val_bpb=done["val_bpb"], run_dir=str(run_dir), status="ok")
+        shutil.rmtree(run_dir / "ckpt", ignore_errors=True)  # d26's is tens of GB: the device has 64 GiB of disk
+        return row
+
+    def throughput(self, row, step_times, skip):
+        """tok/s from the median step time of the timed steps, and MFU = FLOPs/token x tok/s / peak."""
+        if not step_times:
+            row["tok_per_s"] = row["mfu"] = "unknown: no timed steps"
+            return
+        median = statistics.median(step_times)
+        row.update(steps_timed=f"{skip + 1}-{skip + len(step_times)}", step_time_median_s=median,
+                   tok_per_s=row["tokens_per_step"] / median, peak_flops=self.peak, peak_flops_source=self.peak_source)
+        row["mfu"] = row["flops_per_token"] * row["tok_per_s"] / self.peak
+
+    def nanochat(self, name, spec, ours):
+        """nanochat's scripts/base_train.py at the shape and batch of `ours` (its micro-batch too), full attention
+        (--window-pattern L: this repository has no sliding window), its own defaults otherwise."""
+        row = {"row": name, "side": "nanochat", "nanochat_commit": (self.bench / "nanochat" / "COMMIT").read_text()
+               .strip() if (self.bench / "nanochat" / "COMMIT").is_file() else "unknown"}
+        if self.nanochat_missing:
+            return {**row, "status": f"unavailable: {self.nanochat_missing}"}
+        if ours.get("status") != "ok" and "micro_batch" not in ours:
+            return {**row, "status": "unavailable: this repository's run of the row did not start"}
+        depth, seq, micro = ours["n_layer"], ours["seq_len"], ours["micro_batch"]
+        batch, steps, skip = ours["tokens_per_step"], ours["steps"], self.row_size(spec)[2]
+        base = self.work / f"nc_{name}"
+        nanochat_data(base, self.corpus)
+        shutil.copytree(self.tok_nanochat, base / "tokenizer")
+        bpb = spec.get("bpb") or self.dry
+        row.update(model=f"d{depth}", seq_len=seq, tokens_per_step=batch, steps=steps,
+                   flops_per_token=ours["flops_per_token"], compiled=True,
+                   attention="SDPA (FA3 needs the `kernels` package and the hub: unavailable offline)")
+        log = self.work / f"{name}_nanochat.log"
+        while True:  # ours' micro-batch; halved while nanochat runs out of memory at it (it has no probe)
+            command = [sys.executable, "-m", "scripts.base_train", "--run=dummy", f"--device-type={self.device.type}",
+                       f"--depth={depth}", f"--aspect-ratio={DEPTH_ASPECT}", f"--head-dim={DEPTH_HEAD_DIM}",
+                       "--window-pattern=L", f"--max-seq-len={seq}", f"--device-batch-size={micro}",
+                       f"--total-batch-size={batch}", f"--num-iterations={steps}",
+                       f"--eval-every={steps if bpb else -1}",
+                       f"--eval-tokens={EVAL_TOKENS if not self.dry else 4096}", "--core-metric-every=-1",
+                       "--sample-every=-1", "--save-every=-1", f"--model-tag=bench_{name}"]
+            status, wall, rss = run_logged(command, log, cwd=self.bench / "nanochat",
+                                           env=nanochat_env(self.bench, base, torch.get_num_threads()))
+            if not (status and out_of_memory(log) and micro > 1):
+                break
+            row.setdefault("out_of_memory_at_micro_batch", []).append(micro)
+            micro //= 2
+        row.update(micro_batch=micro, exit=status, wall_s=wall,
+                   command=f"cd {self.bench / 'nanochat'} && NANOCHAT_BASE_DIR=$WORK/{base.name} PYTHONPATH="
+                   f"{self.bench / 'stub'} " + " ".join(map(str, command)).replace(sys.executable, "python"))
+        if status:
+            row["status"] = "failed: " + ("out of memory" if out_of_memory(log) else tail(log, 3))
+            return row
+        text = log.read_text(errors="replace")
+        lines = re.findall(r"^step (\d+)/\d+ .*?\| dt: ([\d.]+)ms \| tok/sec: ([\d,]+) \| bf16_mfu: ([\d.]+)", text,
+                           re.MULTILINE)
+        # nanochat numbers its steps from 0: its step i is this repository's step i + 1
+        timed = [(int(s) + 1, float(dt) / 1000, float(m)) for s, dt, _, m in lines if int(s) + 1 > skip]
+        self.throughput(row, [t[1] for t in timed], skip)
+        if timed and self.device.type == "cuda":
+            row["mfu_nanochat_reported"] = statistics.median(t[2] for t in timed) / 100  # its own FLOPs/token
+        dtype = re.search(r"^COMPUTE_DTYPE: torch\.(\w+)", text, re.MULTILINE)
+        row["dtype"] = dtype[1] if dtype else "unknown"
+        flops = re.search(r"Estimated FLOPs per token: ([\d.e+]+)", text)
+        row["flops_per_token_nanochat"] = float(flops[1]) if flops else "unknown"
+        params = re.search(r"^total\s*: ([\d,]+)$", text, re.MULTILINE)
+        row["params"] = int(params[1].replace(",", "")) if params else "unknown"
+        peak = re.search(r"Peak memory usage: ([\d.]+)MiB", text)
+        if self.device.type == "cuda":
+            row["peak_memory"] = float(peak[1]) * 2 ** 20 if peak else "unknown"
+            row["peak_memory_kind"] = "torch.cuda.max_memory_allocated (its own print)"
+        else:
+            row["peak_memory"], row["peak_memory_kind"] = rss, "peak resident set of the process (CPU)"
+        vals = re.findall(r"Validation bpb: ([\d.]+)", text)
+        row["val_bpb"] = float(vals[-1]) if bpb and vals else None
+        row["status"] = "ok" + (f" at micro-batch {micro} (out of memory at {row['out_of_memory_at_micro_batch']})"
+                                if "out_of_memory_at_micro_batch" in row else "")
+        shutil.rmtree(base / "base_checkpoints", ignore_errors=True)
+        return row
+
+    def demo(self):
+        """speedrun.sh --plan demo end to end (the dry run: every stage at a few steps)."""
+        run = self.work / "demo_run"
+        gpus = "1" if self.device.type == "cuda" else "0"
+        command = ["bash", self.here / "speedrun.sh", "--plan", "demo", "--gpus", gpus, "--no_chat", "--runs_dir",
+                   run.parent, "--run_name", run.name]
+        env = {**os.environ, "SPEEDRUN_PYTHON": sys.executable}
+        if self.dry:
+            command += ["--tokenizer", self.tok_ours, "--data_dir", self.work / "demo"]
+            env.update(PRETRAIN_ARGS="--steps 3 --bpb_tokens 4096 --n_layer 1 --n_embd 64 --n_head 1 --n_kv_head 1",
+                       MIDTRAIN_ARGS="--steps 2 --eval_rows 4", SFT_ARGS="--steps 2 --eval_rows 4",
+                       CORE_ARGS="--bpb_tokens 4096 --max_new_tokens 4 --max_items 4",
+                       CHAT_EVAL_ARGS="--max_items 2 --max_new_tokens 4")
+        status, wall, _ = run_logged(command, self.work / "demo.log", cwd=self.work, env=env)
+        row = {"row": "demo", "side": "ours", "command": " ".join(map(str, command)).replace(str(self.work), "$WORK"),
+               "exit": status, "wall_s": wall, "status": "ok" if status == 0 else "failed: " + tail(self.work /
+                                                                                                     "demo.log", 3)}
+        done, core = run / "pretrain" / "done.json", sorted(run.glob("core_eval/**/results.json"))
+        chat = run / "chat_eval.json"
+        row["val_bpb"] = json.loads(done.read_text())["val_bpb"] if done.is_file() else "unknown"
+        row["core"] = json.loads(core[-1].read_text())["core"] if core else "unknown"
+        row["chatcore"] = json.loads(chat.read_text())["chatcore"] if chat.is_file() else "unknown"
+        return row
+
+    def chat_decode(self):
+        args = argparse.Namespace(preset="tiny", decode_tokens=8 if self.dry else 64, trials=1 if self.dry else 5)
+        paths = ("lean", "static") if self.dry else ("lean", "static", "compiled")
+        rates = bench_chat_decode(args, self.device, paths)
+        return {"row": "chat_decode", "side": "ours", "command": f"python bench.py gpu --rows chat_decode (bench.py "
+                f"chat's decode part: preset tiny, random weights, greedy, {args.decode_tokens} tokens, median of "
+                f"{args.trials})", "status": "ok", **{f"decode_tok_per_s_{k}": v for k, v in rates.items()}}
+
+
+def gpu_environment(device):
+    """Device, driver, torch and the code, for the battery's header."""
+    driver = "none (CPU)"
+    if device.type == "cuda":
+        try:
+            driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                    capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            driver = "unknown (nvidia-smi did not answer)"
+    code = common.code_version()
+    prepared = Path(".bench/PREPARED.json")
+    return {"device": common.device_name(device), "driver": driver, "torch": torch.__version__,
+            "cuda": torch.version.cuda or "none", "python": sys.version.split()[0], "commit": code["commit"],
+            "dirty": code["dirty"], "prepared_at_commit": json.loads(prepared.read_text())["code"]["commit"]
+            if prepared.is_file() else "unknown", "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+
+
+def fmt(value, kind):
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return "—" if value is None else str(value)
+    return {"tok": f"{value:,.0f}", "pct": f"{100 * value:.1f}%", "gib": f"{value / 2**30:.2f} GiB",
+            "bpb": f"{value:.4f}", "s": f"{value:.0f} s"}[kind]
+
+
+def gpu_markdown(result):
+    """The battery's table: one line per row and side, the figures each run measured, and its command."""
+    env = result["environment"]
+    title = "# bench.py gpu" + (" --dry_run (toy sizes on the CPU: no figure here is a GPU figure)"
+                                  if result["dry_run"] else "")
+    header = (f"device {env['device']}; driver {env['driver']}; torch {env['torch']} (CUDA {env['cuda']}); Python "
+              f"{env['python']}; commit {env['commit']} (uncommitted changes: {env['dirty']}; .bench prepared at "
+              f"{env['prepared_at_commit']}); {env['date']}")
+    notes = ("Attention: SDPA on both sides (nanochat's FA3 needs the `kernels` package and the hub: unavailable "
+             "offline). MFU = model.py's FLOPs/token x tok/s / peak for both sides (the same shape, so the same "
+             "FLOPs); nanochat's own figure beside it. tok/s = tokens per step / median step time of the timed steps.")
+    columns = ("| row | side | model, micro x seq, tokens/step | steps (timed) | tok/s | MFU (nanochat's own) | "
+               "peak memory / model.py estimate | val bpb | status | command |")
+    others = [e for e in result.get("environments", []) if e != env]
+    header += "".join(f"; another call: {e['device']}, driver {e['driver']}, torch {e['torch']}, commit {e['commit']}, "
+                      f"{e['date']}" for e in others)
+    out = [title, "", header, "", notes, "", columns, "|---" * 10 + "|"]
+    for r in result["rows"]:
+        shape = (f"{r.get('model', '')}, {r.get('micro_batch', '?')} x {r.get('seq_len', '?')}, "
+                 f"{r.get('tokens_per_step', 0):,}" if "model" in r else "")
+        mfu = fmt(r.get("mfu"), "pct") + (f" ({fmt(r['mfu_nanochat_reported'], 'pct')})"
+                                           if "mfu_nanochat_reported" in r else "")
+        memory = fmt(r.get("peak_memory"), "gib") + (f" / {fmt(r['memory_estimate'], 'gib')}"
+                                                     if "memory_estimate" in r else "")
+        if r["row"] == "chat_decode":
+            mfu = ", ".join(f"{k.removeprefix('decode_tok_per_s_')} {v:,.0f} tok/s" for k, v in r.items()
+                            if k.startswith("decode_tok_per_s_"))
+        bpb = fmt(r.get("val_bpb"), "bpb") + (f"; CORE {fmt(r['core'], 'bpb')}, ChatCORE {fmt(r['chatcore'], 'bpb')}"
+                                              f"; {fmt(r['wall_s'], 's')}" if r["row"] == "demo" else "")
+        out.append(f"| {r['row']} | {r['side']} | {shape} | {r.get('steps', '')} ({r.get('steps_timed', '—')}) | "
+                   f"{fmt(r.get('tok_per_s'), 'tok')} | {mfu} | {memory} | {bpb} | "
+                   f"{str(r['status']).replace('|', '/').splitlines()[0][:200]} | `{r.get('command', '')}` |")
+    return "\n".join(out) + "\n"
+
+
+def merge_gpu_results(results):
+    """One battery result from several calls' gpu_bench.json: their rows in call order; the first call's environment
+    heads the table, and every call's environment is kept (a later call may have got another machine)."""
+    environments = [r["environment"] for r in results]
+    return {"dry_run": any(r["dry_run"] for r in results), "environment": environments[0],
+            "environments": environments, "rows": [row for r in results for row in r["rows"]],
+            "calls": results[0]["calls"]}
+
+
+def bench_gpu(args, device):
+    """`bench.py gpu`: the rows chosen by --rows, in the battery's order; writes gpu_bench.json and gpu_bench.md to
+    --out (and prints the table)."""
+    out = Path(args.out)
+    if args.merge:  # no device needed: the calls' files, fetched from the GPU machine
+        result = merge_gpu_results([json.loads(Path(path).read_text()) for path in args.merge])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gpu_bench.json").write_text(json.dumps(result, indent=1) + "\n")
+        (out / "gpu_bench.md").write_text(gpu_markdown(result))
+        return print(gpu_markdown(result))
+    if device.type != "cuda" and not args.dry_run:
+        raise ValueError("gpu: no CUDA device; on a CPU run `python bench.py gpu --dry_run` (toy sizes)")
+    unknown = [r for r in args.rows if r not in GPU_ROWS]
+    if unknown:
+        raise ValueError(f"gpu: unknown rows {unknown}: choose from {', '.join(GPU_ROWS)}")
+    battery = GpuBattery(args, device)
+    result = {"dry_run": args.dry_run, "environment": gpu_environment(device), "rows": [],
+              "calls": [" ".join(["python3 bench.py gpu --rows", *rows, "--out $OUT"]) for rows in GPU_CALLS]}
+    out.mkdir(parents=True, exist_ok=True)
+    for name in [r for r in GPU_ROWS if r in args.rows]:
+        print(f"gpu: row {name} ...", flush=True)
+        spec = GPU_ROWS[name]
+        if "depth" in spec:
+            try:
+                ours = battery.ours(name, spec)
+            except RuntimeError as e:  # the probe failed: nothing of the row ran
+                ours = {"row": name, "side": "ours", "status": f"failed: {e}"}
+            result["rows"] += [ours, battery.nanochat(name, spec, ours)]
+        else:
+            result["rows"].append(battery.demo() if name == "demo" else battery.chat_decode())
+        (out / "gpu_bench.json").write_text(json.dumps(result, indent=1) + "\n")  # after every row: a killed call
+        (out / "gpu_bench.md").write_text(gpu_markdown(result))  # keeps what it finished
+    print(gpu_markdown(result))
+    print(f"gpu: {out / 'gpu_bench.json'}, {out / 'gpu_bench.md'}; logs in {battery.work}")
+
+
+def add_gpu_args(parser):
+    """bench.py's flags for the battery (gpu, gpu_prepare, gpu_probe)."""
+    g = parser.add_argument_group("gpu battery (gpu, gpu_prepare)")
+    g.add_argument("--rows", nargs="+", default=list(GPU_ROWS), help=f"gpu: rows to run, any of {', '.join(GPU_ROWS)}"
+                   " (default: all; one device call each: " + "; ".join(" ".join(c) for c in GPU_CALLS) + ")")
+    g.add_argument("--dry_run", action="store_true", help="gpu: every row at a toy size on the CPU (the demo world, "
+                   "depth 2, sequence 64); nanochat's rows run when --bench_dir holds its tree")
+    g.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu_bench", help="gpu: where gpu_bench.json and "
+                   "gpu_bench.md go (default: $OUT when set, else runs/gpu_bench; now: %(default)s)")
+    g.add_argument("--bench_dir", default=str(Path(__file__).resolve().parent / ".bench"), help="the carry folder "
+                   "gpu_prepare fills and gpu reads (default: %(default)s)")
+    g.add_argument("--nanochat_mirror", default=os.environ.get("NANOCHAT_MIRROR"), help="gpu_prepare: git directory "
+                   "of a karpathy/nanochat clone or mirror (default: $NANOCHAT_MIRROR)")
+    g.add_argument("--nanochat_commit", default=NANOCHAT_COMMIT, help="gpu_prepare: nanochat commit (default: "
+                   "%(default)s)")
+    g.add_argument("--gpu_vocab", type=int, default=GPU_VOCAB, help="gpu_prepare: vocabulary of both tokenizers "
+                   "(default: %(default)s, nanochat's)")
+    g.add_argument("--wheels_python", default="3.12", help="gpu_prepare: Python version of the GPU machine, for the "
+                   "wheels of nanochat's dependencies it may lack; none = no wheels (default: %(default)s)")
+    g.add_argument("--bpb_tokens", type=int, default=BPB_TOKENS, help="gpu: training tokens of each bpb row, the "
+                   "same at both batches (default: %(default)s = 64 steps of 2^19; the carried corpus's training "
+                   "split is ~3.6M tokens at vocab 32768, so that is ~9 epochs)")
+    g.add_argument("--merge", nargs="+", default=None, metavar="JSON", help="gpu: instead of running rows, merge "
+                   "these gpu_bench.json files (one per call) into one gpu_bench.json + gpu_bench.md in --out")
+    g.add_argument("--max_micro", type=int, default=256, help="gpu_probe: largest micro-batch tried (default: "
+                   "%(default)s)")
+
+
+if __name__ == "__main__":
+    print(__doc__)
