@@ -2,6 +2,7 @@
 tree and links are true, seed documents are named by number only in dev/LOG.md, ruff is clean, files say how to run."""
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +75,46 @@ def test_the_seed_documents_are_named_by_number_only_in_the_development_log():
     assert naming == [], f"{naming} name a seed document by number: say what it showed instead (dev/LOG.md only)"
 
 
+def documented_commands():
+    """(page, script, words before the first flag, flags) of every `python X.py ...` line in README.md and docs/*.md,
+    continuation lines joined."""
+    found = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for line in page.read_text().replace("\\\n", " ").splitlines():
+            words = line.split("#")[0].split()
+            if "python" not in words or words.index("python") + 1 >= len(words):
+                continue
+            words = words[words.index("python") + 1:]
+            if not words[0].endswith(".py") or not (ROOT / words[0]).is_file():
+                continue
+            flags = [re.match(r"--[\w-]+", w).group() for w in words if re.match(r"--[\w-]+", w)]
+            head = [w for w in words[1:] if not w.startswith("-")][:1]  # a subcommand (tokenizer.py train), if any
+            found.append((page.name, words[0], head, flags))
+    return found
+
+
+def test_every_flag_the_docs_show_is_in_that_scripts_help(capsys):
+    """A flag renamed or removed in a script, still shown in README.md or docs/, fails here: each documented command
+    line's flags are looked up in that script's --help (its subcommand's, where it has one)."""
+    import importlib
+    helps, missing = {}, []
+    for page, script, head, flags in documented_commands():
+        module = importlib.import_module(script[:-3])
+        for argv in ([*head, "--help"], ["--help"]):
+            key = (script, tuple(argv))
+            if key not in helps:
+                try:
+                    module.main(argv)
+                except SystemExit:
+                    pass
+                helps[key] = capsys.readouterr().out
+            if "usage:" in helps[key]:
+                break
+        text = helps[key]
+        missing += [f"{page}: {script} {flag}" for flag in flags if flag not in text]
+    assert len(helps) >= 10 and not missing, missing
+
+
 def test_ruff_is_clean():
     ruff = Path(sys.executable).with_name("ruff")
     result = subprocess.run([str(ruff), "check", "."], cwd=ROOT, capture_output=True, text=True, check=False)
@@ -109,7 +150,20 @@ def test_every_third_party_import_is_pinned_in_requirements():
 def test_requirements_resolve_on_python(version, requirements_resolved):
     """pip resolves requirements.txt for that Python (a dry run: metadata only, nothing installed), every pin as
     written; on 3.10 the pins whose newest releases need 3.11 take their 3.10 markers. (pip started at the session's
-    start, conftest's requirements_resolved: it waits on the network.)"""
+    start, conftest's requirements_resolved: it waits on the network.) On the Python running the suite, whose .venv
+    was installed from requirements.txt, the installed versions are checked against every pin instead: the same
+    claim, without a second resolution."""
+    if version == f"{sys.version_info.major}.{sys.version_info.minor}":
+        from importlib.metadata import version as installed
+
+        from packaging.requirements import Requirement
+        pins = [Requirement(line.split("#")[0]) for line in (ROOT / "requirements.txt").read_text().splitlines()
+                if line.split("#")[0].strip()]
+        pins = [pin for pin in pins if pin.marker is None or pin.marker.evaluate()]
+        wrong = [(pin.name, installed(pin.name)) for pin in pins
+                 if installed(pin.name).split("+")[0] not in pin.specifier]  # a local wheel: 2.13.0+cpu is 2.13.0
+        assert len(pins) == 10 and not wrong, wrong  # every package of requirements.txt, once
+        return
     skip_reason, result, report = requirements_resolved[version].result()
     if skip_reason:
         pytest.skip(skip_reason)
