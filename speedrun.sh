@@ -492,8 +492,8 @@ else
     stage core_eval "${LAUNCH[@]}" "$ROOT/core_eval.py" --checkpoint "$RUN/pretrain" --out "$RUN/core_eval" "${CORE_EXTRA[@]}"
 fi
 
-train_stage midtrain "$ROOT/midtrain.py" --init "$RUN/pretrain" "${MIDTRAIN[@]}" "${MIDTRAIN_EXTRA[@]}"
-train_stage sft "$ROOT/sft.py" --init "$RUN/midtrain" "${SFT[@]}" "${SFT_EXTRA[@]}"
+train_stage midtrain "$ROOT/midtrain.py" --checkpoint "$RUN/pretrain" "${MIDTRAIN[@]}" "${MIDTRAIN_EXTRA[@]}"
+train_stage sft "$ROOT/sft.py" --checkpoint "$RUN/midtrain" "${SFT[@]}" "${SFT_EXTRA[@]}"
 
 if [ -f "$RUN/chat_eval.json" ]; then
     skip chat_eval "$RUN/chat_eval.json exists"

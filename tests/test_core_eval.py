@@ -274,7 +274,7 @@ def test_task_with_fewer_items_than_its_fewshot_count(tmp_path):
                                    "language_understanding/pick.jsonl": jsonl(PICK), "symbolic/echo.jsonl": jsonl(ECHO)})
     with pytest.raises(ValueError, match=r"task quiz_mc: 2 items .* 2-shot prompts need at least 3"):
         E.load_tasks(root)
-    # --max_per_task below the few-shot count: the examples come from the evaluated items, here none are left
+    # --max_items below the few-shot count: the examples come from the evaluated items, here none are left
     # (nanochat's random.sample raises there, its #550); the rows report the count used
     (root / "eval_data/world_knowledge/quiz.jsonl").write_text(jsonl(QUIZ))
     tasks = E.load_tasks(root)
@@ -318,7 +318,7 @@ def test_one_and_two_processes_give_identical_results(demo):
     outputs = []
     for nproc in (1, 2):
         out = demo / f"out{nproc}"
-        result = run_core_eval(demo, ["--runs_dir", "core_runs", "--max_per_task", "9", "--batch_items", "4", "--bpb_tokens", "5000",
+        result = run_core_eval(demo, ["--runs_dir", "core_runs", "--max_items", "9", "--batch_items", "4", "--bpb_tokens", "5000",
                                       "--max_new_tokens", "4", "--out", str(out)], nproc)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
         report = json.loads((out / "results.json").read_text())

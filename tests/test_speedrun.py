@@ -51,6 +51,7 @@ def test_the_pipeline_ran_every_stage_and_the_report_shows_the_logs_figures(spee
                                                           "report"], ran
     assert f"stage data skipped: the demo world is in {demo_world / 'demo'}" in result.stdout
     assert "stage tokenizer skipped: using --tokenizer" in result.stdout
+    assert "the old name goes in the next release" not in result.stdout + result.stderr  # speedrun.sh: current flags
     md = (run / "report.md").read_text()
     times = {name: float(seconds) for name, seconds, rc in ran if rc == "0"}
     rows = {r["stage"]: r for r in table(md, "stage")}
