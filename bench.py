@@ -571,7 +571,7 @@ BENCHES = {"train": bench_train, "decode": bench_decode, "build": bench_build, "
            "quality": bench_quality}
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("which", nargs="*", default=list(BENCHES), help=f"any of {', '.join(BENCHES)} (default: all)")
     parser.add_argument("--preset", default="tiny", help="model preset for train and decode (default: %(default)s)")
@@ -595,7 +595,7 @@ def main():
     bench_gpu.add_gpu_args(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="device (default: %(default)s)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.dry_run:
         args.device = "cpu"
     device = torch.device(args.device)

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from helpers import ROOT, resolve_requirements
+from helpers import ROOT, RUNNING_PYTHON, resolve_requirements
 
 import checkpoint
 import dataset as D
@@ -176,10 +176,9 @@ def chat_chain(pipeline_started):
 def requirements_resolved(request, tmp_path_factory):
     """{Python version: a future of helpers.resolve_requirements} for each selected test_requirements_resolve_on_python,
     started now: the test only collects the result."""
-    running = f"{sys.version_info.major}.{sys.version_info.minor}"  # this Python's install is checked, not resolved
     versions = [item.callspec.params["version"] for item in request.session.items
                 if getattr(item, "originalname", None) == "test_requirements_resolve_on_python"
-                and item.callspec.params["version"] != running]
+                and item.callspec.params["version"] != RUNNING_PYTHON]  # its install is checked instead
     if not versions:
         yield {}
         return

@@ -39,6 +39,7 @@ from model import GPTConfig, build_model
 
 ROOT = Path(__file__).resolve().parent.parent
 GLOO_ABORT = "terminate called without an active exception"
+RUNNING_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"  # the Python running the suite, as "3.11"
 
 
 def run_script(script, args, cwd, nproc=1, threads=1, check=True):

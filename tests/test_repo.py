@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import RUNNING_PYTHON
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -153,7 +154,7 @@ def test_requirements_resolve_on_python(version, requirements_resolved):
     start, conftest's requirements_resolved: it waits on the network.) On the Python running the suite, whose .venv
     was installed from requirements.txt, the installed versions are checked against every pin instead: the same
     claim, without a second resolution."""
-    if version == f"{sys.version_info.major}.{sys.version_info.minor}":
+    if version == RUNNING_PYTHON:
         from importlib.metadata import version as installed
 
         from packaging.requirements import Requirement
