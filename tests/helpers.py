@@ -10,28 +10,22 @@ any test file runs alone (`pytest tests/test_X.py`). Fixtures live in conftest.p
 - a tiny model and a masked global batch whose step is exact however it is split (test_train, test_distributed,
   fsdp_worker.py), and loader batches compared (take, same);
 - the held-out demo questions the chat chain is scored on;
-- a local server in the Hugging Face hub's protocol (tree_entry, resolve_headers, serve, hub_handler with the real
-  layouts of the ChatCORE tasks in LAYOUTS), and a CORE bundle in the real format (bundle_zip)."""
-import hashlib
+- a local server in the Hugging Face hub's protocol (tree_entry, resolve_headers, serve, hub_handler: dev/
+  hub_stand_in.py's, re-exported), the real layouts of the ChatCORE tasks with hand-written rows (LAYOUTS), and a
+  small CORE bundle in the real format (bundle_zip; the stand-in's has nanochat's 22 tasks)."""
 import io
 import json
 import os
-import random
-import re
 import shutil
-import socket
-import struct
 import subprocess
 import sys
-import time
 import urllib.request
 import warnings
 import zipfile
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
 
 import torch
+from hub_stand_in import COMMIT, STALL_S, git_blob_id, hub_handler, resolve_headers, serve, tree_entry  # noqa: F401
 
 import demo
 import train_loop
@@ -204,84 +198,8 @@ def held_out_questions():
     return capitals + languages
 
 
-# --- a hub on localhost (test_download, test_chat_eval, test_speedrun)
-
-COMMIT = "c0ffee" * 6 + "c0ff"  # the X-Repo-Commit every resolve answer carries, as the hub's do
-STALL_S = 1.0  # how long a "stall" fault keeps the socket silent; that test sets the read timeout below it
-
-
-def git_blob_id(data):
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-
-
-def tree_entry(path, data):
-    """A tree API entry as the hub sends it: parquet files are LFS (sha256 in lfs.oid), others are kept in git."""
-    if path.endswith(".parquet"):
-        lfs = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
-        return {"type": "file", "path": path, "size": len(data), "oid": "1" * 40, "lfs": lfs}
-    return {"type": "file", "path": path, "size": len(data), "oid": git_blob_id(data)}
-
-
-def serve(hub, handler, name):
-    """Send hub.files[name], honouring Range, after applying the next queued fault for that file."""
-    data = hub.files[name]
-    fault = hub.faults[name].pop(0) if hub.faults.get(name) else None
-    if fault in ("500", "429"):
-        handler.send_response(int(fault))
-        handler.send_header("Retry-After", "0")
-        handler.send_header("Content-Length", "0")
-        handler.end_headers()
-        return
-    start, status = 0, 200
-    match = re.fullmatch(r"bytes=(\d+)-", handler.headers.get("Range") or "")
-    if match and fault != "norange":
-        start, status = int(match.group(1)), 206
-        if start >= len(data):
-            handler.send_response(416)
-            handler.send_header("Content-Length", "0")
-            handler.end_headers()
-            return
-    body = data[start:]
-    handler.send_response(status)
-    handler.send_header("Content-Length", str(len(body)))
-    handler.send_header("Accept-Ranges", "bytes")
-    handler.send_header("ETag", f'"{hashlib.md5(data).hexdigest()}"')  # what a CDN sends: not the sha256
-    if status == 206:
-        handler.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
-    handler.end_headers()
-    if fault == "stall":  # headers, then silence past the client's read timeout
-        time.sleep(STALL_S)
-        return
-    if fault == "flip":
-        body = body[:len(body) // 2] + bytes([body[len(body) // 2] ^ 0xFF]) + body[len(body) // 2 + 1:]
-    if fault == "garbage":
-        body = random.Random(0).randbytes(len(body))
-    if fault == "drop":  # half the body, then a reset (RST, not a clean close)
-        handler.wfile.write(body[:len(body) // 2])
-        handler.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        handler.connection.close()
-        return
-    if fault == "short":  # a clean close 100 bytes before the announced Content-Length
-        body = body[:-100]
-    handler.wfile.write(body)
-
-
-def resolve_headers(hub, handler, name):
-    """What the hub's resolve URL answers for a file, before any body: hf_hub_download's HEAD reads these."""
-    data = hub.files[name]
-    if name.endswith(".parquet"):  # an LFS file: the hub redirects to the CDN and names the sha256 and size
-        handler.send_response(302)
-        handler.send_header("Location", f"{hub.cdn_url}/cdn/{name}")
-        handler.send_header("X-Linked-Etag", f'"{hashlib.sha256(data).hexdigest()}"')
-        handler.send_header("X-Linked-Size", str(len(data)))
-        handler.send_header("Content-Length", "0")
-    else:  # a small git file: served directly, its git blob id as ETag
-        handler.send_response(200)
-        handler.send_header("ETag", f'"{git_blob_id(data)}"')
-        handler.send_header("Content-Length", str(len(data)))
-    handler.send_header("X-Repo-Commit", COMMIT)
-    handler.end_headers()
-
+# --- a hub on localhost (test_download, test_chat_eval, test_speedrun): the protocol is dev/hub_stand_in.py's, the
+# stand-in a user starts alone; here, the ChatCORE tasks' real layouts with hand-written rows
 
 def arc(q, answer, labels="ABCD"):
     return {"id": q, "question": q, "choices": {"text": [f"t{x}" for x in labels], "label": list(labels)},
@@ -310,35 +228,6 @@ LAYOUTS = {  # repo: {path: rows}; files in other configs and splits are there t
     "openai/openai_humaneval": {"openai_humaneval/test-00000-of-00001.parquet": [ADD, {**ADD,
                                                                                      "task_id": "HumanEval/1"}]},
 }
-
-
-def hub_handler(hub):
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-        def do_GET(self):
-            path = unquote(urlsplit(self.path).path)
-            hub.log.append(path)
-            if m := re.fullmatch(r"/api/datasets/([^/]+/[^/]+)/tree/main", path):
-                payload = json.dumps([tree_entry(p, d) for name, d in hub.files.items()
-                                      for p in [name[len(m.group(1)) + 1:]] if name.startswith(m.group(1) + "/")])
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                return self.wfile.write(payload.encode()) if self.command == "GET" else None
-            if (m := re.fullmatch(r"/datasets/([^/]+/[^/]+)/resolve/main/(.+)", path)) and \
-                    "/".join(m.groups()) in hub.files:  # parquet files are LFS: a redirect to the other server
-                return resolve_headers(hub, self, "/".join(m.groups()))
-            if path.startswith("/cdn/") and path[5:] in hub.files:
-                return serve(hub, self, path[5:])
-            self.send_response(404)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        do_HEAD = do_GET
-    return Handler
 
 
 # --- a CORE bundle in the real format (test_core_eval, test_speedrun)

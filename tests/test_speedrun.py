@@ -15,11 +15,8 @@ import time
 import pytest
 import torch
 from helpers import (
-    LAYOUTS,
     ROOT,
-    bundle_zip,
     held_out_questions,
-    hub_handler,
     processes_mentioning,
     run_speedrun,
 )
@@ -469,62 +466,23 @@ def test_a_half_installed_venv_is_repaired_and_a_completed_install_is_recorded(t
 
 def test_the_gpu_plans_data_path_against_a_stand_in_hub_then_offline(tmp_path, monkeypatch):
     """The gpu plan's data section on the CPU (--gpus 1 with a stand-in probe; nothing trains: --stop_after), against
-    one local server speaking the hub's protocol for FineWeb, the two chat sources and the four ChatCORE repos, and a
-    second serving the CORE bundle:
+    dev/hub_stand_in.py (FineWeb, the chat sources, the ChatCORE repos and the CORE bundle, one server):
     - a chat source missing from the hub stops the run at the preflight, before the tokenizer;
     - the shard count comes from the budget and the first shard's tokens (here 7.5 shards' worth: 8, plus one
       spare, one more than the tokenizer's 8), and the chat data, the ChatCORE tasks and the CORE bundle are all
       fetched before --stop_after download returns;
-    - with both servers stopped, the same command succeeds again from disk."""
+    - with the server stopped, the same command succeeds again from disk."""
     import hashlib
     import math
-    import threading
-    from http.server import ThreadingHTTPServer
-    from types import SimpleNamespace
 
-    import pyarrow as pa
+    import hub_stand_in
     import pyarrow.parquet as pq
 
     import model as M
-    rng = __import__("random").Random(0)
-    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 8))) for _ in range(400)]
-    files = {}
-
-    def put(name, table):
-        pq.write_table(table, tmp_path / "tmp.parquet")
-        files[name] = (tmp_path / "tmp.parquet").read_bytes()
-    for i in range(10):  # 9 training shards and the validation shard
-        put(f"karpathy/fineweb-edu-100b-shuffle/shard_{i:05d}.parquet",
-            pa.table({"text": [" ".join(rng.choice(words) for _ in range(rng.randint(10, 30))) for _ in range(300)]}))
-    conv = [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]] * 3
-    chat = {"HuggingFaceTB/smoltalk/data/all/train-00000-of-00001.parquet": conv,
-            "HuggingFaceTB/smoltalk/data/all/test-00000-of-00001.parquet": conv,
-            "HuggingFaceH4/ultrachat_200k/data/train_sft-00000-of-00001.parquet": conv,
-            "HuggingFaceH4/ultrachat_200k/data/test_sft-00000-of-00001.parquet": conv}
-    for name, rows in chat.items():
-        put(name, pa.table({"messages": rows}))
-    for repo, layout in LAYOUTS.items():
-        for path, rows in layout.items():
-            put(f"{repo}/{path}", pa.Table.from_pylist(rows))
-    # the training splits SFT and midtraining read beside them (ARC-Easy's is in LAYOUTS)
-    task_train = {"cais/mmlu/all/auxiliary_train-00000-of-00001.parquet": [{"train": {
-                      "question": "q?", "subject": "s", "choices": ["a", "b", "c", "d"], "answer": 1}}],
-                  "allenai/ai2_arc/ARC-Challenge/train-00000-of-00001.parquet": [{
-                      "id": "c", "question": "q?", "choices": {"text": ["a", "b"], "label": ["A", "B"]},
-                      "answerKey": "B"}],
-                  "openai/gsm8k/main/train-00000-of-00001.parquet": [{"question": "q?",
-                                                                      "answer": "1 + 1 = <<1+1=2>>2\n#### 2"}]}
-    for name, rows in task_train.items():
-        put(name, pa.Table.from_pylist(rows))
-    hub = SimpleNamespace(files=files, faults={}, log=[])
-    bundle = bundle_zip()
-    servers = [ThreadingHTTPServer(("127.0.0.1", 0), hub_handler(hub)) for _ in range(3)]  # hub, "CDN", bundle
-    for server in servers:
-        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    url, hub.cdn_url, bundle_url = (f"http://127.0.0.1:{s.server_address[1]}" for s in servers)
-    hub.files["eval_bundle.zip"] = bundle  # the third server answers /cdn/eval_bundle.zip with it
+    hub, servers, url = hub_stand_in.start()
+    files = hub.files
     env = {"HF_ENDPOINT": url, "NO_PROXY": "127.0.0.1", "HF_HOME": str(tmp_path / "hf"), "SPEEDRUN_PROBE_CMD": "exit 0",
-           "NANOCHAT_CACHE": str(tmp_path / "cache"), "CORE_ARGS": f"--bundle {bundle_url}/cdn/eval_bundle.zip"}
+           "NANOCHAT_CACHE": str(tmp_path / "cache"), "CORE_ARGS": f"--bundle {url}/eval_bundle.zip"}
     monkeypatch.delenv("HF_TOKEN", raising=False)
     corpus = tmp_path / "corpus"
     args = ["--plan", "gpu", "--gpus", "1", "--runs_dir", tmp_path / "runs", "--data_dir", corpus, "--vocab_size",
@@ -552,7 +510,7 @@ def test_the_gpu_plans_data_path_against_a_stand_in_hub_then_offline(tmp_path, m
         assert f"data plan shards: {want}\n" in second.stdout and want == 9
         assert sorted(p.name for p in corpus.glob("*.parquet")) == [f"shard_{i:05d}.parquet"
                                                                     for i in [*range(want), 9]]
-        for name, count in (("smoltalk", 2), ("ultrachat", 2), ("mmlu", 1), ("arc-easy", 1), ("arc-challenge", 1),
+        for name, count in (("smoltalk", 3), ("ultrachat", 2), ("mmlu", 1), ("arc-easy", 1), ("arc-challenge", 1),
                             ("gsm8k", 1), ("identity", 1)):
             assert len(list((tmp_path / "cache" / "chat" / name).glob("*.parquet"))) == count, name
         for task in ("ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval"):
@@ -561,9 +519,7 @@ def test_the_gpu_plans_data_path_against_a_stand_in_hub_then_offline(tmp_path, m
         assert "stopping after download (--stop_after): every shard and the chat and evaluation data are in" in \
             second.stdout
     finally:
-        for server in servers:
-            server.shutdown()
-            server.server_close()
+        hub_stand_in.stop(servers)
     hub.log.clear()
     offline = run_speedrun([*args, "--stop_after", "download"], tmp_path, env)
     assert offline.returncode == 0, offline.stdout[-3000:] + offline.stderr[-3000:]
