@@ -63,10 +63,8 @@ def get_args(argv=None):
                    "%(default)s)")
     g.add_argument("--loader_threads", type=int, default=0, help="tokenizer threads per loader; 0 = 1 when training "
                    "on the CPU, else the cores per process (default: %(default)s)")
-    g = p.add_argument_group("budget: exactly one of")
-    budget = g.add_mutually_exclusive_group()
-    budget.add_argument("--steps", type=int, help="optimizer steps")
-    budget.add_argument("--tokens", type=float, help="tokens over all ranks")
+    g = p.add_argument_group("budget: one of; given both, the last one is in force")
+    train_loop.add_budget_args(g, [("steps", int, "optimizer steps"), ("tokens", float, "tokens over all ranks")])
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval_every", type=int, default=250, help="validation loss + greedy answers every N steps; 0 = "
                    "only at the end (default: %(default)s)")
@@ -80,8 +78,11 @@ def get_args(argv=None):
     validation.add_forgetting_args(p)
     checkpoint.add_init_args(p, ["pretrain"])
     args = parse_args(p, common.renamed_flags(argv, {"--init": "--checkpoint", "--question": "--sample_prompt"}))
-    if args.status is None and (args.steps is None) == (args.tokens is None):
-        p.error("give exactly one budget: --steps or --tokens")
+    if args.status is None:
+        try:
+            args.budget_line = train_loop.resolve_budget(args, ["steps", "tokens"])
+        except ValueError as e:
+            p.error(str(e))
     return p, args
 
 
@@ -166,6 +167,7 @@ def main(argv=None):
               f"accumulation {accum} = {tokens_per_step:,}")
         print("mixture (share of tokens): " + ", ".join(f"{s['name']} {s['share']:.0%} ({s['path']})" for s in sources)
               + f"; loss on {args.supervise} conversation tokens")
+        print(args.budget_line)
         print(f"budget: {total_steps:,} steps, {total_steps * tokens_per_step:,} tokens")
         print(f"code: commit {run['code']['commit']}, uncommitted changes: {run['code']['dirty']}")
         print(optim.precision_line(args, device, optimizers))

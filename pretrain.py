@@ -57,12 +57,12 @@ def get_args(argv=None):
                    "exit; needs --total_batch_tokens (default: off)")
     g.add_argument("--loader_threads", type=int, default=0, help="tokenizer threads per loader; 0 = 1 when training "
                    "on the CPU (its cores do the training), else the cores per process (default: %(default)s)")
-    g = p.add_argument_group("budget: exactly one of")
-    budget = g.add_mutually_exclusive_group()
-    budget.add_argument("--steps", type=int, help="optimizer steps")
-    budget.add_argument("--target_flops", type=float, help="total training FLOPs (model.py's FLOPs/token x tokens)")
-    budget.add_argument("--tokens_per_param", type=float, help="tokens per parameter, value-embedding tables not "
-                        "counted (Chinchilla: 20)")
+    g = p.add_argument_group("budget: one of; given several, the last one is in force (a later --steps replaces a "
+                             "plan's --tokens_per_param)")
+    train_loop.add_budget_args(g, [("steps", int, "optimizer steps"),
+                                   ("target_flops", float, "total training FLOPs (model.py's FLOPs/token x tokens)"),
+                                   ("tokens_per_param", float, ("tokens per parameter, value-embedding tables not "
+                                                                 "counted (Chinchilla: 20)"))])
     g = p.add_argument_group("batch and precision")
     g.add_argument("--total_batch_tokens", type=int, default=None, help="tokens per optimizer step over all ranks "
                    "(default: micro_batch x sequence_len x world size, no accumulation)")
@@ -82,8 +82,11 @@ def get_args(argv=None):
     checkpoint.add_run_args(p, "pretrain")
     optim.add_schedule_args(p)
     args = parse_args(p, common.renamed_flags(argv, {"--eval_tokens": "--bpb_tokens", "--prompt": "--sample_prompt"}))
-    if args.status is None and sum(x is not None for x in (args.steps, args.target_flops, args.tokens_per_param)) != 1:
-        p.error("give exactly one budget: --steps, --target_flops or --tokens_per_param")
+    if args.status is None:
+        try:
+            args.budget_line = train_loop.resolve_budget(args, ["steps", "target_flops", "tokens_per_param"])
+        except ValueError as e:
+            p.error(str(e))
     if args.matrix_lr is None:
         args.matrix_lr = 0.02 if args.optimizer == "muon" else 0.003
     return p, args
@@ -95,6 +98,7 @@ def data_plan(args, config, tokenizer):
     if not args.total_batch_tokens:
         raise ValueError("--data_plan needs --total_batch_tokens (the tokens per step the run will use)")
     steps = plan_steps(args, config, args.total_batch_tokens)
+    print(args.budget_line)
     budget = steps * args.total_batch_tokens
     first = split_shards(args.data_dir, "train")[0]
     per_shard, docs = shard_tokens(first, tokenizer)
@@ -217,6 +221,7 @@ def main(argv=None):
         print(sharding)
         print(f"batch: tokens per step = micro_batch {micro} x sequence_len {seq_len} x world size {world} x "
               f"accumulation {accum} = {tokens_per_step:,}")
+        print(args.budget_line)
         print(f"budget: {total_steps:,} steps, {total_steps * tokens_per_step:,} tokens, "
               f"{fpt * total_steps * tokens_per_step:.3e} FLOPs, {total_steps * tokens_per_step / counted:.2f} tokens per "
               f"parameter (value-embedding tables not counted)")

@@ -58,11 +58,9 @@ def get_args(argv=None):
                    "%(default)s)")
     g.add_argument("--loader_threads", type=int, default=0, help="tokenizer threads per loader; 0 = 1 when training "
                    "on the CPU, else the cores per process (default: %(default)s)")
-    g = p.add_argument_group("budget: one of")
-    budget = g.add_mutually_exclusive_group()
-    budget.add_argument("--epochs", type=float, default=None, help="passes over the mixture (default: 1, as "
-                        "nanochat)")
-    budget.add_argument("--steps", type=int, help="optimizer steps")
+    g = p.add_argument_group("budget: one of; given both, the last one is in force")
+    train_loop.add_budget_args(g, [("epochs", float, "passes over the mixture (default: 1, as nanochat)"),
+                                   ("steps", int, "optimizer steps")])
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval_every", type=int, default=100, help="validation loss + greedy answers every N steps; 0 = "
                    "only at the end (default: %(default)s)")
@@ -76,8 +74,8 @@ def get_args(argv=None):
     validation.add_forgetting_args(p)
     checkpoint.add_init_args(p, ["midtrain", "pretrain"])
     args = parse_args(p, common.renamed_flags(argv, {"--init": "--checkpoint", "--question": "--sample_prompt"}))
-    if args.epochs is None and args.steps is None:
-        args.epochs = 1.0
+    if args.status is None:
+        args.budget_line = train_loop.resolve_budget(args, ["epochs", "steps"], default=("epochs", 1.0))
     if args.chat_dir and args.source:
         p.error("give --chat_dir or --source, not both")
     try:
@@ -156,6 +154,7 @@ def main(argv=None):
         print(f"batch: tokens per step = micro_batch {micro} x sequence_len {seq_len} x world size {world} x "
               f"accumulation {accum} = {tokens_per_step:,} (padding included)")
         print("mixture (passes per epoch): " + ", ".join(f"{path} x{epochs}" for path, epochs in args.sources))
+        print(args.budget_line)
         print(f"budget: {total_steps:,} steps" + (f" = {args.epochs:g} epochs of {epoch_batches:,} batches"
                                                   if args.epochs else ""))
         print(f"code: commit {run['code']['commit']}, uncommitted changes: {run['code']['dirty']}")

@@ -109,6 +109,45 @@ class StopSignal:
 
 
 # -----------------------------------------------------------------------------
+# Budget flags: a stage takes several (--steps, --tokens, --epochs, ...); the last one given on the command line is in
+# force, as the last of a repeated flag wins, so an override appended to a plan's command line (speedrun.sh's
+# PRETRAIN_ARGS="--steps 100" after the plan's --tokens_per_param 20) replaces the plan's budget instead of failing
+
+class BudgetFlag(argparse.Action):
+    """Stores a budget flag's value and its place among the budget flags given (args.budget_order, last: in force)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.budget_order = [d for d in getattr(namespace, "budget_order", None) or [] if d != self.dest] + \
+            [self.dest]
+
+
+def add_budget_args(group, flags):
+    """flags: [(name, type, help)]; each a BudgetFlag in the argparse group."""
+    for name, kind, text in flags:
+        group.add_argument(f"--{name}", type=kind, action=BudgetFlag, help=text)
+
+
+def resolve_budget(args, names, default=None):
+    """Keep the budget flag given last (of `names`) and set the others to None; with none given, `default` (name,
+    value), or an error naming the flags. Returns the line that says which budget is in force and what it replaced."""
+    given = [d for d in getattr(args, "budget_order", None) or [] if d in names]
+    if not given and default is None:
+        raise ValueError("give a budget: " + " or ".join(f"--{n}" for n in names))
+    used = given[-1] if given else default[0]
+    if not given:
+        setattr(args, *default)
+    replaced = [f"--{d} {getattr(args, d):g}" for d in given[:-1]]
+    for d in names:
+        if d != used:
+            setattr(args, d, None)
+    args.budget_order = [used]
+    why = (f", given after {' and '.join(replaced)}, which it replaces (the last budget flag given wins)" if replaced
+           else "" if given else " (the default: no budget flag given)")
+    return f"budget in force: --{used} {getattr(args, used):g}{why}"
+
+
+# -----------------------------------------------------------------------------
 # Batch planning: the micro-batch that fits, and the accumulation steps that make up the global batch
 
 MAX_MICRO_BATCH = 1024  # the probe's ceiling without --total_batch_tokens: sequences per rank per forward
