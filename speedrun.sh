@@ -3,6 +3,7 @@
 #
 #   bash speedrun.sh                    # gpu plan with CUDA GPUs, else the offline demo plan on the CPU
 #   bash speedrun.sh --plan demo --no_chat
+#   bash speedrun.sh --rehearse         # every stage of the plan for a few steps or items, in minutes
 #   bash speedrun.sh --help             # every flag with its default
 #
 # Each stage is one of this repository's scripts, run under torchrun with one process per GPU (one on the CPU), in
@@ -12,7 +13,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")" && pwd)  # the scripts; relative paths (--runs_dir, --data_dir) are the caller's
 
 PLAN=auto DEPTH=20 RUN_NAME=speedrun DATA_DIR="" GPUS=auto NO_CHAT=0 RUNS_DIR=runs FORCE=0 TOKENIZER=""
-SHARDS="" STOP_AFTER="" PROBE_ONLY=0 VOCAB=""
+SHARDS="" STOP_AFTER="" PROBE_ONLY=0 VOCAB="" REHEARSE=0 NO_REHEARSE=0
 # the conversation datasets the gpu plan's midtraining and SFT read (dataset.py download-chat names): checked and
 # fetched at the start, with the CORE bundle and the ChatCORE tasks, so a gated or missing one fails in minutes
 CHAT_SOURCES=(smoltalk ultrachat mmlu arc-easy arc-challenge gsm8k identity)
@@ -37,6 +38,11 @@ usage: bash speedrun.sh [flags]
   --stop_after STAGE  stop after this stage: data tokenizer download pretrain core_eval midtrain sft chat_eval
                       report (download: gpu plan, every shard and the prefetched chat and evaluation data are in)
   --no_chat           do not start chat.py at the end (it starts only when stdin is a terminal anyway)
+  --rehearse          run every stage of the plan with its own command lines, data and world size, on a tiny budget
+                      (a few steps or items each), into <run_name>-rehearsal; it ends with the report and one chat.py
+                      answer and prints each stage's time. Without CUDA, --gpus N rehearses the gpu plan on N CPU
+                      processes (gloo), its sequences cut to 128 tokens (the same sequences per step)
+  --no_rehearse       gpu plan: skip the rehearsal it runs before pretraining (default: rehearse once per run)
   --force             start although other processes hold the GPUs
   --probe_only        run the NCCL check, record the transport and its measured bandwidth, and exit
   -h, --help          this text
@@ -70,6 +76,8 @@ while [ $# -gt 0 ]; do
         --no_chat) NO_CHAT=1; shift ;;
         --force) FORCE=1; shift ;;
         --probe_only) PROBE_ONLY=1; shift ;;
+        --rehearse) REHEARSE=1; shift ;;
+        --no_rehearse) NO_REHEARSE=1; shift ;;
         -h|--help) usage; exit 0 ;;
         *) echo "speedrun.sh: error: unknown flag $1 (bash speedrun.sh --help lists them)" >&2; exit 2 ;;
     esac
@@ -78,10 +86,16 @@ case "$PLAN" in auto|gpu|demo) ;; *) echo "speedrun.sh: error: --plan $PLAN: use
 case "$STOP_AFTER" in ""|data|tokenizer|download|pretrain|core_eval|midtrain|sft|chat_eval|report) ;;
     *) echo "speedrun.sh: error: --stop_after $STOP_AFTER: not a stage (bash speedrun.sh --help)" >&2; exit 2 ;; esac
 
+REAL_RUN_NAME=$RUN_NAME
+[ "$REHEARSE" = 1 ] && RUN_NAME="$RUN_NAME-rehearsal"  # never mixed with the real run's outputs
 RUN="$RUNS_DIR/$RUN_NAME"
 LOGS="$RUN/logs"
+REDONE=""  # a rehearsal that passed is redone from the start (it checks this code); an interrupted one resumes
+if [ "$REHEARSE" = 1 ] && [ -f "$RUN/rehearsed.json" ]; then rm -rf -- "$RUN"; REDONE=1; fi
 mkdir -p "$LOGS"
 say() { echo "speedrun: $*" | tee -a "$LOGS/speedrun.log"; }
+[ -n "$REDONE" ] && say "rehearsing again from the start: $RUN held a rehearsal that passed (now deleted)"
+STAGES_BEFORE=$({ cat "$LOGS/stages.tsv" 2>/dev/null || true; } | wc -l)  # this invocation's stages follow
 
 # --- process hygiene: every stage runs in its own process group and carries this run's mark in its environment
 # (SPEEDRUN_MARK, inherited by everything it starts: torchrun's workers too, whose sessions are their own and which
@@ -198,7 +212,7 @@ run_stage() {
         echo "speedrun: stage $name failed (exit $rc); log: $log" >&2
         exit "$rc"
     fi
-    say "stage $name done"
+    say "stage $name done in $(tail -n 1 "$LOGS/stages.tsv" | cut -f2) s"
 }
 SPEEDRUN_AWK_FLAGS=""  # mawk reads a pipe in large blocks unless told to read it line by line
 if awk -W version 2>&1 | grep -q mawk; then SPEEDRUN_AWK_FLAGS="-W interactive"; fi
@@ -290,8 +304,15 @@ if [ "$GPUS" = auto ]; then
     fi
 fi
 [ "$PLAN" = auto ] && { [ "$GPUS" -gt 0 ] && PLAN=gpu || PLAN=demo; }
-if [ "$PLAN" = gpu ] && [ "$GPUS" -lt 1 ] && [ "$PROBE_ONLY" = 0 ]; then
-    echo "speedrun.sh: error: --plan gpu needs CUDA GPUs and torch sees none; use --plan demo on the CPU" >&2
+# only a rehearsal runs the gpu plan on the CPU: there --gpus N without CUDA means N CPU processes on gloo
+ON_CPU=0
+if [ "$PLAN" = gpu ] && [ "$REHEARSE" = 1 ] &&
+    { [ "$GPUS" = 0 ] || [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" = 0 ]; }; then
+    ON_CPU=1
+fi
+if [ "$PLAN" = gpu ] && [ "$GPUS" -lt 1 ] && [ "$PROBE_ONLY" = 0 ] && [ "$REHEARSE" = 0 ]; then
+    echo "speedrun.sh: error: --plan gpu needs CUDA GPUs and torch sees none; use --plan demo on the CPU (or" \
+        "--rehearse --gpus N: the gpu plan's rehearsal on N CPU processes)" >&2
     exit 2
 fi
 if [ "$PLAN" = demo ] && [ "$STOP_AFTER" = download ]; then
@@ -300,7 +321,8 @@ if [ "$PLAN" = demo ] && [ "$STOP_AFTER" = download ]; then
 fi
 NPROC=$((GPUS > 0 ? GPUS : 1))
 LAUNCH=("$PY" -m torch.distributed.run --standalone "--nproc_per_node=$NPROC")
-say "plan $PLAN, run $RUN, $NPROC process(es) per stage ($([ "$GPUS" -gt 0 ] && echo "$GPUS GPUs" || echo CPU))," \
+say "plan $PLAN$([ "$REHEARSE" = 1 ] && echo " (rehearsal)"), run $RUN, $NPROC process(es) per stage" \
+    "($([ "$GPUS" -gt 0 ] && [ "$ON_CPU" = 0 ] && echo "$GPUS GPUs" || echo CPU))," \
     "commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)"
 
 # --- NCCL: a 4-byte and a timed gradient-bucket-sized all-reduce before training; on a hang or failure, the safe
@@ -327,7 +349,7 @@ probe() {  # the probe in its own process group under a hard timeout; its status
     return "$rc"
 }
 use_safe_flags() { local kv; for kv in $SAFE_FLAGS; do export "${kv?}"; done; }
-if [ "$GPUS" -eq 0 ]; then
+if [ "$GPUS" -eq 0 ] || [ "$ON_CPU" = 1 ]; then
     TRANSPORT="gloo (cpu)"
 elif [ "${NCCL_SAFE:-0}" = 1 ]; then
     use_safe_flags
@@ -361,6 +383,28 @@ split_args MIDTRAIN_EXTRA "${MIDTRAIN_ARGS:-}"
 split_args SFT_EXTRA "${SFT_ARGS:-}"
 split_args CORE_EXTRA "${CORE_ARGS:-}"
 split_args CHAT_EVAL_EXTRA "${CHAT_EVAL_ARGS:-}"
+
+# --- a rehearsal: every stage with the plan's own command line, data and world size, and a tiny budget appended last
+# (the last of a repeated flag wins): a few steps, items or checkpoints each, so that a bug in any stage shows in
+# minutes instead of after hours of pretraining
+R_DATA=() R_TOK=() R_PRETRAIN=() R_SHAPE=() R_CORE=() R_MIDTRAIN=() R_SFT=() R_CHAT_EVAL=()
+REHEARSAL_STEPS=(3 3 3)  # pretrain, midtrain, sft: each saves a checkpoint at step 2 and at its end
+REHEARSAL_PROMPT="Why do plants need light?"
+if [ "$REHEARSE" = 1 ]; then
+    R_DATA=(--shards 2)  # the first shard (the tokenizer's and the data plan's) and one more; the data plan asks
+    R_TOK=(--max_chars 20000000)
+    R_PRETRAIN=(--steps "${REHEARSAL_STEPS[0]}" --eval_every 0 --ckpt_every 2 --keep 1 --bpb_tokens 32768)
+    R_MIDTRAIN=(--steps "${REHEARSAL_STEPS[1]}" --eval_every 0 --eval_rows 16 --ckpt_every 2 --keep 1)
+    R_SFT=(--steps "${REHEARSAL_STEPS[2]}" --eval_every 0 --eval_rows 16 --ckpt_every 2 --keep 1)
+    R_CORE=(--max_items 4 --bpb_tokens 32768)
+    R_CHAT_EVAL=(--max_items 2 --max_new_tokens 32)
+    # the gpu plan on CPU processes: the plan's 256 sequences a step, each 128 tokens instead of 2048 (midtraining's
+    # streams per rank are the same at any micro-batch); the later stages inherit the shape
+    [ "$ON_CPU" = 1 ] && R_SHAPE=(--sequence_len 128 --total_batch_tokens 32768)
+    say "rehearsal: pretrain ${REHEARSAL_STEPS[0]} steps, midtrain ${REHEARSAL_STEPS[1]}, sft ${REHEARSAL_STEPS[2]}" \
+        "(a checkpoint every 2), CORE ${R_CORE[1]} items a task, ChatCORE ${R_CHAT_EVAL[1]}" \
+        "$([ "$ON_CPU" = 1 ] && echo "; on the CPU: ${R_SHAPE[*]}")"
+fi
 
 # a training stage: skipped when its done.json exists, resumed when it has a checkpoint, else started
 train_stage() {  # NAME SCRIPT ARGS...
@@ -426,7 +470,7 @@ else
     BG_PGIDS+=("$PREFETCH_PID")
     # 8 shards first (what the tokenizer trains on, and what the budget's shard count is measured on). A complete
     # shard is never fetched again.
-    stage data "$PY" "$ROOT/dataset.py" download --shards 8 --data_dir "$CORPUS"
+    stage data "$PY" "$ROOT/dataset.py" download --shards 8 --data_dir "$CORPUS" "${R_DATA[@]}"
 fi
 if [ -n "$TOKENIZER" ]; then
     TOK=$TOKENIZER
@@ -436,14 +480,14 @@ elif [ -f "$RUN/tokenizer/tokenizer.json" ]; then
     skip tokenizer "$TOK/tokenizer.json exists"
 else
     TOK="$RUN/tokenizer"
-    stage tokenizer "$PY" "$ROOT/tokenizer.py" train --data_dir "$CORPUS" --vocab_size "$VOCAB" --out "$TOK"
+    stage tokenizer "$PY" "$ROOT/tokenizer.py" train --data_dir "$CORPUS" --vocab_size "$VOCAB" --out "$TOK" "${R_TOK[@]}"
 fi
 GPU_BUDGET=(--preset "d$DEPTH" --tokens_per_param 20 --total_batch_tokens 524288)  # the gpu plan's pretraining
 if [ "$PLAN" = gpu ]; then
     # the shards the budget needs (a deeper model needs more: d24 about 340, d26 about 415), measured with this
     # tokenizer; the same step checks the free disk against the shards and the checkpoints to come
     stage data_plan "$PY" "$ROOT/pretrain.py" --data_plan --data_dir "$CORPUS" --tokenizer "$TOK" --runs_dir "$RUN" \
-        "${GPU_BUDGET[@]}" "${PRETRAIN_EXTRA[@]}"
+        "${GPU_BUDGET[@]}" "${PRETRAIN_EXTRA[@]}" "${R_PRETRAIN[@]}" "${R_SHAPE[@]}"
     NEEDED=$(sed -n 's/^data plan shards: \([0-9]*\)$/\1/p' "$LOGS/data_plan.log" | tail -1)
     if [ -z "$SHARDS" ]; then
         SHARDS=$NEEDED
@@ -478,31 +522,73 @@ else
     MIDTRAIN=(--tokens 500000000 --ckpt_every 1000)
     SFT=(--epochs 1 --ckpt_every 1000)  # sft.py's mixture: SmolTalk, MMLU x3, GSM8K x4, ARC, identity
     CHAT_EVAL=(--demo none)
-    say "plan: d$DEPTH ('python model.py --preset d$DEPTH' for its parameters), 20 tokens per parameter at 524,288" \
-        "tokens a step on $GPUS GPUs; pretrain.py prints the parameters, tokens and steps before step 1, and" \
-        "this script the expected time measured after the first timed steps"
+    if [ "$REHEARSE" = 1 ]; then
+        say "plan: d$DEPTH ('python model.py --preset d$DEPTH' for its parameters) on $NPROC" \
+            "$([ "$ON_CPU" = 1 ] && echo "CPU processes" || echo GPUs), the rehearsal's budget appended to each stage"
+    else
+        say "plan: d$DEPTH ('python model.py --preset d$DEPTH' for its parameters), 20 tokens per parameter at" \
+            "524,288 tokens a step on $GPUS GPUs; pretrain.py prints the parameters, tokens and steps before step 1," \
+            "and this script the expected time measured after the first timed steps"
+    fi
 fi
 
-train_stage pretrain "$ROOT/pretrain.py" --data_dir "$CORPUS" --tokenizer "$TOK" "${PRETRAIN[@]}" "${PRETRAIN_EXTRA[@]}"
+# --- the gpu plan rehearses before its pretraining: every stage for a few steps or items, with this tokenizer, data
+# and GPUs, into <run_name>-rehearsal (once: a run whose pretraining has started, or whose rehearsal passed, does not
+# rehearse again); its checkpoints are deleted after it passes (the real run needs the disk)
+if [ "$PLAN" = gpu ] && [ "$REHEARSE" = 0 ]; then
+    REHEARSAL_RUN="$RUNS_DIR/$RUN_NAME-rehearsal"
+    if [ "$NO_REHEARSE" = 1 ]; then
+        skip rehearsal "--no_rehearse"
+    elif [ -f "$REHEARSAL_RUN/rehearsed.json" ]; then
+        skip rehearsal "it passed before ($REHEARSAL_RUN/rehearsed.json)"
+    elif [ -d "$RUN/pretrain" ]; then
+        skip rehearsal "pretraining has started already"
+    else
+        wait_prefetch " before the rehearsal"  # the rehearsal's midtraining reads the chat data
+        stage rehearsal env SPEEDRUN_PYTHON="$PY" bash "$ROOT/speedrun.sh" --rehearse --no_chat --plan gpu \
+            --depth "$DEPTH" --run_name "$RUN_NAME" --runs_dir "$RUNS_DIR" --data_dir "$CORPUS" --gpus "$GPUS" \
+            --tokenizer "$TOK" $([ "$FORCE" = 1 ] && echo --force)
+        freed=$(du -sch "$REHEARSAL_RUN"/*/ckpt 2>/dev/null | tail -1 | cut -f1)
+        rm -rf "$REHEARSAL_RUN"/*/ckpt
+        say "the rehearsal cost $(tail -n 1 "$LOGS/stages.tsv" | cut -f2) s before pretraining; every stage passed" \
+            "($REHEARSAL_RUN/report.md; its checkpoints deleted: ${freed:-0})"
+    fi
+fi
+
+train_stage pretrain "$ROOT/pretrain.py" --data_dir "$CORPUS" --tokenizer "$TOK" "${PRETRAIN[@]}" "${PRETRAIN_EXTRA[@]}" \
+    "${R_PRETRAIN[@]}" "${R_SHAPE[@]}"
 
 wait_prefetch ""
 if [ -f "$RUN/core_eval/results.json" ]; then
     skip core_eval "$RUN/core_eval/results.json exists"
 else
-    stage core_eval "${LAUNCH[@]}" "$ROOT/core_eval.py" --checkpoint "$RUN/pretrain" --out "$RUN/core_eval" "${CORE_EXTRA[@]}"
+    stage core_eval "${LAUNCH[@]}" "$ROOT/core_eval.py" --checkpoint "$RUN/pretrain" --out "$RUN/core_eval" "${CORE_EXTRA[@]}" \
+        "${R_CORE[@]}"
 fi
 
-train_stage midtrain "$ROOT/midtrain.py" --checkpoint "$RUN/pretrain" "${MIDTRAIN[@]}" "${MIDTRAIN_EXTRA[@]}"
-train_stage sft "$ROOT/sft.py" --checkpoint "$RUN/midtrain" "${SFT[@]}" "${SFT_EXTRA[@]}"
+train_stage midtrain "$ROOT/midtrain.py" --checkpoint "$RUN/pretrain" "${MIDTRAIN[@]}" "${MIDTRAIN_EXTRA[@]}" "${R_MIDTRAIN[@]}"
+train_stage sft "$ROOT/sft.py" --checkpoint "$RUN/midtrain" "${SFT[@]}" "${SFT_EXTRA[@]}" "${R_SFT[@]}"
 
 if [ -f "$RUN/chat_eval.json" ]; then
     skip chat_eval "$RUN/chat_eval.json exists"
 else
     stage chat_eval "${LAUNCH[@]}" "$ROOT/chat_eval.py" --checkpoint "$RUN/sft" --out "$RUN/chat_eval.json" \
-        "${CHAT_EVAL[@]}" "${CHAT_EVAL_EXTRA[@]}"
+        "${CHAT_EVAL[@]}" "${CHAT_EVAL_EXTRA[@]}" "${R_CHAT_EVAL[@]}"
 fi
 
 stage report "$PY" "$ROOT/report.py" "$RUN"
+
+if [ "$REHEARSE" = 1 ]; then  # one answer of the final model, the stages' times, and the record that it passed
+    stage chat "$PY" "$ROOT/chat.py" --runs_dir "$RUN" -p "$REHEARSAL_PROMPT" --temperature 0 --max_new_tokens 32
+    say "rehearsal passed in $SECONDS s; each stage's time (s):"
+    tail -n "+$((STAGES_BEFORE + 1))" "$LOGS/stages.tsv" | awk -F '\t' '{ printf "  %-15s %8s\n", $1, $2 }' |
+        tee -a "$LOGS/speedrun.log"
+    tail -n "+$((STAGES_BEFORE + 1))" "$LOGS/stages.tsv" | awk -F '\t' -v s="$SECONDS" -v n="$NPROC" -v p="$PLAN" \
+        -v c="$ON_CPU" 'BEGIN { printf "{\"plan\": \"%s\", \"processes\": %d, \"cpu\": %s, \"seconds\": %d, " \
+        "\"stages\": {", p, n, c ? "true" : "false", s }
+        { printf "%s\"%s\": %s", (NR > 1 ? ", " : ""), $1, $2 } END { print "}}" }' > "$RUN/rehearsed.json"
+    exit 0
+fi
 
 if [ "$NO_CHAT" = 0 ] && [ -t 0 ] && [ -t 1 ]; then
     say "chat: $PY $ROOT/chat.py --runs_dir $RUN (Ctrl-D or /quit to leave)"
