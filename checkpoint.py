@@ -48,7 +48,9 @@ def rng_state():
     return {"python": list(random.getstate()[1]), "python_pos": random.getstate()[2],
             "numpy_key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
             "numpy_pos": np_state["state"]["pos"], "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+            # this rank's own GPU only: all visible GPUs' states (get_rng_state_all) made a resume on a box with fewer
+            # GPUs index past the last one (IndexError)
+            "cuda_device": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
 
 def set_rng_state(s):
@@ -57,8 +59,14 @@ def set_rng_state(s):
                                                                "pos": s["numpy_pos"]},
                          "has_gauss": 0, "gauss": 0.0})
     torch.set_rng_state(s["torch"])
-    if s["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
+    if not torch.cuda.is_available():
+        return
+    if s.get("cuda_device") is not None:
+        torch.cuda.set_rng_state(s["cuda_device"])  # this rank's device (setup_distributed made it the current one)
+    elif s.get("cuda"):  # written before: every visible GPU's state; this rank's device's is the one at its index
+        device = torch.cuda.current_device()
+        if device < len(s["cuda"]):
+            torch.cuda.set_rng_state(s["cuda"][device])
 
 
 def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank, keep, consolidate=False, delay_s=0):

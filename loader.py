@@ -31,12 +31,39 @@ REPORT_SKIPPED = 5  # the first few conversations skipped as bad input are print
 
 def assign_units(files, rank, world_size):
     """What rank `rank` of `world_size` reads: row groups rank, rank+W, ... of the files in order, so ranks never share
-    a document. A split with fewer row groups than ranks (a small validation shard) is dealt by document instead:
-    rank r takes documents r, r+W, ... of every row group. A unit is (path, row group, first doc, doc step)."""
-    row_groups = [(path, i) for path in files for i in range(open_parquet(path, column=None).num_row_groups)]
+    a document. A split with fewer row groups than ranks (a small validation shard, the identity set on 32 data
+    streams) is dealt by document instead, round robin over all its documents in order: rank r takes documents r,
+    r+W, ... of their sequence, so every rank gets one whenever there are at least W. With fewer documents than ranks
+    the sequence is the documents repeated until it has W (24 conversations on 32 streams: 48), so no rank is ever
+    without data; ranks then share a few documents. A unit is (path, row group, first doc, doc step)."""
+    row_groups = []
+    for path in files:
+        parquet = open_parquet(path, column=None)
+        row_groups += [(path, i, parquet.metadata.row_group(i).num_rows) for i in range(parquet.num_row_groups)]
     if len(row_groups) >= world_size:
-        return [(path, i, 0, 1) for path, i in row_groups[rank::world_size]]
-    return [(path, i, rank, world_size) for path, i in row_groups]
+        return [(path, i, 0, 1) for path, i, _ in row_groups[rank::world_size]]
+    documents = sum(n for _, _, n in row_groups)
+    copies = -(-world_size // documents) if documents else 1  # ceil: the repeats that give every rank a document
+    units, start = [], 0  # start: the index in the whole sequence of the row group's first document
+    for _ in range(copies):
+        for path, i, n in row_groups:
+            first = (rank - start) % world_size  # this rank's first document in the row group
+            if first < n:
+                units.append((path, i, first, world_size))
+            start += n
+    return units
+
+
+def epoch_documents(units, enough=None):
+    """The documents in units (one pass of a rank's data), from the parquet footers; counting stops at `enough`."""
+    total, footers = 0, {}
+    for path, i, first, step in units:
+        if path not in footers:
+            footers[path] = open_parquet(path, column=None).metadata
+        total += len(range(first, footers[path].row_group(i).num_rows, step))
+        if enough is not None and total >= enough:
+            break
+    return total
 
 
 def cut_into_pieces(ids, row_len, bos):
@@ -269,11 +296,14 @@ class PackedLoader:
         self.files, self.tokenizer, self.kind, self.name = [Path(f) for f in files], tokenizer, kind, name
         self.pack, self.crop, self.supervise, self.seed = pack, pack == "crop", supervise, seed
         self.B, self.T, self.rank, self.world_size = batch_size, seq_len, rank, world_size
-        self.device, self.buffer_docs = torch.device(device), buffer_docs
+        self.device = torch.device(device)
         self.threads, self.prefetch, self.max_epochs = threads or os.cpu_count(), prefetch, max_epochs
         self.units = assign_units(self.files, rank, world_size)
         if not self.units:
             raise ValueError(f"{name}: rank {rank} of {world_size} has no data in {', '.join(map(str, self.files))}")
+        # at most one pass of this rank's documents buffered: a small set (24 conversations) would otherwise be read
+        # a thousand times over to fill the buffer before the first row, each pass a read of its file
+        self.buffer_docs = min(buffer_docs, max(1, epoch_documents(self.units, buffer_docs)))
         self.state = {"epoch": 0, "unit": 0, "doc": 0, "buffer": [], "stats": dict.fromkeys(STAT_KEYS, 0)}
         self._threads, self._batches = [], None  # the running pipeline's threads and its Pipe of batches
         self._reported = 0  # skipped conversations printed so far
@@ -456,8 +486,9 @@ class PackedLoader:
                 if not usable:
                     raise ValueError(f"{self.name} loader: a whole pass over {len(self.units)} row groups found no "
                                      f"usable document ({self.log_line()})")
-                if self.rank == 0:
-                    print(f"{self.name} loader: epoch {item_epoch} starts (the data ran out, starting over)")
+                if self.rank == 0 and (item_epoch <= 3 or str(item_epoch).strip("0") == "1"):  # 1-3, 10, 100, ...
+                    print(f"{self.name} loader: epoch {item_epoch} starts (the data ran out, starting over"
+                          f"{'; later epochs: only 10, 100, ... are printed' if item_epoch == 3 else ''})")
                 epoch, usable = item_epoch, 0
             for read, item in enumerate(items, start=1):
                 usable += not skipped(item)
@@ -545,6 +576,9 @@ class MixtureLoader:
         return batch[0], batch[1]
 
     def close(self, timeout=10):
+        for loader in self.loaders:  # every source's threads told first: they then end together, not one by one
+            if loader._batches is not None:
+                loader._batches.stop.set()
         for loader in self.loaders:
             loader.close(timeout)
 

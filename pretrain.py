@@ -66,6 +66,9 @@ def get_args(argv=None):
     g = p.add_argument_group("batch and precision")
     g.add_argument("--total_batch_tokens", type=int, default=None, help="tokens per optimizer step over all ranks "
                    "(default: micro_batch x sequence_len x world size, no accumulation)")
+    g.add_argument("--check_batch", type=int, default=0, metavar="N", help="check that --total_batch_tokens splits "
+                   "over N processes x --sequence_len (x --micro_batch when given) and exit; speedrun.sh runs it before "
+                   "any download (default: off)")
     g.add_argument("--micro_batch", type=int, default=0, help="sequences per rank per forward; 0 = find the largest "
                    "that fits on CUDA (a divisor of the per-rank batch; without --total_batch_tokens a power of two up "
                    "to 1024), on CPU the whole per-rank batch (8 without --total_batch_tokens) (default: %(default)s)")
@@ -181,6 +184,10 @@ def main(argv=None):
     parser, args = get_args(argv)
     if args.status:
         return train_loop.print_status(Path(args.status))
+    if args.check_batch:
+        config = config_from_args(args)
+        return print(train_loop.check_batch_divides(args.total_batch_tokens or config.sequence_len * args.check_batch,
+                                                    config.sequence_len, args.check_batch, args.micro_batch))
     rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
     master = rank == 0
     tokenizer = Tokenizer.load(args.tokenizer)

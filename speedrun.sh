@@ -110,7 +110,7 @@ MARK="speedrun-$$-$(date +%s%N)"  # not exported: only the stages carry it (run_
 STAGE_CKPT=""  # the running training stage's checkpoint directory
 marked() {  # pids of the live processes carrying this run's mark; with an argument, only torchrun's workers
     local files f
-    files=$(grep -lzxF "SPEEDRUN_MARK=$MARK" /proc/[0-9]*/environ 2>/dev/null || true)
+    files=$(grep -lzxF -e "SPEEDRUN_MARK=$MARK" -e "SPEEDRUN_MARK=$MARK.probe" /proc/[0-9]*/environ 2>/dev/null || true)
     [ -n "$files" ] && [ -n "${1:-}" ] && files=$(grep -lz '^LOCAL_RANK=' $files 2>/dev/null || true)
     for f in $files; do f=${f#/proc/}; echo "${f%/environ}"; done
 }
@@ -221,6 +221,7 @@ export SPEEDRUN_LOG SPEEDRUN_ETA=0 SPEEDRUN_AWK SPEEDRUN_AWK_FLAGS
 
 stage() {  # stage NAME CMD...: run_stage with its log file
     SPEEDRUN_LOG="$LOGS/$1.log"
+    if [ "${4:-}" = torch.distributed.run ]; then reprobe "$1"; fi  # a torchrun stage ("${LAUNCH[@]}" ...)
     run_stage "$@"
     if [ "$STOP_AFTER" = "$1" ]; then say "stopping after $1 (--stop_after)"; exit 0; fi
 }
@@ -281,27 +282,46 @@ if command -v nvidia-smi > /dev/null 2>&1; then
         exit 1
     fi
 fi
+# GPUs the driver sees but torch cannot use (a driver older than the CUDA the torch wheel was built for): an error,
+# never a silent CPU run on a rented GPU box
+explain_driver() {  # torch sees no GPU: when nvidia-smi lists some, the driver and wheel versions and the fix
+    local smi_gpus=0 driver driver_cuda torch_version torch_cuda
+    command -v nvidia-smi > /dev/null 2>&1 &&
+        smi_gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -c . || true)
+    [ "$smi_gpus" -gt 0 ] || return 0
+    driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 | tr -d ' ')
+    driver_cuda=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9.]*\).*/\1/p' | head -1)
+    read -r torch_version torch_cuda <<< "$("$PY" -c 'import torch; print(torch.__version__, torch.version.cuda)')"
+    echo "speedrun.sh: error: nvidia-smi lists $smi_gpus GPU(s) but torch $torch_version sees none. The driver" \
+        "is ${driver:-unknown} (it supports CUDA ${driver_cuda:-unknown}); this torch wheel was built for CUDA" \
+        "$([ "$torch_cuda" = None ] && echo "none (a CPU-only wheel)" || echo "$torch_cuda")." >&2
+    echo "Install a torch wheel built for a CUDA the driver supports, e.g. \`$PY -m pip install" \
+        "torch==${torch_version%%+*} --index-url https://download.pytorch.org/whl/cuXYZ\` with XYZ at most" \
+        "${driver_cuda:-that of the driver} without the dot (pytorch.org lists the builds), or update" \
+        "the driver; --gpus 0 runs on the CPU regardless." >&2
+    exit 1
+}
+check_torch_sees_gpus() {  # --gpus N: torch must see N CUDA GPUs, else N CPU processes would train the gpu plan
+    local seen
+    [ "$PROBE_ONLY" = 1 ] && [ -n "${SPEEDRUN_PROBE_CMD:-}" ] && return 0  # a stand-in probe (tests) uses no GPU
+    case "$STOP_AFTER" in data|tokenizer|download) return 0 ;; esac  # nothing trains: a CPU box may fetch the data
+    seen=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+    [ "$seen" -ge "$GPUS" ] && return 0
+    if [ "$seen" = 0 ] && { [ "$PLAN" = demo ] || [ "${REHEARSE:-0}" = 1 ]; }; then
+        say "--gpus $GPUS and torch sees no CUDA GPU: $GPUS CPU processes on gloo (only the demo plan and a" \
+            "rehearsal run so)"
+        return 0
+    fi
+    [ "$seen" = 0 ] && explain_driver
+    echo "speedrun.sh: error: --gpus $GPUS, but torch sees $seen CUDA GPU(s): pass --gpus $seen$([ "$seen" = 0 ] &&
+        echo " (the CPU)"), or make the GPUs visible (CUDA_VISIBLE_DEVICES)" >&2
+    exit 1
+}
 if [ "$GPUS" = auto ]; then
     GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
-    # GPUs the driver sees but torch cannot use (a driver older than the CUDA the torch wheel was built for): an
-    # error, never a silent CPU demo on a rented GPU box
-    SMI_GPUS=0
-    if [ "$GPUS" = 0 ] && command -v nvidia-smi > /dev/null 2>&1; then
-        SMI_GPUS=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -c . || true)
-    fi
-    if [ "$SMI_GPUS" -gt 0 ]; then
-        driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 | tr -d ' ')
-        driver_cuda=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9.]*\).*/\1/p' | head -1)
-        read -r torch_version torch_cuda <<< "$("$PY" -c 'import torch; print(torch.__version__, torch.version.cuda)')"
-        echo "speedrun.sh: error: nvidia-smi lists $SMI_GPUS GPU(s) but torch $torch_version sees none. The driver" \
-            "is ${driver:-unknown} (it supports CUDA ${driver_cuda:-unknown}); this torch wheel was built for CUDA" \
-            "$([ "$torch_cuda" = None ] && echo "none (a CPU-only wheel)" || echo "$torch_cuda")." >&2
-        echo "Install a torch wheel built for a CUDA the driver supports, e.g. \`$PY -m pip install" \
-            "torch==${torch_version%%+*} --index-url https://download.pytorch.org/whl/cuXYZ\` with XYZ at most" \
-            "${driver_cuda:-that of the driver} without the dot (pytorch.org lists the builds), or update" \
-            "the driver; --gpus 0 runs on the CPU regardless." >&2
-        exit 1
-    fi
+    [ "$GPUS" = 0 ] && explain_driver
+elif [ "$GPUS" -gt 0 ]; then
+    check_torch_sees_gpus
 fi
 [ "$PLAN" = auto ] && { [ "$GPUS" -gt 0 ] && PLAN=gpu || PLAN=demo; }
 # only a rehearsal runs the gpu plan on the CPU: there --gpus N without CUDA means N CPU processes on gloo
@@ -325,30 +345,69 @@ say "plan $PLAN$([ "$REHEARSE" = 1 ] && echo " (rehearsal)"), run $RUN, $NPROC p
     "($([ "$GPUS" -gt 0 ] && [ "$ON_CPU" = 0 ] && echo "$GPUS GPUs" || echo CPU))," \
     "commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)"
 
+# --- the batch: the gpu plan's tokens a step must split over the processes (524,288 over 3, 5, 6 or 7 does not, and
+# then no micro-batch fits): refused now, not after the downloads, the tokenizer and the memory probe
+GPU_BUDGET=(--preset "d$DEPTH" --tokens_per_param 20 --total_batch_tokens 524288)  # the gpu plan's pretraining
+if [ "$PLAN" = gpu ] && [ "$PROBE_ONLY" = 0 ]; then
+    read -r -a extra <<< "${PRETRAIN_ARGS:-}"
+    checked=$("$PY" "$ROOT/pretrain.py" --check_batch "$NPROC" "${GPU_BUDGET[@]}" "${extra[@]}") || exit 1
+    say "$checked"
+fi
+
 # --- NCCL: a 4-byte and a timed gradient-bucket-sized all-reduce before training; on a hang or failure, the safe
 # flags (P2P and InfiniBand off, sockets over loopback: what stopped multi-GPU runs from hanging), their cost printed
 SAFE_FLAGS="NCCL_P2P_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_NET=Socket NCCL_NET_PLUGIN=none"
 PROBE_TIMEOUT=${SPEEDRUN_PROBE_TIMEOUT:-120}
 PROBE_MB=${SPEEDRUN_PROBE_MB:-64}  # a gradient bucket's size: where NVLS and P2P over NVSwitch take over
 PROBE_BW=""  # the last probe's measured bus bandwidth ("12.34 GB/s"), empty when it printed none
+end_probe() {  # PGID: nothing of a (hung) probe survives: its group, and torchrun's workers (sessions of their own,
+    # found by the probe's own mark, so a background download of this run is left alone)
+    local t pids
+    kill -KILL -- "-$1" 2>/dev/null || true
+    for ((t = 0; t < 100; t++)); do
+        pids=$(grep -lzxF "SPEEDRUN_MARK=$MARK.probe" /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3 || true)
+        [ -z "$pids" ] && break
+        # shellcheck disable=SC2086  # a list of pids
+        kill -KILL $pids 2>/dev/null || true
+        sleep 0.1
+    done
+    STAGE_PGIDS=()
+}
 probe() {  # the probe in its own process group under a hard timeout; its status
-    local rc=0 before
+    local rc=0 before pid
     before=$({ cat "$LOGS/probe.log" 2>/dev/null || true; } | wc -l)
     if [ -n "${SPEEDRUN_PROBE_CMD:-}" ]; then  # tests inject a hang here
-        SPEEDRUN_MARK=$MARK setsid timeout -k 5 "$PROBE_TIMEOUT" bash -c "$SPEEDRUN_PROBE_CMD" \
+        SPEEDRUN_MARK=$MARK.probe setsid timeout -k 5 "$PROBE_TIMEOUT" bash -c "$SPEEDRUN_PROBE_CMD" \
             >> "$LOGS/probe.log" 2>&1 &
     else
-        SPEEDRUN_MARK=$MARK setsid timeout -k 5 "$PROBE_TIMEOUT" "${LAUNCH[@]}" "$ROOT/distributed.py" probe \
+        SPEEDRUN_MARK=$MARK.probe setsid timeout -k 5 "$PROBE_TIMEOUT" "${LAUNCH[@]}" "$ROOT/distributed.py" probe \
             --timeout "$PROBE_TIMEOUT" --mbytes "$PROBE_MB" >> "$LOGS/probe.log" 2>&1 < /dev/null &
     fi
-    STAGE_PGIDS+=("$!")
-    wait "$!" || rc=$?
-    end_groups  # nothing of a hung probe survives it
+    pid=$!
+    STAGE_PGIDS+=("$pid")
+    wait "$pid" || rc=$?
+    end_probe "$pid"
     PROBE_BW=$(tail -n "+$((before + 1))" "$LOGS/probe.log" 2>/dev/null |
         sed -n 's/.*all-reduce over .*: ok, .* bus bandwidth \([0-9.]* GB\/s\).*/\1/p' | tail -1)
     return "$rc"
 }
-use_safe_flags() { local kv; for kv in $SAFE_FLAGS; do export "${kv?}"; done; }
+declare -A NCCL_BEFORE=()  # the NCCL variables the safe flags replace, as the caller had them (unset: absent)
+use_safe_flags() {
+    local kv name
+    for kv in $SAFE_FLAGS; do
+        name=${kv%%=*}
+        if [ "$FALLBACK" = 0 ] && [ -n "${!name+set}" ]; then NCCL_BEFORE[$name]=${!name}; fi
+        export "${kv?}"
+    done
+}
+use_default_flags() {  # the caller's own NCCL variables back
+    local kv name
+    for kv in $SAFE_FLAGS; do
+        name=${kv%%=*}
+        if [ -n "${NCCL_BEFORE[$name]+set}" ]; then export "$name=${NCCL_BEFORE[$name]}"; else unset "$name"; fi
+    done
+}
+FALLBACK=0 SAFE_BW="" DEFAULT_BW=""  # FALLBACK=1: on the safe flags because the default flags failed their probe
 if [ "$GPUS" -eq 0 ] || [ "$ON_CPU" = 1 ]; then
     TRANSPORT="gloo (cpu)"
 elif [ "${NCCL_SAFE:-0}" = 1 ]; then
@@ -362,7 +421,9 @@ else
     say "NCCL probe failed (exit $rc$([ "$rc" = 124 ] || [ "$rc" = 137 ] && echo ", hung past ${PROBE_TIMEOUT}s")):" \
         "retrying with the safe flags $SAFE_FLAGS; log: $LOGS/probe.log"
     use_safe_flags
+    FALLBACK=1
     if probe; then
+        SAFE_BW=${PROBE_BW:-unknown}
         TRANSPORT="nccl safe flags ($SAFE_FLAGS), all-reduce bus bandwidth ${PROBE_BW:-unknown}"
         TRANSPORT+=" (${PROBE_MB} MB message; default flags: $DEFAULT_BW)"
         say "the safe flags cost: all-reduce bus bandwidth ${PROBE_BW:-unknown} with them (P2P and InfiniBand off:" \
@@ -376,6 +437,29 @@ fi
 echo "$TRANSPORT" > "$RUN/transport.txt"
 say "transport: $TRANSPORT"
 [ "$PROBE_ONLY" = 1 ] && exit 0
+# one failed probe (a slow cold start, a transient fault) must not pin the safe flags for hours: before each later
+# torchrun stage the default flags are probed again, and used again once they pass
+reprobe() {  # STAGE
+    [ "$FALLBACK" = 1 ] || return 0
+    local rc=0 start took
+    start=$(date +%s)
+    use_default_flags
+    probe || rc=$?
+    took=$(($(date +%s) - start))
+    if [ "$rc" = 0 ]; then
+        FALLBACK=0
+        TRANSPORT+="; from stage $1 on: nccl default, all-reduce bus bandwidth ${PROBE_BW:-unknown}"
+        say "NCCL probe before stage $1 (${took}s): the default flags pass now, all-reduce bus bandwidth" \
+            "${PROBE_BW:-unknown} against $SAFE_BW with the safe flags (what the fallback cost each stage since):" \
+            "stage $1 and the later ones use the defaults"
+    else
+        use_safe_flags
+        say "NCCL probe before stage $1 (${took}s): the default flags fail again (exit $rc$([ "$rc" = 124 ] ||
+            [ "$rc" = 137 ] && echo ", hung past ${PROBE_TIMEOUT}s")): stage $1 keeps the safe flags, all-reduce bus" \
+            "bandwidth $SAFE_BW (default flags at the start: $DEFAULT_BW); log: $LOGS/probe.log"
+    fi
+    echo "$TRANSPORT" > "$RUN/transport.txt"
+}
 
 split_args() { read -r -a "$1" <<< "${2:-}"; }  # an env var's words as an array (no globbing, no eval)
 split_args PRETRAIN_EXTRA "${PRETRAIN_ARGS:-}"
@@ -482,7 +566,6 @@ else
     TOK="$RUN/tokenizer"
     stage tokenizer "$PY" "$ROOT/tokenizer.py" train --data_dir "$CORPUS" --vocab_size "$VOCAB" --out "$TOK" "${R_TOK[@]}"
 fi
-GPU_BUDGET=(--preset "d$DEPTH" --tokens_per_param 20 --total_batch_tokens 524288)  # the gpu plan's pretraining
 if [ "$PLAN" = gpu ]; then
     # the shards the budget needs (a deeper model needs more: d24 about 340, d26 about 415), measured with this
     # tokenizer; the same step checks the free disk against the shards and the checkpoints to come

@@ -193,6 +193,24 @@ def probe_step(model, optimizers, seq_len, vocab_size, dtype, device):
     return try_step
 
 
+def check_batch_divides(total, seq_len, world, micro=0):
+    """--total_batch_tokens must be a whole number of (micro_batch x) sequence_len x world tokens, else no micro-batch
+    fits and pretraining fails at its start, after the downloads. Returns the line saying it does; raises a ValueError
+    naming the process counts that work and the nearest totals that do for this one."""
+    unit = (micro or 1) * seq_len * world
+    what = f"{f'micro_batch {micro} x ' if micro else ''}sequence_len {seq_len} x {world} processes = {unit:,}"
+    if total % unit == 0:
+        return f"batch: {total:,} tokens a step = {total // unit} x {what}: it divides"
+    counts = [str(n) for n in range(1, world) if total % ((micro or 1) * seq_len * n) == 0]  # fewer GPUs that work
+    lo, hi = total // unit * unit, (total // unit + 1) * unit
+    fixes = [f"--gpus {', '.join(counts[:-1])} or {counts[-1]}" if len(counts) > 1 else f"--gpus {counts[0]}"] \
+        if counts else []
+    fixes.append(f"PRETRAIN_ARGS=\"--total_batch_tokens {lo or hi}\"" + (f" (or {hi})" if lo else "")
+                 + f" with {world} processes")
+    raise ValueError(f"--total_batch_tokens {total:,} is not a multiple of {what}{'' if micro else ': no micro-batch fits'}"
+                     f", so pretraining would fail at its start. Use {', or '.join(fixes)}")
+
+
 def plan_batch(args, config, world, model, device):
     """(micro_batch, accumulation steps) for --total_batch_tokens; the error names the nearest valid values."""
     seq_len, total = config.sequence_len, args.total_batch_tokens

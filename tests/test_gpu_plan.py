@@ -1,6 +1,8 @@
 """The gpu plan's command lines as a user meets them: budget overrides appended through *_ARGS, a small source on
 many data streams, a resume on fewer GPUs, speedrun.sh's GPU checks and refusals, each rank's progress record, the
 disk the plan really keeps. Each test here failed on the code before its fix (dev/LOG.md, 2026-11-25)."""
+import re
+
 import pytest
 
 import midtrain
@@ -43,3 +45,232 @@ def test_the_data_plan_counts_the_budget_that_is_in_force(demo_world, tmp_path, 
     out = capsys.readouterr().out
     assert "budget in force: --steps 3, given after --tokens_per_param 20" in out
     assert "data plan: budget 3 steps x 4,096 tokens = 12,288 tokens" in out
+
+
+# --- a small source on many data streams (midtraining's identity set at micro-batch 8: 32 streams) ---------------
+
+TINY = ["--preset", "tiny", "--n_layer", "1", "--n_embd", "64", "--n_head", "1", "--n_kv_head", "1",
+        "--sequence_len", "64", "--compile", "false", "--dtype", "float32"]
+
+
+@pytest.fixture(scope="module")
+def tiny_pretrained(demo_world, tmp_path_factory):
+    """A 1-layer pretraining run of 2 steps on a small corpus (runs/text): a parent for midtrain.py and sft.py."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    runs = tmp_path_factory.mktemp("gpu_plan_runs")
+    text = runs / "text"
+    text.mkdir()
+    for shard in range(2):  # a small corpus (the demo's costs seconds more): 64 documents in 2 row groups, 64 to validate
+        pq.write_table(pa.table({"text": [f"Document {i} of shard {shard} says hello." for i in range(64)]}),
+                       text / f"shard_{shard:05d}.parquet", row_group_size=32)
+    pretrain.main(["--data_dir", text, "--tokenizer", demo_world / "tokenizer",
+                   "--runs_dir", runs, "--run_name", "base", *TINY, "--steps", "2", "--micro_batch", "2",
+                   "--bpb_tokens", "512", "--eval_every", "0", "--sample_prompt", "A"])
+    return runs / "base"
+
+
+def identity_like(directory, n=24):
+    """n conversations in one row group, as the identity set is (24 conversations in one row group)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    directory.mkdir(parents=True, exist_ok=True)
+    conversations = [[{"role": "user", "content": f"who are you {i}"},
+                      {"role": "assistant", "content": f"I am the assistant, number {i}."}] for i in range(n)]
+    pq.write_table(pa.table({"messages": conversations}), directory / "train.parquet", row_group_size=n)
+    return directory
+
+
+def test_a_set_of_24_conversations_in_one_row_group_feeds_every_one_of_32_streams(demo_world, tmp_path, capsys):
+    """The identity set on 32 virtual ranks: dealt by document, ranks 24-31 got nothing and raised 'found no usable
+    document' (after ranks 0-23 printed 'epoch N starts' for each of their one-conversation epochs). Round robin over
+    the set repeated to 32 documents, every stream gets conversations, and the epoch lines stop after a few."""
+    import loader as L
+    from tokenizer import Tokenizer
+    files = [identity_like(tmp_path / "identity") / "train.parquet"]
+    units = [L.assign_units(files, rank, 32) for rank in range(32)]
+    dealt = [[doc for _, _, first, step in rank_units for doc in range(first, 24, step)] for rank_units in units]
+    assert all(dealt) and sorted(doc for docs in dealt for doc in docs) == sorted([*range(24)] * 2)  # 48: the set twice
+    tokenizer = Tokenizer.load(demo_world / "tokenizer")
+    for rank in (0, 23, 24, 31):
+        loader = L.chat_loader(None, "train", tokenizer, 1, 64, pack="crop", supervise="all", files=files, rank=rank,
+                               world_size=32, seed=0, threads=1)
+        for _ in range(40):
+            inputs, _ = next(loader)
+        text = tokenizer.decode(inputs[0].tolist())
+        loader.close()
+        assert "I am the assistant, number" in text
+    epochs = [line for line in capsys.readouterr().out.splitlines() if "epoch" in line and "starts" in line]
+    assert len(epochs) <= 5, epochs  # 1, 2, 3, 10 (rank 0's 40 rows of about 2 conversations each: ~50 epochs)
+
+
+def test_midtraining_on_32_streams_with_an_identity_like_source_trains(tiny_pretrained, demo_world, tmp_path, capsys):
+    """midtrain.py at 32 data streams (1 process x 32 accumulation steps, as micro-batch 8 at 524,288 tokens is on
+    one GPU) with a source of 24 conversations: every step trains, and the realized mixture counts its documents."""
+    import json
+    identity, text = identity_like(tmp_path / "identity"), tiny_pretrained.parent / "text"
+    midtrain.main(["--checkpoint", tiny_pretrained, "--tokenizer", demo_world / "tokenizer", "--runs_dir", tmp_path,
+                   "--run_name", "mid", "--source", f"text:{text}:0.5", "--source",
+                   f"chat:{identity}:0.5", "--val_chat_dir", demo_world / "demo" / "conversations", "--micro_batch", "1",
+                   "--total_batch_tokens", str(32 * 64), "--tokens", "1e9", "--steps", "2", "--eval_every", "0",
+                   "--eval_rows", "4", "--bpb_tokens", "0", "--loader_threads", "1", "--sample_prompt", "hi",
+                   "--compile", "false", "--dtype", "float32"])
+    out = capsys.readouterr().out
+    assert "accumulation 32 = 2,048" in out and "done: 2 steps" in out
+    done = json.loads((tmp_path / "mid" / "done.json").read_text())
+    assert done["mixture"][f"chat:{identity.name}"]["docs"] >= 32  # every one of the 32 streams read some
+
+
+# --- a resume on a box with fewer GPUs ---------------------------------------------------------------------------
+
+def fake_cuda(monkeypatch, count, current=0):
+    """torch.cuda's RNG functions on a box of `count` GPUs whose current one is `current`: a device index past the
+    last raises IndexError, as torch's default_generators[index] does. Returns the per-device states."""
+    import torch
+    import torch.cuda.random as cuda_random
+    states = {i: torch.full((16,), i, dtype=torch.uint8) for i in range(count)}
+
+    def get(device="cuda"):
+        return states[current if device == "cuda" else int(device)].clone()
+
+    def put(state, device="cuda"):
+        index = current if device == "cuda" else int(device)
+        if index >= count:
+            raise IndexError(f"list index {index} out of range: {count} GPUs")
+        states[index] = state.clone()
+
+    for module in (torch.cuda, cuda_random):
+        monkeypatch.setattr(module, "get_rng_state", get)
+        monkeypatch.setattr(module, "set_rng_state", put)
+        monkeypatch.setattr(module, "get_rng_state_all", lambda: [get(i) for i in range(count)])
+        monkeypatch.setattr(module, "set_rng_state_all", lambda all_states: [put(x, i) for i, x in enumerate(all_states)])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    return states
+
+
+def test_a_checkpoint_of_an_8_gpu_box_resumes_on_4_with_its_ranks_own_device_rng(monkeypatch):
+    """Every rank saved all visible GPUs' RNG states (8); restoring all of them on 4 GPUs raised IndexError. A rank
+    saves and restores its own device's state only."""
+    import io
+
+    import torch
+
+    import checkpoint
+    fake_cuda(monkeypatch, 8, current=5)  # rank 5 of an 8-GPU box saves
+    buf = io.BytesIO()
+    torch.save(checkpoint.rng_state(), buf)
+    saved = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    states = fake_cuda(monkeypatch, 4, current=1)  # it resumes as local rank 1 of a 4-GPU box
+    checkpoint.set_rng_state(saved)
+    assert torch.equal(states[1], torch.full((16,), 5, dtype=torch.uint8))  # rank 5's device state, on its device
+    assert all(torch.equal(states[i], torch.full((16,), i, dtype=torch.uint8)) for i in (0, 2, 3))  # others untouched
+
+
+# --- speedrun.sh: the GPUs torch sees, the batch over the processes, the NCCL probe at each stage -----------------
+
+FAKE_SMI = """#!/bin/sh
+case "$*" in
+    *query-compute-apps*) ;;
+    *query-gpu=name*) echo 'NVIDIA H100 80GB HBM3'; echo 'NVIDIA H100 80GB HBM3' ;;
+    *query-gpu=driver_version*) echo '470.57.02'; echo '470.57.02' ;;
+    *) echo '| NVIDIA-SMI 470.57.02    Driver Version: 470.57.02    CUDA Version: 11.4     |' ;;
+esac
+"""
+
+
+def executable(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+def python_seeing_gpus(tmp_path, gpus, torchrun="exit 0"):
+    """An interpreter for speedrun.sh that says torch sees `gpus` CUDA GPUs, runs `torchrun` (shell) for a torchrun
+    stage and fails dataset.py at once (no stage reaches a network); everything else is this Python."""
+    import sys
+    return executable(tmp_path / "bin" / "python", f"""#!/bin/bash
+case "$*" in
+    *device_count*) echo {gpus}; exit 0 ;;
+    *torch.version.cuda*) echo 2.13.0+cpu None; exit 0 ;;
+    *"-m torch.distributed.run"*) {torchrun} ;;
+    *dataset.py*) echo "stand-in: no network" >&2; exit 9 ;;
+esac
+exec {sys.executable} "$@"
+""")
+
+
+def test_gpus_n_that_torch_cannot_see_stop_the_run_before_any_stage(tmp_path):
+    """--gpus 2 where torch sees none: with nvidia-smi listing GPUs (a wheel that cannot use the driver) the driver and
+    wheel are named, as for the automatic count; without, the flag to pass. Before, only the automatic count was
+    checked, and --gpus 2 went on to train the gpu plan on 2 CPU processes."""
+    from helpers import run_speedrun
+    smi = executable(tmp_path / "smi" / "nvidia-smi", FAKE_SMI)
+    env = {"SPEEDRUN_PYTHON": str(python_seeing_gpus(tmp_path, 0)), "SPEEDRUN_PROBE_CMD": "exit 0",
+           "PATH": f"{smi.parent}:/usr/bin:/bin"}
+    result = run_speedrun(["--gpus", "2", "--runs_dir", tmp_path], tmp_path, env, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "nvidia-smi lists 2 GPU(s) but torch 2.13.0+cpu sees none. The driver is 470.57.02 (it supports CUDA " \
+           "11.4); this torch wheel was built for CUDA none (a CPU-only wheel)." in result.stderr
+    assert "stage " not in result.stdout
+    env["PATH"] = "/usr/bin:/bin"
+    result = run_speedrun(["--gpus", "2", "--runs_dir", tmp_path], tmp_path, env, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "speedrun.sh: error: --gpus 2, but torch sees 0 CUDA GPU(s): pass --gpus 0 (the CPU), or make the GPUs " \
+           "visible (CUDA_VISIBLE_DEVICES)" in result.stderr
+    assert "stage " not in result.stdout
+
+
+def test_a_batch_that_does_not_split_over_3_gpus_is_refused_before_any_download(tmp_path):
+    """524,288 tokens a step over 3 GPUs x 2048: no micro-batch fits. Refused in the first seconds, naming the GPU
+    counts and the totals that work (before: pretraining failed after the downloads and the tokenizer)."""
+    from helpers import run_speedrun
+    env = {"SPEEDRUN_PYTHON": str(python_seeing_gpus(tmp_path, 3)), "SPEEDRUN_PROBE_CMD": "exit 0"}
+    result = run_speedrun(["--plan", "gpu", "--gpus", "3", "--runs_dir", tmp_path], tmp_path, env, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "--total_batch_tokens 524,288 is not a multiple of sequence_len 2048 x 3 processes = 6,144: no micro-batch " \
+           "fits, so pretraining would fail at its start. Use --gpus 1 or 2, or PRETRAIN_ARGS=\"--total_batch_tokens " \
+           "522240\" (or 528384) with 3 processes" in result.stderr
+    assert "stage preflight" not in result.stdout and "NCCL" not in result.stdout  # before the probe, too
+
+
+def test_the_batch_check_passes_the_totals_it_names_and_counts_a_given_micro_batch(capsys):
+    args = ["--preset", "d20", "--tokens_per_param", "20", "--total_batch_tokens", "522240", "--check_batch", "3"]
+    pretrain.main(args)  # the fix the refusal above names
+    assert capsys.readouterr().out == "batch: 522,240 tokens a step = 85 x sequence_len 2048 x 3 processes = 6,144: " \
+                                      "it divides\n"
+    with pytest.raises(ValueError, match=r"micro_batch 16 x sequence_len 2048 x 2 processes = 65,536, so pretraining "
+                                         r"would fail at its start. Use --gpus 1, "
+                                         r"or PRETRAIN_ARGS=\"--total_batch_tokens 524288\" \(or 589824\) with 2"):
+        pretrain.main([*args[:-3], "557056", "--check_batch", "2", "--micro_batch", "16"])
+
+
+def test_after_a_failed_nccl_probe_each_torchrun_stage_probes_the_defaults_again(demo_world, tmp_path):
+    """The default flags fail the first probe and the one before pretraining, then pass before core_eval: pretraining
+    runs on the safe flags, core_eval on the defaults (the caller's own NCCL_SOCKET_IFNAME back), and the cost of the
+    fallback is printed. Before, the first failure pinned the safe flags for every stage."""
+    from helpers import run_speedrun
+    fast = "probe: 64 MB all-reduce over 2 ranks (nccl, fake): ok, 1.0 ms each (5 timed), bus bandwidth 98.70 GB/s"
+    safe = fast.replace("98.70", "1.60")
+    count = tmp_path / "default_probes"
+    probe = (f'[ "${{NCCL_P2P_DISABLE:-}}" = 1 ] && {{ echo "{safe}"; exit 0; }}; n=$(cat {count} 2>/dev/null || '
+             f'echo 0); echo $((n + 1)) > {count}; [ "$n" -ge 2 ] && {{ echo "{fast}"; exit 0; }}; exit 3')
+    stages = tmp_path / "stages.txt"
+    torchrun = f'echo "$NCCL_SOCKET_IFNAME ${{NCCL_P2P_DISABLE:-unset}}" >> {stages}; exit 0'
+    env = {"SPEEDRUN_PYTHON": str(python_seeing_gpus(tmp_path, 2, torchrun)), "SPEEDRUN_PROBE_CMD": probe,
+           "SPEEDRUN_PROBE_TIMEOUT": "5", "NCCL_SOCKET_IFNAME": "eth7"}
+    result = run_speedrun(["--plan", "demo", "--gpus", "2", "--runs_dir", tmp_path, "--data_dir", demo_world / "demo",
+                           "--tokenizer", demo_world / "tokenizer", "--stop_after", "core_eval"], tmp_path, env,
+                          timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert stages.read_text().splitlines() == ["lo 1", "eth7 unset"]  # pretrain: safe flags; core_eval: defaults
+    assert count.read_text().strip() == "3"  # the start, before pretrain, before core_eval; then no more probes
+    out = re.sub(r"\(\d+s\)", "(Ns)", result.stdout)  # the probes' durations
+    assert "NCCL probe before stage pretrain (Ns): the default flags fail again (exit 3): stage pretrain keeps the " \
+           "safe flags, all-reduce bus bandwidth 1.60 GB/s (default flags at the start: none: it failed)" in out
+    assert "NCCL probe before stage core_eval (Ns): the default flags pass now, all-reduce bus bandwidth 98.70 GB/s " \
+           "against 1.60 GB/s with the safe flags (what the fallback cost each stage since): stage core_eval and the " \
+           "later ones use the defaults" in out
+    transport = (tmp_path / "speedrun" / "transport.txt").read_text()
+    assert transport.strip().endswith("; from stage core_eval on: nccl default, all-reduce bus bandwidth 98.70 GB/s")
