@@ -136,7 +136,7 @@ def test_the_report_keeps_chatcore_and_writes_the_diagnostics_per_task(model, tm
 def test_progress_lines_count_items_with_an_eta_and_end_each_task(model, capsys, monkeypatch):
     monkeypatch.setattr(E, "PROGRESS_SECONDS", 0.0)  # a line after every batch
     verdicts, _ = E.evaluate_task("demo-choice", items(), model, BYTES, args(batch_items=2), 0, 1, CPU, "M",
-                                        None)
+                                  None)
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(" items")[0] for line in lines[:-1]] == ["demo-choice: 2/5", "demo-choice: 4/5"]
     assert all(" items/s, ETA 00:00:" in line for line in lines[:-1])
