@@ -142,3 +142,13 @@ def test_progress_lines_count_items_with_an_eta_and_end_each_task(model, capsys,
     assert all(" items/s, ETA 00:00:" in line for line in lines[:-1])
     right = sum(c for c, _ in verdicts)
     assert lines[-1].startswith(f"demo-choice: done, {right}/5 right ({right / 5:.4f}) in ")
+
+
+def test_a_runtime_error_exits_1_and_only_a_bad_flag_exits_2(tmp_path, capsys):
+    """README's rule for chat_eval.py and core_eval.py (tokenizer.py: test_tokenizer.py's test_cli_bad_input)."""
+    import core_eval
+    for main, script in ((E.main, "chat_eval.py"), (core_eval.main, "core_eval.py")):
+        code, _, err = run_in_process(main, ["--checkpoint", tmp_path / "none"], capsys, stage=script)
+        assert code == 1 and err.startswith(f"{script}: error: --checkpoint {tmp_path / 'none'}: neither a checkpoint")
+        code, _, err = run_in_process(main, ["--batch_items", "0"], capsys, stage=script)
+        assert code == 2 and ("--batch_items must be" in err or "--batch_items >= 1" in err)
