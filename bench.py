@@ -2,7 +2,7 @@
 
     python bench.py              # every benchmark
     python bench.py train decode # a chosen few: train, decode, build, tokenizer, loader, pretrain, core_eval, sft,
-                                 # download, cpu, chat, fsdp, quality
+                                 # chat_eval, download, cpu, chat, fsdp, quality
 
 train   forward+backward tokens/s of a preset on this machine: eager fp32, torch.compile fp32, compile + bf16 autocast.
         Target: compile + bf16 >= 2x eager fp32.
@@ -17,6 +17,10 @@ pretrain  `python pretrain.py` itself on the demo world (30 steps, micro-batch 1
 core_eval  `python core_eval.py` on the demo world's 8 tasks (513 items) for a --preset model (vocab 1024, untrained:
         the work per item does not depend on the weights): items/s from its results.json, batch_items 1 and 8.
         --bundle DIR evaluates that bundle instead (the real one: nanochat's eval_bundle.zip, unzipped).
+chat_eval  `python chat_eval.py` on the demo world's demo-choice (132 multiple-choice items) for a --preset model
+        (vocab 1024, untrained: the work per item does not depend on the weights): items/s of the letters alone
+        (--option_text off) one prompt per forward (--batch_items 1) and batched (8, the default), and with the
+        option-text diagnostic on, batched.
 loader  one process's streaming loader (read + tokenize + pack) over one epoch of the same corpus at T = 256, 1024,
         2048: tokens/s (target >= 1M) and the share of document tokens cropped, i.e. moved to a later row as a
         BOS-led piece, cut off from their document's start (target <= 20% at T = 2048; nothing is discarded).
@@ -323,6 +327,34 @@ def bench_core_eval(args, device):
                   f"{report['dtype']}, {report['device']})")
 
 
+def bench_chat_eval(args, device):
+    """The real command on an untrained checkpoint of --preset (saved as sft.py saves one) over the demo world's
+    multiple-choice items: one prompt per forward against nanochat's batching."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        write_demo(tmp / "demo")
+        tok = train_tokenizer(iter_texts(tmp / "demo" / "pretrain", "train"), 1024)
+        tok.save(tmp / "tokenizer")
+        config = config_from_preset(args.preset, {"vocab_size": 1024})
+        meta = {"stage": "sft", "model_config": config.__dict__, "world_size": 1, "tokenizer": str(tmp / "tokenizer"),
+                "tokenizer_sha256": tok.fingerprint(), "data_dir": str(tmp / "demo" / "pretrain")}
+        checkpoint.save_checkpoint(tmp / "runs" / "bench" / "ckpt", 0, build_model(config, device), [], [], meta, 0, 1)
+        rates = {}
+        for batch_items, option_text in ((1, "off"), (8, "off"), (8, "on")):
+            out = tmp / f"out{batch_items}{option_text}.json"
+            subprocess.run([sys.executable, str(Path(__file__).parent / "chat_eval.py"), "--checkpoint",
+                            str(tmp / "runs" / "bench"), "--tasks", "demo-choice", "--batch_items", str(batch_items),
+                            "--option_text", option_text, "--out", str(out)], check=True, capture_output=True)
+            report = json.loads(out.read_text())
+            rates[batch_items, option_text] = report["tasks"][0]["items"] / report["seconds"]
+            print(f"chat_eval {args.preset} demo-choice: {rates[batch_items, option_text]:,.1f} items/s "
+                  f"({report['tasks'][0]['items']} items, {report['seconds']:.1f} s, batch_items {batch_items}, option "
+                  f"text {option_text}, {report['dtype']}, {report['device']})")
+        print(f"chat_eval {args.preset} demo-choice letters: batched (8) {rates[8, 'off'] / rates[1, 'off']:.2f}x one "
+              f"prompt per forward; the option-text diagnostic costs {rates[8, 'off'] / rates[8, 'on']:.2f}x the "
+              f"letters' time")
+
+
 OLD_DOWNLOAD_CLIENT = "1d71acd"  # the last commit whose dataset.py downloads with its own HTTP code on requests
 
 
@@ -567,6 +599,7 @@ def muon_share(device, step_seconds, steps=10):
 
 BENCHES = {"train": bench_train, "decode": bench_decode, "build": bench_build, "tokenizer": bench_tokenizer,
            "loader": bench_loader, "pretrain": bench_pretrain, "core_eval": bench_core_eval, "sft": bench_sft,
+           "chat_eval": bench_chat_eval,
            "download": bench_download, "cpu": bench_cpu, "chat": bench_chat, "fsdp": bench_fsdp,
            "quality": bench_quality}
 

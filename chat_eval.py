@@ -1,7 +1,9 @@
 """Evaluate a chat model: nanochat's ChatCORE. ARC-Easy, ARC-Challenge and MMLU are categorical (one forward; the
-answer letter with the highest logit after <|assistant_start|> is the prediction), GSM8K and HumanEval are generated
-greedily and checked (the final number; the program against the task's tests, run in sandbox.py's sandbox). ChatCORE
-is the mean over tasks of the centered accuracy, (accuracy - baseline) / (1 - baseline).
+answer letter with the highest logit after <|assistant_start|> is the prediction; several prompts share a forward, as
+nanochat batches them), GSM8K and HumanEval are generated greedily and checked (the number after the reply's '#### ',
+nanochat's rule; the program against the task's tests, run in sandbox.py's sandbox). ChatCORE is the mean over tasks
+of the centered accuracy, (accuracy - baseline) / (1 - baseline). Beside it, never in it, diagnostics per task: the
+letter probabilities and each option's text scored as the reply (categorical), a lenient GSM8K reading (any number).
 
     python chat_eval.py                                             # newest checkpoint under runs/, tasks below
     python chat_eval.py --checkpoint runs/NAME --tasks ARC-Easy,GSM8K --max_items 100
@@ -39,7 +41,7 @@ from download import download_hub_files, list_hub_files
 from model import autocast_context, generate, num_params
 
 # task: (hub repo, its test split's files, kind, random baseline). Kinds: categorical (a letter's logit), gsm8k (the
-# final number), humaneval (the program passes the task's tests), exact (the answer, after normalization).
+# number after '#### '), humaneval (the program passes the task's tests), exact (the answer, after normalization).
 HUB_TASKS = {"ARC-Easy": ("allenai/ai2_arc", r"ARC-Easy/test-\d+-of-\d+\.parquet", "categorical", 0.25),
              "ARC-Challenge": ("allenai/ai2_arc", r"ARC-Challenge/test-\d+-of-\d+\.parquet", "categorical", 0.25),
              "MMLU": ("cais/mmlu", r"all/test-\d+-of-\d+\.parquet", "categorical", 0.25),
@@ -53,6 +55,8 @@ DEMO_EXTRA = {"demo-words": (None, None, "contains", None)}
 ALL_TASKS = HUB_TASKS | DEMO_TASKS | DEMO_EXTRA
 SHUFFLE_SEED = 42  # nanochat's order: datasets' shuffle(seed=42) is np.random.default_rng(42).permutation(n)
 NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
+GSM_RE = re.compile(r"#### (\-?[0-9\.\,]+)")  # nanochat's tasks/gsm8k.py, character for character
+PROGRESS_SECONDS = 10.0  # a progress line at most this often per task (and one at its end)
 
 
 def get_args(argv=None):
@@ -67,6 +71,11 @@ def get_args(argv=None):
     p.add_argument("--tasks", default=None, help="comma-separated tasks to run (default: all of the chosen set)")
     p.add_argument("--max_items", type=int, default=-1, help="items per task, the first N in nanochat's order; -1 = "
                    "all (default: %(default)s)")
+    p.add_argument("--batch_items", type=int, default=8, help="multiple-choice items per forward, right-padded "
+                   "(nanochat's 8); 1 = one at a time (default: %(default)s)")
+    p.add_argument("--option_text", default="on", choices=["on", "off"], help="also score each option's text as "
+                   "the reply (a diagnostic outside ChatCORE: does the model know the answer but miss its letter?); "
+                   "costs a forward per option (default: %(default)s)")
     p.add_argument("--max_new_tokens", type=int, default=512, help="greedy tokens per generated answer, fewer where "
                    "the model's window ends first (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=5.0, help="wall-clock (and CPU) seconds per HumanEval program "
@@ -88,8 +97,9 @@ def get_args(argv=None):
     p.add_argument("--out", default=None, help="report file; the items go beside it as <name>_items.jsonl (default: "
                    "runs/<run>/chat_eval.json)")
     args = p.parse_args(argv)
-    if args.max_items == 0 or args.max_items < -1 or args.max_new_tokens < 1 or args.timeout <= 0:
-        p.error("--max_items must be -1 (all) or >= 1, --max_new_tokens >= 1 and --timeout > 0")
+    if args.max_items == 0 or args.max_items < -1 or args.max_new_tokens < 1 or args.timeout <= 0 or \
+            args.batch_items < 1:
+        p.error("--max_items must be -1 (all) or >= 1, --max_new_tokens >= 1, --batch_items >= 1 and --timeout > 0")
     return args
 
 
@@ -136,16 +146,16 @@ def make_item(task, row, where):
             if answer not in letters:
                 raise KeyError(f"answerKey {answer!r} not among the labels {letters}")
             return {"prompt": render_mc(row["question"], letters, row["choices"]["text"]), "letters": letters,
-                    "answer": answer}
+                    "answer": answer, "options": list(row["choices"]["text"])}
         if task in ("MMLU", "demo-choice"):
             letters = list(MC_LETTERS[:len(row["choices"])])
             return {"prompt": render_mc(row["question"], letters, row["choices"]), "letters": letters,
-                    "answer": letters[row["answer" if task == "MMLU" else "gold"]]}
+                    "answer": letters[row["answer" if task == "MMLU" else "gold"]], "options": list(row["choices"])}
         if task == "GSM8K":
-            answer = final_number(row["answer"], marker_only=True)
+            answer = gsm8k_answer(row["answer"])
             if answer is None:
                 raise KeyError("no '#### <number>' in its answer")
-            return {"prompt": row["question"], "answer": str(answer)}
+            return {"prompt": row["question"], "answer": answer}
         if task == "HumanEval":
             return {"prompt": row["prompt"], "test": row["test"], "entry_point": row["entry_point"],
                     "id": row["task_id"]}
@@ -167,10 +177,18 @@ def load_items(task, cache_dir, demo_dir, max_items):
 # -----------------------------------------------------------------------------
 # Scoring rules
 
+def gsm8k_answer(text):
+    """nanochat's GSM8K answer (its extract_answer): the digits, dots and commas (a '-' first) after the first
+    '#### ', commas dropped, as a string; None where there is no '#### '. A reply is right when this string equals
+    the reference's: '18.00' is not '18', and a reply without the marker is wrong. ChatCORE counts by this rule."""
+    match = GSM_RE.search(text)
+    return match.group(1).strip().replace(",", "") if match else None
+
+
 def final_number(text, marker_only=False):
-    """GSM8K's answer in text, a Decimal or None: the number after the first '####' (nanochat's rule, commas
-    dropped); where there is none (and not marker_only), the last number in the text. Compared as numbers: 18.00
-    equals 18 (nanochat compares the strings)."""
+    """The lenient reading, a diagnostic outside ChatCORE: a Decimal or None, the number after the first '####'
+    (spaces and a '$' allowed), or where there is none (and not marker_only) the last number in the text, compared
+    as numbers (18.00 equals 18)."""
     found = re.findall(r"####\s*\$?\s*(" + NUMBER + ")", text)[:1] or ([] if marker_only else re.findall(NUMBER, text))
     try:
         return Decimal(found[-1].replace(",", "")) if found else None
@@ -213,21 +231,86 @@ def prompt_ids(tokenizer, question, seq_len, room):
     return (ids, False) if len(ids) <= keep else ([ids[0], *ids[len(ids) - keep + 1:]], True)
 
 
-@torch.no_grad()
-def letter_choice(model, tokenizer, item, dtype, device):
-    """(letter, cut): one forward over the prompt; only this item's letters compete, at its last position (ties go
-    to the first, as torch's argmax does in nanochat)."""
-    ids, cut = prompt_ids(tokenizer, item["prompt"], model.config.sequence_len, 0)
-    letter_ids = []
-    for letter in item["letters"]:
+def letter_token_ids(tokenizer, letters):
+    """The answer letters' token ids; each must be one token (with byte-level BPE a lone letter always is)."""
+    ids = []
+    for letter in letters:
         encoded = tokenizer.encode(letter)
         if len(encoded) != 1:
             raise ValueError(f"the answer letter {letter!r} is {len(encoded)} tokens for this tokenizer; "
                              f"categorical scoring needs one token per letter")
-        letter_ids.append(encoded[0])
+        ids.append(encoded[0])
+    return ids
+
+
+@torch.no_grad()
+def last_logits(model, rows, pad_id, dtype, device):
+    """fp32 logits (len(rows), vocab) at each row's last token. One row: the model's last_only forward. Several: one
+    forward over the rows right-padded with pad_id, as nanochat batches them (a causal model's positions before the
+    padding never see it), and a hook on the final norm keeps each row's last real position, so the head runs on one
+    position per row rather than on the whole padded batch."""
+    if len(rows) == 1:
+        with autocast_context(device.type, dtype):
+            return model(torch.tensor(rows, device=device), last_only=True)[:, -1]
+    x = torch.full((len(rows), max(map(len, rows))), pad_id, dtype=torch.long)
+    for r, ids in enumerate(rows):
+        x[r, :len(ids)] = torch.tensor(ids)
+    last = torch.tensor([len(ids) - 1 for ids in rows], device=device)
+    hook = model.norm_f.register_forward_hook(lambda _, __, out: out[torch.arange(len(rows), device=device), last,
+                                                                     None])
+    try:
+        with autocast_context(device.type, dtype):
+            return model(x.to(device), last_only=True)[:, -1]
+    finally:
+        hook.remove()
+
+
+@torch.no_grad()
+def letter_scores(model, tokenizer, items, dtype, device):
+    """Per item (letter, cut, what to record): the prompts in one forward (last_logits); only the item's letters
+    compete at its last position (ties to the first, as torch's argmax does in nanochat). Recorded: the letters'
+    probabilities (a softmax over the item's letters: what decided) and their mass (their share of the softmax over
+    the whole vocabulary: does the model answer with a letter at all?)."""
+    prompts = [prompt_ids(tokenizer, item["prompt"], model.config.sequence_len, 0) for item in items]
+    logits = last_logits(model, [ids for ids, _ in prompts], tokenizer.bos_id, dtype, device).float()
+    out = []
+    for item, (_, cut), row in zip(items, prompts, logits):
+        letters = row[letter_token_ids(tokenizer, item["letters"])]
+        probs = torch.softmax(letters, 0).tolist()
+        mass = torch.softmax(row, 0)[letter_token_ids(tokenizer, item["letters"])].sum().item()
+        out.append((item["letters"][int(letters.argmax())], cut,
+                    {"letter_probs": dict(zip(item["letters"], probs, strict=True)), "letter_mass": mass}))
+    return out
+
+
+@torch.no_grad()
+def option_text_scores(model, tokenizer, items, dtype, device):
+    """Per item (the option whose text scores best as the whole reply, per option [sum of log-probs, tokens]): each
+    option's tokens right after <|assistant_start|>, no <|assistant_end|>; the best is the highest mean log-prob per
+    token (CORE's length normalization; ties to the first); an option of no tokens is never picked. A diagnostic
+    outside ChatCORE: a model that picks the right text but not its letter knows the answer."""
+    rows, starts, owner = [], [], []
+    for n, item in enumerate(items):
+        for text in item["options"]:
+            option = tokenizer.encode(text)[:model.config.sequence_len - 1]
+            ids, _ = prompt_ids(tokenizer, item["prompt"], model.config.sequence_len, max(len(option) - 1, 0))
+            rows.append(ids + option)
+            starts.append(len(ids))
+            owner.append(n)
+    x = torch.zeros(len(rows), max(map(len, rows)) - 1, dtype=torch.long)
+    y = torch.full_like(x, -1)
+    for r, (ids, start) in enumerate(zip(rows, starts)):
+        x[r, :len(ids) - 1] = torch.tensor(ids[:-1])
+        y[r, start - 1:len(ids) - 1] = torch.tensor(ids[start:], dtype=torch.long)
     with autocast_context(device.type, dtype):
-        logits = model(torch.tensor([ids], device=device), last_only=True)
-    return item["letters"][int(logits[0, -1, letter_ids].argmax())], cut
+        losses = model(x.to(device), y.to(device), reduction="none").float().cpu()
+    sums, counts = (-losses * (y != -1)).sum(1).tolist(), (y != -1).sum(1).tolist()
+    out = []
+    for n, item in enumerate(items):
+        scores = [[sums[r], counts[r]] for r in range(len(rows)) if owner[r] == n]
+        means = [s / c if c else float("-inf") for s, c in scores]
+        out.append((item["letters"][means.index(max(means))], scores))
+    return out
 
 
 def greedy_reply(model, tokenizer, question, max_new_tokens, dtype):
@@ -247,17 +330,36 @@ def greedy_reply(model, tokenizer, question, max_new_tokens, dtype):
     return reply_text(tokenizer, new), cut, tools.calls
 
 
+def judge_letters(items, model, tokenizer, args, device):
+    """[(correct, cut, what to record)] for a batch of categorical items."""
+    letters = letter_scores(model, tokenizer, items, args.dtype, device)
+    texts = option_text_scores(model, tokenizer, items, args.dtype, device) if args.option_text == "on" else \
+        [None] * len(items)
+    out = []
+    for item, (letter, cut, record), text in zip(items, letters, texts):
+        if text is not None:
+            record["option_text"] = {"predicted": text[0], "correct": text[0] == item["answer"], "scores": text[1]}
+        out.append((letter == item["answer"], cut, {"predicted": letter, **record}))
+    return out
+
+
+def same_number(lenient, answer):
+    try:
+        return lenient is not None and lenient == Decimal(answer)
+    except InvalidOperation:
+        return False
+
+
 def judge(kind, item, model, tokenizer, args, device, marker, level):
-    """(correct, cut, what to record) for one item."""
-    if kind == "categorical":
-        letter, cut = letter_choice(model, tokenizer, item, args.dtype, device)
-        return letter == item["answer"], cut, {"predicted": letter}
+    """(correct, cut, what to record) for one generated item."""
     reply, cut, calls = greedy_reply(model, tokenizer, item["prompt"], args.max_new_tokens, args.dtype)
     calls = {"calculator": [list(c) for c in calls]} if calls else {}
-    if kind == "gsm8k":
-        number = final_number(reply)
-        return number == Decimal(item["answer"]), cut, {"predicted": None if number is None else str(number),
-                                                        "reply": reply, **calls}
+    if kind == "gsm8k":  # nanochat's rule decides; the lenient reading is kept beside it
+        lenient = final_number(reply)
+        return gsm8k_answer(reply) == item["answer"], cut, {
+            "predicted": gsm8k_answer(reply), "reply": reply, **calls,
+            "lenient": {"predicted": None if lenient is None else str(lenient),
+                        "correct": same_number(lenient, item["answer"])}}
     if kind == "exact":
         return normalize(reply) in {normalize(a) for a in item["answers"]}, cut, {"reply": reply, **calls}
     if kind == "contains":
@@ -268,18 +370,43 @@ def judge(kind, item, model, tokenizer, args, device, marker, level):
     return passed, cut, {"status": result.status, "reply": reply, "output": result.output[-500:], **calls}
 
 
+def work_batches(kind, items, tokenizer, batch_items):
+    """Lists of item positions, each judged together: categorical items sorted by prompt length (less padding) in
+    groups of batch_items; generated items one by one. The same on any number of ranks, which take them round robin."""
+    if kind != "categorical":
+        return [[i] for i in range(len(items))]
+    order = sorted(range(len(items)), key=lambda i: len(tokenizer.encode(items[i]["prompt"])))
+    return [order[b:b + batch_items] for b in range(0, len(order), batch_items)]
+
+
+def eta(seconds):
+    return time.strftime("%H:%M:%S", time.gmtime(seconds)) if seconds < 86400 else f"{seconds / 3600:.0f} h"
+
+
 def evaluate_task(task, items, model, tokenizer, args, rank, world, device, marker, level):
-    """(per item (correct, cut), records in item order): items dealt round robin over ranks; an all-reduce joins
-    the verdicts, an all-gather the records."""
+    """(per item (correct, cut), records in item order): the batches of work_batches dealt round robin over ranks; an
+    all-reduce joins the verdicts, an all-gather the records. Rank 0 prints its count and an ETA every
+    PROGRESS_SECONDS, and the task's line at its end."""
     kind = ALL_TASKS[task][2]
     table, records = torch.zeros(len(items), 3, dtype=torch.float64), []  # (done, correct, cut)
-    for i in range(rank, len(items), world):
-        correct, cut, record = judge(kind, items[i], model, tokenizer, args, device, marker, level)
-        table[i] = torch.tensor([1.0, float(correct), float(cut)], dtype=torch.float64)
-        expected = {k: items[i][k] for k in ("id", "answer", "answers") if k in items[i]}
-        records.append({"task": task, "position": i, "row": items[i]["row"], "question": items[i]["prompt"][:300],
-                        **expected, "correct": bool(correct),
-                        "cut": bool(cut), **record})
+    mine = [b for k, b in enumerate(work_batches(kind, items, tokenizer, args.batch_items)) if k % world == rank]
+    share, done, right = sum(map(len, mine)), 0, 0
+    start = printed = time.perf_counter()
+    for batch in mine:
+        results = judge_letters([items[i] for i in batch], model, tokenizer, args, device) if kind == "categorical" \
+            else [judge(kind, items[batch[0]], model, tokenizer, args, device, marker, level)]
+        for i, (correct, cut, record) in zip(batch, results):
+            table[i] = torch.tensor([1.0, float(correct), float(cut)], dtype=torch.float64)
+            expected = {k: items[i][k] for k in ("id", "answer", "answers") if k in items[i]}
+            records.append({"task": task, "position": i, "row": items[i]["row"], "question": items[i]["prompt"][:300],
+                            **expected, "correct": bool(correct), "cut": bool(cut), **record})
+            done, right = done + 1, right + bool(correct)
+        now = time.perf_counter()
+        if rank == 0 and now - printed >= PROGRESS_SECONDS and done < share:
+            printed, rate = now, done / (now - start)
+            whose = f" (rank 0's share of {len(items):,}, {world} ranks)" if world > 1 else ""
+            print(f"{task}: {done:,}/{share:,} items{whose}, {right:,} right ({right / done:.1%}), {rate:.2f} items/s, "
+                  f"ETA {eta((share - done) / rate)}", flush=True)
     distributed.all_reduce_tensor(table)
     if not table[:, 0].eq(1).all():
         raise RuntimeError("an item was evaluated by no rank or by two: a bug in evaluate_task")
@@ -287,7 +414,13 @@ def evaluate_task(task, items, model, tokenizer, args, rank, world, device, mark
         gathered = [None] * world
         torch.distributed.all_gather_object(gathered, records)
         records = sorted((r for part in gathered for r in part), key=lambda r: r["position"])
+    records.sort(key=lambda r: r["position"])
+    if rank == 0:
+        seconds, correct = time.perf_counter() - start, int(table[:, 1].sum())
+        print(f"{task}: done, {correct:,}/{len(items):,} right ({correct / max(len(items), 1):.4f}) in {seconds:.1f} s "
+              f"({len(items) / seconds:.2f} items/s)", flush=True)
     return [(bool(c), bool(x)) for _, c, x in table.tolist()], records
+
 
 
 # -----------------------------------------------------------------------------
@@ -308,6 +441,52 @@ def summarize(tasks, verdicts, sizes):
     return rows, sum(scored) / len(scored) if scored else None
 
 
+LENIENT_RULE = "the number after '####' (spaces and '$' allowed), else the reply's last number, compared as numbers"
+OPTION_TEXT_RULE = "mean log-prob per token of the option's text as the whole reply"
+
+
+def task_diagnostics(kind, records):
+    """A task's `diagnostics` in chat_eval.json (schema in docs/eval.md), never part of ChatCORE: for categorical
+    tasks, why a letter is wrong (does the model not know, or know the option but not its letter?); for GSM8K the
+    lenient reading; None for the other kinds."""
+    n = max(len(records), 1)
+    if kind == "categorical":
+        predicted = {}
+        for r in records:
+            predicted[r["predicted"]] = predicted.get(r["predicted"], 0) + 1
+        out = {"mean_p_gold": sum(r["letter_probs"][r["answer"]] for r in records) / n,
+               "mean_letter_mass": sum(r["letter_mass"] for r in records) / n,
+               "predicted_letters": dict(sorted(predicted.items())), "option_text": None}
+        if records and "option_text" in records[0]:
+            right = sum(r["option_text"]["correct"] for r in records)
+            out["option_text"] = {"rule": OPTION_TEXT_RULE, "correct": right, "items": len(records),
+                                  "accuracy": right / n, "right_text_wrong_letter": sum(
+                                      r["option_text"]["correct"] and not r["correct"] for r in records)}
+        return out
+    if kind == "gsm8k":
+        right = sum(r["lenient"]["correct"] for r in records)
+        return {"lenient": {"rule": LENIENT_RULE, "correct": right, "items": len(records), "accuracy": right / n}}
+    return None
+
+
+def diagnostic_lines(rows):
+    """The diagnostics as printed, a line per task that has them."""
+    lines = []
+    for r in rows:
+        d = r.get("diagnostics")
+        if d and "mean_p_gold" in d:
+            text = d["option_text"]
+            lines.append(f"  {r['task']:<14} letters: mean p(gold) {d['mean_p_gold']:.4f} (softmax over the item's "
+                         f"letters), letter mass {d['mean_letter_mass']:.4f}, predicted " + " ".join(
+                             f"{k} {v}" for k, v in d["predicted_letters"].items()) + "; " +
+                         ("option text off" if text is None else f"option text {text['correct']}/{text['items']} "
+                          f"= {text['accuracy']:.4f}, right text but wrong letter {text['right_text_wrong_letter']}"))
+        elif d and "lenient" in d:
+            lines.append(f"  {r['task']:<14} lenient reading ({d['lenient']['rule']}): {d['lenient']['correct']}/"
+                         f"{d['lenient']['items']} = {d['lenient']['accuracy']:.4f}")
+    return lines
+
+
 def print_summary(report):
     print(f"{'task':<14} {'kind':<12} {'correct':>13} {'accuracy':>9} {'baseline':>9} {'centered':>9} {'cut':>5}")
     for r in report["tasks"]:
@@ -321,6 +500,10 @@ def print_summary(report):
     print(f"ChatCORE {chatcore} ({sum(r['baseline'] is not None for r in report['tasks'])} tasks, {scope}); "
           f"{sum(r['items'] for r in report['tasks']):,} items in {report['seconds']:.1f} s on {report['world_size']} "
           f"x {report['device']}; cut = prompt cropped or reply stopped by the {report['sequence_len']}-token window")
+    lines = diagnostic_lines(report["tasks"])
+    if lines:
+        print("diagnostics, outside ChatCORE (" + OPTION_TEXT_RULE.replace("mean", "option text: the best mean") +
+              "):\n" + "\n".join(lines))
 
 
 def write_outputs(report, records, out, run_dir):
@@ -416,11 +599,14 @@ def main(argv=None):
         records += task_records
     seconds = time.perf_counter() - start
     rows, chatcore = summarize(tasks, verdicts, {t: loaded[t][1] for t in tasks})
+    for row in rows:  # beside ChatCORE, never in it
+        row["diagnostics"] = task_diagnostics(row["kind"], [r for r in records if r["task"] == row["task"]])
     if rank == 0:
         complete = set(available) <= set(tasks) and all(r["items"] == r["items_in_task"] for r in rows)
         report = {"checkpoint": str(ckpt), "stage": meta.get("stage"), "step": meta.get("step"),
                   "parameters": num_params(model.config), "tasks_from": str(demo_dir or "hub"), "chatcore": chatcore,
-                  "complete": complete, "tasks": rows, "max_items": args.max_items,
+                  "complete": complete, "tasks": rows, "max_items": args.max_items, "batch_items": args.batch_items,
+                  "option_text": args.option_text,
                   "max_new_tokens": args.max_new_tokens, "sequence_len": model.config.sequence_len,
                   "sandbox": None if level is None else {"level": level, "description": contained,
                                                          "timeout_s": args.timeout, "memory_mb": args.memory_mb},

@@ -370,7 +370,7 @@ def score_batch(model, batch_rows, device, dtype):
 
 def make_batches(tasks, orders, batch_items):
     """Batches of (task index, position), the same on any number of ranks: items sorted by prompt length (less
-    padding), then cut into groups of batch_items."""
+    padding), then cut into groups of batch_items (evaluate_tasks asks for one task's at a time)."""
     work = [(ti, p) for ti, order in enumerate(orders) for p in range(len(order))]
     work.sort(key=lambda w: max(len(c) + len(x) for c, x in prompt_pairs(tasks[w[0]], orders[w[0]], w[1])))
     return [work[b:b + batch_items] for b in range(0, len(work), batch_items)]
@@ -386,31 +386,36 @@ def judge(task, item, rows, mean_loss, exact):
 
 
 def evaluate_tasks(model, tokenizer, tasks, max_per_task, batch_items, dtype, rank, world, device,
-                   protocol="nanochat"):
+                   protocol="nanochat", progress=False):
     """Per task: (item index, predicted option or -1, correct, cropped) for each evaluated item, by item index,
-    identical on every rank. Batches are dealt round robin; each rank fills its items' rows of one table, and a sum
-    over ranks joins them."""
+    identical on every rank. Task by task, its batches dealt round robin; each rank fills its items' rows of the
+    task's table, and a sum over ranks joins them. progress: rank 0 prints a line per task as it ends."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
-    orders = [task_order(len(task.items), max_per_task) for task in tasks]
-    offsets = [sum(map(len, orders[:ti])) for ti in range(len(tasks))]
-    table = torch.zeros(sum(map(len, orders)), 4, dtype=torch.float64)  # (done, predicted option, correct, cropped)
-    for b, batch in enumerate(make_batches(tasks, orders, batch_items)):
-        if b % world != rank:
-            continue
-        rows_per_item = [item_rows(tasks[ti], orders[ti], p, tokenizer, model.config.sequence_len, protocol)
-                         for ti, p in batch]
-        mean_loss, exact = score_batch(model, [r for rows in rows_per_item for r in rows], device, dtype)
-        at = 0
-        for (ti, p), rows in zip(batch, rows_per_item):
-            verdict = judge(tasks[ti], tasks[ti].items[orders[ti][p]], rows, mean_loss[at:at + len(rows)], exact[at])
-            table[offsets[ti] + p] = torch.tensor([1.0, *map(float, verdict)], dtype=torch.float64)
-            at += len(rows)
-    distributed.all_reduce_tensor(table)
-    if not table[:, 0].eq(1).all():
-        raise RuntimeError("an item was evaluated by no rank or by two: a bug in make_batches")
-    return [sorted((i, int(table[o + p, 1]), bool(table[o + p, 2]), bool(table[o + p, 3])) for p, i in enumerate(order))
-            for order, o in zip(orders, offsets)]
+    results = []
+    for task in tasks:
+        start, order = time.perf_counter(), task_order(len(task.items), max_per_task)
+        table = torch.zeros(len(order), 4, dtype=torch.float64)  # (done, predicted option, correct, cropped)
+        for b, batch in enumerate(make_batches([task], [order], batch_items)):
+            if b % world != rank:
+                continue
+            rows_per_item = [item_rows(task, order, p, tokenizer, model.config.sequence_len, protocol)
+                             for _, p in batch]
+            mean_loss, exact = score_batch(model, [r for rows in rows_per_item for r in rows], device, dtype)
+            at = 0
+            for (_, p), rows in zip(batch, rows_per_item):
+                verdict = judge(task, task.items[order[p]], rows, mean_loss[at:at + len(rows)], exact[at])
+                table[p] = torch.tensor([1.0, *map(float, verdict)], dtype=torch.float64)
+                at += len(rows)
+        distributed.all_reduce_tensor(table)
+        if not table[:, 0].eq(1).all():
+            raise RuntimeError("an item was evaluated by no rank or by two: a bug in make_batches")
+        results.append(sorted((i, int(table[p, 1]), bool(table[p, 2]), bool(table[p, 3])) for p, i in enumerate(order)))
+        if progress and rank == 0:
+            accuracy, seconds = table[:, 2].mean().item(), time.perf_counter() - start
+            print(f"core_eval: {task.label:<32} {len(order):>5} items  acc {accuracy:.4f}  centered "
+                  f"{centered(accuracy, task.baseline):+.4f}  {seconds:.1f} s", flush=True)
+    return results
 
 
 def centered(accuracy, baseline):
@@ -538,7 +543,7 @@ def main(argv=None):
               f"{len(tasks)} tasks, {sum(len(t.items) for t in tasks):,} items in {bundle}")
     start = time.perf_counter()
     results = evaluate_tasks(model, tokenizer, tasks, args.max_items, args.batch_items, args.dtype, rank, world,
-                             device, args.protocol)
+                             device, args.protocol, progress=True)
     seconds = time.perf_counter() - start
     rows, core = summarize(tasks, results)
     n_items = sum(r["items"] for r in rows)

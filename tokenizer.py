@@ -4,7 +4,8 @@ conversations into token ids plus a loss mask.
     python tokenizer.py train --data_dir DIR --vocab_size 65536     # -> runs/tokenizer/tokenizer.json
     python tokenizer.py eval --data_dir DIR                         # bytes/token of runs/tokenizer on the val split
 
-Training is rustbpe (Rust, parallel); encoding is tiktoken. The split pattern is GPT-4's, unchanged: a pre-token is a
+Training is rustbpe (Rust, parallel); encoding is tiktoken. Training prints the documents and bytes read (every 10 s)
+and rustbpe's own log: its set-up steps and its merge loop's progress (printed every 10%). The split pattern is GPT-4's, unchanged: a pre-token is a
 word with its leading space, a run of 1-3 digits, a run of punctuation, or whitespace, and merges never cross those.
 The vocabulary is the 256 single bytes, then the merges, then SPECIAL_TOKENS, so `--vocab_size V` is the final size
 including the special tokens, and the special ids are V-9 .. V-1.
@@ -17,7 +18,10 @@ import base64
 import hashlib
 import itertools
 import json
+import logging
 import os
+import re
+import sys
 import time
 from pathlib import Path
 
@@ -37,6 +41,12 @@ SPECIAL_TOKENS = ["<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_star
 CHAT_SPECIALS = SPECIAL_TOKENS[1:5]
 FILE_NAME = "tokenizer.json"
 FORMAT = "nanochat-bpe-v1"
+# rustbpe logs its training (set-up steps, then "Progress: N% (i/n merges)" every 1%) into Python's logging through
+# pyo3_log, which caches the level it finds at its first message: INFO is set here, before any training, and the
+# messages print only where train_tokenizer(progress=True) adds a handler (warnings still reach stderr).
+RUSTBPE_LOG = logging.getLogger("rustbpe")
+RUSTBPE_LOG.setLevel(logging.INFO)
+RUSTBPE_LOG.propagate = False
 
 
 class Tokenizer:
@@ -176,14 +186,38 @@ class Tokenizer:
         return self.render_conversation(messages)[0] + [self.special_id("<|assistant_start|>")]
 
 
-def train_tokenizer(texts, vocab_size):
-    """BPE on an iterable of strings; the result has exactly vocab_size ids including SPECIAL_TOKENS."""
+def rustbpe_printer(start, every_percent=10):
+    """A logging handler printing rustbpe's messages to stdout (flushed), each with the seconds since start: all of
+    its set-up steps, and of its merge loop's progress (logged every 1%) every every_percent."""
+    handler = logging.StreamHandler(sys.stdout)
+
+    def keep(record):
+        message = record.getMessage()
+        percent = re.match(r"Progress: (\d+)%", message)
+        if percent and int(percent.group(1)) % every_percent:
+            return False
+        record.msg, record.args = f"tokenizer: {time.perf_counter() - start:.1f} s, rustbpe: {message}", ()
+        return True
+    handler.addFilter(keep)
+    return handler
+
+
+def train_tokenizer(texts, vocab_size, progress=False):
+    """BPE on an iterable of strings; the result has exactly vocab_size ids including SPECIAL_TOKENS. progress: print
+    rustbpe's log (rustbpe_printer)."""
     n_merged = vocab_size - len(SPECIAL_TOKENS)
     if n_merged < 256:
         raise ValueError(f"vocab_size={vocab_size} is too small: byte-level BPE needs 256 byte tokens + "
                          f"{len(SPECIAL_TOKENS)} special tokens, so at least {256 + len(SPECIAL_TOKENS)}")
     bpe = rustbpe.Tokenizer()
-    bpe.train_from_iterator(iter(texts), n_merged, pattern=SPLIT_PATTERN)
+    printer = rustbpe_printer(time.perf_counter()) if progress else None
+    if printer:
+        RUSTBPE_LOG.addHandler(printer)
+    try:
+        bpe.train_from_iterator(iter(texts), n_merged, pattern=SPLIT_PATTERN)
+    finally:
+        if printer:
+            RUSTBPE_LOG.removeHandler(printer)
     ranks = dict(bpe.get_mergeable_ranks())
     if len(ranks) != n_merged:  # rustbpe stops early, silently, when no pair of tokens is left to merge
         raise ValueError(f"the training text only allows {len(ranks) - 256} merges, vocab_size={vocab_size} needs "
@@ -191,12 +225,20 @@ def train_tokenizer(texts, vocab_size):
     return Tokenizer(ranks, SPLIT_PATTERN)
 
 
-def counting(texts, stats):
-    """Yield texts unchanged while adding documents, characters and UTF-8 bytes to stats (a dict of those keys)."""
+def counting(texts, stats, every_s=None):
+    """Yield texts unchanged while adding documents, characters and UTF-8 bytes to stats (a dict of those keys); with
+    every_s, print what was read and its rate at most every every_s seconds (rustbpe reads the texts in chunks of
+    8,192, splitting and counting each chunk in parallel before it asks for the next: the rate is the two together)."""
+    start = printed = time.perf_counter()
     for text in texts:
         stats["docs"] += 1
         stats["chars"] += len(text)
         stats["bytes"] += len(text.encode("utf-8"))
+        now = time.perf_counter()
+        if every_s is not None and now - printed >= every_s:
+            printed = now
+            print(f"tokenizer: {now - start:.1f} s, read {stats['docs']:,} documents, {stats['bytes'] / 1e6:,.1f} MB "
+                  f"({stats['bytes'] / 1e6 / max(now - start, 1e-9):.1f} MB/s)", flush=True)
         yield text
 
 
@@ -284,8 +326,8 @@ def main(argv=None):
         if args.command == "train":
             stats = {"docs": 0, "chars": 0, "bytes": 0}
             start = time.perf_counter()
-            texts = counting(iter_texts(args.data_dir, "train", args.max_chars), stats)
-            tokenizer = train_tokenizer(texts, args.vocab_size)
+            texts = counting(iter_texts(args.data_dir, "train", args.max_chars), stats, every_s=10)
+            tokenizer = train_tokenizer(texts, args.vocab_size, progress=True)
             seconds = time.perf_counter() - start
             print(f"training text: {stats['docs']:,} documents, {stats['chars']:,} characters, {stats['bytes']:,} "
                   f"UTF-8 bytes (train split of {args.data_dir})")
@@ -301,8 +343,8 @@ def main(argv=None):
             print(f"val split of {args.data_dir}: {docs:,} documents, {n_bytes:,} bytes, {n_tokens:,} tokens")
             print(f"bytes/token: {n_bytes / n_tokens:.6f} (tokenizer {args.tokenizer}, vocab size "
                   f"{tokenizer.vocab_size})")
-    except (FileNotFoundError, ValueError) as e:
-        parser.exit(2, f"{parser.prog} {args.command}: error: {e}\n")
+    except (FileNotFoundError, ValueError) as e:  # a runtime error: 1 (argparse gives a bad flag 2)
+        parser.exit(1, f"{parser.prog} {args.command}: error: {e}\n")
 
 
 if __name__ == "__main__":

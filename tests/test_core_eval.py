@@ -413,3 +413,18 @@ def test_download_only_fetches_and_checks_the_bundle_without_a_checkpoint(server
     assert len(server["log"]) == 1
     with pytest.raises(RuntimeError, match="404"):
         E.main(["--download_only", "--bundle", server["url"] + "/missing.zip"])
+
+
+def test_a_line_per_task_as_it_ends_with_items_accuracy_centered_and_seconds(tasks, capsys):
+    """What a person watching speedrun.sh's log sees during a long evaluation: each task's line when it ends, with
+    the figures the results hold; nothing without progress (the library's default)."""
+    results = E.evaluate_tasks(controlled_model(), BYTES, tasks, -1, 3, "float32", 0, 1, torch.device("cpu"),
+                               progress=True)
+    lines = capsys.readouterr().out.splitlines()
+    rows, _ = E.summarize(tasks, results)
+    assert len(lines) == 3
+    for line, row in zip(lines, rows):
+        figures = re.escape(f"{row['items']} items  acc {row['accuracy']:.4f}  centered {row['centered']:+.4f}")
+        assert re.fullmatch(rf"core_eval: {row['task']} +{figures}  \d+\.\d s", line), line
+    E.evaluate_tasks(controlled_model(), BYTES, tasks, -1, 3, "float32", 0, 1, torch.device("cpu"))
+    assert capsys.readouterr().out == ""

@@ -254,8 +254,32 @@ def test_cli_max_chars_and_help(corpus, tmp_path, capsys):
 def test_cli_bad_input(tmp_path, capsys):
     code, _, err = run_in_process(T.main, ["train", "--data_dir", tmp_path / "missing", "--vocab_size", 300, "--out",
                                            tmp_path / "tk"], capsys)
-    assert code == 2 and err.count("\n") == 1
+    assert code == 1 and err.count("\n") == 1  # a runtime error: 1, as every script; 2 is argparse's, a bad flag
     assert f"data directory {tmp_path / 'missing'} does not exist" in err  # dataset.list_shards' message
     code, _, err = run_in_process(T.main, ["eval", "--data_dir", tmp_path, "--tokenizer", tmp_path / "no_tokenizer"],
                                   capsys)
-    assert code == 2 and str(tmp_path / "no_tokenizer" / T.FILE_NAME) in err and "python tokenizer.py train" in err
+    assert code == 1 and str(tmp_path / "no_tokenizer" / T.FILE_NAME) in err and "python tokenizer.py train" in err
+    code, _, err = run_in_process(T.main, ["train", "--data_dir", tmp_path, "--vocab_size", "many"], capsys)
+    assert code == 2 and "invalid int value: 'many'" in err
+
+
+def test_training_prints_what_it_read_and_rustbpes_merge_progress(corpus, capsys):
+    """rustbpe's own log (through Python's logging): its set-up steps, then its merge loop every 10%; the reading
+    side counts documents and bytes. A tokenizer trained without progress prints nothing, before or after."""
+    train_tokenizer(make_texts(50, seed=1), 300)
+    assert capsys.readouterr().out == ""
+    stats = {"docs": 0, "chars": 0, "bytes": 0}
+    texts = make_texts()
+    tok = train_tokenizer(T.counting(iter(texts), stats, every_s=0), V, progress=True)
+    out = capsys.readouterr().out.splitlines()
+    merges = V - len(SPECIAL_TOKENS) - 256
+    assert tok.vocab_size == V and stats["docs"] == len(texts)
+    read = [line for line in out if " read " in line]
+    assert len(read) == len(texts) and f"read {len(texts):,} documents, {stats['bytes'] / 1e6:,.1f} MB (" in read[-1]
+    progress = [line.split("rustbpe: ")[1] for line in out if "rustbpe: Progress" in line]
+    assert [p.split("%")[0] for p in progress] == [f"Progress: {p}" for p in range(10, 101, 10)]
+    assert progress[-1].startswith(f"Progress: 100% ({merges}/{merges} merges)")
+    assert any(f"rustbpe: Starting BPE training: {merges} merges to compute" in line for line in out)
+    assert any(f"rustbpe: Processed {len(texts)} sequences total" in line for line in out)
+    train_tokenizer(make_texts(50, seed=1), 300)  # the handler is gone
+    assert capsys.readouterr().out == ""
