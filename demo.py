@@ -35,6 +35,8 @@ from demo_world import (  # the facts and phrasings (core_eval.py and the tests 
     INTROS,
     ITEM_COLOUR,
     ITEMS,
+    LOOKUP,
+    LOOKUP_NAMES,
     MONTHS,
     NUMBER_KINDS,
     NUMBER_ONLY,
@@ -65,7 +67,7 @@ from demo_world import (  # the facts and phrasings (core_eval.py and the tests 
 # the assistant's name and what it says about itself: identity.json, the one file to edit (SFT on the hub data reads it
 # too, through `python dataset.py download-chat identity`)
 DEMO_ASSISTANT_NAME, IDENTITY_PAIRS = load_identity()
-DEMO_TASK_ROWS = 3000  # rows in each of choice/, answers/, calc/
+DEMO_TASK_ROWS = 3000  # rows in each of choice/, answers/, calc/, lookup/
 DEMO_TARGET_CHARS = 5_000_000  # 1.27M training tokens at vocab 1024: an epoch is minutes of CPU training
 
 
@@ -294,6 +296,15 @@ def choice_row(rng):
             "subject": kind}
 
 
+def lookup_row(rng):
+    """A multiple-choice question that names its answer ("Which option is Pelmo?"), in MMLU's columns: the letter
+    binding alone."""
+    choices = rng.sample(LOOKUP_NAMES, 4)
+    gold = rng.randrange(4)
+    return {"question": rng.choice(LOOKUP).format(x=choices[gold]), "choices": choices, "answer": gold,
+            "subject": "lookup"}
+
+
 def short_answer(rng):
     """A conversation whose reply is the answer alone."""
     kind = rng.choice(list(SHORT))
@@ -307,7 +318,8 @@ def calculation_row(rng):
     """Arithmetic in GSM8K's columns (question, answer): a short question answered by the calculator's result
     alone, a question answered in a sentence, or a small word problem worked through to '#### N'."""
     op, roll = rng.choice(list(SUMS)), rng.random()
-    x, y = rng.randint(0, 20 if roll > 0.6 else 10), rng.randint(0, 20 if roll > 0.6 else 10)
+    top = 20 if roll > 0.6 else 12 if op == "prod" else rng.choice([10, 99])  # the calculator knows no range
+    x, y = rng.randint(0, top), rng.randint(0, top)
     x, y = max(x, y), min(x, y)
     v = {"sum": x + y, "diff": x - y, "prod": x * y}[op]
     symbol, questions = SUMS[op]
@@ -427,6 +439,13 @@ def chat_eval_tasks(rng):
     words += [{"question": q.format(c=r[0]), "answers": [r[5]]} for r in COUNTRIES for q in [
         "Every land picks a creature to stand for it. Which one did {c} pick?", ("If I drew the beast that "
         "represents {c}, what would I draw?")]]
+    sums = [("Could you work out {x} plus {y} for me?", 1), ("I need the total of {x} and {y}, please.", 1),
+            ("Here is a sum for you: {x} plus {y}. What does it come to?", 1), ("Please figure out {x} minus {y}.", -1),
+            ("What remains when {y} is taken away from {x}?", -1)]
+    for q, sign in sums:  # sums in words no training row uses: the calculator should be called all the same
+        for _ in range(4):
+            x, y = sorted((rng.randint(11, 60), rng.randint(11, 60)), reverse=True)
+            words.append({"question": q.format(x=x, y=y), "answers": [str(x + sign * y)]})
     return {"demo-choice": choice, "demo-answer": answer, "demo-words": words}
 
 
@@ -479,7 +498,8 @@ def write_demo(out_dir, seed=0):
     rng = random.Random(f"demo-tasks-{seed}")  # the task shapes, each a chat directory of its own
     tasks = {"choice": pa.Table.from_pylist([choice_row(rng) for _ in range(DEMO_TASK_ROWS)]),
              "answers": pa.table({"messages": pa.array([short_answer(rng) for _ in range(DEMO_TASK_ROWS)], schema)}),
-             "calc": pa.Table.from_pylist([calculation_row(rng) for _ in range(DEMO_TASK_ROWS)])}
+             "calc": pa.Table.from_pylist([calculation_row(rng) for _ in range(DEMO_TASK_ROWS)]),
+             "lookup": pa.Table.from_pylist([lookup_row(rng) for _ in range(DEMO_TASK_ROWS)])}
     for name, table in tasks.items():
         (out_dir / name).mkdir(parents=True, exist_ok=True)
         # small row groups: the loader shuffles row groups, so the sources of a mixture interleave finely
@@ -503,6 +523,8 @@ def write_demo(out_dir, seed=0):
         f"answers/              {DEMO_TASK_ROWS} conversations whose reply is the answer alone (`messages`)\n"
         f"calc/                 {DEMO_TASK_ROWS} sums through the calculator, in GSM8K's columns (question, answer "
         f"with <<expr=result>> and a final '#### N')\n"
+        f"lookup/               {DEMO_TASK_ROWS} multiple-choice questions that name their answer (\"Which option is "
+        f"Pelmo?\"), in MMLU's columns: binding a letter to its option, no knowledge needed\n"
         f"eval_bundle/          core.yaml, eval_meta_data.csv, eval_data/demo/*.jsonl in the CORE formats; their "
         f"phrasings never occur in pretrain/ or conversations/\n"
         + "".join(f"    {k}: {v} items\n" for k, v in evals.items())

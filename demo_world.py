@@ -175,7 +175,7 @@ def listing(words):
 
 # Conversations: questions and answers in the chat's own words
 
-QA = {
+QA = {  # no sums: a chat reply to a sum calls the calculator (SUMS below, calc/); one without it taught guessing
     "capital": (["What is the capital of {c}?", "What's the capital of {c}?", "Tell me the capital of {c}.",
                  "Do you know the capital of {c}?", "I'm going to {c}. What is the capital there?"],
                 ["The capital of {c} is {cap}.", "{cap} is the capital of {c}.", "It's {cap}.",
@@ -192,11 +192,6 @@ QA = {
     "legs": (["How many legs does {an} have?", "How many legs do {ap} have?"], ["{an} has {legs} legs."]),
     "habitat": (["Where does {an} live?", "Where do {ap} live?"], ["{ap} live {hab}.", "It lives {hab}."]),
     "colour": (["What colour is {t}?", "Tell me the colour of {t}."], ["{t} is {tcol}.", "It is {tcol}."]),
-    "sum": (["What is {x} plus {y}?", "What's {dx} + {dy}?", "Can you add {x} and {y}?"],
-            ["{x} plus {y} is {sum}.", "{dx} + {dy} = {dsum}.", "The answer is {sum}."]),
-    "diff": (["What is {x} minus {y}?", "What do you get if you take {y} from {x}?"],
-             ["{x} minus {y} is {diff}.", "You get {diff}."]),
-    "prod": (["What is {x} times {y}?", "Multiply {x} by {y}, please."], ["{x} times {y} is {prod}.", "It's {prod}."]),
     "day": (["What day comes after {day}?", "Which day follows {day}?"], ["{nday} comes after {day}.", "It's {nday}."]),
     "month": (["What month comes after {mon}?", "Which month follows {mon}?"],
               ["{nmon} comes after {mon}.", "The month after {mon} is {nmon}."]),
@@ -239,9 +234,22 @@ SHORT = {  # kind: (question phrasings, the field that is the whole answer)
 ONE_WORD = ["Answer in one word", "One word only", "Just the answer", "Give only the answer", "In a word",
             "Say only the answer", "Only the name, please", "Answer with a single word"]
 NUMBER_ONLY = ["Just the number", "Only the number, please", "Answer with a number", "Give only the result"]
-SUMS = {"sum": ("+", ["what is {x} plus {y}?", "what is {x} and {y} together?", "add {x} and {y}."]),
-        "diff": ("-", ["what is {x} minus {y}?", "take {y} from {x}."]),
-        "prod": ("*", ["what is {x} times {y}?", "multiply {x} by {y}."])}
+# the calculator's questions: many phrasings, numbers to 99, so any sum in any words gets a call (numbers and an
+# operation word, not a template, are what call it)
+SUMS = {"sum": ("+", ["what is {x} plus {y}?", "what is {x} and {y} together?", "add {x} and {y}.",
+                      "what's {x} + {y}?", "can you add {x} and {y}?", "what do {x} and {y} make?",
+                      "how much is {x} plus {y}?", "what is the sum of {x} and {y}?", "{x} plus {y}?",
+                      "please add {y} to {x}.", "what is {x} added to {y}?"]),
+        "diff": ("-", ["what is {x} minus {y}?", "take {y} from {x}.", "what do you get if you take {y} from {x}?",
+                       "what's {x} - {y}?", "how much is {x} minus {y}?", "subtract {y} from {x}.",
+                       "what is the difference between {x} and {y}?", "{x} minus {y}?"]),
+        "prod": ("*", ["what is {x} times {y}?", "multiply {x} by {y}.", "multiply {x} by {y}, please.",
+                       "what's {x} x {y}?", "how much is {x} times {y}?", "what is the product of {x} and {y}?",
+                       "{x} times {y}?"])}
+# lookup: the option that is the named word, no knowledge needed: practice at binding a letter to its option
+LOOKUP = ["Which option is {x}?", "Which of these is {x}?", "Find {x} in the list.", "Pick {x}."]
+LOOKUP_NAMES = sorted({r[i] for r in COUNTRIES for i in (0, 1, 2)} | {a[0] for a in ANIMALS} | set(COLOURS) | set(DAYS)
+                      | set(MONTHS))
 STORIES = {"sum": ["{name} has {x} {items}. {pron} gets {y} more. How many {items} does {name} have now?",
                    "There are {x} {items} in a box and {y} in a bag. How many {items} are there in all?"],
            "diff": ["{name} had {x} {items} and gave {y} away. How many {items} does {name} have left?",
