@@ -178,14 +178,14 @@ def test_eval_phrasings_never_occur_in_training_data(demo, docs, chats):
 
 @pytest.fixture(scope="module")
 def tasks(demo):
-    """{source: [conversation]} of choice/, answers/, calc/, read as the loaders read them."""
+    """{source: [conversation]} of choice/, answers/, calc/, lookup/, read as the loaders read them."""
     return {name: [c for g in range(pq.ParquetFile(demo[0] / name / "train.parquet").num_row_groups)
-                   for c in chat_rows(demo[0] / name / "train.parquet", g)] for name in ("choice", "answers", "calc")}
+                   for c in chat_rows(demo[0] / name / "train.parquet", g)] for name in ("choice", "answers", "calc", "lookup")}
 
 
 def test_task_sources_have_the_hub_sets_shapes_and_agree_with_the_tables(demo, tasks):
     assert {name: chat_format(demo[0] / name / "train.parquet") for name in tasks} == {
-        "choice": "mmlu", "answers": "messages", "calc": "gsm8k"}
+        "choice": "mmlu", "answers": "messages", "calc": "gsm8k", "lookup": "mmlu"}
     assert {name: len(rows) for name, rows in tasks.items()} == demo[1]["tasks"] == dict.fromkeys(tasks, 3000)
     letters = {"A": 0, "B": 0, "C": 0, "D": 0}
     for user, assistant in tasks["choice"]:
@@ -229,3 +229,35 @@ def test_documents_are_varied(docs):
             if CAPITAL[country] in words:
                 forms[country].add(re.sub(rf"\b{CAPITAL[country]}\b", "<CAP>", re.sub(rf"\b{country}\b", "<C>", s)))
     assert min(len(f) for f in forms.values()) >= 5
+
+
+def test_lookup_rows_letter_the_option_they_name(tasks):
+    letters = {"A": 0, "B": 0, "C": 0, "D": 0}
+    for user, assistant in tasks["lookup"]:
+        letters[assistant["content"]] += 1
+        named = re.search(r"(?:is|Find|Pick) (\w+)", user["content"].split("\n")[0]).group(1)
+        assert f"- {named}={assistant['content']}\n" in user["content"]
+        assert user["content"].count(f"- {named}=") == 1  # the named option is there once
+    assert min(letters.values()) > 600
+
+
+def test_conversations_leave_sums_to_the_calculator(chats, tasks):
+    """No conversation answers a sum without the calculator (that taught the chat model to guess at sums in new
+    words); calc/ asks them in many phrasings, with numbers past ten."""
+    assert not any(re.search(r"\b(plus|minus|times)\b", m["content"]) for messages in chats for m in messages
+                   if m["role"] == "user")
+    questions = [user["content"] for user, _ in tasks["calc"]]
+    assert max(int(n) for q in questions for n in re.findall(r"\d+", q)) > 50
+    assert len({re.sub(r"\d+|[a-z]+-?[a-z]*ty|\b(?:one|two|three|four|five|six|seven|eight|nine|ten|zero)\b", "N", q)
+                for q in questions}) > 100
+
+
+def test_demo_words_asks_sums_in_words_no_training_row_uses(demo):
+    items = [json.loads(line) for line in (demo[0] / "chat_eval" / "demo-words.jsonl").read_text().splitlines()]
+    sums = [it for it in items if re.search(r"\d", it["question"])]
+    assert len(sums) == 20
+    for item in sums:
+        x, y = map(int, re.findall(r"\d+", item["question"]))
+        expected = x + y if ("plus" in item["question"] or "total" in item["question"]) else \
+            max(x, y) - min(x, y)
+        assert item["answers"] == [str(expected)], item
