@@ -14,6 +14,7 @@ ckpt/step_XXXXXX/ (meta.json names the parent checkpoint and the sha256 of its w
 import argparse
 import json
 import math
+import random
 import sys
 from dataclasses import replace
 from functools import partial
@@ -85,7 +86,8 @@ def get_args(argv=None):
     return p, args
 
 
-SAMPLE_ROWS = 256  # conversations rendered per file to estimate an epoch (the first of its first row group)
+SAMPLE_ROWS = 1024  # conversations rendered per file to estimate an epoch (its first ones)
+SAMPLE_PACKED = 4000  # of those, packed together in the mixture's proportions: how full a row gets
 
 
 def estimate_epoch_batches(args, tokenizer, micro, seq_len, streams):
@@ -97,14 +99,21 @@ def estimate_epoch_batches(args, tokenizer, micro, seq_len, streams):
     (batches, the line that says how it was estimated)."""
     files = mixture_files(args.sources)
     renderer = chat_loader(None, "train", tokenizer, micro, seq_len, files=files[:1], threads=1)
-    per_file, sample = {}, []  # path: (share of its conversations kept, mean rendered tokens of those kept)
-    for path in dict.fromkeys(files):
-        rendered = [renderer._render(m)[0] if not isinstance(m, str) else "malformed"
-                    for m in chat_rows(path, 0)[:SAMPLE_ROWS]]
-        kept = [r for r in rendered if isinstance(r, tuple)]
-        per_file[path] = (len(kept) / max(1, len(rendered)), sum(len(ids) for ids, _ in kept) / max(1, len(kept)))
-        sample += kept
-    footers = {path: open_parquet(path, column=None).metadata for path in per_file}
+    per_file, kept = {}, {}  # path: (share of its conversations kept, their mean rendered tokens); the kept ones
+    footers = {path: open_parquet(path, column=None).metadata for path in files}
+    for path, footer in footers.items():
+        rows, group = [], 0
+        while len(rows) < SAMPLE_ROWS and group < footer.num_row_groups:
+            rows += chat_rows(path, group)[:SAMPLE_ROWS - len(rows)]
+            group += 1
+        rendered = [renderer._render(m)[0] if not isinstance(m, str) else "malformed" for m in rows]
+        kept[path] = [r for r in rendered if isinstance(r, tuple)]
+        per_file[path] = (len(kept[path]) / max(1, len(rendered)),
+                          sum(len(ids) for ids, _ in kept[path]) / max(1, len(kept[path])))
+    # the samples packed together in the mixture's proportions (SAMPLE_PACKED of them, drawn with a fixed seed)
+    weights = [footers[path].num_rows * per_file[path][0] if kept[path] else 0 for path in files]
+    rng = random.Random(0)
+    sample = [rng.choice(kept[path]) for path in rng.choices(files, weights, k=SAMPLE_PACKED)] if any(weights) else []
     tokens = []  # per stream: the rendered tokens of the conversations it keeps in one pass
     for stream in range(streams):
         units = assign_units(files, stream, streams)
@@ -121,7 +130,8 @@ def estimate_epoch_batches(args, tokenizer, micro, seq_len, streams):
     batches = max(1, math.ceil(max(tokens) / (fill * (seq_len + 1)) / micro))
     conversations = sum(footers[path].num_rows for path in files)
     return batches, (f"estimated: {conversations:,} conversations in the parquet footers, about "
-                     f"{sum(tokens) / max(1, conversations):,.0f} tokens each as rendered (measured on {len(sample):,}), "
+                     f"{sum(tokens) / max(1, conversations):,.0f} tokens each as rendered (measured on "
+                     f"{sum(map(len, kept.values())):,}), "
                      f"rows {fill:.1%} full, the fullest of {streams} data streams")
 
 
