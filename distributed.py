@@ -180,12 +180,35 @@ def run_main(main):
     return 128 + signum if signum else 0
 
 
-def mark_progress(step):
-    """Record in torchrun's store (one small message) that this rank, this process, entered `step`: what
-    stopped_ranks reads when a collective fails."""
+PROGRESS = {}  # where this rank keeps its progress record: {"dir": run_dir/progress, "stage": name}, once set
+
+
+def keep_progress(run_dir, stage):
+    """From now on mark_progress also writes this rank's record to run_dir/progress/rankNNN.txt. Under NCCL a hung
+    collective ends in the C++ watchdog's abort, before any Python sees an error, so stopped_ranks never prints:
+    these files are what a person (and speedrun.sh, after a failed stage) reads to tell which rank was where."""
+    PROGRESS.update(dir=Path(run_dir) / "progress", stage=stage)
+    PROGRESS["dir"].mkdir(parents=True, exist_ok=True)
+    if not dist.is_initialized() or dist.get_rank() == 0:  # the records of ranks an earlier, larger run had
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        for old in PROGRESS["dir"].glob("rank*.txt"):
+            if old.stem[4:].isdigit() and int(old.stem[4:]) >= world:
+                old.unlink(missing_ok=True)
+
+
+def mark_progress(step, phase="step"):
+    """Record that this rank, this process, entered `step` (phase: what it is doing in it, e.g. checkpoint): in
+    torchrun's store (one small message, what stopped_ranks reads when a collective fails) and, after
+    keep_progress, in this rank's progress file (replaced whole, so a reader never sees half of one)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.distributed_c10d._get_default_store().set(f"progress/{dist.get_rank()}",
-                                                       f"{step} {os.getpid()} {platform.node()}")
+        dist.distributed_c10d._get_default_store().set(f"progress/{rank}", f"{step} {os.getpid()} {platform.node()}")
+    if PROGRESS:
+        path = PROGRESS["dir"] / f"rank{rank:03d}.txt"
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(f"rank {rank}: stage {PROGRESS['stage']} step {step} {phase}, process {os.getpid()} on "
+                       f"{platform.node()}, at {time.time():.3f} ({time.strftime('%H:%M:%S')})\n")
+        os.replace(tmp, path)
 
 
 def process_alive(pid):

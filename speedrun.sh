@@ -177,6 +177,17 @@ eta && !said && $1 == "step" && split($2, s, "/") == 2 && s[1] >= 20 && /ETA/ {
         printf "speedrun: expected pretraining time left: %d:%02d:%02d for %d more steps (measured: %s tok/s at " \
             "step %d, after compilation and warm-up)\n", left / 3600, left % 3600 / 60, left % 60, s[2] - s[1], rate, s[1]
         fflush(); said = 1 } }'
+print_progress() {  # NAME: a failed training stage's ranks, each with its last step and phase and how long ago (under
+    # NCCL a hung collective aborts in C++ and no rank can say which one was stuck; these files say where each was)
+    local f now
+    compgen -G "$RUN/$1/progress/rank*.txt" > /dev/null || return 0
+    now=$(date +%s.%N)
+    echo "speedrun: where each rank of stage $1 was last ($RUN/$1/progress/):" >&2
+    for f in "$RUN/$1/progress"/rank*.txt; do
+        awk -v now="$now" '{ for (i = 1; i < NF; i++) if ($i == "at") t = $(i + 1)
+            printf "speedrun:   %s (%.0f s before this)\n", $0, now - t }' "$f" >&2
+    done
+}
 run_stage() {
     local name=$1 log=$SPEEDRUN_LOG rc=0 start
     shift
@@ -196,6 +207,7 @@ run_stage() {
         >> "$LOGS/stages.tsv"
     if [ "$rc" != 0 ]; then
         echo "speedrun: stage $name failed (exit $rc); log: $log" >&2
+        print_progress "$name"
         exit "$rc"
     fi
     say "stage $name done"

@@ -24,7 +24,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from checkpoint import list_checkpoints, resume_command, save_checkpoint
 from common import device_name, fmt_duration, now, peak_flops
-from distributed import all_reduce, all_reduce_tensor, is_dtensor, is_sharded, local, mark_progress, run_main
+from distributed import (
+    all_reduce,
+    all_reduce_tensor,
+    is_dtensor,
+    is_sharded,
+    keep_progress,
+    local,
+    mark_progress,
+    run_main,
+)
 from model import autocast_context
 from optim import apply_schedule, build_optimizers
 
@@ -324,7 +333,11 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
     initial, mem_history, run_start = param_samples(model), [], now()
     hooks = testing_hooks(args)  # None in every real run: then each step looks up nothing
 
+    keep_progress(run_dir, ckpt_meta.get("stage", "train"))  # each rank's last step and phase, in run_dir/progress/
+    mark_progress(start, "starting")
+
     def checkpoint(step, last=False):
+        mark_progress(step, "checkpoint")
         finite = all(torch.isfinite(local(p)).all() for p in model.parameters())  # each rank checks its shards
         if all_reduce(0.0 if finite else 1.0, dist.ReduceOp.MAX if dist.is_initialized() else None):
             raise RuntimeError(f"step {step}: parameters are not finite; not writing a checkpoint")
@@ -339,7 +352,7 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
         due = hooks.get(step + 1, ()) if hooks else ()  # the testing hooks set for this step
         if due and rank == world - 1 and {"die_at_step", "hang_at_step", "stuck_at_step"} & due:
             die_or_hang("die_at_step" in due, "stuck_at_step" in due)
-        mark_progress(step + 1)
+        mark_progress(step + 1, "forward/backward")
         loss_sum, count = forward_backward(train_model, batches, args.dtype, device, world,
                                            poison="inject_nan_step" in due)
         norm = clip_grad_norm(model.parameters(), args.grad_clip or float("inf"))
@@ -378,6 +391,7 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
                 print(f"WARNING step {step + 1}: {warning}")
         last_step = step + 1 == total_steps
         if args.eval_every and (step + 1) % args.eval_every == 0 and not last_step:
+            mark_progress(step + 1, "evaluation")
             record.update(evaluate(step + 1))
         metrics.log(record)
         if wandb:
@@ -393,6 +407,7 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
             return stop.signum or signal.SIGTERM
         if (step + 1) % args.ckpt_every == 0 or last_step:
             checkpoint(step + 1, last_step)  # the final checkpoint comes before the final evaluation (nanochat #446)
+    mark_progress(total_steps, "trained: final evaluation")
     return None
 
 

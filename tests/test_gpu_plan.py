@@ -322,3 +322,27 @@ def test_sfts_epoch_is_estimated_from_footers_and_a_sample_and_matches_the_exact
         assert abs(estimate - exact) <= max(2, 0.02 * exact), (streams, estimate, exact)  # measured: 287/286, 75/77
         assert line.startswith("estimated: 5,524 conversations in the parquet footers, about ")
         assert line.endswith(f"the fullest of {streams} data streams")
+
+
+# --- where each rank was when a stage failed ------------------------------------------------------------------------
+
+@pytest.mark.two_processes
+def test_a_failed_stage_prints_where_each_rank_was_from_their_progress_files(demo_world, tmp_path):
+    """Rank 1 of 2 (gloo) stops taking part before step 3: the stage fails, and speedrun.sh prints each rank's last
+    record from <stage>/progress/ (under NCCL the watchdog aborts in C++ and no Python error names the stuck rank;
+    before, nothing recorded where each rank was)."""
+    from helpers import run_speedrun
+    small = ("--steps 20 --sequence_len 64 --n_layer 1 --n_embd 64 --n_head 1 --n_kv_head 1 --micro_batch 2 "
+             "--compile false --eval_every 0 --bpb_tokens 256 --ckpt_every 1000 --sample_prompt A")
+    env = {"PRETRAIN_ARGS": f"{small} --hang_at_step 3 --dist_timeout 3", "NCCL_SAFE": "1", "OMP_NUM_THREADS": "1"}
+    result = run_speedrun(["--plan", "demo", "--gpus", "2", "--runs_dir", tmp_path, "--data_dir", demo_world / "demo",
+                           "--tokenizer", demo_world / "tokenizer", "--stop_after", "pretrain"], tmp_path, env,
+                          timeout=300)
+    assert result.returncode != 0
+    progress = tmp_path / "speedrun" / "pretrain" / "progress"
+    assert f"speedrun: where each rank of stage pretrain was last ({progress}/):" in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("speedrun:   rank ")]
+    assert len(lines) == 2, result.stderr[-3000:]
+    assert lines[0].startswith("speedrun:   rank 0: stage pretrain step 3 forward/backward, process ")
+    assert lines[1].startswith("speedrun:   rank 1: stage pretrain step 2 forward/backward, process ")
+    assert re.search(r"\(\d+ s before this\)$", lines[1])
