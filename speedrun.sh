@@ -538,7 +538,7 @@ if [ "$PLAN" = gpu ]; then
     # the shards the budget needs (a deeper model needs more: d24 about 340, d26 about 415), measured with this
     # tokenizer; the same step checks the free disk against the shards and the checkpoints to come
     stage data_plan "$PY" "$ROOT/pretrain.py" --data_plan --data_dir "$CORPUS" --tokenizer "$TOK" --runs_dir "$RUN" \
-        "${GPU_BUDGET[@]}" "${PRETRAIN_EXTRA[@]}"
+        "${GPU_BUDGET[@]}" --ckpt_every 1000 "${PRETRAIN_EXTRA[@]}"  # the stages' --ckpt_every: checkpoints on disk
     NEEDED=$(sed -n 's/^data plan shards: \([0-9]*\)$/\1/p' "$LOGS/data_plan.log" | tail -1)
     if [ -z "$SHARDS" ]; then
         SHARDS=$NEEDED

@@ -346,3 +346,29 @@ def test_a_failed_stage_prints_where_each_rank_was_from_their_progress_files(dem
     assert lines[0].startswith("speedrun:   rank 0: stage pretrain step 3 forward/backward, process ")
     assert lines[1].startswith("speedrun:   rank 1: stage pretrain step 2 forward/backward, process ")
     assert re.search(r"\(\d+ s before this\)$", lines[1])
+
+
+# --- the disk the gpu plan really needs for checkpoints -----------------------------------------------------------
+
+def test_the_disk_check_counts_the_checkpoints_the_d20_plan_holds_at_once():
+    """d20 (1,399,850,200 parameters; 393,217,200 in block matrices, under Muon): a full checkpoint is fp32 weights
+    (4 bytes a parameter) + AdamW's two moments for the 1,006,633,000 others (8) + Muon's momentum (4) =
+    15,225,333,600 bytes, not 12 x 1.4B. At 524,288 tokens a step, --ckpt_every 1000 and --keep 3: pretraining's
+    21,401 steps keep 3 (4 while a save is written), midtraining's 954 steps keep 1, SFT up to 3: 7 at once, 106.6 GB
+    (the check assumed 3 stages x 3 x 16.8 GB = 151.2 GB)."""
+    import argparse
+
+    from model import config_from_preset, param_breakdown
+    config = config_from_preset("d20", {"vocab_size": 65536})
+    counts = param_breakdown(config)
+    assert (counts["total"], counts["attention"] + counts["mlp"]) == (1_399_850_200, 393_217_200)
+    assert pretrain.checkpoint_bytes(config, "muon") == 4 * 1_399_850_200 + 8 * 1_006_633_000 + 4 * 393_217_200 \
+        == 15_225_333_600
+    assert pretrain.checkpoint_bytes(config, "adamw") == 12 * 1_399_850_200
+    assert pretrain.kept_checkpoints(21_401, 1000, 3) == (3, 4)
+    assert pretrain.kept_checkpoints(954, 1000, 3) == (1, 1)
+    assert pretrain.kept_checkpoints(3000, 1000, 3) == (3, 3)  # 3 saves: never more than --keep at once
+    args = argparse.Namespace(keep=3, ckpt_every=1000)
+    line = "pretraining keeps 3 (holding 4 while it saves), midtraining 1 (holding 1), SFT up to --keep 3: at most 7"
+    assert pretrain.plan_checkpoints(args, 21_401, 524_288) == (7, f"{line} at once")
+    assert round(7 * 15_225_333_600 / 1e9, 1) == 106.6
