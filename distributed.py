@@ -146,9 +146,10 @@ def probe_all_reduce(timeout_s, mbytes=PROBE_MBYTES, iters=5):
     good = good and bool(torch.isfinite(big).all())
     ok = ok and good
     if rank == 0:
-        bus = numel * 4 / seconds * 2 * (world - 1) / world / 1e9
+        bus = numel * 4 / seconds * 2 * (world - 1) / world / 1e9  # 2(n-1)/n: 0 on one rank, nothing crosses a link
         print(f"probe: {numel * 4 / 1e6:.0f} MB all-reduce over {where}: {'ok' if good else 'wrong sums'}, "
-              f"{seconds * 1e3:.1f} ms each ({iters} timed), bus bandwidth {bus:.2f} GB/s", flush=True)
+              f"{seconds * 1e3:.1f} ms each ({iters} timed), bus bandwidth "
+              f"{f'{bus:.2f} GB/s' if world > 1 else 'n/a: one GPU'}", flush=True)
     dist.destroy_process_group()
     return 0 if ok else 1
 

@@ -378,7 +378,7 @@ probe() {  # the probe in its own process group under a hard timeout; its status
     wait "$pid" || rc=$?
     end_probe "$pid"
     PROBE_BW=$(tail -n "+$((before + 1))" "$LOGS/probe.log" 2>/dev/null |
-        sed -n 's/.*all-reduce over .*: ok, .* bus bandwidth \([0-9.]* GB\/s\).*/\1/p' | tail -1)
+        sed -n 's/.*all-reduce over .*: ok, .* bus bandwidth \([0-9.]* GB\/s\|n\/a: one GPU\).*/\1/p' | tail -1)
     return "$rc"
 }
 declare -A NCCL_BEFORE=()  # the NCCL variables the safe flags replace, as the caller had them (unset: absent)

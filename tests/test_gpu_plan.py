@@ -372,3 +372,77 @@ def test_the_disk_check_counts_the_checkpoints_the_d20_plan_holds_at_once():
     line = "pretraining keeps 3 (holding 4 while it saves), midtraining 1 (holding 1), SFT up to --keep 3: at most 7"
     assert pretrain.plan_checkpoints(args, 21_401, 524_288) == (7, f"{line} at once")
     assert round(7 * 15_225_333_600 / 1e9, 1) == 106.6
+
+
+# --- the numbers the gpu plan prints --------------------------------------------------------------------------------
+
+def test_the_probe_on_one_gpu_says_bus_bandwidth_does_not_apply(monkeypatch, capsys):
+    """One rank: nccl-tests' bus bandwidth (x 2(n-1)/n) is 0 by definition; it printed 0.00 GB/s."""
+    import socket
+
+    import distributed
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(key, value)
+    assert distributed.probe_all_reduce(30, mbytes=1, iters=1) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("probe: 1 MB all-reduce over 1 ranks (gloo, ") and line.endswith("bus bandwidth n/a: one GPU")
+
+
+def test_h100_nvl_pcie_and_sxm_each_get_their_own_peak():
+    from common import peak_flops
+    assert peak_flops("NVIDIA H100 NVL", "bfloat16") == 835e12  # was the SXM's 989e12: MFU 18% too low
+    assert peak_flops("NVIDIA H100 PCIe", "bfloat16") == 756e12
+    assert peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 989e12
+
+
+def test_the_eta_leaves_out_this_processs_first_step(tiny_pretrained, demo_world, tmp_path, monkeypatch, capsys):
+    """The first step of a process compiles (minutes for d20): timed from the start, a resumed run's one-shot ETA
+    (speedrun.sh prints it after 20 steps) counted it as a step's time. A clock where step 1 takes 100 s and the others
+    about 1 s: the ETA with 1 step left is seconds, not 100 s / 5."""
+    import train_loop
+    clock, real = [0.0], train_loop.forward_backward
+
+    def tick():
+        clock[0] += 0.25
+        return clock[0]
+
+    def slow_first(*a, **k):
+        if not getattr(slow_first, "done", False):
+            clock[0] += 100  # the compilation of this process's first step
+            slow_first.done = True
+        return real(*a, **k)
+    monkeypatch.setattr(train_loop, "now", tick)
+    monkeypatch.setattr(train_loop, "forward_backward", slow_first)
+    pretrain.main(["--data_dir", tiny_pretrained.parent / "text", "--tokenizer", demo_world / "tokenizer",
+                   "--runs_dir", tmp_path, *TINY, "--steps", "6", "--micro_batch", "2", "--bpb_tokens", "256",
+                   "--eval_every", "0", "--log_every", "1", "--sample_prompt", "A"])
+    lines = {int(re.match(r"step (\d+)/6", x).group(1)): x for x in capsys.readouterr().out.splitlines()
+             if re.match(r"step \d+/6 ", x)}
+    assert lines[1].endswith("ETA unknown")
+    eta = re.search(r"ETA (\d+):(\d+):(\d+)$", lines[5]).groups()
+    assert int(eta[0]) * 3600 + int(eta[1]) * 60 + int(eta[2]) < 5, lines[5]  # before: 20 s and more
+
+
+def test_the_micro_batch_probes_line_prints_on_rank_0_only(monkeypatch, capsys):
+    import argparse
+
+    import torch
+
+    import train_loop
+    from model import config_from_preset
+    monkeypatch.setattr(train_loop, "build_optimizers", lambda *a, **k: [])
+    monkeypatch.setattr(train_loop, "find_micro_batch", lambda try_step, candidates: 16)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(train_loop, "all_reduce", lambda value, op=None: value)
+    monkeypatch.setattr(train_loop.dist, "is_initialized", lambda: True)
+    args = argparse.Namespace(total_batch_tokens=2048 * 64, micro_batch=0, dtype="bfloat16")
+    config = config_from_preset("d20", {"vocab_size": 65536})
+    line = "batch: micro_batch 16 is the largest that fits on every rank (probed with optimizer state)\n"
+    for rank, printed in ((1, ""), (0, line)):
+        monkeypatch.setattr(train_loop.dist, "get_rank", lambda rank=rank: rank)
+        assert train_loop.plan_batch(args, config, 2, None, torch.device("cuda")) == (16, 2)
+        assert capsys.readouterr().out == printed
