@@ -181,6 +181,40 @@ def run_main(main):
     return 128 + signum if signum else 0
 
 
+def check_shared_dir(run_dir):
+    """Several nodes share one run directory: rank 0 makes the checkpoint directory and every rank writes its own
+    file into it, so --runs_dir must be one filesystem every node mounts at the same path. When the ranks span
+    several nodes (WORLD_SIZE > LOCAL_WORLD_SIZE), rank 0 writes a token there and every rank reads it back; if any
+    cannot, every rank raises naming which ranks, on which hosts. (Testing: NANOCHAT_TEST_NODE_VIEW=RANK:DIR makes
+    that rank read DIR instead, as a node with its own disk would, and runs the check on one node.)"""
+    view = os.environ.get("NANOCHAT_TEST_NODE_VIEW", "")
+    if not dist.is_initialized() or (dist.get_world_size() <= int(os.environ.get("LOCAL_WORLD_SIZE", "1")) and not view):
+        return
+    rank, world, path = dist.get_rank(), dist.get_world_size(), Path(run_dir) / ".shared_filesystem_check"
+    mark_progress(0, "start-up")  # every rank has a record: an error now is not mistaken for a stuck rank
+    token = [f"{time.time_ns()} {os.getpid()} {platform.node()}" if rank == 0 else None]
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(token[0])
+    dist.broadcast_object_list(token, src=0)  # after rank 0's write: every rank looks only once it is there
+    viewed_rank, _, viewed_dir = view.partition(":")
+    if viewed_rank == str(rank):
+        path = Path(viewed_dir) / path.name
+    try:
+        seen = path.read_text()
+    except OSError:
+        seen = None
+    views = [None] * world
+    dist.all_gather_object(views, (seen == token[0], platform.node(), str(path.parent)))
+    if rank == 0:
+        path.unlink(missing_ok=True)
+    blind = [f"rank {r} on {host} ({where})" for r, (ok, host, where) in enumerate(views) if not ok]
+    if blind:
+        raise RuntimeError(f"the run directory {run_dir} is not one filesystem shared by every node: a file rank 0 "
+                           f"({views[0][1]}) wrote there is not seen by {', '.join(blind)}. Put --runs_dir on a "
+                           f"filesystem every node mounts at the same path (NFS, a cluster filesystem), then rerun")
+
+
 PROGRESS = {}  # where this rank keeps its progress record: {"dir": run_dir/progress, "stage": name}, once set
 
 

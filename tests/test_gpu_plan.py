@@ -446,3 +446,31 @@ def test_the_micro_batch_probes_line_prints_on_rank_0_only(monkeypatch, capsys):
         monkeypatch.setattr(train_loop.dist, "get_rank", lambda rank=rank: rank)
         assert train_loop.plan_batch(args, config, 2, None, torch.device("cuda")) == (16, 2)
         assert capsys.readouterr().out == printed
+
+
+# --- several nodes need one shared run directory --------------------------------------------------------------------
+
+@pytest.mark.two_processes
+def test_a_rank_that_cannot_see_the_run_directory_stops_every_rank_naming_it(tiny_pretrained, demo_world, tmp_path,
+                                                                              monkeypatch):
+    """2 gloo ranks, rank 1 made to look at another directory (as a node with its own disk would: the test hook
+    NANOCHAT_TEST_NODE_VIEW): both ranks stop before training, naming rank 1, its host and what to do. Before, rank 0
+    alone made the checkpoint directory and the other node's rank failed at the first save, hours in. Looking at the
+    same directory, the check passes and the run trains."""
+    from helpers import run_script
+    args = ["--data_dir", tiny_pretrained.parent / "text", "--tokenizer", demo_world / "tokenizer", "--runs_dir",
+            tmp_path / "runs", "--run_name", "two_nodes", *TINY, "--steps", "1", "--micro_batch", "2", "--bpb_tokens",
+            "256", "--eval_every", "0", "--sample_prompt", "A"]
+    (tmp_path / "other_node").mkdir()
+    monkeypatch.setenv("NANOCHAT_TEST_NODE_VIEW", f"1:{tmp_path / 'other_node'}")
+    result = run_script("pretrain.py", [str(a) for a in args], tmp_path, nproc=2, check=False)
+    assert result.returncode != 0
+    refusal = (f"pretrain.py: error: the run directory {tmp_path / 'runs' / 'two_nodes'} is not one filesystem shared "
+               f"by every node: a file rank 0 (")
+    assert result.stderr.count(refusal) == 2, result.stderr[-3000:]  # every rank says it
+    assert "is not seen by rank 1 on " in result.stderr and f"({tmp_path / 'other_node'}). Put --runs_dir on a " \
+        "filesystem every node mounts at the same path" in result.stderr
+    assert not (tmp_path / "runs" / "two_nodes" / "metrics.jsonl").exists()
+    monkeypatch.setenv("NANOCHAT_TEST_NODE_VIEW", f"1:{tmp_path / 'runs' / 'two_nodes'}")
+    result = run_script("pretrain.py", [str(a) for a in args], tmp_path, nproc=2)
+    assert "done: 1 steps" in result.stdout
