@@ -5,7 +5,8 @@
 Reads, for each stage run under the speedrun directory (pretrain/, midtrain/, sft/): config.json, metrics.jsonl,
 done.json and samples.jsonl; core_eval/results.json; chat_eval.json; transport.txt (the NCCL decision and the bandwidth its probe measured);
 logs/<stage>.log (the `distributed:` line, where each rank names the device it held, and the parameter count);
-logs/stages.tsv (each stage's wall time, written by speedrun.sh). A figure that is not there is "unknown".
+logs/stages.tsv (each stage's wall time, written by speedrun.sh); stage_evals/<stage>/ (core_eval and chat_eval of
+each stage's final model, for the table of what each stage taught). A figure that is not there is "unknown".
 Writes report.md, loss.png (training loss per stage) and val_bpb.png (pretraining validation bits per byte).
 """
 import argparse
@@ -15,7 +16,11 @@ import sys
 from pathlib import Path
 
 TRAIN_STAGES = ["pretrain", "midtrain", "sft"]
+# the stages whose final models get a column in the per-stage table, in training order: each that has a checkpoint
+# under runs/<run>/<stage>/ckpt/ (a later stage appears by being added here and trained)
+MODEL_STAGES = ["pretrain", "midtrain", "sft", "rl"]
 UNKNOWN = "unknown"
+SAMPLE_QUESTIONS = 2  # per generated task in the per-stage table: its first item and its first with a numeric answer
 
 
 def read_json(path):
@@ -131,6 +136,86 @@ def marked_answers(items_path, per_task=SAMPLES_PER_TASK):
     return lines
 
 
+def model_stages(run):
+    """The stages of MODEL_STAGES that left a checkpoint under the run: the table's columns."""
+    return [name for name in MODEL_STAGES if any((run / name / "ckpt").glob("step_*"))]
+
+
+def stage_eval_files(run, name):
+    """(core_eval results.json, chat_eval.json, its items) of one stage's final model: what speedrun.sh's stage
+    evaluations wrote (runs/<run>/stage_evals/<stage>/); the pretrained model's CORE is core_eval/'s, the same
+    command on the same checkpoint."""
+    where = run / "stage_evals" / name
+    core = run / "core_eval" / "results.json" if name == "pretrain" else where / "core_eval" / "results.json"
+    return core, where / "chat_eval.json", where / "chat_eval_items.jsonl"
+
+
+def cell(text):
+    """A markdown table cell: one line, no column breaks."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def sample_reply(item):
+    """A greedy reply as the model gave it, its calculator calls shown in GSM8K's <<expr=result>> form."""
+    calls = "".join(f"<<{expr}={result}>>" for expr, result in item.get("calculator", []))
+    return calls + item.get("reply", item.get("predicted", ""))
+
+
+def sample_items(items):
+    """[(task, question)] the sample-answer rows ask: for each generated task (whose items carry a reply), its first
+    item and its first whose answer is a number (where the calculator should be called)."""
+    chosen = {}
+    for item in items:
+        if "reply" not in item:
+            continue
+        task_items = chosen.setdefault(item["task"], [])
+        numeric = any(re.fullmatch(r"-?\d+", a) for a in item.get("answers", [item.get("answer", "")]))
+        if not task_items or (numeric and len(task_items) < SAMPLE_QUESTIONS
+                              and not any(n for _, n in task_items)):
+            task_items.append((item["question"], numeric))
+    return [(task, q) for task, qs in chosen.items() for q, _ in qs]
+
+
+def per_stage_table(run):
+    """What each stage taught: a row per ability, a column per stage's final model. Every cell is read from that
+    model's own evaluation files (stage_eval_files), computed by the same commands; "unknown" where absent."""
+    stages = model_stages(run)
+    if not stages:
+        return [f"No stage has a checkpoint under {run}/<stage>/ckpt/: nothing to tabulate."]
+    core = {s: read_json(stage_eval_files(run, s)[0]) for s in stages}
+    chat = {s: read_json(stage_eval_files(run, s)[1]) for s in stages}
+    items = {s: read_jsonl(stage_eval_files(run, s)[2]) for s in stages}
+    rows = []
+
+    def row(label, value_of):
+        rows.append([label] + [value_of(s) for s in stages])
+
+    def figure(value, fmt=".4f"):
+        return UNKNOWN if value is None else format(value, fmt)
+
+    row("pretraining val bpb", lambda s: figure((core[s] or {}).get("val_bpb")))
+    row("CORE", lambda s: figure((core[s] or {}).get("core")))
+    core_tasks = list(dict.fromkeys(t["task"] for s in stages for t in (core[s] or {}).get("tasks", [])))
+    for task in core_tasks:
+        row(f"CORE: {task} (accuracy)", lambda s, task=task: next(
+            (figure(t["accuracy"]) for t in (core[s] or {}).get("tasks", []) if t["task"] == task), UNKNOWN))
+    row("ChatCORE", lambda s: figure((chat[s] or {}).get("chatcore")))
+    chat_tasks = list(dict.fromkeys(t["task"] for s in stages for t in (chat[s] or {}).get("tasks", [])))
+    for task in chat_tasks:
+        def task_cell(s, task=task):
+            found = [t for t in (chat[s] or {}).get("tasks", []) if t["task"] == task]
+            return f"{found[0]['correct']}/{found[0]['items']}" if found else UNKNOWN
+        extra = " (not in ChatCORE)" if any(t["task"] == task and t["centered"] is None
+                                            for s in stages for t in (chat[s] or {}).get("tasks", [])) else ""
+        row(f"{task}{extra}", task_cell)
+    asked = list(dict.fromkeys(q for s in stages for q in sample_items(items[s])))
+    for task, question in asked:
+        row(f"sample, {task}: {question}", lambda s, task=task, question=question: next(
+            (repr(sample_reply(i)) for i in items[s] if i["task"] == task and i["question"] == question), UNKNOWN))
+    lines = ["| ability | " + " | ".join(stages) + " |", "|---|" + "---|" * len(stages)]
+    return lines + ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows]
+
+
 def forgetting_lines(run):
     """The pretraining val bpb of the pretrained, midtrained and SFT models side by side: pretrain's final evaluation
     (done.json) and the figure each chat stage computed at its end on the same rows (done.json's pretrain_val_bpb)."""
@@ -198,6 +283,10 @@ def write_report(run):
               "where the device has no rated peak (any CPU) or the compute is fp32."), "",
               "Other stages' wall time (s): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()
                                                             if k not in TRAIN_STAGES), ""]
+    lines += ["## What each stage taught", "", ("Each column is a stage's final model, each cell computed from that "
+              "model by the same command (core_eval.py, chat_eval.py; runs/<run>/stage_evals/<stage>/, the "
+              "pretrained model's CORE in core_eval/). Sample answers are greedy, with the calculator's calls shown as "
+              "<<expr=result>>."), "", *per_stage_table(run), ""]
     lines += ["## Evaluation", ""]
     if core:
         bpb = f"{core['val_bpb']:.4f}" if core.get("val_bpb") is not None else UNKNOWN

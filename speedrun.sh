@@ -612,11 +612,13 @@ if [ "$PLAN" = demo ]; then
     SFT=(--source "$DATA_DIR/conversations:1" --source "$DATA_DIR/choice:1" --source "$DATA_DIR/answers:1"
          --source "$DATA_DIR/calc:1" --steps 200 --eval_every 0 --ckpt_every 100)
     CHAT_EVAL=(--demo "$DATA_DIR" --max_new_tokens 32)
+    STAGE_CORE=(--bundle "$DATA_DIR/eval_bundle") STAGE_CHAT=(--tasks demo-choice,demo-answer,demo-words)
 else
     PRETRAIN=("${GPU_BUDGET[@]}" --eval_every 250 --ckpt_every 1000)
     MIDTRAIN=(--tokens 500000000 --ckpt_every 1000)
     SFT=(--epochs 1 --ckpt_every 1000)  # sft.py's mixture: SmolTalk, MMLU x3, GSM8K x4, ARC, identity
     CHAT_EVAL=(--demo none)
+    STAGE_CORE=() STAGE_CHAT=()
     if [ "$REHEARSE" = 1 ]; then
         say "plan: d$DEPTH ('python model.py --preset d$DEPTH' for its parameters) on $NPROC" \
             "$([ "$ON_CPU" = 1 ] && echo "CPU processes" || echo GPUs), the rehearsal's budget appended to each stage"
@@ -670,6 +672,21 @@ else
     stage chat_eval "${LAUNCH[@]}" "$ROOT/chat_eval.py" --checkpoint "$RUN/sft" --out "$RUN/chat_eval.json" \
         "${CHAT_EVAL[@]}" "${CHAT_EVAL_EXTRA[@]}" "${R_CHAT_EVAL[@]}"
 fi
+
+# what each stage taught (report.py's per-stage table): the same evaluations of every stage's final model, each
+# into runs/<run>/stage_evals/<stage>/ (the pretrained model's CORE is core_eval/ above)
+for name in pretrain midtrain sft rl; do
+    compgen -G "$RUN/$name/ckpt/step_*" > /dev/null || continue
+    where="$RUN/stage_evals/$name"
+    if [ "$name" != pretrain ] && [ ! -f "$where/core_eval/results.json" ]; then
+        stage "core_eval_$name" "${LAUNCH[@]}" "$ROOT/core_eval.py" --checkpoint "$RUN/$name" --out "$where/core_eval" \
+            --data_dir "$CORPUS" "${STAGE_CORE[@]}" "${CORE_EXTRA[@]}" "${R_CORE[@]}"
+    fi
+    if [ ! -f "$where/chat_eval.json" ]; then
+        stage "chat_eval_$name" "${LAUNCH[@]}" "$ROOT/chat_eval.py" --checkpoint "$RUN/$name" --out "$where/chat_eval.json" \
+            "${CHAT_EVAL[@]}" "${STAGE_CHAT[@]}" "${CHAT_EVAL_EXTRA[@]}" "${R_CHAT_EVAL[@]}"
+    fi
+done
 
 stage report "$PY" "$ROOT/report.py" "$RUN"
 

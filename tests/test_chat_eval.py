@@ -508,7 +508,7 @@ def test_demo_words_runs_by_name_beside_chatcore_and_is_left_out_of_its_mean(tin
                                          "3", "--max_new_tokens", "4", "--dtype", "float32", "--out", out], tiny)
     report = json.loads(out.read_text())
     choice, words = report["tasks"]
-    assert (words["task"], words["items"], words["items_in_task"], words["centered"]) == ("demo-words", 3, 120, None)
+    assert (words["task"], words["items"], words["items_in_task"], words["centered"]) == ("demo-words", 3, 140, None)
     assert report["chatcore"] == choice["centered"] and "ChatCORE" in result.stdout and "(1 tasks," in result.stdout
 
 

@@ -1,7 +1,11 @@
-"""report.py's ChatCORE sample answers: each marked right or wrong, with what was given and what was expected."""
+"""report.py: the ChatCORE sample answers, each marked right or wrong, with what was given and what was expected; the
+per-stage table, each cell equal to its stage model's own evaluation files."""
 import json
+import re
+import shutil
+from pathlib import Path
 
-from report import marked_answers
+from report import marked_answers, per_stage_table
 
 
 def test_sample_answers_are_marked_right_or_wrong(tmp_path):
@@ -19,3 +23,81 @@ def test_sample_answers_are_marked_right_or_wrong(tmp_path):
         "- [ ] demo-answer: 'Reply with one word: X?' -> 'Tolvar' (expected 'Pelmo')",
         "- [x] GSM8K: 'q' -> '42' (expected '42')",
         "- [ ] demo-choice: 'q0' -> 'C' (expected 'B')"]
+
+
+def stage_table(md):
+    """{ability: {stage: cell}} of report.md's per-stage table."""
+    lines = md.split("## What each stage taught", 1)[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| ability |"))
+    stages = [c.strip() for c in lines[start].strip("|").split("|")][1:]
+    rows = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip()[1:-1])]
+        rows[cells[0]] = dict(zip(stages, cells[1:], strict=True))
+    return stages, rows
+
+
+def test_the_per_stage_table_cells_equal_each_stage_models_own_evaluations(speedrun):
+    """A column per stage's final model; every cell equals what core_eval.py and chat_eval.py wrote for that model
+    (counts recomputed from the items files), and each file was computed from that stage's checkpoint."""
+    run, _ = speedrun
+    stages, rows = stage_table((run / "report.md").read_text())
+    assert stages == ["pretrain", "midtrain", "sft"]
+    for stage in stages:
+        where = run / "stage_evals" / stage
+        core = json.loads(((run / "core_eval") if stage == "pretrain" else where / "core_eval")
+                          .joinpath("results.json").read_text())
+        chat = json.loads((where / "chat_eval.json").read_text())
+        assert Path(core["checkpoint"]).parent.parent == Path(chat["checkpoint"]).parent.parent == run / stage
+        assert rows["pretraining val bpb"][stage] == f"{core['val_bpb']:.4f}"
+        assert rows["CORE"][stage] == f"{core['core']:.4f}"
+        core_items = [json.loads(line) for line in
+                      (Path(core["checkpoint"]).parent.parent.parent / ("core_eval" if stage == "pretrain" else
+                       f"stage_evals/{stage}/core_eval") / "items.jsonl").read_text().splitlines()]
+        for task in core["tasks"]:
+            right = [i["correct"] for i in core_items if i["task"] == task["task"]]
+            assert rows[f"CORE: {task['task']} (accuracy)"][stage] == f"{sum(right) / len(right):.4f}"
+        assert rows["ChatCORE"][stage] == f"{chat['chatcore']:.4f}"
+        items = [json.loads(line) for line in (where / "chat_eval_items.jsonl").read_text().splitlines()]
+        assert {t["task"] for t in chat["tasks"]} == {"demo-choice", "demo-answer", "demo-words"}
+        for task in ("demo-choice", "demo-answer"):
+            assert rows[task][stage] == f"{sum(i['correct'] for i in items if i['task'] == task)}/" \
+                                        f"{sum(i['task'] == task for i in items)}"
+        assert rows["demo-words (not in ChatCORE)"][stage] == \
+            f"{sum(i['correct'] for i in items if i['task'] == 'demo-words')}/" \
+            f"{sum(i['task'] == 'demo-words' for i in items)}"
+        samples = {k: v for k, v in rows.items() if k.startswith("sample, ")}
+        assert len(samples) >= 3
+        for ability, cells in samples.items():
+            task, question = ability[len("sample, "):].split(": ", 1)
+            item = next(i for i in items if i["task"] == task and " ".join(i["question"].split()) == question)
+            calls = "".join(f"<<{e}={r}>>" for e, r in item.get("calculator", []))
+            assert cells[stage] == " ".join(repr(calls + item["reply"]).split()).replace("|", "\\|")
+
+
+def test_a_later_stage_gets_its_column_by_itself(tmp_path):
+    """The table's columns are the stages that left a checkpoint: an rl/ run appears without a code change, and a
+    figure a stage's files lack is unknown."""
+    run = tmp_path / "run"
+    for stage in ("pretrain", "midtrain", "sft", "rl"):
+        (run / stage / "ckpt" / "step_000001").mkdir(parents=True)
+    core = {"core": 0.25, "val_bpb": 0.5, "tasks": [{"task": "t", "accuracy": 0.75, "centered": 0.5}]}
+    (run / "core_eval").mkdir()
+    (run / "core_eval" / "results.json").write_text(json.dumps(core))
+    (run / "stage_evals" / "rl" / "core_eval").mkdir(parents=True)
+    (run / "stage_evals" / "rl" / "core_eval" / "results.json").write_text(json.dumps({**core, "val_bpb": 0.625}))
+    chat = {"chatcore": 0.125, "tasks": [{"task": "demo-answer", "correct": 3, "items": 4, "centered": 0.75}]}
+    (run / "stage_evals" / "rl" / "chat_eval.json").write_text(json.dumps(chat))
+    (run / "stage_evals" / "rl" / "chat_eval_items.jsonl").write_text(json.dumps(
+        {"task": "demo-answer", "question": "What is 17 plus 25?", "answers": ["42"], "reply": "42",
+         "calculator": [["17+25", "42"]], "correct": True}) + "\n")
+    lines = per_stage_table(run)
+    assert lines[0] == "| ability | pretrain | midtrain | sft | rl |"
+    assert "| pretraining val bpb | 0.5000 | unknown | unknown | 0.6250 |" in lines
+    assert "| CORE: t (accuracy) | 0.7500 | unknown | unknown | 0.7500 |" in lines
+    assert "| demo-answer | unknown | unknown | unknown | 3/4 |" in lines
+    assert "| sample, demo-answer: What is 17 plus 25? | unknown | unknown | unknown | '<<17+25=42>>42' |" in lines
+    shutil.rmtree(run / "rl")
+    assert per_stage_table(run)[0] == "| ability | pretrain | midtrain | sft |"

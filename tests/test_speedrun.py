@@ -45,6 +45,8 @@ def test_the_pipeline_ran_every_stage_and_the_report_shows_the_logs_figures(spee
     run, result = speedrun
     ran = [line.split("\t") for line in (run / "logs" / "stages.tsv").read_text().splitlines()]
     assert [name for name, _, rc in ran if rc == "0"] == ["pretrain", "core_eval", "midtrain", "sft", "chat_eval",
+                                                          "chat_eval_pretrain", "core_eval_midtrain",
+                                                          "chat_eval_midtrain", "core_eval_sft", "chat_eval_sft",
                                                           "report"], ran
     assert f"stage data skipped: the demo world is in {demo_world / 'demo'}" in result.stdout
     assert "stage tokenizer skipped: using --tokenizer" in result.stdout
