@@ -146,11 +146,12 @@ def make_item(task, row, where):
             if answer not in letters:
                 raise KeyError(f"answerKey {answer!r} not among the labels {letters}")
             return {"prompt": render_mc(row["question"], letters, row["choices"]["text"]), "letters": letters,
-                    "answer": answer, "options": list(row["choices"]["text"])}
+                    "answer": answer, "options": list(row["choices"]["text"]), "question": row["question"]}
         if task in ("MMLU", "demo-choice"):
             letters = list(MC_LETTERS[:len(row["choices"])])
             return {"prompt": render_mc(row["question"], letters, row["choices"]), "letters": letters,
-                    "answer": letters[row["answer" if task == "MMLU" else "gold"]], "options": list(row["choices"])}
+                    "answer": letters[row["answer" if task == "MMLU" else "gold"]], "options": list(row["choices"]),
+                    "question": row["question"]}
         if task == "GSM8K":
             answer = gsm8k_answer(row["answer"])
             if answer is None:
@@ -285,15 +286,16 @@ def letter_scores(model, tokenizer, items, dtype, device):
 
 @torch.no_grad()
 def option_text_scores(model, tokenizer, items, dtype, device):
-    """Per item (the option whose text scores best as the whole reply, per option [sum of log-probs, tokens]): each
-    option's tokens right after <|assistant_start|>, no <|assistant_end|>; the best is the highest mean log-prob per
-    token (CORE's length normalization; ties to the first); an option of no tokens is never picked. A diagnostic
-    outside ChatCORE: a model that picks the right text but not its letter knows the answer."""
+    """Per item (the option whose text is the likeliest reply by the sum of its log-probs, the same by their mean per
+    token, per option [sum of log-probs, tokens]): the item's question alone as the user message (no options listed,
+    no letter asked for), then each option's tokens right after <|assistant_start|>, no <|assistant_end|>. Ties go to
+    the first; an option of no tokens is never picked. A diagnostic outside ChatCORE: a model that picks the right
+    text but not its letter knows the answer."""
     rows, starts, owner = [], [], []
     for n, item in enumerate(items):
         for text in item["options"]:
             option = tokenizer.encode(text)[:model.config.sequence_len - 1]
-            ids, _ = prompt_ids(tokenizer, item["prompt"], model.config.sequence_len, max(len(option) - 1, 0))
+            ids, _ = prompt_ids(tokenizer, item["question"], model.config.sequence_len, max(len(option) - 1, 0))
             rows.append(ids + option)
             starts.append(len(ids))
             owner.append(n)
@@ -308,8 +310,9 @@ def option_text_scores(model, tokenizer, items, dtype, device):
     out = []
     for n, item in enumerate(items):
         scores = [[sums[r], counts[r]] for r in range(len(rows)) if owner[r] == n]
-        means = [s / c if c else float("-inf") for s, c in scores]
-        out.append((item["letters"][means.index(max(means))], scores))
+        by_sum = [s if c else float("-inf") for s, c in scores]
+        by_mean = [s / c if c else float("-inf") for s, c in scores]
+        out.append((item["letters"][by_sum.index(max(by_sum))], item["letters"][by_mean.index(max(by_mean))], scores))
     return out
 
 
@@ -338,7 +341,9 @@ def judge_letters(items, model, tokenizer, args, device):
     out = []
     for item, (letter, cut, record), text in zip(items, letters, texts):
         if text is not None:
-            record["option_text"] = {"predicted": text[0], "correct": text[0] == item["answer"], "scores": text[1]}
+            record["option_text"] = {"predicted": text[0], "correct": text[0] == item["answer"],
+                                     "predicted_mean": text[1], "correct_mean": text[1] == item["answer"],
+                                     "scores": text[2]}
         out.append((letter == item["answer"], cut, {"predicted": letter, **record}))
     return out
 
@@ -442,7 +447,7 @@ def summarize(tasks, verdicts, sizes):
 
 
 LENIENT_RULE = "the number after '####' (spaces and '$' allowed), else the reply's last number, compared as numbers"
-OPTION_TEXT_RULE = "mean log-prob per token of the option's text as the whole reply"
+OPTION_TEXT_RULE = "the option's text as the whole reply to the question alone: sum of its tokens' log-probs"
 
 
 def task_diagnostics(kind, records):
@@ -459,9 +464,11 @@ def task_diagnostics(kind, records):
                "predicted_letters": dict(sorted(predicted.items())), "option_text": None}
         if records and "option_text" in records[0]:
             right = sum(r["option_text"]["correct"] for r in records)
+            by_mean = sum(r["option_text"]["correct_mean"] for r in records)
             out["option_text"] = {"rule": OPTION_TEXT_RULE, "correct": right, "items": len(records),
                                   "accuracy": right / n, "right_text_wrong_letter": sum(
-                                      r["option_text"]["correct"] and not r["correct"] for r in records)}
+                                      r["option_text"]["correct"] and not r["correct"] for r in records),
+                                  "correct_by_mean": by_mean, "accuracy_by_mean": by_mean / n}
         return out
     if kind == "gsm8k":
         right = sum(r["lenient"]["correct"] for r in records)
@@ -480,7 +487,8 @@ def diagnostic_lines(rows):
                          f"letters), letter mass {d['mean_letter_mass']:.4f}, predicted " + " ".join(
                              f"{k} {v}" for k, v in d["predicted_letters"].items()) + "; " +
                          ("option text off" if text is None else f"option text {text['correct']}/{text['items']} "
-                          f"= {text['accuracy']:.4f}, right text but wrong letter {text['right_text_wrong_letter']}"))
+                          f"= {text['accuracy']:.4f} (by the mean per token {text['accuracy_by_mean']:.4f}), right "
+                          f"text but wrong letter {text['right_text_wrong_letter']}"))
         elif d and "lenient" in d:
             lines.append(f"  {r['task']:<14} lenient reading ({d['lenient']['rule']}): {d['lenient']['correct']}/"
                          f"{d['lenient']['items']} = {d['lenient']['accuracy']:.4f}")
@@ -502,8 +510,7 @@ def print_summary(report):
           f"x {report['device']}; cut = prompt cropped or reply stopped by the {report['sequence_len']}-token window")
     lines = diagnostic_lines(report["tasks"])
     if lines:
-        print("diagnostics, outside ChatCORE (" + OPTION_TEXT_RULE.replace("mean", "option text: the best mean") +
-              "):\n" + "\n".join(lines))
+        print(f"diagnostics, outside ChatCORE (option text: {OPTION_TEXT_RULE}):\n" + "\n".join(lines))
 
 
 def write_outputs(report, records, out, run_dir):

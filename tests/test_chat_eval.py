@@ -351,7 +351,7 @@ def test_the_five_tasks_come_from_the_hub_in_their_real_layouts_and_then_from_th
     easy = {i["row"]: i for i in loaded["ARC-Easy"][0]}
     assert easy[1] == {"prompt": "Multiple Choice question: arc question 1?\n- tA=A\n- tB=B\n- tC=C\n- tD=D\n\n"
                                  "Respond only with the letter of the correct answer.", "letters": list("ABCD"),
-                       "answer": "B", "row": 1}
+                       "answer": "B", "options": ["tA", "tB", "tC", "tD"], "question": "arc question 1?", "row": 1}
     assert easy[6]["letters"] == list("1234") and easy[6]["answer"] == "3"
     assert {i["row"]: i["answer"] for i in loaded["MMLU"][0]} == {0: "A", 1: "B", 2: "C", 3: "D", 4: "A"}
     assert {i["row"]: i["answer"] for i in loaded["GSM8K"][0]} == {0: "1", 1: "2", 2: "3", 3: "4"}

@@ -40,7 +40,8 @@ def model():
 
 def items():
     return [{"prompt": render_mc(q, list("ABCD"[:len(opts)]), opts), "letters": list("ABCD"[:len(opts)]),
-             "answer": "ABCD"[gold], "options": opts, "row": i} for i, (q, opts, gold) in enumerate(QUESTIONS)]
+             "answer": "ABCD"[gold], "options": opts, "question": q, "row": i}
+            for i, (q, opts, gold) in enumerate(QUESTIONS)]
 
 
 def args(**kw):
@@ -68,16 +69,17 @@ def test_batched_letters_equal_one_prompt_at_a_time(model):
     assert one[0] == many[0]
     for a, b in zip(one[1], many[1]):
         assert a["predicted"] == b["predicted"] and a["option_text"]["predicted"] == b["option_text"]["predicted"]
+        assert a["option_text"]["predicted_mean"] == b["option_text"]["predicted_mean"]
         assert list(a["letter_probs"].values()) == pytest.approx(list(b["letter_probs"].values()), abs=1e-5)
         assert [s for s, _ in a["option_text"]["scores"]] == pytest.approx([s for s, _ in b["option_text"]["scores"]],
                                                                          abs=1e-4)
 
 
 def test_each_options_text_is_scored_as_the_reply_by_a_direct_log_softmax(model):
-    """The sum of the option tokens' log-probabilities right after <|assistant_start|>, computed here from the full
-    logits of each prompt + option alone; the pick is the best mean per token."""
-    for item, (picked, scores) in zip(items(), E.option_text_scores(model, BYTES, items(), "float32", CPU)):
-        prompt = BYTES.render_for_completion([{"role": "user", "content": item["prompt"]}])
+    """The sum of the option tokens' log-probabilities right after <|assistant_start|>, the question alone as the
+    user message, computed here from the full logits of each prompt + option alone; picks by the sum and the mean."""
+    for item, (picked, by_mean, scores) in zip(items(), E.option_text_scores(model, BYTES, items(), "float32", CPU)):
+        prompt = BYTES.render_for_completion([{"role": "user", "content": item["question"]}])
         direct = []
         for text in item["options"]:
             option = BYTES.encode(text)
@@ -87,22 +89,25 @@ def test_each_options_text_is_scored_as_the_reply_by_a_direct_log_softmax(model)
         assert [c for _, c in scores] == [len(BYTES.encode(t)) for t in item["options"]]
         assert [s for s, _ in scores] == pytest.approx(direct, abs=1e-3)
         means = [s / len(BYTES.encode(t)) for s, t in zip(direct, item["options"])]
-        assert picked == item["letters"][means.index(max(means))]
+        assert picked == item["letters"][direct.index(max(direct))]
+        assert by_mean == item["letters"][means.index(max(means))]
 
 
 def test_diagnostics_tell_not_knowing_from_not_finding_the_letter():
     """Exact summaries from hand-made records: letter accuracy stays ChatCORE's; mean p(gold) is over the item's
     letters; option text right with the letter wrong is 'knows but cannot pick the letter'."""
-    def record(answer, predicted, probs, mass, text):
+    def record(answer, predicted, probs, mass, text, by_mean="B"):
         return {"answer": answer, "predicted": predicted, "correct": predicted == answer, "letter_mass": mass,
-                "letter_probs": dict(zip("ABCD", probs)), "option_text": {"predicted": text, "correct": text == answer}}
+                "letter_probs": dict(zip("ABCD", probs)), "option_text": {
+                    "predicted": text, "correct": text == answer, "predicted_mean": by_mean,
+                    "correct_mean": by_mean == answer}}
     records = [record("A", "C", [0.2, 0.2, 0.4, 0.2], 0.9, "A"), record("B", "C", [0.1, 0.3, 0.5, 0.1], 0.5, "B"),
                record("C", "C", [0.1, 0.1, 0.7, 0.1], 0.7, "D"), record("D", "C", [0.25] * 4, 0.1, "A")]
     d = E.task_diagnostics("categorical", records)
     assert d["mean_p_gold"] == pytest.approx((0.2 + 0.3 + 0.7 + 0.25) / 4)
     assert d["mean_letter_mass"] == pytest.approx(0.55) and d["predicted_letters"] == {"C": 4}
     assert d["option_text"] == {"rule": E.OPTION_TEXT_RULE, "correct": 2, "items": 4, "accuracy": 0.5,
-                                "right_text_wrong_letter": 2}
+                                "right_text_wrong_letter": 2, "correct_by_mean": 1, "accuracy_by_mean": 0.25}
     (line,) = E.diagnostic_lines([{"task": "demo-choice", "diagnostics": d}])
     assert "mean p(gold) 0.3625" in line and "predicted C 4;" in line and "option text 2/4 = 0.5000" in line
     assert E.task_diagnostics("exact", records) is None
