@@ -34,7 +34,7 @@ usage: bash speedrun.sh [flags]
                       tokens / the first shard's tokens counted with the tokenizer, plus one)
   --vocab_size N      tokenizer vocabulary (default: 65536 gpu, 1024 demo)
   --tokenizer DIR     use this trained tokenizer instead of training one (default: train <run>/tokenizer)
-  --stop_after STAGE  stop after this stage: data tokenizer download pretrain core_eval midtrain sft chat_eval
+  --stop_after STAGE  stop after this stage: data tokenizer download pretrain core_eval midtrain sft rl chat_eval
                       report (download: gpu plan, every shard and the prefetched chat and evaluation data are in)
   --no_chat           do not start chat.py at the end (it starts only when stdin is a terminal anyway)
   --force             start although other processes hold the GPUs
@@ -42,7 +42,7 @@ usage: bash speedrun.sh [flags]
   -h, --help          this text
 
 environment:
-  PRETRAIN_ARGS MIDTRAIN_ARGS SFT_ARGS CORE_ARGS CHAT_EVAL_ARGS   extra flags appended to that stage's command line
+  PRETRAIN_ARGS MIDTRAIN_ARGS SFT_ARGS RL_ARGS CORE_ARGS CHAT_EVAL_ARGS   extra flags appended to that stage's command line
                       (the last of a repeated flag wins), e.g. PRETRAIN_ARGS="--steps 100"
   NCCL_SAFE=1         skip the NCCL probe and run with the safe flags (P2P and InfiniBand off)
   SPEEDRUN_PYTHON     the interpreter (default: .venv/bin/python, installed from requirements.txt unless .venv
@@ -75,7 +75,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 case "$PLAN" in auto|gpu|demo) ;; *) echo "speedrun.sh: error: --plan $PLAN: use gpu or demo" >&2; exit 2 ;; esac
-case "$STOP_AFTER" in ""|data|tokenizer|download|pretrain|core_eval|midtrain|sft|chat_eval|report) ;;
+case "$STOP_AFTER" in ""|data|tokenizer|download|pretrain|core_eval|midtrain|sft|rl|chat_eval|report) ;;
     *) echo "speedrun.sh: error: --stop_after $STOP_AFTER: not a stage (bash speedrun.sh --help)" >&2; exit 2 ;; esac
 
 RUN="$RUNS_DIR/$RUN_NAME"
@@ -359,6 +359,7 @@ split_args() { read -r -a "$1" <<< "${2:-}"; }  # an env var's words as an array
 split_args PRETRAIN_EXTRA "${PRETRAIN_ARGS:-}"
 split_args MIDTRAIN_EXTRA "${MIDTRAIN_ARGS:-}"
 split_args SFT_EXTRA "${SFT_ARGS:-}"
+split_args RL_EXTRA "${RL_ARGS:-}"
 split_args CORE_EXTRA "${CORE_ARGS:-}"
 split_args CHAT_EVAL_EXTRA "${CHAT_EVAL_ARGS:-}"
 
@@ -472,15 +473,22 @@ if [ "$PLAN" = demo ]; then
               --steps 200 --eval_every 0 --ckpt_every 100)
     SFT=(--source "$DATA_DIR/conversations:1" --source "$DATA_DIR/choice:1" --source "$DATA_DIR/answers:1"
          --source "$DATA_DIR/calc:1" --steps 200 --eval_every 0 --ckpt_every 100)
+    # reinforcement learning on the world's sums and short answers; held out: chat_eval's demo-answer questions
+    RL=(--demo "$DATA_DIR" --steps 60 --questions_per_step 8 --samples 8 --max_new_tokens 32 --eval_every 0
+        --eval_items -1 --eval_samples 4 --ckpt_every 30)
     CHAT_EVAL=(--demo "$DATA_DIR" --max_new_tokens 32)
 else
     PRETRAIN=("${GPU_BUDGET[@]}" --eval_every 250 --ckpt_every 1000)
     MIDTRAIN=(--tokens 500000000 --ckpt_every 1000)
     SFT=(--epochs 1 --ckpt_every 1000)  # sft.py's mixture: SmolTalk, MMLU x3, GSM8K x4, ARC, identity
+    RL=(--demo none --epochs 1 --ckpt_every 60)  # GSM8K train, held out: GSM8K test (nanochat's chat_rl)
     CHAT_EVAL=(--demo none)
     say "plan: d$DEPTH ('python model.py --preset d$DEPTH' for its parameters), 20 tokens per parameter at 524,288" \
         "tokens a step on $GPUS GPUs; pretrain.py prints the parameters, tokens and steps before step 1, and" \
         "this script the expected time measured after the first timed steps"
+    say "plan: rl: one epoch of GSM8K's 7,473 training questions, 16 a step, 16 replies each (up to 256 tokens):" \
+        "468 steps, at most 1.9M tokens sampled. Its share of the time is not known before it runs (sampling, not" \
+        "training, sets its pace): rl.py prints its ETA after its first step, report.md every stage's wall time"
 fi
 
 train_stage pretrain "$ROOT/pretrain.py" --data_dir "$CORPUS" --tokenizer "$TOK" "${PRETRAIN[@]}" "${PRETRAIN_EXTRA[@]}"
@@ -494,11 +502,12 @@ fi
 
 train_stage midtrain "$ROOT/midtrain.py" --checkpoint "$RUN/pretrain" "${MIDTRAIN[@]}" "${MIDTRAIN_EXTRA[@]}"
 train_stage sft "$ROOT/sft.py" --checkpoint "$RUN/midtrain" "${SFT[@]}" "${SFT_EXTRA[@]}"
+train_stage rl "$ROOT/rl.py" --checkpoint "$RUN/sft" "${RL[@]}" "${RL_EXTRA[@]}"
 
 if [ -f "$RUN/chat_eval.json" ]; then
     skip chat_eval "$RUN/chat_eval.json exists"
 else
-    stage chat_eval "${LAUNCH[@]}" "$ROOT/chat_eval.py" --checkpoint "$RUN/sft" --out "$RUN/chat_eval.json" \
+    stage chat_eval "${LAUNCH[@]}" "$ROOT/chat_eval.py" --checkpoint "$RUN/rl" --out "$RUN/chat_eval.json" \
         "${CHAT_EVAL[@]}" "${CHAT_EVAL_EXTRA[@]}"
 fi
 
