@@ -45,10 +45,11 @@ from demo import number_word
 from model import KVCache, autocast_context, num_params, parse_args, sample_next
 from tokenizer import Tokenizer
 
-# every lr is this fraction of the SFT parent's, decaying linearly to 0 (nanochat's RL starts at 0.05 of its base lrs
-# and ramps down to 0); measured on the demo world (dev/LOG.md, 2026-11-25)
-RL_LR_SCALE = 0.1
-RL_WHY = "measured on the demo world; nanochat's chat_rl starts at 0.05 of the base lrs"
+# every lr is this fraction of the SFT parent's, decaying linearly to 0: SFT runs at 0.3 of pretraining's lrs, so 0.2
+# of SFT's is 0.06 of pretraining's, about where nanochat's RL starts (0.05 of its base lrs, ramped down to 0). Not
+# tuned here yet (dev/LOG.md, 2026-11-25)
+RL_LR_SCALE = 0.2
+RL_WHY = "about nanochat's chat_rl start, 0.05 of the pretraining lrs; not tuned"
 # Sampling on a CPU runs one thread: a decode step of a small model is per-op overhead, and a second OpenMP thread
 # only adds waits (tiny preset, 16 replies, a busy 2-core EPYC: 314 tok/s with one thread, 27 with two)
 CPU_ROLLOUT_THREADS = 1
