@@ -39,7 +39,7 @@ import distributed
 import optim
 import train_loop
 from calculator import ToolUse, reply_text
-from chat_eval import final_number, load_items, normalize, prompt_ids
+from chat_eval import fetch_everywhere, final_number, load_items, normalize, prompt_ids
 from dataset import CACHE_DIR, chat_files
 from demo import number_word
 from model import KVCache, autocast_context, num_params, parse_args, sample_next
@@ -324,6 +324,8 @@ def main(argv=None):
     model, parent_meta = checkpoint.load_model(parent, device)
     inherited = checkpoint.inherit(args, parent_meta, parent)
     args.compile = False  # every step's rows have other lengths: a compiled model would recompile at each
+    inherited = [(n, False, "off in rl.py: the rows change length every step") if n == "compile" else (n, v, where)
+                 for n, v, where in inherited]
     tokenizer = Tokenizer.load(args.tokenizer)
     checkpoint.check_chat_tokenizer(tokenizer, args.tokenizer)
     checkpoint.check_tokenizer(parent_meta, tokenizer, args.tokenizer, parent)
@@ -337,7 +339,8 @@ def main(argv=None):
                                 f"{world_dir}`")
     train_items = demo_items(world_dir) if world_dir else gsm8k_items(args.train_dir)
     rules = sorted({item["rule"] for item in train_items})
-    held_out = load_items("demo-answer" if world_dir else "GSM8K", args.cache_dir, world_dir, args.eval_items)[0]
+    held_out = fetch_everywhere(lambda: load_items("demo-answer" if world_dir else "GSM8K", args.cache_dir, world_dir,
+                                                   args.eval_items)[0], rank, world)  # rank 0 downloads, once
     for item in held_out:
         item["rule"] = "exact" if world_dir else "gsm8k"
     if args.questions_per_step < world:
