@@ -304,9 +304,9 @@ def verdict(records):
     before, after = (sum(r["reward"] for r in part) / len(part) for part in (steps[:fifth], steps[-fifth:]))
     held = (evals[0]["all"]["pass@1"], evals[-1]["all"]["pass@1"])
     rose, fell = after > before, held[1] < held[0]
+    held_change = "fell" if fell else "rose" if held[1] > held[0] else "did not change"
     note = "the reward ROSE while held-out accuracy FELL: the model learned the training questions, not the task" \
-        if rose and fell else f"the reward {'rose' if rose else 'did not rise'}, held-out accuracy " \
-        f"{'fell' if fell else 'did not fall'}"
+        if rose and fell else f"the reward {'rose' if rose else 'did not rise'}, held-out accuracy {held_change}"
     return {"reward_first_fifth": before, "reward_last_fifth": after, "held_out_pass@1_first": held[0],
             "held_out_pass@1_last": held[1], "note": note}
 

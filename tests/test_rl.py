@@ -174,7 +174,9 @@ def test_a_reward_that_rose_while_held_out_accuracy_fell_is_said_so_and_the_repo
     assert (summary["reward_first_fifth"], summary["reward_last_fifth"]) == (0.0, 0.1)  # steps 1-2 and 9-10
     assert (summary["held_out_pass@1_first"], summary["held_out_pass@1_last"]) == (0.5, 0.25)
     assert summary["note"].startswith("the reward ROSE while held-out accuracy FELL")
-    assert rl.verdict(records[:-1])["note"] == "the reward rose, held-out accuracy did not fall"
+    assert rl.verdict(records[:-1])["note"] == "the reward rose, held-out accuracy did not change"  # one evaluation
+    assert rl.verdict([*records, {"held_out": {"all": {"pass@1": 0.75}}}])["note"] == \
+        "the reward rose, held-out accuracy rose"
     import report
     (tmp_path / "rl").mkdir()
     (tmp_path / "rl" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
