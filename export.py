@@ -1,6 +1,6 @@
 """Export a checkpoint to the Hugging Face layout, where transformers, vLLM, llama.cpp's converters and the hub start.
 
-    python export.py --out hf/mychat                                # the newest checkpoint under runs/
+    python export.py --out hf/mychat                                # the newest RL or SFT checkpoint under runs/
     python export.py --checkpoint runs/sft --out hf/mychat          # a run (its newest checkpoint) or a ckpt/step_* dir
     python export.py --checkpoint runs/sft --out hf/mychat --push user/mychat       # then upload it to the hub
 
@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 
 import checkpoint
 import distributed
+from chat import pick_checkpoint
 from download import hub_endpoint
 from tokenizer import SPECIAL_TOKENS
 
@@ -73,7 +74,8 @@ CHAT_TEMPLATE = r"""{#- tokenizer.py's render_conversation: a system message joi
 def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=None, help="a checkpoint (runs/<run>/ckpt/step_*) or a run directory (its "
-                   "newest) (default: the newest checkpoint under --runs_dir)")
+                   "newest) (default: as chat.py, the newest RL or SFT checkpoint under --runs_dir, else midtraining's, "
+                   "else pretraining's)")
     p.add_argument("--runs_dir", default="runs", help="where runs live (default: %(default)s)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the one the checkpoint records)")
     p.add_argument("--out", required=True, help="directory to write the export to, new or a previous export "
@@ -240,7 +242,7 @@ def main(argv=None):
     out = Path(args.out)
     if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
         raise ValueError(f"--out {out} is not empty and holds no export: pass a new directory or a previous export")
-    ckpt = checkpoint.find_checkpoint(args.checkpoint, args.runs_dir)
+    ckpt, _ = pick_checkpoint(args)  # as chat.py: the newer of RL's and SFT's, else midtraining's, ...
     model, meta = checkpoint.load_model(ckpt, "cpu")
     tokenizer, tokenizer_path = checkpoint.checkpoint_tokenizer(meta, ckpt, args.tokenizer)
     checkpoint.check_chat_tokenizer(tokenizer, tokenizer_path)

@@ -231,18 +231,35 @@ def forgetting_lines(run):
     return lines
 
 
+def reward_panel(ax, records):
+    """RL's panel of the loss figure: the mean reward of each step's sampled replies, and held-out pass@1 at each
+    evaluation (rl/metrics.jsonl)."""
+    steps = [r for r in records if "reward" in r]
+    evals = [(r["step"], r["held_out"]["all"]["pass@1"]) for r in records if "held_out" in r]
+    ax.plot([r["step"] for r in steps], [r["reward"] for r in steps], lw=1, label="mean reward (training)")
+    ax.plot([s for s, _ in evals], [v for _, v in evals], marker="o", label="held-out pass@1")
+    ax.set_title("rl: reward")
+    ax.set_xlabel("step")
+    ax.legend(fontsize=7)
+
+
 def plot(run, out):
-    """loss.png: training loss against step for each stage; val_bpb.png: pretraining's validation bits per byte."""
+    """loss.png: training loss against step for each stage, and RL's reward where it ran; val_bpb.png: pretraining's
+    validation bits per byte."""
     import matplotlib
     matplotlib.use("Agg")  # no display
     import matplotlib.pyplot as plt
     written = []
-    fig, axes = plt.subplots(1, len(TRAIN_STAGES), figsize=(4 * len(TRAIN_STAGES), 3.2))
-    for ax, name in zip(axes, TRAIN_STAGES, strict=True):
+    rl_records = read_jsonl(run / "rl" / "metrics.jsonl")
+    panels = len(TRAIN_STAGES) + bool(rl_records)
+    fig, axes = plt.subplots(1, panels, figsize=(4 * panels, 3.2))
+    for ax, name in zip(axes, TRAIN_STAGES, strict=False):
         steps = [r for r in read_jsonl(run / name / "metrics.jsonl") if "loss" in r]
         ax.plot([r["step"] for r in steps], [r["loss"] for r in steps], lw=1)
         ax.set_title(f"{name}: training loss")
         ax.set_xlabel("step")
+    if rl_records:
+        reward_panel(axes[-1], rl_records)
     fig.tight_layout()
     fig.savefig(out / "loss.png", dpi=90)
     plt.close(fig)
@@ -295,6 +312,11 @@ def write_report(run):
         lines += [f"| {t['task']} | {t['accuracy']:.4f} | {t['centered']:.4f} |" for t in core["tasks"]]
     else:
         lines.append(f"CORE {UNKNOWN} (no core_eval/results.json)")
+    rl_done = read_json(run / "rl" / "done.json")
+    if rl_done:  # the reward beside held-out accuracy, and what they say together (rl.py's verdict)
+        lines += [(f"RL: mean reward {rl_done['reward_first_fifth']:.3f} -> {rl_done['reward_last_fifth']:.3f} (first and "
+                  f"last fifth of its steps), held-out pass@1 {rl_done['held_out_pass@1_first']:.3f} -> "
+                  f"{rl_done['held_out_pass@1_last']:.3f}: {rl_done['note']} (rl/done.json)"), ""]
     lines += ["", ("How much each chat stage forgets: the pretraining val bpb of each stage's final model, on the rows "
                    "of pretraining's final evaluation (pretrain/done.json; midtrain/ and sft/done.json: "
                    "pretrain_val_bpb)."), "", *forgetting_lines(run), ""]

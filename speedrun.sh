@@ -35,7 +35,7 @@ usage: bash speedrun.sh [flags]
                       tokens / the first shard's tokens counted with the tokenizer, plus one)
   --vocab_size N      tokenizer vocabulary (default: 65536 gpu, 1024 demo)
   --tokenizer DIR     use this trained tokenizer instead of training one (default: train <run>/tokenizer)
-  --stop_after STAGE  stop after this stage: data tokenizer download pretrain core_eval midtrain sft chat_eval
+  --stop_after STAGE  stop after this stage: data tokenizer download pretrain core_eval midtrain sft rl chat_eval
                       report (download: gpu plan, every shard and the prefetched chat and evaluation data are in)
   --no_chat           do not start chat.py at the end (it starts only when stdin is a terminal anyway)
   --rehearse          run every stage of the plan with its own command lines, data and world size, on a tiny budget
@@ -48,7 +48,7 @@ usage: bash speedrun.sh [flags]
   -h, --help          this text
 
 environment:
-  PRETRAIN_ARGS MIDTRAIN_ARGS SFT_ARGS CORE_ARGS CHAT_EVAL_ARGS   extra flags appended to that stage's command line
+  PRETRAIN_ARGS MIDTRAIN_ARGS SFT_ARGS RL_ARGS CORE_ARGS CHAT_EVAL_ARGS   extra flags appended to that stage's command line
                       (the last of a repeated flag wins), e.g. PRETRAIN_ARGS="--steps 100"
   NCCL_SAFE=1         skip the NCCL probe and run with the safe flags (P2P and InfiniBand off)
   SPEEDRUN_PYTHON     the interpreter (default: .venv/bin/python, installed from requirements.txt unless .venv
@@ -83,7 +83,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 case "$PLAN" in auto|gpu|demo) ;; *) echo "speedrun.sh: error: --plan $PLAN: use gpu or demo" >&2; exit 2 ;; esac
-case "$STOP_AFTER" in ""|data|tokenizer|download|pretrain|core_eval|midtrain|sft|chat_eval|report) ;;
+case "$STOP_AFTER" in ""|data|tokenizer|download|pretrain|core_eval|midtrain|sft|rl|chat_eval|report) ;;
     *) echo "speedrun.sh: error: --stop_after $STOP_AFTER: not a stage (bash speedrun.sh --help)" >&2; exit 2 ;; esac
 
 REAL_RUN_NAME=$RUN_NAME
@@ -477,13 +477,14 @@ split_args() { read -r -a "$1" <<< "${2:-}"; }  # an env var's words as an array
 split_args PRETRAIN_EXTRA "${PRETRAIN_ARGS:-}"
 split_args MIDTRAIN_EXTRA "${MIDTRAIN_ARGS:-}"
 split_args SFT_EXTRA "${SFT_ARGS:-}"
+split_args RL_EXTRA "${RL_ARGS:-}"
 split_args CORE_EXTRA "${CORE_ARGS:-}"
 split_args CHAT_EVAL_EXTRA "${CHAT_EVAL_ARGS:-}"
 
 # --- a rehearsal: every stage with the plan's own command line, data and world size, and a tiny budget appended last
 # (the last of a repeated flag wins): a few steps, items or checkpoints each, so that a bug in any stage shows in
 # minutes instead of after hours of pretraining
-R_DATA=() R_TOK=() R_PRETRAIN=() R_SHAPE=() R_CORE=() R_MIDTRAIN=() R_SFT=() R_CHAT_EVAL=()
+R_DATA=() R_TOK=() R_PRETRAIN=() R_SHAPE=() R_CORE=() R_MIDTRAIN=() R_SFT=() R_RL=() R_CHAT_EVAL=()
 REHEARSAL_STEPS=(3 3 3)  # pretrain, midtrain, sft: each saves a checkpoint at step 2 and at its end
 REHEARSAL_PROMPT="Why do plants need light?"
 if [ "$REHEARSE" = 1 ]; then
@@ -492,6 +493,8 @@ if [ "$REHEARSE" = 1 ]; then
     R_PRETRAIN=(--steps "${REHEARSAL_STEPS[0]}" --eval_every 0 --ckpt_every 2 --keep 1 --bpb_tokens 32768)
     R_MIDTRAIN=(--steps "${REHEARSAL_STEPS[1]}" --eval_every 0 --eval_rows 16 --ckpt_every 2 --keep 1)
     R_SFT=(--steps "${REHEARSAL_STEPS[2]}" --eval_every 0 --eval_rows 16 --ckpt_every 2 --keep 1)
+    R_RL=(--steps 2 --questions_per_step 2 --samples 2 --max_new_tokens 16 --eval_every 0 --eval_items 2
+          --eval_samples 2 --ckpt_every 1 --keep 1)
     R_CORE=(--max_items 4 --bpb_tokens 32768)
     R_CHAT_EVAL=(--max_items 2 --max_new_tokens 32)
     # the gpu plan on CPU processes: the plan's 256 sequences a step, each 128 tokens instead of 2048 (midtraining's
@@ -611,12 +614,17 @@ if [ "$PLAN" = demo ]; then
               --steps 200 --eval_every 0 --ckpt_every 100)
     SFT=(--source "$DATA_DIR/conversations:1" --source "$DATA_DIR/choice:1" --source "$DATA_DIR/answers:1"
          --source "$DATA_DIR/calc:1" --steps 200 --eval_every 0 --ckpt_every 100)
+    # reinforcement learning on the world's sums and short answers; held out: chat_eval's demo-answer questions
+    # (dev/LOG.md, 2026-11-25: on the baseline chain they LOWER held-out accuracy, 84/109 -> 78/109; open)
+    RL=(--demo "$DATA_DIR" --steps 20 --questions_per_step 8 --samples 8 --max_new_tokens 32 --micro_batch 32
+        --lr_scale 0.05 --eval_every 0 --eval_items -1 --eval_samples 4 --ckpt_every 10)
     CHAT_EVAL=(--demo "$DATA_DIR" --max_new_tokens 32)
     STAGE_CORE=(--bundle "$DATA_DIR/eval_bundle") STAGE_CHAT=(--tasks demo-choice,demo-answer,demo-words)
 else
     PRETRAIN=("${GPU_BUDGET[@]}" --eval_every 250 --ckpt_every 1000)
     MIDTRAIN=(--tokens 500000000 --ckpt_every 1000)
     SFT=(--epochs 1 --ckpt_every 1000)  # sft.py's mixture: SmolTalk, MMLU x3, GSM8K x4, ARC, identity
+    RL=(--demo none --epochs 1 --ckpt_every 60)  # GSM8K train, held out: GSM8K test (nanochat's chat_rl)
     CHAT_EVAL=(--demo none)
     STAGE_CORE=() STAGE_CHAT=()
     if [ "$REHEARSE" = 1 ]; then
@@ -626,6 +634,9 @@ else
         say "plan: d$DEPTH ('python model.py --preset d$DEPTH' for its parameters), 20 tokens per parameter at" \
             "524,288 tokens a step on $GPUS GPUs; pretrain.py prints the parameters, tokens and steps before step 1," \
             "and this script the expected time measured after the first timed steps"
+        say "plan: rl: one epoch of GSM8K's 7,473 training questions, 16 a step, 16 replies each (up to 256 tokens):" \
+            "468 steps, at most 1.9M tokens sampled. Its share of the time is not known before it runs (sampling, not" \
+            "training, sets its pace): rl.py prints its ETA after its first step, report.md every stage's wall time"
     fi
 fi
 
@@ -665,11 +676,12 @@ fi
 
 train_stage midtrain "$ROOT/midtrain.py" --checkpoint "$RUN/pretrain" "${MIDTRAIN[@]}" "${MIDTRAIN_EXTRA[@]}" "${R_MIDTRAIN[@]}"
 train_stage sft "$ROOT/sft.py" --checkpoint "$RUN/midtrain" "${SFT[@]}" "${SFT_EXTRA[@]}" "${R_SFT[@]}"
+train_stage rl "$ROOT/rl.py" --checkpoint "$RUN/sft" "${RL[@]}" "${RL_EXTRA[@]}" "${R_RL[@]}"
 
 if [ -f "$RUN/chat_eval.json" ]; then
     skip chat_eval "$RUN/chat_eval.json exists"
 else
-    stage chat_eval "${LAUNCH[@]}" "$ROOT/chat_eval.py" --checkpoint "$RUN/sft" --out "$RUN/chat_eval.json" \
+    stage chat_eval "${LAUNCH[@]}" "$ROOT/chat_eval.py" --checkpoint "$RUN/rl" --out "$RUN/chat_eval.json" \
         "${CHAT_EVAL[@]}" "${CHAT_EVAL_EXTRA[@]}" "${R_CHAT_EVAL[@]}"
 fi
 

@@ -56,6 +56,7 @@ SPEEDRUN_ENV = {
     "MIDTRAIN_ARGS": f"--steps {MIDTRAIN_STEPS} --micro_batch 16 --total_batch_tokens 2048 --eval_rows 32 "
                      "--ckpt_every 1000",
     "SFT_ARGS": f"--steps {SFT_STEPS} --eval_rows 32 --ckpt_every 1000",
+    "RL_ARGS": "--steps 2 --questions_per_step 2 --samples 4 --max_new_tokens 16 --eval_items 8 --eval_samples 2",
     "CORE_ARGS": "--bpb_tokens 20000 --max_new_tokens 8 --max_items 16",  # the report's figures; CORE itself: test_core_eval
     "CHAT_EVAL_ARGS": "--max_items 20 --max_new_tokens 16",
 }
@@ -65,7 +66,7 @@ SPEEDRUN_ENV = {
 # that need it run after the others, and everything else runs meanwhile on the other core: each side gets one thread
 # (two threads each on 2 cores made both several times slower).
 # speedrun.sh's stages in the order it runs them (the values of its --stop_after)
-STAGES = ["data", "tokenizer", "download", "pretrain", "core_eval", "midtrain", "sft", "chat_eval", "report"]
+STAGES = ["data", "tokenizer", "download", "pretrain", "core_eval", "midtrain", "sft", "rl", "chat_eval", "report"]
 PIPELINE_FIXTURES = {"learned": "pretrain", "chat_chain": "sft", "speedrun": "report"}  # fixture: the stage it needs
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # for the scripts the tests start without setting it
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # and the tests that compute in this process

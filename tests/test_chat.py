@@ -160,11 +160,16 @@ def test_prompt_from_stdin_answers_a_held_out_demo_question(chat_chain, demo_wor
             break
     else:
         pytest.fail("the SFT model answers no held-out question")
-    result = run_chat(["--runs_dir", demo_world / "chat_runs", "-p", "-", "--temperature", "0", "--max_new_tokens", "24"],
+    runs = demo_world / "sft_only"  # the pipeline's rl stage may be writing beside its sft/ by now
+    runs.mkdir(exist_ok=True)
+    (runs / "sft").unlink(missing_ok=True)
+    (runs / "sft").symlink_to(chat_chain["sft"].parent.parent)
+    result = run_chat(["--runs_dir", runs, "-p", "-", "--temperature", "0", "--max_new_tokens", "24"],
                       question.encode(), demo_world)
     err = result.stderr.decode()
     assert result.returncode == 0, err
-    assert f"checkpoint: {chat_chain['sft']} (newest sft checkpoint" in err and "mode: chat" in err, err
+    found = runs / "sft" / "ckpt" / chat_chain["sft"].name
+    assert f"checkpoint: {found} (newest sft checkpoint" in err and "mode: chat" in err, err
     reply = result.stdout.decode().strip()
     assert reply == answer.strip() and expected.lower() in reply.lower(), (reply, answer)
 

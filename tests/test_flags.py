@@ -6,11 +6,12 @@ import pytest
 
 # concept: (its one name, the scripts that take it, the old names no --help may show)
 VOCABULARY = {
-    "the checkpoint a stage reads": ("--checkpoint", ["midtrain", "sft", "core_eval", "chat_eval", "chat", "export"],
+    "the checkpoint a stage reads": ("--checkpoint", ["midtrain", "sft", "rl", "core_eval", "chat_eval", "chat",
+                                                      "export"],
                                      ["--init"]),
     "validation tokens for bits per byte": ("--bpb_tokens", ["pretrain", "midtrain", "sft", "core_eval"],
                                             ["--eval_tokens"]),
-    "the longest reply": ("--max_new_tokens", ["core_eval", "chat_eval", "chat"], ["--max_tokens"]),
+    "the longest reply": ("--max_new_tokens", ["core_eval", "chat_eval", "chat", "rl"], ["--max_tokens"]),
     "prompts a training stage answers": ("--sample_prompt", ["pretrain", "midtrain", "sft"], ["--question"]),
     "items per task": ("--max_items", ["core_eval", "chat_eval"], ["--max_per_task"]),
 }

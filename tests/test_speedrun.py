@@ -44,10 +44,10 @@ def table(md, header):
 def test_the_pipeline_ran_every_stage_and_the_report_shows_the_logs_figures(speedrun, demo_world):
     run, result = speedrun
     ran = [line.split("\t") for line in (run / "logs" / "stages.tsv").read_text().splitlines()]
-    assert [name for name, _, rc in ran if rc == "0"] == ["pretrain", "core_eval", "midtrain", "sft", "chat_eval",
-                                                          "chat_eval_pretrain", "core_eval_midtrain",
+    assert [name for name, _, rc in ran if rc == "0"] == ["pretrain", "core_eval", "midtrain", "sft", "rl",
+                                                          "chat_eval", "chat_eval_pretrain", "core_eval_midtrain",
                                                           "chat_eval_midtrain", "core_eval_sft", "chat_eval_sft",
-                                                          "report"], ran
+                                                          "core_eval_rl", "chat_eval_rl", "report"], ran
     assert f"stage data skipped: the demo world is in {demo_world / 'demo'}" in result.stdout
     assert "stage tokenizer skipped: using --tokenizer" in result.stdout
     assert "the old name goes in the next release" not in result.stdout + result.stderr  # speedrun.sh: current flags

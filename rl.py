@@ -1,0 +1,474 @@
+"""Reinforcement learning on answers that can be checked: an SFT checkpoint samples several replies to each question
+with the calculator live, a reply whose checked answer is right gets reward 1 (else 0), and the model is updated on
+policy, on the tokens it sampled only (nanochat's simplified GRPO: advantage = reward - the mean reward of the
+question's replies, the loss normalized per sampled token, no KL penalty, no ratio clipping; the prompt and the
+calculator's output carry no loss).
+
+    python rl.py                        # the newest SFT checkpoint; GSM8K train, held out: GSM8K test
+    python rl.py --checkpoint runs/speedrun/sft --demo runs/speedrun/demo --steps 60 --max_new_tokens 48
+    torchrun --standalone --nproc_per_node=8 rl.py
+    python rl.py --run_name NAME --resume                              # continue from the last checkpoint
+    python rl.py --status runs/NAME
+
+Tasks. The demo world (--demo; by default the parent's world when it was trained on one): its sums (calc/: right
+when the reply's last word is the result, in digits or words) and short answers (answers/: right when the reply is
+the answer, as chat_eval.py scores); held out: chat_eval's demo-answer questions. Otherwise GSM8K's train split (right
+when the number after '####' is the answer: no '####' is wrong, nanochat's rule); held out: GSM8K's test split.
+Writes runs/<run_name>/: config.json, metrics.jsonl (every step: mean reward, reply length, tokens sampled per
+second; at each evaluation held-out pass@1 and pass@k), ckpt/step_XXXXXX/ (as every stage's), done.json.
+"""
+import argparse
+import json
+import math
+import os
+import re
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from decimal import Decimal
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+import checkpoint
+import common
+import distributed
+import optim
+import train_loop
+from calculator import ToolUse, reply_text
+from chat_eval import fetch_everywhere, final_number, load_items, normalize, prompt_ids
+from dataset import CACHE_DIR, chat_files
+from demo import number_word
+from model import KVCache, autocast_context, num_params, parse_args, sample_next
+from tokenizer import Tokenizer
+
+# every lr is this fraction of the SFT parent's, decaying linearly to 0: SFT runs at 0.3 of pretraining's lrs, so 0.2
+# of SFT's is 0.06 of pretraining's, about where nanochat's RL starts (0.05 of its base lrs, ramped down to 0). Not
+# tuned: on the demo chain 20 steps at 0.2 and at 0.05 both lowered held-out accuracy (dev/LOG.md, 2026-11-25)
+RL_LR_SCALE = 0.2
+RL_WHY = "about nanochat's chat_rl start, 0.05 of the pretraining lrs; not tuned"
+# Sampling on a CPU runs one thread: a decode step of a small model is per-op overhead, and a second OpenMP thread
+# only adds waits (tiny preset, 16 replies, a busy 2-core EPYC: 314 tok/s with one thread, 27 with two)
+CPU_ROLLOUT_THREADS = 1
+
+
+def get_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("tasks")
+    g.add_argument("--demo", default="auto", help="a demo world directory (python demo.py --out DIR) whose calc/ and "
+                   "answers/ are trained on and chat_eval/demo-answer.jsonl held out; auto = the parent's world when it "
+                   "was trained on one, else GSM8K; none = GSM8K (default: %(default)s)")
+    g.add_argument("--train_dir", default=str(CACHE_DIR / "chat" / "gsm8k"), help="GSM8K's train split (columns "
+                   "question, answer), without a demo world (default: %(default)s, `python dataset.py download-chat "
+                   "gsm8k`)")
+    g.add_argument("--cache_dir", default=str(CACHE_DIR / "chat_eval"), help="chat_eval.py's task cache, where GSM8K's "
+                   "test split is held out from (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=0, help="the order of the questions (a new one every epoch) and the "
+                   "sampling, seeded per step and question (default: %(default)s)")
+    g = p.add_argument_group("rollouts")
+    g.add_argument("--questions_per_step", type=int, default=16, help="questions per optimizer step over all ranks, "
+                   "at least the world size (default: %(default)s, nanochat's)")
+    g.add_argument("--samples", type=int, default=16, help="replies sampled per question: the group whose mean reward "
+                   "is its baseline (default: %(default)s, nanochat's)")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: %(default)s)")
+    g.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest tokens, 0 = all (default: "
+                   "%(default)s)")
+    g.add_argument("--max_new_tokens", type=int, default=256, help="most tokens per reply, the calculator's output "
+                   "included (default: %(default)s)")
+    g = p.add_argument_group("budget: one of; given both, the last one is in force")
+    train_loop.add_budget_args(g, [("epochs", float, "passes over the training questions (default: 1, as nanochat)"),
+                                   ("steps", int, "optimizer steps")])
+    g = p.add_argument_group("evaluation")
+    g.add_argument("--eval_every", type=int, default=60, help="held-out pass@1 and pass@k every N steps, and before "
+                   "the first and after the last; 0 = only those two (default: %(default)s)")
+    g.add_argument("--eval_items", type=int, default=400, help="held-out questions, the first N in chat_eval.py's "
+                   "order; -1 = all (default: %(default)s)")
+    g.add_argument("--eval_samples", type=int, default=8, help="k: replies sampled per held-out question (default: "
+                   "%(default)s)")
+    checkpoint.add_run_args(p, "rl")
+    optim.add_schedule_args(p)
+    checkpoint.add_warm_start_args(p, lr_scale=RL_LR_SCALE, schedule="linear", warmdown_frac=0.2, why=RL_WHY)
+    checkpoint.add_init_args(p, ["sft"])
+    args = parse_args(p, argv)
+    if args.status is None:
+        args.budget_line = train_loop.resolve_budget(args, ["epochs", "steps"], default=("epochs", 1.0))
+    if min(args.questions_per_step, args.samples, args.max_new_tokens, args.eval_samples) < 1 or args.temperature < 0:
+        p.error("--questions_per_step, --samples, --max_new_tokens and --eval_samples must be >= 1, --temperature >= 0")
+    return p, args
+
+
+# -----------------------------------------------------------------------------
+# Tasks: items {"prompt", "rule", "answers" or "answer"}; reward() checks a reply against one
+
+def demo_items(world):
+    """The demo world's sums (calc/, the result of the calculator call in its answer) and short answers (answers/)."""
+    items = []
+    for row in pq.read_table(Path(world) / "calc" / "train.parquet").to_pylist():
+        value = re.findall(r"<<[^<>]*=([^<>=]*)>>", row["answer"])[-1]
+        words = [number_word(int(value))] if value.isdigit() and int(value) <= 100 else []
+        items.append({"prompt": row["question"], "answers": [value, *words], "rule": "last_word"})
+    for row in pq.read_table(Path(world) / "answers" / "train.parquet").to_pylist():
+        user, assistant = row["messages"][0]["content"], row["messages"][1]["content"]
+        items.append({"prompt": user, "answers": [assistant], "rule": "exact"})
+    return items
+
+
+def gsm8k_items(train_dir):
+    items = []
+    for path in chat_files(train_dir, "train"):
+        for i, row in enumerate(pq.read_table(path).to_pylist()):
+            answer = final_number(row.get("answer") or "", marker_only=True)
+            if answer is None or "question" not in row:
+                raise ValueError(f"{path}, row {i}: no question, or no '#### <number>' in its answer: not GSM8K's "
+                                 f"layout; fetch it again (python dataset.py download-chat gsm8k)")
+            items.append({"prompt": row["question"], "answer": str(answer), "rule": "gsm8k"})
+    return items
+
+
+def reward(item, reply):
+    """1.0 when the reply's checked answer is right, else 0.0. gsm8k: the number after '####' (none: wrong); exact:
+    the whole reply, normalized as chat_eval.py does; last_word: the reply's last word, normalized."""
+    if item["rule"] == "gsm8k":
+        number = final_number(reply, marker_only=True)
+        return float(number is not None and number == Decimal(item["answer"]))
+    accepted, words = {normalize(a) for a in item["answers"]}, normalize(reply)
+    return float((words if item["rule"] == "exact" else words.rpartition(" ")[2]) in accepted)
+
+
+def advantages(rewards, samples):
+    """Each reward minus the mean reward of its question's group of `samples` replies (consecutive)."""
+    grouped = torch.tensor(rewards, dtype=torch.float64).view(-1, samples)
+    return (grouped - grouped.mean(dim=1, keepdim=True)).view(-1).float()
+
+
+def step_items(step, per_step, total, seed):
+    """The indices of the step's questions in the training set: one stream of every question, shuffled anew each
+    epoch, a pure function of the step (a resumed run takes the same questions)."""
+    positions = range(step * per_step, (step + 1) * per_step)
+    orders = {e: np.random.default_rng([seed, e]).permutation(total) for e in {p // total for p in positions}}
+    return [int(orders[p // total][p % total]) for p in positions]
+
+
+def sampling_seed(*keys):
+    return hash(keys) % 2 ** 62  # a tuple of ints hashes the same in every process (no PYTHONHASHSEED for ints)
+
+
+# -----------------------------------------------------------------------------
+# Rollouts
+
+@torch.no_grad()
+def sample_group(model, tokenizer, prompt, n, max_new_tokens, temperature, top_k, seed, dtype):
+    """n replies to one prompt, as one batch: model.generate's sampling (sample_next, the KV cache, calculator.ToolUse
+    for the calculator) for n rows at once. A row whose tool call returned a result is fed those tokens, one per
+    forward, while the other rows sample theirs. Returns (replies, sampled): each row's tokens up to and with its
+    <|assistant_end|>, and per token whether the model sampled it (True) or the calculator's output was fed (False)."""
+    device = model.cos.device
+    budget = min(max_new_tokens, model.config.sequence_len - len(prompt))
+    stop = {tokenizer.special_id("<|assistant_end|>"), tokenizer.bos_id}
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    cache = KVCache(model.config, batch_size=n, max_len=len(prompt) + budget)
+    tools, fed = [ToolUse(tokenizer) for _ in range(n)], [[] for _ in range(n)]
+    replies, sampled, done = [[] for _ in range(n)], [[] for _ in range(n)], [False] * n
+    ids = torch.tensor([prompt] * n, dtype=torch.long, device=device)
+    for position in range(budget):
+        with torch.inference_mode(), autocast_context(device.type, dtype):
+            logits = model(ids, kv_cache=cache, last_only=True)[:, -1]
+        drawn = sample_next(logits, temperature, top_k, generator).view(-1).tolist()
+        for i in range(n):
+            if done[i]:
+                continue
+            own = not fed[i]
+            token = drawn[i] if own else fed[i].pop(0)
+            fed[i] += tools[i](token) if own else []
+            replies[i].append(token)
+            sampled[i].append(own)
+            done[i] = own and token in stop
+        if all(done) or position == budget - 1:
+            break
+        ids = torch.tensor([[r[-1]] for r in replies], dtype=torch.long, device=device)
+    return replies, sampled
+
+
+def training_rows(prompt, replies, sampled, pad_id):
+    """(inputs, targets) per reply: prompt + reply shifted by one, the target -1 (no loss) on the prompt and on every
+    token the model did not sample."""
+    rows = []
+    for reply, own in zip(replies, sampled, strict=True):
+        ids = prompt + reply
+        targets = [-1] * (len(prompt) - 1) + [t if s else -1 for t, s in zip(reply, own, strict=True)]
+        rows.append((ids[:-1] or [pad_id], targets or [-1]))
+    return rows
+
+
+def pad(rows, pad_id, device):
+    width = max(len(inputs) for inputs, _ in rows)
+    inputs = torch.tensor([x + [pad_id] * (width - len(x)) for x, _ in rows], dtype=torch.long, device=device)
+    targets = torch.tensor([y + [-1] * (width - len(y)) for _, y in rows], dtype=torch.long, device=device)
+    return inputs, targets
+
+
+def policy_gradient(train_model, rows, weights, micro_batch, dtype, device, world):
+    """Backward of the loss -sum(advantage x log p(token)) / (tokens sampled over all ranks), over the sampled tokens
+    of every row, micro_batch rows per forward; DDP averages over ranks, so each rank scales by world / count.
+    Returns (the loss, the sampled-token count), both over all ranks."""
+    count = distributed.all_reduce(sum(sum(t != -1 for t in y) for _, y in rows))
+    scale, loss_sum = world / max(count, 1.0), torch.zeros((), dtype=torch.float64, device=device)
+    chunks = range(0, len(rows), micro_batch)
+    for start in chunks:
+        inputs, targets = pad(rows[start:start + micro_batch], 0, device)
+        advantage = weights[start:start + micro_batch].to(device).view(-1, 1)
+        sync = start == chunks[-1] or not hasattr(train_model, "no_sync")
+        with train_model.no_sync() if not sync else nullcontext(), autocast_context(device.type, dtype):
+            nll = train_model(inputs, targets, reduction="none")  # -log p, 0 where the target is -1
+            loss = (nll.float() * advantage).sum()
+            (loss * scale).backward()
+        loss_sum += loss.detach().double()
+    return distributed.all_reduce_tensor(loss_sum).item() / max(count, 1.0), count
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, items, args, rank, world, step):
+    """Held-out pass@1 (the share of sampled replies that are right, averaged over questions) and pass@k (the share
+    of questions with a right reply among k), k = --eval_samples at the training temperature, each question's
+    sampling seeded by its position alone: evaluations differ by the model only. Also per kind of answer."""
+    table = torch.zeros(len(items), 3, dtype=torch.float64)  # (done, right replies, number answer)
+    for i in range(rank, len(items), world):
+        prompt = prompt_ids(tokenizer, items[i]["prompt"], model.config.sequence_len, 1)[0]
+        replies, _ = sample_group(model, tokenizer, prompt, args.eval_samples, args.max_new_tokens, args.temperature,
+                                  args.top_k, sampling_seed(args.seed, -1, i), args.dtype)
+        right = sum(reward(items[i], reply_text(tokenizer, strip_end(r, tokenizer))) for r in replies)
+        number = items[i]["rule"] == "gsm8k" or items[i]["answers"][0].isdigit()
+        table[i] = torch.tensor([1.0, right, float(number)], dtype=torch.float64)
+    distributed.all_reduce_tensor(table)
+    k = args.eval_samples
+    result = {"step": step, "k": k, "items": len(items)}
+    for name, rows in [("all", table), ("numbers", table[table[:, 2] == 1]), ("words", table[table[:, 2] == 0])]:
+        if len(rows):
+            result[name] = {"pass@1": (rows[:, 1] / k).mean().item(), f"pass@{k}": (rows[:, 1] > 0).double().mean()
+                            .item(), "items": len(rows)}
+    return result
+
+
+def strip_end(reply, tokenizer):
+    return reply[:-1] if reply and reply[-1] in (tokenizer.special_id("<|assistant_end|>"), tokenizer.bos_id) else reply
+
+
+class Cursor:
+    """What a checkpoint keeps of RL's data position (the loader state of the other stages): the questions taken.
+    The questions and seeds are a function of the step, so this only records it."""
+
+    def __init__(self):
+        self.state = {"questions": 0}
+
+    def state_dict(self):
+        return dict(self.state)
+
+    def load_state_dict(self, state):
+        self.state = dict(state)
+
+
+def print_status(run_dir):
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    config = json.loads((Path(run_dir) / "config.json").read_text())
+    steps, evals = [r for r in records if "reward" in r], [r for r in records if "held_out" in r]
+    fifth = max(1, len(steps) // 5)
+    trend = [sum(r["reward"] for r in steps[i:i + fifth]) / len(steps[i:i + fifth]) for i in range(0, len(steps), fifth)]
+    print(f"run {run_dir} (rl): {'finished' if (Path(run_dir) / 'done.json').is_file() else 'not finished'}; step "
+          f"{steps[-1]['step'] if steps else 0}/{config['total_steps']}")
+    print("mean reward (means of fifths): " + " -> ".join(f"{v:.3f}" for v in trend))
+    for e in evals:
+        print(f"held out at step {e['step']}: " + held_out_line(e["held_out"]))
+    ckpts = checkpoint.list_checkpoints(Path(run_dir) / "ckpt")
+    print(f"checkpoints: {', '.join(c.name for c in ckpts) if ckpts else 'none'}")
+
+
+def held_out_line(e):
+    k = e["k"]
+    parts = [f"{name} pass@1 {e[name]['pass@1']:.3f} pass@{k} {e[name][f'pass@{k}']:.3f} ({e[name]['items']} "
+             f"questions)" for name in ("all", "numbers", "words") if name in e]
+    return "; ".join(parts)
+
+
+def verdict(records):
+    """The reward's change (first fifth of the steps against the last fifth) beside held-out pass@1's (first
+    evaluation against the last), and what they say together: a reward that rose while held-out accuracy fell is
+    said so."""
+    steps, evals = [r for r in records if "reward" in r], [r["held_out"] for r in records if "held_out" in r]
+    fifth = max(1, len(steps) // 5)
+    before, after = (sum(r["reward"] for r in part) / len(part) for part in (steps[:fifth], steps[-fifth:]))
+    held = (evals[0]["all"]["pass@1"], evals[-1]["all"]["pass@1"])
+    rose, fell = after > before, held[1] < held[0]
+    held_change = "fell" if fell else "rose" if held[1] > held[0] else "did not change"
+    note = "the reward ROSE while held-out accuracy FELL: the model learned the training questions, not the task" \
+        if rose and fell else f"the reward {'rose' if rose else 'did not rise'}, held-out accuracy {held_change}"
+    return {"reward_first_fifth": before, "reward_last_fifth": after, "held_out_pass@1_first": held[0],
+            "held_out_pass@1_last": held[1], "note": note}
+
+
+def main(argv=None):
+    _, args = get_args(argv)
+    if args.status:
+        return print_status(args.status)
+    if args.fsdp == "true":
+        raise ValueError("--fsdp true: rl.py does not shard the model (each rank samples replies of its own length, "
+                         "which FSDP's per-layer gathers cannot follow); use a model that fits one device")
+    rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
+    master = rank == 0
+    parent = checkpoint.find_parent(args.checkpoint, args.runs_dir, ["sft"])
+    model, parent_meta = checkpoint.load_model(parent, device)
+    inherited = checkpoint.inherit(args, parent_meta, parent)
+    args.compile = False  # every step's rows have other lengths: a compiled model would recompile at each
+    inherited = [(n, False, "off in rl.py: the rows change length every step") if n == "compile" else (n, v, where)
+                 for n, v, where in inherited]
+    tokenizer = Tokenizer.load(args.tokenizer)
+    checkpoint.check_chat_tokenizer(tokenizer, args.tokenizer)
+    checkpoint.check_tokenizer(parent_meta, tokenizer, args.tokenizer, parent)
+    args.preset = parent_meta.get("run", "rl")
+    pretraining = checkpoint.pretraining_run(parent, parent_meta)
+    data_dir = pretraining[0] if pretraining else None
+    world_dir = None if args.demo == "none" else Path(args.demo) if args.demo != "auto" else \
+        (Path(data_dir).parent if data_dir and (Path(data_dir).parent / "calc").is_dir() else None)
+    if world_dir is not None and not (world_dir / "calc").is_dir():
+        raise FileNotFoundError(f"--demo {world_dir}: no calc/ in it: write the demo world with `python demo.py --out "
+                                f"{world_dir}`")
+    train_items = demo_items(world_dir) if world_dir else gsm8k_items(args.train_dir)
+    rules = sorted({item["rule"] for item in train_items})
+    held_out = fetch_everywhere(lambda: load_items("demo-answer" if world_dir else "GSM8K", args.cache_dir, world_dir,
+                                                   args.eval_items)[0], rank, world)  # rank 0 downloads, once
+    for item in held_out:
+        item["rule"] = "exact" if world_dir else "gsm8k"
+    if args.questions_per_step < world:
+        raise ValueError(f"--questions_per_step {args.questions_per_step} is fewer than the {world} ranks: give each "
+                         f"rank at least one question")
+    total_steps = args.steps or math.ceil(args.epochs * len(train_items) / args.questions_per_step)
+    run_dir, resume_from = checkpoint.resolve_run(args, "rl")
+    optimizers = optim.build_optimizers(model, args, model.config.n_embd, args.total_batch_tokens, device,
+                                        lr_scale=args.lr_scale)
+    layout = {"model_config": parent_meta["model_config"], "world_size": world, "micro_batch": args.micro_batch,
+              "accum": 1}
+    tasks = f"the demo world {world_dir} (calc/ sums, answers/ short answers; held out: demo-answer)" if world_dir \
+        else f"GSM8K {args.train_dir} (held out: GSM8K test from {args.cache_dir})"
+    run = {"stage": "rl", "run": args.run_name, **layout, "total_steps": total_steps, "code": common.code_version(),
+           "tokenizer": args.tokenizer, "tokenizer_sha256": tokenizer.fingerprint(), "data_dir": data_dir,
+           "tasks": tasks, "train_questions": len(train_items), "held_out_questions": len(held_out),
+           "parent": checkpoint.parent_record(parent, parent_meta)}
+    if master:
+        checkpoint.write_config(run_dir, {**run, "args": vars(args)})
+        print(f"init: {parent} ({parent_meta.get('stage')}, step {parent_meta.get('step')}), params: "
+              f"{num_params(model.config)}")
+        print("inherited:\n" + "\n".join(f"  {name:<18} {value!s:<14} {source}" for name, value, source in inherited))
+        print(f"tasks: {tasks}: {len(train_items):,} training questions, {len(held_out):,} held out")
+        print(f"rollouts: {args.questions_per_step} questions x {args.samples} replies per step over {world} rank(s), "
+              f"temperature {args.temperature}, top_k {args.top_k}, at most {args.max_new_tokens} new tokens; "
+              f"{args.micro_batch} rows per forward; compile off (the rows' lengths change every step)")
+        print(args.budget_line)
+        print(f"budget: {total_steps:,} steps" + (f" = {args.epochs:g} epochs" if args.epochs else ""))
+        print(f"code: commit {run['code']['commit']}, uncommitted changes: {run['code']['dirty']}")
+        print(optim.precision_line(args, device, optimizers))
+    cursor = Cursor()
+    start = checkpoint.resume_or_warm_start(resume_from, parent, parent_meta, args, run_dir, model, optimizers,
+                                            [cursor], layout, rank, device)
+    train_model = train_loop.wrap_model(model, args, world, local_rank, device)
+    metrics, stop = train_loop.Metrics(run_dir / "metrics.jsonl", master), train_loop.StopSignal()
+    ckpt_meta = {**run, "argv": sys.argv, "hparams": checkpoint.hparams(args, args.sequence_len, args.micro_batch,
+                                                                         args.total_batch_tokens)}
+
+    def save(step, last=False):
+        cursor.state["questions"] = step * args.questions_per_step
+        return checkpoint.save_checkpoint(run_dir / "ckpt", step, model, optimizers, [cursor.state_dict()], ckpt_meta,
+                                          rank, args.keep, consolidate=last, delay_s=args.checkpoint_delay)
+
+    train_threads = torch.get_num_threads()
+    rollout_threads = CPU_ROLLOUT_THREADS if device.type == "cpu" else train_threads
+
+    def held_out_eval(step):
+        torch.set_num_threads(rollout_threads)
+        result = evaluate(model, tokenizer, held_out, args, rank, world, step)
+        torch.set_num_threads(train_threads)
+        if master:
+            print(f"held out at step {step}: {held_out_line(result)}", flush=True)
+        return {"held_out": result}
+
+    if master and start == 0 and (run_dir / "metrics.jsonl").is_file():
+        (run_dir / "metrics.jsonl").unlink()  # an earlier start without a checkpoint: its lines would count twice
+    if start == 0:
+        metrics.log({"step": 0, **held_out_eval(0)})
+    run_start, pad_id = time.perf_counter(), tokenizer.bos_id
+    for step in range(start, total_steps):
+        t0 = time.perf_counter()
+        lr_mult, _ = optim.apply_schedule(optimizers, step, total_steps, args)
+        chosen = step_items(step, args.questions_per_step, len(train_items), args.seed)
+        torch.set_num_threads(rollout_threads)
+        rows, rewards, by_rule, lengths, sampled_tokens = [], [], {}, [], 0
+        for position in range(rank, len(chosen), world):
+            item = train_items[chosen[position]]
+            prompt = prompt_ids(tokenizer, item["prompt"], args.sequence_len, 1)[0]
+            replies, sampled = sample_group(model, tokenizer, prompt, args.samples, args.max_new_tokens,
+                                            args.temperature, args.top_k, sampling_seed(args.seed, step, position),
+                                            args.dtype)
+            scores = [reward(item, reply_text(tokenizer, strip_end(r, tokenizer))) for r in replies]
+            rewards += scores
+            by_rule.setdefault(item["rule"], []).extend(scores)
+            lengths += [len(r) for r in replies]
+            sampled_tokens += sum(map(sum, sampled))
+            rows += training_rows(prompt, replies, sampled, pad_id)
+        rollout = time.perf_counter() - t0
+        torch.set_num_threads(train_threads)
+        loss, _ = policy_gradient(train_model, rows, advantages(rewards, args.samples), args.micro_batch,
+                                      args.dtype, device, world)
+        grad_norm = train_loop.clip_grad_norm(model.parameters(), args.grad_clip or float("inf")).item()
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            raise RuntimeError(f"step {step + 1}: loss {loss} / grad norm {grad_norm} is not finite: stopped before "
+                               f"the optimizer step (resume with --resume, perhaps a lower --lr_scale)")
+        for opt in optimizers:
+            opt.step()
+        model.zero_grad(set_to_none=world == 1)
+        sums = distributed.all_reduce_tensor(torch.tensor([sum(rewards), len(rewards), sum(lengths), sampled_tokens],
+                                                          dtype=torch.float64)).tolist()
+        per_rule = distributed.all_reduce_tensor(torch.tensor([[sum(by_rule.get(r, [])), len(by_rule.get(r, []))]
+                                                               for r in rules], dtype=torch.float64)).tolist()
+        rule_means = {r: s / n for r, (s, n) in zip(rules, per_rule, strict=True) if n}
+        rollout = distributed.all_reduce(rollout, torch.distributed.ReduceOp.MAX if world > 1 else None)
+        record = {"step": step + 1, "reward": sums[0] / sums[1], "loss": loss, "sampled_tokens": int(sums[3]),
+                  "tokens": int(sums[3]), "reply_tokens": sums[2] / sums[1], "sampled_tok_per_s": sums[3] / rollout,
+                  "tok_per_s": sums[3] / (time.perf_counter() - t0), "rollout_time": rollout, "lr_mult": lr_mult,
+                  "grad_norm": grad_norm, "step_time": time.perf_counter() - t0, "mfu": "unknown",
+                  "reward_by_rule": rule_means}
+        last = step + 1 == total_steps
+        if args.eval_every and (step + 1) % args.eval_every == 0 and not last:
+            record.update(held_out_eval(step + 1))
+        metrics.log(record)
+        if master and ((step + 1) % args.log_every == 0 or last or step == start):
+            eta = (time.perf_counter() - run_start) / (step + 1 - start) * (total_steps - step - 1)
+            print(f"step {step + 1}/{total_steps} reward {record['reward']:.3f} loss {loss:+.5f} reply "
+                  f"{record['reply_tokens']:.1f} tokens, {record['sampled_tok_per_s']:,.0f} sampled tok/s, lr x"
+                  f"{lr_mult:.3f} gnorm {grad_norm:.3f} ETA {common.fmt_duration(eta)}", flush=True)
+        if args.signal_at_step == step + 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # the testing hook, as train_loop's
+        if stop.requested():
+            path = save(step + 1)
+            if master:
+                print(f"stopped by signal at step {step + 1}; checkpoint {path}. Resume with: "
+                      f"{checkpoint.resume_command(args)}")
+            return stop.signum or signal.SIGTERM
+        if (step + 1) % args.ckpt_every == 0 or last:
+            save(step + 1, last)
+    final = held_out_eval(total_steps)
+    if master:
+        metrics.log({"step": total_steps, "final": True, **final})
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        summary = verdict(records)
+        (run_dir / "done.json").write_text(json.dumps({"step": total_steps, **summary, "held_out": final["held_out"]}))
+        print(f"reward {summary['reward_first_fifth']:.3f} -> {summary['reward_last_fifth']:.3f} (first and last "
+              f"fifth of the steps); held-out pass@1 {summary['held_out_pass@1_first']:.3f} -> "
+              f"{summary['held_out_pass@1_last']:.3f}: {summary['note']}")
+        print(f"done: {total_steps} steps, run dir {run_dir}")
+    return None
+
+
+if __name__ == "__main__":
+    sys.exit(distributed.run_main(main))

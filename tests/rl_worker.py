@@ -1,0 +1,82 @@
+"""Run under torchrun by tests/test_rl.py: one step of rl.py's update on 2 gloo processes with a hand-made policy.
+
+The policy is a bigram table: every block's output projections are zero, so the residual stream is the token's
+embedding, a one-hot row; the weightless final norm scales it to sqrt(n_embd); the head's column for token i is
+row i of the table over sqrt(n_embd). After <|assistant_start|> it likes to write the call 3+4 to the calculator,
+then the result 7 and <|assistant_end|>; any other token is followed by any token alike. Rank r samples replies to
+r + 1 questions (so the ranks run different numbers of micro-batches), rewards them, and takes rl.policy_gradient's
+backward through DDP. Rank 0 saves every rank's rollouts, the head and embedding weights and the head's gradient:
+the test computes the gradient that only the sampled tokens give, in closed form, and compares."""
+import itertools
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import rl
+from calculator import reply_text
+from model import GPTConfig, build_model
+from tokenizer import train_tokenizer
+
+LIKED = 7.0  # the logit of a token's liked successor, the others 0: p = e^7 / (e^7 + 299) = 0.79 in a vocab of 300
+SAMPLES, QUESTION = 8, "what is three plus four"
+
+
+def tokenizer():
+    words = ["what is three plus four", "it is seven", "12 + 30 = 42", "numbers 0123456789 + - * /"] * 50
+    return train_tokenizer(words, 300)
+
+
+def hand_made_policy(tok):
+    """(model, prompt): the bigram policy described above, and the prompt it answers."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=tok.vocab_size, sequence_len=64, n_layer=1, n_embd=320, n_head=4, n_kv_head=4,
+                       logit_softcap=0.0)
+    model = build_model(config)
+    sid, prompt = tok.special_id, tok.render_for_completion([{"role": "user", "content": QUESTION}])
+    chain = [sid("<|assistant_start|>"), sid("<|python_start|>"), *tok.encode("3+4"), sid("<|python_end|>")]
+    liked = dict(itertools.pairwise(chain))
+    liked[sid("<|output_end|>")] = tok.encode("7")[0]
+    liked[tok.encode("7")[0]] = sid("<|assistant_end|>")
+    table = torch.zeros(tok.vocab_size, tok.vocab_size)
+    for token, successor in liked.items():
+        table[token, successor] = LIKED
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.o_proj.weight.zero_()
+            block.mlp.down_proj.weight.zero_()
+        model.wte.weight.copy_(torch.eye(tok.vocab_size, config.n_embd))
+        model.lm_head.weight.copy_(torch.cat([table.t(), torch.zeros(tok.vocab_size, config.n_embd - tok.vocab_size)],
+                                             1) / config.n_embd ** 0.5)
+    return model, prompt
+
+
+def main(out):
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tok = tokenizer()
+    model, prompt = hand_made_policy(tok)
+    item = {"prompt": QUESTION, "answers": ["7"], "rule": "last_word"}
+    rollouts, rows, rewards = [], [], []
+    for question in range(rank + 1):
+        replies, sampled = rl.sample_group(model, tok, prompt, SAMPLES, 12, 1.0, 0, rl.sampling_seed(0, rank, question),
+                                           "float32")
+        scores = [rl.reward(item, reply_text(tok, rl.strip_end(r, tok))) for r in replies]
+        rollouts += [{"reply": r, "sampled": s, "reward": x} for r, s, x in zip(replies, sampled, scores, strict=True)]
+        rows += rl.training_rows(prompt, replies, sampled, tok.bos_id)
+        rewards += scores
+    weights = rl.advantages(rewards, SAMPLES)
+    loss, count = rl.policy_gradient(DDP(model), rows, weights, 3, "float32", torch.device("cpu"), world)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, [{**r, "advantage": float(a)} for r, a in zip(rollouts, weights, strict=True)])
+    if rank == 0:
+        torch.save({"rollouts": [r for part in gathered for r in part], "prompt": prompt, "count": count, "loss": loss,
+                    "head": model.lm_head.weight.detach().clone(), "wte": model.wte.weight.detach().clone(),
+                    "grad": model.lm_head.weight.grad.clone(), "eps": model.config.norm_eps}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

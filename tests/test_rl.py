@@ -1,0 +1,188 @@
+"""rl.py: the reward and advantage arithmetic, the update on the sampled tokens only (2 gloo processes, a hand-made
+policy whose gradient is known in closed form), sampling that is chat_eval's generation, and a resumed run that
+repeats the uninterrupted run's rewards exactly."""
+import json
+import os
+import signal
+from argparse import Namespace
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from helpers import ROOT, run_in_process, run_script
+from rl_worker import hand_made_policy, tokenizer
+
+import chat
+import export
+import rl
+from calculator import ToolUse
+from model import generate
+
+
+def test_rewards_follow_each_tasks_rule_and_advantages_are_reward_minus_the_groups_mean(tmp_path):
+    gsm8k = {"answer": "18", "rule": "gsm8k"}
+    assert [rl.reward(gsm8k, r) for r in ["so 18.\n#### 18", "#### 18.00", "#### 1,8", "18", "#### 17"]] == \
+        [1.0, 1.0, 1.0, 0.0, 0.0]  # no '####': wrong (nanochat's rule); 18.00 is 18; commas are dropped
+    word = {"answers": ["Pelmo"], "rule": "exact"}
+    assert [rl.reward(word, r) for r in ["Pelmo", "pelmo.", "The Pelmo", "It is Pelmo."]] == [1.0, 1.0, 1.0, 0.0]
+    number = {"answers": ["7", "seven"], "rule": "last_word"}
+    assert [rl.reward(number, r) for r in ["7", "Three plus four is seven.", "3 + 4 = 7 plums.\n#### 7", "70",
+                                            "seven apples"]] == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert rl.advantages([1, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 1], 4).tolist() == \
+        [0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.0, 0.0, -0.25, -0.25, -0.25, 0.75]
+    calc = tmp_path / "calc"
+    calc.mkdir()
+    pq.write_table(pa.Table.from_pylist([{"question": "What is 3 times 40?", "answer": "<<3*40=120>>120"},
+                                         {"question": "Add 2 and 5.", "answer": "<<5+2=7>>Two plus five is seven."}]),
+                   calc / "train.parquet")
+    schema = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+    (tmp_path / "answers").mkdir()
+    pq.write_table(pa.table({"messages": pa.array([[{"role": "user", "content": "One word: capital of Aldora?"},
+                                                    {"role": "assistant", "content": "Pelmo"}]], schema)}),
+                   tmp_path / "answers" / "train.parquet")
+    assert rl.demo_items(tmp_path) == [
+        {"prompt": "What is 3 times 40?", "answers": ["120"], "rule": "last_word"},  # no word past one hundred
+        {"prompt": "Add 2 and 5.", "answers": ["7", "seven"], "rule": "last_word"},
+        {"prompt": "One word: capital of Aldora?", "answers": ["Pelmo"], "rule": "exact"}]
+
+
+def test_questions_are_a_function_of_the_step_and_each_epoch_takes_every_question_once():
+    steps = [rl.step_items(step, 4, 10, seed=3) for step in range(5)]  # 20 questions: two epochs of 10
+    stream = [i for items in steps for i in items]
+    assert sorted(stream[:10]) == list(range(10)) == sorted(stream[10:])
+    assert stream[:10] != stream[10:]  # a new order every epoch
+    assert rl.step_items(3, 4, 10, seed=3) == steps[3]
+
+
+def test_sampling_is_generate_with_the_calculator_for_each_row_at_temperature_zero():
+    """Greedy rows of one batch give what model.generate gives (chat_eval's greedy_reply) token for token, the
+    calculator's output included and marked as not sampled."""
+    tok = tokenizer()
+    model, prompt = hand_made_policy(tok)
+    replies, sampled = rl.sample_group(model, tok, prompt, 3, 20, 0.0, 0, 0, "float32")
+    stop, expected = tok.special_id("<|assistant_end|>"), []
+    for token in generate(model, prompt, 20, temperature=0, tools=ToolUse(tok)):
+        expected.append(token)
+        if token == stop:
+            break
+    sid = tok.special_id
+    output = [sid("<|output_start|>"), *tok.encode("7"), sid("<|output_end|>")]
+    assert expected == [sid("<|python_start|>"), *tok.encode("3+4"), sid("<|python_end|>"), *output,
+                        *tok.encode("7"), stop]
+    assert replies == [expected] * 3
+    first = 2 + len(tok.encode("3+4"))  # where the calculator's output starts
+    assert sampled == [[not first <= i < first + 3 for i in range(len(expected))]] * 3
+
+
+def closed_form_gradient(result, include_unsampled=False):
+    """d/d(head) of -sum(advantage x log p(token)) / count over the sampled tokens of every reply, for the bigram
+    policy: logits = head @ h(previous token), h = rms_norm(embedding row), so the gradient of a token is
+    (softmax(logits) - onehot(token)) h^T. include_unsampled: the calculator's output too (what must not happen)."""
+    head, wte, grad = result["head"].double(), result["wte"].double(), torch.zeros_like(result["head"]).double()
+    count = 0
+    for rollout in result["rollouts"]:
+        sequence = result["prompt"] + rollout["reply"]
+        for k, (token, own) in enumerate(zip(rollout["reply"], rollout["sampled"], strict=True)):
+            if not (own or include_unsampled):
+                continue
+            x = wte[sequence[len(result["prompt"]) + k - 1]]
+            h = x / (x.pow(2).mean() + result["eps"]).sqrt()
+            probs = torch.softmax(head @ h, 0)
+            probs[token] -= 1
+            grad += rollout["advantage"] * torch.outer(probs, h)
+            count += 1
+    return grad / count, count
+
+
+@pytest.mark.two_processes
+def test_the_update_on_two_ranks_is_the_gradient_of_the_sampled_tokens_only(tmp_path):
+    out = tmp_path / "rl.pt"
+    run_script("tests/rl_worker.py", [str(out)], ROOT, nproc=2)
+    result = torch.load(out, weights_only=True)
+    tok = tokenizer()
+    sid, rollouts = tok.special_id, result["rollouts"]
+    assert len(rollouts) == 8 * 3  # rank 0: one question, rank 1: two
+    for r in rollouts:  # what the model did not write: the calculator's output, right after <|python_end|>
+        reply, unsampled = r["reply"], set()
+        for i in range(1, len(reply)):
+            if reply[i - 1] == sid("<|python_end|>") and reply[i] == sid("<|output_start|>"):
+                end = reply.index(sid("<|output_end|>"), i)  # <|output_start|> the result <|output_end|>
+                unsampled |= set(range(i, end + 1))
+        assert r["sampled"] == [i not in unsampled for i in range(len(reply))]
+    assert any(not all(r["sampled"]) for r in rollouts)  # the calculator answered in some replies
+    assert 0 < sum(r["reward"] for r in rollouts) < len(rollouts)  # and the rewards differ
+    expected, count = closed_form_gradient(result)
+    assert count == result["count"]
+    torch.testing.assert_close(result["grad"].double(), expected, rtol=1e-4, atol=1e-7)
+    wrong, _ = closed_form_gradient(result, include_unsampled=True)
+    assert (wrong - expected).abs().max() > 100 * (result["grad"].double() - expected).abs().max()
+
+
+def test_a_resumed_run_repeats_the_uninterrupted_runs_rewards_exactly(chat_chain, demo_world, tmp_path, capsys):
+    """Stopped by SIGTERM after step 2 (checkpoint), resumed: steps 3 and 4 have the uninterrupted run's rewards and
+    losses, bitwise (the questions and the sampling seeds are functions of the step)."""
+    args = ["--checkpoint", chat_chain["sft"], "--tokenizer", demo_world / "tokenizer", "--demo", demo_world / "demo",
+            "--runs_dir", tmp_path, "--steps", "4", "--questions_per_step", "2", "--samples", "4",
+            "--max_new_tokens", "24", "--eval_items", "4", "--eval_samples", "2", "--eval_every", "0"]
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        code, out, err = run_in_process(rl.main, [*args, "--run_name", "straight"], capsys, stage="rl.py")
+        assert code == 0, err
+        code, out, err = run_in_process(rl.main, [*args, "--run_name", "stopped", "--signal_at_step", "2"], capsys,
+                                        stage="rl.py")
+        assert code == 128 + signal.SIGTERM and "stopped by signal at step 2" in out, err
+        code, out, err = run_in_process(rl.main, [*args, "--run_name", "stopped", "--resume"], capsys, stage="rl.py")
+        assert code == 0 and "resume: from" in out, err
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+
+    def steps(run):
+        records = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["reward"], r["loss"], r["sampled_tokens"]) for r in records if "reward" in r]
+    straight = steps("straight")
+    assert [s for s, *_ in straight] == [1, 2, 3, 4]
+    assert steps("stopped") == straight
+    assert len({r for _, r, _, _ in straight}) > 1 or any(loss != 0 for _, _, loss, _ in straight)  # it learned
+    done = json.loads((tmp_path / "stopped" / "done.json").read_text())
+    assert done == json.loads((tmp_path / "straight" / "done.json").read_text())
+
+
+def test_chat_and_export_pick_the_newer_of_the_rl_and_sft_checkpoints_unless_told(tmp_path):
+    def made(run, stage, mtime):
+        ckpt = tmp_path / run / "ckpt" / "step_000001"
+        ckpt.mkdir(parents=True)
+        (ckpt / "meta.json").write_text(json.dumps({"stage": stage}))
+        os.utime(ckpt / "meta.json", (mtime, mtime))
+        return ckpt
+    sft, rl_ckpt = made("sft", "sft", 1000), made("rl", "rl", 2000)
+    made("mid", "midtrain", 3000)  # newer, but a chat stage's checkpoint comes first
+    assert export.pick_checkpoint is chat.pick_checkpoint
+    assert chat.pick_checkpoint(Namespace(checkpoint=None, runs_dir=tmp_path)) == \
+        (rl_ckpt, f"newest rl checkpoint under {tmp_path}")
+    os.utime(sft / "meta.json", (4000, 4000))  # SFT trained again after RL: its checkpoint is the newer
+    assert chat.pick_checkpoint(Namespace(checkpoint=None, runs_dir=tmp_path))[0] == sft
+    assert chat.pick_checkpoint(Namespace(checkpoint=str(tmp_path / "rl"), runs_dir=tmp_path))[0] == rl_ckpt
+
+
+def test_a_reward_that_rose_while_held_out_accuracy_fell_is_said_so_and_the_report_draws_it(tmp_path):
+    evals = [{"step": s, "held_out": {"k": 4, "all": {"pass@1": p, "pass@4": 1.0, "items": 10}}}
+             for s, p in [(0, 0.5), (10, 0.25)]]
+    records = [evals[0], *({"step": s, "reward": 0.1 * (s > 5)} for s in range(1, 11)), evals[1]]
+    summary = rl.verdict(records)
+    assert (summary["reward_first_fifth"], summary["reward_last_fifth"]) == (0.0, 0.1)  # steps 1-2 and 9-10
+    assert (summary["held_out_pass@1_first"], summary["held_out_pass@1_last"]) == (0.5, 0.25)
+    assert summary["note"].startswith("the reward ROSE while held-out accuracy FELL")
+    assert rl.verdict(records[:-1])["note"] == "the reward rose, held-out accuracy did not change"  # one evaluation
+    assert rl.verdict([*records, {"held_out": {"all": {"pass@1": 0.75}}}])["note"] == \
+        "the reward rose, held-out accuracy rose"
+    import report
+    (tmp_path / "rl").mkdir()
+    (tmp_path / "rl" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "rl" / "done.json").write_text(json.dumps(summary))
+    report.write_report(tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "RL: mean reward 0.000 -> 0.100 (first and last fifth of its steps), held-out pass@1 0.500 -> 0.250: the " \
+           "reward ROSE while held-out accuracy FELL" in md
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
