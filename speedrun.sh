@@ -486,8 +486,8 @@ if [ "$REHEARSE" = 1 ]; then
     # streams per rank are the same at any micro-batch); the later stages inherit the shape
     [ "$ON_CPU" = 1 ] && R_SHAPE=(--sequence_len 128 --total_batch_tokens 32768)
     say "rehearsal: pretrain ${REHEARSAL_STEPS[0]} steps, midtrain ${REHEARSAL_STEPS[1]}, sft ${REHEARSAL_STEPS[2]}" \
-        "(a checkpoint every 2), CORE ${R_CORE[1]} items a task, ChatCORE ${R_CHAT_EVAL[1]}" \
-        "$([ "$ON_CPU" = 1 ] && echo "; on the CPU: ${R_SHAPE[*]}")"
+        "(a checkpoint every 2), CORE ${R_CORE[1]} items a task," \
+        "ChatCORE ${R_CHAT_EVAL[1]}$([ "$ON_CPU" = 1 ] && echo "; on the CPU: ${R_SHAPE[*]}")"
 fi
 
 # a training stage: skipped when its done.json exists, resumed when it has a checkpoint, else started
