@@ -477,10 +477,14 @@ REHEARSAL_PROMPT="Why do plants need light?"
 if [ "$REHEARSE" = 1 ]; then
     R_DATA=(--shards 2)  # the first shard (the tokenizer's and the data plan's) and one more; the data plan asks
     R_TOK=(--max_chars 20000000)
-    R_PRETRAIN=(--steps "${REHEARSAL_STEPS[0]}" --eval_every 0 --ckpt_every 2 --keep 1 --bpb_tokens 32768)
-    R_MIDTRAIN=(--steps "${REHEARSAL_STEPS[1]}" --eval_every 0 --eval_rows 16 --ckpt_every 2 --keep 1)
-    R_SFT=(--steps "${REHEARSAL_STEPS[2]}" --eval_every 0 --eval_rows 16 --ckpt_every 2 --keep 1)
-    R_CORE=(--max_items 4 --bpb_tokens 32768)
+    # one sample prompt per evaluation, and short samples: generating them is most of a tiny evaluation
+    R_PRETRAIN=(--steps "${REHEARSAL_STEPS[0]}" --eval_every 0 --ckpt_every 2 --keep 1 --bpb_tokens 32768
+                --sample_prompt "The capital of France is")
+    R_MIDTRAIN=(--steps "${REHEARSAL_STEPS[1]}" --eval_every 0 --eval_rows 16 --ckpt_every 2 --keep 1
+                --sample_prompt "$REHEARSAL_PROMPT")
+    R_SFT=(--steps "${REHEARSAL_STEPS[2]}" --eval_every 0 --eval_rows 16 --ckpt_every 2 --keep 1
+           --sample_prompt "$REHEARSAL_PROMPT")
+    R_CORE=(--max_items 4 --bpb_tokens 32768 --max_new_tokens 8)
     R_CHAT_EVAL=(--max_items 2 --max_new_tokens 32)
     # the gpu plan on CPU processes: the plan's 256 sequences a step, each 128 tokens instead of 2048 (midtraining's
     # streams per rank are the same at any micro-batch); the later stages inherit the shape

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import termios
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -471,7 +472,7 @@ REHEARSAL_STAGES = ["preflight", "chatcore_tasks", "data", "tokenizer", "data_pl
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory):
     """`bash speedrun.sh --rehearse --gpus 2 --depth 1` without CUDA (the gpu plan on 2 CPU processes, gloo) against
-    dev/hub_stand_in.py, with PRETRAIN_ARGS="--micro_batch 8": 32 midtraining streams, as on 80 GB cards at d24. First
+    dev/hub_stand_in.py, with MIDTRAIN_ARGS="--micro_batch 8": 32 midtraining streams, as on 80 GB cards at d24. First
     a chat source missing from the hub, which stops the run at the preflight. (run dir, the finished process, the
     hub, its env, tmp dir)."""
     import hub_stand_in
@@ -479,7 +480,7 @@ def rehearsal(tmp_path_factory):
     hub, servers, url = hub_stand_in.start()
     env = {"HF_ENDPOINT": url, "NO_PROXY": "127.0.0.1", "HF_HOME": str(tmp / "hf"),
            "NANOCHAT_CACHE": str(tmp / "cache"), "CORE_ARGS": f"--bundle {url}/eval_bundle.zip",
-           "PRETRAIN_ARGS": "--micro_batch 8"}
+           "MIDTRAIN_ARGS": "--micro_batch 8"}
     args = ["--rehearse", "--gpus", "2", "--depth", "1", "--vocab_size", "512", "--runs_dir", tmp / "runs",
             "--data_dir", tmp / "corpus"]
     with pytest.MonkeyPatch.context() as monkeypatch:
@@ -547,15 +548,15 @@ def test_the_gpu_plans_rehearsal_runs_every_stage_on_two_cpu_processes(rehearsal
     # the three training stages: the budget printed (speedrun's and each stage's) is what ran, on 2 ranks
     assert "speedrun: rehearsal: pretrain 3 steps, midtrain 3, sft 3 (a checkpoint every 2), CORE 4 items a task, " \
            "ChatCORE 2; on the CPU: --sequence_len 128 --total_batch_tokens 32768" in out
-    for name in ("pretrain", "midtrain", "sft"):
+    for name, micro in (("pretrain", 128), ("midtrain", 8), ("sft", 8)):  # SFT inherits midtraining's
         log = (run / "logs" / f"{name}.log").read_text()
         steps = [r for r in map(json.loads, (run / name / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
         done = json.loads((run / name / "done.json").read_text())
         assert [r["step"] for r in steps] == [1, 2, 3] and done["step"] == 3, name
         assert [r["tokens"] for r in steps] == [32768, 65536, 98304], name
         assert "budget: 3 steps" in log and "world size 2 (gloo)" in log, name
-        assert "batch: tokens per step = micro_batch 8 x sequence_len 128 x world size 2 x accumulation 16 = " \
-               "32,768" in log, name
+        assert f"batch: tokens per step = micro_batch {micro} x sequence_len 128 x world size 2 x accumulation " \
+               f"{128 // micro} = 32,768" in log, name
         assert [p.name for p in (run / name / "ckpt").glob("step_*")] == ["step_000003"], name  # --keep 1
         assert all(math.isfinite(r["loss"]) for r in steps)
     assert "budget: 3 steps, 98,304 tokens" in (run / "logs" / "pretrain.log").read_text()
@@ -594,23 +595,23 @@ def test_the_gpu_plans_rehearsal_runs_every_stage_on_two_cpu_processes(rehearsal
 
 @pytest.mark.two_processes
 def test_a_rehearsed_pretraining_stopped_on_two_ranks_resumes_on_one(rehearsal):
-    """The rehearsal's own pretraining command line (from speedrun's log), stopped by a signal at step 2 on 2 ranks,
+    """The rehearsal's own pretraining command line (its config.json's), stopped by a signal at step 2 on 2 ranks,
     resumes on 1 rank from that checkpoint and ends at step 3."""
     run, result, _, _, env, tmp = rehearsal
     assert result.returncode == 0, result.stderr[-3000:]
-    (line,) = [ln for ln in result.stdout.splitlines() if ln.startswith("speedrun: stage pretrain: ")]
-    command = line[len("speedrun: stage pretrain: "):].split()
-    script = command.index(str(ROOT / "pretrain.py"))
-    args = [*command[script + 1:], "--runs_dir", tmp / "resume", "--run_name", "r"]
+    argv = json.loads((run / "pretrain" / "config.json").read_text())["argv"]  # as torchrun gave it to each rank
+    assert Path(argv[0]) == ROOT / "pretrain.py"
+    args = [*argv[1:], "--runs_dir", tmp / "resume", "--run_name", "r"]
+    two = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     full = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
-    stopped = subprocess.run([*command[:script], str(ROOT / "pretrain.py"), *map(str, args), "--signal_at_step", "2"],
+    stopped = subprocess.run([*two, str(ROOT / "pretrain.py"), *map(str, args), "--signal_at_step", "2"],
                              env=full, capture_output=True, text=True, timeout=600, check=False)
     assert "stopped by signal at step 2" in stopped.stdout, stopped.stdout[-3000:] + stopped.stderr[-3000:]
     resumed = subprocess.run([sys.executable, str(ROOT / "pretrain.py"), *map(str, args), "--resume"], env=full,
                              capture_output=True, text=True, timeout=600, check=False)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resume: from {tmp / 'resume' / 'r' / 'ckpt'}/step_000002" in resumed.stdout
-    assert "x world size 1 x accumulation 32 = 32,768" in resumed.stdout  # one rank: the same 32,768 tokens a step
+    assert re.search(r"x sequence_len 128 x world size 1 x accumulation \d+ = 32,768", resumed.stdout)  # one rank
     steps = [r for r in map(json.loads, (tmp / "resume" / "r" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3] and json.loads((tmp / "resume" / "r" / "done.json").read_text())[
         "step"] == 3
