@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from common import versions
-from distributed import barrier, is_sharded
+from distributed import barrier, check_shared_dir, is_sharded
 from model import GPTConfig, build_model, parse_bool
 from tokenizer import SPECIAL_TOKENS, Tokenizer
 
@@ -339,6 +339,7 @@ def resolve_run(args, stage):
         if not (path / "meta.json").is_file() or checkpoint_step(path) is None:
             raise FileNotFoundError(f"--resume {path}: not a checkpoint (runs/<run>/ckpt/step_*/ with meta.json)")
         args.runs_dir, args.run_name = str(path.parent.parent.parent), path.parent.parent.name
+        check_shared_dir(path.parent.parent)
         return path.parent.parent, path
     if args.resume and args.run_name is None:
         newest = newest_checkpoint(args.runs_dir, stage=stage)
@@ -347,6 +348,7 @@ def resolve_run(args, stage):
         args.run_name = newest.parent.parent.name
     args.run_name = args.run_name or f"{stage}_{args.preset}_{time.strftime('%Y%m%d_%H%M%S')}"
     run_dir = Path(args.runs_dir) / args.run_name
+    check_shared_dir(run_dir)  # several nodes: every rank must see what rank 0 writes there
     if not args.resume:
         return run_dir, None
     found = list_checkpoints(run_dir / "ckpt")

@@ -72,8 +72,8 @@ def code_version():
 # Measurement and formatting
 
 # Dense bf16 tensor-core peak FLOP/s by device name (first match wins). A device not listed gets MFU "unknown".
-PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12), ("L40S", 362e12),
-                   ("A10G", 70e12), ("L4", 121e12)]
+PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12),
+                   ("L40S", 362e12), ("A10G", 70e12), ("L4", 121e12)]
 
 
 def peak_flops(name, dtype):

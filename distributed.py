@@ -146,9 +146,10 @@ def probe_all_reduce(timeout_s, mbytes=PROBE_MBYTES, iters=5):
     good = good and bool(torch.isfinite(big).all())
     ok = ok and good
     if rank == 0:
-        bus = numel * 4 / seconds * 2 * (world - 1) / world / 1e9
+        bus = numel * 4 / seconds * 2 * (world - 1) / world / 1e9  # 2(n-1)/n: 0 on one rank, nothing crosses a link
         print(f"probe: {numel * 4 / 1e6:.0f} MB all-reduce over {where}: {'ok' if good else 'wrong sums'}, "
-              f"{seconds * 1e3:.1f} ms each ({iters} timed), bus bandwidth {bus:.2f} GB/s", flush=True)
+              f"{seconds * 1e3:.1f} ms each ({iters} timed), bus bandwidth "
+              f"{f'{bus:.2f} GB/s' if world > 1 else 'n/a: one GPU'}", flush=True)
     dist.destroy_process_group()
     return 0 if ok else 1
 
@@ -180,12 +181,69 @@ def run_main(main):
     return 128 + signum if signum else 0
 
 
-def mark_progress(step):
-    """Record in torchrun's store (one small message) that this rank, this process, entered `step`: what
-    stopped_ranks reads when a collective fails."""
+def check_shared_dir(run_dir):
+    """Several nodes share one run directory: rank 0 makes the checkpoint directory and every rank writes its own
+    file into it, so --runs_dir must be one filesystem every node mounts at the same path. When the ranks span
+    several nodes (WORLD_SIZE > LOCAL_WORLD_SIZE), rank 0 writes a token there and every rank reads it back; if any
+    cannot, every rank raises naming which ranks, on which hosts. (Testing: NANOCHAT_TEST_NODE_VIEW=RANK:DIR makes
+    that rank read DIR instead, as a node with its own disk would, and runs the check on one node.)"""
+    view = os.environ.get("NANOCHAT_TEST_NODE_VIEW", "")
+    if not dist.is_initialized() or (dist.get_world_size() <= int(os.environ.get("LOCAL_WORLD_SIZE", "1")) and not view):
+        return
+    rank, world, path = dist.get_rank(), dist.get_world_size(), Path(run_dir) / ".shared_filesystem_check"
+    mark_progress(0, "start-up")  # every rank has a record: an error now is not mistaken for a stuck rank
+    token = [f"{time.time_ns()} {os.getpid()} {platform.node()}" if rank == 0 else None]
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(token[0])
+    dist.broadcast_object_list(token, src=0)  # after rank 0's write: every rank looks only once it is there
+    viewed_rank, _, viewed_dir = view.partition(":")
+    if viewed_rank == str(rank):
+        path = Path(viewed_dir) / path.name
+    try:
+        seen = path.read_text()
+    except OSError:
+        seen = None
+    views = [None] * world
+    dist.all_gather_object(views, (seen == token[0], platform.node(), str(path.parent)))
+    if rank == 0:
+        path.unlink(missing_ok=True)
+    blind = [f"rank {r} on {host} ({where})" for r, (ok, host, where) in enumerate(views) if not ok]
+    if blind:
+        raise RuntimeError(f"the run directory {run_dir} is not one filesystem shared by every node: a file rank 0 "
+                           f"({views[0][1]}) wrote there is not seen by {', '.join(blind)}. Put --runs_dir on a "
+                           f"filesystem every node mounts at the same path (NFS, a cluster filesystem), then rerun")
+
+
+PROGRESS = {}  # where this rank keeps its progress record: {"dir": run_dir/progress, "stage": name}, once set
+
+
+def keep_progress(run_dir, stage):
+    """From now on mark_progress also writes this rank's record to run_dir/progress/rankNNN.txt. Under NCCL a hung
+    collective ends in the C++ watchdog's abort, before any Python sees an error, so stopped_ranks never prints:
+    these files are what a person (and speedrun.sh, after a failed stage) reads to tell which rank was where."""
+    PROGRESS.update(dir=Path(run_dir) / "progress", stage=stage)
+    PROGRESS["dir"].mkdir(parents=True, exist_ok=True)
+    if not dist.is_initialized() or dist.get_rank() == 0:  # the records of ranks an earlier, larger run had
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        for old in PROGRESS["dir"].glob("rank*.txt"):
+            if old.stem[4:].isdigit() and int(old.stem[4:]) >= world:
+                old.unlink(missing_ok=True)
+
+
+def mark_progress(step, phase="step"):
+    """Record that this rank, this process, entered `step` (phase: what it is doing in it, e.g. checkpoint): in
+    torchrun's store (one small message, what stopped_ranks reads when a collective fails) and, after
+    keep_progress, in this rank's progress file (replaced whole, so a reader never sees half of one)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.distributed_c10d._get_default_store().set(f"progress/{dist.get_rank()}",
-                                                       f"{step} {os.getpid()} {platform.node()}")
+        dist.distributed_c10d._get_default_store().set(f"progress/{rank}", f"{step} {os.getpid()} {platform.node()}")
+    if PROGRESS:
+        path = PROGRESS["dir"] / f"rank{rank:03d}.txt"
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(f"rank {rank}: stage {PROGRESS['stage']} step {step} {phase}, process {os.getpid()} on "
+                       f"{platform.node()}, at {time.time():.3f} ({time.strftime('%H:%M:%S')})\n")
+        os.replace(tmp, path)
 
 
 def process_alive(pid):

@@ -301,9 +301,11 @@ class PackedLoader:
         self.units = assign_units(self.files, rank, world_size)
         if not self.units:
             raise ValueError(f"{name}: rank {rank} of {world_size} has no data in {', '.join(map(str, self.files))}")
-        # at most one pass of this rank's documents buffered: a small set (24 conversations) would otherwise be read
-        # a thousand times over to fill the buffer before the first row, each pass a read of its file
-        self.buffer_docs = min(buffer_docs, max(1, epoch_documents(self.units, buffer_docs)))
+        # training: at most one pass of this rank's documents buffered, else a small set (24 conversations) is read a
+        # thousand times over to fill the buffer before the first row, each pass a read of its file (with max_epochs
+        # the data ends instead: unchanged, so validation rows stay what they were)
+        self.buffer_docs = buffer_docs if max_epochs is not None else \
+            min(buffer_docs, max(1, epoch_documents(self.units, buffer_docs)))
         self.state = {"epoch": 0, "unit": 0, "doc": 0, "buffer": [], "stats": dict.fromkeys(STAT_KEYS, 0)}
         self._threads, self._batches = [], None  # the running pipeline's threads and its Pipe of batches
         self._reported = 0  # skipped conversations printed so far

@@ -35,6 +35,7 @@ from model import (
     flops_per_token,
     generate,
     num_params,
+    param_breakdown,
     parse_args,
     parse_bool,
 )
@@ -108,18 +109,45 @@ def data_plan(args, config, tokenizer):
     shards = math.ceil(budget / per_shard) + 1  # one spare: the other shards' documents vary a little in length
     print(f"data plan: budget {steps:,} steps x {args.total_batch_tokens:,} tokens = {budget:,} tokens; "
           f"{per_shard:,} tokens in {first.name} ({docs:,} documents, counted with this tokenizer)")
-    check_disk(args, config, Path(args.data_dir), shards)
+    check_disk(args, config, Path(args.data_dir), shards, steps, args.total_batch_tokens)
     print(f"data plan shards: {shards}")
 
 
-TRAINING_STAGES = 3  # pretrain, midtrain, sft: each keeps up to --keep checkpoints of this model
+PLAN_MIDTRAIN_TOKENS = 500_000_000  # the gpu plan's midtraining budget (speedrun.sh's MIDTRAIN --tokens)
 
 
-def check_disk(args, config, data_dir, shards):
+def checkpoint_bytes(config, optimizer):
+    """The bytes of one full checkpoint (model.pt + optimizers.pt), from the config alone: fp32 weights (4 bytes a
+    parameter), AdamW's two fp32 moments (8) for the embeddings, value embeddings, head and scalars, and for the block
+    matrices Muon's momentum (4; its per-neuron second moments are a row each, left out) or AdamW's moments."""
+    counts = param_breakdown(config)
+    matrices = counts["attention"] + counts["mlp"]
+    return 4 * counts["total"] + 8 * (counts["total"] - matrices) + (4 if optimizer == "muon" else 8) * matrices
+
+
+def kept_checkpoints(steps, ckpt_every, keep):
+    """(checkpoints a stage keeps at its end, the most it holds at once): it saves every ckpt_every steps and at its
+    last; a save writes the new one before deleting all but the newest `keep`, so one more exists while it is written."""
+    saves = math.ceil(steps / ckpt_every) if steps else 0
+    return min(keep, saves), min(keep, saves) + (saves > keep)
+
+
+def plan_checkpoints(args, steps, tokens_per_step):
+    """The most full checkpoints the plan's three training stages hold at once: pretraining's (its steps known), then
+    midtraining's (the gpu plan's PLAN_MIDTRAIN_TOKENS at this batch) and SFT's (unknown before its data: up to
+    --keep) beside pretraining's and midtraining's kept ones. Returns (count, the line that says how)."""
+    pre_end, pre_peak = kept_checkpoints(steps, args.ckpt_every, args.keep)
+    mid_end, mid_peak = kept_checkpoints(math.ceil(PLAN_MIDTRAIN_TOKENS / tokens_per_step), args.ckpt_every, args.keep)
+    most = max(pre_peak, pre_end + mid_peak, pre_end + mid_end + args.keep)
+    return most, (f"pretraining keeps {pre_end} (holding {pre_peak} while it saves), midtraining {mid_end} (holding "
+                  f"{mid_peak}), SFT up to --keep {args.keep}: at most {most} at once")
+
+
+def check_disk(args, config, data_dir, shards, steps, tokens_per_step):
     """Free disk against the plan's estimate, before any of it is spent: the shards still missing (their listed sizes
-    when dataset.py saved the hub's listing, else the mean of those on disk) on data_dir's disk, and TRAINING_STAGES x
-    --keep checkpoints on --runs_dir's. A checkpoint is estimated at 12 bytes a parameter (fp32 weights + AdamW's two
-    moments; Muon keeps one, so this is an upper bound: d20, 1.4B parameters, writes about 15 GB)."""
+    when dataset.py saved the hub's listing, else the mean of those on disk) on data_dir's disk, and the full
+    checkpoints the plan holds at once (plan_checkpoints) x checkpoint_bytes on
+    --runs_dir's (d20, 1.4B parameters: 15.2 GB each)."""
     import shutil
     have = {p.name: p.stat().st_size for p in data_dir.glob("*.parquet")}
     listing = data_dir / ".hub_listing.json"
@@ -130,8 +158,9 @@ def check_disk(args, config, data_dir, shards):
         shard_bytes = sum(f["size"] for f in wanted if have.get(Path(f["path"]).name) != f["size"])
     else:
         shard_bytes = max(0, shards + 1 - len(have)) * (sum(have.values()) // max(1, len(have)))
-    ckpt = 12 * num_params(config)
-    ckpt_bytes = TRAINING_STAGES * args.keep * ckpt
+    ckpt = checkpoint_bytes(config, args.optimizer)
+    count, how = plan_checkpoints(args, steps, tokens_per_step)
+    ckpt_bytes = count * ckpt
     runs_dir = Path(args.runs_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
     needs = {}  # device: [bytes, free, where]
@@ -140,9 +169,8 @@ def check_disk(args, config, data_dir, shards):
         needs.setdefault(dev, [0, shutil.disk_usage(path).free, []])
         needs[dev][0] += count
         needs[dev][2].append(f"{what} in {path}")
-    print(f"data plan disk: {shard_bytes / 1e9:.1f} GB of shards still to fetch; checkpoints {TRAINING_STAGES} stages "
-          f"x --keep {args.keep} x {ckpt / 1e9:.1f} GB (12 bytes x {num_params(config):,} parameters, an upper bound) "
-          f"= {ckpt_bytes / 1e9:.1f} GB")
+    print(f"data plan disk: {shard_bytes / 1e9:.1f} GB of shards still to fetch; checkpoints: {how} x {ckpt / 1e9:.2f} "
+          f"GB ({num_params(config):,} parameters: fp32 weights and optimizer state) = {ckpt_bytes / 1e9:.1f} GB")
     for need, free, where in needs.values():
         if need > free:
             raise ValueError(f"not enough disk: {', '.join(where)} need {need / 1e9:.1f} GB, {free / 1e9:.1f} GB are "

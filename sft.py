@@ -14,6 +14,7 @@ ckpt/step_XXXXXX/ (meta.json names the parent checkpoint and the sha256 of its w
 import argparse
 import json
 import math
+import random
 import sys
 from dataclasses import replace
 from functools import partial
@@ -27,8 +28,8 @@ import distributed
 import optim
 import train_loop
 import validation
-from dataset import mixture_files, parse_chat_sources
-from loader import chat_loader
+from dataset import chat_rows, mixture_files, open_parquet, parse_chat_sources
+from loader import STAT_KEYS, PieceBuffer, assign_units, chat_loader, pack_batch
 from model import flops_per_token, num_params, parse_args
 from tokenizer import Tokenizer
 
@@ -85,13 +86,53 @@ def get_args(argv=None):
     return p, args
 
 
-def count_batches(args, tokenizer, micro, seq_len, rank, accum, world):
-    """Batches one pass over the conversations packs into, the most over every (virtual) rank: an epoch. (Later
-    epochs pack another order, so N epochs end within a few batches of N exact passes.)"""
-    counts = [sum(1 for _ in chat_loader(None, "train", tokenizer, micro, seq_len, rank=rank * accum + j,
-                                         world_size=world * accum, max_epochs=1, threads=1,
-                                         files=mixture_files(args.sources))) for j in range(accum)]
-    return int(distributed.all_reduce(max(counts), torch.distributed.ReduceOp.MAX if world > 1 else None))
+SAMPLE_ROWS = 1024  # conversations rendered per file to estimate an epoch (its first ones)
+SAMPLE_PACKED = 4000  # of those, packed together in the mixture's proportions: how full a row gets
+
+
+def estimate_epoch_batches(args, tokenizer, micro, seq_len, streams):
+    """Batches one pass over the mixture packs into, on the data stream (of world size x accumulation) that has the
+    most: an epoch. Counting them exactly meant rendering and packing every conversation before step 1 (1.4M for the
+    gpu plan's mixture, on one thread, again at every resume). Instead, as nanochat counts its examples: each stream's
+    conversations are counted from the parquet footers (free), each file's rendered length and skipped share measured
+    on its first SAMPLE_ROWS conversations, and how full packed rows get on those samples packed together. Returns
+    (batches, the line that says how it was estimated)."""
+    files = mixture_files(args.sources)
+    renderer = chat_loader(None, "train", tokenizer, micro, seq_len, files=files[:1], threads=1)
+    per_file, kept = {}, {}  # path: (share of its conversations kept, their mean rendered tokens); the kept ones
+    footers = {path: open_parquet(path, column=None).metadata for path in files}
+    for path, footer in footers.items():
+        rows, group = [], 0
+        while len(rows) < SAMPLE_ROWS and group < footer.num_row_groups:
+            rows += chat_rows(path, group)[:SAMPLE_ROWS - len(rows)]
+            group += 1
+        rendered = [renderer._render(m)[0] if not isinstance(m, str) else "malformed" for m in rows]
+        kept[path] = [r for r in rendered if isinstance(r, tuple)]
+        per_file[path] = (len(kept[path]) / max(1, len(rendered)),
+                          sum(len(ids) for ids, _ in kept[path]) / max(1, len(kept[path])))
+    # the samples packed together in the mixture's proportions (SAMPLE_PACKED of them, drawn with a fixed seed)
+    weights = [footers[path].num_rows * per_file[path][0] if kept[path] else 0 for path in files]
+    rng = random.Random(0)
+    sample = [rng.choice(kept[path]) for path in rng.choices(files, weights, k=SAMPLE_PACKED)] if any(weights) else []
+    tokens = []  # per stream: the rendered tokens of the conversations it keeps in one pass
+    for stream in range(streams):
+        units = assign_units(files, stream, streams)
+        tokens.append(sum(len(range(first, footers[path].row_group(i).num_rows, step)) * math.prod(per_file[path])
+                          for path, i, first, step in units))
+    stats, buffer, rows, documents = dict.fromkeys(STAT_KEYS, 0), PieceBuffer([]), 0, iter(sample)
+    while True:  # the sample packed as training packs it: how full a row gets
+        packed, _ = pack_batch(buffer, documents, 64, seq_len + 1, tokenizer.bos_id, crop=False, buffer_docs=1000,
+                               masked=True, stats=stats)
+        if not len(packed):
+            break
+        rows += len(packed)
+    fill = 1 - stats["padding"] / max(1, rows * (seq_len + 1))
+    batches = max(1, math.ceil(max(tokens) / (fill * (seq_len + 1)) / micro))
+    conversations = sum(footers[path].num_rows for path in files)
+    return batches, (f"estimated: {conversations:,} conversations in the parquet footers, about "
+                     f"{sum(tokens) / max(1, conversations):,.0f} tokens each as rendered (measured on "
+                     f"{sum(map(len, kept.values())):,}), "
+                     f"rows {fill:.1%} full, the fullest of {streams} data streams")
 
 
 def packing(loaders):
@@ -132,7 +173,8 @@ def main(argv=None):
     micro, accum = train_loop.plan_batch(args, config, world, model, device)
     seq_len, params, fpt = config.sequence_len, num_params(config), flops_per_token(config)
     tokens_per_step = micro * seq_len * world * accum
-    epoch_batches = count_batches(args, tokenizer, micro, seq_len, rank, accum, world) if args.epochs else None
+    epoch_batches, estimate = estimate_epoch_batches(args, tokenizer, micro, seq_len, world * accum) if args.epochs \
+        else (None, None)
     total_steps = args.steps or math.ceil(args.epochs * epoch_batches)
     run_dir, resume_from = checkpoint.resolve_run(args, "sft")
     optimizers = optim.build_optimizers(model, args, config.n_embd, tokens_per_step, device, lr_scale=args.lr_scale)
@@ -155,7 +197,8 @@ def main(argv=None):
               f"accumulation {accum} = {tokens_per_step:,} (padding included)")
         print("mixture (passes per epoch): " + ", ".join(f"{path} x{epochs}" for path, epochs in args.sources))
         print(args.budget_line)
-        print(f"budget: {total_steps:,} steps" + (f" = {args.epochs:g} epochs of {epoch_batches:,} batches"
+        print(f"budget: {total_steps:,} steps" + (f" = {args.epochs:g} epochs of about {epoch_batches:,} batches ("
+                                                  f"{estimate}); the loader says when each epoch ends"
                                                   if args.epochs else ""))
         print(f"code: commit {run['code']['commit']}, uncommitted changes: {run['code']['dirty']}")
         print(optim.precision_line(args, device, optimizers))

@@ -191,6 +191,17 @@ eta && !said && $1 == "step" && split($2, s, "/") == 2 && s[1] >= 20 && /ETA/ {
         printf "speedrun: expected pretraining time left: %d:%02d:%02d for %d more steps (measured: %s tok/s at " \
             "step %d, after compilation and warm-up)\n", left / 3600, left % 3600 / 60, left % 60, s[2] - s[1], rate, s[1]
         fflush(); said = 1 } }'
+print_progress() {  # NAME: a failed training stage's ranks, each with its last step and phase and how long ago (under
+    # NCCL a hung collective aborts in C++ and no rank can say which one was stuck; these files say where each was)
+    local f now
+    compgen -G "$RUN/$1/progress/rank*.txt" > /dev/null || return 0
+    now=$(date +%s.%N)
+    echo "speedrun: where each rank of stage $1 was last ($RUN/$1/progress/):" >&2
+    for f in "$RUN/$1/progress"/rank*.txt; do
+        awk -v now="$now" '{ for (i = 1; i < NF; i++) if ($i == "at") t = $(i + 1)
+            printf "speedrun:   %s (%.0f s before this)\n", $0, now - t }' "$f" >&2
+    done
+}
 run_stage() {
     local name=$1 log=$SPEEDRUN_LOG rc=0 start
     shift
@@ -210,6 +221,7 @@ run_stage() {
         >> "$LOGS/stages.tsv"
     if [ "$rc" != 0 ]; then
         echo "speedrun: stage $name failed (exit $rc); log: $log" >&2
+        print_progress "$name"
         exit "$rc"
     fi
     say "stage $name done in $(tail -n 1 "$LOGS/stages.tsv" | cut -f2) s"
@@ -388,7 +400,7 @@ probe() {  # the probe in its own process group under a hard timeout; its status
     wait "$pid" || rc=$?
     end_probe "$pid"
     PROBE_BW=$(tail -n "+$((before + 1))" "$LOGS/probe.log" 2>/dev/null |
-        sed -n 's/.*all-reduce over .*: ok, .* bus bandwidth \([0-9.]* GB\/s\).*/\1/p' | tail -1)
+        sed -n 's/.*all-reduce over .*: ok, .* bus bandwidth \([0-9.]* GB\/s\|n\/a: one GPU\).*/\1/p' | tail -1)
     return "$rc"
 }
 declare -A NCCL_BEFORE=()  # the NCCL variables the safe flags replace, as the caller had them (unset: absent)
@@ -574,7 +586,8 @@ if [ "$PLAN" = gpu ]; then
     # the shards the budget needs (a deeper model needs more: d24 about 340, d26 about 415), measured with this
     # tokenizer; the same step checks the free disk against the shards and the checkpoints to come
     stage data_plan "$PY" "$ROOT/pretrain.py" --data_plan --data_dir "$CORPUS" --tokenizer "$TOK" --runs_dir "$RUN" \
-        "${GPU_BUDGET[@]}" "${PRETRAIN_EXTRA[@]}" "${R_PRETRAIN[@]}" "${R_SHAPE[@]}"
+        "${GPU_BUDGET[@]}" --ckpt_every 1000 "${PRETRAIN_EXTRA[@]}" "${R_PRETRAIN[@]}" \
+        "${R_SHAPE[@]}"  # the stages' --ckpt_every: checkpoints on disk
     NEEDED=$(sed -n 's/^data plan shards: \([0-9]*\)$/\1/p' "$LOGS/data_plan.log" | tail -1)
     if [ -z "$SHARDS" ]; then
         SHARDS=$NEEDED

@@ -24,7 +24,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from checkpoint import list_checkpoints, resume_command, save_checkpoint
 from common import device_name, fmt_duration, now, peak_flops
-from distributed import all_reduce, all_reduce_tensor, is_dtensor, is_sharded, local, mark_progress, run_main
+from distributed import (
+    all_reduce,
+    all_reduce_tensor,
+    is_dtensor,
+    is_sharded,
+    keep_progress,
+    local,
+    mark_progress,
+    run_main,
+)
 from model import autocast_context
 from optim import apply_schedule, build_optimizers
 
@@ -223,7 +232,9 @@ def plan_batch(args, config, world, model, device):
             del throwaway
             torch.cuda.empty_cache()
             micro = int(all_reduce(micro, dist.ReduceOp.MIN if dist.is_initialized() else None))
-            print(f"batch: micro_batch {micro} is the largest that fits on every rank (probed with optimizer state)")
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                print(f"batch: micro_batch {micro} is the largest that fits on every rank (probed with optimizer "
+                      f"state)")
         else:
             micro = max(candidates) if total else 8  # the CPU: no memory probe; 8 sequences keep a step short
     else:
@@ -321,10 +332,14 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
                 print(f"run dir: {run_dir / name} of an earlier start without a checkpoint removed: starting over")
     metrics, wandb, stop = Metrics(run_dir / "metrics.jsonl", master), open_wandb(args, master), StopSignal()
     peak = peak_flops(device_name(device), args.dtype)
-    initial, mem_history, run_start = param_samples(model), [], now()
+    initial, mem_history, first_done = param_samples(model), [], None
     hooks = testing_hooks(args)  # None in every real run: then each step looks up nothing
 
+    keep_progress(run_dir, ckpt_meta.get("stage", "train"))  # each rank's last step and phase, in run_dir/progress/
+    mark_progress(start, "starting")
+
     def checkpoint(step, last=False):
+        mark_progress(step, "checkpoint")
         finite = all(torch.isfinite(local(p)).all() for p in model.parameters())  # each rank checks its shards
         if all_reduce(0.0 if finite else 1.0, dist.ReduceOp.MAX if dist.is_initialized() else None):
             raise RuntimeError(f"step {step}: parameters are not finite; not writing a checkpoint")
@@ -339,7 +354,7 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
         due = hooks.get(step + 1, ()) if hooks else ()  # the testing hooks set for this step
         if due and rank == world - 1 and {"die_at_step", "hang_at_step", "stuck_at_step"} & due:
             die_or_hang("die_at_step" in due, "stuck_at_step" in due)
-        mark_progress(step + 1)
+        mark_progress(step + 1, "forward/backward")
         loss_sum, count = forward_backward(train_model, batches, args.dtype, device, world,
                                            poison="inject_nan_step" in due)
         norm = clip_grad_norm(model.parameters(), args.grad_clip or float("inf"))
@@ -378,12 +393,16 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
                 print(f"WARNING step {step + 1}: {warning}")
         last_step = step + 1 == total_steps
         if args.eval_every and (step + 1) % args.eval_every == 0 and not last_step:
+            mark_progress(step + 1, "evaluation")
             record.update(evaluate(step + 1))
         metrics.log(record)
         if wandb:
             wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step + 1)
+        if step == start:
+            first_done = now()  # the ETA is timed from here: this process's first step holds compilation and warm-up
         if master and ((step + 1) % args.log_every == 0 or last_step or step == start):
-            print(progress_line(record, total_steps, (now() - run_start) / (step + 1 - start)), flush=True)
+            timed = step - start  # steps since the first of this process (0: none yet, the ETA is unknown)
+            print(progress_line(record, total_steps, (now() - first_done) / timed if timed else None), flush=True)
         if "signal_at_step" in due:
             os.kill(os.getpid(), signal.SIGTERM)
         if stop.requested():
@@ -393,6 +412,7 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
             return stop.signum or signal.SIGTERM
         if (step + 1) % args.ckpt_every == 0 or last_step:
             checkpoint(step + 1, last_step)  # the final checkpoint comes before the final evaluation (nanochat #446)
+    mark_progress(total_steps, "trained: final evaluation")
     return None
 
 
@@ -445,7 +465,7 @@ def health_warning(model, initial, mem_history, record, steps_done, args):
 
 def progress_line(record, total_steps, seconds_per_step):
     mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] != "unknown" else "unknown"
-    eta = seconds_per_step * (total_steps - record["step"])
+    eta = seconds_per_step * (total_steps - record["step"]) if seconds_per_step is not None else None
     return (f"step {record['step']}/{total_steps} loss {record['loss']:.4f} lr x{record['lr_mult']:.3f} gnorm "
             f"{record['grad_norm']:.3f} {record['tok_per_s']:,.0f} tok/s MFU {mfu} data wait "
             f"{100 * record['data_wait']:.0f}% tokens {record['tokens']:,} epoch {record['epoch']}"

@@ -274,3 +274,203 @@ def test_after_a_failed_nccl_probe_each_torchrun_stage_probes_the_defaults_again
            "later ones use the defaults" in out
     transport = (tmp_path / "speedrun" / "transport.txt").read_text()
     assert transport.strip().endswith("; from stage core_eval on: nccl default, all-reduce bus bandwidth 98.70 GB/s")
+
+
+# --- SFT's epoch, counted before step 1 without rendering the mixture ---------------------------------------------
+
+def test_sfts_epoch_is_estimated_from_footers_and_a_sample_and_matches_the_exact_count(demo_world, tmp_path,
+                                                                                      monkeypatch):
+    """sft.py --epochs rendered and packed every conversation of the mixture on one thread before step 1 to count an
+    epoch's batches (180,048 conversations: 139 s on this machine; the gpu plan's 1.4M: tens of minutes). The estimate
+    renders SAMPLE_ROWS per file and reads the rest from the footers, and lands on the exact count here (a mixture of
+    long and short conversations, one of them twice per epoch, on 1 and 4 data streams: within 2% or 2 batches)."""
+    import argparse
+    import random
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import loader as L
+    from dataset import mixture_files
+    from tokenizer import Tokenizer
+    rng = random.Random(0)
+    words = ["the", "a", "cat", "sat", "on", "mat", "and", "then", "it", "ran", "to", "see", "what", "was", "there"]
+    sources = []
+    for name, n, longest in (("long", 1500, 120), ("short", 2000, 12), ("identity", 24, 20)):
+        directory = tmp_path / name
+        directory.mkdir()
+        rows = [[{"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(2, longest)))},
+                 {"role": "assistant", "content": " ".join(rng.choices(words, k=rng.randint(1, 2 * longest)))}]
+                for _ in range(n)]
+        pq.write_table(pa.table({"messages": rows}), directory / "train.parquet", row_group_size=500)
+        sources.append((str(directory), 2 if name == "short" else 1))
+    tokenizer = Tokenizer.load(demo_world / "tokenizer")
+    args = argparse.Namespace(sources=sources)
+    for streams in (1, 4):
+        exact = max(sum(1 for _ in L.chat_loader(None, "train", tokenizer, 4, 128, rank=s, world_size=streams,
+                                                 max_epochs=1, threads=1, files=mixture_files(sources)))
+                    for s in range(streams))
+        rendered, real = [], tokenizer.render_conversation
+
+        def counted(*a, real=real, rendered=rendered, **k):
+            rendered.append(1)
+            return real(*a, **k)
+        monkeypatch.setattr(tokenizer, "render_conversation", counted)
+        estimate, line = sft.estimate_epoch_batches(args, tokenizer, 4, 128, streams)
+        monkeypatch.undo()
+        assert len(rendered) == 2 * sft.SAMPLE_ROWS + 24  # a sample of each file, not all 5,524
+        assert abs(estimate - exact) <= max(2, 0.02 * exact), (streams, estimate, exact)  # measured: 287/286, 75/77
+        assert line.startswith("estimated: 5,524 conversations in the parquet footers, about ")
+        assert line.endswith(f"the fullest of {streams} data streams")
+
+
+# --- where each rank was when a stage failed ------------------------------------------------------------------------
+
+@pytest.mark.two_processes
+def test_a_failed_stage_prints_where_each_rank_was_from_their_progress_files(demo_world, tmp_path):
+    """Rank 1 of 2 (gloo) stops taking part before step 3: the stage fails, and speedrun.sh prints each rank's last
+    record from <stage>/progress/ (under NCCL the watchdog aborts in C++ and no Python error names the stuck rank;
+    before, nothing recorded where each rank was)."""
+    from helpers import run_speedrun
+    small = ("--steps 20 --sequence_len 64 --n_layer 1 --n_embd 64 --n_head 1 --n_kv_head 1 --micro_batch 2 "
+             "--compile false --eval_every 0 --bpb_tokens 256 --ckpt_every 1000 --sample_prompt A")
+    env = {"PRETRAIN_ARGS": f"{small} --hang_at_step 3 --dist_timeout 3", "NCCL_SAFE": "1", "OMP_NUM_THREADS": "1"}
+    result = run_speedrun(["--plan", "demo", "--gpus", "2", "--runs_dir", tmp_path, "--data_dir", demo_world / "demo",
+                           "--tokenizer", demo_world / "tokenizer", "--stop_after", "pretrain"], tmp_path, env,
+                          timeout=300)
+    assert result.returncode != 0
+    progress = tmp_path / "speedrun" / "pretrain" / "progress"
+    assert f"speedrun: where each rank of stage pretrain was last ({progress}/):" in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("speedrun:   rank ")]
+    assert len(lines) == 2, result.stderr[-3000:]
+    assert lines[0].startswith("speedrun:   rank 0: stage pretrain step 3 forward/backward, process ")
+    assert lines[1].startswith("speedrun:   rank 1: stage pretrain step 2 forward/backward, process ")
+    assert re.search(r"\(\d+ s before this\)$", lines[1])
+
+
+# --- the disk the gpu plan really needs for checkpoints -----------------------------------------------------------
+
+def test_the_disk_check_counts_the_checkpoints_the_d20_plan_holds_at_once():
+    """d20 (1,399,850,200 parameters; 393,217,200 in block matrices, under Muon): a full checkpoint is fp32 weights
+    (4 bytes a parameter) + AdamW's two moments for the 1,006,633,000 others (8) + Muon's momentum (4) =
+    15,225,333,600 bytes, not 12 x 1.4B. At 524,288 tokens a step, --ckpt_every 1000 and --keep 3: pretraining's
+    21,401 steps keep 3 (4 while a save is written), midtraining's 954 steps keep 1, SFT up to 3: 7 at once, 106.6 GB
+    (the check assumed 3 stages x 3 x 16.8 GB = 151.2 GB)."""
+    import argparse
+
+    from model import config_from_preset, param_breakdown
+    config = config_from_preset("d20", {"vocab_size": 65536})
+    counts = param_breakdown(config)
+    assert (counts["total"], counts["attention"] + counts["mlp"]) == (1_399_850_200, 393_217_200)
+    assert pretrain.checkpoint_bytes(config, "muon") == 4 * 1_399_850_200 + 8 * 1_006_633_000 + 4 * 393_217_200 \
+        == 15_225_333_600
+    assert pretrain.checkpoint_bytes(config, "adamw") == 12 * 1_399_850_200
+    assert pretrain.kept_checkpoints(21_401, 1000, 3) == (3, 4)
+    assert pretrain.kept_checkpoints(954, 1000, 3) == (1, 1)
+    assert pretrain.kept_checkpoints(3000, 1000, 3) == (3, 3)  # 3 saves: never more than --keep at once
+    args = argparse.Namespace(keep=3, ckpt_every=1000)
+    line = "pretraining keeps 3 (holding 4 while it saves), midtraining 1 (holding 1), SFT up to --keep 3: at most 7"
+    assert pretrain.plan_checkpoints(args, 21_401, 524_288) == (7, f"{line} at once")
+    assert round(7 * 15_225_333_600 / 1e9, 1) == 106.6
+
+
+# --- the numbers the gpu plan prints --------------------------------------------------------------------------------
+
+def test_the_probe_on_one_gpu_says_bus_bandwidth_does_not_apply(monkeypatch, capsys):
+    """One rank: nccl-tests' bus bandwidth (x 2(n-1)/n) is 0 by definition; it printed 0.00 GB/s."""
+    import socket
+
+    import distributed
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(key, value)
+    assert distributed.probe_all_reduce(30, mbytes=1, iters=1) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("probe: 1 MB all-reduce over 1 ranks (gloo, ") and line.endswith("bus bandwidth n/a: one GPU")
+
+
+def test_h100_nvl_pcie_and_sxm_each_get_their_own_peak():
+    from common import peak_flops
+    assert peak_flops("NVIDIA H100 NVL", "bfloat16") == 835e12  # was the SXM's 989e12: MFU 18% too low
+    assert peak_flops("NVIDIA H100 PCIe", "bfloat16") == 756e12
+    assert peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 989e12
+
+
+def test_the_eta_leaves_out_this_processs_first_step(tiny_pretrained, demo_world, tmp_path, monkeypatch, capsys):
+    """The first step of a process compiles (minutes for d20): timed from the start, a resumed run's one-shot ETA
+    (speedrun.sh prints it after 20 steps) counted it as a step's time. A clock where step 1 takes 100 s and the others
+    about 1 s: the ETA with 1 step left is seconds, not 100 s / 5."""
+    import train_loop
+    clock, real = [0.0], train_loop.forward_backward
+
+    def tick():
+        clock[0] += 0.25
+        return clock[0]
+
+    def slow_first(*a, **k):
+        if not getattr(slow_first, "done", False):
+            clock[0] += 100  # the compilation of this process's first step
+            slow_first.done = True
+        return real(*a, **k)
+    monkeypatch.setattr(train_loop, "now", tick)
+    monkeypatch.setattr(train_loop, "forward_backward", slow_first)
+    pretrain.main(["--data_dir", tiny_pretrained.parent / "text", "--tokenizer", demo_world / "tokenizer",
+                   "--runs_dir", tmp_path, *TINY, "--steps", "6", "--micro_batch", "2", "--bpb_tokens", "256",
+                   "--eval_every", "0", "--log_every", "1", "--sample_prompt", "A"])
+    lines = {int(re.match(r"step (\d+)/6", x).group(1)): x for x in capsys.readouterr().out.splitlines()
+             if re.match(r"step \d+/6 ", x)}
+    assert lines[1].endswith("ETA unknown")
+    eta = re.search(r"ETA (\d+):(\d+):(\d+)$", lines[5]).groups()
+    assert int(eta[0]) * 3600 + int(eta[1]) * 60 + int(eta[2]) < 5, lines[5]  # before: 20 s and more
+
+
+def test_the_micro_batch_probes_line_prints_on_rank_0_only(monkeypatch, capsys):
+    import argparse
+
+    import torch
+
+    import train_loop
+    from model import config_from_preset
+    monkeypatch.setattr(train_loop, "build_optimizers", lambda *a, **k: [])
+    monkeypatch.setattr(train_loop, "find_micro_batch", lambda try_step, candidates: 16)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(train_loop, "all_reduce", lambda value, op=None: value)
+    monkeypatch.setattr(train_loop.dist, "is_initialized", lambda: True)
+    args = argparse.Namespace(total_batch_tokens=2048 * 64, micro_batch=0, dtype="bfloat16")
+    config = config_from_preset("d20", {"vocab_size": 65536})
+    line = "batch: micro_batch 16 is the largest that fits on every rank (probed with optimizer state)\n"
+    for rank, printed in ((1, ""), (0, line)):
+        monkeypatch.setattr(train_loop.dist, "get_rank", lambda rank=rank: rank)
+        assert train_loop.plan_batch(args, config, 2, None, torch.device("cuda")) == (16, 2)
+        assert capsys.readouterr().out == printed
+
+
+# --- several nodes need one shared run directory --------------------------------------------------------------------
+
+@pytest.mark.two_processes
+def test_a_rank_that_cannot_see_the_run_directory_stops_every_rank_naming_it(tiny_pretrained, demo_world, tmp_path,
+                                                                              monkeypatch):
+    """2 gloo ranks, rank 1 made to look at another directory (as a node with its own disk would: the test hook
+    NANOCHAT_TEST_NODE_VIEW): both ranks stop before training, naming rank 1, its host and what to do. Before, rank 0
+    alone made the checkpoint directory and the other node's rank failed at the first save, hours in. Looking at the
+    same directory, the check passes and the run trains."""
+    from helpers import run_script
+    args = ["--data_dir", tiny_pretrained.parent / "text", "--tokenizer", demo_world / "tokenizer", "--runs_dir",
+            tmp_path / "runs", "--run_name", "two_nodes", *TINY, "--steps", "1", "--micro_batch", "2", "--bpb_tokens",
+            "256", "--eval_every", "0", "--sample_prompt", "A"]
+    (tmp_path / "other_node").mkdir()
+    monkeypatch.setenv("NANOCHAT_TEST_NODE_VIEW", f"1:{tmp_path / 'other_node'}")
+    result = run_script("pretrain.py", [str(a) for a in args], tmp_path, nproc=2, check=False)
+    assert result.returncode != 0
+    refusal = (f"pretrain.py: error: the run directory {tmp_path / 'runs' / 'two_nodes'} is not one filesystem shared "
+               f"by every node: a file rank 0 (")
+    assert result.stderr.count(refusal) == 2, result.stderr[-3000:]  # every rank says it
+    assert "is not seen by rank 1 on " in result.stderr and f"({tmp_path / 'other_node'}). Put --runs_dir on a " \
+        "filesystem every node mounts at the same path" in result.stderr
+    assert not (tmp_path / "runs" / "two_nodes" / "metrics.jsonl").exists()
+    monkeypatch.setenv("NANOCHAT_TEST_NODE_VIEW", f"1:{tmp_path / 'runs' / 'two_nodes'}")
+    result = run_script("pretrain.py", [str(a) for a in args], tmp_path, nproc=2)
+    assert "done: 1 steps" in result.stdout

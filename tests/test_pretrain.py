@@ -429,7 +429,7 @@ def test_a_budget_larger_than_the_corpus_says_so_in_the_plan_every_log_line_and_
 
 
 def test_the_data_plan_stops_when_the_disk_cannot_hold_the_checkpoints(world, tmp_path, monkeypatch, capsys):
-    """--data_plan checks free disk against the checkpoints to come (3 stages x --keep x 12 bytes a parameter) and
+    """--data_plan checks free disk against the checkpoints to come (pretrain.plan_checkpoints x their size) and
     the shards still missing; with 1 MB free it stops naming the need and the fixes, with plenty it passes."""
     import shutil
     from collections import namedtuple
@@ -440,11 +440,13 @@ def test_the_data_plan_stops_when_the_disk_cannot_hold_the_checkpoints(world, tm
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 ** 12, 0, 10 ** 12))
     pretrain.main(args)
     out = capsys.readouterr().out
-    params = M.num_params(config_from_preset("tiny", {"vocab_size": 1024}))
-    assert f"checkpoints 3 stages x --keep 2 x {12 * params / 1e9:.1f} GB (12 bytes x {params:,} parameters" in out
+    config = config_from_preset("tiny", {"vocab_size": 1024})
+    params, each = M.num_params(config), pretrain.checkpoint_bytes(config, "muon")
+    assert f"checkpoints: pretraining keeps 2 (holding 3 while it saves), midtraining 2 (holding 3), SFT up to --keep " \
+           f"2: at most 6 at once x {each / 1e9:.2f} GB ({params:,} parameters" in out
     assert "data plan shards: " in out
     shards, ckpts = map(float, re.search(r"data plan disk: ([\d.]+) GB of shards .* = ([\d.]+) GB", out).groups())
-    assert ckpts == round(6 * 12 * params / 1e9, 1)
+    assert ckpts == round(6 * each / 1e9, 1)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 ** 12, 0, 10 ** 6))
     with pytest.raises(ValueError, match=rf"not enough disk: shards in .*, checkpoints in {tmp_path / 'runs'} need "
                                          rf"([\d.]+) GB, 0.0 GB are free there: .*--keep 1") as err:
