@@ -490,19 +490,23 @@ REHEARSAL_PROMPT="Why do plants need light?"
 if [ "$REHEARSE" = 1 ]; then
     R_DATA=(--shards 2)  # the first shard (the tokenizer's and the data plan's) and one more; the data plan asks
     R_TOK=(--max_chars 20000000)
-    R_PRETRAIN=(--steps "${REHEARSAL_STEPS[0]}" --eval_every 0 --ckpt_every 2 --keep 1 --bpb_tokens 32768)
-    R_MIDTRAIN=(--steps "${REHEARSAL_STEPS[1]}" --eval_every 0 --eval_rows 16 --ckpt_every 2 --keep 1)
-    R_SFT=(--steps "${REHEARSAL_STEPS[2]}" --eval_every 0 --eval_rows 16 --ckpt_every 2 --keep 1)
+    # one sample prompt per evaluation, and short samples: generating them is most of a tiny evaluation
+    R_PRETRAIN=(--steps "${REHEARSAL_STEPS[0]}" --eval_every 0 --ckpt_every 2 --keep 1 --bpb_tokens 32768
+                --sample_prompt "The capital of France is")
+    R_MIDTRAIN=(--steps "${REHEARSAL_STEPS[1]}" --eval_every 0 --eval_rows 16 --ckpt_every 2 --keep 1
+                --sample_prompt "$REHEARSAL_PROMPT")
+    R_SFT=(--steps "${REHEARSAL_STEPS[2]}" --eval_every 0 --eval_rows 16 --ckpt_every 2 --keep 1
+           --sample_prompt "$REHEARSAL_PROMPT")
     R_RL=(--steps 2 --questions_per_step 2 --samples 2 --max_new_tokens 16 --eval_every 0 --eval_items 2
           --eval_samples 2 --ckpt_every 1 --keep 1)
-    R_CORE=(--max_items 4 --bpb_tokens 32768)
+    R_CORE=(--max_items 4 --bpb_tokens 32768 --max_new_tokens 8)
     R_CHAT_EVAL=(--max_items 2 --max_new_tokens 32)
     # the gpu plan on CPU processes: the plan's 256 sequences a step, each 128 tokens instead of 2048 (midtraining's
     # streams per rank are the same at any micro-batch); the later stages inherit the shape
     [ "$ON_CPU" = 1 ] && R_SHAPE=(--sequence_len 128 --total_batch_tokens 32768)
     say "rehearsal: pretrain ${REHEARSAL_STEPS[0]} steps, midtrain ${REHEARSAL_STEPS[1]}, sft ${REHEARSAL_STEPS[2]}" \
-        "(a checkpoint every 2), CORE ${R_CORE[1]} items a task, ChatCORE ${R_CHAT_EVAL[1]}" \
-        "$([ "$ON_CPU" = 1 ] && echo "; on the CPU: ${R_SHAPE[*]}")"
+        "(a checkpoint every 2), CORE ${R_CORE[1]} items a task," \
+        "ChatCORE ${R_CHAT_EVAL[1]}$([ "$ON_CPU" = 1 ] && echo "; on the CPU: ${R_SHAPE[*]}")"
 fi
 
 # a training stage: skipped when its done.json exists, resumed when it has a checkpoint, else started
@@ -585,7 +589,8 @@ if [ "$PLAN" = gpu ]; then
     # the shards the budget needs (a deeper model needs more: d24 about 340, d26 about 415), measured with this
     # tokenizer; the same step checks the free disk against the shards and the checkpoints to come
     stage data_plan "$PY" "$ROOT/pretrain.py" --data_plan --data_dir "$CORPUS" --tokenizer "$TOK" --runs_dir "$RUN" \
-        "${GPU_BUDGET[@]}" --ckpt_every 1000 "${PRETRAIN_EXTRA[@]}" "${R_PRETRAIN[@]}" "${R_SHAPE[@]}"  # the stages' --ckpt_every: checkpoints on disk
+        "${GPU_BUDGET[@]}" --ckpt_every 1000 "${PRETRAIN_EXTRA[@]}" "${R_PRETRAIN[@]}" \
+        "${R_SHAPE[@]}"  # the stages' --ckpt_every: checkpoints on disk
     NEEDED=$(sed -n 's/^data plan shards: \([0-9]*\)$/\1/p' "$LOGS/data_plan.log" | tail -1)
     if [ -z "$SHARDS" ]; then
         SHARDS=$NEEDED

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import termios
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -466,65 +467,156 @@ def test_a_half_installed_venv_is_repaired_and_a_completed_install_is_recorded(t
     assert record.read_text().strip() == want
 
 
-def test_the_gpu_plans_data_path_against_a_stand_in_hub_then_offline(tmp_path, monkeypatch):
-    """The gpu plan's data section on the CPU (--gpus 1 with a stand-in probe; nothing trains: --stop_after), against
-    dev/hub_stand_in.py (FineWeb, the chat sources, the ChatCORE repos and the CORE bundle, one server):
-    - a chat source missing from the hub stops the run at the preflight, before the tokenizer;
-    - the shard count comes from the budget and the first shard's tokens (here 7.5 shards' worth: 8, plus one
-      spare, one more than the tokenizer's 8), and the chat data, the ChatCORE tasks and the CORE bundle are all
-      fetched before --stop_after download returns;
-    - with the server stopped, the same command succeeds again from disk."""
-    import hashlib
+REHEARSAL_STAGES = ["preflight", "chatcore_tasks", "data", "tokenizer", "data_plan", "download", "pretrain",
+                    "core_eval", "midtrain", "sft", "chat_eval", "report", "chat"]
+
+
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory):
+    """`bash speedrun.sh --rehearse --gpus 2 --depth 1` without CUDA (the gpu plan on 2 CPU processes, gloo) against
+    dev/hub_stand_in.py, with MIDTRAIN_ARGS="--micro_batch 8": 32 midtraining streams, as on 80 GB cards at d24. First
+    a chat source missing from the hub, which stops the run at the preflight. (run dir, the finished process, the
+    hub, its env, tmp dir)."""
+    import hub_stand_in
+    tmp = tmp_path_factory.mktemp("rehearsal")
+    hub, servers, url = hub_stand_in.start()
+    env = {"HF_ENDPOINT": url, "NO_PROXY": "127.0.0.1", "HF_HOME": str(tmp / "hf"),
+           "NANOCHAT_CACHE": str(tmp / "cache"), "CORE_ARGS": f"--bundle {url}/eval_bundle.zip",
+           "MIDTRAIN_ARGS": "--micro_batch 8"}
+    args = ["--rehearse", "--gpus", "2", "--depth", "1", "--vocab_size", "512", "--runs_dir", tmp / "runs",
+            "--data_dir", tmp / "corpus"]
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        try:
+            ultrachat = {k: hub.files.pop(k) for k in list(hub.files) if k.startswith("HuggingFaceH4/")}
+            missing = run_speedrun([*args, "--run_name", "missing"], tmp, env)
+            missing.corpus_made = (tmp / "corpus").exists()
+            hub.files.update(ultrachat)
+            result = run_speedrun(args, tmp, env)
+            yield tmp / "runs" / "speedrun-rehearsal", result, missing, hub, env, tmp
+        finally:
+            hub_stand_in.stop(servers)
+
+
+@pytest.mark.two_processes  # its fixture runs the rehearsal: after the pipeline, on free cores
+def test_a_chat_source_missing_from_the_hub_stops_the_rehearsal_at_the_preflight(rehearsal):
+    _, _, missing, _, _, _ = rehearsal
+    assert missing.returncode == 2 and "speedrun: stage preflight failed (exit 2)" in missing.stderr
+    assert "HuggingFaceH4/ultrachat_200k has no files matching" in missing.stdout
+    assert "stage tokenizer" not in missing.stdout and not missing.corpus_made
+
+
+@pytest.mark.two_processes
+def test_the_gpu_plans_rehearsal_runs_every_stage_on_two_cpu_processes(rehearsal):
+    """Every stage of the gpu plan, with its own command lines and the stand-in hub's data, on 2 gloo ranks: each
+    stage's outputs, the budget it printed against what ran, and the report's figures against their sources."""
     import math
 
     import hub_stand_in
     import pyarrow.parquet as pq
+    run, result, _, hub, _, tmp = rehearsal
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    out = result.stdout
+    assert "the old name goes in the next release" not in out + result.stderr
+    assert sorted(p.name for p in run.parent.iterdir()) == ["missing-rehearsal", "speedrun-rehearsal"]  # its own dirs
+    ran = [line.split("\t") for line in (run / "logs" / "stages.tsv").read_text().splitlines()]
+    assert [(name, rc) for name, _, rc in ran] == [(name, "0") for name in REHEARSAL_STAGES]
+    for name, seconds, _ in ran:  # each stage's time, printed when it ended and in the closing table
+        assert f"speedrun: stage {name} done in {seconds} s\n" in out
+        assert re.search(rf"^  {name} +{re.escape(seconds)}$", out, re.MULTILINE), name
+    record = json.loads((run / "rehearsed.json").read_text())
+    assert record["stages"] == {name: float(seconds) for name, seconds, _ in ran}
+    assert (record["plan"], record["processes"], record["cpu"]) == ("gpu", 2, True)
+    assert f"speedrun: rehearsal passed in {record['seconds']} s" in out
+    assert "plan gpu (rehearsal), run " in out and "2 process(es) per stage (CPU)" in out
+    assert (run / "transport.txt").read_text().strip() == "gloo (cpu)"
 
-    import model as M
-    hub, servers, url = hub_stand_in.start()
-    files = hub.files
-    env = {"HF_ENDPOINT": url, "NO_PROXY": "127.0.0.1", "HF_HOME": str(tmp_path / "hf"), "SPEEDRUN_PROBE_CMD": "exit 0",
-           "NANOCHAT_CACHE": str(tmp_path / "cache"), "CORE_ARGS": f"--bundle {url}/eval_bundle.zip"}
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    corpus = tmp_path / "corpus"
-    args = ["--plan", "gpu", "--gpus", "1", "--runs_dir", tmp_path / "runs", "--data_dir", corpus, "--vocab_size",
-            "320"]
-    try:
-        ultrachat = {k: files.pop(k) for k in list(files) if k.startswith("HuggingFaceH4/")}
-        missing = run_speedrun([*args, "--run_name", "missing", "--stop_after", "download"], tmp_path, env)
-        assert missing.returncode == 2 and "speedrun: stage preflight failed (exit 2)" in missing.stderr
-        assert "HuggingFaceH4/ultrachat_200k has no files matching" in missing.stdout
-        assert "stage tokenizer" not in missing.stdout and not corpus.exists()
-        files.update(ultrachat)
+    # data, tokenizer, data plan, download: the hub's bytes; the shards the rehearsal's budget needs
+    corpus, fineweb = tmp / "corpus", "karpathy/fineweb-edu-100b-shuffle"
+    tok = Tokenizer.load(run / "tokenizer")
+    assert tok.vocab_size == 512 and tok.decode(tok.encode("The river carries water.")) == "The river carries water."
+    shard0 = pq.read_table(corpus / "shard_00000.parquet").column("text").to_pylist()
+    per_shard = sum(len(tok.encode(t)) + 1 for t in shard0)
+    want = math.ceil(3 * 32768 / per_shard) + 1
+    assert f"data plan shards: {want}\n" in out
+    shards = sorted(p.name for p in corpus.glob("*.parquet"))
+    assert shards == [f"shard_{i:05d}.parquet" for i in [*range(max(2, want)), 9]]
+    for name in shards:
+        assert (corpus / name).read_bytes() == hub.files[f"{fineweb}/{name}"]
+    for name, count in (("smoltalk", 3), ("ultrachat", 2), ("mmlu", 1), ("arc-easy", 1), ("arc-challenge", 1),
+                        ("gsm8k", 1), ("identity", 1)):
+        assert len(list((tmp / "cache" / "chat" / name).glob("*.parquet"))) == count, name
 
-        first = run_speedrun([*args, "--stop_after", "tokenizer"], tmp_path, env)
-        assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-        tok = Tokenizer.load(tmp_path / "runs" / "speedrun" / "tokenizer")
-        shard0 = pq.read_table(corpus / "shard_00000.parquet").column("text").to_pylist()
-        per_shard = sum(len(tok.encode(t)) + 1 for t in shard0)
-        params = M.budget_params(M.config_from_preset("d20", {"vocab_size": tok.vocab_size}))
-        tpp = 7.5 * per_shard / params
-        steps = math.ceil(tpp * params / 4096)
-        want = math.ceil(steps * 4096 / per_shard) + 1
-        env["PRETRAIN_ARGS"] = f"--tokens_per_param {tpp!r} --total_batch_tokens 4096"
-        second = run_speedrun([*args, "--stop_after", "download"], tmp_path, env)
-        assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-        assert f"data plan shards: {want}\n" in second.stdout and want == 9
-        assert sorted(p.name for p in corpus.glob("*.parquet")) == [f"shard_{i:05d}.parquet"
-                                                                    for i in [*range(want), 9]]
-        for name, count in (("smoltalk", 3), ("ultrachat", 2), ("mmlu", 1), ("arc-easy", 1), ("arc-challenge", 1),
-                            ("gsm8k", 1), ("identity", 1)):
-            assert len(list((tmp_path / "cache" / "chat" / name).glob("*.parquet"))) == count, name
-        for task in ("ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval"):
-            assert (tmp_path / "cache" / "chat_eval" / task / "files.json").is_file()
-        assert list((tmp_path / "cache" / "eval_bundle").glob("*/unzipped.json"))
-        assert "stopping after download (--stop_after): every shard and the chat and evaluation data are in" in \
-            second.stdout
-    finally:
-        hub_stand_in.stop(servers)
-    hub.log.clear()
-    offline = run_speedrun([*args, "--stop_after", "download"], tmp_path, env)
-    assert offline.returncode == 0, offline.stdout[-3000:] + offline.stderr[-3000:]
-    assert "stage tokenizer skipped" in offline.stdout and hub.log == []
-    digest = hashlib.sha256((corpus / "shard_00000.parquet").read_bytes()).hexdigest()
-    assert digest == hashlib.sha256(files["karpathy/fineweb-edu-100b-shuffle/shard_00000.parquet"]).hexdigest()
+    # the three training stages: the budget printed (speedrun's and each stage's) is what ran, on 2 ranks
+    assert "speedrun: rehearsal: pretrain 3 steps, midtrain 3, sft 3 (a checkpoint every 2), CORE 4 items a task, " \
+           "ChatCORE 2; on the CPU: --sequence_len 128 --total_batch_tokens 32768" in out
+    for name, micro in (("pretrain", 128), ("midtrain", 8), ("sft", 8)):  # SFT inherits midtraining's
+        log = (run / "logs" / f"{name}.log").read_text()
+        steps = [r for r in map(json.loads, (run / name / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+        done = json.loads((run / name / "done.json").read_text())
+        assert [r["step"] for r in steps] == [1, 2, 3] and done["step"] == 3, name
+        assert [r["tokens"] for r in steps] == [32768, 65536, 98304], name
+        assert "budget: 3 steps" in log and "world size 2 (gloo)" in log, name
+        assert f"batch: tokens per step = micro_batch {micro} x sequence_len 128 x world size 2 x accumulation " \
+               f"{128 // micro} = 32,768" in log, name
+        assert [p.name for p in (run / name / "ckpt").glob("step_*")] == ["step_000003"], name  # --keep 1
+        assert all(math.isfinite(r["loss"]) for r in steps)
+    assert "budget: 3 steps, 98,304 tokens" in (run / "logs" / "pretrain.log").read_text()
+
+    # CORE: nanochat's 22 tasks from the bundle, 4 items each; ChatCORE: the 5 hub tasks, 2 items each
+    core = json.loads((run / "core_eval" / "results.json").read_text())
+    assert [t["task"] for t in core["tasks"]] == [t[0] for t in hub_stand_in.CORE_TASKS]
+    chat = json.loads((run / "chat_eval.json").read_text())
+    assert [(t["task"], t["items"]) for t in chat["tasks"]] == [(t, 2) for t in ("ARC-Easy", "ARC-Challenge", "MMLU",
+                                                                                 "GSM8K", "HumanEval")]
+
+    # the report's figures are their sources'
+    md = (run / "report.md").read_text()
+    times = {name: float(seconds) for name, seconds, _ in ran}
+    rows = {r["stage"]: r for r in table(md, "stage")}
+    for name in ("pretrain", "midtrain", "sft"):
+        steps = [r for r in map(json.loads, (run / name / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+        done = json.loads((run / name / "done.json").read_text())
+        assert rows[name]["steps"] == "3" and rows[name]["wall time (s)"] == f"{times[name]:.1f}"
+        assert rows[name]["tokens"] == "98,304"
+        assert rows[name]["tok/s"] == f"{98304 / sum(r['step_time'] for r in steps):,.0f}"
+        assert rows[name]["validation"] == (f"val bpb {done['val_bpb']:.4f}" if name == "pretrain" else
+                                            f"val loss {done['val_loss']:.4f}")
+    assert f"CORE {core['core']:.4f} (22 tasks" in md
+    assert {r["task"]: r["accuracy"] for r in table(md, "task")[:22]} == {t["task"]: f"{t['accuracy']:.4f}"
+                                                                          for t in core["tasks"]}
+    assert f"ChatCORE {chat['chatcore']:.4f}" in md
+    for t in chat["tasks"]:
+        assert f"| {t['task']} | {t['correct']}/{t['items']} | {t['accuracy']:.4f} | {t['centered']:.4f} |" in md
+
+    # the chat answer: chat.py's greedy reply is the one computed here from the final checkpoint
+    model, _ = checkpoint.load_model(checkpoint.list_checkpoints(run / "sft" / "ckpt")[-1], torch.device("cpu"))
+    (answer,) = validation.chat_answers(model, tok, ["Why do plants need light?"], "float32", max_tokens=32)
+    assert answer["answer"].strip() and answer["answer"].strip() in (run / "logs" / "chat.log").read_text()
+
+
+@pytest.mark.two_processes
+def test_a_rehearsed_pretraining_stopped_on_two_ranks_resumes_on_one(rehearsal):
+    """The rehearsal's own pretraining command line (its config.json's), stopped by a signal at step 2 on 2 ranks,
+    resumes on 1 rank from that checkpoint and ends at step 3."""
+    run, result, _, _, env, tmp = rehearsal
+    assert result.returncode == 0, result.stderr[-3000:]
+    argv = json.loads((run / "pretrain" / "config.json").read_text())["argv"]  # as torchrun gave it to each rank
+    assert Path(argv[0]) == ROOT / "pretrain.py"
+    args = [*argv[1:], "--runs_dir", tmp / "resume", "--run_name", "r"]
+    two = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    full = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
+    stopped = subprocess.run([*two, str(ROOT / "pretrain.py"), *map(str, args), "--signal_at_step", "2"],
+                             env=full, capture_output=True, text=True, timeout=600, check=False)
+    assert "stopped by signal at step 2" in stopped.stdout, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    resumed = subprocess.run([sys.executable, str(ROOT / "pretrain.py"), *map(str, args), "--resume"], env=full,
+                             capture_output=True, text=True, timeout=600, check=False)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"resume: from {tmp / 'resume' / 'r' / 'ckpt'}/step_000002" in resumed.stdout
+    assert re.search(r"x sequence_len 128 x world size 1 x accumulation \d+ = 32,768", resumed.stdout)  # one rank
+    steps = [r for r in map(json.loads, (tmp / "resume" / "r" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3] and json.loads((tmp / "resume" / "r" / "done.json").read_text())[
+        "step"] == 3
+    straight = [r for r in map(json.loads, (run / "pretrain" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [r["loss"] for r in steps[:2]] == [r["loss"] for r in straight[:2]]  # the same run up to the stop
+    assert abs(steps[2]["loss"] - straight[2]["loss"]) < 1e-3, (steps[2], straight[2])  # then the same data
