@@ -143,11 +143,11 @@ def main(argv=None):
     args.preset = parent_meta.get("run", "mid")  # names the default run directory
     sources = parse_sources(args.source, parent_meta.get("data_dir"))
     config = replace(model.config, sequence_len=args.sequence_len)  # the rows; the model keeps the parent's tables
-    micro, accum = train_loop.plan_batch(args, config, world, model, device)
+    run_dir, resume_from = checkpoint.resolve_run(args, "midtrain")
+    micro, accum = train_loop.plan_batch(args, config, world, model, device, resume_from)
     seq_len, params, fpt = config.sequence_len, num_params(config), flops_per_token(config)
     tokens_per_step = micro * seq_len * world * accum
     total_steps = args.steps or math.ceil(args.tokens / tokens_per_step)
-    run_dir, resume_from = checkpoint.resolve_run(args, "midtrain")
     optimizers = optim.build_optimizers(model, args, config.n_embd, tokens_per_step, device, lr_scale=args.lr_scale)
     loaders = [mixture_loader(sources, tokenizer, micro, seq_len, rank=rank * accum + j, world_size=world * accum,
                               device=device, seed=args.seed, supervise=args.supervise,
@@ -185,7 +185,8 @@ def main(argv=None):
                               total_steps=total_steps, ckpt_meta=ckpt_meta, evaluate=evaluator,
                               flops_per_token=fpt, rank=rank, world=world, device=device)
     if signum is None:
-        loss, mixture = (evaluator(total_steps)[key] for key in ("val_loss", "mixture"))
+        final = evaluator(total_steps)  # once: a second call would run the whole validation again
+        loss, mixture = final["val_loss"], final["mixture"]
         kept = validation.forgetting(model, tokenizer, parent, parent_meta, args, rank, world, device)
         if master:
             train_loop.Metrics(run_dir / "metrics.jsonl", master).log({"step": total_steps, "final_val_loss": loss,

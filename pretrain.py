@@ -232,12 +232,12 @@ def main(argv=None):
     model = build_model(config, device)
     check_master_weights(model)
     sharding = distributed.shard_model(model, args, world, device)
-    micro, accum = train_loop.plan_batch(args, config, world, model, device)
+    run_dir, resume_from = checkpoint.resolve_run(args, "pretrain")
+    micro, accum = train_loop.plan_batch(args, config, world, model, device, resume_from)
     seq_len, params, fpt = config.sequence_len, num_params(config), flops_per_token(config)
     counted = budget_params(config)  # what --tokens_per_param counts
     tokens_per_step = micro * seq_len * world * accum
     total_steps = plan_steps(args, config, tokens_per_step)
-    run_dir, resume_from = checkpoint.resolve_run(args, "pretrain")
     optimizers = optim.build_optimizers(model, args, config.n_embd, tokens_per_step, device)
     # one loader per accumulation micro-step, as virtual rank rank*accum + j of world*accum: the rows of a global
     # batch are the same however it is split into processes and micro-steps

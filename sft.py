@@ -170,13 +170,13 @@ def main(argv=None):
     sharding = distributed.shard_model(model, args, world, device)
     args.preset = parent_meta.get("run", "sft")  # names the default run directory
     config = replace(model.config, sequence_len=args.sequence_len)  # the rows; the model keeps the parent's tables
-    micro, accum = train_loop.plan_batch(args, config, world, model, device)
+    run_dir, resume_from = checkpoint.resolve_run(args, "sft")
+    micro, accum = train_loop.plan_batch(args, config, world, model, device, resume_from)
     seq_len, params, fpt = config.sequence_len, num_params(config), flops_per_token(config)
     tokens_per_step = micro * seq_len * world * accum
     epoch_batches, estimate = estimate_epoch_batches(args, tokenizer, micro, seq_len, world * accum) if args.epochs \
         else (None, None)
     total_steps = args.steps or math.ceil(args.epochs * epoch_batches)
-    run_dir, resume_from = checkpoint.resolve_run(args, "sft")
     optimizers = optim.build_optimizers(model, args, config.n_embd, tokens_per_step, device, lr_scale=args.lr_scale)
     files = mixture_files(args.sources)
     loaders = [chat_loader(None, "train", tokenizer, micro, seq_len, rank=rank * accum + j, files=files,

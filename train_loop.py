@@ -220,10 +220,17 @@ def check_batch_divides(total, seq_len, world, micro=0):
                      f", so pretraining would fail at its start. Use {', or '.join(fixes)}")
 
 
-def plan_batch(args, config, world, model, device):
-    """(micro_batch, accumulation steps) for --total_batch_tokens; the error names the nearest valid values."""
+def plan_batch(args, config, world, model, device, resume_from=None):
+    """(micro_batch, accumulation steps) for --total_batch_tokens; the error names the nearest valid values. A resumed
+    run whose --micro_batch is 0 takes its checkpoint's micro-batch: on the CPU 0 means the whole per-rank batch, which
+    changes with the world size, and a resume at another world size needs the same micro-batch (the data streams)."""
     seq_len, total = config.sequence_len, args.total_batch_tokens
-    if args.micro_batch == 0:
+    resumed = json.loads((Path(resume_from) / "meta.json").read_text()).get("micro_batch") if resume_from else None
+    if args.micro_batch == 0 and resumed:
+        micro = resumed
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"batch: micro_batch {micro}, the checkpoint's (--micro_batch 0 and --resume)")
+    elif args.micro_batch == 0:
         candidates = micro_batch_candidates(total, seq_len, world)
         if device.type == "cuda":
             throwaway = build_optimizers(model, args, config.n_embd, 1, device)

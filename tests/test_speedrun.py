@@ -468,7 +468,9 @@ def test_a_half_installed_venv_is_repaired_and_a_completed_install_is_recorded(t
 
 
 REHEARSAL_STAGES = ["preflight", "chatcore_tasks", "data", "tokenizer", "data_plan", "download", "pretrain",
-                    "core_eval", "midtrain", "sft", "chat_eval", "report", "chat"]
+                    "core_eval", "midtrain", "sft", "rl", "chat_eval", "chat_eval_pretrain", "core_eval_midtrain",
+                    "chat_eval_midtrain", "core_eval_sft", "chat_eval_sft", "core_eval_rl", "chat_eval_rl", "report",
+                    "chat"]
 
 
 @pytest.fixture(scope="module")
@@ -590,7 +592,7 @@ def test_the_gpu_plans_rehearsal_runs_every_stage_on_two_cpu_processes(rehearsal
         assert f"| {t['task']} | {t['correct']}/{t['items']} | {t['accuracy']:.4f} | {t['centered']:.4f} |" in md
 
     # the chat answer: chat.py's greedy reply is the one computed here from the final checkpoint
-    model, _ = checkpoint.load_model(checkpoint.list_checkpoints(run / "sft" / "ckpt")[-1], torch.device("cpu"))
+    model, _ = checkpoint.load_model(checkpoint.list_checkpoints(run / "rl" / "ckpt")[-1], torch.device("cpu"))
     (answer,) = validation.chat_answers(model, tok, ["Why do plants need light?"], "float32", max_tokens=32)
     assert answer["answer"].strip() and answer["answer"].strip() in (run / "logs" / "chat.log").read_text()
 
