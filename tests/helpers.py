@@ -25,6 +25,8 @@ import zipfile
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "dev"))  # workers run without pytest.ini
 from hub_stand_in import COMMIT, STALL_S, git_blob_id, hub_handler, resolve_headers, serve, tree_entry  # noqa: F401
 
 import demo

@@ -44,7 +44,7 @@ def test_the_per_stage_table_cells_equal_each_stage_models_own_evaluations(speed
     (counts recomputed from the items files), and each file was computed from that stage's checkpoint."""
     run, _ = speedrun
     stages, rows = stage_table((run / "report.md").read_text())
-    assert stages == ["pretrain", "midtrain", "sft"]
+    assert stages == ["pretrain", "midtrain", "sft", "rl"]  # rl gets its column by itself
     for stage in stages:
         where = run / "stage_evals" / stage
         core = json.loads(((run / "core_eval") if stage == "pretrain" else where / "core_eval")
