@@ -302,17 +302,23 @@ def bench_sft(args, device):
               f"positions supervised, {rows['padding']:.1%} padding")
 
 
+def untrained_checkpoint(tmp, preset, stage, device):
+    """A demo world, its vocab-1024 tokenizer and an untrained --preset model saved as `stage` saves one, under tmp
+    (runs/bench/ckpt): what the evaluation benches run the real commands on."""
+    write_demo(tmp / "demo")
+    tok = train_tokenizer(iter_texts(tmp / "demo" / "pretrain", "train"), 1024)
+    tok.save(tmp / "tokenizer")
+    config = config_from_preset(preset, {"vocab_size": 1024})
+    meta = {"stage": stage, "model_config": config.__dict__, "world_size": 1, "tokenizer": str(tmp / "tokenizer"),
+            "tokenizer_sha256": tok.fingerprint(), "data_dir": str(tmp / "demo" / "pretrain")}
+    checkpoint.save_checkpoint(tmp / "runs" / "bench" / "ckpt", 0, build_model(config, device), [], [], meta, 0, 1)
+
+
 def bench_core_eval(args, device):
     """The real command on an untrained checkpoint of --preset, saved as pretrain.py saves one."""
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        write_demo(tmp / "demo")
-        tok = train_tokenizer(iter_texts(tmp / "demo" / "pretrain", "train"), 1024)
-        tok.save(tmp / "tokenizer")
-        config = config_from_preset(args.preset, {"vocab_size": 1024})
-        meta = {"stage": "pretrain", "model_config": config.__dict__, "world_size": 1, "tokenizer": str(tmp / "tokenizer"),
-                "tokenizer_sha256": tok.fingerprint(), "data_dir": str(tmp / "demo" / "pretrain")}
-        checkpoint.save_checkpoint(tmp / "runs" / "bench" / "ckpt", 0, build_model(config, device), [], [], meta, 0, 1)
+        untrained_checkpoint(tmp, args.preset, "pretrain", device)
         bundle = args.bundle or str(tmp / "demo" / "eval_bundle")
         for batch_items in (1, 8):
             out = tmp / f"out{batch_items}"
@@ -332,13 +338,7 @@ def bench_chat_eval(args, device):
     multiple-choice items: one prompt per forward against nanochat's batching."""
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        write_demo(tmp / "demo")
-        tok = train_tokenizer(iter_texts(tmp / "demo" / "pretrain", "train"), 1024)
-        tok.save(tmp / "tokenizer")
-        config = config_from_preset(args.preset, {"vocab_size": 1024})
-        meta = {"stage": "sft", "model_config": config.__dict__, "world_size": 1, "tokenizer": str(tmp / "tokenizer"),
-                "tokenizer_sha256": tok.fingerprint(), "data_dir": str(tmp / "demo" / "pretrain")}
-        checkpoint.save_checkpoint(tmp / "runs" / "bench" / "ckpt", 0, build_model(config, device), [], [], meta, 0, 1)
+        untrained_checkpoint(tmp, args.preset, "sft", device)
         rates = {}
         for batch_items, option_text in ((1, "off"), (8, "off"), (8, "on")):
             out = tmp / f"out{batch_items}{option_text}.json"
