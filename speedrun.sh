@@ -227,7 +227,7 @@ run_stage() {
     say "stage $name done in $(tail -n 1 "$LOGS/stages.tsv" | cut -f2) s"
 }
 SPEEDRUN_AWK_FLAGS=""  # mawk reads a pipe in large blocks unless told to read it line by line
-if awk -W version 2>&1 | grep -q mawk; then SPEEDRUN_AWK_FLAGS="-W interactive"; fi
+if [[ "$(awk -W version 2>&1)" == *mawk* ]]; then SPEEDRUN_AWK_FLAGS="-W interactive"; fi
 # shellcheck disable=SC2090
 export SPEEDRUN_LOG SPEEDRUN_ETA=0 SPEEDRUN_AWK SPEEDRUN_AWK_FLAGS
 
@@ -301,8 +301,8 @@ explain_driver() {  # torch sees no GPU: when nvidia-smi lists some, the driver 
     command -v nvidia-smi > /dev/null 2>&1 &&
         smi_gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -c . || true)
     [ "$smi_gpus" -gt 0 ] || return 0
-    driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 | tr -d ' ')
-    driver_cuda=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9.]*\).*/\1/p' | head -1)
+    driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | sed -n '1{s/ //g;p;}')
+    driver_cuda=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9.]*\).*/\1/p' | sed -n 1p)
     read -r torch_version torch_cuda <<< "$("$PY" -c 'import torch; print(torch.__version__, torch.version.cuda)')"
     echo "speedrun.sh: error: nvidia-smi lists $smi_gpus GPU(s) but torch $torch_version sees none. The driver" \
         "is ${driver:-unknown} (it supports CUDA ${driver_cuda:-unknown}); this torch wheel was built for CUDA" \

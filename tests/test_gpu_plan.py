@@ -169,12 +169,14 @@ def test_a_checkpoint_of_an_8_gpu_box_resumes_on_4_with_its_ranks_own_device_rng
 
 # --- speedrun.sh: the GPUs torch sees, the batch over the processes, the NCCL probe at each stage -----------------
 
+# The second line comes late, as from a real 8-GPU nvidia-smi: a reader that stops at the first line (head -1) kills the
+# writer with SIGPIPE, and under pipefail that ended speedrun.sh with status 141 and no message.
 FAKE_SMI = """#!/bin/sh
 case "$*" in
     *query-compute-apps*) ;;
     *query-gpu=name*) echo 'NVIDIA H100 80GB HBM3'; echo 'NVIDIA H100 80GB HBM3' ;;
-    *query-gpu=driver_version*) echo '470.57.02'; echo '470.57.02' ;;
-    *) echo '| NVIDIA-SMI 470.57.02    Driver Version: 470.57.02    CUDA Version: 11.4     |' ;;
+    *query-gpu=driver_version*) echo '470.57.02'; sleep 0.2; echo '470.57.02' ;;
+    *) echo '| NVIDIA-SMI 470.57.02    Driver Version: 470.57.02    CUDA Version: 11.4     |'; sleep 0.2; echo ;;
 esac
 """
 
