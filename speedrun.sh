@@ -13,7 +13,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")" && pwd)  # the scripts; relative paths (--runs_dir, --data_dir) are the caller's
 
 PLAN=auto DEPTH=20 RUN_NAME=speedrun DATA_DIR="" GPUS=auto NO_CHAT=0 RUNS_DIR=runs FORCE=0 TOKENIZER=""
-SHARDS="" STOP_AFTER="" PROBE_ONLY=0 VOCAB="" REHEARSE=0 NO_REHEARSE=0
+SHARDS="" STOP_AFTER="" PROBE_ONLY=0 VOCAB="" REHEARSE=0 NO_REHEARSE=0 STAGE_EVALS="pretrain,midtrain,sft,rl" RL_STAGE=auto
 # the conversation datasets the gpu plan's midtraining and SFT read (dataset.py download-chat names): checked and
 # fetched at the start, with the CORE bundle and the ChatCORE tasks, so a gated or missing one fails in minutes
 CHAT_SOURCES=(smoltalk ultrachat mmlu arc-easy arc-challenge gsm8k identity)
@@ -37,6 +37,10 @@ usage: bash speedrun.sh [flags]
   --tokenizer DIR     use this trained tokenizer instead of training one (default: train <run>/tokenizer)
   --stop_after STAGE  stop after this stage: data tokenizer download pretrain core_eval midtrain sft rl chat_eval
                       report (download: gpu plan, every shard and the prefetched chat and evaluation data are in)
+  --rl on|off         the reinforcement-learning stage after sft (default: on for the gpu plan; off for the demo
+                      plan, where it lowered held-out accuracy: docs/rl.md)
+  --stage_evals LIST  the stages whose final models get CORE and ChatCORE for the report's table of what each
+                      stage taught, comma-separated, or none (default: $STAGE_EVALS; a column left out says unknown)
   --no_chat           do not start chat.py at the end (it starts only when stdin is a terminal anyway)
   --rehearse          run every stage of the plan with its own command lines, data and world size, on a tiny budget
                       (a few steps or items each), into <run_name>-rehearsal; it ends with the report and one chat.py
@@ -74,6 +78,8 @@ while [ $# -gt 0 ]; do
         --tokenizer) TOKENIZER=$2; shift 2 ;;
         --stop_after) STOP_AFTER=$2; shift 2 ;;
         --no_chat) NO_CHAT=1; shift ;;
+        --stage_evals) STAGE_EVALS=$2; shift 2 ;;
+        --rl) RL_STAGE=$2; shift 2 ;;
         --force) FORCE=1; shift ;;
         --probe_only) PROBE_ONLY=1; shift ;;
         --rehearse) REHEARSE=1; shift ;;
@@ -85,6 +91,12 @@ done
 case "$PLAN" in auto|gpu|demo) ;; *) echo "speedrun.sh: error: --plan $PLAN: use gpu or demo" >&2; exit 2 ;; esac
 case "$STOP_AFTER" in ""|data|tokenizer|download|pretrain|core_eval|midtrain|sft|rl|chat_eval|report) ;;
     *) echo "speedrun.sh: error: --stop_after $STOP_AFTER: not a stage (bash speedrun.sh --help)" >&2; exit 2 ;; esac
+case "$RL_STAGE" in auto|on|off) ;; *) echo "speedrun.sh: error: --rl $RL_STAGE: use on or off" >&2; exit 2 ;; esac
+[ "$STAGE_EVALS" = none ] && STAGE_EVALS=""
+for name in ${STAGE_EVALS//,/ }; do
+    case "$name" in pretrain|midtrain|sft|rl) ;; *) echo "speedrun.sh: error: --stage_evals $STAGE_EVALS: $name is" \
+        "not a stage with a model (use pretrain, midtrain, sft, rl, comma-separated, or none)" >&2; exit 2 ;; esac
+done
 
 REAL_RUN_NAME=$RUN_NAME
 [ "$REHEARSE" = 1 ] && RUN_NAME="$RUN_NAME-rehearsal"  # never mixed with the real run's outputs
@@ -336,6 +348,7 @@ elif [ "$GPUS" -gt 0 ]; then
     check_torch_sees_gpus
 fi
 [ "$PLAN" = auto ] && { [ "$GPUS" -gt 0 ] && PLAN=gpu || PLAN=demo; }
+[ "$RL_STAGE" = auto ] && { [ "$PLAN" = gpu ] && RL_STAGE=on || RL_STAGE=off; }
 # only a rehearsal runs the gpu plan on the CPU: there --gpus N without CUDA means N CPU processes on gloo
 ON_CPU=0
 if [ "$PLAN" = gpu ] && [ "$REHEARSE" = 1 ] &&
@@ -623,15 +636,15 @@ if [ "$PLAN" = demo ]; then
     # (dev/LOG.md, 2026-11-25: on the baseline chain they LOWER held-out accuracy, 84/109 -> 78/109; open)
     RL=(--demo "$DATA_DIR" --steps 20 --questions_per_step 8 --samples 8 --max_new_tokens 32 --micro_batch 32
         --lr_scale 0.05 --eval_every 0 --eval_items -1 --eval_samples 4 --ckpt_every 10)
-    CHAT_EVAL=(--demo "$DATA_DIR" --max_new_tokens 32)
-    STAGE_CORE=(--bundle "$DATA_DIR/eval_bundle") STAGE_CHAT=(--tasks demo-choice,demo-answer,demo-words)
+    CHAT_EVAL=(--demo "$DATA_DIR" --max_new_tokens 32 --tasks demo-choice,demo-answer,demo-words)
+    STAGE_CORE=(--bundle "$DATA_DIR/eval_bundle")
 else
     PRETRAIN=("${GPU_BUDGET[@]}" --eval_every 250 --ckpt_every 1000)
     MIDTRAIN=(--tokens 500000000 --ckpt_every 1000)
     SFT=(--epochs 1 --ckpt_every 1000)  # sft.py's mixture: SmolTalk, MMLU x3, GSM8K x4, ARC, identity
     RL=(--demo none --epochs 1 --ckpt_every 60)  # GSM8K train, held out: GSM8K test (nanochat's chat_rl)
     CHAT_EVAL=(--demo none)
-    STAGE_CORE=() STAGE_CHAT=()
+    STAGE_CORE=()
     if [ "$REHEARSE" = 1 ]; then
         say "plan: d$DEPTH ('python model.py --preset d$DEPTH' for its parameters) on $NPROC" \
             "$([ "$ON_CPU" = 1 ] && echo "CPU processes" || echo GPUs), the rehearsal's budget appended to each stage"
@@ -660,7 +673,7 @@ if [ "$PLAN" = gpu ] && [ "$REHEARSE" = 0 ]; then
         wait_prefetch " before the rehearsal"  # the rehearsal's midtraining reads the chat data
         stage rehearsal env SPEEDRUN_PYTHON="$PY" bash "$ROOT/speedrun.sh" --rehearse --no_chat --plan gpu \
             --depth "$DEPTH" --run_name "$RUN_NAME" --runs_dir "$RUNS_DIR" --data_dir "$CORPUS" --gpus "$GPUS" \
-            --tokenizer "$TOK" $([ "$FORCE" = 1 ] && echo --force)
+            --tokenizer "$TOK" --stage_evals "${STAGE_EVALS:-none}" --rl "$RL_STAGE" $([ "$FORCE" = 1 ] && echo --force)
         freed=$(du -sch "$REHEARSAL_RUN"/*/ckpt 2>/dev/null | tail -1 | cut -f1)
         rm -rf "$REHEARSAL_RUN"/*/ckpt
         say "the rehearsal cost $(tail -n 1 "$LOGS/stages.tsv" | cut -f2) s before pretraining; every stage passed" \
@@ -681,27 +694,44 @@ fi
 
 train_stage midtrain "$ROOT/midtrain.py" --checkpoint "$RUN/pretrain" "${MIDTRAIN[@]}" "${MIDTRAIN_EXTRA[@]}" "${R_MIDTRAIN[@]}"
 train_stage sft "$ROOT/sft.py" --checkpoint "$RUN/midtrain" "${SFT[@]}" "${SFT_EXTRA[@]}" "${R_SFT[@]}"
-train_stage rl "$ROOT/rl.py" --checkpoint "$RUN/sft" "${RL[@]}" "${RL_EXTRA[@]}" "${R_RL[@]}"
+if [ "$RL_STAGE" = on ]; then
+    train_stage rl "$ROOT/rl.py" --checkpoint "$RUN/sft" "${RL[@]}" "${RL_EXTRA[@]}" "${R_RL[@]}"
+    FINAL=rl
+else  # the demo world's RL questions are SFT's own, already answered (reward 0.96 at its first step): nothing to learn
+    skip rl "--rl off$([ "$PLAN" = demo ] && echo " (the demo plan's default: on the demo world it lowered held-out" \
+        "accuracy, docs/rl.md; --rl on runs it)")"
+    FINAL=sft
+fi
 
 if [ -f "$RUN/chat_eval.json" ]; then
     skip chat_eval "$RUN/chat_eval.json exists"
 else
-    stage chat_eval "${LAUNCH[@]}" "$ROOT/chat_eval.py" --checkpoint "$RUN/rl" --out "$RUN/chat_eval.json" \
+    stage chat_eval "${LAUNCH[@]}" "$ROOT/chat_eval.py" --checkpoint "$RUN/$FINAL" --out "$RUN/chat_eval.json" \
         "${CHAT_EVAL[@]}" "${CHAT_EVAL_EXTRA[@]}" "${R_CHAT_EVAL[@]}"
 fi
 
-# what each stage taught (report.py's per-stage table): the same evaluations of every stage's final model, each
-# into runs/<run>/stage_evals/<stage>/ (the pretrained model's CORE is core_eval/ above)
+# what each stage taught (report.py's per-stage table): the same evaluations of every stage's final model (those of
+# --stage_evals), each into runs/<run>/stage_evals/<stage>/ (the pretrained model's CORE is core_eval/ above; the
+# final model's ChatCORE is chat_eval's, the same command on the same checkpoint, copied rather than run twice)
 for name in pretrain midtrain sft rl; do
+    [[ ",$STAGE_EVALS," == *",$name,"* ]] || continue
     compgen -G "$RUN/$name/ckpt/step_*" > /dev/null || continue
     where="$RUN/stage_evals/$name"
+    if [ ! -f "$where/chat_eval.json" ] && [ -f "$RUN/chat_eval.json" ] && "$PY" -c 'import json, pathlib, sys
+evaluated = pathlib.Path(json.loads(pathlib.Path(sys.argv[1]).read_text())["checkpoint"]).resolve()
+sys.exit(evaluated.parent.parent != pathlib.Path(sys.argv[2]).resolve())' "$RUN/chat_eval.json" "$RUN/$name"; then
+        mkdir -p "$where"
+        cp "$RUN/chat_eval_items.jsonl" "$where/chat_eval_items.jsonl"
+        cp "$RUN/chat_eval.json" "$where/chat_eval.json"  # last: its presence says the pair is whole
+        say "stage_evals/$name/chat_eval.json: chat_eval's, of the same checkpoint"
+    fi
     if [ "$name" != pretrain ] && [ ! -f "$where/core_eval/results.json" ]; then
         stage "core_eval_$name" "${LAUNCH[@]}" "$ROOT/core_eval.py" --checkpoint "$RUN/$name" --out "$where/core_eval" \
             --data_dir "$CORPUS" "${STAGE_CORE[@]}" "${CORE_EXTRA[@]}" "${R_CORE[@]}"
     fi
     if [ ! -f "$where/chat_eval.json" ]; then
         stage "chat_eval_$name" "${LAUNCH[@]}" "$ROOT/chat_eval.py" --checkpoint "$RUN/$name" --out "$where/chat_eval.json" \
-            "${CHAT_EVAL[@]}" "${STAGE_CHAT[@]}" "${CHAT_EVAL_EXTRA[@]}" "${R_CHAT_EVAL[@]}"
+            "${CHAT_EVAL[@]}" "${CHAT_EVAL_EXTRA[@]}" "${R_CHAT_EVAL[@]}"
     fi
 done
 

@@ -87,6 +87,18 @@ def batch(rng, pool, tok, n, first):
 
 
 @torch.no_grad()
+def dense_accuracy(model, data, letter_ids):
+    """In-document accuracy of dense documents: at every position whose target is one of the four letters (" A".." D"
+    after a question), the four competing."""
+    x, y = data
+    logits = model(x)
+    ids = torch.tensor(letter_ids)
+    at = torch.isin(y, ids)
+    pred = ids[logits[at][:, ids].argmax(-1)]
+    return (pred == y[at]).float().mean().item()
+
+
+@torch.no_grad()
 def accuracy(model, data, letter_ids):
     """Letter accuracy at the reply position, the four letters competing (as chat_eval.py scores)."""
     x, y = data
@@ -133,12 +145,17 @@ def main(argv=None):
     held = batch(erng, held_pool, tok, 200, first)
     seen = batch(erng, train_pool, tok, 200, first)
     letter_ids = [tok.encode(x)[0] for x in LETTERS]
+    space_letter_ids = [tok.encode(" " + x)[0] for x in LETTERS]
+    held_dense = dense_batch(erng, held_pool, tok, 64, first)
+    seen_dense = dense_batch(erng, train_pool, tok, 64, first)
     curve, t0 = [], time.time()
     for step in range(args.steps + 1):
         if step % args.eval_every == 0 or step == args.steps:
             model.eval()
             row = {"step": step, "held_out": round(accuracy(model, held, letter_ids), 3),
-                   "train_names": round(accuracy(model, seen, letter_ids), 3), "seconds": round(time.time() - t0, 1)}
+                   "train_names": round(accuracy(model, seen, letter_ids), 3),
+                   "dense_held_out": round(dense_accuracy(model, held_dense, space_letter_ids), 3),
+                   "dense_train_names": round(dense_accuracy(model, seen_dense, space_letter_ids), 3), "seconds": round(time.time() - t0, 1)}
             model.train()
             curve.append(row)
             print(json.dumps(row), flush=True)

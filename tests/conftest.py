@@ -56,7 +56,6 @@ SPEEDRUN_ENV = {
     "MIDTRAIN_ARGS": f"--steps {MIDTRAIN_STEPS} --micro_batch 16 --total_batch_tokens 2048 --eval_rows 32 "
                      "--ckpt_every 1000",
     "SFT_ARGS": f"--steps {SFT_STEPS} --eval_rows 32 --ckpt_every 1000",
-    "RL_ARGS": "--steps 2 --questions_per_step 2 --samples 4 --max_new_tokens 16 --eval_items 8 --eval_samples 2",
     "CORE_ARGS": "--bpb_tokens 20000 --max_new_tokens 8 --max_items 16",  # the report's figures; CORE itself: test_core_eval
     "CHAT_EVAL_ARGS": "--max_items 20 --max_new_tokens 16",
 }
@@ -106,7 +105,8 @@ def pipeline_started(request):
     # the last stage runs without --stop_after: it ends as a user's run ends (the "done. Chat with it" line)
     stop_after = [] if STAGES[furthest] == STAGES[-1] else ["--stop_after", STAGES[furthest]]
     args = ["--no_chat", "--plan", "demo", "--gpus", "0", "--runs_dir", demo_world, "--run_name", "chat_runs",
-            "--data_dir", demo_world / "demo", "--tokenizer", demo_world / "tokenizer", *stop_after]
+            "--data_dir", demo_world / "demo", "--tokenizer", demo_world / "tokenizer", "--stage_evals", "pretrain,sft",
+            *stop_after]
     env = {**os.environ, "SPEEDRUN_PYTHON": sys.executable, "PYTHONPATH": str(ROOT), **SPEEDRUN_ENV}
     outputs = (demo_world / "speedrun.out", demo_world / "speedrun.err")
     with open(outputs[0], "w") as out, open(outputs[1], "w") as err:

@@ -45,10 +45,14 @@ def table(md, header):
 def test_the_pipeline_ran_every_stage_and_the_report_shows_the_logs_figures(speedrun, demo_world):
     run, result = speedrun
     ran = [line.split("\t") for line in (run / "logs" / "stages.tsv").read_text().splitlines()]
-    assert [name for name, _, rc in ran if rc == "0"] == ["pretrain", "core_eval", "midtrain", "sft", "rl",
-                                                          "chat_eval", "chat_eval_pretrain", "core_eval_midtrain",
-                                                          "chat_eval_midtrain", "core_eval_sft", "chat_eval_sft",
-                                                          "core_eval_rl", "chat_eval_rl", "report"], ran
+    # the demo plan runs no rl by default; --stage_evals pretrain,sft: the final model's ChatCORE is chat_eval's,
+    # copied, and pretrain's CORE is core_eval's
+    assert [name for name, _, rc in ran if rc == "0"] == ["pretrain", "core_eval", "midtrain", "sft", "chat_eval",
+                                                          "chat_eval_pretrain", "core_eval_sft", "report"], ran
+    assert "stage rl skipped: --rl off (the demo plan's default: on the demo world it lowered held-out accuracy" in \
+        result.stdout
+    assert "stage_evals/sft/chat_eval.json: chat_eval's, of the same checkpoint" in result.stdout
+    assert json.loads((run / "chat_eval.json").read_text())["checkpoint"].startswith(str(run / "sft" / "ckpt"))
     assert f"stage data skipped: the demo world is in {demo_world / 'demo'}" in result.stdout
     assert "stage tokenizer skipped: using --tokenizer" in result.stdout
     assert "the old name goes in the next release" not in result.stdout + result.stderr  # speedrun.sh: current flags
@@ -80,8 +84,10 @@ def test_the_pipeline_ran_every_stage_and_the_report_shows_the_logs_figures(spee
                                                                          for t in core["tasks"]}
     chat = json.loads((run / "chat_eval.json").read_text())
     assert f"ChatCORE {chat['chatcore']:.4f}" in md
+    assert [t["task"] for t in chat["tasks"]] == ["demo-choice", "demo-answer", "demo-words"]
     for t in chat["tasks"]:
-        assert f"| {t['task']} | {t['correct']}/{t['items']} | {t['accuracy']:.4f} | {t['centered']:.4f} |" in md
+        centered = "not in ChatCORE" if t["task"] == "demo-words" else f"{t['centered']:.4f}"
+        assert f"| {t['task']} | {t['correct']}/{t['items']} | {t['accuracy']:.4f} | {centered} |" in md
     items = [json.loads(line) for line in (run / "chat_eval_items.jsonl").read_text().splitlines()]
     answers = [i for i in items if i["task"] == "demo-answer"]
     hits = sum(any(re.search(rf"\b{re.escape(a.lower())}\b", i["reply"].lower()) for a in i["answers"]) for i in answers)
@@ -397,6 +403,16 @@ def test_gpus_the_driver_lists_but_torch_cannot_use_stop_the_run_naming_driver_a
     assert demo.returncode == 2 and "the demo plan has no download stage" in demo.stderr  # else it would run it all
 
 
+def test_a_bad_rl_or_stage_evals_value_is_refused_before_any_stage(tmp_path):
+    from helpers import run_speedrun
+    for flags, says in ((["--rl", "maybe"], "--rl maybe: use on or off"),
+                        (["--stage_evals", "pretrain,core_eval"], ("--stage_evals pretrain,core_eval: core_eval is not "
+                         "a stage with a model (use pretrain, midtrain, sft, rl, comma-separated, or none)"))):
+        refused = run_speedrun(["--runs_dir", tmp_path, "--gpus", "0", *flags], tmp_path, timeout=60)
+        assert refused.returncode == 2 and says in refused.stderr, refused.stderr
+        assert "stage " not in refused.stdout and not any(tmp_path.iterdir())
+
+
 def test_the_report_names_midtrainings_default_sources(tmp_path):
     """On the gpu plan midtrain.py runs with its default sources (no --source): the report's data column reads the
     sources the stage recorded in config.json, not the flags it was given."""
@@ -468,9 +484,8 @@ def test_a_half_installed_venv_is_repaired_and_a_completed_install_is_recorded(t
 
 
 REHEARSAL_STAGES = ["preflight", "chatcore_tasks", "data", "tokenizer", "data_plan", "download", "pretrain",
-                    "core_eval", "midtrain", "sft", "rl", "chat_eval", "chat_eval_pretrain", "core_eval_midtrain",
-                    "chat_eval_midtrain", "core_eval_sft", "chat_eval_sft", "core_eval_rl", "chat_eval_rl", "report",
-                    "chat"]
+                    "core_eval", "midtrain", "sft", "rl", "chat_eval", "chat_eval_pretrain", "core_eval_rl", "report",
+                    "chat"]  # --stage_evals pretrain,rl: a base model's ChatCORE, and the gpu plan's CORE of a later stage
 
 
 @pytest.fixture(scope="module")
@@ -485,7 +500,8 @@ def rehearsal(tmp_path_factory):
     env = {"HF_ENDPOINT": url, "NO_PROXY": "127.0.0.1", "HF_HOME": str(tmp / "hf"),
            "NANOCHAT_CACHE": str(tmp / "cache"), "CORE_ARGS": f"--bundle {url}/eval_bundle.zip",
            "MIDTRAIN_ARGS": "--micro_batch 8"}
-    args = ["--rehearse", "--gpus", "2", "--depth", "1", "--vocab_size", "512", "--runs_dir", tmp / "runs",
+    args = ["--rehearse", "--gpus", "2", "--depth", "1", "--vocab_size", "512", "--stage_evals", "pretrain,rl",
+            "--runs_dir", tmp / "runs",
             "--data_dir", tmp / "corpus"]
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.delenv("HF_TOKEN", raising=False)
