@@ -632,8 +632,8 @@ if [ "$PLAN" = demo ]; then
               --steps 200 --eval_every 0 --ckpt_every 100)
     SFT=(--source "$DATA_DIR/conversations:1" --source "$DATA_DIR/choice:1" --source "$DATA_DIR/answers:1"
          --source "$DATA_DIR/calc:1" --steps 200 --eval_every 0 --ckpt_every 100)
-    # reinforcement learning on the world's sums and short answers; held out: chat_eval's demo-answer questions
-    # (dev/LOG.md, 2026-11-25: on the baseline chain they LOWER held-out accuracy, 84/109 -> 78/109; open)
+    # reinforcement learning on the world's sums and short answers, only with --rl on; held out: chat_eval's
+    # demo-answer questions (dev/LOG.md, 2026-11-25: on the baseline chain it LOWERED them, 84/109 -> 78/109)
     RL=(--demo "$DATA_DIR" --steps 20 --questions_per_step 8 --samples 8 --max_new_tokens 32 --micro_batch 32
         --lr_scale 0.05 --eval_every 0 --eval_items -1 --eval_samples 4 --ckpt_every 10)
     CHAT_EVAL=(--demo "$DATA_DIR" --max_new_tokens 32 --tasks demo-choice,demo-answer,demo-words)
