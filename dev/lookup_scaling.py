@@ -87,24 +87,14 @@ def batch(rng, pool, tok, n, first):
 
 
 @torch.no_grad()
-def dense_accuracy(model, data, letter_ids):
-    """In-document accuracy of dense documents: at every position whose target is one of the four letters (" A".." D"
-    after a question), the four competing."""
+def accuracy(model, data, letter_ids):
+    """Letter accuracy at every position whose target is one of letter_ids, the four competing (as chat_eval.py
+    scores): the chat rows' one reply letter, or each " A".." D" answer in a dense document."""
     x, y = data
     logits = model(x)
     ids = torch.tensor(letter_ids)
     at = torch.isin(y, ids)
     pred = ids[logits[at][:, ids].argmax(-1)]
-    return (pred == y[at]).float().mean().item()
-
-
-@torch.no_grad()
-def accuracy(model, data, letter_ids):
-    """Letter accuracy at the reply position, the four letters competing (as chat_eval.py scores)."""
-    x, y = data
-    logits = model(x)
-    at = y != -1
-    pred = torch.tensor(letter_ids)[logits[at][:, letter_ids].argmax(-1)]
     return (pred == y[at]).float().mean().item()
 
 
@@ -154,8 +144,8 @@ def main(argv=None):
             model.eval()
             row = {"step": step, "held_out": round(accuracy(model, held, letter_ids), 3),
                    "train_names": round(accuracy(model, seen, letter_ids), 3),
-                   "dense_held_out": round(dense_accuracy(model, held_dense, space_letter_ids), 3),
-                   "dense_train_names": round(dense_accuracy(model, seen_dense, space_letter_ids), 3), "seconds": round(time.time() - t0, 1)}
+                   "dense_held_out": round(accuracy(model, held_dense, space_letter_ids), 3),
+                   "dense_train_names": round(accuracy(model, seen_dense, space_letter_ids), 3), "seconds": round(time.time() - t0, 1)}
             model.train()
             curve.append(row)
             print(json.dumps(row), flush=True)
