@@ -510,8 +510,9 @@ if [ "$REHEARSE" = 1 ]; then
                 --sample_prompt "$REHEARSAL_PROMPT")
     R_SFT=(--steps "${REHEARSAL_STEPS[2]}" --eval_every 0 --eval_rows 16 --ckpt_every 2 --keep 1
            --sample_prompt "$REHEARSAL_PROMPT")
-    R_RL=(--steps 2 --questions_per_step 2 --samples 2 --max_new_tokens 16 --eval_every 0 --eval_items 2
-          --eval_samples 2 --ckpt_every 1 --keep 1)
+    # rl.py deals each step's questions over the ranks: at least one each (8 GPUs: 8 questions a step)
+    R_RL=(--steps 2 --questions_per_step $((NPROC > 2 ? NPROC : 2)) --samples 2 --max_new_tokens 16 --eval_every 0
+          --eval_items $((NPROC > 2 ? NPROC : 2)) --eval_samples 2 --ckpt_every 1 --keep 1)
     R_CORE=(--max_items 4 --bpb_tokens 32768 --max_new_tokens 8)
     R_CHAT_EVAL=(--max_items 2 --max_new_tokens 32)
     # the gpu plan on CPU processes: the plan's 256 sequences a step, each 128 tokens instead of 2048 (midtraining's
