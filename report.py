@@ -90,8 +90,10 @@ def stage_figures(run, name, times):
         validation = UNKNOWN
     elif "val_bpb" in done:
         validation = f"val bpb {done['val_bpb']:.4f}"
-    else:
+    elif "val_loss" in done:
         validation = f"val loss {done['val_loss']:.4f}"
+    else:  # rl: no validation loss; its held-out pass@1 at the end
+        validation = f"held-out pass@1 {done['held_out_pass@1_last']:.3f}"
     return {
         "stage": name,
         "data": data_of(config),
@@ -283,7 +285,8 @@ def write_report(run):
     if not run.is_dir():
         raise FileNotFoundError(f"{run}: no such speedrun directory (runs/<run>/)")
     times = stage_times(run)
-    rows = [stage_figures(run, name, times) for name in TRAIN_STAGES]
+    # rl joins the table when it ran (the demo plan skips it unless --rl on)
+    rows = [stage_figures(run, name, times) for name in TRAIN_STAGES + ["rl"] * (run / "rl").is_dir()]
     core, chat = read_json(run / "core_eval" / "results.json"), read_json(run / "chat_eval.json")
     config = read_json(run / "pretrain" / "config.json") or {}
     code = config.get("code", {})
@@ -291,7 +294,7 @@ def write_report(run):
     lines = [f"# Speedrun report: {run}", "",
              f"- code: commit {code.get('commit', UNKNOWN)}, uncommitted changes: {code.get('dirty', UNKNOWN)}",
              f"- transport: {transport}"]
-    for name in ["pretrain", "core_eval", "midtrain", "sft", "chat_eval"]:
+    for name in ["pretrain", "core_eval", "midtrain", "sft"] + ["rl"] * (run / "rl").is_dir() + ["chat_eval"]:
         lines.append(f"- hardware, {name}: {hardware(run / 'logs' / f'{name}.log')}")
     lines += ["", "## Stages", "", "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
     lines += ["| " + " | ".join(row.values()) + " |" for row in rows]
@@ -299,7 +302,7 @@ def write_report(run):
               "tok/s: tokens / the summed step times in metrics.jsonl. MFU: the mean of the per-step MFU; unknown "
               "where the device has no rated peak (any CPU) or the compute is fp32."), "",
               "Other stages' wall time (s): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()
-                                                            if k not in TRAIN_STAGES), ""]
+                                                            if k not in TRAIN_STAGES + ["rl"]), ""]
     lines += ["## What each stage taught", "", ("Each column is a stage's final model, each cell computed from that "
               "model by the same command (core_eval.py, chat_eval.py; runs/<run>/stage_evals/<stage>/, the "
               "pretrained model's CORE in core_eval/). Sample answers are greedy, with the calculator's calls shown as "

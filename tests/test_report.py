@@ -105,3 +105,31 @@ def test_a_later_stage_gets_its_column_by_itself(tmp_path):
     assert "| sample, demo-answer: What is 17 plus 25? | unknown | unknown | unknown | '<<17+25=42>>42' |" in lines
     shutil.rmtree(run / "rl")
     assert per_stage_table(run)[0] == "| ability | pretrain | midtrain | sft |"
+
+
+def test_rl_has_its_row_in_the_stages_table_and_its_hardware_line(tmp_path):
+    """An rl/ run is a training stage like the others: its steps, wall time, sampled tokens, tok/s and held-out pass@1
+    in the stages table, and its hardware line; a run without rl/ has neither."""
+    from report import write_report
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    (run / "rl").mkdir()
+    (run / "rl" / "config.json").write_text(json.dumps({"stage": "rl", "chat_dir": str(tmp_path / "gsm8k")}))
+    (run / "rl" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"step": 1, "loss": 0.5, "tokens": 300, "step_time": 2.0, "mfu": "unknown"},
+        {"step": 2, "loss": 0.25, "tokens": 900, "step_time": 4.0, "mfu": "unknown"}]))
+    (run / "rl" / "done.json").write_text(json.dumps({"step": 2, "reward_first_fifth": 0.25, "reward_last_fifth": 0.5,
+                                                      "held_out_pass@1_first": 0.125, "held_out_pass@1_last": 0.375,
+                                                      "note": "n", "held_out": {}}))
+    (run / "logs" / "rl.log").write_text("rl: params: 4194408\ndistributed: 1 x cpu (test)\n")
+    (run / "logs" / "stages.tsv").write_text("rl\t12.5\t0\nreport\t1.0\t0\n")
+    write_report(run)
+    md = (run / "report.md").read_text()
+    assert "- hardware, rl: 1 x cpu (test)" in md
+    row = next(line for line in md.splitlines() if line.startswith("| rl |"))
+    assert row.split(" | ")[2:] == ["2", "12.5", "900", "150", "unknown", "4,194,408", "held-out pass@1 0.375 |"]
+    assert "Other stages' wall time (s): report 1.0" in md
+    shutil.rmtree(run / "rl")
+    write_report(run)
+    md = (run / "report.md").read_text()
+    assert "| rl |" not in md and "hardware, rl" not in md
