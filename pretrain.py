@@ -114,6 +114,8 @@ def data_plan(args, config, tokenizer):
 
 
 PLAN_MIDTRAIN_TOKENS = 500_000_000  # the gpu plan's midtraining budget (speedrun.sh's MIDTRAIN --tokens)
+PLAN_RL_STEPS = math.ceil(7_473 / 16)  # the gpu plan's rl: one epoch of GSM8K's 7,473 training questions, 16 a step
+PLAN_RL_CKPT_EVERY = 60  # the gpu plan's rl --ckpt_every
 
 
 def checkpoint_bytes(config, optimizer):
@@ -133,14 +135,18 @@ def kept_checkpoints(steps, ckpt_every, keep):
 
 
 def plan_checkpoints(args, steps, tokens_per_step):
-    """The most full checkpoints the plan's three training stages hold at once: pretraining's (its steps known), then
-    midtraining's (the gpu plan's PLAN_MIDTRAIN_TOKENS at this batch) and SFT's (unknown before its data: up to
-    --keep) beside pretraining's and midtraining's kept ones. Returns (count, the line that says how)."""
+    """The most full checkpoints the plan's four training stages hold at once: pretraining's (its steps known), then
+    midtraining's (the gpu plan's PLAN_MIDTRAIN_TOKENS at this batch), SFT's (unknown before its data: --keep, one
+    more while it saves) and RL's (PLAN_RL_STEPS, a save every PLAN_RL_CKPT_EVERY) beside the earlier stages' kept
+    ones. Returns (count, the line that says how)."""
     pre_end, pre_peak = kept_checkpoints(steps, args.ckpt_every, args.keep)
     mid_end, mid_peak = kept_checkpoints(math.ceil(PLAN_MIDTRAIN_TOKENS / tokens_per_step), args.ckpt_every, args.keep)
-    most = max(pre_peak, pre_end + mid_peak, pre_end + mid_end + args.keep)
+    rl_end, rl_peak = kept_checkpoints(PLAN_RL_STEPS, PLAN_RL_CKPT_EVERY, args.keep)
+    most = max(pre_peak, pre_end + mid_peak, pre_end + mid_end + args.keep + 1,
+               pre_end + mid_end + args.keep + rl_peak)
     return most, (f"pretraining keeps {pre_end} (holding {pre_peak} while it saves), midtraining {mid_end} (holding "
-                  f"{mid_peak}), SFT up to --keep {args.keep}: at most {most} at once")
+                  f"{mid_peak}), SFT up to --keep {args.keep} (one more while it saves), RL {rl_end} (holding "
+                  f"{rl_peak}): at most {most} at once")
 
 
 def check_disk(args, config, data_dir, shards, steps, tokens_per_step):
@@ -175,7 +181,7 @@ def check_disk(args, config, data_dir, shards, steps, tokens_per_step):
         if need > free:
             raise ValueError(f"not enough disk: {', '.join(where)} need {need / 1e9:.1f} GB, {free / 1e9:.1f} GB are "
                              f"free there: free space, keep fewer checkpoints (--keep 1 in PRETRAIN_ARGS, "
-                             f"MIDTRAIN_ARGS and SFT_ARGS), or put --data_dir / --runs_dir on a larger disk")
+                             f"MIDTRAIN_ARGS, SFT_ARGS and RL_ARGS), or put --data_dir / --runs_dir on a larger disk")
 
 
 def plan_steps(args, config, tokens_per_step):

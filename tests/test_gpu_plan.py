@@ -356,8 +356,8 @@ def test_the_disk_check_counts_the_checkpoints_the_d20_plan_holds_at_once():
     """d20 (1,399,850,200 parameters; 393,217,200 in block matrices, under Muon): a full checkpoint is fp32 weights
     (4 bytes a parameter) + AdamW's two moments for the 1,006,633,000 others (8) + Muon's momentum (4) =
     15,225,333,600 bytes, not 12 x 1.4B. At 524,288 tokens a step, --ckpt_every 1000 and --keep 3: pretraining's
-    21,401 steps keep 3 (4 while a save is written), midtraining's 954 steps keep 1, SFT up to 3: 7 at once, 106.6 GB
-    (the check assumed 3 stages x 3 x 16.8 GB = 151.2 GB)."""
+    21,401 steps keep 3 (4 while a save is written), midtraining's 954 steps keep 1, SFT up to 3 (4 while it saves), RL's
+    468 steps keep 3 (4 while it saves): 11 at once, 167.5 GB."""
     import argparse
 
     from model import config_from_preset, param_breakdown
@@ -371,9 +371,13 @@ def test_the_disk_check_counts_the_checkpoints_the_d20_plan_holds_at_once():
     assert pretrain.kept_checkpoints(954, 1000, 3) == (1, 1)
     assert pretrain.kept_checkpoints(3000, 1000, 3) == (3, 3)  # 3 saves: never more than --keep at once
     args = argparse.Namespace(keep=3, ckpt_every=1000)
-    line = "pretraining keeps 3 (holding 4 while it saves), midtraining 1 (holding 1), SFT up to --keep 3: at most 7"
-    assert pretrain.plan_checkpoints(args, 21_401, 524_288) == (7, f"{line} at once")
-    assert round(7 * 15_225_333_600 / 1e9, 1) == 106.6
+    # RL: 468 steps (7,473 questions, 16 a step), a save every 60: 8 saves, 3 kept, 4 held while it saves; beside
+    # pretraining's 3, midtraining's 1 and SFT's 3 that is 11 (the check once counted 7 and missed RL's 60 GB)
+    assert pretrain.PLAN_RL_STEPS == 468 and pretrain.kept_checkpoints(468, 60, 3) == (3, 4)
+    line = ("pretraining keeps 3 (holding 4 while it saves), midtraining 1 (holding 1), SFT up to --keep 3 (one more "
+            "while it saves), RL 3 (holding 4): at most 11")
+    assert pretrain.plan_checkpoints(args, 21_401, 524_288) == (11, f"{line} at once")
+    assert round(11 * 15_225_333_600 / 1e9, 1) == 167.5
 
 
 # --- the numbers the gpu plan prints --------------------------------------------------------------------------------

@@ -443,10 +443,11 @@ def test_the_data_plan_stops_when_the_disk_cannot_hold_the_checkpoints(world, tm
     config = config_from_preset("tiny", {"vocab_size": 1024})
     params, each = M.num_params(config), pretrain.checkpoint_bytes(config, "muon")
     assert f"checkpoints: pretraining keeps 2 (holding 3 while it saves), midtraining 2 (holding 3), SFT up to --keep " \
-           f"2: at most 6 at once x {each / 1e9:.2f} GB ({params:,} parameters" in out
+           f"2 (one more while it saves), RL 2 (holding 3): at most 9 at once x {each / 1e9:.2f} GB ({params:,} " \
+           f"parameters" in out
     assert "data plan shards: " in out
     shards, ckpts = map(float, re.search(r"data plan disk: ([\d.]+) GB of shards .* = ([\d.]+) GB", out).groups())
-    assert ckpts == round(6 * each / 1e9, 1)
+    assert ckpts == round(9 * each / 1e9, 1)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 ** 12, 0, 10 ** 6))
     with pytest.raises(ValueError, match=rf"not enough disk: shards in .*, checkpoints in {tmp_path / 'runs'} need "
                                          rf"([\d.]+) GB, 0.0 GB are free there: .*--keep 1") as err:
