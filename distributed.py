@@ -281,7 +281,9 @@ def stopped_ranks():
             continue
         step, pid, host = int(record[0]), int(record[1]), record[2]
         if host == here and not process_alive(pid):
-            found.append(f"rank {r} died (process {pid} on {host} is gone; it last entered step {step})")
+            found.append(f"rank {r} died (process {pid} on {host} is gone; it last entered step {step}; a rank "
+                         f"gone without an error of its own was most likely killed by the kernel's out-of-memory "
+                         f"killer: `dmesg | grep -i oom` says, a smaller --micro_batch or --fsdp true needs less)")
         elif step < mine:
             found.append(f"rank {r} is stuck: it last entered step {step}, this rank is in step {mine} (process "
                          f"{pid} on {host})")
@@ -330,20 +332,35 @@ def device_memory(device):
     return ram // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
+def process_memory(device):
+    """Bytes in use now: on CUDA the device's (the context, the weights already built), on a CPU this process's
+    resident set (the interpreter, torch's libraries, the weights)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return total - free
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def shard_model(model, args, world, device):
-    """FSDP2 (fully_shard on each block, then the root) when --fsdp true, or with --fsdp auto when fp32 weights +
-    gradients + optimizer state would not fit one device by model.py's estimate; prints the decision and its figures.
+    """FSDP2 (fully_shard on each block, then the root) when --fsdp true, or with --fsdp auto when the training step
+    would not fit one device by model.py's estimate: the memory in use now (the built weights, the process itself),
+    gradients, optimizer state, and the activations and loss buffers at --micro_batch (1 while the probe has not
+    chosen one); prints the decision and its figures.
     Weights stay fp32 shards; each block is all-gathered in the compute dtype (bf16: half the traffic) and its
     gradients reduce-scattered in fp32. The block's input is not cast, so the residual stream stays fp32 as under
     autocast, and the root (embedding, final norm, head) gathers in fp32: the same numbers as DDP + autocast.
     Returns the line that says whether it did and why (is_sharded(model) tells later)."""
     optimizer = "adam8bit" if args.optimizer == "adamw" and args.adam8bit else args.optimizer
-    estimate = memory_estimate(model.config, 1, optimizer=optimizer, bf16=args.dtype == "bfloat16")
+    micro = getattr(args, "micro_batch", None) or 1  # the probe chooses later, and at least 1
+    estimate = memory_estimate(model.config, micro, optimizer=optimizer, bf16=args.dtype == "bfloat16")
     state = estimate["weights"] + estimate["gradients"] + estimate["optimizer"]
+    step = process_memory(device) + estimate["gradients"] + estimate["optimizer"] + estimate["activations"] + \
+        estimate["transient"]
     capacity = device_memory(device)
-    fits = f"weights + gradients + optimizer state {fmt_bytes(state)} {'<=' if state <= capacity else '>'} " \
-           f"{fmt_bytes(capacity)} per process ({device_name(device)})"
-    shard = args.fsdp == "true" or (args.fsdp == "auto" and state > capacity)
+    fits = f"in use now {fmt_bytes(process_memory(device))} + gradients, optimizer state and micro-batch {micro}'s " \
+           f"activations = {fmt_bytes(step)} {'<=' if step <= capacity else '>'} {fmt_bytes(capacity)} per process " \
+           f"({device_name(device)})"
+    shard = args.fsdp == "true" or (args.fsdp == "auto" and step > capacity)
     if shard and world == 1:
         return f"sharding: none: one process has nothing to shard with ({fits})"
     if not shard:

@@ -74,3 +74,24 @@ def test_the_nccl_probe_times_a_gradient_bucket_sized_all_reduce(tmp_path):
     assert match, line
     ms, bus = map(float, match.groups())
     assert ms > 0 and bus == pytest.approx(25e6 / (ms / 1e3) * 2 * (2 - 1) / 2 / 1e9, rel=0.02)
+
+
+def test_fsdp_auto_counts_the_process_and_the_activations_not_only_the_state(monkeypatch):
+    """--fsdp auto shards when the step would not fit: a device that holds weights + gradients + optimizer state with
+    a byte to spare, but not the activations and the process itself, is sharded (one process says it has nothing to
+    shard with); with room for the whole step it is not."""
+    from types import SimpleNamespace
+
+    import distributed
+    from model import build_model, config_from_preset, memory_estimate
+    config = config_from_preset("tiny", {"vocab_size": 256})
+    model = build_model(config, torch.device("cpu"))
+    args = SimpleNamespace(optimizer="muon", adam8bit=False, dtype="float32", fsdp="auto", micro_batch=4)
+    estimate = memory_estimate(config, 4, optimizer="muon", bf16=False)
+    state = estimate["weights"] + estimate["gradients"] + estimate["optimizer"]
+    monkeypatch.setattr(distributed, "device_memory", lambda device: state + 1)
+    line = distributed.shard_model(model, args, 1, torch.device("cpu"))
+    assert line.startswith("sharding: none: one process has nothing to shard with (in use now ")
+    assert "micro-batch 4's activations = " in line and f" > {distributed.fmt_bytes(state + 1)} per process" in line
+    monkeypatch.setattr(distributed, "device_memory", lambda device: 2 ** 40)
+    assert distributed.shard_model(model, args, 1, torch.device("cpu")).startswith("sharding: none, one process")
