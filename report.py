@@ -58,6 +58,8 @@ def data_of(config):
         return UNKNOWN
     if config["stage"] == "pretrain":
         paths = [(Path(config["data_dir"]), 1)]
+    elif config["stage"] == "rl":  # its questions, as rl.py names them
+        return f"{config['tasks']}; {config['train_questions']:,} training questions"
     elif config.get("sources"):
         # the sources it trained on, the defaults included (config["args"]["source"] is only what was passed); SFT's
         # with its passes per epoch

@@ -114,7 +114,8 @@ def test_rl_has_its_row_in_the_stages_table_and_its_hardware_line(tmp_path):
     run = tmp_path / "run"
     (run / "logs").mkdir(parents=True)
     (run / "rl").mkdir()
-    (run / "rl" / "config.json").write_text(json.dumps({"stage": "rl", "chat_dir": str(tmp_path / "gsm8k")}))
+    (run / "rl" / "config.json").write_text(json.dumps({"stage": "rl", "tasks": "GSM8K /c/gsm8k (held out: GSM8K test)",
+                                                        "train_questions": 7473}))
     (run / "rl" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
         {"step": 1, "loss": 0.5, "tokens": 300, "step_time": 2.0, "mfu": "unknown"},
         {"step": 2, "loss": 0.25, "tokens": 900, "step_time": 4.0, "mfu": "unknown"}]))
@@ -127,7 +128,8 @@ def test_rl_has_its_row_in_the_stages_table_and_its_hardware_line(tmp_path):
     md = (run / "report.md").read_text()
     assert "- hardware, rl: 1 x cpu (test)" in md
     row = next(line for line in md.splitlines() if line.startswith("| rl |"))
-    assert row.split(" | ")[2:] == ["2", "12.5", "900", "150", "unknown", "4,194,408", "held-out pass@1 0.375 |"]
+    assert row.split(" | ")[1:] == ["GSM8K /c/gsm8k (held out: GSM8K test); 7,473 training questions", "2", "12.5",
+                                    "900", "150", "unknown", "4,194,408", "held-out pass@1 0.375 |"]
     assert "Other stages' wall time (s): report 1.0" in md
     shutil.rmtree(run / "rl")
     write_report(run)
