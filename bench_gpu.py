@@ -425,8 +425,8 @@ class GpuBattery:
             status, _, _ = run_logged(command, log, f"{name} probe ({preset})", self.timeout)
             found = [line for line in log.read_text().splitlines() if line.startswith("micro_batch ")]
             if status != 0 or not found:
-                raise RuntimeError(f"micro-batch probe of {preset}: " + (failure(status, log) if status != 0 else
-                                   f"exit 0 without a `micro_batch N` line; log tail:\n{tail(log, 8)}"))
+                raise RuntimeError(f"micro-batch probe of {preset} " + (failure(status, log) if status != 0 else
+                                   f"exited 0 without a `micro_batch N` line; log tail:\n{tail(log, 8)}"))
             self.micro_cache[preset] = int(found[-1].split()[1])
             print(f"gpu: {name} probe ({preset}): micro-batch {self.micro_cache[preset]}", flush=True)
         return min(self.micro_cache[preset], per_step), (f"largest that fits, up to {cap} (bench.py gpu_probe: "
@@ -565,8 +565,9 @@ class GpuBattery:
             row["peak_memory_kind"] = "torch.cuda.max_memory_allocated (its own print)"
         else:
             row["peak_memory"], row["peak_memory_kind"] = rss, "peak resident set of the process (CPU)"
-        vals = re.findall(r"Validation bpb: ([\d.]+)", text)
-        row["val_bpb"] = float(vals[-1]) if bpb and vals else None
+        # its last step's (it evaluates at step 0 too: a run stopped before its end has only that one)
+        final = re.search(rf"^Step {steps:05d} \| Validation bpb: ([\d.]+)", text, re.MULTILINE)
+        row["val_bpb"] = (float(final[1]) if final else "unknown") if bpb else None
         row["checkpoint_bytes_on_disk"] = sum(f.stat().st_size for f in saved.iterdir() if not f.is_symlink())
         shutil.rmtree(base, ignore_errors=True)
         if status != 0:
@@ -702,19 +703,24 @@ def bench_gpu(args, device):
     result = {"dry_run": args.dry_run, "environment": gpu_environment(device, args.bench_dir), "rows": [],
               "calls": [" ".join(["python3 bench.py gpu --rows", *rows, "--out $OUT"]) for rows in GPU_CALLS]}
     out.mkdir(parents=True, exist_ok=True)
+
+    def save():  # after every side of every row: a call killed later keeps what it finished
+        (out / "gpu_bench.json").write_text(json.dumps(result, indent=1) + "\n")
+        (out / "gpu_bench.md").write_text(gpu_markdown(result))
     for name in [r for r in GPU_ROWS if r in args.rows]:
         print(f"gpu: row {name} ...", flush=True)
         spec = GPU_ROWS[name]
         if "depth" in spec:
             try:
                 ours = battery.ours(name, spec)
-            except RuntimeError as e:  # the probe failed: nothing of the row ran
-                ours = {"row": name, "side": "ours", "status": f"failed: {e}"}
-            result["rows"] += [ours, battery.nanochat(name, spec, ours)]
+            except RuntimeError as e:  # the probe failed (it says how): nothing of the row ran
+                ours = {"row": name, "side": "ours", "status": str(e)}
+            result["rows"].append(ours)
+            save()
+            result["rows"].append(battery.nanochat(name, spec, ours))
         else:
             result["rows"].append(battery.demo() if name == "demo" else battery.chat_decode())
-        (out / "gpu_bench.json").write_text(json.dumps(result, indent=1) + "\n")  # after every row: a killed call
-        (out / "gpu_bench.md").write_text(gpu_markdown(result))  # keeps what it finished
+        save()
     print(gpu_markdown(result))
     print(f"gpu: {out / 'gpu_bench.json'}, {out / 'gpu_bench.md'}; logs in {battery.logs}")
     shutil.rmtree(battery.work, ignore_errors=True)
