@@ -11,19 +11,21 @@ tokens a step, beside nanochat's; the demo plan end to end; chat decode tok/s. b
 (add_gpu_args) and calls bench_gpu, gpu_prepare or gpu_probe; `python bench_gpu.py` alone prints this text.
 
 A training row runs three phases, each its own process with a line printed as it starts and ends, its log in
---out/logs, and a timeout (--phase_timeout): the micro-batch probe (`bench.py gpu_probe`, once per model), this
-repository's pretrain.py (compilation, the steps, one evaluation; no checkpoint), nanochat's base_train.py at the same
-shape, batch and micro-batch (its end-of-run checkpoint goes to /dev/null). A phase that times out is reported with
-its log's tail, and the figures of the steps it logged; the row goes on.
+--out/logs, and a time limit (--phase_timeout; --deadline_s for the whole call): the micro-batch probe (`bench.py
+gpu_probe`, once per model), this repository's pretrain.py (compilation, the steps, one evaluation; no checkpoint),
+nanochat's base_train.py at the same shape, batch and micro-batch (its end-of-run checkpoint goes to /dev/null). A
+phase stopped at its limit is reported as timed out with its log's tail and the figures of the steps it logged; the
+row goes on.
 
-Expected GPU time of each row on one H200 or H100, both sides (estimated from model.py's FLOPs/token at 35-45% MFU
-plus start-up, compilation and evaluation; not yet measured):
-    mfu_d20      ~7 min: probe ~0.5; ours ~3.5 (compilation ~1.5, 23 steps of 2^19 at ~4.5 s); nanochat ~3
-    bpb_d12_b19  ~6 min: probe ~0.5; each side ~2.5 (64 steps of 2^19 at ~1.2 s, evaluation of 2^18 tokens)
-    bpb_d12_b17  ~6 min: as bpb_d12_b19 with 256 steps of 2^17 at ~0.3 s (its probe is bpb_d12_b19's when both run)
-    mfu_d26      ~8 min: probe ~0.5; each side ~3.5 (11 steps of 2^19 at ~9 s)
-    demo         ~3 min: speedrun.sh --plan demo, every stage on the demo world
-    chat_decode  ~1.5 min: decode compilation and 5 trials of 64 tokens
+Expected GPU time of each row, both sides, on one H100 or H200 (estimated, not measured: the step times from the one
+H100 run of dev/LOG.md, d20 at 106,942 tok/s and d12 at 347,139, d26 scaled by FLOPs/token; ~1.5 min of start-up
+and compilation per side, ~0.7 min per probe):
+    mfu_d20      ~7.5 min: probe; ours and nanochat each ~3.4 (20 steps of 2^19 at ~4.9 s, the last 17 timed)
+    bpb_d12_b19  ~6 min: probe; each side ~2.7 (64 steps of 2^19 at ~1.5 s, evaluation of 2^18 tokens)
+    bpb_d12_b17  ~6 min: as bpb_d12_b19, 256 steps of 2^17 at ~0.4 s (no probe after bpb_d12_b19 in the same call)
+    mfu_d26      ~8.5 min: probe; each side ~3.8 (11 steps of 2^19 at ~10 s, the last 8 timed)
+    demo         ~3.5 min: speedrun.sh --plan demo, every stage on the demo world (166 s of stages on the H100)
+    chat_decode  ~1 min: bf16, compilation of the decode step and 5 trials of 64 tokens per path
 """
 import argparse
 import itertools
@@ -165,7 +167,7 @@ MFU_EVAL_TOKENS = 2 ** 16  # an MFU row's one evaluation (pretrain.py always end
 # the rows, in the order to run them when the whole battery does not fit: d20's MFU beside nanochat, d12's bpb at 2^19
 # beside nanochat, then the rest. d12's throughput, MFU and memory are bpb_d12_b19's (the same shape and batch).
 GPU_ROWS = {
-    "mfu_d20": {"depth": 20, "batch": BIG_BATCH, "steps": 23, "nanochat": True},  # 20 timed after 3
+    "mfu_d20": {"depth": 20, "batch": BIG_BATCH, "steps": 20, "nanochat": True},  # 17 timed after 3
     "bpb_d12_b19": {"depth": 12, "batch": BIG_BATCH, "steps": BPB_TOKENS // BIG_BATCH, "nanochat": True, "bpb": True},
     "bpb_d12_b17": {"depth": 12, "batch": SMALL_BATCH, "steps": BPB_TOKENS // SMALL_BATCH, "nanochat": True,
                     "bpb": True},
@@ -316,7 +318,7 @@ def tail(path, lines=15):
 def failure(status, log):
     """A failed or timed-out phase's status line: why, and the last lines of its log."""
     if isinstance(status, str):  # timed out
-        return f"{status} (--phase_timeout); log tail:\n{tail(log, 8)}"
+        return f"{status} (--phase_timeout, --deadline_s); log tail:\n{tail(log, 8)}"
     return "failed: " + ("out of memory" if out_of_memory(log) else f"exit {status}; log tail:\n{tail(log, 8)}")
 
 
@@ -355,7 +357,8 @@ class GpuBattery:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.work = Path(tempfile.mkdtemp(prefix="gpu_bench_"))
         self.here = Path(__file__).resolve().parent
-        self.timeout = args.phase_timeout
+        # each phase's limit: --phase_timeout, or less when --deadline_s (from the call's start) leaves less
+        self.deadline = time.perf_counter() + args.deadline_s if args.deadline_s else math.inf
         # bf16 on the GPU, as nanochat there; fp32 in the dry run, as nanochat on a CPU
         self.dtype = "bfloat16" if device.type == "cuda" else "float32"
         self.peak = common.peak_flops(common.device_name(device), self.dtype)
@@ -380,6 +383,10 @@ class GpuBattery:
                                     "the nanochat mirror and the corpus are, and carry its folder (--bench_dir)")
         self.nanochat_missing = self.check_nanochat()
         self.micro_cache = {}
+
+    def timeout(self):
+        """Seconds the next phase may take: --phase_timeout, or what --deadline_s leaves (at least 1)."""
+        return max(1.0, min(self.args.phase_timeout, self.deadline - time.perf_counter()))
 
     def check_nanochat(self):
         """Why nanochat's rows cannot run here, or None."""
@@ -422,7 +429,7 @@ class GpuBattery:
             command = [sys.executable, self.here / "bench.py", "gpu_probe", "--preset", preset, "--gpu_vocab",
                        overrides["vocab_size"], "--max_micro", cap, "--probe_seq_len",
                        overrides.get("sequence_len", 0), "--device", self.device.type]
-            status, _, _ = run_logged(command, log, f"{name} probe ({preset})", self.timeout)
+            status, _, _ = run_logged(command, log, f"{name} probe ({preset})", self.timeout())
             found = [line for line in log.read_text().splitlines() if line.startswith("micro_batch ")]
             if status != 0 or not found:
                 raise RuntimeError(f"micro-batch probe of {preset} " + (failure(status, log) if status != 0 else
@@ -466,7 +473,7 @@ class GpuBattery:
                                                   bf16=self.dtype == "bfloat16")["total"]}
         log = self.logs / f"{name}_ours.log"
         status, wall, rss = run_logged(command, log, f"{name} ours (pretrain.py: compilation, {steps} steps, "
-                                       "evaluation)", self.timeout)
+                                       "evaluation)", self.timeout())
         row.update(command=" ".join(map(str, command)).replace(str(self.logs), "$OUT/logs"), exit=status,
                    wall_s=wall, run_dir=str(run_dir), log=str(log))
         metrics = run_dir / "metrics.jsonl"
@@ -534,7 +541,7 @@ class GpuBattery:
                        f"--eval-tokens={EVAL_TOKENS if not self.dry else 4096}", "--core-metric-every=-1",
                        "--sample-every=-1", "--save-every=-1", f"--model-tag=bench_{name}"]
             status, wall, rss = run_logged(command, log, f"{name} nanochat (base_train.py: compilation, {steps} steps"
-                                           f"{', evaluation' if bpb else ''}; micro-batch {micro})", self.timeout,
+                                           f"{', evaluation' if bpb else ''}; micro-batch {micro})", self.timeout(),
                                            cwd=self.bench / "nanochat",
                                            env=nanochat_env(self.bench, base, torch.get_num_threads()))
             if not (status != 0 and out_of_memory(log) and micro > 1):
@@ -591,7 +598,7 @@ class GpuBattery:
                        CORE_ARGS="--bpb_tokens 4096 --max_new_tokens 4 --max_items 4",
                        CHAT_EVAL_ARGS="--max_items 2 --max_new_tokens 4")
         log = self.logs / "demo.log"
-        status, wall, _ = run_logged(command, log, "demo (speedrun.sh --plan demo)", self.timeout, cwd=self.work,
+        status, wall, _ = run_logged(command, log, "demo (speedrun.sh --plan demo)", self.timeout(), cwd=self.work,
                                      env=env)
         row = {"row": "demo", "side": "ours", "command": " ".join(map(str, command)).replace(str(self.work), "$WORK"),
                "exit": status, "wall_s": wall, "log": str(log), "status": "ok" if status == 0 else failure(status, log)}
@@ -757,6 +764,9 @@ def add_gpu_args(parser):
     g.add_argument("--phase_timeout", type=float, default=300, help="gpu: seconds each phase of a row (the probe, "
                    "this repository's run, nanochat's run, the demo) may take before it is stopped and reported as "
                    "timed out with its log's tail; the row goes on (default: %(default)s)")
+    g.add_argument("--deadline_s", type=float, default=0, help="gpu: seconds from the start of this call by which "
+                   "every phase is stopped (each gets the least of --phase_timeout and what is left), so that the "
+                   "call writes its table before the device's own limit; 0 = none (default: %(default)s)")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -95,10 +96,17 @@ def test_a_phase_past_its_timeout_is_stopped_with_its_children_and_reported_with
     printed = capsys.readouterr().out.splitlines()
     assert printed[0] == f"gpu: row phase: started (log {log}, timeout 0 s)"
     assert printed[1].startswith("gpu: row phase: timed out after 0 s, ")
-    assert bench_gpu.failure(status, log) == "timed out after 0 s (--phase_timeout); log tail:\n" + \
+    assert bench_gpu.failure(status, log) == "timed out after 0 s (--phase_timeout, --deadline_s); log tail:\n" + \
         "$ bash -c " + command[2] + "\ncompiling"
     status, _, _ = bench_gpu.run_logged(["bash", "-c", "echo no; exit 3"], log, "row phase", timeout=30)
     assert status == 3 and bench_gpu.failure(status, log).startswith("failed: exit 3; log tail:\n")
+    # each phase's limit: --phase_timeout, or what --deadline_s leaves of the call, at least 1 s
+    battery = SimpleNamespace(args=SimpleNamespace(phase_timeout=300.0), deadline=time.perf_counter() + 100)
+    assert 99 < bench_gpu.GpuBattery.timeout(battery) <= 100
+    battery.deadline = time.perf_counter() + 1000
+    assert bench_gpu.GpuBattery.timeout(battery) == 300.0
+    battery.deadline = time.perf_counter() - 5
+    assert bench_gpu.GpuBattery.timeout(battery) == 1.0
 
 
 def test_chat_decode_times_chat_py_s_dtype(monkeypatch):
