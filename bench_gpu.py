@@ -9,6 +9,23 @@ Rows: pretraining tok/s, MFU and peak memory against model.py's estimate at d20,
 scripts/base_train.py at the same shape and batch; validation bpb at d12 after the same tokens at 2^19 and 2^17
 tokens a step, beside nanochat's; the demo plan end to end; chat decode tok/s. bench.py parses the flags
 (add_gpu_args) and calls bench_gpu, gpu_prepare or gpu_probe; `python bench_gpu.py` alone prints this text.
+
+A training row runs three phases, each its own process with a line printed as it starts and ends, its log in
+--out/logs, and a time limit (--phase_timeout; --deadline_s for the whole call): the micro-batch probe (`bench.py
+gpu_probe`, once per model), this repository's pretrain.py (compilation, the steps, one evaluation; no checkpoint),
+nanochat's base_train.py at the same shape, batch and micro-batch (its end-of-run checkpoint goes to /dev/null). A
+phase stopped at its limit is reported as timed out with its log's tail and the figures of the steps it logged; the
+row goes on.
+
+Expected GPU time of each row, both sides, on one H100 or H200 (estimated, not measured: the step times from the one
+H100 run of dev/LOG.md, d20 at 106,942 tok/s and d12 at 347,139, d26 scaled by FLOPs/token; ~1.5 min of start-up
+and compilation per side, ~0.7 min per probe):
+    mfu_d20      ~7.5 min: probe; ours and nanochat each ~3.4 (20 steps of 2^19 at ~4.9 s, the last 17 timed)
+    bpb_d12_b19  ~6 min: probe; each side ~2.7 (64 steps of 2^19 at ~1.5 s, evaluation of 2^18 tokens)
+    bpb_d12_b17  ~6 min: as bpb_d12_b19, 256 steps of 2^17 at ~0.4 s (no probe after bpb_d12_b19 in the same call)
+    mfu_d26      ~8.5 min: probe; each side ~3.8 (11 steps of 2^19 at ~10 s, the last 8 timed)
+    demo         ~3.5 min: speedrun.sh --plan demo, every stage on the demo world (166 s of stages on the H100)
+    chat_decode  ~1 min: bf16, compilation of the decode step and 5 trials of 64 tokens per path
 """
 import argparse
 import itertools
@@ -17,6 +34,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -35,6 +53,7 @@ from demo import write_demo
 from model import (
     DEPTH_ASPECT,
     DEPTH_HEAD_DIM,
+    autocast_context,
     build_model,
     config_from_preset,
     flops_per_token,
@@ -63,18 +82,32 @@ def matmul_peak(device, dtype, n=2048, reps=10):
     return 2 * n ** 3 * reps / (time.perf_counter() - start)
 
 
-def bench_chat_decode(args, device, decodes=("lean", "static", "compiled")):
+def chat_decode_paths(device):
+    """(dtype, the decode path, the paths to time) as chat.py chooses them on this device with its defaults: dtype
+    matmul_dtype on CUDA (bf16 where native) else fp32, decode "auto" = compiled on CUDA else lean; lean runs fp32
+    only."""
+    dtype = common.matmul_dtype(device) if device.type == "cuda" else "float32"
+    chat_default = "compiled" if device.type == "cuda" else "lean"
+    return dtype, chat_default, ("lean", "static", "compiled") if dtype == "float32" else ("compiled", "static")
+
+
+def bench_chat_decode(args, device):
     """Greedy decode tok/s at the preset's own shape, context 192 -> 256 as in `decode`: generate() against
-    chat.py's decode paths (fp32), interleaved trials, the same tokens checked. Returns {path: median tok/s}."""
+    chat.py's decode paths in the dtype chat.py decodes in on this device (bf16 on a GPU with native bf16: its
+    compiled path, which it uses there, and static; fp32 elsewhere: lean, which it uses there, static and compiled),
+    interleaved trials, the same tokens checked. Returns ({path: median tok/s}, dtype)."""
     import chat  # here: the other benchmarks do not need it
     torch.manual_seed(0)
     config = config_from_preset(args.preset)
     model = build_model(config, device).eval()
+    dtype, chat_default, decodes = chat_decode_paths(device)
+    if getattr(args, "dry_run", False):  # the CPU's dry run: no compilation
+        decodes = decodes[:2]
     n = args.decode_tokens
     prompt = torch.randint(0, config.vocab_size, (config.sequence_len - n - 1,)).tolist()
 
     def with_generate():
-        tokens = generate(model, prompt, n + 1, temperature=0)
+        tokens = generate(model, prompt, n + 1, temperature=0, dtype=dtype)
         out = [next(tokens)]  # the prefill's token
         start = time.perf_counter()
         out += list(tokens)
@@ -85,7 +118,7 @@ def bench_chat_decode(args, device, decodes=("lean", "static", "compiled")):
             conv.ids, conv.cache.pos = [], 0
             logits = conv.forward(prompt)
             start, out = time.perf_counter(), []
-            with torch.inference_mode():
+            with torch.inference_mode(), autocast_context(device.type, dtype):  # as chat.py's reply loop
                 for _ in range(n + 1):
                     token = logits.argmax(-1, keepdim=True)
                     out.append(token.item())
@@ -98,7 +131,7 @@ def bench_chat_decode(args, device, decodes=("lean", "static", "compiled")):
     paths = {"generate()": with_generate}
     for decode in decodes:
         start = time.perf_counter()
-        paths[decode] = with_chat(chat.Conversation(model, tok, True, decode))
+        paths[decode] = with_chat(chat.Conversation(model, tok, True, decode, dtype))
         paths[decode]()  # warm up; compiles the compiled one
         if decode == "compiled":
             print(f"chat decode compiled: first call (compilation) {time.perf_counter() - start:.1f} s")
@@ -110,13 +143,14 @@ def bench_chat_decode(args, device, decodes=("lean", "static", "compiled")):
     for name, runs in results.items():
         rate = sorted(r[0] for r in runs)[args.trials // 2]
         same = all(r[1] == results["generate()"][0][1] for r in runs)
-        print(f"chat decode {args.preset} {name:11s}: {rate:6,.0f} tok/s median of {args.trials} ({rate / base:.2f}x "
+        print(f"chat decode {args.preset} {dtype} {name:11s}: {rate:6,.0f} tok/s median of {args.trials} ({rate / base:.2f}x "
               f"generate(); greedy tokens identical: {same})")
-    lean = sorted(r[0] for r in results["lean"])[args.trials // 2]
-    verdict = "met" if lean >= 1.5 * base else "MISSED"
-    print(f"chat decode: lean / generate() = {lean / base:.2f}x (target >= 1.5x: {verdict}; generate() recorded at "
-          f"276 tok/s in the README's decode row, an earlier session)")
-    return {name: sorted(r[0] for r in runs)[args.trials // 2] for name, runs in results.items()}
+    if chat_default in results:
+        rate = sorted(r[0] for r in results[chat_default])[args.trials // 2]
+        verdict = "met" if rate >= 1.5 * base else "MISSED"
+        print(f"chat decode: {chat_default} (chat.py's path here) / generate() = {rate / base:.2f}x (target >= 1.5x: "
+              f"{verdict}; generate() recorded at 276 tok/s in the README's decode row, an earlier session, CPU fp32)")
+    return {name: sorted(r[0] for r in runs)[args.trials // 2] for name, runs in results.items()}, dtype
 
 
 # -----------------------------------------------------------------------------
@@ -129,19 +163,20 @@ GPU_VOCAB = 32768  # nanochat's default tokenizer size (2^15): both sides train 
 BIG_BATCH, SMALL_BATCH = 2 ** 19, 2 ** 17  # tokens per optimizer step: nanochat's d20 batch, and a quarter of it
 BPB_TOKENS = 64 * BIG_BATCH  # training tokens of each bpb row: 64 steps at 2^19, 256 at 2^17
 EVAL_TOKENS = 2 ** 18  # validation tokens of each bpb row (the validation shard holds ~2^19 at vocab 32768)
+MFU_EVAL_TOKENS = 2 ** 16  # an MFU row's one evaluation (pretrain.py always ends with one): 32 rows of 2048, seconds
 # the rows, in the order to run them when the whole battery does not fit: d20's MFU beside nanochat, d12's bpb at 2^19
 # beside nanochat, then the rest. d12's throughput, MFU and memory are bpb_d12_b19's (the same shape and batch).
 GPU_ROWS = {
-    "mfu_d20": {"depth": 20, "batch": BIG_BATCH, "steps": 12, "nanochat": True},
+    "mfu_d20": {"depth": 20, "batch": BIG_BATCH, "steps": 20, "nanochat": True},  # 17 timed after 3
     "bpb_d12_b19": {"depth": 12, "batch": BIG_BATCH, "steps": BPB_TOKENS // BIG_BATCH, "nanochat": True, "bpb": True},
     "bpb_d12_b17": {"depth": 12, "batch": SMALL_BATCH, "steps": BPB_TOKENS // SMALL_BATCH, "nanochat": True,
                     "bpb": True},
-    "mfu_d26": {"depth": 26, "batch": BIG_BATCH, "steps": 8, "nanochat": True},
+    "mfu_d26": {"depth": 26, "batch": BIG_BATCH, "steps": 11, "nanochat": True},  # 8 timed after 3
     "demo": {},
     "chat_decode": {},
 }
-# one `run` call each, under 10 minutes on one H100 by this estimate (not yet measured): a row's two runs (ours,
-# nanochat's) each pay start-up, compilation and a final checkpoint besides their steps
+# one `run` call each, under 10 minutes on one H100 or H200 by the module docstring's estimate (not yet measured): a
+# row's two runs (ours, nanochat's) each pay start-up and compilation besides their steps
 GPU_CALLS = [["mfu_d20"], ["bpb_d12_b19"], ["bpb_d12_b17"], ["mfu_d26"], ["demo", "chat_decode"]]
 # the dry run: every row at a toy size on the CPU (depth 2, sequence 64, the demo world, vocab 1024)
 DRY = {"seq_len": 64, "micro": 4, "vocab": 1024, "steps_scale": 1 / 16, "skip": 1}
@@ -242,21 +277,49 @@ def nanochat_env(bench, base, threads=None):
     return env
 
 
-def run_logged(command, log, cwd=None, env=None):
-    """Run a command with its output in `log`; returns (exit status, wall seconds, peak resident bytes of the
-    process and its waited-for children, from wait4)."""
+def run_logged(command, log, phase, timeout, cwd=None, env=None):
+    """Run a command with its output in `log`, printing a line when the phase starts and one when it ends; past
+    `timeout` seconds its process group is stopped (SIGTERM, then SIGKILL after 10 s). Returns (exit status, or
+    "timed out" with the seconds, wall seconds, peak resident bytes of the process and its waited-for children,
+    from wait4)."""
+    print(f"gpu: {phase}: started (log {log}, timeout {timeout:.0f} s)", flush=True)
     start = time.perf_counter()
     with open(log, "w") as out:
         out.write("$ " + " ".join(map(str, command)) + "\n")
         out.flush()
-        process = subprocess.Popen(list(map(str, command)), stdout=out, stderr=subprocess.STDOUT, cwd=cwd, env=env)
-        _, status, usage = os.wait4(process.pid, 0)
-    process.returncode = os.waitstatus_to_exitcode(status)
-    return process.returncode, time.perf_counter() - start, usage.ru_maxrss * 1024
+        # its own session: a timeout stops it and whatever it started (torch.compile's workers), not this process
+        process = subprocess.Popen(list(map(str, command)), stdout=out, stderr=subprocess.STDOUT, cwd=cwd, env=env,
+                                   start_new_session=True)
+        stopped_at, status = None, None
+        while status is None:
+            pid, raw, usage = os.wait4(process.pid, os.WNOHANG)
+            if pid:
+                status = os.waitstatus_to_exitcode(raw)
+                break
+            elapsed = time.perf_counter() - start
+            if stopped_at is None and elapsed > timeout:
+                stopped_at = elapsed
+                os.killpg(process.pid, signal.SIGTERM)
+            elif stopped_at is not None and elapsed > stopped_at + 10:
+                os.killpg(process.pid, signal.SIGKILL)
+            time.sleep(0.2)
+    process.returncode = status
+    wall = time.perf_counter() - start
+    if stopped_at is not None:
+        status = f"timed out after {timeout:.0f} s"
+    print(f"gpu: {phase}: {'exit ' + str(status) if isinstance(status, int) else status}, {wall:.0f} s", flush=True)
+    return status, wall, usage.ru_maxrss * 1024
 
 
 def tail(path, lines=15):
     return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+
+
+def failure(status, log):
+    """A failed or timed-out phase's status line: why, and the last lines of its log."""
+    if isinstance(status, str):  # timed out
+        return f"{status} (--phase_timeout, --deadline_s); log tail:\n{tail(log, 8)}"
+    return "failed: " + ("out of memory" if out_of_memory(log) else f"exit {status}; log tail:\n{tail(log, 8)}")
 
 
 def out_of_memory(log):
@@ -267,26 +330,35 @@ def out_of_memory(log):
 def gpu_probe(args, device):
     """`bench.py gpu_probe`: the largest micro-batch (a power of 2 up to --max_micro) with which a training step of
     --preset fits this GPU, by pretrain.py's own probe (forward, backward and optimizer state at that batch). Runs in
-    its own process so that the battery's runs start with the GPU's memory untouched."""
-    config = config_from_preset(args.preset, {"vocab_size": args.gpu_vocab})
+    its own process so that the battery's runs start with the GPU's memory untouched. On a CPU (the dry run) nothing
+    runs out of memory: it finds --max_micro."""
+    overrides = {"vocab_size": args.gpu_vocab, **({"sequence_len": args.probe_seq_len} if args.probe_seq_len else {})}
+    config = config_from_preset(args.preset, overrides)
     model = build_model(config, device)
     run = argparse.Namespace(optimizer="muon", adam8bit=False, matrix_lr=0.02, embedding_lr=0.2, head_lr=0.004,
                              scalar_lr=0.04)
     optimizers = optim.build_optimizers(model, run, config.n_embd, 1, device)
-    try_step = train_loop.probe_step(model, optimizers, config.sequence_len, config.vocab_size, "bfloat16", device)
+    dtype = "bfloat16" if device.type == "cuda" else "float32"  # the battery's training dtype there
+    try_step = train_loop.probe_step(model, optimizers, config.sequence_len, config.vocab_size, dtype, device)
     micro = train_loop.find_micro_batch(try_step, [2 ** k for k in range(int(math.log2(args.max_micro)) + 1)])
     print(f"micro_batch {micro}")
 
 
 class GpuBattery:
     """The rows of `bench.py gpu`. Each row is a dict of what ran (command, status) and what it measured, with
-    'unknown' or 'unavailable: <why>' where a figure could not be had."""
+    'unknown' or 'unavailable: <why>' where a figure could not be had. Logs and this repository's run directories (no
+    checkpoint in them) go to --out/logs, which the device tool brings back; scratch (nanochat's data links and
+    checkpoint folder, the dry run's world, the demo's run) to a temporary folder."""
 
     def __init__(self, args, device):
         self.args, self.device, self.dry = args, device, args.dry_run
         self.bench = Path(args.bench_dir).resolve()
+        self.logs = Path(args.out).resolve() / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
         self.work = Path(tempfile.mkdtemp(prefix="gpu_bench_"))
         self.here = Path(__file__).resolve().parent
+        # each phase's limit: --phase_timeout, or less when --deadline_s (from the call's start) leaves less
+        self.deadline = time.perf_counter() + args.deadline_s if args.deadline_s else math.inf
         # bf16 on the GPU, as nanochat there; fp32 in the dry run, as nanochat on a CPU
         self.dtype = "bfloat16" if device.type == "cuda" else "float32"
         self.peak = common.peak_flops(common.device_name(device), self.dtype)
@@ -311,6 +383,10 @@ class GpuBattery:
                                     "the nanochat mirror and the corpus are, and carry its folder (--bench_dir)")
         self.nanochat_missing = self.check_nanochat()
         self.micro_cache = {}
+
+    def timeout(self):
+        """Seconds the next phase may take: --phase_timeout, or what --deadline_s leaves (at least 1)."""
+        return max(1.0, min(self.args.phase_timeout, self.deadline - time.perf_counter()))
 
     def check_nanochat(self):
         """Why nanochat's rows cannot run here, or None."""
@@ -338,25 +414,30 @@ class GpuBattery:
         return None
 
     def shape(self, depth):
-        """(preset, config overrides, micro-batch cap) of a row's model: d{depth} at sequence 2048 on the GPU; the dry
-        run's toy: depth 2 (one 128-wide head), sequence 64, its micro-batch fixed."""
+        """(preset, config overrides) of a row's model: d{depth} at sequence 2048 on the GPU; the dry run's toy: depth
+        2 (one 128-wide head), sequence 64."""
         if self.dry:
             return "d2", {"sequence_len": DRY["seq_len"], "vocab_size": self.vocab}
         return f"d{depth}", {"vocab_size": self.vocab}
 
-    def micro_batch(self, preset, overrides, per_step):
-        """The largest micro-batch that fits (pretrain.py's probe, in its own process), capped at the step's rows."""
-        if self.dry:
-            return min(DRY["micro"], per_step), "fixed (dry run, CPU)"
+    def micro_batch(self, name, preset, overrides, per_step):
+        """The largest micro-batch that fits, capped at the step's rows: `bench.py gpu_probe` (pretrain.py's probe)
+        in its own process, once per preset; the dry run's probe, on the CPU, tries up to DRY["micro"]."""
+        cap = DRY["micro"] if self.dry else 256
         if preset not in self.micro_cache:
-            log = self.work / f"probe_{preset}.log"
-            status, _, _ = run_logged([sys.executable, Path(__file__), "gpu_probe", "--preset", preset, "--gpu_vocab",
-                                       overrides["vocab_size"], "--max_micro", 256], log)
-            found = [line for line in Path(log).read_text().splitlines() if line.startswith("micro_batch ")]
-            if status or not found:
-                raise RuntimeError(f"micro-batch probe of {preset} failed (exit {status}):\n{tail(log)}")
+            log = self.logs / f"{name}_probe.log"
+            command = [sys.executable, self.here / "bench.py", "gpu_probe", "--preset", preset, "--gpu_vocab",
+                       overrides["vocab_size"], "--max_micro", cap, "--probe_seq_len",
+                       overrides.get("sequence_len", 0), "--device", self.device.type]
+            status, _, _ = run_logged(command, log, f"{name} probe ({preset})", self.timeout())
+            found = [line for line in log.read_text().splitlines() if line.startswith("micro_batch ")]
+            if status != 0 or not found:
+                raise RuntimeError(f"micro-batch probe of {preset} " + (failure(status, log) if status != 0 else
+                                   f"exited 0 without a `micro_batch N` line; log tail:\n{tail(log, 8)}"))
             self.micro_cache[preset] = int(found[-1].split()[1])
-        return min(self.micro_cache[preset], per_step), "largest that fits (pretrain.py's probe, eager)"
+            print(f"gpu: {name} probe ({preset}): micro-batch {self.micro_cache[preset]}", flush=True)
+        return min(self.micro_cache[preset], per_step), (f"largest that fits, up to {cap} (bench.py gpu_probe: "
+                                                         "pretrain.py's probe, eager)")
 
     def row_size(self, spec):
         """(tokens per step, steps, steps skipped before timing) of a training row at this run's scale."""
@@ -372,14 +453,17 @@ class GpuBattery:
         config = config_from_preset(preset, overrides)
         seq = config.sequence_len
         batch, steps, skip = self.row_size(spec)
-        micro, how = self.micro_batch(preset, overrides, batch // seq)
-        run_dir = self.work / "runs" / f"{name}_ours"
+        micro, how = self.micro_batch(name, preset, overrides, batch // seq)
+        run_dir = self.logs / f"{name}_ours"
+        # no checkpoint: none every 10^6 steps, none at the end (d20's is ~9 GB, d26's tens: 64 GiB of disk)
         command = [sys.executable, self.here / "pretrain.py", "--preset", preset, *itertools.chain.from_iterable(
                    (f"--{k}", v) for k, v in overrides.items() if k != "vocab_size"),
                    "--data_dir", self.corpus, "--tokenizer", self.tok_ours, "--runs_dir", run_dir.parent,
                    "--run_name", run_dir.name, "--steps", steps, "--total_batch_tokens", batch, "--micro_batch", micro,
-                   "--eval_every", 0, "--bpb_tokens", EVAL_TOKENS if not self.dry else 4096, "--ckpt_every", 10 ** 6,
-                   "--dtype", self.dtype, "--compile", "false" if self.dry else "true", "--log_every", 1]
+                   "--eval_every", 0, "--bpb_tokens", 4096 if self.dry else EVAL_TOKENS if spec.get("bpb") else
+                   MFU_EVAL_TOKENS, "--ckpt_every", 10 ** 6,
+                   "--final_checkpoint", "false", "--dtype", self.dtype, "--compile", "false" if self.dry else "true",
+                   "--log_every", 1]
         row = {"row": name, "side": "ours", "model": preset, "n_layer": config.n_layer, "n_embd": config.n_embd,
                "vocab": config.vocab_size, "seq_len": seq, "micro_batch": micro, "micro_batch_from": how,
                "tokens_per_step": batch, "steps": steps, "dtype": self.dtype, "compiled": not self.dry,
@@ -387,23 +471,28 @@ class GpuBattery:
                "flops_per_token": flops_per_token(config), "params": num_params(config),
                "memory_estimate": memory_estimate(config, micro, optimizer="muon",
                                                   bf16=self.dtype == "bfloat16")["total"]}
-        status, wall, rss = run_logged(command, self.work / f"{name}_ours.log")
-        row.update(command=" ".join(map(str, command)).replace(str(self.work), "$WORK"), exit=status, wall_s=wall)
-        if status:
-            row["status"] = "failed: " + ("out of memory" if out_of_memory(self.work / f"{name}_ours.log") else
-                                          tail(self.work / f"{name}_ours.log", 3))
-            return row
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        timed = [r for r in records if "loss" in r and r["step"] > skip]
-        self.throughput(row, [r["step_time"] for r in timed], skip)
+        log = self.logs / f"{name}_ours.log"
+        status, wall, rss = run_logged(command, log, f"{name} ours (pretrain.py: compilation, {steps} steps, "
+                                       "evaluation)", self.timeout())
+        row.update(command=" ".join(map(str, command)).replace(str(self.logs), "$OUT/logs"), exit=status,
+                   wall_s=wall, run_dir=str(run_dir), log=str(log))
+        metrics = run_dir / "metrics.jsonl"
+        records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
         steps_logged = [r for r in records if "loss" in r]  # the last record is the final evaluation's
-        row["peak_memory"] = steps_logged[-1]["cuda_mem_peak"] if self.device.type == "cuda" else rss
-        row["peak_memory_kind"] = "torch.cuda.max_memory_allocated" if self.device.type == "cuda" else \
-            "peak resident set of the process (CPU: includes torch itself)"
-        row["loss_first_last"] = [steps_logged[0]["loss"], steps_logged[-1]["loss"]]
+        if steps_logged:  # a timed-out run's steps still give its throughput
+            first = steps_logged[0]["step_time"]
+            print(f"gpu: {name} ours: step 1 (compilation) {first:.1f} s; {len(steps_logged)} steps logged",
+                  flush=True)
+            self.throughput(row, [r["step_time"] for r in steps_logged if r["step"] > skip], skip)
+            row["peak_memory"] = steps_logged[-1]["cuda_mem_peak"] if self.device.type == "cuda" else rss
+            row["peak_memory_kind"] = "torch.cuda.max_memory_allocated" if self.device.type == "cuda" else \
+                "peak resident set of the process (CPU: includes torch itself)"
+            row["loss_first_last"] = [steps_logged[0]["loss"], steps_logged[-1]["loss"]]
+        if status != 0:
+            row["status"] = failure(status, log)
+            return row
         done = json.loads((run_dir / "done.json").read_text())
-        row.update(val_bpb=done["val_bpb"], run_dir=str(run_dir), status="ok")
-        shutil.rmtree(run_dir / "ckpt", ignore_errors=True)  # d26's is tens of GB: the device has 64 GiB of disk
+        row.update(val_bpb=done["val_bpb"], status="ok")
         return row
 
     def throughput(self, row, step_times, skip):
@@ -415,26 +504,34 @@ class GpuBattery:
         row.update(steps_timed=f"{skip + 1}-{skip + len(step_times)}", step_time_median_s=median,
                    tok_per_s=row["tokens_per_step"] / median, peak_flops=self.peak, peak_flops_source=self.peak_source)
         row["mfu"] = row["flops_per_token"] * row["tok_per_s"] / self.peak
+        print(f"gpu: {row['row']} {row['side']}: steps {row['steps_timed']} median {median:.3f} s, "
+              f"{row['tok_per_s']:,.0f} tok/s, MFU {100 * row['mfu']:.1f}%", flush=True)
 
     def nanochat(self, name, spec, ours):
         """nanochat's scripts/base_train.py at the shape and batch of `ours` (its micro-batch too), full attention
-        (--window-pattern L: this repository has no sliding window), its own defaults otherwise."""
+        (--window-pattern L: this repository has no sliding window), its own defaults otherwise. It always saves a
+        checkpoint at its end: the model's and the optimizer's files are links to /dev/null, so that save writes
+        nothing to disk."""
         row = {"row": name, "side": "nanochat", "nanochat_commit": (self.bench / "nanochat" / "COMMIT").read_text()
                .strip() if (self.bench / "nanochat" / "COMMIT").is_file() else "unknown"}
         if self.nanochat_missing:
             return {**row, "status": f"unavailable: {self.nanochat_missing}"}
-        if ours.get("status") != "ok" and "micro_batch" not in ours:
+        if "micro_batch" not in ours:
             return {**row, "status": "unavailable: this repository's run of the row did not start"}
         depth, seq, micro = ours["n_layer"], ours["seq_len"], ours["micro_batch"]
         batch, steps, skip = ours["tokens_per_step"], ours["steps"], self.row_size(spec)[2]
         base = self.work / f"nc_{name}"
         nanochat_data(base, self.corpus)
         shutil.copytree(self.tok_nanochat, base / "tokenizer")
+        saved = base / "base_checkpoints" / f"bench_{name}"  # base_train.py's checkpoint_dir for --model-tag
+        saved.mkdir(parents=True)
+        for file in (f"model_{steps:06d}.pt", f"optim_{steps:06d}_rank0.pt"):
+            (saved / file).symlink_to(os.devnull)
         bpb = spec.get("bpb") or self.dry
         row.update(model=f"d{depth}", seq_len=seq, tokens_per_step=batch, steps=steps,
                    flops_per_token=ours["flops_per_token"], compiled=True,
                    attention="SDPA (FA3 needs the `kernels` package and the hub: unavailable offline)")
-        log = self.work / f"{name}_nanochat.log"
+        log = self.logs / f"{name}_nanochat.log"
         while True:  # ours' micro-batch; halved while nanochat runs out of memory at it (it has no probe)
             command = [sys.executable, "-m", "scripts.base_train", "--run=dummy", f"--device-type={self.device.type}",
                        f"--depth={depth}", f"--aspect-ratio={DEPTH_ASPECT}", f"--head-dim={DEPTH_HEAD_DIM}",
@@ -443,26 +540,26 @@ class GpuBattery:
                        f"--eval-every={steps if bpb else -1}",
                        f"--eval-tokens={EVAL_TOKENS if not self.dry else 4096}", "--core-metric-every=-1",
                        "--sample-every=-1", "--save-every=-1", f"--model-tag=bench_{name}"]
-            status, wall, rss = run_logged(command, log, cwd=self.bench / "nanochat",
+            status, wall, rss = run_logged(command, log, f"{name} nanochat (base_train.py: compilation, {steps} steps"
+                                           f"{', evaluation' if bpb else ''}; micro-batch {micro})", self.timeout(),
+                                           cwd=self.bench / "nanochat",
                                            env=nanochat_env(self.bench, base, torch.get_num_threads()))
-            if not (status and out_of_memory(log) and micro > 1):
+            if not (status != 0 and out_of_memory(log) and micro > 1):
                 break
             row.setdefault("out_of_memory_at_micro_batch", []).append(micro)
             micro //= 2
-        row.update(micro_batch=micro, exit=status, wall_s=wall,
+        row.update(micro_batch=micro, exit=status, wall_s=wall, log=str(log),
                    command=f"cd {self.bench / 'nanochat'} && NANOCHAT_BASE_DIR=$WORK/{base.name} PYTHONPATH="
                    f"{self.bench / 'stub'} " + " ".join(map(str, command)).replace(sys.executable, "python"))
-        if status:
-            row["status"] = "failed: " + ("out of memory" if out_of_memory(log) else tail(log, 3))
-            return row
         text = log.read_text(errors="replace")
         lines = re.findall(r"^step (\d+)/\d+ .*?\| dt: ([\d.]+)ms \| tok/sec: ([\d,]+) \| bf16_mfu: ([\d.]+)", text,
                            re.MULTILINE)
         # nanochat numbers its steps from 0: its step i is this repository's step i + 1
         timed = [(int(s) + 1, float(dt) / 1000, float(m)) for s, dt, _, m in lines if int(s) + 1 > skip]
-        self.throughput(row, [t[1] for t in timed], skip)
-        if timed and self.device.type == "cuda":
-            row["mfu_nanochat_reported"] = statistics.median(t[2] for t in timed) / 100  # its own FLOPs/token
+        if lines:  # a timed-out run's steps still give its throughput
+            self.throughput(row, [t[1] for t in timed], skip)
+            if timed and self.device.type == "cuda":
+                row["mfu_nanochat_reported"] = statistics.median(t[2] for t in timed) / 100  # its own FLOPs/token
         dtype = re.search(r"^COMPUTE_DTYPE: torch\.(\w+)", text, re.MULTILINE)
         row["dtype"] = dtype[1] if dtype else "unknown"
         flops = re.search(r"Estimated FLOPs per token: ([\d.e+]+)", text)
@@ -475,11 +572,16 @@ class GpuBattery:
             row["peak_memory_kind"] = "torch.cuda.max_memory_allocated (its own print)"
         else:
             row["peak_memory"], row["peak_memory_kind"] = rss, "peak resident set of the process (CPU)"
-        vals = re.findall(r"Validation bpb: ([\d.]+)", text)
-        row["val_bpb"] = float(vals[-1]) if bpb and vals else None
+        # its last step's (it evaluates at step 0 too: a run stopped before its end has only that one)
+        final = re.search(rf"^Step {steps:05d} \| Validation bpb: ([\d.]+)", text, re.MULTILINE)
+        row["val_bpb"] = (float(final[1]) if final else "unknown") if bpb else None
+        row["checkpoint_bytes_on_disk"] = sum(f.stat().st_size for f in saved.iterdir() if not f.is_symlink())
+        shutil.rmtree(base, ignore_errors=True)
+        if status != 0:
+            row["status"] = failure(status, log)
+            return row
         row["status"] = "ok" + (f" at micro-batch {micro} (out of memory at {row['out_of_memory_at_micro_batch']})"
                                 if "out_of_memory_at_micro_batch" in row else "")
-        shutil.rmtree(base / "base_checkpoints", ignore_errors=True)
         return row
 
     def demo(self):
@@ -495,27 +597,33 @@ class GpuBattery:
                        MIDTRAIN_ARGS="--steps 2 --eval_rows 4", SFT_ARGS="--steps 2 --eval_rows 4",
                        CORE_ARGS="--bpb_tokens 4096 --max_new_tokens 4 --max_items 4",
                        CHAT_EVAL_ARGS="--max_items 2 --max_new_tokens 4")
-        status, wall, _ = run_logged(command, self.work / "demo.log", cwd=self.work, env=env)
+        log = self.logs / "demo.log"
+        status, wall, _ = run_logged(command, log, "demo (speedrun.sh --plan demo)", self.timeout(), cwd=self.work,
+                                     env=env)
         row = {"row": "demo", "side": "ours", "command": " ".join(map(str, command)).replace(str(self.work), "$WORK"),
-               "exit": status, "wall_s": wall, "status": "ok" if status == 0 else "failed: " + tail(self.work /
-                                                                                                     "demo.log", 3)}
+               "exit": status, "wall_s": wall, "log": str(log), "status": "ok" if status == 0 else failure(status, log)}
         done, core = run / "pretrain" / "done.json", sorted(run.glob("core_eval/**/results.json"))
         chat = run / "chat_eval.json"
         row["val_bpb"] = json.loads(done.read_text())["val_bpb"] if done.is_file() else "unknown"
         row["core"] = json.loads(core[-1].read_text())["core"] if core else "unknown"
         row["chatcore"] = json.loads(chat.read_text())["chatcore"] if chat.is_file() else "unknown"
+        shutil.rmtree(run, ignore_errors=True)  # its checkpoints
         return row
 
     def chat_decode(self):
-        args = argparse.Namespace(preset="tiny", decode_tokens=8 if self.dry else 64, trials=1 if self.dry else 5)
-        paths = ("lean", "static") if self.dry else ("lean", "static", "compiled")
-        rates = bench_chat_decode(args, self.device, paths)
-        return {"row": "chat_decode", "side": "ours", "command": f"python bench.py gpu --rows chat_decode (bench.py "
-                f"chat's decode part: preset tiny, random weights, greedy, {args.decode_tokens} tokens, median of "
-                f"{args.trials})", "status": "ok", **{f"decode_tok_per_s_{k}": v for k, v in rates.items()}}
+        """bench.py chat's decode part in the dtype and paths chat.py uses here: bf16 on a GPU (its compiled and
+        static paths), fp32 on the CPU (lean and static)."""
+        args = argparse.Namespace(preset="tiny", decode_tokens=8 if self.dry else 64, trials=1 if self.dry else 5,
+                                  dry_run=self.dry)
+        print("gpu: chat_decode: started", flush=True)
+        rates, dtype = bench_chat_decode(args, self.device)
+        return {"row": "chat_decode", "side": "ours", "dtype": dtype, "command": f"python bench.py gpu --rows "
+                f"chat_decode (bench.py chat's decode part: preset tiny, random weights, {dtype}, greedy, "
+                f"{args.decode_tokens} tokens, median of {args.trials})", "status": "ok",
+                **{f"decode_tok_per_s_{k}": v for k, v in rates.items()}}
 
 
-def gpu_environment(device):
+def gpu_environment(device, bench_dir):
     """Device, driver, torch and the code, for the battery's header."""
     driver = "none (CPU)"
     if device.type == "cuda":
@@ -525,7 +633,7 @@ def gpu_environment(device):
         except (OSError, subprocess.SubprocessError):
             driver = "unknown (nvidia-smi did not answer)"
     code = common.code_version()
-    prepared = Path(".bench/PREPARED.json")
+    prepared = Path(bench_dir) / "PREPARED.json"
     return {"device": common.device_name(device), "driver": driver, "torch": torch.__version__,
             "cuda": torch.version.cuda or "none", "python": sys.version.split()[0], "commit": code["commit"],
             "dirty": code["dirty"], "prepared_at_commit": json.loads(prepared.read_text())["code"]["commit"]
@@ -599,24 +707,30 @@ def bench_gpu(args, device):
     if unknown:
         raise ValueError(f"gpu: unknown rows {unknown}: choose from {', '.join(GPU_ROWS)}")
     battery = GpuBattery(args, device)
-    result = {"dry_run": args.dry_run, "environment": gpu_environment(device), "rows": [],
+    result = {"dry_run": args.dry_run, "environment": gpu_environment(device, args.bench_dir), "rows": [],
               "calls": [" ".join(["python3 bench.py gpu --rows", *rows, "--out $OUT"]) for rows in GPU_CALLS]}
     out.mkdir(parents=True, exist_ok=True)
+
+    def save():  # after every side of every row: a call killed later keeps what it finished
+        (out / "gpu_bench.json").write_text(json.dumps(result, indent=1) + "\n")
+        (out / "gpu_bench.md").write_text(gpu_markdown(result))
     for name in [r for r in GPU_ROWS if r in args.rows]:
         print(f"gpu: row {name} ...", flush=True)
         spec = GPU_ROWS[name]
         if "depth" in spec:
             try:
                 ours = battery.ours(name, spec)
-            except RuntimeError as e:  # the probe failed: nothing of the row ran
-                ours = {"row": name, "side": "ours", "status": f"failed: {e}"}
-            result["rows"] += [ours, battery.nanochat(name, spec, ours)]
+            except RuntimeError as e:  # the probe failed (it says how): nothing of the row ran
+                ours = {"row": name, "side": "ours", "status": str(e)}
+            result["rows"].append(ours)
+            save()
+            result["rows"].append(battery.nanochat(name, spec, ours))
         else:
             result["rows"].append(battery.demo() if name == "demo" else battery.chat_decode())
-        (out / "gpu_bench.json").write_text(json.dumps(result, indent=1) + "\n")  # after every row: a killed call
-        (out / "gpu_bench.md").write_text(gpu_markdown(result))  # keeps what it finished
+        save()
     print(gpu_markdown(result))
-    print(f"gpu: {out / 'gpu_bench.json'}, {out / 'gpu_bench.md'}; logs in {battery.work}")
+    print(f"gpu: {out / 'gpu_bench.json'}, {out / 'gpu_bench.md'}; logs in {battery.logs}")
+    shutil.rmtree(battery.work, ignore_errors=True)
 
 
 def add_gpu_args(parser):
@@ -645,6 +759,14 @@ def add_gpu_args(parser):
                    "these gpu_bench.json files (one per call) into one gpu_bench.json + gpu_bench.md in --out")
     g.add_argument("--max_micro", type=int, default=256, help="gpu_probe: largest micro-batch tried (default: "
                    "%(default)s)")
+    g.add_argument("--probe_seq_len", type=int, default=0, help="gpu_probe: sequence length; 0 = the preset's "
+                   "(default: %(default)s)")
+    g.add_argument("--phase_timeout", type=float, default=300, help="gpu: seconds each phase of a row (the probe, "
+                   "this repository's run, nanochat's run, the demo) may take before it is stopped and reported as "
+                   "timed out with its log's tail; the row goes on (default: %(default)s)")
+    g.add_argument("--deadline_s", type=float, default=0, help="gpu: seconds from the start of this call by which "
+                   "every phase is stopped (each gets the least of --phase_timeout and what is left), so that the "
+                   "call writes its table before the device's own limit; 0 = none (default: %(default)s)")
 
 
 if __name__ == "__main__":

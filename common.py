@@ -71,9 +71,12 @@ def code_version():
 # -----------------------------------------------------------------------------
 # Measurement and formatting
 
-# Dense bf16 tensor-core peak FLOP/s by device name (first match wins). A device not listed gets MFU "unknown".
-PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12),
-                   ("L40S", 362e12), ("A10G", 70e12), ("L4", 121e12)]
+# Dense bf16 tensor-core peak FLOP/s by device name (first match wins: a variant before its family). A device not
+# listed gets MFU "unknown". NVIDIA's datasheets give BF16 with sparsity, twice the dense figure here: H200 NVL 1,671
+# TFLOP/s (the H200 datasheet; the SXM's 1,979), B200 4.5 PFLOP/s (the B200 / HGX B200 datasheet): dense 836 and 2,250.
+PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200 NVL", 836e12),
+                   ("H200", 989e12), ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("A10G", 70e12),
+                   ("L4", 121e12)]
 
 
 def peak_flops(name, dtype):

@@ -84,6 +84,9 @@ def get_args(argv=None):
                    "first N, in BOS-led rows (default: %(default)s)")
     g.add_argument("--sample_prompt", action="append", default=None, help=f"sample prompt, repeatable (default: {PROMPTS})")
     checkpoint.add_run_args(p, "pretrain")
+    p.add_argument("--final_checkpoint", type=parse_bool, default=True, help="save a checkpoint at the last step; "
+                   "false: only the --ckpt_every ones (a benchmark: bench.py gpu; nothing can continue from the end "
+                   "of such a run) (default: %(default)s)")
     optim.add_schedule_args(p)
     args = parse_args(p, common.renamed_flags(argv, {"--eval_tokens": "--bpb_tokens", "--prompt": "--sample_prompt"}))
     if args.status is None:

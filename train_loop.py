@@ -417,7 +417,8 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
             if master:
                 print(f"stopped by signal at step {step + 1}; checkpoint {path}. Resume with: {resume_command(args)}")
             return stop.signum or signal.SIGTERM
-        if (step + 1) % args.ckpt_every == 0 or last_step:
+        # --final_checkpoint is pretrain.py's (false in bench.py gpu: d20's is ~9 GB); the other stages always save
+        if (step + 1) % args.ckpt_every == 0 or (last_step and getattr(args, "final_checkpoint", True)):
             checkpoint(step + 1, last_step)  # the final checkpoint comes before the final evaluation (nanochat #446)
     mark_progress(total_steps, "trained: final evaluation")
     return None

@@ -7,10 +7,15 @@ in the real repositories' file layouts, schemas and row-group structure, with ge
 
 It speaks the hub's protocol as huggingface_hub uses it: the tree API (/api/datasets/<repo>/tree/main, every file
 with its size and sha256 or git blob id), and resolve URLs (/datasets/<repo>/resolve/main/<path>) that redirect
-parquet files (LFS) to a "CDN" path with X-Linked-Etag/X-Linked-Size, as the hub does. What it serves:
+parquet files (LFS) to a "CDN" path with X-Linked-Etag/X-Linked-Size, as the hub does. Every answer about a repo's
+file, HEAD or GET, the redirect and what it points to, carries X-Repo-Commit, an ETag, Content-Length and for LFS files
+X-Linked-Etag and X-Linked-Size: huggingface_hub 1.x follows a redirect to the same host name (the "CDN" is another
+port of this one) and refuses an answer without X-Repo-Commit. What it serves:
 
 - karpathy/fineweb-edu-100b-shuffle: shard_00000.parquet ... (the last one is the validation shard), one string
-  column `text`, row groups of 1024 documents (dataset.py's layout; the real shards hold many more row groups);
+  column `text`, row groups of 1024 documents (dataset.py's layout; the real shards hold many more row groups). Each
+  shard names every one of 64,000 made-up places (a few sentences a document), so that any one shard alone trains the
+  gpu plan's 65,536-token vocabulary (a few seconds), as the rehearsal's tokenizer does on the first shard;
 - HuggingFaceTB/smoltalk (data/all/train-*, test-*: `messages`, `source`), HuggingFaceH4/ultrachat_200k (data/
   train_sft-*, test_sft-*, train_gen-*, test_gen-*: `prompt`, `prompt_id`, `messages`);
 - cais/mmlu (all/auxiliary_train-* whose one column `train` nests the rows, all/test-*, all/dev-*, all/validation-*,
@@ -87,6 +92,42 @@ def paragraph(rng, low=3, high=9):
 
 def document(rng):
     return "\n\n".join(paragraph(rng) for _ in range(rng.randint(1, 3)))
+
+
+# Made-up place names: BPE merges a word's bytes into one token only if the word occurs, so a 65,536-token vocabulary
+# needs about as many distinct words (the stand-in's sentences hold a few hundred). 64,000 names of 2-3 syllables
+# allow ~70,000 merges (65,271 needed), in ~1.9 MB of text a shard: rustbpe trains 65,536 on one in ~2 s.
+SYLLABLES = [c + v + n for c in "bcdfghklmnprstvz" for v in "aeiou" for n in ("", "n")]
+PLACE_COUNT = 64_000
+PLACE_SENTENCES = ["The old map names {}.", "Villages along the coast include {}.", "The museum keeps letters from {}.",
+                   "Students on the trip visited {}.", "The long road passes {}."]
+
+
+def place_names(count=PLACE_COUNT, seed=1):
+    """count distinct capitalised made-up names, the same for a seed."""
+    rng, seen, names = random.Random(seed), set(), []
+    while len(names) < count:
+        name = "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize()
+        if name not in seen:
+            seen.add(name)
+            names.append(name)
+    return names
+
+
+def place_sentences(rng, names, per_sentence=6):
+    """Sentences naming each of `names` once."""
+    lists = (names[i:i + per_sentence] for i in range(0, len(names), per_sentence))
+    return " ".join(rng.choice(PLACE_SENTENCES).format(", ".join(group[:-1]) + " and " + group[-1]
+                                                       if len(group) > 1 else group[0]) for group in lists)
+
+
+def shard_texts(rng, docs, places):
+    """A FineWeb-Edu shard's documents: generated English, each ending with a paragraph naming its share of every
+    place (in an order of this shard's own)."""
+    order = rng.sample(places, len(places))
+    share = -(-len(order) // docs)
+    return [f"{document(rng)}\n\n{place_sentences(rng, order[i * share:(i + 1) * share])}".rstrip()
+            for i in range(docs)]
 
 
 # -----------------------------------------------------------------------------
@@ -240,9 +281,9 @@ def build_files(shards=10, shard_docs=1536, chat_rows=240, seed=0):
     """{"<repo>/<path>": bytes} of every repository, and "eval_bundle.zip". shards: FineWeb-Edu shards, the last
     one the validation shard; shard_docs documents each (1536: a full row group of 1024 and a partial one)."""
     rng = random.Random(seed)
-    files = {}
+    files, places = {}, place_names()
     for i in range(shards):
-        texts = pa.table({"text": [document(rng) for _ in range(shard_docs)]})
+        texts = pa.table({"text": shard_texts(rng, shard_docs, places)})
         files[f"{FINEWEB}/shard_{i:05d}.parquet"] = parquet_bytes(texts, ROW_GROUP_DOCS)
     sources = ["smol-magpie-ultra", "everyday-conversations", "explore-instruct-rewriting"]
     for split, count, parts in (("train", chat_rows, 2), ("test", chat_rows // 4, 1)):
@@ -289,16 +330,35 @@ def git_blob_id(data):
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
+def lfs_pointer(data):
+    """The text git keeps for an LFS file: its tree entry's oid is this text's blob id."""
+    return f"version https://git-lfs.github.com/spec/v1\noid sha256:{hashlib.sha256(data).hexdigest()}\nsize " \
+           f"{len(data)}\n".encode()
+
+
 def tree_entry(path, data):
     """A tree API entry as the hub sends it: parquet files are LFS (sha256 in lfs.oid), others are kept in git."""
     if path.endswith(".parquet"):
-        lfs = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
-        return {"type": "file", "path": path, "size": len(data), "oid": "1" * 40, "lfs": lfs}
+        pointer = lfs_pointer(data)
+        lfs = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": len(pointer)}
+        return {"type": "file", "path": path, "size": len(data), "oid": git_blob_id(pointer), "lfs": lfs}
     return {"type": "file", "path": path, "size": len(data), "oid": git_blob_id(data)}
 
 
-def serve(hub, handler, name):
-    """Send hub.files[name], honouring Range, after applying the next queued fault for that file."""
+def repo_file_headers(handler, data, lfs):
+    """What the hub sends with every answer about a repo's file (resolve HEAD and GET, the redirect and its target):
+    the commit, and for an LFS file its sha256 and size (huggingface_hub 1.x reads them from whichever answer it stops
+    at: it follows a redirect to the same host name, which the stand-in's "CDN" is)."""
+    handler.send_header("X-Repo-Commit", COMMIT)
+    if lfs:
+        handler.send_header("X-Linked-Etag", f'"{hashlib.sha256(data).hexdigest()}"')
+        handler.send_header("X-Linked-Size", str(len(data)))
+
+
+def serve(hub, handler, name, repo_file=True):
+    """Send hub.files[name], honouring Range, after applying the next queued fault for that file. repo_file: a
+    repository's file (through its resolve URL, or the redirect's target), with the hub's headers (repo_file_headers;
+    a git file's ETag is its blob id); else a plain URL's (the CORE bundle), with a CDN's MD5-like ETag."""
     data = hub.files[name]
     fault = hub.faults[name].pop(0) if hub.faults.get(name) else None
     if fault in ("500", "429"):
@@ -320,7 +380,11 @@ def serve(hub, handler, name):
     handler.send_response(status)
     handler.send_header("Content-Length", str(len(body)))
     handler.send_header("Accept-Ranges", "bytes")
-    handler.send_header("ETag", f'"{hashlib.md5(data).hexdigest()}"')  # what a CDN sends: not the sha256
+    git_file = repo_file and not name.endswith(".parquet")
+    # a git file's blob id, as the hub's resolve URL sends; else what a CDN sends: not the sha256
+    handler.send_header("ETag", f'"{git_blob_id(data) if git_file else hashlib.md5(data).hexdigest()}"')
+    if repo_file:
+        repo_file_headers(handler, data, lfs=name.endswith(".parquet"))
     if status == 206:
         handler.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
     handler.end_headers()
@@ -346,17 +410,17 @@ def serve(hub, handler, name):
 def resolve_headers(hub, handler, name):
     """What the hub's resolve URL answers for a file, before any body: hf_hub_download's HEAD reads these."""
     data = hub.files[name]
-    if name.endswith(".parquet"):  # an LFS file: the hub redirects to the CDN and names the sha256 and size
+    lfs = name.endswith(".parquet")
+    if lfs:  # an LFS file: the hub redirects to the CDN and names the sha256 and size; its ETag is the pointer's
         handler.send_response(302)
         handler.send_header("Location", f"{hub.cdn_url}/cdn/{name}")
-        handler.send_header("X-Linked-Etag", f'"{hashlib.sha256(data).hexdigest()}"')
-        handler.send_header("X-Linked-Size", str(len(data)))
+        handler.send_header("ETag", f'"{git_blob_id(lfs_pointer(data))}"')
         handler.send_header("Content-Length", "0")
     else:  # a small git file: served directly, its git blob id as ETag
         handler.send_response(200)
         handler.send_header("ETag", f'"{git_blob_id(data)}"')
         handler.send_header("Content-Length", str(len(data)))
-    handler.send_header("X-Repo-Commit", COMMIT)
+    repo_file_headers(handler, data, lfs)
     handler.end_headers()
 
 
@@ -384,10 +448,10 @@ def hub_handler(hub):
                 if self.command == "GET" and not name.endswith(".parquet"):  # a git file's body
                     return serve(hub, self, name)
                 return resolve_headers(hub, self, name)
+            if path in ("/eval_bundle.zip", "/cdn/eval_bundle.zip") and "eval_bundle.zip" in hub.files:
+                return serve(hub, self, "eval_bundle.zip", repo_file=False)  # a plain URL, not a repo's file
             if path.startswith("/cdn/") and path[5:] in hub.files:
                 return serve(hub, self, path[5:])
-            if path == "/eval_bundle.zip" and "eval_bundle.zip" in hub.files:
-                return serve(hub, self, "eval_bundle.zip")
             self.send_response(404)
             self.send_header("Content-Length", "0")
             self.end_headers()
