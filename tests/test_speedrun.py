@@ -432,16 +432,16 @@ def test_the_report_names_midtrainings_default_sources(tmp_path):
 
 
 def test_a_half_installed_venv_is_repaired_and_a_completed_install_is_recorded(tmp_path):
-    """speedrun.sh and requirements.txt copied beside a .venv whose python is a stand-in (pip calls are logged, and
-    fail when PIP_RC says so): a .venv without the record of a completed install is repaired, a failed pip is an
-    error that records nothing, a .venv without python is recreated (python3 -m venv, a stand-in too), and a recorded
-    install is not touched again."""
+    """speedrun.sh, launch.py and requirements.txt copied beside a .venv whose python is a stand-in (pip calls are
+    logged, and fail when PIP_RC says so): a .venv without the record of a completed install is repaired, a failed pip
+    is an error that records nothing, a .venv without python is recreated (python3 -m venv, a stand-in too; launch.py
+    itself runs on this interpreter), and a recorded install is not touched again."""
     import hashlib
     import shutil
     repo, bin_dir, log = tmp_path / "repo", tmp_path / "bin", tmp_path / "pip.log"
     repo.mkdir()
     bin_dir.mkdir()
-    for name in ("speedrun.sh", "requirements.txt"):
+    for name in ("speedrun.sh", "launch.py", "requirements.txt"):
         shutil.copy(ROOT / name, repo / name)
     fake_python = (f'#!/bin/sh\nif [ "$1 $2" = "-m pip" ]; then\n  [ "$3" = --version ] && exit 0\n'
                    f'  echo "$*" >> {log}; exit ${{PIP_RC:-0}}\nfi\nexec {sys.executable} "$@"\n')
@@ -450,9 +450,9 @@ def test_a_half_installed_venv_is_repaired_and_a_completed_install_is_recorded(t
         (repo / ".venv" / "bin").mkdir(parents=True)
         (repo / ".venv" / "bin" / "python").write_text(fake_python)
         (repo / ".venv" / "bin" / "python").chmod(0o755)
-    (bin_dir / "python3").write_text(f'#!/bin/sh\n[ "$1" = -m ] && [ "$2" = venv ] || exit 99\necho "venv $3" >> {log}\n'
-                                     f'mkdir -p "$3/bin"\nprintf %s \'{fake_python}\' > "$3/bin/python"\n'
-                                     f'chmod +x "$3/bin/python"\n')
+    (bin_dir / "python3").write_text(f'#!/bin/sh\n[ "$1" = -m ] && [ "$2" = venv ] || exec {sys.executable} "$@"\n'
+                                     f'echo "venv $3" >> {log}\nmkdir -p "$3/bin"\n'
+                                     f'printf %s \'{fake_python}\' > "$3/bin/python"\nchmod +x "$3/bin/python"\n')
     (bin_dir / "python3").chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k != "SPEEDRUN_PYTHON"}
     env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", SPEEDRUN_PROBE_CMD="exit 0")

@@ -1,0 +1,943 @@
+"""launch.py: what speedrun.sh asks of Python. Not a stage: the recipe is speedrun.sh; this runs its stages.
+
+    python3 launch.py flags [speedrun.sh's flags]        # check them; print them as shell variables (or the --help)
+    python3 launch.py venv --run RUN                     # .venv with requirements.txt installed, or repaired
+    python3 launch.py setup --python PY [flags]          # GPUs, driver, plan, rehearsal budgets: <run>/logs/setup.env
+    python3 launch.py probe --run RUN TORCHRUN... distributed.py probe   # NCCL, and the safe flags if it hangs
+    python3 launch.py stage --run RUN NAME [--train] [--skip_if PATH] COMMAND...   # one stage, logged, stoppable
+    python3 launch.py end --run RUN                      # end every process of the run still alive (speedrun's exit)
+    python3 launch.py reuse_chat_eval --run RUN STAGE    # chat_eval's own result for the stage whose model it scored
+    python3 launch.py rehearsed --run RUN --seconds N    # the rehearsal's stage times: <run>/rehearsed.json
+
+The standard library only: it runs under python3 before .venv exists, and no stage's start waits for torch's import
+(torch is asked through the interpreter speedrun.sh runs the stages with). Between calls the run's state is
+<run>/logs/launch.json (the mark its processes carry, the machine, the NCCL flags in force); each stage's wall time
+and exit status go to <run>/logs/stages.tsv, which report.py reads.
+"""
+import hashlib
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from glob import glob
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+
+# --- speedrun.sh's flags ---------------------------------------------------------------------------------------------
+
+FLAG_DEFAULTS = {"plan": "auto", "depth": "20", "run_name": "speedrun", "runs_dir": "runs", "data_dir": "",
+                 "gpus": "auto", "shards": "", "vocab_size": "", "tokenizer": "", "stop_after": "", "rl": "auto",
+                 "stage_evals": "pretrain,midtrain,sft,rl"}
+SWITCHES = ["no_chat", "rehearse", "no_rehearse", "force", "probe_only"]
+STOP_AFTER = ["data", "tokenizer", "download", "pretrain", "core_eval", "midtrain", "sft", "rl", "chat_eval", "report"]
+MODEL_STAGES = ["pretrain", "midtrain", "sft", "rl"]
+# the conversation datasets the gpu plan's midtraining and SFT read (dataset.py download-chat names): checked and
+# fetched at the start, with the CORE bundle and the ChatCORE tasks, so a gated or missing one fails in minutes
+CHAT_SOURCES = ["smoltalk", "ultrachat", "mmlu", "arc-easy", "arc-challenge", "gsm8k", "identity"]
+
+USAGE = f"""usage: bash speedrun.sh [flags]
+
+  --plan gpu|demo     gpu: d20-class model on FineWeb-Edu, every stage; demo: the offline demo world, preset tiny,
+                      on the CPU (default: gpu when torch sees CUDA GPUs, else demo; GPUs that nvidia-smi lists
+                      but torch cannot use stop the run with the driver and wheel versions)
+  --depth N           gpu plan: model depth, the d{{N}} preset (default: {FLAG_DEFAULTS['depth']})
+  --run_name NAME     everything goes to <runs_dir>/NAME/ (default: {FLAG_DEFAULTS['run_name']})
+  --runs_dir DIR      (default: {FLAG_DEFAULTS['runs_dir']})
+  --data_dir DIR      gpu: the FineWeb-Edu corpus directory (default: dataset.py's cache); demo: the demo world
+                      (default: <runs_dir>/<run_name>/demo, written by demo.py when missing)
+  --gpus N            processes per stage = GPUs used (default: all CUDA GPUs; 0 = CPU, one process)
+  --shards N          gpu plan: FineWeb-Edu training shards to download (default: what the budget needs: its
+                      tokens / the first shard's tokens counted with the tokenizer, plus one)
+  --vocab_size N      tokenizer vocabulary (default: 65536 gpu, 1024 demo)
+  --tokenizer DIR     use this trained tokenizer instead of training one (default: train <run>/tokenizer)
+  --stop_after STAGE  stop after this stage: {' '.join(STOP_AFTER)}
+                      (download: gpu plan, every shard and the prefetched chat and evaluation data are in)
+  --rl on|off         the reinforcement-learning stage after sft (default: on for the gpu plan; off for the demo
+                      plan, where it lowered held-out accuracy: docs/rl.md)
+  --stage_evals LIST  the stages whose final models get CORE and ChatCORE for the report's table of what each
+                      stage taught, comma-separated, or none (default: {FLAG_DEFAULTS['stage_evals']}; a column left
+                      out says unknown)
+  --no_chat           do not start chat.py at the end (it starts only when stdin is a terminal anyway)
+  --rehearse          run every stage of the plan with its own command lines, data and world size, on a tiny budget
+                      (a few steps or items each), into <run_name>-rehearsal; it ends with the report and one chat.py
+                      answer and prints each stage's time. Without CUDA, --gpus N rehearses the gpu plan on N CPU
+                      processes (gloo), its sequences cut to 128 tokens (the same sequences per step)
+  --no_rehearse       gpu plan: skip the rehearsal it runs before pretraining (default: rehearse once per run)
+  --force             start although other processes hold the GPUs
+  --probe_only        run the NCCL check, record the transport and its measured bandwidth, and exit
+  -h, --help          this text
+
+environment:
+  PRETRAIN_ARGS MIDTRAIN_ARGS SFT_ARGS RL_ARGS CORE_ARGS CHAT_EVAL_ARGS   extra flags appended to that stage's command line
+                      (the last of a repeated flag wins), e.g. PRETRAIN_ARGS="--steps 100"
+  NCCL_SAFE=1         skip the NCCL probe and run with the safe flags (P2P and InfiniBand off)
+  SPEEDRUN_PYTHON     the interpreter (default: .venv/bin/python, installed from requirements.txt unless .venv
+                      records a completed install of this requirements.txt)
+  SPEEDRUN_PROBE_TIMEOUT  seconds before the NCCL probe counts as hung (default: 120)
+  SPEEDRUN_PROBE_MB   size of the probe's timed all-reduce in MB (default: 64)
+  SPEEDRUN_KILL_WAIT  seconds a stopped stage gets to end before SIGKILL, plus twice its last measured checkpoint
+                      save, plus as long as a checkpoint is still being written, and as much again once it is saved
+                      (default: 30)
+"""
+
+
+class Refused(Exception):
+    """What stops speedrun.sh, with its exit status: 2 for a flag, 1 for the machine, else a stage's own."""
+
+    def __init__(self, message, status):
+        super().__init__(message)
+        self.status = status
+
+
+def parse_flags(argv):
+    """speedrun.sh's flags as {name: value} (switches True/False; "help": True when asked), checked."""
+    flags = {**FLAG_DEFAULTS, **dict.fromkeys(SWITCHES, False), "help": False}
+    i = 0
+    while i < len(argv):
+        arg, name = argv[i], argv[i][2:]
+        if arg in ("-h", "--help"):
+            return {**flags, "help": True}
+        if arg.startswith("--") and name in SWITCHES:
+            flags[name] = True
+        elif arg.startswith("--") and name in FLAG_DEFAULTS and i + 1 < len(argv):
+            flags[name] = argv[i + 1]
+            i += 1
+        elif arg.startswith("--") and name in FLAG_DEFAULTS:
+            raise Refused(f"{arg} needs a value (bash speedrun.sh --help)", 2)
+        else:
+            raise Refused(f"unknown flag {arg} (bash speedrun.sh --help lists them)", 2)
+        i += 1
+    if flags["plan"] not in ("auto", "gpu", "demo"):
+        raise Refused(f"--plan {flags['plan']}: use gpu or demo", 2)
+    if flags["stop_after"] not in ("", *STOP_AFTER):
+        raise Refused(f"--stop_after {flags['stop_after']}: not a stage (bash speedrun.sh --help)", 2)
+    if flags["rl"] not in ("auto", "on", "off"):
+        raise Refused(f"--rl {flags['rl']}: use on or off", 2)
+    for name in ("gpus", "shards", "depth", "vocab_size"):
+        if flags[name] not in ("", "auto") and not flags[name].isdigit():
+            raise Refused(f"--{name} {flags[name]}: use a whole number (bash speedrun.sh --help)", 2)
+    if flags["stage_evals"] == "none":
+        flags["stage_evals"] = ""
+    for name in flags["stage_evals"].split(",") if flags["stage_evals"] else []:
+        if name not in MODEL_STAGES:
+            raise Refused(f"--stage_evals {flags['stage_evals']}: {name} is not a stage with a model (use pretrain, "
+                          f"midtrain, sft, rl, comma-separated, or none)", 2)
+    return flags
+
+
+def run_dir(flags):
+    """<runs_dir>/<run_name>, or <run_name>-rehearsal for a rehearsal (never mixed with the real run's outputs)."""
+    return f"{flags['runs_dir']}/{flags['run_name']}{'-rehearsal' if flags['rehearse'] else ''}"
+
+
+def shell_assignments(values):
+    """name=value lines for bash (a list becomes an array), every value quoted: nothing in them is run."""
+    lines = []
+    for name, value in values.items():
+        if isinstance(value, list):
+            lines.append(f"{name}=({' '.join(shlex.quote(str(v)) for v in value)})")
+        else:
+            lines.append(f"{name}={shlex.quote(str(value))}")
+    return "\n".join(lines) + "\n"
+
+
+def flags_command(argv):
+    """`flags`: the shell code speedrun.sh evals: its variables, or the help and `exit 0`. Makes <run>/logs; a
+    rehearsal that passed is deleted first (it is redone from the start: it checks this code; an interrupted one
+    resumes)."""
+    flags = parse_flags(argv)
+    if flags["help"]:
+        return f"printf '%s' {shlex.quote(USAGE)}\nexit 0\n"
+    run = run_dir(flags)
+    redone = flags["rehearse"] and Path(run, "rehearsed.json").is_file()
+    if redone:
+        shutil.rmtree(run)
+    Path(run, "logs").mkdir(parents=True, exist_ok=True)
+    names = {"plan": "PLAN", "depth": "DEPTH", "run_name": "RUN_NAME", "runs_dir": "RUNS_DIR", "data_dir": "DATA_DIR",
+             "gpus": "GPUS", "shards": "SHARDS", "vocab_size": "VOCAB", "tokenizer": "TOKENIZER",
+             "stop_after": "STOP_AFTER", "rl": "RL_STAGE", "stage_evals": "STAGE_EVALS", "no_chat": "NO_CHAT",
+             "rehearse": "REHEARSE", "no_rehearse": "NO_REHEARSE", "force": "FORCE", "probe_only": "PROBE_ONLY"}
+    values = {var: int(flags[name]) if name in SWITCHES else flags[name] for name, var in names.items()}
+    code = shell_assignments({**values, "RUN": run, "LOGS": f"{run}/logs"})
+    if redone:
+        code += f"say {shlex.quote(f'rehearsing again from the start: {run} held a rehearsal that passed (now deleted)')}\n"
+    return code
+
+
+# --- what speedrun.sh says ---------------------------------------------------------------------------------------
+
+def say(run, text):
+    """A line of speedrun's own: to the terminal and to logs/speedrun.log."""
+    line = f"speedrun: {text}"
+    with open(f"{run}/logs/speedrun.log", "a") as log:
+        log.write(line + "\n")
+    terminal(line)
+
+
+def terminal(line, stream=None):
+    """Print, unless the terminal is gone (a closed one after SIGHUP): what is logged is logged regardless."""
+    stream = stream or sys.stdout
+    try:
+        print(line, file=stream, flush=True)
+    except OSError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())  # its buffer must not fail again at exit
+
+
+def read_state(run):
+    path = Path(run, "logs", "launch.json")
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def write_state(run, state):
+    path = Path(run, "logs", "launch.json")
+    path.with_suffix(".tmp").write_text(json.dumps(state, indent=1))
+    path.with_suffix(".tmp").replace(path)
+
+
+# --- the interpreter -------------------------------------------------------------------------------------------------
+
+def install_venv(run, venv=ROOT / ".venv", requirements=ROOT / "requirements.txt"):
+    """`venv`: .venv with requirements.txt installed. It counts as installed only when it holds the sha256 of the
+    requirements.txt whose pip install completed: an interrupted pip, or a venv made without pip (python3-venv
+    missing), is repaired or redone, never skipped. python3 (the one on PATH, which runs this file) makes it."""
+    want = hashlib.sha256(requirements.read_bytes()).hexdigest()
+    record = venv / "installed-requirements.sha256"
+    have = record.read_text().strip() if record.is_file() else ""
+    if have == want:
+        return
+    python = venv / "bin" / "python"
+    has_pip = os.access(python, os.X_OK) and subprocess.run([python, "-m", "pip", "--version"], capture_output=True,
+                                                  check=False).returncode == 0
+    if not has_pip:
+        say(run, f"{venv} has no working python or pip (an interrupted creation, or python3-venv missing): recreating "
+                 f"it" if venv.exists() else f"creating {venv} from requirements.txt")
+        shutil.rmtree(venv, ignore_errors=True)
+        if subprocess.run(["python3", "-m", "venv", venv], check=False).returncode != 0:
+            shutil.rmtree(venv, ignore_errors=True)
+            raise Refused(f"`python3 -m venv {venv}` failed: install the venv module (Debian/Ubuntu: `apt-get install "
+                          f"python3-venv`) and rerun, or set SPEEDRUN_PYTHON to an interpreter with requirements.txt "
+                          f"installed", 1)
+    elif have:
+        say(run, f"requirements.txt changed since {venv} was installed: installing it again")
+    else:
+        say(run, f"{venv} is a half install (no record that pip install -r requirements.txt completed): repairing it")
+    if subprocess.run([python, "-m", "pip", "install", "-q", "-r", requirements], check=False).returncode != 0:
+        raise Refused(f"pip install -r {requirements} into {venv} failed (above); fix the cause and rerun: the install "
+                      f"is repaired then (or delete {venv} to start it afresh)", 1)
+    record.write_text(want + "\n")
+    say(run, f"{venv}: requirements.txt installed (sha256 {want[:12]}... recorded in {record})")
+
+
+# --- setup: the GPUs, the driver, the plan ---------------------------------------------------------------------------
+
+def ask_python(python, program, pythonpath=None):
+    """`python -c program`'s output: torch's answers come from the stages' interpreter, not from this one."""
+    env = {**os.environ, "PYTHONPATH": str(pythonpath)} if pythonpath else None
+    done = subprocess.run([python, "-c", program], capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        raise Refused(f"`{python} -c '{program}'` failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}", 1)
+    return done.stdout.strip()
+
+
+def nvidia_smi(*args):
+    """nvidia-smi's output, or "" when it is not installed or fails."""
+    if shutil.which("nvidia-smi") is None:
+        return ""
+    done = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, check=False)
+    return done.stdout if done.returncode == 0 else ""
+
+
+def check_gpus_free(force):
+    """Zombie workers of an earlier run hold GPU memory: processes on the GPUs stop the run, with the kill command."""
+    holders = nvidia_smi("--query-compute-apps=pid,process_name", "--format=csv,noheader").strip()
+    if holders and not force:
+        pids = " ".join(line.split(",")[0].strip() for line in holders.splitlines())
+        raise Refused(f"processes hold the GPUs (pid, name):\n{holders}\nThey would leave this run short of memory (a "
+                      f"zombie worker of an earlier run?). Stop them with `kill {pids}` (`kill -9 {pids}` if they "
+                      f"stay), or rerun with --force.", 1)
+
+
+def explain_driver(python):
+    """torch sees no GPU: when nvidia-smi lists some (a driver older than the CUDA the torch wheel was built for), an
+    error naming the driver and wheel versions and the fix, never a silent CPU run on a rented GPU box."""
+    listed = len([line for line in nvidia_smi("--query-gpu=name", "--format=csv,noheader").splitlines() if line])
+    if listed == 0:
+        return
+    driver = nvidia_smi("--query-gpu=driver_version", "--format=csv,noheader").split("\n")[0].replace(" ", "")
+    found = re.search(r"CUDA Version: *([0-9.]*)", nvidia_smi())
+    driver_cuda = found.group(1) if found else ""
+    torch_version, torch_cuda = ask_python(python, "import torch; print(torch.__version__, torch.version.cuda)").split()
+    raise Refused(
+        f"nvidia-smi lists {listed} GPU(s) but torch {torch_version} sees none. The driver is {driver or 'unknown'} "
+        f"(it supports CUDA {driver_cuda or 'unknown'}); this torch wheel was built for CUDA "
+        f"{'none (a CPU-only wheel)' if torch_cuda == 'None' else torch_cuda}.\nInstall a torch wheel built for a "
+        f"CUDA the driver supports, e.g. `{python} -m pip install torch=={torch_version.split('+')[0]} --index-url "
+        f"https://download.pytorch.org/whl/cuXYZ` with XYZ at most {driver_cuda or 'that of the driver'} without the "
+        f"dot (pytorch.org lists the builds), or update the driver; --gpus 0 runs on the CPU regardless.", 1)
+
+
+REHEARSAL_STEPS = (3, 3, 3)  # pretrain, midtrain, sft: each saves a checkpoint at step 2 and at its end
+REHEARSAL_PROMPT = "Why do plants need light?"
+
+
+def rehearsal_budgets(nproc, on_cpu):
+    """A rehearsal's flags per stage, appended last (the last of a repeated flag wins): a few steps, items or
+    checkpoints each, so that a bug in any stage shows in minutes instead of after hours of pretraining."""
+    questions = max(nproc, 2)  # rl.py deals each step's questions over the ranks: at least one each
+    return {
+        "R_DATA": ["--shards", "2"],  # the first shard (the tokenizer's and the data plan's) and one more
+        "R_TOK": ["--max_chars", "20000000"],
+        # one sample prompt per evaluation, and short samples: generating them is most of a tiny evaluation
+        "R_PRETRAIN": ["--steps", REHEARSAL_STEPS[0], "--eval_every", 0, "--ckpt_every", 2, "--keep", 1,
+                       "--bpb_tokens", 32768, "--sample_prompt", "The capital of France is"],
+        "R_MIDTRAIN": ["--steps", REHEARSAL_STEPS[1], "--eval_every", 0, "--eval_rows", 16, "--ckpt_every", 2,
+                       "--keep", 1, "--sample_prompt", REHEARSAL_PROMPT],
+        "R_SFT": ["--steps", REHEARSAL_STEPS[2], "--eval_every", 0, "--eval_rows", 16, "--ckpt_every", 2, "--keep", 1,
+                  "--sample_prompt", REHEARSAL_PROMPT],
+        "R_RL": ["--steps", 2, "--questions_per_step", questions, "--samples", 2, "--max_new_tokens", 16,
+                 "--eval_every", 0, "--eval_items", questions, "--eval_samples", 2, "--ckpt_every", 1, "--keep", 1],
+        "R_CORE": ["--max_items", 4, "--bpb_tokens", 32768, "--max_new_tokens", 8],
+        "R_CHAT_EVAL": ["--max_items", 2, "--max_new_tokens", 32],
+        # the gpu plan on CPU processes: the plan's 256 sequences a step, each 128 tokens instead of 2048
+        # (midtraining's streams per rank are the same at any micro-batch); the later stages inherit the shape
+        "R_SHAPE": ["--sequence_len", 128, "--total_batch_tokens", 32768] if on_cpu else [],
+    }
+
+
+def rehearsal_line(budgets):
+    shape = f"; on the CPU: {' '.join(map(str, budgets['R_SHAPE']))}" if budgets["R_SHAPE"] else ""
+    return (f"rehearsal: pretrain {REHEARSAL_STEPS[0]} steps, midtrain {REHEARSAL_STEPS[1]}, sft {REHEARSAL_STEPS[2]} "
+            f"(a checkpoint every 2), CORE {budgets['R_CORE'][1]} items a task, ChatCORE "
+            f"{budgets['R_CHAT_EVAL'][1]}{shape}")
+
+
+def plan_lines(depth, nproc, on_cpu, rehearse):
+    """What the gpu plan will do, said before it starts (speedrun.sh's GPU_BUDGET and RL, in words)."""
+    model = f"plan: d{depth} ('python model.py --preset d{depth}' for its parameters)"
+    if rehearse:
+        return [(f"{model} on {nproc} {'CPU processes' if on_cpu else 'GPUs'}, the rehearsal's budget appended to each "
+                f"stage")]
+    return [(f"{model}, 20 tokens per parameter at 524,288 tokens a step on {nproc} GPUs; pretrain.py prints the "
+            f"parameters, tokens and steps before step 1, and this script the expected time measured after the first "
+            f"timed steps"),
+            ("plan: rl: one epoch of GSM8K's 7,473 training questions, 16 a step, 16 replies each (up to 256 tokens): "
+            "468 steps, at most 1.9M tokens sampled. Its share of the time is not known before it runs (sampling, not "
+            "training, sets its pace): rl.py prints its ETA after its first step, report.md every stage's wall time")]
+
+
+def setup(python, argv):
+    """The machine and the plan: checks that stop the run before any stage, then <run>/logs/setup.env (speedrun.sh
+    sources it) and <run>/logs/launch.json (this file's later calls read it)."""
+    flags = parse_flags(argv)
+    run = run_dir(flags)
+    check_gpus_free(flags["force"])
+    seen = []  # torch's CUDA device count, asked once and only when needed (--gpus 0 never asks)
+
+    def torch_gpus():
+        if not seen:
+            seen.append(int(ask_python(python, "import torch; print(torch.cuda.device_count())")))
+        return seen[0]
+
+    plan, gpus, rehearse = flags["plan"], flags["gpus"], flags["rehearse"]
+    if gpus == "auto":
+        gpus = torch_gpus()
+        if gpus == 0:
+            explain_driver(python)
+    else:
+        gpus = int(gpus)
+        stand_in_probe = flags["probe_only"] and os.environ.get("SPEEDRUN_PROBE_CMD")  # tests: it uses no GPU
+        nothing_trains = flags["stop_after"] in ("data", "tokenizer", "download")  # a CPU box may fetch the data
+        if gpus > 0 and not stand_in_probe and not nothing_trains and torch_gpus() < gpus:
+            if torch_gpus() == 0 and (plan == "demo" or rehearse):
+                say(run, f"--gpus {gpus} and torch sees no CUDA GPU: {gpus} CPU processes on gloo (only the demo "
+                         f"plan and a rehearsal run so)")
+            else:
+                if torch_gpus() == 0:
+                    explain_driver(python)
+                raise Refused(f"--gpus {gpus}, but torch sees {torch_gpus()} CUDA GPU(s): pass --gpus {torch_gpus()}"
+                              f"{' (the CPU)' if torch_gpus() == 0 else ''}, or make the GPUs visible "
+                              f"(CUDA_VISIBLE_DEVICES)", 1)
+    plan = ("gpu" if gpus > 0 else "demo") if plan == "auto" else plan
+    rl = ("on" if plan == "gpu" else "off") if flags["rl"] == "auto" else flags["rl"]
+    # only a rehearsal runs the gpu plan on the CPU: there --gpus N without CUDA means N CPU processes on gloo
+    on_cpu = plan == "gpu" and rehearse and (gpus == 0 or torch_gpus() == 0)
+    if plan == "gpu" and gpus < 1 and not flags["probe_only"] and not rehearse:
+        raise Refused("--plan gpu needs CUDA GPUs and torch sees none; use --plan demo on the CPU (or --rehearse --gpus "
+                      "N: the gpu plan's rehearsal on N CPU processes)", 2)
+    if plan == "demo" and flags["stop_after"] == "download":
+        raise Refused("--stop_after download: the demo plan has no download stage (use data)", 2)
+    nproc = max(gpus, 1)
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            check=False).stdout.strip() or "unknown"
+    say(run, f"plan {plan}{' (rehearsal)' if rehearse else ''}, run {run}, {nproc} process(es) per stage "
+             f"({f'{gpus} GPUs' if gpus > 0 and not on_cpu else 'CPU'}), commit {commit}")
+
+    if plan == "gpu" and not flags["probe_only"]:
+        for line in plan_lines(flags["depth"], nproc, on_cpu, rehearse):
+            say(run, line)
+    data_dir, vocab = flags["data_dir"], flags["vocab_size"]
+    if plan == "demo":
+        data_dir, vocab = data_dir or f"{run}/demo", vocab or "1024"
+        corpus = f"{data_dir}/pretrain"
+    else:
+        if not data_dir and not flags["probe_only"]:
+            data_dir = ask_python(python, "from dataset import default_data_dir as d; "
+                                          "print(d('karpathy/fineweb-edu-100b-shuffle'))", pythonpath=ROOT)
+        vocab, corpus = vocab or "65536", data_dir
+    budgets = rehearsal_budgets(nproc, on_cpu) if rehearse else {name: [] for name in rehearsal_budgets(1, False)}
+    if rehearse:
+        say(run, rehearsal_line(budgets))
+    extras = {f"{stage}_EXTRA": os.environ.get(f"{stage}_ARGS", "").split()
+              for stage in ("PRETRAIN", "MIDTRAIN", "SFT", "RL", "CORE", "CHAT_EVAL")}  # words: no globbing, no eval
+    mark = f"speedrun-{os.getppid()}-{time.time_ns()}"  # carried by every process of this run (its stages only)
+    stages_tsv = Path(run, "logs", "stages.tsv")
+    write_state(run, {"mark": mark, "plan": plan, "gpus": gpus, "nproc": nproc, "on_cpu": on_cpu,
+                      "stages_before": len(stages_tsv.read_text().splitlines()) if stages_tsv.is_file() else 0,
+                      "nccl": {"safe": False, "fallback": False}, "transport": ""})
+    Path(run, "logs", "setup.env").write_text(shell_assignments({
+        "PLAN": plan, "GPUS": gpus, "NPROC": nproc, "ON_CPU": int(on_cpu), "RL_STAGE": rl, "DATA_DIR": data_dir,
+        "CORPUS": corpus, "VOCAB": vocab, "MARK": mark, "CHAT_SOURCES": CHAT_SOURCES, **extras, **budgets,
+        "REHEARSAL_PROMPT": REHEARSAL_PROMPT}))
+
+
+# --- the processes of a run: found by the mark in their environment --------------------------------------------------
+
+def processes():
+    """(pid, environment entries) of every process this user may read, zombies (no environment) left out."""
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                environ = Path(entry.path, "environ").read_bytes()
+            except OSError:
+                continue
+            if environ:
+                yield int(entry.name), environ.split(b"\0")
+
+
+def marked(mark, workers=False):
+    """The live processes carrying this run's mark (SPEEDRUN_MARK, the probe's too); workers: torchrun's workers only
+    (LOCAL_RANK set), whose sessions are their own and which outlive torchrun's process group."""
+    wanted = {f"SPEEDRUN_MARK={mark}".encode(), f"SPEEDRUN_MARK={mark}.probe".encode()}
+    return [pid for pid, environ in processes() if wanted.intersection(environ)
+            and (not workers or any(entry.startswith(b"LOCAL_RANK=") for entry in environ))]
+
+
+def group_of(pid):
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def group_alive(pgid):
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except OSError:
+        return False
+
+
+def signal_all(pids=(), groups=(), signum=signal.SIGTERM):
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except OSError:
+            pass
+    for pgid in groups:
+        try:
+            os.killpg(pgid, signum)
+        except OSError:
+            pass
+
+
+def kill_wait():
+    return int(os.environ.get("SPEEDRUN_KILL_WAIT", "30"))
+
+
+def checkpoint_grace(wait, ckpt):
+    """The seconds a stopped stage gets before SIGKILL: `wait` plus twice its last measured checkpoint save
+    (<ckpt>/save_seconds, written by checkpoint.py), rounded up."""
+    saved = 0.0
+    if ckpt:
+        try:
+            saved = float(Path(ckpt, "save_seconds").read_text()[:32])
+        except (OSError, ValueError):
+            pass
+    return math.ceil(wait + 2 * saved)
+
+
+def writing_checkpoint(ckpt, now=None):
+    """A file of a checkpoint in progress (under ckpt/.tmp_step_*) changed in the last 5 seconds."""
+    if not ckpt or not Path(ckpt).is_dir():
+        return False
+    recent = (now or time.time()) - 5
+    for path in Path(ckpt).glob(".tmp_step_*"):
+        for item in [path, *path.rglob("*")]:
+            try:
+                if item.stat().st_mtime > recent:
+                    return True
+            except OSError:
+                pass
+    return False
+
+
+def saved_since(ckpt, since):
+    """A checkpoint of the stage was saved since `since` (its save_seconds is newer)."""
+    try:
+        return bool(ckpt) and Path(ckpt, "save_seconds").stat().st_mtime > since
+    except OSError:
+        return False
+
+
+def end_processes(mark, stage=None, ckpt=None):
+    """End every process of the run: torchrun's workers get SIGTERM themselves (torchrun is not signalled, so its own
+    grace does not start while rank 0 checkpoints), every other marked group (the background download's; the stage's
+    own when it has no workers) too. They get SPEEDRUN_KILL_WAIT seconds plus twice the stage's last checkpoint save,
+    more while a checkpoint is still being written, and SPEEDRUN_KILL_WAIT more once it is saved; then SIGKILL for
+    every marked process and group, and a wait until they are gone, not just signalled. stage: the Popen of the running
+    stage, the leader of its own process group."""
+    since, wait = time.time(), kill_wait()
+    workers = marked(mark, workers=True)
+    others = {group_of(pid) for pid in marked(mark)} - {group_of(pid) for pid in workers}  # the download's group
+    others -= {None, os.getpgrp(), stage.pid if stage is not None else None}  # never speedrun.sh's own group
+    groups = others | ({stage.pid} if stage is not None else set())
+    signal_all(workers, others if workers else groups)  # the stage's group ends when its workers have
+    grace = checkpoint_grace(wait, ckpt)
+    deadline, exiting = time.monotonic() + grace, False
+    while True:
+        if stage is not None:
+            stage.poll()  # reaped: a zombie leader would count as a live group
+        alive = marked(mark) or [pgid for pgid in groups if group_alive(pgid)]
+        if not alive:
+            break
+        if time.monotonic() >= deadline:
+            if writing_checkpoint(ckpt):
+                deadline = time.monotonic() + 5
+            elif not exiting and saved_since(ckpt, since):  # checkpointed: SPEEDRUN_KILL_WAIT more to exit
+                exiting, deadline, grace = True, time.monotonic() + wait, grace + wait
+            else:
+                break
+        time.sleep(0.1)
+    if alive:
+        terminal(f"speedrun: stage processes still running after {grace}s: killing them (SIGKILL)", sys.stderr)
+    signal_all(groups=groups, signum=signal.SIGKILL)
+    for _ in range(100):
+        left = marked(mark)
+        if not left:
+            break
+        signal_all(left, signum=signal.SIGKILL)
+        time.sleep(0.1)
+    if stage is not None:
+        stage.poll()
+
+
+# --- the NCCL probe --------------------------------------------------------------------------------------------------
+
+SAFE_FLAGS = {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo", "NCCL_NET": "Socket",
+              "NCCL_NET_PLUGIN": "none"}  # P2P and InfiniBand off, sockets over loopback: what stopped runs hanging
+SAFE_TEXT = " ".join(f"{name}={value}" for name, value in SAFE_FLAGS.items())
+BANDWIDTH = re.compile(r"all-reduce over .*: ok, .* bus bandwidth ([0-9.]* GB/s|n/a: one GPU)")
+
+
+def probe_settings():
+    return int(os.environ.get("SPEEDRUN_PROBE_TIMEOUT", "120")), os.environ.get("SPEEDRUN_PROBE_MB", "64")
+
+
+def hung(status):
+    return status in (124, 137)
+
+
+def run_probe(run, mark, command, safe):
+    """The probe (distributed.py probe under torchrun, or SPEEDRUN_PROBE_CMD, which tests use) in its own session,
+    with or without the safe flags, under a hard timeout (124: it hung; 137: it ignored SIGTERM too); nothing of it
+    survives. (exit status, the bus bandwidth it printed or None)."""
+    timeout, mbytes = probe_settings()
+    if os.environ.get("SPEEDRUN_PROBE_CMD"):
+        command = ["bash", "-c", os.environ["SPEEDRUN_PROBE_CMD"]]
+    else:
+        command = [*command, "--timeout", str(timeout), "--mbytes", mbytes]
+    env = {**os.environ, "SPEEDRUN_MARK": f"{mark}.probe", **(SAFE_FLAGS if safe else {})}
+    log_path = Path(run, "logs", "probe.log")
+    before = log_path.stat().st_size if log_path.is_file() else 0
+    with open(log_path, "ab") as log:
+        probe = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                                 start_new_session=True)
+    try:
+        status = probe.wait(timeout)
+    except subprocess.TimeoutExpired:
+        signal_all(groups=[probe.pid])
+        try:
+            probe.wait(5)
+            status = 124
+        except subprocess.TimeoutExpired:
+            status = 137
+    finally:  # a timeout, or a signal (main's handler raises SystemExit here)
+        signal_all(groups=[probe.pid], signum=signal.SIGKILL)
+        probe.wait()
+        for _ in range(100):  # torchrun's workers: sessions of their own, found by the probe's mark
+            left = [pid for pid, environ in processes() if f"SPEEDRUN_MARK={mark}.probe".encode() in environ]
+            if not left:
+                break
+            signal_all(left, signum=signal.SIGKILL)
+            time.sleep(0.1)
+    with open(log_path, "rb") as log:
+        log.seek(before)
+        found = BANDWIDTH.findall(log.read().decode(errors="replace"))
+    return status, (found[-1] if found else None)
+
+
+def probe(run, command):
+    """`probe`: the transport the stages use, in <run>/transport.txt. With GPUs, a 4-byte and a timed gradient-bucket
+    sized all-reduce before training; on a hang or failure, the safe flags, their cost printed. Returns the exit
+    status (the safe flags' probe's when both fail)."""
+    state = read_state(run)
+    timeout, mbytes = probe_settings()
+    nccl = {"safe": False, "fallback": False, "probe": command}
+    if state["gpus"] == 0 or state["on_cpu"]:
+        transport = "gloo (cpu)"
+    elif os.environ.get("NCCL_SAFE", "0") == "1":
+        nccl["safe"], transport = True, f"nccl safe flags (NCCL_SAFE=1: {SAFE_TEXT})"
+    else:
+        status, bandwidth = run_probe(run, state["mark"], command, safe=False)
+        if status == 0:
+            transport = f"nccl default, all-reduce bus bandwidth {bandwidth or 'unknown'} ({mbytes} MB message)"
+        else:
+            default_bw = bandwidth or f"none: it {'hung' if hung(status) else 'failed'}"
+            say(run, f"NCCL probe failed (exit {status}{f', hung past {timeout}s' if hung(status) else ''}): retrying "
+                     f"with the safe flags {SAFE_TEXT}; log: {run}/logs/probe.log")
+            status, bandwidth = run_probe(run, state["mark"], command, safe=True)
+            if status != 0:
+                terminal(f"speedrun: stage nccl_probe failed (exit {status}) even with the safe flags; log: "
+                         f"{run}/logs/probe.log", sys.stderr)
+                return status
+            safe_bw = bandwidth or "unknown"
+            nccl.update(safe=True, fallback=True, safe_bw=safe_bw, default_bw=default_bw)
+            transport = (f"nccl safe flags ({SAFE_TEXT}), all-reduce bus bandwidth {safe_bw} ({mbytes} MB message; "
+                         f"default flags: {default_bw})")
+            say(run, f"the safe flags cost: all-reduce bus bandwidth {safe_bw} with them (P2P and InfiniBand off: "
+                     f"gradients go through host memory and sockets); with the default flags: {default_bw}")
+    Path(run, "transport.txt").write_text(transport + "\n")
+    say(run, f"transport: {transport}")
+    write_state(run, {**state, "nccl": nccl, "transport": transport})
+    return 0
+
+
+def reprobe(run, state, name):
+    """One failed probe (a slow cold start, a transient fault) must not pin the safe flags for hours: before each
+    torchrun stage after a fallback the default flags are probed again, and used again once they pass."""
+    nccl = state["nccl"]
+    timeout, _ = probe_settings()
+    start = time.time()
+    status, bandwidth = run_probe(run, state["mark"], nccl["probe"], safe=False)
+    took = int(time.time()) - int(start)
+    if status == 0:
+        nccl.update(safe=False, fallback=False)
+        state["transport"] += f"; from stage {name} on: nccl default, all-reduce bus bandwidth {bandwidth or 'unknown'}"
+        say(run, f"NCCL probe before stage {name} ({took}s): the default flags pass now, all-reduce bus bandwidth "
+                 f"{bandwidth or 'unknown'} against {nccl['safe_bw']} with the safe flags (what the fallback cost each "
+                 f"stage since): stage {name} and the later ones use the defaults")
+    else:
+        say(run, f"NCCL probe before stage {name} ({took}s): the default flags fail again (exit {status}"
+                 f"{f', hung past {timeout}s' if hung(status) else ''}): stage {name} keeps the safe flags, all-reduce "
+                 f"bus bandwidth {nccl['safe_bw']} (default flags at the start: {nccl['default_bw']}); log: "
+                 f"{run}/logs/probe.log")
+    Path(run, "transport.txt").write_text(state["transport"] + "\n")
+    write_state(run, state)
+
+
+# --- one stage -------------------------------------------------------------------------------------------------------
+
+def eta_line(line):
+    """After a pretraining step line from step 20 on (train_loop's `step 20/400 ... 8,123 tok/s ... tokens 163,840
+    ... ETA ...`): the expected time left from the measured throughput, after compilation and warm-up. Else None."""
+    fields = line.split()
+    if len(fields) < 2 or fields[0] != "step" or "ETA" not in line or fields[1].count("/") != 1:
+        return None
+    rate = done = None
+    for i in range(1, len(fields) - 1):
+        if fields[i] == "tok/s":
+            rate = fields[i - 1].replace(",", "")
+        if fields[i] == "tokens":
+            done = fields[i + 1].replace(",", "")
+    try:
+        step, total = (int(n) for n in fields[1].split("/"))
+        left = (total - step) * float(done) / step / float(rate)
+    except (TypeError, ValueError, ZeroDivisionError):
+        return None
+    if step < 20 or float(rate) <= 0:
+        return None
+    return (f"speedrun: expected pretraining time left: {int(left / 3600)}:{int(left % 3600 / 60):02d}:"
+            f"{int(left % 60):02d} for {total - step} more steps (measured: {rate} tok/s at step {step}, after "
+            f"compilation and warm-up)")
+
+
+def progress_lines(run, name, now):
+    """A failed training stage's ranks, each with its last step and phase and how long ago: under NCCL a hung
+    collective aborts in C++ and no rank can say which one was stuck; these files (distributed.py) say where each was."""
+    files = sorted(glob(f"{run}/{name}/progress/rank*.txt"))
+    lines = [f"speedrun: where each rank of stage {name} was last ({run}/{name}/progress/):"] if files else []
+    for path in files:
+        for line in Path(path).read_text().splitlines():
+            fields = line.split()
+            at = [float(fields[i + 1]) for i in range(len(fields) - 1) if fields[i] == "at"]
+            lines.append(f"speedrun:   {line} ({now - at[-1]:.0f} s before this)" if at else f"speedrun:   {line}")
+    return lines
+
+
+def record_stage(run, name, seconds, status):
+    """One row of <run>/logs/stages.tsv: the stage, its wall time, its exit status (report.py reads it)."""
+    with open(f"{run}/logs/stages.tsv", "a") as tsv:
+        tsv.write(f"{name}\t{seconds:.1f}\t{status}\n")
+
+
+def read_stages(run):
+    path = Path(run, "logs", "stages.tsv")
+    return [line.split("\t") for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def copy_output(source, log, eta):
+    """The stage's output, as it comes, to the terminal and its log; with eta, the expected pretraining time once."""
+    pending, said, to_terminal = b"", not eta, True
+    while chunk := os.read(source, 1 << 16):
+        log.write(chunk)
+        if to_terminal:
+            try:
+                sys.stdout.buffer.write(chunk)
+                sys.stdout.buffer.flush()
+            except OSError:  # the terminal is gone (SIGHUP): the log gets the rest
+                to_terminal = False
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if not said:
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                if not said and (expected := eta_line(line.decode(errors="replace"))):
+                    said = True
+                    terminal(expected)
+
+
+def run_stage(run, name, command, train=False, skip_if=None, signals=None, log_only=False):
+    """`stage`: COMMAND in a session of its own (its own process group) carrying the run's mark, stdin from
+    /dev/null, its output to the terminal and to logs/<name>.log, its time in logs/stages.tsv. Skipped when skip_if
+    (a training stage: its done.json) exists; a training stage with a checkpoint gets --resume. signals: main's
+    handler's record; once the stage has started, a signal received ends its processes (before, it exits at once).
+    log_only: a background fetch: its output to its log alone, no record, no line said; it does not react to signals
+    (the run's end stops it with every other process of the run). Returns the exit status."""
+    if log_only:
+        state, signals["exit_now"] = read_state(run), False
+        with open(f"{run}/logs/{name}.log", "ab") as log:
+            status = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                                    env={**os.environ, "SPEEDRUN_MARK": state["mark"]}, check=False).returncode
+        return 128 - status if status < 0 else status
+    done = f"{run}/{name}/done.json" if train else skip_if
+    if done and Path(done).exists():
+        say(run, f"stage {name} skipped: {done} exists")
+        return 0
+    ckpt = f"{run}/{name}/ckpt" if train else None
+    if train and glob(f"{ckpt}/step_[0-9]*"):
+        command = [*command, "--resume"]
+        say(run, f"stage {name} was interrupted: resuming from its last checkpoint")
+    state = read_state(run)
+    if command[1:3] == ["-m", "torch.distributed.run"] and state["nccl"]["fallback"]:
+        reprobe(run, state, name)
+    say(run, f"stage {name}: {' '.join(command)}")
+    log_path, signals = f"{run}/logs/{name}.log", signals if signals is not None else {"received": []}
+    stopped = signals["received"]
+    env = {**os.environ, "SPEEDRUN_MARK": state["mark"], **(SAFE_FLAGS if state["nccl"]["safe"] else {}),
+           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(checkpoint_grace(kill_wait(), ckpt))}
+    start = time.time()
+    read_end, write_end = os.pipe()
+    with open(log_path, "ab", buffering=0) as log:
+        signals["exit_now"] = False
+        try:
+            stage = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=write_end, stderr=write_end, env=env,
+                                     start_new_session=True)
+        except OSError as e:
+            os.close(write_end)
+            log.write(f"speedrun: cannot run {command[0]}: {e}\n".encode())
+            terminal(f"speedrun: cannot run {command[0]}: {e}", sys.stderr)
+            stage = None
+        else:
+            os.close(write_end)
+        copier = threading.Thread(target=copy_output, args=(read_end, log, name == "pretrain"), daemon=True)
+        copier.start()
+        while not stopped and (copier.is_alive() or (stage is not None and stage.poll() is None)):
+            copier.join(0.1)
+        if stopped:  # speedrun.sh prints why and exits with the signal's status
+            end_processes(state["mark"], stage, ckpt)
+            copier.join(10)
+            return 128 + stopped[0]
+        status = 127 if stage is None else stage.wait()
+    os.close(read_end)
+    status = 128 - status if status < 0 else status  # killed by a signal: the shell's 128 + N
+    record_stage(run, name, time.time() - start, status)
+    if status != 0:
+        terminal(f"speedrun: stage {name} failed (exit {status}); log: {log_path}", sys.stderr)
+        for line in progress_lines(run, name, time.time()):
+            terminal(line, sys.stderr)
+        return status
+    say(run, f"stage {name} done in {read_stages(run)[-1][1]} s")
+    return 0
+
+
+def process_alive(pid):
+    """Whether pid runs: not gone, not a zombie (ended, not yet reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def stop(run, signal_name, launcher):
+    """`stop`: speedrun.sh got SIG<signal_name>: said, and passed on to the running launch.py (which ends its stage,
+    a training stage checkpointing first), waited for until it has ended. The EXIT trap's `end` ends the rest."""
+    terminal(f"speedrun: stopped by SIG{signal_name}: ending every stage (each training stage checkpoints first); "
+             f"rerun the same command to resume", sys.stderr)
+    if launcher and process_alive(launcher):
+        signal_all([launcher], signum=getattr(signal, f"SIG{signal_name}"))
+        while process_alive(launcher):
+            time.sleep(0.1)
+
+
+# --- around the stages ------------------------------------------------------------------------------------------------
+
+def reuse_chat_eval(run, name):
+    """The final model's ChatCORE is chat_eval's, the same command on the same checkpoint: copied into
+    stage_evals/<name>/ rather than run twice, when chat_eval scored this stage's checkpoint."""
+    where, result = Path(run, "stage_evals", name), Path(run, "chat_eval.json")
+    if (where / "chat_eval.json").is_file() or not result.is_file():
+        return
+    evaluated = Path(json.loads(result.read_text())["checkpoint"]).resolve()
+    if evaluated.parent.parent != Path(run, name).resolve():
+        return
+    where.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(Path(run, "chat_eval_items.jsonl"), where / "chat_eval_items.jsonl")
+    shutil.copyfile(result, where / "chat_eval.json")  # last: its presence says the pair is whole
+    say(run, f"stage_evals/{name}/chat_eval.json: chat_eval's, of the same checkpoint")
+
+
+def rehearsal_due(run, rehearsal, no_rehearse):
+    """The gpu plan rehearses once, before its pretraining: not with --no_rehearse, not after a rehearsal that passed,
+    not once pretraining has started. A skip is said."""
+    if no_rehearse:
+        why = "--no_rehearse"
+    elif Path(rehearsal, "rehearsed.json").is_file():
+        why = f"it passed before ({rehearsal}/rehearsed.json)"
+    elif Path(run, "pretrain").is_dir():
+        why = "pretraining has started already"
+    else:
+        return True
+    say(run, f"stage rehearsal skipped: {why}")
+    return False
+
+
+def rehearsal_passed(run, rehearsal):
+    """After the rehearsal stage: its checkpoints deleted (the real run needs the disk), what it cost said."""
+    ckpts = [Path(p) for p in sorted(glob(f"{rehearsal}/*/ckpt"))]
+    freed = sum(f.stat().st_size for ckpt in ckpts for f in ckpt.rglob("*") if f.is_file())
+    for ckpt in ckpts:
+        shutil.rmtree(ckpt)
+    say(run, f"the rehearsal cost {read_stages(run)[-1][1]} s before pretraining; every stage passed "
+             f"({rehearsal}/report.md; its checkpoints deleted: {freed / 1e9:.1f} GB)")
+
+
+def rehearsed(run, seconds):
+    """A rehearsal passed: each stage's time of this invocation printed, and <run>/rehearsed.json, the record that it
+    passed (the gpu plan does not rehearse again) with the plan, the processes and each stage's seconds."""
+    state = read_state(run)
+    stages = read_stages(run)[state["stages_before"]:]
+    say(run, f"rehearsal passed in {seconds} s; each stage's time (s):")
+    with open(f"{run}/logs/speedrun.log", "a") as log:
+        for name, took, _ in stages:
+            log.write(f"  {name:<15} {took:>8}\n")
+            terminal(f"  {name:<15} {took:>8}")
+    record = {"plan": state["plan"], "processes": state["nproc"], "cpu": state["on_cpu"], "seconds": seconds,
+              "stages": {name: float(took) for name, took, _ in stages}}
+    Path(run, "rehearsed.json").write_text(json.dumps(record) + "\n")
+
+
+# --- speedrun.sh's calls ---------------------------------------------------------------------------------------------
+
+def take_options(argv, valued=(), switches=()):
+    """Leading --options of argv: ({name: value or True}, the rest)."""
+    options = {}
+    while argv and (argv[0] in valued or argv[0] in switches):
+        if argv[0] in valued:
+            if len(argv) < 2:
+                raise Refused(f"launch.py: {argv[0]} needs a value", 2)
+            options[argv[0]], argv = argv[1], argv[2:]
+        else:
+            options[argv[0]], argv = True, argv[1:]
+    return options, argv
+
+
+def main(argv):
+    command, argv = argv[0] if argv else "", argv[1:]
+    signals = {"received": [], "exit_now": True}
+
+    if command in ("stop", "end"):  # they end the run: a second Ctrl-C must not cut that short
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_IGN)
+
+    def on_signal(signum, _frame):  # speedrun.sh passes its signals on; a Ctrl-C reaches this process directly too
+        if signals["exit_now"]:
+            sys.exit(128 + signum)  # a probe running ends in run_probe's finally
+        if not signals["received"]:
+            signals["received"].append(signum)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        if command not in ("stop", "end"):
+            signal.signal(signum, on_signal)  # also: the stages start with these at their defaults, not ignored
+    try:
+        if command == "flags":
+            sys.stdout.write(flags_command(argv))
+            return 0
+        if command == "setup":
+            options, argv = take_options(argv, valued=("--python",))
+            setup(options["--python"], argv)
+            return 0
+        options, argv = take_options(argv, valued=("--run", "--seconds"))
+        run = options["--run"]
+        if command == "venv":
+            install_venv(run)
+            return 0
+        if command == "probe":
+            return probe(run, argv)
+        if command == "stage":
+            name, argv = argv[0], argv[1:]
+            stage_options, argv = take_options(argv, valued=("--skip_if",), switches=("--train", "--log_only"))
+            return run_stage(run, name, argv, "--train" in stage_options, stage_options.get("--skip_if"), signals,
+                             "--log_only" in stage_options)
+        if command == "end":
+            state = read_state(run)
+            if state:
+                end_processes(state["mark"])
+            return 0
+        if command == "stop":
+            stop(run, argv[0], int(argv[1]) if len(argv) > 1 and argv[1] else None)
+            return 0
+        if command == "rehearsal_due":
+            return 0 if rehearsal_due(run, argv[0], argv[1] == "1") else 1
+        if command == "rehearsal_passed":
+            rehearsal_passed(run, argv[0])
+            return 0
+        if command == "reuse_chat_eval":
+            reuse_chat_eval(run, argv[0])
+            return 0
+        if command == "rehearsed":
+            rehearsed(run, int(options["--seconds"]))
+            return 0
+        raise Refused(f"launch.py: unknown command {command!r} (see its docstring)", 2)
+    except Refused as e:
+        terminal(f"speedrun.sh: error: {e}", sys.stderr)
+        return e.status
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,263 @@
+"""launch.py, speedrun.sh's machinery, called directly: the flags, the rehearsal's budgets, the expected pretraining
+time, the grace a stopped stage gets, the end of a run's processes, one stage's run (its log, its record, --resume,
+a skip), and the rehearsal's record. tests/test_speedrun.py runs the same code through speedrun.sh."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from helpers import processes_mentioning
+
+import launch
+import train_loop
+
+
+def test_the_flags_have_their_defaults_and_a_bad_one_is_refused_with_its_fix():
+    flags = launch.parse_flags([])
+    assert {k: flags[k] for k in ("plan", "depth", "run_name", "runs_dir", "gpus", "rl", "stage_evals")} == {
+        "plan": "auto", "depth": "20", "run_name": "speedrun", "runs_dir": "runs", "gpus": "auto", "rl": "auto",
+        "stage_evals": "pretrain,midtrain,sft,rl"}
+    flags = launch.parse_flags(["--rehearse", "--run_name", "x", "--runs_dir", "/r", "--stage_evals", "none"])
+    assert (launch.run_dir(flags), flags["stage_evals"], flags["rehearse"]) == ("/r/x-rehearsal", "", True)
+    for argv, says in ((["--bogus"], "unknown flag --bogus (bash speedrun.sh --help lists them)"),
+                       (["--plan", "tpu"], "--plan tpu: use gpu or demo"),
+                       (["--stop_after", "chat"], "--stop_after chat: not a stage"),
+                       (["--gpus", "two"], "--gpus two: use a whole number"),
+                       (["--depth"], "--depth needs a value")):
+        with pytest.raises(launch.Refused) as refused:
+            launch.parse_flags(argv)
+        assert says in str(refused.value) and refused.value.status == 2, argv
+    assert launch.parse_flags(["--help", "--bogus"])["help"] is True  # the help, whatever follows
+
+
+def test_the_flags_reach_bash_as_the_same_words(tmp_path):
+    """shell_assignments quotes every value: spaces, quotes and $ reach bash as they were, and nothing is run."""
+    values = {"A": "it's $HOME; `rm -rf /`", "B": ["--sample_prompt", "Why do plants need light?", "a'b", ""]}
+    script = launch.shell_assignments(values) + 'printf "%s\\n" "$A" "${B[@]}"'
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == [values["A"], *values["B"]]
+
+
+def test_the_rehearsals_budgets_deal_a_question_to_every_rank_and_shrink_sequences_on_the_cpu():
+    on_gpus = launch.rehearsal_budgets(8, on_cpu=False)
+    assert on_gpus["R_RL"][on_gpus["R_RL"].index("--questions_per_step") + 1] == 8
+    assert on_gpus["R_RL"][on_gpus["R_RL"].index("--eval_items") + 1] == 8
+    assert on_gpus["R_SHAPE"] == [] and on_gpus["R_PRETRAIN"][:2] == ["--steps", 3]
+    on_cpu = launch.rehearsal_budgets(1, on_cpu=True)
+    assert on_cpu["R_RL"][on_cpu["R_RL"].index("--questions_per_step") + 1] == 2  # at least 2 a step
+    assert on_cpu["R_SHAPE"] == ["--sequence_len", 128, "--total_batch_tokens", 32768]
+    assert launch.rehearsal_line(on_cpu) == ("rehearsal: pretrain 3 steps, midtrain 3, sft 3 (a checkpoint every 2), "
+                                             "CORE 4 items a task, ChatCORE 2; on the CPU: --sequence_len 128 "
+                                             "--total_batch_tokens 32768")
+    assert launch.rehearsal_line(on_gpus).endswith("ChatCORE 2")
+
+
+def step_line(step, total, tokens, tok_per_s):
+    record = {"step": step, "loss": 3.5, "lr_mult": 1.0, "grad_norm": 0.5, "tok_per_s": tok_per_s, "mfu": "unknown",
+              "data_wait": 0.01, "tokens": tokens, "epoch": 1}
+    return train_loop.progress_line(record, total, 1.0)
+
+
+def test_the_expected_pretraining_time_is_the_steps_left_at_the_measured_throughput():
+    # 380 steps left x 8,192 tokens a step (163,840 over 20 steps) / 8,123 tok/s = 383.2 s
+    line = step_line(20, 400, 163_840, 8_123)
+    assert "8,123 tok/s" in line and "tokens 163,840" in line
+    assert launch.eta_line(line) == ("speedrun: expected pretraining time left: 0:06:23 for 380 more steps (measured: "
+                                     "8123 tok/s at step 20, after compilation and warm-up)")
+    assert launch.eta_line(step_line(25_000, 50_000, 25_000 * 524_288, 1_000_000)) == (
+        "speedrun: expected pretraining time left: 3:38:27 for 25000 more steps (measured: 1000000 tok/s at step "
+        "25000, after compilation and warm-up)")  # 25,000 x 524,288 / 1e6 = 13,107.2 s
+    assert launch.eta_line(step_line(19, 400, 155_648, 8_123)) is None  # compilation and warm-up still in it
+    assert launch.eta_line(step_line(20, 400, 163_840, 0)) is None
+    assert launch.eta_line("step 20/400 done, no rate here") is None
+    assert launch.eta_line("resume: from runs/x/ckpt/step_000020") is None
+
+
+def test_a_stopped_stage_gets_kill_wait_plus_twice_its_last_checkpoint_save(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    assert launch.checkpoint_grace(30, None) == 30 == launch.checkpoint_grace(30, ckpt)  # none saved yet
+    ckpt.mkdir()
+    (ckpt / "save_seconds").write_text("4.2\n")
+    assert launch.checkpoint_grace(30, ckpt) == 39  # 30 + 8.4, rounded up
+    (ckpt / "save_seconds").write_text("2.5")
+    assert launch.checkpoint_grace(3, ckpt) == 8
+    (ckpt / "save_seconds").write_text("garbage")
+    assert launch.checkpoint_grace(3, ckpt) == 3
+
+
+def test_a_checkpoint_being_written_and_one_saved_since_are_told_by_their_files(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    assert not launch.writing_checkpoint(ckpt) and not launch.saved_since(ckpt, 0)
+    part = ckpt / ".tmp_step_000010" / "model.pt"
+    part.parent.mkdir(parents=True)
+    part.write_bytes(b"x")
+    assert launch.writing_checkpoint(ckpt)
+    old = time.time() - 10
+    for path in (part, part.parent):
+        os.utime(path, (old, old))
+    assert not launch.writing_checkpoint(ckpt)  # a leftover of a killed save, untouched for 10 s
+    since = time.time()
+    (ckpt / "save_seconds").write_text("1.0")
+    assert launch.saved_since(ckpt, since - 1) and not launch.saved_since(ckpt, since + 60)
+
+
+def marked_process(mark, code, env=None):
+    """A python process in a session of its own carrying `mark`, running `code`."""
+    return subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "SPEEDRUN_MARK": mark, **(env or {})},
+                            start_new_session=True)
+
+
+def started(tmp_path, mark, on_term):
+    """A marked process that runs `on_term` (python statements) on SIGTERM, then exits 0; once it waits for it."""
+    ready = tmp_path / f"ready{time.time_ns()}"
+    process = marked_process(mark, f"""import pathlib, signal, sys, time
+def stop(*_):
+{textwrap.indent(on_term, '    ')}
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+pathlib.Path({str(ready)!r}).touch()
+time.sleep(60)""")
+    while not ready.exists():
+        time.sleep(0.02)
+    return process
+
+
+def test_ending_a_run_waits_for_a_checkpoint_being_written_and_saved_then_kills_what_ignores_sigterm(tmp_path,
+                                                                                                   monkeypatch, capsys):
+    """SPEEDRUN_KILL_WAIT=1: a stage that saved its checkpoint within the grace and exits 0.7 s after it gets that
+    much again; one still writing its checkpoint at the deadline gets 5 s more at a time; one that ignores SIGTERM is
+    SIGKILLed once the grace has passed, with the line that says so."""
+    monkeypatch.setenv("SPEEDRUN_KILL_WAIT", "1")
+    ckpt, mark = tmp_path / "ckpt", f"test-{os.getpid()}-{time.time_ns()}"
+    ckpt.mkdir()
+    save = f"pathlib.Path({str(ckpt)!r}, 'save_seconds').write_text('0.1')"
+    saved = started(tmp_path, mark, f"time.sleep(0.5)\n{save}\ntime.sleep(1.2)")
+    start = time.monotonic()
+    launch.end_processes(mark, saved, ckpt)
+    assert saved.returncode == 0 and 1.6 < time.monotonic() - start < 2.5
+    writing = started(tmp_path, mark, f"""part = pathlib.Path({str(ckpt)!r}, '.tmp_step_000010', 'model.pt')
+part.parent.mkdir()
+for _ in range(8):
+    part.write_bytes(b'x'); time.sleep(0.2)
+{save}""")
+    start = time.monotonic()
+    launch.end_processes(mark, writing, ckpt)
+    assert writing.returncode == 0 and 1.5 < time.monotonic() - start < 2.5
+    assert "killing them" not in capsys.readouterr().err
+    stuck = started(tmp_path, mark, "time.sleep(60)")
+    launch.end_processes(mark)  # speedrun's exit: no stage, the grace is SPEEDRUN_KILL_WAIT
+    assert stuck.wait(5) == -signal.SIGKILL and launch.marked(mark) == []
+    assert "speedrun: stage processes still running after 1s: killing them (SIGKILL)" in capsys.readouterr().err
+
+
+def start_run(tmp_path, **state):
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    launch.write_state(run, {"mark": f"test-{os.getpid()}-{time.time_ns()}", "plan": "demo", "gpus": 0, "nproc": 1,
+                             "on_cpu": False, "stages_before": 0, "nccl": {"safe": False, "fallback": False},
+                             "transport": "gloo (cpu)", **state})
+    return run
+
+
+def test_a_stage_is_logged_recorded_resumed_and_skipped(tmp_path, capsys):
+    run = start_run(tmp_path)
+    echo = [sys.executable, "-c", "import os, sys; print('args', *sys.argv[1:]); print('mark', os.environ['SPEEDRUN_MARK'])"]
+    assert launch.run_stage(str(run), "pretrain", [*echo, "--steps", "3"], train=True) == 0
+    log = (run / "logs" / "pretrain.log").read_text()
+    mark = json.loads((run / "logs" / "launch.json").read_text())["mark"]
+    assert log == f"args --steps 3\nmark {mark}\n"  # no --resume: no checkpoint yet
+    assert log in capsys.readouterr().out
+    (run / "pretrain" / "ckpt" / "step_000002").mkdir(parents=True)
+    assert launch.run_stage(str(run), "pretrain", [*echo, "--steps", "3"], train=True) == 0
+    out = capsys.readouterr().out
+    assert "speedrun: stage pretrain was interrupted: resuming from its last checkpoint" in out
+    assert "args --steps 3 --resume\n" in out and (run / "logs" / "pretrain.log").read_text().count("args") == 2
+    (run / "pretrain" / "done.json").write_text("{}")
+    assert launch.run_stage(str(run), "pretrain", ["false"], train=True) == 0
+    assert f"speedrun: stage pretrain skipped: {run}/pretrain/done.json exists" in capsys.readouterr().out
+    failing = [sys.executable, "-c", "import sys; print('stage output'); sys.exit(7)"]
+    assert launch.run_stage(str(run), "core_eval", failing) == 7
+    assert f"speedrun: stage core_eval failed (exit 7); log: {run}/logs/core_eval.log" in capsys.readouterr().err
+    rows = launch.read_stages(run)
+    assert [(name, status) for name, _, status in rows] == [("pretrain", "0"), ("pretrain", "0"), ("core_eval", "7")]
+    assert all(float(seconds) > 0 for _, seconds, _ in rows)
+    assert launch.run_stage(str(run), "core_eval", failing, skip_if=str(run / "logs")) == 0  # skip_if exists
+    assert launch.read_stages(run) == rows  # a skip is not a run
+
+
+def test_a_failed_stage_prints_each_ranks_last_record_and_its_age(tmp_path):
+    progress = tmp_path / "pretrain" / "progress"
+    progress.mkdir(parents=True)
+    (progress / "rank001.txt").write_text("rank 1: stage pretrain step 2 forward/backward, process 7 on h, at "
+                                          "1000.250 (10:00:00)\n")
+    (progress / "rank000.txt").write_text("rank 0: stage pretrain step 3 optimizer, process 6 on h, at 1003.000 "
+                                          "(10:00:03)\n")
+    assert launch.progress_lines(tmp_path, "pretrain", 1010.0) == [
+        f"speedrun: where each rank of stage pretrain was last ({tmp_path}/pretrain/progress/):",
+        "speedrun:   rank 0: stage pretrain step 3 optimizer, process 6 on h, at 1003.000 (10:00:03) (7 s before this)",
+        ("speedrun:   rank 1: stage pretrain step 2 forward/backward, process 7 on h, at 1000.250 (10:00:00) (10 s before "
+        "this)")]
+    assert launch.progress_lines(tmp_path, "sft", 1010.0) == []
+
+
+def test_the_rehearsals_record_holds_this_invocations_stages(tmp_path, capsys):
+    run = start_run(tmp_path, plan="gpu", nproc=2, on_cpu=True, stages_before=1)
+    (run / "logs" / "stages.tsv").write_text("pretrain\t9.0\t1\npretrain\t12.5\t0\nchat_eval_pretrain\t3.0\t0\n")
+    launch.rehearsed(str(run), 42)
+    assert json.loads((run / "rehearsed.json").read_text()) == {
+        "plan": "gpu", "processes": 2, "cpu": True, "seconds": 42,
+        "stages": {"pretrain": 12.5, "chat_eval_pretrain": 3.0}}
+    out = capsys.readouterr().out
+    assert "speedrun: rehearsal passed in 42 s; each stage's time (s):\n  pretrain            12.5\n" \
+           "  chat_eval_pretrain      3.0\n" in out
+    assert out.split("\n", 1)[1] in (run / "logs" / "speedrun.log").read_text()
+
+
+def test_the_gpu_plan_rehearses_once_and_says_why_not(tmp_path, capsys):
+    run = start_run(tmp_path)
+    rehearsal = tmp_path / "run-rehearsal"
+    assert launch.rehearsal_due(str(run), str(rehearsal), no_rehearse=False)
+    assert not launch.rehearsal_due(str(run), str(rehearsal), no_rehearse=True)
+    rehearsal.mkdir()
+    (rehearsal / "rehearsed.json").write_text("{}")
+    assert not launch.rehearsal_due(str(run), str(rehearsal), no_rehearse=False)
+    (rehearsal / "rehearsed.json").unlink()
+    (run / "pretrain").mkdir()
+    assert not launch.rehearsal_due(str(run), str(rehearsal), no_rehearse=False)
+    assert capsys.readouterr().out.splitlines() == [
+        "speedrun: stage rehearsal skipped: --no_rehearse",
+        f"speedrun: stage rehearsal skipped: it passed before ({rehearsal}/rehearsed.json)",
+        "speedrun: stage rehearsal skipped: pretraining has started already"]
+
+
+def test_chat_evals_result_is_copied_only_to_the_stage_whose_checkpoint_it_scored(tmp_path):
+    run = start_run(tmp_path)
+    (run / "chat_eval.json").write_text(json.dumps({"checkpoint": str(run / "sft" / "ckpt" / "step_000200")}))
+    (run / "chat_eval_items.jsonl").write_text('{"task": "t"}\n')
+    launch.reuse_chat_eval(str(run), "midtrain")
+    assert not (run / "stage_evals").exists()
+    launch.reuse_chat_eval(str(run), "sft")
+    assert (run / "stage_evals" / "sft" / "chat_eval.json").read_text() == (run / "chat_eval.json").read_text()
+    assert (run / "stage_evals" / "sft" / "chat_eval_items.jsonl").read_text() == '{"task": "t"}\n'
+
+
+def test_a_signal_to_the_launcher_ends_its_stage_and_nothing_of_it_is_left(tmp_path):
+    """`launch.py stage` with a stage whose child process lives in another session (as torchrun's workers do) and
+    ignores SIGTERM: SIGTERM to the launcher ends both, within SPEEDRUN_KILL_WAIT, and it exits 143 recording
+    nothing."""
+    run = start_run(tmp_path)
+    marker = f"sleep 66.{os.getpid()}"
+    code = (f"import subprocess, sys, time; subprocess.Popen(['setsid', 'sh', '-c', 'trap \"\" TERM; {marker}']); "
+            "print('started', flush=True); time.sleep(60)")
+    launcher = subprocess.Popen([sys.executable, str(launch.ROOT / "launch.py"), "stage", "--run", str(run), "x",
+                                 sys.executable, "-c", code], env={**os.environ, "SPEEDRUN_KILL_WAIT": "1"},
+                                stdout=subprocess.PIPE, text=True)
+    assert launcher.stdout.readline().startswith("speedrun: stage x: ")
+    assert launcher.stdout.readline() == "started\n"
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(20) == 143
+    assert processes_mentioning(marker) == [] and not (run / "logs" / "stages.tsv").exists()
