@@ -246,6 +246,25 @@ def find_checkpoint(path=None, runs_dir="runs", flag="--checkpoint"):
     return found[-1]
 
 
+# the order chat.py and export.py look for a checkpoint when --checkpoint is not given: the newer of RL's and SFT's, else midtraining's,
+# else pretraining's
+PICK_ORDER = [("rl", "sft"), ("midtrain",), ("pretrain",)]
+
+
+def pick_checkpoint(args):
+    """(checkpoint, how it was chosen): --checkpoint, else the newest checkpoint of the first group of stages in
+    PICK_ORDER that has one (chat.py and export.py pick this way)."""
+    if args.checkpoint is not None:
+        return find_checkpoint(args.checkpoint, args.runs_dir), "--checkpoint"
+    for stages in PICK_ORDER:
+        found = [(c, stage) for stage in stages for c in [newest_checkpoint(args.runs_dir, stage)] if c]
+        if found:
+            newest, stage = max(found, key=lambda pair: (pair[0] / "meta.json").stat().st_mtime)
+            return newest, f"newest {stage} checkpoint under {args.runs_dir}"
+    raise FileNotFoundError(f"no checkpoint under {args.runs_dir}/*/ckpt/: train one (python pretrain.py, then "
+                            f"midtrain.py, sft.py, rl.py), or pass --checkpoint runs/<run> (or --runs_dir DIR)")
+
+
 def load_model(path, device):
     """(model in eval mode, meta) from a checkpoint's model.pt and meta.json, on any number of processes (the rank
     files, which a resume needs, are not read)."""

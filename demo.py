@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dataset import ROW_GROUP_DOCS, load_identity, write_text_shards
-from demo_world import (  # the facts and phrasings (core_eval.py and the tests import them through demo)
+from demo_world import (  # the facts and phrasings (the tests import them through demo too)
     ANIMAL_KINDS,
     ANIMALS,
     CHARACTERS,

@@ -21,16 +21,13 @@ import argparse
 import json
 import math
 import os
-import re
 import signal
 import sys
 import time
 from contextlib import nullcontext
-from decimal import Decimal
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 
 import checkpoint
@@ -39,10 +36,9 @@ import distributed
 import optim
 import train_loop
 from calculator import ToolUse, reply_text
-from chat_eval import fetch_everywhere, final_number, load_items, normalize, prompt_ids
-from dataset import CACHE_DIR, chat_files
-from demo import number_word
+from dataset import CACHE_DIR
 from model import KVCache, autocast_context, num_params, parse_args, sample_next
+from tasks import demo_items, fetch_everywhere, gsm8k_items, load_items, prompt_ids, reward
 from tokenizer import Tokenizer
 
 # every lr is this fraction of the SFT parent's, decaying linearly to 0: SFT runs at 0.3 of pretraining's lrs, so 0.2
@@ -101,42 +97,7 @@ def get_args(argv=None):
 
 
 # -----------------------------------------------------------------------------
-# Tasks: items {"prompt", "rule", "answers" or "answer"}; reward() checks a reply against one
-
-def demo_items(world):
-    """The demo world's sums (calc/, the result of the calculator call in its answer) and short answers (answers/)."""
-    items = []
-    for row in pq.read_table(Path(world) / "calc" / "train.parquet").to_pylist():
-        value = re.findall(r"<<[^<>]*=([^<>=]*)>>", row["answer"])[-1]
-        words = [number_word(int(value))] if value.isdigit() and int(value) <= 100 else []
-        items.append({"prompt": row["question"], "answers": [value, *words], "rule": "last_word"})
-    for row in pq.read_table(Path(world) / "answers" / "train.parquet").to_pylist():
-        user, assistant = row["messages"][0]["content"], row["messages"][1]["content"]
-        items.append({"prompt": user, "answers": [assistant], "rule": "exact"})
-    return items
-
-
-def gsm8k_items(train_dir):
-    items = []
-    for path in chat_files(train_dir, "train"):
-        for i, row in enumerate(pq.read_table(path).to_pylist()):
-            answer = final_number(row.get("answer") or "", marker_only=True)
-            if answer is None or "question" not in row:
-                raise ValueError(f"{path}, row {i}: no question, or no '#### <number>' in its answer: not GSM8K's "
-                                 f"layout; fetch it again (python dataset.py download-chat gsm8k)")
-            items.append({"prompt": row["question"], "answer": str(answer), "rule": "gsm8k"})
-    return items
-
-
-def reward(item, reply):
-    """1.0 when the reply's checked answer is right, else 0.0. gsm8k: the number after '####' (none: wrong); exact:
-    the whole reply, normalized as chat_eval.py does; last_word: the reply's last word, normalized."""
-    if item["rule"] == "gsm8k":
-        number = final_number(reply, marker_only=True)
-        return float(number is not None and number == Decimal(item["answer"]))
-    accepted, words = {normalize(a) for a in item["answers"]}, normalize(reply)
-    return float((words if item["rule"] == "exact" else words.rpartition(" ")[2]) in accepted)
-
+# Rewards to advantages, and the order of the questions
 
 def advantages(rewards, samples):
     """Each reward minus the mean reward of its question's group of `samples` replies (consecutive)."""

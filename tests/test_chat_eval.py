@@ -26,6 +26,7 @@ import chat_eval as E
 import checkpoint
 import download
 import sandbox
+import tasks
 from model import GPTConfig, build_model, config_from_preset
 from tokenizer import SPLIT_PATTERN, Tokenizer
 
@@ -66,7 +67,7 @@ class ScriptedModel(torch.nn.Module):
 
 def scored(task, rows, script, **kw):
     """evaluate_task's verdicts and records for rows in the task's hub (or demo) layout, replies from the script."""
-    items = [{**E.make_item(task, row, f"row {i}"), "row": i} for i, row in enumerate(rows)]
+    items = [{**tasks.make_item(task, row, f"row {i}"), "row": i} for i, row in enumerate(rows)]
     args = SimpleNamespace(dtype="float32", max_new_tokens=64, timeout=FAST, memory_mb=512, batch_items=1,
                            option_text="off", **kw)  # the scripted model answers one prompt at a time, no targets
     return E.evaluate_task(task, items, ScriptedModel(BYTES, script), BYTES, args, 0, 1, CPU, "MARK",
@@ -155,11 +156,11 @@ def test_the_lenient_gsm8k_reading_takes_the_number_after_the_marker_else_the_la
     assert E.final_number("no number", marker_only=False) is None
     assert E.final_number("answer 15", marker_only=True) is None  # a reference must have its marker
     with pytest.raises(ValueError, match="no '#### <number>'"):
-        E.make_item("GSM8K", {"question": "q", "answer": "15"}, "file.parquet, row 3")
+        tasks.make_item("GSM8K", {"question": "q", "answer": "15"}, "file.parquet, row 3")
 
 
 def humaneval(reply):
-    item = E.make_item("HumanEval", ADD, "row 0")
+    item = tasks.make_item("HumanEval", ADD, "row 0")
     result = sandbox.run(E.humaneval_program(item, reply, "PASSED-42"), timeout_s=FAST,
                          level=sandbox.sandbox_level()[0])
     return result.status == "ok" and "PASSED-42" in result.output.splitlines()
