@@ -31,25 +31,12 @@ import checkpoint
 import common
 import distributed
 import sandbox
+import tasks
 import train_loop
 from calculator import ToolUse, reply_text
 from dataset import CACHE_DIR
 from model import autocast_context, generate, num_params
-from tasks import (
-    ALL_TASKS,
-    DEMO_EXTRA,
-    DEMO_TASKS,
-    HUB_TASKS,
-    fetch_everywhere,
-    final_number,
-    gsm8k_answer,
-    hub_files,
-    humaneval_program,
-    load_items,
-    normalize,
-    prompt_ids,
-    same_number,
-)
+from tasks import ALL_TASKS, final_number, gsm8k_answer, humaneval_program, normalize, prompt_ids, same_number
 
 PROGRESS_SECONDS = 10.0  # a progress line at most this often per task (and one at its end)
 
@@ -62,7 +49,7 @@ def get_args(argv=None):
     p.add_argument("--runs_dir", default="runs", help="where runs live (default: %(default)s)")
     p.add_argument("--demo", default="auto", help="a demo world directory (python demo.py --out DIR) whose "
                    "chat_eval/ questions to ask; auto = the checkpoint's world when it was trained on one, else the hub "
-                   f"tasks; none = the hub tasks ({', '.join(HUB_TASKS)}) (default: %(default)s)")
+                   f"tasks; none = the hub tasks ({', '.join(tasks.HUB_TASKS)}) (default: %(default)s)")
     p.add_argument("--tasks", default=None, help="comma-separated tasks to run (default: all of the chosen set)")
     p.add_argument("--max_items", type=int, default=-1, help="items per task, the first N in nanochat's order; -1 = "
                    "all (default: %(default)s)")
@@ -390,53 +377,41 @@ def write_outputs(report, records, out, run_dir):
     print(f"results: {written}")
 
 
-def resolve_demo(arg, meta):
-    """The demo world to ask, or None for the hub tasks."""
-    if arg == "none":
-        return None
-    if arg == "auto":  # trained on <world>/pretrain (or <world>/conversations): <world>/chat_eval/ has its questions
-        world = Path(meta["data_dir"]).parent if meta.get("data_dir") else None
-        return world if world is not None and (world / "chat_eval").is_dir() else None
-    if not (Path(arg) / "chat_eval").is_dir():
-        raise FileNotFoundError(f"--demo {arg}: no chat_eval/ in it: write the demo world there with `python demo.py "
-                                f"--out {arg}`")
-    return Path(arg)
-
-
 def main(argv=None):
     args = get_args(argv)
     if args.download_only:  # before pretraining: a gated or missing task stops the run hours earlier
-        tasks = args.tasks.split(",") if args.tasks else list(HUB_TASKS)
-        unknown = [t for t in tasks if t not in HUB_TASKS]
+        asked = args.tasks.split(",") if args.tasks else list(tasks.HUB_TASKS)
+        unknown = [t for t in asked if t not in tasks.HUB_TASKS]
         if unknown:
-            raise ValueError(f"--tasks: {', '.join(unknown)} not among the hub tasks: {', '.join(HUB_TASKS)}")
-        if "HumanEval" in tasks:  # a machine that cannot contain its programs stops the run now, not after training
+            raise ValueError(f"--tasks: {', '.join(unknown)} not among the hub tasks: {', '.join(tasks.HUB_TASKS)}")
+        if "HumanEval" in asked:  # a machine that cannot contain its programs stops the run now, not after training
             print(sandbox.describe(*sandbox.choose(args.sandbox)))
-        for task in tasks:
-            print(f"download: {task}: {len(hub_files(task, args.cache_dir))} files in {Path(args.cache_dir) / task}")
+        for task in asked:
+            print(f"download: {task}: {len(tasks.hub_files(task, args.cache_dir))} files in "
+                  f"{Path(args.cache_dir) / task}")
         return
     rank, _, world, device = distributed.setup_distributed()
     ckpt = checkpoint.find_checkpoint(args.checkpoint, args.runs_dir)
     model, meta = checkpoint.load_model(ckpt, device)
     tokenizer, tokenizer_path = checkpoint.checkpoint_tokenizer(meta, ckpt, args.tokenizer)
-    demo_dir = resolve_demo(args.demo, meta)
-    available = DEMO_TASKS if demo_dir is not None else HUB_TASKS
-    tasks = args.tasks.split(",") if args.tasks else list(available)
-    unknown = [t for t in tasks if t not in available | (DEMO_EXTRA if demo_dir is not None else {})]
+    demo_dir = tasks.demo_world(args.demo, meta.get("data_dir"), "chat_eval")
+    available = tasks.DEMO_TASKS if demo_dir is not None else tasks.HUB_TASKS
+    asked = args.tasks.split(",") if args.tasks else list(available)
+    unknown = [t for t in asked if t not in available | (tasks.DEMO_EXTRA if demo_dir is not None else {})]
     if unknown:
         raise ValueError(f"--tasks: {', '.join(unknown)} not among the {'demo world' if demo_dir else 'hub'} tasks: "
                          f"{', '.join(available)}" + ("" if demo_dir is None else " (--demo none for the hub tasks)"))
     level = contained = None
-    if "HumanEval" in tasks:
+    if "HumanEval" in asked:
         level, why = sandbox.choose(args.sandbox)  # never the process level unless asked for
         contained = sandbox.describe(level, why)
-    loaded = fetch_everywhere(lambda: {t: load_items(t, args.cache_dir, demo_dir, args.max_items) for t in tasks},
-                              rank, world)
+    loaded = tasks.fetch_everywhere(lambda: {t: tasks.load_items(t, args.cache_dir, demo_dir, args.max_items)
+                                             for t in asked}, rank, world)
     if rank == 0:
         print(f"checkpoint: {ckpt} (stage {meta.get('stage') or 'unknown'}, step {meta.get('step', 'unknown')}, "
               f"{num_params(model.config):,} parameters); tokenizer {tokenizer_path}")
         print(f"tasks from {demo_dir or 'the hub'} ({args.cache_dir if demo_dir is None else 'offline'}):")
-        for t in tasks:
+        for t in asked:
             _, _, kind, baseline = ALL_TASKS[t]
             print(f"  {t:<14} {kind:<12} {len(loaded[t][0]):,} of {loaded[t][1]:,} items, baseline {baseline}")
         if contained:
@@ -444,16 +419,16 @@ def main(argv=None):
     marker = f"chat_eval: check passed {secrets.token_hex(8)}"
     start = time.perf_counter()
     verdicts, records = {}, []
-    for t in tasks:
+    for t in asked:
         verdicts[t], task_records = evaluate_task(t, loaded[t][0], model, tokenizer, args, rank, world, device,
                                                   marker, level)
         records += task_records
     seconds = time.perf_counter() - start
-    rows, chatcore = summarize(tasks, verdicts, {t: loaded[t][1] for t in tasks})
+    rows, chatcore = summarize(asked, verdicts, {t: loaded[t][1] for t in asked})
     for row in rows:  # beside ChatCORE, never in it
         row["diagnostics"] = task_diagnostics(row["kind"], [r for r in records if r["task"] == row["task"]])
     if rank == 0:
-        complete = set(available) <= set(tasks) and all(r["items"] == r["items_in_task"] for r in rows)
+        complete = set(available) <= set(asked) and all(r["items"] == r["items_in_task"] for r in rows)
         report = {"checkpoint": str(ckpt), "stage": meta.get("stage"), "step": meta.get("step"),
                   "parameters": num_params(model.config), "tasks_from": str(demo_dir or "hub"), "chatcore": chatcore,
                   "complete": complete, "tasks": rows, "max_items": args.max_items, "batch_items": args.batch_items,

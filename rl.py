@@ -40,7 +40,7 @@ import train_loop
 from calculator import ToolUse, reply_text
 from dataset import CACHE_DIR
 from model import KVCache, autocast_context, parse_args, sample_next
-from tasks import demo_items, fetch_everywhere, gsm8k_items, load_items, prompt_ids, reward
+from tasks import demo_items, demo_world, fetch_everywhere, gsm8k_items, load_items, prompt_ids, reward
 
 # every lr is this fraction of the SFT parent's, decaying linearly to 0: SFT runs at 0.3 of pretraining's lrs, so 0.2
 # of SFT's is 0.06 of pretraining's, about where nanochat's RL starts (0.05 of its base lrs, ramped down to 0). Not
@@ -275,11 +275,7 @@ def plan(args, start):
     """What runs.start_stage asks of RL: the training questions, the held-out ones and the total steps."""
     pretraining = checkpoint.pretraining_run(start.parent, start.parent_meta)
     data_dir = pretraining[0] if pretraining else None
-    world_dir = None if args.demo == "none" else Path(args.demo) if args.demo != "auto" else \
-        (Path(data_dir).parent if data_dir and (Path(data_dir).parent / "calc").is_dir() else None)
-    if world_dir is not None and not (world_dir / "calc").is_dir():
-        raise FileNotFoundError(f"--demo {world_dir}: no calc/ in it: write the demo world with `python demo.py --out "
-                                f"{world_dir}`")
+    world_dir = demo_world(args.demo, data_dir, "calc")
     train_items = demo_items(world_dir) if world_dir else gsm8k_items(args.train_dir)
     held_out = fetch_everywhere(lambda: load_items("demo-answer" if world_dir else "GSM8K", args.cache_dir, world_dir,
                                                    args.eval_items)[0], start.rank, start.world)  # rank 0 downloads

@@ -20,19 +20,7 @@ import common
 import distributed
 import optim
 import train_loop
-from checkpoint import (
-    checkpoint_step,
-    find_checkpoint,
-    list_checkpoints,
-    load_state,
-    newest_checkpoint,
-    optimizer_layout,
-    resume,
-)
-from common import versions
-from distributed import check_shared_dir
 from model import num_params, parse_bool
-from tokenizer import Tokenizer
 
 # -----------------------------------------------------------------------------
 # The run directory: runs/<run>/ with config.json, metrics.jsonl, samples.jsonl, ckpt/step_XXXXXX/
@@ -84,22 +72,22 @@ def resolve_run(args, stage):
         raise ValueError(f"--keep {args.keep}: keep at least 1 checkpoint (the newest is the one a resume needs)")
     if args.resume not in (None, "latest"):  # a checkpoint path: <runs_dir>/<run_name>/ckpt/step_XXXXXX
         path = Path(args.resume)
-        if not (path / "meta.json").is_file() or checkpoint_step(path) is None:
+        if not (path / "meta.json").is_file() or checkpoint.checkpoint_step(path) is None:
             raise FileNotFoundError(f"--resume {path}: not a checkpoint (runs/<run>/ckpt/step_*/ with meta.json)")
         args.runs_dir, args.run_name = str(path.parent.parent.parent), path.parent.parent.name
-        check_shared_dir(path.parent.parent)
+        distributed.check_shared_dir(path.parent.parent)
         return path.parent.parent, path
     if args.resume and args.run_name is None:
-        newest = newest_checkpoint(args.runs_dir, stage=stage)
+        newest = checkpoint.newest_checkpoint(args.runs_dir, stage=stage)
         if newest is None:
             raise FileNotFoundError(f"--resume: no {stage} checkpoint under {args.runs_dir}/*/ckpt/")
         args.run_name = newest.parent.parent.name
     args.run_name = args.run_name or f"{stage}_{args.preset}_{time.strftime('%Y%m%d_%H%M%S')}"
     run_dir = Path(args.runs_dir) / args.run_name
-    check_shared_dir(run_dir)  # several nodes: every rank must see what rank 0 writes there
+    distributed.check_shared_dir(run_dir)  # several nodes: every rank must see what rank 0 writes there
     if not args.resume:
         return run_dir, None
-    found = list_checkpoints(run_dir / "ckpt")
+    found = checkpoint.list_checkpoints(run_dir / "ckpt")
     if not found:
         raise FileNotFoundError(f"--resume: {run_dir}/ckpt has no checkpoint yet")
     return run_dir, found[-1]
@@ -108,8 +96,8 @@ def resolve_run(args, stage):
 def write_config(run_dir, record):
     """config.json: what the run is (rank 0 only), rewritten by a resume with its own command line."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps({**record, "argv": sys.argv, "versions": versions()}, indent=1,
-                                                    default=str))
+    (run_dir / "config.json").write_text(json.dumps({**record, "argv": sys.argv, "versions": common.versions()},
+                                                    indent=1, default=str))
 
 
 
@@ -154,9 +142,9 @@ def find_parent(init, runs_dir, parents):
     """The checkpoint a stage starts from: --checkpoint (a checkpoint or a run directory), else the newest checkpoint of
     the first of `parents` that has one."""
     if init is not None:
-        return find_checkpoint(init, runs_dir, flag="--checkpoint")
+        return checkpoint.find_checkpoint(init, runs_dir, flag="--checkpoint")
     for stage in parents:
-        found = newest_checkpoint(runs_dir, stage=stage)
+        found = checkpoint.newest_checkpoint(runs_dir, stage=stage)
         if found is not None:
             return found
     raise FileNotFoundError(f"no {' or '.join(parents)} checkpoint under {runs_dir}/*/ckpt/: run `python "
@@ -218,7 +206,7 @@ def warm_start(parent, parent_meta, model, optimizers, args, device):
     line that says which, and why."""
     if not args.warm_start:
         return "optimizer: fresh state (--warm_start false)"
-    recorded, mine = parent_meta.get("optimizers"), optimizer_layout(optimizers)
+    recorded, mine = parent_meta.get("optimizers"), checkpoint.optimizer_layout(optimizers)
     if recorded is None:
         return (f"optimizer: fresh state: {parent}/meta.json does not record its optimizers (written by an older "
                 f"version of this code), so its state cannot be checked against this stage's")
@@ -227,7 +215,7 @@ def warm_start(parent, parent_meta, model, optimizers, args, device):
                 f"--optimizer or --adam8bit, or another model)")
     own = [{k: v for k, v in group.items() if k != "params"} for opt in optimizers for group in opt.param_groups]
     try:
-        load_state(parent, model, optimizers, device)
+        checkpoint.load_state(parent, model, optimizers, device)
         error = None
     except (ValueError, KeyError, RuntimeError, FileNotFoundError) as e:
         error = e
@@ -242,29 +230,15 @@ def warm_start(parent, parent_meta, model, optimizers, args, device):
             f" lrs reset to {args.lr_scale:g} x the parent's")
 
 
-def resume_or_warm_start(resume_from, parent, parent_meta, args, run_dir, model, optimizers, loaders, layout, rank,
-                         device):
-    """A chat stage's first step: its own last checkpoint's (resume), else 0 from the parent's optimizer state with
-    this stage's lrs (warm_start, whose line is printed)."""
-    if resume_from:
-        return resume(resume_from, run_dir, model, optimizers, loaders, layout, rank, device)
-    line = warm_start(parent, parent_meta, model, optimizers, args, device)
-    if rank == 0:
-        print(line)
-    return 0
-
-
 def start_stage(args, stage, parents, plan, rollouts=False):
-    """A stage after pretraining, up to its first step, in the one order midtrain.py, sft.py and rl.py share: the
-    processes; the parent checkpoint (--checkpoint, else the newest of `parents`), its model and the flags it passes
-    on (inherit); the tokenizer, checked against both; FSDP where the model needs it; the run directory; the
-    micro-batch and accumulation steps (train_loop.plan_batch); the optimizers; then plan(start), what only the stage
-    knows: a dict with its total_steps, loaders, record (what config.json and the checkpoints hold beside the common
-    fields) and lines (printed after the batch), and anything else it wants on `start`; config.json and the report
-    of the start (rank 0); the first step, its own last checkpoint's (--resume) or 0 from the parent's optimizer
-    state (warm_start). rollouts (rl.py): replies of their own lengths, so no sharding, no compile, no accumulation
-    (--micro_batch replies per forward), and --total_batch_tokens only scales the lrs. Returns `start`, a namespace
-    of all of it; start.step is the first step."""
+    """midtrain.py's, sft.py's and rl.py's start, up to the first step: processes; the parent (--checkpoint, else the
+    newest of `parents`), its model and the flags it passes on (inherit); the tokenizer, checked; FSDP where needed;
+    the run directory; micro-batch and accumulation (train_loop.plan_batch); optimizers; then plan(start), what only
+    the stage knows: a dict of total_steps, loaders, record (what config.json and checkpoints hold beside the common
+    fields), lines (printed after the batch) and whatever else it puts on `start`; config.json and the start's report;
+    start.step, the resumed checkpoint's (--resume) or 0 from the parent's optimizer state (warm_start). rollouts
+    (rl.py): replies of their own lengths: no sharding, compile or accumulation (--micro_batch replies per forward),
+    --total_batch_tokens only scales the lrs. Returns `start`, a namespace of all of it."""
     rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
     parent = find_parent(args.checkpoint, args.runs_dir, parents)
     model, parent_meta = checkpoint.load_model(parent, device)
@@ -274,9 +248,8 @@ def start_stage(args, stage, parents, plan, rollouts=False):
         args.compile = False
         inherited = [(n, False, "off in rl.py: the rows change length every step") if n == "compile" else (n, v, w)
                      for n, v, w in inherited]
-    tokenizer = Tokenizer.load(args.tokenizer)
+    tokenizer, _ = checkpoint.checkpoint_tokenizer(parent_meta, parent, args.tokenizer)  # the parent's, or refused
     checkpoint.check_chat_tokenizer(tokenizer, args.tokenizer)
-    checkpoint.check_tokenizer(parent_meta, tokenizer, args.tokenizer, parent)
     sharding = None if rollouts else distributed.shard_model(model, args, world, device)
     args.preset = parent_meta.get("run", stage)  # names the default run directory
     config = replace(model.config, sequence_len=args.sequence_len)  # the rows; the model keeps the parent's tables
@@ -309,8 +282,12 @@ def start_stage(args, stage, parents, plan, rollouts=False):
         print("\n".join(start.lines))
         print(f"code: commit {start.run['code']['commit']}, uncommitted changes: {start.run['code']['dirty']}")
         print(optim.precision_line(args, device, optimizers))
-    start.step = resume_or_warm_start(resume_from, parent, parent_meta, args, run_dir, model, optimizers,
-                                      start.loaders, layout, rank, device)
+    if resume_from:
+        start.step = checkpoint.resume(resume_from, run_dir, model, optimizers, start.loaders, layout, rank, device)
+        return start
+    line, start.step = warm_start(parent, parent_meta, model, optimizers, args, device), 0
+    if rank == 0:
+        print(line)
     return start
 
 
@@ -325,7 +302,6 @@ def main(argv=None):
         path = (meta.get("parent") or {}).get("path")
         if path is not None and not (Path(path) / "meta.json").is_file():
             raise FileNotFoundError(f"{path}, its parent, is gone (moved or deleted): the lineage ends there")
-
 
 
 if __name__ == "__main__":

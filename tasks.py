@@ -179,15 +179,9 @@ def same_number(lenient, answer):
 
 
 def gsm8k_items(train_dir):
-    items = []
-    for path in chat_files(train_dir, "train"):
-        for i, row in enumerate(pq.read_table(path).to_pylist()):
-            answer = final_number(row.get("answer") or "", marker_only=True)
-            if answer is None or "question" not in row:
-                raise ValueError(f"{path}, row {i}: no question, or no '#### <number>' in its answer: not GSM8K's "
-                                 f"layout; fetch it again (python dataset.py download-chat gsm8k)")
-            items.append({"prompt": row["question"], "answer": str(answer), "rule": "gsm8k"})
-    return items
+    """GSM8K's train split (python dataset.py download-chat gsm8k) as rl.py's items."""
+    return [{**make_item("GSM8K", row, f"{path}, row {i}"), "rule": "gsm8k"} for path in chat_files(train_dir, "train")
+            for i, row in enumerate(pq.read_table(path).to_pylist())]
 
 
 
@@ -215,6 +209,20 @@ def humaneval_program(item, reply, marker):
 
 # -----------------------------------------------------------------------------
 # The demo world: short answers compared normalized; rl.py's training questions
+
+def demo_world(arg, data_dir, part):
+    """The demo world a --demo flag names, or None for the hub's tasks: none; auto, the world of the checkpoint's
+    pretraining data (<world>/pretrain) when it has `part` (chat_eval/, calc/); or DIR, which must have it."""
+    if arg == "none":
+        return None
+    if arg == "auto":
+        world = Path(data_dir).parent if data_dir else None
+        return world if world is not None and (world / part).is_dir() else None
+    if not (Path(arg) / part).is_dir():
+        raise FileNotFoundError(f"--demo {arg}: no {part}/ in it: write the demo world there with `python demo.py --out "
+                                f"{arg}`")
+    return Path(arg)
+
 
 def normalize(text):
     """The demo's exact-match form: lower case, punctuation dropped, spaces collapsed, a leading article dropped."""
@@ -251,20 +259,19 @@ def reward(item, reply):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("task", choices=list(ALL_TASKS), help="the task whose items to print")
-    p.add_argument("--demo", default=None, help="the demo world directory the demo tasks are read from (python "
-                   "demo.py --out DIR) (default: none)")
-    p.add_argument("--cache_dir", default=str(CACHE_DIR / "chat_eval"), help="where the hub tasks' files are kept, "
-                   "downloaded there once (default: %(default)s)")
-    p.add_argument("--max_items", type=int, default=3, help="items printed, the first N in nanochat's order "
-                   "(default: %(default)s)")
+    p.add_argument("task", choices=list(ALL_TASKS), help="the task whose first items to print")
+    p.add_argument("--demo", default=None, help="the demo world (python demo.py --out DIR), for its tasks (default: "
+                   "none)")
+    p.add_argument("--cache_dir", default=str(CACHE_DIR / "chat_eval"), help="the hub tasks' files, downloaded there "
+                   "once (default: %(default)s)")
+    p.add_argument("--max_items", type=int, default=3, help="items, the first in nanochat's order (default: "
+                   "%(default)s)")
     args = p.parse_args(argv)
     if (args.demo is None) == (args.task in DEMO_TASKS | DEMO_EXTRA):
         p.error("--demo DIR is what the demo tasks are read from, and only they")
     items, rows = load_items(args.task, args.cache_dir, args.demo, args.max_items)
-    print(f"{args.task}: {rows:,} items, kind {ALL_TASKS[args.task][2]}; the first {len(items)} in nanochat's order:")
-    for item in items:
-        print(json.dumps(item, indent=1))
+    print(f"{args.task}: {rows:,} items, kind {ALL_TASKS[args.task][2]}; the first {len(items)}:")
+    print("\n".join(json.dumps(item) for item in items))
 
 
 if __name__ == "__main__":

@@ -220,20 +220,18 @@ def check_batch_divides(total, seq_len, world, micro=0):
                      f", so pretraining would fail at its start. Use {', or '.join(fixes)}")
 
 
-MICRO_BATCH_HELP = ("sequences per rank per forward (rl.py: replies); 0 = the checkpoint's when resuming (--resume), "
-                    "else the parent checkpoint's (midtrain, sft, rl), else the largest that fits on CUDA (a divisor "
-                    "of the per-rank batch; without --total_batch_tokens a power of two up to 1024), on the CPU the "
-                    "whole per-rank batch (8 without --total_batch_tokens) (default: %(default)s)")
-
-
 def add_micro_batch_arg(group):
-    """--micro_batch, the same flag in every training stage; plan_batch reads it."""
-    group.add_argument("--micro_batch", type=int, default=0, help=MICRO_BATCH_HELP)
+    """--micro_batch, the same flag and help in every training stage; plan_batch is its one reader."""
+    group.add_argument("--micro_batch", type=int, default=0, help="sequences per rank per forward (rl.py: replies); 0 "
+                       "= the checkpoint's when resuming (--resume), else the parent checkpoint's (midtrain, sft, rl), "
+                       "else the largest that fits on CUDA (a divisor of the per-rank batch; without "
+                       "--total_batch_tokens a power of two up to 1024), on the CPU the whole per-rank batch (8 without "
+                       "--total_batch_tokens) (default: %(default)s)")
 
 
 def plan_batch(args, config, world, model, device, resume_from=None, parent_meta=None, accumulate=True):
-    """(micro_batch, accumulation steps, where the micro-batch came from): the one reading of --micro_batch, as
-    MICRO_BATCH_HELP says. A resume takes its checkpoint's micro-batch: on the CPU the choice is the whole per-rank
+    """(micro_batch, accumulation steps, where the micro-batch came from): the one reading of --micro_batch, as its
+    help says (add_micro_batch_arg). A resume takes its checkpoint's micro-batch: on the CPU the choice is the whole per-rank
     batch, which changes with the world size, and a resume at another world size needs the same micro-batch (the data
     streams). The accumulation steps make --total_batch_tokens, the error naming the nearest valid values;
     accumulate=False (rl.py): none, its batch is its replies."""
