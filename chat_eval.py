@@ -276,7 +276,6 @@ def evaluate_task(task, items, model, tokenizer, args, rank, world, device, mark
     return [(bool(c), bool(x)) for _, c, x in table.tolist()], records
 
 
-
 # -----------------------------------------------------------------------------
 # Report
 

@@ -32,7 +32,6 @@ DEMO_TASK_ROWS = 3000  # rows in each of choice/, answers/, calc/, lookup/
 DEMO_TARGET_CHARS = 5_000_000  # 1.27M training tokens at vocab 1024: an epoch is minutes of CPU training
 
 
-
 # -----------------------------------------------------------------------------
 # Pretraining documents: each generator returns one paragraph (or a few) of prose
 
@@ -197,7 +196,6 @@ def demo_documents(rng, target_chars=DEMO_TARGET_CHARS):
 # Conversations (SmolTalk schema)
 
 
-
 def pick(rng, pair, f):
     return sentence(rng.choice(pair[0]).format(**f)), sentence(rng.choice(pair[1]).format(**f))
 
@@ -238,7 +236,6 @@ def conversation(rng):
 # The shapes ChatCORE asks for, in the layouts of the hub sets that teach them on real data (dataset.py renders all
 # of them alike): multiple choice answered by a letter (MMLU's columns), short answers that are the whole reply
 # (conversations), arithmetic through the calculator (GSM8K's columns, <<expr=result>> and a final '#### N').
-
 
 
 def ask(rng, instructions, question):

@@ -1,10 +1,8 @@
-"""A run: its directory (runs/<run>/: the flags, where it lives, what it resumes from, config.json) and, for a stage
-after pretraining, the parent checkpoint it starts from and what it inherits from it: the flags (inherit), the
-optimizer state (warm_start), and the whole start of midtrain.py, sft.py and rl.py in one function (start_stage).
+"""A run: its directory (runs/<run>/: flags, where it lives, what it resumes from, config.json) and, for a stage after
+pretraining, the parent it starts from and what it inherits: the flags (inherit), the optimizer state (warm_start),
+and midtrain.py's, sft.py's and rl.py's whole start in one function (start_stage). Not a stage: `import runs`.
 
-Not a stage: import it (`import runs`). One command line, a checkpoint's lineage:
-
-    python runs.py runs/<run>[/ckpt/step_N]     # its stage, step and hyperparameters, then its parent's, to pretraining
+    python runs.py runs/<run>[/ckpt/step_N]     # a checkpoint's stage, step and hparams, then its parent's, ...
 """
 import argparse
 import hashlib
@@ -98,7 +96,6 @@ def write_config(run_dir, record):
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps({**record, "argv": sys.argv, "versions": common.versions()},
                                                     indent=1, default=str))
-
 
 
 # -----------------------------------------------------------------------------
@@ -295,13 +292,12 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a checkpoint (runs/<run>/ckpt/step_*) or a run directory (its newest)")
     path = checkpoint.find_checkpoint(p.parse_args(argv).checkpoint)
-    while path is not None:
+    while path is not None and (Path(path) / "meta.json").is_file():
         meta = json.loads((Path(path) / "meta.json").read_text())
-        print(f"{path}: {meta.get('stage')}, step {meta.get('step')}; " + ", ".join(
-            f"{name} {value}" for name, value in (meta.get("hparams") or {}).items()))
+        print(f"{path}: {meta.get('stage')}, step {meta.get('step')}, hparams {meta.get('hparams')}")
         path = (meta.get("parent") or {}).get("path")
-        if path is not None and not (Path(path) / "meta.json").is_file():
-            raise FileNotFoundError(f"{path}, its parent, is gone (moved or deleted): the lineage ends there")
+    if path is not None:
+        print(f"{path}: gone (moved or deleted), where the lineage ends")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,7 @@
-"""The chat tasks, each one's loading, rendering and scoring: ARC-Easy, ARC-Challenge and MMLU (multiple choice, a
-letter), GSM8K (a number after '#### '), HumanEval (a program that passes its tests), and the demo world's questions
-(demo-choice, demo-answer, demo-words; calc/ and answers/ for rl.py). chat_eval.py evaluates them (ChatCORE), rl.py
-trains on GSM8K or the demo world and holds out their test questions. Not a stage: import it (`import tasks`).
-
-An item has the fields its kind needs: categorical {prompt, letters, answer, options, question}, gsm8k {prompt,
-answer}, humaneval {prompt, test, entry_point, id}, exact and contains {prompt, answers}; rl.py's add "rule", the
-check reward() applies.
+"""The chat tasks, each one's loading, rendering and scoring: ARC, MMLU, GSM8K, HumanEval and the demo world's, which
+chat_eval.py evaluates and rl.py trains on and holds out. An item has the fields its kind needs: categorical {prompt,
+letters, answer, options, question}, gsm8k {prompt, answer}, humaneval {prompt, test, entry_point, id}, exact and
+contains {prompt, answers}; rl.py's add "rule", the check reward() applies. Not a stage: import it (`import tasks`).
 
     python tasks.py GSM8K --max_items 2                 # a task's first items in nanochat's order, as scored
     python tasks.py demo-answer --demo data/demo
@@ -132,7 +128,6 @@ def fetch_everywhere(fetch, rank, world):
     return result if rank == 0 else fetch()
 
 
-
 # -----------------------------------------------------------------------------
 # Rendering: a question as the model sees it
 
@@ -142,7 +137,6 @@ def prompt_ids(tokenizer, question, seq_len, room):
     ids = tokenizer.render_for_completion([{"role": "user", "content": question}])
     keep = seq_len - room
     return (ids, False) if len(ids) <= keep else ([ids[0], *ids[len(ids) - keep + 1:]], True)
-
 
 
 # -----------------------------------------------------------------------------
@@ -184,7 +178,6 @@ def gsm8k_items(train_dir):
             for i, row in enumerate(pq.read_table(path).to_pylist())]
 
 
-
 # -----------------------------------------------------------------------------
 # HumanEval: the reply's program against the task's tests (chat_eval.py runs it in sandbox.py)
 
@@ -204,7 +197,6 @@ def humaneval_program(item, reply, marker):
             break
     return "\n\n".join(["\n".join(imports), code, item["test"], f"check({item['entry_point']})",
                         f"print({marker!r})"]) + "\n"
-
 
 
 # -----------------------------------------------------------------------------
@@ -243,7 +235,6 @@ def demo_items(world):
     return items
 
 
-
 # -----------------------------------------------------------------------------
 # rl.py's reward: the check its item's rule names
 
@@ -260,18 +251,15 @@ def reward(item, reply):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("task", choices=list(ALL_TASKS), help="the task whose first items to print")
-    p.add_argument("--demo", default=None, help="the demo world (python demo.py --out DIR), for its tasks (default: "
-                   "none)")
-    p.add_argument("--cache_dir", default=str(CACHE_DIR / "chat_eval"), help="the hub tasks' files, downloaded there "
-                   "once (default: %(default)s)")
+    p.add_argument("--demo", default=None, help="the demo world (python demo.py --out DIR), for its tasks; the hub's "
+                   "are downloaded once into the cache chat_eval.py uses (default: none)")
     p.add_argument("--max_items", type=int, default=3, help="items, the first in nanochat's order (default: "
                    "%(default)s)")
     args = p.parse_args(argv)
     if (args.demo is None) == (args.task in DEMO_TASKS | DEMO_EXTRA):
         p.error("--demo DIR is what the demo tasks are read from, and only they")
-    items, rows = load_items(args.task, args.cache_dir, args.demo, args.max_items)
-    print(f"{args.task}: {rows:,} items, kind {ALL_TASKS[args.task][2]}; the first {len(items)}:")
-    print("\n".join(json.dumps(item) for item in items))
+    items, rows = load_items(args.task, CACHE_DIR / "chat_eval", args.demo, args.max_items)
+    print(f"{args.task}: {rows:,} items; the first {len(items)}:\n" + "\n".join(json.dumps(item) for item in items))
 
 
 if __name__ == "__main__":

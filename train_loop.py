@@ -230,10 +230,9 @@ def add_micro_batch_arg(group):
 
 
 def plan_batch(args, config, world, model, device, resume_from=None, parent_meta=None, accumulate=True):
-    """(micro_batch, accumulation steps, where the micro-batch came from): the one reading of --micro_batch, as its
-    help says (add_micro_batch_arg). A resume takes its checkpoint's micro-batch: on the CPU the choice is the whole per-rank
-    batch, which changes with the world size, and a resume at another world size needs the same micro-batch (the data
-    streams). The accumulation steps make --total_batch_tokens, the error naming the nearest valid values;
+    """(micro_batch, accumulation steps, where the micro-batch came from): --micro_batch read as its help says. A resume
+    needs its checkpoint's micro-batch (the data streams), which the CPU's choice, the whole per-rank batch, is not at
+    another world size. The accumulation steps make --total_batch_tokens, the error naming the nearest valid values;
     accumulate=False (rl.py): none, its batch is its replies."""
     seq_len, total = config.sequence_len, args.total_batch_tokens if accumulate else None
     master = not dist.is_initialized() or dist.get_rank() == 0
