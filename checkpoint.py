@@ -139,7 +139,7 @@ def set_aside_newer(ckpt_dir, step):
 def optimizer_layout(optimizers):
     """[[class name, [param group names (None where unnamed)]], ...]: what a checkpoint's optimizer state is,
     recorded in its meta.json so a child stage can tell whether that state fits its own optimizers before loading it
-    (warm_start)."""
+    (runs.warm_start)."""
     return [[type(opt).__name__, [group.get("name") for group in opt.param_groups]] for opt in optimizers]
 
 
@@ -245,8 +245,8 @@ def find_checkpoint(path=None, runs_dir="runs", flag="--checkpoint"):
     return found[-1]
 
 
-# the order chat.py and export.py look for a checkpoint when --checkpoint is not given: the newer of RL's and SFT's, else midtraining's,
-# else pretraining's
+# the order chat.py and export.py look for a checkpoint without --checkpoint: the newer of RL's and SFT's, else
+# midtraining's, else pretraining's
 PICK_ORDER = [("rl", "sft"), ("midtrain",), ("pretrain",)]
 
 

@@ -211,8 +211,8 @@ def demo_world(arg, data_dir, part):
         world = Path(data_dir).parent if data_dir else None
         return world if world is not None and (world / part).is_dir() else None
     if not (Path(arg) / part).is_dir():
-        raise FileNotFoundError(f"--demo {arg}: no {part}/ in it: write the demo world there with `python demo.py --out "
-                                f"{arg}`")
+        raise FileNotFoundError(f"--demo {arg}: no {part}/ in it: write the demo world there with `python demo.py "
+                                f"--out {arg}`")
     return Path(arg)
 
 

@@ -225,8 +225,8 @@ def add_micro_batch_arg(group):
     group.add_argument("--micro_batch", type=int, default=0, help="sequences per rank per forward (rl.py: replies); 0 "
                        "= the checkpoint's when resuming (--resume), else the parent checkpoint's (midtrain, sft, rl), "
                        "else the largest that fits on CUDA (a divisor of the per-rank batch; without "
-                       "--total_batch_tokens a power of two up to 1024), on the CPU the whole per-rank batch (8 without "
-                       "--total_batch_tokens) (default: %(default)s)")
+                       "--total_batch_tokens a power of two up to 1024), on the CPU the whole per-rank batch (8 "
+                       "without --total_batch_tokens) (default: %(default)s)")
 
 
 def plan_batch(args, config, world, model, device, resume_from=None, parent_meta=None, accumulate=True):
@@ -434,12 +434,12 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
     return None
 
 
-HOOKS = ("inject_nan_step", "signal_at_step", "die_at_step", "hang_at_step", "stuck_at_step")  # add_run_args's
+HOOKS = ("inject_nan_step", "signal_at_step", "die_at_step", "hang_at_step", "stuck_at_step")  # runs.add_run_args's
 
 
 def testing_hooks(args):
-    """{step: the names of the testing hooks (hidden flags, add_run_args) set for that step}, or None when none is set,
-    which is every real run: the loop then checks nothing else per step. A value below 1 is never a step."""
+    """{step: the names of the testing hooks (hidden flags, runs.add_run_args) set for that step}, or None when none is
+    set, which is every real run: the loop then checks nothing else per step. A value below 1 is never a step."""
     hooks = {}
     for name in HOOKS:
         if getattr(args, name, -1) >= 1:
