@@ -250,18 +250,19 @@ def find_checkpoint(path=None, runs_dir="runs", flag="--checkpoint"):
 PICK_ORDER = [("rl", "sft"), ("midtrain",), ("pretrain",)]
 
 
-def pick_checkpoint(args):
+def pick_checkpoint(args, order=PICK_ORDER):
     """(checkpoint, how it was chosen): --checkpoint, else the newest checkpoint of the first group of stages in
-    PICK_ORDER that has one (chat.py and export.py pick this way)."""
+    `order` that has one: chat.py and export.py pick by PICK_ORDER, a stage after pretraining among its parents."""
     if args.checkpoint is not None:
         return find_checkpoint(args.checkpoint, args.runs_dir), "--checkpoint"
-    for stages in PICK_ORDER:
+    for stages in order:
         found = [(c, stage) for stage in stages for c in [newest_checkpoint(args.runs_dir, stage)] if c]
         if found:
             newest, stage = max(found, key=lambda pair: (pair[0] / "meta.json").stat().st_mtime)
             return newest, f"newest {stage} checkpoint under {args.runs_dir}"
-    raise FileNotFoundError(f"no checkpoint under {args.runs_dir}/*/ckpt/: train one (python pretrain.py, then "
-                            f"midtrain.py, sft.py, rl.py), or pass --checkpoint runs/<run> (or --runs_dir DIR)")
+    raise FileNotFoundError(f"no checkpoint under {args.runs_dir}/*/ckpt/ of stage {' or '.join(sum(order, ()))}: "
+                            f"train one (python pretrain.py, then midtrain.py, sft.py, rl.py), or pass --checkpoint "
+                            f"runs/<run> (or --runs_dir DIR)")
 
 
 def load_model(path, device):

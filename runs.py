@@ -135,19 +135,6 @@ def add_init_args(parser, parents):
             action.default, action.help = None, action.help.split(" (default")[0] + " (default: the parent's)"
 
 
-def find_parent(init, runs_dir, parents):
-    """The checkpoint a stage starts from: --checkpoint (a checkpoint or a run directory), else the newest checkpoint of
-    the first of `parents` that has one."""
-    if init is not None:
-        return checkpoint.find_checkpoint(init, runs_dir, flag="--checkpoint")
-    for stage in parents:
-        found = checkpoint.newest_checkpoint(runs_dir, stage=stage)
-        if found is not None:
-            return found
-    raise FileNotFoundError(f"no {' or '.join(parents)} checkpoint under {runs_dir}/*/ckpt/: run `python "
-                            f"{parents[-1]}.py` first, or pass --checkpoint runs/<run>")
-
-
 def inherit(args, meta, parent):
     """Fill every inherited flag left at None from the parent's recorded hparams; returns the table of (name, value,
     where it came from), the one place a stage's starting settings are resolved (--micro_batch's is
@@ -237,7 +224,7 @@ def start_stage(args, stage, parents, plan, rollouts=False):
     (rl.py): replies of their own lengths: no sharding, compile or accumulation (--micro_batch replies per forward),
     --total_batch_tokens only scales the lrs. Returns `start`, a namespace of all of it."""
     rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
-    parent = find_parent(args.checkpoint, args.runs_dir, parents)
+    parent, _ = checkpoint.pick_checkpoint(args, [(name,) for name in parents])  # in that order of preference
     model, parent_meta = checkpoint.load_model(parent, device)
     model.train()
     inherited = inherit(args, parent_meta, parent)
