@@ -24,11 +24,9 @@ import checkpoint
 import common
 import distributed
 from calculator import ToolUse
+from checkpoint import PICK_ORDER, pick_checkpoint
 from model import KVCache, autocast_context, lean_decode_step, lean_decode_weights, num_params, sample_next
 
-# the order a checkpoint is looked for when --checkpoint is not given: the newer of RL's and SFT's, else midtraining's,
-# else pretraining's
-STAGES = [("rl", "sft"), ("midtrain",), ("pretrain",)]
 HELP = ("/clear  forget the conversation (back to <|bos|>)\n/stats  tokens in the cache, context, turns, last "
         "turn's prefill and decode\n/help   this list\n/quit   exit (also Ctrl-D; Ctrl-C at the prompt)\n"
         "Ctrl-C during a reply stops that reply; the conversation goes on.")
@@ -39,7 +37,7 @@ def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=None, help="a checkpoint (runs/<run>/ckpt/step_*) or a run directory "
                    f"(its newest) (default: the newest under --runs_dir of stage "
-                   f"{', else '.join(' or '.join(stages) for stages in STAGES)})")
+                   f"{', else '.join(' or '.join(stages) for stages in PICK_ORDER)})")
     p.add_argument("--runs_dir", default="runs", help="where runs live (default: %(default)s)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the one the checkpoint records)")
     p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature, 0 = greedy (default: "
@@ -63,20 +61,6 @@ def get_args(argv=None):
     if args.max_new_tokens < 1 or args.top_k < 0 or args.temperature < 0:
         p.error("--max_new_tokens must be >= 1, --top_k >= 0 and --temperature >= 0")
     return args
-
-
-def pick_checkpoint(args):
-    """(checkpoint, how it was chosen): --checkpoint, else the newest checkpoint of the first group of stages in
-    STAGES that has one (export.py picks the same way)."""
-    if args.checkpoint is not None:
-        return checkpoint.find_checkpoint(args.checkpoint, args.runs_dir), "--checkpoint"
-    for stages in STAGES:
-        found = [(c, stage) for stage in stages for c in [checkpoint.newest_checkpoint(args.runs_dir, stage)] if c]
-        if found:
-            newest, stage = max(found, key=lambda pair: (pair[0] / "meta.json").stat().st_mtime)
-            return newest, f"newest {stage} checkpoint under {args.runs_dir}"
-    raise FileNotFoundError(f"no checkpoint under {args.runs_dir}/*/ckpt/: train one (python pretrain.py, then "
-                            f"midtrain.py, sft.py, rl.py), or pass --checkpoint runs/<run> (or --runs_dir DIR)")
 
 
 def utf8_stream(tokenizer):

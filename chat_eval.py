@@ -23,39 +23,21 @@ import re
 import secrets
 import sys
 import time
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
-import numpy as np
-import pyarrow.parquet as pq
 import torch
 
 import checkpoint
 import common
 import distributed
 import sandbox
+import tasks
 import train_loop
 from calculator import ToolUse, reply_text
-from dataset import CACHE_DIR, MC_LETTERS, render_mc
-from download import download_hub_files, list_hub_files
+from dataset import CACHE_DIR
 from model import autocast_context, generate, num_params
+from tasks import ALL_TASKS, final_number, gsm8k_answer, humaneval_program, normalize, prompt_ids, same_number
 
-# task: (hub repo, its test split's files, kind, random baseline). Kinds: categorical (a letter's logit), gsm8k (the
-# number after '#### '), humaneval (the program passes the task's tests), exact (the answer, after normalization).
-HUB_TASKS = {"ARC-Easy": ("allenai/ai2_arc", r"ARC-Easy/test-\d+-of-\d+\.parquet", "categorical", 0.25),
-             "ARC-Challenge": ("allenai/ai2_arc", r"ARC-Challenge/test-\d+-of-\d+\.parquet", "categorical", 0.25),
-             "MMLU": ("cais/mmlu", r"all/test-\d+-of-\d+\.parquet", "categorical", 0.25),
-             "GSM8K": ("openai/gsm8k", r"main/test-\d+-of-\d+\.parquet", "gsm8k", 0.0),
-             "HumanEval": ("openai/openai_humaneval", r"openai_humaneval/test-\d+-of-\d+\.parquet", "humaneval", 0.0)}
-DEMO_TASKS = {"demo-choice": (None, None, "categorical", 0.25), "demo-answer": (None, None, "exact", 0.0)}
-# Asked only by name (--tasks), never part of ChatCORE: questions about the demo world in words no template uses, with
-# no instruction on the form, scored by whether the reply contains the answer as a word: does the model still answer
-# in its own words after learning letters and bare answers?
-DEMO_EXTRA = {"demo-words": (None, None, "contains", None)}
-ALL_TASKS = HUB_TASKS | DEMO_TASKS | DEMO_EXTRA
-SHUFFLE_SEED = 42  # nanochat's order: datasets' shuffle(seed=42) is np.random.default_rng(42).permutation(n)
-NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
-GSM_RE = re.compile(r"#### (\-?[0-9\.\,]+)")  # nanochat's tasks/gsm8k.py, character for character
 PROGRESS_SECONDS = 10.0  # a progress line at most this often per task (and one at its end)
 
 
@@ -67,7 +49,7 @@ def get_args(argv=None):
     p.add_argument("--runs_dir", default="runs", help="where runs live (default: %(default)s)")
     p.add_argument("--demo", default="auto", help="a demo world directory (python demo.py --out DIR) whose "
                    "chat_eval/ questions to ask; auto = the checkpoint's world when it was trained on one, else the hub "
-                   f"tasks; none = the hub tasks ({', '.join(HUB_TASKS)}) (default: %(default)s)")
+                   f"tasks; none = the hub tasks ({', '.join(tasks.HUB_TASKS)}) (default: %(default)s)")
     p.add_argument("--tasks", default=None, help="comma-separated tasks to run (default: all of the chosen set)")
     p.add_argument("--max_items", type=int, default=-1, help="items per task, the first N in nanochat's order; -1 = "
                    "all (default: %(default)s)")
@@ -104,133 +86,7 @@ def get_args(argv=None):
 
 
 # -----------------------------------------------------------------------------
-# Data: the hub's parquet files (cached) or the demo world's jsonl, as items of one layout per kind
-
-def hub_files(task, cache_dir):
-    """The task's test files, downloaded once: a files.json written after the download lets later runs skip the
-    network; delete the task's directory to fetch it again."""
-    repo, pattern = HUB_TASKS[task][:2]
-    out_dir = Path(cache_dir) / task
-    done = out_dir / "files.json"
-    if done.is_file() and all((out_dir / name).is_file() for name in json.loads(done.read_text())):
-        return [out_dir / name for name in json.loads(done.read_text())]
-    paths = sorted(f["path"] for f in list_hub_files(repo) if re.fullmatch(pattern, f["path"]))
-    if not paths:
-        raise ValueError(f"{repo} has no file matching {pattern}: the dataset's layout changed; please report it")
-    files = download_hub_files(repo, paths, out_dir)
-    done.write_text(json.dumps([f.name for f in files]))
-    return files
-
-
-def read_rows(task, cache_dir, demo_dir):
-    """[(where, row)] of the task's data, in file order."""
-    if demo_dir is not None:
-        path = Path(demo_dir) / "chat_eval" / f"{task}.jsonl"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} does not exist: write the demo world again (python demo.py --out "
-                                    f"{demo_dir}), which writes chat_eval/")
-        lines = path.read_text().splitlines()
-        try:
-            return [(f"{path}, line {i + 1}", json.loads(line)) for i, line in enumerate(lines) if line.strip()]
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: a line is not valid JSON ({e}): write the demo world again") from None
-    return [(f"{f}, row {i}", row) for f in hub_files(task, cache_dir) for i, row in enumerate(pq.read_table(f)
-                                                                                              .to_pylist())]
-
-
-def make_item(task, row, where):
-    """The fields its kind needs ({"prompt", ...}), from a row in the layout the hub (or demo.py) gives it."""
-    try:
-        if task.startswith("ARC"):
-            letters, answer = list(row["choices"]["label"]), row["answerKey"]
-            if answer not in letters:
-                raise KeyError(f"answerKey {answer!r} not among the labels {letters}")
-            return {"prompt": render_mc(row["question"], letters, row["choices"]["text"]), "letters": letters,
-                    "answer": answer, "options": list(row["choices"]["text"]), "question": row["question"]}
-        if task in ("MMLU", "demo-choice"):
-            letters = list(MC_LETTERS[:len(row["choices"])])
-            return {"prompt": render_mc(row["question"], letters, row["choices"]), "letters": letters,
-                    "answer": letters[row["answer" if task == "MMLU" else "gold"]], "options": list(row["choices"]),
-                    "question": row["question"]}
-        if task == "GSM8K":
-            answer = gsm8k_answer(row["answer"])
-            if answer is None:
-                raise KeyError("no '#### <number>' in its answer")
-            return {"prompt": row["question"], "answer": answer}
-        if task == "HumanEval":
-            return {"prompt": row["prompt"], "test": row["test"], "entry_point": row["entry_point"],
-                    "id": row["task_id"]}
-        return {"prompt": row["question"], "answers": list(row["answers"])}
-    except (KeyError, TypeError, IndexError) as e:
-        raise ValueError(f"{where}: not in {task}'s layout ({type(e).__name__}: {e}): the file is damaged or its "
-                         f"layout changed; delete it (a hub file is fetched again, the demo world's written again by "
-                         f"demo.py), or report the change") from None
-
-
-def load_items(task, cache_dir, demo_dir, max_items):
-    """(items, rows in the task): the first max_items rows in nanochat's order, each with its row index."""
-    rows = read_rows(task, cache_dir, demo_dir)
-    order = np.random.default_rng(SHUFFLE_SEED).permutation(len(rows)).tolist()
-    order = order[:max_items] if max_items > 0 else order
-    return [{**make_item(task, rows[i][1], rows[i][0]), "row": i} for i in order], len(rows)
-
-
-# -----------------------------------------------------------------------------
-# Scoring rules
-
-def gsm8k_answer(text):
-    """nanochat's GSM8K answer (its extract_answer): the digits, dots and commas (a '-' first) after the first
-    '#### ', commas dropped, as a string; None where there is no '#### '. A reply is right when this string equals
-    the reference's: '18.00' is not '18', and a reply without the marker is wrong. ChatCORE counts by this rule."""
-    match = GSM_RE.search(text)
-    return match.group(1).strip().replace(",", "") if match else None
-
-
-def final_number(text, marker_only=False):
-    """The lenient reading, a diagnostic outside ChatCORE: a Decimal or None, the number after the first '####'
-    (spaces and a '$' allowed), or where there is none (and not marker_only) the last number in the text, compared
-    as numbers (18.00 equals 18)."""
-    found = re.findall(r"####\s*\$?\s*(" + NUMBER + ")", text)[:1] or ([] if marker_only else re.findall(NUMBER, text))
-    try:
-        return Decimal(found[-1].replace(",", "")) if found else None
-    except InvalidOperation:
-        return None
-
-
-def normalize(text):
-    """The demo's exact-match form: lower case, punctuation dropped, spaces collapsed, a leading article dropped."""
-    words = re.sub(r"[^\w\s-]", " ", text.lower()).split()
-    return " ".join(words[1:] if words[:1] in (["the"], ["a"], ["an"]) else words)
-
-
-def humaneval_program(item, reply, marker):
-    """nanochat's program: the prompt's imports, the reply's code (its first ``` block, else all of it), the tests,
-    check(entry_point). The code continues the prompt when it does not define the entry point itself (a model that
-    wrote only the body). The marker, printed last, says check() returned: an early exit(0) passes nothing."""
-    blocks = re.findall(r"```(?:python)?\s*\n(.*?)\n```", reply, re.DOTALL)
-    code = (blocks[0] if blocks else reply).lstrip("\n").rstrip()
-    if not re.search(rf"^\s*def\s+{re.escape(item['entry_point'])}\s*\(", code, re.MULTILINE):
-        code = item["prompt"] + code
-    imports = []
-    for line in item["prompt"].splitlines():
-        if line.strip().startswith(("import ", "from ")):
-            imports.append(line.strip())
-        elif line.strip() and not line.strip().startswith("#"):
-            break
-    return "\n\n".join(["\n".join(imports), code, item["test"], f"check({item['entry_point']})",
-                        f"print({marker!r})"]) + "\n"
-
-
-# -----------------------------------------------------------------------------
 # The model's answers
-
-def prompt_ids(tokenizer, question, seq_len, room):
-    """(ids, cut): the question as a user message, then <|assistant_start|>; a prompt longer than seq_len - room
-    keeps its BOS and loses the tokens after it (as core_eval.py's windows do)."""
-    ids = tokenizer.render_for_completion([{"role": "user", "content": question}])
-    keep = seq_len - room
-    return (ids, False) if len(ids) <= keep else ([ids[0], *ids[len(ids) - keep + 1:]], True)
-
 
 def letter_token_ids(tokenizer, letters):
     """The answer letters' token ids; each must be one token (with byte-level BPE a lone letter always is)."""
@@ -348,13 +204,6 @@ def judge_letters(items, model, tokenizer, args, device):
     return out
 
 
-def same_number(lenient, answer):
-    try:
-        return lenient is not None and lenient == Decimal(answer)
-    except InvalidOperation:
-        return False
-
-
 def judge(kind, item, model, tokenizer, args, device, marker, level):
     """(correct, cut, what to record) for one generated item."""
     reply, cut, calls = greedy_reply(model, tokenizer, item["prompt"], args.max_new_tokens, args.dtype)
@@ -425,7 +274,6 @@ def evaluate_task(task, items, model, tokenizer, args, rank, world, device, mark
         print(f"{task}: done, {correct:,}/{len(items):,} right ({correct / max(len(items), 1):.4f}) in {seconds:.1f} s "
               f"({len(items) / seconds:.2f} items/s)", flush=True)
     return [(bool(c), bool(x)) for _, c, x in table.tolist()], records
-
 
 
 # -----------------------------------------------------------------------------
@@ -528,71 +376,41 @@ def write_outputs(report, records, out, run_dir):
     print(f"results: {written}")
 
 
-def resolve_demo(arg, meta):
-    """The demo world to ask, or None for the hub tasks."""
-    if arg == "none":
-        return None
-    if arg == "auto":  # trained on <world>/pretrain (or <world>/conversations): <world>/chat_eval/ has its questions
-        world = Path(meta["data_dir"]).parent if meta.get("data_dir") else None
-        return world if world is not None and (world / "chat_eval").is_dir() else None
-    if not (Path(arg) / "chat_eval").is_dir():
-        raise FileNotFoundError(f"--demo {arg}: no chat_eval/ in it: write the demo world there with `python demo.py "
-                                f"--out {arg}`")
-    return Path(arg)
-
-
-def fetch_everywhere(fetch, rank, world):
-    """fetch() on rank 0 first (it downloads), then on the others (they find the cache); rank 0's failure is raised
-    on every rank rather than leaving the others waiting for files that will not come."""
-    result = failure = None
-    if rank == 0:
-        try:
-            result = fetch()
-        except (RuntimeError, ValueError, OSError) as e:
-            failure = e
-    if world > 1:
-        shared = [failure and str(failure)]
-        torch.distributed.broadcast_object_list(shared, src=0)
-        failure = failure or (shared[0] and RuntimeError(shared[0]))
-    if failure:
-        raise failure
-    return result if rank == 0 else fetch()
-
-
 def main(argv=None):
     args = get_args(argv)
     if args.download_only:  # before pretraining: a gated or missing task stops the run hours earlier
-        tasks = args.tasks.split(",") if args.tasks else list(HUB_TASKS)
-        unknown = [t for t in tasks if t not in HUB_TASKS]
+        asked = args.tasks.split(",") if args.tasks else list(tasks.HUB_TASKS)
+        unknown = [t for t in asked if t not in tasks.HUB_TASKS]
         if unknown:
-            raise ValueError(f"--tasks: {', '.join(unknown)} not among the hub tasks: {', '.join(HUB_TASKS)}")
-        if "HumanEval" in tasks:  # a machine that cannot contain its programs stops the run now, not after training
+            raise ValueError(f"--tasks: {', '.join(unknown)} not among the hub tasks: {', '.join(tasks.HUB_TASKS)}")
+        if "HumanEval" in asked:  # a machine that cannot contain its programs stops the run now, not after training
             print(sandbox.describe(*sandbox.choose(args.sandbox)))
-        for task in tasks:
-            print(f"download: {task}: {len(hub_files(task, args.cache_dir))} files in {Path(args.cache_dir) / task}")
+        for task in asked:
+            print(f"download: {task}: {len(tasks.hub_files(task, args.cache_dir))} files in "
+                  f"{Path(args.cache_dir) / task}")
         return
     rank, _, world, device = distributed.setup_distributed()
     ckpt = checkpoint.find_checkpoint(args.checkpoint, args.runs_dir)
     model, meta = checkpoint.load_model(ckpt, device)
     tokenizer, tokenizer_path = checkpoint.checkpoint_tokenizer(meta, ckpt, args.tokenizer)
-    demo_dir = resolve_demo(args.demo, meta)
-    available = DEMO_TASKS if demo_dir is not None else HUB_TASKS
-    tasks = args.tasks.split(",") if args.tasks else list(available)
-    unknown = [t for t in tasks if t not in available | (DEMO_EXTRA if demo_dir is not None else {})]
+    demo_dir = tasks.demo_world(args.demo, meta.get("data_dir"), "chat_eval")
+    available = tasks.DEMO_TASKS if demo_dir is not None else tasks.HUB_TASKS
+    asked = args.tasks.split(",") if args.tasks else list(available)
+    unknown = [t for t in asked if t not in available | (tasks.DEMO_EXTRA if demo_dir is not None else {})]
     if unknown:
         raise ValueError(f"--tasks: {', '.join(unknown)} not among the {'demo world' if demo_dir else 'hub'} tasks: "
                          f"{', '.join(available)}" + ("" if demo_dir is None else " (--demo none for the hub tasks)"))
     level = contained = None
-    if "HumanEval" in tasks:
+    if "HumanEval" in asked:
         level, why = sandbox.choose(args.sandbox)  # never the process level unless asked for
         contained = sandbox.describe(level, why)
-    loaded = fetch_everywhere(lambda: {t: load_items(t, args.cache_dir, demo_dir, args.max_items) for t in tasks},
-                              rank, world)
+    loaded = tasks.fetch_everywhere(lambda: {t: tasks.load_items(t, args.cache_dir, demo_dir, args.max_items)
+                                             for t in asked}, rank, world)
     if rank == 0:
         print(f"checkpoint: {ckpt} (stage {meta.get('stage') or 'unknown'}, step {meta.get('step', 'unknown')}, "
               f"{num_params(model.config):,} parameters); tokenizer {tokenizer_path}")
         print(f"tasks from {demo_dir or 'the hub'} ({args.cache_dir if demo_dir is None else 'offline'}):")
-        for t in tasks:
+        for t in asked:
             _, _, kind, baseline = ALL_TASKS[t]
             print(f"  {t:<14} {kind:<12} {len(loaded[t][0]):,} of {loaded[t][1]:,} items, baseline {baseline}")
         if contained:
@@ -600,16 +418,16 @@ def main(argv=None):
     marker = f"chat_eval: check passed {secrets.token_hex(8)}"
     start = time.perf_counter()
     verdicts, records = {}, []
-    for t in tasks:
+    for t in asked:
         verdicts[t], task_records = evaluate_task(t, loaded[t][0], model, tokenizer, args, rank, world, device,
                                                   marker, level)
         records += task_records
     seconds = time.perf_counter() - start
-    rows, chatcore = summarize(tasks, verdicts, {t: loaded[t][1] for t in tasks})
+    rows, chatcore = summarize(asked, verdicts, {t: loaded[t][1] for t in asked})
     for row in rows:  # beside ChatCORE, never in it
         row["diagnostics"] = task_diagnostics(row["kind"], [r for r in records if r["task"] == row["task"]])
     if rank == 0:
-        complete = set(available) <= set(tasks) and all(r["items"] == r["items_in_task"] for r in rows)
+        complete = set(available) <= set(asked) and all(r["items"] == r["items_in_task"] for r in rows)
         report = {"checkpoint": str(ckpt), "stage": meta.get("stage"), "step": meta.get("step"),
                   "parameters": num_params(model.config), "tasks_from": str(demo_dir or "hub"), "chatcore": chatcore,
                   "complete": complete, "tasks": rows, "max_items": args.max_items, "batch_items": args.batch_items,

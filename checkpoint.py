@@ -1,13 +1,12 @@
-"""Checkpoints and runs: saving, listing, finding and loading checkpoints (any world size, sharded or not), their
-tokenizer checks, the run directory (runs/<run>/: its flags, what it resumes from, the command that resumes it), and
-what a stage after pretraining inherits from its parent checkpoint (inherit, warm_start, parent_record).
+"""Checkpoints: saving, listing, finding and loading them (any world size, sharded or not), their tokenizer checks, and
+resuming a run from one (the command that does it). The run directory and what a stage inherits from its parent
+checkpoint are runs.py's.
 
 Not a stage: import it (`import checkpoint`). One command line, for a sharded checkpoint:
 
     python checkpoint.py consolidate runs/<run>[/ckpt/step_N]     # write its model.pt, in one process
 """
 import argparse
-import hashlib
 import json
 import os
 import random
@@ -23,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from common import versions
-from distributed import barrier, check_shared_dir, is_sharded
-from model import GPTConfig, build_model, parse_bool
+from distributed import barrier, is_sharded
+from model import GPTConfig, build_model
 from tokenizer import SPECIAL_TOKENS, Tokenizer
 
 # torch.distributed.checkpoint warns on every save and load in a process without torch.distributed (one-process runs
@@ -140,7 +139,7 @@ def set_aside_newer(ckpt_dir, step):
 def optimizer_layout(optimizers):
     """[[class name, [param group names (None where unnamed)]], ...]: what a checkpoint's optimizer state is,
     recorded in its meta.json so a child stage can tell whether that state fits its own optimizers before loading it
-    (warm_start)."""
+    (runs.warm_start)."""
     return [[type(opt).__name__, [group.get("name") for group in opt.param_groups]] for opt in optimizers]
 
 
@@ -246,6 +245,26 @@ def find_checkpoint(path=None, runs_dir="runs", flag="--checkpoint"):
     return found[-1]
 
 
+# the order chat.py and export.py look for a checkpoint without --checkpoint: the newer of RL's and SFT's, else
+# midtraining's, else pretraining's
+PICK_ORDER = [("rl", "sft"), ("midtrain",), ("pretrain",)]
+
+
+def pick_checkpoint(args, order=PICK_ORDER):
+    """(checkpoint, how it was chosen): --checkpoint, else the newest checkpoint of the first group of stages in
+    `order` that has one: chat.py and export.py pick by PICK_ORDER, a stage after pretraining among its parents."""
+    if args.checkpoint is not None:
+        return find_checkpoint(args.checkpoint, args.runs_dir), "--checkpoint"
+    for stages in order:
+        found = [(c, stage) for stage in stages for c in [newest_checkpoint(args.runs_dir, stage)] if c]
+        if found:
+            newest, stage = max(found, key=lambda pair: (pair[0] / "meta.json").stat().st_mtime)
+            return newest, f"newest {stage} checkpoint under {args.runs_dir}"
+    raise FileNotFoundError(f"no checkpoint under {args.runs_dir}/*/ckpt/ of stage {' or '.join(sum(order, ()))}: "
+                            f"train one (python pretrain.py, then midtrain.py, sft.py, rl.py), or pass --checkpoint "
+                            f"runs/<run> (or --runs_dir DIR)")
+
+
 def load_model(path, device):
     """(model in eval mode, meta) from a checkpoint's model.pt and meta.json, on any number of processes (the rank
     files, which a resume needs, are not read)."""
@@ -287,74 +306,13 @@ def check_tokenizer(meta, tokenizer, tokenizer_path, checkpoint):
 
 
 # -----------------------------------------------------------------------------
-# The run directory: runs/<run>/ with config.json, metrics.jsonl, samples.jsonl, ckpt/step_XXXXXX/. Where a run
-# lives, what it resumes from, and the exact command that resumes it.
+# Resuming: a checkpoint's layout, the run's state restored from it, and the exact command that resumes a run
 
-def add_run_args(parser, stage):
-    """The flags every training stage has for its run directory, checkpoints and health checks, and the hidden
-    testing hooks."""
-    g = parser.add_argument_group("run directory, checkpoints, health")
-    g.add_argument("--run_name", default=None, help=f"outputs go to <runs_dir>/<run_name>/ (default: {stage}_<preset>_"
-                   f"<time>; not --run, which torchrun would take for its own --run-path)")
-    g.add_argument("--runs_dir", default="runs", help="where runs live (default: %(default)s)")
-    g.add_argument("--resume", nargs="?", const="latest", default=None, help="continue from the newest checkpoint of "
-                   "--run_name (or of the newest run of this stage), or from the checkpoint directory given")
-    g.add_argument("--ckpt_every", type=int, default=500, help="checkpoint every N steps (default: %(default)s)")
-    g.add_argument("--keep", type=int, default=3, help="checkpoints kept, newest first; at least 1 (default: "
-                   "%(default)s)")
-    g.add_argument("--frozen_check_step", type=int, default=10, help="steps after the start at which unchanged "
-                   "parameters are named (default: %(default)s)")
-    g.add_argument("--health_every", type=int, default=50, help="log update/parameter RMS ratios every N steps "
-                   "(default: %(default)s)")
-    g.add_argument("--log_every", type=int, default=10, help="progress line every N steps (default: %(default)s)")
-    g.add_argument("--wandb", default=None, help="wandb project to log to (needs `pip install wandb`)")
-    g.add_argument("--status", default=None, metavar="RUN_DIR", help="print a run's status and exit")
-    g = parser.add_argument_group("distributed (under torchrun)")
-    g.add_argument("--fsdp", default="auto", choices=["auto", "true", "false"], help="shard weights, gradients and "
-                   "optimizer state over the ranks with FSDP2; auto: when they would not fit one device by model.py's "
-                   "estimate (default: %(default)s)")
-    g.add_argument("--dist_timeout", type=float, default=600, help="seconds a collective may wait for the other ranks "
-                   "before the run stops with an error (a dead or hung rank) (default: %(default)s)")
-    # Testing hooks, hidden from --help: the tests' way to make a run fail as real runs do. Steps count from 1, as
-    # logged; -1: never (train_loop.testing_hooks).
-    g = parser.add_argument_group("testing hooks")
-    g.add_argument("--inject_nan_step", type=int, default=-1, help=argparse.SUPPRESS)  # poison the loss at this step
-    g.add_argument("--signal_at_step", type=int, default=-1, help=argparse.SUPPRESS)  # SIGTERM this process after it
-    g.add_argument("--die_at_step", type=int, default=-1, help=argparse.SUPPRESS)  # the last rank SIGKILLs itself
-    g.add_argument("--hang_at_step", type=int, default=-1, help=argparse.SUPPRESS)  # the last rank stops taking part
-    # in collectives
-    g.add_argument("--stuck_at_step", type=int, default=-1, help=argparse.SUPPRESS)  # as --hang_at_step, and the
-    # rank ignores SIGTERM, SIGINT and SIGHUP: a rank inside an NCCL call never returns to run its handler
-    g.add_argument("--checkpoint_delay", type=float, default=0, help=argparse.SUPPRESS)  # rank 0 takes this many
-    # seconds longer to write each checkpoint (a d20's 15 GB)
-
-
-def resolve_run(args, stage):
-    """(run directory, checkpoint to resume from or None) from --runs_dir, --run_name and --resume [PATH]; sets
-    args.runs_dir and args.run_name to the run's, so the resume command and config.json name it."""
-    if args.keep < 1:
-        raise ValueError(f"--keep {args.keep}: keep at least 1 checkpoint (the newest is the one a resume needs)")
-    if args.resume not in (None, "latest"):  # a checkpoint path: <runs_dir>/<run_name>/ckpt/step_XXXXXX
-        path = Path(args.resume)
-        if not (path / "meta.json").is_file() or checkpoint_step(path) is None:
-            raise FileNotFoundError(f"--resume {path}: not a checkpoint (runs/<run>/ckpt/step_*/ with meta.json)")
-        args.runs_dir, args.run_name = str(path.parent.parent.parent), path.parent.parent.name
-        check_shared_dir(path.parent.parent)
-        return path.parent.parent, path
-    if args.resume and args.run_name is None:
-        newest = newest_checkpoint(args.runs_dir, stage=stage)
-        if newest is None:
-            raise FileNotFoundError(f"--resume: no {stage} checkpoint under {args.runs_dir}/*/ckpt/")
-        args.run_name = newest.parent.parent.name
-    args.run_name = args.run_name or f"{stage}_{args.preset}_{time.strftime('%Y%m%d_%H%M%S')}"
-    run_dir = Path(args.runs_dir) / args.run_name
-    check_shared_dir(run_dir)  # several nodes: every rank must see what rank 0 writes there
-    if not args.resume:
-        return run_dir, None
-    found = list_checkpoints(run_dir / "ckpt")
-    if not found:
-        raise FileNotFoundError(f"--resume: {run_dir}/ckpt has no checkpoint yet")
-    return run_dir, found[-1]
+def saved_layout(path):
+    """The layout a checkpoint's meta.json records, the one place it is read: model_config, world_size, micro_batch
+    and accum (what a resume must match, and the micro-batch a resume with --micro_batch 0 takes), step, sharded."""
+    meta = json.loads((Path(path) / "meta.json").read_text())
+    return {key: meta.get(key) for key in ("model_config", "world_size", "micro_batch", "accum", "step", "sharded")}
 
 
 def resume(path, run_dir, model, optimizers, loaders, layout, rank, device):
@@ -362,7 +320,7 @@ def resume(path, run_dir, model, optimizers, loaders, layout, rank, device):
     and whose virtual ranks (world size x accumulation: one data stream each) are as many, so every stream continues
     where it stopped: 2 processes x 1 micro-step resume as 1 x 2 (else a ValueError naming the difference). Newer
     checkpoints of an abandoned branch are set aside. Returns its step."""
-    meta = json.loads((Path(path) / "meta.json").read_text())
+    meta = saved_layout(path)
     for key in ("model_config", "micro_batch"):
         if meta.get(key) != layout[key]:
             raise ValueError(f"--resume {path}: its {key} is {meta.get(key)}, this run's is {layout[key]}: resume with "
@@ -417,13 +375,6 @@ def resume_command(args):
                                 *command])
 
 
-def write_config(run_dir, record):
-    """config.json: what the run is (rank 0 only), rewritten by a resume with its own command line."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps({**record, "argv": sys.argv, "versions": versions()}, indent=1,
-                                                    default=str))
-
-
 def truncate_metrics(path, last_step):
     """After a resume from `last_step`, drop the lines a killed run logged past it, so each step appears once."""
     path = Path(path)
@@ -433,135 +384,7 @@ def truncate_metrics(path, last_step):
 
 
 # -----------------------------------------------------------------------------
-# Stages after pretraining: the parent checkpoint they start from, and what they inherit from it. Every checkpoint's
-# meta records its stage, its hyperparameters ("hparams") and its parent (path and the sha256 of its model.pt).
-
-INHERITED = ["tokenizer", "sequence_len", "micro_batch", "total_batch_tokens", "optimizer", "matrix_lr",
-             "embedding_lr", "head_lr", "scalar_lr", "weight_decay", "grad_clip", "dtype", "compile"]
-
-
-def hparams(args, seq_len, micro, tokens_per_step):
-    """What a child stage inherits from this run, as its checkpoints record it."""
-    values = {name: getattr(args, name, None) for name in INHERITED}
-    return {**values, "sequence_len": seq_len, "micro_batch": micro, "total_batch_tokens": tokens_per_step}
-
-
-def add_init_args(parser, parents):
-    """--checkpoint and the inherited flags of a stage that starts from a checkpoint of one of `parents` (newest first in
-    that order of preference): their defaults become None, meaning "the parent's value"."""
-    g = parser.add_argument_group("start: the parent checkpoint and what is inherited from it")
-    g.add_argument("--checkpoint", default=None, help=f"checkpoint to start from: a step_* directory or a run directory "
-                   f"(default: the newest {' checkpoint, else the newest '.join(parents)} checkpoint under --runs_dir)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the parent's)")
-    g.add_argument("--sequence_len", type=int, default=None, help="row length, at most the parent's (default: the "
-                   "parent's)")
-    g.add_argument("--micro_batch", type=int, default=None, help="sequences per rank per forward (default: the "
-                   "parent's)")
-    g.add_argument("--total_batch_tokens", type=int, default=None, help="tokens per optimizer step over all ranks "
-                   "(default: the parent's)")
-    g.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="compute dtype (default: the "
-                   "parent's)")
-    g.add_argument("--compile", type=parse_bool, default=None,
-                   help="torch.compile the model: true or false (default: the parent's)")
-    for action in parser._actions:  # the schedule's lr flags: the parent's value unless given
-        if action.dest in INHERITED and action.dest not in ("tokenizer", "sequence_len", "micro_batch",
-                                                             "total_batch_tokens", "dtype", "compile"):
-            action.default, action.help = None, action.help.split(" (default")[0] + " (default: the parent's)"
-
-
-def find_parent(init, runs_dir, parents):
-    """The checkpoint a stage starts from: --checkpoint (a checkpoint or a run directory), else the newest checkpoint of
-    the first of `parents` that has one."""
-    if init is not None:
-        return find_checkpoint(init, runs_dir, flag="--checkpoint")
-    for stage in parents:
-        found = newest_checkpoint(runs_dir, stage=stage)
-        if found is not None:
-            return found
-    raise FileNotFoundError(f"no {' or '.join(parents)} checkpoint under {runs_dir}/*/ckpt/: run `python "
-                            f"{parents[-1]}.py` first, or pass --checkpoint runs/<run>")
-
-
-def inherit(args, meta, parent):
-    """Fill every inherited flag left at None from the parent's recorded hparams; returns the table of (name, value,
-    where it came from), the one place a stage's starting settings are resolved."""
-    recorded = meta.get("hparams") or {}
-    config_file = Path(parent).parent.parent / "config.json"  # checkpoints from before hparams were recorded
-    older = json.loads(config_file.read_text()).get("args", {}) if not recorded and config_file.is_file() else {}
-    table = []
-    for name in INHERITED:
-        if getattr(args, name) is not None:
-            table.append((name, getattr(args, name), "flag"))
-            continue
-        value = recorded.get(name, older.get(name))
-        if value is None:
-            raise ValueError(f"{parent}: its meta.json records no {name}; pass --{name}")
-        setattr(args, name, value)
-        table.append((name, value, f"parent ({'meta.json' if name in recorded else 'its run config.json'})"))
-    if args.sequence_len > meta["model_config"]["sequence_len"]:
-        raise ValueError(f"--sequence_len {args.sequence_len} exceeds the parent's "
-                         f"{meta['model_config']['sequence_len']} (its rotary tables end there): pass at most that")
-    return table
-
-
-def add_warm_start_args(parser, lr_scale, schedule, warmdown_frac, why):
-    """A chat stage's start from its parent's optimizer and its own lr scale and schedule (defaults per stage, `why`
-    says where they come from)."""
-    g = parser.add_argument_group("warm start: the parent's optimizer state and this stage's lrs")
-    g.add_argument("--warm_start", type=parse_bool, default=True, help="continue from the parent checkpoint's "
-                   "optimizer state (AdamW moments, Muon momentum) with the lrs reset to this stage's; a state that "
-                   "does not fit this stage's optimizers is reported and replaced by a fresh one; false: fresh "
-                   "(default: %(default)s)")
-    g.add_argument("--lr_scale", type=float, default=lr_scale, help="every lr is this fraction of the parent's (its "
-                   f"base lrs at this stage's batch; {why}) (default: %(default)s)")
-    parser.set_defaults(schedule=schedule, warmdown_frac=warmdown_frac)
-
-
-def warm_start(parent, parent_meta, model, optimizers, args, device):
-    """Load the parent checkpoint's optimizer state into this stage's optimizers (unsharded or sharded, whatever the
-    parent's world size: load_state), then put back this stage's own hyperparameters (lr, base_lr, weight decay,
-    betas, momentum): the moments continue, the lrs are the stage's. A fresh optimizer at full lr moves every
-    embedding coordinate by about the lr on its first step, since AdamW's first update is sign(gradient); warm
-    moments keep the first steps the size of the parent's last ones. When the parent's state does not fit (another
-    optimizer or other param groups, or a checkpoint that does not record them) the state stays fresh. Returns the
-    line that says which, and why."""
-    if not args.warm_start:
-        return "optimizer: fresh state (--warm_start false)"
-    recorded, mine = parent_meta.get("optimizers"), optimizer_layout(optimizers)
-    if recorded is None:
-        return (f"optimizer: fresh state: {parent}/meta.json does not record its optimizers (written by an older "
-                f"version of this code), so its state cannot be checked against this stage's")
-    if recorded != mine:
-        return (f"optimizer: fresh state: the parent's optimizers {recorded} are not this stage's {mine} (another "
-                f"--optimizer or --adam8bit, or another model)")
-    own = [{k: v for k, v in group.items() if k != "params"} for opt in optimizers for group in opt.param_groups]
-    try:
-        load_state(parent, model, optimizers, device)
-        error = None
-    except (ValueError, KeyError, RuntimeError, FileNotFoundError) as e:
-        error = e
-    for group, hyper in zip((g for opt in optimizers for g in opt.param_groups), own, strict=True):
-        group.update(hyper)
-    if error is not None:
-        for opt in optimizers:  # a partly loaded state is no state
-            opt.state.clear()
-        return f"optimizer: fresh state: the parent's could not be loaded ({type(error).__name__}: {error})"
-    tensors = sum(len(opt.state) for opt in optimizers)
-    return (f"optimizer: warm start from {parent}'s state ({tensors} parameters' moments, step {parent_meta['step']}),"
-            f" lrs reset to {args.lr_scale:g} x the parent's")
-
-
-def resume_or_warm_start(resume_from, parent, parent_meta, args, run_dir, model, optimizers, loaders, layout, rank,
-                         device):
-    """A chat stage's first step: its own last checkpoint's (resume), else 0 from the parent's optimizer state with
-    this stage's lrs (warm_start, whose line is printed)."""
-    if resume_from:
-        return resume(resume_from, run_dir, model, optimizers, loaders, layout, rank, device)
-    line = warm_start(parent, parent_meta, model, optimizers, args, device)
-    if rank == 0:
-        print(line)
-    return 0
-
+# A checkpoint's lineage: every meta.json records its stage, hyperparameters ("hparams") and parent (runs.py)
 
 def pretraining_run(checkpoint, meta):
     """(data_dir, sequence_len, eval_tokens) of the pretraining run a checkpoint descends from, following each
@@ -579,15 +402,6 @@ def pretraining_run(checkpoint, meta):
     if not meta.get("data_dir") or not seq_len:
         return None
     return meta["data_dir"], seq_len, eval_tokens
-
-
-def parent_record(parent, meta):
-    """The parent as a child's checkpoints record it: path, stage, step, and the sha256 of its weights."""
-    digest = hashlib.sha256()
-    with open(Path(parent) / "model.pt", "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
-    return {"path": str(parent), "stage": meta.get("stage"), "step": meta.get("step"), "sha256": digest.hexdigest()}
 
 
 def check_chat_tokenizer(tokenizer, tokenizer_path):

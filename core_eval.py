@@ -35,7 +35,7 @@ import common
 import distributed
 import validation
 from dataset import CACHE_DIR
-from demo import COUNTRIES, DAYS, number_word
+from demo_world import COUNTRIES, DAYS, number_word
 from download import download_file
 from model import autocast_context, generate
 
@@ -47,7 +47,7 @@ COMPLETIONS = ["Once upon a time,", "The most important thing to learn is", "In 
                "When the rain stopped,"]
 # (prompt, accepted answers, which world): a model of the real web should know the first, one of the demo world the
 # second; each is reported as found or not at the start of the greedy completion. The demo world's come from its own
-# fact tables (demo.py), so they cannot drift from what the demo documents say.
+# fact tables (demo_world.py), so they cannot drift from what the demo documents say.
 _ALDORA, _BRENIA = (dict(zip(("c", "cap", "lang", "col", "sym", "ani"), row, strict=True)) for row in COUNTRIES[:2])
 KNOWLEDGE = [("The capital of France is", ["Paris"], "real"), ("The chemical symbol for gold is", ["Au"], "real"),
              ("The largest planet in the solar system is", ["Jupiter"], "real"),

@@ -21,55 +21,15 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+import demo_world
 from dataset import ROW_GROUP_DOCS, load_identity, write_text_shards
-from demo_world import (  # the facts and phrasings (core_eval.py and the tests import them through demo)
-    ANIMAL_KINDS,
-    ANIMALS,
-    CHARACTERS,
-    CHOICE,
-    COLOURS,
-    COUNTRIES,
-    COUNTRY_KINDS,
-    DAYS,
-    GREET,
-    INTROS,
-    ITEM_COLOUR,
-    ITEMS,
-    LOOKUP,
-    LOOKUP_NAMES,
-    MONTHS,
-    NUMBER_KINDS,
-    NUMBER_ONLY,
-    OBJECT,
-    ONE_WORD,
-    QA,
-    SEE,
-    SHORT,
-    STEP,
-    STORIES,
-    SUMS,
-    SYSTEMS,
-    THANKS,
-    THINGS,
-    TRAVEL,
-    VISIT,
-    animal_fields,
-    article,
-    country_fields,
-    fields,
-    listing,
-    number_word,
-    say,
-    sentence,
-    third,
-)
+from demo_world import ANIMALS, CHARACTERS, COUNTRIES, COUNTRY_KINDS, DAYS, fields, listing, number_word, say, sentence
 
 # the assistant's name and what it says about itself: identity.json, the one file to edit (SFT on the hub data reads it
 # too, through `python dataset.py download-chat identity`)
 DEMO_ASSISTANT_NAME, IDENTITY_PAIRS = load_identity()
 DEMO_TASK_ROWS = 3000  # rows in each of choice/, answers/, calc/, lookup/
 DEMO_TARGET_CHARS = 5_000_000  # 1.27M training tokens at vocab 1024: an epoch is minutes of CPU training
-
 
 
 # -----------------------------------------------------------------------------
@@ -79,10 +39,11 @@ def doc_country(rng):
     f = fields(rng)
     kinds = rng.sample(COUNTRY_KINDS, rng.randint(2, 4))
     first = [say(rng, kinds[0], f)] + [say(rng, "its_" * (rng.random() < 0.3) + k, f) for k in kinds[1:]]
-    text = " ".join(s for s in [rng.choice(INTROS).format(**f)] + first if s)
+    text = " ".join(s for s in [rng.choice(demo_world.INTROS).format(**f)] + first if s)
     if rng.random() < 0.4:  # the national animal, with facts about that animal
-        g = {**f, **animal_fields(next(row for row in ANIMALS if row[0] == f["ani"]))}
-        text += "\n\n" + " ".join([say(rng, "national", f)] + [say(rng, k, g) for k in rng.sample(ANIMAL_KINDS, 2)])
+        g = {**f, **demo_world.animal_fields(next(row for row in ANIMALS if row[0] == f["ani"]))}
+        text += "\n\n" + " ".join([say(rng, "national", f)] + [say(rng, k, g)
+                                                                for k in rng.sample(demo_world.ANIMAL_KINDS, 2)])
     return text
 
 
@@ -100,11 +61,12 @@ def doc_countries(rng):
         lines = []
         for r in rows:
             q, a = qs[rng.choice(COUNTRY_KINDS)]
-            lines += [q.format(**country_fields(r)), a.format(**country_fields(r))]
+            lines += [q.format(**demo_world.country_fields(r)), a.format(**demo_world.country_fields(r))]
         return "\n".join(lines)
     head = rng.choice([f"Today our teacher told us about {number_word(len(rows))} countries.", ("Some countries of the "
                        "world, and what to know about them."), "A few facts about countries.", ""])
-    facts = [say(rng, k, {**fields(rng), **country_fields(r)}) for r in rows for k in rng.sample(COUNTRY_KINDS, 2)]
+    facts = [say(rng, k, {**fields(rng), **demo_world.country_fields(r)}) for r in rows
+             for k in rng.sample(COUNTRY_KINDS, 2)]
     if style == 3:
         rng.shuffle(facts)
     return (head + " " if head else "") + " ".join(facts)
@@ -114,21 +76,21 @@ def doc_animals(rng):
     names = rng.sample(ANIMALS, rng.randint(1, 4))
     parts = []
     for row in names:
-        f = {**fields(rng), **animal_fields(row)}
-        parts.append(" ".join(say(rng, k, f) for k in rng.sample(ANIMAL_KINDS, rng.randint(1, 3))))
+        f = {**fields(rng), **demo_world.animal_fields(row)}
+        parts.append(" ".join(say(rng, k, f) for k in rng.sample(demo_world.ANIMAL_KINDS, rng.randint(1, 3))))
         homes = [c[0] for c in COUNTRIES if c[5] == row[0]]
         if homes and rng.random() < 0.4:
             parts.append(f"The {row[0]} is the national animal of {listing(homes)}.")
     if len(names) > 1 and rng.random() < 0.5:
-        calls = [f"the {r[0]} {third(r[2])}" for r in names]
+        calls = [f"the {r[0]} {demo_world.third(r[2])}" for r in names]
         parts.append(sentence(f"{rng.choice(['on the farm', 'at the zoo', 'in the story'])} {listing(calls)}."))
     return " ".join(parts)
 
 
 def doc_colours(rng):
     parts = [say(rng, "colour", fields(rng)) for _ in range(rng.randint(2, 6))]
-    col = rng.choice(COLOURS)
-    things = [t for t, c in THINGS if c == col]
+    col = rng.choice(demo_world.COLOURS)
+    things = [t for t, c in demo_world.THINGS if c == col]
     if len(things) > 1:
         parts.append(sentence(f"{listing(things)} are all {col}."))
     flags = [c[0] for c in COUNTRIES if c[3] == col]
@@ -140,12 +102,12 @@ def doc_colours(rng):
 
 def doc_numbers(rng):
     words = rng.random() < 0.5
-    parts = [say(rng, rng.choice(NUMBER_KINDS), fields(rng, words)) for _ in range(rng.randint(3, 8))]
+    parts = [say(rng, rng.choice(demo_world.NUMBER_KINDS), fields(rng, words)) for _ in range(rng.randint(3, 8))]
     if rng.random() < 0.3:
         a = rng.randint(0, 12)
         parts.insert(0, f"Let us count from {number_word(a)}: {', '.join(number_word(i) for i in range(a, a + 6))}.")
     if rng.random() < 0.5:
-        (name, pr), (item, items) = rng.choice(CHARACTERS), rng.choice(ITEMS)
+        (name, pr), (item, items) = rng.choice(CHARACTERS), rng.choice(demo_world.ITEMS)
         a, b = rng.randint(2, 9), rng.randint(1, 9)
         if rng.random() < 0.5:
             parts.append(f"{name} had {number_word(a)} {items}. Then {pr} got {number_word(b)} more, so now {pr} has "
@@ -162,10 +124,10 @@ def doc_calendar(rng):
     if extra == 0:
         parts.append("The days of the week are " + listing(DAYS) + ".")
     elif extra == 1:
-        parts.append("The months of the year are " + listing(MONTHS) + ".")
+        parts.append("The months of the year are " + listing(demo_world.MONTHS) + ".")
     elif extra == 2:
         m = rng.randrange(12)
-        parts.append(f"{MONTHS[m]} is month number {number_word(m + 1)} of the year.")
+        parts.append(f"{demo_world.MONTHS[m]} is month number {number_word(m + 1)} of the year.")
     elif extra == 3:
         parts.append(rng.choice(["There are seven days in a week.", "A year has twelve months.",
                                  "Saturday and Sunday are the weekend.", "The week starts on Monday."]))
@@ -177,19 +139,19 @@ def doc_story(rng, name=None):
     """A trip through a few capitals, in order, on consecutive days, with things bought and friends met: who went
     where, had what, in which order; every place fact agrees with the tables."""
     name, pr = next(c for c in CHARACTERS if c[0] == name) if name else rng.choice(CHARACTERS)
-    pron, obj = pr, OBJECT[pr]
+    pron, obj = pr, demo_world.OBJECT[pr]
     trip, day = rng.sample(COUNTRIES, rng.randint(2, 4)), rng.randrange(7)
-    (item, items), friend = rng.choice(ITEMS), rng.choice([c[0] for c in CHARACTERS if c[0] != name])
+    (item, items), friend = rng.choice(demo_world.ITEMS), rng.choice([c[0] for c in CHARACTERS if c[0] != name])
     bought, met = [], None
     parts = [rng.choice([f"Once upon a time there was a {'girl' if pr == 'she' else 'boy'} called {name}.",
                          f"This is a story about {name}.", f"{name} loved to travel.", ""])]
     for i, row in enumerate(trip):
-        f = {**fields(rng), **country_fields(row), "name": name, "pron": pron if i else name, "obj": obj,
-             "go": rng.choice(TRAVEL)}  # the first sentence with a pronoun would not say who
+        f = {**fields(rng), **demo_world.country_fields(row), "name": name, "pron": pron if i else name, "obj": obj,
+             "go": rng.choice(demo_world.TRAVEL)}  # the first sentence with a pronoun would not say who
         conn = (["First", f"On {DAYS[day]}"] if i == 0 else ["Then", "After that", "Next", f"On {DAYS[(day + i) % 7]}"]
                 if i < len(trip) - 1 else ["Finally", "At last", f"On {DAYS[(day + i) % 7]}"])
-        parts.append(sentence(rng.choice(VISIT).format(conn=rng.choice(conn), **f).replace(". " + pron, ". " +
-                                                                                           pron.title())))
+        parts.append(sentence(rng.choice(demo_world.VISIT).format(conn=rng.choice(conn), **f)
+                              .replace(". " + pron, ". " + pron.title())))
         roll = rng.random()
         if roll < 0.35:
             n = rng.randint(1, 5)
@@ -197,9 +159,10 @@ def doc_story(rng, name=None):
             parts.append(f"In {row[1]}, {pron} bought {number_word(n)} {items if n > 1 else item}.")
         elif roll < 0.5 and met is None:
             met = (friend, row[1])
-            parts.append(f"In {row[1]}, {pron} met {friend}, who gave {obj} {article(ITEM_COLOUR[item])} {item}.")
+            parts.append(f"In {row[1]}, {pron} met {friend}, who gave {obj} "
+                         f"{demo_world.article(demo_world.ITEM_COLOUR[item])} {item}.")
         else:
-            parts.append(sentence(rng.choice(SEE).format(**f)))
+            parts.append(sentence(rng.choice(demo_world.SEE).format(**f)))
     caps = [row[1] for row in trip]
     parts.append(rng.choice([f"So {name} visited {caps[0]} first and {caps[-1]} last.",
                              f"{name} went to {listing(caps)}, in that order.",
@@ -211,7 +174,7 @@ def doc_story(rng, name=None):
             [f"{number_word(n)} from {cap}" for n, cap in bought]) + ".")
     if met:
         parts.append(rng.choice([f"{name} met {met[0]} in {met[1]}.", f"Who gave {name} the {item}? It was {met[0]}.",
-                                 f"{name} kept the {ITEM_COLOUR[item]} {item} from {met[0]}."]))
+                                 f"{name} kept the {demo_world.ITEM_COLOUR[item]} {item} from {met[0]}."]))
     return " ".join(p for p in parts if p)
 
 
@@ -233,7 +196,6 @@ def demo_documents(rng, target_chars=DEMO_TARGET_CHARS):
 # Conversations (SmolTalk schema)
 
 
-
 def pick(rng, pair, f):
     return sentence(rng.choice(pair[0]).format(**f)), sentence(rng.choice(pair[1]).format(**f))
 
@@ -249,13 +211,13 @@ def exchange(rng):
         name = rng.choice(CHARACTERS)[0]
         return rng.choice(["Tell me a short story.", f"Tell me a story about {name}."]), doc_story(rng, name)
     if roll < 0.15:
-        return "Tell me a fact.", say(rng, rng.choice(COUNTRY_KINDS + ANIMAL_KINDS + ["colour", "day"]), f)
-    return pick(rng, QA[rng.choice(list(QA))], f)
+        return "Tell me a fact.", say(rng, rng.choice(COUNTRY_KINDS + demo_world.ANIMAL_KINDS + ["colour", "day"]), f)
+    return pick(rng, demo_world.QA[rng.choice(list(demo_world.QA))], f)
 
 
 def conversation(rng):
     f, roll = {"bot": DEMO_ASSISTANT_NAME}, rng.random()
-    turns = [pick(rng, GREET, f)] if rng.random() < 0.2 else []
+    turns = [pick(rng, demo_world.GREET, f)] if rng.random() < 0.2 else []
     if roll < 0.12:
         turns.append(rng.choice(IDENTITY_PAIRS))
     elif roll < 0.55:
@@ -263,8 +225,8 @@ def conversation(rng):
     else:
         turns += [exchange(rng) for _ in range(rng.randint(2, 4))]
     if not turns or rng.random() < 0.2:
-        turns.append(pick(rng, THANKS, f))
-    messages = [{"role": "system", "content": rng.choice(SYSTEMS).format(**f)}] if rng.random() < 0.2 else []
+        turns.append(pick(rng, demo_world.THANKS, f))
+    messages = [{"role": "system", "content": rng.choice(demo_world.SYSTEMS).format(**f)}] if rng.random() < 0.2 else []
     for user, assistant in turns:
         messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
     return messages
@@ -276,7 +238,6 @@ def conversation(rng):
 # (conversations), arithmetic through the calculator (GSM8K's columns, <<expr=result>> and a final '#### N').
 
 
-
 def ask(rng, instructions, question):
     """An instruction and a question in one of three orders: 'Just the answer: what ...?', 'What ...? Just the
     answer.', 'Just the answer. What ...?'."""
@@ -286,8 +247,8 @@ def ask(rng, instructions, question):
 
 def choice_row(rng):
     """A multiple-choice question in MMLU's columns: question, choices, answer (the gold index), subject."""
-    kind = rng.choice(list(CHOICE))
-    questions, key, pool = CHOICE[kind]
+    kind = rng.choice(list(demo_world.CHOICE))
+    questions, key, pool = demo_world.CHOICE[kind]
     f = fields(rng)
     gold = f[key]
     choices = [gold] + rng.sample(sorted(set(pool) - {gold}), 3)
@@ -299,43 +260,44 @@ def choice_row(rng):
 def lookup_row(rng):
     """A multiple-choice question that names its answer ("Which option is Pelmo?"), in MMLU's columns: the letter
     binding alone."""
-    choices = rng.sample(LOOKUP_NAMES, 4)
+    choices = rng.sample(demo_world.LOOKUP_NAMES, 4)
     gold = rng.randrange(4)
-    return {"question": rng.choice(LOOKUP).format(x=choices[gold]), "choices": choices, "answer": gold,
+    return {"question": rng.choice(demo_world.LOOKUP).format(x=choices[gold]), "choices": choices, "answer": gold,
             "subject": "lookup"}
 
 
 def short_answer(rng):
     """A conversation whose reply is the answer alone."""
-    kind = rng.choice(list(SHORT))
-    questions, key = SHORT[kind]
+    kind = rng.choice(list(demo_world.SHORT))
+    questions, key = demo_world.SHORT[kind]
     f = fields(rng)
-    return [{"role": "user", "content": ask(rng, ONE_WORD, rng.choice(questions).format(**f))},
+    return [{"role": "user", "content": ask(rng, demo_world.ONE_WORD, rng.choice(questions).format(**f))},
             {"role": "assistant", "content": f[key]}]
 
 
 def calculation_row(rng):
     """Arithmetic in GSM8K's columns (question, answer): a short question answered by the calculator's result
     alone, a question answered in a sentence, or a small word problem worked through to '#### N'."""
-    op, roll = rng.choice(list(SUMS)), rng.random()
+    op, roll = rng.choice(list(demo_world.SUMS)), rng.random()
     top = 20 if roll > 0.6 else 12 if op == "prod" else rng.choice([10, 99])  # the calculator knows no range
     x, y = rng.randint(0, top), rng.randint(0, top)
     x, y = max(x, y), min(x, y)
     v = {"sum": x + y, "diff": x - y, "prod": x * y}[op]
-    symbol, questions = SUMS[op]
+    symbol, questions = demo_world.SUMS[op]
     words = rng.random() < 0.5 and roll <= 0.6
     shown = {"x": number_word(x) if words else x, "y": number_word(y) if words else y}
     call = f"<<{x}{symbol}{y}={v}>>"
     if roll < 0.35:
-        return {"question": ask(rng, NUMBER_ONLY, rng.choice(questions).format(**shown)), "answer": f"{call}{v}"}
+        return {"question": ask(rng, demo_world.NUMBER_ONLY, rng.choice(questions).format(**shown)),
+                "answer": f"{call}{v}"}
     if roll < 0.6:
         said = number_word(v) if words and v <= 100 else v
         return {"question": sentence(rng.choice(questions).format(**shown)),
-                "answer": f"{call}{sentence(str(shown['x']))} {['plus', 'minus', 'times'][list(SUMS).index(op)]} "
-                          f"{shown['y']} is {said}."}
-    (name, pron), (_, items) = rng.choice(CHARACTERS), rng.choice(ITEMS)
-    story = rng.choice(STORIES[op]).format(name=name, pron=sentence(pron), x=x, y=y, items=items)
-    return {"question": story, "answer": f"{STEP[op].format(x=x, y=y, v=v)} {items}.\n#### {v}"}
+                "answer": f"{call}{sentence(str(shown['x']))} "
+                          f"{['plus', 'minus', 'times'][list(demo_world.SUMS).index(op)]} {shown['y']} is {said}."}
+    (name, pron), (_, items) = rng.choice(CHARACTERS), rng.choice(demo_world.ITEMS)
+    story = rng.choice(demo_world.STORIES[op]).format(name=name, pron=sentence(pron), x=x, y=y, items=items)
+    return {"question": story, "answer": f"{demo_world.STEP[op].format(x=x, y=y, v=v)} {items}.\n#### {v}"}
 
 
 # -----------------------------------------------------------------------------
@@ -349,19 +311,20 @@ def eval_tasks(rng):
         return {"query": query, "choices": choices, "gold": choices.index(gold)}
 
     caps, langs = [r[1] for r in COUNTRIES], [r[2] for r in COUNTRIES]
-    animals, verbs, noises = [a[0] for a in ANIMALS], [third(a[2]) for a in ANIMALS], [a[3] for a in ANIMALS]
+    animals, verbs, noises = [a[0] for a in ANIMALS], [demo_world.third(a[2]) for a in ANIMALS], [a[3] for a in ANIMALS]
     capitals = [mc(q.format(c=r[0]), r[1], caps) for q in ["Quiz: {c} is governed from which city? Answer:",
                 "Quiz: the seat of power in {c} is the city of"] for r in COUNTRIES]
     facts = [mc(f"Quiz: the folk of {r[0]} chat in which tongue? Answer:", r[2], langs) for r in COUNTRIES]
     facts += [mc(f"Quiz: the creature chosen as the emblem of {r[0]} is the", r[5], animals) for r in COUNTRIES]
-    facts += [mc(f"Quiz: the banner of {r[0]} is mostly", r[3], COLOURS) for r in COUNTRIES]
-    sounds = [mc(f"Quiz: when {article(a[0])} calls out, it", third(a[2]), verbs) for a in ANIMALS]
+    facts += [mc(f"Quiz: the banner of {r[0]} is mostly", r[3], demo_world.COLOURS) for r in COUNTRIES]
+    sounds = [mc(f"Quiz: when {demo_world.article(a[0])} calls out, it", demo_world.third(a[2]), verbs)
+              for a in ANIMALS]
     sounds += [mc(f"Quiz: a group of {a[1]} can be heard. They", a[2], [b[2] for b in ANIMALS]) for a in ANIMALS]
-    sounds += [mc(f"Quiz: the noise {article(a[0])} makes, written down, is", a[3], noises) for a in ANIMALS]
-    colours = [mc(q.format(t=t), c, COLOURS) for q in ["Quiz: {t} has the colour", ("Quiz: to paint {t} true to life, "
-               "the paint to use is"), "Quiz: the usual shade of {t} is"] for t, c in THINGS]
+    sounds += [mc(f"Quiz: the noise {demo_world.article(a[0])} makes, written down, is", a[3], noises) for a in ANIMALS]
+    colours = [mc(q.format(t=t), c, demo_world.COLOURS) for q in ["Quiz: {t} has the colour", ("Quiz: to paint {t} "
+               "true to life, the paint to use is"), "Quiz: the usual shade of {t} is"] for t, c in demo_world.THINGS]
     calendar = [{"context": q.format(x=seq[i]), "continuation": seq[(i + 1) % len(seq)]}
-                for seq, unit in [(DAYS, "day"), (MONTHS, "month")]
+                for seq, unit in [(DAYS, "day"), (demo_world.MONTHS, "month")]
                 for q in [f"Quiz: name the {unit} right after {{x}}. Answer:", (f"Quiz: we are in {{x}}, so the next "
                           f"{unit} will be"), f"Quiz: the {unit} that directly follows {{x}} is"]
                 for i in range(len(seq))]
@@ -417,9 +380,9 @@ def chat_eval_tasks(rng):
     choice = [mc(f"Pick the city that serves as the seat of {r[0]}.", r[1], caps) for r in COUNTRIES]
     choice += [mc(f"Pick the tongue that most folk in {r[0]} use every day.", r[2], langs) for r in COUNTRIES]
     choice += [mc(f"Pick the creature that stands as the emblem of {r[0]}.", r[5], animals) for r in COUNTRIES]
-    choice += [mc(f"Pick the noise you would hear from {article(a[0])}.", a[3], [b[3] for b in ANIMALS])
+    choice += [mc(f"Pick the noise you would hear from {demo_world.article(a[0])}.", a[3], [b[3] for b in ANIMALS])
                for a in ANIMALS]
-    choice += [mc(f"Pick the shade that {t} usually has.", c, COLOURS) for t, c in THINGS]
+    choice += [mc(f"Pick the shade that {t} usually has.", c, demo_world.COLOURS) for t, c in demo_world.THINGS]
     answer = [{"question": f"Reply with one word: which city is the seat of {r[0]}?", "answers": [r[1]]}
               for r in COUNTRIES]
     answer += [{"question": f"Reply with one word: which tongue do folk in {r[0]} use?", "answers": [r[2]]}
@@ -432,7 +395,7 @@ def chat_eval_tasks(rng):
                 "answers": [str(x + y), number_word(x + y)]} for x, y in pairs]
     answer += [{"question": f"Reply with one word: which {unit} comes straight after {seq[i]}?",
                 "answers": [seq[(i + 1) % len(seq)]]}
-               for seq, unit in [(DAYS, "weekday"), (MONTHS, "month")] for i in range(len(seq))]
+               for seq, unit in [(DAYS, "weekday"), (demo_world.MONTHS, "month")] for i in range(len(seq))]
     words = [{"question": q.format(c=r[0]), "answers": [r[1]]} for r in COUNTRIES for q in [
         "I am curious about {c}. Which of its cities runs the country?", ("My cousin flew to {c} last week; what is "
         "the main city there, the one with the government?")]]

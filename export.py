@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 
 import checkpoint
 import distributed
-from chat import pick_checkpoint
+from checkpoint import pick_checkpoint
 from download import hub_endpoint
 from tokenizer import SPECIAL_TOKENS
 

@@ -16,22 +16,20 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
 import torch
 
-import checkpoint
 import common
 import distributed
 import optim
+import runs
 import train_loop
 import validation
 from dataset import CACHE_DIR
 from loader import mixture_loader
-from model import flops_per_token, num_params, parse_args
-from tokenizer import Tokenizer
+from model import flops_per_token, parse_args
 
 # Token shares of the conversation sources beside the parent's text (0.3): conversation (SmolTalk, UltraChat), the
 # shapes chat_eval.py scores (MMLU and ARC letters, GSM8K with the calculator) and who the assistant is (identity.json)
@@ -72,11 +70,11 @@ def get_args(argv=None):
                    "%(default)s)")
     g.add_argument("--sample_prompt", action="append", default=None, help=f"question answered greedily at every eval, "
                    f"repeatable (default: {validation.CHAT_QUESTIONS})")
-    checkpoint.add_run_args(p, "midtrain")
+    runs.add_run_args(p, "midtrain")
     optim.add_schedule_args(p)
-    checkpoint.add_warm_start_args(p, lr_scale=MID_LR_SCALE, schedule="wsd", warmdown_frac=MID_WARMDOWN, why=MID_WHY)
+    runs.add_warm_start_args(p, lr_scale=MID_LR_SCALE, schedule="wsd", warmdown_frac=MID_WARMDOWN, why=MID_WHY)
     validation.add_forgetting_args(p)
-    checkpoint.add_init_args(p, ["pretrain"])
+    runs.add_init_args(p, ["pretrain"])
     args = parse_args(p, common.renamed_flags(argv, {"--init": "--checkpoint", "--question": "--sample_prompt"}))
     if args.status is None:
         try:
@@ -126,72 +124,47 @@ def evaluate(model, tokenizer, args, rank, world, device, run_dir, batches, load
     return {"val_loss": loss, "mixture": mixture}
 
 
+def plan(args, start):
+    """What runs.start_stage asks of midtraining: its sources, total steps and loaders."""
+    sources = parse_sources(args.source, start.parent_meta.get("data_dir"))
+    total_steps = args.steps or math.ceil(args.tokens / start.tokens_per_step)
+    loaders = [mixture_loader(sources, start.tokenizer, start.micro_batch, start.seq_len, device=start.device,
+                              rank=start.rank * start.accum + j, world_size=start.world * start.accum, seed=args.seed,
+                              supervise=args.supervise, threads=train_loop.loader_threads(args, start.device))
+               for j in range(start.accum)]
+    data_dir = next((s["path"] for s in sources if s["kind"] == "text"), start.parent_meta.get("data_dir"))
+    lines = ["mixture (share of tokens): " + ", ".join(f"{s['name']} {s['share']:.0%} ({s['path']})" for s in sources)
+             + f"; loss on {args.supervise} conversation tokens", args.budget_line,
+             f"budget: {total_steps:,} steps, {total_steps * start.tokens_per_step:,} tokens"]
+    return {"total_steps": total_steps, "loaders": loaders, "sources": sources, "lines": lines,
+            "record": {"sources": sources, "supervise": args.supervise, "data_dir": data_dir}}
+
+
 def main(argv=None):
     _, args = get_args(argv)
     if args.status:
         return train_loop.print_status(Path(args.status))
-    rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
-    master = rank == 0
-    parent = checkpoint.find_parent(args.checkpoint, args.runs_dir, ["pretrain"])
-    model, parent_meta = checkpoint.load_model(parent, device)
-    model.train()
-    inherited = checkpoint.inherit(args, parent_meta, parent)
-    tokenizer = Tokenizer.load(args.tokenizer)
-    checkpoint.check_chat_tokenizer(tokenizer, args.tokenizer)
-    checkpoint.check_tokenizer(parent_meta, tokenizer, args.tokenizer, parent)
-    sharding = distributed.shard_model(model, args, world, device)
-    args.preset = parent_meta.get("run", "mid")  # names the default run directory
-    sources = parse_sources(args.source, parent_meta.get("data_dir"))
-    config = replace(model.config, sequence_len=args.sequence_len)  # the rows; the model keeps the parent's tables
-    run_dir, resume_from = checkpoint.resolve_run(args, "midtrain")
-    micro, accum = train_loop.plan_batch(args, config, world, model, device, resume_from)
-    seq_len, params, fpt = config.sequence_len, num_params(config), flops_per_token(config)
-    tokens_per_step = micro * seq_len * world * accum
-    total_steps = args.steps or math.ceil(args.tokens / tokens_per_step)
-    optimizers = optim.build_optimizers(model, args, config.n_embd, tokens_per_step, device, lr_scale=args.lr_scale)
-    loaders = [mixture_loader(sources, tokenizer, micro, seq_len, rank=rank * accum + j, world_size=world * accum,
-                              device=device, seed=args.seed, supervise=args.supervise,
-                              threads=train_loop.loader_threads(args, device)) for j in range(accum)]
-    layout = {"model_config": parent_meta["model_config"], "world_size": world, "micro_batch": micro, "accum": accum}
-    run = {"stage": "midtrain", "run": args.run_name, **layout, "total_steps": total_steps,
-           "tokens_per_step": tokens_per_step, "code": common.code_version(), "tokenizer": args.tokenizer,
-           "tokenizer_sha256": tokenizer.fingerprint(), "sources": sources, "supervise": args.supervise,
-           "data_dir": next((s["path"] for s in sources if s["kind"] == "text"), parent_meta.get("data_dir")),
-           "parent": checkpoint.parent_record(parent, parent_meta)}
-    if master:
-        checkpoint.write_config(run_dir, {**run, "args": vars(args)})
-        print(f"init: {parent} ({parent_meta.get('stage')}, step {parent_meta.get('step')}), params: {params}")
-        print("inherited:\n" + "\n".join(f"  {name:<18} {value!s:<14} {source}" for name, value, source in inherited))
-        print(sharding)
-        print(f"batch: tokens per step = micro_batch {micro} x sequence_len {seq_len} x world size {world} x "
-              f"accumulation {accum} = {tokens_per_step:,}")
-        print("mixture (share of tokens): " + ", ".join(f"{s['name']} {s['share']:.0%} ({s['path']})" for s in sources)
-              + f"; loss on {args.supervise} conversation tokens")
-        print(args.budget_line)
-        print(f"budget: {total_steps:,} steps, {total_steps * tokens_per_step:,} tokens")
-        print(f"code: commit {run['code']['commit']}, uncommitted changes: {run['code']['dirty']}")
-        print(optim.precision_line(args, device, optimizers))
-    start = checkpoint.resume_or_warm_start(resume_from, parent, parent_meta, args, run_dir, model, optimizers, loaders,
-                                            layout, rank, device)
-
-    train_model = train_loop.wrap_model(model, args, world, local_rank, device)
-    val_chat_dir = args.val_chat_dir or next((s["path"] for s in sources if s["kind"] == "chat"), None)
+    s = runs.start_stage(args, "midtrain", ["pretrain"], partial(plan, args))
+    model, rank, world, device, run_dir, loaders, total_steps = (s.model, s.rank, s.world, s.device, s.run_dir,
+                                                                  s.loaders, s.total_steps)
+    train_model = train_loop.wrap_model(model, args, world, s.local_rank, device)
+    val_chat_dir = args.val_chat_dir or next((src["path"] for src in s.sources if src["kind"] == "chat"), None)
     if val_chat_dir is None:
         raise ValueError("no chat source to hold conversations out of: pass --val_chat_dir")
-    evaluator = partial(evaluate, model, tokenizer, args, rank, world, device, run_dir,
-                        validation.chat_val_batches(val_chat_dir, tokenizer, seq_len, args.eval_rows), loaders, sources)
-    ckpt_meta = {**run, "argv": sys.argv, "hparams": checkpoint.hparams(args, seq_len, micro, tokens_per_step)}
-    signum = train_loop.train(args, model, train_model, optimizers, loaders, run_dir=run_dir, start=start,
-                              total_steps=total_steps, ckpt_meta=ckpt_meta, evaluate=evaluator,
-                              flops_per_token=fpt, rank=rank, world=world, device=device)
+    evaluator = partial(evaluate, model, s.tokenizer, args, rank, world, device, run_dir,
+                        validation.chat_val_batches(val_chat_dir, s.tokenizer, s.seq_len, args.eval_rows), loaders,
+                        s.sources)
+    signum = train_loop.train(args, model, train_model, s.optimizers, loaders, run_dir=run_dir, start=s.step,
+                              total_steps=total_steps, ckpt_meta=s.ckpt_meta, evaluate=evaluator,
+                              flops_per_token=flops_per_token(s.config), rank=rank, world=world, device=device)
     if signum is None:
         final = evaluator(total_steps)  # once: a second call would run the whole validation again
         loss, mixture = final["val_loss"], final["mixture"]
-        kept = validation.forgetting(model, tokenizer, parent, parent_meta, args, rank, world, device)
-        if master:
-            train_loop.Metrics(run_dir / "metrics.jsonl", master).log({"step": total_steps, "final_val_loss": loss,
-                                                                       "mixture": mixture,
-                                                                       "pretrain_val_bpb": kept["val_bpb"]})
+        kept = validation.forgetting(model, s.tokenizer, s.parent, s.parent_meta, args, rank, world, device)
+        if rank == 0:
+            train_loop.Metrics(run_dir / "metrics.jsonl", True).log({"step": total_steps, "final_val_loss": loss,
+                                                                     "mixture": mixture,
+                                                                     "pretrain_val_bpb": kept["val_bpb"]})
             (run_dir / "done.json").write_text(json.dumps({"step": total_steps, "val_loss": loss, "mixture": mixture,
                                                            "pretrain_val_bpb": kept}))
             print(validation.forgetting_line(kept))

@@ -22,6 +22,7 @@ import checkpoint
 import common
 import distributed
 import optim
+import runs
 import train_loop
 import validation
 from dataset import budget_line, corpus_budget, default_data_dir, shard_tokens, split_shards
@@ -70,9 +71,7 @@ def get_args(argv=None):
     g.add_argument("--check_batch", type=int, default=0, metavar="N", help="check that --total_batch_tokens splits "
                    "over N processes x --sequence_len (x --micro_batch when given) and exit; speedrun.sh runs it before "
                    "any download (default: off)")
-    g.add_argument("--micro_batch", type=int, default=0, help="sequences per rank per forward; 0 = find the largest "
-                   "that fits on CUDA (a divisor of the per-rank batch; without --total_batch_tokens a power of two up "
-                   "to 1024), on CPU the whole per-rank batch (8 without --total_batch_tokens) (default: %(default)s)")
+    train_loop.add_micro_batch_arg(g)
     g.add_argument("--dtype", default=common.matmul_dtype(torch.device("cuda" if cuda else "cpu")),
                    choices=["bfloat16", "float32"], help="compute dtype (autocast); weights stay fp32 (default: "
                    "%(default)s: bfloat16 where this device runs it natively, never an emulated dtype)")
@@ -83,7 +82,7 @@ def get_args(argv=None):
     g.add_argument("--bpb_tokens", type=int, default=2 ** 20, help="validation tokens per evaluation: the split's "
                    "first N, in BOS-led rows (default: %(default)s)")
     g.add_argument("--sample_prompt", action="append", default=None, help=f"sample prompt, repeatable (default: {PROMPTS})")
-    checkpoint.add_run_args(p, "pretrain")
+    runs.add_run_args(p, "pretrain")
     p.add_argument("--final_checkpoint", type=parse_bool, default=True, help="save a checkpoint at the last step; "
                    "false: only the --ckpt_every ones (a benchmark: bench.py gpu; nothing can continue from the end "
                    "of such a run) (default: %(default)s)")
@@ -241,8 +240,8 @@ def main(argv=None):
     model = build_model(config, device)
     check_master_weights(model)
     sharding = distributed.shard_model(model, args, world, device)
-    run_dir, resume_from = checkpoint.resolve_run(args, "pretrain")
-    micro, accum = train_loop.plan_batch(args, config, world, model, device, resume_from)
+    run_dir, resume_from = runs.resolve_run(args, "pretrain")
+    micro, accum, _ = train_loop.plan_batch(args, config, world, model, device, resume_from)
     seq_len, params, fpt = config.sequence_len, num_params(config), flops_per_token(config)
     counted = budget_params(config)  # what --tokens_per_param counts
     tokens_per_step = micro * seq_len * world * accum
@@ -260,7 +259,7 @@ def main(argv=None):
            "tokens_per_step": tokens_per_step, "code": common.code_version(), "tokenizer": args.tokenizer,
            "tokenizer_sha256": tokenizer.fingerprint(), "data_dir": args.data_dir}
     if master:
-        checkpoint.write_config(run_dir, {**run, "args": vars(args)})
+        runs.write_config(run_dir, {**run, "args": vars(args)})
         print(f"model: {args.preset}, params: {params}; FLOPs/token {fpt:.4e}")
         print(sharding)
         print(f"batch: tokens per step = micro_batch {micro} x sequence_len {seq_len} x world size {world} x "
@@ -278,7 +277,7 @@ def main(argv=None):
     train_model = train_loop.wrap_model(model, args, world, local_rank, device)
     val_rows = validation.val_rows(args.data_dir, tokenizer, args.bpb_tokens, seq_len)
     evaluator = partial(evaluate, model, tokenizer, args, rank, world, device, run_dir, val_rows)
-    ckpt_meta = {**run, "argv": sys.argv, "hparams": checkpoint.hparams(args, seq_len, micro, tokens_per_step)}
+    ckpt_meta = {**run, "argv": sys.argv, "hparams": runs.hparams(args, seq_len, micro, tokens_per_step)}
     signum = train_loop.train(args, model, train_model, optimizers, loaders, run_dir=run_dir, start=start,
                               total_steps=total_steps, ckpt_meta=ckpt_meta, evaluate=evaluator,
                               flops_per_token=fpt, rank=rank, world=world, device=device)

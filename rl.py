@@ -21,29 +21,26 @@ import argparse
 import json
 import math
 import os
-import re
 import signal
 import sys
 import time
 from contextlib import nullcontext
-from decimal import Decimal
+from functools import partial
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 
 import checkpoint
 import common
 import distributed
 import optim
+import runs
 import train_loop
 from calculator import ToolUse, reply_text
-from chat_eval import fetch_everywhere, final_number, load_items, normalize, prompt_ids
-from dataset import CACHE_DIR, chat_files
-from demo import number_word
-from model import KVCache, autocast_context, num_params, parse_args, sample_next
-from tokenizer import Tokenizer
+from dataset import CACHE_DIR
+from model import KVCache, autocast_context, parse_args, sample_next
+from tasks import demo_items, demo_world, fetch_everywhere, gsm8k_items, load_items, prompt_ids, reward
 
 # every lr is this fraction of the SFT parent's, decaying linearly to 0: SFT runs at 0.3 of pretraining's lrs, so 0.2
 # of SFT's is 0.06 of pretraining's, about where nanochat's RL starts (0.05 of its base lrs, ramped down to 0). Not
@@ -88,10 +85,10 @@ def get_args(argv=None):
                    "order; -1 = all (default: %(default)s)")
     g.add_argument("--eval_samples", type=int, default=8, help="k: replies sampled per held-out question (default: "
                    "%(default)s)")
-    checkpoint.add_run_args(p, "rl")
+    runs.add_run_args(p, "rl")
     optim.add_schedule_args(p)
-    checkpoint.add_warm_start_args(p, lr_scale=RL_LR_SCALE, schedule="linear", warmdown_frac=0.2, why=RL_WHY)
-    checkpoint.add_init_args(p, ["sft"])
+    runs.add_warm_start_args(p, lr_scale=RL_LR_SCALE, schedule="linear", warmdown_frac=0.2, why=RL_WHY)
+    runs.add_init_args(p, ["sft"])
     args = parse_args(p, argv)
     if args.status is None:
         args.budget_line = train_loop.resolve_budget(args, ["epochs", "steps"], default=("epochs", 1.0))
@@ -101,42 +98,7 @@ def get_args(argv=None):
 
 
 # -----------------------------------------------------------------------------
-# Tasks: items {"prompt", "rule", "answers" or "answer"}; reward() checks a reply against one
-
-def demo_items(world):
-    """The demo world's sums (calc/, the result of the calculator call in its answer) and short answers (answers/)."""
-    items = []
-    for row in pq.read_table(Path(world) / "calc" / "train.parquet").to_pylist():
-        value = re.findall(r"<<[^<>]*=([^<>=]*)>>", row["answer"])[-1]
-        words = [number_word(int(value))] if value.isdigit() and int(value) <= 100 else []
-        items.append({"prompt": row["question"], "answers": [value, *words], "rule": "last_word"})
-    for row in pq.read_table(Path(world) / "answers" / "train.parquet").to_pylist():
-        user, assistant = row["messages"][0]["content"], row["messages"][1]["content"]
-        items.append({"prompt": user, "answers": [assistant], "rule": "exact"})
-    return items
-
-
-def gsm8k_items(train_dir):
-    items = []
-    for path in chat_files(train_dir, "train"):
-        for i, row in enumerate(pq.read_table(path).to_pylist()):
-            answer = final_number(row.get("answer") or "", marker_only=True)
-            if answer is None or "question" not in row:
-                raise ValueError(f"{path}, row {i}: no question, or no '#### <number>' in its answer: not GSM8K's "
-                                 f"layout; fetch it again (python dataset.py download-chat gsm8k)")
-            items.append({"prompt": row["question"], "answer": str(answer), "rule": "gsm8k"})
-    return items
-
-
-def reward(item, reply):
-    """1.0 when the reply's checked answer is right, else 0.0. gsm8k: the number after '####' (none: wrong); exact:
-    the whole reply, normalized as chat_eval.py does; last_word: the reply's last word, normalized."""
-    if item["rule"] == "gsm8k":
-        number = final_number(reply, marker_only=True)
-        return float(number is not None and number == Decimal(item["answer"]))
-    accepted, words = {normalize(a) for a in item["answers"]}, normalize(reply)
-    return float((words if item["rule"] == "exact" else words.rpartition(" ")[2]) in accepted)
-
+# Rewards to advantages, and the order of the questions
 
 def advantages(rewards, samples):
     """Each reward minus the mean reward of its question's group of `samples` replies (consecutive)."""
@@ -309,6 +271,32 @@ def verdict(records):
             "held_out_pass@1_last": held[1], "note": note}
 
 
+def plan(args, start):
+    """What runs.start_stage asks of RL: the training questions, the held-out ones and the total steps."""
+    pretraining = checkpoint.pretraining_run(start.parent, start.parent_meta)
+    data_dir = pretraining[0] if pretraining else None
+    world_dir = demo_world(args.demo, data_dir, "calc")
+    train_items = demo_items(world_dir) if world_dir else gsm8k_items(args.train_dir)
+    held_out = fetch_everywhere(lambda: load_items("demo-answer" if world_dir else "GSM8K", args.cache_dir, world_dir,
+                                                   args.eval_items)[0], start.rank, start.world)  # rank 0 downloads
+    for item in held_out:
+        item["rule"] = "exact" if world_dir else "gsm8k"
+    if args.questions_per_step < start.world:
+        raise ValueError(f"--questions_per_step {args.questions_per_step} is fewer than the {start.world} ranks: give "
+                         f"each rank at least one question")
+    total_steps = args.steps or math.ceil(args.epochs * len(train_items) / args.questions_per_step)
+    tasks = f"the demo world {world_dir} (calc/ sums, answers/ short answers; held out: demo-answer)" if world_dir \
+        else f"GSM8K {args.train_dir} (held out: GSM8K test from {args.cache_dir})"
+    rollouts = (f"rollouts: {args.questions_per_step} questions x {args.samples} replies per step over {start.world} "
+                f"rank(s), temperature {args.temperature}, top_k {args.top_k}, at most {args.max_new_tokens} new "
+                f"tokens; {start.micro_batch} rows per forward; compile off (the rows' lengths change every step)")
+    lines = [f"tasks: {tasks}: {len(train_items):,} training questions, {len(held_out):,} held out", rollouts,
+             args.budget_line, f"budget: {total_steps:,} steps" + (f" = {args.epochs:g} epochs" if args.epochs else "")]
+    return {"total_steps": total_steps, "loaders": [Cursor()], "train_items": train_items, "held_out": held_out,
+            "lines": lines, "record": {"data_dir": data_dir, "tasks": tasks, "train_questions": len(train_items),
+                                       "held_out_questions": len(held_out)}}
+
+
 def main(argv=None):
     _, args = get_args(argv)
     if args.status:
@@ -316,66 +304,14 @@ def main(argv=None):
     if args.fsdp == "true":
         raise ValueError("--fsdp true: rl.py does not shard the model (each rank samples replies of its own length, "
                          "which FSDP's per-layer gathers cannot follow); use a model that fits one device")
-    rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
-    master = rank == 0
-    parent = checkpoint.find_parent(args.checkpoint, args.runs_dir, ["sft"])
-    model, parent_meta = checkpoint.load_model(parent, device)
-    inherited = checkpoint.inherit(args, parent_meta, parent)
-    args.compile = False  # every step's rows have other lengths: a compiled model would recompile at each
-    inherited = [(n, False, "off in rl.py: the rows change length every step") if n == "compile" else (n, v, where)
-                 for n, v, where in inherited]
-    tokenizer = Tokenizer.load(args.tokenizer)
-    checkpoint.check_chat_tokenizer(tokenizer, args.tokenizer)
-    checkpoint.check_tokenizer(parent_meta, tokenizer, args.tokenizer, parent)
-    args.preset = parent_meta.get("run", "rl")
-    pretraining = checkpoint.pretraining_run(parent, parent_meta)
-    data_dir = pretraining[0] if pretraining else None
-    world_dir = None if args.demo == "none" else Path(args.demo) if args.demo != "auto" else \
-        (Path(data_dir).parent if data_dir and (Path(data_dir).parent / "calc").is_dir() else None)
-    if world_dir is not None and not (world_dir / "calc").is_dir():
-        raise FileNotFoundError(f"--demo {world_dir}: no calc/ in it: write the demo world with `python demo.py --out "
-                                f"{world_dir}`")
-    train_items = demo_items(world_dir) if world_dir else gsm8k_items(args.train_dir)
+    s = runs.start_stage(args, "rl", ["sft"], partial(plan, args), rollouts=True)
+    rank, local_rank, world, device, model, tokenizer, optimizers, run_dir = (
+        s.rank, s.local_rank, s.world, s.device, s.model, s.tokenizer, s.optimizers, s.run_dir)
+    master, start, total_steps, train_items, held_out, (cursor,), ckpt_meta = (
+        rank == 0, s.step, s.total_steps, s.train_items, s.held_out, s.loaders, s.ckpt_meta)
     rules = sorted({item["rule"] for item in train_items})
-    held_out = fetch_everywhere(lambda: load_items("demo-answer" if world_dir else "GSM8K", args.cache_dir, world_dir,
-                                                   args.eval_items)[0], rank, world)  # rank 0 downloads, once
-    for item in held_out:
-        item["rule"] = "exact" if world_dir else "gsm8k"
-    if args.questions_per_step < world:
-        raise ValueError(f"--questions_per_step {args.questions_per_step} is fewer than the {world} ranks: give each "
-                         f"rank at least one question")
-    total_steps = args.steps or math.ceil(args.epochs * len(train_items) / args.questions_per_step)
-    run_dir, resume_from = checkpoint.resolve_run(args, "rl")
-    optimizers = optim.build_optimizers(model, args, model.config.n_embd, args.total_batch_tokens, device,
-                                        lr_scale=args.lr_scale)
-    layout = {"model_config": parent_meta["model_config"], "world_size": world, "micro_batch": args.micro_batch,
-              "accum": 1}
-    tasks = f"the demo world {world_dir} (calc/ sums, answers/ short answers; held out: demo-answer)" if world_dir \
-        else f"GSM8K {args.train_dir} (held out: GSM8K test from {args.cache_dir})"
-    run = {"stage": "rl", "run": args.run_name, **layout, "total_steps": total_steps, "code": common.code_version(),
-           "tokenizer": args.tokenizer, "tokenizer_sha256": tokenizer.fingerprint(), "data_dir": data_dir,
-           "tasks": tasks, "train_questions": len(train_items), "held_out_questions": len(held_out),
-           "parent": checkpoint.parent_record(parent, parent_meta)}
-    if master:
-        checkpoint.write_config(run_dir, {**run, "args": vars(args)})
-        print(f"init: {parent} ({parent_meta.get('stage')}, step {parent_meta.get('step')}), params: "
-              f"{num_params(model.config)}")
-        print("inherited:\n" + "\n".join(f"  {name:<18} {value!s:<14} {source}" for name, value, source in inherited))
-        print(f"tasks: {tasks}: {len(train_items):,} training questions, {len(held_out):,} held out")
-        print(f"rollouts: {args.questions_per_step} questions x {args.samples} replies per step over {world} rank(s), "
-              f"temperature {args.temperature}, top_k {args.top_k}, at most {args.max_new_tokens} new tokens; "
-              f"{args.micro_batch} rows per forward; compile off (the rows' lengths change every step)")
-        print(args.budget_line)
-        print(f"budget: {total_steps:,} steps" + (f" = {args.epochs:g} epochs" if args.epochs else ""))
-        print(f"code: commit {run['code']['commit']}, uncommitted changes: {run['code']['dirty']}")
-        print(optim.precision_line(args, device, optimizers))
-    cursor = Cursor()
-    start = checkpoint.resume_or_warm_start(resume_from, parent, parent_meta, args, run_dir, model, optimizers,
-                                            [cursor], layout, rank, device)
     train_model = train_loop.wrap_model(model, args, world, local_rank, device)
     metrics, stop = train_loop.Metrics(run_dir / "metrics.jsonl", master), train_loop.StopSignal()
-    ckpt_meta = {**run, "argv": sys.argv, "hparams": checkpoint.hparams(args, args.sequence_len, args.micro_batch,
-                                                                         args.total_batch_tokens)}
 
     def save(step, last=False):
         cursor.state["questions"] = step * args.questions_per_step
@@ -418,7 +354,7 @@ def main(argv=None):
             rows += training_rows(prompt, replies, sampled, pad_id)
         rollout = time.perf_counter() - t0
         torch.set_num_threads(train_threads)
-        loss, _ = policy_gradient(train_model, rows, advantages(rewards, args.samples), args.micro_batch,
+        loss, _ = policy_gradient(train_model, rows, advantages(rewards, args.samples), s.micro_batch,
                                       args.dtype, device, world)
         grad_norm = train_loop.clip_grad_norm(model.parameters(), args.grad_clip or float("inf")).item()
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):

@@ -16,22 +16,20 @@ import json
 import math
 import random
 import sys
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
 import torch
 
-import checkpoint
 import common
 import distributed
 import optim
+import runs
 import train_loop
 import validation
 from dataset import chat_rows, mixture_files, open_parquet, parse_chat_sources
 from loader import STAT_KEYS, PieceBuffer, assign_units, chat_loader, pack_batch
-from model import flops_per_token, num_params, parse_args
-from tokenizer import Tokenizer
+from model import flops_per_token, parse_args
 
 # nanochat's SFT epochs (SmolTalk 1, MMLU auxiliary_train 3, GSM8K 4), with ARC's training questions (letters on
 # science questions) and the identity set (who the assistant is: identity.json) added
@@ -69,11 +67,11 @@ def get_args(argv=None):
                    "training) (default: %(default)s)")
     g.add_argument("--sample_prompt", action="append", default=None, help=f"question answered greedily at every eval, "
                    f"repeatable (default: {validation.CHAT_QUESTIONS})")
-    checkpoint.add_run_args(p, "sft")
+    runs.add_run_args(p, "sft")
     optim.add_schedule_args(p)
-    checkpoint.add_warm_start_args(p, lr_scale=SFT_LR_SCALE, schedule="wsd", warmdown_frac=SFT_WARMDOWN, why=SFT_WHY)
+    runs.add_warm_start_args(p, lr_scale=SFT_LR_SCALE, schedule="wsd", warmdown_frac=SFT_WARMDOWN, why=SFT_WHY)
     validation.add_forgetting_args(p)
-    checkpoint.add_init_args(p, ["midtrain", "pretrain"])
+    runs.add_init_args(p, ["midtrain", "pretrain"])
     args = parse_args(p, common.renamed_flags(argv, {"--init": "--checkpoint", "--question": "--sample_prompt"}))
     if args.status is None:
         args.budget_line = train_loop.resolve_budget(args, ["epochs", "steps"], default=("epochs", 1.0))
@@ -154,71 +152,46 @@ def evaluate(model, tokenizer, args, rank, world, device, run_dir, batches, step
     return {"val_loss": loss}
 
 
+def plan(args, start):
+    """What runs.start_stage asks of SFT: its total steps (an epoch estimated: estimate_epoch_batches) and loaders."""
+    epoch_batches, estimate = estimate_epoch_batches(args, start.tokenizer, start.micro_batch, start.seq_len,
+                                                     start.world * start.accum) if args.epochs else (None, None)
+    total_steps = args.steps or math.ceil(args.epochs * epoch_batches)
+    files = mixture_files(args.sources)
+    loaders = [chat_loader(None, "train", start.tokenizer, start.micro_batch, start.seq_len, files=files,
+                           rank=start.rank * start.accum + j, world_size=start.world * start.accum,
+                           device=start.device, seed=args.seed, threads=train_loop.loader_threads(args, start.device))
+               for j in range(start.accum)]
+    lines = ["mixture (passes per epoch): " + ", ".join(f"{path} x{epochs}" for path, epochs in args.sources)
+             + "; tokens per step count the padding", args.budget_line,
+             f"budget: {total_steps:,} steps" + (f" = {args.epochs:g} epochs of about {epoch_batches:,} batches "
+                                                 f"({estimate}); the loader says when each epoch ends"
+                                                 if args.epochs else "")]
+    return {"total_steps": total_steps, "loaders": loaders, "lines": lines, "record": {
+        "chat_dir": str(args.sources[0][0]), "sources": [{"path": str(path), "epochs": epochs}
+                                                          for path, epochs in args.sources]}}
+
+
 def main(argv=None):
     _, args = get_args(argv)
     if args.status:
         return train_loop.print_status(Path(args.status))
-    rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
-    master = rank == 0
-    parent = checkpoint.find_parent(args.checkpoint, args.runs_dir, ["midtrain", "pretrain"])
-    model, parent_meta = checkpoint.load_model(parent, device)
-    model.train()
-    inherited = checkpoint.inherit(args, parent_meta, parent)
-    tokenizer = Tokenizer.load(args.tokenizer)
-    checkpoint.check_chat_tokenizer(tokenizer, args.tokenizer)
-    checkpoint.check_tokenizer(parent_meta, tokenizer, args.tokenizer, parent)
-    sharding = distributed.shard_model(model, args, world, device)
-    args.preset = parent_meta.get("run", "sft")  # names the default run directory
-    config = replace(model.config, sequence_len=args.sequence_len)  # the rows; the model keeps the parent's tables
-    run_dir, resume_from = checkpoint.resolve_run(args, "sft")
-    micro, accum = train_loop.plan_batch(args, config, world, model, device, resume_from)
-    seq_len, params, fpt = config.sequence_len, num_params(config), flops_per_token(config)
-    tokens_per_step = micro * seq_len * world * accum
-    epoch_batches, estimate = estimate_epoch_batches(args, tokenizer, micro, seq_len, world * accum) if args.epochs \
-        else (None, None)
-    total_steps = args.steps or math.ceil(args.epochs * epoch_batches)
-    optimizers = optim.build_optimizers(model, args, config.n_embd, tokens_per_step, device, lr_scale=args.lr_scale)
-    files = mixture_files(args.sources)
-    loaders = [chat_loader(None, "train", tokenizer, micro, seq_len, rank=rank * accum + j, files=files,
-                           world_size=world * accum, device=device, seed=args.seed,
-                           threads=train_loop.loader_threads(args, device)) for j in range(accum)]
-    layout = {"model_config": parent_meta["model_config"], "world_size": world, "micro_batch": micro, "accum": accum}
-    run = {"stage": "sft", "run": args.run_name, **layout, "total_steps": total_steps,
-           "tokens_per_step": tokens_per_step, "code": common.code_version(), "tokenizer": args.tokenizer,
-           "tokenizer_sha256": tokenizer.fingerprint(), "chat_dir": str(args.sources[0][0]),
-           "sources": [{"path": str(path), "epochs": epochs} for path, epochs in args.sources],
-           "parent": checkpoint.parent_record(parent, parent_meta)}
-    if master:
-        checkpoint.write_config(run_dir, {**run, "args": vars(args)})
-        print(f"init: {parent} ({parent_meta.get('stage')}, step {parent_meta.get('step')}), params: {params}")
-        print("inherited:\n" + "\n".join(f"  {name:<18} {value!s:<14} {source}" for name, value, source in inherited))
-        print(sharding)
-        print(f"batch: tokens per step = micro_batch {micro} x sequence_len {seq_len} x world size {world} x "
-              f"accumulation {accum} = {tokens_per_step:,} (padding included)")
-        print("mixture (passes per epoch): " + ", ".join(f"{path} x{epochs}" for path, epochs in args.sources))
-        print(args.budget_line)
-        print(f"budget: {total_steps:,} steps" + (f" = {args.epochs:g} epochs of about {epoch_batches:,} batches ("
-                                                  f"{estimate}); the loader says when each epoch ends"
-                                                  if args.epochs else ""))
-        print(f"code: commit {run['code']['commit']}, uncommitted changes: {run['code']['dirty']}")
-        print(optim.precision_line(args, device, optimizers))
-    start = checkpoint.resume_or_warm_start(resume_from, parent, parent_meta, args, run_dir, model, optimizers, loaders,
-                                            layout, rank, device)
-
-    train_model = train_loop.wrap_model(model, args, world, local_rank, device)
-    evaluator = partial(evaluate, model, tokenizer, args, rank, world, device, run_dir,
-                        validation.chat_val_batches(args.val_chat_dir or args.sources[0][0], tokenizer, seq_len,
+    s = runs.start_stage(args, "sft", ["midtrain", "pretrain"], partial(plan, args))
+    model, rank, world, device, run_dir, loaders, total_steps = (s.model, s.rank, s.world, s.device, s.run_dir,
+                                                                  s.loaders, s.total_steps)
+    train_model = train_loop.wrap_model(model, args, world, s.local_rank, device)
+    evaluator = partial(evaluate, model, s.tokenizer, args, rank, world, device, run_dir,
+                        validation.chat_val_batches(args.val_chat_dir or args.sources[0][0], s.tokenizer, s.seq_len,
                                                     args.eval_rows))
-    ckpt_meta = {**run, "argv": sys.argv, "hparams": checkpoint.hparams(args, seq_len, micro, tokens_per_step)}
-    signum = train_loop.train(args, model, train_model, optimizers, loaders, run_dir=run_dir, start=start,
-                              total_steps=total_steps, ckpt_meta=ckpt_meta, evaluate=evaluator,
-                              flops_per_token=fpt, rank=rank, world=world, device=device)
+    signum = train_loop.train(args, model, train_model, s.optimizers, loaders, run_dir=run_dir, start=s.step,
+                              total_steps=total_steps, ckpt_meta=s.ckpt_meta, evaluate=evaluator,
+                              flops_per_token=flops_per_token(s.config), rank=rank, world=world, device=device)
     if signum is None:
         loss, rows = evaluator(total_steps)["val_loss"], packing(loaders)
-        kept = validation.forgetting(model, tokenizer, parent, parent_meta, args, rank, world, device)
-        if master:
-            train_loop.Metrics(run_dir / "metrics.jsonl", master).log({"step": total_steps, "final_val_loss": loss,
-                                                                       "pretrain_val_bpb": kept["val_bpb"]})
+        kept = validation.forgetting(model, s.tokenizer, s.parent, s.parent_meta, args, rank, world, device)
+        if rank == 0:
+            train_loop.Metrics(run_dir / "metrics.jsonl", True).log({"step": total_steps, "final_val_loss": loss,
+                                                                     "pretrain_val_bpb": kept["val_bpb"]})
             (run_dir / "done.json").write_text(json.dumps({"step": total_steps, "val_loss": loss, "rows": rows,
                                                            "pretrain_val_bpb": kept}))
             print(validation.forgetting_line(kept))

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import list_checkpoints, resume_command, save_checkpoint
+from checkpoint import list_checkpoints, resume_command, save_checkpoint, saved_layout
 from common import device_name, fmt_duration, now, peak_flops
 from distributed import (
     all_reduce,
@@ -220,39 +220,50 @@ def check_batch_divides(total, seq_len, world, micro=0):
                      f", so pretraining would fail at its start. Use {', or '.join(fixes)}")
 
 
-def plan_batch(args, config, world, model, device, resume_from=None):
-    """(micro_batch, accumulation steps) for --total_batch_tokens; the error names the nearest valid values. A resumed
-    run whose --micro_batch is 0 takes its checkpoint's micro-batch: on the CPU 0 means the whole per-rank batch, which
-    changes with the world size, and a resume at another world size needs the same micro-batch (the data streams)."""
-    seq_len, total = config.sequence_len, args.total_batch_tokens
-    resumed = json.loads((Path(resume_from) / "meta.json").read_text()).get("micro_batch") if resume_from else None
-    if args.micro_batch == 0 and resumed:
-        micro = resumed
-        if not dist.is_initialized() or dist.get_rank() == 0:
+def add_micro_batch_arg(group):
+    """--micro_batch, the same flag and help in every training stage; plan_batch is its one reader."""
+    group.add_argument("--micro_batch", type=int, default=0, help="sequences per rank per forward (rl.py: replies); 0 "
+                       "= the checkpoint's when resuming (--resume), else the parent checkpoint's (midtrain, sft, rl), "
+                       "else the largest that fits on CUDA (a divisor of the per-rank batch; without "
+                       "--total_batch_tokens a power of two up to 1024), on the CPU the whole per-rank batch (8 "
+                       "without --total_batch_tokens) (default: %(default)s)")
+
+
+def plan_batch(args, config, world, model, device, resume_from=None, parent_meta=None, accumulate=True):
+    """(micro_batch, accumulation steps, where the micro-batch came from): --micro_batch read as its help says. A resume
+    needs its checkpoint's micro-batch (the data streams), which the CPU's choice, the whole per-rank batch, is not at
+    another world size. The accumulation steps make --total_batch_tokens, the error naming the nearest valid values;
+    accumulate=False (rl.py): none, its batch is its replies."""
+    seq_len, total = config.sequence_len, args.total_batch_tokens if accumulate else None
+    master = not dist.is_initialized() or dist.get_rank() == 0
+    resumed = saved_layout(resume_from)["micro_batch"] if resume_from else None
+    parents = ((parent_meta or {}).get("hparams") or {}).get("micro_batch")
+    if args.micro_batch:
+        micro, source = args.micro_batch, "flag"
+    elif resumed:
+        micro, source = resumed, "the checkpoint's (--resume)"
+        if master:
             print(f"batch: micro_batch {micro}, the checkpoint's (--micro_batch 0 and --resume)")
-    elif args.micro_batch == 0:
-        candidates = micro_batch_candidates(total, seq_len, world)
-        if device.type == "cuda":
-            throwaway = build_optimizers(model, args, config.n_embd, 1, device)
-            micro = find_micro_batch(probe_step(model, throwaway, seq_len, config.vocab_size, args.dtype, device),
-                                     candidates)
-            del throwaway
-            torch.cuda.empty_cache()
-            micro = int(all_reduce(micro, dist.ReduceOp.MIN if dist.is_initialized() else None))
-            if not dist.is_initialized() or dist.get_rank() == 0:
-                print(f"batch: micro_batch {micro} is the largest that fits on every rank (probed with optimizer "
-                      f"state)")
-        else:
-            micro = max(candidates) if total else 8  # the CPU: no memory probe; 8 sequences keep a step short
-    else:
-        micro = args.micro_batch
+    elif parents:
+        micro, source = parents, "parent (meta.json)"
+    elif device.type == "cuda":
+        throwaway = build_optimizers(model, args, config.n_embd, 1, device)
+        micro = find_micro_batch(probe_step(model, throwaway, seq_len, config.vocab_size, args.dtype, device),
+                                 micro_batch_candidates(total, seq_len, world))
+        del throwaway
+        torch.cuda.empty_cache()
+        micro, source = int(all_reduce(micro, dist.ReduceOp.MIN if dist.is_initialized() else None)), "probed"
+        if master:
+            print(f"batch: micro_batch {micro} is the largest that fits on every rank (probed with optimizer state)")
+    else:  # the CPU: no memory probe; 8 sequences keep a step short
+        micro, source = max(micro_batch_candidates(total, seq_len, world)) if total else 8, "the CPU's choice"
     step_unit = micro * seq_len * world
     total = total or step_unit
     if total % step_unit:
         lo, hi = total // step_unit * step_unit, (total // step_unit + 1) * step_unit
         raise ValueError(f"--total_batch_tokens {total} is not a multiple of micro_batch {micro} x sequence_len "
                          f"{seq_len} x world size {world} = {step_unit}: nearest valid values are {lo or hi} and {hi}")
-    return micro, total // step_unit
+    return micro, total // step_unit, source
 
 
 def loader_threads(args, device):
@@ -424,12 +435,12 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
     return None
 
 
-HOOKS = ("inject_nan_step", "signal_at_step", "die_at_step", "hang_at_step", "stuck_at_step")  # add_run_args's
+HOOKS = ("inject_nan_step", "signal_at_step", "die_at_step", "hang_at_step", "stuck_at_step")  # runs.add_run_args's
 
 
 def testing_hooks(args):
-    """{step: the names of the testing hooks (hidden flags, add_run_args) set for that step}, or None when none is set,
-    which is every real run: the loop then checks nothing else per step. A value below 1 is never a step."""
+    """{step: the names of the testing hooks (hidden flags, runs.add_run_args) set for that step}, or None when none is
+    set, which is every real run: the loop then checks nothing else per step. A value below 1 is never a step."""
     hooks = {}
     for name in HOOKS:
         if getattr(args, name, -1) >= 1:

@@ -26,6 +26,7 @@ import chat_eval as E
 import checkpoint
 import download
 import sandbox
+import tasks
 from model import GPTConfig, build_model, config_from_preset
 from tokenizer import SPLIT_PATTERN, Tokenizer
 
@@ -66,7 +67,7 @@ class ScriptedModel(torch.nn.Module):
 
 def scored(task, rows, script, **kw):
     """evaluate_task's verdicts and records for rows in the task's hub (or demo) layout, replies from the script."""
-    items = [{**E.make_item(task, row, f"row {i}"), "row": i} for i, row in enumerate(rows)]
+    items = [{**tasks.make_item(task, row, f"row {i}"), "row": i} for i, row in enumerate(rows)]
     args = SimpleNamespace(dtype="float32", max_new_tokens=64, timeout=FAST, memory_mb=512, batch_items=1,
                            option_text="off", **kw)  # the scripted model answers one prompt at a time, no targets
     return E.evaluate_task(task, items, ScriptedModel(BYTES, script), BYTES, args, 0, 1, CPU, "MARK",
@@ -155,11 +156,11 @@ def test_the_lenient_gsm8k_reading_takes_the_number_after_the_marker_else_the_la
     assert E.final_number("no number", marker_only=False) is None
     assert E.final_number("answer 15", marker_only=True) is None  # a reference must have its marker
     with pytest.raises(ValueError, match="no '#### <number>'"):
-        E.make_item("GSM8K", {"question": "q", "answer": "15"}, "file.parquet, row 3")
+        tasks.make_item("GSM8K", {"question": "q", "answer": "15"}, "file.parquet, row 3")
 
 
 def humaneval(reply):
-    item = E.make_item("HumanEval", ADD, "row 0")
+    item = tasks.make_item("HumanEval", ADD, "row 0")
     result = sandbox.run(E.humaneval_program(item, reply, "PASSED-42"), timeout_s=FAST,
                          level=sandbox.sandbox_level()[0])
     return result.status == "ok" and "PASSED-42" in result.output.splitlines()
@@ -340,8 +341,8 @@ def hub(tmp_path, monkeypatch):
 
 def test_the_five_tasks_come_from_the_hub_in_their_real_layouts_and_then_from_the_cache(hub, tmp_path):
     cache = tmp_path / "cache"
-    loaded = {task: E.load_items(task, cache, None, -1) for task in E.HUB_TASKS}
-    for task, (repo, pattern, _, _) in E.HUB_TASKS.items():
+    loaded = {task: tasks.load_items(task, cache, None, -1) for task in tasks.HUB_TASKS}
+    for task, (repo, pattern, _, _) in tasks.HUB_TASKS.items():
         (path,) = [p for p in LAYOUTS[repo] if re.fullmatch(pattern, p)]
         assert sorted(os.listdir(cache / task)) == ["files.json", path.split("/")[-1]]  # only the test split
         assert (cache / task / path.split("/")[-1]).read_bytes() == hub.files[f"{repo}/{path}"]
@@ -358,16 +359,16 @@ def test_the_five_tasks_come_from_the_hub_in_their_real_layouts_and_then_from_th
     assert {i["row"]: (i["id"], i["entry_point"]) for i in loaded["HumanEval"][0]} == {
         0: ("HumanEval/0", "add"), 1: ("HumanEval/1", "add")}
     requests = len(hub.log)
-    again = {task: E.load_items(task, cache, None, 2) for task in E.HUB_TASKS}
+    again = {task: tasks.load_items(task, cache, None, 2) for task in tasks.HUB_TASKS}
     assert len(hub.log) == requests  # the cache answered
-    assert all(again[t][0] == loaded[t][0][:2] for t in E.HUB_TASKS)
+    assert all(again[t][0] == loaded[t][0][:2] for t in tasks.HUB_TASKS)
 
 
 def test_a_row_out_of_its_layout_names_the_file_and_row(hub, tmp_path):
     pq.write_table(pa.Table.from_pylist([{"question": "q", "choices": ["a"], "answer": 3}]), tmp_path / "bad.parquet")
     hub.files["cais/mmlu/all/test-00000-of-00001.parquet"] = (tmp_path / "bad.parquet").read_bytes()
     with pytest.raises(ValueError, match=r"test-00000-of-00001.parquet, row 0: not in MMLU's layout \(IndexError"):
-        E.load_items("MMLU", tmp_path / "cache", None, -1)
+        tasks.load_items("MMLU", tmp_path / "cache", None, -1)
 
 
 # -----------------------------------------------------------------------------
@@ -414,8 +415,8 @@ def test_the_demo_tasks_run_end_to_end_on_two_processes_and_report_what_ran(tiny
                     "chat_eval_complete": False}
     model, _ = checkpoint.load_model(run / "ckpt" / "step_000007", CPU)  # one rank, in this process
     args = SimpleNamespace(dtype="float32", max_new_tokens=6, batch_items=8, option_text="on")  # the defaults
-    alone = [r for task in E.DEMO_TASKS for r in E.evaluate_task(
-        task, E.load_items(task, None, tiny / "demo", 4)[0], model, Tokenizer.load(tiny / "tokenizer"), args, 0, 1,
+    alone = [r for task in tasks.DEMO_TASKS for r in E.evaluate_task(
+        task, tasks.load_items(task, None, tiny / "demo", 4)[0], model, Tokenizer.load(tiny / "tokenizer"), args, 0, 1,
         CPU, "M", None)[1]]
     assert records == alone and len(records) == 8
 
@@ -429,7 +430,7 @@ def test_the_hub_tasks_run_end_to_end_with_the_sandbox(tiny, hub, tmp_path, caps
                                        stage="chat_eval.py")
     assert code == 0, err
     report = json.loads(out.read_text())
-    assert [(r["task"], r["items"]) for r in report["tasks"]] == [(t, 2) for t in E.HUB_TASKS]
+    assert [(r["task"], r["items"]) for r in report["tasks"]] == [(t, 2) for t in tasks.HUB_TASKS]
     assert report["sandbox"]["level"] == sandbox.sandbox_level()[0] and report["sandbox"]["description"] in stdout
     records = [json.loads(line) for line in out.with_name("report_items.jsonl").read_text().splitlines()]
     assert [r["status"] for r in records if r["task"] == "HumanEval"] == ["error", "error"]  # 3 random tokens
@@ -477,11 +478,11 @@ def test_download_only_fetches_every_hub_task_without_a_checkpoint(hub, tmp_path
     cache = tmp_path / "cache"
     E.main(["--download_only", "--cache_dir", str(cache)])
     out = capsys.readouterr().out
-    for task in E.HUB_TASKS:
+    for task in tasks.HUB_TASKS:
         assert f"download: {task}: 1 files in {cache / task}" in out
         assert (cache / task / "files.json").is_file()
     requests = len(hub.log)
-    assert {t: E.load_items(t, cache, None, 1)[1] for t in E.HUB_TASKS} and len(hub.log) == requests  # cached
+    assert {t: tasks.load_items(t, cache, None, 1)[1] for t in tasks.HUB_TASKS} and len(hub.log) == requests  # cached
     with pytest.raises(ValueError, match="--tasks: Trivia not among the hub tasks"):
         E.main(["--download_only", "--cache_dir", str(cache), "--tasks", "Trivia"])
 

@@ -11,6 +11,7 @@ import checkpoint
 import dataset as D
 import loader as L
 import midtrain
+import runs
 import sft
 import validation
 from model import GPTConfig, build_model, generate
@@ -48,7 +49,7 @@ def test_each_checkpoint_names_its_stage_and_parent_with_the_parents_weights_has
     assert (sft_meta["stage"], mid_meta["stage"]) == ("sft", "midtrain")
     assert sft_meta["parent"]["path"] == str(chat_chain["midtrain"])
     assert mid_meta["parent"]["path"] == str(chat_chain["pretrain"])
-    assert mid_meta["parent"] == checkpoint.parent_record(chat_chain["pretrain"], json.loads(
+    assert mid_meta["parent"] == runs.parent_record(chat_chain["pretrain"], json.loads(
         (chat_chain["pretrain"] / "meta.json").read_text()))
     assert mid_meta["parent"]["stage"] == "pretrain" and len(mid_meta["parent"]["sha256"]) == 64
 

@@ -10,7 +10,8 @@ import pytest
 
 from calculator import calculate
 from dataset import chat_format, chat_rows
-from demo import ANIMALS, COLOURS, COUNTRIES, DAYS, DEMO_ASSISTANT_NAME, MONTHS, number_word, write_demo
+from demo import DEMO_ASSISTANT_NAME, write_demo
+from demo_world import ANIMALS, COLOURS, COUNTRIES, DAYS, MONTHS, number_word
 from tokenizer import content_text
 
 CAPITAL = {row[0]: row[1] for row in COUNTRIES}

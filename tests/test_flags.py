@@ -53,3 +53,35 @@ def test_an_old_flag_name_still_works_for_one_release_and_says_its_new_name(scri
     assert (got[-1] if isinstance(got, list) else str(got)) == value
     err = capsys.readouterr().err
     assert f"warning: {old} is now --{new}; the old name goes in the next release" in err
+
+
+def test_micro_batch_has_one_help_text_in_every_training_stage(capsys):
+    texts = set()
+    for script in ("pretrain", "midtrain", "sft", "rl"):
+        after = help_text(script, capsys).split("\n  --micro_batch MICRO_BATCH", 1)[1]
+        texts.add(" ".join(after.split("\n  -", 1)[0].split()))
+    assert len(texts) == 1 and next(iter(texts)).startswith("sequences per rank per forward (rl.py: replies); 0 = the "
+                                                            "checkpoint's when resuming (--resume), else the parent")
+
+
+def test_micro_batch_is_read_in_one_place_one_meaning_per_value(tmp_path, capsys):
+    """train_loop.plan_batch: N is N; 0 takes the resumed checkpoint's, else the parent's, else (on the CPU) the whole
+    per-rank batch; the source goes into a chat stage's inherited table."""
+    import json
+    from argparse import Namespace
+    from types import SimpleNamespace
+
+    import torch
+
+    import train_loop
+    config, cpu = SimpleNamespace(sequence_len=64), torch.device("cpu")
+    (tmp_path / "meta.json").write_text(json.dumps({"micro_batch": 2, "model_config": {}, "world_size": 1, "accum": 4}))
+    parent = {"hparams": {"micro_batch": 4}}
+    plan = lambda micro, **kw: train_loop.plan_batch(Namespace(micro_batch=micro, total_batch_tokens=1024), config, 1,
+                                                     None, cpu, **kw)
+    assert plan(8, resume_from=tmp_path, parent_meta=parent) == (8, 2, "flag")
+    assert plan(0, resume_from=tmp_path, parent_meta=parent) == (2, 8, "the checkpoint's (--resume)")
+    assert capsys.readouterr().out == "batch: micro_batch 2, the checkpoint's (--micro_batch 0 and --resume)\n"
+    assert plan(0, parent_meta=parent) == (4, 4, "parent (meta.json)")
+    assert plan(0) == (16, 1, "the CPU's choice")
+    assert plan(0, parent_meta=parent, accumulate=False) == (4, 1, "parent (meta.json)")

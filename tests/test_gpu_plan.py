@@ -450,7 +450,7 @@ def test_the_micro_batch_probes_line_prints_on_rank_0_only(monkeypatch, capsys):
     line = "batch: micro_batch 16 is the largest that fits on every rank (probed with optimizer state)\n"
     for rank, printed in ((1, ""), (0, line)):
         monkeypatch.setattr(train_loop.dist, "get_rank", lambda rank=rank: rank)
-        assert train_loop.plan_batch(args, config, 2, None, torch.device("cuda")) == (16, 2)
+        assert train_loop.plan_batch(args, config, 2, None, torch.device("cuda")) == (16, 2, "probed")
         assert capsys.readouterr().out == printed
 
 

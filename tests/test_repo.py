@@ -50,6 +50,23 @@ def test_every_docs_page_the_readme_links_to_exists():
     assert missing == [], f"the README links to {missing}, which do not exist"
 
 
+STAGES = ["pretrain", "midtrain", "sft", "rl", "core_eval", "chat_eval", "chat", "export", "report", "demo"]
+
+
+def test_no_stage_imports_another_stage():
+    """A stage reads top to bottom with the library beside it: what two stages share lives in a library file, so no
+    stage script imports another, at module level or inside a function."""
+    found = {}
+    for stage in STAGES:
+        tree = ast.parse((ROOT / f"{stage}.py").read_text())
+        names = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                 for alias in node.names}
+        names |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                  and node.module and not node.level}
+        found[stage] = sorted(names & set(STAGES) - {stage})
+    assert found == {stage: [] for stage in STAGES}
+
+
 def help_texts(path):
     """The strings a script's --help can print: help=, description=, epilog= and usage= of any call, and the module
     docstring where a parser takes description=__doc__."""

@@ -14,6 +14,7 @@ import checkpoint
 import common
 import distributed
 import optim
+import runs
 
 
 def test_loss_and_gradients_do_not_depend_on_the_micro_batch_split():
@@ -81,7 +82,7 @@ def test_resuming_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path, c
 def test_keep_must_leave_at_least_one_checkpoint(tmp_path):
     args = Namespace(keep=0, resume=None, run_name="r", runs_dir=str(tmp_path), preset="tiny")
     with pytest.raises(ValueError, match="--keep 0: keep at least 1"):
-        checkpoint.resolve_run(args, "pretrain")
+        runs.resolve_run(args, "pretrain")
 
 
 @pytest.mark.parametrize("argv", [["--steps", "9", "--resume", "runs/old/ckpt/step_000004", "--seed", "1"],

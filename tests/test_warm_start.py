@@ -13,6 +13,7 @@ import loader as L
 import midtrain
 import optim
 import report
+import runs
 import sft
 import validation
 from model import PRESETS, GPTConfig, autocast_context, build_model
@@ -69,10 +70,10 @@ def stage_optimizers(stage, parent, extra=()):
     model, meta = checkpoint.load_model(parent, CPU)
     model.train()
     _, args = stage.get_args(["--checkpoint", str(parent), "--steps", "1", *extra])
-    checkpoint.inherit(args, meta, parent)
+    runs.inherit(args, meta, parent)
     optimizers, fresh = (optim.build_optimizers(model, args, model.config.n_embd, 2048, CPU, lr_scale=args.lr_scale)
                          for _ in range(2))
-    return optimizers, checkpoint.warm_start(parent, meta, model, optimizers, args, CPU), fresh, model, args
+    return optimizers, runs.warm_start(parent, meta, model, optimizers, args, CPU), fresh, model, args
 
 
 @pytest.mark.parametrize("stage", [midtrain, sft])

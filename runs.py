@@ -1,0 +1,291 @@
+"""A run: its directory (runs/<run>/: flags, where it lives, what it resumes from, config.json) and, for a stage after
+pretraining, the parent it starts from and what it inherits: the flags (inherit), the optimizer state (warm_start),
+and midtrain.py's, sft.py's and rl.py's whole start in one function (start_stage). Not a stage: `import runs`.
+
+    python runs.py runs/<run>[/ckpt/step_N]     # a checkpoint's stage, step and hparams, then its parent's, ...
+"""
+import argparse
+import hashlib
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import checkpoint
+import common
+import distributed
+import optim
+import train_loop
+from model import num_params, parse_bool
+
+# -----------------------------------------------------------------------------
+# The run directory: runs/<run>/ with config.json, metrics.jsonl, samples.jsonl, ckpt/step_XXXXXX/
+
+
+def add_run_args(parser, stage):
+    """The flags every training stage has for its run directory, checkpoints and health checks, and the hidden
+    testing hooks."""
+    g = parser.add_argument_group("run directory, checkpoints, health")
+    g.add_argument("--run_name", default=None, help=f"outputs go to <runs_dir>/<run_name>/ (default: {stage}_<preset>_"
+                   f"<time>; not --run, which torchrun would take for its own --run-path)")
+    g.add_argument("--runs_dir", default="runs", help="where runs live (default: %(default)s)")
+    g.add_argument("--resume", nargs="?", const="latest", default=None, help="continue from the newest checkpoint of "
+                   "--run_name (or of the newest run of this stage), or from the checkpoint directory given")
+    g.add_argument("--ckpt_every", type=int, default=500, help="checkpoint every N steps (default: %(default)s)")
+    g.add_argument("--keep", type=int, default=3, help="checkpoints kept, newest first; at least 1 (default: "
+                   "%(default)s)")
+    g.add_argument("--frozen_check_step", type=int, default=10, help="steps after the start at which unchanged "
+                   "parameters are named (default: %(default)s)")
+    g.add_argument("--health_every", type=int, default=50, help="log update/parameter RMS ratios every N steps "
+                   "(default: %(default)s)")
+    g.add_argument("--log_every", type=int, default=10, help="progress line every N steps (default: %(default)s)")
+    g.add_argument("--wandb", default=None, help="wandb project to log to (needs `pip install wandb`)")
+    g.add_argument("--status", default=None, metavar="RUN_DIR", help="print a run's status and exit")
+    g = parser.add_argument_group("distributed (under torchrun)")
+    g.add_argument("--fsdp", default="auto", choices=["auto", "true", "false"], help="shard weights, gradients and "
+                   "optimizer state over the ranks with FSDP2; auto: when they would not fit one device by model.py's "
+                   "estimate (default: %(default)s)")
+    g.add_argument("--dist_timeout", type=float, default=600, help="seconds a collective may wait for the other ranks "
+                   "before the run stops with an error (a dead or hung rank) (default: %(default)s)")
+    # Testing hooks, hidden from --help: the tests' way to make a run fail as real runs do. Steps count from 1, as
+    # logged; -1: never (train_loop.testing_hooks).
+    g = parser.add_argument_group("testing hooks")
+    g.add_argument("--inject_nan_step", type=int, default=-1, help=argparse.SUPPRESS)  # poison the loss at this step
+    g.add_argument("--signal_at_step", type=int, default=-1, help=argparse.SUPPRESS)  # SIGTERM this process after it
+    g.add_argument("--die_at_step", type=int, default=-1, help=argparse.SUPPRESS)  # the last rank SIGKILLs itself
+    g.add_argument("--hang_at_step", type=int, default=-1, help=argparse.SUPPRESS)  # the last rank stops taking part
+    # in collectives
+    g.add_argument("--stuck_at_step", type=int, default=-1, help=argparse.SUPPRESS)  # as --hang_at_step, and the
+    # rank ignores SIGTERM, SIGINT and SIGHUP: a rank inside an NCCL call never returns to run its handler
+    g.add_argument("--checkpoint_delay", type=float, default=0, help=argparse.SUPPRESS)  # rank 0 takes this many
+    # seconds longer to write each checkpoint (a d20's 15 GB)
+
+
+def resolve_run(args, stage):
+    """(run directory, checkpoint to resume from or None) from --runs_dir, --run_name and --resume [PATH]; sets
+    args.runs_dir and args.run_name to the run's, so the resume command and config.json name it."""
+    if args.keep < 1:
+        raise ValueError(f"--keep {args.keep}: keep at least 1 checkpoint (the newest is the one a resume needs)")
+    if args.resume not in (None, "latest"):  # a checkpoint path: <runs_dir>/<run_name>/ckpt/step_XXXXXX
+        path = Path(args.resume)
+        if not (path / "meta.json").is_file() or checkpoint.checkpoint_step(path) is None:
+            raise FileNotFoundError(f"--resume {path}: not a checkpoint (runs/<run>/ckpt/step_*/ with meta.json)")
+        args.runs_dir, args.run_name = str(path.parent.parent.parent), path.parent.parent.name
+        distributed.check_shared_dir(path.parent.parent)
+        return path.parent.parent, path
+    if args.resume and args.run_name is None:
+        newest = checkpoint.newest_checkpoint(args.runs_dir, stage=stage)
+        if newest is None:
+            raise FileNotFoundError(f"--resume: no {stage} checkpoint under {args.runs_dir}/*/ckpt/")
+        args.run_name = newest.parent.parent.name
+    args.run_name = args.run_name or f"{stage}_{args.preset}_{time.strftime('%Y%m%d_%H%M%S')}"
+    run_dir = Path(args.runs_dir) / args.run_name
+    distributed.check_shared_dir(run_dir)  # several nodes: every rank must see what rank 0 writes there
+    if not args.resume:
+        return run_dir, None
+    found = checkpoint.list_checkpoints(run_dir / "ckpt")
+    if not found:
+        raise FileNotFoundError(f"--resume: {run_dir}/ckpt has no checkpoint yet")
+    return run_dir, found[-1]
+
+
+def write_config(run_dir, record):
+    """config.json: what the run is (rank 0 only), rewritten by a resume with its own command line."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps({**record, "argv": sys.argv, "versions": common.versions()},
+                                                    indent=1, default=str))
+
+
+# -----------------------------------------------------------------------------
+# Stages after pretraining: the parent checkpoint they start from, and what they inherit from it. Every checkpoint's
+# meta records its stage, its hyperparameters ("hparams") and its parent (path and the sha256 of its model.pt).
+
+INHERITED = ["tokenizer", "sequence_len", "micro_batch", "total_batch_tokens", "optimizer", "matrix_lr",
+             "embedding_lr", "head_lr", "scalar_lr", "weight_decay", "grad_clip", "dtype", "compile"]
+
+
+def hparams(args, seq_len, micro, tokens_per_step):
+    """What a child stage inherits from this run, as its checkpoints record it."""
+    values = {name: getattr(args, name, None) for name in INHERITED}
+    return {**values, "sequence_len": seq_len, "micro_batch": micro, "total_batch_tokens": tokens_per_step}
+
+
+def add_init_args(parser, parents):
+    """--checkpoint and the inherited flags of a stage that starts from a checkpoint of one of `parents` (newest first in
+    that order of preference): their defaults become None, meaning "the parent's value" (--micro_batch is every
+    training stage's, train_loop.add_micro_batch_arg)."""
+    g = parser.add_argument_group("start: the parent checkpoint and what is inherited from it")
+    g.add_argument("--checkpoint", default=None, help=f"checkpoint to start from: a step_* directory or a run directory "
+                   f"(default: the newest {' checkpoint, else the newest '.join(parents)} checkpoint under --runs_dir)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the parent's)")
+    g.add_argument("--sequence_len", type=int, default=None, help="row length, at most the parent's (default: the "
+                   "parent's)")
+    train_loop.add_micro_batch_arg(g)
+    g.add_argument("--total_batch_tokens", type=int, default=None, help="tokens per optimizer step over all ranks "
+                   "(default: the parent's)")
+    g.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="compute dtype (default: the "
+                   "parent's)")
+    g.add_argument("--compile", type=parse_bool, default=None,
+                   help="torch.compile the model: true or false (default: the parent's)")
+    for action in parser._actions:  # the schedule's lr flags: the parent's value unless given
+        if action.dest in INHERITED and action.dest not in ("tokenizer", "sequence_len", "micro_batch",
+                                                             "total_batch_tokens", "dtype", "compile"):
+            action.default, action.help = None, action.help.split(" (default")[0] + " (default: the parent's)"
+
+
+def inherit(args, meta, parent):
+    """Fill every inherited flag left at None from the parent's recorded hparams; returns the table of (name, value,
+    where it came from), the one place a stage's starting settings are resolved (--micro_batch's is
+    train_loop.plan_batch's, which start_stage adds to the table)."""
+    recorded = meta.get("hparams") or {}
+    config_file = Path(parent).parent.parent / "config.json"  # checkpoints from before hparams were recorded
+    older = json.loads(config_file.read_text()).get("args", {}) if not recorded and config_file.is_file() else {}
+    table = []
+    for name in (n for n in INHERITED if n != "micro_batch"):
+        if getattr(args, name) is not None:
+            table.append((name, getattr(args, name), "flag"))
+            continue
+        value = recorded.get(name, older.get(name))
+        if value is None:
+            raise ValueError(f"{parent}: its meta.json records no {name}; pass --{name}")
+        setattr(args, name, value)
+        table.append((name, value, f"parent ({'meta.json' if name in recorded else 'its run config.json'})"))
+    if args.sequence_len > meta["model_config"]["sequence_len"]:
+        raise ValueError(f"--sequence_len {args.sequence_len} exceeds the parent's "
+                         f"{meta['model_config']['sequence_len']} (its rotary tables end there): pass at most that")
+    return table
+
+
+def parent_record(parent, meta):
+    """The parent as a child's checkpoints record it: path, stage, step, and the sha256 of its weights."""
+    digest = hashlib.sha256()
+    with open(Path(parent) / "model.pt", "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return {"path": str(parent), "stage": meta.get("stage"), "step": meta.get("step"), "sha256": digest.hexdigest()}
+
+
+def add_warm_start_args(parser, lr_scale, schedule, warmdown_frac, why):
+    """A chat stage's start from its parent's optimizer and its own lr scale and schedule (defaults per stage, `why`
+    says where they come from)."""
+    g = parser.add_argument_group("warm start: the parent's optimizer state and this stage's lrs")
+    g.add_argument("--warm_start", type=parse_bool, default=True, help="continue from the parent checkpoint's "
+                   "optimizer state (AdamW moments, Muon momentum) with the lrs reset to this stage's; a state that "
+                   "does not fit this stage's optimizers is reported and replaced by a fresh one; false: fresh "
+                   "(default: %(default)s)")
+    g.add_argument("--lr_scale", type=float, default=lr_scale, help="every lr is this fraction of the parent's (its "
+                   f"base lrs at this stage's batch; {why}) (default: %(default)s)")
+    parser.set_defaults(schedule=schedule, warmdown_frac=warmdown_frac)
+
+
+def warm_start(parent, parent_meta, model, optimizers, args, device):
+    """Load the parent checkpoint's optimizer state into this stage's optimizers (unsharded or sharded, whatever the
+    parent's world size: load_state), then put back this stage's own hyperparameters (lr, base_lr, weight decay,
+    betas, momentum): the moments continue, the lrs are the stage's. A fresh optimizer at full lr moves every
+    embedding coordinate by about the lr on its first step, since AdamW's first update is sign(gradient); warm
+    moments keep the first steps the size of the parent's last ones. When the parent's state does not fit (another
+    optimizer or other param groups, or a checkpoint that does not record them) the state stays fresh. Returns the
+    line that says which, and why."""
+    if not args.warm_start:
+        return "optimizer: fresh state (--warm_start false)"
+    recorded, mine = parent_meta.get("optimizers"), checkpoint.optimizer_layout(optimizers)
+    if recorded is None:
+        return (f"optimizer: fresh state: {parent}/meta.json does not record its optimizers (written by an older "
+                f"version of this code), so its state cannot be checked against this stage's")
+    if recorded != mine:
+        return (f"optimizer: fresh state: the parent's optimizers {recorded} are not this stage's {mine} (another "
+                f"--optimizer or --adam8bit, or another model)")
+    own = [{k: v for k, v in group.items() if k != "params"} for opt in optimizers for group in opt.param_groups]
+    try:
+        checkpoint.load_state(parent, model, optimizers, device)
+        error = None
+    except (ValueError, KeyError, RuntimeError, FileNotFoundError) as e:
+        error = e
+    for group, hyper in zip((g for opt in optimizers for g in opt.param_groups), own, strict=True):
+        group.update(hyper)
+    if error is not None:
+        for opt in optimizers:  # a partly loaded state is no state
+            opt.state.clear()
+        return f"optimizer: fresh state: the parent's could not be loaded ({type(error).__name__}: {error})"
+    tensors = sum(len(opt.state) for opt in optimizers)
+    return (f"optimizer: warm start from {parent}'s state ({tensors} parameters' moments, step {parent_meta['step']}),"
+            f" lrs reset to {args.lr_scale:g} x the parent's")
+
+
+def start_stage(args, stage, parents, plan, rollouts=False):
+    """midtrain.py's, sft.py's and rl.py's start, up to the first step: processes; the parent (--checkpoint, else the
+    newest of `parents`), its model and the flags it passes on (inherit); the tokenizer, checked; FSDP where needed;
+    the run directory; micro-batch and accumulation (train_loop.plan_batch); optimizers; then plan(start), what only
+    the stage knows: a dict of total_steps, loaders, record (what config.json and checkpoints hold beside the common
+    fields), lines (printed after the batch) and whatever else it puts on `start`; config.json and the start's report;
+    start.step, the resumed checkpoint's (--resume) or 0 from the parent's optimizer state (warm_start). rollouts
+    (rl.py): replies of their own lengths: no sharding, compile or accumulation (--micro_batch replies per forward),
+    --total_batch_tokens only scales the lrs. Returns `start`, a namespace of all of it."""
+    rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
+    parent, _ = checkpoint.pick_checkpoint(args, [(name,) for name in parents])  # in that order of preference
+    model, parent_meta = checkpoint.load_model(parent, device)
+    model.train()
+    inherited = inherit(args, parent_meta, parent)
+    if rollouts:  # every step's rows have other lengths: a compiled model would recompile at each
+        args.compile = False
+        inherited = [(n, False, "off in rl.py: the rows change length every step") if n == "compile" else (n, v, w)
+                     for n, v, w in inherited]
+    tokenizer, _ = checkpoint.checkpoint_tokenizer(parent_meta, parent, args.tokenizer)  # the parent's, or refused
+    checkpoint.check_chat_tokenizer(tokenizer, args.tokenizer)
+    sharding = None if rollouts else distributed.shard_model(model, args, world, device)
+    args.preset = parent_meta.get("run", stage)  # names the default run directory
+    config = replace(model.config, sequence_len=args.sequence_len)  # the rows; the model keeps the parent's tables
+    run_dir, resume_from = resolve_run(args, stage)
+    micro, accum, source = train_loop.plan_batch(args, config, world, model, device, resume_from, parent_meta,
+                                                 accumulate=not rollouts)
+    inherited.insert(INHERITED.index("micro_batch"), ("micro_batch", micro, source))
+    tokens_per_step = args.total_batch_tokens if rollouts else micro * config.sequence_len * world * accum
+    optimizers = optim.build_optimizers(model, args, config.n_embd, tokens_per_step, device, lr_scale=args.lr_scale)
+    start = SimpleNamespace(rank=rank, local_rank=local_rank, world=world, device=device, parent=parent,
+                            parent_meta=parent_meta, model=model, tokenizer=tokenizer, config=config, run_dir=run_dir,
+                            micro_batch=micro, accum=accum, seq_len=config.sequence_len,
+                            tokens_per_step=tokens_per_step, optimizers=optimizers)
+    vars(start).update(plan(start))
+    layout = {"model_config": parent_meta["model_config"], "world_size": world, "micro_batch": micro, "accum": accum}
+    start.run = {"stage": stage, "run": args.run_name, **layout, "total_steps": start.total_steps,
+                 "tokens_per_step": tokens_per_step, "code": common.code_version(), "tokenizer": args.tokenizer,
+                 "tokenizer_sha256": tokenizer.fingerprint(), **start.record,
+                 "parent": parent_record(parent, parent_meta)}
+    start.ckpt_meta = {**start.run, "argv": sys.argv, "hparams": hparams(args, config.sequence_len, micro,
+                                                                         tokens_per_step)}
+    if rank == 0:
+        write_config(run_dir, {**start.run, "args": vars(args)})
+        print(f"init: {parent} ({parent_meta.get('stage')}, step {parent_meta.get('step')}), params: "
+              f"{num_params(config)}")
+        print("inherited:\n" + "\n".join(f"  {name:<18} {value!s:<14} {where}" for name, value, where in inherited))
+        if not rollouts:
+            print(f"{sharding}\nbatch: tokens per step = micro_batch {micro} x sequence_len {config.sequence_len} x "
+                  f"world size {world} x accumulation {accum} = {tokens_per_step:,}")
+        print("\n".join(start.lines))
+        print(f"code: commit {start.run['code']['commit']}, uncommitted changes: {start.run['code']['dirty']}")
+        print(optim.precision_line(args, device, optimizers))
+    if resume_from:
+        start.step = checkpoint.resume(resume_from, run_dir, model, optimizers, start.loaders, layout, rank, device)
+        return start
+    line, start.step = warm_start(parent, parent_meta, model, optimizers, args, device), 0
+    if rank == 0:
+        print(line)
+    return start
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", help="a checkpoint (runs/<run>/ckpt/step_*) or a run directory (its newest)")
+    path = checkpoint.find_checkpoint(p.parse_args(argv).checkpoint)
+    while path is not None and (Path(path) / "meta.json").is_file():
+        meta = json.loads((Path(path) / "meta.json").read_text())
+        print(f"{path}: {meta.get('stage')}, step {meta.get('step')}, hparams {meta.get('hparams')}")
+        path = (meta.get("parent") or {}).get("path")
+    if path is not None:
+        print(f"{path}: gone (moved or deleted), where the lineage ends")
+
+
+if __name__ == "__main__":
+    sys.exit(distributed.run_main(main))
