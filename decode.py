@@ -11,13 +11,13 @@ replies to each, and decodes every row in one forward per step:
   one per step, while the other rows sample;
 - a row ends at a stop token it sampled or at its budget; when half the rows have ended, the cache is compacted to the
   live rows, so finished rows stop costing;
-- on CUDA the step is compiled (torch.compile); on the CPU it runs eager, attending over the filled slots only
-  (a compiled step must keep one shape, the whole cache, which costs more there than the per-op overhead it saves).
+- on CUDA the step is compiled (torch.compile, the whole cache attended, masked, so that shapes change only with the
+  batch); on the CPU it runs eager, attending over the filled slots only.
 """
 import torch
 import torch.nn.functional as F
 
-from model import VE_GATE_CHANNELS, autocast_context, bitnet_activation, masked_attention, sample_next, softcap_logits
+from model import VE_GATE_CHANNELS, autocast_context, bitnet_activation, masked_attention, softcap_logits
 
 
 def decode_weights(model, dtype="float32"):
@@ -120,6 +120,19 @@ class _FullCache:
         return k, v
 
 
+def sample_rows(logits, temperature, top_k, generator):
+    """Next ids (B,) from logits (B, vocab): model.sample_next's distribution (temperature 0 is greedy), with the top
+    k taken first so that the draw is among k tokens, not the whole vocabulary (the draw cost as much as a step of
+    the tiny model at 256 rows)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    if top_k and top_k < logits.size(-1):
+        values, indices = torch.topk(logits, top_k, dim=-1)
+        drawn = torch.multinomial(torch.softmax(values / temperature, dim=-1), 1, generator=generator)
+        return indices.gather(-1, drawn).view(-1)
+    return torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator).view(-1)
+
+
 _compiled_step = None
 
 
@@ -134,14 +147,14 @@ def compiled_step():
 
 @torch.inference_mode()
 def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=None, seed=None, dtype="float32",
-           tools=None, stop=(), compile="auto", weights=None):
+           tools=None, stop=(), compiled="auto", weights=None):
     """(tokens, sampled) per row, len(prompts) * samples rows, prompt by prompt (prompt i's replies are rows
     i * samples .. (i + 1) * samples - 1): each row's new tokens, up to and with the stop token it sampled (a token in
     `stop`), at most max_new_tokens (an int, or one per prompt; the calculator's output counts, as in
     model.generate), and per token whether the model sampled it (True) or the calculator's output was fed (False).
     tools: None, or one calculator.ToolUse per row (each sees its row's sampled tokens; its calls stay in it).
     temperature 0 is greedy; sampling draws from one torch.Generator seeded with `seed` (None: a random seed), so a
-    seed gives the same rows again for the same prompts and settings. compile: "auto" (compiled on CUDA, eager
+    seed gives the same rows again for the same prompts and settings. compiled: "auto" (compiled on CUDA, eager
     elsewhere), True or False. weights: decode_weights(model, dtype), to reuse across calls."""
     device, c = model.cos.device, model.config
     budgets = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)
@@ -155,9 +168,9 @@ def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=Non
     n = len(prompts) * samples
     if tools is not None and len(tools) != n:
         raise ValueError(f"tools: {len(tools)} given for {n} rows; pass one ToolUse per row, or None")
-    compile = device.type == "cuda" if compile == "auto" else compile
+    compiled = device.type == "cuda" if compiled == "auto" else compiled
     weights = weights if weights is not None else decode_weights(model, dtype)
-    step = compiled_step() if compile else decode_step
+    step = compiled_step() if compiled else decode_step
     generator = torch.Generator(device=device)
     if seed is not None:
         generator.manual_seed(seed)
@@ -168,6 +181,8 @@ def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=Non
     keys, values, logits = prefill(model, prompts, dtype)
     owner = torch.arange(len(prompts), device=device).repeat_interleave(samples)
     slots = max(len(p) + b for p, b in zip(prompts, budgets))  # the last token is never fed: one slot to spare
+    if compiled:  # the compiled step attends the whole cache: a few lengths, so few recompilations
+        slots = min(c.sequence_len, -(-slots // 64) * 64)
     k_cache = keys.new_zeros(keys.shape[:1] + (n,) + keys.shape[2:3] + (slots,) + keys.shape[4:], dtype=weights["dtype"])
     v_cache = torch.zeros_like(k_cache)
     k_cache[:, :, :, :keys.size(3)] = keys[:, owner].to(k_cache.dtype)
@@ -180,7 +195,7 @@ def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=Non
     start = [len(prompts[r // samples]) for r in range(n)]  # the position of the row's first new token
     live, done = list(range(n)), [False] * n  # live: the rows in the cache, in its order
     while True:
-        drawn = sample_next(logits, temperature, top_k, generator).view(-1).tolist()
+        drawn = sample_rows(logits, temperature, top_k, generator).tolist()
         for j, r in enumerate(live):
             if done[r]:  # ended, not yet compacted away: its draws are dropped
                 continue
@@ -202,5 +217,5 @@ def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=Non
         # slot, until the next compaction)
         feed = torch.tensor([tokens[r][-1] for r in live], device=device)
         at = [start[r] + len(tokens[r]) - 1 for r in live]
-        width = slots if compile else max(at) + 1  # eager: attend over the filled slots only
+        width = slots if compiled else max(at) + 1  # eager: attend over the filled slots only
         logits = step(model, weights, feed, torch.tensor(at, device=device), k_cache, v_cache, width)
