@@ -2,7 +2,7 @@
 
     python bench.py              # every benchmark
     python bench.py train decode # a chosen few: train, decode, build, tokenizer, loader, pretrain, core_eval, sft,
-                                 # chat_eval, download, cpu, chat, fsdp, quality
+                                 # chat_eval, generate, download, cpu, chat, fsdp, quality
 
 train   forward+backward tokens/s of a preset on this machine: eager fp32, torch.compile fp32, compile + bf16 autocast.
         Target: compile + bf16 >= 2x eager fp32.
@@ -17,6 +17,10 @@ pretrain  `python pretrain.py` itself on the demo world (30 steps, micro-batch 1
 core_eval  `python core_eval.py` on the demo world's 8 tasks (513 items) for a --preset model (vocab 1024, untrained:
         the work per item does not depend on the weights): items/s from its results.json, batch_items 1 and 8.
         --bundle DIR evaluates that bundle instead (the real one: nanochat's eval_bundle.zip, unzipped).
+generate  batched generation (decode.py) beside the one-row paths, on an untrained --preset checkpoint: ChatCORE's
+        generated answers (`python chat_eval.py --tasks demo-answer`, --batch_items 1 against 8 and 32) in items/s,
+        every item's record compared (target >= 4x); RL's rollouts (rl.sample_group, one question per batch, against
+        rl.sample_groups, 16 questions x 16 replies per batch) in sampled tokens/s (target >= 3x).
 chat_eval  `python chat_eval.py` on the demo world's demo-choice (132 multiple-choice items) for a --preset model
         (vocab 1024, untrained: the work per item does not depend on the weights): items/s of the letters alone
         (--option_text off) one prompt per forward (--batch_items 1) and batched (8, the default), and with the
@@ -94,7 +98,7 @@ from model import (
     memory_estimate,
     num_params,
 )
-from tokenizer import bytes_per_token, counting, train_tokenizer
+from tokenizer import Tokenizer, bytes_per_token, counting, train_tokenizer
 
 
 def bench_train(args, device):
@@ -355,6 +359,65 @@ def bench_chat_eval(args, device):
               f"letters' time")
 
 
+def bench_generate(args, device):
+    """Batched generation (decode.py) against the one-row paths it replaced, one run of each side by side on an
+    untrained checkpoint of --preset (vocab 1024; an untrained model rarely ends a reply, so replies run to their
+    budget: the lengths are printed). ChatCORE's generated answers: `python chat_eval.py --tasks demo-answer`
+    --batch_items 1 (model.generate, one item at a time) and the default, items/s and whether every item's record is
+    the same. RL's rollouts: rl.sample_group (one question's replies per batch, model.forward) against
+    rl.sample_groups (every question's replies in one batch), 16 questions x 16 replies at temperature 1, top_k 50,
+    on rl.py's one rollout thread: sampled tokens/s."""
+    import rl  # here: the other benchmarks do not need it
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        untrained_checkpoint(tmp, args.preset, "sft", device)
+        rates, records = {}, {}
+        for batch_items in (1, 8, 32):
+            out = tmp / f"out{batch_items}.json"
+            subprocess.run([sys.executable, str(Path(__file__).parent / "chat_eval.py"), "--checkpoint",
+                            str(tmp / "runs" / "bench"), "--tasks", "demo-answer", "--max_items",
+                            str(args.generate_items), "--max_new_tokens", str(args.generate_tokens), "--batch_items",
+                            str(batch_items), "--dtype", "float32", "--device", str(device), "--out", str(out)],
+                           check=True, capture_output=True)
+            report = json.loads(out.read_text())
+            records[batch_items] = [json.loads(line) for line in out.with_name(out.stem + "_items.jsonl")
+                                    .read_text().splitlines()]
+            rates[batch_items] = report["tasks"][0]["items"] / report["seconds"]
+            lengths = [len(r["reply"]) for r in records[batch_items]]
+            print(f"generate chat_eval {args.preset} demo-answer, batch_items {batch_items:2d}: "
+                  f"{rates[batch_items]:6.2f} items/s ({report['tasks'][0]['items']} items in "
+                  f"{report['seconds']:.1f} s; replies {min(lengths)}-{max(lengths)} characters, max_new_tokens "
+                  f"{args.generate_tokens}; {report['device']})")
+        same = all(records[b] == records[1] for b in records)
+        best = rates[8] / rates[1]
+        print(f"generate chat_eval: batched (8, the default) {best:.2f}x one item at a time, (32) "
+              f"{rates[32] / rates[1]:.2f}x (target >= 4x: {'met' if best >= 4 else 'MISSED'}); every item's record "
+              f"identical: {same}")
+        tok = Tokenizer.load(tmp / "tokenizer")
+        model = checkpoint.load_model(tmp / "runs" / "bench" / "ckpt" / "step_000000", device)[0]
+        items = rl.demo_items(tmp / "demo")[::187][:16]
+        prompts = [rl.prompt_ids(tok, item["prompt"], model.config.sequence_len, 1)[0] for item in items]
+        threads = torch.get_num_threads()
+        torch.set_num_threads(rl.CPU_ROLLOUT_THREADS if device.type == "cpu" else threads)
+        speeds = {}
+        for name in ("sample_group", "sample_groups"):
+            start = time.perf_counter()
+            if name == "sample_group":
+                sampled = [s for p in prompts for s in rl.sample_group(model, tok, p, 16, args.generate_tokens, 1.0,
+                                                                       50, 0, "float32")[1]]
+            else:
+                sampled = rl.sample_groups(model, tok, prompts, 16, args.generate_tokens, 1.0, 50, 0, "float32")[1]
+            seconds = time.perf_counter() - start
+            speeds[name] = sum(map(sum, sampled)) / seconds
+            print(f"generate rl {args.preset} {name:13s}: {speeds[name]:7,.0f} sampled tok/s ({sum(map(sum, sampled)):,}"
+                  f" tokens, {len(sampled)} replies of {len(prompts)} questions in {seconds:.1f} s, "
+                  f"{torch.get_num_threads()} thread(s))")
+        torch.set_num_threads(threads)
+        ratio = speeds["sample_groups"] / speeds["sample_group"]
+        print(f"generate rl: all questions per batch {ratio:.2f}x one question per batch (target >= 3x: "
+              f"{'met' if ratio >= 3 else 'MISSED'})")
+
+
 OLD_DOWNLOAD_CLIENT = "1d71acd"  # the last commit whose dataset.py downloads with its own HTTP code on requests
 
 
@@ -599,7 +662,7 @@ def muon_share(device, step_seconds, steps=10):
 
 BENCHES = {"train": bench_train, "decode": bench_decode, "build": bench_build, "tokenizer": bench_tokenizer,
            "loader": bench_loader, "pretrain": bench_pretrain, "core_eval": bench_core_eval, "sft": bench_sft,
-           "chat_eval": bench_chat_eval,
+           "chat_eval": bench_chat_eval, "generate": bench_generate,
            "download": bench_download, "cpu": bench_cpu, "chat": bench_chat, "fsdp": bench_fsdp,
            "quality": bench_quality}
 
@@ -618,6 +681,10 @@ def main(argv=None):
                         help="text corpus for the tokenizer benchmark (default: %(default)s)")
     parser.add_argument("--bundle", default=None, help="eval bundle directory for core_eval (default: the demo "
                         "world's)")
+    parser.add_argument("--generate_items", type=int, default=32, help="generate: demo-answer items (default: "
+                        "%(default)s)")
+    parser.add_argument("--generate_tokens", type=int, default=64, help="generate: max_new_tokens per reply "
+                        "(default: %(default)s)")
     parser.add_argument("--fsdp_steps", type=int, default=3, help="fsdp: steps timed (default: %(default)s)")
     parser.add_argument("--fsdp_seq", type=int, default=128, help="fsdp: tokens per sequence (default: %(default)s; "
                         "llama3-1b at 256 does not fit 2 processes in 24 GB)")

@@ -35,6 +35,7 @@ import tasks
 import train_loop
 from calculator import ToolUse, reply_text
 from dataset import CACHE_DIR
+from decode import decode
 from model import autocast_context, generate, num_params
 from tasks import ALL_TASKS, final_number, gsm8k_answer, humaneval_program, normalize, prompt_ids, same_number
 
@@ -53,8 +54,10 @@ def get_args(argv=None):
     p.add_argument("--tasks", default=None, help="comma-separated tasks to run (default: all of the chosen set)")
     p.add_argument("--max_items", type=int, default=-1, help="items per task, the first N in nanochat's order; -1 = "
                    "all (default: %(default)s)")
-    p.add_argument("--batch_items", type=int, default=8, help="multiple-choice items per forward, right-padded "
-                   "(nanochat's 8); 1 = one at a time (default: %(default)s)")
+    p.add_argument("--batch_items", type=int, default=8, help="items per forward: multiple-choice prompts "
+                   "right-padded (nanochat's 8), generated answers decoded together as the rows of one batch "
+                   "(decode.py: greedy tokens equal to one at a time); 1 = one at a time, answers through "
+                   "model.generate (default: %(default)s)")
     p.add_argument("--option_text", default="on", choices=["on", "off"], help="also score each option's text as "
                    "the reply (a diagnostic outside ChatCORE: does the model know the answer but miss its letter?); "
                    "costs a forward per option (default: %(default)s)")
@@ -189,6 +192,22 @@ def greedy_reply(model, tokenizer, question, max_new_tokens, dtype):
     return reply_text(tokenizer, new), cut, tools.calls
 
 
+def greedy_replies(model, tokenizer, questions, max_new_tokens, dtype):
+    """greedy_reply for several questions at once: every reply a row of one batch (decode.py), each with its own
+    calculator; the same tokens as greedy_reply gives each question alone (tests/test_chat_eval.py)."""
+    prompts = [prompt_ids(tokenizer, q, model.config.sequence_len, 1) for q in questions]
+    budgets = [min(max_new_tokens, model.config.sequence_len - len(ids)) for ids, _ in prompts]
+    tools = [ToolUse(tokenizer) for _ in questions]
+    stop = {tokenizer.special_id("<|assistant_end|>"), tokenizer.bos_id}
+    rows, _ = decode(model, [ids for ids, _ in prompts], budgets, dtype=dtype, tools=tools, stop=stop)
+    out = []
+    for row, (_, cut), budget, calls in zip(rows, prompts, budgets, tools):
+        ended = row[-1] in stop
+        out.append((reply_text(tokenizer, row[:-1] if ended else row), cut or (not ended and budget < max_new_tokens),
+                    calls.calls))
+    return out
+
+
 def judge_letters(items, model, tokenizer, args, device):
     """[(correct, cut, what to record)] for a batch of categorical items."""
     letters = letter_scores(model, tokenizer, items, args.dtype, device)
@@ -204,9 +223,10 @@ def judge_letters(items, model, tokenizer, args, device):
     return out
 
 
-def judge(kind, item, model, tokenizer, args, device, marker, level):
-    """(correct, cut, what to record) for one generated item."""
-    reply, cut, calls = greedy_reply(model, tokenizer, item["prompt"], args.max_new_tokens, args.dtype)
+def judge(kind, item, model, tokenizer, args, device, marker, level, answer=None):
+    """(correct, cut, what to record) for one generated item; answer: greedy_reply's (reply, cut, calls) for it when
+    already generated (greedy_replies), else it is generated here."""
+    reply, cut, calls = answer or greedy_reply(model, tokenizer, item["prompt"], args.max_new_tokens, args.dtype)
     calls = {"calculator": [list(c) for c in calls]} if calls else {}
     if kind == "gsm8k":  # nanochat's rule decides; the lenient reading is kept beside it
         lenient = final_number(reply)
@@ -224,11 +244,13 @@ def judge(kind, item, model, tokenizer, args, device, marker, level):
     return passed, cut, {"status": result.status, "reply": reply, "output": result.output[-500:], **calls}
 
 
-def work_batches(kind, items, tokenizer, batch_items):
+def work_batches(kind, items, tokenizer, batch_items, world=1):
     """Lists of item positions, each judged together: categorical items sorted by prompt length (less padding) in
-    groups of batch_items; generated items one by one. The same on any number of ranks, which take them round robin."""
+    groups of batch_items; generated items in their order, in groups of batch_items, or fewer where that would leave
+    a rank without a batch. The ranks take them round robin."""
     if kind != "categorical":
-        return [[i] for i in range(len(items))]
+        size = max(1, min(batch_items, -(-len(items) // world)))
+        return [list(range(b, min(b + size, len(items)))) for b in range(0, len(items), size)]
     order = sorted(range(len(items)), key=lambda i: len(tokenizer.encode(items[i]["prompt"])))
     return [order[b:b + batch_items] for b in range(0, len(order), batch_items)]
 
@@ -243,12 +265,17 @@ def evaluate_task(task, items, model, tokenizer, args, rank, world, device, mark
     PROGRESS_SECONDS, and the task's line at its end."""
     kind = ALL_TASKS[task][2]
     table, records = torch.zeros(len(items), 3, dtype=torch.float64), []  # (done, correct, cut)
-    mine = [b for k, b in enumerate(work_batches(kind, items, tokenizer, args.batch_items)) if k % world == rank]
+    mine = [b for k, b in enumerate(work_batches(kind, items, tokenizer, args.batch_items, world)) if k % world == rank]
     share, done, right = sum(map(len, mine)), 0, 0
     start = printed = time.perf_counter()
     for batch in mine:
-        results = judge_letters([items[i] for i in batch], model, tokenizer, args, device) if kind == "categorical" \
-            else [judge(kind, items[batch[0]], model, tokenizer, args, device, marker, level)]
+        if kind == "categorical":
+            results = judge_letters([items[i] for i in batch], model, tokenizer, args, device)
+        else:  # one at a time (--batch_items 1) through model.generate, else every reply a row of one batch
+            answers = greedy_replies(model, tokenizer, [items[i]["prompt"] for i in batch], args.max_new_tokens,
+                                     args.dtype) if args.batch_items > 1 else [None]
+            results = [judge(kind, items[i], model, tokenizer, args, device, marker, level, answer)
+                       for i, answer in zip(batch, answers)]
         for i, (correct, cut, record) in zip(batch, results):
             table[i] = torch.tensor([1.0, float(correct), float(cut)], dtype=torch.float64)
             expected = {k: items[i][k] for k in ("id", "answer", "answers") if k in items[i]}

@@ -39,6 +39,7 @@ import runs
 import train_loop
 from calculator import ToolUse, reply_text
 from dataset import CACHE_DIR
+from decode import decode
 from model import KVCache, autocast_context, parse_args, sample_next
 from tasks import demo_items, demo_world, fetch_everywhere, gsm8k_items, load_items, prompt_ids, reward
 
@@ -64,7 +65,7 @@ def get_args(argv=None):
     g.add_argument("--cache_dir", default=str(CACHE_DIR / "chat_eval"), help="chat_eval.py's task cache, where GSM8K's "
                    "test split is held out from (default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="the order of the questions (a new one every epoch) and the "
-                   "sampling, seeded per step and question (default: %(default)s)")
+                   "sampling, seeded per step and group of questions decoded together (default: %(default)s)")
     g = p.add_argument_group("rollouts")
     g.add_argument("--questions_per_step", type=int, default=16, help="questions per optimizer step over all ranks, "
                    "at least the world size (default: %(default)s, nanochat's)")
@@ -75,6 +76,9 @@ def get_args(argv=None):
                    "%(default)s)")
     g.add_argument("--max_new_tokens", type=int, default=256, help="most tokens per reply, the calculator's output "
                    "included (default: %(default)s)")
+    g.add_argument("--rollout_questions", type=int, default=16, help="questions whose replies are decoded together, "
+                   "every reply a row of one batch (decode.py); fewer rows per forward use less memory (default: "
+                   "%(default)s)")
     g = p.add_argument_group("budget: one of; given both, the last one is in force")
     train_loop.add_budget_args(g, [("epochs", float, "passes over the training questions (default: 1, as nanochat)"),
                                    ("steps", int, "optimizer steps")])
@@ -92,8 +96,10 @@ def get_args(argv=None):
     args = parse_args(p, argv)
     if args.status is None:
         args.budget_line = train_loop.resolve_budget(args, ["epochs", "steps"], default=("epochs", 1.0))
-    if min(args.questions_per_step, args.samples, args.max_new_tokens, args.eval_samples) < 1 or args.temperature < 0:
-        p.error("--questions_per_step, --samples, --max_new_tokens and --eval_samples must be >= 1, --temperature >= 0")
+    if min(args.questions_per_step, args.samples, args.max_new_tokens, args.eval_samples, args.rollout_questions) < 1 \
+            or args.temperature < 0:
+        p.error("--questions_per_step, --samples, --max_new_tokens, --eval_samples and --rollout_questions must be "
+                ">= 1, --temperature >= 0")
     return p, args
 
 
@@ -121,10 +127,22 @@ def sampling_seed(*keys):
 # -----------------------------------------------------------------------------
 # Rollouts
 
+def sample_groups(model, tokenizer, prompts, n, max_new_tokens, temperature, top_k, seed, dtype):
+    """n replies to each prompt, every reply a row of one batch (decode.py: each prompt prefilled once, each row its
+    own position and calculator, finished rows leaving the batch), sampling seeded by `seed`. Returns (replies,
+    sampled), n rows per prompt in prompt order: each row's tokens up to and with its <|assistant_end|>, and per
+    token whether the model sampled it (True) or the calculator's output was fed (False)."""
+    budgets = [min(max_new_tokens, model.config.sequence_len - len(p)) for p in prompts]
+    stop = {tokenizer.special_id("<|assistant_end|>"), tokenizer.bos_id}
+    tools = [ToolUse(tokenizer) for _ in range(n * len(prompts))]
+    return decode(model, prompts, budgets, samples=n, temperature=temperature, top_k=top_k, seed=seed, dtype=dtype,
+                  tools=tools, stop=stop)
+
+
 @torch.no_grad()
 def sample_group(model, tokenizer, prompt, n, max_new_tokens, temperature, top_k, seed, dtype):
-    """n replies to one prompt, as one batch: model.generate's sampling (sample_next, the KV cache, calculator.ToolUse
-    for the calculator) for n rows at once. A row whose tool call returned a result is fed those tokens, one per
+    """n replies to one prompt, as one batch: the rollouts before sample_groups, kept as bench.py's baseline.
+    model.generate's sampling (sample_next, the KV cache, calculator.ToolUse for the calculator) for n rows at once. A row whose tool call returned a result is fed those tokens, one per
     forward, while the other rows sample theirs. Returns (replies, sampled): each row's tokens up to and with its
     <|assistant_end|>, and per token whether the model sampled it (True) or the calculator's output was fed (False)."""
     device = model.cos.device
@@ -196,15 +214,19 @@ def policy_gradient(train_model, rows, weights, micro_batch, dtype, device, worl
 def evaluate(model, tokenizer, items, args, rank, world, step):
     """Held-out pass@1 (the share of sampled replies that are right, averaged over questions) and pass@k (the share
     of questions with a right reply among k), k = --eval_samples at the training temperature, each question's
-    sampling seeded by its position alone: evaluations differ by the model only. Also per kind of answer."""
+    sampling seeded by the positions of the questions decoded together (--rollout_questions of the rank's share):
+    evaluations differ by the model only. Also per kind of answer."""
     table = torch.zeros(len(items), 3, dtype=torch.float64)  # (done, right replies, number answer)
-    for i in range(rank, len(items), world):
-        prompt = prompt_ids(tokenizer, items[i]["prompt"], model.config.sequence_len, 1)[0]
-        replies, _ = sample_group(model, tokenizer, prompt, args.eval_samples, args.max_new_tokens, args.temperature,
-                                  args.top_k, sampling_seed(args.seed, -1, i), args.dtype)
-        right = sum(reward(items[i], reply_text(tokenizer, strip_end(r, tokenizer))) for r in replies)
-        number = items[i]["rule"] == "gsm8k" or items[i]["answers"][0].isdigit()
-        table[i] = torch.tensor([1.0, right, float(number)], dtype=torch.float64)
+    mine, k = list(range(rank, len(items), world)), args.eval_samples
+    for chunk in [mine[c:c + args.rollout_questions] for c in range(0, len(mine), args.rollout_questions)]:
+        prompts = [prompt_ids(tokenizer, items[i]["prompt"], model.config.sequence_len, 1)[0] for i in chunk]
+        replies, _ = sample_groups(model, tokenizer, prompts, k, args.max_new_tokens, args.temperature, args.top_k,
+                                   sampling_seed(args.seed, -1, chunk[0]), args.dtype)
+        for j, i in enumerate(chunk):
+            right = sum(reward(items[i], reply_text(tokenizer, strip_end(r, tokenizer)))
+                        for r in replies[j * k:(j + 1) * k])
+            number = items[i]["rule"] == "gsm8k" or items[i]["answers"][0].isdigit()
+            table[i] = torch.tensor([1.0, right, float(number)], dtype=torch.float64)
     distributed.all_reduce_tensor(table)
     k = args.eval_samples
     result = {"step": step, "k": k, "items": len(items)}
@@ -289,7 +311,8 @@ def plan(args, start):
         else f"GSM8K {args.train_dir} (held out: GSM8K test from {args.cache_dir})"
     rollouts = (f"rollouts: {args.questions_per_step} questions x {args.samples} replies per step over {start.world} "
                 f"rank(s), temperature {args.temperature}, top_k {args.top_k}, at most {args.max_new_tokens} new "
-                f"tokens; {start.micro_batch} rows per forward; compile off (the rows' lengths change every step)")
+                f"tokens, {args.rollout_questions} questions' replies decoded together; {start.micro_batch} rows per "
+                f"training forward; compile off (the rows' lengths change every step)")
     lines = [f"tasks: {tasks}: {len(train_items):,} training questions, {len(held_out):,} held out", rollouts,
              args.budget_line, f"budget: {total_steps:,} steps" + (f" = {args.epochs:g} epochs" if args.epochs else "")]
     return {"total_steps": total_steps, "loaders": [Cursor()], "train_items": train_items, "held_out": held_out,
@@ -340,18 +363,21 @@ def main(argv=None):
         chosen = step_items(step, args.questions_per_step, len(train_items), args.seed)
         torch.set_num_threads(rollout_threads)
         rows, rewards, by_rule, lengths, sampled_tokens = [], [], {}, [], 0
-        for position in range(rank, len(chosen), world):
-            item = train_items[chosen[position]]
-            prompt = prompt_ids(tokenizer, item["prompt"], args.sequence_len, 1)[0]
-            replies, sampled = sample_group(model, tokenizer, prompt, args.samples, args.max_new_tokens,
-                                            args.temperature, args.top_k, sampling_seed(args.seed, step, position),
-                                            args.dtype)
-            scores = [reward(item, reply_text(tokenizer, strip_end(r, tokenizer))) for r in replies]
-            rewards += scores
-            by_rule.setdefault(item["rule"], []).extend(scores)
-            lengths += [len(r) for r in replies]
-            sampled_tokens += sum(map(sum, sampled))
-            rows += training_rows(prompt, replies, sampled, pad_id)
+        mine, n = list(range(rank, len(chosen), world)), args.samples
+        for chunk in [mine[c:c + args.rollout_questions] for c in range(0, len(mine), args.rollout_questions)]:
+            items = [train_items[chosen[position]] for position in chunk]
+            prompts = [prompt_ids(tokenizer, item["prompt"], args.sequence_len, 1)[0] for item in items]
+            all_replies, all_sampled = sample_groups(model, tokenizer, prompts, n, args.max_new_tokens,
+                                                     args.temperature, args.top_k,
+                                                     sampling_seed(args.seed, step, chunk[0]), args.dtype)
+            for j, (item, prompt) in enumerate(zip(items, prompts, strict=True)):
+                replies, sampled = all_replies[j * n:(j + 1) * n], all_sampled[j * n:(j + 1) * n]
+                scores = [reward(item, reply_text(tokenizer, strip_end(r, tokenizer))) for r in replies]
+                rewards += scores
+                by_rule.setdefault(item["rule"], []).extend(scores)
+                lengths += [len(r) for r in replies]
+                sampled_tokens += sum(map(sum, sampled))
+                rows += training_rows(prompt, replies, sampled, pad_id)
         rollout = time.perf_counter() - t0
         torch.set_num_threads(train_threads)
         loss, _ = policy_gradient(train_model, rows, advantages(rewards, args.samples), s.micro_batch,

@@ -147,6 +147,35 @@ def test_gsm8k_is_answered_with_the_calculator_on_and_scored_on_the_text_without
     assert records[1]["reply"] == "It is  3\n#### 3" and records[1]["calculator"][0][1].startswith("refused: '_'")
 
 
+def test_batched_answers_equal_one_at_a_time_item_for_item():
+    """Generated answers decoded together (--batch_items > 1, decode.py) give each item's record as generate() one
+    item at a time does: a random model whose replies the window cuts at different lengths, and the calculator per
+    row (rl's hand-made policy, which calls it after <|assistant_start|>)."""
+    from rl_worker import hand_made_policy, tokenizer
+    torch.manual_seed(0)
+    config = config_from_preset("tiny", {"vocab_size": BYTES.vocab_size, "n_layer": 2, "n_embd": 64, "n_head": 2,
+                                         "n_kv_head": 2, "sequence_len": 80})
+    model = build_model(config).eval()
+    questions = ["Which is red?", "Name the seat of Aldora, the old kingdom by the sea.", "2+2?", "Who barks?",
+                 "A long question about the banner of a land far away?", "Why?", "Which river runs to the sea?"]
+    items = [{"prompt": q, "answers": ["x"], "row": i} for i, q in enumerate(questions)]
+
+    def run(task, items, model, tok, batch_items):
+        args = SimpleNamespace(dtype="float32", max_new_tokens=40, batch_items=batch_items)
+        return E.evaluate_task(task, items, model, tok, args, 0, 1, CPU, "M", None)
+
+    one = run("demo-answer", items, model, BYTES, 1)
+    assert run("demo-answer", items, model, BYTES, 3) == one and run("demo-answer", items, model, BYTES, 8) == one
+    assert {cut for _, cut in one[0]} == {True, False}  # the window cut the longer questions' replies
+    tok = tokenizer()
+    policy, _ = hand_made_policy(tok)
+    items = [{"prompt": q, "answer": "7", "row": i} for i, q in enumerate(["what is three plus four", "plus four",
+                                                                           "what is three"])]
+    one = run("GSM8K", items, policy, tok, 1)
+    assert run("GSM8K", items, policy, tok, 3) == one
+    assert all(r["calculator"] == [["3+4", "7"]] for r in one[1])
+
+
 def test_the_lenient_gsm8k_reading_takes_the_number_after_the_marker_else_the_last_number():
     assert E.final_number("Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 72", marker_only=True) == 72
     assert E.final_number("#### 1,000,000") == Decimal(1000000)

@@ -426,6 +426,93 @@ def test_generate_sampling_is_seeded_and_bounded():
         list(M.generate(model, prompt, 200))
 
 
+class Forcing:
+    """A stand-in for calculator.ToolUse with the same contract: after each sampled `trigger` it returns `forced`,
+    the tokens generation must feed next (a tool call's result)."""
+
+    def __init__(self, trigger, forced):
+        self.trigger, self.forced, self.calls = trigger, forced, 0
+
+    def __call__(self, token):
+        self.calls += token == self.trigger
+        return list(self.forced) if token == self.trigger else []
+
+
+def one_row(model, prompt, budget, stop=(), tools=None, dtype="float32"):
+    """generate()'s tokens for one prompt, up to and with the first stop token: the one-row path."""
+    out = []
+    for token in M.generate(model, prompt, budget, temperature=0, tools=tools, dtype=dtype):
+        out.append(token)
+        if token in stop:
+            break
+    return out
+
+
+@pytest.mark.parametrize("overrides", [{}, {"n_kv_head": 2, "mlp": "swiglu", "norm_learnable": True,
+                                            "value_embeds": True, "resid_lambdas": True},
+                                       {"bitnet": True, "tie_embeddings": True, "logit_softcap": 0.0}])
+def test_batched_greedy_decoding_equals_generate_one_row_at_a_time(overrides):
+    """decode.decode over prompts of different lengths, two rows per prompt, equals generate() on each prompt alone,
+    token for token: without tools, with a tool whose forced tokens enter one row only (rows then differ in length
+    and position), and with stop tokens that end rows early (the cache is compacted as they end)."""
+    import decode as D
+    torch.manual_seed(0)
+    model = build_model(small(**overrides)).eval()
+    prompts = [torch.randint(0, 512, (n,)).tolist() for n in (7, 1, 33, 12, 20)]
+    budgets = [40, 25, 40, 60, 3]
+    plain = [one_row(model, p, b) for p, b in zip(prompts, budgets)]
+    tokens, sampled = D.decode(model, prompts, budgets, samples=2)
+    assert tokens == [t for t in plain for _ in range(2)] and all(all(s) for s in sampled)
+    assert [len(t) for t in tokens[::2]] == budgets
+    # a trigger that appears in some replies only; its forced tokens count against the budget, as in generate()
+    trigger = next(t for t in plain[0][2:] if t not in plain[2])
+    forced = [3, 1, 4, 1, 5]
+    expected = [one_row(model, p, b, tools=Forcing(trigger, forced)) for p, b in zip(prompts, budgets)]
+    rows = [Forcing(trigger, forced) for _ in range(2 * len(prompts))]
+    tokens, sampled = D.decode(model, prompts, budgets, samples=2, tools=rows)
+    assert tokens == [t for t in expected for _ in range(2)]
+    assert expected[0] != plain[0] and expected[2] == plain[2] and rows[0].calls >= 1 and rows[4].calls == 0
+    first = expected[0].index(trigger) + 1
+    assert sampled[0][first:first + len(forced)] == [False] * len(forced) and sampled[0][:first] == [True] * first
+    # stop tokens: each row ends at the first it samples, the stop token kept
+    stop = {plain[3][2], plain[2][10]}
+    expected = [one_row(model, p, b, stop=stop) for p, b in zip(prompts, budgets)]
+    assert len(expected[3]) <= 3 and len(expected[2]) <= 11
+    tokens, _ = D.decode(model, prompts, budgets, samples=2, stop=stop)
+    assert tokens == [t for t in expected for _ in range(2)]
+
+
+def test_batched_sampling_is_seeded_and_its_rows_differ():
+    import decode as D
+    torch.manual_seed(0)
+    model = build_model(small()).eval()
+    prompts = [[1, 2, 3], list(range(10, 30))]
+    a, _ = D.decode(model, prompts, 30, samples=4, temperature=1.0, top_k=50, seed=7)
+    b, _ = D.decode(model, prompts, 30, samples=4, temperature=1.0, top_k=50, seed=7)
+    c, _ = D.decode(model, prompts, 30, samples=4, temperature=1.0, top_k=50, seed=8)
+    assert a == b and a != c and len(a) == 8 and all(len(t) == 30 for t in a)
+    assert len({tuple(t) for t in a}) == 8  # each row samples its own reply
+    greedy, _ = D.decode(model, prompts, 10, samples=2)
+    assert D.decode(model, prompts, 10, samples=2, temperature=1.0, top_k=1, seed=3)[0] == greedy
+    with pytest.raises(ValueError, match="sequence_len=128"):
+        D.decode(model, prompts, 120)
+
+
+def test_batched_decoding_in_bf16_follows_the_bf16_forward():
+    """Under bf16 the batched step (weights cast once, fp32 norms and residual) is not bit for bit the autocast
+    forward, but its first greedy tokens agree with recomputing the whole sequence in bf16."""
+    import decode as D
+    torch.manual_seed(0)
+    model = build_model(small(n_kv_head=2)).eval()
+    tokens, _ = D.decode(model, [[1, 2, 3], [5, 6, 7, 8, 9]], 40, dtype="bfloat16")
+    with autocast_context("cpu", "bfloat16"), torch.no_grad():
+        for prompt, row in zip([[1, 2, 3], [5, 6, 7, 8, 9]], tokens):
+            seq = torch.tensor([prompt])
+            for _ in range(5):
+                seq = torch.cat([seq, model(seq, last_only=True)[:, -1].argmax(-1, keepdim=True)], 1)
+            assert row[:5] == seq[0, len(prompt):].tolist() and len(row) == 40
+
+
 # --- activation checkpointing -----------------------------------------------------------------------------------
 
 def test_activation_checkpointing_gives_identical_loss_and_grads():

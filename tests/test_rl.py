@@ -75,6 +75,31 @@ def test_sampling_is_generate_with_the_calculator_for_each_row_at_temperature_ze
     assert sampled == [[not first <= i < first + 3 for i in range(len(expected))]] * 3
 
 
+def test_several_questions_decoded_together_give_each_questions_greedy_replies_and_seeded_samples():
+    """sample_groups: prompts of different lengths in one batch, 3 rows each; at temperature 0 every row is what
+    model.generate gives its prompt alone, the calculator's output marked as not sampled; sampling with a seed gives
+    the same rows again, another seed other rows."""
+    tok = tokenizer()
+    model, prompt = hand_made_policy(tok)
+    prompts = [prompt, tok.render_for_completion([{"role": "user", "content": "four"}]),
+               tok.render_for_completion([{"role": "user", "content": "what is three plus four " * 3}])]
+    assert len({len(p) for p in prompts}) == 3
+    replies, sampled = rl.sample_groups(model, tok, prompts, 3, 20, 0.0, 0, 0, "float32")
+    stop, expected = tok.special_id("<|assistant_end|>"), []
+    for p in prompts:
+        expected.append([])
+        for token in generate(model, p, 20, temperature=0, tools=ToolUse(tok)):
+            expected[-1].append(token)
+            if token == stop:
+                break
+    assert replies == [e for e in expected for _ in range(3)] and expected[0][-1] == stop
+    first = 2 + len(tok.encode("3+4"))  # where the calculator's output starts
+    assert sampled[0] == [not first <= i < first + 3 for i in range(len(expected[0]))]
+    a = rl.sample_groups(model, tok, prompts, 4, 12, 1.0, 0, 5, "float32")
+    assert a == rl.sample_groups(model, tok, prompts, 4, 12, 1.0, 0, 5, "float32")
+    assert a != rl.sample_groups(model, tok, prompts, 4, 12, 1.0, 0, 6, "float32")
+
+
 def closed_form_gradient(result, include_unsampled=False):
     """d/d(head) of -sum(advantage x log p(token)) / count over the sampled tokens of every reply, for the bigram
     policy: logits = head @ h(previous token), h = rms_norm(embedding row), so the gradient of a token is

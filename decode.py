@@ -1,0 +1,221 @@
+"""Batched generation: many rows decoded per forward, for rl.py's rollouts and chat_eval.py's generated answers.
+
+model.generate decodes one row, with a host sync per token. decode() takes several prompts of different lengths, N
+replies to each, and decodes every row in one forward per step:
+- the prompts are prefilled once each (right-padded into one forward; a causal model's positions before the padding
+  never see it), and the N rows of a prompt copy its keys and values;
+- each row keeps its own position: its tokens sit at the same positions, with the same rotary angles, as in
+  model.generate, and attention masks the cache slots past the row's position, so greedy tokens equal
+  model.generate's one row at a time (tests/test_model.py);
+- the calculator runs per row: a row's calculator.ToolUse returns the result tokens, which are fed to that row only,
+  one per step, while the other rows sample;
+- a row ends at a stop token it sampled or at its budget; when half the rows have ended, the cache is compacted to the
+  live rows, so finished rows stop costing;
+- on CUDA the step is compiled (torch.compile, the whole cache attended, masked, so that shapes change only with the
+  batch); on the CPU it runs eager, attending over the filled slots only.
+"""
+import torch
+import torch.nn.functional as F
+
+from model import VE_GATE_CHANNELS, autocast_context, bitnet_activation, masked_attention, softcap_logits
+
+
+def decode_weights(model, dtype="float32"):
+    """The step's weights, in the compute dtype: per block (q|k|v stacked, o, up, gate or None, down, value-embedding
+    gate or None) transposed to (in, out), the head's likewise, the norms' scales (None when weightless), and the
+    rotary tables laid out as (cos, cos) and (sin, -sin). BitNet's weights are quantized once here (the forward
+    quantizes the same fp32 weights at every call). An inference-only copy of the block matrices."""
+    compute = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    t = lambda linear: linear.effective_weight().detach().t().to(compute).contiguous()
+    scale = lambda norm: None if norm is None or norm.weight is None else norm.weight.detach()
+    blocks = []
+    with torch.no_grad():
+        for b in model.blocks:
+            a, m = b.attn, b.mlp
+            qkv = torch.cat([t(a.q_proj), t(a.k_proj), t(a.v_proj)], 1)
+            blocks.append((qkv, t(a.o_proj), t(m.up_proj), None if m.gate_proj is None else t(m.gate_proj),
+                           t(m.down_proj), scale(b.attn_norm), scale(b.mlp_norm), scale(a.q_norm), scale(a.k_norm),
+                           None if a.ve_gate is None else t(a.ve_gate)))
+        head = model.head_weight().detach().t().to(compute).contiguous()
+    return {"blocks": blocks, "head": head, "norm_f": scale(model.norm_f), "dtype": compute,
+            "cos": torch.cat([model.cos, model.cos], -1), "sin": torch.cat([model.sin, -model.sin], -1)}
+
+
+def decode_step(model, weights, token, pos, k_cache, v_cache, width):
+    """fp32 logits (B, vocab) of one token per row: token (B,) at pos (B,) (long tensors, each row its own). Writes the
+    rows' keys and values at their positions in k_cache, v_cache (layer, B, kv head, slot, head dim) and attends over
+    slots 0 .. width-1, each row over the slots <= its position. The arithmetic of the model's forward with fewer,
+    larger ops (model.lean_decode_step's, for B rows): q, k, v in one matmul against pre-transposed weights, q and k
+    normalized and rotated together."""
+    c, eps, dtype = model.config, model.config.norm_eps, weights["dtype"]
+    H, K, D, B = c.n_head, c.n_kv_head, c.head_dim, token.size(0)
+    quantize = bitnet_activation if c.bitnet else (lambda x: x)
+
+    def norm(x, w):  # rms_norm in 4 small ops, in fp32
+        x = x * (x * x).sum(-1, keepdim=True).mul_(1 / x.size(-1)).add_(eps).rsqrt_()
+        return x if w is None else x * w
+
+    def mm(x, w):  # x @ w in the compute dtype, fp32 out
+        return (quantize(x).to(dtype) @ w).float()
+
+    rows = torch.arange(B, device=token.device)
+    cos, sin = weights["cos"][pos].view(B, 1, D), weights["sin"][pos].view(B, 1, D)
+    valid = (torch.arange(width, device=token.device) <= pos.view(B, 1)).view(B, 1, 1, 1, width)
+    x = x0 = model.wte(token)
+    for i, (wqkv, wo, wup, wgate, wdown, n_attn, n_mlp, n_q, n_k, w_ve) in enumerate(weights["blocks"]):
+        x = model.mix_embedding(i, x, x0)
+        h = norm(x, n_attn)
+        qkv = mm(h, wqkv)
+        q_k, v = qkv[:, :(H + K) * D].view(B, H + K, D), qkv[:, (H + K) * D:].view(B, K, D)
+        if w_ve is not None:  # the value embedding, gated per KV head, joins the values
+            gate = 3 * torch.sigmoid(mm(h[:, :VE_GATE_CHANNELS], w_ve))
+            v = v + model.value_embed(i, token).view(B, K, D) * gate.view(B, K, 1)
+        if c.qk_norm and n_q is None:  # weightless: one norm over q and k rows together
+            q_k = norm(q_k, None)
+        elif c.qk_norm:
+            q_k = torch.cat([norm(q_k[:, :H], n_q), norm(q_k[:, H:], n_k)], 1)
+        # apply_rotary's (x1 cos + x2 sin, x2 cos - x1 sin) as x * (cos, cos) + (x2, x1) * (sin, -sin): the same bits
+        q_k = (q_k * cos + torch.cat([q_k[..., D // 2:], q_k[..., :D // 2]], -1) * sin).to(k_cache.dtype)
+        k_cache[i, rows, :, pos] = q_k[:, H:]
+        v_cache[i, rows, :, pos] = v.to(v_cache.dtype)
+        y = masked_attention(q_k[:, :H].view(B, H, 1, D), k_cache[i, :, :, :width], v_cache[i, :, :, :width], valid)
+        x = x + mm(y.reshape(B, H * D), wo)
+        h = norm(x, n_mlp)
+        h = F.silu(mm(h, wgate)) * mm(h, wup) if wgate is not None else F.relu(mm(h, wup)).square_()
+        x = x + mm(h, wdown)
+    return softcap_logits(mm(norm(x, weights["norm_f"]), weights["head"]), c.logit_softcap)
+
+
+def prefill(model, prompts, dtype):
+    """(keys, values, logits): the prompts right-padded into one forward through the model's own blocks; keys and
+    values (layer, prompt, kv head, slot, head dim) of every position, logits (prompt, vocab) at each prompt's last."""
+    device = model.cos.device
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    for r, p in enumerate(prompts):
+        ids[r, :len(p)] = torch.tensor(p, dtype=torch.long)
+    last = torch.tensor([len(p) - 1 for p in prompts], device=device)
+    cache = _FullCache()
+    with autocast_context(device.type, dtype):
+        x = x0 = model.wte(ids)
+        cos, sin = model.cos[None, :width, None, :], model.sin[None, :width, None, :]
+        for i, block in enumerate(model.blocks):
+            x = block(model.mix_embedding(i, x, x0), cos, sin, cache, None, model.value_embed(i, ids))
+        x = model.norm_f(x[torch.arange(len(prompts), device=device), last])
+        logits = softcap_logits(F.linear(x, model.head_weight()).float(), model.config.logit_softcap)
+    return torch.stack(cache.k), torch.stack(cache.v), logits
+
+
+class _FullCache:
+    """What Attention.forward needs of a cache when it prefills from position 0: update() keeps the layer's keys and
+    values and returns them (a causal mask over the whole width, as model.forward's prefill into a KVCache)."""
+    pos = 0
+
+    def __init__(self):
+        self.k, self.v = [], []
+
+    def update(self, layer_idx, k, v):
+        self.k.append(k)
+        self.v.append(v)
+        return k, v
+
+
+def sample_rows(logits, temperature, top_k, generator):
+    """Next ids (B,) from logits (B, vocab): model.sample_next's distribution (temperature 0 is greedy), with the top
+    k taken first so that the draw is among k tokens, not the whole vocabulary (the draw cost as much as a step of
+    the tiny model at 256 rows)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    if top_k and top_k < logits.size(-1):
+        values, indices = torch.topk(logits, top_k, dim=-1)
+        drawn = torch.multinomial(torch.softmax(values / temperature, dim=-1), 1, generator=generator)
+        return indices.gather(-1, drawn).view(-1)
+    return torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator).view(-1)
+
+
+_compiled_step = None
+
+
+def compiled_step():
+    """decode_step under torch.compile, made once per process: its shapes are fixed but the batch (the whole cache
+    is attended, masked), and torch.compile marks the batch dimension dynamic after its first change."""
+    global _compiled_step
+    if _compiled_step is None:
+        _compiled_step = torch.compile(decode_step, fullgraph=True)
+    return _compiled_step
+
+
+@torch.inference_mode()
+def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=None, seed=None, dtype="float32",
+           tools=None, stop=(), compiled="auto", weights=None):
+    """(tokens, sampled) per row, len(prompts) * samples rows, prompt by prompt (prompt i's replies are rows
+    i * samples .. (i + 1) * samples - 1): each row's new tokens, up to and with the stop token it sampled (a token in
+    `stop`), at most max_new_tokens (an int, or one per prompt; the calculator's output counts, as in
+    model.generate), and per token whether the model sampled it (True) or the calculator's output was fed (False).
+    tools: None, or one calculator.ToolUse per row (each sees its row's sampled tokens; its calls stay in it).
+    temperature 0 is greedy; sampling draws from one torch.Generator seeded with `seed` (None: a random seed), so a
+    seed gives the same rows again for the same prompts and settings. compiled: "auto" (compiled on CUDA, eager
+    elsewhere), True or False. weights: decode_weights(model, dtype), to reuse across calls."""
+    device, c = model.cos.device, model.config
+    budgets = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)
+    if not prompts or len(budgets) != len(prompts) or samples < 1:
+        raise ValueError("decode() needs at least one prompt, one max_new_tokens per prompt and samples >= 1")
+    for p, budget in zip(prompts, budgets):
+        if not p or budget < 1 or len(p) + budget > c.sequence_len:
+            raise ValueError(f"a prompt of {len(p)} tokens with max_new_tokens {budget}: each prompt needs at least "
+                             f"one token, max_new_tokens >= 1, and both together at most sequence_len="
+                             f"{c.sequence_len}; crop the prompt or lower max_new_tokens")
+    n = len(prompts) * samples
+    if tools is not None and len(tools) != n:
+        raise ValueError(f"tools: {len(tools)} given for {n} rows; pass one ToolUse per row, or None")
+    compiled = device.type == "cuda" if compiled == "auto" else compiled
+    weights = weights if weights is not None else decode_weights(model, dtype)
+    step = compiled_step() if compiled else decode_step
+    generator = torch.Generator(device=device)
+    if seed is not None:
+        generator.manual_seed(seed)
+    else:
+        generator.seed()
+    stop = set(stop)
+
+    keys, values, logits = prefill(model, prompts, dtype)
+    owner = torch.arange(len(prompts), device=device).repeat_interleave(samples)
+    slots = max(len(p) + b for p, b in zip(prompts, budgets))  # the last token is never fed: one slot to spare
+    if compiled:  # the compiled step attends the whole cache: a few lengths, so few recompilations
+        slots = min(c.sequence_len, -(-slots // 64) * 64)
+    k_cache = keys.new_zeros(keys.shape[:1] + (n,) + keys.shape[2:3] + (slots,) + keys.shape[4:], dtype=weights["dtype"])
+    v_cache = torch.zeros_like(k_cache)
+    k_cache[:, :, :, :keys.size(3)] = keys[:, owner].to(k_cache.dtype)
+    v_cache[:, :, :, :keys.size(3)] = values[:, owner].to(v_cache.dtype)
+    del keys, values
+    logits = logits[owner]
+
+    tokens, sampled, forced = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
+    budget = [budgets[r // samples] for r in range(n)]
+    start = [len(prompts[r // samples]) for r in range(n)]  # the position of the row's first new token
+    live, done = list(range(n)), [False] * n  # live: the rows in the cache, in its order
+    while True:
+        drawn = sample_rows(logits, temperature, top_k, generator).tolist()
+        for j, r in enumerate(live):
+            if done[r]:  # ended, not yet compacted away: its draws are dropped
+                continue
+            own = not forced[r]
+            token = drawn[j] if own else forced[r].pop(0)
+            if own and tools is not None:
+                forced[r] += tools[r](token)
+            tokens[r].append(token)
+            sampled[r].append(own)
+            done[r] = (own and token in stop) or len(tokens[r]) >= budget[r]
+        running = [j for j, r in enumerate(live) if not done[r]]
+        if not running:
+            return tokens, sampled
+        if len(running) <= len(live) // 2:  # half the rows have ended: the cache keeps the others only
+            keep = torch.tensor(running, device=device)
+            k_cache, v_cache = k_cache[:, keep], v_cache[:, keep]
+            live = [live[j] for j in running]
+        # each row feeds its last token at its position (an ended row repeats its last step, writing only its own
+        # slot, until the next compaction)
+        feed = torch.tensor([tokens[r][-1] for r in live], device=device)
+        at = [start[r] + len(tokens[r]) - 1 for r in live]
+        width = slots if compiled else max(at) + 1  # eager: attend over the filled slots only
+        logits = step(model, weights, feed, torch.tensor(at, device=device), k_cache, v_cache, width)
