@@ -15,8 +15,9 @@ a stage whose budget is not known before its data (SFT's epoch, counted when sft
 Prints one line per stage (budget, measured rate, predicted wall time) and writes them as JSON (predicted.json, which
 report.py shows beside each stage's actual wall time).
 
-Library use (no torch at import): predict_plan(rehearsal_dir, budgets, gpus) -> dict; gpu_plan_budgets(...) the
-budgets dict of the gpu plan; format_prediction(prediction) -> the table's lines.
+Library use (no torch at import): predict_plan(rehearsal_dir, budgets, gpus) -> dict; write_prediction(rehearsal_dir,
+budgets, gpus, out=None) prints it and writes predicted.json; gpu_plan_budgets(pretrain_steps, ...) the gpu plan's
+budgets dict; pretrain_steps_for(model_config) its pretraining steps; format_prediction(prediction) the table's lines.
 """
 import argparse
 import json
@@ -243,7 +244,8 @@ def predict_training(m, budget, forward_tok_s):
                      "measurable: progress/rank000.txt or done.json's time missing)")
     seconds = m["start_s"] + steps * step_s + saves * m["save_s"] + (evals + 1) * eval_s
     rate += f"; save {m['save_s']:.1f} s; evaluation {eval_s:.1f} s"
-    return {"budget": f"{steps:,} steps x {tokens_per_step:,} tokens; {saves} saves; {evals} + 1 evaluations",
+    return {"budget": (f"{steps:,} steps x {tokens_per_step:,} tokens; {saves} save{'s' * (saves != 1)}; {evals} + 1 "
+                       f"evaluations"),
             "rate": rate, "seconds": seconds, "assumption": "; ".join(notes) or None,
             "parts": {"start_s": m["start_s"], "steps": steps, "step_s": step_s, "saves": saves,
                       "save_s": m["save_s"], "evaluations": evals + 1, "eval_s": eval_s}}
@@ -268,7 +270,7 @@ def predict_rl(m, budget, train_tok_s):
             f"start-up {m['start_s']:.1f} s")
     budget_text = (f"{steps:,} steps x {budget['questions_per_step']} questions x {budget['samples']} samples x up "
                    f"to {budget['max_new_tokens']} tokens (at most {steps * tokens:,} sampled); {saves} "
-                   f"saves; {evals} held-out evaluations of {budget['eval_items']} questions")
+                   f"save{'s' * (saves != 1)}; {evals} held-out evaluations of {budget['eval_items']} questions")
     assumption = (f"decode is latency-bound: a forward for a question's {budget['samples']} replies costs what one "
                   f"for the rehearsal's did, and each rank's {groups} question(s) a step and every reply run to "
                   f"{budget['max_new_tokens']} tokens (the ceiling; GSM8K replies end sooner): an upper bound; {how}")
@@ -296,7 +298,8 @@ def predict_evaluation(m, budget, train_tok_s):
         item_seconds += n * t["item_s"] * (scale if generated else 1.0)
         items += n
     if m["kind"] == "core_eval":
-        notes.append("every task's items cost the rehearsal's mean per item (its tasks ran equally many items)")
+        notes.append("every task's items cost the rehearsal's mean per item (its tasks ran equally many items, in "
+                     "batches no larger than that: the plan's fuller batches run faster, an upper bound)")
         extra_val = max(0, budget.get("bpb_tokens", m["val_tokens"]) - m["val_tokens"])
         if extra_val and train_tok_s:
             item_seconds += extra_val / (FORWARD_SPEEDUP * train_tok_s)
@@ -305,7 +308,8 @@ def predict_evaluation(m, budget, train_tok_s):
             notes.append(f"{extra_val:,} more validation tokens: not counted (no pretraining rate measured)")
     else:
         notes.append("each task at the rehearsal's seconds per item" + ("" if m["per_task"] else " (the mean: its "
-                     "log has no per-task rates)"))
+                     "log has no per-task rates)") + f", its {m['items'] // max(1, len(m['tasks']))} items a task "
+                     f"batched together: the plan's fuller batches run faster, an upper bound")
         if scale != 1.0:
             notes.append(f"generated answers up to {budget['max_new_tokens']} tokens cost the rehearsal's (up to "
                          f"{m['max_new_tokens']}) x {scale:g}: an upper bound, answers end sooner")
@@ -367,6 +371,19 @@ def format_prediction(prediction):
     return lines
 
 
+def write_prediction(rehearsal_dir, budgets, gpus, out=None):
+    """predict_plan, its table printed and its JSON written to out (default: runs/<run>/predicted.json beside
+    runs/<run>-rehearsal, which report.py reads). Call it after the rehearsal, before its checkpoints are deleted (their
+    save_seconds are the save times). Returns the prediction."""
+    prediction = predict_plan(rehearsal_dir, budgets, gpus)
+    print("\n".join(format_prediction(prediction)), flush=True)
+    out = Path(out) if out else default_out(rehearsal_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(prediction, indent=1))
+    print(f"written: {out}", flush=True)
+    return prediction
+
+
 def default_out(rehearsal_dir):
     """runs/<run>/predicted.json beside runs/<run>-rehearsal (the real run's directory, which report.py reads)."""
     path = Path(rehearsal_dir).resolve()
@@ -399,15 +416,10 @@ def main(argv=None):
         if args.sft_steps is not None:
             budgets.setdefault("sft", {})["steps"] = args.sft_steps
         gpus = args.gpus or (config or {}).get("world_size", 1)
-        prediction = predict_plan(rehearsal, budgets, gpus)
+        write_prediction(rehearsal, budgets, gpus, args.out)
     except (FileNotFoundError, ValueError, KeyError) as e:
         print(f"plan_cost.py: error: {e}", file=sys.stderr)
         return 1
-    print("\n".join(format_prediction(prediction)))
-    out = Path(args.out) if args.out else default_out(rehearsal)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(prediction, indent=1))
-    print(f"written: {out}")
     return 0
 
 

@@ -114,9 +114,12 @@ def test_each_stage_is_predicted_from_the_rehearsal_rates_at_the_plan_budgets(tm
     assert "steps of 2,000 tokens cost the rehearsal's (1,000) x their ratio: 6.000 s" in \
         stages["midtrain"]["assumption"]
     assert "every reply run to 20 tokens (the ceiling" in stages["rl"]["assumption"]
-    assert stages["chat_eval"]["assumption"] == ("each task at the rehearsal's seconds per item; generated answers up "
-                                                 "to 64 tokens cost the rehearsal's (up to 16) x 4: an upper bound, "
-                                                 "answers end sooner")
+    assert stages["chat_eval"]["assumption"] == ("each task at the rehearsal's seconds per item, its 2 items a task "
+                                                 "batched together: the plan's fuller batches run faster, an upper "
+                                                 "bound; generated answers up to 64 tokens cost the rehearsal's (up "
+                                                 "to 16) x 4: an upper bound, answers end sooner")
+    assert stages["chat_eval_sft"]["assumption"].startswith("each task at the rehearsal's seconds per item (the mean: "
+                                                            "its log has no per-task rates), its 2 items")
     lines = plan_cost.format_prediction(prediction)
     assert lines[-1] == f"total: at least {total / 3600:.2f} h, {total / 1800:.1f} GPU-hours (2 GPUs); unknown: sft"
     assert any(line.startswith("pretrain") and line.split()[1] == "242" for line in lines)  # 241.5 s, rounded
