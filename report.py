@@ -6,7 +6,8 @@ Reads, for each stage run under the speedrun directory (pretrain/, midtrain/, sf
 done.json and samples.jsonl; core_eval/results.json; chat_eval.json; transport.txt (the NCCL decision and the bandwidth its probe measured);
 logs/<stage>.log (the `distributed:` line, where each rank names the device it held, and the parameter count);
 logs/stages.tsv (each stage's wall time, written by speedrun.sh); stage_evals/<stage>/ (core_eval and chat_eval of
-each stage's final model, for the table of what each stage taught). A figure that is not there is "unknown".
+each stage's final model, for the table of what each stage taught); predicted.json (each stage's wall time predicted
+from the rehearsal before the run, plan_cost.py's: shown beside the actual). A figure that is not there is "unknown".
 Writes report.md, loss.png (training loss per stage) and val_bpb.png (pretraining validation bits per byte).
 """
 import argparse
@@ -79,8 +80,15 @@ def data_of(config):
     return "; ".join(parts)
 
 
-def stage_figures(run, name, times):
-    """The figures of one training stage, as strings, each read from its files ("unknown" where absent)."""
+def predicted_cell(predicted, name):
+    """A stage's predicted wall time from predicted.json, "unknown" where it has none."""
+    seconds = predicted["stages"].get(name, {}).get("seconds")
+    return UNKNOWN if seconds is None else f"{seconds:.1f}"
+
+
+def stage_figures(run, name, times, predicted=None):
+    """The figures of one training stage, as strings, each read from its files ("unknown" where absent); with a
+    prediction (predicted.json), its predicted wall time beside the actual."""
     run_dir = run / name
     config, done = read_json(run_dir / "config.json"), read_json(run_dir / "done.json")
     steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
@@ -101,6 +109,7 @@ def stage_figures(run, name, times):
         "data": data_of(config),
         "steps": str(done["step"]) if done else UNKNOWN,
         "wall time (s)": f"{times[name]:.1f}" if name in times else UNKNOWN,
+        **({"predicted (s)": predicted_cell(predicted, name)} if predicted else {}),
         "tokens": f"{steps[-1]['tokens']:,}" if steps else UNKNOWN,
         "tok/s": f"{steps[-1]['tokens'] / train_seconds:,.0f}" if steps and train_seconds else UNKNOWN,
         "MFU": f"{100 * sum(mfus) / len(mfus):.1f}%" if mfus and len(mfus) == len(steps) else UNKNOWN,
@@ -287,8 +296,9 @@ def write_report(run):
     if not run.is_dir():
         raise FileNotFoundError(f"{run}: no such speedrun directory (runs/<run>/)")
     times = stage_times(run)
+    predicted = read_json(run / "predicted.json")  # plan_cost.py's, written before the run (the gpu plan's)
     # rl joins the table when it ran (the demo plan skips it unless --rl on)
-    rows = [stage_figures(run, name, times) for name in TRAIN_STAGES + ["rl"] * (run / "rl").is_dir()]
+    rows = [stage_figures(run, name, times, predicted) for name in TRAIN_STAGES + ["rl"] * (run / "rl").is_dir()]
     core, chat = read_json(run / "core_eval" / "results.json"), read_json(run / "chat_eval.json")
     config = read_json(run / "pretrain" / "config.json") or {}
     code = config.get("code", {})
@@ -303,8 +313,15 @@ def write_report(run):
     lines += ["", ("Wall time: speedrun.sh's clock around the stage (logs/stages.tsv), start-up and evaluation included. "
               "tok/s: tokens / the summed step times in metrics.jsonl. MFU: the mean of the per-step MFU; unknown "
               "where the device has no rated peak (any CPU) or the compute is fp32."), "",
-              "Other stages' wall time (s): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()
-                                                            if k not in TRAIN_STAGES + ["rl"]), ""]
+              "Other stages' wall time (s): " + ", ".join(
+                  f"{k} {v:.1f}" + (f" (predicted {predicted_cell(predicted, k)})" if predicted else "")
+                  for k, v in times.items() if k not in TRAIN_STAGES + ["rl"]), ""]
+    if predicted:  # the prediction's total beside the actual time of the same stages
+        actual = sum(times[k] for k in predicted["stages"] if k in times)
+        lines += [(f"Predicted before the run from its rehearsal ({predicted['rehearsal']}; predicted.json, "
+                   f"plan_cost.py): {predicted['hours']:.2f} h, {predicted['gpu_hours']:.1f} GPU-hours"
+                   + (f", unknown: {', '.join(predicted['unknown'])}" if predicted["unknown"] else "")
+                   + f"; actual, the same stages: {actual / 3600:.2f} h."), ""]
     lines += ["## What each stage taught", "", ("Each column is a stage's final model, each cell computed from that "
               "model by the same command (core_eval.py, chat_eval.py; runs/<run>/stage_evals/<stage>/, the "
               "pretrained model's CORE in core_eval/). Sample answers are greedy, with the calculator's calls shown as "
