@@ -616,11 +616,17 @@ class GpuBattery:
         args = argparse.Namespace(preset="tiny", decode_tokens=8 if self.dry else 64, trials=1 if self.dry else 5,
                                   dry_run=self.dry)
         print("gpu: chat_decode: started", flush=True)
-        rates, dtype = bench_chat_decode(args, self.device)
-        return {"row": "chat_decode", "side": "ours", "dtype": dtype, "command": f"python bench.py gpu --rows "
-                f"chat_decode (bench.py chat's decode part: preset tiny, random weights, {dtype}, greedy, "
-                f"{args.decode_tokens} tokens, median of {args.trials})", "status": "ok",
-                **{f"decode_tok_per_s_{k}": v for k, v in rates.items()}}
+        dtype = chat_decode_paths(self.device)[0]
+        row = {"row": "chat_decode", "side": "ours", "dtype": dtype, "command": f"python bench.py gpu --rows "
+               f"chat_decode (bench.py chat's decode part: preset tiny, random weights, {dtype}, greedy, "
+               f"{args.decode_tokens} tokens, median of {args.trials})"}
+        try:  # in this process, unlike the other rows: a failure (a compilation error) is the row's, not the call's
+            rates, _ = bench_chat_decode(args, self.device)
+        except Exception as e:  # noqa: BLE001  (any error: reported in the row, the table still written)
+            print(f"gpu: chat_decode: failed: {type(e).__name__}: {e}", flush=True)
+            return {**row, "status": f"failed: {type(e).__name__}: {e}"}
+        print("gpu: chat_decode: done", flush=True)
+        return {**row, "status": "ok", **{f"decode_tok_per_s_{k}": v for k, v in rates.items()}}
 
 
 def gpu_environment(device, bench_dir):
