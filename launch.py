@@ -303,7 +303,7 @@ def rehearsal_budgets(nproc, on_cpu):
         "R_SFT": ["--steps", REHEARSAL_STEPS[2], "--eval_every", 0, "--eval_rows", 16, "--ckpt_every", 2, "--keep", 1,
                   "--sample_prompt", REHEARSAL_PROMPT],
         "R_RL": ["--steps", 2, "--questions_per_step", questions, "--samples", 2, "--max_new_tokens", 16,
-                 "--eval_every", 0, "--eval_items", questions, "--eval_samples", 2, "--ckpt_every", 1, "--keep", 1],
+                 "--eval_every", 0, "--eval_items", questions, "--eval_samples", 2, "--ckpt_every", 2, "--keep", 1],
         "R_CORE": ["--max_items", 4, "--bpb_tokens", 32768, "--max_new_tokens", 8],
         "R_CHAT_EVAL": ["--max_items", 2, "--max_new_tokens", 32],
         # the gpu plan on CPU processes: the plan's 256 sequences a step, each 128 tokens instead of 2048
@@ -329,8 +329,8 @@ def plan_lines(depth, nproc, on_cpu, rehearse):
             f"parameters, tokens and steps before step 1, and this script the expected time measured after the first "
             f"timed steps"),
             ("plan: rl: one epoch of GSM8K's 7,473 training questions, 16 a step, 16 replies each (up to 256 tokens): "
-            "468 steps, at most 1.9M tokens sampled. Its share of the time is not known before it runs (sampling, not "
-            "training, sets its pace): rl.py prints its ETA after its first step, report.md every stage's wall time")]
+            "468 steps, at most 30.7M tokens sampled (468 x 16 x 16 x 256). The rehearsal's prediction (plan_cost.py, "
+            "above) gives every stage's expected time; report.md sets each beside its actual wall time")]
 
 
 def setup(python, argv):

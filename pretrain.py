@@ -141,9 +141,12 @@ def plan_checkpoints(args, steps, tokens_per_step):
     midtraining's (the gpu plan's PLAN_MIDTRAIN_TOKENS at this batch), SFT's (unknown before its data: --keep, one
     more while it saves) and RL's (PLAN_RL_STEPS, a save every PLAN_RL_CKPT_EVERY) beside the earlier stages' kept
     ones. Returns (count, the line that says how)."""
+    # --steps (a rehearsal, a short run): the later stages run no more steps than pretraining either
+    cap = (lambda n: min(n, args.steps)) if getattr(args, "steps", None) else (lambda n: n)
     pre_end, pre_peak = kept_checkpoints(steps, args.ckpt_every, args.keep)
-    mid_end, mid_peak = kept_checkpoints(math.ceil(PLAN_MIDTRAIN_TOKENS / tokens_per_step), args.ckpt_every, args.keep)
-    rl_end, rl_peak = kept_checkpoints(PLAN_RL_STEPS, PLAN_RL_CKPT_EVERY, args.keep)
+    mid_end, mid_peak = kept_checkpoints(cap(math.ceil(PLAN_MIDTRAIN_TOKENS / tokens_per_step)), args.ckpt_every,
+                                         args.keep)
+    rl_end, rl_peak = kept_checkpoints(cap(PLAN_RL_STEPS), PLAN_RL_CKPT_EVERY, args.keep)
     most = max(pre_peak, pre_end + mid_peak, pre_end + mid_end + args.keep + 1,
                pre_end + mid_end + args.keep + rl_peak)
     return most, (f"pretraining keeps {pre_end} (holding {pre_peak} while it saves), midtraining {mid_end} (holding "

@@ -9,7 +9,9 @@
 #
 # .whl holds wheels for the device's Python 3.12 that its image lacks or has at another version (rustbpe,
 # huggingface_hub 2.4.0 and its needs): dev/LOG.md names the pip download command.
-# SESSION_TIMEOUT caps the phase in seconds (default 420), so $OUT is filled before the device call's own limit.
+# SESSION_TIMEOUT caps the phase in seconds (default 420), so $OUT is filled before the device call's own limit:
+# give the call's timeout_s at least 60 s more (a stopped stage gets SPEEDRUN_KILL_WAIT, 10 s here, to checkpoint).
+# Budget the device time: on 2026-11-26 a fresh H200 took ~8 minutes to start (dev/LOG.md).
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -39,9 +41,9 @@ if [ "$PHASE" = rehearse ]; then
     for _ in $(seq 600); do grep -q "point the gpu plan" "$WORK/stand_in.log" 2>/dev/null && break; sleep 0.5; done
     cat "$WORK/stand_in.log"
     export HF_ENDPOINT=http://127.0.0.1:8765 NO_PROXY=127.0.0.1 HF_HOME="$WORK/hf" NANOCHAT_CACHE="$WORK/cache"
-    export CORE_ARGS="--bundle http://127.0.0.1:8765/eval_bundle.zip" SPEEDRUN_PYTHON="$PY"
+    export CORE_ARGS="--bundle http://127.0.0.1:8765/eval_bundle.zip" SPEEDRUN_PYTHON="$PY" SPEEDRUN_KILL_WAIT=10
     rc=0
-    timeout --signal=INT --kill-after=60 "$LIMIT" bash speedrun.sh --plan gpu --rehearse --no_chat \
+    timeout --signal=INT --kill-after=30 "$LIMIT" bash speedrun.sh --plan gpu --rehearse --no_chat \
         --runs_dir "$WORK/runs" --data_dir "$WORK/data" "$@" || rc=$?
     echo "gpu_session: the rehearsal exited $rc"
     kill "$STAND_IN" 2>/dev/null

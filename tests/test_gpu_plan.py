@@ -378,6 +378,14 @@ def test_the_disk_check_counts_the_checkpoints_the_d20_plan_holds_at_once():
             "while it saves), RL 3 (holding 4): at most 11")
     assert pretrain.plan_checkpoints(args, 21_401, 524_288) == (11, f"{line} at once")
     assert round(11 * 15_225_333_600 / 1e9, 1) == 167.5
+    # the d20 rehearsal (--steps 3, a checkpoint every 2, --keep 1; rl 2 steps saving once): its stages hold 4 at
+    # once, 60.9 GB, which the 64 GB disk of a lent H200 (68.7 GB free) holds; counted as the real plan's stages
+    # (rl saving at steps 1 and 2) it was 5, 76.1 GB, and the check refused the rehearsal there
+    rehearsal = argparse.Namespace(keep=1, ckpt_every=2, steps=3)
+    assert pretrain.plan_checkpoints(rehearsal, 3, 524_288)[0] == 4
+    import launch
+    rl = launch.rehearsal_budgets(1, False)["R_RL"]
+    assert rl[rl.index("--steps") + 1] == rl[rl.index("--ckpt_every") + 1] == 2
 
 
 # --- the numbers the gpu plan prints --------------------------------------------------------------------------------
