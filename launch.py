@@ -1,16 +1,19 @@
 """launch.py: what speedrun.sh asks of Python. Not a stage: the recipe is speedrun.sh; this runs its stages.
 
-    python3 launch.py flags [speedrun.sh's flags]        # check them; print them as shell variables (or the --help)
-    python3 launch.py venv --run RUN                     # .venv with requirements.txt installed, or repaired
-    python3 launch.py setup --python PY [flags]          # GPUs, driver, plan, rehearsal budgets: <run>/logs/setup.env
-    python3 launch.py probe --run RUN TORCHRUN... distributed.py probe   # NCCL, and the safe flags if it hangs
-    python3 launch.py stage --run RUN NAME [--train] [--skip_if PATH] COMMAND...   # one stage, logged, stoppable
-    python3 launch.py end --run RUN                      # end every process of the run still alive (speedrun's exit)
-    python3 launch.py reuse_chat_eval --run RUN STAGE    # chat_eval's own result for the stage whose model it scored
-    python3 launch.py rehearsed --run RUN --seconds N    # the rehearsal's stage times: <run>/rehearsed.json
+    python launch.py flags [speedrun.sh's flags]        # check them; print them as shell variables (or the --help)
+    python launch.py venv --run RUN                     # .venv with requirements.txt installed, or repaired
+    python launch.py setup --python PY [flags]          # GPUs, driver, plan, rehearsal budgets: <run>/logs/setup.env
+    python launch.py probe --run RUN TORCHRUN... distributed.py probe   # NCCL, and the safe flags if it hangs
+    python launch.py stage --run RUN NAME [--train] [--skip_if PATH] [--log_only] COMMAND...   # one stage, logged
+    python launch.py stop --run RUN SIGNAL [LAUNCHER_PID]   # speedrun.sh was signalled: pass it on, wait
+    python launch.py end --run RUN                      # end every process of the run still alive (speedrun's exit)
+    python launch.py rehearsal_due --run RUN REHEARSAL_DIR 0|1   # exit 0: the gpu plan rehearses now (--no_rehearse: 1)
+    python launch.py rehearsal_passed --run RUN REHEARSAL_DIR     # its checkpoints deleted, its cost said
+    python launch.py reuse_chat_eval --run RUN STAGE    # chat_eval's own result for the stage whose model it scored
+    python launch.py rehearsed --run RUN --seconds N    # the rehearsal's stage times: <run>/rehearsed.json
 
-The standard library only: it runs under python3 before .venv exists, and no stage's start waits for torch's import
-(torch is asked through the interpreter speedrun.sh runs the stages with). Between calls the run's state is
+The standard library only: speedrun.sh runs it with python3, before .venv exists, and no stage's start waits for
+torch's import (torch is asked through the interpreter the stages run with). Between calls the run's state is in
 <run>/logs/launch.json (the mark its processes carry, the machine, the NCCL flags in force); each stage's wall time
 and exit status go to <run>/logs/stages.tsv, which report.py reads.
 """
@@ -730,6 +733,7 @@ def run_stage(run, name, command, train=False, skip_if=None, signals=None, log_o
     handler's record; once the stage has started, a signal received ends its processes (before, it exits at once).
     log_only: a background fetch: its output to its log alone, no record, no line said; it does not react to signals
     (the run's end stops it with every other process of the run). Returns the exit status."""
+    signals = signals if signals is not None else {"received": []}
     if log_only:
         state, signals["exit_now"] = read_state(run), False
         with open(f"{run}/logs/{name}.log", "ab") as log:
@@ -748,8 +752,7 @@ def run_stage(run, name, command, train=False, skip_if=None, signals=None, log_o
     if command[1:3] == ["-m", "torch.distributed.run"] and state["nccl"]["fallback"]:
         reprobe(run, state, name)
     say(run, f"stage {name}: {' '.join(command)}")
-    log_path, signals = f"{run}/logs/{name}.log", signals if signals is not None else {"received": []}
-    stopped = signals["received"]
+    log_path, stopped = f"{run}/logs/{name}.log", signals["received"]
     env = {**os.environ, "SPEEDRUN_MARK": state["mark"], **(SAFE_FLAGS if state["nccl"]["safe"] else {}),
            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(checkpoint_grace(kill_wait(), ckpt))}
     start = time.time()
@@ -880,6 +883,9 @@ def take_options(argv, valued=(), switches=()):
 
 def main(argv):
     command, argv = argv[0] if argv else "", argv[1:]
+    if command in ("", "-h", "--help"):
+        print(__doc__)
+        return 0
     signals = {"received": [], "exit_now": True}
 
     if command in ("stop", "end"):  # they end the run: a second Ctrl-C must not cut that short
