@@ -171,7 +171,8 @@ def flags_command(argv):
     values = {var: int(flags[name]) if name in SWITCHES else flags[name] for name, var in names.items()}
     code = shell_assignments({**values, "RUN": run, "LOGS": f"{run}/logs"})
     if redone:
-        code += f"say {shlex.quote(f'rehearsing again from the start: {run} held a rehearsal that passed (now deleted)')}\n"
+        redo = f"rehearsing again from the start: {run} held a rehearsal that passed (now deleted)"
+        code += f"say {shlex.quote(redo)}\n"
     return code
 
 
@@ -373,8 +374,8 @@ def setup(python, argv):
     # only a rehearsal runs the gpu plan on the CPU: there --gpus N without CUDA means N CPU processes on gloo
     on_cpu = plan == "gpu" and rehearse and (gpus == 0 or torch_gpus() == 0)
     if plan == "gpu" and gpus < 1 and not flags["probe_only"] and not rehearse:
-        raise Refused("--plan gpu needs CUDA GPUs and torch sees none; use --plan demo on the CPU (or --rehearse --gpus "
-                      "N: the gpu plan's rehearsal on N CPU processes)", 2)
+        raise Refused("--plan gpu needs CUDA GPUs and torch sees none; use --plan demo on the CPU (or --rehearse "
+                      "--gpus N: the gpu plan's rehearsal on N CPU processes)", 2)
     if plan == "demo" and flags["stop_after"] == "download":
         raise Refused("--stop_after download: the demo plan has no download stage (use data)", 2)
     nproc = max(gpus, 1)
@@ -684,7 +685,8 @@ def eta_line(line):
 
 def progress_lines(run, name, now):
     """A failed training stage's ranks, each with its last step and phase and how long ago: under NCCL a hung
-    collective aborts in C++ and no rank can say which one was stuck; these files (distributed.py) say where each was."""
+    collective aborts in C++ and no rank can say which one was stuck; these files (distributed.py) say where each
+    was."""
     files = sorted(glob(f"{run}/{name}/progress/rank*.txt"))
     lines = [f"speedrun: where each rank of stage {name} was last ({run}/{name}/progress/):"] if files else []
     for path in files:
