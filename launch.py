@@ -709,23 +709,34 @@ def read_stages(run):
 
 
 def copy_output(source, log, eta):
-    """The stage's output, as it comes, to the terminal and its log; with eta, the expected pretraining time once."""
-    pending, said, to_terminal = b"", not eta, True
+    """The stage's output, as it comes, to the terminal and its log; with eta, the expected pretraining time once, on
+    the terminal only, after the step line it was computed from."""
+    pending, said, to_terminal = b"", not eta, [True]
     while chunk := os.read(source, 1 << 16):
         log.write(chunk)
-        if to_terminal:
-            try:
-                sys.stdout.buffer.write(chunk)
-                sys.stdout.buffer.flush()
-            except OSError:  # the terminal is gone (SIGHUP): the log gets the rest
-                to_terminal = False
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        shown = 0  # how much of chunk is on the terminal
         if not said:
-            *lines, pending = (pending + chunk).split(b"\n")
+            lines, end = (pending + chunk).split(b"\n"), -len(pending)
+            pending = lines.pop()
             for line in lines:
+                end += len(line) + 1
                 if not said and (expected := eta_line(line.decode(errors="replace"))):
                     said = True
-                    terminal(expected)
+                    show(chunk[:end], to_terminal)
+                    show(f"{expected}\n".encode(), to_terminal)
+                    shown = end
+        show(chunk[shown:], to_terminal)
+
+
+def show(data, to_terminal):
+    """data to the terminal while it is there (to_terminal: [False] once it is gone, after SIGHUP)."""
+    if to_terminal[0] and data:
+        try:
+            sys.stdout.buffer.write(data)
+            sys.stdout.buffer.flush()
+        except OSError:  # the log gets the rest
+            to_terminal[0] = False
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # its buffer must not fail again at exit
 
 
 def run_stage(run, name, command, train=False, skip_if=None, signals=None, log_only=False):

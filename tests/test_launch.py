@@ -263,3 +263,17 @@ def test_a_signal_to_the_launcher_ends_its_stage_and_nothing_of_it_is_left(tmp_p
     launcher.send_signal(signal.SIGTERM)
     assert launcher.wait(20) == 143
     assert processes_mentioning(marker) == [] and not (run / "logs" / "stages.tsv").exists()
+
+
+def test_pretrainings_output_gets_the_expected_time_once_on_the_terminal_and_not_in_its_log(tmp_path, capsys):
+    run = start_run(tmp_path)
+    lines = [step_line(step, 400, step * 8192, 8_123) for step in (1, 19, 20, 21)]
+    printing = [sys.executable, "-c", f"print({chr(10).join(lines)!r})"]
+    assert launch.run_stage(str(run), "pretrain", printing) == 0
+    out = capsys.readouterr().out
+    expected = launch.eta_line(lines[2])
+    assert expected.startswith("speedrun: expected pretraining time left: 0:06:23 for 380 more steps")
+    assert out.count("expected pretraining time left") == 1 and f"{lines[2]}\n{expected}\n" in out
+    assert (run / "logs" / "pretrain.log").read_text() == "\n".join(lines) + "\n"
+    assert launch.run_stage(str(run), "midtrain", printing) == 0  # only pretraining's
+    assert "expected pretraining time left" not in capsys.readouterr().out
