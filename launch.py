@@ -1,16 +1,19 @@
 """launch.py: what speedrun.sh asks of Python. Not a stage: the recipe is speedrun.sh; this runs its stages.
 
-    python3 launch.py flags [speedrun.sh's flags]        # check them; print them as shell variables (or the --help)
-    python3 launch.py venv --run RUN                     # .venv with requirements.txt installed, or repaired
-    python3 launch.py setup --python PY [flags]          # GPUs, driver, plan, rehearsal budgets: <run>/logs/setup.env
-    python3 launch.py probe --run RUN TORCHRUN... distributed.py probe   # NCCL, and the safe flags if it hangs
-    python3 launch.py stage --run RUN NAME [--train] [--skip_if PATH] COMMAND...   # one stage, logged, stoppable
-    python3 launch.py end --run RUN                      # end every process of the run still alive (speedrun's exit)
-    python3 launch.py reuse_chat_eval --run RUN STAGE    # chat_eval's own result for the stage whose model it scored
-    python3 launch.py rehearsed --run RUN --seconds N    # the rehearsal's stage times: <run>/rehearsed.json
+    python launch.py flags [speedrun.sh's flags]        # check them; print them as shell variables (or the --help)
+    python launch.py venv --run RUN                     # .venv with requirements.txt installed, or repaired
+    python launch.py setup --python PY [flags]          # GPUs, driver, plan, rehearsal budgets: <run>/logs/setup.env
+    python launch.py probe --run RUN TORCHRUN... distributed.py probe   # NCCL, and the safe flags if it hangs
+    python launch.py stage --run RUN NAME [--train] [--skip_if PATH] [--log_only] COMMAND...   # one stage, logged
+    python launch.py stop --run RUN SIGNAL [LAUNCHER_PID]   # speedrun.sh was signalled: pass it on, wait
+    python launch.py end --run RUN                      # end every process of the run still alive (speedrun's exit)
+    python launch.py rehearsal_due --run RUN REHEARSAL_DIR 0|1   # exit 0: the gpu plan rehearses now (--no_rehearse: 1)
+    python launch.py rehearsal_passed --run RUN REHEARSAL_DIR     # its checkpoints deleted, its cost said
+    python launch.py reuse_chat_eval --run RUN STAGE    # chat_eval's own result for the stage whose model it scored
+    python launch.py rehearsed --run RUN --seconds N    # the rehearsal's stage times: <run>/rehearsed.json
 
-The standard library only: it runs under python3 before .venv exists, and no stage's start waits for torch's import
-(torch is asked through the interpreter speedrun.sh runs the stages with). Between calls the run's state is
+The standard library only: speedrun.sh runs it with python3, before .venv exists, and no stage's start waits for
+torch's import (torch is asked through the interpreter the stages run with). Between calls the run's state is in
 <run>/logs/launch.json (the mark its processes carry, the machine, the NCCL flags in force); each stage's wall time
 and exit status go to <run>/logs/stages.tsv, which report.py reads.
 """
@@ -168,7 +171,8 @@ def flags_command(argv):
     values = {var: int(flags[name]) if name in SWITCHES else flags[name] for name, var in names.items()}
     code = shell_assignments({**values, "RUN": run, "LOGS": f"{run}/logs"})
     if redone:
-        code += f"say {shlex.quote(f'rehearsing again from the start: {run} held a rehearsal that passed (now deleted)')}\n"
+        redo = f"rehearsing again from the start: {run} held a rehearsal that passed (now deleted)"
+        code += f"say {shlex.quote(redo)}\n"
     return code
 
 
@@ -370,8 +374,8 @@ def setup(python, argv):
     # only a rehearsal runs the gpu plan on the CPU: there --gpus N without CUDA means N CPU processes on gloo
     on_cpu = plan == "gpu" and rehearse and (gpus == 0 or torch_gpus() == 0)
     if plan == "gpu" and gpus < 1 and not flags["probe_only"] and not rehearse:
-        raise Refused("--plan gpu needs CUDA GPUs and torch sees none; use --plan demo on the CPU (or --rehearse --gpus "
-                      "N: the gpu plan's rehearsal on N CPU processes)", 2)
+        raise Refused("--plan gpu needs CUDA GPUs and torch sees none; use --plan demo on the CPU (or --rehearse "
+                      "--gpus N: the gpu plan's rehearsal on N CPU processes)", 2)
     if plan == "demo" and flags["stop_after"] == "download":
         raise Refused("--stop_after download: the demo plan has no download stage (use data)", 2)
     nproc = max(gpus, 1)
@@ -681,7 +685,8 @@ def eta_line(line):
 
 def progress_lines(run, name, now):
     """A failed training stage's ranks, each with its last step and phase and how long ago: under NCCL a hung
-    collective aborts in C++ and no rank can say which one was stuck; these files (distributed.py) say where each was."""
+    collective aborts in C++ and no rank can say which one was stuck; these files (distributed.py) say where each
+    was."""
     files = sorted(glob(f"{run}/{name}/progress/rank*.txt"))
     lines = [f"speedrun: where each rank of stage {name} was last ({run}/{name}/progress/):"] if files else []
     for path in files:
@@ -704,23 +709,34 @@ def read_stages(run):
 
 
 def copy_output(source, log, eta):
-    """The stage's output, as it comes, to the terminal and its log; with eta, the expected pretraining time once."""
-    pending, said, to_terminal = b"", not eta, True
+    """The stage's output, as it comes, to the terminal and its log; with eta, the expected pretraining time once, on
+    the terminal only, after the step line it was computed from."""
+    pending, said, to_terminal = b"", not eta, [True]
     while chunk := os.read(source, 1 << 16):
         log.write(chunk)
-        if to_terminal:
-            try:
-                sys.stdout.buffer.write(chunk)
-                sys.stdout.buffer.flush()
-            except OSError:  # the terminal is gone (SIGHUP): the log gets the rest
-                to_terminal = False
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        shown = 0  # how much of chunk is on the terminal
         if not said:
-            *lines, pending = (pending + chunk).split(b"\n")
+            lines, end = (pending + chunk).split(b"\n"), -len(pending)
+            pending = lines.pop()
             for line in lines:
+                end += len(line) + 1
                 if not said and (expected := eta_line(line.decode(errors="replace"))):
                     said = True
-                    terminal(expected)
+                    show(chunk[:end], to_terminal)
+                    show(f"{expected}\n".encode(), to_terminal)
+                    shown = end
+        show(chunk[shown:], to_terminal)
+
+
+def show(data, to_terminal):
+    """data to the terminal while it is there (to_terminal: [False] once it is gone, after SIGHUP)."""
+    if to_terminal[0] and data:
+        try:
+            sys.stdout.buffer.write(data)
+            sys.stdout.buffer.flush()
+        except OSError:  # the log gets the rest
+            to_terminal[0] = False
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # its buffer must not fail again at exit
 
 
 def run_stage(run, name, command, train=False, skip_if=None, signals=None, log_only=False):
@@ -730,6 +746,7 @@ def run_stage(run, name, command, train=False, skip_if=None, signals=None, log_o
     handler's record; once the stage has started, a signal received ends its processes (before, it exits at once).
     log_only: a background fetch: its output to its log alone, no record, no line said; it does not react to signals
     (the run's end stops it with every other process of the run). Returns the exit status."""
+    signals = signals if signals is not None else {"received": []}
     if log_only:
         state, signals["exit_now"] = read_state(run), False
         with open(f"{run}/logs/{name}.log", "ab") as log:
@@ -748,8 +765,7 @@ def run_stage(run, name, command, train=False, skip_if=None, signals=None, log_o
     if command[1:3] == ["-m", "torch.distributed.run"] and state["nccl"]["fallback"]:
         reprobe(run, state, name)
     say(run, f"stage {name}: {' '.join(command)}")
-    log_path, signals = f"{run}/logs/{name}.log", signals if signals is not None else {"received": []}
-    stopped = signals["received"]
+    log_path, stopped = f"{run}/logs/{name}.log", signals["received"]
     env = {**os.environ, "SPEEDRUN_MARK": state["mark"], **(SAFE_FLAGS if state["nccl"]["safe"] else {}),
            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(checkpoint_grace(kill_wait(), ckpt))}
     start = time.time()
@@ -880,6 +896,9 @@ def take_options(argv, valued=(), switches=()):
 
 def main(argv):
     command, argv = argv[0] if argv else "", argv[1:]
+    if command in ("", "-h", "--help"):
+        print(__doc__)
+        return 0
     signals = {"received": [], "exit_now": True}
 
     if command in ("stop", "end"):  # they end the run: a second Ctrl-C must not cut that short

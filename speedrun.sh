@@ -1,11 +1,9 @@
 #!/usr/bin/env bash
 # speedrun.sh: the main job. From nothing to a model you chat with, every stage in order, resumable. docs/speedrun.md.
-#
 #   bash speedrun.sh                    # gpu plan with CUDA GPUs, else the offline demo plan on the CPU
 #   bash speedrun.sh --plan demo --no_chat
 #   bash speedrun.sh --rehearse         # every stage of the plan for a few steps or items, in minutes
 #   bash speedrun.sh --help             # every flag with its default
-#
 # Each stage is one of this repository's scripts, run by launch.py (under torchrun: one process per GPU, one on the
 # CPU) in its own process group, its output to the terminal and to runs/<run>/logs/<stage>.log. A rerun skips the
 # stages that finished and resumes an interrupted training stage from its last checkpoint.
@@ -48,7 +46,7 @@ if [ "$PLAN" = demo ]; then  # measured on a 2-core Xeon with AMX (dev/LOG.md): 
               --steps 200 --eval_every 0 --ckpt_every 100)
     SFT=(--source "$DATA_DIR/conversations:1" --source "$DATA_DIR/choice:1" --source "$DATA_DIR/answers:1"
          --source "$DATA_DIR/calc:1" --steps 200 --eval_every 0 --ckpt_every 100)
-    # RL on the world's sums and answers, only with --rl on: it LOWERED held-out demo-answer, 84/109 -> 78/109 (dev/LOG.md)
+    # RL on the world's sums and answers, only with --rl on: it lowered held-out demo-answer 84/109 -> 78/109 (LOG.md)
     RL=(--demo "$DATA_DIR" --steps 20 --questions_per_step 8 --samples 8 --max_new_tokens 32 --micro_batch 32
         --lr_scale 0.05 --eval_every 0 --eval_items -1 --eval_samples 4 --ckpt_every 10)
     CHAT_EVAL=(--demo "$DATA_DIR" --max_new_tokens 32 --tasks demo-choice,demo-answer,demo-words)
@@ -62,8 +60,8 @@ else
     STAGE_CORE=()
 fi
 # a step's tokens must split over the processes (not 524,288 over 3 GPUs): refused now, not after hours of downloads
-if [ "$PLAN" = gpu ] && [ "$PROBE_ONLY" = 0 ]; then "$PY" "$ROOT/pretrain.py" --check_batch "$NPROC" "${GPU_BUDGET[@]}" \
-    "${PRETRAIN_EXTRA[@]}" | sed 's/^/speedrun: /' | tee -a "$LOGS/speedrun.log"; fi
+if [ "$PLAN" = gpu ] && [ "$PROBE_ONLY" = 0 ]; then "$PY" "$ROOT/pretrain.py" --check_batch "$NPROC" \
+    "${GPU_BUDGET[@]}" "${PRETRAIN_EXTRA[@]}" | sed 's/^/speedrun: /' | tee -a "$LOGS/speedrun.log"; fi
 # NCCL (GPUs): a timed all-reduce; on a hang or failure the safe flags, the defaults probed again before each stage
 launch probe "${LAUNCH[@]}" "$ROOT/distributed.py" probe
 if [ "$PROBE_ONLY" = 1 ]; then exit 0; fi
@@ -74,12 +72,13 @@ if [ "$PLAN" = demo ] && compgen -G "$DATA_DIR/pretrain/shard_*.parquet" > /dev/
     && [ -d "$DATA_DIR/calc" ]; then skip data "the demo world is in $DATA_DIR"
 elif [ "$PLAN" = demo ]; then stage data "$PY" "$ROOT/demo.py" --out "$DATA_DIR"
 else  # fail in minutes, not hours: a gated or missing chat source stops the run here; then the chat data and the CORE
-    # bundle in the background (logs/prefetch.log), and 8 shards (the tokenizer's, and what the shard count is measured on)
+    # bundle in the background, and 8 shards (the tokenizer's, and what the budget's shard count is measured on)
     stage preflight "$PY" "$ROOT/dataset.py" download-chat --check "${CHAT_SOURCES[@]}"
     stage chatcore_tasks "$PY" "$ROOT/chat_eval.py" --download_only "${CHAT_EVAL_EXTRA[@]}"
     say "fetching ${CHAT_SOURCES[*]} and the CORE bundle in the background (log: $LOGS/prefetch.log)"
-    { "${L[@]}" stage --run "$RUN" prefetch --log_only "$PY" "$ROOT/dataset.py" download-chat "${CHAT_SOURCES[@]}" &&
-        "${L[@]}" stage --run "$RUN" prefetch --log_only "$PY" "$ROOT/core_eval.py" --download_only "${CORE_EXTRA[@]}"; } &
+    { launch_bg=("${L[@]}" stage --run "$RUN" prefetch --log_only)  # its log only; the run's end stops it
+      "${launch_bg[@]}" "$PY" "$ROOT/dataset.py" download-chat "${CHAT_SOURCES[@]}" &&
+      "${launch_bg[@]}" "$PY" "$ROOT/core_eval.py" --download_only "${CORE_EXTRA[@]}"; } &
     PREFETCH=$!
     stage data "$PY" "$ROOT/dataset.py" download --shards 8 --data_dir "$CORPUS" "${R_DATA[@]}"
 fi

@@ -3,6 +3,7 @@ time, the grace a stopped stage gets, the end of a run's processes, one stage's 
 a skip), and the rehearsal's record. tests/test_speedrun.py runs the same code through speedrun.sh."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -170,7 +171,8 @@ def test_a_stage_is_logged_recorded_resumed_and_skipped(tmp_path, capsys):
     log = (run / "logs" / "pretrain.log").read_text()
     mark = json.loads((run / "logs" / "launch.json").read_text())["mark"]
     assert log == f"args --steps 3\nmark {mark}\n"  # no --resume: no checkpoint yet
-    assert log in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert log in out and f"speedrun: stage pretrain done in {launch.read_stages(run)[0][1]} s\n" in out
     (run / "pretrain" / "ckpt" / "step_000002").mkdir(parents=True)
     assert launch.run_stage(str(run), "pretrain", [*echo, "--steps", "3"], train=True) == 0
     out = capsys.readouterr().out
@@ -184,7 +186,7 @@ def test_a_stage_is_logged_recorded_resumed_and_skipped(tmp_path, capsys):
     assert f"speedrun: stage core_eval failed (exit 7); log: {run}/logs/core_eval.log" in capsys.readouterr().err
     rows = launch.read_stages(run)
     assert [(name, status) for name, _, status in rows] == [("pretrain", "0"), ("pretrain", "0"), ("core_eval", "7")]
-    assert all(float(seconds) > 0 for _, seconds, _ in rows)
+    assert all(re.fullmatch(r"\d+\.\d", seconds) for _, seconds, _ in rows), rows
     assert launch.run_stage(str(run), "core_eval", failing, skip_if=str(run / "logs")) == 0  # skip_if exists
     assert launch.read_stages(run) == rows  # a skip is not a run
 
@@ -261,3 +263,17 @@ def test_a_signal_to_the_launcher_ends_its_stage_and_nothing_of_it_is_left(tmp_p
     launcher.send_signal(signal.SIGTERM)
     assert launcher.wait(20) == 143
     assert processes_mentioning(marker) == [] and not (run / "logs" / "stages.tsv").exists()
+
+
+def test_pretrainings_output_gets_the_expected_time_once_on_the_terminal_and_not_in_its_log(tmp_path, capsys):
+    run = start_run(tmp_path)
+    lines = [step_line(step, 400, step * 8192, 8_123) for step in (1, 19, 20, 21)]
+    printing = [sys.executable, "-c", f"print({chr(10).join(lines)!r})"]
+    assert launch.run_stage(str(run), "pretrain", printing) == 0
+    out = capsys.readouterr().out
+    expected = launch.eta_line(lines[2])
+    assert expected.startswith("speedrun: expected pretraining time left: 0:06:23 for 380 more steps")
+    assert out.count("expected pretraining time left") == 1 and f"{lines[2]}\n{expected}\n" in out
+    assert (run / "logs" / "pretrain.log").read_text() == "\n".join(lines) + "\n"
+    assert launch.run_stage(str(run), "midtrain", printing) == 0  # only pretraining's
+    assert "expected pretraining time left" not in capsys.readouterr().out
