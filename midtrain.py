@@ -72,9 +72,8 @@ def get_args(argv=None):
                    f"repeatable (default: {validation.CHAT_QUESTIONS})")
     runs.add_run_args(p, "midtrain")
     optim.add_schedule_args(p)
-    runs.add_warm_start_args(p, lr_scale=MID_LR_SCALE, schedule="wsd", warmdown_frac=MID_WARMDOWN, why=MID_WHY)
     validation.add_forgetting_args(p)
-    runs.add_init_args(p, ["pretrain"])
+    runs.add_init_args(p, ["pretrain"], lr_scale=MID_LR_SCALE, schedule="wsd", warmdown_frac=MID_WARMDOWN, why=MID_WHY)
     args = parse_args(p, common.renamed_flags(argv, {"--init": "--checkpoint", "--question": "--sample_prompt"}))
     if args.status is None:
         try:
@@ -113,11 +112,11 @@ def realized_mixture(loaders, sources):
             for s, (tokens, docs) in zip(sources, counts, strict=True)}
 
 
-def evaluate(model, tokenizer, args, rank, world, device, run_dir, batches, loaders, sources, step):
-    loss = validation.chat_validation(model, tokenizer, args.sample_prompt or validation.CHAT_QUESTIONS, args.dtype, rank,
-                                      world, device, run_dir, batches, step)
-    mixture = realized_mixture(loaders, sources)
-    if rank == 0:
+def evaluate(args, start, batches, step):
+    loss = validation.chat_validation(start.model, start.tokenizer, args.sample_prompt or validation.CHAT_QUESTIONS,
+                                      args.dtype, start.rank, start.world, start.device, start.run_dir, batches, step)
+    mixture = realized_mixture(start.loaders, start.sources)
+    if start.rank == 0:
         print(f"mixture at step {step}: " + ", ".join(f"{name} {m['share']:.1%} of {m['tokens']:,} tokens (target "
                                                        f"{m['target']:.0%}), {m['docs']:,} documents"
                                                        for name, m in mixture.items()))
@@ -145,34 +144,31 @@ def main(argv=None):
     if args.status:
         return train_loop.print_status(Path(args.status))
     s = runs.start_stage(args, "midtrain", ["pretrain"], partial(plan, args))
-    model, rank, world, device, run_dir, loaders, total_steps = (s.model, s.rank, s.world, s.device, s.run_dir,
-                                                                  s.loaders, s.total_steps)
-    train_model = train_loop.wrap_model(model, args, world, s.local_rank, device)
+    train_model = train_loop.wrap_model(s.model, args, s.world, s.local_rank, s.device)
     val_chat_dir = args.val_chat_dir or next((src["path"] for src in s.sources if src["kind"] == "chat"), None)
     if val_chat_dir is None:
         raise ValueError("no chat source to hold conversations out of: pass --val_chat_dir")
-    evaluator = partial(evaluate, model, s.tokenizer, args, rank, world, device, run_dir,
-                        validation.chat_val_batches(val_chat_dir, s.tokenizer, s.seq_len, args.eval_rows), loaders,
-                        s.sources)
-    signum = train_loop.train(args, model, train_model, s.optimizers, loaders, run_dir=run_dir, start=s.step,
-                              total_steps=total_steps, ckpt_meta=s.ckpt_meta, evaluate=evaluator,
-                              flops_per_token=flops_per_token(s.config), rank=rank, world=world, device=device)
+    evaluator = partial(evaluate, args, s, validation.chat_val_batches(val_chat_dir, s.tokenizer, s.seq_len,
+                                                                       args.eval_rows))
+    signum = train_loop.train(args, s.model, train_model, s.optimizers, s.loaders, run_dir=s.run_dir, start=s.step,
+                              total_steps=s.total_steps, ckpt_meta=s.ckpt_meta, evaluate=evaluator,
+                              flops_per_token=flops_per_token(s.config), rank=s.rank, world=s.world, device=s.device)
     if signum is None:
-        final = evaluator(total_steps)  # once: a second call would run the whole validation again
+        final = evaluator(s.total_steps)  # once: a second call would run the whole validation again
         loss, mixture = final["val_loss"], final["mixture"]
-        kept = validation.forgetting(model, s.tokenizer, s.parent, s.parent_meta, args, rank, world, device)
-        if rank == 0:
-            train_loop.Metrics(run_dir / "metrics.jsonl", True).log({"step": total_steps, "final_val_loss": loss,
-                                                                     "mixture": mixture,
-                                                                     "pretrain_val_bpb": kept["val_bpb"]})
-            (run_dir / "done.json").write_text(json.dumps({"step": total_steps, "val_loss": loss, "mixture": mixture,
-                                                           "pretrain_val_bpb": kept}))
+        kept = validation.forgetting(s.model, s.tokenizer, s.parent, s.parent_meta, args, s.rank, s.world, s.device)
+        if s.rank == 0:
+            train_loop.Metrics(s.run_dir / "metrics.jsonl", True).log({"step": s.total_steps, "final_val_loss": loss,
+                                                                       "mixture": mixture,
+                                                                       "pretrain_val_bpb": kept["val_bpb"]})
+            (s.run_dir / "done.json").write_text(json.dumps({"step": s.total_steps, "val_loss": loss,
+                                                             "mixture": mixture, "pretrain_val_bpb": kept}))
             print(validation.forgetting_line(kept))
             print("mixture realized: " + ", ".join(f"{name} {m['tokens']:,} tokens ({m['share']:.1%}, target "
                                                    f"{m['target']:.0%}), {m['docs']:,} documents"
                                                    for name, m in mixture.items()))
-            print(f"done: {total_steps} steps, val loss {loss:.4f}, run dir {run_dir}")
-    for loader in loaders:
+            print(f"done: {s.total_steps} steps, val loss {loss:.4f}, run dir {s.run_dir}")
+    for loader in s.loaders:
         loader.close()
     return signum
 

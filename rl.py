@@ -91,8 +91,7 @@ def get_args(argv=None):
                    "%(default)s)")
     runs.add_run_args(p, "rl")
     optim.add_schedule_args(p)
-    runs.add_warm_start_args(p, lr_scale=RL_LR_SCALE, schedule="linear", warmdown_frac=0.2, why=RL_WHY)
-    runs.add_init_args(p, ["sft"])
+    runs.add_init_args(p, ["sft"], lr_scale=RL_LR_SCALE, schedule="linear", warmdown_frac=0.2, why=RL_WHY)
     args = parse_args(p, argv)
     if args.status is None:
         args.budget_line = train_loop.resolve_budget(args, ["epochs", "steps"], default=("epochs", 1.0))

@@ -23,7 +23,6 @@ from model import num_params, parse_bool
 # -----------------------------------------------------------------------------
 # The run directory: runs/<run>/ with config.json, metrics.jsonl, samples.jsonl, ckpt/step_XXXXXX/
 
-
 def add_run_args(parser, stage):
     """The flags every training stage has for its run directory, checkpoints and health checks, and the hidden
     testing hooks."""
@@ -112,10 +111,19 @@ def hparams(args, seq_len, micro, tokens_per_step):
     return {**values, "sequence_len": seq_len, "micro_batch": micro, "total_batch_tokens": tokens_per_step}
 
 
-def add_init_args(parser, parents):
-    """--checkpoint and the inherited flags of a stage that starts from a checkpoint of one of `parents` (newest first in
-    that order of preference): their defaults become None, meaning "the parent's value" (--micro_batch is every
-    training stage's, train_loop.add_micro_batch_arg)."""
+def add_init_args(parser, parents, lr_scale, schedule, warmdown_frac, why):
+    """A stage's start from a checkpoint of one of `parents` (newest first, in that order of preference): the warm
+    start from its optimizer state with this stage's lr scale and schedule (defaults per stage, `why` says where they
+    come from); --checkpoint; the inherited flags, whose defaults become None, "the parent's value" (--micro_batch is
+    every training stage's, train_loop.add_micro_batch_arg)."""
+    g = parser.add_argument_group("warm start: the parent's optimizer state and this stage's lrs")
+    g.add_argument("--warm_start", type=parse_bool, default=True, help="continue from the parent checkpoint's "
+                   "optimizer state (AdamW moments, Muon momentum) with the lrs reset to this stage's; a state that "
+                   "does not fit this stage's optimizers is reported and replaced by a fresh one; false: fresh "
+                   "(default: %(default)s)")
+    g.add_argument("--lr_scale", type=float, default=lr_scale, help="every lr is this fraction of the parent's (its "
+                   f"base lrs at this stage's batch; {why}) (default: %(default)s)")
+    parser.set_defaults(schedule=schedule, warmdown_frac=warmdown_frac)
     g = parser.add_argument_group("start: the parent checkpoint and what is inherited from it")
     g.add_argument("--checkpoint", default=None, help=f"checkpoint to start from: a step_* directory or a run directory "
                    f"(default: the newest {' checkpoint, else the newest '.join(parents)} checkpoint under --runs_dir)")
@@ -167,19 +175,6 @@ def parent_record(parent, meta):
     return {"path": str(parent), "stage": meta.get("stage"), "step": meta.get("step"), "sha256": digest.hexdigest()}
 
 
-def add_warm_start_args(parser, lr_scale, schedule, warmdown_frac, why):
-    """A chat stage's start from its parent's optimizer and its own lr scale and schedule (defaults per stage, `why`
-    says where they come from)."""
-    g = parser.add_argument_group("warm start: the parent's optimizer state and this stage's lrs")
-    g.add_argument("--warm_start", type=parse_bool, default=True, help="continue from the parent checkpoint's "
-                   "optimizer state (AdamW moments, Muon momentum) with the lrs reset to this stage's; a state that "
-                   "does not fit this stage's optimizers is reported and replaced by a fresh one; false: fresh "
-                   "(default: %(default)s)")
-    g.add_argument("--lr_scale", type=float, default=lr_scale, help="every lr is this fraction of the parent's (its "
-                   f"base lrs at this stage's batch; {why}) (default: %(default)s)")
-    parser.set_defaults(schedule=schedule, warmdown_frac=warmdown_frac)
-
-
 def warm_start(parent, parent_meta, model, optimizers, args, device):
     """Load the parent checkpoint's optimizer state into this stage's optimizers (unsharded or sharded, whatever the
     parent's world size: load_state), then put back this stage's own hyperparameters (lr, base_lr, weight decay,
@@ -215,14 +210,13 @@ def warm_start(parent, parent_meta, model, optimizers, args, device):
 
 
 def start_stage(args, stage, parents, plan, rollouts=False):
-    """midtrain.py's, sft.py's and rl.py's start, up to the first step: processes; the parent (--checkpoint, else the
-    newest of `parents`), its model and the flags it passes on (inherit); the tokenizer, checked; FSDP where needed;
-    the run directory; micro-batch and accumulation (train_loop.plan_batch); optimizers; then plan(start), what only
-    the stage knows: a dict of total_steps, loaders, record (what config.json and checkpoints hold beside the common
-    fields), lines (printed after the batch) and whatever else it puts on `start`; config.json and the start's report;
-    start.step, the resumed checkpoint's (--resume) or 0 from the parent's optimizer state (warm_start). rollouts
-    (rl.py): replies of their own lengths: no sharding, compile or accumulation (--micro_batch replies per forward),
-    --total_batch_tokens only scales the lrs. Returns `start`, a namespace of all of it."""
+    """midtrain.py's, sft.py's and rl.py's start, up to the first step, as `start` (a namespace): processes; the
+    parent (--checkpoint, else the newest of `parents`), its model, the flags it passes on (inherit); the tokenizer,
+    checked; FSDP where needed; the run directory; micro-batch and accumulation (train_loop.plan_batch); optimizers;
+    plan(start), what only the stage knows: a dict of total_steps, loaders, record (for config.json and checkpoints),
+    lines (printed after the batch), and whatever else goes on `start`; config.json and the report; start.step, the
+    resumed checkpoint's or 0 from the parent's optimizer state (warm_start). rollouts (rl.py): replies of their own
+    lengths: no sharding, compile or accumulation; --total_batch_tokens only scales the lrs."""
     rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
     parent, _ = checkpoint.pick_checkpoint(args, [(name,) for name in parents])  # in that order of preference
     model, parent_meta = checkpoint.load_model(parent, device)

@@ -69,9 +69,9 @@ def get_args(argv=None):
                    f"repeatable (default: {validation.CHAT_QUESTIONS})")
     runs.add_run_args(p, "sft")
     optim.add_schedule_args(p)
-    runs.add_warm_start_args(p, lr_scale=SFT_LR_SCALE, schedule="wsd", warmdown_frac=SFT_WARMDOWN, why=SFT_WHY)
     validation.add_forgetting_args(p)
-    runs.add_init_args(p, ["midtrain", "pretrain"])
+    runs.add_init_args(p, ["midtrain", "pretrain"], lr_scale=SFT_LR_SCALE, schedule="wsd", warmdown_frac=SFT_WARMDOWN,
+                       why=SFT_WHY)
     args = parse_args(p, common.renamed_flags(argv, {"--init": "--checkpoint", "--question": "--sample_prompt"}))
     if args.status is None:
         args.budget_line = train_loop.resolve_budget(args, ["epochs", "steps"], default=("epochs", 1.0))
@@ -146,10 +146,10 @@ def packing(loaders):
             "padding": stats["padding"] / positions, "skipped": {k: int(stats[k]) for k in reasons}}
 
 
-def evaluate(model, tokenizer, args, rank, world, device, run_dir, batches, step):
-    loss = validation.chat_validation(model, tokenizer, args.sample_prompt or validation.CHAT_QUESTIONS, args.dtype, rank,
-                                      world, device, run_dir, batches, step)
-    return {"val_loss": loss}
+def evaluate(args, start, batches, step):
+    return {"val_loss": validation.chat_validation(start.model, start.tokenizer, args.sample_prompt or
+                                                   validation.CHAT_QUESTIONS, args.dtype, start.rank, start.world,
+                                                   start.device, start.run_dir, batches, step)}
 
 
 def plan(args, start):
@@ -177,28 +177,25 @@ def main(argv=None):
     if args.status:
         return train_loop.print_status(Path(args.status))
     s = runs.start_stage(args, "sft", ["midtrain", "pretrain"], partial(plan, args))
-    model, rank, world, device, run_dir, loaders, total_steps = (s.model, s.rank, s.world, s.device, s.run_dir,
-                                                                  s.loaders, s.total_steps)
-    train_model = train_loop.wrap_model(model, args, world, s.local_rank, device)
-    evaluator = partial(evaluate, model, s.tokenizer, args, rank, world, device, run_dir,
-                        validation.chat_val_batches(args.val_chat_dir or args.sources[0][0], s.tokenizer, s.seq_len,
-                                                    args.eval_rows))
-    signum = train_loop.train(args, model, train_model, s.optimizers, loaders, run_dir=run_dir, start=s.step,
-                              total_steps=total_steps, ckpt_meta=s.ckpt_meta, evaluate=evaluator,
-                              flops_per_token=flops_per_token(s.config), rank=rank, world=world, device=device)
+    train_model = train_loop.wrap_model(s.model, args, s.world, s.local_rank, s.device)
+    evaluator = partial(evaluate, args, s, validation.chat_val_batches(args.val_chat_dir or args.sources[0][0],
+                                                                       s.tokenizer, s.seq_len, args.eval_rows))
+    signum = train_loop.train(args, s.model, train_model, s.optimizers, s.loaders, run_dir=s.run_dir, start=s.step,
+                              total_steps=s.total_steps, ckpt_meta=s.ckpt_meta, evaluate=evaluator,
+                              flops_per_token=flops_per_token(s.config), rank=s.rank, world=s.world, device=s.device)
     if signum is None:
-        loss, rows = evaluator(total_steps)["val_loss"], packing(loaders)
-        kept = validation.forgetting(model, s.tokenizer, s.parent, s.parent_meta, args, rank, world, device)
-        if rank == 0:
-            train_loop.Metrics(run_dir / "metrics.jsonl", True).log({"step": total_steps, "final_val_loss": loss,
-                                                                     "pretrain_val_bpb": kept["val_bpb"]})
-            (run_dir / "done.json").write_text(json.dumps({"step": total_steps, "val_loss": loss, "rows": rows,
-                                                           "pretrain_val_bpb": kept}))
+        loss, rows = evaluator(s.total_steps)["val_loss"], packing(s.loaders)
+        kept = validation.forgetting(s.model, s.tokenizer, s.parent, s.parent_meta, args, s.rank, s.world, s.device)
+        if s.rank == 0:
+            train_loop.Metrics(s.run_dir / "metrics.jsonl", True).log({"step": s.total_steps, "final_val_loss": loss,
+                                                                       "pretrain_val_bpb": kept["val_bpb"]})
+            (s.run_dir / "done.json").write_text(json.dumps({"step": s.total_steps, "val_loss": loss, "rows": rows,
+                                                             "pretrain_val_bpb": kept}))
             print(validation.forgetting_line(kept))
             print(f"rows: {rows['tokens']:,} token positions, {rows['supervised']:.1%} supervised, "
                   f"{rows['padding']:.1%} padding; conversations skipped: {rows['skipped']}")
-            print(f"done: {total_steps} steps, val loss {loss:.4f}, run dir {run_dir}")
-    for loader in loaders:
+            print(f"done: {s.total_steps} steps, val loss {loss:.4f}, run dir {s.run_dir}")
+    for loader in s.loaders:
         loader.close()
     return signum
 
