@@ -377,7 +377,7 @@ def bench_generate(args, device):
             subprocess.run([sys.executable, str(Path(__file__).parent / "chat_eval.py"), "--checkpoint",
                             str(tmp / "runs" / "bench"), "--tasks", "demo-answer", "--max_items",
                             str(args.generate_items), "--max_new_tokens", str(args.generate_tokens), "--batch_items",
-                            str(batch_items), "--dtype", "float32", "--device", str(device), "--out", str(out)],
+                            str(batch_items), "--dtype", "float32", "--out", str(out)],
                            check=True, capture_output=True)
             report = json.loads(out.read_text())
             records[batch_items] = [json.loads(line) for line in out.with_name(out.stem + "_items.jsonl")
