@@ -681,7 +681,7 @@ def main(argv=None):
                         help="text corpus for the tokenizer benchmark (default: %(default)s)")
     parser.add_argument("--bundle", default=None, help="eval bundle directory for core_eval (default: the demo "
                         "world's)")
-    parser.add_argument("--generate_items", type=int, default=32, help="generate: demo-answer items (default: "
+    parser.add_argument("--generate_items", type=int, default=64, help="generate: demo-answer items (default: "
                         "%(default)s)")
     parser.add_argument("--generate_tokens", type=int, default=64, help="generate: max_new_tokens per reply "
                         "(default: %(default)s)")
