@@ -64,7 +64,8 @@ def decode_step(model, weights, token, pos, step, prompt_k, prompt_v, prompt_val
     by prompt (N = prompts x samples, a prompt's rows together). The cache has two parts: the prompts' keys and values,
     one copy per prompt, prompt_k, prompt_v (layer, prompt, kv head, slot, head dim) with prompt_valid (prompt, 1, 1,
     slot) marking each prompt's own slots; and the rows' new tokens, reply_k, reply_v (layer, prompt, kv head, sample,
-    slot, head dim), where every row writes its token at slot `step` ((1,) long tensor: rows advance together) and
+    slot, head dim), where every row writes its token at slot `step` (rows advance together; an int, or a (1,) long
+    tensor under torch.compile, which then does not specialize the graph on it) and
     attends over slots 0 .. step of width. A prompt's rows read its keys together, in one matrix product, rather than
     each a copy of them. The arithmetic is the model's forward with fewer, larger ops (model.lean_decode_step's, for
     N rows): q, k, v in one matmul against pre-transposed weights, q and k normalized and rotated together."""
@@ -98,8 +99,12 @@ def decode_step(model, weights, token, pos, step, prompt_k, prompt_v, prompt_val
         # apply_rotary's (x1 cos + x2 sin, x2 cos - x1 sin) as x * (cos, cos) + (x2, x1) * (sin, -sin): the same bits
         q_k = (q_k * cos + torch.cat([q_k[..., D // 2:], q_k[..., :D // 2]], -1) * sin).to(reply_k.dtype)
         # (prompt, sample, kv head, ...) -> (prompt, kv head, sample, ...): a prompt's rows side by side per head
-        reply_k[i].index_copy_(3, step, q_k[:, H:].view(Q, S, K, 1, D).transpose(1, 2))
-        reply_v[i].index_copy_(3, step, v.to(reply_v.dtype).view(Q, S, K, 1, D).transpose(1, 2))
+        new_k, new_v = q_k[:, H:].view(Q, S, K, 1, D).transpose(1, 2), v.to(reply_v.dtype).view(Q, S, K, 1, D)
+        if isinstance(step, int):  # eager: a plain slice copy (index_copy_ cost 10x more on the CPU)
+            reply_k[i, :, :, :, step:step + 1], reply_v[i, :, :, :, step:step + 1] = new_k, new_v.transpose(1, 2)
+        else:  # compiled: the slot is a tensor, so the graph is not specialized on it
+            reply_k[i].index_copy_(3, step, new_k)
+            reply_v[i].index_copy_(3, step, new_v.transpose(1, 2))
         q = q_k[:, :H].view(Q, S, K, G, D).transpose(1, 2)  # (prompt, kv head, sample, query head of the group, D)
         scores = torch.cat([(q.reshape(Q, K, S * G, D) @ prompt_k[i].transpose(-2, -1)),
                             (q @ reply_k[i, :, :, :, :width].transpose(-2, -1)).view(Q, K, S * G, width)], -1)
@@ -217,7 +222,9 @@ def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=Non
     prompt_valid = (torch.arange(prompt_width, device=device) < lengths.view(-1, 1)).view(-1, 1, 1, prompt_width)
     del keys, values
     shape = prompt_k.shape[:3] + (samples, reply_width) + prompt_k.shape[4:]
-    reply_k, reply_v = prompt_k.new_zeros(shape), prompt_k.new_zeros(shape)
+    # eager reads only the slots written so far; the compiled step reads them all, masked, and 0 x NaN is NaN
+    reply_k, reply_v = (prompt_k.new_zeros(shape), prompt_k.new_zeros(shape)) if compiled else \
+        (prompt_k.new_empty(shape), prompt_k.new_empty(shape))
     logits = logits.repeat_interleave(samples, 0)
 
     tokens, sampled, forced = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
@@ -249,8 +256,8 @@ def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=Non
         feed = torch.tensor([tokens[r][-1] for r in rows], device=device)
         pos = torch.tensor([min(len(prompts[r // samples]) + step, c.sequence_len - 1) for r in rows], device=device)
         width = reply_width if compiled else step + 1  # eager: attend over the filled reply slots only
-        logits = step_fn(model, weights, feed, pos, torch.tensor([step], device=device), prompt_k, prompt_v,
-                         prompt_valid, reply_k, reply_v, width)
+        logits = step_fn(model, weights, feed, pos, torch.tensor([step], device=device) if compiled else step,
+                         prompt_k, prompt_v, prompt_valid, reply_k, reply_v, width)
     return tokens, sampled
 
 
