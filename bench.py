@@ -377,7 +377,7 @@ def bench_generate(args, device):
             subprocess.run([sys.executable, str(Path(__file__).parent / "chat_eval.py"), "--checkpoint",
                             str(tmp / "runs" / "bench"), "--tasks", "demo-answer", "--max_items",
                             str(args.generate_items), "--max_new_tokens", str(args.generate_tokens), "--batch_items",
-                            str(batch_items), "--dtype", "float32", "--device", str(device), "--out", str(out)],
+                            str(batch_items), "--dtype", "float32", "--out", str(out)],
                            check=True, capture_output=True)
             report = json.loads(out.read_text())
             records[batch_items] = [json.loads(line) for line in out.with_name(out.stem + "_items.jsonl")
@@ -681,7 +681,7 @@ def main(argv=None):
                         help="text corpus for the tokenizer benchmark (default: %(default)s)")
     parser.add_argument("--bundle", default=None, help="eval bundle directory for core_eval (default: the demo "
                         "world's)")
-    parser.add_argument("--generate_items", type=int, default=32, help="generate: demo-answer items (default: "
+    parser.add_argument("--generate_items", type=int, default=64, help="generate: demo-answer items (default: "
                         "%(default)s)")
     parser.add_argument("--generate_tokens", type=int, default=64, help="generate: max_new_tokens per reply "
                         "(default: %(default)s)")

@@ -13,11 +13,29 @@ replies to each, and decodes every row in one forward per step:
   live rows, so finished rows stop costing;
 - on CUDA the step is compiled (torch.compile, the whole cache attended, masked, so that shapes change only with the
   batch); on the CPU it runs eager, attending over the filled slots only.
+
+Run alone it checks itself on a random-init model: greedy rows against model.generate one prompt at a time, and the
+tokens per second of each.
+
+    python decode.py                                   # tiny, 8 prompts of 5 to 60 tokens, 32 new tokens each
+    python decode.py --preset d12 --prompts 64 --dtype bfloat16 --device cuda
 """
+import argparse
+import sys
+import time
+
 import torch
 import torch.nn.functional as F
 
-from model import VE_GATE_CHANNELS, autocast_context, bitnet_activation, masked_attention, softcap_logits
+from model import (
+    VE_GATE_CHANNELS,
+    autocast_context,
+    bitnet_activation,
+    build_model,
+    config_from_preset,
+    generate,
+    softcap_logits,
+)
 
 
 def decode_weights(model, dtype="float32"):
@@ -41,14 +59,19 @@ def decode_weights(model, dtype="float32"):
             "cos": torch.cat([model.cos, model.cos], -1), "sin": torch.cat([model.sin, -model.sin], -1)}
 
 
-def decode_step(model, weights, token, pos, k_cache, v_cache, width):
-    """fp32 logits (B, vocab) of one token per row: token (B,) at pos (B,) (long tensors, each row its own). Writes the
-    rows' keys and values at their positions in k_cache, v_cache (layer, B, kv head, slot, head dim) and attends over
-    slots 0 .. width-1, each row over the slots <= its position. The arithmetic of the model's forward with fewer,
-    larger ops (model.lean_decode_step's, for B rows): q, k, v in one matmul against pre-transposed weights, q and k
-    normalized and rotated together."""
+def decode_step(model, weights, token, pos, step, prompt_k, prompt_v, prompt_valid, reply_k, reply_v, width):
+    """fp32 logits (N, vocab) of one token per row: token (N,) at pos (N,), each row its own position, rows grouped
+    by prompt (N = prompts x samples, a prompt's rows together). The cache has two parts: the prompts' keys and values,
+    one copy per prompt, prompt_k, prompt_v (layer, prompt, kv head, slot, head dim) with prompt_valid (prompt, 1, 1,
+    slot) marking each prompt's own slots; and the rows' new tokens, reply_k, reply_v (layer, prompt, kv head, sample,
+    slot, head dim), where every row writes its token at slot `step` (rows advance together; an int, or a (1,) long
+    tensor under torch.compile, which then does not specialize the graph on it) and
+    attends over slots 0 .. step of width. A prompt's rows read its keys together, in one matrix product, rather than
+    each a copy of them. The arithmetic is the model's forward with fewer, larger ops (model.lean_decode_step's, for
+    N rows): q, k, v in one matmul against pre-transposed weights, q and k normalized and rotated together."""
     c, eps, dtype = model.config, model.config.norm_eps, weights["dtype"]
-    H, K, D, B = c.n_head, c.n_kv_head, c.head_dim, token.size(0)
+    H, K, D, N, Q = c.n_head, c.n_kv_head, c.head_dim, token.size(0), prompt_k.size(1)
+    S, G = N // Q, c.n_head // c.n_kv_head
     quantize = bitnet_activation if c.bitnet else (lambda x: x)
 
     def norm(x, w):  # rms_norm in 4 small ops, in fp32
@@ -58,30 +81,40 @@ def decode_step(model, weights, token, pos, k_cache, v_cache, width):
     def mm(x, w):  # x @ w in the compute dtype, fp32 out
         return (quantize(x).to(dtype) @ w).float()
 
-    rows = torch.arange(B, device=token.device)
-    cos, sin = weights["cos"][pos].view(B, 1, D), weights["sin"][pos].view(B, 1, D)
-    valid = (torch.arange(width, device=token.device) <= pos.view(B, 1)).view(B, 1, 1, 1, width)
+    cos, sin = weights["cos"][pos].view(N, 1, D), weights["sin"][pos].view(N, 1, D)
+    valid = torch.cat([prompt_valid, (torch.arange(width, device=token.device) <= step).expand(Q, 1, 1, width)], -1)
     x = x0 = model.wte(token)
     for i, (wqkv, wo, wup, wgate, wdown, n_attn, n_mlp, n_q, n_k, w_ve) in enumerate(weights["blocks"]):
         x = model.mix_embedding(i, x, x0)
         h = norm(x, n_attn)
         qkv = mm(h, wqkv)
-        q_k, v = qkv[:, :(H + K) * D].view(B, H + K, D), qkv[:, (H + K) * D:].view(B, K, D)
+        q_k, v = qkv[:, :(H + K) * D].view(N, H + K, D), qkv[:, (H + K) * D:].view(N, K, D)
         if w_ve is not None:  # the value embedding, gated per KV head, joins the values
             gate = 3 * torch.sigmoid(mm(h[:, :VE_GATE_CHANNELS], w_ve))
-            v = v + model.value_embed(i, token).view(B, K, D) * gate.view(B, K, 1)
+            v = v + model.value_embed(i, token).view(N, K, D) * gate.view(N, K, 1)
         if c.qk_norm and n_q is None:  # weightless: one norm over q and k rows together
             q_k = norm(q_k, None)
         elif c.qk_norm:
             q_k = torch.cat([norm(q_k[:, :H], n_q), norm(q_k[:, H:], n_k)], 1)
         # apply_rotary's (x1 cos + x2 sin, x2 cos - x1 sin) as x * (cos, cos) + (x2, x1) * (sin, -sin): the same bits
-        q_k = (q_k * cos + torch.cat([q_k[..., D // 2:], q_k[..., :D // 2]], -1) * sin).to(k_cache.dtype)
-        k_cache[i, rows, :, pos] = q_k[:, H:]
-        v_cache[i, rows, :, pos] = v.to(v_cache.dtype)
-        y = masked_attention(q_k[:, :H].view(B, H, 1, D), k_cache[i, :, :, :width], v_cache[i, :, :, :width], valid)
-        x = x + mm(y.reshape(B, H * D), wo)
+        q_k = (q_k * cos + torch.cat([q_k[..., D // 2:], q_k[..., :D // 2]], -1) * sin).to(reply_k.dtype)
+        # (prompt, sample, kv head, ...) -> (prompt, kv head, sample, ...): a prompt's rows side by side per head
+        new_k, new_v = q_k[:, H:].view(Q, S, K, 1, D).transpose(1, 2), v.to(reply_v.dtype).view(Q, S, K, 1, D)
+        if isinstance(step, int):  # eager: a plain slice copy (index_copy_ cost 10x more on the CPU)
+            reply_k[i, :, :, :, step:step + 1], reply_v[i, :, :, :, step:step + 1] = new_k, new_v.transpose(1, 2)
+        else:  # compiled: the slot is a tensor, so the graph is not specialized on it
+            reply_k[i].index_copy_(3, step, new_k)
+            reply_v[i].index_copy_(3, step, new_v.transpose(1, 2))
+        q = q_k[:, :H].view(Q, S, K, G, D).transpose(1, 2)  # (prompt, kv head, sample, query head of the group, D)
+        scores = torch.cat([(q.reshape(Q, K, S * G, D) @ prompt_k[i].transpose(-2, -1)),
+                            (q @ reply_k[i, :, :, :, :width].transpose(-2, -1)).view(Q, K, S * G, width)], -1)
+        p = (scores.float() * D ** -0.5).masked_fill(~valid, float("-inf")).softmax(-1).to(reply_v.dtype)
+        P = prompt_k.size(3)
+        y = (p[..., :P] @ prompt_v[i]).view(Q, K, S, G, D) + p[..., P:].reshape(Q, K, S, G, width) @ \
+            reply_v[i, :, :, :, :width]
+        x = x + mm(y.transpose(1, 2).reshape(N, H * D), wo)
         h = norm(x, n_mlp)
-        h = F.silu(mm(h, wgate)) * mm(h, wup) if wgate is not None else F.relu(mm(h, wup)).square_()
+        h = F.silu(mm(h, wgate)) * mm(h, wup) if wgate is not None else F.relu_(mm(h, wup)).square_()
         x = x + mm(h, wdown)
     return softcap_logits(mm(norm(x, weights["norm_f"]), weights["head"]), c.logit_softcap)
 
@@ -170,7 +203,7 @@ def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=Non
         raise ValueError(f"tools: {len(tools)} given for {n} rows; pass one ToolUse per row, or None")
     compiled = device.type == "cuda" if compiled == "auto" else compiled
     weights = weights if weights is not None else decode_weights(model, dtype)
-    step = compiled_step() if compiled else decode_step
+    step_fn = compiled_step() if compiled else decode_step
     generator = torch.Generator(device=device)
     if seed is not None:
         generator.manual_seed(seed)
@@ -179,25 +212,28 @@ def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=Non
     stop = set(stop)
 
     keys, values, logits = prefill(model, prompts, dtype)
-    owner = torch.arange(len(prompts), device=device).repeat_interleave(samples)
-    slots = max(len(p) + b for p, b in zip(prompts, budgets))  # the last token is never fed: one slot to spare
-    if compiled:  # the compiled step attends the whole cache: a few lengths, so few recompilations
-        slots = min(c.sequence_len, -(-slots // 64) * 64)
-    k_cache = keys.new_zeros(keys.shape[:1] + (n,) + keys.shape[2:3] + (slots,) + keys.shape[4:], dtype=weights["dtype"])
-    v_cache = torch.zeros_like(k_cache)
-    k_cache[:, :, :, :keys.size(3)] = keys[:, owner].to(k_cache.dtype)
-    v_cache[:, :, :, :keys.size(3)] = values[:, owner].to(v_cache.dtype)
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    prompt_width, reply_width = keys.size(3), max(budgets)
+    if compiled:  # the compiled step attends whole caches: a few lengths, so few recompilations
+        prompt_width, reply_width = -(-prompt_width // 64) * 64, -(-reply_width // 64) * 64
+    shape = keys.shape[:3] + (prompt_width,) + keys.shape[4:]
+    prompt_k, prompt_v = keys.new_zeros(shape, dtype=weights["dtype"]), keys.new_zeros(shape, dtype=weights["dtype"])
+    prompt_k[:, :, :, :keys.size(3)], prompt_v[:, :, :, :keys.size(3)] = keys, values
+    prompt_valid = (torch.arange(prompt_width, device=device) < lengths.view(-1, 1)).view(-1, 1, 1, prompt_width)
     del keys, values
-    logits = logits[owner]
+    shape = prompt_k.shape[:3] + (samples, reply_width) + prompt_k.shape[4:]
+    # eager reads only the slots written so far; the compiled step reads them all, masked, and 0 x NaN is NaN
+    reply_k, reply_v = (prompt_k.new_zeros(shape), prompt_k.new_zeros(shape)) if compiled else \
+        (prompt_k.new_empty(shape), prompt_k.new_empty(shape))
+    logits = logits.repeat_interleave(samples, 0)
 
     tokens, sampled, forced = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
-    budget = [budgets[r // samples] for r in range(n)]
-    start = [len(prompts[r // samples]) for r in range(n)]  # the position of the row's first new token
-    live, done = list(range(n)), [False] * n  # live: the rows in the cache, in its order
-    while True:
+    done = [False] * n
+    live = list(range(len(prompts)))  # the prompts in the cache, in its order; their rows follow the same order
+    for step in range(max(budgets)):
         drawn = sample_rows(logits, temperature, top_k, generator).tolist()
-        for j, r in enumerate(live):
-            if done[r]:  # ended, not yet compacted away: its draws are dropped
+        for j, r in enumerate(r for q in live for r in range(q * samples, (q + 1) * samples)):
+            if done[r]:  # ended, its prompt's other rows not yet: its draws are dropped
                 continue
             own = not forced[r]
             token = drawn[j] if own else forced[r].pop(0)
@@ -205,17 +241,66 @@ def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=Non
                 forced[r] += tools[r](token)
             tokens[r].append(token)
             sampled[r].append(own)
-            done[r] = (own and token in stop) or len(tokens[r]) >= budget[r]
-        running = [j for j, r in enumerate(live) if not done[r]]
+            done[r] = (own and token in stop) or len(tokens[r]) >= budgets[r // samples]
+        running = [j for j, q in enumerate(live) if not all(done[q * samples:(q + 1) * samples])]
         if not running:
-            return tokens, sampled
-        if len(running) <= len(live) // 2:  # half the rows have ended: the cache keeps the others only
+            break
+        if len(running) <= len(live) // 2:  # half the prompts have ended: the cache keeps the others only
             keep = torch.tensor(running, device=device)
-            k_cache, v_cache = k_cache[:, keep], v_cache[:, keep]
+            prompt_k, prompt_v, prompt_valid = prompt_k[:, keep], prompt_v[:, keep], prompt_valid[keep]
+            reply_k, reply_v = reply_k[:, keep], reply_v[:, keep]
             live = [live[j] for j in running]
-        # each row feeds its last token at its position (an ended row repeats its last step, writing only its own
-        # slot, until the next compaction)
-        feed = torch.tensor([tokens[r][-1] for r in live], device=device)
-        at = [start[r] + len(tokens[r]) - 1 for r in live]
-        width = slots if compiled else max(at) + 1  # eager: attend over the filled slots only
-        logits = step(model, weights, feed, torch.tensor(at, device=device), k_cache, v_cache, width)
+        rows = [r for q in live for r in range(q * samples, (q + 1) * samples)]
+        # every row feeds its last token at reply slot `step` (an ended row repeats its last one: its results are
+        # dropped, and its position stays inside the rotary table)
+        feed = torch.tensor([tokens[r][-1] for r in rows], device=device)
+        pos = torch.tensor([min(len(prompts[r // samples]) + step, c.sequence_len - 1) for r in rows], device=device)
+        width = reply_width if compiled else step + 1  # eager: attend over the filled reply slots only
+        logits = step_fn(model, weights, feed, pos, torch.tensor([step], device=device) if compiled else step,
+                         prompt_k, prompt_v, prompt_valid, reply_k, reply_v, width)
+    return tokens, sampled
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="tiny", help="model preset, random weights (default: %(default)s)")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts decoded together (default: %(default)s)")
+    parser.add_argument("--max_new_tokens", type=int, default=32, help="greedy tokens per prompt (default: "
+                        "%(default)s)")
+    parser.add_argument("--compared", type=int, default=4, help="prompts also decoded one at a time by "
+                        "model.generate, the rest of the check's time (default: %(default)s)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype "
+                        "(default: %(default)s)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="device (default: "
+                        "%(default)s)")
+    args = parser.parse_args(argv)
+    if min(args.prompts, args.max_new_tokens, args.compared) < 1:
+        parser.error("--prompts, --max_new_tokens and --compared must be >= 1")
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    model = build_model(config_from_preset(args.preset), device).eval()
+    lengths = torch.randint(5, 61, (args.prompts,)).tolist()
+    prompts = [torch.randint(0, model.config.vocab_size, (n,)).tolist() for n in lengths]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    compared = prompts[:args.compared]
+    start = time.perf_counter()
+    alone = [list(generate(model, p, args.max_new_tokens, temperature=0, dtype=args.dtype)) for p in compared]
+    sync()
+    alone_s = time.perf_counter() - start
+    weights = decode_weights(model, args.dtype)
+    decode(model, prompts, args.max_new_tokens, dtype=args.dtype, weights=weights)  # compiles on CUDA
+    sync()
+    start = time.perf_counter()
+    rows, _ = decode(model, prompts, args.max_new_tokens, dtype=args.dtype, weights=weights)
+    sync()
+    batch_s = time.perf_counter() - start
+    same = sum(a == b for a, b in zip(rows, alone))
+    print(f"{args.preset} {args.dtype} on {device}: generate() one prompt at a time "
+          f"{len(compared) * args.max_new_tokens / alone_s:,.0f} tok/s; decode() {len(prompts)} prompts together "
+          f"{len(prompts) * args.max_new_tokens / batch_s:,.0f} tok/s; greedy rows equal to generate()'s: "
+          f"{same}/{len(compared)}")
+    return 0 if args.dtype != "float32" or same == len(compared) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

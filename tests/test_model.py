@@ -482,6 +482,22 @@ def test_batched_greedy_decoding_equals_generate_one_row_at_a_time(overrides):
     assert tokens == [t for t in expected for _ in range(2)]
 
 
+def test_the_fixed_shape_step_cuda_compiles_gives_the_same_greedy_rows(monkeypatch):
+    """The step as CUDA runs it (whole caches attended and masked, widths rounded up to 64, the slot a tensor), here
+    uncompiled on the CPU: the same greedy rows as generate(), tool and stop tokens included."""
+    import decode as D
+    monkeypatch.setattr(D, "compiled_step", lambda: D.decode_step)
+    torch.manual_seed(0)
+    model = build_model(small(n_kv_head=2)).eval()
+    prompts = [torch.randint(0, 512, (n,)).tolist() for n in (7, 1, 33)]
+    plain = [one_row(model, p, 30) for p in prompts]
+    trigger, stop = plain[0][3], {plain[1][5]}
+    expected = [one_row(model, p, 30, stop=stop, tools=Forcing(trigger, [9, 8, 7])) for p in prompts]
+    tokens, _ = D.decode(model, prompts, 30, samples=2, stop=stop, compiled=True,
+                         tools=[Forcing(trigger, [9, 8, 7]) for _ in range(6)])
+    assert tokens == [t for t in expected for _ in range(2)] and expected != plain
+
+
 def test_batched_sampling_is_seeded_and_its_rows_differ():
     import decode as D
     torch.manual_seed(0)
