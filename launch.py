@@ -251,6 +251,22 @@ def ask_python(python, program, pythonpath=None):
     return done.stdout.strip()
 
 
+# the modules requirements.txt installs, by import name: looked up (not imported) in the stages' interpreter
+REQUIRED_MODULES = ["torch", "numpy", "pyarrow", "tiktoken", "rustbpe", "requests", "huggingface_hub", "safetensors",
+                    "yaml", "matplotlib"]
+
+
+def check_packages(python):
+    """The stages' interpreter has every package requirements.txt names (versions are its own): with SPEEDRUN_PYTHON a
+    missing one (matplotlib, first imported by the report, the last stage) stops the run now, not hours in."""
+    program = f"import importlib.util as u; print(' '.join(m for m in {REQUIRED_MODULES!r} if u.find_spec(m) is None))"
+    missing = ask_python(python, program).split()
+    if missing:
+        raise Refused(f"{python} cannot import {', '.join(missing)} (requirements.txt): install them into it "
+                      f"(`{python} -m pip install -r {ROOT / 'requirements.txt'}`), or leave SPEEDRUN_PYTHON unset "
+                      f"to use .venv", 1)
+
+
 def nvidia_smi(*args):
     """nvidia-smi's output, or "" when it is not installed or fails."""
     if shutil.which("nvidia-smi") is None:
@@ -342,6 +358,7 @@ def setup(python, argv):
     sources it) and <run>/logs/launch.json (this file's later calls read it)."""
     flags = parse_flags(argv)
     run = run_dir(flags)
+    check_packages(python)
     check_gpus_free(flags["force"])
     seen = []  # torch's CUDA device count, asked once and only when needed (--gpus 0 never asks)
 

@@ -277,3 +277,22 @@ def test_pretrainings_output_gets_the_expected_time_once_on_the_terminal_and_not
     assert (run / "logs" / "pretrain.log").read_text() == "\n".join(lines) + "\n"
     assert launch.run_stage(str(run), "midtrain", printing) == 0  # only pretraining's
     assert "expected pretraining time left" not in capsys.readouterr().out
+
+
+def test_an_interpreter_without_a_required_package_stops_the_run_before_any_stage(tmp_path):
+    """SPEEDRUN_PYTHON whose site lacks matplotlib (which only the report, the last stage, imports): speedrun.sh
+    refuses at once, naming the package and the install command; the suite's own interpreter has them all."""
+    (tmp_path / "sitecustomize.py").write_text(  # this interpreter, with a matplotlib that cannot be found
+        "import importlib.util as u\nfind = u.find_spec\n"
+        "u.find_spec = lambda name, *a, **k: None if name == 'matplotlib' else find(name, *a, **k)\n")
+    stub = tmp_path / "python"
+    stub.write_text(f'#!/bin/sh\nPYTHONPATH={tmp_path} exec {sys.executable} "$@"\n')
+    stub.chmod(0o755)
+    with pytest.raises(launch.Refused, match=r"cannot import matplotlib \(requirements.txt\): install them into it"):
+        launch.check_packages(str(stub))
+    launch.check_packages(sys.executable)
+    done = subprocess.run(["bash", str(launch.ROOT / "speedrun.sh"), "--plan", "demo", "--no_chat", "--runs_dir",
+                           str(tmp_path / "runs")], env={**os.environ, "SPEEDRUN_PYTHON": str(stub)},
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 1 and "cannot import matplotlib" in done.stderr
+    assert not (tmp_path / "runs" / "speedrun" / "demo").exists()  # no stage ran
