@@ -67,7 +67,7 @@ USAGE = f"""usage: bash speedrun.sh [flags]
                       plan, where it lowered held-out accuracy: docs/rl.md)
   --stage_evals LIST  the stages whose final models get CORE and ChatCORE for the report's table of what each
                       stage taught, comma-separated, or none (default: {FLAG_DEFAULTS['stage_evals']}; a column left
-                      out says unknown)
+                      out says unknown; pretrain's model is a base model: CORE only, core_eval's, as nanochat)
   --no_chat           do not start chat.py at the end (it starts only when stdin is a terminal anyway)
   --rehearse          run every stage of the plan with its own command lines, data and world size, on a tiny budget
                       (a few steps or items each), into <run_name>-rehearsal; it ends with the report and one chat.py

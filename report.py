@@ -212,19 +212,24 @@ def per_stage_table(run):
     for task in core_tasks:
         row(f"CORE: {task} (accuracy)", lambda s, task=task: next(
             (figure(t["accuracy"]) for t in (core[s] or {}).get("tasks", []) if t["task"] == task), UNKNOWN))
-    row("ChatCORE", lambda s: figure((chat[s] or {}).get("chatcore")))
+    not_asked = "not asked (a base model)"  # pretrain's: CORE only, as nanochat (speedrun.sh runs no ChatCORE on it)
+
+    def chat_cell(s, value):
+        return not_asked if s == "pretrain" and chat[s] is None else value
+
+    row("ChatCORE", lambda s: chat_cell(s, figure((chat[s] or {}).get("chatcore"))))
     chat_tasks = list(dict.fromkeys(t["task"] for s in stages for t in (chat[s] or {}).get("tasks", [])))
     for task in chat_tasks:
         def task_cell(s, task=task):
             found = [t for t in (chat[s] or {}).get("tasks", []) if t["task"] == task]
-            return f"{found[0]['correct']}/{found[0]['items']}" if found else UNKNOWN
+            return chat_cell(s, f"{found[0]['correct']}/{found[0]['items']}" if found else UNKNOWN)
         extra = " (not in ChatCORE)" if any(t["task"] == task and t["centered"] is None
                                             for s in stages for t in (chat[s] or {}).get("tasks", [])) else ""
         row(f"{task}{extra}", task_cell)
     asked = list(dict.fromkeys(q for s in stages for q in sample_items(items[s])))
     for task, question in asked:
-        row(f"sample, {task}: {question}", lambda s, task=task, question=question: next(
-            (repr(sample_reply(i)) for i in items[s] if i["task"] == task and i["question"] == question), UNKNOWN))
+        row(f"sample, {task}: {question}", lambda s, task=task, question=question: chat_cell(s, next(
+            (repr(sample_reply(i)) for i in items[s] if i["task"] == task and i["question"] == question), UNKNOWN)))
     lines = ["| ability | " + " | ".join(stages) + " |", "|---|" + "---|" * len(stages)]
     return lines + ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows]
 
@@ -324,7 +329,8 @@ def write_report(run):
                    + f"; actual, the same stages: {actual / 3600:.2f} h."), ""]
     lines += ["## What each stage taught", "", ("Each column is a stage's final model, each cell computed from that "
               "model by the same command (core_eval.py, chat_eval.py; runs/<run>/stage_evals/<stage>/, the "
-              "pretrained model's CORE in core_eval/). Sample answers are greedy, with the calculator's calls shown as "
+              "pretrained model's CORE in core_eval/; a base model is asked CORE only, as nanochat asks it: it never ends "
+              "a reply, so ChatCORE's generated answers would run to their token cap on every item). Sample answers are greedy, with the calculator's calls shown as "
               "<<expr=result>>."), "", *per_stage_table(run), ""]
     lines += ["## Evaluation", ""]
     if core:

@@ -128,13 +128,13 @@ else FINAL=sft; skip rl "--rl off$([ "$PLAN" = demo ] && echo " (the demo plan's
 stage chat_eval --skip_if "$RUN/chat_eval.json" "${LAUNCH[@]}" "$ROOT/chat_eval.py" --checkpoint "$RUN/$FINAL" \
     --out "$RUN/chat_eval.json" "${CHAT_EVAL[@]}" "${CHAT_EVAL_EXTRA[@]}" "${R_CHAT_EVAL[@]}"
 # what each stage taught (report.py's table): CORE and ChatCORE of each --stage_evals stage's final model, into
-# stage_evals/<stage>/ (pretrain's CORE is core_eval's; the final model's ChatCORE is chat_eval's, copied)
-for name in pretrain midtrain sft rl; do
+# stage_evals/<stage>/; the final model's ChatCORE is chat_eval's, copied. The pretrained model is a base model: it
+# never ends a reply, so it gets CORE only (core_eval above), as nanochat scores base models
+for name in midtrain sft rl; do
     if [[ ",$STAGE_EVALS," != *",$name,"* ]] || ! compgen -G "$RUN/$name/ckpt/step_*" > /dev/null; then continue; fi
     E=$RUN/stage_evals/$name; "${L[@]}" reuse_chat_eval --run "$RUN" "$name"
-    if [ "$name" != pretrain ]; then stage "core_eval_$name" --skip_if "$E/core_eval/results.json" "${LAUNCH[@]}" \
-        "$ROOT/core_eval.py" --checkpoint "$RUN/$name" --out "$E/core_eval" --data_dir "$CORPUS" "${STAGE_CORE[@]}" \
-        "${CORE_EXTRA[@]}" "${R_CORE[@]}"; fi
+    stage "core_eval_$name" --skip_if "$E/core_eval/results.json" "${LAUNCH[@]}" "$ROOT/core_eval.py" --checkpoint \
+        "$RUN/$name" --out "$E/core_eval" --data_dir "$CORPUS" "${STAGE_CORE[@]}" "${CORE_EXTRA[@]}" "${R_CORE[@]}"
     stage "chat_eval_$name" --skip_if "$E/chat_eval.json" "${LAUNCH[@]}" "$ROOT/chat_eval.py" --checkpoint "$RUN/$name" \
         --out "$E/chat_eval.json" "${CHAT_EVAL[@]}" "${CHAT_EVAL_EXTRA[@]}" "${R_CHAT_EVAL[@]}"
 done

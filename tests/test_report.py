@@ -49,12 +49,16 @@ def test_the_per_stage_table_cells_equal_each_stage_models_own_evaluations(speed
     assert not (run / "stage_evals" / "midtrain").exists()
     for ability, cells in rows.items():
         assert cells["midtrain"] == "unknown", ability
+    # the pretrained model is a base model: CORE only; each ChatCORE cell says it was not asked
+    assert not (run / "stage_evals" / "pretrain" / "chat_eval.json").exists()
+    for ability, cells in rows.items():
+        if not ability.startswith(("pretraining val bpb", "CORE")):
+            assert cells["pretrain"] == "not asked (a base model)", ability
     for stage in ("pretrain", "sft"):
         where = run / "stage_evals" / stage
         core = json.loads(((run / "core_eval") if stage == "pretrain" else where / "core_eval")
                           .joinpath("results.json").read_text())
-        chat = json.loads((where / "chat_eval.json").read_text())
-        assert Path(core["checkpoint"]).parent.parent == Path(chat["checkpoint"]).parent.parent == run / stage
+        assert Path(core["checkpoint"]).parent.parent == run / stage
         assert rows["pretraining val bpb"][stage] == f"{core['val_bpb']:.4f}"
         assert rows["CORE"][stage] == f"{core['core']:.4f}"
         core_items = [json.loads(line) for line in
@@ -63,6 +67,10 @@ def test_the_per_stage_table_cells_equal_each_stage_models_own_evaluations(speed
         for task in core["tasks"]:
             right = [i["correct"] for i in core_items if i["task"] == task["task"]]
             assert rows[f"CORE: {task['task']} (accuracy)"][stage] == f"{sum(right) / len(right):.4f}"
+        if stage == "pretrain":
+            continue
+        chat = json.loads((where / "chat_eval.json").read_text())
+        assert Path(chat["checkpoint"]).parent.parent == run / stage
         assert rows["ChatCORE"][stage] == f"{chat['chatcore']:.4f}"
         items = [json.loads(line) for line in (where / "chat_eval_items.jsonl").read_text().splitlines()]
         assert {t["task"] for t in chat["tasks"]} == {"demo-choice", "demo-answer", "demo-words"}
@@ -101,8 +109,9 @@ def test_a_later_stage_gets_its_column_by_itself(tmp_path):
     assert lines[0] == "| ability | pretrain | midtrain | sft | rl |"
     assert "| pretraining val bpb | 0.5000 | unknown | unknown | 0.6250 |" in lines
     assert "| CORE: t (accuracy) | 0.7500 | unknown | unknown | 0.7500 |" in lines
-    assert "| demo-answer | unknown | unknown | unknown | 3/4 |" in lines
-    assert "| sample, demo-answer: What is 17 plus 25? | unknown | unknown | unknown | '<<17+25=42>>42' |" in lines
+    assert "| demo-answer | not asked (a base model) | unknown | unknown | 3/4 |" in lines
+    assert "| sample, demo-answer: What is 17 plus 25? | not asked (a base model) | unknown | unknown | " \
+        "'<<17+25=42>>42' |" in lines
     shutil.rmtree(run / "rl")
     assert per_stage_table(run)[0] == "| ability | pretrain | midtrain | sft |"
 

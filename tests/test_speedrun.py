@@ -46,9 +46,9 @@ def test_the_pipeline_ran_every_stage_and_the_report_shows_the_logs_figures(spee
     run, result = speedrun
     ran = [line.split("\t") for line in (run / "logs" / "stages.tsv").read_text().splitlines()]
     # the demo plan runs no rl by default; --stage_evals pretrain,sft: the final model's ChatCORE is chat_eval's,
-    # copied, and pretrain's CORE is core_eval's
+    # copied, and pretrain's CORE is core_eval's (a base model gets no ChatCORE)
     assert [name for name, _, rc in ran if rc == "0"] == ["pretrain", "core_eval", "midtrain", "sft", "chat_eval",
-                                                          "chat_eval_pretrain", "core_eval_sft", "report"], ran
+                                                          "core_eval_sft", "report"], ran
     assert "stage rl skipped: --rl off (the demo plan's default: on the demo world it lowered held-out accuracy" in \
         result.stdout
     assert "stage_evals/sft/chat_eval.json: chat_eval's, of the same checkpoint" in result.stdout
@@ -484,8 +484,8 @@ def test_a_half_installed_venv_is_repaired_and_a_completed_install_is_recorded(t
 
 
 REHEARSAL_STAGES = ["preflight", "chatcore_tasks", "data", "tokenizer", "data_plan", "download", "pretrain",
-                    "core_eval", "midtrain", "sft", "rl", "chat_eval", "chat_eval_pretrain", "core_eval_rl", "report",
-                    "chat"]  # --stage_evals pretrain,rl: a base model's ChatCORE, and the gpu plan's CORE of a later stage
+                    "core_eval", "midtrain", "sft", "rl", "chat_eval", "core_eval_rl", "report", "chat",
+                    "predict"]  # --stage_evals pretrain,rl: the gpu plan's CORE of a later stage (a base model: CORE only)
 
 
 @pytest.fixture(scope="module")
