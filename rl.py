@@ -123,6 +123,13 @@ def sampling_seed(*keys):
     return hash(keys) % 2 ** 62  # a tuple of ints hashes the same in every process (no PYTHONHASHSEED for ints)
 
 
+def eta_seconds(step, total_steps, eval_every, step_s, eval_s):
+    """Seconds left after `step` steps: the steps left at step_s each, and the held-out evaluations left at eval_s
+    each (one every eval_every steps before the last, and the final one)."""
+    between = len(range((step // eval_every + 1) * eval_every, total_steps, eval_every)) if eval_every else 0
+    return (total_steps - step) * step_s + (between + 1) * eval_s
+
+
 # -----------------------------------------------------------------------------
 # Rollouts
 
@@ -343,10 +350,14 @@ def main(argv=None):
     train_threads = torch.get_num_threads()
     rollout_threads = CPU_ROLLOUT_THREADS if device.type == "cpu" else train_threads
 
+    eval_seconds, train_seconds = [], 0.0  # the ETA's two rates: a training step, a held-out evaluation
+
     def held_out_eval(step):
+        t0 = time.perf_counter()
         torch.set_num_threads(rollout_threads)
         result = evaluate(model, tokenizer, held_out, args, rank, world, step)
         torch.set_num_threads(train_threads)
+        eval_seconds.append(time.perf_counter() - t0)
         if master:
             print(f"held out at step {step}: {held_out_line(result)}", flush=True)
         return {"held_out": result}
@@ -355,7 +366,7 @@ def main(argv=None):
         (run_dir / "metrics.jsonl").unlink()  # an earlier start without a checkpoint: its lines would count twice
     if start == 0:
         metrics.log({"step": 0, **held_out_eval(0)})
-    run_start, pad_id = time.perf_counter(), tokenizer.bos_id
+    pad_id = tokenizer.bos_id
     for step in range(start, total_steps):
         t0 = time.perf_counter()
         lr_mult, _ = optim.apply_schedule(optimizers, step, total_steps, args)
@@ -399,12 +410,13 @@ def main(argv=None):
                   "tok_per_s": sums[3] / (time.perf_counter() - t0), "rollout_time": rollout, "lr_mult": lr_mult,
                   "grad_norm": grad_norm, "step_time": time.perf_counter() - t0, "mfu": "unknown",
                   "reward_by_rule": rule_means}
-        last = step + 1 == total_steps
+        last, train_seconds = step + 1 == total_steps, train_seconds + record["step_time"]
         if args.eval_every and (step + 1) % args.eval_every == 0 and not last:
             record.update(held_out_eval(step + 1))
         metrics.log(record)
         if master and ((step + 1) % args.log_every == 0 or last or step == start):
-            eta = (time.perf_counter() - run_start) / (step + 1 - start) * (total_steps - step - 1)
+            eta = eta_seconds(step + 1, total_steps, args.eval_every, train_seconds / (step + 1 - start),
+                              sum(eval_seconds) / len(eval_seconds) if eval_seconds else 0.0)
             print(f"step {step + 1}/{total_steps} reward {record['reward']:.3f} loss {loss:+.5f} reply "
                   f"{record['reply_tokens']:.1f} tokens, {record['sampled_tok_per_s']:,.0f} sampled tok/s, lr x"
                   f"{lr_mult:.3f} gnorm {grad_norm:.3f} ETA {common.fmt_duration(eta)}", flush=True)

@@ -211,3 +211,12 @@ def test_a_reward_that_rose_while_held_out_accuracy_fell_is_said_so_and_the_repo
     assert "RL: mean reward 0.000 -> 0.100 (first and last fifth of its steps), held-out pass@1 0.500 -> 0.250: the " \
            "reward ROSE while held-out accuracy FELL" in md
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_eta_counts_the_held_out_evaluations_still_to_come():
+    """The gpu plan's rl (468 steps, held-out evaluations every 60 and at the end): after step 1 the ETA holds 467
+    steps and 8 evaluations (60, 120, ... 420, and the final one), after step 60 it holds 7, after 420 only the final."""
+    assert rl.eta_seconds(1, 468, 60, 2.0, 30.0) == 467 * 2.0 + 8 * 30.0
+    assert rl.eta_seconds(60, 468, 60, 2.0, 30.0) == 408 * 2.0 + 7 * 30.0
+    assert rl.eta_seconds(420, 468, 60, 2.0, 30.0) == 48 * 2.0 + 1 * 30.0
+    assert rl.eta_seconds(3, 10, 0, 1.0, 5.0) == 7 * 1.0 + 5.0  # --eval_every 0: the final evaluation only
