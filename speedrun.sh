@@ -59,7 +59,7 @@ else
     CHAT_EVAL=(--demo none)
     STAGE_CORE=()
 fi
-# a step's tokens must split over the processes (not 524,288 over 3 GPUs): refused now, not after hours of downloads
+# a step's tokens over the processes: the nearest batch that splits (3 GPUs), or a refusal now, not hours later
 if [ "$PLAN" = gpu ] && [ "$PROBE_ONLY" = 0 ]; then "$PY" "$ROOT/pretrain.py" --check_batch "$NPROC" \
     "${GPU_BUDGET[@]}" "${PRETRAIN_EXTRA[@]}" | sed 's/^/speedrun: /' | tee -a "$LOGS/speedrun.log"; fi
 # NCCL (GPUs): a timed all-reduce; on a hang or failure the safe flags, the defaults probed again before each stage

@@ -202,6 +202,28 @@ def probe_step(model, optimizers, seq_len, vocab_size, dtype, device):
     return try_step
 
 
+def nearest_batch(total, seq_len, world, within=0.03):
+    """Tokens a step that split into whole sequences over `world` ranks, nearest --total_batch_tokens: total itself when
+    it does; else the per-rank sequences within `within` of the asked whose largest power-of-two divisor is largest (a
+    micro-batch that fits then cuts it into few accumulation steps), the nearer on a tie; None when none is that near.
+    524,288 over 3 x 2048: 84 sequences a rank, 516,096 (-1.6%); over 5: 52, 532,480; 6: 42; 7: 36."""
+    unit = seq_len * world
+    if total % unit == 0:
+        return total
+    want = total / unit
+    options = range(max(1, math.ceil(want * (1 - within))), math.floor(want * (1 + within)) + 1)
+    return max(options, key=lambda s: (s & -s, -abs(s - want))) * unit if options else None
+
+
+def batch_line(total, used, seq_len, world):
+    """What plan_batch says when it uses `used` tokens a step for --total_batch_tokens `total`."""
+    from optim import BATCH_EXPONENT
+    return (f"batch: --total_batch_tokens {total:,} is not a whole number of sequence_len {seq_len} x {world} processes: "
+            f"{used:,} tokens a step instead ({100 * (used / total - 1):+.1f}%, {used // (seq_len * world)} sequences "
+            f"a process); a token budget takes as many more steps, and the AdamW lrs of the embeddings, head and "
+            f"scalars follow the batch (x{(used / total) ** BATCH_EXPONENT:.4f}, optim.py)")
+
+
 def check_batch_divides(total, seq_len, world, micro=0):
     """--total_batch_tokens must be a whole number of (micro_batch x) sequence_len x world tokens, else no micro-batch
     fits and pretraining fails at its start, after the downloads. Returns the line saying it does; raises a ValueError
@@ -210,6 +232,8 @@ def check_batch_divides(total, seq_len, world, micro=0):
     what = f"{f'micro_batch {micro} x ' if micro else ''}sequence_len {seq_len} x {world} processes = {unit:,}"
     if total % unit == 0:
         return f"batch: {total:,} tokens a step = {total // unit} x {what}: it divides"
+    if not micro and nearest_batch(total, seq_len, world):  # plan_batch will use the nearest that divides
+        return batch_line(total, nearest_batch(total, seq_len, world), seq_len, world)
     counts = [str(n) for n in range(1, world) if total % ((micro or 1) * seq_len * n) == 0]  # fewer GPUs that work
     lo, hi = total // unit * unit, (total // unit + 1) * unit
     fixes = [f"--gpus {', '.join(counts[:-1])} or {counts[-1]}" if len(counts) > 1 else f"--gpus {counts[0]}"] \
@@ -236,6 +260,10 @@ def plan_batch(args, config, world, model, device, resume_from=None, parent_meta
     accumulate=False (rl.py): none, its batch is its replies."""
     seq_len, total = config.sequence_len, args.total_batch_tokens if accumulate else None
     master = not dist.is_initialized() or dist.get_rank() == 0
+    if total and not args.micro_batch and nearest_batch(total, seq_len, world) not in (None, total):
+        if master:  # 3, 5, 6 or 7 GPUs: the nearest batch that splits, said (an explicit --micro_batch is refused below)
+            print(batch_line(total, nearest_batch(total, seq_len, world), seq_len, world))
+        total = nearest_batch(total, seq_len, world)
     resumed = saved_layout(resume_from)["micro_batch"] if resume_from else None
     parents = ((parent_meta or {}).get("hparams") or {}).get("micro_batch")
     if args.micro_batch:

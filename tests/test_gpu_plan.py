@@ -224,17 +224,44 @@ def test_gpus_n_that_torch_cannot_see_stop_the_run_before_any_stage(tmp_path):
     assert "stage " not in result.stdout
 
 
-def test_a_batch_that_does_not_split_over_3_gpus_is_refused_before_any_download(tmp_path):
-    """524,288 tokens a step over 3 GPUs x 2048: no micro-batch fits. Refused in the first seconds, naming the GPU
-    counts and the totals that work (before: pretraining failed after the downloads and the tokenizer)."""
+def test_a_given_micro_batch_that_cannot_split_over_3_gpus_is_refused_before_any_download(tmp_path):
+    """524,288 tokens a step over 3 GPUs at PRETRAIN_ARGS="--micro_batch 16" (16 x 2048 x 3 = 98,304 a micro-step): no
+    accumulation makes the total. Refused in the first seconds, naming the GPU counts and the totals that work
+    (before: pretraining failed after the downloads and the tokenizer)."""
     from helpers import run_speedrun
-    env = {"SPEEDRUN_PYTHON": str(python_seeing_gpus(tmp_path, 3)), "SPEEDRUN_PROBE_CMD": "exit 0"}
+    env = {"SPEEDRUN_PYTHON": str(python_seeing_gpus(tmp_path, 3)), "SPEEDRUN_PROBE_CMD": "exit 0",
+           "PRETRAIN_ARGS": "--micro_batch 16"}
     result = run_speedrun(["--plan", "gpu", "--gpus", "3", "--runs_dir", tmp_path], tmp_path, env, timeout=120)
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "--total_batch_tokens 524,288 is not a multiple of sequence_len 2048 x 3 processes = 6,144: no micro-batch " \
-           "fits, so pretraining would fail at its start. Use --gpus 1 or 2, or PRETRAIN_ARGS=\"--total_batch_tokens " \
-           "522240\" (or 528384) with 3 processes" in result.stderr
+    assert "--total_batch_tokens 524,288 is not a multiple of micro_batch 16 x sequence_len 2048 x 3 processes = " \
+           "98,304, so pretraining would fail at its start. Use --gpus 1 or 2, or PRETRAIN_ARGS=\"--total_batch_tokens " \
+           "491520\" (or 589824) with 3 processes" in result.stderr
     assert "stage preflight" not in result.stdout and "NCCL" not in result.stdout  # before the probe, too
+
+
+def test_on_3_5_6_or_7_gpus_the_plan_takes_the_nearest_batch_that_splits_and_says_so(capsys):
+    """524,288 tokens a step is not a whole number of 2048-token sequences over 3, 5, 6 or 7 processes: the plan uses
+    the nearest total within 3% whose per-process sequences have the largest power-of-two divisor, says so with the lr
+    consequence, and plan_batch (CPU: the whole per-rank batch) runs it; 1, 2, 4 and 8 keep 524,288."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import train_loop
+    from model import config_from_preset
+    assert {n: train_loop.nearest_batch(524_288, 2048, n) for n in range(1, 9)} == {
+        1: 524_288, 2: 524_288, 3: 516_096, 4: 524_288, 5: 532_480, 6: 516_096, 7: 516_096, 8: 524_288}
+    assert train_loop.nearest_batch(4096, 2048, 3) is None  # 0.67 sequences a process: none within 3%
+    pretrain.main(["--preset", "d20", "--tokens_per_param", "20", "--total_batch_tokens", "524288", "--check_batch", "3"])
+    said = capsys.readouterr().out
+    assert said == ("batch: --total_batch_tokens 524,288 is not a whole number of sequence_len 2048 x 3 processes: "
+                    "516,096 tokens a step instead (-1.6%, 84 sequences a process); a token budget takes as many more "
+                    "steps, and the AdamW lrs of the embeddings, head and scalars follow the batch (x0.9980, optim.py)\n")
+    config = config_from_preset("tiny", {"vocab_size": 256, "sequence_len": 2048})
+    args = SimpleNamespace(total_batch_tokens=524_288, micro_batch=0)
+    micro, accum, _ = train_loop.plan_batch(args, config, 3, None, torch.device("cpu"))
+    assert micro * accum * 2048 * 3 == 516_096
+    assert capsys.readouterr().out == said
 
 
 def test_the_batch_check_passes_the_totals_it_names_and_counts_a_given_micro_batch(capsys):
