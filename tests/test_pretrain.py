@@ -117,8 +117,8 @@ def test_two_processes_match_one_with_the_same_global_batch(straight, killed):
     assert "sharding: FSDP2 over 2 ranks (--fsdp true:" in killed[0].stdout
 
 
-def test_a_sharded_checkpoint_of_two_processes_resumes_on_one_bitwise_and_consolidates(world, killed, tmp_path,
-                                                                                        capsys):
+def test_a_sharded_checkpoint_of_two_processes_resumes_on_one_bitwise_and_consolidates(world, straight, killed,
+                                                                                        tmp_path, capsys):
     """A copy of killed2 (2 sharded processes x 1 micro-step) resumes on 1 process x 2 micro-steps: the same 2 data
     streams, the same losses, bitwise."""
     step12, step14 = (world / "runs" / "killed2" / "ckpt" / f"step_0000{s}" for s in (12, 14))
