@@ -160,7 +160,7 @@ def sample_rows(logits, temperature, top_k, generator):
     if temperature == 0:
         return logits.argmax(dim=-1)
     if top_k and top_k < logits.size(-1):
-        values, indices = torch.topk(logits, top_k, dim=-1)
+        values, indices = torch.topk(logits, top_k, dim=-1, sorted=False)
         drawn = torch.multinomial(torch.softmax(values / temperature, dim=-1), 1, generator=generator)
         return indices.gather(-1, drawn).view(-1)
     return torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator).view(-1)

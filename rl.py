@@ -148,8 +148,8 @@ def sample_groups(model, tokenizer, prompts, n, max_new_tokens, temperature, top
 @torch.no_grad()
 def sample_group(model, tokenizer, prompt, n, max_new_tokens, temperature, top_k, seed, dtype):
     """n replies to one prompt, as one batch: the rollouts before sample_groups, kept as bench.py's baseline.
-    model.generate's sampling (sample_next, the KV cache, calculator.ToolUse for the calculator) for n rows at once. A row whose tool call returned a result is fed those tokens, one per
-    forward, while the other rows sample theirs. Returns (replies, sampled): each row's tokens up to and with its
+    model.generate's sampling (sample_next, the KV cache, calculator.ToolUse for the calculator) for n rows at once.
+    A row whose tool call returned a result is fed those tokens, one per forward, while the other rows sample theirs. Returns (replies, sampled): each row's tokens up to and with its
     <|assistant_end|>, and per token whether the model sampled it (True) or the calculator's output was fed (False)."""
     device = model.cos.device
     budget = min(max_new_tokens, model.config.sequence_len - len(prompt))
