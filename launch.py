@@ -872,7 +872,10 @@ def rehearsal_due(run, rehearsal, no_rehearse):
 
 
 def rehearsal_passed(run, rehearsal):
-    """After the rehearsal stage: its checkpoints deleted (the real run needs the disk), what it cost said."""
+    """After the rehearsal stage: its prediction of this run's cost (plan_cost.py's) copied to <run>/predicted.json
+    for the report, its checkpoints deleted (the real run needs the disk), what it cost said."""
+    if Path(rehearsal, "plan_cost.json").is_file():
+        shutil.copy(Path(rehearsal, "plan_cost.json"), Path(run, "predicted.json"))
     ckpts = [Path(p) for p in sorted(glob(f"{rehearsal}/*/ckpt"))]
     freed = sum(f.stat().st_size for ckpt in ckpts for f in ckpt.rglob("*") if f.is_file())
     for ckpt in ckpts:

@@ -103,11 +103,11 @@ def stage_figures(run, name, times, predicted=None):
     elif "val_loss" in done:
         validation = f"val loss {done['val_loss']:.4f}"
     else:  # rl: no validation loss; its held-out pass@1 at the end
-        validation = f"held-out pass@1 {done['held_out_pass@1_last']:.3f}"
+        validation = f"held-out pass@1 {done['held_out_pass@1_last']:.3f}" if "held_out_pass@1_last" in done else UNKNOWN
     return {
         "stage": name,
         "data": data_of(config),
-        "steps": str(done["step"]) if done else UNKNOWN,
+        "steps": str(done.get("step", UNKNOWN)) if done else UNKNOWN,
         "wall time (s)": f"{times[name]:.1f}" if name in times else UNKNOWN,
         **({"predicted (s)": predicted_cell(predicted, name)} if predicted else {}),
         "tokens": f"{steps[-1]['tokens']:,}" if steps else UNKNOWN,
