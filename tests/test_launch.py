@@ -296,3 +296,19 @@ def test_an_interpreter_without_a_required_package_stops_the_run_before_any_stag
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 1 and "cannot import matplotlib" in done.stderr
     assert not (tmp_path / "runs" / "speedrun" / "demo").exists()  # no stage ran
+
+
+def test_a_passed_rehearsal_hands_its_prediction_to_the_run_and_frees_its_checkpoints(tmp_path, capsys):
+    """The gpu plan: the rehearsal's plan_cost.json becomes the real run's predicted.json (report.py reads it there),
+    and the rehearsal's checkpoints are deleted, their size said."""
+    run, rehearsal = tmp_path / "speedrun", tmp_path / "speedrun-rehearsal"
+    (run / "logs").mkdir(parents=True)
+    (run / "logs" / "stages.tsv").write_text("rehearsal\t61.5\t0\n")
+    (rehearsal / "pretrain" / "ckpt" / "step_000003").mkdir(parents=True)
+    (rehearsal / "pretrain" / "ckpt" / "step_000003" / "model.pt").write_bytes(b"x" * 2_000_000)
+    (rehearsal / "plan_cost.json").write_text('{"hours": 3.5}')
+    launch.rehearsal_passed(str(run), str(rehearsal))
+    assert json.loads((run / "predicted.json").read_text()) == {"hours": 3.5}
+    assert not (rehearsal / "pretrain" / "ckpt").exists()
+    assert "the rehearsal cost 61.5 s before pretraining; every stage passed" in capsys.readouterr().out
+    assert "its checkpoints deleted: 0.0 GB" in (run / "logs" / "speedrun.log").read_text()
