@@ -439,8 +439,8 @@ def main(argv=None):
     if "HumanEval" in asked:
         level, why = sandbox.choose(args.sandbox)  # never the process level unless asked for
         contained = sandbox.describe(level, why)
-    loaded = tasks.fetch_everywhere(lambda: {t: tasks.load_items(t, args.cache_dir, demo_dir, args.max_items)
-                                             for t in asked}, rank, world)
+    loaded = distributed.fetch_everywhere(lambda: {t: tasks.load_items(t, args.cache_dir, demo_dir, args.max_items)
+                                                   for t in asked}, rank, world)
     if rank == 0:
         print(f"checkpoint: {ckpt} (stage {meta.get('stage') or 'unknown'}, step {meta.get('step', 'unknown')}, "
               f"{num_params(model.config):,} parameters); tokenizer {tokenizer_path}")

@@ -265,6 +265,24 @@ def pick_checkpoint(args, order=PICK_ORDER):
                             f"runs/<run> (or --runs_dir DIR)")
 
 
+def pretraining_run(checkpoint, meta):
+    """(data_dir, sequence_len, eval_tokens) of the pretraining run a checkpoint descends from, following each
+    meta.json's parent; None where a link is missing (a parent moved or deleted, or written before it was
+    recorded)."""
+    while meta.get("stage") != "pretrain":
+        path = (meta.get("parent") or {}).get("path")
+        if path is None or not (Path(path) / "meta.json").is_file():
+            return None
+        checkpoint, meta = path, json.loads((Path(path) / "meta.json").read_text())
+    config = Path(checkpoint).parent.parent / "config.json"
+    recorded = json.loads(config.read_text()).get("args", {}) if config.is_file() else {}
+    eval_tokens = recorded.get("bpb_tokens", recorded.get("eval_tokens"))  # a run made before the rename: the old name
+    seq_len = (meta.get("hparams") or {}).get("sequence_len")
+    if not meta.get("data_dir") or not seq_len:
+        return None
+    return meta["data_dir"], seq_len, eval_tokens
+
+
 def load_model(path, device):
     """(model in eval mode, meta) from a checkpoint's model.pt and meta.json, on any number of processes (the rank
     files, which a resume needs, are not read)."""
@@ -305,12 +323,19 @@ def check_tokenizer(meta, tokenizer, tokenizer_path, checkpoint):
                          f"that one with --tokenizer")
 
 
+def check_chat_tokenizer(tokenizer, tokenizer_path):
+    """A chat stage needs the chat special tokens; a tokenizer without them cannot render a conversation."""
+    missing = [name for name in SPECIAL_TOKENS if name not in tokenizer.special_tokens]
+    if missing:
+        raise ValueError(f"tokenizer {tokenizer_path} lacks the chat special tokens {', '.join(missing)}: train one "
+                         f"with tokenizer.py (it adds {', '.join(SPECIAL_TOKENS)}) and pretrain with it")
+
+
 # -----------------------------------------------------------------------------
 # Resuming: a checkpoint's layout, the run's state restored from it, and the exact command that resumes a run
 
 def saved_layout(path):
-    """The layout a checkpoint's meta.json records, the one place it is read: model_config, world_size, micro_batch
-    and accum (what a resume must match, and the micro-batch a resume with --micro_batch 0 takes), step, sharded."""
+    """What a resume must match (and plan_batch's micro-batch on --resume), read here only: the meta.json layout."""
     meta = json.loads((Path(path) / "meta.json").read_text())
     return {key: meta.get(key) for key in ("model_config", "world_size", "micro_batch", "accum", "step", "sharded")}
 
@@ -381,35 +406,6 @@ def truncate_metrics(path, last_step):
     if path.is_file():
         lines = [line for line in path.read_text().splitlines() if json.loads(line).get("step", 0) <= last_step]
         path.write_text("".join(line + "\n" for line in lines))
-
-
-# -----------------------------------------------------------------------------
-# A checkpoint's lineage: every meta.json records its stage, hyperparameters ("hparams") and parent (runs.py)
-
-def pretraining_run(checkpoint, meta):
-    """(data_dir, sequence_len, eval_tokens) of the pretraining run a checkpoint descends from, following each
-    meta.json's parent; None where a link is missing (a parent moved or deleted, or written before it was
-    recorded)."""
-    while meta.get("stage") != "pretrain":
-        path = (meta.get("parent") or {}).get("path")
-        if path is None or not (Path(path) / "meta.json").is_file():
-            return None
-        checkpoint, meta = path, json.loads((Path(path) / "meta.json").read_text())
-    config = Path(checkpoint).parent.parent / "config.json"
-    recorded = json.loads(config.read_text()).get("args", {}) if config.is_file() else {}
-    eval_tokens = recorded.get("bpb_tokens", recorded.get("eval_tokens"))  # a run made before the rename: the old name
-    seq_len = (meta.get("hparams") or {}).get("sequence_len")
-    if not meta.get("data_dir") or not seq_len:
-        return None
-    return meta["data_dir"], seq_len, eval_tokens
-
-
-def check_chat_tokenizer(tokenizer, tokenizer_path):
-    """A chat stage needs the chat special tokens; a tokenizer without them cannot render a conversation."""
-    missing = [name for name in SPECIAL_TOKENS if name not in tokenizer.special_tokens]
-    if missing:
-        raise ValueError(f"tokenizer {tokenizer_path} lacks the chat special tokens {', '.join(missing)}: train one "
-                         f"with tokenizer.py (it adds {', '.join(SPECIAL_TOKENS)}) and pretrain with it")
 
 
 def main(argv=None):

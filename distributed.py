@@ -154,6 +154,24 @@ def probe_all_reduce(timeout_s, mbytes=PROBE_MBYTES, iters=5):
     return 0 if ok else 1
 
 
+def fetch_everywhere(fetch, rank, world):
+    """fetch() on rank 0 first (it downloads), then on the others (they find the cache); rank 0's failure is raised
+    on every rank rather than leaving the others waiting for files that will not come."""
+    result = failure = None
+    if rank == 0:
+        try:
+            result = fetch()
+        except (RuntimeError, ValueError, OSError) as e:
+            failure = e
+    if world > 1:
+        shared = [failure and str(failure)]
+        dist.broadcast_object_list(shared, src=0)
+        failure = failure or (shared[0] and RuntimeError(shared[0]))
+    if failure:
+        raise failure
+    return result if rank == 0 else fetch()
+
+
 def run_main(main):
     """A stage's exit: 0 when main() finished, 128 + signal when a signal stopped it after its checkpoint
     (non-zero, so a script chaining stages stops), 1 with a one-line error when this project's code raised one

@@ -143,7 +143,7 @@ def main(argv=None):
     _, args = get_args(argv)
     if args.status:
         return train_loop.print_status(Path(args.status))
-    s = runs.start_stage(args, "midtrain", ["pretrain"], partial(plan, args))
+    s = runs.start_stage(args, "midtrain", ["pretrain"], plan)
     train_model = train_loop.wrap_model(s.model, args, s.world, s.local_rank, s.device)
     val_chat_dir = args.val_chat_dir or next((src["path"] for src in s.sources if src["kind"] == "chat"), None)
     if val_chat_dir is None:

@@ -25,7 +25,6 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +40,7 @@ from calculator import ToolUse, reply_text
 from dataset import CACHE_DIR
 from decode import decode
 from model import KVCache, autocast_context, parse_args, sample_next
-from tasks import demo_items, demo_world, fetch_everywhere, gsm8k_items, load_items, prompt_ids, reward
+from tasks import demo_items, demo_world, gsm8k_items, load_items, prompt_ids, reward
 
 # every lr is this fraction of the SFT parent's, decaying linearly to 0: SFT runs at 0.3 of pretraining's lrs, so 0.2
 # of SFT's is 0.06 of pretraining's, about where nanochat's RL starts (0.05 of its base lrs, ramped down to 0). Not
@@ -301,14 +300,12 @@ def verdict(records):
 
 def plan(args, start):
     """What runs.start_stage asks of RL: the training questions, the held-out ones and the total steps."""
-    pretraining = checkpoint.pretraining_run(start.parent, start.parent_meta)
-    data_dir = pretraining[0] if pretraining else None
+    data_dir = (checkpoint.pretraining_run(start.parent, start.parent_meta) or [None])[0]
     world_dir = demo_world(args.demo, data_dir, "calc")
     train_items = demo_items(world_dir) if world_dir else gsm8k_items(args.train_dir)
-    held_out = fetch_everywhere(lambda: load_items("demo-answer" if world_dir else "GSM8K", args.cache_dir, world_dir,
-                                                   args.eval_items)[0], start.rank, start.world)  # rank 0 downloads
-    for item in held_out:
-        item["rule"] = "exact" if world_dir else "gsm8k"
+    held_out = [{**item, "rule": "exact" if world_dir else "gsm8k"} for item in distributed.fetch_everywhere(
+        lambda: load_items("demo-answer" if world_dir else "GSM8K", args.cache_dir, world_dir, args.eval_items)[0],
+        start.rank, start.world)]
     if args.questions_per_step < start.world:
         raise ValueError(f"--questions_per_step {args.questions_per_step} is fewer than the {start.world} ranks: give "
                          f"each rank at least one question")
@@ -333,7 +330,7 @@ def main(argv=None):
     if args.fsdp == "true":
         raise ValueError("--fsdp true: rl.py does not shard the model (each rank samples replies of its own length, "
                          "which FSDP's per-layer gathers cannot follow); use a model that fits one device")
-    s = runs.start_stage(args, "rl", ["sft"], partial(plan, args), rollouts=True)
+    s = runs.start_stage(args, "rl", ["sft"], plan, rollouts=True)
     rank, local_rank, world, device, model, tokenizer, optimizers, run_dir = (
         s.rank, s.local_rank, s.world, s.device, s.model, s.tokenizer, s.optimizers, s.run_dir)
     master, start, total_steps, train_items, held_out, (cursor,), ckpt_meta = (

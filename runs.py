@@ -213,7 +213,7 @@ def start_stage(args, stage, parents, plan, rollouts=False):
     """midtrain.py's, sft.py's and rl.py's start, up to the first step, as `start` (a namespace): processes; the
     parent (--checkpoint, else the newest of `parents`), its model, the flags it passes on (inherit); the tokenizer,
     checked; FSDP where needed; the run directory; micro-batch and accumulation (train_loop.plan_batch); optimizers;
-    plan(start), what only the stage knows: a dict of total_steps, loaders, record (for config.json and checkpoints),
+    plan(args, start), what only the stage knows: a dict of total_steps, loaders, record (for config.json and checkpoints),
     lines (printed after the batch), and whatever else goes on `start`; config.json and the report; start.step, the
     resumed checkpoint's or 0 from the parent's optimizer state (warm_start). rollouts (rl.py): replies of their own
     lengths: no sharding, compile or accumulation; --total_batch_tokens only scales the lrs."""
@@ -241,7 +241,7 @@ def start_stage(args, stage, parents, plan, rollouts=False):
                             parent_meta=parent_meta, model=model, tokenizer=tokenizer, config=config, run_dir=run_dir,
                             micro_batch=micro, accum=accum, seq_len=config.sequence_len,
                             tokens_per_step=tokens_per_step, optimizers=optimizers)
-    vars(start).update(plan(start))
+    vars(start).update(plan(args, start))
     layout = {"model_config": parent_meta["model_config"], "world_size": world, "micro_batch": micro, "accum": accum}
     start.run = {"stage": stage, "run": args.run_name, **layout, "total_steps": start.total_steps,
                  "tokens_per_step": tokens_per_step, "code": common.code_version(), "tokenizer": args.tokenizer,
@@ -273,12 +273,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a checkpoint (runs/<run>/ckpt/step_*) or a run directory (its newest)")
     path = checkpoint.find_checkpoint(p.parse_args(argv).checkpoint)
-    while path is not None and (Path(path) / "meta.json").is_file():
+    while path is not None and (Path(path) / "meta.json").is_file():  # to pretraining, or a parent moved or deleted
         meta = json.loads((Path(path) / "meta.json").read_text())
         print(f"{path}: {meta.get('stage')}, step {meta.get('step')}, hparams {meta.get('hparams')}")
         path = (meta.get("parent") or {}).get("path")
-    if path is not None:
-        print(f"{path}: gone (moved or deleted), where the lineage ends")
 
 
 if __name__ == "__main__":

@@ -176,7 +176,7 @@ def main(argv=None):
     _, args = get_args(argv)
     if args.status:
         return train_loop.print_status(Path(args.status))
-    s = runs.start_stage(args, "sft", ["midtrain", "pretrain"], partial(plan, args))
+    s = runs.start_stage(args, "sft", ["midtrain", "pretrain"], plan)
     train_model = train_loop.wrap_model(s.model, args, s.world, s.local_rank, s.device)
     evaluator = partial(evaluate, args, s, validation.chat_val_batches(args.val_chat_dir or args.sources[0][0],
                                                                        s.tokenizer, s.seq_len, args.eval_rows))

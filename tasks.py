@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
-import torch
 
 from dataset import CACHE_DIR, MC_LETTERS, chat_files, render_mc
 from demo_world import number_word
@@ -39,7 +38,8 @@ SHUFFLE_SEED = 42  # nanochat's order: datasets' shuffle(seed=42) is np.random.d
 
 
 # -----------------------------------------------------------------------------
-# Loading: a task's rows (the hub's parquet files, cached, or the demo world's jsonl) as items, in nanochat's order
+# Loading a task's rows (the hub's parquet files, cached, or the demo world's jsonl) as items, in nanochat's order,
+# and rendering a question as the model sees it
 
 def hub_files(task, cache_dir):
     """The task's test files, downloaded once: a files.json written after the download lets later runs skip the
@@ -110,27 +110,6 @@ def load_items(task, cache_dir, demo_dir, max_items):
     return [{**make_item(task, rows[i][1], rows[i][0]), "row": i} for i in order], len(rows)
 
 
-def fetch_everywhere(fetch, rank, world):
-    """fetch() on rank 0 first (it downloads), then on the others (they find the cache); rank 0's failure is raised
-    on every rank rather than leaving the others waiting for files that will not come."""
-    result = failure = None
-    if rank == 0:
-        try:
-            result = fetch()
-        except (RuntimeError, ValueError, OSError) as e:
-            failure = e
-    if world > 1:
-        shared = [failure and str(failure)]
-        torch.distributed.broadcast_object_list(shared, src=0)
-        failure = failure or (shared[0] and RuntimeError(shared[0]))
-    if failure:
-        raise failure
-    return result if rank == 0 else fetch()
-
-
-# -----------------------------------------------------------------------------
-# Rendering: a question as the model sees it
-
 def prompt_ids(tokenizer, question, seq_len, room):
     """(ids, cut): the question as a user message, then <|assistant_start|>; a prompt longer than seq_len - room
     keeps its BOS and loses the tokens after it (as core_eval.py's windows do)."""
@@ -200,7 +179,7 @@ def humaneval_program(item, reply, marker):
 
 
 # -----------------------------------------------------------------------------
-# The demo world: short answers compared normalized; rl.py's training questions
+# The demo world: short answers compared normalized; rl.py's training questions, and its reward for any of them
 
 def demo_world(arg, data_dir, part):
     """The demo world a --demo flag names, or None for the hub's tasks: none; auto, the world of the checkpoint's
@@ -234,9 +213,6 @@ def demo_items(world):
         items.append({"prompt": user, "answers": [assistant], "rule": "exact"})
     return items
 
-
-# -----------------------------------------------------------------------------
-# rl.py's reward: the check its item's rule names
 
 def reward(item, reply):
     """1.0 when the reply's checked answer is right, else 0.0. gsm8k: the number after '####' (none: wrong); exact:
