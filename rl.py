@@ -216,14 +216,16 @@ def policy_gradient(train_model, rows, weights, micro_batch, dtype, device, worl
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, items, args, rank, world, step):
+def evaluate(model, tokenizer, items, args, rank, world, step, stopping=lambda: False):
     """Held-out pass@1 (the share of sampled replies that are right, averaged over questions) and pass@k (the share
     of questions with a right reply among k), k = --eval_samples at the training temperature, each question's
     sampling seeded by the positions of the questions decoded together (--rollout_questions of the rank's share):
-    evaluations differ by the model only. Also per kind of answer."""
+    evaluations differ by the model only. Also per kind of answer. None when stopping() said so between groups."""
     table = torch.zeros(len(items), 3, dtype=torch.float64)  # (done, right replies, number answer)
     mine, k = list(range(rank, len(items), world)), args.eval_samples
     for chunk in [mine[c:c + args.rollout_questions] for c in range(0, len(mine), args.rollout_questions)]:
+        if stopping():
+            return None
         prompts = [prompt_ids(tokenizer, items[i]["prompt"], model.config.sequence_len, 1)[0] for i in chunk]
         replies, _ = sample_groups(model, tokenizer, prompts, k, args.max_new_tokens, args.temperature, args.top_k,
                                    sampling_seed(args.seed, -1, chunk[0]), args.dtype)
@@ -349,11 +351,26 @@ def main(argv=None):
 
     eval_seconds, train_seconds = [], 0.0  # the ETA's two rates: a training step, a held-out evaluation
 
+    def stopping():  # a stop signal on any rank, seen by all at once (every rank leaves the same group of questions)
+        return bool(distributed.all_reduce(float(stop.requested()), torch.distributed.ReduceOp.MAX if world > 1
+                                           else None))
+
+    def stopped(step, during):  # a signal: the last finished step checkpointed (unless it is already), then the exit
+        saved = any(checkpoint.checkpoint_step(p) == step for p in checkpoint.list_checkpoints(run_dir / "ckpt"))
+        path = save(step) if step > start and not saved else None
+        if master:
+            print(f"stopped by signal {during}; " + (f"checkpoint {path}" if path else f"step {step}'s checkpoint is "
+                  f"on disk" if step else "no step finished, nothing to resume: a rerun starts over") +
+                  (f". Resume with: {checkpoint.resume_command(args)}" if step else ""), flush=True)
+        return stop.signum or signal.SIGTERM
+
     def held_out_eval(step):
         t0 = time.perf_counter()
         torch.set_num_threads(rollout_threads)
-        result = evaluate(model, tokenizer, held_out, args, rank, world, step)
+        result = evaluate(model, tokenizer, held_out, args, rank, world, step, stopping)
         torch.set_num_threads(train_threads)
+        if result is None:
+            return None
         eval_seconds.append(time.perf_counter() - t0)
         if master:
             print(f"held out at step {step}: {held_out_line(result)}", flush=True)
@@ -362,7 +379,10 @@ def main(argv=None):
     if master and start == 0 and (run_dir / "metrics.jsonl").is_file():
         (run_dir / "metrics.jsonl").unlink()  # an earlier start without a checkpoint: its lines would count twice
     if start == 0:
-        metrics.log({"step": 0, **held_out_eval(0)})
+        first = held_out_eval(0)
+        if first is None:
+            return stopped(0, "in the held-out evaluation before step 1")
+        metrics.log({"step": 0, **first})
     pad_id = tokenizer.bos_id
     for step in range(start, total_steps):
         t0 = time.perf_counter()
@@ -371,7 +391,11 @@ def main(argv=None):
         torch.set_num_threads(rollout_threads)
         rows, rewards, by_rule, lengths, sampled_tokens = [], [], {}, [], 0
         mine, n = list(range(rank, len(chosen), world)), args.samples
+        if args.signal_at_step == step + 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # the testing hook: a signal during this step's rollouts
         for chunk in [mine[c:c + args.rollout_questions] for c in range(0, len(mine), args.rollout_questions)]:
+            if stopping():  # a step's rollouts can take minutes: the step is dropped, the last finished one saved
+                return stopped(step, f"during step {step + 1}'s rollouts")
             items = [train_items[chosen[position]] for position in chunk]
             prompts = [prompt_ids(tokenizer, item["prompt"], args.sequence_len, 1)[0] for item in items]
             all_replies, all_sampled = sample_groups(model, tokenizer, prompts, n, args.max_new_tokens,
@@ -409,7 +433,11 @@ def main(argv=None):
                   "reward_by_rule": rule_means}
         last, train_seconds = step + 1 == total_steps, train_seconds + record["step_time"]
         if args.eval_every and (step + 1) % args.eval_every == 0 and not last:
-            record.update(held_out_eval(step + 1))
+            evaluated = held_out_eval(step + 1)
+            if evaluated is None:
+                metrics.log(record)
+                return stopped(step + 1, f"in the held-out evaluation after step {step + 1}")
+            record.update(evaluated)
         metrics.log(record)
         if master and ((step + 1) % args.log_every == 0 or last or step == start):
             eta = eta_seconds(step + 1, total_steps, args.eval_every, train_seconds / (step + 1 - start),
@@ -417,17 +445,13 @@ def main(argv=None):
             print(f"step {step + 1}/{total_steps} reward {record['reward']:.3f} loss {loss:+.5f} reply "
                   f"{record['reply_tokens']:.1f} tokens, {record['sampled_tok_per_s']:,.0f} sampled tok/s, lr x"
                   f"{lr_mult:.3f} gnorm {grad_norm:.3f} ETA {common.fmt_duration(eta)}", flush=True)
-        if args.signal_at_step == step + 1:
-            os.kill(os.getpid(), signal.SIGTERM)  # the testing hook, as train_loop's
-        if stop.requested():
-            path = save(step + 1)
-            if master:
-                print(f"stopped by signal at step {step + 1}; checkpoint {path}. Resume with: "
-                      f"{checkpoint.resume_command(args)}")
-            return stop.signum or signal.SIGTERM
         if (step + 1) % args.ckpt_every == 0 or last:
             save(step + 1, last)
+        if stopping():
+            return stopped(step + 1, f"at step {step + 1}")
     final = held_out_eval(total_steps)
+    if final is None:
+        return stopped(total_steps, "in the final held-out evaluation")
     if master:
         metrics.log({"step": total_steps, "final": True, **final})
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

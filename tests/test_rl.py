@@ -145,8 +145,9 @@ def test_the_update_on_two_ranks_is_the_gradient_of_the_sampled_tokens_only(tmp_
 
 
 def test_a_resumed_run_repeats_the_uninterrupted_runs_rewards_exactly(chat_chain, demo_world, tmp_path, capsys):
-    """Stopped by SIGTERM after step 2 (checkpoint), resumed: steps 3 and 4 have the uninterrupted run's rewards and
-    losses, bitwise (the questions and the sampling seeds are functions of the step)."""
+    """Stopped by SIGTERM during step 2's rollouts (a step can take minutes): step 2 is dropped at once and step 1
+    checkpointed; resumed, steps 2 to 4 have the uninterrupted run's rewards and losses, bitwise (the questions and the
+    sampling seeds are functions of the step)."""
     args = ["--checkpoint", chat_chain["sft"], "--tokenizer", demo_world / "tokenizer", "--demo", demo_world / "demo",
             "--runs_dir", tmp_path, "--steps", "4", "--questions_per_step", "2", "--samples", "4",
             "--max_new_tokens", "24", "--eval_items", "4", "--eval_samples", "2", "--eval_every", "0"]
@@ -156,7 +157,11 @@ def test_a_resumed_run_repeats_the_uninterrupted_runs_rewards_exactly(chat_chain
         assert code == 0, err
         code, out, err = run_in_process(rl.main, [*args, "--run_name", "stopped", "--signal_at_step", "2"], capsys,
                                         stage="rl.py")
-        assert code == 128 + signal.SIGTERM and "stopped by signal at step 2" in out, err
+        assert code == 128 + signal.SIGTERM, err
+        assert f"stopped by signal during step 2's rollouts; checkpoint {tmp_path / 'stopped' / 'ckpt' / 'step_000001'}" \
+            in out, out
+        assert [json.loads(line)["step"] for line in (tmp_path / "stopped" / "metrics.jsonl").read_text().splitlines()
+                if "reward" in line] == [1]
         code, out, err = run_in_process(rl.main, [*args, "--run_name", "stopped", "--resume"], capsys, stage="rl.py")
         assert code == 0 and "resume: from" in out, err
     finally:
