@@ -166,10 +166,11 @@ def test_killing_speedrun_mid_pretraining_leaves_no_process_and_a_rerun_resumes_
 
 
 def test_a_failed_stage_stops_the_run_naming_it(demo_world, tmp_path):
-    """A stage exits 7 (an interpreter that fails at once stands in for a crashing stage): the status survives the
-    pipeline into the log, the run stops there with the stage's name and log, and exits with that status."""
+    """A stage exits 7 (an interpreter that fails at once stands in for a crashing stage; setup's questions, `-c`, it
+    passes to this one): the status survives the pipeline into the log, the run stops there with the stage's name and
+    log, and exits with that status."""
     failing = tmp_path / "python"
-    failing.write_text("#!/bin/sh\necho 'stage output' >&2\nexit 7\n")
+    failing.write_text(f"#!/bin/sh\n[ \"$1\" = -c ] && exec {sys.executable} \"$@\"\necho 'stage output' >&2\nexit 7\n")
     failing.chmod(0o755)
     result = run_speedrun(["--plan", "demo", "--gpus", "0", "--runs_dir", tmp_path, "--data_dir", demo_world / "demo",
                            "--tokenizer", demo_world / "tokenizer"], tmp_path, {"SPEEDRUN_PYTHON": str(failing)})
