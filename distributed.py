@@ -372,10 +372,10 @@ def shard_model(model, args, world, device):
     micro = getattr(args, "micro_batch", None) or 1  # the probe chooses later, and at least 1
     estimate = memory_estimate(model.config, micro, optimizer=optimizer, bf16=args.dtype == "bfloat16")
     state = estimate["weights"] + estimate["gradients"] + estimate["optimizer"]
-    step = process_memory(device) + estimate["gradients"] + estimate["optimizer"] + estimate["activations"] + \
-        estimate["transient"]
+    in_use = process_memory(device)
+    step = in_use + estimate["gradients"] + estimate["optimizer"] + estimate["activations"] + estimate["transient"]
     capacity = device_memory(device)
-    fits = f"in use now {fmt_bytes(process_memory(device))} + gradients, optimizer state and micro-batch {micro}'s " \
+    fits = f"in use now {fmt_bytes(in_use)} + gradients, optimizer state and micro-batch {micro}'s " \
            f"activations = {fmt_bytes(step)} {'<=' if step <= capacity else '>'} {fmt_bytes(capacity)} per process " \
            f"({device_name(device)})"
     shard = args.fsdp == "true" or (args.fsdp == "auto" and step > capacity)

@@ -232,8 +232,9 @@ def check_batch_divides(total, seq_len, world, micro=0):
     what = f"{f'micro_batch {micro} x ' if micro else ''}sequence_len {seq_len} x {world} processes = {unit:,}"
     if total % unit == 0:
         return f"batch: {total:,} tokens a step = {total // unit} x {what}: it divides"
-    if not micro and nearest_batch(total, seq_len, world):  # plan_batch will use the nearest that divides
-        return batch_line(total, nearest_batch(total, seq_len, world), seq_len, world)
+    nearest = None if micro else nearest_batch(total, seq_len, world)
+    if nearest:  # plan_batch will use the nearest that divides
+        return batch_line(total, nearest, seq_len, world)
     counts = [str(n) for n in range(1, world) if total % ((micro or 1) * seq_len * n) == 0]  # fewer GPUs that work
     lo, hi = total // unit * unit, (total // unit + 1) * unit
     fixes = [f"--gpus {', '.join(counts[:-1])} or {counts[-1]}" if len(counts) > 1 else f"--gpus {counts[0]}"] \
@@ -260,10 +261,11 @@ def plan_batch(args, config, world, model, device, resume_from=None, parent_meta
     accumulate=False (rl.py): none, its batch is its replies."""
     seq_len, total = config.sequence_len, args.total_batch_tokens if accumulate else None
     master = not dist.is_initialized() or dist.get_rank() == 0
-    if total and not args.micro_batch and nearest_batch(total, seq_len, world) not in (None, total):
+    nearest = nearest_batch(total, seq_len, world) if total and not args.micro_batch else None
+    if nearest not in (None, total):
         if master:  # 3, 5, 6 or 7 GPUs: the nearest batch that splits, said (an explicit --micro_batch is refused below)
-            print(batch_line(total, nearest_batch(total, seq_len, world), seq_len, world))
-        total = nearest_batch(total, seq_len, world)
+            print(batch_line(total, nearest, seq_len, world))
+        total = nearest
     resumed = saved_layout(resume_from)["micro_batch"] if resume_from else None
     parents = ((parent_meta or {}).get("hparams") or {}).get("micro_batch")
     if args.micro_batch:
