@@ -2,7 +2,7 @@
 
     python bench.py              # every benchmark
     python bench.py train decode # a chosen few: train, decode, build, tokenizer, loader, pretrain, core_eval, sft,
-                                 # chat_eval, generate, download, cpu, chat, fsdp, quality
+                                 # chat_eval, generate, download, cpu, chat, fsdp, quality, compile
 
 train   forward+backward tokens/s of a preset on this machine: eager fp32, torch.compile fp32, compile + bf16 autocast.
         Target: compile + bf16 >= 2x eager fp32.
@@ -51,6 +51,11 @@ gpu     (not part of "all") the GPU battery: pretraining tok/s, MFU and peak mem
         decode tok/s. `python bench.py gpu_prepare --nanochat_mirror DIR --corpus DIR` first fills .bench/ (what a
         GPU machine without network needs); `python bench.py gpu --rows ...` on the GPU writes gpu_bench.json and
         gpu_bench.md to --out; `python bench.py gpu --dry_run` runs every row at toy size on the CPU.
+compile  the first compiled training step (forward and backward as train_loop runs them) of a 2-layer, 128-wide
+        model at vocabulary 512 (1 loss chunk) and 65,536 (32 chunks at --compile_batch 64), each in a fresh process
+        with empty compile caches (cold), then again on those caches (warm): step 1, the steady step (median of 3),
+        compilation = step 1 - steady step, peak memory; last line the vocab 65536 / 512 compilation ratio (target
+        <= 1.5: compilation does not grow with the vocabulary).
 download  `download_shards` of 16 training shards + 1 validation shard (~4 MB parquet each) from a hub stand-in on
         loopback, 4 workers: shards/s and MB/s of the old client (dataset.py at commit 1d71acd, its own HTTP code on
         requests, read with `git show`) and of the new one (huggingface_hub), median of --trials rounds, alternating.
@@ -529,6 +534,59 @@ def bench_cpu(args, device):
         muon_share(device, 2048 / rates[f"muon_{common.matmul_dtype(device)}_compiled"])
 
 
+def compile_case(vocab, micro_batch, seq_len, device_name, dtype, steady_steps):
+    """One bench.py compile case, in a fresh process (its own peak memory and compile caches): the first compiled
+    training step (forward and backward through train_loop, as a stage runs them) and the median of the steady steps
+    after it. Prints one JSON line."""
+    import resource
+    device = torch.device(device_name)
+    if device.type == "cpu":
+        distributed.keep_freed_memory()  # as every stage does on CPU
+    config = config_from_preset("tiny", {"n_layer": 2, "n_embd": 128, "n_head": 2, "n_kv_head": 2,
+                                         "vocab_size": vocab, "sequence_len": seq_len})
+    torch.manual_seed(0)
+    model = build_model(config, device)
+    run = argparse.Namespace(compile=True)
+    train_model = train_loop.wrap_model(model, run, 1, 0, device)
+    idx = torch.randint(0, vocab, (micro_batch, seq_len), device=device)
+    batches = [(idx, idx.roll(-1, 1))]
+    times = []
+    for _ in range(1 + steady_steps):
+        start = time.perf_counter()
+        train_loop.forward_backward(train_model, batches, dtype, device, 1)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"first": times[0], "steady": statistics.median(times[1:]), "peak": peak}))
+
+
+def bench_compile(args, device):
+    """The first compiled training step at vocabulary 512 (one loss chunk) and 65,536 (32+), cold (empty compile
+    caches) then warm (a second process on the same caches, as a run's next stage starts)."""
+    import model as model_lib
+    dtype, rows = common.matmul_dtype(device), args.compile_batch * 256
+    ratio = {}
+    for vocab in (512, 65536):
+        chunks = math.ceil(rows * vocab / model_lib.LOSS_CHUNK_ELEMENTS)
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": str(Path(cache) / "triton")}
+            for label in ("cold", "warm"):
+                case = f"import bench; bench.compile_case({vocab}, {args.compile_batch}, 256, {str(device)!r}, {dtype!r}, 3)"
+                out = subprocess.run([sys.executable, "-c", case], cwd=Path(__file__).parent, env=env,
+                                     capture_output=True, text=True, check=False)
+                if out.returncode:
+                    raise RuntimeError(f"compile case vocab {vocab} failed:\n{out.stderr[-3000:]}")
+                r = json.loads(out.stdout.strip().splitlines()[-1])
+                compile_s = r["first"] - r["steady"]
+                if label == "cold":
+                    ratio[vocab] = compile_s
+                print(f"compile vocab {vocab:6d} ({chunks} loss chunks of {args.compile_batch} x 256 rows, {dtype}) "
+                      f"{label}: step 1 {r['first']:6.1f} s, steady step {r['steady']:.3f} s (median of 3), "
+                      f"compilation {compile_s:6.1f} s, peak memory {common.fmt_bytes(r['peak'])}")
+    print(f"compile: vocab 65536 / vocab 512 compilation ratio {ratio[65536] / ratio[512]:.2f}")
+
+
 # bench.py quality: each row is pretrain.py's defaults plus these flags (the first row: the defaults themselves).
 # At 2^11 tokens a step, AdamW lrs 8x smaller are the square-root rule's (2^-8)^(1/2) against (2^-8)^(1/8).
 SQRT_RULE_LRS = ["--embedding_lr", "0.025", "--head_lr", "0.0005", "--scalar_lr", "0.005"]
@@ -664,7 +722,7 @@ BENCHES = {"train": bench_train, "decode": bench_decode, "build": bench_build, "
            "loader": bench_loader, "pretrain": bench_pretrain, "core_eval": bench_core_eval, "sft": bench_sft,
            "chat_eval": bench_chat_eval, "generate": bench_generate,
            "download": bench_download, "cpu": bench_cpu, "chat": bench_chat, "fsdp": bench_fsdp,
-           "quality": bench_quality}
+           "quality": bench_quality, "compile": bench_compile}
 
 
 def main(argv=None):
@@ -685,6 +743,8 @@ def main(argv=None):
                         "%(default)s)")
     parser.add_argument("--generate_tokens", type=int, default=64, help="generate: max_new_tokens per reply "
                         "(default: %(default)s)")
+    parser.add_argument("--compile_batch", type=int, default=64, help="compile: sequences of 256 tokens in the "
+                        "micro-batch (default: %(default)s: 32 loss chunks at vocabulary 65,536)")
     parser.add_argument("--fsdp_steps", type=int, default=3, help="fsdp: steps timed (default: %(default)s)")
     parser.add_argument("--fsdp_seq", type=int, default=128, help="fsdp: tokens per sequence (default: %(default)s; "
                         "llama3-1b at 256 does not fit 2 processes in 24 GB)")

@@ -68,12 +68,14 @@ def set_rng_state(s):
             torch.cuda.set_rng_state(s["cuda"][device])
 
 
-def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank, keep, consolidate=False, delay_s=0):
+def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank, keep, consolidate=False, delay_s=0,
+                    metrics=None):
     """Every rank writes its loader and RNG state; a sharded model's ranks their shards of state/ (and with
     `consolidate`, model.pt gathered to rank 0); an unsharded model's rank 0 model.pt and optimizers.pt; rank 0
     meta.json. Then rank 0 renames the temporary directory into place and deletes all but the newest `keep`, and
     writes how long the save took into ckpt_dir/save_seconds: what speedrun.sh gives a stopped stage to checkpoint
-    before it kills it (a d20 checkpoint is about 15 GB). delay_s: testing, rank 0 writes that much slower."""
+    before it kills it (a d20 checkpoint is about 15 GB). Rank 0 prints the size and seconds, and logs them to
+    `metrics` (a train_loop.Metrics) where given. delay_s: testing, rank 0 writes that much slower."""
     started = time.perf_counter()
     final = Path(ckpt_dir) / f"step_{step:06d}"
     tmp = Path(ckpt_dir) / f".tmp_step_{step:06d}"
@@ -107,7 +109,11 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank,
             shutil.rmtree(old)
     barrier()
     if rank == 0:
-        (Path(ckpt_dir) / "save_seconds").write_text(f"{time.perf_counter() - started:.1f}\n")
+        seconds, size = time.perf_counter() - started, sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
+        (Path(ckpt_dir) / "save_seconds").write_text(f"{seconds:.1f}\n")
+        print(f"checkpoint: saved {size / 1e9:.2f} GB in {seconds:.1f} s to {final}", flush=True)
+        if metrics:
+            metrics.log({"step": step, "save_s": round(seconds, 1), "save_bytes": size})
     return final
 
 

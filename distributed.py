@@ -71,6 +71,9 @@ def setup_distributed(timeout_s=600):
     if rank == 0:
         print(f"distributed: world size {dist.get_world_size()} ({dist.get_backend()}): "
               + ", ".join(f"rank {r} {n}" for r, n in enumerate(names)), flush=True)
+        # ranks compile at their own speed (a cold cache on one node): the others wait in the first all-reduce
+        print(f"distributed: a collective waits at most {timeout_s:.0f} s for the other ranks (--dist_timeout), the "
+              f"slowest rank's first compile included", flush=True)
     return rank, local_rank, world_size, device
 
 

@@ -304,7 +304,7 @@ def explain_driver(python):
         f"dot (pytorch.org lists the builds), or update the driver; --gpus 0 runs on the CPU regardless.", 1)
 
 
-REHEARSAL_STEPS = (3, 3, 3)  # pretrain, midtrain, sft: each saves a checkpoint at step 2 and at its end
+REHEARSAL_STEPS = (3, 3, 3)  # pretrain, midtrain, sft: each saves one checkpoint, at its last step
 REHEARSAL_PROMPT = "Why do plants need light?"
 
 
@@ -316,12 +316,12 @@ def rehearsal_budgets(nproc, on_cpu):
         "R_DATA": ["--shards", "2"],  # the first shard (the tokenizer's and the data plan's) and one more
         "R_TOK": ["--max_chars", "20000000"],
         # one sample prompt per evaluation, and short samples: generating them is most of a tiny evaluation
-        "R_PRETRAIN": ["--steps", REHEARSAL_STEPS[0], "--eval_every", 0, "--ckpt_every", 2, "--keep", 1,
+        "R_PRETRAIN": ["--steps", REHEARSAL_STEPS[0], "--eval_every", 0, "--ckpt_every", REHEARSAL_STEPS[0], "--keep", 1,
                        "--bpb_tokens", 32768, "--sample_prompt", "The capital of France is"],
-        "R_MIDTRAIN": ["--steps", REHEARSAL_STEPS[1], "--eval_every", 0, "--eval_rows", 16, "--ckpt_every", 2,
-                       "--keep", 1, "--sample_prompt", REHEARSAL_PROMPT],
-        "R_SFT": ["--steps", REHEARSAL_STEPS[2], "--eval_every", 0, "--eval_rows", 16, "--ckpt_every", 2, "--keep", 1,
-                  "--sample_prompt", REHEARSAL_PROMPT],
+        "R_MIDTRAIN": ["--steps", REHEARSAL_STEPS[1], "--eval_every", 0, "--eval_rows", 16, "--ckpt_every",
+                       REHEARSAL_STEPS[1], "--keep", 1, "--sample_prompt", REHEARSAL_PROMPT],
+        "R_SFT": ["--steps", REHEARSAL_STEPS[2], "--eval_every", 0, "--eval_rows", 16, "--ckpt_every",
+                  REHEARSAL_STEPS[2], "--keep", 1, "--sample_prompt", REHEARSAL_PROMPT],
         "R_RL": ["--steps", 2, "--questions_per_step", questions, "--samples", 2, "--max_new_tokens", 16,
                  "--eval_every", 0, "--eval_items", questions, "--eval_samples", 2, "--ckpt_every", 2, "--keep", 1],
         "R_CORE": ["--max_items", 4, "--bpb_tokens", 32768, "--max_new_tokens", 8],

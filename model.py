@@ -14,6 +14,7 @@ Design, in one place:
   cross-entropy run in row chunks, and the gradient is computed chunk by chunk in the forward pass.
 """
 import argparse
+import functools
 import math
 import re
 import sys
@@ -495,44 +496,60 @@ class KVCache:
 LOSS_CHUNK_ELEMENTS = 2 ** 25  # logits per chunk (128 MiB in fp32): rows = this // vocab_size
 
 
+def loss_chunk(xc, w, tc, softcap, need_grad):
+    """One chunk's sum of cross-entropies, and with need_grad its gradients with respect to xc and w: the gradient
+    with respect to the logits (softmax - onehot) is known here, so it is pushed through the head at once and the
+    logits die with the chunk."""
+    logits = (xc @ w.t()).float()
+    if softcap:
+        capped = tanh(logits / softcap)
+        logits = softcap * capped
+    valid = tc != -1
+    safe_targets = tc.clamp(min=0).unsqueeze(1)
+    lse = torch.logsumexp(logits, dim=-1)
+    loss = ((lse - logits.gather(1, safe_targets).squeeze(1)) * valid).sum()
+    if not need_grad:
+        return loss, None, None
+    dlogits = torch.exp(logits - lse.unsqueeze(1))
+    dlogits = dlogits.scatter_add(1, safe_targets, -torch.ones_like(safe_targets, dtype=dlogits.dtype))
+    dlogits = dlogits * valid.unsqueeze(1)
+    if softcap:
+        dlogits = dlogits * (1 - capped * capped)
+    dlogits = dlogits.to(xc.dtype)
+    return loss, dlogits @ w, (dlogits.t() @ xc).float()
+
+
+@functools.cache
+def compiled_loss_chunk():
+    """loss_chunk compiled on its own: dynamo sees one chunk whatever the chunk count (unrolled inside the model's
+    graph, d20's 128 chunks at vocabulary 65,536 took 211 s to compile on an H200 against 59 s for 1; dev/LOG.md)."""
+    return torch.compile(loss_chunk)
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """Sum of cross-entropies of the head's logits, computed LOSS_CHUNK_ELEMENTS at a time. The gradient with respect
-    to each chunk's logits (softmax - onehot) is known in the forward pass, so it is pushed through the head there and
-    only grad_x (rows x n_embd) and grad_weight (vocab x n_embd) are kept: no logits survive a chunk, and nothing is
-    recomputed in backward."""
+    """Sum of cross-entropies of the head's logits, computed in chunks of about LOSS_CHUNK_ELEMENTS logits
+    (loss_chunk, compiled on its own when the model is): only grad_x (rows x n_embd) and grad_weight (vocab x n_embd)
+    are kept, no logits survive a chunk, and nothing is recomputed in backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets, softcap, compute_dtype, grad_enabled):
+    def forward(ctx, x, weight, targets, softcap, compute_dtype, grad_enabled, compiled):
         # grad_enabled comes from the caller: inside forward() grad mode is always off, and ctx.needs_input_grad says
         # only whether the inputs require grad, so under no_grad/inference_mode it would still compute the gradient
         # (3x the head's cost of an evaluation)
         need_grad = grad_enabled and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
-        rows = max(1, LOSS_CHUNK_ELEMENTS // weight.size(0))
-        # no in-place writes into buffers that only backward reads: under torch.compile on CUDA (torch 2.11, an H100)
-        # those writes were dropped and every gradient came out 0; chunks joined by cat and sums out of place are not
+        chunks = max(1, math.ceil(x.size(0) * weight.size(0) / LOSS_CHUNK_ELEMENTS))
+        rows = math.ceil(x.size(0) / chunks)  # equal chunks where they divide: one shape for the compiled chunk
+        chunk_fn = compiled_loss_chunk() if compiled else loss_chunk
         loss_sum, grad_x_chunks, grad_w = torch.zeros((), dtype=torch.float32, device=x.device), [], None
         with torch.autocast(x.device.type, enabled=False):
             w = weight.to(compute_dtype)
             for start in range(0, x.size(0), rows):
-                xc, tc = x[start:start + rows].to(compute_dtype), targets[start:start + rows]
-                logits = (xc @ w.t()).float()
-                if softcap:
-                    capped = tanh(logits / softcap)
-                    logits = softcap * capped
-                valid = tc != -1
-                safe_targets = tc.clamp(min=0).unsqueeze(1)
-                lse = torch.logsumexp(logits, dim=-1)
-                loss_sum = loss_sum + ((lse - logits.gather(1, safe_targets).squeeze(1)) * valid).sum()
+                loss, grad_xc, grad_wc = chunk_fn(x[start:start + rows].to(compute_dtype), w,
+                                                  targets[start:start + rows], softcap, need_grad)
+                loss_sum = loss_sum + loss
                 if need_grad:
-                    dlogits = torch.exp(logits - lse.unsqueeze(1))
-                    dlogits.scatter_add_(1, safe_targets, -torch.ones_like(safe_targets, dtype=dlogits.dtype))
-                    dlogits *= valid.unsqueeze(1)
-                    if softcap:
-                        dlogits *= 1 - capped * capped
-                    dlogits = dlogits.to(compute_dtype)
-                    grad_x_chunks.append(dlogits @ w)
-                    chunk_grad_w = (dlogits.t() @ xc).float()
-                    grad_w = chunk_grad_w if grad_w is None else grad_w + chunk_grad_w
+                    grad_x_chunks.append(grad_xc)
+                    grad_w = grad_wc if grad_w is None else grad_w + grad_wc
         grad_x = torch.cat(grad_x_chunks).to(x.dtype) if need_grad else None
         ctx.save_for_backward(grad_x, grad_w)
         return loss_sum
@@ -540,7 +557,14 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         grad_x, grad_w = ctx.saved_tensors
-        return grad_x * grad_output, grad_w * grad_output, None, None, None, None
+        return grad_x * grad_output, grad_w * grad_output, None, None, None, None, None
+
+
+# a graph break: the chunk loop stays out of the model's graph (compiled_loss_chunk above). torch's own lazy form of
+# torch.compiler.disable: that one imports dynamo (~3 s) on import of this file, which chat and evaluation never need
+@torch._disable_dynamo
+def chunked_cross_entropy(x, weight, targets, softcap, compute_dtype, grad_enabled, compiled):
+    return ChunkedCrossEntropy.apply(x, weight, targets, softcap, compute_dtype, grad_enabled, compiled)
 
 
 # -----------------------------------------------------------------------------
@@ -648,8 +672,8 @@ class GPT(nn.Module):
             return (losses.view(B, T), argmax.view(B, T)) if predictions else losses.view(B, T)
         compute_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) \
             else self.head_weight().dtype
-        loss_sum = ChunkedCrossEntropy.apply(x, self.head_weight(), targets, softcap, compute_dtype,
-                                             torch.is_grad_enabled())
+        loss_sum = chunked_cross_entropy(x, self.head_weight(), targets, softcap, compute_dtype,
+                                         torch.is_grad_enabled(), torch.compiler.is_compiling())
         if reduction == "sum":
             return loss_sum
         return loss_sum / (targets != -1).sum().clamp(min=1)

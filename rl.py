@@ -344,7 +344,8 @@ def main(argv=None):
     def save(step, last=False):
         cursor.state["questions"] = step * args.questions_per_step
         return checkpoint.save_checkpoint(run_dir / "ckpt", step, model, optimizers, [cursor.state_dict()], ckpt_meta,
-                                          rank, args.keep, consolidate=last, delay_s=args.checkpoint_delay)
+                                          rank, args.keep, consolidate=last, delay_s=args.checkpoint_delay,
+                                          metrics=metrics)
 
     train_threads = torch.get_num_threads()
     rollout_threads = CPU_ROLLOUT_THREADS if device.type == "cpu" else train_threads

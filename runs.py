@@ -47,7 +47,8 @@ def add_run_args(parser, stage):
                    "optimizer state over the ranks with FSDP2; auto: when they would not fit one device by model.py's "
                    "estimate (default: %(default)s)")
     g.add_argument("--dist_timeout", type=float, default=600, help="seconds a collective may wait for the other ranks "
-                   "before the run stops with an error (a dead or hung rank) (default: %(default)s)")
+                   "before the run stops with an error (a dead or hung rank); it must outlast the slowest rank's first "
+                   "compile (default: %(default)s)")
     # Testing hooks, hidden from --help: the tests' way to make a run fail as real runs do. Steps count from 1, as
     # logged; -1: never (train_loop.testing_hooks).
     g = parser.add_argument_group("testing hooks")

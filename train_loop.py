@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from checkpoint import list_checkpoints, resume_command, save_checkpoint, saved_layout
-from common import device_name, fmt_duration, now, peak_flops
+from common import device_name, fmt_bytes, fmt_duration, now, peak_flops
 from distributed import (
     all_reduce,
     all_reduce_tensor,
@@ -282,6 +282,9 @@ def plan_batch(args, config, world, model, device, resume_from=None, parent_meta
                                  micro_batch_candidates(total, seq_len, world))
         del throwaway
         torch.cuda.empty_cache()
+        if master:  # the probe's tries are not the run's: its peak is said once here, then forgotten
+            print(f"batch: the probe's peak CUDA memory {fmt_bytes(torch.cuda.max_memory_allocated(device))}")
+        torch.cuda.reset_peak_memory_stats(device)
         micro, source = int(all_reduce(micro, dist.ReduceOp.MIN if dist.is_initialized() else None)), "probed"
         if master:
             print(f"batch: micro_batch {micro} is the largest that fits on every rank (probed with optimizer state)")
@@ -305,6 +308,15 @@ def loader_threads(args, device):
     return 1 if device.type == "cpu" else max(1, os.cpu_count() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
+def compile_cache():
+    """Where torch.compile keeps what it compiled (inductor's and AOTAutograd's caches, both on by default), shared by
+    every stage of every run, so a run's later stages, the real run after its rehearsal and a resumed run start warm:
+    $TORCHINDUCTOR_CACHE_DIR where set, else compile/torch-<version> under the downloads' cache (torch keys its entries
+    by version too; a directory per version keeps another version's from ever being read)."""
+    from dataset import CACHE_DIR
+    return Path(os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE_DIR / "compile" / f"torch-{torch.__version__}")))
+
+
 def wrap_model(model, args, world, local_rank, device):
     """DDP (gradients are views into its all-reduce buckets: no second copy) unless shard_model sharded it, then
     torch.compile (after DDP, not before)."""
@@ -312,7 +324,12 @@ def wrap_model(model, args, world, local_rank, device):
     if world > 1 and not is_sharded(model):
         train_model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
                           gradient_as_bucket_view=True)
-    return torch.compile(train_model) if args.compile else train_model
+    if not args.compile:
+        return train_model
+    cache = compile_cache()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"compile: torch.compile, cache {cache} (warm where a stage compiled the same shapes before)")
+    return torch.compile(train_model)
 
 
 # -----------------------------------------------------------------------------
@@ -392,7 +409,8 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
         if all_reduce(0.0 if finite else 1.0, dist.ReduceOp.MAX if dist.is_initialized() else None):
             raise RuntimeError(f"step {step}: parameters are not finite; not writing a checkpoint")
         return save_checkpoint(run_dir / "ckpt", step, model, optimizers, [ld.state_dict() for ld in loaders],
-                               ckpt_meta, rank, args.keep, consolidate=last, delay_s=args.checkpoint_delay)
+                               ckpt_meta, rank, args.keep, consolidate=last, delay_s=args.checkpoint_delay,
+                               metrics=metrics)
 
     for step in range(start, total_steps):
         t0 = now()

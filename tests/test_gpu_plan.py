@@ -405,14 +405,16 @@ def test_the_disk_check_counts_the_checkpoints_the_d20_plan_holds_at_once():
             "while it saves), RL 3 (holding 4): at most 11")
     assert pretrain.plan_checkpoints(args, 21_401, 524_288) == (11, f"{line} at once")
     assert round(11 * 15_225_333_600 / 1e9, 1) == 167.5
-    # the d20 rehearsal (--steps 3, a checkpoint every 2, --keep 1; rl 2 steps saving once): its stages hold 4 at
-    # once, 60.9 GB, which the 64 GB disk of a lent H200 (68.7 GB free) holds; counted as the real plan's stages
-    # (rl saving at steps 1 and 2) it was 5, 76.1 GB, and the check refused the rehearsal there
-    rehearsal = argparse.Namespace(keep=1, ckpt_every=2, steps=3)
+    # the d20 rehearsal (--steps 3, one checkpoint at the last step, --keep 1; rl 2 steps saving once): its stages
+    # hold 4 at once, 60.9 GB, which the 64 GB disk of a lent H200 (68.7 GB free) holds; counted as the real plan's
+    # stages (rl saving at steps 1 and 2) it was 5, 76.1 GB, and the check refused the rehearsal there
+    rehearsal = argparse.Namespace(keep=1, ckpt_every=3, steps=3)
     assert pretrain.plan_checkpoints(rehearsal, 3, 524_288)[0] == 4
     import launch
-    rl = launch.rehearsal_budgets(1, False)["R_RL"]
-    assert rl[rl.index("--steps") + 1] == rl[rl.index("--ckpt_every") + 1] == 2
+    budgets = launch.rehearsal_budgets(1, False)
+    for stage in ("R_PRETRAIN", "R_MIDTRAIN", "R_SFT", "R_RL"):  # each training stage saves once, at its last step
+        flags = budgets[stage]
+        assert flags[flags.index("--steps") + 1] == flags[flags.index("--ckpt_every") + 1], stage
 
 
 # --- the numbers the gpu plan prints --------------------------------------------------------------------------------
@@ -468,7 +470,7 @@ def test_the_eta_leaves_out_this_processs_first_step(tiny_pretrained, demo_world
     assert int(eta[0]) * 3600 + int(eta[1]) * 60 + int(eta[2]) < 5, lines[5]  # before: 20 s and more
 
 
-def test_the_micro_batch_probes_line_prints_on_rank_0_only(monkeypatch, capsys):
+def test_the_micro_batch_probes_lines_print_on_rank_0_and_its_peak_is_forgotten(monkeypatch, capsys):
     import argparse
 
     import torch
@@ -478,15 +480,20 @@ def test_the_micro_batch_probes_line_prints_on_rank_0_only(monkeypatch, capsys):
     monkeypatch.setattr(train_loop, "build_optimizers", lambda *a, **k: [])
     monkeypatch.setattr(train_loop, "find_micro_batch", lambda try_step, candidates: 16)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    peak = [137 * 2 ** 30]  # the probe's failed try at a larger micro-batch: not the run's peak, so it is reset
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: peak[0])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: peak.__setitem__(0, 0))
     monkeypatch.setattr(train_loop, "all_reduce", lambda value, op=None: value)
     monkeypatch.setattr(train_loop.dist, "is_initialized", lambda: True)
     args = argparse.Namespace(total_batch_tokens=2048 * 64, micro_batch=0, dtype="bfloat16")
     config = config_from_preset("d20", {"vocab_size": 65536})
-    line = "batch: micro_batch 16 is the largest that fits on every rank (probed with optimizer state)\n"
+    line = ("batch: the probe's peak CUDA memory 137.00 GiB\n"
+            "batch: micro_batch 16 is the largest that fits on every rank (probed with optimizer state)\n")
     for rank, printed in ((1, ""), (0, line)):
         monkeypatch.setattr(train_loop.dist, "get_rank", lambda rank=rank: rank)
+        peak[0] = 137 * 2 ** 30
         assert train_loop.plan_batch(args, config, 2, None, torch.device("cuda")) == (16, 2, "probed")
-        assert capsys.readouterr().out == printed
+        assert capsys.readouterr().out == printed and peak[0] == 0
 
 
 # --- several nodes need one shared run directory --------------------------------------------------------------------

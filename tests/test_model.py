@@ -247,6 +247,44 @@ def test_bf16_compute_updates_every_parameter():
 
 # --- the loss ---------------------------------------------------------------------------------------------------
 
+def test_compiling_the_model_leaves_the_loss_chunks_out_of_its_graph(monkeypatch):
+    """Under torch.compile the chunk loop runs outside the model's graph and calls one chunk function (compiled on its
+    own in a real run): the model's graph is the same size at 1 chunk and at 16, where unrolling the loop into it made
+    compilation grow with the vocabulary; the loss and gradients equal the uncompiled model's."""
+    nodes, chunk_rows = [], []
+
+    def backend(graph_module, example_inputs):  # counts what dynamo captured, runs it as traced
+        nodes.append(len(graph_module.graph.nodes))
+        return graph_module.forward
+
+    def chunk(*args):
+        chunk_rows.append(args[0].size(0))
+        return M.loss_chunk(*args)
+
+    monkeypatch.setattr(M, "compiled_loss_chunk", lambda: chunk)
+    captured = {}
+    for chunks in (1, 16):
+        monkeypatch.setattr(M, "LOSS_CHUNK_ELEMENTS", 512 * 300 // chunks)  # 3 x 100 rows over the vocabulary of 512
+        torch._dynamo.reset()
+        nodes.clear(), chunk_rows.clear()
+        torch.manual_seed(0)
+        model = build_model(small(logit_softcap=15.0))
+        idx, targets = torch.randint(0, 512, (3, 100)), torch.randint(0, 512, (3, 100))
+        targets[0, :40] = -1
+        loss = torch.compile(model, backend=backend)(idx, targets)
+        loss.backward()
+        compiled_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+        eager = model(idx, targets)
+        eager.backward()
+        assert len(chunk_rows) == chunks and sum(chunk_rows) == 300
+        assert torch.allclose(loss, eager, atol=1e-6, rtol=0)
+        for n, p in model.named_parameters():
+            assert torch.allclose(compiled_grads[n], p.grad, atol=1e-6, rtol=1e-5), n
+        captured[chunks] = sum(nodes)
+    assert captured[1] == captured[16] > 0
+
+
 @pytest.mark.parametrize("softcap", [0.0, 15.0])
 @pytest.mark.parametrize("tied", [False, True])
 def test_chunked_loss_and_grads_equal_naive(softcap, tied, monkeypatch):

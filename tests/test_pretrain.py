@@ -161,6 +161,7 @@ def test_two_nodes_meet_through_c10d_and_resume_a_one_process_checkpoint_sharded
     assert first_lines[0].startswith("distributed: world size 2 (gloo): rank 0 cpu (") and f"on {host}, rank 1 cpu (" \
         in first_lines[0] and first_lines[0].endswith(f"on {host}"), first_lines[0]
     out = "".join(out for out, _ in outputs)
+    assert "distributed: a collective waits at most 600 s for the other ranks (--dist_timeout)" in out
     assert "(1 -> 2 processes, not sharded -> sharded)" in out and "done: 14 steps" in out
     assert losses(world, "two_nodes") == losses(world, "straight1")
 

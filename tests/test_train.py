@@ -1,6 +1,7 @@
 """train_loop.py's training loop: the loss of a step is exact however its global batch is split into micro-batches,
 with masked targets (and into processes: tests/test_distributed.py); checkpoints ordered by step; resume sets abandoned
 checkpoints aside and checks the layout; the exact resume command."""
+import json
 import shlex
 import signal
 import sys
@@ -52,6 +53,21 @@ class Stream:
     """A data loader as resume sees it."""
     def load_state_dict(self, state):
         self.state = state
+
+
+def test_a_save_prints_and_logs_its_size_and_seconds(tmp_path, capsys):
+    """The size is the checkpoint's files on disk, the seconds the same as ckpt/save_seconds (what a stop's grace and
+    the plan's prediction read)."""
+    from train_loop import Metrics
+    ckpt = tmp_path / "r" / "ckpt"
+    path = checkpoint.save_checkpoint(ckpt, 5, tiny_model(), [], ["stream 0"], {"stage": "pretrain", **LAYOUT}, 0,
+                                      keep=1, metrics=Metrics(tmp_path / "r" / "metrics.jsonl", True))
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    assert size > sum(p.numel() * 4 for p in tiny_model().parameters())  # the fp32 weights are in it
+    record = json.loads((tmp_path / "r" / "metrics.jsonl").read_text())
+    assert record["step"] == 5 and record["save_bytes"] == size
+    assert f"{record['save_s']:.1f}" == (ckpt / "save_seconds").read_text().strip()
+    assert f"checkpoint: saved {size / 1e9:.2f} GB in {record['save_s']:.1f} s to {path}" in capsys.readouterr().out
 
 
 def test_the_newest_checkpoint_is_the_highest_step_not_the_last_name(tmp_path):
