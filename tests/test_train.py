@@ -2,6 +2,7 @@
 with masked targets (and into processes: tests/test_distributed.py); checkpoints ordered by step; resume sets abandoned
 checkpoints aside and checks the layout; the exact resume command."""
 import json
+import os
 import shlex
 import signal
 import sys
@@ -244,3 +245,19 @@ def test_muon_under_ddp_divides_the_orthogonalization_between_ranks_and_takes_th
                                                                   strict=True))  # every matrix took its steps
     # per step, 5 squares: 3 + 2; 4 of the MLP shape up to a transpose: 2 + 2; the gate: 1 + 0; 3 steps
     assert result["counts per rank"] == [3 * 6, 3 * 4]
+
+
+def test_compiled_graphs_go_to_one_cache_per_torch_version(tmp_path, monkeypatch):
+    """Every stage of every run compiles into the same directory, one per torch version, under the downloads' cache;
+    $TORCHINDUCTOR_CACHE_DIR, where set, wins."""
+    import dataset
+    import train_loop
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(dataset, "CACHE_DIR", tmp_path)
+    expected = tmp_path / "compile" / f"torch-{torch.__version__}"
+    assert train_loop.compile_cache() == expected and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(expected)
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert train_loop.compile_cache() == tmp_path / "compile" / "torch-9.9.9"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert train_loop.compile_cache() == tmp_path / "mine"
