@@ -93,7 +93,7 @@ def init_process_group(local_rank, timeout_s):
     argument, bound when it is imported, and torch.optim imports it (by way of torch._dynamo) at the first optimizer.
     Imported after init, its defaults hold the process group past destroy_process_group: gloo's three threads then
     live until the interpreter's last garbage collection at exit, where a rank now and then aborted with "terminate
-    called without an active exception". Imported before, they hold None."""
+    called without an active exception". Imported before, they hold None. (Other holders: see run_main.)"""
     from datetime import timedelta
 
     import torch.distributed.nn.functional
@@ -181,8 +181,21 @@ def fetch_everywhere(fetch, rank, world):
 def run_main(main):
     """A stage's exit: 0 when main() finished, 128 + signal when a signal stopped it after its checkpoint
     (non-zero, so a script chaining stages stops), 1 with a one-line error when this project's code raised one
-    naming the fix (an error raised elsewhere, in torch say, also gets its traceback). Every rank tears the process group down; after an error without the barrier, since the other ranks
-    may never reach it (torchrun stops them when this one exits)."""
+    naming the fix (an error raised elsewhere, in torch say, also gets its traceback). Every rank tears the process
+    group down; after an error without the barrier, since the other ranks may never reach it (torchrun stops them
+    when this one exits). Under torchrun the process then ends at once (os._exit), not through the interpreter's
+    finalization: whatever still holds the process group (see init_process_group; FSDP2's sharded runs hold it too)
+    keeps gloo's threads alive, and threads alive while the interpreter is torn down are how a rank aborted now and
+    then ("terminate called without an active exception")."""
+    code = stage_code(main)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def stage_code(main):
     script = Path(sys.argv[0]).name
     try:
         signum = main()

@@ -74,8 +74,7 @@ def main(out):
         torch.save({"rollouts": [r for part in gathered for r in part], "prompt": prompt, "count": count, "loss": loss,
                     "head": model.lm_head.weight.detach().clone(), "wte": model.wte.weight.detach().clone(),
                     "grad": model.lm_head.weight.grad.clone(), "eps": model.config.norm_eps}, out)
-    distributed.teardown_distributed()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    sys.exit(distributed.run_main(lambda: main(sys.argv[1])))  # as a stage ends: teardown, then os._exit

@@ -46,7 +46,6 @@ def test_two_processes_give_the_loss_and_gradients_of_one(worker_runs):
     """2 ranks x 2 micro-batches of 2 rows of test_train's global batch: DDP's all-reduce and no_sync accumulation."""
     saved = worker_runs["one step"]
     assert_same((saved["loss"].item(), saved["grads"]), step(8))
-    assert worker_runs["gloo threads after teardown"] == []  # the process group ended with teardown, not at exit
 
 
 @pytest.mark.two_processes
