@@ -71,6 +71,11 @@ def epoch_documents(units, enough=None):
     return total
 
 
+def trained_epoch(stats, pass_tokens):
+    """The pass that the tokens in rows are in: 0 until they are a whole pass's (pass_tokens, 0 while unknown)."""
+    return int(stats["tokens"] // pass_tokens) if pass_tokens else 0
+
+
 def cut_into_pieces(ids, row_len, bos):
     """A document longer than a row as row-sized pieces, each after the first led by a BOS of its own. Cutting its
     loss mask the same way, with the mask's value for BOS as `bos`, keeps each piece's mask aligned with its ids."""
@@ -113,13 +118,10 @@ class PieceBuffer:
         self.tokens -= len(ids)
         return ids, mask, arrival
 
-    def first_arrival(self):
+    def take_oldest(self):
         while self.oldest[0] not in self.live:
             heapq.heappop(self.oldest)
-        return self.oldest[0]
-
-    def take_oldest(self):
-        arrival = self.first_arrival()
+        arrival = self.oldest[0]
         first = bisect.bisect_left(self.lengths, self.live[arrival])  # among the pieces of its length
         return self.take(next(i for i in range(first, len(self.pieces)) if self.pieces[i][2] == arrival))
 
@@ -314,20 +316,19 @@ class PackedLoader:
         # the data ends instead: unchanged, so validation rows stay what they were)
         self.buffer_docs = buffer_docs if max_epochs is not None else \
             min(buffer_docs, max(1, epoch_documents(self.units, buffer_docs)))
-        # epoch, unit, doc: where the reader goes on; trained: the pass the rows are in (see epoch); starts: the
-        # arrival numbers of the pieces that begin later passes, read ahead into the buffer
+        # epoch, unit, doc: where the reader goes on; pass_tokens: a pass's document tokens, once read (see epoch)
         self.state = {"epoch": 0, "unit": 0, "doc": 0, "buffer": [], "stats": dict.fromkeys(STAT_KEYS, 0),
-                      "trained": 0, "starts": []}
+                      "pass_tokens": 0}
         self._threads, self._batches = [], None  # the running pipeline's threads and its Pipe of batches
         self._reported = 0  # skipped conversations printed so far
 
     # --- state ---------------------------------------------------------------------------------------------------
     @property
     def epoch(self):
-        """The pass over this rank's data that the rows handed out are in (0: the first; 1 and up: repeated data):
-        that of the oldest piece not yet in a row. The reader's (state["epoch"]) runs ahead by the buffer, up to a
-        pass of a small stream."""
-        return self.state["trained"]
+        """The pass over this rank's data that the rows handed out are in (0: the first; 1 and up: repeated data), by
+        tokens: those in rows over a pass's (known once the reader has read a pass). The reader's own, state["epoch"],
+        runs ahead by the buffer, up to a whole pass of a small stream."""
+        return trained_epoch(self.state["stats"], self.state["pass_tokens"])
 
     def state_dict(self):
         buffer = self.state["buffer"]
@@ -339,8 +340,7 @@ class PackedLoader:
                 "buffer_lengths": torch.tensor([len(x) for x, _, _ in buffer], dtype=torch.int64),
                 "buffer_arrivals": torch.tensor([a for _, _, a in buffer], dtype=torch.int64),
                 "rank": self.rank, "world_size": self.world_size, "seq_len": self.T, "kind": self.kind,
-                "pack": self.pack, "supervise": self.supervise, "seed": self.seed, "trained": self.state["trained"],
-                "starts": torch.tensor(self.state["starts"], dtype=torch.int64)}
+                "pack": self.pack, "supervise": self.supervise, "seed": self.seed, "pass_tokens": self.state["pass_tokens"]}
 
     def load_state_dict(self, sd):
         for key, mine in (("rank", self.rank), ("world_size", self.world_size), ("seq_len", self.T),
@@ -355,8 +355,8 @@ class PackedLoader:
         buffer = [(ids[a:b].copy(), masks[a:b].copy() if self.kind == "chat" else None, arrival)
                   for (a, b), arrival in zip(itertools.pairwise(bounds), sd["buffer_arrivals"].tolist(), strict=True)]
         self.state = {"epoch": sd["epoch"], "unit": sd["unit"], "doc": sd["doc"], "buffer": buffer,
-                      "stats": {**dict.fromkeys(STAT_KEYS, 0), **sd["stats"]},  # trained, starts: absent before them
-                      "trained": sd.get("trained", sd["epoch"]), "starts": sd["starts"].tolist() if "starts" in sd else []}
+                      "stats": {**dict.fromkeys(STAT_KEYS, 0), **sd["stats"]},  # pass_tokens: estimated before it was kept
+                      "pass_tokens": sd.get("pass_tokens", sd["stats"]["doc_tokens"] / sd["epoch"] if sd["epoch"] else 0)}
 
     def log_line(self):
         s = self.state["stats"]
@@ -477,36 +477,34 @@ class PackedLoader:
     def _pack(self, units, batches, state):
         """Packer thread: pack_batch() rows from the buffer, ship each batch to the device with the state after it."""
         stats, buffer = dict(state["stats"]), PieceBuffer(state["buffer"])
-        trained, starts = state["trained"], list(state["starts"])  # _documents appends to starts
+        per_pass = [state["pass_tokens"]]  # _documents sets it when the reader starts a pass again
         # of the next unread document: where a resume reads on; _documents moves it, to None once the data has ended
         position = [(state["epoch"], state["unit"], state["doc"])]
-        documents = self._documents(units, position, len(buffer), stats, starts)
+        documents = self._documents(units, position, len(buffer), stats, per_pass)
         masked = self.kind == "chat" or self.max_epochs is not None  # a row that can end in padding needs a mask
         while len(buffer) or position[0] is not None:
             rows, masks = pack_batch(buffer, documents, self.B, self.T + 1, self.tokenizer.bos_id, crop=self.crop,
                                      buffer_docs=self.buffer_docs, masked=masked, stats=stats)
             if len(rows):  # none: the data ended with every piece already in a row
-                oldest = buffer.first_arrival() if len(buffer) else stats["pieces"]
-                while starts and starts[0] <= oldest:  # rows have taken every piece of the pass before
-                    starts.pop(0)
-                    trained += 1
-                    if self.rank == 0 and (trained < 4 or str(trained + 1).strip("0") == "1"):  # 2-4, 10, 100, ...
-                        print(f"{self.name} loader, stream {self.rank} of {self.world_size}: epoch {trained + 1} starts "
-                              f"(its data ran out: its rows repeat documents from here on"
-                              f"{'; later epochs: only 10, 100, ... are printed' if trained == 3 else ''})")
+                trained = trained_epoch(stats, per_pass[0])
+                if trained > trained_epoch(state["stats"], state["pass_tokens"]) and self.rank == 0 and \
+                        (trained < 4 or str(trained + 1).strip("0") == "1"):  # epochs 2-4, 10, 100, ...
+                    print(f"{self.name} loader, stream {self.rank} of {self.world_size}: epoch {trained + 1} starts "
+                          f"(its data ran out: its rows repeat documents from here on"
+                          f"{'; later epochs: only 10, 100, ... are printed' if trained == 3 else ''})")
                 epoch, unit, doc = position[0] or (self.max_epochs, 0, 0)  # None: the data has ended
-                after = {"epoch": epoch, "unit": unit, "doc": doc, "stats": dict(stats), "buffer": list(buffer.pieces),
-                         "trained": trained, "starts": list(starts)}
-                if not batches.put((self._to_device(rows, masks), after)):
+                state = {"epoch": epoch, "unit": unit, "doc": doc, "stats": dict(stats), "buffer": list(buffer.pieces),
+                         "pass_tokens": per_pass[0]}  # the state after this batch: the next one's "before"
+                if not batches.put((self._to_device(rows, masks), state)):
                     return
         batches.put(StopIteration())  # max_epochs passes are done: __next__ raises it
 
-    def _documents(self, units, position, buffered, stats, starts):
+    def _documents(self, units, position, buffered, stats, per_pass):
         """The documents from position[0] on, in order, each an encoded document or why it is skipped; before each
         is handed out, position[0] becomes the position of the next unread document (None after the last), so it is
         exact even when nothing has been read since a resume. A pass over all the data with no usable document is an
-        error (the buffer would wait forever); `buffered` pieces restored from a checkpoint count as usable. A new
-        pass appends to `starts` the arrival number its first piece will get (stats["pieces"])."""
+        error (the buffer would wait forever); `buffered` pieces restored from a checkpoint count as usable. When the
+        reader starts a pass again, per_pass[0] becomes the document tokens of one (stats counts from the first)."""
         epoch, usable = position[0][0], buffered
         while (got := units.get()) is not None:
             item_epoch, unit, doc, items = got
@@ -515,7 +513,7 @@ class PackedLoader:
                     raise ValueError(f"{self.name} loader: a whole pass over {len(self.units)} row groups found no "
                                      f"usable document ({self.log_line()})")
                 epoch, usable = item_epoch, 0
-                starts.append(stats["pieces"])
+                per_pass[0] = stats["doc_tokens"] / item_epoch
             for read, item in enumerate(items, start=1):
                 usable += not skipped(item)
                 last = read == len(items)  # then the next document is the first of the next row group

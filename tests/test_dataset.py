@@ -191,8 +191,8 @@ def small_corpus(directory, docs, row_group_docs):
 
 def test_the_epoch_is_that_of_the_rows_trained_not_of_the_reader_ahead(tmp_path, capsys):
     """30 short documents: the first batch's buffer reads the whole pass, so the reader is in epoch 1 (0-based) at
-    step 1 while every row so far is first-pass data. The epoch a run prints (loader.epoch) and the 'data ran out'
-    line follow the rows: both turn when the first piece of the second pass is the oldest left to train."""
+    step 1 while the rows so far hold a tenth of it. The epoch a run prints (loader.epoch) and the 'data ran out'
+    line follow the rows: both turn with the batch whose tokens make the rows' total reach a pass's."""
     data, tok = small_corpus(tmp_path / "corpus", make_docs(30, min_words=3, max_words=8), 30)
     loader = L.text_loader(data, "train", tok, batch_size=2, seq_len=64)
     next(loader)
