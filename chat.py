@@ -29,7 +29,10 @@ from model import KVCache, autocast_context, lean_decode_step, lean_decode_weigh
 
 HELP = ("/clear  forget the conversation (back to <|bos|>)\n/stats  tokens in the cache, context, turns, last "
         "turn's prefill and decode\n/help   this list\n/quit   exit (also Ctrl-D; Ctrl-C at the prompt)\n"
-        "Ctrl-C during a reply stops that reply; the conversation goes on.")
+        "Ctrl-D after text (a paste of any length) sends it, then exits. Ctrl-C during a reply stops that reply; the "
+        "conversation goes on.")
+CANONICAL_LIMIT = 4095  # a terminal's line limit in canonical mode (Linux): what input() gets without readline
+SEND_AND_END = "\x04"  # ends a line read through readline when Ctrl-D was pressed after text (see main)
 
 
 def get_args(argv=None):
@@ -307,13 +310,23 @@ def main(argv=None):
         turn(text.strip("\n"))
         return 0
     sys.stdin.reconfigure(errors="replace")  # invalid UTF-8 typed or piped in becomes U+FFFD, not a crash
+    cut = None  # the line limit input() runs under: none with readline (it reads key by key)
     if sys.stdin.isatty():
         try:
-            import readline  # noqa: F401  (line editing and history for input())
+            import readline  # line editing and history for input()
+            # readline takes Ctrl-D after text for delete-char, a bell: a pasted document was never sent, and the
+            # session never ended. Bound to: end of line, a literal Ctrl-D, accept (on an empty line readline still
+            # returns EOF before any binding)
+            if "libedit" not in (readline.__doc__ or ""):  # macOS's stand-in has a syntax of its own
+                readline.parse_and_bind(r'"\C-d": "\C-e\C-v\C-d\C-j"')
         except ImportError:
-            pass
+            cut = CANONICAL_LIMIT
     print("type a message; /help for commands", file=out)
     while (line := read_message(out)) is not None:
+        last, line = line.endswith(SEND_AND_END), line.removesuffix(SEND_AND_END)
+        if cut and len(line) >= cut:
+            print(f"[the terminal cut this line at {cut:,} characters (its limit without readline): pass longer text "
+                  f"with -p - < FILE]", file=out)
         command = line.strip()
         if command in ("/quit", "/exit"):
             break
@@ -328,6 +341,8 @@ def main(argv=None):
             print(f"unknown command {command}; /help lists them", file=out)
         elif command:
             turn(line)
+        if last:
+            break
     return 0
 
 

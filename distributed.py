@@ -49,7 +49,6 @@ def setup_distributed(timeout_s=600):
     NCCL on CUDA, gloo on CPU; a collective that waits longer than timeout_s (a dead or hung peer) raises instead of
     hanging. Prints the world as initialized, as the first line: each rank reports its host and the device it holds
     (a run once passed one GPU off as four)."""
-    from datetime import timedelta
     if not torch.cuda.is_available():
         keep_freed_memory()
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun (other launchers set RANK too)
@@ -59,13 +58,7 @@ def setup_distributed(timeout_s=600):
         print(f"distributed: single process, device {device_name(device)}")
         return 0, 0, 1, device
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, timeout=timedelta(seconds=timeout_s))
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    device = init_process_group(local_rank, timeout_s)
     names = [None] * world_size
     dist.all_gather_object(names, f"{device} ({device_name(device)}) on {platform.node()}")
     if rank == 0:
@@ -97,6 +90,26 @@ def die_with_launcher():
         raise RuntimeError("the launcher (torchrun) that started this worker has already exited: nothing to run for")
 
 
+def init_process_group(local_rank, timeout_s):
+    """The process group of torchrun's ranks (NCCL on CUDA, gloo on CPU); returns this rank's device. First, though
+    nothing here uses it, torch.distributed.nn.functional: its functions take `group=group.WORLD` as a default
+    argument, bound when it is imported, and torch.optim imports it (by way of torch._dynamo) at the first optimizer.
+    Imported after init, its defaults hold the process group past destroy_process_group: gloo's three threads then
+    live until the interpreter's last garbage collection at exit, where a rank now and then aborted with "terminate
+    called without an active exception". Imported before, they hold None. (Other holders: see run_main.)"""
+    from datetime import timedelta
+
+    import torch.distributed.nn.functional
+    timeout = timedelta(seconds=timeout_s)
+    if not torch.cuda.is_available():
+        dist.init_process_group("gloo", timeout=timeout)
+        return torch.device("cpu")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device, timeout=timeout)
+    return device
+
+
 def teardown_distributed():
     """Barrier, then destroy the process group: exiting without it can abort torch at exit or strand workers."""
     if dist.is_initialized():
@@ -113,18 +126,11 @@ def probe_all_reduce(timeout_s, mbytes=PROBE_MBYTES, iters=5):
     bytes, then a message of `mbytes` MB (a gradient bucket's size: the large-message algorithms a 4-byte probe never
     reaches), timed over `iters` repeats after one warm-up, and the bus bandwidth printed (algorithm bandwidth x
     2(n-1)/n, nccl-tests' figure). Returns the exit status: 0 when every rank got the right sums."""
-    from datetime import timedelta
     if "RANK" not in os.environ:
         print("probe: not under torchrun: one process, nothing to all-reduce")
         return 0
     rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s), device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    device = init_process_group(local_rank, timeout_s)
     expected = world * (world + 1) / 2
     t = torch.full((1,), float(rank + 1), device=device)
     dist.all_reduce(t)
@@ -178,8 +184,21 @@ def fetch_everywhere(fetch, rank, world):
 def run_main(main):
     """A stage's exit: 0 when main() finished, 128 + signal when a signal stopped it after its checkpoint
     (non-zero, so a script chaining stages stops), 1 with a one-line error when this project's code raised one
-    naming the fix (an error raised elsewhere, in torch say, also gets its traceback). Every rank tears the process group down; after an error without the barrier, since the other ranks
-    may never reach it (torchrun stops them when this one exits)."""
+    naming the fix (an error raised elsewhere, in torch say, also gets its traceback). Every rank tears the process
+    group down; after an error without the barrier, since the other ranks may never reach it (torchrun stops them
+    when this one exits). Under torchrun the process then ends at once (os._exit), not through the interpreter's
+    finalization: whatever still holds the process group (see init_process_group; FSDP2's sharded runs hold it too)
+    keeps gloo's threads alive, and threads alive while the interpreter is torn down are how a rank aborted now and
+    then ("terminate called without an active exception")."""
+    code = stage_code(main)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def stage_code(main):
     script = Path(sys.argv[0]).name
     try:
         signum = main()

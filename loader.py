@@ -30,23 +30,28 @@ REPORT_SKIPPED = 5  # the first few conversations skipped as bad input are print
 
 
 def assign_units(files, rank, world_size):
-    """What rank `rank` of `world_size` reads: row groups rank, rank+W, ... of the files in order, so ranks never share
-    a document. A split with fewer row groups than ranks (a small validation shard, the identity set on 32 data
-    streams) is dealt by document instead, round robin over all its documents in order: rank r takes documents r,
-    r+W, ... of their sequence, so every rank gets one whenever there are at least W. With fewer documents than ranks
-    the sequence is the documents repeated until it has W (24 conversations on 32 streams: 48), so no rank is ever
-    without data; ranks then share a few documents. A unit is (path, row group, first doc, doc step)."""
+    """What rank `rank` of `world_size` reads, so ranks never share a document and none runs out while another has
+    unread data: whole row groups round robin, as many full-size ones (the most documents) as make whole rounds, and
+    the rest (the last row group of a shard, a remainder of fewer than W, a split with fewer row groups than ranks)
+    dealt by document: rank r takes documents r, r+W, ... of their sequence, in file order. Streams then differ by at
+    most one document. With fewer documents than ranks and no whole round, the sequence is the documents repeated
+    until it has W (24 conversations on 32 streams: 48), so no rank is ever without data; ranks then share a few
+    documents. A unit is (path, row group, first doc, doc step)."""
     row_groups = []
     for path in files:
         parquet = open_parquet(path, column=None)
         row_groups += [(path, i, parquet.metadata.row_group(i).num_rows) for i in range(parquet.num_row_groups)]
-    if len(row_groups) >= world_size:
-        return [(path, i, 0, 1) for path, i, _ in row_groups[rank::world_size]]
-    documents = sum(n for _, _, n in row_groups)
-    copies = -(-world_size // documents) if documents else 1  # ceil: the repeats that give every rank a document
-    units, start = [], 0  # start: the index in the whole sequence of the row group's first document
+    most = max((n for _, _, n in row_groups), default=0)
+    full = [k for k, (_, _, n) in enumerate(row_groups) if n == most]
+    whole = {k: j % world_size for j, k in enumerate(full[:len(full) // world_size * world_size])}  # -> its rank
+    documents = sum(n for k, (_, _, n) in enumerate(row_groups) if k not in whole)
+    copies = -(-world_size // documents) if documents and not whole else 1  # ceil: every rank gets a document
+    units, start = [], 0  # start: the index in the dealt sequence of the row group's first document
     for _ in range(copies):
-        for path, i, n in row_groups:
+        for k, (path, i, n) in enumerate(row_groups):
+            if k in whole:
+                units += [(path, i, 0, 1)] if whole[k] == rank else []
+                continue
             first = (rank - start) % world_size  # this rank's first document in the row group
             if first < n:
                 units.append((path, i, first, world_size))
@@ -64,6 +69,11 @@ def epoch_documents(units, enough=None):
         if enough is not None and total >= enough:
             break
     return total
+
+
+def trained_epoch(stats, pass_tokens):
+    """The pass that the tokens in rows are in: 0 until they are a whole pass's (pass_tokens, 0 while unknown)."""
+    return int(stats["tokens"] // pass_tokens) if pass_tokens else 0
 
 
 def cut_into_pieces(ids, row_len, bos):
@@ -306,15 +316,19 @@ class PackedLoader:
         # the data ends instead: unchanged, so validation rows stay what they were)
         self.buffer_docs = buffer_docs if max_epochs is not None else \
             min(buffer_docs, max(1, epoch_documents(self.units, buffer_docs)))
-        self.state = {"epoch": 0, "unit": 0, "doc": 0, "buffer": [], "stats": dict.fromkeys(STAT_KEYS, 0)}
+        # epoch, unit, doc: where the reader goes on; pass_tokens: a pass's document tokens, once read (see epoch)
+        self.state = {"epoch": 0, "unit": 0, "doc": 0, "buffer": [], "stats": dict.fromkeys(STAT_KEYS, 0),
+                      "pass_tokens": 0}
         self._threads, self._batches = [], None  # the running pipeline's threads and its Pipe of batches
         self._reported = 0  # skipped conversations printed so far
 
     # --- state ---------------------------------------------------------------------------------------------------
     @property
     def epoch(self):
-        """The pass over this rank's data that the next row comes from (0: the first; 1 and up: repeated data)."""
-        return self.state["epoch"]
+        """The pass over this rank's data that the rows handed out are in (0: the first; 1 and up: repeated data), by
+        tokens: those in rows over a pass's (known once the reader has read a pass). The reader's own, state["epoch"],
+        runs ahead by the buffer, up to a whole pass of a small stream."""
+        return trained_epoch(self.state["stats"], self.state["pass_tokens"])
 
     def state_dict(self):
         buffer = self.state["buffer"]
@@ -326,7 +340,7 @@ class PackedLoader:
                 "buffer_lengths": torch.tensor([len(x) for x, _, _ in buffer], dtype=torch.int64),
                 "buffer_arrivals": torch.tensor([a for _, _, a in buffer], dtype=torch.int64),
                 "rank": self.rank, "world_size": self.world_size, "seq_len": self.T, "kind": self.kind,
-                "pack": self.pack, "supervise": self.supervise, "seed": self.seed}
+                "pack": self.pack, "supervise": self.supervise, "seed": self.seed, "pass_tokens": self.state["pass_tokens"]}
 
     def load_state_dict(self, sd):
         for key, mine in (("rank", self.rank), ("world_size", self.world_size), ("seq_len", self.T),
@@ -341,7 +355,8 @@ class PackedLoader:
         buffer = [(ids[a:b].copy(), masks[a:b].copy() if self.kind == "chat" else None, arrival)
                   for (a, b), arrival in zip(itertools.pairwise(bounds), sd["buffer_arrivals"].tolist(), strict=True)]
         self.state = {"epoch": sd["epoch"], "unit": sd["unit"], "doc": sd["doc"], "buffer": buffer,
-                      "stats": {**dict.fromkeys(STAT_KEYS, 0), **sd["stats"]}}
+                      "stats": {**dict.fromkeys(STAT_KEYS, 0), **sd["stats"]},  # pass_tokens: estimated before it was kept
+                      "pass_tokens": sd.get("pass_tokens", sd["stats"]["doc_tokens"] / sd["epoch"] if sd["epoch"] else 0)}
 
     def log_line(self):
         s = self.state["stats"]
@@ -462,25 +477,34 @@ class PackedLoader:
     def _pack(self, units, batches, state):
         """Packer thread: pack_batch() rows from the buffer, ship each batch to the device with the state after it."""
         stats, buffer = dict(state["stats"]), PieceBuffer(state["buffer"])
+        per_pass = [state["pass_tokens"]]  # _documents sets it when the reader starts a pass again
         # of the next unread document: where a resume reads on; _documents moves it, to None once the data has ended
         position = [(state["epoch"], state["unit"], state["doc"])]
-        documents = self._documents(units, position, buffered=len(buffer))
+        documents = self._documents(units, position, len(buffer), stats, per_pass)
         masked = self.kind == "chat" or self.max_epochs is not None  # a row that can end in padding needs a mask
         while len(buffer) or position[0] is not None:
             rows, masks = pack_batch(buffer, documents, self.B, self.T + 1, self.tokenizer.bos_id, crop=self.crop,
                                      buffer_docs=self.buffer_docs, masked=masked, stats=stats)
             if len(rows):  # none: the data ended with every piece already in a row
+                trained = trained_epoch(stats, per_pass[0])
+                if trained > trained_epoch(state["stats"], state["pass_tokens"]) and self.rank == 0 and \
+                        (trained < 4 or str(trained + 1).strip("0") == "1"):  # epochs 2-4, 10, 100, ...
+                    print(f"{self.name} loader, stream {self.rank} of {self.world_size}: epoch {trained + 1} starts "
+                          f"(its data ran out: its rows repeat documents from here on"
+                          f"{'; later epochs: only 10, 100, ... are printed' if trained == 3 else ''})")
                 epoch, unit, doc = position[0] or (self.max_epochs, 0, 0)  # None: the data has ended
-                after = {"epoch": epoch, "unit": unit, "doc": doc, "stats": dict(stats), "buffer": list(buffer.pieces)}
-                if not batches.put((self._to_device(rows, masks), after)):
+                state = {"epoch": epoch, "unit": unit, "doc": doc, "stats": dict(stats), "buffer": list(buffer.pieces),
+                         "pass_tokens": per_pass[0]}  # the state after this batch: the next one's "before"
+                if not batches.put((self._to_device(rows, masks), state)):
                     return
         batches.put(StopIteration())  # max_epochs passes are done: __next__ raises it
 
-    def _documents(self, units, position, buffered):
+    def _documents(self, units, position, buffered, stats, per_pass):
         """The documents from position[0] on, in order, each an encoded document or why it is skipped; before each
         is handed out, position[0] becomes the position of the next unread document (None after the last), so it is
         exact even when nothing has been read since a resume. A pass over all the data with no usable document is an
-        error (the buffer would wait forever); `buffered` pieces restored from a checkpoint count as usable."""
+        error (the buffer would wait forever); `buffered` pieces restored from a checkpoint count as usable. When the
+        reader starts a pass again, per_pass[0] becomes the document tokens of one (stats counts from the first)."""
         epoch, usable = position[0][0], buffered
         while (got := units.get()) is not None:
             item_epoch, unit, doc, items = got
@@ -488,10 +512,8 @@ class PackedLoader:
                 if not usable:
                     raise ValueError(f"{self.name} loader: a whole pass over {len(self.units)} row groups found no "
                                      f"usable document ({self.log_line()})")
-                if self.rank == 0 and (item_epoch <= 3 or str(item_epoch).strip("0") == "1"):  # 1-3, 10, 100, ...
-                    print(f"{self.name} loader: epoch {item_epoch} starts (the data ran out, starting over"
-                          f"{'; later epochs: only 10, 100, ... are printed' if item_epoch == 3 else ''})")
                 epoch, usable = item_epoch, 0
+                per_pass[0] = stats["doc_tokens"] / item_epoch
             for read, item in enumerate(items, start=1):
                 usable += not skipped(item)
                 last = read == len(items)  # then the next document is the first of the next row group

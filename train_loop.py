@@ -202,39 +202,53 @@ def probe_step(model, optimizers, seq_len, vocab_size, dtype, device):
     return try_step
 
 
-def nearest_batch(total, seq_len, world, within=0.03):
-    """Tokens a step that split into whole sequences over `world` ranks, nearest --total_batch_tokens: total itself when
-    it does; else the per-rank sequences within `within` of the asked whose largest power-of-two divisor is largest (a
-    micro-batch that fits then cuts it into few accumulation steps), the nearer on a tie; None when none is that near.
-    524,288 over 3 x 2048: 84 sequences a rank, 516,096 (-1.6%); over 5: 52, 532,480; 6: 42; 7: 36."""
-    unit = seq_len * world
+def nearest_batch(total, seq_len, world, micro=0, within=0.03):
+    """Tokens a step that split into micro-batches of `micro` sequences (0: whole sequences, the micro-batch still to
+    be chosen) over `world` ranks, nearest --total_batch_tokens: total itself when it does; else, within `within` of
+    it, the nearest for a given micro-batch, and without one the per-rank sequences whose largest power-of-two divisor
+    is largest (a micro-batch that fits then cuts it into few accumulation steps), the nearer on a tie; None when none
+    is that near. 524,288 over 3 x 2048: 84 sequences a rank, 516,096 (-1.6%); over 5: 52, 532,480; 6: 42; 7: 36; at
+    micro-batch 2 over 3: 43 accumulation steps, 528,384 (+0.8%)."""
+    unit = (micro or 1) * seq_len * world
     if total % unit == 0:
         return total
     want = total / unit
     options = range(max(1, math.ceil(want * (1 - within))), math.floor(want * (1 + within)) + 1)
-    return max(options, key=lambda s: (s & -s, -abs(s - want))) * unit if options else None
+    return max(options, key=lambda s: (0 if micro else s & -s, -abs(s - want))) * unit if options else None
 
 
-def batch_line(total, used, seq_len, world):
+def processes(world):
+    return f"{world} process{'es' if world > 1 else ''}"
+
+
+def batch_line(total, used, seq_len, world, micro=0):
     """What plan_batch says when it uses `used` tokens a step for --total_batch_tokens `total`."""
     from optim import BATCH_EXPONENT
-    return (f"batch: --total_batch_tokens {total:,} is not a whole number of sequence_len {seq_len} x {world} processes: "
-            f"{used:,} tokens a step instead ({100 * (used / total - 1):+.1f}%, {used // (seq_len * world)} sequences "
-            f"a process); a token budget takes as many more steps, and the AdamW lrs of the embeddings, head and "
-            f"scalars follow the batch (x{(used / total) ** BATCH_EXPONENT:.4f}, optim.py)")
+    what = f"{f'micro_batch {micro} x ' if micro else ''}sequence_len {seq_len} x {processes(world)}"
+    steps = f", {used // (micro * seq_len * world)} accumulation steps" if micro else ""
+    return (f"batch: --total_batch_tokens {total:,} is not a whole number of {what}: {used:,} tokens a step instead "
+            f"({100 * (used / total - 1):+.1f}%, {used // (seq_len * world)} sequences a process{steps}); a token "
+            f"budget takes proportionally {'fewer' if used > total else 'more'} steps, and the AdamW lrs of the "
+            f"embeddings, head and scalars follow the batch (x{(used / total) ** BATCH_EXPONENT:.4f}, optim.py)")
 
 
 def check_batch_divides(total, seq_len, world, micro=0):
     """--total_batch_tokens must be a whole number of (micro_batch x) sequence_len x world tokens, else no micro-batch
-    fits and pretraining fails at its start, after the downloads. Returns the line saying it does; raises a ValueError
-    naming the process counts that work and the nearest totals that do for this one."""
+    fits and pretraining fails at its start, after the downloads. Returns the line saying what a step is (or the
+    nearest batch plan_batch will take instead); raises a ValueError naming the process counts that work and the
+    nearest totals that do for this one."""
+    used = nearest_batch(total, seq_len, world, micro)
+    if used not in (None, total):
+        return batch_line(total, used, seq_len, world, micro)
+    sequences = total // (seq_len * world)
+    if used and micro:
+        return f"batch: {total:,} tokens a step = micro-batch {micro} x sequence {seq_len:,} x {processes(world)} x " \
+               f"{sequences // micro} accumulation steps"
+    if used:
+        return f"batch: {total:,} tokens a step = {sequences} sequences x sequence {seq_len:,} x {processes(world)} " \
+               f"(a process's {sequences}: micro-batch x accumulation steps, the micro-batch chosen when pretraining starts)"
     unit = (micro or 1) * seq_len * world
-    what = f"{f'micro_batch {micro} x ' if micro else ''}sequence_len {seq_len} x {world} processes = {unit:,}"
-    if total % unit == 0:
-        return f"batch: {total:,} tokens a step = {total // unit} x {what}: it divides"
-    nearest = None if micro else nearest_batch(total, seq_len, world)
-    if nearest:  # plan_batch will use the nearest that divides
-        return batch_line(total, nearest, seq_len, world)
+    what = f"{f'micro_batch {micro} x ' if micro else ''}sequence_len {seq_len} x {processes(world)} = {unit:,}"
     counts = [str(n) for n in range(1, world) if total % ((micro or 1) * seq_len * n) == 0]  # fewer GPUs that work
     lo, hi = total // unit * unit, (total // unit + 1) * unit
     fixes = [f"--gpus {', '.join(counts[:-1])} or {counts[-1]}" if len(counts) > 1 else f"--gpus {counts[0]}"] \
@@ -261,22 +275,18 @@ def plan_batch(args, config, world, model, device, resume_from=None, parent_meta
     accumulate=False (rl.py): none, its batch is its replies."""
     seq_len, total = config.sequence_len, args.total_batch_tokens if accumulate else None
     master = not dist.is_initialized() or dist.get_rank() == 0
-    nearest = nearest_batch(total, seq_len, world) if total and not args.micro_batch else None
-    if nearest not in (None, total):
-        if master:  # 3, 5, 6 or 7 GPUs: the nearest batch that splits, said (an explicit --micro_batch is refused below)
-            print(batch_line(total, nearest, seq_len, world))
-        total = nearest
     resumed = saved_layout(resume_from)["micro_batch"] if resume_from else None
     parents = ((parent_meta or {}).get("hparams") or {}).get("micro_batch")
-    if args.micro_batch:
-        micro, source = args.micro_batch, "flag"
-    elif resumed:
-        micro, source = resumed, "the checkpoint's (--resume)"
+    micro, source = (args.micro_batch, "flag") if args.micro_batch else \
+        (resumed, "the checkpoint's (--resume)") if resumed else (parents, "parent (meta.json)") if parents else (0, "")
+    if master and source.endswith("(--resume)"):
+        print(f"batch: micro_batch {micro}, the checkpoint's (--micro_batch 0 and --resume)")
+    nearest = nearest_batch(total, seq_len, world, micro) if total else None
+    if nearest not in (None, total):  # 3, 5, 6 or 7 GPUs: the nearest batch that splits, said (none: refused below)
         if master:
-            print(f"batch: micro_batch {micro}, the checkpoint's (--micro_batch 0 and --resume)")
-    elif parents:
-        micro, source = parents, "parent (meta.json)"
-    elif device.type == "cuda":
+            print(batch_line(total, nearest, seq_len, world, micro))
+        total = nearest
+    if not micro and device.type == "cuda":
         throwaway = build_optimizers(model, args, config.n_embd, 1, device)
         micro = find_micro_batch(probe_step(model, throwaway, seq_len, config.vocab_size, args.dtype, device),
                                  micro_batch_candidates(total, seq_len, world))
@@ -288,7 +298,7 @@ def plan_batch(args, config, world, model, device, resume_from=None, parent_meta
         micro, source = int(all_reduce(micro, dist.ReduceOp.MIN if dist.is_initialized() else None)), "probed"
         if master:
             print(f"batch: micro_batch {micro} is the largest that fits on every rank (probed with optimizer state)")
-    else:  # the CPU: no memory probe; 8 sequences keep a step short
+    elif not micro:  # the CPU: no memory probe; 8 sequences keep a step short
         micro, source = max(micro_batch_candidates(total, seq_len, world)) if total else 8, "the CPU's choice"
     step_unit = micro * seq_len * world
     total = total or step_unit

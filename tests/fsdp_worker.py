@@ -42,7 +42,7 @@ def losses(wrap, optimizer, dtype, rank, world, local_rank, device, activation_c
     return result
 
 
-if __name__ == "__main__":
+def main():
     rank, local_rank, world, device = distributed.setup_distributed()
     runs = {f"{wrap} {optimizer} {dtype}": losses(wrap, optimizer, dtype, rank, world, local_rank, device,
                                                   activation_checkpointing=optimizer == "adamw" and wrap == "fsdp")
@@ -57,4 +57,7 @@ if __name__ == "__main__":
     if rank == 0:
         runs["one step"] = {"loss": loss_sum / count, "grads": {n: p.grad for n, p in model.named_parameters()}}
         torch.save(runs, sys.argv[1])
-    distributed.teardown_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(distributed.run_main(main))  # as a stage ends: teardown, then os._exit

@@ -7,7 +7,9 @@ import sys
 
 import torch
 import torch.distributed as dist
+from helpers import threads_named
 
+import distributed
 import optim
 
 SHAPES = [(64, 64)] * 5 + [(64, 256), (256, 64)] * 2 + [(12, 2)]  # square ones, an MLP pair of each way, a gate
@@ -25,7 +27,7 @@ def run(ns_dtype, divide_work, counted):
 
 
 def main():
-    dist.init_process_group("gloo")
+    distributed.setup_distributed()
     counted = []
     original = optim.newton_schulz
 
@@ -44,10 +46,11 @@ def main():
     counts = [None] * dist.get_world_size()
     dist.all_gather_object(counts, result["counted float32"])
     result["counts per rank"] = counts
-    if dist.get_rank() == 0:
+    rank = dist.get_rank()
+    distributed.teardown_distributed()
+    result["gloo threads after teardown"] = threads_named("gloo")  # none: the process group is gone, not at exit
+    if rank == 0:
         torch.save(result, sys.argv[1])
-    dist.barrier()  # rank 0 saves first: a peer gone mid-teardown aborts gloo
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import distributed
 import rl
 from calculator import reply_text
 from model import GPTConfig, build_model
@@ -53,8 +54,7 @@ def hand_made_policy(tok):
 
 
 def main(out):
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, _, world, _ = distributed.setup_distributed()
     tok = tokenizer()
     model, prompt = hand_made_policy(tok)
     item = {"prompt": QUESTION, "answers": ["7"], "rule": "last_word"}
@@ -74,9 +74,7 @@ def main(out):
         torch.save({"rollouts": [r for part in gathered for r in part], "prompt": prompt, "count": count, "loss": loss,
                     "head": model.lm_head.weight.detach().clone(), "wte": model.wte.weight.detach().clone(),
                     "grad": model.lm_head.weight.grad.clone(), "eps": model.config.norm_eps}, out)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    sys.exit(distributed.run_main(lambda: main(sys.argv[1])))  # as a stage ends: teardown, then os._exit

@@ -143,6 +143,49 @@ def test_an_interactive_session_in_a_terminal(demo_world, tmp_path):
         os.close(fd)
 
 
+@pytest.mark.parametrize("words", [3, 1500])
+def test_ctrl_d_after_a_paste_of_any_length_sends_it_then_ends_the_session(demo_world, tmp_path, words):
+    """Text pasted at the prompt, then Ctrl-D: the reply, then the exit. 1,500 words are ~10,000 characters, over a
+    terminal's 4,095-character line: every token of it arrives (the context keeps its end). Before, readline took
+    Ctrl-D after text for delete-char: nothing was sent, and the session went on."""
+    tokenizer = Tokenizer.load(demo_world / "tokenizer")
+    ckpt = endless_checkpoint(tmp_path / "runs" / "endless" / "ckpt", tokenizer, demo_world / "tokenizer")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "LC_ALL": "C.UTF-8", "TERM": "dumb"}
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.execve(sys.executable, [sys.executable, str(ROOT / "chat.py"), "--checkpoint", str(ckpt),
+                                   "--max_new_tokens", "20", "--seed", "1"], env)
+    seen, paste = [], " ".join(f"word{i}" for i in range(words)).encode()
+    try:
+        read_until(fd, rb"type a message.*\r?\n> ", 60, seen)
+        for start in range(0, len(paste), 1024):  # as a terminal delivers a paste; its echo read as it comes
+            os.write(fd, paste[start:start + 1024])
+            while select.select([fd], [], [], 0.05)[0]:
+                seen.append(os.read(fd, 65536))
+        os.write(fd, b"\x04")
+        out, m = read_until(fd, STATS.pattern.removesuffix(rb"\r?\n> "), 120, seen)  # no prompt after it: the end
+        sent = len(tokenizer.encode(paste.decode()))
+        if words > 3:
+            assert f"[message too long: {sent:,} tokens".encode() in out, out[-1000:]
+        else:
+            assert int(m[2]) == sent + 3, out  # + user_start, user_end, assistant_start
+        deadline = time.monotonic() + 30
+        while (status := os.waitpid(pid, os.WNOHANG))[0] == 0:
+            assert time.monotonic() < deadline, "chat.py did not exit after the reply"
+            try:
+                if select.select([fd], [], [], 0.1)[0]:
+                    seen.append(os.read(fd, 65536))
+            except OSError:
+                pass
+        assert os.waitstatus_to_exitcode(status[1]) == 0, b"".join(seen)[-2000:]
+        pid = None
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(fd)
+
+
 def run_chat(args, stdin, cwd):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, str(ROOT / "chat.py"), *map(str, args)], input=stdin, capture_output=True,

@@ -175,10 +175,58 @@ def test_epochs_roll_over_and_are_logged(corpus, capsys):
     loader = L.text_loader(data, "val", tok, batch_size=8, seq_len=64, buffer_docs=20)
     for _ in range(60):  # the 110 validation documents hold far fewer than 60 x 8 x 65 tokens
         next(loader)
-    assert loader.state["epoch"] >= 2
+    assert loader.epoch >= 2
     loader.close()
     out = capsys.readouterr().out
-    assert "val loader: epoch 1 starts" in out and "val loader: epoch 2 starts" in out
+    assert "val loader, stream 0 of 1: epoch 2 starts (its data ran out" in out and ": epoch 3 starts" in out
+
+
+def small_corpus(directory, docs, row_group_docs):
+    """A training shard of `docs` in row groups of `row_group_docs`, a validation shard, and a tokenizer."""
+    directory.mkdir()
+    pq.write_table(pa.table({"text": docs}), directory / "shard_00000.parquet", row_group_size=row_group_docs)
+    pq.write_table(pa.table({"text": docs[:5]}), directory / "shard_00001.parquet")
+    return directory, train_tokenizer(docs, 300)
+
+
+def test_the_epoch_is_that_of_the_rows_trained_not_of_the_reader_ahead(tmp_path, capsys):
+    """30 short documents: the first batch's buffer reads the whole pass, so the reader is in epoch 1 (0-based) at
+    step 1 while the rows so far hold a tenth of it. The epoch a run prints (loader.epoch) and the 'data ran out'
+    line follow the rows: both turn with the batch whose tokens make the rows' total reach a pass's."""
+    data, tok = small_corpus(tmp_path / "corpus", make_docs(30, min_words=3, max_words=8), 30)
+    loader = L.text_loader(data, "train", tok, batch_size=2, seq_len=64)
+    next(loader)
+    assert (loader.state["epoch"], loader.epoch) == (1, 0) and capsys.readouterr().out == ""
+    pass_tokens = sum(len(tok.encode(t)) + 1 for t in make_docs(30, min_words=3, max_words=8))
+    while loader.epoch == 0:
+        next(loader)
+    trained = loader.state["stats"]["tokens"]
+    loader.close()
+    assert pass_tokens <= trained < pass_tokens + 2 * 65  # within the batch that took the last first-pass piece
+    assert capsys.readouterr().out == "train loader, stream 0 of 1: epoch 2 starts (its data ran out: its rows repeat " \
+                                      "documents from here on)\n"
+
+
+def test_few_row_groups_are_dealt_so_no_stream_repeats_while_another_has_unread_data(tmp_path):
+    """5 row groups of 40 documents over 4 streams (pretraining's streams, one per accumulation step): one whole row
+    group each, the fifth dealt by document, 50 documents a stream, each document in one stream. Stepped together,
+    no stream's rows repeat a document before every stream has trained nearly all of its own (documents of 10 words:
+    streams differ by a few tokens). Before, stream 0 took 2 row groups (80 documents) and streams 1-3 one each: they
+    repeated theirs with half of stream 0's untrained."""
+    docs = make_docs(200, min_words=10, max_words=10)
+    data, tok = small_corpus(tmp_path / "corpus", docs, 40)
+    files = D.split_shards(data, "train")
+    dealt = [[t for path, rg, first, step in L.assign_units(files, rank, 4) for t in D.read_row_group(path, rg)[first::step]]
+             for rank in range(4)]
+    assert [len(d) for d in dealt] == [50] * 4 and sorted(t for d in dealt for t in d) == sorted(docs)
+    loaders = [L.text_loader(data, "train", tok, batch_size=1, seq_len=32, rank=r, world_size=4) for r in range(4)]
+    while all(ld.epoch == 0 for ld in loaders):
+        for ld in loaders:
+            next(ld)
+    done = [ld.state["stats"]["tokens"] / sum(len(tok.encode(t)) + 1 for t in d) for ld, d in zip(loaders, dealt)]
+    assert min(done) > 0.9, done  # the share of its first pass each stream has trained
+    for ld in loaders:
+        ld.close()
 
 
 def doc_markers(texts):

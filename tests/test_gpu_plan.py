@@ -255,8 +255,9 @@ def test_on_3_5_6_or_7_gpus_the_plan_takes_the_nearest_batch_that_splits_and_say
     pretrain.main(["--preset", "d20", "--tokens_per_param", "20", "--total_batch_tokens", "524288", "--check_batch", "3"])
     said = capsys.readouterr().out
     assert said == ("batch: --total_batch_tokens 524,288 is not a whole number of sequence_len 2048 x 3 processes: "
-                    "516,096 tokens a step instead (-1.6%, 84 sequences a process); a token budget takes as many more "
-                    "steps, and the AdamW lrs of the embeddings, head and scalars follow the batch (x0.9980, optim.py)\n")
+                    "516,096 tokens a step instead (-1.6%, 84 sequences a process); a token budget takes proportionally "
+                    "more steps, and the AdamW lrs of the embeddings, head and scalars follow the batch (x0.9980, "
+                    "optim.py)\n")
     config = config_from_preset("tiny", {"vocab_size": 256, "sequence_len": 2048})
     args = SimpleNamespace(total_batch_tokens=524_288, micro_batch=0)
     micro, accum, _ = train_loop.plan_batch(args, config, 3, None, torch.device("cpu"))
@@ -264,11 +265,39 @@ def test_on_3_5_6_or_7_gpus_the_plan_takes_the_nearest_batch_that_splits_and_say
     assert capsys.readouterr().out == said
 
 
+def test_a_given_micro_batch_takes_the_nearest_batch_that_splits_as_a_chosen_one_does(capsys):
+    """PRETRAIN_ARGS="--micro_batch 2" on 3 GPUs: 524,288 is 42.67 x (2 x 2048 x 3 = 12,288); 43 of them (528,384,
+    +0.8%) is the nearest within the plan's 3%, said with its lr change by the check and by plan_batch, which runs it
+    (before: refused, while the same run without --micro_batch took 516,096)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import train_loop
+    from model import config_from_preset
+    assert train_loop.nearest_batch(524_288, 2048, 3, micro=2) == 528_384
+    assert train_loop.nearest_batch(524_288, 2048, 3, micro=16) is None  # 5.33 x 98,304: none within 3%
+    pretrain.main(["--preset", "d20", "--tokens_per_param", "20", "--total_batch_tokens", "524288", "--check_batch", "3",
+                   "--micro_batch", "2"])
+    said = capsys.readouterr().out
+    assert said == ("batch: --total_batch_tokens 524,288 is not a whole number of micro_batch 2 x sequence_len 2048 x 3 "
+                    "processes: 528,384 tokens a step instead (+0.8%, 86 sequences a process, 43 accumulation steps); "
+                    "a token budget takes proportionally fewer steps, and the AdamW lrs of the embeddings, head and "
+                    "scalars follow the batch (x1.0010, optim.py)\n")
+    config = config_from_preset("tiny", {"vocab_size": 256, "sequence_len": 2048})
+    args = SimpleNamespace(total_batch_tokens=524_288, micro_batch=2)
+    assert train_loop.plan_batch(args, config, 3, None, torch.device("cpu")) == (2, 43, "flag")
+    assert capsys.readouterr().out == said
+
+
 def test_the_batch_check_passes_the_totals_it_names_and_counts_a_given_micro_batch(capsys):
     args = ["--preset", "d20", "--tokens_per_param", "20", "--total_batch_tokens", "522240", "--check_batch", "3"]
     pretrain.main(args)  # the fix the refusal above names
-    assert capsys.readouterr().out == "batch: 522,240 tokens a step = 85 x sequence_len 2048 x 3 processes = 6,144: " \
-                                      "it divides\n"
+    assert capsys.readouterr().out == "batch: 522,240 tokens a step = 85 sequences x sequence 2,048 x 3 processes (a " \
+        "process's 85: micro-batch x accumulation steps, the micro-batch chosen when pretraining starts)\n"
+    pretrain.main([*args[:-3], "524288", "--check_batch", "1", "--micro_batch", "32"])  # one GPU, the micro-batch given
+    assert capsys.readouterr().out == "batch: 524,288 tokens a step = micro-batch 32 x sequence 2,048 x 1 process x 8 " \
+                                      "accumulation steps\n"
     with pytest.raises(ValueError, match=r"micro_batch 16 x sequence_len 2048 x 2 processes = 65,536, so pretraining "
                                          r"would fail at its start. Use --gpus 1, "
                                          r"or PRETRAIN_ARGS=\"--total_batch_tokens 524288\" \(or 589824\) with 2"):

@@ -234,7 +234,9 @@ def test_a_stage_ends_with_one_line_for_our_errors_and_a_traceback_for_others(tm
 def test_muon_under_ddp_divides_the_orthogonalization_between_ranks_and_takes_the_same_steps(tmp_path):
     """2 gloo processes (tests/muon_worker.py): each rank runs Newton-Schulz on its share of each shape's stack and an
     all-gather gives every rank all of them; 3 steps equal, bitwise, the steps of one process computing every matrix
-    (fp32 and bf16 Newton-Schulz), and each rank orthogonalized half of the 10 matrices (the lone gate: rank 0)."""
+    (fp32 and bf16 Newton-Schulz), and each rank orthogonalized half of the 10 matrices (the lone gate: rank 0). After
+    distributed.teardown_distributed no gloo thread is left: before, the process group outlived it (see
+    distributed.init_process_group) and a rank now and then aborted at exit."""
     out = tmp_path / "muon.pt"
     run_script("tests/muon_worker.py", [str(out)], ROOT, nproc=2)
     result = torch.load(out, weights_only=True)
@@ -245,6 +247,7 @@ def test_muon_under_ddp_divides_the_orthogonalization_between_ranks_and_takes_th
                                                                   strict=True))  # every matrix took its steps
     # per step, 5 squares: 3 + 2; 4 of the MLP shape up to a transpose: 2 + 2; the gate: 1 + 0; 3 steps
     assert result["counts per rank"] == [3 * 6, 3 * 4]
+    assert result["gloo threads after teardown"] == []
 
 
 def test_compiled_graphs_go_to_one_cache_per_torch_version(tmp_path, monkeypatch):
