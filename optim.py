@@ -14,7 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from common import device_name, matmul_dtype, native_bf16
+from common import device_name, matmul_dtype, precision
 from distributed import is_dtensor, local
 
 # -----------------------------------------------------------------------------
@@ -89,16 +89,18 @@ def build_optimizers(model, args, width, batch_tokens, device, lr_scale=1.0):
     optimizers = [adam]
     if args.optimizer == "muon":
         optimizers.append(Muon([{"params": groups["matrix"], "name": "matrix", "base_lr": lrs["matrix"],
-                                 "lr": lrs["matrix"], "wd_on": True}], ns_dtype=matmul_dtype(device)))
+                                 "lr": lrs["matrix"], "wd_on": True}], ns_dtype=matmul_dtype(device, width)))
     return optimizers
 
 
-def precision_line(args, device, optimizers):
-    """What runs in which dtype, and why: printed before step 1."""
+def precision_line(args, device, optimizers, width):
+    """What runs in which dtype, and why: printed before step 1. Muon's Newton-Schulz takes the measured choice
+    (common.precision) whatever --dtype says: in bf16 its Gram form loses small singular values (newton_schulz)."""
     muon = [g["ns_dtype"] for opt in optimizers if isinstance(opt, Muon) for g in opt.param_groups]
+    chosen, why = precision(device, width)
+    how = why if args.dtype == chosen else f"given or inherited; the choice here would be {chosen}, {why}"
     return (f"precision: fp32 weights, compute {args.dtype}" + (f", Muon Newton-Schulz {muon[0]}" if muon else "")
-            + f"; bf16 is {'native' if native_bf16(device) else 'not native (emulated: not used by default)'} on "
-            f"{device_name(device)}")
+            + f" ({how}) on {device_name(device)}")
 
 
 # Polar Express (Amsel et al. 2025; the coefficients modded-nanogpt and nanochat use): a different quintic a x + b x^3
