@@ -78,9 +78,10 @@ def pick_precision(seconds):
 def precision(device, width=256):
     """(compute dtype, why) for matmuls on `device` at model width `width`. CUDA: bf16 where supported. A CPU whose
     flags say bf16 is emulated: fp32, never timed (an emulated bf16 probe alone would take seconds). A CPU with
-    native bf16: whichever of the two ran a training step's matmul faster here (time_linear; on a 2-core Xeon with
-    AVX512-BF16 and no AMX fp32 was 1.9x faster), measured once and kept in <cache>/precision.json under the CPU's
-    model, torch's version, the thread count and the width: a measurement from another CPU or torch is not trusted."""
+    native bf16: whichever of the two ran a training step's matmul faster here (time_linear; native is not enough:
+    a 2-core Xeon with AVX512-BF16 and no AMX ran a 2048x256 @ 256x1024 matmul 1.9x faster in fp32), measured once
+    and kept in <cache>/precision.json under the CPU's model, torch's version, the thread count and the width: a
+    measurement from another CPU or torch is not trusted."""
     if device.type == "cuda":
         native = torch.cuda.is_bf16_supported()
         return ("bfloat16" if native else "float32"), f"bf16 is {'' if native else 'not '}supported on this GPU"
