@@ -83,7 +83,7 @@ def precision(device, width=256):
     and kept in <cache>/precision.json under the CPU's model, torch's version, the thread count and the width: a
     measurement from another CPU or torch is not trusted."""
     if device.type == "cuda":
-        native = torch.cuda.is_bf16_supported()
+        native = native_bf16(device)
         return ("bfloat16" if native else "float32"), f"bf16 is {'' if native else 'not '}supported on this GPU"
     if not native_bf16(device):
         return "float32", "bf16 is not native on this CPU (emulated), so not timed"
