@@ -1,5 +1,5 @@
 """What every stage uses and no one part owns: facts about the machine and the code (device_name, native_bf16,
-matmul_dtype, peak_flops, versions, code_version) and the formatting and timing helpers every stage prints with
+precision and matmul_dtype, peak_flops, versions, code_version) and the formatting and timing helpers every stage prints with
 (fmt_bytes, fmt_duration, now). A stage's exit (run_main) is in distributed.py: it tears the process group down.
 
 Not a stage: import it (`import common`). It imports none of this project's modules, so any of them may import it.
@@ -8,7 +8,10 @@ One command line, what this machine and this code are, as every stage records th
     python common.py        # the device, whether bf16 is native, the matmul dtype, the versions, the code's commit
 """
 import argparse
+import fcntl
+import json
 import math
+import os
 import platform
 import subprocess
 import sys
@@ -35,7 +38,7 @@ def device_name(device):
 
 
 def native_bf16(device):
-    """Whether bf16 matmuls run natively: CUDA with bf16 support, or a CPU with AVX512-BF16 or AMX. Elsewhere they
+    """Whether bf16 matmuls can run natively: CUDA with bf16 support, or a CPU with AVX512-BF16 or AMX. Elsewhere they
     are emulated: on an AVX2-only CPU a bf16 matmul is ~20-100x slower than the same one in fp32. torch exposes the
     CPU's flags only through private functions; if they are missing the answer is no (fp32 is never slow)."""
     if device.type == "cuda":
@@ -44,9 +47,71 @@ def native_bf16(device):
     return device.type == "cpu" and any(flag() for flag in flags)
 
 
-def matmul_dtype(device):
-    """The dtype for matmuls that need no more: bf16 where native, else fp32."""
-    return "bfloat16" if native_bf16(device) else "float32"
+# The CPU's measured precision lives beside the downloads: dataset.py's cache dir, by the same rule (dataset.py keeps
+# its own line: it runs without torch, which importing this module would load)
+CACHE_DIR = Path(os.environ.get("NANOCHAT_CACHE", Path.home() / ".cache" / "nanochat"))
+
+
+def time_linear(dtype, width, rows=1024, reps=3):
+    """Seconds of one forward and backward of a (rows x width) @ (width x 4 width) linear layer under `dtype`'s
+    autocast, the best of `reps`: the MLP's matmuls as a training step runs them, weight casts included (a native
+    bf16 matmul can still lose to fp32 once autocast re-casts the fp32 weights each step)."""
+    x = torch.randn(rows, width, requires_grad=True)
+    w = torch.randn(4 * width, width, requires_grad=True)
+    times = []
+    for _ in range(reps + 1):  # the first call pays for oneDNN's kernel selection: not timed
+        start = time.perf_counter()
+        with torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bfloat16"):
+            y = torch.nn.functional.linear(x, w)
+        y.backward(torch.ones_like(y))
+        times.append(time.perf_counter() - start)
+    return min(times[1:])
+
+
+def pick_precision(seconds):
+    """(dtype, why) from {"float32": s, "bfloat16": s}: the faster; a tie goes to fp32, which rounds less."""
+    fast, slow = sorted(("float32", "bfloat16"), key=lambda d: (seconds[d], d != "float32"))
+    short = {"float32": "fp32", "bfloat16": "bf16"}
+    return fast, f"{short[fast]}: {seconds[slow] / seconds[fast]:.1f}x faster than {short[slow]} here, measured"
+
+
+def precision(device, width=256):
+    """(compute dtype, why) for matmuls on `device` at model width `width`. CUDA: bf16 where supported. A CPU whose
+    flags say bf16 is emulated: fp32, never timed (an emulated bf16 probe alone would take seconds). A CPU with
+    native bf16: whichever of the two ran a training step's matmul faster here (time_linear; native is not enough:
+    a 2-core Xeon with AVX512-BF16 and no AMX ran a 2048x256 @ 256x1024 matmul 1.9x faster in fp32), measured once
+    and kept in <cache>/precision.json under the CPU's model, torch's version, the thread count and the width: a
+    measurement from another CPU or torch is not trusted."""
+    if device.type == "cuda":
+        native = native_bf16(device)
+        return ("bfloat16" if native else "float32"), f"bf16 is {'' if native else 'not '}supported on this GPU"
+    if not native_bf16(device):
+        return "float32", "bf16 is not native on this CPU (emulated), so not timed"
+    path = CACHE_DIR / "precision.json"
+    key = f"{device_name(device)} | torch {torch.__version__} | {torch.get_num_threads()} threads | width {width}"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.with_suffix(".lock").touch()
+    except OSError as e:
+        dtype, why = pick_precision({d: time_linear(d, width) for d in ("float32", "bfloat16")})
+        return dtype, f"{why} (not kept: {e}; set $NANOCHAT_CACHE to a writable directory)"
+    with open(path.with_suffix(".lock")) as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # ranks starting together: one measures, the others read its answer
+        try:
+            stored, note = json.loads(path.read_text()), f" earlier ({path})"
+        except (OSError, ValueError):  # none yet, or damaged: measured again
+            stored = {}
+        if key not in stored:
+            stored[key], note = {d: time_linear(d, width) for d in ("float32", "bfloat16")}, f" (kept in {path})"
+            path.with_suffix(".tmp").write_text(json.dumps(stored, indent=1))
+            path.with_suffix(".tmp").replace(path)  # whole or not at all: a reader without the lock sees either
+    dtype, why = pick_precision(stored[key])
+    return dtype, why + note
+
+
+def matmul_dtype(device, width=256):
+    """The compute dtype a stage and Muon's Newton-Schulz use unless --dtype says otherwise: precision()'s choice."""
+    return precision(device, width)[0]
 
 
 def versions():
@@ -119,8 +184,9 @@ def main(argv=None):
                             ).parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     peak = peak_flops(device_name(device), "bfloat16")
+    dtype, why = precision(device)
     print(f"device: {device_name(device)}; bf16 {'native' if native_bf16(device) else 'not native (emulated)'}; "
-          f"matmuls in {matmul_dtype(device)}; dense bf16 peak {f'{peak:.3g} FLOP/s' if peak else 'unknown'}")
+          f"matmuls in {dtype} ({why}); dense bf16 peak {f'{peak:.3g} FLOP/s' if peak else 'unknown'}")
     print(f"versions: {versions()}; code: {code_version()}")
     return 0
 

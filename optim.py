@@ -14,7 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from common import device_name, matmul_dtype, native_bf16
+from common import device_name, matmul_dtype, precision
 from distributed import is_dtensor, local
 
 # -----------------------------------------------------------------------------
@@ -84,21 +84,24 @@ def build_optimizers(model, args, width, batch_tokens, device, lr_scale=1.0):
                              "flag to use torch's AdamW") from e
         adam = bitsandbytes.optim.AdamW8bit(adam_groups, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0)
     else:
+        # CUDA: fused. CPU: foreach (torch's CPU default is one tensor at a time): the tiny shape's AdamW step 42 -> 27 ms
         adam = torch.optim.AdamW(adam_groups, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0,
-                                 fused=device.type == "cuda")
+                                 **({"fused": True} if device.type == "cuda" else {"foreach": True}))
     optimizers = [adam]
     if args.optimizer == "muon":
         optimizers.append(Muon([{"params": groups["matrix"], "name": "matrix", "base_lr": lrs["matrix"],
-                                 "lr": lrs["matrix"], "wd_on": True}], ns_dtype=matmul_dtype(device)))
+                                 "lr": lrs["matrix"], "wd_on": True}], ns_dtype=matmul_dtype(device, width)))
     return optimizers
 
 
-def precision_line(args, device, optimizers):
-    """What runs in which dtype, and why: printed before step 1."""
+def precision_line(args, device, optimizers, width):
+    """What runs in which dtype, and why: printed before step 1. Muon's Newton-Schulz takes the device's choice
+    (common.precision) whatever --dtype says: --dtype is the model's numerics, the optimizer's matmuls need only speed."""
     muon = [g["ns_dtype"] for opt in optimizers if isinstance(opt, Muon) for g in opt.param_groups]
+    chosen, why = precision(device, width)
+    how = why if args.dtype == chosen else f"given or inherited; the choice here would be {chosen}, {why}"
     return (f"precision: fp32 weights, compute {args.dtype}" + (f", Muon Newton-Schulz {muon[0]}" if muon else "")
-            + f"; bf16 is {'native' if native_bf16(device) else 'not native (emulated: not used by default)'} on "
-            f"{device_name(device)}")
+            + f" ({how}) on {device_name(device)}")
 
 
 # Polar Express (Amsel et al. 2025; the coefficients modded-nanogpt and nanochat use): a different quintic a x + b x^3

@@ -72,9 +72,9 @@ def get_args(argv=None):
                    "over N processes x --sequence_len (x --micro_batch when given) and exit; speedrun.sh runs it before "
                    "any download (default: off)")
     train_loop.add_micro_batch_arg(g)
-    g.add_argument("--dtype", default=common.matmul_dtype(torch.device("cuda" if cuda else "cpu")),
-                   choices=["bfloat16", "float32"], help="compute dtype (autocast); weights stay fp32 (default: "
-                   "%(default)s: bfloat16 where this device runs it natively, never an emulated dtype)")
+    g.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="compute dtype (autocast); weights "
+                   "stay fp32 (default: bfloat16 on a GPU that supports it; on the CPU the faster of the two at the "
+                   "model's width, measured once per CPU model and torch version, fp32 untimed where bf16 is emulated)")
     g.add_argument("--compile", type=parse_bool, default=cuda, help="torch.compile the model (default: %(default)s)")
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval_every", type=int, default=250, help="validation bpb + samples every N steps; 0 = only at "
@@ -239,6 +239,7 @@ def main(argv=None):
         parser.error(str(e))
     if args.data_plan:
         return data_plan(args, config, tokenizer)
+    args.dtype = args.dtype or common.matmul_dtype(device, config.n_embd)
     torch.manual_seed(args.seed)
     model = build_model(config, device)
     check_master_weights(model)
@@ -273,7 +274,7 @@ def main(argv=None):
               f"parameter (value-embedding tables not counted)")
         print(budget_line(data, total_steps * tokens_per_step))
         print(f"code: commit {run['code']['commit']}, uncommitted changes: {run['code']['dirty']}")
-        print(optim.precision_line(args, device, optimizers))
+        print(optim.precision_line(args, device, optimizers, config.n_embd))
     start = (checkpoint.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank, device) if resume_from
              else 0)
 

@@ -260,7 +260,7 @@ def start_stage(args, stage, parents, plan, rollouts=False):
                   f"world size {world} x accumulation {accum} = {tokens_per_step:,}")
         print("\n".join(start.lines))
         print(f"code: commit {start.run['code']['commit']}, uncommitted changes: {start.run['code']['dirty']}")
-        print(optim.precision_line(args, device, optimizers))
+        print(optim.precision_line(args, device, optimizers, config.n_embd))
     if resume_from:
         start.step = checkpoint.resume(resume_from, run_dir, model, optimizers, start.loaders, layout, rank, device)
         return start
