@@ -25,7 +25,8 @@ import common
 import distributed
 from calculator import ToolUse
 from checkpoint import PICK_ORDER, pick_checkpoint
-from model import KVCache, autocast_context, lean_decode_step, lean_decode_weights, num_params, sample_next
+from decode import decode_weights
+from model import KVCache, autocast_context, lean_decode_step, num_params, sample_next
 
 HELP = ("/clear  forget the conversation (back to <|bos|>)\n/stats  tokens in the cache, context, turns, last "
         "turn's prefill and decode\n/help   this list\n/quit   exit (also Ctrl-D; Ctrl-C at the prompt)\n"
@@ -60,7 +61,7 @@ def get_args(argv=None):
                    help="decode step: lean (fp32 CPU eager, fewer ops), static (GPT.decode_step: fixed shapes), "
                    "compiled (static under torch.compile), generate (the forward generate() uses); auto = compiled "
                    "on CUDA, lean on CPU in fp32, measured fastest there (default: %(default)s)")
-    args = p.parse_args(common.renamed_flags(argv, {"--max_tokens": "--max_new_tokens"}))
+    args = p.parse_args(argv)
     if args.max_new_tokens < 1 or args.top_k < 0 or args.temperature < 0:
         p.error("--max_new_tokens must be >= 1, --top_k >= 0 and --temperature >= 0")
     return args
@@ -107,7 +108,7 @@ class Conversation:
         model, cache = self.model, self.cache
         if decode == "generate":
             return lambda token: model(token, kv_cache=cache)[:, -1]
-        weights = lean_decode_weights(model) if decode == "lean" else None
+        weights = decode_weights(model) if decode == "lean" else None
         fn = model.decode_step
         if decode == "compiled":  # gpt-fast: CUDA graphs replay the fixed-shape step; the cache is mutated in place
             fn = torch.compile(model.decode_step, mode="reduce-overhead" if self.device.type == "cuda" else None,

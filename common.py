@@ -165,19 +165,6 @@ def now():
     return time.perf_counter()
 
 
-def renamed_flags(argv, renames):
-    """argv with each old flag name in `renames` ({old: new}) replaced by its new name, and a deprecation line on
-    stderr for each: old names stay accepted for one release (hidden from --help), so scripts and habits keep
-    working while they move to the one vocabulary every script shares."""
-    argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
-    for i, arg in enumerate(argv):
-        name, equals, value = arg.partition("=")
-        if name in renames:
-            print(f"warning: {name} is now {renames[name]}; the old name goes in the next release", file=sys.stderr)
-            argv[i] = renames[name] + equals + value
-    return argv
-
-
 def main(argv=None):
     argparse.ArgumentParser(description="what this machine and this code are, as every stage records them: the "
                             "device, whether bf16 is native, the matmul dtype, the versions, the code's commit"

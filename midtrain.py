@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-import common
 import distributed
 import optim
 import runs
@@ -74,7 +73,7 @@ def get_args(argv=None):
     optim.add_schedule_args(p)
     validation.add_forgetting_args(p)
     runs.add_init_args(p, ["pretrain"], lr_scale=MID_LR_SCALE, schedule="wsd", warmdown_frac=MID_WARMDOWN, why=MID_WHY)
-    args = parse_args(p, common.renamed_flags(argv, {"--init": "--checkpoint", "--question": "--sample_prompt"}))
+    args = parse_args(p, argv)
     if args.status is None:
         try:
             args.budget_line = train_loop.resolve_budget(args, ["steps", "tokens"])

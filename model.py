@@ -782,28 +782,9 @@ def generate(model, prompt, max_new_tokens, temperature=1.0, top_k=None, seed=No
         next_id = next_token(torch.tensor([feed], dtype=torch.long, device=device))
 
 
-def lean_decode_weights(model):
-    """The weights of lean_decode_step: per block (q|k|v stacked, o, up, gate or None, down), each transposed to
-    (in, out) and contiguous, and the head's; plus the norms' scales (None when weightless). A copy of the block
-    matrices (an inference-only cost), and the rotary tables laid out for lean_decode_step. BitNet's quantized
-    weights are not supported (use GPT.decode_step)."""
-    if model.config.bitnet:
-        raise ValueError("lean_decode_step does not support bitnet=True: use GPT.decode_step")
-    t = lambda w: w.detach().t().contiguous()
-    scale = lambda norm: None if norm is None or norm.weight is None else norm.weight.detach()
-    blocks = []
-    for b in model.blocks:
-        a, m = b.attn, b.mlp
-        blocks.append((t(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])), t(a.o_proj.weight),
-                       t(m.up_proj.weight), None if m.gate_proj is None else t(m.gate_proj.weight),
-                       t(m.down_proj.weight), scale(b.attn_norm), scale(b.mlp_norm), scale(a.q_norm),
-                       scale(a.k_norm), None if a.ve_gate is None else t(a.ve_gate.weight)))
-    return {"blocks": blocks, "head": t(model.head_weight()), "norm_f": scale(model.norm_f),
-            "cos": torch.cat([model.cos, model.cos], -1), "sin": torch.cat([model.sin, -model.sin], -1)}
-
-
 def lean_decode_step(model, weights, token, pos, kv_cache):
-    """GPT.decode_step for one row in plain fp32 eager mode with fewer, larger ops, for the CPU, where a 1-token step
+    """GPT.decode_step for one row in plain fp32 eager mode with fewer, larger ops, for the CPU (weights: decode.py's
+    decode_weights, fp32; BitNet's activations are not quantized here, so not for BitNet), where a 1-token step
     of a small model is bound by per-op overhead, not arithmetic: q, k, v in one matmul against pre-transposed
     weights (a (1, n) @ (n, m) matmul is ~2x faster than F.linear's x @ W^T on CPU), q and k normalized and rotated
     together, residual adds fused into addmm, attention over the filled positions only (eager mode may change

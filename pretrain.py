@@ -87,7 +87,7 @@ def get_args(argv=None):
                    "false: only the --ckpt_every ones (a benchmark: bench.py gpu; nothing can continue from the end "
                    "of such a run) (default: %(default)s)")
     optim.add_schedule_args(p)
-    args = parse_args(p, common.renamed_flags(argv, {"--eval_tokens": "--bpb_tokens", "--prompt": "--sample_prompt"}))
+    args = parse_args(p, argv)
     if args.status is None:
         try:
             args.budget_line = train_loop.resolve_budget(args, ["steps", "target_flops", "tokens_per_param"])

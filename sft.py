@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-import common
 import distributed
 import optim
 import runs
@@ -72,7 +71,7 @@ def get_args(argv=None):
     validation.add_forgetting_args(p)
     runs.add_init_args(p, ["midtrain", "pretrain"], lr_scale=SFT_LR_SCALE, schedule="wsd", warmdown_frac=SFT_WARMDOWN,
                        why=SFT_WHY)
-    args = parse_args(p, common.renamed_flags(argv, {"--init": "--checkpoint", "--question": "--sample_prompt"}))
+    args = parse_args(p, argv)
     if args.status is None:
         args.budget_line = train_loop.resolve_budget(args, ["epochs", "steps"], default=("epochs", 1.0))
     if args.chat_dir and args.source:

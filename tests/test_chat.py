@@ -20,6 +20,7 @@ import chat
 import checkpoint
 import model as M
 import validation
+from decode import decode_weights
 from model import GPTConfig, KVCache, build_model
 from tokenizer import Tokenizer
 
@@ -274,7 +275,7 @@ def test_decode_paths_give_generates_greedy_tokens(overrides):
     model = small_model(**overrides)
     prompt = torch.randint(0, 1024, (20,)).tolist()
     expected = list(M.generate(model, prompt, 64, temperature=0))
-    weights = M.lean_decode_weights(model)
+    weights = decode_weights(model)
     for path in ("static", "lean"):
         cache = KVCache(model.config, 1, model.config.sequence_len)
         with torch.inference_mode():
