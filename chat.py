@@ -61,7 +61,7 @@ def get_args(argv=None):
                    help="decode step: lean (fp32 CPU eager, fewer ops), static (GPT.decode_step: fixed shapes), "
                    "compiled (static under torch.compile), generate (the forward generate() uses); auto = compiled "
                    "on CUDA, lean on CPU in fp32, measured fastest there (default: %(default)s)")
-    args = p.parse_args(argv)
+    args = p.parse_args(None if argv is None else [str(a) for a in argv])  # argv may hold paths
     if args.max_new_tokens < 1 or args.top_k < 0 or args.temperature < 0:
         p.error("--max_new_tokens must be >= 1, --top_k >= 0 and --temperature >= 0")
     return args

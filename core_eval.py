@@ -89,7 +89,7 @@ def get_args(argv=None):
     p.add_argument("--download_only", action="store_true", help="fetch and check the bundle (--bundle; auto: the "
                    "hub bundle) into the cache and exit, no checkpoint needed: speedrun.sh does it at the start "
                    "(default: off)")
-    args = p.parse_args(argv)
+    args = p.parse_args(None if argv is None else [str(a) for a in argv])  # argv may hold paths
     if args.batch_items < 1 or args.max_items == 0 or args.max_items < -1:
         p.error("--batch_items must be >= 1 and --max_items -1 (all) or >= 1")
     return args

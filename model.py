@@ -151,11 +151,11 @@ def add_model_args(parser, default_preset="tiny"):
 
 
 def parse_args(parser, argv=None):
-    """parse_args that names the model fields when it meets an option it does not know."""
+    """parse_args that names the model fields when it meets an option it does not know. argv may hold paths."""
     def fail(message):  # one line, without argparse's usage dump above it
         parser.exit(2, f"{parser.prog}: error: {message}\n")
     parser.error = fail
-    args, unknown = parser.parse_known_args(argv)
+    args, unknown = parser.parse_known_args(None if argv is None else [str(a) for a in argv])
     if unknown:
         allowed = ", ".join(f.name for f in fields(GPTConfig))
         fail(f"unknown option {' '.join(unknown)}: model fields are {allowed}; see --help for the rest")

@@ -127,21 +127,26 @@ def test_an_interactive_session_in_a_terminal(demo_world, tmp_path):
         read_until(fd, rb"unknown command /stat; /help lists them\r?\n> ", 30, seen)
         assert stats()[0][:2] == [1, 0]
         os.write(fd, b"\x04")  # Ctrl-D at an empty prompt: EOF
-        deadline = time.monotonic() + 30
-        while (status := os.waitpid(pid, os.WNOHANG))[0] == 0:
-            assert time.monotonic() < deadline, "chat.py did not exit at EOF"
-            try:
-                if select.select([fd], [], [], 0.1)[0]:
-                    seen.append(os.read(fd, 65536))
-            except OSError:
-                pass
-        assert os.waitstatus_to_exitcode(status[1]) == 0, b"".join(seen)[-2000:]
+        wait_for_exit(pid, fd, seen, "chat.py did not exit at EOF")
         pid = None
     finally:
         if pid:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
         os.close(fd)
+
+
+def wait_for_exit(pid, fd, seen, failure):
+    """The chat process `pid` exits 0 within 30 s; its terminal is read meanwhile (into seen)."""
+    deadline = time.monotonic() + 30
+    while (status := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        assert time.monotonic() < deadline, failure
+        try:
+            if select.select([fd], [], [], 0.1)[0]:
+                seen.append(os.read(fd, 65536))
+        except OSError:
+            pass
+    assert os.waitstatus_to_exitcode(status[1]) == 0, b"".join(seen)[-2000:]
 
 
 @pytest.mark.parametrize("words", [3, 1500])
@@ -170,15 +175,7 @@ def test_ctrl_d_after_a_paste_of_any_length_sends_it_then_ends_the_session(demo_
             assert f"[message too long: {sent:,} tokens".encode() in out, out[-1000:]
         else:
             assert int(m[2]) == sent + 3, out  # + user_start, user_end, assistant_start
-        deadline = time.monotonic() + 30
-        while (status := os.waitpid(pid, os.WNOHANG))[0] == 0:
-            assert time.monotonic() < deadline, "chat.py did not exit after the reply"
-            try:
-                if select.select([fd], [], [], 0.1)[0]:
-                    seen.append(os.read(fd, 65536))
-            except OSError:
-                pass
-        assert os.waitstatus_to_exitcode(status[1]) == 0, b"".join(seen)[-2000:]
+        wait_for_exit(pid, fd, seen, "chat.py did not exit after the reply")
         pid = None
     finally:
         if pid:
