@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from checkpoint import list_checkpoints, resume_command, save_checkpoint, saved_layout
-from common import device_name, fmt_bytes, fmt_duration, now, peak_flops
+from common import CACHE_DIR, device_name, fmt_bytes, fmt_duration, now, peak_flops
 from distributed import (
     all_reduce,
     all_reduce_tensor,
@@ -277,10 +277,15 @@ def plan_batch(args, config, world, model, device, resume_from=None, parent_meta
     master = not dist.is_initialized() or dist.get_rank() == 0
     resumed = saved_layout(resume_from)["micro_batch"] if resume_from else None
     parents = ((parent_meta or {}).get("hparams") or {}).get("micro_batch")
-    micro, source = (args.micro_batch, "flag") if args.micro_batch else \
-        (resumed, "the checkpoint's (--resume)") if resumed else (parents, "parent (meta.json)") if parents else (0, "")
-    if master and source.endswith("(--resume)"):
-        print(f"batch: micro_batch {micro}, the checkpoint's (--micro_batch 0 and --resume)")
+    micro, source = 0, ""  # 0: chosen below, once the batch is known (the probe on CUDA, the CPU's choice)
+    if args.micro_batch:
+        micro, source = args.micro_batch, "flag"
+    elif resumed:
+        micro, source = resumed, "the checkpoint's (--resume)"
+        if master:
+            print(f"batch: micro_batch {micro}, the checkpoint's (--micro_batch 0 and --resume)")
+    elif parents:
+        micro, source = parents, "parent (meta.json)"
     nearest = nearest_batch(total, seq_len, world, micro) if total else None
     if nearest not in (None, total):  # 3, 5, 6 or 7 GPUs: the nearest batch that splits, said (none: refused below)
         if master:
@@ -323,7 +328,6 @@ def compile_cache():
     every stage of every run, so a run's later stages, the real run after its rehearsal and a resumed run start warm:
     $TORCHINDUCTOR_CACHE_DIR where set, else compile/torch-<version> under the downloads' cache (torch keys its entries
     by version too; a directory per version keeps another version's from ever being read)."""
-    from dataset import CACHE_DIR
     return Path(os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE_DIR / "compile" / f"torch-{torch.__version__}")))
 
 

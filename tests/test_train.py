@@ -304,10 +304,9 @@ def test_muon_under_ddp_divides_the_orthogonalization_between_ranks_and_takes_th
 def test_compiled_graphs_go_to_one_cache_per_torch_version(tmp_path, monkeypatch):
     """Every stage of every run compiles into the same directory, one per torch version, under the downloads' cache;
     $TORCHINDUCTOR_CACHE_DIR, where set, wins."""
-    import dataset
     import train_loop
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    monkeypatch.setattr(dataset, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(train_loop, "CACHE_DIR", tmp_path)
     expected = tmp_path / "compile" / f"torch-{torch.__version__}"
     assert train_loop.compile_cache() == expected and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(expected)
     monkeypatch.setattr(torch, "__version__", "9.9.9")
