@@ -323,12 +323,17 @@ def loader_threads(args, device):
     return 1 if device.type == "cpu" else max(1, os.cpu_count() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
+# the user's choice, read at import: torch._dynamo's import (the first optimizer's) writes its own default there
+USER_COMPILE_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
+
 def compile_cache():
     """Where torch.compile keeps what it compiled (inductor's and AOTAutograd's caches, both on by default), shared by
     every stage of every run, so a run's later stages, the real run after its rehearsal and a resumed run start warm:
-    $TORCHINDUCTOR_CACHE_DIR where set, else compile/torch-<version> under the downloads' cache (torch keys its entries
-    by version too; a directory per version keeps another version's from ever being read)."""
-    return Path(os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE_DIR / "compile" / f"torch-{torch.__version__}")))
+    $TORCHINDUCTOR_CACHE_DIR where the user set it, else compile/torch-<version> under the downloads' cache (torch keys
+    its entries by version too; a directory per version keeps another version's from ever being read)."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = USER_COMPILE_CACHE or str(CACHE_DIR / "compile" / f"torch-{torch.__version__}")
+    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
 def wrap_model(model, args, world, local_rank, device):

@@ -5,6 +5,7 @@ import json
 import os
 import shlex
 import signal
+import subprocess
 import sys
 from argparse import Namespace
 
@@ -302,15 +303,19 @@ def test_muon_under_ddp_divides_the_orthogonalization_between_ranks_and_takes_th
 
 
 def test_compiled_graphs_go_to_one_cache_per_torch_version(tmp_path, monkeypatch):
-    """Every stage of every run compiles into the same directory, one per torch version, under the downloads' cache;
-    $TORCHINDUCTOR_CACHE_DIR, where set, wins."""
+    """Every stage of every run compiles into the same directory, one per torch version, under the downloads' cache,
+    even after torch._dynamo's import (an optimizer's) wrote torch's own default into the environment;
+    $TORCHINDUCTOR_CACHE_DIR, where the user set it, wins."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"} | {"NANOCHAT_CACHE": str(tmp_path)}
+    program = ("import os, pretrain, train_loop, torch._dynamo; "
+               "print(train_loop.compile_cache(), os.environ['TORCHINDUCTOR_CACHE_DIR'])")
+    out = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [str(tmp_path / "compile" / f"torch-{torch.__version__}")] * 2
     import train_loop
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setattr(train_loop, "CACHE_DIR", tmp_path)
-    expected = tmp_path / "compile" / f"torch-{torch.__version__}"
-    assert train_loop.compile_cache() == expected and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(expected)
+    monkeypatch.setattr(train_loop, "USER_COMPILE_CACHE", None)
     monkeypatch.setattr(torch, "__version__", "9.9.9")
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     assert train_loop.compile_cache() == tmp_path / "compile" / "torch-9.9.9"
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "compile" / "torch-9.9.9")
+    monkeypatch.setattr(train_loop, "USER_COMPILE_CACHE", str(tmp_path / "mine"))
     assert train_loop.compile_cache() == tmp_path / "mine"
