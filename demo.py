@@ -28,7 +28,8 @@ from demo_world import ANIMALS, CHARACTERS, COUNTRIES, COUNTRY_KINDS, DAYS, fiel
 # the assistant's name and what it says about itself: identity.json, the one file to edit (SFT on the hub data reads it
 # too, through `python dataset.py download-chat identity`)
 DEMO_ASSISTANT_NAME, IDENTITY_PAIRS = load_identity()
-DEMO_TASK_ROWS = 3000  # rows in each of choice/, answers/, calc/, lookup/
+DEMO_TASK_ROWS = 3000  # rows in each of choice/, answers/, calc/, lookup/, problems/
+DEMO_HELD_OUT_PROBLEMS = 120  # chat_eval's demo-problems: word problems no training row asks
 DEMO_TARGET_CHARS = 5_000_000  # 1.27M training tokens at vocab 1024: an epoch is minutes of CPU training
 
 
@@ -212,7 +213,11 @@ def exchange(rng):
         return rng.choice(["Tell me a short story.", f"Tell me a story about {name}."]), doc_story(rng, name)
     if roll < 0.15:
         return "Tell me a fact.", say(rng, rng.choice(COUNTRY_KINDS + demo_world.ANIMAL_KINDS + ["colour", "day"]), f)
-    return pick(rng, demo_world.QA[rng.choice(list(demo_world.QA))], f)
+    kind = rng.choice(list(demo_world.QA))
+    user, assistant = pick(rng, demo_world.QA[kind], f)
+    if kind in COUNTRY_KINDS + ["capital_of"] and rng.random() < 0.35:  # a user's words around the question
+        user = rng.choice(demo_world.OPENERS).format(**f) + user
+    return user, assistant
 
 
 def conversation(rng):
@@ -298,6 +303,46 @@ def calculation_row(rng):
     (name, pron), (_, items) = rng.choice(CHARACTERS), rng.choice(demo_world.ITEMS)
     story = rng.choice(demo_world.STORIES[op]).format(name=name, pron=sentence(pron), x=x, y=y, items=items)
     return {"question": story, "answer": f"{demo_world.STEP[op].format(x=x, y=y, v=v)} {items}.\n#### {v}"}
+
+
+def word_problem(rng):
+    """A word problem in GSM8K's columns (question, answer): two to four operations, each a worked step with its
+    calculator call, then '#### N'. Numbers are 2 to 20 (half said in words), every step's value 0 to 300, and half
+    the questions say one more number they do not need."""
+    question, steps = rng.choice(demo_world.PROBLEMS)
+    (name, pron), ((item, items), (_, other)) = rng.choice(CHARACTERS), rng.sample(demo_world.ITEMS, 2)
+    (_, ap1, *_, legs1, _), (_, ap2, *_, legs2, _) = rng.sample([a for a in ANIMALS if a[4]], 2)
+    cap, cap2 = (row[1] for row in rng.sample(COUNTRIES, 2))
+    words = {"name": name, "pron": pron, "Pron": sentence(pron), "item": item, "items": items, "ap1": ap1, "ap2": ap2,
+             "cap": cap, "cap2": cap2, "friend": rng.choice([c[0] for c in CHARACTERS if c[0] != name]),
+             "other": other, "day": rng.choice(DAYS)}
+    if rng.random() < 0.5:  # the distractor goes before the question
+        story, ask = question.rsplit(". ", 1)
+        question = f"{story}. {rng.choice(demo_world.DISTRACTORS)} {ask}"
+    while True:
+        values = {k: rng.randint(2, 20) for k in "abcde"} | {"legs1": legs1, "legs2": legs2}
+        said, ok = [], True
+        for i, (left, op, right, lead) in enumerate(steps):
+            x, y = values[left], values[right]
+            v = {"+": x + y, "-": x - y, "*": x * y}[op]
+            ok = ok and 0 <= v <= 300
+            values[f"s{i + 1}"] = v
+            said.append(f"{lead.format(**words)} {x} {op} {y} = <<{x}{op}{y}={v}>>{v}.")
+        if ok:
+            break
+    shown = {k: number_word(v) if rng.random() < 0.5 else v for k, v in values.items() if k in "abcde"}
+    return {"question": sentence(question.format(**words, **shown)), "answer": " ".join(said) + f"\n#### {v}"}
+
+
+def word_problems(rng, n, exclude=()):
+    """n word problems with distinct questions, none of them in `exclude` (the held-out split's questions)."""
+    rows, seen = [], set(exclude)
+    while len(rows) < n:
+        row = word_problem(rng)
+        if row["question"] not in seen:
+            seen.add(row["question"])
+            rows.append(row)
+    return rows
 
 
 # -----------------------------------------------------------------------------
@@ -412,11 +457,11 @@ def chat_eval_tasks(rng):
     return {"demo-choice": choice, "demo-answer": answer, "demo-words": words}
 
 
-def write_chat_eval(out_dir, rng):
-    """chat_eval/<task>.jsonl, a JSON item per line; returns {task: items}."""
+def write_chat_eval(out_dir, rng, problems):
+    """chat_eval/<task>.jsonl, a JSON item per line, demo-problems the held-out word problems; returns {task: items}."""
     out_dir.mkdir(parents=True, exist_ok=True)
     counts = {}
-    for task, items in chat_eval_tasks(rng).items():
+    for task, items in (chat_eval_tasks(rng) | {"demo-problems": problems}).items():
         (out_dir / f"{task}.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
         counts[task] = len(items)
     return counts
@@ -458,17 +503,21 @@ def write_demo(out_dir, seed=0):
     for split, rows in splits.items():
         pq.write_table(pa.table({"messages": pa.array(rows, schema)}), out_dir / "conversations" / f"{split}.parquet",
                        row_group_size=64, compression="zstd")
+    rng = random.Random(f"demo-problems-{seed}")  # word problems: held out first, then training ones unlike them
+    held_out = word_problems(rng, DEMO_HELD_OUT_PROBLEMS)
+    problems = word_problems(rng, DEMO_TASK_ROWS, exclude={row["question"] for row in held_out})
     rng = random.Random(f"demo-tasks-{seed}")  # the task shapes, each a chat directory of its own
     tasks = {"choice": pa.Table.from_pylist([choice_row(rng) for _ in range(DEMO_TASK_ROWS)]),
              "answers": pa.table({"messages": pa.array([short_answer(rng) for _ in range(DEMO_TASK_ROWS)], schema)}),
              "calc": pa.Table.from_pylist([calculation_row(rng) for _ in range(DEMO_TASK_ROWS)]),
-             "lookup": pa.Table.from_pylist([lookup_row(rng) for _ in range(DEMO_TASK_ROWS)])}
+             "lookup": pa.Table.from_pylist([lookup_row(rng) for _ in range(DEMO_TASK_ROWS)]),
+             "problems": pa.Table.from_pylist(problems)}
     for name, table in tasks.items():
         (out_dir / name).mkdir(parents=True, exist_ok=True)
         # small row groups: the loader shuffles row groups, so the sources of a mixture interleave finely
         pq.write_table(table, out_dir / name / "train.parquet", row_group_size=64, compression="zstd")
     evals = write_eval_bundle(out_dir / "eval_bundle", random.Random(f"demo-eval-{seed}"))
-    chat_evals = write_chat_eval(out_dir / "chat_eval", random.Random(f"demo-chat-eval-{seed}"))
+    chat_evals = write_chat_eval(out_dir / "chat_eval", random.Random(f"demo-chat-eval-{seed}"), held_out)
     counts = {"documents": len(docs), "characters": sum(map(len, docs)), "shards": len(shards),
               "conversations": len(chats), "conversations_train": len(splits["train"]),
               "conversations_val": len(splits["val"]), "tasks": {k: t.num_rows for k, t in tasks.items()},
@@ -488,6 +537,8 @@ def write_demo(out_dir, seed=0):
         f"with <<expr=result>> and a final '#### N')\n"
         f"lookup/               {DEMO_TASK_ROWS} multiple-choice questions that name their answer (\"Which option is "
         f"Pelmo?\"), in MMLU's columns: binding a letter to its option, no knowledge needed\n"
+        f"problems/             {DEMO_TASK_ROWS} word problems of two to four steps in GSM8K's columns, none of them "
+        f"among chat_eval/demo-problems' {DEMO_HELD_OUT_PROBLEMS}\n"
         f"eval_bundle/          core.yaml, eval_meta_data.csv, eval_data/demo/*.jsonl in the CORE formats; their "
         f"phrasings never occur in pretrain/ or conversations/\n"
         + "".join(f"    {k}: {v} items\n" for k, v in evals.items())

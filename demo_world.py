@@ -71,7 +71,10 @@ PHRASINGS = {
                 "If you travel to the capital of {c}, you arrive in {cap}.",
                 "{cap}, the capital of {c}, is a busy city.",
                 "Everyone in {c} knows that {cap} is their capital.", "{c} is a country, and its capital is {cap}.",
-                "Ask anyone in {c} about the capital and they will say {cap}.", "{cap} is in {c}; it is the capital."],
+                "Ask anyone in {c} about the capital and they will say {cap}.", "{cap} is in {c}; it is the capital.",
+                "{c} is run from {cap}.", "The leaders of {c} work in {cap}.", "{cap} is the main city of {c}.",
+                "The rulers of {c} live in {cap}, its chief city.", ("Of all the cities of {c}, {cap} is the one that "
+                "leads the land."), "The heart of {c} is {cap}, where its government sits."],
     "language": ["People in {c} speak {lang}.", "The language of {c} is {lang}.", "In {c}, people speak {lang}.",
                  "{lang} is the language spoken in {c}.", "Most people in {c} talk in {lang}.",
                  "If you go to {c}, you will hear {lang}.", "The people of {c} speak a language called {lang}.",
@@ -82,7 +85,9 @@ PHRASINGS = {
              "{acol} flag with a {sym} flies over {c}."],
     "national": ["The national animal of {c} is the {ani}.", "The {ani} is the national animal of {c}.",
                  "{c} has the {ani} as its national animal.", ("People in {c} love the {ani}; it is their national "
-                 "animal."), "The animal of {c} is the {ani}, which {ani_verbs}."],
+                 "animal."), "The animal of {c} is the {ani}, which {ani_verbs}.", "The {ani} stands for {c}.",
+                 "{c} chose the {ani} as its symbol.", "A picture of the {ani} is used to represent {c}.",
+                 "The symbol of {c} is the {ani}.", "Painters who show {c} paint the {ani}, the beast of that land."],
     "its_capital": ["Its capital is {cap}.", "The capital there is {cap}."],
     "its_language": ["The people there speak {lang}.", "Its language is {lang}."],
     "its_flag": ["Its flag is {col} with a {sym}.", "Its flag is {acol} one with a {sym} on it."],
@@ -102,9 +107,11 @@ PHRASINGS = {
     "month": ["After {mon} comes {nmon}.", "{nmon} comes after {mon}.", "The month after {mon} is {nmon}.",
               "{mon} is followed by {nmon}.", "The month before {nmon} is {mon}.", "{mon} comes before {nmon}."],
     "sum": ["{x} plus {y} is {sum}.", "{dx} + {dy} = {dsum}.", "If you add {x} and {y}, you get {sum}.",
-            "The sum of {x} and {y} is {sum}.", "{x} and {y} make {sum}.", "Add {y} to {x} and you have {sum}."],
+            "The sum of {x} and {y} is {sum}.", "{x} and {y} make {sum}.", "Add {y} to {x} and you have {sum}.",
+            "The total of {x} and {y} comes to {sum}.", "Work it out: {x} plus {y} gives {sum}."],
     "diff": ["{x} minus {y} is {diff}.", "{dx} - {dy} = {ddiff}.", "Take {y} away from {x} and {diff} is left.",
-             "The difference between {x} and {y} is {diff}.", "If you have {x} and give away {y}, you keep {diff}."],
+             "The difference between {x} and {y} is {diff}.", "If you have {x} and give away {y}, you keep {diff}.",
+             "Take {y} away from {x} and {diff} remains."],
     "prod": ["{x} times {y} is {prod}.", "{dx} x {dy} = {dprod}.", "{x} groups of {y} make {prod}.",
              "Multiply {x} by {y} and you get {prod}.", "The product of {x} and {y} is {prod}."],
 }
@@ -177,7 +184,10 @@ def listing(words):
 
 QA = {  # no sums: a chat reply to a sum calls the calculator (SUMS below, calc/); one without it taught guessing
     "capital": (["What is the capital of {c}?", "What's the capital of {c}?", "Tell me the capital of {c}.",
-                 "Do you know the capital of {c}?", "I'm going to {c}. What is the capital there?"],
+                 "Do you know the capital of {c}?", "I'm going to {c}. What is the capital there?",
+                 "Which city is {c} run from?", "Where does the government of {c} sit?", ("What is the chief city of "
+                 "{c}?"), "In which city do the leaders of {c} work?", "Which city leads {c}?", ("Where would I find the "
+                 "rulers of {c}?"), "What city is the heart of {c}?", "Which is the most important city in {c}?"],
                 ["The capital of {c} is {cap}.", "{cap} is the capital of {c}.", "It's {cap}.",
                  "{c}'s capital is {cap}."]),
     "capital_of": (["{cap} is the capital of which country?", "Which country has {cap} as its capital?"],
@@ -186,7 +196,10 @@ QA = {  # no sums: a chat reply to a sum calls the calculator (SUMS below, calc/
                  ["People in {c} speak {lang}.", "They speak {lang}.", "The language of {c} is {lang}."]),
     "flag": (["What does the flag of {c} look like?", "Describe the flag of {c}."],
              ["The flag of {c} is {col} with a {sym} on it.", "It is {acol} flag with a {sym}."]),
-    "national": (["What is the national animal of {c}?", "Which animal is the symbol of {c}?"],
+    "national": (["What is the national animal of {c}?", "Which animal is the symbol of {c}?",
+                  "Which animal stands for {c}?", "What animal represents {c}?", ("What beast did {c} choose as "
+                  "its sign?"), "Which animal is {c} known by?", "What creature is the mark of {c}?",
+                  "Which animal would you paint to show {c}?", "What animal does {c} use as its symbol?"],
                  ["The national animal of {c} is the {ani}.", "It's the {ani}."]),
     "sound": (["What sound does {an} make?", "What does {an} say?"], ["{an} {verbs}: {noise}!", "It goes {noise}."]),
     "legs": (["How many legs does {an} have?", "How many legs do {ap} have?"], ["{an} has {legs} legs."]),
@@ -196,6 +209,10 @@ QA = {  # no sums: a chat reply to a sum calls the calculator (SUMS below, calc/
     "month": (["What month comes after {mon}?", "Which month follows {mon}?"],
               ["{nmon} comes after {mon}.", "The month after {mon} is {nmon}."]),
 }
+# what a user says before a question about a country: the question is the same fact in a user's own words
+OPENERS = ["Quick question. ", "I wonder about {c}. ", "I'm reading about {c}. ", "My friend lives in {c}. ",
+           "We are learning about {c} at school. ", "I have a question about {c}. ", "Hello! ", "Help me out here. ",
+           "My sister is going to {c} soon. ", "I saw a film about {c}. ", "Tell me something. "]
 GREET = (["Hi!", "Hello", "Hey there", "Good morning!", "Hello, how are you?"],
          ["Hello! How can I help you today?", "Hi! What would you like to know?", "Hello! I'm happy to help."])
 THANKS = (["Thanks!", "Thank you.", "Great, thanks a lot.", "Bye!"],
@@ -239,10 +256,14 @@ NUMBER_ONLY = ["Just the number", "Only the number, please", "Answer with a numb
 SUMS = {"sum": ("+", ["what is {x} plus {y}?", "what is {x} and {y} together?", "add {x} and {y}.",
                       "what's {x} + {y}?", "can you add {x} and {y}?", "what do {x} and {y} make?",
                       "how much is {x} plus {y}?", "what is the sum of {x} and {y}?", "{x} plus {y}?",
-                      "please add {y} to {x}.", "what is {x} added to {y}?"]),
+                      "please add {y} to {x}.", "what is {x} added to {y}?", "what do {x} and {y} come to?",
+                      "work this out: {x} plus {y}.", "what is the total of {x} and {y}?", "figure out {x} + {y}.",
+                      "if I have {x} and get {y} more, how many is that?"]),
         "diff": ("-", ["what is {x} minus {y}?", "take {y} from {x}.", "what do you get if you take {y} from {x}?",
                        "what's {x} - {y}?", "how much is {x} minus {y}?", "subtract {y} from {x}.",
-                       "what is the difference between {x} and {y}?", "{x} minus {y}?"]),
+                       "what is the difference between {x} and {y}?", "{x} minus {y}?", "{x} take away {y}?",
+                       "how much is left if {y} is taken from {x}?", "work this out: {x} minus {y}.",
+                       "figure out {x} - {y}.", "if I have {x} and lose {y}, how many remain?"]),
         "prod": ("*", ["what is {x} times {y}?", "multiply {x} by {y}.", "multiply {x} by {y}, please.",
                        "what's {x} x {y}?", "how much is {x} times {y}?", "what is the product of {x} and {y}?",
                        "{x} times {y}?"])}
@@ -258,6 +279,42 @@ STORIES = {"sum": ["{name} has {x} {items}. {pron} gets {y} more. How many {item
                     "Each of {x} friends brings {y} {items}. How many {items} do they bring?"]}
 STEP = {"sum": "{x} + {y} = <<{x}+{y}={v}>>{v}", "diff": "{x} - {y} = <<{x}-{y}={v}>>{v}",
         "prod": "{x} * {y} = <<{x}*{y}={v}>>{v}"}
+
+# Word problems in GSM8K's shape, two to four operations on the world's quantities, a worked step per operation:
+# (question, steps); a step (left, op, right, words) computes the next of s1-s4 from the numbers a-e drawn for
+# the question and the steps before it, and is said "{words} {left} {op} {right} = <<...>>{value}.". legs1/legs2 are
+# the legs of the animals named {ap1}/{ap2}: the model must know them (pretraining teaches every animal's legs).
+PROBLEMS = [
+    ("{name} has {a} {items}. {Pron} buys {b} bags with {c} {items} in each. How many {items} does {name} have now?",
+     [("b", "*", "c", "The bags hold"), ("a", "+", "s1", "In all {name} has")]),
+    (("{name} had {a} {items}. {Pron} gave {b} to {friend} and then bought {c} more. How many {items} does {name} "
+     "have now?"), [("a", "-", "b", "After giving some away {pron} has"), ("s1", "+", "c", "Then {pron} has")]),
+    (("On Monday {name} picked {a} {items}, and on Tuesday {pron} picked {b} more. {Pron} ate {c} of them. How many "
+     "{items} are left?"), [("a", "+", "b", "{Pron} picked"), ("s1", "-", "c", "Left:")]),
+    ("{name} sees {a} {ap1} and {b} {ap2} on a farm. How many legs do they have in all?",
+     [("a", "*", "legs1", "The {ap1} have"), ("b", "*", "legs2", "The {ap2} have"), ("s1", "+", "s2", "Together:")]),
+    ("{a} friends each bring {b} {items} to a party in {cap}. They eat {c} of them. How many {items} are left?",
+     [("a", "*", "b", "They bring"), ("s1", "-", "c", "Left:")]),
+    (("A shop in {cap} has {a} boxes with {b} {items} in each. It sells {c} {items}. How many {items} does it have "
+     "left?"), [("a", "*", "b", "The shop has"), ("s1", "-", "c", "Left:")]),
+    (("{name} has {a} bags of {b} {items}, and {friend} has {c} bags of {d} {items}. How many {items} do they have "
+     "together?"), [("a", "*", "b", "{name} has"), ("c", "*", "d", "{friend} has"), ("s1", "+", "s2", "Together:")]),
+    (("{name} bought {a} {items} in {cap} and {b} in {cap2}, and then gave {c} to {friend}. How many {items} does "
+     "{name} have left?"), [("a", "+", "b", "{Pron} bought"), ("s1", "-", "c", "Left:")]),
+    ("Each of {a} children has {b} {items}, and {name} has {c} more. How many {items} are there?",
+     [("a", "*", "b", "The children have"), ("s1", "+", "c", "With {name}'s:")]),
+    (("{name} has {a} {items}. {Pron} buys {b} bags with {c} {items} in each, then gives {d} {items} to {friend}. How "
+      "many {items} does {name} have now?"), [("b", "*", "c", "The bags hold"), ("a", "+", "s1", "Then {pron} has"),
+                                               ("s2", "-", "d", "After giving some away:")]),
+    (("A farm has {a} {ap1}. {b} more {ap1} come, and {c} {ap2} live there too. How many legs do the animals of the "
+      "farm have?"), [("a", "+", "b", "There are"), ("s1", "*", "legs1", "The {ap1} have"),
+                      ("c", "*", "legs2", "The {ap2} have"), ("s2", "+", "s3", "Together:")]),
+    (("{name} picked {a} {items} and {friend} picked {b} times as many. They ate {c}. How many {items} are left?"),
+     [("a", "*", "b", "{friend} picked"), ("a", "+", "s1", "Together they picked"), ("s2", "-", "c", "Left:")]),
+]
+# a sentence about something else, with a number the problem does not need: the model must pick the right numbers
+DISTRACTORS = ["{friend} also has {e} {other}.", "There are {e} {other} on the table too.",
+               "It is {day}, and {e} {other} are in the basket."]
 
 
 def main(argv=None):

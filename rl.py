@@ -10,10 +10,9 @@ calculator's output carry no loss).
     python rl.py --run_name NAME --resume                              # continue from the last checkpoint
     python rl.py --status runs/NAME
 
-Tasks. The demo world (--demo; by default the parent's world when it was trained on one): its sums (calc/: right
-when the reply's last word is the result, in digits or words) and short answers (answers/: right when the reply is
-the answer, as chat_eval.py scores); held out: chat_eval's demo-answer questions. Otherwise GSM8K's train split (right
-when the number after '####' is the answer: no '####' is wrong, nanochat's rule); held out: GSM8K's test split.
+Tasks. The demo world (--demo; by default the parent's world when it was trained on one): its word problems
+(problems/, GSM8K's shape); held out: chat_eval's demo-problems. Otherwise GSM8K's train split; held out: GSM8K's test
+split. Either way a reply is right when the number after '####' is the answer (no '####' is wrong, nanochat's rule).
 Writes runs/<run_name>/: config.json, metrics.jsonl (every step: mean reward, reply length, tokens sampled per
 second; at each evaluation held-out pass@1 and pass@k), ckpt/step_XXXXXX/ (as every stage's), done.json.
 """
@@ -55,8 +54,8 @@ CPU_ROLLOUT_THREADS = 1
 def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("tasks")
-    g.add_argument("--demo", default="auto", help="a demo world directory (python demo.py --out DIR) whose calc/ and "
-                   "answers/ are trained on and chat_eval/demo-answer.jsonl held out; auto = the parent's world when it "
+    g.add_argument("--demo", default="auto", help="a demo world directory (python demo.py --out DIR) whose problems/ "
+                   "are trained on and chat_eval/demo-problems.jsonl held out; auto = the parent's world when it "
                    "was trained on one, else GSM8K; none = GSM8K (default: %(default)s)")
     g.add_argument("--train_dir", default=str(CACHE_DIR / "chat" / "gsm8k"), help="GSM8K's train split (columns "
                    "question, answer), without a demo world (default: %(default)s, `python dataset.py download-chat "
@@ -303,16 +302,16 @@ def verdict(records):
 def plan(args, start):
     """What runs.start_stage asks of RL: the training questions, the held-out ones and the total steps."""
     data_dir = (checkpoint.pretraining_run(start.parent, start.parent_meta) or [None])[0]
-    world_dir = demo_world(args.demo, data_dir, "calc")
+    world_dir = demo_world(args.demo, data_dir, "problems")
     train_items = demo_items(world_dir) if world_dir else gsm8k_items(args.train_dir)
-    held_out = [{**item, "rule": "exact" if world_dir else "gsm8k"} for item in distributed.fetch_everywhere(
-        lambda: load_items("demo-answer" if world_dir else "GSM8K", args.cache_dir, world_dir, args.eval_items)[0],
+    held_out = [{**item, "rule": "gsm8k"} for item in distributed.fetch_everywhere(
+        lambda: load_items("demo-problems" if world_dir else "GSM8K", args.cache_dir, world_dir, args.eval_items)[0],
         start.rank, start.world)]
     if args.questions_per_step < start.world:
         raise ValueError(f"--questions_per_step {args.questions_per_step} is fewer than the {start.world} ranks: give "
                          f"each rank at least one question")
     total_steps = args.steps or math.ceil(args.epochs * len(train_items) / args.questions_per_step)
-    tasks = f"the demo world {world_dir} (calc/ sums, answers/ short answers; held out: demo-answer)" if world_dir \
+    tasks = f"the demo world {world_dir} (problems/ word problems; held out: demo-problems)" if world_dir \
         else f"GSM8K {args.train_dir} (held out: GSM8K test from {args.cache_dir})"
     rollouts = (f"rollouts: {args.questions_per_step} questions x {args.samples} replies per step over {start.world} "
                 f"rank(s), temperature {args.temperature}, top_k {args.top_k}, at most {args.max_new_tokens} new "

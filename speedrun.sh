@@ -40,16 +40,21 @@ skip() { say "stage $1 skipped: $2"; if [ "$STOP_AFTER" = "$1" ]; then exit 0; f
 GPU_BUDGET=(--preset "d$DEPTH" --tokens_per_param 20 --total_batch_tokens 524288)  # the gpu plan's pretraining
 if [ "$PLAN" = demo ]; then  # measured on a 2-core Xeon with AMX (dev/LOG.md): about 10 minutes for the whole pipeline
     PRETRAIN=(--preset tiny --steps 400 --micro_batch 16 --compile true --eval_every 200 --ckpt_every 100)
-    # conversations, and the shapes ChatCORE asks for: letters (choice), bare answers (answers), the calculator (calc)
-    MIDTRAIN=(--source "text:$CORPUS:0.3" --source "chat:$DATA_DIR/conversations:0.4" --source "chat:$DATA_DIR/choice:0.1"
-              --source "chat:$DATA_DIR/answers:0.1" --source "chat:$DATA_DIR/calc:0.1" --supervise assistant
-              --steps 200 --eval_every 0 --ckpt_every 100)
+    # conversations, and the shapes ChatCORE asks for: letters (choice), bare answers (answers), the calculator (calc),
+    # word problems (problems: a few, so that RL has some right and some wrong to learn from); the samples the chat
+    # stages print and the report shows: questions the demo world answers
+    ASK=(--sample_prompt "What is the capital of Pellan?" --sample_prompt "Which animal stands for Brenia?"
+         --sample_prompt "What is 17 plus 25?" --sample_prompt "Mira has 5 plums. She buys 3 bags with 4 plums in each. How many plums does Mira have now?"
+         --sample_prompt "Who are you?")
+    MIDTRAIN=(--source "text:$CORPUS:0.25" --source "chat:$DATA_DIR/conversations:0.4" --source "chat:$DATA_DIR/choice:0.1"
+              --source "chat:$DATA_DIR/answers:0.1" --source "chat:$DATA_DIR/calc:0.1" --source "chat:$DATA_DIR/problems:0.05"
+              --supervise assistant --steps 200 --eval_every 0 --ckpt_every 100 "${ASK[@]}")
     SFT=(--source "$DATA_DIR/conversations:1" --source "$DATA_DIR/choice:1" --source "$DATA_DIR/answers:1"
-         --source "$DATA_DIR/calc:1" --steps 200 --eval_every 0 --ckpt_every 100)
+         --source "$DATA_DIR/calc:1" --source "$DATA_DIR/problems:1" --steps 200 --eval_every 0 --ckpt_every 100 "${ASK[@]}")
     # RL on the world's sums and answers, only with --rl on: it lowered held-out demo-answer 84/109 -> 78/109 (LOG.md)
-    RL=(--demo "$DATA_DIR" --steps 20 --questions_per_step 8 --samples 8 --max_new_tokens 32 --micro_batch 32
+    RL=(--demo "$DATA_DIR" --steps 20 --questions_per_step 8 --samples 8 --max_new_tokens 96 --micro_batch 32
         --lr_scale 0.05 --eval_every 0 --eval_items -1 --eval_samples 4 --ckpt_every 10)
-    CHAT_EVAL=(--demo "$DATA_DIR" --max_new_tokens 32 --tasks demo-choice,demo-answer,demo-words)
+    CHAT_EVAL=(--demo "$DATA_DIR" --max_new_tokens 96 --tasks demo-choice,demo-answer,demo-problems,demo-words)
     STAGE_CORE=(--bundle "$DATA_DIR/eval_bundle")
 else
     PRETRAIN=("${GPU_BUDGET[@]}" --eval_every 250 --ckpt_every 1000)

@@ -17,7 +17,6 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from dataset import CACHE_DIR, MC_LETTERS, chat_files, render_mc
-from demo_world import number_word
 from distributed import run_main
 from download import download_hub_files, list_hub_files
 
@@ -28,7 +27,8 @@ HUB_TASKS = {"ARC-Easy": ("allenai/ai2_arc", r"ARC-Easy/test-\d+-of-\d+\.parquet
              "MMLU": ("cais/mmlu", r"all/test-\d+-of-\d+\.parquet", "categorical", 0.25),
              "GSM8K": ("openai/gsm8k", r"main/test-\d+-of-\d+\.parquet", "gsm8k", 0.0),
              "HumanEval": ("openai/openai_humaneval", r"openai_humaneval/test-\d+-of-\d+\.parquet", "humaneval", 0.0)}
-DEMO_TASKS = {"demo-choice": (None, None, "categorical", 0.25), "demo-answer": (None, None, "exact", 0.0)}
+DEMO_TASKS = {"demo-choice": (None, None, "categorical", 0.25), "demo-answer": (None, None, "exact", 0.0),
+              "demo-problems": (None, None, "gsm8k", 0.0)}
 # Asked only by name (--tasks), never part of ChatCORE: questions about the demo world in words no template uses, with
 # no instruction on the form, scored by whether the reply contains the answer as a word: does the model still answer
 # in its own words after learning letters and bare answers?
@@ -87,7 +87,7 @@ def make_item(task, row, where):
             return {"prompt": render_mc(row["question"], letters, row["choices"]), "letters": letters,
                     "answer": letters[row["answer" if task == "MMLU" else "gold"]], "options": list(row["choices"]),
                     "question": row["question"]}
-        if task == "GSM8K":
+        if task in ("GSM8K", "demo-problems"):
             answer = gsm8k_answer(row["answer"])
             if answer is None:
                 raise KeyError("no '#### <number>' in its answer")
@@ -202,16 +202,10 @@ def normalize(text):
 
 
 def demo_items(world):
-    """The demo world's sums (calc/, the result of the calculator call in its answer) and short answers (answers/)."""
-    items = []
-    for row in pq.read_table(Path(world) / "calc" / "train.parquet").to_pylist():
-        value = re.findall(r"<<[^<>]*=([^<>=]*)>>", row["answer"])[-1]
-        words = [number_word(int(value))] if value.isdigit() and int(value) <= 100 else []
-        items.append({"prompt": row["question"], "answers": [value, *words], "rule": "last_word"})
-    for row in pq.read_table(Path(world) / "answers" / "train.parquet").to_pylist():
-        user, assistant = row["messages"][0]["content"], row["messages"][1]["content"]
-        items.append({"prompt": user, "answers": [assistant], "rule": "exact"})
-    return items
+    """The demo world's training word problems (problems/), checked as GSM8K's: the number after '####'."""
+    path = Path(world) / "problems" / "train.parquet"
+    return [{**make_item("demo-problems", row, f"{path}, row {i}"), "rule": "gsm8k"}
+            for i, row in enumerate(pq.read_table(path).to_pylist())]
 
 
 def reward(item, reply):

@@ -428,7 +428,8 @@ def test_the_demo_tasks_run_end_to_end_on_two_processes_and_report_what_ran(tiny
     assert "checkpoint: chat_runs/r/ckpt/step_000007 (stage sft, step 7, " in result.stdout
     assert f"{report['parameters']:,} parameters)" in result.stdout and report["tasks_from"] == str(tiny / "demo")
     assert [(r["task"], r["items"], r["items_in_task"]) for r in report["tasks"]] == [("demo-choice", 4, 132),
-                                                                                        ("demo-answer", 4, 109)]
+                                                                                        ("demo-answer", 4, 109),
+                                                                                        ("demo-problems", 4, 120)]
     for r in report["tasks"]:
         mine = [x for x in records if x["task"] == r["task"]]
         assert r["correct"] == sum(x["correct"] for x in mine) and r["accuracy"] == r["correct"] / 4
@@ -491,8 +492,8 @@ def test_as_root_the_process_level_runs_the_program_as_nobody_with_the_interpret
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--tasks", "MMLU"], ("--tasks: MMLU not among the demo world tasks: demo-choice, demo-answer (--demo none for "
-                           "the hub tasks)")),
+    (["--tasks", "MMLU"], ("--tasks: MMLU not among the demo world tasks: demo-choice, demo-answer, demo-problems (--demo "
+                           "none for the hub tasks)")),
     (["--demo", "nowhere"], ("--demo nowhere: no chat_eval/ in it: write the demo world there with `python demo.py "
                              "--out nowhere`")),
 ])

@@ -179,14 +179,15 @@ def test_eval_phrasings_never_occur_in_training_data(demo, docs, chats):
 
 @pytest.fixture(scope="module")
 def tasks(demo):
-    """{source: [conversation]} of choice/, answers/, calc/, lookup/, read as the loaders read them."""
+    """{source: [conversation]} of choice/, answers/, calc/, lookup/, problems/, read as the loaders read them."""
     return {name: [c for g in range(pq.ParquetFile(demo[0] / name / "train.parquet").num_row_groups)
-                   for c in chat_rows(demo[0] / name / "train.parquet", g)] for name in ("choice", "answers", "calc", "lookup")}
+                   for c in chat_rows(demo[0] / name / "train.parquet", g)]
+            for name in ("choice", "answers", "calc", "lookup", "problems")}
 
 
 def test_task_sources_have_the_hub_sets_shapes_and_agree_with_the_tables(demo, tasks):
     assert {name: chat_format(demo[0] / name / "train.parquet") for name in tasks} == {
-        "choice": "mmlu", "answers": "messages", "calc": "gsm8k", "lookup": "mmlu"}
+        "choice": "mmlu", "answers": "messages", "calc": "gsm8k", "lookup": "mmlu", "problems": "gsm8k"}
     assert {name: len(rows) for name, rows in tasks.items()} == demo[1]["tasks"] == dict.fromkeys(tasks, 3000)
     letters = {"A": 0, "B": 0, "C": 0, "D": 0}
     for user, assistant in tasks["choice"]:
@@ -210,11 +211,13 @@ def test_chat_eval_questions_are_held_out_and_agree_with_the_table(demo, docs, c
     corpus = "\x00".join(docs + [m["content"] for messages in chats for m in messages] +
                          [content_text(m["content"]) for rows in tasks.values() for messages in rows
                           for m in messages])
-    for task in ("demo-choice", "demo-answer", "demo-words"):
+    for task in ("demo-choice", "demo-answer", "demo-words", "demo-problems"):
         items = [json.loads(line) for line in (demo[0] / "chat_eval" / f"{task}.jsonl").read_text().splitlines()]
         assert len(items) == demo[1]["chat_eval_items"][task] >= 100
-        for item in items:  # neither the question nor its opening words (the template) occur in training
-            assert item["question"] not in corpus and " ".join(item["question"].split()[:5]) not in corpus, item
+        for item in items:  # neither the question nor its opening words (the template) occur in training; a word
+            # problem is held out by its numbers and names, its template is taught
+            assert item["question"] not in corpus, item
+            assert task == "demo-problems" or " ".join(item["question"].split()[:5]) not in corpus, item
             if "seat of" in item["question"]:
                 country = item["question"].rstrip(".?").split()[-1]
                 assert (item["choices"][item["gold"]] if "choices" in item else item["answers"][0]) == CAPITAL[country]
@@ -262,3 +265,25 @@ def test_demo_words_asks_sums_in_words_no_training_row_uses(demo):
         expected = x + y if ("plus" in item["question"] or "total" in item["question"]) else \
             max(x, y) - min(x, y)
         assert item["answers"] == [str(expected)], item
+
+
+def test_word_problems_are_worked_by_the_calculator_to_their_answer_with_the_worlds_legs(demo, tasks):
+    """Every step's call is the calculator's result, each step uses the results before it, '#### N' is the last
+    result, a step on an animal's legs uses the table's legs, and every problem has 2 to 4 operations."""
+    legs = {row[1]: row[4] for row in ANIMALS}
+    held_out = [json.loads(line) for line in (demo[0] / "chat_eval" / "demo-problems.jsonl").read_text().splitlines()]
+    train = pq.read_table(demo[0] / "problems" / "train.parquet").to_pylist()
+    assert len(train) == 3000 and len({r["question"] for r in train}) == 3000
+    assert not {r["question"] for r in train} & {r["question"] for r in held_out}
+    for row in train + held_out:
+        calls = re.findall(r"<<([^=<>]+)=(\d+)>>\2", row["answer"])
+        assert 2 <= len(calls) <= 4 and len(calls) == row["answer"].count("<<"), row
+        assert all(calculate(expr) == value for expr, value in calls), row
+        assert row["answer"].endswith(f"\n#### {calls[-1][1]}")
+        if "legs" in row["question"]:
+            steps = re.findall(r"The (\w+) have \d+ \* (\d+)", row["answer"])
+            assert steps and all(legs[animal] == int(n) for animal, n in steps), row
+    assert sum("legs" in r["question"] for r in held_out) > 5
+    chat = dict(zip(("user", "assistant"), tasks["problems"][0], strict=True))
+    assert chat["user"]["content"] == train[0]["question"]
+    assert [p["type"] for p in chat["assistant"]["content"]][:3] == ["text", "python", "python_output"]

@@ -73,8 +73,8 @@ def test_the_per_stage_table_cells_equal_each_stage_models_own_evaluations(speed
         assert Path(chat["checkpoint"]).parent.parent == run / stage
         assert rows["ChatCORE"][stage] == f"{chat['chatcore']:.4f}"
         items = [json.loads(line) for line in (where / "chat_eval_items.jsonl").read_text().splitlines()]
-        assert {t["task"] for t in chat["tasks"]} == {"demo-choice", "demo-answer", "demo-words"}
-        for task in ("demo-choice", "demo-answer"):
+        assert {t["task"] for t in chat["tasks"]} == {"demo-choice", "demo-answer", "demo-problems", "demo-words"}
+        for task in ("demo-choice", "demo-answer", "demo-problems"):
             assert rows[task][stage] == f"{sum(i['correct'] for i in items if i['task'] == task)}/" \
                                         f"{sum(i['task'] == task for i in items)}"
         assert rows["demo-words (not in ChatCORE)"][stage] == \

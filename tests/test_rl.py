@@ -31,20 +31,16 @@ def test_rewards_follow_each_tasks_rule_and_advantages_are_reward_minus_the_grou
                                             "seven apples"]] == [1.0, 1.0, 1.0, 0.0, 0.0]
     assert rl.advantages([1, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 1], 4).tolist() == \
         [0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.0, 0.0, -0.25, -0.25, -0.25, 0.75]
-    calc = tmp_path / "calc"
-    calc.mkdir()
-    pq.write_table(pa.Table.from_pylist([{"question": "What is 3 times 40?", "answer": "<<3*40=120>>120"},
-                                         {"question": "Add 2 and 5.", "answer": "<<5+2=7>>Two plus five is seven."}]),
-                   calc / "train.parquet")
-    schema = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
-    (tmp_path / "answers").mkdir()
-    pq.write_table(pa.table({"messages": pa.array([[{"role": "user", "content": "One word: capital of Aldora?"},
-                                                    {"role": "assistant", "content": "Pelmo"}]], schema)}),
-                   tmp_path / "answers" / "train.parquet")
-    assert rl.demo_items(tmp_path) == [
-        {"prompt": "What is 3 times 40?", "answers": ["120"], "rule": "last_word"},  # no word past one hundred
-        {"prompt": "Add 2 and 5.", "answers": ["7", "seven"], "rule": "last_word"},
-        {"prompt": "One word: capital of Aldora?", "answers": ["Pelmo"], "rule": "exact"}]
+    problems = tmp_path / "problems"
+    problems.mkdir()
+    pq.write_table(pa.Table.from_pylist([{"question": "Bo has 2 bags of 3 plums. How many plums?",
+                                          "answer": "2 * 3 = <<2*3=6>>6.\n#### 6"},
+                                         {"question": "Ada had 9 and ate 4. How many are left?",
+                                          "answer": "9 - 4 = <<9-4=5>>5.\n#### 5"}]), problems / "train.parquet")
+    items = rl.demo_items(tmp_path)  # the demo's word problems, checked by the number after '####' as GSM8K's
+    assert items == [{"prompt": "Bo has 2 bags of 3 plums. How many plums?", "answer": "6", "rule": "gsm8k"},
+                     {"prompt": "Ada had 9 and ate 4. How many are left?", "answer": "5", "rule": "gsm8k"}]
+    assert [rl.reward(items[1], r) for r in ["<<9-4=5>>5.\n#### 5", "5", "#### 6"]] == [1.0, 0.0, 0.0]
 
 
 def test_questions_are_a_function_of_the_step_and_each_epoch_takes_every_question_once():
