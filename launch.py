@@ -10,13 +10,15 @@
     python launch.py rehearsal_due --run RUN REHEARSAL_DIR 0|1   # exit 0: the gpu plan rehearses now (--no_rehearse: 1)
     python launch.py rehearsal_passed --run RUN REHEARSAL_DIR     # its checkpoints deleted, its cost said
     python launch.py reuse_chat_eval --run RUN STAGE    # chat_eval's own result for the stage whose model it scored
-    python launch.py rehearsed --run RUN --seconds N    # the rehearsal's stage times: <run>/rehearsed.json
+    python launch.py rehearsed --run RUN SECONDS        # the rehearsal's stage times: <run>/rehearsed.json
 
 The standard library only: speedrun.sh runs it with python3, before .venv exists, and no stage's start waits for
 torch's import (torch is asked through the interpreter the stages run with). Between calls the run's state is in
 <run>/logs/launch.json (the mark its processes carry, the machine, the NCCL flags in force); each stage's wall time
 and exit status go to <run>/logs/stages.tsv, which report.py reads.
 """
+import argparse
+import functools
 import hashlib
 import json
 import math
@@ -36,49 +38,12 @@ ROOT = Path(__file__).resolve().parent
 
 # --- speedrun.sh's flags ---------------------------------------------------------------------------------------------
 
-FLAG_DEFAULTS = {"plan": "auto", "depth": "20", "run_name": "speedrun", "runs_dir": "runs", "data_dir": "",
-                 "gpus": "auto", "shards": "", "vocab_size": "", "tokenizer": "", "stop_after": "", "rl": "auto",
-                 "stage_evals": "pretrain,midtrain,sft,rl"}
-SWITCHES = ["no_chat", "rehearse", "no_rehearse", "force", "probe_only"]
 STOP_AFTER = ["data", "tokenizer", "download", "pretrain", "core_eval", "midtrain", "sft", "rl", "chat_eval", "report"]
 MODEL_STAGES = ["pretrain", "midtrain", "sft", "rl"]
 # the conversation datasets the gpu plan's midtraining and SFT read (dataset.py download-chat names): checked and
 # fetched at the start, with the CORE bundle and the ChatCORE tasks, so a gated or missing one fails in minutes
 CHAT_SOURCES = ["smoltalk", "ultrachat", "mmlu", "arc-easy", "arc-challenge", "gsm8k", "identity"]
-
-USAGE = f"""usage: bash speedrun.sh [flags]
-
-  --plan gpu|demo     gpu: d20-class model on FineWeb-Edu, every stage; demo: the offline demo world, preset tiny,
-                      on the CPU (default: gpu when torch sees CUDA GPUs, else demo; GPUs that nvidia-smi lists
-                      but torch cannot use stop the run with the driver and wheel versions)
-  --depth N           gpu plan: model depth, the d{{N}} preset (default: {FLAG_DEFAULTS['depth']})
-  --run_name NAME     everything goes to <runs_dir>/NAME/ (default: {FLAG_DEFAULTS['run_name']})
-  --runs_dir DIR      (default: {FLAG_DEFAULTS['runs_dir']})
-  --data_dir DIR      gpu: the FineWeb-Edu corpus directory (default: dataset.py's cache); demo: the demo world
-                      (default: <runs_dir>/<run_name>/demo, written by demo.py when missing)
-  --gpus N            processes per stage = GPUs used (default: all CUDA GPUs; 0 = CPU, one process)
-  --shards N          gpu plan: FineWeb-Edu training shards to download (default: what the budget needs: its
-                      tokens / the first shard's tokens counted with the tokenizer, plus one)
-  --vocab_size N      tokenizer vocabulary (default: 65536 gpu, 1024 demo)
-  --tokenizer DIR     use this trained tokenizer instead of training one (default: train <run>/tokenizer)
-  --stop_after STAGE  stop after this stage: {' '.join(STOP_AFTER)}
-                      (download: gpu plan, every shard and the prefetched chat and evaluation data are in)
-  --rl on|off         the reinforcement-learning stage after sft (default: on for the gpu plan; off for the demo
-                      plan, where it lowered held-out accuracy: docs/rl.md)
-  --stage_evals LIST  the stages whose final models get CORE and ChatCORE for the report's table of what each
-                      stage taught, comma-separated, or none (default: {FLAG_DEFAULTS['stage_evals']}; a column left
-                      out says unknown; pretrain's model is a base model: CORE only, core_eval's, as nanochat)
-  --no_chat           do not start chat.py at the end (it starts only when stdin is a terminal anyway)
-  --rehearse          run every stage of the plan with its own command lines, data and world size, on a tiny budget
-                      (a few steps or items each), into <run_name>-rehearsal; it ends with the report and one chat.py
-                      answer and prints each stage's time. Without CUDA, --gpus N rehearses the gpu plan on N CPU
-                      processes (gloo), its sequences cut to 128 tokens (the same sequences per step)
-  --no_rehearse       gpu plan: skip the rehearsal it runs before pretraining (default: rehearse once per run)
-  --force             start although other processes hold the GPUs
-  --probe_only        run the NCCL check, record the transport and its measured bandwidth, and exit
-  -h, --help          this text
-
-environment:
+ENVIRONMENT = """environment:
   PRETRAIN_ARGS MIDTRAIN_ARGS SFT_ARGS RL_ARGS CORE_ARGS CHAT_EVAL_ARGS   extra flags appended to that stage's command line
                       (the last of a repeated flag wins), e.g. PRETRAIN_ARGS="--steps 100"
   NCCL_SAFE=1         skip the NCCL probe and run with the safe flags (P2P and InfiniBand off)
@@ -100,24 +65,61 @@ class Refused(Exception):
         self.status = status
 
 
+def flag_parser():
+    """speedrun.sh's flags; its --help is this parser's. A fixed width: the text is the same in every terminal."""
+    parser = argparse.ArgumentParser(
+        usage="bash speedrun.sh [flags]", add_help=False, allow_abbrev=False, exit_on_error=False, epilog=ENVIRONMENT,
+        formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, width=118, max_help_position=22))
+    add = parser.add_argument
+    add("--plan", default="auto", metavar="gpu|demo", help="gpu: d20-class model on FineWeb-Edu, every stage; demo: "
+        "the offline demo world, preset tiny, on the CPU (default: gpu when torch sees CUDA GPUs, else demo; GPUs that "
+        "nvidia-smi lists but torch cannot use stop the run with the driver and wheel versions)")
+    add("--depth", default="20", metavar="N", help="gpu plan: model depth, the d{N} preset (default: %(default)s)")
+    add("--run_name", default="speedrun", metavar="NAME", help="everything goes to <runs_dir>/NAME/ (default: "
+        "%(default)s)")
+    add("--runs_dir", default="runs", metavar="DIR", help="(default: %(default)s)")
+    add("--data_dir", default="", metavar="DIR", help="gpu: the FineWeb-Edu corpus directory (default: dataset.py's "
+        "cache); demo: the demo world (default: <runs_dir>/<run_name>/demo, written by demo.py when missing)")
+    add("--gpus", default="auto", metavar="N", help="processes per stage = GPUs used (default: all CUDA GPUs; 0 = CPU, "
+        "one process)")
+    add("--shards", default="", metavar="N", help="gpu plan: FineWeb-Edu training shards to download (default: what "
+        "the budget needs: its tokens / the first shard's tokens counted with the tokenizer, plus one)")
+    add("--vocab_size", default="", metavar="N", help="tokenizer vocabulary (default: 65536 gpu, 1024 demo)")
+    add("--tokenizer", default="", metavar="DIR", help="use this trained tokenizer instead of training one (default: "
+        "train <run>/tokenizer)")
+    add("--stop_after", default="", metavar="STAGE", help=f"stop after this stage: {' '.join(STOP_AFTER)} (download: "
+        f"gpu plan, every shard and the prefetched chat and evaluation data are in)")
+    add("--rl", default="auto", metavar="on|off", help="the reinforcement-learning stage after sft (default: on for "
+        "the gpu plan; off for the demo plan, where it lowered held-out accuracy: docs/rl.md)")
+    add("--stage_evals", default="pretrain,midtrain,sft,rl", metavar="LIST", help="the stages whose final models get "
+        "CORE and ChatCORE for the report's table of what each stage taught, comma-separated, or none (default: "
+        "%(default)s; a column left out says unknown; pretrain's model is a base model: CORE only, core_eval's, as "
+        "nanochat)")
+    switch = functools.partial(add, action="store_true")
+    switch("--no_chat", help="do not start chat.py at the end (it starts only when stdin is a terminal anyway)")
+    switch("--rehearse", help="run every stage of the plan with its own command lines, data and world size, on a tiny "
+           "budget (a few steps or items each), into <run_name>-rehearsal; it ends with the report and one chat.py "
+           "answer and prints each stage's time. Without CUDA, --gpus N rehearses the gpu plan on N CPU processes "
+           "(gloo), its sequences cut to 128 tokens (the same sequences per step)")
+    switch("--no_rehearse", help="gpu plan: skip the rehearsal it runs before pretraining (default: rehearse once per "
+           "run)")
+    switch("--force", help="start although other processes hold the GPUs")
+    switch("--probe_only", help="run the NCCL check, record the transport and its measured bandwidth, and exit")
+    switch("-h", "--help", help="this text")
+    return parser
+
+
 def parse_flags(argv):
     """speedrun.sh's flags as {name: value} (switches True/False; "help": True when asked), checked."""
-    flags = {**FLAG_DEFAULTS, **dict.fromkeys(SWITCHES, False), "help": False}
-    i = 0
-    while i < len(argv):
-        arg, name = argv[i], argv[i][2:]
-        if arg in ("-h", "--help"):
-            return {**flags, "help": True}
-        if arg.startswith("--") and name in SWITCHES:
-            flags[name] = True
-        elif arg.startswith("--") and name in FLAG_DEFAULTS and i + 1 < len(argv):
-            flags[name] = argv[i + 1]
-            i += 1
-        elif arg.startswith("--") and name in FLAG_DEFAULTS:
-            raise Refused(f"{arg} needs a value (bash speedrun.sh --help)", 2)
-        else:
-            raise Refused(f"unknown flag {arg} (bash speedrun.sh --help lists them)", 2)
-        i += 1
+    try:
+        flags, unknown = flag_parser().parse_known_args(argv)
+    except argparse.ArgumentError as e:  # only a flag without its value: the values are checked below
+        raise Refused(f"{e.argument_name} needs a value (bash speedrun.sh --help)", 2) from None
+    flags = vars(flags)
+    if flags["help"]:
+        return flags
+    if unknown:
+        raise Refused(f"unknown flag {unknown[0]} (bash speedrun.sh --help lists them)", 2)
     if flags["plan"] not in ("auto", "gpu", "demo"):
         raise Refused(f"--plan {flags['plan']}: use gpu or demo", 2)
     if flags["stop_after"] not in ("", *STOP_AFTER):
@@ -153,26 +155,22 @@ def shell_assignments(values):
 
 
 def flags_command(argv):
-    """`flags`: the shell code speedrun.sh evals: its variables, or the help and `exit 0`. Makes <run>/logs; a
-    rehearsal that passed is deleted first (it is redone from the start: it checks this code; an interrupted one
-    resumes)."""
+    """`flags`: the shell code speedrun.sh evals: its variables (each flag's name in capitals; VOCAB and RL_STAGE,
+    which setup.env sets again), or the help and `exit 0`. Makes <run>/logs; a rehearsal that passed is deleted first
+    (it is redone from the start: it checks this code; an interrupted one resumes)."""
     flags = parse_flags(argv)
-    if flags["help"]:
-        return f"printf '%s' {shlex.quote(USAGE)}\nexit 0\n"
+    if flags.pop("help"):
+        return f"printf '%s' {shlex.quote(flag_parser().format_help())}\nexit 0\n"
     run = run_dir(flags)
     redone = flags["rehearse"] and Path(run, "rehearsed.json").is_file()
     if redone:
         shutil.rmtree(run)
     Path(run, "logs").mkdir(parents=True, exist_ok=True)
-    names = {"plan": "PLAN", "depth": "DEPTH", "run_name": "RUN_NAME", "runs_dir": "RUNS_DIR", "data_dir": "DATA_DIR",
-             "gpus": "GPUS", "shards": "SHARDS", "vocab_size": "VOCAB", "tokenizer": "TOKENIZER",
-             "stop_after": "STOP_AFTER", "rl": "RL_STAGE", "stage_evals": "STAGE_EVALS", "no_chat": "NO_CHAT",
-             "rehearse": "REHEARSE", "no_rehearse": "NO_REHEARSE", "force": "FORCE", "probe_only": "PROBE_ONLY"}
-    values = {var: int(flags[name]) if name in SWITCHES else flags[name] for name, var in names.items()}
+    values = {{"vocab_size": "VOCAB", "rl": "RL_STAGE"}.get(name, name.upper()):
+              int(value) if isinstance(value, bool) else value for name, value in flags.items()}
     code = shell_assignments({**values, "RUN": run, "LOGS": f"{run}/logs"})
     if redone:
-        redo = f"rehearsing again from the start: {run} held a rehearsal that passed (now deleted)"
-        code += f"say {shlex.quote(redo)}\n"
+        code += f"say {shlex.quote(f'rehearsing again from the start: {run} held a rehearsal that passed (now deleted)')}\n"
     return code
 
 
@@ -186,11 +184,14 @@ def say(run, text):
     terminal(line)
 
 
-def terminal(line, stream=None):
-    """Print, unless the terminal is gone (a closed one after SIGHUP): what is logged is logged regardless."""
+def terminal(data, stream=None):
+    """A line, or a stage's output as it comes (bytes), to the terminal unless it is gone (a closed one after SIGHUP):
+    what is logged is logged regardless."""
     stream = stream or sys.stdout
     try:
-        print(line, file=stream, flush=True)
+        stream.flush()
+        stream.buffer.write(data if isinstance(data, bytes) else f"{data}\n".encode())
+        stream.buffer.flush()
     except OSError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())  # its buffer must not fail again at exit
 
@@ -346,8 +347,8 @@ def plan_lines(depth, nproc, on_cpu, rehearse):
         return [(f"{model} on {nproc} {'CPU processes' if on_cpu else 'GPUs'}, the rehearsal's budget appended to each "
                 f"stage")]
     return [(f"{model}, 20 tokens per parameter at 524,288 tokens a step on {nproc} GPUs; pretrain.py prints the "
-            f"parameters, tokens and steps before step 1, and this script the expected time measured after the first "
-            f"timed steps"),
+            f"parameters, tokens and steps before step 1, and each step line the expected time left (ETA), measured "
+            f"after this process's first step"),
             ("plan: rl: one epoch of GSM8K's 7,473 training questions, 16 a step, 16 replies each (up to 256 tokens): "
             "468 steps, at most 30.7M tokens sampled (468 x 16 x 16 x 256). The rehearsal's prediction (plan_cost.py, "
             "above) gives every stage's expected time; report.md sets each beside its actual wall time")]
@@ -360,13 +361,8 @@ def setup(python, argv):
     run = run_dir(flags)
     check_packages(python)
     check_gpus_free(flags["force"])
-    seen = []  # torch's CUDA device count, asked once and only when needed (--gpus 0 never asks)
-
-    def torch_gpus():
-        if not seen:
-            seen.append(int(ask_python(python, "import torch; print(torch.cuda.device_count())")))
-        return seen[0]
-
+    # torch's CUDA device count, asked once and only when needed (--gpus 0 never asks)
+    torch_gpus = functools.cache(lambda: int(ask_python(python, "import torch; print(torch.cuda.device_count())")))
     plan, gpus, rehearse = flags["plan"], flags["gpus"], flags["rehearse"]
     if gpus == "auto":
         gpus = torch_gpus()
@@ -444,8 +440,8 @@ def processes():
 
 
 def marked(mark, workers=False):
-    """The live processes carrying this run's mark (SPEEDRUN_MARK, the probe's too); workers: torchrun's workers only
-    (LOCAL_RANK set), whose sessions are their own and which outlive torchrun's process group."""
+    """The live processes carrying this mark (SPEEDRUN_MARK) or its probe's (<mark>.probe); workers: torchrun's workers
+    only (LOCAL_RANK set), whose sessions are their own and which outlive torchrun's process group."""
     wanted = {f"SPEEDRUN_MARK={mark}".encode(), f"SPEEDRUN_MARK={mark}.probe".encode()}
     return [pid for pid, environ in processes() if wanted.intersection(environ)
             and (not workers or any(entry.startswith(b"LOCAL_RANK=") for entry in environ))]
@@ -479,6 +475,26 @@ def signal_all(pids=(), groups=(), signum=signal.SIGTERM):
             pass
 
 
+def kill_marked(mark, groups=()):
+    """SIGKILL for the groups and for every process carrying the mark, again until none is left, not just signalled:
+    torchrun's workers run in sessions of their own, outside any group."""
+    signal_all(groups=groups, signum=signal.SIGKILL)
+    for _ in range(100):
+        left = marked(mark)
+        if not left:
+            return
+        signal_all(left, signum=signal.SIGKILL)
+        time.sleep(0.1)
+
+
+def process_alive(pid):
+    """Whether pid runs: not gone, not a zombie (ended, not yet reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
 def kill_wait():
     return int(os.environ.get("SPEEDRUN_KILL_WAIT", "30"))
 
@@ -486,27 +502,22 @@ def kill_wait():
 def checkpoint_grace(wait, ckpt):
     """The seconds a stopped stage gets before SIGKILL: `wait` plus twice its last measured checkpoint save
     (<ckpt>/save_seconds, written by checkpoint.py), rounded up."""
-    saved = 0.0
-    if ckpt:
-        try:
-            saved = float(Path(ckpt, "save_seconds").read_text()[:32])
-        except (OSError, ValueError):
-            pass
-    return math.ceil(wait + 2 * saved)
+    try:
+        return math.ceil(wait + 2 * float(Path(ckpt, "save_seconds").read_text()[:32])) if ckpt else wait
+    except (OSError, ValueError):
+        return wait
 
 
 def writing_checkpoint(ckpt, now=None):
-    """A file of a checkpoint in progress (under ckpt/.tmp_step_*) changed in the last 5 seconds."""
-    if not ckpt or not Path(ckpt).is_dir():
-        return False
+    """A file of a checkpoint in progress (checkpoint.py writes it under ckpt/.tmp_step_*, then renames it) changed
+    in the last 5 seconds."""
     recent = (now or time.time()) - 5
-    for path in Path(ckpt).glob(".tmp_step_*"):
-        for item in [path, *path.rglob("*")]:
-            try:
-                if item.stat().st_mtime > recent:
-                    return True
-            except OSError:
-                pass
+    for item in [p for tmp in Path(ckpt).glob(".tmp_step_*") for p in (tmp, *tmp.rglob("*"))] if ckpt else []:
+        try:
+            if item.stat().st_mtime > recent:
+                return True
+        except OSError:
+            pass
     return False
 
 
@@ -523,8 +534,8 @@ def end_processes(mark, stage=None, ckpt=None):
     grace does not start while rank 0 checkpoints), every other marked group (the background download's; the stage's
     own when it has no workers) too. They get SPEEDRUN_KILL_WAIT seconds plus twice the stage's last checkpoint save,
     more while a checkpoint is still being written, and SPEEDRUN_KILL_WAIT more once it is saved; then SIGKILL for
-    every marked process and group, and a wait until they are gone, not just signalled. stage: the Popen of the running
-    stage, the leader of its own process group."""
+    every marked process and group, and a wait until they are gone. stage: the Popen of the running stage, the leader
+    of its own process group."""
     since, wait = time.time(), kill_wait()
     workers = marked(mark, workers=True)
     others = {group_of(pid) for pid in marked(mark)} - {group_of(pid) for pid in workers}  # the download's group
@@ -549,13 +560,7 @@ def end_processes(mark, stage=None, ckpt=None):
         time.sleep(0.1)
     if alive:
         terminal(f"speedrun: stage processes still running after {grace}s: killing them (SIGKILL)", sys.stderr)
-    signal_all(groups=groups, signum=signal.SIGKILL)
-    for _ in range(100):
-        left = marked(mark)
-        if not left:
-            break
-        signal_all(left, signum=signal.SIGKILL)
-        time.sleep(0.1)
+    kill_marked(mark, groups)
     if stage is not None:
         stage.poll()
 
@@ -568,19 +573,11 @@ SAFE_TEXT = " ".join(f"{name}={value}" for name, value in SAFE_FLAGS.items())
 BANDWIDTH = re.compile(r"all-reduce over .*: ok, .* bus bandwidth ([0-9.]* GB/s|n/a: one GPU)")
 
 
-def probe_settings():
-    return int(os.environ.get("SPEEDRUN_PROBE_TIMEOUT", "120")), os.environ.get("SPEEDRUN_PROBE_MB", "64")
-
-
-def hung(status):
-    return status in (124, 137)
-
-
 def run_probe(run, mark, command, safe):
     """The probe (distributed.py probe under torchrun, or SPEEDRUN_PROBE_CMD, which tests use) in its own session,
     with or without the safe flags, under a hard timeout (124: it hung; 137: it ignored SIGTERM too); nothing of it
     survives. (exit status, the bus bandwidth it printed or None)."""
-    timeout, mbytes = probe_settings()
+    timeout, mbytes = int(os.environ.get("SPEEDRUN_PROBE_TIMEOUT", "120")), os.environ.get("SPEEDRUN_PROBE_MB", "64")
     if os.environ.get("SPEEDRUN_PROBE_CMD"):
         command = ["bash", "-c", os.environ["SPEEDRUN_PROBE_CMD"]]
     else:
@@ -601,39 +598,49 @@ def run_probe(run, mark, command, safe):
         except subprocess.TimeoutExpired:
             status = 137
     finally:  # a timeout, or a signal (main's handler raises SystemExit here)
-        signal_all(groups=[probe.pid], signum=signal.SIGKILL)
+        kill_marked(f"{mark}.probe", [probe.pid])
         probe.wait()
-        for _ in range(100):  # torchrun's workers: sessions of their own, found by the probe's mark
-            left = [pid for pid, environ in processes() if f"SPEEDRUN_MARK={mark}.probe".encode() in environ]
-            if not left:
-                break
-            signal_all(left, signum=signal.SIGKILL)
-            time.sleep(0.1)
     with open(log_path, "rb") as log:
         log.seek(before)
         found = BANDWIDTH.findall(log.read().decode(errors="replace"))
     return status, (found[-1] if found else None)
 
 
-def probe(run, command):
-    """`probe`: the transport the stages use, in <run>/transport.txt. With GPUs, a 4-byte and a timed gradient-bucket
-    sized all-reduce before training; on a hang or failure, the safe flags, their cost printed. Returns the exit
-    status (the safe flags' probe's when both fail)."""
+def probe(run, command, stage=None):
+    """`probe` (stage None): the transport the stages use, in <run>/transport.txt. With GPUs, a 4-byte and a timed
+    gradient-bucket sized all-reduce before training; on a hang or failure, the safe flags, their cost printed.
+    Before a torchrun stage after that fallback (stage: its name) the default flags are probed again and used again
+    once they pass: one failed probe (a slow cold start, a transient fault) must not pin the safe flags for hours.
+    Returns the exit status (the safe flags' probe's when both fail)."""
     state = read_state(run)
-    timeout, mbytes = probe_settings()
-    nccl = {"safe": False, "fallback": False, "probe": command}
-    if state["gpus"] == 0 or state["on_cpu"]:
+    nccl = state["nccl"] if stage else {"safe": False, "fallback": False, "probe": command}
+    transport, timeout, mbytes = state["transport"], os.environ.get("SPEEDRUN_PROBE_TIMEOUT", "120"), \
+        os.environ.get("SPEEDRUN_PROBE_MB", "64")
+    if not stage and (state["gpus"] == 0 or state["on_cpu"]):
         transport = "gloo (cpu)"
-    elif os.environ.get("NCCL_SAFE", "0") == "1":
+    elif not stage and os.environ.get("NCCL_SAFE", "0") == "1":
         nccl["safe"], transport = True, f"nccl safe flags (NCCL_SAFE=1: {SAFE_TEXT})"
     else:
-        status, bandwidth = run_probe(run, state["mark"], command, safe=False)
-        if status == 0:
-            transport = f"nccl default, all-reduce bus bandwidth {bandwidth or 'unknown'} ({mbytes} MB message)"
+        start = time.time()
+        status, bandwidth = run_probe(run, state["mark"], nccl["probe"], safe=False)
+        took, hung = int(time.time()) - int(start), status in (124, 137)
+        failure = f"exit {status}{f', hung past {timeout}s' if hung else ''}"
+        default_bw = bandwidth or ("unknown" if status == 0 else f"none: it {'hung' if hung else 'failed'}")
+        if stage and status == 0:
+            nccl.update(safe=False, fallback=False)
+            transport += f"; from stage {stage} on: nccl default, all-reduce bus bandwidth {default_bw}"
+            say(run, f"NCCL probe before stage {stage} ({took}s): the default flags pass now, all-reduce bus bandwidth "
+                     f"{default_bw} against {nccl['safe_bw']} with the safe flags (what the fallback cost each stage "
+                     f"since): stage {stage} and the later ones use the defaults")
+        elif stage:
+            say(run, f"NCCL probe before stage {stage} ({took}s): the default flags fail again ({failure}): stage "
+                     f"{stage} keeps the safe flags, all-reduce bus bandwidth {nccl['safe_bw']} (default flags at the "
+                     f"start: {nccl['default_bw']}); log: {run}/logs/probe.log")
+        elif status == 0:
+            transport = f"nccl default, all-reduce bus bandwidth {default_bw} ({mbytes} MB message)"
         else:
-            default_bw = bandwidth or f"none: it {'hung' if hung(status) else 'failed'}"
-            say(run, f"NCCL probe failed (exit {status}{f', hung past {timeout}s' if hung(status) else ''}): retrying "
-                     f"with the safe flags {SAFE_TEXT}; log: {run}/logs/probe.log")
+            say(run, f"NCCL probe failed ({failure}): retrying with the safe flags {SAFE_TEXT}; log: "
+                     f"{run}/logs/probe.log")
             status, bandwidth = run_probe(run, state["mark"], command, safe=True)
             if status != 0:
                 terminal(f"speedrun: stage nccl_probe failed (exit {status}) even with the safe flags; log: "
@@ -646,59 +653,13 @@ def probe(run, command):
             say(run, f"the safe flags cost: all-reduce bus bandwidth {safe_bw} with them (P2P and InfiniBand off: "
                      f"gradients go through host memory and sockets); with the default flags: {default_bw}")
     Path(run, "transport.txt").write_text(transport + "\n")
-    say(run, f"transport: {transport}")
+    if not stage:
+        say(run, f"transport: {transport}")
     write_state(run, {**state, "nccl": nccl, "transport": transport})
     return 0
 
 
-def reprobe(run, state, name):
-    """One failed probe (a slow cold start, a transient fault) must not pin the safe flags for hours: before each
-    torchrun stage after a fallback the default flags are probed again, and used again once they pass."""
-    nccl = state["nccl"]
-    timeout, _ = probe_settings()
-    start = time.time()
-    status, bandwidth = run_probe(run, state["mark"], nccl["probe"], safe=False)
-    took = int(time.time()) - int(start)
-    if status == 0:
-        nccl.update(safe=False, fallback=False)
-        state["transport"] += f"; from stage {name} on: nccl default, all-reduce bus bandwidth {bandwidth or 'unknown'}"
-        say(run, f"NCCL probe before stage {name} ({took}s): the default flags pass now, all-reduce bus bandwidth "
-                 f"{bandwidth or 'unknown'} against {nccl['safe_bw']} with the safe flags (what the fallback cost each "
-                 f"stage since): stage {name} and the later ones use the defaults")
-    else:
-        say(run, f"NCCL probe before stage {name} ({took}s): the default flags fail again (exit {status}"
-                 f"{f', hung past {timeout}s' if hung(status) else ''}): stage {name} keeps the safe flags, all-reduce "
-                 f"bus bandwidth {nccl['safe_bw']} (default flags at the start: {nccl['default_bw']}); log: "
-                 f"{run}/logs/probe.log")
-    Path(run, "transport.txt").write_text(state["transport"] + "\n")
-    write_state(run, state)
-
-
 # --- one stage -------------------------------------------------------------------------------------------------------
-
-def eta_line(line):
-    """After a pretraining step line from step 20 on (train_loop's `step 20/400 ... 8,123 tok/s ... tokens 163,840
-    ... ETA ...`): the expected time left from the measured throughput, after compilation and warm-up. Else None."""
-    fields = line.split()
-    if len(fields) < 2 or fields[0] != "step" or "ETA" not in line or fields[1].count("/") != 1:
-        return None
-    rate = done = None
-    for i in range(1, len(fields) - 1):
-        if fields[i] == "tok/s":
-            rate = fields[i - 1].replace(",", "")
-        if fields[i] == "tokens":
-            done = fields[i + 1].replace(",", "")
-    try:
-        step, total = (int(n) for n in fields[1].split("/"))
-        left = (total - step) * float(done) / step / float(rate)
-    except (TypeError, ValueError, ZeroDivisionError):
-        return None
-    if step < 20 or float(rate) <= 0:
-        return None
-    return (f"speedrun: expected pretraining time left: {int(left / 3600)}:{int(left % 3600 / 60):02d}:"
-            f"{int(left % 60):02d} for {total - step} more steps (measured: {rate} tok/s at step {step}, after "
-            f"compilation and warm-up)")
-
 
 def progress_lines(run, name, now):
     """A failed training stage's ranks, each with its last step and phase and how long ago: under NCCL a hung
@@ -714,61 +675,31 @@ def progress_lines(run, name, now):
     return lines
 
 
-def record_stage(run, name, seconds, status):
-    """One row of <run>/logs/stages.tsv: the stage, its wall time, its exit status (report.py reads it)."""
-    with open(f"{run}/logs/stages.tsv", "a") as tsv:
-        tsv.write(f"{name}\t{seconds:.1f}\t{status}\n")
-
-
 def read_stages(run):
     path = Path(run, "logs", "stages.tsv")
     return [line.split("\t") for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-def copy_output(source, log, eta):
-    """The stage's output, as it comes, to the terminal and its log; with eta, the expected pretraining time once, on
-    the terminal only, after the step line it was computed from."""
-    pending, said, to_terminal = b"", not eta, [True]
+def copy_output(source, log):
+    """The stage's output, as it comes, to its log and the terminal."""
     while chunk := os.read(source, 1 << 16):
         log.write(chunk)
-        shown = 0  # how much of chunk is on the terminal
-        if not said:
-            lines, end = (pending + chunk).split(b"\n"), -len(pending)
-            pending = lines.pop()
-            for line in lines:
-                end += len(line) + 1
-                if not said and (expected := eta_line(line.decode(errors="replace"))):
-                    said = True
-                    show(chunk[:end], to_terminal)
-                    show(f"{expected}\n".encode(), to_terminal)
-                    shown = end
-        show(chunk[shown:], to_terminal)
+        terminal(chunk)
 
 
-def show(data, to_terminal):
-    """data to the terminal while it is there (to_terminal: [False] once it is gone, after SIGHUP)."""
-    if to_terminal[0] and data:
-        try:
-            sys.stdout.buffer.write(data)
-            sys.stdout.buffer.flush()
-        except OSError:  # the log gets the rest
-            to_terminal[0] = False
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # its buffer must not fail again at exit
-
-
-def run_stage(run, name, command, train=False, skip_if=None, signals=None, log_only=False):
+def run_stage(run, name, command, train=False, skip_if=None, log_only=False):
     """`stage`: COMMAND in a session of its own (its own process group) carrying the run's mark, stdin from
     /dev/null, its output to the terminal and to logs/<name>.log, its time in logs/stages.tsv. Skipped when skip_if
-    (a training stage: its done.json) exists; a training stage with a checkpoint gets --resume. signals: main's
-    handler's record; once the stage has started, a signal received ends its processes (before, it exits at once).
-    log_only: a background fetch: its output to its log alone, no record, no line said; it does not react to signals
-    (the run's end stops it with every other process of the run). Returns the exit status."""
-    signals = signals if signals is not None else {"received": []}
+    (a training stage: its done.json) exists; a training stage with a checkpoint gets --resume. Once the stage has
+    started, a signal ends its processes (before, main's handler exits at once). log_only: a background fetch: its
+    output to its log alone, no record, no line said; it does not react to signals (the run's end stops it with
+    every other process of the run). Returns the exit status."""
     if log_only:
-        state, signals["exit_now"] = read_state(run), False
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, lambda *_: None)  # a handler, not SIG_IGN: the fetch starts with the defaults
         with open(f"{run}/logs/{name}.log", "ab") as log:
             status = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-                                    env={**os.environ, "SPEEDRUN_MARK": state["mark"]}, check=False).returncode
+                                    env={**os.environ, "SPEEDRUN_MARK": read_state(run)["mark"]}, check=False).returncode
         return 128 - status if status < 0 else status
     done = f"{run}/{name}/done.json" if train else skip_if
     if done and Path(done).exists():
@@ -778,39 +709,43 @@ def run_stage(run, name, command, train=False, skip_if=None, signals=None, log_o
     if train and glob(f"{ckpt}/step_[0-9]*"):
         command = [*command, "--resume"]
         say(run, f"stage {name} was interrupted: resuming from its last checkpoint")
+    if command[1:3] == ["-m", "torch.distributed.run"] and read_state(run)["nccl"]["fallback"]:
+        probe(run, None, stage=name)
     state = read_state(run)
-    if command[1:3] == ["-m", "torch.distributed.run"] and state["nccl"]["fallback"]:
-        reprobe(run, state, name)
     say(run, f"stage {name}: {' '.join(command)}")
-    log_path, stopped = f"{run}/logs/{name}.log", signals["received"]
+    log_path, stopped = f"{run}/logs/{name}.log", None
+
+    def on_signal(signum, _frame):  # the first one counts; the stage is ended below, not here
+        nonlocal stopped
+        stopped = stopped or signum
     env = {**os.environ, "SPEEDRUN_MARK": state["mark"], **(SAFE_FLAGS if state["nccl"]["safe"] else {}),
            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(checkpoint_grace(kill_wait(), ckpt))}
     start = time.time()
     read_end, write_end = os.pipe()
     with open(log_path, "ab", buffering=0) as log:
-        signals["exit_now"] = False
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, on_signal)
         try:
             stage = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=write_end, stderr=write_end, env=env,
                                      start_new_session=True)
         except OSError as e:
-            os.close(write_end)
             log.write(f"speedrun: cannot run {command[0]}: {e}\n".encode())
             terminal(f"speedrun: cannot run {command[0]}: {e}", sys.stderr)
             stage = None
-        else:
-            os.close(write_end)
-        copier = threading.Thread(target=copy_output, args=(read_end, log, name == "pretrain"), daemon=True)
+        os.close(write_end)
+        copier = threading.Thread(target=copy_output, args=(read_end, log), daemon=True)
         copier.start()
         while not stopped and (copier.is_alive() or (stage is not None and stage.poll() is None)):
             copier.join(0.1)
         if stopped:  # speedrun.sh prints why and exits with the signal's status
             end_processes(state["mark"], stage, ckpt)
             copier.join(10)
-            return 128 + stopped[0]
+            return 128 + stopped
         status = 127 if stage is None else stage.wait()
     os.close(read_end)
     status = 128 - status if status < 0 else status  # killed by a signal: the shell's 128 + N
-    record_stage(run, name, time.time() - start, status)
+    with open(f"{run}/logs/stages.tsv", "a") as tsv:  # report.py reads it
+        tsv.write(f"{name}\t{time.time() - start:.1f}\t{status}\n")
     if status != 0:
         terminal(f"speedrun: stage {name} failed (exit {status}); log: {log_path}", sys.stderr)
         for line in progress_lines(run, name, time.time()):
@@ -818,14 +753,6 @@ def run_stage(run, name, command, train=False, skip_if=None, signals=None, log_o
         return status
     say(run, f"stage {name} done in {read_stages(run)[-1][1]} s")
     return 0
-
-
-def process_alive(pid):
-    """Whether pid runs: not gone, not a zombie (ended, not yet reaped)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
 
 
 def stop(run, signal_name, launcher):
@@ -901,78 +828,49 @@ def rehearsed(run, seconds):
 
 # --- speedrun.sh's calls ---------------------------------------------------------------------------------------------
 
-def take_options(argv, valued=(), switches=()):
-    """Leading --options of argv: ({name: value or True}, the rest)."""
-    options = {}
-    while argv and (argv[0] in valued or argv[0] in switches):
-        if argv[0] in valued:
-            if len(argv) < 2:
-                raise Refused(f"launch.py: {argv[0]} needs a value", 2)
-            options[argv[0]], argv = argv[1], argv[2:]
+def stage_command(run, words):
+    """`stage`'s words, NAME [--train] [--skip_if PATH] [--log_only] COMMAND..., run."""
+    name, words, options = words[0], words[1:], {}
+    while words and words[0] in ("--train", "--skip_if", "--log_only"):
+        if words[0] == "--skip_if":
+            options["skip_if"], words = words[1], words[2:]
         else:
-            options[argv[0]], argv = True, argv[1:]
-    return options, argv
+            options[words[0][2:]], words = True, words[1:]
+    return run_stage(run, name, words, **options)
+
+
+# each command: (RUN of `--run RUN` or None, the words after it) -> its exit status (None: 0); speedrun.sh calls them
+COMMANDS = {
+    "flags": lambda run, words: sys.stdout.write(flags_command(words)) and None,
+    "setup": lambda run, words: setup(words[1], words[2:]),  # --python PY [flags]
+    "venv": lambda run, words: install_venv(run),
+    "probe": probe,
+    "stage": stage_command,
+    "stop": lambda run, words: stop(run, words[0], int(words[1]) if words[1:] and words[1] else None),
+    "end": lambda run, words: end_processes(read_state(run)["mark"]) if read_state(run) else None,
+    "rehearsal_due": lambda run, words: 0 if rehearsal_due(run, words[0], words[1] == "1") else 1,
+    "rehearsal_passed": lambda run, words: rehearsal_passed(run, words[0]),
+    "reuse_chat_eval": lambda run, words: reuse_chat_eval(run, words[0]),
+    "rehearsed": lambda run, words: rehearsed(run, int(words[0])),
+}
 
 
 def main(argv):
-    command, argv = argv[0] if argv else "", argv[1:]
+    command, words = (argv[0], argv[1:]) if argv else ("", [])
     if command in ("", "-h", "--help"):
         print(__doc__)
         return 0
-    signals = {"received": [], "exit_now": True}
-
-    if command in ("stop", "end"):  # they end the run: a second Ctrl-C must not cut that short
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(signum, signal.SIG_IGN)
-
-    def on_signal(signum, _frame):  # speedrun.sh passes its signals on; a Ctrl-C reaches this process directly too
-        if signals["exit_now"]:
-            sys.exit(128 + signum)  # a probe running ends in run_probe's finally
-        if not signals["received"]:
-            signals["received"].append(signum)
+    run, words = (words[1], words[2:]) if words[:1] == ["--run"] else (None, words)
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        if command not in ("stop", "end"):
-            signal.signal(signum, on_signal)  # also: the stages start with these at their defaults, not ignored
+        # stop and end end the run: a second Ctrl-C must not cut that short. The others exit at once (a probe running
+        # ends in run_probe's finally; a stage, once started, is ended by run_stage's own handler). speedrun.sh passes
+        # its signals on; a Ctrl-C reaches this process directly too. Also: the stages start with these at their
+        # defaults, not ignored.
+        signal.signal(signum, signal.SIG_IGN if command in ("stop", "end") else lambda s, _: sys.exit(128 + s))
     try:
-        if command == "flags":
-            sys.stdout.write(flags_command(argv))
-            return 0
-        if command == "setup":
-            options, argv = take_options(argv, valued=("--python",))
-            setup(options["--python"], argv)
-            return 0
-        options, argv = take_options(argv, valued=("--run", "--seconds"))
-        run = options["--run"]
-        if command == "venv":
-            install_venv(run)
-            return 0
-        if command == "probe":
-            return probe(run, argv)
-        if command == "stage":
-            name, argv = argv[0], argv[1:]
-            stage_options, argv = take_options(argv, valued=("--skip_if",), switches=("--train", "--log_only"))
-            return run_stage(run, name, argv, "--train" in stage_options, stage_options.get("--skip_if"), signals,
-                             "--log_only" in stage_options)
-        if command == "end":
-            state = read_state(run)
-            if state:
-                end_processes(state["mark"])
-            return 0
-        if command == "stop":
-            stop(run, argv[0], int(argv[1]) if len(argv) > 1 and argv[1] else None)
-            return 0
-        if command == "rehearsal_due":
-            return 0 if rehearsal_due(run, argv[0], argv[1] == "1") else 1
-        if command == "rehearsal_passed":
-            rehearsal_passed(run, argv[0])
-            return 0
-        if command == "reuse_chat_eval":
-            reuse_chat_eval(run, argv[0])
-            return 0
-        if command == "rehearsed":
-            rehearsed(run, int(options["--seconds"]))
-            return 0
-        raise Refused(f"launch.py: unknown command {command!r} (see its docstring)", 2)
+        if command not in COMMANDS:
+            raise Refused(f"launch.py: unknown command {command!r} (see its docstring)", 2)
+        return COMMANDS[command](run, words) or 0
     except Refused as e:
         terminal(f"speedrun.sh: error: {e}", sys.stderr)
         return e.status

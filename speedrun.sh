@@ -143,7 +143,7 @@ stage report "$PY" "$ROOT/report.py" "$RUN"
 if [ "$REHEARSE" = 1 ]; then  # one answer of the final model, then each stage's time and the record that it passed
     stage chat "$PY" "$ROOT/chat.py" --runs_dir "$RUN" -p "$REHEARSAL_PROMPT" --temperature 0 --max_new_tokens 32
     [ "$PLAN" = demo ] || stage predict "$PY" "$ROOT/plan_cost.py" "$RUN" --gpus "$NPROC" --out "$RUN/plan_cost.json"
-    "${L[@]}" rehearsed --run "$RUN" --seconds "$SECONDS"
+    "${L[@]}" rehearsed --run "$RUN" "$SECONDS"
 elif [ "$NO_CHAT" = 0 ] && [ -t 0 ] && [ -t 1 ]; then
     say "chat: $PY $ROOT/chat.py --runs_dir $RUN (Ctrl-D or /quit to leave)"; "$PY" "$ROOT/chat.py" --runs_dir "$RUN"
 else say "done. Chat with it: $PY $ROOT/chat.py --runs_dir $RUN"; fi
