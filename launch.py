@@ -522,17 +522,18 @@ def stop(run, signal_name, launcher):
 SAFE_FLAGS = {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo", "NCCL_NET": "Socket",
               "NCCL_NET_PLUGIN": "none"}  # P2P and InfiniBand off, sockets over loopback: what stopped runs hanging
 SAFE_TEXT = " ".join(f"{name}={value}" for name, value in SAFE_FLAGS.items())
-BANDWIDTH = re.compile(r"all-reduce over .*: ok, .* bus bandwidth ([0-9.]* GB/s|n/a: one GPU)")
 
 
 def run_probe(run, mark, command, safe, timeout, mbytes):
-    """(exit status, bus bandwidth or None) of the probe (or SPEEDRUN_PROBE_CMD, tests' stand-in) in its own session,
-    under a hard timeout (124: it hung; 137: it ignored SIGTERM too); nothing of it survives."""
+    """(exit status, bus bandwidth or None) of the probe (or SPEEDRUN_PROBE_CMD, tests' stand-in, given the JSON's
+    path as $1) in its own session, under a hard timeout (124: it hung; 137: it ignored SIGTERM too); nothing of it
+    survives. The bandwidth is the probe's JSON's, written when its sums were right."""
+    result = Path(run, "logs", "probe.json")
+    result.unlink(missing_ok=True)
     stand_in = os.environ.get("SPEEDRUN_PROBE_CMD")
-    command = ["bash", "-c", stand_in] if stand_in else [*command, "--timeout", str(timeout), "--mbytes", mbytes]
-    log_path = Path(run, "logs", "probe.log")
-    before = log_path.stat().st_size if log_path.is_file() else 0
-    with open(log_path, "ab") as log:
+    command = ["bash", "-c", stand_in, "probe", result] if stand_in else [
+        *command, "--timeout", str(timeout), "--mbytes", mbytes, "--out", result]
+    with open(Path(run, "logs", "probe.log"), "ab") as log:
         probe = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
                                  env={**os.environ, "SPEEDRUN_MARK": f"{mark}.probe", **(SAFE_FLAGS if safe else {})})
     try:
@@ -547,10 +548,7 @@ def run_probe(run, mark, command, safe, timeout, mbytes):
     finally:  # a timeout, or a signal (main's handler raises SystemExit here)
         kill_marked(f"{mark}.probe", [probe.pid])
         probe.wait()
-    with open(log_path, "rb") as log:
-        log.seek(before)
-        found = BANDWIDTH.findall(log.read().decode(errors="replace"))
-    return status, (found[-1] if found else None)
+    return status, (json.loads(result.read_text())["bus_bandwidth"] if result.is_file() else None)
 
 
 def probe(run, command, stage=None):
