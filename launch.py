@@ -5,7 +5,6 @@
     python launch.py setup --python PY [flags]          # GPUs, driver, plan, rehearsal budgets: <run>/logs/setup.env
     python launch.py probe --run RUN TORCHRUN... distributed.py probe   # NCCL, and the safe flags if it hangs
     python launch.py stage --run RUN NAME [--train] [--skip_if PATH] [--log_only] COMMAND...   # one stage, logged
-    python launch.py stop --run RUN SIGNAL [LAUNCHER_PID]   # speedrun.sh was signalled: pass it on, wait
     python launch.py end --run RUN                      # end every process of the run still alive (speedrun's exit)
     python launch.py rehearsal_due --run RUN REHEARSAL_DIR 0|1   # exit 0: the gpu plan rehearses now (--no_rehearse: 1)
     python launch.py rehearsal_passed --run RUN REHEARSAL_DIR     # its checkpoints deleted, its cost said
@@ -433,13 +432,6 @@ def group_alive(pgid):
     return False
 
 
-def process_alive(pid):
-    """Whether pid runs: not gone, not a zombie (ended, not yet reaped)."""
-    with contextlib.suppress(OSError, IndexError):
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    return False
-
-
 def kill_marked(mark, groups=()):
     """SIGKILL for the groups and every process carrying the mark (torchrun's workers are in no group), until gone."""
     signal_all(groups=groups, signum=signal.SIGKILL)
@@ -504,17 +496,6 @@ def end_processes(mark, stage=None, ckpt=None):
     kill_marked(mark, groups)
     if stage is not None:
         stage.poll()
-
-
-def stop(run, signal_name, launcher):
-    """`stop`: speedrun.sh got SIG<signal_name>: said, and passed on to the running launch.py (which ends its stage,
-    a training stage checkpointing first), waited for until it has ended. The EXIT trap's `end` ends the rest."""
-    terminal(f"speedrun: stopped by SIG{signal_name}: ending every stage (each training stage checkpoints first); "
-             f"rerun the same command to resume", sys.stderr)
-    if launcher and process_alive(launcher):
-        signal_all([launcher], signum=getattr(signal, f"SIG{signal_name}"))
-        while process_alive(launcher):
-            time.sleep(0.1)
 
 
 # --- the NCCL probe --------------------------------------------------------------------------------------------------
@@ -765,7 +746,6 @@ COMMANDS = {
     "venv": lambda run, words: install_venv(run),
     "probe": probe,
     "stage": stage_command,
-    "stop": lambda run, words: stop(run, words[0], int(words[1]) if words[1:] and words[1] else None),
     "end": lambda run, words: end_processes(read_state(run)["mark"]) if read_state(run) else None,
     "rehearsal_due": lambda run, words: 0 if rehearsal_due(run, words[0], words[1] == "1") else 1,
     "rehearsal_passed": lambda run, words: rehearsal_passed(run, words[0]),
@@ -781,9 +761,9 @@ def main(argv):
         return 0
     run, words = (words[1], words[2:]) if words[:1] == ["--run"] and command != "flags" else (None, words)
     for signum in SIGNALS:  # speedrun.sh passes its signals on; a Ctrl-C reaches this process directly too
-        # stop and end end the run: a second Ctrl-C must not cut that short; the others exit at once (a probe running
-        # ends in run_probe's finally; a started stage is ended by run_stage's own handler)
-        signal.signal(signum, signal.SIG_IGN if command in ("stop", "end") else lambda s, _: sys.exit(128 + s))
+        # end ends the run: a second Ctrl-C must not cut that short; the others exit at once (a probe running ends in
+        # run_probe's finally; a started stage is ended by run_stage's own handler)
+        signal.signal(signum, signal.SIG_IGN if command == "end" else lambda s, _: sys.exit(128 + s))
     try:
         if command not in COMMANDS:
             raise Refused(f"launch.py: unknown command {command!r} (see its docstring)", 2)
