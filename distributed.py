@@ -10,6 +10,7 @@ Not a stage: import it. One command line, speedrun.sh's NCCL check, run under to
 import argparse
 import ctypes
 import ctypes.util
+import json
 import os
 import platform
 import signal
@@ -120,12 +121,13 @@ def teardown_distributed():
 PROBE_MBYTES = 64  # the probe's message: a DDP gradient bucket is 25 MB; NVLS and P2P over NVSwitch start near here
 
 
-def probe_all_reduce(timeout_s, mbytes=PROBE_MBYTES, iters=5):
+def probe_all_reduce(timeout_s, mbytes=PROBE_MBYTES, iters=5, out=None):
     """All-reduces over torchrun's ranks (NCCL on CUDA, gloo on CPU) whose collectives time out after timeout_s:
     speedrun.sh runs it before training, under an outer `timeout` as the hard stop for a hang inside NCCL. First 4
     bytes, then a message of `mbytes` MB (a gradient bucket's size: the large-message algorithms a 4-byte probe never
     reaches), timed over `iters` repeats after one warm-up, and the bus bandwidth printed (algorithm bandwidth x
-    2(n-1)/n, nccl-tests' figure). Returns the exit status: 0 when every rank got the right sums."""
+    2(n-1)/n, nccl-tests' figure), also into `out` as JSON when its sums are right (launch.py reads it there). Returns
+    the exit status: 0 when every rank got the right sums."""
     if "RANK" not in os.environ:
         print("probe: not under torchrun: one process, nothing to all-reduce")
         return 0
@@ -156,9 +158,11 @@ def probe_all_reduce(timeout_s, mbytes=PROBE_MBYTES, iters=5):
     ok = ok and good
     if rank == 0:
         bus = numel * 4 / seconds * 2 * (world - 1) / world / 1e9  # 2(n-1)/n: 0 on one rank, nothing crosses a link
+        bandwidth = f"{bus:.2f} GB/s" if world > 1 else "n/a: one GPU"
         print(f"probe: {numel * 4 / 1e6:.0f} MB all-reduce over {where}: {'ok' if good else 'wrong sums'}, "
-              f"{seconds * 1e3:.1f} ms each ({iters} timed), bus bandwidth "
-              f"{f'{bus:.2f} GB/s' if world > 1 else 'n/a: one GPU'}", flush=True)
+              f"{seconds * 1e3:.1f} ms each ({iters} timed), bus bandwidth {bandwidth}", flush=True)
+        if out and good:
+            Path(out).write_text(json.dumps({"bus_bandwidth": bandwidth}) + "\n")
     dist.destroy_process_group()
     return 0 if ok else 1
 
@@ -431,8 +435,9 @@ def main(argv=None):
                         "(default: %(default)s)")
     parser.add_argument("--mbytes", type=float, default=PROBE_MBYTES, help="size of the timed all-reduce in MB "
                         "(default: %(default)s)")
+    parser.add_argument("--out", help="a JSON file for the measured bus_bandwidth (speedrun.sh's launch.py reads it)")
     args = parser.parse_args(argv)
-    return probe_all_reduce(args.timeout, args.mbytes)
+    return probe_all_reduce(args.timeout, args.mbytes, out=args.out)
 
 
 if __name__ == "__main__":

@@ -5,18 +5,19 @@
     python launch.py setup --python PY [flags]          # GPUs, driver, plan, rehearsal budgets: <run>/logs/setup.env
     python launch.py probe --run RUN TORCHRUN... distributed.py probe   # NCCL, and the safe flags if it hangs
     python launch.py stage --run RUN NAME [--train] [--skip_if PATH] [--log_only] COMMAND...   # one stage, logged
-    python launch.py stop --run RUN SIGNAL [LAUNCHER_PID]   # speedrun.sh was signalled: pass it on, wait
     python launch.py end --run RUN                      # end every process of the run still alive (speedrun's exit)
     python launch.py rehearsal_due --run RUN REHEARSAL_DIR 0|1   # exit 0: the gpu plan rehearses now (--no_rehearse: 1)
     python launch.py rehearsal_passed --run RUN REHEARSAL_DIR     # its checkpoints deleted, its cost said
     python launch.py reuse_chat_eval --run RUN STAGE    # chat_eval's own result for the stage whose model it scored
-    python launch.py rehearsed --run RUN --seconds N    # the rehearsal's stage times: <run>/rehearsed.json
+    python launch.py rehearsed --run RUN SECONDS        # the rehearsal's stage times: <run>/rehearsed.json
 
-The standard library only: speedrun.sh runs it with python3, before .venv exists, and no stage's start waits for
-torch's import (torch is asked through the interpreter the stages run with). Between calls the run's state is in
-<run>/logs/launch.json (the mark its processes carry, the machine, the NCCL flags in force); each stage's wall time
-and exit status go to <run>/logs/stages.tsv, which report.py reads.
+The standard library only: python3 runs it before .venv exists; torch is asked through the stages' interpreter.
+Between calls the run's state is in <run>/logs/launch.json (the mark its processes carry, the machine, the NCCL flags
+in force); each stage's wall time and exit status go to <run>/logs/stages.tsv, which report.py reads.
 """
+import argparse
+import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -33,52 +34,16 @@ from glob import glob
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what stops a run
 
 # --- speedrun.sh's flags ---------------------------------------------------------------------------------------------
 
-FLAG_DEFAULTS = {"plan": "auto", "depth": "20", "run_name": "speedrun", "runs_dir": "runs", "data_dir": "",
-                 "gpus": "auto", "shards": "", "vocab_size": "", "tokenizer": "", "stop_after": "", "rl": "auto",
-                 "stage_evals": "pretrain,midtrain,sft,rl"}
-SWITCHES = ["no_chat", "rehearse", "no_rehearse", "force", "probe_only"]
 STOP_AFTER = ["data", "tokenizer", "download", "pretrain", "core_eval", "midtrain", "sft", "rl", "chat_eval", "report"]
 MODEL_STAGES = ["pretrain", "midtrain", "sft", "rl"]
 # the conversation datasets the gpu plan's midtraining and SFT read (dataset.py download-chat names): checked and
 # fetched at the start, with the CORE bundle and the ChatCORE tasks, so a gated or missing one fails in minutes
 CHAT_SOURCES = ["smoltalk", "ultrachat", "mmlu", "arc-easy", "arc-challenge", "gsm8k", "identity"]
-
-USAGE = f"""usage: bash speedrun.sh [flags]
-
-  --plan gpu|demo     gpu: d20-class model on FineWeb-Edu, every stage; demo: the offline demo world, preset tiny,
-                      on the CPU (default: gpu when torch sees CUDA GPUs, else demo; GPUs that nvidia-smi lists
-                      but torch cannot use stop the run with the driver and wheel versions)
-  --depth N           gpu plan: model depth, the d{{N}} preset (default: {FLAG_DEFAULTS['depth']})
-  --run_name NAME     everything goes to <runs_dir>/NAME/ (default: {FLAG_DEFAULTS['run_name']})
-  --runs_dir DIR      (default: {FLAG_DEFAULTS['runs_dir']})
-  --data_dir DIR      gpu: the FineWeb-Edu corpus directory (default: dataset.py's cache); demo: the demo world
-                      (default: <runs_dir>/<run_name>/demo, written by demo.py when missing)
-  --gpus N            processes per stage = GPUs used (default: all CUDA GPUs; 0 = CPU, one process)
-  --shards N          gpu plan: FineWeb-Edu training shards to download (default: what the budget needs: its
-                      tokens / the first shard's tokens counted with the tokenizer, plus one)
-  --vocab_size N      tokenizer vocabulary (default: 65536 gpu, 1024 demo)
-  --tokenizer DIR     use this trained tokenizer instead of training one (default: train <run>/tokenizer)
-  --stop_after STAGE  stop after this stage: {' '.join(STOP_AFTER)}
-                      (download: gpu plan, every shard and the prefetched chat and evaluation data are in)
-  --rl on|off         the reinforcement-learning stage after sft (default: on for the gpu plan; off for the demo
-                      plan, where it lowered held-out accuracy: docs/rl.md)
-  --stage_evals LIST  the stages whose final models get CORE and ChatCORE for the report's table of what each
-                      stage taught, comma-separated, or none (default: {FLAG_DEFAULTS['stage_evals']}; a column left
-                      out says unknown; pretrain's model is a base model: CORE only, core_eval's, as nanochat)
-  --no_chat           do not start chat.py at the end (it starts only when stdin is a terminal anyway)
-  --rehearse          run every stage of the plan with its own command lines, data and world size, on a tiny budget
-                      (a few steps or items each), into <run_name>-rehearsal; it ends with the report and one chat.py
-                      answer and prints each stage's time. Without CUDA, --gpus N rehearses the gpu plan on N CPU
-                      processes (gloo), its sequences cut to 128 tokens (the same sequences per step)
-  --no_rehearse       gpu plan: skip the rehearsal it runs before pretraining (default: rehearse once per run)
-  --force             start although other processes hold the GPUs
-  --probe_only        run the NCCL check, record the transport and its measured bandwidth, and exit
-  -h, --help          this text
-
-environment:
+ENVIRONMENT = """environment:
   PRETRAIN_ARGS MIDTRAIN_ARGS SFT_ARGS RL_ARGS CORE_ARGS CHAT_EVAL_ARGS   extra flags appended to that stage's command line
                       (the last of a repeated flag wins), e.g. PRETRAIN_ARGS="--steps 100"
   NCCL_SAFE=1         skip the NCCL probe and run with the safe flags (P2P and InfiniBand off)
@@ -100,24 +65,55 @@ class Refused(Exception):
         self.status = status
 
 
+def flag_parser():
+    """speedrun.sh's flags and its --help (a fixed width: the same text in every terminal)."""
+    parser = argparse.ArgumentParser(
+        usage="bash speedrun.sh [flags]", add_help=False, allow_abbrev=False, exit_on_error=False, epilog=ENVIRONMENT,
+        formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, width=118, max_help_position=22))
+    add, switch = parser.add_argument, functools.partial(parser.add_argument, action="store_true")
+    add("--plan", default="auto", metavar="gpu|demo", help="gpu: d20-class model on FineWeb-Edu, every stage; demo: "
+        "the offline demo world, preset tiny, on the CPU (default: gpu when torch sees CUDA GPUs, else demo; GPUs "
+        "nvidia-smi lists but torch cannot use stop the run with the driver and wheel versions)")
+    add("--depth", default="20", metavar="N", help="gpu plan: model depth, the d{N} preset (default: %(default)s)")
+    add("--run_name", default="speedrun", metavar="NAME", help="everything goes to <runs_dir>/NAME/ (default: %(default)s)")
+    add("--runs_dir", default="runs", metavar="DIR", help="(default: %(default)s)")
+    add("--data_dir", default="", metavar="DIR", help="gpu: the FineWeb-Edu corpus directory (default: dataset.py's "
+        "cache); demo: the demo world (default: <runs_dir>/<run_name>/demo, written by demo.py when missing)")
+    add("--gpus", default="auto", metavar="N", help="processes per stage = GPUs used (default: all CUDA GPUs; 0 = CPU, "
+        "one process)")
+    add("--shards", default="", metavar="N", help="gpu plan: FineWeb-Edu training shards to download (default: what "
+        "the budget needs: its tokens / the first shard's tokens counted with the tokenizer, plus one)")
+    add("--vocab_size", default="", metavar="N", help="tokenizer vocabulary (default: 65536 gpu, 1024 demo)")
+    add("--tokenizer", default="", metavar="DIR", help="use this trained tokenizer (default: train <run>/tokenizer)")
+    add("--stop_after", default="", metavar="STAGE", help=f"stop after this stage: {' '.join(STOP_AFTER)} (download: "
+        f"gpu plan, every shard and the prefetched chat and evaluation data are in)")
+    add("--rl", default="auto", metavar="on|off", help="the reinforcement-learning stage after sft (default: on for "
+        "the gpu plan; off for the demo plan, where it lowered held-out accuracy: docs/rl.md)")
+    add("--stage_evals", default="pretrain,midtrain,sft,rl", metavar="LIST", help="the stages whose final models get "
+        "CORE and ChatCORE for the report's table of what each stage taught, comma-separated, or none (default: "
+        "%(default)s; a column left out says unknown; pretrain's is a base model: CORE only, core_eval's, as nanochat)")
+    switch("--no_chat", help="do not start chat.py at the end (it starts only when stdin is a terminal anyway)")
+    switch("--rehearse", help="every stage of the plan with its own command lines, data and world size on a tiny budget "
+           "(a few steps or items each), into <run_name>-rehearsal, ending with the report, one chat.py answer and each "
+           "stage's time. Without CUDA, --gpus N rehearses the gpu plan on N CPU processes (gloo, 128-token sequences)")
+    switch("--no_rehearse", help="gpu plan: skip the rehearsal before pretraining (default: rehearse once per run)")
+    switch("--force", help="start although other processes hold the GPUs")
+    switch("--probe_only", help="run the NCCL check, record the transport and its measured bandwidth, and exit")
+    switch("-h", "--help", help="this text")
+    return parser
+
+
 def parse_flags(argv):
     """speedrun.sh's flags as {name: value} (switches True/False; "help": True when asked), checked."""
-    flags = {**FLAG_DEFAULTS, **dict.fromkeys(SWITCHES, False), "help": False}
-    i = 0
-    while i < len(argv):
-        arg, name = argv[i], argv[i][2:]
-        if arg in ("-h", "--help"):
-            return {**flags, "help": True}
-        if arg.startswith("--") and name in SWITCHES:
-            flags[name] = True
-        elif arg.startswith("--") and name in FLAG_DEFAULTS and i + 1 < len(argv):
-            flags[name] = argv[i + 1]
-            i += 1
-        elif arg.startswith("--") and name in FLAG_DEFAULTS:
-            raise Refused(f"{arg} needs a value (bash speedrun.sh --help)", 2)
-        else:
-            raise Refused(f"unknown flag {arg} (bash speedrun.sh --help lists them)", 2)
-        i += 1
+    try:
+        flags, unknown = flag_parser().parse_known_args(argv)
+    except argparse.ArgumentError as e:  # only a flag without its value: the values are checked below
+        raise Refused(f"{e.argument_name} needs a value (bash speedrun.sh --help)", 2) from None
+    flags = vars(flags)
+    if flags["help"]:
+        return flags
+    if unknown:
+        raise Refused(f"unknown flag {unknown[0]} (bash speedrun.sh --help lists them)", 2)
     if flags["plan"] not in ("auto", "gpu", "demo"):
         raise Refused(f"--plan {flags['plan']}: use gpu or demo", 2)
     if flags["stop_after"] not in ("", *STOP_AFTER):
@@ -127,8 +123,7 @@ def parse_flags(argv):
     for name in ("gpus", "shards", "depth", "vocab_size"):
         if flags[name] not in ("", "auto") and not flags[name].isdigit():
             raise Refused(f"--{name} {flags[name]}: use a whole number (bash speedrun.sh --help)", 2)
-    if flags["stage_evals"] == "none":
-        flags["stage_evals"] = ""
+    flags["stage_evals"] = "" if flags["stage_evals"] == "none" else flags["stage_evals"]
     for name in flags["stage_evals"].split(",") if flags["stage_evals"] else []:
         if name not in MODEL_STAGES:
             raise Refused(f"--stage_evals {flags['stage_evals']}: {name} is not a stage with a model (use pretrain, "
@@ -143,54 +138,44 @@ def run_dir(flags):
 
 def shell_assignments(values):
     """name=value lines for bash (a list becomes an array), every value quoted: nothing in them is run."""
-    lines = []
-    for name, value in values.items():
-        if isinstance(value, list):
-            lines.append(f"{name}=({' '.join(shlex.quote(str(v)) for v in value)})")
-        else:
-            lines.append(f"{name}={shlex.quote(str(value))}")
-    return "\n".join(lines) + "\n"
+    return "".join(f"{name}=({' '.join(shlex.quote(str(v)) for v in value)})\n" if isinstance(value, list) else
+                   f"{name}={shlex.quote(str(value))}\n" for name, value in values.items())
 
 
 def flags_command(argv):
-    """`flags`: the shell code speedrun.sh evals: its variables, or the help and `exit 0`. Makes <run>/logs; a
-    rehearsal that passed is deleted first (it is redone from the start: it checks this code; an interrupted one
-    resumes)."""
+    """`flags`: the shell code speedrun.sh evals: the flags as variables, or the help and `exit 0`. A rehearsal that
+    passed is deleted first: it is redone from the start (it checks this code); an interrupted one resumes."""
     flags = parse_flags(argv)
-    if flags["help"]:
-        return f"printf '%s' {shlex.quote(USAGE)}\nexit 0\n"
+    if flags.pop("help"):
+        return f"printf '%s' {shlex.quote(flag_parser().format_help())}\nexit 0\n"
     run = run_dir(flags)
     redone = flags["rehearse"] and Path(run, "rehearsed.json").is_file()
     if redone:
         shutil.rmtree(run)
     Path(run, "logs").mkdir(parents=True, exist_ok=True)
-    names = {"plan": "PLAN", "depth": "DEPTH", "run_name": "RUN_NAME", "runs_dir": "RUNS_DIR", "data_dir": "DATA_DIR",
-             "gpus": "GPUS", "shards": "SHARDS", "vocab_size": "VOCAB", "tokenizer": "TOKENIZER",
-             "stop_after": "STOP_AFTER", "rl": "RL_STAGE", "stage_evals": "STAGE_EVALS", "no_chat": "NO_CHAT",
-             "rehearse": "REHEARSE", "no_rehearse": "NO_REHEARSE", "force": "FORCE", "probe_only": "PROBE_ONLY"}
-    values = {var: int(flags[name]) if name in SWITCHES else flags[name] for name, var in names.items()}
+    values = {{"vocab_size": "VOCAB", "rl": "RL_STAGE"}.get(name, name.upper()):
+              int(value) if isinstance(value, bool) else value for name, value in flags.items()}
     code = shell_assignments({**values, "RUN": run, "LOGS": f"{run}/logs"})
-    if redone:
-        redo = f"rehearsing again from the start: {run} held a rehearsal that passed (now deleted)"
-        code += f"say {shlex.quote(redo)}\n"
-    return code
+    redo = f"rehearsing again from the start: {run} held a rehearsal that passed (now deleted)"
+    return code + (f"say {shlex.quote(redo)}\n" if redone else "")
 
 
-# --- what speedrun.sh says ---------------------------------------------------------------------------------------
+# --- what speedrun.sh says, and the run's state ----------------------------------------------------------------------
 
 def say(run, text):
     """A line of speedrun's own: to the terminal and to logs/speedrun.log."""
-    line = f"speedrun: {text}"
     with open(f"{run}/logs/speedrun.log", "a") as log:
-        log.write(line + "\n")
-    terminal(line)
+        log.write(f"speedrun: {text}\n")
+    terminal(f"speedrun: {text}")
 
 
-def terminal(line, stream=None):
-    """Print, unless the terminal is gone (a closed one after SIGHUP): what is logged is logged regardless."""
+def terminal(data, stream=None):
+    """A line, or a stage's output (bytes), to the terminal unless it is gone (closed, after SIGHUP): logs go on."""
     stream = stream or sys.stdout
     try:
-        print(line, file=stream, flush=True)
+        stream.flush()
+        stream.buffer.write(data if isinstance(data, bytes) else f"{data}\n".encode())
+        stream.buffer.flush()
     except OSError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())  # its buffer must not fail again at exit
 
@@ -206,6 +191,11 @@ def write_state(run, state):
     path.with_suffix(".tmp").replace(path)
 
 
+def read_stages(run):
+    path = Path(run, "logs", "stages.tsv")
+    return [line.split("\t") for line in path.read_text().splitlines()] if path.is_file() else []
+
+
 # --- the interpreter -------------------------------------------------------------------------------------------------
 
 def install_venv(run, venv=ROOT / ".venv", requirements=ROOT / "requirements.txt"):
@@ -218,9 +208,8 @@ def install_venv(run, venv=ROOT / ".venv", requirements=ROOT / "requirements.txt
     if have == want:
         return
     python = venv / "bin" / "python"
-    has_pip = os.access(python, os.X_OK) and subprocess.run([python, "-m", "pip", "--version"], capture_output=True,
-                                                  check=False).returncode == 0
-    if not has_pip:
+    if not (os.access(python, os.X_OK) and subprocess.run([python, "-m", "pip", "--version"], capture_output=True,
+                                                          check=False).returncode == 0):
         say(run, f"{venv} has no working python or pip (an interrupted creation, or python3-venv missing): recreating "
                  f"it" if venv.exists() else f"creating {venv} from requirements.txt")
         shutil.rmtree(venv, ignore_errors=True)
@@ -229,18 +218,15 @@ def install_venv(run, venv=ROOT / ".venv", requirements=ROOT / "requirements.txt
             raise Refused(f"`python3 -m venv {venv}` failed: install the venv module (Debian/Ubuntu: `apt-get install "
                           f"python3-venv`) and rerun, or set SPEEDRUN_PYTHON to an interpreter with requirements.txt "
                           f"installed", 1)
-    elif have:
-        say(run, f"requirements.txt changed since {venv} was installed: installing it again")
     else:
-        say(run, f"{venv} is a half install (no record that pip install -r requirements.txt completed): repairing it")
+        say(run, f"requirements.txt changed since {venv} was installed: installing it again" if have else
+                 f"{venv} is a half install (no record that pip install -r requirements.txt completed): repairing it")
     if subprocess.run([python, "-m", "pip", "install", "-q", "-r", requirements], check=False).returncode != 0:
         raise Refused(f"pip install -r {requirements} into {venv} failed (above); fix the cause and rerun: the install "
                       f"is repaired then (or delete {venv} to start it afresh)", 1)
     record.write_text(want + "\n")
     say(run, f"{venv}: requirements.txt installed (sha256 {want[:12]}... recorded in {record})")
 
-
-# --- setup: the GPUs, the driver, the plan ---------------------------------------------------------------------------
 
 def ask_python(python, program, pythonpath=None):
     """`python -c program`'s output: torch's answers come from the stages' interpreter, not from this one."""
@@ -251,21 +237,20 @@ def ask_python(python, program, pythonpath=None):
     return done.stdout.strip()
 
 
-# the modules requirements.txt installs, by import name: looked up (not imported) in the stages' interpreter
-REQUIRED_MODULES = ["torch", "numpy", "pyarrow", "tiktoken", "rustbpe", "requests", "huggingface_hub", "safetensors",
-                    "yaml", "matplotlib"]
-
-
 def check_packages(python):
-    """The stages' interpreter has every package requirements.txt names (versions are its own): with SPEEDRUN_PYTHON a
-    missing one (matplotlib, first imported by the report, the last stage) stops the run now, not hours in."""
-    program = f"import importlib.util as u; print(' '.join(m for m in {REQUIRED_MODULES!r} if u.find_spec(m) is None))"
-    missing = ask_python(python, program).split()
+    """With SPEEDRUN_PYTHON, a package of requirements.txt it lacks (matplotlib, first imported by the report, the
+    last stage) stops the run now, not hours in. Looked up by import name, not imported; versions are its own."""
+    modules = ["torch", "numpy", "pyarrow", "tiktoken", "rustbpe", "requests", "huggingface_hub", "safetensors", "yaml",
+               "matplotlib"]
+    missing = ask_python(python, f"import importlib.util as u; print(' '.join(m for m in {modules!r} if "
+                                 f"u.find_spec(m) is None))").split()
     if missing:
         raise Refused(f"{python} cannot import {', '.join(missing)} (requirements.txt): install them into it "
                       f"(`{python} -m pip install -r {ROOT / 'requirements.txt'}`), or leave SPEEDRUN_PYTHON unset "
                       f"to use .venv", 1)
 
+
+# --- setup: the GPUs, the driver, the plan ---------------------------------------------------------------------------
 
 def nvidia_smi(*args):
     """nvidia-smi's output, or "" when it is not installed or fails."""
@@ -309,8 +294,8 @@ REHEARSAL_PROMPT = "Why do plants need light?"
 
 
 def rehearsal_budgets(nproc, on_cpu):
-    """A rehearsal's flags per stage, appended last (the last of a repeated flag wins): a few steps, items or
-    checkpoints each, so that a bug in any stage shows in minutes instead of after hours of pretraining."""
+    """A rehearsal's flags per stage, appended last (the last of a repeated flag wins): a bug in any stage shows in
+    minutes instead of after hours of pretraining."""
     questions = max(nproc, 2)  # rl.py deals each step's questions over the ranks: at least one each
     return {
         "R_DATA": ["--shards", "2"],  # the first shard (the tokenizer's and the data plan's) and one more
@@ -339,35 +324,14 @@ def rehearsal_line(budgets):
             f"{budgets['R_CHAT_EVAL'][1]}{shape}")
 
 
-def plan_lines(depth, nproc, on_cpu, rehearse):
-    """What the gpu plan will do, said before it starts (speedrun.sh's GPU_BUDGET and RL, in words)."""
-    model = f"plan: d{depth} ('python model.py --preset d{depth}' for its parameters)"
-    if rehearse:
-        return [(f"{model} on {nproc} {'CPU processes' if on_cpu else 'GPUs'}, the rehearsal's budget appended to each "
-                f"stage")]
-    return [(f"{model}, 20 tokens per parameter at 524,288 tokens a step on {nproc} GPUs; pretrain.py prints the "
-            f"parameters, tokens and steps before step 1, and this script the expected time measured after the first "
-            f"timed steps"),
-            ("plan: rl: one epoch of GSM8K's 7,473 training questions, 16 a step, 16 replies each (up to 256 tokens): "
-            "468 steps, at most 30.7M tokens sampled (468 x 16 x 16 x 256). The rehearsal's prediction (plan_cost.py, "
-            "above) gives every stage's expected time; report.md sets each beside its actual wall time")]
-
-
 def setup(python, argv):
-    """The machine and the plan: checks that stop the run before any stage, then <run>/logs/setup.env (speedrun.sh
-    sources it) and <run>/logs/launch.json (this file's later calls read it)."""
+    """The machine and the plan, checked before any stage: <run>/logs/setup.env for speedrun.sh, launch.json."""
     flags = parse_flags(argv)
-    run = run_dir(flags)
+    run, plan, gpus, rehearse = run_dir(flags), flags["plan"], flags["gpus"], flags["rehearse"]
     check_packages(python)
     check_gpus_free(flags["force"])
-    seen = []  # torch's CUDA device count, asked once and only when needed (--gpus 0 never asks)
-
-    def torch_gpus():
-        if not seen:
-            seen.append(int(ask_python(python, "import torch; print(torch.cuda.device_count())")))
-        return seen[0]
-
-    plan, gpus, rehearse = flags["plan"], flags["gpus"], flags["rehearse"]
+    # torch's CUDA device count, asked once and only when needed (--gpus 0 never asks)
+    torch_gpus = functools.cache(lambda: int(ask_python(python, "import torch; print(torch.cuda.device_count())")))
     if gpus == "auto":
         gpus = torch_gpus()
         if gpus == 0:
@@ -400,10 +364,18 @@ def setup(python, argv):
                             check=False).stdout.strip() or "unknown"
     say(run, f"plan {plan}{' (rehearsal)' if rehearse else ''}, run {run}, {nproc} process(es) per stage "
              f"({f'{gpus} GPUs' if gpus > 0 and not on_cpu else 'CPU'}), commit {commit}")
-
-    if plan == "gpu" and not flags["probe_only"]:
-        for line in plan_lines(flags["depth"], nproc, on_cpu, rehearse):
-            say(run, line)
+    model = f"plan: d{flags['depth']} ('python model.py --preset d{flags['depth']}' for its parameters)"
+    if plan == "gpu" and not flags["probe_only"] and rehearse:  # speedrun.sh's GPU_BUDGET and RL, in words
+        say(run, f"{model} on {nproc} {'CPU processes' if on_cpu else 'GPUs'}, the rehearsal's budget appended to each "
+                 f"stage")
+    elif plan == "gpu" and not flags["probe_only"]:
+        say(run, f"{model}, 20 tokens per parameter at 524,288 tokens a step on {nproc} GPUs; pretrain.py prints the "
+                 f"parameters, tokens and steps before step 1, and each step line the expected time left (ETA), "
+                 f"measured after this process's first step")
+        say(run, "plan: rl: one epoch of GSM8K's 7,473 training questions, 16 a step, 16 replies each (up to 256 "
+                 "tokens): 468 steps, at most 30.7M tokens sampled (468 x 16 x 16 x 256). The rehearsal's prediction "
+                 "(plan_cost.py, above) gives every stage's expected time; report.md sets each beside its actual wall "
+                 "time")
     data_dir, vocab = flags["data_dir"], flags["vocab_size"]
     if plan == "demo":
         data_dir, vocab = data_dir or f"{run}/demo", vocab or "1024"
@@ -419,10 +391,9 @@ def setup(python, argv):
     extras = {f"{stage}_EXTRA": os.environ.get(f"{stage}_ARGS", "").split()
               for stage in ("PRETRAIN", "MIDTRAIN", "SFT", "RL", "CORE", "CHAT_EVAL")}  # words: no globbing, no eval
     mark = f"speedrun-{os.getppid()}-{time.time_ns()}"  # carried by every process of this run (its stages only)
-    stages_tsv = Path(run, "logs", "stages.tsv")
     write_state(run, {"mark": mark, "plan": plan, "gpus": gpus, "nproc": nproc, "on_cpu": on_cpu,
-                      "stages_before": len(stages_tsv.read_text().splitlines()) if stages_tsv.is_file() else 0,
-                      "nccl": {"safe": False, "fallback": False}, "transport": ""})
+                      "stages_before": len(read_stages(run)), "nccl": {"safe": False, "fallback": False},
+                      "transport": ""})
     Path(run, "logs", "setup.env").write_text(shell_assignments({
         "PLAN": plan, "GPUS": gpus, "NPROC": nproc, "ON_CPU": int(on_cpu), "RL_STAGE": rl, "DATA_DIR": data_dir,
         "CORPUS": corpus, "VOCAB": vocab, "MARK": mark, "CHAT_SOURCES": CHAT_SOURCES, **extras, **budgets,
@@ -431,101 +402,75 @@ def setup(python, argv):
 
 # --- the processes of a run: found by the mark in their environment --------------------------------------------------
 
-def processes():
-    """(pid, environment entries) of every process this user may read, zombies (no environment) left out."""
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                environ = Path(entry.path, "environ").read_bytes()
-            except OSError:
-                continue
-            if environ:
-                yield int(entry.name), environ.split(b"\0")
-
-
 def marked(mark, workers=False):
-    """The live processes carrying this run's mark (SPEEDRUN_MARK, the probe's too); workers: torchrun's workers only
-    (LOCAL_RANK set), whose sessions are their own and which outlive torchrun's process group."""
-    wanted = {f"SPEEDRUN_MARK={mark}".encode(), f"SPEEDRUN_MARK={mark}.probe".encode()}
-    return [pid for pid, environ in processes() if wanted.intersection(environ)
-            and (not workers or any(entry.startswith(b"LOCAL_RANK=") for entry in environ))]
-
-
-def group_of(pid):
-    try:
-        return os.getpgid(pid)
-    except OSError:
-        return None
-
-
-def group_alive(pgid):
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except OSError:
-        return False
+    """The live processes carrying this mark (SPEEDRUN_MARK) or its probe's, zombies (no environment) left out;
+    workers: torchrun's workers only (LOCAL_RANK set), which run in sessions of their own."""
+    wanted, found = {f"SPEEDRUN_MARK={mark}".encode(), f"SPEEDRUN_MARK={mark}.probe".encode()}, []
+    for entry in os.scandir("/proc"):
+        with contextlib.suppress(OSError):
+            environ = Path(entry.path, "environ").read_bytes().split(b"\0") if entry.name.isdigit() else []
+            if wanted.intersection(environ) and (not workers or any(e.startswith(b"LOCAL_RANK=") for e in environ)):
+                found.append(int(entry.name))
+    return found
 
 
 def signal_all(pids=(), groups=(), signum=signal.SIGTERM):
-    for pid in pids:
-        try:
-            os.kill(pid, signum)
-        except OSError:
-            pass
-    for pgid in groups:
-        try:
-            os.killpg(pgid, signum)
-        except OSError:
-            pass
+    for send, targets in ((os.kill, pids), (os.killpg, groups)):
+        for target in targets:
+            with contextlib.suppress(OSError):
+                send(target, signum)
 
 
-def kill_wait():
-    return int(os.environ.get("SPEEDRUN_KILL_WAIT", "30"))
+def group_of(pid):
+    with contextlib.suppress(OSError):
+        return os.getpgid(pid)
+
+
+def group_alive(pgid):
+    with contextlib.suppress(OSError):
+        return os.killpg(pgid, 0) is None  # signal 0: only whether it could be sent
+    return False
+
+
+def kill_marked(mark, groups=()):
+    """SIGKILL for the groups and every process carrying the mark (torchrun's workers are in no group), until gone."""
+    signal_all(groups=groups, signum=signal.SIGKILL)
+    for _ in range(100):
+        if not (left := marked(mark)):
+            return
+        signal_all(left, signum=signal.SIGKILL)
+        time.sleep(0.1)
 
 
 def checkpoint_grace(wait, ckpt):
     """The seconds a stopped stage gets before SIGKILL: `wait` plus twice its last measured checkpoint save
     (<ckpt>/save_seconds, written by checkpoint.py), rounded up."""
-    saved = 0.0
-    if ckpt:
-        try:
-            saved = float(Path(ckpt, "save_seconds").read_text()[:32])
-        except (OSError, ValueError):
-            pass
-    return math.ceil(wait + 2 * saved)
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        return math.ceil(wait + 2 * float(Path(ckpt, "save_seconds").read_text()[:32]))
+    return wait
 
 
 def writing_checkpoint(ckpt, now=None):
-    """A file of a checkpoint in progress (under ckpt/.tmp_step_*) changed in the last 5 seconds."""
-    if not ckpt or not Path(ckpt).is_dir():
-        return False
-    recent = (now or time.time()) - 5
-    for path in Path(ckpt).glob(".tmp_step_*"):
-        for item in [path, *path.rglob("*")]:
-            try:
-                if item.stat().st_mtime > recent:
-                    return True
-            except OSError:
-                pass
+    """A file of a checkpoint in progress (checkpoint.py's ckpt/.tmp_step_*) changed in the last 5 seconds."""
+    for item in [p for tmp in Path(ckpt).glob(".tmp_step_*") for p in (tmp, *tmp.rglob("*"))] if ckpt else []:
+        with contextlib.suppress(OSError):
+            if item.stat().st_mtime > (now or time.time()) - 5:
+                return True
     return False
 
 
 def saved_since(ckpt, since):
     """A checkpoint of the stage was saved since `since` (its save_seconds is newer)."""
-    try:
+    with contextlib.suppress(OSError):
         return bool(ckpt) and Path(ckpt, "save_seconds").stat().st_mtime > since
-    except OSError:
-        return False
+    return False
 
 
 def end_processes(mark, stage=None, ckpt=None):
-    """End every process of the run: torchrun's workers get SIGTERM themselves (torchrun is not signalled, so its own
-    grace does not start while rank 0 checkpoints), every other marked group (the background download's; the stage's
-    own when it has no workers) too. They get SPEEDRUN_KILL_WAIT seconds plus twice the stage's last checkpoint save,
-    more while a checkpoint is still being written, and SPEEDRUN_KILL_WAIT more once it is saved; then SIGKILL for
-    every marked process and group, and a wait until they are gone, not just signalled. stage: the Popen of the running
-    stage, the leader of its own process group."""
-    since, wait = time.time(), kill_wait()
+    """End every process of the run: SIGTERM to torchrun's workers (not to torchrun, whose own grace would start while
+    rank 0 checkpoints) and every other marked group; after the grace (SPEEDRUN_KILL_WAIT, plus twice the last
+    checkpoint save, plus while one is written, and SPEEDRUN_KILL_WAIT again once saved), SIGKILL. stage: its Popen."""
+    since, wait = time.time(), int(os.environ.get("SPEEDRUN_KILL_WAIT", "30"))
     workers = marked(mark, workers=True)
     others = {group_of(pid) for pid in marked(mark)} - {group_of(pid) for pid in workers}  # the download's group
     others -= {None, os.getpgrp(), stage.pid if stage is not None else None}  # never speedrun.sh's own group
@@ -536,8 +481,7 @@ def end_processes(mark, stage=None, ckpt=None):
     while True:
         if stage is not None:
             stage.poll()  # reaped: a zombie leader would count as a live group
-        alive = marked(mark) or [pgid for pgid in groups if group_alive(pgid)]
-        if not alive:
+        if not (alive := marked(mark) or [pgid for pgid in groups if group_alive(pgid)]):
             break
         if time.monotonic() >= deadline:
             if writing_checkpoint(ckpt):
@@ -549,13 +493,7 @@ def end_processes(mark, stage=None, ckpt=None):
         time.sleep(0.1)
     if alive:
         terminal(f"speedrun: stage processes still running after {grace}s: killing them (SIGKILL)", sys.stderr)
-    signal_all(groups=groups, signum=signal.SIGKILL)
-    for _ in range(100):
-        left = marked(mark)
-        if not left:
-            break
-        signal_all(left, signum=signal.SIGKILL)
-        time.sleep(0.1)
+    kill_marked(mark, groups)
     if stage is not None:
         stage.poll()
 
@@ -565,32 +503,20 @@ def end_processes(mark, stage=None, ckpt=None):
 SAFE_FLAGS = {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo", "NCCL_NET": "Socket",
               "NCCL_NET_PLUGIN": "none"}  # P2P and InfiniBand off, sockets over loopback: what stopped runs hanging
 SAFE_TEXT = " ".join(f"{name}={value}" for name, value in SAFE_FLAGS.items())
-BANDWIDTH = re.compile(r"all-reduce over .*: ok, .* bus bandwidth ([0-9.]* GB/s|n/a: one GPU)")
 
 
-def probe_settings():
-    return int(os.environ.get("SPEEDRUN_PROBE_TIMEOUT", "120")), os.environ.get("SPEEDRUN_PROBE_MB", "64")
-
-
-def hung(status):
-    return status in (124, 137)
-
-
-def run_probe(run, mark, command, safe):
-    """The probe (distributed.py probe under torchrun, or SPEEDRUN_PROBE_CMD, which tests use) in its own session,
-    with or without the safe flags, under a hard timeout (124: it hung; 137: it ignored SIGTERM too); nothing of it
-    survives. (exit status, the bus bandwidth it printed or None)."""
-    timeout, mbytes = probe_settings()
-    if os.environ.get("SPEEDRUN_PROBE_CMD"):
-        command = ["bash", "-c", os.environ["SPEEDRUN_PROBE_CMD"]]
-    else:
-        command = [*command, "--timeout", str(timeout), "--mbytes", mbytes]
-    env = {**os.environ, "SPEEDRUN_MARK": f"{mark}.probe", **(SAFE_FLAGS if safe else {})}
-    log_path = Path(run, "logs", "probe.log")
-    before = log_path.stat().st_size if log_path.is_file() else 0
-    with open(log_path, "ab") as log:
-        probe = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
-                                 start_new_session=True)
+def run_probe(run, mark, command, safe, timeout, mbytes):
+    """(exit status, bus bandwidth or None) of the probe (or SPEEDRUN_PROBE_CMD, tests' stand-in, given the JSON's
+    path as $1) in its own session, under a hard timeout (124: it hung; 137: it ignored SIGTERM too); nothing of it
+    survives. The bandwidth is the probe's JSON's, written when its sums were right."""
+    result = Path(run, "logs", "probe.json")
+    result.unlink(missing_ok=True)
+    stand_in = os.environ.get("SPEEDRUN_PROBE_CMD")
+    command = ["bash", "-c", stand_in, "probe", result] if stand_in else [
+        *command, "--timeout", str(timeout), "--mbytes", mbytes, "--out", result]
+    with open(Path(run, "logs", "probe.log"), "ab") as log:
+        probe = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                                 env={**os.environ, "SPEEDRUN_MARK": f"{mark}.probe", **(SAFE_FLAGS if safe else {})})
     try:
         status = probe.wait(timeout)
     except subprocess.TimeoutExpired:
@@ -601,109 +527,66 @@ def run_probe(run, mark, command, safe):
         except subprocess.TimeoutExpired:
             status = 137
     finally:  # a timeout, or a signal (main's handler raises SystemExit here)
-        signal_all(groups=[probe.pid], signum=signal.SIGKILL)
+        kill_marked(f"{mark}.probe", [probe.pid])
         probe.wait()
-        for _ in range(100):  # torchrun's workers: sessions of their own, found by the probe's mark
-            left = [pid for pid, environ in processes() if f"SPEEDRUN_MARK={mark}.probe".encode() in environ]
-            if not left:
-                break
-            signal_all(left, signum=signal.SIGKILL)
-            time.sleep(0.1)
-    with open(log_path, "rb") as log:
-        log.seek(before)
-        found = BANDWIDTH.findall(log.read().decode(errors="replace"))
-    return status, (found[-1] if found else None)
+    return status, (json.loads(result.read_text())["bus_bandwidth"] if result.is_file() else None)
 
 
-def probe(run, command):
-    """`probe`: the transport the stages use, in <run>/transport.txt. With GPUs, a 4-byte and a timed gradient-bucket
-    sized all-reduce before training; on a hang or failure, the safe flags, their cost printed. Returns the exit
-    status (the safe flags' probe's when both fail)."""
+def probe(run, command, stage=None):
+    """`probe`: the transport the stages use (<run>/transport.txt): with GPUs, NCCL's default flags, or on a hang or
+    failure the safe flags, their cost said. After that fallback, before each torchrun stage (stage: its name), the
+    defaults again: one failed probe (a slow cold start, a transient fault) must not pin the safe flags for hours."""
     state = read_state(run)
-    timeout, mbytes = probe_settings()
-    nccl = {"safe": False, "fallback": False, "probe": command}
-    if state["gpus"] == 0 or state["on_cpu"]:
+    nccl = state["nccl"] if stage else {"safe": False, "fallback": False, "probe": command}
+    timeout, mbytes = int(os.environ.get("SPEEDRUN_PROBE_TIMEOUT", "120")), os.environ.get("SPEEDRUN_PROBE_MB", "64")
+    transport = state["transport"]
+    if not stage and (state["gpus"] == 0 or state["on_cpu"]):
         transport = "gloo (cpu)"
-    elif os.environ.get("NCCL_SAFE", "0") == "1":
+    elif not stage and os.environ.get("NCCL_SAFE", "0") == "1":
         nccl["safe"], transport = True, f"nccl safe flags (NCCL_SAFE=1: {SAFE_TEXT})"
     else:
-        status, bandwidth = run_probe(run, state["mark"], command, safe=False)
-        if status == 0:
-            transport = f"nccl default, all-reduce bus bandwidth {bandwidth or 'unknown'} ({mbytes} MB message)"
+        start = time.time()
+        status, bandwidth = run_probe(run, state["mark"], nccl["probe"], False, timeout, mbytes)
+        took, hung = int(time.time()) - int(start), status in (124, 137)
+        failure = f"exit {status}{f', hung past {timeout}s' if hung else ''}"
+        default_bw = bandwidth or ("unknown" if status == 0 else f"none: it {'hung' if hung else 'failed'}")
+        if stage and status == 0:
+            nccl.update(safe=False, fallback=False)
+            transport += f"; from stage {stage} on: nccl default, all-reduce bus bandwidth {default_bw}"
+            say(run, f"NCCL probe before stage {stage} ({took}s): the default flags pass now, all-reduce bus bandwidth "
+                     f"{default_bw} against {nccl['safe_bw']} with the safe flags (what the fallback cost each stage "
+                     f"since): stage {stage} and the later ones use the defaults")
+        elif stage:
+            say(run, f"NCCL probe before stage {stage} ({took}s): the default flags fail again ({failure}): stage "
+                     f"{stage} keeps the safe flags, all-reduce bus bandwidth {nccl['safe_bw']} (default flags at the "
+                     f"start: {nccl['default_bw']}); log: {run}/logs/probe.log")
+        elif status == 0:
+            transport = f"nccl default, all-reduce bus bandwidth {default_bw} ({mbytes} MB message)"
         else:
-            default_bw = bandwidth or f"none: it {'hung' if hung(status) else 'failed'}"
-            say(run, f"NCCL probe failed (exit {status}{f', hung past {timeout}s' if hung(status) else ''}): retrying "
-                     f"with the safe flags {SAFE_TEXT}; log: {run}/logs/probe.log")
-            status, bandwidth = run_probe(run, state["mark"], command, safe=True)
+            say(run, f"NCCL probe failed ({failure}): retrying with the safe flags {SAFE_TEXT}; log: "
+                     f"{run}/logs/probe.log")
+            status, safe_bw = run_probe(run, state["mark"], command, True, timeout, mbytes)
             if status != 0:
                 terminal(f"speedrun: stage nccl_probe failed (exit {status}) even with the safe flags; log: "
                          f"{run}/logs/probe.log", sys.stderr)
                 return status
-            safe_bw = bandwidth or "unknown"
-            nccl.update(safe=True, fallback=True, safe_bw=safe_bw, default_bw=default_bw)
-            transport = (f"nccl safe flags ({SAFE_TEXT}), all-reduce bus bandwidth {safe_bw} ({mbytes} MB message; "
-                         f"default flags: {default_bw})")
-            say(run, f"the safe flags cost: all-reduce bus bandwidth {safe_bw} with them (P2P and InfiniBand off: "
-                     f"gradients go through host memory and sockets); with the default flags: {default_bw}")
+            nccl.update(safe=True, fallback=True, safe_bw=safe_bw or "unknown", default_bw=default_bw)
+            transport = (f"nccl safe flags ({SAFE_TEXT}), all-reduce bus bandwidth {nccl['safe_bw']} ({mbytes} MB "
+                         f"message; default flags: {default_bw})")
+            say(run, f"the safe flags cost: all-reduce bus bandwidth {nccl['safe_bw']} with them (P2P and InfiniBand "
+                     f"off: gradients go through host memory and sockets); with the default flags: {default_bw}")
     Path(run, "transport.txt").write_text(transport + "\n")
-    say(run, f"transport: {transport}")
+    if not stage:
+        say(run, f"transport: {transport}")
     write_state(run, {**state, "nccl": nccl, "transport": transport})
     return 0
 
 
-def reprobe(run, state, name):
-    """One failed probe (a slow cold start, a transient fault) must not pin the safe flags for hours: before each
-    torchrun stage after a fallback the default flags are probed again, and used again once they pass."""
-    nccl = state["nccl"]
-    timeout, _ = probe_settings()
-    start = time.time()
-    status, bandwidth = run_probe(run, state["mark"], nccl["probe"], safe=False)
-    took = int(time.time()) - int(start)
-    if status == 0:
-        nccl.update(safe=False, fallback=False)
-        state["transport"] += f"; from stage {name} on: nccl default, all-reduce bus bandwidth {bandwidth or 'unknown'}"
-        say(run, f"NCCL probe before stage {name} ({took}s): the default flags pass now, all-reduce bus bandwidth "
-                 f"{bandwidth or 'unknown'} against {nccl['safe_bw']} with the safe flags (what the fallback cost each "
-                 f"stage since): stage {name} and the later ones use the defaults")
-    else:
-        say(run, f"NCCL probe before stage {name} ({took}s): the default flags fail again (exit {status}"
-                 f"{f', hung past {timeout}s' if hung(status) else ''}): stage {name} keeps the safe flags, all-reduce "
-                 f"bus bandwidth {nccl['safe_bw']} (default flags at the start: {nccl['default_bw']}); log: "
-                 f"{run}/logs/probe.log")
-    Path(run, "transport.txt").write_text(state["transport"] + "\n")
-    write_state(run, state)
-
-
 # --- one stage -------------------------------------------------------------------------------------------------------
 
-def eta_line(line):
-    """After a pretraining step line from step 20 on (train_loop's `step 20/400 ... 8,123 tok/s ... tokens 163,840
-    ... ETA ...`): the expected time left from the measured throughput, after compilation and warm-up. Else None."""
-    fields = line.split()
-    if len(fields) < 2 or fields[0] != "step" or "ETA" not in line or fields[1].count("/") != 1:
-        return None
-    rate = done = None
-    for i in range(1, len(fields) - 1):
-        if fields[i] == "tok/s":
-            rate = fields[i - 1].replace(",", "")
-        if fields[i] == "tokens":
-            done = fields[i + 1].replace(",", "")
-    try:
-        step, total = (int(n) for n in fields[1].split("/"))
-        left = (total - step) * float(done) / step / float(rate)
-    except (TypeError, ValueError, ZeroDivisionError):
-        return None
-    if step < 20 or float(rate) <= 0:
-        return None
-    return (f"speedrun: expected pretraining time left: {int(left / 3600)}:{int(left % 3600 / 60):02d}:"
-            f"{int(left % 60):02d} for {total - step} more steps (measured: {rate} tok/s at step {step}, after "
-            f"compilation and warm-up)")
-
-
 def progress_lines(run, name, now):
-    """A failed training stage's ranks, each with its last step and phase and how long ago: under NCCL a hung
-    collective aborts in C++ and no rank can say which one was stuck; these files (distributed.py) say where each
-    was."""
+    """Where each rank of a failed stage was last, and how long ago (distributed.py's files): under NCCL a hung
+    collective aborts in C++ and no rank can say which one was stuck."""
     files = sorted(glob(f"{run}/{name}/progress/rank*.txt"))
     lines = [f"speedrun: where each rank of stage {name} was last ({run}/{name}/progress/):"] if files else []
     for path in files:
@@ -714,58 +597,25 @@ def progress_lines(run, name, now):
     return lines
 
 
-def record_stage(run, name, seconds, status):
-    """One row of <run>/logs/stages.tsv: the stage, its wall time, its exit status (report.py reads it)."""
-    with open(f"{run}/logs/stages.tsv", "a") as tsv:
-        tsv.write(f"{name}\t{seconds:.1f}\t{status}\n")
-
-
-def read_stages(run):
-    path = Path(run, "logs", "stages.tsv")
-    return [line.split("\t") for line in path.read_text().splitlines()] if path.is_file() else []
-
-
-def copy_output(source, log, eta):
-    """The stage's output, as it comes, to the terminal and its log; with eta, the expected pretraining time once, on
-    the terminal only, after the step line it was computed from."""
-    pending, said, to_terminal = b"", not eta, [True]
+def copy_output(source, log):
+    """The stage's output, as it comes, to its log and the terminal."""
     while chunk := os.read(source, 1 << 16):
         log.write(chunk)
-        shown = 0  # how much of chunk is on the terminal
-        if not said:
-            lines, end = (pending + chunk).split(b"\n"), -len(pending)
-            pending = lines.pop()
-            for line in lines:
-                end += len(line) + 1
-                if not said and (expected := eta_line(line.decode(errors="replace"))):
-                    said = True
-                    show(chunk[:end], to_terminal)
-                    show(f"{expected}\n".encode(), to_terminal)
-                    shown = end
-        show(chunk[shown:], to_terminal)
+        terminal(chunk)
 
 
-def show(data, to_terminal):
-    """data to the terminal while it is there (to_terminal: [False] once it is gone, after SIGHUP)."""
-    if to_terminal[0] and data:
-        try:
-            sys.stdout.buffer.write(data)
-            sys.stdout.buffer.flush()
-        except OSError:  # the log gets the rest
-            to_terminal[0] = False
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # its buffer must not fail again at exit
+def run_stage(run, name, command, train=False, skip_if=None, log_only=False):
+    """`stage`: COMMAND in a session of its own carrying the run's mark, its output to the terminal and logs/<name>.log,
+    its time to logs/stages.tsv; skipped when skip_if (train: its done.json) exists, resumed from a checkpoint. A
+    signal ends it. log_only: a background fetch: its log alone, no record, signals ignored (the run's end stops it)."""
+    state, stopped = read_state(run), None
 
-
-def run_stage(run, name, command, train=False, skip_if=None, signals=None, log_only=False):
-    """`stage`: COMMAND in a session of its own (its own process group) carrying the run's mark, stdin from
-    /dev/null, its output to the terminal and to logs/<name>.log, its time in logs/stages.tsv. Skipped when skip_if
-    (a training stage: its done.json) exists; a training stage with a checkpoint gets --resume. signals: main's
-    handler's record; once the stage has started, a signal received ends its processes (before, it exits at once).
-    log_only: a background fetch: its output to its log alone, no record, no line said; it does not react to signals
-    (the run's end stops it with every other process of the run). Returns the exit status."""
-    signals = signals if signals is not None else {"received": []}
+    def on_signal(signum, _frame):  # a Python handler, not SIG_IGN: the stage starts with the signals' defaults
+        nonlocal stopped
+        stopped = stopped or signum
     if log_only:
-        state, signals["exit_now"] = read_state(run), False
+        for signum in SIGNALS:
+            signal.signal(signum, on_signal)
         with open(f"{run}/logs/{name}.log", "ab") as log:
             status = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
                                     env={**os.environ, "SPEEDRUN_MARK": state["mark"]}, check=False).returncode
@@ -778,77 +628,56 @@ def run_stage(run, name, command, train=False, skip_if=None, signals=None, log_o
     if train and glob(f"{ckpt}/step_[0-9]*"):
         command = [*command, "--resume"]
         say(run, f"stage {name} was interrupted: resuming from its last checkpoint")
-    state = read_state(run)
     if command[1:3] == ["-m", "torch.distributed.run"] and state["nccl"]["fallback"]:
-        reprobe(run, state, name)
+        probe(run, None, stage=name)
+        state = read_state(run)
     say(run, f"stage {name}: {' '.join(command)}")
-    log_path, stopped = f"{run}/logs/{name}.log", signals["received"]
     env = {**os.environ, "SPEEDRUN_MARK": state["mark"], **(SAFE_FLAGS if state["nccl"]["safe"] else {}),
-           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(checkpoint_grace(kill_wait(), ckpt))}
-    start = time.time()
+           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(checkpoint_grace(int(os.environ.get("SPEEDRUN_KILL_WAIT", "30")),
+                                                                  ckpt))}
+    log_path, start = f"{run}/logs/{name}.log", time.time()
     read_end, write_end = os.pipe()
     with open(log_path, "ab", buffering=0) as log:
-        signals["exit_now"] = False
+        for signum in SIGNALS:
+            signal.signal(signum, on_signal)
         try:
             stage = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=write_end, stderr=write_end, env=env,
                                      start_new_session=True)
         except OSError as e:
-            os.close(write_end)
             log.write(f"speedrun: cannot run {command[0]}: {e}\n".encode())
             terminal(f"speedrun: cannot run {command[0]}: {e}", sys.stderr)
             stage = None
-        else:
-            os.close(write_end)
-        copier = threading.Thread(target=copy_output, args=(read_end, log, name == "pretrain"), daemon=True)
+        os.close(write_end)
+        copier = threading.Thread(target=copy_output, args=(read_end, log), daemon=True)
         copier.start()
         while not stopped and (copier.is_alive() or (stage is not None and stage.poll() is None)):
             copier.join(0.1)
         if stopped:  # speedrun.sh prints why and exits with the signal's status
             end_processes(state["mark"], stage, ckpt)
             copier.join(10)
-            return 128 + stopped[0]
+            return 128 + stopped
         status = 127 if stage is None else stage.wait()
     os.close(read_end)
     status = 128 - status if status < 0 else status  # killed by a signal: the shell's 128 + N
-    record_stage(run, name, time.time() - start, status)
+    with open(f"{run}/logs/stages.tsv", "a") as tsv:  # report.py reads it
+        tsv.write(f"{name}\t{time.time() - start:.1f}\t{status}\n")
     if status != 0:
-        terminal(f"speedrun: stage {name} failed (exit {status}); log: {log_path}", sys.stderr)
-        for line in progress_lines(run, name, time.time()):
+        for line in [f"speedrun: stage {name} failed (exit {status}); log: {log_path}",
+                     *progress_lines(run, name, time.time())]:
             terminal(line, sys.stderr)
         return status
     say(run, f"stage {name} done in {read_stages(run)[-1][1]} s")
     return 0
 
 
-def process_alive(pid):
-    """Whether pid runs: not gone, not a zombie (ended, not yet reaped)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
-def stop(run, signal_name, launcher):
-    """`stop`: speedrun.sh got SIG<signal_name>: said, and passed on to the running launch.py (which ends its stage,
-    a training stage checkpointing first), waited for until it has ended. The EXIT trap's `end` ends the rest."""
-    terminal(f"speedrun: stopped by SIG{signal_name}: ending every stage (each training stage checkpoints first); "
-             f"rerun the same command to resume", sys.stderr)
-    if launcher and process_alive(launcher):
-        signal_all([launcher], signum=getattr(signal, f"SIG{signal_name}"))
-        while process_alive(launcher):
-            time.sleep(0.1)
-
-
 # --- around the stages ------------------------------------------------------------------------------------------------
 
 def reuse_chat_eval(run, name):
-    """The final model's ChatCORE is chat_eval's, the same command on the same checkpoint: copied into
-    stage_evals/<name>/ rather than run twice, when chat_eval scored this stage's checkpoint."""
+    """chat_eval's result copied into stage_evals/<name>/ when it scored this stage's checkpoint, not run twice."""
     where, result = Path(run, "stage_evals", name), Path(run, "chat_eval.json")
     if (where / "chat_eval.json").is_file() or not result.is_file():
         return
-    evaluated = Path(json.loads(result.read_text())["checkpoint"]).resolve()
-    if evaluated.parent.parent != Path(run, name).resolve():
+    if Path(json.loads(result.read_text())["checkpoint"]).resolve().parent.parent != Path(run, name).resolve():
         return
     where.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(Path(run, "chat_eval_items.jsonl"), where / "chat_eval_items.jsonl")
@@ -872,8 +701,7 @@ def rehearsal_due(run, rehearsal, no_rehearse):
 
 
 def rehearsal_passed(run, rehearsal):
-    """After the rehearsal stage: its prediction of this run's cost (plan_cost.py's) copied to <run>/predicted.json
-    for the report, its checkpoints deleted (the real run needs the disk), what it cost said."""
+    """After the rehearsal: its plan_cost.json is the report's predicted.json; its checkpoints deleted (the disk)."""
     if Path(rehearsal, "plan_cost.json").is_file():
         shutil.copy(Path(rehearsal, "plan_cost.json"), Path(run, "predicted.json"))
     ckpts = [Path(p) for p in sorted(glob(f"{rehearsal}/*/ckpt"))]
@@ -885,8 +713,7 @@ def rehearsal_passed(run, rehearsal):
 
 
 def rehearsed(run, seconds):
-    """A rehearsal passed: each stage's time of this invocation printed, and <run>/rehearsed.json, the record that it
-    passed (the gpu plan does not rehearse again) with the plan, the processes and each stage's seconds."""
+    """A rehearsal passed: each stage's time printed, and rehearsed.json, which says so (no second rehearsal)."""
     state = read_state(run)
     stages = read_stages(run)[state["stages_before"]:]
     say(run, f"rehearsal passed in {seconds} s; each stage's time (s):")
@@ -901,78 +728,46 @@ def rehearsed(run, seconds):
 
 # --- speedrun.sh's calls ---------------------------------------------------------------------------------------------
 
-def take_options(argv, valued=(), switches=()):
-    """Leading --options of argv: ({name: value or True}, the rest)."""
-    options = {}
-    while argv and (argv[0] in valued or argv[0] in switches):
-        if argv[0] in valued:
-            if len(argv) < 2:
-                raise Refused(f"launch.py: {argv[0]} needs a value", 2)
-            options[argv[0]], argv = argv[1], argv[2:]
+def stage_command(run, words):
+    """NAME [--train] [--skip_if PATH] [--log_only] COMMAND..."""
+    name, words, options = words[0], words[1:], {}
+    while words and words[0] in ("--train", "--skip_if", "--log_only"):
+        if words[0] == "--skip_if":
+            options["skip_if"], words = words[1], words[2:]
         else:
-            options[argv[0]], argv = True, argv[1:]
-    return options, argv
+            options[words[0][2:]], words = True, words[1:]
+    return run_stage(run, name, words, **options)
+
+
+# each command: (RUN of `--run RUN` or None, the words after it) -> its exit status (None: 0)
+COMMANDS = {
+    "flags": lambda run, words: print(flags_command(words), end=""),
+    "setup": lambda run, words: setup(words[1], words[2:]),  # --python PY [flags]
+    "venv": lambda run, words: install_venv(run),
+    "probe": probe,
+    "stage": stage_command,
+    "end": lambda run, words: end_processes(read_state(run)["mark"]) if read_state(run) else None,
+    "rehearsal_due": lambda run, words: 0 if rehearsal_due(run, words[0], words[1] == "1") else 1,
+    "rehearsal_passed": lambda run, words: rehearsal_passed(run, words[0]),
+    "reuse_chat_eval": lambda run, words: reuse_chat_eval(run, words[0]),
+    "rehearsed": lambda run, words: rehearsed(run, int(words[0])),
+}
 
 
 def main(argv):
-    command, argv = argv[0] if argv else "", argv[1:]
+    command, words = (argv[0], argv[1:]) if argv else ("", [])
     if command in ("", "-h", "--help"):
         print(__doc__)
         return 0
-    signals = {"received": [], "exit_now": True}
-
-    if command in ("stop", "end"):  # they end the run: a second Ctrl-C must not cut that short
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(signum, signal.SIG_IGN)
-
-    def on_signal(signum, _frame):  # speedrun.sh passes its signals on; a Ctrl-C reaches this process directly too
-        if signals["exit_now"]:
-            sys.exit(128 + signum)  # a probe running ends in run_probe's finally
-        if not signals["received"]:
-            signals["received"].append(signum)
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        if command not in ("stop", "end"):
-            signal.signal(signum, on_signal)  # also: the stages start with these at their defaults, not ignored
+    run, words = (words[1], words[2:]) if words[:1] == ["--run"] and command != "flags" else (None, words)
+    for signum in SIGNALS:  # speedrun.sh passes its signals on; a Ctrl-C reaches this process directly too
+        # end ends the run: a second Ctrl-C must not cut that short; the others exit at once (a probe running ends in
+        # run_probe's finally; a started stage is ended by run_stage's own handler)
+        signal.signal(signum, signal.SIG_IGN if command == "end" else lambda s, _: sys.exit(128 + s))
     try:
-        if command == "flags":
-            sys.stdout.write(flags_command(argv))
-            return 0
-        if command == "setup":
-            options, argv = take_options(argv, valued=("--python",))
-            setup(options["--python"], argv)
-            return 0
-        options, argv = take_options(argv, valued=("--run", "--seconds"))
-        run = options["--run"]
-        if command == "venv":
-            install_venv(run)
-            return 0
-        if command == "probe":
-            return probe(run, argv)
-        if command == "stage":
-            name, argv = argv[0], argv[1:]
-            stage_options, argv = take_options(argv, valued=("--skip_if",), switches=("--train", "--log_only"))
-            return run_stage(run, name, argv, "--train" in stage_options, stage_options.get("--skip_if"), signals,
-                             "--log_only" in stage_options)
-        if command == "end":
-            state = read_state(run)
-            if state:
-                end_processes(state["mark"])
-            return 0
-        if command == "stop":
-            stop(run, argv[0], int(argv[1]) if len(argv) > 1 and argv[1] else None)
-            return 0
-        if command == "rehearsal_due":
-            return 0 if rehearsal_due(run, argv[0], argv[1] == "1") else 1
-        if command == "rehearsal_passed":
-            rehearsal_passed(run, argv[0])
-            return 0
-        if command == "reuse_chat_eval":
-            reuse_chat_eval(run, argv[0])
-            return 0
-        if command == "rehearsed":
-            rehearsed(run, int(options["--seconds"]))
-            return 0
-        raise Refused(f"launch.py: unknown command {command!r} (see its docstring)", 2)
+        if command not in COMMANDS:
+            raise Refused(f"launch.py: unknown command {command!r} (see its docstring)", 2)
+        return COMMANDS[command](run, words) or 0
     except Refused as e:
         terminal(f"speedrun.sh: error: {e}", sys.stderr)
         return e.status

@@ -28,7 +28,13 @@ LAUNCH=("$PY" -m torch.distributed.run --standalone "--nproc_per_node=$NPROC")
 # Stopping: a signal is passed on to the running launch.py, which ends the stage (a training stage checkpoints first,
 # given SPEEDRUN_KILL_WAIT); on any exit, every process still carrying this run's MARK is ended the same way.
 launch() { "${L[@]}" "$1" --run "$RUN" "${@:2}" & LAUNCHER=$!; wait "$LAUNCHER" || exit; LAUNCHER=""; }
-stopped() { trap '' INT TERM HUP; "${L[@]}" stop --run "$RUN" "$1" "${LAUNCHER:-}"; exit "$2"; }  # SIGNAL STATUS
+stopped() {  # SIGNAL STATUS: said, passed on to the running launch.py and waited for (it ends its stage); then exit
+    trap '' INT TERM HUP  # a second Ctrl-C must not cut the checkpoint short
+    echo "speedrun: stopped by SIG$1: ending every stage (each training stage checkpoints first); rerun the same" \
+        "command to resume" >&2 || true  # the terminal may be gone (SIGHUP)
+    if [ -n "${LAUNCHER:-}" ]; then kill -s "$1" "$LAUNCHER" 2> /dev/null || true; wait "$LAUNCHER" || true; fi
+    exit "$2"
+}
 trap '"${L[@]}" end --run "$RUN"' EXIT
 trap 'stopped INT 130' INT; trap 'stopped TERM 143' TERM; trap 'stopped HUP 129' HUP
 # stage NAME [--train] [--skip_if PATH] COMMAND...: --train: skipped once NAME/done.json exists, else resumed from its
@@ -148,7 +154,7 @@ stage report "$PY" "$ROOT/report.py" "$RUN"
 if [ "$REHEARSE" = 1 ]; then  # one answer of the final model, then each stage's time and the record that it passed
     stage chat "$PY" "$ROOT/chat.py" --runs_dir "$RUN" -p "$REHEARSAL_PROMPT" --temperature 0 --max_new_tokens 32
     [ "$PLAN" = demo ] || stage predict "$PY" "$ROOT/plan_cost.py" "$RUN" --gpus "$NPROC" --out "$RUN/plan_cost.json"
-    "${L[@]}" rehearsed --run "$RUN" --seconds "$SECONDS"
+    "${L[@]}" rehearsed --run "$RUN" "$SECONDS"
 elif [ "$NO_CHAT" = 0 ] && [ -t 0 ] && [ -t 1 ]; then
     say "chat: $PY $ROOT/chat.py --runs_dir $RUN (Ctrl-D or /quit to leave)"; "$PY" "$ROOT/chat.py" --runs_dir "$RUN"
 else say "done. Chat with it: $PY $ROOT/chat.py --runs_dir $RUN"; fi

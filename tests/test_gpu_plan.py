@@ -1,6 +1,7 @@
 """The gpu plan's command lines as a user meets them: budget overrides appended through *_ARGS, a small source on
 many data streams, a resume on fewer GPUs, speedrun.sh's GPU checks and refusals, each rank's progress record, the
 disk the plan really keeps. Each test here failed on the code before its fix (dev/LOG.md, 2026-11-25)."""
+import json
 import re
 
 import pytest
@@ -309,11 +310,11 @@ def test_after_a_failed_nccl_probe_each_torchrun_stage_probes_the_defaults_again
     runs on the safe flags, core_eval on the defaults (the caller's own NCCL_SOCKET_IFNAME back), and the cost of the
     fallback is printed. Before, the first failure pinned the safe flags for every stage."""
     from helpers import run_speedrun
-    fast = "probe: 64 MB all-reduce over 2 ranks (nccl, fake): ok, 1.0 ms each (5 timed), bus bandwidth 98.70 GB/s"
+    fast = 'echo \'{"bus_bandwidth": "98.70 GB/s"}\' > "$1"'  # the probe's JSON, to the path it is given
     safe = fast.replace("98.70", "1.60")
     count = tmp_path / "default_probes"
-    probe = (f'[ "${{NCCL_P2P_DISABLE:-}}" = 1 ] && {{ echo "{safe}"; exit 0; }}; n=$(cat {count} 2>/dev/null || '
-             f'echo 0); echo $((n + 1)) > {count}; [ "$n" -ge 2 ] && {{ echo "{fast}"; exit 0; }}; exit 3')
+    probe = (f'[ "${{NCCL_P2P_DISABLE:-}}" = 1 ] && {{ {safe}; exit 0; }}; n=$(cat {count} 2>/dev/null || '
+             f'echo 0); echo $((n + 1)) > {count}; [ "$n" -ge 2 ] && {{ {fast}; exit 0; }}; exit 3')
     stages = tmp_path / "stages.txt"
     torchrun = f'echo "$NCCL_SOCKET_IFNAME ${{NCCL_P2P_DISABLE:-unset}}" >> {stages}; exit 0'
     env = {"SPEEDRUN_PYTHON": str(python_seeing_gpus(tmp_path, 2, torchrun)), "SPEEDRUN_PROBE_CMD": probe,
@@ -448,8 +449,9 @@ def test_the_disk_check_counts_the_checkpoints_the_d20_plan_holds_at_once():
 
 # --- the numbers the gpu plan prints --------------------------------------------------------------------------------
 
-def test_the_probe_on_one_gpu_says_bus_bandwidth_does_not_apply(monkeypatch, capsys):
-    """One rank: nccl-tests' bus bandwidth (x 2(n-1)/n) is 0 by definition; it printed 0.00 GB/s."""
+def test_the_probe_on_one_gpu_says_bus_bandwidth_does_not_apply(monkeypatch, capsys, tmp_path):
+    """One rank: nccl-tests' bus bandwidth (x 2(n-1)/n) is 0 by definition; it printed 0.00 GB/s. The JSON launch.py
+    reads says the same."""
     import socket
 
     import distributed
@@ -459,7 +461,8 @@ def test_the_probe_on_one_gpu_says_bus_bandwidth_does_not_apply(monkeypatch, cap
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port)}.items():
         monkeypatch.setenv(key, value)
-    assert distributed.probe_all_reduce(30, mbytes=1, iters=1) == 0
+    assert distributed.probe_all_reduce(30, mbytes=1, iters=1, out=tmp_path / "probe.json") == 0
+    assert json.loads((tmp_path / "probe.json").read_text()) == {"bus_bandwidth": "n/a: one GPU"}
     line = capsys.readouterr().out.splitlines()[-1]
     assert line.startswith("probe: 1 MB all-reduce over 1 ranks (gloo, ") and line.endswith("bus bandwidth n/a: one GPU")
 

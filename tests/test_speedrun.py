@@ -188,8 +188,8 @@ def probe_only(tmp_path, command, **env):
 
 def test_a_hung_nccl_probe_falls_back_to_the_safe_flags_and_leaves_nothing_running(tmp_path):
     marker = f"sleep 77.{os.getpid()}"  # hangs unless the safe flags are set
-    measured = "probe: 64 MB all-reduce over 2 ranks (nccl, fake): ok, 40.0 ms each (5 timed), bus bandwidth 1.60 GB/s"
-    hang = f'[ "${{NCCL_P2P_DISABLE:-}}" = 1 ] && [ "$NCCL_NET" = Socket ] && {{ echo "{measured}"; exit 0; }}; {marker}'
+    measured = 'echo \'{"bus_bandwidth": "1.60 GB/s"}\' > "$1"'  # the probe's JSON, to the path it is given
+    hang = f'[ "${{NCCL_P2P_DISABLE:-}}" = 1 ] && [ "$NCCL_NET" = Socket ] && {{ {measured}; exit 0; }}; {marker}'
     result = probe_only(tmp_path, hang)
     assert result.returncode == 0, result.stderr
     assert "NCCL probe failed (exit 124, hung past 2s): retrying with the safe flags NCCL_P2P_DISABLE=1 " \
@@ -201,7 +201,7 @@ def test_a_hung_nccl_probe_falls_back_to_the_safe_flags_and_leaves_nothing_runni
     assert "the safe flags cost: all-reduce bus bandwidth 1.60 GB/s with them" in result.stdout
     assert processes_mentioning(marker) == []
     fast = measured.replace("1.60", "98.70")
-    default = probe_only(tmp_path, f'echo "{fast}"')
+    default = probe_only(tmp_path, fast)
     assert default.stdout.count("transport: nccl default, all-reduce bus bandwidth 98.70 GB/s (64 MB message)") == 1
     assert "transport: nccl default, all-reduce bus bandwidth unknown" in probe_only(tmp_path, "exit 0").stdout
     forced = probe_only(tmp_path, f"{marker}", NCCL_SAFE="1")
