@@ -66,7 +66,7 @@ from tokenizer import Tokenizer, bytes_per_token, counting, train_tokenizer
 
 # The stage rows: (benchmark, row, command, figure). Each {name} is filled in by bench_stages, the figure read by
 # stage_figure.
-DEMO_PRETRAIN = ("pretrain.py --preset {preset} --data_dir {work}/demo/pretrain --tokenizer {work}/tokenizer "
+DEMO_PRETRAIN = ("pretrain.py --preset {preset} --data_dir {work}/demo/pretrain --tokenizer {work}/tokenizer_1024 "
                  "--runs_dir {work}/runs --run_name {run} --steps 30 --micro_batch 16 --eval_every 0 --bpb_tokens 4096 "
                  "--ckpt_every 1000")
 CPU_SHAPE = ("pretrain.py --preset tiny --data_dir {corpus} --tokenizer {corpus_tokenizer} --runs_dir {work}/runs "
@@ -118,9 +118,9 @@ DRY_FLAGS = {"pretrain.py": "--steps 3 --micro_batch 2 --bpb_tokens 4096 --compi
 def demo_files(args):
     """--work's demo world and its vocab-1024 tokenizer, made on first use."""
     work = Path(args.work)
-    if not (work / "tokenizer").is_dir():
+    if not (work / "tokenizer_1024").is_dir():  # corpus_tokenizer's too in the dry run: the demo world is its corpus
         write_demo(work / "demo")
-        train_tokenizer(iter_texts(work / "demo" / "pretrain", "train"), 1024).save(work / "tokenizer")
+        train_tokenizer(iter_texts(work / "demo" / "pretrain", "train"), 1024).save(work / "tokenizer_1024")
     return work
 
 
@@ -199,15 +199,16 @@ def bench_stages(args, device, name):
         print(f"generate: every item's record identical at batch_items 1, 8 and 32: {len(records) == 1}")
     if name == "cpu":
         print(f"cpu precision: {dtype} ({why})")
-        muon_share(device, 2048 / figures[f"muon {dtype} compiled"], args.corpus_vocab, not args.dry_run)
+        muon_share(device, 2048 / figures[f"muon {dtype} compiled"], args.corpus_vocab, args.dry_run)
 
 
-def muon_share(device, step_seconds, vocab, compiled, steps=10):
+def muon_share(device, step_seconds, vocab, dry_run):
     """Median seconds of the Muon step for the cpu shape (and of forward+backward in the default compute dtype, and
     the AdamW step beside it), and its share of step_seconds, pretrain.py's median step in the same configuration."""
     config = config_from_preset("tiny", {"vocab_size": vocab})
     model = build_model(config, device)
-    train_model, dtype = torch.compile(model) if compiled else model, common.matmul_dtype(device)
+    train_model, dtype = model if dry_run else torch.compile(model), common.matmul_dtype(device)
+    steps = 1 if dry_run else 10  # timed after 3 untimed
     adam, muon = optim.build_optimizers(model, bench_gpu.MUON_RUN, config.n_embd, 2048, device)
     idx = torch.randint(0, vocab, (8, 256), device=device)
 
@@ -248,7 +249,7 @@ def bench_decode(args, device):
     model = build_model(config, device).eval()
     dtype, chat_default, decodes = chat_decode_paths(device)
     decodes = [d for d in decodes if d != "compiled" or not args.dry_run]  # the dry run compiles nothing
-    tok, n, trials = Tokenizer.load(demo_files(args) / "tokenizer"), args.decode_tokens, args.trials
+    tok, n, trials = Tokenizer.load(demo_files(args) / "tokenizer_1024"), args.decode_tokens, args.trials
     prompt = torch.randint(0, config.vocab_size, (config.sequence_len - n - 1,)).tolist()
 
     def greedy(prefill, step):
@@ -301,7 +302,8 @@ def bench_decode(args, device):
     figures = {"dtype": dtype, **{f"decode_tok_per_s_{name}": rate for name, rate in rates.items()}}
 
     long_model = build_model(config_from_preset(args.preset, {"sequence_len": 2304}), device).eval()
-    history, turn = torch.randint(0, 1000, (2000,)).tolist(), torch.randint(0, 1000, (20,)).tolist()
+    history = torch.randint(0, 1000, (200 if args.dry_run else 2000,)).tolist()
+    turn = torch.randint(0, 1000, (20,)).tolist()
 
     def first_token(kept):
         """Seconds from a 20-token turn to its first token: prefill the turn alone (the cache kept) or the history +
@@ -316,8 +318,8 @@ def bench_decode(args, device):
     first_token(True), first_token(False)
     times = [(first_token(True), first_token(False)) for _ in range(trials)]
     kept, again = (statistics.median(t[i] for t in times) for i in (0, 1))
-    print(f"decode chat second turn (20 tokens after 2,000, sequence 2304): first token after {1000 * kept:.1f} ms "
-          f"with the cache kept, {1000 * again:.1f} ms re-prefilling the history: {again / kept:.1f}x (target >= 5x: "
+    print(f"decode chat second turn (20 tokens after {len(history):,}): first token {1000 * kept:.1f} ms with the "
+          f"cache kept, {1000 * again:.1f} ms re-prefilling the history: {again / kept:.1f}x (target >= 5x: "
           f"{'met' if again >= 5 * kept else 'MISSED'})")
     figures.update(first_token_s_kept=kept, first_token_s_reprefill=again)
 
@@ -363,7 +365,7 @@ def bench_loader(args, device):
     if not Path(args.corpus).is_dir():
         return print(f"loader: skipped, no corpus at {args.corpus}")
     tokenizer = Tokenizer.load(corpus_tokenizer(args))
-    for seq_len in (256, 1024, 2048):
+    for seq_len in (2048,) if args.dry_run else (256, 1024, 2048):
         loader = text_loader(args.corpus, "train", tokenizer, 16, seq_len, device=device)
         next(loader)  # the first batch waits for the first row group: count from the steady state
         tokens, start = 0, time.perf_counter()
@@ -408,9 +410,7 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="device (default: %(default)s)")
     args = parser.parse_args(argv)
-    if args.dry_run:
-        args.device = "cpu"
-    device = torch.device(args.device)
+    device = torch.device("cpu" if args.dry_run else args.device)
     if device.type == "cpu":
         distributed.keep_freed_memory()  # as every stage does on CPU
     print(f"device: {common.device_name(device)}; bf16 native: {common.native_bf16(device)}; torch "

@@ -202,7 +202,7 @@ class GpuBattery:
             self.peak_source = f"measured 2048x2048 {self.dtype} matmul throughput of this device"
         if self.dry:  # the toy world: bench.py's demo world and its vocab-1024 tokenizer
             import bench  # here: bench.py imports this module
-            self.corpus, self.tok_ours = bench.demo_files(args) / "demo" / "pretrain", Path(args.work) / "tokenizer"
+            self.corpus, self.tok_ours = bench.demo_files(args) / "demo" / "pretrain", Path(args.work) / "tokenizer_1024"
             self.vocab = DRY["vocab"]
         else:
             self.corpus, self.tok_ours = self.bench / "corpus", self.bench / "tokenizer_ours"

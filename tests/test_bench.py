@@ -29,9 +29,7 @@ def figure(printed, line_start):
 
 def stage_values(work, name, label, kind):
     """A stage row's figure recomputed here from the files its command wrote, not by bench.stage_figure."""
-    slug = re.sub(r"\W+", "_", f"{name} {label}") + ("_s0" if name == "quality" else "")
-    if kind == "val bpb":
-        return json.loads((work / "runs" / slug / "done.json").read_text())["val_bpb"]
+    slug = re.sub(r"\W+", "_", f"{name} {label}")
     if kind == "items/s":
         out = work / "out" / slug
         report = json.loads((out / "results.json" if out.is_dir() else out.with_suffix(".json")).read_text())
@@ -45,27 +43,25 @@ def stage_values(work, name, label, kind):
 
 @pytest.mark.two_processes  # the dry run runs its stage rows two at a time
 def test_every_benchmark_s_dry_run_prints_figures_computed_from_what_ran(tmp_path):
-    """One `bench.py --dry_run` of every benchmark and the battery's training rows and chat_decode (without a
-    nanochat tree: its rows say why they did not run). Each stage row's printed figure is recomputed here from its
-    run's metrics.jsonl (tokens over step seconds), its report (items over seconds) or its done.json, and each ratio
+    """One `bench.py --dry_run` of every benchmark and the battery's training rows and chat_decode (which runs bench.py
+    decode; without a nanochat tree: its rows say why they did not run). Each stage row's printed figure is recomputed
+    here from its run's metrics.jsonl (tokens over step seconds) or its report (items over seconds), and each ratio
     from those; the battery's from its pretrain.py run and model.py, as its table must show them."""
     work, out, empty = tmp_path / "work", tmp_path / "out", tmp_path / "no_bench"
     empty.mkdir()
     (empty / "PREPARED.json").write_text(json.dumps({"code": {"commit": "f00dcafe"}}))
-    variants = ["defaults", "without_issue16"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, str(ROOT / "bench.py"), *bench.STAGES, *bench.BENCHES, "--dry_run", "--work", str(work),
-               "--decode_tokens", "4", "--trials", "1", "--generate_items", "2", "--generate_tokens", "4",
-               "--seeds", "1", "--variants", *variants,
-               "--rows", "mfu_d20", "bpb_d12_b17", "chat_decode", "--bench_dir", str(empty), "--out", str(out)]
+    which = [*bench.STAGES, *bench.BENCHES]
+    which.remove("decode")  # the battery's chat_decode row runs it
+    command = [sys.executable, str(ROOT / "bench.py"), *which, "--dry_run", "--work", str(work), "--decode_tokens", "4",
+               "--trials", "1", "--generate_items", "2", "--generate_tokens", "4", "--rows", "mfu_d20", "bpb_d12_b17",
+               "chat_decode", "--bench_dir", str(empty), "--out", str(out)]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     printed = result.stdout
 
     values = {}
     for name, label, _, kind in bench.STAGE_ROWS:
-        if name == "quality" and label not in variants:
-            continue
         label = label.format(dtype="float32", other_dtype="bfloat16")  # this CPU emulates bf16: precision is fp32
         values[name, label] = stage_values(work, name, label, kind)
         assert figure(printed, f"{name} {label}: ") == pytest.approx(values[name, label], rel=1e-3, abs=0.006), (
@@ -81,10 +77,10 @@ def test_every_benchmark_s_dry_run_prints_figures_computed_from_what_ran(tmp_pat
                                                                                      "static")}
     assert "decode tiny float32 compiled" not in printed  # the dry run compiles nothing
     assert figure(printed, "decode: generate / recompute = ") == pytest.approx(
-        decode["generate"] / decode["recompute"], rel=0.02, abs=0.006)
-    assert printed.count("greedy tokens identical: True") >= 6  # lean and static as the KV cache, twice (gpu's row)
+        decode["generate"] / decode["recompute"], rel=0.03, abs=0.006)
+    assert printed.count("greedy tokens identical: True") >= 3  # lean and static as the KV cache
     for line in ("decode chat second turn", "decode rl sample_group ", "decode rl sample_groups", "decode rl: all",
-                 "build tiny: meta", "tokenizer: trained vocab 1024", "tokenizer: bytes/token", "loader T=2048"):
+                 "tokenizer: trained vocab 1024", "tokenizer: bytes/token", "loader T=2048"):
         assert f"\n{line}" in printed, line
 
     data = json.loads((out / "gpu_bench.json").read_text())
@@ -156,9 +152,10 @@ def test_the_decode_benchmark_times_chat_py_s_dtype(monkeypatch):
 def test_the_battery_s_calls_merge_into_one_table(tmp_path):
     """dev/gpu_carry.py merge: one call's rows after the other's, unchanged, every call's environment kept."""
     import gpu_carry
-    call = {"dry_run": True, "environment": {"device": "cpu", "driver": "-", "torch": "2", "cuda": "none", "python": "3",
-                                             "commit": "c", "dirty": False, "prepared_at_commit": "p", "date": "d"},
-            "rows": [{"row": "mfu_d20", "side": "ours", "status": "ok", "tok_per_s": 1234.0}], "calls": []}
+    environment = {"device": "cpu", "driver": "-", "torch": "2", "cuda": "none", "python": "3", "commit": "c",
+                   "dirty": False, "prepared_at_commit": "p", "date": "d"}
+    call = {"dry_run": True, "environment": environment, "calls": [],
+            "rows": [{"row": "mfu_d20", "side": "ours", "status": "ok", "tok_per_s": 1234.0}]}
     (tmp_path / "a.json").write_text(json.dumps(call))
     gpu_carry.main(["merge", str(tmp_path / "a.json"), str(tmp_path / "a.json"), "--out", str(tmp_path)])
     both = json.loads((tmp_path / "gpu_bench.json").read_text())
