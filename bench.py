@@ -1,234 +1,357 @@
-"""Benchmarks: figures printed with their targets. Not tests; nothing here is timed inside pytest.
+"""Benchmarks: figures printed with their targets. Not tests: tests/test_bench.py runs every row at its smallest size.
 
-    python bench.py              # every benchmark
-    python bench.py train decode # a chosen few: train, decode, build, tokenizer, loader, pretrain, core_eval, sft,
-                                 # chat_eval, generate, download, cpu, chat, fsdp, quality, compile
+    python bench.py                   # all but gpu: pretrain sft core_eval chat_eval generate cpu decode tokenizer
+                                      # loader
+    python bench.py pretrain decode   # a chosen few
+    python bench.py --dry_run         # each at its smallest size on the CPU, nothing compiled: that none is broken
 
-train   forward+backward tokens/s of a preset on this machine: eager fp32, torch.compile fp32, compile + bf16 autocast.
-        Target: compile + bf16 >= 2x eager fp32.
-decode  generation tokens/s with the KV cache vs recomputing the whole context every token, context ending at the
-        preset's sequence length (256 for tiny). Target: >= 5x.
-build   seconds to construct llama3-1b on the meta device and materialize + initialize it on the device.
-tokenizer  seconds to train a vocab-8192 BPE tokenizer on the training split of the real-text corpus at --corpus
-        (../shared/corpus/realtext: ~16 MB of training text; skipped if absent), reading the shards included, and
-        bytes/token on its validation split. Target: <= 10 s for 50 MB (projected from the measured MB/s).
-pretrain  `python pretrain.py` itself on the demo world (30 steps, micro-batch 16): tokens/s from its metrics.jsonl,
-        eager fp32 and compile + bf16, and MFU against this device's measured matmul throughput.
-core_eval  `python core_eval.py` on the demo world's 8 tasks (513 items) for a --preset model (vocab 1024, untrained:
-        the work per item does not depend on the weights): items/s from its results.json, batch_items 1 and 8.
-        --bundle DIR evaluates that bundle instead (the real one: nanochat's eval_bundle.zip, unzipped).
-generate  batched generation (decode.py) beside the one-row paths, on an untrained --preset checkpoint: ChatCORE's
-        generated answers (`python chat_eval.py --tasks demo-answer`, --batch_items 1 against 8 and 32) in items/s,
-        every item's record compared (target >= 4x); RL's rollouts (rl.sample_group, one question per batch, against
-        rl.sample_groups, 16 questions x 16 replies per batch) in sampled tokens/s (target >= 3x).
-chat_eval  `python chat_eval.py` on the demo world's demo-choice (132 multiple-choice items) for a --preset model
-        (vocab 1024, untrained: the work per item does not depend on the weights): items/s of the letters alone
-        (--option_text off) one prompt per forward (--batch_items 1) and batched (8, the default), and with the
-        option-text diagnostic on, batched.
-loader  one process's streaming loader (read + tokenize + pack) over one epoch of the same corpus at T = 256, 1024,
-        2048: tokens/s (target >= 1M) and the share of document tokens cropped, i.e. moved to a later row as a
-        BOS-led piece, cut off from their document's start (target <= 20% at T = 2048; nothing is discarded).
-cpu     `python pretrain.py` at nanochat's tiny CPU shape (4 layers, width 256, 4 heads of 64, T 256, 8 x 256 tokens a
-        step, vocab 8192 trained on --corpus) on the real-text corpus: eager and compiled, fp32 and (where native) bf16,
-        Muon and AdamW; tok/s the median of steps 11-40 from its metrics.jsonl, with the share of step time waiting
-        for data. Then, in-process, the Muon step's share of an eager fp32 step. Targets (2 cores): compiled Muon
-        >= 2x nanochat's tok/s on the same machine; the Muon step <= 15% of the step.
-chat    chat.py's second turn of a 2,000-token conversation (a --preset model with sequence_len 2304, random weights):
-        time to the first token with the KV cache kept vs re-prefilling the history (target >= 5x); and greedy decode
-        tok/s of chat.py's decode paths (lean, static, compiled) vs generate() at the preset's shape (target: lean
-        >= 1.5x generate(), measured in the same run).
-fsdp    `--preset` (default of this benchmark: llama3-1b) sharded by FSDP2 over 2 CPU processes (torchrun,
-        gloo, one thread each), micro-batch 1 x --fsdp_seq tokens of random ids, Muon, bf16 where native: seconds per
-        step (steps after the first) and each rank's peak resident memory, against model.py's estimate per rank
-        ((weights + gradients + optimizer state) / 2 + activations + transient).
-quality `python pretrain.py` at nanochat's tiny CPU shape (as cpu above; compiled, bf16 where native) for 300 steps of
-        2,048 tokens (614,400 tokens), on the real-text corpus: the final validation bpb over the validation shard's
-        first 524,288 tokens, per row of QUALITY_VARIANTS (the defaults, and the defaults with one issue-16 change
-        undone) and per seed (--seeds 3), --quality_jobs runs at a time; the median per row. dev/LOG.md: model quality.
-gpu     (not part of "all") the GPU battery: pretraining tok/s, MFU and peak memory against model.py's estimate at
-        d20, d12 and d26 beside nanochat's own scripts/base_train.py at the same shape and batch; validation bpb at
-        d12 after the same tokens at 2^19 and 2^17 tokens a step, beside nanochat's; the demo plan end to end; chat
-        decode tok/s. `python bench.py gpu_prepare --nanochat_mirror DIR --corpus DIR` first fills .bench/ (what a
-        GPU machine without network needs); `python bench.py gpu --rows ...` on the GPU writes gpu_bench.json and
-        gpu_bench.md to --out; `python bench.py gpu --dry_run` runs every row at toy size on the CPU.
-compile  the first compiled training step (forward and backward as train_loop runs them) of a 2-layer, 128-wide
-        model at vocabulary 512 (1 loss chunk) and 65,536 (32 chunks at --compile_batch 64), each in a fresh process
-        with empty compile caches (cold), then again on those caches (warm): step 1, the steady step (median of 3),
-        compilation = step 1 - steady step, peak memory; last line the vocab 65536 / 512 compilation ratio (target
-        <= 1.5: compilation does not grow with the vocabulary).
-download  `download_shards` of 16 training shards + 1 validation shard (~4 MB parquet each) from a hub stand-in on
-        loopback, 4 workers: shards/s and MB/s of the old client (dataset.py at commit 1d71acd, its own HTTP code on
-        requests, read with `git show`) and of the new one (huggingface_hub), median of --trials rounds, alternating.
-        Loopback measures client overhead only (the server runs in the same process, a share of the same cores),
-        not the network nor the hub's Xet storage, which only the new client can use.
+The stage rows (STAGE_ROWS) run the real command in a fresh process: on the demo world with a vocab-1024 tokenizer and
+a --preset checkpoint one step from random weights (the work per item does not depend on them), or on the corpus at
+--corpus (../shared/corpus/realtext: ~16 MB of text; skipped if absent) with a vocab-8192 tokenizer. Each figure is
+read back from the command's files: tok/s the median of metrics.jsonl's after the first quarter of the steps, items/s
+the report's items / seconds.
+pretrain   `pretrain.py` on the demo world (30 steps, micro-batch 16): eager fp32, compile fp32, compile + bf16; MFU
+           where pretrain.py logs one (a rated GPU). Target: compile + bf16 >= 2x eager fp32.
+sft        `sft.py` on the demo conversations from that checkpoint (30 steps, its micro-batch 16): tok/s, padding
+           included, and the shares of supervised and padding positions.
+core_eval  `core_eval.py` on the demo world's 8 tasks (513 items; --bundle DIR: that bundle), batch_items 1 and 8.
+chat_eval  `chat_eval.py --tasks demo-choice` (132 items): the letters alone (--option_text off) one prompt per forward
+           (--batch_items 1) and batched (8), and with the option-text diagnostic, batched: items/s and their ratios.
+generate   batched generation (decode.py) beside one item at a time (model.generate): `chat_eval.py --tasks demo-answer`
+           (--generate_items, --generate_tokens each: an untrained model rarely ends a reply) at --batch_items 1, 8
+           and 32: items/s, every item's record compared. Target: 8 >= 4x 1.
+cpu        `pretrain.py` at nanochat's tiny CPU shape (4 layers, width 256, T 256, 8 x 256 tokens a step, vocab 8192),
+           40 steps: Muon and AdamW, eager and compiled, in common.precision's dtype, and compiled Muon in the other:
+           tok/s, the share of the step waiting for data; then the Muon step's share of the compiled Muon step.
+           Targets (2 cores): compiled Muon >= 2x nanochat's tok/s (dev/LOG.md); the Muon step <= 15% of the step.
+decode     (in this process) greedy tok/s after a prompt filling the preset's sequence but --decode_tokens, in chat.py's
+           dtype here (bf16 on a GPU, else fp32), --trials interleaved, tokens compared: recomputing the whole context
+           every token, the KV cache (chat.py's --decode generate), chat.py's lean, static and compiled. Targets: the
+           KV cache >= 5x recompute; chat.py's default path here >= 1.5x the KV cache. chat.py's second turn of a
+           2,000-token conversation: the first token with the cache kept vs re-prefilling the history (target >= 5x).
+           RL's rollouts, 16 demo questions x 16 replies (temperature 1, top_k 50, rl.py's rollout threads):
+           rl.sample_groups (one batch) against rl.sample_group (a batch per question), sampled tok/s (target >= 3x).
+tokenizer  seconds to train a vocab-8192 tokenizer on the corpus's training split, reading included; bytes/token on its
+           validation split. Target: <= 10 s for 50 MB (projected from the measured MB/s).
+loader     the streaming loader (read + tokenize + pack), one epoch of the corpus at T = 256, 1024, 2048: tok/s (target
+           >= 1M), the share of document tokens cropped into a later row (target <= 20% at T = 2048; none discarded).
+gpu        (not in "all") the GPU battery: bench_gpu.py says how to run it.
+Moved: train's figures are pretrain's rows (--batch, --steps, --warmup went with it); chat's and generate's rollouts
+are decode's; quality, fsdp (with build), compile and download are dev/bench_*.py, with their flags.
 """
 import argparse
-import hashlib
-import importlib.util
-import io
 import json
-import math
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 import bench_gpu
-import checkpoint
 import common
-import dataset
 import distributed
 import optim
-import train_loop
-from bench_gpu import bench_chat_decode, matmul_peak, sync
+from bench_gpu import sync
 from dataset import iter_texts
 from demo import write_demo
 from loader import text_loader
-from model import (
-    KVCache,
-    autocast_context,
-    build_model,
-    config_from_preset,
-    flops_per_token,
-    memory_estimate,
-    num_params,
-)
+from model import autocast_context, build_model, config_from_preset
 from tokenizer import Tokenizer, bytes_per_token, counting, train_tokenizer
 
+# The stage rows: (benchmark, row, command, figure). Each {name} is filled in by bench_stages, the figure read by
+# stage_figure.
+DEMO_PRETRAIN = ("pretrain.py --preset {preset} --data_dir {work}/demo/pretrain --tokenizer {work}/tokenizer_1024 "
+                 "--runs_dir {work}/runs --run_name {run} --steps 30 --micro_batch 16 --eval_every 0 --bpb_tokens 4096 "
+                 "--ckpt_every 1000")
+CPU_SHAPE = ("pretrain.py --preset tiny --data_dir {corpus} --tokenizer {corpus_tokenizer} --runs_dir {work}/runs "
+             "--run_name {run} --micro_batch 8 --eval_every 0 --ckpt_every 1000 --steps 40 --bpb_tokens 4096")
+SFT = ("sft.py --checkpoint {work}/runs/bench --runs_dir {work}/runs --run_name {run} --chat_dir "
+       "{work}/demo/conversations --steps 30 --eval_every 0 --eval_rows 16")
+CORE_EVAL = ("core_eval.py --checkpoint {work}/runs/bench --bundle {bundle} --bpb_tokens 0 --max_new_tokens 1 "
+             "--out {out}")
+# the evaluation rows' checkpoint and sft's parent: one step from random weights (the work per item does not depend
+# on the weights), micro-batch 16, which sft inherits
+PARENT = DEMO_PRETRAIN.replace("{run} --steps 30", "bench --steps 1")
+CHAT_EVAL = "chat_eval.py --checkpoint {work}/runs/bench --out {out}.json"
+GENERATE = (CHAT_EVAL + " --tasks demo-answer --max_items {generate_items} --max_new_tokens {generate_tokens} "
+            "--dtype float32")
+STAGE_ROWS = [
+    ("pretrain", "eager fp32", DEMO_PRETRAIN + " --dtype float32 --compile false", "tok/s"),
+    ("pretrain", "compile fp32", DEMO_PRETRAIN + " --dtype float32 --compile true", "tok/s"),
+    ("pretrain", "compile + bf16", DEMO_PRETRAIN + " --dtype bfloat16 --compile true", "tok/s"),
+    ("sft", "demo conversations", SFT, "tok/s"),
+    ("core_eval", "batch_items 1", CORE_EVAL + " --batch_items 1", "items/s"),
+    ("core_eval", "batch_items 8", CORE_EVAL + " --batch_items 8", "items/s"),
+    ("chat_eval", "letters, batch_items 1", CHAT_EVAL + " --tasks demo-choice --option_text off --batch_items 1",
+     "items/s"),
+    ("chat_eval", "letters, batch_items 8", CHAT_EVAL + " --tasks demo-choice --option_text off --batch_items 8",
+     "items/s"),
+    ("chat_eval", "option text, batch_items 8", CHAT_EVAL + " --tasks demo-choice --option_text on --batch_items 8",
+     "items/s"),
+    *[("generate", f"batch_items {b}", GENERATE + f" --batch_items {b}", "items/s") for b in (1, 8, 32)],
+    # every optimizer and compile setting in the chosen precision, the other at the defaults only: where bf16 is
+    # emulated (20-100x slower on an AVX2-only CPU) four runs in it would dominate the row
+    ("cpu", "muon {dtype} eager", CPU_SHAPE + " --optimizer muon --dtype {dtype} --compile false", "tok/s"),
+    ("cpu", "muon {dtype} compiled", CPU_SHAPE + " --optimizer muon --dtype {dtype} --compile true", "tok/s"),
+    ("cpu", "adamw {dtype} eager", CPU_SHAPE + " --optimizer adamw --dtype {dtype} --compile false", "tok/s"),
+    ("cpu", "adamw {dtype} compiled", CPU_SHAPE + " --optimizer adamw --dtype {dtype} --compile true", "tok/s"),
+    ("cpu", "muon {other_dtype} compiled", CPU_SHAPE + " --optimizer muon --dtype {other_dtype} --compile true",
+     "tok/s"),
+]
+# the ratios printed after a benchmark's rows: (benchmark, row, / row, target or None)
+STAGE_RATIOS = [("pretrain", "compile + bf16", "eager fp32", 2), ("chat_eval", "letters, batch_items 8",
+                 "letters, batch_items 1", None), ("chat_eval", "letters, batch_items 8", "option text, batch_items 8",
+                 None), ("generate", "batch_items 8", "batch_items 1", 4), ("generate", "batch_items 32",
+                 "batch_items 1", None)]
+# --dry_run: appended to a row's command (the last of a flag given twice is in force)
+DRY_FLAGS = {"pretrain.py": "--steps 3 --micro_batch 2 --bpb_tokens 4096 --compile false --n_layer 1 --n_embd 64 "
+             "--n_head 1 --n_kv_head 1", "sft.py": "--steps 3 --micro_batch 2 --eval_rows 4",
+             "core_eval.py": "--max_items 2", "chat_eval.py": "--max_items 2 --max_new_tokens 4"}
 
-def bench_train(args, device):
-    config = config_from_preset(args.preset)
-    torch.manual_seed(0)
-    idx = torch.randint(0, config.vocab_size, (args.batch, config.sequence_len), device=device)
-    targets = idx.roll(-1, 1)
-    tokens = idx.numel()
-    results = {}
-    for label, compiled, dtype in (("eager fp32", False, "float32"), ("compile fp32", True, "float32"),
-                                   ("compile + bf16", True, "bfloat16")):
-        model = build_model(config, device)
-        step = torch.compile(model) if compiled else model
-        warmup_start = time.perf_counter()
-        for _ in range(args.warmup):  # the first compiled call compiles; later ones are steady state
-            with autocast_context(device.type, dtype):
-                step(idx, targets).backward()
-        sync(device)
-        warmup_s = time.perf_counter() - warmup_start
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            with autocast_context(device.type, dtype):
-                step(idx, targets).backward()
-        sync(device)
-        seconds = time.perf_counter() - start
-        results[label] = tokens * args.steps / seconds
-        print(f"train {args.preset} ({num_params(config):,} params) {label:15s}: {results[label]:9,.0f} tok/s "
-              f"(batch {args.batch} x {config.sequence_len}, {args.steps} steps after {args.warmup} warmup "
-              f"taking {warmup_s:.1f} s)")
-    ratio = results["compile + bf16"] / results["eager fp32"]
-    print(f"train: compile + bf16 / eager fp32 = {ratio:.2f}x (target >= 2x: {'met' if ratio >= 2 else 'MISSED'})")
+
+def demo_files(args):
+    """--work's demo world and its vocab-1024 tokenizer, made on first use."""
+    work = Path(args.work)
+    if not (work / "tokenizer_1024").is_dir():  # corpus_tokenizer's too in the dry run: the demo world is its corpus
+        write_demo(work / "demo")
+        train_tokenizer(iter_texts(work / "demo" / "pretrain", "train"), 1024).save(work / "tokenizer_1024")
+    return work
+
+
+def corpus_tokenizer(args):
+    """A tokenizer of --corpus_vocab trained on --corpus's training split, in --work, made on first use."""
+    path = Path(args.work) / f"tokenizer_{args.corpus_vocab}"
+    if not path.is_dir():
+        train_tokenizer(iter_texts(args.corpus, "train"), args.corpus_vocab).save(path)
+    return path
+
+
+def stage_figure(figure, run, out):
+    """A stage row's figure, read from the files its command wrote, and a note of what else they say."""
+    if figure == "items/s":
+        report = json.loads((out / "results.json" if out.is_dir() else out.with_name(out.name + ".json")).read_text())
+        items = sum(task["items"] for task in report["tasks"])
+        return items / report["seconds"], (f"{items} items in {len(report['tasks'])} tasks, {report['seconds']:.1f} s,"
+                                           f" {report['dtype']}, {report['device']}")
+    steps = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    timed = steps[len(steps) // 4:]  # the first quarter: compilation and warm-up
+    note = (f"median of steps {timed[0]['step']}-{timed[-1]['step']}, waiting for data "
+            f"{100 * statistics.mean(r['data_wait'] for r in timed):.1f}% of the step")
+    mfu = [r["mfu"] for r in timed if isinstance(r.get("mfu"), float)]
+    note += f", MFU {100 * statistics.median(mfu):.1f}% (pretrain.py's)" if mfu else ""
+    rows = json.loads((run / "done.json").read_text()).get("rows")  # sft's
+    note += f"; {rows['supervised']:.1%} of positions supervised, {rows['padding']:.1%} padding" if rows else ""
+    return statistics.median(r["tok_per_s"] for r in timed), note
+
+
+def run_command(args, command, places, jobs=1):
+    """A stage command of the table in a fresh process: its {names} filled from places, --dry_run's flags appended,
+    OMP_NUM_THREADS the cores / jobs when jobs run at once."""
+    words = command.split() + (DRY_FLAGS.get(command.split()[0], "").split() if args.dry_run else [])
+    argv = [word.format(**places) for word in words]
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // jobs))} if jobs > 1 else None
+    result = subprocess.run([sys.executable, str(Path(__file__).parent / argv[0]), *argv[1:]], capture_output=True,
+                            text=True, env=env, check=False)
+    if result.returncode:
+        raise RuntimeError(f"`{' '.join(argv)}` failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
+
+
+def bench_stages(args, device, name):
+    """Runs the stage rows of benchmark `name` (two at a time in the dry run) and prints each row's figure, then the
+    benchmark's ratios."""
+    rows = [row for row in STAGE_ROWS if row[0] == name]
+    corpus = any("{corpus" in row[2] for row in rows)
+    if corpus and not Path(args.corpus).is_dir():
+        return print(f"{name}: skipped, no corpus at {args.corpus} (--corpus DIR: parquet shards, the last validation)")
+    dtype, why = common.precision(device)
+    places = {"work": Path(args.work) if corpus else demo_files(args), "preset": args.preset, "bundle": args.bundle or
+              f"{args.work}/demo/eval_bundle", "generate_items": args.generate_items, "generate_tokens":
+              args.generate_tokens, "corpus": args.corpus, "corpus_tokenizer": corpus_tokenizer(args) if corpus else "",
+              "dtype": dtype, "other_dtype": "bfloat16" if dtype == "float32" else "float32"}
+    if any("runs/bench" in row[2] for row in rows) and not (Path(args.work) / "runs" / "bench").is_dir():
+        run_command(args, PARENT, places)
+    jobs = 2 if args.dry_run else 1  # one at a time when timed: they would share the cores
+
+    def run(row):
+        label = row[1].format(**places)
+        slug = re.sub(r"\W+", "_", f"{name} {label}")
+        run_command(args, row[2], {**places, "run": slug, "out": f"{args.work}/out/{slug}"}, jobs)
+        return label, *stage_figure(row[3], Path(args.work) / "runs" / slug, Path(args.work) / "out" / slug)
+    with ThreadPoolExecutor(jobs) as pool:
+        results = list(pool.map(run, rows))
+    figures = {}
+    for row, (label, value, note) in zip(rows, results, strict=True):
+        figures[label] = value
+        print(f"{name} {label}: {value:,.{0 if row[3] == 'tok/s' else 2}f} {row[3]} ({note})")
+    for bench, top, bottom, target in STAGE_RATIOS:
+        if bench == name:
+            ratio = figures[top] / figures[bottom]
+            print(f"{name}: {top} / {bottom} = {ratio:.2f}x" + (f" (target >= {target}x: "
+                  f"{'met' if ratio >= target else 'MISSED'})" if target else ""))
+    if name == "generate":
+        records = {(Path(args.work) / "out" / f"generate_batch_items_{b}_items.jsonl").read_text() for b in (1, 8, 32)}
+        print(f"generate: every item's record identical at batch_items 1, 8 and 32: {len(records) == 1}")
+    if name == "cpu":
+        print(f"cpu precision: {dtype} ({why})")
+        muon_share(device, 2048 / figures[f"muon {dtype} compiled"], args.corpus_vocab, args.dry_run)
+
+
+def muon_share(device, step_seconds, vocab, dry_run):
+    """Median seconds of the Muon step for the cpu shape (and of forward+backward in the default compute dtype, and
+    the AdamW step beside it), and its share of step_seconds, pretrain.py's median step in the same configuration."""
+    config = config_from_preset("tiny", {"vocab_size": vocab})
+    model = build_model(config, device)
+    train_model, dtype = model if dry_run else torch.compile(model), common.matmul_dtype(device)
+    steps = 1 if dry_run else 10  # timed after 3 untimed
+    adam, muon = optim.build_optimizers(model, bench_gpu.MUON_RUN, config.n_embd, 2048, device)
+    idx = torch.randint(0, vocab, (8, 256), device=device)
+
+    def forward_backward():
+        with autocast_context(device.type, dtype):
+            loss = train_model(idx, idx)
+        loss.backward()
+    works = {"forward+backward": forward_backward, "AdamW step": adam.step, "Muon step": muon.step}
+    times = {label: [] for label in works}
+    for _ in range(steps + 3):
+        for label, work in works.items():
+            start = time.perf_counter()
+            work()
+            sync(device)
+            times[label].append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+    median = {label: statistics.median(t[3:]) for label, t in times.items()}
+    print(f"cpu Muon step (Newton-Schulz in {muon.param_groups[0]['ns_dtype']}): {1000 * median['Muon step']:.1f} ms, "
+          f"{100 * median['Muon step'] / step_seconds:.1f}% of pretrain.py's compiled {dtype} Muon step "
+          f"({1000 * step_seconds:.0f} ms); alone: " + ", ".join(f"{label} {1000 * t:.1f} ms"
+                                                                 for label, t in median.items()))
+
+
+def chat_decode_paths(device):
+    """(dtype, decode path, the paths to time) as chat.py chooses them here by default: dtype matmul_dtype on CUDA
+    (bf16 where native) else fp32, decode "auto" = compiled on CUDA else lean; lean runs fp32 only."""
+    dtype = common.matmul_dtype(device) if device.type == "cuda" else "float32"
+    chat_default = "compiled" if device.type == "cuda" else "lean"
+    return dtype, chat_default, ("lean", "static", "compiled") if dtype == "float32" else ("compiled", "static")
 
 
 def bench_decode(args, device):
+    """The module docstring's decode, printed; returns its figures (bench_gpu's chat_decode row records them)."""
+    import chat  # here: the other benchmarks do not need them
+    import rl
+    torch.manual_seed(0)
     config = config_from_preset(args.preset)
-    torch.manual_seed(0)
     model = build_model(config, device).eval()
-    new_tokens = args.decode_tokens
-    prompt = torch.randint(0, config.vocab_size, (1, config.sequence_len - new_tokens), device=device)
+    dtype, chat_default, decodes = chat_decode_paths(device)
+    decodes = [d for d in decodes if d != "compiled" or not args.dry_run]  # the dry run compiles nothing
+    tok, n, trials = Tokenizer.load(demo_files(args) / "tokenizer_1024"), args.decode_tokens, args.trials
+    prompt = torch.randint(0, config.vocab_size, (config.sequence_len - n - 1,)).tolist()
 
-    def run(cached):
-        """Greedy decoding of new_tokens after the prompt; returns (tokens/s excluding the prefill, token ids)."""
-        sync(device)
-        cache = KVCache(config, 1, config.sequence_len) if cached else None
-        logits = model(prompt, kv_cache=cache, last_only=True)[:, -1]
-        sync(device)
-        start, seq = time.perf_counter(), prompt
-        for _ in range(new_tokens):
-            next_id = logits.argmax(-1, keepdim=True)
-            seq = torch.cat([seq, next_id], 1)
-            logits = model(next_id, kv_cache=cache)[:, -1] if cached else model(seq, last_only=True)[:, -1]
-        sync(device)
-        return new_tokens / (time.perf_counter() - start), seq
+    def greedy(prefill, step):
+        """(tok/s of the n forwards after the prefill, the n + 1 greedy tokens)."""
+        with torch.inference_mode(), autocast_context(device.type, dtype):
+            logits, out = prefill(), []
+            start = time.perf_counter()
+            for _ in range(n + 1):
+                token = logits.argmax(-1, keepdim=True)
+                out.append(token.item())  # waits for the device
+                if len(out) <= n:
+                    logits = step(token)
+        return n / (time.perf_counter() - start), out
 
-    with torch.inference_mode():
-        run(True), run(False)  # warm up
-        trials = [(run(False), run(True)) for _ in range(args.trials)]  # interleaved, so load drifts hit both
-    ratios = sorted(cached[0] / recompute[0] for recompute, cached in trials)
-    median = ratios[len(ratios) // 2]
-    same = all(torch.equal(recompute[1], cached[1]) for recompute, cached in trials)
-    for label, index in (("recompute", 0), ("kv cache", 1)):
-        rates = sorted(trial[index][0] for trial in trials)
-        print(f"decode {args.preset} {label:10s}: {rates[len(rates) // 2]:8,.0f} tok/s median of {args.trials} "
-              f"(range {rates[0]:,.0f}-{rates[-1]:,.0f}; {new_tokens} tokens, context {prompt.size(1)} -> "
-              f"{config.sequence_len})")
-    print(f"decode: kv cache / recompute = {median:.1f}x median (range {ratios[0]:.1f}-{ratios[-1]:.1f}; target >= 5x: "
-          f"{'met' if median >= 5 else 'MISSED'}); greedy tokens identical: {same}")
+    def recompute():
+        seq = torch.tensor([prompt], device=device)
 
+        def step(token):
+            nonlocal seq
+            seq = torch.cat([seq, token], 1)
+            return model(seq, last_only=True)[:, -1]
+        return greedy(lambda: model(seq, last_only=True)[:, -1], step)
 
-def bench_chat(args, device):
-    """chat.py's two claims on random weights (timing does not depend on them): a second turn of a 2,000-token
-    conversation starts sooner when the cache is kept than when the whole history is prefilled again, and its decode
-    step is faster than generate()'s."""
-    torch.manual_seed(0)
-    config = config_from_preset(args.preset, {"sequence_len": 2304})
-    model = build_model(config, device).eval()
-    history, turn = torch.randint(0, config.vocab_size, (1, 2000), device=device), torch.randint(0, 1000, (1, 20))
+    def with_chat(conv):
+        def run():
+            conv.ids, conv.cache.pos = [], 0
+            return greedy(lambda: conv.forward(prompt), conv.step)
+        return run
+    paths = {"recompute": recompute}
+    for decode in ["generate", *decodes]:
+        start = time.perf_counter()
+        paths[decode] = with_chat(chat.Conversation(model, tok, True, decode, dtype))
+        paths[decode]()  # warm up; compiles the compiled one
+        if decode == "compiled":
+            print(f"decode compiled: first call (compilation) {time.perf_counter() - start:.1f} s")
+    results = {name: [] for name in paths}
+    for _ in range(trials):  # interleaved, so that load drifts hit every path
+        for name, run in paths.items():
+            results[name].append(run())
+    rates = {name: statistics.median(r[0] for r in runs) for name, runs in results.items()}
+    for name, runs in results.items():
+        print(f"decode {args.preset} {dtype} {name:9s}: {rates[name]:7,.0f} tok/s median of {trials} "
+              f"({rates[name] / rates['generate']:.2f}x the KV cache; context {len(prompt)} -> {len(prompt) + n}; "
+              f"greedy tokens identical: {all(r[1] == results['generate'][0][1] for r in runs)})")
+    for top, bottom, target in (("generate", "recompute", 5), (chat_default, "generate", 1.5)):
+        if top in rates:
+            ratio = rates[top] / rates[bottom]
+            print(f"decode: {top} / {bottom} = {ratio:.2f}x (target >= {target}x: "
+                  f"{'met' if ratio >= target else 'MISSED'})")
+    figures = {"dtype": dtype, **{f"decode_tok_per_s_{name}": rate for name, rate in rates.items()}}
+
+    long_model = build_model(config_from_preset(args.preset, {"sequence_len": 2304}), device).eval()
+    history = torch.randint(0, 1000, (200 if args.dry_run else 2000,)).tolist()
+    turn = torch.randint(0, 1000, (20,)).tolist()
 
     def first_token(kept):
-        """Seconds from a 20-token turn to its first sampled token: prefill the turn alone (cache kept) or the
-        history + turn (nanochat's CLI re-prefills every turn)."""
-        cache = KVCache(config, 1, config.sequence_len)
+        """Seconds from a 20-token turn to its first token: prefill the turn alone (the cache kept) or the history +
+        turn (nanochat's CLI re-prefills every turn)."""
+        conv = chat.Conversation(long_model, tok, True, "generate", dtype)
         if kept:
-            model(history, kv_cache=cache)
+            conv.forward(history)
         sync(device)
         start = time.perf_counter()
-        ids = turn.to(device) if kept else torch.cat([history, turn.to(device)], 1)
-        model(ids, kv_cache=cache, last_only=True)[:, -1].argmax(-1).item()
+        conv.forward(turn if kept else history + turn).argmax(-1).item()
         return time.perf_counter() - start
+    first_token(True), first_token(False)
+    times = [(first_token(True), first_token(False)) for _ in range(trials)]
+    kept, again = (statistics.median(t[i] for t in times) for i in (0, 1))
+    print(f"decode chat second turn (20 tokens after {len(history):,}): first token {1000 * kept:.1f} ms with the "
+          f"cache kept, {1000 * again:.1f} ms re-prefilling the history: {again / kept:.1f}x (target >= 5x: "
+          f"{'met' if again >= 5 * kept else 'MISSED'})")
+    figures.update(first_token_s_kept=kept, first_token_s_reprefill=again)
 
-    with torch.inference_mode():
-        first_token(True), first_token(False)
-        trials = [(first_token(True), first_token(False)) for _ in range(args.trials)]
-    kept, again = (sorted(t[i] for t in trials)[len(trials) // 2] for i in (0, 1))
-    ratio = sorted(b / a for a, b in trials)[len(trials) // 2]
-    print(f"chat second turn (20 tokens after 2,000; {args.preset} with sequence_len 2304, random weights): first "
-          f"token after {1000 * kept:.1f} ms with the cache kept, {1000 * again:.1f} ms re-prefilling the history; "
-          f"{ratio:.1f}x median of {args.trials} interleaved (target >= 5x: {'met' if ratio >= 5 else 'MISSED'})")
-    bench_chat_decode(args, device)
-
-
-
-
-def bench_build(args, device):
-    config = config_from_preset("llama3-1b")
-    start = time.perf_counter()
-    model = build_model(config, device="meta")
-    meta_s = time.perf_counter() - start
-    start = time.perf_counter()
-    model = build_model(config, device=device)
-    sync(device)
-    real_s = time.perf_counter() - start
-    count = sum(p.numel() for p in model.parameters())
-    print(f"build llama3-1b: meta {meta_s:.2f} s, materialize + init on {device} {real_s:.1f} s, {count:,} params "
-          f"({math.fsum(p.numel() * p.element_size() for p in model.parameters()) / 2**30:.2f} GiB fp32)")
+    rl_model = build_model(config_from_preset(args.preset, {"vocab_size": tok.vocab_size}), device).eval()
+    items = rl.demo_items(Path(args.work) / "demo")[::187][:16]
+    prompts = [rl.prompt_ids(tok, item["prompt"], rl_model.config.sequence_len, 1)[0] for item in items]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(rl.CPU_ROLLOUT_THREADS if device.type == "cpu" else threads)
+    budget = (16, args.generate_tokens, 1.0, 50, 0, dtype)  # replies per question, tokens, temperature, top_k, seed
+    rollouts = {"sample_group": lambda: [s for p in prompts for s in rl.sample_group(rl_model, tok, p, *budget)[1]],
+                "sample_groups": lambda: rl.sample_groups(rl_model, tok, prompts, *budget)[1]}
+    for name, sample in rollouts.items():
+        start = time.perf_counter()
+        sampled = sample()
+        seconds, tokens = time.perf_counter() - start, sum(map(sum, sampled))
+        figures[f"rollout_tok_per_s_{name}"] = tokens / seconds
+        print(f"decode rl {name:13s}: {tokens / seconds:7,.0f} sampled tok/s ({tokens:,} tokens, {len(sampled)} "
+              f"replies of {len(prompts)} questions in {seconds:.1f} s, {torch.get_num_threads()} thread(s))")
+    torch.set_num_threads(threads)
+    ratio = figures["rollout_tok_per_s_sample_groups"] / figures["rollout_tok_per_s_sample_group"]
+    print(f"decode rl: all questions per batch {ratio:.2f}x one question per batch (target >= 3x: "
+          f"{'met' if ratio >= 3 else 'MISSED'})")
+    return figures
 
 
 def bench_tokenizer(args, device):
     corpus = Path(args.corpus)
     if not corpus.is_dir():
-        print(f"tokenizer: skipped, no corpus at {corpus} (pass --corpus DIR: parquet shards, the last one validation)")
-        return
+        return print(f"tokenizer: skipped, no corpus at {corpus}")
     stats = {"docs": 0, "chars": 0, "bytes": 0}
     start = time.perf_counter()  # streaming the shards is part of training, as in `python tokenizer.py train`
-    tokenizer = train_tokenizer(counting(iter_texts(corpus, "train"), stats), 8192)
+    tokenizer = train_tokenizer(counting(iter_texts(corpus, "train"), stats), args.corpus_vocab)
     seconds = time.perf_counter() - start
     mb = stats["bytes"] / 1e6
     projected = 50 / (mb / seconds)
@@ -239,13 +362,11 @@ def bench_tokenizer(args, device):
 
 
 def bench_loader(args, device):
-    corpus = Path(args.corpus)
-    if not corpus.is_dir():
-        print(f"loader: skipped, no corpus at {corpus} (pass --corpus DIR: parquet shards, the last one validation)")
-        return
-    tokenizer = train_tokenizer(iter_texts(corpus, "train"), 8192)
-    for seq_len in (256, 1024, 2048):
-        loader = text_loader(corpus, "train", tokenizer, 16, seq_len, device=device)
+    if not Path(args.corpus).is_dir():
+        return print(f"loader: skipped, no corpus at {args.corpus}")
+    tokenizer = Tokenizer.load(corpus_tokenizer(args))
+    for seq_len in (2048,) if args.dry_run else (256, 1024, 2048):
+        loader = text_loader(args.corpus, "train", tokenizer, 16, seq_len, device=device)
         next(loader)  # the first batch waits for the first row group: count from the steady state
         tokens, start = 0, time.perf_counter()
         while loader.state["epoch"] == 0:
@@ -261,528 +382,53 @@ def bench_loader(args, device):
               f"{stats['docs']:,} documents, batch 16")
 
 
-
-
-def bench_pretrain(args, device):
-    """The real command: pretrain.py on the demo world, throughput from its own metrics.jsonl."""
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        write_demo(tmp / "demo")
-        train_tokenizer(iter_texts(tmp / "demo" / "pretrain", "train"), 1024).save(tmp / "tokenizer")
-        config = config_from_preset(args.preset, {"vocab_size": 1024})
-        for label, dtype, compiled in (("eager fp32", "float32", "false"), ("compile + bf16", "bfloat16", "true")):
-            cmd = [sys.executable, str(Path(__file__).parent / "pretrain.py"), "--preset", args.preset,
-                   "--data_dir", str(tmp / "demo" / "pretrain"), "--tokenizer", str(tmp / "tokenizer"),
-                   "--runs_dir", str(tmp / "runs"), "--run_name", label.replace(" ", ""), "--steps", "30",
-                   "--micro_batch", "16", "--eval_every", "0", "--bpb_tokens", "4096", "--dtype", dtype,
-                   "--compile", compiled, "--ckpt_every", "1000"]
-            subprocess.run(cmd, check=True, capture_output=True)
-            records = [json.loads(line) for line in
-                       (tmp / "runs" / label.replace(" ", "") / "metrics.jsonl").read_text().splitlines()]
-            rates = sorted(r["tok_per_s"] for r in records if "tok_per_s" in r and r["step"] > 5)
-            rate = rates[len(rates) // 2]
-            peak = matmul_peak(device, torch.bfloat16 if dtype == "bfloat16" else torch.float32)
-            print(f"pretrain {args.preset} {label:15s}: {rate:8,.0f} tok/s (median of steps 6-30, micro-batch 16 x "
-                  f"{config.sequence_len}); MFU {100 * rate * flops_per_token(config) / peak:.1f}% of this "
-                  f"device's measured {dtype} matmul peak {peak / 1e9:,.0f} GFLOP/s (the run itself logs MFU "
-                  f"'unknown': no rated peak for '{'cpu' if device.type == 'cpu' else torch.cuda.get_device_name()}')")
-
-
-def bench_sft(args, device):
-    """sft.py on the demo conversations from an untrained checkpoint of --preset: tokens/s from its metrics.jsonl and
-    the shares of supervised and padding positions from its done.json."""
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        write_demo(tmp / "demo")
-        train_tokenizer(iter_texts(tmp / "demo" / "pretrain", "train"), 1024).save(tmp / "tokenizer")
-        script = Path(__file__).parent
-        subprocess.run([sys.executable, str(script / "pretrain.py"), "--preset", args.preset, "--data_dir",
-                        str(tmp / "demo" / "pretrain"), "--tokenizer", str(tmp / "tokenizer"), "--runs_dir",
-                        str(tmp / "runs"), "--run_name", "base", "--steps", "1", "--micro_batch", "16",
-                        "--bpb_tokens", "4096"], check=True, capture_output=True)
-        subprocess.run([sys.executable, str(script / "sft.py"), "--runs_dir", str(tmp / "runs"), "--run_name", "sft",
-                        "--chat_dir", str(tmp / "demo" / "conversations"), "--steps", "30", "--eval_every", "0",
-                        "--eval_rows", "16"], check=True, capture_output=True)
-        records = [json.loads(line) for line in (tmp / "runs" / "sft" / "metrics.jsonl").read_text().splitlines()]
-        rates = sorted(r["tok_per_s"] for r in records if "tok_per_s" in r and r["step"] > 5)
-        rows = json.loads((tmp / "runs" / "sft" / "done.json").read_text())["rows"]
-        print(f"sft {args.preset} on the demo conversations: {rates[len(rates) // 2]:,.0f} tok/s (median of steps "
-              f"6-30, padding included, the pretrain run's micro-batch 16 and dtype); {rows['supervised']:.1%} of "
-              f"positions supervised, {rows['padding']:.1%} padding")
-
-
-def untrained_checkpoint(tmp, preset, stage, device):
-    """A demo world, its vocab-1024 tokenizer and an untrained --preset model saved as `stage` saves one, under tmp
-    (runs/bench/ckpt): what the evaluation benches run the real commands on."""
-    write_demo(tmp / "demo")
-    tok = train_tokenizer(iter_texts(tmp / "demo" / "pretrain", "train"), 1024)
-    tok.save(tmp / "tokenizer")
-    config = config_from_preset(preset, {"vocab_size": 1024})
-    meta = {"stage": stage, "model_config": config.__dict__, "world_size": 1, "tokenizer": str(tmp / "tokenizer"),
-            "tokenizer_sha256": tok.fingerprint(), "data_dir": str(tmp / "demo" / "pretrain")}
-    checkpoint.save_checkpoint(tmp / "runs" / "bench" / "ckpt", 0, build_model(config, device), [], [], meta, 0, 1)
-
-
-def bench_core_eval(args, device):
-    """The real command on an untrained checkpoint of --preset, saved as pretrain.py saves one."""
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        untrained_checkpoint(tmp, args.preset, "pretrain", device)
-        bundle = args.bundle or str(tmp / "demo" / "eval_bundle")
-        for batch_items in (1, 8):
-            out = tmp / f"out{batch_items}"
-            subprocess.run([sys.executable, str(Path(__file__).parent / "core_eval.py"), "--checkpoint",
-                            str(tmp / "runs" / "bench"), "--bundle", bundle, "--batch_items", str(batch_items),
-                            "--bpb_tokens", "0", "--max_new_tokens", "1", "--out", str(out)], check=True,
-                           capture_output=True)
-            report = json.loads((out / "results.json").read_text())
-            items = sum(t["items"] for t in report["tasks"])
-            print(f"core_eval {args.preset}: {report['items_per_second']:,.1f} items/s ({items} items in "
-                  f"{len(report['tasks'])} tasks, {report['seconds']:.1f} s, batch_items {batch_items}, "
-                  f"{report['dtype']}, {report['device']})")
-
-
-def bench_chat_eval(args, device):
-    """The real command on an untrained checkpoint of --preset (saved as sft.py saves one) over the demo world's
-    multiple-choice items: one prompt per forward against nanochat's batching."""
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        untrained_checkpoint(tmp, args.preset, "sft", device)
-        rates = {}
-        for batch_items, option_text in ((1, "off"), (8, "off"), (8, "on")):
-            out = tmp / f"out{batch_items}{option_text}.json"
-            subprocess.run([sys.executable, str(Path(__file__).parent / "chat_eval.py"), "--checkpoint",
-                            str(tmp / "runs" / "bench"), "--tasks", "demo-choice", "--batch_items", str(batch_items),
-                            "--option_text", option_text, "--out", str(out)], check=True, capture_output=True)
-            report = json.loads(out.read_text())
-            rates[batch_items, option_text] = report["tasks"][0]["items"] / report["seconds"]
-            print(f"chat_eval {args.preset} demo-choice: {rates[batch_items, option_text]:,.1f} items/s "
-                  f"({report['tasks'][0]['items']} items, {report['seconds']:.1f} s, batch_items {batch_items}, option "
-                  f"text {option_text}, {report['dtype']}, {report['device']})")
-        print(f"chat_eval {args.preset} demo-choice letters: batched (8) {rates[8, 'off'] / rates[1, 'off']:.2f}x one "
-              f"prompt per forward; the option-text diagnostic costs {rates[8, 'off'] / rates[8, 'on']:.2f}x the "
-              f"letters' time")
-
-
-def bench_generate(args, device):
-    """Batched generation (decode.py) against the one-row paths it replaced, one run of each side by side on an
-    untrained checkpoint of --preset (vocab 1024; an untrained model rarely ends a reply, so replies run to their
-    budget: the lengths are printed). ChatCORE's generated answers: `python chat_eval.py --tasks demo-answer`
-    --batch_items 1 (model.generate, one item at a time) and the default, items/s and whether every item's record is
-    the same. RL's rollouts: rl.sample_group (one question's replies per batch, model.forward) against
-    rl.sample_groups (every question's replies in one batch), 16 questions x 16 replies at temperature 1, top_k 50,
-    on rl.py's one rollout thread: sampled tokens/s."""
-    import rl  # here: the other benchmarks do not need it
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        untrained_checkpoint(tmp, args.preset, "sft", device)
-        rates, records = {}, {}
-        for batch_items in (1, 8, 32):
-            out = tmp / f"out{batch_items}.json"
-            subprocess.run([sys.executable, str(Path(__file__).parent / "chat_eval.py"), "--checkpoint",
-                            str(tmp / "runs" / "bench"), "--tasks", "demo-answer", "--max_items",
-                            str(args.generate_items), "--max_new_tokens", str(args.generate_tokens), "--batch_items",
-                            str(batch_items), "--dtype", "float32", "--out", str(out)],
-                           check=True, capture_output=True)
-            report = json.loads(out.read_text())
-            records[batch_items] = [json.loads(line) for line in out.with_name(out.stem + "_items.jsonl")
-                                    .read_text().splitlines()]
-            rates[batch_items] = report["tasks"][0]["items"] / report["seconds"]
-            lengths = [len(r["reply"]) for r in records[batch_items]]
-            print(f"generate chat_eval {args.preset} demo-answer, batch_items {batch_items:2d}: "
-                  f"{rates[batch_items]:6.2f} items/s ({report['tasks'][0]['items']} items in "
-                  f"{report['seconds']:.1f} s; replies {min(lengths)}-{max(lengths)} characters, max_new_tokens "
-                  f"{args.generate_tokens}; {report['device']})")
-        same = all(records[b] == records[1] for b in records)
-        best = rates[8] / rates[1]
-        print(f"generate chat_eval: batched (8, the default) {best:.2f}x one item at a time, (32) "
-              f"{rates[32] / rates[1]:.2f}x (target >= 4x: {'met' if best >= 4 else 'MISSED'}); every item's record "
-              f"identical: {same}")
-        tok = Tokenizer.load(tmp / "tokenizer")
-        model = checkpoint.load_model(tmp / "runs" / "bench" / "ckpt" / "step_000000", device)[0]
-        items = rl.demo_items(tmp / "demo")[::187][:16]
-        prompts = [rl.prompt_ids(tok, item["prompt"], model.config.sequence_len, 1)[0] for item in items]
-        threads = torch.get_num_threads()
-        torch.set_num_threads(rl.CPU_ROLLOUT_THREADS if device.type == "cpu" else threads)
-        speeds = {}
-        for name in ("sample_group", "sample_groups"):
-            start = time.perf_counter()
-            if name == "sample_group":
-                sampled = [s for p in prompts for s in rl.sample_group(model, tok, p, 16, args.generate_tokens, 1.0,
-                                                                       50, 0, "float32")[1]]
-            else:
-                sampled = rl.sample_groups(model, tok, prompts, 16, args.generate_tokens, 1.0, 50, 0, "float32")[1]
-            seconds = time.perf_counter() - start
-            speeds[name] = sum(map(sum, sampled)) / seconds
-            print(f"generate rl {args.preset} {name:13s}: {speeds[name]:7,.0f} sampled tok/s ({sum(map(sum, sampled)):,}"
-                  f" tokens, {len(sampled)} replies of {len(prompts)} questions in {seconds:.1f} s, "
-                  f"{torch.get_num_threads()} thread(s))")
-        torch.set_num_threads(threads)
-        ratio = speeds["sample_groups"] / speeds["sample_group"]
-        print(f"generate rl: all questions per batch {ratio:.2f}x one question per batch (target >= 3x: "
-              f"{'met' if ratio >= 3 else 'MISSED'})")
-
-
-OLD_DOWNLOAD_CLIENT = "1d71acd"  # the last commit whose dataset.py downloads with its own HTTP code on requests
-
-
-def hub_standin(files):
-    """A loopback server answering what both clients ask: the tree API (one page, LFS sha256s) and resolve URLs, HEAD
-    and GET, with the headers hf_hub_download reads (X-Repo-Commit, X-Linked-Etag, X-Linked-Size). No faults, so no
-    Range: nothing is resumed."""
-    shas = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
-    tree = json.dumps([{"type": "file", "path": name, "size": len(data), "oid": "0" * 40,
-                        "lfs": {"oid": shas[name], "size": len(data), "pointerSize": 134}}
-                       for name, data in files.items()]).encode()
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"  # keep-alive, as the hub and its CDN
-
-        def log_message(self, *args):
-            pass
-
-        def do_GET(self):
-            path = unquote(urlsplit(self.path).path)
-            name = path.rsplit("/", 1)[-1]
-            if path.startswith("/api/"):
-                body, headers = tree, {"Content-Type": "application/json"}
-            else:
-                body, headers = files[name], {"X-Repo-Commit": "0" * 40, "ETag": f'"{shas[name]}"',
-                                              "X-Linked-Etag": f'"{shas[name]}"', "X-Linked-Size": str(len(files[name]))}
-            self.send_response(200)
-            for key, value in {**headers, "Content-Length": str(len(body))}.items():
-                self.send_header(key, value)
-            self.end_headers()
-            if self.command == "GET":
-                self.wfile.write(body)
-
-        do_HEAD = do_GET
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
-
-
-def old_download_client(tmp):
-    """dataset.py as of OLD_DOWNLOAD_CLIENT, as a module of its own (written into tmp)."""
-    path = Path(tmp) / f"dataset_{OLD_DOWNLOAD_CLIENT}.py"
-    path.write_text(subprocess.run(["git", "show", f"{OLD_DOWNLOAD_CLIENT}:dataset.py"], cwd=Path(__file__).parent,
-                                   capture_output=True, text=True, check=True).stdout)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def shard_bytes(mb=4):
-    """A parquet shard of random hex text: every shard distinct, nothing compresses."""
-    texts = [os.urandom(2048).hex() for _ in range(mb * 1000 * 1000 // 4096)]
-    buf = io.BytesIO()
-    pq.write_table(pa.table({"text": texts}), buf, compression="none")
-    return buf.getvalue()
-
-
-def bench_download(args, device):
-    files = {f"shard_{i:05d}.parquet": shard_bytes() for i in range(17)}
-    total_mb = sum(map(len, files.values())) / 1e6
-    server = hub_standin(files)
-    os.environ.update(HF_ENDPOINT=f"http://127.0.0.1:{server.server_address[1]}", NO_PROXY="127.0.0.1")
-    with tempfile.TemporaryDirectory() as tmp:
-        clients = {f"old (requests, {OLD_DOWNLOAD_CLIENT})": old_download_client(tmp), "new (huggingface_hub)": dataset}
-        seconds = {label: [] for label in clients}
-        for trial in range(args.trials):
-            for label, client in clients.items():
-                out = Path(tmp) / f"{trial}{label[:3]}"
-                start = time.perf_counter()
-                client.download_shards("bench/shards", 16, out, workers=4)
-                seconds[label].append(time.perf_counter() - start)
-                assert all((out / name).read_bytes() == data for name, data in files.items())
-    server.shutdown()
-    for label, times in seconds.items():
-        median = sorted(times)[len(times) // 2]
-        print(f"download {label:26s}: {len(files) / median:6.1f} shards/s, {total_mb / median:7.1f} MB/s (median of "
-              f"{args.trials}; {len(files)} shards, {total_mb:.0f} MB, 4 workers, loopback)")
-    print(f"download: CPU {common.device_name(torch.device('cpu'))}, {os.cpu_count()} cores")
-
-
-def bench_cpu(args, device):
-    """pretrain.py at nanochat's tiny CPU configuration on real text: every compile/optimizer combination in the
-    precision common.precision chooses, and the defaults in the other precision."""
-    corpus = Path(args.corpus)
-    if not corpus.is_dir():
-        return print(f"cpu: skipped, no corpus at {corpus}")
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        train_tokenizer(iter_texts(corpus, "train"), 8192).save(tmp / "tokenizer")
-        chosen, why = common.precision(device)
-        other, rates = "bfloat16" if chosen == "float32" else "float32", {}
-        # every optimizer and compile setting in the chosen precision, the other precision at the defaults only:
-        # where bf16 is emulated (20-100x slower on an AVX2-only CPU) four runs in it would dominate the row
-        for optimizer, compiled, dtype in [(o, c, chosen) for o in ("muon", "adamw") for c in ("false", "true")] + [
-                ("muon", "true", other)]:
-            name = f"{optimizer}_{dtype}_{'compiled' if compiled == 'true' else 'eager'}"
-            subprocess.run([sys.executable, str(Path(__file__).parent / "pretrain.py"), "--preset", "tiny",
-                            "--data_dir", str(corpus), "--tokenizer", str(tmp / "tokenizer"), "--runs_dir",
-                            str(tmp / "runs"), "--run_name", name, "--steps", "40", "--micro_batch", "8",
-                            "--eval_every", "0", "--bpb_tokens", "4096", "--ckpt_every", "1000",
-                            "--optimizer", optimizer, "--dtype", dtype, "--compile", compiled],
-                           check=True, capture_output=True)
-            records = [json.loads(line) for line in
-                       (tmp / "runs" / name / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
-            timed = [r for r in records if r["step"] > 10]
-            rate = rates[name] = sorted(r["tok_per_s"] for r in timed)[len(timed) // 2]
-            wait = sum(r["data_wait"] for r in timed) / len(timed)
-            print(f"cpu {name:26s}: {rate:7,.0f} tok/s (median of steps 11-40), waiting for data "
-                  f"{100 * wait:.1f}% of the step")
-        print(f"cpu precision: {chosen} ({why}); Muon compiled: fp32 {rates['muon_float32_compiled']:,.0f} tok/s, "
-              f"bf16 {rates['muon_bfloat16_compiled']:,.0f} tok/s")
-        muon_share(device, 2048 / rates[f"muon_{chosen}_compiled"])
-
-
-def compile_case(vocab, micro_batch, seq_len, device_name, dtype, steady_steps):
-    """One bench.py compile case, in a fresh process (its own peak memory and compile caches): the first compiled
-    training step (forward and backward through train_loop, as a stage runs them) and the median of the steady steps
-    after it. Prints one JSON line."""
-    import resource
-    device = torch.device(device_name)
-    if device.type == "cpu":
-        distributed.keep_freed_memory()  # as every stage does on CPU
-    config = config_from_preset("tiny", {"n_layer": 2, "n_embd": 128, "n_head": 2, "n_kv_head": 2,
-                                         "vocab_size": vocab, "sequence_len": seq_len})
-    torch.manual_seed(0)
-    model = build_model(config, device)
-    run = argparse.Namespace(compile=True)
-    train_model = train_loop.wrap_model(model, run, 1, 0, device)
-    idx = torch.randint(0, vocab, (micro_batch, seq_len), device=device)
-    batches = [(idx, idx.roll(-1, 1))]
-    times = []
-    for _ in range(1 + steady_steps):
-        start = time.perf_counter()
-        train_loop.forward_backward(train_model, batches, dtype, device, 1)
-        sync(device)
-        times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"first": times[0], "steady": statistics.median(times[1:]), "peak": peak}))
-
-
-def bench_compile(args, device):
-    """The first compiled training step at vocabulary 512 (one loss chunk) and 65,536 (32+), cold (empty compile
-    caches) then warm (a second process on the same caches, as a run's next stage starts)."""
-    import model as model_lib
-    dtype, rows = common.matmul_dtype(device), args.compile_batch * 256
-    ratio = {}
-    for vocab in (512, 65536):
-        chunks = math.ceil(rows * vocab / model_lib.LOSS_CHUNK_ELEMENTS)
-        with tempfile.TemporaryDirectory() as cache:
-            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": str(Path(cache) / "triton")}
-            for label in ("cold", "warm"):
-                case = f"import bench; bench.compile_case({vocab}, {args.compile_batch}, 256, {str(device)!r}, {dtype!r}, 3)"
-                out = subprocess.run([sys.executable, "-c", case], cwd=Path(__file__).parent, env=env,
-                                     capture_output=True, text=True, check=False)
-                if out.returncode:
-                    raise RuntimeError(f"compile case vocab {vocab} failed:\n{out.stderr[-3000:]}")
-                r = json.loads(out.stdout.strip().splitlines()[-1])
-                compile_s = r["first"] - r["steady"]
-                if label == "cold":
-                    ratio[vocab] = compile_s
-                print(f"compile vocab {vocab:6d} ({chunks} loss chunks of {args.compile_batch} x 256 rows, {dtype}) "
-                      f"{label}: step 1 {r['first']:6.1f} s, steady step {r['steady']:.3f} s (median of 3), "
-                      f"compilation {compile_s:6.1f} s, peak memory {common.fmt_bytes(r['peak'])}")
-    print(f"compile: vocab 65536 / vocab 512 compilation ratio {ratio[65536] / ratio[512]:.2f}")
-
-
-# bench.py quality: each row is pretrain.py's defaults plus these flags (the first row: the defaults themselves).
-# At 2^11 tokens a step, AdamW lrs 8x smaller are the square-root rule's (2^-8)^(1/2) against (2^-8)^(1/8).
-SQRT_RULE_LRS = ["--embedding_lr", "0.025", "--head_lr", "0.0005", "--scalar_lr", "0.005"]
-# each issue-16 change that has a flag, undone; Polar Express + NorMuon have none (they replaced the old Muon), so
-# "without_issue16" is the old defaults with the new Muon
-QUALITY_VARIANTS = {"defaults": [], "no_value_embeds": ["--value_embeds", "false"],
-                    "no_resid_lambdas": ["--resid_lambdas", "false"],
-                    "no_momentum_warmup": ["--muon_momentum_warmup", "0"], "sqrt_rule_lrs": SQRT_RULE_LRS,
-                    "without_issue16": ["--value_embeds", "false", "--resid_lambdas", "false", "--muon_momentum_warmup",
-                                        "0", *SQRT_RULE_LRS]}
-
-
-def quality_run(corpus, tokenizer, runs, name, seed, flags, threads):
-    """One pretrain.py run at nanochat's tiny CPU shape; its final validation bpb, from its done.json."""
-    command = [sys.executable, str(Path(__file__).parent / "pretrain.py"), "--preset", "tiny", "--vocab_size", "8192",
-               "--data_dir", str(corpus), "--tokenizer", str(tokenizer), "--runs_dir", str(runs), "--run_name",
-               f"{name}_s{seed}", "--seed", str(seed), "--steps", "300", "--micro_batch", "8", "--total_batch_tokens",
-               "2048", "--eval_every", "0", "--bpb_tokens", "524288", "--ckpt_every", "1000", "--compile", "true",
-               *flags]
-    subprocess.run(command, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
-    return json.loads((Path(runs) / f"{name}_s{seed}" / "done.json").read_text())["val_bpb"]
-
-
-def bench_quality(args, device):
-    """Validation bpb after 614,400 tokens at nanochat's tiny CPU shape on the real-text corpus, per variant and seed,
-    --quality_jobs runs at a time (each on cores / jobs threads): the medians README's quality table reports."""
-    from concurrent.futures import ThreadPoolExecutor
-    corpus = Path(args.corpus)
-    if not corpus.is_dir():
-        return print(f"quality: skipped, no corpus at {corpus}")
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        train_tokenizer(iter_texts(corpus, "train"), 8192).save(tmp / "tokenizer")
-        threads = max(1, (os.cpu_count() or 1) // args.quality_jobs)
-        jobs = [(name, seed) for name in args.variants for seed in range(args.seeds)]
-        with ThreadPoolExecutor(args.quality_jobs) as pool:
-            bpbs = list(pool.map(lambda job: quality_run(corpus, tmp / "tokenizer", tmp / "runs", *job,
-                                                          QUALITY_VARIANTS[job[0]], threads), jobs))
-        config = config_from_preset("tiny", {"vocab_size": 8192})
-        for name in args.variants:
-            mine = [bpb for (n, _), bpb in zip(jobs, bpbs, strict=True) if n == name]
-            print(f"quality {name:14s}: val bpb median {statistics.median(mine):.4f} over seeds {list(range(args.seeds))}"
-                  f" ({', '.join(f'{b:.4f}' for b in mine)}); flags: {' '.join(QUALITY_VARIANTS[name]) or '(none)'}")
-        print(f"quality: FLOPs/token {flops_per_token(config):.4e}, parameters {num_params(config):,} (defaults)")
-
-
-def bench_fsdp(args, device):
-    """Runs this file's fsdp_rank under torchrun on 2 processes and prints what rank 0 reports."""
-    preset = args.preset if args.preset != "tiny" else "llama3-1b"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-               "fsdp_rank", "--preset", preset, "--fsdp_steps", str(args.fsdp_steps), "--fsdp_seq", str(args.fsdp_seq)]
-    result = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                            check=False)
-    if result.returncode:
-        return print(f"fsdp: failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
-    print("\n".join(line for line in result.stdout.splitlines() if line.startswith(("fsdp", "distributed"))))
-
-
-def bench_fsdp_rank(args, device):
-    """One rank of bench_fsdp: the shared loop's pieces on a sharded model, timed; peak RSS gathered to rank 0."""
-    import resource
-    rank, _, world, device = distributed.setup_distributed()
-    baseline = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # torch, imported
-    config = config_from_preset(args.preset, {"sequence_len": args.fsdp_seq})
-    start = time.perf_counter()
-    torch.manual_seed(0)
-    model = build_model(config, device)
-    dtype = common.matmul_dtype(device)
-    run = argparse.Namespace(fsdp="true", optimizer="muon", adam8bit=False, dtype=dtype, compile=False, matrix_lr=0.02,
-                             embedding_lr=0.2, head_lr=0.004, scalar_lr=0.04)
-    sharding = distributed.shard_model(model, run, world, device)
-    optimizers = optim.build_optimizers(model, run, config.n_embd, world * args.fsdp_seq, device)
-    built, times = time.perf_counter() - start, []
-    for _ in range(args.fsdp_steps):
-        start = time.perf_counter()
-        ids = torch.randint(0, config.vocab_size, (1, args.fsdp_seq + 1))
-        train_loop.forward_backward(model, [(ids[:, :-1], ids[:, 1:])], dtype, device, world)
-        train_loop.clip_grad_norm(model.parameters(), 1.0)
-        for opt in optimizers:
-            opt.step()
-        model.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
-    peaks = [None] * world
-    torch.distributed.all_gather_object(peaks, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline)
-    est = memory_estimate(config, 1, args.fsdp_seq, optimizer="muon", bf16=dtype == "bfloat16")
-    per_rank = (est["weights"] + est["gradients"] + est["optimizer"]) / world + est["activations"] + est["transient"]
-    if rank == 0:
-        print(f"fsdp {args.preset} ({num_params(config):,} params), {world} processes, micro-batch 1 x "
-              f"{args.fsdp_seq}, Muon, {dtype}: {sharding}")
-        median = statistics.median(times[1:] or times)
-        print(f"fsdp build + shard {built:.1f} s; step times " + ", ".join(f"{t:.1f}" for t in times)
-              + f" s (median after the first: {median:.1f} s)")
-        print("fsdp peak resident memory per rank above its start (torch imported) " + ", ".join(
-              f"{p / 2**30:.2f}" for p in peaks) + f" GiB; model.py's estimate per rank {per_rank / 2**30:.2f} GiB (weights, gradients, optimizer / {world}: "
-              f"{(est['weights'] + est['gradients'] + est['optimizer']) / world / 2**30:.2f}; activations "
-              f"{est['activations'] / 2**30:.2f}; transient {est['transient'] / 2**30:.2f})")
-    distributed.teardown_distributed()
-
-
-def muon_share(device, step_seconds, steps=10):
-    """Median seconds of the Muon step for the tiny shape at vocab 8192 (and of forward+backward, compiled in the
-    default compute dtype, and the AdamW step beside it), and its share of step_seconds, the median training step of
-    pretrain.py in the same configuration."""
-    config = config_from_preset("tiny", {"vocab_size": 8192})
-    model = build_model(config, device)
-    train_model, dtype = torch.compile(model), common.matmul_dtype(device)
-    args = argparse.Namespace(optimizer="muon", adam8bit=False, matrix_lr=0.02, embedding_lr=0.2, head_lr=0.004,
-                              scalar_lr=0.04)
-    adam, muon = optim.build_optimizers(model, args, config.n_embd, 2048, device)
-    idx = torch.randint(0, 8192, (8, 256), device=device)
-
-    def forward_backward():
-        with autocast_context(device.type, dtype):
-            loss = train_model(idx, idx)
-        loss.backward()
-    times = {"forward+backward": [], "AdamW step": [], "Muon step": []}
-    for _ in range(steps + 3):
-        for label, work in (("forward+backward", forward_backward), ("AdamW step", adam.step),
-                            ("Muon step", muon.step)):
-            start = time.perf_counter()
-            work()
-            sync(device)
-            times[label].append(time.perf_counter() - start)
-        model.zero_grad(set_to_none=True)
-    median = {label: sorted(t[3:])[steps // 2] for label, t in times.items()}
-    print(f"cpu Muon step (Newton-Schulz in {muon.param_groups[0]['ns_dtype']}): {1000 * median['Muon step']:.1f} ms, "
-          f"{100 * median['Muon step'] / step_seconds:.1f}% of pretrain.py's compiled {dtype} Muon step "
-          f"({1000 * step_seconds:.0f} ms); alone: " + ", ".join(f"{label} {1000 * t:.1f} ms"
-                                                                 for label, t in median.items()))
-
-
-BENCHES = {"train": bench_train, "decode": bench_decode, "build": bench_build, "tokenizer": bench_tokenizer,
-           "loader": bench_loader, "pretrain": bench_pretrain, "core_eval": bench_core_eval, "sft": bench_sft,
-           "chat_eval": bench_chat_eval, "generate": bench_generate,
-           "download": bench_download, "cpu": bench_cpu, "chat": bench_chat, "fsdp": bench_fsdp,
-           "quality": bench_quality, "compile": bench_compile}
+STAGES = list(dict.fromkeys(row[0] for row in STAGE_ROWS))
+# gpu last: not part of "all"
+BENCHES = {"decode": bench_decode, "tokenizer": bench_tokenizer, "loader": bench_loader, "gpu": bench_gpu.bench_gpu}
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("which", nargs="*", default=list(BENCHES), help=f"any of {', '.join(BENCHES)} (default: all)")
-    parser.add_argument("--preset", default="tiny", help="model preset for train and decode (default: %(default)s)")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per training step (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=10, help="timed training steps (default: %(default)s)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed training steps first (default: %(default)s)")
-    parser.add_argument("--decode_tokens", type=int, default=64, help="tokens generated (default: %(default)s)")
-    parser.add_argument("--trials", type=int, default=5, help="decode and download trials, the median is reported "
-                        "(default: %(default)s)")
+    everything = [*STAGES, *BENCHES]
+    parser.add_argument("which", nargs="*", default=everything[:-1], help=f"any of {', '.join(everything)} (default: "
+                        "all but gpu)")
+    parser.add_argument("--preset", default="tiny", help="model of the demo-world rows and decode (default: tiny)")
+    parser.add_argument("--dry_run", action="store_true", help="every row at its smallest size on the CPU, nothing "
+                        "compiled, the demo world as --corpus; gpu: the battery's rows at toy size (depth 2, sequence "
+                        "64), nanochat's where --bench_dir holds its tree")
+    parser.add_argument("--work", help="where the rows' files go, kept (default: a temporary folder, removed)")
+    parser.add_argument("--decode_tokens", type=int, default=64, help="decode: tokens generated (default: 64)")
+    parser.add_argument("--trials", type=int, default=5, help="decode: interleaved trials, the median is reported "
+                        "(default: 5)")
     parser.add_argument("--corpus", default=str(Path(__file__).resolve().parent.parent / "shared/corpus/realtext"),
-                        help="text corpus for the tokenizer benchmark (default: %(default)s)")
-    parser.add_argument("--bundle", default=None, help="eval bundle directory for core_eval (default: the demo "
-                        "world's)")
-    parser.add_argument("--generate_items", type=int, default=64, help="generate: demo-answer items (default: "
-                        "%(default)s)")
-    parser.add_argument("--generate_tokens", type=int, default=64, help="generate: max_new_tokens per reply "
-                        "(default: %(default)s)")
-    parser.add_argument("--compile_batch", type=int, default=64, help="compile: sequences of 256 tokens in the "
-                        "micro-batch (default: %(default)s: 32 loss chunks at vocabulary 65,536)")
-    parser.add_argument("--fsdp_steps", type=int, default=3, help="fsdp: steps timed (default: %(default)s)")
-    parser.add_argument("--fsdp_seq", type=int, default=128, help="fsdp: tokens per sequence (default: %(default)s; "
-                        "llama3-1b at 256 does not fit 2 processes in 24 GB)")
-    parser.add_argument("--variants", nargs="+", default=list(QUALITY_VARIANTS), help="quality: which rows (default: "
-                        "all)")
-    parser.add_argument("--seeds", type=int, default=3, help="quality: seeds per row (default: %(default)s)")
-    parser.add_argument("--quality_jobs", type=int, default=2, help="quality: runs at a time (default: %(default)s)")
+                        help="text corpus of tokenizer, loader and cpu (default: %(default)s)")
+    parser.add_argument("--bundle", help="core_eval: eval bundle directory (default: the demo world's)")
+    parser.add_argument("--generate_items", type=int, default=64, help="generate: demo-answer items (default: 64)")
+    parser.add_argument("--generate_tokens", type=int, default=64, help="generate: max_new_tokens per reply, and "
+                        "decode's per rollout (default: 64)")
     bench_gpu.add_gpu_args(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="device (default: %(default)s)")
     args = parser.parse_args(argv)
-    if args.dry_run:
-        args.device = "cpu"
-    device = torch.device(args.device)
+    device = torch.device("cpu" if args.dry_run else args.device)
     if device.type == "cpu":
         distributed.keep_freed_memory()  # as every stage does on CPU
     print(f"device: {common.device_name(device)}; bf16 native: {common.native_bf16(device)}; torch "
           f"{torch.__version__}, {torch.get_num_threads()} CPU threads, {os.cpu_count()} cores")
-    if args.which == ["fsdp_rank"]:  # one rank of the fsdp benchmark, under the torchrun that bench_fsdp starts
-        return bench_fsdp_rank(args, device)
-    if args.which in (["gpu"], ["gpu_prepare"], ["gpu_probe"]):  # the GPU battery: never part of "all"
-        if args.which == ["gpu_prepare"] and not args.nanochat_mirror:
-            parser.error("gpu_prepare needs --nanochat_mirror (the git directory `fetch github:karpathy/nanochat` "
-                         "gives) or $NANOCHAT_MIRROR")
-        try:
-            return {"gpu": bench_gpu.bench_gpu, "gpu_prepare": bench_gpu.gpu_prepare,
-                    "gpu_probe": bench_gpu.gpu_probe}[args.which[0]](args, device)
-        except (FileNotFoundError, ValueError) as e:  # ours, each naming its fix: one line, not a traceback
-            parser.exit(1, f"bench.py: error: {e}\n")
-    for name in args.which:
-        if name not in BENCHES:
-            parser.error(f"unknown benchmark {name!r}: choose from {', '.join(BENCHES)}")
-        BENCHES[name](args, device)
+    if args.which == ["gpu_probe"]:  # the battery's micro-batch probe, in a process of its own
+        return bench_gpu.gpu_probe(args, device)
+    if set(args.which) - set(everything):
+        parser.error(f"unknown benchmarks {sorted(set(args.which) - set(everything))}: choose from {everything}")
+    with tempfile.TemporaryDirectory() as tmp:
+        args.work = args.work or tmp
+        # the demo world supports at most ~1,690 BPE tokens
+        args.corpus, args.corpus_vocab = (demo_files(args) / "demo" / "pretrain", 1024) if args.dry_run else (
+            args.corpus, 8192)
+        for name in args.which:
+            try:
+                bench_stages(args, device, name) if name in STAGES else BENCHES[name](args, device)
+            except (FileNotFoundError, ValueError) as e:  # ours, each naming its fix: one line, not a traceback
+                parser.exit(1, f"bench.py: error: {e}\n")
 
 
 if __name__ == "__main__":

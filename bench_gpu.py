@@ -1,14 +1,15 @@
 """The GPU battery, and the device measurements bench.py shares with it: what a session with a GPU runs first.
 
-    python bench.py gpu_prepare --nanochat_mirror DIR --corpus DIR   # on a machine with both: fills .bench/
-    python bench.py gpu --rows mfu_d20 --out $OUT                    # on the GPU, one device call per row group
-    python bench.py gpu --dry_run                                    # every row at toy size on the CPU
-    python bench.py gpu --merge A/gpu_bench.json B/gpu_bench.json    # the calls' files into one table
+    python dev/gpu_carry.py prepare --nanochat_mirror DIR --corpus DIR  # on a machine with both: fills .bench/
+    python bench.py gpu --rows mfu_d20 --out $OUT                       # on the GPU, one device call per row group
+    python bench.py gpu --dry_run                                       # every row at toy size on the CPU
+    python dev/gpu_carry.py merge A/gpu_bench.json B/gpu_bench.json     # the calls' files into one table
 
 Rows: pretraining tok/s, MFU and peak memory against model.py's estimate at d20, d12 and d26 beside nanochat's own
 scripts/base_train.py at the same shape and batch; validation bpb at d12 after the same tokens at 2^19 and 2^17
-tokens a step, beside nanochat's; the demo plan end to end; chat decode tok/s. bench.py parses the flags
-(add_gpu_args) and calls bench_gpu, gpu_prepare or gpu_probe; `python bench_gpu.py` alone prints this text.
+tokens a step, beside nanochat's; the demo plan end to end; bench.py decode's figures (chat_decode). bench.py parses
+the flags (add_gpu_args) and calls bench_gpu or gpu_probe; `python bench_gpu.py` alone prints this text. On a lent GPU
+machine dev/gpu_session.sh runs it, and dev/gpu_carry.py makes what that machine cannot download (.bench/).
 
 A training row runs three phases, each its own process with a line printed as it starts and ends, its log in
 --out/logs, and a time limit (--phase_timeout; --deadline_s for the whole call): the micro-batch probe (`bench.py
@@ -16,16 +17,7 @@ gpu_probe`, once per model), this repository's pretrain.py (compilation, the ste
 nanochat's base_train.py at the same shape, batch and micro-batch (its end-of-run checkpoint goes to /dev/null). A
 phase stopped at its limit is reported as timed out with its log's tail and the figures of the steps it logged; the
 row goes on.
-
-Expected GPU time of each row, both sides, on one H100 or H200 (estimated, not measured: the step times from the one
-H100 run of dev/LOG.md, d20 at 106,942 tok/s and d12 at 347,139, d26 scaled by FLOPs/token; ~1.5 min of start-up
-and compilation per side, ~0.7 min per probe):
-    mfu_d20      ~7.5 min: probe; ours and nanochat each ~3.4 (20 steps of 2^19 at ~4.9 s, the last 17 timed)
-    bpb_d12_b19  ~6 min: probe; each side ~2.7 (64 steps of 2^19 at ~1.5 s, evaluation of 2^18 tokens)
-    bpb_d12_b17  ~6 min: as bpb_d12_b19, 256 steps of 2^17 at ~0.4 s (no probe after bpb_d12_b19 in the same call)
-    mfu_d26      ~8.5 min: probe; each side ~3.8 (11 steps of 2^19 at ~10 s, the last 8 timed)
-    demo         ~3.5 min: speedrun.sh --plan demo, every stage on the demo world (166 s of stages on the H100)
-    chat_decode  ~1 min: bf16, compilation of the decode step and 5 trials of 64 tokens per path
+Expected GPU time of each row: dev/gpu_session.sh.
 """
 import argparse
 import itertools
@@ -38,30 +30,23 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 import common
 import optim
 import train_loop
-from dataset import iter_texts
-from demo import write_demo
 from model import (
     DEPTH_ASPECT,
     DEPTH_HEAD_DIM,
-    autocast_context,
     build_model,
     config_from_preset,
     flops_per_token,
-    generate,
     memory_estimate,
     num_params,
 )
-from tokenizer import train_tokenizer
 
 
 def sync(device):
@@ -71,8 +56,7 @@ def sync(device):
 
 def matmul_peak(device, dtype, n=2048, reps=10):
     """Measured dense matmul FLOP/s: the achievable peak of this device, for devices the MFU table does not list."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     a @ b
     sync(device)
     start = time.perf_counter()
@@ -82,83 +66,11 @@ def matmul_peak(device, dtype, n=2048, reps=10):
     return 2 * n ** 3 * reps / (time.perf_counter() - start)
 
 
-def chat_decode_paths(device):
-    """(dtype, the decode path, the paths to time) as chat.py chooses them on this device with its defaults: dtype
-    matmul_dtype on CUDA (bf16 where native) else fp32, decode "auto" = compiled on CUDA else lean; lean runs fp32
-    only."""
-    dtype = common.matmul_dtype(device) if device.type == "cuda" else "float32"
-    chat_default = "compiled" if device.type == "cuda" else "lean"
-    return dtype, chat_default, ("lean", "static", "compiled") if dtype == "float32" else ("compiled", "static")
-
-
-def bench_chat_decode(args, device):
-    """Greedy decode tok/s at the preset's own shape, context 192 -> 256 as in `decode`: generate() against
-    chat.py's decode paths in the dtype chat.py decodes in on this device (bf16 on a GPU with native bf16: its
-    compiled path, which it uses there, and static; fp32 elsewhere: lean, which it uses there, static and compiled),
-    interleaved trials, the same tokens checked. Returns ({path: median tok/s}, dtype)."""
-    import chat  # here: the other benchmarks do not need it
-    torch.manual_seed(0)
-    config = config_from_preset(args.preset)
-    model = build_model(config, device).eval()
-    dtype, chat_default, decodes = chat_decode_paths(device)
-    if getattr(args, "dry_run", False):  # the CPU's dry run: no compilation
-        decodes = decodes[:2]
-    n = args.decode_tokens
-    prompt = torch.randint(0, config.vocab_size, (config.sequence_len - n - 1,)).tolist()
-
-    def with_generate():
-        tokens = generate(model, prompt, n + 1, temperature=0, dtype=dtype)
-        out = [next(tokens)]  # the prefill's token
-        start = time.perf_counter()
-        out += list(tokens)
-        return n / (time.perf_counter() - start), out
-
-    def with_chat(conv):
-        def run():
-            conv.ids, conv.cache.pos = [], 0
-            logits = conv.forward(prompt)
-            start, out = time.perf_counter(), []
-            with torch.inference_mode(), autocast_context(device.type, dtype):  # as chat.py's reply loop
-                for _ in range(n + 1):
-                    token = logits.argmax(-1, keepdim=True)
-                    out.append(token.item())
-                    if len(out) <= n:
-                        logits = conv.step(token)
-            return n / (time.perf_counter() - start), out
-        return run
-
-    tok = SimpleNamespace(special_tokens={"<|assistant_end|>": 0}, special_id=lambda name: 0, bos_id=0)
-    paths = {"generate()": with_generate}
-    for decode in decodes:
-        start = time.perf_counter()
-        paths[decode] = with_chat(chat.Conversation(model, tok, True, decode, dtype))
-        paths[decode]()  # warm up; compiles the compiled one
-        if decode == "compiled":
-            print(f"chat decode compiled: first call (compilation) {time.perf_counter() - start:.1f} s")
-    results = {name: [] for name in paths}
-    for _ in range(args.trials):
-        for name, run in paths.items():
-            results[name].append(run())
-    base = sorted(r[0] for r in results["generate()"])[args.trials // 2]
-    for name, runs in results.items():
-        rate = sorted(r[0] for r in runs)[args.trials // 2]
-        same = all(r[1] == results["generate()"][0][1] for r in runs)
-        print(f"chat decode {args.preset} {dtype} {name:11s}: {rate:6,.0f} tok/s median of {args.trials} ({rate / base:.2f}x "
-              f"generate(); greedy tokens identical: {same})")
-    if chat_default in results:
-        rate = sorted(r[0] for r in results[chat_default])[args.trials // 2]
-        verdict = "met" if rate >= 1.5 * base else "MISSED"
-        print(f"chat decode: {chat_default} (chat.py's path here) / generate() = {rate / base:.2f}x (target >= 1.5x: "
-              f"{verdict}; generate() recorded at 276 tok/s in the README's decode row, an earlier session, CPU fp32)")
-    return {name: sorted(r[0] for r in runs)[args.trials // 2] for name, runs in results.items()}, dtype
-
-
 # -----------------------------------------------------------------------------
 # bench.py gpu: the battery a session with a GPU runs first (dev/LOG.md: the GPU battery). Every row runs a real command
 # (pretrain.py, nanochat's scripts/base_train.py, speedrun.sh) and its figures are read back from that command's own
-# files and output. `gpu_prepare` makes the carry folder (.bench/) on a machine with the nanochat mirror and the corpus.
+# files and output. dev/gpu_carry.py makes the carry folder (.bench/) on a machine with the nanochat mirror and corpus.
 
-NANOCHAT_COMMIT = "92d63d4e8bb4df75c3b71618f31ddde2378b2bcd"  # the commit the CPU side-by-side measured
 GPU_VOCAB = 32768  # nanochat's default tokenizer size (2^15): both sides train their own on the carried corpus
 BIG_BATCH, SMALL_BATCH = 2 ** 19, 2 ** 17  # tokens per optimizer step: nanochat's d20 batch, and a quarter of it
 BPB_TOKENS = 64 * BIG_BATCH  # training tokens of each bpb row: 64 steps at 2^19, 256 at 2^17
@@ -167,97 +79,20 @@ MFU_EVAL_TOKENS = 2 ** 16  # an MFU row's one evaluation (pretrain.py always end
 # the rows, in the order to run them when the whole battery does not fit: d20's MFU beside nanochat, d12's bpb at 2^19
 # beside nanochat, then the rest. d12's throughput, MFU and memory are bpb_d12_b19's (the same shape and batch).
 GPU_ROWS = {
-    "mfu_d20": {"depth": 20, "batch": BIG_BATCH, "steps": 20, "nanochat": True},  # 17 timed after 3
-    "bpb_d12_b19": {"depth": 12, "batch": BIG_BATCH, "steps": BPB_TOKENS // BIG_BATCH, "nanochat": True, "bpb": True},
-    "bpb_d12_b17": {"depth": 12, "batch": SMALL_BATCH, "steps": BPB_TOKENS // SMALL_BATCH, "nanochat": True,
-                    "bpb": True},
-    "mfu_d26": {"depth": 26, "batch": BIG_BATCH, "steps": 11, "nanochat": True},  # 8 timed after 3
-    "demo": {},
-    "chat_decode": {},
+    "mfu_d20": {"depth": 20, "batch": BIG_BATCH, "steps": 20},  # 17 timed after 3
+    "bpb_d12_b19": {"depth": 12, "batch": BIG_BATCH, "steps": BPB_TOKENS // BIG_BATCH, "bpb": True},
+    "bpb_d12_b17": {"depth": 12, "batch": SMALL_BATCH, "steps": BPB_TOKENS // SMALL_BATCH, "bpb": True},
+    "mfu_d26": {"depth": 26, "batch": BIG_BATCH, "steps": 11},  # 8 timed after 3
+    "demo": {}, "chat_decode": {},
 }
 # one `run` call each, under 10 minutes on one H100 or H200 by the module docstring's estimate (not yet measured): a
 # row's two runs (ours, nanochat's) each pay start-up and compilation besides their steps
 GPU_CALLS = [["mfu_d20"], ["bpb_d12_b19"], ["bpb_d12_b17"], ["mfu_d26"], ["demo", "chat_decode"]]
 # the dry run: every row at a toy size on the CPU (depth 2, sequence 64, the demo world, vocab 1024)
 DRY = {"seq_len": 64, "micro": 4, "vocab": 1024, "steps_scale": 1 / 16, "skip": 1}
-NANOCHAT_PIP = ["tiktoken", "rustbpe", "regex", "filelock", "jinja2", "markupsafe", "pyyaml", "requests", "urllib3",
-                "idna", "certifi", "charset-normalizer"]
-WANDB_STUB = '''"""Stand-in for wandb (bench.py gpu_prepare): nanochat's base_train imports it unconditionally and, with
---run dummy, never calls it."""
-
-
-def init(*args, **kwargs):
-    raise RuntimeError("wandb stub: run nanochat with --run dummy")
-'''
-SITECUSTOMIZE = '''"""bench.py gpu_prepare: packages this machine lacks come from ../pylib (appended: its own
-come first)."""
-import sys
-from pathlib import Path
-
-sys.path.append(str(Path(__file__).resolve().parent.parent / "pylib"))
-'''
-
-
-def gpu_prepare(args, device):
-    """Fill --bench_dir (default .bench, ignored by git) with what the battery carries to a GPU machine that has no
-    network: nanochat's tree at a pinned commit (from a local mirror, no .git), the corpus shards, both tokenizers
-    trained on the corpus's training split, a wandb stub, and wheels of nanochat's pure dependencies for the GPU
-    machine's Python (--wheels_python; skipped with --wheels_python none)."""
-    bench, corpus = Path(args.bench_dir).resolve(), Path(args.corpus)
-    mirror = Path(args.nanochat_mirror)
-    if not sorted(corpus.glob("shard_*.parquet")):
-        raise FileNotFoundError(f"gpu_prepare: no shard_*.parquet in {corpus}: pass --corpus DIR (the last shard is "
-                                "the validation split)")
-    if not (mirror / "HEAD").is_file() and not (mirror / ".git").exists():
-        raise FileNotFoundError(f"gpu_prepare: {mirror} is not a git directory: fetch github:karpathy/nanochat and "
-                                "pass --nanochat_mirror <its git dir>")
-    bench.mkdir(parents=True, exist_ok=True)
-    tree = bench / "nanochat"
-    shutil.rmtree(tree, ignore_errors=True)
-    tree.mkdir()
-    archive = subprocess.run(["git", f"--git-dir={mirror / '.git' if (mirror / '.git').exists() else mirror}",
-                              "archive", args.nanochat_commit], capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
-    (tree / "COMMIT").write_text(args.nanochat_commit + "\n")
-    shutil.rmtree(bench / "corpus", ignore_errors=True)
-    (bench / "corpus").mkdir()
-    for shard in sorted(corpus.glob("shard_*.parquet")):
-        shutil.copy(shard, bench / "corpus" / shard.name)
-    vocab = args.gpu_vocab
-    start = time.perf_counter()
-    train_tokenizer(iter_texts(bench / "corpus", "train"), vocab).save(bench / "tokenizer_ours")
-    print(f"gpu_prepare: this repository's tokenizer, vocab {vocab}: {time.perf_counter() - start:.1f} s")
-    nc_base = bench / "nc_base_prepare"
-    shutil.rmtree(nc_base, ignore_errors=True)
-    nanochat_data(nc_base, bench / "corpus")
-    start = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "scripts.tok_train", f"--vocab-size={vocab}",
-                             "--max-chars=1000000000"], cwd=tree, env=nanochat_env(bench, nc_base),
-                            capture_output=True, text=True, check=False)
-    if result.returncode:
-        raise RuntimeError(f"gpu_prepare: nanochat's tok_train failed:\n{result.stdout[-2000:]}\n"
-                           f"{result.stderr[-2000:]}")
-    shutil.rmtree(bench / "tokenizer_nanochat", ignore_errors=True)
-    shutil.copytree(nc_base / "tokenizer", bench / "tokenizer_nanochat")
-    shutil.rmtree(nc_base)
-    print(f"gpu_prepare: nanochat's tokenizer (scripts.tok_train), vocab {vocab}: {time.perf_counter() - start:.1f} s")
-    (bench / "stub").mkdir(exist_ok=True)
-    (bench / "stub" / "wandb.py").write_text(WANDB_STUB)
-    (bench / "stub" / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    if args.wheels_python != "none":
-        shutil.rmtree(bench / "pylib", ignore_errors=True)
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(bench / "pylib"), "--no-deps",
-                        "--only-binary=:all:", "--platform", "manylinux2014_x86_64", "--python-version",
-                        args.wheels_python, *NANOCHAT_PIP], check=True)
-    size = sum(f.stat().st_size for f in bench.rglob("*") if f.is_file())
-    record = {"nanochat_commit": args.nanochat_commit, "vocab": vocab, "corpus": str(corpus),
-              "wheels_python": args.wheels_python, "bytes": size, "code": common.code_version(),
-              "prepared": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
-    (bench / "PREPARED.json").write_text(json.dumps(record, indent=1) + "\n")
-    print(f"gpu_prepare: {bench} holds {size / 2**20:.1f} MiB (the device tool carries at most 64 MiB)")
-    print("then, on the GPU machine, one call each (carry: [\"" + os.path.relpath(bench) + "\"]):")
-    for rows in GPU_CALLS:
-        print(f"    python3 bench.py gpu --rows {' '.join(rows)} --out $OUT")
+# the optimizers of gpu_probe and of bench.py cpu's Muon share (the lrs change neither time nor memory)
+MUON_RUN = argparse.Namespace(optimizer="muon", adam8bit=False, matrix_lr=0.02, embedding_lr=0.2, head_lr=0.004,
+                              scalar_lr=0.04)
 
 
 def nanochat_data(base, corpus):
@@ -335,9 +170,7 @@ def gpu_probe(args, device):
     overrides = {"vocab_size": args.gpu_vocab, **({"sequence_len": args.probe_seq_len} if args.probe_seq_len else {})}
     config = config_from_preset(args.preset, overrides)
     model = build_model(config, device)
-    run = argparse.Namespace(optimizer="muon", adam8bit=False, matrix_lr=0.02, embedding_lr=0.2, head_lr=0.004,
-                             scalar_lr=0.04)
-    optimizers = optim.build_optimizers(model, run, config.n_embd, 1, device)
+    optimizers = optim.build_optimizers(model, MUON_RUN, config.n_embd, 1, device)
     dtype = "bfloat16" if device.type == "cuda" else "float32"  # the battery's training dtype there
     try_step = train_loop.probe_step(model, optimizers, config.sequence_len, config.vocab_size, dtype, device)
     micro = train_loop.find_micro_batch(try_step, [2 ** k for k in range(int(math.log2(args.max_micro)) + 1)])
@@ -348,14 +181,15 @@ class GpuBattery:
     """The rows of `bench.py gpu`. Each row is a dict of what ran (command, status) and what it measured, with
     'unknown' or 'unavailable: <why>' where a figure could not be had. Logs and this repository's run directories (no
     checkpoint in them) go to --out/logs, which the device tool brings back; scratch (nanochat's data links and
-    checkpoint folder, the dry run's world, the demo's run) to a temporary folder."""
+    checkpoint folder, the demo's run) to bench.py's --work, where the dry run's world is too."""
 
     def __init__(self, args, device):
         self.args, self.device, self.dry = args, device, args.dry_run
         self.bench = Path(args.bench_dir).resolve()
         self.logs = Path(args.out).resolve() / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.work = Path(tempfile.mkdtemp(prefix="gpu_bench_"))
+        self.work = Path(args.work) / "gpu"  # removed with bench.py's temporary --work
+        self.work.mkdir(parents=True, exist_ok=True)
         self.here = Path(__file__).resolve().parent
         # each phase's limit: --phase_timeout, or less when --deadline_s (from the call's start) leaves less
         self.deadline = time.perf_counter() + args.deadline_s if args.deadline_s else math.inf
@@ -366,20 +200,17 @@ class GpuBattery:
         if self.peak is None:  # a CPU, or a GPU the table lacks: this device's own measured matmul throughput
             self.peak = matmul_peak(device, getattr(torch, self.dtype))
             self.peak_source = f"measured 2048x2048 {self.dtype} matmul throughput of this device"
-        if self.dry:  # the toy world: the demo corpus and tokenizers trained on it here
-            write_demo(self.work / "demo")
-            self.corpus = self.work / "demo" / "pretrain"
-            self.tok_ours = self.work / "tokenizer_ours"
-            train_tokenizer(iter_texts(self.corpus, "train"), DRY["vocab"]).save(self.tok_ours)
-            self.tok_nanochat = None  # trained by nanochat's tok_train when its tree is present
+        if self.dry:  # the toy world: bench.py's demo world and its vocab-1024 tokenizer
+            import bench  # here: bench.py imports this module
+            self.corpus, self.tok_ours = bench.demo_files(args) / "demo" / "pretrain", Path(args.work) / "tokenizer_1024"
             self.vocab = DRY["vocab"]
         else:
             self.corpus, self.tok_ours = self.bench / "corpus", self.bench / "tokenizer_ours"
-            self.tok_nanochat = self.bench / "tokenizer_nanochat"
             prepared = self.bench / "PREPARED.json"
             self.vocab = json.loads(prepared.read_text())["vocab"] if prepared.is_file() else None
+        self.tok_nanochat = self.bench / "tokenizer_nanochat"
         if not (self.tok_ours / "tokenizer.json").is_file():
-            raise FileNotFoundError(f"gpu: no tokenizer in {self.tok_ours}: run `python bench.py gpu_prepare` where "
+            raise FileNotFoundError(f"gpu: no tokenizer in {self.tok_ours}: run `python dev/gpu_carry.py prepare` where "
                                     "the nanochat mirror and the corpus are, and carry its folder (--bench_dir)")
         self.nanochat_missing = self.check_nanochat()
         self.micro_cache = {}
@@ -392,25 +223,16 @@ class GpuBattery:
         """Why nanochat's rows cannot run here, or None."""
         tree = self.bench / "nanochat"
         if not (tree / "scripts" / "base_train.py").is_file():
-            return f"no nanochat tree at {tree} (run `python bench.py gpu_prepare` where the mirror is, and carry it)"
+            return f"no nanochat tree at {tree} (run `python dev/gpu_carry.py prepare` where the mirror is, and carry it)"
         if not (self.bench / "stub" / "wandb.py").is_file():
-            return f"no wandb stub in {self.bench / 'stub'} (run `python bench.py gpu_prepare`)"
+            return f"no wandb stub in {self.bench / 'stub'} (run `python dev/gpu_carry.py prepare`)"
         imports = "import tiktoken, rustbpe, pyarrow, filelock, jinja2, yaml, requests, wandb"
         check = subprocess.run([sys.executable, "-c", imports], env=nanochat_env(self.bench, self.work),
                                capture_output=True, text=True, check=False)
         if check.returncode:
             return "nanochat's dependencies do not import: " + check.stderr.strip().splitlines()[-1]
-        if self.dry:  # its tokenizer for the toy world, by its own trainer
-            base = self.work / "nc_tok"
-            nanochat_data(base, self.corpus)
-            result = subprocess.run([sys.executable, "-m", "scripts.tok_train", f"--vocab-size={DRY['vocab']}"],
-                                    cwd=tree, env=nanochat_env(self.bench, base), capture_output=True, text=True,
-                                    check=False)
-            if result.returncode:
-                return "nanochat's tok_train failed: " + (result.stdout + result.stderr).strip().splitlines()[-1]
-            self.tok_nanochat = base / "tokenizer"
-        elif not (self.tok_nanochat / "tokenizer.pkl").is_file():
-            return f"no nanochat tokenizer in {self.tok_nanochat} (run `python bench.py gpu_prepare`)"
+        if not (self.tok_nanochat / "tokenizer.pkl").is_file():  # the dry run's too: its vocab, on the toy world
+            return f"no nanochat tokenizer in {self.tok_nanochat} (run `python dev/gpu_carry.py prepare`)"
         return None
 
     def shape(self, depth):
@@ -592,7 +414,7 @@ class GpuBattery:
                    run.parent, "--run_name", run.name]
         env = {**os.environ, "SPEEDRUN_PYTHON": sys.executable}
         if self.dry:
-            command += ["--tokenizer", self.tok_ours, "--data_dir", self.work / "demo"]
+            command += ["--tokenizer", self.tok_ours, "--data_dir", self.corpus.parent]
             env.update(PRETRAIN_ARGS="--steps 3 --bpb_tokens 4096 --n_layer 1 --n_embd 64 --n_head 1 --n_kv_head 1",
                        MIDTRAIN_ARGS="--steps 2 --eval_rows 4", SFT_ARGS="--steps 2 --eval_rows 4",
                        CORE_ARGS="--bpb_tokens 4096 --max_new_tokens 4 --max_items 4",
@@ -611,22 +433,20 @@ class GpuBattery:
         return row
 
     def chat_decode(self):
-        """bench.py chat's decode part in the dtype and paths chat.py uses here: bf16 on a GPU (its compiled and
-        static paths), fp32 on the CPU (lean and static)."""
-        args = argparse.Namespace(preset="tiny", decode_tokens=8 if self.dry else 64, trials=1 if self.dry else 5,
-                                  dry_run=self.dry)
+        """bench.py decode at preset tiny, in this process, in the dtype and paths chat.py uses here: bf16 on a GPU
+        (its compiled and static paths), fp32 on the CPU (lean and static in the dry run)."""
+        import bench  # here: bench.py imports this module
+        args = argparse.Namespace(**{**vars(self.args), "preset": "tiny"})
         print("gpu: chat_decode: started", flush=True)
-        dtype = chat_decode_paths(self.device)[0]
-        row = {"row": "chat_decode", "side": "ours", "dtype": dtype, "command": f"python bench.py gpu --rows "
-               f"chat_decode (bench.py chat's decode part: preset tiny, random weights, {dtype}, greedy, "
-               f"{args.decode_tokens} tokens, median of {args.trials})"}
+        row = {"row": "chat_decode", "side": "ours", "command": f"python bench.py decode --preset tiny --decode_tokens "
+               f"{args.decode_tokens} --trials {args.trials} --generate_tokens {args.generate_tokens} (random weights)"}
         try:  # in this process, unlike the other rows: a failure (a compilation error) is the row's, not the call's
-            rates, _ = bench_chat_decode(args, self.device)
+            figures = bench.bench_decode(args, self.device)
         except Exception as e:  # noqa: BLE001  (any error: reported in the row, the table still written)
             print(f"gpu: chat_decode: failed: {type(e).__name__}: {e}", flush=True)
             return {**row, "status": f"failed: {type(e).__name__}: {e}"}
         print("gpu: chat_decode: done", flush=True)
-        return {**row, "status": "ok", **{f"decode_tok_per_s_{k}": v for k, v in rates.items()}}
+        return {**row, "status": "ok", **figures}
 
 
 def gpu_environment(device, bench_dir):
@@ -688,30 +508,12 @@ def gpu_markdown(result):
     return "\n".join(out) + "\n"
 
 
-def merge_gpu_results(results):
-    """One battery result from several calls' gpu_bench.json: their rows in call order; the first call's environment
-    heads the table, and every call's environment is kept (a later call may have got another machine)."""
-    environments = [r["environment"] for r in results]
-    return {"dry_run": any(r["dry_run"] for r in results), "environment": environments[0],
-            "environments": environments, "rows": [row for r in results for row in r["rows"]],
-            "calls": results[0]["calls"]}
-
-
 def bench_gpu(args, device):
     """`bench.py gpu`: the rows chosen by --rows, in the battery's order; writes gpu_bench.json and gpu_bench.md to
     --out (and prints the table)."""
     out = Path(args.out)
-    if args.merge:  # no device needed: the calls' files, fetched from the GPU machine
-        result = merge_gpu_results([json.loads(Path(path).read_text()) for path in args.merge])
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "gpu_bench.json").write_text(json.dumps(result, indent=1) + "\n")
-        (out / "gpu_bench.md").write_text(gpu_markdown(result))
-        return print(gpu_markdown(result))
     if device.type != "cuda" and not args.dry_run:
         raise ValueError("gpu: no CUDA device; on a CPU run `python bench.py gpu --dry_run` (toy sizes)")
-    unknown = [r for r in args.rows if r not in GPU_ROWS]
-    if unknown:
-        raise ValueError(f"gpu: unknown rows {unknown}: choose from {', '.join(GPU_ROWS)}")
     battery = GpuBattery(args, device)
     result = {"dry_run": args.dry_run, "environment": gpu_environment(device, args.bench_dir), "rows": [],
               "calls": [" ".join(["python3 bench.py gpu --rows", *rows, "--out $OUT"]) for rows in GPU_CALLS]}
@@ -736,44 +538,28 @@ def bench_gpu(args, device):
         save()
     print(gpu_markdown(result))
     print(f"gpu: {out / 'gpu_bench.json'}, {out / 'gpu_bench.md'}; logs in {battery.logs}")
-    shutil.rmtree(battery.work, ignore_errors=True)
 
 
 def add_gpu_args(parser):
-    """bench.py's flags for the battery (gpu, gpu_prepare, gpu_probe)."""
-    g = parser.add_argument_group("gpu battery (gpu, gpu_prepare)")
-    g.add_argument("--rows", nargs="+", default=list(GPU_ROWS), help=f"gpu: rows to run, any of {', '.join(GPU_ROWS)}"
-                   " (default: all; one device call each: " + "; ".join(" ".join(c) for c in GPU_CALLS) + ")")
-    g.add_argument("--dry_run", action="store_true", help="gpu: every row at a toy size on the CPU (the demo world, "
-                   "depth 2, sequence 64); nanochat's rows run when --bench_dir holds its tree")
+    """bench.py's flags for the battery (gpu, gpu_probe)."""
+    g = parser.add_argument_group("gpu battery (gpu, gpu_probe)")
+    g.add_argument("--rows", nargs="+", default=list(GPU_ROWS), choices=GPU_ROWS, help="gpu: rows to run (default: "
+                   "all; one device call each: " + "; ".join(" ".join(c) for c in GPU_CALLS) + ")")
     g.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu_bench", help="gpu: where gpu_bench.json and "
                    "gpu_bench.md go (default: $OUT when set, else runs/gpu_bench; now: %(default)s)")
     g.add_argument("--bench_dir", default=str(Path(__file__).resolve().parent / ".bench"), help="the carry folder "
-                   "gpu_prepare fills and gpu reads (default: %(default)s)")
-    g.add_argument("--nanochat_mirror", default=os.environ.get("NANOCHAT_MIRROR"), help="gpu_prepare: git directory "
-                   "of a karpathy/nanochat clone or mirror (default: $NANOCHAT_MIRROR)")
-    g.add_argument("--nanochat_commit", default=NANOCHAT_COMMIT, help="gpu_prepare: nanochat commit (default: "
-                   "%(default)s)")
-    g.add_argument("--gpu_vocab", type=int, default=GPU_VOCAB, help="gpu_prepare: vocabulary of both tokenizers "
-                   "(default: %(default)s, nanochat's)")
-    g.add_argument("--wheels_python", default="3.12", help="gpu_prepare: Python version of the GPU machine, for the "
-                   "wheels of nanochat's dependencies it may lack; none = no wheels (default: %(default)s)")
-    g.add_argument("--bpb_tokens", type=int, default=BPB_TOKENS, help="gpu: training tokens of each bpb row, the "
-                   "same at both batches (default: %(default)s = 64 steps of 2^19; the carried corpus's training "
-                   "split is ~3.6M tokens at vocab 32768, so that is ~9 epochs)")
-    g.add_argument("--merge", nargs="+", default=None, metavar="JSON", help="gpu: instead of running rows, merge "
-                   "these gpu_bench.json files (one per call) into one gpu_bench.json + gpu_bench.md in --out")
-    g.add_argument("--max_micro", type=int, default=256, help="gpu_probe: largest micro-batch tried (default: "
-                   "%(default)s)")
-    g.add_argument("--probe_seq_len", type=int, default=0, help="gpu_probe: sequence length; 0 = the preset's "
-                   "(default: %(default)s)")
+                   "dev/gpu_carry.py prepare fills and gpu reads (default: %(default)s)")
+    g.add_argument("--gpu_vocab", type=int, default=GPU_VOCAB, help="gpu_probe: vocabulary (default: %(default)s)")
+    g.add_argument("--bpb_tokens", type=int, default=BPB_TOKENS, help="gpu: training tokens of each bpb row, both "
+                   "batches (default: %(default)s = 64 steps of 2^19, ~9 epochs of the carried corpus at vocab 32768)")
+    g.add_argument("--max_micro", type=int, default=256, help="gpu_probe: largest micro-batch tried (default: 256)")
+    g.add_argument("--probe_seq_len", type=int, default=0, help="gpu_probe: sequence length; 0 = the preset's")
     g.add_argument("--phase_timeout", type=float, default=300, help="gpu: seconds each phase of a row (the probe, "
-                   "this repository's run, nanochat's run, the demo) may take before it is stopped and reported as "
-                   "timed out with its log's tail; the row goes on (default: %(default)s)")
-    g.add_argument("--deadline_s", type=float, default=0, help="gpu: seconds from the start of this call by which "
-                   "every phase is stopped (each gets the least of --phase_timeout and what is left), so that the "
-                   "call writes its table before the device's own limit; 0 = none (default: %(default)s)")
-
+                   "ours, nanochat's, the demo) may take before it is stopped and reported as timed out with its "
+                   "log's tail; the row goes on (default: %(default)s)")
+    g.add_argument("--deadline_s", type=float, default=0, help="gpu: seconds from this call's start by which every "
+                   "phase is stopped (each gets the least of --phase_timeout and what is left), so that the table is "
+                   "written before the device's own limit; 0 = none (default: %(default)s)")
 
 if __name__ == "__main__":
     print(__doc__)

@@ -4,7 +4,8 @@
 # Everything it writes goes to $OUT as a few files (the device tool brings back at most 8).
 #
 #   on the GPU:  bash dev/gpu_session.sh rehearse              (carry: .whl, the wheels below)
-#                bash dev/gpu_session.sh bench mfu_d20         (carry: .whl .bench, after bench.py gpu_prepare)
+#                bash dev/gpu_session.sh bench mfu_d20         (carry: .whl .bench, after dev/gpu_carry.py prepare)
+#   after the calls, here: python dev/gpu_carry.py merge A/bench/gpu_bench.json B/bench/gpu_bench.json --out DIR
 #   on the CPU:  OUT=/tmp/gs SPEEDRUN_PYTHON=.venv/bin/python bash dev/gpu_session.sh rehearse --gpus 2 --depth 2
 #
 # .whl holds wheels for the device's Python 3.12 that its image lacks or has at another version (rustbpe,
@@ -12,6 +13,17 @@
 # SESSION_TIMEOUT caps the phase in seconds (default 420), so $OUT is filled before the device call's own limit:
 # give the call's timeout_s at least 60 s more (a stopped stage gets SPEEDRUN_KILL_WAIT, 10 s here, to checkpoint).
 # Budget the device time: on 2026-11-26 a fresh H200 took ~8 minutes to start (dev/LOG.md).
+#
+# Expected GPU time of each row of bench.py gpu (bench_gpu.py), both sides, on one H100 or H200 (estimated, not
+# measured: the step times from the one H100 run of dev/LOG.md, d20 at 106,942 tok/s and d12 at 347,139, d26 scaled by
+# FLOPs/token; ~1.5 min of start-up and compilation per side, ~0.7 min per probe):
+#   mfu_d20      ~7.5 min: probe; ours and nanochat each ~3.4 (20 steps of 2^19 at ~4.9 s, the last 17 timed)
+#   bpb_d12_b19  ~6 min: probe; each side ~2.7 (64 steps of 2^19 at ~1.5 s, evaluation of 2^18 tokens)
+#   bpb_d12_b17  ~6 min: as bpb_d12_b19, 256 steps of 2^17 at ~0.4 s (no probe after bpb_d12_b19 in the same call)
+#   mfu_d26      ~8.5 min: probe; each side ~3.8 (11 steps of 2^19 at ~10 s, the last 8 timed)
+#   demo         ~3.5 min: speedrun.sh --plan demo, every stage on the demo world (166 s of stages on the H100)
+#   chat_decode  ~1 min: bench.py decode in bf16: compilation of the decode step, 5 trials of 64 tokens per path, the
+#                second turn's first token, 16 x 16 rollouts
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"

@@ -1,0 +1,171 @@
+"""bench.py --dry_run: every benchmark, the GPU battery's rows included, at its smallest size in one process, each
+printed figure checked against the files it was read from; the battery's pieces (phase timeouts, chat.py's dtype,
+the rated peaks)."""
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import ROOT
+
+import bench
+import bench_gpu
+from model import config_from_preset, flops_per_token, memory_estimate
+
+
+def figure(printed, line_start):
+    """The number after `line_start` on the line of `printed` that starts with it."""
+    lines = [line for line in printed.splitlines() if line.startswith(line_start)]
+    assert len(lines) == 1, (line_start, lines)
+    return float(lines[0][len(line_start):].split()[0].replace(",", "").rstrip("x"))
+
+
+def stage_values(work, name, label, kind):
+    """A stage row's figure recomputed here from the files its command wrote, not by bench.stage_figure."""
+    slug = re.sub(r"\W+", "_", f"{name} {label}")
+    if kind == "items/s":
+        out = work / "out" / slug
+        report = json.loads((out / "results.json" if out.is_dir() else out.with_suffix(".json")).read_text())
+        return sum(task["items"] for task in report["tasks"]) / report["seconds"]
+    records = [json.loads(line) for line in (work / "runs" / slug / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    tokens = [b["tokens"] - a["tokens"] for a, b in zip([{"tokens": 0}, *steps], steps)]  # "tokens" is cumulative
+    rates = [t / r["step_time"] for t, r in zip(tokens, steps, strict=True)][len(steps) // 4:]
+    return statistics.median(rates)
+
+
+@pytest.mark.two_processes  # the dry run runs its stage rows two at a time
+def test_every_benchmark_s_dry_run_prints_figures_computed_from_what_ran(tmp_path):
+    """One `bench.py --dry_run` of every benchmark and the battery's training rows and chat_decode (which runs bench.py
+    decode; without a nanochat tree: its rows say why they did not run). Each stage row's printed figure is recomputed
+    here from its run's metrics.jsonl (tokens over step seconds) or its report (items over seconds), and each ratio
+    from those; the battery's from its pretrain.py run and model.py, as its table must show them."""
+    work, out, empty = tmp_path / "work", tmp_path / "out", tmp_path / "no_bench"
+    empty.mkdir()
+    (empty / "PREPARED.json").write_text(json.dumps({"code": {"commit": "f00dcafe"}}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    which = [*bench.STAGES, *bench.BENCHES]
+    which.remove("decode")  # the battery's chat_decode row runs it
+    command = [sys.executable, str(ROOT / "bench.py"), *which, "--dry_run", "--work", str(work), "--decode_tokens", "4",
+               "--trials", "1", "--generate_items", "2", "--generate_tokens", "4", "--rows", "mfu_d20", "bpb_d12_b17",
+               "chat_decode", "--bench_dir", str(empty), "--out", str(out)]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    printed = result.stdout
+
+    values = {}
+    for name, label, _, kind in bench.STAGE_ROWS:
+        label = label.format(dtype="float32", other_dtype="bfloat16")  # this CPU emulates bf16: precision is fp32
+        values[name, label] = stage_values(work, name, label, kind)
+        assert figure(printed, f"{name} {label}: ") == pytest.approx(values[name, label], rel=1e-3, abs=0.006), (
+            name, label)
+    for name, top, bottom, _ in bench.STAGE_RATIOS:
+        assert figure(printed, f"{name}: {top} / {bottom} = ") == pytest.approx(
+            values[name, top] / values[name, bottom], rel=0.02, abs=0.006)
+    records = {(work / "out" / f"generate_batch_items_{b}_items.jsonl").read_text() for b in (1, 8, 32)}
+    assert f"every item's record identical at batch_items 1, 8 and 32: {len(records) == 1}" in printed
+    assert "cpu precision: float32" in printed and "cpu Muon step" in printed
+
+    decode = {path: figure(printed, f"decode tiny float32 {path:9s}: ") for path in ("recompute", "generate", "lean",
+                                                                                     "static")}
+    assert "decode tiny float32 compiled" not in printed  # the dry run compiles nothing
+    assert figure(printed, "decode: generate / recompute = ") == pytest.approx(
+        decode["generate"] / decode["recompute"], rel=0.03, abs=0.006)
+    assert printed.count("greedy tokens identical: True") >= 3  # lean and static as the KV cache
+    for line in ("decode chat second turn", "decode rl sample_group ", "decode rl sample_groups", "decode rl: all",
+                 "tokenizer: trained vocab 1024", "tokenizer: bytes/token", "loader T=2048"):
+        assert f"\n{line}" in printed, line
+
+    data = json.loads((out / "gpu_bench.json").read_text())
+    assert data["dry_run"] is True and data["environment"]["prepared_at_commit"] == "f00dcafe"
+    logs = out / "logs"
+    assert printed.count("probe (d2): started") == 1 and not (logs / "bpb_d12_b17_probe.log").exists()
+    assert (logs / "mfu_d20_probe.log").read_text().splitlines()[-1] == "micro_batch 4"
+    rows = {(r["row"], r["side"]): r for r in data["rows"]}
+    assert set(rows) == {("mfu_d20", "ours"), ("mfu_d20", "nanochat"), ("bpb_d12_b17", "ours"),
+                         ("bpb_d12_b17", "nanochat"), ("chat_decode", "ours")}
+    config = config_from_preset("d2", {"sequence_len": 64, "vocab_size": 1024})
+    for name in ("mfu_d20", "bpb_d12_b17"):
+        row = rows[(name, "ours")]
+        assert row["status"] == "ok" and row["micro_batch"] == 4 and "--final_checkpoint false" in row["command"]
+        assert sorted(p.name for p in Path(row["run_dir"]).iterdir()) == ["config.json", "done.json",
+                                                                         "metrics.jsonl", "progress", "samples.jsonl"]
+        assert row["flops_per_token"] == flops_per_token(config)
+        assert row["memory_estimate"] == memory_estimate(config, 4, bf16=False)["total"]
+        records = [json.loads(line) for line in (Path(row["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+        times = [r["step_time"] for r in records if "loss" in r and r["step"] > 1]  # the dry run times steps 2..
+        assert len(times) == row["steps"] - 1 and row["step_time_median_s"] == statistics.median(times)
+        assert row["tok_per_s"] == pytest.approx(row["tokens_per_step"] / statistics.median(times))
+        assert row["mfu"] == pytest.approx(row["flops_per_token"] * row["tok_per_s"] / row["peak_flops"])
+        assert row["val_bpb"] == [r["final_val_bpb"] for r in records if "final_val_bpb" in r][-1]
+        assert f"{row['tok_per_s']:,.0f}" in (out / "gpu_bench.md").read_text()
+        assert rows[(name, "nanochat")]["status"].startswith("unavailable: no nanochat tree")
+    # the 2^19 row's batch is 4x the 2^17 row's, at the same micro-batch: accumulation, not a larger forward
+    assert rows[("mfu_d20", "ours")]["tokens_per_step"] == 4 * rows[("bpb_d12_b17", "ours")]["tokens_per_step"]
+    decode_row = rows[("chat_decode", "ours")]
+    assert decode_row["status"] == "ok" and decode_row["dtype"] == "float32"  # chat.py's on a CPU, bf16 on a GPU
+    gpu_part = printed[printed.index("gpu: chat_decode: started"):]
+    assert f"decode tiny float32 lean     : {decode_row['decode_tok_per_s_lean']:7,.0f} tok/s" in gpu_part
+    assert "lean" in (out / "gpu_bench.md").read_text()
+
+
+def test_a_phase_past_its_timeout_is_stopped_with_its_children_and_reported_with_its_log_tail(tmp_path, capsys):
+    """run_logged stops the phase's whole process group (a child that would outlive its shell included) and says
+    so; failure() turns that into the row's status with the log's last lines."""
+    log, marker = tmp_path / "phase.log", tmp_path / "child_alive"
+    command = ["bash", "-c", f"echo compiling; (sleep 3; touch {marker}) & sleep 30"]
+    status, wall, _ = bench_gpu.run_logged(command, log, "row phase", timeout=0.5)
+    assert status == "timed out after 0 s" and wall < 10
+    time.sleep(3.5)
+    assert not marker.exists()  # the background child was stopped too
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == f"gpu: row phase: started (log {log}, timeout 0 s)"
+    assert printed[1].startswith("gpu: row phase: timed out after 0 s, ")
+    assert bench_gpu.failure(status, log) == "timed out after 0 s (--phase_timeout, --deadline_s); log tail:\n" + \
+        "$ bash -c " + command[2] + "\ncompiling"
+    status, _, _ = bench_gpu.run_logged(["bash", "-c", "echo no; exit 3"], log, "row phase", timeout=30)
+    assert status == 3 and bench_gpu.failure(status, log).startswith("failed: exit 3; log tail:\n")
+    # each phase's limit: --phase_timeout, or what --deadline_s leaves of the call, at least 1 s
+    battery = SimpleNamespace(args=SimpleNamespace(phase_timeout=300.0), deadline=time.perf_counter() + 100)
+    assert 99 < bench_gpu.GpuBattery.timeout(battery) <= 100
+    battery.deadline = time.perf_counter() + 1000
+    assert bench_gpu.GpuBattery.timeout(battery) == 300.0
+    battery.deadline = time.perf_counter() - 5
+    assert bench_gpu.GpuBattery.timeout(battery) == 1.0
+
+
+def test_the_decode_benchmark_times_chat_py_s_dtype(monkeypatch):
+    """On a GPU chat.py decodes in bf16 (its compiled path): the benchmark times that dtype, not fp32."""
+    import common
+    assert bench.chat_decode_paths(torch.device("cpu")) == ("float32", "lean", ("lean", "static", "compiled"))
+    monkeypatch.setattr(common, "native_bf16", lambda device: True)  # an H100 / H200
+    assert bench.chat_decode_paths(torch.device("cuda")) == ("bfloat16", "compiled", ("compiled", "static"))
+
+
+def test_the_battery_s_calls_merge_into_one_table(tmp_path):
+    """dev/gpu_carry.py merge: one call's rows after the other's, unchanged, every call's environment kept."""
+    import gpu_carry
+    environment = {"device": "cpu", "driver": "-", "torch": "2", "cuda": "none", "python": "3", "commit": "c",
+                   "dirty": False, "prepared_at_commit": "p", "date": "d"}
+    call = {"dry_run": True, "environment": environment, "calls": [],
+            "rows": [{"row": "mfu_d20", "side": "ours", "status": "ok", "tok_per_s": 1234.0}]}
+    (tmp_path / "a.json").write_text(json.dumps(call))
+    gpu_carry.main(["merge", str(tmp_path / "a.json"), str(tmp_path / "a.json"), "--out", str(tmp_path)])
+    both = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert both["rows"] == call["rows"] * 2 and len(both["environments"]) == 2
+    assert (tmp_path / "gpu_bench.md").read_text().count("| mfu_d20 | ours |") == 2
+
+
+def test_h200_nvl_and_b200_have_their_dense_bf16_peaks():
+    from common import peak_flops
+    assert peak_flops("NVIDIA H200 NVL", "bfloat16") == 836e12  # not the SXM's 989e12: MFU 15% too low
+    assert peak_flops("NVIDIA H200", "bfloat16") == 989e12
+    assert peak_flops("NVIDIA B200", "bfloat16") == 2250e12
+    assert peak_flops("NVIDIA H100 NVL", "bfloat16") == 835e12
