@@ -200,6 +200,29 @@ def test_ctrl_d_after_a_paste_of_any_length_sends_it_then_ends_the_session(demo_
         wait_for_exit(pid, fd, seen, "chat.py did not exit after the reply")
 
 
+@pytest.mark.parametrize("key", [b"\r", b"\x04"], ids=["enter", "ctrl-d"])
+def test_a_paste_during_a_reply_reaches_the_next_turn_whole(demo_world, tmp_path, key):
+    """~10,000 characters pasted while a reply streams, then Enter (or Ctrl-D): the next prompt shows the paste and the
+    next turn gets every token of it (the notice counts them; the context keeps its end). Before, the terminal stayed
+    in canonical mode during a reply and silently dropped what passed its 4,095-character line."""
+    tokenizer = Tokenizer.load(demo_world / "tokenizer")
+    ckpt = endless_checkpoint(tmp_path / "runs" / "endless" / "ckpt", tokenizer, demo_world / "tokenizer")
+    seen, text = [], " ".join(f"word{i}" for i in range(1500)).encode()
+    with chat_in_a_terminal(ckpt, "--max_new_tokens", "1000", "--seed", "1") as (pid, fd):
+        read_until(fd, rb"type a message.*\r?\n> ", 60, seen)
+        os.write(fd, b"tell me a long story\r")
+        read_until(fd, rb"long story\r?\n(.|\n){40}", 30, seen)  # the reply streaming
+        paste(fd, text + key, seen)
+        assert not re.search(STATS.pattern[:20], b"".join(seen)), "the reply ended before the paste did"
+        read_until(fd, STATS, 120, seen)  # the reply's end, then the prompt
+        read_until(fd, rb"word1498 word1499", 30, seen)  # the prompt shows the paste to its end
+        out, _ = read_until(fd, STATS.pattern.removesuffix(rb"\r?\n> "), 120, seen)  # the paste's turn
+        sent = len(tokenizer.encode(text.decode()))
+        assert f"[message too long: {sent:,} tokens".encode() in out, out[-1000:]
+        if key == b"\x04":  # Ctrl-D after text: sent, then the end
+            wait_for_exit(pid, fd, seen, "chat.py did not exit after the reply")
+
+
 def run_chat(args, stdin, cwd):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, str(ROOT / "chat.py"), *map(str, args)], input=stdin, capture_output=True,
