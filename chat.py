@@ -15,6 +15,7 @@ import codecs
 import secrets
 import signal
 import sys
+import termios
 import time
 from contextlib import contextmanager
 
@@ -255,6 +256,24 @@ def sigint_flag():
         signal.signal(signal.SIGINT, previous)
 
 
+@contextmanager
+def typeahead_kept(fd):
+    """During a reply, the terminal on fd (None: not a terminal) out of canonical mode and echo, so text pasted
+    meanwhile waits whole for the next prompt, where readline shows it: in canonical mode the kernel silently drops
+    what passes a line's 4,095 characters; here a full buffer makes the sender wait instead. Ctrl-C stays a signal,
+    Enter (CR) still becomes a newline, Ctrl-D is a plain byte that readline then reads as at its prompt. The saved
+    mode comes back after the reply, also on an exception."""
+    if fd is None:
+        yield
+        return
+    saved = termios.tcgetattr(fd)
+    termios.tcsetattr(fd, termios.TCSANOW, saved[:3] + [saved[3] & ~(termios.ICANON | termios.ECHO)] + saved[4:])
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
+
+
 def read_message(out):
     """The next line typed, or None at EOF or Ctrl-C (both end the session)."""
     try:
@@ -295,8 +314,10 @@ def main(argv=None):
     def write(text):
         print(text, end="", flush=True)
 
+    typeahead_fd = None  # the terminal whose input a reply keeps whole for readline (set below)
+
     def turn(text):
-        with sigint_flag() as hits:
+        with sigint_flag() as hits, typeahead_kept(typeahead_fd):
             s = conv.respond(text, write, args.temperature, args.top_k, args.max_new_tokens, generator,
                              lambda: bool(hits), lambda line: print(line, file=out, flush=True))
         if s["why"] not in ("interrupted", "context full"):
@@ -320,6 +341,7 @@ def main(argv=None):
             # returns EOF before any binding)
             if "libedit" not in (readline.__doc__ or ""):  # macOS's stand-in has a syntax of its own
                 readline.parse_and_bind(r'"\C-d": "\C-e\C-v\C-d\C-j"')
+            typeahead_fd = sys.stdin.fileno()
         except ImportError:
             cut = CANONICAL_LIMIT
     print("type a message; /help for commands", file=out)

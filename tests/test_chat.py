@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -66,27 +67,63 @@ def read_until(fd, pattern, seconds, seen):
     return buffer, match
 
 
+@contextmanager
+def chat_in_a_terminal(ckpt, *args):
+    """Yields (pid, fd): chat.py on `ckpt` with a pseudo-terminal as its controlling terminal, fd the terminal's other
+    end; killed at the end unless it has exited (wait_for_exit reaps it)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "LC_ALL": "C.UTF-8", "TERM": "dumb"}
+    pid, fd = pty.fork()
+    if pid == 0:  # the child
+        os.execve(sys.executable, [sys.executable, str(ROOT / "chat.py"), "--checkpoint", str(ckpt), *args], env)
+    try:
+        yield pid, fd
+    finally:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == 0:  # still running: the test failed before the session ended
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+        except ChildProcessError:  # reaped already
+            pass
+        os.close(fd)
+
+
+def paste(fd, data, seen, seconds=60):
+    """Write data to the terminal as a terminal delivers a paste, in 1,024-byte pieces, reading its output meanwhile
+    into seen (chat.py stops when its output is not read); a write the terminal cannot take fails after `seconds`."""
+    deadline = time.monotonic() + seconds
+    os.set_blocking(fd, False)  # a full input buffer answers at once, so the test cannot hang on it
+    try:
+        while data:
+            left = deadline - time.monotonic()
+            assert left > 0, f"the terminal took no more input: {len(data):,} bytes of the paste left"
+            readable, writable, _ = select.select([fd], [fd], [], left)
+            if readable:
+                seen.append(os.read(fd, 65536))
+            if writable:
+                try:
+                    data = data[os.write(fd, data[:1024]):]
+                except BlockingIOError:
+                    time.sleep(0.01)
+    finally:
+        os.set_blocking(fd, True)
+
+
 def test_an_interactive_session_in_a_terminal(demo_world, tmp_path):
     tokenizer = Tokenizer.load(demo_world / "tokenizer")
     ckpt = endless_checkpoint(tmp_path / "runs" / "endless" / "ckpt", tokenizer, demo_world / "tokenizer")
-    args = ["--checkpoint", str(ckpt), "--max_new_tokens", "300", "--seed", "1", "--temperature", "1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "LC_ALL": "C.UTF-8", "TERM": "dumb"}
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: chat.py with the pty as its controlling terminal
-        os.execve(sys.executable, [sys.executable, str(ROOT / "chat.py"), *args], env)
-    seen = []
+    with chat_in_a_terminal(ckpt, "--max_new_tokens", "300", "--seed", "1", "--temperature", "1") as (pid, fd):
+        seen = []
 
-    def turn(text, seconds=60):
-        os.write(fd, text.encode() if isinstance(text, str) else text)
-        return read_until(fd, STATS, seconds, seen)
+        def turn(text, seconds=60):
+            os.write(fd, text.encode() if isinstance(text, str) else text)
+            return read_until(fd, STATS, seconds, seen)
 
-    def stats():
-        os.write(fd, b"/stats\n")
-        out, m = read_until(fd, rb"cache: ([\d,]+) tokens.*turns: (\d+)\r?\n.*prefilled (\d+) tokens.*\r?\n> ", 30,
-                            seen)
-        return [int(g.replace(b",", b"")) for g in m.groups()], out
+        def stats():
+            os.write(fd, b"/stats\n")
+            out, m = read_until(fd, rb"cache: ([\d,]+) tokens.*turns: (\d+)\r?\n.*prefilled (\d+) tokens.*\r?\n> ",
+                                30, seen)
+            return [int(g.replace(b",", b"")) for g in m.groups()], out
 
-    try:
         out, _ = read_until(fd, rb"type a message.*\r?\n> ", 60, seen)
         assert re.search(rb"stage sft, step 7, [\d,]+ parameters, context 2,048 tokens", out), out
         assert b"mode: chat" in out and b"seed 1 (--seed 1 to reproduce)" in out and b"decode lean" in out, out
@@ -128,12 +165,6 @@ def test_an_interactive_session_in_a_terminal(demo_world, tmp_path):
         assert stats()[0][:2] == [1, 0]
         os.write(fd, b"\x04")  # Ctrl-D at an empty prompt: EOF
         wait_for_exit(pid, fd, seen, "chat.py did not exit at EOF")
-        pid = None
-    finally:
-        if pid:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        os.close(fd)
 
 
 def wait_for_exit(pid, fd, seen, failure):
@@ -156,32 +187,40 @@ def test_ctrl_d_after_a_paste_of_any_length_sends_it_then_ends_the_session(demo_
     Ctrl-D after text for delete-char: nothing was sent, and the session went on."""
     tokenizer = Tokenizer.load(demo_world / "tokenizer")
     ckpt = endless_checkpoint(tmp_path / "runs" / "endless" / "ckpt", tokenizer, demo_world / "tokenizer")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "LC_ALL": "C.UTF-8", "TERM": "dumb"}
-    pid, fd = pty.fork()
-    if pid == 0:
-        os.execve(sys.executable, [sys.executable, str(ROOT / "chat.py"), "--checkpoint", str(ckpt),
-                                   "--max_new_tokens", "20", "--seed", "1"], env)
-    seen, paste = [], " ".join(f"word{i}" for i in range(words)).encode()
-    try:
+    seen, text = [], " ".join(f"word{i}" for i in range(words)).encode()
+    with chat_in_a_terminal(ckpt, "--max_new_tokens", "20", "--seed", "1") as (pid, fd):
         read_until(fd, rb"type a message.*\r?\n> ", 60, seen)
-        for start in range(0, len(paste), 1024):  # as a terminal delivers a paste; its echo read as it comes
-            os.write(fd, paste[start:start + 1024])
-            while select.select([fd], [], [], 0.05)[0]:
-                seen.append(os.read(fd, 65536))
-        os.write(fd, b"\x04")
+        paste(fd, text + b"\x04", seen)
         out, m = read_until(fd, STATS.pattern.removesuffix(rb"\r?\n> "), 120, seen)  # no prompt after it: the end
-        sent = len(tokenizer.encode(paste.decode()))
+        sent = len(tokenizer.encode(text.decode()))
         if words > 3:
             assert f"[message too long: {sent:,} tokens".encode() in out, out[-1000:]
         else:
             assert int(m[2]) == sent + 3, out  # + user_start, user_end, assistant_start
         wait_for_exit(pid, fd, seen, "chat.py did not exit after the reply")
-        pid = None
-    finally:
-        if pid:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        os.close(fd)
+
+
+@pytest.mark.parametrize("key", [b"\r", b"\x04"], ids=["enter", "ctrl-d"])
+def test_a_paste_during_a_reply_reaches_the_next_turn_whole(demo_world, tmp_path, key):
+    """~10,000 characters pasted while a reply streams, then Enter (or Ctrl-D): the next prompt shows the paste and the
+    next turn gets every token of it (the notice counts them; the context keeps its end). Before, the terminal stayed
+    in canonical mode during a reply and silently dropped what passed its 4,095-character line."""
+    tokenizer = Tokenizer.load(demo_world / "tokenizer")
+    ckpt = endless_checkpoint(tmp_path / "runs" / "endless" / "ckpt", tokenizer, demo_world / "tokenizer")
+    seen, text = [], " ".join(f"word{i}" for i in range(1500)).encode()
+    with chat_in_a_terminal(ckpt, "--max_new_tokens", "1000", "--seed", "1") as (pid, fd):
+        read_until(fd, rb"type a message.*\r?\n> ", 60, seen)
+        os.write(fd, b"tell me a long story\r")
+        read_until(fd, rb"long story\r?\n(.|\n){40}", 30, seen)  # the reply streaming
+        paste(fd, text + key, seen)
+        assert not re.search(STATS.pattern[:20], b"".join(seen)), "the reply ended before the paste did"
+        read_until(fd, STATS, 120, seen)  # the reply's end, then the prompt
+        read_until(fd, rb"word1498 word1499", 30, seen)  # the prompt shows the paste to its end
+        out, _ = read_until(fd, STATS.pattern.removesuffix(rb"\r?\n> "), 120, seen)  # the paste's turn
+        sent = len(tokenizer.encode(text.decode()))
+        assert f"[message too long: {sent:,} tokens".encode() in out, out[-1000:]
+        if key == b"\x04":  # Ctrl-D after text: sent, then the end
+            wait_for_exit(pid, fd, seen, "chat.py did not exit after the reply")
 
 
 def run_chat(args, stdin, cwd):
