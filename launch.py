@@ -87,8 +87,7 @@ def flag_parser():
     add("--tokenizer", default="", metavar="DIR", help="use this trained tokenizer (default: train <run>/tokenizer)")
     add("--stop_after", default="", metavar="STAGE", help=f"stop after this stage: {' '.join(STOP_AFTER)} (download: "
         f"gpu plan, every shard and the prefetched chat and evaluation data are in)")
-    add("--rl", default="auto", metavar="on|off", help="the reinforcement-learning stage after sft (default: on for "
-        "the gpu plan; off for the demo plan, where it lowered held-out accuracy: docs/rl.md)")
+    add("--rl", default="on", metavar="on|off", help="the reinforcement-learning stage after sft (default: on)")
     add("--stage_evals", default="pretrain,midtrain,sft,rl", metavar="LIST", help="the stages whose final models get "
         "CORE and ChatCORE for the report's table of what each stage taught, comma-separated, or none (default: "
         "%(default)s; a column left out says unknown; pretrain's is a base model: CORE only, core_eval's, as nanochat)")
@@ -118,7 +117,7 @@ def parse_flags(argv):
         raise Refused(f"--plan {flags['plan']}: use gpu or demo", 2)
     if flags["stop_after"] not in ("", *STOP_AFTER):
         raise Refused(f"--stop_after {flags['stop_after']}: not a stage (bash speedrun.sh --help)", 2)
-    if flags["rl"] not in ("auto", "on", "off"):
+    if flags["rl"] not in ("on", "off"):
         raise Refused(f"--rl {flags['rl']}: use on or off", 2)
     for name in ("gpus", "shards", "depth", "vocab_size"):
         if flags[name] not in ("", "auto") and not flags[name].isdigit():
@@ -351,7 +350,6 @@ def setup(python, argv):
                               f"{' (the CPU)' if torch_gpus() == 0 else ''}, or make the GPUs visible "
                               f"(CUDA_VISIBLE_DEVICES)", 1)
     plan = ("gpu" if gpus > 0 else "demo") if plan == "auto" else plan
-    rl = ("on" if plan == "gpu" else "off") if flags["rl"] == "auto" else flags["rl"]
     # only a rehearsal runs the gpu plan on the CPU: there --gpus N without CUDA means N CPU processes on gloo
     on_cpu = plan == "gpu" and rehearse and (gpus == 0 or torch_gpus() == 0)
     if plan == "gpu" and gpus < 1 and not flags["probe_only"] and not rehearse:
@@ -395,7 +393,7 @@ def setup(python, argv):
                       "stages_before": len(read_stages(run)), "nccl": {"safe": False, "fallback": False},
                       "transport": ""})
     Path(run, "logs", "setup.env").write_text(shell_assignments({
-        "PLAN": plan, "GPUS": gpus, "NPROC": nproc, "ON_CPU": int(on_cpu), "RL_STAGE": rl, "DATA_DIR": data_dir,
+        "PLAN": plan, "GPUS": gpus, "NPROC": nproc, "ON_CPU": int(on_cpu), "RL_STAGE": flags["rl"], "DATA_DIR": data_dir,
         "CORPUS": corpus, "VOCAB": vocab, "MARK": mark, "CHAT_SOURCES": CHAT_SOURCES, **extras, **budgets,
         "REHEARSAL_PROMPT": REHEARSAL_PROMPT}))
 

@@ -58,6 +58,7 @@ SPEEDRUN_ENV = {
     "SFT_ARGS": f"--steps {SFT_STEPS} --eval_rows 32 --ckpt_every 1000",
     "CORE_ARGS": "--bpb_tokens 20000 --max_new_tokens 8 --max_items 16",  # the report's figures; CORE itself: test_core_eval
     "CHAT_EVAL_ARGS": "--max_items 20 --max_new_tokens 16",
+    "RL_ARGS": "--steps 2 --questions_per_step 2 --samples 2 --max_new_tokens 16 --eval_items 4 --eval_samples 1",
 }
 
 

@@ -20,7 +20,7 @@ import train_loop
 def test_the_flags_have_their_defaults_and_a_bad_one_is_refused_with_its_fix():
     flags = launch.parse_flags([])
     assert {k: flags[k] for k in ("plan", "depth", "run_name", "runs_dir", "gpus", "rl", "stage_evals")} == {
-        "plan": "auto", "depth": "20", "run_name": "speedrun", "runs_dir": "runs", "gpus": "auto", "rl": "auto",
+        "plan": "auto", "depth": "20", "run_name": "speedrun", "runs_dir": "runs", "gpus": "auto", "rl": "on",
         "stage_evals": "pretrain,midtrain,sft,rl"}
     flags = launch.parse_flags(["--rehearse", "--run_name", "x", "--runs_dir", "/r", "--stage_evals", "none"])
     assert (launch.run_dir(flags), flags["stage_evals"], flags["rehearse"]) == ("/r/x-rehearsal", "", True)

@@ -45,14 +45,13 @@ def table(md, header):
 def test_the_pipeline_ran_every_stage_and_the_report_shows_the_logs_figures(speedrun, demo_world):
     run, result = speedrun
     ran = [line.split("\t") for line in (run / "logs" / "stages.tsv").read_text().splitlines()]
-    # the demo plan runs no rl by default; --stage_evals pretrain,sft: the final model's ChatCORE is chat_eval's,
-    # copied, and pretrain's CORE is core_eval's (a base model gets no ChatCORE)
-    assert [name for name, _, rc in ran if rc == "0"] == ["pretrain", "core_eval", "midtrain", "sft", "chat_eval",
-                                                          "core_eval_sft", "report"], ran
-    assert "stage rl skipped: --rl off (the demo plan's default: on the demo world it lowered held-out accuracy" in \
-        result.stdout
-    assert "stage_evals/sft/chat_eval.json: chat_eval's, of the same checkpoint" in result.stdout
-    assert json.loads((run / "chat_eval.json").read_text())["checkpoint"].startswith(str(run / "sft" / "ckpt"))
+    # the demo plan runs rl by default and chat_eval scores its model; --stage_evals pretrain,sft: sft's model gets
+    # its own ChatCORE and CORE, pretrain's CORE is core_eval's (a base model gets no ChatCORE)
+    assert [name for name, _, rc in ran if rc == "0"] == ["pretrain", "core_eval", "midtrain", "sft", "rl", "chat_eval",
+                                                          "core_eval_sft", "chat_eval_sft", "report"], ran
+    assert json.loads((run / "chat_eval.json").read_text())["checkpoint"].startswith(str(run / "rl" / "ckpt"))
+    assert json.loads((run / "stage_evals" / "sft" / "chat_eval.json").read_text())["checkpoint"].startswith(
+        str(run / "sft" / "ckpt"))
     assert f"stage data skipped: the demo world is in {demo_world / 'demo'}" in result.stdout
     assert "stage tokenizer skipped: using --tokenizer" in result.stdout
     assert "the old name goes in the next release" not in result.stdout + result.stderr  # speedrun.sh: current flags
