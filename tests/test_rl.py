@@ -170,7 +170,9 @@ def test_a_resumed_run_repeats_the_uninterrupted_runs_rewards_exactly(chat_chain
     straight = steps("straight")
     assert [s for s, *_ in straight] == [1, 2, 3, 4]
     assert steps("stopped") == straight
-    assert len({r for _, r, _, _ in straight}) > 1 or any(loss != 0 for _, _, loss, _ in straight)  # it learned
+    # the suite's 1-layer model solves no word problem (reward 0, so no update): what is compared is the rollouts,
+    # which differ from step to step; the update after a resume is rl_worker's closed-form test's
+    assert len({tokens for *_, tokens in straight}) > 1
     done = json.loads((tmp_path / "stopped" / "done.json").read_text())
     assert done == json.loads((tmp_path / "straight" / "done.json").read_text())
 
