@@ -384,7 +384,8 @@ def bench_loader(args, device):
 
 STAGES = list(dict.fromkeys(row[0] for row in STAGE_ROWS))
 # gpu last: not part of "all"
-BENCHES = {"decode": bench_decode, "tokenizer": bench_tokenizer, "loader": bench_loader, "gpu": bench_gpu.bench_gpu}
+BENCHES = {"decode": bench_decode, "tokenizer": bench_tokenizer, "loader": bench_loader,
+           "gpu": lambda args, device: bench_gpu.bench_gpu(args, device, demo_files, bench_decode)}
 
 
 def main(argv=None):

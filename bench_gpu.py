@@ -183,7 +183,8 @@ class GpuBattery:
     checkpoint in them) go to --out/logs, which the device tool brings back; scratch (nanochat's data links and
     checkpoint folder, the demo's run) to bench.py's --work, where the dry run's world is too."""
 
-    def __init__(self, args, device):
+    def __init__(self, args, device, demo_files, bench_decode):  # bench.py's (it imports this module)
+        self.demo_files, self.bench_decode = demo_files, bench_decode
         self.args, self.device, self.dry = args, device, args.dry_run
         self.bench = Path(args.bench_dir).resolve()
         self.logs = Path(args.out).resolve() / "logs"
@@ -201,8 +202,7 @@ class GpuBattery:
             self.peak = matmul_peak(device, getattr(torch, self.dtype))
             self.peak_source = f"measured 2048x2048 {self.dtype} matmul throughput of this device"
         if self.dry:  # the toy world: bench.py's demo world and its vocab-1024 tokenizer
-            import bench  # here: bench.py imports this module
-            self.corpus, self.tok_ours = bench.demo_files(args) / "demo" / "pretrain", Path(args.work) / "tokenizer_1024"
+            self.corpus, self.tok_ours = self.demo_files(args) / "demo" / "pretrain", Path(args.work) / "tokenizer_1024"
             self.vocab = DRY["vocab"]
         else:
             self.corpus, self.tok_ours = self.bench / "corpus", self.bench / "tokenizer_ours"
@@ -435,13 +435,12 @@ class GpuBattery:
     def chat_decode(self):
         """bench.py decode at preset tiny, in this process, in the dtype and paths chat.py uses here: bf16 on a GPU
         (its compiled and static paths), fp32 on the CPU (lean and static in the dry run)."""
-        import bench  # here: bench.py imports this module
         args = argparse.Namespace(**{**vars(self.args), "preset": "tiny"})
         print("gpu: chat_decode: started", flush=True)
         row = {"row": "chat_decode", "side": "ours", "command": f"python bench.py decode --preset tiny --decode_tokens "
                f"{args.decode_tokens} --trials {args.trials} --generate_tokens {args.generate_tokens} (random weights)"}
         try:  # in this process, unlike the other rows: a failure (a compilation error) is the row's, not the call's
-            figures = bench.bench_decode(args, self.device)
+            figures = self.bench_decode(args, self.device)
         except Exception as e:  # noqa: BLE001  (any error: reported in the row, the table still written)
             print(f"gpu: chat_decode: failed: {type(e).__name__}: {e}", flush=True)
             return {**row, "status": f"failed: {type(e).__name__}: {e}"}
@@ -508,13 +507,13 @@ def gpu_markdown(result):
     return "\n".join(out) + "\n"
 
 
-def bench_gpu(args, device):
+def bench_gpu(args, device, demo_files, bench_decode):
     """`bench.py gpu`: the rows chosen by --rows, in the battery's order; writes gpu_bench.json and gpu_bench.md to
     --out (and prints the table)."""
     out = Path(args.out)
     if device.type != "cuda" and not args.dry_run:
         raise ValueError("gpu: no CUDA device; on a CPU run `python bench.py gpu --dry_run` (toy sizes)")
-    battery = GpuBattery(args, device)
+    battery = GpuBattery(args, device, demo_files, bench_decode)
     result = {"dry_run": args.dry_run, "environment": gpu_environment(device, args.bench_dir), "rows": [],
               "calls": [" ".join(["python3 bench.py gpu --rows", *rows, "--out $OUT"]) for rows in GPU_CALLS]}
     out.mkdir(parents=True, exist_ok=True)

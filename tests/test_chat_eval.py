@@ -436,8 +436,8 @@ def test_the_demo_tasks_run_end_to_end_on_two_processes_and_report_what_ran(tiny
         assert 0 <= r["accuracy"] <= 1 and r["centered"] == (r["accuracy"] - r["baseline"]) / (1 - r["baseline"])
         assert re.search(rf"{r['task']} .* {r['correct']}/4 .* {r['accuracy']:.4f}", result.stdout)
     assert all(x["predicted"] in "ABCD" for x in records if x["task"] == "demo-choice")
-    assert report["chatcore"] == sum(r["centered"] for r in report["tasks"]) / 2 and not report["complete"]
-    assert f"ChatCORE {report['chatcore']:.4f} (2 tasks, a subset" in result.stdout and report["world_size"] == 2
+    assert report["chatcore"] == sum(r["centered"] for r in report["tasks"]) / 3 and not report["complete"]
+    assert f"ChatCORE {report['chatcore']:.4f} (3 tasks, a subset" in result.stdout and report["world_size"] == 2
     assert report["sandbox"] is None  # no HumanEval: nothing was run
     line = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert line == {"step": 7, "chatcore": report["chatcore"], "chat_eval": {r["task"]: r["accuracy"] for r in
