@@ -448,7 +448,7 @@ def test_the_demo_tasks_run_end_to_end_on_two_processes_and_report_what_ran(tiny
     alone = [r for task in tasks.DEMO_TASKS for r in E.evaluate_task(
         task, tasks.load_items(task, None, tiny / "demo", 4)[0], model, Tokenizer.load(tiny / "tokenizer"), args, 0, 1,
         CPU, "M", None)[1]]
-    assert records == alone and len(records) == 8
+    assert records == alone and len(records) == 12
 
 
 def test_the_hub_tasks_run_end_to_end_with_the_sandbox(tiny, hub, tmp_path, capsys):

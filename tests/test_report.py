@@ -42,10 +42,10 @@ def stage_table(md):
 def test_the_per_stage_table_cells_equal_each_stage_models_own_evaluations(speedrun):
     """A column per stage's final model; every cell equals what core_eval.py and chat_eval.py wrote for that model
     (counts recomputed from the items files), and each file was computed from that stage's checkpoint. The suite runs
-    --stage_evals pretrain,sft: midtrain, left out, says unknown in every cell (the demo plan runs no rl)."""
+    --stage_evals pretrain,sft: midtrain, left out, says unknown in every cell, and rl's column (the demo plan runs rl) holds chat_eval's."""
     run, _ = speedrun
     stages, rows = stage_table((run / "report.md").read_text())
-    assert stages == ["pretrain", "midtrain", "sft"]
+    assert stages == ["pretrain", "midtrain", "sft", "rl"]
     assert not (run / "stage_evals" / "midtrain").exists()
     for ability, cells in rows.items():
         assert cells["midtrain"] == "unknown", ability

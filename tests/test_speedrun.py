@@ -26,7 +26,7 @@ import checkpoint
 import validation
 from tokenizer import Tokenizer
 
-TRAIN_STAGES = ["pretrain", "midtrain", "sft"]
+TRAIN_STAGES = ["pretrain", "midtrain", "sft", "rl"]
 
 
 def table(md, header):
