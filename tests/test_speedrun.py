@@ -59,7 +59,7 @@ def test_the_pipeline_ran_every_stage_and_the_report_shows_the_logs_figures(spee
     times = {name: float(seconds) for name, seconds, rc in ran if rc == "0"}
     rows = {r["stage"]: r for r in table(md, "stage")}
     assert list(rows) == TRAIN_STAGES
-    for name in TRAIN_STAGES:
+    for name in TRAIN_STAGES[:3]:  # rl's row has columns of its own (sampled tokens, pass@1): test_report
         row, done = rows[name], json.loads((run / name / "done.json").read_text())
         steps = [json.loads(line) for line in (run / name / "metrics.jsonl").read_text().splitlines()]
         steps = [r for r in steps if "loss" in r]
