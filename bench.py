@@ -324,7 +324,7 @@ def bench_decode(args, device):
     figures.update(first_token_s_kept=kept, first_token_s_reprefill=again)
 
     rl_model = build_model(config_from_preset(args.preset, {"vocab_size": tok.vocab_size}), device).eval()
-    items = rl.demo_items(Path(args.work) / "demo")[::187][:16]
+    items = rl.gsm8k_items(Path(args.work) / "demo" / "problems")[::187][:16]
     prompts = [rl.prompt_ids(tok, item["prompt"], rl_model.config.sequence_len, 1)[0] for item in items]
     threads = torch.get_num_threads()
     torch.set_num_threads(rl.CPU_ROLLOUT_THREADS if device.type == "cpu" else threads)

@@ -39,7 +39,7 @@ from calculator import ToolUse, reply_text
 from dataset import CACHE_DIR
 from decode import decode
 from model import KVCache, autocast_context, parse_args, sample_next
-from tasks import demo_items, demo_world, gsm8k_items, load_items, prompt_ids, reward
+from tasks import demo_world, gsm8k_items, load_items, prompt_ids, reward
 
 # every lr is this fraction of the SFT parent's, decaying linearly to 0: SFT runs at 0.3 of pretraining's lrs, so 0.2
 # of SFT's is 0.06 of pretraining's, about where nanochat's RL starts (0.05 of its base lrs, ramped down to 0). On the
@@ -303,7 +303,7 @@ def plan(args, start):
     """What runs.start_stage asks of RL: the training questions, the held-out ones and the total steps."""
     data_dir = (checkpoint.pretraining_run(start.parent, start.parent_meta) or [None])[0]
     world_dir = demo_world(args.demo, data_dir, "problems")
-    train_items = demo_items(world_dir) if world_dir else gsm8k_items(args.train_dir)
+    train_items = gsm8k_items(world_dir / "problems" if world_dir else args.train_dir)
     held_out = [{**item, "rule": "gsm8k"} for item in distributed.fetch_everywhere(
         lambda: load_items("demo-problems" if world_dir else "GSM8K", args.cache_dir, world_dir, args.eval_items)[0],
         start.rank, start.world)]

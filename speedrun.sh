@@ -44,7 +44,7 @@ skip() { say "stage $1 skipped: $2"; if [ "$STOP_AFTER" = "$1" ]; then exit 0; f
 
 # --- the plan: each stage's flags, then *_EXTRA, then a rehearsal's budget (the last of a repeated flag wins)
 GPU_BUDGET=(--preset "d$DEPTH" --tokens_per_param 20 --total_batch_tokens 524288)  # the gpu plan's pretraining
-if [ "$PLAN" = demo ]; then  # measured on a 2-core Xeon with AMX (dev/LOG.md): about 10 minutes for the whole pipeline
+if [ "$PLAN" = demo ]; then  # about 10 minutes on a 2-core Xeon with AMX, 22 on one without bf16 (dev/LOG.md)
     PRETRAIN=(--preset tiny --steps 400 --micro_batch 16 --compile true --eval_every 200 --ckpt_every 100)
     # conversations, and the shapes ChatCORE asks for: letters (choice), bare answers (answers), the calculator (calc),
     # word problems (problems: in midtraining only, so that SFT's model gets about half of them right and RL has right

@@ -152,7 +152,8 @@ def same_number(lenient, answer):
 
 
 def gsm8k_items(train_dir):
-    """GSM8K's train split (python dataset.py download-chat gsm8k) as rl.py's items."""
+    """Training questions in GSM8K's columns as rl.py's items: GSM8K's train split (python dataset.py download-chat
+    gsm8k), or a demo world's word problems (<world>/problems)."""
     return [{**make_item("GSM8K", row, f"{path}, row {i}"), "rule": "gsm8k"} for path in chat_files(train_dir, "train")
             for i, row in enumerate(pq.read_table(path).to_pylist())]
 
@@ -199,13 +200,6 @@ def normalize(text):
     """The demo's exact-match form: lower case, punctuation dropped, spaces collapsed, a leading article dropped."""
     words = re.sub(r"[^\w\s-]", " ", text.lower()).split()
     return " ".join(words[1:] if words[:1] in (["the"], ["a"], ["an"]) else words)
-
-
-def demo_items(world):
-    """The demo world's training word problems (problems/), checked as GSM8K's: the number after '####'."""
-    path = Path(world) / "problems" / "train.parquet"
-    return [{**make_item("demo-problems", row, f"{path}, row {i}"), "rule": "gsm8k"}
-            for i, row in enumerate(pq.read_table(path).to_pylist())]
 
 
 def reward(item, reply):

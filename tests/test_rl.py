@@ -37,7 +37,7 @@ def test_rewards_follow_each_tasks_rule_and_advantages_are_reward_minus_the_grou
                                           "answer": "2 * 3 = <<2*3=6>>6.\n#### 6"},
                                          {"question": "Ada had 9 and ate 4. How many are left?",
                                           "answer": "9 - 4 = <<9-4=5>>5.\n#### 5"}]), problems / "train.parquet")
-    items = rl.demo_items(tmp_path)  # the demo's word problems, checked by the number after '####' as GSM8K's
+    items = rl.gsm8k_items(problems)  # the demo's word problems, checked by the number after '####' as GSM8K's
     assert items == [{"prompt": "Bo has 2 bags of 3 plums. How many plums?", "answer": "6", "rule": "gsm8k"},
                      {"prompt": "Ada had 9 and ate 4. How many are left?", "answer": "5", "rule": "gsm8k"}]
     assert [rl.reward(items[1], r) for r in ["<<9-4=5>>5.\n#### 5", "5", "#### 6"]] == [1.0, 0.0, 0.0]
