@@ -4,9 +4,9 @@ for rl.py's rollouts, chat_eval.py's generated answers, core_eval.py's and valid
 decode() takes several prompts of different lengths, N replies to each, and decodes every row in one forward per step:
 - the prompts are prefilled once each (right-padded into one forward; a causal model's positions before the padding
   never see it), and the N rows of a prompt copy its keys and values;
-- each row keeps its own position: its tokens sit at the same positions, with the same rotary angles, as they would
-  decoded alone, and attention masks the cache slots past the row's position, so greedy rows equal each prompt
-  decoded alone, one row (tests/test_model.py);
+- each row keeps its own position: its tokens sit at the same positions, with the same rotary angles, as when its
+  prompt is decoded alone, and attention masks the cache slots past the row's position, so a greedy row equals its
+  prompt decoded alone, one row, token for token (tests/test_model.py);
 - the calculator runs per row: a row's calculator.ToolUse returns the result tokens, which are fed to that row only,
   one per step, while the other rows sample;
 - a row ends at a stop token it sampled or at its budget; when half the rows have ended, the cache is compacted to the
@@ -81,9 +81,14 @@ def decode_step(model, weights, token, pos, step, prompt_k, prompt_v, prompt_val
 
     def mm(x, w):  # x @ w in the compute dtype, fp32 out
         return (quantize(x).to(dtype) @ w).float()
+    if dtype == torch.float32 and not c.bitnet:  # no casts: each is an op, and a small model's step is its ops
+        mm = torch.matmul
 
     cos, sin = weights["cos"][pos].view(N, 1, D), weights["sin"][pos].view(N, 1, D)
-    valid = torch.cat([prompt_valid, (torch.arange(width, device=token.device) <= step).expand(Q, 1, 1, width)], -1)
+    P, masked = prompt_k.size(3), prompt_k.size(3) > 0 or not isinstance(step, int)
+    if masked:  # a prompt's padding, or (compiled) the slots past `step`
+        valid = torch.cat([prompt_valid, (torch.arange(width, device=token.device) <= step).expand(Q, 1, 1, width)],
+                          -1)
     x = x0 = model.wte(token)
     for i, (wqkv, wo, wup, wgate, wdown, n_attn, n_mlp, n_q, n_k, w_ve) in enumerate(weights["blocks"]):
         x = model.mix_embedding(i, x, x0)
@@ -106,14 +111,19 @@ def decode_step(model, weights, token, pos, step, prompt_k, prompt_v, prompt_val
         else:  # compiled: the slot is a tensor, so the graph is not specialized on it
             reply_k[i].index_copy_(3, step, new_k)
             reply_v[i].index_copy_(3, step, new_v.transpose(1, 2))
-        q = q_k[:, :H].view(Q, S, K, G, D).transpose(1, 2)  # (prompt, kv head, sample, query head of the group, D)
-        scores = torch.cat([(q.reshape(Q, K, S * G, D) @ prompt_k[i].transpose(-2, -1)),
-                            (q @ reply_k[i, :, :, :, :width].transpose(-2, -1)).view(Q, K, S * G, width)], -1)
-        p = (scores.float() * D ** -0.5).masked_fill(~valid, float("-inf")).softmax(-1).to(reply_v.dtype)
-        P = prompt_k.size(3)
-        y = (p[..., :P] @ prompt_v[i]).view(Q, K, S, G, D) + p[..., P:].reshape(Q, K, S, G, width) @ \
-            reply_v[i, :, :, :, :width]
-        x = x + mm(y.transpose(1, 2).reshape(N, H * D), wo)
+        if masked:
+            q = q_k[:, :H].view(Q, S, K, G, D).transpose(1, 2)  # (prompt, kv head, sample, query head of group, D)
+            scores = torch.cat([(q.reshape(Q, K, S * G, D) @ prompt_k[i].transpose(-2, -1)),
+                                (q @ reply_k[i, :, :, :, :width].transpose(-2, -1)).view(Q, K, S * G, width)], -1)
+            p = (scores.float() * D ** -0.5).masked_fill(~valid, float("-inf")).softmax(-1).to(reply_v.dtype)
+            y = (p[..., :P] @ prompt_v[i]).view(Q, K, S, G, D) + p[..., P:].reshape(Q, K, S, G, width) @ \
+                reply_v[i, :, :, :, :width]
+            y = y.transpose(1, 2)
+        else:  # no prompt part, eager (chat.py's conversation): every slot up to `step` is attended, in one fused
+            # SDPA (4-D: a 5-D query takes its slow math path)
+            k, v = (r[i, :, :, :, :width].transpose(1, 2).reshape(N, K, width, D) for r in (reply_k, reply_v))
+            y = F.scaled_dot_product_attention(q_k[:, :H].view(N, H, 1, D), k, v, enable_gqa=True)
+        x = x + mm(y.reshape(N, H * D), wo)
         h = norm(x, n_mlp)
         h = F.silu(mm(h, wgate)) * mm(h, wup) if wgate is not None else F.relu_(mm(h, wup)).square_()
         x = x + mm(h, wdown)
