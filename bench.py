@@ -17,7 +17,7 @@ sft        `sft.py` on the demo conversations from that checkpoint (30 steps, it
 core_eval  `core_eval.py` on the demo world's 8 tasks (513 items; --bundle DIR: that bundle), batch_items 1 and 8.
 chat_eval  `chat_eval.py --tasks demo-choice` (132 items): the letters alone (--option_text off) one prompt per forward
            (--batch_items 1) and batched (8), and with the option-text diagnostic, batched: items/s and their ratios.
-generate   batched generation (decode.py) beside one item at a time (model.generate): `chat_eval.py --tasks demo-answer`
+generate   batched generation (decode.py) beside one item at a time (one row): `chat_eval.py --tasks demo-answer`
            (--generate_items, --generate_tokens each: an untrained model rarely ends a reply) at --batch_items 1, 8
            and 32: items/s, every item's record compared. Target: 8 >= 4x 1.
 cpu        `pretrain.py` at nanochat's tiny CPU shape (4 layers, width 256, T 256, 8 x 256 tokens a step, vocab 8192),
@@ -26,11 +26,12 @@ cpu        `pretrain.py` at nanochat's tiny CPU shape (4 layers, width 256, T 25
            Targets (2 cores): compiled Muon >= 2x nanochat's tok/s (dev/LOG.md); the Muon step <= 15% of the step.
 decode     (in this process) greedy tok/s after a prompt filling the preset's sequence but --decode_tokens, in chat.py's
            dtype here (bf16 on a GPU, else fp32), --trials interleaved, tokens compared: recomputing the whole context
-           every token, the KV cache (chat.py's --decode generate), chat.py's lean, static and compiled. Targets: the
-           KV cache >= 5x recompute; chat.py's default path here >= 1.5x the KV cache. chat.py's second turn of a
-           2,000-token conversation: the first token with the cache kept vs re-prefilling the history (target >= 5x).
-           RL's rollouts, 16 demo questions x 16 replies (temperature 1, top_k 50, rl.py's rollout threads):
-           rl.sample_groups (one batch) against rl.sample_group (a batch per question), sampled tok/s (target >= 3x).
+           every token, the model's forward on a KV cache one token at a time (kv_cache), chat.py's step (decode.py's
+           decode_step) eager and compiled. Targets: the KV cache >= 5x recompute; chat.py's default path here >= 1.5x
+           the KV cache. chat.py's second turn of a 2,000-token conversation: the first token with the cache kept vs
+           re-prefilling the history (target >= 5x). RL's rollouts, 16 demo questions x 16 replies (temperature 1,
+           top_k 50, rl.py's rollout threads): rl.sample_groups with all questions in one batch against one question
+           per batch, sampled tok/s (target >= 3x).
 tokenizer  seconds to train a vocab-8192 tokenizer on the corpus's training split, reading included; bytes/token on its
            validation split. Target: <= 10 s for 50 MB (projected from the measured MB/s).
 loader     the streaming loader (read + tokenize + pack), one epoch of the corpus at T = 256, 1024, 2048: tok/s (target
@@ -61,7 +62,7 @@ from bench_gpu import sync
 from dataset import iter_texts
 from demo import write_demo
 from loader import text_loader
-from model import autocast_context, build_model, config_from_preset
+from model import KVCache, autocast_context, build_model, config_from_preset
 from tokenizer import Tokenizer, bytes_per_token, counting, train_tokenizer
 
 # The stage rows: (benchmark, row, command, figure). Each {name} is filled in by bench_stages, the figure read by
@@ -234,10 +235,9 @@ def muon_share(device, step_seconds, vocab, dry_run):
 
 def chat_decode_paths(device):
     """(dtype, decode path, the paths to time) as chat.py chooses them here by default: dtype matmul_dtype on CUDA
-    (bf16 where native) else fp32, decode "auto" = compiled on CUDA else lean; lean runs fp32 only."""
+    (bf16 where native) else fp32, decode "auto" = compiled on CUDA else eager."""
     dtype = common.matmul_dtype(device) if device.type == "cuda" else "float32"
-    chat_default = "compiled" if device.type == "cuda" else "lean"
-    return dtype, chat_default, ("lean", "static", "compiled") if dtype == "float32" else ("compiled", "static")
+    return dtype, "compiled" if device.type == "cuda" else "eager", ("eager", "compiled")
 
 
 def bench_decode(args, device):
@@ -258,7 +258,7 @@ def bench_decode(args, device):
             logits, out = prefill(), []
             start = time.perf_counter()
             for _ in range(n + 1):
-                token = logits.argmax(-1, keepdim=True)
+                token = logits.argmax(-1)  # (1,)
                 out.append(token.item())  # waits for the device
                 if len(out) <= n:
                     logits = step(token)
@@ -269,17 +269,22 @@ def bench_decode(args, device):
 
         def step(token):
             nonlocal seq
-            seq = torch.cat([seq, token], 1)
+            seq = torch.cat([seq, token.view(1, 1)], 1)
             return model(seq, last_only=True)[:, -1]
         return greedy(lambda: model(seq, last_only=True)[:, -1], step)
+
+    def kv_cache():
+        cache = KVCache(config, 1, config.sequence_len)
+        step = lambda token: model(token.view(1, 1), kv_cache=cache)[:, -1]
+        return greedy(lambda: model(torch.tensor([prompt], device=device), kv_cache=cache)[:, -1], step)
 
     def with_chat(conv):
         def run():
             conv.ids, conv.cache.pos = [], 0
             return greedy(lambda: conv.forward(prompt), conv.step)
         return run
-    paths = {"recompute": recompute}
-    for decode in ["generate", *decodes]:
+    paths = {"recompute": recompute, "kv_cache": kv_cache}
+    for decode in decodes:
         start = time.perf_counter()
         paths[decode] = with_chat(chat.Conversation(model, tok, True, decode, dtype))
         paths[decode]()  # warm up; compiles the compiled one
@@ -292,9 +297,9 @@ def bench_decode(args, device):
     rates = {name: statistics.median(r[0] for r in runs) for name, runs in results.items()}
     for name, runs in results.items():
         print(f"decode {args.preset} {dtype} {name:9s}: {rates[name]:7,.0f} tok/s median of {trials} "
-              f"({rates[name] / rates['generate']:.2f}x the KV cache; context {len(prompt)} -> {len(prompt) + n}; "
-              f"greedy tokens identical: {all(r[1] == results['generate'][0][1] for r in runs)})")
-    for top, bottom, target in (("generate", "recompute", 5), (chat_default, "generate", 1.5)):
+              f"({rates[name] / rates['kv_cache']:.2f}x the KV cache; context {len(prompt)} -> {len(prompt) + n}; "
+              f"greedy tokens identical: {all(r[1] == results['kv_cache'][0][1] for r in runs)})")
+    for top, bottom, target in (("kv_cache", "recompute", 5), (chat_default, "kv_cache", 1.5)):
         if top in rates:
             ratio = rates[top] / rates[bottom]
             print(f"decode: {top} / {bottom} = {ratio:.2f}x (target >= {target}x: "
@@ -308,7 +313,7 @@ def bench_decode(args, device):
     def first_token(kept):
         """Seconds from a 20-token turn to its first token: prefill the turn alone (the cache kept) or the history +
         turn (nanochat's CLI re-prefills every turn)."""
-        conv = chat.Conversation(long_model, tok, True, "generate", dtype)
+        conv = chat.Conversation(long_model, tok, True, "eager", dtype)
         if kept:
             conv.forward(history)
         sync(device)
@@ -329,8 +334,8 @@ def bench_decode(args, device):
     threads = torch.get_num_threads()
     torch.set_num_threads(rl.CPU_ROLLOUT_THREADS if device.type == "cpu" else threads)
     budget = (16, args.generate_tokens, 1.0, 50, 0, dtype)  # replies per question, tokens, temperature, top_k, seed
-    rollouts = {"sample_group": lambda: [s for p in prompts for s in rl.sample_group(rl_model, tok, p, *budget)[1]],
-                "sample_groups": lambda: rl.sample_groups(rl_model, tok, prompts, *budget)[1]}
+    rollouts = {"per_question": lambda: [s for p in prompts for s in rl.sample_groups(rl_model, tok, [p], *budget)[1]],
+                "all_questions": lambda: rl.sample_groups(rl_model, tok, prompts, *budget)[1]}
     for name, sample in rollouts.items():
         start = time.perf_counter()
         sampled = sample()
@@ -339,7 +344,7 @@ def bench_decode(args, device):
         print(f"decode rl {name:13s}: {tokens / seconds:7,.0f} sampled tok/s ({tokens:,} tokens, {len(sampled)} "
               f"replies of {len(prompts)} questions in {seconds:.1f} s, {torch.get_num_threads()} thread(s))")
     torch.set_num_threads(threads)
-    ratio = figures["rollout_tok_per_s_sample_groups"] / figures["rollout_tok_per_s_sample_group"]
+    ratio = figures["rollout_tok_per_s_all_questions"] / figures["rollout_tok_per_s_per_question"]
     print(f"decode rl: all questions per batch {ratio:.2f}x one question per batch (target >= 3x: "
           f"{'met' if ratio >= 3 else 'MISSED'})")
     return figures

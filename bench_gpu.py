@@ -434,7 +434,7 @@ class GpuBattery:
 
     def chat_decode(self):
         """bench.py decode at preset tiny, in this process, in the dtype and paths chat.py uses here: bf16 on a GPU
-        (its compiled and static paths), fp32 on the CPU (lean and static in the dry run)."""
+        (decode.py's step eager and compiled), fp32 on the CPU (eager alone in the dry run)."""
         args = argparse.Namespace(**{**vars(self.args), "preset": "tiny"})
         print("gpu: chat_decode: started", flush=True)
         row = {"row": "chat_decode", "side": "ours", "command": f"python bench.py decode --preset tiny --decode_tokens "

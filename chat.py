@@ -26,8 +26,8 @@ import common
 import distributed
 from calculator import ToolUse
 from checkpoint import PICK_ORDER, pick_checkpoint
-from decode import decode_weights
-from model import KVCache, autocast_context, lean_decode_step, num_params, sample_next
+from decode import compiled_step, decode_step, decode_weights, sample_rows
+from model import KVCache, autocast_context, num_params
 
 HELP = ("/clear  forget the conversation (back to <|bos|>)\n/stats  tokens in the cache, context, turns, last "
         "turn's prefill and decode\n/help   this list\n/quit   exit (also Ctrl-D; Ctrl-C at the prompt)\n"
@@ -58,10 +58,10 @@ def get_args(argv=None):
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="compute dtype (default: bfloat16 "
                    "on a GPU that runs it natively, else float32; on CPU always float32: a 1-token step under bf16 "
                    "autocast re-casts every weight, measured ~7x slower per matmul: docs/chat.md)")
-    p.add_argument("--decode", default="auto", choices=["auto", "lean", "static", "compiled", "generate"],
-                   help="decode step: lean (fp32 CPU eager, fewer ops), static (GPT.decode_step: fixed shapes), "
-                   "compiled (static under torch.compile), generate (the forward generate() uses); auto = compiled "
-                   "on CUDA, lean on CPU in fp32, measured fastest there (default: %(default)s)")
+    p.add_argument("--decode", default="auto", choices=["auto", "eager", "compiled"],
+                   help="decode.py's step: eager (attends over the filled cache only), compiled (torch.compile, the "
+                   "whole cache attended, masked: fixed shapes); auto = compiled on CUDA, eager on the CPU (default: "
+                   "%(default)s)")
     args = p.parse_args(None if argv is None else [str(a) for a in argv])  # argv may hold paths
     if args.max_new_tokens < 1 or args.top_k < 0 or args.temperature < 0:
         p.error("--max_new_tokens must be >= 1, --top_k >= 0 and --temperature >= 0")
@@ -87,7 +87,7 @@ class Conversation:
     starts, and whether the last reply still needs its closing <|assistant_end|> fed (it is sampled, or added when a
     reply was cut, but enters the cache with the next turn's tokens)."""
 
-    def __init__(self, model, tokenizer, chat, decode="lean", dtype="float32", max_tokens=256):
+    def __init__(self, model, tokenizer, chat, decode="eager", dtype="float32", max_tokens=256):
         self.model, self.tok, self.chat, self.dtype = model, tokenizer, chat, dtype
         self.device = model.cos.device
         self.capacity = model.config.sequence_len
@@ -95,29 +95,29 @@ class Conversation:
         self.room = min(max_tokens, self.capacity // 4)  # kept free for the reply when old turns must go
         self.special = set(tokenizer.special_tokens.values())
         self.end = tokenizer.special_id("<|assistant_end|>")
-        self.step = self._make_step(decode)
         self.last = {}
-        self.reset()
-        if decode == "compiled":  # compile (and on CUDA record the graph) now, not in the first reply: steps at
-            for _ in range(3):    # position 1 that later writes overwrite; the mask hides them until then
+        self.reset()  # allocates the cache, which the step writes in place
+        self.step = self._make_step(decode == "compiled")
+        if decode == "compiled":  # compile now, not in the first reply: steps at position 1 that later writes
+            for _ in range(3):    # overwrite; the mask hides them until then
                 with torch.inference_mode(), autocast_context(self.device.type, dtype):
-                    self.step(torch.tensor([[tokenizer.bos_id]], device=self.device))
+                    self.step(torch.tensor([tokenizer.bos_id], device=self.device))
                 self.cache.pos -= 1
 
-    def _make_step(self, decode):
-        """step(token (1, 1)) -> logits (1, vocab) after feeding the token at cache.pos; advances cache.pos."""
+    def _make_step(self, compiled):
+        """step(token (1,)) -> logits (1, vocab) after feeding the token at cache.pos; advances cache.pos. decode.py's
+        step, one row whose reply slots are the whole conversation cache (no prompt part): eager, it attends over the
+        filled slots only; compiled, over the whole cache, masked, so that its shapes never change."""
         model, cache = self.model, self.cache
-        if decode == "generate":
-            return lambda token: model(token, kv_cache=cache)[:, -1]
-        weights = decode_weights(model) if decode == "lean" else None
-        fn = model.decode_step
-        if decode == "compiled":  # gpt-fast: CUDA graphs replay the fixed-shape step; the cache is mutated in place
-            fn = torch.compile(model.decode_step, mode="reduce-overhead" if self.device.type == "cuda" else None,
-                               fullgraph=True)
+        weights, fn = decode_weights(model, self.dtype), compiled_step() if compiled else decode_step
+        reply_k, reply_v = cache.k.unsqueeze(3), cache.v.unsqueeze(3)  # (layer, prompt 1, kv head, sample 1, slot, D)
+        no_k, no_v = reply_k[:, :, :, 0, :0], reply_v[:, :, :, 0, :0]  # the empty prompt part, and its mask
+        no_valid = torch.zeros(1, 1, 1, 0, dtype=torch.bool, device=self.device)
 
         def step(token):
             pos = torch.tensor([cache.pos], device=self.device)
-            logits = lean_decode_step(model, weights, token, pos, cache) if weights else fn(token, pos, cache)
+            logits = fn(model, weights, token, pos, pos if compiled else cache.pos, no_k, no_v, no_valid, reply_k,
+                        reply_v, cache.shape[3] if compiled else cache.pos + 1)
             cache.pos += 1
             return logits
         return step
@@ -126,10 +126,6 @@ class Conversation:
         """Prefill ids after what the cache holds, in one forward; logits of the last position."""
         with torch.inference_mode(), autocast_context(self.device.type, self.dtype):
             logits = self.model(torch.tensor([ids], device=self.device), kv_cache=self.cache, last_only=True)[:, -1]
-        if self.cache.k is not None and self.device.type == "cuda" and not getattr(self.cache, "static", False):
-            torch._dynamo.mark_static_address(self.cache.k)  # CUDA graphs may then write the cache in place
-            torch._dynamo.mark_static_address(self.cache.v)
-            self.cache.static = True
         self.ids += ids
         return logits
 
@@ -200,7 +196,7 @@ class Conversation:
                 if stop():
                     why = "interrupted"
                     break
-                token = sample_next(logits, temperature, top_k, generator)
+                token = sample_rows(logits, temperature, top_k, generator)
                 if token.item() in self.special and token.item() not in calls:
                     why = "end"
                     break
@@ -217,7 +213,7 @@ class Conversation:
                 self.ids.append(token.item())
                 count += 1
                 for f in forced[:max(0, self.capacity - len(self.ids))]:  # the result, fed as if generated
-                    logits = self.step(torch.tensor([[f]], device=self.device))
+                    logits = self.step(torch.tensor([f], device=self.device))
                     self.ids.append(f)
                     count += 1
         decode_s = time.perf_counter() - t1
@@ -295,10 +291,7 @@ def main(argv=None):
     if chat:
         checkpoint.check_chat_tokenizer(tokenizer, tokenizer_path)
     dtype = args.dtype or (common.matmul_dtype(device) if device.type == "cuda" else "float32")
-    decode = args.decode if args.decode != "auto" else "compiled" if device.type == "cuda" else \
-        "lean" if dtype == "float32" and not model.config.bitnet else "static"
-    if decode == "lean" and (dtype != "float32" or model.config.bitnet):
-        raise ValueError("--decode lean runs fp32 without BitNet only: use --decode static (any dtype, BitNet too)")
+    decode = args.decode if args.decode != "auto" else "compiled" if device.type == "cuda" else "eager"
     seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
     generator = torch.Generator(device=device).manual_seed(seed)
     conv = Conversation(model, tokenizer, chat, decode, dtype, args.max_new_tokens)

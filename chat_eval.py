@@ -36,7 +36,7 @@ import train_loop
 from calculator import ToolUse, reply_text
 from dataset import CACHE_DIR
 from decode import decode
-from model import autocast_context, generate, num_params
+from model import autocast_context, num_params
 from tasks import ALL_TASKS, final_number, gsm8k_answer, humaneval_program, normalize, prompt_ids, same_number
 
 PROGRESS_SECONDS = 10.0  # a progress line at most this often per task (and one at its end)
@@ -60,8 +60,7 @@ def get_args(argv=None):
                    "all (default: %(default)s)")
     p.add_argument("--batch_items", type=int, default=8, help="items per forward: multiple-choice prompts "
                    "right-padded (nanochat's 8), generated answers decoded together as the rows of one batch "
-                   "(decode.py: greedy tokens equal to one at a time); 1 = one at a time, answers through "
-                   "model.generate (default: %(default)s)")
+                   "(decode.py: greedy tokens equal to one at a time); 1 = one at a time (default: %(default)s)")
     p.add_argument("--option_text", default="on", choices=["on", "off"], help="also score each option's text as "
                    "the reply (a diagnostic outside ChatCORE: does the model know the answer but miss its letter?); "
                    "costs a forward per option (default: %(default)s)")
@@ -179,26 +178,12 @@ def option_text_scores(model, tokenizer, items, dtype, device):
     return out
 
 
-def greedy_reply(model, tokenizer, question, max_new_tokens, dtype):
-    """(text, cut, calculator calls): greedy tokens until <|assistant_end|> (or <|bos|>) or max_new_tokens, with the
-    calculator on (a tool call's result is inserted after it, as nanochat's engine does); the text leaves the calls
-    and their outputs out. cut when the model's window ended the reply first, or the prompt had to be cropped."""
-    ids, cut = prompt_ids(tokenizer, question, model.config.sequence_len, 1)
-    budget = min(max_new_tokens, model.config.sequence_len - len(ids))
-    stop = {tokenizer.special_id("<|assistant_end|>"), tokenizer.bos_id}
-    new, tools = [], ToolUse(tokenizer)
-    for token in generate(model, ids, budget, temperature=0, dtype=dtype, tools=tools):
-        if token in stop:
-            break
-        new.append(token)
-    else:
-        cut = cut or budget < max_new_tokens
-    return reply_text(tokenizer, new), cut, tools.calls
-
-
 def greedy_replies(model, tokenizer, questions, max_new_tokens, dtype):
-    """greedy_reply for several questions at once: every reply a row of one batch (decode.py), each with its own
-    calculator; the same tokens as greedy_reply gives each question alone (tests/test_chat_eval.py)."""
+    """(text, cut, calculator calls) per question: greedy tokens until <|assistant_end|> (or <|bos|>) or
+    max_new_tokens, with the calculator on (a tool call's result is inserted after it, as nanochat's engine does);
+    the text leaves the calls and their outputs out. cut when the model's window ended the reply first, or the prompt
+    had to be cropped. Every reply a row of one batch (decode.py), each with its own calculator: the same tokens as
+    each question decoded alone (tests/test_chat_eval.py)."""
     prompts = [prompt_ids(tokenizer, q, model.config.sequence_len, 1) for q in questions]
     budgets = [min(max_new_tokens, model.config.sequence_len - len(ids)) for ids, _ in prompts]
     tools = [ToolUse(tokenizer) for _ in questions]
@@ -227,10 +212,9 @@ def judge_letters(items, model, tokenizer, args, device):
     return out
 
 
-def judge(kind, item, model, tokenizer, args, device, marker, level, answer=None):
-    """(correct, cut, what to record) for one generated item; answer: greedy_reply's (reply, cut, calls) for it when
-    already generated (greedy_replies), else it is generated here."""
-    reply, cut, calls = answer or greedy_reply(model, tokenizer, item["prompt"], args.max_new_tokens, args.dtype)
+def judge(kind, item, args, marker, level, answer):
+    """(correct, cut, what to record) for one generated item; answer: greedy_replies's (reply, cut, calls) for it."""
+    reply, cut, calls = answer
     calls = {"calculator": [list(c) for c in calls]} if calls else {}
     if kind == "gsm8k":  # nanochat's rule decides; the lenient reading is kept beside it
         lenient = final_number(reply)
@@ -278,11 +262,10 @@ def evaluate_task(task, items, model, tokenizer, args, rank, world, device, mark
     for batch in mine:
         if kind == "categorical":
             results = judge_letters([items[i] for i in batch], model, tokenizer, args, device)
-        else:  # one at a time (--batch_items 1) through model.generate, else every reply a row of one batch
+        else:  # every reply of the batch a row of one decode (--batch_items 1: one row)
             answers = greedy_replies(model, tokenizer, [items[i]["prompt"] for i in batch], args.max_new_tokens,
-                                     args.dtype) if args.batch_items > 1 else [None]
-            results = [judge(kind, items[i], model, tokenizer, args, device, marker, level, answer)
-                       for i, answer in zip(batch, answers)]
+                                     args.dtype)
+            results = [judge(kind, items[i], args, marker, level, answer) for i, answer in zip(batch, answers)]
         for i, (correct, cut, record) in zip(batch, results):
             table[i] = torch.tensor([1.0, float(correct), float(cut)], dtype=torch.float64)
             expected = {k: items[i][k] for k in ("id", "answer", "answers") if k in items[i]}

@@ -35,9 +35,10 @@ import common
 import distributed
 import validation
 from dataset import CACHE_DIR
+from decode import decode
 from demo_world import COUNTRIES, DAYS, number_word
 from download import download_file
-from model import autocast_context, generate
+from model import autocast_context
 
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # the bundle nanochat uses
 TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
@@ -441,16 +442,13 @@ def summarize(tasks, results):
 def completions(model, tokenizer, max_new_tokens, dtype):
     """Greedy completions of COMPLETIONS and KNOWLEDGE (found: the completion begins with an accepted answer; a
     mention further on, as in 'Monday. The days are Monday, Wednesday', does not count)."""
+    asked = [(p, None, None) for p in COMPLETIONS] + KNOWLEDGE
+    prompts = [[tokenizer.bos_id, *tokenizer.encode(prompt)] for prompt, _, _ in asked]
+    budgets = [min(max_new_tokens, model.config.sequence_len - len(ids)) for ids in prompts]
+    rows, _ = decode(model, prompts, budgets, dtype=dtype, stop={tokenizer.bos_id})  # <|bos|>: a new document
     out = []
-    for prompt, answers, world in [(p, None, None) for p in COMPLETIONS] + KNOWLEDGE:
-        ids = [tokenizer.bos_id, *tokenizer.encode(prompt)]
-        new = []
-        for token in generate(model, ids, max(1, min(max_new_tokens, model.config.sequence_len - len(ids))),
-                              temperature=0, dtype=dtype):
-            if token == tokenizer.bos_id:  # a new document: this one is over
-                break
-            new.append(token)
-        text = tokenizer.decode(new)
+    for (prompt, answers, world), row in zip(asked, rows):
+        text = tokenizer.decode(row[:-1] if row[-1] == tokenizer.bos_id else row)
         record = {"prompt": prompt, "completion": text}
         if answers:
             record.update(world=world, answers=answers,

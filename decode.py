@@ -1,12 +1,12 @@
-"""Batched generation: many rows decoded per forward, for rl.py's rollouts and chat_eval.py's generated answers.
+"""Generation, the one path: chat.py's replies (decode_step on its conversation's cache, token by token), and decode()
+for rl.py's rollouts, chat_eval.py's generated answers, core_eval.py's and validation.py's samples.
 
-model.generate decodes one row, with a host sync per token. decode() takes several prompts of different lengths, N
-replies to each, and decodes every row in one forward per step:
+decode() takes several prompts of different lengths, N replies to each, and decodes every row in one forward per step:
 - the prompts are prefilled once each (right-padded into one forward; a causal model's positions before the padding
   never see it), and the N rows of a prompt copy its keys and values;
-- each row keeps its own position: its tokens sit at the same positions, with the same rotary angles, as in
-  model.generate, and attention masks the cache slots past the row's position, so greedy tokens equal
-  model.generate's one row at a time (tests/test_model.py);
+- each row keeps its own position: its tokens sit at the same positions, with the same rotary angles, as when its
+  prompt is decoded alone, and attention masks the cache slots past the row's position, so a greedy row equals its
+  prompt decoded alone, one row, token for token (tests/test_model.py);
 - the calculator runs per row: a row's calculator.ToolUse returns the result tokens, which are fed to that row only,
   one per step, while the other rows sample;
 - a row ends at a stop token it sampled or at its budget; when half the rows have ended, the cache is compacted to the
@@ -14,8 +14,8 @@ replies to each, and decodes every row in one forward per step:
 - on CUDA the step is compiled (torch.compile, the whole cache attended, masked, so that shapes change only with the
   batch); on the CPU it runs eager, attending over the filled slots only.
 
-Run alone it checks itself on a random-init model: greedy rows against model.generate one prompt at a time, and the
-tokens per second of each.
+Run alone it checks itself on a random-init model: greedy rows decoded together against each prompt decoded alone,
+and the tokens per second of each.
 
     python decode.py                                   # tiny, 8 prompts of 5 to 60 tokens, 32 new tokens each
     python decode.py --preset d12 --prompts 64 --dtype bfloat16 --device cuda
@@ -27,13 +27,13 @@ import time
 import torch
 import torch.nn.functional as F
 
+from distributed import is_dtensor, is_sharded
 from model import (
     VE_GATE_CHANNELS,
     autocast_context,
     bitnet_activation,
     build_model,
     config_from_preset,
-    generate,
     softcap_logits,
 )
 
@@ -67,8 +67,9 @@ def decode_step(model, weights, token, pos, step, prompt_k, prompt_v, prompt_val
     slot, head dim), where every row writes its token at slot `step` (rows advance together; an int, or a (1,) long
     tensor under torch.compile, which then does not specialize the graph on it) and
     attends over slots 0 .. step of width. A prompt's rows read its keys together, in one matrix product, rather than
-    each a copy of them. The arithmetic is the model's forward with fewer, larger ops (model.lean_decode_step's, for
-    N rows): q, k, v in one matmul against pre-transposed weights, q and k normalized and rotated together."""
+    each a copy of them. The arithmetic is the model's forward with fewer, larger ops (a small model's step on a CPU is
+    bound by per-op overhead, not arithmetic): q, k, v in one matmul against pre-transposed weights (a (1, n) @ (n, m)
+    matmul is ~2x faster than F.linear's x @ W^T on CPU), q and k normalized and rotated together."""
     c, eps, dtype = model.config, model.config.norm_eps, weights["dtype"]
     H, K, D, N, Q = c.n_head, c.n_kv_head, c.head_dim, token.size(0), prompt_k.size(1)
     S, G = N // Q, c.n_head // c.n_kv_head
@@ -80,9 +81,14 @@ def decode_step(model, weights, token, pos, step, prompt_k, prompt_v, prompt_val
 
     def mm(x, w):  # x @ w in the compute dtype, fp32 out
         return (quantize(x).to(dtype) @ w).float()
+    if dtype == torch.float32 and not c.bitnet:  # no casts: each is an op, and a small model's step is its ops
+        mm = torch.matmul
 
     cos, sin = weights["cos"][pos].view(N, 1, D), weights["sin"][pos].view(N, 1, D)
-    valid = torch.cat([prompt_valid, (torch.arange(width, device=token.device) <= step).expand(Q, 1, 1, width)], -1)
+    P, masked = prompt_k.size(3), prompt_k.size(3) > 0 or not isinstance(step, int)
+    if masked:  # a prompt's padding, or (compiled) the slots past `step`
+        valid = torch.cat([prompt_valid, (torch.arange(width, device=token.device) <= step).expand(Q, 1, 1, width)],
+                          -1)
     x = x0 = model.wte(token)
     for i, (wqkv, wo, wup, wgate, wdown, n_attn, n_mlp, n_q, n_k, w_ve) in enumerate(weights["blocks"]):
         x = model.mix_embedding(i, x, x0)
@@ -105,14 +111,19 @@ def decode_step(model, weights, token, pos, step, prompt_k, prompt_v, prompt_val
         else:  # compiled: the slot is a tensor, so the graph is not specialized on it
             reply_k[i].index_copy_(3, step, new_k)
             reply_v[i].index_copy_(3, step, new_v.transpose(1, 2))
-        q = q_k[:, :H].view(Q, S, K, G, D).transpose(1, 2)  # (prompt, kv head, sample, query head of the group, D)
-        scores = torch.cat([(q.reshape(Q, K, S * G, D) @ prompt_k[i].transpose(-2, -1)),
-                            (q @ reply_k[i, :, :, :, :width].transpose(-2, -1)).view(Q, K, S * G, width)], -1)
-        p = (scores.float() * D ** -0.5).masked_fill(~valid, float("-inf")).softmax(-1).to(reply_v.dtype)
-        P = prompt_k.size(3)
-        y = (p[..., :P] @ prompt_v[i]).view(Q, K, S, G, D) + p[..., P:].reshape(Q, K, S, G, width) @ \
-            reply_v[i, :, :, :, :width]
-        x = x + mm(y.transpose(1, 2).reshape(N, H * D), wo)
+        if masked:
+            q = q_k[:, :H].view(Q, S, K, G, D).transpose(1, 2)  # (prompt, kv head, sample, query head of group, D)
+            scores = torch.cat([(q.reshape(Q, K, S * G, D) @ prompt_k[i].transpose(-2, -1)),
+                                (q @ reply_k[i, :, :, :, :width].transpose(-2, -1)).view(Q, K, S * G, width)], -1)
+            p = (scores.float() * D ** -0.5).masked_fill(~valid, float("-inf")).softmax(-1).to(reply_v.dtype)
+            y = (p[..., :P] @ prompt_v[i]).view(Q, K, S, G, D) + p[..., P:].reshape(Q, K, S, G, width) @ \
+                reply_v[i, :, :, :, :width]
+            y = y.transpose(1, 2)
+        else:  # no prompt part, eager (chat.py's conversation): every slot up to `step` is attended, in one fused
+            # SDPA (4-D: a 5-D query takes its slow math path)
+            k, v = (r[i, :, :, :, :width].transpose(1, 2).reshape(N, K, width, D) for r in (reply_k, reply_v))
+            y = F.scaled_dot_product_attention(q_k[:, :H].view(N, H, 1, D), k, v, enable_gqa=True)
+        x = x + mm(y.reshape(N, H * D), wo)
         h = norm(x, n_mlp)
         h = F.silu(mm(h, wgate)) * mm(h, wup) if wgate is not None else F.relu_(mm(h, wup)).square_()
         x = x + mm(h, wdown)
@@ -133,7 +144,7 @@ def prefill(model, prompts, dtype):
         x = x0 = model.wte(ids)
         cos, sin = model.cos[None, :width, None, :], model.sin[None, :width, None, :]
         for i, block in enumerate(model.blocks):
-            x = block(model.mix_embedding(i, x, x0), cos, sin, cache, None, model.value_embed(i, ids))
+            x = block(model.mix_embedding(i, x, x0), cos, sin, cache, model.value_embed(i, ids))
         x = model.norm_f(x[torch.arange(len(prompts), device=device), last])
         logits = softcap_logits(F.linear(x, model.head_weight()).float(), model.config.logit_softcap)
     return torch.stack(cache.k), torch.stack(cache.v), logits
@@ -154,9 +165,9 @@ class _FullCache:
 
 
 def sample_rows(logits, temperature, top_k, generator):
-    """Next ids (B,) from logits (B, vocab): model.sample_next's distribution (temperature 0 is greedy), with the top
-    k taken first so that the draw is among k tokens, not the whole vocabulary (the draw cost as much as a step of
-    the tiny model at 256 rows)."""
+    """Next ids (B,) from logits (B, vocab): temperature 0 is greedy; else a draw from softmax(logits / temperature)
+    over the top_k likeliest (None or 0: all), the top k taken first so that the draw is among k tokens, not the
+    whole vocabulary (the draw cost as much as a step of the tiny model at 256 rows)."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     if top_k and top_k < logits.size(-1):
@@ -183,12 +194,16 @@ def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=Non
            tools=None, stop=(), compiled="auto", weights=None):
     """(tokens, sampled) per row, len(prompts) * samples rows, prompt by prompt (prompt i's replies are rows
     i * samples .. (i + 1) * samples - 1): each row's new tokens, up to and with the stop token it sampled (a token in
-    `stop`), at most max_new_tokens (an int, or one per prompt; the calculator's output counts, as in
-    model.generate), and per token whether the model sampled it (True) or the calculator's output was fed (False).
+    `stop`), at most max_new_tokens (an int, or one per prompt; the calculator's output counts), and per token whether the model sampled it (True) or the calculator's output was fed (False).
     tools: None, or one calculator.ToolUse per row (each sees its row's sampled tokens; its calls stay in it).
     temperature 0 is greedy; sampling draws from one torch.Generator seeded with `seed` (None: a random seed), so a
     seed gives the same rows again for the same prompts and settings. compiled: "auto" (compiled on CUDA, eager
-    elsewhere), True or False. weights: decode_weights(model, dtype), to reuse across calls."""
+    elsewhere), True or False. weights: decode_weights(model, dtype), to reuse across calls. A sharded model (FSDP)
+    is first gathered into a plain copy: a collective, so every rank calls decode(); the step reads whole weights."""
+    if is_sharded(model):
+        plain = build_model(model.config, model.cos.device)
+        plain.load_state_dict({k: v.full_tensor() if is_dtensor(v) else v for k, v in model.state_dict().items()})
+        model = plain
     device, c = model.cos.device, model.config
     budgets = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)
     if not prompts or len(budgets) != len(prompts) or samples < 1:
@@ -267,8 +282,8 @@ def main(argv=None):
     parser.add_argument("--prompts", type=int, default=8, help="prompts decoded together (default: %(default)s)")
     parser.add_argument("--max_new_tokens", type=int, default=32, help="greedy tokens per prompt (default: "
                         "%(default)s)")
-    parser.add_argument("--compared", type=int, default=4, help="prompts also decoded one at a time by "
-                        "model.generate, the rest of the check's time (default: %(default)s)")
+    parser.add_argument("--compared", type=int, default=4, help="prompts also decoded alone, one row each, the "
+                        "rest of the check's time (default: %(default)s)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype "
                         "(default: %(default)s)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="device (default: "
@@ -283,21 +298,22 @@ def main(argv=None):
     prompts = [torch.randint(0, model.config.vocab_size, (n,)).tolist() for n in lengths]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     compared = prompts[:args.compared]
-    start = time.perf_counter()
-    alone = [list(generate(model, p, args.max_new_tokens, temperature=0, dtype=args.dtype)) for p in compared]
-    sync()
-    alone_s = time.perf_counter() - start
     weights = decode_weights(model, args.dtype)
     decode(model, prompts, args.max_new_tokens, dtype=args.dtype, weights=weights)  # compiles on CUDA
+    sync()
+    start = time.perf_counter()
+    alone = [decode(model, [p], args.max_new_tokens, dtype=args.dtype, weights=weights)[0][0] for p in compared]
+    sync()
+    alone_s = time.perf_counter() - start
     sync()
     start = time.perf_counter()
     rows, _ = decode(model, prompts, args.max_new_tokens, dtype=args.dtype, weights=weights)
     sync()
     batch_s = time.perf_counter() - start
     same = sum(a == b for a, b in zip(rows, alone))
-    print(f"{args.preset} {args.dtype} on {device}: generate() one prompt at a time "
-          f"{len(compared) * args.max_new_tokens / alone_s:,.0f} tok/s; decode() {len(prompts)} prompts together "
-          f"{len(prompts) * args.max_new_tokens / batch_s:,.0f} tok/s; greedy rows equal to generate()'s: "
+    print(f"{args.preset} {args.dtype} on {device}: decode() one prompt at a time "
+          f"{len(compared) * args.max_new_tokens / alone_s:,.0f} tok/s; {len(prompts)} prompts together "
+          f"{len(prompts) * args.max_new_tokens / batch_s:,.0f} tok/s; greedy rows equal to one at a time: "
           f"{same}/{len(compared)}")
     return 0 if args.dtype != "float32" or same == len(compared) else 1
 

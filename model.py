@@ -1,4 +1,5 @@
-"""The GPT: configuration, presets, layers, chunked loss, KV cache, generation, parameter/FLOP/memory accounting.
+"""The GPT: configuration, presets, layers, chunked loss, KV cache, parameter/FLOP/memory accounting (generation:
+decode.py).
 
 Every stage imports this file. Run it alone to see what a preset is, without allocating a single weight:
 
@@ -315,16 +316,6 @@ def causal_attention(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
-def masked_attention(q, k, v, valid):
-    """Attention of one query position over a preallocated cache with a (query, key) boolean mask, in plain matmuls.
-    SDPA there let torch.compile on an H100 pick the memory-efficient kernel, which refused the 1-token query's strides
-    ("query is not correctly aligned"); for one query the matmuls are as fast."""
-    B, H, T, D = q.shape
-    grouped = q.view(B, k.size(1), H // k.size(1), T, D)  # each KV head's query heads: no copy of the cache
-    scores = (grouped @ k.unsqueeze(2).transpose(-2, -1)).float() * D ** -0.5
-    return (scores.masked_fill(~valid, float("-inf")).softmax(dim=-1).to(v.dtype) @ v.unsqueeze(2)).view(B, H, T, D)
-
-
 def to_compute_dtype(x):
     """Under autocast, cast a block's normalized input once: otherwise each projection reading it (q, k, v; gate,
     up) makes and saves its own bf16 copy."""
@@ -403,7 +394,7 @@ class Attention(nn.Module):
         # value embedding gate: per KV head, how much of the token's value embedding joins v, in (0, 3)
         self.ve_gate = Linear(VE_GATE_CHANNELS, c.n_kv_head, c.bitnet) if layer_idx in value_embed_layers(c) else None
 
-    def forward(self, x, cos, sin, kv_cache=None, step=None, value_embed=None):
+    def forward(self, x, cos, sin, kv_cache=None, value_embed=None):
         B, T, _ = x.shape
         x = to_compute_dtype(x)
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
@@ -418,10 +409,6 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, head_dim)
         if kv_cache is None:
             y = causal_attention(q, k, v)
-        elif step is not None:  # GPT.decode_step: the whole preallocated cache, positions after `pos` masked out
-            pos, valid = step
-            k, v = kv_cache.write_at(self.layer_idx, k, v, pos)
-            y = masked_attention(q, k, v, valid)
         else:
             start = kv_cache.pos
             k, v = kv_cache.update(self.layer_idx, k, v)
@@ -456,8 +443,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(c.n_embd, c.norm_learnable, c.norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x, cos, sin, kv_cache=None, step=None, value_embed=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, kv_cache, step, value_embed)
+    def forward(self, x, cos, sin, kv_cache=None, value_embed=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, kv_cache, value_embed)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -481,13 +468,6 @@ class KVCache:
         self.k[layer_idx, :, :, self.pos:self.pos + T] = k
         self.v[layer_idx, :, :, self.pos:self.pos + T] = v
         return self.k[layer_idx, :, :, :self.pos + T], self.v[layer_idx, :, :, :self.pos + T]
-
-    def write_at(self, layer_idx, k, v, pos):
-        """One position's keys and values written at `pos`, a (1,) long tensor (no Python int, so a compiled step
-        is not specialized on it); returns the layer's whole cache. The cache must be allocated (prefill first)."""
-        self.k[layer_idx].index_copy_(2, pos, k)
-        self.v[layer_idx].index_copy_(2, pos, v)
-        return self.k[layer_idx], self.v[layer_idx]
 
 
 # -----------------------------------------------------------------------------
@@ -655,9 +635,9 @@ class GPT(nn.Module):
         for i, block in enumerate(self.blocks):
             x, value_embed = self.mix_embedding(i, x, x0), self.value_embed(i, idx)
             if self.config.activation_checkpointing and torch.is_grad_enabled() and kv_cache is None:
-                x = checkpoint(block, x, cos, sin, None, None, value_embed, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, None, value_embed, use_reentrant=False)
             else:
-                x = block(x, cos, sin, kv_cache, None, value_embed)
+                x = block(x, cos, sin, kv_cache, value_embed)
         if kv_cache is not None:
             kv_cache.pos += T
         x = self.norm_f(x)
@@ -677,20 +657,6 @@ class GPT(nn.Module):
         if reduction == "sum":
             return loss_sum
         return loss_sum / (targets != -1).sum().clamp(min=1)
-
-    def decode_step(self, token, pos, kv_cache):
-        """fp32 logits (B, vocab) of one token per row (B, 1) at position `pos` ((1,) long tensor, the same for every
-        row), with attention over the whole preallocated cache and a mask of the positions <= pos: every shape is the
-        same at every step, so torch.compile traces it once and CUDA graphs can replay it (gpt-fast's static KV
-        cache). The cache must hold positions 0 .. pos-1 (prefill with forward() first); kv_cache.pos is the caller's
-        to advance (a Python int read here would recompile the step at every position)."""
-        cos, sin = self.cos[pos][None, :, None, :], self.sin[pos][None, :, None, :]
-        valid = (torch.arange(kv_cache.shape[3], device=token.device) <= pos).view(1, -1)  # (query, key)
-        x = x0 = self.wte(token)
-        for i, block in enumerate(self.blocks):
-            x = block(self.mix_embedding(i, x, x0), cos, sin, kv_cache, (pos, valid), self.value_embed(i, token))
-        x = self.norm_f(x)
-        return softcap_logits(F.linear(x[:, -1], self.head_weight()).float(), self.config.logit_softcap)
 
     def _per_token_loss(self, x, targets):
         """Loss and argmax at the positions with a target, computed in chunks; an evaluation that scores a few
@@ -731,97 +697,6 @@ def autocast_context(device_type, dtype):
     if dtype == "float32":
         return nullcontext()
     raise ValueError(f"dtype={dtype!r} is not allowed: choose bfloat16 or float32")
-
-
-# -----------------------------------------------------------------------------
-# Generation
-
-def sample_next(logits, temperature, top_k, generator):
-    """logits (B, vocab) -> next ids (B, 1). temperature 0 is greedy."""
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
-
-
-def generate(model, prompt, max_new_tokens, temperature=1.0, top_k=None, seed=None, dtype="float32", tools=None):
-    """Stream token ids after `prompt` (a list of ids): the prompt is prefilled into a KV cache in one forward, then
-    each new token costs one single-position forward. tools (calculator.ToolUse) maps each generated token to the
-    tokens to feed after it (a tool call's output), which are yielded too and count against max_new_tokens. The
-    caller stops early by leaving the loop."""
-    device = model.cos.device
-    total = len(prompt) + max_new_tokens
-    if total > model.config.sequence_len:
-        raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds sequence_len="
-                         f"{model.config.sequence_len}")
-    generator = torch.Generator(device=device)
-    if seed is not None:
-        generator.manual_seed(seed)
-    else:
-        generator.seed()
-    cache = KVCache(model.config, batch_size=1, max_len=total)
-
-    def next_token(ids):
-        # contexts entered per step, never held across a `yield`: autocast does not survive one (the decode steps
-        # would run in fp32 against a bf16 cache); inference_mode: less per-op overhead than no_grad
-        with torch.inference_mode(), autocast_context(device.type, dtype):
-            return sample_next(model(ids, kv_cache=cache, last_only=True)[:, -1], temperature, top_k, generator)
-
-    next_id, produced = next_token(torch.tensor([prompt], dtype=torch.long, device=device)), 0
-    while True:
-        feed = [next_id.item()]
-        feed += tools(feed[0]) if tools is not None else []
-        for token in feed[:max_new_tokens - produced]:
-            yield token
-            produced += 1
-        if produced >= max_new_tokens:
-            return
-        next_id = next_token(torch.tensor([feed], dtype=torch.long, device=device))
-
-
-def lean_decode_step(model, weights, token, pos, kv_cache):
-    """GPT.decode_step for one row in plain fp32 eager mode with fewer, larger ops, for the CPU (weights: decode.py's
-    decode_weights, fp32; BitNet's activations are not quantized here, so not for BitNet), where a 1-token step
-    of a small model is bound by per-op overhead, not arithmetic: q, k, v in one matmul against pre-transposed
-    weights (a (1, n) @ (n, m) matmul is ~2x faster than F.linear's x @ W^T on CPU), q and k normalized and rotated
-    together, residual adds fused into addmm, attention over the filled positions only (eager mode may change
-    shapes; a masked 2,048-long cache costs ~0.45 ms a layer on CPU). kv_cache.pos must equal pos. Greedy tokens
-    equal GPT.decode_step's and generate()'s (tested); faster than generate() at the tiny preset (docs/chat.md)."""
-    c, eps = model.config, model.config.norm_eps
-    H, K, D = c.n_head, c.n_kv_head, c.head_dim
-
-    def norm(x, w):  # rms_norm in 4 small ops (F.rms_norm's CPU path runs ~10)
-        x = x * (x * x).sum(-1, keepdim=True).mul_(1 / x.size(-1)).add_(eps).rsqrt_()
-        return x if w is None else x * w
-
-    n = kv_cache.pos + 1  # eager: attend over the filled positions only, not the whole preallocated cache
-    cos, sin = weights["cos"][n - 1:n], weights["sin"][n - 1:n]  # (1, D) views; indexing by a tensor costs more
-    x = x0 = model.wte(token).view(1, c.n_embd)
-    for i, (wqkv, wo, wup, wgate, wdown, n_attn, n_mlp, n_q, n_k, w_ve) in enumerate(weights["blocks"]):
-        x = model.mix_embedding(i, x, x0)
-        h = norm(x, n_attn)
-        qkv = h @ wqkv
-        if w_ve is not None:  # the value embedding, gated per KV head, joins the values
-            gate = 3 * torch.sigmoid(h[:, :VE_GATE_CHANNELS] @ w_ve)
-            ve = model.value_embed(i, token).view(K, D) * gate.view(K, 1)
-            qkv = torch.cat([qkv[:, :(H + K) * D], qkv[:, (H + K) * D:] + ve.view(1, K * D)], -1)
-        qk = qkv[:, :(H + K) * D].view(H + K, D)  # the H query heads, then the K key heads
-        if c.qk_norm and n_q is None:  # weightless: one norm over q and k rows together
-            qk = norm(qk, None)
-        elif c.qk_norm:
-            qk = torch.cat([norm(qk[:H], n_q), norm(qk[H:], n_k)])
-        # apply_rotary's (x1 cos + x2 sin, x2 cos - x1 sin) as x * (cos, cos) + (x2, x1) * (sin, -sin): the same bits
-        qk = qk * cos + torch.cat([qk[:, D // 2:], qk[:, :D // 2]], -1) * sin
-        keys, values = kv_cache.write_at(i, qk[H:].view(1, K, 1, D), qkv[:, (H + K) * D:].view(1, K, 1, D), pos)
-        y = F.scaled_dot_product_attention(qk[:H].view(1, H, 1, D), keys[:, :, :n], values[:, :, :n], enable_gqa=True)
-        x = torch.addmm(x, y.view(1, H * D), wo)
-        h = norm(x, n_mlp)
-        h = F.silu(h @ wgate) * (h @ wup) if wgate is not None else F.relu(h @ wup).square_()
-        x = torch.addmm(x, h, wdown)
-    return softcap_logits(norm(x, weights["norm_f"]) @ weights["head"], c.logit_softcap)
 
 
 # -----------------------------------------------------------------------------

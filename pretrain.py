@@ -26,6 +26,7 @@ import runs
 import train_loop
 import validation
 from dataset import budget_line, corpus_budget, default_data_dir, shard_tokens, split_shards
+from decode import decode
 from loader import text_loader
 from model import (
     add_model_args,
@@ -34,7 +35,6 @@ from model import (
     check_master_weights,
     config_from_args,
     flops_per_token,
-    generate,
     num_params,
     param_breakdown,
     parse_args,
@@ -202,15 +202,12 @@ def evaluate(model, tokenizer, args, rank, world, device, run_dir, val_rows, ste
     """Validation bits per byte (validation.val_bpb: the first --bpb_tokens of the split in BOS-led rows, the same
     figure core_eval.py reports) and greedy samples; prints them and returns the metrics fields."""
     bpb, _ = validation.val_bpb(model, val_rows, tokenizer.token_bytes, 8, args.dtype, rank, world, device)
-    if rank == 0 or distributed.is_sharded(model):  # a sharded model's forward needs every rank
-        model.eval()
-        samples = []
-        for prompt in args.sample_prompt or PROMPTS:
-            ids = [tokenizer.bos_id, *tokenizer.encode(prompt)]
-            out = list(generate(model, ids, min(32, model.config.sequence_len - len(ids)), temperature=0,
-                                dtype=args.dtype))
-            samples.append({"step": step, "prompt": prompt, "completion": tokenizer.decode(out)})
-        model.train()
+    if rank == 0 or distributed.is_sharded(model):  # a sharded model is gathered by every rank
+        prompts = [[tokenizer.bos_id, *tokenizer.encode(prompt)] for prompt in args.sample_prompt or PROMPTS]
+        rows, _ = decode(model, prompts, [min(32, model.config.sequence_len - len(ids)) for ids in prompts],
+                         dtype=args.dtype)
+        samples = [{"step": step, "prompt": prompt, "completion": tokenizer.decode(row)}
+                   for prompt, row in zip(args.sample_prompt or PROMPTS, rows)]
     if rank == 0:
         with open(run_dir / "samples.jsonl", "a") as f:
             f.writelines(json.dumps(s) + "\n" for s in samples)

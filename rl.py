@@ -38,7 +38,7 @@ import train_loop
 from calculator import ToolUse, reply_text
 from dataset import CACHE_DIR
 from decode import decode
-from model import KVCache, autocast_context, parse_args, sample_next
+from model import autocast_context, parse_args
 from tasks import demo_world, gsm8k_items, load_items, prompt_ids, reward
 
 # every lr is this fraction of the SFT parent's, decaying linearly to 0: SFT runs at 0.3 of pretraining's lrs, so 0.2
@@ -141,40 +141,6 @@ def sample_groups(model, tokenizer, prompts, n, max_new_tokens, temperature, top
     tools = [ToolUse(tokenizer) for _ in range(n * len(prompts))]
     return decode(model, prompts, budgets, samples=n, temperature=temperature, top_k=top_k, seed=seed, dtype=dtype,
                   tools=tools, stop=stop)
-
-
-@torch.no_grad()
-def sample_group(model, tokenizer, prompt, n, max_new_tokens, temperature, top_k, seed, dtype):
-    """n replies to one prompt, as one batch: the rollouts before sample_groups, kept as bench.py's baseline.
-    model.generate's sampling (sample_next, the KV cache, calculator.ToolUse for the calculator) for n rows at once.
-    A row whose tool call returned a result is fed those tokens, one per forward, while the other rows sample theirs. Returns (replies, sampled): each row's tokens up to and with its
-    <|assistant_end|>, and per token whether the model sampled it (True) or the calculator's output was fed (False)."""
-    device = model.cos.device
-    budget = min(max_new_tokens, model.config.sequence_len - len(prompt))
-    stop = {tokenizer.special_id("<|assistant_end|>"), tokenizer.bos_id}
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    cache = KVCache(model.config, batch_size=n, max_len=len(prompt) + budget)
-    tools, fed = [ToolUse(tokenizer) for _ in range(n)], [[] for _ in range(n)]
-    replies, sampled, done = [[] for _ in range(n)], [[] for _ in range(n)], [False] * n
-    ids = torch.tensor([prompt] * n, dtype=torch.long, device=device)
-    for position in range(budget):
-        with torch.inference_mode(), autocast_context(device.type, dtype):
-            logits = model(ids, kv_cache=cache, last_only=True)[:, -1]
-        drawn = sample_next(logits, temperature, top_k, generator).view(-1).tolist()
-        for i in range(n):
-            if done[i]:
-                continue
-            own = not fed[i]
-            token = drawn[i] if own else fed[i].pop(0)
-            fed[i] += tools[i](token) if own else []
-            replies[i].append(token)
-            sampled[i].append(own)
-            done[i] = own and token in stop
-        if all(done) or position == budget - 1:
-            break
-        ids = torch.tensor([[r[-1]] for r in replies], dtype=torch.long, device=device)
-    return replies, sampled
 
 
 def training_rows(prompt, replies, sampled, pad_id):

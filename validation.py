@@ -17,9 +17,10 @@ import torch
 
 from calculator import ToolUse, reply_text
 from checkpoint import checkpoint_tokenizer, find_checkpoint, load_model, pretraining_run
+from decode import decode
 from distributed import all_reduce_tensor, is_sharded, run_main
 from loader import chat_loader, text_loader
-from model import autocast_context, generate
+from model import autocast_context
 
 # -----------------------------------------------------------------------------
 # Validation bits per byte, shared by pretrain.py (during training) and core_eval.py (on a checkpoint)
@@ -135,24 +136,19 @@ def chat_validation(model, tokenizer, questions, dtype, rank, world, device, run
 
 @torch.no_grad()
 def chat_answers(model, tokenizer, questions, dtype, max_tokens=64):
-    """Greedy answers to one-turn questions, each up to <|assistant_end|> (whether it came is recorded). A sharded
-    model is run by every rank, each answer to its full length (the same number of forwards on every rank)."""
-    end, answers = tokenizer.special_id("<|assistant_end|>"), []
-    was_training = model.training
-    model.eval()
-    for question in questions:
-        prompt = tokenizer.render_for_completion([{"role": "user", "content": question}])
-        out, tools = [], ToolUse(tokenizer)  # the calculator on, as in chat.py and chat_eval.py
-        for token in generate(model, prompt, min(max_tokens, model.config.sequence_len - len(prompt)), temperature=0,
-                              dtype=dtype, tools=tools):
-            out.append(token)
-            if token == end and not is_sharded(model):
-                break
-        ended = end in out
-        answers.append({"question": question, "answer": reply_text(tokenizer, out[:out.index(end)] if ended else out),
-                        "ended": ended, **({"calculator": [list(c) for c in tools.calls]} if tools.calls else {})})
-    model.train(was_training)
-    return answers
+    """Greedy answers to one-turn questions, each up to <|assistant_end|> (whether it came is recorded), decoded
+    together (decode.py) with the calculator on, as in chat.py and chat_eval.py. A sharded model is first gathered
+    into a plain copy on every rank (decode.py)."""
+    if not questions:
+        return []
+    end = tokenizer.special_id("<|assistant_end|>")
+    prompts = [tokenizer.render_for_completion([{"role": "user", "content": q}]) for q in questions]
+    tools = [ToolUse(tokenizer) for _ in questions]
+    budgets = [min(max_tokens, model.config.sequence_len - len(p)) for p in prompts]
+    rows, _ = decode(model, prompts, budgets, dtype=dtype, tools=tools, stop={end})
+    return [{"question": q, "answer": reply_text(tokenizer, row[:-1] if row[-1] == end else row),
+             "ended": row[-1] == end, **({"calculator": [list(c) for c in t.calls]} if t.calls else {})}
+            for q, row, t in zip(questions, rows, tools)]
 
 
 # -----------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 gradient clipping, the optimizers, distributed.shard_model) on the same model and global batches, once through DDP and
 once sharded by FSDP2: Muon in fp32 and bf16 (FSDP2's MixedPrecisionPolicy against DDP's autocast), AdamW in fp32
 (FSDP2 with activation checkpointing). Also one step's loss and gradients through DDP with 2 micro-batches a rank
-(no_sync accumulation) on test_train's masked global batch. Rank 0 saves it all."""
+(no_sync accumulation) on test_train's masked global batch. After each run, greedy rows of the trained model through
+decode.py (a sharded one is gathered whole first). Rank 0 saves it all."""
 import sys
 from argparse import Namespace
 
@@ -12,9 +13,11 @@ from helpers import global_batch, tiny_model
 import distributed
 import optim
 import train_loop
+from decode import decode
 from model import GPTConfig, build_model
 
 STEPS = 20
+ROWS = {}  # each run's greedy rows after training
 
 
 def losses(wrap, optimizer, dtype, rank, world, local_rank, device, activation_checkpointing=False):
@@ -39,6 +42,7 @@ def losses(wrap, optimizer, dtype, rank, world, local_rank, device, activation_c
             opt.step()
         model.zero_grad(set_to_none=distributed.is_sharded(model))
         result.append((loss_sum / count).item())
+    ROWS[f"{wrap} {optimizer} {dtype}"] = decode(model, [[1, 2, 3], [4, 5, 6, 7, 8]], 8, dtype=dtype)[0]
     return result
 
 
@@ -55,6 +59,7 @@ def main():
     mine = [(inputs[s:s + 2], targets[s:s + 2]) for s in range(rank * rows, (rank + 1) * rows, 2)]
     loss_sum, count = train_loop.forward_backward(train_model, mine, "float32", device, world)
     if rank == 0:
+        runs["rows"] = ROWS
         runs["one step"] = {"loss": loss_sum / count, "grads": {n: p.grad for n, p in model.named_parameters()}}
         torch.save(runs, sys.argv[1])
 

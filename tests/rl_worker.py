@@ -60,8 +60,8 @@ def main(out):
     item = {"prompt": QUESTION, "answers": ["7"], "rule": "last_word"}
     rollouts, rows, rewards = [], [], []
     for question in range(rank + 1):
-        replies, sampled = rl.sample_group(model, tok, prompt, SAMPLES, 12, 1.0, 0, rl.sampling_seed(0, rank, question),
-                                           "float32")
+        replies, sampled = rl.sample_groups(model, tok, [prompt], SAMPLES, 12, 1.0, 0,
+                                            rl.sampling_seed(0, rank, question), "float32")
         scores = [rl.reward(item, reply_text(tok, rl.strip_end(r, tok))) for r in replies]
         rollouts += [{"reply": r, "sampled": s, "reward": x} for r, s, x in zip(replies, sampled, scores, strict=True)]
         rows += rl.training_rows(prompt, replies, sampled, tok.bos_id)

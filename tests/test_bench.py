@@ -73,13 +73,13 @@ def test_every_benchmark_s_dry_run_prints_figures_computed_from_what_ran(tmp_pat
     assert f"every item's record identical at batch_items 1, 8 and 32: {len(records) == 1}" in printed
     assert "cpu precision: float32" in printed and "cpu Muon step" in printed
 
-    decode = {path: figure(printed, f"decode tiny float32 {path:9s}: ") for path in ("recompute", "generate", "lean",
-                                                                                     "static")}
+    decode = {path: figure(printed, f"decode tiny float32 {path:9s}: ") for path in ("recompute", "kv_cache", "eager")}
     assert "decode tiny float32 compiled" not in printed  # the dry run compiles nothing
-    assert figure(printed, "decode: generate / recompute = ") == pytest.approx(
-        decode["generate"] / decode["recompute"], rel=0.03, abs=0.006)
-    assert printed.count("greedy tokens identical: True") >= 3  # lean and static as the KV cache
-    for line in ("decode chat second turn", "decode rl sample_group ", "decode rl sample_groups", "decode rl: all",
+    for top, bottom in (("kv_cache", "recompute"), ("eager", "kv_cache")):
+        assert figure(printed, f"decode: {top} / {bottom} = ") == pytest.approx(decode[top] / decode[bottom],
+                                                                                rel=0.03, abs=0.006)
+    assert printed.count("greedy tokens identical: True") >= 3  # chat.py's step as the KV cache, and recompute
+    for line in ("decode chat second turn", "decode rl per_question ", "decode rl all_questions", "decode rl: all",
                  "tokenizer: trained vocab 1024", "tokenizer: bytes/token", "loader T=2048"):
         assert f"\n{line}" in printed, line
 
@@ -112,8 +112,8 @@ def test_every_benchmark_s_dry_run_prints_figures_computed_from_what_ran(tmp_pat
     decode_row = rows[("chat_decode", "ours")]
     assert decode_row["status"] == "ok" and decode_row["dtype"] == "float32"  # chat.py's on a CPU, bf16 on a GPU
     gpu_part = printed[printed.index("gpu: chat_decode: started"):]
-    assert f"decode tiny float32 lean     : {decode_row['decode_tok_per_s_lean']:7,.0f} tok/s" in gpu_part
-    assert "lean" in (out / "gpu_bench.md").read_text()
+    assert f"decode tiny float32 eager    : {decode_row['decode_tok_per_s_eager']:7,.0f} tok/s" in gpu_part
+    assert "eager" in (out / "gpu_bench.md").read_text()
 
 
 def test_a_phase_past_its_timeout_is_stopped_with_its_children_and_reported_with_its_log_tail(tmp_path, capsys):
@@ -144,9 +144,9 @@ def test_a_phase_past_its_timeout_is_stopped_with_its_children_and_reported_with
 def test_the_decode_benchmark_times_chat_py_s_dtype(monkeypatch):
     """On a GPU chat.py decodes in bf16 (its compiled path): the benchmark times that dtype, not fp32."""
     import common
-    assert bench.chat_decode_paths(torch.device("cpu")) == ("float32", "lean", ("lean", "static", "compiled"))
+    assert bench.chat_decode_paths(torch.device("cpu")) == ("float32", "eager", ("eager", "compiled"))
     monkeypatch.setattr(common, "native_bf16", lambda device: True)  # an H100 / H200
-    assert bench.chat_decode_paths(torch.device("cuda")) == ("bfloat16", "compiled", ("compiled", "static"))
+    assert bench.chat_decode_paths(torch.device("cuda")) == ("bfloat16", "compiled", ("eager", "compiled"))
 
 
 def test_the_battery_s_calls_merge_into_one_table(tmp_path):

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from calculator import MAX_CHARS, CalculatorError, ToolUse, calculate, reply_text
-from model import GPTConfig, build_model, generate
+from decode import decode
+from model import GPTConfig, build_model
 from tokenizer import train_tokenizer
 
 
@@ -88,7 +89,7 @@ def test_generation_feeds_the_result_and_continues_as_a_full_forward_would(tok):
         called.append(token)
         return [f for t in [start, *tok.encode("3+4"), end] for f in [t, *inner(t)]]
     prompt = [tok.bos_id, *tok.encode("what is three plus four")]
-    out = list(generate(model, prompt, 20, temperature=0, tools=tools))
+    out = decode(model, [prompt], 20, tools=[tools])[0][0]
     assert len(out) == 20 and inner.calls == [("3+4", "7")]
     call = [start, *tok.encode("3+4"), end, sid("<|output_start|>"), *tok.encode("7"), sid("<|output_end|>")]
     assert out[1:1 + len(call)] == call  # the call, then the result right after <|python_end|>

@@ -2,7 +2,7 @@
 second turn prefills only its new tokens, read from /stats), special-token text, a message longer than the context,
 invalid UTF-8, Ctrl-C during a reply, a turn after it, /clear and EOF. `-p -` answers a held-out demo question with
 the chat chain's SFT model, and a pretraining checkpoint runs in completion mode with a 100,000-character message.
-In-process: UTF-8 streaming, the overflow logic, and greedy tokens of the decode paths against generate()."""
+In-process: UTF-8 streaming, the overflow logic, and chat.py's step's greedy tokens against decode.decode's."""
 import os
 import pty
 import re
@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,9 +20,8 @@ from helpers import ROOT, held_out_questions, run_in_process
 
 import chat
 import checkpoint
-import model as M
 import validation
-from decode import decode_weights
+from decode import decode
 from model import GPTConfig, KVCache, build_model
 from tokenizer import Tokenizer
 
@@ -126,7 +126,7 @@ def test_an_interactive_session_in_a_terminal(demo_world, tmp_path):
 
         out, _ = read_until(fd, rb"type a message.*\r?\n> ", 60, seen)
         assert re.search(rb"stage sft, step 7, [\d,]+ parameters, context 2,048 tokens", out), out
-        assert b"mode: chat" in out and b"seed 1 (--seed 1 to reproduce)" in out and b"decode lean" in out, out
+        assert b"mode: chat" in out and b"seed 1 (--seed 1 to reproduce)" in out and b"decode eager" in out, out
         first, second = "hello there", "and what is the weather like today?"
         out, m = turn(first + "\n")
         assert (int(m[1]), int(m[2])) == (300, len(tokenizer.encode(first)) + 3)  # + user_start, user_end, assistant_start
@@ -231,7 +231,7 @@ def run_chat(args, stdin, cwd):
 
 def test_prompt_from_stdin_answers_a_held_out_demo_question(chat_chain, demo_world):
     """The SFT model of the demo chain, found by itself (newest sft under --runs_dir), greedy, through `-p -`: the
-    reply is generate()'s greedy answer, and it is right."""
+    reply is validation.chat_answers's greedy answer (decode.decode), and it is right."""
     tokenizer = Tokenizer.load(demo_world / "tokenizer")
     model, _ = checkpoint.load_model(chat_chain["sft"], torch.device("cpu"))
     for question, expected in held_out_questions():
@@ -307,30 +307,28 @@ def small_model(**overrides):
 
 @pytest.mark.parametrize("overrides", [{"value_embeds": True}, {"n_kv_head": 2, "mlp": "swiglu", "norm_learnable": True,
                                             "tie_embeddings": True, "qk_norm": False}])
-def test_decode_paths_give_generates_greedy_tokens(overrides):
+def test_chat_s_step_gives_the_greedy_tokens_of_one_decoded_row(overrides, monkeypatch):
+    """chat.py's step (decode.decode_step, the conversation's cache as its one row) eager, and as compiled (the whole
+    cache attended, masked; here uncompiled), gives decode.decode's greedy row token for token."""
+    monkeypatch.setattr(chat, "compiled_step", lambda: chat.decode_step)
     model = small_model(**overrides)
     prompt = torch.randint(0, 1024, (20,)).tolist()
-    expected = list(M.generate(model, prompt, 64, temperature=0))
-    weights = decode_weights(model)
-    for path in ("static", "lean"):
-        cache = KVCache(model.config, 1, model.config.sequence_len)
+    expected = decode(model, [prompt], 64)[0][0]
+    tokenizer = SimpleNamespace(bos_id=prompt[0], special_tokens={}, special_id=lambda name: 1)
+    for path in ("eager", "compiled"):
+        conv = chat.Conversation(model, tokenizer, False, path)  # reset() has fed prompt[0]
         with torch.inference_mode():
-            logits = model(torch.tensor([prompt]), kv_cache=cache, last_only=True)[:, -1]
-            got = []
+            logits, got = conv.forward(prompt[1:]), []
             for _ in range(64):
-                token = logits.argmax(-1, keepdim=True)
-                got.append(token.item())
-                pos = torch.tensor([cache.pos])
-                logits = M.lean_decode_step(model, weights, token, pos, cache) if path == "lean" else \
-                    model.decode_step(token, pos, cache)
-                cache.pos += 1
+                got.append(logits.argmax(-1).item())
+                logits = conv.step(torch.tensor(got[-1:]))
         assert got == expected, path
 
 
 def test_overflow_drops_the_oldest_turns_and_rebuilds_the_cache(demo_world):
     tokenizer = Tokenizer.load(demo_world / "tokenizer")
     model = small_model()
-    conv = chat.Conversation(model, tokenizer, chat=True, decode="lean", max_tokens=10)
+    conv = chat.Conversation(model, tokenizer, chat=True, decode="eager", max_tokens=10)
     generator = torch.Generator().manual_seed(0)
     written = []
     for i in range(12):

@@ -13,6 +13,7 @@ import time
 from decimal import Decimal
 from http.server import ThreadingHTTPServer
 from types import SimpleNamespace
+from unittest.mock import patch
 
 import numpy as np
 import pyarrow as pa
@@ -27,7 +28,7 @@ import checkpoint
 import download
 import sandbox
 import tasks
-from model import GPTConfig, build_model, config_from_preset
+from model import GPTConfig, KVCache, build_model, config_from_preset
 from tokenizer import SPLIT_PATTERN, Tokenizer
 
 BYTES = Tokenizer({bytes([b]): b for b in range(256)}, SPLIT_PATTERN)  # no merges: one token per byte
@@ -40,8 +41,8 @@ FAST = 1.5  # seconds: the sandbox timeout in these tests
 
 class ScriptedModel(torch.nn.Module):
     """Replies script[key] (then <|assistant_end|>) to the user message containing key, one token per position, by
-    logits that favour that token; an item's one forward (categorical) sees the reply's first token. Works through
-    model.generate's KV cache: it keeps the tokens it has seen and advances the cache's position."""
+    logits that favour that token; an item's one forward (categorical) sees the reply's first token. Generates through
+    scripted_decode: it keeps the tokens it has seen and advances the cache's position."""
 
     def __init__(self, tokenizer, script, sequence_len=2048):
         super().__init__()
@@ -65,13 +66,31 @@ class ScriptedModel(torch.nn.Module):
         return logits
 
 
+def scripted_decode(model, prompts, budgets, dtype, tools, stop):
+    """decode.decode's greedy rows for a model that has only a forward on a KV cache (ScriptedModel), one prompt at a
+    time: a row's calculator output is fed after its call, a row ends at a stop token it sampled or its budget."""
+    rows = []
+    for prompt, budget, tool in zip(prompts, budgets, tools, strict=True):
+        cache, feed, row, forced, own = KVCache(model.config, 1, model.config.sequence_len), prompt, [], [], True
+        while len(row) < budget and not (own and row and row[-1] in stop):
+            token = model(torch.tensor([feed]), kv_cache=cache, last_only=True)[0, -1].argmax().item()
+            own = not forced
+            token = token if own else forced.pop(0)
+            forced += tool(token) if own else []
+            row.append(token)
+            feed = [token]
+        rows.append(row)
+    return rows, None
+
+
 def scored(task, rows, script, **kw):
     """evaluate_task's verdicts and records for rows in the task's hub (or demo) layout, replies from the script."""
     items = [{**tasks.make_item(task, row, f"row {i}"), "row": i} for i, row in enumerate(rows)]
     args = SimpleNamespace(dtype="float32", max_new_tokens=64, timeout=FAST, memory_mb=512, batch_items=1,
                            option_text="off", **kw)  # the scripted model answers one prompt at a time, no targets
-    return E.evaluate_task(task, items, ScriptedModel(BYTES, script), BYTES, args, 0, 1, CPU, "MARK",
-                           sandbox.sandbox_level()[0])
+    with patch.object(E, "decode", scripted_decode):
+        return E.evaluate_task(task, items, ScriptedModel(BYTES, script), BYTES, args, 0, 1, CPU, "MARK",
+                               sandbox.sandbox_level()[0])
 
 
 def test_chatcore_from_scripted_replies_is_exact_per_task_and_in_the_mean():
@@ -112,7 +131,8 @@ def test_a_reply_cut_by_the_window_is_counted_and_a_letter_must_be_one_token():
     model = ScriptedModel(BYTES, {"long": "x" * 500}, sequence_len=64)
     args = SimpleNamespace(dtype="float32", max_new_tokens=512, batch_items=1)
     item = {"prompt": "long", "answers": ["x"], "row": 0}
-    (verdict,), (record,) = E.evaluate_task("demo-answer", [item], model, BYTES, args, 0, 1, CPU, "M", None)
+    with patch.object(E, "decode", scripted_decode):
+        (verdict,), (record,) = E.evaluate_task("demo-answer", [item], model, BYTES, args, 0, 1, CPU, "M", None)
     assert verdict == (False, True) and len(record["reply"]) == 64 - len(BYTES.render_for_completion(
         [{"role": "user", "content": "long"}]))
     with pytest.raises(ValueError, match="'AB' is 2 tokens"):
@@ -148,8 +168,8 @@ def test_gsm8k_is_answered_with_the_calculator_on_and_scored_on_the_text_without
 
 
 def test_batched_answers_equal_one_at_a_time_item_for_item():
-    """Generated answers decoded together (--batch_items > 1, decode.py) give each item's record as generate() one
-    item at a time does: a random model whose replies the window cuts at different lengths, and the calculator per
+    """Generated answers decoded together (--batch_items > 1, decode.py) give each item's record as one item at a
+    time (one row) does: a random model whose replies the window cuts at different lengths, and the calculator per
     row (rl's hand-made policy, which calls it after <|assistant_start|>)."""
     from rl_worker import hand_made_policy, tokenizer
     torch.manual_seed(0)

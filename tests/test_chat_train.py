@@ -14,7 +14,8 @@ import midtrain
 import runs
 import sft
 import validation
-from model import GPTConfig, build_model, generate
+from decode import decode
+from model import GPTConfig, build_model
 from tokenizer import Tokenizer, train_tokenizer
 
 
@@ -27,7 +28,7 @@ def score(path, tokenizer, questions, chat):
         answers = []
         for question, _ in questions:
             prompt = [tokenizer.bos_id, *tokenizer.encode(question + " ")]
-            ids = list(generate(model, prompt, 16, temperature=0))
+            ids = decode(model, [prompt], 16)[0][0]
             answers.append({"question": question, "answer": tokenizer.decode(ids), "ended": False})
     correct = sum(expected.lower() in a["answer"].lower() for (_, expected), a in zip(questions, answers, strict=True))
     return correct / len(questions), sum(a["ended"] for a in answers) / len(answers), answers

@@ -40,6 +40,8 @@ def test_fsdp_takes_the_steps_ddp_takes_with_muon_and_adamw(worker_runs):
         ddp, fsdp = worker_runs[f"ddp {name}"], worker_runs[f"fsdp {name}"]
         assert len(ddp) == len(fsdp) == 20 and ddp[-1] < ddp[0] - 0.02, (name, ddp)  # and it learns
         assert max(abs(a - b) for a, b in zip(ddp, fsdp, strict=True)) <= tolerance, (name, ddp, fsdp)
+    rows = worker_runs["rows"]  # decode.py gathers a sharded model whole: the greedy rows of the same weights
+    assert rows["fsdp muon float32"] == rows["ddp muon float32"] and rows["fsdp adamw float32"] == rows["ddp adamw float32"]
 
 
 def test_two_processes_give_the_loss_and_gradients_of_one(worker_runs):

@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 import checkpoint
 import dataset as D
 import export
-from model import build_model, config_from_preset, generate
+from decode import decode
+from model import build_model, config_from_preset
 from tokenizer import Tokenizer, train_tokenizer
 
 SMALL = {"sequence_len": 64, "n_layer": 2, "n_embd": 64, "n_head": 4, "n_kv_head": 2}
@@ -185,8 +186,8 @@ def max_logit_diff(model, hf, vocab_size, seed=0):
 
 
 def greedy_tokens(model, hf, prompt):
-    """(model.py's 32 greedy tokens after prompt, transformers'), with no stop token, so all 32 are compared."""
-    ours = list(generate(model, prompt, 32, temperature=0))
+    """(decode.py's 32 greedy tokens after prompt, transformers'), with no stop token, so all 32 are compared."""
+    ours = decode(model, [prompt], 32)[0][0]
     theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None)
     return ours, theirs[0, len(prompt):].tolist()
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from helpers import run_in_process
 
 import model as M
+from decode import decode
 from model import GPT, GPTConfig, KVCache, autocast_context, build_model, config_from_preset
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -131,16 +132,6 @@ def test_cli_prints_exact_counts(capsys):
         assert f"params: {count}\n" in out
         for part in ("embeddings", "attention", "mlp", "norms", "head", "FLOPs/token", "activations"):
             assert part in out
-
-
-@pytest.mark.parametrize("n_kv_head", [1, 2, 4])
-def test_the_decode_steps_attention_equals_sdpa_with_the_same_mask(n_kv_head):
-    generator = torch.Generator().manual_seed(n_kv_head)
-    q, k, v = (torch.randn(2, heads, length, 16, generator=generator) for heads, length in
-               ((4, 1), (n_kv_head, 10), (n_kv_head, 10)))
-    valid = (torch.arange(10) <= 6).view(1, -1)
-    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=valid, enable_gqa=True)
-    assert (M.masked_attention(q, k, v, valid) - expected).abs().max() < 1e-6
 
 
 # --- bad input --------------------------------------------------------------------------------------------------
@@ -419,8 +410,7 @@ def test_kv_cache_matches_recomputation(n_kv_head):
             seq = torch.cat([seq, next_id], dim=1)
             cached = model(next_id, kv_cache=cache)[:, -1]
     assert cache.pos == 84
-    greedy = list(M.generate(model, prompt[0].tolist(), 64, temperature=0))
-    assert greedy == seq[0, 20:].tolist()
+    assert decode(model, [prompt[0].tolist()], 64)[0][0] == seq[0, 20:].tolist()  # decode.py's one row, the same
 
 
 def test_kv_cache_prefill_in_pieces():
@@ -435,35 +425,6 @@ def test_kv_cache_prefill_in_pieces():
     assert torch.allclose(torch.cat([first, second], 1), full, atol=1e-5)
 
 
-def test_generate_in_bf16_keeps_one_dtype_through_the_cache():
-    torch.manual_seed(0)
-    model = build_model(small(n_kv_head=2)).eval()
-    tokens = list(M.generate(model, [1, 2, 3], 40, temperature=0, dtype="bfloat16"))
-    assert len(tokens) == 40 and all(0 <= t < 512 for t in tokens)
-    with autocast_context("cpu", "bfloat16"), torch.no_grad():  # the same greedy tokens as recomputing in bf16
-        seq = torch.tensor([[1, 2, 3]])
-        for _ in range(5):
-            seq = torch.cat([seq, model(seq, last_only=True)[:, -1].argmax(-1, keepdim=True)], 1)
-    assert tokens[:5] == seq[0, 3:].tolist()
-
-
-def test_generate_sampling_is_seeded_and_bounded():
-    torch.manual_seed(0)
-    model = build_model(small()).eval()
-    prompt = [1, 2, 3]
-    a = list(M.generate(model, prompt, 30, temperature=1.0, top_k=50, seed=7))
-    b = list(M.generate(model, prompt, 30, temperature=1.0, top_k=50, seed=7))
-    c = list(M.generate(model, prompt, 30, temperature=1.0, top_k=50, seed=8))
-    assert a == b and a != c and len(a) == 30
-    assert list(M.generate(model, prompt, 10, top_k=1, seed=3)) == list(M.generate(model, prompt, 10, temperature=0))
-    logits = torch.tensor([[0.0, 5.0, 4.0, -1.0]])
-    gen = torch.Generator().manual_seed(0)
-    draws = {M.sample_next(logits, 1.0, 2, gen).item() for _ in range(200)}
-    assert draws == {1, 2}  # top-k 2 keeps exactly the two largest
-    with pytest.raises(ValueError, match="sequence_len=128"):
-        list(M.generate(model, prompt, 200))
-
-
 class Forcing:
     """A stand-in for calculator.ToolUse with the same contract: after each sampled `trigger` it returns `forced`,
     the tokens generation must feed next (a tool call's result)."""
@@ -476,21 +437,16 @@ class Forcing:
         return list(self.forced) if token == self.trigger else []
 
 
-def one_row(model, prompt, budget, stop=(), tools=None, dtype="float32"):
-    """generate()'s tokens for one prompt, up to and with the first stop token: the one-row path."""
-    out = []
-    for token in M.generate(model, prompt, budget, temperature=0, tools=tools, dtype=dtype):
-        out.append(token)
-        if token in stop:
-            break
-    return out
+def one_row(model, prompt, budget, stop=(), tools=None):
+    """decode()'s greedy tokens for one prompt alone, one row, up to and with the first stop token."""
+    return decode(model, [prompt], budget, stop=stop, tools=None if tools is None else [tools])[0][0]
 
 
 @pytest.mark.parametrize("overrides", [{}, {"n_kv_head": 2, "mlp": "swiglu", "norm_learnable": True,
                                             "value_embeds": True, "resid_lambdas": True},
                                        {"bitnet": True, "tie_embeddings": True, "logit_softcap": 0.0}])
-def test_batched_greedy_decoding_equals_generate_one_row_at_a_time(overrides):
-    """decode.decode over prompts of different lengths, two rows per prompt, equals generate() on each prompt alone,
+def test_batched_greedy_decoding_equals_one_row_at_a_time(overrides):
+    """decode.decode over prompts of different lengths, two rows per prompt, equals each prompt decoded alone,
     token for token: without tools, with a tool whose forced tokens enter one row only (rows then differ in length
     and position), and with stop tokens that end rows early (the cache is compacted as they end)."""
     import decode as D
@@ -502,7 +458,7 @@ def test_batched_greedy_decoding_equals_generate_one_row_at_a_time(overrides):
     tokens, sampled = D.decode(model, prompts, budgets, samples=2)
     assert tokens == [t for t in plain for _ in range(2)] and all(all(s) for s in sampled)
     assert [len(t) for t in tokens[::2]] == budgets
-    # a trigger that appears in some replies only; its forced tokens count against the budget, as in generate()
+    # a trigger that appears in some replies only; its forced tokens count against the budget
     trigger = next(t for t in plain[0][2:] if t not in plain[2])
     forced = [3, 1, 4, 1, 5]
     expected = [one_row(model, p, b, tools=Forcing(trigger, forced)) for p, b in zip(prompts, budgets)]
@@ -522,7 +478,7 @@ def test_batched_greedy_decoding_equals_generate_one_row_at_a_time(overrides):
 
 def test_the_fixed_shape_step_cuda_compiles_gives_the_same_greedy_rows(monkeypatch):
     """The step as CUDA runs it (whole caches attended and masked, widths rounded up to 64, the slot a tensor), here
-    uncompiled on the CPU: the same greedy rows as generate(), tool and stop tokens included."""
+    uncompiled on the CPU: the same greedy rows as the eager step one row at a time, tool and stop tokens included."""
     import decode as D
     monkeypatch.setattr(D, "compiled_step", lambda: D.decode_step)
     torch.manual_seed(0)
@@ -550,6 +506,9 @@ def test_batched_sampling_is_seeded_and_its_rows_differ():
     assert D.decode(model, prompts, 10, samples=2, temperature=1.0, top_k=1, seed=3)[0] == greedy
     with pytest.raises(ValueError, match="sequence_len=128"):
         D.decode(model, prompts, 120)
+    logits, generator = torch.tensor([[0.0, 5.0, 4.0, -1.0]]), torch.Generator().manual_seed(0)
+    draws = {D.sample_rows(logits, 1.0, 2, generator).item() for _ in range(200)}
+    assert draws == {1, 2}  # top-k 2 keeps exactly the two largest
 
 
 def test_batched_decoding_in_bf16_follows_the_bf16_forward():

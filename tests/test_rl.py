@@ -16,8 +16,6 @@ from rl_worker import hand_made_policy, tokenizer
 import chat
 import export
 import rl
-from calculator import ToolUse
-from model import generate
 
 
 def test_rewards_follow_each_tasks_rule_and_advantages_are_reward_minus_the_groups_mean(tmp_path):
@@ -51,21 +49,15 @@ def test_questions_are_a_function_of_the_step_and_each_epoch_takes_every_questio
     assert rl.step_items(3, 4, 10, seed=3) == steps[3]
 
 
-def test_sampling_is_generate_with_the_calculator_for_each_row_at_temperature_zero():
-    """Greedy rows of one batch give what model.generate gives (chat_eval's greedy_reply) token for token, the
-    calculator's output included and marked as not sampled."""
+def test_sampling_runs_the_calculator_for_each_row_at_temperature_zero():
+    """Greedy rows of one question's group: the hand-made policy's call, the calculator's output fed (marked as not
+    sampled), then the answer and <|assistant_end|>, the same in every row."""
     tok = tokenizer()
     model, prompt = hand_made_policy(tok)
-    replies, sampled = rl.sample_group(model, tok, prompt, 3, 20, 0.0, 0, 0, "float32")
-    stop, expected = tok.special_id("<|assistant_end|>"), []
-    for token in generate(model, prompt, 20, temperature=0, tools=ToolUse(tok)):
-        expected.append(token)
-        if token == stop:
-            break
-    sid = tok.special_id
+    replies, sampled = rl.sample_groups(model, tok, [prompt], 3, 20, 0.0, 0, 0, "float32")
+    sid, stop = tok.special_id, tok.special_id("<|assistant_end|>")
     output = [sid("<|output_start|>"), *tok.encode("7"), sid("<|output_end|>")]
-    assert expected == [sid("<|python_start|>"), *tok.encode("3+4"), sid("<|python_end|>"), *output,
-                        *tok.encode("7"), stop]
+    expected = [sid("<|python_start|>"), *tok.encode("3+4"), sid("<|python_end|>"), *output, *tok.encode("7"), stop]
     assert replies == [expected] * 3
     first = 2 + len(tok.encode("3+4"))  # where the calculator's output starts
     assert sampled == [[not first <= i < first + 3 for i in range(len(expected))]] * 3
@@ -73,7 +65,7 @@ def test_sampling_is_generate_with_the_calculator_for_each_row_at_temperature_ze
 
 def test_several_questions_decoded_together_give_each_questions_greedy_replies_and_seeded_samples():
     """sample_groups: prompts of different lengths in one batch, 3 rows each; at temperature 0 every row is what
-    model.generate gives its prompt alone, the calculator's output marked as not sampled; sampling with a seed gives
+    its prompt decoded alone gives, the calculator's output marked as not sampled; sampling with a seed gives
     the same rows again, another seed other rows."""
     tok = tokenizer()
     model, prompt = hand_made_policy(tok)
@@ -81,13 +73,8 @@ def test_several_questions_decoded_together_give_each_questions_greedy_replies_a
                tok.render_for_completion([{"role": "user", "content": "what is three plus four " * 3}])]
     assert len({len(p) for p in prompts}) == 3
     replies, sampled = rl.sample_groups(model, tok, prompts, 3, 20, 0.0, 0, 0, "float32")
-    stop, expected = tok.special_id("<|assistant_end|>"), []
-    for p in prompts:
-        expected.append([])
-        for token in generate(model, p, 20, temperature=0, tools=ToolUse(tok)):
-            expected[-1].append(token)
-            if token == stop:
-                break
+    stop = tok.special_id("<|assistant_end|>")
+    expected = [rl.sample_groups(model, tok, [p], 1, 20, 0.0, 0, 0, "float32")[0][0] for p in prompts]
     assert replies == [e for e in expected for _ in range(3)] and expected[0][-1] == stop
     first = 2 + len(tok.encode("3+4"))  # where the calculator's output starts
     assert sampled[0] == [not first <= i < first + 3 for i in range(len(expected[0]))]
