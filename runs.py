@@ -294,12 +294,11 @@ def add_chat_stage_args(parser, data, stage, parents, budgets, eval_every, lr_sc
     add_init_args(parser, parents, lr_scale=lr_scale, schedule="wsd", warmdown_frac=warmdown_frac, why=why)
 
 
-def train_chat_stage(args, start, evaluator, summarize):
-    """midtrain.py's and sft.py's training from start_stage's `start` to the end. Unless a signal stopped it: the final
+def train_chat_stage(args, s, evaluator, summarize):
+    """midtrain.py's and sft.py's training from `s` (start_stage's namespace) to the end. Unless a signal stopped it: the final
     evaluation (evaluator(step), a dict with val_loss; its other entries go to metrics.jsonl and done.json), what the
     parent's pretraining text kept (validation.forgetting), and summarize(final), the stage's own figures: (a dict for
     done.json, the lines printed), called on every rank as it may gather from them. Returns the stopping signal or None."""
-    s = start
     train_model = train_loop.wrap_model(s.model, args, s.world, s.local_rank, s.device)
     signum = train_loop.train(args, s.model, train_model, s.optimizers, s.loaders, run_dir=s.run_dir, start=s.step,
                               total_steps=s.total_steps, ckpt_meta=s.ckpt_meta, evaluate=evaluator,
