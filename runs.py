@@ -115,10 +115,11 @@ def hparams(args, seq_len, micro, tokens_per_step):
 
 
 def add_init_args(parser, parents, lr_scale, schedule, warmdown_frac, why):
-    """A stage's start from a checkpoint of one of `parents` (newest first, in that order of preference): the warm
-    start from its optimizer state with this stage's lr scale and schedule (defaults per stage, `why` says where they
-    come from); --checkpoint; the inherited flags, whose defaults become None, "the parent's value" (--micro_batch is
-    every training stage's, train_loop.add_micro_batch_arg)."""
+    """A stage's start from a checkpoint of one of `parents` (newest first, in that order of preference): the
+    schedule's flags (optim.add_schedule_args); the warm start from its optimizer state with this stage's lr scale and
+    schedule (defaults per stage, `why` says where they come from); --checkpoint; the inherited flags, whose defaults
+    become None, "the parent's value" (--micro_batch is every training stage's, train_loop.add_micro_batch_arg)."""
+    optim.add_schedule_args(parser)
     g = parser.add_argument_group("warm start: the parent's optimizer state and this stage's lrs")
     g.add_argument("--warm_start", type=parse_bool, default=True, help="continue from the parent checkpoint's "
                    "optimizer state (AdamW moments, Muon momentum) with the lrs reset to this stage's; a state that "
@@ -275,7 +276,7 @@ def start_stage(args, stage, parents, plan, rollouts=False):
 def add_chat_stage_args(parser, data, stage, parents, budgets, eval_every, lr_scale, warmdown_frac, why):
     """midtrain.py's and sft.py's shared flags, after the stage's own data flags in its group `data`: the held-out
     conversations and loader threads; the budget (train_loop.add_budget_args's `budgets`); evaluation; the run
-    directory (add_run_args), schedule, forgetting and start (add_init_args, the wsd schedule)."""
+    directory (add_run_args), forgetting, and the schedule and start (add_init_args, the wsd schedule)."""
     data.add_argument("--val_chat_dir", default=None, help="held-out conversations for the validation loss (default: "
                       "the first chat source's test*/val* files)")
     train_loop.add_loader_threads_arg(data)
@@ -289,7 +290,6 @@ def add_chat_stage_args(parser, data, stage, parents, budgets, eval_every, lr_sc
     g.add_argument("--sample_prompt", action="append", default=None, help=f"question answered greedily at every eval, "
                    f"repeatable (default: {validation.CHAT_QUESTIONS})")
     add_run_args(parser, stage)
-    optim.add_schedule_args(parser)
     validation.add_forgetting_args(parser)
     add_init_args(parser, parents, lr_scale=lr_scale, schedule="wsd", warmdown_frac=warmdown_frac, why=why)
 
