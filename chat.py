@@ -25,7 +25,7 @@ import checkpoint
 import common
 import distributed
 from calculator import ToolUse
-from checkpoint import PICK_ORDER, pick_checkpoint
+from checkpoint import add_checkpoint_args, pick_checkpoint
 from decode import compiled_step, decode_step, decode_weights, sample_rows
 from model import KVCache, autocast_context, num_params
 
@@ -40,11 +40,7 @@ SEND_AND_END = "\x04"  # ends a line read through readline when Ctrl-D was press
 def get_args(argv=None):
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=None, help="a checkpoint (runs/<run>/ckpt/step_*) or a run directory "
-                   f"(its newest) (default: the newest under --runs_dir of stage "
-                   f"{', else '.join(' or '.join(stages) for stages in PICK_ORDER)})")
-    p.add_argument("--runs_dir", default="runs", help="where runs live (default: %(default)s)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the one the checkpoint records)")
+    add_checkpoint_args(p)
     p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature, 0 = greedy (default: "
                    "%(default)s)")
     p.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest tokens, 0 = all (default: "

@@ -47,11 +47,8 @@ CPU_GENERATE_THREADS = 1
 
 
 def get_args(argv=None):
-    cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=None, help="a checkpoint (runs/<run>/ckpt/step_*) or a run (its newest "
-                   "checkpoint), of any stage (default: the newest checkpoint under --runs_dir)")
-    p.add_argument("--runs_dir", default="runs", help="where runs live (default: %(default)s)")
+    checkpoint.add_checkpoint_args(p, "the newest checkpoint of any stage under --runs_dir", eval_dtype=True)
     p.add_argument("--demo", default="auto", help="a demo world directory (python demo.py --out DIR) whose "
                    "chat_eval/ questions to ask; auto = the checkpoint's world when it was trained on one, else the hub "
                    f"tasks; none = the hub tasks ({', '.join(tasks.HUB_TASKS)}) (default: %(default)s)")
@@ -76,10 +73,6 @@ def get_args(argv=None):
                    "contain (sandbox.py --probe) (default: %(default)s)")
     p.add_argument("--cache_dir", default=str(CACHE_DIR / "chat_eval"), help="where the hub tasks' files are kept "
                    "(default: %(default)s)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the one the checkpoint records)")
-    p.add_argument("--dtype", default=common.matmul_dtype(torch.device("cuda" if cuda else "cpu")),
-                   choices=["bfloat16", "float32"], help="compute dtype (default: %(default)s: bfloat16 where this "
-                   "device runs it natively, as in the training stages)")
     p.add_argument("--download_only", action="store_true", help="fetch the hub tasks' files (--tasks, default all) "
                    "into --cache_dir and exit, no checkpoint needed: speedrun.sh does it at the start (default: off)")
     p.add_argument("--out", default=None, help="report file; the items go beside it as <name>_items.jsonl (default: "

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common import versions
+from common import matmul_dtype, versions
 from distributed import barrier, is_sharded
 from model import GPTConfig, build_model
 from tokenizer import SPECIAL_TOKENS, Tokenizer
@@ -269,6 +269,23 @@ def pick_checkpoint(args, order=PICK_ORDER):
     raise FileNotFoundError(f"no checkpoint under {args.runs_dir}/*/ckpt/ of stage {' or '.join(sum(order, ()))}: "
                             f"train one (python pretrain.py, then midtrain.py, sft.py, rl.py), or pass --checkpoint "
                             f"runs/<run> (or --runs_dir DIR)")
+
+
+def add_checkpoint_args(parser, picked=None, eval_dtype=False):
+    """--checkpoint, --runs_dir (pick_checkpoint's) and --tokenizer, the flags of a script that loads one checkpoint;
+    `picked` says which it loads without --checkpoint (default: PICK_ORDER's). eval_dtype: also --dtype, the
+    training stages' choice (chat_eval.py, core_eval.py)."""
+    picked = picked or "the newest under --runs_dir of stage " + ", else ".join(" or ".join(s) for s in PICK_ORDER)
+    parser.add_argument("--checkpoint", default=None, help="a checkpoint (runs/<run>/ckpt/step_*) or a run directory "
+                        f"(its newest checkpoint) (default: {picked})")
+    parser.add_argument("--runs_dir", default="runs", help="where runs live (default: %(default)s)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the one the checkpoint "
+                        "records)")
+    if eval_dtype:
+        parser.add_argument("--dtype", default=matmul_dtype(torch.device("cuda" if torch.cuda.is_available() else
+                                                                         "cpu")), choices=["bfloat16", "float32"],
+                            help="compute dtype (default: %(default)s: bfloat16 where this device runs it natively, as "
+                            "in the training stages)")
 
 
 def pretraining_run(checkpoint, meta):

@@ -62,9 +62,7 @@ KNOWLEDGE = [("The capital of France is", ["Paris"], "real"), ("The chemical sym
 def get_args(argv=None):
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=None, help="a checkpoint (runs/<run>/ckpt/step_*) or a run (its newest "
-                   "checkpoint) (default: the newest checkpoint under --runs_dir)")
-    p.add_argument("--runs_dir", default="runs", help="where runs live (default: %(default)s)")
+    checkpoint.add_checkpoint_args(p, "the newest checkpoint under --runs_dir", eval_dtype=True)
     p.add_argument("--bundle", default="auto", help=f"eval bundle directory or URL; auto = the demo world's when the "
                    f"checkpoint was trained on it, else {BUNDLE_URL} (default: %(default)s)")
     p.add_argument("--bundle_sha256", default=None, help="expected sha256 of a downloaded eval_bundle.zip (default: "
@@ -77,15 +75,11 @@ def get_args(argv=None):
                    "which the few-shot examples are drawn from too; -1 = all (default: %(default)s)")
     p.add_argument("--batch_items", type=int, default=16 if cuda else 1, help="items per forward pass, each with "
                    "all its choices; on a CPU a larger batch only adds padding (default: %(default)s)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the one the checkpoint records)")
     p.add_argument("--data_dir", default=None, help="corpus whose validation split gives bits per byte (default: the "
                    "checkpoint's)")
     p.add_argument("--bpb_tokens", type=int, default=2 ** 20, help="validation tokens for bits per byte, the split's "
                    "first N; 0 = skip (default: %(default)s)")
     p.add_argument("--max_new_tokens", type=int, default=24, help="greedy tokens per prompt (default: %(default)s)")
-    p.add_argument("--dtype", default=common.matmul_dtype(torch.device("cuda" if cuda else "cpu")),
-                   choices=["bfloat16", "float32"], help="compute dtype (default: %(default)s: bfloat16 where this "
-                   "device runs it natively, as in the training stages)")
     p.add_argument("--out", default=None, help="output directory (default: runs/<run>/core_eval/step_XXXXXX)")
     p.add_argument("--download_only", action="store_true", help="fetch and check the bundle (--bundle; auto: the "
                    "hub bundle) into the cache and exit, no checkpoint needed: speedrun.sh does it at the start "

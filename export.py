@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 
 import checkpoint
 import distributed
-from checkpoint import pick_checkpoint
+from checkpoint import add_checkpoint_args, pick_checkpoint
 from download import hub_endpoint
 from tokenizer import SPECIAL_TOKENS
 
@@ -73,11 +73,7 @@ CHAT_TEMPLATE = r"""{#- tokenizer.py's render_conversation: a system message joi
 
 def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=None, help="a checkpoint (runs/<run>/ckpt/step_*) or a run directory (its "
-                   "newest) (default: as chat.py, the newest RL or SFT checkpoint under --runs_dir, else midtraining's, "
-                   "else pretraining's)")
-    p.add_argument("--runs_dir", default="runs", help="where runs live (default: %(default)s)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the one the checkpoint records)")
+    add_checkpoint_args(p)  # as chat.py's
     p.add_argument("--out", required=True, help="directory to write the export to, new or a previous export "
                    "(required)")
     p.add_argument("--push", default=None, metavar="REPO", help="then upload --out to this hub model repo, e.g. "

@@ -13,7 +13,6 @@ ckpt/step_XXXXXX/ (meta.json names the parent checkpoint and the sha256 of its w
 mixture).
 """
 import argparse
-import json
 import math
 import sys
 from functools import partial
@@ -22,13 +21,12 @@ from pathlib import Path
 import torch
 
 import distributed
-import optim
 import runs
 import train_loop
 import validation
 from dataset import CACHE_DIR
 from loader import mixture_loader
-from model import flops_per_token, parse_args
+from model import parse_args
 
 # Token shares of the conversation sources beside the parent's text (0.3): conversation (SmolTalk, UltraChat), the
 # shapes chat_eval.py scores (MMLU and ARC letters, GSM8K with the calculator) and who the assistant is (identity.json)
@@ -54,25 +52,11 @@ def get_args(argv=None):
     g.add_argument("--supervise", default="all", choices=["all", "assistant"], help="conversation tokens that carry "
                    "loss: all of them, as in pretraining, or the assistant's only (default: %(default)s, as nanochat "
                    "midtrains)")
-    g.add_argument("--val_chat_dir", default=None, help="held-out conversations for the validation loss (default: "
-                   "the first chat source's test*/val* files)")
     g.add_argument("--seed", type=int, default=0, help="shuffles each source's documents, anew every epoch (default: "
                    "%(default)s)")
-    g.add_argument("--loader_threads", type=int, default=0, help="tokenizer threads per loader; 0 = 1 when training "
-                   "on the CPU, else the cores per process (default: %(default)s)")
-    g = p.add_argument_group("budget: one of; given both, the last one is in force")
-    train_loop.add_budget_args(g, [("steps", int, "optimizer steps"), ("tokens", float, "tokens over all ranks")])
-    g = p.add_argument_group("evaluation")
-    g.add_argument("--eval_every", type=int, default=250, help="validation loss + greedy answers every N steps; 0 = "
-                   "only at the end (default: %(default)s)")
-    g.add_argument("--eval_rows", type=int, default=256, help="validation rows of held-out conversations (default: "
-                   "%(default)s)")
-    g.add_argument("--sample_prompt", action="append", default=None, help=f"question answered greedily at every eval, "
-                   f"repeatable (default: {validation.CHAT_QUESTIONS})")
-    runs.add_run_args(p, "midtrain")
-    optim.add_schedule_args(p)
-    validation.add_forgetting_args(p)
-    runs.add_init_args(p, ["pretrain"], lr_scale=MID_LR_SCALE, schedule="wsd", warmdown_frac=MID_WARMDOWN, why=MID_WHY)
+    runs.add_chat_stage_args(p, g, "midtrain", ["pretrain"], [("steps", int, "optimizer steps"),
+                                                              ("tokens", float, "tokens over all ranks")],
+                             eval_every=250, lr_scale=MID_LR_SCALE, warmdown_frac=MID_WARMDOWN, why=MID_WHY)
     args = parse_args(p, argv)
     if args.status is None:
         try:
@@ -143,33 +127,14 @@ def main(argv=None):
     if args.status:
         return train_loop.print_status(Path(args.status))
     s = runs.start_stage(args, "midtrain", ["pretrain"], plan)
-    train_model = train_loop.wrap_model(s.model, args, s.world, s.local_rank, s.device)
     val_chat_dir = args.val_chat_dir or next((src["path"] for src in s.sources if src["kind"] == "chat"), None)
     if val_chat_dir is None:
         raise ValueError("no chat source to hold conversations out of: pass --val_chat_dir")
     evaluator = partial(evaluate, args, s, validation.chat_val_batches(val_chat_dir, s.tokenizer, s.seq_len,
                                                                        args.eval_rows))
-    signum = train_loop.train(args, s.model, train_model, s.optimizers, s.loaders, run_dir=s.run_dir, start=s.step,
-                              total_steps=s.total_steps, ckpt_meta=s.ckpt_meta, evaluate=evaluator,
-                              flops_per_token=flops_per_token(s.config), rank=s.rank, world=s.world, device=s.device)
-    if signum is None:
-        final = evaluator(s.total_steps)  # once: a second call would run the whole validation again
-        loss, mixture = final["val_loss"], final["mixture"]
-        kept = validation.forgetting(s.model, s.tokenizer, s.parent, s.parent_meta, args, s.rank, s.world, s.device)
-        if s.rank == 0:
-            train_loop.Metrics(s.run_dir / "metrics.jsonl", True).log({"step": s.total_steps, "final_val_loss": loss,
-                                                                       "mixture": mixture,
-                                                                       "pretrain_val_bpb": kept["val_bpb"]})
-            (s.run_dir / "done.json").write_text(json.dumps({"step": s.total_steps, "val_loss": loss,
-                                                             "mixture": mixture, "pretrain_val_bpb": kept}))
-            print(validation.forgetting_line(kept))
-            print("mixture realized: " + ", ".join(f"{name} {m['tokens']:,} tokens ({m['share']:.1%}, target "
-                                                   f"{m['target']:.0%}), {m['docs']:,} documents"
-                                                   for name, m in mixture.items()))
-            print(f"done: {s.total_steps} steps, val loss {loss:.4f}, run dir {s.run_dir}")
-    for loader in s.loaders:
-        loader.close()
-    return signum
+    return runs.train_chat_stage(args, s, evaluator, lambda final: ({}, [
+        "mixture realized: " + ", ".join(f"{name} {m['tokens']:,} tokens ({m['share']:.1%}, target {m['target']:.0%}), "
+                                         f"{m['docs']:,} documents" for name, m in final["mixture"].items())]))
 
 
 if __name__ == "__main__":

@@ -57,8 +57,7 @@ def get_args(argv=None):
     g.add_argument("--data_plan", action="store_true", help="print the training shards the budget needs (its "
                    "tokens / the tokens of --data_dir's first training shard, counted with --tokenizer, plus one) and "
                    "exit; needs --total_batch_tokens (default: off)")
-    g.add_argument("--loader_threads", type=int, default=0, help="tokenizer threads per loader; 0 = 1 when training "
-                   "on the CPU (its cores do the training), else the cores per process (default: %(default)s)")
+    train_loop.add_loader_threads_arg(g)
     g = p.add_argument_group("budget: one of; given several, the last one is in force (a later --steps replaces a "
                              "plan's --tokens_per_param)")
     train_loop.add_budget_args(g, [("steps", int, "optimizer steps"),

@@ -88,7 +88,6 @@ def get_args(argv=None):
     g.add_argument("--eval_samples", type=int, default=8, help="k: replies sampled per held-out question (default: "
                    "%(default)s)")
     runs.add_run_args(p, "rl")
-    optim.add_schedule_args(p)
     runs.add_init_args(p, ["sft"], lr_scale=RL_LR_SCALE, schedule="linear", warmdown_frac=0.2, why=RL_WHY)
     args = parse_args(p, argv)
     if args.status is None:

@@ -1,6 +1,7 @@
 """A run: its directory (runs/<run>/: flags, where it lives, what it resumes from, config.json) and, for a stage after
 pretraining, the parent it starts from and what it inherits: the flags (inherit), the optimizer state (warm_start),
-and midtrain.py's, sft.py's and rl.py's whole start in one function (start_stage). Not a stage: `import runs`.
+midtrain.py's, sft.py's and rl.py's whole start in one function (start_stage), and midtrain.py's and sft.py's shared
+flags (add_chat_stage_args) and training to the end (train_chat_stage). Not a stage: `import runs`.
 
     python runs.py runs/<run>[/ckpt/step_N]     # a checkpoint's stage, step and hparams, then its parent's, ...
 """
@@ -18,7 +19,8 @@ import common
 import distributed
 import optim
 import train_loop
-from model import num_params, parse_bool
+import validation
+from model import flops_per_token, num_params, parse_bool
 
 # -----------------------------------------------------------------------------
 # The run directory: runs/<run>/ with config.json, metrics.jsonl, samples.jsonl, ckpt/step_XXXXXX/
@@ -113,10 +115,11 @@ def hparams(args, seq_len, micro, tokens_per_step):
 
 
 def add_init_args(parser, parents, lr_scale, schedule, warmdown_frac, why):
-    """A stage's start from a checkpoint of one of `parents` (newest first, in that order of preference): the warm
-    start from its optimizer state with this stage's lr scale and schedule (defaults per stage, `why` says where they
-    come from); --checkpoint; the inherited flags, whose defaults become None, "the parent's value" (--micro_batch is
-    every training stage's, train_loop.add_micro_batch_arg)."""
+    """A stage's start from a checkpoint of one of `parents` (newest first, in that order of preference): the
+    schedule's flags (optim.add_schedule_args); the warm start from its optimizer state with this stage's lr scale and
+    schedule (defaults per stage, `why` says where they come from); --checkpoint; the inherited flags, whose defaults
+    become None, "the parent's value" (--micro_batch is every training stage's, train_loop.add_micro_batch_arg)."""
+    optim.add_schedule_args(parser)
     g = parser.add_argument_group("warm start: the parent's optimizer state and this stage's lrs")
     g.add_argument("--warm_start", type=parse_bool, default=True, help="continue from the parent checkpoint's "
                    "optimizer state (AdamW moments, Muon momentum) with the lrs reset to this stage's; a state that "
@@ -268,6 +271,53 @@ def start_stage(args, stage, parents, plan, rollouts=False):
     if rank == 0:
         print(line)
     return start
+
+
+def add_chat_stage_args(parser, data, stage, parents, budgets, eval_every, lr_scale, warmdown_frac, why):
+    """midtrain.py's and sft.py's shared flags, after the stage's own data flags in its group `data`: the held-out
+    conversations and loader threads; the budget (train_loop.add_budget_args's `budgets`); evaluation; the run
+    directory (add_run_args), forgetting, and the schedule and start (add_init_args, the wsd schedule)."""
+    data.add_argument("--val_chat_dir", default=None, help="held-out conversations for the validation loss (default: "
+                      "the first chat source's test*/val* files)")
+    train_loop.add_loader_threads_arg(data)
+    train_loop.add_budget_args(parser.add_argument_group("budget: one of; given both, the last one is in force"),
+                               budgets)
+    g = parser.add_argument_group("evaluation")
+    g.add_argument("--eval_every", type=int, default=eval_every, help="validation loss + greedy answers every N "
+                   "steps; 0 = only at the end (default: %(default)s)")
+    g.add_argument("--eval_rows", type=int, default=256, help="validation rows of held-out conversations, packed as "
+                   "in training (default: %(default)s)")
+    g.add_argument("--sample_prompt", action="append", default=None, help=f"question answered greedily at every eval, "
+                   f"repeatable (default: {validation.CHAT_QUESTIONS})")
+    add_run_args(parser, stage)
+    validation.add_forgetting_args(parser)
+    add_init_args(parser, parents, lr_scale=lr_scale, schedule="wsd", warmdown_frac=warmdown_frac, why=why)
+
+
+def train_chat_stage(args, s, evaluator, summarize):
+    """midtrain.py's and sft.py's training from `s` (start_stage's namespace) to the end. Unless a signal stopped it: the final
+    evaluation (evaluator(step), a dict with val_loss; its other entries go to metrics.jsonl and done.json), what the
+    parent's pretraining text kept (validation.forgetting), and summarize(final), the stage's own figures: (a dict for
+    done.json, the lines printed), called on every rank as it may gather from them. Returns the stopping signal or None."""
+    train_model = train_loop.wrap_model(s.model, args, s.world, s.local_rank, s.device)
+    signum = train_loop.train(args, s.model, train_model, s.optimizers, s.loaders, run_dir=s.run_dir, start=s.step,
+                              total_steps=s.total_steps, ckpt_meta=s.ckpt_meta, evaluate=evaluator,
+                              flops_per_token=flops_per_token(s.config), rank=s.rank, world=s.world, device=s.device)
+    if signum is None:
+        figures = evaluator(s.total_steps)  # once: a second call would run the whole validation again
+        loss = figures.pop("val_loss")
+        done, lines = summarize(figures)
+        kept = validation.forgetting(s.model, s.tokenizer, s.parent, s.parent_meta, args, s.rank, s.world, s.device)
+        if s.rank == 0:
+            train_loop.Metrics(s.run_dir / "metrics.jsonl", True).log({"step": s.total_steps, "final_val_loss": loss,
+                                                                       **figures, "pretrain_val_bpb": kept["val_bpb"]})
+            (s.run_dir / "done.json").write_text(json.dumps({"step": s.total_steps, "val_loss": loss, **figures,
+                                                             **done, "pretrain_val_bpb": kept}))
+            print("\n".join([validation.forgetting_line(kept), *lines,
+                             f"done: {s.total_steps} steps, val loss {loss:.4f}, run dir {s.run_dir}"]))
+    for loader in s.loaders:
+        loader.close()
+    return signum
 
 
 def main(argv=None):

@@ -12,7 +12,6 @@ Writes runs/<run_name>/: config.json, metrics.jsonl (every step), samples.jsonl 
 ckpt/step_XXXXXX/ (meta.json names the parent checkpoint and the sha256 of its weights), done.json.
 """
 import argparse
-import json
 import math
 import random
 import sys
@@ -22,13 +21,12 @@ from pathlib import Path
 import torch
 
 import distributed
-import optim
 import runs
 import train_loop
 import validation
 from dataset import chat_rows, mixture_files, open_parquet, parse_chat_sources
 from loader import STAT_KEYS, PieceBuffer, assign_units, chat_loader, pack_batch
-from model import flops_per_token, parse_args
+from model import parse_args
 
 # nanochat's SFT epochs (SmolTalk 1, MMLU auxiliary_train 3, GSM8K 4), with ARC's training questions (letters on
 # science questions) and the identity set (who the assistant is: identity.json) added
@@ -50,27 +48,12 @@ def get_args(argv=None):
                    f"{' '.join(DEFAULT_SOURCES)}, nanochat's epochs for SmolTalk, MMLU and GSM8K)")
     g.add_argument("--chat_dir", default=None, help="one chat directory, once per pass: the same as --source DIR:1 "
                    "(default: the --source mixture)")
-    g.add_argument("--val_chat_dir", default=None, help="held-out conversations for the validation loss (default: "
-                   "the first source's test*/val* files)")
     g.add_argument("--seed", type=int, default=0, help="shuffles the conversations, anew every epoch (default: "
                    "%(default)s)")
-    g.add_argument("--loader_threads", type=int, default=0, help="tokenizer threads per loader; 0 = 1 when training "
-                   "on the CPU, else the cores per process (default: %(default)s)")
-    g = p.add_argument_group("budget: one of; given both, the last one is in force")
-    train_loop.add_budget_args(g, [("epochs", float, "passes over the mixture (default: 1, as nanochat)"),
-                                   ("steps", int, "optimizer steps")])
-    g = p.add_argument_group("evaluation")
-    g.add_argument("--eval_every", type=int, default=100, help="validation loss + greedy answers every N steps; 0 = "
-                   "only at the end (default: %(default)s)")
-    g.add_argument("--eval_rows", type=int, default=256, help="validation rows (held-out conversations, packed as in "
-                   "training) (default: %(default)s)")
-    g.add_argument("--sample_prompt", action="append", default=None, help=f"question answered greedily at every eval, "
-                   f"repeatable (default: {validation.CHAT_QUESTIONS})")
-    runs.add_run_args(p, "sft")
-    optim.add_schedule_args(p)
-    validation.add_forgetting_args(p)
-    runs.add_init_args(p, ["midtrain", "pretrain"], lr_scale=SFT_LR_SCALE, schedule="wsd", warmdown_frac=SFT_WARMDOWN,
-                       why=SFT_WHY)
+    runs.add_chat_stage_args(p, g, "sft", ["midtrain", "pretrain"],
+                             [("epochs", float, "passes over the mixture (default: 1, as nanochat)"),
+                              ("steps", int, "optimizer steps")],
+                             eval_every=100, lr_scale=SFT_LR_SCALE, warmdown_frac=SFT_WARMDOWN, why=SFT_WHY)
     args = parse_args(p, argv)
     if args.status is None:
         args.budget_line = train_loop.resolve_budget(args, ["epochs", "steps"], default=("epochs", 1.0))
@@ -176,27 +159,15 @@ def main(argv=None):
     if args.status:
         return train_loop.print_status(Path(args.status))
     s = runs.start_stage(args, "sft", ["midtrain", "pretrain"], plan)
-    train_model = train_loop.wrap_model(s.model, args, s.world, s.local_rank, s.device)
     evaluator = partial(evaluate, args, s, validation.chat_val_batches(args.val_chat_dir or args.sources[0][0],
                                                                        s.tokenizer, s.seq_len, args.eval_rows))
-    signum = train_loop.train(args, s.model, train_model, s.optimizers, s.loaders, run_dir=s.run_dir, start=s.step,
-                              total_steps=s.total_steps, ckpt_meta=s.ckpt_meta, evaluate=evaluator,
-                              flops_per_token=flops_per_token(s.config), rank=s.rank, world=s.world, device=s.device)
-    if signum is None:
-        loss, rows = evaluator(s.total_steps)["val_loss"], packing(s.loaders)
-        kept = validation.forgetting(s.model, s.tokenizer, s.parent, s.parent_meta, args, s.rank, s.world, s.device)
-        if s.rank == 0:
-            train_loop.Metrics(s.run_dir / "metrics.jsonl", True).log({"step": s.total_steps, "final_val_loss": loss,
-                                                                       "pretrain_val_bpb": kept["val_bpb"]})
-            (s.run_dir / "done.json").write_text(json.dumps({"step": s.total_steps, "val_loss": loss, "rows": rows,
-                                                             "pretrain_val_bpb": kept}))
-            print(validation.forgetting_line(kept))
-            print(f"rows: {rows['tokens']:,} token positions, {rows['supervised']:.1%} supervised, "
-                  f"{rows['padding']:.1%} padding; conversations skipped: {rows['skipped']}")
-            print(f"done: {s.total_steps} steps, val loss {loss:.4f}, run dir {s.run_dir}")
-    for loader in s.loaders:
-        loader.close()
-    return signum
+
+    def summarize(_):  # on every rank: packing gathers from all of them
+        rows = packing(s.loaders)
+        line = (f"rows: {rows['tokens']:,} token positions, {rows['supervised']:.1%} supervised, "
+                f"{rows['padding']:.1%} padding; conversations skipped: {rows['skipped']}")
+        return {"rows": rows}, [line]
+    return runs.train_chat_stage(args, s, evaluator, summarize)
 
 
 if __name__ == "__main__":

@@ -314,6 +314,13 @@ def plan_batch(args, config, world, model, device, resume_from=None, parent_meta
     return micro, total // step_unit, source
 
 
+def add_loader_threads_arg(group):
+    """--loader_threads, the same flag and help in every stage that tokenizes its data; loader_threads reads it."""
+    group.add_argument("--loader_threads", type=int, default=0, help="tokenizer threads per loader; 0 = 1 when "
+                       "training on the CPU (its cores do the training), else the cores per process (default: "
+                       "%(default)s)")
+
+
 def loader_threads(args, device):
     """Tokenizer threads for a loader. Training on the CPU, its cores are busy with torch's threads: one tokenizer
     thread keeps up (~1M tok/s against a few thousand trained) without taking a core from the step. On a GPU the
