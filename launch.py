@@ -33,6 +33,8 @@ import time
 from glob import glob
 from pathlib import Path
 
+import gpu_plan
+
 ROOT = Path(__file__).resolve().parent
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what stops a run
 
@@ -288,41 +290,6 @@ def explain_driver(python):
         f"dot (pytorch.org lists the builds), or update the driver; --gpus 0 runs on the CPU regardless.", 1)
 
 
-REHEARSAL_STEPS = (3, 3, 3)  # pretrain, midtrain, sft: each saves one checkpoint, at its last step
-REHEARSAL_PROMPT = "Why do plants need light?"
-
-
-def rehearsal_budgets(nproc, on_cpu):
-    """A rehearsal's flags per stage, appended last (the last of a repeated flag wins): a bug in any stage shows in
-    minutes instead of after hours of pretraining."""
-    questions = max(nproc, 2)  # rl.py deals each step's questions over the ranks: at least one each
-    return {
-        "R_DATA": ["--shards", "2"],  # the first shard (the tokenizer's and the data plan's) and one more
-        "R_TOK": ["--max_chars", "20000000"],
-        # one sample prompt per evaluation, and short samples: generating them is most of a tiny evaluation
-        "R_PRETRAIN": ["--steps", REHEARSAL_STEPS[0], "--eval_every", 0, "--ckpt_every", REHEARSAL_STEPS[0], "--keep", 1,
-                       "--bpb_tokens", 32768, "--sample_prompt", "The capital of France is"],
-        "R_MIDTRAIN": ["--steps", REHEARSAL_STEPS[1], "--eval_every", 0, "--eval_rows", 16, "--ckpt_every",
-                       REHEARSAL_STEPS[1], "--keep", 1, "--sample_prompt", REHEARSAL_PROMPT],
-        "R_SFT": ["--steps", REHEARSAL_STEPS[2], "--eval_every", 0, "--eval_rows", 16, "--ckpt_every",
-                  REHEARSAL_STEPS[2], "--keep", 1, "--sample_prompt", REHEARSAL_PROMPT],
-        "R_RL": ["--steps", 2, "--questions_per_step", questions, "--samples", 2, "--max_new_tokens", 16,
-                 "--eval_every", 0, "--eval_items", questions, "--eval_samples", 2, "--ckpt_every", 2, "--keep", 1],
-        "R_CORE": ["--max_items", 4, "--bpb_tokens", 32768, "--max_new_tokens", 8],
-        "R_CHAT_EVAL": ["--max_items", 2, "--max_new_tokens", 32],
-        # the gpu plan on CPU processes: the plan's 256 sequences a step, each 128 tokens instead of 2048
-        # (midtraining's streams per rank are the same at any micro-batch); the later stages inherit the shape
-        "R_SHAPE": ["--sequence_len", 128, "--total_batch_tokens", 32768] if on_cpu else [],
-    }
-
-
-def rehearsal_line(budgets):
-    shape = f"; on the CPU: {' '.join(map(str, budgets['R_SHAPE']))}" if budgets["R_SHAPE"] else ""
-    return (f"rehearsal: pretrain {REHEARSAL_STEPS[0]} steps, midtrain {REHEARSAL_STEPS[1]}, sft {REHEARSAL_STEPS[2]} "
-            f"(a checkpoint every 2), CORE {budgets['R_CORE'][1]} items a task, ChatCORE "
-            f"{budgets['R_CHAT_EVAL'][1]}{shape}")
-
-
 def setup(python, argv):
     """The machine and the plan, checked before any stage: <run>/logs/setup.env for speedrun.sh, launch.json."""
     flags = parse_flags(argv)
@@ -362,18 +329,12 @@ def setup(python, argv):
                             check=False).stdout.strip() or "unknown"
     say(run, f"plan {plan}{' (rehearsal)' if rehearse else ''}, run {run}, {nproc} process(es) per stage "
              f"({f'{gpus} GPUs' if gpus > 0 and not on_cpu else 'CPU'}), commit {commit}")
-    model = f"plan: d{flags['depth']} ('python model.py --preset d{flags['depth']}' for its parameters)"
-    if plan == "gpu" and not flags["probe_only"] and rehearse:  # speedrun.sh's GPU_BUDGET and RL, in words
-        say(run, f"{model} on {nproc} {'CPU processes' if on_cpu else 'GPUs'}, the rehearsal's budget appended to each "
-                 f"stage")
+    if plan == "gpu" and not flags["probe_only"] and rehearse:  # gpu_plan.py's flags, in words
+        say(run, f"plan: d{flags['depth']} on {nproc} {'CPU processes' if on_cpu else 'GPUs'}, the rehearsal's budget "
+                 f"appended to each stage")
     elif plan == "gpu" and not flags["probe_only"]:
-        say(run, f"{model}, 20 tokens per parameter at 524,288 tokens a step on {nproc} GPUs; pretrain.py prints the "
-                 f"parameters, tokens and steps before step 1, and each step line the expected time left (ETA), "
-                 f"measured after this process's first step")
-        say(run, "plan: rl: one epoch of GSM8K's 7,473 training questions, 16 a step, 16 replies each (up to 256 "
-                 "tokens): 468 steps, at most 30.7M tokens sampled (468 x 16 x 16 x 256). The rehearsal's prediction "
-                 "(plan_cost.py, above) gives every stage's expected time; report.md sets each beside its actual wall "
-                 "time")
+        for line in gpu_plan.plan_lines(flags["depth"], nproc):
+            say(run, line)
     data_dir, vocab = flags["data_dir"], flags["vocab_size"]
     if plan == "demo":
         data_dir, vocab = data_dir or f"{run}/demo", vocab or "1024"
@@ -383,9 +344,10 @@ def setup(python, argv):
             data_dir = ask_python(python, "from dataset import default_data_dir as d; "
                                           "print(d('karpathy/fineweb-edu-100b-shuffle'))", pythonpath=ROOT)
         vocab, corpus = vocab or "65536", data_dir
-    budgets = rehearsal_budgets(nproc, on_cpu) if rehearse else {name: [] for name in rehearsal_budgets(1, False)}
+    budgets = gpu_plan.rehearsal_budgets(nproc, on_cpu)
+    budgets = budgets if rehearse else {name: [] for name in budgets}
     if rehearse:
-        say(run, rehearsal_line(budgets))
+        say(run, gpu_plan.rehearsal_line(budgets))
     extras = {f"{stage}_EXTRA": os.environ.get(f"{stage}_ARGS", "").split()
               for stage in ("PRETRAIN", "MIDTRAIN", "SFT", "RL", "CORE", "CHAT_EVAL")}  # words: no globbing, no eval
     mark = f"speedrun-{os.getppid()}-{time.time_ns()}"  # carried by every process of this run (its stages only)
@@ -395,7 +357,7 @@ def setup(python, argv):
     Path(run, "logs", "setup.env").write_text(shell_assignments({
         "PLAN": plan, "GPUS": gpus, "NPROC": nproc, "ON_CPU": int(on_cpu), "RL_STAGE": flags["rl"], "DATA_DIR": data_dir,
         "CORPUS": corpus, "VOCAB": vocab, "MARK": mark, "CHAT_SOURCES": CHAT_SOURCES, **extras, **budgets,
-        "REHEARSAL_PROMPT": REHEARSAL_PROMPT}))
+        "REHEARSAL_PROMPT": gpu_plan.REHEARSAL_PROMPT, **(gpu_plan.command_lines(flags["depth"]) if plan == "gpu" else {})}))
 
 
 # --- the processes of a run: found by the mark in their environment --------------------------------------------------

@@ -26,6 +26,8 @@ import re
 import sys
 from pathlib import Path
 
+import gpu_plan
+
 TRAINING = ("pretrain", "midtrain", "sft")
 # a forward pass is about a third of a training step's FLOPs (forward + backward = 3 forwards): the rate assumed for
 # validation tokens, which the rehearsal reads fewer of than the plan
@@ -33,32 +35,35 @@ FORWARD_SPEEDUP = 3
 # stages that ran before the prediction (data, tokenizer, the plan's disk check) or only in a rehearsal
 NOT_PREDICTED = ("nccl_probe", "preflight", "chatcore_tasks", "data", "tokenizer", "data_plan", "download", "chat",
                  "rehearsal")
-GPU_TOKENS_PER_STEP = 524_288  # speedrun.sh's GPU_BUDGET --total_batch_tokens
-GPU_SEQUENCE_LEN = 2048
 
 
-def gpu_plan_budgets(pretrain_steps, tokens_per_step=GPU_TOKENS_PER_STEP, sft_steps=None):
-    """The gpu plan's budgets (speedrun.sh's PRETRAIN, MIDTRAIN, SFT, RL, CORE and ChatCORE command lines with each
-    script's defaults). pretrain_steps: pretrain.py's plan (20 tokens per parameter; pretrain_steps_for). sft_steps:
-    one epoch of sft.py's mixture, which sft.py estimates from the data when it starts; None: unknown."""
-    rows = 256  # midtrain.py's and sft.py's --eval_rows
+def gpu_plan_budgets(pretrain_steps, tokens_per_step=gpu_plan.TOKENS_PER_STEP, sft_steps=None):
+    """The gpu plan's budgets, gpu_plan.py's flags. pretrain_steps: pretrain.py's plan (20 tokens per parameter;
+    pretrain_steps_for). sft_steps: one epoch of sft.py's mixture, which sft.py estimates from the data when it
+    starts; None: unknown."""
+    flags = gpu_plan.FLAGS
+
+    def pick(stage, *names):
+        return {name: flags[stage][name] for name in names}
+
+    def training(stage, **budget):
+        return {"tokens_per_step": tokens_per_step, **pick(stage, "eval_every", "ckpt_every"), **budget}
     return {
-        "pretrain": {"steps": pretrain_steps, "tokens_per_step": tokens_per_step, "eval_every": 250,
-                     "ckpt_every": 1000, "val_tokens": 2 ** 20},
-        "midtrain": {"tokens": 500_000_000, "tokens_per_step": tokens_per_step, "eval_every": 250, "ckpt_every": 1000,
-                     "val_tokens": rows * GPU_SEQUENCE_LEN},
-        "sft": {"steps": sft_steps, "tokens_per_step": tokens_per_step, "eval_every": 100, "ckpt_every": 1000,
-                "val_tokens": rows * GPU_SEQUENCE_LEN,
-                "why_unknown": "one epoch of sft.py's mixture: sft.py estimates its steps from the chat data when it "
-                               "starts (give --sft_steps, or sft_steps)"},
-        "rl": {"steps": math.ceil(7_473 / 16), "questions_per_step": 16, "samples": 16, "max_new_tokens": 256,
-               "eval_every": 60, "ckpt_every": 60, "eval_items": 400, "eval_samples": 8},
-        "core_eval": {"max_items": -1, "bpb_tokens": 2 ** 20},
-        "chat_eval": {"max_items": -1, "max_new_tokens": 512},
+        "pretrain": training("pretrain", steps=pretrain_steps, val_tokens=flags["pretrain"]["bpb_tokens"]),
+        "midtrain": training("midtrain", tokens=flags["midtrain"]["tokens"],
+                             val_tokens=flags["midtrain"]["eval_rows"] * gpu_plan.SEQUENCE_LEN),
+        "sft": training("sft", steps=sft_steps, val_tokens=flags["sft"]["eval_rows"] * gpu_plan.SEQUENCE_LEN,
+                        why_unknown="one epoch of sft.py's mixture: sft.py estimates its steps from the chat data "
+                                    "when it starts (give --sft_steps, or sft_steps)"),
+        "rl": {"steps": gpu_plan.RL_STEPS, **pick("rl", "questions_per_step", "samples", "max_new_tokens", "eval_every",
+                                                  "ckpt_every", "eval_items", "eval_samples")},
+        "core_eval": pick("core_eval", "max_items", "bpb_tokens"),
+        "chat_eval": pick("chat_eval", "max_items", "max_new_tokens"),
     }
 
 
-def pretrain_steps_for(model_config, tokens_per_step=GPU_TOKENS_PER_STEP, tokens_per_param=20):
+def pretrain_steps_for(model_config, tokens_per_step=gpu_plan.TOKENS_PER_STEP,
+                       tokens_per_param=gpu_plan.FLAGS["pretrain"]["tokens_per_param"]):
     """pretrain.py's steps for a model config dict (config.json's model_config): tokens_per_param x the parameters
     it counts / tokens_per_step. Imports model.py (and torch) only when called."""
     from model import GPTConfig, budget_params

@@ -21,6 +21,7 @@ import torch
 import checkpoint
 import common
 import distributed
+import gpu_plan
 import optim
 import runs
 import train_loop
@@ -114,11 +115,6 @@ def data_plan(args, config, tokenizer):
     print(f"data plan shards: {shards}")
 
 
-PLAN_MIDTRAIN_TOKENS = 500_000_000  # the gpu plan's midtraining budget (speedrun.sh's MIDTRAIN --tokens)
-PLAN_RL_STEPS = math.ceil(7_473 / 16)  # the gpu plan's rl: one epoch of GSM8K's 7,473 training questions, 16 a step
-PLAN_RL_CKPT_EVERY = 60  # the gpu plan's rl --ckpt_every
-
-
 def checkpoint_bytes(config, optimizer):
     """The bytes of one full checkpoint (model.pt + optimizers.pt), from the config alone: fp32 weights (4 bytes a
     parameter), AdamW's two fp32 moments (8) for the embeddings, value embeddings, head and scalars, and for the block
@@ -137,15 +133,15 @@ def kept_checkpoints(steps, ckpt_every, keep):
 
 def plan_checkpoints(args, steps, tokens_per_step):
     """The most full checkpoints the plan's four training stages hold at once: pretraining's (its steps known), then
-    midtraining's (the gpu plan's PLAN_MIDTRAIN_TOKENS at this batch), SFT's (unknown before its data: --keep, one
-    more while it saves) and RL's (PLAN_RL_STEPS, a save every PLAN_RL_CKPT_EVERY) beside the earlier stages' kept
-    ones. Returns (count, the line that says how)."""
+    midtraining's (gpu_plan.py's --tokens at this batch), SFT's (unknown before its data: --keep, one more while it
+    saves) and RL's (gpu_plan.RL_STEPS, a save every its --ckpt_every) beside the earlier stages' kept ones. Returns
+    (count, the line that says how)."""
     # --steps (a rehearsal, a short run): the later stages run no more steps than pretraining either
     cap = (lambda n: min(n, args.steps)) if getattr(args, "steps", None) else (lambda n: n)
     pre_end, pre_peak = kept_checkpoints(steps, args.ckpt_every, args.keep)
-    mid_end, mid_peak = kept_checkpoints(cap(math.ceil(PLAN_MIDTRAIN_TOKENS / tokens_per_step)), args.ckpt_every,
-                                         args.keep)
-    rl_end, rl_peak = kept_checkpoints(cap(PLAN_RL_STEPS), PLAN_RL_CKPT_EVERY, args.keep)
+    mid_steps = math.ceil(gpu_plan.FLAGS["midtrain"]["tokens"] / tokens_per_step)
+    mid_end, mid_peak = kept_checkpoints(cap(mid_steps), args.ckpt_every, args.keep)
+    rl_end, rl_peak = kept_checkpoints(cap(gpu_plan.RL_STEPS), gpu_plan.FLAGS["rl"]["ckpt_every"], args.keep)
     most = max(pre_peak, pre_end + mid_peak, pre_end + mid_end + args.keep + 1,
                pre_end + mid_end + args.keep + rl_peak)
     return most, (f"pretraining keeps {pre_end} (holding {pre_peak} while it saves), midtraining {mid_end} (holding "

@@ -184,8 +184,8 @@ def evaluate(model, tokenizer, items, args, rank, world, step, stopping=lambda: 
     """Held-out pass@1 (the share of sampled replies that are right, averaged over questions) and pass@k (the share
     of questions with a right reply among k), k = --eval_samples at the training temperature, each question's
     sampling seeded by the positions of the questions decoded together (--rollout_questions of the rank's share):
-    evaluations differ by the model only. Also per kind of answer. None when stopping() said so between groups."""
-    table = torch.zeros(len(items), 3, dtype=torch.float64)  # (done, right replies, number answer)
+    evaluations differ by the model only. None when stopping() said so between groups."""
+    right = torch.zeros(len(items), dtype=torch.float64)  # each question's right replies
     mine, k = list(range(rank, len(items), world)), args.eval_samples
     for chunk in [mine[c:c + args.rollout_questions] for c in range(0, len(mine), args.rollout_questions)]:
         if stopping():
@@ -194,18 +194,12 @@ def evaluate(model, tokenizer, items, args, rank, world, step, stopping=lambda: 
         replies, _ = sample_groups(model, tokenizer, prompts, k, args.max_new_tokens, args.temperature, args.top_k,
                                    sampling_seed(args.seed, -1, chunk[0]), args.dtype)
         for j, i in enumerate(chunk):
-            right = sum(reward(items[i], reply_text(tokenizer, strip_end(r, tokenizer)))
-                        for r in replies[j * k:(j + 1) * k])
-            number = items[i]["rule"] == "gsm8k" or items[i]["answers"][0].isdigit()
-            table[i] = torch.tensor([1.0, right, float(number)], dtype=torch.float64)
-    distributed.all_reduce_tensor(table)
-    k = args.eval_samples
-    result = {"step": step, "k": k, "items": len(items)}
-    for name, rows in [("all", table), ("numbers", table[table[:, 2] == 1]), ("words", table[table[:, 2] == 0])]:
-        if len(rows):
-            result[name] = {"pass@1": (rows[:, 1] / k).mean().item(), f"pass@{k}": (rows[:, 1] > 0).double().mean()
-                            .item(), "items": len(rows)}
-    return result
+            right[i] = sum(reward(items[i], reply_text(tokenizer, strip_end(r, tokenizer)))
+                           for r in replies[j * k:(j + 1) * k])
+    distributed.all_reduce_tensor(right)
+    return {"step": step, "k": k, "items": len(items), "all": {"pass@1": (right / k).mean().item(),
+                                                               f"pass@{k}": (right > 0).double().mean().item(),
+                                                               "items": len(items)}}
 
 
 def strip_end(reply, tokenizer):
@@ -243,9 +237,7 @@ def print_status(run_dir):
 
 def held_out_line(e):
     k = e["k"]
-    parts = [f"{name} pass@1 {e[name]['pass@1']:.3f} pass@{k} {e[name][f'pass@{k}']:.3f} ({e[name]['items']} "
-             f"questions)" for name in ("all", "numbers", "words") if name in e]
-    return "; ".join(parts)
+    return f"all pass@1 {e['all']['pass@1']:.3f} pass@{k} {e['all'][f'pass@{k}']:.3f} ({e['all']['items']} questions)"
 
 
 def verdict(records):
@@ -269,9 +261,9 @@ def plan(args, start):
     data_dir = (checkpoint.pretraining_run(start.parent, start.parent_meta) or [None])[0]
     world_dir = demo_world(args.demo, data_dir, "problems")
     train_items = gsm8k_items(world_dir / "problems" if world_dir else args.train_dir)
-    held_out = [{**item, "rule": "gsm8k"} for item in distributed.fetch_everywhere(
+    held_out = distributed.fetch_everywhere(
         lambda: load_items("demo-problems" if world_dir else "GSM8K", args.cache_dir, world_dir, args.eval_items)[0],
-        start.rank, start.world)]
+        start.rank, start.world)
     if args.questions_per_step < start.world:
         raise ValueError(f"--questions_per_step {args.questions_per_step} is fewer than the {start.world} ranks: give "
                          f"each rank at least one question")
@@ -301,7 +293,6 @@ def main(argv=None):
         s.rank, s.local_rank, s.world, s.device, s.model, s.tokenizer, s.optimizers, s.run_dir)
     master, start, total_steps, train_items, held_out, (cursor,), ckpt_meta = (
         rank == 0, s.step, s.total_steps, s.train_items, s.held_out, s.loaders, s.ckpt_meta)
-    rules = sorted({item["rule"] for item in train_items})
     train_model = train_loop.wrap_model(model, args, world, local_rank, device)
     metrics, stop = train_loop.Metrics(run_dir / "metrics.jsonl", master), train_loop.StopSignal()
 
@@ -354,7 +345,7 @@ def main(argv=None):
         lr_mult, _ = optim.apply_schedule(optimizers, step, total_steps, args)
         chosen = step_items(step, args.questions_per_step, len(train_items), args.seed)
         torch.set_num_threads(rollout_threads)
-        rows, rewards, by_rule, lengths, sampled_tokens = [], [], {}, [], 0
+        rows, rewards, lengths, sampled_tokens = [], [], [], 0
         mine, n = list(range(rank, len(chosen), world)), args.samples
         if args.signal_at_step == step + 1:
             os.kill(os.getpid(), signal.SIGTERM)  # the testing hook: a signal during this step's rollouts
@@ -370,7 +361,6 @@ def main(argv=None):
                 replies, sampled = all_replies[j * n:(j + 1) * n], all_sampled[j * n:(j + 1) * n]
                 scores = [reward(item, reply_text(tokenizer, strip_end(r, tokenizer))) for r in replies]
                 rewards += scores
-                by_rule.setdefault(item["rule"], []).extend(scores)
                 lengths += [len(r) for r in replies]
                 sampled_tokens += sum(map(sum, sampled))
                 rows += training_rows(prompt, replies, sampled, pad_id)
@@ -387,15 +377,11 @@ def main(argv=None):
         model.zero_grad(set_to_none=world == 1)
         sums = distributed.all_reduce_tensor(torch.tensor([sum(rewards), len(rewards), sum(lengths), sampled_tokens],
                                                           dtype=torch.float64)).tolist()
-        per_rule = distributed.all_reduce_tensor(torch.tensor([[sum(by_rule.get(r, [])), len(by_rule.get(r, []))]
-                                                               for r in rules], dtype=torch.float64)).tolist()
-        rule_means = {r: s / n for r, (s, n) in zip(rules, per_rule, strict=True) if n}
         rollout = distributed.all_reduce(rollout, torch.distributed.ReduceOp.MAX if world > 1 else None)
         record = {"step": step + 1, "reward": sums[0] / sums[1], "loss": loss, "sampled_tokens": int(sums[3]),
                   "tokens": int(sums[3]), "reply_tokens": sums[2] / sums[1], "sampled_tok_per_s": sums[3] / rollout,
                   "tok_per_s": sums[3] / (time.perf_counter() - t0), "rollout_time": rollout, "lr_mult": lr_mult,
-                  "grad_norm": grad_norm, "step_time": time.perf_counter() - t0, "mfu": "unknown",
-                  "reward_by_rule": rule_means}
+                  "grad_norm": grad_norm, "step_time": time.perf_counter() - t0, "mfu": "unknown"}
         last, train_seconds = step + 1 == total_steps, train_seconds + record["step_time"]
         if args.eval_every and (step + 1) % args.eval_every == 0 and not last:
             evaluated = held_out_eval(step + 1)

@@ -20,7 +20,8 @@ eval "$FLAGS"
 if [ -z "${SPEEDRUN_PYTHON:-}" ]; then "${L[@]}" venv --run "$RUN"; fi
 PY=${SPEEDRUN_PYTHON:-$ROOT/.venv/bin/python}
 # the machine: GPUs held by other processes, or that torch cannot use, stop the run; then PLAN GPUS NPROC ON_CPU
-# RL_STAGE DATA_DIR CORPUS VOCAB MARK, *_EXTRA (PRETRAIN_ARGS' words...) and a rehearsal's tiny budgets R_* (else empty)
+# RL_STAGE DATA_DIR CORPUS VOCAB MARK, *_EXTRA (PRETRAIN_ARGS' words...), a rehearsal's tiny budgets R_* (else empty)
+# and, for the gpu plan, each stage's flags: PRETRAIN MIDTRAIN SFT RL CORE CHAT_EVAL (gpu_plan.py's table)
 "${L[@]}" setup --python "$PY" "$@"
 . "$LOGS/setup.env"
 LAUNCH=("$PY" -m torch.distributed.run --standalone "--nproc_per_node=$NPROC")
@@ -42,8 +43,9 @@ trap 'stopped INT 130' INT; trap 'stopped TERM 143' TERM; trap 'stopped HUP 129'
 stage() { launch stage "$@"; if [ "$STOP_AFTER" = "$1" ]; then say "stopping after $1 (--stop_after)"; exit 0; fi; }
 skip() { say "stage $1 skipped: $2"; if [ "$STOP_AFTER" = "$1" ]; then exit 0; fi; }
 
-# --- the plan: each stage's flags, then *_EXTRA, then a rehearsal's budget (the last of a repeated flag wins)
-GPU_BUDGET=(--preset "d$DEPTH" --tokens_per_param 20 --total_batch_tokens 524288)  # the gpu plan's pretraining
+# --- the plan: each stage's flags, then *_EXTRA, then a rehearsal's budget (the last of a repeated flag wins); the gpu
+# plan's flags are in setup.env (above), the demo plan's here
+STAGE_CORE=()  # the stage evaluations' core_eval flags beyond CORE: the demo world's bundle
 if [ "$PLAN" = demo ]; then  # about 10 minutes on a 2-core Xeon with AMX, 22 on one without bf16 (dev/LOG.md)
     PRETRAIN=(--preset tiny --steps 400 --micro_batch 16 --compile true --eval_every 200 --ckpt_every 100)
     # conversations, and the shapes ChatCORE asks for: letters (choice), bare answers (answers), the calculator (calc),
@@ -61,18 +63,11 @@ if [ "$PLAN" = demo ]; then  # about 10 minutes on a 2-core Xeon with AMX, 22 on
     RL=(--demo "$DATA_DIR" --steps 20 --questions_per_step 8 --samples 8 --max_new_tokens 96 --micro_batch 32
         --eval_every 0 --eval_items 40 --eval_samples 2 --ckpt_every 10)
     CHAT_EVAL=(--demo "$DATA_DIR" --max_new_tokens 96 --tasks demo-choice,demo-answer,demo-problems,demo-words)
-    STAGE_CORE=(--bundle "$DATA_DIR/eval_bundle")
-else
-    PRETRAIN=("${GPU_BUDGET[@]}" --eval_every 250 --ckpt_every 1000)
-    MIDTRAIN=(--tokens 500000000 --ckpt_every 1000)
-    SFT=(--epochs 1 --ckpt_every 1000)  # sft.py's mixture: SmolTalk, MMLU x3, GSM8K x4, ARC, identity
-    RL=(--demo none --epochs 1 --ckpt_every 60)  # GSM8K train, held out: GSM8K test (nanochat's chat_rl)
-    CHAT_EVAL=(--demo none)
-    STAGE_CORE=()
+    CORE=(); STAGE_CORE=(--bundle "$DATA_DIR/eval_bundle")
 fi
 # a step's tokens over the processes: the nearest batch that splits (3 GPUs), or a refusal now, not hours later
 if [ "$PLAN" = gpu ] && [ "$PROBE_ONLY" = 0 ]; then "$PY" "$ROOT/pretrain.py" --check_batch "$NPROC" \
-    "${GPU_BUDGET[@]}" "${PRETRAIN_EXTRA[@]}" | sed 's/^/speedrun: /' | tee -a "$LOGS/speedrun.log"; fi
+    "${PRETRAIN[@]}" "${PRETRAIN_EXTRA[@]}" | sed 's/^/speedrun: /' | tee -a "$LOGS/speedrun.log"; fi
 # NCCL (GPUs): a timed all-reduce; on a hang or failure the safe flags, the defaults probed again before each stage
 launch probe "${LAUNCH[@]}" "$ROOT/distributed.py" probe
 if [ "$PROBE_ONLY" = 1 ]; then exit 0; fi
@@ -102,7 +97,7 @@ if [ -n "$TOKENIZER" ]; then skip tokenizer "using --tokenizer $TOK"; else stage
     "$PY" "$ROOT/tokenizer.py" train --data_dir "$CORPUS" --vocab_size "$VOCAB" --out "$TOK" "${R_TOK[@]}"; fi
 if [ "$PLAN" = gpu ]; then  # the shards the budget needs, counted with this tokenizer; and the disk they need
     stage data_plan "$PY" "$ROOT/pretrain.py" --data_plan --data_dir "$CORPUS" --tokenizer "$TOK" --runs_dir "$RUN" \
-        "${GPU_BUDGET[@]}" --ckpt_every 1000 "${PRETRAIN_EXTRA[@]}" "${R_PRETRAIN[@]}" "${R_SHAPE[@]}"
+        "${PRETRAIN[@]}" "${PRETRAIN_EXTRA[@]}" "${R_PRETRAIN[@]}" "${R_SHAPE[@]}"
     NEEDED=$(sed -n 's/^data plan shards: \([0-9]*\)$/\1/p' "$LOGS/data_plan.log" | tail -1)
     if [ -n "$SHARDS" ] && [ "$SHARDS" -lt "$NEEDED" ]; then
         say "--shards $SHARDS is fewer than the $NEEDED the budget needs: pretraining will repeat data (it says so)"; fi
@@ -127,7 +122,7 @@ stage pretrain --train "${LAUNCH[@]}" "$ROOT/pretrain.py" --data_dir "$CORPUS" -
     "${PRETRAIN_EXTRA[@]}" "${R_PRETRAIN[@]}" "${R_SHAPE[@]}" --runs_dir "$RUN" --run_name pretrain
 wait_prefetch ""
 stage core_eval --skip_if "$RUN/core_eval/results.json" "${LAUNCH[@]}" "$ROOT/core_eval.py" --checkpoint "$RUN/pretrain" \
-    --out "$RUN/core_eval" "${CORE_EXTRA[@]}" "${R_CORE[@]}"
+    --out "$RUN/core_eval" "${CORE[@]}" "${CORE_EXTRA[@]}" "${R_CORE[@]}"
 stage midtrain --train "${LAUNCH[@]}" "$ROOT/midtrain.py" --checkpoint "$RUN/pretrain" "${MIDTRAIN[@]}" \
     "${MIDTRAIN_EXTRA[@]}" "${R_MIDTRAIN[@]}" --runs_dir "$RUN" --run_name midtrain
 stage sft --train "${LAUNCH[@]}" "$ROOT/sft.py" --checkpoint "$RUN/midtrain" "${SFT[@]}" "${SFT_EXTRA[@]}" "${R_SFT[@]}" \
@@ -144,7 +139,8 @@ for name in midtrain sft rl; do
     if [[ ",$STAGE_EVALS," != *",$name,"* ]] || ! compgen -G "$RUN/$name/ckpt/step_*" > /dev/null; then continue; fi
     E=$RUN/stage_evals/$name; "${L[@]}" reuse_chat_eval --run "$RUN" "$name"
     stage "core_eval_$name" --skip_if "$E/core_eval/results.json" "${LAUNCH[@]}" "$ROOT/core_eval.py" --checkpoint \
-        "$RUN/$name" --out "$E/core_eval" --data_dir "$CORPUS" "${STAGE_CORE[@]}" "${CORE_EXTRA[@]}" "${R_CORE[@]}"
+        "$RUN/$name" --out "$E/core_eval" --data_dir "$CORPUS" "${CORE[@]}" "${STAGE_CORE[@]}" "${CORE_EXTRA[@]}" \
+        "${R_CORE[@]}"
     stage "chat_eval_$name" --skip_if "$E/chat_eval.json" "${LAUNCH[@]}" "$ROOT/chat_eval.py" --checkpoint "$RUN/$name" \
         --out "$E/chat_eval.json" "${CHAT_EVAL[@]}" "${CHAT_EVAL_EXTRA[@]}" "${R_CHAT_EVAL[@]}"
 done

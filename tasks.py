@@ -1,7 +1,7 @@
 """The chat tasks, each one's loading, rendering and scoring: ARC, MMLU, GSM8K, HumanEval and the demo world's, which
 chat_eval.py evaluates and rl.py trains on and holds out. An item has the fields its kind needs: categorical {prompt,
 letters, answer, options, question}, gsm8k {prompt, answer}, humaneval {prompt, test, entry_point, id}, exact and
-contains {prompt, answers}; rl.py's add "rule", the check reward() applies. Not a stage: import it (`import tasks`).
+contains {prompt, answers}. Not a stage: import it (`import tasks`).
 
     python tasks.py GSM8K --max_items 2                 # a task's first items in nanochat's order, as scored
     python tasks.py demo-answer --demo data/demo
@@ -154,8 +154,15 @@ def same_number(lenient, answer):
 def gsm8k_items(train_dir):
     """Training questions in GSM8K's columns as rl.py's items: GSM8K's train split (python dataset.py download-chat
     gsm8k), or a demo world's word problems (<world>/problems)."""
-    return [{**make_item("GSM8K", row, f"{path}, row {i}"), "rule": "gsm8k"} for path in chat_files(train_dir, "train")
+    return [make_item("GSM8K", row, f"{path}, row {i}") for path in chat_files(train_dir, "train")
             for i, row in enumerate(pq.read_table(path).to_pylist())]
+
+
+def reward(item, reply):
+    """rl.py's reward: 1.0 when the number after the reply's first '####' is the item's answer (18.00 is 18, commas
+    dropped), else 0.0; no '####' is wrong (nanochat's rule)."""
+    number = final_number(reply, marker_only=True)
+    return float(number is not None and number == Decimal(item["answer"]))
 
 
 # -----------------------------------------------------------------------------
@@ -180,7 +187,7 @@ def humaneval_program(item, reply, marker):
 
 
 # -----------------------------------------------------------------------------
-# The demo world: short answers compared normalized; rl.py's training questions, and its reward for any of them
+# The demo world: short answers compared normalized
 
 def demo_world(arg, data_dir, part):
     """The demo world a --demo flag names, or None for the hub's tasks: none; auto, the world of the checkpoint's
@@ -200,16 +207,6 @@ def normalize(text):
     """The demo's exact-match form: lower case, punctuation dropped, spaces collapsed, a leading article dropped."""
     words = re.sub(r"[^\w\s-]", " ", text.lower()).split()
     return " ".join(words[1:] if words[:1] in (["the"], ["a"], ["an"]) else words)
-
-
-def reward(item, reply):
-    """1.0 when the reply's checked answer is right, else 0.0. gsm8k: the number after '####' (none: wrong); exact:
-    the whole reply, normalized as chat_eval.py's demo-answer; last_word: the reply's last word, normalized."""
-    if item["rule"] == "gsm8k":
-        number = final_number(reply, marker_only=True)
-        return float(number is not None and number == Decimal(item["answer"]))
-    accepted, words = {normalize(a) for a in item["answers"]}, normalize(reply)
-    return float((words if item["rule"] == "exact" else words.rpartition(" ")[2]) in accepted)
 
 
 def main(argv=None):

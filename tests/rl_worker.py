@@ -4,7 +4,8 @@ The policy is a bigram table: every block's output projections are zero, so the 
 embedding, a one-hot row; the weightless final norm scales it to sqrt(n_embd); the head's column for token i is
 row i of the table over sqrt(n_embd). After <|assistant_start|> it likes to write the call 3+4 to the calculator,
 then the result 7 and <|assistant_end|>; any other token is followed by any token alike. Rank r samples replies to
-r + 1 questions (so the ranks run different numbers of micro-batches), rewards them, and takes rl.policy_gradient's
+r + 1 questions (so the ranks run different numbers of micro-batches), rewards them (1 when the last word is 7: the
+gradient is what is checked, and any rule that tells the replies apart serves), and takes rl.policy_gradient's
 backward through DDP. Rank 0 saves every rank's rollouts, the head and embedding weights and the head's gradient:
 the test computes the gradient that only the sampled tokens give, in closed form, and compares."""
 import itertools
@@ -18,6 +19,7 @@ import distributed
 import rl
 from calculator import reply_text
 from model import GPTConfig, build_model
+from tasks import normalize
 from tokenizer import train_tokenizer
 
 LIKED = 7.0  # the logit of a token's liked successor, the others 0: p = e^7 / (e^7 + 299) = 0.79 in a vocab of 300
@@ -57,12 +59,11 @@ def main(out):
     rank, _, world, _ = distributed.setup_distributed()
     tok = tokenizer()
     model, prompt = hand_made_policy(tok)
-    item = {"prompt": QUESTION, "answers": ["7"], "rule": "last_word"}
     rollouts, rows, rewards = [], [], []
     for question in range(rank + 1):
         replies, sampled = rl.sample_groups(model, tok, [prompt], SAMPLES, 12, 1.0, 0,
                                             rl.sampling_seed(0, rank, question), "float32")
-        scores = [rl.reward(item, reply_text(tok, rl.strip_end(r, tok))) for r in replies]
+        scores = [float(normalize(reply_text(tok, rl.strip_end(r, tok))).rpartition(" ")[2] == "7") for r in replies]
         rollouts += [{"reply": r, "sampled": s, "reward": x} for r, s, x in zip(replies, sampled, scores, strict=True)]
         rows += rl.training_rows(prompt, replies, sampled, tok.bos_id)
         rewards += scores

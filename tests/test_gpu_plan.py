@@ -1,12 +1,15 @@
 """The gpu plan's command lines as a user meets them: budget overrides appended through *_ARGS, a small source on
 many data streams, a resume on fewer GPUs, speedrun.sh's GPU checks and refusals, each rank's progress record, the
 disk the plan really keeps. Each test here failed on the code before its fix (dev/LOG.md, 2026-11-25)."""
+import argparse
 import json
 import re
 
 import pytest
 
+import gpu_plan
 import midtrain
+import plan_cost
 import pretrain
 import sft
 
@@ -39,7 +42,7 @@ def test_a_stage_without_a_budget_flag_names_them_and_sft_defaults_to_one_epoch(
 
 
 def test_the_data_plan_counts_the_budget_that_is_in_force(demo_world, tmp_path, capsys):
-    """speedrun.sh's data_plan stage gets GPU_BUDGET then PRETRAIN_ARGS: the shards are planned for the --steps."""
+    """speedrun.sh's data_plan stage gets the plan's PRETRAIN flags then PRETRAIN_ARGS: the shards are planned for the --steps."""
     pretrain.main(["--data_dir", demo_world / "demo" / "pretrain", "--tokenizer", demo_world / "tokenizer",
                    "--runs_dir", tmp_path, "--preset", "tiny", "--tokens_per_param", "20", "--total_batch_tokens",
                    "4096", "--steps", "3", "--data_plan"])
@@ -415,8 +418,6 @@ def test_the_disk_check_counts_the_checkpoints_the_d20_plan_holds_at_once():
     15,225,333,600 bytes, not 12 x 1.4B. At 524,288 tokens a step, --ckpt_every 1000 and --keep 3: pretraining's
     21,401 steps keep 3 (4 while a save is written), midtraining's 954 steps keep 1, SFT up to 3 (4 while it saves), RL's
     468 steps keep 3 (4 while it saves): 11 at once, 167.5 GB."""
-    import argparse
-
     from model import config_from_preset, param_breakdown
     config = config_from_preset("d20", {"vocab_size": 65536})
     counts = param_breakdown(config)
@@ -430,7 +431,7 @@ def test_the_disk_check_counts_the_checkpoints_the_d20_plan_holds_at_once():
     args = argparse.Namespace(keep=3, ckpt_every=1000)
     # RL: 468 steps (7,473 questions, 16 a step), a save every 60: 8 saves, 3 kept, 4 held while it saves; beside
     # pretraining's 3, midtraining's 1 and SFT's 3 that is 11 (the check once counted 7 and missed RL's 60 GB)
-    assert pretrain.PLAN_RL_STEPS == 468 and pretrain.kept_checkpoints(468, 60, 3) == (3, 4)
+    assert gpu_plan.RL_STEPS == 468 and pretrain.kept_checkpoints(468, 60, 3) == (3, 4)
     line = ("pretraining keeps 3 (holding 4 while it saves), midtraining 1 (holding 1), SFT up to --keep 3 (one more "
             "while it saves), RL 3 (holding 4): at most 11")
     assert pretrain.plan_checkpoints(args, 21_401, 524_288) == (11, f"{line} at once")
@@ -440,11 +441,24 @@ def test_the_disk_check_counts_the_checkpoints_the_d20_plan_holds_at_once():
     # stages (rl saving at steps 1 and 2) it was 5, 76.1 GB, and the check refused the rehearsal there
     rehearsal = argparse.Namespace(keep=1, ckpt_every=3, steps=3)
     assert pretrain.plan_checkpoints(rehearsal, 3, 524_288)[0] == 4
-    import launch
-    budgets = launch.rehearsal_budgets(1, False)
+    budgets = gpu_plan.rehearsal_budgets(1, False)
     for stage in ("R_PRETRAIN", "R_MIDTRAIN", "R_SFT", "R_RL"):  # each training stage saves once, at its last step
         flags = budgets[stage]
         assert flags[flags.index("--steps") + 1] == flags[flags.index("--ckpt_every") + 1], stage
+
+
+def test_the_command_lines_the_prediction_and_the_disk_plan_read_one_table(monkeypatch):
+    """gpu_plan.py's table is the gpu plan: speedrun.sh's words (setup.env), plan_cost.py's budgets, pretrain.py's
+    disk plan and the printed plan; a number changed there reaches each of them."""
+    words = gpu_plan.command_lines(20)
+    assert words["PRETRAIN"][:6] == ["--preset", "d20", "--tokens_per_param", 20, "--total_batch_tokens", 524_288]
+    assert words["RL"][words["RL"].index("--ckpt_every") + 1] == plan_cost.gpu_plan_budgets(1)["rl"]["ckpt_every"] == 60
+    assert "468 steps, at most 30.7M tokens sampled (468 x 16 x 16 x 256)" in gpu_plan.plan_lines(20, 8)[1]
+    args = argparse.Namespace(keep=3, ckpt_every=1000)
+    assert pretrain.plan_checkpoints(args, 21_401, 524_288)[0] == 11
+    monkeypatch.setitem(gpu_plan.FLAGS["rl"], "ckpt_every", 500)  # RL's 468 steps save once: 1 held, not 3 (+1)
+    assert gpu_plan.command_lines(20)["RL"][-1] == plan_cost.gpu_plan_budgets(1)["rl"]["ckpt_every"] == 500
+    assert pretrain.plan_checkpoints(args, 21_401, 524_288)[0] == 8
 
 
 # --- the numbers the gpu plan prints --------------------------------------------------------------------------------

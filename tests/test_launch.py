@@ -13,6 +13,7 @@ import time
 import pytest
 from helpers import processes_mentioning
 
+import gpu_plan
 import launch
 import train_loop
 
@@ -44,17 +45,17 @@ def test_the_flags_reach_bash_as_the_same_words(tmp_path):
 
 
 def test_the_rehearsals_budgets_deal_a_question_to_every_rank_and_shrink_sequences_on_the_cpu():
-    on_gpus = launch.rehearsal_budgets(8, on_cpu=False)
+    on_gpus = gpu_plan.rehearsal_budgets(8, on_cpu=False)
     assert on_gpus["R_RL"][on_gpus["R_RL"].index("--questions_per_step") + 1] == 8
     assert on_gpus["R_RL"][on_gpus["R_RL"].index("--eval_items") + 1] == 8
     assert on_gpus["R_SHAPE"] == [] and on_gpus["R_PRETRAIN"][:2] == ["--steps", 3]
-    on_cpu = launch.rehearsal_budgets(1, on_cpu=True)
+    on_cpu = gpu_plan.rehearsal_budgets(1, on_cpu=True)
     assert on_cpu["R_RL"][on_cpu["R_RL"].index("--questions_per_step") + 1] == 2  # at least 2 a step
     assert on_cpu["R_SHAPE"] == ["--sequence_len", 128, "--total_batch_tokens", 32768]
-    assert launch.rehearsal_line(on_cpu) == ("rehearsal: pretrain 3 steps, midtrain 3, sft 3 (a checkpoint every 2), "
-                                             "CORE 4 items a task, ChatCORE 2; on the CPU: --sequence_len 128 "
-                                             "--total_batch_tokens 32768")
-    assert launch.rehearsal_line(on_gpus).endswith("ChatCORE 2")
+    assert gpu_plan.rehearsal_line(on_cpu) == ("rehearsal: pretrain 3 steps, midtrain 3, sft 3 (each saving once, at "
+                                               "its last step), CORE 4 items a task, ChatCORE 2; on the CPU: "
+                                               "--sequence_len 128 --total_batch_tokens 32768")
+    assert gpu_plan.rehearsal_line(on_gpus).endswith("ChatCORE 2")
 
 
 def step_line(step, total, tokens, tok_per_s):

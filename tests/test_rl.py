@@ -18,15 +18,10 @@ import export
 import rl
 
 
-def test_rewards_follow_each_tasks_rule_and_advantages_are_reward_minus_the_groups_mean(tmp_path):
-    gsm8k = {"answer": "18", "rule": "gsm8k"}
+def test_the_reward_is_the_number_after_the_marker_and_advantages_are_reward_minus_the_groups_mean(tmp_path):
+    gsm8k = {"answer": "18"}
     assert [rl.reward(gsm8k, r) for r in ["so 18.\n#### 18", "#### 18.00", "#### 1,8", "18", "#### 17"]] == \
         [1.0, 1.0, 1.0, 0.0, 0.0]  # no '####': wrong (nanochat's rule); 18.00 is 18; commas are dropped
-    word = {"answers": ["Pelmo"], "rule": "exact"}
-    assert [rl.reward(word, r) for r in ["Pelmo", "pelmo.", "The Pelmo", "It is Pelmo."]] == [1.0, 1.0, 1.0, 0.0]
-    number = {"answers": ["7", "seven"], "rule": "last_word"}
-    assert [rl.reward(number, r) for r in ["7", "Three plus four is seven.", "3 + 4 = 7 plums.\n#### 7", "70",
-                                            "seven apples"]] == [1.0, 1.0, 1.0, 0.0, 0.0]
     assert rl.advantages([1, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 1], 4).tolist() == \
         [0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.0, 0.0, -0.25, -0.25, -0.25, 0.75]
     problems = tmp_path / "problems"
@@ -36,8 +31,8 @@ def test_rewards_follow_each_tasks_rule_and_advantages_are_reward_minus_the_grou
                                          {"question": "Ada had 9 and ate 4. How many are left?",
                                           "answer": "9 - 4 = <<9-4=5>>5.\n#### 5"}]), problems / "train.parquet")
     items = rl.gsm8k_items(problems)  # the demo's word problems, checked by the number after '####' as GSM8K's
-    assert items == [{"prompt": "Bo has 2 bags of 3 plums. How many plums?", "answer": "6", "rule": "gsm8k"},
-                     {"prompt": "Ada had 9 and ate 4. How many are left?", "answer": "5", "rule": "gsm8k"}]
+    assert items == [{"prompt": "Bo has 2 bags of 3 plums. How many plums?", "answer": "6"},
+                     {"prompt": "Ada had 9 and ate 4. How many are left?", "answer": "5"}]
     assert [rl.reward(items[1], r) for r in ["<<9-4=5>>5.\n#### 5", "5", "#### 6"]] == [1.0, 0.0, 0.0]
 
 

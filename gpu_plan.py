@@ -1,0 +1,89 @@
+"""gpu_plan.py: the gpu plan's numbers in one place, and its rehearsal's. speedrun.sh runs the gpu plan's stages with
+these flags (launch.py writes them into setup.env as its arrays), pretrain.py's disk plan counts their checkpoints,
+plan_cost.py predicts their time and launch.py prints the plan from them: a number changed here changes all four.
+The standard library only: launch.py imports it before .venv exists. Not a stage: import it.
+"""
+import math
+
+TOKENS_PER_STEP = 524_288  # a step's tokens over all GPUs (nanochat's); the chat stages inherit pretraining's
+SEQUENCE_LEN = 2048  # the d-presets' (model.py): what midtraining's and SFT's --eval_rows are rows of
+GSM8K_TRAIN = 7_473  # GSM8K's training questions, one epoch of rl.py's (rl.py counts them from the data itself)
+
+# each stage's flags on the gpu plan's command lines, ahead of its *_ARGS (the last of a repeated flag wins). Those
+# that equal the script's default are given too: the prediction and the disk plan read them here, so a changed
+# default cannot leave them predicting another plan
+FLAGS = {
+    "pretrain": {"tokens_per_param": 20, "total_batch_tokens": TOKENS_PER_STEP, "eval_every": 250,
+                 "bpb_tokens": 2 ** 20, "ckpt_every": 1000},
+    "midtrain": {"tokens": 500_000_000, "eval_every": 250, "eval_rows": 256, "ckpt_every": 1000},
+    # sft.py's mixture: SmolTalk, MMLU x3, GSM8K x4, ARC, identity; its epoch's steps are counted from the data
+    "sft": {"epochs": 1, "eval_every": 100, "eval_rows": 256, "ckpt_every": 1000},
+    # GSM8K train, held out: GSM8K test (nanochat's chat_rl)
+    "rl": {"demo": "none", "epochs": 1, "questions_per_step": 16, "samples": 16, "max_new_tokens": 256,
+           "eval_every": 60, "eval_items": 400, "eval_samples": 8, "ckpt_every": 60},
+    "core_eval": {"max_items": -1, "bpb_tokens": 2 ** 20},
+    "chat_eval": {"demo": "none", "max_items": -1, "max_new_tokens": 512},
+}
+RL_STEPS = math.ceil(FLAGS["rl"]["epochs"] * GSM8K_TRAIN / FLAGS["rl"]["questions_per_step"])
+
+
+def command_lines(depth):
+    """speedrun.sh's arrays for the gpu plan at model depth `depth`: {"PRETRAIN": [words], ..., "CORE", "CHAT_EVAL"}."""
+    arrays = {{"core_eval": "CORE"}.get(stage, stage.upper()): [w for flag, value in flags.items()
+                                                                 for w in (f"--{flag}", value)]
+              for stage, flags in FLAGS.items()}
+    arrays["PRETRAIN"] = ["--preset", f"d{depth}", *arrays["PRETRAIN"]]
+    return arrays
+
+
+def plan_lines(depth, gpus):
+    """The plan in words, from FLAGS, as launch.py prints it before any stage."""
+    pre, rl = FLAGS["pretrain"], FLAGS["rl"]
+    shape = [RL_STEPS, rl["questions_per_step"], rl["samples"], rl["max_new_tokens"]]
+    model = (f"plan: d{depth} ('python model.py --preset d{depth}' for its parameters), {pre['tokens_per_param']} "
+             f"tokens per parameter at {pre['total_batch_tokens']:,} tokens a step on {gpus} GPUs; pretrain.py prints "
+             f"the parameters, tokens and steps before step 1, and each step line the expected time left (ETA), "
+             f"measured after this process's first step")
+    rl_line = (f"plan: rl: {rl['epochs']:g} epoch(s) of GSM8K's {GSM8K_TRAIN:,} training questions, {shape[1]} a "
+               f"step, {shape[2]} replies each (up to {shape[3]} tokens): {RL_STEPS} steps, at most "
+               f"{math.prod(shape) / 1e6:.1f}M tokens sampled ({' x '.join(map(str, shape))}). The rehearsal's "
+               f"prediction (plan_cost.py, above) gives every stage's expected time; report.md sets each beside its "
+               f"actual wall time")
+    return [model, rl_line]
+
+
+# --- the rehearsal: every stage of the plan on a tiny budget, before the hours of pretraining ----------------------
+
+REHEARSAL_STEPS = (3, 3, 3)  # pretrain, midtrain, sft: each saves one checkpoint, at its last step
+REHEARSAL_PROMPT = "Why do plants need light?"
+
+
+def rehearsal_budgets(nproc, on_cpu):
+    """A rehearsal's flags per stage, appended last (the last of a repeated flag wins): a bug in any stage shows in
+    minutes instead of after hours of pretraining."""
+    questions = max(nproc, 2)  # rl.py deals each step's questions over the ranks: at least one each
+    return {
+        "R_DATA": ["--shards", "2"],  # the first shard (the tokenizer's and the data plan's) and one more
+        "R_TOK": ["--max_chars", "20000000"],
+        # one sample prompt per evaluation, and short samples: generating them is most of a tiny evaluation
+        "R_PRETRAIN": ["--steps", REHEARSAL_STEPS[0], "--eval_every", 0, "--ckpt_every", REHEARSAL_STEPS[0], "--keep", 1,
+                       "--bpb_tokens", 32768, "--sample_prompt", "The capital of France is"],
+        "R_MIDTRAIN": ["--steps", REHEARSAL_STEPS[1], "--eval_every", 0, "--eval_rows", 16, "--ckpt_every",
+                       REHEARSAL_STEPS[1], "--keep", 1, "--sample_prompt", REHEARSAL_PROMPT],
+        "R_SFT": ["--steps", REHEARSAL_STEPS[2], "--eval_every", 0, "--eval_rows", 16, "--ckpt_every",
+                  REHEARSAL_STEPS[2], "--keep", 1, "--sample_prompt", REHEARSAL_PROMPT],
+        "R_RL": ["--steps", 2, "--questions_per_step", questions, "--samples", 2, "--max_new_tokens", 16,
+                 "--eval_every", 0, "--eval_items", questions, "--eval_samples", 2, "--ckpt_every", 2, "--keep", 1],
+        "R_CORE": ["--max_items", 4, "--bpb_tokens", 32768, "--max_new_tokens", 8],
+        "R_CHAT_EVAL": ["--max_items", 2, "--max_new_tokens", 32],
+        # the gpu plan on CPU processes: the plan's 256 sequences a step, each 128 tokens instead of 2048
+        # (midtraining's streams per rank are the same at any micro-batch); the later stages inherit the shape
+        "R_SHAPE": ["--sequence_len", 128, "--total_batch_tokens", 32768] if on_cpu else [],
+    }
+
+
+def rehearsal_line(budgets):
+    shape = f"; on the CPU: {' '.join(map(str, budgets['R_SHAPE']))}" if budgets["R_SHAPE"] else ""
+    return (f"rehearsal: pretrain {REHEARSAL_STEPS[0]} steps, midtrain {REHEARSAL_STEPS[1]}, sft {REHEARSAL_STEPS[2]} "
+            f"(each saving once, at its last step), CORE {budgets['R_CORE'][1]} items a task, ChatCORE "
+            f"{budgets['R_CHAT_EVAL'][1]}{shape}")
