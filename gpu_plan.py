@@ -1,5 +1,5 @@
 """gpu_plan.py: the gpu plan's numbers in one place, and its rehearsal's. speedrun.sh runs the gpu plan's stages with
-these flags (launch.py writes them into setup.env as its arrays), pretrain.py's disk plan counts their checkpoints,
+these flags (launch.py setup hands them to it as its arrays), pretrain.py's disk plan counts their checkpoints,
 plan_cost.py predicts their time and launch.py prints the plan from them: a number changed here changes all four.
 The standard library only: launch.py imports it before .venv exists. Not a stage: import it.
 """
@@ -36,8 +36,12 @@ def command_lines(depth):
     return arrays
 
 
-def plan_lines(depth, gpus):
-    """The plan in words, from FLAGS, as launch.py prints it before any stage."""
+def plan_lines(depth, gpus, rehearsal=False, on_cpu=False):
+    """The plan in words, from FLAGS, as launch.py prints it before any stage (a rehearsal: on `gpus` GPUs, or CPU
+    processes, with its own budget)."""
+    if rehearsal:
+        where = "CPU processes" if on_cpu else "GPUs"
+        return [f"plan: d{depth} on {gpus} {where}, the rehearsal's budget appended to each stage"]
     pre, rl = FLAGS["pretrain"], FLAGS["rl"]
     shape = [RL_STEPS, rl["questions_per_step"], rl["samples"], rl["max_new_tokens"]]
     model = (f"plan: d{depth} ('python model.py --preset d{depth}' for its parameters), {pre['tokens_per_param']} "

@@ -1,8 +1,6 @@
 """launch.py: what speedrun.sh asks of Python. Not a stage: the recipe is speedrun.sh; this runs its stages.
 
-    python launch.py flags [speedrun.sh's flags]        # check them; print them as shell variables (or the --help)
-    python launch.py venv --run RUN                     # .venv with requirements.txt installed, or repaired
-    python launch.py setup --python PY [flags]          # GPUs, driver, plan, rehearsal budgets: <run>/logs/setup.env
+    python launch.py setup ENV_FILE [speedrun.sh's flags]   # the flags, .venv, GPUs, plan: shell variables in ENV_FILE
     python launch.py probe --run RUN TORCHRUN... distributed.py probe   # NCCL, and the safe flags if it hangs
     python launch.py stage --run RUN NAME [--train] [--skip_if PATH] [--log_only] COMMAND...   # one stage, logged
     python launch.py end --run RUN                      # end every process of the run still alive (speedrun's exit)
@@ -11,9 +9,9 @@
     python launch.py reuse_chat_eval --run RUN STAGE    # chat_eval's own result for the stage whose model it scored
     python launch.py rehearsed --run RUN SECONDS        # the rehearsal's stage times: <run>/rehearsed.json
 
-The standard library only: python3 runs it before .venv exists; torch is asked through the stages' interpreter.
-Between calls the run's state is in <run>/logs/launch.json (the mark its processes carry, the machine, the NCCL flags
-in force); each stage's wall time and exit status go to <run>/logs/stages.tsv, which report.py reads.
+The standard library only: python3 runs it before .venv exists; torch is asked through the stages' interpreter. The
+run's state between calls: <run>/logs/launch.json (its processes' mark, the machine, the NCCL flags in force); each
+stage's wall time and exit status: <run>/logs/stages.tsv, which report.py reads.
 """
 import argparse
 import contextlib
@@ -143,31 +141,13 @@ def shell_assignments(values):
                    f"{name}={shlex.quote(str(value))}\n" for name, value in values.items())
 
 
-def flags_command(argv):
-    """`flags`: the shell code speedrun.sh evals: the flags as variables, or the help and `exit 0`. A rehearsal that
-    passed is deleted first: it is redone from the start (it checks this code); an interrupted one resumes."""
-    flags = parse_flags(argv)
-    if flags.pop("help"):
-        return f"printf '%s' {shlex.quote(flag_parser().format_help())}\nexit 0\n"
-    run = run_dir(flags)
-    redone = flags["rehearse"] and Path(run, "rehearsed.json").is_file()
-    if redone:
-        shutil.rmtree(run)
-    Path(run, "logs").mkdir(parents=True, exist_ok=True)
-    values = {{"vocab_size": "VOCAB", "rl": "RL_STAGE"}.get(name, name.upper()):
-              int(value) if isinstance(value, bool) else value for name, value in flags.items()}
-    code = shell_assignments({**values, "RUN": run, "LOGS": f"{run}/logs"})
-    redo = f"rehearsing again from the start: {run} held a rehearsal that passed (now deleted)"
-    return code + (f"say {shlex.quote(redo)}\n" if redone else "")
-
-
 # --- what speedrun.sh says, and the run's state ----------------------------------------------------------------------
 
-def say(run, text):
+def say(run, text, prefix="speedrun: "):
     """A line of speedrun's own: to the terminal and to logs/speedrun.log."""
     with open(f"{run}/logs/speedrun.log", "a") as log:
-        log.write(f"speedrun: {text}\n")
-    terminal(f"speedrun: {text}")
+        log.write(f"{prefix}{text}\n")
+    terminal(f"{prefix}{text}")
 
 
 def terminal(data, stream=None):
@@ -186,10 +166,9 @@ def read_state(run):
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def write_state(run, state):
-    path = Path(run, "logs", "launch.json")
-    path.with_suffix(".tmp").write_text(json.dumps(state, indent=1))
-    path.with_suffix(".tmp").replace(path)
+def write_state(run, state):  # whole or not at all: written beside, then renamed
+    Path(run, "logs", "launch.tmp").write_text(json.dumps(state, indent=1))
+    Path(run, "logs", "launch.tmp").replace(Path(run, "logs", "launch.json"))
 
 
 def read_stages(run):
@@ -200,15 +179,13 @@ def read_stages(run):
 # --- the interpreter -------------------------------------------------------------------------------------------------
 
 def install_venv(run, venv=ROOT / ".venv", requirements=ROOT / "requirements.txt"):
-    """`venv`: .venv with requirements.txt installed. It counts as installed only when it holds the sha256 of the
+    """.venv's python, with requirements.txt installed. It counts as installed only when it holds the sha256 of the
     requirements.txt whose pip install completed: an interrupted pip, or a venv made without pip (python3-venv
     missing), is repaired or redone, never skipped. python3 (the one on PATH, which runs this file) makes it."""
     want = hashlib.sha256(requirements.read_bytes()).hexdigest()
-    record = venv / "installed-requirements.sha256"
-    have = record.read_text().strip() if record.is_file() else ""
-    if have == want:
-        return
-    python = venv / "bin" / "python"
+    record, python = venv / "installed-requirements.sha256", venv / "bin" / "python"
+    if (have := record.read_text().strip() if record.is_file() else "") == want:
+        return str(python)
     if not (os.access(python, os.X_OK) and subprocess.run([python, "-m", "pip", "--version"], capture_output=True,
                                                           check=False).returncode == 0):
         say(run, f"{venv} has no working python or pip (an interrupted creation, or python3-venv missing): recreating "
@@ -227,6 +204,7 @@ def install_venv(run, venv=ROOT / ".venv", requirements=ROOT / "requirements.txt
                       f"is repaired then (or delete {venv} to start it afresh)", 1)
     record.write_text(want + "\n")
     say(run, f"{venv}: requirements.txt installed (sha256 {want[:12]}... recorded in {record})")
+    return str(python)
 
 
 def ask_python(python, program, pythonpath=None):
@@ -255,10 +233,9 @@ def check_packages(python):
 
 def nvidia_smi(*args):
     """nvidia-smi's output, or "" when it is not installed or fails."""
-    if shutil.which("nvidia-smi") is None:
-        return ""
-    done = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, check=False)
-    return done.stdout if done.returncode == 0 else ""
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):
+        return subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, check=True).stdout
+    return ""
 
 
 def check_gpus_free(force):
@@ -290,32 +267,43 @@ def explain_driver(python):
         f"dot (pytorch.org lists the builds), or update the driver; --gpus 0 runs on the CPU regardless.", 1)
 
 
-def setup(python, argv):
-    """The machine and the plan, checked before any stage: <run>/logs/setup.env for speedrun.sh, launch.json."""
+def setup(env_file, argv):
+    """`setup`: speedrun.sh's flags (a bad one stops it before anything is written), its interpreter (.venv unless
+    SPEEDRUN_PYTHON), the machine and the plan, checked before any stage; the shell variables it sources written to
+    env_file (the file removes itself), the run's state to launch.json. A rehearsal that passed is deleted first: it is
+    redone from the start (it checks this code); an interrupted one resumes."""
     flags = parse_flags(argv)
+    remove = f"rm -f -- {shlex.quote(env_file)}\n"
+    if flags.pop("help"):
+        print(flag_parser().format_help(), end="")
+        Path(env_file).write_text(remove + "exit 0\n")
+        return
     run, plan, gpus, rehearse = run_dir(flags), flags["plan"], flags["gpus"], flags["rehearse"]
+    redone = rehearse and Path(run, "rehearsed.json").is_file()
+    if redone:
+        shutil.rmtree(run)
+    Path(run, "logs").mkdir(parents=True, exist_ok=True)
+    if redone:
+        say(run, f"rehearsing again from the start: {run} held a rehearsal that passed (now deleted)")
+    python = os.environ.get("SPEEDRUN_PYTHON") or install_venv(run)
     check_packages(python)
     check_gpus_free(flags["force"])
     # torch's CUDA device count, asked once and only when needed (--gpus 0 never asks)
     torch_gpus = functools.cache(lambda: int(ask_python(python, "import torch; print(torch.cuda.device_count())")))
-    if gpus == "auto":
-        gpus = torch_gpus()
-        if gpus == 0:
-            explain_driver(python)
-    else:
-        gpus = int(gpus)
-        stand_in_probe = flags["probe_only"] and os.environ.get("SPEEDRUN_PROBE_CMD")  # tests: it uses no GPU
-        nothing_trains = flags["stop_after"] in ("data", "tokenizer", "download")  # a CPU box may fetch the data
-        if gpus > 0 and not stand_in_probe and not nothing_trains and torch_gpus() < gpus:
-            if torch_gpus() == 0 and (plan == "demo" or rehearse):
-                say(run, f"--gpus {gpus} and torch sees no CUDA GPU: {gpus} CPU processes on gloo (only the demo "
-                         f"plan and a rehearsal run so)")
-            else:
-                if torch_gpus() == 0:
-                    explain_driver(python)
-                raise Refused(f"--gpus {gpus}, but torch sees {torch_gpus()} CUDA GPU(s): pass --gpus {torch_gpus()}"
-                              f"{' (the CPU)' if torch_gpus() == 0 else ''}, or make the GPUs visible "
-                              f"(CUDA_VISIBLE_DEVICES)", 1)
+    gpus = torch_gpus() if gpus == "auto" else int(gpus)
+    stand_in_probe = flags["probe_only"] and os.environ.get("SPEEDRUN_PROBE_CMD")  # tests: it uses no GPU
+    nothing_trains = flags["stop_after"] in ("data", "tokenizer", "download")  # a CPU box may fetch the data
+    if flags["gpus"] == "auto" and gpus == 0:
+        explain_driver(python)
+    elif gpus > 0 and not stand_in_probe and not nothing_trains and torch_gpus() < gpus:
+        if torch_gpus() > 0 or not (plan == "demo" or rehearse):
+            if torch_gpus() == 0:
+                explain_driver(python)
+            raise Refused(f"--gpus {gpus}, but torch sees {torch_gpus()} CUDA GPU(s): pass --gpus {torch_gpus()}"
+                          f"{' (the CPU)' if torch_gpus() == 0 else ''}, or make the GPUs visible "
+                          f"(CUDA_VISIBLE_DEVICES)", 1)
+        say(run, f"--gpus {gpus} and torch sees no CUDA GPU: {gpus} CPU processes on gloo (only the demo plan and a "
+                 f"rehearsal run so)")
     plan = ("gpu" if gpus > 0 else "demo") if plan == "auto" else plan
     # only a rehearsal runs the gpu plan on the CPU: there --gpus N without CUDA means N CPU processes on gloo
     on_cpu = plan == "gpu" and rehearse and (gpus == 0 or torch_gpus() == 0)
@@ -329,23 +317,16 @@ def setup(python, argv):
                             check=False).stdout.strip() or "unknown"
     say(run, f"plan {plan}{' (rehearsal)' if rehearse else ''}, run {run}, {nproc} process(es) per stage "
              f"({f'{gpus} GPUs' if gpus > 0 and not on_cpu else 'CPU'}), commit {commit}")
-    if plan == "gpu" and not flags["probe_only"] and rehearse:  # gpu_plan.py's flags, in words
-        say(run, f"plan: d{flags['depth']} on {nproc} {'CPU processes' if on_cpu else 'GPUs'}, the rehearsal's budget "
-                 f"appended to each stage")
-    elif plan == "gpu" and not flags["probe_only"]:
-        for line in gpu_plan.plan_lines(flags["depth"], nproc):
-            say(run, line)
-    data_dir, vocab = flags["data_dir"], flags["vocab_size"]
+    for line in gpu_plan.plan_lines(flags["depth"], nproc, rehearse, on_cpu) if plan == "gpu" and not \
+            flags["probe_only"] else []:
+        say(run, line)
+    data_dir, vocab = flags["data_dir"], flags["vocab_size"] or ("1024" if plan == "demo" else "65536")
     if plan == "demo":
-        data_dir, vocab = data_dir or f"{run}/demo", vocab or "1024"
-        corpus = f"{data_dir}/pretrain"
-    else:
-        if not data_dir and not flags["probe_only"]:
-            data_dir = ask_python(python, "from dataset import default_data_dir as d; "
-                                          "print(d('karpathy/fineweb-edu-100b-shuffle'))", pythonpath=ROOT)
-        vocab, corpus = vocab or "65536", data_dir
-    budgets = gpu_plan.rehearsal_budgets(nproc, on_cpu)
-    budgets = budgets if rehearse else {name: [] for name in budgets}
+        data_dir = data_dir or f"{run}/demo"
+    elif not data_dir and not flags["probe_only"]:
+        data_dir = ask_python(python, "from dataset import default_data_dir as d; "
+                                      "print(d('karpathy/fineweb-edu-100b-shuffle'))", pythonpath=ROOT)
+    budgets = {name: words if rehearse else [] for name, words in gpu_plan.rehearsal_budgets(nproc, on_cpu).items()}
     if rehearse:
         say(run, gpu_plan.rehearsal_line(budgets))
     extras = {f"{stage}_EXTRA": os.environ.get(f"{stage}_ARGS", "").split()
@@ -354,9 +335,12 @@ def setup(python, argv):
     write_state(run, {"mark": mark, "plan": plan, "gpus": gpus, "nproc": nproc, "on_cpu": on_cpu,
                       "stages_before": len(read_stages(run)), "nccl": {"safe": False, "fallback": False},
                       "transport": ""})
-    Path(run, "logs", "setup.env").write_text(shell_assignments({
-        "PLAN": plan, "GPUS": gpus, "NPROC": nproc, "ON_CPU": int(on_cpu), "RL_STAGE": flags["rl"], "DATA_DIR": data_dir,
-        "CORPUS": corpus, "VOCAB": vocab, "MARK": mark, "CHAT_SOURCES": CHAT_SOURCES, **extras, **budgets,
+    values = {{"vocab_size": "VOCAB", "rl": "RL_STAGE"}.get(name, name.upper()):
+              int(value) if isinstance(value, bool) else value for name, value in flags.items()}
+    Path(env_file).write_text(remove + shell_assignments({
+        **values, "RUN": run, "LOGS": f"{run}/logs", "PY": python, "PLAN": plan, "GPUS": gpus, "NPROC": nproc,
+        "ON_CPU": int(on_cpu), "DATA_DIR": data_dir, "CORPUS": f"{data_dir}/pretrain" if plan == "demo" else data_dir,
+        "VOCAB": vocab, "MARK": mark, "CHAT_SOURCES": CHAT_SOURCES, **extras, **budgets,
         "REHEARSAL_PROMPT": gpu_plan.REHEARSAL_PROMPT, **(gpu_plan.command_lines(flags["depth"]) if plan == "gpu" else {})}))
 
 
@@ -635,9 +619,8 @@ def run_stage(run, name, command, train=False, skip_if=None, log_only=False):
 def reuse_chat_eval(run, name):
     """chat_eval's result copied into stage_evals/<name>/ when it scored this stage's checkpoint, not run twice."""
     where, result = Path(run, "stage_evals", name), Path(run, "chat_eval.json")
-    if (where / "chat_eval.json").is_file() or not result.is_file():
-        return
-    if Path(json.loads(result.read_text())["checkpoint"]).resolve().parent.parent != Path(run, name).resolve():
+    if (where / "chat_eval.json").is_file() or not result.is_file() or \
+            Path(json.loads(result.read_text())["checkpoint"]).resolve().parent.parent != Path(run, name).resolve():
         return
     where.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(Path(run, "chat_eval_items.jsonl"), where / "chat_eval_items.jsonl")
@@ -648,16 +631,13 @@ def reuse_chat_eval(run, name):
 def rehearsal_due(run, rehearsal, no_rehearse):
     """The gpu plan rehearses once, before its pretraining: not with --no_rehearse, not after a rehearsal that passed,
     not once pretraining has started. A skip is said."""
-    if no_rehearse:
-        why = "--no_rehearse"
-    elif Path(rehearsal, "rehearsed.json").is_file():
-        why = f"it passed before ({rehearsal}/rehearsed.json)"
-    elif Path(run, "pretrain").is_dir():
-        why = "pretraining has started already"
-    else:
-        return True
-    say(run, f"stage rehearsal skipped: {why}")
-    return False
+    for skip, why in ((no_rehearse, "--no_rehearse"),
+                      (Path(rehearsal, "rehearsed.json").is_file(), f"it passed before ({rehearsal}/rehearsed.json)"),
+                      (Path(run, "pretrain").is_dir(), "pretraining has started already")):
+        if skip:
+            say(run, f"stage rehearsal skipped: {why}")
+            return False
+    return True
 
 
 def rehearsal_passed(run, rehearsal):
@@ -677,10 +657,8 @@ def rehearsed(run, seconds):
     state = read_state(run)
     stages = read_stages(run)[state["stages_before"]:]
     say(run, f"rehearsal passed in {seconds} s; each stage's time (s):")
-    with open(f"{run}/logs/speedrun.log", "a") as log:
-        for name, took, _ in stages:
-            log.write(f"  {name:<15} {took:>8}\n")
-            terminal(f"  {name:<15} {took:>8}")
+    for name, took, _ in stages:
+        say(run, f"  {name:<15} {took:>8}", prefix="")
     record = {"plan": state["plan"], "processes": state["nproc"], "cpu": state["on_cpu"], "seconds": seconds,
               "stages": {name: float(took) for name, took, _ in stages}}
     Path(run, "rehearsed.json").write_text(json.dumps(record) + "\n")
@@ -701,9 +679,7 @@ def stage_command(run, words):
 
 # each command: (RUN of `--run RUN` or None, the words after it) -> its exit status (None: 0)
 COMMANDS = {
-    "flags": lambda run, words: print(flags_command(words), end=""),
-    "setup": lambda run, words: setup(words[1], words[2:]),  # --python PY [flags]
-    "venv": lambda run, words: install_venv(run),
+    "setup": lambda run, words: setup(words[0], words[1:]),  # ENV_FILE [flags]
     "probe": probe,
     "stage": stage_command,
     "end": lambda run, words: end_processes(read_state(run)["mark"]) if read_state(run) else None,
@@ -719,7 +695,7 @@ def main(argv):
     if command in ("", "-h", "--help"):
         print(__doc__)
         return 0
-    run, words = (words[1], words[2:]) if words[:1] == ["--run"] and command != "flags" else (None, words)
+    run, words = (words[1], words[2:]) if words[:1] == ["--run"] and command != "setup" else (None, words)
     for signum in SIGNALS:  # speedrun.sh passes its signals on; a Ctrl-C reaches this process directly too
         # end ends the run: a second Ctrl-C must not cut that short; the others exit at once (a probe running ends in
         # run_probe's finally; a started stage is ended by run_stage's own handler)

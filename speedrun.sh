@@ -13,17 +13,14 @@ export PYTHONUNBUFFERED=1  # every line reaches the log and the terminal when pr
 L=(python3 "$ROOT/launch.py")  # the launcher: the standard library only, so it runs before .venv exists
 say() { echo "speedrun: $*" | tee -a "$LOGS/speedrun.log"; }
 
-# --- flags, checked before anything is written: PLAN DEPTH ... PROBE_ONLY (--help), RUN (<runs_dir>/<run_name>), LOGS
-FLAGS=$("${L[@]}" flags "$@") || exit $?
-eval "$FLAGS"
-# the interpreter: SPEEDRUN_PYTHON, else .venv, where launch.py installs requirements.txt (or repairs a half install)
-if [ -z "${SPEEDRUN_PYTHON:-}" ]; then "${L[@]}" venv --run "$RUN"; fi
-PY=${SPEEDRUN_PYTHON:-$ROOT/.venv/bin/python}
-# the machine: GPUs held by other processes, or that torch cannot use, stop the run; then PLAN GPUS NPROC ON_CPU
-# RL_STAGE DATA_DIR CORPUS VOCAB MARK, *_EXTRA (PRETRAIN_ARGS' words...), a rehearsal's tiny budgets R_* (else empty)
-# and, for the gpu plan, each stage's flags: PRETRAIN MIDTRAIN SFT RL CORE CHAT_EVAL (gpu_plan.py's table)
-"${L[@]}" setup --python "$PY" "$@"
-. "$LOGS/setup.env"
+# --- flags (--help), the interpreter and the machine, checked before any stage: the flags (DEPTH ... PROBE_ONLY), RUN
+# (<runs_dir>/<run_name>), LOGS, PY (SPEEDRUN_PYTHON, else .venv, where launch.py installs requirements.txt or repairs
+# a half install), PLAN GPUS NPROC ON_CPU DATA_DIR CORPUS VOCAB MARK, *_EXTRA (PRETRAIN_ARGS' words...), a rehearsal's
+# tiny budgets R_* (else empty) and, for the gpu plan, each stage's flags PRETRAIN MIDTRAIN SFT RL CORE CHAT_EVAL
+# (gpu_plan.py's table). GPUs held by other processes, or that torch cannot use, stop the run here.
+SETUP=$(mktemp)  # launch.py writes the variables there (its own lines go to the terminal); the file removes itself
+"${L[@]}" setup "$SETUP" "$@" || { rc=$?; rm -f "$SETUP"; exit "$rc"; }
+. "$SETUP"
 LAUNCH=("$PY" -m torch.distributed.run --standalone "--nproc_per_node=$NPROC")
 
 # Stopping: a signal is passed on to the running launch.py, which ends the stage (a training stage checkpoints first,
@@ -44,7 +41,7 @@ stage() { launch stage "$@"; if [ "$STOP_AFTER" = "$1" ]; then say "stopping aft
 skip() { say "stage $1 skipped: $2"; if [ "$STOP_AFTER" = "$1" ]; then exit 0; fi; }
 
 # --- the plan: each stage's flags, then *_EXTRA, then a rehearsal's budget (the last of a repeated flag wins); the gpu
-# plan's flags are in setup.env (above), the demo plan's here
+# plan's flags come from launch.py setup (above), the demo plan's are here
 STAGE_CORE=()  # the stage evaluations' core_eval flags beyond CORE: the demo world's bundle
 if [ "$PLAN" = demo ]; then  # about 10 minutes on a 2-core Xeon with AMX, 22 on one without bf16 (dev/LOG.md)
     PRETRAIN=(--preset tiny --steps 400 --micro_batch 16 --compile true --eval_every 200 --ckpt_every 100)

@@ -448,7 +448,7 @@ def test_the_disk_check_counts_the_checkpoints_the_d20_plan_holds_at_once():
 
 
 def test_the_command_lines_the_prediction_and_the_disk_plan_read_one_table(monkeypatch):
-    """gpu_plan.py's table is the gpu plan: speedrun.sh's words (setup.env), plan_cost.py's budgets, pretrain.py's
+    """gpu_plan.py's table is the gpu plan: speedrun.sh's words (launch.py setup's), plan_cost.py's budgets, pretrain.py's
     disk plan and the printed plan; a number changed there reaches each of them."""
     words = gpu_plan.command_lines(20)
     assert words["PRETRAIN"][:6] == ["--preset", "d20", "--tokens_per_param", 20, "--total_batch_tokens", 524_288]
