@@ -2,7 +2,10 @@
 these flags (launch.py setup hands them to it as its arrays), pretrain.py's disk plan counts their checkpoints,
 plan_cost.py predicts their time and launch.py prints the plan from them: a number changed here changes all four.
 The standard library only: launch.py imports it before .venv exists. Not a stage: import it.
+
+    python gpu_plan.py --depth 20        # the plan in words and each stage's flags, as speedrun.sh runs them
 """
+import argparse
 import math
 
 TOKENS_PER_STEP = 524_288  # a step's tokens over all GPUs (nanochat's); the chat stages inherit pretraining's
@@ -91,3 +94,16 @@ def rehearsal_line(budgets):
     return (f"rehearsal: pretrain {REHEARSAL_STEPS[0]} steps, midtrain {REHEARSAL_STEPS[1]}, sft {REHEARSAL_STEPS[2]} "
             f"(each saving once, at its last step), CORE {budgets['R_CORE'][1]} items a task, ChatCORE "
             f"{budgets['R_CHAT_EVAL'][1]}{shape}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--depth", type=int, default=20, help="model depth, the d{N} preset (default: %(default)s)")
+    p.add_argument("--gpus", type=int, default=8, help="GPUs, as the plan says them (default: %(default)s)")
+    args = p.parse_args(argv)
+    print("\n".join([*plan_lines(args.depth, args.gpus), *(f"{name}: {' '.join(map(str, words))}" for name, words in
+                                                           command_lines(args.depth).items())]))
+
+
+if __name__ == "__main__":
+    main()
