@@ -11,6 +11,9 @@ import math
 TOKENS_PER_STEP = 524_288  # a step's tokens over all GPUs (nanochat's); the chat stages inherit pretraining's
 SEQUENCE_LEN = 2048  # the d-presets' (model.py): what midtraining's and SFT's --eval_rows are rows of
 GSM8K_TRAIN = 7_473  # GSM8K's training questions, one epoch of rl.py's (rl.py counts them from the data itself)
+# the conversation datasets the gpu plan's midtraining and SFT read (dataset.py download-chat names): checked and
+# fetched at the start, with the CORE bundle and the ChatCORE tasks, so a gated or missing one fails in minutes
+CHAT_SOURCES = ["smoltalk", "ultrachat", "mmlu", "arc-easy", "arc-challenge", "gsm8k", "identity"]
 
 # each stage's flags on the gpu plan's command lines, ahead of its *_ARGS (the last of a repeated flag wins). Those
 # that equal the script's default are given too: the prediction and the disk plan read them here, so a changed

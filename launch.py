@@ -40,9 +40,6 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what stops a run
 
 STOP_AFTER = ["data", "tokenizer", "download", "pretrain", "core_eval", "midtrain", "sft", "rl", "chat_eval", "report"]
 MODEL_STAGES = ["pretrain", "midtrain", "sft", "rl"]
-# the conversation datasets the gpu plan's midtraining and SFT read (dataset.py download-chat names): checked and
-# fetched at the start, with the CORE bundle and the ChatCORE tasks, so a gated or missing one fails in minutes
-CHAT_SOURCES = ["smoltalk", "ultrachat", "mmlu", "arc-easy", "arc-challenge", "gsm8k", "identity"]
 ENVIRONMENT = """environment:
   PRETRAIN_ARGS MIDTRAIN_ARGS SFT_ARGS RL_ARGS CORE_ARGS CHAT_EVAL_ARGS   extra flags appended to that stage's command line
                       (the last of a repeated flag wins), e.g. PRETRAIN_ARGS="--steps 100"
@@ -71,7 +68,7 @@ def flag_parser():
         usage="bash speedrun.sh [flags]", add_help=False, allow_abbrev=False, exit_on_error=False, epilog=ENVIRONMENT,
         formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, width=118, max_help_position=22))
     add, switch = parser.add_argument, functools.partial(parser.add_argument, action="store_true")
-    add("--plan", default="auto", metavar="gpu|demo", help="gpu: d20-class model on FineWeb-Edu, every stage; demo: "
+    add("--plan", default="auto", choices=("auto", "gpu", "demo"), metavar="gpu|demo", help="gpu: d20-class model on FineWeb-Edu, every stage; demo: "
         "the offline demo world, preset tiny, on the CPU (default: gpu when torch sees CUDA GPUs, else demo; GPUs "
         "nvidia-smi lists but torch cannot use stop the run with the driver and wheel versions)")
     add("--depth", default="20", metavar="N", help="gpu plan: model depth, the d{N} preset (default: %(default)s)")
@@ -85,9 +82,9 @@ def flag_parser():
         "the budget needs: its tokens / the first shard's tokens counted with the tokenizer, plus one)")
     add("--vocab_size", default="", metavar="N", help="tokenizer vocabulary (default: 65536 gpu, 1024 demo)")
     add("--tokenizer", default="", metavar="DIR", help="use this trained tokenizer (default: train <run>/tokenizer)")
-    add("--stop_after", default="", metavar="STAGE", help=f"stop after this stage: {' '.join(STOP_AFTER)} (download: "
+    add("--stop_after", default="", choices=("", *STOP_AFTER), metavar="STAGE", help=f"stop after this stage: {' '.join(STOP_AFTER)} (download: "
         f"gpu plan, every shard and the prefetched chat and evaluation data are in)")
-    add("--rl", default="on", metavar="on|off", help="the reinforcement-learning stage after sft (default: on)")
+    add("--rl", default="on", choices=("on", "off"), metavar="on|off", help="the reinforcement-learning stage after sft (default: on)")
     add("--stage_evals", default="pretrain,midtrain,sft,rl", metavar="LIST", help="the stages whose final models get "
         "CORE and ChatCORE for the report's table of what each stage taught, comma-separated, or none (default: "
         "%(default)s; a column left out says unknown; pretrain's is a base model: CORE only, core_eval's, as nanochat)")
@@ -106,19 +103,13 @@ def parse_flags(argv):
     """speedrun.sh's flags as {name: value} (switches True/False; "help": True when asked), checked."""
     try:
         flags, unknown = flag_parser().parse_known_args(argv)
-    except argparse.ArgumentError as e:  # only a flag without its value: the values are checked below
-        raise Refused(f"{e.argument_name} needs a value (bash speedrun.sh --help)", 2) from None
+    except argparse.ArgumentError as e:  # a flag without its value, or not one of its choices
+        raise Refused(f"{e} (bash speedrun.sh --help)", 2) from None
     flags = vars(flags)
     if flags["help"]:
         return flags
     if unknown:
         raise Refused(f"unknown flag {unknown[0]} (bash speedrun.sh --help lists them)", 2)
-    if flags["plan"] not in ("auto", "gpu", "demo"):
-        raise Refused(f"--plan {flags['plan']}: use gpu or demo", 2)
-    if flags["stop_after"] not in ("", *STOP_AFTER):
-        raise Refused(f"--stop_after {flags['stop_after']}: not a stage (bash speedrun.sh --help)", 2)
-    if flags["rl"] not in ("on", "off"):
-        raise Refused(f"--rl {flags['rl']}: use on or off", 2)
     for name in ("gpus", "shards", "depth", "vocab_size"):
         if flags[name] not in ("", "auto") and not flags[name].isdigit():
             raise Refused(f"--{name} {flags[name]}: use a whole number (bash speedrun.sh --help)", 2)
@@ -340,7 +331,7 @@ def setup(env_file, argv):
     Path(env_file).write_text(remove + shell_assignments({
         **values, "RUN": run, "LOGS": f"{run}/logs", "PY": python, "PLAN": plan, "GPUS": gpus, "NPROC": nproc,
         "ON_CPU": int(on_cpu), "DATA_DIR": data_dir, "CORPUS": f"{data_dir}/pretrain" if plan == "demo" else data_dir,
-        "VOCAB": vocab, "MARK": mark, "CHAT_SOURCES": CHAT_SOURCES, **extras, **budgets,
+        "VOCAB": vocab, "MARK": mark, "CHAT_SOURCES": gpu_plan.CHAT_SOURCES, **extras, **budgets,
         "REHEARSAL_PROMPT": gpu_plan.REHEARSAL_PROMPT, **(gpu_plan.command_lines(flags["depth"]) if plan == "gpu" else {})}))
 
 
@@ -359,21 +350,18 @@ def marked(mark, workers=False):
 
 
 def signal_all(pids=(), groups=(), signum=signal.SIGTERM):
+    """signum to each process and process group that exists: how many it reached (signal 0: how many are alive)."""
+    reached = 0
     for send, targets in ((os.kill, pids), (os.killpg, groups)):
         for target in targets:
             with contextlib.suppress(OSError):
-                send(target, signum)
+                reached += send(target, signum) is None
+    return reached
 
 
 def group_of(pid):
     with contextlib.suppress(OSError):
         return os.getpgid(pid)
-
-
-def group_alive(pgid):
-    with contextlib.suppress(OSError):
-        return os.killpg(pgid, 0) is None  # signal 0: only whether it could be sent
-    return False
 
 
 def kill_marked(mark, groups=()):
@@ -425,7 +413,7 @@ def end_processes(mark, stage=None, ckpt=None):
     while True:
         if stage is not None:
             stage.poll()  # reaped: a zombie leader would count as a live group
-        if not (alive := marked(mark) or [pgid for pgid in groups if group_alive(pgid)]):
+        if not (alive := marked(mark) or signal_all(groups=groups, signum=0)):
             break
         if time.monotonic() >= deadline:
             if writing_checkpoint(ckpt):
@@ -695,7 +683,7 @@ def main(argv):
     if command in ("", "-h", "--help"):
         print(__doc__)
         return 0
-    run, words = (words[1], words[2:]) if words[:1] == ["--run"] and command != "setup" else (None, words)
+    run, words = (words[1], words[2:]) if words[:1] == ["--run"] else (None, words)
     for signum in SIGNALS:  # speedrun.sh passes its signals on; a Ctrl-C reaches this process directly too
         # end ends the run: a second Ctrl-C must not cut that short; the others exit at once (a probe running ends in
         # run_probe's finally; a started stage is ended by run_stage's own handler)

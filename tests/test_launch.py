@@ -26,10 +26,10 @@ def test_the_flags_have_their_defaults_and_a_bad_one_is_refused_with_its_fix():
     flags = launch.parse_flags(["--rehearse", "--run_name", "x", "--runs_dir", "/r", "--stage_evals", "none"])
     assert (launch.run_dir(flags), flags["stage_evals"], flags["rehearse"]) == ("/r/x-rehearsal", "", True)
     for argv, says in ((["--bogus"], "unknown flag --bogus (bash speedrun.sh --help lists them)"),
-                       (["--plan", "tpu"], "--plan tpu: use gpu or demo"),
-                       (["--stop_after", "chat"], "--stop_after chat: not a stage"),
+                       (["--plan", "tpu"], "argument --plan: invalid choice: 'tpu' (choose from 'auto', 'gpu'"),
+                       (["--stop_after", "chat"], "argument --stop_after: invalid choice: 'chat' (choose from '', 'data'"),
                        (["--gpus", "two"], "--gpus two: use a whole number"),
-                       (["--depth"], "--depth needs a value")):
+                       (["--depth"], "argument --depth: expected one argument (bash speedrun.sh --help)")):
         with pytest.raises(launch.Refused) as refused:
             launch.parse_flags(argv)
         assert says in str(refused.value) and refused.value.status == 2, argv

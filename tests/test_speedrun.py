@@ -405,7 +405,7 @@ def test_gpus_the_driver_lists_but_torch_cannot_use_stop_the_run_naming_driver_a
 
 def test_a_bad_rl_or_stage_evals_value_is_refused_before_any_stage(tmp_path):
     from helpers import run_speedrun
-    for flags, says in ((["--rl", "maybe"], "--rl maybe: use on or off"),
+    for flags, says in ((["--rl", "maybe"], "argument --rl: invalid choice: 'maybe' (choose from 'on', 'off')"),
                         (["--stage_evals", "pretrain,core_eval"], ("--stage_evals pretrain,core_eval: core_eval is not "
                          "a stage with a model (use pretrain, midtrain, sft, rl, comma-separated, or none)"))):
         refused = run_speedrun(["--runs_dir", tmp_path, "--gpus", "0", *flags], tmp_path, timeout=60)
