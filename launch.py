@@ -270,12 +270,11 @@ def setup(env_file, argv):
         Path(env_file).write_text(remove + "exit 0\n")
         return
     run, plan, gpus, rehearse = run_dir(flags), flags["plan"], flags["gpus"], flags["rehearse"]
-    redone = rehearse and Path(run, "rehearsed.json").is_file()
-    if redone:
+    if rehearse and Path(run, "rehearsed.json").is_file():
         shutil.rmtree(run)
-    Path(run, "logs").mkdir(parents=True, exist_ok=True)
-    if redone:
+        Path(run, "logs").mkdir(parents=True)
         say(run, f"rehearsing again from the start: {run} held a rehearsal that passed (now deleted)")
+    Path(run, "logs").mkdir(parents=True, exist_ok=True)
     python = os.environ.get("SPEEDRUN_PYTHON") or install_venv(run)
     check_packages(python)
     check_gpus_free(flags["force"])
@@ -323,9 +322,8 @@ def setup(env_file, argv):
     extras = {f"{stage}_EXTRA": os.environ.get(f"{stage}_ARGS", "").split()
               for stage in ("PRETRAIN", "MIDTRAIN", "SFT", "RL", "CORE", "CHAT_EVAL")}  # words: no globbing, no eval
     mark = f"speedrun-{os.getppid()}-{time.time_ns()}"  # carried by every process of this run (its stages only)
-    write_state(run, {"mark": mark, "plan": plan, "gpus": gpus, "nproc": nproc, "on_cpu": on_cpu,
-                      "stages_before": len(read_stages(run)), "nccl": {"safe": False, "fallback": False},
-                      "transport": ""})
+    write_state(run, {"mark": mark, "plan": plan, "gpus": gpus, "nproc": nproc, "on_cpu": on_cpu, "transport": "",
+                      "stages_before": len(read_stages(run)), "nccl": {"safe": False, "fallback": False}})
     values = {{"vocab_size": "VOCAB", "rl": "RL_STAGE"}.get(name, name.upper()):
               int(value) if isinstance(value, bool) else value for name, value in flags.items()}
     Path(env_file).write_text(remove + shell_assignments({
