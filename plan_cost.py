@@ -38,27 +38,22 @@ NOT_PREDICTED = ("nccl_probe", "preflight", "chatcore_tasks", "data", "tokenizer
 
 
 def gpu_plan_budgets(pretrain_steps, tokens_per_step=gpu_plan.TOKENS_PER_STEP, sft_steps=None):
-    """The gpu plan's budgets, gpu_plan.py's flags. pretrain_steps: pretrain.py's plan (20 tokens per parameter;
-    pretrain_steps_for). sft_steps: one epoch of sft.py's mixture, which sft.py estimates from the data when it
+    """The gpu plan's budgets: gpu_plan.py's flags (the keys predict_plan reads among them), pretraining's steps
+    (pretrain_steps_for), and sft_steps: one epoch of sft.py's mixture, which sft.py estimates from the data when it
     starts; None: unknown."""
-    flags = gpu_plan.FLAGS
-
-    def pick(stage, *names):
-        return {name: flags[stage][name] for name in names}
-
-    def training(stage, **budget):
-        return {"tokens_per_step": tokens_per_step, **pick(stage, "eval_every", "ckpt_every"), **budget}
+    flags, rows = gpu_plan.FLAGS, gpu_plan.SEQUENCE_LEN  # midtraining's and SFT's --eval_rows are rows of this
     return {
-        "pretrain": training("pretrain", steps=pretrain_steps, val_tokens=flags["pretrain"]["bpb_tokens"]),
-        "midtrain": training("midtrain", tokens=flags["midtrain"]["tokens"],
-                             val_tokens=flags["midtrain"]["eval_rows"] * gpu_plan.SEQUENCE_LEN),
-        "sft": training("sft", steps=sft_steps, val_tokens=flags["sft"]["eval_rows"] * gpu_plan.SEQUENCE_LEN,
-                        why_unknown="one epoch of sft.py's mixture: sft.py estimates its steps from the chat data "
-                                    "when it starts (give --sft_steps, or sft_steps)"),
-        "rl": {"steps": gpu_plan.RL_STEPS, **pick("rl", "questions_per_step", "samples", "max_new_tokens", "eval_every",
-                                                  "ckpt_every", "eval_items", "eval_samples")},
-        "core_eval": pick("core_eval", "max_items", "bpb_tokens"),
-        "chat_eval": pick("chat_eval", "max_items", "max_new_tokens"),
+        "pretrain": {**flags["pretrain"], "steps": pretrain_steps, "tokens_per_step": tokens_per_step,
+                     "val_tokens": flags["pretrain"]["bpb_tokens"]},
+        "midtrain": {**flags["midtrain"], "tokens_per_step": tokens_per_step,
+                     "val_tokens": flags["midtrain"]["eval_rows"] * rows},
+        "sft": {**flags["sft"], "steps": sft_steps, "tokens_per_step": tokens_per_step,
+                "val_tokens": flags["sft"]["eval_rows"] * rows,
+                "why_unknown": "one epoch of sft.py's mixture: sft.py estimates its steps from the chat data when it "
+                               "starts (give --sft_steps, or sft_steps)"},
+        "rl": {**flags["rl"], "steps": gpu_plan.RL_STEPS},
+        "core_eval": dict(flags["core_eval"]),
+        "chat_eval": dict(flags["chat_eval"]),
     }
 
 
