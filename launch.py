@@ -68,9 +68,10 @@ def flag_parser():
         usage="bash speedrun.sh [flags]", add_help=False, allow_abbrev=False, exit_on_error=False, epilog=ENVIRONMENT,
         formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, width=118, max_help_position=22))
     add, switch = parser.add_argument, functools.partial(parser.add_argument, action="store_true")
-    add("--plan", default="auto", choices=("auto", "gpu", "demo"), metavar="gpu|demo", help="gpu: d20-class model on FineWeb-Edu, every stage; demo: "
-        "the offline demo world, preset tiny, on the CPU (default: gpu when torch sees CUDA GPUs, else demo; GPUs "
-        "nvidia-smi lists but torch cannot use stop the run with the driver and wheel versions)")
+    add("--plan", default="auto", choices=("auto", "gpu", "demo"), metavar="gpu|demo", help="gpu: d20-class model on "
+        "FineWeb-Edu, every stage; demo: the offline demo world, preset tiny, on the CPU (default: gpu when torch sees "
+        "CUDA GPUs, else demo; GPUs nvidia-smi lists but torch cannot use stop the run with the driver and wheel "
+        "versions)")
     add("--depth", default="20", metavar="N", help="gpu plan: model depth, the d{N} preset (default: %(default)s)")
     add("--run_name", default="speedrun", metavar="NAME", help="everything goes to <runs_dir>/NAME/ (default: %(default)s)")
     add("--runs_dir", default="runs", metavar="DIR", help="(default: %(default)s)")
@@ -82,9 +83,10 @@ def flag_parser():
         "the budget needs: its tokens / the first shard's tokens counted with the tokenizer, plus one)")
     add("--vocab_size", default="", metavar="N", help="tokenizer vocabulary (default: 65536 gpu, 1024 demo)")
     add("--tokenizer", default="", metavar="DIR", help="use this trained tokenizer (default: train <run>/tokenizer)")
-    add("--stop_after", default="", choices=("", *STOP_AFTER), metavar="STAGE", help=f"stop after this stage: {' '.join(STOP_AFTER)} (download: "
-        f"gpu plan, every shard and the prefetched chat and evaluation data are in)")
-    add("--rl", default="on", choices=("on", "off"), metavar="on|off", help="the reinforcement-learning stage after sft (default: on)")
+    add("--stop_after", default="", choices=("", *STOP_AFTER), metavar="STAGE", help=f"stop after this stage: "
+        f"{' '.join(STOP_AFTER)} (download: gpu plan, every shard and the prefetched chat and evaluation data are in)")
+    add("--rl", default="on", choices=("on", "off"), metavar="on|off", help="the reinforcement-learning stage after "
+        "sft (default: on)")
     add("--stage_evals", default="pretrain,midtrain,sft,rl", metavar="LIST", help="the stages whose final models get "
         "CORE and ChatCORE for the report's table of what each stage taught, comma-separated, or none (default: "
         "%(default)s; a column left out says unknown; pretrain's is a base model: CORE only, core_eval's, as nanochat)")
@@ -330,7 +332,8 @@ def setup(env_file, argv):
         **values, "RUN": run, "LOGS": f"{run}/logs", "PY": python, "PLAN": plan, "GPUS": gpus, "NPROC": nproc,
         "ON_CPU": int(on_cpu), "DATA_DIR": data_dir, "CORPUS": f"{data_dir}/pretrain" if plan == "demo" else data_dir,
         "VOCAB": vocab, "MARK": mark, "CHAT_SOURCES": gpu_plan.CHAT_SOURCES, **extras, **budgets,
-        "REHEARSAL_PROMPT": gpu_plan.REHEARSAL_PROMPT, **(gpu_plan.command_lines(flags["depth"]) if plan == "gpu" else {})}))
+        "REHEARSAL_PROMPT": gpu_plan.REHEARSAL_PROMPT,
+        **(gpu_plan.command_lines(flags["depth"]) if plan == "gpu" else {})}))
 
 
 # --- the processes of a run: found by the mark in their environment --------------------------------------------------

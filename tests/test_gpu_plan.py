@@ -448,8 +448,8 @@ def test_the_disk_check_counts_the_checkpoints_the_d20_plan_holds_at_once():
 
 
 def test_the_command_lines_the_prediction_and_the_disk_plan_read_one_table(monkeypatch):
-    """gpu_plan.py's table is the gpu plan: speedrun.sh's words (launch.py setup's), plan_cost.py's budgets, pretrain.py's
-    disk plan and the printed plan; a number changed there reaches each of them."""
+    """gpu_plan.py's table is the gpu plan: speedrun.sh's words (launch.py setup's), plan_cost.py's budgets,
+    pretrain.py's disk plan and the printed plan; a number changed there reaches each of them."""
     words = gpu_plan.command_lines(20)
     assert words["PRETRAIN"][:6] == ["--preset", "d20", "--tokens_per_param", 20, "--total_batch_tokens", 524_288]
     assert words["RL"][words["RL"].index("--ckpt_every") + 1] == plan_cost.gpu_plan_budgets(1)["rl"]["ckpt_every"] == 60
