@@ -383,11 +383,11 @@ def checkpoint_grace(wait, ckpt):
     return wait
 
 
-def writing_checkpoint(ckpt, now=None):
+def writing_checkpoint(ckpt):
     """A file of a checkpoint in progress (checkpoint.py's ckpt/.tmp_step_*) changed in the last 5 seconds."""
     for item in [p for tmp in Path(ckpt).glob(".tmp_step_*") for p in (tmp, *tmp.rglob("*"))] if ckpt else []:
         with contextlib.suppress(OSError):
-            if item.stat().st_mtime > (now or time.time()) - 5:
+            if item.stat().st_mtime > time.time() - 5:
                 return True
     return False
 
