@@ -2,7 +2,7 @@
 
     python launch.py setup ENV_FILE [speedrun.sh's flags]   # the flags, .venv, GPUs, plan: shell variables in ENV_FILE
     python launch.py probe --run RUN TORCHRUN... distributed.py probe   # NCCL, and the safe flags if it hangs
-    python launch.py stage --run RUN NAME [--train] [--skip_if PATH] [--log_only] COMMAND...   # one stage, logged
+    python launch.py stage --run RUN NAME [--train] [--skip_if PATH] COMMAND...   # one stage, logged and recorded
     python launch.py end --run RUN                      # end every process of the run still alive (speedrun's exit)
     python launch.py rehearsal_due --run RUN REHEARSAL_DIR 0|1   # exit 0: the gpu plan rehearses now (--no_rehearse: 1)
     python launch.py rehearsal_passed --run RUN REHEARSAL_DIR     # its checkpoints deleted, its cost said
@@ -537,22 +537,15 @@ def copy_output(source, log):
         terminal(chunk)
 
 
-def run_stage(run, name, command, train=False, skip_if=None, log_only=False):
+def run_stage(run, name, command, train=False, skip_if=None):
     """`stage`: COMMAND in a session of its own carrying the run's mark, its output to the terminal and logs/<name>.log,
     its time to logs/stages.tsv; skipped when skip_if (train: its done.json) exists, resumed from a checkpoint. A
-    signal ends it. log_only: a background fetch: its log alone, no record, signals ignored (the run's end stops it)."""
+    signal ends it."""
     state, stopped = read_state(run), None
 
     def on_signal(signum, _frame):  # a Python handler, not SIG_IGN: the stage starts with the signals' defaults
         nonlocal stopped
         stopped = stopped or signum
-    if log_only:
-        for signum in SIGNALS:
-            signal.signal(signum, on_signal)
-        with open(f"{run}/logs/{name}.log", "ab") as log:
-            status = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-                                    env={**os.environ, "SPEEDRUN_MARK": state["mark"]}, check=False).returncode
-        return 128 - status if status < 0 else status
     done = f"{run}/{name}/done.json" if train else skip_if
     if done and Path(done).exists():
         say(run, f"stage {name} skipped: {done} exists")
@@ -656,13 +649,13 @@ def rehearsed(run, seconds):
 # --- speedrun.sh's calls ---------------------------------------------------------------------------------------------
 
 def stage_command(run, words):
-    """NAME [--train] [--skip_if PATH] [--log_only] COMMAND..."""
+    """NAME [--train] [--skip_if PATH] COMMAND..."""
     name, words, options = words[0], words[1:], {}
-    while words and words[0] in ("--train", "--skip_if", "--log_only"):
+    while words and words[0] in ("--train", "--skip_if"):
         if words[0] == "--skip_if":
             options["skip_if"], words = words[1], words[2:]
         else:
-            options[words[0][2:]], words = True, words[1:]
+            options["train"], words = True, words[1:]
     return run_stage(run, name, words, **options)
 
 

@@ -79,9 +79,12 @@ else  # fail in minutes, not hours: a gated or missing chat source stops the run
     stage preflight "$PY" "$ROOT/dataset.py" download-chat --check "${CHAT_SOURCES[@]}"
     stage chatcore_tasks "$PY" "$ROOT/chat_eval.py" --download_only "${CHAT_EVAL_EXTRA[@]}"
     say "fetching ${CHAT_SOURCES[*]} and the CORE bundle in the background (log: $LOGS/prefetch.log)"
-    { launch_bg=("${L[@]}" stage --run "$RUN" prefetch --log_only)  # its log only; the run's end stops it
-      "${launch_bg[@]}" "$PY" "$ROOT/dataset.py" download-chat "${CHAT_SOURCES[@]}" &&
-      "${launch_bg[@]}" "$PY" "$ROOT/core_eval.py" --download_only "${CORE_EXTRA[@]}"; } &
+    # each fetch in a session of its own (no Ctrl-C of the terminal reaches it) carrying the run's MARK: the run's end
+    # stops it; its log only, no row in stages.tsv
+    { bg=(env "SPEEDRUN_MARK=$MARK" setsid --wait)
+      "${bg[@]}" "$PY" "$ROOT/dataset.py" download-chat "${CHAT_SOURCES[@]}" &&
+      "${bg[@]}" "$PY" "$ROOT/core_eval.py" --download_only "${CORE_EXTRA[@]}"
+    } >> "$LOGS/prefetch.log" 2>&1 < /dev/null &
     PREFETCH=$!
     stage data "$PY" "$ROOT/dataset.py" download --shards 8 --data_dir "$CORPUS" "${R_DATA[@]}"
 fi
