@@ -441,7 +441,7 @@ def test_a_half_installed_venv_is_repaired_and_a_completed_install_is_recorded(t
     repo, bin_dir, log = tmp_path / "repo", tmp_path / "bin", tmp_path / "pip.log"
     repo.mkdir()
     bin_dir.mkdir()
-    for name in ("speedrun.sh", "launch.py", "requirements.txt"):
+    for name in ("speedrun.sh", "launch.py", "gpu_plan.py", "requirements.txt"):
         shutil.copy(ROOT / name, repo / name)
     fake_python = (f'#!/bin/sh\nif [ "$1 $2" = "-m pip" ]; then\n  [ "$3" = --version ] && exit 0\n'
                    f'  echo "$*" >> {log}; exit ${{PIP_RC:-0}}\nfi\nexec {sys.executable} "$@"\n')
@@ -566,8 +566,8 @@ def test_the_gpu_plans_rehearsal_runs_every_stage_on_two_cpu_processes(rehearsal
         assert len(list((tmp / "cache" / "chat" / name).glob("*.parquet"))) == count, name
 
     # the three training stages: the budget printed (speedrun's and each stage's) is what ran, on 2 ranks
-    assert "speedrun: rehearsal: pretrain 3 steps, midtrain 3, sft 3 (a checkpoint every 2), CORE 4 items a task, " \
-           "ChatCORE 2; on the CPU: --sequence_len 128 --total_batch_tokens 32768" in out
+    assert "speedrun: rehearsal: pretrain 3 steps, midtrain 3, sft 3 (each saving once, at its last step), CORE 4 " \
+           "items a task, ChatCORE 2; on the CPU: --sequence_len 128 --total_batch_tokens 32768" in out
     for name, micro in (("pretrain", 128), ("midtrain", 8), ("sft", 8)):  # SFT inherits midtraining's
         log = (run / "logs" / f"{name}.log").read_text()
         steps = [r for r in map(json.loads, (run / name / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
