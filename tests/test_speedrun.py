@@ -262,6 +262,9 @@ def start_two_process_pretraining(demo_world, run_dir, extra="", env=None, termi
     master, slave = pty.openpty()
 
     def controlling_terminal():
+        # a terminal's session starts with SIGHUP at its default; one inherited as ignored (pytest run under nohup)
+        # would be ignored by bash too, which cannot trap a signal ignored at entry
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
         os.setsid()
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
     process = subprocess.Popen(command, cwd=run_dir, env=env, stdin=slave, stdout=slave, stderr=slave,
