@@ -200,9 +200,10 @@ def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=Non
     seed gives the same rows again for the same prompts and settings. compiled: "auto" (compiled on CUDA, eager
     elsewhere), True or False. weights: decode_weights(model, dtype), to reuse across calls. A sharded model (FSDP)
     is first gathered into a plain copy: a collective, so every rank calls decode(); the step reads whole weights."""
-    if is_sharded(model):
-        plain = build_model(model.config, model.cos.device)
-        plain.load_state_dict({k: v.full_tensor() if is_dtensor(v) else v for k, v in model.state_dict().items()})
+    if is_sharded(model):  # gathered outside inference mode: FSDP2's state_dict made there leaves its parameters
+        with torch.inference_mode(False), torch.no_grad():  # inference tensors, which the next checkpoint cannot save
+            plain = build_model(model.config, model.cos.device)
+            plain.load_state_dict({k: v.full_tensor() if is_dtensor(v) else v for k, v in model.state_dict().items()})
         model = plain
     device, c = model.cos.device, model.config
     budgets = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)

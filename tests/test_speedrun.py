@@ -83,7 +83,7 @@ def test_the_pipeline_ran_every_stage_and_the_report_shows_the_logs_figures(spee
                                                                          for t in core["tasks"]}
     chat = json.loads((run / "chat_eval.json").read_text())
     assert f"ChatCORE {chat['chatcore']:.4f}" in md
-    assert [t["task"] for t in chat["tasks"]] == ["demo-choice", "demo-answer", "demo-words"]
+    assert [t["task"] for t in chat["tasks"]] == ["demo-choice", "demo-answer", "demo-problems", "demo-words"]
     for t in chat["tasks"]:
         centered = "not in ChatCORE" if t["task"] == "demo-words" else f"{t['centered']:.4f}"
         assert f"| {t['task']} | {t['correct']}/{t['items']} | {t['accuracy']:.4f} | {centered} |" in md
@@ -262,6 +262,9 @@ def start_two_process_pretraining(demo_world, run_dir, extra="", env=None, termi
     master, slave = pty.openpty()
 
     def controlling_terminal():
+        # a terminal's session starts with SIGHUP at its default; one inherited as ignored (pytest run under nohup)
+        # would be ignored by bash too, which cannot trap a signal ignored at entry
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
         os.setsid()
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
     process = subprocess.Popen(command, cwd=run_dir, env=env, stdin=slave, stdout=slave, stderr=slave,
