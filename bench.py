@@ -163,29 +163,64 @@ def run_command(args, command, places, jobs=1):
         raise RuntimeError(f"`{' '.join(argv)}` failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
 
 
-def bench_stages(args, device, name):
-    """Runs the stage rows of benchmark `name` (two at a time in the dry run) and prints each row's figure, then the
-    benchmark's ratios."""
+def stage_plan(args, device, name):
+    """(rows, places, dtype, why) of stage benchmark `name`, its files made (the demo world, the corpus tokenizer);
+    None when its corpus is absent."""
     rows = [row for row in STAGE_ROWS if row[0] == name]
     corpus = any("{corpus" in row[2] for row in rows)
     if corpus and not Path(args.corpus).is_dir():
-        return print(f"{name}: skipped, no corpus at {args.corpus} (--corpus DIR: parquet shards, the last validation)")
+        return None
     dtype, why = common.precision(device)
     places = {"work": Path(args.work) if corpus else demo_files(args), "preset": args.preset, "bundle": args.bundle or
               f"{args.work}/demo/eval_bundle", "generate_items": args.generate_items, "generate_tokens":
               args.generate_tokens, "corpus": args.corpus, "corpus_tokenizer": corpus_tokenizer(args) if corpus else "",
               "dtype": dtype, "other_dtype": "bfloat16" if dtype == "float32" else "float32"}
-    if any("runs/bench" in row[2] for row in rows) and not (Path(args.work) / "runs" / "bench").is_dir():
-        run_command(args, PARENT, places)
-    jobs = 2 if args.dry_run else 1  # one at a time when timed: they would share the cores
+    return rows, places, dtype, why
 
-    def run(row):
-        label = row[1].format(**places)
-        slug = re.sub(r"\W+", "_", f"{name} {label}")
-        run_command(args, row[2], {**places, "run": slug, "out": f"{args.work}/out/{slug}"}, jobs)
-        return label, *stage_figure(row[3], Path(args.work) / "runs" / slug, Path(args.work) / "out" / slug)
-    with ThreadPoolExecutor(jobs) as pool:
-        results = list(pool.map(run, rows))
+
+def run_row(args, name, row, places, jobs):
+    """One stage row's command, run: (label, figure, note)."""
+    label = row[1].format(**places)
+    slug = re.sub(r"\W+", "_", f"{name} {label}")
+    run_command(args, row[2], {**places, "run": slug, "out": f"{args.work}/out/{slug}"}, jobs)
+    return label, *stage_figure(row[3], Path(args.work) / "runs" / slug, Path(args.work) / "out" / slug)
+
+
+def start_stage_rows(args, device, names, pool, jobs):
+    """The dry run: every stage row of the benchmarks `names` submitted at once to `pool` (two at a time), so that
+    no core waits at the end of a benchmark for its last row; the rows that read the evaluation checkpoint
+    (runs/bench) wait for it, made first. {name: [future of (label, figure, note)]}."""
+    started, parent = {}, None
+    for name in names:
+        plan = stage_plan(args, device, name)
+        if plan is None:
+            continue
+        rows, places, _, _ = plan
+        needs = any("runs/bench" in row[2] for row in rows) and not (Path(args.work) / "runs" / "bench").is_dir()
+        if needs and parent is None:
+            parent = pool.submit(run_command, args, PARENT, places)
+
+        def job(row, places=places, name=name, wait=parent if needs else None):
+            if wait is not None:
+                wait.result()  # the checkpoint's command failed: so does this row
+            return run_row(args, name, row, places, jobs)
+        started[name] = [pool.submit(job, row) for row in rows]
+    return started
+
+
+def bench_stages(args, device, name, started=None):
+    """Runs the stage rows of benchmark `name` (or collects them from `started`, start_stage_rows's futures) and
+    prints each row's figure, then the benchmark's ratios."""
+    plan = stage_plan(args, device, name)
+    if plan is None:
+        return print(f"{name}: skipped, no corpus at {args.corpus} (--corpus DIR: parquet shards, the last validation)")
+    rows, places, dtype, why = plan
+    if started is not None:
+        results = [future.result() for future in started[name]]
+    else:  # one at a time: timed rows would share the cores
+        if any("runs/bench" in row[2] for row in rows) and not (Path(args.work) / "runs" / "bench").is_dir():
+            run_command(args, PARENT, places)
+        results = [run_row(args, name, row, places, 1) for row in rows]
     figures = {}
     for row, (label, value, note) in zip(rows, results, strict=True):
         figures[label] = value
@@ -209,7 +244,7 @@ def muon_share(device, step_seconds, vocab, dry_run):
     config = config_from_preset("tiny", {"vocab_size": vocab})
     model = build_model(config, device)
     train_model, dtype = model if dry_run else torch.compile(model), common.matmul_dtype(device)
-    steps = 1 if dry_run else 10  # timed after 3 untimed
+    steps, untimed = (1, 0) if dry_run else (10, 3)  # the dry run times its one step: no figure of it is a measurement
     adam, muon = optim.build_optimizers(model, bench_gpu.MUON_RUN, config.n_embd, 2048, device)
     idx = torch.randint(0, vocab, (8, 256), device=device)
 
@@ -219,14 +254,14 @@ def muon_share(device, step_seconds, vocab, dry_run):
         loss.backward()
     works = {"forward+backward": forward_backward, "AdamW step": adam.step, "Muon step": muon.step}
     times = {label: [] for label in works}
-    for _ in range(steps + 3):
+    for _ in range(steps + untimed):
         for label, work in works.items():
             start = time.perf_counter()
             work()
             sync(device)
             times[label].append(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
-    median = {label: statistics.median(t[3:]) for label, t in times.items()}
+    median = {label: statistics.median(t[untimed:]) for label, t in times.items()}
     print(f"cpu Muon step (Newton-Schulz in {muon.param_groups[0]['ns_dtype']}): {1000 * median['Muon step']:.1f} ms, "
           f"{100 * median['Muon step'] / step_seconds:.1f}% of pretrain.py's compiled {dtype} Muon step "
           f"({1000 * step_seconds:.0f} ms); alone: " + ", ".join(f"{label} {1000 * t:.1f} ms"
@@ -430,11 +465,17 @@ def main(argv=None):
         # the demo world supports at most ~1,690 BPE tokens
         args.corpus, args.corpus_vocab = (demo_files(args) / "demo" / "pretrain", 1024) if args.dry_run else (
             args.corpus, 8192)
-        for name in args.which:
-            try:
-                bench_stages(args, device, name) if name in STAGES else BENCHES[name](args, device)
-            except (FileNotFoundError, ValueError) as e:  # ours, each naming its fix: one line, not a traceback
-                parser.exit(1, f"bench.py: error: {e}\n")
+        # the dry run: every stage row started at once, two at a time; timed rows run one at a time, each in its turn
+        pool = ThreadPoolExecutor(2) if args.dry_run else None
+        try:
+            started = start_stage_rows(args, device, [n for n in args.which if n in STAGES], pool, 2) if pool else None
+            for name in args.which:
+                bench_stages(args, device, name, started) if name in STAGES else BENCHES[name](args, device)
+        except (FileNotFoundError, ValueError) as e:  # ours, each naming its fix: one line, not a traceback
+            parser.exit(1, f"bench.py: error: {e}\n")
+        finally:
+            if pool:
+                pool.shutdown(cancel_futures=True)
 
 
 if __name__ == "__main__":

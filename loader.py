@@ -387,10 +387,14 @@ class PackedLoader:
         batch, self.state = item
         return batch
 
-    def close(self, timeout=10):
-        """Stop the threads; the next batch starts new ones from self.state."""
+    def stop(self):
+        """Tell this start's threads to end, without waiting for them (close() waits)."""
         if self._batches is not None:
             self._batches.stop.set()  # for good: this start's threads hold this event, whether they join in time or not
+
+    def close(self, timeout=10):
+        """Stop the threads; the next batch starts new ones from self.state."""
+        self.stop()
         for thread in self._threads:
             thread.join(timeout=timeout)
         self._threads, self._batches = [], None
@@ -532,6 +536,17 @@ class PackedLoader:
         return batch[0], batch[1]
 
 
+def close_all(loaders, timeout=10):
+    """Close loaders (a rank's data streams, each a PackedLoader or a MixtureLoader), every thread told first: they
+    then end together, not one by one (a thread notices within Pipe's 0.1 s poll: 32 streams of 8 sources each, closed
+    one after another, took 3 s)."""
+    for loader in loaders:
+        loader.stop()
+    for loader in loaders:
+        for source in getattr(loader, "loaders", [loader]):
+            source.close(timeout)
+
+
 def text_loader(data_dir, split, tokenizer, batch_size, seq_len, **kwargs):
     """The pretraining loader over a corpus directory's train or val split."""
     return PackedLoader(split_shards(data_dir, split), tokenizer, batch_size, seq_len, kind="text",
@@ -599,12 +614,12 @@ class MixtureLoader:
             batch = batch.pin_memory().to(self.device, non_blocking=True)
         return batch[0], batch[1]
 
-    def close(self, timeout=10):
-        for loader in self.loaders:  # every source's threads told first: they then end together, not one by one
-            if loader._batches is not None:
-                loader._batches.stop.set()
+    def stop(self):
         for loader in self.loaders:
-            loader.close(timeout)
+            loader.stop()
+
+    def close(self, timeout=10):
+        close_all([self], timeout)
 
     @property
     def state(self):

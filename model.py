@@ -673,9 +673,25 @@ class GPT(nn.Module):
         return losses, argmax
 
 
+class _NoInitOnMeta(torch.overrides.TorchFunctionMode):
+    """The modules' own initializations (nn.init, a tensor's normal_ or uniform_) skipped while they are built on the
+    meta device: a meta tensor holds no values, and init_weights() sets every one on the real device. Run there, torch
+    computes them through its Python reference kernels, whose first use imports torch._dynamo: ~2 s of every process
+    that builds a model and compiles nothing (chat.py's start, an evaluation). The weights and the random stream after
+    build_model are the same either way (meta tensors draw nothing)."""
+
+    SKIPPED = (torch.Tensor.normal_, torch.Tensor.uniform_)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.SKIPPED or getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
 def build_model(config, device="cpu"):
     """Construct on the meta device (no memory, no init cost), then allocate on `device` and initialize there."""
-    with torch.device("meta"):
+    with torch.device("meta"), _NoInitOnMeta():
         model = GPT(config)
     model.to_empty(device=device)
     model.init_weights()

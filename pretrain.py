@@ -28,7 +28,7 @@ import train_loop
 import validation
 from dataset import budget_line, corpus_budget, default_data_dir, shard_tokens, split_shards
 from decode import decode
-from loader import text_loader
+from loader import close_all, text_loader
 from model import (
     add_model_args,
     budget_params,
@@ -283,8 +283,7 @@ def main(argv=None):
             train_loop.Metrics(run_dir / "metrics.jsonl", master).log({"step": total_steps, "final_val_bpb": bpb})
             (run_dir / "done.json").write_text(json.dumps({"step": total_steps, "val_bpb": bpb}))
             print(f"done: {total_steps} steps, val bpb {bpb:.4f}, run dir {run_dir}")
-    for loader in loaders:
-        loader.close()
+    close_all(loaders)
     return signum
 
 

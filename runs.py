@@ -20,6 +20,7 @@ import distributed
 import optim
 import train_loop
 import validation
+from loader import close_all
 from model import flops_per_token, num_params, parse_bool
 
 # -----------------------------------------------------------------------------
@@ -315,8 +316,7 @@ def train_chat_stage(args, s, evaluator, summarize):
                                                              **done, "pretrain_val_bpb": kept}))
             print("\n".join([validation.forgetting_line(kept), *lines,
                              f"done: {s.total_steps} steps, val loss {loss:.4f}, run dir {s.run_dir}"]))
-    for loader in s.loaders:
-        loader.close()
+    close_all(s.loaders)
     return signum
 
 
