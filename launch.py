@@ -32,6 +32,7 @@ from glob import glob
 from pathlib import Path
 
 import gpu_plan
+from run_files import stage_rows
 
 ROOT = Path(__file__).resolve().parent
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what stops a run
@@ -162,11 +163,6 @@ def read_state(run):
 def write_state(run, state):  # whole or not at all: written beside, then renamed
     Path(run, "logs", "launch.tmp").write_text(json.dumps(state, indent=1))
     Path(run, "logs", "launch.tmp").replace(Path(run, "logs", "launch.json"))
-
-
-def read_stages(run):
-    path = Path(run, "logs", "stages.tsv")
-    return [line.split("\t") for line in path.read_text().splitlines()] if path.is_file() else []
 
 
 # --- the interpreter -------------------------------------------------------------------------------------------------
@@ -325,7 +321,7 @@ def setup(env_file, argv):
               for stage in ("PRETRAIN", "MIDTRAIN", "SFT", "RL", "CORE", "CHAT_EVAL")}  # words: no globbing, no eval
     mark = f"speedrun-{os.getppid()}-{time.time_ns()}"  # carried by every process of this run (its stages only)
     write_state(run, {"mark": mark, "plan": plan, "gpus": gpus, "nproc": nproc, "on_cpu": on_cpu, "transport": "",
-                      "stages_before": len(read_stages(run)), "nccl": {"safe": False, "fallback": False}})
+                      "stages_before": len(stage_rows(run)), "nccl": {"safe": False, "fallback": False}})
     values = {{"vocab_size": "VOCAB", "rl": "RL_STAGE"}.get(name, name.upper()):
               int(value) if isinstance(value, bool) else value for name, value in flags.items()}
     Path(env_file).write_text(remove + shell_assignments({
@@ -592,7 +588,7 @@ def run_stage(run, name, command, train=False, skip_if=None):
                      *progress_lines(run, name, time.time())]:
             terminal(line, sys.stderr)
         return status
-    say(run, f"stage {name} done in {read_stages(run)[-1][1]} s")
+    say(run, f"stage {name} done in {stage_rows(run)[-1][1]} s")
     return 0
 
 
@@ -630,14 +626,14 @@ def rehearsal_passed(run, rehearsal):
     freed = sum(f.stat().st_size for ckpt in ckpts for f in ckpt.rglob("*") if f.is_file())
     for ckpt in ckpts:
         shutil.rmtree(ckpt)
-    say(run, f"the rehearsal cost {read_stages(run)[-1][1]} s before pretraining; every stage passed "
+    say(run, f"the rehearsal cost {stage_rows(run)[-1][1]} s before pretraining; every stage passed "
              f"({rehearsal}/report.md; its checkpoints deleted: {freed / 1e9:.1f} GB)")
 
 
 def rehearsed(run, seconds):
     """A rehearsal passed: each stage's time printed, and rehearsed.json, which says so (no second rehearsal)."""
     state = read_state(run)
-    stages = read_stages(run)[state["stages_before"]:]
+    stages = stage_rows(run)[state["stages_before"]:]
     say(run, f"rehearsal passed in {seconds} s; each stage's time (s):")
     for name, took, _ in stages:
         say(run, f"  {name:<15} {took:>8}", prefix="")

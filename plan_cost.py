@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 import gpu_plan
+from run_files import read_json, stage_seconds
 
 TRAINING = ("pretrain", "midtrain", "sft")
 # a forward pass is about a third of a training step's FLOPs (forward + backward = 3 forwards): the rate assumed for
@@ -63,24 +64,6 @@ def pretrain_steps_for(model_config, tokens_per_step=gpu_plan.TOKENS_PER_STEP,
     it counts / tokens_per_step. Imports model.py (and torch) only when called."""
     from model import GPTConfig, budget_params
     return math.ceil(tokens_per_param * budget_params(GPTConfig(**model_config)) / tokens_per_step)
-
-
-def stage_seconds(run):
-    """{stage: wall seconds} from logs/stages.tsv (name, seconds, exit code): the last successful run of each."""
-    path = Path(run) / "logs" / "stages.tsv"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no stage times; give the directory of a finished rehearsal "
-                                f"(runs/<run>-rehearsal, whose logs/stages.tsv has a `report` line)")
-    times = {}
-    for line in path.read_text().splitlines():
-        name, seconds, rc = line.split("\t")
-        if rc == "0":
-            times[name] = float(seconds)
-    return times
-
-
-def read_json(path):
-    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def step_records(path, stage):
@@ -193,8 +176,11 @@ def evaluation_kind(name):
 def measure_rehearsal(rehearsal_dir):
     """{stage: its measured rates} for every stage of a finished rehearsal that the plan runs again."""
     run = Path(rehearsal_dir)
-    measured = {}
-    for name, wall in stage_seconds(run).items():
+    measured, times = {}, stage_seconds(run)
+    if not times:
+        raise FileNotFoundError(f"{run / 'logs' / 'stages.tsv'}: no stage times; give the directory of a finished "
+                                f"rehearsal (runs/<run>-rehearsal, whose logs/stages.tsv has a `report` line)")
+    for name, wall in times.items():
         if name in TRAINING:
             measured[name] = measure_training(run, name, wall)
         elif name == "rl":

@@ -16,6 +16,8 @@ import re
 import sys
 from pathlib import Path
 
+from run_files import read_json, stage_seconds
+
 TRAIN_STAGES = ["pretrain", "midtrain", "sft"]
 # the stages whose final models get a column in the per-stage table, in training order: each that has a checkpoint
 # under runs/<run>/<stage>/ckpt/ (a later stage appears by being added here and trained)
@@ -24,23 +26,8 @@ UNKNOWN = "unknown"
 SAMPLE_QUESTIONS = 2  # per generated task in the per-stage table: its first item and its first with a numeric answer
 
 
-def read_json(path):
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
 def read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-
-
-def stage_times(run):
-    """{stage: wall seconds} from speedrun.sh's logs/stages.tsv: the last successful run of each stage."""
-    times = {}
-    path = run / "logs" / "stages.tsv"
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        name, seconds, rc = line.split("\t")
-        if rc == "0":
-            times[name] = float(seconds)
-    return times
 
 
 def hardware(log):
@@ -300,7 +287,7 @@ def write_report(run):
     run = Path(run)
     if not run.is_dir():
         raise FileNotFoundError(f"{run}: no such speedrun directory (runs/<run>/)")
-    times = stage_times(run)
+    times = stage_seconds(run)
     predicted = read_json(run / "predicted.json")  # plan_cost.py's, written before the run (the gpu plan's)
     # rl joins the table when it ran (the demo plan skips it unless --rl on)
     rows = [stage_figures(run, name, times, predicted) for name in TRAIN_STAGES + ["rl"] * (run / "rl").is_dir()]

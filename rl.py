@@ -32,7 +32,6 @@ import torch
 import checkpoint
 import common
 import distributed
-import optim
 import runs
 import train_loop
 from calculator import ToolUse, reply_text
@@ -163,7 +162,7 @@ def pad(rows, pad_id, device):
 def policy_gradient(train_model, rows, weights, micro_batch, dtype, device, world):
     """Backward of the loss -sum(advantage x log p(token)) / (tokens sampled over all ranks), over the sampled tokens
     of every row, micro_batch rows per forward; DDP averages over ranks, so each rank scales by world / count.
-    Returns (the loss, the sampled-token count), both over all ranks."""
+    Returns (the summed loss, the sampled-token count), both over all ranks (the loss: their ratio)."""
     count = distributed.all_reduce(sum(sum(t != -1 for t in y) for _, y in rows))
     scale, loss_sum = world / max(count, 1.0), torch.zeros((), dtype=torch.float64, device=device)
     chunks = range(0, len(rows), micro_batch)
@@ -176,7 +175,7 @@ def policy_gradient(train_model, rows, weights, micro_batch, dtype, device, worl
             loss = (nll.float() * advantage).sum()
             (loss * scale).backward()
         loss_sum += loss.detach().double()
-    return distributed.all_reduce_tensor(loss_sum).item() / max(count, 1.0), count
+    return distributed.all_reduce_tensor(loss_sum), count
 
 
 @torch.no_grad()
@@ -207,32 +206,22 @@ def strip_end(reply, tokenizer):
 
 
 class Cursor:
-    """What a checkpoint keeps of RL's data position (the loader state of the other stages): the questions taken.
-    The questions and seeds are a function of the step, so this only records it."""
+    """What a checkpoint keeps of RL's data position (the loader state of the other stages): the questions taken and
+    this rank's sampled tokens (the shared loop's running token count). The questions and seeds are a function of the
+    step, so this only records it."""
 
-    def __init__(self):
-        self.state = {"questions": 0}
+    def __init__(self, questions):
+        self.state, self.questions = {"questions": 0, "stats": {"tokens": 0}}, questions
+
+    @property
+    def epoch(self):  # passes over the training questions completed (the shared loop's record counts from 1)
+        return self.state["questions"] // self.questions
 
     def state_dict(self):
-        return dict(self.state)
+        return {"questions": self.state["questions"], "stats": dict(self.state["stats"])}
 
     def load_state_dict(self, state):
-        self.state = dict(state)
-
-
-def print_status(run_dir):
-    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    config = json.loads((Path(run_dir) / "config.json").read_text())
-    steps, evals = [r for r in records if "reward" in r], [r for r in records if "held_out" in r]
-    fifth = max(1, len(steps) // 5)
-    trend = [sum(r["reward"] for r in steps[i:i + fifth]) / len(steps[i:i + fifth]) for i in range(0, len(steps), fifth)]
-    print(f"run {run_dir} (rl): {'finished' if (Path(run_dir) / 'done.json').is_file() else 'not finished'}; step "
-          f"{steps[-1]['step'] if steps else 0}/{config['total_steps']}")
-    print("mean reward (means of fifths): " + " -> ".join(f"{v:.3f}" for v in trend))
-    for e in evals:
-        print(f"held out at step {e['step']}: " + held_out_line(e["held_out"]))
-    ckpts = checkpoint.list_checkpoints(Path(run_dir) / "ckpt")
-    print(f"checkpoints: {', '.join(c.name for c in ckpts) if ckpts else 'none'}")
+        self.state = {"questions": state["questions"], "stats": dict(state["stats"])}
 
 
 def held_out_line(e):
@@ -276,7 +265,7 @@ def plan(args, start):
                 f"training forward; compile off (the rows' lengths change every step)")
     lines = [f"tasks: {tasks}: {len(train_items):,} training questions, {len(held_out):,} held out", rollouts,
              args.budget_line, f"budget: {total_steps:,} steps" + (f" = {args.epochs:g} epochs" if args.epochs else "")]
-    return {"total_steps": total_steps, "loaders": [Cursor()], "train_items": train_items, "held_out": held_out,
+    return {"total_steps": total_steps, "loaders": [Cursor(len(train_items))], "train_items": train_items, "held_out": held_out,
             "lines": lines, "record": {"data_dir": data_dir, "tasks": tasks, "train_questions": len(train_items),
                                        "held_out_questions": len(held_out)}}
 
@@ -284,46 +273,24 @@ def plan(args, start):
 def main(argv=None):
     _, args = get_args(argv)
     if args.status:
-        return print_status(args.status)
+        return train_loop.print_status(Path(args.status))
     if args.fsdp == "true":
         raise ValueError("--fsdp true: rl.py does not shard the model (each rank samples replies of its own length, "
                          "which FSDP's per-layer gathers cannot follow); use a model that fits one device")
     s = runs.start_stage(args, "rl", ["sft"], plan, rollouts=True)
-    rank, local_rank, world, device, model, tokenizer, optimizers, run_dir = (
-        s.rank, s.local_rank, s.world, s.device, s.model, s.tokenizer, s.optimizers, s.run_dir)
-    master, start, total_steps, train_items, held_out, (cursor,), ckpt_meta = (
-        rank == 0, s.step, s.total_steps, s.train_items, s.held_out, s.loaders, s.ckpt_meta)
-    train_model = train_loop.wrap_model(model, args, world, local_rank, device)
-    metrics, stop = train_loop.Metrics(run_dir / "metrics.jsonl", master), train_loop.StopSignal()
-
-    def save(step, last=False):
-        cursor.state["questions"] = step * args.questions_per_step
-        return checkpoint.save_checkpoint(run_dir / "ckpt", step, model, optimizers, [cursor.state_dict()], ckpt_meta,
-                                          rank, args.keep, consolidate=last, delay_s=args.checkpoint_delay,
-                                          metrics=metrics)
-
+    rank, world, device, model, tokenizer, run_dir = s.rank, s.world, s.device, s.model, s.tokenizer, s.run_dir
+    master, (cursor,), stop = rank == 0, s.loaders, train_loop.StopSignal()
+    train_model = train_loop.wrap_model(model, args, world, s.local_rank, device)
     train_threads = torch.get_num_threads()
     rollout_threads = CPU_ROLLOUT_THREADS if device.type == "cpu" else train_threads
+    # the ETA's two rates: a step's rollouts and update, and a held-out evaluation (the shared loop's wall-clock rate
+    # would count the evaluations between steps as steps)
+    eval_seconds, step_seconds = [], []
 
-    eval_seconds, train_seconds = [], 0.0  # the ETA's two rates: a training step, a held-out evaluation
-
-    def stopping():  # a stop signal on any rank, seen by all at once (every rank leaves the same group of questions)
-        return bool(distributed.all_reduce(float(stop.requested()), torch.distributed.ReduceOp.MAX if world > 1
-                                           else None))
-
-    def stopped(step, during):  # a signal: the last finished step checkpointed (unless it is already), then the exit
-        saved = any(checkpoint.checkpoint_step(p) == step for p in checkpoint.list_checkpoints(run_dir / "ckpt"))
-        path = save(step) if step > start and not saved else None
-        if master:
-            print(f"stopped by signal {during}; " + (f"checkpoint {path}" if path else f"step {step}'s checkpoint is "
-                  f"on disk" if step else "no step finished, nothing to resume: a rerun starts over") +
-                  (f". Resume with: {checkpoint.resume_command(args)}" if step else ""), flush=True)
-        return stop.signum or signal.SIGTERM
-
-    def held_out_eval(step):
+    def held_out_eval(step):  # None: a signal on some rank between groups of questions, seen by all at once
         t0 = time.perf_counter()
         torch.set_num_threads(rollout_threads)
-        result = evaluate(model, tokenizer, held_out, args, rank, world, step, stopping)
+        result = evaluate(model, tokenizer, s.held_out, args, rank, world, step, stop.requested)
         torch.set_num_threads(train_threads)
         if result is None:
             return None
@@ -332,79 +299,65 @@ def main(argv=None):
             print(f"held out at step {step}: {held_out_line(result)}", flush=True)
         return {"held_out": result}
 
-    if master and start == 0 and (run_dir / "metrics.jsonl").is_file():
-        (run_dir / "metrics.jsonl").unlink()  # an earlier start without a checkpoint: its lines would count twice
-    if start == 0:
-        first = held_out_eval(0)
-        if first is None:
-            return stopped(0, "in the held-out evaluation before step 1")
-        metrics.log({"step": 0, **first})
-    pad_id = tokenizer.bos_id
-    for step in range(start, total_steps):
+    def rl_step(step, due):
+        """The shared loop's step hook: the step's rollouts, rewards and policy gradient."""
         t0 = time.perf_counter()
-        lr_mult, _ = optim.apply_schedule(optimizers, step, total_steps, args)
-        chosen = step_items(step, args.questions_per_step, len(train_items), args.seed)
+        chosen = step_items(step, args.questions_per_step, len(s.train_items), args.seed)
         torch.set_num_threads(rollout_threads)
         rows, rewards, lengths, sampled_tokens = [], [], [], 0
         mine, n = list(range(rank, len(chosen), world)), args.samples
-        if args.signal_at_step == step + 1:
+        if "signal_at_step" in due:
             os.kill(os.getpid(), signal.SIGTERM)  # the testing hook: a signal during this step's rollouts
         for chunk in [mine[c:c + args.rollout_questions] for c in range(0, len(mine), args.rollout_questions)]:
-            if stopping():  # a step's rollouts can take minutes: the step is dropped, the last finished one saved
-                return stopped(step, f"during step {step + 1}'s rollouts")
-            items = [train_items[chosen[position]] for position in chunk]
+            if stop.requested():  # a step's rollouts can take minutes: the step is dropped, the last finished one saved
+                return f"during step {step + 1}'s rollouts"
+            items = [s.train_items[chosen[position]] for position in chunk]
             prompts = [prompt_ids(tokenizer, item["prompt"], args.sequence_len, 1)[0] for item in items]
             all_replies, all_sampled = sample_groups(model, tokenizer, prompts, n, args.max_new_tokens,
                                                      args.temperature, args.top_k,
                                                      sampling_seed(args.seed, step, chunk[0]), args.dtype)
             for j, (item, prompt) in enumerate(zip(items, prompts, strict=True)):
                 replies, sampled = all_replies[j * n:(j + 1) * n], all_sampled[j * n:(j + 1) * n]
-                scores = [reward(item, reply_text(tokenizer, strip_end(r, tokenizer))) for r in replies]
-                rewards += scores
+                rewards += [reward(item, reply_text(tokenizer, strip_end(r, tokenizer))) for r in replies]
                 lengths += [len(r) for r in replies]
                 sampled_tokens += sum(map(sum, sampled))
-                rows += training_rows(prompt, replies, sampled, pad_id)
+                rows += training_rows(prompt, replies, sampled, tokenizer.bos_id)
         rollout = time.perf_counter() - t0
         torch.set_num_threads(train_threads)
-        loss, _ = policy_gradient(train_model, rows, advantages(rewards, args.samples), s.micro_batch,
+        loss_sum, count = policy_gradient(train_model, rows, advantages(rewards, args.samples), s.micro_batch,
                                       args.dtype, device, world)
-        grad_norm = train_loop.clip_grad_norm(model.parameters(), args.grad_clip or float("inf")).item()
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            raise RuntimeError(f"step {step + 1}: loss {loss} / grad norm {grad_norm} is not finite: stopped before "
-                               f"the optimizer step (resume with --resume, perhaps a lower --lr_scale)")
-        for opt in optimizers:
-            opt.step()
-        model.zero_grad(set_to_none=world == 1)
         sums = distributed.all_reduce_tensor(torch.tensor([sum(rewards), len(rewards), sum(lengths), sampled_tokens],
                                                           dtype=torch.float64)).tolist()
         rollout = distributed.all_reduce(rollout, torch.distributed.ReduceOp.MAX if world > 1 else None)
-        record = {"step": step + 1, "reward": sums[0] / sums[1], "loss": loss, "sampled_tokens": int(sums[3]),
-                  "tokens": int(sums[3]), "reply_tokens": sums[2] / sums[1], "sampled_tok_per_s": sums[3] / rollout,
-                  "tok_per_s": sums[3] / (time.perf_counter() - t0), "rollout_time": rollout, "lr_mult": lr_mult,
-                  "grad_norm": grad_norm, "step_time": time.perf_counter() - t0, "mfu": "unknown"}
-        last, train_seconds = step + 1 == total_steps, train_seconds + record["step_time"]
-        if args.eval_every and (step + 1) % args.eval_every == 0 and not last:
-            evaluated = held_out_eval(step + 1)
-            if evaluated is None:
-                metrics.log(record)
-                return stopped(step + 1, f"in the held-out evaluation after step {step + 1}")
-            record.update(evaluated)
-        metrics.log(record)
-        if master and ((step + 1) % args.log_every == 0 or last or step == start):
-            eta = eta_seconds(step + 1, total_steps, args.eval_every, train_seconds / (step + 1 - start),
-                              sum(eval_seconds) / len(eval_seconds) if eval_seconds else 0.0)
-            print(f"step {step + 1}/{total_steps} reward {record['reward']:.3f} loss {loss:+.5f} reply "
-                  f"{record['reply_tokens']:.1f} tokens, {record['sampled_tok_per_s']:,.0f} sampled tok/s, lr x"
-                  f"{lr_mult:.3f} gnorm {grad_norm:.3f} ETA {common.fmt_duration(eta)}", flush=True)
-        if (step + 1) % args.ckpt_every == 0 or last:
-            save(step + 1, last)
-        if stopping():
-            return stopped(step + 1, f"at step {step + 1}")
+        cursor.state["questions"] = (step + 1) * args.questions_per_step
+        cursor.state["stats"]["tokens"] += sampled_tokens
+        step_seconds.append(time.perf_counter() - t0)  # the optimizer step after it is not in: small beside these
+        return loss_sum, count, sums[3], {
+            "reward": sums[0] / sums[1], "sampled_tokens": int(sums[3]), "reply_tokens": sums[2] / sums[1],
+            "sampled_tok_per_s": sums[3] / rollout, "rollout_time": rollout, "mfu": "unknown"}
+
+    def progress(record, total_steps):
+        eta = eta_seconds(record["step"], total_steps, args.eval_every, sum(step_seconds) / len(step_seconds),
+                          sum(eval_seconds) / len(eval_seconds) if eval_seconds else 0.0)
+        return (f"step {record['step']}/{total_steps} reward {record['reward']:.3f} loss {record['loss']:+.5f} reply "
+                f"{record['reply_tokens']:.1f} tokens, {record['sampled_tok_per_s']:,.0f} sampled tok/s, lr x"
+                f"{record['lr_mult']:.3f} gnorm {record['grad_norm']:.3f} ETA {common.fmt_duration(eta)}")
+
+    signum = train_loop.train(args, model, train_model, s.optimizers, s.loaders, run_dir=run_dir, start=s.step,
+                              total_steps=s.total_steps, ckpt_meta=s.ckpt_meta, evaluate=held_out_eval,
+                              flops_per_token=0, rank=rank, world=world, device=device, step_fn=rl_step, stop=stop,
+                              evaluate_first=True, progress=progress)
+    if signum is not None:
+        return signum
+    total_steps = s.total_steps
     final = held_out_eval(total_steps)
     if final is None:
-        return stopped(total_steps, "in the final held-out evaluation")
+        if master:
+            print(f"stopped by signal in the final held-out evaluation; step {total_steps}'s checkpoint is on disk. "
+                  f"Resume with: {checkpoint.resume_command(args)}", flush=True)
+        return stop.signum or signal.SIGTERM
     if master:
-        metrics.log({"step": total_steps, "final": True, **final})
+        train_loop.Metrics(run_dir / "metrics.jsonl", True).log({"step": total_steps, "final": True, **final})
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         summary = verdict(records)
         (run_dir / "done.json").write_text(json.dumps({"step": total_steps, **summary, "held_out": final["held_out"]}))

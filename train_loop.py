@@ -410,10 +410,16 @@ def open_wandb(args, master):
 
 
 def train(args, model, train_model, optimizers, loaders, *, run_dir, start, total_steps, ckpt_meta, evaluate,
-          flops_per_token, rank, world, device):
-    """Steps start..total_steps-1. evaluate(step) returns fields for that step's metrics record (and prints).
-    Returns None when every step ran, or the signal number that stopped the run after its checkpoint."""
-    master, tokens_per_step = rank == 0, sum(ld.B * ld.T for ld in loaders) * world
+          flops_per_token, rank, world, device, step_fn=None, stop=None, evaluate_first=False, progress=None):
+    """Steps start..total_steps-1. evaluate(step) returns fields for that step's metrics record (and prints), or None
+    when a signal stopped it. Returns None when every step ran, or the signal number that stopped the run after its
+    checkpoint. A stage with its own step (rl.py: rollouts, then the policy gradient) passes step_fn(step, due): the
+    step's forward/backward, returning (loss sum, target count, its tokens over all ranks, fields for the record), or
+    where a signal stopped it mid-step (a str: "during step 2's rollouts"), the step dropped; with it stop (its
+    StopSignal, which its step and evaluation also check), evaluate_first (an evaluation at step 0 of a fresh start)
+    and progress(record, total_steps): its progress line."""
+    master = rank == 0
+    tokens_per_step = None if step_fn else sum(ld.B * ld.T for ld in loaders) * world
     if master and start == 0:
         # a stage restarted before its first checkpoint starts over: the lines of the earlier start would count its
         # steps twice (the report sums them)
@@ -421,38 +427,68 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
             if (run_dir / name).is_file():
                 (run_dir / name).unlink()
                 print(f"run dir: {run_dir / name} of an earlier start without a checkpoint removed: starting over")
-    metrics, wandb, stop = Metrics(run_dir / "metrics.jsonl", master), open_wandb(args, master), StopSignal()
+    metrics, wandb, stop = Metrics(run_dir / "metrics.jsonl", master), open_wandb(args, master), stop or StopSignal()
     peak = peak_flops(device_name(device), args.dtype)
-    initial, mem_history, first_done = param_samples(model), [], None
+    # a stage's own step (rl.py): a step whose every group of replies scores alike has no advantage and changes no
+    # parameter, which is no fault there, so the frozen-parameter check is for the loss-trained stages only
+    initial, mem_history, first_done = None if step_fn else param_samples(model), [], None
     hooks = testing_hooks(args)  # None in every real run: then each step looks up nothing
 
     keep_progress(run_dir, ckpt_meta.get("stage", "train"))  # each rank's last step and phase, in run_dir/progress/
     mark_progress(start, "starting")
 
+    saved = start  # the step of the newest checkpoint on disk (a resume's; 0: none)
+
     def checkpoint(step, last=False):
+        nonlocal saved
         mark_progress(step, "checkpoint")
         finite = all(torch.isfinite(local(p)).all() for p in model.parameters())  # each rank checks its shards
         if all_reduce(0.0 if finite else 1.0, dist.ReduceOp.MAX if dist.is_initialized() else None):
             raise RuntimeError(f"step {step}: parameters are not finite; not writing a checkpoint")
-        return save_checkpoint(run_dir / "ckpt", step, model, optimizers, [ld.state_dict() for ld in loaders],
+        path = save_checkpoint(run_dir / "ckpt", step, model, optimizers, [ld.state_dict() for ld in loaders],
                                ckpt_meta, rank, args.keep, consolidate=last, delay_s=args.checkpoint_delay,
                                metrics=metrics)
+        saved = step
+        return path
+
+    def stopped(step, when):  # a signal: the last finished step checkpointed (unless it is already), then the exit
+        path = checkpoint(step) if step > saved else None
+        if master:
+            print(f"stopped by signal {when}; " + (f"checkpoint {path}" if path else f"step {step}'s checkpoint is "
+                  f"on disk" if step else "no step finished, nothing to resume: a rerun starts over") +
+                  (f". Resume with: {resume_command(args)}" if step else ""), flush=True)
+        return stop.signum or signal.SIGTERM
+
+    if evaluate_first and start == 0:
+        first = evaluate(0)
+        if first is None:
+            return stopped(0, "in the evaluation before step 1")
+        metrics.log({"step": 0, **first})
 
     for step in range(start, total_steps):
         t0 = now()
         lr_mult, wd = apply_schedule(optimizers, step, total_steps, args)
-        batches = [next(loader) for loader in loaders]
+        batches = [] if step_fn else [next(loader) for loader in loaders]
         data_wait = now() - t0  # the loaders prefetch: this is time the step stood still waiting for data
         due = hooks.get(step + 1, ()) if hooks else ()  # the testing hooks set for this step
         if due and rank == world - 1 and {"die_at_step", "hang_at_step", "stuck_at_step"} & due:
             die_or_hang("die_at_step" in due, "stuck_at_step" in due)
         mark_progress(step + 1, "forward/backward")
-        loss_sum, count = forward_backward(train_model, batches, args.dtype, device, world,
-                                           poison="inject_nan_step" in due)
+        if step_fn:
+            out = step_fn(step, due)
+            if isinstance(out, str):
+                return stopped(step, out)
+            loss_sum, count, tokens_per_step, fields = out
+        else:
+            loss_sum, count = forward_backward(train_model, batches, args.dtype, device, world,
+                                               poison="inject_nan_step" in due)
+            fields = {}
         norm = clip_grad_norm(model.parameters(), args.grad_clip or float("inf"))
         # the step's one read from the device, which the non-finite stop below needs before the optimizer step: one
         # transfer for the three figures instead of one wait per .item() (values exact: fp64, fp32 -> fp64)
-        loss_sum, count, grad_norm = torch.stack([loss_sum, count, norm.double()]).tolist()
+        loss_sum, count, grad_norm = torch.stack([torch.as_tensor(loss_sum, dtype=torch.float64, device=device),
+                                                  torch.as_tensor(count, dtype=torch.float64, device=device),
+                                                  norm.double()]).tolist()
         loss = loss_sum / max(1.0, count)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             last = list_checkpoints(run_dir / "ckpt")
@@ -475,7 +511,8 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
                   "mfu": tokens_per_step * flops_per_token / dt / (peak * world) if peak else "unknown",
                   "step_time": dt, "cuda_mem_alloc": torch.cuda.memory_allocated(device) if device.type == "cuda"
                   else None, "cuda_mem_reserved": torch.cuda.memory_reserved(device) if device.type == "cuda" else None,
-                  "cuda_mem_peak": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+                  "cuda_mem_peak": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+                  **fields}
         if health:
             record["update_rms_ratio"] = update_ratios(optimizers, before)
         warning = health_warning(model, initial, mem_history, record, step + 1 - start, args)
@@ -486,7 +523,11 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
         last_step = step + 1 == total_steps
         if args.eval_every and (step + 1) % args.eval_every == 0 and not last_step:
             mark_progress(step + 1, "evaluation")
-            record.update(evaluate(step + 1))
+            evaluated = evaluate(step + 1)
+            if evaluated is None:  # a signal during the evaluation (rl.py's samples replies: minutes)
+                metrics.log(record)
+                return stopped(step + 1, f"in the evaluation after step {step + 1}")
+            record.update(evaluated)
         metrics.log(record)
         if wandb:
             wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step + 1)
@@ -494,14 +535,12 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
             first_done = now()  # the ETA is timed from here: this process's first step holds compilation and warm-up
         if master and ((step + 1) % args.log_every == 0 or last_step or step == start):
             timed = step - start  # steps since the first of this process (0: none yet, the ETA is unknown)
-            print(progress_line(record, total_steps, (now() - first_done) / timed if timed else None), flush=True)
-        if "signal_at_step" in due:
+            print(progress(record, total_steps) if progress else
+                  progress_line(record, total_steps, (now() - first_done) / timed if timed else None), flush=True)
+        if "signal_at_step" in due and not step_fn:  # a stage's own step takes its signal mid-step (rl's rollouts)
             os.kill(os.getpid(), signal.SIGTERM)
         if stop.requested():
-            path = checkpoint(step + 1)
-            if master:
-                print(f"stopped by signal at step {step + 1}; checkpoint {path}. Resume with: {resume_command(args)}")
-            return stop.signum or signal.SIGTERM
+            return stopped(step + 1, f"at step {step + 1}")
         # --final_checkpoint is pretrain.py's (false in bench.py gpu: d20's is ~9 GB); the other stages always save
         if (step + 1) % args.ckpt_every == 0 or (last_step and getattr(args, "final_checkpoint", True)):
             checkpoint(step + 1, last_step)  # the final checkpoint comes before the final evaluation (nanochat #446)
@@ -543,7 +582,7 @@ def health_warning(model, initial, mem_history, record, steps_done, args):
         if memory_growing(mem_history):
             mem_history.clear()  # warned once; a later warning needs another 50 steps of growth
             return "CUDA memory allocated grew every step for the last 50 steps: a leak?"
-    if steps_done == args.frozen_check_step:
+    if initial is not None and steps_done == args.frozen_check_step:
         frozen = frozen_parameters(model, initial)
         if frozen and len(frozen) == sum(1 for sample in initial.values() if sample.numel()):
             # nothing learns (an H100 run under torch.compile with torch 2.11 got every gradient 0 from the loss):
@@ -575,15 +614,16 @@ def print_status(run_dir):
     total, last = config["total_steps"], steps[-1]
     print(f"run {run_dir} ({config.get('stage')}): {'finished' if (run_dir / 'done.json').is_file() else 'not finished'}"
           f"; step {last['step']}/{total}, tokens {last['tokens']:,}")
-    window = max(1, len(steps) // 5)
-    trend = [sum(r["loss"] for r in steps[i:i + window]) / len(steps[i:i + window])
+    window, key = max(1, len(steps) // 5), "reward" if "reward" in last else "loss"  # rl.py's: its mean reward
+    trend = [sum(r[key] for r in steps[i:i + window]) / len(steps[i:i + window])
              for i in range(0, len(steps), window)]
-    print("loss trend (means of fifths): " + " -> ".join(f"{v:.3f}" for v in trend))
+    print(f"{'mean reward' if key == 'reward' else 'loss trend'} (means of fifths): "
+          + " -> ".join(f"{v:.3f}" for v in trend))
     recent = steps[-20:]
     rate = sum(r["tok_per_s"] for r in recent) / len(recent)
-    tokens_left = (total - last["step"]) * config["tokens_per_step"]
-    print(f"speed {rate:,.0f} tok/s, MFU {last['mfu']}; ETA {fmt_duration(tokens_left / rate if rate else None)}")
-    vals = [r for r in records if "val_bpb" in r or "final_val_bpb" in r]
+    step_s = sum(r["step_time"] for r in recent) / len(recent)  # rl.py's tokens a step vary: steps left x step time
+    print(f"speed {rate:,.0f} tok/s, MFU {last['mfu']}; ETA {fmt_duration((total - last['step']) * step_s)}")
+    vals = [r for r in records if {"val_bpb", "final_val_bpb", "held_out"} & r.keys()]
     print(f"last validation: {vals[-1] if vals else 'none yet'}")
     warnings = [f"step {r['step']}: {r['warning']}" for r in records if "warning" in r]
     print("health warnings: " + ("; ".join(warnings) if warnings else "none"))

@@ -158,7 +158,7 @@ def test_a_stage_is_logged_recorded_resumed_and_skipped(tmp_path, capsys):
     mark = json.loads((run / "logs" / "launch.json").read_text())["mark"]
     assert log == f"args --steps 3\nmark {mark}\n"  # no --resume: no checkpoint yet
     out = capsys.readouterr().out
-    assert log in out and f"speedrun: stage pretrain done in {launch.read_stages(run)[0][1]} s\n" in out
+    assert log in out and f"speedrun: stage pretrain done in {launch.stage_rows(run)[0][1]} s\n" in out
     (run / "pretrain" / "ckpt" / "step_000002").mkdir(parents=True)
     assert launch.run_stage(str(run), "pretrain", [*echo, "--steps", "3"], train=True) == 0
     out = capsys.readouterr().out
@@ -170,11 +170,11 @@ def test_a_stage_is_logged_recorded_resumed_and_skipped(tmp_path, capsys):
     failing = [sys.executable, "-c", "import sys; print('stage output'); sys.exit(7)"]
     assert launch.run_stage(str(run), "core_eval", failing) == 7
     assert f"speedrun: stage core_eval failed (exit 7); log: {run}/logs/core_eval.log" in capsys.readouterr().err
-    rows = launch.read_stages(run)
+    rows = launch.stage_rows(run)
     assert [(name, status) for name, _, status in rows] == [("pretrain", "0"), ("pretrain", "0"), ("core_eval", "7")]
     assert all(re.fullmatch(r"\d+\.\d", seconds) for _, seconds, _ in rows), rows
     assert launch.run_stage(str(run), "core_eval", failing, skip_if=str(run / "logs")) == 0  # skip_if exists
-    assert launch.read_stages(run) == rows  # a skip is not a run
+    assert launch.stage_rows(run) == rows  # a skip is not a run
 
 
 def test_a_failed_stage_prints_each_ranks_last_record_and_its_age(tmp_path):

@@ -444,7 +444,7 @@ def test_a_half_installed_venv_is_repaired_and_a_completed_install_is_recorded(t
     repo, bin_dir, log = tmp_path / "repo", tmp_path / "bin", tmp_path / "pip.log"
     repo.mkdir()
     bin_dir.mkdir()
-    for name in ("speedrun.sh", "launch.py", "gpu_plan.py", "requirements.txt"):
+    for name in ("speedrun.sh", "launch.py", "gpu_plan.py", "run_files.py", "requirements.txt"):
         shutil.copy(ROOT / name, repo / name)
     fake_python = (f'#!/bin/sh\nif [ "$1 $2" = "-m pip" ]; then\n  [ "$3" = --version ] && exit 0\n'
                    f'  echo "$*" >> {log}; exit ${{PIP_RC:-0}}\nfi\nexec {sys.executable} "$@"\n')
