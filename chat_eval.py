@@ -428,14 +428,16 @@ def main(argv=None):
             print(contained)
     marker = f"chat_eval: check passed {secrets.token_hex(8)}"
     start = time.perf_counter()
-    verdicts, records = {}, []
+    verdicts, records, task_seconds = {}, [], {}
     for t in asked:
+        task_start = time.perf_counter()
         verdicts[t], task_records = evaluate_task(t, loaded[t][0], model, tokenizer, args, rank, world, device,
                                                   marker, level)
-        records += task_records
+        records, task_seconds[t] = records + task_records, time.perf_counter() - task_start
     seconds = time.perf_counter() - start
     rows, chatcore = summarize(asked, verdicts, {t: loaded[t][1] for t in asked})
     for row in rows:  # beside ChatCORE, never in it
+        row["seconds"] = task_seconds[row["task"]]
         row["diagnostics"] = task_diagnostics(row["kind"], [r for r in records if r["task"] == row["task"]])
     if rank == 0:
         complete = set(available) <= set(asked) and all(r["items"] == r["items_in_task"] for r in rows)
@@ -446,7 +448,7 @@ def main(argv=None):
                   "max_new_tokens": args.max_new_tokens, "sequence_len": model.config.sequence_len,
                   "sandbox": None if level is None else {"level": level, "description": contained,
                                                          "timeout_s": args.timeout, "memory_mb": args.memory_mb},
-                  "world_size": world, "device": common.device_name(device), "dtype": args.dtype, "seconds": seconds,
+                  "world_size": world, "device": common.device_name(device), "hardware": distributed.WORLD, "dtype": args.dtype, "seconds": seconds,
                   "argv": sys.argv, "versions": common.versions()}
         print_summary(report)
         write_outputs(report, records, Path(args.out or ckpt.parent.parent / "chat_eval.json"), ckpt.parent.parent)

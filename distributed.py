@@ -45,6 +45,9 @@ def keep_freed_memory(keep=True):
         pass
 
 
+WORLD = "unknown"  # the world as setup_distributed printed it: each stage's JSON records it, where report.py reads it
+
+
 def setup_distributed(timeout_s=600):
     """Initialize from torchrun's environment (or run as one process). Returns (rank, local_rank, world_size, device).
     NCCL on CUDA, gloo on CPU; a collective that waits longer than timeout_s (a dead or hung peer) raises instead of
@@ -54,17 +57,20 @@ def setup_distributed(timeout_s=600):
         keep_freed_memory()
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun (other launchers set RANK too)
         die_with_launcher()
+    global WORLD
     if "RANK" not in os.environ:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        print(f"distributed: single process, device {device_name(device)}")
+        WORLD = f"single process, device {device_name(device)}"
+        print(f"distributed: {WORLD}")
         return 0, 0, 1, device
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     device = init_process_group(local_rank, timeout_s)
     names = [None] * world_size
     dist.all_gather_object(names, f"{device} ({device_name(device)}) on {platform.node()}")
+    WORLD = f"world size {dist.get_world_size()} ({dist.get_backend()}): " + ", ".join(f"rank {r} {n}"
+                                                                                         for r, n in enumerate(names))
     if rank == 0:
-        print(f"distributed: world size {dist.get_world_size()} ({dist.get_backend()}): "
-              + ", ".join(f"rank {r} {n}" for r, n in enumerate(names)), flush=True)
+        print(f"distributed: {WORLD}", flush=True)
         # ranks compile at their own speed (a cold cache on one node): the others wait in the first all-reduce
         print(f"distributed: a collective waits at most {timeout_s:.0f} s for the other ranks (--dist_timeout), the "
               f"slowest rank's first compile included", flush=True)

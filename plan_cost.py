@@ -135,16 +135,9 @@ def measure_rl(run, wall):
             "save_s": save_s, "evals": evals, "eval_s": eval_s, "start_s": start_s}
 
 
-def chat_task_seconds(log):
-    """{task: seconds per item} from chat_eval's log lines 'TASK: done, a/b right (...) in S s (R items/s)'."""
-    text = log.read_text() if log.is_file() else ""
-    return {m.group(1): 1 / float(m.group(2)) for m in
-            re.finditer(r"^(\S+): done, [\d,]+/[\d,]+ right .* \(([\d.]+) items/s\)$", text, re.MULTILINE) if float(m.group(2)) > 0}
-
-
 def measure_evaluation(run, name, wall):
     """core_eval's or chat_eval's rates in the rehearsal (the stage evaluations' too): seconds per item (chat_eval's
-    per task, from its log), the items each task holds, and the start-up: the wall time less the items' seconds."""
+    per task, from its results), the items each task holds, and the start-up: the wall time less the items' seconds."""
     run = Path(run)
     core = name.startswith("core_eval")
     owner = name.split("_", 2)[2] if name.count("_") >= 2 else None  # core_eval_midtrain: midtrain's final model
@@ -158,11 +151,11 @@ def measure_evaluation(run, name, wall):
                                 f"results: rehearse again")
     items = sum(t["items"] for t in results["tasks"])
     per_item = results["seconds"] / items
-    by_log = {} if core else chat_task_seconds(run / "logs" / f"{name}.log")
     tasks = [{"task": t["task"], "kind": t.get("kind", t.get("type")), "items": t["items"],
-              "items_in_task": t["items_in_task"], "item_s": by_log.get(t["task"], per_item)} for t in results["tasks"]]
+              "items_in_task": t["items_in_task"], "item_s": t["seconds"] / t["items"] if t.get("seconds") else per_item}
+             for t in results["tasks"]]
     return {"kind": "core_eval" if core else "chat_eval", "wall_s": wall, "items": items, "seconds": results["seconds"],
-            "item_s": per_item, "tasks": tasks, "per_task": bool(by_log) and all(t["task"] in by_log for t in tasks),
+            "item_s": per_item, "tasks": tasks, "per_task": all(t.get("seconds") for t in results["tasks"]),
             "val_tokens": results.get("val_bpb_tokens") or 0, "max_new_tokens": results.get("max_new_tokens"),
             "start_s": wall - results["seconds"]}
 
@@ -294,7 +287,7 @@ def predict_evaluation(m, budget, train_tok_s):
             notes.append(f"{extra_val:,} more validation tokens: not counted (no pretraining rate measured)")
     else:
         notes.append("each task at the rehearsal's seconds per item" + ("" if m["per_task"] else " (the mean: its "
-                     "log has no per-task rates)") + f", its {m['items'] // max(1, len(m['tasks']))} items a task "
+                     "results have no per-task seconds)") + f", its {m['items'] // max(1, len(m['tasks']))} items a task "
                      f"batched together: the plan's fuller batches run faster, an upper bound")
         if scale != 1.0:
             notes.append(f"generated answers up to {budget['max_new_tokens']} tokens cost the rehearsal's (up to "

@@ -99,8 +99,8 @@ def get_args(argv=None):
 
 
 def data_plan(args, config, tokenizer):
-    """--data_plan: the training shards a budget needs, from the first shard's token count (speedrun.sh downloads
-    that many). The last line, `data plan shards: N`, is the one to parse."""
+    """--data_plan: the training shards a budget needs, from the first shard's token count, written to
+    <runs_dir>/data_plan.json (speedrun.sh downloads that many)."""
     if not args.total_batch_tokens:
         raise ValueError("--data_plan needs --total_batch_tokens (the tokens per step the run will use)")
     steps = plan_steps(args, config, args.total_batch_tokens)
@@ -112,7 +112,10 @@ def data_plan(args, config, tokenizer):
     print(f"data plan: budget {steps:,} steps x {args.total_batch_tokens:,} tokens = {budget:,} tokens; "
           f"{per_shard:,} tokens in {first.name} ({docs:,} documents, counted with this tokenizer)")
     check_disk(args, config, Path(args.data_dir), shards, steps, args.total_batch_tokens)
-    print(f"data plan shards: {shards}")
+    Path(args.runs_dir).mkdir(parents=True, exist_ok=True)
+    (Path(args.runs_dir) / "data_plan.json").write_text(json.dumps({"shards": shards, "budget_tokens": budget,
+                                                                    "first_shard_tokens": per_shard}))
+    print(f"data plan: {shards} training shards ({Path(args.runs_dir) / 'data_plan.json'})")
 
 
 def checkpoint_bytes(config, optimizer):
@@ -253,7 +256,7 @@ def main(argv=None):
     data = corpus_budget(args.data_dir, tokenizer, total_steps * tokens_per_step) if master else None
     run = {"data": data, "stage": "pretrain", "run": args.run_name, **layout, "total_steps": total_steps,
            "tokens_per_step": tokens_per_step, "code": common.code_version(), "tokenizer": args.tokenizer,
-           "tokenizer_sha256": tokenizer.fingerprint(), "data_dir": args.data_dir}
+           "tokenizer_sha256": tokenizer.fingerprint(), "data_dir": args.data_dir, "params": params}
     if master:
         runs.write_config(run_dir, {**run, "args": vars(args)})
         print(f"model: {args.preset}, params: {params}; FLOPs/token {fpt:.4e}")

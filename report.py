@@ -4,7 +4,6 @@
 
 Reads, for each stage run under the speedrun directory (pretrain/, midtrain/, sft/): config.json, metrics.jsonl,
 done.json and samples.jsonl; core_eval/results.json; chat_eval.json; transport.txt (the NCCL decision and the bandwidth its probe measured);
-logs/<stage>.log (the `distributed:` line, where each rank names the device it held, and the parameter count);
 logs/stages.tsv (each stage's wall time, written by speedrun.sh); stage_evals/<stage>/ (core_eval and chat_eval of
 each stage's final model, for the table of what each stage taught); predicted.json (each stage's wall time predicted
 from the rehearsal before the run, plan_cost.py's: shown beside the actual). A figure that is not there is "unknown".
@@ -30,14 +29,11 @@ def read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
-def hardware(log):
-    """The `distributed:` line a stage printed first: '1 x cpu (...)' or 'world size 8 (nccl): rank 0 ...'."""
-    if not log.is_file():
-        return UNKNOWN
-    for line in log.read_text().splitlines():
-        if line.startswith("distributed: "):
-            return line[len("distributed: "):]
-    return UNKNOWN
+def hardware(run, name):
+    """The world a stage ran in, as it recorded it: 'single process, device ...' or 'world size 8 (nccl): rank 0 ...'
+    (each rank's device and host)."""
+    files = {"core_eval": run / "core_eval" / "results.json", "chat_eval": run / "chat_eval.json"}
+    return (read_json(files.get(name, run / name / "config.json")) or {}).get("hardware", UNKNOWN)
 
 
 def data_of(config):
@@ -79,8 +75,6 @@ def stage_figures(run, name, times, predicted=None):
     run_dir = run / name
     config, done = read_json(run_dir / "config.json"), read_json(run_dir / "done.json")
     steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
-    log = run / "logs" / f"{name}.log"
-    params = re.findall(r"params: (\d+)", log.read_text()) if log.is_file() else []
     train_seconds = sum(r["step_time"] for r in steps)
     mfus = [r["mfu"] for r in steps if isinstance(r.get("mfu"), (int, float))]
     if done is None:
@@ -100,7 +94,7 @@ def stage_figures(run, name, times, predicted=None):
         "tokens": f"{steps[-1]['tokens']:,}" if steps else UNKNOWN,
         "tok/s": f"{steps[-1]['tokens'] / train_seconds:,.0f}" if steps and train_seconds else UNKNOWN,
         "MFU": f"{100 * sum(mfus) / len(mfus):.1f}%" if mfus and len(mfus) == len(steps) else UNKNOWN,
-        "parameters": f"{int(params[0]):,}" if params else UNKNOWN,
+        "parameters": f"{config['params']:,}" if config and "params" in config else UNKNOWN,
         "validation": validation,
     }
 
@@ -299,7 +293,7 @@ def write_report(run):
              f"- code: commit {code.get('commit', UNKNOWN)}, uncommitted changes: {code.get('dirty', UNKNOWN)}",
              f"- transport: {transport}"]
     for name in ["pretrain", "core_eval", "midtrain", "sft"] + ["rl"] * (run / "rl").is_dir() + ["chat_eval"]:
-        lines.append(f"- hardware, {name}: {hardware(run / 'logs' / f'{name}.log')}")
+        lines.append(f"- hardware, {name}: {hardware(run, name)}")
     lines += ["", "## Stages", "", "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
     lines += ["| " + " | ".join(row.values()) + " |" for row in rows]
     lines += ["", ("Wall time: speedrun.sh's clock around the stage (logs/stages.tsv), start-up and evaluation included. "

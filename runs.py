@@ -97,8 +97,8 @@ def resolve_run(args, stage):
 def write_config(run_dir, record):
     """config.json: what the run is (rank 0 only), rewritten by a resume with its own command line."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps({**record, "argv": sys.argv, "versions": common.versions()},
-                                                    indent=1, default=str))
+    (run_dir / "config.json").write_text(json.dumps({**record, "hardware": distributed.WORLD, "argv": sys.argv,
+                                                     "versions": common.versions()}, indent=1, default=str))
 
 
 # -----------------------------------------------------------------------------
@@ -250,14 +250,14 @@ def start_stage(args, stage, parents, plan, rollouts=False):
     layout = {"model_config": parent_meta["model_config"], "world_size": world, "micro_batch": micro, "accum": accum}
     start.run = {"stage": stage, "run": args.run_name, **layout, "total_steps": start.total_steps,
                  "tokens_per_step": tokens_per_step, "code": common.code_version(), "tokenizer": args.tokenizer,
-                 "tokenizer_sha256": tokenizer.fingerprint(), **start.record,
+                 "tokenizer_sha256": tokenizer.fingerprint(), "params": num_params(config), **start.record,
                  "parent": parent_record(parent, parent_meta)}
     start.ckpt_meta = {**start.run, "argv": sys.argv, "hparams": hparams(args, config.sequence_len, micro,
                                                                          tokens_per_step)}
     if rank == 0:
         write_config(run_dir, {**start.run, "args": vars(args)})
         print(f"init: {parent} ({parent_meta.get('stage')}, step {parent_meta.get('step')}), params: "
-              f"{num_params(config)}")
+              f"{start.run['params']}")
         print("inherited:\n" + "\n".join(f"  {name:<18} {value!s:<14} {where}" for name, value, where in inherited))
         if not rollouts:
             print(f"{sharding}\nbatch: tokens per step = micro_batch {micro} x sequence_len {config.sequence_len} x "

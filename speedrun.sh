@@ -98,7 +98,7 @@ if [ -n "$TOKENIZER" ]; then skip tokenizer "using --tokenizer $TOK"; else stage
 if [ "$PLAN" = gpu ]; then  # the shards the budget needs, counted with this tokenizer; and the disk they need
     stage data_plan "$PY" "$ROOT/pretrain.py" --data_plan --data_dir "$CORPUS" --tokenizer "$TOK" --runs_dir "$RUN" \
         "${PRETRAIN[@]}" "${PRETRAIN_EXTRA[@]}" "${R_PRETRAIN[@]}" "${R_SHAPE[@]}"
-    NEEDED=$(sed -n 's/^data plan shards: \([0-9]*\)$/\1/p' "$LOGS/data_plan.log" | tail -1)
+    NEEDED=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["shards"])' "$RUN/data_plan.json")
     if [ -n "$SHARDS" ] && [ "$SHARDS" -lt "$NEEDED" ]; then
         say "--shards $SHARDS is fewer than the $NEEDED the budget needs: pretraining will repeat data (it says so)"; fi
     launch stage download "$PY" "$ROOT/dataset.py" download --shards "${SHARDS:-$NEEDED}" --data_dir "$CORPUS"

@@ -452,6 +452,7 @@ def test_the_demo_tasks_run_end_to_end_on_two_processes_and_report_what_ran(tiny
                                                                                         ("demo-problems", 4, 120)]
     for r in report["tasks"]:
         mine = [x for x in records if x["task"] == r["task"]]
+        assert 0 < r["seconds"] < report["seconds"]  # what plan_cost prices each task's items at
         assert r["correct"] == sum(x["correct"] for x in mine) and r["accuracy"] == r["correct"] / 4
         assert 0 <= r["accuracy"] <= 1 and r["centered"] == (r["accuracy"] - r["baseline"]) / (1 - r["baseline"])
         assert re.search(rf"{r['task']} .* {r['correct']}/4 .* {r['accuracy']:.4f}", result.stdout)

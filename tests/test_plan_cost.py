@@ -61,14 +61,13 @@ def rehearsal(tmp_path):
         {"task": "a", "type": "multiple_choice", "items": 4, "items_in_task": 40},
         {"task": "b", "type": "schema", "items": 4, "items_in_task": 20}]}))
     chat = {"seconds": 3.0, "max_new_tokens": 16, "tasks": [
-        {"task": "ARC-Easy", "kind": "categorical", "items": 2, "items_in_task": 10},
-        {"task": "GSM8K", "kind": "gsm8k", "items": 2, "items_in_task": 6}]}
+        {"task": "ARC-Easy", "kind": "categorical", "items": 2, "items_in_task": 10, "seconds": 0.5},
+        {"task": "GSM8K", "kind": "gsm8k", "items": 2, "items_in_task": 6, "seconds": 2.5}]}
     (run / "chat_eval.json").write_text(json.dumps(chat))
-    (run / "logs" / "chat_eval.log").write_text(
-        "ARC-Easy: done, 1/2 right (0.5000) in 0.5 s (4.00 items/s)\n"
-        "GSM8K: done, 0/2 right (0.0000) in 2.5 s (0.80 items/s)\n")
     (run / "stage_evals" / "sft").mkdir(parents=True)
-    (run / "stage_evals" / "sft" / "chat_eval.json").write_text(json.dumps(chat))  # no log: the mean rate
+    for task in chat["tasks"]:  # results without each task's seconds: the mean rate
+        del task["seconds"]
+    (run / "stage_evals" / "sft" / "chat_eval.json").write_text(json.dumps(chat))
     return run
 
 
@@ -90,7 +89,7 @@ BUDGETS = {
 #   1 + (8 x 4 x 20 - 80) / 500 = 2.12 s; 2 saves; 2 + 9 // 4 = 4 evaluations of 3 groups x 20 forwards = 6 s
 # core_eval: start 12 - 2 = 10; 60 items x 0.25 s; 1,500 more validation tokens / (3 x 500) = 1 s
 # chat_eval: start 13 - 3 = 10; ARC-Easy 10 x 0.25 s; GSM8K 6 x 1.25 s x 64 / 16
-# chat_eval_sft: start 11 - 3 = 8 (the failed try of 9 s not counted); no log: 0.75 s an item, GSM8K x 4 as above
+# chat_eval_sft: start 11 - 3 = 8 (the failed try of 9 s not counted); no task seconds: 0.75 s an item, GSM8K x 4 as above
 EXPECTED = {"pretrain": 17 + 100 * 2 + 3 * 1.5 + 4 * 5, "core_eval": 10 + 60 * 0.25 + 1,
             "midtrain": 8 + 5 * 6 + 1 * 1.5, "sft": None, "rl": 9 + 10 * (8 + 2.12) + 2 * 0.5 + 4 * 6,
             "chat_eval": 10 + 10 * 0.25 + 6 * 1.25 * 4, "chat_eval_sft": 8 + 10 * 0.75 + 6 * 0.75 * 4, "report": 0.5}
@@ -119,7 +118,7 @@ def test_each_stage_is_predicted_from_the_rehearsal_rates_at_the_plan_budgets(tm
                                                  "bound; generated answers up to 64 tokens cost the rehearsal's (up "
                                                  "to 16) x 4: an upper bound, answers end sooner")
     assert stages["chat_eval_sft"]["assumption"].startswith("each task at the rehearsal's seconds per item (the mean: "
-                                                            "its log has no per-task rates), its 2 items")
+                                                            "its results have no per-task seconds), its 2 items")
     lines = plan_cost.format_prediction(prediction)
     assert lines[-1] == f"total: at least {total / 3600:.2f} h, {total / 1800:.1f} GPU-hours (2 GPUs); unknown: sft"
     assert any(line.startswith("pretrain") and line.split()[1] == "242" for line in lines)  # 241.5 s, rounded

@@ -414,7 +414,8 @@ def test_a_budget_larger_than_the_corpus_says_so_in_the_plan_every_log_line_and_
     code, plan, err = run_in_process(pretrain.main, [*common, "--total_batch_tokens", "256", "--data_plan"], capsys,
                                      stage="pretrain.py")  # in this process: the plan trains nothing
     assert code == 0, err[-3000:]
-    assert f"data plan shards: {math.ceil(steps * 256 / per_shard) + 1}\n" in plan
+    shards = json.loads((tmp_path / "runs" / "data_plan.json").read_text())["shards"]
+    assert shards == math.ceil(steps * 256 / per_shard) + 1 and f"data plan: {shards} training shards (" in plan
     assert f"{per_shard:,} tokens in shard_00000.parquet (1,200 documents" in plan
     result = run_script("pretrain.py", [*common, "--micro_batch", "4", "--log_every", "1", "--run_name", "r",
                                         "--ckpt_every", "1000"], tmp_path)
@@ -447,7 +448,8 @@ def test_the_data_plan_stops_when_the_disk_cannot_hold_the_checkpoints(world, tm
     assert f"checkpoints: pretraining keeps 2 (holding 3 while it saves), midtraining 2 (holding 3), SFT up to --keep " \
            f"2 (one more while it saves), RL 2 (holding 3): at most 9 at once x {each / 1e9:.2f} GB ({params:,} " \
            f"parameters" in out
-    assert "data plan shards: " in out
+    planned = json.loads((tmp_path / "runs" / "data_plan.json").read_text())["shards"]
+    assert f"data plan: {planned} training shards (" in out
     shards, ckpts = map(float, re.search(r"data plan disk: ([\d.]+) GB of shards .* = ([\d.]+) GB", out).groups())
     assert ckpts == round(9 * each / 1e9, 1)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 ** 12, 0, 10 ** 6))

@@ -124,18 +124,18 @@ def test_rl_has_its_row_in_the_stages_table_and_its_hardware_line(tmp_path):
     (run / "logs").mkdir(parents=True)
     (run / "rl").mkdir()
     (run / "rl" / "config.json").write_text(json.dumps({"stage": "rl", "tasks": "GSM8K /c/gsm8k (held out: GSM8K test)",
-                                                        "train_questions": 7473}))
+                                                        "train_questions": 7473, "params": 4194408,
+                                                        "hardware": "single process, device cpu (test)"}))
     (run / "rl" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
         {"step": 1, "loss": 0.5, "tokens": 300, "step_time": 2.0, "mfu": "unknown"},
         {"step": 2, "loss": 0.25, "tokens": 900, "step_time": 4.0, "mfu": "unknown"}]))
     (run / "rl" / "done.json").write_text(json.dumps({"step": 2, "reward_first_fifth": 0.25, "reward_last_fifth": 0.5,
                                                       "held_out_pass@1_first": 0.125, "held_out_pass@1_last": 0.375,
                                                       "note": "n", "held_out": {}}))
-    (run / "logs" / "rl.log").write_text("rl: params: 4194408\ndistributed: 1 x cpu (test)\n")
     (run / "logs" / "stages.tsv").write_text("rl\t12.5\t0\nreport\t1.0\t0\n")
     write_report(run)
     md = (run / "report.md").read_text()
-    assert "- hardware, rl: 1 x cpu (test)" in md
+    assert "- hardware, rl: single process, device cpu (test)" in md
     row = next(line for line in md.splitlines() if line.startswith("| rl |"))
     assert row.split(" | ")[1:] == ["GSM8K /c/gsm8k (held out: GSM8K test); 7,473 training questions", "2", "12.5",
                                     "900", "150", "unknown", "4,194,408", "held-out pass@1 0.375 |"]

@@ -569,7 +569,8 @@ def test_the_gpu_plans_rehearsal_runs_every_stage_on_two_cpu_processes(rehearsal
     shard0 = pq.read_table(corpus / "shard_00000.parquet").column("text").to_pylist()
     per_shard = sum(len(tok.encode(t)) + 1 for t in shard0)
     want = math.ceil(3 * 32768 / per_shard) + 1
-    assert f"data plan shards: {want}\n" in out
+    assert json.loads((run / "data_plan.json").read_text())["shards"] == want
+    assert f"data plan: {want} training shards (" in out
     shards = sorted(p.name for p in corpus.glob("*.parquet"))
     assert shards == [f"shard_{i:05d}.parquet" for i in [*range(max(2, want)), 9]]
     for name in shards:
