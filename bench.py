@@ -1,44 +1,39 @@
 """Benchmarks: figures printed with their targets. Not tests: tests/test_bench.py runs every row at its smallest size.
 
-    python bench.py                   # all but gpu: pretrain sft core_eval chat_eval generate cpu decode tokenizer
-                                      # loader
+    python bench.py                   # all but gpu
     python bench.py pretrain decode   # a chosen few
     python bench.py --dry_run         # each at its smallest size on the CPU, nothing compiled: that none is broken
 
-The stage rows (STAGE_ROWS) run the real command in a fresh process: on the demo world with a vocab-1024 tokenizer and
-a --preset checkpoint one step from random weights (the work per item does not depend on them), or on the corpus at
---corpus (../shared/corpus/realtext: ~16 MB of text; skipped if absent) with a vocab-8192 tokenizer. Each figure is
-read back from the command's files: tok/s the median of metrics.jsonl's after the first quarter of the steps, items/s
-the report's items / seconds.
+The stage rows (STAGE_ROWS) run the real command in a fresh process, on the demo world (vocab-1024 tokenizer; a
+--preset checkpoint one step from random weights: the work per item does not depend on them) or on --corpus (vocab
+8192; skipped if absent). Figures are read back from the command's files: tok/s the median of metrics.jsonl's after
+the first quarter of the steps, items/s the report's items / seconds.
 pretrain   `pretrain.py` on the demo world (30 steps, micro-batch 16): eager fp32, compile fp32, compile + bf16; MFU
            where pretrain.py logs one (a rated GPU). Target: compile + bf16 >= 2x eager fp32.
-sft        `sft.py` on the demo conversations from that checkpoint (30 steps, its micro-batch 16): tok/s, padding
-           included, and the shares of supervised and padding positions.
+sft        `sft.py` on the demo conversations (30 steps, micro-batch 16): tok/s, padding included, and the shares of
+           supervised and padding positions.
 core_eval  `core_eval.py` on the demo world's 8 tasks (513 items; --bundle DIR: that bundle), batch_items 1 and 8.
-chat_eval  `chat_eval.py --tasks demo-choice` (132 items): the letters alone (--option_text off) one prompt per forward
-           (--batch_items 1) and batched (8), and with the option-text diagnostic, batched: items/s and their ratios.
-generate   batched generation (decode.py) beside one item at a time (one row): `chat_eval.py --tasks demo-answer`
-           (--generate_items, --generate_tokens each: an untrained model rarely ends a reply) at --batch_items 1, 8
-           and 32: items/s, every item's record compared. Target: 8 >= 4x 1.
+chat_eval  `chat_eval.py --tasks demo-choice` (132 items): the letters alone (--option_text off) at --batch_items 1
+           and 8, and with the option-text diagnostic at 8: items/s and their ratios.
+generate   `chat_eval.py --tasks demo-answer` (--generate_items, --generate_tokens each: an untrained model rarely ends
+           a reply) at --batch_items 1, 8 and 32 (decode.py's batched generation): items/s, every item's record
+           compared. Target: 8 >= 4x 1.
 cpu        `pretrain.py` at nanochat's tiny CPU shape (4 layers, width 256, T 256, 8 x 256 tokens a step, vocab 8192),
            40 steps: Muon and AdamW, eager and compiled, in common.precision's dtype, and compiled Muon in the other:
            tok/s, the share of the step waiting for data; then the Muon step's share of the compiled Muon step.
            Targets (2 cores): compiled Muon >= 2x nanochat's tok/s (dev/LOG.md); the Muon step <= 15% of the step.
-decode     (in this process) greedy tok/s after a prompt filling the preset's sequence but --decode_tokens, in chat.py's
-           dtype here (bf16 on a GPU, else fp32), --trials interleaved, tokens compared: recomputing the whole context
-           every token, the model's forward on a KV cache one token at a time (kv_cache), chat.py's step (decode.py's
-           decode_step) eager and compiled. Targets: the KV cache >= 5x recompute; chat.py's default path here >= 1.5x
-           the KV cache. chat.py's second turn of a 2,000-token conversation: the first token with the cache kept vs
-           re-prefilling the history (target >= 5x). RL's rollouts, 16 demo questions x 16 replies (temperature 1,
-           top_k 50, rl.py's rollout threads): rl.sample_groups with all questions in one batch against one question
-           per batch, sampled tok/s (target >= 3x).
+decode     (in this process, chat.py's dtype) greedy tok/s after a prompt filling the preset's sequence but
+           --decode_tokens, --trials interleaved, tokens compared: recomputing the context every token, the model on a
+           KV cache (kv_cache), chat.py's step (decode.py's decode_step) eager and compiled. Targets: kv_cache >= 5x
+           recompute; chat.py's default path >= 1.5x kv_cache. chat.py's second turn after 2,000 tokens: the first
+           token with the cache kept vs re-prefilling the history (>= 5x). RL's rollouts, 16 demo questions x 16
+           replies (temperature 1, top_k 50, rl.py's threads): all questions in one batch vs one per batch (>= 3x).
 tokenizer  seconds to train a vocab-8192 tokenizer on the corpus's training split, reading included; bytes/token on its
            validation split. Target: <= 10 s for 50 MB (projected from the measured MB/s).
 loader     the streaming loader (read + tokenize + pack), one epoch of the corpus at T = 256, 1024, 2048: tok/s (target
            >= 1M), the share of document tokens cropped into a later row (target <= 20% at T = 2048; none discarded).
 gpu        (not in "all") the GPU battery: bench_gpu.py says how to run it.
-Moved: train's figures are pretrain's rows (--batch, --steps, --warmup went with it); chat's and generate's rollouts
-are decode's; quality, fsdp (with build), compile and download are dev/bench_*.py, with their flags.
+Moved: train is pretrain's rows; chat's and generate's rollouts are decode's; quality, fsdp, compile, download: dev/.
 """
 import argparse
 import json
@@ -116,6 +111,17 @@ DRY_FLAGS = {"pretrain.py": "--steps 3 --micro_batch 2 --bpb_tokens 4096 --compi
              "core_eval.py": "--max_items 2", "chat_eval.py": "--max_items 2 --max_new_tokens 4"}
 
 
+def versus(value, target, unit="x", digits=2, most=False, sep=""):
+    """'1.497x (target >= 1.5x: MISSED)': the figure with digits enough that, as printed, it is on the side of the
+    target its verdict says (1.497 is not "1.50x ... MISSED")."""
+    met = value <= target if most else value >= target
+    while digits < 9 and (float(f"{value:.{digits}f}") <= target if most else
+                          float(f"{value:.{digits}f}") >= target) != met:
+        digits += 1
+    return (f"{value:{sep}.{digits}f}{unit} (target {'<=' if most else '>='} {target:{sep}}{unit}: "
+            f"{'met' if met else 'MISSED'})")
+
+
 def demo_files(args):
     """--work's demo world and its vocab-1024 tokenizer, made on first use."""
     work = Path(args.work)
@@ -178,17 +184,9 @@ def stage_plan(args, device, name):
     return rows, places, dtype, why
 
 
-def run_row(args, name, row, places, jobs):
-    """One stage row's command, run: (label, figure, note)."""
-    label = row[1].format(**places)
-    slug = re.sub(r"\W+", "_", f"{name} {label}")
-    run_command(args, row[2], {**places, "run": slug, "out": f"{args.work}/out/{slug}"}, jobs)
-    return label, *stage_figure(row[3], Path(args.work) / "runs" / slug, Path(args.work) / "out" / slug)
-
-
 def start_stage_rows(args, device, names, pool, jobs):
-    """The dry run: every stage row of the benchmarks `names` submitted at once to `pool` (two at a time), so that
-    no core waits at the end of a benchmark for its last row; the rows that read the evaluation checkpoint
+    """Every stage row of the benchmarks `names` submitted at once to `pool` (the dry run's runs two at a time, so
+    that no core waits at the end of a benchmark for its last row); the rows that read the evaluation checkpoint
     (runs/bench) wait for it, made first. {name: [future of (label, figure, note)]}."""
     started, parent = {}, None
     for name in names:
@@ -203,7 +201,10 @@ def start_stage_rows(args, device, names, pool, jobs):
         def job(row, places=places, name=name, wait=parent if needs else None):
             if wait is not None:
                 wait.result()  # the checkpoint's command failed: so does this row
-            return run_row(args, name, row, places, jobs)
+            label = row[1].format(**places)
+            slug = re.sub(r"\W+", "_", f"{name} {label}")
+            run_command(args, row[2], {**places, "run": slug, "out": f"{args.work}/out/{slug}"}, jobs)
+            return label, *stage_figure(row[3], Path(args.work) / "runs" / slug, Path(args.work) / "out" / slug)
         started[name] = [pool.submit(job, row) for row in rows]
     return started
 
@@ -214,22 +215,18 @@ def bench_stages(args, device, name, started=None):
     plan = stage_plan(args, device, name)
     if plan is None:
         return print(f"{name}: skipped, no corpus at {args.corpus} (--corpus DIR: parquet shards, the last validation)")
-    rows, places, dtype, why = plan
-    if started is not None:
-        results = [future.result() for future in started[name]]
-    else:  # one at a time: timed rows would share the cores
-        if any("runs/bench" in row[2] for row in rows) and not (Path(args.work) / "runs" / "bench").is_dir():
-            run_command(args, PARENT, places)
-        results = [run_row(args, name, row, places, 1) for row in rows]
+    rows, _, dtype, why = plan
+    if started is None:  # one at a time: timed rows would share the cores
+        with ThreadPoolExecutor(1) as pool:
+            started = start_stage_rows(args, device, [name], pool, 1)
     figures = {}
-    for row, (label, value, note) in zip(rows, results, strict=True):
+    for row, (label, value, note) in zip(rows, [future.result() for future in started[name]], strict=True):
         figures[label] = value
         print(f"{name} {label}: {value:,.{0 if row[3] == 'tok/s' else 2}f} {row[3]} ({note})")
     for bench, top, bottom, target in STAGE_RATIOS:
         if bench == name:
             ratio = figures[top] / figures[bottom]
-            print(f"{name}: {top} / {bottom} = {ratio:.2f}x" + (f" (target >= {target}x: "
-                  f"{'met' if ratio >= target else 'MISSED'})" if target else ""))
+            print(f"{name}: {top} / {bottom} = " + (versus(ratio, target) if target else f"{ratio:.2f}x"))
     if name == "generate":
         records = {(Path(args.work) / "out" / f"generate_batch_items_{b}_items.jsonl").read_text() for b in (1, 8, 32)}
         print(f"generate: every item's record identical at batch_items 1, 8 and 32: {len(records) == 1}")
@@ -262,10 +259,10 @@ def muon_share(device, step_seconds, vocab, dry_run):
             times[label].append(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
     median = {label: statistics.median(t[untimed:]) for label, t in times.items()}
+    alone = ", ".join(f"{label} {1000 * t:.1f} ms" for label, t in median.items())
     print(f"cpu Muon step (Newton-Schulz in {muon.param_groups[0]['ns_dtype']}): {1000 * median['Muon step']:.1f} ms, "
-          f"{100 * median['Muon step'] / step_seconds:.1f}% of pretrain.py's compiled {dtype} Muon step "
-          f"({1000 * step_seconds:.0f} ms); alone: " + ", ".join(f"{label} {1000 * t:.1f} ms"
-                                                                 for label, t in median.items()))
+          f"{versus(100 * median['Muon step'] / step_seconds, 15, '%', 1, most=True)} of pretrain.py's compiled "
+          f"{dtype} Muon step ({1000 * step_seconds:.0f} ms); alone: {alone}")
 
 
 def chat_decode_paths(device):
@@ -336,9 +333,7 @@ def bench_decode(args, device):
               f"greedy tokens identical: {all(r[1] == results['kv_cache'][0][1] for r in runs)})")
     for top, bottom, target in (("kv_cache", "recompute", 5), (chat_default, "kv_cache", 1.5)):
         if top in rates:
-            ratio = rates[top] / rates[bottom]
-            print(f"decode: {top} / {bottom} = {ratio:.2f}x (target >= {target}x: "
-                  f"{'met' if ratio >= target else 'MISSED'})")
+            print(f"decode: {top} / {bottom} = {versus(rates[top] / rates[bottom], target)}")
     figures = {"dtype": dtype, **{f"decode_tok_per_s_{name}": rate for name, rate in rates.items()}}
 
     long_model = build_model(config_from_preset(args.preset, {"sequence_len": 2304}), device).eval()
@@ -359,8 +354,7 @@ def bench_decode(args, device):
     times = [(first_token(True), first_token(False)) for _ in range(trials)]
     kept, again = (statistics.median(t[i] for t in times) for i in (0, 1))
     print(f"decode chat second turn (20 tokens after {len(history):,}): first token {1000 * kept:.1f} ms with the "
-          f"cache kept, {1000 * again:.1f} ms re-prefilling the history: {again / kept:.1f}x (target >= 5x: "
-          f"{'met' if again >= 5 * kept else 'MISSED'})")
+          f"cache kept, {1000 * again:.1f} ms re-prefilling the history: {versus(again / kept, 5, digits=1)}")
     figures.update(first_token_s_kept=kept, first_token_s_reprefill=again)
 
     rl_model = build_model(config_from_preset(args.preset, {"vocab_size": tok.vocab_size}), device).eval()
@@ -380,8 +374,7 @@ def bench_decode(args, device):
               f"replies of {len(prompts)} questions in {seconds:.1f} s, {torch.get_num_threads()} thread(s))")
     torch.set_num_threads(threads)
     ratio = figures["rollout_tok_per_s_all_questions"] / figures["rollout_tok_per_s_per_question"]
-    print(f"decode rl: all questions per batch {ratio:.2f}x one question per batch (target >= 3x: "
-          f"{'met' if ratio >= 3 else 'MISSED'})")
+    print(f"decode rl: all questions per batch / one question per batch = {versus(ratio, 3)}")
     return figures
 
 
@@ -397,7 +390,7 @@ def bench_tokenizer(args, device):
     projected = 50 / (mb / seconds)
     print(f"tokenizer: trained vocab {tokenizer.vocab_size} on {stats['docs']:,} documents, {stats['chars']:,} "
           f"characters, {mb:.1f} MB in {seconds:.2f} s: {mb / seconds:.1f} MB/s")
-    print(f"tokenizer: projected {projected:.1f} s for 50 MB (target <= 10 s: {'met' if projected <= 10 else 'MISSED'})")
+    print(f"tokenizer: projected for 50 MB: {versus(projected, 10, ' s', 1, most=True)}")
     print(f"tokenizer: bytes/token on the validation split: {bytes_per_token(tokenizer, iter_texts(corpus, 'val')):.3f}")
 
 
@@ -416,10 +409,9 @@ def bench_loader(args, device):
         stats = loader.state["stats"]
         loader.close()
         cropped = stats["cropped"] / stats["doc_tokens"]
-        target = f" (target <= 20%: {'met' if cropped <= 0.2 else 'MISSED'})" if seq_len == 2048 else ""
-        print(f"loader T={seq_len:4d}: {rate:10,.0f} tok/s (target >= 1M: {'met' if rate >= 1e6 else 'MISSED'}), "
-              f"cropped {100 * cropped:.1f}% of document tokens{target}, none discarded; one epoch of "
-              f"{stats['docs']:,} documents, batch 16")
+        crop = versus(100 * cropped, 20, "%", 1, most=True) if seq_len == 2048 else f"{100 * cropped:.1f}%"
+        print(f"loader T={seq_len:4d}: {versus(rate, 1_000_000, ' tok/s', 0, sep=',')}, cropped {crop} of document "
+              f"tokens, none discarded; one epoch of {stats['docs']:,} documents, batch 16")
 
 
 STAGES = list(dict.fromkeys(row[0] for row in STAGE_ROWS))
