@@ -75,29 +75,23 @@ CORE_EVAL = ("core_eval.py --checkpoint {work}/runs/bench --bundle {bundle} --bp
 # on the weights), micro-batch 16, which sft inherits
 PARENT = DEMO_PRETRAIN.replace("{run} --steps 30", "bench --steps 1")
 CHAT_EVAL = "chat_eval.py --checkpoint {work}/runs/bench --out {out}.json"
+CHOICE = CHAT_EVAL + " --tasks demo-choice"
 GENERATE = (CHAT_EVAL + " --tasks demo-answer --max_items {generate_items} --max_new_tokens {generate_tokens} "
             "--dtype float32")
 STAGE_ROWS = [
-    ("pretrain", "eager fp32", DEMO_PRETRAIN + " --dtype float32 --compile false", "tok/s"),
-    ("pretrain", "compile fp32", DEMO_PRETRAIN + " --dtype float32 --compile true", "tok/s"),
-    ("pretrain", "compile + bf16", DEMO_PRETRAIN + " --dtype bfloat16 --compile true", "tok/s"),
+    *[("pretrain", label, f"{DEMO_PRETRAIN} --dtype {dtype} --compile {on}", "tok/s") for label, dtype, on in
+      (("eager fp32", "float32", "false"), ("compile fp32", "float32", "true"),
+       ("compile + bf16", "bfloat16", "true"))],
     ("sft", "demo conversations", SFT, "tok/s"),
-    ("core_eval", "batch_items 1", CORE_EVAL + " --batch_items 1", "items/s"),
-    ("core_eval", "batch_items 8", CORE_EVAL + " --batch_items 8", "items/s"),
-    ("chat_eval", "letters, batch_items 1", CHAT_EVAL + " --tasks demo-choice --option_text off --batch_items 1",
-     "items/s"),
-    ("chat_eval", "letters, batch_items 8", CHAT_EVAL + " --tasks demo-choice --option_text off --batch_items 8",
-     "items/s"),
-    ("chat_eval", "option text, batch_items 8", CHAT_EVAL + " --tasks demo-choice --option_text on --batch_items 8",
-     "items/s"),
-    *[("generate", f"batch_items {b}", GENERATE + f" --batch_items {b}", "items/s") for b in (1, 8, 32)],
+    *[("core_eval", f"batch_items {b}", f"{CORE_EVAL} --batch_items {b}", "items/s") for b in (1, 8)],
+    *[("chat_eval", f"{label}, batch_items {b}", f"{CHOICE} --option_text {on} --batch_items {b}", "items/s")
+      for label, on, b in (("letters", "off", 1), ("letters", "off", 8), ("option text", "on", 8))],
+    *[("generate", f"batch_items {b}", f"{GENERATE} --batch_items {b}", "items/s") for b in (1, 8, 32)],
     # every optimizer and compile setting in the chosen precision, the other at the defaults only: where bf16 is
     # emulated (20-100x slower on an AVX2-only CPU) four runs in it would dominate the row
-    ("cpu", "muon {dtype} eager", CPU_SHAPE + " --optimizer muon --dtype {dtype} --compile false", "tok/s"),
-    ("cpu", "muon {dtype} compiled", CPU_SHAPE + " --optimizer muon --dtype {dtype} --compile true", "tok/s"),
-    ("cpu", "adamw {dtype} eager", CPU_SHAPE + " --optimizer adamw --dtype {dtype} --compile false", "tok/s"),
-    ("cpu", "adamw {dtype} compiled", CPU_SHAPE + " --optimizer adamw --dtype {dtype} --compile true", "tok/s"),
-    ("cpu", "muon {other_dtype} compiled", CPU_SHAPE + " --optimizer muon --dtype {other_dtype} --compile true",
+    *[("cpu", f"{opt} {{dtype}} {mode}", f"{CPU_SHAPE} --optimizer {opt} --dtype {{dtype}} --compile {on}", "tok/s")
+      for opt in ("muon", "adamw") for mode, on in (("eager", "false"), ("compiled", "true"))],
+    ("cpu", "muon {other_dtype} compiled", f"{CPU_SHAPE} --optimizer muon --dtype {{other_dtype}} --compile true",
      "tok/s"),
 ]
 # the ratios printed after a benchmark's rows: (benchmark, row, / row, target or None)
