@@ -1,21 +1,19 @@
-"""The GPU battery (`bench.py gpu`), and the device measurements bench.py shares with it: what a session with a GPU runs
-first. bench.py parses its flags (add_gpu_args) and calls bench_gpu or gpu_probe; `python bench_gpu.py` prints this.
+"""The GPU battery (`bench.py gpu`: bench.py parses its flags, add_gpu_args, and calls bench_gpu or gpu_probe), and the
+device measurements bench.py shares with it. `python bench_gpu.py` prints this.
 
     python dev/gpu_carry.py prepare --nanochat_mirror DIR --corpus DIR  # on a machine with both: fills .bench/
     python bench.py gpu --rows mfu_d20 --out $OUT                       # on the GPU, one device call per row group
     python bench.py gpu --dry_run                                       # every row at toy size on the CPU
     python dev/gpu_carry.py merge A/gpu_bench.json B/gpu_bench.json     # the calls' files into one table
 
-Rows: pretraining tok/s, MFU and peak memory against model.py's estimate at d20, d12 and d26 beside nanochat's own
-scripts/base_train.py at the same shape and batch; validation bpb at d12 after the same tokens at 2^19 and 2^17
-tokens a step, beside nanochat's; the demo plan end to end; bench.py decode's figures (chat_decode). Every figure is
-read back from the command's own files and output. On a lent GPU machine dev/gpu_session.sh runs it (with each row's
-expected GPU time), and dev/gpu_carry.py makes what that machine cannot download (.bench/).
-A training row runs three phases, each its own process with a line printed as it starts and ends, its log in
---out/logs, and a time limit (--phase_timeout; --deadline_s for the whole call): the micro-batch probe (`bench.py
-gpu_probe`, once per model), pretrain.py (compilation, the steps, one evaluation; no checkpoint), nanochat's
-base_train.py at the same shape, batch and micro-batch (its end-of-run checkpoint goes to /dev/null). A phase stopped
-at its limit is reported as timed out with its log's tail and the figures of the steps it logged; the row goes on.
+Rows, each figure read back from the command's own files and output: pretraining tok/s, MFU and peak memory against
+model.py's estimate at d20, d12 and d26 beside nanochat's scripts/base_train.py at the same shape and batch;
+validation bpb at d12 after the same tokens at 2^19 and 2^17 tokens a step, beside nanochat's; the demo plan end to
+end; bench.py decode's figures (chat_decode). A training row's phases (the micro-batch probe `bench.py gpu_probe`, once
+per model; pretrain.py; base_train.py at the same micro-batch, its checkpoint to /dev/null) each run in a process of
+their own, logged to --out/logs under a time limit (--phase_timeout, --deadline_s): one stopped is reported as timed
+out with its log's tail and the figures of the steps it logged, and the row goes on. On a lent GPU machine
+dev/gpu_session.sh runs it (each row's expected GPU time is there); dev/gpu_carry.py makes what it cannot download.
 """
 import argparse
 import itertools
@@ -88,13 +86,10 @@ def nanochat_data(base, corpus):
         (data / shard.name).symlink_to(shard.resolve())
 
 
-def nanochat_env(bench, base, threads=None):
+def nanochat_env(bench, base):
     """Environment for nanochat's scripts: its base dir, the wandb stub (and the carried wheels) on PYTHONPATH."""
-    env = {**os.environ, "NANOCHAT_BASE_DIR": str(base), "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(bench) / "stub"), os.environ.get("PYTHONPATH")]))}
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    return env
+    return {**os.environ, "NANOCHAT_BASE_DIR": str(base), "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(bench) / "stub"), os.environ.get("PYTHONPATH")]))}
 
 
 def run_logged(command, log, phase, timeout, cwd=None, env=None):
@@ -110,12 +105,8 @@ def run_logged(command, log, phase, timeout, cwd=None, env=None):
         # its own session: a timeout stops it and whatever it started (torch.compile's workers), not this process
         process = subprocess.Popen(list(map(str, command)), stdout=out, stderr=subprocess.STDOUT, cwd=cwd, env=env,
                                    start_new_session=True)
-        stopped_at, status = None, None
-        while status is None:
-            pid, raw, usage = os.wait4(process.pid, os.WNOHANG)
-            if pid:
-                status = os.waitstatus_to_exitcode(raw)
-                break
+        stopped_at = None
+        while not (waited := os.wait4(process.pid, os.WNOHANG))[0]:
             elapsed = time.perf_counter() - start
             if stopped_at is None and elapsed > timeout:
                 stopped_at = elapsed
@@ -123,10 +114,10 @@ def run_logged(command, log, phase, timeout, cwd=None, env=None):
             elif stopped_at is not None and elapsed > stopped_at + 10:
                 os.killpg(process.pid, signal.SIGKILL)
             time.sleep(0.2)
-    process.returncode = status
+    _, raw, usage = waited
+    process.returncode = status = os.waitstatus_to_exitcode(raw)
     wall = time.perf_counter() - start
-    if stopped_at is not None:
-        status = f"timed out after {timeout:.0f} s"
+    status = f"timed out after {timeout:.0f} s" if stopped_at is not None else status
     print(f"gpu: {phase}: {'exit ' + str(status) if isinstance(status, int) else status}, {wall:.0f} s", flush=True)
     return status, wall, usage.ru_maxrss * 1024
 
@@ -143,8 +134,7 @@ def failure(status, log):
 
 
 def out_of_memory(log):
-    text = Path(log).read_text(errors="replace")
-    return "OutOfMemoryError" in text or "CUDA out of memory" in text
+    return any(error in Path(log).read_text(errors="replace") for error in ("OutOfMemoryError", "CUDA out of memory"))
 
 
 def gpu_probe(args, device):
@@ -337,7 +327,8 @@ class GpuBattery:
             status, rss = self.phase(row, command, f"{name} nanochat (base_train.py: compilation, {steps} steps"
                                      f"{', evaluation' if bpb else ''}; micro-batch {micro})", log,
                                      cwd=self.bench / "nanochat",
-                                     env=nanochat_env(self.bench, base, torch.get_num_threads()))
+                                     env={**nanochat_env(self.bench, base), "OMP_NUM_THREADS":
+                                          str(torch.get_num_threads())})
             if not (status != 0 and out_of_memory(log) and micro > 1):
                 break
             row.setdefault("out_of_memory_at_micro_batch", []).append(micro)
@@ -402,25 +393,22 @@ class GpuBattery:
         row = {"row": "chat_decode", "side": "ours", "command": f"python bench.py decode --preset tiny --decode_tokens "
                f"{args.decode_tokens} --trials {args.trials} --generate_tokens {args.generate_tokens} (random weights)"}
         try:  # in this process, unlike the other rows: a failure (a compilation error) is the row's, not the call's
-            figures = self.bench_decode(args, self.device)
+            row.update(status="ok", **self.bench_decode(args, self.device))
         except Exception as e:  # noqa: BLE001  (any error: reported in the row, the table still written)
-            print(f"gpu: chat_decode: failed: {type(e).__name__}: {e}", flush=True)
-            return {**row, "status": f"failed: {type(e).__name__}: {e}"}
-        print("gpu: chat_decode: done", flush=True)
-        return {**row, "status": "ok", **figures}
+            row["status"] = f"failed: {type(e).__name__}: {e}"
+        print(f"gpu: chat_decode: {'done' if row['status'] == 'ok' else row['status']}", flush=True)
+        return row
 
 
 def gpu_environment(device, bench_dir):
     """Device, driver, torch and the code, for the battery's header."""
-    driver = "none (CPU)"
-    if device.type == "cuda":
-        try:
-            driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                    capture_output=True, text=True, timeout=30, check=True).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            driver = "unknown (nvidia-smi did not answer)"
-    code = common.code_version()
-    prepared = Path(bench_dir) / "PREPARED.json"
+    driver, code, prepared = "none (CPU)", common.code_version(), Path(bench_dir) / "PREPARED.json"
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=30, check=True).stdout.strip() \
+            if device.type == "cuda" else driver
+    except (OSError, subprocess.SubprocessError):
+        driver = "unknown (nvidia-smi did not answer)"
     return {"device": common.device_name(device), "driver": driver, "torch": torch.__version__,
             "cuda": torch.version.cuda or "none", "python": sys.version.split()[0], "commit": code["commit"],
             "dirty": code["dirty"], "prepared_at_commit": json.loads(prepared.read_text())["code"]["commit"]
@@ -447,9 +435,8 @@ def gpu_markdown(result):
              "FLOPs); nanochat's own figure beside it. tok/s = tokens per step / median step time of the timed steps.")
     columns = ("| row | side | model, micro x seq, tokens/step | steps (timed) | tok/s | MFU (nanochat's own) | "
                "peak memory / model.py estimate | val bpb | status | command |")
-    others = [e for e in result.get("environments", []) if e != env]
     header += "".join(f"; another call: {e['device']}, driver {e['driver']}, torch {e['torch']}, commit {e['commit']}, "
-                      f"{e['date']}" for e in others)
+                      f"{e['date']}" for e in result.get("environments", []) if e != env)  # gpu_carry.py merge's
     out = [title, "", header, "", notes, "", columns, "|---" * 10 + "|"]
     for r in result["rows"]:
         shape = (f"{r.get('model', '')}, {r.get('micro_batch', '?')} x {r.get('seq_len', '?')}, "
@@ -483,9 +470,8 @@ def bench_gpu(args, device, demo_files, bench_decode):
     def save():  # after every side of every row: a call killed later keeps what it finished
         (out / "gpu_bench.json").write_text(json.dumps(result, indent=1) + "\n")
         (out / "gpu_bench.md").write_text(gpu_markdown(result))
-    for name in [r for r in GPU_ROWS if r in args.rows]:
+    for name, spec in [(r, spec) for r, spec in GPU_ROWS.items() if r in args.rows]:
         print(f"gpu: row {name} ...", flush=True)
-        spec = GPU_ROWS[name]
         if "depth" in spec:
             try:
                 ours = battery.ours(name, spec)
