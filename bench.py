@@ -36,6 +36,7 @@ gpu        (not in "all") the GPU battery: bench_gpu.py says how to run it.
 Moved: train is pretrain's rows; chat's and generate's rollouts are decode's; quality, fsdp, compile, download: dev/.
 """
 import argparse
+import functools
 import json
 import os
 import re
@@ -184,8 +185,7 @@ def start_stage_rows(args, device, names, pool, jobs):
     (runs/bench) wait for it, made first. {name: [future of (label, figure, note)]}."""
     started, parent = {}, None
     for name in names:
-        plan = stage_plan(args, device, name)
-        if plan is None:
+        if (plan := stage_plan(args, device, name)) is None:
             continue
         rows, places, _, _ = plan
         needs = any("runs/bench" in row[2] for row in rows) and not (Path(args.work) / "runs" / "bench").is_dir()
@@ -304,15 +304,13 @@ def bench_decode(args, device):
         step = lambda token: model(token.view(1, 1), kv_cache=cache)[:, -1]
         return greedy(lambda: model(torch.tensor([prompt], device=device), kv_cache=cache)[:, -1], step)
 
-    def with_chat(conv):
-        def run():
-            conv.ids, conv.cache.pos = [], 0
-            return greedy(lambda: conv.forward(prompt), conv.step)
-        return run
+    def with_chat(conv):  # chat.py's Conversation, emptied
+        conv.ids, conv.cache.pos = [], 0
+        return greedy(lambda: conv.forward(prompt), conv.step)
     paths = {"recompute": recompute, "kv_cache": kv_cache}
     for decode in decodes:
         start = time.perf_counter()
-        paths[decode] = with_chat(chat.Conversation(model, tok, True, decode, dtype))
+        paths[decode] = functools.partial(with_chat, chat.Conversation(model, tok, True, decode, dtype))
         paths[decode]()  # warm up; compiles the compiled one
         if decode == "compiled":
             print(f"decode compiled: first call (compilation) {time.perf_counter() - start:.1f} s")
@@ -379,13 +377,12 @@ def bench_tokenizer(args, device):
     stats = {"docs": 0, "chars": 0, "bytes": 0}
     start = time.perf_counter()  # streaming the shards is part of training, as in `python tokenizer.py train`
     tokenizer = train_tokenizer(counting(iter_texts(corpus, "train"), stats), args.corpus_vocab)
-    seconds = time.perf_counter() - start
-    mb = stats["bytes"] / 1e6
-    projected = 50 / (mb / seconds)
+    seconds, mb = time.perf_counter() - start, stats["bytes"] / 1e6
     print(f"tokenizer: trained vocab {tokenizer.vocab_size} on {stats['docs']:,} documents, {stats['chars']:,} "
-          f"characters, {mb:.1f} MB in {seconds:.2f} s: {mb / seconds:.1f} MB/s")
-    print(f"tokenizer: projected for 50 MB: {versus(projected, 10, ' s', 1, most=True)}")
-    print(f"tokenizer: bytes/token on the validation split: {bytes_per_token(tokenizer, iter_texts(corpus, 'val')):.3f}")
+          f"characters, {mb:.1f} MB in {seconds:.2f} s: {mb / seconds:.1f} MB/s; projected for 50 MB: "
+          f"{versus(50 * seconds / mb, 10, ' s', 1, most=True)}")
+    per_token = bytes_per_token(tokenizer, iter_texts(corpus, "val"))
+    print(f"tokenizer: bytes/token on the validation split: {per_token:.3f}")
 
 
 def bench_loader(args, device):
@@ -425,7 +422,7 @@ def main(argv=None):
                         "64), nanochat's where --bench_dir holds its tree")
     parser.add_argument("--work", help="where the rows' files go, kept (default: a temporary folder, removed)")
     parser.add_argument("--decode_tokens", type=int, default=64, help="decode: tokens generated (default: 64)")
-    parser.add_argument("--trials", type=int, default=5, help="decode: interleaved trials, the median is reported "
+    parser.add_argument("--trials", type=int, default=5, help="decode: interleaved trials, their median reported "
                         "(default: 5)")
     parser.add_argument("--corpus", default=str(Path(__file__).resolve().parent.parent / "shared/corpus/realtext"),
                         help="text corpus of tokenizer, loader and cpu (default: %(default)s)")

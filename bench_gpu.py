@@ -35,6 +35,7 @@ import common
 import model
 import optim
 import train_loop
+from run_files import read_json
 
 
 def sync(device):
@@ -173,13 +174,11 @@ class GpuBattery:
         if self.peak is None:  # a CPU, or a GPU the table lacks: this device's own measured matmul throughput
             self.peak = matmul_peak(device, getattr(torch, self.dtype))
             self.peak_source = f"measured 2048x2048 {self.dtype} matmul throughput of this device"
-        prepared = self.bench / "PREPARED.json"
         if self.dry:  # the toy world: bench.py's demo world and its vocab-1024 tokenizer
             self.corpus, self.tok_ours = demo_files(args) / "demo" / "pretrain", Path(args.work) / "tokenizer_1024"
         else:
             self.corpus, self.tok_ours = self.bench / "corpus", self.bench / "tokenizer_ours"
-        self.vocab = DRY["vocab"] if self.dry else json.loads(prepared.read_text())["vocab"] if prepared.is_file() \
-            else None
+        self.vocab = DRY["vocab"] if self.dry else (read_json(self.bench / "PREPARED.json") or {}).get("vocab")
         self.tok_nanochat = self.bench / "tokenizer_nanochat"
         if not (self.tok_ours / "tokenizer.json").is_file():
             raise FileNotFoundError(f"gpu: no tokenizer in {self.tok_ours}: run `python dev/gpu_carry.py prepare` "
@@ -377,11 +376,10 @@ class GpuBattery:
                        CHAT_EVAL_ARGS="--max_items 2 --max_new_tokens 4")
         row = {"row": "demo", "side": "ours", "command": " ".join(map(str, command)).replace(str(self.work), "$WORK")}
         self.phase(row, command, "demo (speedrun.sh --plan demo)", self.logs / "demo.log", cwd=self.work, env=env)
-        done, core = run / "pretrain" / "done.json", sorted(run.glob("core_eval/**/results.json"))
-        chat = run / "chat_eval.json"
-        row["val_bpb"] = json.loads(done.read_text())["val_bpb"] if done.is_file() else "unknown"
-        row["core"] = json.loads(core[-1].read_text())["core"] if core else "unknown"
-        row["chatcore"] = json.loads(chat.read_text())["chatcore"] if chat.is_file() else "unknown"
+        core = sorted(run.glob("core_eval/**/results.json"))
+        row.update(val_bpb=(read_json(run / "pretrain" / "done.json") or {}).get("val_bpb", "unknown"),
+                   core=read_json(core[-1])["core"] if core else "unknown",
+                   chatcore=(read_json(run / "chat_eval.json") or {}).get("chatcore", "unknown"))
         shutil.rmtree(run, ignore_errors=True)  # its checkpoints
         return row
 
@@ -402,7 +400,7 @@ class GpuBattery:
 
 def gpu_environment(device, bench_dir):
     """Device, driver, torch and the code, for the battery's header."""
-    driver, code, prepared = "none (CPU)", common.code_version(), Path(bench_dir) / "PREPARED.json"
+    driver, code, prepared = "none (CPU)", common.code_version(), read_json(Path(bench_dir) / "PREPARED.json")
     try:
         driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                 capture_output=True, text=True, timeout=30, check=True).stdout.strip() \
@@ -411,8 +409,8 @@ def gpu_environment(device, bench_dir):
         driver = "unknown (nvidia-smi did not answer)"
     return {"device": common.device_name(device), "driver": driver, "torch": torch.__version__,
             "cuda": torch.version.cuda or "none", "python": sys.version.split()[0], "commit": code["commit"],
-            "dirty": code["dirty"], "prepared_at_commit": json.loads(prepared.read_text())["code"]["commit"]
-            if prepared.is_file() else "unknown", "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+            "dirty": code["dirty"], "prepared_at_commit": prepared["code"]["commit"] if prepared else "unknown",
+            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
 
 
 def fmt(value, kind):
@@ -493,7 +491,7 @@ def add_gpu_args(parser):
     g.add_argument("--rows", nargs="+", default=list(GPU_ROWS), choices=GPU_ROWS, help="gpu: rows to run (default: "
                    "all; one device call each: " + "; ".join(" ".join(c) for c in GPU_CALLS) + ")")
     g.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu_bench", help="gpu: where gpu_bench.json and "
-                   "gpu_bench.md go (default: $OUT when set, else runs/gpu_bench; now: %(default)s)")
+                   ".md go (default: $OUT when set, else runs/gpu_bench; now: %(default)s)")
     g.add_argument("--bench_dir", default=str(Path(__file__).resolve().parent / ".bench"), help="the carry folder "
                    "dev/gpu_carry.py prepare fills and gpu reads (default: %(default)s)")
     g.add_argument("--gpu_vocab", type=int, default=GPU_VOCAB, help="gpu_probe: vocabulary (default: %(default)s)")
@@ -501,12 +499,10 @@ def add_gpu_args(parser):
                    "batches (default: %(default)s = 64 steps of 2^19, ~9 epochs of the carried corpus at vocab 32768)")
     g.add_argument("--max_micro", type=int, default=256, help="gpu_probe: largest micro-batch tried (default: 256)")
     g.add_argument("--probe_seq_len", type=int, default=0, help="gpu_probe: sequence length; 0 = the preset's")
-    g.add_argument("--phase_timeout", type=float, default=300, help="gpu: seconds each phase of a row (the probe, "
-                   "ours, nanochat's, the demo) may take before it is stopped and reported as timed out with its "
-                   "log's tail; the row goes on (default: %(default)s)")
+    g.add_argument("--phase_timeout", type=float, default=300, help="gpu: seconds a phase of a row (the probe, ours, "
+                   "nanochat's, the demo) may take, then it is stopped (default: %(default)s)")
     g.add_argument("--deadline_s", type=float, default=0, help="gpu: seconds from this call's start by which every "
-                   "phase is stopped (each gets the least of --phase_timeout and what is left), so that the table is "
-                   "written before the device's own limit; 0 = none (default: %(default)s)")
+                   "phase is stopped, the table written before the device's own limit; 0 = none (default: 0)")
 
 if __name__ == "__main__":
     print(__doc__)
