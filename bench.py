@@ -38,6 +38,7 @@ Moved: train is pretrain's rows; chat's and generate's rollouts are decode's; qu
 import argparse
 import functools
 import json
+import operator
 import os
 import re
 import statistics
@@ -109,12 +110,11 @@ DRY_FLAGS = {"pretrain.py": "--steps 3 --micro_batch 2 --bpb_tokens 4096 --compi
 def versus(value, target, unit="x", digits=2, most=False, sep=""):
     """'1.497x (target >= 1.5x: MISSED)': the figure with digits enough that, as printed, it is on the side of the
     target its verdict says (1.497 is not "1.50x ... MISSED")."""
-    met = value <= target if most else value >= target
-    while digits < 9 and (float(f"{value:.{digits}f}") <= target if most else
-                          float(f"{value:.{digits}f}") >= target) != met:
+    meets = operator.le if most else operator.ge
+    while digits < 9 and meets(float(f"{value:.{digits}f}"), target) != meets(value, target):
         digits += 1
     return (f"{value:{sep}.{digits}f}{unit} (target {'<=' if most else '>='} {target:{sep}}{unit}: "
-            f"{'met' if met else 'MISSED'})")
+            f"{'met' if meets(value, target) else 'MISSED'})")
 
 
 def demo_files(args):

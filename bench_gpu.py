@@ -101,8 +101,7 @@ def run_logged(command, log, phase, timeout, cwd=None, env=None):
     print(f"gpu: {phase}: started (log {log}, timeout {timeout:.0f} s)", flush=True)
     start = time.perf_counter()
     with open(log, "w") as out:
-        out.write("$ " + " ".join(map(str, command)) + "\n")
-        out.flush()
+        print("$", *command, file=out, flush=True)
         # its own session: a timeout stops it and whatever it started (torch.compile's workers), not this process
         process = subprocess.Popen(list(map(str, command)), stdout=out, stderr=subprocess.STDOUT, cwd=cwd, env=env,
                                    start_new_session=True)
@@ -115,12 +114,10 @@ def run_logged(command, log, phase, timeout, cwd=None, env=None):
             elif stopped_at is not None and elapsed > stopped_at + 10:
                 os.killpg(process.pid, signal.SIGKILL)
             time.sleep(0.2)
-    _, raw, usage = waited
-    process.returncode = status = os.waitstatus_to_exitcode(raw)
-    wall = time.perf_counter() - start
-    status = f"timed out after {timeout:.0f} s" if stopped_at is not None else status
+    process.returncode = status = os.waitstatus_to_exitcode(waited[1])
+    wall, status = time.perf_counter() - start, f"timed out after {timeout:.0f} s" if stopped_at is not None else status
     print(f"gpu: {phase}: {'exit ' + str(status) if isinstance(status, int) else status}, {wall:.0f} s", flush=True)
-    return status, wall, usage.ru_maxrss * 1024
+    return status, wall, waited[2].ru_maxrss * 1024
 
 
 def tail(path, lines=15):
@@ -129,9 +126,8 @@ def tail(path, lines=15):
 
 def failure(status, log):
     """A failed or timed-out phase's status line: why, and the last lines of its log."""
-    if isinstance(status, str):  # timed out
-        return f"{status} (--phase_timeout, --deadline_s); log tail:\n{tail(log, 8)}"
-    return "failed: " + ("out of memory" if out_of_memory(log) else f"exit {status}; log tail:\n{tail(log, 8)}")
+    return f"{status} (--phase_timeout, --deadline_s); log tail:\n{tail(log, 8)}" if isinstance(status, str) else \
+        "failed: " + ("out of memory" if out_of_memory(log) else f"exit {status}; log tail:\n{tail(log, 8)}")
 
 
 def out_of_memory(log):
@@ -169,11 +165,10 @@ class GpuBattery:
         self.deadline = time.perf_counter() + args.deadline_s if args.deadline_s else math.inf
         # bf16 on the GPU, as nanochat there; fp32 in the dry run, as nanochat on a CPU
         self.dtype = "bfloat16" if device.type == "cuda" else "float32"
-        self.peak = common.peak_flops(common.device_name(device), self.dtype)
-        self.peak_source = "rated dense bf16 peak (common.PEAK_BF16_FLOPS)"
-        if self.peak is None:  # a CPU, or a GPU the table lacks: this device's own measured matmul throughput
-            self.peak = matmul_peak(device, getattr(torch, self.dtype))
-            self.peak_source = f"measured 2048x2048 {self.dtype} matmul throughput of this device"
+        rated = common.peak_flops(common.device_name(device), self.dtype)  # None: a CPU, or a GPU the table lacks
+        self.peak, self.peak_source = (rated, "rated dense bf16 peak (common.PEAK_BF16_FLOPS)") if rated else (
+            matmul_peak(device, getattr(torch, self.dtype)), f"measured 2048x2048 {self.dtype} matmul throughput of "
+            "this device")
         if self.dry:  # the toy world: bench.py's demo world and its vocab-1024 tokenizer
             self.corpus, self.tok_ours = demo_files(args) / "demo" / "pretrain", Path(args.work) / "tokenizer_1024"
         else:
@@ -264,9 +259,9 @@ class GpuBattery:
                "command": " ".join(map(str, command)).replace(str(self.logs), "$OUT/logs"), "run_dir": str(run_dir)}
         status, rss = self.phase(row, command, f"{name} ours (pretrain.py: compilation, {steps} steps, evaluation)",
                                  self.logs / f"{name}_ours.log")
-        metrics = run_dir / "metrics.jsonl"
-        records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
-        logged = [r for r in records if "loss" in r]  # the last record is the final evaluation's
+        metrics = run_dir / "metrics.jsonl"  # its steps' records; the last is the final evaluation's
+        logged = [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r] if metrics.is_file() \
+            else []
         if logged:  # a timed-out run's steps still give its throughput
             print(f"gpu: {name} ours: step 1 (compilation) {logged[0]['step_time']:.1f} s; {len(logged)} steps "
                   "logged", flush=True)
