@@ -165,10 +165,11 @@ class GpuBattery:
         self.deadline = time.perf_counter() + args.deadline_s if args.deadline_s else math.inf
         # bf16 on the GPU, as nanochat there; fp32 in the dry run, as nanochat on a CPU
         self.dtype = "bfloat16" if device.type == "cuda" else "float32"
-        rated = common.peak_flops(common.device_name(device), self.dtype)  # None: a CPU, or a GPU the table lacks
-        self.peak, self.peak_source = (rated, "rated dense bf16 peak (common.PEAK_BF16_FLOPS)") if rated else (
-            matmul_peak(device, getattr(torch, self.dtype)), f"measured 2048x2048 {self.dtype} matmul throughput of "
-            "this device")
+        self.peak = common.peak_flops(common.device_name(device), self.dtype)
+        self.peak_source = "rated dense bf16 peak (common.PEAK_BF16_FLOPS)"
+        if self.peak is None:  # a CPU, or a GPU the table lacks: this device's own measured matmul throughput
+            self.peak = matmul_peak(device, getattr(torch, self.dtype))
+            self.peak_source = f"measured 2048x2048 {self.dtype} matmul throughput of this device"
         if self.dry:  # the toy world: bench.py's demo world and its vocab-1024 tokenizer
             self.corpus, self.tok_ours = demo_files(args) / "demo" / "pretrain", Path(args.work) / "tokenizer_1024"
         else:
