@@ -71,8 +71,7 @@ def flag_parser():
     add, switch = parser.add_argument, functools.partial(parser.add_argument, action="store_true")
     add("--plan", default="auto", choices=("auto", "gpu", "demo"), metavar="gpu|demo", help="gpu: d20-class model on "
         "FineWeb-Edu, every stage; demo: the offline demo world, preset tiny, on the CPU (default: gpu when torch sees "
-        "CUDA GPUs, else demo; GPUs nvidia-smi lists but torch cannot use stop the run with the driver and wheel "
-        "versions)")
+        "CUDA GPUs, else demo; GPUs that nvidia-smi lists but torch cannot use stop the run, naming the versions)")
     add("--depth", default="20", metavar="N", help="gpu plan: model depth, the d{N} preset (default: %(default)s)")
     add("--run_name", default="speedrun", metavar="NAME", help="everything goes to <runs_dir>/NAME/ (default: %(default)s)")
     add("--runs_dir", default="runs", metavar="DIR", help="(default: %(default)s)")
@@ -168,9 +167,8 @@ def write_state(run, state):  # whole or not at all: written beside, then rename
 # --- the interpreter -------------------------------------------------------------------------------------------------
 
 def install_venv(run, venv=ROOT / ".venv", requirements=ROOT / "requirements.txt"):
-    """.venv's python, with requirements.txt installed. It counts as installed only when it holds the sha256 of the
-    requirements.txt whose pip install completed: an interrupted pip, or a venv made without pip (python3-venv
-    missing), is repaired or redone, never skipped. python3 (the one on PATH, which runs this file) makes it."""
+    """.venv's python (made by the python3 running this), requirements.txt installed: only the sha256 of a completed
+    pip install says so, so that an interrupted pip or a venv without pip (no python3-venv) is redone, never skipped."""
     want = hashlib.sha256(requirements.read_bytes()).hexdigest()
     record, python = venv / "installed-requirements.sha256", venv / "bin" / "python"
     if (have := record.read_text().strip() if record.is_file() else "") == want:
@@ -238,14 +236,12 @@ def check_gpus_free(force):
 
 
 def explain_driver(python):
-    """torch sees no GPU: when nvidia-smi lists some (a driver older than the CUDA the torch wheel was built for), an
-    error naming the driver and wheel versions and the fix, never a silent CPU run on a rented GPU box."""
-    listed = len([line for line in nvidia_smi("--query-gpu=name", "--format=csv,noheader").splitlines() if line])
-    if listed == 0:
+    """torch sees no GPU but nvidia-smi lists some (a driver older than the wheel's CUDA): the versions and the fix,
+    never a silent CPU run on a rented GPU box."""
+    if not (listed := len(nvidia_smi("--query-gpu=name", "--format=csv,noheader").strip().splitlines())):
         return
     driver = nvidia_smi("--query-gpu=driver_version", "--format=csv,noheader").split("\n")[0].replace(" ", "")
-    found = re.search(r"CUDA Version: *([0-9.]*)", nvidia_smi())
-    driver_cuda = found.group(1) if found else ""
+    driver_cuda = (re.search(r"CUDA Version: *([0-9.]*)", nvidia_smi()) or [None, ""])[1]
     torch_version, torch_cuda = ask_python(python, "import torch; print(torch.__version__, torch.version.cuda)").split()
     raise Refused(
         f"nvidia-smi lists {listed} GPU(s) but torch {torch_version} sees none. The driver is {driver or 'unknown'} "
@@ -257,10 +253,10 @@ def explain_driver(python):
 
 
 def setup(env_file, argv):
-    """`setup`: speedrun.sh's flags (a bad one stops it before anything is written), its interpreter (.venv unless
-    SPEEDRUN_PYTHON), the machine and the plan, checked before any stage; the shell variables it sources written to
-    env_file (the file removes itself), the run's state to launch.json. A rehearsal that passed is deleted first: it is
-    redone from the start (it checks this code); an interrupted one resumes."""
+    """`setup`: speedrun.sh's flags (a bad one stops it before anything is written), its interpreter, the machine and
+    the plan, checked before any stage; the shell variables it sources to env_file (which removes itself), the run's
+    state to launch.json. A rehearsal that passed is redone from the start (it checks this code); an interrupted one
+    resumes."""
     flags = parse_flags(argv)
     remove = f"rm -f -- {shlex.quote(env_file)}\n"
     if flags.pop("help"):
@@ -365,15 +361,13 @@ def kill_marked(mark, groups=()):
     """SIGKILL for the groups and every process carrying the mark (torchrun's workers are in no group), until gone."""
     signal_all(groups=groups, signum=signal.SIGKILL)
     for _ in range(100):
-        if not (left := marked(mark)):
+        if not signal_all(marked(mark), signum=signal.SIGKILL):  # none left
             return
-        signal_all(left, signum=signal.SIGKILL)
         time.sleep(0.1)
 
 
 def checkpoint_grace(wait, ckpt):
-    """The seconds a stopped stage gets before SIGKILL: `wait` plus twice its last measured checkpoint save
-    (<ckpt>/save_seconds, written by checkpoint.py), rounded up."""
+    """Seconds a stopped stage gets before SIGKILL: `wait` + twice its last checkpoint save (checkpoint.py's)."""
     with contextlib.suppress(OSError, ValueError, TypeError):
         return math.ceil(wait + 2 * float(Path(ckpt, "save_seconds").read_text()[:32]))
     return wait
@@ -395,11 +389,12 @@ def saved_since(ckpt, since):
     return False
 
 
-def end_processes(mark, stage=None, ckpt=None):
+def end_processes(mark, stage=None, ckpt=None, wait=None):
     """End every process of the run: SIGTERM to torchrun's workers (not to torchrun, whose own grace would start while
-    rank 0 checkpoints) and every other marked group; after the grace (SPEEDRUN_KILL_WAIT, plus twice the last
-    checkpoint save, plus while one is written, and SPEEDRUN_KILL_WAIT again once saved), SIGKILL. stage: its Popen."""
-    since, wait = time.time(), int(os.environ.get("SPEEDRUN_KILL_WAIT", "30"))
+    rank 0 checkpoints) and every other marked group; after the grace (wait, else SPEEDRUN_KILL_WAIT, plus twice the
+    last checkpoint save, plus while one is written, and that wait again once saved), SIGKILL. stage: its Popen.
+    True when something had to be killed."""
+    since, wait = time.time(), wait or int(os.environ.get("SPEEDRUN_KILL_WAIT", "30"))
     workers = marked(mark, workers=True)
     others = {group_of(pid) for pid in marked(mark)} - {group_of(pid) for pid in workers}  # the download's group
     others -= {None, os.getpgrp(), stage.pid if stage is not None else None}  # never speedrun.sh's own group
@@ -425,6 +420,7 @@ def end_processes(mark, stage=None, ckpt=None):
     kill_marked(mark, groups)
     if stage is not None:
         stage.poll()
+    return bool(alive)
 
 
 # --- the NCCL probe --------------------------------------------------------------------------------------------------
@@ -435,9 +431,8 @@ SAFE_TEXT = " ".join(f"{name}={value}" for name, value in SAFE_FLAGS.items())
 
 
 def run_probe(run, mark, command, safe, timeout, mbytes):
-    """(exit status, bus bandwidth or None) of the probe (or SPEEDRUN_PROBE_CMD, tests' stand-in, given the JSON's
-    path as $1) in its own session, under a hard timeout (124: it hung; 137: it ignored SIGTERM too); nothing of it
-    survives. The bandwidth is the probe's JSON's, written when its sums were right."""
+    """(exit status, its JSON's bus bandwidth, there when its sums were right, or None) of the probe (tests' stand-in:
+    SPEEDRUN_PROBE_CMD, the JSON's path as $1), hung past timeout (124; 137: past SIGTERM too); nothing survives it."""
     result = Path(run, "logs", "probe.json")
     result.unlink(missing_ok=True)
     stand_in = os.environ.get("SPEEDRUN_PROBE_CMD")
@@ -448,13 +443,8 @@ def run_probe(run, mark, command, safe, timeout, mbytes):
                                  env={**os.environ, "SPEEDRUN_MARK": f"{mark}.probe", **(SAFE_FLAGS if safe else {})})
     try:
         status = probe.wait(timeout)
-    except subprocess.TimeoutExpired:
-        signal_all(groups=[probe.pid])
-        try:
-            probe.wait(5)
-            status = 124
-        except subprocess.TimeoutExpired:
-            status = 137
+    except subprocess.TimeoutExpired:  # as a stopped stage, with 5 s to end
+        status = 137 if end_processes(f"{mark}.probe", probe, wait=5) else 124
     finally:  # a timeout, or a signal (main's handler raises SystemExit here)
         kill_marked(f"{mark}.probe", [probe.pid])
         probe.wait()
@@ -534,9 +524,8 @@ def copy_output(source, log):
 
 
 def run_stage(run, name, command, train=False, skip_if=None):
-    """`stage`: COMMAND in a session of its own carrying the run's mark, its output to the terminal and logs/<name>.log,
-    its time to logs/stages.tsv; skipped when skip_if (train: its done.json) exists, resumed from a checkpoint. A
-    signal ends it."""
+    """`stage`: COMMAND in a session of its own with the run's mark, its output to the terminal and logs/<name>.log,
+    its time to logs/stages.tsv; skipped when skip_if (train: done.json) exists, resumed from a checkpoint."""
     state, stopped = read_state(run), None
 
     def on_signal(signum, _frame):  # a Python handler, not SIG_IGN: the stage starts with the signals' defaults
@@ -580,15 +569,14 @@ def run_stage(run, name, command, train=False, skip_if=None):
             return 128 + stopped
         status = 127 if stage is None else stage.wait()
     os.close(read_end)
-    status = 128 - status if status < 0 else status  # killed by a signal: the shell's 128 + N
+    status, took = 128 - status if status < 0 else status, f"{time.time() - start:.1f}"  # signal N: the shell's 128 + N
     with open(f"{run}/logs/stages.tsv", "a") as tsv:  # report.py reads it
-        tsv.write(f"{name}\t{time.time() - start:.1f}\t{status}\n")
+        tsv.write(f"{name}\t{took}\t{status}\n")
     if status != 0:
-        for line in [f"speedrun: stage {name} failed (exit {status}); log: {log_path}",
-                     *progress_lines(run, name, time.time())]:
-            terminal(line, sys.stderr)
+        terminal("\n".join([f"speedrun: stage {name} failed (exit {status}); log: {log_path}",
+                            *progress_lines(run, name, time.time())]), sys.stderr)
         return status
-    say(run, f"stage {name} done in {stage_rows(run)[-1][1]} s")
+    say(run, f"stage {name} done in {took} s")
     return 0
 
 
@@ -607,8 +595,7 @@ def reuse_chat_eval(run, name):
 
 
 def rehearsal_due(run, rehearsal, no_rehearse):
-    """The gpu plan rehearses once, before its pretraining: not with --no_rehearse, not after a rehearsal that passed,
-    not once pretraining has started. A skip is said."""
+    """The gpu plan rehearses once, before its pretraining (not with --no_rehearse); a skip is said."""
     for skip, why in ((no_rehearse, "--no_rehearse"),
                       (Path(rehearsal, "rehearsed.json").is_file(), f"it passed before ({rehearsal}/rehearsed.json)"),
                       (Path(run, "pretrain").is_dir(), "pretraining has started already")):
