@@ -28,11 +28,10 @@ import subprocess
 import sys
 import threading
 import time
-from glob import glob
 from pathlib import Path
 
 import gpu_plan
-from run_files import stage_rows
+from run_files import read_json, stage_rows
 
 ROOT = Path(__file__).resolve().parent
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what stops a run
@@ -77,16 +76,14 @@ def flag_parser():
     add("--runs_dir", default="runs", metavar="DIR", help="(default: %(default)s)")
     add("--data_dir", default="", metavar="DIR", help="gpu: the FineWeb-Edu corpus directory (default: dataset.py's "
         "cache); demo: the demo world (default: <runs_dir>/<run_name>/demo, written by demo.py when missing)")
-    add("--gpus", default="auto", metavar="N", help="processes per stage = GPUs used (default: all CUDA GPUs; 0 = CPU, "
-        "one process)")
+    add("--gpus", default="auto", metavar="N", help="processes per stage (default: all CUDA GPUs; 0 = CPU, one)")
     add("--shards", default="", metavar="N", help="gpu plan: FineWeb-Edu training shards to download (default: what "
         "the budget needs: its tokens / the first shard's tokens counted with the tokenizer, plus one)")
     add("--vocab_size", default="", metavar="N", help="tokenizer vocabulary (default: 65536 gpu, 1024 demo)")
     add("--tokenizer", default="", metavar="DIR", help="use this trained tokenizer (default: train <run>/tokenizer)")
     add("--stop_after", default="", choices=("", *STOP_AFTER), metavar="STAGE", help=f"stop after this stage: "
         f"{' '.join(STOP_AFTER)} (download: gpu plan, every shard and the prefetched chat and evaluation data are in)")
-    add("--rl", default="on", choices=("on", "off"), metavar="on|off", help="the reinforcement-learning stage after "
-        "sft (default: on)")
+    add("--rl", default="on", choices=("on", "off"), metavar="on|off", help="rl.py after sft (default: on)")
     add("--stage_evals", default="pretrain,midtrain,sft,rl", metavar="LIST", help="the stages whose final models get "
         "CORE and ChatCORE for the report's table of what each stage taught, comma-separated, or none (default: "
         "%(default)s; a column left out says unknown; pretrain's is a base model: CORE only, core_eval's, as nanochat)")
@@ -155,8 +152,7 @@ def terminal(data, stream=None):
 
 
 def read_state(run):
-    path = Path(run, "logs", "launch.json")
-    return json.loads(path.read_text()) if path.is_file() else None
+    return read_json(Path(run, "logs", "launch.json"))
 
 
 def write_state(run, state):  # whole or not at all: written beside, then renamed
@@ -448,14 +444,14 @@ def run_probe(run, mark, command, safe, timeout, mbytes):
     finally:  # a timeout, or a signal (main's handler raises SystemExit here)
         kill_marked(f"{mark}.probe", [probe.pid])
         probe.wait()
-    return status, (json.loads(result.read_text())["bus_bandwidth"] if result.is_file() else None)
+    return status, (read_json(result) or {}).get("bus_bandwidth")
 
 
 def probe(run, command, stage=None):
     """`probe`: the transport the stages use (<run>/transport.txt): with GPUs, NCCL's default flags, or on a hang or
     failure the safe flags, their cost said. After that fallback, before each torchrun stage (stage: its name), the
     defaults again: one failed probe (a slow cold start, a transient fault) must not pin the safe flags for hours."""
-    state = read_state(run)
+    state, log = read_state(run), f"log: {run}/logs/probe.log"
     nccl = state["nccl"] if stage else {"safe": False, "fallback": False, "probe": command}
     timeout, mbytes = int(os.environ.get("SPEEDRUN_PROBE_TIMEOUT", "120")), os.environ.get("SPEEDRUN_PROBE_MB", "64")
     transport = state["transport"]
@@ -478,16 +474,15 @@ def probe(run, command, stage=None):
         elif stage:
             say(run, f"NCCL probe before stage {stage} ({took}s): the default flags fail again ({failure}): stage "
                      f"{stage} keeps the safe flags, all-reduce bus bandwidth {nccl['safe_bw']} (default flags at the "
-                     f"start: {nccl['default_bw']}); log: {run}/logs/probe.log")
+                     f"start: {nccl['default_bw']}); {log}")
         elif status == 0:
             transport = f"nccl default, all-reduce bus bandwidth {default_bw} ({mbytes} MB message)"
         else:
-            say(run, f"NCCL probe failed ({failure}): retrying with the safe flags {SAFE_TEXT}; log: "
-                     f"{run}/logs/probe.log")
+            say(run, f"NCCL probe failed ({failure}): retrying with the safe flags {SAFE_TEXT}; {log}")
             status, safe_bw = run_probe(run, state["mark"], command, True, timeout, mbytes)
             if status != 0:
-                terminal(f"speedrun: stage nccl_probe failed (exit {status}) even with the safe flags; log: "
-                         f"{run}/logs/probe.log", sys.stderr)
+                terminal(f"speedrun: stage nccl_probe failed (exit {status}) even with the safe flags; {log}",
+                         sys.stderr)
                 return status
             nccl.update(safe=True, fallback=True, safe_bw=safe_bw or "unknown", default_bw=default_bw)
             transport = (f"nccl safe flags ({SAFE_TEXT}), all-reduce bus bandwidth {nccl['safe_bw']} ({mbytes} MB "
@@ -506,13 +501,12 @@ def probe(run, command, stage=None):
 def progress_lines(run, name, now):
     """Where each rank of a failed stage was last, and how long ago (distributed.py's files): under NCCL a hung
     collective aborts in C++ and no rank can say which one was stuck."""
-    files = sorted(glob(f"{run}/{name}/progress/rank*.txt"))
+    files = sorted(Path(run, name, "progress").glob("rank*.txt"))
     lines = [f"speedrun: where each rank of stage {name} was last ({run}/{name}/progress/):"] if files else []
     for path in files:
-        for line in Path(path).read_text().splitlines():
-            fields = line.split()
-            at = [float(fields[i + 1]) for i in range(len(fields) - 1) if fields[i] == "at"]
-            lines.append(f"speedrun:   {line} ({now - at[-1]:.0f} s before this)" if at else f"speedrun:   {line}")
+        for line in path.read_text().splitlines():  # "... at <time.time()> (<clock time>)"
+            at = re.findall(r"\bat (\d+\.?\d*)", line)
+            lines.append(f"speedrun:   {line}" + (f" ({now - float(at[-1]):.0f} s before this)" if at else ""))
     return lines
 
 
@@ -536,7 +530,7 @@ def run_stage(run, name, command, train=False, skip_if=None):
         say(run, f"stage {name} skipped: {done} exists")
         return 0
     ckpt = f"{run}/{name}/ckpt" if train else None
-    if train and glob(f"{ckpt}/step_[0-9]*"):
+    if train and any(Path(ckpt).glob("step_[0-9]*")):
         command = [*command, "--resume"]
         say(run, f"stage {name} was interrupted: resuming from its last checkpoint")
     if command[1:3] == ["-m", "torch.distributed.run"] and state["nccl"]["fallback"]:
@@ -586,7 +580,7 @@ def reuse_chat_eval(run, name):
     """chat_eval's result copied into stage_evals/<name>/ when it scored this stage's checkpoint, not run twice."""
     where, result = Path(run, "stage_evals", name), Path(run, "chat_eval.json")
     if (where / "chat_eval.json").is_file() or not result.is_file() or \
-            Path(json.loads(result.read_text())["checkpoint"]).resolve().parent.parent != Path(run, name).resolve():
+            Path(read_json(result)["checkpoint"]).resolve().parent.parent != Path(run, name).resolve():
         return
     where.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(Path(run, "chat_eval_items.jsonl"), where / "chat_eval_items.jsonl")
@@ -609,7 +603,7 @@ def rehearsal_passed(run, rehearsal):
     """After the rehearsal: its plan_cost.json is the report's predicted.json; its checkpoints deleted (the disk)."""
     if Path(rehearsal, "plan_cost.json").is_file():
         shutil.copy(Path(rehearsal, "plan_cost.json"), Path(run, "predicted.json"))
-    ckpts = [Path(p) for p in sorted(glob(f"{rehearsal}/*/ckpt"))]
+    ckpts = sorted(Path(rehearsal).glob("*/ckpt"))
     freed = sum(f.stat().st_size for ckpt in ckpts for f in ckpt.rglob("*") if f.is_file())
     for ckpt in ckpts:
         shutil.rmtree(ckpt)
