@@ -388,8 +388,7 @@ def saved_since(ckpt, since):
 def end_processes(mark, stage=None, ckpt=None, wait=None):
     """End every process of the run: SIGTERM to torchrun's workers (not to torchrun, whose own grace would start while
     rank 0 checkpoints) and every other marked group; after the grace (wait, else SPEEDRUN_KILL_WAIT, plus twice the
-    last checkpoint save, plus while one is written, and that wait again once saved), SIGKILL. stage: its Popen.
-    True when something had to be killed."""
+    last checkpoint save, plus while one is written, and that wait again once saved), SIGKILL. stage: its Popen."""
     since, wait = time.time(), wait or int(os.environ.get("SPEEDRUN_KILL_WAIT", "30"))
     workers = marked(mark, workers=True)
     others = {group_of(pid) for pid in marked(mark)} - {group_of(pid) for pid in workers}  # the download's group
@@ -416,7 +415,6 @@ def end_processes(mark, stage=None, ckpt=None, wait=None):
     kill_marked(mark, groups)
     if stage is not None:
         stage.poll()
-    return bool(alive)
 
 
 # --- the NCCL probe --------------------------------------------------------------------------------------------------
@@ -439,8 +437,9 @@ def run_probe(run, mark, command, safe, timeout, mbytes):
                                  env={**os.environ, "SPEEDRUN_MARK": f"{mark}.probe", **(SAFE_FLAGS if safe else {})})
     try:
         status = probe.wait(timeout)
-    except subprocess.TimeoutExpired:  # as a stopped stage, with 5 s to end
-        status = 137 if end_processes(f"{mark}.probe", probe, wait=5) else 124
+    except subprocess.TimeoutExpired:  # stopped as a stage is, with 5 s to end
+        end_processes(f"{mark}.probe", probe, wait=5)
+        status = 137 if probe.wait() == -signal.SIGKILL else 124
     finally:  # a timeout, or a signal (main's handler raises SystemExit here)
         kill_marked(f"{mark}.probe", [probe.pid])
         probe.wait()
