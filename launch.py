@@ -48,9 +48,8 @@ ENVIRONMENT = """environment:
                       records a completed install of this requirements.txt)
   SPEEDRUN_PROBE_TIMEOUT  seconds before the NCCL probe counts as hung (default: 120)
   SPEEDRUN_PROBE_MB   size of the probe's timed all-reduce in MB (default: 64)
-  SPEEDRUN_KILL_WAIT  seconds a stopped stage gets to end before SIGKILL, plus twice its last measured checkpoint
-                      save, plus as long as a checkpoint is still being written, and as much again once it is saved
-                      (default: 30)
+  SPEEDRUN_KILL_WAIT  seconds a stopped stage gets to end before SIGKILL, plus twice its last checkpoint save, plus
+                      while a checkpoint is being written, and as much again once it is saved (default: 30)
 """
 
 
@@ -113,10 +112,9 @@ def parse_flags(argv):
         if flags[name] not in ("", "auto") and not flags[name].isdigit():
             raise Refused(f"--{name} {flags[name]}: use a whole number (bash speedrun.sh --help)", 2)
     flags["stage_evals"] = "" if flags["stage_evals"] == "none" else flags["stage_evals"]
-    for name in flags["stage_evals"].split(",") if flags["stage_evals"] else []:
-        if name not in MODEL_STAGES:
-            raise Refused(f"--stage_evals {flags['stage_evals']}: {name} is not a stage with a model (use pretrain, "
-                          f"midtrain, sft, rl, comma-separated, or none)", 2)
+    if bad := [name for name in flags["stage_evals"].split(",") if flags["stage_evals"] and name not in MODEL_STAGES]:
+        raise Refused(f"--stage_evals {flags['stage_evals']}: {bad[0]} is not a stage with a model (use pretrain, "
+                      f"midtrain, sft, rl, comma-separated, or none)", 2)
     return flags
 
 
@@ -177,8 +175,7 @@ def install_venv(run, venv=ROOT / ".venv", requirements=ROOT / "requirements.txt
         if subprocess.run(["python3", "-m", "venv", venv], check=False).returncode != 0:
             shutil.rmtree(venv, ignore_errors=True)
             raise Refused(f"`python3 -m venv {venv}` failed: install the venv module (Debian/Ubuntu: `apt-get install "
-                          f"python3-venv`) and rerun, or set SPEEDRUN_PYTHON to an interpreter with requirements.txt "
-                          f"installed", 1)
+                          f"python3-venv`), or set SPEEDRUN_PYTHON to one with requirements.txt installed", 1)
     else:
         say(run, f"requirements.txt changed since {venv} was installed: installing it again" if have else
                  f"{venv} is a half install (no record that pip install -r requirements.txt completed): repairing it")
@@ -202,9 +199,8 @@ def ask_python(python, program, pythonpath=None):
 def check_packages(python):
     """With SPEEDRUN_PYTHON, a package of requirements.txt it lacks (matplotlib, first imported by the report, the
     last stage) stops the run now, not hours in. Looked up by import name, not imported; versions are its own."""
-    modules = ["torch", "numpy", "pyarrow", "tiktoken", "rustbpe", "requests", "huggingface_hub", "safetensors", "yaml",
-               "matplotlib"]
-    missing = ask_python(python, f"import importlib.util as u; print(' '.join(m for m in {modules!r} if "
+    modules = "torch numpy pyarrow tiktoken rustbpe requests huggingface_hub safetensors yaml matplotlib"
+    missing = ask_python(python, f"import importlib.util as u; print(' '.join(m for m in {modules!r}.split() if "
                                  f"u.find_spec(m) is None))").split()
     if missing:
         raise Refused(f"{python} cannot import {', '.join(missing)} (requirements.txt): install them into it "
@@ -292,11 +288,10 @@ def setup(env_file, argv):
                       "--gpus N: the gpu plan's rehearsal on N CPU processes)", 2)
     if plan == "demo" and flags["stop_after"] == "download":
         raise Refused("--stop_after download: the demo plan has no download stage (use data)", 2)
-    nproc = max(gpus, 1)
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            check=False).stdout.strip() or "unknown"
+    nproc, commit = max(gpus, 1), subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                                                 capture_output=True, text=True, check=False).stdout.strip()
     say(run, f"plan {plan}{' (rehearsal)' if rehearse else ''}, run {run}, {nproc} process(es) per stage "
-             f"({f'{gpus} GPUs' if gpus > 0 and not on_cpu else 'CPU'}), commit {commit}")
+             f"({f'{gpus} GPUs' if gpus > 0 and not on_cpu else 'CPU'}), commit {commit or 'unknown'}")
     for line in gpu_plan.plan_lines(flags["depth"], nproc, rehearse, on_cpu) if plan == "gpu" and not \
             flags["probe_only"] else []:
         say(run, line)
@@ -627,11 +622,8 @@ def rehearsed(run, seconds):
 def stage_command(run, words):
     """NAME [--train] [--skip_if PATH] COMMAND..."""
     name, words, options = words[0], words[1:], {}
-    while words and words[0] in ("--train", "--skip_if"):
-        if words[0] == "--skip_if":
-            options["skip_if"], words = words[1], words[2:]
-        else:
-            options["train"], words = True, words[1:]
+    while words[:1] in (["--train"], ["--skip_if"]):  # their values: train True, skip_if the next word
+        options[words[0][2:]], words = (True, words[1:]) if words[0] == "--train" else (words[1], words[2:])
     return run_stage(run, name, words, **options)
 
 
