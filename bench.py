@@ -6,18 +6,17 @@
 
 The stage rows (STAGE_ROWS) run the real command in a fresh process, on the demo world (vocab-1024 tokenizer; a
 --preset checkpoint one step from random weights: the work per item does not depend on them) or on --corpus (vocab
-8192; skipped if absent). Figures are read back from the command's files: tok/s the median of metrics.jsonl's after
-the first quarter of the steps, items/s the report's items / seconds.
+8192; skipped if absent), and read their figures back from its files: tok/s the median of metrics.jsonl's after the
+first quarter of the steps, items/s the report's items / seconds.
 pretrain   `pretrain.py` on the demo world (30 steps, micro-batch 16): eager fp32, compile fp32, compile + bf16; MFU
            where pretrain.py logs one (a rated GPU). Target: compile + bf16 >= 2x eager fp32.
-sft        `sft.py` on the demo conversations (30 steps, micro-batch 16): tok/s, padding included, and the shares of
+sft        `sft.py` on the demo conversations (30 steps, micro-batch 16): tok/s, padding included, the shares of
            supervised and padding positions.
 core_eval  `core_eval.py` on the demo world's 8 tasks (513 items; --bundle DIR: that bundle), batch_items 1 and 8.
-chat_eval  `chat_eval.py --tasks demo-choice` (132 items): the letters alone (--option_text off) at --batch_items 1
-           and 8, and with the option-text diagnostic at 8: items/s and their ratios.
-generate   `chat_eval.py --tasks demo-answer` (--generate_items, --generate_tokens each: an untrained model rarely ends
-           a reply) at --batch_items 1, 8 and 32 (decode.py's batched generation): items/s, every item's record
-           compared. Target: 8 >= 4x 1.
+chat_eval  `chat_eval.py --tasks demo-choice` (132 items), the letters alone at --batch_items 1 and 8, and with the
+           option-text diagnostic at 8: items/s and their ratios.
+generate   `chat_eval.py --tasks demo-answer` (--generate_items, --generate_tokens each) at --batch_items 1, 8 and 32
+           (decode.py's batched generation): items/s, every item's record compared. Target: 8 >= 4x 1.
 cpu        `pretrain.py` at nanochat's tiny CPU shape (4 layers, width 256, T 256, 8 x 256 tokens a step, vocab 8192),
            40 steps: Muon and AdamW, eager and compiled, in common.precision's dtype, and compiled Muon in the other:
            tok/s, the share of the step waiting for data; then the Muon step's share of the compiled Muon step.
@@ -32,8 +31,8 @@ tokenizer  seconds to train a vocab-8192 tokenizer on the corpus's training spli
            validation split. Target: <= 10 s for 50 MB (projected from the measured MB/s).
 loader     the streaming loader (read + tokenize + pack), one epoch of the corpus at T = 256, 1024, 2048: tok/s (target
            >= 1M), the share of document tokens cropped into a later row (target <= 20% at T = 2048; none discarded).
-gpu        (not in "all") the GPU battery: bench_gpu.py says how to run it.
-Moved: train is pretrain's rows; chat's and generate's rollouts are decode's; quality, fsdp, compile, download: dev/.
+gpu        (not in "all") the GPU battery: bench_gpu.py says how to run it. Moved: train is pretrain's rows; chat's and
+           generate's rollouts are decode's; quality, fsdp, compile, download: dev/.
 """
 import argparse
 import functools
@@ -342,9 +341,8 @@ def bench_decode(args, device):
         start = time.perf_counter()
         conv.forward(turn if kept else history + turn).argmax(-1).item()
         return time.perf_counter() - start
-    first_token(True), first_token(False)
-    times = [(first_token(True), first_token(False)) for _ in range(trials)]
-    kept, again = (statistics.median(t[i] for t in times) for i in (0, 1))
+    times = [(first_token(True), first_token(False)) for _ in range(trials + 1)][1:]  # the first: warm-up
+    kept, again = map(statistics.median, zip(*times, strict=True))
     print(f"decode chat second turn (20 tokens after {len(history):,}): first token {1000 * kept:.1f} ms with the "
           f"cache kept, {1000 * again:.1f} ms re-prefilling the history: {versus(again / kept, 5, digits=1)}")
     figures.update(first_token_s_kept=kept, first_token_s_reprefill=again)

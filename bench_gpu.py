@@ -6,14 +6,12 @@ device measurements bench.py shares with it. `python bench_gpu.py` prints this.
     python bench.py gpu --dry_run                                       # every row at toy size on the CPU
     python dev/gpu_carry.py merge A/gpu_bench.json B/gpu_bench.json     # the calls' files into one table
 
-Rows, each figure read back from the command's own files and output: pretraining tok/s, MFU and peak memory against
-model.py's estimate at d20, d12 and d26 beside nanochat's scripts/base_train.py at the same shape and batch;
+Rows, each figure read back from what its command wrote: pretraining tok/s, MFU and peak memory against model.py's
+estimate at d20, d12 and d26, beside nanochat's scripts/base_train.py at the same shape, batch and micro-batch;
 validation bpb at d12 after the same tokens at 2^19 and 2^17 tokens a step, beside nanochat's; the demo plan end to
-end; bench.py decode's figures (chat_decode). A training row's phases (the micro-batch probe `bench.py gpu_probe`, once
-per model; pretrain.py; base_train.py at the same micro-batch, its checkpoint to /dev/null) each run in a process of
-their own, logged to --out/logs under a time limit (--phase_timeout, --deadline_s): one stopped is reported as timed
-out with its log's tail and the figures of the steps it logged, and the row goes on. On a lent GPU machine
-dev/gpu_session.sh runs it (each row's expected GPU time is there); dev/gpu_carry.py makes what it cannot download.
+end; bench.py decode's figures (chat_decode). Each phase of a row (the micro-batch probe, ours, nanochat's) runs in a
+process of its own under a time limit (run_logged). dev/gpu_session.sh runs the battery on a lent GPU machine (each
+row's expected GPU time is there); dev/gpu_carry.py makes what that machine cannot download.
 """
 import argparse
 import itertools
@@ -94,10 +92,9 @@ def nanochat_env(bench, base):
 
 
 def run_logged(command, log, phase, timeout, cwd=None, env=None):
-    """Run a command with its output in `log`, printing a line when the phase starts and one when it ends; past
-    `timeout` seconds its process group is stopped (SIGTERM, then SIGKILL after 10 s). Returns (exit status, or
-    "timed out" with the seconds, wall seconds, peak resident bytes of the process and its waited-for children,
-    from wait4)."""
+    """A command with its output in `log`, a line printed as the phase starts and one as it ends; past `timeout` seconds
+    its process group stopped (SIGTERM, SIGKILL 10 s later). (exit status or "timed out after N s", wall seconds, peak
+    resident bytes of the process and its waited-for children: wait4's)"""
     print(f"gpu: {phase}: started (log {log}, timeout {timeout:.0f} s)", flush=True)
     start = time.perf_counter()
     with open(log, "w") as out:
@@ -260,12 +257,9 @@ class GpuBattery:
                "command": " ".join(map(str, command)).replace(str(self.logs), "$OUT/logs"), "run_dir": str(run_dir)}
         status, rss = self.phase(row, command, f"{name} ours (pretrain.py: compilation, {steps} steps, evaluation)",
                                  self.logs / f"{name}_ours.log")
-        metrics = run_dir / "metrics.jsonl"  # its steps' records; the last is the final evaluation's
-        logged = [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r] if metrics.is_file() \
-            else []
-        if logged:  # a timed-out run's steps still give its throughput
-            print(f"gpu: {name} ours: step 1 (compilation) {logged[0]['step_time']:.1f} s; {len(logged)} steps "
-                  "logged", flush=True)
+        records = metrics.read_text().splitlines() if (metrics := run_dir / "metrics.jsonl").is_file() else []
+        if logged := [r for r in map(json.loads, records) if "loss" in r]:  # its steps (a timed-out run's too)
+            print(f"gpu: {name} ours: step 1 (compilation) {logged[0]['step_time']:.1f} s; {len(logged)} steps logged")
             self.throughput(row, [r["step_time"] for r in logged if r["step"] > skip], skip)
             cuda = self.device.type == "cuda"
             row.update(peak_memory=logged[-1]["cuda_mem_peak"] if cuda else rss, loss_first_last=[logged[0]["loss"],
@@ -293,8 +287,8 @@ class GpuBattery:
         checkpoint at its end: the model's and the optimizer's files are links to /dev/null, so that save writes
         nothing to disk."""
         commit = self.bench / "nanochat" / "COMMIT"
-        row = {"row": name, "side": "nanochat", "nanochat_commit": commit.read_text().strip() if commit.is_file()
-               else "unknown"}
+        row = {"row": name, "side": "nanochat", "nanochat_commit": (commit.read_text() if commit.is_file() else
+                                                                    "unknown").strip()}
         if self.nanochat_missing or "micro_batch" not in ours:
             return {**row, "status": f"unavailable: {self.nanochat_missing}" if self.nanochat_missing else
                     "unavailable: this repository's run of the row did not start"}
@@ -459,7 +453,6 @@ def bench_gpu(args, device, demo_files, bench_decode):
     battery = GpuBattery(args, device, demo_files, bench_decode)
     result = {"dry_run": args.dry_run, "environment": gpu_environment(device, args.bench_dir), "rows": [],
               "calls": [" ".join(["python3 bench.py gpu --rows", *rows, "--out $OUT"]) for rows in GPU_CALLS]}
-    out.mkdir(parents=True, exist_ok=True)
 
     def save():  # after every side of every row: a call killed later keeps what it finished
         (out / "gpu_bench.json").write_text(json.dumps(result, indent=1) + "\n")
