@@ -179,9 +179,8 @@ def stage_plan(args, device, name):
 
 
 def start_stage_rows(args, device, names, pool, jobs):
-    """Every stage row of the benchmarks `names` submitted at once to `pool` (the dry run's runs two at a time, so
-    that no core waits at the end of a benchmark for its last row); the rows that read the evaluation checkpoint
-    (runs/bench) wait for it, made first. {name: [future of (label, figure, note)]}."""
+    """{name: [future of (label, figure, note)]}: every stage row of `names` submitted to `pool` at once (the dry run's
+    two at a time: no core waits for a benchmark's last row), those reading runs/bench after it is made."""
     started, parent = {}, None
     for name in names:
         if (plan := stage_plan(args, device, name)) is None:
@@ -313,10 +312,8 @@ def bench_decode(args, device):
         paths[decode]()  # warm up; compiles the compiled one
         if decode == "compiled":
             print(f"decode compiled: first call (compilation) {time.perf_counter() - start:.1f} s")
-    results = {name: [] for name in paths}
-    for _ in range(trials):  # interleaved, so that load drifts hit every path
-        for name, run in paths.items():
-            results[name].append(run())
+    interleaved = [{name: run() for name, run in paths.items()} for _ in range(trials)]  # drifts hit every path
+    results = {name: [trial[name] for trial in interleaved] for name in paths}
     rates = {name: statistics.median(r[0] for r in runs) for name, runs in results.items()}
     for name, runs in results.items():
         print(f"decode {args.preset} {dtype} {name:9s}: {rates[name]:7,.0f} tok/s median of {trials} "

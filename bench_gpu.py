@@ -132,10 +132,8 @@ def out_of_memory(log):
 
 
 def gpu_probe(args, device):
-    """`bench.py gpu_probe`: the largest micro-batch (a power of 2 up to --max_micro) with which a training step of
-    --preset fits this GPU, by pretrain.py's own probe (forward, backward and optimizer state at that batch). Runs in
-    its own process so that the battery's runs start with the GPU's memory untouched. On a CPU (the dry run) nothing
-    runs out of memory: it finds --max_micro."""
+    """`bench.py gpu_probe`: the largest micro-batch (a power of 2 up to --max_micro; on a CPU, that) with which a
+    training step of --preset fits, by pretrain.py's probe. A process of its own: the rows start with the GPU empty."""
     overrides = {"vocab_size": args.gpu_vocab, **({"sequence_len": args.probe_seq_len} if args.probe_seq_len else {})}
     config = model.config_from_preset(args.preset, overrides)
     net = model.build_model(config, device)
@@ -147,10 +145,9 @@ def gpu_probe(args, device):
 
 
 class GpuBattery:
-    """The rows of `bench.py gpu`. Each row is a dict of what ran (command, status) and what it measured, with
-    'unknown' or 'unavailable: <why>' where a figure could not be had. Logs and this repository's run directories (no
-    checkpoint in them) go to --out/logs, which the device tool brings back; scratch (nanochat's data links and
-    checkpoint folder, the demo's run) to bench.py's --work (removed with it), where the dry run's world is too."""
+    """The rows of `bench.py gpu`: each a dict of what ran and what it measured ('unknown' or 'unavailable: <why>' where
+    a figure could not be had). Logs and our run directories (no checkpoints) go to --out/logs, which the device tool
+    brings back; scratch (nanochat's data and checkpoint folder, the demo's run) to bench.py's --work."""
 
     def __init__(self, args, device, demo_files, bench_decode):  # bench.py's (it imports this module)
         self.args, self.device, self.dry, self.bench_decode = args, device, args.dry_run, bench_decode
@@ -282,10 +279,8 @@ class GpuBattery:
               f"{row['tok_per_s']:,.0f} tok/s, MFU {100 * row['mfu']:.1f}%", flush=True)
 
     def nanochat(self, name, spec, ours):
-        """nanochat's scripts/base_train.py at the shape and batch of `ours` (its micro-batch too), full attention
-        (--window-pattern L: this repository has no sliding window), its own defaults otherwise. It always saves a
-        checkpoint at its end: the model's and the optimizer's files are links to /dev/null, so that save writes
-        nothing to disk."""
+        """nanochat's scripts/base_train.py at the shape, batch and micro-batch of `ours`, full attention (the window
+        pattern L: this repository has no sliding window), its defaults otherwise; its last checkpoint to /dev/null."""
         commit = self.bench / "nanochat" / "COMMIT"
         row = {"row": name, "side": "nanochat", "nanochat_commit": (commit.read_text() if commit.is_file() else
                                                                     "unknown").strip()}
@@ -445,8 +440,7 @@ def gpu_markdown(result):
 
 
 def bench_gpu(args, device, demo_files, bench_decode):
-    """`bench.py gpu`: the rows chosen by --rows, in the battery's order; writes gpu_bench.json and gpu_bench.md to
-    --out (and prints the table)."""
+    """`bench.py gpu`: the rows chosen by --rows, in GPU_ROWS's order, to --out/gpu_bench.json and .md (printed)."""
     out = Path(args.out)
     if device.type != "cuda" and not args.dry_run:
         raise ValueError("gpu: no CUDA device; on a CPU run `python bench.py gpu --dry_run` (toy sizes)")
