@@ -196,9 +196,8 @@ class GpuBattery:
         return None
 
     def size(self, spec):
-        """(preset, config overrides, tokens per step, steps, steps untimed) of a training row: d{depth} at sequence
-        2048, steps 1-3 untimed (compilation, the allocator's warm-up); the dry run's toy: depth 2 (one 128-wide head),
-        sequence 64, 2^19 tokens a step -> 16 rows of 64 (the same ratio between the two batches)."""
+        """(preset, overrides, tokens a step, steps, steps untimed: compilation, warm-up) of a training row: d{depth}
+        at sequence 2048; the dry run's d2 at 64, 2^19 tokens a step -> 16 rows (the two batches' ratio kept)."""
         if self.dry:
             return ("d2", {"sequence_len": DRY["seq_len"], "vocab_size": self.vocab}, spec["batch"] * DRY["seq_len"]
                     // 2048 // 16, max(3, round(spec["steps"] * DRY["steps_scale"])), DRY["skip"])
@@ -369,8 +368,7 @@ class GpuBattery:
         return row
 
     def chat_decode(self):
-        """bench.py decode at preset tiny, in this process, in the dtype and paths chat.py uses here: bf16 on a GPU
-        (decode.py's step eager and compiled), fp32 on the CPU (eager alone in the dry run)."""
+        """bench.py decode at preset tiny, in this process, in chat.py's dtype and paths (the dry run: eager alone)."""
         args = argparse.Namespace(**{**vars(self.args), "preset": "tiny"})
         print("gpu: chat_decode: started", flush=True)
         row = {"row": "chat_decode", "side": "ours", "command": f"python bench.py decode --preset tiny --decode_tokens "
