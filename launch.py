@@ -336,10 +336,9 @@ def marked(mark, workers=False):
 def signal_all(pids=(), groups=(), signum=signal.SIGTERM):
     """signum to each process and process group that exists: how many it reached (signal 0: how many are alive)."""
     reached = 0
-    for send, targets in ((os.kill, pids), (os.killpg, groups)):
-        for target in targets:
-            with contextlib.suppress(OSError):
-                reached += send(target, signum) is None
+    for send, target in [(os.kill, pid) for pid in pids] + [(os.killpg, group) for group in groups]:
+        with contextlib.suppress(OSError):
+            reached += send(target, signum) is None
     return reached
 
 
