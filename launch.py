@@ -44,8 +44,7 @@ ENVIRONMENT = """environment:
   PRETRAIN_ARGS MIDTRAIN_ARGS SFT_ARGS RL_ARGS CORE_ARGS CHAT_EVAL_ARGS   extra flags appended to that stage's command line
                       (the last of a repeated flag wins), e.g. PRETRAIN_ARGS="--steps 100"
   NCCL_SAFE=1         skip the NCCL probe and run with the safe flags (P2P and InfiniBand off)
-  SPEEDRUN_PYTHON     the interpreter (default: .venv/bin/python, installed from requirements.txt unless .venv
-                      records a completed install of this requirements.txt)
+  SPEEDRUN_PYTHON     the interpreter (default: .venv/bin/python, requirements.txt installed there if not yet)
   SPEEDRUN_PROBE_TIMEOUT  seconds before the NCCL probe counts as hung (default: 120)
   SPEEDRUN_PROBE_MB   size of the probe's timed all-reduce in MB (default: 64)
   SPEEDRUN_KILL_WAIT  seconds a stopped stage gets to end before SIGKILL, plus twice its last checkpoint save, plus
@@ -103,8 +102,7 @@ def parse_flags(argv):
         flags, unknown = flag_parser().parse_known_args(argv)
     except argparse.ArgumentError as e:  # a flag without its value, or not one of its choices
         raise Refused(f"{e} (bash speedrun.sh --help)", 2) from None
-    flags = vars(flags)
-    if flags["help"]:
+    if (flags := vars(flags))["help"]:
         return flags
     if unknown:
         raise Refused(f"unknown flag {unknown[0]} (bash speedrun.sh --help lists them)", 2)
@@ -217,16 +215,6 @@ def nvidia_smi(*args):
     return ""
 
 
-def check_gpus_free(force):
-    """Zombie workers of an earlier run hold GPU memory: processes on the GPUs stop the run, with the kill command."""
-    holders = nvidia_smi("--query-compute-apps=pid,process_name", "--format=csv,noheader").strip()
-    if holders and not force:
-        pids = " ".join(line.split(",")[0].strip() for line in holders.splitlines())
-        raise Refused(f"processes hold the GPUs (pid, name):\n{holders}\nThey would leave this run short of memory (a "
-                      f"zombie worker of an earlier run?). Stop them with `kill {pids}` (`kill -9 {pids}` if they "
-                      f"stay), or rerun with --force.", 1)
-
-
 def explain_driver(python):
     """torch sees no GPU but nvidia-smi lists some (a driver older than the wheel's CUDA): the versions and the fix,
     never a silent CPU run on a rented GPU box."""
@@ -263,7 +251,13 @@ def setup(env_file, argv):
     Path(run, "logs").mkdir(parents=True, exist_ok=True)
     python = os.environ.get("SPEEDRUN_PYTHON") or install_venv(run)
     check_packages(python)
-    check_gpus_free(flags["force"])
+    # zombie workers of an earlier run hold GPU memory: processes on the GPUs stop the run, with the kill command
+    holders = nvidia_smi("--query-compute-apps=pid,process_name", "--format=csv,noheader").strip()
+    if holders and not flags["force"]:
+        pids = " ".join(line.split(",")[0].strip() for line in holders.splitlines())
+        raise Refused(f"processes hold the GPUs (pid, name):\n{holders}\nThey would leave this run short of memory (a "
+                      f"zombie worker of an earlier run?). Stop them with `kill {pids}` (`kill -9 {pids}` if they "
+                      f"stay), or rerun with --force.", 1)
     # torch's CUDA device count, asked once and only when needed (--gpus 0 never asks)
     torch_gpus = functools.cache(lambda: int(ask_python(python, "import torch; print(torch.cuda.device_count())")))
     gpus = torch_gpus() if gpus == "auto" else int(gpus)
@@ -278,8 +272,7 @@ def setup(env_file, argv):
             raise Refused(f"--gpus {gpus}, but torch sees {torch_gpus()} CUDA GPU(s): pass --gpus {torch_gpus()}"
                           f"{' (the CPU)' if torch_gpus() == 0 else ''}, or make the GPUs visible "
                           f"(CUDA_VISIBLE_DEVICES)", 1)
-        say(run, f"--gpus {gpus} and torch sees no CUDA GPU: {gpus} CPU processes on gloo (only the demo plan and a "
-                 f"rehearsal run so)")
+        say(run, f"--gpus {gpus} and torch sees no CUDA GPU: {gpus} CPU processes on gloo (demo plan, rehearsal only)")
     plan = ("gpu" if gpus > 0 else "demo") if plan == "auto" else plan
     # only a rehearsal runs the gpu plan on the CPU: there --gpus N without CUDA means N CPU processes on gloo
     on_cpu = plan == "gpu" and rehearse and (gpus == 0 or torch_gpus() == 0)
@@ -389,8 +382,7 @@ def end_processes(mark, stage=None, ckpt=None, wait=None):
     others -= {None, os.getpgrp(), stage.pid if stage is not None else None}  # never speedrun.sh's own group
     groups = others | ({stage.pid} if stage is not None else set())
     signal_all(workers, others if workers else groups)  # the stage's group ends when its workers have
-    grace = checkpoint_grace(wait, ckpt)
-    deadline, exiting = time.monotonic() + grace, False
+    deadline, exiting = time.monotonic() + (grace := checkpoint_grace(wait, ckpt)), False
     while True:
         if stage is not None:
             stage.poll()  # reaped: a zombie leader would count as a live group
@@ -503,9 +495,9 @@ def progress_lines(run, name, now):
     return lines
 
 
-def copy_output(source, log):
-    """The stage's output, as it comes, to its log and the terminal."""
-    while chunk := os.read(source, 1 << 16):
+def copy_output(stage, log):
+    """The stage's output (its pipe), as it comes, to its log and the terminal."""
+    while stage and (chunk := os.read(stage.stdout.fileno(), 1 << 16)):
         log.write(chunk)
         terminal(chunk)
 
@@ -518,8 +510,7 @@ def run_stage(run, name, command, train=False, skip_if=None):
     def on_signal(signum, _frame):  # a Python handler, not SIG_IGN: the stage starts with the signals' defaults
         nonlocal stopped
         stopped = stopped or signum
-    done = f"{run}/{name}/done.json" if train else skip_if
-    if done and Path(done).exists():
+    if (done := f"{run}/{name}/done.json" if train else skip_if) and Path(done).exists():
         say(run, f"stage {name} skipped: {done} exists")
         return 0
     ckpt = f"{run}/{name}/ckpt" if train else None
@@ -534,19 +525,17 @@ def run_stage(run, name, command, train=False, skip_if=None):
            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(checkpoint_grace(int(os.environ.get("SPEEDRUN_KILL_WAIT", "30")),
                                                                   ckpt))}
     log_path, start = f"{run}/logs/{name}.log", time.time()
-    read_end, write_end = os.pipe()
     with open(log_path, "ab", buffering=0) as log:
         for signum in SIGNALS:
             signal.signal(signum, on_signal)
         try:
-            stage = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=write_end, stderr=write_end, env=env,
-                                     start_new_session=True)
+            stage = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
         except OSError as e:
             log.write(f"speedrun: cannot run {command[0]}: {e}\n".encode())
             terminal(f"speedrun: cannot run {command[0]}: {e}", sys.stderr)
             stage = None
-        os.close(write_end)
-        copier = threading.Thread(target=copy_output, args=(read_end, log), daemon=True)
+        copier = threading.Thread(target=copy_output, args=(stage, log), daemon=True)
         copier.start()
         while not stopped and (copier.is_alive() or (stage is not None and stage.poll() is None)):
             copier.join(0.1)
@@ -555,7 +544,6 @@ def run_stage(run, name, command, train=False, skip_if=None):
             copier.join(10)
             return 128 + stopped
         status = 127 if stage is None else stage.wait()
-    os.close(read_end)
     status, took = 128 - status if status < 0 else status, f"{time.time() - start:.1f}"  # signal N: the shell's 128 + N
     with open(f"{run}/logs/stages.tsv", "a") as tsv:  # report.py reads it
         tsv.write(f"{name}\t{took}\t{status}\n")
