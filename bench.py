@@ -201,16 +201,12 @@ def start_stage_rows(args, device, names, pool, jobs):
     return started
 
 
-def bench_stages(args, device, name, started=None):
-    """Runs the stage rows of benchmark `name` (or collects them from `started`, start_stage_rows's futures) and
-    prints each row's figure, then the benchmark's ratios."""
+def bench_stages(args, device, name, started):
+    """Each stage row's figure of benchmark `name` (from `started`, start_stage_rows's futures), then its ratios."""
     plan = stage_plan(args, device, name)
     if plan is None:
         return print(f"{name}: skipped, no corpus at {args.corpus} (--corpus DIR: parquet shards, the last validation)")
     rows, _, dtype, why = plan
-    if started is None:  # one at a time: timed rows would share the cores
-        with ThreadPoolExecutor(1) as pool:
-            started = start_stage_rows(args, device, [name], pool, 1)
     figures = {}
     for row, (label, value, note) in zip(rows, [future.result() for future in started[name]], strict=True):
         figures[label] = value
@@ -444,16 +440,18 @@ def main(argv=None):
         args.corpus, args.corpus_vocab = (demo_files(args) / "demo" / "pretrain", 1024) if args.dry_run else (
             args.corpus, 8192)
         # the dry run: every stage row started at once, two at a time; timed rows run one at a time, each in its turn
-        pool = ThreadPoolExecutor(2) if args.dry_run else None
+        pool = ThreadPoolExecutor(2 if args.dry_run else 1)
         try:
-            started = start_stage_rows(args, device, [n for n in args.which if n in STAGES], pool, 2) if pool else None
+            started = start_stage_rows(args, device, [n for n in args.which if n in STAGES], pool, 2) if args.dry_run \
+                else None
             for name in args.which:
+                if name in STAGES and not args.dry_run:  # timed: this benchmark's rows now, alone on the cores
+                    started = start_stage_rows(args, device, [name], pool, 1)
                 bench_stages(args, device, name, started) if name in STAGES else BENCHES[name](args, device)
         except (FileNotFoundError, ValueError) as e:  # ours, each naming its fix: one line, not a traceback
             parser.exit(1, f"bench.py: error: {e}\n")
-        finally:
-            if pool:
-                pool.shutdown(cancel_futures=True)
+        finally:  # a failed row: the rows not started yet never start
+            pool.shutdown(cancel_futures=True)
 
 
 if __name__ == "__main__":
