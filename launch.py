@@ -466,9 +466,7 @@ def probe(run, command, stage=None):
             say(run, f"NCCL probe failed ({failure}): retrying with the safe flags {SAFE_TEXT}; {log}")
             status, safe_bw = run_probe(run, state["mark"], command, True, timeout, mbytes)
             if status != 0:
-                terminal(f"speedrun: stage nccl_probe failed (exit {status}) even with the safe flags; {log}",
-                         sys.stderr)
-                return status
+                raise Refused(f"stage nccl_probe failed (exit {status}) even with the safe flags; {log}", status)
             nccl.update(safe=True, fallback=True, safe_bw=safe_bw or "unknown", default_bw=default_bw)
             transport = (f"nccl safe flags ({SAFE_TEXT}), all-reduce bus bandwidth {nccl['safe_bw']} ({mbytes} MB "
                          f"message; default flags: {default_bw})")
