@@ -479,7 +479,7 @@ def add_gpu_args(parser):
     g.add_argument("--bpb_tokens", type=int, default=BPB_TOKENS, help="gpu: training tokens of each bpb row, both "
                    "batches (default: %(default)s = 64 steps of 2^19, ~9 epochs of the carried corpus at vocab 32768)")
     g.add_argument("--max_micro", type=int, default=256, help="gpu_probe: largest micro-batch tried (default: 256)")
-    g.add_argument("--probe_seq_len", type=int, default=0, help="gpu_probe: sequence (default: 0 = the preset's)")
+    g.add_argument("--probe_seq_len", type=int, default=0, help="gpu_probe: sequence_len (default: 0 = the preset's)")
     g.add_argument("--phase_timeout", type=float, default=300, help="gpu: seconds a phase of a row (the probe, ours, "
                    "nanochat's, the demo) may take, then it is stopped (default: %(default)s)")
     g.add_argument("--deadline_s", type=float, default=0, help="gpu: seconds from this call's start by which every "
