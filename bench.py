@@ -1,47 +1,43 @@
 """Benchmarks: figures printed with their targets. Not tests: tests/test_bench.py runs every row at its smallest size.
 
-    python bench.py                   # all but gpu: pretrain sft core_eval chat_eval generate cpu decode tokenizer
-                                      # loader
+    python bench.py                   # all but gpu
     python bench.py pretrain decode   # a chosen few
     python bench.py --dry_run         # each at its smallest size on the CPU, nothing compiled: that none is broken
 
-The stage rows (STAGE_ROWS) run the real command in a fresh process: on the demo world with a vocab-1024 tokenizer and
-a --preset checkpoint one step from random weights (the work per item does not depend on them), or on the corpus at
---corpus (../shared/corpus/realtext: ~16 MB of text; skipped if absent) with a vocab-8192 tokenizer. Each figure is
-read back from the command's files: tok/s the median of metrics.jsonl's after the first quarter of the steps, items/s
-the report's items / seconds.
+The stage rows (STAGE_ROWS) run the real command in a fresh process, on the demo world (vocab-1024 tokenizer; a
+--preset checkpoint one step from random weights: the work per item does not depend on them) or on --corpus (vocab
+8192; skipped if absent), and read their figures back from its files: tok/s the median of metrics.jsonl's after the
+first quarter of the steps, items/s the report's items / seconds.
 pretrain   `pretrain.py` on the demo world (30 steps, micro-batch 16): eager fp32, compile fp32, compile + bf16; MFU
            where pretrain.py logs one (a rated GPU). Target: compile + bf16 >= 2x eager fp32.
-sft        `sft.py` on the demo conversations from that checkpoint (30 steps, its micro-batch 16): tok/s, padding
-           included, and the shares of supervised and padding positions.
+sft        `sft.py` on the demo conversations (30 steps, micro-batch 16): tok/s, padding included, the shares of
+           supervised and padding positions.
 core_eval  `core_eval.py` on the demo world's 8 tasks (513 items; --bundle DIR: that bundle), batch_items 1 and 8.
-chat_eval  `chat_eval.py --tasks demo-choice` (132 items): the letters alone (--option_text off) one prompt per forward
-           (--batch_items 1) and batched (8), and with the option-text diagnostic, batched: items/s and their ratios.
-generate   batched generation (decode.py) beside one item at a time (one row): `chat_eval.py --tasks demo-answer`
-           (--generate_items, --generate_tokens each: an untrained model rarely ends a reply) at --batch_items 1, 8
-           and 32: items/s, every item's record compared. Target: 8 >= 4x 1.
+chat_eval  `chat_eval.py --tasks demo-choice` (132 items), the letters alone at --batch_items 1 and 8, and with the
+           option-text diagnostic at 8: items/s and their ratios.
+generate   `chat_eval.py --tasks demo-answer` (--generate_items, --generate_tokens each) at --batch_items 1, 8 and 32
+           (decode.py's batched generation): items/s, every item's record compared. Target: 8 >= 4x 1.
 cpu        `pretrain.py` at nanochat's tiny CPU shape (4 layers, width 256, T 256, 8 x 256 tokens a step, vocab 8192),
            40 steps: Muon and AdamW, eager and compiled, in common.precision's dtype, and compiled Muon in the other:
            tok/s, the share of the step waiting for data; then the Muon step's share of the compiled Muon step.
            Targets (2 cores): compiled Muon >= 2x nanochat's tok/s (dev/LOG.md); the Muon step <= 15% of the step.
-decode     (in this process) greedy tok/s after a prompt filling the preset's sequence but --decode_tokens, in chat.py's
-           dtype here (bf16 on a GPU, else fp32), --trials interleaved, tokens compared: recomputing the whole context
-           every token, the model's forward on a KV cache one token at a time (kv_cache), chat.py's step (decode.py's
-           decode_step) eager and compiled. Targets: the KV cache >= 5x recompute; chat.py's default path here >= 1.5x
-           the KV cache. chat.py's second turn of a 2,000-token conversation: the first token with the cache kept vs
-           re-prefilling the history (target >= 5x). RL's rollouts, 16 demo questions x 16 replies (temperature 1,
-           top_k 50, rl.py's rollout threads): rl.sample_groups with all questions in one batch against one question
-           per batch, sampled tok/s (target >= 3x).
+decode     (in this process, chat.py's dtype) greedy tok/s after a prompt filling the preset's sequence but
+           --decode_tokens, --trials interleaved, tokens compared: recomputing the context every token, the model on a
+           KV cache (kv_cache), chat.py's step (decode.py's decode_step) eager and compiled. Targets: kv_cache >= 5x
+           recompute; chat.py's default path >= 1.5x kv_cache. chat.py's second turn after 2,000 tokens: the first
+           token with the cache kept vs re-prefilling the history (>= 5x). RL's rollouts, 16 demo questions x 16
+           replies (temperature 1, top_k 50, rl.py's threads): all questions in one batch vs one per batch (>= 3x).
 tokenizer  seconds to train a vocab-8192 tokenizer on the corpus's training split, reading included; bytes/token on its
            validation split. Target: <= 10 s for 50 MB (projected from the measured MB/s).
 loader     the streaming loader (read + tokenize + pack), one epoch of the corpus at T = 256, 1024, 2048: tok/s (target
            >= 1M), the share of document tokens cropped into a later row (target <= 20% at T = 2048; none discarded).
-gpu        (not in "all") the GPU battery: bench_gpu.py says how to run it.
-Moved: train's figures are pretrain's rows (--batch, --steps, --warmup went with it); chat's and generate's rollouts
-are decode's; quality, fsdp (with build), compile and download are dev/bench_*.py, with their flags.
+gpu        (not in "all") the GPU battery: bench_gpu.py says how to run it. Moved: train is pretrain's rows; chat's and
+           generate's rollouts are decode's; quality, fsdp, compile, download: dev/.
 """
 import argparse
+import functools
 import json
+import operator
 import os
 import re
 import statistics
@@ -80,29 +76,23 @@ CORE_EVAL = ("core_eval.py --checkpoint {work}/runs/bench --bundle {bundle} --bp
 # on the weights), micro-batch 16, which sft inherits
 PARENT = DEMO_PRETRAIN.replace("{run} --steps 30", "bench --steps 1")
 CHAT_EVAL = "chat_eval.py --checkpoint {work}/runs/bench --out {out}.json"
+CHOICE = CHAT_EVAL + " --tasks demo-choice"
 GENERATE = (CHAT_EVAL + " --tasks demo-answer --max_items {generate_items} --max_new_tokens {generate_tokens} "
             "--dtype float32")
 STAGE_ROWS = [
-    ("pretrain", "eager fp32", DEMO_PRETRAIN + " --dtype float32 --compile false", "tok/s"),
-    ("pretrain", "compile fp32", DEMO_PRETRAIN + " --dtype float32 --compile true", "tok/s"),
-    ("pretrain", "compile + bf16", DEMO_PRETRAIN + " --dtype bfloat16 --compile true", "tok/s"),
+    *[("pretrain", label, f"{DEMO_PRETRAIN} --dtype {dtype} --compile {on}", "tok/s") for label, dtype, on in
+      (("eager fp32", "float32", "false"), ("compile fp32", "float32", "true"),
+       ("compile + bf16", "bfloat16", "true"))],
     ("sft", "demo conversations", SFT, "tok/s"),
-    ("core_eval", "batch_items 1", CORE_EVAL + " --batch_items 1", "items/s"),
-    ("core_eval", "batch_items 8", CORE_EVAL + " --batch_items 8", "items/s"),
-    ("chat_eval", "letters, batch_items 1", CHAT_EVAL + " --tasks demo-choice --option_text off --batch_items 1",
-     "items/s"),
-    ("chat_eval", "letters, batch_items 8", CHAT_EVAL + " --tasks demo-choice --option_text off --batch_items 8",
-     "items/s"),
-    ("chat_eval", "option text, batch_items 8", CHAT_EVAL + " --tasks demo-choice --option_text on --batch_items 8",
-     "items/s"),
-    *[("generate", f"batch_items {b}", GENERATE + f" --batch_items {b}", "items/s") for b in (1, 8, 32)],
+    *[("core_eval", f"batch_items {b}", f"{CORE_EVAL} --batch_items {b}", "items/s") for b in (1, 8)],
+    *[("chat_eval", f"{label}, batch_items {b}", f"{CHOICE} --option_text {on} --batch_items {b}", "items/s")
+      for label, on, b in (("letters", "off", 1), ("letters", "off", 8), ("option text", "on", 8))],
+    *[("generate", f"batch_items {b}", f"{GENERATE} --batch_items {b}", "items/s") for b in (1, 8, 32)],
     # every optimizer and compile setting in the chosen precision, the other at the defaults only: where bf16 is
     # emulated (20-100x slower on an AVX2-only CPU) four runs in it would dominate the row
-    ("cpu", "muon {dtype} eager", CPU_SHAPE + " --optimizer muon --dtype {dtype} --compile false", "tok/s"),
-    ("cpu", "muon {dtype} compiled", CPU_SHAPE + " --optimizer muon --dtype {dtype} --compile true", "tok/s"),
-    ("cpu", "adamw {dtype} eager", CPU_SHAPE + " --optimizer adamw --dtype {dtype} --compile false", "tok/s"),
-    ("cpu", "adamw {dtype} compiled", CPU_SHAPE + " --optimizer adamw --dtype {dtype} --compile true", "tok/s"),
-    ("cpu", "muon {other_dtype} compiled", CPU_SHAPE + " --optimizer muon --dtype {other_dtype} --compile true",
+    *[("cpu", f"{opt} {{dtype}} {mode}", f"{CPU_SHAPE} --optimizer {opt} --dtype {{dtype}} --compile {on}", "tok/s")
+      for opt in ("muon", "adamw") for mode, on in (("eager", "false"), ("compiled", "true"))],
+    ("cpu", "muon {other_dtype} compiled", f"{CPU_SHAPE} --optimizer muon --dtype {{other_dtype}} --compile true",
      "tok/s"),
 ]
 # the ratios printed after a benchmark's rows: (benchmark, row, / row, target or None)
@@ -114,6 +104,16 @@ STAGE_RATIOS = [("pretrain", "compile + bf16", "eager fp32", 2), ("chat_eval", "
 DRY_FLAGS = {"pretrain.py": "--steps 3 --micro_batch 2 --bpb_tokens 4096 --compile false --n_layer 1 --n_embd 64 "
              "--n_head 1 --n_kv_head 1", "sft.py": "--steps 3 --micro_batch 2 --eval_rows 4",
              "core_eval.py": "--max_items 2", "chat_eval.py": "--max_items 2 --max_new_tokens 4"}
+
+
+def versus(value, target, unit="x", digits=2, most=False, sep=""):
+    """'1.497x (target >= 1.5x: MISSED)': the figure with digits enough that, as printed, it is on the side of the
+    target its verdict says (1.497 is not "1.50x ... MISSED")."""
+    meets = operator.le if most else operator.ge
+    while digits < 9 and meets(float(f"{value:.{digits}f}"), target) != meets(value, target):
+        digits += 1
+    return (f"{value:{sep}.{digits}f}{unit} (target {'<=' if most else '>='} {target:{sep}}{unit}: "
+            f"{'met' if meets(value, target) else 'MISSED'})")
 
 
 def demo_files(args):
@@ -178,22 +178,12 @@ def stage_plan(args, device, name):
     return rows, places, dtype, why
 
 
-def run_row(args, name, row, places, jobs):
-    """One stage row's command, run: (label, figure, note)."""
-    label = row[1].format(**places)
-    slug = re.sub(r"\W+", "_", f"{name} {label}")
-    run_command(args, row[2], {**places, "run": slug, "out": f"{args.work}/out/{slug}"}, jobs)
-    return label, *stage_figure(row[3], Path(args.work) / "runs" / slug, Path(args.work) / "out" / slug)
-
-
 def start_stage_rows(args, device, names, pool, jobs):
-    """The dry run: every stage row of the benchmarks `names` submitted at once to `pool` (two at a time), so that
-    no core waits at the end of a benchmark for its last row; the rows that read the evaluation checkpoint
-    (runs/bench) wait for it, made first. {name: [future of (label, figure, note)]}."""
+    """{name: [future of (label, figure, note)]}: every stage row of `names` submitted to `pool` at once (the dry run's
+    two at a time: no core waits for a benchmark's last row), those reading runs/bench after it is made."""
     started, parent = {}, None
     for name in names:
-        plan = stage_plan(args, device, name)
-        if plan is None:
+        if (plan := stage_plan(args, device, name)) is None:
             continue
         rows, places, _, _ = plan
         needs = any("runs/bench" in row[2] for row in rows) and not (Path(args.work) / "runs" / "bench").is_dir()
@@ -203,33 +193,28 @@ def start_stage_rows(args, device, names, pool, jobs):
         def job(row, places=places, name=name, wait=parent if needs else None):
             if wait is not None:
                 wait.result()  # the checkpoint's command failed: so does this row
-            return run_row(args, name, row, places, jobs)
+            label = row[1].format(**places)
+            slug = re.sub(r"\W+", "_", f"{name} {label}")
+            run_command(args, row[2], {**places, "run": slug, "out": f"{args.work}/out/{slug}"}, jobs)
+            return label, *stage_figure(row[3], Path(args.work) / "runs" / slug, Path(args.work) / "out" / slug)
         started[name] = [pool.submit(job, row) for row in rows]
     return started
 
 
-def bench_stages(args, device, name, started=None):
-    """Runs the stage rows of benchmark `name` (or collects them from `started`, start_stage_rows's futures) and
-    prints each row's figure, then the benchmark's ratios."""
+def bench_stages(args, device, name, started):
+    """Each stage row's figure of benchmark `name` (from `started`, start_stage_rows's futures), then its ratios."""
     plan = stage_plan(args, device, name)
     if plan is None:
         return print(f"{name}: skipped, no corpus at {args.corpus} (--corpus DIR: parquet shards, the last validation)")
-    rows, places, dtype, why = plan
-    if started is not None:
-        results = [future.result() for future in started[name]]
-    else:  # one at a time: timed rows would share the cores
-        if any("runs/bench" in row[2] for row in rows) and not (Path(args.work) / "runs" / "bench").is_dir():
-            run_command(args, PARENT, places)
-        results = [run_row(args, name, row, places, 1) for row in rows]
+    rows, _, dtype, why = plan
     figures = {}
-    for row, (label, value, note) in zip(rows, results, strict=True):
+    for row, (label, value, note) in zip(rows, [future.result() for future in started[name]], strict=True):
         figures[label] = value
         print(f"{name} {label}: {value:,.{0 if row[3] == 'tok/s' else 2}f} {row[3]} ({note})")
     for bench, top, bottom, target in STAGE_RATIOS:
         if bench == name:
             ratio = figures[top] / figures[bottom]
-            print(f"{name}: {top} / {bottom} = {ratio:.2f}x" + (f" (target >= {target}x: "
-                  f"{'met' if ratio >= target else 'MISSED'})" if target else ""))
+            print(f"{name}: {top} / {bottom} = " + (versus(ratio, target) if target else f"{ratio:.2f}x"))
     if name == "generate":
         records = {(Path(args.work) / "out" / f"generate_batch_items_{b}_items.jsonl").read_text() for b in (1, 8, 32)}
         print(f"generate: every item's record identical at batch_items 1, 8 and 32: {len(records) == 1}")
@@ -262,10 +247,10 @@ def muon_share(device, step_seconds, vocab, dry_run):
             times[label].append(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
     median = {label: statistics.median(t[untimed:]) for label, t in times.items()}
+    alone = ", ".join(f"{label} {1000 * t:.1f} ms" for label, t in median.items())
     print(f"cpu Muon step (Newton-Schulz in {muon.param_groups[0]['ns_dtype']}): {1000 * median['Muon step']:.1f} ms, "
-          f"{100 * median['Muon step'] / step_seconds:.1f}% of pretrain.py's compiled {dtype} Muon step "
-          f"({1000 * step_seconds:.0f} ms); alone: " + ", ".join(f"{label} {1000 * t:.1f} ms"
-                                                                 for label, t in median.items()))
+          f"{versus(100 * median['Muon step'] / step_seconds, 15, '%', 1, most=True)} of pretrain.py's compiled "
+          f"{dtype} Muon step ({1000 * step_seconds:.0f} ms); alone: {alone}")
 
 
 def chat_decode_paths(device):
@@ -313,22 +298,18 @@ def bench_decode(args, device):
         step = lambda token: model(token.view(1, 1), kv_cache=cache)[:, -1]
         return greedy(lambda: model(torch.tensor([prompt], device=device), kv_cache=cache)[:, -1], step)
 
-    def with_chat(conv):
-        def run():
-            conv.ids, conv.cache.pos = [], 0
-            return greedy(lambda: conv.forward(prompt), conv.step)
-        return run
+    def with_chat(conv):  # chat.py's Conversation, emptied
+        conv.ids, conv.cache.pos = [], 0
+        return greedy(lambda: conv.forward(prompt), conv.step)
     paths = {"recompute": recompute, "kv_cache": kv_cache}
     for decode in decodes:
         start = time.perf_counter()
-        paths[decode] = with_chat(chat.Conversation(model, tok, True, decode, dtype))
+        paths[decode] = functools.partial(with_chat, chat.Conversation(model, tok, True, decode, dtype))
         paths[decode]()  # warm up; compiles the compiled one
         if decode == "compiled":
             print(f"decode compiled: first call (compilation) {time.perf_counter() - start:.1f} s")
-    results = {name: [] for name in paths}
-    for _ in range(trials):  # interleaved, so that load drifts hit every path
-        for name, run in paths.items():
-            results[name].append(run())
+    interleaved = [{name: run() for name, run in paths.items()} for _ in range(trials)]  # drifts hit every path
+    results = {name: [trial[name] for trial in interleaved] for name in paths}
     rates = {name: statistics.median(r[0] for r in runs) for name, runs in results.items()}
     for name, runs in results.items():
         print(f"decode {args.preset} {dtype} {name:9s}: {rates[name]:7,.0f} tok/s median of {trials} "
@@ -336,9 +317,7 @@ def bench_decode(args, device):
               f"greedy tokens identical: {all(r[1] == results['kv_cache'][0][1] for r in runs)})")
     for top, bottom, target in (("kv_cache", "recompute", 5), (chat_default, "kv_cache", 1.5)):
         if top in rates:
-            ratio = rates[top] / rates[bottom]
-            print(f"decode: {top} / {bottom} = {ratio:.2f}x (target >= {target}x: "
-                  f"{'met' if ratio >= target else 'MISSED'})")
+            print(f"decode: {top} / {bottom} = {versus(rates[top] / rates[bottom], target)}")
     figures = {"dtype": dtype, **{f"decode_tok_per_s_{name}": rate for name, rate in rates.items()}}
 
     long_model = build_model(config_from_preset(args.preset, {"sequence_len": 2304}), device).eval()
@@ -355,12 +334,10 @@ def bench_decode(args, device):
         start = time.perf_counter()
         conv.forward(turn if kept else history + turn).argmax(-1).item()
         return time.perf_counter() - start
-    first_token(True), first_token(False)
-    times = [(first_token(True), first_token(False)) for _ in range(trials)]
-    kept, again = (statistics.median(t[i] for t in times) for i in (0, 1))
+    times = [(first_token(True), first_token(False)) for _ in range(trials + 1)][1:]  # the first: warm-up
+    kept, again = map(statistics.median, zip(*times, strict=True))
     print(f"decode chat second turn (20 tokens after {len(history):,}): first token {1000 * kept:.1f} ms with the "
-          f"cache kept, {1000 * again:.1f} ms re-prefilling the history: {again / kept:.1f}x (target >= 5x: "
-          f"{'met' if again >= 5 * kept else 'MISSED'})")
+          f"cache kept, {1000 * again:.1f} ms re-prefilling the history: {versus(again / kept, 5, digits=1)}")
     figures.update(first_token_s_kept=kept, first_token_s_reprefill=again)
 
     rl_model = build_model(config_from_preset(args.preset, {"vocab_size": tok.vocab_size}), device).eval()
@@ -380,8 +357,7 @@ def bench_decode(args, device):
               f"replies of {len(prompts)} questions in {seconds:.1f} s, {torch.get_num_threads()} thread(s))")
     torch.set_num_threads(threads)
     ratio = figures["rollout_tok_per_s_all_questions"] / figures["rollout_tok_per_s_per_question"]
-    print(f"decode rl: all questions per batch {ratio:.2f}x one question per batch (target >= 3x: "
-          f"{'met' if ratio >= 3 else 'MISSED'})")
+    print(f"decode rl: all questions per batch / one question per batch = {versus(ratio, 3)}")
     return figures
 
 
@@ -392,13 +368,12 @@ def bench_tokenizer(args, device):
     stats = {"docs": 0, "chars": 0, "bytes": 0}
     start = time.perf_counter()  # streaming the shards is part of training, as in `python tokenizer.py train`
     tokenizer = train_tokenizer(counting(iter_texts(corpus, "train"), stats), args.corpus_vocab)
-    seconds = time.perf_counter() - start
-    mb = stats["bytes"] / 1e6
-    projected = 50 / (mb / seconds)
+    seconds, mb = time.perf_counter() - start, stats["bytes"] / 1e6
     print(f"tokenizer: trained vocab {tokenizer.vocab_size} on {stats['docs']:,} documents, {stats['chars']:,} "
-          f"characters, {mb:.1f} MB in {seconds:.2f} s: {mb / seconds:.1f} MB/s")
-    print(f"tokenizer: projected {projected:.1f} s for 50 MB (target <= 10 s: {'met' if projected <= 10 else 'MISSED'})")
-    print(f"tokenizer: bytes/token on the validation split: {bytes_per_token(tokenizer, iter_texts(corpus, 'val')):.3f}")
+          f"characters, {mb:.1f} MB in {seconds:.2f} s: {mb / seconds:.1f} MB/s; projected for 50 MB: "
+          f"{versus(50 * seconds / mb, 10, ' s', 1, most=True)}")
+    per_token = bytes_per_token(tokenizer, iter_texts(corpus, "val"))
+    print(f"tokenizer: bytes/token on the validation split: {per_token:.3f}")
 
 
 def bench_loader(args, device):
@@ -416,10 +391,9 @@ def bench_loader(args, device):
         stats = loader.state["stats"]
         loader.close()
         cropped = stats["cropped"] / stats["doc_tokens"]
-        target = f" (target <= 20%: {'met' if cropped <= 0.2 else 'MISSED'})" if seq_len == 2048 else ""
-        print(f"loader T={seq_len:4d}: {rate:10,.0f} tok/s (target >= 1M: {'met' if rate >= 1e6 else 'MISSED'}), "
-              f"cropped {100 * cropped:.1f}% of document tokens{target}, none discarded; one epoch of "
-              f"{stats['docs']:,} documents, batch 16")
+        crop = versus(100 * cropped, 20, "%", 1, most=True) if seq_len == 2048 else f"{100 * cropped:.1f}%"
+        print(f"loader T={seq_len:4d}: {versus(rate, 1_000_000, ' tok/s', 0, sep=',')}, cropped {crop} of document "
+              f"tokens, none discarded; one epoch of {stats['docs']:,} documents, batch 16")
 
 
 STAGES = list(dict.fromkeys(row[0] for row in STAGE_ROWS))
@@ -439,7 +413,7 @@ def main(argv=None):
                         "64), nanochat's where --bench_dir holds its tree")
     parser.add_argument("--work", help="where the rows' files go, kept (default: a temporary folder, removed)")
     parser.add_argument("--decode_tokens", type=int, default=64, help="decode: tokens generated (default: 64)")
-    parser.add_argument("--trials", type=int, default=5, help="decode: interleaved trials, the median is reported "
+    parser.add_argument("--trials", type=int, default=5, help="decode: interleaved trials, their median reported "
                         "(default: 5)")
     parser.add_argument("--corpus", default=str(Path(__file__).resolve().parent.parent / "shared/corpus/realtext"),
                         help="text corpus of tokenizer, loader and cpu (default: %(default)s)")
@@ -466,16 +440,18 @@ def main(argv=None):
         args.corpus, args.corpus_vocab = (demo_files(args) / "demo" / "pretrain", 1024) if args.dry_run else (
             args.corpus, 8192)
         # the dry run: every stage row started at once, two at a time; timed rows run one at a time, each in its turn
-        pool = ThreadPoolExecutor(2) if args.dry_run else None
+        pool = ThreadPoolExecutor(2 if args.dry_run else 1)
         try:
-            started = start_stage_rows(args, device, [n for n in args.which if n in STAGES], pool, 2) if pool else None
+            started = start_stage_rows(args, device, [n for n in args.which if n in STAGES], pool, 2) if args.dry_run \
+                else None
             for name in args.which:
+                if name in STAGES and not args.dry_run:  # timed: this benchmark's rows now, alone on the cores
+                    started = start_stage_rows(args, device, [name], pool, 1)
                 bench_stages(args, device, name, started) if name in STAGES else BENCHES[name](args, device)
         except (FileNotFoundError, ValueError) as e:  # ours, each naming its fix: one line, not a traceback
             parser.exit(1, f"bench.py: error: {e}\n")
-        finally:
-            if pool:
-                pool.shutdown(cancel_futures=True)
+        finally:  # a failed row: the rows not started yet never start
+            pool.shutdown(cancel_futures=True)
 
 
 if __name__ == "__main__":

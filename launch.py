@@ -28,11 +28,10 @@ import subprocess
 import sys
 import threading
 import time
-from glob import glob
 from pathlib import Path
 
 import gpu_plan
-from run_files import stage_rows
+from run_files import read_json, stage_rows
 
 ROOT = Path(__file__).resolve().parent
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what stops a run
@@ -45,13 +44,11 @@ ENVIRONMENT = """environment:
   PRETRAIN_ARGS MIDTRAIN_ARGS SFT_ARGS RL_ARGS CORE_ARGS CHAT_EVAL_ARGS   extra flags appended to that stage's command line
                       (the last of a repeated flag wins), e.g. PRETRAIN_ARGS="--steps 100"
   NCCL_SAFE=1         skip the NCCL probe and run with the safe flags (P2P and InfiniBand off)
-  SPEEDRUN_PYTHON     the interpreter (default: .venv/bin/python, installed from requirements.txt unless .venv
-                      records a completed install of this requirements.txt)
+  SPEEDRUN_PYTHON     the interpreter (default: .venv/bin/python, requirements.txt installed there if not yet)
   SPEEDRUN_PROBE_TIMEOUT  seconds before the NCCL probe counts as hung (default: 120)
   SPEEDRUN_PROBE_MB   size of the probe's timed all-reduce in MB (default: 64)
-  SPEEDRUN_KILL_WAIT  seconds a stopped stage gets to end before SIGKILL, plus twice its last measured checkpoint
-                      save, plus as long as a checkpoint is still being written, and as much again once it is saved
-                      (default: 30)
+  SPEEDRUN_KILL_WAIT  seconds a stopped stage gets to end before SIGKILL, plus twice its last checkpoint save, plus
+                      while a checkpoint is being written, and as much again once it is saved (default: 30)
 """
 
 
@@ -71,23 +68,20 @@ def flag_parser():
     add, switch = parser.add_argument, functools.partial(parser.add_argument, action="store_true")
     add("--plan", default="auto", choices=("auto", "gpu", "demo"), metavar="gpu|demo", help="gpu: d20-class model on "
         "FineWeb-Edu, every stage; demo: the offline demo world, preset tiny, on the CPU (default: gpu when torch sees "
-        "CUDA GPUs, else demo; GPUs nvidia-smi lists but torch cannot use stop the run with the driver and wheel "
-        "versions)")
+        "CUDA GPUs, else demo; GPUs that nvidia-smi lists but torch cannot use stop the run, naming the versions)")
     add("--depth", default="20", metavar="N", help="gpu plan: model depth, the d{N} preset (default: %(default)s)")
     add("--run_name", default="speedrun", metavar="NAME", help="everything goes to <runs_dir>/NAME/ (default: %(default)s)")
     add("--runs_dir", default="runs", metavar="DIR", help="(default: %(default)s)")
     add("--data_dir", default="", metavar="DIR", help="gpu: the FineWeb-Edu corpus directory (default: dataset.py's "
         "cache); demo: the demo world (default: <runs_dir>/<run_name>/demo, written by demo.py when missing)")
-    add("--gpus", default="auto", metavar="N", help="processes per stage = GPUs used (default: all CUDA GPUs; 0 = CPU, "
-        "one process)")
+    add("--gpus", default="auto", metavar="N", help="processes per stage (default: all CUDA GPUs; 0 = CPU, one)")
     add("--shards", default="", metavar="N", help="gpu plan: FineWeb-Edu training shards to download (default: what "
         "the budget needs: its tokens / the first shard's tokens counted with the tokenizer, plus one)")
     add("--vocab_size", default="", metavar="N", help="tokenizer vocabulary (default: 65536 gpu, 1024 demo)")
     add("--tokenizer", default="", metavar="DIR", help="use this trained tokenizer (default: train <run>/tokenizer)")
     add("--stop_after", default="", choices=("", *STOP_AFTER), metavar="STAGE", help=f"stop after this stage: "
         f"{' '.join(STOP_AFTER)} (download: gpu plan, every shard and the prefetched chat and evaluation data are in)")
-    add("--rl", default="on", choices=("on", "off"), metavar="on|off", help="the reinforcement-learning stage after "
-        "sft (default: on)")
+    add("--rl", default="on", choices=("on", "off"), metavar="on|off", help="rl.py after sft (default: on)")
     add("--stage_evals", default="pretrain,midtrain,sft,rl", metavar="LIST", help="the stages whose final models get "
         "CORE and ChatCORE for the report's table of what each stage taught, comma-separated, or none (default: "
         "%(default)s; a column left out says unknown; pretrain's is a base model: CORE only, core_eval's, as nanochat)")
@@ -108,8 +102,7 @@ def parse_flags(argv):
         flags, unknown = flag_parser().parse_known_args(argv)
     except argparse.ArgumentError as e:  # a flag without its value, or not one of its choices
         raise Refused(f"{e} (bash speedrun.sh --help)", 2) from None
-    flags = vars(flags)
-    if flags["help"]:
+    if (flags := vars(flags))["help"]:
         return flags
     if unknown:
         raise Refused(f"unknown flag {unknown[0]} (bash speedrun.sh --help lists them)", 2)
@@ -117,10 +110,9 @@ def parse_flags(argv):
         if flags[name] not in ("", "auto") and not flags[name].isdigit():
             raise Refused(f"--{name} {flags[name]}: use a whole number (bash speedrun.sh --help)", 2)
     flags["stage_evals"] = "" if flags["stage_evals"] == "none" else flags["stage_evals"]
-    for name in flags["stage_evals"].split(",") if flags["stage_evals"] else []:
-        if name not in MODEL_STAGES:
-            raise Refused(f"--stage_evals {flags['stage_evals']}: {name} is not a stage with a model (use pretrain, "
-                          f"midtrain, sft, rl, comma-separated, or none)", 2)
+    if bad := [name for name in flags["stage_evals"].split(",") if flags["stage_evals"] and name not in MODEL_STAGES]:
+        raise Refused(f"--stage_evals {flags['stage_evals']}: {bad[0]} is not a stage with a model (use pretrain, "
+                      f"midtrain, sft, rl, comma-separated, or none)", 2)
     return flags
 
 
@@ -156,8 +148,7 @@ def terminal(data, stream=None):
 
 
 def read_state(run):
-    path = Path(run, "logs", "launch.json")
-    return json.loads(path.read_text()) if path.is_file() else None
+    return read_json(Path(run, "logs", "launch.json"))
 
 
 def write_state(run, state):  # whole or not at all: written beside, then renamed
@@ -168,9 +159,8 @@ def write_state(run, state):  # whole or not at all: written beside, then rename
 # --- the interpreter -------------------------------------------------------------------------------------------------
 
 def install_venv(run, venv=ROOT / ".venv", requirements=ROOT / "requirements.txt"):
-    """.venv's python, with requirements.txt installed. It counts as installed only when it holds the sha256 of the
-    requirements.txt whose pip install completed: an interrupted pip, or a venv made without pip (python3-venv
-    missing), is repaired or redone, never skipped. python3 (the one on PATH, which runs this file) makes it."""
+    """.venv's python (made by the python3 running this), requirements.txt installed: only the sha256 of a completed
+    pip install says so, so that an interrupted pip or a venv without pip (no python3-venv) is redone, never skipped."""
     want = hashlib.sha256(requirements.read_bytes()).hexdigest()
     record, python = venv / "installed-requirements.sha256", venv / "bin" / "python"
     if (have := record.read_text().strip() if record.is_file() else "") == want:
@@ -183,8 +173,7 @@ def install_venv(run, venv=ROOT / ".venv", requirements=ROOT / "requirements.txt
         if subprocess.run(["python3", "-m", "venv", venv], check=False).returncode != 0:
             shutil.rmtree(venv, ignore_errors=True)
             raise Refused(f"`python3 -m venv {venv}` failed: install the venv module (Debian/Ubuntu: `apt-get install "
-                          f"python3-venv`) and rerun, or set SPEEDRUN_PYTHON to an interpreter with requirements.txt "
-                          f"installed", 1)
+                          f"python3-venv`), or set SPEEDRUN_PYTHON to one with requirements.txt installed", 1)
     else:
         say(run, f"requirements.txt changed since {venv} was installed: installing it again" if have else
                  f"{venv} is a half install (no record that pip install -r requirements.txt completed): repairing it")
@@ -208,9 +197,8 @@ def ask_python(python, program, pythonpath=None):
 def check_packages(python):
     """With SPEEDRUN_PYTHON, a package of requirements.txt it lacks (matplotlib, first imported by the report, the
     last stage) stops the run now, not hours in. Looked up by import name, not imported; versions are its own."""
-    modules = ["torch", "numpy", "pyarrow", "tiktoken", "rustbpe", "requests", "huggingface_hub", "safetensors", "yaml",
-               "matplotlib"]
-    missing = ask_python(python, f"import importlib.util as u; print(' '.join(m for m in {modules!r} if "
+    modules = "torch numpy pyarrow tiktoken rustbpe requests huggingface_hub safetensors yaml matplotlib"
+    missing = ask_python(python, f"import importlib.util as u; print(' '.join(m for m in {modules!r}.split() if "
                                  f"u.find_spec(m) is None))").split()
     if missing:
         raise Refused(f"{python} cannot import {', '.join(missing)} (requirements.txt): install them into it "
@@ -227,25 +215,13 @@ def nvidia_smi(*args):
     return ""
 
 
-def check_gpus_free(force):
-    """Zombie workers of an earlier run hold GPU memory: processes on the GPUs stop the run, with the kill command."""
-    holders = nvidia_smi("--query-compute-apps=pid,process_name", "--format=csv,noheader").strip()
-    if holders and not force:
-        pids = " ".join(line.split(",")[0].strip() for line in holders.splitlines())
-        raise Refused(f"processes hold the GPUs (pid, name):\n{holders}\nThey would leave this run short of memory (a "
-                      f"zombie worker of an earlier run?). Stop them with `kill {pids}` (`kill -9 {pids}` if they "
-                      f"stay), or rerun with --force.", 1)
-
-
 def explain_driver(python):
-    """torch sees no GPU: when nvidia-smi lists some (a driver older than the CUDA the torch wheel was built for), an
-    error naming the driver and wheel versions and the fix, never a silent CPU run on a rented GPU box."""
-    listed = len([line for line in nvidia_smi("--query-gpu=name", "--format=csv,noheader").splitlines() if line])
-    if listed == 0:
+    """torch sees no GPU but nvidia-smi lists some (a driver older than the wheel's CUDA): the versions and the fix,
+    never a silent CPU run on a rented GPU box."""
+    if not (listed := len(nvidia_smi("--query-gpu=name", "--format=csv,noheader").strip().splitlines())):
         return
     driver = nvidia_smi("--query-gpu=driver_version", "--format=csv,noheader").split("\n")[0].replace(" ", "")
-    found = re.search(r"CUDA Version: *([0-9.]*)", nvidia_smi())
-    driver_cuda = found.group(1) if found else ""
+    driver_cuda = (re.search(r"CUDA Version: *([0-9.]*)", nvidia_smi()) or [None, ""])[1]
     torch_version, torch_cuda = ask_python(python, "import torch; print(torch.__version__, torch.version.cuda)").split()
     raise Refused(
         f"nvidia-smi lists {listed} GPU(s) but torch {torch_version} sees none. The driver is {driver or 'unknown'} "
@@ -257,10 +233,10 @@ def explain_driver(python):
 
 
 def setup(env_file, argv):
-    """`setup`: speedrun.sh's flags (a bad one stops it before anything is written), its interpreter (.venv unless
-    SPEEDRUN_PYTHON), the machine and the plan, checked before any stage; the shell variables it sources written to
-    env_file (the file removes itself), the run's state to launch.json. A rehearsal that passed is deleted first: it is
-    redone from the start (it checks this code); an interrupted one resumes."""
+    """`setup`: speedrun.sh's flags (a bad one stops it before anything is written), its interpreter, the machine and
+    the plan, checked before any stage; the shell variables it sources to env_file (which removes itself), the run's
+    state to launch.json. A rehearsal that passed is redone from the start (it checks this code); an interrupted one
+    resumes."""
     flags = parse_flags(argv)
     remove = f"rm -f -- {shlex.quote(env_file)}\n"
     if flags.pop("help"):
@@ -275,7 +251,13 @@ def setup(env_file, argv):
     Path(run, "logs").mkdir(parents=True, exist_ok=True)
     python = os.environ.get("SPEEDRUN_PYTHON") or install_venv(run)
     check_packages(python)
-    check_gpus_free(flags["force"])
+    # zombie workers of an earlier run hold GPU memory: processes on the GPUs stop the run, with the kill command
+    holders = nvidia_smi("--query-compute-apps=pid,process_name", "--format=csv,noheader").strip()
+    if holders and not flags["force"]:
+        pids = " ".join(line.split(",")[0].strip() for line in holders.splitlines())
+        raise Refused(f"processes hold the GPUs (pid, name):\n{holders}\nThey would leave this run short of memory (a "
+                      f"zombie worker of an earlier run?). Stop them with `kill {pids}` (`kill -9 {pids}` if they "
+                      f"stay), or rerun with --force.", 1)
     # torch's CUDA device count, asked once and only when needed (--gpus 0 never asks)
     torch_gpus = functools.cache(lambda: int(ask_python(python, "import torch; print(torch.cuda.device_count())")))
     gpus = torch_gpus() if gpus == "auto" else int(gpus)
@@ -290,8 +272,7 @@ def setup(env_file, argv):
             raise Refused(f"--gpus {gpus}, but torch sees {torch_gpus()} CUDA GPU(s): pass --gpus {torch_gpus()}"
                           f"{' (the CPU)' if torch_gpus() == 0 else ''}, or make the GPUs visible "
                           f"(CUDA_VISIBLE_DEVICES)", 1)
-        say(run, f"--gpus {gpus} and torch sees no CUDA GPU: {gpus} CPU processes on gloo (only the demo plan and a "
-                 f"rehearsal run so)")
+        say(run, f"--gpus {gpus} and torch sees no CUDA GPU: {gpus} CPU processes on gloo (demo plan, rehearsal only)")
     plan = ("gpu" if gpus > 0 else "demo") if plan == "auto" else plan
     # only a rehearsal runs the gpu plan on the CPU: there --gpus N without CUDA means N CPU processes on gloo
     on_cpu = plan == "gpu" and rehearse and (gpus == 0 or torch_gpus() == 0)
@@ -300,11 +281,10 @@ def setup(env_file, argv):
                       "--gpus N: the gpu plan's rehearsal on N CPU processes)", 2)
     if plan == "demo" and flags["stop_after"] == "download":
         raise Refused("--stop_after download: the demo plan has no download stage (use data)", 2)
-    nproc = max(gpus, 1)
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            check=False).stdout.strip() or "unknown"
+    nproc, commit = max(gpus, 1), subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                                                 capture_output=True, text=True, check=False).stdout.strip()
     say(run, f"plan {plan}{' (rehearsal)' if rehearse else ''}, run {run}, {nproc} process(es) per stage "
-             f"({f'{gpus} GPUs' if gpus > 0 and not on_cpu else 'CPU'}), commit {commit}")
+             f"({f'{gpus} GPUs' if gpus > 0 and not on_cpu else 'CPU'}), commit {commit or 'unknown'}")
     for line in gpu_plan.plan_lines(flags["depth"], nproc, rehearse, on_cpu) if plan == "gpu" and not \
             flags["probe_only"] else []:
         say(run, line)
@@ -349,10 +329,9 @@ def marked(mark, workers=False):
 def signal_all(pids=(), groups=(), signum=signal.SIGTERM):
     """signum to each process and process group that exists: how many it reached (signal 0: how many are alive)."""
     reached = 0
-    for send, targets in ((os.kill, pids), (os.killpg, groups)):
-        for target in targets:
-            with contextlib.suppress(OSError):
-                reached += send(target, signum) is None
+    for send, target in [(os.kill, pid) for pid in pids] + [(os.killpg, group) for group in groups]:
+        with contextlib.suppress(OSError):
+            reached += send(target, signum) is None
     return reached
 
 
@@ -365,15 +344,13 @@ def kill_marked(mark, groups=()):
     """SIGKILL for the groups and every process carrying the mark (torchrun's workers are in no group), until gone."""
     signal_all(groups=groups, signum=signal.SIGKILL)
     for _ in range(100):
-        if not (left := marked(mark)):
+        if not signal_all(marked(mark), signum=signal.SIGKILL):  # none left
             return
-        signal_all(left, signum=signal.SIGKILL)
         time.sleep(0.1)
 
 
 def checkpoint_grace(wait, ckpt):
-    """The seconds a stopped stage gets before SIGKILL: `wait` plus twice its last measured checkpoint save
-    (<ckpt>/save_seconds, written by checkpoint.py), rounded up."""
+    """Seconds a stopped stage gets before SIGKILL: `wait` + twice its last checkpoint save (checkpoint.py's)."""
     with contextlib.suppress(OSError, ValueError, TypeError):
         return math.ceil(wait + 2 * float(Path(ckpt, "save_seconds").read_text()[:32]))
     return wait
@@ -395,18 +372,17 @@ def saved_since(ckpt, since):
     return False
 
 
-def end_processes(mark, stage=None, ckpt=None):
+def end_processes(mark, stage=None, ckpt=None, wait=None):
     """End every process of the run: SIGTERM to torchrun's workers (not to torchrun, whose own grace would start while
-    rank 0 checkpoints) and every other marked group; after the grace (SPEEDRUN_KILL_WAIT, plus twice the last
-    checkpoint save, plus while one is written, and SPEEDRUN_KILL_WAIT again once saved), SIGKILL. stage: its Popen."""
-    since, wait = time.time(), int(os.environ.get("SPEEDRUN_KILL_WAIT", "30"))
+    rank 0 checkpoints) and every other marked group; after the grace (wait, else SPEEDRUN_KILL_WAIT, plus twice the
+    last checkpoint save, plus while one is written, and that wait again once saved), SIGKILL. stage: its Popen."""
+    since, wait = time.time(), wait or int(os.environ.get("SPEEDRUN_KILL_WAIT", "30"))
     workers = marked(mark, workers=True)
     others = {group_of(pid) for pid in marked(mark)} - {group_of(pid) for pid in workers}  # the download's group
     others -= {None, os.getpgrp(), stage.pid if stage is not None else None}  # never speedrun.sh's own group
     groups = others | ({stage.pid} if stage is not None else set())
     signal_all(workers, others if workers else groups)  # the stage's group ends when its workers have
-    grace = checkpoint_grace(wait, ckpt)
-    deadline, exiting = time.monotonic() + grace, False
+    deadline, exiting = time.monotonic() + (grace := checkpoint_grace(wait, ckpt)), False
     while True:
         if stage is not None:
             stage.poll()  # reaped: a zombie leader would count as a live group
@@ -435,9 +411,8 @@ SAFE_TEXT = " ".join(f"{name}={value}" for name, value in SAFE_FLAGS.items())
 
 
 def run_probe(run, mark, command, safe, timeout, mbytes):
-    """(exit status, bus bandwidth or None) of the probe (or SPEEDRUN_PROBE_CMD, tests' stand-in, given the JSON's
-    path as $1) in its own session, under a hard timeout (124: it hung; 137: it ignored SIGTERM too); nothing of it
-    survives. The bandwidth is the probe's JSON's, written when its sums were right."""
+    """(exit status, its JSON's bus bandwidth, there when its sums were right, or None) of the probe (tests' stand-in:
+    SPEEDRUN_PROBE_CMD, the JSON's path as $1), hung past timeout (124; 137: past SIGTERM too); nothing survives it."""
     result = Path(run, "logs", "probe.json")
     result.unlink(missing_ok=True)
     stand_in = os.environ.get("SPEEDRUN_PROBE_CMD")
@@ -448,24 +423,20 @@ def run_probe(run, mark, command, safe, timeout, mbytes):
                                  env={**os.environ, "SPEEDRUN_MARK": f"{mark}.probe", **(SAFE_FLAGS if safe else {})})
     try:
         status = probe.wait(timeout)
-    except subprocess.TimeoutExpired:
-        signal_all(groups=[probe.pid])
-        try:
-            probe.wait(5)
-            status = 124
-        except subprocess.TimeoutExpired:
-            status = 137
+    except subprocess.TimeoutExpired:  # stopped as a stage is, with 5 s to end
+        end_processes(f"{mark}.probe", probe, wait=5)
+        status = 137 if probe.wait() == -signal.SIGKILL else 124
     finally:  # a timeout, or a signal (main's handler raises SystemExit here)
         kill_marked(f"{mark}.probe", [probe.pid])
         probe.wait()
-    return status, (json.loads(result.read_text())["bus_bandwidth"] if result.is_file() else None)
+    return status, (read_json(result) or {}).get("bus_bandwidth")
 
 
 def probe(run, command, stage=None):
     """`probe`: the transport the stages use (<run>/transport.txt): with GPUs, NCCL's default flags, or on a hang or
     failure the safe flags, their cost said. After that fallback, before each torchrun stage (stage: its name), the
     defaults again: one failed probe (a slow cold start, a transient fault) must not pin the safe flags for hours."""
-    state = read_state(run)
+    state, log = read_state(run), f"log: {run}/logs/probe.log"
     nccl = state["nccl"] if stage else {"safe": False, "fallback": False, "probe": command}
     timeout, mbytes = int(os.environ.get("SPEEDRUN_PROBE_TIMEOUT", "120")), os.environ.get("SPEEDRUN_PROBE_MB", "64")
     transport = state["transport"]
@@ -488,17 +459,14 @@ def probe(run, command, stage=None):
         elif stage:
             say(run, f"NCCL probe before stage {stage} ({took}s): the default flags fail again ({failure}): stage "
                      f"{stage} keeps the safe flags, all-reduce bus bandwidth {nccl['safe_bw']} (default flags at the "
-                     f"start: {nccl['default_bw']}); log: {run}/logs/probe.log")
+                     f"start: {nccl['default_bw']}); {log}")
         elif status == 0:
             transport = f"nccl default, all-reduce bus bandwidth {default_bw} ({mbytes} MB message)"
         else:
-            say(run, f"NCCL probe failed ({failure}): retrying with the safe flags {SAFE_TEXT}; log: "
-                     f"{run}/logs/probe.log")
+            say(run, f"NCCL probe failed ({failure}): retrying with the safe flags {SAFE_TEXT}; {log}")
             status, safe_bw = run_probe(run, state["mark"], command, True, timeout, mbytes)
             if status != 0:
-                terminal(f"speedrun: stage nccl_probe failed (exit {status}) even with the safe flags; log: "
-                         f"{run}/logs/probe.log", sys.stderr)
-                return status
+                raise Refused(f"stage nccl_probe failed (exit {status}) even with the safe flags; {log}", status)
             nccl.update(safe=True, fallback=True, safe_bw=safe_bw or "unknown", default_bw=default_bw)
             transport = (f"nccl safe flags ({SAFE_TEXT}), all-reduce bus bandwidth {nccl['safe_bw']} ({mbytes} MB "
                          f"message; default flags: {default_bw})")
@@ -516,38 +484,35 @@ def probe(run, command, stage=None):
 def progress_lines(run, name, now):
     """Where each rank of a failed stage was last, and how long ago (distributed.py's files): under NCCL a hung
     collective aborts in C++ and no rank can say which one was stuck."""
-    files = sorted(glob(f"{run}/{name}/progress/rank*.txt"))
+    files = sorted(Path(run, name, "progress").glob("rank*.txt"))
     lines = [f"speedrun: where each rank of stage {name} was last ({run}/{name}/progress/):"] if files else []
     for path in files:
-        for line in Path(path).read_text().splitlines():
-            fields = line.split()
-            at = [float(fields[i + 1]) for i in range(len(fields) - 1) if fields[i] == "at"]
-            lines.append(f"speedrun:   {line} ({now - at[-1]:.0f} s before this)" if at else f"speedrun:   {line}")
+        for line in path.read_text().splitlines():  # "... at <time.time()> (<clock time>)"
+            at = re.findall(r"\bat (\d+\.?\d*)", line)
+            lines.append(f"speedrun:   {line}" + (f" ({now - float(at[-1]):.0f} s before this)" if at else ""))
     return lines
 
 
-def copy_output(source, log):
-    """The stage's output, as it comes, to its log and the terminal."""
-    while chunk := os.read(source, 1 << 16):
+def copy_output(stage, log):
+    """The stage's output (its pipe), as it comes, to its log and the terminal."""
+    while stage and (chunk := os.read(stage.stdout.fileno(), 1 << 16)):
         log.write(chunk)
         terminal(chunk)
 
 
 def run_stage(run, name, command, train=False, skip_if=None):
-    """`stage`: COMMAND in a session of its own carrying the run's mark, its output to the terminal and logs/<name>.log,
-    its time to logs/stages.tsv; skipped when skip_if (train: its done.json) exists, resumed from a checkpoint. A
-    signal ends it."""
+    """`stage`: COMMAND in a session of its own with the run's mark, its output to the terminal and logs/<name>.log,
+    its time to logs/stages.tsv; skipped when skip_if (train: done.json) exists, resumed from a checkpoint."""
     state, stopped = read_state(run), None
 
     def on_signal(signum, _frame):  # a Python handler, not SIG_IGN: the stage starts with the signals' defaults
         nonlocal stopped
         stopped = stopped or signum
-    done = f"{run}/{name}/done.json" if train else skip_if
-    if done and Path(done).exists():
+    if (done := f"{run}/{name}/done.json" if train else skip_if) and Path(done).exists():
         say(run, f"stage {name} skipped: {done} exists")
         return 0
     ckpt = f"{run}/{name}/ckpt" if train else None
-    if train and glob(f"{ckpt}/step_[0-9]*"):
+    if train and any(Path(ckpt).glob("step_[0-9]*")):
         command = [*command, "--resume"]
         say(run, f"stage {name} was interrupted: resuming from its last checkpoint")
     if command[1:3] == ["-m", "torch.distributed.run"] and state["nccl"]["fallback"]:
@@ -558,19 +523,17 @@ def run_stage(run, name, command, train=False, skip_if=None):
            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(checkpoint_grace(int(os.environ.get("SPEEDRUN_KILL_WAIT", "30")),
                                                                   ckpt))}
     log_path, start = f"{run}/logs/{name}.log", time.time()
-    read_end, write_end = os.pipe()
     with open(log_path, "ab", buffering=0) as log:
         for signum in SIGNALS:
             signal.signal(signum, on_signal)
         try:
-            stage = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=write_end, stderr=write_end, env=env,
-                                     start_new_session=True)
+            stage = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
         except OSError as e:
             log.write(f"speedrun: cannot run {command[0]}: {e}\n".encode())
             terminal(f"speedrun: cannot run {command[0]}: {e}", sys.stderr)
             stage = None
-        os.close(write_end)
-        copier = threading.Thread(target=copy_output, args=(read_end, log), daemon=True)
+        copier = threading.Thread(target=copy_output, args=(stage, log), daemon=True)
         copier.start()
         while not stopped and (copier.is_alive() or (stage is not None and stage.poll() is None)):
             copier.join(0.1)
@@ -579,16 +542,14 @@ def run_stage(run, name, command, train=False, skip_if=None):
             copier.join(10)
             return 128 + stopped
         status = 127 if stage is None else stage.wait()
-    os.close(read_end)
-    status = 128 - status if status < 0 else status  # killed by a signal: the shell's 128 + N
+    status, took = 128 - status if status < 0 else status, f"{time.time() - start:.1f}"  # signal N: the shell's 128 + N
     with open(f"{run}/logs/stages.tsv", "a") as tsv:  # report.py reads it
-        tsv.write(f"{name}\t{time.time() - start:.1f}\t{status}\n")
+        tsv.write(f"{name}\t{took}\t{status}\n")
     if status != 0:
-        for line in [f"speedrun: stage {name} failed (exit {status}); log: {log_path}",
-                     *progress_lines(run, name, time.time())]:
-            terminal(line, sys.stderr)
+        terminal("\n".join([f"speedrun: stage {name} failed (exit {status}); log: {log_path}",
+                            *progress_lines(run, name, time.time())]), sys.stderr)
         return status
-    say(run, f"stage {name} done in {stage_rows(run)[-1][1]} s")
+    say(run, f"stage {name} done in {took} s")
     return 0
 
 
@@ -598,7 +559,7 @@ def reuse_chat_eval(run, name):
     """chat_eval's result copied into stage_evals/<name>/ when it scored this stage's checkpoint, not run twice."""
     where, result = Path(run, "stage_evals", name), Path(run, "chat_eval.json")
     if (where / "chat_eval.json").is_file() or not result.is_file() or \
-            Path(json.loads(result.read_text())["checkpoint"]).resolve().parent.parent != Path(run, name).resolve():
+            Path(read_json(result)["checkpoint"]).resolve().parent.parent != Path(run, name).resolve():
         return
     where.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(Path(run, "chat_eval_items.jsonl"), where / "chat_eval_items.jsonl")
@@ -607,8 +568,7 @@ def reuse_chat_eval(run, name):
 
 
 def rehearsal_due(run, rehearsal, no_rehearse):
-    """The gpu plan rehearses once, before its pretraining: not with --no_rehearse, not after a rehearsal that passed,
-    not once pretraining has started. A skip is said."""
+    """The gpu plan rehearses once, before its pretraining (not with --no_rehearse); a skip is said."""
     for skip, why in ((no_rehearse, "--no_rehearse"),
                       (Path(rehearsal, "rehearsed.json").is_file(), f"it passed before ({rehearsal}/rehearsed.json)"),
                       (Path(run, "pretrain").is_dir(), "pretraining has started already")):
@@ -622,7 +582,7 @@ def rehearsal_passed(run, rehearsal):
     """After the rehearsal: its plan_cost.json is the report's predicted.json; its checkpoints deleted (the disk)."""
     if Path(rehearsal, "plan_cost.json").is_file():
         shutil.copy(Path(rehearsal, "plan_cost.json"), Path(run, "predicted.json"))
-    ckpts = [Path(p) for p in sorted(glob(f"{rehearsal}/*/ckpt"))]
+    ckpts = sorted(Path(rehearsal).glob("*/ckpt"))
     freed = sum(f.stat().st_size for ckpt in ckpts for f in ckpt.rglob("*") if f.is_file())
     for ckpt in ckpts:
         shutil.rmtree(ckpt)
@@ -647,11 +607,8 @@ def rehearsed(run, seconds):
 def stage_command(run, words):
     """NAME [--train] [--skip_if PATH] COMMAND..."""
     name, words, options = words[0], words[1:], {}
-    while words and words[0] in ("--train", "--skip_if"):
-        if words[0] == "--skip_if":
-            options["skip_if"], words = words[1], words[2:]
-        else:
-            options["train"], words = True, words[1:]
+    while words[:1] in (["--train"], ["--skip_if"]):  # their values: train True, skip_if the next word
+        options[words[0][2:]], words = (True, words[1:]) if words[0] == "--train" else (words[1], words[2:])
     return run_stage(run, name, words, **options)
 
 
