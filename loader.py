@@ -1,5 +1,5 @@
 """The streaming loaders: batches of (inputs, targets) on the device, from a text corpus (text_loader), conversations
-(chat_loader) or a mixture of both at token shares (mixture_loader), each resumable bit-identically from its
+(chat_loader) or a mixture of both at token shares (MixtureLoader), each resumable bit-identically from its
 state_dict(). The packing decisions (which pieces fill a row, where one is cropped, padding, targets) are the pure
 functions below PieceBuffer; PackedLoader is the threads and files around them. To see what a batch holds:
 
@@ -263,32 +263,18 @@ class Pipe:
 
 
 class PackedLoader:
-    """(inputs, targets) batches of shape (B, T) for one rank, packed without padding (pack="crop": text, and
-    conversations in midtraining) or from whole conversations padded at the end of a row (pack="pad": SFT). Iterate
-    it; state_dict() is the exact position after the last batch handed out, buffered documents included, and a loader
-    given it by load_state_dict() continues with bit-identical batches.
+    """(inputs, targets) batches of shape (B, T) for one rank: pack="crop" packs without padding (text, midtraining's
+    conversations), pack="pad" pads whole conversations (SFT); supervise="assistant" or "all" picks a conversation's
+    targets (docs/data.md: what each does). state_dict() is the exact position after the last batch handed out,
+    buffered documents included; load_state_dict() continues from it with bit-identical batches.
 
-    Pipeline: a reader thread reads this rank's row groups and tokenizes them (tiktoken's batch encoder runs on
-    `threads` threads outside the GIL); a packer thread fills rows of T+1 tokens and copies each batch to the
-    device (pinned memory, non_blocking) `prefetch` batches ahead of the training step. Every batch travels with the
-    state after it, so the state never runs ahead of what the consumer has seen.
-
-    Order: seed=None reads the row groups ("units") and their documents in file order every epoch (pretraining).
-    seed=N visits the units in an order shuffled from (N, epoch) and the documents of each unit in an order shuffled
-    from (N, epoch, unit), so small sets are seen in a new order every epoch; the state's (epoch, unit, doc) are then
-    positions in those orders, so a resume mid-epoch is still exact.
-
-    Packing is best-fit from a buffer of about `buffer_docs` pieces (top_up, add_document); every row starts with a
-    BOS and with the oldest buffered piece (fill_row). pack="crop" rows have no padding: documents longer than a row
-    are cut into BOS-led pieces and a piece that does not fit is cropped, its remainder kept for a later row; a
-    conversation's loss mask is cut along with it. pack="pad" rows hold whole conversations (rendered to at most a
-    row, cut after an assistant turn) and are padded, so every row has a supervised target. Conversation targets are
-    -1 on padding and, with supervise="assistant", on every token that is not assistant content or <|assistant_end|>;
-    supervise="all" trains on every real token, as text does.
-
-    max_epochs=None cycles over the data forever (training); max_epochs=N stops after N passes (validation): the
-    buffer empties into the last rows, whose unfilled end is padded (inputs BOS, targets -1), the last batch may
-    have fewer rows, and then iteration stops."""
+    Pipeline: a reader thread reads this rank's row groups ("units") and tokenizes them on `threads` threads (outside
+    the GIL); a packer thread packs rows (pack_batch) and copies each batch to the device `prefetch` batches ahead.
+    Every batch travels with the state after it, so the state never runs ahead of what the consumer has seen.
+    seed=None reads units and documents in file order; seed=N shuffles the units from (N, epoch) and each unit's
+    documents from (N, epoch, unit), and the state's (epoch, unit, doc) are positions in those orders, so a resume
+    mid-epoch is still exact. max_epochs=None cycles forever (training); max_epochs=N stops after N passes
+    (validation): the last rows are padded and the last batch may have fewer rows."""
 
     def __init__(self, files, tokenizer, batch_size, seq_len, kind="text", rank=0, world_size=1, device="cpu",
                  buffer_docs=1000, threads=None, prefetch=2, name="train", max_epochs=None, pack=None,
@@ -562,23 +548,14 @@ def chat_loader(chat_dir, split, tokenizer, batch_size, seq_len, *, pack="pad", 
                         supervise=supervise, seed=seed, **{"name": f"chat {split}", **kwargs})
 
 
-def mixture_loader(sources, tokenizer, batch_size, seq_len, *, rank=0, world_size=1, device="cpu", seed=0, **kwargs):
-    """Midtraining's loader: rows from a text corpus and conversation sets at configured token shares (MixtureLoader).
-    sources: [{"name", "kind": "text"|"chat", "path": corpus dir (its train split) or chat dir (its train files),
-    "share"}]; supervise="assistant"|"all" (in kwargs) picks the conversations' targets, other kwargs go to every
-    source's PackedLoader."""
-    return MixtureLoader(sources, tokenizer, batch_size, seq_len, rank=rank, world_size=world_size, device=device,
-                         seed=seed, **kwargs)
-
-
 class MixtureLoader:
-    """(inputs, targets) batches of shape (B, T) whose rows come from several sources at configured token shares.
-    Each row is taken from the source whose realized token share is furthest below its target (ties: the first
-    listed), so after n rows every source is within about a row of share * n rows: the mixture holds from the first
-    batches on, not only on average. Each source is a one-row PackedLoader: text_loader over the train split of a
-    corpus, or chat_loader over a chat directory's train files with pack="crop" (conversations packed BOS-aligned like
-    text, no padding). The realized shares come from those loaders' token counts, which their states restore, so
-    state_dict() is just theirs and a resume gives bit-identical batches."""
+    """Midtraining's loader: (inputs, targets) batches of shape (B, T) whose rows come from several sources at
+    configured token shares. sources: [{"name", "kind": "text"|"chat", "path": corpus dir (its train split) or chat dir
+    (its train files), "share"}]; supervise picks the conversations' targets; other kwargs go to every source's
+    PackedLoader. Each row is taken from the source whose realized token share is furthest below its target (ties: the
+    first listed), so every source stays within about a row of its share from the first batches on. Each source is a
+    one-row PackedLoader (chat with pack="crop"); the realized shares come from their token counts, which their states
+    restore, so state_dict() is just theirs and a resume gives bit-identical batches."""
 
     def __init__(self, sources, tokenizer, batch_size, seq_len, *, rank=0, world_size=1, device="cpu", seed=0,
                  supervise="assistant", prefetch=2, name="mixture", **kwargs):
