@@ -122,12 +122,9 @@ PROBE_MBYTES = 64  # the probe's message: a DDP gradient bucket is 25 MB; NVLS a
 
 
 def probe_all_reduce(timeout_s, mbytes=PROBE_MBYTES, iters=5, out=None):
-    """All-reduces over torchrun's ranks (NCCL on CUDA, gloo on CPU) whose collectives time out after timeout_s:
-    speedrun.sh runs it before training, under an outer `timeout` as the hard stop for a hang inside NCCL. First 4
-    bytes, then a message of `mbytes` MB (a gradient bucket's size: the large-message algorithms a 4-byte probe never
-    reaches), timed over `iters` repeats after one warm-up, and the bus bandwidth printed (algorithm bandwidth x
-    2(n-1)/n, nccl-tests' figure), also into `out` as JSON when its sums are right (launch.py reads it there). Returns
-    the exit status: 0 when every rank got the right sums."""
+    """speedrun.sh's check before training (docs/speedrun.md): a 4-byte all-reduce, then one of `mbytes` MB (a
+    gradient bucket's size: the large-message algorithms a 4-byte probe never reaches) timed over `iters` repeats,
+    its bus bandwidth (nccl-tests' figure) printed and written to `out` as JSON. Returns 0 when every sum was right."""
     if "RANK" not in os.environ:
         print("probe: not under torchrun: one process, nothing to all-reduce")
         return 0
@@ -226,11 +223,9 @@ def stage_code(main):
 
 
 def check_shared_dir(run_dir):
-    """Several nodes share one run directory: rank 0 makes the checkpoint directory and every rank writes its own
-    file into it, so --runs_dir must be one filesystem every node mounts at the same path. When the ranks span
-    several nodes (WORLD_SIZE > LOCAL_WORLD_SIZE), rank 0 writes a token there and every rank reads it back; if any
-    cannot, every rank raises naming which ranks, on which hosts. (Testing: NANOCHAT_TEST_NODE_VIEW=RANK:DIR makes
-    that rank read DIR instead, as a node with its own disk would, and runs the check on one node.)"""
+    """When the ranks span several nodes, check that run_dir is one filesystem they all see (docs/distributed.md):
+    rank 0 writes a token there and every rank reads it back, or every rank raises naming the ones that cannot.
+    (Testing: NANOCHAT_TEST_NODE_VIEW=RANK:DIR makes that rank read DIR instead, as a node with its own disk would.)"""
     view = os.environ.get("NANOCHAT_TEST_NODE_VIEW", "")
     if not dist.is_initialized() or (dist.get_world_size() <= int(os.environ.get("LOCAL_WORLD_SIZE", "1")) and not view):
         return
@@ -387,13 +382,8 @@ def process_memory(device):
 
 def shard_model(model, args, world, device):
     """FSDP2 (fully_shard on each block, then the root) when --fsdp true, or with --fsdp auto when the training step
-    would not fit one device by model.py's estimate: the memory in use now (the built weights, the process itself),
-    gradients, optimizer state, and the activations and loss buffers at --micro_batch (1 while the probe has not
-    chosen one); prints the decision and its figures.
-    Weights stay fp32 shards; each block is all-gathered in the compute dtype (bf16: half the traffic) and its
-    gradients reduce-scattered in fp32. The block's input is not cast, so the residual stream stays fp32 as under
-    autocast, and the root (embedding, final norm, head) gathers in fp32: the same numbers as DDP + autocast.
-    Returns the line that says whether it did and why (is_sharded(model) tells later)."""
+    would not fit one device by model.py's estimate (docs/distributed.md: what it counts, and how the shards compute:
+    the same numbers as DDP + autocast). Returns the line that says whether it did and why."""
     optimizer = "adam8bit" if args.optimizer == "adamw" and args.adam8bit else args.optimizer
     micro = getattr(args, "micro_batch", None) or 1  # the probe chooses later, and at least 1
     estimate = memory_estimate(model.config, micro, optimizer=optimizer, bf16=args.dtype == "bfloat16")
@@ -411,6 +401,8 @@ def shard_model(model, args, world, device):
         return f"sharding: none, {'DDP' if world > 1 else 'one process'} (--fsdp {args.fsdp}: {fits})"
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     compute = getattr(torch, args.dtype)
+    # fp32 shards, each block gathered in the compute dtype (bf16: half the traffic) and reduced in fp32; inputs not
+    # cast, so the residual stream stays fp32 as under autocast; the root (embedding, norm, head) gathers in fp32
     block_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for block in model.blocks:
         fully_shard(block, mp_policy=block_policy)

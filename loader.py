@@ -235,6 +235,15 @@ def inputs_and_targets(rows, masks):
     return np.stack([inputs, targets])
 
 
+def to_device(batch, device):
+    """A batch [inputs, targets] as int64 (inputs, targets) on `device`; on CUDA through pinned memory, non_blocking
+    (a PackedLoader's batch is int32 until then: half the bytes on the wire)."""
+    if device.type == "cuda":
+        batch = batch.pin_memory().to(device, non_blocking=True)
+    batch = batch.long()
+    return batch[0], batch[1]
+
+
 class Pipe:
     """A bounded queue between the threads of one started pipeline, with that pipeline's stop event: put() and get()
     give up once it is set. Each start makes its own event and close() only ever sets it, so a thread that outlives
@@ -485,7 +494,7 @@ class PackedLoader:
                 epoch, unit, doc = position[0] or (self.max_epochs, 0, 0)  # None: the data has ended
                 state = {"epoch": epoch, "unit": unit, "doc": doc, "stats": dict(stats), "buffer": list(buffer.pieces),
                          "pass_tokens": per_pass[0]}  # the state after this batch: the next one's "before"
-                if not batches.put((self._to_device(rows, masks), state)):
+                if not batches.put((to_device(torch.from_numpy(inputs_and_targets(rows, masks)), self.device), state)):
                     return
         batches.put(StopIteration())  # max_epochs passes are done: __next__ raises it
 
@@ -514,13 +523,6 @@ class PackedLoader:
     def _next_unit(self, epoch, unit):
         return (epoch + 1, 0, 0) if unit + 1 == len(self.units) else (epoch, unit + 1, 0)
 
-    def _to_device(self, rows, masks):
-        batch = torch.from_numpy(inputs_and_targets(rows, masks))  # int32 on the wire, half the bytes of int64
-        if self.device.type == "cuda":
-            batch = batch.pin_memory().to(self.device, non_blocking=True)
-        batch = batch.long()
-        return batch[0], batch[1]
-
 
 def close_all(loaders, timeout=10):
     """Close loaders (a rank's data streams, each a PackedLoader or a MixtureLoader), every thread told first: they
@@ -541,9 +543,8 @@ def text_loader(data_dir, split, tokenizer, batch_size, seq_len, **kwargs):
 
 def chat_loader(chat_dir, split, tokenizer, batch_size, seq_len, *, pack="pad", supervise="assistant", seed=None,
                 files=None, **kwargs):
-    """The conversation loader over a chat directory's train or val files (or a list of files, e.g. mixture_files):
-    pack="pad" for SFT (whole conversations, padded), pack="crop" for midtraining (packed like text);
-    supervise="assistant" or "all" (see PackedLoader)."""
+    """The conversation loader over a chat directory's train or val files (or a list of files, e.g. mixture_files);
+    pack and supervise: see PackedLoader."""
     return PackedLoader(files or chat_files(chat_dir, split), tokenizer, batch_size, seq_len, kind="chat", pack=pack,
                         supervise=supervise, seed=seed, **{"name": f"chat {split}", **kwargs})
 
@@ -586,10 +587,7 @@ class MixtureLoader:
             rows.append(next(self.loaders[i]))
             tokens[i] = self.loaders[i].state["stats"]["tokens"]
         self.batches += 1
-        batch = torch.stack([torch.cat([x for x, _ in rows]), torch.cat([y for _, y in rows])])
-        if self.device.type == "cuda":
-            batch = batch.pin_memory().to(self.device, non_blocking=True)
-        return batch[0], batch[1]
+        return to_device(torch.stack([torch.cat([x for x, _ in rows]), torch.cat([y for _, y in rows])]), self.device)
 
     def stop(self):
         for loader in self.loaders:

@@ -292,8 +292,7 @@ def softcap_logits(logits, cap):
 
 def causal_attention(q, k, v):
     """Causal SDPA; on CPU in fp32 even under bf16 autocast: torch's CPU flash-attention kernel is faster in fp32 than
-    in bf16 (forward+backward of one layer at B 8, H 4, T 256, D 64 on an AMX Xeon: 20.5 vs 24.5 ms, casts
-    included)."""
+    in bf16, casts included (dev/LOG.md: 20.5 vs 24.5 ms a layer on an AMX Xeon)."""
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
                                               enable_gqa=True).to(q.dtype)
@@ -491,9 +490,8 @@ def compiled_loss_chunk():
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """Sum of cross-entropies of the head's logits, computed in chunks of about LOSS_CHUNK_ELEMENTS logits
-    (loss_chunk, compiled on its own when the model is): only grad_x (rows x n_embd) and grad_weight (vocab x n_embd)
-    are kept, no logits survive a chunk, and nothing is recomputed in backward."""
+    """Sum of cross-entropies of the head's logits in chunks of about LOSS_CHUNK_ELEMENTS logits (loss_chunk): only
+    grad_x and grad_weight are kept, no logits survive a chunk, and nothing is recomputed in backward."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, softcap, compute_dtype, grad_enabled, compiled):
@@ -588,11 +586,9 @@ class GPT(nn.Module):
         self.sin.copy_(angles.sin())
 
     def value_embed(self, layer_idx, ids):
-        """Layer layer_idx's value embedding of the token ids, or None where the layer has none."""
         return self.value_embeds[str(layer_idx)](ids) if str(layer_idx) in self.value_embeds else None
 
     def mix_embedding(self, layer_idx, x, x0):
-        """Block layer_idx's input: resid_lambdas[i] * x + x0_lambdas[i] * x0 (x0 the token embedding), or x."""
         if self.resid_lambdas is None:
             return x
         return self.resid_lambdas[layer_idx] * x + self.x0_lambdas[layer_idx] * x0
