@@ -59,14 +59,14 @@ def assign_units(files, rank, world_size):
     return units
 
 
-def epoch_documents(units, enough=None):
+def epoch_documents(units, enough):
     """The documents in units (one pass of a rank's data), from the parquet footers; counting stops at `enough`."""
     total, footers = 0, {}
     for path, i, first, step in units:
         if path not in footers:
             footers[path] = open_parquet(path, column=None).metadata
         total += len(range(first, footers[path].row_group(i).num_rows, step))
-        if enough is not None and total >= enough:
+        if total >= enough:
             break
     return total
 
@@ -292,12 +292,10 @@ class PackedLoader:
             raise ValueError(f"kind={kind!r} is not allowed: choose text or chat")
         pack = pack or ("crop" if kind == "text" else "pad")
         supervise = supervise or ("all" if kind == "text" else "assistant")
-        if pack not in ("pad", "crop") or supervise not in ("all", "assistant"):
+        if pack not in ("pad", "crop") or supervise not in ("all", "assistant") or \
+                kind == "text" and (pack, supervise) != ("crop", "all"):
             raise ValueError(f"{name}: pack={pack!r}, supervise={supervise!r}: choose pack pad or crop, supervise all or "
-                             f"assistant")
-        if kind == "text" and (pack, supervise) != ("crop", "all"):
-            raise ValueError(f"{name}: text is packed with pack='crop' and supervise='all' (every token is a target), "
-                             f"got pack={pack!r}, supervise={supervise!r}")
+                             f"assistant (text: pack='crop' and supervise='all', every token a target)")
         self.files, self.tokenizer, self.kind, self.name = [Path(f) for f in files], tokenizer, kind, name
         self.pack, self.crop, self.supervise, self.seed = pack, pack == "crop", supervise, seed
         self.B, self.T, self.rank, self.world_size = batch_size, seq_len, rank, world_size
