@@ -27,14 +27,12 @@ from model import memory_estimate
 
 
 def keep_freed_memory(keep=True):
-    """Have glibc keep freed memory for reuse instead of giving it back to the OS. A training step allocates the same
-    large tensors every time (the tiny shape's 2048 x 8192 logits among them); by default glibc serves each from fresh
-    mmap pages and unmaps them when freed, and the page faults that follow cost a quarter of a CPU step (compiled
-    bf16 forward+backward at the tiny shape: 330-350 ms with this, 430-490 without). The price: the process keeps
-    its peak heap, fragments included. keep=False restores glibc's thresholds and returns what is free to the OS
-    (malloc_trim also releases pages in the middle of the heap): shard_model does, since a sharded run is one short
-    of memory (llama3-1b on 2 CPU processes: 8.4 GiB per rank after a step with glibc's defaults; with this kept, 24
-    GB ran out). A no-op where the C library has no mallopt (macOS; musl's does nothing)."""
+    """Have glibc keep freed memory for reuse instead of giving it back to the OS: a training step allocates the same
+    large tensors every time, and glibc's default (fresh mmap pages for each, unmapped when freed) cost a quarter of a
+    CPU step in page faults (dev/LOG.md). The price: the process keeps its peak heap, fragments included. keep=False
+    restores glibc's thresholds and returns what is free to the OS (malloc_trim also releases pages in the middle of
+    the heap): shard_model does, since a sharded run is one short of memory (llama3-1b on 2 CPU processes: 8.4 GiB per
+    rank with glibc's defaults; with this kept, 24 GB ran out). A no-op without glibc's mallopt (macOS, musl)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
         libc.mallopt(-3, 1 << 30 if keep else 128 * 1024)  # M_MMAP_THRESHOLD: allocations under 1 GiB from the heap...
