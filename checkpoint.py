@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common import matmul_dtype, versions
+from common import append_jsonl, matmul_dtype, versions
 from distributed import barrier, is_sharded
 from model import GPTConfig, build_model
 from tokenizer import SPECIAL_TOKENS, Tokenizer
@@ -72,8 +72,8 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank,
                     metrics=None):
     """Write the checkpoint of `step` as laid out above (with `consolidate`, a sharded model's model.pt too), keep
     the newest `keep`, and record how long the save took in ckpt_dir/save_seconds: what speedrun.sh gives a stopped
-    stage to checkpoint before it kills it (a d20 checkpoint is about 15 GB); also printed, and logged to `metrics`
-    (a train_loop.Metrics) where given. delay_s: testing, rank 0 writes that much slower."""
+    stage to checkpoint before it kills it (a d20 checkpoint is about 15 GB); also printed, and appended to the
+    `metrics` file where given. delay_s: testing, rank 0 writes that much slower."""
     started = time.perf_counter()
     final = Path(ckpt_dir) / f"step_{step:06d}"
     tmp = Path(ckpt_dir) / f".tmp_step_{step:06d}"
@@ -111,7 +111,7 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank,
         (Path(ckpt_dir) / "save_seconds").write_text(f"{seconds:.1f}\n")
         print(f"checkpoint: saved {size / 1e9:.2f} GB in {seconds:.1f} s to {final}", flush=True)
         if metrics:
-            metrics.log({"step": step, "save_s": round(seconds, 1), "save_bytes": size})
+            append_jsonl(metrics, {"step": step, "save_s": round(seconds, 1), "save_bytes": size})
     return final
 
 

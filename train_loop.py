@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from checkpoint import list_checkpoints, resume_command, save_checkpoint, saved_layout
-from common import CACHE_DIR, device_name, fmt_bytes, fmt_duration, now, peak_flops
+from common import CACHE_DIR, append_jsonl, device_name, fmt_bytes, fmt_duration, now, peak_flops
 from distributed import (
     all_reduce,
     all_reduce_tensor,
@@ -36,21 +36,6 @@ from distributed import (
 )
 from model import autocast_context
 from optim import apply_schedule, build_optimizers
-
-# -----------------------------------------------------------------------------
-# Metrics
-
-class Metrics:
-    """Appends one JSON object per line to a file (rank 0 only)."""
-
-    def __init__(self, path, enabled):
-        self.path, self.enabled = Path(path), enabled
-
-    def log(self, record):
-        if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-
 
 # -----------------------------------------------------------------------------
 # Health
@@ -423,7 +408,8 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
             if (run_dir / name).is_file():
                 (run_dir / name).unlink()
                 print(f"run dir: {run_dir / name} of an earlier start without a checkpoint removed: starting over")
-    metrics, wandb, stop = Metrics(run_dir / "metrics.jsonl", master), open_wandb(args, master), stop or StopSignal()
+    metrics = run_dir / "metrics.jsonl" if master else None  # rank 0 writes the run's records
+    wandb, stop = open_wandb(args, master), stop or StopSignal()
     peak = peak_flops(device_name(device), args.dtype)
     # a stage's own step (rl.py): a step whose every group of replies scores alike has no advantage and changes no
     # parameter, which is no fault there, so the frozen-parameter check is for the loss-trained stages only
@@ -459,7 +445,8 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
         first = evaluate(0)
         if first is None:
             return stopped(0, "in the evaluation before step 1")
-        metrics.log({"step": 0, **first})
+        if metrics:
+            append_jsonl(metrics, {"step": 0, **first})
 
     for step in range(start, total_steps):
         t0 = now()
@@ -521,10 +508,12 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
             mark_progress(step + 1, "evaluation")
             evaluated = evaluate(step + 1)
             if evaluated is None:  # a signal during the evaluation (rl.py's samples replies: minutes)
-                metrics.log(record)
+                if metrics:
+                    append_jsonl(metrics, record)
                 return stopped(step + 1, f"in the evaluation after step {step + 1}")
             record.update(evaluated)
-        metrics.log(record)
+        if metrics:
+            append_jsonl(metrics, record)
         if wandb:
             wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step + 1)
         if step == start:
