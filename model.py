@@ -554,8 +554,9 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """The init scheme, and why each std: docs/model.md (Construction and init). BitNet latent weights use the
-        same scheme: absmean quantization is scale-free."""
+        """The init scheme (docs/model.md: why each std). Projections reading the residual stream: N(0, 1/fan_in);
+        writing to it (o, down): that over sqrt(2 * n_layer). Untied: embedding N(0, 1), head N(0, 0.001); tied:
+        N(0, 0.3 / sqrt(n_embd)). Norm scales 1. BitNet latent weights too: absmean quantization is scale-free."""
         c = self.config
         for block in self.blocks:
             for name, module in block.named_modules():
