@@ -32,7 +32,6 @@ import common
 import distributed
 import sandbox
 import tasks
-import train_loop
 from calculator import ToolUse, reply_text
 from dataset import CACHE_DIR
 from decode import decode
@@ -379,9 +378,8 @@ def write_outputs(report, records, out, run_dir):
     items_path.write_text("".join(json.dumps(r) + "\n" for r in records))
     written = f"{out}, {items_path}"
     if (run_dir / "metrics.jsonl").is_file():  # a run directory: its history gets the scores at this step
-        train_loop.Metrics(run_dir / "metrics.jsonl", True).log({"step": report["step"], "chatcore": report["chatcore"],
-                                                                 "chat_eval": {r["task"]: r["accuracy"] for r in
-                                                                      report["tasks"]},
+        common.append_jsonl(run_dir / "metrics.jsonl", {"step": report["step"], "chatcore": report["chatcore"],
+                                                        "chat_eval": {r["task"]: r["accuracy"] for r in report["tasks"]},
                                                         "chat_eval_complete": report["complete"]})
         written += f", a line in {run_dir / 'metrics.jsonl'}"
     print(f"results: {written}")

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common import matmul_dtype, versions
+from common import append_jsonl, matmul_dtype, versions
 from distributed import barrier, is_sharded
 from model import GPTConfig, build_model
 from tokenizer import SPECIAL_TOKENS, Tokenizer
@@ -70,12 +70,10 @@ def set_rng_state(s):
 
 def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank, keep, consolidate=False, delay_s=0,
                     metrics=None):
-    """Every rank writes its loader and RNG state; a sharded model's ranks their shards of state/ (and with
-    `consolidate`, model.pt gathered to rank 0); an unsharded model's rank 0 model.pt and optimizers.pt; rank 0
-    meta.json. Then rank 0 renames the temporary directory into place and deletes all but the newest `keep`, and
-    writes how long the save took into ckpt_dir/save_seconds: what speedrun.sh gives a stopped stage to checkpoint
-    before it kills it (a d20 checkpoint is about 15 GB). Rank 0 prints the size and seconds, and logs them to
-    `metrics` (a train_loop.Metrics) where given. delay_s: testing, rank 0 writes that much slower."""
+    """Write the checkpoint of `step` as laid out above (with `consolidate`, a sharded model's model.pt too), keep
+    the newest `keep`, and record how long the save took in ckpt_dir/save_seconds: what speedrun.sh gives a stopped
+    stage to checkpoint before it kills it (a d20 checkpoint is about 15 GB); also printed, and appended to the
+    `metrics` file where given. delay_s: testing, rank 0 writes that much slower."""
     started = time.perf_counter()
     final = Path(ckpt_dir) / f"step_{step:06d}"
     tmp = Path(ckpt_dir) / f".tmp_step_{step:06d}"
@@ -113,7 +111,7 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank,
         (Path(ckpt_dir) / "save_seconds").write_text(f"{seconds:.1f}\n")
         print(f"checkpoint: saved {size / 1e9:.2f} GB in {seconds:.1f} s to {final}", flush=True)
         if metrics:
-            metrics.log({"step": step, "save_s": round(seconds, 1), "save_bytes": size})
+            append_jsonl(metrics, {"step": step, "save_s": round(seconds, 1), "save_bytes": size})
     return final
 
 
@@ -232,7 +230,7 @@ def newest_checkpoint(runs_dir, stage=None):
     return max(found, key=lambda c: (c / "meta.json").stat().st_mtime, default=None)
 
 
-def find_checkpoint(path=None, runs_dir="runs", flag="--checkpoint"):
+def find_checkpoint(path=None, runs_dir="runs"):
     """A checkpoint directory from a checkpoint path, a run directory (its newest checkpoint), or nothing (the newest
     checkpoint of any run under runs_dir): how each stage picks up the output of the one before it."""
     if path is None:
@@ -246,7 +244,7 @@ def find_checkpoint(path=None, runs_dir="runs", flag="--checkpoint"):
         return path
     found = list_checkpoints(path / "ckpt")
     if not found:
-        raise FileNotFoundError(f"{flag} {path}: neither a checkpoint (runs/<run>/ckpt/step_*/meta.json) nor a "
+        raise FileNotFoundError(f"--checkpoint {path}: neither a checkpoint (runs/<run>/ckpt/step_*/meta.json) nor a "
                                 f"run directory with checkpoints in {path}/ckpt/")
     return found[-1]
 
@@ -321,29 +319,24 @@ def load_model(path, device):
 
 def checkpoint_tokenizer(meta, checkpoint, flag=None):
     """(tokenizer, its path) for a checkpoint: --tokenizer's value if given, else the one its meta records (else
-    runs/tokenizer), refused unless the checkpoint was trained with it (check_tokenizer)."""
+    runs/tokenizer), refused unless the checkpoint was trained with it: ids would mean other strings and every score
+    would be silently wrong."""
     path = flag or meta.get("tokenizer") or "runs/tokenizer"
     try:
         tokenizer = Tokenizer.load(path)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"--tokenizer {path}: {e} (or pass the checkpoint's tokenizer directory with "
                                 f"--tokenizer DIR)") from None
-    check_tokenizer(meta, tokenizer, path, checkpoint)
-    return tokenizer, path
-
-
-def check_tokenizer(meta, tokenizer, tokenizer_path, checkpoint):
-    """Refuse a tokenizer the checkpoint was not trained with: ids would mean other strings and every score would be
-    silently wrong."""
     vocab = meta["model_config"]["vocab_size"]
     if tokenizer.vocab_size != vocab:
-        raise ValueError(f"tokenizer {tokenizer_path} has {tokenizer.vocab_size} tokens, the model in {checkpoint} "
+        raise ValueError(f"tokenizer {path} has {tokenizer.vocab_size} tokens, the model in {checkpoint} "
                          f"has {vocab}: pass the tokenizer it was trained with (--tokenizer {meta.get('tokenizer')})")
     recorded = meta.get("tokenizer_sha256")
     if recorded and recorded != tokenizer.fingerprint():
-        raise ValueError(f"tokenizer {tokenizer_path} (sha256 {tokenizer.fingerprint()[:12]}) is not the one "
+        raise ValueError(f"tokenizer {path} (sha256 {tokenizer.fingerprint()[:12]}) is not the one "
                          f"{checkpoint} was trained with (sha256 {recorded[:12]}, from {meta.get('tokenizer')}): pass "
                          f"that one with --tokenizer")
+    return tokenizer, path
 
 
 def check_chat_tokenizer(tokenizer, tokenizer_path):

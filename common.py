@@ -1,6 +1,6 @@
 """What every stage uses and no one part owns: facts about the machine and the code (device_name, native_bf16,
 precision and matmul_dtype, peak_flops, versions, code_version) and the formatting and timing helpers every stage prints with
-(fmt_bytes, fmt_duration, now). A stage's exit (run_main) is in distributed.py: it tears the process group down.
+(fmt_bytes, fmt_duration, now), and append_jsonl (a run's metrics.jsonl and samples.jsonl). A stage's exit (run_main) is in distributed.py: it tears the process group down.
 
 Not a stage: import it (`import common`). It imports none of this project's modules, so any of them may import it.
 One command line, what this machine and this code are, as every stage records them:
@@ -163,6 +163,12 @@ def fmt_duration(seconds):
 
 def now():
     return time.perf_counter()
+
+
+def append_jsonl(path, *records):
+    """Records as lines of JSON at the end of a file: a run's metrics.jsonl, samples.jsonl."""
+    with open(path, "a") as f:
+        f.writelines(json.dumps(record) + "\n" for record in records)
 
 
 def main(argv=None):

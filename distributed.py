@@ -27,14 +27,12 @@ from model import memory_estimate
 
 
 def keep_freed_memory(keep=True):
-    """Have glibc keep freed memory for reuse instead of giving it back to the OS. A training step allocates the same
-    large tensors every time (the tiny shape's 2048 x 8192 logits among them); by default glibc serves each from fresh
-    mmap pages and unmaps them when freed, and the page faults that follow cost a quarter of a CPU step (compiled
-    bf16 forward+backward at the tiny shape: 330-350 ms with this, 430-490 without). The price: the process keeps
-    its peak heap, fragments included. keep=False restores glibc's thresholds and returns what is free to the OS
-    (malloc_trim also releases pages in the middle of the heap): shard_model does, since a sharded run is one short
-    of memory (llama3-1b on 2 CPU processes: 8.4 GiB per rank after a step with glibc's defaults; with this kept, 24
-    GB ran out). A no-op where the C library has no mallopt (macOS; musl's does nothing)."""
+    """Have glibc keep freed memory for reuse instead of giving it back to the OS: a training step allocates the same
+    large tensors every time, and glibc's default (fresh mmap pages for each, unmapped when freed) cost a quarter of a
+    CPU step in page faults (dev/LOG.md). The price: the process keeps its peak heap, fragments included. keep=False
+    restores glibc's thresholds and returns what is free to the OS (malloc_trim also releases pages in the middle of
+    the heap): shard_model does, since a sharded run is one short of memory (llama3-1b on 2 CPU processes: 8.4 GiB per
+    rank with glibc's defaults; with this kept, 24 GB ran out). A no-op without glibc's mallopt (macOS, musl)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
         libc.mallopt(-3, 1 << 30 if keep else 128 * 1024)  # M_MMAP_THRESHOLD: allocations under 1 GiB from the heap...
@@ -128,12 +126,9 @@ PROBE_MBYTES = 64  # the probe's message: a DDP gradient bucket is 25 MB; NVLS a
 
 
 def probe_all_reduce(timeout_s, mbytes=PROBE_MBYTES, iters=5, out=None):
-    """All-reduces over torchrun's ranks (NCCL on CUDA, gloo on CPU) whose collectives time out after timeout_s:
-    speedrun.sh runs it before training, under an outer `timeout` as the hard stop for a hang inside NCCL. First 4
-    bytes, then a message of `mbytes` MB (a gradient bucket's size: the large-message algorithms a 4-byte probe never
-    reaches), timed over `iters` repeats after one warm-up, and the bus bandwidth printed (algorithm bandwidth x
-    2(n-1)/n, nccl-tests' figure), also into `out` as JSON when its sums are right (launch.py reads it there). Returns
-    the exit status: 0 when every rank got the right sums."""
+    """speedrun.sh's check before training (docs/speedrun.md): a 4-byte all-reduce, then one of `mbytes` MB (a
+    gradient bucket's size: the large-message algorithms a 4-byte probe never reaches) timed over `iters` repeats,
+    its bus bandwidth (nccl-tests' figure) printed and written to `out` as JSON. Returns 0 when every sum was right."""
     if "RANK" not in os.environ:
         print("probe: not under torchrun: one process, nothing to all-reduce")
         return 0
@@ -232,11 +227,9 @@ def stage_code(main):
 
 
 def check_shared_dir(run_dir):
-    """Several nodes share one run directory: rank 0 makes the checkpoint directory and every rank writes its own
-    file into it, so --runs_dir must be one filesystem every node mounts at the same path. When the ranks span
-    several nodes (WORLD_SIZE > LOCAL_WORLD_SIZE), rank 0 writes a token there and every rank reads it back; if any
-    cannot, every rank raises naming which ranks, on which hosts. (Testing: NANOCHAT_TEST_NODE_VIEW=RANK:DIR makes
-    that rank read DIR instead, as a node with its own disk would, and runs the check on one node.)"""
+    """When the ranks span several nodes, check that run_dir is one filesystem they all see (docs/distributed.md):
+    rank 0 writes a token there and every rank reads it back, or every rank raises naming the ones that cannot.
+    (Testing: NANOCHAT_TEST_NODE_VIEW=RANK:DIR makes that rank read DIR instead, as a node with its own disk would.)"""
     view = os.environ.get("NANOCHAT_TEST_NODE_VIEW", "")
     if not dist.is_initialized() or (dist.get_world_size() <= int(os.environ.get("LOCAL_WORLD_SIZE", "1")) and not view):
         return
@@ -393,13 +386,8 @@ def process_memory(device):
 
 def shard_model(model, args, world, device):
     """FSDP2 (fully_shard on each block, then the root) when --fsdp true, or with --fsdp auto when the training step
-    would not fit one device by model.py's estimate: the memory in use now (the built weights, the process itself),
-    gradients, optimizer state, and the activations and loss buffers at --micro_batch (1 while the probe has not
-    chosen one); prints the decision and its figures.
-    Weights stay fp32 shards; each block is all-gathered in the compute dtype (bf16: half the traffic) and its
-    gradients reduce-scattered in fp32. The block's input is not cast, so the residual stream stays fp32 as under
-    autocast, and the root (embedding, final norm, head) gathers in fp32: the same numbers as DDP + autocast.
-    Returns the line that says whether it did and why (is_sharded(model) tells later)."""
+    would not fit one device by model.py's estimate (docs/distributed.md: what it counts, and how the shards compute:
+    the same numbers as DDP + autocast). Returns the line that says whether it did and why."""
     optimizer = "adam8bit" if args.optimizer == "adamw" and args.adam8bit else args.optimizer
     micro = getattr(args, "micro_batch", None) or 1  # the probe chooses later, and at least 1
     estimate = memory_estimate(model.config, micro, optimizer=optimizer, bf16=args.dtype == "bfloat16")
@@ -417,6 +405,8 @@ def shard_model(model, args, world, device):
         return f"sharding: none, {'DDP' if world > 1 else 'one process'} (--fsdp {args.fsdp}: {fits})"
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     compute = getattr(torch, args.dtype)
+    # fp32 shards, each block gathered in the compute dtype (bf16: half the traffic) and reduced in fp32; inputs not
+    # cast, so the residual stream stays fp32 as under autocast; the root (embedding, norm, head) gathers in fp32
     block_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for block in model.blocks:
         fully_shard(block, mp_policy=block_policy)

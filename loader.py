@@ -1,5 +1,5 @@
 """The streaming loaders: batches of (inputs, targets) on the device, from a text corpus (text_loader), conversations
-(chat_loader) or a mixture of both at token shares (mixture_loader), each resumable bit-identically from its
+(chat_loader) or a mixture of both at token shares (MixtureLoader), each resumable bit-identically from its
 state_dict(). The packing decisions (which pieces fill a row, where one is cropped, padding, targets) are the pure
 functions below PieceBuffer; PackedLoader is the threads and files around them. To see what a batch holds:
 
@@ -59,14 +59,14 @@ def assign_units(files, rank, world_size):
     return units
 
 
-def epoch_documents(units, enough=None):
+def epoch_documents(units, enough):
     """The documents in units (one pass of a rank's data), from the parquet footers; counting stops at `enough`."""
     total, footers = 0, {}
     for path, i, first, step in units:
         if path not in footers:
             footers[path] = open_parquet(path, column=None).metadata
         total += len(range(first, footers[path].row_group(i).num_rows, step))
-        if enough is not None and total >= enough:
+        if total >= enough:
             break
     return total
 
@@ -235,6 +235,15 @@ def inputs_and_targets(rows, masks):
     return np.stack([inputs, targets])
 
 
+def to_device(batch, device):
+    """A batch [inputs, targets] as int64 (inputs, targets) on `device`; on CUDA through pinned memory, non_blocking
+    (a PackedLoader's batch is int32 until then: half the bytes on the wire)."""
+    if device.type == "cuda":
+        batch = batch.pin_memory().to(device, non_blocking=True)
+    batch = batch.long()
+    return batch[0], batch[1]
+
+
 class Pipe:
     """A bounded queue between the threads of one started pipeline, with that pipeline's stop event: put() and get()
     give up once it is set. Each start makes its own event and close() only ever sets it, so a thread that outlives
@@ -263,32 +272,18 @@ class Pipe:
 
 
 class PackedLoader:
-    """(inputs, targets) batches of shape (B, T) for one rank, packed without padding (pack="crop": text, and
-    conversations in midtraining) or from whole conversations padded at the end of a row (pack="pad": SFT). Iterate
-    it; state_dict() is the exact position after the last batch handed out, buffered documents included, and a loader
-    given it by load_state_dict() continues with bit-identical batches.
+    """(inputs, targets) batches of shape (B, T) for one rank: pack="crop" packs without padding (text, midtraining's
+    conversations), pack="pad" pads whole conversations (SFT); supervise="assistant" or "all" picks a conversation's
+    targets (docs/data.md: what each does). state_dict() is the exact position after the last batch handed out,
+    buffered documents included; load_state_dict() continues from it with bit-identical batches.
 
-    Pipeline: a reader thread reads this rank's row groups and tokenizes them (tiktoken's batch encoder runs on
-    `threads` threads outside the GIL); a packer thread fills rows of T+1 tokens and copies each batch to the
-    device (pinned memory, non_blocking) `prefetch` batches ahead of the training step. Every batch travels with the
-    state after it, so the state never runs ahead of what the consumer has seen.
-
-    Order: seed=None reads the row groups ("units") and their documents in file order every epoch (pretraining).
-    seed=N visits the units in an order shuffled from (N, epoch) and the documents of each unit in an order shuffled
-    from (N, epoch, unit), so small sets are seen in a new order every epoch; the state's (epoch, unit, doc) are then
-    positions in those orders, so a resume mid-epoch is still exact.
-
-    Packing is best-fit from a buffer of about `buffer_docs` pieces (top_up, add_document); every row starts with a
-    BOS and with the oldest buffered piece (fill_row). pack="crop" rows have no padding: documents longer than a row
-    are cut into BOS-led pieces and a piece that does not fit is cropped, its remainder kept for a later row; a
-    conversation's loss mask is cut along with it. pack="pad" rows hold whole conversations (rendered to at most a
-    row, cut after an assistant turn) and are padded, so every row has a supervised target. Conversation targets are
-    -1 on padding and, with supervise="assistant", on every token that is not assistant content or <|assistant_end|>;
-    supervise="all" trains on every real token, as text does.
-
-    max_epochs=None cycles over the data forever (training); max_epochs=N stops after N passes (validation): the
-    buffer empties into the last rows, whose unfilled end is padded (inputs BOS, targets -1), the last batch may
-    have fewer rows, and then iteration stops."""
+    Pipeline: a reader thread reads this rank's row groups ("units") and tokenizes them on `threads` threads (outside
+    the GIL); a packer thread packs rows (pack_batch) and copies each batch to the device `prefetch` batches ahead.
+    Every batch travels with the state after it, so the state never runs ahead of what the consumer has seen.
+    seed=None reads units and documents in file order; seed=N shuffles the units from (N, epoch) and each unit's
+    documents from (N, epoch, unit), and the state's (epoch, unit, doc) are positions in those orders, so a resume
+    mid-epoch is still exact. max_epochs=None cycles forever (training); max_epochs=N stops after N passes
+    (validation): the last rows are padded and the last batch may have fewer rows."""
 
     def __init__(self, files, tokenizer, batch_size, seq_len, kind="text", rank=0, world_size=1, device="cpu",
                  buffer_docs=1000, threads=None, prefetch=2, name="train", max_epochs=None, pack=None,
@@ -297,12 +292,10 @@ class PackedLoader:
             raise ValueError(f"kind={kind!r} is not allowed: choose text or chat")
         pack = pack or ("crop" if kind == "text" else "pad")
         supervise = supervise or ("all" if kind == "text" else "assistant")
-        if pack not in ("pad", "crop") or supervise not in ("all", "assistant"):
+        if pack not in ("pad", "crop") or supervise not in ("all", "assistant") or \
+                kind == "text" and (pack, supervise) != ("crop", "all"):
             raise ValueError(f"{name}: pack={pack!r}, supervise={supervise!r}: choose pack pad or crop, supervise all or "
-                             f"assistant")
-        if kind == "text" and (pack, supervise) != ("crop", "all"):
-            raise ValueError(f"{name}: text is packed with pack='crop' and supervise='all' (every token is a target), "
-                             f"got pack={pack!r}, supervise={supervise!r}")
+                             f"assistant (text: pack='crop' and supervise='all', every token a target)")
         self.files, self.tokenizer, self.kind, self.name = [Path(f) for f in files], tokenizer, kind, name
         self.pack, self.crop, self.supervise, self.seed = pack, pack == "crop", supervise, seed
         self.B, self.T, self.rank, self.world_size = batch_size, seq_len, rank, world_size
@@ -499,7 +492,7 @@ class PackedLoader:
                 epoch, unit, doc = position[0] or (self.max_epochs, 0, 0)  # None: the data has ended
                 state = {"epoch": epoch, "unit": unit, "doc": doc, "stats": dict(stats), "buffer": list(buffer.pieces),
                          "pass_tokens": per_pass[0]}  # the state after this batch: the next one's "before"
-                if not batches.put((self._to_device(rows, masks), state)):
+                if not batches.put((to_device(torch.from_numpy(inputs_and_targets(rows, masks)), self.device), state)):
                     return
         batches.put(StopIteration())  # max_epochs passes are done: __next__ raises it
 
@@ -528,13 +521,6 @@ class PackedLoader:
     def _next_unit(self, epoch, unit):
         return (epoch + 1, 0, 0) if unit + 1 == len(self.units) else (epoch, unit + 1, 0)
 
-    def _to_device(self, rows, masks):
-        batch = torch.from_numpy(inputs_and_targets(rows, masks))  # int32 on the wire, half the bytes of int64
-        if self.device.type == "cuda":
-            batch = batch.pin_memory().to(self.device, non_blocking=True)
-        batch = batch.long()
-        return batch[0], batch[1]
-
 
 def close_all(loaders, timeout=10):
     """Close loaders (a rank's data streams, each a PackedLoader or a MixtureLoader), every thread told first: they
@@ -555,30 +541,20 @@ def text_loader(data_dir, split, tokenizer, batch_size, seq_len, **kwargs):
 
 def chat_loader(chat_dir, split, tokenizer, batch_size, seq_len, *, pack="pad", supervise="assistant", seed=None,
                 files=None, **kwargs):
-    """The conversation loader over a chat directory's train or val files (or a list of files, e.g. mixture_files):
-    pack="pad" for SFT (whole conversations, padded), pack="crop" for midtraining (packed like text);
-    supervise="assistant" or "all" (see PackedLoader)."""
+    """The conversation loader over a chat directory's train or val files (or a list of files, e.g. mixture_files);
+    pack and supervise: see PackedLoader."""
     return PackedLoader(files or chat_files(chat_dir, split), tokenizer, batch_size, seq_len, kind="chat", pack=pack,
                         supervise=supervise, seed=seed, **{"name": f"chat {split}", **kwargs})
 
 
-def mixture_loader(sources, tokenizer, batch_size, seq_len, *, rank=0, world_size=1, device="cpu", seed=0, **kwargs):
-    """Midtraining's loader: rows from a text corpus and conversation sets at configured token shares (MixtureLoader).
-    sources: [{"name", "kind": "text"|"chat", "path": corpus dir (its train split) or chat dir (its train files),
-    "share"}]; supervise="assistant"|"all" (in kwargs) picks the conversations' targets, other kwargs go to every
-    source's PackedLoader."""
-    return MixtureLoader(sources, tokenizer, batch_size, seq_len, rank=rank, world_size=world_size, device=device,
-                         seed=seed, **kwargs)
-
-
 class MixtureLoader:
-    """(inputs, targets) batches of shape (B, T) whose rows come from several sources at configured token shares.
-    Each row is taken from the source whose realized token share is furthest below its target (ties: the first
-    listed), so after n rows every source is within about a row of share * n rows: the mixture holds from the first
-    batches on, not only on average. Each source is a one-row PackedLoader: text_loader over the train split of a
-    corpus, or chat_loader over a chat directory's train files with pack="crop" (conversations packed BOS-aligned like
-    text, no padding). The realized shares come from those loaders' token counts, which their states restore, so
-    state_dict() is just theirs and a resume gives bit-identical batches."""
+    """Midtraining's loader: (inputs, targets) batches of shape (B, T) whose rows come from several sources at
+    configured token shares. sources: [{"name", "kind": "text"|"chat", "path": corpus dir (its train split) or chat dir
+    (its train files), "share"}]; supervise picks the conversations' targets; other kwargs go to every source's
+    PackedLoader. Each row is taken from the source whose realized token share is furthest below its target (ties: the
+    first listed), so every source stays within about a row of its share from the first batches on. Each source is a
+    one-row PackedLoader (chat with pack="crop"); the realized shares come from their token counts, which their states
+    restore, so state_dict() is just theirs and a resume gives bit-identical batches."""
 
     def __init__(self, sources, tokenizer, batch_size, seq_len, *, rank=0, world_size=1, device="cpu", seed=0,
                  supervise="assistant", prefetch=2, name="mixture", **kwargs):
@@ -609,10 +585,7 @@ class MixtureLoader:
             rows.append(next(self.loaders[i]))
             tokens[i] = self.loaders[i].state["stats"]["tokens"]
         self.batches += 1
-        batch = torch.stack([torch.cat([x for x, _ in rows]), torch.cat([y for _, y in rows])])
-        if self.device.type == "cuda":
-            batch = batch.pin_memory().to(self.device, non_blocking=True)
-        return batch[0], batch[1]
+        return to_device(torch.stack([torch.cat([x for x, _ in rows]), torch.cat([y for _, y in rows])]), self.device)
 
     def stop(self):
         for loader in self.loaders:

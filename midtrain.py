@@ -25,7 +25,7 @@ import runs
 import train_loop
 import validation
 from dataset import CACHE_DIR
-from loader import mixture_loader
+from loader import MixtureLoader
 from model import parse_args
 
 # Token shares of the conversation sources beside the parent's text (0.3): conversation (SmolTalk, UltraChat), the
@@ -110,9 +110,9 @@ def plan(args, start):
     """What runs.start_stage asks of midtraining: its sources, total steps and loaders."""
     sources = parse_sources(args.source, start.parent_meta.get("data_dir"))
     total_steps = args.steps or math.ceil(args.tokens / start.tokens_per_step)
-    loaders = [mixture_loader(sources, start.tokenizer, start.micro_batch, start.seq_len, device=start.device,
-                              rank=start.rank * start.accum + j, world_size=start.world * start.accum, seed=args.seed,
-                              supervise=args.supervise, threads=train_loop.loader_threads(args, start.device))
+    loaders = [MixtureLoader(sources, start.tokenizer, start.micro_batch, start.seq_len, device=start.device,
+                             rank=start.rank * start.accum + j, world_size=start.world * start.accum, seed=args.seed,
+                             supervise=args.supervise, threads=train_loop.loader_threads(args, start.device))
                for j in range(start.accum)]
     data_dir = next((s["path"] for s in sources if s["kind"] == "text"), start.parent_meta.get("data_dir"))
     lines = ["mixture (share of tokens): " + ", ".join(f"{s['name']} {s['share']:.0%} ({s['path']})" for s in sources)

@@ -100,11 +100,8 @@ DEPTH_ASPECT = 64
 
 
 def depth_preset(depth):
-    """d{N}: the one-dial family (nanochat's). Width 64*N rounded up to a multiple of the 128 head dim, so deeper
-    models are also wider at a fixed aspect ratio; every head is a full 128-wide head (good matmul shapes); MHA;
-    RoPE; QK-norm and weightless RMSNorm (no scales to tune, nothing to freeze); relu^2 MLP (two matrices instead of
-    SwiGLU's three; the modded-nanogpt speedruns found it competitive); untied embeddings (input and output roles
-    want different geometry); logit softcap 15 (bounds the logits, which keeps early training stable)."""
+    """d{N}: the one-dial family (nanochat's): width 64*N rounded up to a multiple of the 128 head dim, so deeper
+    models are also wider at a fixed aspect ratio. Why each of its choices: docs/model.md (Presets)."""
     width = DEPTH_HEAD_DIM * math.ceil(DEPTH_ASPECT * depth / DEPTH_HEAD_DIM)
     heads = width // DEPTH_HEAD_DIM
     return {"vocab_size": 65536, "sequence_len": 2048, "n_layer": depth, "n_embd": width, "n_head": heads,
@@ -211,37 +208,28 @@ def muon_neurons(c):
 
 
 def flops_per_token(c, seq_len=None):
-    """Training FLOPs per token (forward + backward), the convention of PaLM's MFU and nanochat:
-    6 * (parameters used in matmuls: every projection in the blocks plus the output head, a tied head counted once;
-    the input embedding is a lookup and norms are elementwise, so neither counts)
-    + 12 * n_layer * n_head * head_dim * T (QK^T and attention*V: 2 matmuls x 2 FLOPs per multiply-add x 3 for
-    forward + backward, over the full T x T square, not its causal half). Value embeddings are lookups too; their
-    gates are small matmuls and count."""
+    """Training FLOPs per token (forward + backward), the convention of PaLM's MFU and nanochat (docs/model.md):
+    6 x the parameters in matmuls (lookups and norms do not count; the value embeddings' gates do) + attention's
+    12 * n_layer * n_head * head_dim * T, over the full T x T square."""
     b = param_breakdown(c)
     matmul_params = b["attention"] + b["mlp"] + c.vocab_size * c.n_embd
     T = seq_len or c.sequence_len
     return 6 * matmul_params + 12 * c.n_layer * c.n_head * c.head_dim * T
 
 
-OPTIMIZER_BYTES = {"adamw": 8, "adam8bit": 2, "muon": None}  # state bytes per parameter (muon: see below)
-
-
 def memory_estimate(c, micro_batch, seq_len=None, optimizer="muon", bf16=True):
-    """Training memory per device in bytes, the arithmetic of a measured 1B run, for this implementation:
-    fp32 weights and gradients (4 B each per parameter), optimizer state (AdamW: two fp32 moments = 8 B; 8-bit AdamW:
-    2 B; Muon: one fp32 momentum = 4 B for the block matrices, AdamW for embeddings/head/norms), 'activations' = what
-    autograd holds at the end of the forward pass, counted tensor by tensor from this file's forward (the tests
-    check it against torch's saved-tensor hooks), and 'transient' = the largest short-lived buffers (one loss chunk's
-    logits; with activation checkpointing, the one block being recomputed). Not included: allocator fragmentation,
-    the CUDA context, kernels' workspaces."""
+    """Training memory per device in bytes, for this implementation (docs/model.md: what each figure counts):
+    fp32 weights and gradients, optimizer state, 'activations' (what autograd holds at the end of the forward pass,
+    tensor by tensor; the tests check it against torch's saved-tensor hooks) and 'transient' (the largest short-lived
+    buffers)."""
     T = seq_len or c.sequence_len
     P = num_params(c)
     b = param_breakdown(c)
     block_matrices = b["attention"] + b["mlp"]
     if optimizer == "muon":  # + NorMuon's fp32 second moment per neuron (optim.Muon.neuron_normalized)
         opt = 4 * block_matrices + 4 * muon_neurons(c) + 8 * (P - block_matrices)
-    else:
-        opt = OPTIMIZER_BYTES[optimizer] * P
+    else:  # AdamW: two fp32 moments; 8-bit AdamW: two 1-byte moments
+        opt = {"adamw": 8, "adam8bit": 2}[optimizer] * P
     tokens = micro_batch * T
     per_layer = activation_bytes_per_token_layer(c, bf16)
     weight_copies = (2 if bf16 else (4 if c.bitnet else 0)) * block_matrices  # bf16 casts / BitNet's quantized W
@@ -291,14 +279,9 @@ def activation_bytes_per_token_layer(c, bf16):
 # -----------------------------------------------------------------------------
 # Layers
 
-def rms_norm(x, weight, eps):
-    return F.rms_norm(x, (x.size(-1),), weight, eps)
-
-
 def tanh(x):
-    """tanh through the logistic function, which is exact algebra (tanh x = 2 sigmoid(2x) - 1, within 2e-7 of
-    torch.tanh in fp32): on CPU torch.tanh's vectorized kernel is ~4x slower than exp, and the softcap applies it to
-    every logit (2048 x 8192 per step at the tiny shape: 31 ms of tanh against 10 ms this way, compiled)."""
+    """tanh through the logistic function, which is exact algebra (tanh x = 2 sigmoid(2x) - 1, within 2e-7 in fp32):
+    on CPU torch.tanh's kernel is ~4x slower than exp, and the softcap applies it to every logit (dev/LOG.md)."""
     return 2 * torch.sigmoid(2 * x) - 1
 
 
@@ -308,8 +291,7 @@ def softcap_logits(logits, cap):
 
 def causal_attention(q, k, v):
     """Causal SDPA; on CPU in fp32 even under bf16 autocast: torch's CPU flash-attention kernel is faster in fp32 than
-    in bf16 (forward+backward of one layer at B 8, H 4, T 256, D 64 on an AMX Xeon: 20.5 vs 24.5 ms, casts
-    included)."""
+    in bf16, casts included (dev/LOG.md: 20.5 vs 24.5 ms a layer on an AMX Xeon)."""
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
                                               enable_gqa=True).to(q.dtype)
@@ -378,7 +360,7 @@ class RMSNorm(nn.Module):
         # under autocast q and k arrive in bf16: a bf16 copy of the scale keeps the fused kernel (the fp32 master
         # scale is what the optimizer updates)
         weight = self.weight.to(x.dtype) if self.weight is not None else None
-        return rms_norm(x, weight, self.eps)
+        return F.rms_norm(x, (x.size(-1),), weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -507,9 +489,8 @@ def compiled_loss_chunk():
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """Sum of cross-entropies of the head's logits, computed in chunks of about LOSS_CHUNK_ELEMENTS logits
-    (loss_chunk, compiled on its own when the model is): only grad_x (rows x n_embd) and grad_weight (vocab x n_embd)
-    are kept, no logits survive a chunk, and nothing is recomputed in backward."""
+    """Sum of cross-entropies of the head's logits in chunks of about LOSS_CHUNK_ELEMENTS logits (loss_chunk): only
+    grad_x and grad_weight are kept, no logits survive a chunk, and nothing is recomputed in backward."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, softcap, compute_dtype, grad_enabled, compiled):
@@ -573,13 +554,9 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """The init scheme. Projections reading the residual stream (q, k, v, up, gate): N(0, 1/fan_in), unit-scale
-        outputs for unit-scale inputs. Projections writing to it (o, down): the same divided by sqrt(2 * n_layer), so
-        the 2 * n_layer residual branches together add O(1) at init (GPT-2). Untied: embedding N(0, 1) (a unit-scale
-        residual stream) and head N(0, 0.001) (logits ~0, so the first loss is ln(vocab)). Tied: one matrix plays
-        both roles, so N(0, 0.3 / sqrt(n_embd)) keeps the logits' std at 0.3 (first loss ln(vocab) + 0.045; the 0.02
-        of GPT-2/Llama gives +0.4 at width 2048, a measured 12.26 vs 11.78). Norm scales 1. BitNet latent weights use
-        the same scheme: absmean quantization is scale-free."""
+        """The init scheme (docs/model.md: why each std). Projections reading the residual stream: N(0, 1/fan_in);
+        writing to it (o, down): that over sqrt(2 * n_layer). Untied: embedding N(0, 1), head N(0, 0.001); tied:
+        N(0, 0.3 / sqrt(n_embd)). Norm scales 1. BitNet latent weights too: absmean quantization is scale-free."""
         c = self.config
         for block in self.blocks:
             for name, module in block.named_modules():
@@ -609,11 +586,9 @@ class GPT(nn.Module):
         self.sin.copy_(angles.sin())
 
     def value_embed(self, layer_idx, ids):
-        """Layer layer_idx's value embedding of the token ids, or None where the layer has none."""
         return self.value_embeds[str(layer_idx)](ids) if str(layer_idx) in self.value_embeds else None
 
     def mix_embedding(self, layer_idx, x, x0):
-        """Block layer_idx's input: resid_lambdas[i] * x + x0_lambdas[i] * x0 (x0 the token embedding), or x."""
         if self.resid_lambdas is None:
             return x
         return self.resid_lambdas[layer_idx] * x + self.x0_lambdas[layer_idx] * x0
@@ -722,7 +697,7 @@ def main(argv=None):
     add_model_args(parser)
     parser.add_argument("--micro_batch", type=int, default=8, help="sequences per device for the memory estimate "
                         "(default: %(default)s)")
-    parser.add_argument("--optimizer", default="muon", choices=sorted(OPTIMIZER_BYTES),
+    parser.add_argument("--optimizer", default="muon", choices=["adam8bit", "adamw", "muon"],
                         help="optimizer whose state the memory estimate counts (default: %(default)s)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="compute dtype for the activation estimate (default: %(default)s)")

@@ -207,8 +207,7 @@ def evaluate(model, tokenizer, args, rank, world, device, run_dir, val_rows, ste
         samples = [{"step": step, "prompt": prompt, "completion": tokenizer.decode(row)}
                    for prompt, row in zip(args.sample_prompt or PROMPTS, rows)]
     if rank == 0:
-        with open(run_dir / "samples.jsonl", "a") as f:
-            f.writelines(json.dumps(s) + "\n" for s in samples)
+        common.append_jsonl(run_dir / "samples.jsonl", *samples)
         print(f"eval step {step}: val bpb {bpb:.4f}; " + " | ".join(f"{s['prompt']!r} -> {s['completion']!r}"
                                                                    for s in samples))
     return {"val_bpb": bpb}
@@ -283,7 +282,7 @@ def main(argv=None):
     if signum is None:
         bpb = evaluator(total_steps)["val_bpb"]
         if master:
-            train_loop.Metrics(run_dir / "metrics.jsonl", master).log({"step": total_steps, "final_val_bpb": bpb})
+            common.append_jsonl(run_dir / "metrics.jsonl", {"step": total_steps, "final_val_bpb": bpb})
             (run_dir / "done.json").write_text(json.dumps({"step": total_steps, "val_bpb": bpb}))
             print(f"done: {total_steps} steps, val bpb {bpb:.4f}, run dir {run_dir}")
     close_all(loaders)

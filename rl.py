@@ -357,7 +357,7 @@ def main(argv=None):
                   f"Resume with: {checkpoint.resume_command(args)}", flush=True)
         return stop.signum or signal.SIGTERM
     if master:
-        train_loop.Metrics(run_dir / "metrics.jsonl", True).log({"step": total_steps, "final": True, **final})
+        common.append_jsonl(run_dir / "metrics.jsonl", {"step": total_steps, "final": True, **final})
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         summary = verdict(records)
         (run_dir / "done.json").write_text(json.dumps({"step": total_steps, **summary, "held_out": final["held_out"]}))

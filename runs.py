@@ -310,8 +310,8 @@ def train_chat_stage(args, s, evaluator, summarize):
         done, lines = summarize(figures)
         kept = validation.forgetting(s.model, s.tokenizer, s.parent, s.parent_meta, args, s.rank, s.world, s.device)
         if s.rank == 0:
-            train_loop.Metrics(s.run_dir / "metrics.jsonl", True).log({"step": s.total_steps, "final_val_loss": loss,
-                                                                       **figures, "pretrain_val_bpb": kept["val_bpb"]})
+            common.append_jsonl(s.run_dir / "metrics.jsonl", {"step": s.total_steps, "final_val_loss": loss, **figures,
+                                                              "pretrain_val_bpb": kept["val_bpb"]})
             (s.run_dir / "done.json").write_text(json.dumps({"step": s.total_steps, "val_loss": loss, **figures,
                                                              **done, "pretrain_val_bpb": kept}))
             print("\n".join([validation.forgetting_line(kept), *lines,

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from checkpoint import list_checkpoints, resume_command, save_checkpoint, saved_layout
-from common import CACHE_DIR, device_name, fmt_bytes, fmt_duration, now, peak_flops
+from common import CACHE_DIR, append_jsonl, device_name, fmt_bytes, fmt_duration, now, peak_flops
 from distributed import (
     all_reduce,
     all_reduce_tensor,
@@ -36,21 +36,6 @@ from distributed import (
 )
 from model import autocast_context
 from optim import apply_schedule, build_optimizers
-
-# -----------------------------------------------------------------------------
-# Metrics
-
-class Metrics:
-    """Appends one JSON object per line to a file (rank 0 only)."""
-
-    def __init__(self, path, enabled):
-        self.path, self.enabled = Path(path), enabled
-
-    def log(self, record):
-        if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-
 
 # -----------------------------------------------------------------------------
 # Health
@@ -207,8 +192,7 @@ def nearest_batch(total, seq_len, world, micro=0, within=0.03):
     be chosen) over `world` ranks, nearest --total_batch_tokens: total itself when it does; else, within `within` of
     it, the nearest for a given micro-batch, and without one the per-rank sequences whose largest power-of-two divisor
     is largest (a micro-batch that fits then cuts it into few accumulation steps), the nearer on a tie; None when none
-    is that near. 524,288 over 3 x 2048: 84 sequences a rank, 516,096 (-1.6%); over 5: 52, 532,480; 6: 42; 7: 36; at
-    micro-batch 2 over 3: 43 accumulation steps, 528,384 (+0.8%)."""
+    is that near. E.g. 524,288 over 3 x 2048: 84 sequences a rank, 516,096 (-1.6%)."""
     unit = (micro or 1) * seq_len * world
     if total % unit == 0:
         return total
@@ -322,9 +306,8 @@ def add_loader_threads_arg(group):
 
 
 def loader_threads(args, device):
-    """Tokenizer threads for a loader. Training on the CPU, its cores are busy with torch's threads: one tokenizer
-    thread keeps up (~1M tok/s against a few thousand trained) without taking a core from the step. On a GPU the
-    cores are free: all of this process's share."""
+    """Tokenizer threads for a loader: on the CPU one (its cores run the step; one thread keeps up, ~1M tok/s against
+    a few thousand trained), on a GPU this process's share of the cores."""
     if args.loader_threads:
         return args.loader_threads
     return 1 if device.type == "cpu" else max(1, os.cpu_count() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -335,10 +318,9 @@ USER_COMPILE_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 
 
 def compile_cache():
-    """Where torch.compile keeps what it compiled (inductor's and AOTAutograd's caches, both on by default), shared by
-    every stage of every run, so a run's later stages, the real run after its rehearsal and a resumed run start warm:
-    $TORCHINDUCTOR_CACHE_DIR where the user set it, else compile/torch-<version> under the downloads' cache (torch keys
-    its entries by version too; a directory per version keeps another version's from ever being read)."""
+    """Where torch.compile keeps what it compiled, shared by every stage of every run so that later ones start warm
+    (docs/training.md): $TORCHINDUCTOR_CACHE_DIR where the user set it, else a directory per torch version (torch
+    keys its entries by version too; this keeps another version's from ever being read)."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = USER_COMPILE_CACHE or str(CACHE_DIR / "compile" / f"torch-{torch.__version__}")
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
@@ -359,8 +341,7 @@ def wrap_model(model, args, world, local_rank, device):
 
 
 # -----------------------------------------------------------------------------
-# The training loop, shared by every training stage: a stage builds its model, optimizers and loaders and hands
-# them over; the policies (exact loss, NaN stop, signals, health, metrics, checkpoints) live here once.
+# The training loop
 
 def forward_backward(train_model, batches, dtype, device, world, poison=False):
     """Forward and backward over one optimizer step's micro-batches [(inputs, targets), ...]. Returns the step's
@@ -427,7 +408,8 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
             if (run_dir / name).is_file():
                 (run_dir / name).unlink()
                 print(f"run dir: {run_dir / name} of an earlier start without a checkpoint removed: starting over")
-    metrics, wandb, stop = Metrics(run_dir / "metrics.jsonl", master), open_wandb(args, master), stop or StopSignal()
+    metrics = run_dir / "metrics.jsonl" if master else None  # rank 0 writes the run's records
+    wandb, stop = open_wandb(args, master), stop or StopSignal()
     peak = peak_flops(device_name(device), args.dtype)
     # a stage's own step (rl.py): a step whose every group of replies scores alike has no advantage and changes no
     # parameter, which is no fault there, so the frozen-parameter check is for the loss-trained stages only
@@ -463,7 +445,8 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
         first = evaluate(0)
         if first is None:
             return stopped(0, "in the evaluation before step 1")
-        metrics.log({"step": 0, **first})
+        if metrics:
+            append_jsonl(metrics, {"step": 0, **first})
 
     for step in range(start, total_steps):
         t0 = now()
@@ -525,10 +508,12 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
             mark_progress(step + 1, "evaluation")
             evaluated = evaluate(step + 1)
             if evaluated is None:  # a signal during the evaluation (rl.py's samples replies: minutes)
-                metrics.log(record)
+                if metrics:
+                    append_jsonl(metrics, record)
                 return stopped(step + 1, f"in the evaluation after step {step + 1}")
             record.update(evaluated)
-        metrics.log(record)
+        if metrics:
+            append_jsonl(metrics, record)
         if wandb:
             wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step + 1)
         if step == start:

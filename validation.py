@@ -8,7 +8,6 @@ pretraining corpus it descends from, in that run's rows (what the chat stages re
     python validation.py runs/<run> --bpb_tokens 20000
 """
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch
 
 from calculator import ToolUse, reply_text
 from checkpoint import checkpoint_tokenizer, find_checkpoint, load_model, pretraining_run
+from common import append_jsonl
 from decode import decode
 from distributed import all_reduce_tensor, is_sharded, run_main
 from loader import chat_loader, text_loader
@@ -127,8 +127,7 @@ def chat_validation(model, tokenizer, questions, dtype, rank, world, device, run
     loss = chat_val_loss(model, batches, dtype, rank, world, device)
     answers = chat_answers(model, tokenizer, questions, dtype) if rank == 0 or is_sharded(model) else None
     if rank == 0:
-        with open(run_dir / "samples.jsonl", "a") as f:
-            f.writelines(json.dumps({"step": step, **a}) + "\n" for a in answers)
+        append_jsonl(run_dir / "samples.jsonl", *({"step": step, **a} for a in answers))
         print(f"eval step {step}: val loss {loss:.4f}; " + " | ".join(
             f"{a['question']!r} -> {a['answer']!r}" + ("" if a["ended"] else " [no end]") for a in answers))
     return loss

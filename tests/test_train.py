@@ -60,10 +60,9 @@ class Stream:
 def test_a_save_prints_and_logs_its_size_and_seconds(tmp_path, capsys):
     """The size is the checkpoint's files on disk, the seconds the same as ckpt/save_seconds (what a stop's grace and
     the plan's prediction read)."""
-    from train_loop import Metrics
     ckpt = tmp_path / "r" / "ckpt"
     path = checkpoint.save_checkpoint(ckpt, 5, tiny_model(), [], ["stream 0"], {"stage": "pretrain", **LAYOUT}, 0,
-                                      keep=1, metrics=Metrics(tmp_path / "r" / "metrics.jsonl", True))
+                                      keep=1, metrics=tmp_path / "r" / "metrics.jsonl")
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     assert size > sum(p.numel() * 4 for p in tiny_model().parameters())  # the fp32 weights are in it
     record = json.loads((tmp_path / "r" / "metrics.jsonl").read_text())
