@@ -1,5 +1,4 @@
-"""The embedded demo world: a small, consistent, made-up world written offline and byte-for-byte deterministically,
-so a model trained for minutes on a CPU can be seen to learn facts, chat about them and beat chance on tasks.
+"""The embedded demo world: a small, consistent, made-up world written offline and byte-for-byte deterministically.
 
     python demo.py --out data/demo          # pretrain/ (corpus layout), conversations/ (SmolTalk schema),
                                             # eval_bundle/ (CORE formats), chat_eval/, README.txt
@@ -9,8 +8,7 @@ Why a made-up world: no prior knowledge helps and none is needed, so a 5M-parame
 CPU can be seen to learn facts (capitals, animal sounds, sums, what comes after Tuesday), to chat about them, and to
 beat the random baseline on tasks. Every fact is stated in many phrasings and mixed with others, so memorizing
 sentences does not suffice; the evaluation items use phrasings reserved for evaluation, so a score measures the fact.
-Its fact tables and phrasings are in demo_world.py, the single source: core_eval.py builds its demo-world prompts from
-them.
+The fact tables and phrasings are in demo_world.py, the single source, which core_eval.py's demo prompts read too.
 """
 import argparse
 import csv
@@ -244,8 +242,7 @@ def conversation(rng):
 
 
 def ask(rng, instructions, question):
-    """An instruction and a question in one of three orders: 'Just the answer: what ...?', 'What ...? Just the
-    answer.', 'Just the answer. What ...?'."""
+    """An instruction and a question, in one of three orders."""
     how, order = rng.choice(instructions), rng.randrange(3)
     return [f"{how}: {question}", f"{sentence(question)} {how}.", f"{how}. {sentence(question)}"][order]
 
@@ -263,8 +260,7 @@ def choice_row(rng):
 
 
 def lookup_row(rng):
-    """A multiple-choice question that names its answer ("Which option is Pelmo?"), in MMLU's columns: the letter
-    binding alone."""
+    """Multiple choice that names its answer ("Which option is Pelmo?"), in MMLU's columns: the letter binding alone."""
     choices = rng.sample(demo_world.LOOKUP_NAMES, 4)
     gold = rng.randrange(4)
     return {"question": rng.choice(demo_world.LOOKUP).format(x=choices[gold]), "choices": choices, "answer": gold,
@@ -281,8 +277,7 @@ def short_answer(rng):
 
 
 def calculation_row(rng):
-    """Arithmetic in GSM8K's columns (question, answer): a short question answered by the calculator's result
-    alone, a question answered in a sentence, or a small word problem worked through to '#### N'."""
+    """Arithmetic in GSM8K's columns: the calculator's result alone, a sentence, or a problem worked to '#### N'."""
     op, roll = rng.choice(list(demo_world.SUMS)), rng.random()
     top = 20 if roll > 0.6 else 12 if op == "prod" else rng.choice([10, 99])  # the calculator knows no range
     x, y = rng.randint(0, top), rng.randint(0, top)
@@ -302,7 +297,7 @@ def calculation_row(rng):
                           f"{['plus', 'minus', 'times'][list(demo_world.SUMS).index(op)]} {shown['y']} is {said}."}
     (name, pron), (_, items) = rng.choice(CHARACTERS), rng.choice(demo_world.ITEMS)
     story = rng.choice(demo_world.STORIES[op]).format(name=name, pron=sentence(pron), x=x, y=y, items=items)
-    return {"question": story, "answer": f"{demo_world.STEP[op].format(x=x, y=y, v=v)} {items}.\n#### {v}"}
+    return {"question": story, "answer": f"{x} {symbol} {y} = {call}{v} {items}.\n#### {v}"}
 
 
 def word_problem(rng):
@@ -334,13 +329,13 @@ def word_problem(rng):
     return {"question": sentence(question.format(**words, **shown)), "answer": " ".join(said) + f"\n#### {v}"}
 
 
-def word_problems(rng, n, exclude=()):
-    """n word problems with distinct questions, none of them in `exclude` (the held-out split's questions)."""
+def distinct(n, draw, key=lambda row: row, exclude=()):
+    """n of draw()'s results, in the order drawn, no two with the same key and none with a key in exclude."""
     rows, seen = [], set(exclude)
     while len(rows) < n:
-        row = word_problem(rng)
-        if row["question"] not in seen:
-            seen.add(row["question"])
+        row = draw()
+        if key(row) not in seen:
+            seen.add(key(row))
             rows.append(row)
     return rows
 
@@ -373,17 +368,14 @@ def eval_tasks(rng):
                 for q in [f"Quiz: name the {unit} right after {{x}}. Answer:", (f"Quiz: we are in {{x}}, so the next "
                           f"{unit} will be"), f"Quiz: the {unit} that directly follows {{x}} is"]
                 for i in range(len(seq))]
-    arithmetic, seen = [], set()
-    while len(arithmetic) < 60:
+    def arithmetic_item():
         x, y, op = rng.randint(0, 10), rng.randint(0, 10), rng.randrange(3)
         x, y = max(x, y), min(x, y)
         num = number_word if rng.random() < 0.5 else str
         q, v = [("Quiz: {x} added to {y} gives", x + y), ("Quiz: {y} taken from {x} leaves", x - y),
                 ("Quiz: {x} multiplied by {y} equals", x * y)][op]
-        item = {"context": q.format(x=num(x), y=num(y)), "continuation": num(v)}
-        if item["context"] not in seen:
-            seen.add(item["context"])
-            arithmetic.append(item)
+        return {"context": q.format(x=num(x), y=num(y)), "continuation": num(v)}
+    arithmetic = distinct(60, arithmetic_item, key=lambda item: item["context"])
     places, legs = [], []
     for i in range(60):
         (name, pr), row = rng.choice(CHARACTERS), COUNTRIES[i % len(COUNTRIES)]
@@ -411,11 +403,9 @@ def eval_tasks(rng):
 
 
 def chat_eval_tasks(rng):
-    """{task: items} for chat_eval.py's offline ChatCORE, asked as chat questions in phrasings reserved for it (none
-    occurs in the documents or the conversations above, nor in eval_tasks): demo-choice, multiple choice answered by
-    a letter ({"question", "choices", "gold"}: the gold index), demo-answer, short answers scored by exact match
-    after normalization ({"question", "answers"}: every accepted form), and demo-words, questions with no instruction
-    on the form of the reply, in words no template uses, for whether the model still answers in its own words."""
+    """{task: items} for chat_eval.py, in phrasings reserved for it (none occurs in the documents, the conversations or
+    eval_tasks): demo-choice and demo-answer, ChatCORE's multiple choice and short answers (every accepted form), and
+    demo-words, questions with no instruction on the reply's form: does the model still answer in its own words?"""
     def mc(question, gold, pool):
         choices = [gold] + rng.sample(sorted(p for p in set(pool) if p != gold), 3)
         rng.shuffle(choices)
@@ -432,10 +422,7 @@ def chat_eval_tasks(rng):
               for r in COUNTRIES]
     answer += [{"question": f"Reply with one word: which tongue do folk in {r[0]} use?", "answers": [r[2]]}
                for r in COUNTRIES]
-    pairs = []
-    while len(pairs) < 30:  # 30 distinct pairs, in the order drawn
-        pair = (rng.randint(0, 10), rng.randint(0, 10))
-        pairs += [pair] if pair not in pairs else []
+    pairs = distinct(30, lambda: (rng.randint(0, 10), rng.randint(0, 10)))
     answer += [{"question": f"Reply with the number only: what do {x} and {y} add up to?",
                 "answers": [str(x + y), number_word(x + y)]} for x, y in pairs]
     answer += [{"question": f"Reply with one word: which {unit} comes straight after {seq[i]}?",
@@ -455,16 +442,6 @@ def chat_eval_tasks(rng):
             x, y = sorted((rng.randint(11, 60), rng.randint(11, 60)), reverse=True)
             words.append({"question": q.format(x=x, y=y), "answers": [str(x + sign * y)]})
     return {"demo-choice": choice, "demo-answer": answer, "demo-words": words}
-
-
-def write_chat_eval(out_dir, rng, problems):
-    """chat_eval/<task>.jsonl, a JSON item per line, demo-problems the held-out word problems; returns {task: items}."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    counts = {}
-    for task, items in (chat_eval_tasks(rng) | {"demo-problems": problems}).items():
-        (out_dir / f"{task}.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
-        counts[task] = len(items)
-    return counts
 
 
 def write_eval_bundle(out_dir, rng):
@@ -487,8 +464,7 @@ def write_eval_bundle(out_dir, rng):
 
 
 def write_demo(out_dir, seed=0):
-    """Write the demo world under out_dir (pretrain/, conversations/, eval_bundle/, chat_eval/, README.txt); returns
-    counts."""
+    """Write the demo world under out_dir (its files: README.txt, written last); returns counts."""
     out_dir = Path(out_dir)
     for stale in sorted((out_dir / "pretrain").glob("shard_*.parquet")):  # an old last shard would pose as val
         stale.unlink()
@@ -498,30 +474,32 @@ def write_demo(out_dir, seed=0):
     rng = random.Random(f"demo-chat-{seed}")
     chats = [conversation(rng) for _ in range(4000)]
     splits = {"train": [c for i, c in enumerate(chats) if i % 20], "val": chats[::20]}
-    (out_dir / "conversations").mkdir(parents=True, exist_ok=True)
     schema = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
-    for split, rows in splits.items():
-        pq.write_table(pa.table({"messages": pa.array(rows, schema)}), out_dir / "conversations" / f"{split}.parquet",
-                       row_group_size=64, compression="zstd")
     rng = random.Random(f"demo-problems-{seed}")  # word problems: held out first, then training ones unlike them
-    held_out = word_problems(rng, DEMO_HELD_OUT_PROBLEMS)
-    problems = word_problems(rng, DEMO_TASK_ROWS, exclude={row["question"] for row in held_out})
+    held_out = distinct(DEMO_HELD_OUT_PROBLEMS, lambda: word_problem(rng), key=lambda row: row["question"])
+    problems = distinct(DEMO_TASK_ROWS, lambda: word_problem(rng), key=lambda row: row["question"],
+                        exclude={row["question"] for row in held_out})
     rng = random.Random(f"demo-tasks-{seed}")  # the task shapes, each a chat directory of its own
     tasks = {"choice": pa.Table.from_pylist([choice_row(rng) for _ in range(DEMO_TASK_ROWS)]),
              "answers": pa.table({"messages": pa.array([short_answer(rng) for _ in range(DEMO_TASK_ROWS)], schema)}),
              "calc": pa.Table.from_pylist([calculation_row(rng) for _ in range(DEMO_TASK_ROWS)]),
              "lookup": pa.Table.from_pylist([lookup_row(rng) for _ in range(DEMO_TASK_ROWS)]),
              "problems": pa.Table.from_pylist(problems)}
-    for name, table in tasks.items():
-        (out_dir / name).mkdir(parents=True, exist_ok=True)
+    tables = {f"conversations/{split}": pa.table({"messages": pa.array(rows, schema)})
+              for split, rows in splits.items()} | {f"{name}/train": table for name, table in tasks.items()}
+    for path, table in tables.items():
+        (out_dir / path).parent.mkdir(parents=True, exist_ok=True)
         # small row groups: the loader shuffles row groups, so the sources of a mixture interleave finely
-        pq.write_table(table, out_dir / name / "train.parquet", row_group_size=64, compression="zstd")
+        pq.write_table(table, out_dir / f"{path}.parquet", row_group_size=64, compression="zstd")
     evals = write_eval_bundle(out_dir / "eval_bundle", random.Random(f"demo-eval-{seed}"))
-    chat_evals = write_chat_eval(out_dir / "chat_eval", random.Random(f"demo-chat-eval-{seed}"), held_out)
+    chat_evals = chat_eval_tasks(random.Random(f"demo-chat-eval-{seed}")) | {"demo-problems": held_out}
+    (out_dir / "chat_eval").mkdir(parents=True, exist_ok=True)
+    for task, items in chat_evals.items():  # a JSON item per line
+        (out_dir / "chat_eval" / f"{task}.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
     counts = {"documents": len(docs), "characters": sum(map(len, docs)), "shards": len(shards),
               "conversations": len(chats), "conversations_train": len(splits["train"]),
               "conversations_val": len(splits["val"]), "tasks": {k: t.num_rows for k, t in tasks.items()},
-              "eval_items": evals, "chat_eval_items": chat_evals}
+              "eval_items": evals, "chat_eval_items": {task: len(items) for task, items in chat_evals.items()}}
     (out_dir / "README.txt").write_text(
         f"The demo world (seed {seed}): a small made-up world of {len(COUNTRIES)} countries (capital, "
         f"language, flag, national animal), {len(ANIMALS)} animals, colours of things, small arithmetic, days and "
@@ -543,7 +521,7 @@ def write_demo(out_dir, seed=0):
         f"phrasings never occur in pretrain/ or conversations/\n"
         + "".join(f"    {k}: {v} items\n" for k, v in evals.items())
         + "chat_eval/            chat questions for chat_eval.py, in phrasings reserved for it too\n"
-        + "".join(f"    {k}: {v} items\n" for k, v in chat_evals.items()))
+        + "".join(f"    {k}: {v} items\n" for k, v in counts["chat_eval_items"].items()))
     return counts
 
 

@@ -1,10 +1,9 @@
 """The demo world's facts and the words it is told in: the fact tables (countries, animals, colours of things,
 days, months, numbers), the phrasings of its documents, conversations and task rows, and the small helpers that fill
-them. demo.py writes the world's files from these; core_eval.py builds its demo prompts from the same tables.
+them. Every table is the single source of its facts: demo.py writes the world's files from these, core_eval.py builds
+its demo prompts from the same tables.
 
     python demo_world.py        # how many facts of each kind the world holds
-
-Names are invented so no prior knowledge helps; every table is the single source of its facts.
 """
 import argparse
 
@@ -277,8 +276,6 @@ STORIES = {"sum": ["{name} has {x} {items}. {pron} gets {y} more. How many {item
                     "A shop had {x} {items}. It sold {y}. How many {items} are left?"],
            "prod": ["{name} has {x} bags with {y} {items} in each. How many {items} is that?",
                     "Each of {x} friends brings {y} {items}. How many {items} do they bring?"]}
-STEP = {"sum": "{x} + {y} = <<{x}+{y}={v}>>{v}", "diff": "{x} - {y} = <<{x}-{y}={v}>>{v}",
-        "prod": "{x} * {y} = <<{x}*{y}={v}>>{v}"}
 
 # Word problems in GSM8K's shape, two to four operations on the world's quantities, a worked step per operation:
 # (question, steps); a step (left, op, right, words) computes the next of s1-s4 from the numbers a-e drawn for
