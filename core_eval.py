@@ -5,12 +5,9 @@ validation bits per byte, and greedy completions of a fixed set of prompts, the 
     python core_eval.py --checkpoint runs/NAME --bundle data/demo/eval_bundle --max_items 100
     torchrun --standalone --nproc_per_node=8 core_eval.py --checkpoint runs/NAME
 
---bundle is a directory (holding core.yaml, eval_meta_data.csv, eval_data/) or a URL of eval_bundle.zip, which is
-downloaded once into the cache, checked (zip CRCs, the files core.yaml names) and unzipped once. The default, auto, is
-the demo world's bundle when the checkpoint was trained on the demo world (it lies beside its data), else BUNDLE_URL.
---protocol nanochat (the default) scores the tokens nanochat scores; dclm scores every token of each continuation.
-Writes runs/<run>/core_eval/step_XXXXXX/: results.json (everything), results.csv (a row per task), items.jsonl (each
-item's prediction). Bad input stops before any model time is spent, with a message naming what to fix.
+A --bundle URL is downloaded, checked and unzipped once into the cache (docs/eval.md). Writes
+runs/<run>/core_eval/step_XXXXXX/: results.json (everything), results.csv (a row per task), items.jsonl (each item's
+prediction). Bad input stops before any model time is spent, with a message naming what to fix.
 """
 import argparse
 import csv
@@ -36,12 +33,13 @@ import distributed
 import validation
 from dataset import CACHE_DIR
 from decode import decode
-from demo_world import COUNTRIES, DAYS, number_word
+from demo_world import COUNTRIES, DAYS, country_fields, number_word
 from download import download_file
 from model import autocast_context
 
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # the bundle nanochat uses
-TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
+TASK_KEYS = {"multiple_choice": ("query", "choices", "gold"), "schema": ("context_options", "continuation", "gold"),
+             "language_modeling": ("context", "continuation")}  # task type: the keys each of its items needs
 PROTOCOLS = ("nanochat", "dclm")  # which tokens are scored; the items, order and few-shot examples are nanochat's in both
 FEWSHOT_SEED, SUBSET_SEED = 1234, 1337  # nanochat's: the same items and examples as its CORE runs
 COMPLETIONS = ["Once upon a time,", "The most important thing to learn is", "In the morning, the",
@@ -49,7 +47,7 @@ COMPLETIONS = ["Once upon a time,", "The most important thing to learn is", "In 
 # (prompt, accepted answers, which world): a model of the real web should know the first, one of the demo world the
 # second; each is reported as found or not at the start of the greedy completion. The demo world's come from its own
 # fact tables (demo_world.py), so they cannot drift from what the demo documents say.
-_ALDORA, _BRENIA = (dict(zip(("c", "cap", "lang", "col", "sym", "ani"), row, strict=True)) for row in COUNTRIES[:2])
+_ALDORA, _BRENIA = map(country_fields, COUNTRIES[:2])
 KNOWLEDGE = [("The capital of France is", ["Paris"], "real"), ("The chemical symbol for gold is", ["Au"], "real"),
              ("The largest planet in the solar system is", ["Jupiter"], "real"),
              ("Romeo and Juliet was written by", ["Shakespeare"], "real"),
@@ -163,16 +161,12 @@ def resolve_bundle(arg, meta, expected_sha256=None):
 @dataclass
 class Task:
     label: str
-    kind: str  # one of TASK_TYPES
+    kind: str  # one of TASK_KEYS
     fewshot: int
     delimiter: str
     baseline: float  # the random baseline as a fraction (the csv has percent)
     items: list
     path: str
-
-
-REQUIRED_KEYS = {"multiple_choice": ("query", "choices", "gold"), "schema": ("context_options", "continuation", "gold"),
-                 "language_modeling": ("context", "continuation")}
 
 
 def read_items(path, kind):
@@ -186,9 +180,9 @@ def read_items(path, kind):
                 item = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: not valid JSON ({e}): fix or delete the line") from None
-            missing = [k for k in REQUIRED_KEYS[kind] if k not in item]
+            missing = [k for k in TASK_KEYS[kind] if k not in item]
             if missing:
-                raise ValueError(f"{where}: a {kind} item needs {', '.join(REQUIRED_KEYS[kind])}; missing "
+                raise ValueError(f"{where}: a {kind} item needs {', '.join(TASK_KEYS[kind])}; missing "
                                  f"{', '.join(missing)}")
             options = item.get("choices", item.get("context_options"))
             if kind != "language_modeling" and not (isinstance(options, list) and len(options) >= 2 and
@@ -226,8 +220,8 @@ def task_from_spec(root, t, baselines):
     """One task of core.yaml: its entry `t` checked, its baseline, its items read."""
     label, kind, shots = t.get("label"), t.get("icl_task_type"), t.get("num_fewshot", [0])
     where = f"{root / 'core.yaml'}, task {label}"
-    if kind not in TASK_TYPES:
-        raise ValueError(f"{where}: icl_task_type {kind!r} is not one of {', '.join(TASK_TYPES)}")
+    if kind not in TASK_KEYS:
+        raise ValueError(f"{where}: icl_task_type {kind!r} is not one of {', '.join(TASK_KEYS)}")
     shots = shots if isinstance(shots, list) else [shots]
     if len(shots) != 1 or not isinstance(shots[0], int) or shots[0] < 0:
         raise ValueError(f"{where}: num_fewshot must be one count, like [5]; it is {t.get('num_fewshot')!r}")
@@ -363,48 +357,37 @@ def score_batch(model, batch_rows, device, dtype):
     return mean_loss.float().cpu(), exact.cpu()
 
 
-def make_batches(tasks, orders, batch_items):
-    """Batches of (task index, position), the same on any number of ranks: items sorted by prompt length (less
-    padding), then cut into groups of batch_items (evaluate_tasks asks for one task's at a time)."""
-    work = [(ti, p) for ti, order in enumerate(orders) for p in range(len(order))]
-    work.sort(key=lambda w: max(len(c) + len(x) for c, x in prompt_pairs(tasks[w[0]], orders[w[0]], w[1])))
-    return [work[b:b + batch_items] for b in range(0, len(work), batch_items)]
-
-
-def judge(task, item, rows, mean_loss, exact):
-    """(predicted option or -1, correct, cropped) of one item from its rows' scores."""
-    cropped = any(row[2] for row in rows)
-    if task.kind == "language_modeling":
-        return -1, bool(exact), cropped
-    predicted = int(mean_loss.argmin())  # ties go to the first option, as in nanochat
-    return predicted, predicted == item["gold"], cropped
-
-
 def evaluate_tasks(model, tokenizer, tasks, max_per_task, batch_items, dtype, rank, world, device,
                    protocol="nanochat", progress=False):
     """Per task: (item index, predicted option or -1, correct, cropped) for each evaluated item, by item index,
-    identical on every rank. Task by task, its batches dealt round robin; each rank fills its items' rows of the
-    task's table, and a sum over ranks joins them. progress: rank 0 prints a line per task as it ends."""
+    identical on every rank. Task by task, its items sorted by prompt length (less padding) and cut into batches dealt
+    round robin; each rank fills its items' rows of the task's table, and a sum over ranks joins them. progress: rank 0
+    prints a line per task as it ends."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
     results = []
     for task in tasks:
         start, order = time.perf_counter(), task_order(len(task.items), max_per_task)
         table = torch.zeros(len(order), 4, dtype=torch.float64)  # (done, predicted option, correct, cropped)
-        for b, batch in enumerate(make_batches([task], [order], batch_items)):
-            if b % world != rank:
-                continue
+        by_length = sorted(range(len(order)), key=lambda p: max(len(c + x) for c, x in prompt_pairs(task, order, p)))
+        for b in range(rank * batch_items, len(order), world * batch_items):
+            batch = by_length[b:b + batch_items]
             rows_per_item = [item_rows(task, order, p, tokenizer, model.config.sequence_len, protocol)
-                             for _, p in batch]
+                             for p in batch]
             mean_loss, exact = score_batch(model, [r for rows in rows_per_item for r in rows], device, dtype)
             at = 0
-            for (_, p), rows in zip(batch, rows_per_item):
-                verdict = judge(task, task.items[order[p]], rows, mean_loss[at:at + len(rows)], exact[at])
-                table[p] = torch.tensor([1.0, *map(float, verdict)], dtype=torch.float64)
+            for p, rows in zip(batch, rows_per_item):
+                if task.kind == "language_modeling":
+                    predicted, correct = -1, bool(exact[at])
+                else:
+                    predicted = int(mean_loss[at:at + len(rows)].argmin())  # a tie: the first option, as nanochat
+                    correct = predicted == task.items[order[p]]["gold"]
+                cropped = any(row[2] for row in rows)
+                table[p] = torch.tensor([1.0, predicted, correct, cropped], dtype=torch.float64)
                 at += len(rows)
         distributed.all_reduce_tensor(table)
         if not table[:, 0].eq(1).all():
-            raise RuntimeError("an item was evaluated by no rank or by two: a bug in make_batches")
+            raise RuntimeError("an item was evaluated by no rank or by two: a bug in evaluate_tasks")
         results.append(sorted((i, int(table[p, 1]), bool(table[p, 2]), bool(table[p, 3])) for p, i in enumerate(order)))
         if progress and rank == 0:
             accuracy, seconds = table[:, 2].mean().item(), time.perf_counter() - start
@@ -449,24 +432,6 @@ def completions(model, tokenizer, max_new_tokens, dtype):
                           found=any(text.strip().lower().startswith(a.lower()) for a in answers))
         out.append(record)
     return out
-
-
-def shared_bundle(args, meta, rank, world):
-    """(bundle root, provenance): rank 0 resolves (and downloads) it; the other ranks get its path, or its error,
-    which every rank raises rather than wait for a bundle that will not come."""
-    bundle = provenance = failure = None
-    if rank == 0:
-        try:
-            bundle, provenance = resolve_bundle(args.bundle, meta, args.bundle_sha256)
-        except (RuntimeError, ValueError, OSError) as e:
-            failure = str(e)
-    if world > 1:
-        shared = [str(bundle), failure]
-        torch.distributed.broadcast_object_list(shared, src=0)
-        bundle, failure = Path(shared[0]), shared[1]
-    if failure:
-        raise RuntimeError(failure)
-    return bundle, provenance
 
 
 def bits_per_byte(args, meta, model, tokenizer, rank, world, device):
@@ -528,7 +493,9 @@ def main(argv=None):
     ckpt = checkpoint.find_checkpoint(args.checkpoint, args.runs_dir)
     model, meta = checkpoint.load_model(ckpt, device)
     tokenizer, tokenizer_path = checkpoint.checkpoint_tokenizer(meta, ckpt, args.tokenizer)
-    bundle, provenance = shared_bundle(args, meta, rank, world)  # rank 0's failure is raised on every rank
+    # rank 0 downloads the bundle, then the other ranks find it in the cache; rank 0's failure is raised on every rank
+    bundle, provenance = distributed.fetch_everywhere(lambda: resolve_bundle(args.bundle, meta, args.bundle_sha256),
+                                                      rank, world)
     tasks = load_tasks(bundle, args.tasks.split(",") if args.tasks else None)
     if rank == 0:
         print(f"checkpoint: {ckpt} ({meta.get('stage')}, step {meta.get('step')}); tokenizer {tokenizer_path}; "
