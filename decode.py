@@ -27,7 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from distributed import is_dtensor, is_sharded
+from distributed import is_sharded
 from model import (
     VE_GATE_CHANNELS,
     autocast_context,
@@ -203,7 +203,8 @@ def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=Non
     if is_sharded(model):  # gathered outside inference mode: FSDP2's state_dict made there leaves its parameters
         with torch.inference_mode(False), torch.no_grad():  # inference tensors, which the next checkpoint cannot save
             plain = build_model(model.config, model.cos.device)
-            plain.load_state_dict({k: v.full_tensor() if is_dtensor(v) else v for k, v in model.state_dict().items()})
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+            plain.load_state_dict(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
         model = plain
     device, c = model.cos.device, model.config
     budgets = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)
