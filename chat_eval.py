@@ -10,12 +10,8 @@ letter probabilities and each option's text scored as the reply (categorical), a
     python chat_eval.py --demo data/demo --max_items 20             # offline: the demo world's held-out questions
     torchrun --standalone --nproc_per_node=8 chat_eval.py --checkpoint runs/NAME
 
---demo auto (the default) evaluates the demo world's chat questions (demo.py writes them to <world>/chat_eval/) when
-the checkpoint was trained on the demo world, else the five hub tasks, downloaded once through download.py
-into <cache>/chat_eval/<task>/ (later runs touch no network). Items are taken in nanochat's order (its datasets'
-shuffle(seed=42)), so --max_items N scores the same items as nanochat's --max-problems N.
-Writes runs/<run>/chat_eval.json (the report) and chat_eval_items.jsonl (each item's prediction), and appends a line
-to runs/<run>/metrics.jsonl where the run has one. Bad input stops before any model time is spent.
+Items are taken in nanochat's order, so --max_items N scores the same items as nanochat's --max-problems N. Writes
+runs/<run>/chat_eval.json and chat_eval_items.jsonl (each item's prediction); docs/eval.md has the details.
 """
 import argparse
 import json
@@ -23,6 +19,7 @@ import re
 import secrets
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -130,9 +127,10 @@ def letter_scores(model, tokenizer, items, dtype, device):
     logits = last_logits(model, [ids for ids, _ in prompts], tokenizer.bos_id, dtype, device).float()
     out = []
     for item, (_, cut), row in zip(items, prompts, logits):
-        letters = row[letter_token_ids(tokenizer, item["letters"])]
+        ids = letter_token_ids(tokenizer, item["letters"])
+        letters = row[ids]
         probs = torch.softmax(letters, 0).tolist()
-        mass = torch.softmax(row, 0)[letter_token_ids(tokenizer, item["letters"])].sum().item()
+        mass = torch.softmax(row, 0)[ids].sum().item()
         out.append((item["letters"][int(letters.argmax())], cut,
                     {"letter_probs": dict(zip(item["letters"], probs, strict=True)), "letter_mass": mass}))
     return out
@@ -235,10 +233,6 @@ def work_batches(kind, items, tokenizer, batch_items, world=1):
     return [order[b:b + batch_items] for b in range(0, len(order), batch_items)]
 
 
-def eta(seconds):
-    return time.strftime("%H:%M:%S", time.gmtime(seconds)) if seconds < 86400 else f"{seconds / 3600:.0f} h"
-
-
 def evaluate_task(task, items, model, tokenizer, args, rank, world, device, marker, level):
     """(per item (correct, cut), records in item order): the batches of work_batches dealt round robin over ranks; an
     all-reduce joins the verdicts, an all-gather the records. Rank 0 prints its count and an ETA every
@@ -269,7 +263,7 @@ def evaluate_task(task, items, model, tokenizer, args, rank, world, device, mark
             printed, rate = now, done / (now - start)
             whose = f" (rank 0's share of {len(items):,}, {world} ranks)" if world > 1 else ""
             print(f"{task}: {done:,}/{share:,} items{whose}, {right:,} right ({right / done:.1%}), {rate:.2f} items/s, "
-                  f"ETA {eta((share - done) / rate)}", flush=True)
+                  f"ETA {common.fmt_duration((share - done) / rate)}", flush=True)
     torch.set_num_threads(threads)
     distributed.all_reduce_tensor(table)
     if not table[:, 0].eq(1).all():
@@ -277,7 +271,7 @@ def evaluate_task(task, items, model, tokenizer, args, rank, world, device, mark
     if world > 1:
         gathered = [None] * world
         torch.distributed.all_gather_object(gathered, records)
-        records = sorted((r for part in gathered for r in part), key=lambda r: r["position"])
+        records = [r for part in gathered for r in part]
     records.sort(key=lambda r: r["position"])
     if rank == 0:
         seconds, correct = time.perf_counter() - start, int(table[:, 1].sum())
@@ -314,9 +308,7 @@ def task_diagnostics(kind, records):
     lenient reading; None for the other kinds."""
     n = max(len(records), 1)
     if kind == "categorical":
-        predicted = {}
-        for r in records:
-            predicted[r["predicted"]] = predicted.get(r["predicted"], 0) + 1
+        predicted = Counter(r["predicted"] for r in records)
         out = {"mean_p_gold": sum(r["letter_probs"][r["answer"]] for r in records) / n,
                "mean_letter_mass": sum(r["letter_mass"] for r in records) / n,
                "predicted_letters": dict(sorted(predicted.items())), "option_text": None}
@@ -335,7 +327,6 @@ def task_diagnostics(kind, records):
 
 
 def diagnostic_lines(rows):
-    """The diagnostics as printed, a line per task that has them."""
     lines = []
     for r in rows:
         d = r.get("diagnostics")

@@ -28,36 +28,29 @@ ROW_GROUP_DOCS = 1024
 
 
 def default_data_dir(dataset):
-    """Downloads live under one cache dir ($NANOCHAT_CACHE, default ~/.cache/nanochat): data/<dataset name>."""
     return CACHE_DIR / "data" / dataset.split("/")[-1]
 
 
 SHARD_NAME = re.compile(r"shard_(\d+)\.parquet")
 
 
-def download_shards(dataset, num_shards, data_dir, workers=4, revision="main"):
+def download_shards(dataset, num_shards, data_dir, workers=4):
     """The first num_shards training shards of a FineWeb-Edu-layout dataset (shard_00000.parquet, ...) plus its last
     shard, the validation split: data_dir ends with num_shards + 1 files, the validation shard last in sorted order.
     A rerun whose files are all on disk and match the hashes listed at download time makes no hub call."""
     def select(files):
-        return _select_shards(dataset, files, num_shards)
-    chosen, from_disk = listed_or_saved(dataset, revision, data_dir, select, workers)
-    if from_disk:
-        return [Path(data_dir) / Path(e["path"]).name for e in chosen]
-    return download_entries(dataset, chosen, data_dir, revision, "dataset", workers)
-
-
-def _select_shards(dataset, files, num_shards):
-    shards = sorted((f for f in files if SHARD_NAME.fullmatch(Path(f["path"]).name)),
-                    key=lambda f: int(SHARD_NAME.fullmatch(Path(f["path"]).name).group(1)))
-    if len(shards) < 2:
-        raise ValueError(f"{dataset} has {len(shards)} shard_NNNNN.parquet files; a corpus needs training shards and a "
-                         f"validation shard (the last one)")
-    available = len(shards) - 1
-    if not 1 <= num_shards <= available:
-        raise ValueError(f"--shards {num_shards} is not available: {dataset} has {available} training shards (plus "
-                         f"the validation shard): choose 1..{available}")
-    return shards[:num_shards] + shards[-1:]
+        shards = sorted((f for f in files if SHARD_NAME.fullmatch(Path(f["path"]).name)),
+                        key=lambda f: int(SHARD_NAME.fullmatch(Path(f["path"]).name).group(1)))
+        if len(shards) < 2:
+            raise ValueError(f"{dataset} has {len(shards)} shard_NNNNN.parquet files; a corpus needs training shards "
+                             f"and a validation shard (the last one)")
+        available = len(shards) - 1
+        if not 1 <= num_shards <= available:
+            raise ValueError(f"--shards {num_shards} is not available: {dataset} has {available} training shards (plus "
+                             f"the validation shard): choose 1..{available}")
+        return shards[:num_shards] + shards[-1:]
+    chosen = listed_or_saved(dataset, "main", data_dir, select, workers)
+    return download_entries(dataset, chosen, data_dir, "main", "dataset", workers)
 
 
 # Conversations. A chat directory holds parquet files with a `messages` column (SmolTalk, UltraChat), a
@@ -100,9 +93,7 @@ def write_identity(out_dir, path=IDENTITY_FILE):
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     schema = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
-    tmp = out_dir / "train.parquet.tmp"
-    pq.write_table(pa.table({"messages": pa.array(rows, schema)}), tmp, compression="zstd")
-    os.replace(tmp, out_dir / "train.parquet")
+    write_parquet(out_dir / "train.parquet", {"messages": pa.array(rows, schema)})
     return out_dir
 
 
@@ -122,24 +113,18 @@ def download_chat(name, out_dir=None, workers=4, check_only=False):
         if not entries:
             raise ValueError(f"{repo} has no files matching {pattern}: the dataset's layout changed; please report it")
         return entries
-    entries, from_disk = listed_or_saved(repo, "main", out_dir, select, workers)
+    entries = listed_or_saved(repo, "main", out_dir, select, workers)
     if check_only:
         return out_dir
-    paths = [out_dir / Path(e["path"]).name for e in entries] if from_disk else \
-        download_entries(repo, entries, out_dir, "main", "dataset", workers)
-    for path in paths:
+    for path in download_entries(repo, entries, out_dir, "main", "dataset", workers):
         if path.suffix == ".jsonl" and not path.with_suffix(".parquet").exists():
             text, _ = decode_utf8(path.read_bytes())
             rows = [json.loads(line)["conversations"] for line in text.splitlines() if line.strip()]
-            tmp = path.with_suffix(".parquet.tmp")
-            pq.write_table(pa.table({"conversations": pa.array(rows, pa.list_(pa.string()))}), tmp,
-                           compression="zstd")
-            os.replace(tmp, path.with_suffix(".parquet"))
+            write_parquet(path.with_suffix(".parquet"), {"conversations": pa.array(rows, pa.list_(pa.string()))})
     return out_dir
 
 
 def chat_dir(spec):
-    """A chat source's directory: a path, or a CHAT_DATASETS name for its place in the cache."""
     return CACHE_DIR / "chat" / spec if spec in CHAT_DATASETS and not Path(spec).exists() else Path(spec)
 
 
@@ -211,11 +196,7 @@ def chat_rows(path, row_group):
     fmt = chat_format(path)
     if fmt in ("messages", "conversations"):
         return [conversation_messages(item) for item in read_row_group(path, row_group, fmt)]
-    try:
-        rows = open_parquet(path, column=None).read_row_group(row_group).to_pylist()
-    except (pa.ArrowInvalid, OSError) as e:
-        raise ValueError(f"{path}: row group {row_group} is unreadable ({e}): delete the file and fetch it again") from e
-    return [task_messages(fmt, row) for row in rows]
+    return [task_messages(fmt, row) for row in read_row_group(path, row_group, column=None)]
 
 
 def chat_files(chat_dir, split):
@@ -266,7 +247,7 @@ def list_shards(data_dir):
 TOKEN_COUNTS = ".token_counts.json"  # in a corpus directory: {tokenizer fingerprint: {shard name: [tokens, docs]}}
 
 
-def shard_tokens(path, tokenizer, threads=None):
+def shard_tokens(path, tokenizer):
     """(tokens, documents) of one shard as the pretraining loader trains on them: each non-empty document's tokens
     plus its BOS. Counted once per (shard, tokenizer) and kept in the corpus directory's .token_counts.json."""
     path = Path(path)
@@ -281,7 +262,7 @@ def shard_tokens(path, tokenizer, threads=None):
     tokens = docs = 0
     for index in range(open_parquet(path).num_row_groups):
         texts = [t for t in read_row_group(path, index) if t]
-        tokens += sum(len(ids) + 1 for ids in tokenizer.encode_batch(texts, num_threads=threads or os.cpu_count()))
+        tokens += sum(len(ids) + 1 for ids in tokenizer.encode_batch(texts, num_threads=os.cpu_count()))
         docs += len(texts)
     counts.setdefault(key, {})[path.name] = [tokens, docs]
     tmp = cache.with_name(cache.name + f".{os.getpid()}.tmp")
@@ -319,7 +300,6 @@ def budget_line(b, budget_tokens):
 
 
 def split_shards(data_dir, split):
-    """The last shard is the validation split; all the others are training."""
     shards = list_shards(data_dir)
     if split not in ("train", "val"):
         raise ValueError(f"split={split!r} is not allowed: choose train or val")
@@ -330,7 +310,6 @@ def split_shards(data_dir, split):
 
 
 def open_parquet(path, column="text"):
-    """Open a shard, with an error that names the file and says how to get a good copy."""
     try:
         parquet = pq.ParquetFile(path)
     except (pa.ArrowInvalid, OSError) as e:
@@ -343,7 +322,10 @@ def open_parquet(path, column="text"):
 
 
 def read_row_group(path, index, column="text"):
+    """One column's values of a row group, or with column=None its rows as dicts."""
     try:
+        if column is None:
+            return open_parquet(path, column).read_row_group(index).to_pylist()
         return open_parquet(path, column).read_row_group(index, columns=[column]).column(column).to_pylist()
     except (pa.ArrowInvalid, OSError) as e:
         raise ValueError(f"{path}: row group {index} is unreadable ({e}): delete the file and fetch it again") from e
@@ -375,15 +357,17 @@ def write_text_shards(texts, out_dir, seed=0, shard_docs=8 * ROW_GROUP_DOCS, val
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     chunks = [train[i:i + shard_docs] for i in range(0, len(train), shard_docs)] + [val]
-    paths = []
-    for i, chunk in enumerate(chunks):
-        path = out_dir / f"shard_{i:05d}.parquet"
-        tmp = path.with_suffix(".parquet.tmp")
-        pq.write_table(pa.table({"text": pa.array(chunk, pa.string())}), tmp, row_group_size=ROW_GROUP_DOCS,
-                       compression="zstd")
-        os.replace(tmp, path)  # a shard is visible under its name only once it is complete
-        paths.append(path)
-    return paths
+    return [write_parquet(out_dir / f"shard_{i:05d}.parquet", {"text": pa.array(chunk, pa.string())},
+                          row_group_size=ROW_GROUP_DOCS) for i, chunk in enumerate(chunks)]
+
+
+def write_parquet(path, columns, **kwargs):
+    """The table of `columns` as zstd parquet at path, written under path + ".tmp" and then renamed: a file is visible
+    under its name only once it is complete."""
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(pa.table(columns), tmp, compression="zstd", **kwargs)
+    os.replace(tmp, path)
+    return path
 
 
 # -----------------------------------------------------------------------------
@@ -438,13 +422,10 @@ def ingest(files, out_dir, seed=0, column="text", one_per_file=False, val_fracti
         if not Path(path).is_file():
             raise FileNotFoundError(f"{path}: no such file")
         file_docs, file_replaced = read_documents(path, column, one_per_file)
+        stripped = [(doc or "").strip() for doc in file_docs]
+        docs += [doc for doc in stripped if doc]
+        empty += stripped.count("")
         replaced += file_replaced
-        for doc in file_docs:
-            doc = (doc or "").strip()
-            if doc:
-                docs.append(doc)
-            else:
-                empty += 1
     paths = write_text_shards(docs, out_dir, seed=seed, val_fraction=val_fraction)
     print(f"ingest: {len(files)} files -> {len(docs):,} documents ({sum(map(len, docs)):,} characters) in "
           f"{len(paths)} shards under {out_dir} (last = validation); empty documents skipped: {empty:,}; invalid "

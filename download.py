@@ -23,20 +23,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-# Download from the hub, through huggingface_hub (imported in the functions that use it: ~0.35 s of CPU that every
-# stage importing this file would pay for nothing): HfApi.list_repo_tree lists a repo (it follows the tree API's pages)
-# with each file's size and sha256 (LFS files) or git blob id (files kept in git); hf_hub_download fetches a file:
-# through hf_xet where the hub keeps it in Xet storage, else over plain HTTP, which it resumes with Range within the
-# call after a timeout or a body cut short (from the last whole chunk written, 10 MB), retrying 429s. Both read
-# HF_TOKEN and take the endpoint from hub_endpoint(); the token goes to the hub, never to the CDN it redirects to.
-# On top of it this file keeps the promises huggingface_hub does not make, each shown by a test in
-# tests/test_download.py:
-#   - a file appears under its final name only after its size, its hash from the listing and, for parquet, its footer
-#     check out; hf_hub_download checks none of them (test_a_flipped_byte_is_caught_by_the_listed_sha256_...);
-#   - a failed check, a 500, a reset mid-body are fetched again with backoff; hf_hub_download gives up on those
-#     (test_every_fault_is_survived_and_every_shard_ends_byte_identical);
-#   - every failure is one line that names the file and says what to do
-#     (test_a_shard_failing_every_check_never_appears_and_the_error_says_what_to_do).
+# Through huggingface_hub (imported in the functions that use it: ~0.35 s of CPU that every stage importing this file
+# would pay for nothing; docs/data.md says what it does itself: Xet, resuming within a call, HF_TOKEN kept from the
+# CDN). hf_hub_download checks no size or hash and gives up on a 500 or a reset mid-body: the checks, the retries and
+# the one-line errors are this file's, each shown by a test in tests/test_download.py.
 
 DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
 RETRIES = 8  # attempts per file; with the backoff below they wait ~60 s in all: enough to ride out a hub hiccup
@@ -45,10 +35,6 @@ BACKOFF_BASE, BACKOFF_MAX = 0.5, 30.0
 
 class _Transient(Exception):
     """A downloaded file failed a check (size, hash, content); a fresh download can fix it."""
-
-
-class _GaveUp(Exception):
-    """Every attempt failed; the message is the last error's first line."""
 
 
 def hub_endpoint():
@@ -76,10 +62,9 @@ def _transient(error):
     return isinstance(error, (httpx.HTTPError, OSError, _Transient))
 
 
-def _retrying(attempt, retries):
-    """attempt() until it returns, at most `retries` times, with exponential backoff between tries; raises _GaveUp
-    after the last, and at once what a retry cannot fix."""
-    retries = max(1, retries)
+def _retrying(attempt, retries, gave_up):
+    """attempt() until it returns, at most `retries` times, with exponential backoff between tries; raises at once what
+    a retry cannot fix, and after the last try gave_up(the last error's first line), the error that says what to do."""
     for i in range(retries):
         try:
             return attempt()
@@ -87,7 +72,7 @@ def _retrying(attempt, retries):
             if not _transient(e):
                 raise
             if i + 1 == retries:
-                raise _GaveUp(_first_line(e)) from e
+                raise gave_up(_first_line(e)) from None
         # jitter: parallel workers hit by one 429 do not retry in lockstep
         time.sleep(min(BACKOFF_BASE * 2 ** i, BACKOFF_MAX) * random.uniform(0.5, 1.0))
 
@@ -99,18 +84,24 @@ def _hash_file(path, digest):
     return digest.hexdigest()
 
 
-def _check(path, size=None, sha256=None, git_sha1=None, verify=None):
-    """Raise _Transient, deleting path (a bad prefix would poison every resume), unless path has the expected size,
-    sha256, git blob id (the sha1 of b"blob <size>\\0" + content: what the hub lists for a file kept in git) and passes
-    verify(path), which raises ValueError on bad content."""
-    got, problem = path.stat().st_size, None
+def _mismatch(path, size=None, sha256=None, git_sha1=None):
+    """How path differs from the expected size, sha256 or git blob id (the sha1 of b"blob <size>\\0" + content: what
+    the hub lists for a file kept in git), or None."""
+    got = path.stat().st_size
     if size is not None and got != size:
-        problem = f"size {got} bytes, expected {size}"
-    elif sha256 and (digest := _hash_file(path, hashlib.sha256())) != sha256.lower():
-        problem = f"sha256 {digest} does not match the expected {sha256}"
-    elif git_sha1 and (digest := _hash_file(path, hashlib.sha1(b"blob %d\0" % got, usedforsecurity=False))) != git_sha1:
-        problem = f"git blob id {digest} does not match the expected {git_sha1}"
-    elif verify:
+        return f"size {got} bytes, expected {size}"
+    if sha256 and (digest := _hash_file(path, hashlib.sha256())) != sha256.lower():
+        return f"sha256 {digest} does not match the expected {sha256}"
+    if git_sha1 and (digest := _hash_file(path, hashlib.sha1(b"blob %d\0" % got, usedforsecurity=False))) != git_sha1:
+        return f"git blob id {digest} does not match the expected {git_sha1}"
+    return None
+
+
+def _check(path, size=None, sha256=None, git_sha1=None, verify=None):
+    """Raise _Transient, deleting path (a bad prefix would poison every resume), unless path matches (_mismatch) and
+    passes verify(path), which raises ValueError on bad content."""
+    problem = _mismatch(path, size, sha256, git_sha1)
+    if not problem and verify:
         try:
             verify(path)
         except ValueError as e:
@@ -135,13 +126,11 @@ class _Bar:
     def update(self, n=1):
         self.n += n
 
-    def update_transfer(self, n):  # hf_xet's network bytes: update() counts the bytes written, that is enough
-        pass
-
     def set_postfix_str(self, *args, **kwargs):
         pass
 
-    set_transfer_postfix_str = refresh = close = set_postfix_str
+    # update_transfer: hf_xet's network bytes; update() counts the bytes written, that is enough
+    update_transfer = set_transfer_postfix_str = refresh = close = set_postfix_str
 
 
 def download_file(url, dest, size=None, sha256=None, verify=None, retries=RETRIES):
@@ -171,14 +160,15 @@ def download_file(url, dest, size=None, sha256=None, verify=None, retries=RETRIE
         _check(partial, size, sha256, verify=verify)
         os.replace(partial, dest)
         return dest
+
+    def gave_up(error):
+        kept = f"; the {partial.stat().st_size} bytes so far are kept in {partial}" if partial.exists() else ""
+        return RuntimeError(f"could not download {dest.name} from {url} after {max(1, retries)} attempts (last error: "
+                            f"{error}){kept}: re-run the command to resume")
     try:
-        return _retrying(attempt, retries)
+        return _retrying(attempt, max(1, retries), gave_up)
     except HfHubHTTPError as e:
         raise RuntimeError(f"{url} answered HTTP {_status(e)}: check the URL") from None
-    except _GaveUp as e:
-        kept = f"; the {partial.stat().st_size} bytes so far are kept in {partial}" if partial.exists() else ""
-        raise RuntimeError(f"could not download {dest.name} from {url} after {max(1, retries)} attempts (last error: "
-                           f"{e}){kept}: re-run the command to resume") from None
 
 
 def _hub_failure(what, error):
@@ -201,14 +191,12 @@ def list_hub_files(repo, revision="main", repo_type="dataset"):
     api = HfApi(endpoint=hub_endpoint())
     try:
         entries = list(api.list_repo_tree(repo, recursive=True, revision=revision, repo_type=repo_type))
-    except HfHubHTTPError as e:
-        if _transient(e):  # huggingface_hub retried 429/5xx five times already
-            raise RuntimeError(f"could not list {repo} at {hub_endpoint()} ({_first_line(e)}): re-run the command "
-                               f"later") from None
-        raise _hub_failure(f"listing {repo} (revision {revision})", e) from None
-    except httpx.HTTPError as e:
+    except httpx.HTTPError as e:  # HfHubHTTPError is one
+        if isinstance(e, HfHubHTTPError) and not _transient(e):
+            raise _hub_failure(f"listing {repo} (revision {revision})", e) from None
+        # a network error, or a 429/5xx that huggingface_hub retried five times already
         raise RuntimeError(f"could not list {repo} at {hub_endpoint()} ({_first_line(e)}): check the network (and "
-                           f"HF_ENDPOINT if set) and re-run the command") from None
+                           f"HF_ENDPOINT if set) and re-run the command, later if the hub is failing") from None
     return [{"path": e.path, "size": e.size, "sha256": e.lfs.sha256 if e.lfs else None,
              "git_sha1": None if e.lfs else e.blob_id} for e in entries if isinstance(e, RepoFile)]
 
@@ -224,14 +212,15 @@ def _fetch_hub_file(repo, entry, dest, staging, revision, repo_type, bar):
         _check(path, entry["size"], entry["sha256"], entry["git_sha1"], verify)
         os.replace(path, dest)
         return dest
+
+    def gave_up(error):
+        return RuntimeError(f"could not download {entry['path']} from {repo} after {RETRIES} attempts (last error: "
+                            f"{error}): check the network (and HF_ENDPOINT if set) and re-run the command; complete "
+                            f"files are kept")
     try:
-        return _retrying(attempt, RETRIES)
+        return _retrying(attempt, RETRIES, gave_up)
     except HfHubHTTPError as e:
         raise _hub_failure(f"{repo}: {entry['path']}", e) from None
-    except _GaveUp as e:
-        raise RuntimeError(f"could not download {entry['path']} from {repo} after {RETRIES} attempts (last error: {e}):"
-                           f" check the network (and HF_ENDPOINT if set) and re-run the command; complete files are "
-                           f"kept") from None
 
 
 def verify_parquet(path):
@@ -317,48 +306,37 @@ def download_hub_files(repo, paths, out_dir, revision="main", repo_type="dataset
 LISTING = ".hub_listing.json"  # in a download directory: the repo's listing (sizes, hashes) its files were checked with
 
 
-def _saved_listing(out_dir, repo, revision):
-    """The listing saved by an earlier download into out_dir of this repo and revision, or None."""
-    try:
-        saved = json.loads((Path(out_dir) / LISTING).read_text())
-    except (OSError, ValueError):
-        return None
-    return saved["files"] if (saved.get("repo"), saved.get("revision")) == (repo, revision) else None
-
-
 def _complete_on_disk(entries, out_dir, workers=4):
     """True when every entry is in out_dir (flat, by file name) with its listed size and sha256 or git blob id: a rerun
     then needs no hub. Hashing is what makes it safe: ~20 GB of shards take tens of seconds, a hub outage hours."""
     def ok(e):
         path = Path(out_dir) / Path(e["path"]).name
-        if not path.is_file() or path.stat().st_size != e["size"] or not (e["sha256"] or e["git_sha1"]):
-            return False
-        if e["sha256"]:
-            return _hash_file(path, hashlib.sha256()) == e["sha256"].lower()
-        return _hash_file(path, hashlib.sha1(b"blob %d\0" % e["size"], usedforsecurity=False)) == e["git_sha1"]
+        return path.is_file() and bool(e["sha256"] or e["git_sha1"]) and \
+            _mismatch(path, e["size"], e["sha256"], e["git_sha1"]) is None
     with ThreadPoolExecutor(max(1, workers)) as pool:
         return all(pool.map(ok, entries))
 
 
 def listed_or_saved(repo, revision, out_dir, select, workers=4):
-    """(entries chosen by select(listing), from_disk). The listing saved at the last download is tried first: when
-    every chosen file is on disk and matches its stored hashes, no hub call is made (a resume during a hub outage, or
-    offline). Otherwise the hub is listed and its listing saved in out_dir for the next run."""
-    saved = _saved_listing(out_dir, repo, revision)
-    if saved is not None:
-        try:
-            chosen = select(saved)
-        except ValueError:
-            chosen = None  # the saved listing cannot answer this request (more shards than it had): ask the hub
-        if chosen and _complete_on_disk(chosen, out_dir, workers):
-            return chosen, True
+    """The entries select(listing) chooses, for download_entries. The listing saved at the last download is tried first:
+    when every chosen file is on disk and matches its stored hashes, no hub call is made (a resume during a hub outage,
+    or offline; download_entries then fetches nothing). Otherwise the hub is listed and its listing saved in out_dir
+    for the next run."""
+    listing = Path(out_dir) / LISTING
+    try:
+        saved = json.loads(listing.read_text())
+        chosen = select(saved["files"]) if (saved.get("repo"), saved.get("revision")) == (repo, revision) else None
+    except (OSError, ValueError):  # no saved listing, or one that cannot answer this request (more shards than it had)
+        chosen = None
+    if chosen and _complete_on_disk(chosen, out_dir, workers):
+        return chosen
     files = list_hub_files(repo, revision)
     chosen = select(files)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    tmp = Path(out_dir) / (LISTING + ".tmp")
+    tmp = listing.with_name(LISTING + ".tmp")
     tmp.write_text(json.dumps({"repo": repo, "revision": revision, "files": files}))
-    os.replace(tmp, Path(out_dir) / LISTING)
-    return chosen, False
+    os.replace(tmp, listing)
+    return chosen
 
 
 # -----------------------------------------------------------------------------
@@ -366,16 +344,14 @@ def listed_or_saved(repo, revision, out_dir, select, workers=4):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("list", help="a hub repo's files with their sizes and hashes")
-    p.add_argument("repo", help="hub repo id, e.g. openai/gsm8k")
-    p.add_argument("--revision", default="main", help="branch, tag or commit (default: %(default)s)")
-    p.add_argument("--repo_type", default="dataset", choices=["dataset", "model"], help="(default: %(default)s)")
+    listing = commands.add_parser("list", help="a hub repo's files with their sizes and hashes")
     p = commands.add_parser("get", help="files of a hub repo, checked against its listing, into one directory")
-    p.add_argument("repo", help="hub repo id, e.g. openai/gsm8k")
+    for q in (listing, p):
+        q.add_argument("repo", help="hub repo id, e.g. openai/gsm8k")
+        q.add_argument("--revision", default="main", help="branch, tag or commit (default: %(default)s)")
+        q.add_argument("--repo_type", default="dataset", choices=["dataset", "model"], help="(default: %(default)s)")
     p.add_argument("paths", nargs="+", help="file paths inside the repo (see `list`)")
     p.add_argument("--out", required=True, help="directory to put them in, by file name (required)")
-    p.add_argument("--revision", default="main", help="branch, tag or commit (default: %(default)s)")
-    p.add_argument("--repo_type", default="dataset", choices=["dataset", "model"], help="(default: %(default)s)")
     p.add_argument("--workers", type=int, default=4, help="parallel downloads (default: %(default)s)")
     p = commands.add_parser("url", help="one file from a plain URL, resumable")
     p.add_argument("url", help="the file's URL")

@@ -4,20 +4,12 @@
     python plan_cost.py runs/speedrun-rehearsal --plan_json plan.json --out runs/speedrun/predicted.json
 
 The rehearsal (speedrun.sh --rehearse) runs every stage with the plan's own command lines, data and world size on a
-tiny budget. Its files give each stage's rates after compilation and warm-up: a training stage's seconds per step (the
-steps after the first: the first holds compilation), its start-up (the stage's wall time in logs/stages.tsv less its
-steps, checkpoint saves and final evaluation), its checkpoint save time (<stage>/ckpt/save_seconds: read it before the
-rehearsal's checkpoints are deleted); rl's seconds per decode forward and per update; the evaluations' seconds per
-item (core_eval/results.json, chat_eval.json, stage_evals/<stage>/). Each stage's predicted wall time is then
-start-up + steps x step time + saves x save time + evaluations x evaluation time at the plan's budgets, and the total
-in hours and GPU-hours. Where the rehearsal cannot measure a rate at the plan's size, the line says what is assumed;
-a stage whose budget is not known before its data (SFT's epoch, counted when sft.py starts) is "unknown" with why.
-Prints one line per stage (budget, measured rate, predicted wall time) and writes them as JSON (predicted.json, which
-report.py shows beside each stage's actual wall time).
-
-Library use (no torch at import): predict_plan(rehearsal_dir, budgets, gpus) -> dict; write_prediction(rehearsal_dir,
-budgets, gpus, out=None) prints it and writes predicted.json; gpu_plan_budgets(pretrain_steps, ...) the gpu plan's
-budgets dict; pretrain_steps_for(model_config) its pretraining steps; format_prediction(prediction) the table's lines.
+tiny budget; each stage's predicted wall time is start-up + steps x step time + saves x save time + evaluations x
+evaluation time, its rates measured in the rehearsal (docs/speedrun.md says from which files) and its counts the
+plan's budgets. Where the rehearsal cannot measure a rate at the plan's size, the line says what is assumed; a stage
+whose budget is not known before its data (SFT's epoch) is "unknown" with why. Prints one line per stage and the
+total in hours and GPU-hours, and writes them as JSON (predicted.json, which report.py shows beside each stage's
+actual wall time). Imports no torch: pretrain_steps_for imports model.py when called.
 """
 import argparse
 import json
@@ -33,16 +25,18 @@ TRAINING = ("pretrain", "midtrain", "sft")
 # a forward pass is about a third of a training step's FLOPs (forward + backward = 3 forwards): the rate assumed for
 # validation tokens, which the rehearsal reads fewer of than the plan
 FORWARD_SPEEDUP = 3
+SAVE_UNKNOWN = "save time unknown: ckpt/save_seconds is gone (predict before the rehearsal's checkpoints are deleted)"
 # stages that ran before the prediction (data, tokenizer, the plan's disk check) or only in a rehearsal
 NOT_PREDICTED = ("nccl_probe", "preflight", "chatcore_tasks", "data", "tokenizer", "data_plan", "download", "chat",
                  "rehearsal")
 
 
-def gpu_plan_budgets(pretrain_steps, tokens_per_step=gpu_plan.TOKENS_PER_STEP, sft_steps=None):
+def gpu_plan_budgets(pretrain_steps, sft_steps=None):
     """The gpu plan's budgets: gpu_plan.py's flags (the keys predict_plan reads among them), pretraining's steps
     (pretrain_steps_for), and sft_steps: one epoch of sft.py's mixture, which sft.py estimates from the data when it
     starts; None: unknown."""
     flags, rows = gpu_plan.FLAGS, gpu_plan.SEQUENCE_LEN  # midtraining's and SFT's --eval_rows are rows of this
+    tokens_per_step = gpu_plan.TOKENS_PER_STEP
     return {
         "pretrain": {**flags["pretrain"], "steps": pretrain_steps, "tokens_per_step": tokens_per_step,
                      "val_tokens": flags["pretrain"]["bpb_tokens"]},
@@ -58,27 +52,27 @@ def gpu_plan_budgets(pretrain_steps, tokens_per_step=gpu_plan.TOKENS_PER_STEP, s
     }
 
 
-def pretrain_steps_for(model_config, tokens_per_step=gpu_plan.TOKENS_PER_STEP,
-                       tokens_per_param=gpu_plan.FLAGS["pretrain"]["tokens_per_param"]):
-    """pretrain.py's steps for a model config dict (config.json's model_config): tokens_per_param x the parameters
-    it counts / tokens_per_step. Imports model.py (and torch) only when called."""
+def pretrain_steps_for(model_config):
+    """pretrain.py's steps for a model config dict (config.json's model_config) in the gpu plan: its tokens_per_param
+    x the parameters it counts / its tokens per step. Imports model.py (and torch) only when called."""
     from model import GPTConfig, budget_params
-    return math.ceil(tokens_per_param * budget_params(GPTConfig(**model_config)) / tokens_per_step)
+    tokens = gpu_plan.FLAGS["pretrain"]["tokens_per_param"] * budget_params(GPTConfig(**model_config))
+    return math.ceil(tokens / gpu_plan.TOKENS_PER_STEP)
 
 
-def step_records(path, stage):
-    """The per-step records (those with a step_time) of a metrics.jsonl; at least 2: the first holds compilation."""
+def rehearsed_steps(run, stage):
+    """A training or rl stage's (per-step records: those of its metrics.jsonl with a step_time, at least 2 as the first
+    holds compilation; its config.json; its checkpoint saves; the last save's seconds, which checkpoint.py writes, or
+    None: the rehearsal's checkpoints deleted)."""
+    stage_dir = Path(run) / stage
+    path, saved = stage_dir / "metrics.jsonl", stage_dir / "ckpt" / "save_seconds"
     records = [r for r in map(json.loads, path.read_text().splitlines()) if "step_time" in r] if path.is_file() else []
     if len(records) < 2:
         raise ValueError(f"{path}: {len(records)} step(s) timed; {stage}'s rate is measured on the steps after the "
                          f"first (which holds compilation): rehearse it for at least 2 steps")
-    return records
-
-
-def save_seconds(stage_dir):
-    """The last checkpoint save's seconds (checkpoint.py writes them), or None: the rehearsal's checkpoints deleted."""
-    path = stage_dir / "ckpt" / "save_seconds"
-    return float(path.read_text()) if path.is_file() else None
+    config = json.loads((stage_dir / "config.json").read_text())
+    saves = math.ceil(len(records) / config["args"]["ckpt_every"])
+    return records, config, saves, float(saved.read_text()) if saved.is_file() else None
 
 
 def final_evaluation_seconds(stage_dir, wall):
@@ -95,14 +89,10 @@ def final_evaluation_seconds(stage_dir, wall):
 def measure_training(run, stage, wall):
     """A training stage's rates in the rehearsal: seconds per step after the first, tokens per step, checkpoint saves
     and their seconds, the final evaluation's seconds and validation tokens, and the start-up they leave of the wall."""
-    stage_dir = Path(run) / stage
-    records = step_records(stage_dir / "metrics.jsonl", stage)
-    config = json.loads((stage_dir / "config.json").read_text())
+    records, config, saves, save_s = rehearsed_steps(run, stage)
     args = config["args"]
     step_s = sum(r["step_time"] for r in records[1:]) / (len(records) - 1)
-    saves = math.ceil(len(records) / args["ckpt_every"])
-    save_s = save_seconds(stage_dir)
-    final_eval_s = final_evaluation_seconds(stage_dir, wall)
+    final_eval_s = final_evaluation_seconds(Path(run) / stage, wall)
     val_tokens = args["bpb_tokens"] if stage == "pretrain" else args["eval_rows"] * config["model_config"]["sequence_len"]
     start_s = wall - len(records) * step_s - saves * (save_s or 0.0) - (final_eval_s or 0.0)
     return {"kind": "training", "wall_s": wall, "steps": len(records), "step_s": step_s,
@@ -113,20 +103,16 @@ def measure_training(run, stage, wall):
 def measure_rl(run, wall):
     """rl's rates in the rehearsal: seconds per decode forward (a step's rollout over its reply length and the question
     groups each rank samples one after another), the update's seconds per step, saves, held-out evaluations."""
-    stage_dir = Path(run) / "rl"
-    records = step_records(stage_dir / "metrics.jsonl", "rl")
-    config = json.loads((stage_dir / "config.json").read_text())
+    records, config, saves, save_s = rehearsed_steps(run, "rl")
     args, world = config["args"], config["world_size"]
     timed = records[1:]
     groups = math.ceil(args["questions_per_step"] / world)  # each rank's questions, sampled one group at a time
     forwards = groups * sum(r["reply_tokens"] for r in timed) / len(timed)
     rollout_s = sum(r["rollout_time"] for r in timed) / len(timed)
     step_s = sum(r["step_time"] for r in timed) / len(timed)
-    saves = math.ceil(len(records) / args["ckpt_every"])
-    save_s = save_seconds(stage_dir)
     forward_s = rollout_s / forwards
     # held out before step 1, every --eval_every steps and after the last: each rank's questions to the reply limit
-    evals = 2 + ((len(records) - 1) // args["eval_every"] if args["eval_every"] else 0)
+    evals = 2 + evaluations(len(records), args["eval_every"])
     eval_s = math.ceil(args["eval_items"] / world) * args["max_new_tokens"] * forward_s
     start_s = wall - len(records) * step_s - saves * (save_s or 0.0) - evals * eval_s
     return {"kind": "rl", "wall_s": wall, "steps": len(records), "step_s": step_s, "rollout_s": rollout_s,
@@ -141,10 +127,8 @@ def measure_evaluation(run, name, wall):
     run = Path(run)
     core = name.startswith("core_eval")
     owner = name.split("_", 2)[2] if name.count("_") >= 2 else None  # core_eval_midtrain: midtrain's final model
-    if core:
-        path = run / "stage_evals" / owner / "core_eval" / "results.json" if owner else run / "core_eval" / "results.json"
-    else:
-        path = run / "stage_evals" / owner / "chat_eval.json" if owner else run / "chat_eval.json"
+    where = run / "stage_evals" / owner if owner else run
+    path = where / "core_eval" / "results.json" if core else where / "chat_eval.json"
     results = read_json(path)
     if results is None:
         raise FileNotFoundError(f"{path}: missing; stage {name} ran in the rehearsal (logs/stages.tsv) but left no "
@@ -161,9 +145,7 @@ def measure_evaluation(run, name, wall):
 
 
 def evaluation_kind(name):
-    if name in ("core_eval", "chat_eval") or re.fullmatch(r"(core|chat)_eval_\w+", name):
-        return name[:9]
-    return None
+    return name[:9] if re.fullmatch(r"(core|chat)_eval(_\w+)?", name) else None
 
 
 def measure_rehearsal(rehearsal_dir):
@@ -191,7 +173,7 @@ def evaluations(steps, every):
     return (steps - 1) // every if every else 0
 
 
-def predict_training(m, budget, forward_tok_s):
+def predict_training(m, budget):
     tokens_per_step = budget.get("tokens_per_step", m["tokens_per_step"])
     steps = budget.get("steps")
     if steps is None and budget.get("tokens") is not None:
@@ -208,13 +190,11 @@ def predict_training(m, budget, forward_tok_s):
         return {"budget": "unknown", "rate": rate, "seconds": None,
                 "assumption": budget.get("why_unknown", "no steps or tokens in its budget")}
     if m["save_s"] is None:
-        return {"budget": f"{steps:,} steps", "rate": rate, "seconds": None,
-                "assumption": "save time unknown: ckpt/save_seconds is gone (predict before the rehearsal's "
-                              "checkpoints are deleted)"}
+        return {"budget": f"{steps:,} steps", "rate": rate, "seconds": None, "assumption": SAVE_UNKNOWN}
     saves = math.ceil(steps / budget["ckpt_every"])
     evals = evaluations(steps, budget.get("eval_every", 0))
     extra_val = max(0, budget.get("val_tokens", m["val_tokens"]) - m["val_tokens"])
-    eval_s = (m["final_eval_s"] or 0.0) + extra_val / (FORWARD_SPEEDUP * forward_tok_s)
+    eval_s = (m["final_eval_s"] or 0.0) + extra_val / (FORWARD_SPEEDUP * tok_s)
     if extra_val:
         notes.append(f"each evaluation's {extra_val:,} more validation tokens at {FORWARD_SPEEDUP}x the training "
                      f"tok/s (a forward only)")
@@ -254,9 +234,7 @@ def predict_rl(m, budget, train_tok_s):
                   f"for the rehearsal's did, and each rank's {groups} question(s) a step and every reply run to "
                   f"{budget['max_new_tokens']} tokens (the ceiling; GSM8K replies end sooner): an upper bound; {how}")
     if m["save_s"] is None:
-        return {"budget": budget_text, "rate": rate, "seconds": None,
-                "assumption": "save time unknown: ckpt/save_seconds is gone (predict before the rehearsal's "
-                              "checkpoints are deleted)"}
+        return {"budget": budget_text, "rate": rate, "seconds": None, "assumption": SAVE_UNKNOWN}
     seconds = m["start_s"] + steps * step_s + saves * m["save_s"] + evals * eval_s
     return {"budget": budget_text, "rate": rate + f"; save {m['save_s']:.1f} s; evaluation {eval_s:.1f} s",
             "seconds": seconds, "assumption": assumption,
@@ -321,7 +299,7 @@ def predict_plan(rehearsal_dir, budgets, gpus):
             stages[name] = {"budget": "unknown", "rate": "", "seconds": None,
                             "assumption": f"no budget for {name} given"}
         elif m["kind"] == "training":
-            stages[name] = predict_training(m, budget, m["tokens_per_step"] / m["step_s"])
+            stages[name] = predict_training(m, budget)
         elif m["kind"] == "rl":
             stages[name] = predict_rl(m, budget, train_tok_s)
         else:
@@ -351,9 +329,8 @@ def format_prediction(prediction):
 
 
 def write_prediction(rehearsal_dir, budgets, gpus, out=None):
-    """predict_plan, its table printed and its JSON written to out (default: runs/<run>/predicted.json beside
-    runs/<run>-rehearsal, which report.py reads). Call it after the rehearsal, before its checkpoints are deleted (their
-    save_seconds are the save times). Returns the prediction."""
+    """predict_plan, its table printed and its JSON written to out (default: default_out). Call it after the rehearsal,
+    before its checkpoints are deleted (their save_seconds are the save times). Returns the prediction."""
     prediction = predict_plan(rehearsal_dir, budgets, gpus)
     print("\n".join(format_prediction(prediction)), flush=True)
     out = Path(out) if out else default_out(rehearsal_dir)

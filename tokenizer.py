@@ -4,14 +4,10 @@ conversations into token ids plus a loss mask.
     python tokenizer.py train --data_dir DIR --vocab_size 65536     # -> runs/tokenizer/tokenizer.json
     python tokenizer.py eval --data_dir DIR                         # bytes/token of runs/tokenizer on the val split
 
-Training is rustbpe (Rust, parallel); encoding is tiktoken. Training prints the documents and bytes read (every 10 s)
-and rustbpe's own log: its set-up steps and its merge loop's progress (printed every 10%). The split pattern is GPT-4's, unchanged: a pre-token is a
-word with its leading space, a run of 1-3 digits, a run of punctuation, or whitespace, and merges never cross those.
-The vocabulary is the 256 single bytes, then the merges, then SPECIAL_TOKENS, so `--vocab_size V` is the final size
-including the special tokens, and the special ids are V-9 .. V-1.
-
-Saved as one JSON file (pattern, base64 merges, special tokens, token_bytes): nothing in it is executable, unlike a
-pickle, so a tokenizer downloaded from someone else cannot run code when it is loaded.
+Training is rustbpe (Rust, parallel), printing what it read every 10 s and its merge loop every 10%; encoding is
+tiktoken. The vocabulary is the 256 single bytes, then the merges, then SPECIAL_TOKENS, so `--vocab_size V` is the
+final size including the special tokens, and the special ids are V-9 .. V-1. Saved as one JSON file: nothing in it is
+executable, unlike a pickle, so a tokenizer downloaded from someone else cannot run code when it is loaded.
 """
 import argparse
 import base64
@@ -30,7 +26,8 @@ import tiktoken
 
 from dataset import iter_texts
 
-# GPT-4's (cl100k) pattern. nanochat narrows \p{N}{1,3} to \p{N}{1,2} so small vocabularies spend fewer tokens on
+# GPT-4's (cl100k) pattern: a pre-token is a word with its leading space, 1-3 digits, punctuation or whitespace, and
+# merges never cross those. nanochat narrows \p{N}{1,3} to \p{N}{1,2} so small vocabularies spend fewer tokens on
 # digit triples; we keep GPT-4's: at vocab 8192 on the real-text corpus the two differ by 0.03% in bytes/token.
 SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|"""
                  r"""\s*[\r\n]|\s+(?!\S)|\s+""")

@@ -144,7 +144,7 @@ def test_progress_lines_count_items_with_an_eta_and_end_each_task(model, capsys,
                                   None)
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(" items")[0] for line in lines[:-1]] == ["demo-choice: 2/5", "demo-choice: 4/5"]
-    assert all(" items/s, ETA 00:00:" in line for line in lines[:-1])
+    assert all(" items/s, ETA 0:00:" in line for line in lines[:-1])
     right = sum(c for c, _ in verdicts)
     assert lines[-1].startswith(f"demo-choice: done, {right}/5 right ({right / 5:.4f}) in ")
 
