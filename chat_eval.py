@@ -422,7 +422,8 @@ def main(argv=None):
         task_start = time.perf_counter()
         verdicts[t], task_records = evaluate_task(t, loaded[t][0], model, tokenizer, args, rank, world, device,
                                                   marker, level)
-        records, task_seconds[t] = records + task_records, time.perf_counter() - task_start
+        task_seconds[t] = time.perf_counter() - task_start
+        records += task_records
     seconds = time.perf_counter() - start
     rows, chatcore = summarize(asked, verdicts, {t: loaded[t][1] for t in asked})
     for row in rows:  # beside ChatCORE, never in it
@@ -437,7 +438,8 @@ def main(argv=None):
                   "max_new_tokens": args.max_new_tokens, "sequence_len": model.config.sequence_len,
                   "sandbox": None if level is None else {"level": level, "description": contained,
                                                          "timeout_s": args.timeout, "memory_mb": args.memory_mb},
-                  "world_size": world, "device": common.device_name(device), "hardware": distributed.WORLD, "dtype": args.dtype, "seconds": seconds,
+                  "world_size": world, "device": common.device_name(device), "hardware": distributed.WORLD,
+                  "dtype": args.dtype, "seconds": seconds,
                   "argv": sys.argv, "versions": common.versions()}
         print_summary(report)
         write_outputs(report, records, Path(args.out or ckpt.parent.parent / "chat_eval.json"), ckpt.parent.parent)

@@ -513,7 +513,8 @@ def main(argv=None):
                   "complete": n_items == sum(r["items_in_task"] for r in rows) and not args.tasks,
                   "sequence_len": model.config.sequence_len, **bpb, "world_size": world,
                   "samples": completions(model, tokenizer, args.max_new_tokens, args.dtype),
-                  "device": common.device_name(device), "hardware": distributed.WORLD, "dtype": args.dtype, "seconds": seconds,
+                  "device": common.device_name(device), "hardware": distributed.WORLD, "dtype": args.dtype,
+                  "seconds": seconds,
                   "items_per_second": n_items / seconds, "argv": sys.argv, "versions": common.versions()}
         print_summary(report)
         write_results(Path(args.out or ckpt.parent.parent / "core_eval" / ckpt.name), report, tasks, results)

@@ -112,10 +112,10 @@ def data_plan(args, config, tokenizer):
     print(f"data plan: budget {steps:,} steps x {args.total_batch_tokens:,} tokens = {budget:,} tokens; "
           f"{per_shard:,} tokens in {first.name} ({docs:,} documents, counted with this tokenizer)")
     check_disk(args, config, Path(args.data_dir), shards, steps, args.total_batch_tokens)
-    Path(args.runs_dir).mkdir(parents=True, exist_ok=True)
-    (Path(args.runs_dir) / "data_plan.json").write_text(json.dumps({"shards": shards, "budget_tokens": budget,
-                                                                    "first_shard_tokens": per_shard}))
-    print(f"data plan: {shards} training shards ({Path(args.runs_dir) / 'data_plan.json'})")
+    out = Path(args.runs_dir) / "data_plan.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"shards": shards, "budget_tokens": budget, "first_shard_tokens": per_shard}))
+    print(f"data plan: {shards} training shards ({out})")
 
 
 def checkpoint_bytes(config, optimizer):
