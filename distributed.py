@@ -192,9 +192,10 @@ def run_main(main):
     naming the fix (an error raised elsewhere, in torch say, also gets its traceback). Every rank tears the process
     group down; after an error without the barrier, since the other ranks may never reach it (torchrun stops them
     when this one exits). Under torchrun the process then ends at once (os._exit), not through the interpreter's
-    finalization: whatever still holds the process group (see init_process_group; FSDP2's sharded runs hold it too)
-    keeps gloo's threads alive, and threads alive while the interpreter is torn down are how a rank aborted now and
-    then ("terminate called without an active exception")."""
+    finalization: whatever still holds the process group keeps gloo's threads alive (see init_process_group; after
+    fully_shard, a DeviceMesh holds it in its _pg_registry, and DTensor's C++ sharding cache holds the mesh), and
+    threads alive while the interpreter is torn down are how a rank aborted now and then ("terminate called without
+    an active exception")."""
     code = stage_code(main)
     if "TORCHELASTIC_RUN_ID" in os.environ:
         sys.stdout.flush()
