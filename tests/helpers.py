@@ -4,7 +4,7 @@ any test file runs alone (`pytest tests/test_X.py`). Fixtures live in conftest.p
 
 - launching stages as users do: run_script (`python X.py`, or torchrun with N processes), run_in_process (a script's
   main() in this process, for command lines that end at once), run_speedrun (`bash speedrun.sh`), and
-  processes_mentioning (what is left running afterwards);
+  processes_mentioning (what is left running afterwards); start_bench_dry_run (test_bench's, started by conftest);
 - pip's dry-run resolution of requirements.txt for other Pythons (resolve_requirements: test_repo's, which conftest
   starts at session start);
 - a tiny model and a masked global batch whose step is exact however it is split (test_train, test_distributed,
@@ -47,6 +47,25 @@ def run_script(script, args, cwd, nproc=1, threads=1, check=True):
     if check and result.returncode != 0:
         raise AssertionError(f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result
+
+
+def start_bench_dry_run(tmp):
+    """`bench.py --dry_run` of every benchmark, the battery's training rows and chat_decode (which runs bench.py decode;
+    without a nanochat tree: its rows say why they did not run), in the background: the Popen. Its output goes to
+    tmp/bench.out and tmp/bench.err, its runs to tmp/work, the battery's files to tmp/out (test_bench's; conftest
+    starts it)."""
+    import bench
+    empty = tmp / "no_bench"
+    empty.mkdir()
+    (empty / "PREPARED.json").write_text(json.dumps({"code": {"commit": "f00dcafe"}}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp), "PYTHONPATH": str(ROOT)}
+    which = [*bench.STAGES, *bench.BENCHES]
+    which.remove("decode")  # the battery's chat_decode row runs it
+    command = [sys.executable, str(ROOT / "bench.py"), *which, "--dry_run", "--work", str(tmp / "work"),
+               "--decode_tokens", "4", "--trials", "1", "--generate_items", "2", "--generate_tokens", "4", "--rows",
+               "mfu_d20", "bpb_d12_b17", "chat_decode", "--bench_dir", str(empty), "--out", str(tmp / "out")]
+    with open(tmp / "bench.out", "w") as out, open(tmp / "bench.err", "w") as err:
+        return subprocess.Popen(command, cwd=tmp, env=env, stdout=out, stderr=err, start_new_session=True)
 
 
 def threads_named(text):

@@ -2,18 +2,14 @@
 printed figure checked against the files it was read from; the battery's pieces (phase timeouts, chat.py's dtype,
 the rated peaks)."""
 import json
-import os
 import re
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import ROOT
 
 import bench
 import bench_gpu
@@ -41,24 +37,14 @@ def stage_values(work, name, label, kind):
     return statistics.median(rates)
 
 
-@pytest.mark.two_processes  # the dry run runs its stage rows two at a time
-def test_every_benchmark_s_dry_run_prints_figures_computed_from_what_ran(tmp_path):
-    """One `bench.py --dry_run` of every benchmark and the battery's training rows and chat_decode (which runs bench.py
-    decode; without a nanochat tree: its rows say why they did not run). Each stage row's printed figure is recomputed
-    here from its run's metrics.jsonl (tokens over step seconds) or its report (items over seconds), and each ratio
-    from those; the battery's from its pretrain.py run and model.py, as its table must show them."""
-    work, out, empty = tmp_path / "work", tmp_path / "out", tmp_path / "no_bench"
-    empty.mkdir()
-    (empty / "PREPARED.json").write_text(json.dumps({"code": {"commit": "f00dcafe"}}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
-    which = [*bench.STAGES, *bench.BENCHES]
-    which.remove("decode")  # the battery's chat_decode row runs it
-    command = [sys.executable, str(ROOT / "bench.py"), *which, "--dry_run", "--work", str(work), "--decode_tokens", "4",
-               "--trials", "1", "--generate_items", "2", "--generate_tokens", "4", "--rows", "mfu_d20", "bpb_d12_b17",
-               "chat_decode", "--bench_dir", str(empty), "--out", str(out)]
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    printed = result.stdout
+def test_every_benchmark_s_dry_run_prints_figures_computed_from_what_ran(bench_dry_run):
+    """One `bench.py --dry_run` of every benchmark and the battery's training rows and chat_decode (helpers'
+    start_bench_dry_run, started by conftest). Each stage row's printed figure is recomputed here from its run's
+    metrics.jsonl (tokens over step seconds) or its report (items over seconds), and each ratio from those; the
+    battery's from its pretrain.py run and model.py, as its table must show them."""
+    code, tmp = bench_dry_run
+    work, out, printed = tmp / "work", tmp / "out", (tmp / "bench.out").read_text()
+    assert code == 0, printed[-3000:] + (tmp / "bench.err").read_text()[-3000:]
 
     values = {}
     for name, label, _, kind in bench.STAGE_ROWS:
