@@ -94,11 +94,33 @@ def resolve_run(args, stage):
     return run_dir, found[-1]
 
 
-def write_config(run_dir, record):
-    """config.json: what the run is (rank 0 only), rewritten by a resume with its own command line."""
+def record_run(args, stage, model_config, seq_len, micro, accum, world, total_steps, tokens_per_step, tokenizer,
+               params, record):
+    """(layout, run, ckpt_meta), pretrain.py's and start_stage's: the layout a resume must match; what the run is, for
+    config.json; that, its argv and what a child stage inherits (hparams), for every checkpoint's meta.json."""
+    layout = {"model_config": model_config, "world_size": world, "micro_batch": micro, "accum": accum}
+    run = {"stage": stage, "run": args.run_name, **layout, "total_steps": total_steps,
+           "tokens_per_step": tokens_per_step, "code": common.code_version(), "tokenizer": args.tokenizer,
+           "tokenizer_sha256": tokenizer.fingerprint(), "params": params, **record}
+    inherited = {**{name: getattr(args, name, None) for name in INHERITED}, "sequence_len": seq_len,
+                 "micro_batch": micro, "total_batch_tokens": tokens_per_step}
+    return layout, run, {**run, "argv": sys.argv, "hparams": inherited}
+
+
+def announce(args, run_dir, run, lines, optimizers, device):
+    """Rank 0's start of a run: config.json (rewritten by a resume with its own command line), then `lines`, the
+    code's commit and the precision."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps({**record, "hardware": distributed.WORLD, "argv": sys.argv,
-                                                     "versions": common.versions()}, indent=1, default=str))
+    (run_dir / "config.json").write_text(json.dumps({**run, "args": vars(args), "hardware": distributed.WORLD,
+                                                     "argv": sys.argv, "versions": common.versions()}, indent=1,
+                                                    default=str))
+    print("\n".join([*lines, f"code: commit {run['code']['commit']}, uncommitted changes: {run['code']['dirty']}",
+                     optim.precision_line(args, device, optimizers, run["model_config"]["n_embd"])]))
+
+
+def batch_line(micro, seq_len, world, accum):
+    return (f"batch: tokens per step = micro_batch {micro} x sequence_len {seq_len} x world size {world} x "
+            f"accumulation {accum} = {micro * seq_len * world * accum:,}")
 
 
 # -----------------------------------------------------------------------------
@@ -107,12 +129,6 @@ def write_config(run_dir, record):
 
 INHERITED = ["tokenizer", "sequence_len", "micro_batch", "total_batch_tokens", "optimizer", "matrix_lr",
              "embedding_lr", "head_lr", "scalar_lr", "weight_decay", "grad_clip", "dtype", "compile"]
-
-
-def hparams(args, seq_len, micro, tokens_per_step):
-    """What a child stage inherits from this run, as its checkpoints record it."""
-    values = {name: getattr(args, name, None) for name in INHERITED}
-    return {**values, "sequence_len": seq_len, "micro_batch": micro, "total_batch_tokens": tokens_per_step}
 
 
 def add_init_args(parser, parents, lr_scale, schedule, warmdown_frac, why):
@@ -247,24 +263,16 @@ def start_stage(args, stage, parents, plan, rollouts=False):
                             micro_batch=micro, accum=accum, seq_len=config.sequence_len,
                             tokens_per_step=tokens_per_step, optimizers=optimizers)
     vars(start).update(plan(args, start))
-    layout = {"model_config": parent_meta["model_config"], "world_size": world, "micro_batch": micro, "accum": accum}
-    start.run = {"stage": stage, "run": args.run_name, **layout, "total_steps": start.total_steps,
-                 "tokens_per_step": tokens_per_step, "code": common.code_version(), "tokenizer": args.tokenizer,
-                 "tokenizer_sha256": tokenizer.fingerprint(), "params": num_params(config), **start.record,
-                 "parent": parent_record(parent, parent_meta)}
-    start.ckpt_meta = {**start.run, "argv": sys.argv, "hparams": hparams(args, config.sequence_len, micro,
-                                                                         tokens_per_step)}
+    layout, start.run, start.ckpt_meta = record_run(
+        args, stage, parent_meta["model_config"], config.sequence_len, micro, accum, world, start.total_steps,
+        tokens_per_step, tokenizer, num_params(config), {**start.record, "parent": parent_record(parent, parent_meta)})
     if rank == 0:
-        write_config(run_dir, {**start.run, "args": vars(args)})
-        print(f"init: {parent} ({parent_meta.get('stage')}, step {parent_meta.get('step')}), params: "
-              f"{start.run['params']}")
-        print("inherited:\n" + "\n".join(f"  {name:<18} {value!s:<14} {where}" for name, value, where in inherited))
-        if not rollouts:
-            print(f"{sharding}\nbatch: tokens per step = micro_batch {micro} x sequence_len {config.sequence_len} x "
-                  f"world size {world} x accumulation {accum} = {tokens_per_step:,}")
-        print("\n".join(start.lines))
-        print(f"code: commit {start.run['code']['commit']}, uncommitted changes: {start.run['code']['dirty']}")
-        print(optim.precision_line(args, device, optimizers, config.n_embd))
+        batch = [] if rollouts else [sharding, batch_line(micro, config.sequence_len, world, accum)]
+        announce(args, run_dir, start.run, [
+            (f"init: {parent} ({parent_meta.get('stage')}, step {parent_meta.get('step')}), params: "
+            f"{start.run['params']}"), "inherited:\n" + "\n".join(f"  {name:<18} {value!s:<14} {where}"
+                                                              for name, value, where in inherited),
+            *batch, *start.lines], optimizers, device)
     if resume_from:
         start.step = checkpoint.resume(resume_from, run_dir, model, optimizers, start.loaders, layout, rank, device)
         return start
