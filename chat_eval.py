@@ -31,7 +31,7 @@ import sandbox
 import tasks
 from calculator import ToolUse, reply_text
 from dataset import CACHE_DIR
-from decode import decode
+from decode import decode, last_logits
 from model import autocast_context, num_params
 from tasks import ALL_TASKS, final_number, gsm8k_answer, humaneval_program, normalize, prompt_ids, same_number
 
@@ -96,35 +96,13 @@ def letter_token_ids(tokenizer, letters):
 
 
 @torch.no_grad()
-def last_logits(model, rows, pad_id, dtype, device):
-    """fp32 logits (len(rows), vocab) at each row's last token. One row: the model's last_only forward. Several: one
-    forward over the rows right-padded with pad_id, as nanochat batches them (a causal model's positions before the
-    padding never see it), and a hook on the final norm keeps each row's last real position, so the head runs on one
-    position per row rather than on the whole padded batch."""
-    if len(rows) == 1:
-        with autocast_context(device.type, dtype):
-            return model(torch.tensor(rows, device=device), last_only=True)[:, -1]
-    x = torch.full((len(rows), max(map(len, rows))), pad_id, dtype=torch.long)
-    for r, ids in enumerate(rows):
-        x[r, :len(ids)] = torch.tensor(ids)
-    last = torch.tensor([len(ids) - 1 for ids in rows], device=device)
-    hook = model.norm_f.register_forward_hook(lambda _, __, out: out[torch.arange(len(rows), device=device), last,
-                                                                     None])
-    try:
-        with autocast_context(device.type, dtype):
-            return model(x.to(device), last_only=True)[:, -1]
-    finally:
-        hook.remove()
-
-
-@torch.no_grad()
 def letter_scores(model, tokenizer, items, dtype, device):
     """Per item (letter, cut, what to record): the prompts in one forward (last_logits); only the item's letters
     compete at its last position (ties to the first, as torch's argmax does in nanochat). Recorded: the letters'
     probabilities (a softmax over the item's letters: what decided) and their mass (their share of the softmax over
     the whole vocabulary: does the model answer with a letter at all?)."""
     prompts = [prompt_ids(tokenizer, item["prompt"], model.config.sequence_len, 0) for item in items]
-    logits = last_logits(model, [ids for ids, _ in prompts], tokenizer.bos_id, dtype, device).float()
+    logits = last_logits(model, [ids for ids, _ in prompts], tokenizer.bos_id, dtype).float()
     out = []
     for item, (_, cut), row in zip(items, prompts, logits):
         ids = letter_token_ids(tokenizer, item["letters"])
