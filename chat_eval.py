@@ -201,9 +201,9 @@ def judge(kind, item, args, marker, level, answer):
 
 
 def work_batches(kind, items, tokenizer, batch_items, world=1):
-    """Lists of item positions, each judged together: categorical items sorted by prompt length (less padding) in
-    groups of batch_items; generated items in their order, in groups of batch_items, or fewer where that would leave
-    a rank without a batch. The ranks take them round robin."""
+    """Lists of item positions judged together, which the ranks take round robin: categorical items sorted by prompt
+    length (less padding), generated items in their order, in groups of batch_items (fewer where a rank would have no
+    batch)."""
     if kind != "categorical":
         size = max(1, min(batch_items, -(-len(items) // world)))
         return [list(range(b, min(b + size, len(items)))) for b in range(0, len(items), size)]
@@ -212,9 +212,8 @@ def work_batches(kind, items, tokenizer, batch_items, world=1):
 
 
 def evaluate_task(task, items, model, tokenizer, args, rank, world, device, marker, level):
-    """(per item (correct, cut), records in item order): the batches of work_batches dealt round robin over ranks; an
-    all-reduce joins the verdicts, an all-gather the records. Rank 0 prints its count and an ETA every
-    PROGRESS_SECONDS, and the task's line at its end."""
+    """(per item (correct, cut), records in item order), over every rank's batches (work_batches). Rank 0 prints its
+    count and an ETA every PROGRESS_SECONDS, and the task's line at its end."""
     kind = ALL_TASKS[task][2]
     table, records = torch.zeros(len(items), 3, dtype=torch.float64), []  # (done, correct, cut)
     mine = [b for k, b in enumerate(work_batches(kind, items, tokenizer, args.batch_items, world)) if k % world == rank]

@@ -288,8 +288,7 @@ def add_checkpoint_args(parser, picked=None, eval_dtype=False):
 
 def pretraining_run(checkpoint, meta):
     """(data_dir, sequence_len, eval_tokens) of the pretraining run a checkpoint descends from, following each
-    meta.json's parent; None where a link is missing (a parent moved or deleted, or written before it was
-    recorded)."""
+    meta.json's parent; None where a link is missing (a parent moved or deleted, or written before it was recorded)."""
     while meta.get("stage") != "pretrain":
         path = (meta.get("parent") or {}).get("path")
         if path is None or not (Path(path) / "meta.json").is_file():

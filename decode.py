@@ -190,14 +190,15 @@ def compiled_step():
 @torch.inference_mode()
 def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=None, seed=None, dtype="float32",
            tools=None, stop=(), compiled="auto", weights=None):
-    """(tokens, sampled) per row, len(prompts) * samples rows, prompt by prompt (prompt i's replies are rows
-    i * samples .. (i + 1) * samples - 1): each row's new tokens, up to and with the stop token it sampled (a token in
-    `stop`), at most max_new_tokens (an int, or one per prompt; the calculator's output counts), and per token whether the model sampled it (True) or the calculator's output was fed (False).
-    tools: None, or one calculator.ToolUse per row (each sees its row's sampled tokens; its calls stay in it).
-    temperature 0 is greedy; sampling draws from one torch.Generator seeded with `seed` (None: a random seed), so a
-    seed gives the same rows again for the same prompts and settings. compiled: "auto" (compiled on CUDA, eager
-    elsewhere), True or False. weights: decode_weights(model, dtype), to reuse across calls. A sharded model (FSDP)
-    is first gathered into a plain copy: a collective, so every rank calls decode(); the step reads whole weights."""
+    """(tokens, sampled) per row, len(prompts) * samples rows, prompt by prompt (prompt i's replies are rows i * samples
+    .. (i + 1) * samples - 1): each row's new tokens, up to and with the stop token it sampled (a token in `stop`), at
+    most max_new_tokens (an int, or one per prompt; the calculator's output counts), and per token whether the model
+    sampled it (True) or the calculator's output was fed (False). tools: None, or one calculator.ToolUse per row (each
+    sees its row's sampled tokens; its calls stay in it). temperature 0 is greedy; sampling draws from one
+    torch.Generator seeded with `seed` (None: a random seed), so a seed gives the same rows again for the same prompts
+    and settings. compiled: "auto" (compiled on CUDA, eager elsewhere), True or False. weights: decode_weights(model,
+    dtype), to reuse across calls. A sharded model (FSDP) is first gathered into a plain copy: a collective, so every
+    rank calls decode(); the step reads whole weights."""
     if is_sharded(model):  # gathered outside inference mode: FSDP2's state_dict made there leaves its parameters
         with torch.inference_mode(False), torch.no_grad():  # inference tensors, which the next checkpoint cannot save
             plain = build_model(model.config, model.cos.device)

@@ -218,10 +218,9 @@ def flops_per_token(c, seq_len=None):
 
 
 def memory_estimate(c, micro_batch, seq_len=None, optimizer="muon", bf16=True):
-    """Training memory per device in bytes, for this implementation (docs/model.md: what each figure counts):
-    fp32 weights and gradients, optimizer state, 'activations' (what autograd holds at the end of the forward pass,
-    tensor by tensor; the tests check it against torch's saved-tensor hooks) and 'transient' (the largest short-lived
-    buffers)."""
+    """Training memory per device in bytes, for this implementation (docs/model.md: what each figure counts): fp32
+    weights and gradients, optimizer state, 'activations' (what autograd holds at the end of the forward pass, tensor by
+    tensor; the tests check it against torch's saved-tensor hooks) and 'transient' (the largest short-lived buffers)."""
     T = seq_len or c.sequence_len
     P = num_params(c)
     b = param_breakdown(c)

@@ -228,9 +228,8 @@ def held_out_line(e):
 
 
 def verdict(records):
-    """The reward's change (first fifth of the steps against the last fifth) beside held-out pass@1's (first
-    evaluation against the last), and what they say together: a reward that rose while held-out accuracy fell is
-    said so."""
+    """The reward's change (first fifth of the steps against the last fifth) beside held-out pass@1's (first evaluation
+    against the last), and what they say together: a reward that rose while held-out accuracy fell is said so."""
     steps, evals = [r for r in records if "reward" in r], [r["held_out"] for r in records if "held_out" in r]
     fifth = max(1, len(steps) // 5)
     before, after = (sum(r["reward"] for r in part) / len(part) for part in (steps[:fifth], steps[-fifth:]))

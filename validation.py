@@ -26,11 +26,10 @@ from model import autocast_context
 # Validation bits per byte, shared by pretrain.py (during training) and core_eval.py (on a checkpoint)
 
 def val_rows(data_dir, tokenizer, max_tokens, seq_len):
-    """Validation rows of seq_len + 1 tokens, enough for max_tokens targets (fewer if the split is smaller), built
-    the way training rows are: the text loader's BOS-led best-fit packing, one pass over the split, as one virtual
-    rank. So every row starts with BOS as in training (a window starting mid-document would score tokens without
-    their context), and every process and every stage builds the same rows. A last, partly filled row has -1
-    targets after its text."""
+    """Validation rows of seq_len + 1 tokens, enough for max_tokens targets (fewer if the split is smaller), built the
+    way training rows are: the text loader's BOS-led best-fit packing, one pass over the split, as one virtual rank. So
+    every row starts with BOS as in training (a window starting mid-document would score tokens without their context),
+    and every process and every stage builds the same rows. A last, partly filled row has -1 targets after its text."""
     n_rows = max(1, math.ceil(max_tokens / seq_len))
     loader = text_loader(data_dir, "val", tokenizer, min(n_rows, 64), seq_len, max_epochs=1, name="val")
     rows, have = [], 0
