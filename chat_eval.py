@@ -32,7 +32,7 @@ import tasks
 from calculator import ToolUse, reply_text
 from dataset import CACHE_DIR
 from decode import decode, last_logits
-from model import autocast_context, num_params
+from model import num_params, score_rows
 from tasks import ALL_TASKS, final_number, gsm8k_answer, humaneval_program, normalize, prompt_ids, same_number
 
 PROGRESS_SECONDS = 10.0  # a progress line at most this often per task (and one at its end)
@@ -129,13 +129,8 @@ def option_text_scores(model, tokenizer, items, dtype, device):
             rows.append(ids + option)
             starts.append(len(ids))
             owner.append(n)
-    x = torch.zeros(len(rows), max(map(len, rows)) - 1, dtype=torch.long)
-    y = torch.full_like(x, -1)
-    for r, (ids, start) in enumerate(zip(rows, starts)):
-        x[r, :len(ids) - 1] = torch.tensor(ids[:-1])
-        y[r, start - 1:len(ids) - 1] = torch.tensor(ids[start:], dtype=torch.long)
-    with autocast_context(device.type, dtype):
-        losses = model(x.to(device), y.to(device), reduction="none").float().cpu()
+    losses, y = score_rows(model, list(zip(rows, starts)), dtype)
+    losses, y = losses.float().cpu(), y.cpu()
     sums, counts = (-losses * (y != -1)).sum(1).tolist(), (y != -1).sum(1).tolist()
     out = []
     for n, item in enumerate(items):

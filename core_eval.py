@@ -35,7 +35,7 @@ from dataset import CACHE_DIR
 from decode import decode
 from demo_world import COUNTRIES, DAYS, country_fields, number_word
 from download import download_file
-from model import autocast_context
+from model import score_rows
 
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # the bundle nanochat uses
 TASK_KEYS = {"multiple_choice": ("query", "choices", "gold"), "schema": ("context_options", "continuation", "gold"),
@@ -340,17 +340,9 @@ def item_rows(task, order, position, tokenizer, seq_len, protocol="nanochat"):
 # Scoring
 
 @torch.no_grad()
-def score_batch(model, batch_rows, device, dtype):
+def score_batch(model, batch_rows, dtype):
     """Per row (ids, start, ...): (mean loss over ids[start:], whether every greedy prediction there is right)."""
-    width = max(len(row[0]) for row in batch_rows) - 1
-    x = torch.zeros(len(batch_rows), width, dtype=torch.long)
-    y = torch.full((len(batch_rows), width), -1, dtype=torch.long)
-    for r, (ids, start, *_) in enumerate(batch_rows):
-        x[r, :len(ids) - 1] = torch.tensor(ids[:-1])
-        y[r, start - 1:len(ids) - 1] = torch.tensor(ids[start:])
-    x, y = x.to(device), y.to(device)
-    with autocast_context(device.type, dtype):
-        losses, predicted = model(x, y, reduction="none", predictions=True)
+    (losses, predicted), y = score_rows(model, [row[:2] for row in batch_rows], dtype, predictions=True)
     scored = y != -1
     mean_loss = (losses * scored).sum(1) / scored.sum(1)
     exact = ((predicted == y) | ~scored).all(1)
@@ -373,7 +365,7 @@ def evaluate_tasks(model, tokenizer, tasks, max_per_task, batch_items, dtype, ra
             batch = by_length[b:b + batch_items]
             rows_per_item = [item_rows(task, order, p, tokenizer, model.config.sequence_len, protocol)
                              for p in batch]
-            mean_loss, exact = score_batch(model, [r for rows in rows_per_item for r in rows], device, dtype)
+            mean_loss, exact = score_batch(model, [r for rows in rows_per_item for r in rows], dtype)
             at = 0
             for p, rows in zip(batch, rows_per_item):
                 if task.kind == "language_modeling":

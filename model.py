@@ -680,6 +680,19 @@ def check_master_weights(model):
                          f"{', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}")
 
 
+def score_rows(model, rows, dtype, predictions=False):
+    """(model(..., reduction="none"), targets) of rows [(ids, index of the first scored token)] right-padded into one
+    forward: each row reads ids[:-1] and is scored on ids[start:] only (targets -1 elsewhere)."""
+    device = model.cos.device
+    x = torch.zeros(len(rows), max(len(ids) for ids, _ in rows) - 1, dtype=torch.long)
+    y = torch.full_like(x, -1)
+    for r, (ids, start) in enumerate(rows):
+        x[r, :len(ids) - 1], y[r, start - 1:len(ids) - 1] = torch.tensor(ids[:-1]), torch.tensor(ids[start:])
+    y = y.to(device)
+    with autocast_context(device.type, dtype):
+        return model(x.to(device), y, reduction="none", predictions=predictions), y
+
+
 def autocast_context(device_type, dtype):
     """dtype 'bfloat16': matmuls in bf16 (fp32 weights untouched); 'float32': plain fp32."""
     if dtype == "bfloat16":
