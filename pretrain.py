@@ -254,8 +254,8 @@ def main(argv=None):
             f"model: {args.preset}, params: {params}; FLOPs/token {fpt:.4e}", sharding,
             runs.batch_line(micro, seq_len, world, accum), args.budget_line,
             (f"budget: {total_steps:,} steps, {total_steps * tokens_per_step:,} tokens, "
-            f"{fpt * total_steps * tokens_per_step:.3e} FLOPs, {total_steps * tokens_per_step / counted:.2f} tokens per "
-            f"parameter (value-embedding tables not counted)"), budget_line(data, total_steps * tokens_per_step)],
+             f"{fpt * total_steps * tokens_per_step:.3e} FLOPs, {total_steps * tokens_per_step / counted:.2f} tokens "
+             f"per parameter (value-embedding tables not counted)"), budget_line(data, total_steps * tokens_per_step)],
             optimizers, device)
     start = (checkpoint.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank, device) if resume_from
              else 0)

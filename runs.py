@@ -264,11 +264,10 @@ def start_stage(args, stage, parents, plan, rollouts=False):
         tokens_per_step, tokenizer, num_params(config), {**start.record, "parent": parent_record(parent, parent_meta)})
     if rank == 0:
         batch = [] if rollouts else [sharding, batch_line(micro, config.sequence_len, world, accum)]
-        announce(args, run_dir, start.run, [
-            (f"init: {parent} ({parent_meta.get('stage')}, step {parent_meta.get('step')}), params: "
-            f"{start.run['params']}"), "inherited:\n" + "\n".join(f"  {name:<18} {value!s:<14} {where}"
-                                                              for name, value, where in inherited),
-            *batch, *start.lines], optimizers, device)
+        table = "\n".join(f"  {name:<18} {value!s:<14} {where}" for name, value, where in inherited)
+        init = f"init: {parent} ({parent_meta.get('stage')}, step {parent_meta.get('step')})"
+        announce(args, run_dir, start.run, [f"{init}, params: {start.run['params']}", "inherited:\n" + table, *batch,
+                                            *start.lines], optimizers, device)
     if resume_from:
         start.step = checkpoint.resume(resume_from, run_dir, model, optimizers, start.loaders, layout, rank, device)
         return start
