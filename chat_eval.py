@@ -129,7 +129,7 @@ def option_text_scores(model, tokenizer, items, dtype, device):
             rows.append(ids + option)
             starts.append(len(ids))
             owner.append(n)
-    losses, y = score_rows(model, list(zip(rows, starts)), dtype)
+    losses, y = score_rows(model, list(zip(rows, starts)), dtype, device)
     losses, y = losses.float().cpu(), y.cpu()
     sums, counts = (-losses * (y != -1)).sum(1).tolist(), (y != -1).sum(1).tolist()
     out = []

@@ -340,9 +340,9 @@ def item_rows(task, order, position, tokenizer, seq_len, protocol="nanochat"):
 # Scoring
 
 @torch.no_grad()
-def score_batch(model, batch_rows, dtype):
+def score_batch(model, batch_rows, device, dtype):
     """Per row (ids, start, ...): (mean loss over ids[start:], whether every greedy prediction there is right)."""
-    (losses, predicted), y = score_rows(model, [row[:2] for row in batch_rows], dtype, predictions=True)
+    (losses, predicted), y = score_rows(model, [row[:2] for row in batch_rows], dtype, device, predictions=True)
     scored = y != -1
     mean_loss = (losses * scored).sum(1) / scored.sum(1)
     exact = ((predicted == y) | ~scored).all(1)
@@ -365,7 +365,7 @@ def evaluate_tasks(model, tokenizer, tasks, max_per_task, batch_items, dtype, ra
             batch = by_length[b:b + batch_items]
             rows_per_item = [item_rows(task, order, p, tokenizer, model.config.sequence_len, protocol)
                              for p in batch]
-            mean_loss, exact = score_batch(model, [r for rows in rows_per_item for r in rows], dtype)
+            mean_loss, exact = score_batch(model, [r for rows in rows_per_item for r in rows], device, dtype)
             at = 0
             for p, rows in zip(batch, rows_per_item):
                 if task.kind == "language_modeling":

@@ -680,10 +680,9 @@ def check_master_weights(model):
                          f"{', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}")
 
 
-def score_rows(model, rows, dtype, predictions=False):
+def score_rows(model, rows, dtype, device, predictions=False):
     """(model(..., reduction="none"), targets) of rows [(ids, index of the first scored token)] right-padded into one
     forward: each row reads ids[:-1] and is scored on ids[start:] only (targets -1 elsewhere)."""
-    device = model.cos.device
     x = torch.zeros(len(rows), max(len(ids) for ids, _ in rows) - 1, dtype=torch.long)
     y = torch.full_like(x, -1)
     for r, (ids, start) in enumerate(rows):
