@@ -90,14 +90,13 @@ def realized_mixture(loaders, sources):
 
 
 def evaluate(args, start, batches, step):
-    loss = validation.chat_validation(start.model, start.tokenizer, args.sample_prompt or validation.CHAT_QUESTIONS,
-                                      args.dtype, start.rank, start.world, start.device, start.run_dir, batches, step)
+    figures = validation.chat_validation(args, start, batches, step)
     mixture = realized_mixture(start.loaders, start.sources)
     if start.rank == 0:
         print(f"mixture at step {step}: " + ", ".join(f"{name} {m['share']:.1%} of {m['tokens']:,} tokens (target "
                                                        f"{m['target']:.0%}), {m['docs']:,} documents"
                                                        for name, m in mixture.items()))
-    return {"val_loss": loss, "mixture": mixture}
+    return {**figures, "mixture": mixture}
 
 
 def plan(args, start):

@@ -125,12 +125,6 @@ def packing(loaders):
             "padding": stats["padding"] / positions, "skipped": {k: int(stats[k]) for k in reasons}}
 
 
-def evaluate(args, start, batches, step):
-    return {"val_loss": validation.chat_validation(start.model, start.tokenizer, args.sample_prompt or
-                                                   validation.CHAT_QUESTIONS, args.dtype, start.rank, start.world,
-                                                   start.device, start.run_dir, batches, step)}
-
-
 def plan(args, start):
     """What runs.start_stage asks of SFT: its total steps (an epoch estimated: estimate_epoch_batches) and loaders."""
     epoch_batches, estimate = estimate_epoch_batches(args, start.tokenizer, start.micro_batch, start.seq_len,
@@ -156,8 +150,8 @@ def main(argv=None):
     if args.status:
         return train_loop.print_status(Path(args.status))
     s = runs.start_stage(args, "sft", ["midtrain", "pretrain"], plan)
-    evaluator = partial(evaluate, args, s, validation.chat_val_batches(args.val_chat_dir or args.sources[0][0],
-                                                                       s.tokenizer, s.seq_len, args.eval_rows))
+    evaluator = partial(validation.chat_validation, args, s, validation.chat_val_batches(
+        args.val_chat_dir or args.sources[0][0], s.tokenizer, s.seq_len, args.eval_rows))
 
     def summarize(_):  # on every rank: packing gathers from all of them
         rows = packing(s.loaders)
