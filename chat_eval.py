@@ -31,8 +31,8 @@ import sandbox
 import tasks
 from calculator import ToolUse, reply_text
 from dataset import CACHE_DIR
-from decode import decode
-from model import autocast_context, num_params
+from decode import decode, last_logits
+from model import num_params, score_rows
 from tasks import ALL_TASKS, final_number, gsm8k_answer, humaneval_program, normalize, prompt_ids, same_number
 
 PROGRESS_SECONDS = 10.0  # a progress line at most this often per task (and one at its end)
@@ -96,35 +96,13 @@ def letter_token_ids(tokenizer, letters):
 
 
 @torch.no_grad()
-def last_logits(model, rows, pad_id, dtype, device):
-    """fp32 logits (len(rows), vocab) at each row's last token. One row: the model's last_only forward. Several: one
-    forward over the rows right-padded with pad_id, as nanochat batches them (a causal model's positions before the
-    padding never see it), and a hook on the final norm keeps each row's last real position, so the head runs on one
-    position per row rather than on the whole padded batch."""
-    if len(rows) == 1:
-        with autocast_context(device.type, dtype):
-            return model(torch.tensor(rows, device=device), last_only=True)[:, -1]
-    x = torch.full((len(rows), max(map(len, rows))), pad_id, dtype=torch.long)
-    for r, ids in enumerate(rows):
-        x[r, :len(ids)] = torch.tensor(ids)
-    last = torch.tensor([len(ids) - 1 for ids in rows], device=device)
-    hook = model.norm_f.register_forward_hook(lambda _, __, out: out[torch.arange(len(rows), device=device), last,
-                                                                     None])
-    try:
-        with autocast_context(device.type, dtype):
-            return model(x.to(device), last_only=True)[:, -1]
-    finally:
-        hook.remove()
-
-
-@torch.no_grad()
 def letter_scores(model, tokenizer, items, dtype, device):
     """Per item (letter, cut, what to record): the prompts in one forward (last_logits); only the item's letters
     compete at its last position (ties to the first, as torch's argmax does in nanochat). Recorded: the letters'
     probabilities (a softmax over the item's letters: what decided) and their mass (their share of the softmax over
     the whole vocabulary: does the model answer with a letter at all?)."""
     prompts = [prompt_ids(tokenizer, item["prompt"], model.config.sequence_len, 0) for item in items]
-    logits = last_logits(model, [ids for ids, _ in prompts], tokenizer.bos_id, dtype, device).float()
+    logits = last_logits(model, [ids for ids, _ in prompts], tokenizer.bos_id, dtype).float()
     out = []
     for item, (_, cut), row in zip(items, prompts, logits):
         ids = letter_token_ids(tokenizer, item["letters"])
@@ -151,13 +129,8 @@ def option_text_scores(model, tokenizer, items, dtype, device):
             rows.append(ids + option)
             starts.append(len(ids))
             owner.append(n)
-    x = torch.zeros(len(rows), max(map(len, rows)) - 1, dtype=torch.long)
-    y = torch.full_like(x, -1)
-    for r, (ids, start) in enumerate(zip(rows, starts)):
-        x[r, :len(ids) - 1] = torch.tensor(ids[:-1])
-        y[r, start - 1:len(ids) - 1] = torch.tensor(ids[start:], dtype=torch.long)
-    with autocast_context(device.type, dtype):
-        losses = model(x.to(device), y.to(device), reduction="none").float().cpu()
+    losses, y = score_rows(model, list(zip(rows, starts)), dtype, device)
+    losses, y = losses.float().cpu(), y.cpu()
     sums, counts = (-losses * (y != -1)).sum(1).tolist(), (y != -1).sum(1).tolist()
     out = []
     for n, item in enumerate(items):
@@ -223,9 +196,9 @@ def judge(kind, item, args, marker, level, answer):
 
 
 def work_batches(kind, items, tokenizer, batch_items, world=1):
-    """Lists of item positions, each judged together: categorical items sorted by prompt length (less padding) in
-    groups of batch_items; generated items in their order, in groups of batch_items, or fewer where that would leave
-    a rank without a batch. The ranks take them round robin."""
+    """Lists of item positions judged together, which the ranks take round robin: categorical items sorted by prompt
+    length (less padding), generated items in their order, in groups of batch_items (fewer where a rank would have no
+    batch)."""
     if kind != "categorical":
         size = max(1, min(batch_items, -(-len(items) // world)))
         return [list(range(b, min(b + size, len(items)))) for b in range(0, len(items), size)]
@@ -234,9 +207,8 @@ def work_batches(kind, items, tokenizer, batch_items, world=1):
 
 
 def evaluate_task(task, items, model, tokenizer, args, rank, world, device, marker, level):
-    """(per item (correct, cut), records in item order): the batches of work_batches dealt round robin over ranks; an
-    all-reduce joins the verdicts, an all-gather the records. Rank 0 prints its count and an ETA every
-    PROGRESS_SECONDS, and the task's line at its end."""
+    """(per item (correct, cut), records in item order), over every rank's batches (work_batches). Rank 0 prints its
+    count and an ETA every PROGRESS_SECONDS, and the task's line at its end."""
     kind = ALL_TASKS[task][2]
     table, records = torch.zeros(len(items), 3, dtype=torch.float64), []  # (done, correct, cut)
     mine = [b for k, b in enumerate(work_batches(kind, items, tokenizer, args.batch_items, world)) if k % world == rank]

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from common import append_jsonl, matmul_dtype, versions
-from distributed import barrier, is_sharded
+from distributed import barrier, is_sharded, run_main
 from model import GPTConfig, build_model
 from tokenizer import SPECIAL_TOKENS, Tokenizer
 
@@ -288,8 +288,7 @@ def add_checkpoint_args(parser, picked=None, eval_dtype=False):
 
 def pretraining_run(checkpoint, meta):
     """(data_dir, sequence_len, eval_tokens) of the pretraining run a checkpoint descends from, following each
-    meta.json's parent; None where a link is missing (a parent moved or deleted, or written before it was
-    recorded)."""
+    meta.json's parent; None where a link is missing (a parent moved or deleted, or written before it was recorded)."""
     while meta.get("stage") != "pretrain":
         path = (meta.get("parent") or {}).get("path")
         if path is None or not (Path(path) / "meta.json").is_file():
@@ -433,16 +432,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.checkpoint is None:
         parser.error("consolidate needs a checkpoint: python checkpoint.py consolidate runs/<run>[/ckpt/step_N]")
-    try:
-        path = find_checkpoint(args.checkpoint)
-        written = consolidate(path)
-        count = sum(t.numel() for t in torch.load(written, weights_only=True).values())
-        print(f"consolidate: wrote {written} ({count:,} parameters)")
-    except (FileNotFoundError, ValueError) as e:
-        print(f"checkpoint.py: error: {e}", file=sys.stderr)
-        return 1
+    written = consolidate(find_checkpoint(args.checkpoint))
+    count = sum(t.numel() for t in torch.load(written, weights_only=True).values())
+    print(f"consolidate: wrote {written} ({count:,} parameters)")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))  # an error that names its fix: one line, exit 1

@@ -35,7 +35,7 @@ from dataset import CACHE_DIR
 from decode import decode
 from demo_world import COUNTRIES, DAYS, country_fields, number_word
 from download import download_file
-from model import autocast_context
+from model import score_rows
 
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # the bundle nanochat uses
 TASK_KEYS = {"multiple_choice": ("query", "choices", "gold"), "schema": ("context_options", "continuation", "gold"),
@@ -342,15 +342,7 @@ def item_rows(task, order, position, tokenizer, seq_len, protocol="nanochat"):
 @torch.no_grad()
 def score_batch(model, batch_rows, device, dtype):
     """Per row (ids, start, ...): (mean loss over ids[start:], whether every greedy prediction there is right)."""
-    width = max(len(row[0]) for row in batch_rows) - 1
-    x = torch.zeros(len(batch_rows), width, dtype=torch.long)
-    y = torch.full((len(batch_rows), width), -1, dtype=torch.long)
-    for r, (ids, start, *_) in enumerate(batch_rows):
-        x[r, :len(ids) - 1] = torch.tensor(ids[:-1])
-        y[r, start - 1:len(ids) - 1] = torch.tensor(ids[start:])
-    x, y = x.to(device), y.to(device)
-    with autocast_context(device.type, dtype):
-        losses, predicted = model(x, y, reduction="none", predictions=True)
+    (losses, predicted), y = score_rows(model, [row[:2] for row in batch_rows], dtype, device, predictions=True)
     scored = y != -1
     mean_loss = (losses * scored).sum(1) / scored.sum(1)
     exact = ((predicted == y) | ~scored).all(1)
@@ -360,9 +352,8 @@ def score_batch(model, batch_rows, device, dtype):
 def evaluate_tasks(model, tokenizer, tasks, max_per_task, batch_items, dtype, rank, world, device,
                    protocol="nanochat", progress=False):
     """Per task: (item index, predicted option or -1, correct, cropped) for each evaluated item, by item index,
-    identical on every rank. Task by task, its items sorted by prompt length (less padding) and cut into batches dealt
-    round robin; each rank fills its items' rows of the task's table, and a sum over ranks joins them. progress: rank 0
-    prints a line per task as it ends."""
+    identical on every rank: its items sorted by prompt length (less padding), in batches dealt round robin, joined by a
+    sum over ranks. progress: rank 0 prints a line per task as it ends."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
     results = []

@@ -162,20 +162,28 @@ def chat_format(path):
                      f"answer); columns: {', '.join(sorted(names))}")
 
 
+def multiple_choice(row, answer="answer"):
+    """(prompt, letters, the answer's letter, options) of an ARC row (labelled choices, answerKey) or an MMLU-layout
+    one (choices, the answer's index under `answer`); a ValueError where the answerKey is not among the labels."""
+    arc = isinstance(row["choices"], dict)
+    options = list(row["choices"]["text"] if arc else row["choices"])
+    letters = list(row["choices"]["label"] if arc else MC_LETTERS[:len(options)])
+    key = row["answerKey"] if arc else letters[row[answer]]
+    if key not in letters:
+        raise ValueError(f"answerKey {key!r} is not among the labels {letters}")
+    return render_mc(row["question"], letters, options), letters, key, options
+
+
 def task_messages(fmt, row):
     """A task row (chat_format's mmlu, arc, gsm8k) as a conversation, or why it cannot be one (a string)."""
     try:
-        if fmt == "mmlu":
+        if fmt in ("mmlu", "arc"):
             row = row["train"] if isinstance(row.get("train"), dict) else row  # auxiliary_train nests its rows
-            letters = MC_LETTERS[:len(row["choices"])]
-            user, assistant = render_mc(row["question"], letters, row["choices"]), letters[row["answer"]]
-        elif fmt == "arc":
-            letters, answer = list(row["choices"]["label"]), row["answerKey"]
-            if answer not in letters:
-                return f"answerKey {answer!r} is not among the labels {letters}"
-            user, assistant = render_mc(row["question"], letters, row["choices"]["text"]), answer
+            user, _, assistant, _ = multiple_choice(row)
         else:
             user, assistant = row["question"], calculator_parts(row["answer"])
+    except ValueError as e:
+        return str(e)
     except (KeyError, TypeError, IndexError) as e:
         return f"not a {fmt} row ({type(e).__name__}: {e})"
     return [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from distributed import is_sharded
 from model import (
     VE_GATE_CHANNELS,
+    KVCache,
     autocast_context,
     bitnet_activation,
     build_model,
@@ -130,38 +131,35 @@ def decode_step(model, weights, token, pos, step, prompt_k, prompt_v, prompt_val
     return softcap_logits(mm(norm(x, weights["norm_f"]), weights["head"]), c.logit_softcap)
 
 
-def prefill(model, prompts, dtype):
-    """(keys, values, logits): the prompts right-padded into one forward through the model's own blocks; keys and
-    values (layer, prompt, kv head, slot, head dim) of every position, logits (prompt, vocab) at each prompt's last."""
+@torch.no_grad()
+def last_logits(model, rows, pad_id, dtype, kv_cache=None):
+    """fp32 logits (len(rows), vocab) at each row's last token. One row: the model's last_only forward. Several: one
+    forward over the rows right-padded with pad_id, as nanochat batches them (a causal model's positions before the
+    padding never see it), and a hook on the final norm keeps each row's last real position, so the head runs on one
+    position per row rather than on the whole padded batch. kv_cache: where the forward leaves its keys and values."""
     device = model.cos.device
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
-    for r, p in enumerate(prompts):
-        ids[r, :len(p)] = torch.tensor(p, dtype=torch.long)
-    last = torch.tensor([len(p) - 1 for p in prompts], device=device)
-    cache = _FullCache()
-    with autocast_context(device.type, dtype):
-        x = x0 = model.wte(ids)
-        cos, sin = model.cos[None, :width, None, :], model.sin[None, :width, None, :]
-        for i, block in enumerate(model.blocks):
-            x = block(model.mix_embedding(i, x, x0), cos, sin, cache, model.value_embed(i, ids))
-        x = model.norm_f(x[torch.arange(len(prompts), device=device), last])
-        logits = softcap_logits(F.linear(x, model.head_weight()).float(), model.config.logit_softcap)
-    return torch.stack(cache.k), torch.stack(cache.v), logits
+    if len(rows) == 1:
+        with autocast_context(device.type, dtype):
+            return model(torch.tensor(rows, device=device), kv_cache=kv_cache, last_only=True)[:, -1]
+    x = torch.full((len(rows), max(map(len, rows))), pad_id, dtype=torch.long)
+    for r, ids in enumerate(rows):
+        x[r, :len(ids)] = torch.tensor(ids)
+    last = torch.tensor([len(ids) - 1 for ids in rows], device=device)
+    hook = model.norm_f.register_forward_hook(lambda _, __, out: out[torch.arange(len(rows), device=device), last,
+                                                                     None])
+    try:
+        with autocast_context(device.type, dtype):
+            return model(x.to(device), kv_cache=kv_cache, last_only=True)[:, -1]
+    finally:
+        hook.remove()
 
 
-class _FullCache:
-    """What Attention.forward needs of a cache when it prefills from position 0: update() keeps the layer's keys and
-    values and returns them (a causal mask over the whole width, as model.forward's prefill into a KVCache)."""
-    pos = 0
-
-    def __init__(self):
-        self.k, self.v = [], []
-
-    def update(self, layer_idx, k, v):
-        self.k.append(k)
-        self.v.append(v)
-        return k, v
+def prefill(model, prompts, dtype):
+    """(keys, values, logits): the prompts in one forward (last_logits); keys and values (layer, prompt, kv head,
+    slot, head dim) of every position, logits (prompt, vocab) at each prompt's last."""
+    cache = KVCache(model.config, len(prompts), max(map(len, prompts)))
+    logits = last_logits(model, prompts, 0, dtype, cache)
+    return cache.k, cache.v, logits
 
 
 def sample_rows(logits, temperature, top_k, generator):
@@ -192,14 +190,15 @@ def compiled_step():
 @torch.inference_mode()
 def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=None, seed=None, dtype="float32",
            tools=None, stop=(), compiled="auto", weights=None):
-    """(tokens, sampled) per row, len(prompts) * samples rows, prompt by prompt (prompt i's replies are rows
-    i * samples .. (i + 1) * samples - 1): each row's new tokens, up to and with the stop token it sampled (a token in
-    `stop`), at most max_new_tokens (an int, or one per prompt; the calculator's output counts), and per token whether the model sampled it (True) or the calculator's output was fed (False).
-    tools: None, or one calculator.ToolUse per row (each sees its row's sampled tokens; its calls stay in it).
-    temperature 0 is greedy; sampling draws from one torch.Generator seeded with `seed` (None: a random seed), so a
-    seed gives the same rows again for the same prompts and settings. compiled: "auto" (compiled on CUDA, eager
-    elsewhere), True or False. weights: decode_weights(model, dtype), to reuse across calls. A sharded model (FSDP)
-    is first gathered into a plain copy: a collective, so every rank calls decode(); the step reads whole weights."""
+    """(tokens, sampled) per row, len(prompts) * samples rows, prompt by prompt (prompt i's replies are rows i * samples
+    .. (i + 1) * samples - 1): each row's new tokens, up to and with the stop token it sampled (a token in `stop`), at
+    most max_new_tokens (an int, or one per prompt; the calculator's output counts), and per token whether the model
+    sampled it (True) or the calculator's output was fed (False). tools: None, or one calculator.ToolUse per row (each
+    sees its row's sampled tokens; its calls stay in it). temperature 0 is greedy; sampling draws from one
+    torch.Generator seeded with `seed` (None: a random seed), so a seed gives the same rows again for the same prompts
+    and settings. compiled: "auto" (compiled on CUDA, eager elsewhere), True or False. weights: decode_weights(model,
+    dtype), to reuse across calls. A sharded model (FSDP) is first gathered into a plain copy: a collective, so every
+    rank calls decode(); the step reads whole weights."""
     if is_sharded(model):  # gathered outside inference mode: FSDP2's state_dict made there leaves its parameters
         with torch.inference_mode(False), torch.no_grad():  # inference tensors, which the next checkpoint cannot save
             plain = build_model(model.config, model.cos.device)

@@ -26,7 +26,6 @@ import train_loop
 import validation
 from dataset import CACHE_DIR
 from loader import MixtureLoader
-from model import parse_args
 
 # Token shares of the conversation sources beside the parent's text (0.3): conversation (SmolTalk, UltraChat), the
 # shapes chat_eval.py scores (MMLU and ARC letters, GSM8K with the calculator) and who the assistant is (identity.json)
@@ -57,12 +56,7 @@ def get_args(argv=None):
     runs.add_chat_stage_args(p, g, "midtrain", ["pretrain"], [("steps", int, "optimizer steps"),
                                                               ("tokens", float, "tokens over all ranks")],
                              eval_every=250, lr_scale=MID_LR_SCALE, warmdown_frac=MID_WARMDOWN, why=MID_WHY)
-    args = parse_args(p, argv)
-    if args.status is None:
-        try:
-            args.budget_line = train_loop.resolve_budget(args, ["steps", "tokens"])
-        except ValueError as e:
-            p.error(str(e))
+    args = train_loop.parse_stage_args(p, argv, ["steps", "tokens"])
     return p, args
 
 
@@ -96,14 +90,13 @@ def realized_mixture(loaders, sources):
 
 
 def evaluate(args, start, batches, step):
-    loss = validation.chat_validation(start.model, start.tokenizer, args.sample_prompt or validation.CHAT_QUESTIONS,
-                                      args.dtype, start.rank, start.world, start.device, start.run_dir, batches, step)
+    figures = validation.chat_validation(args, start, batches, step)
     mixture = realized_mixture(start.loaders, start.sources)
     if start.rank == 0:
         print(f"mixture at step {step}: " + ", ".join(f"{name} {m['share']:.1%} of {m['tokens']:,} tokens (target "
                                                        f"{m['target']:.0%}), {m['docs']:,} documents"
                                                        for name, m in mixture.items()))
-    return {"val_loss": loss, "mixture": mixture}
+    return {**figures, "mixture": mixture}
 
 
 def plan(args, start):

@@ -218,10 +218,9 @@ def flops_per_token(c, seq_len=None):
 
 
 def memory_estimate(c, micro_batch, seq_len=None, optimizer="muon", bf16=True):
-    """Training memory per device in bytes, for this implementation (docs/model.md: what each figure counts):
-    fp32 weights and gradients, optimizer state, 'activations' (what autograd holds at the end of the forward pass,
-    tensor by tensor; the tests check it against torch's saved-tensor hooks) and 'transient' (the largest short-lived
-    buffers)."""
+    """Training memory per device in bytes, for this implementation (docs/model.md: what each figure counts): fp32
+    weights and gradients, optimizer state, 'activations' (what autograd holds at the end of the forward pass, tensor by
+    tensor; the tests check it against torch's saved-tensor hooks) and 'transient' (the largest short-lived buffers)."""
     T = seq_len or c.sequence_len
     P = num_params(c)
     b = param_breakdown(c)
@@ -679,6 +678,18 @@ def check_master_weights(model):
     if wrong:
         raise ValueError(f"parameters must stay fp32 master weights, use autocast for bf16 compute; not fp32: "
                          f"{', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}")
+
+
+def score_rows(model, rows, dtype, device, predictions=False):
+    """(model(..., reduction="none"), targets) of rows [(ids, index of the first scored token)] right-padded into one
+    forward: each row reads ids[:-1] and is scored on ids[start:] only (targets -1 elsewhere)."""
+    x = torch.zeros(len(rows), max(len(ids) for ids, _ in rows) - 1, dtype=torch.long)
+    y = torch.full_like(x, -1)
+    for r, (ids, start) in enumerate(rows):
+        x[r, :len(ids) - 1], y[r, start - 1:len(ids) - 1] = torch.tensor(ids[:-1]), torch.tensor(ids[start:])
+    y = y.to(device)
+    with autocast_context(device.type, dtype):
+        return model(x.to(device), y, reduction="none", predictions=predictions), y
 
 
 def autocast_context(device_type, dtype):

@@ -120,12 +120,12 @@ def quintic_coefficients(steps):
 
 def newton_schulz(stack, steps, dtype):
     """Approximately orthogonalize a stack of same-shape matrices, rows <= columns (U S V^T -> U S' V^T with S' ~ 1),
-    all at once, with matmuls in `dtype`: X <- a X + (b G + c G^2) X, G = X X^T, with Polar Express's (a, b, c) at
-    each step (torch.optim.Muon's iteration uses one fixed triple). torch.optim.Muon always casts to bf16, which a CPU
+    all at once, with matmuls in `dtype`: X <- a X + (b G + c G^2) X, G = X X^T, with Polar Express's (a, b, c) at each
+    step (torch.optim.Muon's iteration uses one fixed triple). torch.optim.Muon always casts to bf16, which a CPU
     without native bf16 emulates (an AVX2-only EPYC: 70% of the step). Wide matrices (columns > 1.5 x rows, an MLP's)
-    take the same iteration in its Gram form (newton_schulz_gram): fewer FLOPs, the same result up to rounding. Only in fp32 or fp64: in bf16 the Gram matrix loses the small singular
-    values (error 0.37 against an fp64 iteration where the singular values fall to 0.01 of the largest; torch's form:
-    0.03)."""
+    take the same iteration in its Gram form (newton_schulz_gram): fewer FLOPs, the same result up to rounding. Only in
+    fp32 or fp64: in bf16 the Gram matrix loses the small singular values (error 0.37 against an fp64 iteration where
+    the singular values fall to 0.01 of the largest; torch's form: 0.03)."""
     x = stack.to(getattr(torch, dtype))  # in place from here on: `stack` itself when it is in `dtype` already
     x.div_(x.norm(dim=(-2, -1), keepdim=True).mul_(1.02).clamp_(min=1e-7))  # spectral norm < Frobenius norm: the basin
     rows, columns = x.shape[-2:]

@@ -38,7 +38,6 @@ from model import (
     flops_per_token,
     num_params,
     param_breakdown,
-    parse_args,
     parse_bool,
 )
 from tokenizer import Tokenizer
@@ -87,12 +86,7 @@ def get_args(argv=None):
                    "false: only the --ckpt_every ones (a benchmark: bench.py gpu; nothing can continue from the end "
                    "of such a run) (default: %(default)s)")
     optim.add_schedule_args(p)
-    args = parse_args(p, argv)
-    if args.status is None:
-        try:
-            args.budget_line = train_loop.resolve_budget(args, ["steps", "target_flops", "tokens_per_param"])
-        except ValueError as e:
-            p.error(str(e))
+    args = train_loop.parse_stage_args(p, argv, ["steps", "target_flops", "tokens_per_param"])
     if args.matrix_lr is None:
         args.matrix_lr = 0.02 if args.optimizer == "muon" else 0.003
     return p, args
@@ -250,32 +244,25 @@ def main(argv=None):
     loaders = [text_loader(args.data_dir, "train", tokenizer, micro, seq_len, rank=rank * accum + j,
                            world_size=world * accum, device=device, threads=train_loop.loader_threads(args, device))
                for j in range(accum)]
-    layout = {"model_config": asdict(config), "world_size": world, "micro_batch": micro, "accum": accum}
     # does the corpus hold the budget? (rank 0 counts; the others need not wait for it before their next collective)
     data = corpus_budget(args.data_dir, tokenizer, total_steps * tokens_per_step) if master else None
-    run = {"data": data, "stage": "pretrain", "run": args.run_name, **layout, "total_steps": total_steps,
-           "tokens_per_step": tokens_per_step, "code": common.code_version(), "tokenizer": args.tokenizer,
-           "tokenizer_sha256": tokenizer.fingerprint(), "data_dir": args.data_dir, "params": params}
+    layout, run, ckpt_meta = runs.record_run(args, "pretrain", asdict(config), seq_len, micro, accum, world,
+                                             total_steps, tokens_per_step, tokenizer, params,
+                                             {"data": data, "data_dir": args.data_dir})
     if master:
-        runs.write_config(run_dir, {**run, "args": vars(args)})
-        print(f"model: {args.preset}, params: {params}; FLOPs/token {fpt:.4e}")
-        print(sharding)
-        print(f"batch: tokens per step = micro_batch {micro} x sequence_len {seq_len} x world size {world} x "
-              f"accumulation {accum} = {tokens_per_step:,}")
-        print(args.budget_line)
-        print(f"budget: {total_steps:,} steps, {total_steps * tokens_per_step:,} tokens, "
-              f"{fpt * total_steps * tokens_per_step:.3e} FLOPs, {total_steps * tokens_per_step / counted:.2f} tokens per "
-              f"parameter (value-embedding tables not counted)")
-        print(budget_line(data, total_steps * tokens_per_step))
-        print(f"code: commit {run['code']['commit']}, uncommitted changes: {run['code']['dirty']}")
-        print(optim.precision_line(args, device, optimizers, config.n_embd))
+        runs.announce(args, run_dir, run, [
+            f"model: {args.preset}, params: {params}; FLOPs/token {fpt:.4e}", sharding,
+            runs.batch_line(micro, seq_len, world, accum), args.budget_line,
+            (f"budget: {total_steps:,} steps, {total_steps * tokens_per_step:,} tokens, "
+             f"{fpt * total_steps * tokens_per_step:.3e} FLOPs, {total_steps * tokens_per_step / counted:.2f} tokens "
+             f"per parameter (value-embedding tables not counted)"), budget_line(data, total_steps * tokens_per_step)],
+            optimizers, device)
     start = (checkpoint.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank, device) if resume_from
              else 0)
 
     train_model = train_loop.wrap_model(model, args, world, local_rank, device)
     val_rows = validation.val_rows(args.data_dir, tokenizer, args.bpb_tokens, seq_len)
     evaluator = partial(evaluate, model, tokenizer, args, rank, world, device, run_dir, val_rows)
-    ckpt_meta = {**run, "argv": sys.argv, "hparams": runs.hparams(args, seq_len, micro, tokens_per_step)}
     signum = train_loop.train(args, model, train_model, optimizers, loaders, run_dir=run_dir, start=start,
                               total_steps=total_steps, ckpt_meta=ckpt_meta, evaluate=evaluator,
                               flops_per_token=fpt, rank=rank, world=world, device=device)

@@ -37,7 +37,7 @@ import train_loop
 from calculator import ToolUse, reply_text
 from dataset import CACHE_DIR
 from decode import decode
-from model import autocast_context, parse_args
+from model import autocast_context
 from tasks import demo_world, gsm8k_items, load_items, prompt_ids, reward
 
 # every lr is this fraction of the SFT parent's, decaying linearly to 0: SFT runs at 0.3 of pretraining's lrs, so 0.2
@@ -88,9 +88,7 @@ def get_args(argv=None):
                    "%(default)s)")
     runs.add_run_args(p, "rl")
     runs.add_init_args(p, ["sft"], lr_scale=RL_LR_SCALE, schedule="linear", warmdown_frac=0.2, why=RL_WHY)
-    args = parse_args(p, argv)
-    if args.status is None:
-        args.budget_line = train_loop.resolve_budget(args, ["epochs", "steps"], default=("epochs", 1.0))
+    args = train_loop.parse_stage_args(p, argv, ["epochs", "steps"], default=("epochs", 1.0))
     if min(args.questions_per_step, args.samples, args.max_new_tokens, args.eval_samples, args.rollout_questions) < 1 \
             or args.temperature < 0:
         p.error("--questions_per_step, --samples, --max_new_tokens, --eval_samples and --rollout_questions must be "
@@ -230,9 +228,8 @@ def held_out_line(e):
 
 
 def verdict(records):
-    """The reward's change (first fifth of the steps against the last fifth) beside held-out pass@1's (first
-    evaluation against the last), and what they say together: a reward that rose while held-out accuracy fell is
-    said so."""
+    """The reward's change (first fifth of the steps against the last fifth) beside held-out pass@1's (first evaluation
+    against the last), and what they say together: a reward that rose while held-out accuracy fell is said so."""
     steps, evals = [r for r in records if "reward" in r], [r["held_out"] for r in records if "held_out" in r]
     fifth = max(1, len(steps) // 5)
     before, after = (sum(r["reward"] for r in part) / len(part) for part in (steps[:fifth], steps[-fifth:]))

@@ -27,7 +27,7 @@ from model import flops_per_token, num_params, parse_bool
 # The run directory: runs/<run>/ with config.json, metrics.jsonl, samples.jsonl, ckpt/step_XXXXXX/
 
 def add_run_args(parser, stage):
-    """The flags every training stage has for its run directory, checkpoints and health checks, and the hidden
+    """The flags every training stage has for its run directory, checkpoints, health checks and ranks, and the hidden
     testing hooks."""
     g = parser.add_argument_group("run directory, checkpoints, health")
     g.add_argument("--run_name", default=None, help=f"outputs go to <runs_dir>/<run_name>/ (default: {stage}_<preset>_"
@@ -94,11 +94,33 @@ def resolve_run(args, stage):
     return run_dir, found[-1]
 
 
-def write_config(run_dir, record):
-    """config.json: what the run is (rank 0 only), rewritten by a resume with its own command line."""
+def record_run(args, stage, model_config, seq_len, micro, accum, world, total_steps, tokens_per_step, tokenizer,
+               params, record):
+    """(layout, run, ckpt_meta), pretrain.py's and start_stage's: the layout a resume must match; what the run is, for
+    config.json; that, its argv and what a child stage inherits (hparams), for every checkpoint's meta.json."""
+    layout = {"model_config": model_config, "world_size": world, "micro_batch": micro, "accum": accum}
+    run = {"stage": stage, "run": args.run_name, **layout, "total_steps": total_steps,
+           "tokens_per_step": tokens_per_step, "code": common.code_version(), "tokenizer": args.tokenizer,
+           "tokenizer_sha256": tokenizer.fingerprint(), "params": params, **record}
+    inherited = {**{name: getattr(args, name, None) for name in INHERITED}, "sequence_len": seq_len,
+                 "micro_batch": micro, "total_batch_tokens": tokens_per_step}
+    return layout, run, {**run, "argv": sys.argv, "hparams": inherited}
+
+
+def announce(args, run_dir, run, lines, optimizers, device):
+    """Rank 0's start of a run: config.json (rewritten by a resume with its own command line), then `lines`, the
+    code's commit and the precision."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps({**record, "hardware": distributed.WORLD, "argv": sys.argv,
-                                                     "versions": common.versions()}, indent=1, default=str))
+    (run_dir / "config.json").write_text(json.dumps({**run, "args": vars(args), "hardware": distributed.WORLD,
+                                                     "argv": sys.argv, "versions": common.versions()}, indent=1,
+                                                    default=str))
+    print("\n".join([*lines, f"code: commit {run['code']['commit']}, uncommitted changes: {run['code']['dirty']}",
+                     optim.precision_line(args, device, optimizers, run["model_config"]["n_embd"])]))
+
+
+def batch_line(micro, seq_len, world, accum):
+    return (f"batch: tokens per step = micro_batch {micro} x sequence_len {seq_len} x world size {world} x "
+            f"accumulation {accum} = {micro * seq_len * world * accum:,}")
 
 
 # -----------------------------------------------------------------------------
@@ -109,17 +131,10 @@ INHERITED = ["tokenizer", "sequence_len", "micro_batch", "total_batch_tokens", "
              "embedding_lr", "head_lr", "scalar_lr", "weight_decay", "grad_clip", "dtype", "compile"]
 
 
-def hparams(args, seq_len, micro, tokens_per_step):
-    """What a child stage inherits from this run, as its checkpoints record it."""
-    values = {name: getattr(args, name, None) for name in INHERITED}
-    return {**values, "sequence_len": seq_len, "micro_batch": micro, "total_batch_tokens": tokens_per_step}
-
-
 def add_init_args(parser, parents, lr_scale, schedule, warmdown_frac, why):
-    """A stage's start from a checkpoint of one of `parents` (newest first, in that order of preference): the
-    schedule's flags (optim.add_schedule_args); the warm start from its optimizer state with this stage's lr scale and
-    schedule (defaults per stage, `why` says where they come from); --checkpoint; the inherited flags, whose defaults
-    become None, "the parent's value" (--micro_batch is every training stage's, train_loop.add_micro_batch_arg)."""
+    """A stage's start from a checkpoint of one of `parents` (in that order of preference): --checkpoint, the warm start
+    and the schedule (their defaults the stage's; `why` says where they come from), and the inherited flags, whose
+    default None means the parent's value."""
     optim.add_schedule_args(parser)
     g = parser.add_argument_group("warm start: the parent's optimizer state and this stage's lrs")
     g.add_argument("--warm_start", type=parse_bool, default=True, help="continue from the parent checkpoint's "
@@ -181,13 +196,11 @@ def parent_record(parent, meta):
 
 
 def warm_start(parent, parent_meta, model, optimizers, args, device):
-    """Load the parent checkpoint's optimizer state into this stage's optimizers (unsharded or sharded, whatever the
-    parent's world size: load_state), then put back this stage's own hyperparameters (lr, base_lr, weight decay,
-    betas, momentum): the moments continue, the lrs are the stage's. A fresh optimizer at full lr moves every
-    embedding coordinate by about the lr on its first step, since AdamW's first update is sign(gradient); warm
-    moments keep the first steps the size of the parent's last ones. When the parent's state does not fit (another
-    optimizer or other param groups, or a checkpoint that does not record them) the state stays fresh. Returns the
-    line that says which, and why."""
+    """The parent checkpoint's optimizer state (any world size, sharded or not) with this stage's own hyperparameters
+    put back: the moments continue, the lrs are the stage's. A fresh optimizer at full lr moves every embedding
+    coordinate by about the lr on its first step (AdamW's first update is sign(gradient)); warm moments keep the first
+    steps the size of the parent's last ones. A state that does not fit (another optimizer or param groups, or none
+    recorded) stays fresh. Returns the line that says which, and why."""
     if not args.warm_start:
         return "optimizer: fresh state (--warm_start false)"
     recorded, mine = parent_meta.get("optimizers"), checkpoint.optimizer_layout(optimizers)
@@ -215,13 +228,12 @@ def warm_start(parent, parent_meta, model, optimizers, args, device):
 
 
 def start_stage(args, stage, parents, plan, rollouts=False):
-    """midtrain.py's, sft.py's and rl.py's start, up to the first step, as `start` (a namespace): processes; the
-    parent (--checkpoint, else the newest of `parents`), its model, the flags it passes on (inherit); the tokenizer,
-    checked; FSDP where needed; the run directory; micro-batch and accumulation (train_loop.plan_batch); optimizers;
-    plan(args, start), what only the stage knows: a dict of total_steps, loaders, record (for config.json and checkpoints),
-    lines (printed after the batch), and whatever else goes on `start`; config.json and the report; start.step, the
-    resumed checkpoint's or 0 from the parent's optimizer state (warm_start). rollouts (rl.py): replies of their own
-    lengths: no sharding, compile or accumulation; --total_batch_tokens only scales the lrs."""
+    """midtrain.py's, sft.py's and rl.py's start, up to the first step, as a namespace: the parent (--checkpoint, else
+    the newest of `parents`) and what it passes on (inherit), the run directory, batch and optimizers, and start.step:
+    the resumed checkpoint's, or 0 from the parent's optimizer state (warm_start). plan(args, start) gives what only the
+    stage knows: total_steps, loaders, record (for config.json and checkpoints), lines (printed) and anything else it
+    needs. rollouts (rl.py): replies of their own lengths: no sharding, compile or accumulation; --total_batch_tokens
+    only scales the lrs."""
     rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
     parent, _ = checkpoint.pick_checkpoint(args, [(name,) for name in parents])  # in that order of preference
     model, parent_meta = checkpoint.load_model(parent, device)
@@ -247,24 +259,15 @@ def start_stage(args, stage, parents, plan, rollouts=False):
                             micro_batch=micro, accum=accum, seq_len=config.sequence_len,
                             tokens_per_step=tokens_per_step, optimizers=optimizers)
     vars(start).update(plan(args, start))
-    layout = {"model_config": parent_meta["model_config"], "world_size": world, "micro_batch": micro, "accum": accum}
-    start.run = {"stage": stage, "run": args.run_name, **layout, "total_steps": start.total_steps,
-                 "tokens_per_step": tokens_per_step, "code": common.code_version(), "tokenizer": args.tokenizer,
-                 "tokenizer_sha256": tokenizer.fingerprint(), "params": num_params(config), **start.record,
-                 "parent": parent_record(parent, parent_meta)}
-    start.ckpt_meta = {**start.run, "argv": sys.argv, "hparams": hparams(args, config.sequence_len, micro,
-                                                                         tokens_per_step)}
+    layout, start.run, start.ckpt_meta = record_run(
+        args, stage, parent_meta["model_config"], config.sequence_len, micro, accum, world, start.total_steps,
+        tokens_per_step, tokenizer, num_params(config), {**start.record, "parent": parent_record(parent, parent_meta)})
     if rank == 0:
-        write_config(run_dir, {**start.run, "args": vars(args)})
-        print(f"init: {parent} ({parent_meta.get('stage')}, step {parent_meta.get('step')}), params: "
-              f"{start.run['params']}")
-        print("inherited:\n" + "\n".join(f"  {name:<18} {value!s:<14} {where}" for name, value, where in inherited))
-        if not rollouts:
-            print(f"{sharding}\nbatch: tokens per step = micro_batch {micro} x sequence_len {config.sequence_len} x "
-                  f"world size {world} x accumulation {accum} = {tokens_per_step:,}")
-        print("\n".join(start.lines))
-        print(f"code: commit {start.run['code']['commit']}, uncommitted changes: {start.run['code']['dirty']}")
-        print(optim.precision_line(args, device, optimizers, config.n_embd))
+        batch = [] if rollouts else [sharding, batch_line(micro, config.sequence_len, world, accum)]
+        table = "\n".join(f"  {name:<18} {value!s:<14} {where}" for name, value, where in inherited)
+        init = f"init: {parent} ({parent_meta.get('stage')}, step {parent_meta.get('step')})"
+        announce(args, run_dir, start.run, [f"{init}, params: {start.run['params']}", "inherited:\n" + table, *batch,
+                                            *start.lines], optimizers, device)
     if resume_from:
         start.step = checkpoint.resume(resume_from, run_dir, model, optimizers, start.loaders, layout, rank, device)
         return start
@@ -275,9 +278,7 @@ def start_stage(args, stage, parents, plan, rollouts=False):
 
 
 def add_chat_stage_args(parser, data, stage, parents, budgets, eval_every, lr_scale, warmdown_frac, why):
-    """midtrain.py's and sft.py's shared flags, after the stage's own data flags in its group `data`: the held-out
-    conversations and loader threads; the budget (train_loop.add_budget_args's `budgets`); evaluation; the run
-    directory (add_run_args), forgetting, and the schedule and start (add_init_args, the wsd schedule)."""
+    """midtrain.py's and sft.py's shared flags, after the stage's own data flags in its group `data`."""
     data.add_argument("--val_chat_dir", default=None, help="held-out conversations for the validation loss (default: "
                       "the first chat source's test*/val* files)")
     train_loop.add_loader_threads_arg(data)
@@ -296,10 +297,10 @@ def add_chat_stage_args(parser, data, stage, parents, budgets, eval_every, lr_sc
 
 
 def train_chat_stage(args, s, evaluator, summarize):
-    """midtrain.py's and sft.py's training from `s` (start_stage's namespace) to the end. Unless a signal stopped it: the final
-    evaluation (evaluator(step), a dict with val_loss; its other entries go to metrics.jsonl and done.json), what the
-    parent's pretraining text kept (validation.forgetting), and summarize(final), the stage's own figures: (a dict for
-    done.json, the lines printed), called on every rank as it may gather from them. Returns the stopping signal or None."""
+    """midtrain.py's and sft.py's training from `s` (start_stage's) to the end and, unless a signal stopped it (its
+    number is returned), the final evaluation (evaluator(step): val_loss and figures for metrics.jsonl and done.json),
+    forgetting, and summarize(figures): the stage's own (a dict for done.json, lines printed), on every rank as it may
+    gather."""
     train_model = train_loop.wrap_model(s.model, args, s.world, s.local_rank, s.device)
     signum = train_loop.train(args, s.model, train_model, s.optimizers, s.loaders, run_dir=s.run_dir, start=s.step,
                               total_steps=s.total_steps, ckpt_meta=s.ckpt_meta, evaluate=evaluator,

@@ -26,7 +26,6 @@ import train_loop
 import validation
 from dataset import chat_rows, mixture_files, open_parquet, parse_chat_sources
 from loader import STAT_KEYS, PieceBuffer, assign_units, chat_loader, pack_batch
-from model import parse_args
 
 # nanochat's SFT epochs (SmolTalk 1, MMLU auxiliary_train 3, GSM8K 4), with ARC's training questions (letters on
 # science questions) and the identity set (who the assistant is: identity.json) added
@@ -54,9 +53,7 @@ def get_args(argv=None):
                              [("epochs", float, "passes over the mixture (default: 1, as nanochat)"),
                               ("steps", int, "optimizer steps")],
                              eval_every=100, lr_scale=SFT_LR_SCALE, warmdown_frac=SFT_WARMDOWN, why=SFT_WHY)
-    args = parse_args(p, argv)
-    if args.status is None:
-        args.budget_line = train_loop.resolve_budget(args, ["epochs", "steps"], default=("epochs", 1.0))
+    args = train_loop.parse_stage_args(p, argv, ["epochs", "steps"], default=("epochs", 1.0))
     if args.chat_dir and args.source:
         p.error("give --chat_dir or --source, not both")
     try:
@@ -128,12 +125,6 @@ def packing(loaders):
             "padding": stats["padding"] / positions, "skipped": {k: int(stats[k]) for k in reasons}}
 
 
-def evaluate(args, start, batches, step):
-    return {"val_loss": validation.chat_validation(start.model, start.tokenizer, args.sample_prompt or
-                                                   validation.CHAT_QUESTIONS, args.dtype, start.rank, start.world,
-                                                   start.device, start.run_dir, batches, step)}
-
-
 def plan(args, start):
     """What runs.start_stage asks of SFT: its total steps (an epoch estimated: estimate_epoch_batches) and loaders."""
     epoch_batches, estimate = estimate_epoch_batches(args, start.tokenizer, start.micro_batch, start.seq_len,
@@ -159,8 +150,8 @@ def main(argv=None):
     if args.status:
         return train_loop.print_status(Path(args.status))
     s = runs.start_stage(args, "sft", ["midtrain", "pretrain"], plan)
-    evaluator = partial(evaluate, args, s, validation.chat_val_batches(args.val_chat_dir or args.sources[0][0],
-                                                                       s.tokenizer, s.seq_len, args.eval_rows))
+    evaluator = partial(validation.chat_validation, args, s, validation.chat_val_batches(
+        args.val_chat_dir or args.sources[0][0], s.tokenizer, s.seq_len, args.eval_rows))
 
     def summarize(_):  # on every rank: packing gathers from all of them
         rows = packing(s.loaders)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from dataset import CACHE_DIR, MC_LETTERS, chat_files, render_mc
+from dataset import CACHE_DIR, chat_files, multiple_choice
 from distributed import run_main
 from download import download_hub_files, list_hub_files
 
@@ -76,16 +76,9 @@ def read_rows(task, cache_dir, demo_dir):
 def make_item(task, row, where):
     """The fields its kind needs ({"prompt", ...}), from a row in the layout the hub (or demo.py) gives it."""
     try:
-        if task.startswith("ARC"):
-            letters, answer = list(row["choices"]["label"]), row["answerKey"]
-            if answer not in letters:
-                raise KeyError(f"answerKey {answer!r} not among the labels {letters}")
-            return {"prompt": render_mc(row["question"], letters, row["choices"]["text"]), "letters": letters,
-                    "answer": answer, "options": list(row["choices"]["text"]), "question": row["question"]}
-        if task in ("MMLU", "demo-choice"):
-            letters = list(MC_LETTERS[:len(row["choices"])])
-            return {"prompt": render_mc(row["question"], letters, row["choices"]), "letters": letters,
-                    "answer": letters[row["answer" if task == "MMLU" else "gold"]], "options": list(row["choices"]),
+        if task.startswith("ARC") or task in ("MMLU", "demo-choice"):
+            prompt, letters, answer, options = multiple_choice(row, "gold" if task == "demo-choice" else "answer")
+            return {"prompt": prompt, "letters": letters, "answer": answer, "options": options,
                     "question": row["question"]}
         if task in ("GSM8K", "demo-problems"):
             answer = gsm8k_answer(row["answer"])
@@ -96,7 +89,7 @@ def make_item(task, row, where):
             return {"prompt": row["prompt"], "test": row["test"], "entry_point": row["entry_point"],
                     "id": row["task_id"]}
         return {"prompt": row["question"], "answers": list(row["answers"])}
-    except (KeyError, TypeError, IndexError) as e:
+    except (KeyError, TypeError, IndexError, ValueError) as e:
         raise ValueError(f"{where}: not in {task}'s layout ({type(e).__name__}: {e}): the file is damaged or its "
                          f"layout changed; delete it (a hub file is fetched again, the demo world's written again by "
                          f"demo.py), or report the change") from None

@@ -34,7 +34,7 @@ from distributed import (
     mark_progress,
     run_main,
 )
-from model import autocast_context
+from model import autocast_context, parse_args
 from optim import apply_schedule, build_optimizers
 
 # -----------------------------------------------------------------------------
@@ -139,6 +139,18 @@ def resolve_budget(args, names, default=None):
     why = (f", given after {' and '.join(replaced)}, which it replaces (the last budget flag given wins)" if replaced
            else "" if given else " (the default: no budget flag given)")
     return f"budget in force: --{used} {getattr(args, used):g}{why}"
+
+
+def parse_stage_args(parser, argv, budgets, default=None):
+    """A training stage's flags (model.parse_args) and its budget in force (resolve_budget, a bad one a usage error),
+    unless --status only reads a run."""
+    args = parse_args(parser, argv)
+    if args.status is None:
+        try:
+            args.budget_line = resolve_budget(args, budgets, default)
+        except ValueError as e:
+            parser.error(str(e))
+    return args
 
 
 # -----------------------------------------------------------------------------

@@ -26,11 +26,10 @@ from model import autocast_context
 # Validation bits per byte, shared by pretrain.py (during training) and core_eval.py (on a checkpoint)
 
 def val_rows(data_dir, tokenizer, max_tokens, seq_len):
-    """Validation rows of seq_len + 1 tokens, enough for max_tokens targets (fewer if the split is smaller), built
-    the way training rows are: the text loader's BOS-led best-fit packing, one pass over the split, as one virtual
-    rank. So every row starts with BOS as in training (a window starting mid-document would score tokens without
-    their context), and every process and every stage builds the same rows. A last, partly filled row has -1
-    targets after its text."""
+    """Validation rows of seq_len + 1 tokens, enough for max_tokens targets (fewer if the split is smaller), built the
+    way training rows are: the text loader's BOS-led best-fit packing, one pass over the split, as one virtual rank. So
+    every row starts with BOS as in training (a window starting mid-document would score tokens without their context),
+    and every process and every stage builds the same rows. A last, partly filled row has -1 targets after its text."""
     n_rows = max(1, math.ceil(max_tokens / seq_len))
     loader = text_loader(data_dir, "val", tokenizer, min(n_rows, 64), seq_len, max_epochs=1, name="val")
     rows, have = [], 0
@@ -121,16 +120,17 @@ def chat_val_batches(chat_dir, tokenizer, seq_len, max_rows):
     return batches
 
 
-def chat_validation(model, tokenizer, questions, dtype, rank, world, device, run_dir, batches, step):
-    """A chat stage's evaluation: the validation loss per supervised token, and greedy answers to `questions`
-    (rank 0: printed and appended to samples.jsonl). Returns the loss."""
-    loss = chat_val_loss(model, batches, dtype, rank, world, device)
-    answers = chat_answers(model, tokenizer, questions, dtype) if rank == 0 or is_sharded(model) else None
-    if rank == 0:
-        append_jsonl(run_dir / "samples.jsonl", *({"step": step, **a} for a in answers))
+def chat_validation(args, s, batches, step):
+    """A chat stage's evaluation (s: runs.start_stage's): the validation loss per supervised token, and greedy answers
+    to --sample_prompt (rank 0: printed and appended to samples.jsonl). Returns {"val_loss": the loss}."""
+    loss = chat_val_loss(s.model, batches, args.dtype, s.rank, s.world, s.device)
+    questions = args.sample_prompt or CHAT_QUESTIONS
+    answers = chat_answers(s.model, s.tokenizer, questions, args.dtype) if s.rank == 0 or is_sharded(s.model) else None
+    if s.rank == 0:
+        append_jsonl(s.run_dir / "samples.jsonl", *({"step": step, **a} for a in answers))
         print(f"eval step {step}: val loss {loss:.4f}; " + " | ".join(
             f"{a['question']!r} -> {a['answer']!r}" + ("" if a["ended"] else " [no end]") for a in answers))
-    return loss
+    return {"val_loss": loss}
 
 
 @torch.no_grad()
