@@ -184,7 +184,8 @@ def chat_chain(pipeline_started):
 def bench_started(request, pipeline_started, tmp_path_factory):
     """test_bench's dry run of every benchmark (helpers.start_bench_dry_run), when that test is selected: started once
     the pipeline has ended (at once without one), so that its one-process rows take the core the pipeline leaves while
-    the one-process tests go on (measured: 65 s of the suite's end before). (a future of its exit code, its directory)"""
+    the one-process tests go on (it took 65 s at the suite's end; what the move gains is within the run-to-run spread,
+    dev/LOG.md). (a future of its exit code, its directory)"""
     if not any("bench_dry_run" in item.fixturenames for item in request.session.items):
         yield None
         return
