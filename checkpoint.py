@@ -177,8 +177,11 @@ def load_state(path, model, optimizers, device):
     """Model and optimizer state from a checkpoint into `model` (sharded or not) and `optimizers`, whatever the world
     size that wrote it: a sharded checkpoint's state/ through torch.distributed.checkpoint (optimizer state must exist
     to be loaded into: get_state_dict creates it with a step at lr 0, which changes no weight), an unsharded one's
-    model.pt and optimizers.pt (into a sharded model: as full state dicts that set_state_dict shards)."""
+    model.pt and optimizers.pt (into a sharded model: as full state dicts that set_state_dict shards). The optimizers
+    keep this run's kernel choice (foreach/fused): a loaded param group brings the writer's, from another device or
+    version."""
     path = Path(path)
+    kernels = [[{k: g[k] for k in ("foreach", "fused") if k in g} for g in opt.param_groups] for opt in optimizers]
     if (path / "state").is_dir() or is_sharded(model):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
@@ -186,17 +189,22 @@ def load_state(path, model, optimizers, device):
         model_state, optimizer_state = get_state_dict(model, optimizers)
         dcp.load({"model": model_state, "optimizers": optimizer_state}, checkpoint_id=path / "state",
                  no_dist=not dist.is_initialized())
-        return set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optimizer_state)
-    model_state = torch.load(path / "model.pt", map_location=device, weights_only=True)
-    optimizer_state = torch.load(path / "optimizers.pt", map_location=device, weights_only=True)
-    if "state" not in optimizer_state:  # a list, one state dict per optimizer
-        raise ValueError(f"{path}/optimizers.pt is in the format of an older version of this code (by position): "
-                         f"it cannot be resumed; start the run again, or use its model.pt with --checkpoint")
-    if is_sharded(model):
-        return set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optimizer_state,
-                              options=StateDictOptions(full_state_dict=True))
-    model.load_state_dict(model_state)
-    load_named_optimizer_state(model, optimizers, optimizer_state)
+        set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    else:
+        model_state = torch.load(path / "model.pt", map_location=device, weights_only=True)
+        optimizer_state = torch.load(path / "optimizers.pt", map_location=device, weights_only=True)
+        if "state" not in optimizer_state:  # a list, one state dict per optimizer
+            raise ValueError(f"{path}/optimizers.pt is in the format of an older version of this code (by position): "
+                             f"it cannot be resumed; start the run again, or use its model.pt with --checkpoint")
+        if is_sharded(model):
+            set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optimizer_state,
+                           options=StateDictOptions(full_state_dict=True))
+        else:
+            model.load_state_dict(model_state)
+            load_named_optimizer_state(model, optimizers, optimizer_state)
+    for opt, groups in zip(optimizers, kernels):
+        for group, kernel in zip(opt.param_groups, groups):
+            group.update(kernel)
 
 
 def load_rank_states(path, meta, rank, accum):
