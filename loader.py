@@ -314,6 +314,7 @@ class PackedLoader:
                       "pass_tokens": 0}
         self._threads, self._batches = [], None  # the running pipeline's threads and its Pipe of batches
         self._reported = 0  # skipped conversations printed so far
+        self._footers = {}  # path: its parquet metadata (the reader's, for its row groups' sizes)
 
     # --- state ---------------------------------------------------------------------------------------------------
     @property
@@ -428,19 +429,21 @@ class PackedLoader:
     def _encode(self, unit, skip, doc_order=None):
         """The documents of a unit from position `skip` on, in file order or shuffled with the seed `doc_order`."""
         path, row_group, first, step = unit
-        items = read_row_group(path, row_group, "text") if self.kind == "text" else chat_rows(path, row_group)
-        rows = list(range(first, len(items), step))  # indices in the row group
+        if path not in self._footers:  # the row groups' sizes: read once, not at every pass over the unit
+            self._footers[path] = open_parquet(path, column=None).metadata
+        rows = list(range(first, self._footers[path].row_group(row_group).num_rows, step))  # indices in the row group
         if doc_order is not None:
             random.Random(doc_order).shuffle(rows)
         rows = rows[skip:]
         if self.kind == "text":
+            items = read_row_group(path, row_group, "text")
             texts = [items[r] for r in rows]
             encoded = iter(self.tokenizer.encode_batch([t for t in texts if t], num_threads=self.threads))
             bos = self.tokenizer.bos_id
             return [np.array([bos, *next(encoded)], dtype=np.int32) if t else None for t in texts]
         out = []
-        for r in rows:
-            conversation, why = ("malformed", items[r]) if isinstance(items[r], str) else self._render(items[r])
+        for r, item in zip(rows, chat_rows(path, row_group, rows), strict=True):
+            conversation, why = ("malformed", item) if isinstance(item, str) else self._render(item)
             if why and self.rank == 0 and self._reported < REPORT_SKIPPED:
                 self._reported += 1
                 row = sum(open_parquet(path, None).metadata.row_group(g).num_rows for g in range(row_group)) + r
