@@ -307,13 +307,19 @@ class PackedLoader:
         # training: at most one pass of this rank's documents buffered, else a small set (24 conversations) is read a
         # thousand times over to fill the buffer before the first row, each pass a read of its file (with max_epochs
         # the data ends instead: unchanged, so validation rows stay what they were)
-        self.buffer_docs = buffer_docs if max_epochs is not None else \
-            min(buffer_docs, max(1, epoch_documents(self.units, buffer_docs)))
+        pass_docs = epoch_documents(self.units, buffer_docs) if max_epochs is None else None
+        self.buffer_docs = buffer_docs if max_epochs is not None else min(buffer_docs, max(1, pass_docs))
+        # a training stream whose pass is shorter than buffer_docs (a small source over many streams: 120 ARC questions
+        # on 32 streams are a pass every few rows) keeps its documents encoded after their first read, as the buffer
+        # could hold them anyway: a later pass is no file read and no tokenizing, only their new order. {(unit, row in
+        # its row group): what _read_unit made of it}; None: every pass reads
+        self._encoded = {} if max_epochs is None and pass_docs < buffer_docs else None
         # epoch, unit, doc: where the reader goes on; pass_tokens: a pass's document tokens, once read (see epoch)
         self.state = {"epoch": 0, "unit": 0, "doc": 0, "buffer": [], "stats": dict.fromkeys(STAT_KEYS, 0),
                       "pass_tokens": 0}
         self._threads, self._batches = [], None  # the running pipeline's threads and its Pipe of batches
         self._reported = 0  # skipped conversations printed so far
+        self._footers = {}  # path: its parquet metadata (the reader's, for its row groups' sizes)
 
     # --- state ---------------------------------------------------------------------------------------------------
     @property
@@ -428,19 +434,22 @@ class PackedLoader:
     def _encode(self, unit, skip, doc_order=None):
         """The documents of a unit from position `skip` on, in file order or shuffled with the seed `doc_order`."""
         path, row_group, first, step = unit
-        items = read_row_group(path, row_group, "text") if self.kind == "text" else chat_rows(path, row_group)
-        rows = list(range(first, len(items), step))  # indices in the row group
+        if path not in self._footers:  # the row groups' sizes: read once, not at every pass over the unit
+            self._footers[path] = open_parquet(path, column=None).metadata
+        rows = list(range(first, self._footers[path].row_group(row_group).num_rows, step))  # indices in the row group
         if doc_order is not None:
             random.Random(doc_order).shuffle(rows)
         rows = rows[skip:]
+        if self._encoded is not None and all((unit, r) in self._encoded for r in rows):
+            encoded = [self._encoded[unit, r] for r in rows]
+        else:
+            encoded = self._read_unit(path, row_group, rows)
+            if self._encoded is not None:
+                self._encoded.update(zip([(unit, r) for r in rows], encoded, strict=True))
         if self.kind == "text":
-            texts = [items[r] for r in rows]
-            encoded = iter(self.tokenizer.encode_batch([t for t in texts if t], num_threads=self.threads))
-            bos = self.tokenizer.bos_id
-            return [np.array([bos, *next(encoded)], dtype=np.int32) if t else None for t in texts]
+            return encoded
         out = []
-        for r in rows:
-            conversation, why = ("malformed", items[r]) if isinstance(items[r], str) else self._render(items[r])
+        for r, (conversation, why) in zip(rows, encoded, strict=True):
             if why and self.rank == 0 and self._reported < REPORT_SKIPPED:
                 self._reported += 1
                 row = sum(open_parquet(path, None).metadata.row_group(g).num_rows for g in range(row_group)) + r
@@ -449,6 +458,18 @@ class PackedLoader:
                 print(f"{self.name} loader: skipping {path} row {row}: {why}{more}")
             out.append(conversation)
         return out
+
+    def _read_unit(self, path, row_group, rows):
+        """The rows of a row group, read and encoded: text as BOS-led ids (None: empty), a conversation as _render's
+        (document, why it is skipped or None)."""
+        if self.kind == "text":
+            items = read_row_group(path, row_group, "text")
+            texts = [items[r] for r in rows]
+            encoded = iter(self.tokenizer.encode_batch([t for t in texts if t], num_threads=self.threads))
+            bos = self.tokenizer.bos_id
+            return [np.array([bos, *next(encoded)], dtype=np.int32) if t else None for t in texts]
+        return [("malformed", item) if isinstance(item, str) else self._render(item)
+                for item in chat_rows(path, row_group, rows)]
 
     def _render(self, messages):
         """(ids, mask) arrays of one conversation, or the stats key it is skipped under; then why it is bad input,

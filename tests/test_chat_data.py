@@ -244,6 +244,31 @@ def test_a_seeded_resume_mid_epoch_is_bit_identical(world, tmp_path, kind, pack)
         loader(seed=6).load_state_dict(state)
 
 
+@pytest.mark.parametrize("kind,pack", [("text", None), ("chat", "pad"), ("chat", "crop")])
+def test_a_small_streams_kept_passes_are_the_passes_read_anew(world, tmp_path, kind, pack):
+    """A training stream whose pass is shorter than buffer_docs (here 13 documents: a row group whole, and a share of
+    the last) reads and encodes each unit once and keeps it: its later, reshuffled passes, and a resume in one, give
+    the batches of a stream that reads every pass anew."""
+    _, tok, demo = world
+    files = text_files(tmp_path, n=40) if kind == "text" else [write_chat(tmp_path, demo[:40], row_group_size=12) /
+                                                                 "train.parquet"]
+
+    def loader(keep=True):
+        stream = L.PackedLoader(files, tok, 4, 64, kind=kind, pack=pack, seed=5, rank=1, world_size=3, threads=1)
+        stream._encoded = stream._encoded if keep else None  # None: every pass reads its files
+        return stream
+    expected, kept, reads = take(loader(keep=False), 30), loader(), []
+    read_unit = kept._read_unit
+    kept._read_unit = lambda *unit: reads.append(unit) or read_unit(*unit)
+    resumed = [next(kept) for _ in range(11)]
+    state = through_checkpoint(kept.state_dict())
+    kept.close()
+    assert kept.state["epoch"] >= 2 and len(reads) == len(kept.units) == 2  # passes after the first: no reads
+    second = loader()
+    second.load_state_dict(state)
+    assert same(expected, resumed + take(second, 19))
+
+
 # --- the mixture --------------------------------------------------------------------------------------------------
 
 def three_sources(world, tmp_path):
