@@ -452,7 +452,7 @@ class PackedLoader:
         for r, (conversation, why) in zip(rows, encoded, strict=True):
             if why and self.rank == 0 and self._reported < REPORT_SKIPPED:
                 self._reported += 1
-                row = sum(open_parquet(path, None).metadata.row_group(g).num_rows for g in range(row_group)) + r
+                row = sum(self._footers[path].row_group(g).num_rows for g in range(row_group)) + r
                 more = f" (only the first {REPORT_SKIPPED} are printed; log_line() counts them all)" \
                     if self._reported == REPORT_SKIPPED else ""
                 print(f"{self.name} loader: skipping {path} row {row}: {why}{more}")
