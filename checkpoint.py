@@ -173,15 +173,26 @@ def load_named_optimizer_state(model, optimizers, merged):
                              "param_groups": [{**g, "params": [index[name] for name in g["params"]]} for g in saved]})
 
 
-def load_state(path, model, optimizers, device):
+def load_state(path, model, optimizers, device, keep=("foreach", "fused", "ns_dtype")):
     """Model and optimizer state from a checkpoint into `model` (sharded or not) and `optimizers`, whatever the world
     size that wrote it: a sharded checkpoint's state/ through torch.distributed.checkpoint (optimizer state must exist
     to be loaded into: get_state_dict creates it with a step at lr 0, which changes no weight), an unsharded one's
-    model.pt and optimizers.pt (into a sharded model: as full state dicts that set_state_dict shards). The optimizers
-    keep this run's kernel choice (foreach/fused): a loaded param group brings the writer's, from another device or
-    version."""
+    model.pt and optimizers.pt (into a sharded model: as full state dicts that set_state_dict shards). A loaded param
+    group brings the writer's keys; the optimizers keep this run's for those in `keep`, even when the load fails: by
+    default the device's choices (AdamW's kernel, Muon's Newton-Schulz dtype), as the writer may have run on another
+    device or version; keep=None keeps every key but the params (a warm start: the new stage's hyperparameters)."""
     path = Path(path)
-    kernels = [[{k: g[k] for k in ("foreach", "fused") if k in g} for g in opt.param_groups] for opt in optimizers]
+    kept = [[{k: v for k, v in g.items() if k != "params" and (keep is None or k in keep)} for g in opt.param_groups]
+            for opt in optimizers]
+    try:
+        _load_state(path, model, optimizers, device)
+    finally:
+        for opt, groups in zip(optimizers, kept, strict=True):
+            for group, values in zip(opt.param_groups, groups, strict=True):
+                group.update(values)
+
+
+def _load_state(path, model, optimizers, device):
     if (path / "state").is_dir() or is_sharded(model):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
@@ -202,9 +213,6 @@ def load_state(path, model, optimizers, device):
         else:
             model.load_state_dict(model_state)
             load_named_optimizer_state(model, optimizers, optimizer_state)
-    for opt, groups in zip(optimizers, kernels):
-        for group, kernel in zip(opt.param_groups, groups):
-            group.update(kernel)
 
 
 def load_rank_states(path, meta, rank, accum):

@@ -210,15 +210,9 @@ def warm_start(parent, parent_meta, model, optimizers, args, device):
     if recorded != mine:
         return (f"optimizer: fresh state: the parent's optimizers {recorded} are not this stage's {mine} (another "
                 f"--optimizer or --adam8bit, or another model)")
-    own = [{k: v for k, v in group.items() if k != "params"} for opt in optimizers for group in opt.param_groups]
     try:
-        checkpoint.load_state(parent, model, optimizers, device)
-        error = None
-    except (ValueError, KeyError, RuntimeError, FileNotFoundError) as e:
-        error = e
-    for group, hyper in zip((g for opt in optimizers for g in opt.param_groups), own, strict=True):
-        group.update(hyper)
-    if error is not None:
+        checkpoint.load_state(parent, model, optimizers, device, keep=None)  # this stage's hyperparameters
+    except (ValueError, KeyError, RuntimeError, FileNotFoundError) as error:
         for opt in optimizers:  # a partly loaded state is no state
             opt.state.clear()
         return f"optimizer: fresh state: the parent's could not be loaded ({type(error).__name__}: {error})"

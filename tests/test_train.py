@@ -96,15 +96,18 @@ def test_resuming_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path, c
     assert all((c / "model.pt").is_file() for c in aside) and "moved to" in capsys.readouterr().out
 
 
-def test_a_loaded_optimizer_keeps_this_runs_adamw_kernel_and_takes_the_saved_moments(tmp_path):
-    """A checkpoint written by a foreach AdamW (an older version's CPU choice) loads into this run's fused one: the
-    moments and step are the saved ones, the kernel stays fused (a param group's saved keys would bring foreach back)."""
+def test_a_loaded_optimizer_keeps_this_runs_kernel_and_newton_schulz_dtype_and_takes_the_saved_moments(tmp_path):
+    """A checkpoint written by a foreach AdamW (an older version's CPU choice) and a Newton-Schulz in the other dtype
+    (another device's choice) loads into this run's optimizers: the moments and step are the saved ones, the kernel
+    stays fused and Newton-Schulz in this device's dtype (a param group's saved keys would bring the writer's back)."""
     args = Namespace(optimizer="muon", adam8bit=False, matrix_lr=0.02, embedding_lr=0.2, head_lr=0.004, scalar_lr=0.04)
     torch.manual_seed(0)
     model = tiny_model()
     optimizers = optim.build_optimizers(model, args, 32, 128, torch.device("cpu"))
     for group in optimizers[0].param_groups:
         group.update(foreach=True, fused=None)
+    mine = optimizers[1].param_groups[0]["ns_dtype"]
+    optimizers[1].param_groups[0]["ns_dtype"] = {"float32": "bfloat16", "bfloat16": "float32"}[mine]
     model(*global_batch()[:2], reduction="sum").backward()
     for opt in optimizers:
         opt.step()
@@ -113,6 +116,7 @@ def test_a_loaded_optimizer_keeps_this_runs_adamw_kernel_and_takes_the_saved_mom
     fresh = optim.build_optimizers(loaded_model, args, 32, 128, torch.device("cpu"))
     checkpoint.load_state(tmp_path / "ckpt" / "step_000001", loaded_model, fresh, torch.device("cpu"))
     assert all(g["fused"] is True and not g["foreach"] for g in fresh[0].param_groups)
+    assert fresh[1].param_groups[0]["ns_dtype"] == mine == optim.matmul_dtype(torch.device("cpu"), 32)
     saved, loaded = optimizers[0].state_dict()["state"], fresh[0].state_dict()["state"]
     assert saved.keys() == loaded.keys() and all(torch.equal(saved[i][k], loaded[i][k]) for i in saved for k in saved[i])
 
