@@ -652,7 +652,8 @@ class _NoInitOnMeta(torch.overrides.TorchFunctionMode):
     meta device: a meta tensor holds no values, and init_weights() sets every one on the real device. Run there, torch
     computes them through its Python reference kernels, whose first use imports torch._dynamo: ~2 s of every process
     that builds a model and compiles nothing (chat.py's start, an evaluation). The weights and the random stream after
-    build_model are the same either way (meta tensors draw nothing)."""
+    build_model are the same either way (meta tensors draw nothing). to_empty's empty_like gets the contiguous format
+    it makes anyway: without it, a meta tensor's layout is computed by reference code that imports sympy (~0.4 s)."""
 
     SKIPPED = (torch.Tensor.normal_, torch.Tensor.uniform_)
 
@@ -660,6 +661,8 @@ class _NoInitOnMeta(torch.overrides.TorchFunctionMode):
         kwargs = kwargs or {}
         if func in self.SKIPPED or getattr(func, "__module__", None) == "torch.nn.init":
             return args[0] if args else kwargs["tensor"]
+        if func is torch.empty_like:
+            kwargs = {"memory_format": torch.contiguous_format, **kwargs}
         return func(*args, **kwargs)
 
 
@@ -667,7 +670,8 @@ def build_model(config, device="cpu"):
     """Construct on the meta device (no memory, no init cost), then allocate on `device` and initialize there."""
     with torch.device("meta"), _NoInitOnMeta():
         model = GPT(config)
-    model.to_empty(device=device)
+    with _NoInitOnMeta():
+        model.to_empty(device=device)
     model.init_weights()
     return model
 
