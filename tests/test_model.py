@@ -123,6 +123,15 @@ def test_memory_estimate_components():
     assert ckpt["activations"] < est["activations"] / 5
 
 
+def test_building_a_model_imports_neither_dynamo_nor_sympy():
+    """A process that builds a model and compiles nothing (chat.py, an evaluation) starts without torch._dynamo
+    (~2 s) or sympy (~0.4 s): build_model's meta construction and to_empty stay off torch's reference kernels."""
+    program = ("import sys, model; m = model.build_model(model.GPTConfig(), 'cpu'); "
+               "print(sorted(n for n in ('torch._dynamo', 'sympy') if n in sys.modules), bool(m.lm_head.weight.std() > 0))")
+    out = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out == "[] True\n"
+
+
 def test_cli_prints_exact_counts(capsys):
     as_user = subprocess.run([sys.executable, "model.py", "--preset", "llama3-1b"], cwd=ROOT, capture_output=True,
                              text=True, check=True).stdout  # once as a user runs it, then in-process
