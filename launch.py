@@ -441,7 +441,7 @@ def probe(run, command, stage=None):
     timeout, mbytes = int(os.environ.get("SPEEDRUN_PROBE_TIMEOUT", "120")), os.environ.get("SPEEDRUN_PROBE_MB", "64")
     transport = state["transport"]
     if not stage and (state["gpus"] == 0 or state["on_cpu"]):
-        transport = "gloo (cpu)"
+        transport = "gloo (cpu)" if state["gpus"] else "none (one CPU process)"
     elif not stage and os.environ.get("NCCL_SAFE", "0") == "1":
         nccl["safe"], transport = True, f"nccl safe flags (NCCL_SAFE=1: {SAFE_TEXT})"
     else:

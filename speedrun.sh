@@ -4,9 +4,10 @@
 #   bash speedrun.sh --plan demo --no_chat
 #   bash speedrun.sh --rehearse         # every stage of the plan for a few steps or items, in minutes
 #   bash speedrun.sh --help             # every flag with its default
-# Each stage is one of this repository's scripts, run by launch.py (under torchrun: one process per GPU, one on the
-# CPU) in its own process group, its output to the terminal and to runs/<run>/logs/<stage>.log. A rerun skips the
-# stages that finished and resumes an interrupted training stage from its last checkpoint.
+# Each stage is one of this repository's scripts, run by launch.py (under torchrun: one process per GPU, or per CPU
+# process given by --gpus N; with --gpus 0, one process as a user runs a stage alone) in its own process group, its
+# output to the terminal and to runs/<run>/logs/<stage>.log. A rerun skips the stages that finished and resumes an
+# interrupted training stage from its last checkpoint.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")" && pwd)  # the scripts; relative paths (--runs_dir, --data_dir) are the caller's
 export PYTHONUNBUFFERED=1  # every line reaches the log and the terminal when printed
@@ -22,6 +23,7 @@ SETUP=$(mktemp)  # launch.py writes the variables there (its own lines go to the
 "${L[@]}" setup "$SETUP" "$@" || { rc=$?; rm -f "$SETUP"; exit "$rc"; }
 . "$SETUP"
 LAUNCH=("$PY" -m torch.distributed.run --standalone "--nproc_per_node=$NPROC")
+if [ "$GPUS" = 0 ]; then LAUNCH=("$PY"); fi  # one CPU process: torchrun's own start would be ~2 s of every stage
 
 # Stopping: a signal is passed on to the running launch.py, which ends the stage (a training stage checkpoints first,
 # given SPEEDRUN_KILL_WAIT); on any exit, every process still carrying this run's MARK is ended the same way.
