@@ -23,7 +23,7 @@ SETUP=$(mktemp)  # launch.py writes the variables there (its own lines go to the
 "${L[@]}" setup "$SETUP" "$@" || { rc=$?; rm -f "$SETUP"; exit "$rc"; }
 . "$SETUP"
 LAUNCH=("$PY" -m torch.distributed.run --standalone "--nproc_per_node=$NPROC")
-if [ "$GPUS" = 0 ]; then LAUNCH=("$PY"); fi  # one CPU process: torchrun's own start would be ~2 s of every stage
+if [ "$GPUS" = 0 ]; then LAUNCH=("$PY"); fi  # one CPU process: torchrun's own start would be ~1.4 s of every stage
 
 # Stopping: a signal is passed on to the running launch.py, which ends the stage (a training stage checkpoints first,
 # given SPEEDRUN_KILL_WAIT); on any exit, every process still carrying this run's MARK is ended the same way.
