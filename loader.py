@@ -59,9 +59,10 @@ def assign_units(files, rank, world_size):
     return units
 
 
-def epoch_documents(units, enough):
-    """The documents in units (one pass of a rank's data), from the parquet footers; counting stops at `enough`."""
-    total, footers = 0, {}
+def epoch_documents(units, enough, footers):
+    """The documents in units (one pass of a rank's data), from the parquet footers (footers: path -> its metadata,
+    read where missing and kept there); counting stops at `enough`."""
+    total = 0
     for path, i, first, step in units:
         if path not in footers:
             footers[path] = open_parquet(path, column=None).metadata
@@ -307,7 +308,8 @@ class PackedLoader:
         # training: at most one pass of this rank's documents buffered, else a small set (24 conversations) is read a
         # thousand times over to fill the buffer before the first row, each pass a read of its file (with max_epochs
         # the data ends instead: unchanged, so validation rows stay what they were)
-        pass_docs = epoch_documents(self.units, buffer_docs) if max_epochs is None else None
+        self._footers = {}  # path: its parquet metadata (the reader's, for its row groups' sizes)
+        pass_docs = epoch_documents(self.units, buffer_docs, self._footers) if max_epochs is None else None
         self.buffer_docs = buffer_docs if max_epochs is not None else min(buffer_docs, max(1, pass_docs))
         # a training stream whose pass is shorter than buffer_docs (a small source over many streams: 120 ARC questions
         # on 32 streams are a pass every few rows) keeps its documents encoded after their first read, as the buffer
@@ -319,7 +321,6 @@ class PackedLoader:
                       "pass_tokens": 0}
         self._threads, self._batches = [], None  # the running pipeline's threads and its Pipe of batches
         self._reported = 0  # skipped conversations printed so far
-        self._footers = {}  # path: its parquet metadata (the reader's, for its row groups' sizes)
 
     # --- state ---------------------------------------------------------------------------------------------------
     @property
