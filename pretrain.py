@@ -149,8 +149,8 @@ def plan_checkpoints(args, steps, tokens_per_step):
 def check_disk(args, config, data_dir, shards, steps, tokens_per_step):
     """Free disk against the plan's estimate, before any of it is spent: the shards still missing (their listed sizes
     when dataset.py saved the hub's listing, else the mean of those on disk) on data_dir's disk, and the full
-    checkpoints the plan holds at once (plan_checkpoints) x checkpoint_bytes on
-    --runs_dir's (d20, 1.4B parameters: 15.2 GB each)."""
+    checkpoints the plan holds at once (plan_checkpoints) x checkpoint_bytes, less those a resumed run has saved
+    already, on --runs_dir's (d20, 1.4B parameters: 15.2 GB each)."""
     import shutil
     have = {p.name: p.stat().st_size for p in data_dir.glob("*.parquet")}
     listing = data_dir / ".hub_listing.json"
@@ -163,17 +163,21 @@ def check_disk(args, config, data_dir, shards, steps, tokens_per_step):
         shard_bytes = max(0, shards + 1 - len(have)) * (sum(have.values()) // max(1, len(have)))
     ckpt = checkpoint_bytes(config, args.optimizer)
     count, how = plan_checkpoints(args, steps, tokens_per_step)
-    ckpt_bytes = count * ckpt
     runs_dir = Path(args.runs_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
+    # a rerun that resumes: the checkpoints its finished stages saved are among those counted, and already on disk
+    saved = sum(f.stat().st_size for f in runs_dir.glob("*/ckpt/step_*/**/*") if f.is_file())
+    ckpt_bytes = max(0, count * ckpt - saved)
     needs = {}  # device: [bytes, free, where]
-    for path, count, what in ((data_dir, shard_bytes, "shards"), (runs_dir, ckpt_bytes, "checkpoints")):
+    for path, size, what in ((data_dir, shard_bytes, "shards"), (runs_dir, ckpt_bytes, "checkpoints")):
         dev = path.stat().st_dev
         needs.setdefault(dev, [0, shutil.disk_usage(path).free, []])
-        needs[dev][0] += count
+        needs[dev][0] += size
         needs[dev][2].append(f"{what} in {path}")
     print(f"data plan disk: {shard_bytes / 1e9:.1f} GB of shards still to fetch; checkpoints: {how} x {ckpt / 1e9:.2f} "
-          f"GB ({num_params(config):,} parameters: fp32 weights and optimizer state) = {ckpt_bytes / 1e9:.1f} GB")
+          f"GB ({num_params(config):,} parameters: fp32 weights and optimizer state) = {count * ckpt / 1e9:.1f} GB"
+          + (f", {saved / 1e9:.1f} GB of them saved already in {runs_dir}: {ckpt_bytes / 1e9:.1f} GB to come" if saved
+             else ""))
     for need, free, where in needs.values():
         if need > free:
             raise ValueError(f"not enough disk: {', '.join(where)} need {need / 1e9:.1f} GB, {free / 1e9:.1f} GB are "

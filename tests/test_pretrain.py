@@ -460,6 +460,33 @@ def test_the_data_plan_stops_when_the_disk_cannot_hold_the_checkpoints(world, tm
     assert need == pytest.approx(shards + ckpts, abs=0.11)
 
 
+def test_a_resumed_runs_saved_checkpoints_count_as_space_it_holds_already(world, tmp_path, monkeypatch, capsys):
+    """A rerun after three stages finished: their checkpoints are on disk and among those the plan counts, so the data
+    plan needs only the rest (a resume of the d20 rehearsal on one GPU box was refused: 4 x 15.2 GB counted, 3 saved)."""
+    import shutil
+    from collections import namedtuple
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 ** 12, 0, 10 ** 6))
+    runs = tmp_path / "runs"
+    args = ["--data_dir", str(world / "demo" / "pretrain"), "--tokenizer", str(world / "tokenizer"), "--runs_dir",
+            str(runs), "--preset", "d20", "--steps", "3", "--total_batch_tokens", "8192", "--keep", "1", "--data_plan"]
+    each = pretrain.checkpoint_bytes(config_from_preset("d20", {"vocab_size": 1024}), "muon")
+    for saved_stages in ([], ["pretrain", "midtrain", "sft"]):
+        for stage in saved_stages:  # sparse files: a checkpoint's size without taking the disk
+            (runs / stage / "ckpt" / "step_000003").mkdir(parents=True)
+            with open(runs / stage / "ckpt" / "step_000003" / "model.pt", "wb") as f:
+                f.truncate(each)
+        with pytest.raises(ValueError, match=r"not enough disk: .* need ([\d.]+) GB") as err:
+            pretrain.main(args)
+        out = capsys.readouterr().out
+        shards = float(re.search(r"data plan disk: ([\d.]+) GB of shards", out).group(1))
+        need = float(re.search(r"need ([\d.]+) GB", str(err.value)).group(1))
+        assert f"at most 4 at once x {each / 1e9:.2f} GB" in out
+        assert need == pytest.approx(shards + (4 - len(saved_stages)) * each / 1e9, abs=0.11)
+    assert f"= {4 * each / 1e9:.1f} GB, {3 * each / 1e9:.1f} GB of them saved already in {runs}: {each / 1e9:.1f} GB " \
+           f"to come" in out
+
+
 def test_a_shards_token_count_is_cached_and_a_read_only_corpus_still_counts(world, tmp_path):
     from tokenizer import Tokenizer
     corpus = tmp_path / "corpus"
