@@ -591,14 +591,16 @@ def rehearsal_passed(run, rehearsal):
 
 
 def rehearsed(run, seconds):
-    """A rehearsal passed: each stage's time printed, and rehearsed.json, which says so (no second rehearsal)."""
-    state = read_state(run)
-    stages = stage_rows(run)[state["stages_before"]:]
-    say(run, f"rehearsal passed in {seconds} s; each stage's time (s):")
-    for name, took, _ in stages:
+    """A rehearsal passed: each stage's time printed (a resumed one's, skipped now, first), and rehearsed.json."""
+    state, rows = read_state(run), stage_rows(run)
+    now = {name: took for name, took, _ in rows[state["stages_before"]:]}
+    earlier = {name: took for name, took, status in rows[:state["stages_before"]] if status == "0" and name not in now}
+    resumed = f" (resumed: {', '.join(earlier)} passed before it)" if earlier else ""
+    say(run, f"rehearsal passed in {seconds} s{resumed}; each stage's time (s):")
+    for name, took in {**earlier, **now}.items():
         say(run, f"  {name:<15} {took:>8}", prefix="")
     record = {"plan": state["plan"], "processes": state["nproc"], "cpu": state["on_cpu"], "seconds": seconds,
-              "stages": {name: float(took) for name, took, _ in stages}}
+              "stages": {name: float(took) for name, took in {**earlier, **now}.items()}, "resumed_after": [*earlier]}
     Path(run, "rehearsed.json").write_text(json.dumps(record) + "\n")
 
 

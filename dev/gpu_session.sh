@@ -4,6 +4,8 @@
 # Everything it writes goes to $OUT as a few files (the device tool brings back at most 8).
 #
 #   on the GPU:  bash dev/gpu_session.sh rehearse              (carry: .whl, the wheels below)
+#                bash dev/gpu_session.sh resume                (the next call, on the warm machine: the same
+#                                                               rehearsal, its finished stages skipped)
 #                bash dev/gpu_session.sh bench mfu_d20         (carry: .whl .bench, after dev/gpu_carry.py prepare)
 #   after the calls, here: python dev/gpu_carry.py merge A/bench/gpu_bench.json B/bench/gpu_bench.json --out DIR
 #   on the CPU:  OUT=/tmp/gs SPEEDRUN_PYTHON=.venv/bin/python bash dev/gpu_session.sh rehearse --gpus 2 --depth 2
@@ -12,7 +14,8 @@
 # huggingface_hub 2.4.0 and its needs): dev/LOG.md names the pip download command.
 # SESSION_TIMEOUT caps the phase in seconds (default 420), so $OUT is filled before the device call's own limit:
 # give the call's timeout_s at least 60 s more (a stopped stage gets SPEEDRUN_KILL_WAIT, 10 s here, to checkpoint).
-# Budget the device time: on 2026-11-26 a fresh H200 took ~8 minutes to start (dev/LOG.md).
+# Budget the device time: a fresh H200 took ~8 minutes to start on 2026-11-26, ~40 s on 2026-11-27; the d20 rehearsal
+# needs ~13 minutes of it, so two calls: rehearse (SESSION_TIMEOUT=535, timeout_s 600), then resume (dev/LOG.md).
 #
 # Expected GPU time of each row of bench.py gpu (bench_gpu.py), both sides, on one H100 or H200 (estimated, not
 # measured: the step times from the one H100 run of dev/LOG.md, d20 at 106,942 tok/s and d12 at 347,139, d26 scaled by
@@ -30,7 +33,7 @@ cd "$ROOT"
 OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
 WORK=${WORK:-/tmp/gpu_session_work}
-PHASE=${1:?usage: bash dev/gpu_session.sh rehearse|bench ROWS... [flags]}
+PHASE=${1:?usage: bash dev/gpu_session.sh rehearse|resume|bench ROWS... [flags]}
 shift
 LIMIT=${SESSION_TIMEOUT:-420}
 exec > >(tee -a "$OUT/session_$PHASE.log") 2>&1
@@ -45,9 +48,10 @@ command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,
 "$PY" -c 'import sys, torch, huggingface_hub as h; print("python", sys.version.split()[0], "torch", torch.__version__,
     "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), "huggingface_hub", h.__version__)'
 
-if [ "$PHASE" = rehearse ]; then
-    rm -rf "$WORK"
+if [ "$PHASE" = rehearse ] || [ "$PHASE" = resume ]; then
+    [ "$PHASE" = rehearse ] && rm -rf "$WORK"  # resume: the same work dir, so speedrun.sh skips what finished
     mkdir -p "$WORK"
+    rm -f "$WORK/stand_in.log"  # a resume's: its line must be the new stand-in's
     "$PY" dev/hub_stand_in.py --port 8765 > "$WORK/stand_in.log" 2>&1 &
     STAND_IN=$!
     for _ in $(seq 600); do grep -q "point the gpu plan" "$WORK/stand_in.log" 2>/dev/null && break; sleep 0.5; done

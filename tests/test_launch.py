@@ -198,11 +198,22 @@ def test_the_rehearsals_record_holds_this_invocations_stages(tmp_path, capsys):
     launch.rehearsed(str(run), 42)
     assert json.loads((run / "rehearsed.json").read_text()) == {
         "plan": "gpu", "processes": 2, "cpu": True, "seconds": 42,
-        "stages": {"pretrain": 12.5, "chat_eval_pretrain": 3.0}}
+        "stages": {"pretrain": 12.5, "chat_eval_pretrain": 3.0}, "resumed_after": []}
     out = capsys.readouterr().out
     assert "speedrun: rehearsal passed in 42 s; each stage's time (s):\n  pretrain            12.5\n" \
            "  chat_eval_pretrain      3.0\n" in out
     assert out.split("\n", 1)[1] in (run / "logs" / "speedrun.log").read_text()
+    # a resumed rehearsal (a device call's time ran out): the stages that passed before it and were skipped in it
+    # count, its own rows after them; a stage that failed before and passed now is counted once, as now
+    run = start_run(tmp_path / "resumed", plan="gpu", nproc=1, on_cpu=False, stages_before=4)
+    (run / "logs" / "stages.tsv").write_text("data\t1.5\t0\npretrain\t174.7\t0\nmidtrain\t90.8\t0\n"
+                                             "rl\t80.0\t130\nrl\t61.0\t0\nchat\t45.0\t0\n")
+    launch.rehearsed(str(run), 120)
+    record = json.loads((run / "rehearsed.json").read_text())
+    assert record["stages"] == {"data": 1.5, "pretrain": 174.7, "midtrain": 90.8, "rl": 61.0, "chat": 45.0}
+    assert record["resumed_after"] == ["data", "pretrain", "midtrain"] and record["seconds"] == 120
+    assert "speedrun: rehearsal passed in 120 s (resumed: data, pretrain, midtrain passed before it); each " \
+           "stage's time (s):\n  data                 1.5\n  pretrain           174.7\n" in capsys.readouterr().out
 
 
 def test_the_gpu_plan_rehearses_once_and_says_why_not(tmp_path, capsys):
