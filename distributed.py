@@ -8,6 +8,8 @@ Not a stage: import it. One command line, speedrun.sh's NCCL check, run under to
     python -m torch.distributed.run --standalone --nproc_per_node=8 distributed.py probe --timeout 60
 """
 import argparse
+import atexit
+import contextlib
 import ctypes
 import ctypes.util
 import json
@@ -195,11 +197,16 @@ def run_main(main):
     finalization: whatever still holds the process group keeps gloo's threads alive (see init_process_group; after
     fully_shard, a DeviceMesh holds it in its _pg_registry, and DTensor's C++ sharding cache holds the mesh), and
     threads alive while the interpreter is torn down are how a rank aborted now and then ("terminate called without
-    an active exception")."""
+    an active exception"). A script run by python alike, after its atexit handlers: the finalization does nothing a
+    stage needs and costs 0.4 s of CPU after `import torch`, 1.1 s after torch._dynamo (2-core Xeon, 2026-11-27)."""
     code = stage_code(main)
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        sys.stdout.flush()
-        sys.stderr.flush()
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    if torchrun or getattr(main, "__module__", None) == "__main__":  # not a test calling run_main in its process
+        if not torchrun:
+            atexit._run_exitfuncs()  # the interpreter's own first step of an exit: logging, multiprocessing's children
+        with contextlib.suppress(OSError):  # a reader that left (| head): nothing more to say to it
+            sys.stdout.flush()
+            sys.stderr.flush()
         os._exit(code)
     return code
 

@@ -306,6 +306,21 @@ def test_a_stage_ends_with_one_line_for_our_errors_and_a_traceback_for_others(tm
     assert distributed.run_main(lambda: None) == 0
 
 
+def test_a_script_ends_after_its_atexit_handlers_and_skips_the_interpreters_finalization(tmp_path):
+    """A stage run by python ends like one under torchrun, at once after main() and its exit handlers: buffered output
+    and atexit handlers still come out, the interpreter's teardown (a module global's __del__ here) never runs."""
+    script = tmp_path / "stage.py"
+    script.write_text("import atexit, signal, sys\nimport distributed\n\n\n"
+                      "class Finalized:\n    def __del__(self):\n        print('finalized', flush=True)\n\n\n"
+                      "kept = Finalized()  # freed only by the interpreter's finalization\n\n\n"
+                      "def main():\n    atexit.register(lambda: print(' and atexit ran', flush=True))\n"
+                      "    print('main ran', end='')  # still in stdout's buffer when main returns\n"
+                      "    return signal.SIGTERM\n\n\nsys.exit(distributed.run_main(main))\n")
+    result = subprocess.run([sys.executable, str(script)], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert (result.returncode, result.stdout, result.stderr) == (128 + signal.SIGTERM, "main ran and atexit ran\n", "")
+
+
 @pytest.mark.two_processes
 def test_muon_under_ddp_divides_the_orthogonalization_between_ranks_and_takes_the_same_steps(tmp_path):
     """2 gloo processes (tests/muon_worker.py): each rank runs Newton-Schulz on its share of each shape's stack and an
