@@ -56,7 +56,8 @@ def get_args(argv=None):
                    "autocast re-casts every weight, measured ~7x slower per matmul: docs/chat.md)")
     p.add_argument("--decode", default="auto", choices=["auto", "eager", "compiled"],
                    help="decode.py's step: eager (attends over the filled cache only), compiled (torch.compile, the "
-                   "whole cache attended, masked: fixed shapes); auto = compiled on CUDA, eager on the CPU (default: "
+                   "whole cache attended, masked: fixed shapes); auto = compiled for a session on CUDA, eager for one "
+                   "-p prompt (compiling costs more than one reply: ~35 s at d20 on an H200) and on the CPU (default: "
                    "%(default)s)")
     args = p.parse_args(None if argv is None else [str(a) for a in argv])  # argv may hold paths
     if args.max_new_tokens < 1 or args.top_k < 0 or args.temperature < 0:
@@ -275,6 +276,11 @@ def read_message(out):
         return None
 
 
+def decode_path(choice, device_type, one_prompt):
+    """--decode's auto: compiled where its compilation pays, a session on CUDA; eager on the CPU and for one -p reply."""
+    return choice if choice != "auto" else "compiled" if device_type == "cuda" and not one_prompt else "eager"
+
+
 def main(argv=None):
     args = get_args(argv)
     device = torch.device(args.device)
@@ -287,7 +293,7 @@ def main(argv=None):
     if chat:
         checkpoint.check_chat_tokenizer(tokenizer, tokenizer_path)
     dtype = args.dtype or (common.matmul_dtype(device) if device.type == "cuda" else "float32")
-    decode = args.decode if args.decode != "auto" else "compiled" if device.type == "cuda" else "eager"
+    decode = decode_path(args.decode, device.type, args.prompt is not None)
     seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
     generator = torch.Generator(device=device).manual_seed(seed)
     conv = Conversation(model, tokenizer, chat, decode, dtype, args.max_new_tokens)
