@@ -413,7 +413,8 @@ def completions(model, tokenizer, max_new_tokens, dtype):
     asked = [(p, None, None) for p in COMPLETIONS] + KNOWLEDGE
     prompts = [[tokenizer.bos_id, *tokenizer.encode(prompt)] for prompt, _, _ in asked]
     budgets = [min(max_new_tokens, model.config.sequence_len - len(ids)) for ids in prompts]
-    rows, _ = decode(model, prompts, budgets, dtype=dtype, stop={tokenizer.bos_id})  # <|bos|>: a new document
+    rows, _ = decode(model, prompts, budgets, dtype=dtype, stop={tokenizer.bos_id},  # <|bos|>: a new document
+                     compiled=False)  # a few samples: eager (decode.py's docstring says why)
     out = []
     for (prompt, answers, world), row in zip(asked, rows):
         text = tokenizer.decode(row[:-1] if row[-1] == tokenizer.bos_id else row)

@@ -12,7 +12,10 @@ decode() takes several prompts of different lengths, N replies to each, and deco
 - a row ends at a stop token it sampled or at its budget; when half the rows have ended, the cache is compacted to the
   live rows, so finished rows stop costing;
 - on CUDA the step is compiled (torch.compile, the whole cache attended, masked, so that shapes change only with the
-  batch); on the CPU it runs eager, attending over the filled slots only.
+  batch); on the CPU it runs eager, attending over the filled slots only. The stages' few samples (pretraining's,
+  core_eval's, the chat stages' validation answers) ask for eager on CUDA too: at d20 on an H200 a process's first
+  compilation took ~30-40 s, more than their few hundred tokens take eager; chat_eval's answers and rl's rollouts
+  keep the compiled step (dev/LOG.md, 2026-11-27).
 
 Run alone it checks itself on a random-init model: greedy rows decoded together against each prompt decoded alone,
 and the tokens per second of each.

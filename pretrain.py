@@ -201,7 +201,7 @@ def evaluate(model, tokenizer, args, rank, world, device, run_dir, val_rows, ste
     if rank == 0 or distributed.is_sharded(model):  # a sharded model is gathered by every rank
         prompts = [[tokenizer.bos_id, *tokenizer.encode(prompt)] for prompt in args.sample_prompt or PROMPTS]
         rows, _ = decode(model, prompts, [min(32, model.config.sequence_len - len(ids)) for ids in prompts],
-                         dtype=args.dtype)
+                         dtype=args.dtype, compiled=False)  # a few samples: eager (decode.py's docstring says why)
         samples = [{"step": step, "prompt": prompt, "completion": tokenizer.decode(row)}
                    for prompt, row in zip(args.sample_prompt or PROMPTS, rows)]
     if rank == 0:

@@ -144,7 +144,8 @@ def chat_answers(model, tokenizer, questions, dtype, max_tokens=64):
     prompts = [tokenizer.render_for_completion([{"role": "user", "content": q}]) for q in questions]
     tools = [ToolUse(tokenizer) for _ in questions]
     budgets = [min(max_tokens, model.config.sequence_len - len(p)) for p in prompts]
-    rows, _ = decode(model, prompts, budgets, dtype=dtype, tools=tools, stop={end})
+    rows, _ = decode(model, prompts, budgets, dtype=dtype, tools=tools, stop={end},
+                     compiled=False)  # a few samples: eager (decode.py's docstring says why)
     return [{"question": q, "answer": reply_text(tokenizer, row[:-1] if row[-1] == end else row),
              "ended": row[-1] == end, **({"calculator": [list(c) for c in t.calls]} if t.calls else {})}
             for q, row, t in zip(questions, rows, tools)]
