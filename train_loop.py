@@ -150,6 +150,9 @@ def parse_stage_args(parser, argv, budgets, default=None):
             args.budget_line = resolve_budget(args, budgets, default)
         except ValueError as e:
             parser.error(str(e))
+        if args.ckpt_every < 1:  # before any step: a stage that divided by it after its training lost the training
+            parser.error(f"--ckpt_every {args.ckpt_every}: give N >= 1 (the last step saves too, so an N above the "
+                         f"stage's steps saves there only)")
     return args
 
 

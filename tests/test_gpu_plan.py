@@ -41,6 +41,13 @@ def test_a_stage_without_a_budget_flag_names_them_and_sft_defaults_to_one_epoch(
     assert args.budget_line == "budget in force: --epochs 1 (the default: no budget flag given)"
 
 
+def test_checkpointing_every_0_steps_is_a_usage_error_before_any_step(capsys):
+    for module in (pretrain, midtrain, sft):  # 0 once divided the step count after the last step: its training lost
+        with pytest.raises(SystemExit) as stop:
+            module.get_args(["--steps", "3", "--ckpt_every", "0"])
+        assert stop.value.code == 2 and "--ckpt_every 0: give N >= 1 (the last step saves too" in capsys.readouterr().err
+
+
 def test_the_data_plan_counts_the_budget_that_is_in_force(demo_world, tmp_path, capsys):
     """speedrun.sh's data_plan stage gets the plan's PRETRAIN flags then PRETRAIN_ARGS: the shards are planned for the --steps."""
     pretrain.main(["--data_dir", demo_world / "demo" / "pretrain", "--tokenizer", demo_world / "tokenizer",
