@@ -6,6 +6,7 @@ flags (add_chat_stage_args) and training to the end (train_chat_stage). Not a st
     python runs.py runs/<run>[/ckpt/step_N]     # a checkpoint's stage, step and hparams, then its parent's, ...
 """
 import argparse
+import concurrent.futures
 import hashlib
 import json
 import sys
@@ -186,13 +187,19 @@ def inherit(args, meta, parent):
     return table
 
 
-def parent_record(parent, meta):
-    """The parent as a child's checkpoints record it: path, stage, step, and the sha256 of its weights."""
+def weights_sha256(parent):
+    """sha256 of a checkpoint's model.pt (what a child's checkpoints record of its parent's weights)."""
     digest = hashlib.sha256()
     with open(Path(parent) / "model.pt", "rb") as f:
         for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
-    return {"path": str(parent), "stage": meta.get("stage"), "step": meta.get("step"), "sha256": digest.hexdigest()}
+            digest.update(block)  # hashlib lets go of the GIL over a block this large
+    return digest.hexdigest()
+
+
+def parent_record(parent, meta, sha256=None):
+    """The parent as a child's checkpoints record it: path, stage, step, and the sha256 of its weights."""
+    return {"path": str(parent), "stage": meta.get("stage"), "step": meta.get("step"),
+            "sha256": sha256 or weights_sha256(parent)}
 
 
 def warm_start(parent, parent_meta, model, optimizers, args, device):
@@ -230,6 +237,11 @@ def start_stage(args, stage, parents, plan, rollouts=False):
     only scales the lrs."""
     rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
     parent, _ = checkpoint.pick_checkpoint(args, [(name,) for name in parents])  # in that order of preference
+    # the parent's weights hashed while the stage loads them and builds the rest: 8.3 s of a d12 midtraining's 23 s
+    # start on a 2-core Xeon when done in line (5.6 GB at d20)
+    hashing = concurrent.futures.ThreadPoolExecutor(1)
+    sha256 = hashing.submit(weights_sha256, parent)
+    hashing.shutdown(wait=False)  # its thread ends with the hash
     model, parent_meta = checkpoint.load_model(parent, device)
     model.train()
     inherited = inherit(args, parent_meta, parent)
@@ -255,7 +267,7 @@ def start_stage(args, stage, parents, plan, rollouts=False):
     vars(start).update(plan(args, start))
     layout, start.run, start.ckpt_meta = record_run(
         args, stage, parent_meta["model_config"], config.sequence_len, micro, accum, world, start.total_steps,
-        tokens_per_step, tokenizer, num_params(config), {**start.record, "parent": parent_record(parent, parent_meta)})
+        tokens_per_step, tokenizer, num_params(config), {**start.record, "parent": parent_record(parent, parent_meta, sha256.result())})
     if rank == 0:
         batch = [] if rollouts else [sharding, batch_line(micro, config.sequence_len, world, accum)]
         table = "\n".join(f"  {name:<18} {value!s:<14} {where}" for name, value, where in inherited)
