@@ -231,7 +231,7 @@ def consolidate(path):
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
     import torch.distributed.checkpoint as dcp
-    model = build_model(GPTConfig(**meta["model_config"]), "cpu")
+    model = build_model(GPTConfig(**meta["model_config"]), "cpu", init=False)  # dcp.load fills every tensor
     model_state = model.state_dict()
     dcp.load({"model": model_state}, checkpoint_id=path / "state", no_dist=True)
     torch.save(model_state, path / ".model.pt.tmp")
@@ -326,7 +326,7 @@ def load_model(path, device):
     if not (Path(path) / "model.pt").is_file():
         raise FileNotFoundError(f"{path} holds a sharded model (state/) and no model.pt yet: write it with `python "
                                 f"checkpoint.py consolidate {path}`")
-    model = build_model(GPTConfig(**meta["model_config"]), device)
+    model = build_model(GPTConfig(**meta["model_config"]), device, init=False)
     model.load_state_dict(torch.load(Path(path) / "model.pt", map_location=device, weights_only=True))
     model.eval()
     return model, meta

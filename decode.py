@@ -204,7 +204,7 @@ def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=Non
     rank calls decode(); the step reads whole weights."""
     if is_sharded(model):  # gathered outside inference mode: FSDP2's state_dict made there leaves its parameters
         with torch.inference_mode(False), torch.no_grad():  # inference tensors, which the next checkpoint cannot save
-            plain = build_model(model.config, model.cos.device)
+            plain = build_model(model.config, model.cos.device, init=False)  # every weight loaded next
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
             plain.load_state_dict(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
         model = plain
