@@ -36,7 +36,8 @@ def add_run_args(parser, stage):
     g.add_argument("--runs_dir", default="runs", help="where runs live (default: %(default)s)")
     g.add_argument("--resume", nargs="?", const="latest", default=None, help="continue from the newest checkpoint of "
                    "--run_name (or of the newest run of this stage), or from the checkpoint directory given")
-    g.add_argument("--ckpt_every", type=int, default=500, help="checkpoint every N steps (default: %(default)s)")
+    g.add_argument("--ckpt_every", type=int, default=500, help="checkpoint every N >= 1 steps, and at the last step "
+                   "(default: %(default)s)")
     g.add_argument("--keep", type=int, default=3, help="checkpoints kept, newest first; at least 1 (default: "
                    "%(default)s)")
     g.add_argument("--frozen_check_step", type=int, default=10, help="steps after the start at which unchanged "
