@@ -358,7 +358,8 @@ def test_ctrl_c_or_eof_at_the_prompt_ends_the_session(monkeypatch, capsys):
 
 
 def test_auto_decoding_compiles_for_a_session_on_cuda_only():
-    """torch.compile's start (~35 s at d20 on an H200) pays over a session, not for one -p reply, nor on the CPU."""
+    """torch.compile's start (decode.py's step: ~35 s in chat_eval at d20 on an H200) pays over a session, not for one
+    -p reply, nor on the CPU."""
     cases = [("cuda", False), ("cuda", True), ("cpu", False), ("cpu", True)]
     assert [chat.decode_path("auto", device, one) for device, one in cases] == ["compiled", "eager", "eager", "eager"]
     assert [chat.decode_path(choice, "cuda", True) for choice in ("compiled", "eager")] == ["compiled", "eager"]
