@@ -472,9 +472,10 @@ def loss_chunk(xc, w, tc, softcap, need_grad, grad_w=None):
     loss = ((lse - logits.gather(1, safe_targets).squeeze(1)) * valid).sum()
     if not need_grad:
         return loss, None, None
-    dlogits = torch.exp(logits - lse.unsqueeze(1))
-    dlogits = dlogits.scatter_add(1, safe_targets, -torch.ones_like(safe_targets, dtype=dlogits.dtype))
-    dlogits = dlogits * valid.unsqueeze(1)
+    # softmax - onehot as one expression, not a scatter: compiled, the exp, the onehot and the masks are one pass over
+    # the logits instead of three (the same values bitwise; -30 ms of a ~850 ms CPU step at vocab 8192, dev/LOG.md)
+    onehot = torch.arange(logits.size(1), device=logits.device) == safe_targets
+    dlogits = (torch.exp(logits - lse.unsqueeze(1)) - onehot.to(logits.dtype)) * valid.unsqueeze(1)
     if softcap:
         dlogits = dlogits * (1 - capped * capped)
     dlogits = dlogits.to(xc.dtype)
