@@ -384,13 +384,19 @@ def clip_grad_norm(parameters, max_norm):
     """torch.nn.utils.clip_grad_norm_'s scaling (by max_norm / (norm + 1e-6) when that is below 1), with the squares
     summed in fp64: sharded gradients are summed shard by shard and then over ranks, and in fp32 that other order
     moved the clip factor's last bit, so a resume at another world size drifted from the straight run. In fp64 the
-    orders agree to ~1e-16, far below fp32's rounding. Returns the norm (fp32)."""
+    orders agree to ~1e-16, far below fp32's rounding. What is summed is each row's fp32 norm (a row: the last
+    dimension), squared: FSDP2 shards dim 0, so a row is whole on its rank and its norm the same bits at any world
+    size (4.5 ms of a CPU step at vocab 8192 against 18.6 ms for fp64 norms of whole gradients). Returns the norm
+    (fp32)."""
     grads = [p.grad for p in parameters if p.grad is not None]
-    squares = torch.stack([torch.linalg.vector_norm(local(g), dtype=torch.float64) ** 2 for g in grads]).sum()
+    rows = [torch.linalg.vector_norm(g, dim=-1).flatten() if g.ndim > 1 else g.abs().flatten() for g in map(local, grads)]
+    squares = torch.cat(rows).double().square().sum()
     if any(is_dtensor(g) for g in grads):  # FSDP2 shards every parameter: add the other ranks' shards
         squares = all_reduce_tensor(squares)
     norm = squares.sqrt().float()
-    torch._foreach_mul_([local(g) for g in grads], (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    if factor < 1:  # a read from the device (the step reads the norm next anyway); x 1 would be a pass for nothing
+        torch._foreach_mul_([local(g) for g in grads], factor)
     return norm
 
 
