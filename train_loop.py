@@ -391,6 +391,8 @@ def clip_grad_norm(parameters, max_norm):
     grads = [p.grad for p in parameters if p.grad is not None]
     rows = [torch.linalg.vector_norm(g, dim=-1).flatten() if g.ndim > 1 else g.abs().flatten() for g in map(local, grads)]
     squares = torch.cat(rows).double().square().sum()
+    if not torch.isfinite(squares):  # a row's squares passed fp32's range (|g| > ~1e19): fp64 whole, as before
+        squares = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for g in map(local, grads)]).sum()
     if any(is_dtensor(g) for g in grads):  # FSDP2 shards every parameter: add the other ranks' shards
         squares = all_reduce_tensor(squares)
     norm = squares.sqrt().float()

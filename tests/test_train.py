@@ -2,6 +2,7 @@
 with masked targets (and into processes: tests/test_distributed.py); checkpoints ordered by step; resume sets abandoned
 checkpoints aside and checks the layout; the exact resume command."""
 import json
+import math
 import os
 import shlex
 import signal
@@ -18,6 +19,7 @@ import common
 import distributed
 import optim
 import runs
+import train_loop
 
 
 def test_loss_and_gradients_do_not_depend_on_the_micro_batch_split():
@@ -358,3 +360,28 @@ def test_compiled_graphs_go_to_one_cache_per_torch_version(tmp_path, monkeypatch
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "compile" / "torch-9.9.9")
     monkeypatch.setattr(train_loop, "USER_COMPILE_CACHE", str(tmp_path / "mine"))
     assert train_loop.compile_cache() == tmp_path / "mine"
+
+
+def test_clipping_scales_gradients_only_above_the_limit_and_keeps_a_finite_norm_past_fp32s_range():
+    """train_loop.clip_grad_norm: the norm of all gradients within fp32's rounding of the fp64 norm; above max_norm the
+    gradients scaled as torch.nn.utils.clip_grad_norm_ scales them; below it they keep their bits; gradients whose
+    squares pass fp32's range (~1e19 each) still give their finite norm (row norms in fp32 would be infinite)."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(64, 32), (32,), (8, 4, 16)]
+    grads = [torch.randn(shape, generator=generator) for shape in shapes]
+    exact = torch.cat([g.double().flatten() for g in grads]).norm().item()
+
+    def params(scale):
+        made = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
+        for p, g in zip(made, grads, strict=True):
+            p.grad = g * scale
+        return made
+    ours, theirs = params(1.0), params(1.0)
+    assert abs(train_loop.clip_grad_norm(ours, 1.0).item() - exact) <= 1e-6 * exact
+    torch.nn.utils.clip_grad_norm_(theirs, 1.0)
+    assert all(torch.allclose(a.grad, b.grad, rtol=1e-6, atol=0) for a, b in zip(ours, theirs, strict=True))
+    below = params(1.0)
+    train_loop.clip_grad_norm(below, 2 * exact)
+    assert all(torch.equal(p.grad, g) for p, g in zip(below, grads, strict=True))
+    huge = train_loop.clip_grad_norm(params(1e20), float("inf")).item()
+    assert math.isfinite(huge) and abs(huge - exact * 1e20) <= 1e-6 * exact * 1e20
