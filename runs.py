@@ -197,10 +197,10 @@ def weights_sha256(parent):
     return digest.hexdigest()
 
 
-def parent_record(parent, meta, sha256=None):
-    """The parent as a child's checkpoints record it: path, stage, step, and the sha256 of its weights."""
-    return {"path": str(parent), "stage": meta.get("stage"), "step": meta.get("step"),
-            "sha256": sha256 or weights_sha256(parent)}
+def parent_record(parent, meta, sha256):
+    """The parent as a child's checkpoints record it: path, stage, step, and the sha256 of its weights
+    (weights_sha256's)."""
+    return {"path": str(parent), "stage": meta.get("stage"), "step": meta.get("step"), "sha256": sha256}
 
 
 def warm_start(parent, parent_meta, model, optimizers, args, device):

@@ -1,6 +1,7 @@
 """midtrain.py and sft.py run as a user runs them on the demo world: the chain pretrain -> midtrain -> sft makes a
 model that answers held-out questions better than its base, and ends its answers; checkpoints name their parent;
 what a stage inherits is printed with its source; bad starting points fail before any training."""
+import hashlib
 import json
 
 import pytest
@@ -50,8 +51,9 @@ def test_each_checkpoint_names_its_stage_and_parent_with_the_parents_weights_has
     assert (sft_meta["stage"], mid_meta["stage"]) == ("sft", "midtrain")
     assert sft_meta["parent"]["path"] == str(chat_chain["midtrain"])
     assert mid_meta["parent"]["path"] == str(chat_chain["pretrain"])
+    weights = hashlib.sha256((chat_chain["pretrain"] / "model.pt").read_bytes()).hexdigest()
     assert mid_meta["parent"] == runs.parent_record(chat_chain["pretrain"], json.loads(
-        (chat_chain["pretrain"] / "meta.json").read_text()))
+        (chat_chain["pretrain"] / "meta.json").read_text()), weights)
     assert mid_meta["parent"]["stage"] == "pretrain" and len(mid_meta["parent"]["sha256"]) == 64
 
 
