@@ -29,6 +29,21 @@ from distributed import is_dtensor, local
 
 REF_WIDTH, REF_BATCH, BATCH_EXPONENT = 768, 2 ** 19, 1 / 8
 
+# torch.optim imports torch._dynamo (1.1 s of CPU, 2-core Xeon) at an optimizer's first add_param_group and step, to
+# keep those methods out of compiled graphs; nothing here calls them in one, so an eager stage starts without it
+for method in (torch.optim.Optimizer.add_param_group, torch.optim.Optimizer.state_dict,
+               torch.optim.Optimizer.load_state_dict, torch.optim.Optimizer.zero_grad):
+    if hasattr(method, "__wrapped__"):  # torch._disable_dynamo's lazy wrapper: it calls what this attribute holds
+        setattr(method.__wrapped__, "__dynamo_disable", method.__wrapped__)
+
+
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW, its step under no_grad without torch's wrapper, whose `import torch._dynamo` is the above's."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        return getattr(torch.optim.AdamW.step, "__wrapped__", torch.optim.AdamW.step)(self, closure)
+
 
 def param_groups(model):
     """Split parameters by role: 'matrix' (2D weights inside the blocks), 'embedding', 'value_embedding', 'head',
@@ -86,7 +101,7 @@ def build_optimizers(model, args, width, batch_tokens, device, lr_scale=1.0):
     else:
         # fused on CPU too: the tiny preset's AdamW step at vocab 8192 took 8.1 ms, against 41.9 foreach and 25.7 one
         # tensor at a time (torch's CPU default), on a 2-core Xeon; it takes FSDP2's DTensors (dev/LOG.md)
-        adam = torch.optim.AdamW(adam_groups, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0, fused=True)
+        adam = AdamW(adam_groups, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0, fused=True)
     optimizers = [adam]
     if args.optimizer == "muon":
         optimizers.append(Muon([{"params": groups["matrix"], "name": "matrix", "base_lr": lrs["matrix"],

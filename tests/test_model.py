@@ -123,13 +123,19 @@ def test_memory_estimate_components():
     assert ckpt["activations"] < est["activations"] / 5
 
 
-def test_building_a_model_imports_neither_dynamo_nor_sympy():
+def test_building_and_training_a_model_eagerly_imports_neither_dynamo_nor_sympy():
     """A process that builds a model and compiles nothing (chat.py, an evaluation) starts without torch._dynamo
-    (~2 s) or sympy (~0.4 s): build_model's meta construction and to_empty stay off torch's reference kernels."""
-    program = ("import sys, model; m = model.build_model(model.GPTConfig(), 'cpu'); "
-               "print(sorted(n for n in ('torch._dynamo', 'sympy') if n in sys.modules), bool(m.lm_head.weight.std() > 0))")
+    (~2 s) or sympy (~0.4 s): build_model's meta construction and to_empty stay off torch's reference kernels. An eager
+    training step with Muon and AdamW, the loss included, and the optimizers' state_dict do not import them either."""
+    program = ("import sys, argparse, torch, model, optim; m = model.build_model(model.GPTConfig(), 'cpu'); "
+               "print(sorted(n for n in ('torch._dynamo', 'sympy') if n in sys.modules), bool(m.lm_head.weight.std() > 0)); "
+               "a = argparse.Namespace(matrix_lr=0.02, embedding_lr=0.3, head_lr=0.004, scalar_lr=0.5, optimizer='muon', "
+               "adam8bit=False); opts = optim.build_optimizers(m, a, 768, 2048, torch.device('cpu')); "
+               "x = torch.randint(0, 100, (1, 8)); m(x, targets=x).backward(); [o.step() for o in opts]; "
+               "[(o.zero_grad(), o.state_dict()) for o in opts]; print(sorted(n for n in ('torch._dynamo', 'sympy') "
+               "if n in sys.modules), [len(o.state) > 0 for o in opts])")
     out = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    assert out == "[] True\n"
+    assert out == "[] True\n[] [True, True]\n"
 
 
 def test_a_loaded_checkpoint_skips_the_random_init_and_computes_the_rotary_tables(tmp_path, monkeypatch):
