@@ -1,10 +1,8 @@
-"""Run under torchrun by tests/test_train.py: optim.Muon under 2 gloo processes, where each rank orthogonalizes its
+"""For tests/test_train.py, run under torchrun by tests/two_rank_worker.py: optim.Muon under 2 gloo processes, where each rank orthogonalizes its
 share of each shape's matrices and an all-gather shares them, against the same steps with every matrix computed by
-this one process (divide_work=False). Same parameters and gradients on every rank, as DDP leaves them. Rank 0 saves
-the parameters after 3 steps of each, in fp32 and bf16 Newton-Schulz, and how many matrices each rank
-orthogonalized."""
-import sys
-
+this one process (divide_work=False). Same parameters and gradients on every rank, as DDP leaves them: the
+parameters after 3 steps of each, in fp32 and bf16 Newton-Schulz, and how many matrices each rank orthogonalized.
+Then it tears the process group down and lists the gloo threads left."""
 import torch
 import torch.distributed as dist
 from helpers import threads_named
@@ -26,8 +24,7 @@ def run(ns_dtype, divide_work, counted):
     return [p.detach().clone() for p in params]
 
 
-def main():
-    distributed.setup_distributed()
+def results():
     counted = []
     original = optim.newton_schulz
 
@@ -46,12 +43,7 @@ def main():
     counts = [None] * dist.get_world_size()
     dist.all_gather_object(counts, result["counted float32"])
     result["counts per rank"] = counts
-    rank = dist.get_rank()
+    optim.newton_schulz = original
     distributed.teardown_distributed()
     result["gloo threads after teardown"] = threads_named("gloo")  # none: the process group is gone, not at exit
-    if rank == 0:
-        torch.save(result, sys.argv[1])
-
-
-if __name__ == "__main__":
-    main()
+    return result

@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_rl.py: one step of rl.py's update on 2 gloo processes with a hand-made policy.
+"""For tests/test_rl.py, run under torchrun by tests/two_rank_worker.py: one step of rl.py's update on 2 gloo processes with a hand-made policy.
 
 The policy is a bigram table: every block's output projections are zero, so the residual stream is the token's
 embedding, a one-hot row; the weightless final norm scales it to sqrt(n_embd); the head's column for token i is
@@ -6,16 +6,13 @@ row i of the table over sqrt(n_embd). After <|assistant_start|> it likes to writ
 then the result 7 and <|assistant_end|>; any other token is followed by any token alike. Rank r samples replies to
 r + 1 questions (so the ranks run different numbers of micro-batches), rewards them (1 when the last word is 7: the
 gradient is what is checked, and any rule that tells the replies apart serves), and takes rl.policy_gradient's
-backward through DDP. Rank 0 saves every rank's rollouts, the head and embedding weights and the head's gradient:
-the test computes the gradient that only the sampled tokens give, in closed form, and compares."""
+backward through DDP: every rank's rollouts, the head and embedding weights and the head's gradient; the test computes the gradient that only the sampled tokens give, in closed form, and compares."""
 import itertools
-import sys
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import distributed
 import rl
 from calculator import reply_text
 from model import GPTConfig, build_model
@@ -55,8 +52,7 @@ def hand_made_policy(tok):
     return model, prompt
 
 
-def main(out):
-    rank, _, world, _ = distributed.setup_distributed()
+def results(rank, world):
     tok = tokenizer()
     model, prompt = hand_made_policy(tok)
     rollouts, rows, rewards = [], [], []
@@ -71,11 +67,6 @@ def main(out):
     loss, count = rl.policy_gradient(DDP(model), rows, weights, 3, "float32", torch.device("cpu"), world)
     gathered = [None] * world
     dist.all_gather_object(gathered, [{**r, "advantage": float(a)} for r, a in zip(rollouts, weights, strict=True)])
-    if rank == 0:
-        torch.save({"rollouts": [r for part in gathered for r in part], "prompt": prompt, "count": count, "loss": loss,
-                    "head": model.lm_head.weight.detach().clone(), "wte": model.wte.weight.detach().clone(),
-                    "grad": model.lm_head.weight.grad.clone(), "eps": model.config.norm_eps}, out)
-
-
-if __name__ == "__main__":
-    sys.exit(distributed.run_main(lambda: main(sys.argv[1])))  # as a stage ends: teardown, then os._exit
+    return {"rollouts": [r for part in gathered for r in part], "prompt": prompt, "count": count, "loss": loss,
+            "head": model.lm_head.weight.detach().clone(), "wte": model.wte.weight.detach().clone(),
+            "grad": model.lm_head.weight.grad.clone(), "eps": model.config.norm_eps}

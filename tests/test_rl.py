@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import ROOT, run_in_process, run_script
+from helpers import run_in_process
 from rl_worker import hand_made_policy, tokenizer
 
 import chat
@@ -99,10 +99,8 @@ def closed_form_gradient(result, include_unsampled=False):
 
 
 @pytest.mark.two_processes
-def test_the_update_on_two_ranks_is_the_gradient_of_the_sampled_tokens_only(tmp_path):
-    out = tmp_path / "rl.pt"
-    run_script("tests/rl_worker.py", [str(out)], ROOT, nproc=2)
-    result = torch.load(out, weights_only=True)
+def test_the_update_on_two_ranks_is_the_gradient_of_the_sampled_tokens_only(two_rank_results):
+    result = two_rank_results["rl"]  # tests/rl_worker.py's, on 2 gloo processes
     tok = tokenizer()
     sid, rollouts = tok.special_id, result["rollouts"]
     assert len(rollouts) == 8 * 3  # rank 0: one question, rank 1: two

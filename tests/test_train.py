@@ -12,7 +12,7 @@ from argparse import Namespace
 
 import pytest
 import torch
-from helpers import ROOT, assert_same, global_batch, run_script, step, tiny_model
+from helpers import ROOT, assert_same, global_batch, step, tiny_model
 
 import checkpoint
 import common
@@ -324,15 +324,13 @@ def test_a_script_ends_after_its_atexit_handlers_and_skips_the_interpreters_fina
 
 
 @pytest.mark.two_processes
-def test_muon_under_ddp_divides_the_orthogonalization_between_ranks_and_takes_the_same_steps(tmp_path):
+def test_muon_under_ddp_divides_the_orthogonalization_between_ranks_and_takes_the_same_steps(two_rank_results):
     """2 gloo processes (tests/muon_worker.py): each rank runs Newton-Schulz on its share of each shape's stack and an
     all-gather gives every rank all of them; 3 steps equal, bitwise, the steps of one process computing every matrix
     (fp32 and bf16 Newton-Schulz), and each rank orthogonalized half of the 10 matrices (the lone gate: rank 0). After
     distributed.teardown_distributed no gloo thread is left: before, the process group outlived it (see
     distributed.init_process_group) and a rank now and then aborted at exit."""
-    out = tmp_path / "muon.pt"
-    run_script("tests/muon_worker.py", [str(out)], ROOT, nproc=2)
-    result = torch.load(out, weights_only=True)
+    result = two_rank_results["muon"]
     for dtype in ("float32", "bfloat16"):
         for divided, alone in zip(result[f"divided {dtype}"], result[f"alone {dtype}"], strict=True):
             assert torch.equal(divided, alone), dtype
