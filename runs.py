@@ -60,12 +60,9 @@ def add_run_args(parser, stage):
     g.add_argument("--inject_nan_step", type=int, default=-1, help=argparse.SUPPRESS)  # poison the loss at this step
     g.add_argument("--signal_at_step", type=int, default=-1, help=argparse.SUPPRESS)  # SIGTERM this process after it
     g.add_argument("--die_at_step", type=int, default=-1, help=argparse.SUPPRESS)  # the last rank SIGKILLs itself
-    g.add_argument("--hang_at_step", type=int, default=-1, help=argparse.SUPPRESS)  # the last rank stops taking part
-    # in collectives
-    g.add_argument("--stuck_at_step", type=int, default=-1, help=argparse.SUPPRESS)  # as --hang_at_step, and the
-    # rank ignores SIGTERM, SIGINT and SIGHUP: a rank inside an NCCL call never returns to run its handler
-    g.add_argument("--checkpoint_delay", type=float, default=0, help=argparse.SUPPRESS)  # rank 0 takes this many
-    # seconds longer to write each checkpoint (a d20's 15 GB)
+    g.add_argument("--hang_at_step", type=int, default=-1, help=argparse.SUPPRESS)  # the last rank leaves collectives
+    g.add_argument("--stuck_at_step", type=int, default=-1, help=argparse.SUPPRESS)  # hangs, deaf to SIGTERM/INT/HUP
+    g.add_argument("--checkpoint_delay", type=float, default=0, help=argparse.SUPPRESS)  # s slower to save, rank 0
 
 
 def resolve_run(args, stage):
@@ -204,11 +201,9 @@ def parent_record(parent, meta, sha256):
 
 
 def warm_start(parent, parent_meta, model, optimizers, args, device):
-    """The parent checkpoint's optimizer state (any world size, sharded or not) with this stage's own hyperparameters
-    put back: the moments continue, the lrs are the stage's. A fresh optimizer at full lr moves every embedding
-    coordinate by about the lr on its first step (AdamW's first update is sign(gradient)); warm moments keep the first
-    steps the size of the parent's last ones. A state that does not fit (another optimizer or param groups, or none
-    recorded) stays fresh. Returns the line that says which, and why."""
+    """The parent checkpoint's optimizer state with this stage's hyperparameters put back: warm moments keep the
+    first steps the size of the parent's last ones, where a fresh AdamW moves every embedding coordinate by about the
+    lr (its first update is sign(gradient)). A state that does not fit stays fresh. Returns the line saying which."""
     if not args.warm_start:
         return "optimizer: fresh state (--warm_start false)"
     recorded, mine = parent_meta.get("optimizers"), checkpoint.optimizer_layout(optimizers)
@@ -238,8 +233,7 @@ def start_stage(args, stage, parents, plan, rollouts=False):
     only scales the lrs."""
     rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
     parent, _ = checkpoint.pick_checkpoint(args, [(name,) for name in parents])  # in that order of preference
-    # the parent's weights hashed while the stage loads them and builds the rest: 8.3 s of a d12 midtraining's 23 s
-    # start on a 2-core Xeon when done in line (5.6 GB at d20)
+    # the parent's weights hashed while the stage loads them and builds the rest: in line, a third of its start
     hashing = concurrent.futures.ThreadPoolExecutor(1)
     sha256 = hashing.submit(weights_sha256, parent)
     hashing.shutdown(wait=False)  # its thread ends with the hash
@@ -304,10 +298,9 @@ def add_chat_stage_args(parser, data, stage, parents, budgets, eval_every, lr_sc
 
 
 def train_chat_stage(args, s, evaluator, summarize):
-    """midtrain.py's and sft.py's training from `s` (start_stage's) to the end and, unless a signal stopped it (its
-    number is returned), the final evaluation (evaluator(step): val_loss and figures for metrics.jsonl and done.json),
-    forgetting, and summarize(figures): the stage's own (a dict for done.json, lines printed), on every rank as it may
-    gather."""
+    """midtrain.py's and sft.py's training from `s` (start_stage's) and, unless a signal stopped it (its number is
+    returned), the final evaluation (evaluator(step): val_loss and figures), forgetting, and summarize(figures): the
+    stage's own (a dict for done.json, lines printed), on every rank as it may gather."""
     train_model = train_loop.wrap_model(s.model, args, s.world, s.local_rank, s.device)
     signum = train_loop.train(args, s.model, train_model, s.optimizers, s.loaders, run_dir=s.run_dir, start=s.step,
                               total_steps=s.total_steps, ckpt_meta=s.ckpt_meta, evaluate=evaluator,
