@@ -267,11 +267,10 @@ class PackedLoader:
     conversations), pack="pad" pads whole conversations (SFT); supervise picks a conversation's targets (docs/data.md).
     state_dict() is the exact position after the last batch handed out, buffer included: a resume is bit-identical.
 
-    A reader thread reads this rank's row groups ("units") and tokenizes them on `threads` threads; a packer thread
-    packs rows and copies each batch to the device `prefetch` batches ahead, with the state after it (never ahead of
-    the consumer). seed=N shuffles the units from (N, epoch) and each unit's documents from (N, epoch, unit); the
-    state's positions are in those orders. max_epochs=None cycles forever (training); max_epochs=N stops after N
-    passes (validation): the last rows padded, the last batch maybe short."""
+    A reader thread reads and tokenizes (on `threads` threads) this rank's row groups ("units"); a packer thread ships
+    each batch to the device `prefetch` ahead, with the state after it. seed=N shuffles units by (N, epoch) and their
+    documents by (N, epoch, unit): the state's positions are in those orders. max_epochs=N stops after N passes
+    (validation: the last rows padded, the last batch maybe short); None cycles forever."""
 
     def __init__(self, files, tokenizer, batch_size, seq_len, kind="text", rank=0, world_size=1, device="cpu",
                  buffer_docs=1000, threads=None, prefetch=2, name="train", max_epochs=None, pack=None,

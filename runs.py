@@ -131,9 +131,8 @@ INHERITED = ["tokenizer", "sequence_len", "micro_batch", "total_batch_tokens", "
 
 
 def add_init_args(parser, parents, lr_scale, schedule, warmdown_frac, why):
-    """A stage's start from a checkpoint of one of `parents` (in that order of preference): --checkpoint, the warm start
-    and the schedule (their defaults the stage's; `why` says where they come from), and the inherited flags, whose
-    default None means the parent's value."""
+    """A stage's start from a checkpoint of one of `parents` (in that order): --checkpoint, the warm start and the
+    schedule (`why`: where the stage's defaults come from), and the inherited flags (None: the parent's value)."""
     optim.add_schedule_args(parser)
     g = parser.add_argument_group("warm start: the parent's optimizer state and this stage's lrs")
     g.add_argument("--warm_start", type=parse_bool, default=True, help="continue from the parent checkpoint's "
@@ -164,8 +163,7 @@ def add_init_args(parser, parents, lr_scale, schedule, warmdown_frac, why):
 
 def inherit(args, meta, parent):
     """Fill every inherited flag left at None from the parent's recorded hparams; returns the table of (name, value,
-    where it came from), the one place a stage's starting settings are resolved (--micro_batch's is
-    train_loop.plan_batch's, which start_stage adds to the table)."""
+    where it came from) (--micro_batch: train_loop.plan_batch's, added by start_stage)."""
     recorded = meta.get("hparams") or {}
     config_file = Path(parent).parent.parent / "config.json"  # checkpoints from before hparams were recorded
     older = json.loads(config_file.read_text()).get("args", {}) if not recorded and config_file.is_file() else {}
@@ -225,12 +223,11 @@ def warm_start(parent, parent_meta, model, optimizers, args, device):
 
 
 def start_stage(args, stage, parents, plan, rollouts=False):
-    """midtrain.py's, sft.py's and rl.py's start, up to the first step, as a namespace: the parent (--checkpoint, else
-    the newest of `parents`) and what it passes on (inherit), the run directory, batch and optimizers, and start.step:
-    the resumed checkpoint's, or 0 from the parent's optimizer state (warm_start). plan(args, start) gives what only the
-    stage knows: total_steps, loaders, record (for config.json and checkpoints), lines (printed) and anything else it
-    needs. rollouts (rl.py): replies of their own lengths: no sharding, compile or accumulation; --total_batch_tokens
-    only scales the lrs."""
+    """midtrain.py's, sft.py's and rl.py's start up to the first step, as a namespace: the parent and what it passes
+    on, the run directory, batch, optimizers, and step (the resumed checkpoint's, else 0 after warm_start).
+    plan(args, start) adds what only the stage knows: total_steps, loaders, record, lines (printed), and more.
+    rollouts (rl.py): replies of their own lengths: no sharding, compile or accumulation; --total_batch_tokens only
+    scales the lrs."""
     rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
     parent, _ = checkpoint.pick_checkpoint(args, [(name,) for name in parents])  # in that order of preference
     # the parent's weights hashed while the stage loads them and builds the rest: in line, a third of its start

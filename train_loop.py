@@ -403,11 +403,10 @@ def open_wandb(args, master):
 
 def train(args, model, train_model, optimizers, loaders, *, run_dir, start, total_steps, ckpt_meta, evaluate,
           flops_per_token, rank, world, device, step_fn=None, stop=None, evaluate_first=False, progress=None):
-    """Steps start..total_steps-1. evaluate(step) returns fields for that step's record, or None when a signal stopped
-    it. Returns None when every step ran, or the signal number that stopped the run after its checkpoint. A stage
-    with its own step (rl.py) passes step_fn(step, due): returning (loss sum, target count, tokens over all ranks,
-    record fields), or a str where a signal stopped it mid-step ("during step 2's rollouts"); with it stop (its
-    StopSignal), evaluate_first (an evaluation at step 0) and progress(record, total_steps): its progress line."""
+    """Steps start..total_steps-1; returns None when every step ran, else the signal that stopped the run after its
+    checkpoint. evaluate(step): fields for the step's record, or None when a signal stopped it. rl.py passes
+    step_fn(step, due): (loss sum, target count, tokens over all ranks, record fields), or a str where a signal stopped
+    it mid-step; and stop (its StopSignal), evaluate_first (at step 0) and progress(record, total_steps), its line."""
     master = rank == 0
     tokens_per_step = None if step_fn else sum(ld.B * ld.T for ld in loaders) * world
     if master and start == 0:
