@@ -136,9 +136,8 @@ _END = object()  # next(documents, _END): the documents have run out
 
 
 def add_document(buffer, document, row_len, bos, stats):
-    """Buffer one document; a skipped one is only counted. A document longer than a row is cut into row-sized BOS-led
-    pieces here (pack="pad" renders at most a row), a conversation's mask with it: its tokens after the first piece
-    are counted as 'cropped', moved to a later row cut off from the document's start."""
+    """Buffer one document (a skipped one is only counted); one longer than a row as row-sized BOS-led pieces, its
+    mask too (pack="pad" renders at most a row), the tokens after the first piece counted as 'cropped'."""
     if skipped(document):
         stats[document or "empty"] += 1
         return

@@ -594,10 +594,9 @@ class GPT(nn.Module):
         return self.wte.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean", last_only=False, predictions=False):
-        """idx (B, T) token ids. With targets (B, T) (-1 = ignore): the cross-entropy over targets != -1, reduced by
-        'mean' (0 when no target is valid), 'sum', or 'none' ((B, T), 0 where ignored; with predictions=True also the
-        argmax token at each position, -1 where ignored). Without targets: fp32 logits (B, T, vocab), or (B, 1,
-        vocab) with last_only. kv_cache: continue from kv_cache.pos, then advance it."""
+        """idx (B, T). With targets (B, T) (-1: ignored): cross-entropy reduced by 'mean' (0 without targets), 'sum'
+        or 'none' ((B, T), 0 where ignored; predictions=True: also the argmax, -1 where ignored). Without: fp32 logits
+        (B, T, vocab), or (B, 1, vocab) with last_only. kv_cache: continue from kv_cache.pos, then advance it."""
         B, T = idx.shape
         start = kv_cache.pos if kv_cache is not None else 0
         if start + T > self.config.sequence_len:

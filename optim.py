@@ -41,9 +41,8 @@ class AdamW(torch.optim.AdamW):
 
 def param_groups(model):
     """Split parameters by role: 'matrix' (2D weights inside the blocks), 'embedding', 'value_embedding', 'head',
-    'resid_lambdas', 'x0_lambdas', 'scalar' (norms and any other 1D parameter). A tied embedding is in 'head': its
-    gradient is mostly the output's, and at the embedding's lr (50x the head's) AdamW would move every logit's
-    weights by that lr each step."""
+    'resid_lambdas', 'x0_lambdas', 'scalar' (other 1D parameters). A tied embedding is in 'head': its gradient is
+    mostly the output's, and the embedding's lr (50x) would move every logit's weights by that lr each step."""
     groups = {"matrix": [], "embedding": [], "value_embedding": [], "head": [], "resid_lambdas": [], "x0_lambdas": [],
               "scalar": []}
     tied = model.config.tie_embeddings

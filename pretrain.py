@@ -113,9 +113,8 @@ def data_plan(args, config, tokenizer):
 
 
 def checkpoint_bytes(config, optimizer):
-    """The bytes of one full checkpoint (model.pt + optimizers.pt), from the config alone: fp32 weights (4 bytes a
-    parameter), AdamW's two fp32 moments (8) for the embeddings, value embeddings, head and scalars, and for the block
-    matrices Muon's momentum (4; its per-neuron second moments are a row each, left out) or AdamW's moments."""
+    """The bytes of one full checkpoint (model.pt + optimizers.pt): fp32 weights (4 a parameter), AdamW's moments
+    (8); with Muon, its momentum (4) for the block matrices (its per-neuron second moments, a row each, left out)."""
     counts = param_breakdown(config)
     matrices = counts["attention"] + counts["mlp"]
     return 4 * counts["total"] + 8 * (counts["total"] - matrices) + (4 if optimizer == "muon" else 8) * matrices
