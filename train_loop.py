@@ -354,7 +354,7 @@ def forward_backward(train_model, batches, dtype, device, world, poison=False):
     """Forward and backward over one step's micro-batches [(inputs, targets), ...]; returns (summed token loss,
     number of targets) over every micro-batch and rank. Exact for masked targets (-1): each backward takes its loss
     sum over the whole global batch's target count (a mean per micro-batch would weigh a token by how full its
-    micro-batch is: the gradient-accumulation bug of 2024). DDP averages over ranks: the local scale is world / count."""
+    micro-batch is: the gradient-accumulation bug of 2024). DDP averages over ranks: the local scale is world/count."""
     count = all_reduce_tensor(torch.stack([(targets != -1).sum() for _, targets in batches]).sum().double())
     scale = world / count.clamp(min=1)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -526,7 +526,8 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
         if master and ((step + 1) % args.log_every == 0 or last_step or step == start):
             timed = step - start  # steps since the first of this process (0: none yet, the ETA is unknown)
             per_step = (time.perf_counter() - first_done) / timed if timed else None
-            print(progress(record, total_steps) if progress else progress_line(record, total_steps, per_step), flush=True)
+            print(progress(record, total_steps) if progress else progress_line(record, total_steps, per_step),
+                  flush=True)
         if "signal_at_step" in due and not step_fn:  # a stage's own step takes its signal mid-step (rl's rollouts)
             os.kill(os.getpid(), signal.SIGTERM)
         if stop.requested():
