@@ -1,8 +1,5 @@
 """Checkpoints: saving, listing, finding and loading them (any world size, sharded or not), their tokenizer checks, and
-resuming a run from one (the command that does it). The run directory and what a stage inherits from its parent
-checkpoint are runs.py's.
-
-Not a stage: import it (`import checkpoint`). One command line, for a sharded checkpoint:
+resuming a run from one. Not a stage: import it. One command line, for a sharded checkpoint:
 
     python checkpoint.py consolidate runs/<run>[/ckpt/step_N]     # write its model.pt, in one process
 """
@@ -26,20 +23,16 @@ from distributed import barrier, is_sharded, run_main
 from model import GPTConfig, build_model
 from tokenizer import SPECIAL_TOKENS, Tokenizer
 
-# torch.distributed.checkpoint warns on every save and load in a process without torch.distributed (one-process runs
-# and `consolidate`), which is how this code means to use it
+# torch.distributed.checkpoint warns at every save and load without torch.distributed, which is meant here
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 # -----------------------------------------------------------------------------
-# Checkpoints: runs/<run>/ckpt/step_XXXXXX/, written to a temporary directory and renamed into place, so a directory
-# with that name is always complete. Everything loads with weights_only=True. In each:
-#   state/      model and optimizer state by parameter name, torch.distributed.checkpoint: every rank writes its own
-#               shards in parallel, and any world size reads them back (what --resume loads)
+# Checkpoints: runs/<run>/ckpt/step_XXXXXX/, renamed into place when complete; all loads use weights_only=True.
+#   state/      a sharded model's and optimizers' state (torch.distributed.checkpoint: any world size reads it)
+#   model.pt    the whole model (what chat, evaluation, export and the next stage read): unsharded, by rank 0;
+#               sharded, at the last step or by `python checkpoint.py consolidate`; optimizers.pt beside it unsharded
 #   rankNNN.pt  that rank's data-loader positions and RNG state
-#   model.pt    the whole model in one file (what chat, evaluation, export and the next stage read): written by rank 0
-#               when the model is not sharded; for a sharded run at its last step, or by `python checkpoint.py
-#               consolidate CHECKPOINT`
 #   meta.json   what the run is, the step, the versions
 
 def rng_state():
@@ -47,8 +40,7 @@ def rng_state():
     return {"python": list(random.getstate()[1]), "python_pos": random.getstate()[2],
             "numpy_key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
             "numpy_pos": np_state["state"]["pos"], "torch": torch.get_rng_state(),
-            # this rank's own GPU only: all visible GPUs' states (get_rng_state_all) made a resume on a box with fewer
-            # GPUs index past the last one (IndexError)
+            # this rank's GPU only: all GPUs' states made a resume on fewer GPUs index past the last (IndexError)
             "cuda_device": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
 
@@ -70,10 +62,9 @@ def set_rng_state(s):
 
 def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank, keep, consolidate=False, delay_s=0,
                     metrics=None):
-    """Write the checkpoint of `step` as laid out above (with `consolidate`, a sharded model's model.pt too), keep
-    the newest `keep`, and record how long the save took in ckpt_dir/save_seconds: what speedrun.sh gives a stopped
-    stage to checkpoint before it kills it (a d20 checkpoint is about 15 GB); also printed, and appended to the
-    `metrics` file where given. delay_s: testing, rank 0 writes that much slower."""
+    """Write the checkpoint of `step` as laid out above (`consolidate`: a sharded model's model.pt too), keep the
+    newest `keep`, and record the save's seconds in ckpt_dir/save_seconds (what speedrun.sh gives a stopped stage to
+    save before it kills it), printed and in `metrics`. delay_s: testing, rank 0 writes that much slower."""
     started = time.perf_counter()
     final = Path(ckpt_dir) / f"step_{step:06d}"
     tmp = Path(ckpt_dir) / f".tmp_step_{step:06d}"
@@ -141,9 +132,8 @@ def set_aside_newer(ckpt_dir, step):
 
 
 def optimizer_layout(optimizers):
-    """[[class name, [param group names (None where unnamed)]], ...]: what a checkpoint's optimizer state is,
-    recorded in its meta.json so a child stage can tell whether that state fits its own optimizers before loading it
-    (runs.warm_start)."""
+    """[[class name, [param group names]], ...], in meta.json: a child stage's check that the state fits its own
+    optimizers before loading it (runs.warm_start)."""
     return [[type(opt).__name__, [group.get("name") for group in opt.param_groups]] for opt in optimizers]
 
 
@@ -174,13 +164,10 @@ def load_named_optimizer_state(model, optimizers, merged):
 
 
 def load_state(path, model, optimizers, device, keep=("foreach", "fused", "ns_dtype")):
-    """Model and optimizer state from a checkpoint into `model` (sharded or not) and `optimizers`, whatever the world
-    size that wrote it: a sharded checkpoint's state/ through torch.distributed.checkpoint (optimizer state must exist
-    to be loaded into: get_state_dict creates it with a step at lr 0, which changes no weight), an unsharded one's
-    model.pt and optimizers.pt (into a sharded model: as full state dicts that set_state_dict shards). A loaded param
-    group brings the writer's keys; the optimizers keep this run's for those in `keep`, even when the load fails: by
-    default the device's choices (AdamW's kernel, Muon's Newton-Schulz dtype), as the writer may have run on another
-    device or version; keep=None keeps every key but the params (a warm start: the new stage's hyperparameters)."""
+    """Model and optimizer state from a checkpoint (any world size, sharded or not) into `model` (sharded or not) and
+    `optimizers`. A loaded param group brings the writer's keys; this run's are kept for those in `keep`, even when
+    the load fails: by default the device's choices (AdamW's kernel, Muon's dtype), as the writer may have run on
+    another device; keep=None keeps every key but the params (a warm start: the new stage's hyperparameters)."""
     path = Path(path)
     kept = [[{k: v for k, v in g.items() if k != "params" and (keep is None or k in keep)} for g in opt.param_groups]
             for opt in optimizers]
@@ -202,8 +189,7 @@ def _load_state(path, model, optimizers, device):
                  no_dist=not dist.is_initialized())
         set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optimizer_state)
     else:
-        # the weights mmap'd (load_model says why); not the optimizer state, which load_state_dict keeps as loaded: each
-        # page its first update wrote was copied then, and step 1 lost more than the load gained (d12, 2-core Xeon)
+        # the weights mmap'd (load_model); not the optimizer state, kept as loaded: step 1's writes would copy its pages
         model_state = torch.load(path / "model.pt", map_location=device, weights_only=True, mmap=True)
         optimizer_state = torch.load(path / "optimizers.pt", map_location=device, weights_only=True)
         if "state" not in optimizer_state:  # a list, one state dict per optimizer
@@ -228,8 +214,7 @@ def load_rank_states(path, meta, rank, accum):
 
 
 def consolidate(path):
-    """Write model.pt (the whole model, one file) from a sharded checkpoint's state/, in this one process. Returns
-    its path."""
+    """Write model.pt from a sharded checkpoint's state/, in this one process. Returns its path."""
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
     import torch.distributed.checkpoint as dcp
@@ -267,8 +252,7 @@ def find_checkpoint(path=None, runs_dir="runs"):
     return found[-1]
 
 
-# the order chat.py and export.py look for a checkpoint without --checkpoint: the newer of RL's and SFT's, else
-# midtraining's, else pretraining's
+# chat.py's and export.py's pick without --checkpoint: the newer of RL's and SFT's, else midtraining's, ...
 PICK_ORDER = [("rl", "sft"), ("midtrain",), ("pretrain",)]
 
 
@@ -288,9 +272,8 @@ def pick_checkpoint(args, order=PICK_ORDER):
 
 
 def add_checkpoint_args(parser, picked=None, eval_dtype=False):
-    """--checkpoint, --runs_dir (pick_checkpoint's) and --tokenizer, the flags of a script that loads one checkpoint;
-    `picked` says which it loads without --checkpoint (default: PICK_ORDER's). eval_dtype: also --dtype, the
-    training stages' choice (chat_eval.py, core_eval.py)."""
+    """--checkpoint, --runs_dir and --tokenizer of a script that loads one checkpoint; `picked` says which it loads
+    without --checkpoint (default: PICK_ORDER's). eval_dtype: also --dtype (chat_eval.py, core_eval.py)."""
     picked = picked or "the newest under --runs_dir of stage " + ", else ".join(" or ".join(s) for s in PICK_ORDER)
     parser.add_argument("--checkpoint", default=None, help="a checkpoint (runs/<run>/ckpt/step_*) or a run directory "
                         f"(its newest checkpoint) (default: {picked})")
@@ -329,17 +312,15 @@ def load_model(path, device):
         raise FileNotFoundError(f"{path} holds a sharded model (state/) and no model.pt yet: write it with `python "
                                 f"checkpoint.py consolidate {path}`")
     model = build_model(GPTConfig(**meta["model_config"]), device, init=False)
-    # mmap: the file's pages are read as the weights are copied into place, not into a buffer first (a d12's load
-    # 1.0 s against 2.8 s on a 2-core Xeon)
+    # mmap: the pages are read as the weights are copied into place, not into a buffer first (d12: ~3x faster)
     model.load_state_dict(torch.load(Path(path) / "model.pt", map_location=device, weights_only=True, mmap=True))
     model.eval()
     return model, meta
 
 
 def checkpoint_tokenizer(meta, checkpoint, flag=None):
-    """(tokenizer, its path) for a checkpoint: --tokenizer's value if given, else the one its meta records (else
-    runs/tokenizer), refused unless the checkpoint was trained with it: ids would mean other strings and every score
-    would be silently wrong."""
+    """(tokenizer, its path): --tokenizer's, else the one meta records (else runs/tokenizer), refused unless the
+    checkpoint was trained with it: ids would mean other strings and every score be silently wrong."""
     path = flag or meta.get("tokenizer") or "runs/tokenizer"
     try:
         tokenizer = Tokenizer.load(path)
@@ -376,9 +357,8 @@ def saved_layout(path):
 
 
 def resume(path, run_dir, model, optimizers, loaders, layout, rank, device):
-    """Restore model, optimizers, loaders and RNG from a checkpoint whose model and micro-batch agree with `layout`
-    and whose virtual ranks (world size x accumulation: one data stream each) are as many, so every stream continues
-    where it stopped: 2 processes x 1 micro-step resume as 1 x 2 (else a ValueError naming the difference). Newer
+    """Restore model, optimizers, loaders and RNG from a checkpoint whose model, micro-batch and virtual ranks (world
+    size x accumulation: one data stream each) agree with `layout`: 2 processes x 1 micro-step resume as 1 x 2. Newer
     checkpoints of an abandoned branch are set aside. Returns its step."""
     meta = saved_layout(path)
     for key in ("model_config", "micro_batch"):

@@ -1,9 +1,6 @@
-"""What every stage uses and no one part owns: facts about the machine and the code (device_name, native_bf16,
-precision and matmul_dtype, peak_flops, versions, code_version) and the formatting and timing helpers every stage prints with
-(fmt_bytes, fmt_duration, now), and append_jsonl (a run's metrics.jsonl and samples.jsonl). A stage's exit (run_main) is in distributed.py: it tears the process group down.
-
-Not a stage: import it (`import common`). It imports none of this project's modules, so any of them may import it.
-One command line, what this machine and this code are, as every stage records them:
+"""What every stage uses and no one part owns: facts about the machine and the code (device, bf16, precision, peak
+FLOP/s, versions, commit), formatting helpers, append_jsonl. It imports none of this project's modules, so any may
+import it. Not a stage; one command line, what this machine and this code are, as every stage records them:
 
     python common.py        # the device, whether bf16 is native, the matmul dtype, the versions, the code's commit
 """
@@ -38,24 +35,21 @@ def device_name(device):
 
 
 def native_bf16(device):
-    """Whether bf16 matmuls can run natively: CUDA with bf16 support, or a CPU with AVX512-BF16 or AMX. Elsewhere they
-    are emulated: on an AVX2-only CPU a bf16 matmul is ~20-100x slower than the same one in fp32. torch exposes the
-    CPU's flags only through private functions; if they are missing the answer is no (fp32 is never slow)."""
+    """Whether bf16 matmuls run natively: CUDA with bf16 support, or a CPU with AVX512-BF16 or AMX (emulated, ~20-100x
+    slower than fp32). torch's CPU flags are private functions: if missing, no (fp32 is never slow)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     flags = [getattr(torch.cpu, name, lambda: False) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
     return device.type == "cpu" and any(flag() for flag in flags)
 
 
-# The CPU's measured precision lives beside the downloads: dataset.py's cache dir, by the same rule (dataset.py keeps
-# its own line: it runs without torch, which importing this module would load)
+# dataset.py's cache dir, by the same rule (its own line there: dataset.py runs without torch, which this loads)
 CACHE_DIR = Path(os.environ.get("NANOCHAT_CACHE", Path.home() / ".cache" / "nanochat"))
 
 
 def time_linear(dtype, width, rows=1024, reps=3):
-    """Seconds of one forward and backward of a (rows x width) @ (width x 4 width) linear layer under `dtype`'s
-    autocast, the best of `reps`: the MLP's matmuls as a training step runs them, weight casts included (a native
-    bf16 matmul can still lose to fp32 once autocast re-casts the fp32 weights each step)."""
+    """Seconds of forward and backward of a (rows x width) @ (width x 4 width) linear layer under `dtype`'s autocast,
+    best of `reps`: weight casts included, with which native bf16 can still lose to fp32."""
     x = torch.randn(rows, width, requires_grad=True)
     w = torch.randn(4 * width, width, requires_grad=True)
     times = []
@@ -76,12 +70,9 @@ def pick_precision(seconds):
 
 
 def precision(device, width=256):
-    """(compute dtype, why) for matmuls on `device` at model width `width`. CUDA: bf16 where supported. A CPU whose
-    flags say bf16 is emulated: fp32, never timed (an emulated bf16 probe alone would take seconds). A CPU with
-    native bf16: whichever of the two ran a training step's matmul faster here (time_linear; native is not enough:
-    a 2-core Xeon with AVX512-BF16 and no AMX ran a 2048x256 @ 256x1024 matmul 1.9x faster in fp32), measured once
-    and kept in <cache>/precision.json under the CPU's model, torch's version, the thread count and the width: a
-    measurement from another CPU or torch is not trusted."""
+    """(compute dtype, why) for matmuls on `device` at width `width`. CUDA: bf16 where supported. A CPU with emulated
+    bf16: fp32, untimed (timing it takes seconds). Native bf16: the faster here (time_linear; native alone is not
+    enough, dev/LOG.md), measured once and kept in <cache>/precision.json under CPU, torch, threads and width."""
     if device.type == "cuda":
         native = native_bf16(device)
         return ("bfloat16" if native else "float32"), f"bf16 is {'' if native else 'not '}supported on this GPU"
@@ -136,9 +127,8 @@ def code_version():
 # -----------------------------------------------------------------------------
 # Measurement and formatting
 
-# Dense bf16 tensor-core peak FLOP/s by device name (first match wins: a variant before its family). A device not
-# listed gets MFU "unknown". NVIDIA's datasheets give BF16 with sparsity, twice the dense figure here: H200 NVL 1,671
-# TFLOP/s (the H200 datasheet; the SXM's 1,979), B200 4.5 PFLOP/s (the B200 / HGX B200 datasheet): dense 836 and 2,250.
+# Dense bf16 peak FLOP/s by device name (first match wins: a variant before its family; unlisted: MFU "unknown").
+# NVIDIA's datasheets give BF16 with sparsity, twice these (H200 NVL 1,671 TFLOP/s, B200 4.5 PFLOP/s)
 PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200 NVL", 836e12),
                    ("H200", 989e12), ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("A10G", 70e12),
                    ("L4", 121e12)]
@@ -159,10 +149,6 @@ def fmt_duration(seconds):
         return "unknown"
     seconds = int(seconds)
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
-
-
-def now():
-    return time.perf_counter()
 
 
 def append_jsonl(path, *records):

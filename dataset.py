@@ -53,10 +53,8 @@ def download_shards(dataset, num_shards, data_dir, workers=4):
     return download_entries(dataset, chosen, data_dir, "main", "dataset", workers)
 
 
-# Conversations. A chat directory holds parquet files with a `messages` column (SmolTalk, UltraChat), a
-# `conversations` column (LIMA), or a task's columns, rendered into a conversation as they are read (chat_rows):
-# multiple choice answered with a letter (MMLU, ARC) and grade-school math with calculator calls (GSM8K). Files
-# whose names start with "test" or "val" are the validation split.
+# Conversations: parquet files with a `messages` column (SmolTalk, UltraChat), a `conversations` column (LIMA), or a
+# task's columns rendered as they are read (chat_rows: MMLU, ARC, GSM8K). Files named test* or val* are validation.
 CHAT_DATASETS = {  # name: (hub repo, the files to fetch)
     "smoltalk": ("HuggingFaceTB/smoltalk", r"data/all/(train|test)-\d+-of-\d+\.parquet"),
     "ultrachat": ("HuggingFaceH4/ultrachat_200k", r"data/(train|test)_sft-.+\.parquet"),
@@ -201,8 +199,7 @@ def conversation_messages(item):
 
 def chat_rows(path, row_group, rows=None):
     """A row group of a chat file as conversations (lists of messages), or for a row that cannot be one, why; rows:
-    only the rows at those indices in the row group, in that order (None: all). A loader's stream of W reads 1/W of a
-    row group: the rest is never made into conversations (at 32 streams most of the reader's time was that)."""
+    only those indices, in that order (None: all), as a stream of W reads 1/W of a row group."""
     fmt = chat_format(path)
     items = read_row_group(path, row_group, fmt if fmt in ("messages", "conversations") else None)
     items = items if rows is None else [items[r] for r in rows]
@@ -287,10 +284,9 @@ def shard_tokens(path, tokenizer):
 
 
 def corpus_budget(data_dir, tokenizer, budget_tokens):
-    """How the training split of a corpus compares with a token budget: {"shards", "docs", "measured_shard",
-    "tokens_per_doc", "tokens" (estimated: the first shard's tokens per document x every training shard's documents,
-    from the parquet footers), "epochs" (budget / tokens)}. The first shard is counted with the tokenizer; the others
-    are assumed to hold documents of the same mean length (FineWeb's shards are one shuffled stream cut in pieces)."""
+    """A corpus's training split against a token budget: {"shards", "docs", "measured_shard", "tokens_per_doc",
+    "tokens", "epochs" (budget / tokens)}; tokens: the first shard's tokens per document (counted) x every shard's
+    documents (footers), as FineWeb's shards are one shuffled stream cut in pieces."""
     train = split_shards(data_dir, "train")
     tokens0, docs0 = shard_tokens(train[0], tokenizer)
     docs = sum(open_parquet(p).metadata.num_rows for p in train)

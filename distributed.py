@@ -29,12 +29,10 @@ from model import memory_estimate
 
 
 def keep_freed_memory(keep=True):
-    """Have glibc keep freed memory for reuse instead of giving it back to the OS: a training step allocates the same
-    large tensors every time, and glibc's default (fresh mmap pages for each, unmapped when freed) cost a quarter of a
-    CPU step in page faults (dev/LOG.md). The price: the process keeps its peak heap, fragments included. keep=False
-    restores glibc's thresholds and returns what is free to the OS (malloc_trim also releases pages in the middle of
-    the heap): shard_model does, since a sharded run is one short of memory (llama3-1b on 2 CPU processes: 8.4 GiB per
-    rank with glibc's defaults; with this kept, 24 GB ran out). A no-op without glibc's mallopt (macOS, musl)."""
+    """Have glibc keep freed memory for reuse: a step allocates the same large tensors every time, and glibc's fresh
+    mmap pages for each cost a quarter of a CPU step in page faults (dev/LOG.md); the price is the peak heap kept.
+    keep=False restores glibc's thresholds and trims the heap: shard_model's, as a sharded run is short of memory.
+    A no-op without glibc's mallopt (macOS, musl)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
         libc.mallopt(-3, 1 << 30 if keep else 128 * 1024)  # M_MMAP_THRESHOLD: allocations under 1 GiB from the heap...
@@ -49,10 +47,9 @@ WORLD = "unknown"  # the world as setup_distributed printed it: each stage's JSO
 
 
 def setup_distributed(timeout_s=600):
-    """Initialize from torchrun's environment (or run as one process). Returns (rank, local_rank, world_size, device).
-    NCCL on CUDA, gloo on CPU; a collective that waits longer than timeout_s (a dead or hung peer) raises instead of
-    hanging. Prints the world as initialized, as the first line: each rank reports its host and the device it holds
-    (a run once passed one GPU off as four)."""
+    """Initialize from torchrun's environment (or run as one process); returns (rank, local_rank, world_size, device).
+    A collective waiting past timeout_s (a dead or hung peer) raises. Prints each rank's host and device first (a run
+    once passed one GPU off as four)."""
     if not torch.cuda.is_available():
         keep_freed_memory()
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun (other launchers set RANK too)
@@ -78,11 +75,9 @@ def setup_distributed(timeout_s=600):
 
 
 def die_with_launcher():
-    """Under torchrun: this worker gets SIGKILL when its launcher dies. torchrun starts each worker in a session of
-    its own, so a kill of torchrun's process group never reaches it, and a torchrun killed before it stopped a slow
-    or stuck worker (a rank inside an NCCL call that never returns) would leave that worker holding its GPU. The
-    kernel sends the signal when the thread that started us ends: torchrun starts its workers from its main thread.
-    Linux only (prctl); elsewhere nothing is set."""
+    """Under torchrun: this worker gets SIGKILL when its launcher dies. Each worker has a session of its own, so a
+    kill of torchrun's process group misses it, and a stuck worker would keep its GPU. (The kernel signals when the
+    starting thread ends: torchrun's main thread.) Linux only (prctl)."""
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
@@ -98,12 +93,10 @@ def die_with_launcher():
 
 
 def init_process_group(local_rank, timeout_s):
-    """The process group of torchrun's ranks (NCCL on CUDA, gloo on CPU); returns this rank's device. First, though
-    nothing here uses it, torch.distributed.nn.functional: its functions take `group=group.WORLD` as a default
-    argument, bound when it is imported, and torch.optim imports it (by way of torch._dynamo) at the first optimizer.
-    Imported after init, its defaults hold the process group past destroy_process_group: gloo's three threads then
-    live until the interpreter's last garbage collection at exit, where a rank now and then aborted with "terminate
-    called without an active exception". Imported before, they hold None. (Other holders: see run_main.)"""
+    """The process group of torchrun's ranks (NCCL on CUDA, gloo on CPU); returns this rank's device. Unused here,
+    torch.distributed.nn.functional is imported first: its defaults bind `group.WORLD` at import (torch.optim imports
+    it later), and bound to a live group they keep gloo's threads alive past destroy_process_group, so a rank now and
+    then aborted at exit ("terminate called without an active exception"). (Other holders: see run_main.)"""
     from datetime import timedelta
 
     import torch.distributed.nn.functional
@@ -128,9 +121,8 @@ PROBE_MBYTES = 64  # the probe's message: a DDP gradient bucket is 25 MB; NVLS a
 
 
 def probe_all_reduce(timeout_s, mbytes=PROBE_MBYTES, iters=5, out=None):
-    """speedrun.sh's check before training (docs/speedrun.md): a 4-byte all-reduce, then one of `mbytes` MB (a
-    gradient bucket's size: the large-message algorithms a 4-byte probe never reaches) timed over `iters` repeats,
-    its bus bandwidth (nccl-tests' figure) printed and written to `out` as JSON. Returns 0 when every sum was right."""
+    """speedrun.sh's check (docs/speedrun.md): a 4-byte all-reduce, then one of `mbytes` MB (the large-message path)
+    timed over `iters`, its bus bandwidth printed and written to `out` as JSON. Returns 0 when every sum was right."""
     if "RANK" not in os.environ:
         print("probe: not under torchrun: one process, nothing to all-reduce")
         return 0
@@ -189,16 +181,12 @@ def fetch_everywhere(fetch, rank, world):
 
 
 def run_main(main):
-    """A stage's exit: 0 when main() finished, 128 + signal when a signal stopped it after its checkpoint
-    (non-zero, so a script chaining stages stops), 1 with a one-line error when this project's code raised one
-    naming the fix (an error raised elsewhere, in torch say, also gets its traceback). Every rank tears the process
-    group down; after an error without the barrier, since the other ranks may never reach it (torchrun stops them
-    when this one exits). Under torchrun the process then ends at once (os._exit), not through the interpreter's
-    finalization: whatever still holds the process group keeps gloo's threads alive (see init_process_group; after
-    fully_shard, a DeviceMesh holds it in its _pg_registry, and DTensor's C++ sharding cache holds the mesh), and
-    threads alive while the interpreter is torn down are how a rank aborted now and then ("terminate called without
-    an active exception"). A script run by python alike, after its atexit handlers: the finalization does nothing a
-    stage needs and costs 0.4 s of CPU after `import torch`, 1.1 s after torch._dynamo (2-core Xeon, 2026-11-27)."""
+    """A stage's exit: 0 when main() finished, 128 + signal when a signal stopped it after its checkpoint (so a
+    chain of stages stops), 1 with a one-line error naming the fix (a traceback too where it was raised outside this
+    project). Every rank tears the process group down, without the barrier after an error (the others may never reach
+    it). A process under torchrun, or a script (after its atexit handlers), then ends at once (os._exit): in the
+    interpreter's finalization, gloo threads kept alive by what holds the group (a DeviceMesh after fully_shard; see
+    init_process_group) made a rank abort now and then, and it costs up to 1.1 s of CPU for nothing (dev/LOG.md)."""
     code = stage_code(main)
     torchrun = "TORCHELASTIC_RUN_ID" in os.environ
     if torchrun or getattr(main, "__module__", None) == "__main__":  # not a test calling run_main in its process
@@ -235,9 +223,8 @@ def stage_code(main):
 
 
 def check_shared_dir(run_dir):
-    """When the ranks span several nodes, check that run_dir is one filesystem they all see (docs/distributed.md):
-    rank 0 writes a token there and every rank reads it back, or every rank raises naming the ones that cannot.
-    (Testing: NANOCHAT_TEST_NODE_VIEW=RANK:DIR makes that rank read DIR instead, as a node with its own disk would.)"""
+    """Across nodes, check that run_dir is one filesystem all ranks see (docs/distributed.md): rank 0 writes a token,
+    every rank reads it back, or all raise naming the blind ones. (Testing: NANOCHAT_TEST_NODE_VIEW=RANK:DIR.)"""
     view = os.environ.get("NANOCHAT_TEST_NODE_VIEW", "")
     if not dist.is_initialized() or (dist.get_world_size() <= int(os.environ.get("LOCAL_WORLD_SIZE", "1")) and not view):
         return
@@ -270,9 +257,8 @@ PROGRESS = {}  # where this rank keeps its progress record: {"dir": run_dir/prog
 
 
 def keep_progress(run_dir, stage):
-    """From now on mark_progress also writes this rank's record to run_dir/progress/rankNNN.txt. Under NCCL a hung
-    collective ends in the C++ watchdog's abort, before any Python sees an error, so stopped_ranks never prints:
-    these files are what a person (and speedrun.sh, after a failed stage) reads to tell which rank was where."""
+    """From now on mark_progress also writes run_dir/progress/rankNNN.txt: under NCCL a hung collective ends in the
+    watchdog's abort before Python sees an error, so these files are what tells which rank was where."""
     PROGRESS.update(dir=Path(run_dir) / "progress", stage=stage)
     PROGRESS["dir"].mkdir(parents=True, exist_ok=True)
     if not dist.is_initialized() or dist.get_rank() == 0:  # the records of ranks an earlier, larger run had
@@ -283,9 +269,8 @@ def keep_progress(run_dir, stage):
 
 
 def mark_progress(step, phase="step"):
-    """Record that this rank, this process, entered `step` (phase: what it is doing in it, e.g. checkpoint): in
-    torchrun's store (one small message, what stopped_ranks reads when a collective fails) and, after
-    keep_progress, in this rank's progress file (replaced whole, so a reader never sees half of one)."""
+    """Record that this rank entered `step` (phase: e.g. checkpoint) in torchrun's store (what stopped_ranks reads)
+    and, after keep_progress, in its progress file (replaced whole: a reader never sees half of one)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.distributed_c10d._get_default_store().set(f"progress/{rank}", f"{step} {os.getpid()} {platform.node()}")
@@ -356,9 +341,8 @@ def all_reduce(value, op=None):
     return all_reduce_tensor(torch.tensor(float(value), dtype=torch.float64), op).item()
 
 
-# FSDP2, DTensor and torch.distributed.checkpoint are imported where they are used: together they cost ~1.4 s of CPU
-# per process (sympy among them), which a run that never shards does not pay. Until shard_model or a sharded
-# checkpoint imports them, no parameter can be a DTensor.
+# FSDP2, DTensor and torch.distributed.checkpoint are imported where used (~1.4 s of CPU a process): until then no
+# parameter can be a DTensor
 
 def is_dtensor(tensor):
     module = sys.modules.get("torch.distributed.tensor")
@@ -384,8 +368,7 @@ def device_memory(device):
 
 
 def process_memory(device):
-    """Bytes in use now: on CUDA the device's (the context, the weights already built), on a CPU this process's
-    resident set (the interpreter, torch's libraries, the weights)."""
+    """Bytes in use now: on CUDA the device's, on a CPU this process's resident set."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return total - free
@@ -393,9 +376,8 @@ def process_memory(device):
 
 
 def shard_model(model, args, world, device):
-    """FSDP2 (fully_shard on each block, then the root) when --fsdp true, or with --fsdp auto when the training step
-    would not fit one device by model.py's estimate (docs/distributed.md: what it counts, and how the shards compute:
-    the same numbers as DDP + autocast). Returns the line that says whether it did and why."""
+    """FSDP2 (each block, then the root) with --fsdp true, or --fsdp auto when the step would not fit one device by
+    model.py's estimate (docs/distributed.md). Returns the line that says whether it did and why."""
     optimizer = "adam8bit" if args.optimizer == "adamw" and args.adam8bit else args.optimizer
     micro = getattr(args, "micro_batch", None) or 1  # the probe chooses later, and at least 1
     estimate = memory_estimate(model.config, micro, optimizer=optimizer, bf16=args.dtype == "bfloat16")

@@ -15,9 +15,8 @@ GSM8K_TRAIN = 7_473  # GSM8K's training questions, one epoch of rl.py's (rl.py c
 # fetched at the start, with the CORE bundle and the ChatCORE tasks, so a gated or missing one fails in minutes
 CHAT_SOURCES = ["smoltalk", "ultrachat", "mmlu", "arc-easy", "arc-challenge", "gsm8k", "identity"]
 
-# each stage's flags on the gpu plan's command lines, ahead of its *_ARGS (the last of a repeated flag wins). Those
-# that equal the script's default are given too: the prediction and the disk plan read them here, so a changed
-# default cannot leave them predicting another plan
+# each stage's flags on the gpu plan's command lines, ahead of its *_ARGS (the last of a repeated flag wins); those
+# equal to a default too, so that a changed default cannot leave the prediction and disk plan on another plan
 FLAGS = {
     "pretrain": {"tokens_per_param": 20, "total_batch_tokens": TOKENS_PER_STEP, "eval_every": 250,
                  "bpb_tokens": 2 ** 20, "ckpt_every": 1000},
@@ -86,8 +85,7 @@ def rehearsal_budgets(nproc, on_cpu):
                  "--eval_every", 0, "--eval_items", questions, "--eval_samples", 2, "--ckpt_every", 2, "--keep", 1],
         "R_CORE": ["--max_items", 4, "--bpb_tokens", 32768, "--max_new_tokens", 8],
         "R_CHAT_EVAL": ["--max_items", 2, "--max_new_tokens", 32],
-        # the gpu plan on CPU processes: the plan's 256 sequences a step, each 128 tokens instead of 2048
-        # (midtraining's streams per rank are the same at any micro-batch); the later stages inherit the shape
+        # on CPU processes: the plan's 256 sequences a step (its data streams per rank), 128 tokens each (inherited)
         "R_SHAPE": ["--sequence_len", 128, "--total_batch_tokens", 32768] if on_cpu else [],
     }
 

@@ -30,13 +30,10 @@ REPORT_SKIPPED = 5  # the first few conversations skipped as bad input are print
 
 
 def assign_units(files, rank, world_size):
-    """What rank `rank` of `world_size` reads, so ranks never share a document and none runs out while another has
-    unread data: whole row groups round robin, as many full-size ones (the most documents) as make whole rounds, and
-    the rest (the last row group of a shard, a remainder of fewer than W, a split with fewer row groups than ranks)
-    dealt by document: rank r takes documents r, r+W, ... of their sequence, in file order. Streams then differ by at
-    most one document. With fewer documents than ranks and no whole round, the sequence is the documents repeated
-    until it has W (24 conversations on 32 streams: 48), so no rank is ever without data; ranks then share a few
-    documents. A unit is (path, row group, first doc, doc step)."""
+    """What rank `rank` of `world_size` reads, so ranks share no document and none runs out while another has unread
+    data: full-size row groups round robin in whole rounds, the rest dealt by document (rank r takes documents r,
+    r+W, ... in file order): streams differ by at most one document. With fewer documents than ranks, they are
+    repeated until there are W (ranks then share a few). A unit is (path, row group, first doc, doc step)."""
     row_groups = []
     for path in files:
         parquet = open_parquet(path, column=None)
@@ -91,10 +88,9 @@ def skipped(item):
 
 
 class PieceBuffer:
-    """The packer's buffer: pieces (ids, mask, arrival number) sorted by length, so the largest piece that fits a
-    space is a bisect. `live` maps each buffered piece's arrival number (unique, saved with the state) to its length
-    and `oldest` is a heap of arrival numbers, so the oldest piece is found without a scan (entries no longer live
-    are dropped lazily). `tokens` is the number of tokens buffered."""
+    """The packer's buffer: pieces (ids, mask, arrival number) sorted by length, so the largest that fits is a
+    bisect; `live` maps arrival numbers (unique, saved with the state) to lengths and `oldest` is their heap (stale
+    entries dropped lazily), so the oldest piece needs no scan. `tokens`: the tokens buffered."""
 
     def __init__(self, pieces):
         self.lengths, self.pieces, self.live, self.oldest, self.tokens = [], [], {}, [], 0
@@ -133,18 +129,15 @@ class PieceBuffer:
 
 
 # -----------------------------------------------------------------------------
-# Packing: pure functions, no threads and no I/O. Given documents' token ids (and loss masks) and the row length, they
-# fill rows; they change only the PieceBuffer, the rows and the stats dict they are handed (STAT_KEYS' counters).
-# A document is what the reader hands over: ids (text), (ids, mask) (a conversation: mask 1 where the token is a
-# target), or a skipped one: None (empty) or the stats key it is counted under ("too_long", "malformed", ...).
+# Packing: pure functions, no threads and no I/O; they change only the PieceBuffer, the rows and the stats handed in.
+# A document: ids (text), (ids, mask) (a conversation: mask 1 at targets), or skipped: None (empty) or its stats key.
 
 _END = object()  # next(documents, _END): the documents have run out
 
 
 def add_document(buffer, document, row_len, bos, stats):
-    """Buffer one document; a skipped one is only counted. A document longer than a row is cut into row-sized BOS-led
-    pieces here (pack="pad" renders at most a row), a conversation's mask with it: its tokens after the first piece
-    are counted as 'cropped', moved to a later row cut off from the document's start."""
+    """Buffer one document (a skipped one is only counted); one longer than a row as row-sized BOS-led pieces, its
+    mask too (pack="pad" renders at most a row), the tokens after the first piece counted as 'cropped'."""
     if skipped(document):
         stats[document or "empty"] += 1
         return
@@ -162,9 +155,8 @@ def add_document(buffer, document, row_len, bos, stats):
 
 
 def top_up(buffer, documents, row_len, bos, crop, buffer_docs, stats):
-    """Read documents (an iterator) into the buffer, in order, until it holds buffer_docs pieces; cropping also wants
-    a row's worth of tokens, else the row would take every piece and find nothing left to crop. Stops early when the
-    documents run out (max_epochs)."""
+    """Read documents into the buffer until it holds buffer_docs pieces, or they run out (max_epochs); cropping also
+    wants a row's worth of tokens, else a row would take every piece and find nothing to crop."""
     while len(buffer) < buffer_docs or (crop and buffer.tokens < row_len):
         document = next(documents, _END)
         if document is _END:
@@ -173,9 +165,8 @@ def top_up(buffer, documents, row_len, bos, crop, buffer_docs, stats):
 
 
 def fill_row(buffer, row, row_mask, bos, crop, stats):
-    """The oldest piece opens the row, so nothing waits more than about buffer_docs rows (pure best-fit starves
-    short documents indefinitely); then the largest piece that fits the space left, again and again; then
-    pad_or_crop() the rest. row_mask (None: no masks) gets the pieces' masks where they have one."""
+    """The oldest piece opens the row (pure best-fit starves short documents), then the largest piece that fits,
+    again and again, then pad_or_crop() the rest. row_mask (None: no masks) gets the pieces' masks."""
     pos, piece = 0, buffer.take_oldest()
     while piece is not None:
         ids, mask, _ = piece
@@ -189,10 +180,9 @@ def fill_row(buffer, row, row_mask, bos, crop, stats):
 
 
 def pad_or_crop(buffer, row, row_mask, pos, bos, crop, stats):
-    """No piece fits the rest of the row from `pos`. pack="pad" (crop=False) pads it (inputs BOS, mask 0: targets -1):
-    conversations are never cropped. pack="crop" crops the smallest piece to fill it and puts the remainder back as a
-    new BOS-led piece (its mask too: mask[0] is the piece's BOS's), under the same arrival number, so it opens a row
-    soon: nothing is discarded, and the moved tokens are counted as 'cropped'."""
+    """No piece fits the rest of the row from `pos`. pack="pad" pads it (inputs BOS, mask 0). pack="crop" fills it
+    with the smallest piece and puts the remainder back as a BOS-led piece (mask[0]: its BOS's) under the same arrival
+    number, so it opens a row soon: nothing is discarded; the moved tokens count as 'cropped'."""
     space = len(row) - pos
     if not crop or not len(buffer):  # cropping pads only when the data has ended (max_epochs)
         row[pos:], row_mask[pos:] = bos, 0
@@ -208,10 +198,9 @@ def pad_or_crop(buffer, row, row_mask, pos, bos, crop, stats):
 
 
 def pack_batch(buffer, documents, batch_size, row_len, bos, *, crop, buffer_docs, masked, stats):
-    """(rows, masks) of one batch: up to batch_size int32 rows of row_len tokens, each filled by fill_row() after a
-    top_up() from `documents`, and their int8 masks (1: a target, 0: padding or not supervised), or None when
-    masked=False (text that never pads). Fewer rows, or none, once the documents have run out and the buffer is empty;
-    a batch of rows counts as one in stats (batches, tokens: row_len - 1 targets a row, supervised)."""
+    """(rows, masks) of one batch: up to batch_size int32 rows of row_len tokens (top_up(), then fill_row()), and their
+    int8 masks (1: a target), or None when masked=False (text that never pads). Fewer rows, or none, once the
+    documents and the buffer are empty; stats count it (batches, tokens: row_len - 1 targets a row, supervised)."""
     rows = np.empty((batch_size, row_len), dtype=np.int32)
     masks = np.ones((batch_size, row_len), dtype=np.int8) if masked else None
     filled = 0
@@ -274,17 +263,13 @@ class Pipe:
 
 class PackedLoader:
     """(inputs, targets) batches of shape (B, T) for one rank: pack="crop" packs without padding (text, midtraining's
-    conversations), pack="pad" pads whole conversations (SFT); supervise="assistant" or "all" picks a conversation's
-    targets (docs/data.md: what each does). state_dict() is the exact position after the last batch handed out,
-    buffered documents included; load_state_dict() continues from it with bit-identical batches.
+    conversations), pack="pad" pads whole conversations (SFT); supervise picks a conversation's targets (docs/data.md).
+    state_dict() is the exact position after the last batch handed out, buffer included: a resume is bit-identical.
 
-    Pipeline: a reader thread reads this rank's row groups ("units") and tokenizes them on `threads` threads (outside
-    the GIL); a packer thread packs rows (pack_batch) and copies each batch to the device `prefetch` batches ahead.
-    Every batch travels with the state after it, so the state never runs ahead of what the consumer has seen.
-    seed=None reads units and documents in file order; seed=N shuffles the units from (N, epoch) and each unit's
-    documents from (N, epoch, unit), and the state's (epoch, unit, doc) are positions in those orders, so a resume
-    mid-epoch is still exact. max_epochs=None cycles forever (training); max_epochs=N stops after N passes
-    (validation): the last rows are padded and the last batch may have fewer rows."""
+    A reader thread reads and tokenizes (on `threads` threads) this rank's row groups ("units"); a packer thread ships
+    each batch to the device `prefetch` ahead, with the state after it. seed=N shuffles units by (N, epoch) and their
+    documents by (N, epoch, unit): the state's positions are in those orders. max_epochs=N stops after N passes
+    (validation: the last rows padded, the last batch maybe short); None cycles forever."""
 
     def __init__(self, files, tokenizer, batch_size, seq_len, kind="text", rank=0, world_size=1, device="cpu",
                  buffer_docs=1000, threads=None, prefetch=2, name="train", max_epochs=None, pack=None,
@@ -305,16 +290,13 @@ class PackedLoader:
         self.units = assign_units(self.files, rank, world_size)
         if not self.units:
             raise ValueError(f"{name}: rank {rank} of {world_size} has no data in {', '.join(map(str, self.files))}")
-        # training: at most one pass of this rank's documents buffered, else a small set (24 conversations) is read a
-        # thousand times over to fill the buffer before the first row, each pass a read of its file (with max_epochs
-        # the data ends instead: unchanged, so validation rows stay what they were)
+        # training buffers at most one pass of this rank's documents, else a small set is read a thousand times over
+        # before the first row (validation, whose data ends, is unchanged)
         self._footers = {}  # path: its parquet metadata (the reader's, for its row groups' sizes)
         pass_docs = epoch_documents(self.units, buffer_docs, self._footers) if max_epochs is None else None
         self.buffer_docs = buffer_docs if max_epochs is not None else min(buffer_docs, max(1, pass_docs))
-        # a training stream whose pass is shorter than buffer_docs (a small source over many streams: 120 ARC questions
-        # on 32 streams are a pass every few rows) keeps its documents encoded after their first read, as the buffer
-        # could hold them anyway: a later pass is no file read and no tokenizing, only their new order. {(unit, row in
-        # its row group): what _read_unit made of it}; None: every pass reads
+        # a training pass shorter than buffer_docs (a small source on many streams) is kept encoded after its first
+        # read, as the buffer could hold it anyway. {(unit, row in its row group): _read_unit's}; None: every pass reads
         self._encoded = {} if max_epochs is None and pass_docs < buffer_docs else None
         # epoch, unit, doc: where the reader goes on; pass_tokens: a pass's document tokens, once read (see epoch)
         self.state = {"epoch": 0, "unit": 0, "doc": 0, "buffer": [], "stats": dict.fromkeys(STAT_KEYS, 0),
@@ -325,9 +307,8 @@ class PackedLoader:
     # --- state ---------------------------------------------------------------------------------------------------
     @property
     def epoch(self):
-        """The pass over this rank's data that the rows handed out are in (0: the first; 1 and up: repeated data), by
-        tokens: those in rows over a pass's (known once the reader has read a pass). The reader's own, state["epoch"],
-        runs ahead by the buffer, up to a whole pass of a small stream."""
+        """The pass the rows handed out are in (0: the first), by tokens: those in rows over a pass's. (The reader's,
+        state["epoch"], runs ahead by the buffer.)"""
         return trained_epoch(self.state["stats"], self.state["pass_tokens"])
 
     def state_dict(self):
@@ -519,11 +500,10 @@ class PackedLoader:
         batches.put(StopIteration())  # max_epochs passes are done: __next__ raises it
 
     def _documents(self, units, position, buffered, stats, per_pass):
-        """The documents from position[0] on, in order, each an encoded document or why it is skipped; before each
-        is handed out, position[0] becomes the position of the next unread document (None after the last), so it is
-        exact even when nothing has been read since a resume. A pass over all the data with no usable document is an
-        error (the buffer would wait forever); `buffered` pieces restored from a checkpoint count as usable. When the
-        reader starts a pass again, per_pass[0] becomes the document tokens of one (stats counts from the first)."""
+        """The documents from position[0] on, each encoded or why it is skipped; before each is handed out,
+        position[0] becomes the next unread one's (None after the last). A pass with no usable document (restored
+        `buffered` pieces count) is an error: the buffer would wait forever. At a new pass, per_pass[0] becomes the
+        document tokens of one."""
         epoch, usable = position[0][0], buffered
         while (got := units.get()) is not None:
             item_epoch, unit, doc, items = got
@@ -545,9 +525,8 @@ class PackedLoader:
 
 
 def close_all(loaders, timeout=10):
-    """Close loaders (a rank's data streams, each a PackedLoader or a MixtureLoader), every thread told first: they
-    then end together, not one by one (a thread notices within Pipe's 0.1 s poll: 32 streams of 8 sources each, closed
-    one after another, took 3 s)."""
+    """Close loaders (PackedLoaders or MixtureLoaders), every thread told first: they end together, not one 0.1 s
+    poll after another."""
     for loader in loaders:
         loader.stop()
     for loader in loaders:
@@ -570,13 +549,10 @@ def chat_loader(chat_dir, split, tokenizer, batch_size, seq_len, *, pack="pad", 
 
 
 class MixtureLoader:
-    """Midtraining's loader: (inputs, targets) batches of shape (B, T) whose rows come from several sources at
-    configured token shares. sources: [{"name", "kind": "text"|"chat", "path": corpus dir (its train split) or chat dir
-    (its train files), "share"}]; supervise picks the conversations' targets; other kwargs go to every source's
-    PackedLoader. Each row is taken from the source whose realized token share is furthest below its target (ties: the
-    first listed), so every source stays within about a row of its share from the first batches on. Each source is a
-    one-row PackedLoader (chat with pack="crop"); the realized shares come from their token counts, which their states
-    restore, so state_dict() is just theirs and a resume gives bit-identical batches."""
+    """Midtraining's loader: (inputs, targets) batches of shape (B, T) from several sources at token shares. sources:
+    [{"name", "kind": "text"|"chat", "path": corpus or chat dir (train), "share"}]; other kwargs go to every source's
+    one-row PackedLoader (chat: pack="crop"). Each row comes from the source furthest below its share (ties: the first
+    listed), by the sources' token counts, which their states restore: state_dict() is just theirs."""
 
     def __init__(self, sources, tokenizer, batch_size, seq_len, *, rank=0, world_size=1, device="cpu", seed=0,
                  supervise="assistant", prefetch=2, name="mixture", **kwargs):

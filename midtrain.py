@@ -27,15 +27,11 @@ import validation
 from dataset import CACHE_DIR
 from loader import MixtureLoader
 
-# Token shares of the conversation sources beside the parent's text (0.3): conversation (SmolTalk, UltraChat), the
-# shapes chat_eval.py scores (MMLU and ARC letters, GSM8K with the calculator) and who the assistant is (identity.json)
+# beside the parent's text (0.3): conversation, the shapes chat_eval.py scores, and who the assistant is (identity)
 DEFAULT_CHAT_SHARES = [("smoltalk", 0.3), ("ultrachat", 0.1), ("mmlu", 0.15), ("gsm8k", 0.1), ("arc-easy", 0.02),
                        ("arc-challenge", 0.02), ("identity", 0.01)]
-# The stage's lrs and schedule: warm-started from the parent's optimizer state at its full lrs, flat, then a linear
-# warmdown to 0 over the last 20% (nanochat's midtraining schedule). Against the old recipe (fresh state), 150 steps:
-# on the demo world held-out chat loss 0.289 vs 0.302, pretraining val bpb 0.300 vs 0.301; on real text mixed with
-# the demo conversations 0.888 vs 0.884, 1.918 vs 1.941. Half the lrs forgot less (demo 0.279, real text 1.895) but on
-# real text learned the conversations far less (chat loss 1.38) (dev/LOG.md, 2026-11-23)
+# warm-started at the parent's full lrs, flat, then a linear warmdown over the last 20% (nanochat's): against a fresh
+# state, better on the demo world and forgot less on real text; half the lrs learned far less there (dev/LOG.md)
 MID_LR_SCALE, MID_WARMDOWN = 1.0, 0.2
 MID_WHY = "measured on the demo world and on real text"
 

@@ -1,18 +1,12 @@
 """The GPT: configuration, presets, layers, chunked loss, KV cache, parameter/FLOP/memory accounting (generation:
-decode.py).
-
-Every stage imports this file. Run it alone to see what a preset is, without allocating a single weight:
+decode.py). Run alone, it shows a preset without allocating a weight:
 
     python model.py --preset llama3-1b                 # prints params: 1241581568
     python model.py --preset d20 --micro_batch 16      # any config field can be overridden: --n_layer 8 ...
 
-Design, in one place:
-- Parameters are fp32 master weights, always. bf16 compute comes from torch.autocast (a run that cast the
-  parameters themselves to bf16 froze every RMSNorm scale, because 1.0 - 1e-4 == 1.0 in bf16).
-- The model is built on the meta device and then materialized on its target device, so a 1B model is ready in
-  seconds and an FSDP wrapper can shard it before any memory is touched.
-- The loss never materializes (batch, time, vocab) fp32 logits (34 GB at 64x2048x131072, measured): the head and
-  cross-entropy run in row chunks, and the gradient is computed chunk by chunk in the forward pass.
+Design: fp32 master weights always, bf16 compute from autocast (bf16 parameters froze every RMSNorm scale: 1.0 - 1e-4
+== 1.0 in bf16). Built on the meta device, then materialized, so an FSDP wrapper shards before memory is touched. The
+loss runs head and cross-entropy in row chunks, its gradient in the forward: no (batch, time, vocab) fp32 logits.
 """
 import argparse
 import functools
@@ -80,8 +74,7 @@ def _divisors(n):
 # Presets. Each is a set of GPTConfig fields; any field can be overridden afterwards.
 
 PRESETS = {
-    # The offline CPU demo and the tests: 4.2M parameters (0.5M of them value embeddings); vocab 1024 because the demo world's small vocabulary
-    # supports at most ~1,690 BPE tokens; learns the demo world in minutes on a CPU.
+    # the offline CPU demo and the tests: 4.2M parameters; vocab 1024: the demo world supports at most ~1,690 BPE tokens
     "tiny": {"vocab_size": 1024, "sequence_len": 256, "n_layer": 4, "n_embd": 256, "n_head": 4, "n_kv_head": 4,
              "value_embeds": True, "resid_lambdas": True},
     # A measured Llama-3-style 1.2B run's model, exactly: 1,241,581,568 parameters.
@@ -208,9 +201,8 @@ def muon_neurons(c):
 
 
 def flops_per_token(c, seq_len=None):
-    """Training FLOPs per token (forward + backward), the convention of PaLM's MFU and nanochat (docs/model.md):
-    6 x the parameters in matmuls (lookups and norms do not count; the value embeddings' gates do) + attention's
-    12 * n_layer * n_head * head_dim * T, over the full T x T square."""
+    """Training FLOPs per token, PaLM's and nanochat's convention (docs/model.md): 6 x the matmul parameters (the
+    value embeddings' gates count, lookups and norms do not) + 12 * n_layer * n_head * head_dim * T."""
     b = param_breakdown(c)
     matmul_params = b["attention"] + b["mlp"] + c.vocab_size * c.n_embd
     T = seq_len or c.sequence_len
@@ -218,9 +210,8 @@ def flops_per_token(c, seq_len=None):
 
 
 def memory_estimate(c, micro_batch, seq_len=None, optimizer="muon", bf16=True):
-    """Training memory per device in bytes, for this implementation (docs/model.md: what each figure counts): fp32
-    weights and gradients, optimizer state, 'activations' (what autograd holds at the end of the forward pass, tensor by
-    tensor; the tests check it against torch's saved-tensor hooks) and 'transient' (the largest short-lived buffers)."""
+    """Training memory per device in bytes (docs/model.md): fp32 weights and gradients, optimizer state,
+    'activations' (what autograd holds after the forward) and 'transient' (the largest short-lived buffers)."""
     T = seq_len or c.sequence_len
     P = num_params(c)
     b = param_breakdown(c)
@@ -289,8 +280,7 @@ def softcap_logits(logits, cap):
 
 
 def causal_attention(q, k, v):
-    """Causal SDPA; on CPU in fp32 even under bf16 autocast: torch's CPU flash-attention kernel is faster in fp32 than
-    in bf16, casts included (dev/LOG.md: 20.5 vs 24.5 ms a layer on an AMX Xeon)."""
+    """Causal SDPA; on CPU in fp32 even under bf16 autocast, which is faster there, casts included (dev/LOG.md)."""
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
                                               enable_gqa=True).to(q.dtype)
@@ -327,8 +317,7 @@ def bitnet_activation(x):
 
 class Linear(nn.Linear):
     """A bias-free linear layer; with bitnet=True, BitNet b1.58: fp32 latent weights quantized on the fly with
-    straight-through gradients (the forward sees the quantized values, the backward treats quantization as identity).
-    There is no extra parameter: the norms in front of attention and MLP already normalize the inputs."""
+    straight-through gradients. No extra parameter: the norms in front already normalize the inputs."""
 
     def __init__(self, fan_in, fan_out, bitnet=False):
         super().__init__(fan_in, fan_out, bias=False)
@@ -337,8 +326,7 @@ class Linear(nn.Linear):
     def effective_weight(self):
         if not self.bitnet:
             return self.weight
-        # quantized value + (w - w) which is exactly 0: the forward sees exactly three values, the backward passes the
-        # gradient straight through to w; quantizing detached values records nothing for autograd
+        # + (w - w), exactly 0: the forward sees three values, the gradient passes straight through to w
         w = self.weight.detach()
         return bitnet_weight(w) + (self.weight - w)
 
@@ -356,8 +344,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # under autocast q and k arrive in bf16: a bf16 copy of the scale keeps the fused kernel (the fp32 master
-        # scale is what the optimizer updates)
+        # under autocast q and k arrive in bf16: a bf16 copy of the fp32 scale keeps the fused kernel
         weight = self.weight.to(x.dtype) if self.weight is not None else None
         return F.rms_norm(x, (x.size(-1),), weight, self.eps)
 
@@ -458,10 +445,9 @@ LOSS_CHUNK_ELEMENTS = 2 ** 25  # logits per chunk (128 MiB in fp32): rows = this
 
 
 def loss_chunk(xc, w, tc, softcap, need_grad, grad_w=None):
-    """One chunk's sum of cross-entropies, and with need_grad its gradient with respect to xc and grad_w plus its
-    gradient with respect to w: the gradient with respect to the logits (softmax - onehot) is known here, so it is
-    pushed through the head at once and the logits die with the chunk. The head's gradient is summed here, not by the
-    caller: compiled, its cast to fp32 and the sum are one pass over the (vocab x n_embd) sum a chunk, not three."""
+    """One chunk's sum of cross-entropies; with need_grad also its gradient for xc, and grad_w plus its gradient for
+    w: the logits' gradient (softmax - onehot) is pushed through the head here, so the logits die with the chunk.
+    Summing grad_w here, compiled, makes cast and sum one pass over (vocab x n_embd) a chunk, not three."""
     logits = (xc @ w.t()).float()
     if softcap:
         capped = tanh(logits / softcap)
@@ -473,8 +459,7 @@ def loss_chunk(xc, w, tc, softcap, need_grad, grad_w=None):
     if not need_grad:
         return loss, None, None
     dlogits = torch.exp(logits - lse.unsqueeze(1))  # softmax, then minus the onehot: the same bits either way below
-    if torch.compiler.is_compiling():  # as one expression the exp, the onehot and the masks fuse into one pass over the
-        # logits instead of three (-30 ms of a ~850 ms CPU step at vocab 8192, dev/LOG.md)
+    if torch.compiler.is_compiling():  # one expression fuses exp, onehot and masks: one pass, not three (dev/LOG.md)
         dlogits = dlogits - (torch.arange(logits.size(1), device=logits.device) == safe_targets).to(dlogits.dtype)
     else:  # eager: in place at the targets (the expression above would be three passes more)
         dlogits.scatter_add_(1, safe_targets, -torch.ones_like(safe_targets, dtype=dlogits.dtype))
@@ -487,8 +472,8 @@ def loss_chunk(xc, w, tc, softcap, need_grad, grad_w=None):
 
 @functools.cache
 def compiled_loss_chunk():
-    """loss_chunk compiled on its own: dynamo sees one chunk whatever the chunk count (unrolled inside the model's
-    graph, d20's 128 chunks at vocabulary 65,536 took 211 s to compile on an H200 against 59 s for 1; dev/LOG.md)."""
+    """loss_chunk compiled on its own: dynamo sees one chunk whatever the count (unrolled, compiling took 3.5x as long;
+    dev/LOG.md)."""
     return torch.compile(loss_chunk)
 
 
@@ -498,9 +483,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, targets, softcap, compute_dtype, grad_enabled, compiled):
-        # grad_enabled comes from the caller: inside forward() grad mode is always off, and ctx.needs_input_grad says
-        # only whether the inputs require grad, so under no_grad/inference_mode it would still compute the gradient
-        # (3x the head's cost of an evaluation)
+        # grad_enabled from the caller: grad mode is off in here and needs_input_grad ignores no_grad, so an evaluation
+        # would pay for the gradient (3x the head's cost)
         need_grad = grad_enabled and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         chunks = max(1, math.ceil(x.size(0) * weight.size(0) / LOSS_CHUNK_ELEMENTS))
         rows = math.ceil(x.size(0) / chunks)  # equal chunks where they divide: one shape for the compiled chunk
@@ -531,8 +515,7 @@ def chunked_cross_entropy(*args):
     return ChunkedCrossEntropy.apply(*args)  # eager: no dynamo to import (1.4 s of CPU at every start of a stage)
 
 
-# (compiled_loss_chunk above compiles the chunk alone). torch's own lazy form of torch.compiler.disable: that one
-# imports dynamo (~3 s) on import of this file, which chat and evaluation never need
+# torch's lazy form of torch.compiler.disable, which would import dynamo (~3 s) with this file (chat needs none)
 @torch._disable_dynamo
 def chunked_cross_entropy_outside_graph(*args):
     return ChunkedCrossEntropy.apply(*args)
@@ -549,13 +532,11 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.norm_f = RMSNorm(config.n_embd, config.norm_learnable, config.norm_eps)
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        # value embeddings (modded-nanogpt, after ResFormer's value residual): a per-token vector added to attention's
-        # values, so a layer can read what a token is without the residual stream carrying it there; on alternating
-        # layers. A lookup: many parameters, next to no FLOPs (dev/LOG.md: model quality)
+        # value embeddings (modded-nanogpt, after ResFormer): a per-token vector added to attention's values on
+        # alternating layers, so the stream need not carry what a token is; next to no FLOPs (dev/LOG.md)
         self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(config.vocab_size, config.n_kv_head * config.head_dim)
                                            for i in value_embed_layers(config)})
-        # residual scalars (modded-nanogpt, nanochat): each block reads resid * x + x0 * (the token embedding), so a
-        # layer can scale the stream it reads and take the embedding back in directly (dev/LOG.md: model quality)
+        # residual scalars (modded-nanogpt, nanochat): block i reads resid * x + x0 * (the embedding) (dev/LOG.md)
         self.resid_lambdas = nn.Parameter(torch.ones(config.n_layer)) if config.resid_lambdas else None
         self.x0_lambdas = nn.Parameter(torch.zeros(config.n_layer)) if config.resid_lambdas else None
         # rotary tables are derived, not learned: never saved, recomputed by init_weights() on the real device
@@ -613,10 +594,9 @@ class GPT(nn.Module):
         return self.wte.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean", last_only=False, predictions=False):
-        """idx (B, T) token ids. With targets (B, T) (-1 = ignore): the cross-entropy over targets != -1, reduced by
-        'mean' (0 when no target is valid), 'sum', or 'none' ((B, T), 0 where ignored; with predictions=True also the
-        argmax token at each position, -1 where ignored). Without targets: fp32 logits (B, T, vocab), or (B, 1,
-        vocab) with last_only. kv_cache: continue from kv_cache.pos, then advance it."""
+        """idx (B, T). With targets (B, T) (-1: ignored): cross-entropy reduced by 'mean' (0 without targets), 'sum'
+        or 'none' ((B, T), 0 where ignored; predictions=True: also the argmax, -1 where ignored). Without: fp32 logits
+        (B, T, vocab), or (B, 1, vocab) with last_only. kv_cache: continue from kv_cache.pos, then advance it."""
         B, T = idx.shape
         start = kv_cache.pos if kv_cache is not None else 0
         if start + T > self.config.sequence_len:
@@ -665,12 +645,10 @@ class GPT(nn.Module):
 
 
 class _NoInitOnMeta(torch.overrides.TorchFunctionMode):
-    """The modules' own initializations (nn.init, a tensor's normal_ or uniform_) skipped while they are built on the
-    meta device: a meta tensor holds no values, and init_weights() sets every one on the real device. Run there, torch
-    computes them through its Python reference kernels, whose first use imports torch._dynamo: ~2 s of every process
-    that builds a model and compiles nothing (chat.py's start, an evaluation). The weights and the random stream after
-    build_model are the same either way (meta tensors draw nothing). to_empty's empty_like gets the contiguous format
-    it makes anyway: without it, a meta tensor's layout is computed by reference code that imports sympy (~0.4 s)."""
+    """The modules' own initializations skipped on the meta device (init_weights() sets every value later): on meta,
+    torch runs them through reference kernels that import torch._dynamo (~2 s of chat.py's start). Weights and random
+    stream are the same either way. empty_like gets the contiguous format explicitly: else working out a meta
+    tensor's layout imports sympy (~0.4 s)."""
 
     SKIPPED = (torch.Tensor.normal_, torch.Tensor.uniform_)
 
@@ -684,9 +662,8 @@ class _NoInitOnMeta(torch.overrides.TorchFunctionMode):
 
 
 def build_model(config, device="cpu", init=True):
-    """Construct on the meta device (no memory, no init cost), then allocate on `device` and initialize there. init=False
-    (a checkpoint's weights are loaded next, strictly): the rotary tables only, not init_weights' random draws (4.3 s
-    at d12 on a 2-core Xeon)."""
+    """Construct on the meta device, then allocate on `device` and initialize there; init=False (a checkpoint's
+    weights come next): only the rotary tables, skipping init_weights' slow random draws."""
     with torch.device("meta"), _NoInitOnMeta():
         model = GPT(config)
     with _NoInitOnMeta():

@@ -1,7 +1,5 @@
 """Optimizers and their schedules: parameter groups and the learning-rate rule (build_optimizers), Muon with Polar
-Express's Newton-Schulz and NorMuon (Muon, newton_schulz), what runs in which dtype (precision_line), and the
-schedules, a pure function of (step, args): the lr multiplier, the weight decay and Muon's momentum at each step
-(apply_schedule, add_schedule_args).
+Express's Newton-Schulz and NorMuon, what runs in which dtype (precision_line), and the schedules (apply_schedule).
 
 Not a stage: import it (`import optim`). One command line, a schedule as the training stages apply it:
 
@@ -18,19 +16,15 @@ from common import device_name, matmul_dtype, precision
 from distributed import is_dtensor, local
 
 # -----------------------------------------------------------------------------
-# Optimizers. The rule: base learning rates are set for a width of 768 and a batch of 2^19 tokens (nanochat's
-# reference point). AdamW groups scale with 1/sqrt(width/768) (wider models need smaller steps per coordinate) and
-# with (batch/2^19)^(1/8). The square-root rule nanochat uses (the gradient's noise falls with sqrt(batch)) starved the
-# embedding and the head at CPU batches: at 2^11 tokens (nanochat's tiny CPU shape, realtext, 300 steps) 8x its lrs
-# took val bpb from 2.127 to 1.854 (dev/LOG.md: model quality). The exponent 1/8 keeps nanochat's tuned lrs at 2^19 and
-# gives that measured optimum at 2^11. Muon's update is orthogonalized, so its size depends on neither the width nor
-# the gradient's noise: its lr is not scaled (at 2^11 tokens, scaling it by sqrt(batch) cost 0.016 bpb; on the demo
-# world at 4K-token batches it left val bpb at 1.00 after 80 steps instead of 0.66).
+# Optimizers. Base lrs are set for width 768 and a batch of 2^19 tokens (nanochat's). AdamW groups scale with
+# 1/sqrt(width/768) and (batch/2^19)^(1/8): nanochat's square-root batch rule starved the embedding and head at CPU
+# batches, and 1/8 keeps its tuned lrs at 2^19 while matching the optimum measured at 2^11 (dev/LOG.md). Muon's
+# orthogonalized update depends on neither width nor gradient noise: its lr is not scaled (scaling it cost bpb).
 
 REF_WIDTH, REF_BATCH, BATCH_EXPONENT = 768, 2 ** 19, 1 / 8
 
-# torch.optim imports torch._dynamo (1.1 s of CPU, 2-core Xeon) at an optimizer's first add_param_group and step, to
-# keep those methods out of compiled graphs; nothing here calls them in one, so an eager stage starts without it
+# torch.optim imports torch._dynamo (1.1 s of CPU) at an optimizer's first add_param_group and step, to keep those
+# methods out of compiled graphs; nothing here calls them in one, so an eager stage starts without it
 for method in (torch.optim.Optimizer.add_param_group, torch.optim.Optimizer.state_dict,
                torch.optim.Optimizer.load_state_dict, torch.optim.Optimizer.zero_grad):
     if hasattr(method, "__wrapped__"):  # torch._disable_dynamo's lazy wrapper: it calls what this attribute holds
@@ -47,10 +41,8 @@ class AdamW(torch.optim.AdamW):
 
 def param_groups(model):
     """Split parameters by role: 'matrix' (2D weights inside the blocks), 'embedding', 'value_embedding', 'head',
-    'resid_lambdas', 'x0_lambdas', 'scalar' (norms and any other 1D parameter). A tied embedding (tie_embeddings:
-    the head reuses wte) is in 'head': its gradient is mostly the output's (every position scores the whole
-    vocabulary against it, while an input row gets gradient only where its token occurs), and at the embedding's
-    lr (50x the head's) AdamW moves every coordinate of every logit's weights by that lr each step."""
+    'resid_lambdas', 'x0_lambdas', 'scalar' (other 1D parameters). A tied embedding is in 'head': its gradient is
+    mostly the output's, and the embedding's lr (50x) would move every logit's weights by that lr each step."""
     groups = {"matrix": [], "embedding": [], "value_embedding": [], "head": [], "resid_lambdas": [], "x0_lambdas": [],
               "scalar": []}
     tied = model.config.tie_embeddings
@@ -71,20 +63,18 @@ def param_groups(model):
 
 
 def build_optimizers(model, args, width, batch_tokens, device, lr_scale=1.0):
-    """Muon for the block matrices and AdamW for the rest (args.optimizer == 'muon'), or AdamW everywhere ('adamw');
-    args.adam8bit swaps AdamW for bitsandbytes' AdamW8bit. Every lr is multiplied by lr_scale (a chat stage's
-    fraction of its parent's). Returns a list of optimizers; every param group carries 'name' and 'base_lr' (the lr
-    at multiplier 1) and 'wd_on' (whether weight decay applies)."""
+    """Muon for the block matrices and AdamW for the rest ('muon'), or AdamW everywhere ('adamw'); args.adam8bit:
+    bitsandbytes' AdamW8bit. Every lr is multiplied by lr_scale (a chat stage's fraction of its parent's). Every
+    param group carries 'name', 'base_lr' (the lr at multiplier 1) and 'wd_on' (whether weight decay applies)."""
     width_factor, batch_factor = (width / REF_WIDTH) ** -0.5, (batch_tokens / REF_BATCH) ** BATCH_EXPONENT
-    # AdamW on the block matrices keeps the square-root rule: at 2^11 tokens, 8x its lr cost 0.036 bpb (1.899 -> 1.935)
+    # AdamW on the block matrices keeps the square-root rule: 1/8 cost bpb there (dev/LOG.md)
     sqrt_factor = (batch_tokens / REF_BATCH) ** 0.5
     lrs = {"matrix": args.matrix_lr * (1 if args.optimizer == "muon" else width_factor * sqrt_factor),
            "embedding": args.embedding_lr * width_factor * batch_factor,
            "head": args.head_lr * width_factor * batch_factor,
            "scalar": args.scalar_lr * width_factor * batch_factor,
            "value_embedding": args.embedding_lr * width_factor * batch_factor / 2,  # nanochat's: half the embedding's
-           # nanochat's, not scaled: scaled by the batch rule (5.8x at 2^11 tokens) one seed in three diverged to
-           # +0.03 bpb; unscaled, the three agreed within 0.004
+           # nanochat's, not scaled: scaled by the batch rule, one seed in three diverged (dev/LOG.md)
            "resid_lambdas": 0.005, "x0_lambdas": 0.5}
     lrs = {name: lr * lr_scale for name, lr in lrs.items()}
     groups = param_groups(model)
@@ -99,8 +89,7 @@ def build_optimizers(model, args, width, batch_tokens, device, lr_scale=1.0):
                              "flag to use torch's AdamW") from e
         adam = bitsandbytes.optim.AdamW8bit(adam_groups, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0)
     else:
-        # fused on CPU too: the tiny preset's AdamW step at vocab 8192 took 8.1 ms, against 41.9 foreach and 25.7 one
-        # tensor at a time (torch's CPU default), on a 2-core Xeon; it takes FSDP2's DTensors (dev/LOG.md)
+        # fused on CPU too: 3-5x faster than foreach or torch's CPU default; it takes FSDP2's DTensors (dev/LOG.md)
         adam = AdamW(adam_groups, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0, fused=True)
     optimizers = [adam]
     if args.optimizer == "muon":
@@ -119,9 +108,8 @@ def precision_line(args, device, optimizers, width):
             + f" ({how}) on {device_name(device)}")
 
 
-# Polar Express (Amsel et al. 2025; the coefficients modded-nanogpt and nanochat use): a different quintic a x + b x^3
-# + c x^5 at each step, each the best for the singular values the steps before can leave, with a 2% safety margin
-# (the input is divided by 1.02 x its Frobenius norm). 5 steps; a 6th and later reuse the last.
+# Polar Express (Amsel et al. 2025, as modded-nanogpt and nanochat): a quintic a x + b x^3 + c x^5 per step, each the
+# best for the singular values the steps before can leave (2% margin: x / (1.02 |x|_F)); later steps reuse the last.
 POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
                  (4.042929935166739, -2.808917465908714, 0.5000178451051316),
                  (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
@@ -134,13 +122,10 @@ def quintic_coefficients(steps):
 
 
 def newton_schulz(stack, steps, dtype):
-    """Approximately orthogonalize a stack of same-shape matrices, rows <= columns (U S V^T -> U S' V^T with S' ~ 1),
-    all at once, with matmuls in `dtype`: X <- a X + (b G + c G^2) X, G = X X^T, with Polar Express's (a, b, c) at each
-    step (torch.optim.Muon's iteration uses one fixed triple). torch.optim.Muon always casts to bf16, which a CPU
-    without native bf16 emulates (an AVX2-only EPYC: 70% of the step). Wide matrices (columns > 1.5 x rows, an MLP's)
-    take the same iteration in its Gram form (newton_schulz_gram): fewer FLOPs, the same result up to rounding. Only in
-    fp32 or fp64: in bf16 the Gram matrix loses the small singular values (error 0.37 against an fp64 iteration where
-    the singular values fall to 0.01 of the largest; torch's form: 0.03)."""
+    """Approximately orthogonalize a stack of same-shape matrices, rows <= columns (U S V^T -> U S' V^T, S' ~ 1), with
+    matmuls in `dtype` (not torch.optim.Muon's fixed bf16, which CPUs without native bf16 emulate): X <- a X + (b G +
+    c G^2) X, G = X X^T, Polar Express's (a, b, c) at each step. Where it takes fewer FLOPs (wide matrices) the Gram
+    form, newton_schulz_gram; only in fp32 or fp64, as in bf16 it loses the small singular values."""
     x = stack.to(getattr(torch, dtype))  # in place from here on: `stack` itself when it is in `dtype` already
     x.div_(x.norm(dim=(-2, -1), keepdim=True).mul_(1.02).clamp_(min=1e-7))  # spectral norm < Frobenius norm: the basin
     rows, columns = x.shape[-2:]
@@ -157,10 +142,8 @@ def newton_schulz(stack, steps, dtype):
 def newton_schulz_gram(x, steps):
     """newton_schulz's iteration for normalized wide x (m rows, n columns): every step multiplies X on the left by
     P = p(G) = aI + bG + cG^2, so X_k = Q X_0 with Q = P_k ... P_1, and G_k+1 = P G_k P (P commutes with G_k). Only the
-    m x m matrices G, P, Q are iterated; X is touched twice. FLOPs 4m^2n + (8 steps - 6) m^3 against steps x (4m^2n +
-    2m^3): 44% fewer for the tiny MLP's 256 x 1024 (fp32: 84 -> 46 ms). In fp32 it stays within 1.1e-3 of an fp64
-    iteration even where the singular values span 1e-4 (tested; 1.3e-4 with the fixed quintic of before), 200x below
-    bf16's rounding of the direct form there (0.26)."""
+    m x m matrices G, P, Q are iterated; X is touched twice: 4m^2n + (8 steps - 6) m^3 FLOPs against steps x (4m^2n +
+    2m^3). In fp32 within 1.1e-3 of an fp64 iteration even where the singular values span 1e-4 (tested)."""
     gram, product = x @ x.mT, None
     for step, (a, b, c) in enumerate(quintic_coefficients(steps)):
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
@@ -191,15 +174,12 @@ class Muon(torch.optim.Optimizer):
     """Muon for 2D weights: momentum (Nesterov by default; the schedule sets it, muon_momentum), the update
     orthogonalized by newton_schulz (Polar Express) in ns_dtype, then NorMuon's per-neuron normalization
     (neuron_normalized), scaled by sqrt(max(1, rows/cols)) (Keller's shape scaling, torch.optim.Muon's "original"),
-    decoupled weight decay lr x wd. Tested against the rule written out in fp64 (tests/test_train.py).
-    Matrices of one shape up to a transpose (an MLP's up and down projections) are orthogonalized as one stack: one
-    batched matmul instead of one per matrix halves the bf16 Muon step at the tiny shape (107 -> ~55 ms; compiling
-    it measured no faster). FSDP-sharded parameters: the momentum is updated on each rank's shard; Newton-Schulz needs
-    whole matrices, so the updates go in rounds of one matrix per rank: each is all-gathered, rank i orthogonalizes
-    the round's i-th and broadcasts it, and every rank keeps its rows of each. The compute is divided by the ranks;
-    at most `world size` whole matrices are in memory at once. Under DDP (whole parameters, the same gradients on
-    every rank) each rank orthogonalizes its contiguous share of a shape's stack and an all-gather gives every rank
-    all of them, instead of every rank computing every matrix (divide_work=False: the old way, for comparison)."""
+    decoupled weight decay lr x wd (tests/test_train.py: against the rule in fp64). Matrices of one shape up to a
+    transpose are orthogonalized as one stack (one batched matmul: half the step). FSDP-sharded: momentum on each
+    rank's shard, then rounds of one matrix per rank: each all-gathered, rank i orthogonalizes the round's i-th and
+    broadcasts it, every rank keeps its rows (at most `world size` whole matrices in memory). Under DDP each rank
+    orthogonalizes its share of a shape's stack and an all-gather gives every rank all (divide_work=False: each
+    computes every matrix, for comparison)."""
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0, ns_steps=5,
                  ns_dtype="bfloat16", neuron_beta2=0.95, divide_work=True):
@@ -267,10 +247,9 @@ class Muon(torch.optim.Optimizer):
 
     def neuron_normalized(self, update, param, group):
         """NorMuon (Li et al. 2025), on the whole orthogonalized update in the parameter's orientation: each neuron's
-        step (a row of a tall or square matrix, a column of a wide one: the longer side) is divided by the root of
-        the running mean (beta2) of its mean square, then the whole is rescaled to the norm it had. Orthogonalization
-        leaves neurons' step sizes uneven; this evens them out and keeps the update's size. The state is that running
-        mean, one number per neuron, the same on every rank (every rank sees every whole update)."""
+        step (the longer side's rows or columns) is divided by the root of the running mean (beta2) of its mean
+        square, then the whole is rescaled to its old norm: even neuron steps, the same update size. The state, one
+        number per neuron, is the same on every rank."""
         reduce = -1 if update.size(0) >= update.size(1) else -2
         precise = update.to(torch.promote_types(update.dtype, torch.float32))  # bf16 -> fp32; fp64 stays
         mean_square = precise.square().mean(dim=reduce, keepdim=True)
@@ -320,8 +299,8 @@ def weight_decay_at(step, args):
 
 
 def muon_momentum(step, args):
-    """Muon's momentum: 0.85 rising linearly to 0.95 over the first --muon_momentum_warmup steps (nanochat's; at the
-    tiny CPU shape, 3 seeds each: val bpb 1.8247 -> 1.8113 alone, 1.8169 -> 1.8063 with NorMuon)."""
+    """Muon's momentum: 0.85 rising linearly to 0.95 over the first --muon_momentum_warmup steps (nanochat's;
+    dev/LOG.md)."""
     return 0.95 if step >= args.muon_momentum_warmup else 0.85 + 0.10 * step / args.muon_momentum_warmup
 
 

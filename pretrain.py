@@ -113,9 +113,8 @@ def data_plan(args, config, tokenizer):
 
 
 def checkpoint_bytes(config, optimizer):
-    """The bytes of one full checkpoint (model.pt + optimizers.pt), from the config alone: fp32 weights (4 bytes a
-    parameter), AdamW's two fp32 moments (8) for the embeddings, value embeddings, head and scalars, and for the block
-    matrices Muon's momentum (4; its per-neuron second moments are a row each, left out) or AdamW's moments."""
+    """The bytes of one full checkpoint (model.pt + optimizers.pt): fp32 weights (4 a parameter), AdamW's moments
+    (8); with Muon, its momentum (4) for the block matrices (its per-neuron second moments, a row each, left out)."""
     counts = param_breakdown(config)
     matrices = counts["attention"] + counts["mlp"]
     return 4 * counts["total"] + 8 * (counts["total"] - matrices) + (4 if optimizer == "muon" else 8) * matrices
@@ -129,10 +128,8 @@ def kept_checkpoints(steps, ckpt_every, keep):
 
 
 def plan_checkpoints(args, steps, tokens_per_step):
-    """The most full checkpoints the plan's four training stages hold at once: pretraining's (its steps known), then
-    midtraining's (gpu_plan.py's --tokens at this batch), SFT's (unknown before its data: --keep, one more while it
-    saves) and RL's (gpu_plan.RL_STEPS, a save every its --ckpt_every) beside the earlier stages' kept ones. Returns
-    (count, the line that says how)."""
+    """(the most full checkpoints the plan's four stages hold at once, the line that says how): each stage's peak
+    beside the earlier ones' kept; SFT's steps are unknown before its data: --keep, one more while it saves."""
     # --steps (a rehearsal, a short run): the later stages run no more steps than pretraining either
     cap = (lambda n: min(n, args.steps)) if getattr(args, "steps", None) else (lambda n: n)
     pre_end, pre_peak = kept_checkpoints(steps, args.ckpt_every, args.keep)
@@ -147,10 +144,8 @@ def plan_checkpoints(args, steps, tokens_per_step):
 
 
 def check_disk(args, config, data_dir, shards, steps, tokens_per_step):
-    """Free disk against the plan's estimate, before any of it is spent: the shards still missing (their listed sizes
-    when dataset.py saved the hub's listing, else the mean of those on disk) on data_dir's disk, and the full
-    checkpoints the plan holds at once (plan_checkpoints) x checkpoint_bytes, less those a resumed run has saved
-    already, on --runs_dir's (d20, 1.4B parameters: 15.2 GB each)."""
+    """Free disk against the plan, before any is spent: the missing shards (listed sizes, else the mean of those on
+    disk) on data_dir's disk, and plan_checkpoints x checkpoint_bytes, less those already saved, on --runs_dir's."""
     import shutil
     have = {p.name: p.stat().st_size for p in data_dir.glob("*.parquet")}
     listing = data_dir / ".hub_listing.json"

@@ -40,13 +40,11 @@ from decode import decode
 from model import autocast_context
 from tasks import demo_world, gsm8k_items, load_items, prompt_ids, reward
 
-# every lr is this fraction of the SFT parent's, decaying linearly to 0: SFT runs at 0.3 of pretraining's lrs, so 0.2
-# of SFT's is 0.06 of pretraining's, about where nanochat's RL starts (0.05 of its base lrs, ramped down to 0). On the
-# demo's word problems 20 steps at 0.2 beat 0.05: held-out 54/120 -> 77 and 75 against 67 and 70 (dev/LOG.md, 2026-11-27)
+# every lr is this fraction of the SFT parent's (0.3 of pretraining's), decaying linearly to 0: 0.06 of pretraining's,
+# about nanochat's RL start (0.05); on the demo's word problems 0.2 beat 0.05 (dev/LOG.md)
 RL_LR_SCALE = 0.2
 RL_WHY = "about nanochat's chat_rl start, 0.05 of the pretraining lrs; beat 0.05 on the demo's word problems"
-# Sampling on a CPU runs one thread: a decode step of a small model is per-op overhead, and a second OpenMP thread
-# only adds waits (tiny preset, 16 replies, a busy 2-core EPYC: 314 tok/s with one thread, 27 with two)
+# sampling on a CPU: one thread, as a small model's decode step is per-op overhead that more threads only make wait
 CPU_ROLLOUT_THREADS = 1
 
 
@@ -128,9 +126,8 @@ def eta_seconds(step, total_steps, eval_every, step_s, eval_s):
 # Rollouts
 
 def sample_groups(model, tokenizer, prompts, n, max_new_tokens, temperature, top_k, seed, dtype):
-    """n replies to each prompt, every reply a row of one batch (decode.py: each prompt prefilled once, each row its
-    own position and calculator, finished rows leaving the batch), sampling seeded by `seed`. Returns (replies,
-    sampled), n rows per prompt in prompt order: each row's tokens up to and with its <|assistant_end|>, and per
+    """n replies to each prompt, every reply a row of one batch (decode.py), sampling seeded by `seed`. Returns
+    (replies, sampled), n rows per prompt in order: each row's tokens up to and with its <|assistant_end|>, and per
     token whether the model sampled it (True) or the calculator's output was fed (False)."""
     budgets = [min(max_new_tokens, model.config.sequence_len - len(p)) for p in prompts]
     stop = {tokenizer.special_id("<|assistant_end|>"), tokenizer.bos_id}
@@ -178,9 +175,8 @@ def policy_gradient(train_model, rows, weights, micro_batch, dtype, device, worl
 
 @torch.no_grad()
 def evaluate(model, tokenizer, items, args, rank, world, step, stopping=lambda: False):
-    """Held-out pass@1 (the share of sampled replies that are right, averaged over questions) and pass@k (the share
-    of questions with a right reply among k), k = --eval_samples at the training temperature, each question's
-    sampling seeded by the positions of the questions decoded together (--rollout_questions of the rank's share):
+    """Held-out pass@1 (the share of right replies, averaged over questions) and pass@k (the share of questions with
+    a right reply among k = --eval_samples) at the training temperature, seeded by the questions' positions so that
     evaluations differ by the model only. None when stopping() said so between groups."""
     right = torch.zeros(len(items), dtype=torch.float64)  # each question's right replies
     mine, k = list(range(rank, len(items), world)), args.eval_samples
@@ -204,9 +200,8 @@ def strip_end(reply, tokenizer):
 
 
 class Cursor:
-    """What a checkpoint keeps of RL's data position (the loader state of the other stages): the questions taken and
-    this rank's sampled tokens (the shared loop's running token count). The questions and seeds are a function of the
-    step, so this only records it."""
+    """RL's data position in a checkpoint (the other stages' loader state): the questions taken and this rank's
+    sampled tokens. The questions and seeds are a function of the step, so this only records it."""
 
     def __init__(self, questions):
         self.state, self.questions = {"questions": 0, "stats": {"tokens": 0}}, questions
@@ -280,8 +275,7 @@ def main(argv=None):
     train_model = train_loop.wrap_model(model, args, world, s.local_rank, device)
     train_threads = torch.get_num_threads()
     rollout_threads = CPU_ROLLOUT_THREADS if device.type == "cpu" else train_threads
-    # the ETA's two rates: a step's rollouts and update, and a held-out evaluation (the shared loop's wall-clock rate
-    # would count the evaluations between steps as steps)
+    # the ETA's two rates, steps and held-out evaluations: the shared loop's would count evaluations as steps
     eval_seconds, step_seconds = [], []
 
     def held_out_eval(step):  # None: a signal on some rank between groups of questions, seen by all at once

@@ -1,7 +1,6 @@
-"""The files of a run directory that several scripts read, each read here once: logs/stages.tsv (launch.py appends a
-row per stage: name, wall seconds, exit status; launch.py, plan_cost.py and report.py read it) and its JSON files
-(config.json, done.json, results.json). The standard library only: launch.py imports it before .venv exists. Not a
-stage: import it. One command line, the stages a run has run:
+"""The run-directory files several scripts read: logs/stages.tsv (launch.py's row per stage: name, wall seconds, exit
+status) and its JSON files. The standard library only: launch.py imports it before .venv exists. Not a stage; one
+command line, the stages a run has run:
 
     python run_files.py runs/<run>      # logs/stages.tsv: each stage's wall seconds and exit status, oldest first
 """

@@ -60,12 +60,9 @@ def add_run_args(parser, stage):
     g.add_argument("--inject_nan_step", type=int, default=-1, help=argparse.SUPPRESS)  # poison the loss at this step
     g.add_argument("--signal_at_step", type=int, default=-1, help=argparse.SUPPRESS)  # SIGTERM this process after it
     g.add_argument("--die_at_step", type=int, default=-1, help=argparse.SUPPRESS)  # the last rank SIGKILLs itself
-    g.add_argument("--hang_at_step", type=int, default=-1, help=argparse.SUPPRESS)  # the last rank stops taking part
-    # in collectives
-    g.add_argument("--stuck_at_step", type=int, default=-1, help=argparse.SUPPRESS)  # as --hang_at_step, and the
-    # rank ignores SIGTERM, SIGINT and SIGHUP: a rank inside an NCCL call never returns to run its handler
-    g.add_argument("--checkpoint_delay", type=float, default=0, help=argparse.SUPPRESS)  # rank 0 takes this many
-    # seconds longer to write each checkpoint (a d20's 15 GB)
+    g.add_argument("--hang_at_step", type=int, default=-1, help=argparse.SUPPRESS)  # the last rank leaves collectives
+    g.add_argument("--stuck_at_step", type=int, default=-1, help=argparse.SUPPRESS)  # hangs, deaf to SIGTERM/INT/HUP
+    g.add_argument("--checkpoint_delay", type=float, default=0, help=argparse.SUPPRESS)  # s slower to save, rank 0
 
 
 def resolve_run(args, stage):
@@ -134,9 +131,8 @@ INHERITED = ["tokenizer", "sequence_len", "micro_batch", "total_batch_tokens", "
 
 
 def add_init_args(parser, parents, lr_scale, schedule, warmdown_frac, why):
-    """A stage's start from a checkpoint of one of `parents` (in that order of preference): --checkpoint, the warm start
-    and the schedule (their defaults the stage's; `why` says where they come from), and the inherited flags, whose
-    default None means the parent's value."""
+    """A stage's start from a checkpoint of one of `parents` (in that order): --checkpoint, the warm start and the
+    schedule (`why`: where the stage's defaults come from), and the inherited flags (None: the parent's value)."""
     optim.add_schedule_args(parser)
     g = parser.add_argument_group("warm start: the parent's optimizer state and this stage's lrs")
     g.add_argument("--warm_start", type=parse_bool, default=True, help="continue from the parent checkpoint's "
@@ -167,8 +163,7 @@ def add_init_args(parser, parents, lr_scale, schedule, warmdown_frac, why):
 
 def inherit(args, meta, parent):
     """Fill every inherited flag left at None from the parent's recorded hparams; returns the table of (name, value,
-    where it came from), the one place a stage's starting settings are resolved (--micro_batch's is
-    train_loop.plan_batch's, which start_stage adds to the table)."""
+    where it came from) (--micro_batch: train_loop.plan_batch's, added by start_stage)."""
     recorded = meta.get("hparams") or {}
     config_file = Path(parent).parent.parent / "config.json"  # checkpoints from before hparams were recorded
     older = json.loads(config_file.read_text()).get("args", {}) if not recorded and config_file.is_file() else {}
@@ -204,11 +199,9 @@ def parent_record(parent, meta, sha256):
 
 
 def warm_start(parent, parent_meta, model, optimizers, args, device):
-    """The parent checkpoint's optimizer state (any world size, sharded or not) with this stage's own hyperparameters
-    put back: the moments continue, the lrs are the stage's. A fresh optimizer at full lr moves every embedding
-    coordinate by about the lr on its first step (AdamW's first update is sign(gradient)); warm moments keep the first
-    steps the size of the parent's last ones. A state that does not fit (another optimizer or param groups, or none
-    recorded) stays fresh. Returns the line that says which, and why."""
+    """The parent checkpoint's optimizer state with this stage's hyperparameters put back: warm moments keep the
+    first steps the size of the parent's last ones, where a fresh AdamW moves every embedding coordinate by about the
+    lr (its first update is sign(gradient)). A state that does not fit stays fresh. Returns the line saying which."""
     if not args.warm_start:
         return "optimizer: fresh state (--warm_start false)"
     recorded, mine = parent_meta.get("optimizers"), checkpoint.optimizer_layout(optimizers)
@@ -230,16 +223,14 @@ def warm_start(parent, parent_meta, model, optimizers, args, device):
 
 
 def start_stage(args, stage, parents, plan, rollouts=False):
-    """midtrain.py's, sft.py's and rl.py's start, up to the first step, as a namespace: the parent (--checkpoint, else
-    the newest of `parents`) and what it passes on (inherit), the run directory, batch and optimizers, and start.step:
-    the resumed checkpoint's, or 0 from the parent's optimizer state (warm_start). plan(args, start) gives what only the
-    stage knows: total_steps, loaders, record (for config.json and checkpoints), lines (printed) and anything else it
-    needs. rollouts (rl.py): replies of their own lengths: no sharding, compile or accumulation; --total_batch_tokens
-    only scales the lrs."""
+    """midtrain.py's, sft.py's and rl.py's start up to the first step, as a namespace: the parent and what it passes
+    on, the run directory, batch, optimizers, and step (the resumed checkpoint's, else 0 after warm_start).
+    plan(args, start) adds what only the stage knows: total_steps, loaders, record, lines (printed), and more.
+    rollouts (rl.py): replies of their own lengths: no sharding, compile or accumulation; --total_batch_tokens only
+    scales the lrs."""
     rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
     parent, _ = checkpoint.pick_checkpoint(args, [(name,) for name in parents])  # in that order of preference
-    # the parent's weights hashed while the stage loads them and builds the rest: 8.3 s of a d12 midtraining's 23 s
-    # start on a 2-core Xeon when done in line (5.6 GB at d20)
+    # the parent's weights hashed while the stage loads them and builds the rest: in line, a third of its start
     hashing = concurrent.futures.ThreadPoolExecutor(1)
     sha256 = hashing.submit(weights_sha256, parent)
     hashing.shutdown(wait=False)  # its thread ends with the hash
@@ -304,10 +295,9 @@ def add_chat_stage_args(parser, data, stage, parents, budgets, eval_every, lr_sc
 
 
 def train_chat_stage(args, s, evaluator, summarize):
-    """midtrain.py's and sft.py's training from `s` (start_stage's) to the end and, unless a signal stopped it (its
-    number is returned), the final evaluation (evaluator(step): val_loss and figures for metrics.jsonl and done.json),
-    forgetting, and summarize(figures): the stage's own (a dict for done.json, lines printed), on every rank as it may
-    gather."""
+    """midtrain.py's and sft.py's training from `s` (start_stage's) and, unless a signal stopped it (its number is
+    returned), the final evaluation (evaluator(step): val_loss and figures), forgetting, and summarize(figures): the
+    stage's own (a dict for done.json, lines printed), on every rank as it may gather."""
     train_model = train_loop.wrap_model(s.model, args, s.world, s.local_rank, s.device)
     signum = train_loop.train(args, s.model, train_model, s.optimizers, s.loaders, run_dir=s.run_dir, start=s.step,
                               total_steps=s.total_steps, ckpt_meta=s.ckpt_meta, evaluate=evaluator,

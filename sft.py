@@ -27,13 +27,10 @@ import validation
 from dataset import chat_rows, mixture_files, open_parquet, parse_chat_sources
 from loader import STAT_KEYS, PieceBuffer, assign_units, chat_loader, pack_batch
 
-# nanochat's SFT epochs (SmolTalk 1, MMLU auxiliary_train 3, GSM8K 4), with ARC's training questions (letters on
-# science questions) and the identity set (who the assistant is: identity.json) added
+# nanochat's SFT epochs (SmolTalk 1, MMLU auxiliary_train 3, GSM8K 4), plus ARC's training questions and identity
 DEFAULT_SOURCES = ["smoltalk:1", "mmlu:3", "gsm8k:4", "arc-easy:1", "arc-challenge:1", "identity:2"]
-# The stage's lrs and schedule: warm-started from the parent's optimizer state at 0.3 of its lrs, flat, then a linear
-# warmdown to 0 over the second half. On the demo chain (150 steps) against the old recipe (fresh state, full lrs,
-# warmdown 20%): held-out chat loss 0.227 vs 0.247, pretraining val bpb 0.335 vs 0.669 (its parent: 0.300); 0.8
-# (nanochat's): 0.230 / 0.460 (dev/LOG.md, 2026-11-23)
+# warm-started at 0.3 of the parent's lrs, flat, then a linear warmdown over the second half: on the demo chain it
+# forgot far less than a fresh state at full lrs, or than nanochat's 0.8 (dev/LOG.md)
 SFT_LR_SCALE, SFT_WARMDOWN = 0.3, 0.5
 SFT_WHY = "measured on the demo world; nanochat's chat_sft uses 0.8"
 
@@ -68,12 +65,10 @@ SAMPLE_PACKED = 4000  # of those, packed together in the mixture's proportions: 
 
 
 def estimate_epoch_batches(args, tokenizer, micro, seq_len, streams):
-    """Batches one pass over the mixture packs into, on the data stream (of world size x accumulation) that has the
-    most: an epoch. Counting them exactly meant rendering and packing every conversation before step 1 (1.4M for the
-    gpu plan's mixture, on one thread, again at every resume). Instead, as nanochat counts its examples: each stream's
-    conversations are counted from the parquet footers (free), each file's rendered length and skipped share measured
-    on its first SAMPLE_ROWS conversations, and how full packed rows get on those samples packed together. Returns
-    (batches, the line that says how it was estimated)."""
+    """Batches one pass over the mixture packs into on the fullest data stream: an epoch, estimated, as counting
+    means rendering and packing every conversation before step 1 (1.4M for the gpu plan's, at every resume). Each
+    stream's conversations come from the parquet footers, each file's rendered length and skipped share from its first
+    SAMPLE_ROWS, row fill from those packed together. Returns (batches, the line that says how)."""
     files = mixture_files(args.sources)
     renderer = chat_loader(None, "train", tokenizer, micro, seq_len, files=files[:1], threads=1)
     per_file, kept = {}, {}  # path: (share of its conversations kept, their mean rendered tokens); the kept ones

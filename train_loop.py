@@ -1,9 +1,8 @@
-"""The training loop every training stage shares (train): a stage builds its model, optimizers and loaders and hands
-them over; the policies (exact loss over masked targets, NaN stop, signals, health checks, metrics, progress,
-checkpoints) live here once. With it: batch planning (the micro-batch that fits, plan_batch), the model's wrapping
-(DDP, torch.compile), the health checks, and a run's status from its files (print_status: each stage's --status).
+"""The training loop every training stage shares (train): a stage hands over its model, optimizers and loaders; the
+policies (exact loss over masked targets, NaN stop, signals, health checks, metrics, checkpoints) live here once.
+With it: batch planning (plan_batch), the model's wrapping (DDP, torch.compile), and a run's status (print_status).
 
-Not a stage: import it (`import train_loop`). One command line, a run's status (of any stage, live or finished):
+Not a stage: import it. One command line, a run's status (of any stage, live or finished):
 
     python train_loop.py status runs/<run>
 """
@@ -23,7 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from checkpoint import list_checkpoints, resume_command, save_checkpoint, saved_layout
-from common import CACHE_DIR, append_jsonl, device_name, fmt_bytes, fmt_duration, now, peak_flops
+from common import CACHE_DIR, append_jsonl, device_name, fmt_bytes, fmt_duration, peak_flops
 from distributed import (
     all_reduce,
     all_reduce_tensor,
@@ -41,9 +40,8 @@ from optim import apply_schedule, build_optimizers
 # Health
 
 def sample(p, n=4096):
-    """A strided sample of up to n elements of a parameter: cheap to keep, and an optimizer update (dense for AdamW
-    and Muon) changes every element, so an unchanged sample means an unchanged tensor. The same p and n always give
-    the same elements."""
+    """A strided sample of up to n elements of a parameter (the same ones each time): AdamW's and Muon's updates
+    change every element, so an unchanged sample means an unchanged tensor."""
     p = local(p).detach()  # a sharded parameter: this rank's shard
     return p.reshape(-1)[::max(1, p.numel() // n)][:n]
 
@@ -77,8 +75,8 @@ def samples_by_id(optimizers):
 
 
 def memory_growing(history, min_steps=50, min_growth=64 * 2**20):
-    """Steadily growing CUDA memory (a leak seen in a real run): allocated never fell over the last min_steps and grew by more
-    than min_growth bytes."""
+    """Steadily growing CUDA memory (a leak seen in a real run): allocated never fell over the last min_steps and
+    grew by more than min_growth bytes."""
     if len(history) < min_steps:
         return False
     window = history[-min_steps:]
@@ -103,9 +101,8 @@ class StopSignal:
 
 
 # -----------------------------------------------------------------------------
-# Budget flags: a stage takes several (--steps, --tokens, --epochs, ...); the last one given on the command line is in
-# force, as the last of a repeated flag wins, so an override appended to a plan's command line (speedrun.sh's
-# PRETRAIN_ARGS="--steps 100" after the plan's --tokens_per_param 20) replaces the plan's budget instead of failing
+# Budget flags (--steps, --tokens, --epochs, ...): the last one given is in force, so an override appended to a plan's
+# command line (speedrun.sh's PRETRAIN_ARGS="--steps 100") replaces the plan's budget instead of failing
 
 class BudgetFlag(argparse.Action):
     """Stores a budget flag's value and its place among the budget flags given (args.budget_order, last: in force)."""
@@ -164,7 +161,7 @@ MAX_MICRO_BATCH = 1024  # the probe's ceiling without --total_batch_tokens: sequ
 
 def micro_batch_candidates(total, seq_len, world):
     """The micro-batches plan_batch probes: with --total_batch_tokens, the divisors of its per-rank sequences; without,
-    the powers of two up to MAX_MICRO_BATCH (the largest that fits is the help text's promise, not a cap of 8)."""
+    the powers of two up to MAX_MICRO_BATCH."""
     if total:
         per_rank = max(1, total // (seq_len * world))
         return [m for m in range(1, per_rank + 1) if per_rank % m == 0]
@@ -184,10 +181,9 @@ def find_micro_batch(try_step, candidates):
 
 
 def probe_step(model, optimizers, seq_len, vocab_size, dtype, device):
-    """try_step for find_micro_batch that allocates what a real training step holds at its peak: activations and
-    gradients (forward + backward at that micro-batch), and the optimizer state, which AdamW and Muon create at their
-    first step (a step at lr 0 creates it without changing a weight; pass throw-away optimizers). DDP's buckets are
-    the gradients themselves (wrap_model uses gradient_as_bucket_view), so nothing else is missing."""
+    """try_step for find_micro_batch that allocates a real step's peak: activations, gradients (DDP's buckets are the
+    gradients: gradient_as_bucket_view) and the optimizer state, created by a step at lr 0 (pass throw-away
+    optimizers)."""
     def try_step(micro):
         idx = torch.randint(0, vocab_size, (micro, seq_len), device=device)
         try:
@@ -203,11 +199,10 @@ def probe_step(model, optimizers, seq_len, vocab_size, dtype, device):
 
 
 def nearest_batch(total, seq_len, world, micro=0, within=0.03):
-    """Tokens a step that split into micro-batches of `micro` sequences (0: whole sequences, the micro-batch still to
-    be chosen) over `world` ranks, nearest --total_batch_tokens: total itself when it does; else, within `within` of
-    it, the nearest for a given micro-batch, and without one the per-rank sequences whose largest power-of-two divisor
-    is largest (a micro-batch that fits then cuts it into few accumulation steps), the nearer on a tie; None when none
-    is that near. E.g. 524,288 over 3 x 2048: 84 sequences a rank, 516,096 (-1.6%)."""
+    """The tokens a step nearest --total_batch_tokens that split into micro-batches of `micro` sequences (0: to be
+    chosen) over `world` ranks: total when it does; else, within `within`, the nearest for a given micro-batch, or
+    without one the per-rank sequences with the largest power-of-two divisor (few accumulation steps), the nearer on
+    a tie; None when none is that near. E.g. 524,288 over 3 x 2048: 84 sequences a rank, 516,096 (-1.6%)."""
     unit = (micro or 1) * seq_len * world
     if total % unit == 0:
         return total
@@ -232,10 +227,9 @@ def batch_line(total, used, seq_len, world, micro=0):
 
 
 def check_batch_divides(total, seq_len, world, micro=0):
-    """--total_batch_tokens must be a whole number of (micro_batch x) sequence_len x world tokens, else no micro-batch
-    fits and pretraining fails at its start, after the downloads. Returns the line saying what a step is (or the
-    nearest batch plan_batch will take instead); raises a ValueError naming the process counts that work and the
-    nearest totals that do for this one."""
+    """--total_batch_tokens must split into (micro_batch x) sequence_len x world, checked before the downloads. Returns
+    the line saying what a step is (or the nearest batch plan_batch takes instead); else a ValueError naming the
+    process counts and totals that work."""
     used = nearest_batch(total, seq_len, world, micro)
     if used not in (None, total):
         return batch_line(total, used, seq_len, world, micro)
@@ -268,9 +262,8 @@ def add_micro_batch_arg(group):
 
 
 def plan_batch(args, config, world, model, device, resume_from=None, parent_meta=None, accumulate=True):
-    """(micro_batch, accumulation steps, where the micro-batch came from): --micro_batch read as its help says. A resume
-    needs its checkpoint's micro-batch (the data streams), which the CPU's choice, the whole per-rank batch, is not at
-    another world size. The accumulation steps make --total_batch_tokens, the error naming the nearest valid values;
+    """(micro_batch, accumulation steps, where the micro-batch came from): --micro_batch read as its help says (a
+    resume needs its checkpoint's: the data streams). The accumulation steps make --total_batch_tokens;
     accumulate=False (rl.py): none, its batch is its replies."""
     seq_len, total = config.sequence_len, args.total_batch_tokens if accumulate else None
     master = not dist.is_initialized() or dist.get_rank() == 0
@@ -321,8 +314,8 @@ def add_loader_threads_arg(group):
 
 
 def loader_threads(args, device):
-    """Tokenizer threads for a loader: on the CPU one (its cores run the step; one thread keeps up, ~1M tok/s against
-    a few thousand trained), on a GPU this process's share of the cores."""
+    """Tokenizer threads for a loader: on the CPU one (the cores run the step, and one keeps up), on a GPU this
+    process's share of the cores."""
     if args.loader_threads:
         return args.loader_threads
     return 1 if device.type == "cpu" else max(1, os.cpu_count() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -333,9 +326,8 @@ USER_COMPILE_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 
 
 def compile_cache():
-    """Where torch.compile keeps what it compiled, shared by every stage of every run so that later ones start warm
-    (docs/training.md): $TORCHINDUCTOR_CACHE_DIR where the user set it, else a directory per torch version (torch
-    keys its entries by version too; this keeps another version's from ever being read)."""
+    """torch.compile's cache, shared by every stage so later ones start warm (docs/training.md): the user's
+    $TORCHINDUCTOR_CACHE_DIR, else a directory per torch version (another version's is never read)."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = USER_COMPILE_CACHE or str(CACHE_DIR / "compile" / f"torch-{torch.__version__}")
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
@@ -359,12 +351,10 @@ def wrap_model(model, args, world, local_rank, device):
 # The training loop
 
 def forward_backward(train_model, batches, dtype, device, world, poison=False):
-    """Forward and backward over one optimizer step's micro-batches [(inputs, targets), ...]. Returns the step's
-    (summed token loss, number of targets) over every micro-batch and rank. The loss is exact for masked targets
-    (-1): each micro-batch's backward takes its sum of token losses divided by the count of targets in the whole
-    global batch, counted over all micro-batches and ranks before any backward. (The mean of each micro-batch divided
-    by the accumulation steps weighs a token by how full its micro-batch is: the gradient-accumulation bug of 2024.)
-    DDP averages gradients over ranks, so the local scale is world / count."""
+    """Forward and backward over one step's micro-batches [(inputs, targets), ...]; returns (summed token loss,
+    number of targets) over every micro-batch and rank. Exact for masked targets (-1): each backward takes its loss
+    sum over the whole global batch's target count (a mean per micro-batch would weigh a token by how full its
+    micro-batch is: the gradient-accumulation bug of 2024). DDP averages over ranks: the local scale is world/count."""
     count = all_reduce_tensor(torch.stack([(targets != -1).sum() for _, targets in batches]).sum().double())
     scale = world / count.clamp(min=1)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -381,13 +371,10 @@ def forward_backward(train_model, batches, dtype, device, world, poison=False):
 
 
 def clip_grad_norm(parameters, max_norm):
-    """torch.nn.utils.clip_grad_norm_'s scaling (by max_norm / (norm + 1e-6) when that is below 1), with the squares
-    summed in fp64: sharded gradients are summed shard by shard and then over ranks, and in fp32 that other order
-    moved the clip factor's last bit, so a resume at another world size drifted from the straight run. In fp64 the
-    orders agree to ~1e-16, far below fp32's rounding. What is summed is each row's fp32 norm (a row: the last
-    dimension), squared: FSDP2 shards dim 0, so a row is whole on its rank and its norm the same bits at any world
-    size (4.5 ms of a CPU step at vocab 8192 against 18.6 ms for fp64 norms of whole gradients). Returns the norm
-    (fp32)."""
+    """torch.nn.utils.clip_grad_norm_'s scaling, with the squares summed in fp64: summed shard by shard in fp32, the
+    other order moved the clip factor's last bit, so a resume at another world size drifted. What is summed is each
+    row's fp32 norm (last dimension), squared: FSDP2 shards dim 0, so a row's norm is the same bits at any world size
+    (and cheaper than fp64 norms of whole gradients, dev/LOG.md). Returns the norm (fp32)."""
     grads = [p.grad for p in parameters if p.grad is not None]
     shards = [local(g) for g in grads]  # this rank's part of each (the whole gradient unless sharded)
     rows = [torch.linalg.vector_norm(g, dim=-1).flatten() if g.ndim > 1 else g.abs().flatten() for g in shards]
@@ -416,18 +403,14 @@ def open_wandb(args, master):
 
 def train(args, model, train_model, optimizers, loaders, *, run_dir, start, total_steps, ckpt_meta, evaluate,
           flops_per_token, rank, world, device, step_fn=None, stop=None, evaluate_first=False, progress=None):
-    """Steps start..total_steps-1. evaluate(step) returns fields for that step's metrics record (and prints), or None
-    when a signal stopped it. Returns None when every step ran, or the signal number that stopped the run after its
-    checkpoint. A stage with its own step (rl.py: rollouts, then the policy gradient) passes step_fn(step, due): the
-    step's forward/backward, returning (loss sum, target count, its tokens over all ranks, fields for the record), or
-    where a signal stopped it mid-step (a str: "during step 2's rollouts"), the step dropped; with it stop (its
-    StopSignal, which its step and evaluation also check), evaluate_first (an evaluation at step 0 of a fresh start)
-    and progress(record, total_steps): its progress line."""
+    """Steps start..total_steps-1; returns None when every step ran, else the signal that stopped the run after its
+    checkpoint. evaluate(step): fields for the step's record, or None when a signal stopped it. rl.py passes
+    step_fn(step, due): (loss sum, target count, tokens over all ranks, record fields), or a str where a signal stopped
+    it mid-step; and stop (its StopSignal), evaluate_first (at step 0) and progress(record, total_steps), its line."""
     master = rank == 0
     tokens_per_step = None if step_fn else sum(ld.B * ld.T for ld in loaders) * world
     if master and start == 0:
-        # a stage restarted before its first checkpoint starts over: the lines of the earlier start would count its
-        # steps twice (the report sums them)
+        # a restart before the first checkpoint starts over: the earlier lines would count its steps twice
         for name in ("metrics.jsonl", "samples.jsonl"):
             if (run_dir / name).is_file():
                 (run_dir / name).unlink()
@@ -435,8 +418,7 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
     metrics = run_dir / "metrics.jsonl" if master else None  # rank 0 writes the run's records
     wandb, stop = open_wandb(args, master), stop or StopSignal()
     peak = peak_flops(device_name(device), args.dtype)
-    # a stage's own step (rl.py): a step whose every group of replies scores alike has no advantage and changes no
-    # parameter, which is no fault there, so the frozen-parameter check is for the loss-trained stages only
+    # no frozen-parameter check with a stage's own step: rl.py's step changes nothing when every reply scores alike
     initial, mem_history, first_done = None if step_fn else param_samples(model), [], None
     hooks = testing_hooks(args)  # None in every real run: then each step looks up nothing
 
@@ -473,10 +455,10 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
             append_jsonl(metrics, {"step": 0, **first})
 
     for step in range(start, total_steps):
-        t0 = now()
+        t0 = time.perf_counter()
         lr_mult, wd = apply_schedule(optimizers, step, total_steps, args)
         batches = [] if step_fn else [next(loader) for loader in loaders]
-        data_wait = now() - t0  # the loaders prefetch: this is time the step stood still waiting for data
+        data_wait = time.perf_counter() - t0  # the loaders prefetch: time the step stood still waiting for data
         due = hooks.get(step + 1, ()) if hooks else ()  # the testing hooks set for this step
         if due and rank == world - 1 and {"die_at_step", "hang_at_step", "stuck_at_step"} & due:
             die_or_hang("die_at_step" in due, "stuck_at_step" in due)
@@ -491,8 +473,7 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
                                                poison="inject_nan_step" in due)
             fields = {}
         norm = clip_grad_norm(model.parameters(), args.grad_clip or float("inf"))
-        # the step's one read from the device, which the non-finite stop below needs before the optimizer step: one
-        # transfer for the three figures instead of one wait per .item() (values exact: fp64, fp32 -> fp64)
+        # the step's one read from the device (the non-finite stop needs it): one transfer, not one wait per .item()
         loss_sum, count, grad_norm = torch.stack([torch.as_tensor(loss_sum, dtype=torch.float64, device=device),
                                                   torch.as_tensor(count, dtype=torch.float64, device=device),
                                                   norm.double()]).tolist()
@@ -509,7 +490,7 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
         model.zero_grad(set_to_none=world == 1 or is_sharded(model))  # DDP's gradients are views into its buckets
         if device.type == "cuda":
             torch.cuda.synchronize()
-        dt = now() - t0
+        dt = time.perf_counter() - t0
         tokens_seen = int(all_reduce(sum(ld.state["stats"]["tokens"] for ld in loaders)))
         record = {"step": step + 1, "loss": loss, "targets": int(count), "lr_mult": lr_mult,
                   "weight_decay": wd, "lr": {g["name"]: g["lr"] for opt in optimizers for g in opt.param_groups},
@@ -541,11 +522,12 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
         if wandb:
             wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step + 1)
         if step == start:
-            first_done = now()  # the ETA is timed from here: this process's first step holds compilation and warm-up
+            first_done = time.perf_counter()  # the ETA is timed from here: the first step holds compilation, warm-up
         if master and ((step + 1) % args.log_every == 0 or last_step or step == start):
             timed = step - start  # steps since the first of this process (0: none yet, the ETA is unknown)
-            print(progress(record, total_steps) if progress else
-                  progress_line(record, total_steps, (now() - first_done) / timed if timed else None), flush=True)
+            per_step = (time.perf_counter() - first_done) / timed if timed else None
+            print(progress(record, total_steps) if progress else progress_line(record, total_steps, per_step),
+                  flush=True)
         if "signal_at_step" in due and not step_fn:  # a stage's own step takes its signal mid-step (rl's rollouts)
             os.kill(os.getpid(), signal.SIGTERM)
         if stop.requested():
@@ -561,8 +543,8 @@ HOOKS = ("inject_nan_step", "signal_at_step", "die_at_step", "hang_at_step", "st
 
 
 def testing_hooks(args):
-    """{step: the names of the testing hooks (hidden flags, runs.add_run_args) set for that step}, or None when none is
-    set, which is every real run: the loop then checks nothing else per step. A value below 1 is never a step."""
+    """{step: the names of the testing hooks (hidden flags, runs.add_run_args) set for that step}, or None, as in
+    every real run: the loop then checks nothing per step."""
     hooks = {}
     for name in HOOKS:
         if getattr(args, name, -1) >= 1:
@@ -571,9 +553,8 @@ def testing_hooks(args):
 
 
 def die_or_hang(die, stuck=False):
-    """Testing hooks (--die_at_step, --hang_at_step, --stuck_at_step): this rank dies by SIGKILL, or stops taking
-    part in collectives until it is stopped (a rank wedged mid-step), just before the step's first collective; stuck:
-    only SIGKILL stops it (a rank inside a C call that never returns runs no handler)."""
+    """Testing hooks (--die_at_step, --hang_at_step, --stuck_at_step), before the step's first collective: this rank
+    dies by SIGKILL, or hangs until stopped; stuck: only SIGKILL stops it (as a rank inside a C call)."""
     if die:
         os.kill(os.getpid(), signal.SIGKILL)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP) if stuck else (signal.SIGTERM,):
@@ -594,8 +575,7 @@ def health_warning(model, initial, mem_history, record, steps_done, args):
     if initial is not None and steps_done == args.frozen_check_step:
         frozen = frozen_parameters(model, initial)
         if frozen and len(frozen) == sum(1 for sample in initial.values() if sample.numel()):
-            # nothing learns (an H100 run under torch.compile with torch 2.11 got every gradient 0 from the loss):
-            # hours of such a run would only print plausible tok/s and MFU
+            # nothing learns (an H100 run compiled under torch 2.11 got every gradient 0): hours of plausible MFU
             raise RuntimeError(f"no parameter changed in {args.frozen_check_step} steps: every gradient is zero or no "
                                f"optimizer steps; stopped. Rerun with --compile false to tell whether compilation "
                                f"is the cause")

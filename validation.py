@@ -1,9 +1,7 @@
 """Validation: bits per byte on a corpus's val split (val_rows, val_bpb: pretrain.py during training, core_eval.py on
 a checkpoint), a chat stage's validation loss and greedy answers to a few questions (chat_validation), and how much
-of its pretraining a chat stage's model kept (forgetting). Every figure is the same on 1 or N processes.
-
-Not a stage: import it (`import validation`). One command line, a checkpoint's val bpb on the val split of the
-pretraining corpus it descends from, in that run's rows (what the chat stages report as forgetting), in one process:
+of its pretraining a chat stage's model kept (forgetting). Every figure is the same on 1 or N processes. Not a stage;
+one command line, a checkpoint's forgetting figure (val bpb in its pretraining run's rows), in one process:
 
     python validation.py runs/<run> --bpb_tokens 20000
 """
@@ -26,10 +24,9 @@ from model import autocast_context
 # Validation bits per byte, shared by pretrain.py (during training) and core_eval.py (on a checkpoint)
 
 def val_rows(data_dir, tokenizer, max_tokens, seq_len):
-    """Validation rows of seq_len + 1 tokens, enough for max_tokens targets (fewer if the split is smaller), built the
-    way training rows are: the text loader's BOS-led best-fit packing, one pass over the split, as one virtual rank. So
-    every row starts with BOS as in training (a window starting mid-document would score tokens without their context),
-    and every process and every stage builds the same rows. A last, partly filled row has -1 targets after its text."""
+    """Validation rows of seq_len + 1 tokens for up to max_tokens targets, packed as training packs (one pass, one
+    virtual rank): each starts with BOS (a window from mid-document scores tokens without their context), the same in
+    every process and stage. A last, partly filled row has -1 targets after its text."""
     n_rows = max(1, math.ceil(max_tokens / seq_len))
     loader = text_loader(data_dir, "val", tokenizer, min(n_rows, 64), seq_len, max_epochs=1, name="val")
     rows, have = [], 0
@@ -46,9 +43,8 @@ def val_rows(data_dir, tokenizer, max_tokens, seq_len):
 
 @torch.no_grad()
 def val_bpb(model, rows, token_bytes, batch_rows, dtype, rank, world, device):
-    """(bits per byte, tokens scored) over validation rows (val_rows). Targets that are special tokens (BOS) or -1
-    (padding) are excluded from both the loss and the bytes: they stand for no text. Batches are dealt to ranks round
-    robin, and their sums are added in batch order after the all-reduce, so the figure is bitwise the same on 1 or N
+    """(bits per byte, tokens scored) over val_rows. Special (BOS) and -1 targets stand for no text: out of loss and
+    bytes. Batches are dealt round robin and summed in batch order after the all-reduce: bitwise the same on 1 or N
     processes."""
     token_bytes = torch.as_tensor(token_bytes, device=device)
     n_batches = math.ceil(len(rows) / batch_rows)
@@ -61,8 +57,7 @@ def val_bpb(model, rows, token_bytes, batch_rows, dtype, rank, world, device):
                 model(rows[:batch_rows].to(device)[:, :-1].clamp(min=0))
             continue
         batch = rows[b * batch_rows:(b + 1) * batch_rows].to(device)
-        # a last, partly filled row pads with -1: as an input that would index out of the embedding; it only
-        # follows the row's text (causal attention) and its targets are -1, so any token id serves
+        # -1 padding would index out of the embedding; it follows the text and has -1 targets: any id serves
         x, y = batch[:, :-1].clamp(min=0), batch[:, 1:]
         nbytes = token_bytes[y.clamp(min=0)] * (y != -1)
         text = nbytes > 0
@@ -136,8 +131,7 @@ def chat_validation(args, s, batches, step):
 @torch.no_grad()
 def chat_answers(model, tokenizer, questions, dtype, max_tokens=64):
     """Greedy answers to one-turn questions, each up to <|assistant_end|> (whether it came is recorded), decoded
-    together (decode.py) with the calculator on, as in chat.py and chat_eval.py. A sharded model is first gathered
-    into a plain copy on every rank (decode.py)."""
+    together with the calculator on, as in chat.py (a sharded model gathered on every rank first: decode.py)."""
     if not questions:
         return []
     end = tokenizer.special_id("<|assistant_end|>")
@@ -163,9 +157,8 @@ def add_forgetting_args(parser):
 
 
 def forgetting(model, tokenizer, parent, parent_meta, args, rank, world, device):
-    """How much of its pretraining the stage's model kept: val_bpb on the pretraining run's val split, with
-    its row length and token count (pretraining_run), unless --bpb_tokens says otherwise. A dict for done.json whose
-    val_bpb is None, with a note saying why, when the figure cannot be computed."""
+    """How much of its pretraining the stage's model kept: val_bpb in the pretraining run's rows and token count
+    (unless --bpb_tokens), as a dict for done.json; val_bpb None with a note saying why where it cannot be computed."""
     found = pretraining_run(parent, parent_meta)
     if args.bpb_tokens == 0:
         return {"val_bpb": None, "note": "skipped (--bpb_tokens 0)"}
