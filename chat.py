@@ -58,8 +58,7 @@ def get_args(argv=None):
                    help="decode.py's step: eager (attends over the filled cache only), compiled (torch.compile, the "
                    "whole cache attended, masked: fixed shapes); auto = compiled for a session on CUDA, eager for one "
                    "-p prompt (compiling costs more than one reply: decode.py's step took ~35 s in chat_eval at d20 on an "
-                   "H200) and on the CPU (default: "
-                   "%(default)s)")
+                   "H200) and on the CPU (default: %(default)s)")
     args = p.parse_args(None if argv is None else [str(a) for a in argv])  # argv may hold paths
     if args.max_new_tokens < 1 or args.top_k < 0 or args.temperature < 0:
         p.error("--max_new_tokens must be >= 1, --top_k >= 0 and --temperature >= 0")

@@ -37,8 +37,7 @@ from tasks import ALL_TASKS, final_number, gsm8k_answer, humaneval_program, norm
 
 PROGRESS_SECONDS = 10.0  # a progress line at most this often per task (and one at its end)
 # Generation on a CPU runs one thread, as rl.py's rollouts: a decode step of a small model is per-op overhead, and on a
-# shared machine a second OpenMP thread waits on the first (tiny preset, 32 prompts x 64 greedy tokens, a 2-core EPYC
-# at load 4.5: 2.64 items/s one at a time and 19.8 at 32 rows in one thread, 0.51 and 2.59 in two)
+# shared machine a second OpenMP thread waits on the first (two threads measured ~5x slower)
 CPU_GENERATE_THREADS = 1
 
 
