@@ -1,19 +1,11 @@
 """Generation, the one path: chat.py's replies (decode_step on its conversation's cache, token by token), and decode()
 for rl.py's rollouts, chat_eval.py's generated answers, core_eval.py's and validation.py's samples.
 
-decode() takes several prompts of different lengths, N replies to each, and decodes every row in one forward per step:
-- the prompts are prefilled once each (right-padded into one forward; a causal model's positions before the padding
-  never see it), and the N rows of a prompt copy its keys and values;
-- each row keeps its own position: its tokens sit at the same positions, with the same rotary angles, as when its
-  prompt is decoded alone, and attention masks the cache slots past the row's position, so a greedy row equals its
-  prompt decoded alone, one row, token for token (tests/test_model.py);
-- the calculator runs per row: a row's calculator.ToolUse returns the result tokens, which are fed to that row only,
-  one per step, while the other rows sample;
-- a row ends at a stop token it sampled or at its budget; when half the rows have ended, the cache is compacted to the
-  live rows, so finished rows stop costing;
-- on CUDA the step is compiled (the whole cache attended, masked, so that shapes change only with the batch); on the
-  CPU it runs eager over the filled slots only. The stages' few samples ask for eager on CUDA too: a first compilation
-  costs more than their few hundred tokens (dev/LOG.md); chat_eval's answers and rl's rollouts stay compiled.
+decode() prefills several prompts in one forward and decodes N replies to each, every row in one forward per step,
+each at its own position (a greedy row equals its prompt decoded alone, token for token) with its own calculator; the
+cache is compacted when half the prompts have ended. On CUDA the step is compiled, on the CPU eager; the stages' few
+samples ask for eager on CUDA too: a first compilation costs more than their few hundred tokens (dev/LOG.md).
+docs/model.md (generation) says how it works.
 
 Run alone it checks itself on a random-init model: greedy rows decoded together against each prompt decoded alone,
 and the tokens per second of each.
