@@ -31,8 +31,7 @@ tokenizer  seconds to train a vocab-8192 tokenizer on the corpus's training spli
            validation split. Target: <= 10 s for 50 MB (projected from the measured MB/s).
 loader     the streaming loader (read + tokenize + pack), one epoch of the corpus at T = 256, 1024, 2048: tok/s (target
            >= 1M), the share of document tokens cropped into a later row (target <= 20% at T = 2048; none discarded).
-gpu        (not in "all") the GPU battery: bench_gpu.py says how to run it. Moved: train is pretrain's rows; chat's and
-           generate's rollouts are decode's; quality, fsdp, compile, download: dev/.
+gpu        (not in "all") the GPU battery: bench_gpu.py says how to run it.
 """
 import argparse
 import functools
@@ -61,8 +60,7 @@ from loader import text_loader
 from model import KVCache, autocast_context, build_model, config_from_preset
 from tokenizer import Tokenizer, bytes_per_token, counting, train_tokenizer
 
-# The stage rows: (benchmark, row, command, figure). Each {name} is filled in by bench_stages, the figure read by
-# stage_figure.
+# The stage rows: (benchmark, row, command, figure); each {name} filled in by bench_stages, the figure stage_figure's
 DEMO_PRETRAIN = ("pretrain.py --preset {preset} --data_dir {work}/demo/pretrain --tokenizer {work}/tokenizer_1024 "
                  "--runs_dir {work}/runs --run_name {run} --steps 30 --micro_batch 16 --eval_every 0 --bpb_tokens 4096 "
                  "--ckpt_every 1000")
