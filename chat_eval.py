@@ -116,10 +116,9 @@ def letter_scores(model, tokenizer, items, dtype, device):
 @torch.no_grad()
 def option_text_scores(model, tokenizer, items, dtype, device):
     """Per item (the option whose text is the likeliest reply by the sum of its log-probs, the same by their mean per
-    token, per option [sum of log-probs, tokens]): the item's question alone as the user message (no options listed,
-    no letter asked for), then each option's tokens right after <|assistant_start|>, no <|assistant_end|>. Ties go to
-    the first; an option of no tokens is never picked. A diagnostic outside ChatCORE: a model that picks the right
-    text but not its letter knows the answer."""
+    token, per option [sum of log-probs, tokens]): the item's question alone as the user message, then each option's
+    tokens right after <|assistant_start|>. Ties go to the first; an option of no tokens is never picked. A diagnostic
+    outside ChatCORE: a model that picks the right text but not its letter knows the answer."""
     rows, starts, owner = [], [], []
     for n, item in enumerate(items):
         for text in item["options"]:
@@ -142,10 +141,9 @@ def option_text_scores(model, tokenizer, items, dtype, device):
 
 def greedy_replies(model, tokenizer, questions, max_new_tokens, dtype):
     """(text, cut, calculator calls) per question: greedy tokens until <|assistant_end|> (or <|bos|>) or
-    max_new_tokens, with the calculator on (a tool call's result is inserted after it, as nanochat's engine does);
-    the text leaves the calls and their outputs out. cut when the model's window ended the reply first, or the prompt
-    had to be cropped. Every reply a row of one batch (decode.py), each with its own calculator: the same tokens as
-    each question decoded alone (tests/test_chat_eval.py)."""
+    max_new_tokens, with the calculator on, as nanochat's engine; the text leaves the calls and their outputs out. cut
+    when the model's window ended the reply first, or the prompt had to be cropped. Every reply a row of one batch
+    (decode.py), each with its own calculator: the same tokens as each question decoded alone."""
     prompts = [prompt_ids(tokenizer, q, model.config.sequence_len, 1) for q in questions]
     budgets = [min(max_new_tokens, model.config.sequence_len - len(ids)) for ids, _ in prompts]
     tools = [ToolUse(tokenizer) for _ in questions]
@@ -196,8 +194,7 @@ def judge(kind, item, args, marker, level, answer):
 
 def work_batches(kind, items, tokenizer, batch_items, world=1):
     """Lists of item positions judged together, which the ranks take round robin: categorical items sorted by prompt
-    length (less padding), generated items in their order, in groups of batch_items (fewer where a rank would have no
-    batch)."""
+    length (less padding), generated items in order, in groups of batch_items (fewer where a rank would have none)."""
     if kind != "categorical":
         size = max(1, min(batch_items, -(-len(items) // world)))
         return [list(range(b, min(b + size, len(items)))) for b in range(0, len(items), size)]
@@ -274,9 +271,8 @@ OPTION_TEXT_RULE = "the option's text as the whole reply to the question alone: 
 
 
 def task_diagnostics(kind, records):
-    """A task's `diagnostics` in chat_eval.json (schema in docs/eval.md), never part of ChatCORE: for categorical
-    tasks, why a letter is wrong (does the model not know, or know the option but not its letter?); for GSM8K the
-    lenient reading; None for the other kinds."""
+    """A task's `diagnostics` in chat_eval.json (docs/eval.md), never part of ChatCORE: for categorical tasks, why a
+    letter is wrong (not knowing, or knowing the option but not its letter?); GSM8K's lenient reading; else None."""
     n = max(len(records), 1)
     if kind == "categorical":
         predicted = Counter(r["predicted"] for r in records)

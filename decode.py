@@ -174,9 +174,8 @@ def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=Non
     the stop token it sampled (a token in `stop`), at most max_new_tokens (an int, or one per prompt; the calculator's
     output counts), and per token whether the model sampled it (True) or the calculator's output was fed (False).
     tools: None, or one calculator.ToolUse per row. temperature 0 is greedy; sampling draws from one torch.Generator
-    seeded with `seed` (None: a random seed). compiled: "auto" (on CUDA), True or False. weights: decode_weights(model,
-    dtype), to reuse across calls. A sharded model (FSDP) is first gathered into a plain copy: a collective, so every
-    rank calls decode()."""
+    seeded with `seed` (None: a random seed). compiled: "auto" (on CUDA), True or False. weights: decode_weights(), to
+    reuse across calls. A sharded (FSDP) model is gathered into a plain copy first: a collective, so all ranks call."""
     if is_sharded(model):  # gathered outside inference mode: FSDP2's state_dict made there leaves its parameters
         with torch.inference_mode(False), torch.no_grad():  # inference tensors, which the next checkpoint cannot save
             plain = build_model(model.config, model.cos.device, init=False)  # every weight loaded next

@@ -37,8 +37,7 @@ class _Transient(Exception):
 
 
 def hub_endpoint():
-    """$HF_ENDPOINT (a mirror, or a local test server) or the public hub, read per call: huggingface_hub reads it once,
-    at import, so it is passed to it explicitly."""
+    """$HF_ENDPOINT or the public hub, read per call: huggingface_hub reads it once, at import, so it is passed."""
     return os.environ.get("HF_ENDPOINT", DEFAULT_HUB_ENDPOINT).rstrip("/")
 
 
@@ -84,8 +83,7 @@ def _hash_file(path, digest):
 
 
 def _mismatch(path, size=None, sha256=None, git_sha1=None):
-    """How path differs from the expected size, sha256 or git blob id (the sha1 of b"blob <size>\\0" + content: what
-    the hub lists for a file kept in git), or None."""
+    """How path differs from the expected size, sha256 or git blob id (the hub's for a file kept in git), or None."""
     got = path.stat().st_size
     if size is not None and got != size:
         return f"size {got} bytes, expected {size}"
@@ -97,8 +95,8 @@ def _mismatch(path, size=None, sha256=None, git_sha1=None):
 
 
 def _check(path, size=None, sha256=None, git_sha1=None, verify=None):
-    """Raise _Transient, deleting path (a bad prefix would poison every resume), unless path matches (_mismatch) and
-    passes verify(path), which raises ValueError on bad content."""
+    """Raise _Transient, deleting path (a bad prefix would poison every resume), unless path matches and passes
+    verify(path), which raises ValueError on bad content."""
     problem = _mismatch(path, size, sha256, git_sha1)
     if not problem and verify:
         try:
@@ -135,8 +133,8 @@ class _Bar:
 def download_file(url, dest, size=None, sha256=None, verify=None, retries=RETRIES):
     """Stream a plain URL (the eval bundle: not a hub repo, and no token) to dest. The bytes go to dest + ".partial",
     which http_get resumes with Range within an attempt, and later attempts and runs resume too. dest appears only
-    once the size, the sha256 and verify(partial) (raises ValueError on bad content) pass; a dest that exists with
-    the expected size is not fetched again."""
+    once the size, the sha256 and verify(partial) (ValueError on bad content) pass; an existing dest of the expected
+    size is kept."""
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import HfHubHTTPError
     dest = Path(dest)

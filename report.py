@@ -30,8 +30,7 @@ def read_jsonl(path):
 
 
 def hardware(run, name):
-    """The world a stage ran in, as it recorded it: 'single process, device ...' or 'world size 8 (nccl): rank 0 ...'
-    (each rank's device and host)."""
+    """The world a stage ran in, as recorded: 'single process, device ...' or 'world size 8 (nccl): rank 0 ...'."""
     files = {"core_eval": run / "core_eval" / "results.json", "chat_eval": run / "chat_eval.json"}
     return (read_json(files.get(name, run / name / "config.json")) or {}).get("hardware", UNKNOWN)
 
@@ -115,8 +114,8 @@ def contained_answers(items_path):
 
 
 def marked_answers(items_path, per_task=SAMPLES_PER_TASK):
-    """A line per item for the first few items of each task: right or wrong, the question, the answer given (the
-    letter, or the reply as scored) and the expected one."""
+    """A line for each of the first few items of each task: right or wrong, the question, the answer given and the
+    expected one."""
     lines, shown = [], {}
     for item in read_jsonl(items_path):
         if shown.get(item["task"], 0) >= per_task:
@@ -136,9 +135,8 @@ def model_stages(run):
 
 
 def stage_eval_files(run, name):
-    """(core_eval results.json, chat_eval.json, its items) of one stage's final model: what speedrun.sh's stage
-    evaluations wrote (runs/<run>/stage_evals/<stage>/); the pretrained model's CORE is core_eval/'s, the same
-    command on the same checkpoint."""
+    """(core_eval results.json, chat_eval.json, its items) of one stage's final model: runs/<run>/stage_evals/<stage>/;
+    the pretrained model's CORE is core_eval/'s, the same command on the same checkpoint."""
     where = run / "stage_evals" / name
     core = run / "core_eval" / "results.json" if name == "pretrain" else where / "core_eval" / "results.json"
     return core, where / "chat_eval.json", where / "chat_eval_items.jsonl"
@@ -231,8 +229,7 @@ def forgetting_lines(run):
 
 
 def reward_panel(ax, records):
-    """RL's panel of the loss figure: the mean reward of each step's sampled replies, and held-out pass@1 at each
-    evaluation (rl/metrics.jsonl)."""
+    """RL's panel of the loss figure: each step's mean reward and held-out pass@1 at each evaluation."""
     steps = [r for r in records if "reward" in r]
     evals = [(r["step"], r["held_out"]["all"]["pass@1"]) for r in records if "held_out" in r]
     ax.plot([r["step"] for r in steps], [r["reward"] for r in steps], lw=1, label="mean reward (training)")
@@ -243,8 +240,7 @@ def reward_panel(ax, records):
 
 
 def plot(run, out):
-    """loss.png: training loss against step for each stage, and RL's reward where it ran; val_bpb.png: pretraining's
-    validation bits per byte."""
+    """loss.png: each stage's training loss against step, and RL's reward; val_bpb.png: pretraining's val bpb."""
     import matplotlib
     matplotlib.use("Agg")  # no display
     import matplotlib.pyplot as plt

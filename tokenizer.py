@@ -47,8 +47,7 @@ RUSTBPE_LOG.propagate = False
 
 
 class Tokenizer:
-    """tiktoken encoding of byte-level BPE merges + SPECIAL_TOKENS, with the per-token byte lengths that
-    bits-per-byte needs."""
+    """tiktoken encoding of byte-level BPE merges + SPECIAL_TOKENS, with the token byte lengths bits per byte needs."""
 
     def __init__(self, mergeable_ranks, pattern):
         n = len(mergeable_ranks)
@@ -71,8 +70,7 @@ class Tokenizer:
 
     def fingerprint(self):
         """sha256 of what defines the encoding (pattern, merges, specials): checkpoints record it, so a model is never
-        evaluated or fine-tuned with a tokenizer it was not trained with (a retrained tokenizer of the same size
-        would load without error and produce nonsense)."""
+        used with a tokenizer it was not trained with (a retrained one of the same size would load, giving nonsense)."""
         digest = hashlib.sha256(self.pattern.encode())
         for token, rank in sorted(self.mergeable_ranks.items(), key=lambda item: item[1]):
             digest.update(len(token).to_bytes(2, "little") + token)
@@ -200,8 +198,7 @@ def rustbpe_printer(start, every_percent=10):
 
 
 def train_tokenizer(texts, vocab_size, progress=False):
-    """BPE on an iterable of strings; the result has exactly vocab_size ids including SPECIAL_TOKENS. progress: print
-    rustbpe's log (rustbpe_printer)."""
+    """BPE on an iterable of strings: exactly vocab_size ids including SPECIAL_TOKENS. progress: print rustbpe's log."""
     n_merged = vocab_size - len(SPECIAL_TOKENS)
     if n_merged < 256:
         raise ValueError(f"vocab_size={vocab_size} is too small: byte-level BPE needs 256 byte tokens + "
@@ -275,8 +272,7 @@ def content_text(content):
 
 
 def _turns(messages):
-    """Validated (role, content) turns with a leading system message merged into the first user turn, and the index of
-    the message each turn came from (for error messages)."""
+    """Validated (role, content, index of its message) turns, a leading system message merged into the first user's."""
     if not messages:
         raise ValueError("a conversation needs at least one message")
     for i, m in enumerate(messages):
