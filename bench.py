@@ -162,8 +162,7 @@ def run_command(args, command, places, jobs=1):
 
 
 def stage_plan(args, device, name):
-    """(rows, places, dtype, why) of stage benchmark `name`, its files made (the demo world, the corpus tokenizer);
-    None when its corpus is absent."""
+    """(rows, places, dtype, why) of stage benchmark `name`, its files made; None when its corpus is absent."""
     rows = [row for row in STAGE_ROWS if row[0] == name]
     corpus = any("{corpus" in row[2] for row in rows)
     if corpus and not Path(args.corpus).is_dir():
@@ -323,8 +322,7 @@ def bench_decode(args, device):
     turn = torch.randint(0, 1000, (20,)).tolist()
 
     def first_token(kept):
-        """Seconds from a 20-token turn to its first token: prefill the turn alone (the cache kept) or the history +
-        turn (nanochat's CLI re-prefills every turn)."""
+        """Seconds from a 20-token turn to its first token, the cache kept or (as nanochat's CLI) all re-prefilled."""
         conv = chat.Conversation(long_model, tok, True, "eager", dtype)
         if kept:
             conv.forward(history)

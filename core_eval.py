@@ -348,9 +348,8 @@ def score_batch(model, batch_rows, device, dtype):
 
 def evaluate_tasks(model, tokenizer, tasks, max_per_task, batch_items, dtype, rank, world, device,
                    protocol="nanochat", progress=False):
-    """Per task: (item index, predicted option or -1, correct, cropped) for each evaluated item, by item index,
-    identical on every rank: its items sorted by prompt length (less padding), in batches dealt round robin, joined by a
-    sum over ranks. progress: rank 0 prints a line per task as it ends."""
+    """Per task: (item index, predicted option or -1, correct, cropped) per evaluated item, identical on every rank:
+    items sorted by prompt length (less padding), in batches dealt round robin, joined by a sum over ranks."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
     results = []

@@ -69,8 +69,7 @@ def get_args(argv=None):
 
 
 def export_kind(config):
-    """'llama' (a plain LlamaForCausalLM) or 'custom' (hf_remote/'s code) for a dict of GPTConfig fields; ValueError
-    naming the field for what cannot be exported."""
+    """'llama' (a plain LlamaForCausalLM) or 'custom' (hf_remote/'s code) for a dict of GPTConfig fields."""
     for name, value in config.items():
         if name in REFUSED and value:
             raise ValueError(f"{name}={value} cannot be exported: {REFUSED[name]}")
@@ -155,9 +154,8 @@ def bytes_to_unicode():
 
 def tokenizer_json(tokenizer):
     """tokenizers' byte-level BPE with tiktoken's ranks as ids. Merges: every split of a token into two tokens, in
-    the token's rank order (as transformers' own tiktoken converter does), so the pair the BPE merges first is the
-    one whose result tiktoken ranks first; ignore_merges takes a whole pre-token that is a token at once, as tiktoken
-    does. No post-processor: encode() adds no <|bos|>, like tokenizer.py's."""
+    the token's rank order (as transformers' tiktoken converter), so the BPE merges first the pair whose result
+    tiktoken ranks first; ignore_merges takes a pre-token that is a token whole, as tiktoken. No <|bos|> added."""
     spell = bytes_to_unicode()
 
     def text(token):

@@ -114,8 +114,7 @@ _LEVEL = None  # (level, why), probed once
 
 
 def interpreter():
-    """The base interpreter (a virtual environment's python would need its pyvenv.cfg, hidden at the namespace
-    level), and the directories it needs: its prefix."""
+    """The base interpreter (a venv's python needs its pyvenv.cfg, hidden at the namespace level) and its prefix."""
     exe = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
     return exe, sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix)})
 
@@ -221,8 +220,7 @@ def run(program, timeout_s=5.0, cpu_s=None, memory_mb=512, nproc=16, level=None)
 
 
 def sandbox_level():
-    """("namespaces" or "process", why), probed once: the namespace level is used where a trivial program runs
-    through it and prints what it should."""
+    """("namespaces" or "process", why), probed once: namespaces where a trivial program runs through them."""
     global _LEVEL
     if _LEVEL is None:
         if not sys.platform.startswith("linux") or not shutil.which("unshare"):

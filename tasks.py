@@ -42,8 +42,7 @@ SHUFFLE_SEED = 42  # nanochat's order: datasets' shuffle(seed=42) is np.random.d
 # and rendering a question as the model sees it
 
 def hub_files(task, cache_dir):
-    """The task's test files, downloaded once: a files.json written after the download lets later runs skip the
-    network; delete the task's directory to fetch it again."""
+    """The task's test files, downloaded once: a files.json written after the download lets later runs skip the hub."""
     repo, pattern = HUB_TASKS[task][:2]
     out_dir = Path(cache_dir) / task
     done = out_dir / "files.json"
@@ -128,8 +127,7 @@ def gsm8k_answer(text):
 
 def final_number(text, marker_only=False):
     """The lenient reading, a diagnostic outside ChatCORE: a Decimal or None, the number after the first '####'
-    (spaces and a '$' allowed), or where there is none (and not marker_only) the last number in the text, compared
-    as numbers (18.00 equals 18)."""
+    (spaces and a '$' allowed), else (not marker_only) the text's last number, compared as numbers (18.00 is 18)."""
     found = re.findall(r"####\s*\$?\s*(" + NUMBER + ")", text)[:1] or ([] if marker_only else re.findall(NUMBER, text))
     try:
         return Decimal(found[-1].replace(",", "")) if found else None
@@ -145,15 +143,13 @@ def same_number(lenient, answer):
 
 
 def gsm8k_items(train_dir):
-    """Training questions in GSM8K's columns as rl.py's items: GSM8K's train split (python dataset.py download-chat
-    gsm8k), or a demo world's word problems (<world>/problems)."""
+    """rl.py's items from training questions in GSM8K's columns: GSM8K's train split or a demo world's problems/."""
     return [make_item("GSM8K", row, f"{path}, row {i}") for path in chat_files(train_dir, "train")
             for i, row in enumerate(pq.read_table(path).to_pylist())]
 
 
 def reward(item, reply):
-    """rl.py's reward: 1.0 when the number after the reply's first '####' is the item's answer (18.00 is 18, commas
-    dropped), else 0.0; no '####' is wrong (nanochat's rule)."""
+    """rl.py's reward: 1.0 when the number after the reply's first '####' equals the item's answer, else 0.0."""
     number = final_number(reply, marker_only=True)
     return float(number is not None and number == Decimal(item["answer"]))
 

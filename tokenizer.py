@@ -153,9 +153,8 @@ class Tokenizer:
 
     def render_parts(self, content):
         """(ids, mask) of an assistant message's content: a string, or a list of parts {"type": "text" | "python" |
-        "python_output", "text"}. A python part is a tool call the model learns to write (<|python_start|>expr
-        <|python_end|>, mask 1); a python_output part is the calculator's answer, which generation inserts, so it is
-        not trained on (<|output_start|>result<|output_end|>, mask 0)."""
+        "python_output", "text"}. A python part is a tool call the model learns to write (mask 1); a python_output
+        part is the calculator's answer, which generation inserts, so it is not trained on (mask 0)."""
         if isinstance(content, str):
             tokens = self.encode(content)
             return tokens, [1] * len(tokens)
