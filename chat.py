@@ -328,9 +328,8 @@ def main(argv=None):
     if sys.stdin.isatty():
         try:
             import readline  # line editing and history for input()
-            # readline takes Ctrl-D after text for delete-char, a bell: a pasted document was never sent, and the
-            # session never ended. Bound to: end of line, a literal Ctrl-D, accept (on an empty line readline still
-            # returns EOF before any binding)
+            # readline takes Ctrl-D after text for delete-char (a bell: a pasted document was never sent); bound to:
+            # end of line, a literal Ctrl-D, accept (on an empty line readline still returns EOF first)
             if "libedit" not in (readline.__doc__ or ""):  # macOS's stand-in has a syntax of its own
                 readline.parse_and_bind(r'"\C-d": "\C-e\C-v\C-d\C-j"')
             typeahead_fd = sys.stdin.fileno()

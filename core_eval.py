@@ -44,9 +44,8 @@ PROTOCOLS = ("nanochat", "dclm")  # which tokens are scored; the items, order an
 FEWSHOT_SEED, SUBSET_SEED = 1234, 1337  # nanochat's: the same items and examples as its CORE runs
 COMPLETIONS = ["Once upon a time,", "The most important thing to learn is", "In the morning, the",
                "When the rain stopped,"]
-# (prompt, accepted answers, which world): a model of the real web should know the first, one of the demo world the
-# second; each is reported as found or not at the start of the greedy completion. The demo world's come from its own
-# fact tables (demo_world.py), so they cannot drift from what the demo documents say.
+# (prompt, accepted answers, which world), each reported as found or not at the start of the greedy completion; the
+# demo world's come from its fact tables (demo_world.py), so they cannot drift from what its documents say
 _ALDORA, _BRENIA = map(country_fields, COUNTRIES[:2])
 KNOWLEDGE = [("The capital of France is", ["Paris"], "real"), ("The chemical symbol for gold is", ["Au"], "real"),
              ("The largest planet in the solar system is", ["Jupiter"], "real"),

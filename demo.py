@@ -23,8 +23,7 @@ import demo_world
 from dataset import ROW_GROUP_DOCS, load_identity, write_text_shards
 from demo_world import ANIMALS, CHARACTERS, COUNTRIES, COUNTRY_KINDS, DAYS, fields, listing, number_word, say, sentence
 
-# the assistant's name and what it says about itself: identity.json, the one file to edit (SFT on the hub data reads it
-# too, through `python dataset.py download-chat identity`)
+# the assistant's name and what it says about itself: identity.json, the one file to edit (SFT on hub data reads it too)
 DEMO_ASSISTANT_NAME, IDENTITY_PAIRS = load_identity()
 DEMO_TASK_ROWS = 3000  # rows in each of choice/, answers/, calc/, lookup/, problems/
 DEMO_HELD_OUT_PROBLEMS = 120  # chat_eval's demo-problems: word problems no training row asks

@@ -22,8 +22,7 @@ import gpu_plan
 from run_files import read_json, stage_seconds
 
 TRAINING = ("pretrain", "midtrain", "sft")
-# a forward pass is about a third of a training step's FLOPs (forward + backward = 3 forwards): the rate assumed for
-# validation tokens, which the rehearsal reads fewer of than the plan
+# validation tokens (fewer in the rehearsal than the plan) at 3x the training tok/s: a forward is a third of a step
 FORWARD_SPEEDUP = 3
 SAVE_UNKNOWN = "save time unknown: ckpt/save_seconds is gone (predict before the rehearsal's checkpoints are deleted)"
 # stages that ran before the prediction (data, tokenizer, the plan's disk check) or only in a rehearsal

@@ -18,8 +18,7 @@ from pathlib import Path
 from run_files import read_json, stage_seconds
 
 TRAIN_STAGES = ["pretrain", "midtrain", "sft"]
-# the stages whose final models get a column in the per-stage table, in training order: each that has a checkpoint
-# under runs/<run>/<stage>/ckpt/ (a later stage appears by being added here and trained)
+# the stages whose final models get a column in the per-stage table, in training order, where they left a checkpoint
 MODEL_STAGES = ["pretrain", "midtrain", "sft", "rl"]
 UNKNOWN = "unknown"
 SAMPLE_QUESTIONS = 2  # per generated task in the per-stage table: its first item and its first with a numeric answer
@@ -44,8 +43,7 @@ def data_of(config):
     elif config["stage"] == "rl":  # its questions, as rl.py names them
         return f"{config['tasks']}; {config['train_questions']:,} training questions"
     elif config.get("sources"):
-        # the sources it trained on, the defaults included (config["args"]["source"] is only what was passed); SFT's
-        # with its passes per epoch
+        # the sources it trained on, defaults included (config["args"]["source"] is only what was passed)
         paths = [(Path(s["path"]), s.get("epochs", 1)) for s in config["sources"]]
     else:
         paths = [(Path(config["chat_dir"]), 1)]

@@ -29,17 +29,15 @@ HUB_TASKS = {"ARC-Easy": ("allenai/ai2_arc", r"ARC-Easy/test-\d+-of-\d+\.parquet
              "HumanEval": ("openai/openai_humaneval", r"openai_humaneval/test-\d+-of-\d+\.parquet", "humaneval", 0.0)}
 DEMO_TASKS = {"demo-choice": (None, None, "categorical", 0.25), "demo-answer": (None, None, "exact", 0.0),
               "demo-problems": (None, None, "gsm8k", 0.0)}
-# Asked only by name (--tasks), never part of ChatCORE: questions about the demo world in words no template uses, with
-# no instruction on the form, scored by whether the reply contains the answer as a word: does the model still answer
-# in its own words after learning letters and bare answers?
+# Asked only by name (--tasks), never in ChatCORE: demo questions in words no template uses, no form asked for, right
+# when the reply contains the answer as a word: does the model still answer in its own words?
 DEMO_EXTRA = {"demo-words": (None, None, "contains", None)}
 ALL_TASKS = HUB_TASKS | DEMO_TASKS | DEMO_EXTRA
 SHUFFLE_SEED = 42  # nanochat's order: datasets' shuffle(seed=42) is np.random.default_rng(42).permutation(n)
 
 
 # -----------------------------------------------------------------------------
-# Loading a task's rows (the hub's parquet files, cached, or the demo world's jsonl) as items, in nanochat's order,
-# and rendering a question as the model sees it
+# Loading a task's rows (hub parquet, cached, or the demo world's jsonl) as items in nanochat's order; the prompt
 
 def hub_files(task, cache_dir):
     """The task's test files, downloaded once: a files.json written after the download lets later runs skip the hub."""
