@@ -96,10 +96,9 @@ def letter_token_ids(tokenizer, letters):
 
 @torch.no_grad()
 def letter_scores(model, tokenizer, items, dtype, device):
-    """Per item (letter, cut, what to record): the prompts in one forward (last_logits); only the item's letters
-    compete at its last position (ties to the first, as torch's argmax does in nanochat). Recorded: the letters'
-    probabilities (a softmax over the item's letters: what decided) and their mass (their share of the softmax over
-    the whole vocabulary: does the model answer with a letter at all?)."""
+    """Per item (letter, cut, what to record): the prompts in one forward; only the item's letters compete at its last
+    position (ties to the first, as nanochat's argmax). Recorded: the letters' probabilities (a softmax over them: what
+    decided) and their mass (their share of the whole vocabulary's: does the model answer with a letter at all?)."""
     prompts = [prompt_ids(tokenizer, item["prompt"], model.config.sequence_len, 0) for item in items]
     logits = last_logits(model, [ids for ids, _ in prompts], tokenizer.bos_id, dtype).float()
     out = []

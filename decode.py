@@ -57,10 +57,9 @@ def decode_step(model, weights, token, pos, step, prompt_k, prompt_v, prompt_val
     by prompt (N = prompts x samples, a prompt's rows together). The cache has two parts: the prompts' keys and values,
     one copy per prompt, prompt_k, prompt_v (layer, prompt, kv head, slot, head dim) with prompt_valid (prompt, 1, 1,
     slot) marking each prompt's own slots; and the rows' new tokens, reply_k, reply_v (layer, prompt, kv head, sample,
-    slot, head dim), where every row writes its token at slot `step` (an int, or a (1,) long tensor under
-    torch.compile) and attends over slots 0 .. step of width. A prompt's rows read its keys together, in one matrix
-    product. The model's forward in fewer, larger ops, as a small model's CPU step is bound by per-op overhead: q, k, v
-    in one matmul against pre-transposed weights (faster than F.linear's x @ W^T on CPU), q and k rotated together."""
+    slot, head dim), where every row writes its token at slot `step` (an int, or a (1,) long tensor under compile) and
+    attends over slots 0 .. step of width. The model's forward in fewer, larger ops, as a small model's CPU step is
+    bound by per-op overhead: q, k, v in one matmul against pre-transposed weights, q and k rotated together."""
     c, eps, dtype = model.config, model.config.norm_eps, weights["dtype"]
     H, K, D, N, Q = c.n_head, c.n_kv_head, c.head_dim, token.size(0), prompt_k.size(1)
     S, G = N // Q, c.n_head // c.n_kv_head

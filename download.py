@@ -131,10 +131,9 @@ class _Bar:
 
 
 def download_file(url, dest, size=None, sha256=None, verify=None, retries=RETRIES):
-    """Stream a plain URL (the eval bundle: not a hub repo, and no token) to dest. The bytes go to dest + ".partial",
-    which http_get resumes with Range within an attempt, and later attempts and runs resume too. dest appears only
-    once the size, the sha256 and verify(partial) (ValueError on bad content) pass; an existing dest of the expected
-    size is kept."""
+    """Stream a plain URL (the eval bundle: not a hub repo, no token) to dest + ".partial", which http_get resumes
+    within an attempt, and later attempts and runs resume too. dest appears only once the size, the sha256 and
+    verify(partial) (ValueError on bad content) pass; an existing dest of the expected size is kept."""
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import HfHubHTTPError
     dest = Path(dest)

@@ -112,8 +112,7 @@ def contained_answers(items_path):
 
 
 def marked_answers(items_path, per_task=SAMPLES_PER_TASK):
-    """A line for each of the first few items of each task: right or wrong, the question, the answer given and the
-    expected one."""
+    """A line for each of the first few items of each task: right or wrong, question, answer given, expected."""
     lines, shown = [], {}
     for item in read_jsonl(items_path):
         if shown.get(item["task"], 0) >= per_task:

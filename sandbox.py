@@ -177,10 +177,9 @@ def set_limits(cpu_s, memory_bytes, nproc, fsize):
 
 
 def run(program, timeout_s=5.0, cpu_s=None, memory_mb=512, nproc=16, level=None):
-    """Run `program` (Python source) in the sandbox; returns a Result. Never raises for anything the program does.
-    nproc: how many processes (and threads) it may add to those its user runs (as root: to nobody's). level: None
-    = the namespaces level, and RuntimeError where this machine gives none (choose); "process" only where the user
-    accepted what it does not contain."""
+    """Run `program` (Python source) in the sandbox; returns a Result, never raising for what the program does. nproc:
+    processes (and threads) it may add to its user's (as root: nobody's). level: None = namespaces, RuntimeError where
+    this machine gives none (choose); "process" only where the user accepted what it does not contain."""
     level = level or choose("auto")[0]
     argv, cfg = command(level)
     cpu_s = max(1, int(cpu_s if cpu_s is not None else timeout_s + 0.999))
