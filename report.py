@@ -241,7 +241,6 @@ def plot(run, out):
     import matplotlib
     matplotlib.use("Agg")  # no display
     import matplotlib.pyplot as plt
-    written = []
     rl_records = read_jsonl(run / "rl" / "metrics.jsonl")
     panels = len(TRAIN_STAGES) + bool(rl_records)
     fig, axes = plt.subplots(1, panels, figsize=(4 * panels, 3.2))
@@ -255,7 +254,6 @@ def plot(run, out):
     fig.tight_layout()
     fig.savefig(out / "loss.png", dpi=90)
     plt.close(fig)
-    written.append("loss.png")
     records = read_jsonl(run / "pretrain" / "metrics.jsonl")
     points = [(r["step"], r.get("val_bpb", r.get("final_val_bpb"))) for r in records
               if "val_bpb" in r or "final_val_bpb" in r]
@@ -266,8 +264,7 @@ def plot(run, out):
     fig.tight_layout()
     fig.savefig(out / "val_bpb.png", dpi=90)
     plt.close(fig)
-    written.append("val_bpb.png")
-    return written
+    return ["loss.png", "val_bpb.png"]
 
 
 def write_report(run):
