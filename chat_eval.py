@@ -114,10 +114,9 @@ def letter_scores(model, tokenizer, items, dtype, device):
 
 @torch.no_grad()
 def option_text_scores(model, tokenizer, items, dtype, device):
-    """Per item (the option whose text is the likeliest reply by the sum of its log-probs, the same by their mean per
-    token, per option [sum of log-probs, tokens]): the item's question alone as the user message, then each option's
-    tokens right after <|assistant_start|>. Ties go to the first; an option of no tokens is never picked. A diagnostic
-    outside ChatCORE: a model that picks the right text but not its letter knows the answer."""
+    """Per item (the likeliest option text as the reply by the sum of its log-probs, the same by their mean, per option
+    [sum of log-probs, tokens]): the question alone as the user message, each option's tokens after <|assistant_start|>;
+    ties to the first, an empty option never. Outside ChatCORE: right text, wrong letter means the model knows."""
     rows, starts, owner = [], [], []
     for n, item in enumerate(items):
         for text in item["options"]:
@@ -140,9 +139,8 @@ def option_text_scores(model, tokenizer, items, dtype, device):
 
 def greedy_replies(model, tokenizer, questions, max_new_tokens, dtype):
     """(text, cut, calculator calls) per question: greedy tokens until <|assistant_end|> (or <|bos|>) or
-    max_new_tokens, with the calculator on, as nanochat's engine; the text leaves the calls and their outputs out. cut
-    when the model's window ended the reply first, or the prompt had to be cropped. Every reply a row of one batch
-    (decode.py), each with its own calculator: the same tokens as each question decoded alone."""
+    max_new_tokens, the calculator on as in nanochat's engine, its calls left out of the text; cut when the window
+    ended the reply first or the prompt was cropped. Every reply a row of one decode(), with its own calculator."""
     prompts = [prompt_ids(tokenizer, q, model.config.sequence_len, 1) for q in questions]
     budgets = [min(max_new_tokens, model.config.sequence_len - len(ids)) for ids, _ in prompts]
     tools = [ToolUse(tokenizer) for _ in questions]

@@ -235,9 +235,8 @@ def sandbox_level():
 
 
 def choose(requested="auto"):
-    """(level, why) for model-written code. "auto" or "namespaces": the namespaces level, or a RuntimeError naming the
-    choice where this machine gives none: such code never runs uncontained unless asked for. "process": the process
-    level, whose limits are set out by describe(), because the caller accepted what it does not contain."""
+    """(level, why) for model-written code: "auto" or "namespaces", the namespaces level or a RuntimeError naming the
+    choice where this machine gives none (never uncontained unless asked); "process", where the caller accepted it."""
     if requested == "process":
         return "process", "--sandbox process: the user accepted what it does not contain"
     level, why = sandbox_level()

@@ -218,8 +218,8 @@ def train_tokenizer(texts, vocab_size, progress=False):
 
 def counting(texts, stats, every_s=None):
     """Yield texts unchanged while adding documents, characters and UTF-8 bytes to stats (a dict of those keys); with
-    every_s, print what was read and its rate at most every every_s seconds (rustbpe reads the texts in chunks of
-    8,192, splitting and counting each chunk in parallel before it asks for the next: the rate is the two together)."""
+    every_s, print what was read and its rate at most every every_s seconds (rustbpe reads 8,192 texts, then splits
+    and counts them in parallel before reading on: the rate is both together)."""
     start = printed = time.perf_counter()
     for text in texts:
         stats["docs"] += 1
