@@ -31,8 +31,7 @@ tokenizer  seconds to train a vocab-8192 tokenizer on the corpus's training spli
            validation split. Target: <= 10 s for 50 MB (projected from the measured MB/s).
 loader     the streaming loader (read + tokenize + pack), one epoch of the corpus at T = 256, 1024, 2048: tok/s (target
            >= 1M), the share of document tokens cropped into a later row (target <= 20% at T = 2048; none discarded).
-gpu        (not in "all") the GPU battery: bench_gpu.py says how to run it. Moved: train is pretrain's rows; chat's and
-           generate's rollouts are decode's; quality, fsdp, compile, download: dev/.
+gpu        (not in "all") the GPU battery: bench_gpu.py says how to run it.
 """
 import argparse
 import functools
@@ -61,8 +60,7 @@ from loader import text_loader
 from model import KVCache, autocast_context, build_model, config_from_preset
 from tokenizer import Tokenizer, bytes_per_token, counting, train_tokenizer
 
-# The stage rows: (benchmark, row, command, figure). Each {name} is filled in by bench_stages, the figure read by
-# stage_figure.
+# The stage rows: (benchmark, row, command, figure); each {name} filled in by bench_stages, the figure stage_figure's
 DEMO_PRETRAIN = ("pretrain.py --preset {preset} --data_dir {work}/demo/pretrain --tokenizer {work}/tokenizer_1024 "
                  "--runs_dir {work}/runs --run_name {run} --steps 30 --micro_batch 16 --eval_every 0 --bpb_tokens 4096 "
                  "--ckpt_every 1000")
@@ -164,8 +162,7 @@ def run_command(args, command, places, jobs=1):
 
 
 def stage_plan(args, device, name):
-    """(rows, places, dtype, why) of stage benchmark `name`, its files made (the demo world, the corpus tokenizer);
-    None when its corpus is absent."""
+    """(rows, places, dtype, why) of stage benchmark `name`, its files made; None when its corpus is absent."""
     rows = [row for row in STAGE_ROWS if row[0] == name]
     corpus = any("{corpus" in row[2] for row in rows)
     if corpus and not Path(args.corpus).is_dir():
@@ -325,8 +322,7 @@ def bench_decode(args, device):
     turn = torch.randint(0, 1000, (20,)).tolist()
 
     def first_token(kept):
-        """Seconds from a 20-token turn to its first token: prefill the turn alone (the cache kept) or the history +
-        turn (nanochat's CLI re-prefills every turn)."""
+        """Seconds from a 20-token turn to its first token, the cache kept or (as nanochat's CLI) all re-prefilled."""
         conv = chat.Conversation(long_model, tok, True, "eager", dtype)
         if kept:
             conv.forward(history)

@@ -67,8 +67,8 @@ GPU_ROWS = {
     "mfu_d26": {"depth": 26, "batch": BIG_BATCH, "steps": 11},  # 8 timed after 3
     "demo": {}, "chat_decode": {},
 }
-# one `run` call each, under 10 minutes on one H100 or H200 by dev/gpu_session.sh's estimate (not yet measured): a
-# row's two runs (ours, nanochat's) each pay start-up and compilation besides their steps
+# one device call each, under 10 minutes by dev/gpu_session.sh's estimate: a row's two runs each pay start-up and
+# compilation besides their steps
 GPU_CALLS = [["mfu_d20"], ["bpb_d12_b19"], ["bpb_d12_b17"], ["mfu_d26"], ["demo", "chat_decode"]]
 # the dry run: every row at a toy size on the CPU (depth 2, sequence 64, the demo world, vocab 1024)
 DRY = {"seq_len": 64, "micro": 4, "vocab": 1024, "steps_scale": 1 / 16, "skip": 1}

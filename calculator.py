@@ -92,8 +92,7 @@ def _walk(node, depth, deadline):
 
 def calculate(expr):
     """The value of an arithmetic expression as text: an integer ("10"), else a decimal of at most 10 significant
-    digits ("0.2", "3.333333333"). GSM8K writes thousands with commas (1,000), so commas are dropped first. Raises
-    CalculatorError for anything else."""
+    digits ("0.2", "3.333333333"). GSM8K writes thousands with commas (1,000), so commas are dropped first."""
     if not isinstance(expr, str):
         raise CalculatorError(f"an expression is a string, got {type(expr).__name__}")
     if len(expr) > MAX_CHARS:

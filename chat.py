@@ -58,8 +58,7 @@ def get_args(argv=None):
                    help="decode.py's step: eager (attends over the filled cache only), compiled (torch.compile, the "
                    "whole cache attended, masked: fixed shapes); auto = compiled for a session on CUDA, eager for one "
                    "-p prompt (compiling costs more than one reply: decode.py's step took ~35 s in chat_eval at d20 on an "
-                   "H200) and on the CPU (default: "
-                   "%(default)s)")
+                   "H200) and on the CPU (default: %(default)s)")
     args = p.parse_args(None if argv is None else [str(a) for a in argv])  # argv may hold paths
     if args.max_new_tokens < 1 or args.top_k < 0 or args.temperature < 0:
         p.error("--max_new_tokens must be >= 1, --top_k >= 0 and --temperature >= 0")
@@ -82,8 +81,8 @@ def utf8_stream(tokenizer):
 
 class Conversation:
     """The token ids in the KV cache (cache.pos == len(ids); ids[0] is <|bos|>), the index in ids where each exchange
-    starts, and whether the last reply still needs its closing <|assistant_end|> fed (it is sampled, or added when a
-    reply was cut, but enters the cache with the next turn's tokens)."""
+    starts, and whether the last reply's closing <|assistant_end|> (sampled, or added to a cut reply) is still to be
+    fed: it enters the cache with the next turn's tokens."""
 
     def __init__(self, model, tokenizer, chat, decode="eager", dtype="float32", max_tokens=256):
         self.model, self.tok, self.chat, self.dtype = model, tokenizer, chat, dtype
@@ -133,8 +132,7 @@ class Conversation:
         self.forward([self.tok.bos_id])
 
     def turn_tokens(self, text):
-        """(head, body, tail): the tokens a message adds; only body (the text, encoded as plain text: a typed
-        <|bos|> is never a special token) may be cut."""
+        """(head, body, tail): the tokens a message adds; only body (the text as plain text) may be cut."""
         body = self.tok.encode(text)
         if not self.chat:
             return [], body, []
@@ -171,8 +169,7 @@ class Conversation:
 
     def respond(self, text, write, temperature, top_k, max_tokens, generator, stop=lambda: False, notify=None):
         """One turn: prefill the new tokens, then sample until an end token, max_tokens, a full cache or stop().
-        write(str) gets the reply's text as it completes, notify(str) each notice (default: write). Returns this
-        turn's stats."""
+        write(str) gets the reply's text as it completes, notify(str) each notice (default: write). Returns stats."""
         notify = notify or (lambda line: write(line + "\n"))
         new, notices = self.fit(text)
         for notice in notices:
@@ -255,8 +252,7 @@ def typeahead_kept(fd):
     """During a reply, the terminal on fd (None: not a terminal) out of canonical mode and echo, so text pasted
     meanwhile waits whole for the next prompt, where readline shows it: in canonical mode the kernel silently drops
     what passes a line's 4,095 characters; here a full buffer makes the sender wait instead. Ctrl-C stays a signal,
-    Enter (CR) still becomes a newline, Ctrl-D is a plain byte that readline then reads as at its prompt. The saved
-    mode comes back after the reply, also on an exception."""
+    Enter (CR) still becomes a newline, Ctrl-D is a plain byte that readline then reads as at its prompt."""
     if fd is None:
         yield
         return
@@ -332,9 +328,8 @@ def main(argv=None):
     if sys.stdin.isatty():
         try:
             import readline  # line editing and history for input()
-            # readline takes Ctrl-D after text for delete-char, a bell: a pasted document was never sent, and the
-            # session never ended. Bound to: end of line, a literal Ctrl-D, accept (on an empty line readline still
-            # returns EOF before any binding)
+            # readline takes Ctrl-D after text for delete-char (a bell: a pasted document was never sent); bound to:
+            # end of line, a literal Ctrl-D, accept (on an empty line readline still returns EOF first)
             if "libedit" not in (readline.__doc__ or ""):  # macOS's stand-in has a syntax of its own
                 readline.parse_and_bind(r'"\C-d": "\C-e\C-v\C-d\C-j"')
             typeahead_fd = sys.stdin.fileno()

@@ -37,8 +37,7 @@ from tasks import ALL_TASKS, final_number, gsm8k_answer, humaneval_program, norm
 
 PROGRESS_SECONDS = 10.0  # a progress line at most this often per task (and one at its end)
 # Generation on a CPU runs one thread, as rl.py's rollouts: a decode step of a small model is per-op overhead, and on a
-# shared machine a second OpenMP thread waits on the first (tiny preset, 32 prompts x 64 greedy tokens, a 2-core EPYC
-# at load 4.5: 2.64 items/s one at a time and 19.8 at 32 rows in one thread, 0.51 and 2.59 in two)
+# shared machine a second OpenMP thread waits on the first (two threads measured ~5x slower)
 CPU_GENERATE_THREADS = 1
 
 
@@ -97,10 +96,9 @@ def letter_token_ids(tokenizer, letters):
 
 @torch.no_grad()
 def letter_scores(model, tokenizer, items, dtype, device):
-    """Per item (letter, cut, what to record): the prompts in one forward (last_logits); only the item's letters
-    compete at its last position (ties to the first, as torch's argmax does in nanochat). Recorded: the letters'
-    probabilities (a softmax over the item's letters: what decided) and their mass (their share of the softmax over
-    the whole vocabulary: does the model answer with a letter at all?)."""
+    """Per item (letter, cut, what to record): the prompts in one forward; only the item's letters compete at its last
+    position (ties to the first, as nanochat's argmax). Recorded: the letters' probabilities (a softmax over them: what
+    decided) and their mass (their share of the whole vocabulary's: does the model answer with a letter at all?)."""
     prompts = [prompt_ids(tokenizer, item["prompt"], model.config.sequence_len, 0) for item in items]
     logits = last_logits(model, [ids for ids, _ in prompts], tokenizer.bos_id, dtype).float()
     out = []
@@ -116,11 +114,9 @@ def letter_scores(model, tokenizer, items, dtype, device):
 
 @torch.no_grad()
 def option_text_scores(model, tokenizer, items, dtype, device):
-    """Per item (the option whose text is the likeliest reply by the sum of its log-probs, the same by their mean per
-    token, per option [sum of log-probs, tokens]): the item's question alone as the user message (no options listed,
-    no letter asked for), then each option's tokens right after <|assistant_start|>, no <|assistant_end|>. Ties go to
-    the first; an option of no tokens is never picked. A diagnostic outside ChatCORE: a model that picks the right
-    text but not its letter knows the answer."""
+    """Per item (the likeliest option text as the reply by the sum of its log-probs, the same by their mean, per option
+    [sum of log-probs, tokens]): the question alone as the user message, each option's tokens after <|assistant_start|>;
+    ties to the first, an empty option never. Outside ChatCORE: right text, wrong letter means the model knows."""
     rows, starts, owner = [], [], []
     for n, item in enumerate(items):
         for text in item["options"]:
@@ -143,10 +139,8 @@ def option_text_scores(model, tokenizer, items, dtype, device):
 
 def greedy_replies(model, tokenizer, questions, max_new_tokens, dtype):
     """(text, cut, calculator calls) per question: greedy tokens until <|assistant_end|> (or <|bos|>) or
-    max_new_tokens, with the calculator on (a tool call's result is inserted after it, as nanochat's engine does);
-    the text leaves the calls and their outputs out. cut when the model's window ended the reply first, or the prompt
-    had to be cropped. Every reply a row of one batch (decode.py), each with its own calculator: the same tokens as
-    each question decoded alone (tests/test_chat_eval.py)."""
+    max_new_tokens, the calculator on as in nanochat's engine, its calls left out of the text; cut when the window
+    ended the reply first or the prompt was cropped. Every reply a row of one decode(), with its own calculator."""
     prompts = [prompt_ids(tokenizer, q, model.config.sequence_len, 1) for q in questions]
     budgets = [min(max_new_tokens, model.config.sequence_len - len(ids)) for ids, _ in prompts]
     tools = [ToolUse(tokenizer) for _ in questions]
@@ -197,8 +191,7 @@ def judge(kind, item, args, marker, level, answer):
 
 def work_batches(kind, items, tokenizer, batch_items, world=1):
     """Lists of item positions judged together, which the ranks take round robin: categorical items sorted by prompt
-    length (less padding), generated items in their order, in groups of batch_items (fewer where a rank would have no
-    batch)."""
+    length (less padding), generated items in order, in groups of batch_items (fewer where a rank would have none)."""
     if kind != "categorical":
         size = max(1, min(batch_items, -(-len(items) // world)))
         return [list(range(b, min(b + size, len(items)))) for b in range(0, len(items), size)]
@@ -275,9 +268,8 @@ OPTION_TEXT_RULE = "the option's text as the whole reply to the question alone: 
 
 
 def task_diagnostics(kind, records):
-    """A task's `diagnostics` in chat_eval.json (schema in docs/eval.md), never part of ChatCORE: for categorical
-    tasks, why a letter is wrong (does the model not know, or know the option but not its letter?); for GSM8K the
-    lenient reading; None for the other kinds."""
+    """A task's `diagnostics` in chat_eval.json (docs/eval.md), never part of ChatCORE: for categorical tasks, why a
+    letter is wrong (not knowing, or knowing the option but not its letter?); GSM8K's lenient reading; else None."""
     n = max(len(records), 1)
     if kind == "categorical":
         predicted = Counter(r["predicted"] for r in records)

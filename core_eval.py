@@ -44,9 +44,8 @@ PROTOCOLS = ("nanochat", "dclm")  # which tokens are scored; the items, order an
 FEWSHOT_SEED, SUBSET_SEED = 1234, 1337  # nanochat's: the same items and examples as its CORE runs
 COMPLETIONS = ["Once upon a time,", "The most important thing to learn is", "In the morning, the",
                "When the rain stopped,"]
-# (prompt, accepted answers, which world): a model of the real web should know the first, one of the demo world the
-# second; each is reported as found or not at the start of the greedy completion. The demo world's come from its own
-# fact tables (demo_world.py), so they cannot drift from what the demo documents say.
+# (prompt, accepted answers, which world), each reported as found or not at the start of the greedy completion; the
+# demo world's come from its fact tables (demo_world.py), so they cannot drift from what its documents say
 _ALDORA, _BRENIA = map(country_fields, COUNTRIES[:2])
 KNOWLEDGE = [("The capital of France is", ["Paris"], "real"), ("The chemical symbol for gold is", ["Au"], "real"),
              ("The largest planet in the solar system is", ["Jupiter"], "real"),
@@ -257,8 +256,7 @@ def task_order(n_items, max_per_task):
 
 def fewshot_positions(n, position, k):
     """nanochat's draw: k positions of an n-long (shuffled, cut) list, never `position`, by random.Random(1234 +
-    position). A list too short for k, from a small --max_items, gives every other position (nanochat's
-    random.sample raises there, its issue #550)."""
+    position); a list too short for k gives every other position (nanochat's random.sample raises there)."""
     others = [p for p in range(n) if p != position]
     return random.Random(FEWSHOT_SEED + position).sample(others, min(k, len(others)))
 
@@ -291,12 +289,10 @@ def shared_length(rows):
 
 def nanochat_rows(kind, pairs, tokenizer):
     """[(ids, index of the first scored token)] by nanochat's rules: a row is BOS + context + continuation tokenized
-    at once. Multiple choice: scored from the end of the rows' common token prefix (a first word all choices share is
-    not); schema: from the start of their common token suffix (which can reach back into the options); language
-    modelling: the tokens after the stripped context's. Where nanochat's span is empty (a mean over nothing, NaN), the
-    boundary moves by one token: a choice that is all common prefix ('Paris' of 'Paris, France') scores its last
-    token, the others from there; options with no common last token score their last tokens. Where BPE merges across
-    the context's end (nanochat asserts it cannot), the answer is scored from where the two tokenizations part."""
+    at once. Multiple choice: scored from the end of the rows' common token prefix; schema: from the start of their
+    common token suffix; language modelling: the tokens after the stripped context's. Where nanochat's span is empty
+    (a mean over nothing, NaN) the boundary moves by one token, and where BPE merges across the context's end
+    (nanochat asserts it cannot) the answer is scored from where the two tokenizations part (docs/eval.md)."""
     rows = [[tokenizer.bos_id, *tokenizer.encode(context + continuation)] for context, continuation in pairs]
     shortest = min(map(len, rows))
     if kind == "multiple_choice":
@@ -323,8 +319,8 @@ def dclm_rows(pairs, tokenizer):
 
 def fit_window(ids, start, seq_len):
     """(ids, start, cropped): the model reads a row's first len - 1 tokens, and its rotary tables end at seq_len, so
-    a longer row keeps its BOS and loses the tokens after it (as training cuts a long document into BOS-led pieces).
-    nanochat never crops: its tables are 10x longer. A scored span longer than the window is scored where it fits."""
+    a longer row keeps its BOS and loses the tokens after it (as training cuts a long document into BOS-led pieces);
+    a scored span longer than the window is scored where it fits. nanochat never crops: its tables are 10x longer."""
     crop = max(0, len(ids) - 1 - seq_len)
     return ([ids[0], *ids[crop + 1:]], max(1, start - crop), True) if crop else (ids, start, False)
 
@@ -351,9 +347,8 @@ def score_batch(model, batch_rows, device, dtype):
 
 def evaluate_tasks(model, tokenizer, tasks, max_per_task, batch_items, dtype, rank, world, device,
                    protocol="nanochat", progress=False):
-    """Per task: (item index, predicted option or -1, correct, cropped) for each evaluated item, by item index,
-    identical on every rank: its items sorted by prompt length (less padding), in batches dealt round robin, joined by a
-    sum over ranks. progress: rank 0 prints a line per task as it ends."""
+    """Per task: (item index, predicted option or -1, correct, cropped) per evaluated item, identical on every rank:
+    items sorted by prompt length (less padding), in batches dealt round robin, joined by a sum over ranks."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
     results = []

@@ -1,21 +1,11 @@
 """Generation, the one path: chat.py's replies (decode_step on its conversation's cache, token by token), and decode()
 for rl.py's rollouts, chat_eval.py's generated answers, core_eval.py's and validation.py's samples.
 
-decode() takes several prompts of different lengths, N replies to each, and decodes every row in one forward per step:
-- the prompts are prefilled once each (right-padded into one forward; a causal model's positions before the padding
-  never see it), and the N rows of a prompt copy its keys and values;
-- each row keeps its own position: its tokens sit at the same positions, with the same rotary angles, as when its
-  prompt is decoded alone, and attention masks the cache slots past the row's position, so a greedy row equals its
-  prompt decoded alone, one row, token for token (tests/test_model.py);
-- the calculator runs per row: a row's calculator.ToolUse returns the result tokens, which are fed to that row only,
-  one per step, while the other rows sample;
-- a row ends at a stop token it sampled or at its budget; when half the rows have ended, the cache is compacted to the
-  live rows, so finished rows stop costing;
-- on CUDA the step is compiled (torch.compile, the whole cache attended, masked, so that shapes change only with the
-  batch); on the CPU it runs eager, attending over the filled slots only. The stages' few samples (pretraining's,
-  core_eval's, the chat stages' validation answers) ask for eager on CUDA too: at d20 on an H200 a process's first
-  compilation took ~30-40 s, more than their few hundred tokens take eager; chat_eval's answers and rl's rollouts
-  keep the compiled step (dev/LOG.md, 2026-11-27).
+decode() prefills several prompts in one forward and decodes N replies to each, every row in one forward per step,
+each at its own position (a greedy row equals its prompt decoded alone, token for token) with its own calculator; the
+cache is compacted when half the prompts have ended. On CUDA the step is compiled, on the CPU eager; the stages' few
+samples ask for eager on CUDA too: a first compilation costs more than their few hundred tokens (dev/LOG.md).
+docs/model.md (generation) says how it works.
 
 Run alone it checks itself on a random-init model: greedy rows decoded together against each prompt decoded alone,
 and the tokens per second of each.
@@ -43,10 +33,9 @@ from model import (
 
 
 def decode_weights(model, dtype="float32"):
-    """The step's weights, in the compute dtype: per block (q|k|v stacked, o, up, gate or None, down, value-embedding
-    gate or None) transposed to (in, out), the head's likewise, the norms' scales (None when weightless), and the
-    rotary tables laid out as (cos, cos) and (sin, -sin). BitNet's weights are quantized once here (the forward
-    quantizes the same fp32 weights at every call). An inference-only copy of the block matrices."""
+    """An inference-only copy of the step's weights, in the compute dtype: per block (q|k|v stacked, o, up, gate or
+    None, down, value-embedding gate or None) transposed to (in, out), the head's likewise, the norms' scales (None when
+    weightless), the rotary tables as (cos, cos) and (sin, -sin). BitNet's weights are quantized once, here."""
     compute = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     t = lambda linear: linear.effective_weight().detach().t().to(compute).contiguous()
     scale = lambda norm: None if norm is None or norm.weight is None else norm.weight.detach()
@@ -68,12 +57,9 @@ def decode_step(model, weights, token, pos, step, prompt_k, prompt_v, prompt_val
     by prompt (N = prompts x samples, a prompt's rows together). The cache has two parts: the prompts' keys and values,
     one copy per prompt, prompt_k, prompt_v (layer, prompt, kv head, slot, head dim) with prompt_valid (prompt, 1, 1,
     slot) marking each prompt's own slots; and the rows' new tokens, reply_k, reply_v (layer, prompt, kv head, sample,
-    slot, head dim), where every row writes its token at slot `step` (rows advance together; an int, or a (1,) long
-    tensor under torch.compile, which then does not specialize the graph on it) and
-    attends over slots 0 .. step of width. A prompt's rows read its keys together, in one matrix product, rather than
-    each a copy of them. The arithmetic is the model's forward with fewer, larger ops (a small model's step on a CPU is
-    bound by per-op overhead, not arithmetic): q, k, v in one matmul against pre-transposed weights (a (1, n) @ (n, m)
-    matmul is ~2x faster than F.linear's x @ W^T on CPU), q and k normalized and rotated together."""
+    slot, head dim), where every row writes its token at slot `step` (an int, or a (1,) long tensor under compile) and
+    attends over slots 0 .. step of width. The model's forward in fewer, larger ops, as a small model's CPU step is
+    bound by per-op overhead: q, k, v in one matmul against pre-transposed weights, q and k rotated together."""
     c, eps, dtype = model.config, model.config.norm_eps, weights["dtype"]
     H, K, D, N, Q = c.n_head, c.n_kv_head, c.head_dim, token.size(0), prompt_k.size(1)
     S, G = N // Q, c.n_head // c.n_kv_head
@@ -136,10 +122,9 @@ def decode_step(model, weights, token, pos, step, prompt_k, prompt_v, prompt_val
 
 @torch.no_grad()
 def last_logits(model, rows, pad_id, dtype, kv_cache=None):
-    """fp32 logits (len(rows), vocab) at each row's last token. One row: the model's last_only forward. Several: one
-    forward over the rows right-padded with pad_id, as nanochat batches them (a causal model's positions before the
-    padding never see it), and a hook on the final norm keeps each row's last real position, so the head runs on one
-    position per row rather than on the whole padded batch. kv_cache: where the forward leaves its keys and values."""
+    """fp32 logits (len(rows), vocab) at each row's last token. Several rows: one forward over them right-padded with
+    pad_id, as nanochat batches them, and a hook on the final norm keeps each row's last real position, so the head
+    runs on one position per row. kv_cache: where the forward leaves its keys and values."""
     device = model.cos.device
     if len(rows) == 1:
         with autocast_context(device.type, dtype):
@@ -157,18 +142,9 @@ def last_logits(model, rows, pad_id, dtype, kv_cache=None):
         hook.remove()
 
 
-def prefill(model, prompts, dtype):
-    """(keys, values, logits): the prompts in one forward (last_logits); keys and values (layer, prompt, kv head,
-    slot, head dim) of every position, logits (prompt, vocab) at each prompt's last."""
-    cache = KVCache(model.config, len(prompts), max(map(len, prompts)))
-    logits = last_logits(model, prompts, 0, dtype, cache)
-    return cache.k, cache.v, logits
-
-
 def sample_rows(logits, temperature, top_k, generator):
     """Next ids (B,) from logits (B, vocab): temperature 0 is greedy; else a draw from softmax(logits / temperature)
-    over the top_k likeliest (None or 0: all), the top k taken first so that the draw is among k tokens, not the
-    whole vocabulary (the draw cost as much as a step of the tiny model at 256 rows)."""
+    over the top_k likeliest (None or 0: all), taken first: a draw over the whole vocabulary costs like a step."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     if top_k and top_k < logits.size(-1):
@@ -193,15 +169,12 @@ def compiled_step():
 @torch.inference_mode()
 def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=None, seed=None, dtype="float32",
            tools=None, stop=(), compiled="auto", weights=None):
-    """(tokens, sampled) per row, len(prompts) * samples rows, prompt by prompt (prompt i's replies are rows i * samples
-    .. (i + 1) * samples - 1): each row's new tokens, up to and with the stop token it sampled (a token in `stop`), at
-    most max_new_tokens (an int, or one per prompt; the calculator's output counts), and per token whether the model
-    sampled it (True) or the calculator's output was fed (False). tools: None, or one calculator.ToolUse per row (each
-    sees its row's sampled tokens; its calls stay in it). temperature 0 is greedy; sampling draws from one
-    torch.Generator seeded with `seed` (None: a random seed), so a seed gives the same rows again for the same prompts
-    and settings. compiled: "auto" (compiled on CUDA, eager elsewhere), True or False. weights: decode_weights(model,
-    dtype), to reuse across calls. A sharded model (FSDP) is first gathered into a plain copy: a collective, so every
-    rank calls decode(); the step reads whole weights."""
+    """(tokens, sampled) per row, len(prompts) * samples rows, prompt by prompt: each row's new tokens, up to and with
+    the stop token it sampled (a token in `stop`), at most max_new_tokens (an int, or one per prompt; the calculator's
+    output counts), and per token whether the model sampled it (True) or the calculator's output was fed (False).
+    tools: None, or one calculator.ToolUse per row. temperature 0 is greedy; sampling draws from one torch.Generator
+    seeded with `seed` (None: a random seed). compiled: "auto" (on CUDA), True or False. weights: decode_weights(), to
+    reuse across calls. A sharded (FSDP) model is gathered into a plain copy first: a collective, so all ranks call."""
     if is_sharded(model):  # gathered outside inference mode: FSDP2's state_dict made there leaves its parameters
         with torch.inference_mode(False), torch.no_grad():  # inference tensors, which the next checkpoint cannot save
             plain = build_model(model.config, model.cos.device, init=False)  # every weight loaded next
@@ -230,7 +203,9 @@ def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=Non
         generator.seed()
     stop = set(stop)
 
-    keys, values, logits = prefill(model, prompts, dtype)
+    cache = KVCache(c, len(prompts), max(map(len, prompts)))  # keys, values: (layer, prompt, kv head, slot, dim)
+    logits = last_logits(model, prompts, 0, dtype, cache)
+    keys, values = cache.k, cache.v
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     prompt_width, reply_width = keys.size(3), max(budgets)
     if compiled:  # the compiled step attends whole caches: a few lengths, so few recompilations
@@ -309,7 +284,6 @@ def main(argv=None):
     alone = [decode(model, [p], args.max_new_tokens, dtype=args.dtype, weights=weights)[0][0] for p in compared]
     sync()
     alone_s = time.perf_counter() - start
-    sync()
     start = time.perf_counter()
     rows, _ = decode(model, prompts, args.max_new_tokens, dtype=args.dtype, weights=weights)
     sync()

@@ -23,8 +23,7 @@ import demo_world
 from dataset import ROW_GROUP_DOCS, load_identity, write_text_shards
 from demo_world import ANIMALS, CHARACTERS, COUNTRIES, COUNTRY_KINDS, DAYS, fields, listing, number_word, say, sentence
 
-# the assistant's name and what it says about itself: identity.json, the one file to edit (SFT on the hub data reads it
-# too, through `python dataset.py download-chat identity`)
+# the assistant's name and what it says about itself: identity.json, the one file to edit (SFT on hub data reads it too)
 DEMO_ASSISTANT_NAME, IDENTITY_PAIRS = load_identity()
 DEMO_TASK_ROWS = 3000  # rows in each of choice/, answers/, calc/, lookup/, problems/
 DEMO_HELD_OUT_PROBLEMS = 120  # chat_eval's demo-problems: word problems no training row asks
@@ -301,9 +300,8 @@ def calculation_row(rng):
 
 
 def word_problem(rng):
-    """A word problem in GSM8K's columns (question, answer): two to four operations, each a worked step with its
-    calculator call, then '#### N'. Numbers are 2 to 20 (half said in words), every step's value 0 to 300, and half
-    the questions say one more number they do not need."""
+    """A word problem in GSM8K's columns: two to four operations, each a worked step with its calculator call, then
+    '#### N'. Numbers 2 to 20 (half in words), step values 0 to 300; half the questions hold an unneeded number."""
     question, steps = rng.choice(demo_world.PROBLEMS)
     (name, pron), ((item, items), (_, other)) = rng.choice(CHARACTERS), rng.sample(demo_world.ITEMS, 2)
     (_, ap1, *_, legs1, _), (_, ap2, *_, legs2, _) = rng.sample([a for a in ANIMALS if a[4]], 2)

@@ -23,10 +23,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-# Through huggingface_hub (imported in the functions that use it: ~0.35 s of CPU that every stage importing this file
-# would pay for nothing; docs/data.md says what it does itself: Xet, resuming within a call, HF_TOKEN kept from the
-# CDN). hf_hub_download checks no size or hash and gives up on a 500 or a reset mid-body: the checks, the retries and
-# the one-line errors are this file's, each shown by a test in tests/test_download.py.
+# huggingface_hub is imported in the functions that use it, not by every stage importing this file (docs/data.md says
+# what it does itself). hf_hub_download checks no size or hash and gives up on a 500 or a reset mid-body: the checks,
+# the retries and the one-line errors are this file's (tests/test_download.py).
 
 DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
 RETRIES = 8  # attempts per file; with the backoff below they wait ~60 s in all: enough to ride out a hub hiccup
@@ -38,8 +37,7 @@ class _Transient(Exception):
 
 
 def hub_endpoint():
-    """$HF_ENDPOINT (a mirror, or a local test server) or the public hub, read per call: huggingface_hub reads it once,
-    at import, so it is passed to it explicitly."""
+    """$HF_ENDPOINT or the public hub, read per call: huggingface_hub reads it once, at import, so it is passed."""
     return os.environ.get("HF_ENDPOINT", DEFAULT_HUB_ENDPOINT).rstrip("/")
 
 
@@ -85,8 +83,7 @@ def _hash_file(path, digest):
 
 
 def _mismatch(path, size=None, sha256=None, git_sha1=None):
-    """How path differs from the expected size, sha256 or git blob id (the sha1 of b"blob <size>\\0" + content: what
-    the hub lists for a file kept in git), or None."""
+    """How path differs from the expected size, sha256 or git blob id (the hub's for a file kept in git), or None."""
     got = path.stat().st_size
     if size is not None and got != size:
         return f"size {got} bytes, expected {size}"
@@ -98,8 +95,8 @@ def _mismatch(path, size=None, sha256=None, git_sha1=None):
 
 
 def _check(path, size=None, sha256=None, git_sha1=None, verify=None):
-    """Raise _Transient, deleting path (a bad prefix would poison every resume), unless path matches (_mismatch) and
-    passes verify(path), which raises ValueError on bad content."""
+    """Raise _Transient, deleting path (a bad prefix would poison every resume), unless path matches and passes
+    verify(path), which raises ValueError on bad content."""
     problem = _mismatch(path, size, sha256, git_sha1)
     if not problem and verify:
         try:
@@ -134,11 +131,9 @@ class _Bar:
 
 
 def download_file(url, dest, size=None, sha256=None, verify=None, retries=RETRIES):
-    """Stream a plain URL (the eval bundle: not a hub repo, so not hf_hub_download, and no token) to dest. The bytes
-    go to dest + ".partial", which huggingface_hub's http_get resumes with Range within an attempt, and which later
-    attempts and later runs resume too (test_retries_run_out_with_an_error_that_keeps_the_partial_for_the_next_run).
-    dest appears (os.replace) only once the size, the sha256 and verify(partial) (raises ValueError on bad content)
-    pass; a dest that exists with the expected size is not fetched again."""
+    """Stream a plain URL (the eval bundle: not a hub repo, no token) to dest + ".partial", which http_get resumes
+    within an attempt, and later attempts and runs resume too. dest appears only once the size, the sha256 and
+    verify(partial) (ValueError on bad content) pass; an existing dest of the expected size is kept."""
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import HfHubHTTPError
     dest = Path(dest)
@@ -320,8 +315,7 @@ def _complete_on_disk(entries, out_dir, workers=4):
 def listed_or_saved(repo, revision, out_dir, select, workers=4):
     """The entries select(listing) chooses, for download_entries. The listing saved at the last download is tried first:
     when every chosen file is on disk and matches its stored hashes, no hub call is made (a resume during a hub outage,
-    or offline; download_entries then fetches nothing). Otherwise the hub is listed and its listing saved in out_dir
-    for the next run."""
+    or offline). Otherwise the hub is listed and its listing saved in out_dir for the next run."""
     listing = Path(out_dir) / LISTING
     try:
         saved = json.loads(listing.read_text())

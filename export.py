@@ -6,25 +6,12 @@
 
 Writes into --out: model.safetensors (fp32), config.json, generation_config.json, tokenizer.json, tokenizer_config.json,
 chat_template.jinja, and where a plain Llama cannot represent the model, configuration_nanochat_gpt.py and
-modeling_nanochat_gpt.py (from hf_remote/). Prints what it read and wrote; for the demo speedrun's pretrained model:
-
-    export: checkpoint runs/speedrun/pretrain/ckpt/step_000400 (stage pretrain, step 400), 4,194,408 parameters
-    export: tokenizer runs/speedrun/tokenizer (vocab 1024)
-    export: custom code (qk_norm True, mlp relu2, logit_softcap 15.0, value_embeds True, resid_lambdas True: not Llama): load with trust_remote_code=True
-    wrote hf/mychat/model.safetensors (16,794,152 bytes)
-    ...
+modeling_nanochat_gpt.py (from hf_remote/). Prints what it read and wrote.
 
 Load it with AutoModelForCausalLM.from_pretrained("hf/mychat", trust_remote_code=True), and AutoTokenizer the same
-way (it reads config.json too); a plain Llama export needs no trust_remote_code, and is the one vLLM and llama.cpp's
-converters take as it is.
-
-What maps how (docs/export.md):
-- swiglu, no QK-norm, no softcap (the llama3-1b preset): a plain LlamaForCausalLM, no code of ours.
-- QK-norm, relu^2, the logit softcap, value embeddings (the d{N} family and tiny): transformers' Llama plus hf_remote/'s modules.
-- Weightless RMSNorms become scales of ones (exact: x * 1.0 == x). BitNet is refused, and so is any GPTConfig field
-  this file does not know unless it is off (False, 0, empty): a new feature is mapped here before it is exported.
-- RoPE: model.py rotates each pair (x[i], x[i + D/2]) by -angle, transformers' Llama by +angle; swapping the two
-  halves of every q and k head turns one into the other (and leaves the dot products of q and k unchanged).
+way; a plain Llama export (swiglu, no QK-norm, no softcap: the llama3-1b preset) needs no trust_remote_code, and is
+the one vLLM and llama.cpp's converters take as it is. BitNet is refused, and so is any GPTConfig field this file
+does not know unless it is off (False, 0, empty). What maps how, RoPE's direction included: docs/export.md.
 """
 import argparse
 import json
@@ -82,8 +69,7 @@ def get_args(argv=None):
 
 
 def export_kind(config):
-    """'llama' (a plain LlamaForCausalLM) or 'custom' (hf_remote/'s code) for a dict of GPTConfig fields; ValueError
-    naming the field for what cannot be exported."""
+    """'llama' (a plain LlamaForCausalLM) or 'custom' (hf_remote/'s code) for a dict of GPTConfig fields."""
     for name, value in config.items():
         if name in REFUSED and value:
             raise ValueError(f"{name}={value} cannot be exported: {REFUSED[name]}")
@@ -97,7 +83,8 @@ def export_kind(config):
 
 
 def swap_halves(weight, head_dim):
-    """Swap the two halves of every head's rows (model.py's RoPE pair layout -> transformers')."""
+    """Swap the two halves of every head's rows: model.py rotates each pair (x[i], x[i + D/2]) by -angle,
+    transformers' Llama by +angle, and the swap turns one into the other (q . k unchanged)."""
     return weight.reshape(-1, 2, head_dim // 2, *weight.shape[1:]).flip(1).reshape(weight.shape)
 
 
@@ -167,9 +154,8 @@ def bytes_to_unicode():
 
 def tokenizer_json(tokenizer):
     """tokenizers' byte-level BPE with tiktoken's ranks as ids. Merges: every split of a token into two tokens, in
-    the token's rank order (as transformers' own tiktoken converter does), so the pair the BPE merges first is the
-    one whose result tiktoken ranks first; ignore_merges takes a whole pre-token that is a token at once, as tiktoken
-    does. No post-processor: encode() adds no <|bos|>, like tokenizer.py's."""
+    the token's rank order (as transformers' tiktoken converter), so the BPE merges first the pair whose result
+    tiktoken ranks first; ignore_merges takes a pre-token that is a token whole, as tiktoken. No <|bos|> added."""
     spell = bytes_to_unicode()
 
     def text(token):

@@ -235,8 +235,7 @@ def explain_driver(python):
 def setup(env_file, argv):
     """`setup`: speedrun.sh's flags (a bad one stops it before anything is written), its interpreter, the machine and
     the plan, checked before any stage; the shell variables it sources to env_file (which removes itself), the run's
-    state to launch.json. A rehearsal that passed is redone from the start (it checks this code); an interrupted one
-    resumes."""
+    state to launch.json. A rehearsal that passed is redone (it checks this code); an interrupted one resumes."""
     flags = parse_flags(argv)
     remove = f"rm -f -- {shlex.quote(env_file)}\n"
     if flags.pop("help"):

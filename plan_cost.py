@@ -22,8 +22,7 @@ import gpu_plan
 from run_files import read_json, stage_seconds
 
 TRAINING = ("pretrain", "midtrain", "sft")
-# a forward pass is about a third of a training step's FLOPs (forward + backward = 3 forwards): the rate assumed for
-# validation tokens, which the rehearsal reads fewer of than the plan
+# validation tokens (fewer in the rehearsal than the plan) at 3x the training tok/s: a forward is a third of a step
 FORWARD_SPEEDUP = 3
 SAVE_UNKNOWN = "save time unknown: ckpt/save_seconds is gone (predict before the rehearsal's checkpoints are deleted)"
 # stages that ran before the prediction (data, tokenizer, the plan's disk check) or only in a rehearsal
@@ -32,9 +31,8 @@ NOT_PREDICTED = ("nccl_probe", "preflight", "chatcore_tasks", "data", "tokenizer
 
 
 def gpu_plan_budgets(pretrain_steps, sft_steps=None):
-    """The gpu plan's budgets: gpu_plan.py's flags (the keys predict_plan reads among them), pretraining's steps
-    (pretrain_steps_for), and sft_steps: one epoch of sft.py's mixture, which sft.py estimates from the data when it
-    starts; None: unknown."""
+    """The gpu plan's budgets: gpu_plan.py's flags, pretraining's steps (pretrain_steps_for), and sft_steps: one epoch
+    of sft.py's mixture, which sft.py estimates from the data when it starts; None: unknown."""
     flags, rows = gpu_plan.FLAGS, gpu_plan.SEQUENCE_LEN  # midtraining's and SFT's --eval_rows are rows of this
     tokens_per_step = gpu_plan.TOKENS_PER_STEP
     return {
@@ -61,9 +59,8 @@ def pretrain_steps_for(model_config):
 
 
 def rehearsed_steps(run, stage):
-    """A training or rl stage's (per-step records: those of its metrics.jsonl with a step_time, at least 2 as the first
-    holds compilation; its config.json; its checkpoint saves; the last save's seconds, which checkpoint.py writes, or
-    None: the rehearsal's checkpoints deleted)."""
+    """A training or rl stage's (metrics.jsonl's records with a step_time, at least 2 as the first holds compilation;
+    config.json; its checkpoint saves; the last save's seconds, or None: the rehearsal's checkpoints deleted)."""
     stage_dir = Path(run) / stage
     path, saved = stage_dir / "metrics.jsonl", stage_dir / "ckpt" / "save_seconds"
     records = [r for r in map(json.loads, path.read_text().splitlines()) if "step_time" in r] if path.is_file() else []
@@ -168,8 +165,7 @@ def measure_rehearsal(rehearsal_dir):
 
 
 def evaluations(steps, every):
-    """Evaluations a training loop runs between its steps: every `every` steps, never after the last (the final one
-    follows the loop)."""
+    """Evaluations a training loop runs between its steps: every `every` steps, never after the last."""
     return (steps - 1) // every if every else 0
 
 
@@ -312,8 +308,7 @@ def predict_plan(rehearsal_dir, budgets, gpus):
 
 
 def format_prediction(prediction):
-    """The table's lines: one per stage (budget, measured rate, predicted wall time), its assumption beneath, and the
-    total in hours and GPU-hours."""
+    """The table's lines: one per stage (budget, rate, predicted wall time), its assumption beneath, and the total."""
     lines = [f"plan cost predicted from {prediction['rehearsal']} ({prediction['gpus']} GPUs):",
              f"{'stage':<20} {'predicted':>12}  budget | measured rate"]
     for name, s in prediction["stages"].items():

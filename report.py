@@ -18,8 +18,7 @@ from pathlib import Path
 from run_files import read_json, stage_seconds
 
 TRAIN_STAGES = ["pretrain", "midtrain", "sft"]
-# the stages whose final models get a column in the per-stage table, in training order: each that has a checkpoint
-# under runs/<run>/<stage>/ckpt/ (a later stage appears by being added here and trained)
+# the stages whose final models get a column in the per-stage table, in training order, where they left a checkpoint
 MODEL_STAGES = ["pretrain", "midtrain", "sft", "rl"]
 UNKNOWN = "unknown"
 SAMPLE_QUESTIONS = 2  # per generated task in the per-stage table: its first item and its first with a numeric answer
@@ -30,8 +29,7 @@ def read_jsonl(path):
 
 
 def hardware(run, name):
-    """The world a stage ran in, as it recorded it: 'single process, device ...' or 'world size 8 (nccl): rank 0 ...'
-    (each rank's device and host)."""
+    """The world a stage ran in, as recorded: 'single process, device ...' or 'world size 8 (nccl): rank 0 ...'."""
     files = {"core_eval": run / "core_eval" / "results.json", "chat_eval": run / "chat_eval.json"}
     return (read_json(files.get(name, run / name / "config.json")) or {}).get("hardware", UNKNOWN)
 
@@ -45,8 +43,7 @@ def data_of(config):
     elif config["stage"] == "rl":  # its questions, as rl.py names them
         return f"{config['tasks']}; {config['train_questions']:,} training questions"
     elif config.get("sources"):
-        # the sources it trained on, the defaults included (config["args"]["source"] is only what was passed); SFT's
-        # with its passes per epoch
+        # the sources it trained on, defaults included (config["args"]["source"] is only what was passed)
         paths = [(Path(s["path"]), s.get("epochs", 1)) for s in config["sources"]]
     else:
         paths = [(Path(config["chat_dir"]), 1)]
@@ -115,8 +112,7 @@ def contained_answers(items_path):
 
 
 def marked_answers(items_path, per_task=SAMPLES_PER_TASK):
-    """A line per item for the first few items of each task: right or wrong, the question, the answer given (the
-    letter, or the reply as scored) and the expected one."""
+    """A line for each of the first few items of each task: right or wrong, question, answer given, expected."""
     lines, shown = [], {}
     for item in read_jsonl(items_path):
         if shown.get(item["task"], 0) >= per_task:
@@ -136,9 +132,8 @@ def model_stages(run):
 
 
 def stage_eval_files(run, name):
-    """(core_eval results.json, chat_eval.json, its items) of one stage's final model: what speedrun.sh's stage
-    evaluations wrote (runs/<run>/stage_evals/<stage>/); the pretrained model's CORE is core_eval/'s, the same
-    command on the same checkpoint."""
+    """(core_eval results.json, chat_eval.json, its items) of one stage's final model: runs/<run>/stage_evals/<stage>/;
+    the pretrained model's CORE is core_eval/'s, the same command on the same checkpoint."""
     where = run / "stage_evals" / name
     core = run / "core_eval" / "results.json" if name == "pretrain" else where / "core_eval" / "results.json"
     return core, where / "chat_eval.json", where / "chat_eval_items.jsonl"
@@ -231,8 +226,7 @@ def forgetting_lines(run):
 
 
 def reward_panel(ax, records):
-    """RL's panel of the loss figure: the mean reward of each step's sampled replies, and held-out pass@1 at each
-    evaluation (rl/metrics.jsonl)."""
+    """RL's panel of the loss figure: each step's mean reward and held-out pass@1 at each evaluation."""
     steps = [r for r in records if "reward" in r]
     evals = [(r["step"], r["held_out"]["all"]["pass@1"]) for r in records if "held_out" in r]
     ax.plot([r["step"] for r in steps], [r["reward"] for r in steps], lw=1, label="mean reward (training)")
@@ -243,12 +237,10 @@ def reward_panel(ax, records):
 
 
 def plot(run, out):
-    """loss.png: training loss against step for each stage, and RL's reward where it ran; val_bpb.png: pretraining's
-    validation bits per byte."""
+    """loss.png: each stage's training loss against step, and RL's reward; val_bpb.png: pretraining's val bpb."""
     import matplotlib
     matplotlib.use("Agg")  # no display
     import matplotlib.pyplot as plt
-    written = []
     rl_records = read_jsonl(run / "rl" / "metrics.jsonl")
     panels = len(TRAIN_STAGES) + bool(rl_records)
     fig, axes = plt.subplots(1, panels, figsize=(4 * panels, 3.2))
@@ -262,7 +254,6 @@ def plot(run, out):
     fig.tight_layout()
     fig.savefig(out / "loss.png", dpi=90)
     plt.close(fig)
-    written.append("loss.png")
     records = read_jsonl(run / "pretrain" / "metrics.jsonl")
     points = [(r["step"], r.get("val_bpb", r.get("final_val_bpb"))) for r in records
               if "val_bpb" in r or "final_val_bpb" in r]
@@ -273,8 +264,7 @@ def plot(run, out):
     fig.tight_layout()
     fig.savefig(out / "val_bpb.png", dpi=90)
     plt.close(fig)
-    written.append("val_bpb.png")
-    return written
+    return ["loss.png", "val_bpb.png"]
 
 
 def write_report(run):

@@ -3,36 +3,20 @@
     python sandbox.py --probe                 # the level this machine gives, what it contains and what it cannot
     python sandbox.py program.py              # run a file in the sandbox: its status and output
 
-Every run, at either level: a fresh `python -I` (the base interpreter in isolated mode: no PYTHON* variables, no user
-site, no script directory on sys.path) reading the program from stdin; its working directory empty; its own session,
-whose process group is killed when the run ends or its wall-clock timeout passes, or when the evaluator itself dies (a
+Every run, at either level: a fresh `python -I` reading the program from stdin, in an empty working directory; its
+own session, whose process group is killed when the run ends, its timeout passes, or the evaluator itself dies (a
 thread of the program's own waits on a pipe whose other end only the evaluator holds); the environment PATH and LANG
-only (no HF_TOKEN, nothing else of ours); limits set by setrlimit (in preexec_fn) before it starts: CPU seconds,
-address space, processes (at most `nproc` more than its user already runs: a fork bomb stops there), file size (which
-also caps its output: that goes to a file, not into our memory), no core dumps, 64 open files; socket.socket replaced
-by a class that raises (best effort: a program can reach the original through the class's __mro__ or ctypes).
+only; setrlimit limits (CPU, address space, processes, file size, which also caps its output, no core dumps, 64 open
+files); socket.socket replaced by a class that raises (best effort: __mro__ or ctypes reach the original).
 
-Level "namespaces" (Linux, where `unshare` can create them; probed once per process) adds what no rlimit gives:
-- a network namespace: no interface but a loopback that is down, so no socket reaches anything, patched or not;
-- a pid namespace whose first process is the program: when it ends or is killed, the kernel kills every process it
-  started, those that left its session too, and /proc shows only them (not our environment or command line);
-- a mount namespace in which every top-level directory except the system ones (SYSTEM_DIRS), and /dev/shm, is an
-  empty tmpfs (/home, /root, /tmp, /work, /var, /run, /mnt, ...: checkouts, caches, tokens, other runs' files) and
-  every top-level file reads as empty; the interpreter's prefix is bound back read-only; the working directory is
-  the empty tmpfs at /tmp, the one place it can write;
-- as root (for whom the kernel does not enforce RLIMIT_NPROC) it then runs as nobody (65534) with no capability;
-  otherwise a nested user namespace locks those mounts, so the program cannot unmount them.
-What stays readable: the system directories (/usr, /etc, ...), as for any local user; as nobody, only their
-world-readable files.
-
-Level "process" (not Linux, no unshare, or the kernel, a container's seccomp profile or AppArmor refuses the
-namespaces) is the common part alone, and runs only where the caller asks for it (choose: --sandbox process), never
-as a silent fallback. As root on Linux the program still runs as nobody with no capability (setuid needs no
-namespace), so the process limit holds and root's files that are not world-readable stay closed; the interpreter's
-library, where nobody may not enter it (/root/.pyenv), is reached through a descriptor opened before. NOT prevented:
-reading any file its user (nobody, as root) can read by its absolute path, writing what it can write, and reaching the
-network through the original socket class or ctypes. describe() says which level runs and why; chat_eval.py prints it
-and saves it with its results.
+Level "namespaces" (Linux, where `unshare` can create them; probed once per process) adds a network namespace with
+no interface up, a pid namespace whose first process is the program (all it started die with it), and a mount
+namespace in which every top-level directory but SYSTEM_DIRS, and /dev/shm, is an empty tmpfs, top-level files read
+as empty and the interpreter's prefix is bound back read-only; as root it then runs as nobody with no capability,
+otherwise a nested user namespace locks those mounts. Level "process" is the common part alone (as root still run as
+nobody), only where the caller asks for it (--sandbox process), never a silent fallback: it does not stop reading
+what its user can read by absolute path, or the network through the original socket class or ctypes. describe()
+says which level runs and why; docs/eval.md (the sandbox) has the full account of what each level contains.
 """
 import argparse
 import json
@@ -130,8 +114,7 @@ _LEVEL = None  # (level, why), probed once
 
 
 def interpreter():
-    """The base interpreter (a virtual environment's python would need its pyvenv.cfg, hidden at the namespace
-    level), and the directories it needs: its prefix."""
+    """The base interpreter (a venv's python needs its pyvenv.cfg, hidden at the namespace level) and its prefix."""
     exe = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
     return exe, sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix)})
 
@@ -194,10 +177,9 @@ def set_limits(cpu_s, memory_bytes, nproc, fsize):
 
 
 def run(program, timeout_s=5.0, cpu_s=None, memory_mb=512, nproc=16, level=None):
-    """Run `program` (Python source) in the sandbox; returns a Result. Never raises for anything the program does.
-    nproc: how many processes (and threads) it may add to those its user runs (as root: to nobody's). level: None
-    = the namespaces level, and RuntimeError where this machine gives none (choose); "process" only where the user
-    accepted what it does not contain."""
+    """Run `program` (Python source) in the sandbox; returns a Result, never raising for what the program does. nproc:
+    processes (and threads) it may add to its user's (as root: nobody's). level: None = namespaces, RuntimeError where
+    this machine gives none (choose); "process" only where the user accepted what it does not contain."""
     level = level or choose("auto")[0]
     argv, cfg = command(level)
     cpu_s = max(1, int(cpu_s if cpu_s is not None else timeout_s + 0.999))
@@ -237,8 +219,7 @@ def run(program, timeout_s=5.0, cpu_s=None, memory_mb=512, nproc=16, level=None)
 
 
 def sandbox_level():
-    """("namespaces" or "process", why), probed once: the namespace level is used where a trivial program runs
-    through it and prints what it should."""
+    """("namespaces" or "process", why), probed once: namespaces where a trivial program runs through them."""
     global _LEVEL
     if _LEVEL is None:
         if not sys.platform.startswith("linux") or not shutil.which("unshare"):
@@ -254,9 +235,8 @@ def sandbox_level():
 
 
 def choose(requested="auto"):
-    """(level, why) for model-written code. "auto" or "namespaces": the namespaces level, or a RuntimeError naming the
-    choice where this machine gives none: such code never runs uncontained unless asked for. "process": the process
-    level, whose limits are set out by describe(), because the caller accepted what it does not contain."""
+    """(level, why) for model-written code: "auto" or "namespaces", the namespaces level or a RuntimeError naming the
+    choice where this machine gives none (never uncontained unless asked); "process", where the caller accepted it."""
     if requested == "process":
         return "process", "--sandbox process: the user accepted what it does not contain"
     level, why = sandbox_level()
@@ -305,10 +285,9 @@ def main(argv=None):
         print(f"sandbox.py: error: {e}", file=sys.stderr)
         return 1
     print(describe(level, why))
-    if args.program:
-        result = run(Path(args.program).read_text(), args.timeout, memory_mb=args.memory_mb, level=level)
-        print(f"status: {result.status} (exit code {result.returncode}), {result.seconds:.2f} s; output:")
-        print(result.output)
+    result = run(Path(args.program).read_text(), args.timeout, memory_mb=args.memory_mb, level=level)
+    print(f"status: {result.status} (exit code {result.returncode}), {result.seconds:.2f} s; output:")
+    print(result.output)
     return 0
 
 

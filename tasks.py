@@ -29,21 +29,18 @@ HUB_TASKS = {"ARC-Easy": ("allenai/ai2_arc", r"ARC-Easy/test-\d+-of-\d+\.parquet
              "HumanEval": ("openai/openai_humaneval", r"openai_humaneval/test-\d+-of-\d+\.parquet", "humaneval", 0.0)}
 DEMO_TASKS = {"demo-choice": (None, None, "categorical", 0.25), "demo-answer": (None, None, "exact", 0.0),
               "demo-problems": (None, None, "gsm8k", 0.0)}
-# Asked only by name (--tasks), never part of ChatCORE: questions about the demo world in words no template uses, with
-# no instruction on the form, scored by whether the reply contains the answer as a word: does the model still answer
-# in its own words after learning letters and bare answers?
+# Asked only by name (--tasks), never in ChatCORE: demo questions in words no template uses, no form asked for, right
+# when the reply contains the answer as a word: does the model still answer in its own words?
 DEMO_EXTRA = {"demo-words": (None, None, "contains", None)}
 ALL_TASKS = HUB_TASKS | DEMO_TASKS | DEMO_EXTRA
 SHUFFLE_SEED = 42  # nanochat's order: datasets' shuffle(seed=42) is np.random.default_rng(42).permutation(n)
 
 
 # -----------------------------------------------------------------------------
-# Loading a task's rows (the hub's parquet files, cached, or the demo world's jsonl) as items, in nanochat's order,
-# and rendering a question as the model sees it
+# Loading a task's rows (hub parquet, cached, or the demo world's jsonl) as items in nanochat's order; the prompt
 
 def hub_files(task, cache_dir):
-    """The task's test files, downloaded once: a files.json written after the download lets later runs skip the
-    network; delete the task's directory to fetch it again."""
+    """The task's test files, downloaded once: a files.json written after the download lets later runs skip the hub."""
     repo, pattern = HUB_TASKS[task][:2]
     out_dir = Path(cache_dir) / task
     done = out_dir / "files.json"
@@ -128,8 +125,7 @@ def gsm8k_answer(text):
 
 def final_number(text, marker_only=False):
     """The lenient reading, a diagnostic outside ChatCORE: a Decimal or None, the number after the first '####'
-    (spaces and a '$' allowed), or where there is none (and not marker_only) the last number in the text, compared
-    as numbers (18.00 equals 18)."""
+    (spaces and a '$' allowed), else (not marker_only) the text's last number, compared as numbers (18.00 is 18)."""
     found = re.findall(r"####\s*\$?\s*(" + NUMBER + ")", text)[:1] or ([] if marker_only else re.findall(NUMBER, text))
     try:
         return Decimal(found[-1].replace(",", "")) if found else None
@@ -145,15 +141,13 @@ def same_number(lenient, answer):
 
 
 def gsm8k_items(train_dir):
-    """Training questions in GSM8K's columns as rl.py's items: GSM8K's train split (python dataset.py download-chat
-    gsm8k), or a demo world's word problems (<world>/problems)."""
+    """rl.py's items from training questions in GSM8K's columns: GSM8K's train split or a demo world's problems/."""
     return [make_item("GSM8K", row, f"{path}, row {i}") for path in chat_files(train_dir, "train")
             for i, row in enumerate(pq.read_table(path).to_pylist())]
 
 
 def reward(item, reply):
-    """rl.py's reward: 1.0 when the number after the reply's first '####' is the item's answer (18.00 is 18, commas
-    dropped), else 0.0; no '####' is wrong (nanochat's rule)."""
+    """rl.py's reward: 1.0 when the number after the reply's first '####' equals the item's answer, else 0.0."""
     number = final_number(reply, marker_only=True)
     return float(number is not None and number == Decimal(item["answer"]))
 

@@ -27,8 +27,7 @@ import tiktoken
 from dataset import iter_texts
 
 # GPT-4's (cl100k) pattern: a pre-token is a word with its leading space, 1-3 digits, punctuation or whitespace, and
-# merges never cross those. nanochat narrows \p{N}{1,3} to \p{N}{1,2} so small vocabularies spend fewer tokens on
-# digit triples; we keep GPT-4's: at vocab 8192 on the real-text corpus the two differ by 0.03% in bytes/token.
+# merges never cross those. nanochat's \p{N}{1,2} differs by 0.03% in bytes/token at vocab 8192 on the real text.
 SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|"""
                  r"""\s*[\r\n]|\s+(?!\S)|\s+""")
 # The chat template's, then the calculator's: <|python_start|>expr<|python_end|> is a tool call the assistant writes,
@@ -47,8 +46,7 @@ RUSTBPE_LOG.propagate = False
 
 
 class Tokenizer:
-    """tiktoken encoding of byte-level BPE merges + SPECIAL_TOKENS, with the per-token byte lengths that
-    bits-per-byte needs."""
+    """tiktoken encoding of byte-level BPE merges + SPECIAL_TOKENS, with the token byte lengths bits per byte needs."""
 
     def __init__(self, mergeable_ranks, pattern):
         n = len(mergeable_ranks)
@@ -63,16 +61,14 @@ class Tokenizer:
                                      special_tokens=self.special_tokens)
         self.vocab_size = n + len(SPECIAL_TOKENS)
         self.bos_id = self.special_tokens["<|bos|>"]
-        # Byte length of every id (0 for special tokens: they stand for no text), so a sum of per-token losses can be
-        # divided by the bytes they cover: bits per byte, comparable across tokenizers of different vocab sizes.
+        # byte length of every id (0 for special tokens) for bits per byte, comparable across vocabulary sizes
         self.token_bytes = [0] * self.vocab_size
         for token, rank in self.mergeable_ranks.items():
             self.token_bytes[rank] = len(token)
 
     def fingerprint(self):
         """sha256 of what defines the encoding (pattern, merges, specials): checkpoints record it, so a model is never
-        evaluated or fine-tuned with a tokenizer it was not trained with (a retrained tokenizer of the same size
-        would load without error and produce nonsense)."""
+        used with a tokenizer it was not trained with (a retrained one of the same size would load, giving nonsense)."""
         digest = hashlib.sha256(self.pattern.encode())
         for token, rank in sorted(self.mergeable_ranks.items(), key=lambda item: item[1]):
             digest.update(len(token).to_bytes(2, "little") + token)
@@ -155,9 +151,8 @@ class Tokenizer:
 
     def render_parts(self, content):
         """(ids, mask) of an assistant message's content: a string, or a list of parts {"type": "text" | "python" |
-        "python_output", "text"}. A python part is a tool call the model learns to write (<|python_start|>expr
-        <|python_end|>, mask 1); a python_output part is the calculator's answer, which generation inserts, so it is
-        not trained on (<|output_start|>result<|output_end|>, mask 0)."""
+        "python_output", "text"}. A python part is a tool call the model learns to write (mask 1); a python_output
+        part is the calculator's answer, which generation inserts, so it is not trained on (mask 0)."""
         if isinstance(content, str):
             tokens = self.encode(content)
             return tokens, [1] * len(tokens)
@@ -200,8 +195,7 @@ def rustbpe_printer(start, every_percent=10):
 
 
 def train_tokenizer(texts, vocab_size, progress=False):
-    """BPE on an iterable of strings; the result has exactly vocab_size ids including SPECIAL_TOKENS. progress: print
-    rustbpe's log (rustbpe_printer)."""
+    """BPE on an iterable of strings: exactly vocab_size ids including SPECIAL_TOKENS. progress: print rustbpe's log."""
     n_merged = vocab_size - len(SPECIAL_TOKENS)
     if n_merged < 256:
         raise ValueError(f"vocab_size={vocab_size} is too small: byte-level BPE needs 256 byte tokens + "
@@ -224,8 +218,8 @@ def train_tokenizer(texts, vocab_size, progress=False):
 
 def counting(texts, stats, every_s=None):
     """Yield texts unchanged while adding documents, characters and UTF-8 bytes to stats (a dict of those keys); with
-    every_s, print what was read and its rate at most every every_s seconds (rustbpe reads the texts in chunks of
-    8,192, splitting and counting each chunk in parallel before it asks for the next: the rate is the two together)."""
+    every_s, print what was read and its rate at most every every_s seconds (rustbpe reads 8,192 texts, then splits
+    and counts them in parallel before reading on: the rate is both together)."""
     start = printed = time.perf_counter()
     for text in texts:
         stats["docs"] += 1
@@ -275,8 +269,7 @@ def content_text(content):
 
 
 def _turns(messages):
-    """Validated (role, content) turns with a leading system message merged into the first user turn, and the index of
-    the message each turn came from (for error messages)."""
+    """Validated (role, content, index of its message) turns, a leading system message merged into the first user's."""
     if not messages:
         raise ValueError("a conversation needs at least one message")
     for i, m in enumerate(messages):

@@ -86,8 +86,7 @@ class NanochatGPTForCausalLM(LlamaForCausalLM):
                 attn.k_proj = HeadNormLinear(d, config.num_key_value_heads * attn.head_dim, attn.head_dim, eps)
         if config.value_embeds:  # every other layer, counted back from the last
             self.token_ids = [None]
-            layers = config.num_hidden_layers
-            for i in range(layers - 1, -1, -2):
+            for i in range(config.num_hidden_layers - 1, -1, -2):
                 attn = self.model.layers[i].self_attn
                 attn.v_proj = ValueEmbedProjection(d, config.num_key_value_heads * attn.head_dim, config.vocab_size,
                                                    config.num_key_value_heads, self.token_ids)
