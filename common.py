@@ -1,6 +1,6 @@
 """What every stage uses and no one part owns: facts about the machine and the code (device, bf16, precision, peak
-FLOP/s, versions, commit), formatting helpers, append_jsonl. It imports none of this project's modules, so any may
-import it. Not a stage; one command line, what this machine and this code are, as every stage records them:
+FLOP/s, versions, commit), formatting and timing helpers, append_jsonl. It imports none of this project's modules, so
+any may import it. Not a stage; one command line, what this machine and this code are, as every stage records them:
 
     python common.py        # the device, whether bf16 is native, the matmul dtype, the versions, the code's commit
 """
@@ -149,6 +149,10 @@ def fmt_duration(seconds):
         return "unknown"
     seconds = int(seconds)
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def now():
+    return time.perf_counter()
 
 
 def append_jsonl(path, *records):

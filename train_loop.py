@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from checkpoint import list_checkpoints, resume_command, save_checkpoint, saved_layout
-from common import CACHE_DIR, append_jsonl, device_name, fmt_bytes, fmt_duration, peak_flops
+from common import CACHE_DIR, append_jsonl, device_name, fmt_bytes, fmt_duration, now, peak_flops
 from distributed import (
     all_reduce,
     all_reduce_tensor,
@@ -455,10 +455,10 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
             append_jsonl(metrics, {"step": 0, **first})
 
     for step in range(start, total_steps):
-        t0 = time.perf_counter()
+        t0 = now()
         lr_mult, wd = apply_schedule(optimizers, step, total_steps, args)
         batches = [] if step_fn else [next(loader) for loader in loaders]
-        data_wait = time.perf_counter() - t0  # the loaders prefetch: time the step stood still waiting for data
+        data_wait = now() - t0  # the loaders prefetch: this is time the step stood still waiting for data
         due = hooks.get(step + 1, ()) if hooks else ()  # the testing hooks set for this step
         if due and rank == world - 1 and {"die_at_step", "hang_at_step", "stuck_at_step"} & due:
             die_or_hang("die_at_step" in due, "stuck_at_step" in due)
@@ -490,7 +490,7 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
         model.zero_grad(set_to_none=world == 1 or is_sharded(model))  # DDP's gradients are views into its buckets
         if device.type == "cuda":
             torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
+        dt = now() - t0
         tokens_seen = int(all_reduce(sum(ld.state["stats"]["tokens"] for ld in loaders)))
         record = {"step": step + 1, "loss": loss, "targets": int(count), "lr_mult": lr_mult,
                   "weight_decay": wd, "lr": {g["name"]: g["lr"] for opt in optimizers for g in opt.param_groups},
@@ -522,10 +522,10 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
         if wandb:
             wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step + 1)
         if step == start:
-            first_done = time.perf_counter()  # the ETA is timed from here: the first step holds compilation, warm-up
+            first_done = now()  # the ETA is timed from here: this process's first step holds compilation and warm-up
         if master and ((step + 1) % args.log_every == 0 or last_step or step == start):
             timed = step - start  # steps since the first of this process (0: none yet, the ETA is unknown)
-            per_step = (time.perf_counter() - first_done) / timed if timed else None
+            per_step = (now() - first_done) / timed if timed else None
             print(progress(record, total_steps) if progress else progress_line(record, total_steps, per_step),
                   flush=True)
         if "signal_at_step" in due and not step_fn:  # a stage's own step takes its signal mid-step (rl's rollouts)
