@@ -86,7 +86,7 @@ def stage_needed(item):
 # run while the chat stages train), then the tests that run 2 processes at once, when the pipeline has ended: 3 busy
 # processes on 2 cores made the 2-process ones 2-3x slower (gloo's waits), so they wait for free cores. Measured on 2
 # cores: 4:54 in this order, 5:48 with them before the pipeline's tests.
-TWO_PROCESS_FIXTURES = {"killed", "two_rank_results"}
+TWO_PROCESS_FIXTURES = {"killed", "two_rank_results", "worker_runs"}
 
 
 def pytest_collection_modifyitems(items):
@@ -215,8 +215,8 @@ def bench_dry_run(bench_started):
 
 @pytest.fixture(scope="session")
 def two_rank_results(tmp_path_factory):
-    """tests/two_rank_worker.py's results (rl_worker's, muon_worker's, fsdp_worker's): one torchrun launch for the
-    tests of test_rl, test_train and test_distributed that read them."""
+    """tests/two_rank_worker.py's results (rl_worker's and muon_worker's): one torchrun launch for the tests of
+    test_rl and test_train that read them."""
     out = tmp_path_factory.mktemp("two_ranks") / "results.pt"
     run_script("tests/two_rank_worker.py", [str(out)], ROOT, nproc=2)
     return torch.load(out, weights_only=True)

@@ -1,9 +1,10 @@
-"""For tests/test_distributed.py, run under torchrun by tests/two_rank_worker.py: 20 steps of the shared loop's pieces
-(train_loop.forward_backward, gradient clipping, the optimizers, distributed.shard_model) on the same model and global
-batches, once through DDP and once sharded by FSDP2: Muon in fp32 and bf16 (FSDP2's MixedPrecisionPolicy against
-DDP's autocast), AdamW in fp32 (FSDP2 with activation checkpointing). Also one step's loss and gradients through DDP
-with 2 micro-batches a rank (no_sync accumulation) on test_train's masked global batch. After each run, greedy rows of
-the trained model through decode.py (a sharded one is gathered whole first)."""
+"""Run under torchrun by tests/test_distributed.py: 20 steps of the shared loop's pieces (train_loop.forward_backward,
+gradient clipping, the optimizers, distributed.shard_model) on the same model and global batches, once through DDP and
+once sharded by FSDP2: Muon in fp32 and bf16 (FSDP2's MixedPrecisionPolicy against DDP's autocast), AdamW in fp32
+(FSDP2 with activation checkpointing). Also one step's loss and gradients through DDP with 2 micro-batches a rank
+(no_sync accumulation) on test_train's masked global batch. After each run, greedy rows of the trained model through
+decode.py (a sharded one is gathered whole first). Rank 0 saves it all."""
+import sys
 from argparse import Namespace
 
 import torch
@@ -45,7 +46,8 @@ def losses(wrap, optimizer, dtype, rank, world, local_rank, device, activation_c
     return result
 
 
-def results(rank, local_rank, world, device):
+def main():
+    rank, local_rank, world, device = distributed.setup_distributed()
     runs = {f"{wrap} {optimizer} {dtype}": losses(wrap, optimizer, dtype, rank, world, local_rank, device,
                                                   activation_checkpointing=optimizer == "adamw" and wrap == "fsdp")
             for optimizer, dtype in [("muon", "float32"), ("muon", "bfloat16"), ("adamw", "float32")]
@@ -56,6 +58,11 @@ def results(rank, local_rank, world, device):
     rows = len(inputs) // world
     mine = [(inputs[s:s + 2], targets[s:s + 2]) for s in range(rank * rows, (rank + 1) * rows, 2)]
     loss_sum, count = train_loop.forward_backward(train_model, mine, "float32", device, world)
-    runs["rows"] = ROWS
-    runs["one step"] = {"loss": loss_sum / count, "grads": {n: p.grad for n, p in model.named_parameters()}}
-    return runs
+    if rank == 0:
+        runs["rows"] = ROWS
+        runs["one step"] = {"loss": loss_sum / count, "grads": {n: p.grad for n, p in model.named_parameters()}}
+        torch.save(runs, sys.argv[1])
+
+
+if __name__ == "__main__":
+    sys.exit(distributed.run_main(main))  # as a stage ends: teardown, then os._exit

@@ -1,8 +1,8 @@
-"""For tests/test_train.py, run under torchrun by tests/two_rank_worker.py: optim.Muon under 2 gloo processes, where each rank orthogonalizes its
-share of each shape's matrices and an all-gather shares them, against the same steps with every matrix computed by
-this one process (divide_work=False). Same parameters and gradients on every rank, as DDP leaves them: the
-parameters after 3 steps of each, in fp32 and bf16 Newton-Schulz, and how many matrices each rank orthogonalized.
-Then it tears the process group down and lists the gloo threads left."""
+"""For tests/test_train.py, run under torchrun by tests/two_rank_worker.py: optim.Muon under 2 gloo processes, where
+each rank orthogonalizes its share of each shape's matrices and an all-gather shares them, against the same steps
+with every matrix computed by this one process (divide_work=False). Same parameters and gradients on every rank, as
+DDP leaves them: the parameters after 3 steps of each, in fp32 and bf16 Newton-Schulz, and how many matrices each
+rank orthogonalized. Then it tears the process group down and lists the gloo threads left."""
 import torch
 import torch.distributed as dist
 from helpers import threads_named

@@ -1,12 +1,14 @@
-"""For tests/test_rl.py, run under torchrun by tests/two_rank_worker.py: one step of rl.py's update on 2 gloo processes with a hand-made policy.
+"""For tests/test_rl.py, run under torchrun by tests/two_rank_worker.py: one step of rl.py's update on 2 gloo processes
+with a hand-made policy.
 
 The policy is a bigram table: every block's output projections are zero, so the residual stream is the token's
-embedding, a one-hot row; the weightless final norm scales it to sqrt(n_embd); the head's column for token i is
-row i of the table over sqrt(n_embd). After <|assistant_start|> it likes to write the call 3+4 to the calculator,
-then the result 7 and <|assistant_end|>; any other token is followed by any token alike. Rank r samples replies to
-r + 1 questions (so the ranks run different numbers of micro-batches), rewards them (1 when the last word is 7: the
-gradient is what is checked, and any rule that tells the replies apart serves), and takes rl.policy_gradient's
-backward through DDP: every rank's rollouts, the head and embedding weights and the head's gradient; the test computes the gradient that only the sampled tokens give, in closed form, and compares."""
+embedding, a one-hot row; the weightless final norm scales it to sqrt(n_embd); the head's column for token i is row i of
+the table over sqrt(n_embd). After <|assistant_start|> it likes to write the call 3+4 to the calculator, then the result
+7 and <|assistant_end|>; any other token is followed by any token alike. Rank r samples replies to r + 1 questions (so
+the ranks run different numbers of micro-batches), rewards them (1 when the last word is 7: the gradient is what is
+checked, and any rule that tells the replies apart serves), and takes rl.policy_gradient's backward through DDP: every
+rank's rollouts, the head and embedding weights and the head's gradient; the test computes the gradient that only the
+sampled tokens give, in closed form, and compares."""
 import itertools
 
 import torch

@@ -62,8 +62,9 @@ def test_every_benchmark_s_dry_run_prints_figures_computed_from_what_ran(bench_d
     decode = {path: figure(printed, f"decode tiny float32 {path:9s}: ") for path in ("recompute", "kv_cache", "eager")}
     assert "decode tiny float32 compiled" not in printed  # the dry run compiles nothing
     for top, bottom in (("kv_cache", "recompute"), ("eager", "kv_cache")):
-        assert figure(printed, f"decode: {top} / {bottom} = ") == pytest.approx(decode[top] / decode[bottom],
-                                                                                rel=0.03, abs=0.006)
+        ratio = decode[top] / decode[bottom]  # of rates printed as whole tok/s (at 16 tok/s that alone moves it 3%)
+        rounding = 0.0051 + ratio * (0.5 / decode[top] + 0.5 / decode[bottom])  # and the ratio printed to 0.01
+        assert figure(printed, f"decode: {top} / {bottom} = ") == pytest.approx(ratio, rel=0, abs=rounding)
     assert printed.count("greedy tokens identical: True") >= 3  # chat.py's step as the KV cache, and recompute
     for line in ("decode chat second turn", "decode rl per_question ", "decode rl all_questions", "decode rl: all",
                  "tokenizer: trained vocab 1024", "tokenizer: bytes/token", "loader T=2048"):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from helpers import assert_same, processes_mentioning, run_script, step
+from helpers import ROOT, assert_same, processes_mentioning, run_script, step
 
 SMALL = ["--sequence_len", "64", "--n_layer", "2", "--n_embd", "64", "--n_head", "2", "--n_kv_head", "2",
          "--micro_batch", "4", "--eval_every", "0", "--bpb_tokens", "4096", "--log_every", "1000", "--dtype", "float32"]
@@ -24,21 +24,29 @@ def losses(run_dir):
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
-def test_fsdp_takes_the_steps_ddp_takes_with_muon_and_adamw(two_rank_results):
+@pytest.fixture(scope="session")
+def worker_runs(tmp_path_factory):
+    """tests/fsdp_worker.py's results, one torchrun launch for the tests below."""
+    out = tmp_path_factory.mktemp("fsdp") / "runs.pt"
+    run_script("tests/fsdp_worker.py", [str(out)], ROOT, nproc=2)
+    return torch.load(out, weights_only=True)
+
+
+def test_fsdp_takes_the_steps_ddp_takes_with_muon_and_adamw(worker_runs):
     """Stated tolerance: fp32 none, bitwise (train_loop.clip_grad_norm sums the squares in fp64, so sharding does not
     move the clip factor); bf16 1e-4 (FSDP2 casts the weights where autocast would; measured equal on this CPU).
     The AdamW FSDP2 run also recomputes its blocks (activation checkpointing): bitwise too."""
     for name, tolerance in [("muon float32", 0), ("adamw float32", 0), ("muon bfloat16", 1e-4)]:
-        ddp, fsdp = two_rank_results["fsdp"][f"ddp {name}"], two_rank_results["fsdp"][f"fsdp {name}"]
+        ddp, fsdp = worker_runs[f"ddp {name}"], worker_runs[f"fsdp {name}"]
         assert len(ddp) == len(fsdp) == 20 and ddp[-1] < ddp[0] - 0.02, (name, ddp)  # and it learns
         assert max(abs(a - b) for a, b in zip(ddp, fsdp, strict=True)) <= tolerance, (name, ddp, fsdp)
-    rows = two_rank_results["fsdp"]["rows"]  # decode.py gathers a sharded model whole: the greedy rows of the same weights
+    rows = worker_runs["rows"]  # decode.py gathers a sharded model whole: the greedy rows of the same weights
     assert rows["fsdp muon float32"] == rows["ddp muon float32"] and rows["fsdp adamw float32"] == rows["ddp adamw float32"]
 
 
-def test_two_processes_give_the_loss_and_gradients_of_one(two_rank_results):
+def test_two_processes_give_the_loss_and_gradients_of_one(worker_runs):
     """2 ranks x 2 micro-batches of 2 rows of test_train's global batch: DDP's all-reduce and no_sync accumulation."""
-    saved = two_rank_results["fsdp"]["one step"]
+    saved = worker_runs["one step"]
     assert_same((saved["loss"].item(), saved["grads"]), step(8))
 
 
