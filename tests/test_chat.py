@@ -48,10 +48,13 @@ def endless_checkpoint(directory, tokenizer, tokenizer_dir, stage="sft"):
     return checkpoint.save_checkpoint(directory, 7, model, [], [], meta, 0, 1)
 
 
+UNREAD = {}  # fd: what the last read_until's chunk held past its match (one read can end a turn and start the next)
+
+
 def read_until(fd, pattern, seconds, seen):
     """Read the pty until `pattern` (bytes regex) matches what arrived since the last match; never waits longer than
     `seconds` in all. seen: a list collecting the whole output (for failure messages)."""
-    buffer, deadline = b"", time.monotonic() + seconds
+    buffer, deadline = UNREAD.pop(fd, b""), time.monotonic() + seconds
     while (match := re.search(pattern, buffer)) is None:
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([fd], [], [], left)[0]:
@@ -64,6 +67,7 @@ def read_until(fd, pattern, seconds, seen):
             raise AssertionError(f"chat.py ended before {pattern!r}:\n{b''.join(seen)[-3000:]!r}")
         buffer += chunk
         seen.append(chunk)
+    UNREAD[fd] = buffer[match.end():]
     return buffer, match
 
 
@@ -85,6 +89,7 @@ def chat_in_a_terminal(ckpt, *args):
         except ChildProcessError:  # reaped already
             pass
         os.close(fd)
+        UNREAD.pop(fd, None)  # the number goes to the next terminal
 
 
 def paste(fd, data, seen, seconds=60):
