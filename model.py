@@ -472,7 +472,7 @@ def loss_chunk(xc, w, tc, softcap, need_grad, grad_w=None):
 
 @functools.cache
 def compiled_loss_chunk():
-    """loss_chunk compiled on its own: dynamo sees one chunk whatever the count (unrolled, compiling took 3.5x as long;
+    """loss_chunk compiled on its own: dynamo sees one chunk whatever the count (unrolled, compiling took 3.6x as long;
     dev/LOG.md)."""
     return torch.compile(loss_chunk)
 
@@ -509,7 +509,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return grad_x * grad_output, grad_w * grad_output, None, None, None, None, None
 
 
-def chunked_cross_entropy(*args):
+def chunked_cross_entropy(x, weight, targets, softcap, compute_dtype, grad_enabled, compiled):
+    args = (x, weight, targets, softcap, compute_dtype, grad_enabled, compiled)
     if torch.compiler.is_compiling():  # traced in a compiled model: a graph break keeps the chunk loop out of its graph
         return chunked_cross_entropy_outside_graph(*args)
     return ChunkedCrossEntropy.apply(*args)  # eager: no dynamo to import (~1.1 s of CPU at each stage start)
