@@ -50,14 +50,10 @@ def set_rng_state(s):
                                                                "pos": s["numpy_pos"]},
                          "has_gauss": 0, "gauss": 0.0})
     torch.set_rng_state(s["torch"])
-    if not torch.cuda.is_available():
-        return
-    if s.get("cuda_device") is not None:
+    if torch.cuda.is_available() and s.get("cuda_device") is not None:
         torch.cuda.set_rng_state(s["cuda_device"])  # this rank's device (setup_distributed made it the current one)
-    elif s.get("cuda"):  # written before: every visible GPU's state; this rank's device's is the one at its index
-        device = torch.cuda.current_device()
-        if device < len(s["cuda"]):
-            torch.cuda.set_rng_state(s["cuda"][device])
+    elif torch.cuda.is_available() and torch.cuda.current_device() < len(s.get("cuda") or []):
+        torch.cuda.set_rng_state(s["cuda"][torch.cuda.current_device()])  # written before: every visible GPU's state
 
 
 def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank, keep, consolidate=False, delay_s=0,
@@ -171,36 +167,32 @@ def load_state(path, model, optimizers, device, keep=("foreach", "fused", "ns_dt
     path = Path(path)
     kept = [[{k: v for k, v in g.items() if k != "params" and (keep is None or k in keep)} for g in opt.param_groups]
             for opt in optimizers]
-    try:
-        _load_state(path, model, optimizers, device)
-    finally:
-        for opt, groups in zip(optimizers, kept, strict=True):
-            for group, values in zip(opt.param_groups, groups, strict=True):
-                group.update(values)
-
-
-def _load_state(path, model, optimizers, device):
     if (path / "state").is_dir() or is_sharded(model):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-    if (path / "state").is_dir():
-        model_state, optimizer_state = get_state_dict(model, optimizers)
-        dcp.load({"model": model_state, "optimizers": optimizer_state}, checkpoint_id=path / "state",
-                 no_dist=not dist.is_initialized())
-        set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optimizer_state)
-    else:
+    try:
+        if (path / "state").is_dir():
+            model_state, optimizer_state = get_state_dict(model, optimizers)
+            dcp.load({"model": model_state, "optimizers": optimizer_state}, checkpoint_id=path / "state",
+                     no_dist=not dist.is_initialized())
+            set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optimizer_state)
+            return
         # the weights mmap'd (load_model); not the optimizer state, kept as loaded: step 1's writes would copy its pages
         model_state = torch.load(path / "model.pt", map_location=device, weights_only=True, mmap=True)
         optimizer_state = torch.load(path / "optimizers.pt", map_location=device, weights_only=True)
         if "state" not in optimizer_state:  # a list, one state dict per optimizer
-            raise ValueError(f"{path}/optimizers.pt is in the format of an older version of this code (by position): "
-                             f"it cannot be resumed; start the run again, or use its model.pt with --checkpoint")
+            raise ValueError(f"{path}/optimizers.pt is in the format of an older version of this code (by position):"
+                             f" it cannot be resumed; start the run again, or use its model.pt with --checkpoint")
         if is_sharded(model):
             set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optimizer_state,
                            options=StateDictOptions(full_state_dict=True))
         else:
             model.load_state_dict(model_state)
             load_named_optimizer_state(model, optimizers, optimizer_state)
+    finally:
+        for opt, groups in zip(optimizers, kept, strict=True):
+            for group, values in zip(opt.param_groups, groups, strict=True):
+                group.update(values)
 
 
 def load_rank_states(path, meta, rank, accum):
