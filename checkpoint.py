@@ -291,9 +291,7 @@ def pretraining_run(checkpoint, meta):
     recorded = json.loads(config.read_text()).get("args", {}) if config.is_file() else {}
     eval_tokens = recorded.get("bpb_tokens", recorded.get("eval_tokens"))  # a run made before the rename: the old name
     seq_len = (meta.get("hparams") or {}).get("sequence_len")
-    if not meta.get("data_dir") or not seq_len:
-        return None
-    return meta["data_dir"], seq_len, eval_tokens
+    return (meta["data_dir"], seq_len, eval_tokens) if meta.get("data_dir") and seq_len else None
 
 
 def load_model(path, device):
