@@ -195,16 +195,6 @@ def load_state(path, model, optimizers, device, keep=("foreach", "fused", "ns_dt
                 group.update(values)
 
 
-def load_rank_states(path, meta, rank, accum):
-    """(loader states, RNG state) for this rank's `accum` virtual ranks rank*accum+j from the rank files of a run
-    with another world size, as long as the virtual ranks (world size x accumulation) are as many."""
-    old_accum, virtuals = meta["accum"], range(rank * accum, (rank + 1) * accum)
-    files = {old: torch.load(Path(path) / f"rank{old:03d}.pt", weights_only=True)  # each file once
-             for old in sorted({virtual // old_accum for virtual in virtuals})}
-    loaders = [files[virtual // old_accum]["loader"][virtual % old_accum] for virtual in virtuals]
-    return loaders, files[virtuals[0] // old_accum]["rng"]
-
-
 def consolidate(path):
     """Write model.pt from a sharded checkpoint's state/, in this one process. Returns its path."""
     path = Path(path)
@@ -362,10 +352,13 @@ def resume(path, run_dir, model, optimizers, loaders, layout, rank, device):
                          f"{layout['accum']} = {mine}: pick --total_batch_tokens and the process count so that "
                          f"processes x accumulation = {virtual}")
     load_state(path, model, optimizers, device)
-    loader_states, rng = load_rank_states(path, meta, rank, layout["accum"])
-    for loader, state in zip(loaders, loader_states, strict=True):
-        loader.load_state_dict(state)
-    set_rng_state(rng)
+    # this rank's virtual ranks rank * accum + j, each from the writer's rank file that holds it (each file read once)
+    old_accum, virtuals = meta["accum"], range(rank * layout["accum"], (rank + 1) * layout["accum"])
+    files = {old: torch.load(Path(path) / f"rank{old:03d}.pt", weights_only=True)
+             for old in sorted({virtual // old_accum for virtual in virtuals})}
+    for loader, virtual in zip(loaders, virtuals, strict=True):
+        loader.load_state_dict(files[virtual // old_accum]["loader"][virtual % old_accum])
+    set_rng_state(files[virtuals[0] // old_accum]["rng"])
     if rank == 0:
         truncate_metrics(run_dir / "metrics.jsonl", meta["step"])
         truncate_metrics(run_dir / "samples.jsonl", meta["step"])
@@ -381,18 +374,10 @@ def resume(path, run_dir, model, optimizers, loaders, layout, rank, device):
 def resume_command(args):
     """The exact command that continues this run: this one's arguments without --resume [PATH], --run_name and
     --runs_dir, then the run's own; under torchrun, the same launch (the workers see its world, not its argv)."""
-    argv, skip = [], False
-    for i, arg in enumerate(sys.argv[1:], start=1):
-        if skip:
-            skip = False
-            continue
-        flag = arg.split("=", 1)[0]
-        if flag in ("--run_name", "--runs_dir") and "=" not in arg:
-            skip = True
-        elif flag == "--resume" and "=" not in arg:  # its value is optional: the next word, unless it is a flag
-            skip = i + 1 < len(sys.argv) and not sys.argv[i + 1].startswith("-")
-        if flag not in ("--run_name", "--runs_dir", "--resume"):
-            argv.append(arg)
+    words, dropped = sys.argv[1:], ("--run_name", "--runs_dir", "--resume")
+    # each word with the one before it: a dropped flag's value is the next word (--resume's is optional: not a flag)
+    argv = [arg for before, arg in zip(["", *words], words) if arg.split("=", 1)[0] not in dropped
+            and not (before in dropped and (before != "--resume" or not arg.startswith("-")))]
     command = [sys.argv[0], *argv, "--runs_dir", args.runs_dir, "--run_name", args.run_name, "--resume"]
     if "LOCAL_WORLD_SIZE" not in os.environ:
         return shlex.join([sys.executable, *command])
