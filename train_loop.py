@@ -52,8 +52,8 @@ def param_samples(model):
 
 def frozen_parameters(model, samples):
     """Names of parameters whose sample has not changed (bf16 norm weights that never move, say)."""
-    now = param_samples(model)
-    return [name for name in samples if samples[name].numel() and torch.equal(now[name], samples[name])]
+    return [name for name, p in model.named_parameters()
+            if samples[name].numel() and torch.equal(sample(p), samples[name])]
 
 
 def update_ratios(optimizers, before):
