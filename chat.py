@@ -236,32 +236,25 @@ def print_stats(conv, out):
 
 
 @contextmanager
-def sigint_flag():
-    """During a reply, Ctrl-C (SIGINT) only appends to the yielded list, which the decode loop reads between tokens,
-    so the cache is never left half-written; the previous handler comes back after the reply."""
-    hits = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: hits.append(signum))
-    try:
-        yield hits
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-@contextmanager
-def typeahead_kept(fd):
-    """During a reply, the terminal on fd (None: not a terminal) out of canonical mode and echo, so text pasted
+def during_reply(fd):
+    """Ctrl-C (SIGINT) only appends to the yielded list, which the decode loop reads between tokens, so the cache is
+    never left half-written. The terminal on fd (None: not a terminal) out of canonical mode and echo, so text pasted
     meanwhile waits whole for the next prompt, where readline shows it: in canonical mode the kernel silently drops
     what passes a line's 4,095 characters; here a full buffer makes the sender wait instead. Ctrl-C stays a signal,
-    Enter (CR) still becomes a newline, Ctrl-D is a plain byte that readline then reads as at its prompt."""
-    if fd is None:
-        yield
-        return
-    saved = termios.tcgetattr(fd)
-    termios.tcsetattr(fd, termios.TCSANOW, saved[:3] + [saved[3] & ~(termios.ICANON | termios.ECHO)] + saved[4:])
+    Enter (CR) still becomes a newline, Ctrl-D is a plain byte that readline then reads as at its prompt. The previous
+    handler and terminal mode come back after the reply."""
+    hits = []
+    saved = None if fd is None else termios.tcgetattr(fd)
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: hits.append(signum))
     try:
-        yield
+        if saved:
+            raw = saved[3] & ~(termios.ICANON | termios.ECHO)  # the local modes: no line editing, no echo
+            termios.tcsetattr(fd, termios.TCSANOW, saved[:3] + [raw] + saved[4:])
+        yield hits
     finally:
-        termios.tcsetattr(fd, termios.TCSANOW, saved)
+        if saved:
+            termios.tcsetattr(fd, termios.TCSANOW, saved)
+        signal.signal(signal.SIGINT, previous)
 
 
 def read_message(out):
@@ -309,7 +302,7 @@ def main(argv=None):
     typeahead_fd = None  # the terminal whose input a reply keeps whole for readline (set below)
 
     def turn(text):
-        with sigint_flag() as hits, typeahead_kept(typeahead_fd):
+        with during_reply(typeahead_fd) as hits:
             s = conv.respond(text, write, args.temperature, args.top_k, args.max_new_tokens, generator,
                              lambda: bool(hits), lambda line: print(line, file=out, flush=True))
         if s["why"] not in ("interrupted", "context full"):

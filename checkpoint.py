@@ -50,14 +50,10 @@ def set_rng_state(s):
                                                                "pos": s["numpy_pos"]},
                          "has_gauss": 0, "gauss": 0.0})
     torch.set_rng_state(s["torch"])
-    if not torch.cuda.is_available():
-        return
-    if s.get("cuda_device") is not None:
+    if torch.cuda.is_available() and s.get("cuda_device") is not None:
         torch.cuda.set_rng_state(s["cuda_device"])  # this rank's device (setup_distributed made it the current one)
-    elif s.get("cuda"):  # written before: every visible GPU's state; this rank's device's is the one at its index
-        device = torch.cuda.current_device()
-        if device < len(s["cuda"]):
-            torch.cuda.set_rng_state(s["cuda"][device])
+    elif torch.cuda.is_available() and torch.cuda.current_device() < len(s.get("cuda") or []):
+        torch.cuda.set_rng_state(s["cuda"][torch.cuda.current_device()])  # written before: every visible GPU's state
 
 
 def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank, keep, consolidate=False, delay_s=0,
@@ -171,46 +167,32 @@ def load_state(path, model, optimizers, device, keep=("foreach", "fused", "ns_dt
     path = Path(path)
     kept = [[{k: v for k, v in g.items() if k != "params" and (keep is None or k in keep)} for g in opt.param_groups]
             for opt in optimizers]
-    try:
-        _load_state(path, model, optimizers, device)
-    finally:
-        for opt, groups in zip(optimizers, kept, strict=True):
-            for group, values in zip(opt.param_groups, groups, strict=True):
-                group.update(values)
-
-
-def _load_state(path, model, optimizers, device):
     if (path / "state").is_dir() or is_sharded(model):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-    if (path / "state").is_dir():
-        model_state, optimizer_state = get_state_dict(model, optimizers)
-        dcp.load({"model": model_state, "optimizers": optimizer_state}, checkpoint_id=path / "state",
-                 no_dist=not dist.is_initialized())
-        set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optimizer_state)
-    else:
+    try:
+        if (path / "state").is_dir():
+            model_state, optimizer_state = get_state_dict(model, optimizers)
+            dcp.load({"model": model_state, "optimizers": optimizer_state}, checkpoint_id=path / "state",
+                     no_dist=not dist.is_initialized())
+            set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optimizer_state)
+            return
         # the weights mmap'd (load_model); not the optimizer state, kept as loaded: step 1's writes would copy its pages
         model_state = torch.load(path / "model.pt", map_location=device, weights_only=True, mmap=True)
         optimizer_state = torch.load(path / "optimizers.pt", map_location=device, weights_only=True)
         if "state" not in optimizer_state:  # a list, one state dict per optimizer
-            raise ValueError(f"{path}/optimizers.pt is in the format of an older version of this code (by position): "
-                             f"it cannot be resumed; start the run again, or use its model.pt with --checkpoint")
+            raise ValueError(f"{path}/optimizers.pt is in the format of an older version of this code (by position):"
+                             f" it cannot be resumed; start the run again, or use its model.pt with --checkpoint")
         if is_sharded(model):
             set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optimizer_state,
                            options=StateDictOptions(full_state_dict=True))
         else:
             model.load_state_dict(model_state)
             load_named_optimizer_state(model, optimizers, optimizer_state)
-
-
-def load_rank_states(path, meta, rank, accum):
-    """(loader states, RNG state) for this rank's `accum` virtual ranks rank*accum+j from the rank files of a run
-    with another world size, as long as the virtual ranks (world size x accumulation) are as many."""
-    old_accum, virtuals = meta["accum"], range(rank * accum, (rank + 1) * accum)
-    files = {old: torch.load(Path(path) / f"rank{old:03d}.pt", weights_only=True)  # each file once
-             for old in sorted({virtual // old_accum for virtual in virtuals})}
-    loaders = [files[virtual // old_accum]["loader"][virtual % old_accum] for virtual in virtuals]
-    return loaders, files[virtuals[0] // old_accum]["rng"]
+    finally:
+        for opt, groups in zip(optimizers, kept, strict=True):
+            for group, values in zip(opt.param_groups, groups, strict=True):
+                group.update(values)
 
 
 def consolidate(path):
@@ -299,9 +281,7 @@ def pretraining_run(checkpoint, meta):
     recorded = json.loads(config.read_text()).get("args", {}) if config.is_file() else {}
     eval_tokens = recorded.get("bpb_tokens", recorded.get("eval_tokens"))  # a run made before the rename: the old name
     seq_len = (meta.get("hparams") or {}).get("sequence_len")
-    if not meta.get("data_dir") or not seq_len:
-        return None
-    return meta["data_dir"], seq_len, eval_tokens
+    return (meta["data_dir"], seq_len, eval_tokens) if meta.get("data_dir") and seq_len else None
 
 
 def load_model(path, device):
@@ -372,10 +352,13 @@ def resume(path, run_dir, model, optimizers, loaders, layout, rank, device):
                          f"{layout['accum']} = {mine}: pick --total_batch_tokens and the process count so that "
                          f"processes x accumulation = {virtual}")
     load_state(path, model, optimizers, device)
-    loader_states, rng = load_rank_states(path, meta, rank, layout["accum"])
-    for loader, state in zip(loaders, loader_states, strict=True):
-        loader.load_state_dict(state)
-    set_rng_state(rng)
+    # this rank's virtual ranks rank * accum + j, each from the writer's rank file that holds it (each file read once)
+    old_accum, virtuals = meta["accum"], range(rank * layout["accum"], (rank + 1) * layout["accum"])
+    files = {old: torch.load(Path(path) / f"rank{old:03d}.pt", weights_only=True)
+             for old in sorted({virtual // old_accum for virtual in virtuals})}
+    for loader, virtual in zip(loaders, virtuals, strict=True):
+        loader.load_state_dict(files[virtual // old_accum]["loader"][virtual % old_accum])
+    set_rng_state(files[virtuals[0] // old_accum]["rng"])
     if rank == 0:
         truncate_metrics(run_dir / "metrics.jsonl", meta["step"])
         truncate_metrics(run_dir / "samples.jsonl", meta["step"])
@@ -391,18 +374,10 @@ def resume(path, run_dir, model, optimizers, loaders, layout, rank, device):
 def resume_command(args):
     """The exact command that continues this run: this one's arguments without --resume [PATH], --run_name and
     --runs_dir, then the run's own; under torchrun, the same launch (the workers see its world, not its argv)."""
-    argv, skip = [], False
-    for i, arg in enumerate(sys.argv[1:], start=1):
-        if skip:
-            skip = False
-            continue
-        flag = arg.split("=", 1)[0]
-        if flag in ("--run_name", "--runs_dir") and "=" not in arg:
-            skip = True
-        elif flag == "--resume" and "=" not in arg:  # its value is optional: the next word, unless it is a flag
-            skip = i + 1 < len(sys.argv) and not sys.argv[i + 1].startswith("-")
-        if flag not in ("--run_name", "--runs_dir", "--resume"):
-            argv.append(arg)
+    words, dropped = sys.argv[1:], ("--run_name", "--runs_dir", "--resume")
+    # each word with the one before it: a dropped flag's value is the next word (--resume's is optional: not a flag)
+    argv = [arg for before, arg in zip(["", *words], words) if arg.split("=", 1)[0] not in dropped
+            and not (before in dropped and (before != "--resume" or not arg.startswith("-")))]
     command = [sys.argv[0], *argv, "--runs_dir", args.runs_dir, "--run_name", args.run_name, "--resume"]
     if "LOCAL_WORLD_SIZE" not in os.environ:
         return shlex.join([sys.executable, *command])

@@ -14,6 +14,7 @@ and the tokens per second of each.
     python decode.py --preset d12 --prompts 64 --dtype bfloat16 --device cuda
 """
 import argparse
+import functools
 import sys
 import time
 
@@ -154,16 +155,11 @@ def sample_rows(logits, temperature, top_k, generator):
     return torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator).view(-1)
 
 
-_compiled_step = None
-
-
+@functools.cache
 def compiled_step():
     """decode_step under torch.compile, made once per process: its shapes are fixed but the batch (the whole cache
     is attended, masked), and torch.compile marks the batch dimension dynamic after its first change."""
-    global _compiled_step
-    if _compiled_step is None:
-        _compiled_step = torch.compile(decode_step, fullgraph=True)
-    return _compiled_step
+    return torch.compile(decode_step, fullgraph=True)
 
 
 @torch.inference_mode()
@@ -197,10 +193,7 @@ def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=Non
     weights = weights if weights is not None else decode_weights(model, dtype)
     step_fn = compiled_step() if compiled else decode_step
     generator = torch.Generator(device=device)
-    if seed is not None:
-        generator.manual_seed(seed)
-    else:
-        generator.seed()
+    generator.manual_seed(seed) if seed is not None else generator.seed()
     stop = set(stop)
 
     cache = KVCache(c, len(prompts), max(map(len, prompts)))  # keys, values: (layer, prompt, kv head, slot, dim)

@@ -147,10 +147,8 @@ def probe_all_reduce(timeout_s, mbytes=PROBE_MBYTES, iters=5, out=None):
     for _ in range(iters):
         dist.all_reduce(big)
     sync(device)
-    seconds = (time.perf_counter() - start) / iters
-    seconds = all_reduce(seconds, dist.ReduceOp.MAX)  # the slowest rank's time is the collective's
+    seconds = all_reduce((time.perf_counter() - start) / iters, dist.ReduceOp.MAX)  # the slowest rank's time
     good = good and bool(torch.isfinite(big).all())
-    ok = ok and good
     if rank == 0:
         bus = numel * 4 / seconds * 2 * (world - 1) / world / 1e9  # 2(n-1)/n: 0 on one rank, nothing crosses a link
         bandwidth = f"{bus:.2f} GB/s" if world > 1 else "n/a: one GPU"
@@ -159,7 +157,7 @@ def probe_all_reduce(timeout_s, mbytes=PROBE_MBYTES, iters=5, out=None):
         if out and good:
             Path(out).write_text(json.dumps({"bus_bandwidth": bandwidth}) + "\n")
     dist.destroy_process_group()
-    return 0 if ok else 1
+    return 0 if ok and good else 1
 
 
 def fetch_everywhere(fetch, rank, world):

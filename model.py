@@ -99,8 +99,7 @@ def depth_preset(depth):
     heads = width // DEPTH_HEAD_DIM
     return {"vocab_size": 65536, "sequence_len": 2048, "n_layer": depth, "n_embd": width, "n_head": heads,
             "n_kv_head": heads, "mlp": "relu2", "rope_theta": 10000.0, "norm_learnable": False, "qk_norm": True,
-            "tie_embeddings": False, "logit_softcap": 15.0, "value_embeds": True,
-            "resid_lambdas": True}
+            "tie_embeddings": False, "logit_softcap": 15.0, "value_embeds": True, "resid_lambdas": True}
 
 
 def preset_names():
@@ -172,9 +171,8 @@ def param_breakdown(c):
     # q, o and k, v projections, no biases; a value embedding's gate reads VE_GATE_CHANNELS channels per KV head
     attention = c.n_layer * (2 * d * q_dim + 2 * d * kv_dim) + ve_layers * VE_GATE_CHANNELS * c.n_kv_head
     mlp = c.n_layer * (3 if c.mlp == "swiglu" else 2) * d * c.mlp_hidden
-    norms = 0
-    if c.norm_learnable:  # two per block + final, and a per-head-dim scale for q and k when QK-norm is on
-        norms = c.n_layer * (2 * d + (2 * c.head_dim if c.qk_norm else 0)) + d
+    # learnable norms: two per block + final, and a per-head-dim scale for q and k when QK-norm is on
+    norms = c.n_layer * (2 * d + (2 * c.head_dim if c.qk_norm else 0)) + d if c.norm_learnable else 0
     counts = {"embeddings": c.vocab_size * d, "value_embeds": ve_layers * c.vocab_size * kv_dim,
               "attention": attention, "mlp": mlp, "norms": norms, "head": 0 if c.tie_embeddings else c.vocab_size * d,
               "scalars": 2 * c.n_layer if c.resid_lambdas else 0}
@@ -256,8 +254,7 @@ def activation_bytes_per_token_layer(c, bf16):
     norm = 4 * d + 4 + (4 * d if c.norm_learnable else 0)  # input, 1/rms, and the normalized x a scale multiplies
     attn = norm + a * d  # the q/k/v projections' shared input in the compute dtype
     if c.qk_norm:  # q and k projection outputs (fp32 for the norm), 1/rms per head, normalized copies if learnable
-        attn += 4 * (q_dim + kv_dim) + 4 * (c.n_head + c.n_kv_head) + (4 * (q_dim + kv_dim) if c.norm_learnable
-                                                                      else 0)
+        attn += 4 * (q_dim + kv_dim) * (2 if c.norm_learnable else 1) + 4 * (c.n_head + c.n_kv_head)
     attn += a * (2 * q_dim + 2 * kv_dim) + 4 * c.n_head  # SDPA's q, k, v, output (= o_proj's input), logsumexp
     mlp = norm + a * d + a * h * (4 if c.mlp == "swiglu" else 2)  # swiglu: gate, silu(gate), up, product
     if c.bitnet:  # each linear layer saves its own 8-bit-quantized input in place of a shared one
@@ -290,9 +287,7 @@ def causal_attention(q, k, v):
 def to_compute_dtype(x):
     """Under autocast, cast a block's normalized input once: otherwise each projection reading it (q, k, v; gate,
     up) makes and saves its own bf16 copy."""
-    if torch.is_autocast_enabled(x.device.type):
-        return x.to(torch.get_autocast_dtype(x.device.type))
-    return x
+    return x.to(torch.get_autocast_dtype(x.device.type)) if torch.is_autocast_enabled(x.device.type) else x
 
 
 def apply_rotary(x, cos, sin):
@@ -587,9 +582,7 @@ class GPT(nn.Module):
         return self.value_embeds[str(layer_idx)](ids) if str(layer_idx) in self.value_embeds else None
 
     def mix_embedding(self, layer_idx, x, x0):
-        if self.resid_lambdas is None:
-            return x
-        return self.resid_lambdas[layer_idx] * x + self.x0_lambdas[layer_idx] * x0
+        return x if self.resid_lambdas is None else self.resid_lambdas[layer_idx] * x + self.x0_lambdas[layer_idx] * x0
 
     def head_weight(self):
         return self.wte.weight if self.lm_head is None else self.lm_head.weight
@@ -615,9 +608,7 @@ class GPT(nn.Module):
         x = self.norm_f(x)
         softcap = self.config.logit_softcap
         if targets is None:
-            if last_only:
-                x = x[:, -1:]
-            return softcap_logits(F.linear(x, self.head_weight()).float(), softcap)
+            return softcap_logits(F.linear(x[:, -1:] if last_only else x, self.head_weight()).float(), softcap)
         x, targets = x.reshape(B * T, -1), targets.reshape(B * T)
         if reduction == "none":
             losses, argmax = self._per_token_loss(x, targets)
@@ -626,9 +617,7 @@ class GPT(nn.Module):
             else self.head_weight().dtype
         loss_sum = chunked_cross_entropy(x, self.head_weight(), targets, softcap, compute_dtype,
                                          torch.is_grad_enabled(), torch.compiler.is_compiling())
-        if reduction == "sum":
-            return loss_sum
-        return loss_sum / (targets != -1).sum().clamp(min=1)
+        return loss_sum if reduction == "sum" else loss_sum / (targets != -1).sum().clamp(min=1)
 
     def _per_token_loss(self, x, targets):
         """Loss and argmax at the positions with a target, computed in chunks; an evaluation that scores a few

@@ -299,8 +299,7 @@ def weight_decay_at(step, args):
 
 
 def muon_momentum(step, args):
-    """Muon's momentum: 0.85 rising linearly to 0.95 over the first --muon_momentum_warmup steps (nanochat's;
-    dev/LOG.md)."""
+    """Muon's momentum: 0.85 to 0.95, linearly over the first --muon_momentum_warmup steps (nanochat's; dev/LOG.md)."""
     return 0.95 if step >= args.muon_momentum_warmup else 0.85 + 0.10 * step / args.muon_momentum_warmup
 
 

@@ -217,11 +217,6 @@ class Cursor:
         self.state = {"questions": state["questions"], "stats": dict(state["stats"])}
 
 
-def held_out_line(e):
-    k = e["k"]
-    return f"all pass@1 {e['all']['pass@1']:.3f} pass@{k} {e['all'][f'pass@{k}']:.3f} ({e['all']['items']} questions)"
-
-
 def verdict(records):
     """The reward's change (first fifth of the steps against the last fifth) beside held-out pass@1's (first evaluation
     against the last), and what they say together: a reward that rose while held-out accuracy fell is said so."""
@@ -287,7 +282,9 @@ def main(argv=None):
             return None
         eval_seconds.append(time.perf_counter() - t0)
         if master:
-            print(f"held out at step {step}: {held_out_line(result)}", flush=True)
+            k, held = result["k"], result["all"]
+            print(f"held out at step {step}: all pass@1 {held['pass@1']:.3f} pass@{k} {held[f'pass@{k}']:.3f} "
+                  f"({held['items']} questions)", flush=True)
         return {"held_out": result}
 
     def rl_step(step, due):

@@ -28,8 +28,7 @@ from model import flops_per_token, num_params, parse_bool
 # The run directory: runs/<run>/ with config.json, metrics.jsonl, samples.jsonl, ckpt/step_XXXXXX/
 
 def add_run_args(parser, stage):
-    """The flags every training stage has for its run directory, checkpoints, health checks and ranks, and the hidden
-    testing hooks."""
+    """Every training stage's flags for its run directory, checkpoints, health checks, ranks; hidden testing hooks."""
     g = parser.add_argument_group("run directory, checkpoints, health")
     g.add_argument("--run_name", default=None, help=f"outputs go to <runs_dir>/<run_name>/ (default: {stage}_<preset>_"
                    f"<time>; not --run, which torchrun would take for its own --run-path)")
@@ -193,8 +192,7 @@ def weights_sha256(parent):
 
 
 def parent_record(parent, meta, sha256):
-    """The parent as a child's checkpoints record it: path, stage, step, and the sha256 of its weights
-    (weights_sha256's)."""
+    """The parent as a child's checkpoints record it: path, stage, step, and its weights' sha256 (weights_sha256's)."""
     return {"path": str(parent), "stage": meta.get("stage"), "step": meta.get("step"), "sha256": sha256}
 
 

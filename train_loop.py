@@ -52,21 +52,17 @@ def param_samples(model):
 
 def frozen_parameters(model, samples):
     """Names of parameters whose sample has not changed (bf16 norm weights that never move, say)."""
-    now = param_samples(model)
-    return [name for name in samples if samples[name].numel() and torch.equal(now[name], samples[name])]
+    return [name for name, p in model.named_parameters()
+            if samples[name].numel() and torch.equal(sample(p), samples[name])]
 
 
 def update_ratios(optimizers, before):
     """RMS(update) / RMS(param) per param group, from samples taken just before optimizer.step()."""
     ratios = {}
-    for opt in optimizers:
-        for group in opt.param_groups:
-            num = den = 0.0
-            for p in group["params"]:
-                old = before[id(p)]
-                num += (sample(p) - old).float().pow(2).sum().item()
-                den += old.float().pow(2).sum().item()
-            ratios[group["name"]] = math.sqrt(num / den) if den > 0 else None
+    for group in (group for opt in optimizers for group in opt.param_groups):
+        num = sum((sample(p) - before[id(p)]).float().pow(2).sum().item() for p in group["params"])
+        den = sum(before[id(p)].float().pow(2).sum().item() for p in group["params"])
+        ratios[group["name"]] = math.sqrt(num / den) if den > 0 else None
     return ratios
 
 
@@ -182,8 +178,7 @@ def find_micro_batch(try_step, candidates):
 
 def probe_step(model, optimizers, seq_len, vocab_size, dtype, device):
     """try_step for find_micro_batch that allocates a real step's peak: activations, gradients (DDP's buckets are the
-    gradients: gradient_as_bucket_view) and the optimizer state, created by a step at lr 0 (pass throw-away
-    optimizers)."""
+    gradients: gradient_as_bucket_view) and the optimizer state, made by a step at lr 0 (throw-away optimizers)."""
     def try_step(micro):
         idx = torch.randint(0, vocab_size, (micro, seq_len), device=device)
         try:

@@ -41,21 +41,12 @@ def val_rows(data_dir, tokenizer, max_tokens, seq_len):
     return torch.cat(rows)[:n_rows]
 
 
-@torch.no_grad()
 def val_bpb(model, rows, token_bytes, batch_rows, dtype, rank, world, device):
-    """(bits per byte, tokens scored) over val_rows. Special (BOS) and -1 targets stand for no text: out of loss and
-    bytes. Batches are dealt round robin and summed in batch order after the all-reduce: bitwise the same on 1 or N
-    processes."""
+    """(bits per byte, tokens scored) over val_rows, in batches of batch_rows (dealt_sums). Special (BOS) and -1
+    targets stand for no text: out of loss and bytes."""
     token_bytes = torch.as_tensor(token_bytes, device=device)
-    n_batches = math.ceil(len(rows) / batch_rows)
-    sums = torch.zeros(n_batches, 3, dtype=torch.float64)
-    was_training = model.training
-    model.eval()
-    for b in range(rank, rounds(n_batches, world, model), world):
-        if b >= n_batches:  # sharded: a forward every rank joins (its all-gathers), on batch 0, not counted
-            with autocast_context(device.type, dtype):
-                model(rows[:batch_rows].to(device)[:, :-1].clamp(min=0))
-            continue
+
+    def batch_sums(b):
         batch = rows[b * batch_rows:(b + 1) * batch_rows].to(device)
         # -1 padding would index out of the embedding; it follows the text and has -1 targets: any id serves
         x, y = batch[:, :-1].clamp(min=0), batch[:, 1:]
@@ -63,41 +54,30 @@ def val_bpb(model, rows, token_bytes, batch_rows, dtype, rank, world, device):
         text = nbytes > 0
         with autocast_context(device.type, dtype):
             losses = model(x, torch.where(text, y, -1), reduction="none")
-        sums[b] = torch.stack([losses.sum().double(), nbytes.sum().double(), text.sum().double()]).cpu()
-    model.train(was_training)
-    nats, total_bytes, scored = all_reduce_tensor(sums).sum(0).tolist()
+        return torch.stack([losses.sum().double(), nbytes.sum().double(), text.sum().double()]).cpu()
+    nats, total_bytes, scored = dealt_sums(model, math.ceil(len(rows) / batch_rows), 3, rank, world, batch_sums)
     return nats / (math.log(2) * total_bytes), int(scored)
+
+
+@torch.no_grad()
+def dealt_sums(model, n_batches, width, rank, world, batch_sums):
+    """The sums over batches of batch_sums(b) (`width` float64 sums of batch b, in eval mode), the batches dealt to
+    the ranks round robin and summed in batch order after the all-reduce: bitwise the same on 1 or N processes. A
+    sharded model's every forward needs every rank (a rank with one batch fewer would leave the others waiting in an
+    all-gather): the rounds go up to a multiple of world, a rank past the last batch redoing one, not counted."""
+    sums = torch.zeros(n_batches, width, dtype=torch.float64)
+    was_training = model.training
+    model.eval()
+    for b in range(rank, math.ceil(n_batches / world) * world if is_sharded(model) else n_batches, world):
+        row = batch_sums(b % n_batches)
+        if b < n_batches:
+            sums[b] = row
+    model.train(was_training)
+    return all_reduce_tensor(sums).sum(0).tolist()
 
 
 # -----------------------------------------------------------------------------
 # Chat validation: the loss per supervised token and greedy answers
-
-def rounds(n_batches, world, model):
-    """Batches dealt round robin: n_batches, rounded up to a multiple of world for a sharded model, whose every forward
-    needs every rank (a rank with one batch fewer would leave the others waiting in an all-gather)."""
-    return math.ceil(n_batches / world) * world if is_sharded(model) else n_batches
-
-
-@torch.no_grad()
-def chat_val_loss(model, batches, dtype, rank, world, device):
-    """Mean loss per supervised token over validation batches [(inputs, targets)], dealt to ranks round robin and
-    summed in batch order: the same figure on 1 or N processes."""
-    sums = torch.zeros(len(batches), 2, dtype=torch.float64)
-    was_training = model.training
-    model.eval()
-    for b in range(rank, rounds(len(batches), world, model), world):
-        inputs, targets = (t.to(device) for t in batches[b % len(batches)])
-        if b >= len(batches):  # sharded: a forward every rank joins (its all-gathers), not counted
-            with autocast_context(device.type, dtype):
-                model(inputs, targets, reduction="sum")
-            continue
-        with autocast_context(device.type, dtype):
-            loss_sum = model(inputs, targets, reduction="sum")
-        sums[b] = torch.stack([loss_sum.double().cpu(), (targets != -1).sum().double().cpu()])
-    model.train(was_training)
-    loss, count = all_reduce_tensor(sums).sum(0).tolist()
-    return loss / max(count, 1)
-
 
 CHAT_QUESTIONS = ["What is the capital of France?", "How many legs does a spider have?", "What is two plus three?",
                   "Who are you?"]
@@ -116,9 +96,16 @@ def chat_val_batches(chat_dir, tokenizer, seq_len, max_rows):
 
 
 def chat_validation(args, s, batches, step):
-    """A chat stage's evaluation (s: runs.start_stage's): the validation loss per supervised token, and greedy answers
-    to --sample_prompt (rank 0: printed and appended to samples.jsonl). Returns {"val_loss": the loss}."""
-    loss = chat_val_loss(s.model, batches, args.dtype, s.rank, s.world, s.device)
+    """A chat stage's evaluation (s: runs.start_stage's): the validation loss per supervised token over `batches`
+    [(inputs, targets)] (dealt_sums: the same on 1 or N processes), and greedy answers to --sample_prompt (rank 0:
+    printed and appended to samples.jsonl). Returns {"val_loss": the loss}."""
+    def batch_sums(b):
+        inputs, targets = (t.to(s.device) for t in batches[b])
+        with autocast_context(s.device.type, args.dtype):
+            loss_sum = s.model(inputs, targets, reduction="sum")
+        return torch.stack([loss_sum.double().cpu(), (targets != -1).sum().double().cpu()])
+    loss_sum, count = dealt_sums(s.model, len(batches), 2, s.rank, s.world, batch_sums)
+    loss = loss_sum / max(count, 1)
     questions = args.sample_prompt or CHAT_QUESTIONS
     answers = chat_answers(s.model, s.tokenizer, questions, args.dtype) if s.rank == 0 or is_sharded(s.model) else None
     if s.rank == 0:
@@ -132,8 +119,6 @@ def chat_validation(args, s, batches, step):
 def chat_answers(model, tokenizer, questions, dtype, max_tokens=64):
     """Greedy answers to one-turn questions, each up to <|assistant_end|> (whether it came is recorded), decoded
     together with the calculator on, as in chat.py (a sharded model gathered on every rank first: decode.py)."""
-    if not questions:
-        return []
     end = tokenizer.special_id("<|assistant_end|>")
     prompts = [tokenizer.render_for_completion([{"role": "user", "content": q}]) for q in questions]
     tools = [ToolUse(tokenizer) for _ in questions]
