@@ -29,15 +29,15 @@ STAT_KEYS = ("batches", "tokens", "supervised", "docs", "doc_tokens", "pieces", 
 REPORT_SKIPPED = 5  # the first few conversations skipped as bad input are printed (file, row, why); the rest counted
 
 
-def assign_units(files, rank, world_size):
+def assign_units(files, rank, world_size, footers=None):
     """What rank `rank` of `world_size` reads, so ranks share no document and none runs out while another has unread
     data: full-size row groups round robin in whole rounds, the rest dealt by document (rank r takes documents r,
     r+W, ... in file order): streams differ by at most one document. With fewer documents than ranks, they are
-    repeated until there are W (ranks then share a few). A unit is (path, row group, first doc, doc step)."""
-    row_groups = []
-    for path in files:
-        parquet = open_parquet(path, column=None)
-        row_groups += [(path, i, parquet.metadata.row_group(i).num_rows) for i in range(parquet.num_row_groups)]
+    repeated until there are W (ranks then share a few). A unit is (path, row group, first doc, doc step).
+    footers: {path: its parquet metadata} where the caller has read them already."""
+    footers = footers or {path: open_parquet(path, column=None).metadata for path in files}
+    row_groups = [(path, i, footers[path].row_group(i).num_rows) for path in files
+                  for i in range(footers[path].num_row_groups)]
     most = max((n for _, _, n in row_groups), default=0)
     full = [k for k, (_, _, n) in enumerate(row_groups) if n == most]
     whole = {k: j % world_size for j, k in enumerate(full[:len(full) // world_size * world_size])}  # -> its rank
@@ -54,19 +54,6 @@ def assign_units(files, rank, world_size):
                 units.append((path, i, first, world_size))
             start += n
     return units
-
-
-def epoch_documents(units, enough, footers):
-    """The documents in units (one pass of a rank's data), from the parquet footers (footers: path -> its metadata,
-    read where missing and kept there); counting stops at `enough`."""
-    total = 0
-    for path, i, first, step in units:
-        if path not in footers:
-            footers[path] = open_parquet(path, column=None).metadata
-        total += len(range(first, footers[path].row_group(i).num_rows, step))
-        if total >= enough:
-            break
-    return total
 
 
 def trained_epoch(stats, pass_tokens):
@@ -287,13 +274,14 @@ class PackedLoader:
         self.B, self.T, self.rank, self.world_size = batch_size, seq_len, rank, world_size
         self.device = torch.device(device)
         self.threads, self.prefetch, self.max_epochs = threads or os.cpu_count(), prefetch, max_epochs
-        self.units = assign_units(self.files, rank, world_size)
+        self._footers = {path: open_parquet(path, column=None).metadata for path in self.files}  # row groups' sizes
+        self.units = assign_units(self.files, rank, world_size, self._footers)
         if not self.units:
             raise ValueError(f"{name}: rank {rank} of {world_size} has no data in {', '.join(map(str, self.files))}")
         # training buffers at most one pass of this rank's documents, else a small set is read a thousand times over
         # before the first row (validation, whose data ends, is unchanged)
-        self._footers = {}  # path: its parquet metadata (the reader's, for its row groups' sizes)
-        pass_docs = epoch_documents(self.units, buffer_docs, self._footers) if max_epochs is None else None
+        pass_docs = sum(len(range(first, self._footers[path].row_group(i).num_rows, step))
+                        for path, i, first, step in self.units)
         self.buffer_docs = buffer_docs if max_epochs is not None else min(buffer_docs, max(1, pass_docs))
         # a training pass shorter than buffer_docs (a small source on many streams) is kept encoded after its first
         # read, as the buffer could hold it anyway. {(unit, row in its row group): _read_unit's}; None: every pass reads
@@ -416,8 +404,6 @@ class PackedLoader:
     def _encode(self, unit, skip, doc_order=None):
         """The documents of a unit from position `skip` on, in file order or shuffled with the seed `doc_order`."""
         path, row_group, first, step = unit
-        if path not in self._footers:  # the row groups' sizes: read once, not at every pass over the unit
-            self._footers[path] = open_parquet(path, column=None).metadata
         rows = list(range(first, self._footers[path].row_group(row_group).num_rows, step))  # indices in the row group
         if doc_order is not None:
             random.Random(doc_order).shuffle(rows)
@@ -515,13 +501,11 @@ class PackedLoader:
                 per_pass[0] = stats["doc_tokens"] / item_epoch
             for read, item in enumerate(items, start=1):
                 usable += not skipped(item)
-                last = read == len(items)  # then the next document is the first of the next row group
-                position[0] = self._next_unit(epoch, unit) if last else (epoch, unit, doc + read)
+                position[0] = (epoch, unit, doc + read)
+                if read == len(items):  # the next document is the first of the next row group
+                    position[0] = (epoch + 1, 0, 0) if unit + 1 == len(self.units) else (epoch, unit + 1, 0)
                 yield item
         position[0] = None
-
-    def _next_unit(self, epoch, unit):
-        return (epoch + 1, 0, 0) if unit + 1 == len(self.units) else (epoch, unit + 1, 0)
 
 
 def close_all(loaders, timeout=10):
