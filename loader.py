@@ -16,6 +16,7 @@ import os
 import queue
 import random
 import threading
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -141,16 +142,6 @@ def add_document(buffer, document, row_len, bos, stats):
         stats["pieces"] += 1
 
 
-def top_up(buffer, documents, row_len, bos, crop, buffer_docs, stats):
-    """Read documents into the buffer until it holds buffer_docs pieces, or they run out (max_epochs); cropping also
-    wants a row's worth of tokens, else a row would take every piece and find nothing to crop."""
-    while len(buffer) < buffer_docs or (crop and buffer.tokens < row_len):
-        document = next(documents, _END)
-        if document is _END:
-            return
-        add_document(buffer, document, row_len, bos, stats)
-
-
 def fill_row(buffer, row, row_mask, bos, crop, stats):
     """The oldest piece opens the row (pure best-fit starves short documents), then the largest piece that fits,
     again and again, then pad_or_crop() the rest. row_mask (None: no masks) gets the pieces' masks."""
@@ -185,14 +176,19 @@ def pad_or_crop(buffer, row, row_mask, pos, bos, crop, stats):
 
 
 def pack_batch(buffer, documents, batch_size, row_len, bos, *, crop, buffer_docs, masked, stats):
-    """(rows, masks) of one batch: up to batch_size int32 rows of row_len tokens (top_up(), then fill_row()), and their
+    """(rows, masks) of one batch: up to batch_size int32 rows of row_len tokens (buffered, then fill_row()), and their
     int8 masks (1: a target), or None when masked=False (text that never pads). Fewer rows, or none, once the
     documents and the buffer are empty; stats count it (batches, tokens: row_len - 1 targets a row, supervised)."""
     rows = np.empty((batch_size, row_len), dtype=np.int32)
     masks = np.ones((batch_size, row_len), dtype=np.int8) if masked else None
     filled = 0
     for b in range(batch_size):
-        top_up(buffer, documents, row_len, bos, crop, buffer_docs, stats)
+        # documents into the buffer until it holds buffer_docs pieces, or they run out (max_epochs); cropping also
+        # wants a row's worth of tokens, else a row would take every piece and find nothing to crop
+        while len(buffer) < buffer_docs or (crop and buffer.tokens < row_len):
+            if (document := next(documents, _END)) is _END:
+                break
+            add_document(buffer, document, row_len, bos, stats)
         if not len(buffer):  # the data has ended and every piece is in a row: a short last batch
             break
         fill_row(buffer, rows[b], None if masks is None else masks[b], bos, crop, stats)
@@ -546,14 +542,9 @@ class MixtureLoader:
         self.device, self.name, self.batches = torch.device(device), name, 0
         # each source keeps a batch's worth of rows ready (prefetch counts its one-row batches)
         common = {"rank": rank, "world_size": world_size, "seed": seed, "prefetch": prefetch * batch_size, **kwargs}
-        self.loaders = []
-        for source in sources:
-            if source["kind"] == "text":
-                loader = text_loader(source["path"], "train", tokenizer, 1, seq_len, name=source["name"], **common)
-            else:
-                loader = chat_loader(source["path"], "train", tokenizer, 1, seq_len, pack="crop", supervise=supervise,
-                                     name=source["name"], **common)
-            self.loaders.append(loader)
+        make = {"text": text_loader, "chat": partial(chat_loader, pack="crop", supervise=supervise)}
+        self.loaders = [make[s["kind"]](s["path"], "train", tokenizer, 1, seq_len, name=s["name"], **common)
+                        for s in sources]
 
     def __iter__(self):
         return self
@@ -627,8 +618,7 @@ def main(argv=None):
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--data_dir", help="a text corpus directory (its shards, the last one validation)")
     source.add_argument("--chat", help="a conversation directory, or a `dataset.py download-chat` name")
-    parser.add_argument("--tokenizer", default="runs/tokenizer", help="directory of tokenizer.json (default: "
-                        "%(default)s)")
+    parser.add_argument("--tokenizer", default="runs/tokenizer", help="directory of tokenizer.json (default: %(default)s)")
     parser.add_argument("--split", default="train", choices=["train", "val"], help="(default: %(default)s)")
     parser.add_argument("--batch_size", type=int, default=4, help="rows per batch (default: %(default)s)")
     parser.add_argument("--seq_len", type=int, default=256, help="tokens per row (default: %(default)s)")
@@ -636,8 +626,7 @@ def main(argv=None):
                         "(midtraining) (default: %(default)s)")
     parser.add_argument("--supervise", default="assistant", choices=["assistant", "all"], help="conversations: "
                         "which tokens are targets (default: %(default)s)")
-    parser.add_argument("--rows", type=int, default=2, help="rows of the first batch to print (default: "
-                        "%(default)s)")
+    parser.add_argument("--rows", type=int, default=2, help="rows of the first batch to print (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
         tokenizer = Tokenizer.load(args.tokenizer)
