@@ -10,6 +10,7 @@ In code: `inputs, targets = next(text_loader(data_dir, "train", tokenizer, batch
 """
 import argparse
 import bisect
+import contextlib
 import heapq
 import itertools
 import os
@@ -228,19 +229,15 @@ class Pipe:
     def put(self, item):
         """Hand `item` on; False if the pipeline was stopped first."""
         while not self.stop.is_set():
-            try:
+            with contextlib.suppress(queue.Full):
                 self.queue.put(item, timeout=0.1)
                 return True
-            except queue.Full:
-                pass
         return False
 
     def get(self):
         while not self.stop.is_set():
-            try:
+            with contextlib.suppress(queue.Empty):
                 return self.queue.get(timeout=0.1)
-            except queue.Empty:
-                pass
         raise RuntimeError(f"{self.name} loader was closed while waiting: next() starts it again from its last state")
 
 
