@@ -14,6 +14,7 @@ at most MAX_EXPONENT, and MAX_SECONDS of wall time.
 import argparse
 import ast
 import math
+import operator
 import time
 from fractions import Fraction
 
@@ -50,24 +51,16 @@ def _power(base, exponent):
     return base ** e
 
 
+OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Pow: _power,
+             ast.Div: operator.truediv, ast.FloorDiv: lambda a, b: Fraction(a // b), ast.Mod: operator.mod}
+
+
 def _binary(op, a, b):
-    if isinstance(op, ast.Add):
-        return a + b
-    if isinstance(op, ast.Sub):
-        return a - b
-    if isinstance(op, ast.Mult):
-        return a * b
-    if isinstance(op, ast.Pow):
-        return _power(a, b)
-    if b == 0:
+    if type(op) not in (ast.Add, ast.Sub, ast.Mult, ast.Pow) and b == 0:
         raise CalculatorError("division by zero")
-    if isinstance(op, ast.Div):
-        return a / b
-    if isinstance(op, ast.FloorDiv):
-        return Fraction(a // b)
-    if isinstance(op, ast.Mod):
-        return a % b
-    raise CalculatorError(f"operator {type(op).__name__} is not allowed: only + - * / // % **")
+    if type(op) not in OPERATORS:
+        raise CalculatorError(f"operator {type(op).__name__} is not allowed: only + - * / // % **")
+    return OPERATORS[type(op)](a, b)
 
 
 def _walk(node, depth, deadline):

@@ -117,15 +117,14 @@ def option_text_scores(model, tokenizer, items, dtype, device):
     """Per item (the likeliest option text as the reply by the sum of its log-probs, the same by their mean, per option
     [sum of log-probs, tokens]): the question alone as the user message, each option's tokens after <|assistant_start|>;
     ties to the first, an empty option never. Outside ChatCORE: right text, wrong letter means the model knows."""
-    rows, starts, owner = [], [], []
+    rows, owner = [], []  # (ids, first scored index) per option; the item it belongs to
     for n, item in enumerate(items):
         for text in item["options"]:
             option = tokenizer.encode(text)[:model.config.sequence_len - 1]
             ids, _ = prompt_ids(tokenizer, item["question"], model.config.sequence_len, max(len(option) - 1, 0))
-            rows.append(ids + option)
-            starts.append(len(ids))
+            rows.append((ids + option, len(ids)))
             owner.append(n)
-    losses, y = score_rows(model, list(zip(rows, starts)), dtype, device)
+    losses, y = score_rows(model, rows, dtype, device)
     losses, y = losses.float().cpu(), y.cpu()
     sums, counts = (-losses * (y != -1)).sum(1).tolist(), (y != -1).sum(1).tolist()
     out = []

@@ -266,19 +266,16 @@ def prompt_pairs(task, order, position):
     few-shot examples, each followed by a blank line, then the item, one row per choice (multiple choice), per context
     option (schema), or its one answer (language modelling, whose contexts are stripped)."""
     d = task.delimiter
-    def solved(ex):
+    def rows(ex):  # (context, continuation) per row of an item or a few-shot example, the delimiter not yet between
         if task.kind == "multiple_choice":
-            return ex["query"] + d + ex["choices"][ex["gold"]]
+            return [(ex["query"], choice) for choice in ex["choices"]]
         if task.kind == "schema":
-            return ex["context_options"][ex["gold"]] + d + ex["continuation"]
-        return ex["context"].strip() + d + ex["continuation"]
-    shots = fewshot_positions(len(order), position, task.fewshot)
-    prefix, item = "".join(solved(task.items[order[p]]) + "\n\n" for p in shots), task.items[order[position]]
-    if task.kind == "multiple_choice":
-        return [(prefix + item["query"] + d, choice) for choice in item["choices"]]
-    if task.kind == "schema":
-        return [(prefix + option + d, item["continuation"]) for option in item["context_options"]]
-    return [(prefix + item["context"].strip() + d, item["continuation"])]
+            return [(option, ex["continuation"]) for option in ex["context_options"]]
+        return [(ex["context"].strip(), ex["continuation"])]
+    examples = [task.items[order[p]] for p in fewshot_positions(len(order), position, task.fewshot)]
+    solved = [rows(ex)[0 if task.kind == "language_modeling" else ex["gold"]] for ex in examples]  # their gold rows
+    prefix = "".join(context + d + continuation + "\n\n" for context, continuation in solved)
+    return [(prefix + context + d, continuation) for context, continuation in rows(task.items[order[position]])]
 
 
 def shared_length(rows):
@@ -358,8 +355,7 @@ def evaluate_tasks(model, tokenizer, tasks, max_per_task, batch_items, dtype, ra
         by_length = sorted(range(len(order)), key=lambda p: max(len(c + x) for c, x in prompt_pairs(task, order, p)))
         for b in range(rank * batch_items, len(order), world * batch_items):
             batch = by_length[b:b + batch_items]
-            rows_per_item = [item_rows(task, order, p, tokenizer, model.config.sequence_len, protocol)
-                             for p in batch]
+            rows_per_item = [item_rows(task, order, p, tokenizer, model.config.sequence_len, protocol) for p in batch]
             mean_loss, exact = score_batch(model, [r for rows in rows_per_item for r in rows], device, dtype)
             at = 0
             for p, rows in zip(batch, rows_per_item):

@@ -332,9 +332,8 @@ def open_parquet(path, column="text"):
 def read_row_group(path, index, column="text"):
     """One column's values of a row group, or with column=None its rows as dicts."""
     try:
-        if column is None:
-            return open_parquet(path, column).read_row_group(index).to_pylist()
-        return open_parquet(path, column).read_row_group(index, columns=[column]).column(column).to_pylist()
+        table = open_parquet(path, column).read_row_group(index, columns=None if column is None else [column])
+        return table.to_pylist() if column is None else table.column(column).to_pylist()
     except (pa.ArrowInvalid, OSError) as e:
         raise ValueError(f"{path}: row group {index} is unreadable ({e}): delete the file and fetch it again") from e
 

@@ -467,8 +467,7 @@ def write_demo(out_dir, seed=0):
     for stale in sorted((out_dir / "pretrain").glob("shard_*.parquet")):  # an old last shard would pose as val
         stale.unlink()
     docs = demo_documents(random.Random(f"demo-docs-{seed}"))
-    shards = write_text_shards(docs, out_dir / "pretrain", seed=seed, shard_docs=2 * ROW_GROUP_DOCS,
-                               val_fraction=0.05)
+    shards = write_text_shards(docs, out_dir / "pretrain", seed=seed, shard_docs=2 * ROW_GROUP_DOCS, val_fraction=0.05)
     rng = random.Random(f"demo-chat-{seed}")
     chats = [conversation(rng) for _ in range(4000)]
     splits = {"train": [c for i, c in enumerate(chats) if i % 20], "val": chats[::20]}

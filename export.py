@@ -61,8 +61,7 @@ CHAT_TEMPLATE = r"""{#- tokenizer.py's render_conversation: a system message joi
 def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_args(p)  # as chat.py's
-    p.add_argument("--out", required=True, help="directory to write the export to, new or a previous export "
-                   "(required)")
+    p.add_argument("--out", required=True, help="directory to write the export to, new or a previous export (required)")
     p.add_argument("--push", default=None, metavar="REPO", help="then upload --out to this hub model repo, e.g. "
                    "user/name, created if missing; HF_TOKEN and HF_ENDPOINT from the environment (default: no upload)")
     return p.parse_args(argv)

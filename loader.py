@@ -10,12 +10,14 @@ In code: `inputs, targets = next(text_loader(data_dir, "train", tokenizer, batch
 """
 import argparse
 import bisect
+import contextlib
 import heapq
 import itertools
 import os
 import queue
 import random
 import threading
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -29,15 +31,15 @@ STAT_KEYS = ("batches", "tokens", "supervised", "docs", "doc_tokens", "pieces", 
 REPORT_SKIPPED = 5  # the first few conversations skipped as bad input are printed (file, row, why); the rest counted
 
 
-def assign_units(files, rank, world_size):
+def assign_units(files, rank, world_size, footers=None):
     """What rank `rank` of `world_size` reads, so ranks share no document and none runs out while another has unread
     data: full-size row groups round robin in whole rounds, the rest dealt by document (rank r takes documents r,
     r+W, ... in file order): streams differ by at most one document. With fewer documents than ranks, they are
-    repeated until there are W (ranks then share a few). A unit is (path, row group, first doc, doc step)."""
-    row_groups = []
-    for path in files:
-        parquet = open_parquet(path, column=None)
-        row_groups += [(path, i, parquet.metadata.row_group(i).num_rows) for i in range(parquet.num_row_groups)]
+    repeated until there are W (ranks then share a few). A unit is (path, row group, first doc, doc step).
+    footers: {path: its parquet metadata} where the caller has read them already."""
+    footers = footers or {path: open_parquet(path, column=None).metadata for path in files}
+    row_groups = [(path, i, footers[path].row_group(i).num_rows) for path in files
+                  for i in range(footers[path].num_row_groups)]
     most = max((n for _, _, n in row_groups), default=0)
     full = [k for k, (_, _, n) in enumerate(row_groups) if n == most]
     whole = {k: j % world_size for j, k in enumerate(full[:len(full) // world_size * world_size])}  # -> its rank
@@ -54,19 +56,6 @@ def assign_units(files, rank, world_size):
                 units.append((path, i, first, world_size))
             start += n
     return units
-
-
-def epoch_documents(units, enough, footers):
-    """The documents in units (one pass of a rank's data), from the parquet footers (footers: path -> its metadata,
-    read where missing and kept there); counting stops at `enough`."""
-    total = 0
-    for path, i, first, step in units:
-        if path not in footers:
-            footers[path] = open_parquet(path, column=None).metadata
-        total += len(range(first, footers[path].row_group(i).num_rows, step))
-        if total >= enough:
-            break
-    return total
 
 
 def trained_epoch(stats, pass_tokens):
@@ -154,16 +143,6 @@ def add_document(buffer, document, row_len, bos, stats):
         stats["pieces"] += 1
 
 
-def top_up(buffer, documents, row_len, bos, crop, buffer_docs, stats):
-    """Read documents into the buffer until it holds buffer_docs pieces, or they run out (max_epochs); cropping also
-    wants a row's worth of tokens, else a row would take every piece and find nothing to crop."""
-    while len(buffer) < buffer_docs or (crop and buffer.tokens < row_len):
-        document = next(documents, _END)
-        if document is _END:
-            return
-        add_document(buffer, document, row_len, bos, stats)
-
-
 def fill_row(buffer, row, row_mask, bos, crop, stats):
     """The oldest piece opens the row (pure best-fit starves short documents), then the largest piece that fits,
     again and again, then pad_or_crop() the rest. row_mask (None: no masks) gets the pieces' masks."""
@@ -198,14 +177,19 @@ def pad_or_crop(buffer, row, row_mask, pos, bos, crop, stats):
 
 
 def pack_batch(buffer, documents, batch_size, row_len, bos, *, crop, buffer_docs, masked, stats):
-    """(rows, masks) of one batch: up to batch_size int32 rows of row_len tokens (top_up(), then fill_row()), and their
+    """(rows, masks) of one batch: up to batch_size int32 rows of row_len tokens (buffered, then fill_row()), and their
     int8 masks (1: a target), or None when masked=False (text that never pads). Fewer rows, or none, once the
     documents and the buffer are empty; stats count it (batches, tokens: row_len - 1 targets a row, supervised)."""
     rows = np.empty((batch_size, row_len), dtype=np.int32)
     masks = np.ones((batch_size, row_len), dtype=np.int8) if masked else None
     filled = 0
     for b in range(batch_size):
-        top_up(buffer, documents, row_len, bos, crop, buffer_docs, stats)
+        # documents into the buffer until it holds buffer_docs pieces, or they run out (max_epochs); cropping also
+        # wants a row's worth of tokens, else a row would take every piece and find nothing to crop
+        while len(buffer) < buffer_docs or (crop and buffer.tokens < row_len):
+            if (document := next(documents, _END)) is _END:
+                break
+            add_document(buffer, document, row_len, bos, stats)
         if not len(buffer):  # the data has ended and every piece is in a row: a short last batch
             break
         fill_row(buffer, rows[b], None if masks is None else masks[b], bos, crop, stats)
@@ -245,19 +229,15 @@ class Pipe:
     def put(self, item):
         """Hand `item` on; False if the pipeline was stopped first."""
         while not self.stop.is_set():
-            try:
+            with contextlib.suppress(queue.Full):
                 self.queue.put(item, timeout=0.1)
                 return True
-            except queue.Full:
-                pass
         return False
 
     def get(self):
         while not self.stop.is_set():
-            try:
+            with contextlib.suppress(queue.Empty):
                 return self.queue.get(timeout=0.1)
-            except queue.Empty:
-                pass
         raise RuntimeError(f"{self.name} loader was closed while waiting: next() starts it again from its last state")
 
 
@@ -287,13 +267,14 @@ class PackedLoader:
         self.B, self.T, self.rank, self.world_size = batch_size, seq_len, rank, world_size
         self.device = torch.device(device)
         self.threads, self.prefetch, self.max_epochs = threads or os.cpu_count(), prefetch, max_epochs
-        self.units = assign_units(self.files, rank, world_size)
+        self._footers = {path: open_parquet(path, column=None).metadata for path in self.files}  # row groups' sizes
+        self.units = assign_units(self.files, rank, world_size, self._footers)
         if not self.units:
             raise ValueError(f"{name}: rank {rank} of {world_size} has no data in {', '.join(map(str, self.files))}")
         # training buffers at most one pass of this rank's documents, else a small set is read a thousand times over
         # before the first row (validation, whose data ends, is unchanged)
-        self._footers = {}  # path: its parquet metadata (the reader's, for its row groups' sizes)
-        pass_docs = epoch_documents(self.units, buffer_docs, self._footers) if max_epochs is None else None
+        pass_docs = sum(len(range(first, self._footers[path].row_group(i).num_rows, step))
+                        for path, i, first, step in self.units)
         self.buffer_docs = buffer_docs if max_epochs is not None else min(buffer_docs, max(1, pass_docs))
         # a training pass shorter than buffer_docs (a small source on many streams) is kept encoded after its first
         # read, as the buffer could hold it anyway. {(unit, row in its row group): _read_unit's}; None: every pass reads
@@ -416,8 +397,6 @@ class PackedLoader:
     def _encode(self, unit, skip, doc_order=None):
         """The documents of a unit from position `skip` on, in file order or shuffled with the seed `doc_order`."""
         path, row_group, first, step = unit
-        if path not in self._footers:  # the row groups' sizes: read once, not at every pass over the unit
-            self._footers[path] = open_parquet(path, column=None).metadata
         rows = list(range(first, self._footers[path].row_group(row_group).num_rows, step))  # indices in the row group
         if doc_order is not None:
             random.Random(doc_order).shuffle(rows)
@@ -515,13 +494,11 @@ class PackedLoader:
                 per_pass[0] = stats["doc_tokens"] / item_epoch
             for read, item in enumerate(items, start=1):
                 usable += not skipped(item)
-                last = read == len(items)  # then the next document is the first of the next row group
-                position[0] = self._next_unit(epoch, unit) if last else (epoch, unit, doc + read)
+                position[0] = (epoch, unit, doc + read)
+                if read == len(items):  # the next document is the first of the next row group
+                    position[0] = (epoch + 1, 0, 0) if unit + 1 == len(self.units) else (epoch, unit + 1, 0)
                 yield item
         position[0] = None
-
-    def _next_unit(self, epoch, unit):
-        return (epoch + 1, 0, 0) if unit + 1 == len(self.units) else (epoch, unit + 1, 0)
 
 
 def close_all(loaders, timeout=10):
@@ -562,14 +539,9 @@ class MixtureLoader:
         self.device, self.name, self.batches = torch.device(device), name, 0
         # each source keeps a batch's worth of rows ready (prefetch counts its one-row batches)
         common = {"rank": rank, "world_size": world_size, "seed": seed, "prefetch": prefetch * batch_size, **kwargs}
-        self.loaders = []
-        for source in sources:
-            if source["kind"] == "text":
-                loader = text_loader(source["path"], "train", tokenizer, 1, seq_len, name=source["name"], **common)
-            else:
-                loader = chat_loader(source["path"], "train", tokenizer, 1, seq_len, pack="crop", supervise=supervise,
-                                     name=source["name"], **common)
-            self.loaders.append(loader)
+        make = {"text": text_loader, "chat": partial(chat_loader, pack="crop", supervise=supervise)}
+        self.loaders = [make[s["kind"]](s["path"], "train", tokenizer, 1, seq_len, name=s["name"], **common)
+                        for s in sources]
 
     def __iter__(self):
         return self
@@ -643,8 +615,7 @@ def main(argv=None):
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--data_dir", help="a text corpus directory (its shards, the last one validation)")
     source.add_argument("--chat", help="a conversation directory, or a `dataset.py download-chat` name")
-    parser.add_argument("--tokenizer", default="runs/tokenizer", help="directory of tokenizer.json (default: "
-                        "%(default)s)")
+    parser.add_argument("--tokenizer", default="runs/tokenizer", help="directory of tokenizer.json (default: %(default)s)")
     parser.add_argument("--split", default="train", choices=["train", "val"], help="(default: %(default)s)")
     parser.add_argument("--batch_size", type=int, default=4, help="rows per batch (default: %(default)s)")
     parser.add_argument("--seq_len", type=int, default=256, help="tokens per row (default: %(default)s)")
@@ -652,8 +623,7 @@ def main(argv=None):
                         "(midtraining) (default: %(default)s)")
     parser.add_argument("--supervise", default="assistant", choices=["assistant", "all"], help="conversations: "
                         "which tokens are targets (default: %(default)s)")
-    parser.add_argument("--rows", type=int, default=2, help="rows of the first batch to print (default: "
-                        "%(default)s)")
+    parser.add_argument("--rows", type=int, default=2, help="rows of the first batch to print (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
         tokenizer = Tokenizer.load(args.tokenizer)

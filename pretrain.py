@@ -136,8 +136,7 @@ def plan_checkpoints(args, steps, tokens_per_step):
     mid_steps = math.ceil(gpu_plan.FLAGS["midtrain"]["tokens"] / tokens_per_step)
     mid_end, mid_peak = kept_checkpoints(cap(mid_steps), args.ckpt_every, args.keep)
     rl_end, rl_peak = kept_checkpoints(cap(gpu_plan.RL_STEPS), gpu_plan.FLAGS["rl"]["ckpt_every"], args.keep)
-    most = max(pre_peak, pre_end + mid_peak, pre_end + mid_end + args.keep + 1,
-               pre_end + mid_end + args.keep + rl_peak)
+    most = max(pre_peak, pre_end + mid_peak, pre_end + mid_end + args.keep + 1, pre_end + mid_end + args.keep + rl_peak)
     return most, (f"pretraining keeps {pre_end} (holding {pre_peak} while it saves), midtraining {mid_end} (holding "
                   f"{mid_peak}), SFT up to --keep {args.keep} (one more while it saves), RL {rl_end} (holding "
                   f"{rl_peak}): at most {most} at once")

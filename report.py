@@ -126,11 +126,6 @@ def marked_answers(items_path, per_task=SAMPLES_PER_TASK):
     return lines
 
 
-def model_stages(run):
-    """The stages of MODEL_STAGES that left a checkpoint under the run: the table's columns."""
-    return [name for name in MODEL_STAGES if any((run / name / "ckpt").glob("step_*"))]
-
-
 def stage_eval_files(run, name):
     """(core_eval results.json, chat_eval.json, its items) of one stage's final model: runs/<run>/stage_evals/<stage>/;
     the pretrained model's CORE is core_eval/'s, the same command on the same checkpoint."""
@@ -159,8 +154,7 @@ def sample_items(items):
             continue
         task_items = chosen.setdefault(item["task"], [])
         numeric = any(re.fullmatch(r"-?\d+", a) for a in item.get("answers", [item.get("answer", "")]))
-        if not task_items or (numeric and len(task_items) < SAMPLE_QUESTIONS
-                              and not any(n for _, n in task_items)):
+        if not task_items or (numeric and len(task_items) < SAMPLE_QUESTIONS and not any(n for _, n in task_items)):
             task_items.append((item["question"], numeric))
     return [(task, q) for task, qs in chosen.items() for q, _ in qs]
 
@@ -168,7 +162,7 @@ def sample_items(items):
 def per_stage_table(run):
     """What each stage taught: a row per ability, a column per stage's final model. Every cell is read from that
     model's own evaluation files (stage_eval_files), computed by the same commands; "unknown" where absent."""
-    stages = model_stages(run)
+    stages = [name for name in MODEL_STAGES if any((run / name / "ckpt").glob("step_*"))]
     if not stages:
         return [f"No stage has a checkpoint under {run}/<stage>/ckpt/: nothing to tabulate."]
     core = {s: read_json(stage_eval_files(run, s)[0]) for s in stages}
@@ -282,8 +276,8 @@ def write_report(run):
     lines = [f"# Speedrun report: {run}", "",
              f"- code: commit {code.get('commit', UNKNOWN)}, uncommitted changes: {code.get('dirty', UNKNOWN)}",
              f"- transport: {transport}"]
-    for name in ["pretrain", "core_eval", "midtrain", "sft"] + ["rl"] * (run / "rl").is_dir() + ["chat_eval"]:
-        lines.append(f"- hardware, {name}: {hardware(run, name)}")
+    lines += [f"- hardware, {name}: {hardware(run, name)}"
+              for name in ["pretrain", "core_eval", "midtrain", "sft"] + ["rl"] * (run / "rl").is_dir() + ["chat_eval"]]
     lines += ["", "## Stages", "", "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
     lines += ["| " + " | ".join(row.values()) + " |" for row in rows]
     lines += ["", ("Wall time: speedrun.sh's clock around the stage (logs/stages.tsv), start-up and evaluation included. "

@@ -19,6 +19,7 @@ what its user can read by absolute path, or the network through the original soc
 says which level runs and why; docs/eval.md (the sandbox) has the full account of what each level contains.
 """
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -156,24 +157,19 @@ def tasks_of(uid):
     user namespaces), so a limit of n for a user already running m tasks allows n - m more. 0 without /proc."""
     count = 0
     for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
-        try:
+        with contextlib.suppress(OSError, KeyError, ValueError):  # a process gone meanwhile
             fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                           if ":" in line)
             count += int(fields["Threads"]) if int(fields["Uid"].split()[0]) == uid else 0
-        except (OSError, KeyError, ValueError):
-            pass  # gone meanwhile
     return count
 
 
 def set_limits(cpu_s, memory_bytes, nproc, fsize):
     """preexec_fn: runs in the child between fork and exec. The CPU limit's soft and hard values are equal: a soft
     limit's SIGXCPU is ignored by the first process of a pid namespace, the hard limit's SIGKILL is not."""
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
-    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    for limit, value in ((resource.RLIMIT_CPU, cpu_s), (resource.RLIMIT_AS, memory_bytes), (resource.RLIMIT_NPROC, nproc),
+                         (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NOFILE, 64)):
+        resource.setrlimit(limit, (value, value))
 
 
 def run(program, timeout_s=5.0, cpu_s=None, memory_mb=512, nproc=16, level=None):
@@ -207,10 +203,9 @@ def run(program, timeout_s=5.0, cpu_s=None, memory_mb=512, nproc=16, level=None)
             except subprocess.TimeoutExpired:
                 code, status = None, "timeout"
             finally:
-                try:  # everything left in its process group (the pid namespace, where there is one, dies with it)
+                # everything left in its process group (the pid namespace, where there is one, dies with it)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
                 proc.wait()
                 os.close(alive)
         seconds = time.perf_counter() - start

@@ -86,11 +86,9 @@ def estimate_epoch_batches(args, tokenizer, micro, seq_len, streams):
     weights = [footers[path].num_rows * per_file[path][0] if kept[path] else 0 for path in files]
     rng = random.Random(0)
     sample = [rng.choice(kept[path]) for path in rng.choices(files, weights, k=SAMPLE_PACKED)] if any(weights) else []
-    tokens = []  # per stream: the rendered tokens of the conversations it keeps in one pass
-    for stream in range(streams):
-        units = assign_units(files, stream, streams)
-        tokens.append(sum(len(range(first, footers[path].row_group(i).num_rows, step)) * math.prod(per_file[path])
-                          for path, i, first, step in units))
+    # per stream: the rendered tokens of the conversations it keeps in one pass
+    tokens = [sum(len(range(first, footers[path].row_group(i).num_rows, step)) * math.prod(per_file[path])
+                  for path, i, first, step in assign_units(files, stream, streams, footers)) for stream in range(streams)]
     stats, buffer, rows, documents = dict.fromkeys(STAT_KEYS, 0), PieceBuffer([]), 0, iter(sample)
     while True:  # the sample packed as training packs it: how full a row gets
         packed, _ = pack_batch(buffer, documents, 64, seq_len + 1, tokenizer.bos_id, crop=False, buffer_docs=1000,

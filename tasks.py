@@ -127,10 +127,7 @@ def final_number(text, marker_only=False):
     """The lenient reading, a diagnostic outside ChatCORE: a Decimal or None, the number after the first '####'
     (spaces and a '$' allowed), else (not marker_only) the text's last number, compared as numbers (18.00 is 18)."""
     found = re.findall(r"####\s*\$?\s*(" + NUMBER + ")", text)[:1] or ([] if marker_only else re.findall(NUMBER, text))
-    try:
-        return Decimal(found[-1].replace(",", "")) if found else None
-    except InvalidOperation:
-        return None
+    return Decimal(found[-1].replace(",", "")) if found else None  # NUMBER without commas: always a valid Decimal
 
 
 def same_number(lenient, answer):
