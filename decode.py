@@ -193,7 +193,7 @@ def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=Non
     weights = weights if weights is not None else decode_weights(model, dtype)
     step_fn = compiled_step() if compiled else decode_step
     generator = torch.Generator(device=device)
-    generator.manual_seed(seed) if seed is not None else generator.seed()
+    generator.manual_seed(seed if seed is not None else generator.seed())
     stop = set(stop)
 
     cache = KVCache(c, len(prompts), max(map(len, prompts)))  # keys, values: (layer, prompt, kv head, slot, dim)
