@@ -10,8 +10,7 @@ At session start, when a selected test uses one of them, speedrun.sh starts in t
 furthest stage any selected test needs (`pytest tests/test_core_eval.py` pretrains only); each fixture waits for its
 own stage to finish, not for the whole run. Tests run in this order: one process (beside the pipeline), then the
 pipeline's, by stage, then bench.py's dry run (test_bench: it runs in the background from the pipeline's end, on the
-core the pipeline leaves), then those that run 2 processes at once (TWO_PROCESS_FIXTURES, or marked two_processes),
-and last the tests of the gpu plan's rehearsal, which runs in the background from the session's start.
+core the pipeline leaves), then those that run 2 processes at once (TWO_PROCESS_FIXTURES, or marked two_processes).
 
 requirements_resolved: pip's resolutions of requirements.txt for other Pythons (test_repo.py), which wait on the
 package registry rather than the CPU, start at session start too, in threads, when those tests are selected."""
@@ -92,8 +91,6 @@ TWO_PROCESS_FIXTURES = {"killed", "two_rank_results", "worker_runs"}
 
 def pytest_collection_modifyitems(items):
     def order(item):
-        if "rehearsal" in item.fixturenames:  # last: its run goes on in the background until then
-            return 2, 1
         if TWO_PROCESS_FIXTURES & set(item.fixturenames) or item.get_closest_marker("two_processes"):
             return 2, 0
         if "bench_dry_run" in item.fixturenames:  # after the pipeline's tests: its run starts when the pipeline ends
@@ -214,58 +211,6 @@ def bench_dry_run(bench_started):
     """(bench.py's exit code, its directory): tmp/bench.out, bench.err, work/, out/."""
     finished, tmp = bench_started
     return finished.result(timeout=900), tmp
-
-
-@pytest.fixture(scope="session", autouse=True)
-def rehearsal_started(request, tmp_path_factory):
-    """`bash speedrun.sh --rehearse --gpus 2 --depth 1` without CUDA (the gpu plan on 2 CPU processes, gloo) against
-    dev/hub_stand_in.py, with MIDTRAIN_ARGS="--micro_batch 8": 32 midtraining streams, as on 80 GB cards at d24. Beside
-    it, the same command against a second stand-in hub that lacks a chat source, with a data directory and caches of
-    its own: it stops at the preflight. Both start with the session, in the background, when a selected test uses
-    `rehearsal`: beside the one-process tests, not the 2-process ones, whose ranks slow each other's waits (dev/LOG.md,
-    2026-11-28, tenth session). (the two Popens, the hub, its env, the tmp dir)"""
-    if not any("rehearsal" in item.fixturenames for item in request.session.items):
-        yield None
-        return
-    import hub_stand_in
-    tmp = tmp_path_factory.mktemp("rehearsal")
-    hub, servers, url = hub_stand_in.start()
-    without = {k: v for k, v in hub.files.items() if not k.startswith("HuggingFaceH4/")}  # ultrachat's repository
-    _, servers_without, url_without = hub_stand_in.start(without)
-    env = {"HF_ENDPOINT": url, "NO_PROXY": "127.0.0.1", "HF_HOME": str(tmp / "hf"),
-           "NANOCHAT_CACHE": str(tmp / "cache"), "CORE_ARGS": f"--bundle {url}/eval_bundle.zip",
-           "MIDTRAIN_ARGS": "--micro_batch 8"}
-    env_without = {**env, "HF_ENDPOINT": url_without, "HF_HOME": str(tmp / "hf_missing"),
-                   "NANOCHAT_CACHE": str(tmp / "cache_missing"), "CORE_ARGS": f"--bundle {url_without}/eval_bundle.zip"}
-    args = ["--no_chat", "--rehearse", "--gpus", "2", "--depth", "1", "--vocab_size", "512", "--stage_evals",
-            "pretrain,rl", "--runs_dir", tmp / "runs"]
-    base = {k: v for k, v in os.environ.items() if k != "HF_TOKEN"}
-    base.update(SPEEDRUN_PYTHON=sys.executable, PYTHONPATH=str(ROOT))
-    processes = []
-    try:
-        for name, data_dir, extra, run_env in (("speedrun", "corpus", [], env),
-                                               ("missing", "corpus_missing", ["--run_name", "missing"], env_without)):
-            with open(tmp / f"{name}.out", "w") as out, open(tmp / f"{name}.err", "w") as err:  # files: nobody reads
-                processes.append(subprocess.Popen(  # a pipe meanwhile
-                    ["bash", str(ROOT / "speedrun.sh"), *map(str, [*args, *extra]), "--data_dir", str(tmp / data_dir)],
-                    cwd=tmp, stdout=out, stderr=err, env={**base, **run_env}, start_new_session=True))
-        yield processes, hub, env, tmp
-    finally:
-        for process in processes:  # the session ended before the tests collected them (-x, Ctrl-C)
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-        hub_stand_in.stop(servers + servers_without)
-
-
-@pytest.fixture(scope="session")
-def rehearsal(rehearsal_started):
-    """(run dir, the finished rehearsal, the missing source's finished run, the hub, its env, tmp dir)."""
-    processes, hub, env, tmp = rehearsal_started
-    result, missing = [subprocess.CompletedProcess(p.args, p.wait(timeout=1800), (tmp / f"{name}.out").read_text(),
-                                                   (tmp / f"{name}.err").read_text())
-                       for p, name in zip(processes, ("speedrun", "missing"), strict=True)]
-    missing.corpus_made = (tmp / "corpus_missing").exists()
-    return tmp / "runs" / "speedrun-rehearsal", result, missing, hub, env, tmp
 
 
 @pytest.fixture(scope="session")

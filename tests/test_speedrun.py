@@ -492,7 +492,45 @@ REHEARSAL_STAGES = ["preflight", "chatcore_tasks", "data", "tokenizer", "data_pl
                     "predict"]  # --stage_evals pretrain,rl: the gpu plan's CORE of a later stage (a base model: CORE only)
 
 
-@pytest.mark.two_processes
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory):
+    """`bash speedrun.sh --rehearse --gpus 2 --depth 1` without CUDA (the gpu plan on 2 CPU processes, gloo) against
+    dev/hub_stand_in.py, with MIDTRAIN_ARGS="--micro_batch 8": 32 midtraining streams, as on 80 GB cards at d24. Beside
+    it, from its start, the same command against a second stand-in hub that lacks a chat source, with a data directory
+    and caches of its own: it stops at the preflight (it runs beside the first one's early stages, which use one
+    process: a core is free). (run dir, the finished process, the missing source's finished process, the hub, its env,
+    tmp dir)."""
+    import hub_stand_in
+    tmp = tmp_path_factory.mktemp("rehearsal")
+    hub, servers, url = hub_stand_in.start()
+    without = {k: v for k, v in hub.files.items() if not k.startswith("HuggingFaceH4/")}  # ultrachat's repository
+    _, servers_without, url_without = hub_stand_in.start(without)
+    env = {"HF_ENDPOINT": url, "NO_PROXY": "127.0.0.1", "HF_HOME": str(tmp / "hf"),
+           "NANOCHAT_CACHE": str(tmp / "cache"), "CORE_ARGS": f"--bundle {url}/eval_bundle.zip",
+           "MIDTRAIN_ARGS": "--micro_batch 8"}
+    env_without = {**env, "HF_ENDPOINT": url_without, "HF_HOME": str(tmp / "hf_missing"),
+                   "NANOCHAT_CACHE": str(tmp / "cache_missing"), "CORE_ARGS": f"--bundle {url_without}/eval_bundle.zip"}
+    args = ["--rehearse", "--gpus", "2", "--depth", "1", "--vocab_size", "512", "--stage_evals", "pretrain,rl",
+            "--runs_dir", tmp / "runs"]
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        try:
+            outputs = [tmp / "missing.out", tmp / "missing.err"]  # files: nobody reads a pipe meanwhile
+            with open(outputs[0], "w") as out, open(outputs[1], "w") as err:
+                missing = subprocess.Popen(
+                    ["bash", str(ROOT / "speedrun.sh"), "--no_chat", *map(str, args), "--data_dir",
+                     str(tmp / "corpus_missing"), "--run_name", "missing"], cwd=tmp, stdout=out, stderr=err,
+                    env={**os.environ, "SPEEDRUN_PYTHON": sys.executable, "PYTHONPATH": str(ROOT), **env_without})
+            result = run_speedrun([*args, "--data_dir", tmp / "corpus"], tmp, env)
+            missing = subprocess.CompletedProcess(missing.args, missing.wait(timeout=300),
+                                                  *(path.read_text() for path in outputs))
+            missing.corpus_made = (tmp / "corpus_missing").exists()
+            yield tmp / "runs" / "speedrun-rehearsal", result, missing, hub, env, tmp
+        finally:
+            hub_stand_in.stop(servers + servers_without)
+
+
+@pytest.mark.two_processes  # its fixture runs the rehearsal: after the pipeline, on free cores
 def test_a_chat_source_missing_from_the_hub_stops_the_rehearsal_at_the_preflight(rehearsal):
     _, _, missing, _, _, _ = rehearsal
     assert missing.returncode == 2 and "speedrun: stage preflight failed (exit 2)" in missing.stderr
