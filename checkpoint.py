@@ -50,10 +50,14 @@ def set_rng_state(s):
                                                                "pos": s["numpy_pos"]},
                          "has_gauss": 0, "gauss": 0.0})
     torch.set_rng_state(s["torch"])
-    if torch.cuda.is_available() and s.get("cuda_device") is not None:
+    if not torch.cuda.is_available():
+        return
+    if s.get("cuda_device") is not None:
         torch.cuda.set_rng_state(s["cuda_device"])  # this rank's device (setup_distributed made it the current one)
-    elif torch.cuda.is_available() and torch.cuda.current_device() < len(s.get("cuda") or []):
-        torch.cuda.set_rng_state(s["cuda"][torch.cuda.current_device()])  # written before: every visible GPU's state
+    elif s.get("cuda"):  # written before: every visible GPU's state; this rank's device's is the one at its index
+        device = torch.cuda.current_device()
+        if device < len(s["cuda"]):
+            torch.cuda.set_rng_state(s["cuda"][device])
 
 
 def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank, keep, consolidate=False, delay_s=0,

@@ -31,13 +31,24 @@ STAT_KEYS = ("batches", "tokens", "supervised", "docs", "doc_tokens", "pieces", 
 REPORT_SKIPPED = 5  # the first few conversations skipped as bad input are printed (file, row, why); the rest counted
 
 
+def read_footers(files):
+    """{path: its parquet metadata}: every file's row groups and their sizes, read once."""
+    return {path: open_parquet(path, column=None).metadata for path in files}
+
+
+def unit_rows(unit, footers):
+    """The rows of its row group that a unit (assign_units') holds, in file order."""
+    path, row_group, first, step = unit
+    return range(first, footers[path].row_group(row_group).num_rows, step)
+
+
 def assign_units(files, rank, world_size, footers=None):
     """What rank `rank` of `world_size` reads, so ranks share no document and none runs out while another has unread
     data: full-size row groups round robin in whole rounds, the rest dealt by document (rank r takes documents r,
     r+W, ... in file order): streams differ by at most one document. With fewer documents than ranks, they are
     repeated until there are W (ranks then share a few). A unit is (path, row group, first doc, doc step).
-    footers: {path: its parquet metadata} where the caller has read them already."""
-    footers = footers or {path: open_parquet(path, column=None).metadata for path in files}
+    footers: read_footers' where the caller has read them already."""
+    footers = footers or read_footers(files)
     row_groups = [(path, i, footers[path].row_group(i).num_rows) for path in files
                   for i in range(footers[path].num_row_groups)]
     most = max((n for _, _, n in row_groups), default=0)
@@ -267,14 +278,13 @@ class PackedLoader:
         self.B, self.T, self.rank, self.world_size = batch_size, seq_len, rank, world_size
         self.device = torch.device(device)
         self.threads, self.prefetch, self.max_epochs = threads or os.cpu_count(), prefetch, max_epochs
-        self._footers = {path: open_parquet(path, column=None).metadata for path in self.files}  # row groups' sizes
+        self._footers = read_footers(self.files)
         self.units = assign_units(self.files, rank, world_size, self._footers)
         if not self.units:
             raise ValueError(f"{name}: rank {rank} of {world_size} has no data in {', '.join(map(str, self.files))}")
         # training buffers at most one pass of this rank's documents, else a small set is read a thousand times over
         # before the first row (validation, whose data ends, is unchanged)
-        pass_docs = sum(len(range(first, self._footers[path].row_group(i).num_rows, step))
-                        for path, i, first, step in self.units)
+        pass_docs = sum(len(unit_rows(unit, self._footers)) for unit in self.units)
         self.buffer_docs = buffer_docs if max_epochs is not None else min(buffer_docs, max(1, pass_docs))
         # a training pass shorter than buffer_docs (a small source on many streams) is kept encoded after its first
         # read, as the buffer could hold it anyway. {(unit, row in its row group): _read_unit's}; None: every pass reads
@@ -396,8 +406,8 @@ class PackedLoader:
 
     def _encode(self, unit, skip, doc_order=None):
         """The documents of a unit from position `skip` on, in file order or shuffled with the seed `doc_order`."""
-        path, row_group, first, step = unit
-        rows = list(range(first, self._footers[path].row_group(row_group).num_rows, step))  # indices in the row group
+        path, row_group, _, _ = unit
+        rows = list(unit_rows(unit, self._footers))  # indices in the row group
         if doc_order is not None:
             random.Random(doc_order).shuffle(rows)
         rows = rows[skip:]

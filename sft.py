@@ -24,8 +24,8 @@ import distributed
 import runs
 import train_loop
 import validation
-from dataset import chat_rows, mixture_files, open_parquet, parse_chat_sources
-from loader import STAT_KEYS, PieceBuffer, assign_units, chat_loader, pack_batch
+from dataset import chat_rows, mixture_files, parse_chat_sources
+from loader import STAT_KEYS, PieceBuffer, assign_units, chat_loader, pack_batch, read_footers, unit_rows
 
 # nanochat's SFT epochs (SmolTalk 1, MMLU auxiliary_train 3, GSM8K 4), plus ARC's training questions and identity
 DEFAULT_SOURCES = ["smoltalk:1", "mmlu:3", "gsm8k:4", "arc-easy:1", "arc-challenge:1", "identity:2"]
@@ -72,7 +72,7 @@ def estimate_epoch_batches(args, tokenizer, micro, seq_len, streams):
     files = mixture_files(args.sources)
     renderer = chat_loader(None, "train", tokenizer, micro, seq_len, files=files[:1], threads=1)
     per_file, kept = {}, {}  # path: (share of its conversations kept, their mean rendered tokens); the kept ones
-    footers = {path: open_parquet(path, column=None).metadata for path in files}
+    footers = read_footers(files)
     for path, footer in footers.items():
         rows, group = [], 0
         while len(rows) < SAMPLE_ROWS and group < footer.num_row_groups:
@@ -87,8 +87,8 @@ def estimate_epoch_batches(args, tokenizer, micro, seq_len, streams):
     rng = random.Random(0)
     sample = [rng.choice(kept[path]) for path in rng.choices(files, weights, k=SAMPLE_PACKED)] if any(weights) else []
     # per stream: the rendered tokens of the conversations it keeps in one pass
-    tokens = [sum(len(range(first, footers[path].row_group(i).num_rows, step)) * math.prod(per_file[path])
-                  for path, i, first, step in assign_units(files, stream, streams, footers)) for stream in range(streams)]
+    tokens = [sum(len(unit_rows(unit, footers)) * math.prod(per_file[unit[0]])
+                  for unit in assign_units(files, stream, streams, footers)) for stream in range(streams)]
     stats, buffer, rows, documents = dict.fromkeys(STAT_KEYS, 0), PieceBuffer([]), 0, iter(sample)
     while True:  # the sample packed as training packs it: how full a row gets
         packed, _ = pack_batch(buffer, documents, 64, seq_len + 1, tokenizer.bos_id, crop=False, buffer_docs=1000,
