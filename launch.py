@@ -198,9 +198,8 @@ def check_packages(python):
     """With SPEEDRUN_PYTHON, a package of requirements.txt it lacks (matplotlib, first imported by the report, the
     last stage) stops the run now, not hours in. Looked up by import name, not imported; versions are its own."""
     modules = "torch numpy pyarrow tiktoken rustbpe requests huggingface_hub safetensors yaml matplotlib"
-    missing = ask_python(python, f"import importlib.util as u; print(' '.join(m for m in {modules!r}.split() if "
-                                 f"u.find_spec(m) is None))").split()
-    if missing:
+    if missing := ask_python(python, f"import importlib.util as u; print(' '.join(m for m in {modules!r}.split() if "
+                                     f"u.find_spec(m) is None))").split():
         raise Refused(f"{python} cannot import {', '.join(missing)} (requirements.txt): install them into it "
                       f"(`{python} -m pip install -r {ROOT / 'requirements.txt'}`), or leave SPEEDRUN_PYTHON unset "
                       f"to use .venv", 1)
@@ -257,8 +256,10 @@ def setup(env_file, argv):
         raise Refused(f"processes hold the GPUs (pid, name):\n{holders}\nThey would leave this run short of memory (a "
                       f"zombie worker of an earlier run?). Stop them with `kill {pids}` (`kill -9 {pids}` if they "
                       f"stay), or rerun with --force.", 1)
-    # torch's CUDA device count, asked once and only when needed (--gpus 0 never asks)
-    torch_gpus = functools.cache(lambda: int(ask_python(python, "import torch; print(torch.cuda.device_count())")))
+    # torch's CUDA (or ROCm) GPUs, asked once if needed; a wheel built for neither has none: no `import torch` (2-3 s)
+    torch_gpus = functools.cache(lambda: int(ask_python(python, "import importlib.util as u, runpy; v = runpy.run_path("
+        "u.find_spec('torch').submodule_search_locations[0] + '/version.py'); print(__import__('torch').cuda."
+        "device_count() if v['cuda'] or v['hip'] else 0)")))
     gpus = torch_gpus() if gpus == "auto" else int(gpus)
     stand_in_probe = flags["probe_only"] and os.environ.get("SPEEDRUN_PROBE_CMD")  # tests: it uses no GPU
     nothing_trains = flags["stop_after"] in ("data", "tokenizer", "download")  # a CPU box may fetch the data

@@ -292,6 +292,26 @@ def test_an_interpreter_without_a_required_package_stops_the_run_before_any_stag
     assert not (tmp_path / "runs" / "speedrun" / "demo").exists()  # no stage ran
 
 
+def test_gpus_are_counted_by_torch_for_a_cuda_wheel_and_without_importing_it_for_a_cpu_one(tmp_path, monkeypatch):
+    """--gpus auto: a torch built for CUDA (or ROCm) is asked torch.cuda.device_count(); one built for neither (its
+    version.py says so) has no GPU, and is not imported (2-3 s of every CPU run). Stand-in torch packages: importing
+    the CPU one fails, the CUDA one sees 3 GPUs."""
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no nvidia-smi
+    for build, init, gpus in (("None", "raise SystemExit('torch was imported')", "0"),
+                              ("'12.8'", "class cuda:\n    device_count = staticmethod(lambda: 3)", "3")):
+        site = tmp_path / build.strip("'") / "site"
+        (site / "torch").mkdir(parents=True)
+        (site / "torch" / "__init__.py").write_text(init + "\n")
+        (site / "torch" / "version.py").write_text(f"__version__ = '2.13.0'\ncuda = {build}\nhip = None\n")
+        stub = site.parent / "python"
+        stub.write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} "$@"\n')
+        stub.chmod(0o755)
+        monkeypatch.setenv("SPEEDRUN_PYTHON", str(stub))
+        env_file = site.parent / "setup.env"
+        launch.setup(str(env_file), ["--plan", "demo", "--stop_after", "data", "--runs_dir", str(site.parent)])
+        assert f"\nGPUS={gpus}\n" in env_file.read_text(), build
+
+
 def test_a_passed_rehearsal_hands_its_prediction_to_the_run_and_frees_its_checkpoints(tmp_path, capsys):
     """The gpu plan: the rehearsal's plan_cost.json becomes the real run's predicted.json (report.py reads it there),
     and the rehearsal's checkpoints are deleted, their size said."""
