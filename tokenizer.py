@@ -263,11 +263,6 @@ def is_parts(content):
                                              isinstance(p.get("text"), str) for p in content)
 
 
-def content_text(content):
-    """An assistant message's text without its tool calls: the string, or its text parts joined."""
-    return content if isinstance(content, str) else "".join(p["text"] for p in content if p["type"] == "text")
-
-
 def _turns(messages):
     """Validated (role, content, index of its message) turns, a leading system message merged into the first user's."""
     if not messages:

@@ -12,7 +12,6 @@ from calculator import calculate
 from dataset import chat_format, chat_rows
 from demo import DEMO_ASSISTANT_NAME, write_demo
 from demo_world import ANIMALS, COLOURS, COUNTRIES, DAYS, MONTHS, number_word
-from tokenizer import content_text
 
 CAPITAL = {row[0]: row[1] for row in COUNTRIES}
 COUNTRY_OF = {row[1]: row[0] for row in COUNTRIES}
@@ -205,6 +204,11 @@ def test_task_sources_have_the_hub_sets_shapes_and_agree_with_the_tables(demo, t
         assert calls and all(calculate(expr) == result for expr, result in calls)
         said = parts[-1]["text"].lower()
         assert parts[-1]["type"] == "text" and (calls[-1][1] in said or number_word(int(calls[-1][1])) in said)
+
+
+def content_text(content):
+    """An assistant message's text without its tool calls: the string, or its text parts joined."""
+    return content if isinstance(content, str) else "".join(p["text"] for p in content if p["type"] == "text")
 
 
 def test_chat_eval_questions_are_held_out_and_agree_with_the_table(demo, docs, chats, tasks):
