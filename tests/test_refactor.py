@@ -18,9 +18,11 @@ import sft
 import train_loop
 import validation
 
-# the last commit that changed a training number on purpose (fused AdamW on the CPU); from b032caf (the last with the
-# whole of common.py) to it, the split and every later move gave bitwise the same losses
-REFERENCE = "07d0148"
+# the last commit that changed a training number on purpose: the clip's norm as an fp64 sum of per-row fp32 norms,
+# which can move the logged grad_norm's last bit (dev/LOG.md); on a CPU whose Newton-Schulz runs in fp32 no bit of
+# these 6 steps moved, on one that runs it in bf16 step 3's did. Before it, 07d0148 (fused AdamW on the CPU); from
+# b032caf (the last with the whole of common.py) on, the split and every later move gave bitwise the same losses
+REFERENCE = "b463dff"
 HOOKS = ["--inject_nan_step", "--signal_at_step", "--die_at_step", "--hang_at_step", "--stuck_at_step",
          "--checkpoint_delay"]
 # the demo world's tiny model in fp32, uncompiled, one process: a few seconds of training
