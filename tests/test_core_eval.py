@@ -360,16 +360,20 @@ def test_a_tokenizer_the_checkpoint_was_not_trained_with_is_refused(demo, tmp_pa
 
 def test_a_trained_model_beats_chance_on_the_demo_tasks(learned, demo, capsys):
     """conftest's model (1 layer, 100 steps, about a minute) against the untrained one, both scored here (in this
-    process) as speedrun.sh's core_eval stage scores a run (its CORE_ARGS), on all 513 items."""
+    process) as speedrun.sh's core_eval stage scores a run (its CORE_ARGS), on all 513 items, in the dtype the run
+    trained in (its meta.json: the precision the pretraining stage chose), which its val bpb below was computed in."""
     run_dir, _ = learned
+    newest = checkpoint.list_checkpoints(run_dir / "ckpt")[-1]
+    dtype = json.loads((newest / "meta.json").read_text())["hparams"]["dtype"]
     scores = {}
     for name, path in (("trained", run_dir), ("untrained", demo / "core_runs" / "r")):
         out = demo / f"score_{name}"
         code, _, err = run_in_process(E.main, ["--checkpoint", path, "--max_new_tokens", "8", "--out", out,
-                                               "--bpb_tokens", "20000"], capsys, stage="core_eval.py")
+                                               "--bpb_tokens", "20000", "--dtype", dtype], capsys,
+                                      stage="core_eval.py")
         assert code == 0, err[-3000:]
         scores[name] = json.loads((out / "results.json").read_text())
-    assert scores["trained"]["checkpoint"] == str(checkpoint.list_checkpoints(run_dir / "ckpt")[-1])  # a run: its newest
+    assert scores["trained"]["checkpoint"] == str(newest)  # a run: its newest
     trained, untrained = scores["trained"], scores["untrained"]
     assert trained["complete"] and sum(t["items"] for t in trained["tasks"]) == 513
     # chance: each MC/schema task's centered accuracy has a spread of ~0.07 over its 57-90 items, so the mean of 8
