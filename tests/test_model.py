@@ -1,5 +1,6 @@
 """model.py: exact accounting, init, precision, chunked loss, BitNet, KV cache, checkpointing, bad input."""
 import math
+import os
 import random
 import subprocess
 import sys
@@ -123,10 +124,12 @@ def test_memory_estimate_components():
     assert ckpt["activations"] < est["activations"] / 5
 
 
-def test_building_and_training_a_model_eagerly_imports_neither_dynamo_nor_sympy():
+def test_building_and_training_a_model_eagerly_imports_neither_dynamo_nor_sympy(tmp_path):
     """A process that builds a model and compiles nothing (chat.py, an evaluation) starts without torch._dynamo
     (~2 s) or sympy (~0.4 s): build_model's meta construction and to_empty stay off torch's reference kernels. An eager
-    training step with Muon and AdamW, the loss included, and the optimizers' state_dict do not import them either."""
+    training step with Muon and AdamW, the loss included, and the optimizers' state_dict do not import them either,
+    nor, on a CPU with native bf16, the precision probe of a first start (an empty $NANOCHAT_CACHE: with a warm one
+    the probe would not run, and the test would pass or fail by what an earlier run left there)."""
     program = ("import sys, argparse, torch, model, optim; m = model.build_model(model.GPTConfig(), 'cpu'); "
                "print(sorted(n for n in ('torch._dynamo', 'sympy') if n in sys.modules), bool(m.lm_head.weight.std() > 0)); "
                "a = argparse.Namespace(matrix_lr=0.02, embedding_lr=0.3, head_lr=0.004, scalar_lr=0.5, optimizer='muon', "
@@ -134,7 +137,8 @@ def test_building_and_training_a_model_eagerly_imports_neither_dynamo_nor_sympy(
                "x = torch.randint(0, 100, (1, 8)); m(x, targets=x).backward(); [o.step() for o in opts]; "
                "[(o.zero_grad(), o.state_dict()) for o in opts]; print(sorted(n for n in ('torch._dynamo', 'sympy') "
                "if n in sys.modules), [len(o.state) > 0 for o in opts])")
-    out = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, check=True,
+                         env={**os.environ, "NANOCHAT_CACHE": str(tmp_path)}).stdout
     assert out == "[] True\n[] [True, True]\n"
 
 
