@@ -43,7 +43,7 @@ CPU_GENERATE_THREADS = 1
 
 def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    checkpoint.add_checkpoint_args(p, "the newest checkpoint of any stage under --runs_dir", eval_dtype=True)
+    checkpoint.add_checkpoint_args(p, eval_dtype=True)  # chat.py's pick: the final model of the newest run
     p.add_argument("--demo", default="auto", help="a demo world directory (python demo.py --out DIR) whose "
                    "chat_eval/ questions to ask; auto = the checkpoint's world when it was trained on one, else the hub "
                    f"tasks; none = the hub tasks ({', '.join(tasks.HUB_TASKS)}) (default: %(default)s)")
@@ -353,7 +353,7 @@ def main(argv=None):
                   f"{Path(args.cache_dir) / task}")
         return
     rank, _, world, device = distributed.setup_distributed()
-    ckpt = checkpoint.find_checkpoint(args.checkpoint, args.runs_dir)
+    ckpt, how = checkpoint.pick_checkpoint(args)
     model, meta = checkpoint.load_model(ckpt, device)
     tokenizer, tokenizer_path = checkpoint.checkpoint_tokenizer(meta, ckpt, args.tokenizer)
     demo_dir = tasks.demo_world(args.demo, meta.get("data_dir"), "chat_eval")
@@ -370,7 +370,7 @@ def main(argv=None):
     loaded = distributed.fetch_everywhere(lambda: {t: tasks.load_items(t, args.cache_dir, demo_dir, args.max_items)
                                                    for t in asked}, rank, world)
     if rank == 0:
-        print(f"checkpoint: {ckpt} (stage {meta.get('stage') or 'unknown'}, step {meta.get('step', 'unknown')}, "
+        print(f"checkpoint: {ckpt} ({how}; stage {meta.get('stage') or 'unknown'}, step {meta.get('step', 'unknown')}, "
               f"{num_params(model.config):,} parameters); tokenizer {tokenizer_path}")
         print(f"tasks from {demo_dir or 'the hub'} ({args.cache_dir if demo_dir is None else 'offline'}):")
         for t in asked:

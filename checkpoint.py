@@ -213,8 +213,10 @@ def consolidate(path):
 
 
 def newest_checkpoint(runs_dir, stage=None):
-    """The most recently written checkpoint under runs_dir/*/ckpt/ (of that stage only, if given), or None."""
-    found = [c for run in Path(runs_dir).glob("*/ckpt") for c in list_checkpoints(run)
+    """The most recently written checkpoint in runs_dir/*/ckpt/ or runs_dir/*/*/ckpt/ (of that stage only, if given),
+    or None: a stage run alone writes runs/<run>/ckpt/, speedrun.sh runs/<run>/<stage>/ckpt/."""
+    runs = [*Path(runs_dir).glob("*/ckpt"), *Path(runs_dir).glob("*/*/ckpt")]
+    found = [c for run in runs for c in list_checkpoints(run)
              if stage is None or json.loads((c / "meta.json").read_text()).get("stage") == stage]
     return max(found, key=lambda c: (c / "meta.json").stat().st_mtime, default=None)
 
@@ -225,7 +227,7 @@ def find_checkpoint(path=None, runs_dir="runs"):
     if path is None:
         found = newest_checkpoint(runs_dir)
         if found is None:
-            raise FileNotFoundError(f"no checkpoint under {runs_dir}/*/ckpt/: train one first (python pretrain.py), "
+            raise FileNotFoundError(f"no checkpoint in {runs_dir}/*/ckpt/ or {runs_dir}/*/*/ckpt/: train one first (python pretrain.py), "
                                     f"or pass --checkpoint runs/<run>")
         return found
     path = Path(path)
@@ -252,7 +254,7 @@ def pick_checkpoint(args, order=PICK_ORDER):
         if found:
             newest, stage = max(found, key=lambda pair: (pair[0] / "meta.json").stat().st_mtime)
             return newest, f"newest {stage} checkpoint under {args.runs_dir}"
-    raise FileNotFoundError(f"no checkpoint under {args.runs_dir}/*/ckpt/ of stage {' or '.join(sum(order, ()))}: "
+    raise FileNotFoundError(f"no checkpoint in {args.runs_dir}/*/ckpt/ or */*/ckpt/ of stage {' or '.join(sum(order, ()))}: "
                             f"train one (python pretrain.py, then midtrain.py, sft.py, rl.py), or pass --checkpoint "
                             f"runs/<run> (or --runs_dir DIR)")
 

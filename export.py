@@ -223,14 +223,14 @@ def main(argv=None):
     out = Path(args.out)
     if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
         raise ValueError(f"--out {out} is not empty and holds no export: pass a new directory or a previous export")
-    ckpt, _ = pick_checkpoint(args)  # as chat.py: the newer of RL's and SFT's, else midtraining's, ...
+    ckpt, how = pick_checkpoint(args)  # as chat.py: the newer of RL's and SFT's, else midtraining's, ...
     model, meta = checkpoint.load_model(ckpt, "cpu")
     tokenizer, tokenizer_path = checkpoint.checkpoint_tokenizer(meta, ckpt, args.tokenizer)
     checkpoint.check_chat_tokenizer(tokenizer, tokenizer_path)
     kind = export_kind(asdict(model.config))
     tensors = hf_state_dict(model)  # before anything is written: it refuses a tensor it cannot place
     params = sum(p.numel() for p in model.parameters())
-    print(f"export: checkpoint {ckpt} (stage {meta.get('stage', 'unknown')}, step {meta.get('step', 'unknown')}), "
+    print(f"export: checkpoint {ckpt} ({how}; stage {meta.get('stage', 'unknown')}, step {meta.get('step', 'unknown')}), "
           f"{params:,} parameters")
     print(f"export: tokenizer {tokenizer_path} (vocab {tokenizer.vocab_size})")
     if kind == "llama":

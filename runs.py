@@ -79,8 +79,9 @@ def resolve_run(args, stage):
     if args.resume and args.run_name is None:
         newest = checkpoint.newest_checkpoint(args.runs_dir, stage=stage)
         if newest is None:
-            raise FileNotFoundError(f"--resume: no {stage} checkpoint under {args.runs_dir}/*/ckpt/")
-        args.run_name = newest.parent.parent.name
+            raise FileNotFoundError(f"--resume: no {stage} checkpoint in {args.runs_dir}/*/ckpt/ or */*/ckpt/")
+        run = newest.parent.parent  # runs/<run>, or speedrun.sh's runs/<run>/<stage>
+        args.runs_dir, args.run_name = str(run.parent), run.name
     args.run_name = args.run_name or f"{stage}_{args.preset}_{time.strftime('%Y%m%d_%H%M%S')}"
     run_dir = Path(args.runs_dir) / args.run_name
     distributed.check_shared_dir(run_dir)  # several nodes: every rank must see what rank 0 writes there

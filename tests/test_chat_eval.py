@@ -432,20 +432,20 @@ def tiny(demo_world):
                                          "sequence_len": 128})
     meta = {"stage": "sft", "model_config": config.__dict__, "world_size": 1, "tokenizer": str(demo_world / "tokenizer"),
             "tokenizer_sha256": tok.fingerprint(), "data_dir": str(demo_world / "demo" / "pretrain")}
-    checkpoint.save_checkpoint(demo_world / "chat_runs" / "r" / "ckpt", 7, build_model(config), [], [], meta, 0, 1)
-    (demo_world / "chat_runs" / "r" / "metrics.jsonl").write_text('{"step": 7, "loss": 6.9}\n')
+    checkpoint.save_checkpoint(demo_world / "tiny_runs" / "r" / "ckpt", 7, build_model(config), [], [], meta, 0, 1)
+    (demo_world / "tiny_runs" / "r" / "metrics.jsonl").write_text('{"step": 7, "loss": 6.9}\n')
     return demo_world
 
 
 @pytest.mark.two_processes
 def test_the_demo_tasks_run_end_to_end_on_two_processes_and_report_what_ran(tiny):
     """As a user runs it, under torchrun: the items are dealt to 2 ranks, and give what one rank alone gives."""
-    result = run_script("chat_eval.py", ["--runs_dir", "chat_runs", "--max_items", "4", "--max_new_tokens", "6",
+    result = run_script("chat_eval.py", ["--runs_dir", "tiny_runs", "--max_items", "4", "--max_new_tokens", "6",
                                          "--dtype", "float32"], tiny, nproc=2)
-    run = tiny / "chat_runs" / "r"
+    run = tiny / "tiny_runs" / "r"
     report = json.loads((run / "chat_eval.json").read_text())
     records = [json.loads(line) for line in (run / "chat_eval_items.jsonl").read_text().splitlines()]
-    assert "checkpoint: chat_runs/r/ckpt/step_000007 (stage sft, step 7, " in result.stdout
+    assert "checkpoint: tiny_runs/r/ckpt/step_000007 (newest sft checkpoint under tiny_runs; stage sft, step 7, " in result.stdout
     assert f"{report['parameters']:,} parameters)" in result.stdout and report["tasks_from"] == str(tiny / "demo")
     assert [(r["task"], r["items"], r["items_in_task"]) for r in report["tasks"]] == [("demo-choice", 4, 132),
                                                                                         ("demo-answer", 4, 109),
@@ -475,7 +475,7 @@ def test_the_demo_tasks_run_end_to_end_on_two_processes_and_report_what_ran(tiny
 def test_the_hub_tasks_run_end_to_end_with_the_sandbox(tiny, hub, tmp_path, capsys):
     out = tmp_path / "report.json"
     accept = [] if sandbox.sandbox_level()[0] == "namespaces" else ["--sandbox", "process"]  # no namespaces here
-    code, stdout, err = run_in_process(E.main, ["--checkpoint", tiny / "chat_runs" / "r", "--demo", "none",
+    code, stdout, err = run_in_process(E.main, ["--checkpoint", tiny / "tiny_runs" / "r", "--demo", "none",
                                                 "--max_items", "2", "--max_new_tokens", "3", "--dtype", "float32",
                                                 "--cache_dir", tmp_path / "cache", "--out", out, *accept], capsys,
                                        stage="chat_eval.py")
@@ -493,7 +493,7 @@ def test_humaneval_is_refused_where_there_are_no_namespaces_unless_the_process_l
         choice, tiny, tmp_path, capsys, monkeypatch):
     """Never a silent fallback: without namespaces model-written code runs only with --sandbox process."""
     monkeypatch.setattr(sandbox, "_LEVEL", ("process", "no unshare command"))  # a machine without namespaces
-    code, out, err = run_in_process(E.main, ["--checkpoint", tiny / "chat_runs" / "r", "--demo", "none", "--tasks",
+    code, out, err = run_in_process(E.main, ["--checkpoint", tiny / "tiny_runs" / "r", "--demo", "none", "--tasks",
                                              "HumanEval", "--sandbox", choice, "--cache_dir", tmp_path], capsys,
                                     stage="chat_eval.py")
     assert code == 1 and err.startswith(f"chat_eval.py: error: --sandbox {choice}: this machine gives no namespaces "
@@ -519,7 +519,7 @@ def test_as_root_the_process_level_runs_the_program_as_nobody_with_the_interpret
                              "--out nowhere`")),
 ])
 def test_bad_input_stops_with_one_line_before_any_evaluation(tiny, capsys, args, message):
-    code, out, err = run_in_process(E.main, ["--checkpoint", tiny / "chat_runs" / "r", *args], capsys,
+    code, out, err = run_in_process(E.main, ["--checkpoint", tiny / "tiny_runs" / "r", *args], capsys,
                                     stage="chat_eval.py")
     assert code == 1 and err == f"chat_eval.py: error: {message}\n" and "task " not in out
 
@@ -556,7 +556,7 @@ def test_download_only_refuses_humaneval_at_the_start_where_nothing_can_contain_
 
 def test_demo_words_runs_by_name_beside_chatcore_and_is_left_out_of_its_mean(tiny, tmp_path):
     out = tmp_path / "words.json"
-    result = run_script("chat_eval.py", ["--runs_dir", "chat_runs", "--tasks", "demo-choice,demo-words", "--max_items",
+    result = run_script("chat_eval.py", ["--runs_dir", "tiny_runs", "--tasks", "demo-choice,demo-words", "--max_items",
                                          "3", "--max_new_tokens", "4", "--dtype", "float32", "--out", out], tiny)
     report = json.loads(out.read_text())
     choice, words = report["tasks"]

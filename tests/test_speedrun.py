@@ -6,11 +6,13 @@ import json
 import os
 import pty
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import termios
 import time
+from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -19,10 +21,12 @@ from helpers import (
     ROOT,
     held_out_questions,
     processes_mentioning,
+    run_script,
     run_speedrun,
 )
 
 import checkpoint
+import runs
 import validation
 from tokenizer import Tokenizer
 
@@ -113,6 +117,29 @@ def test_the_final_model_answers_a_held_out_demo_question(speedrun, demo_world):
     right = [a["answer"] for (_, word), a in zip(questions, answers, strict=True) if word.lower() in a["answer"].lower()]
     assert right, answers
     assert f"done. Chat with it: {sys.executable} {ROOT / 'chat.py'} --runs_dir {run}" in result.stdout  # no TTY
+
+
+def test_after_the_speedrun_chat_export_and_chat_eval_take_its_final_model_with_no_flag(speedrun, tmp_path):
+    """As a user runs them from the clone's root after `bash speedrun.sh`, whose stages write
+    runs/speedrun/<stage>/ckpt/: chat.py, export.py and chat_eval.py without --checkpoint take the run's final
+    model (RL's), not a stage's, and say which they took and why."""
+    run, _ = speedrun
+    for stage in TRAIN_STAGES:  # copy2: the checkpoints' times kept (the pick is the newest of RL's and SFT's)
+        shutil.copytree(run / stage / "ckpt", tmp_path / "runs" / "speedrun" / stage / "ckpt")
+    final = checkpoint.list_checkpoints(tmp_path / "runs" / "speedrun" / "rl" / "ckpt")[-1]
+    said = f"runs/speedrun/rl/ckpt/{final.name} (newest rl checkpoint under runs"
+    result = run_script("chat.py", ["-p", "Who are you?", "--max_new_tokens", "8"], tmp_path)
+    assert f"checkpoint: {said}): stage rl, step " in result.stderr and result.stdout.strip(), result.stderr
+    result = run_script("export.py", ["--out", "exported"], tmp_path)
+    assert f"export: checkpoint {said}; stage rl, step " in result.stdout and (tmp_path / "exported" / "config.json").is_file()
+    result = run_script("chat_eval.py", ["--tasks", "demo-choice", "--max_items", "2", "--max_new_tokens", "4",
+                                         "--out", "chat_eval.json"], tmp_path)
+    assert f"checkpoint: {said}; stage rl, step " in result.stdout, result.stdout
+    # a stage's --resume without --run_name finds the newest run of its stage in speedrun.sh's layout too
+    args = Namespace(keep=1, resume="latest", run_name=None, runs_dir=str(tmp_path / "runs"), preset="tiny")
+    sft = tmp_path / "runs" / "speedrun" / "sft"
+    assert runs.resolve_run(args, "sft") == (sft, checkpoint.list_checkpoints(sft / "ckpt")[-1])
+    assert (args.runs_dir, args.run_name) == (str(sft.parent), "sft")  # what its resume command names
 
 
 # A pretraining small and quick enough to interrupt and resume in seconds
