@@ -238,23 +238,36 @@ def print_stats(conv, out):
 @contextmanager
 def during_reply(fd):
     """Ctrl-C (SIGINT) only appends to the yielded list, which the decode loop reads between tokens, so the cache is
-    never left half-written. The terminal on fd (None: not a terminal) out of canonical mode and echo, so text pasted
-    meanwhile waits whole for the next prompt, where readline shows it: in canonical mode the kernel silently drops
-    what passes a line's 4,095 characters; here a full buffer makes the sender wait instead. Ctrl-C stays a signal,
-    Enter (CR) still becomes a newline, Ctrl-D is a plain byte that readline then reads as at its prompt. The previous
-    handler and terminal mode come back after the reply."""
+    never left half-written. The terminal on fd (None: not one) without echo, so what is typed or pasted meanwhile
+    waits unseen for the next prompt, where readline shows it. The previous handler and mode come back after."""
     hits = []
     saved = None if fd is None else termios.tcgetattr(fd)
     previous = signal.signal(signal.SIGINT, lambda signum, frame: hits.append(signum))
     try:
         if saved:
-            raw = saved[3] & ~(termios.ICANON | termios.ECHO)  # the local modes: no line editing, no echo
-            termios.tcsetattr(fd, termios.TCSANOW, saved[:3] + [raw] + saved[4:])
+            termios.tcsetattr(fd, termios.TCSANOW, saved[:3] + [saved[3] & ~termios.ECHO] + saved[4:])
         yield hits
     finally:
         if saved:
             termios.tcsetattr(fd, termios.TCSANOW, saved)
         signal.signal(signal.SIGINT, previous)
+
+
+@contextmanager
+def typeahead_kept(fd):
+    """The terminal on fd (None: not a terminal with readline) out of canonical mode for the whole session; readline's
+    prompts run in a mode of their own and give this one back. In canonical mode the kernel silently drops what
+    passes a line's 4,095 characters (a paste while a reply streams), and turns a Ctrl-D typed between two prompts
+    into a NUL that readline does not take for EOF. Ctrl-C stays a signal, Enter (CR) still becomes a newline. The
+    terminal's mode comes back at the end."""
+    saved = None if fd is None else termios.tcgetattr(fd)
+    try:
+        if saved:
+            termios.tcsetattr(fd, termios.TCSANOW, saved[:3] + [saved[3] & ~termios.ICANON] + saved[4:])
+        yield
+    finally:
+        if saved:
+            termios.tcsetattr(fd, termios.TCSANOW, saved)
 
 
 def read_message(out):
@@ -299,15 +312,17 @@ def main(argv=None):
     def write(text):
         print(text, end="", flush=True)
 
-    typeahead_fd = None  # the terminal whose input a reply keeps whole for readline (set below)
+    typeahead_fd = None  # the terminal a reply keeps quiet and a session out of canonical mode (set below)
 
     def turn(text):
         with during_reply(typeahead_fd) as hits:
             s = conv.respond(text, write, args.temperature, args.top_k, args.max_new_tokens, generator,
                              lambda: bool(hits), lambda line: print(line, file=out, flush=True))
-        if s["why"] not in ("interrupted", "context full"):
-            print(file=sys.stdout)
-        print(stats_line(s), file=out, flush=True)
+            if s["why"] not in ("interrupted", "context full"):
+                print(file=sys.stdout)
+            print(stats_line(s), file=out, flush=True)
+        if hits and s["why"] != "interrupted":  # it came after the last token: said, not lost
+            print("[Ctrl-C came as the reply ended: nothing to stop; Ctrl-C again or Ctrl-D to leave]", file=out)
 
     if args.prompt is not None:
         text = sys.stdin.buffer.read().decode("utf-8", "replace") if args.prompt == "-" else args.prompt
@@ -329,6 +344,16 @@ def main(argv=None):
         except ImportError:
             cut = CANONICAL_LIMIT
     print("type a message; /help for commands", file=out)
+    try:
+        with typeahead_kept(typeahead_fd):
+            talk(conv, turn, cut, out)
+    except KeyboardInterrupt:  # a Ctrl-C outside input() and a reply, or one that came with a Ctrl-D: the end
+        print(file=out)
+    return 0
+
+
+def talk(conv, turn, cut, out):
+    """The prompt's loop: commands, or a turn, until /quit, Ctrl-D or Ctrl-C at the prompt."""
     while (line := read_message(out)) is not None:
         last, line = line.endswith(SEND_AND_END), line.removesuffix(SEND_AND_END)
         if cut and len(line) >= cut:
@@ -350,7 +375,6 @@ def main(argv=None):
             turn(line)
         if last:
             break
-    return 0
 
 
 if __name__ == "__main__":

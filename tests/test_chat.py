@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from types import SimpleNamespace
 
@@ -228,6 +229,45 @@ def test_a_paste_during_a_reply_reaches_the_next_turn_whole(demo_world, tmp_path
             wait_for_exit(pid, fd, seen, "chat.py did not exit after the reply")
 
 
+# Where a key can land around a reply's end: what chat.py has printed by then, and the seconds after it. The reply
+# (60 tokens) streams for ~0.1-0.3 s; its stats line and the prompt follow within milliseconds
+REPLY_END = [(rb"hello\r?\n", 0.0), (rb"hello\r?\n", 0.05), (rb"hello\r?\n", 0.1), (rb"\[\d+ tokens", 0.0),
+             (rb"tok/s\]", 0.0), (rb"tok/s\]\r?\n> ", 0.0), (rb"tok/s\]\r?\n> ", 0.3)]
+KEYS = {"ctrl-c, then ctrl-d": [b"\x03", 0.3, b"\x04"], "ctrl-c and ctrl-d at once": [b"\x03\x04"],
+        "ctrl-d": [b"\x04"]}
+
+
+def test_ctrl_c_and_ctrl_d_end_the_session_wherever_they_land_around_a_reply_s_end(demo_world, tmp_path):
+    """Ctrl-C during a reply stops it and the session goes on; at the prompt it ends the session; one that lands
+    after the last token is said, never lost; Ctrl-D at an empty prompt ends it, typed during the reply too. So
+    Ctrl-C then Ctrl-D, both at once, or Ctrl-D alone, pressed at any point of a reply's end, end chat.py with exit 0
+    and no traceback (a Ctrl-C that came with the Ctrl-D's EOF was raised in read_message's handler)."""
+    tokenizer = Tokenizer.load(demo_world / "tokenizer")
+    ckpt = endless_checkpoint(tmp_path / "runs" / "endless" / "ckpt", tokenizer, demo_world / "tokenizer")
+
+    def session(point, keys):
+        seen = []
+        with chat_in_a_terminal(ckpt, "--max_new_tokens", "60", "--seed", "1") as (pid, fd):
+            read_until(fd, rb"type a message.*\r?\n> ", 60, seen)
+            os.write(fd, b"hello\r")
+            read_until(fd, point[0], 30, seen)
+            time.sleep(point[1])
+            for key in KEYS[keys]:
+                if isinstance(key, float):
+                    time.sleep(key)
+                    continue
+                try:
+                    os.write(fd, key)
+                except OSError:  # EIO: the first key ended the session already
+                    break
+            wait_for_exit(pid, fd, seen, f"chat.py did not exit: {keys} after {point}")
+        assert b"Traceback" not in b"".join(seen), (point, keys, b"".join(seen)[-1500:])
+
+    with ThreadPoolExecutor(3) as pool:  # 21 sessions: 3 at a time (each mostly waits on its terminal)
+        for future in [pool.submit(session, point, keys) for point in REPLY_END for keys in KEYS]:
+            future.result()
+
+
 def run_chat(args, stdin, cwd):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, str(ROOT / "chat.py"), *map(str, args)], input=stdin, capture_output=True,
@@ -272,7 +312,7 @@ def test_bad_checkpoint_or_tokenizer_is_one_line_naming_the_flag(demo_world, tmp
     code, _, err = run_in_process(chat.main, ["--checkpoint", tmp_path / "nothing"], capsys, stage="chat.py")
     assert code == 1 and err.strip().count("\n") == 0 and "--checkpoint" in err, err
     code, _, err = run_in_process(chat.main, ["--runs_dir", tmp_path], capsys, stage="chat.py")
-    assert code == 1 and "no checkpoint under" in err and "--checkpoint" in err, err
+    assert code == 1 and "no checkpoint in " in err and "--checkpoint" in err, err
     tokenizer = Tokenizer.load(demo_world / "tokenizer")
     ckpt = endless_checkpoint(tmp_path / "runs" / "e" / "ckpt", tokenizer, demo_world / "tokenizer")
     code, _, err = run_in_process(chat.main, ["--checkpoint", ckpt, "--tokenizer", tmp_path / "none"], capsys,
