@@ -294,6 +294,8 @@ def setup(env_file, argv):
     elif not data_dir and not flags["probe_only"]:
         data_dir = ask_python(python, "from dataset import default_data_dir as d; "
                                       "print(d('karpathy/fineweb-edu-100b-shuffle'))", pythonpath=ROOT)
+    if plan == "gpu" and not flags["probe_only"]:
+        check_sandbox(os.environ.get("CHAT_EVAL_ARGS", "").split())
     budgets = {name: words if rehearse else [] for name, words in gpu_plan.rehearsal_budgets(nproc, on_cpu).items()}
     if rehearse:
         say(run, gpu_plan.rehearsal_line(budgets))
@@ -310,6 +312,34 @@ def setup(env_file, argv):
         "VOCAB": vocab, "MARK": mark, "CHAT_SOURCES": gpu_plan.CHAT_SOURCES, **extras, **budgets,
         "REHEARSAL_PROMPT": gpu_plan.REHEARSAL_PROMPT,
         **(gpu_plan.command_lines(flags["depth"]) if plan == "gpu" else {})}))
+
+
+def last_value(words, flag):
+    """The value the last `flag` among `words` gives (`--flag value` or `--flag=value`), or None."""
+    value = None
+    for i, word in enumerate(words):
+        if word == flag and i + 1 < len(words):
+            value = words[i + 1]
+        elif word.startswith(flag + "="):
+            value = word.split("=", 1)[1]
+    return value
+
+
+def check_sandbox(chat_eval_words):
+    """The gpu plan's chat_eval runs HumanEval's model-written programs, contained by namespaces. A machine without
+    them (a rented container without user namespaces) is refused here, in one line with the fix, before any
+    download, not hours later at chat_eval."""
+    import sandbox  # the standard library only, like this file
+    asked = last_value(chat_eval_words, "--tasks")
+    if last_value(chat_eval_words, "--sandbox") == "process" or (asked and "HumanEval" not in asked.split(",")):
+        return
+    level, why = sandbox.sandbox_level()
+    if level != "namespaces":
+        others = "ARC-Easy,ARC-Challenge,MMLU,GSM8K"  # tasks.HUB_TASKS but HumanEval (tasks.py imports torch)
+        raise Refused(f"chat_eval's HumanEval runs model-written programs, and this machine gives no namespaces to "
+                      f"contain them ({why}): rerun with CHAT_EVAL_ARGS=\"--sandbox process\" to run them "
+                      f"uncontained, or CHAT_EVAL_ARGS=\"--tasks {others}\" to leave HumanEval out (docs/eval.md, "
+                      f"the sandbox)", 1)
 
 
 # --- the processes of a run: found by the mark in their environment --------------------------------------------------

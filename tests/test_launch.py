@@ -15,6 +15,8 @@ from helpers import processes_mentioning
 
 import gpu_plan
 import launch
+import sandbox
+import tasks
 import train_loop
 
 
@@ -326,3 +328,31 @@ def test_a_passed_rehearsal_hands_its_prediction_to_the_run_and_frees_its_checkp
     assert not (rehearsal / "pretrain" / "ckpt").exists()
     assert "the rehearsal cost 61.5 s before pretraining; every stage passed" in capsys.readouterr().out
     assert "its checkpoints deleted: 0.0 GB" in (run / "logs" / "speedrun.log").read_text()
+
+
+def test_a_machine_without_namespaces_is_refused_in_one_line_before_any_download(tmp_path, monkeypatch):
+    """A rented container without user namespaces, where `unshare` fails: the gpu plan (and its rehearsal) stops in
+    setup with one line naming both fixes, before any stage or download, not at chat_eval's HumanEval hours later.
+    The fixes are accepted: --sandbox process, or --tasks without HumanEval."""
+    stub = tmp_path / "bin" / "unshare"
+    stub.parent.mkdir()
+    stub.write_text("#!/bin/sh\necho 'unshare: unshare failed: Operation not permitted' >&2\nexit 1\n")
+    stub.chmod(0o755)
+    env = {**os.environ, "PATH": f"{stub.parent}:{os.environ['PATH']}", "SPEEDRUN_PYTHON": sys.executable}
+    done = subprocess.run(["bash", str(launch.ROOT / "speedrun.sh"), "--plan", "gpu", "--rehearse", "--gpus", "2",
+                           "--no_chat", "--runs_dir", str(tmp_path / "runs")], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("speedrun.sh: error:")]
+    refusal = ("speedrun.sh: error: chat_eval's HumanEval runs model-written programs, and this machine gives no "
+               "namespaces to contain them (unshare failed (error: unshare: unshare failed: Operation not permitted)): "
+               "rerun with CHAT_EVAL_ARGS=\"--sandbox process\" to run them uncontained, or CHAT_EVAL_ARGS=\"--tasks "
+               "ARC-Easy,ARC-Challenge,MMLU,GSM8K\" to leave HumanEval out (docs/eval.md, the sandbox)")
+    assert done.returncode == 1 and errors == [refusal], done.stderr
+    logs = [path.name for path in (tmp_path / "runs").glob("*/logs/*")]
+    assert logs == ["speedrun.log"] and "speedrun: stage" not in done.stdout, (logs, done.stdout)  # nothing ran
+    assert "ARC-Easy,ARC-Challenge,MMLU,GSM8K" == ",".join(t for t in tasks.HUB_TASKS if t != "HumanEval")
+    monkeypatch.setattr(sandbox, "_LEVEL", ("process", "unshare failed"))
+    for accepted in (["--sandbox", "process"], ["--sandbox=process"], ["--tasks", "ARC-Easy,GSM8K"]):
+        launch.check_sandbox(accepted)  # no refusal
+    with pytest.raises(launch.Refused, match="--sandbox process"):
+        launch.check_sandbox(["--tasks", "GSM8K,HumanEval", "--sandbox", "auto"])
