@@ -237,7 +237,7 @@ def test_without_the_rotary_half_swap_the_logits_are_measurably_wrong(random_exp
 def test_a_trained_checkpoint_exported_as_a_user_runs_it_matches_model_py(trained_export):
     model, tokenizer, out, stdout, _ = trained_export
     assert f"{sum(p.numel() for p in model.parameters()):,} parameters" in stdout
-    assert "(stage pretrain, step 40)" in stdout
+    assert "(newest pretrain checkpoint under runs; stage pretrain, step 40)" in stdout
     assert "custom code (qk_norm True, mlp relu2, logit_softcap 15.0, value_embeds True, resid_lambdas True: not " \
         "Llama): load with trust_remote_code=True" in stdout
     for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
