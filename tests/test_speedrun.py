@@ -323,6 +323,24 @@ def test_print_shows_every_stages_command_line_in_order_and_starts_nothing(tmp_p
     assert refused.returncode == 2 and "--plan gpu --print: no GPU here; add --gpus N" in refused.stderr
 
 
+def test_the_docs_print_blocks_are_the_scripts_output(tmp_path):
+    """docs/speedrun.md's `$ bash speedrun.sh --print ...` blocks are that command's output (this checkout's path left
+    out, .venv's interpreter): a block without `...` whole, one with `...` as an excerpt in order."""
+    docs = (ROOT / "docs" / "speedrun.md").read_text()
+    blocks = re.findall(r"```\n\$ bash speedrun.sh (--print[^\n]*)\n(.*?)```", docs, re.DOTALL)
+    assert len(blocks) == 2
+    env = {k: v for k, v in os.environ.items() if k != "SPEEDRUN_PYTHON" and not k.endswith("_ARGS")}
+    for args, shown in blocks:
+        result = subprocess.run(["bash", str(ROOT / "speedrun.sh"), *shlex.split(args)], cwd=tmp_path, env=env,
+                                capture_output=True, text=True, timeout=120, check=False)
+        printed, shown = result.stdout.replace(f"{ROOT}/", "").splitlines(), shown.splitlines()
+        assert result.returncode == 0 and list(tmp_path.iterdir()) == [], result.stderr
+        if "..." not in shown:
+            assert shown == printed
+        at = [printed.index(line) if line in printed else -1 for line in shown if line != "..."]
+        assert -1 not in at and at == sorted(at), [line for line in shown if line not in printed]
+
+
 # -----------------------------------------------------------------------------
 # Stopping a two-process stage: torchrun's workers run in sessions of their own, so nothing of the run may depend on
 # a signal to torchrun's process group reaching them. Every scenario runs at once (each alone takes ~20 s here).
