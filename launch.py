@@ -6,8 +6,10 @@
     python launch.py end --run RUN                      # end every process of the run still alive (speedrun's exit)
     python launch.py rehearsal_due --run RUN REHEARSAL_DIR 0|1   # exit 0: the gpu plan rehearses now (--no_rehearse: 1)
     python launch.py rehearsal_passed --run RUN REHEARSAL_DIR     # its checkpoints deleted, its cost said
-    python launch.py reuse_chat_eval --run RUN STAGE    # chat_eval's own result for the stage whose model it scored
+    python launch.py stage_evals --run RUN STAGE LIST FINAL   # exit 0: STAGE's model gets --stage_evals' evaluations
     python launch.py rehearsed --run RUN SECONDS        # the rehearsal's stage times: <run>/rehearsed.json
+    python launch.py shards --run RUN [N]               # the shards to download: N, else data_plan.json's count
+    python launch.py --print COMMAND ...                # speedrun.sh --print: what would run, printed; nothing runs
 
 The standard library only: python3 runs it before .venv exists; torch is asked through the stages' interpreter. The
 run's state between calls: <run>/logs/launch.json (its processes' mark, the machine, the NCCL flags in force); each
@@ -35,6 +37,7 @@ from run_files import read_json, stage_rows
 
 ROOT = Path(__file__).resolve().parent
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what stops a run
+PRINT = False  # speedrun.sh --print: each stage's command line printed, nothing run, checked or written
 
 # --- speedrun.sh's flags ---------------------------------------------------------------------------------------------
 
@@ -90,6 +93,8 @@ def flag_parser():
            "(a few steps or items each), into <run_name>-rehearsal, ending with the report, one chat.py answer and each "
            "stage's time. Without CUDA, --gpus N rehearses the gpu plan on N CPU processes (gloo, 128-token sequences)")
     switch("--no_rehearse", help="gpu plan: skip the rehearsal before pretraining (default: rehearse once per run)")
+    switch("--print", help="print every stage's command line, in order, for the plan these flags give, and run "
+           "nothing: no .venv, no check of the machine, nothing written (default: off)")
     switch("--force", help="start although other processes hold the GPUs")
     switch("--probe_only", help="run the NCCL check, record the transport and its measured bandwidth, and exit")
     switch("-h", "--help", help="this text")
@@ -129,11 +134,13 @@ def shell_assignments(values):
 
 # --- what speedrun.sh says, and the run's state ----------------------------------------------------------------------
 
-def say(run, text, prefix="speedrun: "):
-    """A line of speedrun's own: to the terminal and to logs/speedrun.log."""
+def say(run, text, prefix="speedrun: ", stream=None):
+    """A line of speedrun's own: to the terminal and to logs/speedrun.log (--print: a comment, to the terminal)."""
+    if PRINT:
+        return terminal(f"# {text}", stream)
     with open(f"{run}/logs/speedrun.log", "a") as log:
         log.write(f"{prefix}{text}\n")
-    terminal(f"{prefix}{text}")
+    terminal(f"{prefix}{text}", stream)
 
 
 def terminal(data, stream=None):
@@ -214,10 +221,15 @@ def nvidia_smi(*args):
     return ""
 
 
+def listed_gpus():
+    """How many GPUs nvidia-smi lists (0 without it)."""
+    return len(nvidia_smi("--query-gpu=name", "--format=csv,noheader").strip().splitlines())
+
+
 def explain_driver(python):
     """torch sees no GPU but nvidia-smi lists some (a driver older than the wheel's CUDA): the versions and the fix,
     never a silent CPU run on a rented GPU box."""
-    if not (listed := len(nvidia_smi("--query-gpu=name", "--format=csv,noheader").strip().splitlines())):
+    if not (listed := listed_gpus()):
         return
     driver = nvidia_smi("--query-gpu=driver_version", "--format=csv,noheader").split("\n")[0].replace(" ", "")
     driver_cuda = (re.search(r"CUDA Version: *([0-9.]*)", nvidia_smi()) or [None, ""])[1]
@@ -231,18 +243,10 @@ def explain_driver(python):
         f"dot (pytorch.org lists the builds), or update the driver; --gpus 0 runs on the CPU regardless.", 1)
 
 
-def setup(env_file, argv):
-    """`setup`: speedrun.sh's flags (a bad one stops it before anything is written), its interpreter, the machine and
-    the plan, checked before any stage; the shell variables it sources to env_file (which removes itself), the run's
-    state to launch.json. A rehearsal that passed is redone (it checks this code); an interrupted one resumes."""
-    flags = parse_flags(argv)
-    remove = f"rm -f -- {shlex.quote(env_file)}\n"
-    if flags.pop("help"):
-        print(flag_parser().format_help(), end="")
-        Path(env_file).write_text(remove + "exit 0\n")
-        return
-    run, plan, gpus, rehearse = run_dir(flags), flags["plan"], flags["gpus"], flags["rehearse"]
-    if rehearse and Path(run, "rehearsed.json").is_file():
+def prepare(run, flags):
+    """The run's directory (a rehearsal that passed: deleted, to be redone), the stages' interpreter (.venv installed
+    or repaired, unless SPEEDRUN_PYTHON), and no other process on the GPUs: that interpreter."""
+    if flags["rehearse"] and Path(run, "rehearsed.json").is_file():
         shutil.rmtree(run)
         Path(run, "logs").mkdir(parents=True)
         say(run, f"rehearsing again from the start: {run} held a rehearsal that passed (now deleted)")
@@ -256,16 +260,47 @@ def setup(env_file, argv):
         raise Refused(f"processes hold the GPUs (pid, name):\n{holders}\nThey would leave this run short of memory (a "
                       f"zombie worker of an earlier run?). Stop them with `kill {pids}` (`kill -9 {pids}` if they "
                       f"stay), or rerun with --force.", 1)
+    return python
+
+
+def check(run, command):
+    """A check before any stage (pretrain.py --check_batch): its output as speedrun's own lines; its exit status."""
+    done = subprocess.run(list(map(str, command)), stdout=subprocess.PIPE, text=True, check=False)
+    for line in done.stdout.splitlines():
+        say(run, line)
+    return done.returncode
+
+
+def setup(env_file, argv):
+    """`setup`: speedrun.sh's flags (a bad one stops it before anything is written), its interpreter, the machine and
+    the plan, checked before any stage; the shell variables it sources to env_file (which removes itself), the run's
+    state to launch.json. A rehearsal that passed is redone (it checks this code); an interrupted one resumes.
+    --print: the flags and the plan alone: PY is SPEEDRUN_PYTHON or .venv's path (nothing installed), the GPUs are
+    those nvidia-smi lists (torch is not asked), the machine is not checked, and nothing is written but env_file."""
+    global PRINT
+    flags = parse_flags(argv)
+    remove = f"rm -f -- {shlex.quote(env_file)}\n"
+    if flags.pop("help"):
+        print(flag_parser().format_help(), end="")
+        Path(env_file).write_text(remove + "exit 0\n")
+        return
+    run, plan, gpus, rehearse, PRINT = run_dir(flags), flags["plan"], flags["gpus"], flags["rehearse"], flags["print"]
+    if PRINT:  # the interpreter a run would use, as text
+        python = os.environ.get("SPEEDRUN_PYTHON") or str(ROOT / ".venv" / "bin" / "python")
+    else:
+        python = prepare(run, flags)
     # torch's CUDA (or ROCm) GPUs, asked once if needed; a wheel built for neither has none: no `import torch` (2-3 s)
     torch_gpus = functools.cache(lambda: int(ask_python(python, "import importlib.util as u, runpy; v = runpy.run_path("
         "u.find_spec('torch').submodule_search_locations[0] + '/version.py'); print(__import__('torch').cuda."
         "device_count() if v['cuda'] or v['hip'] else 0)")))
+    if PRINT:  # torch is not asked: the GPUs nvidia-smi lists
+        torch_gpus = functools.cache(listed_gpus)
     gpus = torch_gpus() if gpus == "auto" else int(gpus)
     stand_in_probe = flags["probe_only"] and os.environ.get("SPEEDRUN_PROBE_CMD")  # tests: it uses no GPU
     nothing_trains = flags["stop_after"] in ("data", "tokenizer", "download")  # a CPU box may fetch the data
-    if flags["gpus"] == "auto" and gpus == 0:
+    if flags["gpus"] == "auto" and gpus == 0 and not PRINT:
         explain_driver(python)
-    elif gpus > 0 and not stand_in_probe and not nothing_trains and torch_gpus() < gpus:
+    elif gpus > 0 and not (stand_in_probe or nothing_trains or PRINT) and torch_gpus() < gpus:
         if torch_gpus() > 0 or not (plan == "demo" or rehearse):
             if torch_gpus() == 0:
                 explain_driver(python)
@@ -277,41 +312,55 @@ def setup(env_file, argv):
     # only a rehearsal runs the gpu plan on the CPU: there --gpus N without CUDA means N CPU processes on gloo
     on_cpu = plan == "gpu" and rehearse and (gpus == 0 or torch_gpus() == 0)
     if plan == "gpu" and gpus < 1 and not flags["probe_only"] and not rehearse:
-        raise Refused("--plan gpu needs CUDA GPUs and torch sees none; use --plan demo on the CPU (or --rehearse "
+        raise Refused("--plan gpu --print: no GPU here; add --gpus N to print the plan for N GPUs" if PRINT else
+                      "--plan gpu needs CUDA GPUs and torch sees none; use --plan demo on the CPU (or --rehearse "
                       "--gpus N: the gpu plan's rehearsal on N CPU processes)", 2)
     if plan == "demo" and flags["stop_after"] == "download":
         raise Refused("--stop_after download: the demo plan has no download stage (use data)", 2)
-    nproc, commit = max(gpus, 1), subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                                                 capture_output=True, text=True, check=False).stdout.strip()
+    nproc = max(gpus, 1)
+    commit = "" if PRINT else subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                                             capture_output=True, text=True, check=False).stdout.strip()
     say(run, f"plan {plan}{' (rehearsal)' if rehearse else ''}, run {run}, {nproc} process(es) per stage "
-             f"({f'{gpus} GPUs' if gpus > 0 and not on_cpu else 'CPU'}), commit {commit or 'unknown'}")
+             f"({f'{gpus} GPUs' if gpus > 0 and not on_cpu else 'CPU'}), " +
+             ("each stage's command line follows, in order; nothing runs (--print)" if PRINT else
+              f"commit {commit or 'unknown'}"))
     for line in gpu_plan.plan_lines(flags["depth"], nproc, rehearse, on_cpu) if plan == "gpu" and not \
             flags["probe_only"] else []:
         say(run, line)
     data_dir, vocab = flags["data_dir"], flags["vocab_size"] or ("1024" if plan == "demo" else "65536")
     if plan == "demo":
         data_dir = data_dir or f"{run}/demo"
+    elif not data_dir and not flags["probe_only"] and PRINT and not os.access(python, os.X_OK):
+        data_dir = "<dataset.py's cache>"  # --print before .venv exists
     elif not data_dir and not flags["probe_only"]:
         data_dir = ask_python(python, "from dataset import default_data_dir as d; "
                                       "print(d('karpathy/fineweb-edu-100b-shuffle'))", pythonpath=ROOT)
-    if plan == "gpu" and not flags["probe_only"]:
+    if plan == "gpu" and not flags["probe_only"] and not PRINT:
         check_sandbox(os.environ.get("CHAT_EVAL_ARGS", "").split())
     budgets = {name: words if rehearse else [] for name, words in gpu_plan.rehearsal_budgets(nproc, on_cpu).items()}
     if rehearse:
         say(run, gpu_plan.rehearsal_line(budgets))
     extras = {f"{stage}_EXTRA": os.environ.get(f"{stage}_ARGS", "").split()
               for stage in ("PRETRAIN", "MIDTRAIN", "SFT", "RL", "CORE", "CHAT_EVAL")}  # words: no globbing, no eval
+    stage_flags = gpu_plan.command_lines(flags["depth"]) if plan == "gpu" else {}
+    if plan == "gpu" and not flags["probe_only"]:  # a step's tokens over the processes: the nearest batch that splits
+        # (3 GPUs), or a refusal now, not hours later
+        batch = [python, ROOT / "pretrain.py", "--check_batch", nproc, *stage_flags["PRETRAIN"], *extras["PRETRAIN_EXTRA"]]
+        if PRINT:
+            show("check_batch", batch, "before any stage; its output is speedrun's own lines")
+        elif status := check(run, batch):
+            return status
     mark = f"speedrun-{os.getppid()}-{time.time_ns()}"  # carried by every process of this run (its stages only)
-    write_state(run, {"mark": mark, "plan": plan, "gpus": gpus, "nproc": nproc, "on_cpu": on_cpu, "transport": "",
-                      "stages_before": len(stage_rows(run)), "nccl": {"safe": False, "fallback": False}})
+    if not PRINT:
+        write_state(run, {"mark": mark, "plan": plan, "gpus": gpus, "nproc": nproc, "on_cpu": on_cpu, "transport": "",
+                          "stages_before": len(stage_rows(run)), "nccl": {"safe": False, "fallback": False}})
     values = {{"vocab_size": "VOCAB", "rl": "RL_STAGE"}.get(name, name.upper()):
               int(value) if isinstance(value, bool) else value for name, value in flags.items()}
     Path(env_file).write_text(remove + shell_assignments({
         **values, "RUN": run, "LOGS": f"{run}/logs", "PY": python, "PLAN": plan, "GPUS": gpus, "NPROC": nproc,
         "ON_CPU": int(on_cpu), "DATA_DIR": data_dir, "CORPUS": f"{data_dir}/pretrain" if plan == "demo" else data_dir,
         "VOCAB": vocab, "MARK": mark, "CHAT_SOURCES": gpu_plan.CHAT_SOURCES, **extras, **budgets,
-        "REHEARSAL_PROMPT": gpu_plan.REHEARSAL_PROMPT,
-        **(gpu_plan.command_lines(flags["depth"]) if plan == "gpu" else {})}))
+        "REHEARSAL_PROMPT": gpu_plan.REHEARSAL_PROMPT, **stage_flags}))
 
 
 def last_value(words, flag):
@@ -440,6 +489,11 @@ SAFE_FLAGS = {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNA
 SAFE_TEXT = " ".join(f"{name}={value}" for name, value in SAFE_FLAGS.items())
 
 
+def probe_settings():
+    """(seconds before the probe counts as hung, MB of its timed all-reduce): the environment's, else the defaults."""
+    return int(os.environ.get("SPEEDRUN_PROBE_TIMEOUT", "120")), os.environ.get("SPEEDRUN_PROBE_MB", "64")
+
+
 def run_probe(run, mark, command, safe, timeout, mbytes):
     """(exit status, its JSON's bus bandwidth, there when its sums were right, or None) of the probe (tests' stand-in:
     SPEEDRUN_PROBE_CMD, the JSON's path as $1), hung past timeout (124; 137: past SIGTERM too); nothing survives it."""
@@ -468,7 +522,7 @@ def probe(run, command, stage=None):
     defaults again: one failed probe (a slow cold start, a transient fault) must not pin the safe flags for hours."""
     state, log = read_state(run), f"log: {run}/logs/probe.log"
     nccl = state["nccl"] if stage else {"safe": False, "fallback": False, "probe": command}
-    timeout, mbytes = int(os.environ.get("SPEEDRUN_PROBE_TIMEOUT", "120")), os.environ.get("SPEEDRUN_PROBE_MB", "64")
+    timeout, mbytes = probe_settings()
     transport = state["transport"]
     if not stage and (state["gpus"] == 0 or state["on_cpu"]):
         transport = "gloo (cpu)" if state["gpus"] else "none (one CPU process)"
@@ -597,11 +651,29 @@ def reuse_chat_eval(run, name):
     say(run, f"stage_evals/{name}/chat_eval.json: chat_eval's, of the same checkpoint")
 
 
+def stage_evals(run, name, listed, final):
+    """--stage_evals: NAME's final model gets CORE and ChatCORE when NAME is listed and its checkpoint exists (chat_eval's
+    own result for it copied first, not run twice); --print: when NAME is listed and runs (FINAL: the last that does)."""
+    if name not in listed.split(","):
+        return False
+    if PRINT:
+        if name == final:
+            say(run, f"stage_evals/{name}/chat_eval.json: chat_eval's, of the same checkpoint (copied: chat_eval_{name} "
+                     f"below is skipped)")
+        return MODEL_STAGES.index(name) <= MODEL_STAGES.index(final)
+    if not any(Path(run, name, "ckpt").glob("step_*")):
+        return False
+    reuse_chat_eval(run, name)
+    return True
+
+
 def rehearsal_due(run, rehearsal, no_rehearse):
-    """The gpu plan rehearses once, before its pretraining (not with --no_rehearse); a skip is said."""
+    """The gpu plan rehearses once, before its pretraining (not with --no_rehearse); a skip is said. --print: the flag
+    alone decides."""
     for skip, why in ((no_rehearse, "--no_rehearse"),
-                      (Path(rehearsal, "rehearsed.json").is_file(), f"it passed before ({rehearsal}/rehearsed.json)"),
-                      (Path(run, "pretrain").is_dir(), "pretraining has started already")):
+                      (not PRINT and Path(rehearsal, "rehearsed.json").is_file(),
+                       f"it passed before ({rehearsal}/rehearsed.json)"),
+                      (not PRINT and Path(run, "pretrain").is_dir(), "pretraining has started already")):
         if skip:
             say(run, f"stage rehearsal skipped: {why}")
             return False
@@ -636,12 +708,22 @@ def rehearsed(run, seconds):
 
 # --- speedrun.sh's calls ---------------------------------------------------------------------------------------------
 
-def stage_command(run, words):
+def shards(run, given):
+    """`shards`: the training shards to download, printed for speedrun.sh: --shards, else what data_plan.json counts
+    for the budget; fewer than that is said (to stderr)."""
+    needed = read_json(Path(run, "data_plan.json"))["shards"]
+    if given and int(given) < needed:
+        say(run, f"--shards {given} is fewer than the {needed} the budget needs: pretraining will repeat data (it "
+                 f"says so)", stream=sys.stderr)
+    print(given or needed)
+
+
+def stage_command(run, words, do=run_stage):
     """NAME [--train] [--skip_if PATH] COMMAND..."""
     name, words, options = words[0], words[1:], {}
     while words[:1] in (["--train"], ["--skip_if"]):  # their values: train True, skip_if the next word
         options[words[0][2:]], words = (True, words[1:]) if words[0] == "--train" else (words[1], words[2:])
-    return run_stage(run, name, words, **options)
+    return do(run, name, words, **options)
 
 
 # each command: (RUN of `--run RUN` or None, the words after it) -> its exit status (None: 0)
@@ -650,14 +732,49 @@ COMMANDS = {
     "probe": probe,
     "stage": stage_command,
     "end": lambda run, words: end_processes(read_state(run)["mark"]) if read_state(run) else None,
+    "shards": lambda run, words: shards(run, words[0]),
     "rehearsal_due": lambda run, words: 0 if rehearsal_due(run, words[0], words[1] == "1") else 1,
     "rehearsal_passed": lambda run, words: rehearsal_passed(run, words[0]),
-    "reuse_chat_eval": lambda run, words: reuse_chat_eval(run, words[0]),
+    "stage_evals": lambda run, words: 0 if stage_evals(run, *words) else 1,  # STAGE LIST FINAL
     "rehearsed": lambda run, words: rehearsed(run, int(words[0])),
 }
 
 
+# --- --print: what would run, printed --------------------------------------------------------------------------------
+
+def show(name, command, note=""):
+    """A step's command line, shell-quoted (copy it to run that step alone), under a comment naming the step."""
+    print(f"# {name}{f' ({note})' if note else ''}\n{shlex.join(map(str, command))}", flush=True)
+
+
+def show_stage(run, name, command, train=False, skip_if=None):
+    show(name, command, f"skipped once {run}/{name}/done.json exists; --resume added when it has a checkpoint" if train
+         else f"skipped when {skip_if} exists" if skip_if else "")
+
+
+def show_probe(run, command):
+    """The NCCL probe's command line, with the flags launch.py adds; none for one process without torchrun."""
+    if "torch.distributed.run" in command:
+        timeout, mbytes = probe_settings()
+        show("probe", [*command, "--timeout", timeout, "--mbytes", mbytes, "--out", f"{run}/logs/probe.json"],
+             "NCCL over CUDA GPUs, not on CPU processes; on a hang or a failure, again with the safe flags")
+
+
+# each command's stand-in under --print: what would run printed, nothing run; rehearsal_due and stage_evals decide
+# from the flags alone; the others (end, rehearsal_passed, rehearsed: after what ran) do nothing
+PRINTS = {
+    "probe": show_probe,
+    "stage": lambda run, words: stage_command(run, words, show_stage),
+    "shards": lambda run, words: print(words[0] or "<shards from data_plan.json>"),
+    "rehearsal_due": COMMANDS["rehearsal_due"],
+    "stage_evals": COMMANDS["stage_evals"],
+}
+
+
 def main(argv):
+    global PRINT
+    if argv[:1] == ["--print"]:  # speedrun.sh --print: every command below only prints
+        PRINT, argv = True, argv[1:]
     command, words = (argv[0], argv[1:]) if argv else ("", [])
     if command in ("", "-h", "--help"):
         print(__doc__)
@@ -670,6 +787,8 @@ def main(argv):
     try:
         if command not in COMMANDS:
             raise Refused(f"launch.py: unknown command {command!r} (see its docstring)", 2)
+        if PRINT:
+            return PRINTS[command](run, words) or 0 if command in PRINTS else 0
         return COMMANDS[command](run, words) or 0
     except Refused as e:
         terminal(f"speedrun.sh: error: {e}", sys.stderr)

@@ -1,27 +1,25 @@
 #!/usr/bin/env bash
 # speedrun.sh: the main job. From nothing to a model you chat with, every stage in order, resumable. docs/speedrun.md.
 #   bash speedrun.sh                    # gpu plan with CUDA GPUs, else the offline demo plan on the CPU
-#   bash speedrun.sh --plan demo --no_chat
 #   bash speedrun.sh --rehearse         # every stage of the plan for a few steps or items, in minutes
+#   bash speedrun.sh --print            # every stage's command line, in order, for these flags; nothing runs
 #   bash speedrun.sh --help             # every flag with its default
-# Each stage is one of this repository's scripts, run by launch.py (under torchrun: one process per GPU, or per CPU
-# process given by --gpus N; with --gpus 0, one process as a user runs a stage alone) in its own process group, its
-# output to the terminal and to runs/<run>/logs/<stage>.log. A rerun skips the stages that finished and resumes an
-# interrupted training stage from its last checkpoint.
+# Each stage is one of this repository's scripts, run by launch.py in its own process group (under torchrun: one
+# process per GPU, or per CPU process given by --gpus N; --gpus 0: one process), its output to the terminal and to
+# runs/<run>/logs/<stage>.log. A rerun skips the stages that finished and resumes a training stage from its checkpoint.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")" && pwd)  # the scripts; relative paths (--runs_dir, --data_dir) are the caller's
 export PYTHONUNBUFFERED=1  # every line reaches the log and the terminal when printed
 L=(python3 "$ROOT/launch.py")  # the launcher: the standard library only, so it runs before .venv exists
-say() { echo "speedrun: $*" | tee -a "$LOGS/speedrun.log"; }
+say() { if [ "$PRINT" = 1 ]; then echo "# $*"; else echo "speedrun: $*" | tee -a "$LOGS/speedrun.log"; fi; }
 
-# --- flags (--help), the interpreter and the machine, checked before any stage: the flags (DEPTH ... PROBE_ONLY), RUN
-# (<runs_dir>/<run_name>), LOGS, PY (SPEEDRUN_PYTHON, else .venv, where launch.py installs requirements.txt or repairs
-# a half install), PLAN GPUS NPROC ON_CPU DATA_DIR CORPUS VOCAB MARK, *_EXTRA (PRETRAIN_ARGS' words...), a rehearsal's
-# tiny budgets R_* (else empty) and, for the gpu plan, each stage's flags PRETRAIN MIDTRAIN SFT RL CORE CHAT_EVAL
-# (gpu_plan.py's table). GPUs held by other processes, or that torch cannot use, stop the run here.
+# --- launch.py setup checks the flags (--help), the interpreter, the machine and the plan before any stage, and
+# writes the variables: the flags (DEPTH ... PRINT), RUN LOGS PY (SPEEDRUN_PYTHON, else .venv) PLAN GPUS NPROC ON_CPU
+# DATA_DIR CORPUS VOCAB MARK, *_EXTRA (*_ARGS' words), R_* (a rehearsal's budgets), gpu_plan.py's PRETRAIN ... CHAT_EVAL
 SETUP=$(mktemp)  # launch.py writes the variables there (its own lines go to the terminal); the file removes itself
 "${L[@]}" setup "$SETUP" "$@" || { rc=$?; rm -f "$SETUP"; exit "$rc"; }
 . "$SETUP"
+if [ "$PRINT" = 1 ]; then L+=(--print); fi  # launch.py prints each stage's command line instead of running it
 LAUNCH=("$PY" -m torch.distributed.run --standalone "--nproc_per_node=$NPROC")
 if [ "$GPUS" = 0 ]; then LAUNCH=("$PY"); fi  # one CPU process: torchrun's own start would be ~1.4 s of every stage
 
@@ -42,8 +40,7 @@ trap 'stopped INT 130' INT; trap 'stopped TERM 143' TERM; trap 'stopped HUP 129'
 stage() { launch stage "$@"; if [ "$STOP_AFTER" = "$1" ]; then say "stopping after $1 (--stop_after)"; exit 0; fi; }
 skip() { say "stage $1 skipped: $2"; if [ "$STOP_AFTER" = "$1" ]; then exit 0; fi; }
 
-# --- the plan: each stage's flags, then *_EXTRA, then a rehearsal's budget (the last of a repeated flag wins); the gpu
-# plan's flags come from launch.py setup (above), the demo plan's are here
+# --- the plan: each stage's flags (the gpu plan's: gpu_plan.py), then *_EXTRA, then R_* (the last repeated flag wins)
 STAGE_CORE=()  # the stage evaluations' core_eval flags beyond CORE: the demo world's bundle
 if [ "$PLAN" = demo ]; then  # about 10 minutes on a 2-core Xeon with AMX, 22 on one without bf16 (dev/LOG.md)
     PRETRAIN=(--preset tiny --steps 400 --micro_batch 16 --compile true --eval_every 200 --ckpt_every 100)
@@ -51,10 +48,12 @@ if [ "$PLAN" = demo ]; then  # about 10 minutes on a 2-core Xeon with AMX, 22 on
     # word problems (problems: in midtraining only, so that SFT's model gets about half of them right and RL has right
     # and wrong replies to learn from; dev/LOG.md); the samples the chat stages print: questions the demo world answers
     ASK=(--sample_prompt "What is the capital of Pellan?" --sample_prompt "Which animal stands for Brenia?"
-         --sample_prompt "What is 17 plus 25?" --sample_prompt "Mira has 5 plums. She buys 3 bags with 4 plums in each. How many plums does Mira have now?"
+         --sample_prompt "What is 17 plus 25?" --sample_prompt
+         "Mira has 5 plums. She buys 3 bags with 4 plums in each. How many plums does Mira have now?"
          --sample_prompt "Who are you?")
-    MIDTRAIN=(--source "text:$CORPUS:0.2" --source "chat:$DATA_DIR/conversations:0.4" --source "chat:$DATA_DIR/choice:0.1"
-              --source "chat:$DATA_DIR/answers:0.1" --source "chat:$DATA_DIR/calc:0.1" --source "chat:$DATA_DIR/problems:0.1"
+    MIDTRAIN=(--source "text:$CORPUS:0.2" --source "chat:$DATA_DIR/conversations:0.4"
+              --source "chat:$DATA_DIR/choice:0.1" --source "chat:$DATA_DIR/answers:0.1"
+              --source "chat:$DATA_DIR/calc:0.1" --source "chat:$DATA_DIR/problems:0.1"
               --supervise assistant --steps 200 --eval_every 0 --ckpt_every 100 "${ASK[@]}")
     SFT=(--source "$DATA_DIR/conversations:1" --source "$DATA_DIR/choice:1" --source "$DATA_DIR/answers:1"
          --source "$DATA_DIR/calc:1" --steps 200 --eval_every 0 --ckpt_every 100 "${ASK[@]}")
@@ -64,17 +63,14 @@ if [ "$PLAN" = demo ]; then  # about 10 minutes on a 2-core Xeon with AMX, 22 on
     CHAT_EVAL=(--demo "$DATA_DIR" --max_new_tokens 96 --tasks demo-choice,demo-answer,demo-problems,demo-words)
     CORE=(); STAGE_CORE=(--bundle "$DATA_DIR/eval_bundle")
 fi
-# a step's tokens over the processes: the nearest batch that splits (3 GPUs), or a refusal now, not hours later
-if [ "$PLAN" = gpu ] && [ "$PROBE_ONLY" = 0 ]; then "$PY" "$ROOT/pretrain.py" --check_batch "$NPROC" \
-    "${PRETRAIN[@]}" "${PRETRAIN_EXTRA[@]}" | sed 's/^/speedrun: /' | tee -a "$LOGS/speedrun.log"; fi
 # NCCL (GPUs): a timed all-reduce; on a hang or failure the safe flags, the defaults probed again before each stage
 launch probe "${LAUNCH[@]}" "$ROOT/distributed.py" probe
 if [ "$PROBE_ONLY" = 1 ]; then exit 0; fi
 
 # --- data and tokenizer
 TOK=${TOKENIZER:-$RUN/tokenizer}
-if [ "$PLAN" = demo ] && compgen -G "$DATA_DIR/pretrain/shard_*.parquet" > /dev/null && [ -d "$DATA_DIR/chat_eval" ] \
-    && [ -d "$DATA_DIR/calc" ]; then skip data "the demo world is in $DATA_DIR"
+if [ "$PLAN" = demo ] && [ "$PRINT" = 0 ] && compgen -G "$DATA_DIR/pretrain/shard_*.parquet" > /dev/null \
+    && [ -d "$DATA_DIR/chat_eval" ] && [ -d "$DATA_DIR/calc" ]; then skip data "the demo world is in $DATA_DIR"
 elif [ "$PLAN" = demo ]; then stage data "$PY" "$ROOT/demo.py" --out "$DATA_DIR"
 else  # fail in minutes, not hours: a gated or missing chat source stops the run here; then the chat data and the CORE
     # bundle in the background, and 8 shards (the tokenizer's, and what the budget's shard count is measured on)
@@ -83,11 +79,10 @@ else  # fail in minutes, not hours: a gated or missing chat source stops the run
     say "fetching ${CHAT_SOURCES[*]} and the CORE bundle in the background (log: $LOGS/prefetch.log)"
     # each fetch in a session of its own (no Ctrl-C of the terminal reaches it) carrying the run's MARK: the run's end
     # stops it; its log only, no row in stages.tsv
-    { bg=(env "SPEEDRUN_MARK=$MARK" setsid --wait)
-      "${bg[@]}" "$PY" "$ROOT/dataset.py" download-chat "${CHAT_SOURCES[@]}" &&
-      "${bg[@]}" "$PY" "$ROOT/core_eval.py" --download_only "${CORE_EXTRA[@]}"
-    } >> "$LOGS/prefetch.log" 2>&1 < /dev/null &
-    PREFETCH=$!
+    prefetch() { "$@" "$PY" "$ROOT/dataset.py" download-chat "${CHAT_SOURCES[@]}" &&
+                 "$@" "$PY" "$ROOT/core_eval.py" --download_only "${CORE_EXTRA[@]}"; }
+    if [ "$PRINT" = 1 ]; then prefetch "${L[@]}" stage --run "$RUN" prefetch; PREFETCH=""
+    else prefetch env "SPEEDRUN_MARK=$MARK" setsid --wait >> "$LOGS/prefetch.log" 2>&1 < /dev/null & PREFETCH=$!; fi
     stage data "$PY" "$ROOT/dataset.py" download --shards 8 --data_dir "$CORPUS" "${R_DATA[@]}"
 fi
 wait_prefetch() {  # [WHERE]: the chat data and the CORE bundle are in; a failed fetch stops the run
@@ -95,15 +90,14 @@ wait_prefetch() {  # [WHERE]: the chat data and the CORE bundle are in; a failed
         "$LOGS/prefetch.log)"; wait "$PREFETCH" || { rc=$?; echo "speedrun: stage prefetch failed (exit $rc)$1; log:" \
         "$LOGS/prefetch.log; fix its cause and rerun (what finished is kept)" >&2; exit "$rc"; }; PREFETCH=""; fi
 }
-if [ -n "$TOKENIZER" ]; then skip tokenizer "using --tokenizer $TOK"; else stage tokenizer --skip_if "$TOK/tokenizer.json" \
-    "$PY" "$ROOT/tokenizer.py" train --data_dir "$CORPUS" --vocab_size "$VOCAB" --out "$TOK" "${R_TOK[@]}"; fi
+if [ -n "$TOKENIZER" ]; then skip tokenizer "using --tokenizer $TOK"; else stage tokenizer --skip_if \
+    "$TOK/tokenizer.json" "$PY" "$ROOT/tokenizer.py" train --data_dir "$CORPUS" --vocab_size "$VOCAB" --out "$TOK" \
+    "${R_TOK[@]}"; fi
 if [ "$PLAN" = gpu ]; then  # the shards the budget needs, counted with this tokenizer; and the disk they need
     stage data_plan "$PY" "$ROOT/pretrain.py" --data_plan --data_dir "$CORPUS" --tokenizer "$TOK" --runs_dir "$RUN" \
         "${PRETRAIN[@]}" "${PRETRAIN_EXTRA[@]}" "${R_PRETRAIN[@]}" "${R_SHAPE[@]}"
-    NEEDED=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["shards"])' "$RUN/data_plan.json")
-    if [ -n "$SHARDS" ] && [ "$SHARDS" -lt "$NEEDED" ]; then
-        say "--shards $SHARDS is fewer than the $NEEDED the budget needs: pretraining will repeat data (it says so)"; fi
-    launch stage download "$PY" "$ROOT/dataset.py" download --shards "${SHARDS:-$NEEDED}" --data_dir "$CORPUS"
+    NEEDED=$("${L[@]}" shards --run "$RUN" "$SHARDS")  # --shards, else data_plan.json's count (fewer is said)
+    launch stage download "$PY" "$ROOT/dataset.py" download --shards "$NEEDED" --data_dir "$CORPUS"
     # pretraining does not wait for the prefetch, but if it has failed already, stop before the hours
     if ! kill -0 "$PREFETCH" 2>/dev/null || [ "$STOP_AFTER" = download ]; then wait_prefetch " before pretraining"; fi
     if [ "$STOP_AFTER" = download ]; then
@@ -123,28 +117,26 @@ fi
 stage pretrain --train "${LAUNCH[@]}" "$ROOT/pretrain.py" --data_dir "$CORPUS" --tokenizer "$TOK" "${PRETRAIN[@]}" \
     "${PRETRAIN_EXTRA[@]}" "${R_PRETRAIN[@]}" "${R_SHAPE[@]}" --runs_dir "$RUN" --run_name pretrain
 wait_prefetch ""
-stage core_eval --skip_if "$RUN/core_eval/results.json" "${LAUNCH[@]}" "$ROOT/core_eval.py" --checkpoint "$RUN/pretrain" \
-    --out "$RUN/core_eval" "${CORE[@]}" "${CORE_EXTRA[@]}" "${R_CORE[@]}"
+stage core_eval --skip_if "$RUN/core_eval/results.json" "${LAUNCH[@]}" "$ROOT/core_eval.py" \
+    --checkpoint "$RUN/pretrain" --out "$RUN/core_eval" "${CORE[@]}" "${CORE_EXTRA[@]}" "${R_CORE[@]}"
 stage midtrain --train "${LAUNCH[@]}" "$ROOT/midtrain.py" --checkpoint "$RUN/pretrain" "${MIDTRAIN[@]}" \
     "${MIDTRAIN_EXTRA[@]}" "${R_MIDTRAIN[@]}" --runs_dir "$RUN" --run_name midtrain
-stage sft --train "${LAUNCH[@]}" "$ROOT/sft.py" --checkpoint "$RUN/midtrain" "${SFT[@]}" "${SFT_EXTRA[@]}" "${R_SFT[@]}" \
-    --runs_dir "$RUN" --run_name sft
-if [ "$RL_STAGE" = on ]; then FINAL=rl; stage rl --train "${LAUNCH[@]}" "$ROOT/rl.py" --checkpoint "$RUN/sft" "${RL[@]}" \
-    "${RL_EXTRA[@]}" "${R_RL[@]}" --runs_dir "$RUN" --run_name rl
+stage sft --train "${LAUNCH[@]}" "$ROOT/sft.py" --checkpoint "$RUN/midtrain" "${SFT[@]}" "${SFT_EXTRA[@]}" \
+    "${R_SFT[@]}" --runs_dir "$RUN" --run_name sft
+if [ "$RL_STAGE" = on ]; then FINAL=rl; stage rl --train "${LAUNCH[@]}" "$ROOT/rl.py" --checkpoint "$RUN/sft" \
+    "${RL[@]}" "${RL_EXTRA[@]}" "${R_RL[@]}" --runs_dir "$RUN" --run_name rl
 else FINAL=sft; skip rl "--rl off"; fi
 stage chat_eval --skip_if "$RUN/chat_eval.json" "${LAUNCH[@]}" "$ROOT/chat_eval.py" --checkpoint "$RUN/$FINAL" \
     --out "$RUN/chat_eval.json" "${CHAT_EVAL[@]}" "${CHAT_EVAL_EXTRA[@]}" "${R_CHAT_EVAL[@]}"
-# what each stage taught (report.py's table): CORE and ChatCORE of each --stage_evals stage's final model, into
-# stage_evals/<stage>/; the final model's ChatCORE is chat_eval's, copied. The pretrained model is a base model: it
-# never ends a reply, so it gets CORE only (core_eval above), as nanochat scores base models
+# what each stage taught (report.py's table): CORE and ChatCORE of each --stage_evals stage's model, in stage_evals/;
+# the pretrained model, a base model that never ends a reply, gets CORE only (core_eval above), as nanochat scores it
 for name in midtrain sft rl; do
-    if [[ ",$STAGE_EVALS," != *",$name,"* ]] || ! compgen -G "$RUN/$name/ckpt/step_*" > /dev/null; then continue; fi
-    E=$RUN/stage_evals/$name; "${L[@]}" reuse_chat_eval --run "$RUN" "$name"
+    "${L[@]}" stage_evals --run "$RUN" "$name" "$STAGE_EVALS" "$FINAL" || continue; E=$RUN/stage_evals/$name
     stage "core_eval_$name" --skip_if "$E/core_eval/results.json" "${LAUNCH[@]}" "$ROOT/core_eval.py" --checkpoint \
         "$RUN/$name" --out "$E/core_eval" --data_dir "$CORPUS" "${CORE[@]}" "${STAGE_CORE[@]}" "${CORE_EXTRA[@]}" \
         "${R_CORE[@]}"
-    stage "chat_eval_$name" --skip_if "$E/chat_eval.json" "${LAUNCH[@]}" "$ROOT/chat_eval.py" --checkpoint "$RUN/$name" \
-        --out "$E/chat_eval.json" "${CHAT_EVAL[@]}" "${CHAT_EVAL_EXTRA[@]}" "${R_CHAT_EVAL[@]}"
+    stage "chat_eval_$name" --skip_if "$E/chat_eval.json" "${LAUNCH[@]}" "$ROOT/chat_eval.py" --checkpoint \
+        "$RUN/$name" --out "$E/chat_eval.json" "${CHAT_EVAL[@]}" "${CHAT_EVAL_EXTRA[@]}" "${R_CHAT_EVAL[@]}"
 done
 stage report "$PY" "$ROOT/report.py" "$RUN"
 
@@ -152,6 +144,7 @@ if [ "$REHEARSE" = 1 ]; then  # one answer of the final model, then each stage's
     stage chat "$PY" "$ROOT/chat.py" --runs_dir "$RUN" -p "$REHEARSAL_PROMPT" --temperature 0 --max_new_tokens 32
     [ "$PLAN" = demo ] || stage predict "$PY" "$ROOT/plan_cost.py" "$RUN" --gpus "$NPROC" --out "$RUN/plan_cost.json"
     "${L[@]}" rehearsed --run "$RUN" "$SECONDS"
+elif [ "$PRINT" = 1 ]; then [ "$NO_CHAT" = 1 ] || launch stage chat "$PY" "$ROOT/chat.py" --runs_dir "$RUN"
 elif [ "$NO_CHAT" = 0 ] && [ -t 0 ] && [ -t 1 ]; then
     say "chat: $PY $ROOT/chat.py --runs_dir $RUN (Ctrl-D or /quit to leave)"; "$PY" "$ROOT/chat.py" --runs_dir "$RUN"
 else say "done. Chat with it: $PY $ROOT/chat.py --runs_dir $RUN"; fi

@@ -246,6 +246,25 @@ def test_chat_evals_result_is_copied_only_to_the_stage_whose_checkpoint_it_score
     assert (run / "stage_evals" / "sft" / "chat_eval_items.jsonl").read_text() == '{"task": "t"}\n'
 
 
+def test_a_listed_stage_with_a_model_is_evaluated_and_the_shards_are_the_data_plans(tmp_path, capsys):
+    run = start_run(tmp_path)
+    (run / "chat_eval.json").write_text(json.dumps({"checkpoint": str(run / "sft" / "ckpt" / "step_000200")}))
+    (run / "chat_eval_items.jsonl").write_text("")
+    for ckpt in ("midtrain/ckpt/step_000100", "sft/ckpt/step_000200"):
+        (run / ckpt).mkdir(parents=True)
+    assert [launch.stage_evals(str(run), name, "midtrain,sft,rl", "sft") for name in ("midtrain", "sft", "rl")] == [
+        True, True, False]  # rl: no model
+    assert not launch.stage_evals(str(run), "midtrain", "", "sft")  # --stage_evals none
+    assert sorted(p.name for p in (run / "stage_evals").iterdir()) == ["sft"]  # chat_eval's result, copied for sft
+    (run / "data_plan.json").write_text('{"shards": 12}')
+    capsys.readouterr()
+    launch.shards(str(run), "")
+    launch.shards(str(run), "5")
+    out, err = capsys.readouterr()
+    assert out == "12\n5\n"  # what speedrun.sh reads; the warning goes to stderr
+    assert err == "speedrun: --shards 5 is fewer than the 12 the budget needs: pretraining will repeat data (it says so)\n"
+
+
 def test_a_signal_to_the_launcher_ends_its_stage_and_nothing_of_it_is_left(tmp_path):
     """`launch.py stage` with a stage whose child process lives in another session (as torchrun's workers do) and
     ignores SIGTERM: SIGTERM to the launcher ends both, within SPEEDRUN_KILL_WAIT, and it exits 143 recording

@@ -2,10 +2,12 @@
 report whose figures are the logs'; an interrupted run leaves no process behind and resumes to the same losses; the
 NCCL probe falls back to the safe flags after a hang; GPUs held by other processes stop it before it starts."""
 import fcntl
+import itertools
 import json
 import os
 import pty
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -26,6 +28,7 @@ from helpers import (
 )
 
 import checkpoint
+import gpu_plan
 import runs
 import validation
 from tokenizer import Tokenizer
@@ -254,6 +257,88 @@ def test_help_lists_every_flag_with_its_default():
                  "--gpus", "--no_chat", "--runs_dir DIR", "(default: runs)", "PRETRAIN_ARGS", "CHAT_EVAL_ARGS",
                  "NCCL_SAFE=1"]:
         assert flag in result.stdout, flag
+
+
+def print_plan(tmp_path, args, env=None):
+    """`bash speedrun.sh --print ARGS` in an empty directory, where every program a run starts is a stand-in that
+    records its call and fails: the stages' interpreter (SPEEDRUN_PYTHON), and nvidia-smi, setsid and torchrun on PATH.
+    Nothing may be called and nothing written. (the interpreter's path, [(stage, its command's words)] in order)."""
+    stand_ins, calls, work = tmp_path / "bin", tmp_path / "calls.log", tmp_path / "work"
+    stand_ins.mkdir(parents=True)
+    for name in ("python", "nvidia-smi", "setsid", "torchrun"):
+        (stand_ins / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\nexit 1\n')
+        (stand_ins / name).chmod(0o755)
+    work.mkdir()
+    env = {**{k: v for k, v in os.environ.items() if not k.endswith("_ARGS")}, "PATH": f"{stand_ins}:{os.environ['PATH']}",
+           "SPEEDRUN_PYTHON": str(stand_ins / "python"), **(env or {})}
+    result = subprocess.run(["bash", str(ROOT / "speedrun.sh"), "--print", *args], cwd=work, env=env,
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert not calls.exists() and list(work.iterdir()) == []  # no process started, no runs/ (or anything) written
+    lines = result.stdout.splitlines()
+    return str(stand_ins / "python"), [(line[2:].split(" (")[0], shlex.split(command)) for line, command in
+                                       itertools.pairwise(lines) if line.startswith("# ") and not command.startswith("#")]
+
+
+def test_print_shows_every_stages_command_line_in_order_and_starts_nothing(tmp_path):
+    py, demo = print_plan(tmp_path / "demo", ["--plan", "demo", "--gpus", "0"], {"PRETRAIN_ARGS": "--steps 5"})
+    evals = ["core_eval_midtrain", "chat_eval_midtrain", "core_eval_sft", "chat_eval_sft", "core_eval_rl", "chat_eval_rl"]
+    assert [name for name, _ in demo] == ["data", "tokenizer", "pretrain", "core_eval", "midtrain", "sft", "rl",
+                                          "chat_eval", *evals, "report", "chat"]
+    words = dict(demo)
+    assert words["data"] == [py, str(ROOT / "demo.py"), "--out", "runs/speedrun/demo"]
+    assert words["pretrain"][:10] == [py, str(ROOT / "pretrain.py"), "--data_dir", "runs/speedrun/demo/pretrain",
+                                      "--tokenizer", "runs/speedrun/tokenizer", "--preset", "tiny", "--steps", "400"]
+    assert words["pretrain"][-6:] == ["--steps", "5", "--runs_dir", "runs/speedrun", "--run_name", "pretrain"]  # ARGS
+    assert words["midtrain"][words["midtrain"].index("Who are you?") - 1] == "--sample_prompt"  # one word, quoted
+    assert words["chat_eval"][:4] == [py, str(ROOT / "chat_eval.py"), "--checkpoint", "runs/speedrun/rl"]
+    assert words["chat"] == [py, str(ROOT / "chat.py"), "--runs_dir", "runs/speedrun"]
+
+    py, gpu = print_plan(tmp_path / "gpu", ["--plan", "gpu", "--gpus", "8", "--data_dir", "/data/fineweb"])
+    assert [name for name, _ in gpu] == [
+        "check_batch", "probe", "preflight", "chatcore_tasks", "prefetch", "prefetch", "data", "tokenizer", "data_plan",
+        "download", "rehearsal", "pretrain", "core_eval", "midtrain", "sft", "rl", "chat_eval", *evals, "report", "chat"]
+    words, plan = dict(gpu), gpu_plan.command_lines(20)
+    torchrun = [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8"]
+    assert words["check_batch"] == [py, str(ROOT / "pretrain.py"), "--check_batch", "8", *map(str, plan["PRETRAIN"])]
+    assert words["probe"] == [*torchrun, str(ROOT / "distributed.py"), "probe", "--timeout", "120", "--mbytes", "64",
+                              "--out", "runs/speedrun/logs/probe.json"]
+    assert words["download"] == [py, str(ROOT / "dataset.py"), "download", "--shards", "<shards from data_plan.json>",
+                                 "--data_dir", "/data/fineweb"]
+    assert words["rehearsal"][:5] == ["env", f"SPEEDRUN_PYTHON={py}", "bash", str(ROOT / "speedrun.sh"), "--rehearse"]
+    assert words["pretrain"] == [*torchrun, str(ROOT / "pretrain.py"), "--data_dir", "/data/fineweb", "--tokenizer",
+                                 "runs/speedrun/tokenizer", *map(str, plan["PRETRAIN"]), "--runs_dir", "runs/speedrun",
+                                 "--run_name", "pretrain"]
+    assert words["sft"] == [*torchrun, str(ROOT / "sft.py"), "--checkpoint", "runs/speedrun/midtrain",
+                            *map(str, plan["SFT"]), "--runs_dir", "runs/speedrun", "--run_name", "sft"]
+
+    # the flags decide what is left out: no rehearsal, no rl, sft's evaluations only, no chat; --shards as given
+    _, fewer = print_plan(tmp_path / "fewer", ["--plan", "gpu", "--gpus", "2", "--data_dir", "/d", "--no_rehearse",
+                                               "--rl", "off", "--stage_evals", "sft", "--no_chat", "--shards", "40"])
+    assert [name for name, _ in fewer] == [
+        "check_batch", "probe", "preflight", "chatcore_tasks", "prefetch", "prefetch", "data", "tokenizer", "data_plan",
+        "download", "pretrain", "core_eval", "midtrain", "sft", "chat_eval", "core_eval_sft", "chat_eval_sft", "report"]
+    assert dict(fewer)["download"][3:5] == ["--shards", "40"]
+    refused = run_speedrun(["--print", "--plan", "gpu", "--gpus", "0"], tmp_path, timeout=60)
+    assert refused.returncode == 2 and "--plan gpu --print: no GPU here; add --gpus N" in refused.stderr
+
+
+def test_the_docs_print_blocks_are_the_scripts_output(tmp_path):
+    """docs/speedrun.md's `$ bash speedrun.sh --print ...` blocks are that command's output (this checkout's path left
+    out, .venv's interpreter): a block without `...` whole, one with `...` as an excerpt in order."""
+    docs = (ROOT / "docs" / "speedrun.md").read_text()
+    blocks = re.findall(r"```\n\$ bash speedrun.sh (--print[^\n]*)\n(.*?)```", docs, re.DOTALL)
+    assert len(blocks) == 2
+    env = {k: v for k, v in os.environ.items() if k != "SPEEDRUN_PYTHON" and not k.endswith("_ARGS")}
+    for args, shown in blocks:
+        result = subprocess.run(["bash", str(ROOT / "speedrun.sh"), *shlex.split(args)], cwd=tmp_path, env=env,
+                                capture_output=True, text=True, timeout=120, check=False)
+        printed, shown = result.stdout.replace(f"{ROOT}/", "").splitlines(), shown.splitlines()
+        assert result.returncode == 0 and list(tmp_path.iterdir()) == [], result.stderr
+        if "..." not in shown:
+            assert shown == printed
+        at = [printed.index(line) if line in printed else -1 for line in shown if line != "..."]
+        assert -1 not in at and at == sorted(at), [line for line in shown if line not in printed]
 
 
 # -----------------------------------------------------------------------------
