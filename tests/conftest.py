@@ -14,7 +14,9 @@ core the pipeline leaves), then those that run 2 processes at once (TWO_PROCESS_
 
 requirements_resolved: pip's resolutions of requirements.txt for other Pythons (test_repo.py), which wait on the
 package registry rather than the CPU, start at session start too, in threads, when those tests are selected."""
+import inspect
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -89,7 +91,46 @@ def stage_needed(item):
 TWO_PROCESS_FIXTURES = {"killed", "two_rank_results", "worker_runs"}
 
 
+# The quick tier (`pytest -m "not slow"`, the loop while working): every test that needs none of these fixtures (the
+# pipeline's, two processes', the benchmarks' dry run), is not marked two_processes, and starts no other process:
+# neither its code nor that of its fixtures, nor of a function of their module they call (PROCESS_CALLS)
+SLOW_FIXTURES = {*PIPELINE_FIXTURES, *TWO_PROCESS_FIXTURES, "two_rank_results", "bench_dry_run", "rehearsal"}
+STARTED_IF_NEEDED = {"pipeline_started", "bench_started", "requirements_resolved"}  # autouse: for the slow tests
+PROCESS_CALLS = re.compile(r"\b(subprocess|Popen|pty\.fork|os\.fork|run_script|run_speedrun|run_chat|"
+                           r"chat_in_a_terminal|start_bench_dry_run)\b")
+
+
+def starts_a_process(function, seen):
+    """Whether `function`'s code, or that of a function of its module it names, starts another process."""
+    function = inspect.unwrap(function)
+    if function in seen or not inspect.isfunction(function):
+        return False
+    seen.add(function)
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return False
+    if PROCESS_CALLS.search(source.split(":", 1)[-1] if source.lstrip().startswith("def") else source):
+        return True
+    module = inspect.getmodule(function)
+    named = [getattr(module, name, None) for name in set(re.findall(r"\b\w+\b", source))]
+    return any(starts_a_process(f, seen) for f in named if inspect.isfunction(f) and f.__module__ == module.__name__)
+
+
+def is_slow(item):
+    if SLOW_FIXTURES & set(item.fixturenames) or item.get_closest_marker("two_processes"):
+        return True
+    fixtures = [d.func for name, defs in item._fixtureinfo.name2fixturedefs.items() for d in defs
+                if name not in STARTED_IF_NEEDED]
+    seen = set()
+    return any(starts_a_process(function, seen) for function in [item.function, *fixtures])
+
+
 def pytest_collection_modifyitems(items):
+    for item in items:
+        if is_slow(item):
+            item.add_marker(pytest.mark.slow)
+
     def order(item):
         if TWO_PROCESS_FIXTURES & set(item.fixturenames) or item.get_closest_marker("two_processes"):
             return 2, 0
