@@ -16,7 +16,9 @@ import math
 import os
 import random
 import re
+from array import array
 from pathlib import Path
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -200,6 +202,8 @@ def conversation_messages(item):
 def chat_rows(path, row_group, rows=None):
     """A row group of a chat file as conversations (lists of messages), or for a row that cannot be one, why; rows:
     only those indices, in that order (None: all), as a stream of W reads 1/W of a row group."""
+    if Path(path).suffix == ".jsonl":
+        return conversation_lines(path).rows(row_group, rows)
     fmt = chat_format(path)
     items = read_row_group(path, row_group, fmt if fmt in ("messages", "conversations") else None)
     items = items if rows is None else [items[r] for r in rows]
@@ -209,6 +213,13 @@ def chat_rows(path, row_group, rows=None):
 
 
 def chat_files(chat_dir, split):
+    """The train or val files of a chat directory (its *.parquet; test* and val* are val), or [a .jsonl or .parquet
+    file] for either split: a file given as a source is what it is used as (a stage picks its held-out one)."""
+    if Path(chat_dir).suffix in (".jsonl", ".parquet"):
+        if not Path(chat_dir).is_file():
+            raise FileNotFoundError(f"{chat_dir}: no such file (a conversation source is a directory of parquet "
+                                    f"files, a dataset name, or a .jsonl file: docs/own-data.md)")
+        return [Path(chat_dir)]
     files = sorted(Path(chat_dir).glob("*.parquet"))
     val = [f for f in files if f.name.startswith(("test", "val"))]
     chosen = val if split == "val" else [f for f in files if f not in val]
@@ -220,14 +231,143 @@ def chat_files(chat_dir, split):
     return chosen
 
 
+# Your own conversations: JSON lines in the OpenAI chat format, one conversation a line (docs/own-data.md):
+#   {"messages": [{"role": "system", "content": "..."}, {"role": "user", ...}, {"role": "assistant", ...}]}
+# read through the same loader as the parquet files: a ConversationLines index answers as a parquet footer does
+CHAT_ROLES = ("system", "user", "assistant")
+LINE_FORMAT = ('each line is one conversation, {"messages": [{"role": "user", "content": "..."}, {"role": '
+               '"assistant", "content": "..."}]}, roles system (first, optional), user and assistant in turn '
+               '(docs/own-data.md)')
+SKIP_BAD_ROWS_HELP = ("skip the bad lines of .jsonl conversation files (invalid JSON or UTF-8, no messages, a wrong "
+                      "role, no assistant message), counted in a printed line, instead of stopping at the first "
+                      "(default: off)")
+
+
+def conversation_line(line):
+    """One line (bytes) of a JSON-lines conversation file as its messages ({role, content} only), or what is wrong
+    with it (a string)."""
+    try:
+        text = line.decode("utf-8").removeprefix("\ufeff").rstrip("\r\n")  # a BOM: some editors write one
+    except UnicodeDecodeError as e:
+        return f"not UTF-8 (byte 0x{line[e.start]:02x} at byte {e.start + 1} of the line): save the file as UTF-8"
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as e:
+        return f"not valid JSON ({e.msg} at column {e.colno})"
+    if not isinstance(record, dict) or "messages" not in record:
+        got = f"fields: {', '.join(map(str, record))}" if isinstance(record, dict) else type(record).__name__
+        return f'no "messages" field ({got})'
+    messages = record["messages"]
+    if not isinstance(messages, list) or not messages:
+        return '"messages" is not a non-empty list of messages'
+    for i, m in enumerate(messages):
+        missing = [key for key in ("role", "content") if key not in m] if isinstance(m, dict) else ["role", "content"]
+        if missing:
+            return f'message {i} has no {" or ".join(missing)} (each message is {{"role": ..., ' \
+                   f'"content": ...}})'
+        if m["role"] not in CHAT_ROLES:
+            return f"message {i} has role {json.dumps(m['role'])}: use system, user or assistant"
+        if not isinstance(m["content"], str):
+            return f"message {i}'s content is {type(m['content']).__name__}, not a string"
+        if m["role"] != "system" and not m["content"].strip():
+            return f"message {i} ({m['role']}) has empty content"
+    if not any(m["role"] == "assistant" for m in messages):
+        return "no assistant message: nothing to train on"
+    roles = [m["role"] for m in messages]
+    start = 1 if roles[0] == "system" else 0
+    for i, role in enumerate(roles[start:], start=start):
+        expected = "user" if (i - start) % 2 == 0 else "assistant"
+        if role != expected:
+            return f"message {i} is {role!r} where {expected!r} comes (roles alternate user, assistant, ...)"
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+class ConversationLines:
+    """A JSON-lines conversation file indexed once: its non-blank lines' offsets and numbers, and each bad line's
+    number and what is wrong with it. It answers as a parquet footer does (num_rows, num_row_groups,
+    row_group(i).num_rows), a row group being ROW_GROUP_DOCS lines, so the loader deals, shuffles and resumes its rows
+    as a parquet file's: a position is (row group, row), whatever the rows hold."""
+
+    def __init__(self, path):
+        self.path, self.offsets, self.numbers, self.bad = Path(path), array("q"), array("q"), []
+        offset = 0
+        with open(path, "rb") as f:
+            for number, line in enumerate(f, start=1):
+                if line.strip():
+                    self.offsets.append(offset)
+                    self.numbers.append(number)
+                    if isinstance(why := conversation_line(line), str):
+                        self.bad.append((number, why))
+                offset += len(line)
+        self.num_rows = len(self.offsets)
+        self.num_row_groups = -(-self.num_rows // ROW_GROUP_DOCS)
+
+    def row_group(self, index):
+        return SimpleNamespace(num_rows=min(ROW_GROUP_DOCS, self.num_rows - index * ROW_GROUP_DOCS))
+
+    def rows(self, row_group, rows=None):
+        """The conversations of a row group (rows: only those indices, in that order), a bad line as "line N: why"."""
+        first = row_group * ROW_GROUP_DOCS
+        out = []
+        with open(self.path, "rb") as f:
+            for r in range(self.row_group(row_group).num_rows) if rows is None else rows:
+                f.seek(self.offsets[first + r])
+                item = conversation_line(f.readline())
+                out.append(f"line {self.numbers[first + r]}: {item}" if isinstance(item, str) else item)
+        return out
+
+
+_INDEXED = {}  # (path, size, mtime): its ConversationLines, so every loader of a stage reads a file through once
+
+
+def conversation_lines(path):
+    """A .jsonl file's ConversationLines, indexed again only when the file has changed."""
+    stat = os.stat(path)
+    key = (str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _INDEXED:
+        if len(_INDEXED) >= 64:  # a long-lived process (the tests) meets many files
+            _INDEXED.clear()
+        _INDEXED[key] = ConversationLines(path)
+    return _INDEXED[key]
+
+
+def chat_footer(path):
+    """A chat file's row groups and their sizes: a parquet footer, or a .jsonl file's ConversationLines."""
+    return conversation_lines(path) if Path(path).suffix == ".jsonl" else open_parquet(path, column=None).metadata
+
+
+def check_chat_files(files, skip_bad_rows=False):
+    """A ValueError naming the file, line and fix at a .jsonl file's first bad line (or an empty file, or one with only
+    bad lines); with skip_bad_rows, the lines that say how many are skipped in each file instead."""
+    lines = []
+    for path in dict.fromkeys(Path(f) for f in files if Path(f).suffix == ".jsonl"):
+        index = conversation_lines(path)
+        if not index.num_rows:
+            raise ValueError(f"{path}: the file is empty: {LINE_FORMAT}")
+        if not index.bad:
+            continue
+        (number, why), count = index.bad[0], len(index.bad)
+        if count == index.num_rows:
+            raise ValueError(f"{path}, line {number}: {why}; every one of its {count:,} lines is bad: {LINE_FORMAT}")
+        if not skip_bad_rows:
+            more = f" ({count:,} bad lines of {index.num_rows:,}; this is the first)" if count > 1 else ""
+            raise ValueError(f"{path}, line {number}: {why}{more}: {LINE_FORMAT}; fix it, or pass --skip_bad_rows "
+                             f"to skip bad lines (they are counted)")
+        shown = "; ".join(f"line {n}: {w}" for n, w in index.bad[:3]) + ("; ..." if count > 3 else "")
+        lines.append(f"--skip_bad_rows: skipping {count:,} bad line{'s' * (count > 1)} of {index.num_rows:,} in "
+                     f"{path} ({shown})")
+    return lines
+
+
 def parse_chat_sources(specs):
-    """--source DIR:EPOCHS values as [(directory, epochs)]; DIR may be a CHAT_DATASETS name (its cache directory)."""
+    """--source DIR:EPOCHS values as [(directory, epochs)]; DIR may be a CHAT_DATASETS name (its cache directory) or
+    a .jsonl file."""
     sources = []
     for spec in specs:
         path, _, epochs = spec.rpartition(":")
         if not path or not epochs.isdigit() or int(epochs) < 1:
-            raise ValueError(f"--source {spec!r}: write DIR:EPOCHS with a whole number of passes >= 1, e.g. "
-                             f"--source gsm8k:4 or --source data/demo/conversations:1")
+            raise ValueError(f"--source {spec!r}: write DIR:EPOCHS (or FILE.jsonl:EPOCHS) with a whole number of "
+                             f"passes >= 1, e.g. --source gsm8k:4 or --source data/demo/conversations:1")
         sources.append((str(chat_dir(path)), int(epochs)))
     return sources
 

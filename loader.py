@@ -23,7 +23,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dataset import chat_dir, chat_files, chat_rows, check_sources, open_parquet, read_row_group, split_shards
+from dataset import (
+    SKIP_BAD_ROWS_HELP,
+    chat_dir,
+    chat_files,
+    chat_footer,
+    chat_rows,
+    check_chat_files,
+    check_sources,
+    read_row_group,
+    split_shards,
+)
 from tokenizer import Tokenizer
 
 STAT_KEYS = ("batches", "tokens", "supervised", "docs", "doc_tokens", "pieces", "cropped", "padding", "empty",
@@ -32,8 +42,8 @@ REPORT_SKIPPED = 5  # the first few conversations skipped as bad input are print
 
 
 def read_footers(files):
-    """{path: its parquet metadata}: every file's row groups and their sizes, read once."""
-    return {path: open_parquet(path, column=None).metadata for path in files}
+    """{path: its parquet metadata (or a .jsonl file's index)}: every file's row groups and their sizes, read once."""
+    return {path: chat_footer(path) for path in files}
 
 
 def unit_rows(unit, footers):
@@ -260,11 +270,12 @@ class PackedLoader:
     A reader thread reads and tokenizes (on `threads` threads) this rank's row groups ("units"); a packer thread ships
     each batch to the device `prefetch` ahead, with the state after it. seed=N shuffles units by (N, epoch) and their
     documents by (N, epoch, unit): the state's positions are in those orders. max_epochs=N stops after N passes
-    (validation: the last rows padded, the last batch maybe short); None cycles forever."""
+    (validation: the last rows padded, the last batch maybe short); None cycles forever. A chat file may be .jsonl
+    (dataset.ConversationLines): its first bad line is an error here, or with skip_bad_rows a "malformed" skip."""
 
     def __init__(self, files, tokenizer, batch_size, seq_len, kind="text", rank=0, world_size=1, device="cpu",
                  buffer_docs=1000, threads=None, prefetch=2, name="train", max_epochs=None, pack=None,
-                 supervise=None, seed=None):
+                 supervise=None, seed=None, skip_bad_rows=False):
         if kind not in ("text", "chat"):
             raise ValueError(f"kind={kind!r} is not allowed: choose text or chat")
         pack = pack or ("crop" if kind == "text" else "pad")
@@ -278,6 +289,8 @@ class PackedLoader:
         self.B, self.T, self.rank, self.world_size = batch_size, seq_len, rank, world_size
         self.device = torch.device(device)
         self.threads, self.prefetch, self.max_epochs = threads or os.cpu_count(), prefetch, max_epochs
+        if kind == "chat":  # a bad line of a .jsonl file stops it here, before any batch; skipped ones are "malformed"
+            check_chat_files(self.files, skip_bad_rows)
         self._footers = read_footers(self.files)
         self.units = assign_units(self.files, rank, world_size, self._footers)
         if not self.units:
@@ -624,7 +637,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--data_dir", help="a text corpus directory (its shards, the last one validation)")
-    source.add_argument("--chat", help="a conversation directory, or a `dataset.py download-chat` name")
+    source.add_argument("--chat", help="a conversation directory or .jsonl file, or a `dataset.py download-chat` name")
     parser.add_argument("--tokenizer", default="runs/tokenizer", help="directory of tokenizer.json (default: %(default)s)")
     parser.add_argument("--split", default="train", choices=["train", "val"], help="(default: %(default)s)")
     parser.add_argument("--batch_size", type=int, default=4, help="rows per batch (default: %(default)s)")
@@ -633,6 +646,7 @@ def main(argv=None):
                         "(midtraining) (default: %(default)s)")
     parser.add_argument("--supervise", default="assistant", choices=["assistant", "all"], help="conversations: "
                         "which tokens are targets (default: %(default)s)")
+    parser.add_argument("--skip_bad_rows", action="store_true", help=SKIP_BAD_ROWS_HELP)
     parser.add_argument("--rows", type=int, default=2, help="rows of the first batch to print (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
@@ -641,7 +655,7 @@ def main(argv=None):
             loader = text_loader(args.data_dir, args.split, tokenizer, args.batch_size, args.seq_len)
         else:
             loader = chat_loader(chat_dir(args.chat), args.split, tokenizer, args.batch_size, args.seq_len,
-                                 pack=args.pack, supervise=args.supervise)
+                                 pack=args.pack, supervise=args.supervise, skip_bad_rows=args.skip_bad_rows)
         inputs, targets = next(loader)
         loader.close()
     except (FileNotFoundError, ValueError) as e:

@@ -4,6 +4,7 @@ when to stop, and keeps its knowledge.
 
     python midtrain.py --steps 2000        # newest pretrain checkpoint; 30% its corpus, 70% conversations and tasks
     python midtrain.py --checkpoint runs/base --source text:data/demo/pretrain:0.3 --source chat:data/demo/conversations:0.7
+    python midtrain.py --source text:data/mine:0.3 --source chat:my_chats.jsonl:0.7 --val_chat_dir held_out.jsonl
     torchrun --standalone --nproc_per_node=8 midtrain.py --tokens 500000000
     python midtrain.py --run_name NAME --resume                          # continue from the last checkpoint
     python midtrain.py --status runs/NAME
@@ -24,7 +25,7 @@ import distributed
 import runs
 import train_loop
 import validation
-from dataset import CACHE_DIR
+from dataset import CACHE_DIR, chat_files, check_chat_files
 from loader import MixtureLoader
 
 # beside the parent's text (0.3): conversation, the shapes chat_eval.py scores, and who the assistant is (identity)
@@ -41,7 +42,8 @@ def get_args(argv=None):
     g = p.add_argument_group("data")
     g.add_argument("--source", action="append", default=None, metavar="KIND:PATH:SHARE", help="a data source and its "
                    "share of the tokens, repeatable; KIND is text (a corpus directory, its train split) or chat (a "
-                   "directory of conversation or task parquet files) (default: text:<the parent's data_dir>:0.3, "
+                   "directory of conversation or task parquet files, or a .jsonl file of conversations: "
+                   "docs/own-data.md) (default: text:<the parent's data_dir>:0.3, "
                    + ", ".join(f"chat:{CACHE_DIR / 'chat' / name}:{share}" for name, share in DEFAULT_CHAT_SHARES)
                    + ")")
     g.add_argument("--supervise", default="all", choices=["all", "assistant"], help="conversation tokens that carry "
@@ -98,17 +100,23 @@ def evaluate(args, start, batches, step):
 def plan(args, start):
     """What runs.start_stage asks of midtraining: its sources, total steps and loaders."""
     sources = parse_sources(args.source, start.parent_meta.get("data_dir"))
+    # a .jsonl chat source's bad lines: an error now, before any step (or, --skip_bad_rows, a line saying how many)
+    skipped = check_chat_files([f for s in sources if s["kind"] == "chat" for f in chat_files(s["path"], "train")],
+                               args.skip_bad_rows)
+    val_chat_dir = validation.held_out_dir(args.val_chat_dir, next((s["path"] for s in sources if s["kind"] == "chat"),
+                                                                   None))
     total_steps = args.steps or math.ceil(args.tokens / start.tokens_per_step)
     loaders = [MixtureLoader(sources, start.tokenizer, start.micro_batch, start.seq_len, device=start.device,
                              rank=start.rank * start.accum + j, world_size=start.world * start.accum, seed=args.seed,
-                             supervise=args.supervise, threads=train_loop.loader_threads(args, start.device))
+                             supervise=args.supervise, threads=train_loop.loader_threads(args, start.device),
+                             skip_bad_rows=args.skip_bad_rows)
                for j in range(start.accum)]
     data_dir = next((s["path"] for s in sources if s["kind"] == "text"), start.parent_meta.get("data_dir"))
     lines = ["mixture (share of tokens): " + ", ".join(f"{s['name']} {s['share']:.0%} ({s['path']})" for s in sources)
-             + f"; loss on {args.supervise} conversation tokens", args.budget_line,
+             + f"; loss on {args.supervise} conversation tokens", *skipped, args.budget_line,
              f"budget: {total_steps:,} steps, {total_steps * start.tokens_per_step:,} tokens"]
-    return {"total_steps": total_steps, "loaders": loaders, "sources": sources, "lines": lines,
-            "record": {"sources": sources, "supervise": args.supervise, "data_dir": data_dir}}
+    return {"total_steps": total_steps, "loaders": loaders, "sources": sources, "val_chat_dir": val_chat_dir,
+            "lines": lines, "record": {"sources": sources, "supervise": args.supervise, "data_dir": data_dir}}
 
 
 def main(argv=None):
@@ -116,11 +124,8 @@ def main(argv=None):
     if args.status:
         return train_loop.print_status(Path(args.status))
     s = runs.start_stage(args, "midtrain", ["pretrain"], plan)
-    val_chat_dir = args.val_chat_dir or next((src["path"] for src in s.sources if src["kind"] == "chat"), None)
-    if val_chat_dir is None:
-        raise ValueError("no chat source to hold conversations out of: pass --val_chat_dir")
-    evaluator = partial(evaluate, args, s, validation.chat_val_batches(val_chat_dir, s.tokenizer, s.seq_len,
-                                                                       args.eval_rows))
+    evaluator = partial(evaluate, args, s, validation.chat_val_batches(s.val_chat_dir, s.tokenizer, s.seq_len,
+                                                                       args.eval_rows, args.skip_bad_rows))
     return runs.train_chat_stage(args, s, evaluator, lambda final: ({}, [
         "mixture realized: " + ", ".join(f"{name} {m['tokens']:,} tokens ({m['share']:.1%}, target {m['target']:.0%}), "
                                          f"{m['docs']:,} documents" for name, m in final["mixture"].items())]))

@@ -21,6 +21,7 @@ import distributed
 import optim
 import train_loop
 import validation
+from dataset import SKIP_BAD_ROWS_HELP
 from loader import close_all
 from model import flops_per_token, num_params, parse_bool
 
@@ -276,8 +277,10 @@ def start_stage(args, stage, parents, plan, rollouts=False):
 
 def add_chat_stage_args(parser, data, stage, parents, budgets, eval_every, lr_scale, warmdown_frac, why):
     """midtrain.py's and sft.py's shared flags, after the stage's own data flags in its group `data`."""
-    data.add_argument("--val_chat_dir", default=None, help="held-out conversations for the validation loss (default: "
-                      "the first chat source's test*/val* files)")
+    data.add_argument("--val_chat_dir", default=None, help="held-out conversations for the validation loss: a "
+                      "directory (its test*/val* files) or a .jsonl file (default: the first chat source's test*/val* "
+                      "files; a .jsonl source has none: give one)")
+    data.add_argument("--skip_bad_rows", action="store_true", help=SKIP_BAD_ROWS_HELP)
     train_loop.add_loader_threads_arg(data)
     train_loop.add_budget_args(parser.add_argument_group("budget: one of; given both, the last one is in force"),
                                budgets)

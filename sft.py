@@ -3,6 +3,7 @@ assistant content, its tool calls and <|assistant_end|> only (not on the user's 
 
     python sft.py                       # SmolTalk + MMLU auxiliary_train x3 + GSM8K x4 + ARC + identity, one pass
     python sft.py --source smoltalk:1 --source gsm8k:2 --source data/my_chats:3       # DIR (or a dataset name):EPOCHS
+    python sft.py --source my_chats.jsonl:2 --val_chat_dir held_out.jsonl  # your own (docs/own-data.md)
     python sft.py --checkpoint runs/mid_demo --chat_dir DIR --epochs 3        # LIMA-style: a few epochs over a small set
     torchrun --standalone --nproc_per_node=8 sft.py --chat_dir DIR --steps 1000
     python sft.py --run_name NAME --resume                              # continue from the last checkpoint
@@ -24,7 +25,7 @@ import distributed
 import runs
 import train_loop
 import validation
-from dataset import chat_rows, mixture_files, parse_chat_sources
+from dataset import chat_rows, check_chat_files, mixture_files, parse_chat_sources
 from loader import STAT_KEYS, PieceBuffer, assign_units, chat_loader, pack_batch, read_footers, unit_rows
 
 # nanochat's SFT epochs (SmolTalk 1, MMLU auxiliary_train 3, GSM8K 4), plus ARC's training questions and identity
@@ -39,7 +40,8 @@ def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("data")
     g.add_argument("--source", action="append", default=None, metavar="DIR:EPOCHS", help="a chat directory (or a "
-                   "`dataset.py download-chat` name, for its cache directory) and how many times one pass of the "
+                   "`dataset.py download-chat` name, for its cache directory, or a .jsonl file of conversations in "
+                   "the OpenAI chat format: docs/own-data.md) and how many times one pass of the "
                    "mixture goes over it, repeatable; its files named test*/val* are held out (default: "
                    f"{' '.join(DEFAULT_SOURCES)}, nanochat's epochs for SmolTalk, MMLU and GSM8K)")
     g.add_argument("--chat_dir", default=None, help="one chat directory, once per pass: the same as --source DIR:1 "
@@ -70,7 +72,8 @@ def estimate_epoch_batches(args, tokenizer, micro, seq_len, streams):
     stream's conversations come from the parquet footers, each file's rendered length and skipped share from its first
     SAMPLE_ROWS, row fill from those packed together. Returns (batches, the line that says how)."""
     files = mixture_files(args.sources)
-    renderer = chat_loader(None, "train", tokenizer, micro, seq_len, files=files[:1], threads=1)
+    # only renders: bad lines of a .jsonl file (plan has stopped at them, or is skipping them) render as skipped
+    renderer = chat_loader(None, "train", tokenizer, micro, seq_len, files=files[:1], threads=1, skip_bad_rows=True)
     per_file, kept = {}, {}  # path: (share of its conversations kept, their mean rendered tokens); the kept ones
     footers = read_footers(files)
     for path, footer in footers.items():
@@ -99,7 +102,7 @@ def estimate_epoch_batches(args, tokenizer, micro, seq_len, streams):
     fill = 1 - stats["padding"] / max(1, rows * (seq_len + 1))
     batches = max(1, math.ceil(max(tokens) / (fill * (seq_len + 1)) / micro))
     conversations = sum(footers[path].num_rows for path in files)
-    return batches, (f"estimated: {conversations:,} conversations in the parquet footers, about "
+    return batches, (f"estimated: {conversations:,} conversations in the files' footers, about "
                      f"{sum(tokens) / max(1, conversations):,.0f} tokens each as rendered (measured on "
                      f"{sum(map(len, kept.values())):,}), "
                      f"rows {fill:.1%} full, the fullest of {streams} data streams")
@@ -120,16 +123,19 @@ def packing(loaders):
 
 def plan(args, start):
     """What runs.start_stage asks of SFT: its total steps (an epoch estimated: estimate_epoch_batches) and loaders."""
+    files = mixture_files(args.sources)
+    # a .jsonl source's bad lines: an error now, before any step (or, --skip_bad_rows, a line saying how many)
+    skipped = check_chat_files(files, args.skip_bad_rows)
     epoch_batches, estimate = estimate_epoch_batches(args, start.tokenizer, start.micro_batch, start.seq_len,
                                                      start.world * start.accum) if args.epochs else (None, None)
     total_steps = args.steps or math.ceil(args.epochs * epoch_batches)
-    files = mixture_files(args.sources)
     loaders = [chat_loader(None, "train", start.tokenizer, start.micro_batch, start.seq_len, files=files,
                            rank=start.rank * start.accum + j, world_size=start.world * start.accum,
-                           device=start.device, seed=args.seed, threads=train_loop.loader_threads(args, start.device))
+                           device=start.device, seed=args.seed, threads=train_loop.loader_threads(args, start.device),
+                           skip_bad_rows=args.skip_bad_rows)
                for j in range(start.accum)]
     lines = ["mixture (passes per epoch): " + ", ".join(f"{path} x{epochs}" for path, epochs in args.sources)
-             + "; tokens per step count the padding", args.budget_line,
+             + "; tokens per step count the padding", *skipped, args.budget_line,
              f"budget: {total_steps:,} steps" + (f" = {args.epochs:g} epochs of about {epoch_batches:,} batches "
                                                  f"({estimate}); the loader says when each epoch ends"
                                                  if args.epochs else "")]
@@ -142,9 +148,10 @@ def main(argv=None):
     _, args = get_args(argv)
     if args.status:
         return train_loop.print_status(Path(args.status))
+    val_chat_dir = validation.held_out_dir(args.val_chat_dir, args.sources[0][0])  # before the model loads
     s = runs.start_stage(args, "sft", ["midtrain", "pretrain"], plan)
     evaluator = partial(validation.chat_validation, args, s, validation.chat_val_batches(
-        args.val_chat_dir or args.sources[0][0], s.tokenizer, s.seq_len, args.eval_rows))
+        val_chat_dir, s.tokenizer, s.seq_len, args.eval_rows, args.skip_bad_rows))
 
     def summarize(_):  # on every rank: packing gathers from all of them
         rows = packing(s.loaders)

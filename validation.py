@@ -83,11 +83,26 @@ CHAT_QUESTIONS = ["What is the capital of France?", "How many legs does a spider
                   "Who are you?"]
 
 
-def chat_val_batches(chat_dir, tokenizer, seq_len, max_rows):
-    """The first max_rows rows of a chat directory's held-out (test*/val*) conversations, padded whole as sft.py packs
-    them, the same on every rank."""
+def held_out_dir(val_chat_dir, first_source):
+    """Where a chat stage's held-out conversations are: --val_chat_dir, else its first chat source (its test*/val*
+    files). A source that is one file (.jsonl) holds none: a ValueError that says to give them."""
+    if val_chat_dir:
+        return val_chat_dir
+    if first_source is None:
+        raise ValueError("no chat source to hold conversations out of: pass --val_chat_dir")
+    if Path(first_source).suffix in (".jsonl", ".parquet"):
+        raise ValueError(f"{first_source} is one file of training conversations, none of them held out for the "
+                         f"validation loss: pass --val_chat_dir VAL.jsonl (other conversations, in the same format) "
+                         f"or a directory of test*/val* parquet files")
+    return first_source
+
+
+def chat_val_batches(chat_dir, tokenizer, seq_len, max_rows, skip_bad_rows=False):
+    """The first max_rows rows of a chat directory's held-out (test*/val*) conversations (or a .jsonl file's), padded
+    whole as sft.py packs them, the same on every rank."""
     batches, rows = [], 0
-    for inputs, targets in chat_loader(chat_dir, "val", tokenizer, 8, seq_len, max_epochs=1, threads=1):
+    for inputs, targets in chat_loader(chat_dir, "val", tokenizer, 8, seq_len, max_epochs=1, threads=1,
+                                       skip_bad_rows=skip_bad_rows):
         batches.append((inputs, targets))
         rows += len(inputs)
         if rows >= max_rows:

@@ -14,6 +14,7 @@ VOCABULARY = {
     "the longest reply": ("--max_new_tokens", ["core_eval", "chat_eval", "chat", "rl"], ["--max_tokens"]),
     "prompts a training stage answers": ("--sample_prompt", ["pretrain", "midtrain", "sft"], ["--question"]),
     "items per task": ("--max_items", ["core_eval", "chat_eval"], ["--max_per_task"]),
+    "bad lines of a conversation file skipped, not an error": ("--skip_bad_rows", ["midtrain", "sft"], []),
 }
 SCRIPTS = sorted({s for _, scripts, _ in VOCABULARY.values() for s in scripts})
 

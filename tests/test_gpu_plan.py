@@ -389,7 +389,7 @@ def test_sfts_epoch_is_estimated_from_footers_and_a_sample_and_matches_the_exact
         monkeypatch.undo()
         assert len(rendered) == 2 * sft.SAMPLE_ROWS + 24  # a sample of each file, not all 5,524
         assert abs(estimate - exact) <= max(2, 0.02 * exact), (streams, estimate, exact)  # measured: 287/286, 75/77
-        assert line.startswith("estimated: 5,524 conversations in the parquet footers, about ")
+        assert line.startswith("estimated: 5,524 conversations in the files' footers, about ")
         assert line.endswith(f"the fullest of {streams} data streams")
 
 
