@@ -225,7 +225,7 @@ def muon_share(device, step_seconds, vocab, dry_run):
     the AdamW step beside it), and its share of step_seconds, pretrain.py's median step in the same configuration."""
     config = config_from_preset("tiny", {"vocab_size": vocab})
     model = build_model(config, device)
-    train_model, dtype = model if dry_run else torch.compile(model), common.matmul_dtype(device)
+    train_model, dtype = model if dry_run else torch.compile(model, dynamic=False), common.matmul_dtype(device)
     steps, untimed = (1, 0) if dry_run else (10, 3)  # the dry run times its one step: no figure of it is a measurement
     adam, muon = optim.build_optimizers(model, bench_gpu.MUON_RUN, config.n_embd, 2048, device)
     idx = torch.randint(0, vocab, (8, 256), device=device)

@@ -248,8 +248,8 @@ class GpuBattery:
                "micro_batch_from": how, "tokens_per_step": batch, "steps": steps, "dtype": self.dtype,
                "compiled": not self.dry, "attention": "SDPA (torch.nn.functional.scaled_dot_product_attention)",
                "flops_per_token": model.flops_per_token(config), "params": model.num_params(config),
-               "memory_estimate": model.memory_estimate(config, micro, optimizer="muon",
-                                                        bf16=self.dtype == "bfloat16")["total"],
+               "memory_estimate": model.memory_estimate(config, micro, optimizer="muon", bf16=self.dtype == "bfloat16",
+                                                        device_type=self.device.type)["total"],
                "command": " ".join(map(str, command)).replace(str(self.logs), "$OUT/logs"), "run_dir": str(run_dir)}
         status, rss = self.phase(row, command, f"{name} ours (pretrain.py: compilation, {steps} steps, evaluation)",
                                  self.logs / f"{name}_ours.log")

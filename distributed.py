@@ -378,7 +378,8 @@ def shard_model(model, args, world, device):
     model.py's estimate (docs/distributed.md). Returns the line that says whether it did and why."""
     optimizer = "adam8bit" if args.optimizer == "adamw" and args.adam8bit else args.optimizer
     micro = getattr(args, "micro_batch", None) or 1  # the probe chooses later, and at least 1
-    estimate = memory_estimate(model.config, micro, optimizer=optimizer, bf16=args.dtype == "bfloat16")
+    estimate = memory_estimate(model.config, micro, optimizer=optimizer, bf16=args.dtype == "bfloat16",
+                               device_type=device.type)
     state = estimate["weights"] + estimate["gradients"] + estimate["optimizer"]
     in_use = process_memory(device)
     step = in_use + estimate["gradients"] + estimate["optimizer"] + estimate["activations"] + estimate["transient"]

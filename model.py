@@ -207,9 +207,10 @@ def flops_per_token(c, seq_len=None):
     return 6 * matmul_params + 12 * c.n_layer * c.n_head * c.head_dim * T
 
 
-def memory_estimate(c, micro_batch, seq_len=None, optimizer="muon", bf16=True):
+def memory_estimate(c, micro_batch, seq_len=None, optimizer="muon", bf16=True, device_type="cuda"):
     """Training memory per device in bytes (docs/model.md): fp32 weights and gradients, optimizer state,
-    'activations' (what autograd holds after the forward) and 'transient' (the largest short-lived buffers)."""
+    'activations' (what autograd holds after the forward) and 'transient' (the largest short-lived buffers: the loss
+    chunk's depend on device_type, loss_chunk_elements)."""
     T = seq_len or c.sequence_len
     P = num_params(c)
     b = param_breakdown(c)
@@ -237,7 +238,7 @@ def memory_estimate(c, micro_batch, seq_len=None, optimizer="muon", bf16=True):
     # their gradients: outside any checkpointed block, so with checkpointing too
     mixes = tokens * c.n_layer * 4 * c.n_embd if c.resid_lambdas else 0
     acts = blocks + mixes + tokens * (8 + final_norm) + loss  # 8: the int64 token ids the embedding's backward needs
-    chunk_rows = min(tokens, max(1, LOSS_CHUNK_ELEMENTS // c.vocab_size))
+    chunk_rows = min(tokens, max(1, loss_chunk_elements(device_type) // c.vocab_size))
     # in the loss: a chunk's logits, probabilities and tanh, with the head gradient's running sum held twice while the
     # chunk's share is added (out of place); at its end the row gradients' chunks and their concatenation
     loss_transient = max(3 * 4 * chunk_rows * c.vocab_size + 4 * c.vocab_size * c.n_embd, tokens * 4 * c.n_embd)
@@ -436,7 +437,15 @@ class KVCache:
 # -----------------------------------------------------------------------------
 # The loss, chunked
 
-LOSS_CHUNK_ELEMENTS = 2 ** 25  # logits per chunk (128 MiB in fp32): rows = this // vocab_size
+# logits per chunk of the loss by device type (rows = this // vocab_size). CUDA: 2^28 (1 GiB in fp32): at vocabulary
+# 65,536, 4,096-row chunks whose matmuls stay large, and 8x fewer chunk calls than at 2^25, each a read and a write
+# of the fp32 head gradient (335 MB at d20); ~3 GiB of temporaries (memory_estimate's transient). Else 2^25 (128 MiB)
+LOSS_CHUNK_ELEMENTS = {"cuda": 2 ** 28, "cpu": 2 ** 25}
+
+
+def loss_chunk_elements(device_type):
+    """Logits per chunk of the loss on this device type (LOSS_CHUNK_ELEMENTS; the CPU's for any other)."""
+    return LOSS_CHUNK_ELEMENTS.get(device_type, LOSS_CHUNK_ELEMENTS["cpu"])
 
 
 def loss_chunk(xc, w, tc, softcap, need_grad, grad_w=None):
@@ -468,12 +477,12 @@ def loss_chunk(xc, w, tc, softcap, need_grad, grad_w=None):
 @functools.cache
 def compiled_loss_chunk():
     """loss_chunk compiled on its own: dynamo sees one chunk whatever the count (unrolled, compiling took 3.6x as long;
-    dev/LOG.md)."""
-    return torch.compile(loss_chunk)
+    dev/LOG.md). Static shapes: a training step's chunks have two at most (the equal ones and a ragged last)."""
+    return torch.compile(loss_chunk, dynamic=False)
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """Sum of cross-entropies of the head's logits in chunks of about LOSS_CHUNK_ELEMENTS logits (loss_chunk): only
+    """Sum of cross-entropies of the head's logits in chunks of about loss_chunk_elements logits (loss_chunk): only
     grad_x and grad_weight are kept, no logits survive a chunk, and nothing is recomputed in backward."""
 
     @staticmethod
@@ -481,7 +490,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         # grad_enabled from the caller: grad mode is off in here and needs_input_grad ignores no_grad, so an evaluation
         # would pay for the gradient (3x the head's cost)
         need_grad = grad_enabled and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
-        chunks = max(1, math.ceil(x.size(0) * weight.size(0) / LOSS_CHUNK_ELEMENTS))
+        chunks = max(1, math.ceil(x.size(0) * weight.size(0) / loss_chunk_elements(x.device.type)))
         rows = math.ceil(x.size(0) / chunks)  # equal chunks where they divide: one shape for the compiled chunk
         chunk_fn = compiled_loss_chunk() if compiled else loss_chunk
         loss_sum, grad_x_chunks = torch.zeros((), dtype=torch.float32, device=x.device), []
@@ -625,7 +634,7 @@ class GPT(nn.Module):
         valid = (targets != -1).nonzero().squeeze(1)
         losses = torch.zeros(targets.shape, device=x.device)
         argmax = torch.full(targets.shape, -1, dtype=torch.long, device=x.device)
-        rows = max(1, LOSS_CHUNK_ELEMENTS // self.config.vocab_size)
+        rows = max(1, loss_chunk_elements(x.device.type) // self.config.vocab_size)
         for start in range(0, valid.numel(), rows):
             at = valid[start:start + rows]
             logits = softcap_logits(F.linear(x[at], self.head_weight()).float(), self.config.logit_softcap)
@@ -702,6 +711,8 @@ def main(argv=None):
                         help="optimizer whose state the memory estimate counts (default: %(default)s)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="compute dtype for the activation estimate (default: %(default)s)")
+    parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"], help="device type for the memory "
+                        "estimate (the loss's chunk size depends on it) (default: %(default)s)")
     args = parse_args(parser, argv)
     try:
         config = config_from_args(args)
@@ -717,9 +728,11 @@ def main(argv=None):
     fpt = flops_per_token(config)
     print(f"FLOPs/token (train, T={config.sequence_len}): {fpt:.4e} (6 x matmul params + 12 x layers x heads x "
           f"head_dim x T)")
-    mem = memory_estimate(config, args.micro_batch, optimizer=args.optimizer, bf16=args.dtype == "bfloat16")
-    print(f"training memory per device, micro-batch {args.micro_batch} x {config.sequence_len}, {args.optimizer}, "
-          f"{args.dtype} compute, activation checkpointing {'on' if config.activation_checkpointing else 'off'}:")
+    mem = memory_estimate(config, args.micro_batch, optimizer=args.optimizer, bf16=args.dtype == "bfloat16",
+                          device_type=args.device)
+    print(f"training memory per {args.device} device, micro-batch {args.micro_batch} x {config.sequence_len}, "
+          f"{args.optimizer}, {args.dtype} compute, activation checkpointing "
+          f"{'on' if config.activation_checkpointing else 'off'}:")
     for key in ("weights", "gradients", "optimizer", "activations", "transient", "total"):
         print(f"  {key}: {mem[key] / 2**30:.2f} GiB")
 

@@ -267,7 +267,8 @@ def main(argv=None):
     s = runs.start_stage(args, "rl", ["sft"], plan, rollouts=True)
     rank, world, device, model, tokenizer, run_dir = s.rank, s.world, s.device, s.model, s.tokenizer, s.run_dir
     master, (cursor,), stop = rank == 0, s.loaders, train_loop.StopSignal()
-    train_model = train_loop.wrap_model(model, args, world, s.local_rank, device)
+    # dynamic=None: the replies' lengths vary, so torch marks the shapes dynamic after a first change
+    train_model = train_loop.wrap_model(model, args, world, s.local_rank, device, dynamic=None)
     train_threads = torch.get_num_threads()
     rollout_threads = CPU_ROLLOUT_THREADS if device.type == "cpu" else train_threads
     # the ETA's two rates, steps and held-out evaluations: the shared loop's would count evaluations as steps

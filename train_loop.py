@@ -7,6 +7,8 @@ Not a stage: import it. One command line, a run's status (of any stage, live or 
     python train_loop.py status runs/<run>
 """
 import argparse
+import functools
+import gc
 import itertools
 import json
 import math
@@ -327,9 +329,10 @@ def compile_cache():
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
-def wrap_model(model, args, world, local_rank, device):
+def wrap_model(model, args, world, local_rank, device, dynamic=False):
     """DDP (gradients are views into its all-reduce buckets: no second copy) unless shard_model sharded it, then
-    torch.compile (after DDP, not before)."""
+    torch.compile (after DDP, not before): with static shapes (dynamic=False) where every micro-batch has one shape
+    (the loaders' B x T); rl.py's replies vary in length: dynamic=None, torch's default."""
     train_model = model
     if world > 1 and not is_sharded(model):
         train_model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
@@ -339,7 +342,7 @@ def wrap_model(model, args, world, local_rank, device):
     cache = compile_cache()
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"compile: torch.compile, cache {cache} (warm where a stage compiled the same shapes before)")
-    return torch.compile(train_model)
+    return torch.compile(train_model, dynamic=dynamic)
 
 
 # -----------------------------------------------------------------------------
@@ -365,22 +368,33 @@ def forward_backward(train_model, batches, dtype, device, world, poison=False):
     return all_reduce_tensor(loss_sum), count
 
 
-def clip_grad_norm(parameters, max_norm):
+def clip_grad_norm(parameters, max_norm, host_branches=None):
     """torch.nn.utils.clip_grad_norm_'s scaling, with the squares summed in fp64: summed shard by shard in fp32, the
     other order moved the clip factor's last bit, so a resume at another world size drifted. What is summed is each
     row's fp32 norm (last dimension), squared: FSDP2 shards dim 0, so a row's norm is the same bits at any world size
-    (and cheaper than fp64 norms of whole gradients, dev/LOG.md). Returns the norm (fp32)."""
+    (and cheaper than fp64 norms of whole gradients, dev/LOG.md). Returns the norm (fp32), a tensor on the device.
+    Off the CPU nothing is read from the device (train's one read comes after the optimizer step): the fp64 fallback is
+    computed every step and chosen on the device, and the gradients are multiplied by the factor even when it is 1 (the
+    same bits). On the CPU, where a read waits for nothing, both stay branches: each saves a pass over the gradients
+    (host_branches: None = on the CPU; False makes a test run the device's form there)."""
     grads = [p.grad for p in parameters if p.grad is not None]
     shards = [local(g) for g in grads]  # this rank's part of each (the whole gradient unless sharded)
+    if host_branches is None:
+        host_branches = shards[0].device.type == "cpu"
     rows = [torch.linalg.vector_norm(g, dim=-1).flatten() if g.ndim > 1 else g.abs().flatten() for g in shards]
     squares = torch.cat(rows).double().square().sum()
-    if not torch.isfinite(squares):  # a row's squares passed fp32's range (|g| > ~1e19): fp64 whole, as before
-        squares = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for g in shards]).sum()
+
+    def whole():  # where a row's squares passed fp32's range (|g| > ~1e19): fp64 norms of whole gradients
+        return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for g in shards]).sum()
+    if not host_branches:
+        squares = torch.where(torch.isfinite(squares), squares, whole())
+    elif not torch.isfinite(squares):
+        squares = whole()
     if any(is_dtensor(g) for g in grads):  # FSDP2 shards every parameter: add the other ranks' shards
         squares = all_reduce_tensor(squares)
     norm = squares.sqrt().float()
-    factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    if factor < 1:  # a read from the device (the step reads the norm next anyway); x 1 would be a pass for nothing
+    factor = (max_norm / (norm + 1e-6)).clamp(max=1.0).nan_to_num(nan=1.0)  # a NaN norm: the gradients untouched
+    if not host_branches or factor < 1:
         torch._foreach_mul_(shards, factor)
     return norm
 
@@ -396,6 +410,20 @@ def open_wandb(args, master):
     return wandb
 
 
+def frozen_heap(train_fn):
+    """train with start-up's objects (modules, optimizers, loaders, imported code) collected once and frozen (gc.freeze)
+    before its loop, so the collector's full passes during the steps do not walk them again; unfrozen when train
+    returns or raises, for a process that goes on (a test's in-process runs)."""
+    @functools.wraps(train_fn)
+    def wrapped(*args, **kwargs):
+        try:
+            return train_fn(*args, **kwargs)
+        finally:
+            gc.unfreeze()
+    return wrapped
+
+
+@frozen_heap
 def train(args, model, train_model, optimizers, loaders, *, run_dir, start, total_steps, ckpt_meta, evaluate,
           flops_per_token, rank, world, device, step_fn=None, stop=None, evaluate_first=False, progress=None):
     """Steps start..total_steps-1; returns None when every step ran, else the signal that stopped the run after its
@@ -449,6 +477,8 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
         if metrics:
             append_jsonl(metrics, {"step": 0, **first})
 
+    gc.collect()  # start-up's garbage, then what survives it out of every later collection (frozen_heap)
+    gc.freeze()
     for step in range(start, total_steps):
         t0 = now()
         lr_mult, wd = apply_schedule(optimizers, step, total_steps, args)
@@ -467,24 +497,23 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
             loss_sum, count = forward_backward(train_model, batches, args.dtype, device, world,
                                                poison="inject_nan_step" in due)
             fields = {}
-        norm = clip_grad_norm(model.parameters(), args.grad_clip or float("inf"))
-        # the step's one read from the device (the non-finite stop needs it): one transfer, not one wait per .item()
-        loss_sum, count, grad_norm = torch.stack([torch.as_tensor(loss_sum, dtype=torch.float64, device=device),
-                                                  torch.as_tensor(count, dtype=torch.float64, device=device),
-                                                  norm.double()]).tolist()
-        loss = loss_sum / max(1.0, count)
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            last = list_checkpoints(run_dir / "ckpt")
-            raise RuntimeError(f"step {step + 1}: loss {loss} / grad norm {grad_norm} is not finite: run stopped "
-                               f"before the optimizer step; last good checkpoint: {last[-1] if last else 'none'} "
-                               f"(resume with --resume, perhaps a lower lr)")
+        norm = clip_grad_norm(model.parameters(), args.grad_clip or float("inf"))  # on the device: nothing read
         health = step % args.health_every == 0
         before = samples_by_id(optimizers) if health else None
         for opt in optimizers:
             opt.step()
         model.zero_grad(set_to_none=world == 1 or is_sharded(model))  # DDP's gradients are views into its buckets
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        # the step's one read from the device, after the optimizer step: loss, targets and grad norm in one transfer,
+        # which waits for the step's queued work (so it also ends the step's time)
+        loss_sum, count, grad_norm = torch.stack([torch.as_tensor(loss_sum, dtype=torch.float64, device=device),
+                                                  torch.as_tensor(count, dtype=torch.float64, device=device),
+                                                  norm.double()]).tolist()
+        loss = loss_sum / max(1.0, count)
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the step's update is in memory only: not saved
+            last = list_checkpoints(run_dir / "ckpt")
+            raise RuntimeError(f"step {step + 1}: loss {loss} / grad norm {grad_norm} is not finite: run stopped "
+                               f"before its checkpoint; last good checkpoint: {last[-1] if last else 'none'} "
+                               f"(resume with --resume, perhaps a lower lr)")
         dt = now() - t0
         tokens_seen = int(all_reduce(sum(ld.state["stats"]["tokens"] for ld in loaders)))
         record = {"step": step + 1, "loss": loss, "targets": int(count), "lr_mult": lr_mult,

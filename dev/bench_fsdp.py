@@ -75,7 +75,8 @@ def bench_fsdp_rank(args):
         times.append(time.perf_counter() - start)
     peaks = [None] * world
     torch.distributed.all_gather_object(peaks, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline)
-    est = memory_estimate(config, 1, args.fsdp_seq, optimizer="muon", bf16=dtype == "bfloat16")
+    est = memory_estimate(config, 1, args.fsdp_seq, optimizer="muon", bf16=dtype == "bfloat16",
+                          device_type=device.type)
     sharded = (est["weights"] + est["gradients"] + est["optimizer"]) / world
     if rank == 0:
         print(f"fsdp {args.preset} ({num_params(config):,} params), {world} processes, micro-batch 1 x "

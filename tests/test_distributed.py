@@ -89,7 +89,7 @@ def test_fsdp_auto_counts_the_process_and_the_activations_not_only_the_state(mon
     config = config_from_preset("tiny", {"vocab_size": 256})
     model = build_model(config, torch.device("cpu"))
     args = SimpleNamespace(optimizer="muon", adam8bit=False, dtype="float32", fsdp="auto", micro_batch=4)
-    estimate = memory_estimate(config, 4, optimizer="muon", bf16=False)
+    estimate = memory_estimate(config, 4, optimizer="muon", bf16=False, device_type="cpu")
     state = estimate["weights"] + estimate["gradients"] + estimate["optimizer"]
     monkeypatch.setattr(distributed, "device_memory", lambda device: state + 1)
     line = distributed.shard_model(model, args, 1, torch.device("cpu"))

@@ -124,6 +124,20 @@ def test_memory_estimate_components():
     assert ckpt["activations"] < est["activations"] / 5
 
 
+def test_memory_estimate_counts_the_loss_chunk_of_its_device():
+    """The loss's chunk is 2^28 logits on CUDA and 2^25 on the CPU (model.loss_chunk_elements): d20 (vocabulary
+    65,536, width 1280) at 32 x 2048 tokens, chunks of 4,096 and 512 rows. The transient: a chunk's fp32 logits,
+    probabilities and tanh (3 x 4 bytes x rows x vocab) + the fp32 head gradient's second copy (4 x vocab x width)."""
+    config = config_from_preset("d20")
+    head = 4 * 65536 * 1280  # 335,544,320
+    cuda, cpu = (M.memory_estimate(config, 32, device_type=device) for device in ("cuda", "cpu"))
+    assert cuda["transient"] == 3 * 4 * 4096 * 65536 + head == 3_556_769_792  # 3.3 GiB
+    assert cpu["transient"] == 3 * 4 * 512 * 65536 + head == 738_197_504
+    assert cuda["total"] - cpu["total"] == 3_556_769_792 - 738_197_504
+    assert M.memory_estimate(config, 32) == cuda  # a GPU's estimate unless told
+    assert M.memory_estimate(config, 32, device_type="mps") == cpu  # any other device: the CPU's chunk
+
+
 def test_building_and_training_a_model_eagerly_imports_neither_dynamo_nor_sympy(tmp_path):
     """A process that builds a model and compiles nothing (chat.py, an evaluation) starts without torch._dynamo
     (~2 s) or sympy (~0.4 s): build_model's meta construction and to_empty stay off torch's reference kernels. An eager
@@ -290,9 +304,11 @@ def test_compiling_the_model_leaves_the_loss_chunks_out_of_its_graph(monkeypatch
         return M.loss_chunk(*args)
 
     monkeypatch.setattr(M, "compiled_loss_chunk", lambda: chunk)
+    monkeypatch.setitem(M.LOSS_CHUNK_ELEMENTS, "cuda", 512 * 300 // 7)  # not this device's: 7 chunks would say so
     captured = {}
     for chunks in (1, 16):
-        monkeypatch.setattr(M, "LOSS_CHUNK_ELEMENTS", 512 * 300 // chunks)  # 3 x 100 rows over the vocabulary of 512
+        # 3 x 100 rows over the vocabulary of 512 (the CPU's chunk size: this test runs there)
+        monkeypatch.setitem(M.LOSS_CHUNK_ELEMENTS, "cpu", 512 * 300 // chunks)
         torch._dynamo.reset()
         nodes.clear(), chunk_rows.clear()
         torch.manual_seed(0)
@@ -316,7 +332,8 @@ def test_compiling_the_model_leaves_the_loss_chunks_out_of_its_graph(monkeypatch
 @pytest.mark.parametrize("softcap", [0.0, 15.0])
 @pytest.mark.parametrize("tied", [False, True])
 def test_chunked_loss_and_grads_equal_naive(softcap, tied, monkeypatch):
-    monkeypatch.setattr(M, "LOSS_CHUNK_ELEMENTS", 512 * 37)  # 37 rows per chunk: many chunks, a ragged last one
+    # 37 rows per chunk on the CPU, where this runs: many chunks, a ragged last one
+    monkeypatch.setitem(M.LOSS_CHUNK_ELEMENTS, "cpu", 512 * 37)
     torch.manual_seed(0)
     model = build_model(small(logit_softcap=softcap, tie_embeddings=tied))
     if not tied:  # move the head off its near-zero init so the softcap's curvature matters

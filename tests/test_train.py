@@ -383,3 +383,44 @@ def test_clipping_scales_gradients_only_above_the_limit_and_keeps_a_finite_norm_
     assert all(torch.equal(p.grad, g) for p, g in zip(below, grads, strict=True))
     huge = train_loop.clip_grad_norm(params(1e20), float("inf")).item()
     assert math.isfinite(huge) and abs(huge - exact * 1e20) <= 1e-6 * exact * 1e20
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Records every read of a tensor's value by the host (a wait for the device off the CPU)."""
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("__bool__", "item", "tolist", "__float__", "__int__", "cpu", "numpy"):
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_clip_off_the_cpu_reads_nothing_and_gives_the_cpus_bits():
+    """clip_grad_norm's device form (host_branches=False, what runs off the CPU) reads no value on the host, and gives
+    the bits of the CPU's branches: clipped, below the limit, past fp32's range (the fp64 fallback chosen on the
+    device) and NaN."""
+    generator = torch.Generator().manual_seed(1)
+    shapes = [(64, 32), (32,), (8, 4, 16)]
+    grads = [torch.randn(shape, generator=generator) for shape in shapes]
+    exact = torch.cat([g.double().flatten() for g in grads]).norm().item()
+    with_nan = [g.clone() for g in grads]
+    with_nan[1][3] = float("nan")
+    cases = {"clipped": (grads, 1.0), "below": (grads, 2 * exact), "huge": ([g * 1e20 for g in grads], float("inf")),
+             "nan": (with_nan, 1.0)}
+    for name, (case, max_norm) in cases.items():
+        results = []
+        for host_branches in (True, False):
+            made = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
+            for p, g in zip(made, case, strict=True):
+                p.grad = g.clone()
+            with HostReads() as seen:
+                norm = train_loop.clip_grad_norm(made, max_norm, host_branches=host_branches)
+            results.append((norm, [p.grad for p in made], seen.reads))
+        (host_norm, host_grads, host_reads), (norm, device_grads, reads) = results
+        assert reads == [] and host_reads, name  # the CPU's form reads (its branches); the device's form does not
+        assert torch.equal(norm, host_norm) if name != "nan" else norm.isnan() and host_norm.isnan()
+        assert name != "huge" or math.isfinite(norm.item())
+        for a, b in zip(device_grads, host_grads, strict=True):  # NaN where the CPU's are (NaN != NaN for equal)
+            assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), name
