@@ -1,12 +1,16 @@
 """gpu_plan.py: the gpu plan's numbers in one place, and its rehearsal's. speedrun.sh runs the gpu plan's stages with
-these flags (launch.py setup hands them to it as its arrays), pretrain.py's disk plan counts their checkpoints,
-plan_cost.py predicts their time and launch.py prints the plan from them: a number changed here changes all four.
+these flags (launch.py setup hands them to it as its arrays), its disk plan (check_disk, which launch.py shards runs
+on pretrain.py --data_plan's data_plan.json) counts their checkpoints, plan_cost.py predicts their time and launch.py
+prints the plan from them: a number changed here changes all four.
 The standard library only: launch.py imports it before .venv exists. Not a stage: import it.
 
     python gpu_plan.py --depth 20        # the plan in words and each stage's flags, as speedrun.sh runs them
 """
 import argparse
+import json
 import math
+import shutil
+from pathlib import Path
 
 TOKENS_PER_STEP = 524_288  # a step's tokens over all GPUs (nanochat's); the chat stages inherit pretraining's
 SEQUENCE_LEN = 2048  # the d-presets' (model.py): what midtraining's and SFT's --eval_rows are rows of
@@ -95,6 +99,70 @@ def rehearsal_line(budgets):
     return (f"rehearsal: pretrain {REHEARSAL_STEPS[0]} steps, midtrain {REHEARSAL_STEPS[1]}, sft {REHEARSAL_STEPS[2]} "
             f"(each saving once, at its last step), CORE {budgets['R_CORE'][1]} items a task, ChatCORE "
             f"{budgets['R_CHAT_EVAL'][1]}{shape}")
+
+
+# --- the disk plan: before any download, free disk against the shards and the checkpoints the plan's stages hold --
+
+def kept_checkpoints(steps, ckpt_every, keep):
+    """(checkpoints a stage keeps at its end, the most it holds at once): it saves every ckpt_every steps and at its
+    last; a save writes the new one before deleting all but the newest `keep`, so one more exists while it is written."""
+    saves = math.ceil(steps / ckpt_every) if steps else 0
+    return min(keep, saves), min(keep, saves) + (saves > keep)
+
+
+def plan_checkpoints(keep, ckpt_every, steps, tokens_per_step, step_cap=None):
+    """(the most full checkpoints the plan's four stages hold at once, the line that says how), from pretraining's
+    steps, --ckpt_every and --keep: each stage's peak beside the earlier ones' kept; SFT's steps are unknown before
+    its data: --keep, one more while it saves."""
+    # --steps (step_cap: a rehearsal, a short run): the later stages run no more steps than pretraining either
+    cap = (lambda n: min(n, step_cap)) if step_cap else (lambda n: n)
+    pre_end, pre_peak = kept_checkpoints(steps, ckpt_every, keep)
+    mid_steps = math.ceil(FLAGS["midtrain"]["tokens"] / tokens_per_step)
+    mid_end, mid_peak = kept_checkpoints(cap(mid_steps), ckpt_every, keep)
+    rl_end, rl_peak = kept_checkpoints(cap(RL_STEPS), FLAGS["rl"]["ckpt_every"], keep)
+    most = max(pre_peak, pre_end + mid_peak, pre_end + mid_end + keep + 1, pre_end + mid_end + keep + rl_peak)
+    return most, (f"pretraining keeps {pre_end} (holding {pre_peak} while it saves), midtraining {mid_end} (holding "
+                  f"{mid_peak}), SFT up to --keep {keep} (one more while it saves), RL {rl_end} (holding "
+                  f"{rl_peak}): at most {most} at once")
+
+
+def check_disk(plan):
+    """Free disk against pretrain.py --data_plan's plan (data_plan.json, read), before any is spent: the missing
+    shards (listed sizes, else the mean of those on disk) on its data_dir's disk, and plan_checkpoints x its
+    checkpoint_bytes, less those already saved, on its runs_dir's. Returns the line that says so; a ValueError
+    naming the need and the fixes when a disk cannot hold it."""
+    data_dir, runs_dir, shards = Path(plan["data_dir"]), Path(plan["runs_dir"]), plan["shards"]
+    have = {p.name: p.stat().st_size for p in data_dir.glob("*.parquet")}
+    listing = data_dir / ".hub_listing.json"
+    listed = sorted((f for f in json.loads(listing.read_text())["files"] if f["path"].endswith(".parquet")),
+                    key=lambda f: f["path"]) if listing.is_file() else []
+    if listed:
+        wanted = listed[:shards] + listed[-1:]
+        shard_bytes = sum(f["size"] for f in wanted if have.get(Path(f["path"]).name) != f["size"])
+    else:
+        shard_bytes = max(0, shards + 1 - len(have)) * (sum(have.values()) // max(1, len(have)))
+    ckpt = plan["checkpoint_bytes"]
+    count, how = plan_checkpoints(plan["keep"], plan["ckpt_every"], plan["steps"], plan["tokens_per_step"],
+                                  plan["step_cap"])
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    # a rerun that resumes: the checkpoints its finished stages saved are among those counted, and already on disk
+    saved = sum(f.stat().st_size for f in runs_dir.glob("*/ckpt/step_*/**/*") if f.is_file())
+    ckpt_bytes = max(0, count * ckpt - saved)
+    needs = {}  # device: [bytes, free, where]
+    for path, size, what in ((data_dir, shard_bytes, "shards"), (runs_dir, ckpt_bytes, "checkpoints")):
+        dev = path.stat().st_dev
+        needs.setdefault(dev, [0, shutil.disk_usage(path).free, []])
+        needs[dev][0] += size
+        needs[dev][2].append(f"{what} in {path}")
+    for need, free, where in needs.values():
+        if need > free:
+            raise ValueError(f"not enough disk: {', '.join(where)} need {need / 1e9:.1f} GB, {free / 1e9:.1f} GB are "
+                             f"free there: free space, keep fewer checkpoints (--keep 1 in PRETRAIN_ARGS, "
+                             f"MIDTRAIN_ARGS, SFT_ARGS and RL_ARGS), or put --data_dir / --runs_dir on a larger disk")
+    return (f"data plan disk: {shard_bytes / 1e9:.1f} GB of shards still to fetch; checkpoints: {how} x "
+            f"{ckpt / 1e9:.2f} GB ({plan['params']:,} parameters: fp32 weights and optimizer state) = "
+            f"{count * ckpt / 1e9:.1f} GB" + (f", {saved / 1e9:.1f} GB of them saved already in {runs_dir}: "
+                                             f"{ckpt_bytes / 1e9:.1f} GB to come" if saved else ""))
 
 
 def main(argv=None):

@@ -710,8 +710,14 @@ def rehearsed(run, seconds):
 
 def shards(run, given):
     """`shards`: the training shards to download, printed for speedrun.sh: --shards, else what data_plan.json counts
-    for the budget; fewer than that is said (to stderr)."""
-    needed = read_json(Path(run, "data_plan.json"))["shards"]
+    for the budget; fewer than that is said (to stderr). First the disk plan (gpu_plan.check_disk): the free disk
+    against the shards and the checkpoints to come, said (to stderr); not enough stops the run before any download."""
+    plan = read_json(Path(run, "data_plan.json"))
+    try:
+        say(run, gpu_plan.check_disk(plan), stream=sys.stderr)
+    except ValueError as e:
+        raise Refused(str(e), 1) from None
+    needed = plan["shards"]
     if given and int(given) < needed:
         say(run, f"--shards {given} is fewer than the {needed} the budget needs: pretraining will repeat data (it "
                  f"says so)", stream=sys.stderr)

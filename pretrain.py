@@ -21,7 +21,6 @@ import torch
 import checkpoint
 import common
 import distributed
-import gpu_plan
 import optim
 import runs
 import train_loop
@@ -94,7 +93,8 @@ def get_args(argv=None):
 
 def data_plan(args, config, tokenizer):
     """--data_plan: the training shards a budget needs, from the first shard's token count, written to
-    <runs_dir>/data_plan.json (speedrun.sh downloads that many)."""
+    <runs_dir>/data_plan.json (speedrun.sh downloads that many) with the steps and a checkpoint's bytes (the gpu
+    plan's disk check reads them)."""
     if not args.total_batch_tokens:
         raise ValueError("--data_plan needs --total_batch_tokens (the tokens per step the run will use)")
     steps = plan_steps(args, config, args.total_batch_tokens)
@@ -105,10 +105,15 @@ def data_plan(args, config, tokenizer):
     shards = math.ceil(budget / per_shard) + 1  # one spare: the other shards' documents vary a little in length
     print(f"data plan: budget {steps:,} steps x {args.total_batch_tokens:,} tokens = {budget:,} tokens; "
           f"{per_shard:,} tokens in {first.name} ({docs:,} documents, counted with this tokenizer)")
-    check_disk(args, config, Path(args.data_dir), shards, steps, args.total_batch_tokens)
     out = Path(args.runs_dir) / "data_plan.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"shards": shards, "budget_tokens": budget, "first_shard_tokens": per_shard}))
+    # with what the gpu plan's disk check (gpu_plan.check_disk, launch.py shards) counts the checkpoints by
+    out.write_text(json.dumps({"shards": shards, "budget_tokens": budget, "first_shard_tokens": per_shard,
+                               "steps": steps, "tokens_per_step": args.total_batch_tokens, "step_cap": args.steps,
+                               "ckpt_every": args.ckpt_every, "keep": args.keep, "params": num_params(config),
+                               "checkpoint_bytes": checkpoint_bytes(config, args.optimizer),
+                               "data_dir": str(Path(args.data_dir).resolve()),
+                               "runs_dir": str(Path(args.runs_dir).resolve())}))
     print(f"data plan: {shards} training shards ({out})")
 
 
@@ -118,65 +123,6 @@ def checkpoint_bytes(config, optimizer):
     counts = param_breakdown(config)
     matrices = counts["attention"] + counts["mlp"]
     return 4 * counts["total"] + 8 * (counts["total"] - matrices) + (4 if optimizer == "muon" else 8) * matrices
-
-
-def kept_checkpoints(steps, ckpt_every, keep):
-    """(checkpoints a stage keeps at its end, the most it holds at once): it saves every ckpt_every steps and at its
-    last; a save writes the new one before deleting all but the newest `keep`, so one more exists while it is written."""
-    saves = math.ceil(steps / ckpt_every) if steps else 0
-    return min(keep, saves), min(keep, saves) + (saves > keep)
-
-
-def plan_checkpoints(args, steps, tokens_per_step):
-    """(the most full checkpoints the plan's four stages hold at once, the line that says how): each stage's peak
-    beside the earlier ones' kept; SFT's steps are unknown before its data: --keep, one more while it saves."""
-    # --steps (a rehearsal, a short run): the later stages run no more steps than pretraining either
-    cap = (lambda n: min(n, args.steps)) if getattr(args, "steps", None) else (lambda n: n)
-    pre_end, pre_peak = kept_checkpoints(steps, args.ckpt_every, args.keep)
-    mid_steps = math.ceil(gpu_plan.FLAGS["midtrain"]["tokens"] / tokens_per_step)
-    mid_end, mid_peak = kept_checkpoints(cap(mid_steps), args.ckpt_every, args.keep)
-    rl_end, rl_peak = kept_checkpoints(cap(gpu_plan.RL_STEPS), gpu_plan.FLAGS["rl"]["ckpt_every"], args.keep)
-    most = max(pre_peak, pre_end + mid_peak, pre_end + mid_end + args.keep + 1, pre_end + mid_end + args.keep + rl_peak)
-    return most, (f"pretraining keeps {pre_end} (holding {pre_peak} while it saves), midtraining {mid_end} (holding "
-                  f"{mid_peak}), SFT up to --keep {args.keep} (one more while it saves), RL {rl_end} (holding "
-                  f"{rl_peak}): at most {most} at once")
-
-
-def check_disk(args, config, data_dir, shards, steps, tokens_per_step):
-    """Free disk against the plan, before any is spent: the missing shards (listed sizes, else the mean of those on
-    disk) on data_dir's disk, and plan_checkpoints x checkpoint_bytes, less those already saved, on --runs_dir's."""
-    import shutil
-    have = {p.name: p.stat().st_size for p in data_dir.glob("*.parquet")}
-    listing = data_dir / ".hub_listing.json"
-    listed = sorted((f for f in json.loads(listing.read_text())["files"] if f["path"].endswith(".parquet")),
-                    key=lambda f: f["path"]) if listing.is_file() else []
-    if listed:
-        wanted = listed[:shards] + listed[-1:]
-        shard_bytes = sum(f["size"] for f in wanted if have.get(Path(f["path"]).name) != f["size"])
-    else:
-        shard_bytes = max(0, shards + 1 - len(have)) * (sum(have.values()) // max(1, len(have)))
-    ckpt = checkpoint_bytes(config, args.optimizer)
-    count, how = plan_checkpoints(args, steps, tokens_per_step)
-    runs_dir = Path(args.runs_dir)
-    runs_dir.mkdir(parents=True, exist_ok=True)
-    # a rerun that resumes: the checkpoints its finished stages saved are among those counted, and already on disk
-    saved = sum(f.stat().st_size for f in runs_dir.glob("*/ckpt/step_*/**/*") if f.is_file())
-    ckpt_bytes = max(0, count * ckpt - saved)
-    needs = {}  # device: [bytes, free, where]
-    for path, size, what in ((data_dir, shard_bytes, "shards"), (runs_dir, ckpt_bytes, "checkpoints")):
-        dev = path.stat().st_dev
-        needs.setdefault(dev, [0, shutil.disk_usage(path).free, []])
-        needs[dev][0] += size
-        needs[dev][2].append(f"{what} in {path}")
-    print(f"data plan disk: {shard_bytes / 1e9:.1f} GB of shards still to fetch; checkpoints: {how} x {ckpt / 1e9:.2f} "
-          f"GB ({num_params(config):,} parameters: fp32 weights and optimizer state) = {count * ckpt / 1e9:.1f} GB"
-          + (f", {saved / 1e9:.1f} GB of them saved already in {runs_dir}: {ckpt_bytes / 1e9:.1f} GB to come" if saved
-             else ""))
-    for need, free, where in needs.values():
-        if need > free:
-            raise ValueError(f"not enough disk: {', '.join(where)} need {need / 1e9:.1f} GB, {free / 1e9:.1f} GB are "
-                             f"free there: free space, keep fewer checkpoints (--keep 1 in PRETRAIN_ARGS, "
-                             f"MIDTRAIN_ARGS, SFT_ARGS and RL_ARGS), or put --data_dir / --runs_dir on a larger disk")
 
 
 def plan_steps(args, config, tokens_per_step):

@@ -96,7 +96,8 @@ if [ -n "$TOKENIZER" ]; then skip tokenizer "using --tokenizer $TOK"; else stage
 if [ "$PLAN" = gpu ]; then  # the shards the budget needs, counted with this tokenizer; and the disk they need
     stage data_plan "$PY" "$ROOT/pretrain.py" --data_plan --data_dir "$CORPUS" --tokenizer "$TOK" --runs_dir "$RUN" \
         "${PRETRAIN[@]}" "${PRETRAIN_EXTRA[@]}" "${R_PRETRAIN[@]}" "${R_SHAPE[@]}"
-    NEEDED=$("${L[@]}" shards --run "$RUN" "$SHARDS")  # --shards, else data_plan.json's count (fewer is said)
+    # the disk plan (not enough disk stops here), then --shards, else data_plan.json's count (fewer is said)
+    NEEDED=$("${L[@]}" shards --run "$RUN" "$SHARDS")
     launch stage download "$PY" "$ROOT/dataset.py" download --shards "$NEEDED" --data_dir "$CORPUS"
     # pretraining does not wait for the prefetch, but if it has failed already, stop before the hours
     if ! kill -0 "$PREFETCH" 2>/dev/null || [ "$STOP_AFTER" = download ]; then wait_prefetch " before pretraining"; fi

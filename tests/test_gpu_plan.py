@@ -1,7 +1,6 @@
 """The gpu plan's command lines as a user meets them: budget overrides appended through *_ARGS, a small source on
 many data streams, a resume on fewer GPUs, speedrun.sh's GPU checks and refusals, each rank's progress record, the
 disk the plan really keeps. Each test here failed on the code before its fix (dev/LOG.md, 2026-11-25)."""
-import argparse
 import json
 import re
 
@@ -432,22 +431,20 @@ def test_the_disk_check_counts_the_checkpoints_the_d20_plan_holds_at_once():
     assert pretrain.checkpoint_bytes(config, "muon") == 4 * 1_399_850_200 + 8 * 1_006_633_000 + 4 * 393_217_200 \
         == 15_225_333_600
     assert pretrain.checkpoint_bytes(config, "adamw") == 12 * 1_399_850_200
-    assert pretrain.kept_checkpoints(21_401, 1000, 3) == (3, 4)
-    assert pretrain.kept_checkpoints(954, 1000, 3) == (1, 1)
-    assert pretrain.kept_checkpoints(3000, 1000, 3) == (3, 3)  # 3 saves: never more than --keep at once
-    args = argparse.Namespace(keep=3, ckpt_every=1000)
+    assert gpu_plan.kept_checkpoints(21_401, 1000, 3) == (3, 4)
+    assert gpu_plan.kept_checkpoints(954, 1000, 3) == (1, 1)
+    assert gpu_plan.kept_checkpoints(3000, 1000, 3) == (3, 3)  # 3 saves: never more than --keep at once
     # RL: 468 steps (7,473 questions, 16 a step), a save every 60: 8 saves, 3 kept, 4 held while it saves; beside
     # pretraining's 3, midtraining's 1 and SFT's 3 that is 11 (the check once counted 7 and missed RL's 60 GB)
-    assert gpu_plan.RL_STEPS == 468 and pretrain.kept_checkpoints(468, 60, 3) == (3, 4)
+    assert gpu_plan.RL_STEPS == 468 and gpu_plan.kept_checkpoints(468, 60, 3) == (3, 4)
     line = ("pretraining keeps 3 (holding 4 while it saves), midtraining 1 (holding 1), SFT up to --keep 3 (one more "
             "while it saves), RL 3 (holding 4): at most 11")
-    assert pretrain.plan_checkpoints(args, 21_401, 524_288) == (11, f"{line} at once")
+    assert gpu_plan.plan_checkpoints(3, 1000, 21_401, 524_288) == (11, f"{line} at once")
     assert round(11 * 15_225_333_600 / 1e9, 1) == 167.5
     # the d20 rehearsal (--steps 3, one checkpoint at the last step, --keep 1; rl 2 steps saving once): its stages
     # hold 4 at once, 60.9 GB, which the 64 GB disk of a lent H200 (68.7 GB free) holds; counted as the real plan's
     # stages (rl saving at steps 1 and 2) it was 5, 76.1 GB, and the check refused the rehearsal there
-    rehearsal = argparse.Namespace(keep=1, ckpt_every=3, steps=3)
-    assert pretrain.plan_checkpoints(rehearsal, 3, 524_288)[0] == 4
+    assert gpu_plan.plan_checkpoints(1, 3, 3, 524_288, step_cap=3)[0] == 4
     budgets = gpu_plan.rehearsal_budgets(1, False)
     for stage in ("R_PRETRAIN", "R_MIDTRAIN", "R_SFT", "R_RL"):  # each training stage saves once, at its last step
         flags = budgets[stage]
@@ -456,16 +453,15 @@ def test_the_disk_check_counts_the_checkpoints_the_d20_plan_holds_at_once():
 
 def test_the_command_lines_the_prediction_and_the_disk_plan_read_one_table(monkeypatch):
     """gpu_plan.py's table is the gpu plan: speedrun.sh's words (launch.py setup's), plan_cost.py's budgets,
-    pretrain.py's disk plan and the printed plan; a number changed there reaches each of them."""
+    its disk plan (check_disk) and the printed plan; a number changed there reaches each of them."""
     words = gpu_plan.command_lines(20)
     assert words["PRETRAIN"][:6] == ["--preset", "d20", "--tokens_per_param", 20, "--total_batch_tokens", 524_288]
     assert words["RL"][words["RL"].index("--ckpt_every") + 1] == plan_cost.gpu_plan_budgets(1)["rl"]["ckpt_every"] == 60
     assert "468 steps, at most 30.7M tokens sampled (468 x 16 x 16 x 256)" in gpu_plan.plan_lines(20, 8)[1]
-    args = argparse.Namespace(keep=3, ckpt_every=1000)
-    assert pretrain.plan_checkpoints(args, 21_401, 524_288)[0] == 11
+    assert gpu_plan.plan_checkpoints(3, 1000, 21_401, 524_288)[0] == 11
     monkeypatch.setitem(gpu_plan.FLAGS["rl"], "ckpt_every", 500)  # RL's 468 steps save once: 1 held, not 3 (+1)
     assert gpu_plan.command_lines(20)["RL"][-1] == plan_cost.gpu_plan_budgets(1)["rl"]["ckpt_every"] == 500
-    assert pretrain.plan_checkpoints(args, 21_401, 524_288)[0] == 8
+    assert gpu_plan.plan_checkpoints(3, 1000, 21_401, 524_288)[0] == 8
 
 
 # --- the numbers the gpu plan prints --------------------------------------------------------------------------------

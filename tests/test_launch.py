@@ -4,11 +4,13 @@ record. tests/test_speedrun.py runs the same code through speedrun.sh."""
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from types import SimpleNamespace
 
 import pytest
 from helpers import processes_mentioning
@@ -246,7 +248,8 @@ def test_chat_evals_result_is_copied_only_to_the_stage_whose_checkpoint_it_score
     assert (run / "stage_evals" / "sft" / "chat_eval_items.jsonl").read_text() == '{"task": "t"}\n'
 
 
-def test_a_listed_stage_with_a_model_is_evaluated_and_the_shards_are_the_data_plans(tmp_path, capsys):
+def test_a_listed_stage_with_a_model_is_evaluated_and_the_shards_are_the_data_plans(tmp_path, capsys,
+                                                                                   monkeypatch):
     run = start_run(tmp_path)
     (run / "chat_eval.json").write_text(json.dumps({"checkpoint": str(run / "sft" / "ckpt" / "step_000200")}))
     (run / "chat_eval_items.jsonl").write_text("")
@@ -256,13 +259,20 @@ def test_a_listed_stage_with_a_model_is_evaluated_and_the_shards_are_the_data_pl
         True, True, False]  # rl: no model
     assert not launch.stage_evals(str(run), "midtrain", "", "sft")  # --stage_evals none
     assert sorted(p.name for p in (run / "stage_evals").iterdir()) == ["sft"]  # chat_eval's result, copied for sft
-    (run / "data_plan.json").write_text('{"shards": 12}')
+    plan = {"shards": 12, "steps": 3, "tokens_per_step": 8192, "step_cap": 3, "ckpt_every": 3, "keep": 1,
+            "params": 1000, "checkpoint_bytes": 12000, "data_dir": str(tmp_path), "runs_dir": str(run)}
+    (run / "data_plan.json").write_text(json.dumps(plan))  # pretrain.py --data_plan's
     capsys.readouterr()
     launch.shards(str(run), "")
     launch.shards(str(run), "5")
     out, err = capsys.readouterr()
-    assert out == "12\n5\n"  # what speedrun.sh reads; the warning goes to stderr
-    assert err == "speedrun: --shards 5 is fewer than the 12 the budget needs: pretraining will repeat data (it says so)\n"
+    assert out == "12\n5\n"  # what speedrun.sh reads; the disk plan and the warning go to stderr
+    assert err.count("speedrun: data plan disk: 0.0 GB of shards still to fetch; checkpoints: pretraining keeps 1") == 2
+    assert err.endswith("speedrun: --shards 5 is fewer than the 12 the budget needs: pretraining will repeat data (it "
+                        "says so)\n")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))  # not one checkpoint
+    with pytest.raises(launch.Refused, match="not enough disk: shards in .*, checkpoints in .* need 0.0 GB"):
+        launch.shards(str(run), "")  # before any download: speedrun.sh stops
 
 
 def test_a_signal_to_the_launcher_ends_its_stage_and_nothing_of_it_is_left(tmp_path):

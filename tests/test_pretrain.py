@@ -436,17 +436,21 @@ def test_a_budget_larger_than_the_corpus_says_so_in_the_plan_every_log_line_and_
 
 
 def test_the_data_plan_stops_when_the_disk_cannot_hold_the_checkpoints(world, tmp_path, monkeypatch, capsys):
-    """--data_plan checks free disk against the checkpoints to come (pretrain.plan_checkpoints x their size) and
-    the shards still missing; with 1 MB free it stops naming the need and the fixes, with plenty it passes."""
+    """--data_plan's plan, checked by the gpu plan's disk check (gpu_plan.check_disk: free disk against the
+    checkpoints to come, gpu_plan.plan_checkpoints x their size, and the shards still missing); with 1 MB free it
+    stops naming the need and the fixes, with plenty it passes."""
     import shutil
     from collections import namedtuple
+
+    import gpu_plan
     usage = namedtuple("usage", "total used free")
     args = ["--data_dir", str(world / "demo" / "pretrain"), "--tokenizer", str(world / "tokenizer"), "--runs_dir",
             str(tmp_path / "runs"), "--preset", "tiny", "--tokens_per_param", "20", "--total_batch_tokens", "8192",
             "--keep", "2", "--data_plan"]
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 ** 12, 0, 10 ** 12))
     pretrain.main(args)
-    out = capsys.readouterr().out
+    plan = json.loads((tmp_path / "runs" / "data_plan.json").read_text())
+    out = capsys.readouterr().out + gpu_plan.check_disk(plan)
     config = config_from_preset("tiny", {"vocab_size": 1024})
     params, each = M.num_params(config), pretrain.checkpoint_bytes(config, "muon")
     assert f"checkpoints: pretraining keeps 2 (holding 3 while it saves), midtraining 2 (holding 3), SFT up to --keep " \
@@ -459,7 +463,7 @@ def test_the_data_plan_stops_when_the_disk_cannot_hold_the_checkpoints(world, tm
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 ** 12, 0, 10 ** 6))
     with pytest.raises(ValueError, match=rf"not enough disk: shards in .*, checkpoints in {tmp_path / 'runs'} need "
                                          rf"([\d.]+) GB, 0.0 GB are free there: .*--keep 1") as err:
-        pretrain.main(args)  # one disk here: the shards and the checkpoints together
+        gpu_plan.check_disk(plan)  # one disk here: the shards and the checkpoints together
     need = float(re.search(r"need ([\d.]+) GB", str(err.value)).group(1))
     assert need == pytest.approx(shards + ckpts, abs=0.11)
 
@@ -469,6 +473,8 @@ def test_a_resumed_runs_saved_checkpoints_count_as_space_it_holds_already(world,
     plan needs only the rest (a resume of the d20 rehearsal on one GPU box was refused: 4 x 15.2 GB counted, 3 saved)."""
     import shutil
     from collections import namedtuple
+
+    import gpu_plan
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 ** 12, 0, 10 ** 6))
     runs = tmp_path / "runs"
@@ -480,9 +486,13 @@ def test_a_resumed_runs_saved_checkpoints_count_as_space_it_holds_already(world,
             (runs / stage / "ckpt" / "step_000003").mkdir(parents=True)
             with open(runs / stage / "ckpt" / "step_000003" / "model.pt", "wb") as f:
                 f.truncate(each)
+        pretrain.main(args)
+        plan = json.loads((runs / "data_plan.json").read_text())
         with pytest.raises(ValueError, match=r"not enough disk: .* need ([\d.]+) GB") as err:
-            pretrain.main(args)
-        out = capsys.readouterr().out
+            gpu_plan.check_disk(plan)
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 ** 12, 0, 10 ** 12))
+        out = gpu_plan.check_disk(plan)
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 ** 12, 0, 10 ** 6))
         shards = float(re.search(r"data plan disk: ([\d.]+) GB of shards", out).group(1))
         need = float(re.search(r"need ([\d.]+) GB", str(err.value)).group(1))
         assert f"at most 4 at once x {each / 1e9:.2f} GB" in out
