@@ -39,6 +39,7 @@ import json
 import operator
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -451,4 +452,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    # a SIGTERM (a device call's limit) unwinds like Ctrl-C: run_logged's finally ends the phase's processes with it
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     main()

@@ -102,15 +102,19 @@ def run_logged(command, log, phase, timeout, cwd=None, env=None):
         # its own session: a timeout stops it and whatever it started (torch.compile's workers), not this process
         process = subprocess.Popen(list(map(str, command)), stdout=out, stderr=subprocess.STDOUT, cwd=cwd, env=env,
                                    start_new_session=True)
-        stopped_at = None
-        while not (waited := os.wait4(process.pid, os.WNOHANG))[0]:
-            elapsed = time.perf_counter() - start
-            if stopped_at is None and elapsed > timeout:
-                stopped_at = elapsed
-                os.killpg(process.pid, signal.SIGTERM)
-            elif stopped_at is not None and elapsed > stopped_at + 10:
+        stopped_at, waited = None, (0, 0, None)
+        try:
+            while not (waited := os.wait4(process.pid, os.WNOHANG))[0]:
+                elapsed = time.perf_counter() - start
+                if stopped_at is None and elapsed > timeout:
+                    stopped_at = elapsed
+                    os.killpg(process.pid, signal.SIGTERM)
+                elif stopped_at is not None and elapsed > stopped_at + 10:
+                    os.killpg(process.pid, signal.SIGKILL)
+                time.sleep(0.2)
+        finally:
+            if not waited[0]:  # this process was stopped (Ctrl-C, the device call's timeout): the phase goes with it
                 os.killpg(process.pid, signal.SIGKILL)
-            time.sleep(0.2)
     process.returncode = status = os.waitstatus_to_exitcode(waited[1])
     wall, status = time.perf_counter() - start, f"timed out after {timeout:.0f} s" if stopped_at is not None else status
     print(f"gpu: {phase}: {'exit ' + str(status) if isinstance(status, int) else status}, {wall:.0f} s", flush=True)

@@ -13,9 +13,10 @@
 # .whl holds wheels for the device's Python 3.12 that its image lacks or has at another version (rustbpe,
 # huggingface_hub 2.4.0 and its needs): dev/LOG.md names the pip download command.
 # SESSION_TIMEOUT caps the phase in seconds (default 420), so $OUT is filled before the device call's own limit:
-# give the call's timeout_s at least 60 s more (a stopped stage gets SPEEDRUN_KILL_WAIT, 10 s here, to checkpoint).
+# give the call's timeout_s at least 100 s more (a stopped stage gets SPEEDRUN_KILL_WAIT, 10 s here, plus twice its
+# last save, ~25 s at d20, to checkpoint; the phase is killed 70 s after its SIGINT). The battery's phases end with it.
 # Budget the device time: a fresh H200 took ~8 minutes to start on 2026-11-26, ~40 s on 2026-11-27; the d20 rehearsal
-# needs ~13 minutes of it, so two calls: rehearse (SESSION_TIMEOUT=535, timeout_s 600), then resume (dev/LOG.md).
+# needs ~13 minutes of it, so two calls: rehearse (SESSION_TIMEOUT=495, timeout_s 600), then resume (dev/LOG.md).
 #
 # Expected GPU time of each row of bench.py gpu (bench_gpu.py), both sides, on one H100 or H200 (estimated, not
 # measured: the step times from the one H100 run of dev/LOG.md, d20 at 106,942 tok/s and d12 at 347,139, d26 scaled by
@@ -58,9 +59,12 @@ if [ "$PHASE" = rehearse ] || [ "$PHASE" = resume ]; then
     cat "$WORK/stand_in.log"
     export HF_ENDPOINT=http://127.0.0.1:8765 NO_PROXY=127.0.0.1 HF_HOME="$WORK/hf" NANOCHAT_CACHE="$WORK/cache"
     export CORE_ARGS="--bundle http://127.0.0.1:8765/eval_bundle.zip" SPEEDRUN_PYTHON="$PY" SPEEDRUN_KILL_WAIT=10
+    # a fixed micro-batch (no probe: its tries cost a minute at d20) and no stage evaluations: the rehearsal's stages
+    export PRETRAIN_ARGS=${PRETRAIN_ARGS:---micro_batch 32}
     rc=0
-    timeout --signal=INT --kill-after=30 "$LIMIT" bash speedrun.sh --plan gpu --rehearse --no_chat \
-        --runs_dir "$WORK/runs" --data_dir "$WORK/data" "$@" || rc=$?
+    # a stopped stage gets SPEEDRUN_KILL_WAIT plus twice its last save (~25 s at d20): 70 s before the SIGKILL
+    timeout --signal=INT --kill-after=70 "$LIMIT" bash speedrun.sh --plan gpu --rehearse --no_chat \
+        --stage_evals none --runs_dir "$WORK/runs" --data_dir "$WORK/data" "$@" || rc=$?
     echo "gpu_session: the rehearsal exited $rc"
     kill "$STAND_IN" 2>/dev/null
     tar -czf "$OUT/rehearsal.tar.gz" -C "$WORK" --exclude='ckpt' --exclude='*.parquet' --exclude='*.pt' runs \

@@ -2,14 +2,19 @@
 printed figure checked against the files it was read from; the battery's pieces (phase timeouts, chat.py's dtype,
 the rated peaks)."""
 import json
+import os
 import re
+import signal
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import ROOT
 
 import bench
 import bench_gpu
@@ -151,6 +156,26 @@ def test_the_battery_s_calls_merge_into_one_table(tmp_path):
     both = json.loads((tmp_path / "gpu_bench.json").read_text())
     assert both["rows"] == call["rows"] * 2 and len(both["environments"]) == 2
     assert (tmp_path / "gpu_bench.md").read_text().count("| mfu_d20 | ours |") == 2
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_battery_stopped_mid_phase_stops_the_phase_s_processes_with_it(tmp_path, signum):
+    """A device call's limit stops bench.py (Ctrl-C or SIGTERM) while a phase runs in a session of its own: the phase
+    and what it started end with it, not left running on the lent machine."""
+    marker = tmp_path / "child_alive"
+    program = ("import signal, sys, bench_gpu; signal.signal(signal.SIGTERM, lambda s, f: sys.exit(128 + s)); "
+               f"bench_gpu.run_logged(['bash', '-c', 'echo started; (sleep 4; touch {marker}) & sleep 60'], "
+               f"'{tmp_path / 'phase.log'}', 'row phase', timeout=120)")
+    battery = subprocess.Popen([sys.executable, "-c", program], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+    log, deadline = tmp_path / "phase.log", time.monotonic() + 30
+    while not (log.exists() and "started" in log.read_text()):
+        assert time.monotonic() < deadline, "the phase did not start"
+        time.sleep(0.1)
+    battery.send_signal(signum)
+    assert battery.wait(timeout=30) != 0
+    time.sleep(4.5)
+    assert not marker.exists()  # the phase's background child was stopped with it
 
 
 def test_h200_nvl_and_b200_have_their_dense_bf16_peaks():
