@@ -3,7 +3,7 @@ against a budget, and writing your own text as a corpus. loader.py streams them 
 
     python dataset.py download --shards 8            # FineWeb-Edu shards from the hub (+ the last one: validation)
     python dataset.py download-chat smoltalk gsm8k   # conversation and task sets (identity: from identity.json)
-    python dataset.py ingest --out DIR FILES...      # your own .txt / .jsonl / .parquet as shards of the same layout
+    python dataset.py ingest --out DIR PATHS...      # your own .txt/.md/.jsonl/.parquet (or directories of them)
 
 Layout of a text corpus (FineWeb-Edu's on the hub, and everything this file writes): a directory of parquet shards
 named shard_00000.parquet, ..., one string column `text`, row groups of 1024 documents, zstd; the last shard is the
@@ -534,16 +534,16 @@ def decode_utf8(data):
 
 def read_documents(path, column="text", one_per_file=False):
     """Documents of one input file and the number of invalid UTF-8 sequences replaced in it.
-    .txt: documents separated by blank lines (or the whole file, one_per_file); .jsonl: the `column` field of each
-    line; .parquet: the `column` column."""
+    .txt, .md: documents separated by blank lines (or the whole file, one_per_file); .jsonl: the `column` field of
+    each line; .parquet: the `column` column."""
     path = Path(path)
     if path.suffix == ".parquet":
         parquet = open_parquet(path, column)
         return [t for i in range(parquet.num_row_groups) for t in read_row_group(path, i, column)], 0
-    if path.suffix not in (".txt", ".jsonl"):
-        raise ValueError(f"{path}: unsupported file type {path.suffix!r}: use .txt, .jsonl or .parquet")
+    if path.suffix not in (".txt", ".md", ".jsonl"):
+        raise ValueError(f"{path}: unsupported file type {path.suffix!r}: use .txt, .md, .jsonl or .parquet")
     text, replaced = decode_utf8(path.read_bytes())
-    if path.suffix == ".txt":
+    if path.suffix in (".txt", ".md"):
         return ([text] if one_per_file else re.split(r"\n\s*\n", text)), replaced
     docs = []
     for number, line in enumerate(text.splitlines(), start=1):
@@ -560,24 +560,52 @@ def read_documents(path, column="text", one_per_file=False):
     return docs, replaced
 
 
-def ingest(files, out_dir, seed=0, column="text", one_per_file=False, val_fraction=0.05):
-    """Turn .txt/.jsonl/.parquet files into a corpus (shuffled with `seed`, last shard = validation)."""
-    if not files:
+INGEST_SUFFIXES = (".txt", ".md", ".jsonl", ".parquet")
+
+
+def input_files(paths):
+    """The files to ingest: each path that is a file, and each directory's files of INGEST_SUFFIXES (recursively, in
+    sorted order; others in it are left out)."""
+    files = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in INGEST_SUFFIXES)
+            if not found:
+                raise FileNotFoundError(f"{path}: no {', '.join(INGEST_SUFFIXES)} files in it")
+            files += found
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"{path}: no such file or directory")
+    return files
+
+
+def ingest(paths, out_dir, seed=0, column="text", one_per_file=False, val_fraction=0.05):
+    """Turn .txt/.md/.jsonl/.parquet files (or directories of them) into a corpus (shuffled with `seed`, last shard =
+    validation); shards of an earlier ingest beyond the new ones removed; <out_dir>/ingest.json, written last, says
+    it is whole (speedrun.sh's ingest stage is skipped once it exists)."""
+    if not paths:
         raise ValueError("no input files given")
+    files = input_files(paths)
     docs, empty, replaced = [], 0, 0
     for path in files:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"{path}: no such file")
         file_docs, file_replaced = read_documents(path, column, one_per_file)
         stripped = [(doc or "").strip() for doc in file_docs]
         docs += [doc for doc in stripped if doc]
         empty += stripped.count("")
         replaced += file_replaced
+    Path(out_dir, "ingest.json").unlink(missing_ok=True)
     paths = write_text_shards(docs, out_dir, seed=seed, val_fraction=val_fraction)
-    print(f"ingest: {len(files)} files -> {len(docs):,} documents ({sum(map(len, docs)):,} characters) in "
-          f"{len(paths)} shards under {out_dir} (last = validation); empty documents skipped: {empty:,}; invalid "
-          f"UTF-8 sequences replaced with U+FFFD: {replaced:,}")
-    return {"documents": len(docs), "empty": empty, "replaced": replaced, "shards": paths}
+    for stale in set(Path(out_dir).glob("shard_*.parquet")) - set(paths):
+        stale.unlink()
+    summary = {"inputs": [str(p) for p in files], "documents": len(docs), "characters": sum(map(len, docs)),
+               "val_documents": pq.ParquetFile(paths[-1]).metadata.num_rows, "empty": empty, "replaced": replaced,
+               "shards": len(paths)}
+    Path(out_dir, "ingest.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"ingest: {len(files)} files -> {len(docs):,} documents ({summary['characters']:,} characters) in "
+          f"{len(paths)} shards under {out_dir} (last = validation: {summary['val_documents']:,} documents); empty "
+          f"documents skipped: {empty:,}; invalid UTF-8 sequences replaced with U+FFFD: {replaced:,}")
+    return {**summary, "shards": paths}
 
 
 def check_sources(sources):
@@ -616,11 +644,12 @@ def main(argv=None):
     p.add_argument("--check", action="store_true", help="only list them on the hub (a gated or missing dataset fails "
                    "in seconds) unless complete on disk; download nothing (default: off)")
     p.add_argument("--workers", type=int, default=4, help="parallel downloads (default: %(default)s)")
-    p = commands.add_parser("ingest", help="your own .txt/.jsonl/.parquet files as a corpus")
-    p.add_argument("files", nargs="+", help=".txt (documents split on blank lines), .jsonl, .parquet")
+    p = commands.add_parser("ingest", help="your own .txt/.md/.jsonl/.parquet files as a corpus")
+    p.add_argument("files", nargs="+", help=".txt, .md (documents split on blank lines), .jsonl, .parquet, or a "
+                   "directory of them")
     p.add_argument("--out", required=True, help="output corpus directory")
     p.add_argument("--column", default="text", help="jsonl field / parquet column (default: %(default)s)")
-    p.add_argument("--one_per_file", action="store_true", help="each .txt file is one document (default: split on "
+    p.add_argument("--one_per_file", action="store_true", help="each .txt/.md file is one document (default: split on "
                    "blank lines)")
     p.add_argument("--seed", type=int, default=0, help="shuffle seed (default: %(default)s)")
     p.add_argument("--val_fraction", type=float, default=0.05, help="share of documents in the validation shard "

@@ -41,7 +41,7 @@ PRINT = False  # speedrun.sh --print: each stage's command line printed, nothing
 
 # --- speedrun.sh's flags ---------------------------------------------------------------------------------------------
 
-STOP_AFTER = ["data", "tokenizer", "download", "pretrain", "core_eval", "midtrain", "sft", "rl", "chat_eval", "report"]
+STOP_AFTER = ["data", "ingest", "tokenizer", "download", "pretrain", "core_eval", "midtrain", "sft", "rl", "chat_eval", "report"]
 MODEL_STAGES = ["pretrain", "midtrain", "sft", "rl"]
 ENVIRONMENT = """environment:
   PRETRAIN_ARGS MIDTRAIN_ARGS SFT_ARGS RL_ARGS CORE_ARGS CHAT_EVAL_ARGS   extra flags appended to that stage's command line
@@ -77,6 +77,13 @@ def flag_parser():
     add("--runs_dir", default="runs", metavar="DIR", help="(default: %(default)s)")
     add("--data_dir", default="", metavar="DIR", help="gpu: the FineWeb-Edu corpus directory (default: dataset.py's "
         "cache); demo: the demo world (default: <runs_dir>/<run_name>/demo, written by demo.py when missing)")
+    add("--corpus", nargs="+", default=[], metavar="PATH", help="your own text instead of FineWeb-Edu (gpu) or the "
+        "demo world's (demo): .txt and .md (documents split on blank lines), .jsonl (a `text` field), .parquet (a "
+        "`text` column), or directories of them; ingested once into <runs_dir>/<run_name>/corpus (its last shard "
+        "held out), the corpus of the tokenizer, pretraining and midtraining's text (default: none)")
+    add("--chat", default="", metavar="FILE", help="your own conversations, a .jsonl file in the OpenAI chat format "
+        "(docs/own-data.md), added to the plan's: two passes in SFT's mixture, a 0.2 share of midtraining's (the "
+        "others scaled by 0.8); the validation loss stays on the plan's held-out conversations (default: none)")
     add("--gpus", default="auto", metavar="N", help="processes per stage (default: all CUDA GPUs; 0 = CPU, one)")
     add("--shards", default="", metavar="N", help="gpu plan: FineWeb-Edu training shards to download (default: what "
         "the budget needs: its tokens / the first shard's tokens counted with the tokenizer, plus one)")
@@ -297,7 +304,7 @@ def setup(env_file, argv):
         torch_gpus = functools.cache(listed_gpus)
     gpus = torch_gpus() if gpus == "auto" else int(gpus)
     stand_in_probe = flags["probe_only"] and os.environ.get("SPEEDRUN_PROBE_CMD")  # tests: it uses no GPU
-    nothing_trains = flags["stop_after"] in ("data", "tokenizer", "download")  # a CPU box may fetch the data
+    nothing_trains = flags["stop_after"] in ("data", "ingest", "tokenizer", "download")  # a CPU box may fetch the data
     if flags["gpus"] == "auto" and gpus == 0 and not PRINT:
         explain_driver(python)
     elif gpus > 0 and not (stand_in_probe or nothing_trains or PRINT) and torch_gpus() < gpus:
@@ -328,8 +335,15 @@ def setup(env_file, argv):
             flags["probe_only"] else []:
         say(run, line)
     data_dir, vocab = flags["data_dir"], flags["vocab_size"] or ("1024" if plan == "demo" else "65536")
+    own = f"{flags['runs_dir']}/{flags['run_name']}/corpus"  # --corpus's, shared by the run and its rehearsal
+    named = [("corpus", path) for path in flags["corpus"]] + ([("chat", flags["chat"])] if flags["chat"] else [])
+    for flag, path in [] if PRINT else named:  # --print: the flags alone
+        if not Path(path).exists():
+            raise Refused(f"--{flag} {path}: no such file or directory", 2)
     if plan == "demo":
         data_dir = data_dir or f"{run}/demo"
+    elif flags["corpus"]:
+        data_dir = own
     elif not data_dir and not flags["probe_only"] and PRINT and not os.access(python, os.X_OK):
         data_dir = "<dataset.py's cache>"  # --print before .venv exists
     elif not data_dir and not flags["probe_only"]:
@@ -354,11 +368,19 @@ def setup(env_file, argv):
     if not PRINT:
         write_state(run, {"mark": mark, "plan": plan, "gpus": gpus, "nproc": nproc, "on_cpu": on_cpu, "transport": "",
                           "stages_before": len(stage_rows(run)), "nccl": {"safe": False, "fallback": False}})
-    values = {{"vocab_size": "VOCAB", "rl": "RL_STAGE"}.get(name, name.upper()):
+    values = {{"vocab_size": "VOCAB", "rl": "RL_STAGE", "corpus": "INGEST"}.get(name, name.upper()):
               int(value) if isinstance(value, bool) else value for name, value in flags.items()}
     Path(env_file).write_text(remove + shell_assignments({
         **values, "RUN": run, "LOGS": f"{run}/logs", "PY": python, "PLAN": plan, "GPUS": gpus, "NPROC": nproc,
-        "ON_CPU": int(on_cpu), "DATA_DIR": data_dir, "CORPUS": f"{data_dir}/pretrain" if plan == "demo" else data_dir,
+        "ON_CPU": int(on_cpu), "DATA_DIR": data_dir, "OWN_TEXT": int(bool(flags["corpus"])),
+        "CORPUS": own if flags["corpus"] else f"{data_dir}/pretrain" if plan == "demo" else data_dir,
+        # the gpu plan's rehearsal: the same data (--corpus: the same ingested corpus, its stage skipped)
+        "REHEARSAL_DATA": [*(["--corpus", *flags["corpus"]] if flags["corpus"] else ["--data_dir", data_dir]),
+                           *(["--chat", flags["chat"]] if flags["chat"] else [])],
+        # each stage's launcher: torchrun, one process per GPU (or CPU process); one CPU process: the interpreter,
+        # since torchrun's own start would be ~1.4 s of every stage
+        "LAUNCH": [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if gpus else
+                  [python],
         "VOCAB": vocab, "MARK": mark, "CHAT_SOURCES": gpu_plan.CHAT_SOURCES, **extras, **budgets,
         "REHEARSAL_PROMPT": gpu_plan.REHEARSAL_PROMPT, **stage_flags}))
 

@@ -46,6 +46,9 @@ def get_args(argv=None):
                    "docs/own-data.md) (default: text:<the parent's data_dir>:0.3, "
                    + ", ".join(f"chat:{CACHE_DIR / 'chat' / name}:{share}" for name, share in DEFAULT_CHAT_SHARES)
                    + ")")
+    g.add_argument("--add_source", action="append", default=[], metavar="KIND:PATH:SHARE", help="a source added to "
+                   "the mixture above (the --source ones, or the defaults) at SHARE, every other share scaled by 1 - "
+                   "SHARE: speedrun.sh --chat FILE adds chat:FILE:0.2 (default: none)")
     g.add_argument("--supervise", default="all", choices=["all", "assistant"], help="conversation tokens that carry "
                    "loss: all of them, as in pretraining, or the assistant's only (default: %(default)s, as nanochat "
                    "midtrains)")
@@ -58,8 +61,13 @@ def get_args(argv=None):
     return p, args
 
 
-def parse_sources(specs, parent_data_dir):
-    """--source KIND:PATH:SHARE values as the mixture loader's source dicts."""
+def parse_sources(specs, parent_data_dir, added=()):
+    """--source KIND:PATH:SHARE values (and --add_source's, the others' shares scaled down to make room) as the
+    mixture loader's source dicts."""
+    if added:
+        base, extra = parse_sources(specs, parent_data_dir), parse_sources(list(added), None)
+        scale = 1 - sum(s["share"] for s in extra)
+        return [{**s, "share": s["share"] * scale} for s in base] + extra
     specs = specs or [f"text:{parent_data_dir}:0.3"] + [f"chat:{CACHE_DIR / 'chat' / name}:{share}"
                                                          for name, share in DEFAULT_CHAT_SHARES]
     sources = []
@@ -99,7 +107,7 @@ def evaluate(args, start, batches, step):
 
 def plan(args, start):
     """What runs.start_stage asks of midtraining: its sources, total steps and loaders."""
-    sources = parse_sources(args.source, start.parent_meta.get("data_dir"))
+    sources = parse_sources(args.source, start.parent_meta.get("data_dir"), args.add_source)
     # a .jsonl chat source's bad lines: an error now, before any step (or, --skip_bad_rows, a line saying how many)
     skipped = check_chat_files([f for s in sources if s["kind"] == "chat" for f in chat_files(s["path"], "train")],
                                args.skip_bad_rows)

@@ -105,6 +105,15 @@ def data_plan(args, config, tokenizer):
     shards = math.ceil(budget / per_shard) + 1  # one spare: the other shards' documents vary a little in length
     print(f"data plan: budget {steps:,} steps x {args.total_batch_tokens:,} tokens = {budget:,} tokens; "
           f"{per_shard:,} tokens in {first.name} ({docs:,} documents, counted with this tokenizer)")
+    epochs = None
+    if (ingested := Path(args.data_dir, "ingest.json")).is_file():  # your own corpus (dataset.py ingest): all here
+        record = json.loads(ingested.read_text())
+        train_docs = record["documents"] - record["val_documents"]
+        epochs = budget / (per_shard * train_docs / docs)
+        print(f"data plan: your corpus: about {per_shard * train_docs / docs:,.0f} training tokens ({train_docs:,} "
+              f"documents), so the budget is {epochs:.2f} epochs of it" + (
+                  ": pretraining repeats its documents (it says so at each pass); fewer steps: PRETRAIN_ARGS=--steps N"
+                  if epochs > 1 else ""))
     out = Path(args.runs_dir) / "data_plan.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     # with what the gpu plan's disk check (gpu_plan.check_disk, launch.py shards) counts the checkpoints by
@@ -113,7 +122,7 @@ def data_plan(args, config, tokenizer):
                                "ckpt_every": args.ckpt_every, "keep": args.keep, "params": num_params(config),
                                "checkpoint_bytes": checkpoint_bytes(config, args.optimizer),
                                "data_dir": str(Path(args.data_dir).resolve()),
-                               "runs_dir": str(Path(args.runs_dir).resolve())}))
+                               "runs_dir": str(Path(args.runs_dir).resolve()), "epochs": epochs}))
     print(f"data plan: {shards} training shards ({out})")
 
 

@@ -44,6 +44,8 @@ def get_args(argv=None):
                    "the OpenAI chat format: docs/own-data.md) and how many times one pass of the "
                    "mixture goes over it, repeatable; its files named test*/val* are held out (default: "
                    f"{' '.join(DEFAULT_SOURCES)}, nanochat's epochs for SmolTalk, MMLU and GSM8K)")
+    g.add_argument("--add_source", action="append", default=[], metavar="DIR:EPOCHS", help="a source added to the "
+                   "--source ones (or the defaults): speedrun.sh --chat FILE adds FILE:2 (default: none)")
     g.add_argument("--chat_dir", default=None, help="one chat directory, once per pass: the same as --source DIR:1 "
                    "(default: the --source mixture)")
     g.add_argument("--seed", type=int, default=0, help="shuffles the conversations, anew every epoch (default: "
@@ -56,7 +58,8 @@ def get_args(argv=None):
     if args.chat_dir and args.source:
         p.error("give --chat_dir or --source, not both")
     try:
-        args.sources = parse_chat_sources([f"{args.chat_dir}:1"] if args.chat_dir else args.source or DEFAULT_SOURCES)
+        args.sources = parse_chat_sources([f"{args.chat_dir}:1"] if args.chat_dir else
+                                          (args.source or DEFAULT_SOURCES) + args.add_source)
     except ValueError as e:
         p.error(str(e))
     return p, args

@@ -3,6 +3,7 @@
 #   bash speedrun.sh                    # gpu plan with CUDA GPUs, else the offline demo plan on the CPU
 #   bash speedrun.sh --rehearse         # every stage of the plan for a few steps or items, in minutes
 #   bash speedrun.sh --print            # every stage's command line, in order, for these flags; nothing runs
+#   bash speedrun.sh --corpus DIR --chat FILE.jsonl   # your own text and conversations (docs/own-data.md)
 #   bash speedrun.sh --help             # every flag with its default
 # Each stage is one of this repository's scripts, run by launch.py in its own process group (under torchrun: one
 # process per GPU, or per CPU process given by --gpus N; --gpus 0: one process), its output to the terminal and to
@@ -14,14 +15,12 @@ L=(python3 "$ROOT/launch.py")  # the launcher: the standard library only, so it 
 say() { if [ "$PRINT" = 1 ]; then echo "# $*"; else echo "speedrun: $*" | tee -a "$LOGS/speedrun.log"; fi; }
 
 # --- launch.py setup checks the flags (--help), the interpreter, the machine and the plan before any stage, and
-# writes the variables: the flags (DEPTH ... PRINT), RUN LOGS PY (SPEEDRUN_PYTHON, else .venv) PLAN GPUS NPROC ON_CPU
-# DATA_DIR CORPUS VOCAB MARK, *_EXTRA (*_ARGS' words), R_* (a rehearsal's budgets), gpu_plan.py's PRETRAIN ... CHAT_EVAL
+# writes the variables: the flags (DEPTH ... PRINT; INGEST: --corpus), RUN LOGS PY (SPEEDRUN_PYTHON, else .venv) PLAN
+# GPUS NPROC ON_CPU LAUNCH DATA_DIR CORPUS OWN_TEXT VOCAB MARK, *_EXTRA (*_ARGS' words), R_*, gpu_plan.py's arrays
 SETUP=$(mktemp)  # launch.py writes the variables there (its own lines go to the terminal); the file removes itself
 "${L[@]}" setup "$SETUP" "$@" || { rc=$?; rm -f "$SETUP"; exit "$rc"; }
 . "$SETUP"
 if [ "$PRINT" = 1 ]; then L+=(--print); fi  # launch.py prints each stage's command line instead of running it
-LAUNCH=("$PY" -m torch.distributed.run --standalone "--nproc_per_node=$NPROC")
-if [ "$GPUS" = 0 ]; then LAUNCH=("$PY"); fi  # one CPU process: torchrun's own start would be ~1.4 s of every stage
 
 # Stopping: a signal is passed on to the running launch.py, which ends the stage (a training stage checkpoints first,
 # given SPEEDRUN_KILL_WAIT); on any exit, every process still carrying this run's MARK is ended the same way.
@@ -41,7 +40,6 @@ stage() { launch stage "$@"; if [ "$STOP_AFTER" = "$1" ]; then say "stopping aft
 skip() { say "stage $1 skipped: $2"; if [ "$STOP_AFTER" = "$1" ]; then exit 0; fi; }
 
 # --- the plan: each stage's flags (the gpu plan's: gpu_plan.py), then *_EXTRA, then R_* (the last repeated flag wins)
-STAGE_CORE=()  # the stage evaluations' core_eval flags beyond CORE: the demo world's bundle
 if [ "$PLAN" = demo ]; then  # about 10 minutes on a 2-core Xeon with AMX, 22 on one without bf16 (dev/LOG.md)
     PRETRAIN=(--preset tiny --steps 400 --micro_batch 16 --compile true --eval_every 200 --ckpt_every 100)
     # conversations, and the shapes ChatCORE asks for: letters (choice), bare answers (answers), the calculator (calc),
@@ -61,11 +59,11 @@ if [ "$PLAN" = demo ]; then  # about 10 minutes on a 2-core Xeon with AMX, 22 on
     RL=(--demo "$DATA_DIR" --steps 20 --questions_per_step 8 --samples 8 --max_new_tokens 96 --micro_batch 32
         --eval_every 0 --eval_items 40 --eval_samples 2 --ckpt_every 10)
     CHAT_EVAL=(--demo "$DATA_DIR" --max_new_tokens 96 --tasks demo-choice,demo-answer,demo-problems,demo-words)
-    CORE=(); STAGE_CORE=(--bundle "$DATA_DIR/eval_bundle")
-fi
+    CORE=(--bundle "$DATA_DIR/eval_bundle")  # the demo world's, whatever corpus pretraining read
+fi  # --chat: the file beside the plan's conversations, held out: the plan's (docs/own-data.md)
+if [ -n "$CHAT" ]; then SFT+=(--add_source "$CHAT:2"); MIDTRAIN+=(--add_source "chat:$CHAT:0.2"); fi
 # NCCL (GPUs): a timed all-reduce; on a hang or failure the safe flags, the defaults probed again before each stage
-launch probe "${LAUNCH[@]}" "$ROOT/distributed.py" probe
-if [ "$PROBE_ONLY" = 1 ]; then exit 0; fi
+launch probe "${LAUNCH[@]}" "$ROOT/distributed.py" probe; [ "$PROBE_ONLY" = 0 ] || exit 0
 
 # --- data and tokenizer
 TOK=${TOKENIZER:-$RUN/tokenizer}
@@ -83,8 +81,10 @@ else  # fail in minutes, not hours: a gated or missing chat source stops the run
                  "$@" "$PY" "$ROOT/core_eval.py" --download_only "${CORE_EXTRA[@]}"; }
     if [ "$PRINT" = 1 ]; then prefetch "${L[@]}" stage --run "$RUN" prefetch; PREFETCH=""
     else prefetch env "SPEEDRUN_MARK=$MARK" setsid --wait >> "$LOGS/prefetch.log" 2>&1 < /dev/null & PREFETCH=$!; fi
-    stage data "$PY" "$ROOT/dataset.py" download --shards 8 --data_dir "$CORPUS" "${R_DATA[@]}"
-fi
+    [ "$OWN_TEXT" = 1 ] || stage data "$PY" "$ROOT/dataset.py" download --shards 8 --data_dir "$CORPUS" "${R_DATA[@]}"
+fi  # --corpus: ingested once (its ingest.json says whole), for the tokenizer, pretraining and midtraining's text
+[ "$OWN_TEXT" = 0 ] || stage ingest --skip_if "$CORPUS/ingest.json" "$PY" "$ROOT/dataset.py" ingest --out "$CORPUS" \
+    "${INGEST[@]}"
 wait_prefetch() {  # [WHERE]: the chat data and the CORE bundle are in; a failed fetch stops the run
     if [ -n "${PREFETCH:-}" ]; then say "waiting for the prefetch of the chat data and the CORE bundle (log:" \
         "$LOGS/prefetch.log)"; wait "$PREFETCH" || { rc=$?; echo "speedrun: stage prefetch failed (exit $rc)$1; log:" \
@@ -97,8 +97,8 @@ if [ "$PLAN" = gpu ]; then  # the shards the budget needs, counted with this tok
     stage data_plan "$PY" "$ROOT/pretrain.py" --data_plan --data_dir "$CORPUS" --tokenizer "$TOK" --runs_dir "$RUN" \
         "${PRETRAIN[@]}" "${PRETRAIN_EXTRA[@]}" "${R_PRETRAIN[@]}" "${R_SHAPE[@]}"
     # the disk plan (not enough disk stops here), then --shards, else data_plan.json's count (fewer is said)
-    NEEDED=$("${L[@]}" shards --run "$RUN" "$SHARDS")
-    launch stage download "$PY" "$ROOT/dataset.py" download --shards "$NEEDED" --data_dir "$CORPUS"
+    if [ "$OWN_TEXT" = 0 ]; then NEEDED=$("${L[@]}" shards --run "$RUN" "$SHARDS")  # --corpus: all of it is here
+        launch stage download "$PY" "$ROOT/dataset.py" download --shards "$NEEDED" --data_dir "$CORPUS"; fi
     # pretraining does not wait for the prefetch, but if it has failed already, stop before the hours
     if ! kill -0 "$PREFETCH" 2>/dev/null || [ "$STOP_AFTER" = download ]; then wait_prefetch " before pretraining"; fi
     if [ "$STOP_AFTER" = download ]; then
@@ -108,7 +108,7 @@ if [ "$PLAN" = gpu ]; then  # the shards the budget needs, counted with this tok
     if [ "$REHEARSE" = 0 ] && "${L[@]}" rehearsal_due --run "$RUN" "$RUNS_DIR/$RUN_NAME-rehearsal" "$NO_REHEARSE"; then
         wait_prefetch " before the rehearsal"  # the rehearsal's midtraining reads the chat data
         stage rehearsal env SPEEDRUN_PYTHON="$PY" bash "$ROOT/speedrun.sh" --rehearse --no_chat --plan gpu \
-            --depth "$DEPTH" --run_name "$RUN_NAME" --runs_dir "$RUNS_DIR" --data_dir "$CORPUS" --gpus "$GPUS" \
+            --depth "$DEPTH" --run_name "$RUN_NAME" --runs_dir "$RUNS_DIR" "${REHEARSAL_DATA[@]}" --gpus "$GPUS" \
             --tokenizer "$TOK" --stage_evals "${STAGE_EVALS:-none}" --rl "$RL_STAGE" $([ "$FORCE" = 1 ] && echo --force)
         "${L[@]}" rehearsal_passed --run "$RUN" "$RUNS_DIR/$RUN_NAME-rehearsal"  # its checkpoints deleted (the disk)
     fi
@@ -134,8 +134,7 @@ stage chat_eval --skip_if "$RUN/chat_eval.json" "${LAUNCH[@]}" "$ROOT/chat_eval.
 for name in midtrain sft rl; do
     "${L[@]}" stage_evals --run "$RUN" "$name" "$STAGE_EVALS" "$FINAL" || continue; E=$RUN/stage_evals/$name
     stage "core_eval_$name" --skip_if "$E/core_eval/results.json" "${LAUNCH[@]}" "$ROOT/core_eval.py" --checkpoint \
-        "$RUN/$name" --out "$E/core_eval" --data_dir "$CORPUS" "${CORE[@]}" "${STAGE_CORE[@]}" "${CORE_EXTRA[@]}" \
-        "${R_CORE[@]}"
+        "$RUN/$name" --out "$E/core_eval" --data_dir "$CORPUS" "${CORE[@]}" "${CORE_EXTRA[@]}" "${R_CORE[@]}"
     stage "chat_eval_$name" --skip_if "$E/chat_eval.json" "${LAUNCH[@]}" "$ROOT/chat_eval.py" --checkpoint \
         "$RUN/$name" --out "$E/chat_eval.json" "${CHAT_EVAL[@]}" "${CHAT_EVAL_EXTRA[@]}" "${R_CHAT_EVAL[@]}"
 done

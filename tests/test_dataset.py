@@ -1,6 +1,7 @@
 """dataset.py and loader.py: shards, ingest, the streaming loader (exact resume, rank disjointness, packing), the
 chat loader."""
 import io
+import json
 import random
 import re
 import subprocess
@@ -86,6 +87,24 @@ def test_ingest_txt_jsonl_parquet(tmp_path, capsys):
     docs = sorted(t for split in ("train", "val") for t in D.iter_texts(tmp_path / "whole", split))
     assert docs == ["first doc\nstill first\n\n\n\nsecond doc café bad\ufffd\ufffdbyte", "para one\n\npara two"]
     assert whole["documents"] == 2
+
+
+def test_ingest_md_and_a_directory_and_a_smaller_reingest_leaves_no_stale_shard(tmp_path):
+    (tmp_path / "in" / "sub").mkdir(parents=True)
+    (tmp_path / "in" / "notes.md").write_text("# Title\n\nA paragraph.\n")
+    (tmp_path / "in" / "sub" / "more.txt").write_text("one\n\ntwo\n")
+    (tmp_path / "in" / "skip.csv").write_text("left out")
+    result = D.ingest([tmp_path / "in"], tmp_path / "out", seed=1)
+    docs = sorted(t for split in ("train", "val") for t in D.iter_texts(tmp_path / "out", split))
+    assert docs == ["# Title", "A paragraph.", "one", "two"] and result["documents"] == 4
+    assert json.loads((tmp_path / "out" / "ingest.json").read_text())["documents"] == 4
+    big = D.write_text_shards([f"d{i}" for i in range(20)], tmp_path / "out", shard_docs=4)  # 5 + 1 shards
+    assert len(big) == 6
+    D.ingest([tmp_path / "in" / "notes.md"], tmp_path / "out")
+    assert len(D.list_shards(tmp_path / "out")) == 2  # the earlier shards beyond the new ones are gone
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no .txt, .md, .jsonl, .parquet files"):
+        D.ingest([tmp_path / "empty"], tmp_path / "o2")
 
 
 def test_ingest_bad_jsonl_names_file_and_line(tmp_path):

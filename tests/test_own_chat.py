@@ -218,3 +218,11 @@ def test_skip_bad_rows_is_one_flag_with_one_help_in_sft_and_midtrain():
     helps = [stage.get_args(["--steps", "1"])[0]._option_string_actions["--skip_bad_rows"].help
              for stage in (sft, midtrain)]
     assert helps[0] == helps[1] == D.SKIP_BAD_ROWS_HELP
+
+
+def test_add_source_scales_the_plans_shares_to_make_room():
+    """speedrun.sh --chat FILE: midtrain.py --add_source chat:FILE:0.2 beside the plan's sources (or the defaults)."""
+    given = midtrain.parse_sources(["text:c:0.5", "chat:d:0.5"], None, ["chat:mine.jsonl:0.2"])
+    assert [(s["path"], round(s["share"], 9)) for s in given] == [("c", 0.4), ("d", 0.4), ("mine.jsonl", 0.2)]
+    defaults = midtrain.parse_sources(None, "corpus", ["chat:mine.jsonl:0.2"])
+    assert defaults[0]["path"] == "corpus" and abs(sum(s["share"] for s in defaults) - 1) < 1e-9

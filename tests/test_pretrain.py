@@ -404,6 +404,7 @@ def test_a_budget_larger_than_the_corpus_says_so_in_the_plan_every_log_line_and_
     texts = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 6))) for _ in range(2520)]
     corpus = tmp_path / "corpus"
     D.write_text_shards(texts, corpus, shard_docs=1200, val_fraction=0.05)
+    (corpus / "ingest.json").write_text(json.dumps({"documents": 2520, "val_documents": 126}))  # dataset.py ingest's
     tok = Tokenizer.load(world / "tokenizer")
 
     def tokens(path):
@@ -421,6 +422,8 @@ def test_a_budget_larger_than_the_corpus_says_so_in_the_plan_every_log_line_and_
     shards = json.loads((tmp_path / "runs" / "data_plan.json").read_text())["shards"]
     assert shards == math.ceil(steps * 256 / per_shard) + 1 and f"data plan: {shards} training shards (" in plan
     assert f"{per_shard:,} tokens in shard_00000.parquet (1,200 documents" in plan
+    planned = json.loads((tmp_path / "runs" / "data_plan.json").read_text())["epochs"]  # your corpus: its epochs
+    assert planned == pytest.approx(1.4, rel=0.05) and f"{planned:.2f} epochs of it: pretraining repeats" in plan
     result = run_script("pretrain.py", [*common, "--micro_batch", "4", "--log_every", "1", "--run_name", "r",
                                         "--ckpt_every", "1000"], tmp_path)
     line = next(x for x in result.stdout.splitlines() if x.startswith("data: budget"))

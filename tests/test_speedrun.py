@@ -765,3 +765,57 @@ def test_a_rehearsed_pretraining_stopped_on_two_ranks_resumes_on_one(rehearsal):
     straight = [r for r in map(json.loads, (run / "pretrain" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert [r["loss"] for r in steps[:2]] == [r["loss"] for r in straight[:2]]  # the same run up to the stop
     assert abs(steps[2]["loss"] - straight[2]["loss"]) < 1e-3, (steps[2], straight[2])  # then the same data
+
+
+# -----------------------------------------------------------------------------
+# Your own data: --corpus PATH... and --chat FILE (docs/own-data.md)
+
+def test_print_with_corpus_and_chat_shows_the_ingest_and_every_stage_reading_it(tmp_path):
+    args = ["--corpus", "/data/text", "notes.md", "--chat", "mine.jsonl"]
+    py, demo = print_plan(tmp_path / "demo", ["--plan", "demo", "--gpus", "0", *args])
+    assert [name for name, _ in demo][:4] == ["data", "ingest", "tokenizer", "pretrain"]
+    words, corpus = dict(demo), "runs/speedrun/corpus"
+    assert words["ingest"] == [py, str(ROOT / "dataset.py"), "ingest", "--out", corpus, "/data/text", "notes.md"]
+    assert words["tokenizer"][:5] == [py, str(ROOT / "tokenizer.py"), "train", "--data_dir", corpus]
+    assert words["pretrain"][2:4] == ["--data_dir", corpus]
+    assert words["core_eval"][-2:] == ["--bundle", "runs/speedrun/demo/eval_bundle"]  # the demo world's bundle
+    mid = words["midtrain"]
+    assert mid[mid.index("--checkpoint") + 2:mid.index("--checkpoint") + 6] == [
+        "--source", f"text:{corpus}:0.2", "--source", "chat:runs/speedrun/demo/conversations:0.4"]
+    assert mid[mid.index("--add_source") + 1] == "chat:mine.jsonl:0.2"
+    assert words["sft"][words["sft"].index("--add_source") + 1] == "mine.jsonl:2"
+    assert words["sft"][3:6] == ["runs/speedrun/midtrain", "--source", "runs/speedrun/demo/conversations:1"]
+
+    py, gpu = print_plan(tmp_path / "gpu", ["--plan", "gpu", "--gpus", "8", *args])
+    names, words = [name for name, _ in gpu], dict(gpu)
+    assert "data" not in names and "download" not in names  # FineWeb-Edu's stages: the ingest instead
+    assert names[names.index("ingest"):names.index("ingest") + 4] == ["ingest", "tokenizer", "data_plan", "rehearsal"]
+    assert words["ingest"][-4:] == ["--out", corpus, "/data/text", "notes.md"]
+    assert words["data_plan"][3:5] == ["--data_dir", corpus] and "--data_dir" not in words["rehearsal"]
+    rehearsal = words["rehearsal"]
+    assert rehearsal[rehearsal.index("--corpus"):rehearsal.index("--corpus") + 5] == [*args]
+    assert words["midtrain"][-6:-4] == ["--add_source", "chat:mine.jsonl:0.2"]  # beside the default sources
+
+
+def test_corpus_of_txt_md_jsonl_parquet_is_ingested_once_and_the_tokenizer_trained_on_it(demo_world, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    source = tmp_path / "mine"
+    (source / "more").mkdir(parents=True)
+    line = "the river runs past the old stone mill where the miller grinds wheat into flour"
+    (source / "a.txt").write_text("\n\n".join(f"{line} {i}" for i in range(30)))
+    (source / "b.md").write_text("\n\n".join(f"# Note {i}\n{line} again" for i in range(20)))
+    (source / "more" / "c.jsonl").write_text("".join(json.dumps({"text": f"{line} {i}"}) + "\n" for i in range(25)))
+    pq.write_table(pa.table({"text": [f"{line} parquet {i}" for i in range(25)]}), source / "more" / "d.parquet")
+    args = ["--plan", "demo", "--gpus", "0", "--data_dir", demo_world / "demo", "--corpus", source, "--vocab_size",
+            "300", "--stop_after", "tokenizer", "--runs_dir", tmp_path / "runs"]
+    result = run_speedrun(args, tmp_path, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    corpus = tmp_path / "runs" / "speedrun" / "corpus"
+    shards = sorted(corpus.glob("shard_*.parquet"))
+    rows = [pq.ParquetFile(shard).metadata.num_rows for shard in shards]
+    assert len(shards) >= 2 and sum(rows) == 100 and rows[-1] == 5  # the last: validation, 5% of the documents
+    assert json.loads((corpus / "ingest.json").read_text())["documents"] == 100
+    assert (tmp_path / "runs" / "speedrun" / "tokenizer" / "tokenizer.json").is_file()
+    again = run_speedrun(args, tmp_path, timeout=300)  # a rerun: both stages skipped
+    assert again.returncode == 0 and "stage ingest skipped" in again.stdout and "stage tokenizer skipped" in again.stdout
