@@ -543,6 +543,8 @@ def read_documents(path, column="text", one_per_file=False):
     if path.suffix not in (".txt", ".md", ".jsonl"):
         raise ValueError(f"{path}: unsupported file type {path.suffix!r}: use .txt, .md, .jsonl or .parquet")
     text, replaced = decode_utf8(path.read_bytes())
+    if not text.strip():
+        raise ValueError(f"{path}: empty: it holds no text; leave it out of the corpus")
     if path.suffix in (".txt", ".md"):
         return ([text] if one_per_file else re.split(r"\n\s*\n", text)), replaced
     docs = []
@@ -554,9 +556,11 @@ def read_documents(path, column="text", one_per_file=False):
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{number}: not valid JSON ({e.msg}); each line must be one JSON object with a "
                              f"{column!r} field") from e
-        if not isinstance(record, dict) or not isinstance(record.get(column), (str, type(None))):
-            raise TypeError(f"{path}:{number}: expected a JSON object with a string field {column!r}")
-        docs.append(record.get(column))
+        if not isinstance(record, dict) or column not in record or not isinstance(record[column], (str, type(None))):
+            what = "no field" if isinstance(record, dict) and column not in record else "not a string field"
+            raise ValueError(f"{path}:{number}: {what} {column!r}: each line must be one JSON object with a string "
+                             f"{column!r} field (--column NAME reads another field)")
+        docs.append(record[column])
     return docs, replaced
 
 

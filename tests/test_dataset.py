@@ -111,9 +111,17 @@ def test_ingest_bad_jsonl_names_file_and_line(tmp_path):
     (tmp_path / "x.jsonl").write_text('{"text": "ok"}\n{"text": oops}\n')
     with pytest.raises(ValueError, match=r"x.jsonl:2: not valid JSON"):
         D.ingest([tmp_path / "x.jsonl"], tmp_path / "out")
-    (tmp_path / "y.jsonl").write_text('{"body": 3}\n{"text": 5}\n')
-    with pytest.raises(TypeError, match=r"y.jsonl:2: expected a JSON object with a string field 'text'"):
+    (tmp_path / "y.jsonl").write_text('{"text": "ok"}\n{"text": 5}\n')
+    with pytest.raises(ValueError, match=r"y.jsonl:2: not a string field 'text': each line must be one JSON object "
+                                         r"with a string 'text' field \(--column NAME reads another field\)"):
         D.ingest([tmp_path / "y.jsonl"], tmp_path / "out")
+    (tmp_path / "z.jsonl").write_text('{"text": "ok"}\n\n{"body": "no text field"}\n')  # line 3: a missing field
+    with pytest.raises(ValueError, match=r"z.jsonl:3: no field 'text': each line"):
+        D.ingest([tmp_path / "z.jsonl"], tmp_path / "out")
+    for empty in ("e.txt", "e.md", "e.jsonl"):  # an empty file (or only blank lines) is named, not a silent nothing
+        (tmp_path / empty).write_text("\n \n")
+        with pytest.raises(ValueError, match=rf"{empty}: empty: it holds no text; leave it out of the corpus"):
+            D.ingest([tmp_path / empty], tmp_path / "out")
 
 
 # --- the text loader --------------------------------------------------------------------------------------------
