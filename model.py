@@ -477,8 +477,9 @@ def loss_chunk(xc, w, tc, softcap, need_grad, grad_w=None):
 @functools.cache
 def compiled_loss_chunk():
     """loss_chunk compiled on its own: dynamo sees one chunk whatever the count (unrolled, compiling took 3.6x as long;
-    dev/LOG.md). Static shapes: a training step's chunks have two at most (the equal ones and a ragged last)."""
-    return torch.compile(loss_chunk, dynamic=False)
+    dev/LOG.md). torch's default shapes: it serves rl.py's compiled model too, whose replies vary in length (with
+    dynamic=False each new length would compile the chunk again); a fixed-shape stage's chunks have two shapes at most."""
+    return torch.compile(loss_chunk)
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
