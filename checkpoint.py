@@ -227,8 +227,8 @@ def find_checkpoint(path=None, runs_dir="runs"):
     if path is None:
         found = newest_checkpoint(runs_dir)
         if found is None:
-            raise FileNotFoundError(f"no checkpoint in {runs_dir}/*/ckpt/ or {runs_dir}/*/*/ckpt/: train one first (python pretrain.py), "
-                                    f"or pass --checkpoint runs/<run>")
+            raise FileNotFoundError(f"no checkpoint in {runs_dir}/*/ckpt/ or {runs_dir}/*/*/ckpt/: train one first "
+                                    f"(python pretrain.py), or pass --checkpoint runs/<run>")
         return found
     path = Path(path)
     if (path / "meta.json").is_file():
@@ -254,7 +254,8 @@ def pick_checkpoint(args, order=PICK_ORDER):
         if found:
             newest, stage = max(found, key=lambda pair: (pair[0] / "meta.json").stat().st_mtime)
             return newest, f"newest {stage} checkpoint under {args.runs_dir}"
-    raise FileNotFoundError(f"no checkpoint in {args.runs_dir}/*/ckpt/ or */*/ckpt/ of stage {' or '.join(sum(order, ()))}: "
+    stages = " or ".join(sum(order, ()))
+    raise FileNotFoundError(f"no checkpoint in {args.runs_dir}/*/ckpt/ or */*/ckpt/ of stage {stages}: "
                             f"train one (python pretrain.py, then midtrain.py, sft.py, rl.py), or pass --checkpoint "
                             f"runs/<run> (or --runs_dir DIR)")
 

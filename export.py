@@ -230,8 +230,8 @@ def main(argv=None):
     kind = export_kind(asdict(model.config))
     tensors = hf_state_dict(model)  # before anything is written: it refuses a tensor it cannot place
     params = sum(p.numel() for p in model.parameters())
-    print(f"export: checkpoint {ckpt} ({how}; stage {meta.get('stage', 'unknown')}, step {meta.get('step', 'unknown')}), "
-          f"{params:,} parameters")
+    print(f"export: checkpoint {ckpt} ({how}; stage {meta.get('stage', 'unknown')}, "
+          f"step {meta.get('step', 'unknown')}), {params:,} parameters")
     print(f"export: tokenizer {tokenizer_path} (vocab {tokenizer.vocab_size})")
     if kind == "llama":
         print("export: plain Llama (LlamaForCausalLM): no custom code")

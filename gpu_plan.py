@@ -105,7 +105,8 @@ def rehearsal_line(budgets):
 
 def kept_checkpoints(steps, ckpt_every, keep):
     """(checkpoints a stage keeps at its end, the most it holds at once): it saves every ckpt_every steps and at its
-    last; a save writes the new one before deleting all but the newest `keep`, so one more exists while it is written."""
+    last; a save writes the new one before deleting all but the newest `keep`, so one more exists while it is
+    written."""
     saves = math.ceil(steps / ckpt_every) if steps else 0
     return min(keep, saves), min(keep, saves) + (saves > keep)
 

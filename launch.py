@@ -41,7 +41,8 @@ PRINT = False  # speedrun.sh --print: each stage's command line printed, nothing
 
 # --- speedrun.sh's flags ---------------------------------------------------------------------------------------------
 
-STOP_AFTER = ["data", "ingest", "tokenizer", "download", "pretrain", "core_eval", "midtrain", "sft", "rl", "chat_eval", "report"]
+STOP_AFTER = ["data", "ingest", "tokenizer", "download", "pretrain", "core_eval", "midtrain", "sft", "rl", "chat_eval",
+              "report"]
 MODEL_STAGES = ["pretrain", "midtrain", "sft", "rl"]
 ENVIRONMENT = """environment:
   PRETRAIN_ARGS MIDTRAIN_ARGS SFT_ARGS RL_ARGS CORE_ARGS CHAT_EVAL_ARGS   extra flags appended to that stage's command line
@@ -304,7 +305,8 @@ def setup(env_file, argv):
         torch_gpus = functools.cache(listed_gpus)
     gpus = torch_gpus() if gpus == "auto" else int(gpus)
     stand_in_probe = flags["probe_only"] and os.environ.get("SPEEDRUN_PROBE_CMD")  # tests: it uses no GPU
-    nothing_trains = flags["stop_after"] in ("data", "ingest", "tokenizer", "download")  # a CPU box may fetch the data
+    # a CPU box may fetch the data: the stages up to the download train nothing
+    nothing_trains = flags["stop_after"] in STOP_AFTER[:STOP_AFTER.index("download") + 1]
     if flags["gpus"] == "auto" and gpus == 0 and not PRINT:
         explain_driver(python)
     elif gpus > 0 and not (stand_in_probe or nothing_trains or PRINT) and torch_gpus() < gpus:
@@ -359,7 +361,8 @@ def setup(env_file, argv):
     stage_flags = gpu_plan.command_lines(flags["depth"]) if plan == "gpu" else {}
     if plan == "gpu" and not flags["probe_only"]:  # a step's tokens over the processes: the nearest batch that splits
         # (3 GPUs), or a refusal now, not hours later
-        batch = [python, ROOT / "pretrain.py", "--check_batch", nproc, *stage_flags["PRETRAIN"], *extras["PRETRAIN_EXTRA"]]
+        batch = [python, ROOT / "pretrain.py", "--check_batch", nproc, *stage_flags["PRETRAIN"],
+                 *extras["PRETRAIN_EXTRA"]]
         if PRINT:
             show("check_batch", batch, "before any stage; its output is speedrun's own lines")
         elif status := check(run, batch):
@@ -674,14 +677,15 @@ def reuse_chat_eval(run, name):
 
 
 def stage_evals(run, name, listed, final):
-    """--stage_evals: NAME's final model gets CORE and ChatCORE when NAME is listed and its checkpoint exists (chat_eval's
-    own result for it copied first, not run twice); --print: when NAME is listed and runs (FINAL: the last that does)."""
+    """--stage_evals: NAME's final model gets CORE and ChatCORE when NAME is listed and its checkpoint exists
+    (chat_eval's own result for it copied first, not run twice); --print: when NAME is listed and runs (FINAL: the
+    last that does)."""
     if name not in listed.split(","):
         return False
     if PRINT:
         if name == final:
-            say(run, f"stage_evals/{name}/chat_eval.json: chat_eval's, of the same checkpoint (copied: chat_eval_{name} "
-                     f"below is skipped)")
+            say(run, f"stage_evals/{name}/chat_eval.json: chat_eval's, of the same checkpoint (copied: "
+                     f"chat_eval_{name} below is skipped)")
         return MODEL_STAGES.index(name) <= MODEL_STAGES.index(final)
     if not any(Path(run, name, "ckpt").glob("step_*")):
         return False

@@ -94,7 +94,7 @@ TWO_PROCESS_FIXTURES = {"killed", "two_rank_results", "worker_runs"}
 # The quick tier (`pytest -m "not slow"`, the loop while working): every test that needs none of these fixtures (the
 # pipeline's, two processes', the benchmarks' dry run), is not marked two_processes, and starts no other process:
 # neither its code nor that of its fixtures, nor of a function of their module they call (PROCESS_CALLS)
-SLOW_FIXTURES = {*PIPELINE_FIXTURES, *TWO_PROCESS_FIXTURES, "two_rank_results", "bench_dry_run", "rehearsal"}
+SLOW_FIXTURES = {*PIPELINE_FIXTURES, *TWO_PROCESS_FIXTURES, "bench_dry_run", "rehearsal"}
 STARTED_IF_NEEDED = {"pipeline_started", "bench_started", "requirements_resolved"}  # autouse: for the slow tests
 PROCESS_CALLS = re.compile(r"\b(subprocess|Popen|pty\.fork|os\.fork|run_script|run_speedrun|run_chat|"
                            r"chat_in_a_terminal|start_bench_dry_run)\b")
@@ -110,7 +110,7 @@ def starts_a_process(function, seen):
         source = inspect.getsource(function)
     except (OSError, TypeError):
         return False
-    if PROCESS_CALLS.search(source.split(":", 1)[-1] if source.lstrip().startswith("def") else source):
+    if PROCESS_CALLS.search(source):
         return True
     module = inspect.getmodule(function)
     named = [getattr(module, name, None) for name in set(re.findall(r"\b\w+\b", source))]

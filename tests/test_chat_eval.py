@@ -445,7 +445,8 @@ def test_the_demo_tasks_run_end_to_end_on_two_processes_and_report_what_ran(tiny
     run = tiny / "tiny_runs" / "r"
     report = json.loads((run / "chat_eval.json").read_text())
     records = [json.loads(line) for line in (run / "chat_eval_items.jsonl").read_text().splitlines()]
-    assert "checkpoint: tiny_runs/r/ckpt/step_000007 (newest sft checkpoint under tiny_runs; stage sft, step 7, " in result.stdout
+    picked = "checkpoint: tiny_runs/r/ckpt/step_000007 (newest sft checkpoint under tiny_runs; stage sft, step 7, "
+    assert picked in result.stdout
     assert f"{report['parameters']:,} parameters)" in result.stdout and report["tasks_from"] == str(tiny / "demo")
     assert [(r["task"], r["items"], r["items_in_task"]) for r in report["tasks"]] == [("demo-choice", 4, 132),
                                                                                         ("demo-answer", 4, 109),
