@@ -361,8 +361,9 @@ def setup(env_file, argv):
     stage_flags = gpu_plan.command_lines(flags["depth"]) if plan == "gpu" else {}
     if plan == "gpu" and not flags["probe_only"]:  # a step's tokens over the processes: the nearest batch that splits
         # (3 GPUs), or a refusal now, not hours later
+        # with pretraining's words as speedrun.sh passes them: a rehearsal on CPU processes has its own shape
         batch = [python, ROOT / "pretrain.py", "--check_batch", nproc, *stage_flags["PRETRAIN"],
-                 *extras["PRETRAIN_EXTRA"]]
+                 *extras["PRETRAIN_EXTRA"], *budgets["R_SHAPE"]]
         if PRINT:
             show("check_batch", batch, "before any stage; its output is speedrun's own lines")
         elif status := check(run, batch):
