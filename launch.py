@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import gpu_plan
-from run_files import read_json, stage_rows
+from report import read_json, stage_rows
 
 ROOT = Path(__file__).resolve().parent
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what stops a run

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import gpu_plan
-from run_files import read_json, stage_seconds
+from report import read_json, stage_seconds
 
 TRAINING = ("pretrain", "midtrain", "sft")
 # validation tokens (fewer in the rehearsal than the plan) at 3x the training tok/s: a forward is a third of a step

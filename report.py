@@ -15,13 +15,28 @@ import re
 import sys
 from pathlib import Path
 
-from run_files import read_json, stage_seconds
-
 TRAIN_STAGES = ["pretrain", "midtrain", "sft"]
 # the stages whose final models get a column in the per-stage table, in training order, where they left a checkpoint
 MODEL_STAGES = ["pretrain", "midtrain", "sft", "rl"]
 UNKNOWN = "unknown"
 SAMPLE_QUESTIONS = 2  # per generated task in the per-stage table: its first item and its first with a numeric answer
+
+
+def read_json(path):
+    """A JSON file's value, or None where the stage left none."""
+    return json.loads(Path(path).read_text()) if Path(path).is_file() else None
+
+
+def stage_rows(run):
+    """logs/stages.tsv's rows, one per stage launch.py ran: [name, seconds, exit status] (strings, as
+    launch.py wrote them), oldest first."""
+    path = Path(run, "logs", "stages.tsv")
+    return [line.split("\t") for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def stage_seconds(run):
+    """{stage: wall seconds}: the last successful run of each stage."""
+    return {name: float(seconds) for name, seconds, rc in stage_rows(run) if rc == "0"}
 
 
 def read_jsonl(path):

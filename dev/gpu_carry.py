@@ -6,7 +6,7 @@
 prepare: a lent GPU machine has no network, so what the battery's nanochat side needs travels with the working tree in
 .bench/ (ignored by git; the device tool's `carry`): nanochat's tree at a pinned commit, the corpus shards, both
 tokenizers trained on the corpus's training split, a wandb stub and wheels of nanochat's pure dependencies. Then, on
-the GPU machine, one call per row group: `bash dev/gpu_session.sh bench ROWS...` (or `python3 bench.py gpu --rows
+the GPU machine, one call per row group: `bash dev/gpu_session.sh bench ROWS...` (or `python3 dev/bench.py gpu --rows
 ROWS... --out $OUT`). merge: each call brings back its own gpu_bench.json; this writes them as one gpu_bench.json +
 gpu_bench.md to --out.
 """
@@ -104,7 +104,7 @@ def gpu_prepare(args):
     print(f"prepare: {bench} holds {size / 2**20:.1f} MiB (the device tool carries at most 64 MiB)")
     print("then, on the GPU machine, one call each (carry: [\"" + os.path.relpath(bench) + "\"]):")
     for rows in GPU_CALLS:
-        print(f"    python3 bench.py gpu --rows {' '.join(rows)} --out $OUT")
+        print(f"    python3 dev/bench.py gpu --rows {' '.join(rows)} --out $OUT")
 
 
 def merge_gpu_results(results):

@@ -74,7 +74,7 @@ if [ "$PHASE" = rehearse ] || [ "$PHASE" = resume ]; then
 fi
 if [ "$PHASE" = bench ]; then
     rc=0
-    timeout --signal=INT --kill-after=30 "$LIMIT" "$PY" bench.py gpu --rows "$@" --out "$WORK/bench" || rc=$?
+    timeout --signal=INT --kill-after=30 "$LIMIT" "$PY" dev/bench.py gpu --rows "$@" --out "$WORK/bench" || rc=$?
     echo "gpu_session: the battery exited $rc"
     tar -czf "$OUT/bench.tar.gz" -C "$WORK" bench 2>/dev/null
     cat "$WORK"/bench/*.md 2>/dev/null

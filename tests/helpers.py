@@ -26,10 +26,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "dev"))  # workers run without pytest.ini
-from hub_stand_in import COMMIT, STALL_S, git_blob_id, hub_handler, resolve_headers, serve, tree_entry  # noqa: F401
-
 import demo_world
 import train_loop
+from hub_stand_in import COMMIT, STALL_S, git_blob_id, hub_handler, resolve_headers, serve, tree_entry  # noqa: F401
 from model import GPTConfig, build_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,7 +60,7 @@ def start_bench_dry_run(tmp):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp), "PYTHONPATH": str(ROOT)}
     which = [*bench.STAGES, *bench.BENCHES]
     which.remove("decode")  # the battery's chat_decode row runs it
-    command = [sys.executable, str(ROOT / "bench.py"), *which, "--dry_run", "--work", str(tmp / "work"),
+    command = [sys.executable, str(ROOT / "dev" / "bench.py"), *which, "--dry_run", "--work", str(tmp / "work"),
                "--decode_tokens", "4", "--trials", "1", "--generate_items", "2", "--generate_tokens", "4", "--rows",
                "mfu_d20", "bpb_d12_b17", "chat_decode", "--bench_dir", str(empty), "--out", str(tmp / "out")]
     with open(tmp / "bench.out", "w") as out, open(tmp / "bench.err", "w") as err:

@@ -167,7 +167,7 @@ def test_a_battery_stopped_mid_phase_stops_the_phase_s_processes_with_it(tmp_pat
                f"bench_gpu.run_logged(['bash', '-c', 'echo started; (sleep 4; touch {marker}) & sleep 60'], "
                f"'{tmp_path / 'phase.log'}', 'row phase', timeout=120)")
     battery = subprocess.Popen([sys.executable, "-c", program], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+                               env={**os.environ, "PYTHONPATH": str(ROOT / "dev")})
     log, deadline = tmp_path / "phase.log", time.monotonic() + 30
     while not (log.exists() and "started" in log.read_text()):
         assert time.monotonic() < deadline, "the phase did not start"

@@ -7,9 +7,9 @@ import io
 import re
 from urllib.parse import urlsplit
 
-import hub_stand_in
 import pyarrow.parquet as pq
 
+import hub_stand_in
 import tokenizer
 from download import download_hub_files
 

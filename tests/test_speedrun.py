@@ -561,7 +561,7 @@ def test_a_half_installed_venv_is_repaired_and_a_completed_install_is_recorded(t
     repo, bin_dir, log = tmp_path / "repo", tmp_path / "bin", tmp_path / "pip.log"
     repo.mkdir()
     bin_dir.mkdir()
-    for name in ("speedrun.sh", "launch.py", "gpu_plan.py", "run_files.py", "requirements.txt"):
+    for name in ("speedrun.sh", "launch.py", "gpu_plan.py", "report.py", "requirements.txt"):
         shutil.copy(ROOT / name, repo / name)
     fake_python = (f'#!/bin/sh\nif [ "$1 $2" = "-m pip" ]; then\n  [ "$3" = --version ] && exit 0\n'
                    f'  echo "$*" >> {log}; exit ${{PIP_RC:-0}}\nfi\nexec {sys.executable} "$@"\n')
@@ -660,8 +660,9 @@ def test_the_gpu_plans_rehearsal_runs_every_stage_on_two_cpu_processes(rehearsal
     stage's outputs, the budget it printed against what ran, and the report's figures against their sources."""
     import math
 
-    import hub_stand_in
     import pyarrow.parquet as pq
+
+    import hub_stand_in
     run, result, _, hub, _, tmp = rehearsal
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     out = result.stdout

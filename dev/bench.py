@@ -1,8 +1,8 @@
 """Benchmarks: figures printed with their targets. Not tests: tests/test_bench.py runs every row at its smallest size.
 
-    python bench.py                   # all but gpu
-    python bench.py pretrain decode   # a chosen few
-    python bench.py --dry_run         # each at its smallest size on the CPU, nothing compiled: that none is broken
+    python dev/bench.py                   # all but gpu
+    python dev/bench.py pretrain decode   # a chosen few
+    python dev/bench.py --dry_run         # each at its smallest size on the CPU, nothing compiled: that none is broken
 
 The stage rows (STAGE_ROWS) run the real command in a fresh process, on the demo world (vocab-1024 tokenizer; a
 --preset checkpoint one step from random weights: the work per item does not depend on them) or on --corpus (vocab
@@ -50,6 +50,8 @@ from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the repository's modules
 import bench_gpu
 import common
 import distributed
@@ -156,7 +158,7 @@ def run_command(args, command, places, jobs=1):
     words = command.split() + (DRY_FLAGS.get(command.split()[0], "").split() if args.dry_run else [])
     argv = [word.format(**places) for word in words]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // jobs))} if jobs > 1 else None
-    result = subprocess.run([sys.executable, str(Path(__file__).parent / argv[0]), *argv[1:]], capture_output=True,
+    result = subprocess.run([sys.executable, str(ROOT / argv[0]), *argv[1:]], capture_output=True,
                             text=True, env=env, check=False)
     if result.returncode:
         raise RuntimeError(f"`{' '.join(argv)}` failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
@@ -412,7 +414,7 @@ def main(argv=None):
     parser.add_argument("--decode_tokens", type=int, default=64, help="decode: tokens generated (default: 64)")
     parser.add_argument("--trials", type=int, default=5, help="decode: interleaved trials, their median reported "
                         "(default: 5)")
-    parser.add_argument("--corpus", default=str(Path(__file__).resolve().parent.parent / "shared/corpus/realtext"),
+    parser.add_argument("--corpus", default=str(ROOT.parent / "shared/corpus/realtext"),
                         help="text corpus of tokenizer, loader and cpu (default: %(default)s)")
     parser.add_argument("--bundle", help="core_eval: eval bundle directory (default: the demo world's)")
     parser.add_argument("--generate_items", type=int, default=64, help="generate: demo-answer items (default: 64)")

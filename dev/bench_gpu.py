@@ -2,8 +2,8 @@
 device measurements bench.py shares with it. `python bench_gpu.py` prints this.
 
     python dev/gpu_carry.py prepare --nanochat_mirror DIR --corpus DIR  # on a machine with both: fills .bench/
-    python bench.py gpu --rows mfu_d20 --out $OUT                       # on the GPU, one device call per row group
-    python bench.py gpu --dry_run                                       # every row at toy size on the CPU
+    python dev/bench.py gpu --rows mfu_d20 --out $OUT                       # on the GPU, one device call per row group
+    python dev/bench.py gpu --dry_run                                       # every row at toy size on the CPU
     python dev/gpu_carry.py merge A/gpu_bench.json B/gpu_bench.json     # the calls' files into one table
 
 Rows, each figure read back from what its command wrote: pretraining tok/s, MFU and peak memory against model.py's
@@ -29,11 +29,13 @@ from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the repository's modules
 import common
 import model
 import optim
 import train_loop
-from run_files import read_json
+from report import read_json
 
 
 def sync(device):
@@ -155,7 +157,7 @@ class GpuBattery:
 
     def __init__(self, args, device, demo_files, bench_decode):  # bench.py's (it imports this module)
         self.args, self.device, self.dry, self.bench_decode = args, device, args.dry_run, bench_decode
-        self.bench, self.here = Path(args.bench_dir).resolve(), Path(__file__).resolve().parent
+        self.bench, self.here = Path(args.bench_dir).resolve(), ROOT
         self.logs, self.work = Path(args.out).resolve() / "logs", Path(args.work) / "gpu"
         for folder in (self.logs, self.work):
             folder.mkdir(parents=True, exist_ok=True)
@@ -214,7 +216,7 @@ class GpuBattery:
         cap = DRY["micro"] if self.dry else 256
         if preset not in self.micro_cache:
             log = self.logs / f"{name}_probe.log"
-            command = [sys.executable, self.here / "bench.py", "gpu_probe", "--preset", preset, "--gpu_vocab",
+            command = [sys.executable, self.here / "dev" / "bench.py", "gpu_probe", "--preset", preset, "--gpu_vocab",
                        overrides["vocab_size"], "--max_micro", cap, "--probe_seq_len",
                        overrides.get("sequence_len", 0), "--device", self.device.type]
             status, _, _ = run_logged(command, log, f"{name} probe ({preset})", self.timeout())
@@ -375,7 +377,7 @@ class GpuBattery:
         """bench.py decode at preset tiny, in this process, in chat.py's dtype and paths (the dry run: eager alone)."""
         args = argparse.Namespace(**{**vars(self.args), "preset": "tiny"})
         print("gpu: chat_decode: started", flush=True)
-        row = {"row": "chat_decode", "side": "ours", "command": f"python bench.py decode --preset tiny --decode_tokens "
+        row = {"row": "chat_decode", "side": "ours", "command": f"python dev/bench.py decode --preset tiny --decode_tokens "
                f"{args.decode_tokens} --trials {args.trials} --generate_tokens {args.generate_tokens} (random weights)"}
         try:  # in this process, unlike the other rows: a failure (a compilation error) is the row's, not the call's
             row.update(status="ok", **self.bench_decode(args, self.device))
@@ -445,10 +447,10 @@ def bench_gpu(args, device, demo_files, bench_decode):
     """`bench.py gpu`: the rows chosen by --rows, in GPU_ROWS's order, to --out/gpu_bench.json and .md (printed)."""
     out = Path(args.out)
     if device.type != "cuda" and not args.dry_run:
-        raise ValueError("gpu: no CUDA device; on a CPU run `python bench.py gpu --dry_run` (toy sizes)")
+        raise ValueError("gpu: no CUDA device; on a CPU run `python dev/bench.py gpu --dry_run` (toy sizes)")
     battery = GpuBattery(args, device, demo_files, bench_decode)
     result = {"dry_run": args.dry_run, "environment": gpu_environment(device, args.bench_dir), "rows": [],
-              "calls": [" ".join(["python3 bench.py gpu --rows", *rows, "--out $OUT"]) for rows in GPU_CALLS]}
+              "calls": [" ".join(["python3 dev/bench.py gpu --rows", *rows, "--out $OUT"]) for rows in GPU_CALLS]}
 
     def save():  # after every side of every row: a call killed later keeps what it finished
         (out / "gpu_bench.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -477,7 +479,7 @@ def add_gpu_args(parser):
                    "all; one device call each: " + "; ".join(" ".join(c) for c in GPU_CALLS) + ")")
     g.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu_bench", help="gpu: where gpu_bench.json and "
                    ".md go (default: $OUT when set, else runs/gpu_bench; now: %(default)s)")
-    g.add_argument("--bench_dir", default=str(Path(__file__).resolve().parent / ".bench"), help="the carry folder "
+    g.add_argument("--bench_dir", default=str(ROOT / ".bench"), help="the carry folder "
                    "dev/gpu_carry.py prepare fills and gpu reads (default: %(default)s)")
     g.add_argument("--gpu_vocab", type=int, default=GPU_VOCAB, help="gpu_probe: vocabulary (default: %(default)s)")
     g.add_argument("--bpb_tokens", type=int, default=BPB_TOKENS, help="gpu: training tokens of each bpb row, both "
