@@ -1,16 +1,32 @@
 """gpu_plan.py: the gpu plan's numbers in one place, and its rehearsal's. speedrun.sh runs the gpu plan's stages with
 these flags (launch.py setup hands them to it as its arrays), its disk plan (check_disk, which launch.py shards runs
-on pretrain.py --data_plan's data_plan.json) counts their checkpoints, plan_cost.py predicts their time and launch.py
-prints the plan from them: a number changed here changes all four.
-The standard library only: launch.py imports it before .venv exists. Not a stage: import it.
+on pretrain.py --data_plan's data_plan.json) counts their checkpoints, predict_plan (below) predicts their time from the
+rehearsal and launch.py prints the plan from them: a number changed here changes all four (`bash speedrun.sh --print
+--plan gpu` shows the plan and every stage's command). The standard library only: launch.py imports it before .venv
+exists.
 
-    python gpu_plan.py --depth 20        # the plan in words and each stage's flags, as speedrun.sh runs them
+What the gpu plan will cost, predicted from its rehearsal before the hours of pretraining are spent:
+
+    python gpu_plan.py runs/speedrun-rehearsal                     # the gpu plan's budgets at the rehearsal's depth
+    python gpu_plan.py runs/speedrun-rehearsal --plan_json plan.json --out runs/speedrun/predicted.json
+
+The rehearsal (speedrun.sh --rehearse) runs every stage with the plan's own command lines, data and world size on a
+tiny budget; each stage's predicted wall time is start-up + steps x step time + saves x save time + evaluations x
+evaluation time, its rates measured in the rehearsal (docs/speedrun.md says from which files) and its counts the
+plan's budgets. Where the rehearsal cannot measure a rate at the plan's size, the line says what is assumed; a stage
+whose budget is not known before its data (SFT's epoch) is "unknown" with why. Prints one line per stage and the
+total in hours and GPU-hours, and writes them as JSON (predicted.json, which report.py shows beside each stage's
+actual wall time). Imports no torch: pretrain_steps_for imports model.py when called.
 """
 import argparse
 import json
 import math
+import re
 import shutil
+import sys
 from pathlib import Path
+
+from report import read_json, stage_seconds
 
 TOKENS_PER_STEP = 524_288  # a step's tokens over all GPUs (nanochat's); the chat stages inherit pretraining's
 SEQUENCE_LEN = 2048  # the d-presets' (model.py): what midtraining's and SFT's --eval_rows are rows of
@@ -60,7 +76,7 @@ def plan_lines(depth, gpus, rehearsal=False, on_cpu=False):
     rl_line = (f"plan: rl: {rl['epochs']:g} epoch(s) of GSM8K's {GSM8K_TRAIN:,} training questions, {shape[1]} a "
                f"step, {shape[2]} replies each (up to {shape[3]} tokens): {RL_STEPS} steps, at most "
                f"{math.prod(shape) / 1e6:.1f}M tokens sampled ({' x '.join(map(str, shape))}). The rehearsal's "
-               f"prediction (plan_cost.py, above) gives every stage's expected time; report.md sets each beside its "
+               f"prediction (gpu_plan.py's, above) gives every stage's expected time; report.md sets each beside its "
                f"actual wall time")
     return [model, rl_line]
 
@@ -166,14 +182,358 @@ def check_disk(plan):
                                              f"{ckpt_bytes / 1e9:.1f} GB to come" if saved else ""))
 
 
+TRAINING = ("pretrain", "midtrain", "sft")
+# validation tokens (fewer in the rehearsal than the plan) at 3x the training tok/s: a forward is a third of a step
+FORWARD_SPEEDUP = 3
+SAVE_UNKNOWN = "save time unknown: ckpt/save_seconds is gone (predict before the rehearsal's checkpoints are deleted)"
+# stages that ran before the prediction (data, tokenizer, the plan's disk check) or only in a rehearsal
+NOT_PREDICTED = ("nccl_probe", "preflight", "chatcore_tasks", "data", "tokenizer", "data_plan", "download", "chat",
+                 "rehearsal")
+
+
+def gpu_plan_budgets(pretrain_steps, sft_steps=None):
+    """The gpu plan's budgets: py's flags, pretraining's steps (pretrain_steps_for), and sft_steps: one epoch
+    of sft.py's mixture, which sft.py estimates from the data when it starts; None: unknown."""
+    flags, rows = FLAGS, SEQUENCE_LEN  # midtraining's and SFT's --eval_rows are rows of this
+    tokens_per_step = TOKENS_PER_STEP
+    return {
+        "pretrain": {**flags["pretrain"], "steps": pretrain_steps, "tokens_per_step": tokens_per_step,
+                     "val_tokens": flags["pretrain"]["bpb_tokens"]},
+        "midtrain": {**flags["midtrain"], "tokens_per_step": tokens_per_step,
+                     "val_tokens": flags["midtrain"]["eval_rows"] * rows},
+        "sft": {**flags["sft"], "steps": sft_steps, "tokens_per_step": tokens_per_step,
+                "val_tokens": flags["sft"]["eval_rows"] * rows,
+                "why_unknown": "one epoch of sft.py's mixture: sft.py estimates its steps from the chat data when it "
+                               "starts (give --sft_steps, or sft_steps)"},
+        "rl": {**flags["rl"], "steps": RL_STEPS},
+        "core_eval": dict(flags["core_eval"]),
+        "chat_eval": dict(flags["chat_eval"]),
+    }
+
+
+def pretrain_steps_for(model_config):
+    """pretrain.py's steps for a model config dict (config.json's model_config) in the gpu plan: its tokens_per_param
+    x the parameters it counts / its tokens per step. Imports model.py (and torch) only when called."""
+    from model import GPTConfig, budget_params
+    tokens = FLAGS["pretrain"]["tokens_per_param"] * budget_params(GPTConfig(**model_config))
+    return math.ceil(tokens / TOKENS_PER_STEP)
+
+
+def rehearsed_steps(run, stage):
+    """A training or rl stage's (metrics.jsonl's records with a step_time, at least 2 as the first holds compilation;
+    config.json; its checkpoint saves; the last save's seconds, or None: the rehearsal's checkpoints deleted)."""
+    stage_dir = Path(run) / stage
+    path, saved = stage_dir / "metrics.jsonl", stage_dir / "ckpt" / "save_seconds"
+    records = [r for r in map(json.loads, path.read_text().splitlines()) if "step_time" in r] if path.is_file() else []
+    if len(records) < 2:
+        raise ValueError(f"{path}: {len(records)} step(s) timed; {stage}'s rate is measured on the steps after the "
+                         f"first (which holds compilation): rehearse it for at least 2 steps")
+    config = json.loads((stage_dir / "config.json").read_text())
+    saves = math.ceil(len(records) / config["args"]["ckpt_every"])
+    return records, config, saves, float(saved.read_text()) if saved.is_file() else None
+
+
+def final_evaluation_seconds(stage_dir, wall):
+    """The final evaluation's seconds: from rank 0's progress mark 'trained: final evaluation ... at T' to done.json's
+    modification time; None where either is missing or the span does not fit in the stage (a copy that lost mtimes)."""
+    progress, done = stage_dir / "progress" / "rank000.txt", stage_dir / "done.json"
+    mark = re.search(r"trained: final evaluation.* at ([\d.]+)", progress.read_text()) if progress.is_file() else None
+    if not mark or not done.is_file():
+        return None
+    seconds = done.stat().st_mtime - float(mark.group(1))
+    return seconds if 0 <= seconds <= wall else None
+
+
+def measure_training(run, stage, wall):
+    """A training stage's rates in the rehearsal: seconds per step after the first, tokens per step, checkpoint saves
+    and their seconds, the final evaluation's seconds and validation tokens, and the start-up they leave of the wall."""
+    records, config, saves, save_s = rehearsed_steps(run, stage)
+    args = config["args"]
+    step_s = sum(r["step_time"] for r in records[1:]) / (len(records) - 1)
+    final_eval_s = final_evaluation_seconds(Path(run) / stage, wall)
+    val_tokens = args["bpb_tokens"] if stage == "pretrain" else args["eval_rows"] * config["model_config"]["sequence_len"]
+    start_s = wall - len(records) * step_s - saves * (save_s or 0.0) - (final_eval_s or 0.0)
+    return {"kind": "training", "wall_s": wall, "steps": len(records), "step_s": step_s,
+            "first_step_s": records[0]["step_time"], "tokens_per_step": config["tokens_per_step"], "saves": saves,
+            "save_s": save_s, "final_eval_s": final_eval_s, "val_tokens": val_tokens, "start_s": start_s}
+
+
+def measure_rl(run, wall):
+    """rl's rates in the rehearsal: seconds per decode forward (a step's rollout over its reply length and the question
+    groups each rank samples one after another), the update's seconds per step, saves, held-out evaluations."""
+    records, config, saves, save_s = rehearsed_steps(run, "rl")
+    args, world = config["args"], config["world_size"]
+    timed = records[1:]
+    groups = math.ceil(args["questions_per_step"] / world)  # each rank's questions, sampled one group at a time
+    forwards = groups * sum(r["reply_tokens"] for r in timed) / len(timed)
+    rollout_s = sum(r["rollout_time"] for r in timed) / len(timed)
+    step_s = sum(r["step_time"] for r in timed) / len(timed)
+    forward_s = rollout_s / forwards
+    # held out before step 1, every --eval_every steps and after the last: each rank's questions to the reply limit
+    evals = 2 + evaluations(len(records), args["eval_every"])
+    eval_s = math.ceil(args["eval_items"] / world) * args["max_new_tokens"] * forward_s
+    start_s = wall - len(records) * step_s - saves * (save_s or 0.0) - evals * eval_s
+    return {"kind": "rl", "wall_s": wall, "steps": len(records), "step_s": step_s, "rollout_s": rollout_s,
+            "forward_s": forward_s, "update_s": step_s - rollout_s,
+            "update_tokens": sum(r["sampled_tokens"] for r in timed) / len(timed), "world": world, "saves": saves,
+            "save_s": save_s, "evals": evals, "eval_s": eval_s, "start_s": start_s}
+
+
+def measure_evaluation(run, name, wall):
+    """core_eval's or chat_eval's rates in the rehearsal (the stage evaluations' too): seconds per item (chat_eval's
+    per task, from its results), the items each task holds, and the start-up: the wall time less the items' seconds."""
+    run = Path(run)
+    core = name.startswith("core_eval")
+    owner = name.split("_", 2)[2] if name.count("_") >= 2 else None  # core_eval_midtrain: midtrain's final model
+    where = run / "stage_evals" / owner if owner else run
+    path = where / "core_eval" / "results.json" if core else where / "chat_eval.json"
+    results = read_json(path)
+    if results is None:
+        raise FileNotFoundError(f"{path}: missing; stage {name} ran in the rehearsal (logs/stages.tsv) but left no "
+                                f"results: rehearse again")
+    items = sum(t["items"] for t in results["tasks"])
+    per_item = results["seconds"] / items
+    tasks = [{"task": t["task"], "kind": t.get("kind", t.get("type")), "items": t["items"],
+              "items_in_task": t["items_in_task"], "item_s": t["seconds"] / t["items"] if t.get("seconds") else per_item}
+             for t in results["tasks"]]
+    return {"kind": "core_eval" if core else "chat_eval", "wall_s": wall, "items": items, "seconds": results["seconds"],
+            "item_s": per_item, "tasks": tasks, "per_task": all(t.get("seconds") for t in results["tasks"]),
+            "val_tokens": results.get("val_bpb_tokens") or 0, "max_new_tokens": results.get("max_new_tokens"),
+            "start_s": wall - results["seconds"]}
+
+
+def evaluation_kind(name):
+    return name[:9] if re.fullmatch(r"(core|chat)_eval(_\w+)?", name) else None
+
+
+def measure_rehearsal(rehearsal_dir):
+    """{stage: its measured rates} for every stage of a finished rehearsal that the plan runs again."""
+    run = Path(rehearsal_dir)
+    measured, times = {}, stage_seconds(run)
+    if not times:
+        raise FileNotFoundError(f"{run / 'logs' / 'stages.tsv'}: no stage times; give the directory of a finished "
+                                f"rehearsal (runs/<run>-rehearsal, whose logs/stages.tsv has a `report` line)")
+    for name, wall in times.items():
+        if name in TRAINING:
+            measured[name] = measure_training(run, name, wall)
+        elif name == "rl":
+            measured[name] = measure_rl(run, wall)
+        elif evaluation_kind(name):
+            measured[name] = measure_evaluation(run, name, wall)
+        elif name not in NOT_PREDICTED:  # report: the same work at any budget
+            measured[name] = {"kind": "as_rehearsed", "wall_s": wall}
+    return measured
+
+
+def evaluations(steps, every):
+    """Evaluations a training loop runs between its steps: every `every` steps, never after the last."""
+    return (steps - 1) // every if every else 0
+
+
+def predict_training(m, budget):
+    tokens_per_step = budget.get("tokens_per_step", m["tokens_per_step"])
+    steps = budget.get("steps")
+    if steps is None and budget.get("tokens") is not None:
+        steps = math.ceil(budget["tokens"] / tokens_per_step)
+    step_s = m["step_s"] * tokens_per_step / m["tokens_per_step"]
+    tok_s = m["tokens_per_step"] / m["step_s"]
+    rate = (f"{m['step_s']:.3f} s/step after step 1 ({tok_s:,.0f} tok/s; step 1 {m['first_step_s']:.1f} s); "
+            f"start-up {m['start_s']:.1f} s")
+    notes = []
+    if tokens_per_step != m["tokens_per_step"]:
+        notes.append(f"steps of {tokens_per_step:,} tokens cost the rehearsal's ({m['tokens_per_step']:,}) x their "
+                     f"ratio: {step_s:.3f} s")
+    if steps is None:
+        return {"budget": "unknown", "rate": rate, "seconds": None,
+                "assumption": budget.get("why_unknown", "no steps or tokens in its budget")}
+    if m["save_s"] is None:
+        return {"budget": f"{steps:,} steps", "rate": rate, "seconds": None, "assumption": SAVE_UNKNOWN}
+    saves = math.ceil(steps / budget["ckpt_every"])
+    evals = evaluations(steps, budget.get("eval_every", 0))
+    extra_val = max(0, budget.get("val_tokens", m["val_tokens"]) - m["val_tokens"])
+    eval_s = (m["final_eval_s"] or 0.0) + extra_val / (FORWARD_SPEEDUP * tok_s)
+    if extra_val:
+        notes.append(f"each evaluation's {extra_val:,} more validation tokens at {FORWARD_SPEEDUP}x the training "
+                     f"tok/s (a forward only)")
+    if m["final_eval_s"] is None:
+        notes.append("the evaluations' samples: only the final one's, as in the rehearsal (its span was not "
+                     "measurable: progress/rank000.txt or done.json's time missing)")
+    seconds = m["start_s"] + steps * step_s + saves * m["save_s"] + (evals + 1) * eval_s
+    rate += f"; save {m['save_s']:.1f} s; evaluation {eval_s:.1f} s"
+    return {"budget": (f"{steps:,} steps x {tokens_per_step:,} tokens; {saves} save{'s' * (saves != 1)}; {evals} + 1 "
+                       f"evaluations"),
+            "rate": rate, "seconds": seconds, "assumption": "; ".join(notes) or None,
+            "parts": {"start_s": m["start_s"], "steps": steps, "step_s": step_s, "saves": saves,
+                      "save_s": m["save_s"], "evaluations": evals + 1, "eval_s": eval_s}}
+
+
+def predict_rl(m, budget, train_tok_s):
+    steps = budget["steps"]
+    groups = math.ceil(budget["questions_per_step"] / m["world"])
+    rollout_s = groups * budget["max_new_tokens"] * m["forward_s"]
+    tokens = budget["questions_per_step"] * budget["samples"] * budget["max_new_tokens"]
+    if train_tok_s:
+        update_s = m["update_s"] + max(0.0, tokens - m["update_tokens"]) / train_tok_s
+        how = f"the update: the rehearsal's {m['update_s']:.3f} s + the tokens beyond its own at pretraining's tok/s"
+    else:
+        update_s = m["update_s"] * tokens / m["update_tokens"]
+        how = f"the update: the rehearsal's {m['update_s']:.3f} s x the tokens' ratio (no pretraining rate measured)"
+    step_s = rollout_s + update_s
+    saves = math.ceil(steps / budget["ckpt_every"])
+    evals = 2 + evaluations(steps, budget.get("eval_every", 0))
+    eval_s = math.ceil(budget["eval_items"] / m["world"]) * budget["max_new_tokens"] * m["forward_s"]
+    rate = (f"{m['forward_s'] * 1000:.2f} ms per decode forward, update {m['update_s']:.3f} s/step after step 1; "
+            f"start-up {m['start_s']:.1f} s")
+    budget_text = (f"{steps:,} steps x {budget['questions_per_step']} questions x {budget['samples']} samples x up "
+                   f"to {budget['max_new_tokens']} tokens (at most {steps * tokens:,} sampled); {saves} "
+                   f"save{'s' * (saves != 1)}; {evals} held-out evaluations of {budget['eval_items']} questions")
+    assumption = (f"decode is latency-bound: a forward for a question's {budget['samples']} replies costs what one "
+                  f"for the rehearsal's did, and each rank's {groups} question(s) a step and every reply run to "
+                  f"{budget['max_new_tokens']} tokens (the ceiling; GSM8K replies end sooner): an upper bound; {how}")
+    if m["save_s"] is None:
+        return {"budget": budget_text, "rate": rate, "seconds": None, "assumption": SAVE_UNKNOWN}
+    seconds = m["start_s"] + steps * step_s + saves * m["save_s"] + evals * eval_s
+    return {"budget": budget_text, "rate": rate + f"; save {m['save_s']:.1f} s; evaluation {eval_s:.1f} s",
+            "seconds": seconds, "assumption": assumption,
+            "parts": {"start_s": m["start_s"], "steps": steps, "step_s": step_s, "rollout_s": rollout_s,
+                      "update_s": update_s, "saves": saves, "save_s": m["save_s"], "evaluations": evals,
+                      "eval_s": eval_s}}
+
+
+def predict_evaluation(m, budget, train_tok_s):
+    limit = budget.get("max_items", -1)
+    notes, item_seconds, items = [], 0.0, 0
+    scale = 1.0
+    if m["kind"] == "chat_eval" and budget.get("max_new_tokens") and m["max_new_tokens"]:
+        scale = budget["max_new_tokens"] / m["max_new_tokens"]
+    for t in m["tasks"]:
+        n = t["items_in_task"] if limit < 0 else min(limit, t["items_in_task"])
+        generated = m["kind"] == "chat_eval" and t["kind"] != "categorical"
+        item_seconds += n * t["item_s"] * (scale if generated else 1.0)
+        items += n
+    if m["kind"] == "core_eval":
+        notes.append("every task's items cost the rehearsal's mean per item (its tasks ran equally many items, in "
+                     "batches no larger than that: the plan's fuller batches run faster, an upper bound)")
+        extra_val = max(0, budget.get("bpb_tokens", m["val_tokens"]) - m["val_tokens"])
+        if extra_val and train_tok_s:
+            item_seconds += extra_val / (FORWARD_SPEEDUP * train_tok_s)
+            notes.append(f"{extra_val:,} more validation tokens at {FORWARD_SPEEDUP}x pretraining's tok/s")
+        elif extra_val:
+            notes.append(f"{extra_val:,} more validation tokens: not counted (no pretraining rate measured)")
+    else:
+        notes.append("each task at the rehearsal's seconds per item" + ("" if m["per_task"] else " (the mean: its "
+                     "results have no per-task seconds)") + f", its {m['items'] // max(1, len(m['tasks']))} items a task "
+                     f"batched together: the plan's fuller batches run faster, an upper bound")
+        if scale != 1.0:
+            notes.append(f"generated answers up to {budget['max_new_tokens']} tokens cost the rehearsal's (up to "
+                         f"{m['max_new_tokens']}) x {scale:g}: an upper bound, answers end sooner")
+    rate = f"{m['items'] / m['seconds']:,.1f} items/s ({m['items']} items in {m['seconds']:.1f} s); start-up " \
+           f"{m['start_s']:.1f} s"
+    return {"budget": f"{items:,} items", "rate": rate, "seconds": m["start_s"] + item_seconds,
+            "assumption": "; ".join(notes), "parts": {"start_s": m["start_s"], "items": items,
+                                                      "items_s": item_seconds}}
+
+
+def predict_plan(rehearsal_dir, budgets, gpus):
+    """Each stage's predicted wall time at the plan's budgets, from a finished rehearsal's measured rates. budgets:
+    {"pretrain"|"midtrain"|"sft": {"steps" or "tokens", "tokens_per_step", "eval_every", "ckpt_every",
+    "val_tokens", "why_unknown"}, "rl": {"steps", "questions_per_step", "samples", "max_new_tokens", "eval_every",
+    "ckpt_every", "eval_items", "eval_samples"}, "core_eval": {"max_items", "bpb_tokens"}, "chat_eval": {"max_items",
+    "max_new_tokens"}} (gpu_plan_budgets builds the gpu plan's); core_eval_<stage> and chat_eval_<stage> take
+    core_eval's and chat_eval's. A stage missing from budgets is predicted unknown. gpus: for the GPU-hours.
+    Returns {"rehearsal", "gpus", "stages": {name: {"budget", "rate", "seconds" (None: unknown), "assumption",
+    "parts"}}, "seconds" (the known stages' sum), "unknown" (their names), "hours", "gpu_hours"}."""
+    measured = measure_rehearsal(rehearsal_dir)
+    pretrain = measured.get("pretrain")
+    train_tok_s = pretrain["tokens_per_step"] / pretrain["step_s"] if pretrain else None
+    stages = {}
+    for name, m in measured.items():
+        budget = budgets.get(evaluation_kind(name) or name)
+        if m["kind"] == "as_rehearsed":
+            stages[name] = {"budget": "as rehearsed", "rate": "", "seconds": m["wall_s"],
+                            "assumption": "the same work at any budget: the rehearsal's wall time"}
+        elif budget is None:
+            stages[name] = {"budget": "unknown", "rate": "", "seconds": None,
+                            "assumption": f"no budget for {name} given"}
+        elif m["kind"] == "training":
+            stages[name] = predict_training(m, budget)
+        elif m["kind"] == "rl":
+            stages[name] = predict_rl(m, budget, train_tok_s)
+        else:
+            stages[name] = predict_evaluation(m, budget, train_tok_s)
+        stages[name]["rehearsal_s"] = m["wall_s"]
+    seconds = sum(s["seconds"] for s in stages.values() if s["seconds"] is not None)
+    return {"rehearsal": str(rehearsal_dir), "gpus": gpus, "stages": stages, "seconds": seconds,
+            "unknown": [n for n, s in stages.items() if s["seconds"] is None], "hours": seconds / 3600,
+            "gpu_hours": seconds / 3600 * gpus}
+
+
+def format_prediction(prediction):
+    """The table's lines: one per stage (budget, rate, predicted wall time), its assumption beneath, and the total."""
+    lines = [f"plan cost predicted from {prediction['rehearsal']} ({prediction['gpus']} GPUs):",
+             f"{'stage':<20} {'predicted':>12}  budget | measured rate"]
+    for name, s in prediction["stages"].items():
+        when = "unknown" if s["seconds"] is None else f"{s['seconds']:,.0f} s"
+        lines.append(f"{name:<20} {when:>12}  {s['budget']}" + (f" | {s['rate']}" if s["rate"] else ""))
+        if s.get("assumption"):
+            lines.append(f"{'':<34}assumed: {s['assumption']}")
+    unknown = prediction["unknown"]
+    lines.append(f"total: {'at least ' if unknown else ''}{prediction['hours']:.2f} h, "
+                 f"{prediction['gpu_hours']:.1f} GPU-hours ({prediction['gpus']} GPUs)"
+                 + (f"; unknown: {', '.join(unknown)}" if unknown else ""))
+    return lines
+
+
+def write_prediction(rehearsal_dir, budgets, gpus, out=None):
+    """predict_plan, its table printed and its JSON written to out (default: default_out). Call it after the rehearsal,
+    before its checkpoints are deleted (their save_seconds are the save times). Returns the prediction."""
+    prediction = predict_plan(rehearsal_dir, budgets, gpus)
+    print("\n".join(format_prediction(prediction)), flush=True)
+    out = Path(out) if out else default_out(rehearsal_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(prediction, indent=1))
+    print(f"written: {out}", flush=True)
+    return prediction
+
+
+def default_out(rehearsal_dir):
+    """runs/<run>/predicted.json beside runs/<run>-rehearsal (the real run's directory, which report.py reads)."""
+    path = Path(rehearsal_dir).resolve()
+    run = path.with_name(path.name[:-len("-rehearsal")]) if path.name.endswith("-rehearsal") else path
+    return run / "predicted.json"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--depth", type=int, default=20, help="model depth, the d{N} preset (default: %(default)s)")
-    p.add_argument("--gpus", type=int, default=8, help="GPUs, as the plan says them (default: %(default)s)")
+    p.add_argument("rehearsal", help="a finished rehearsal's directory, runs/<run>-rehearsal")
+    p.add_argument("--plan_json", default=None, help="the budgets dict as JSON (predict_plan's keys); default: the gpu "
+                   "plan's (gpu_plan_budgets), pretraining's steps from the rehearsal's model at 20 tokens per "
+                   "parameter")
+    p.add_argument("--gpus", type=int, default=0, help="GPUs of the run, for the GPU-hours; 0 = the rehearsal's world "
+                   "size (default: %(default)s)")
+    p.add_argument("--sft_steps", type=int, default=None, help="SFT's steps when known (sft.py prints its epoch's "
+                   "estimate when it starts); default: unknown")
+    p.add_argument("--out", default=None, help="the JSON written; default: runs/<run>/predicted.json beside "
+                   "runs/<run>-rehearsal")
     args = p.parse_args(argv)
-    print("\n".join([*plan_lines(args.depth, args.gpus), *(f"{name}: {' '.join(map(str, words))}" for name, words in
-                                                           command_lines(args.depth).items())]))
+    rehearsal = Path(args.rehearsal)
+    try:
+        config = read_json(rehearsal / "pretrain" / "config.json")
+        if args.plan_json:
+            budgets = json.loads(Path(args.plan_json).read_text())
+        elif config is None:
+            raise FileNotFoundError(f"{rehearsal / 'pretrain' / 'config.json'}: missing; give --plan_json")
+        else:
+            budgets = gpu_plan_budgets(pretrain_steps_for(config["model_config"]), sft_steps=args.sft_steps)
+        if args.sft_steps is not None:
+            budgets.setdefault("sft", {})["steps"] = args.sft_steps
+        gpus = args.gpus or (config or {}).get("world_size", 1)
+        write_prediction(rehearsal, budgets, gpus, args.out)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        print(f"gpu_plan.py: error: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

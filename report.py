@@ -6,7 +6,7 @@ Reads, for each stage run under the speedrun directory (pretrain/, midtrain/, sf
 done.json and samples.jsonl; core_eval/results.json; chat_eval.json; transport.txt (the NCCL decision and the bandwidth its probe measured);
 logs/stages.tsv (each stage's wall time, written by speedrun.sh); stage_evals/<stage>/ (core_eval and chat_eval of
 each stage's final model, for the table of what each stage taught); predicted.json (each stage's wall time predicted
-from the rehearsal before the run, plan_cost.py's: shown beside the actual). A figure that is not there is "unknown".
+from the rehearsal before the run, gpu_plan.py's: shown beside the actual). A figure that is not there is "unknown".
 Writes report.md, loss.png (training loss per stage) and val_bpb.png (pretraining validation bits per byte).
 """
 import argparse
@@ -281,7 +281,7 @@ def write_report(run):
     if not run.is_dir():
         raise FileNotFoundError(f"{run}: no such speedrun directory (runs/<run>/)")
     times = stage_seconds(run)
-    predicted = read_json(run / "predicted.json")  # plan_cost.py's, written before the run (the gpu plan's)
+    predicted = read_json(run / "predicted.json")  # gpu_plan.py's, written before the run (the gpu plan's)
     # rl joins the table when it ran (the demo plan skips it unless --rl on)
     rows = [stage_figures(run, name, times, predicted) for name in TRAIN_STAGES + ["rl"] * (run / "rl").is_dir()]
     core, chat = read_json(run / "core_eval" / "results.json"), read_json(run / "chat_eval.json")
@@ -304,7 +304,7 @@ def write_report(run):
     if predicted:  # the prediction's total beside the actual time of the same stages
         actual = sum(times[k] for k in predicted["stages"] if k in times)
         lines += [(f"Predicted before the run from its rehearsal ({predicted['rehearsal']}; predicted.json, "
-                   f"plan_cost.py): {predicted['hours']:.2f} h, {predicted['gpu_hours']:.1f} GPU-hours"
+                   f"gpu_plan.py): {predicted['hours']:.2f} h, {predicted['gpu_hours']:.1f} GPU-hours"
                    + (f", unknown: {', '.join(predicted['unknown'])}" if predicted["unknown"] else "")
                    + f"; actual, the same stages: {actual / 3600:.2f} h."), ""]
     lines += ["## What each stage taught", "", ("Each column is a stage's final model, each cell computed from that "

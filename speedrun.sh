@@ -142,7 +142,7 @@ stage report "$PY" "$ROOT/report.py" "$RUN"
 
 if [ "$REHEARSE" = 1 ]; then  # one answer of the final model, then each stage's time and the record that it passed
     stage chat "$PY" "$ROOT/chat.py" --runs_dir "$RUN" -p "$REHEARSAL_PROMPT" --temperature 0 --max_new_tokens 32
-    [ "$PLAN" = demo ] || stage predict "$PY" "$ROOT/plan_cost.py" "$RUN" --gpus "$NPROC" --out "$RUN/plan_cost.json"
+    [ "$PLAN" = demo ] || stage predict "$PY" "$ROOT/gpu_plan.py" "$RUN" --gpus "$NPROC" --out "$RUN/plan_cost.json"
     "${L[@]}" rehearsed --run "$RUN" "$SECONDS"
 elif [ "$PRINT" = 1 ]; then [ "$NO_CHAT" = 1 ] || launch stage chat "$PY" "$ROOT/chat.py" --runs_dir "$RUN"
 elif [ "$NO_CHAT" = 0 ] && [ -t 0 ] && [ -t 1 ]; then

@@ -8,7 +8,6 @@ import pytest
 
 import gpu_plan
 import midtrain
-import plan_cost
 import pretrain
 import sft
 
@@ -452,15 +451,15 @@ def test_the_disk_check_counts_the_checkpoints_the_d20_plan_holds_at_once():
 
 
 def test_the_command_lines_the_prediction_and_the_disk_plan_read_one_table(monkeypatch):
-    """gpu_plan.py's table is the gpu plan: speedrun.sh's words (launch.py setup's), plan_cost.py's budgets,
+    """gpu_plan.py's table is the gpu plan: speedrun.sh's words (launch.py setup's), gpu_plan.py's budgets,
     its disk plan (check_disk) and the printed plan; a number changed there reaches each of them."""
     words = gpu_plan.command_lines(20)
     assert words["PRETRAIN"][:6] == ["--preset", "d20", "--tokens_per_param", 20, "--total_batch_tokens", 524_288]
-    assert words["RL"][words["RL"].index("--ckpt_every") + 1] == plan_cost.gpu_plan_budgets(1)["rl"]["ckpt_every"] == 60
+    assert words["RL"][words["RL"].index("--ckpt_every") + 1] == gpu_plan.gpu_plan_budgets(1)["rl"]["ckpt_every"] == 60
     assert "468 steps, at most 30.7M tokens sampled (468 x 16 x 16 x 256)" in gpu_plan.plan_lines(20, 8)[1]
     assert gpu_plan.plan_checkpoints(3, 1000, 21_401, 524_288)[0] == 11
     monkeypatch.setitem(gpu_plan.FLAGS["rl"], "ckpt_every", 500)  # RL's 468 steps save once: 1 held, not 3 (+1)
-    assert gpu_plan.command_lines(20)["RL"][-1] == plan_cost.gpu_plan_budgets(1)["rl"]["ckpt_every"] == 500
+    assert gpu_plan.command_lines(20)["RL"][-1] == gpu_plan.gpu_plan_budgets(1)["rl"]["ckpt_every"] == 500
     assert gpu_plan.plan_checkpoints(3, 1000, 21_401, 524_288)[0] == 8
 
 

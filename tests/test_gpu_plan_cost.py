@@ -1,4 +1,4 @@
-"""plan_cost.py: a rehearsal's rates measured from its files, each stage's wall time predicted at the plan's budgets
+"""gpu_plan.py: a rehearsal's rates measured from its files, each stage's wall time predicted at the plan's budgets
 (exact seconds on hand-written files), report.py's predicted column, and a prediction from a 3-step pretraining
 checked against a 9-step one of the same shape."""
 import json
@@ -9,7 +9,7 @@ import time
 import pytest
 from helpers import run_in_process
 
-import plan_cost
+import gpu_plan
 import pretrain
 
 FINAL_EVAL_AT = 1_700_000_000.0  # rank 0's progress mark of pretraining's final evaluation; done.json 4 s later
@@ -96,7 +96,7 @@ EXPECTED = {"pretrain": 17 + 100 * 2 + 3 * 1.5 + 4 * 5, "core_eval": 10 + 60 * 0
 
 
 def test_each_stage_is_predicted_from_the_rehearsal_rates_at_the_plan_budgets(tmp_path):
-    prediction = plan_cost.predict_plan(rehearsal(tmp_path), BUDGETS, gpus=2)
+    prediction = gpu_plan.predict_plan(rehearsal(tmp_path), BUDGETS, gpus=2)
     stages = prediction["stages"]
     assert list(stages) == list(EXPECTED)  # the stages.tsv order; data ran before the prediction
     for name, seconds in EXPECTED.items():
@@ -119,7 +119,7 @@ def test_each_stage_is_predicted_from_the_rehearsal_rates_at_the_plan_budgets(tm
                                                  "to 16) x 4: an upper bound, answers end sooner")
     assert stages["chat_eval_sft"]["assumption"].startswith("each task at the rehearsal's seconds per item (the mean: "
                                                             "its results have no per-task seconds), its 2 items")
-    lines = plan_cost.format_prediction(prediction)
+    lines = gpu_plan.format_prediction(prediction)
     assert lines[-1] == f"total: at least {total / 3600:.2f} h, {total / 1800:.1f} GPU-hours (2 GPUs); unknown: sft"
     assert any(line.startswith("pretrain") and line.split()[1] == "242" for line in lines)  # 241.5 s, rounded
 
@@ -127,25 +127,25 @@ def test_each_stage_is_predicted_from_the_rehearsal_rates_at_the_plan_budgets(tm
 def test_a_stage_without_its_save_time_or_its_timed_steps_says_so(tmp_path):
     run = rehearsal(tmp_path)
     (run / "pretrain" / "ckpt" / "save_seconds").unlink()
-    stage = plan_cost.predict_plan(run, BUDGETS, gpus=1)["stages"]["pretrain"]
+    stage = gpu_plan.predict_plan(run, BUDGETS, gpus=1)["stages"]["pretrain"]
     assert stage["seconds"] is None and stage["assumption"].startswith("save time unknown: ckpt/save_seconds is gone")
     write_jsonl(run / "midtrain" / "metrics.jsonl", [{"step": 1, "step_time": 8.0}])
     with pytest.raises(ValueError, match="1 step\\(s\\) timed; midtrain's rate is measured on the steps after the "
                                          "first \\(which holds compilation\\): rehearse it for at least 2 steps"):
-        plan_cost.predict_plan(run, BUDGETS, gpus=1)
+        gpu_plan.predict_plan(run, BUDGETS, gpus=1)
     budgets = {k: v for k, v in BUDGETS.items() if k != "rl"}
     write_jsonl(run / "midtrain" / "metrics.jsonl", [{"step": 1, "step_time": 8.0}, {"step": 2, "step_time": 3.0}])
-    assert plan_cost.predict_plan(run, budgets, gpus=1)["stages"]["rl"]["seconds"] is None
+    assert gpu_plan.predict_plan(run, budgets, gpus=1)["stages"]["rl"]["seconds"] is None
 
 
 def test_the_command_line_writes_the_prediction_beside_the_run_and_report_shows_it(tmp_path, capsys):
     from report import write_report
     run = rehearsal(tmp_path)
     (tmp_path / "plan.json").write_text(json.dumps(BUDGETS))
-    assert plan_cost.main([str(run), "--plan_json", str(tmp_path / "plan.json"), "--gpus", "2"]) == 0
+    assert gpu_plan.main([str(run), "--plan_json", str(tmp_path / "plan.json"), "--gpus", "2"]) == 0
     out = capsys.readouterr().out
     written = json.loads((tmp_path / "speedrun" / "predicted.json").read_text())
-    assert written == json.loads(json.dumps(plan_cost.predict_plan(run, BUDGETS, gpus=2)))
+    assert written == json.loads(json.dumps(gpu_plan.predict_plan(run, BUDGETS, gpus=2)))
     assert f"written: {tmp_path / 'speedrun' / 'predicted.json'}" in out and "total: at least 0.14 h" in out
     # report.py on the real run: the predicted beside the actual wall time, "unknown" where none
     real = tmp_path / "speedrun"
@@ -162,7 +162,7 @@ def test_the_command_line_writes_the_prediction_beside_the_run_and_report_shows_
     assert cells["| pretrain"] == ["250.0", "241.5"] and cells["| sft"] == ["99.0", "unknown"]
     assert cells["| midtrain"] == ["unknown", "39.5"]
     assert "Other stages' wall time (s): core_eval 20.0 (predicted 26.0), report 1.0 (predicted 0.5)" in md
-    assert (f"plan_cost.py): {written['hours']:.2f} h, {written['gpu_hours']:.1f} GPU-hours, unknown: sft; actual, "
+    assert (f"gpu_plan.py): {written['hours']:.2f} h, {written['gpu_hours']:.1f} GPU-hours, unknown: sft; actual, "
             f"the same stages: {(250 + 99 + 20 + 1) / 3600:.2f} h.") in md
 
 
@@ -187,8 +187,8 @@ def test_a_prediction_from_3_pretraining_steps_predicts_9(demo_world, tmp_path, 
         (tmp_path / f"r{steps}" / "logs").mkdir()
         (tmp_path / f"r{steps}" / "logs" / "stages.tsv").write_text(f"pretrain\t{walls[steps]:.1f}\t0\n")
     budgets = {"pretrain": {"steps": 9, "eval_every": 0, "ckpt_every": 2, "val_tokens": 4096}}
-    predicted = plan_cost.predict_plan(tmp_path / "r3", budgets, gpus=1)["stages"]["pretrain"]
-    measured = plan_cost.measure_training(tmp_path / "r9", "pretrain", walls[9])
+    predicted = gpu_plan.predict_plan(tmp_path / "r3", budgets, gpus=1)["stages"]["pretrain"]
+    measured = gpu_plan.measure_training(tmp_path / "r9", "pretrain", walls[9])
     predicted_steps, measured_steps = 8 * predicted["parts"]["step_s"], 8 * measured["step_s"]
     print(f"steps 2-9: predicted {predicted_steps:.2f} s, measured {measured_steps:.2f} s "
           f"({predicted_steps / measured_steps - 1:+.1%}); wall: predicted {predicted['seconds']:.2f} s, measured "
