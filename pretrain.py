@@ -26,10 +26,10 @@ import runs
 import train_loop
 import validation
 from dataset import budget_line, corpus_budget, default_data_dir, shard_tokens, split_shards
-from decode import decode
 from loader import close_all, text_loader
 from model import (
     add_model_args,
+    autocast_context,
     budget_params,
     build_model,
     check_master_weights,
@@ -143,16 +143,29 @@ def plan_steps(args, config, tokens_per_step):
 
 
 @torch.no_grad()
+def greedy_completion(model, ids, new_tokens, dtype, device):
+    """The most likely next token, new_tokens times; the whole row again each time: for a few samples of 32 tokens
+    that costs less than a KV cache's set-up (chat.py's decode.py keeps one)."""
+    row = torch.tensor([ids], device=device)
+    for _ in range(new_tokens):
+        with autocast_context(device.type, dtype):
+            logits = model(row, last_only=True)
+        row = torch.cat([row, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return row[0, len(ids):].tolist()
+
+
+@torch.no_grad()
 def evaluate(model, tokenizer, args, rank, world, device, run_dir, val_rows, step):
     """Validation bits per byte (validation.val_bpb: the first --bpb_tokens of the split in BOS-led rows, the same
     figure core_eval.py reports) and greedy samples; prints them and returns the metrics fields."""
     bpb, _ = validation.val_bpb(model, val_rows, tokenizer.token_bytes, 8, args.dtype, rank, world, device)
     if rank == 0 or distributed.is_sharded(model):  # a sharded model is gathered by every rank
-        prompts = [[tokenizer.bos_id, *tokenizer.encode(prompt)] for prompt in args.sample_prompt or PROMPTS]
-        rows, _ = decode(model, prompts, [min(32, model.config.sequence_len - len(ids)) for ids in prompts],
-                         dtype=args.dtype, compiled=False)  # a few samples: eager (decode.py's docstring says why)
-        samples = [{"step": step, "prompt": prompt, "completion": tokenizer.decode(row)}
-                   for prompt, row in zip(args.sample_prompt or PROMPTS, rows)]
+        samples = []
+        for prompt in args.sample_prompt or PROMPTS:
+            ids = [tokenizer.bos_id, *tokenizer.encode(prompt)]
+            new_tokens = min(32, model.config.sequence_len - len(ids))
+            completion = greedy_completion(model, ids, new_tokens, args.dtype, device)
+            samples.append({"step": step, "prompt": prompt, "completion": tokenizer.decode(completion)})
     if rank == 0:
         common.append_jsonl(run_dir / "samples.jsonl", *samples)
         print(f"eval step {step}: val bpb {bpb:.4f}; " + " | ".join(f"{s['prompt']!r} -> {s['completion']!r}"
