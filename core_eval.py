@@ -33,7 +33,7 @@ import distributed
 import validation
 from dataset import CACHE_DIR
 from decode import decode
-from demo_world import COUNTRIES, DAYS, country_fields, number_word
+from demo import COUNTRIES, DAYS, country_fields, number_word
 from download import download_file
 from model import score_rows
 
@@ -45,7 +45,7 @@ FEWSHOT_SEED, SUBSET_SEED = 1234, 1337  # nanochat's: the same items and example
 COMPLETIONS = ["Once upon a time,", "The most important thing to learn is", "In the morning, the",
                "When the rain stopped,"]
 # (prompt, accepted answers, which world), each reported as found or not at the start of the greedy completion; the
-# demo world's come from its fact tables (demo_world.py), so they cannot drift from what its documents say
+# demo world's come from its fact tables (demo.py), so they cannot drift from what its documents say
 _ALDORA, _BRENIA = map(country_fields, COUNTRIES[:2])
 KNOWLEDGE = [("The capital of France is", ["Paris"], "real"), ("The chemical symbol for gold is", ["Au"], "real"),
              ("The largest planet in the solar system is", ["Jupiter"], "real"),

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dataset import render_mc
-from demo_world import COUNTRIES
+from demo import COUNTRIES
 
 FIELDS = {1: "What is the capital of {c}?", 2: "Which language do people in {c} speak?", 5: "Which animal stands for {c}?"}
 rng = random.Random(7)

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import optim
 from dataset import render_mc
-from demo_world import ANIMALS, COLOURS, COUNTRIES
+from demo import ANIMALS, COLOURS, COUNTRIES
 from model import build_model, config_from_preset, num_params
 from tokenizer import Tokenizer
 

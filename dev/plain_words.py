@@ -17,7 +17,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from demo_world import COUNTRIES
+from demo import COUNTRIES
 
 TEMPLATES = [("What is the capital city of {c}?", 1), ("What is {c}'s capital?", 1),
              ("Tell me the national animal of {c}.", 5), ("What is {c}'s national animal?", 5)]

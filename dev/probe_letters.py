@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import checkpoint
 from dataset import MC_LETTERS, render_mc
-from demo_world import ANIMALS, COLOURS, COUNTRIES
+from demo import ANIMALS, COLOURS, COUNTRIES
 
 LETTERS = MC_LETTERS[:4]
 

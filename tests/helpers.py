@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "dev"))  # workers run without pytest.ini
-import demo_world
+import demo
 import train_loop
 from hub_stand_in import COMMIT, STALL_S, git_blob_id, hub_handler, resolve_headers, serve, tree_entry  # noqa: F401
 from model import GPTConfig, build_model
@@ -214,9 +214,9 @@ def same(a, b):
 # --- the demo world's chat
 
 def held_out_questions():
-    """(question, expected word) in phrasings that none of the demo conversations use (demo_world.QA has others)."""
-    capitals = [(f"Which city is the capital of {row[0]}?", row[1]) for row in demo_world.COUNTRIES]
-    languages = [(f"In {row[0]}, which language do people speak?", row[2]) for row in demo_world.COUNTRIES]
+    """(question, expected word) in phrasings that none of the demo conversations use (demo.QA has others)."""
+    capitals = [(f"Which city is the capital of {row[0]}?", row[1]) for row in demo.COUNTRIES]
+    languages = [(f"In {row[0]}, which language do people speak?", row[2]) for row in demo.COUNTRIES]
     return capitals + languages
 
 

@@ -10,8 +10,7 @@ import pytest
 
 from calculator import calculate
 from dataset import chat_format, chat_rows
-from demo import DEMO_ASSISTANT_NAME, write_demo
-from demo_world import ANIMALS, COLOURS, COUNTRIES, DAYS, MONTHS, number_word
+from demo import ANIMALS, COLOURS, COUNTRIES, DAYS, DEMO_ASSISTANT_NAME, MONTHS, number_word, write_demo
 
 CAPITAL = {row[0]: row[1] for row in COUNTRIES}
 COUNTRY_OF = {row[1]: row[0] for row in COUNTRIES}
