@@ -1,8 +1,6 @@
-"""The corpora and conversation sets on disk: fetching them (through download.py), reading them, their token counts
-against a budget, and writing your own text as a corpus. loader.py streams them into batches.
+"""The corpora and conversation sets on disk (download.py fetches them): reading them, their token counts against a
+budget, and writing your own text as a corpus. loader.py streams them into batches.
 
-    python dataset.py download --shards 8            # FineWeb-Edu shards from the hub (+ the last one: validation)
-    python dataset.py download-chat smoltalk gsm8k   # conversation and task sets (identity: from identity.json)
     python dataset.py ingest --out DIR PATHS...      # your own .txt/.md/.jsonl/.parquet (or directories of them)
 
 Layout of a text corpus (FineWeb-Edu's on the hub, and everything this file writes): a directory of parquet shards
@@ -23,36 +21,12 @@ from types import SimpleNamespace
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from download import download_entries, listed_or_saved
-
 CACHE_DIR = Path(os.environ.get("NANOCHAT_CACHE", Path.home() / ".cache" / "nanochat"))
 ROW_GROUP_DOCS = 1024
 
 
 def default_data_dir(dataset):
     return CACHE_DIR / "data" / dataset.split("/")[-1]
-
-
-SHARD_NAME = re.compile(r"shard_(\d+)\.parquet")
-
-
-def download_shards(dataset, num_shards, data_dir, workers=4):
-    """The first num_shards training shards of a FineWeb-Edu-layout dataset (shard_00000.parquet, ...) plus its last
-    shard, the validation split: data_dir ends with num_shards + 1 files, the validation shard last in sorted order.
-    A rerun whose files are all on disk and match the hashes listed at download time makes no hub call."""
-    def select(files):
-        shards = sorted((f for f in files if SHARD_NAME.fullmatch(Path(f["path"]).name)),
-                        key=lambda f: int(SHARD_NAME.fullmatch(Path(f["path"]).name).group(1)))
-        if len(shards) < 2:
-            raise ValueError(f"{dataset} has {len(shards)} shard_NNNNN.parquet files; a corpus needs training shards "
-                             f"and a validation shard (the last one)")
-        available = len(shards) - 1
-        if not 1 <= num_shards <= available:
-            raise ValueError(f"--shards {num_shards} is not available: {dataset} has {available} training shards (plus "
-                             f"the validation shard): choose 1..{available}")
-        return shards[:num_shards] + shards[-1:]
-    chosen = listed_or_saved(dataset, "main", data_dir, select, workers)
-    return download_entries(dataset, chosen, data_dir, "main", "dataset", workers)
 
 
 # Conversations: parquet files with a `messages` column (SmolTalk, UltraChat), a `conversations` column (LIMA), or a
@@ -94,33 +68,6 @@ def write_identity(out_dir, path=IDENTITY_FILE):
     out_dir.mkdir(parents=True, exist_ok=True)
     schema = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
     write_parquet(out_dir / "train.parquet", {"messages": pa.array(rows, schema)})
-    return out_dir
-
-
-def download_chat(name, out_dir=None, workers=4, check_only=False):
-    """Fetch a conversation dataset into out_dir (default: <cache>/chat/<name>); LIMA's jsonl becomes parquet.
-    check_only: only list it (the error a gated or missing dataset gets, in seconds), or find it complete on disk.
-    "identity" is written from the identity file instead (no network; a broken file fails the check too)."""
-    if name not in CHAT_DATASETS:
-        raise ValueError(f"unknown conversation dataset {name!r}: choose from {', '.join(CHAT_DATASETS)}")
-    repo, pattern = CHAT_DATASETS[name]
-    out_dir = Path(out_dir or CACHE_DIR / "chat" / name)
-    if repo is None:
-        return write_identity(out_dir)
-
-    def select(files):
-        entries = [f for f in files if re.fullmatch(pattern, f["path"])]
-        if not entries:
-            raise ValueError(f"{repo} has no files matching {pattern}: the dataset's layout changed; please report it")
-        return entries
-    entries = listed_or_saved(repo, "main", out_dir, select, workers)
-    if check_only:
-        return out_dir
-    for path in download_entries(repo, entries, out_dir, "main", "dataset", workers):
-        if path.suffix == ".jsonl" and not path.with_suffix(".parquet").exists():
-            text, _ = decode_utf8(path.read_bytes())
-            rows = [json.loads(line)["conversations"] for line in text.splitlines() if line.strip()]
-            write_parquet(path.with_suffix(".parquet"), {"conversations": pa.array(rows, pa.list_(pa.string()))})
     return out_dir
 
 
@@ -225,8 +172,8 @@ def chat_files(chat_dir, split):
     chosen = val if split == "val" else [f for f in files if f not in val]
     if not chosen:
         which = "*.parquet named test* or val*" if split == "val" else "*.parquet not named test* or val*"
-        raise FileNotFoundError(f"no {split} conversation files ({which}) in {chat_dir}: run `python dataset.py "
-                                f"download-chat NAME` (one of {', '.join(CHAT_DATASETS)}) or `python demo.py --out "
+        raise FileNotFoundError(f"no {split} conversation files ({which}) in {chat_dir}: run `python download.py "
+                                f"chat NAME` (one of {', '.join(CHAT_DATASETS)}) or `python demo.py --out "
                                 f"DIR`")
     return chosen
 
@@ -384,11 +331,11 @@ def mixture_files(sources):
 def list_shards(data_dir):
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
-        raise FileNotFoundError(f"data directory {data_dir} does not exist: run `python dataset.py download --shards N"
+        raise FileNotFoundError(f"data directory {data_dir} does not exist: run `python download.py shards --shards N"
                                 f" --data_dir {data_dir}` or `python demo.py --out DIR` (its DIR/pretrain)")
     shards = sorted(data_dir.glob("*.parquet"))
     if not shards:
-        raise FileNotFoundError(f"no .parquet shards in {data_dir}: run `python dataset.py download --shards N "
+        raise FileNotFoundError(f"no .parquet shards in {data_dir}: run `python download.py shards --shards N "
                                 f"--data_dir {data_dir}` or `python dataset.py ingest --out {data_dir} FILES...`")
     return shards
 
@@ -462,7 +409,7 @@ def open_parquet(path, column="text"):
         parquet = pq.ParquetFile(path)
     except (pa.ArrowInvalid, OSError) as e:
         raise ValueError(f"{path} is not a readable parquet file ({e}): delete it and fetch it again (`python "
-                         f"dataset.py download` verifies every shard) or re-create it with `python dataset.py "
+                         f"download.py shards` verifies every shard) or re-create it with `python dataset.py "
                          f"ingest`") from e
     if column is not None and column not in parquet.schema_arrow.names:
         raise ValueError(f"{path} has no column {column!r} (columns: {', '.join(parquet.schema_arrow.names)})")
@@ -636,18 +583,6 @@ def check_sources(sources):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("download", help="pretraining shards from the hub, plus the last one as validation")
-    p.add_argument("--shards", type=int, required=True, help="number of training shards to fetch (the validation shard comes too)")
-    p.add_argument("--dataset", default="karpathy/fineweb-edu-100b-shuffle", help="hub dataset (default: %(default)s)")
-    p.add_argument("--data_dir", default=None, help="where to put them (default: <cache>/data/<dataset name>; cache: "
-                   f"$NANOCHAT_CACHE or {CACHE_DIR})")
-    p.add_argument("--workers", type=int, default=4, help="parallel downloads (default: %(default)s)")
-    p = commands.add_parser("download-chat", help="conversation and task datasets from the hub (identity: written "
-                            "from identity.json)")
-    p.add_argument("names", nargs="+", choices=sorted(CHAT_DATASETS), help="which ones")
-    p.add_argument("--check", action="store_true", help="only list them on the hub (a gated or missing dataset fails "
-                   "in seconds) unless complete on disk; download nothing (default: off)")
-    p.add_argument("--workers", type=int, default=4, help="parallel downloads (default: %(default)s)")
     p = commands.add_parser("ingest", help="your own .txt/.md/.jsonl/.parquet files as a corpus")
     p.add_argument("files", nargs="+", help=".txt, .md (documents split on blank lines), .jsonl, .parquet, or a "
                    "directory of them")
@@ -660,17 +595,8 @@ def main(argv=None):
                    "(default: %(default)s)")
     args = parser.parse_args(argv)
     try:
-        if args.command == "download":
-            data_dir = Path(args.data_dir or default_data_dir(args.dataset))
-            paths = download_shards(args.dataset, args.shards, data_dir, workers=args.workers)
-            print(f"download: {len(paths) - 1} training shards + 1 validation shard in {data_dir}")
-        elif args.command == "download-chat":
-            for name in args.names:
-                out = download_chat(name, workers=args.workers, check_only=args.check)
-                print(f"download-chat: {name} {'is available' if args.check else 'in'} {out}")
-        else:
-            ingest(args.files, args.out, seed=args.seed, column=args.column, one_per_file=args.one_per_file,
-                   val_fraction=args.val_fraction)
+        ingest(args.files, args.out, seed=args.seed, column=args.column, one_per_file=args.one_per_file,
+               val_fraction=args.val_fraction)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
         parser.exit(2, f"dataset.py {args.command}: error: {e}\n")
 

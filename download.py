@@ -1,8 +1,11 @@
 """Downloads, checked and resumable: a file by URL (download_file) and files of a Hugging Face hub repo
 (list_hub_files, download_hub_files), each under its final name only once its size, hash and (parquet) footer check
 out, retried with backoff, with one progress line. The repo's listing is saved beside the files (.hub_listing.json),
-so a rerun whose files are all on disk and intact needs no hub. dataset.py fetches corpora and chat sets through it,
-core_eval.py the eval bundle, chat_eval.py the task sets. By hand:
+so a rerun whose files are all on disk and intact needs no hub. The corpora and chat sets (download_shards,
+download_chat) come through it, as do core_eval.py's eval bundle and chat_eval.py's task sets. By hand:
+
+    python download.py shards --shards 8            # FineWeb-Edu shards from the hub (+ the last one: validation)
+    python download.py chat smoltalk gsm8k          # conversation and task sets (identity: from identity.json)
 
     python download.py list openai/gsm8k                     # a hub dataset's files: size, sha256 or git blob id
     python download.py get openai/gsm8k main/test-00000-of-00001.parquet --out DIR   # checked against the listing
@@ -13,6 +16,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import threading
@@ -22,6 +26,15 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from dataset import (
+    CACHE_DIR,
+    CHAT_DATASETS,
+    decode_utf8,
+    default_data_dir,
+    write_identity,
+    write_parquet,
+)
 
 # huggingface_hub is imported in the functions that use it, not by every stage importing this file (docs/data.md says
 # what it does itself). hf_hub_download checks no size or hash and gives up on a 500 or a reset mid-body: the checks,
@@ -335,6 +348,58 @@ def listed_or_saved(repo, revision, out_dir, select, workers=4):
 
 # -----------------------------------------------------------------------------
 
+# --- the corpora and chat sets this project trains on
+
+SHARD_NAME = re.compile(r"shard_(\d+)\.parquet")
+
+
+def download_shards(dataset, num_shards, data_dir, workers=4):
+    """The first num_shards training shards of a FineWeb-Edu-layout dataset (shard_00000.parquet, ...) plus its last
+    shard, the validation split: data_dir ends with num_shards + 1 files, the validation shard last in sorted order.
+    A rerun whose files are all on disk and match the hashes listed at download time makes no hub call."""
+    def select(files):
+        shards = sorted((f for f in files if SHARD_NAME.fullmatch(Path(f["path"]).name)),
+                        key=lambda f: int(SHARD_NAME.fullmatch(Path(f["path"]).name).group(1)))
+        if len(shards) < 2:
+            raise ValueError(f"{dataset} has {len(shards)} shard_NNNNN.parquet files; a corpus needs training shards "
+                             f"and a validation shard (the last one)")
+        available = len(shards) - 1
+        if not 1 <= num_shards <= available:
+            raise ValueError(f"--shards {num_shards} is not available: {dataset} has {available} training shards (plus "
+                             f"the validation shard): choose 1..{available}")
+        return shards[:num_shards] + shards[-1:]
+    chosen = listed_or_saved(dataset, "main", data_dir, select, workers)
+    return download_entries(dataset, chosen, data_dir, "main", "dataset", workers)
+
+
+def download_chat(name, out_dir=None, workers=4, check_only=False):
+    """Fetch a conversation dataset into out_dir (default: <cache>/chat/<name>); LIMA's jsonl becomes parquet.
+    check_only: only list it (the error a gated or missing dataset gets, in seconds), or find it complete on disk.
+    "identity" is written from the identity file instead (no network; a broken file fails the check too)."""
+    if name not in CHAT_DATASETS:
+        raise ValueError(f"unknown conversation dataset {name!r}: choose from {', '.join(CHAT_DATASETS)}")
+    repo, pattern = CHAT_DATASETS[name]
+    out_dir = Path(out_dir or CACHE_DIR / "chat" / name)
+    if repo is None:
+        return write_identity(out_dir)
+
+    def select(files):
+        entries = [f for f in files if re.fullmatch(pattern, f["path"])]
+        if not entries:
+            raise ValueError(f"{repo} has no files matching {pattern}: the dataset's layout changed; please report it")
+        return entries
+    entries = listed_or_saved(repo, "main", out_dir, select, workers)
+    if check_only:
+        return out_dir
+    for path in download_entries(repo, entries, out_dir, "main", "dataset", workers):
+        if path.suffix == ".jsonl" and not path.with_suffix(".parquet").exists():
+            text, _ = decode_utf8(path.read_bytes())
+            rows = [json.loads(line)["conversations"] for line in text.splitlines() if line.strip()]
+            write_parquet(path.with_suffix(".parquet"), {"conversations": pa.array(rows, pa.list_(pa.string()))})
+    return out_dir
+
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -347,6 +412,18 @@ def main(argv=None):
     p.add_argument("paths", nargs="+", help="file paths inside the repo (see `list`)")
     p.add_argument("--out", required=True, help="directory to put them in, by file name (required)")
     p.add_argument("--workers", type=int, default=4, help="parallel downloads (default: %(default)s)")
+    p = commands.add_parser("shards", help="pretraining shards from the hub, plus the last one as validation")
+    p.add_argument("--shards", type=int, required=True, help="number of training shards to fetch (the validation shard comes too)")
+    p.add_argument("--dataset", default="karpathy/fineweb-edu-100b-shuffle", help="hub dataset (default: %(default)s)")
+    p.add_argument("--data_dir", default=None, help="where to put them (default: <cache>/data/<dataset name>; cache: "
+                   f"$NANOCHAT_CACHE or {CACHE_DIR})")
+    p.add_argument("--workers", type=int, default=4, help="parallel downloads (default: %(default)s)")
+    p = commands.add_parser("chat", help="conversation and task datasets from the hub (identity: written "
+                            "from identity.json)")
+    p.add_argument("names", nargs="+", choices=sorted(CHAT_DATASETS), help="which ones")
+    p.add_argument("--check", action="store_true", help="only list them on the hub (a gated or missing dataset fails "
+                   "in seconds) unless complete on disk; download nothing (default: off)")
+    p.add_argument("--workers", type=int, default=4, help="parallel downloads (default: %(default)s)")
     p = commands.add_parser("url", help="one file from a plain URL, resumable")
     p.add_argument("url", help="the file's URL")
     p.add_argument("--out", required=True, help="the file to write (required)")
@@ -354,7 +431,15 @@ def main(argv=None):
     p.add_argument("--sha256", default=None, help="expected sha256 in hex (default: not checked)")
     args = parser.parse_args(argv)
     try:
-        if args.command == "list":
+        if args.command == "shards":
+            data_dir = Path(args.data_dir or default_data_dir(args.dataset))
+            paths = download_shards(args.dataset, args.shards, data_dir, workers=args.workers)
+            print(f"download.py shards: {len(paths) - 1} training shards + 1 validation shard in {data_dir}")
+        elif args.command == "chat":
+            for name in args.names:
+                out = download_chat(name, workers=args.workers, check_only=args.check)
+                print(f"download.py chat: {name} {'is available' if args.check else 'in'} {out}")
+        elif args.command == "list":
             for f in list_hub_files(args.repo, args.revision, args.repo_type):
                 print(f"{f['path']}\t{f['size']}\t{f['sha256'] or 'git ' + str(f['git_sha1'])}")
         elif args.command == "get":
@@ -362,7 +447,7 @@ def main(argv=None):
             print(f"download.py get: {len(paths)} files of {args.repo} in {args.out}")
         else:
             print(f"download.py url: {download_file(args.url, args.out, args.size, args.sha256)}")
-    except (ValueError, RuntimeError, OSError) as e:
+    except (ValueError, TypeError, RuntimeError, OSError) as e:
         parser.exit(2, f"download.py {args.command}: error: {e}\n")
 
 

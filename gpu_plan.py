@@ -31,7 +31,7 @@ from report import read_json, stage_seconds
 TOKENS_PER_STEP = 524_288  # a step's tokens over all GPUs (nanochat's); the chat stages inherit pretraining's
 SEQUENCE_LEN = 2048  # the d-presets' (model.py): what midtraining's and SFT's --eval_rows are rows of
 GSM8K_TRAIN = 7_473  # GSM8K's training questions, one epoch of rl.py's (rl.py counts them from the data itself)
-# the conversation datasets the gpu plan's midtraining and SFT read (dataset.py download-chat names): checked and
+# the conversation datasets the gpu plan's midtraining and SFT read (download.py chat names): checked and
 # fetched at the start, with the CORE bundle and the ChatCORE tasks, so a gated or missing one fails in minutes
 CHAT_SOURCES = ["smoltalk", "ultrachat", "mmlu", "arc-easy", "arc-challenge", "gsm8k", "identity"]
 

@@ -637,7 +637,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--data_dir", help="a text corpus directory (its shards, the last one validation)")
-    source.add_argument("--chat", help="a conversation directory or .jsonl file, or a `dataset.py download-chat` name")
+    source.add_argument("--chat", help="a conversation directory or .jsonl file, or a `download.py chat` name")
     parser.add_argument("--tokenizer", default="runs/tokenizer", help="directory of tokenizer.json (default: %(default)s)")
     parser.add_argument("--split", default="train", choices=["train", "val"], help="(default: %(default)s)")
     parser.add_argument("--batch_size", type=int, default=4, help="rows per batch (default: %(default)s)")

@@ -72,16 +72,16 @@ if [ "$PLAN" = demo ] && [ "$PRINT" = 0 ] && compgen -G "$DATA_DIR/pretrain/shar
 elif [ "$PLAN" = demo ]; then stage data "$PY" "$ROOT/demo.py" --out "$DATA_DIR"
 else  # fail in minutes, not hours: a gated or missing chat source stops the run here; then the chat data and the CORE
     # bundle in the background, and 8 shards (the tokenizer's, and what the budget's shard count is measured on)
-    stage preflight "$PY" "$ROOT/dataset.py" download-chat --check "${CHAT_SOURCES[@]}"
+    stage preflight "$PY" "$ROOT/download.py" chat --check "${CHAT_SOURCES[@]}"
     stage chatcore_tasks "$PY" "$ROOT/chat_eval.py" --download_only "${CHAT_EVAL_EXTRA[@]}"
     say "fetching ${CHAT_SOURCES[*]} and the CORE bundle in the background (log: $LOGS/prefetch.log)"
     # each fetch in a session of its own (no Ctrl-C of the terminal reaches it) carrying the run's MARK: the run's end
     # stops it; its log only, no row in stages.tsv
-    prefetch() { "$@" "$PY" "$ROOT/dataset.py" download-chat "${CHAT_SOURCES[@]}" &&
+    prefetch() { "$@" "$PY" "$ROOT/download.py" chat "${CHAT_SOURCES[@]}" &&
                  "$@" "$PY" "$ROOT/core_eval.py" --download_only "${CORE_EXTRA[@]}"; }
     if [ "$PRINT" = 1 ]; then prefetch "${L[@]}" stage --run "$RUN" prefetch; PREFETCH=""
     else prefetch env "SPEEDRUN_MARK=$MARK" setsid --wait >> "$LOGS/prefetch.log" 2>&1 < /dev/null & PREFETCH=$!; fi
-    [ "$OWN_TEXT" = 1 ] || stage data "$PY" "$ROOT/dataset.py" download --shards 8 --data_dir "$CORPUS" "${R_DATA[@]}"
+    [ "$OWN_TEXT" = 1 ] || stage data "$PY" "$ROOT/download.py" shards --shards 8 --data_dir "$CORPUS" "${R_DATA[@]}"
 fi  # --corpus: ingested once (its ingest.json says whole), for the tokenizer, pretraining and midtraining's text
 [ "$OWN_TEXT" = 0 ] || stage ingest --skip_if "$CORPUS/ingest.json" "$PY" "$ROOT/dataset.py" ingest --out "$CORPUS" \
     "${INGEST[@]}"
@@ -98,7 +98,7 @@ if [ "$PLAN" = gpu ]; then  # the shards the budget needs, counted with this tok
         "${PRETRAIN[@]}" "${PRETRAIN_EXTRA[@]}" "${R_PRETRAIN[@]}" "${R_SHAPE[@]}"
     # the disk plan (not enough disk stops here), then --shards, else data_plan.json's count (fewer is said)
     if [ "$OWN_TEXT" = 0 ]; then NEEDED=$("${L[@]}" shards --run "$RUN" "$SHARDS")  # --corpus: all of it is here
-        launch stage download "$PY" "$ROOT/dataset.py" download --shards "$NEEDED" --data_dir "$CORPUS"; fi
+        launch stage download "$PY" "$ROOT/download.py" shards --shards "$NEEDED" --data_dir "$CORPUS"; fi
     # pretraining does not wait for the prefetch, but if it has failed already, stop before the hours
     if ! kill -0 "$PREFETCH" 2>/dev/null || [ "$STOP_AFTER" = download ]; then wait_prefetch " before pretraining"; fi
     if [ "$STOP_AFTER" = download ]; then

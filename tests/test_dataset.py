@@ -58,7 +58,7 @@ def test_write_text_shards_layout(tmp_path):
 
 
 def test_missing_or_corrupt_data_is_named(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist.*dataset.py download"):
+    with pytest.raises(FileNotFoundError, match="does not exist.*download.py shards"):
         D.list_shards(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match="no .parquet shards"):
         D.list_shards(tmp_path)

@@ -161,7 +161,7 @@ def test_every_fault_is_survived_and_every_shard_ends_byte_identical(hub, tmp_pa
         "shard_00004.parquet": ["garbage", "drop", "500"],
     }
     out = tmp_path / "data"
-    paths = D.download_shards(REPO, 4, out, workers=3)
+    paths = dl.download_shards(REPO, 4, out, workers=3)
     assert paths == [out / f"shard_{i:05d}.parquet" for i in range(NUM_SHARDS)]
     for path in paths:
         assert path.read_bytes() == hub.files[path.name]
@@ -247,24 +247,24 @@ def test_retries_run_out_with_an_error_that_keeps_the_partial_for_the_next_run(h
 
 
 def test_complete_shards_are_not_downloaded_again(hub, tmp_path):
-    D.download_shards(REPO, 2, tmp_path)
+    dl.download_shards(REPO, 2, tmp_path)
     assert len(requests_to(hub, "/resolve/")) == 3
     hub.log.clear()
-    D.download_shards(REPO, 2, tmp_path)
+    dl.download_shards(REPO, 2, tmp_path)
     assert requests_to(hub, "/resolve/") == [] and requests_to(hub, "/cdn/") == []
-    D.download_shards(REPO, 3, tmp_path)  # one more training shard: only that one is fetched
+    dl.download_shards(REPO, 3, tmp_path)  # one more training shard: only that one is fetched
     assert [e["path"] for e in requests_to(hub, "/resolve/")] == [f"/datasets/{REPO}/resolve/main/shard_00002.parquet"]
 
 
 def test_download_shards_takes_the_first_n_training_shards_and_the_last_shard(hub, tmp_path):
-    paths = D.download_shards(REPO, 2, tmp_path)
+    paths = dl.download_shards(REPO, 2, tmp_path)
     names = ["shard_00000.parquet", "shard_00001.parquet", "shard_00004.parquet"]
     assert [p.name for p in paths] == names
     assert sorted(p.name for p in tmp_path.iterdir()) == [dl.LISTING, *names]  # the validation shard sorts last
     with pytest.raises(ValueError, match="has 4 training shards"):
-        D.download_shards(REPO, 5, tmp_path / "more")
+        dl.download_shards(REPO, 5, tmp_path / "more")
     with pytest.raises(ValueError, match="has 4 training shards"):
-        D.download_shards(REPO, 0, tmp_path / "none")
+        dl.download_shards(REPO, 0, tmp_path / "none")
 
 
 def test_not_found_fails_at_once_and_names_the_path(hub, tmp_path):
@@ -339,7 +339,7 @@ def test_download_chat_fetches_only_the_dataset_files_and_converts_lima(hub, tmp
     files["README.md"] = b"# smoltalk\n"
     host_repo(hub, monkeypatch, "HuggingFaceTB/smoltalk", files)
     hub.faults = {"data/all/train-00001-of-00002.parquet": ["drop", "500"]}
-    out = D.download_chat("smoltalk", tmp_path / "smoltalk")
+    out = dl.download_chat("smoltalk", tmp_path / "smoltalk")
     assert sorted(p.name for p in out.iterdir()) == [dl.LISTING, "test-00000-of-00001.parquet",
                                                      "train-00000-of-00002.parquet", "train-00001-of-00002.parquet"]
     for path, data in files.items():
@@ -353,7 +353,7 @@ def test_download_chat_fetches_only_the_dataset_files_and_converts_lima(hub, tmp
             {"conversations": ["Why?", "Because."], "source": "y"}]
     host_repo(hub, monkeypatch, "GAIR/lima", {"train.jsonl": "".join(json.dumps(r) + "\n" for r in lima).encode(),
                                              "test.jsonl": b'{"conversations": ["no answer"]}\n'})
-    out = D.download_chat("lima", tmp_path / "lima")
+    out = dl.download_chat("lima", tmp_path / "lima")
     assert sorted(p.name for p in out.iterdir()) == [dl.LISTING, "train.jsonl", "train.parquet"]
     rows = pq.read_table(out / "train.parquet").column("conversations").to_pylist()
     assert rows == [r["conversations"] for r in lima]
@@ -362,15 +362,15 @@ def test_download_chat_fetches_only_the_dataset_files_and_converts_lima(hub, tmp
     with pytest.raises(FileNotFoundError, match="no val conversation files"):
         D.chat_files(out, "val")
     with pytest.raises(ValueError, match="unknown conversation dataset 'alpaca'"):
-        D.download_chat("alpaca", tmp_path / "x")
+        dl.download_chat("alpaca", tmp_path / "x")
 
 
 def test_the_cli_exits_2_with_one_line_that_says_what_to_do(hub, tmp_path, capsys):
     hub.status = 401
     with pytest.raises(SystemExit) as exit_info:
-        D.main(["download", "--shards", "2", "--dataset", REPO, "--data_dir", str(tmp_path / "data")])
+        dl.main(["shards", "--shards", "2", "--dataset", REPO, "--data_dir", str(tmp_path / "data")])
     err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and err.startswith("dataset.py download: error: ") and "HF_TOKEN" in err
+    assert exit_info.value.code == 2 and err.startswith("download.py shards: error: ") and "HF_TOKEN" in err
     assert err.count("\n") == 1 and not (tmp_path / "data").exists()
 
 
@@ -397,38 +397,38 @@ def stop(hub):
 
 def test_a_rerun_with_every_file_on_disk_and_matching_needs_no_hub(hub, tmp_path, monkeypatch):
     out = tmp_path / "data"
-    first = D.download_shards(REPO, 2, out)
+    first = dl.download_shards(REPO, 2, out)
     conv = [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]]
     files = {"data/all/train-00000-of-00001.parquet": parquet_bytes(tmp_path, "t", "messages", conv),
              "data/all/test-00000-of-00001.parquet": parquet_bytes(tmp_path, "v", "messages", conv)}
     host_repo(hub, monkeypatch, "HuggingFaceTB/smoltalk", files)
-    chat_out = D.download_chat("smoltalk", tmp_path / "smoltalk")
+    chat_out = dl.download_chat("smoltalk", tmp_path / "smoltalk")
     monkeypatch.setitem(globals(), "REPO", "org/fineweb-mini")
     stop(hub)
     hub.log.clear()
-    assert D.download_shards(REPO, 2, out) == first  # offline: the listing saved at download time, hashes checked
-    assert D.download_shards(REPO, 1, out) == [first[0], first[-1]]  # fewer shards: still all on disk
-    assert D.download_chat("smoltalk", chat_out) == chat_out
+    assert dl.download_shards(REPO, 2, out) == first  # offline: the listing saved at download time, hashes checked
+    assert dl.download_shards(REPO, 1, out) == [first[0], first[-1]]  # fewer shards: still all on disk
+    assert dl.download_chat("smoltalk", chat_out) == chat_out
     assert hub.log == []
     # a file changed on disk since (one flipped byte, same size): the hub is needed, and its absence is an error
     data = bytearray(first[1].read_bytes())
     data[len(data) // 2] ^= 0xFF
     first[1].write_bytes(bytes(data))
     with pytest.raises(RuntimeError, match="could not list"):
-        D.download_shards(REPO, 2, out)
+        dl.download_shards(REPO, 2, out)
     with pytest.raises(RuntimeError, match="could not list"):  # more shards than are on disk: the hub too
-        D.download_shards(REPO, 3, tmp_path / "other")
+        dl.download_shards(REPO, 3, tmp_path / "other")
 
 
 def test_check_only_lists_a_chat_dataset_without_downloading_and_a_gated_one_fails_at_once(hub, tmp_path, monkeypatch):
     conv = [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]]
     host_repo(hub, monkeypatch, "HuggingFaceTB/smoltalk",
               {"data/all/train-00000-of-00001.parquet": parquet_bytes(tmp_path, "t", "messages", conv)})
-    out = D.download_chat("smoltalk", tmp_path / "smoltalk", check_only=True)
+    out = dl.download_chat("smoltalk", tmp_path / "smoltalk", check_only=True)
     assert requests_to(hub, "/tree/") and not requests_to(hub, "/resolve/") and not list(out.glob("*.parquet"))
     hub.status = 401  # gated: the error says what to do, before anything else has run
     with pytest.raises(RuntimeError, match="HF_TOKEN"):
-        D.download_chat("smoltalk", tmp_path / "gated", check_only=True)
+        dl.download_chat("smoltalk", tmp_path / "gated", check_only=True)
 
 
 def table_bytes(tmp_path, name, rows):
@@ -445,7 +445,7 @@ def test_task_sets_come_through_the_hub_verified_and_read_as_conversations(hub, 
              "all/test-00000-of-00001.parquet": table_bytes(tmp_path, "mt", mmlu)}
     host_repo(hub, monkeypatch, "cais/mmlu", files)
     hub.faults = {"all/auxiliary_train-00000-of-00001.parquet": ["drop", "500"]}
-    out = D.download_chat("mmlu", tmp_path / "mmlu")
+    out = dl.download_chat("mmlu", tmp_path / "mmlu")
     assert sorted(p.name for p in out.iterdir()) == [dl.LISTING, "auxiliary_train-00000-of-00001.parquet"]
     assert (out / "auxiliary_train-00000-of-00001.parquet").read_bytes() == files[
         "all/auxiliary_train-00000-of-00001.parquet"]
@@ -459,7 +459,7 @@ def test_task_sets_come_through_the_hub_verified_and_read_as_conversations(hub, 
                                 "answerKey": "E"}]
     host_repo(hub, monkeypatch, "allenai/ai2_arc", {"ARC-Easy/train-00000-of-00001.parquet": table_bytes(
         tmp_path, "a", arc), "ARC-Easy/test-00000-of-00001.parquet": table_bytes(tmp_path, "at", arc)})
-    out = D.download_chat("arc-easy", tmp_path / "arc")
+    out = dl.download_chat("arc-easy", tmp_path / "arc")
     rows = D.chat_rows(out / "train-00000-of-00001.parquet", 0)
     assert rows[0][1] == {"role": "assistant", "content": "2"} and "- blue=2\n" in rows[0][0]["content"]
     assert rows[1] == "answerKey 'E' is not among the labels ['A']"  # skipped as malformed by the loader
@@ -469,7 +469,7 @@ def test_task_sets_come_through_the_hub_verified_and_read_as_conversations(hub, 
     host_repo(hub, monkeypatch, "openai/gsm8k", {"main/train-00000-of-00001.parquet": table_bytes(tmp_path, "g", gsm),
                                                  "socratic/train-00000-of-00001.parquet": table_bytes(tmp_path, "s",
                                                                                                       gsm)})
-    out = D.download_chat("gsm8k", tmp_path / "gsm8k")
+    out = dl.download_chat("gsm8k", tmp_path / "gsm8k")
     assert sorted(p.name for p in out.iterdir()) == [dl.LISTING, "train-00000-of-00001.parquet"]
     [[user, assistant]] = D.chat_rows(out / "train-00000-of-00001.parquet", 0)
     assert user == {"role": "user", "content": "How much did she earn?"}

@@ -307,7 +307,7 @@ def test_print_shows_every_stages_command_line_in_order_and_starts_nothing(tmp_p
     assert words["check_batch"] == [py, str(ROOT / "pretrain.py"), "--check_batch", "8", *map(str, plan["PRETRAIN"])]
     assert words["probe"] == [*torchrun, str(ROOT / "distributed.py"), "probe", "--timeout", "120", "--mbytes", "64",
                               "--out", "runs/speedrun/logs/probe.json"]
-    assert words["download"] == [py, str(ROOT / "dataset.py"), "download", "--shards", "<shards from data_plan.json>",
+    assert words["download"] == [py, str(ROOT / "download.py"), "shards", "--shards", "<shards from data_plan.json>",
                                  "--data_dir", "/data/fineweb"]
     assert words["rehearsal"][:5] == ["env", f"SPEEDRUN_PYTHON={py}", "bash", str(ROOT / "speedrun.sh"), "--rehearse"]
     assert words["pretrain"] == [*torchrun, str(ROOT / "pretrain.py"), "--data_dir", "/data/fineweb", "--tokenizer",
