@@ -598,7 +598,7 @@ def main(argv=None):
         ingest(args.files, args.out, seed=args.seed, column=args.column, one_per_file=args.one_per_file,
                val_fraction=args.val_fraction)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
-        parser.exit(2, f"dataset.py {args.command}: error: {e}\n")
+        parser.exit(1, f"dataset.py {args.command}: error: {e}\n")
 
 
 if __name__ == "__main__":

@@ -107,7 +107,7 @@ def test_ingest_md_and_a_directory_and_a_smaller_reingest_leaves_no_stale_shard(
         D.ingest([tmp_path / "empty"], tmp_path / "o2")
 
 
-def test_ingest_bad_jsonl_names_file_and_line(tmp_path):
+def test_ingest_bad_jsonl_names_file_and_line(tmp_path, capsys):
     (tmp_path / "x.jsonl").write_text('{"text": "ok"}\n{"text": oops}\n')
     with pytest.raises(ValueError, match=r"x.jsonl:2: not valid JSON"):
         D.ingest([tmp_path / "x.jsonl"], tmp_path / "out")
@@ -118,6 +118,11 @@ def test_ingest_bad_jsonl_names_file_and_line(tmp_path):
     (tmp_path / "z.jsonl").write_text('{"text": "ok"}\n\n{"body": "no text field"}\n')  # line 3: a missing field
     with pytest.raises(ValueError, match=r"z.jsonl:3: no field 'text': each line"):
         D.ingest([tmp_path / "z.jsonl"], tmp_path / "out")
+    with pytest.raises(SystemExit) as exit_info:  # the command line: that one line, exit 1, nothing written
+        D.main(["ingest", str(tmp_path / "z.jsonl"), "--out", str(tmp_path / "cli")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and err.startswith("dataset.py ingest: error: ") and "z.jsonl:3: " in err
+    assert err.count("\n") == 1 and not (tmp_path / "cli").exists()
     for empty in ("e.txt", "e.md", "e.jsonl"):  # an empty file (or only blank lines) is named, not a silent nothing
         (tmp_path / empty).write_text("\n \n")
         with pytest.raises(ValueError, match=rf"{empty}: empty: it holds no text; leave it out of the corpus"):
