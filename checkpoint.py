@@ -50,21 +50,15 @@ def set_rng_state(s):
                                                                "pos": s["numpy_pos"]},
                          "has_gauss": 0, "gauss": 0.0})
     torch.set_rng_state(s["torch"])
-    if not torch.cuda.is_available():
-        return
-    if s.get("cuda_device") is not None:
+    if torch.cuda.is_available() and s["cuda_device"] is not None:
         torch.cuda.set_rng_state(s["cuda_device"])  # this rank's device (setup_distributed made it the current one)
-    elif s.get("cuda"):  # written before: every visible GPU's state; this rank's device's is the one at its index
-        device = torch.cuda.current_device()
-        if device < len(s["cuda"]):
-            torch.cuda.set_rng_state(s["cuda"][device])
 
 
-def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank, keep, consolidate=False, delay_s=0,
+def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank, keep, consolidate=False,
                     metrics=None):
     """Write the checkpoint of `step` as laid out above (`consolidate`: a sharded model's model.pt too), keep the
     newest `keep`, and record the save's seconds in ckpt_dir/save_seconds (what speedrun.sh gives a stopped stage to
-    save before it kills it), printed and in `metrics`. delay_s: testing, rank 0 writes that much slower."""
+    save before it kills it), printed and in `metrics`."""
     started = time.perf_counter()
     final = Path(ckpt_dir) / f"step_{step:06d}"
     tmp = Path(ckpt_dir) / f".tmp_step_{step:06d}"
@@ -86,7 +80,6 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank,
         torch.save(model.state_dict(), tmp / "model.pt")
         torch.save(named_optimizer_state(model, optimizers), tmp / "optimizers.pt")
     if rank == 0:
-        time.sleep(delay_s)
         (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "sharded": is_sharded(model),
                                                    "optimizers": optimizer_layout(optimizers),
                                                    "versions": versions()}, indent=1))
@@ -184,9 +177,6 @@ def load_state(path, model, optimizers, device, keep=("foreach", "fused", "ns_dt
         # the weights mmap'd (load_model); not the optimizer state, kept as loaded: step 1's writes would copy its pages
         model_state = torch.load(path / "model.pt", map_location=device, weights_only=True, mmap=True)
         optimizer_state = torch.load(path / "optimizers.pt", map_location=device, weights_only=True)
-        if "state" not in optimizer_state:  # a list, one state dict per optimizer
-            raise ValueError(f"{path}/optimizers.pt is in the format of an older version of this code (by position):"
-                             f" it cannot be resumed; start the run again, or use its model.pt with --checkpoint")
         if is_sharded(model):
             set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optimizer_state,
                            options=StateDictOptions(full_state_dict=True))
@@ -278,7 +268,7 @@ def add_checkpoint_args(parser, picked=None, eval_dtype=False):
 
 def pretraining_run(checkpoint, meta):
     """(data_dir, sequence_len, eval_tokens) of the pretraining run a checkpoint descends from, following each
-    meta.json's parent; None where a link is missing (a parent moved or deleted, or written before it was recorded)."""
+    meta.json's parent; None where a link is missing (a parent moved or deleted)."""
     while meta.get("stage") != "pretrain":
         path = (meta.get("parent") or {}).get("path")
         if path is None or not (Path(path) / "meta.json").is_file():
@@ -286,9 +276,8 @@ def pretraining_run(checkpoint, meta):
         checkpoint, meta = path, json.loads((Path(path) / "meta.json").read_text())
     config = Path(checkpoint).parent.parent / "config.json"
     recorded = json.loads(config.read_text()).get("args", {}) if config.is_file() else {}
-    eval_tokens = recorded.get("bpb_tokens", recorded.get("eval_tokens"))  # a run made before the rename: the old name
     seq_len = (meta.get("hparams") or {}).get("sequence_len")
-    return (meta["data_dir"], seq_len, eval_tokens) if meta.get("data_dir") and seq_len else None
+    return (meta["data_dir"], seq_len, recorded.get("bpb_tokens")) if meta.get("data_dir") and seq_len else None
 
 
 def load_model(path, device):

@@ -330,7 +330,7 @@ class PackedLoader:
     def load_state_dict(self, sd):
         for key, mine in (("rank", self.rank), ("world_size", self.world_size), ("seq_len", self.T),
                           ("kind", self.kind), ("pack", self.pack), ("supervise", self.supervise), ("seed", self.seed)):
-            if key in sd and sd[key] != mine:  # pack, supervise, seed: absent from states saved before they existed
+            if sd[key] != mine:
                 raise ValueError(f"{self.name} loader: state was saved with {key}={sd[key]}, this loader has {key}="
                                  f"{mine}; an exact resume needs the same {key}")
         if self._batches is not None:
@@ -340,8 +340,7 @@ class PackedLoader:
         buffer = [(ids[a:b].copy(), masks[a:b].copy() if self.kind == "chat" else None, arrival)
                   for (a, b), arrival in zip(itertools.pairwise(bounds), sd["buffer_arrivals"].tolist(), strict=True)]
         self.state = {"epoch": sd["epoch"], "unit": sd["unit"], "doc": sd["doc"], "buffer": buffer,
-                      "stats": {**dict.fromkeys(STAT_KEYS, 0), **sd["stats"]},  # pass_tokens: estimated before it was kept
-                      "pass_tokens": sd.get("pass_tokens", sd["stats"]["doc_tokens"] / sd["epoch"] if sd["epoch"] else 0)}
+                      "stats": dict(sd["stats"]), "pass_tokens": sd["pass_tokens"]}
 
     def log_line(self):
         s = self.state["stats"]

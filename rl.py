@@ -19,7 +19,6 @@ second; at each evaluation held-out pass@1 and pass@k), ckpt/step_XXXXXX/ (as ev
 import argparse
 import json
 import math
-import os
 import signal
 import sys
 import time
@@ -288,15 +287,13 @@ def main(argv=None):
                   f"({held['items']} questions)", flush=True)
         return {"held_out": result}
 
-    def rl_step(step, due):
+    def rl_step(step):
         """The shared loop's step hook: the step's rollouts, rewards and policy gradient."""
         t0 = time.perf_counter()
         chosen = step_items(step, args.questions_per_step, len(s.train_items), args.seed)
         torch.set_num_threads(rollout_threads)
         rows, rewards, lengths, sampled_tokens = [], [], [], 0
         mine, n = list(range(rank, len(chosen), world)), args.samples
-        if "signal_at_step" in due:
-            os.kill(os.getpid(), signal.SIGTERM)  # the testing hook: a signal during this step's rollouts
         for chunk in [mine[c:c + args.rollout_questions] for c in range(0, len(mine), args.rollout_questions)]:
             if stop.requested():  # a step's rollouts can take minutes: the step is dropped, the last finished one saved
                 return f"during step {step + 1}'s rollouts"

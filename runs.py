@@ -29,7 +29,7 @@ from model import flops_per_token, num_params, parse_bool
 # The run directory: runs/<run>/ with config.json, metrics.jsonl, samples.jsonl, ckpt/step_XXXXXX/
 
 def add_run_args(parser, stage):
-    """Every training stage's flags for its run directory, checkpoints, health checks, ranks; hidden testing hooks."""
+    """Every training stage's flags for its run directory, checkpoints, health checks, ranks."""
     g = parser.add_argument_group("run directory, checkpoints, health")
     g.add_argument("--run_name", default=None, help=f"outputs go to <runs_dir>/<run_name>/ (default: {stage}_<preset>_"
                    f"<time>; not --run, which torchrun would take for its own --run-path)")
@@ -54,15 +54,6 @@ def add_run_args(parser, stage):
     g.add_argument("--dist_timeout", type=float, default=600, help="seconds a collective may wait for the other ranks "
                    "before the run stops with an error (a dead or hung rank); it must outlast the slowest rank's first "
                    "compile (default: %(default)s)")
-    # Testing hooks, hidden from --help: the tests' way to make a run fail as real runs do. Steps count from 1, as
-    # logged; -1: never (train_loop.testing_hooks).
-    g = parser.add_argument_group("testing hooks")
-    g.add_argument("--inject_nan_step", type=int, default=-1, help=argparse.SUPPRESS)  # poison the loss at this step
-    g.add_argument("--signal_at_step", type=int, default=-1, help=argparse.SUPPRESS)  # SIGTERM this process after it
-    g.add_argument("--die_at_step", type=int, default=-1, help=argparse.SUPPRESS)  # the last rank SIGKILLs itself
-    g.add_argument("--hang_at_step", type=int, default=-1, help=argparse.SUPPRESS)  # the last rank leaves collectives
-    g.add_argument("--stuck_at_step", type=int, default=-1, help=argparse.SUPPRESS)  # hangs, deaf to SIGTERM/INT/HUP
-    g.add_argument("--checkpoint_delay", type=float, default=0, help=argparse.SUPPRESS)  # s slower to save, rank 0
 
 
 def resolve_run(args, stage):

@@ -15,7 +15,6 @@ import math
 import os
 import signal
 import sys
-import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -79,6 +78,53 @@ def memory_growing(history, min_steps=50, min_growth=64 * 2**20):
         return False
     window = history[-min_steps:]
     return all(b >= a for a, b in itertools.pairwise(window)) and window[-1] - window[0] > min_growth
+
+
+def health_warning(model, initial, mem_history, record, steps_done, args):
+    """Frozen parameters (checked once, frozen_check_step steps after the start) and a steadily growing CUDA
+    memory leak (once per 50 steps of growth); None when healthy."""
+    if record["cuda_mem_alloc"] is not None:
+        mem_history.append(record["cuda_mem_alloc"])
+        if memory_growing(mem_history):
+            mem_history.clear()  # warned once; a later warning needs another 50 steps of growth
+            return "CUDA memory allocated grew every step for the last 50 steps: a leak?"
+    if initial is not None and steps_done == args.frozen_check_step:
+        frozen = frozen_parameters(model, initial)
+        if frozen and len(frozen) == sum(1 for sample in initial.values() if sample.numel()):
+            # nothing learns (an H100 run compiled under torch 2.11 got every gradient 0): hours of plausible MFU
+            raise RuntimeError(f"no parameter changed in {args.frozen_check_step} steps: every gradient is zero or no "
+                               f"optimizer steps; stopped. Rerun with --compile false to tell whether compilation "
+                               f"is the cause")
+        if frozen:
+            return f"parameters unchanged after {args.frozen_check_step} steps: {', '.join(frozen)}"
+    return None
+
+
+class Health:
+    """The run's health checks, one call a step (check): every health_every steps each param group's update RMS over
+    its parameters' (samples of the parameters taken after the step before: nothing moves them in between), and
+    health_warning's frozen parameters and growing memory, printed on rank 0."""
+
+    def __init__(self, model, optimizers, args, start, master, frozen_check=True):
+        self.model, self.optimizers, self.args, self.start, self.master = model, optimizers, args, start, master
+        self.initial = param_samples(model) if frozen_check else None
+        self.memory = []  # CUDA memory allocated, step by step
+        self.before = self.samples(start)
+
+    def samples(self, step):
+        """The parameters before step `step`'s update (counted from 0), where its update ratios are due."""
+        return samples_by_id(self.optimizers) if step % self.args.health_every == 0 else None
+
+    def check(self, record):
+        step = record["step"]
+        if self.before is not None:
+            record["update_rms_ratio"] = update_ratios(self.optimizers, self.before)
+        warning = health_warning(self.model, self.initial, self.memory, record, step - self.start, self.args)
+        if warning:
+            record["warning"] = warning
+            if self.master:
+                print(f"WARNING step {step}: {warning}")
+        self.before = self.samples(step)
 
 
 class StopSignal:
@@ -348,7 +394,7 @@ def wrap_model(model, args, world, local_rank, device, dynamic=False):
 # -----------------------------------------------------------------------------
 # The training loop
 
-def forward_backward(train_model, batches, dtype, device, world, poison=False):
+def forward_backward(train_model, batches, dtype, device, world):
     """Forward and backward over one step's micro-batches [(inputs, targets), ...]; returns (summed token loss,
     number of targets) over every micro-batch and rank. Exact for masked targets (-1): each backward takes its loss
     sum over the whole global batch's target count (a mean per micro-batch would weigh a token by how full its
@@ -361,8 +407,6 @@ def forward_backward(train_model, batches, dtype, device, world, poison=False):
         with (train_model.no_sync() if not last and hasattr(train_model, "no_sync") else nullcontext()), \
                 autocast_context(device.type, dtype):
             loss = train_model(inputs, targets, reduction="sum")
-            if poison:
-                loss = loss * float("nan")
             (loss * scale).backward()
         loss_sum += loss.detach().double()
     return all_reduce_tensor(loss_sum), count
@@ -399,6 +443,32 @@ def clip_grad_norm(parameters, max_norm, host_branches=None):
     return norm
 
 
+def read_step(loss_sum, count, norm, device):
+    """The step's one read from the device, after the optimizer step: loss, targets and grad norm in one transfer,
+    which waits for the step's queued work (so it also ends the step's time). Returns (loss, targets, grad norm)."""
+    loss_sum, count, grad_norm = torch.stack([torch.as_tensor(loss_sum, dtype=torch.float64, device=device),
+                                              torch.as_tensor(count, dtype=torch.float64, device=device),
+                                              norm.double()]).tolist()
+    return loss_sum / max(1.0, count), count, grad_norm
+
+
+def stop_if_not_finite(loss, grad_norm, step, run_dir):
+    """A NaN or infinite loss or grad norm stops the run: the step's update is in memory only, never saved."""
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        last = list_checkpoints(run_dir / "ckpt")
+        raise RuntimeError(f"step {step}: loss {loss} / grad norm {grad_norm} is not finite: run stopped before its "
+                           f"checkpoint; last good checkpoint: {last[-1] if last else 'none'} (resume with --resume, "
+                           f"perhaps a lower lr)")
+
+
+def cuda_memory(device):
+    """The record's CUDA memory fields: allocated, reserved and peak bytes (None off CUDA)."""
+    cuda = device.type == "cuda"
+    return {"cuda_mem_alloc": torch.cuda.memory_allocated(device) if cuda else None,
+            "cuda_mem_reserved": torch.cuda.memory_reserved(device) if cuda else None,
+            "cuda_mem_peak": torch.cuda.max_memory_allocated(device) if cuda else None}
+
+
 def open_wandb(args, master):
     if not (args.wandb and master):
         return None
@@ -408,6 +478,72 @@ def open_wandb(args, master):
         raise ImportError("--wandb needs `pip install wandb`") from None
     wandb.init(project=args.wandb, name=args.run_name, config=vars(args))
     return wandb
+
+
+class Log:
+    """Rank 0's records of the run: metrics.jsonl, wandb, and a progress line every log_every steps, its ETA timed from
+    the end of this process's first step (which holds compilation and warm-up). Other ranks write nothing."""
+
+    def __init__(self, args, run_dir, start, total_steps, master, progress=None):
+        if master and start == 0:
+            # a restart before the first checkpoint starts over: the earlier lines would count its steps twice
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                if (run_dir / name).is_file():
+                    (run_dir / name).unlink()
+                    print(f"run dir: {run_dir / name} of an earlier start without a checkpoint removed: starting over")
+        self.metrics = run_dir / "metrics.jsonl" if master else None
+        self.wandb = open_wandb(args, master)
+        self.args, self.start, self.total_steps, self.master = args, start, total_steps, master
+        self.progress = progress  # a stage's own line (rl.py's), else progress_line
+        self.first_done = None
+
+    def write(self, record):
+        if self.metrics:
+            append_jsonl(self.metrics, record)
+
+    def step(self, record):
+        """A step's record: written, logged to wandb, and its progress line when due."""
+        step = record["step"]
+        self.write(record)
+        if self.wandb:
+            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
+        if step == self.start + 1:
+            self.first_done = now()
+        if self.master and (step % self.args.log_every == 0 or step in (self.start + 1, self.total_steps)):
+            timed = step - 1 - self.start  # steps since the first of this process (0: none yet, the ETA is unknown)
+            per_step = (now() - self.first_done) / timed if timed else None
+            print(self.progress(record, self.total_steps) if self.progress
+                  else progress_line(record, self.total_steps, per_step), flush=True)
+
+
+class Saver:
+    """The run's checkpoints: save(step) writes one once every rank's parameters are finite; stopped(step, when) ends
+    the run on a signal: the last finished step saved (unless it is already), then the line saying how to resume."""
+
+    def __init__(self, args, run_dir, model, optimizers, loaders, ckpt_meta, rank, start, log, stop):
+        self.args, self.run_dir, self.model, self.optimizers, self.loaders = args, run_dir, model, optimizers, loaders
+        self.meta, self.rank, self.log, self.stop = ckpt_meta, rank, log, stop
+        self.saved = start  # the step of the newest checkpoint on disk (a resume's; 0: none)
+
+    def save(self, step, last=False):
+        mark_progress(step, "checkpoint")
+        finite = all(torch.isfinite(local(p)).all() for p in self.model.parameters())  # each rank checks its shards
+        if all_reduce(0.0 if finite else 1.0, dist.ReduceOp.MAX if dist.is_initialized() else None):
+            raise RuntimeError(f"step {step}: parameters are not finite; not writing a checkpoint")
+        path = save_checkpoint(self.run_dir / "ckpt", step, self.model, self.optimizers,
+                               [ld.state_dict() for ld in self.loaders], self.meta, self.rank, self.args.keep,
+                               consolidate=last, metrics=self.log.metrics)
+        self.saved = step
+        return path
+
+    def stopped(self, step, when):
+        """The signal that stopped the run `when` (its words), after step `step`'s checkpoint."""
+        path = self.save(step) if step > self.saved else None
+        if self.rank == 0:
+            print(f"stopped by signal {when}; " + (f"checkpoint {path}" if path else f"step {step}'s checkpoint is "
+                  f"on disk" if step else "no step finished, nothing to resume: a rerun starts over") +
+                  (f". Resume with: {resume_command(self.args)}" if step else ""), flush=True)
+        return self.stop.signum or signal.SIGTERM
 
 
 def frozen_heap(train_fn):
@@ -428,55 +564,21 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
           flops_per_token, rank, world, device, step_fn=None, stop=None, evaluate_first=False, progress=None):
     """Steps start..total_steps-1; returns None when every step ran, else the signal that stopped the run after its
     checkpoint. evaluate(step): fields for the step's record, or None when a signal stopped it. rl.py passes
-    step_fn(step, due): (loss sum, target count, tokens over all ranks, record fields), or a str where a signal stopped
-    it mid-step; and stop (its StopSignal), evaluate_first (at step 0) and progress(record, total_steps), its line."""
-    master = rank == 0
+    step_fn(step): (loss sum, target count, tokens over all ranks, record fields), or a str where a signal stopped it
+    mid-step; and stop (its StopSignal), evaluate_first (at step 0) and progress(record, total_steps), its line."""
     tokens_per_step = None if step_fn else sum(ld.B * ld.T for ld in loaders) * world
-    if master and start == 0:
-        # a restart before the first checkpoint starts over: the earlier lines would count its steps twice
-        for name in ("metrics.jsonl", "samples.jsonl"):
-            if (run_dir / name).is_file():
-                (run_dir / name).unlink()
-                print(f"run dir: {run_dir / name} of an earlier start without a checkpoint removed: starting over")
-    metrics = run_dir / "metrics.jsonl" if master else None  # rank 0 writes the run's records
-    wandb, stop = open_wandb(args, master), stop or StopSignal()
+    log, stop = Log(args, run_dir, start, total_steps, rank == 0, progress), stop or StopSignal()
+    saver = Saver(args, run_dir, model, optimizers, loaders, ckpt_meta, rank, start, log, stop)
     peak = peak_flops(device_name(device), args.dtype)
     # no frozen-parameter check with a stage's own step: rl.py's step changes nothing when every reply scores alike
-    initial, mem_history, first_done = None if step_fn else param_samples(model), [], None
-    hooks = testing_hooks(args)  # None in every real run: then each step looks up nothing
-
+    health = Health(model, optimizers, args, start, rank == 0, frozen_check=not step_fn)
     keep_progress(run_dir, ckpt_meta.get("stage", "train"))  # each rank's last step and phase, in run_dir/progress/
     mark_progress(start, "starting")
-
-    saved = start  # the step of the newest checkpoint on disk (a resume's; 0: none)
-
-    def checkpoint(step, last=False):
-        nonlocal saved
-        mark_progress(step, "checkpoint")
-        finite = all(torch.isfinite(local(p)).all() for p in model.parameters())  # each rank checks its shards
-        if all_reduce(0.0 if finite else 1.0, dist.ReduceOp.MAX if dist.is_initialized() else None):
-            raise RuntimeError(f"step {step}: parameters are not finite; not writing a checkpoint")
-        path = save_checkpoint(run_dir / "ckpt", step, model, optimizers, [ld.state_dict() for ld in loaders],
-                               ckpt_meta, rank, args.keep, consolidate=last, delay_s=args.checkpoint_delay,
-                               metrics=metrics)
-        saved = step
-        return path
-
-    def stopped(step, when):  # a signal: the last finished step checkpointed (unless it is already), then the exit
-        path = checkpoint(step) if step > saved else None
-        if master:
-            print(f"stopped by signal {when}; " + (f"checkpoint {path}" if path else f"step {step}'s checkpoint is "
-                  f"on disk" if step else "no step finished, nothing to resume: a rerun starts over") +
-                  (f". Resume with: {resume_command(args)}" if step else ""), flush=True)
-        return stop.signum or signal.SIGTERM
-
     if evaluate_first and start == 0:
         first = evaluate(0)
         if first is None:
-            return stopped(0, "in the evaluation before step 1")
-        if metrics:
-            append_jsonl(metrics, {"step": 0, **first})
-
+            return saver.stopped(0, "in the evaluation before step 1")
+        log.write({"step": 0, **first})
     gc.collect()  # start-up's garbage, then what survives it out of every later collection (frozen_heap)
     gc.freeze()
     for step in range(start, total_steps):
@@ -484,127 +586,45 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
         lr_mult, wd = apply_schedule(optimizers, step, total_steps, args)
         batches = [] if step_fn else [next(loader) for loader in loaders]
         data_wait = now() - t0  # the loaders prefetch: this is time the step stood still waiting for data
-        due = hooks.get(step + 1, ()) if hooks else ()  # the testing hooks set for this step
-        if due and rank == world - 1 and {"die_at_step", "hang_at_step", "stuck_at_step"} & due:
-            die_or_hang("die_at_step" in due, "stuck_at_step" in due)
         mark_progress(step + 1, "forward/backward")
         if step_fn:
-            out = step_fn(step, due)
+            out = step_fn(step)
             if isinstance(out, str):
-                return stopped(step, out)
+                return saver.stopped(step, out)
             loss_sum, count, tokens_per_step, fields = out
         else:
-            loss_sum, count = forward_backward(train_model, batches, args.dtype, device, world,
-                                               poison="inject_nan_step" in due)
+            loss_sum, count = forward_backward(train_model, batches, args.dtype, device, world)
             fields = {}
         norm = clip_grad_norm(model.parameters(), args.grad_clip or float("inf"))  # on the device: nothing read
-        health = step % args.health_every == 0
-        before = samples_by_id(optimizers) if health else None
         for opt in optimizers:
             opt.step()
         model.zero_grad(set_to_none=world == 1 or is_sharded(model))  # DDP's gradients are views into its buckets
-        # the step's one read from the device, after the optimizer step: loss, targets and grad norm in one transfer,
-        # which waits for the step's queued work (so it also ends the step's time)
-        loss_sum, count, grad_norm = torch.stack([torch.as_tensor(loss_sum, dtype=torch.float64, device=device),
-                                                  torch.as_tensor(count, dtype=torch.float64, device=device),
-                                                  norm.double()]).tolist()
-        loss = loss_sum / max(1.0, count)
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the step's update is in memory only: not saved
-            last = list_checkpoints(run_dir / "ckpt")
-            raise RuntimeError(f"step {step + 1}: loss {loss} / grad norm {grad_norm} is not finite: run stopped "
-                               f"before its checkpoint; last good checkpoint: {last[-1] if last else 'none'} "
-                               f"(resume with --resume, perhaps a lower lr)")
+        loss, count, grad_norm = read_step(loss_sum, count, norm, device)
+        stop_if_not_finite(loss, grad_norm, step + 1, run_dir)
         dt = now() - t0
-        tokens_seen = int(all_reduce(sum(ld.state["stats"]["tokens"] for ld in loaders)))
-        record = {"step": step + 1, "loss": loss, "targets": int(count), "lr_mult": lr_mult,
-                  "weight_decay": wd, "lr": {g["name"]: g["lr"] for opt in optimizers for g in opt.param_groups},
-                  "grad_norm": grad_norm, "tokens": tokens_seen, "tok_per_s": tokens_per_step / dt,
-                  "data_wait": data_wait / dt, "epoch": max(ld.epoch for ld in loaders) + 1,  # this rank's; 1: first pass
+        record = {"step": step + 1, "loss": loss, "targets": int(count), "lr_mult": lr_mult, "weight_decay": wd,
+                  "lr": {g["name"]: g["lr"] for opt in optimizers for g in opt.param_groups}, "grad_norm": grad_norm,
+                  "tokens": int(all_reduce(sum(ld.state["stats"]["tokens"] for ld in loaders))),
+                  "tok_per_s": tokens_per_step / dt, "data_wait": data_wait / dt,
+                  "epoch": max(ld.epoch for ld in loaders) + 1,  # this rank's; 1: the first pass
                   "mfu": tokens_per_step * flops_per_token / dt / (peak * world) if peak else "unknown",
-                  "step_time": dt, "cuda_mem_alloc": torch.cuda.memory_allocated(device) if device.type == "cuda"
-                  else None, "cuda_mem_reserved": torch.cuda.memory_reserved(device) if device.type == "cuda" else None,
-                  "cuda_mem_peak": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-                  **fields}
-        if health:
-            record["update_rms_ratio"] = update_ratios(optimizers, before)
-        warning = health_warning(model, initial, mem_history, record, step + 1 - start, args)
-        if warning:
-            record["warning"] = warning
-            if master:
-                print(f"WARNING step {step + 1}: {warning}")
+                  "step_time": dt, **cuda_memory(device), **fields}
+        health.check(record)
         last_step = step + 1 == total_steps
         if args.eval_every and (step + 1) % args.eval_every == 0 and not last_step:
             mark_progress(step + 1, "evaluation")
             evaluated = evaluate(step + 1)
             if evaluated is None:  # a signal during the evaluation (rl.py's samples replies: minutes)
-                if metrics:
-                    append_jsonl(metrics, record)
-                return stopped(step + 1, f"in the evaluation after step {step + 1}")
+                log.write(record)
+                return saver.stopped(step + 1, f"in the evaluation after step {step + 1}")
             record.update(evaluated)
-        if metrics:
-            append_jsonl(metrics, record)
-        if wandb:
-            wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step + 1)
-        if step == start:
-            first_done = now()  # the ETA is timed from here: this process's first step holds compilation and warm-up
-        if master and ((step + 1) % args.log_every == 0 or last_step or step == start):
-            timed = step - start  # steps since the first of this process (0: none yet, the ETA is unknown)
-            per_step = (now() - first_done) / timed if timed else None
-            print(progress(record, total_steps) if progress else progress_line(record, total_steps, per_step),
-                  flush=True)
-        if "signal_at_step" in due and not step_fn:  # a stage's own step takes its signal mid-step (rl's rollouts)
-            os.kill(os.getpid(), signal.SIGTERM)
+        log.step(record)
         if stop.requested():
-            return stopped(step + 1, f"at step {step + 1}")
+            return saver.stopped(step + 1, f"at step {step + 1}")
         # --final_checkpoint is pretrain.py's (false in bench.py gpu: d20's is ~9 GB); the other stages always save
         if (step + 1) % args.ckpt_every == 0 or (last_step and getattr(args, "final_checkpoint", True)):
-            checkpoint(step + 1, last_step)  # the final checkpoint comes before the final evaluation (nanochat #446)
+            saver.save(step + 1, last_step)  # the final checkpoint comes before the final evaluation (nanochat #446)
     mark_progress(total_steps, "trained: final evaluation")
-    return None
-
-
-HOOKS = ("inject_nan_step", "signal_at_step", "die_at_step", "hang_at_step", "stuck_at_step")  # runs.add_run_args's
-
-
-def testing_hooks(args):
-    """{step: the names of the testing hooks (hidden flags, runs.add_run_args) set for that step}, or None, as in
-    every real run: the loop then checks nothing per step."""
-    hooks = {}
-    for name in HOOKS:
-        if getattr(args, name, -1) >= 1:
-            hooks.setdefault(getattr(args, name), set()).add(name)
-    return hooks or None
-
-
-def die_or_hang(die, stuck=False):
-    """Testing hooks (--die_at_step, --hang_at_step, --stuck_at_step), before the step's first collective: this rank
-    dies by SIGKILL, or hangs until stopped; stuck: only SIGKILL stops it (as a rank inside a C call)."""
-    if die:
-        os.kill(os.getpid(), signal.SIGKILL)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP) if stuck else (signal.SIGTERM,):
-        # hang: torchrun's SIGTERM ends it at once, not after its 30 s grace; stuck: nothing but SIGKILL ends it
-        signal.signal(sig, signal.SIG_IGN if stuck else signal.SIG_DFL)
-    while True:
-        time.sleep(1)
-
-
-def health_warning(model, initial, mem_history, record, steps_done, args):
-    """Frozen parameters (checked once, frozen_check_step steps after the start) and a steadily growing CUDA
-    memory leak (once per 50 steps of growth); None when healthy."""
-    if record["cuda_mem_alloc"] is not None:
-        mem_history.append(record["cuda_mem_alloc"])
-        if memory_growing(mem_history):
-            mem_history.clear()  # warned once; a later warning needs another 50 steps of growth
-            return "CUDA memory allocated grew every step for the last 50 steps: a leak?"
-    if initial is not None and steps_done == args.frozen_check_step:
-        frozen = frozen_parameters(model, initial)
-        if frozen and len(frozen) == sum(1 for sample in initial.values() if sample.numel()):
-            # nothing learns (an H100 run compiled under torch 2.11 got every gradient 0): hours of plausible MFU
-            raise RuntimeError(f"no parameter changed in {args.frozen_check_step} steps: every gradient is zero or no "
-                               f"optimizer steps; stopped. Rerun with --compile false to tell whether compilation "
-                               f"is the cause")
-        if frozen:
-            return f"parameters unchanged after {args.frozen_check_step} steps: {', '.join(frozen)}"
     return None
 
 

@@ -35,12 +35,20 @@ ROOT = Path(__file__).resolve().parent.parent
 RUNNING_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"  # the Python running the suite, as "3.11"
 
 
-def run_script(script, args, cwd, nproc=1, threads=1, check=True):
+def faults_env(**faults):
+    """The environment that puts tests/faults.py's `faults` (die_at_step=3, ...) into a subprocess and every Python
+    process it starts."""
+    return {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "faults_site")]),
+            "NANOCHAT_FAULTS": json.dumps(faults)}
+
+
+def run_script(script, args, cwd, nproc=1, threads=1, check=True, faults=None):
     """The finished process, in its own process group (so a SIGKILL hits torchrun and all its workers, as a dying
-    machine would). check: a non-zero exit fails the test with the output's tail."""
+    machine would). check: a non-zero exit fails the test with the output's tail. faults: tests/faults.py's, a dict."""
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                      f"--nproc_per_node={nproc}"]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT),
+           **(faults_env(**faults) if faults else {})}
     result = subprocess.run([*launcher, str(ROOT / script), *args], cwd=cwd, capture_output=True, text=True, env=env,
                             start_new_session=True, timeout=600, check=False)
     if check and result.returncode != 0:

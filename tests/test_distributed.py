@@ -57,8 +57,8 @@ def test_a_rank_that_hangs_stops_the_others_within_a_minute_naming_it(demo_world
     SIGKILL test in tests/test_pretrain.py.)"""
     start = time.perf_counter()
     result = run_script("pretrain.py", pretrain_args(demo_world, ["--steps", "50", "--run_name", "rank_hangs",
-                                                                  "--hang_at_step", "3", "--dist_timeout", "2"]),
-                        demo_world, nproc=2, check=False)
+                                                                  "--dist_timeout", "2"]),
+                        demo_world, nproc=2, check=False, faults={"hang_at_step": 3})
     assert result.returncode != 0 and time.perf_counter() - start < 60
     assert "pretrain.py: error on rank 0: a collective failed (" in result.stderr, result.stderr[-3000:]
     assert "rank 1 is stuck: it last entered step 2, this rank is in step 3 (process " in result.stderr

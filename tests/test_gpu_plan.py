@@ -398,10 +398,11 @@ def test_a_failed_stage_prints_where_each_rank_was_from_their_progress_files(dem
     """Rank 1 of 2 (gloo) stops taking part before step 3: the stage fails, and speedrun.sh prints each rank's last
     record from <stage>/progress/ (under NCCL the watchdog aborts in C++ and no Python error names the stuck rank;
     before, nothing recorded where each rank was)."""
-    from helpers import run_speedrun
+    from helpers import faults_env, run_speedrun
     small = ("--steps 20 --sequence_len 64 --n_layer 1 --n_embd 64 --n_head 1 --n_kv_head 1 --micro_batch 2 "
              "--compile false --eval_every 0 --bpb_tokens 256 --ckpt_every 1000 --sample_prompt A")
-    env = {"PRETRAIN_ARGS": f"{small} --hang_at_step 3 --dist_timeout 3", "NCCL_SAFE": "1", "OMP_NUM_THREADS": "1"}
+    env = {"PRETRAIN_ARGS": f"{small} --dist_timeout 3", "NCCL_SAFE": "1", "OMP_NUM_THREADS": "1",
+           **faults_env(hang_at_step=3)}
     result = run_speedrun(["--plan", "demo", "--gpus", "2", "--runs_dir", tmp_path, "--data_dir", demo_world / "demo",
                            "--tokenizer", demo_world / "tokenizer", "--stop_after", "pretrain"], tmp_path, env,
                           timeout=300)

@@ -33,11 +33,11 @@ def world(demo_world):
     return demo_world
 
 
-def run(world, args, nproc=1, check=True):
-    """pretrain.py on the demo world, as a user runs it."""
+def run(world, args, nproc=1, check=True, faults=None):
+    """pretrain.py on the demo world, as a user runs it (faults: tests/faults.py's)."""
     return run_script("pretrain.py", ["--data_dir", str(world / "demo" / "pretrain"), "--tokenizer",
                                       str(world / "tokenizer"), "--runs_dir", str(world / "runs"), *args],
-                      world, nproc, check=check)
+                      world, nproc, check=check, faults=faults)
 
 
 def in_process(world, args, capsys):
@@ -89,7 +89,7 @@ def killed(demo_world):
     """KILL_RUN on 2 sharded processes (x 1 micro-step) whose rank 1 is SIGKILLed in step 10, then resumed: (killed,
     the checkpoints it left, resumed)."""
     args = [*KILL_RUN, "--fsdp", "true", "--run_name", "killed2"]
-    killed = run(demo_world, [*args, "--die_at_step", "10", "--dist_timeout", "30"], 2, check=False)
+    killed = run(demo_world, [*args, "--dist_timeout", "30"], 2, check=False, faults={"die_at_step": 10})
     left = [p.name for p in checkpoint.list_checkpoints(demo_world / "runs" / "killed2" / "ckpt")]
     return killed, left, run(demo_world, [*args, "--resume"], 2)
 
@@ -167,8 +167,8 @@ def test_two_nodes_meet_through_c10d_and_resume_a_one_process_checkpoint_sharded
 
 
 def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(world):
-    result = run(world, [*SMALL, "--steps", "12", "--ckpt_every", "3", "--run_name", "nan", "--inject_nan_step", "7"],
-                 check=False)
+    result = run(world, [*SMALL, "--steps", "12", "--ckpt_every", "3", "--run_name", "nan"], check=False,
+                 faults={"inject_nan_step": 7})
     assert result.returncode != 0
     assert "step 7: loss nan" in result.stderr and "last good checkpoint: " in result.stderr
     ckpts = checkpoint.list_checkpoints(world / "runs" / "nan" / "ckpt")
@@ -179,7 +179,8 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(world):
 
 
 def test_sigterm_finishes_the_step_checkpoints_and_says_how_to_resume(world, straight, capsys):
-    result = run(world, [*KILL_RUN, "--ckpt_every", "100", "--run_name", "term", "--signal_at_step", "5"], check=False)
+    result = run(world, [*KILL_RUN, "--ckpt_every", "100", "--run_name", "term"], check=False,
+                 faults={"signal_at_step": 5})
     assert result.returncode == 128 + signal.SIGTERM
     assert "stopped by signal at step 5" in result.stdout
     assert [p.name for p in checkpoint.list_checkpoints(world / "runs" / "term" / "ckpt")] == ["step_000005"]
@@ -264,7 +265,7 @@ def test_a_stage_restarted_before_its_first_checkpoint_counts_each_step_once(wor
     """The first start dies (SIGKILL) at step 3, before any checkpoint; speedrun's rerun then starts it over (no
     checkpoint, no --resume): metrics.jsonl holds that second start's steps only, each once."""
     args = [*SMALL, "--run_name", "restart", "--steps", "6", "--ckpt_every", "100", "--compile", "false"]
-    died = run(world, [*args, "--die_at_step", "3"], check=False)
+    died = run(world, args, check=False, faults={"die_at_step": 3})
     assert died.returncode != 0
     metrics = world / "runs" / "restart" / "metrics.jsonl"
     assert [r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r] == [1, 2]

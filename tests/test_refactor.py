@@ -1,15 +1,14 @@
 """The code's layout: moving code between files changes no number of a training run (a short pretraining gives
-bitwise the losses of the reference commit), the project's modules import one another without a cycle, and the testing
-hooks are hidden from --help while they still parse."""
+bitwise the losses of the reference commit), the project's modules import one another without a cycle, and the failure
+tests' faults come from outside the product (tests/faults.py), which has no flag for them."""
 import ast
 import json
 import os
 import subprocess
 import sys
-from argparse import Namespace
 
 import pytest
-from helpers import ROOT, run_in_process
+from helpers import ROOT, faults_env, run_in_process
 
 import midtrain
 import optim
@@ -23,8 +22,7 @@ import validation
 # these 6 steps moved, on one that runs it in bf16 step 3's did. Before it, 07d0148 (fused AdamW on the CPU); from
 # b032caf (the last with the whole of common.py) on, the split and every later move gave bitwise the same losses
 REFERENCE = "b463dff"
-HOOKS = ["--inject_nan_step", "--signal_at_step", "--die_at_step", "--hang_at_step", "--stuck_at_step",
-         "--checkpoint_delay"]
+FAULTS = ["inject_nan_step", "signal_at_step", "die_at_step", "hang_at_step", "stuck_at_step", "checkpoint_delay"]
 # the demo world's tiny model in fp32, uncompiled, one process: a few seconds of training
 SHORT_RUN = ["--steps", "6", "--sequence_len", "64", "--n_layer", "2", "--n_embd", "64", "--n_head", "2", "--n_kv_head",
              "2", "--micro_batch", "4", "--eval_every", "0", "--bpb_tokens", "4096", "--log_every", "1000",
@@ -102,25 +100,27 @@ def test_the_modules_import_one_another_without_a_cycle():
 
 
 @pytest.mark.parametrize("stage", [pretrain, midtrain, sft], ids=lambda stage: stage.__name__)
-def test_the_testing_hooks_are_hidden_from_help_and_still_parse(stage, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        stage.get_args(["--help"])
-    shown = capsys.readouterr().out
-    assert exit_.value.code == 0 and "--dist_timeout" in shown  # the group the hooks sit beside is shown
-    assert [hook for hook in HOOKS if hook in shown] == []
-    budget = ["--steps", "10"]  # pretrain.py's one required choice
-    _, args = stage.get_args([*budget, "--inject_nan_step", "7", "--die_at_step", "3", "--hang_at_step", "3",
-                              "--checkpoint_delay", "0.5"])
-    assert train_loop.testing_hooks(args) == {7: {"inject_nan_step"}, 3: {"die_at_step", "hang_at_step"}}
-    assert args.checkpoint_delay == 0.5 and train_loop.testing_hooks(stage.get_args(budget)[1]) is None
+def test_no_stage_has_a_flag_for_the_failure_tests(stage, capsys):
+    """The failure tests put their faults in from outside (tests/faults.py): no stage takes a flag for them, shown in
+    --help or hidden."""
+    for fault in FAULTS:
+        with pytest.raises(SystemExit) as exit_:
+            stage.get_args(["--steps", "10", f"--{fault}", "3"])
+        assert exit_.value.code == 2 and f"unknown option --{fault} 3" in capsys.readouterr().err
 
 
-def test_only_hooks_naming_a_step_that_comes_are_set():
-    """testing_hooks is None unless a hook names a step (steps count from 1: 0 and -1 never come)."""
-    unset = {"inject_nan_step": -1, "signal_at_step": -1, "die_at_step": -1, "hang_at_step": -1, "stuck_at_step": -1}
-    assert train_loop.testing_hooks(Namespace(**unset)) is None
-    assert train_loop.testing_hooks(Namespace(**{**unset, "signal_at_step": 0})) is None
-    assert train_loop.testing_hooks(Namespace(**{**unset, "stuck_at_step": 1})) == {1: {"stuck_at_step"}}
+def test_the_faults_reach_a_subprocess_through_its_environment():
+    """With helpers.faults_env, a Python process has train_loop's progress mark, forward_backward and checkpoint's
+    meta.json versions wrapped by tests/faults.py as they are imported, before other modules import them by name;
+    without it, nothing is."""
+    probe = ("import checkpoint, distributed, train_loop; print(distributed.mark_progress is train_loop.mark_progress,"
+             " train_loop.mark_progress.__module__, train_loop.forward_backward.__module__,"
+             " checkpoint.versions.__module__)")
+    cases = (({}, "True distributed train_loop common"), (faults_env(die_at_step=3), "True faults faults faults"))
+    for env, seen in cases:
+        done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=False,
+                              env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+        assert done.returncode == 0 and done.stdout.split() == seen.split(), done.stderr[-2000:]
 
 
 def test_the_library_command_lines_report_what_the_stages_report(short_runs, capsys):

@@ -6,6 +6,7 @@ import os
 import signal
 from argparse import Namespace
 
+import faults
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -120,7 +121,8 @@ def test_the_update_on_two_ranks_is_the_gradient_of_the_sampled_tokens_only(two_
     assert (wrong - expected).abs().max() > 100 * (result["grad"].double() - expected).abs().max()
 
 
-def test_a_resumed_run_repeats_the_uninterrupted_runs_rewards_exactly(chat_chain, demo_world, tmp_path, capsys):
+def test_a_resumed_run_repeats_the_uninterrupted_runs_rewards_exactly(chat_chain, demo_world, tmp_path, capsys,
+                                                                       monkeypatch):
     """Stopped by SIGTERM during step 2's rollouts (a step can take minutes): step 2 is dropped at once and step 1
     checkpointed; resumed, steps 2 to 4 have the uninterrupted run's rewards and losses, bitwise (the questions and the
     sampling seeds are functions of the step)."""
@@ -131,8 +133,9 @@ def test_a_resumed_run_repeats_the_uninterrupted_runs_rewards_exactly(chat_chain
     try:
         code, out, err = run_in_process(rl.main, [*args, "--run_name", "straight"], capsys, stage="rl.py")
         assert code == 0, err
-        code, out, err = run_in_process(rl.main, [*args, "--run_name", "stopped", "--signal_at_step", "2"], capsys,
-                                        stage="rl.py")
+        with monkeypatch.context() as patch:  # a SIGTERM as step 2 starts: during its rollouts
+            faults.install({"signal_at_step": 2}, patch.setattr)
+            code, out, err = run_in_process(rl.main, [*args, "--run_name", "stopped"], capsys, stage="rl.py")
         assert code == 128 + signal.SIGTERM, err
         assert f"stopped by signal during step 2's rollouts; checkpoint {tmp_path / 'stopped' / 'ckpt' / 'step_000001'}" \
             in out, out

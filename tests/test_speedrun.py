@@ -21,6 +21,7 @@ import pytest
 import torch
 from helpers import (
     ROOT,
+    faults_env,
     held_out_questions,
     processes_mentioning,
     run_script,
@@ -417,8 +418,10 @@ def test_stopping_two_process_pretraining_leaves_no_process_and_whole_checkpoint
         "ctrl_c": (lambda p: os.killpg(p.pid, signal.SIGINT), 20, "", {}),
         "hangup": (lambda p: os.close(terminals.pop("hangup")), 20, "", {}),
         "term": (lambda p: os.kill(p.pid, signal.SIGTERM), 20, "", {}),
-        "stuck": (lambda p: os.kill(p.pid, signal.SIGTERM), 14, "--stuck_at_step 15", {"SPEEDRUN_KILL_WAIT": "2"}),
-        "slow": (lambda p: os.kill(p.pid, signal.SIGTERM), 12, "--checkpoint_delay 4", {"SPEEDRUN_KILL_WAIT": "3"}),
+        "stuck": (lambda p: os.kill(p.pid, signal.SIGTERM), 14, "",
+                  {**faults_env(stuck_at_step=15), "SPEEDRUN_KILL_WAIT": "2"}),
+        "slow": (lambda p: os.kill(p.pid, signal.SIGTERM), 12, "",
+                 {**faults_env(checkpoint_delay=4), "SPEEDRUN_KILL_WAIT": "3"}),
     }
     runs, terminals = {}, {}
     for name, (_, _, extra, env) in scenarios.items():
@@ -431,8 +434,8 @@ def test_stopping_two_process_pretraining_leaves_no_process_and_whole_checkpoint
     torchrun = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                                  str(ROOT / "pretrain.py"), "--data_dir", str(demo_world / "demo" / "pretrain"),
                                  "--tokenizer", str(demo_world / "tokenizer"), "--preset", "tiny", *STOP_ARGS.split(),
-                                 "--runs_dir", str(orphan_dir), "--run_name", "r", "--stuck_at_step", "5"],
-                                env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+                                 "--runs_dir", str(orphan_dir), "--run_name", "r"],
+                                env={**os.environ, **faults_env(stuck_at_step=5)}, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         check_stops(scenarios, runs, terminals, torchrun, tmp_path, orphan_dir)
@@ -756,8 +759,8 @@ def test_a_rehearsed_pretraining_stopped_on_two_ranks_resumes_on_one(rehearsal):
     args = [*argv[1:], "--runs_dir", tmp / "resume", "--run_name", "r"]
     two = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     full = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
-    stopped = subprocess.run([*two, str(ROOT / "pretrain.py"), *map(str, args), "--signal_at_step", "2"],
-                             env=full, capture_output=True, text=True, timeout=600, check=False)
+    stopped = subprocess.run([*two, str(ROOT / "pretrain.py"), *map(str, args)], env={**full,
+                             **faults_env(signal_at_step=2)}, capture_output=True, text=True, timeout=600, check=False)
     assert "stopped by signal at step 2" in stopped.stdout, stopped.stdout[-3000:] + stopped.stderr[-3000:]
     resumed = subprocess.run([sys.executable, str(ROOT / "pretrain.py"), *map(str, args), "--resume"], env=full,
                              capture_output=True, text=True, timeout=600, check=False)
