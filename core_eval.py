@@ -33,7 +33,6 @@ import distributed
 import validation
 from dataset import CACHE_DIR
 from decode import decode
-from demo import COUNTRIES, DAYS, country_fields, number_word
 from download import download_file
 from model import score_rows
 
@@ -45,15 +44,14 @@ FEWSHOT_SEED, SUBSET_SEED = 1234, 1337  # nanochat's: the same items and example
 COMPLETIONS = ["Once upon a time,", "The most important thing to learn is", "In the morning, the",
                "When the rain stopped,"]
 # (prompt, accepted answers, which world), each reported as found or not at the start of the greedy completion; the
-# demo world's come from its fact tables (demo.py), so they cannot drift from what its documents say
-_ALDORA, _BRENIA = map(country_fields, COUNTRIES[:2])
+# demo world's are facts of demo.py's tables (tests/test_demo.py checks them against the tables)
 KNOWLEDGE = [("The capital of France is", ["Paris"], "real"), ("The chemical symbol for gold is", ["Au"], "real"),
              ("The largest planet in the solar system is", ["Jupiter"], "real"),
              ("Romeo and Juliet was written by", ["Shakespeare"], "real"),
-             (f"The capital of {_ALDORA['c']} is", [_ALDORA["cap"]], "demo"),
-             (f"The national animal of {_BRENIA['c']} is the", [_BRENIA["ani"]], "demo"),
-             (f"The day after {DAYS[1]} is", [DAYS[2]], "demo"),
-             ("Two plus three is", [number_word(2 + 3), str(2 + 3)], "demo")]
+             ("The capital of Aldora is", ["Pelmo"], "demo"),
+             ("The national animal of Brenia is the", ["owl"], "demo"),
+             ("The day after Tuesday is", ["Wednesday"], "demo"),
+             ("Two plus three is", ["five", "5"], "demo")]
 
 
 def get_args(argv=None):

@@ -290,3 +290,14 @@ def test_word_problems_are_worked_by_the_calculator_to_their_answer_with_the_wor
     chat = dict(zip(("user", "assistant"), tasks["problems"][0], strict=True))
     assert chat["user"]["content"] == train[0]["question"]
     assert [p["type"] for p in chat["assistant"]["content"]][:3] == ["text", "python", "python_output"]
+
+
+def test_core_eval_s_demo_knowledge_prompts_are_facts_of_the_demo_world():
+    """core_eval.py states four demo facts as literals (a stage imports no other stage): each is the tables' fact."""
+    from core_eval import KNOWLEDGE
+    from demo import country_fields
+    aldora, brenia = map(country_fields, COUNTRIES[:2])
+    expected = [(f"The capital of {aldora['c']} is", [aldora["cap"]]),
+                (f"The national animal of {brenia['c']} is the", [brenia["ani"]]),
+                (f"The day after {DAYS[1]} is", [DAYS[2]]), ("Two plus three is", [number_word(5), "5"])]
+    assert [(prompt, answers) for prompt, answers, world in KNOWLEDGE if world == "demo"] == expected
