@@ -425,13 +425,11 @@ def frozen_heap(train_fn):
 
 @frozen_heap
 def train(args, model, train_model, optimizers, loaders, *, run_dir, start, total_steps, ckpt_meta, evaluate,
-          flops_per_token, rank, world, device, step_fn=None, stop=None, evaluate_first=False, progress=None):
+          flops_per_token, rank, world, device):
     """Steps start..total_steps-1; returns None when every step ran, else the signal that stopped the run after its
-    checkpoint. evaluate(step): fields for the step's record, or None when a signal stopped it. rl.py passes
-    step_fn(step, due): (loss sum, target count, tokens over all ranks, record fields), or a str where a signal stopped
-    it mid-step; and stop (its StopSignal), evaluate_first (at step 0) and progress(record, total_steps), its line."""
+    checkpoint. evaluate(step): fields for the step's record."""
     master = rank == 0
-    tokens_per_step = None if step_fn else sum(ld.B * ld.T for ld in loaders) * world
+    tokens_per_step = sum(ld.B * ld.T for ld in loaders) * world
     if master and start == 0:
         # a restart before the first checkpoint starts over: the earlier lines would count its steps twice
         for name in ("metrics.jsonl", "samples.jsonl"):
@@ -439,10 +437,9 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
                 (run_dir / name).unlink()
                 print(f"run dir: {run_dir / name} of an earlier start without a checkpoint removed: starting over")
     metrics = run_dir / "metrics.jsonl" if master else None  # rank 0 writes the run's records
-    wandb, stop = open_wandb(args, master), stop or StopSignal()
+    wandb, stop = open_wandb(args, master), StopSignal()
     peak = peak_flops(device_name(device), args.dtype)
-    # no frozen-parameter check with a stage's own step: rl.py's step changes nothing when every reply scores alike
-    initial, mem_history, first_done = None if step_fn else param_samples(model), [], None
+    initial, mem_history, first_done = param_samples(model), [], None
     hooks = testing_hooks(args)  # None in every real run: then each step looks up nothing
 
     keep_progress(run_dir, ckpt_meta.get("stage", "train"))  # each rank's last step and phase, in run_dir/progress/
@@ -470,33 +467,19 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
                   (f". Resume with: {resume_command(args)}" if step else ""), flush=True)
         return stop.signum or signal.SIGTERM
 
-    if evaluate_first and start == 0:
-        first = evaluate(0)
-        if first is None:
-            return stopped(0, "in the evaluation before step 1")
-        if metrics:
-            append_jsonl(metrics, {"step": 0, **first})
-
     gc.collect()  # start-up's garbage, then what survives it out of every later collection (frozen_heap)
     gc.freeze()
     for step in range(start, total_steps):
         t0 = now()
         lr_mult, wd = apply_schedule(optimizers, step, total_steps, args)
-        batches = [] if step_fn else [next(loader) for loader in loaders]
+        batches = [next(loader) for loader in loaders]
         data_wait = now() - t0  # the loaders prefetch: this is time the step stood still waiting for data
         due = hooks.get(step + 1, ()) if hooks else ()  # the testing hooks set for this step
         if due and rank == world - 1 and {"die_at_step", "hang_at_step", "stuck_at_step"} & due:
             die_or_hang("die_at_step" in due, "stuck_at_step" in due)
         mark_progress(step + 1, "forward/backward")
-        if step_fn:
-            out = step_fn(step, due)
-            if isinstance(out, str):
-                return stopped(step, out)
-            loss_sum, count, tokens_per_step, fields = out
-        else:
-            loss_sum, count = forward_backward(train_model, batches, args.dtype, device, world,
-                                               poison="inject_nan_step" in due)
-            fields = {}
+        loss_sum, count = forward_backward(train_model, batches, args.dtype, device, world,
+                                           poison="inject_nan_step" in due)
         norm = clip_grad_norm(model.parameters(), args.grad_clip or float("inf"))  # on the device: nothing read
         health = step % args.health_every == 0
         before = samples_by_id(optimizers) if health else None
@@ -523,8 +506,7 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
                   "mfu": tokens_per_step * flops_per_token / dt / (peak * world) if peak else "unknown",
                   "step_time": dt, "cuda_mem_alloc": torch.cuda.memory_allocated(device) if device.type == "cuda"
                   else None, "cuda_mem_reserved": torch.cuda.memory_reserved(device) if device.type == "cuda" else None,
-                  "cuda_mem_peak": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-                  **fields}
+                  "cuda_mem_peak": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
         if health:
             record["update_rms_ratio"] = update_ratios(optimizers, before)
         warning = health_warning(model, initial, mem_history, record, step + 1 - start, args)
@@ -535,12 +517,7 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
         last_step = step + 1 == total_steps
         if args.eval_every and (step + 1) % args.eval_every == 0 and not last_step:
             mark_progress(step + 1, "evaluation")
-            evaluated = evaluate(step + 1)
-            if evaluated is None:  # a signal during the evaluation (rl.py's samples replies: minutes)
-                if metrics:
-                    append_jsonl(metrics, record)
-                return stopped(step + 1, f"in the evaluation after step {step + 1}")
-            record.update(evaluated)
+            record.update(evaluate(step + 1))
         if metrics:
             append_jsonl(metrics, record)
         if wandb:
@@ -550,9 +527,8 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
         if master and ((step + 1) % args.log_every == 0 or last_step or step == start):
             timed = step - start  # steps since the first of this process (0: none yet, the ETA is unknown)
             per_step = (now() - first_done) / timed if timed else None
-            print(progress(record, total_steps) if progress else progress_line(record, total_steps, per_step),
-                  flush=True)
-        if "signal_at_step" in due and not step_fn:  # a stage's own step takes its signal mid-step (rl's rollouts)
+            print(progress_line(record, total_steps, per_step), flush=True)
+        if "signal_at_step" in due:
             os.kill(os.getpid(), signal.SIGTERM)
         if stop.requested():
             return stopped(step + 1, f"at step {step + 1}")
