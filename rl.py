@@ -89,7 +89,8 @@ def get_args(argv=None):
     g.add_argument("--eval_samples", type=int, default=8, help="k: replies sampled per held-out question (default: "
                    "%(default)s)")
     runs.add_run_args(p, "rl")
-    chat_stage.add_init_args(p, ["sft"], lr_scale=RL_LR_SCALE, schedule="linear", warmdown_frac=0.2, why=RL_WHY)
+    chat_stage.add_init_args(p, ["sft"], lr_scale=RL_LR_SCALE, schedule="linear", warmdown_frac=0.2,
+                             why=RL_WHY)
     args = train_loop.parse_stage_args(p, argv, ["epochs", "steps"], default=("epochs", 1.0))
     if min(args.questions_per_step, args.samples, args.max_new_tokens, args.eval_samples, args.rollout_questions) < 1 \
             or args.temperature < 0:
@@ -181,7 +182,8 @@ def policy_gradient(train_model, rows, weights, micro_batch, dtype, device, worl
 def evaluate(model, tokenizer, items, args, rank, world, step, stopping=lambda: False):
     """Held-out pass@1 (the share of right replies, averaged over questions) and pass@k (the share of questions with
     a right reply among k = --eval_samples) at the training temperature, seeded by the questions' positions so that
-    evaluations differ by the model only; rank 0 prints them. None when stopping() said so between groups."""
+    evaluations differ by the model only; rank 0 prints them. None when stopping() said so
+    between groups."""
     right = torch.zeros(len(items), dtype=torch.float64)  # each question's right replies
     mine, k = list(range(rank, len(items), world)), args.eval_samples
     for chunk in [mine[c:c + args.rollout_questions] for c in range(0, len(mine), args.rollout_questions)]:
@@ -194,10 +196,11 @@ def evaluate(model, tokenizer, items, args, rank, world, step, stopping=lambda: 
             right[i] = sum(reward(items[i], reply_text(tokenizer, strip_end(r, tokenizer)))
                            for r in replies[j * k:(j + 1) * k])
     distributed.all_reduce_tensor(right)
-    held = {"pass@1": (right / k).mean().item(), f"pass@{k}": (right > 0).double().mean().item(), "items": len(items)}
+    held = {"pass@1": (right / k).mean().item(), f"pass@{k}": (right > 0).double().mean().item(),
+            "items": len(items)}
     if rank == 0:
-        print(f"held out at step {step}: all pass@1 {held['pass@1']:.3f} pass@{k} {held[f'pass@{k}']:.3f} "
-              f"({held['items']} questions)", flush=True)
+        print(f"held out at step {step}: all pass@1 {held['pass@1']:.3f} pass@{k} "
+              f"{held[f'pass@{k}']:.3f} ({held['items']} questions)", flush=True)
     return {"step": step, "k": k, "items": len(items), "all": held}
 
 
@@ -206,9 +209,9 @@ def strip_end(reply, tokenizer):
 
 
 class Cursor:
-    """RL's data position in a checkpoint (the other stages' loader state, as checkpoint.resume restores it): the
-    questions taken and this rank's sampled tokens. The questions and seeds are a function of the step, so this only
-    records it."""
+    """RL's data position in a checkpoint (the other stages' loader state, which
+    checkpoint.resume restores): the questions taken and this rank's sampled tokens. The
+    questions and seeds are a function of the step, so this only records it."""
 
     def __init__(self):
         self.state = {"questions": 0, "stats": {"tokens": 0}}
@@ -246,36 +249,38 @@ def sampling_threads(device):
         torch.set_num_threads(train_threads)
 
 
-def rl_step(args, model, train_model, optimizers, cursor, tokenizer, items, step, total_steps, micro_batch, rank, world,
-            device, stopping):
-    """One step: rollouts of this rank's share of the step's questions, rewards, the policy gradient, and the optimizer
-    step as train_loop.train takes it. Returns the step's record, or None when stopping() said so during the rollouts
-    (between groups of questions)."""
+def rl_step(args, model, train_model, optimizers, cursor, tokenizer, items, step, total_steps,
+            micro_batch, rank, world, device, stopping):
+    """One step: rollouts of this rank's share of the step's questions, rewards, the policy
+    gradient, and the optimizer step as train_loop.train takes it. Returns the step's record, or
+    None when stopping() said so during the rollouts (between groups of questions)."""
     t0 = time.perf_counter()
     lr_mult, wd = optim.apply_schedule(optimizers, step, total_steps, args)
     chosen = step_items(step, args.questions_per_step, len(items), args.seed)
     rows, rewards, lengths, tokens = [], [], [], 0
-    mine, n = list(range(rank, len(chosen), world)), args.samples
+    mine, n, group = list(range(rank, len(chosen), world)), args.samples, args.rollout_questions
     with sampling_threads(device):
-        for chunk in [mine[c:c + args.rollout_questions] for c in range(0, len(mine), args.rollout_questions)]:
+        for chunk in [mine[c:c + group] for c in range(0, len(mine), group)]:
             if stopping():
                 return None
             questions = [items[chosen[position]] for position in chunk]
-            prompts = [prompt_ids(tokenizer, item["prompt"], args.sequence_len, 1)[0] for item in questions]
-            all_replies, all_sampled = sample_groups(model, tokenizer, prompts, n, args.max_new_tokens,
-                                                     args.temperature, args.top_k,
-                                                     sampling_seed(args.seed, step, chunk[0]), args.dtype)
+            prompts = [prompt_ids(tokenizer, item["prompt"], args.sequence_len, 1)[0]
+                       for item in questions]
+            all_replies, all_sampled = sample_groups(
+                model, tokenizer, prompts, n, args.max_new_tokens, args.temperature, args.top_k,
+                sampling_seed(args.seed, step, chunk[0]), args.dtype)
             for j, (item, prompt) in enumerate(zip(questions, prompts, strict=True)):
                 replies, sampled = all_replies[j * n:(j + 1) * n], all_sampled[j * n:(j + 1) * n]
-                rewards += [reward(item, reply_text(tokenizer, strip_end(r, tokenizer))) for r in replies]
+                rewards += [reward(item, reply_text(tokenizer, strip_end(r, tokenizer)))
+                            for r in replies]
                 lengths += [len(r) for r in replies]
                 tokens += sum(map(sum, sampled))
                 rows += training_rows(prompt, replies, sampled, tokenizer.bos_id)
     rollout = time.perf_counter() - t0
-    loss_sum, count = policy_gradient(train_model, rows, advantages(rewards, n), micro_batch, args.dtype, device,
-                                      world)
-    sums = distributed.all_reduce_tensor(torch.tensor([sum(rewards), len(rewards), sum(lengths), tokens],
-                                                      dtype=torch.float64)).tolist()
+    loss_sum, count = policy_gradient(train_model, rows, advantages(rewards, n), micro_batch,
+                                      args.dtype, device, world)
+    sums = distributed.all_reduce_tensor(torch.tensor([sum(rewards), len(rewards), sum(lengths),
+                                                       tokens], dtype=torch.float64)).tolist()
     rollout = distributed.all_reduce(rollout, torch.distributed.ReduceOp.MAX if world > 1 else None)
     cursor.state["questions"] = (step + 1) * args.questions_per_step
     cursor.state["stats"]["tokens"] += tokens
@@ -284,44 +289,52 @@ def rl_step(args, model, train_model, optimizers, cursor, tokenizer, items, step
     for opt in optimizers:
         opt.step()
     model.zero_grad(set_to_none=world == 1)  # DDP's gradients are views into its buckets
-    loss_sum, count, grad_norm = torch.stack([torch.as_tensor(loss_sum, dtype=torch.float64, device=device),
-                                              torch.as_tensor(count, dtype=torch.float64, device=device),
-                                              norm.double()]).tolist()
+    # the step's one read from the device: loss, targets and grad norm in one transfer
+    read = [torch.as_tensor(x, dtype=torch.float64, device=device) for x in (loss_sum, count)]
+    loss_sum, count, grad_norm = torch.stack([*read, norm.double()]).tolist()
     dt, cuda = time.perf_counter() - t0, device.type == "cuda"
-    record = {"step": step + 1, "loss": loss_sum / max(1.0, count), "targets": int(count), "lr_mult": lr_mult,
-              "weight_decay": wd, "lr": {g["name"]: g["lr"] for opt in optimizers for g in opt.param_groups},
-              "grad_norm": grad_norm, "tokens": int(distributed.all_reduce(cursor.state["stats"]["tokens"])),
-              "tok_per_s": sums[3] / dt, "data_wait": 0.0, "epoch": cursor.state["questions"] // len(items) + 1,
-              "mfu": "unknown", "step_time": dt,
+    record = {"step": step + 1, "loss": loss_sum / max(1.0, count), "targets": int(count),
+              "lr_mult": lr_mult, "weight_decay": wd,
+              "lr": {g["name"]: g["lr"] for opt in optimizers for g in opt.param_groups},
+              "grad_norm": grad_norm,
+              "tokens": int(distributed.all_reduce(cursor.state["stats"]["tokens"])),
+              "tok_per_s": sums[3] / dt, "data_wait": 0.0,
+              "epoch": cursor.state["questions"] // len(items) + 1, "mfu": "unknown",
+              "step_time": dt,
               "cuda_mem_alloc": torch.cuda.memory_allocated(device) if cuda else None,
               "cuda_mem_reserved": torch.cuda.memory_reserved(device) if cuda else None,
               "cuda_mem_peak": torch.cuda.max_memory_allocated(device) if cuda else None,
-              "reward": sums[0] / sums[1], "sampled_tokens": int(sums[3]), "reply_tokens": sums[2] / sums[1],
-              "sampled_tok_per_s": sums[3] / rollout, "rollout_time": rollout}
+              "reward": sums[0] / sums[1], "sampled_tokens": int(sums[3]),
+              "reply_tokens": sums[2] / sums[1], "sampled_tok_per_s": sums[3] / rollout,
+              "rollout_time": rollout}
     if before is not None:
         record["update_rms_ratio"] = train_loop.update_ratios(optimizers, before)
     return record
 
 
 def save(args, model, optimizers, cursor, ckpt_meta, run_dir, step, rank, world, last=False):
-    """train_loop.train's checkpoint of `step`: refused where a parameter is not finite. Returns its path."""
+    """train_loop.train's checkpoint of `step`, refused where a parameter is not finite."""
     distributed.mark_progress(step, "checkpoint")
     finite = all(torch.isfinite(p).all() for p in model.parameters())
-    if distributed.all_reduce(0.0 if finite else 1.0, torch.distributed.ReduceOp.MAX if world > 1 else None):
+    if distributed.all_reduce(0.0 if finite else 1.0,
+                              torch.distributed.ReduceOp.MAX if world > 1 else None):
         raise RuntimeError(f"step {step}: parameters are not finite; not writing a checkpoint")
-    return checkpoint.save_checkpoint(run_dir / "ckpt", step, model, optimizers, [cursor.state_dict()], ckpt_meta,
-                                      rank, args.keep, consolidate=last, delay_s=args.checkpoint_delay,
+    return checkpoint.save_checkpoint(run_dir / "ckpt", step, model, optimizers,
+                                      [cursor.state_dict()], ckpt_meta, rank, args.keep,
+                                      consolidate=last, delay_s=args.checkpoint_delay,
                                       metrics=run_dir / "metrics.jsonl" if rank == 0 else None)
 
 
 def check_health(record, model, memory, steps_done, args, run_dir, master):
-    """train_loop.train's checks of a step: a loss or grad norm that is not finite stops the run (the step's update is
-    in memory only: not saved); a growing CUDA memory goes in the record as a warning, printed (memory: its history)."""
+    """train_loop.train's checks of a step: a loss or grad norm that is not finite stops the run
+    (the step's update is in memory only: not saved); a CUDA memory that grows (memory: its
+    history) is a warning, printed and in the record."""
     if not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):
         last = checkpoint.list_checkpoints(run_dir / "ckpt")
-        raise RuntimeError(f"step {record['step']}: loss {record['loss']} / grad norm {record['grad_norm']} is not "
-                           f"finite: run stopped before its checkpoint; last good checkpoint: "
-                           f"{last[-1] if last else 'none'} (resume with --resume, perhaps a lower lr)")
+        raise RuntimeError(f"step {record['step']}: loss {record['loss']} / grad norm "
+                           f"{record['grad_norm']} is not finite: run stopped before its "
+                           f"checkpoint; last good checkpoint: {last[-1] if last else 'none'} "
+                           f"(resume with --resume, perhaps a lower lr)")
     warning = train_loop.health_warning(model, None, memory, record, steps_done, args)
     if warning:
         record["warning"] = warning
@@ -330,35 +343,38 @@ def check_health(record, model, memory, steps_done, args, run_dir, master):
 
 
 @train_loop.frozen_heap
-def train(args, model, train_model, optimizers, cursor, tokenizer, items, held_out, stop, *, micro_batch, run_dir,
-          start, total_steps, ckpt_meta, rank, world, device):
-    """Steps start..total_steps-1 (rl_step's) with train_loop.train's policies (NaN stop, health warnings, metrics,
-    signals, checkpoints, testing hooks) and held-out evaluations before step 1 and every --eval_every steps. Returns
-    None when every step ran, else the signal that stopped the run after its checkpoint."""
+def train(args, model, train_model, optimizers, cursor, tokenizer, items, held_out, stop, *,
+          micro_batch, run_dir, start, total_steps, ckpt_meta, rank, world, device):
+    """Steps start..total_steps-1 (rl_step's) with train_loop.train's policies (NaN stop, health,
+    metrics, signals, checkpoints, testing hooks), and held-out evaluations before step 1 and
+    every --eval_every steps. Returns None when every step ran, else the signal that stopped the
+    run after its checkpoint."""
     master, hooks = rank == 0, train_loop.testing_hooks(args) or {}
     metrics = run_dir / "metrics.jsonl" if master else None
-    if master and start == 0 and metrics.is_file():  # a restart before the first checkpoint starts over
+    if master and start == 0 and metrics.is_file():  # a restart before the first checkpoint
         metrics.unlink()
         print(f"run dir: {metrics} of an earlier start without a checkpoint removed: starting over")
-    wandb, memory, saved = train_loop.open_wandb(args, master), [], start  # saved: the newest checkpoint's step
-    # the ETA's two rates, steps and held-out evaluations: the shared loop's would count evaluations as steps
-    step_seconds, eval_seconds = [], []
+    wandb, memory, saved = train_loop.open_wandb(args, master), [], start  # saved: its step
+    step_seconds, eval_seconds = [], []  # the ETA's: steps and evaluations take their own times
     distributed.keep_progress(run_dir, "rl")
     distributed.mark_progress(start, "starting")
 
-    def held_out_eval(step):  # None: a signal on some rank between groups of questions, seen by all at once
+    def held_out_eval(step):  # None: a signal on some rank between groups of questions
         t0 = time.perf_counter()
         with sampling_threads(device):
             result = evaluate(model, tokenizer, held_out, args, rank, world, step, stop.requested)
         eval_seconds.append(time.perf_counter() - t0)
         return None if result is None else {"held_out": result}
 
-    def stopped(step, when):  # a signal: the last finished step checkpointed (unless it is already), then the exit
-        path = save(args, model, optimizers, cursor, ckpt_meta, run_dir, step, rank, world) if step > saved else None
+    def stopped(step, when):  # the last finished step checkpointed (unless it is), then the exit
+        path = None
+        if step > saved:
+            path = save(args, model, optimizers, cursor, ckpt_meta, run_dir, step, rank, world)
         if master:
-            print(f"stopped by signal {when}; " + (f"checkpoint {path}" if path else f"step {step}'s checkpoint is "
-                  f"on disk" if step else "no step finished, nothing to resume: a rerun starts over") +
-                  (f". Resume with: {checkpoint.resume_command(args)}" if step else ""), flush=True)
+            print(f"stopped by signal {when}; " + (
+                f"checkpoint {path}" if path else f"step {step}'s checkpoint is on disk" if step
+                else "no step finished, nothing to resume: a rerun starts over") +
+                (f". Resume with: {checkpoint.resume_command(args)}" if step else ""), flush=True)
         return stop.signum or signal.SIGTERM
 
     if start == 0:
@@ -367,7 +383,7 @@ def train(args, model, train_model, optimizers, cursor, tokenizer, items, held_o
             return stopped(0, "in the evaluation before step 1")
         if metrics:
             common.append_jsonl(metrics, {"step": 0, **first})
-    gc.collect()  # start-up's garbage, then what survives it out of every later collection (frozen_heap)
+    gc.collect()  # start-up's garbage, then what survives it out of every later collection
     gc.freeze()
     for step in range(start, total_steps):
         due = hooks.get(step + 1, set())  # the testing hooks set for this step
@@ -376,9 +392,9 @@ def train(args, model, train_model, optimizers, cursor, tokenizer, items, held_o
         distributed.mark_progress(step + 1, "forward/backward")
         if "signal_at_step" in due:
             os.kill(os.getpid(), signal.SIGTERM)  # a signal during this step's rollouts
-        record = rl_step(args, model, train_model, optimizers, cursor, tokenizer, items, step, total_steps,
-                         micro_batch, rank, world, device, stop.requested)
-        if record is None:  # a step's rollouts can take minutes: the step is dropped, the last finished one saved
+        record = rl_step(args, model, train_model, optimizers, cursor, tokenizer, items, step,
+                         total_steps, micro_batch, rank, world, device, stop.requested)
+        if record is None:  # rollouts can take minutes: the step is dropped, the last one saved
             return stopped(step, f"during step {step + 1}'s rollouts")
         check_health(record, model, memory, step + 1 - start, args, run_dir, master)
         step_seconds.append(record["step_time"])
@@ -394,35 +410,60 @@ def train(args, model, train_model, optimizers, cursor, tokenizer, items, held_o
         if metrics:
             common.append_jsonl(metrics, record)
         if wandb:
-            wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step + 1)
+            wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))},
+                      step=step + 1)
         if master and ((step + 1) % args.log_every == 0 or last_step or step == start):
-            eta = eta_seconds(step + 1, total_steps, args.eval_every, sum(step_seconds) / len(step_seconds),
-                              sum(eval_seconds) / len(eval_seconds) if eval_seconds else 0.0)
-            print(f"step {step + 1}/{total_steps} reward {record['reward']:.3f} loss {record['loss']:+.5f} reply "
-                  f"{record['reply_tokens']:.1f} tokens, {record['sampled_tok_per_s']:,.0f} sampled tok/s, lr x"
-                  f"{record['lr_mult']:.3f} gnorm {record['grad_norm']:.3f} ETA {common.fmt_duration(eta)}",
+            print(progress_line(record, total_steps, args.eval_every, step_seconds, eval_seconds),
                   flush=True)
         if stop.requested():
             return stopped(step + 1, f"at step {step + 1}")
         if (step + 1) % args.ckpt_every == 0 or last_step:
-            save(args, model, optimizers, cursor, ckpt_meta, run_dir, step + 1, rank, world, last_step)
+            save(args, model, optimizers, cursor, ckpt_meta, run_dir, step + 1, rank, world,
+                 last_step)
             saved = step + 1
     distributed.mark_progress(total_steps, "trained: final evaluation")
     return None
 
 
+def progress_line(record, total_steps, eval_every, step_seconds, eval_seconds):
+    """The step's line, its ETA from the mean seconds of a step and of a held-out evaluation."""
+    eval_s = sum(eval_seconds) / len(eval_seconds) if eval_seconds else 0.0
+    eta = eta_seconds(record["step"], total_steps, eval_every,
+                      sum(step_seconds) / len(step_seconds), eval_s)
+    return (f"step {record['step']}/{total_steps} reward {record['reward']:.3f} loss "
+            f"{record['loss']:+.5f} reply {record['reply_tokens']:.1f} tokens, "
+            f"{record['sampled_tok_per_s']:,.0f} sampled tok/s, lr x{record['lr_mult']:.3f} gnorm "
+            f"{record['grad_norm']:.3f} ETA {common.fmt_duration(eta)}")
+
+
 def load_tasks(args, parent, parent_meta, rank, world):
-    """(training questions, held-out ones, the pretraining corpus, what they are in words): the demo world's where
-    --demo says so (by default: the world the parent was trained on), else GSM8K's."""
+    """(training questions, held-out ones, the pretraining corpus, what they are in words): the
+    demo world's where --demo says so (by default the world the parent was trained on), else
+    GSM8K's."""
     data_dir = (checkpoint.pretraining_run(parent, parent_meta) or [None])[0]
     world_dir = demo_world(args.demo, data_dir, "problems")
     train_items = gsm8k_items(world_dir / "problems" if world_dir else args.train_dir)
+    name = "demo-problems" if world_dir else "GSM8K"
     held_out = distributed.fetch_everywhere(
-        lambda: load_items("demo-problems" if world_dir else "GSM8K", args.cache_dir, world_dir, args.eval_items)[0],
-        rank, world)
-    tasks = f"the demo world {world_dir} (problems/ word problems; held out: demo-problems)" if world_dir \
-        else f"GSM8K {args.train_dir} (held out: GSM8K test from {args.cache_dir})"
+        lambda: load_items(name, args.cache_dir, world_dir, args.eval_items)[0], rank, world)
+    tasks = f"GSM8K {args.train_dir} (held out: GSM8K test from {args.cache_dir})"
+    if world_dir:
+        tasks = f"the demo world {world_dir} (problems/ word problems; held out: demo-problems)"
     return train_items, held_out, data_dir, tasks
+
+
+def finish(run_dir, total_steps, final):
+    """Rank 0's end: the final held-out figures in metrics.jsonl, done.json with the verdict."""
+    metrics = run_dir / "metrics.jsonl"
+    common.append_jsonl(metrics, {"step": total_steps, "final": True, "held_out": final})
+    summary = verdict([json.loads(line) for line in metrics.read_text().splitlines()])
+    (run_dir / "done.json").write_text(json.dumps({"step": total_steps, **summary,
+                                                   "held_out": final}))
+    print(f"reward {summary['reward_first_fifth']:.3f} -> {summary['reward_last_fifth']:.3f} "
+          f"(first and last fifth of the steps); held-out pass@1 "
+          f"{summary['held_out_pass@1_first']:.3f} -> {summary['held_out_pass@1_last']:.3f}: "
+          f"{summary['note']}")
+    print(f"done: {total_steps} steps, run dir {run_dir}")
 
 
 def main(argv=None):
@@ -430,75 +471,77 @@ def main(argv=None):
     if args.status:
         return train_loop.print_status(Path(args.status))
     if args.fsdp == "true":
-        raise ValueError("--fsdp true: rl.py does not shard the model (each rank samples replies of its own length, "
-                         "which FSDP's per-layer gathers cannot follow); use a model that fits one device")
+        raise ValueError("--fsdp true: rl.py does not shard the model (each rank samples replies "
+                         "of its own length, which FSDP's per-layer gathers cannot follow); use a "
+                         "model that fits one device")
     rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
-    parent, parent_meta, model, tokenizer, inherited, sha256 = chat_stage.load_parent(args, "rl", ["sft"], device)
-    args.compile = False  # every step's rows have other lengths: a compiled model would recompile at each
-    inherited = [(name, False, "off in rl.py: the rows change length every step") if name == "compile" else
-                 (name, value, where) for name, value, where in inherited]
-    config = replace(model.config, sequence_len=args.sequence_len)  # the rows; the model keeps the parent's tables
+    parent, parent_meta, model, tokenizer, inherited, sha256 = chat_stage.load_parent(
+        args, "rl", ["sft"], device)
+    args.compile = False  # every step's rows have other lengths: a compiled model would recompile
+    off = (False, "off in rl.py: the rows change length every step")
+    inherited = [(name, *off) if name == "compile" else (name, value, where)
+                 for name, value, where in inherited]
+    # the rows' length; the model keeps the parent's rotary tables
+    config = replace(model.config, sequence_len=args.sequence_len)
     run_dir, resume_from = runs.resolve_run(args, "rl")
     # a step's batch is its replies: no accumulation; --total_batch_tokens only scales the lrs
-    micro, _, source = train_loop.plan_batch(args, config, world, model, device, resume_from, parent_meta,
-                                             accumulate=False)
+    micro, _, source = train_loop.plan_batch(args, config, world, model, device, resume_from,
+                                             parent_meta, accumulate=False)
     optimizers = optim.build_optimizers(model, args, config.n_embd, args.total_batch_tokens, device,
                                         lr_scale=args.lr_scale)
 
     train_items, held_out, data_dir, tasks = load_tasks(args, parent, parent_meta, rank, world)
     if args.questions_per_step < world:
-        raise ValueError(f"--questions_per_step {args.questions_per_step} is fewer than the {world} ranks: give "
-                         f"each rank at least one question")
+        raise ValueError(f"--questions_per_step {args.questions_per_step} is fewer than the "
+                         f"{world} ranks: give each rank at least one question")
     total_steps = args.steps or math.ceil(args.epochs * len(train_items) / args.questions_per_step)
+    record = {"data_dir": data_dir, "tasks": tasks, "train_questions": len(train_items),
+              "held_out_questions": len(held_out),
+              "parent": chat_stage.parent_record(parent, parent_meta, sha256.result())}
     layout, run, ckpt_meta = runs.record_run(
         args, "rl", parent_meta["model_config"], args.sequence_len, micro, 1, world, total_steps,
-        args.total_batch_tokens, tokenizer, num_params(config),
-        {"data_dir": data_dir, "tasks": tasks, "train_questions": len(train_items), "held_out_questions": len(held_out),
-         "parent": chat_stage.parent_record(parent, parent_meta, sha256.result())})
+        args.total_batch_tokens, tokenizer, num_params(config), record)
     if rank == 0:
-        rollouts_line = (f"rollouts: {args.questions_per_step} questions x {args.samples} replies per step over "
-                         f"{world} rank(s), temperature {args.temperature}, top_k {args.top_k}, at most "
-                         f"{args.max_new_tokens} new tokens, {args.rollout_questions} questions' replies decoded "
-                         f"together; {micro} rows per training forward; compile off (the rows' lengths change every "
-                         f"step)")
+        rollouts = (f"rollouts: {args.questions_per_step} questions x {args.samples} replies per "
+                    f"step over {world} rank(s), temperature {args.temperature}, top_k "
+                    f"{args.top_k}, at most {args.max_new_tokens} new tokens, "
+                    f"{args.rollout_questions} questions' replies decoded together; {micro} rows "
+                    f"per training forward; compile off (the rows' lengths change every step)")
+        in_epochs = f" = {args.epochs:g} epochs" if args.epochs else ""
         runs.announce(args, run_dir, run, [
-            *chat_stage.parent_lines(parent, parent_meta, run["params"], inherited, (micro, source)),
-            f"tasks: {tasks}: {len(train_items):,} training questions, {len(held_out):,} held out", rollouts_line,
-            args.budget_line, f"budget: {total_steps:,} steps" + (f" = {args.epochs:g} epochs" if args.epochs else "")],
+            *chat_stage.parent_lines(parent, parent_meta, run["params"], inherited,
+                                     (micro, source)),
+            f"tasks: {tasks}: {len(train_items):,} training questions, {len(held_out):,} held out",
+            rollouts, args.budget_line, f"budget: {total_steps:,} steps{in_epochs}"],
             optimizers, device)
     cursor = Cursor()
     if resume_from:
-        step = checkpoint.resume(resume_from, run_dir, model, optimizers, [cursor], layout, rank, device)
+        step = checkpoint.resume(resume_from, run_dir, model, optimizers, [cursor], layout, rank,
+                                 device)
     else:
         step, line = 0, chat_stage.warm_start(parent, parent_meta, model, optimizers, args, device)
         if rank == 0:
             print(line)
 
     stop = train_loop.StopSignal()
-    # dynamic=None: the replies' lengths vary, so torch marks the shapes dynamic after a first change
+    # dynamic=None: the replies' lengths vary, so torch marks the shapes dynamic after a change
     train_model = train_loop.wrap_model(model, args, world, local_rank, device, dynamic=None)
-    signum = train(args, model, train_model, optimizers, cursor, tokenizer, train_items, held_out, stop,
-                   micro_batch=micro, run_dir=run_dir, start=step, total_steps=total_steps, ckpt_meta=ckpt_meta,
-                   rank=rank, world=world, device=device)
+    signum = train(args, model, train_model, optimizers, cursor, tokenizer, train_items, held_out,
+                   stop, micro_batch=micro, run_dir=run_dir, start=step, total_steps=total_steps,
+                   ckpt_meta=ckpt_meta, rank=rank, world=world, device=device)
     if signum is not None:
         return signum
     with sampling_threads(device):
         final = evaluate(model, tokenizer, held_out, args, rank, world, total_steps, stop.requested)
     if final is None:
         if rank == 0:
-            print(f"stopped by signal in the final held-out evaluation; step {total_steps}'s checkpoint is on disk. "
-                  f"Resume with: {checkpoint.resume_command(args)}", flush=True)
+            print(f"stopped by signal in the final held-out evaluation; step {total_steps}'s "
+                  f"checkpoint is on disk. Resume with: {checkpoint.resume_command(args)}",
+                  flush=True)
         return stop.signum or signal.SIGTERM
     if rank == 0:
-        common.append_jsonl(run_dir / "metrics.jsonl", {"step": total_steps, "final": True, "held_out": final})
-        summary = verdict([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()])
-        (run_dir / "done.json").write_text(json.dumps({"step": total_steps, **summary, "held_out": final}))
-        print(f"reward {summary['reward_first_fifth']:.3f} -> {summary['reward_last_fifth']:.3f} (first and last "
-              f"fifth of the steps); held-out pass@1 {summary['held_out_pass@1_first']:.3f} -> "
-              f"{summary['held_out_pass@1_last']:.3f}: {summary['note']}")
-        print(f"done: {total_steps} steps, run dir {run_dir}")
+        finish(run_dir, total_steps, final)
     return None
-
 
 if __name__ == "__main__":
     sys.exit(distributed.run_main(main))

@@ -1,6 +1,6 @@
-"""A run: its directory (runs/<run>/: flags, where it lives, what it resumes from, config.json), its record (what
-it is, what its checkpoints' meta.json hold, what a child stage inherits) and its announcement. Not a stage: `import
-runs`; one command line:
+"""A run: its directory (runs/<run>/: flags, where it lives, what it resumes from,
+config.json), its record (what it is, what its checkpoints' meta.json hold, what a child stage
+inherits) and its first lines. Not a stage: `import runs`; one command line:
 
     python runs.py runs/<run>[/ckpt/step_N]     # a checkpoint's stage, step and hparams, then its parent's, ...
 """
@@ -84,16 +84,17 @@ def resolve_run(args, stage):
     return run_dir, found[-1]
 
 
-# what a stage after pretraining inherits from its parent checkpoint, recorded in every checkpoint's meta.json
-# ("hparams"; chat_stage.inherit)
+# what a stage after pretraining inherits from its parent checkpoint, recorded in every
+# checkpoint's meta.json ("hparams"; chat_stage.inherit)
 INHERITED = ["tokenizer", "sequence_len", "micro_batch", "total_batch_tokens", "optimizer", "matrix_lr",
              "embedding_lr", "head_lr", "scalar_lr", "weight_decay", "grad_clip", "dtype", "compile"]
 
 
 def record_run(args, stage, model_config, seq_len, micro, accum, world, total_steps, tokens_per_step, tokenizer,
                params, record):
-    """(layout, run, ckpt_meta), every training stage's: the layout a resume must match; what the run is, for
-    config.json; that, its argv and what a child stage inherits (hparams), for every checkpoint's meta.json."""
+    """(layout, run, ckpt_meta), every training stage's: the layout a resume must match; what the
+    run is, for config.json; that, its argv and what a child stage inherits (hparams), for every
+    checkpoint's meta.json."""
     layout = {"model_config": model_config, "world_size": world, "micro_batch": micro, "accum": accum}
     run = {"stage": stage, "run": args.run_name, **layout, "total_steps": total_steps,
            "tokens_per_step": tokens_per_step, "code": common.code_version(), "tokenizer": args.tokenizer,

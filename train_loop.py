@@ -506,7 +506,8 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
                   "mfu": tokens_per_step * flops_per_token / dt / (peak * world) if peak else "unknown",
                   "step_time": dt, "cuda_mem_alloc": torch.cuda.memory_allocated(device) if device.type == "cuda"
                   else None, "cuda_mem_reserved": torch.cuda.memory_reserved(device) if device.type == "cuda" else None,
-                  "cuda_mem_peak": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+                  "cuda_mem_peak": torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+                  else None}
         if health:
             record["update_rms_ratio"] = update_ratios(optimizers, before)
         warning = health_warning(model, initial, mem_history, record, step + 1 - start, args)

@@ -1,5 +1,6 @@
-"""Validation bits per byte on a corpus's val split (val_rows, val_bpb): pretrain.py's, core_eval.py's, the chat
-stages' forgetting figure; the same on 1 or N processes (dealt_sums). Not a stage; one command line, in one process:
+"""Validation bits per byte on a corpus's val split (val_rows, val_bpb): pretrain.py's,
+core_eval.py's, the chat stages' forgetting figure; the same on 1 or N processes (dealt_sums).
+Not a stage; one command line, in one process:
 
     python validation.py --checkpoint runs/<run> --data_dir data/demo/pretrain     # its val bpb
 """
@@ -69,11 +70,13 @@ def dealt_sums(model, n_batches, width, rank, world, batch_sums):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="a checkpoint's val bpb on a corpus's val split, in one process")
+    parser = argparse.ArgumentParser(description="a checkpoint's val bpb on a corpus's val split, "
+                                     "in one process")
     add_checkpoint_args(parser, eval_dtype=True)
     parser.add_argument("--data_dir", required=True, help="the corpus")
-    parser.add_argument("--bpb_tokens", type=int, default=2 ** 20, help="its val split's first N tokens, in rows of "
-                        "the model's sequence_len (default: %(default)s, as pretrain.py)")
+    parser.add_argument("--bpb_tokens", type=int, default=2 ** 20,
+                        help="its val split's first N tokens, in rows of the model's sequence_len "
+                        "(default: %(default)s, as pretrain.py)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     path, _ = pick_checkpoint(args)

@@ -280,7 +280,8 @@ def test_prompt_from_stdin_answers_a_held_out_demo_question(chat_chain, demo_wor
     tokenizer = Tokenizer.load(demo_world / "tokenizer")
     model, _ = checkpoint.load_model(chat_chain["sft"], torch.device("cpu"))
     for question, expected in held_out_questions():
-        answer = chat_stage.chat_answers(model, tokenizer, [question], "float32", max_tokens=24)[0]["answer"]
+        answer = chat_stage.chat_answers(model, tokenizer, [question], "float32",
+                                         max_tokens=24)[0]["answer"]
         if expected.lower() in answer.lower():
             break
     else:

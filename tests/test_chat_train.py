@@ -23,7 +23,8 @@ def score(path, tokenizer, questions, chat):
     """Share of questions whose greedy answer contains the expected word, and the share of answers that ended."""
     model, _ = checkpoint.load_model(path, torch.device("cpu"))
     if chat:
-        answers = chat_stage.chat_answers(model, tokenizer, [q for q, _ in questions], "float32", max_tokens=24)
+        answers = chat_stage.chat_answers(model, tokenizer, [q for q, _ in questions], "float32",
+                                          max_tokens=24)
     else:  # a base model completes text: the question, then the start of an answer
         answers = []
         for question, _ in questions:

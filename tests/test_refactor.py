@@ -124,8 +124,9 @@ def test_only_hooks_naming_a_step_that_comes_are_set():
 
 
 def test_the_library_command_lines_report_what_the_stages_report(short_runs, capsys):
-    """chat_stage.py on a run gives the val bpb its pretraining ended with; train_loop.py status prints what
-    pretrain.py --status prints; optim.py prints a schedule's values at the steps it names."""
+    """chat_stage.py on a run gives the val bpb its pretraining ended with; train_loop.py status
+    prints what pretrain.py --status prints; optim.py prints a schedule's values at the steps it
+    names."""
     run_dir = short_runs / "after"
     final = next(r["final_val_bpb"] for r in records(run_dir) if "final_val_bpb" in r)
     code, out, _ = run_in_process(chat_stage.main, [run_dir], capsys)

@@ -73,7 +73,8 @@ def stage_optimizers(stage, parent, extra=()):
     chat_stage.inherit(args, meta, parent)
     optimizers, fresh = (optim.build_optimizers(model, args, model.config.n_embd, 2048, CPU, lr_scale=args.lr_scale)
                          for _ in range(2))
-    return optimizers, chat_stage.warm_start(parent, meta, model, optimizers, args, CPU), fresh, model, args
+    line = chat_stage.warm_start(parent, meta, model, optimizers, args, CPU)
+    return optimizers, line, fresh, model, args
 
 
 @pytest.mark.parametrize("stage", [midtrain, sft])
@@ -130,8 +131,8 @@ def test_each_chat_stage_reports_the_pretraining_val_bpb_its_model_kept(speedrun
         figures[stage] = kept["val_bpb"]
     # the same rows pretrain.py scored: its own figure, recomputed from its checkpoint by the stages' function
     model, _ = checkpoint.load_model(chat_chain["pretrain"], CPU)
-    again = chat_stage.forgetting(model, tokenizer, chat_chain["pretrain"], meta, argparse.Namespace(bpb_tokens=None,
-                                                                                             dtype=dtype), 0, 1, CPU)
+    again = chat_stage.forgetting(model, tokenizer, chat_chain["pretrain"], meta,
+                                  argparse.Namespace(bpb_tokens=None, dtype=dtype), 0, 1, CPU)
     assert abs(again["val_bpb"] - pretrained) < 1e-6, (again, pretrained)
     text = (run / "report.md").read_text()
     assert f"| pretrained | {pretrained:.4f} |  |" in text
