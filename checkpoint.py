@@ -126,7 +126,7 @@ def set_aside_newer(ckpt_dir, step):
 
 def optimizer_layout(optimizers):
     """[[class name, [param group names]], ...], in meta.json: a child stage's check that the state fits its own
-    optimizers before loading it (runs.warm_start)."""
+    optimizers before loading it (chat_stage.warm_start)."""
     return [[type(opt).__name__, [group.get("name") for group in opt.param_groups]] for opt in optimizers]
 
 

@@ -16,17 +16,20 @@ mixture).
 import argparse
 import math
 import sys
-from functools import partial
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+import chat_stage
+import checkpoint
 import distributed
+import optim
 import runs
 import train_loop
-import validation
 from dataset import CACHE_DIR, chat_files, check_chat_files
-from loader import MixtureLoader
+from loader import MixtureLoader, close_all
+from model import flops_per_token, num_params
 
 # beside the parent's text (0.3): conversation, the shapes chat_eval.py scores, and who the assistant is (identity)
 DEFAULT_CHAT_SHARES = [("smoltalk", 0.3), ("ultrachat", 0.1), ("mmlu", 0.15), ("gsm8k", 0.1), ("arc-easy", 0.02),
@@ -54,9 +57,9 @@ def get_args(argv=None):
                    "midtrains)")
     g.add_argument("--seed", type=int, default=0, help="shuffles each source's documents, anew every epoch (default: "
                    "%(default)s)")
-    runs.add_chat_stage_args(p, g, "midtrain", ["pretrain"], [("steps", int, "optimizer steps"),
-                                                              ("tokens", float, "tokens over all ranks")],
-                             eval_every=250, lr_scale=MID_LR_SCALE, warmdown_frac=MID_WARMDOWN, why=MID_WHY)
+    budgets = [("steps", int, "optimizer steps"), ("tokens", float, "tokens over all ranks")]
+    chat_stage.add_chat_stage_args(p, g, "midtrain", ["pretrain"], budgets, eval_every=250,
+                                   lr_scale=MID_LR_SCALE, warmdown_frac=MID_WARMDOWN, why=MID_WHY)
     args = train_loop.parse_stage_args(p, argv, ["steps", "tokens"])
     return p, args
 
@@ -85,58 +88,103 @@ def parse_sources(specs, parent_data_dir, added=()):
     return sources
 
 
-def realized_mixture(loaders, sources):
-    """Tokens and documents per source over every loader of every rank, and the share of the tokens each got."""
+def realized_mixture(loaders, sources, step, rank):
+    """Tokens and documents per source over every loader of every rank, and the share of the tokens
+    each got; rank 0 prints them."""
     counts = torch.tensor([[loader.mixture()[s["name"]][key] for key in ("tokens", "docs")] for loader in loaders
                            for s in sources], dtype=torch.float64).view(len(loaders), len(sources), 2).sum(0)
     counts = distributed.all_reduce_tensor(counts).tolist()
     total = sum(tokens for tokens, _ in counts) or 1
-    return {s["name"]: {"tokens": int(tokens), "docs": int(docs), "share": tokens / total, "target": s["share"]}
-            for s, (tokens, docs) in zip(sources, counts, strict=True)}
-
-
-def evaluate(args, start, batches, step):
-    figures = validation.chat_validation(args, start, batches, step)
-    mixture = realized_mixture(start.loaders, start.sources)
-    if start.rank == 0:
-        print(f"mixture at step {step}: " + ", ".join(f"{name} {m['share']:.1%} of {m['tokens']:,} tokens (target "
-                                                       f"{m['target']:.0%}), {m['docs']:,} documents"
-                                                       for name, m in mixture.items()))
-    return {**figures, "mixture": mixture}
-
-
-def plan(args, start):
-    """What runs.start_stage asks of midtraining: its sources, total steps and loaders."""
-    sources = parse_sources(args.source, start.parent_meta.get("data_dir"), args.add_source)
-    # a .jsonl chat source's bad lines: an error now, before any step (or, --skip_bad_rows, a line saying how many)
-    skipped = check_chat_files([f for s in sources if s["kind"] == "chat" for f in chat_files(s["path"], "train")],
-                               args.skip_bad_rows)
-    val_chat_dir = validation.held_out_dir(args.val_chat_dir, next((s["path"] for s in sources if s["kind"] == "chat"),
-                                                                   None))
-    total_steps = args.steps or math.ceil(args.tokens / start.tokens_per_step)
-    loaders = [MixtureLoader(sources, start.tokenizer, start.micro_batch, start.seq_len, device=start.device,
-                             rank=start.rank * start.accum + j, world_size=start.world * start.accum, seed=args.seed,
-                             supervise=args.supervise, threads=train_loop.loader_threads(args, start.device),
-                             skip_bad_rows=args.skip_bad_rows)
-               for j in range(start.accum)]
-    data_dir = next((s["path"] for s in sources if s["kind"] == "text"), start.parent_meta.get("data_dir"))
-    lines = ["mixture (share of tokens): " + ", ".join(f"{s['name']} {s['share']:.0%} ({s['path']})" for s in sources)
-             + f"; loss on {args.supervise} conversation tokens", *skipped, args.budget_line,
-             f"budget: {total_steps:,} steps, {total_steps * start.tokens_per_step:,} tokens"]
-    return {"total_steps": total_steps, "loaders": loaders, "sources": sources, "val_chat_dir": val_chat_dir,
-            "lines": lines, "record": {"sources": sources, "supervise": args.supervise, "data_dir": data_dir}}
+    mixture = {s["name"]: {"tokens": int(tokens), "docs": int(docs), "share": tokens / total,
+                           "target": s["share"]}
+               for s, (tokens, docs) in zip(sources, counts, strict=True)}
+    if rank == 0:
+        print(f"mixture at step {step}: " + ", ".join(
+            f"{name} {m['share']:.1%} of {m['tokens']:,} tokens (target {m['target']:.0%}), "
+            f"{m['docs']:,} documents" for name, m in mixture.items()))
+    return mixture
 
 
 def main(argv=None):
     _, args = get_args(argv)
     if args.status:
         return train_loop.print_status(Path(args.status))
-    s = runs.start_stage(args, "midtrain", ["pretrain"], plan)
-    evaluator = partial(evaluate, args, s, validation.chat_val_batches(s.val_chat_dir, s.tokenizer, s.seq_len,
-                                                                       args.eval_rows, args.skip_bad_rows))
-    return runs.train_chat_stage(args, s, evaluator, lambda final: ({}, [
-        "mixture realized: " + ", ".join(f"{name} {m['tokens']:,} tokens ({m['share']:.1%}, target {m['target']:.0%}), "
-                                         f"{m['docs']:,} documents" for name, m in final["mixture"].items())]))
+    rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
+    parent, parent_meta, model, tokenizer, inherited, sha256 = chat_stage.load_parent(
+        args, "midtrain", ["pretrain"], device)
+    sharding = distributed.shard_model(model, args, world, device)
+    seq_len = args.sequence_len
+    # the rows' length; the model keeps the parent's rotary tables
+    config = replace(model.config, sequence_len=seq_len)
+    run_dir, resume_from = runs.resolve_run(args, "midtrain")
+    micro, accum, source = train_loop.plan_batch(args, config, world, model, device, resume_from,
+                                                 parent_meta)
+    tokens_per_step = micro * seq_len * world * accum
+    optimizers = optim.build_optimizers(model, args, config.n_embd, tokens_per_step, device,
+                                        lr_scale=args.lr_scale)
+
+    sources = parse_sources(args.source, parent_meta.get("data_dir"), args.add_source)
+    # a .jsonl chat source's bad lines: an error now, before any step (--skip_bad_rows: counted)
+    chats = [s["path"] for s in sources if s["kind"] == "chat"]
+    skipped = check_chat_files([f for path in chats for f in chat_files(path, "train")],
+                               args.skip_bad_rows)
+    val_chat_dir = chat_stage.held_out_dir(args.val_chat_dir, chats[0] if chats else None)
+    total_steps = args.steps or math.ceil(args.tokens / tokens_per_step)
+    # one loader per accumulation micro-step, as virtual rank rank * accum + j (pretrain.py's)
+    loaders = [MixtureLoader(sources, tokenizer, micro, seq_len, device=device,
+                             rank=rank * accum + j, world_size=world * accum, seed=args.seed,
+                             supervise=args.supervise, skip_bad_rows=args.skip_bad_rows,
+                             threads=train_loop.loader_threads(args, device))
+               for j in range(accum)]
+    texts = [s["path"] for s in sources if s["kind"] == "text"]
+    record = {"sources": sources, "supervise": args.supervise,
+              "data_dir": texts[0] if texts else parent_meta.get("data_dir"),
+              "parent": chat_stage.parent_record(parent, parent_meta, sha256.result())}
+    layout, run, ckpt_meta = runs.record_run(
+        args, "midtrain", parent_meta["model_config"], seq_len, micro, accum, world, total_steps,
+        tokens_per_step, tokenizer, num_params(config), record)
+    if rank == 0:
+        mixture = ", ".join(f"{s['name']} {s['share']:.0%} ({s['path']})" for s in sources)
+        runs.announce(args, run_dir, run, [
+            *chat_stage.parent_lines(parent, parent_meta, run["params"], inherited,
+                                     (micro, source)),
+            sharding, runs.batch_line(micro, seq_len, world, accum),
+            f"mixture (share of tokens): {mixture}; loss on {args.supervise} conversation tokens",
+            *skipped, args.budget_line,
+            f"budget: {total_steps:,} steps, {total_steps * tokens_per_step:,} tokens"],
+            optimizers, device)
+    if resume_from:
+        step = checkpoint.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank,
+                                 device)
+    else:
+        step, line = 0, chat_stage.warm_start(parent, parent_meta, model, optimizers, args, device)
+        if rank == 0:
+            print(line)
+
+    batches = chat_stage.chat_val_batches(val_chat_dir, tokenizer, seq_len, args.eval_rows,
+                                          args.skip_bad_rows)
+
+    def evaluate(step):  # the chat validation and the mixture so far (on every rank: it gathers)
+        figures = chat_stage.chat_validation(model, tokenizer, batches, args, rank, world, device,
+                                             run_dir, step)
+        return {**figures, "mixture": realized_mixture(loaders, sources, step, rank)}
+    train_model = train_loop.wrap_model(model, args, world, local_rank, device)
+    signum = train_loop.train(args, model, train_model, optimizers, loaders, run_dir=run_dir,
+                              start=step, total_steps=total_steps, ckpt_meta=ckpt_meta,
+                              evaluate=evaluate, flops_per_token=flops_per_token(config),
+                              rank=rank, world=world, device=device)
+    if signum is None:
+        figures = evaluate(total_steps)  # once: a second call would run the whole validation again
+        kept = chat_stage.forgetting(model, tokenizer, parent, parent_meta, args, rank, world,
+                                     device)
+        if rank == 0:
+            realized = ", ".join(f"{name} {m['tokens']:,} tokens ({m['share']:.1%}, target "
+                                 f"{m['target']:.0%}), {m['docs']:,} documents"
+                                 for name, m in figures["mixture"].items())
+            chat_stage.finish(run_dir, total_steps, figures, kept, {},
+                              [f"mixture realized: {realized}"])
+    close_all(loaders)
+    return signum
 
 
 if __name__ == "__main__":

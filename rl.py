@@ -17,26 +17,30 @@ Writes runs/<run_name>/: config.json, metrics.jsonl (every step: mean reward, re
 second; at each evaluation held-out pass@1 and pass@k), ckpt/step_XXXXXX/ (as every stage's), done.json.
 """
 import argparse
+import gc
 import json
 import math
 import signal
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
+import chat_stage
 import checkpoint
 import common
 import distributed
+import optim
 import runs
 import train_loop
 from calculator import ToolUse, reply_text
 from dataset import CACHE_DIR
 from decode import decode
-from model import autocast_context
+from model import autocast_context, num_params
 from tasks import demo_world, gsm8k_items, load_items, prompt_ids, reward
 
 # every lr is this fraction of the SFT parent's (0.3 of pretraining's), decaying linearly to 0: 0.06 of pretraining's,
@@ -84,7 +88,8 @@ def get_args(argv=None):
     g.add_argument("--eval_samples", type=int, default=8, help="k: replies sampled per held-out question (default: "
                    "%(default)s)")
     runs.add_run_args(p, "rl")
-    runs.add_init_args(p, ["sft"], lr_scale=RL_LR_SCALE, schedule="linear", warmdown_frac=0.2, why=RL_WHY)
+    chat_stage.add_init_args(p, ["sft"], lr_scale=RL_LR_SCALE, schedule="linear", warmdown_frac=0.2,
+                             why=RL_WHY)
     args = train_loop.parse_stage_args(p, argv, ["epochs", "steps"], default=("epochs", 1.0))
     if min(args.questions_per_step, args.samples, args.max_new_tokens, args.eval_samples, args.rollout_questions) < 1 \
             or args.temperature < 0:
@@ -176,7 +181,8 @@ def policy_gradient(train_model, rows, weights, micro_batch, dtype, device, worl
 def evaluate(model, tokenizer, items, args, rank, world, step, stopping=lambda: False):
     """Held-out pass@1 (the share of right replies, averaged over questions) and pass@k (the share of questions with
     a right reply among k = --eval_samples) at the training temperature, seeded by the questions' positions so that
-    evaluations differ by the model only. None when stopping() said so between groups."""
+    evaluations differ by the model only; rank 0 prints them. None when stopping() said so
+    between groups."""
     right = torch.zeros(len(items), dtype=torch.float64)  # each question's right replies
     mine, k = list(range(rank, len(items), world)), args.eval_samples
     for chunk in [mine[c:c + args.rollout_questions] for c in range(0, len(mine), args.rollout_questions)]:
@@ -189,9 +195,12 @@ def evaluate(model, tokenizer, items, args, rank, world, step, stopping=lambda: 
             right[i] = sum(reward(items[i], reply_text(tokenizer, strip_end(r, tokenizer)))
                            for r in replies[j * k:(j + 1) * k])
     distributed.all_reduce_tensor(right)
-    return {"step": step, "k": k, "items": len(items), "all": {"pass@1": (right / k).mean().item(),
-                                                               f"pass@{k}": (right > 0).double().mean().item(),
-                                                               "items": len(items)}}
+    held = {"pass@1": (right / k).mean().item(), f"pass@{k}": (right > 0).double().mean().item(),
+            "items": len(items)}
+    if rank == 0:
+        print(f"held out at step {step}: all pass@1 {held['pass@1']:.3f} pass@{k} "
+              f"{held[f'pass@{k}']:.3f} ({held['items']} questions)", flush=True)
+    return {"step": step, "k": k, "items": len(items), "all": held}
 
 
 def strip_end(reply, tokenizer):
@@ -199,15 +208,12 @@ def strip_end(reply, tokenizer):
 
 
 class Cursor:
-    """RL's data position in a checkpoint (the other stages' loader state): the questions taken and this rank's
-    sampled tokens. The questions and seeds are a function of the step, so this only records it."""
+    """RL's data position in a checkpoint (the other stages' loader state, which
+    checkpoint.resume restores): the questions taken and this rank's sampled tokens. The
+    questions and seeds are a function of the step, so this only records it."""
 
-    def __init__(self, questions):
-        self.state, self.questions = {"questions": 0, "stats": {"tokens": 0}}, questions
-
-    @property
-    def epoch(self):  # passes over the training questions completed (the shared loop's record counts from 1)
-        return self.state["questions"] // self.questions
+    def __init__(self):
+        self.state = {"questions": 0, "stats": {"tokens": 0}}
 
     def state_dict(self):
         return {"questions": self.state["questions"], "stats": dict(self.state["stats"])}
@@ -231,29 +237,162 @@ def verdict(records):
             "held_out_pass@1_last": held[1], "note": note}
 
 
-def plan(args, start):
-    """What runs.start_stage asks of RL: the training questions, the held-out ones and the total steps."""
-    data_dir = (checkpoint.pretraining_run(start.parent, start.parent_meta) or [None])[0]
+@contextmanager
+def sampling_threads(device):
+    """CPU_ROLLOUT_THREADS while sampling on the CPU, then the training's threads again."""
+    train_threads = torch.get_num_threads()
+    torch.set_num_threads(CPU_ROLLOUT_THREADS if device.type == "cpu" else train_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(train_threads)
+
+
+def rl_step(args, model, train_model, optimizers, cursor, tokenizer, items, step, total_steps,
+            micro_batch, rank, world, device, run_dir, stopping):
+    """One step: rollouts of this rank's share of the step's questions, rewards, the policy
+    gradient, and the optimizer step as train_loop.train takes it. Returns the step's record, or
+    None when stopping() said so during the rollouts (between groups of questions)."""
+    t0 = time.perf_counter()
+    lr_mult, wd = optim.apply_schedule(optimizers, step, total_steps, args)
+    chosen = step_items(step, args.questions_per_step, len(items), args.seed)
+    rows, rewards, lengths, tokens = [], [], [], 0
+    mine, n, group = list(range(rank, len(chosen), world)), args.samples, args.rollout_questions
+    with sampling_threads(device):
+        for chunk in [mine[c:c + group] for c in range(0, len(mine), group)]:
+            if stopping():
+                return None
+            questions = [items[chosen[position]] for position in chunk]
+            prompts = [prompt_ids(tokenizer, item["prompt"], args.sequence_len, 1)[0]
+                       for item in questions]
+            all_replies, all_sampled = sample_groups(
+                model, tokenizer, prompts, n, args.max_new_tokens, args.temperature, args.top_k,
+                sampling_seed(args.seed, step, chunk[0]), args.dtype)
+            for j, (item, prompt) in enumerate(zip(questions, prompts, strict=True)):
+                replies, sampled = all_replies[j * n:(j + 1) * n], all_sampled[j * n:(j + 1) * n]
+                rewards += [reward(item, reply_text(tokenizer, strip_end(r, tokenizer)))
+                            for r in replies]
+                lengths += [len(r) for r in replies]
+                tokens += sum(map(sum, sampled))
+                rows += training_rows(prompt, replies, sampled, tokenizer.bos_id)
+    rollout = time.perf_counter() - t0
+    loss_sum, count = policy_gradient(train_model, rows, advantages(rewards, n), micro_batch,
+                                      args.dtype, device, world)
+    sums = distributed.all_reduce_tensor(torch.tensor([sum(rewards), len(rewards), sum(lengths),
+                                                       tokens], dtype=torch.float64)).tolist()
+    rollout = distributed.all_reduce(rollout, torch.distributed.ReduceOp.MAX if world > 1 else None)
+    cursor.state["questions"] = (step + 1) * args.questions_per_step
+    cursor.state["stats"]["tokens"] += tokens
+    norm = train_loop.clip_grad_norm(model.parameters(), args.grad_clip or float("inf"))
+    for opt in optimizers:
+        opt.step()
+    model.zero_grad(set_to_none=world == 1)  # DDP's gradients are views into its buckets
+    loss, count, grad_norm = train_loop.read_step(loss_sum, count, norm, device)
+    train_loop.stop_if_not_finite(loss, grad_norm, step + 1, run_dir)
+    dt = time.perf_counter() - t0
+    return {"step": step + 1, "loss": loss, "targets": int(count), "lr_mult": lr_mult,
+            "weight_decay": wd, "lr": {g["name"]: g["lr"] for opt in optimizers for g in opt.param_groups},
+            "grad_norm": grad_norm,
+            "tokens": int(distributed.all_reduce(cursor.state["stats"]["tokens"])),
+            "tok_per_s": sums[3] / dt, "data_wait": 0.0,
+            "epoch": cursor.state["questions"] // len(items) + 1, "mfu": "unknown", "step_time": dt,
+            **train_loop.cuda_memory(device), "reward": sums[0] / sums[1],
+            "sampled_tokens": int(sums[3]), "reply_tokens": sums[2] / sums[1],
+            "sampled_tok_per_s": sums[3] / rollout, "rollout_time": rollout}
+
+
+@train_loop.frozen_heap
+def train(args, model, train_model, optimizers, cursor, tokenizer, items, held_out, stop, *,
+          micro_batch, run_dir, start, total_steps, ckpt_meta, rank, world, device):
+    """rl_step's steps start..total_steps-1 with the training loop's records, health checks, signals and
+    checkpoints (train_loop's pieces), and a held-out evaluation before step 1 and every --eval_every steps.
+    Returns None when every step ran, else the signal that stopped the run after its checkpoint."""
+    log = train_loop.Log(args, run_dir, start, total_steps, rank == 0)
+    saver = train_loop.Saver(args, run_dir, model, optimizers, [cursor], ckpt_meta, rank, start, log, stop)
+    # no frozen-parameter check: a step changes nothing when every reply scores alike
+    health = train_loop.Health(model, optimizers, args, start, rank == 0, frozen_check=False)
+    step_seconds, eval_seconds = [], []  # the ETA's: steps and evaluations take their own times
+    distributed.keep_progress(run_dir, "rl")
+    distributed.mark_progress(start, "starting")
+
+    def held_out_eval(step):  # None: a signal on some rank between groups of questions
+        t0 = time.perf_counter()
+        with sampling_threads(device):
+            result = evaluate(model, tokenizer, held_out, args, rank, world, step, stop.requested)
+        eval_seconds.append(time.perf_counter() - t0)
+        return None if result is None else {"held_out": result}
+
+    if start == 0:
+        first = held_out_eval(0)
+        if first is None:
+            return saver.stopped(0, "in the evaluation before step 1")
+        log.write({"step": 0, **first})
+    gc.collect()  # start-up's garbage, then what survives it out of every later collection
+    gc.freeze()
+    for step in range(start, total_steps):
+        distributed.mark_progress(step + 1, "forward/backward")
+        record = rl_step(args, model, train_model, optimizers, cursor, tokenizer, items, step,
+                         total_steps, micro_batch, rank, world, device, run_dir, stop.requested)
+        if record is None:  # rollouts can take minutes: the step is dropped, the last one saved
+            return saver.stopped(step, f"during step {step + 1}'s rollouts")
+        health.check(record)
+        step_seconds.append(record["step_time"])
+        last_step = step + 1 == total_steps
+        if args.eval_every and (step + 1) % args.eval_every == 0 and not last_step:
+            distributed.mark_progress(step + 1, "evaluation")
+            evaluated = held_out_eval(step + 1)
+            if evaluated is None:
+                log.write(record)
+                return saver.stopped(step + 1, f"in the evaluation after step {step + 1}")
+            record.update(evaluated)
+        log.step(record, progress_line(record, total_steps, args.eval_every, step_seconds, eval_seconds))
+        if stop.requested():
+            return saver.stopped(step + 1, f"at step {step + 1}")
+        if (step + 1) % args.ckpt_every == 0 or last_step:
+            saver.save(step + 1, last_step)
+    distributed.mark_progress(total_steps, "trained: final evaluation")
+    return None
+
+
+def progress_line(record, total_steps, eval_every, step_seconds, eval_seconds):
+    """The step's line, its ETA from the mean seconds of a step and of a held-out evaluation."""
+    eval_s = sum(eval_seconds) / len(eval_seconds) if eval_seconds else 0.0
+    eta = eta_seconds(record["step"], total_steps, eval_every,
+                      sum(step_seconds) / len(step_seconds), eval_s)
+    return (f"step {record['step']}/{total_steps} reward {record['reward']:.3f} loss "
+            f"{record['loss']:+.5f} reply {record['reply_tokens']:.1f} tokens, "
+            f"{record['sampled_tok_per_s']:,.0f} sampled tok/s, lr x{record['lr_mult']:.3f} gnorm "
+            f"{record['grad_norm']:.3f} ETA {common.fmt_duration(eta)}")
+
+
+def load_tasks(args, parent, parent_meta, rank, world):
+    """(training questions, held-out ones, the pretraining corpus, what they are in words): the
+    demo world's where --demo says so (by default the world the parent was trained on), else
+    GSM8K's."""
+    data_dir = (checkpoint.pretraining_run(parent, parent_meta) or [None])[0]
     world_dir = demo_world(args.demo, data_dir, "problems")
     train_items = gsm8k_items(world_dir / "problems" if world_dir else args.train_dir)
+    name = "demo-problems" if world_dir else "GSM8K"
     held_out = distributed.fetch_everywhere(
-        lambda: load_items("demo-problems" if world_dir else "GSM8K", args.cache_dir, world_dir, args.eval_items)[0],
-        start.rank, start.world)
-    if args.questions_per_step < start.world:
-        raise ValueError(f"--questions_per_step {args.questions_per_step} is fewer than the {start.world} ranks: give "
-                         f"each rank at least one question")
-    total_steps = args.steps or math.ceil(args.epochs * len(train_items) / args.questions_per_step)
-    tasks = f"the demo world {world_dir} (problems/ word problems; held out: demo-problems)" if world_dir \
-        else f"GSM8K {args.train_dir} (held out: GSM8K test from {args.cache_dir})"
-    rollouts = (f"rollouts: {args.questions_per_step} questions x {args.samples} replies per step over {start.world} "
-                f"rank(s), temperature {args.temperature}, top_k {args.top_k}, at most {args.max_new_tokens} new "
-                f"tokens, {args.rollout_questions} questions' replies decoded together; {start.micro_batch} rows per "
-                f"training forward; compile off (the rows' lengths change every step)")
-    lines = [f"tasks: {tasks}: {len(train_items):,} training questions, {len(held_out):,} held out", rollouts,
-             args.budget_line, f"budget: {total_steps:,} steps" + (f" = {args.epochs:g} epochs" if args.epochs else "")]
-    return {"total_steps": total_steps, "loaders": [Cursor(len(train_items))], "train_items": train_items, "held_out": held_out,
-            "lines": lines, "record": {"data_dir": data_dir, "tasks": tasks, "train_questions": len(train_items),
-                                       "held_out_questions": len(held_out)}}
+        lambda: load_items(name, args.cache_dir, world_dir, args.eval_items)[0], rank, world)
+    tasks = f"GSM8K {args.train_dir} (held out: GSM8K test from {args.cache_dir})"
+    if world_dir:
+        tasks = f"the demo world {world_dir} (problems/ word problems; held out: demo-problems)"
+    return train_items, held_out, data_dir, tasks
+
+
+def finish(run_dir, total_steps, final):
+    """Rank 0's end: the final held-out figures in metrics.jsonl, done.json with the verdict."""
+    metrics = run_dir / "metrics.jsonl"
+    common.append_jsonl(metrics, {"step": total_steps, "final": True, "held_out": final})
+    summary = verdict([json.loads(line) for line in metrics.read_text().splitlines()])
+    (run_dir / "done.json").write_text(json.dumps({"step": total_steps, **summary,
+                                                   "held_out": final}))
+    print(f"reward {summary['reward_first_fifth']:.3f} -> {summary['reward_last_fifth']:.3f} "
+          f"(first and last fifth of the steps); held-out pass@1 "
+          f"{summary['held_out_pass@1_first']:.3f} -> {summary['held_out_pass@1_last']:.3f}: "
+          f"{summary['note']}")
+    print(f"done: {total_steps} steps, run dir {run_dir}")
 
 
 def main(argv=None):
@@ -261,98 +400,77 @@ def main(argv=None):
     if args.status:
         return train_loop.print_status(Path(args.status))
     if args.fsdp == "true":
-        raise ValueError("--fsdp true: rl.py does not shard the model (each rank samples replies of its own length, "
-                         "which FSDP's per-layer gathers cannot follow); use a model that fits one device")
-    s = runs.start_stage(args, "rl", ["sft"], plan, rollouts=True)
-    rank, world, device, model, tokenizer, run_dir = s.rank, s.world, s.device, s.model, s.tokenizer, s.run_dir
-    master, (cursor,), stop = rank == 0, s.loaders, train_loop.StopSignal()
-    # dynamic=None: the replies' lengths vary, so torch marks the shapes dynamic after a first change
-    train_model = train_loop.wrap_model(model, args, world, s.local_rank, device, dynamic=None)
-    train_threads = torch.get_num_threads()
-    rollout_threads = CPU_ROLLOUT_THREADS if device.type == "cpu" else train_threads
-    # the ETA's two rates, steps and held-out evaluations: the shared loop's would count evaluations as steps
-    eval_seconds, step_seconds = [], []
+        raise ValueError("--fsdp true: rl.py does not shard the model (each rank samples replies "
+                         "of its own length, which FSDP's per-layer gathers cannot follow); use a "
+                         "model that fits one device")
+    rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
+    parent, parent_meta, model, tokenizer, inherited, sha256 = chat_stage.load_parent(
+        args, "rl", ["sft"], device)
+    args.compile = False  # every step's rows have other lengths: a compiled model would recompile
+    off = (False, "off in rl.py: the rows change length every step")
+    inherited = [(name, *off) if name == "compile" else (name, value, where)
+                 for name, value, where in inherited]
+    # the rows' length; the model keeps the parent's rotary tables
+    config = replace(model.config, sequence_len=args.sequence_len)
+    run_dir, resume_from = runs.resolve_run(args, "rl")
+    # a step's batch is its replies: no accumulation; --total_batch_tokens only scales the lrs
+    micro, _, source = train_loop.plan_batch(args, config, world, model, device, resume_from,
+                                             parent_meta, accumulate=False)
+    optimizers = optim.build_optimizers(model, args, config.n_embd, args.total_batch_tokens, device,
+                                        lr_scale=args.lr_scale)
 
-    def held_out_eval(step):  # None: a signal on some rank between groups of questions, seen by all at once
-        t0 = time.perf_counter()
-        torch.set_num_threads(rollout_threads)
-        result = evaluate(model, tokenizer, s.held_out, args, rank, world, step, stop.requested)
-        torch.set_num_threads(train_threads)
-        if result is None:
-            return None
-        eval_seconds.append(time.perf_counter() - t0)
-        if master:
-            k, held = result["k"], result["all"]
-            print(f"held out at step {step}: all pass@1 {held['pass@1']:.3f} pass@{k} {held[f'pass@{k}']:.3f} "
-                  f"({held['items']} questions)", flush=True)
-        return {"held_out": result}
+    train_items, held_out, data_dir, tasks = load_tasks(args, parent, parent_meta, rank, world)
+    if args.questions_per_step < world:
+        raise ValueError(f"--questions_per_step {args.questions_per_step} is fewer than the "
+                         f"{world} ranks: give each rank at least one question")
+    total_steps = args.steps or math.ceil(args.epochs * len(train_items) / args.questions_per_step)
+    record = {"data_dir": data_dir, "tasks": tasks, "train_questions": len(train_items),
+              "held_out_questions": len(held_out),
+              "parent": chat_stage.parent_record(parent, parent_meta, sha256.result())}
+    layout, run, ckpt_meta = runs.record_run(
+        args, "rl", parent_meta["model_config"], args.sequence_len, micro, 1, world, total_steps,
+        args.total_batch_tokens, tokenizer, num_params(config), record)
+    if rank == 0:
+        rollouts = (f"rollouts: {args.questions_per_step} questions x {args.samples} replies per "
+                    f"step over {world} rank(s), temperature {args.temperature}, top_k "
+                    f"{args.top_k}, at most {args.max_new_tokens} new tokens, "
+                    f"{args.rollout_questions} questions' replies decoded together; {micro} rows "
+                    f"per training forward; compile off (the rows' lengths change every step)")
+        in_epochs = f" = {args.epochs:g} epochs" if args.epochs else ""
+        runs.announce(args, run_dir, run, [
+            *chat_stage.parent_lines(parent, parent_meta, run["params"], inherited,
+                                     (micro, source)),
+            f"tasks: {tasks}: {len(train_items):,} training questions, {len(held_out):,} held out",
+            rollouts, args.budget_line, f"budget: {total_steps:,} steps{in_epochs}"],
+            optimizers, device)
+    cursor = Cursor()
+    if resume_from:
+        step = checkpoint.resume(resume_from, run_dir, model, optimizers, [cursor], layout, rank,
+                                 device)
+    else:
+        step, line = 0, chat_stage.warm_start(parent, parent_meta, model, optimizers, args, device)
+        if rank == 0:
+            print(line)
 
-    def rl_step(step):
-        """The shared loop's step hook: the step's rollouts, rewards and policy gradient."""
-        t0 = time.perf_counter()
-        chosen = step_items(step, args.questions_per_step, len(s.train_items), args.seed)
-        torch.set_num_threads(rollout_threads)
-        rows, rewards, lengths, sampled_tokens = [], [], [], 0
-        mine, n = list(range(rank, len(chosen), world)), args.samples
-        for chunk in [mine[c:c + args.rollout_questions] for c in range(0, len(mine), args.rollout_questions)]:
-            if stop.requested():  # a step's rollouts can take minutes: the step is dropped, the last finished one saved
-                return f"during step {step + 1}'s rollouts"
-            items = [s.train_items[chosen[position]] for position in chunk]
-            prompts = [prompt_ids(tokenizer, item["prompt"], args.sequence_len, 1)[0] for item in items]
-            all_replies, all_sampled = sample_groups(model, tokenizer, prompts, n, args.max_new_tokens,
-                                                     args.temperature, args.top_k,
-                                                     sampling_seed(args.seed, step, chunk[0]), args.dtype)
-            for j, (item, prompt) in enumerate(zip(items, prompts, strict=True)):
-                replies, sampled = all_replies[j * n:(j + 1) * n], all_sampled[j * n:(j + 1) * n]
-                rewards += [reward(item, reply_text(tokenizer, strip_end(r, tokenizer))) for r in replies]
-                lengths += [len(r) for r in replies]
-                sampled_tokens += sum(map(sum, sampled))
-                rows += training_rows(prompt, replies, sampled, tokenizer.bos_id)
-        rollout = time.perf_counter() - t0
-        torch.set_num_threads(train_threads)
-        loss_sum, count = policy_gradient(train_model, rows, advantages(rewards, args.samples), s.micro_batch,
-                                      args.dtype, device, world)
-        sums = distributed.all_reduce_tensor(torch.tensor([sum(rewards), len(rewards), sum(lengths), sampled_tokens],
-                                                          dtype=torch.float64)).tolist()
-        rollout = distributed.all_reduce(rollout, torch.distributed.ReduceOp.MAX if world > 1 else None)
-        cursor.state["questions"] = (step + 1) * args.questions_per_step
-        cursor.state["stats"]["tokens"] += sampled_tokens
-        step_seconds.append(time.perf_counter() - t0)  # the optimizer step after it is not in: small beside these
-        return loss_sum, count, sums[3], {
-            "reward": sums[0] / sums[1], "sampled_tokens": int(sums[3]), "reply_tokens": sums[2] / sums[1],
-            "sampled_tok_per_s": sums[3] / rollout, "rollout_time": rollout, "mfu": "unknown"}
-
-    def progress(record, total_steps):
-        eta = eta_seconds(record["step"], total_steps, args.eval_every, sum(step_seconds) / len(step_seconds),
-                          sum(eval_seconds) / len(eval_seconds) if eval_seconds else 0.0)
-        return (f"step {record['step']}/{total_steps} reward {record['reward']:.3f} loss {record['loss']:+.5f} reply "
-                f"{record['reply_tokens']:.1f} tokens, {record['sampled_tok_per_s']:,.0f} sampled tok/s, lr x"
-                f"{record['lr_mult']:.3f} gnorm {record['grad_norm']:.3f} ETA {common.fmt_duration(eta)}")
-
-    signum = train_loop.train(args, model, train_model, s.optimizers, s.loaders, run_dir=run_dir, start=s.step,
-                              total_steps=s.total_steps, ckpt_meta=s.ckpt_meta, evaluate=held_out_eval,
-                              flops_per_token=0, rank=rank, world=world, device=device, step_fn=rl_step, stop=stop,
-                              evaluate_first=True, progress=progress)
+    stop = train_loop.StopSignal()
+    # dynamic=None: the replies' lengths vary, so torch marks the shapes dynamic after a change
+    train_model = train_loop.wrap_model(model, args, world, local_rank, device, dynamic=None)
+    signum = train(args, model, train_model, optimizers, cursor, tokenizer, train_items, held_out,
+                   stop, micro_batch=micro, run_dir=run_dir, start=step, total_steps=total_steps,
+                   ckpt_meta=ckpt_meta, rank=rank, world=world, device=device)
     if signum is not None:
         return signum
-    total_steps = s.total_steps
-    final = held_out_eval(total_steps)
+    with sampling_threads(device):
+        final = evaluate(model, tokenizer, held_out, args, rank, world, total_steps, stop.requested)
     if final is None:
-        if master:
-            print(f"stopped by signal in the final held-out evaluation; step {total_steps}'s checkpoint is on disk. "
-                  f"Resume with: {checkpoint.resume_command(args)}", flush=True)
+        if rank == 0:
+            print(f"stopped by signal in the final held-out evaluation; step {total_steps}'s "
+                  f"checkpoint is on disk. Resume with: {checkpoint.resume_command(args)}",
+                  flush=True)
         return stop.signum or signal.SIGTERM
-    if master:
-        common.append_jsonl(run_dir / "metrics.jsonl", {"step": total_steps, "final": True, **final})
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        summary = verdict(records)
-        (run_dir / "done.json").write_text(json.dumps({"step": total_steps, **summary, "held_out": final["held_out"]}))
-        print(f"reward {summary['reward_first_fifth']:.3f} -> {summary['reward_last_fifth']:.3f} (first and last "
-              f"fifth of the steps); held-out pass@1 {summary['held_out_pass@1_first']:.3f} -> "
-              f"{summary['held_out_pass@1_last']:.3f}: {summary['note']}")
-        print(f"done: {total_steps} steps, run dir {run_dir}")
+    if rank == 0:
+        finish(run_dir, total_steps, final)
     return None
-
 
 if __name__ == "__main__":
     sys.exit(distributed.run_main(main))

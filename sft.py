@@ -16,17 +16,30 @@ import argparse
 import math
 import random
 import sys
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
 import torch
 
+import chat_stage
+import checkpoint
 import distributed
+import optim
 import runs
 import train_loop
-import validation
 from dataset import chat_rows, check_chat_files, mixture_files, parse_chat_sources
-from loader import STAT_KEYS, PieceBuffer, assign_units, chat_loader, pack_batch, read_footers, unit_rows
+from loader import (
+    STAT_KEYS,
+    PieceBuffer,
+    assign_units,
+    chat_loader,
+    close_all,
+    pack_batch,
+    read_footers,
+    unit_rows,
+)
+from model import flops_per_token, num_params
 
 # nanochat's SFT epochs (SmolTalk 1, MMLU auxiliary_train 3, GSM8K 4), plus ARC's training questions and identity
 DEFAULT_SOURCES = ["smoltalk:1", "mmlu:3", "gsm8k:4", "arc-easy:1", "arc-challenge:1", "identity:2"]
@@ -50,10 +63,10 @@ def get_args(argv=None):
                    "(default: the --source mixture)")
     g.add_argument("--seed", type=int, default=0, help="shuffles the conversations, anew every epoch (default: "
                    "%(default)s)")
-    runs.add_chat_stage_args(p, g, "sft", ["midtrain", "pretrain"],
-                             [("epochs", float, "passes over the mixture (default: 1, as nanochat)"),
-                              ("steps", int, "optimizer steps")],
-                             eval_every=100, lr_scale=SFT_LR_SCALE, warmdown_frac=SFT_WARMDOWN, why=SFT_WHY)
+    budgets = [("epochs", float, "passes over the mixture (default: 1, as nanochat)"),
+               ("steps", int, "optimizer steps")]
+    chat_stage.add_chat_stage_args(p, g, "sft", ["midtrain", "pretrain"], budgets, eval_every=100,
+                                   lr_scale=SFT_LR_SCALE, warmdown_frac=SFT_WARMDOWN, why=SFT_WHY)
     args = train_loop.parse_stage_args(p, argv, ["epochs", "steps"], default=("epochs", 1.0))
     if args.chat_dir and args.source:
         p.error("give --chat_dir or --source, not both")
@@ -75,7 +88,8 @@ def estimate_epoch_batches(args, tokenizer, micro, seq_len, streams):
     stream's conversations come from the parquet footers, each file's rendered length and skipped share from its first
     SAMPLE_ROWS, row fill from those packed together. Returns (batches, the line that says how)."""
     files = mixture_files(args.sources)
-    # only renders: bad lines of a .jsonl file (plan has stopped at them, or is skipping them) render as skipped
+    # only renders: bad lines of a .jsonl file (main has stopped at them, or is skipping them)
+    # render as skipped
     renderer = chat_loader(None, "train", tokenizer, micro, seq_len, files=files[:1], threads=1, skip_bad_rows=True)
     per_file, kept = {}, {}  # path: (share of its conversations kept, their mean rendered tokens); the kept ones
     footers = read_footers(files)
@@ -124,45 +138,85 @@ def packing(loaders):
             "padding": stats["padding"] / positions, "skipped": {k: int(stats[k]) for k in reasons}}
 
 
-def plan(args, start):
-    """What runs.start_stage asks of SFT: its total steps (an epoch estimated: estimate_epoch_batches) and loaders."""
-    files = mixture_files(args.sources)
-    # a .jsonl source's bad lines: an error now, before any step (or, --skip_bad_rows, a line saying how many)
-    skipped = check_chat_files(files, args.skip_bad_rows)
-    epoch_batches, estimate = estimate_epoch_batches(args, start.tokenizer, start.micro_batch, start.seq_len,
-                                                     start.world * start.accum) if args.epochs else (None, None)
-    total_steps = args.steps or math.ceil(args.epochs * epoch_batches)
-    loaders = [chat_loader(None, "train", start.tokenizer, start.micro_batch, start.seq_len, files=files,
-                           rank=start.rank * start.accum + j, world_size=start.world * start.accum,
-                           device=start.device, seed=args.seed, threads=train_loop.loader_threads(args, start.device),
-                           skip_bad_rows=args.skip_bad_rows)
-               for j in range(start.accum)]
-    lines = ["mixture (passes per epoch): " + ", ".join(f"{path} x{epochs}" for path, epochs in args.sources)
-             + "; tokens per step count the padding", *skipped, args.budget_line,
-             f"budget: {total_steps:,} steps" + (f" = {args.epochs:g} epochs of about {epoch_batches:,} batches "
-                                                 f"({estimate}); the loader says when each epoch ends"
-                                                 if args.epochs else "")]
-    return {"total_steps": total_steps, "loaders": loaders, "lines": lines, "record": {
-        "chat_dir": str(args.sources[0][0]), "sources": [{"path": str(path), "epochs": epochs}
-                                                          for path, epochs in args.sources]}}
-
-
 def main(argv=None):
     _, args = get_args(argv)
     if args.status:
         return train_loop.print_status(Path(args.status))
-    val_chat_dir = validation.held_out_dir(args.val_chat_dir, args.sources[0][0])  # before the model loads
-    s = runs.start_stage(args, "sft", ["midtrain", "pretrain"], plan)
-    evaluator = partial(validation.chat_validation, args, s, validation.chat_val_batches(
-        val_chat_dir, s.tokenizer, s.seq_len, args.eval_rows, args.skip_bad_rows))
+    # before the model loads
+    val_chat_dir = chat_stage.held_out_dir(args.val_chat_dir, args.sources[0][0])
+    rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
+    parent, parent_meta, model, tokenizer, inherited, sha256 = chat_stage.load_parent(
+        args, "sft", ["midtrain", "pretrain"], device)
+    sharding = distributed.shard_model(model, args, world, device)
+    seq_len = args.sequence_len
+    # the rows' length; the model keeps the parent's rotary tables
+    config = replace(model.config, sequence_len=seq_len)
+    run_dir, resume_from = runs.resolve_run(args, "sft")
+    micro, accum, source = train_loop.plan_batch(args, config, world, model, device, resume_from,
+                                                 parent_meta)
+    tokens_per_step = micro * seq_len * world * accum
+    optimizers = optim.build_optimizers(model, args, config.n_embd, tokens_per_step, device,
+                                        lr_scale=args.lr_scale)
 
-    def summarize(_):  # on every rank: packing gathers from all of them
-        rows = packing(s.loaders)
-        line = (f"rows: {rows['tokens']:,} token positions, {rows['supervised']:.1%} supervised, "
-                f"{rows['padding']:.1%} padding; conversations skipped: {rows['skipped']}")
-        return {"rows": rows}, [line]
-    return runs.train_chat_stage(args, s, evaluator, summarize)
+    files = mixture_files(args.sources)
+    # a .jsonl source's bad lines: an error now, before any step (--skip_bad_rows: counted)
+    skipped = check_chat_files(files, args.skip_bad_rows)
+    epoch_batches, estimate = None, None
+    if args.epochs:
+        epoch_batches, estimate = estimate_epoch_batches(args, tokenizer, micro, seq_len,
+                                                         world * accum)
+    total_steps = args.steps or math.ceil(args.epochs * epoch_batches)
+    # one loader per accumulation micro-step, as virtual rank rank * accum + j (pretrain.py's)
+    loaders = [chat_loader(None, "train", tokenizer, micro, seq_len, files=files,
+                           rank=rank * accum + j, world_size=world * accum, device=device,
+                           seed=args.seed, threads=train_loop.loader_threads(args, device),
+                           skip_bad_rows=args.skip_bad_rows)
+               for j in range(accum)]
+    record = {"chat_dir": str(args.sources[0][0]),
+              "sources": [{"path": str(path), "epochs": epochs} for path, epochs in args.sources],
+              "parent": chat_stage.parent_record(parent, parent_meta, sha256.result())}
+    layout, run, ckpt_meta = runs.record_run(
+        args, "sft", parent_meta["model_config"], seq_len, micro, accum, world, total_steps,
+        tokens_per_step, tokenizer, num_params(config), record)
+    if rank == 0:
+        passes = ", ".join(f"{path} x{epochs}" for path, epochs in args.sources)
+        in_epochs = (f" = {args.epochs:g} epochs of about {epoch_batches:,} batches ({estimate}); "
+                     f"the loader says when each epoch ends" if args.epochs else "")
+        runs.announce(args, run_dir, run, [
+            *chat_stage.parent_lines(parent, parent_meta, run["params"], inherited,
+                                     (micro, source)),
+            sharding, runs.batch_line(micro, seq_len, world, accum),
+            f"mixture (passes per epoch): {passes}; tokens per step count the padding", *skipped,
+            args.budget_line, f"budget: {total_steps:,} steps{in_epochs}"], optimizers, device)
+    if resume_from:
+        step = checkpoint.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank,
+                                 device)
+    else:
+        step, line = 0, chat_stage.warm_start(parent, parent_meta, model, optimizers, args, device)
+        if rank == 0:
+            print(line)
 
+    batches = chat_stage.chat_val_batches(val_chat_dir, tokenizer, seq_len, args.eval_rows,
+                                          args.skip_bad_rows)
+    evaluate = partial(chat_stage.chat_validation, model, tokenizer, batches, args, rank, world,
+                       device, run_dir)
+    train_model = train_loop.wrap_model(model, args, world, local_rank, device)
+    signum = train_loop.train(args, model, train_model, optimizers, loaders, run_dir=run_dir,
+                              start=step, total_steps=total_steps, ckpt_meta=ckpt_meta,
+                              evaluate=evaluate, flops_per_token=flops_per_token(config),
+                              rank=rank, world=world, device=device)
+    if signum is None:
+        figures = evaluate(total_steps)  # once: a second call would run the whole validation again
+        rows = packing(loaders)  # on every rank: it gathers from all of them
+        kept = chat_stage.forgetting(model, tokenizer, parent, parent_meta, args, rank, world,
+                                     device)
+        if rank == 0:
+            line = (f"rows: {rows['tokens']:,} token positions, {rows['supervised']:.1%} "
+                    f"supervised, {rows['padding']:.1%} padding; conversations skipped: "
+                    f"{rows['skipped']}")
+            chat_stage.finish(run_dir, total_steps, figures, kept, {"rows": rows}, [line])
+    close_all(loaders)
+    return signum
 
 if __name__ == "__main__":
     sys.exit(distributed.run_main(main))

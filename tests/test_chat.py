@@ -20,8 +20,8 @@ import torch
 from helpers import ROOT, held_out_questions, run_in_process
 
 import chat
+import chat_stage
 import checkpoint
-import validation
 from decode import decode
 from model import GPTConfig, KVCache, build_model
 from tokenizer import Tokenizer
@@ -276,11 +276,12 @@ def run_chat(args, stdin, cwd):
 
 def test_prompt_from_stdin_answers_a_held_out_demo_question(chat_chain, demo_world):
     """The SFT model of the demo chain, found by itself (newest sft under --runs_dir), greedy, through `-p -`: the
-    reply is validation.chat_answers's greedy answer (decode.decode), and it is right."""
+    reply is chat_stage.chat_answers's greedy answer (decode.decode), and it is right."""
     tokenizer = Tokenizer.load(demo_world / "tokenizer")
     model, _ = checkpoint.load_model(chat_chain["sft"], torch.device("cpu"))
     for question, expected in held_out_questions():
-        answer = validation.chat_answers(model, tokenizer, [question], "float32", max_tokens=24)[0]["answer"]
+        answer = chat_stage.chat_answers(model, tokenizer, [question], "float32",
+                                         max_tokens=24)[0]["answer"]
         if expected.lower() in answer.lower():
             break
     else:

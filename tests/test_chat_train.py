@@ -8,13 +8,12 @@ import pytest
 import torch
 from helpers import held_out_questions, run_in_process
 
+import chat_stage
 import checkpoint
 import dataset as D
 import loader as L
 import midtrain
-import runs
 import sft
-import validation
 from decode import decode
 from model import GPTConfig, build_model
 from tokenizer import Tokenizer, train_tokenizer
@@ -24,7 +23,8 @@ def score(path, tokenizer, questions, chat):
     """Share of questions whose greedy answer contains the expected word, and the share of answers that ended."""
     model, _ = checkpoint.load_model(path, torch.device("cpu"))
     if chat:
-        answers = validation.chat_answers(model, tokenizer, [q for q, _ in questions], "float32", max_tokens=24)
+        answers = chat_stage.chat_answers(model, tokenizer, [q for q, _ in questions], "float32",
+                                          max_tokens=24)
     else:  # a base model completes text: the question, then the start of an answer
         answers = []
         for question, _ in questions:
@@ -52,7 +52,7 @@ def test_each_checkpoint_names_its_stage_and_parent_with_the_parents_weights_has
     assert sft_meta["parent"]["path"] == str(chat_chain["midtrain"])
     assert mid_meta["parent"]["path"] == str(chat_chain["pretrain"])
     weights = hashlib.sha256((chat_chain["pretrain"] / "model.pt").read_bytes()).hexdigest()
-    assert mid_meta["parent"] == runs.parent_record(chat_chain["pretrain"], json.loads(
+    assert mid_meta["parent"] == chat_stage.parent_record(chat_chain["pretrain"], json.loads(
         (chat_chain["pretrain"] / "meta.json").read_text()), weights)
     assert mid_meta["parent"]["stage"] == "pretrain" and len(mid_meta["parent"]["sha256"]) == 64
 

@@ -10,12 +10,12 @@ import sys
 import pytest
 from helpers import ROOT, faults_env, run_in_process
 
+import chat_stage
 import midtrain
 import optim
 import pretrain
 import sft
 import train_loop
-import validation
 
 # the last commit that changed a training number on purpose: the clip's norm as an fp64 sum of per-row fp32 norms,
 # which can move the logged grad_norm's last bit (dev/LOG.md); on a CPU whose Newton-Schulz runs in fp32 no bit of
@@ -124,11 +124,12 @@ def test_the_faults_reach_a_subprocess_through_its_environment():
 
 
 def test_the_library_command_lines_report_what_the_stages_report(short_runs, capsys):
-    """validation.py on a run gives the val bpb its pretraining ended with; train_loop.py status prints what
-    pretrain.py --status prints; optim.py prints a schedule's values at the steps it names."""
+    """chat_stage.py on a run gives the val bpb its pretraining ended with; train_loop.py status
+    prints what pretrain.py --status prints; optim.py prints a schedule's values at the steps it
+    names."""
     run_dir = short_runs / "after"
     final = next(r["final_val_bpb"] for r in records(run_dir) if "final_val_bpb" in r)
-    code, out, _ = run_in_process(validation.main, [run_dir], capsys)
+    code, out, _ = run_in_process(chat_stage.main, [run_dir], capsys)
     assert code == 0 and f"pretraining val bpb: {final:.4f} over " in out
     status = run_in_process(train_loop.main, ["status", run_dir], capsys)
     assert status[0] == 0 and "step 6/6" in status[1]

@@ -28,10 +28,10 @@ from helpers import (
     run_speedrun,
 )
 
+import chat_stage
 import checkpoint
 import gpu_plan
 import runs
-import validation
 from tokenizer import Tokenizer
 
 TRAIN_STAGES = ["pretrain", "midtrain", "sft", "rl"]
@@ -116,8 +116,8 @@ def test_the_final_model_answers_a_held_out_demo_question(speedrun, demo_world):
     sft = checkpoint.list_checkpoints(run / "sft" / "ckpt")[-1]
     model, _ = checkpoint.load_model(sft, torch.device("cpu"))
     questions = held_out_questions()[:20]
-    answers = validation.chat_answers(model, Tokenizer.load(demo_world / "tokenizer"), [q for q, _ in questions],
-                                      "float32", max_tokens=16)
+    answers = chat_stage.chat_answers(model, Tokenizer.load(demo_world / "tokenizer"),
+                                      [q for q, _ in questions], "float32", max_tokens=16)
     right = [a["answer"] for (_, word), a in zip(questions, answers, strict=True) if word.lower() in a["answer"].lower()]
     assert right, answers
     assert f"done. Chat with it: {sys.executable} {ROOT / 'chat.py'} --runs_dir {run}" in result.stdout  # no TTY
@@ -744,7 +744,8 @@ def test_the_gpu_plans_rehearsal_runs_every_stage_on_two_cpu_processes(rehearsal
 
     # the chat answer: chat.py's greedy reply is the one computed here from the final checkpoint
     model, _ = checkpoint.load_model(checkpoint.list_checkpoints(run / "rl" / "ckpt")[-1], torch.device("cpu"))
-    (answer,) = validation.chat_answers(model, tok, ["Why do plants need light?"], "float32", max_tokens=32)
+    (answer,) = chat_stage.chat_answers(model, tok, ["Why do plants need light?"], "float32",
+                                        max_tokens=32)
     assert answer["answer"].strip() and answer["answer"].strip() in (run / "logs" / "chat.log").read_text()
 
 

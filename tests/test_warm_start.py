@@ -7,13 +7,13 @@ import json
 import pytest
 import torch
 
+import chat_stage
 import checkpoint
 import dataset as D
 import loader as L
 import midtrain
 import optim
 import report
-import runs
 import sft
 import validation
 from model import PRESETS, GPTConfig, autocast_context, build_model
@@ -70,10 +70,11 @@ def stage_optimizers(stage, parent, extra=()):
     model, meta = checkpoint.load_model(parent, CPU)
     model.train()
     _, args = stage.get_args(["--checkpoint", str(parent), "--steps", "1", *extra])
-    runs.inherit(args, meta, parent)
+    chat_stage.inherit(args, meta, parent)
     optimizers, fresh = (optim.build_optimizers(model, args, model.config.n_embd, 2048, CPU, lr_scale=args.lr_scale)
                          for _ in range(2))
-    return optimizers, runs.warm_start(parent, meta, model, optimizers, args, CPU), fresh, model, args
+    line = chat_stage.warm_start(parent, meta, model, optimizers, args, CPU)
+    return optimizers, line, fresh, model, args
 
 
 @pytest.mark.parametrize("stage", [midtrain, sft])
@@ -130,8 +131,8 @@ def test_each_chat_stage_reports_the_pretraining_val_bpb_its_model_kept(speedrun
         figures[stage] = kept["val_bpb"]
     # the same rows pretrain.py scored: its own figure, recomputed from its checkpoint by the stages' function
     model, _ = checkpoint.load_model(chat_chain["pretrain"], CPU)
-    again = validation.forgetting(model, tokenizer, chat_chain["pretrain"], meta, argparse.Namespace(bpb_tokens=None,
-                                                                                             dtype=dtype), 0, 1, CPU)
+    again = chat_stage.forgetting(model, tokenizer, chat_chain["pretrain"], meta,
+                                  argparse.Namespace(bpb_tokens=None, dtype=dtype), 0, 1, CPU)
     assert abs(again["val_bpb"] - pretrained) < 1e-6, (again, pretrained)
     text = (run / "report.md").read_text()
     assert f"| pretrained | {pretrained:.4f} |  |" in text

@@ -1,0 +1,354 @@
+"""What the stages after pretraining share: the start from a parent checkpoint (midtrain.py,
+sft.py, rl.py), and midtrain.py's and sft.py's flags, chat validation and end (forgetting: the
+pretraining val bpb their model kept). Not a stage; one command line, a checkpoint's forgetting
+figure (val bpb in its pretraining run's rows), in one process:
+
+    python chat_stage.py runs/<run> --bpb_tokens 20000
+"""
+import argparse
+import concurrent.futures
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import checkpoint
+import optim
+import train_loop
+from calculator import ToolUse, reply_text
+from common import append_jsonl
+from dataset import SKIP_BAD_ROWS_HELP
+from decode import decode
+from distributed import is_sharded, run_main
+from loader import chat_loader
+from model import autocast_context, parse_bool
+from runs import INHERITED, add_run_args
+from validation import dealt_sums, val_bpb, val_rows
+
+# -----------------------------------------------------------------------------
+# The start from a parent checkpoint. Every checkpoint's meta records its stage, its
+# hyperparameters ("hparams") and its parent (path and the sha256 of its model.pt).
+
+def add_init_args(parser, parents, lr_scale, schedule, warmdown_frac, why):
+    """A stage's start from a checkpoint of one of `parents` (in that order): --checkpoint, the
+    warm start and the schedule (`why`: where the stage's defaults come from), and the inherited
+    flags (None: the parent's value)."""
+    optim.add_schedule_args(parser)
+    g = parser.add_argument_group("warm start: the parent's optimizer state and this stage's lrs")
+    g.add_argument("--warm_start", type=parse_bool, default=True,
+                   help="continue from the parent checkpoint's optimizer state (AdamW moments, "
+                   "Muon momentum) with the lrs reset to this stage's; a state that does not fit "
+                   "this stage's optimizers is reported and replaced by a fresh one; false: fresh "
+                   "(default: %(default)s)")
+    g.add_argument("--lr_scale", type=float, default=lr_scale,
+                   help="every lr is this fraction of the parent's (its base lrs at this stage's "
+                   f"batch; {why}) (default: %(default)s)")
+    parser.set_defaults(schedule=schedule, warmdown_frac=warmdown_frac)
+    g = parser.add_argument_group("start: the parent checkpoint and what is inherited from it")
+    g.add_argument("--checkpoint", default=None,
+                   help=f"checkpoint to start from: a step_* directory or a run directory "
+                   f"(default: the newest {' checkpoint, else the newest '.join(parents)} "
+                   f"checkpoint under --runs_dir)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the parent's)")
+    g.add_argument("--sequence_len", type=int, default=None,
+                   help="row length, at most the parent's (default: the parent's)")
+    train_loop.add_micro_batch_arg(g)
+    g.add_argument("--total_batch_tokens", type=int, default=None,
+                   help="tokens per optimizer step over all ranks (default: the parent's)")
+    g.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                   help="compute dtype (default: the parent's)")
+    g.add_argument("--compile", type=parse_bool, default=None,
+                   help="torch.compile the model: true or false (default: the parent's)")
+    own = ("tokenizer", "sequence_len", "micro_batch", "total_batch_tokens", "dtype", "compile")
+    for action in parser._actions:  # the schedule's lr flags: the parent's value unless given
+        if action.dest in INHERITED and action.dest not in own:
+            action.default = None
+            action.help = action.help.split(" (default")[0] + " (default: the parent's)"
+
+
+def inherit(args, meta, parent):
+    """Fill every inherited flag left at None from the parent's recorded hparams; returns the
+    table of (name, value, where it came from) (--micro_batch's row: parent_lines adds it)."""
+    recorded = meta.get("hparams") or {}
+    # checkpoints from before hparams were recorded: their run's config.json
+    config_file = Path(parent).parent.parent / "config.json"
+    older = {}
+    if not recorded and config_file.is_file():
+        older = json.loads(config_file.read_text()).get("args", {})
+    table = []
+    for name in (n for n in INHERITED if n != "micro_batch"):
+        if getattr(args, name) is not None:
+            table.append((name, getattr(args, name), "flag"))
+            continue
+        value = recorded.get(name, older.get(name))
+        if value is None:
+            raise ValueError(f"{parent}: its meta.json records no {name}; pass --{name}")
+        setattr(args, name, value)
+        where = "meta.json" if name in recorded else "its run config.json"
+        table.append((name, value, f"parent ({where})"))
+    if args.sequence_len > meta["model_config"]["sequence_len"]:
+        raise ValueError(f"--sequence_len {args.sequence_len} exceeds the parent's "
+                         f"{meta['model_config']['sequence_len']} (its rotary tables end there): "
+                         f"pass at most that")
+    return table
+
+
+def weights_sha256(parent):
+    """sha256 of a checkpoint's model.pt (what a child's checkpoints record of its parent's
+    weights)."""
+    digest = hashlib.sha256()
+    with open(Path(parent) / "model.pt", "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)  # hashlib lets go of the GIL over a block this large
+    return digest.hexdigest()
+
+
+def parent_record(parent, meta, sha256):
+    """The parent as a child's checkpoints record it: path, stage, step, and its weights' sha256
+    (weights_sha256's)."""
+    return {"path": str(parent), "stage": meta.get("stage"), "step": meta.get("step"),
+            "sha256": sha256}
+
+
+def warm_start(parent, parent_meta, model, optimizers, args, device):
+    """The parent checkpoint's optimizer state with this stage's hyperparameters put back: warm
+    moments keep the first steps the size of the parent's last ones, where a fresh AdamW moves
+    every embedding coordinate by about the lr (its first update is sign(gradient)). A state that
+    does not fit stays fresh. Returns the line saying which."""
+    if not args.warm_start:
+        return "optimizer: fresh state (--warm_start false)"
+    recorded, mine = parent_meta.get("optimizers"), checkpoint.optimizer_layout(optimizers)
+    if recorded is None:
+        return (f"optimizer: fresh state: {parent}/meta.json does not record its optimizers "
+                f"(written by an older version of this code), so its state cannot be checked "
+                f"against this stage's")
+    if recorded != mine:
+        return (f"optimizer: fresh state: the parent's optimizers {recorded} are not this stage's "
+                f"{mine} (another --optimizer or --adam8bit, or another model)")
+    try:
+        # this stage's hyperparameters
+        checkpoint.load_state(parent, model, optimizers, device, keep=None)
+    except (ValueError, KeyError, RuntimeError, FileNotFoundError) as error:
+        for opt in optimizers:  # a partly loaded state is no state
+            opt.state.clear()
+        return (f"optimizer: fresh state: the parent's could not be loaded "
+                f"({type(error).__name__}: {error})")
+    tensors = sum(len(opt.state) for opt in optimizers)
+    return (f"optimizer: warm start from {parent}'s state ({tensors} parameters' moments, step "
+            f"{parent_meta['step']}), lrs reset to {args.lr_scale:g} x the parent's")
+
+
+def load_parent(args, stage, parents, device):
+    """(path, meta, model, tokenizer, inherit's table, a future of weights_sha256) of the parent
+    checkpoint: --checkpoint, else the newest of `parents`' (in that order). A tokenizer other
+    than the parent's is refused."""
+    parent, _ = checkpoint.pick_checkpoint(args, [(name,) for name in parents])
+    # hashed while the stage loads the model and builds the rest: in line, a third of its start
+    hashing = concurrent.futures.ThreadPoolExecutor(1)
+    sha256 = hashing.submit(weights_sha256, parent)
+    hashing.shutdown(wait=False)  # its thread ends with the hash
+    model, meta = checkpoint.load_model(parent, device)
+    model.train()
+    inherited = inherit(args, meta, parent)
+    # the parent's tokenizer, or refused
+    tokenizer, _ = checkpoint.checkpoint_tokenizer(meta, parent, args.tokenizer)
+    checkpoint.check_chat_tokenizer(tokenizer, args.tokenizer)
+    args.preset = meta.get("run", stage)  # names the default run directory
+    return parent, meta, model, tokenizer, inherited, sha256
+
+
+def parent_lines(parent, meta, params, inherited, micro_batch):
+    """The parent and the inherited table, with plan_batch's micro_batch: (value, where from)."""
+    rows = list(inherited)
+    rows.insert(INHERITED.index("micro_batch"), ("micro_batch", *micro_batch))
+    table = "\n".join(f"  {name:<18} {value!s:<14} {where}" for name, value, where in rows)
+    init = f"init: {parent} ({meta.get('stage')}, step {meta.get('step')}), params: {params}"
+    return [init, "inherited:\n" + table]
+
+
+# -----------------------------------------------------------------------------
+# midtrain.py's and sft.py's flags, validation (the loss per supervised token and greedy
+# answers) and end
+
+def add_chat_stage_args(parser, data, stage, parents, budgets, eval_every, lr_scale,
+                        warmdown_frac, why):
+    """midtrain.py's and sft.py's shared flags, after the stage's own data flags in its group
+    `data`."""
+    data.add_argument("--val_chat_dir", default=None,
+                      help="held-out conversations for the validation loss: a directory (its "
+                      "test*/val* files) or a .jsonl file (default: the first chat source's "
+                      "test*/val* files; a .jsonl source has none: give one)")
+    data.add_argument("--skip_bad_rows", action="store_true", help=SKIP_BAD_ROWS_HELP)
+    train_loop.add_loader_threads_arg(data)
+    train_loop.add_budget_args(
+        parser.add_argument_group("budget: one of; given both, the last one is in force"), budgets)
+    g = parser.add_argument_group("evaluation")
+    g.add_argument("--eval_every", type=int, default=eval_every,
+                   help="validation loss + greedy answers every N steps; 0 = only at the end "
+                   "(default: %(default)s)")
+    g.add_argument("--eval_rows", type=int, default=256,
+                   help="validation rows of held-out conversations, packed as in training "
+                   "(default: %(default)s)")
+    g.add_argument("--sample_prompt", action="append", default=None,
+                   help=f"question answered greedily at every eval, repeatable (default: "
+                   f"{CHAT_QUESTIONS})")
+    add_run_args(parser, stage)
+    add_forgetting_args(parser)
+    add_init_args(parser, parents, lr_scale=lr_scale, schedule="wsd", warmdown_frac=warmdown_frac,
+                  why=why)
+
+
+CHAT_QUESTIONS = ["What is the capital of France?", "How many legs does a spider have?",
+                  "What is two plus three?", "Who are you?"]
+
+
+def held_out_dir(val_chat_dir, first_source):
+    """Where a chat stage's held-out conversations are: --val_chat_dir, else its first chat
+    source (its test*/val* files). A source that is one file (.jsonl) holds none: a ValueError
+    that says to give them."""
+    if val_chat_dir:
+        return val_chat_dir
+    if first_source is None:
+        raise ValueError("no chat source to hold conversations out of: pass --val_chat_dir")
+    if Path(first_source).suffix in (".jsonl", ".parquet"):
+        raise ValueError(f"{first_source} is one file of training conversations, none of them "
+                         f"held out for the validation loss: pass --val_chat_dir VAL.jsonl (other "
+                         f"conversations, in the same format) or a directory of test*/val* "
+                         f"parquet files")
+    return first_source
+
+
+def chat_val_batches(chat_dir, tokenizer, seq_len, max_rows, skip_bad_rows=False):
+    """The first max_rows rows of a chat directory's held-out (test*/val*) conversations (or a
+    .jsonl file's), padded whole as sft.py packs them, the same on every rank."""
+    batches, rows = [], 0
+    for inputs, targets in chat_loader(chat_dir, "val", tokenizer, 8, seq_len, max_epochs=1,
+                                       threads=1, skip_bad_rows=skip_bad_rows):
+        batches.append((inputs, targets))
+        rows += len(inputs)
+        if rows >= max_rows:
+            break
+    return batches
+
+
+def chat_validation(model, tokenizer, batches, args, rank, world, device, run_dir, step):
+    """A chat stage's evaluation: the validation loss per supervised token over `batches`
+    [(inputs, targets)] (dealt_sums: the same on 1 or N processes), and greedy answers to
+    --sample_prompt (rank 0: printed and appended to samples.jsonl). Returns {"val_loss": the
+    loss}."""
+    def batch_sums(b):
+        inputs, targets = (t.to(device) for t in batches[b])
+        with autocast_context(device.type, args.dtype):
+            loss_sum = model(inputs, targets, reduction="sum")
+        return torch.stack([loss_sum.double().cpu(), (targets != -1).sum().double().cpu()])
+    loss_sum, count = dealt_sums(model, len(batches), 2, rank, world, batch_sums)
+    loss = loss_sum / max(count, 1)
+    questions = args.sample_prompt or CHAT_QUESTIONS
+    answers = None
+    if rank == 0 or is_sharded(model):  # a sharded model is gathered by every rank
+        answers = chat_answers(model, tokenizer, questions, args.dtype)
+    if rank == 0:
+        append_jsonl(run_dir / "samples.jsonl", *({"step": step, **a} for a in answers))
+        print(f"eval step {step}: val loss {loss:.4f}; " + " | ".join(
+            f"{a['question']!r} -> {a['answer']!r}" + ("" if a["ended"] else " [no end]")
+            for a in answers))
+    return {"val_loss": loss}
+
+
+@torch.no_grad()
+def chat_answers(model, tokenizer, questions, dtype, max_tokens=64):
+    """Greedy answers to one-turn questions, each up to <|assistant_end|> (whether it came is
+    recorded), decoded together with the calculator on, as in chat.py (a sharded model gathered
+    on every rank first: decode.py)."""
+    end = tokenizer.special_id("<|assistant_end|>")
+    prompts = [tokenizer.render_for_completion([{"role": "user", "content": q}])
+               for q in questions]
+    tools = [ToolUse(tokenizer) for _ in questions]
+    budgets = [min(max_tokens, model.config.sequence_len - len(p)) for p in prompts]
+    rows, _ = decode(model, prompts, budgets, dtype=dtype, tools=tools, stop={end},
+                     compiled=False)  # a few samples: eager (decode.py's docstring says why)
+    return [{"question": q, "answer": reply_text(tokenizer, row[:-1] if row[-1] == end else row),
+             "ended": row[-1] == end,
+             **({"calculator": [list(c) for c in t.calls]} if t.calls else {})}
+            for q, row, t in zip(questions, rows, tools)]
+
+
+# -----------------------------------------------------------------------------
+# Forgetting: the pretraining val bpb of a chat stage's model
+
+def add_forgetting_args(parser):
+    g = parser.add_argument_group("forgetting")
+    g.add_argument("--bpb_tokens", type=int, default=None,
+                   help="at the end, the pretraining val bpb of this stage's model on the first N "
+                   "tokens of the pretraining corpus's val split, in the rows the pretraining "
+                   "run's final evaluation used, so the figures of the stages compare; 0 = skip "
+                   "(default: the pretraining run's --bpb_tokens)")
+
+
+def forgetting(model, tokenizer, parent, parent_meta, args, rank, world, device):
+    """How much of its pretraining the stage's model kept: val_bpb in the pretraining run's rows
+    and token count (unless --bpb_tokens), as a dict for done.json; val_bpb None with a note
+    saying why where it cannot be computed."""
+    found = checkpoint.pretraining_run(parent, parent_meta)
+    if args.bpb_tokens == 0:
+        return {"val_bpb": None, "note": "skipped (--bpb_tokens 0)"}
+    if found is None:
+        return {"val_bpb": None, "note": f"unknown: the pretraining run of {parent} is not found "
+                                         f"through its parents' meta.json"}
+    data_dir, seq_len, eval_tokens = found
+    tokens = args.bpb_tokens or eval_tokens
+    if not tokens:
+        return {"val_bpb": None, "note": "unknown: the pretraining run records no --bpb_tokens; "
+                                         "pass --bpb_tokens"}
+    if not Path(data_dir).is_dir():
+        return {"val_bpb": None, "note": f"unknown: the pretraining corpus {data_dir} is not here"}
+    rows = val_rows(data_dir, tokenizer, tokens, seq_len)
+    bpb, scored = val_bpb(model, rows, tokenizer.token_bytes, 8, args.dtype, rank, world, device)
+    return {"val_bpb": bpb, "tokens": scored, "data_dir": str(data_dir), "sequence_len": seq_len}
+
+
+def forgetting_line(kept):
+    if kept["val_bpb"] is None:
+        return "pretraining val bpb: " + kept["note"]
+    return (f"pretraining val bpb: {kept['val_bpb']:.4f} over {kept['tokens']:,} tokens of "
+            f"{kept['data_dir']} (rows of {kept['sequence_len']} tokens)")
+
+
+def finish(run_dir, step, figures, kept, done, lines):
+    """Rank 0's end of midtrain.py or sft.py: the final `figures` (chat_validation's and the
+    stage's) and forgetting's `kept` in metrics.jsonl and done.json (`done`: there only), then
+    `lines` and the done line printed."""
+    loss = figures.pop("val_loss")
+    append_jsonl(run_dir / "metrics.jsonl", {"step": step, "final_val_loss": loss, **figures,
+                                             "pretrain_val_bpb": kept["val_bpb"]})
+    (run_dir / "done.json").write_text(json.dumps(
+        {"step": step, "val_loss": loss, **figures, **done, "pretrain_val_bpb": kept}))
+    print("\n".join([forgetting_line(kept), *lines,
+                     f"done: {step} steps, val loss {loss:.4f}, run dir {run_dir}"]))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="a checkpoint's val bpb on the val split of the "
+                                     "pretraining corpus it descends from, in that run's rows, in "
+                                     "one process")
+    parser.add_argument("checkpoint", nargs="?",
+                        help="a step_* directory or a run directory (its newest) (default: the "
+                        "newest checkpoint under --runs_dir)")
+    parser.add_argument("--runs_dir", default="runs",
+                        help="where runs live (default: %(default)s)")
+    parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"],
+                        help="compute dtype (default: %(default)s)")
+    add_forgetting_args(parser)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    path = checkpoint.find_checkpoint(args.checkpoint, args.runs_dir)
+    model, meta = checkpoint.load_model(path, device)
+    tokenizer, _ = checkpoint.checkpoint_tokenizer(meta, path)
+    kept = forgetting(model, tokenizer, path, meta, args, 0, 1, device)
+    print(f"{path}: " + forgetting_line(kept))
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))
