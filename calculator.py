@@ -1,15 +1,17 @@
-"""The chat model's calculator: arithmetic on numbers, evaluated by walking the expression's syntax tree, never by
-eval(). The model writes <|python_start|>expr<|python_end|> while answering; generation (chat.py, chat_eval.py)
-calls calculate(expr) and inserts <|output_start|>result<|output_end|> after it, as GSM8K's <<expr=result>>
-annotations are taught in SFT.
+"""The chat model's calculator: arithmetic on numbers, evaluated by walking the expression's syntax
+tree, never by eval(). The model writes <|python_start|>expr<|python_end|> while answering;
+generation (chat.py, chat_eval.py) calls calculate(expr) and inserts
+<|output_start|>result<|output_end|> after it, as GSM8K's <<expr=result>> annotations are taught in
+SFT.
 
     python calculator.py "12/60*50"          # 10
 
-Allowed: numbers (ints and decimals), + - * / // % ** and unary + -, parentheses. Nothing else: names, calls,
-attributes, subscripts, strings, comparisons are refused. Every step is exact (fractions), and bounded, so a hostile
-expression costs microseconds and a little memory before it is refused: at most MAX_CHARS characters, MAX_DEPTH levels
-of nesting, numbers of at most MAX_DIGITS digits (operands, intermediate results and the result alike), exponents of
-at most MAX_EXPONENT, and MAX_SECONDS of wall time.
+Allowed: numbers (ints and decimals), + - * / // % ** and unary + -, parentheses. Nothing else:
+names, calls, attributes, subscripts, strings, comparisons are refused. Every step is exact
+(fractions), and bounded, so a hostile expression costs microseconds and a little memory before it
+is refused: at most MAX_CHARS characters, MAX_DEPTH levels of nesting, numbers of at most MAX_DIGITS
+digits (operands, intermediate results and the result alike), exponents of at most MAX_EXPONENT, and
+MAX_SECONDS of wall time.
 """
 import argparse
 import ast
@@ -19,7 +21,8 @@ import time
 from fractions import Fraction
 
 MAX_CHARS = 200  # GSM8K's longest annotation is under 100 characters
-MAX_DEPTH = 20  # syntax-tree levels; ast.parse itself recurses, so deep nesting is refused before parsing too
+# syntax-tree levels; ast.parse itself recurses, so deep nesting is refused before parsing too
+MAX_DEPTH = 20
 MAX_DIGITS = 30  # numerator and denominator of every value, in decimal digits
 MAX_EXPONENT = 100
 MAX_SECONDS = 0.1
@@ -44,7 +47,8 @@ def _power(base, exponent):
         raise CalculatorError(f"exponent {e} is larger than {MAX_EXPONENT}")
     if base == 0 and e < 0:
         raise CalculatorError("division by zero")
-    # digits of the result before computing it: |e| * digits(base) bounds them, so 9**100 is refused without work
+    # digits of the result before computing it: |e| * digits(base) bounds them, so 9**100 is refused
+    # without work
     size = max(len(str(abs(base.numerator))), len(str(base.denominator)))
     if base not in (0, 1, -1) and abs(e) * (size - 1) > MAX_DIGITS:
         raise CalculatorError(f"a value has more than {MAX_DIGITS} digits")
@@ -52,7 +56,8 @@ def _power(base, exponent):
 
 
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Pow: _power,
-             ast.Div: operator.truediv, ast.FloorDiv: lambda a, b: Fraction(a // b), ast.Mod: operator.mod}
+             ast.Div: operator.truediv, ast.FloorDiv: lambda a, b: Fraction(a // b),
+             ast.Mod: operator.mod}
 
 
 def _binary(op, a, b):
@@ -72,7 +77,8 @@ def _walk(node, depth, deadline):
         if type(node.value) is float:
             if not math.isfinite(node.value):
                 raise CalculatorError("a number is too large")
-            return _check(Fraction(repr(node.value)))  # the decimal as written: 0.1 is 1/10, not a binary float
+            # the decimal as written: 0.1 is 1/10, not a binary float
+            return _check(Fraction(repr(node.value)))
         return _check(Fraction(node.value))
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
         value = _walk(node.operand, depth + 1, deadline)
@@ -80,23 +86,28 @@ def _walk(node, depth, deadline):
     if isinstance(node, ast.BinOp):
         a, b = _walk(node.left, depth + 1, deadline), _walk(node.right, depth + 1, deadline)
         return _check(_binary(node.op, a, b))
-    raise CalculatorError(f"{type(node).__name__} is not allowed: only numbers, + - * / // % ** and parentheses")
+    raise CalculatorError(f"{type(node).__name__} is not allowed: only numbers, + - * / // % ** "
+                          "and "
+                          "parentheses")
 
 
 def calculate(expr):
-    """The value of an arithmetic expression as text: an integer ("10"), else a decimal of at most 10 significant
-    digits ("0.2", "3.333333333"). GSM8K writes thousands with commas (1,000), so commas are dropped first."""
+    """The value of an arithmetic expression as text: an integer ("10"), else a decimal of at most
+    10 significant digits ("0.2", "3.333333333"). GSM8K writes thousands with commas (1,000), so
+    commas are dropped first."""
     if not isinstance(expr, str):
         raise CalculatorError(f"an expression is a string, got {type(expr).__name__}")
     if len(expr) > MAX_CHARS:
         raise CalculatorError(f"expression of {len(expr)} characters: at most {MAX_CHARS}")
     expr = expr.replace(",", "").strip()
     depth = 0
-    for ch in expr:  # parentheses nest before ast.parse sees them: refuse deep nesting without recursing into it
+    # parentheses nest before ast.parse sees them: refuse deep nesting without recursing into it
+    for ch in expr:
         depth += (ch == "(") - (ch == ")")
         if depth > MAX_DEPTH:
             raise CalculatorError(f"nesting deeper than {MAX_DEPTH}")
-    if "_" in expr:  # 1_000 is a Python literal, not arithmetic anyone writes; and no dunder reaches the parser
+    # 1_000 is a Python literal, not arithmetic anyone writes; and no dunder reaches the parser
+    if "_" in expr:
         raise CalculatorError("'_' is not allowed")
     try:
         tree = ast.parse(expr, mode="eval")
@@ -110,13 +121,15 @@ def calculate(expr):
 
 
 class ToolUse:
-    """Follows the tokens a chat model generates; after a tool call's <|python_end|>, returns the tokens generation
-    must feed next: <|output_start|>result<|output_end|> (none when the calculator refuses the expression, so the model
-    goes on without a result). `calls` records (expression, result or why it was refused)."""
+    """Follows the tokens a chat model generates; after a tool call's <|python_end|>, returns the
+    tokens generation must feed next: <|output_start|>result<|output_end|> (none when the calculator
+    refuses the expression, so the model goes on without a result). `calls` records (expression,
+    result or why it was refused)."""
 
     def __init__(self, tokenizer):
         sid = tokenizer.special_id
-        self.tokenizer, self.calls, self.expr = tokenizer, [], None  # expr: the call's tokens so far, None outside one
+        # expr: the call's tokens so far, None outside one
+        self.tokenizer, self.calls, self.expr = tokenizer, [], None
         self.start, self.end = sid("<|python_start|>"), sid("<|python_end|>")
         self.output = sid("<|output_start|>"), sid("<|output_end|>")
 
@@ -138,9 +151,11 @@ class ToolUse:
 
 
 def reply_text(tokenizer, ids):
-    """The text of generated ids with the tool calls and their outputs left out: what an answer is scored on."""
+    """The text of generated ids with the tool calls and their outputs left out: what an answer is
+    scored on."""
     sid = tokenizer.special_id
-    opens = {sid("<|python_start|>"): sid("<|python_end|>"), sid("<|output_start|>"): sid("<|output_end|>")}
+    opens = {sid("<|python_start|>"): sid("<|python_end|>"), sid("<|output_start|>"): sid(
+                                                                                          "<|output_end|>")}
     kept, closing = [], None
     for token in ids:
         if closing is not None:
@@ -153,7 +168,8 @@ def reply_text(tokenizer, ids):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("expr", help="an arithmetic expression, e.g. '12/60*50'")
     args = parser.parse_args(argv)
     try:

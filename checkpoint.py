@@ -1,5 +1,6 @@
-"""Checkpoints: saving, listing, finding and loading them (any world size, sharded or not), their tokenizer checks, and
-resuming a run from one. Not a stage: import it. One command line, for a sharded checkpoint:
+"""Checkpoints: saving, listing, finding and loading them (any world size, sharded or not), their
+tokenizer checks, and resuming a run from one. Not a stage: import it. One command line, for a
+sharded checkpoint:
 
     python checkpoint.py consolidate runs/<run>[/ckpt/step_N]     # write its model.pt, in one process
 """
@@ -23,15 +24,21 @@ from distributed import barrier, is_sharded, run_main
 from model import GPTConfig, build_model
 from tokenizer import SPECIAL_TOKENS, Tokenizer
 
-# torch.distributed.checkpoint warns at every save and load without torch.distributed, which is meant here
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+# torch.distributed.checkpoint warns at every save and load without torch.distributed, which is
+# meant here
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
+                        "uninitialized")
 
 
 # -----------------------------------------------------------------------------
-# Checkpoints: runs/<run>/ckpt/step_XXXXXX/, renamed into place when complete; all loads use weights_only=True.
-#   state/      a sharded model's and optimizers' state (torch.distributed.checkpoint: any world size reads it)
-#   model.pt    the whole model (what chat, evaluation, export and the next stage read): unsharded, by rank 0;
-#               sharded, at the last step or by `python checkpoint.py consolidate`; optimizers.pt beside it unsharded
+# Checkpoints: runs/<run>/ckpt/step_XXXXXX/, renamed into place when complete; all loads use
+# weights_only=True.
+# state/ a sharded model's and optimizers' state (torch.distributed.checkpoint: any world size reads
+# it)
+# model.pt the whole model (what chat, evaluation, export and the next stage read): unsharded, by
+# rank 0;
+# sharded, at the last step or by `python checkpoint.py consolidate`; optimizers.pt beside it
+# unsharded
 #   rankNNN.pt  that rank's data-loader positions and RNG state
 #   meta.json   what the run is, the step, the versions
 
@@ -40,25 +47,29 @@ def rng_state():
     return {"python": list(random.getstate()[1]), "python_pos": random.getstate()[2],
             "numpy_key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
             "numpy_pos": np_state["state"]["pos"], "torch": torch.get_rng_state(),
-            # this rank's GPU only: all GPUs' states made a resume on fewer GPUs index past the last (IndexError)
+            # this rank's GPU only: all GPUs' states made a resume on fewer GPUs index past the last
+            # (IndexError)
             "cuda_device": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
 
 def set_rng_state(s):
     random.setstate((3, tuple(s["python"]), s["python_pos"]))
-    np.random.set_state({"bit_generator": "MT19937", "state": {"key": s["numpy_key"].numpy().astype(np.uint32),
+    np.random.set_state({"bit_generator": "MT19937",
+                         "state": {"key": s["numpy_key"].numpy().astype(np.uint32),
                                                                "pos": s["numpy_pos"]},
                          "has_gauss": 0, "gauss": 0.0})
     torch.set_rng_state(s["torch"])
     if torch.cuda.is_available() and s["cuda_device"] is not None:
-        torch.cuda.set_rng_state(s["cuda_device"])  # this rank's device (setup_distributed made it the current one)
+        # this rank's device (setup_distributed made it the current one)
+        torch.cuda.set_rng_state(s["cuda_device"])
 
 
-def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank, keep, consolidate=False,
+def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank, keep,
+                    consolidate=False,
                     metrics=None):
-    """Write the checkpoint of `step` as laid out above (`consolidate`: a sharded model's model.pt too), keep the
-    newest `keep`, and record the save's seconds in ckpt_dir/save_seconds (what speedrun.sh gives a stopped stage to
-    save before it kills it), printed and in `metrics`."""
+    """Write the checkpoint of `step` as laid out above (`consolidate`: a sharded model's model.pt
+    too), keep the newest `keep`, and record the save's seconds in ckpt_dir/save_seconds (what
+    speedrun.sh gives a stopped stage to save before it kills it), printed and in `metrics`."""
     started = time.perf_counter()
     final = Path(ckpt_dir) / f"step_{step:06d}"
     tmp = Path(ckpt_dir) / f".tmp_step_{step:06d}"
@@ -73,14 +84,16 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank,
         model_state, optimizer_state = get_state_dict(model, optimizers)
         dcp.save({"model": model_state, "optimizers": optimizer_state}, checkpoint_id=tmp / "state")
         if consolidate:  # gathered to rank 0, shard by shard, into CPU memory
-            model_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            model_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                               cpu_offload=True))
             if rank == 0:
                 torch.save(model_state, tmp / "model.pt")
     elif rank == 0:
         torch.save(model.state_dict(), tmp / "model.pt")
         torch.save(named_optimizer_state(model, optimizers), tmp / "optimizers.pt")
     if rank == 0:
-        (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "sharded": is_sharded(model),
+        (tmp / "meta.json").write_text(json.dumps({**meta, "step": step,
+                                                   "sharded": is_sharded(model),
                                                    "optimizers": optimizer_layout(optimizers),
                                                    "versions": versions()}, indent=1))
     barrier()
@@ -91,7 +104,8 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank,
             shutil.rmtree(old)
     barrier()
     if rank == 0:
-        seconds, size = time.perf_counter() - started, sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
+        seconds, size = time.perf_counter() - started, sum(f.stat().st_size
+                                                           for f in final.rglob("*") if f.is_file())
         (Path(ckpt_dir) / "save_seconds").write_text(f"{seconds:.1f}\n")
         print(f"checkpoint: saved {size / 1e9:.2f} GB in {seconds:.1f} s to {final}", flush=True)
         if metrics:
@@ -106,14 +120,17 @@ def checkpoint_step(path):
 
 
 def list_checkpoints(ckpt_dir):
-    """Complete checkpoints, oldest first by step (by name, step_1000000 would sort before step_999999)."""
-    found = [p for p in Path(ckpt_dir).glob("step_*") if p.is_dir() and checkpoint_step(p) is not None]
+    """Complete checkpoints, oldest first by step (by name, step_1000000 would sort before
+    step_999999)."""
+    found = [p for p in Path(ckpt_dir).glob("step_*") if p.is_dir()
+             and checkpoint_step(p) is not None]
     return sorted(found, key=checkpoint_step)
 
 
 def set_aside_newer(ckpt_dir, step):
-    """Resuming from an older checkpoint abandons the newer ones (another branch of the run): move them, never delete
-    them, into ckpt_dir/../ckpt_abandoned/<time>/ where no --resume looks. Returns where they went, or None."""
+    """Resuming from an older checkpoint abandons the newer ones (another branch of the run): move
+    them, never delete them, into ckpt_dir/../ckpt_abandoned/<time>/ where no --resume looks.
+    Returns where they went, or None."""
     newer = [c for c in list_checkpoints(ckpt_dir) if checkpoint_step(c) > step]
     if not newer:
         return None
@@ -125,15 +142,17 @@ def set_aside_newer(ckpt_dir, step):
 
 
 def optimizer_layout(optimizers):
-    """[[class name, [param group names]], ...], in meta.json: a child stage's check that the state fits its own
-    optimizers before loading it (chat_stage.warm_start)."""
-    return [[type(opt).__name__, [group.get("name") for group in opt.param_groups]] for opt in optimizers]
+    """[[class name, [param group names]], ...], in meta.json: a child stage's check that the state
+    fits its own optimizers before loading it (chat_stage.warm_start)."""
+    return [[type(opt).__name__,
+             [group.get("name") for group in opt.param_groups]] for opt in optimizers]
 
 
 def named_optimizer_state(model, optimizers):
     """The optimizers' state dicts as one, keyed by parameter name instead of position: the form of
     torch.distributed.checkpoint's full optimizer state dict, which a sharded run loads too."""
-    names, merged = {id(p): name for name, p in model.named_parameters()}, {"state": {}, "param_groups": []}
+    names, merged = {id(p): name for name, p in model.named_parameters()}, {"state": {},
+                                                                            "param_groups": []}
     for opt in optimizers:
         state, params = opt.state_dict(), [p for group in opt.param_groups for p in group["params"]]
         merged["state"].update({names[id(params[i])]: s for i, s in state["state"].items()})
@@ -143,26 +162,36 @@ def named_optimizer_state(model, optimizers):
 
 
 def load_named_optimizer_state(model, optimizers, merged):
-    """named_optimizer_state's dict back into unsharded optimizers (positions from this run's parameter order)."""
-    names, groups = {id(p): name for name, p in model.named_parameters()}, iter(merged["param_groups"])
+    """named_optimizer_state's dict back into unsharded optimizers (positions from this run's
+    parameter order)."""
+    names, groups = {id(p): name for name, p in model.named_parameters()}, iter(merged[
+                                                                                       "param_groups"])
     for opt in optimizers:
         saved = [next(groups) for _ in opt.param_groups]
         order = [name for group in saved for name in group["params"]]
         if order != [names[id(p)] for group in opt.param_groups for p in group["params"]]:
-            raise ValueError("the checkpoint's optimizer holds other parameters than this run's: resume with the same "
-                             "--optimizer and model")
+            raise ValueError("the checkpoint's optimizer holds other parameters than this run's: "
+                             "resume with the same --optimizer and model")
         index = {name: i for i, name in enumerate(order)}
-        opt.load_state_dict({"state": {index[name]: s for name, s in merged["state"].items() if name in index},
-                             "param_groups": [{**g, "params": [index[name] for name in g["params"]]} for g in saved]})
+        opt.load_state_dict({"state": {index[name]: s for name,
+                                       s in merged["state"].items() if name in index},
+                             "param_groups": [{
+                                     **g,
+                                     "params": [index[name] for name in g["params"]]}
+                                     for g in saved]})
 
 
 def load_state(path, model, optimizers, device, keep=("foreach", "fused", "ns_dtype")):
-    """Model and optimizer state from a checkpoint (any world size, sharded or not) into `model` (sharded or not) and
-    `optimizers`. A loaded param group brings the writer's keys; this run's are kept for those in `keep`, even when
-    the load fails: by default the device's choices (AdamW's kernel, Muon's dtype), as the writer may have run on
-    another device; keep=None keeps every key but the params (a warm start: the new stage's hyperparameters)."""
+    """Model and optimizer state from a checkpoint (any world size, sharded or not) into `model`
+    (sharded or not) and `optimizers`. A loaded param group brings the writer's keys; this run's are
+    kept for those in `keep`, even when the load fails: by default the device's choices (AdamW's
+    kernel, Muon's dtype), as the writer may have run on another device; keep=None keeps every key
+    but the params (a warm start: the new stage's hyperparameters)."""
     path = Path(path)
-    kept = [[{k: v for k, v in g.items() if k != "params" and (keep is None or k in keep)} for g in opt.param_groups]
+    kept = [[{
+            k: v for k,
+            v in g.items() if k != "params" and (keep is None or k in keep)}
+            for g in opt.param_groups]
             for opt in optimizers]
     if (path / "state").is_dir() or is_sharded(model):
         import torch.distributed.checkpoint as dcp
@@ -170,15 +199,20 @@ def load_state(path, model, optimizers, device, keep=("foreach", "fused", "ns_dt
     try:
         if (path / "state").is_dir():
             model_state, optimizer_state = get_state_dict(model, optimizers)
-            dcp.load({"model": model_state, "optimizers": optimizer_state}, checkpoint_id=path / "state",
+            dcp.load({"model": model_state, "optimizers": optimizer_state},
+                     checkpoint_id=path / "state",
                      no_dist=not dist.is_initialized())
-            set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optimizer_state)
+            set_state_dict(model, optimizers, model_state_dict=model_state,
+                           optim_state_dict=optimizer_state)
             return
-        # the weights mmap'd (load_model); not the optimizer state, kept as loaded: step 1's writes would copy its pages
-        model_state = torch.load(path / "model.pt", map_location=device, weights_only=True, mmap=True)
+        # the weights mmap'd (load_model); not the optimizer state, kept as loaded: step 1's writes
+        # would copy its pages
+        model_state = torch.load(path / "model.pt", map_location=device, weights_only=True,
+                                 mmap=True)
         optimizer_state = torch.load(path / "optimizers.pt", map_location=device, weights_only=True)
         if is_sharded(model):
-            set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optimizer_state,
+            set_state_dict(model, optimizers, model_state_dict=model_state,
+                           optim_state_dict=optimizer_state,
                            options=StateDictOptions(full_state_dict=True))
         else:
             model.load_state_dict(model_state)
@@ -194,7 +228,8 @@ def consolidate(path):
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
     import torch.distributed.checkpoint as dcp
-    model = build_model(GPTConfig(**meta["model_config"]), "cpu", init=False)  # dcp.load fills every tensor
+    # dcp.load fills every tensor
+    model = build_model(GPTConfig(**meta["model_config"]), "cpu", init=False)
     model_state = model.state_dict()
     dcp.load({"model": model_state}, checkpoint_id=path / "state", no_dist=True)
     torch.save(model_state, path / ".model.pt.tmp")
@@ -203,8 +238,9 @@ def consolidate(path):
 
 
 def newest_checkpoint(runs_dir, stage=None):
-    """The most recently written checkpoint in runs_dir/*/ckpt/ or runs_dir/*/*/ckpt/ (of that stage only, if given),
-    or None: a stage run alone writes runs/<run>/ckpt/, speedrun.sh runs/<run>/<stage>/ckpt/."""
+    """The most recently written checkpoint in runs_dir/*/ckpt/ or runs_dir/*/*/ckpt/ (of that stage
+    only, if given), or None: a stage run alone writes runs/<run>/ckpt/, speedrun.sh
+    runs/<run>/<stage>/ckpt/."""
     runs = [*Path(runs_dir).glob("*/ckpt"), *Path(runs_dir).glob("*/*/ckpt")]
     found = [c for run in runs for c in list_checkpoints(run)
              if stage is None or json.loads((c / "meta.json").read_text()).get("stage") == stage]
@@ -212,63 +248,75 @@ def newest_checkpoint(runs_dir, stage=None):
 
 
 def find_checkpoint(path=None, runs_dir="runs"):
-    """A checkpoint directory from a checkpoint path, a run directory (its newest checkpoint), or nothing (the newest
-    checkpoint of any run under runs_dir): how each stage picks up the output of the one before it."""
+    """A checkpoint directory from a checkpoint path, a run directory (its newest checkpoint), or
+    nothing (the newest checkpoint of any run under runs_dir): how each stage picks up the output of
+    the one before it."""
     if path is None:
         found = newest_checkpoint(runs_dir)
         if found is None:
-            raise FileNotFoundError(f"no checkpoint in {runs_dir}/*/ckpt/ or {runs_dir}/*/*/ckpt/: train one first "
-                                    f"(python pretrain.py), or pass --checkpoint runs/<run>")
+            raise FileNotFoundError(f"no checkpoint in {runs_dir}/*/ckpt/ or {runs_dir}/*/*/ckpt/: "
+                                    "train one first (python pretrain.py), or pass --checkpoint "
+                                    "runs/<run>")
         return found
     path = Path(path)
     if (path / "meta.json").is_file():
         return path
     found = list_checkpoints(path / "ckpt")
     if not found:
-        raise FileNotFoundError(f"--checkpoint {path}: neither a checkpoint (runs/<run>/ckpt/step_*/meta.json) nor a "
-                                f"run directory with checkpoints in {path}/ckpt/")
+        raise FileNotFoundError(f"--checkpoint {path}: neither a checkpoint "
+                                "(runs/<run>/ckpt/step_*/meta.json) nor a run directory with "
+                                f"checkpoints in {path}/ckpt/")
     return found[-1]
 
 
-# chat.py's and export.py's pick without --checkpoint: the newer of RL's and SFT's, else midtraining's, ...
+# chat.py's and export.py's pick without --checkpoint: the newer of RL's and SFT's, else
+# midtraining's, ...
 PICK_ORDER = [("rl", "sft"), ("midtrain",), ("pretrain",)]
 
 
 def pick_checkpoint(args, order=PICK_ORDER):
-    """(checkpoint, how it was chosen): --checkpoint, else the newest checkpoint of the first group of stages in
-    `order` that has one: chat.py and export.py pick by PICK_ORDER, a stage after pretraining among its parents."""
+    """(checkpoint, how it was chosen): --checkpoint, else the newest checkpoint of the first group
+    of stages in `order` that has one: chat.py and export.py pick by PICK_ORDER, a stage after
+    pretraining among its parents."""
     if args.checkpoint is not None:
         return find_checkpoint(args.checkpoint, args.runs_dir), "--checkpoint"
     for stages in order:
-        found = [(c, stage) for stage in stages for c in [newest_checkpoint(args.runs_dir, stage)] if c]
+        found = [(c, stage) for stage in stages for c in [newest_checkpoint(args.runs_dir,
+                                                                            stage)] if c]
         if found:
             newest, stage = max(found, key=lambda pair: (pair[0] / "meta.json").stat().st_mtime)
             return newest, f"newest {stage} checkpoint under {args.runs_dir}"
     stages = " or ".join(sum(order, ()))
-    raise FileNotFoundError(f"no checkpoint in {args.runs_dir}/*/ckpt/ or */*/ckpt/ of stage {stages}: "
-                            f"train one (python pretrain.py, then midtrain.py, sft.py, rl.py), or pass --checkpoint "
-                            f"runs/<run> (or --runs_dir DIR)")
+    raise FileNotFoundError(f"no checkpoint in {args.runs_dir}/*/ckpt/ or */*/ckpt/ of stage "
+                            f"{stages}: train one (python pretrain.py, then midtrain.py, sft.py, "
+                            "rl.py), or pass --checkpoint runs/<run> (or --runs_dir DIR)")
 
 
 def add_checkpoint_args(parser, picked=None, eval_dtype=False):
-    """--checkpoint, --runs_dir and --tokenizer of a script that loads one checkpoint; `picked` says which it loads
-    without --checkpoint (default: PICK_ORDER's). eval_dtype: also --dtype (chat_eval.py, core_eval.py)."""
-    picked = picked or "the newest under --runs_dir of stage " + ", else ".join(" or ".join(s) for s in PICK_ORDER)
-    parser.add_argument("--checkpoint", default=None, help="a checkpoint (runs/<run>/ckpt/step_*) or a run directory "
-                        f"(its newest checkpoint) (default: {picked})")
+    """--checkpoint, --runs_dir and --tokenizer of a script that loads one checkpoint; `picked` says
+    which it loads without --checkpoint (default: PICK_ORDER's). eval_dtype: also --dtype
+    (chat_eval.py, core_eval.py)."""
+    picked = picked or "the newest under --runs_dir of stage " + ", else ".join(" or ".join(s)
+                                                                                for s in PICK_ORDER)
+    parser.add_argument("--checkpoint", default=None, help="a checkpoint (runs/<run>/ckpt/step_*) "
+                        f"or a run directory (its newest checkpoint) (default: {picked})")
     parser.add_argument("--runs_dir", default="runs", help="where runs live (default: %(default)s)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the one the checkpoint "
-                        "records)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the one "
+                        "the checkpoint records)")
     if eval_dtype:
-        parser.add_argument("--dtype", default=matmul_dtype(torch.device("cuda" if torch.cuda.is_available() else
-                                                                         "cpu")), choices=["bfloat16", "float32"],
-                            help="compute dtype (default: %(default)s: bfloat16 where this device runs it natively, as "
-                            "in the training stages)")
+        parser.add_argument(
+                "--dtype",
+                default=matmul_dtype(torch.device("cuda" if torch.cuda.is_available() else
+                                                                         "cpu")), choices=[
+                                                                                           "bfloat16",
+                                                                                           "float32"],
+                            help="compute dtype (default: %(default)s: bfloat16 where this device "
+                            "runs it natively, as in the training stages)")
 
 
 def pretraining_run(checkpoint, meta):
-    """(data_dir, sequence_len, eval_tokens) of the pretraining run a checkpoint descends from, following each
-    meta.json's parent; None where a link is missing (a parent moved or deleted)."""
+    """(data_dir, sequence_len, eval_tokens) of the pretraining run a checkpoint descends from,
+    following each meta.json's parent; None where a link is missing (a parent moved or deleted)."""
     while meta.get("stage") != "pretrain":
         path = (meta.get("parent") or {}).get("path")
         if path is None or not (Path(path) / "meta.json").is_file():
@@ -277,78 +325,92 @@ def pretraining_run(checkpoint, meta):
     config = Path(checkpoint).parent.parent / "config.json"
     recorded = json.loads(config.read_text()).get("args", {}) if config.is_file() else {}
     seq_len = (meta.get("hparams") or {}).get("sequence_len")
-    return (meta["data_dir"], seq_len, recorded.get("bpb_tokens")) if meta.get("data_dir") and seq_len else None
+    return (meta["data_dir"], seq_len,
+            recorded.get("bpb_tokens")) if meta.get("data_dir") and seq_len else None
 
 
 def load_model(path, device):
-    """(model in eval mode, meta) from a checkpoint's model.pt and meta.json, on any number of processes (the rank
-    files, which a resume needs, are not read)."""
+    """(model in eval mode, meta) from a checkpoint's model.pt and meta.json, on any number of
+    processes (the rank files, which a resume needs, are not read)."""
     meta = json.loads((Path(path) / "meta.json").read_text())
     if not (Path(path) / "model.pt").is_file():
-        raise FileNotFoundError(f"{path} holds a sharded model (state/) and no model.pt yet: write it with `python "
-                                f"checkpoint.py consolidate {path}`")
+        raise FileNotFoundError(f"{path} holds a sharded model (state/) and no model.pt yet: write "
+                                f"it with `python checkpoint.py consolidate {path}`")
     model = build_model(GPTConfig(**meta["model_config"]), device, init=False)
-    # mmap: the pages are read as the weights are copied into place, not into a buffer first (d12: ~3x faster)
-    model.load_state_dict(torch.load(Path(path) / "model.pt", map_location=device, weights_only=True, mmap=True))
+    # mmap: the pages are read as the weights are copied into place, not into a buffer first (d12:
+    # ~3x faster)
+    model.load_state_dict(torch.load(Path(path) / "model.pt", map_location=device,
+                                     weights_only=True, mmap=True))
     model.eval()
     return model, meta
 
 
 def checkpoint_tokenizer(meta, checkpoint, flag=None):
-    """(tokenizer, its path): --tokenizer's, else the one meta records (else runs/tokenizer), refused unless the
-    checkpoint was trained with it: ids would mean other strings and every score be silently wrong."""
+    """(tokenizer, its path): --tokenizer's, else the one meta records (else runs/tokenizer),
+    refused unless the checkpoint was trained with it: ids would mean other strings and every score
+    be silently wrong."""
     path = flag or meta.get("tokenizer") or "runs/tokenizer"
     try:
         tokenizer = Tokenizer.load(path)
     except FileNotFoundError as e:
-        raise FileNotFoundError(f"--tokenizer {path}: {e} (or pass the checkpoint's tokenizer directory with "
-                                f"--tokenizer DIR)") from None
+        raise FileNotFoundError(f"--tokenizer {path}: {e} (or pass the checkpoint's tokenizer "
+                                "directory with --tokenizer DIR)") from None
     vocab = meta["model_config"]["vocab_size"]
     if tokenizer.vocab_size != vocab:
-        raise ValueError(f"tokenizer {path} has {tokenizer.vocab_size} tokens, the model in {checkpoint} "
-                         f"has {vocab}: pass the tokenizer it was trained with (--tokenizer {meta.get('tokenizer')})")
+        raise ValueError(f"tokenizer {path} has {tokenizer.vocab_size} tokens, the model in "
+                         f"{checkpoint} has {vocab}: pass the tokenizer it was trained with "
+                         f"(--tokenizer {meta.get('tokenizer')})")
     recorded = meta.get("tokenizer_sha256")
     if recorded and recorded != tokenizer.fingerprint():
         raise ValueError(f"tokenizer {path} (sha256 {tokenizer.fingerprint()[:12]}) is not the one "
-                         f"{checkpoint} was trained with (sha256 {recorded[:12]}, from {meta.get('tokenizer')}): pass "
-                         f"that one with --tokenizer")
+                         f"{checkpoint} was trained with (sha256 {recorded[:12]}, from "
+                         f"{meta.get('tokenizer')}): pass that one with --tokenizer")
     return tokenizer, path
 
 
 def check_chat_tokenizer(tokenizer, tokenizer_path):
-    """A chat stage needs the chat special tokens; a tokenizer without them cannot render a conversation."""
+    """A chat stage needs the chat special tokens; a tokenizer without them cannot render a
+    conversation."""
     missing = [name for name in SPECIAL_TOKENS if name not in tokenizer.special_tokens]
     if missing:
-        raise ValueError(f"tokenizer {tokenizer_path} lacks the chat special tokens {', '.join(missing)}: train one "
-                         f"with tokenizer.py (it adds {', '.join(SPECIAL_TOKENS)}) and pretrain with it")
+        raise ValueError(f"tokenizer {tokenizer_path} lacks the chat special tokens "
+                         f"{', '.join(missing)}: train one with tokenizer.py (it adds "
+                         f"{', '.join(SPECIAL_TOKENS)}) and pretrain with it")
 
 
 # -----------------------------------------------------------------------------
-# Resuming: a checkpoint's layout, the run's state restored from it, and the exact command that resumes a run
+# Resuming: a checkpoint's layout, the run's state restored from it, and the exact command that
+# resumes a run
 
 def saved_layout(path):
-    """What a resume must match (and plan_batch's micro-batch on --resume), read here only: the meta.json layout."""
+    """What a resume must match (and plan_batch's micro-batch on --resume), read here only: the
+    meta.json layout."""
     meta = json.loads((Path(path) / "meta.json").read_text())
-    return {key: meta.get(key) for key in ("model_config", "world_size", "micro_batch", "accum", "step", "sharded")}
+    return {key: meta.get(key) for key in ("model_config", "world_size", "micro_batch", "accum",
+                                           "step", "sharded")}
 
 
 def resume(path, run_dir, model, optimizers, loaders, layout, rank, device):
-    """Restore model, optimizers, loaders and RNG from a checkpoint whose model, micro-batch and virtual ranks (world
-    size x accumulation: one data stream each) agree with `layout`: 2 processes x 1 micro-step resume as 1 x 2. Newer
-    checkpoints of an abandoned branch are set aside. Returns its step."""
+    """Restore model, optimizers, loaders and RNG from a checkpoint whose model, micro-batch and
+    virtual ranks (world size x accumulation: one data stream each) agree with `layout`: 2 processes
+    x 1 micro-step resume as 1 x 2. Newer checkpoints of an abandoned branch are set aside. Returns
+    its step."""
     meta = saved_layout(path)
     for key in ("model_config", "micro_batch"):
         if meta.get(key) != layout[key]:
-            raise ValueError(f"--resume {path}: its {key} is {meta.get(key)}, this run's is {layout[key]}: resume with "
-                             f"the same settings (the command is in {run_dir}/config.json)")
+            raise ValueError(f"--resume {path}: its {key} is {meta.get(key)}, this run's is "
+                             f"{layout[key]}: resume with the same settings (the command is in "
+                             f"{run_dir}/config.json)")
     virtual, mine = meta["world_size"] * meta["accum"], layout["world_size"] * layout["accum"]
     if virtual != mine:
-        raise ValueError(f"--resume {path}: written by {meta['world_size']} processes x {meta['accum']} "
-                         f"accumulation steps = {virtual} data streams, this run has {layout['world_size']} x "
-                         f"{layout['accum']} = {mine}: pick --total_batch_tokens and the process count so that "
-                         f"processes x accumulation = {virtual}")
+        raise ValueError(f"--resume {path}: written by {meta['world_size']} processes x "
+                         f"{meta['accum']} accumulation steps = {virtual} data streams, this run "
+                         f"has {layout['world_size']} x {layout['accum']} = {mine}: pick "
+                         "--total_batch_tokens and the process count so that processes x "
+                         f"accumulation = {virtual}")
     load_state(path, model, optimizers, device)
-    # this rank's virtual ranks rank * accum + j, each from the writer's rank file that holds it (each file read once)
+    # this rank's virtual ranks rank * accum + j, each from the writer's rank file that holds it
+    # (each file read once)
     old_accum, virtuals = meta["accum"], range(rank * layout["accum"], (rank + 1) * layout["accum"])
     files = {old: torch.load(Path(path) / f"rank{old:03d}.pt", weights_only=True)
              for old in sorted({virtual // old_accum for virtual in virtuals})}
@@ -359,22 +421,27 @@ def resume(path, run_dir, model, optimizers, loaders, layout, rank, device):
         truncate_metrics(run_dir / "metrics.jsonl", meta["step"])
         truncate_metrics(run_dir / "samples.jsonl", meta["step"])
         aside = set_aside_newer(run_dir / "ckpt", meta["step"])
-        sharding = ["sharded" if flag else "not sharded" for flag in (meta.get("sharded"), is_sharded(model))]
-        print(f"resume: from {path} at step {meta['step']} ({meta['world_size']} -> {layout['world_size']} processes, "
-              f"{sharding[0]} -> {sharding[1]})"
-              + (f"; the newer checkpoints of the abandoned branch were moved to {aside}" if aside else ""))
+        sharding = ["sharded" if flag else "not sharded" for flag in (meta.get("sharded"),
+                                                                      is_sharded(model))]
+        print(f"resume: from {path} at step {meta['step']} ({meta['world_size']} -> "
+              f"{layout['world_size']} processes, {sharding[0]} -> {sharding[1]})"
+              + (f"; the newer checkpoints of the abandoned branch were moved to {aside}" if aside
+                 else ""))
     barrier()
     return meta["step"]
 
 
 def resume_command(args):
-    """The exact command that continues this run: this one's arguments without --resume [PATH], --run_name and
-    --runs_dir, then the run's own; under torchrun, the same launch (the workers see its world, not its argv)."""
+    """The exact command that continues this run: this one's arguments without --resume [PATH],
+    --run_name and --runs_dir, then the run's own; under torchrun, the same launch (the workers see
+    its world, not its argv)."""
     words, dropped = sys.argv[1:], ("--run_name", "--runs_dir", "--resume")
-    # each word with the one before it: a dropped flag's value is the next word (--resume's is optional: not a flag)
+    # each word with the one before it: a dropped flag's value is the next word (--resume's is
+    # optional: not a flag)
     argv = [arg for before, arg in zip(["", *words], words) if arg.split("=", 1)[0] not in dropped
             and not (before in dropped and (before != "--resume" or not arg.startswith("-")))]
-    command = [sys.argv[0], *argv, "--runs_dir", args.runs_dir, "--run_name", args.run_name, "--resume"]
+    command = [sys.argv[0], *argv, "--runs_dir", args.runs_dir, "--run_name", args.run_name,
+               "--resume"]
     if "LOCAL_WORLD_SIZE" not in os.environ:
         return shlex.join([sys.executable, *command])
     per_node, world = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["WORLD_SIZE"])
@@ -382,27 +449,32 @@ def resume_command(args):
         f"--nnodes={world // per_node}", "--rdzv_backend=c10d",
         f"--rdzv_endpoint={os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"]
     prefix = "on every node: " if per_node != world else ""
-    return prefix + shlex.join([sys.executable, "-m", "torch.distributed.run", *nodes, f"--nproc_per_node={per_node}",
+    return prefix + shlex.join([sys.executable, "-m", "torch.distributed.run", *nodes,
+                                f"--nproc_per_node={per_node}",
                                 *command])
 
 
 def truncate_metrics(path, last_step):
-    """After a resume from `last_step`, drop the lines a killed run logged past it, so each step appears once."""
+    """After a resume from `last_step`, drop the lines a killed run logged past it, so each step
+    appears once."""
     path = Path(path)
     if path.is_file():
-        lines = [line for line in path.read_text().splitlines() if json.loads(line).get("step", 0) <= last_step]
+        lines = [line for line in path.read_text().splitlines() if json.loads(line).get(
+                "step", 0) <= last_step]
         path.write_text("".join(line + "\n" for line in lines))
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="a sharded checkpoint's model.pt (consolidate); otherwise import "
-                                     "checkpoint")
-    parser.add_argument("command", choices=["consolidate"], help="consolidate: write CHECKPOINT/model.pt from its "
-                        "shards, in one process")
-    parser.add_argument("checkpoint", nargs="?", help="a step_* directory or a run directory (its newest)")
+    parser = argparse.ArgumentParser(description="a sharded checkpoint's model.pt (consolidate); "
+                                     "otherwise import checkpoint")
+    parser.add_argument("command", choices=["consolidate"], help="consolidate: write "
+                        "CHECKPOINT/model.pt from its shards, in one process")
+    parser.add_argument("checkpoint", nargs="?", help="a step_* directory or a run directory (its "
+                        "newest)")
     args = parser.parse_args(argv)
     if args.checkpoint is None:
-        parser.error("consolidate needs a checkpoint: python checkpoint.py consolidate runs/<run>[/ckpt/step_N]")
+        parser.error("consolidate needs a checkpoint: python checkpoint.py consolidate "
+                     "runs/<run>[/ckpt/step_N]")
     written = consolidate(find_checkpoint(args.checkpoint))
     count = sum(t.numel() for t in torch.load(written, weights_only=True).values())
     print(f"consolidate: wrote {written} ({count:,} parameters)")

@@ -1,11 +1,11 @@
-"""The corpora and conversation sets on disk (download.py fetches them): reading them, their token counts against a
-budget, and writing your own text as a corpus. loader.py streams them into batches.
+"""The corpora and conversation sets on disk (download.py fetches them): reading them, their token
+counts against a budget, and writing your own text as a corpus. loader.py streams them into batches.
 
     python dataset.py ingest --out DIR PATHS...      # your own .txt/.md/.jsonl/.parquet (or directories of them)
 
-Layout of a text corpus (FineWeb-Edu's on the hub, and everything this file writes): a directory of parquet shards
-named shard_00000.parquet, ..., one string column `text`, row groups of 1024 documents, zstd; the last shard is the
-validation split, all others are training.
+Layout of a text corpus (FineWeb-Edu's on the hub, and everything this file writes): a directory of
+parquet shards named shard_00000.parquet, ..., one string column `text`, row groups of 1024
+documents, zstd; the last shard is the validation split, all others are training.
 """
 import argparse
 import codecs
@@ -29,39 +29,47 @@ def default_data_dir(dataset):
     return CACHE_DIR / "data" / dataset.split("/")[-1]
 
 
-# Conversations: parquet files with a `messages` column (SmolTalk, UltraChat), a `conversations` column (LIMA), or a
-# task's columns rendered as they are read (chat_rows: MMLU, ARC, GSM8K). Files named test* or val* are validation.
+# Conversations: parquet files with a `messages` column (SmolTalk, UltraChat), a `conversations`
+# column (LIMA), or a
+# task's columns rendered as they are read (chat_rows: MMLU, ARC, GSM8K). Files named test* or val*
+# are validation.
 CHAT_DATASETS = {  # name: (hub repo, the files to fetch)
     "smoltalk": ("HuggingFaceTB/smoltalk", r"data/all/(train|test)-\d+-of-\d+\.parquet"),
     "ultrachat": ("HuggingFaceH4/ultrachat_200k", r"data/(train|test)_sft-.+\.parquet"),
-    # gated: accept its terms on the hub, set HF_TOKEN; its test.jsonl has prompts without answers, so train only
+    # gated: accept its terms on the hub, set HF_TOKEN; its test.jsonl has prompts without answers,
+    # so train only
     "lima": ("GAIR/lima", r"train\.jsonl"),
     # training splits only: their test splits are chat_eval.py's
     "mmlu": ("cais/mmlu", r"all/auxiliary_train-\d+-of-\d+\.parquet"),
     "arc-easy": ("allenai/ai2_arc", r"ARC-Easy/train-\d+-of-\d+\.parquet"),
     "arc-challenge": ("allenai/ai2_arc", r"ARC-Challenge/train-\d+-of-\d+\.parquet"),
     "gsm8k": ("openai/gsm8k", r"main/train-\d+-of-\d+\.parquet"),
-    "identity": (None, None),  # no download: written from identity.json (IDENTITY_FILE), the file you edit
+    # no download: written from identity.json (IDENTITY_FILE), the file you edit
+    "identity": (None, None),
 }
 IDENTITY_FILE = Path(__file__).resolve().parent / "identity.json"
 
 
 def load_identity(path=IDENTITY_FILE):
-    """(name, [(question, answer)]) from the identity file: the assistant's name and what it says about itself."""
+    """(name, [(question, answer)]) from the identity file: the assistant's name and what it says
+    about itself."""
     try:
         spec = json.loads(Path(path).read_text())
         name, pairs = spec["name"], [(q, a.format(name=spec["name"])) for q in spec["questions"]
                                      for a in spec["answers"]]
     except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
-        raise ValueError(f"{path} is not a usable identity file ({type(e).__name__}: {e}): it is JSON with \"name\", "
-                         f"\"questions\" and \"answers\" (each answer may say {{name}})") from None
+        raise ValueError(f"{path} is not a usable identity file ({type(e).__name__}: {e}): it is "
+                         "JSON with \"name\", \"questions\" and \"answers\" (each answer may say "
+                         "{name})") from None
     if not isinstance(name, str) or not name or not pairs:
-        raise ValueError(f"{path}: \"name\" must be a non-empty string and \"questions\", \"answers\" non-empty lists")
+        raise ValueError(f"{path}: \"name\" must be a non-empty string and \"questions\", "
+                         "\"answers\" non-empty lists")
     return name, pairs
 
 
 def write_identity(out_dir, path=IDENTITY_FILE):
-    """Every question of the identity file with every answer, as a conversation set: out_dir/train.parquet."""
+    """Every question of the identity file with every answer, as a conversation set:
+    out_dir/train.parquet."""
     _, pairs = load_identity(path)
     rows = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}] for q, a in pairs]
     out_dir = Path(out_dir)
@@ -76,15 +84,16 @@ def chat_dir(spec):
 
 
 def render_mc(question, letters, choices):
-    """nanochat's multiple-choice message: each choice followed by '=' and its letter, with no space between, so the
-    letter in the prompt is the same token as the bare letter the answer is."""
-    return (f"Multiple Choice question: {question}\n" + "".join(f"- {c}={x}\n" for x, c in zip(letters, choices))
+    """nanochat's multiple-choice message: each choice followed by '=' and its letter, with no space
+    between, so the letter in the prompt is the same token as the bare letter the answer is."""
+    return (f"Multiple Choice question: {question}\n" + "".join(f"- {c}={x}\n" for x,
+                                                                c in zip(letters, choices))
             + "\nRespond only with the letter of the correct answer.")
 
 
 def calculator_parts(answer):
-    """GSM8K's answer text as assistant parts: each <<expr=result>> annotation becomes a tool call (python) and its
-    result (python_output), the text between them text parts."""
+    """GSM8K's answer text as assistant parts: each <<expr=result>> annotation becomes a tool call
+    (python) and its result (python_output), the text between them text parts."""
     parts = []
     for piece in re.split(r"(<<[^<>]*>>)", answer):
         if piece.startswith("<<") and piece.endswith(">>"):
@@ -100,18 +109,22 @@ def chat_format(path):
     """How a chat file's rows become conversations: its column(s) decide."""
     names = set(open_parquet(path, column=None).schema_arrow.names)
     for fmt, needs in (("messages", {"messages"}), ("conversations", {"conversations"}),
-                       ("arc", {"question", "choices", "answerKey"}), ("mmlu", {"question", "choices", "answer"}),
+                       ("arc", {"question", "choices", "answerKey"}), ("mmlu", {"question",
+                                                                                "choices",
+                                                                                "answer"}),
                        ("mmlu", {"train"}), ("gsm8k", {"question", "answer"})):
         if needs <= names:
             return fmt
-    raise ValueError(f"{path} has neither a `messages` column (SmolTalk, UltraChat), a `conversations` column (LIMA), "
-                     f"nor a task's columns (MMLU, ARC: question, choices, answer or answerKey; GSM8K: question, "
-                     f"answer); columns: {', '.join(sorted(names))}")
+    raise ValueError(f"{path} has neither a `messages` column (SmolTalk, UltraChat), a "
+                     "`conversations` column (LIMA), nor a task's columns (MMLU, ARC: question, "
+                     "choices, answer or answerKey; GSM8K: question, answer); columns: "
+                     f"{', '.join(sorted(names))}")
 
 
 def multiple_choice(row, answer="answer"):
-    """(prompt, letters, the answer's letter, options) of an ARC row (labelled choices, answerKey) or an MMLU-layout
-    one (choices, the answer's index under `answer`); a ValueError where the answerKey is not among the labels."""
+    """(prompt, letters, the answer's letter, options) of an ARC row (labelled choices, answerKey)
+    or an MMLU-layout one (choices, the answer's index under `answer`); a ValueError where the
+    answerKey is not among the labels."""
     arc = isinstance(row["choices"], dict)
     options = list(row["choices"]["text"] if arc else row["choices"])
     letters = list(row["choices"]["label"] if arc else MC_LETTERS[:len(options)])
@@ -122,10 +135,12 @@ def multiple_choice(row, answer="answer"):
 
 
 def task_messages(fmt, row):
-    """A task row (chat_format's mmlu, arc, gsm8k) as a conversation, or why it cannot be one (a string)."""
+    """A task row (chat_format's mmlu, arc, gsm8k) as a conversation, or why it cannot be one (a
+    string)."""
     try:
         if fmt in ("mmlu", "arc"):
-            row = row["train"] if isinstance(row.get("train"), dict) else row  # auxiliary_train nests its rows
+            # auxiliary_train nests its rows
+            row = row["train"] if isinstance(row.get("train"), dict) else row
             user, _, assistant, _ = multiple_choice(row)
         else:
             user, assistant = row["question"], calculator_parts(row["answer"])
@@ -140,15 +155,18 @@ MC_LETTERS = "ABCDEFGHIJ"
 
 
 def conversation_messages(item):
-    """SmolTalk/UltraChat rows are lists of {role, content}; LIMA rows are lists of strings, user first, alternating."""
+    """SmolTalk/UltraChat rows are lists of {role, content}; LIMA rows are lists of strings, user
+    first, alternating."""
     if item and isinstance(item[0], str):
-        return [{"role": "user" if i % 2 == 0 else "assistant", "content": text} for i, text in enumerate(item)]
+        return [{"role": "user" if i % 2 == 0 else "assistant", "content": text} for i,
+                text in enumerate(item)]
     return item or []
 
 
 def chat_rows(path, row_group, rows=None):
-    """A row group of a chat file as conversations (lists of messages), or for a row that cannot be one, why; rows:
-    only those indices, in that order (None: all), as a stream of W reads 1/W of a row group."""
+    """A row group of a chat file as conversations (lists of messages), or for a row that cannot be
+    one, why; rows: only those indices, in that order (None: all), as a stream of W reads 1/W of a
+    row group."""
     if Path(path).suffix == ".jsonl":
         return conversation_lines(path).rows(row_group, rows)
     fmt = chat_format(path)
@@ -160,41 +178,48 @@ def chat_rows(path, row_group, rows=None):
 
 
 def chat_files(chat_dir, split):
-    """The train or val files of a chat directory (its *.parquet; test* and val* are val), or [a .jsonl or .parquet
-    file] for either split: a file given as a source is what it is used as (a stage picks its held-out one)."""
+    """The train or val files of a chat directory (its *.parquet; test* and val* are val), or [a
+    .jsonl or .parquet file] for either split: a file given as a source is what it is used as (a
+    stage picks its held-out one)."""
     if Path(chat_dir).suffix in (".jsonl", ".parquet"):
         if not Path(chat_dir).is_file():
-            raise FileNotFoundError(f"{chat_dir}: no such file (a conversation source is a directory of parquet "
-                                    f"files, a dataset name, or a .jsonl file: docs/own-data.md)")
+            raise FileNotFoundError(f"{chat_dir}: no such file (a conversation source is a "
+                                    "directory of parquet files, a dataset name, or a .jsonl file: "
+                                    "docs/own-data.md)")
         return [Path(chat_dir)]
     files = sorted(Path(chat_dir).glob("*.parquet"))
     val = [f for f in files if f.name.startswith(("test", "val"))]
     chosen = val if split == "val" else [f for f in files if f not in val]
     if not chosen:
         which = "*.parquet named test* or val*" if split == "val" else "*.parquet not named test* or val*"
-        raise FileNotFoundError(f"no {split} conversation files ({which}) in {chat_dir}: run `python download.py "
-                                f"chat NAME` (one of {', '.join(CHAT_DATASETS)}) or `python demo.py --out "
-                                f"DIR`")
+        raise FileNotFoundError(f"no {split} conversation files ({which}) in {chat_dir}: run "
+                                "`python download.py chat NAME` (one of "
+                                f"{', '.join(CHAT_DATASETS)}) or `python demo.py --out DIR`")
     return chosen
 
 
-# Your own conversations: JSON lines in the OpenAI chat format, one conversation a line (docs/own-data.md):
-#   {"messages": [{"role": "system", "content": "..."}, {"role": "user", ...}, {"role": "assistant", ...}]}
-# read through the same loader as the parquet files: a ConversationLines index answers as a parquet footer does
+# Your own conversations: JSON lines in the OpenAI chat format, one conversation a line
+# (docs/own-data.md):
+# {"messages": [{"role": "system", "content": "..."}, {"role": "user", ...}, {"role": "assistant",
+# ...}]}
+# read through the same loader as the parquet files: a ConversationLines index answers as a parquet
+# footer does
 CHAT_ROLES = ("system", "user", "assistant")
-LINE_FORMAT = ('each line is one conversation, {"messages": [{"role": "user", "content": "..."}, {"role": '
-               '"assistant", "content": "..."}]}, roles system (first, optional), user and assistant in turn '
-               '(docs/own-data.md)')
-SKIP_BAD_ROWS_HELP = ("skip the bad lines of .jsonl conversation files (invalid JSON or UTF-8, no messages, a wrong "
-                      "role, no assistant message), counted in a printed line, instead of stopping at the first "
-                      "(default: off)")
+LINE_FORMAT = ('each line is one conversation, {"messages": [{"role": "user", "content": "..."}, '
+               '{"role": "assistant", "content": "..."}]}, roles system (first, optional), user '
+               'and '
+               'assistant in turn (docs/own-data.md)')
+SKIP_BAD_ROWS_HELP = ("skip the bad lines of .jsonl conversation files (invalid JSON or UTF-8, no "
+                      "messages, a wrong role, no assistant message), counted in a printed line, "
+                      "instead of stopping at the first (default: off)")
 
 
 def conversation_line(line):
-    """One line (bytes) of a JSON-lines conversation file as its messages ({role, content} only), or what is wrong
-    with it (a string)."""
+    """One line (bytes) of a JSON-lines conversation file as its messages ({role, content} only), or
+    what is wrong with it (a string)."""
     try:
-        text = line.decode("utf-8").removeprefix("\ufeff").rstrip("\r\n")  # a BOM: some editors write one
+        # a BOM: some editors write one
+        text = line.decode("utf-8").removeprefix("\ufeff").rstrip("\r\n")
     except UnicodeDecodeError as e:
         return f"not UTF-8 (byte 0x{line[e.start]:02x} at byte {e.start + 1} of the line): save the file as UTF-8"
     try:
@@ -202,13 +227,16 @@ def conversation_line(line):
     except json.JSONDecodeError as e:
         return f"not valid JSON ({e.msg} at column {e.colno})"
     if not isinstance(record, dict) or "messages" not in record:
-        got = f"fields: {', '.join(map(str, record))}" if isinstance(record, dict) else type(record).__name__
+        got = f"fields: {', '.join(map(str, record))}" if isinstance(
+                record, dict) else type(record).__name__
         return f'no "messages" field ({got})'
     messages = record["messages"]
     if not isinstance(messages, list) or not messages:
         return '"messages" is not a non-empty list of messages'
     for i, m in enumerate(messages):
-        missing = [key for key in ("role", "content") if key not in m] if isinstance(m, dict) else ["role", "content"]
+        missing = [key for key in ("role", "content") if key not in m] if isinstance(m, dict) else [
+                                                                                                    "role",
+                                                                                                    "content"]
         if missing:
             return f'message {i} has no {" or ".join(missing)} (each message is {{"role": ..., ' \
                    f'"content": ...}})'
@@ -230,10 +258,11 @@ def conversation_line(line):
 
 
 class ConversationLines:
-    """A JSON-lines conversation file indexed once: its non-blank lines' offsets and numbers, and each bad line's
-    number and what is wrong with it. It answers as a parquet footer does (num_rows, num_row_groups,
-    row_group(i).num_rows), a row group being ROW_GROUP_DOCS lines, so the loader deals, shuffles and resumes its rows
-    as a parquet file's: a position is (row group, row), whatever the rows hold."""
+    """A JSON-lines conversation file indexed once: its non-blank lines' offsets and numbers, and
+    each bad line's number and what is wrong with it. It answers as a parquet footer does (num_rows,
+    num_row_groups, row_group(i).num_rows), a row group being ROW_GROUP_DOCS lines, so the loader
+    deals, shuffles and resumes its rows as a parquet file's: a position is (row group, row),
+    whatever the rows hold."""
 
     def __init__(self, path):
         self.path, self.offsets, self.numbers, self.bad = Path(path), array("q"), array("q"), []
@@ -253,18 +282,21 @@ class ConversationLines:
         return SimpleNamespace(num_rows=min(ROW_GROUP_DOCS, self.num_rows - index * ROW_GROUP_DOCS))
 
     def rows(self, row_group, rows=None):
-        """The conversations of a row group (rows: only those indices, in that order), a bad line as "line N: why"."""
+        """The conversations of a row group (rows: only those indices, in that order), a bad line as
+        "line N: why"."""
         first = row_group * ROW_GROUP_DOCS
         out = []
         with open(self.path, "rb") as f:
             for r in range(self.row_group(row_group).num_rows) if rows is None else rows:
                 f.seek(self.offsets[first + r])
                 item = conversation_line(f.readline())
-                out.append(f"line {self.numbers[first + r]}: {item}" if isinstance(item, str) else item)
+                out.append(f"line {self.numbers[first + r]}: {item}" if isinstance(item,
+                                                                                   str) else item)
         return out
 
 
-_INDEXED = {}  # (path, size, mtime): its ConversationLines, so every loader of a stage reads a file through once
+# (path, size, mtime): its ConversationLines, so every loader of a stage reads a file through once
+_INDEXED = {}
 
 
 def conversation_lines(path):
@@ -279,13 +311,16 @@ def conversation_lines(path):
 
 
 def chat_footer(path):
-    """A chat file's row groups and their sizes: a parquet footer, or a .jsonl file's ConversationLines."""
-    return conversation_lines(path) if Path(path).suffix == ".jsonl" else open_parquet(path, column=None).metadata
+    """A chat file's row groups and their sizes: a parquet footer, or a .jsonl file's
+    ConversationLines."""
+    return conversation_lines(path) if Path(path).suffix == ".jsonl" else open_parquet(
+            path, column=None).metadata
 
 
 def check_chat_files(files, skip_bad_rows=False):
-    """A ValueError naming the file, line and fix at a .jsonl file's first bad line (or an empty file, or one with only
-    bad lines); with skip_bad_rows, the lines that say how many are skipped in each file instead."""
+    """A ValueError naming the file, line and fix at a .jsonl file's first bad line (or an empty
+    file, or one with only bad lines); with skip_bad_rows, the lines that say how many are skipped
+    in each file instead."""
     lines = []
     for path in dict.fromkeys(Path(f) for f in files if Path(f).suffix == ".jsonl"):
         index = conversation_lines(path)
@@ -295,34 +330,39 @@ def check_chat_files(files, skip_bad_rows=False):
             continue
         (number, why), count = index.bad[0], len(index.bad)
         if count == index.num_rows:
-            raise ValueError(f"{path}, line {number}: {why}; every one of its {count:,} lines is bad: {LINE_FORMAT}")
+            raise ValueError(f"{path}, line {number}: {why}; every one of its {count:,} lines is "
+                             f"bad: {LINE_FORMAT}")
         if not skip_bad_rows:
             more = f" ({count:,} bad lines of {index.num_rows:,}; this is the first)" if count > 1 else ""
-            raise ValueError(f"{path}, line {number}: {why}{more}: {LINE_FORMAT}; fix it, or pass --skip_bad_rows "
-                             f"to skip bad lines (they are counted)")
-        shown = "; ".join(f"line {n}: {w}" for n, w in index.bad[:3]) + ("; ..." if count > 3 else "")
-        lines.append(f"--skip_bad_rows: skipping {count:,} bad line{'s' * (count > 1)} of {index.num_rows:,} in "
-                     f"{path} ({shown})")
+            raise ValueError(f"{path}, line {number}: {why}{more}: {LINE_FORMAT}; fix it, or pass "
+                             "--skip_bad_rows to skip bad lines (they are counted)")
+        shown = "; ".join(f"line {n}: {w}" for n,
+                          w in index.bad[:3]) + ("; ..." if count > 3 else "")
+        lines.append(f"--skip_bad_rows: skipping {count:,} bad line{'s' * (count > 1)} of "
+                     f"{index.num_rows:,} in {path} ({shown})")
     return lines
 
 
 def parse_chat_sources(specs):
-    """--source DIR:EPOCHS values as [(directory, epochs)]; DIR may be a CHAT_DATASETS name (its cache directory) or
-    a .jsonl file."""
+    """--source DIR:EPOCHS values as [(directory, epochs)]; DIR may be a CHAT_DATASETS name (its
+    cache directory) or a .jsonl file."""
     sources = []
     for spec in specs:
         path, _, epochs = spec.rpartition(":")
         if not path or not epochs.isdigit() or int(epochs) < 1:
-            raise ValueError(f"--source {spec!r}: write DIR:EPOCHS (or FILE.jsonl:EPOCHS) with a whole number of "
-                             f"passes >= 1, e.g. --source gsm8k:4 or --source data/demo/conversations:1")
+            raise ValueError(f"--source {spec!r}: write DIR:EPOCHS (or FILE.jsonl:EPOCHS) with a "
+                             "whole number of passes >= 1, e.g. --source gsm8k:4 or --source "
+                             "data/demo/conversations:1")
         sources.append((str(chat_dir(path)), int(epochs)))
     return sources
 
 
 def mixture_files(sources):
-    """The training files of [(chat dir, epochs)], each listed once per epoch: one pass over the list is one pass
-    of the mixture, every source its number of times, their row groups shuffled together by the loader's seed."""
-    return [f for directory, epochs in sources for _ in range(epochs) for f in chat_files(directory, "train")]
+    """The training files of [(chat dir, epochs)], each listed once per epoch: one pass over the
+    list is one pass of the mixture, every source its number of times, their row groups shuffled
+    together by the loader's seed."""
+    return [f for directory, epochs in sources for _ in range(epochs) for f in chat_files(directory,
+                                                                                          "train")]
 
 
 # -----------------------------------------------------------------------------
@@ -331,21 +371,27 @@ def mixture_files(sources):
 def list_shards(data_dir):
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
-        raise FileNotFoundError(f"data directory {data_dir} does not exist: run `python download.py shards --shards N"
-                                f" --data_dir {data_dir}` or `python demo.py --out DIR` (its DIR/pretrain)")
+        raise FileNotFoundError(f"data directory {data_dir} does not exist: run `python "
+                                "download.py "
+                                f"shards --shards N --data_dir {data_dir}` or `python demo.py "
+                                "--out "
+                                "DIR` (its DIR/pretrain)")
     shards = sorted(data_dir.glob("*.parquet"))
     if not shards:
-        raise FileNotFoundError(f"no .parquet shards in {data_dir}: run `python download.py shards --shards N "
-                                f"--data_dir {data_dir}` or `python dataset.py ingest --out {data_dir} FILES...`")
+        raise FileNotFoundError(f"no .parquet shards in {data_dir}: run `python download.py shards "
+                                f"--shards N --data_dir {data_dir}` or `python dataset.py ingest "
+                                f"--out {data_dir} FILES...`")
     return shards
 
 
-TOKEN_COUNTS = ".token_counts.json"  # in a corpus directory: {tokenizer fingerprint: {shard name: [tokens, docs]}}
+# in a corpus directory: {tokenizer fingerprint: {shard name: [tokens, docs]}}
+TOKEN_COUNTS = ".token_counts.json"
 
 
 def shard_tokens(path, tokenizer):
-    """(tokens, documents) of one shard as the pretraining loader trains on them: each non-empty document's tokens
-    plus its BOS. Counted once per (shard, tokenizer) and kept in the corpus directory's .token_counts.json."""
+    """(tokens, documents) of one shard as the pretraining loader trains on them: each non-empty
+    document's tokens plus its BOS. Counted once per (shard, tokenizer) and kept in the corpus
+    directory's .token_counts.json."""
     path = Path(path)
     cache = path.parent / TOKEN_COUNTS
     key = tokenizer.fingerprint()
@@ -358,7 +404,8 @@ def shard_tokens(path, tokenizer):
     tokens = docs = 0
     for index in range(open_parquet(path).num_row_groups):
         texts = [t for t in read_row_group(path, index) if t]
-        tokens += sum(len(ids) + 1 for ids in tokenizer.encode_batch(texts, num_threads=os.cpu_count()))
+        tokens += sum(len(ids) + 1 for ids in tokenizer.encode_batch(texts,
+                                                                     num_threads=os.cpu_count()))
         docs += len(texts)
     counts.setdefault(key, {})[path.name] = [tokens, docs]
     tmp = cache.with_name(cache.name + f".{os.getpid()}.tmp")
@@ -371,26 +418,31 @@ def shard_tokens(path, tokenizer):
 
 
 def corpus_budget(data_dir, tokenizer, budget_tokens):
-    """A corpus's training split against a token budget: {"shards", "docs", "measured_shard", "tokens_per_doc",
-    "tokens", "epochs" (budget / tokens)}; tokens: the first shard's tokens per document (counted) x every shard's
-    documents (footers), as FineWeb's shards are one shuffled stream cut in pieces."""
+    """A corpus's training split against a token budget: {"shards", "docs", "measured_shard",
+    "tokens_per_doc", "tokens", "epochs" (budget / tokens)}; tokens: the first shard's tokens per
+    document (counted) x every shard's documents (footers), as FineWeb's shards are one shuffled
+    stream cut in pieces."""
     train = split_shards(data_dir, "train")
     tokens0, docs0 = shard_tokens(train[0], tokenizer)
     docs = sum(open_parquet(p).metadata.num_rows for p in train)
     per_doc = tokens0 / max(1, docs0)
     tokens = int(per_doc * docs)
-    return {"shards": len(train), "docs": docs, "measured_shard": train[0].name, "tokens_per_doc": per_doc,
+    return {"shards": len(train), "docs": docs, "measured_shard": train[0].name,
+            "tokens_per_doc": per_doc,
             "tokens_per_shard": tokens0, "tokens": tokens, "epochs": budget_tokens / max(1, tokens)}
 
 
 def budget_line(b, budget_tokens):
-    """The plan's data line: what the budget needs against what the corpus holds; says so when data repeats."""
-    line = (f"data: budget {budget_tokens:,} tokens; corpus {b['shards']} training shards, {b['docs']:,} documents x "
-            f"{b['tokens_per_doc']:,.0f} tokens (the mean of {b['measured_shard']}, counted with this tokenizer) = "
-            f"~{b['tokens']:,} tokens: {b['epochs']:.2f} epochs")
+    """The plan's data line: what the budget needs against what the corpus holds; says so when data
+    repeats."""
+    line = (f"data: budget {budget_tokens:,} tokens; corpus {b['shards']} training shards, "
+            f"{b['docs']:,} documents x {b['tokens_per_doc']:,.0f} tokens (the mean of "
+            f"{b['measured_shard']}, counted with this tokenizer) = ~{b['tokens']:,} tokens: "
+            f"{b['epochs']:.2f} epochs")
     if b["epochs"] > 1:
-        line += (f". This run REPEATS data: {b['epochs']:.2f} passes over the corpus (more shards: `python dataset.py "
-                 f"download --shards N`; N ~ {math.ceil(budget_tokens / max(1, b['tokens_per_shard'])) + 1})")
+        line += (f". This run REPEATS data: {b['epochs']:.2f} passes over the corpus (more shards: "
+                 "`python dataset.py download --shards N`; N ~ "
+                 f"{math.ceil(budget_tokens / max(1, b['tokens_per_shard'])) + 1})")
     return line
 
 
@@ -399,8 +451,8 @@ def split_shards(data_dir, split):
     if split not in ("train", "val"):
         raise ValueError(f"split={split!r} is not allowed: choose train or val")
     if len(shards) < 2:
-        raise ValueError(f"{data_dir} has {len(shards)} shard; a corpus needs at least two (training shards, then the "
-                         f"validation shard last)")
+        raise ValueError(f"{data_dir} has {len(shards)} shard; a corpus needs at least two "
+                         "(training shards, then the validation shard last)")
     return shards[:-1] if split == "train" else shards[-1:]
 
 
@@ -408,25 +460,30 @@ def open_parquet(path, column="text"):
     try:
         parquet = pq.ParquetFile(path)
     except (pa.ArrowInvalid, OSError) as e:
-        raise ValueError(f"{path} is not a readable parquet file ({e}): delete it and fetch it again (`python "
-                         f"download.py shards` verifies every shard) or re-create it with `python dataset.py "
-                         f"ingest`") from e
+        raise ValueError(f"{path} is not a readable parquet file ({e}): delete it and fetch it "
+                         "again (`python download.py shards` verifies every shard) or re-create it "
+                         "with `python dataset.py ingest`") from e
     if column is not None and column not in parquet.schema_arrow.names:
-        raise ValueError(f"{path} has no column {column!r} (columns: {', '.join(parquet.schema_arrow.names)})")
+        raise ValueError(f"{path} has no column {column!r} (columns: "
+                         f"{', '.join(parquet.schema_arrow.names)})")
     return parquet
 
 
 def read_row_group(path, index, column="text"):
     """One column's values of a row group, or with column=None its rows as dicts."""
     try:
-        table = open_parquet(path, column).read_row_group(index, columns=None if column is None else [column])
+        table = open_parquet(path, column).read_row_group(
+                index, columns=None if column is None else [column])
         return table.to_pylist() if column is None else table.column(column).to_pylist()
     except (pa.ArrowInvalid, OSError) as e:
-        raise ValueError(f"{path}: row group {index} is unreadable ({e}): delete the file and fetch it again") from e
+        raise ValueError(f"{path}: row group {index} is unreadable ({e}): delete the file and "
+                         "fetch "
+                         "it again") from e
 
 
 def iter_texts(data_dir, split, max_chars=None):
-    """Documents of a split in order, empty ones skipped; stops once max_chars characters have been yielded."""
+    """Documents of a split in order, empty ones skipped; stops once max_chars characters have been
+    yielded."""
     total = 0
     for path in split_shards(data_dir, split):
         for index in range(open_parquet(path).num_row_groups):
@@ -440,24 +497,27 @@ def iter_texts(data_dir, split, max_chars=None):
 
 
 def write_text_shards(texts, out_dir, seed=0, shard_docs=8 * ROW_GROUP_DOCS, val_fraction=0.05):
-    """Shuffle documents with `seed` and write them in the corpus layout: training shards of `shard_docs` documents,
-    then one validation shard (the last file) of val_fraction of the documents (at least one). Returns the paths."""
+    """Shuffle documents with `seed` and write them in the corpus layout: training shards of
+    `shard_docs` documents, then one validation shard (the last file) of val_fraction of the
+    documents (at least one). Returns the paths."""
     texts = list(texts)
     if len(texts) < 2:
-        raise ValueError(f"need at least 2 documents to make a training and a validation split, got {len(texts)}")
+        raise ValueError("need at least 2 documents to make a training and a validation split, got "
+                         f"{len(texts)}")
     random.Random(seed).shuffle(texts)
     n_val = max(1, round(len(texts) * val_fraction))
     train, val = texts[:-n_val], texts[-n_val:]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     chunks = [train[i:i + shard_docs] for i in range(0, len(train), shard_docs)] + [val]
-    return [write_parquet(out_dir / f"shard_{i:05d}.parquet", {"text": pa.array(chunk, pa.string())},
+    return [write_parquet(out_dir / f"shard_{i:05d}.parquet", {"text": pa.array(chunk,
+                                                                                pa.string())},
                           row_group_size=ROW_GROUP_DOCS) for i, chunk in enumerate(chunks)]
 
 
 def write_parquet(path, columns, **kwargs):
-    """The table of `columns` as zstd parquet at path, written under path + ".tmp" and then renamed: a file is visible
-    under its name only once it is complete."""
+    """The table of `columns` as zstd parquet at path, written under path + ".tmp" and then renamed:
+    a file is visible under its name only once it is complete."""
     tmp = path.with_name(path.name + ".tmp")
     pq.write_table(pa.table(columns), tmp, compression="zstd", **kwargs)
     os.replace(tmp, path)
@@ -468,27 +528,31 @@ def write_parquet(path, columns, **kwargs):
 # Ingest: your own text as a corpus
 
 def decode_utf8(data):
-    """Decode bytes as UTF-8, replacing each invalid sequence with U+FFFD; returns (text, number replaced)."""
+    """Decode bytes as UTF-8, replacing each invalid sequence with U+FFFD; returns (text, number
+    replaced)."""
     replaced = 0
 
     def count(err):
         nonlocal replaced
         replaced += 1
         return "\ufffd", err.end
-    codecs.register_error("dataset.count", count)  # re-registered per call: the closure holds this call's counter
+    # re-registered per call: the closure holds this call's counter
+    codecs.register_error("dataset.count", count)
     return data.decode("utf-8", errors="dataset.count"), replaced
 
 
 def read_documents(path, column="text", one_per_file=False):
     """Documents of one input file and the number of invalid UTF-8 sequences replaced in it.
-    .txt, .md: documents separated by blank lines (or the whole file, one_per_file); .jsonl: the `column` field of
-    each line; .parquet: the `column` column."""
+    .txt, .md: documents separated by blank lines (or the whole file, one_per_file); .jsonl: the
+    `column` field of each line; .parquet: the `column` column."""
     path = Path(path)
     if path.suffix == ".parquet":
         parquet = open_parquet(path, column)
-        return [t for i in range(parquet.num_row_groups) for t in read_row_group(path, i, column)], 0
+        return [t for i in range(parquet.num_row_groups) for t in read_row_group(path, i,
+                                                                                 column)], 0
     if path.suffix not in (".txt", ".md", ".jsonl"):
-        raise ValueError(f"{path}: unsupported file type {path.suffix!r}: use .txt, .md, .jsonl or .parquet")
+        raise ValueError(f"{path}: unsupported file type {path.suffix!r}: use .txt, .md, .jsonl or "
+                         ".parquet")
     text, replaced = decode_utf8(path.read_bytes())
     if not text.strip():
         raise ValueError(f"{path}: empty: it holds no text; leave it out of the corpus")
@@ -501,12 +565,15 @@ def read_documents(path, column="text", one_per_file=False):
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{number}: not valid JSON ({e.msg}); each line must be one JSON object with a "
-                             f"{column!r} field") from e
-        if not isinstance(record, dict) or column not in record or not isinstance(record[column], (str, type(None))):
-            what = "no field" if isinstance(record, dict) and column not in record else "not a string field"
-            raise ValueError(f"{path}:{number}: {what} {column!r}: each line must be one JSON object with a string "
-                             f"{column!r} field (--column NAME reads another field)")
+            raise ValueError(f"{path}:{number}: not valid JSON ({e.msg}); each line must be one "
+                             f"JSON object with a {column!r} field") from e
+        if not isinstance(record, dict) or column not in record or not isinstance(
+                record[column], (str, type(None))):
+            what = "no field" if isinstance(record,
+                                            dict) and column not in record else "not a string field"
+            raise ValueError(f"{path}:{number}: {what} {column!r}: each line must be one JSON "
+                             f"object with a string {column!r} field (--column NAME reads another "
+                             "field)")
         docs.append(record[column])
     return docs, replaced
 
@@ -515,12 +582,13 @@ INGEST_SUFFIXES = (".txt", ".md", ".jsonl", ".parquet")
 
 
 def input_files(paths):
-    """The files to ingest: each path that is a file, and each directory's files of INGEST_SUFFIXES (recursively, in
-    sorted order; others in it are left out)."""
+    """The files to ingest: each path that is a file, and each directory's files of INGEST_SUFFIXES
+    (recursively, in sorted order; others in it are left out)."""
     files = []
     for path in map(Path, paths):
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in INGEST_SUFFIXES)
+            found = sorted(p for p in path.rglob("*") if p.is_file()
+                           and p.suffix in INGEST_SUFFIXES)
             if not found:
                 raise FileNotFoundError(f"{path}: no {', '.join(INGEST_SUFFIXES)} files in it")
             files += found
@@ -532,9 +600,10 @@ def input_files(paths):
 
 
 def ingest(paths, out_dir, seed=0, column="text", one_per_file=False, val_fraction=0.05):
-    """Turn .txt/.md/.jsonl/.parquet files (or directories of them) into a corpus (shuffled with `seed`, last shard =
-    validation); shards of an earlier ingest beyond the new ones removed; <out_dir>/ingest.json, written last, says
-    it is whole (speedrun.sh's ingest stage is skipped once it exists)."""
+    """Turn .txt/.md/.jsonl/.parquet files (or directories of them) into a corpus (shuffled with
+    `seed`, last shard = validation); shards of an earlier ingest beyond the new ones removed;
+    <out_dir>/ingest.json, written last, says it is whole (speedrun.sh's ingest stage is skipped
+    once it exists)."""
     if not paths:
         raise ValueError("no input files given")
     files = input_files(paths)
@@ -549,13 +618,16 @@ def ingest(paths, out_dir, seed=0, column="text", one_per_file=False, val_fracti
     paths = write_text_shards(docs, out_dir, seed=seed, val_fraction=val_fraction)
     for stale in set(Path(out_dir).glob("shard_*.parquet")) - set(paths):
         stale.unlink()
-    summary = {"inputs": [str(p) for p in files], "documents": len(docs), "characters": sum(map(len, docs)),
-               "val_documents": pq.ParquetFile(paths[-1]).metadata.num_rows, "empty": empty, "replaced": replaced,
+    summary = {"inputs": [str(p) for p in files], "documents": len(docs), "characters": sum(map(
+            len, docs)),
+               "val_documents": pq.ParquetFile(paths[-1]).metadata.num_rows, "empty": empty,
+               "replaced": replaced,
                "shards": len(paths)}
     Path(out_dir, "ingest.json").write_text(json.dumps(summary, indent=1) + "\n")
-    print(f"ingest: {len(files)} files -> {len(docs):,} documents ({summary['characters']:,} characters) in "
-          f"{len(paths)} shards under {out_dir} (last = validation: {summary['val_documents']:,} documents); empty "
-          f"documents skipped: {empty:,}; invalid UTF-8 sequences replaced with U+FFFD: {replaced:,}")
+    print(f"ingest: {len(files)} files -> {len(docs):,} documents ({summary['characters']:,} "
+          f"characters) in {len(paths)} shards under {out_dir} (last = validation: "
+          f"{summary['val_documents']:,} documents); empty documents skipped: {empty:,}; invalid "
+          f"UTF-8 sequences replaced with U+FFFD: {replaced:,}")
     return {**summary, "shards": paths}
 
 
@@ -566,36 +638,41 @@ def check_sources(sources):
     for i, source in enumerate(sources):
         missing = {"name", "kind", "path", "share"} - set(source)
         if missing:
-            raise ValueError(f"mixture source {i} ({source}) lacks {', '.join(sorted(missing))}: each source is "
-                             f"{{'name', 'kind': 'text'|'chat', 'path', 'share'}}")
+            raise ValueError(f"mixture source {i} ({source}) lacks {', '.join(sorted(missing))}: "
+                             "each source is {'name', 'kind': 'text'|'chat', 'path', 'share'}")
         if source["kind"] not in ("text", "chat"):
-            raise ValueError(f"mixture source {source['name']!r}: kind={source['kind']!r}: choose text or chat")
+            raise ValueError(f"mixture source {source['name']!r}: kind={source['kind']!r}: choose "
+                             "text or chat")
     shares = {source["name"]: source["share"] for source in sources}
     if len(shares) < len(sources):
-        raise ValueError(f"mixture sources need distinct names, got {[source['name'] for source in sources]}")
+        raise ValueError("mixture sources need distinct names, got "
+                         f"{[source['name'] for source in sources]}")
     if any(share < 0 for share in shares.values()) or abs(sum(shares.values()) - 1) > 1e-6:
-        raise ValueError(f"mixture shares {shares} sum to {sum(shares.values()):.6g}: they must be non-negative and "
-                         f"sum to 1")
+        raise ValueError(f"mixture shares {shares} sum to {sum(shares.values()):.6g}: they must be "
+                         "non-negative and sum to 1")
 
 
 # -----------------------------------------------------------------------------
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("ingest", help="your own .txt/.md/.jsonl/.parquet files as a corpus")
-    p.add_argument("files", nargs="+", help=".txt, .md (documents split on blank lines), .jsonl, .parquet, or a "
-                   "directory of them")
+    p.add_argument("files", nargs="+", help=".txt, .md (documents split on blank lines), .jsonl, "
+                   ".parquet, or a directory of them")
     p.add_argument("--out", required=True, help="output corpus directory")
-    p.add_argument("--column", default="text", help="jsonl field / parquet column (default: %(default)s)")
-    p.add_argument("--one_per_file", action="store_true", help="each .txt/.md file is one document (default: split on "
-                   "blank lines)")
+    p.add_argument("--column", default="text", help="jsonl field / parquet column (default: "
+                   "%(default)s)")
+    p.add_argument("--one_per_file", action="store_true", help="each .txt/.md file is one document "
+                   "(default: split on blank lines)")
     p.add_argument("--seed", type=int, default=0, help="shuffle seed (default: %(default)s)")
-    p.add_argument("--val_fraction", type=float, default=0.05, help="share of documents in the validation shard "
-                   "(default: %(default)s)")
+    p.add_argument("--val_fraction", type=float, default=0.05, help="share of documents in the "
+                   "validation shard (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
-        ingest(args.files, args.out, seed=args.seed, column=args.column, one_per_file=args.one_per_file,
+        ingest(args.files, args.out, seed=args.seed, column=args.column,
+               one_per_file=args.one_per_file,
                val_fraction=args.val_fraction)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
         parser.exit(1, f"dataset.py {args.command}: error: {e}\n")

@@ -1,14 +1,16 @@
-"""Generation, the one path: chat.py's replies (decode_step on its conversation's cache, token by token), and decode()
-for rl.py's rollouts, chat_eval.py's generated answers, core_eval.py's and validation.py's samples.
+"""Generation, the one path: chat.py's replies (decode_step on its conversation's cache, token by
+token), and decode() for rl.py's rollouts, chat_eval.py's generated answers, core_eval.py's and
+validation.py's samples.
 
-decode() prefills several prompts in one forward and decodes N replies to each, every row in one forward per step,
-each at its own position (a greedy row equals its prompt decoded alone, token for token) with its own calculator; the
-cache is compacted when half the prompts have ended. On CUDA the step is compiled, on the CPU eager; the stages' few
-samples ask for eager on CUDA too: a first compilation costs more than their few hundred tokens (dev/LOG.md).
-docs/model.md (generation) says how it works.
+decode() prefills several prompts in one forward and decodes N replies to each, every row in one
+forward per step, each at its own position (a greedy row equals its prompt decoded alone, token for
+token) with its own calculator; the cache is compacted when half the prompts have ended. On CUDA the
+step is compiled, on the CPU eager; the stages' few samples ask for eager on CUDA too: a first
+compilation costs more than their few hundred tokens (dev/LOG.md). docs/model.md (generation) says
+how it works.
 
-Run alone it checks itself on a random-init model: greedy rows decoded together against each prompt decoded alone,
-and the tokens per second of each.
+Run alone it checks itself on a random-init model: greedy rows decoded together against each prompt
+decoded alone, and the tokens per second of each.
 
     python decode.py                                   # tiny, 8 prompts of 5 to 60 tokens, 32 new tokens each
     python decode.py --preset d12 --prompts 64 --dtype bfloat16 --device cuda
@@ -34,9 +36,10 @@ from model import (
 
 
 def decode_weights(model, dtype="float32"):
-    """An inference-only copy of the step's weights, in the compute dtype: per block (q|k|v stacked, o, up, gate or
-    None, down, value-embedding gate or None) transposed to (in, out), the head's likewise, the norms' scales (None when
-    weightless), the rotary tables as (cos, cos) and (sin, -sin). BitNet's weights are quantized once, here."""
+    """An inference-only copy of the step's weights, in the compute dtype: per block (q|k|v stacked,
+    o, up, gate or None, down, value-embedding gate or None) transposed to (in, out), the head's
+    likewise, the norms' scales (None when weightless), the rotary tables as (cos, cos) and (sin,
+    -sin). BitNet's weights are quantized once, here."""
     compute = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     t = lambda linear: linear.effective_weight().detach().t().to(compute).contiguous()
     scale = lambda norm: None if norm is None or norm.weight is None else norm.weight.detach()
@@ -45,22 +48,28 @@ def decode_weights(model, dtype="float32"):
         for b in model.blocks:
             a, m = b.attn, b.mlp
             qkv = torch.cat([t(a.q_proj), t(a.k_proj), t(a.v_proj)], 1)
-            blocks.append((qkv, t(a.o_proj), t(m.up_proj), None if m.gate_proj is None else t(m.gate_proj),
-                           t(m.down_proj), scale(b.attn_norm), scale(b.mlp_norm), scale(a.q_norm), scale(a.k_norm),
+            blocks.append((qkv, t(a.o_proj), t(m.up_proj),
+                           None if m.gate_proj is None else t(m.gate_proj),
+                           t(m.down_proj), scale(b.attn_norm), scale(b.mlp_norm), scale(a.q_norm),
+                           scale(a.k_norm),
                            None if a.ve_gate is None else t(a.ve_gate)))
         head = model.head_weight().detach().t().to(compute).contiguous()
     return {"blocks": blocks, "head": head, "norm_f": scale(model.norm_f), "dtype": compute,
-            "cos": torch.cat([model.cos, model.cos], -1), "sin": torch.cat([model.sin, -model.sin], -1)}
+            "cos": torch.cat([model.cos, model.cos], -1), "sin": torch.cat([model.sin, -model.sin],
+                                                                           -1)}
 
 
-def decode_step(model, weights, token, pos, step, prompt_k, prompt_v, prompt_valid, reply_k, reply_v, width):
-    """fp32 logits (N, vocab) of one token per row: token (N,) at pos (N,), each row its own position, rows grouped
-    by prompt (N = prompts x samples, a prompt's rows together). The cache has two parts: the prompts' keys and values,
-    one copy per prompt, prompt_k, prompt_v (layer, prompt, kv head, slot, head dim) with prompt_valid (prompt, 1, 1,
-    slot) marking each prompt's own slots; and the rows' new tokens, reply_k, reply_v (layer, prompt, kv head, sample,
-    slot, head dim), where every row writes its token at slot `step` (an int, or a (1,) long tensor under compile) and
-    attends over slots 0 .. step of width. The model's forward in fewer, larger ops, as a small model's CPU step is
-    bound by per-op overhead: q, k, v in one matmul against pre-transposed weights, q and k rotated together."""
+def decode_step(model, weights, token, pos, step, prompt_k, prompt_v, prompt_valid, reply_k,
+                reply_v, width):
+    """fp32 logits (N, vocab) of one token per row: token (N,) at pos (N,), each row its own
+    position, rows grouped by prompt (N = prompts x samples, a prompt's rows together). The cache
+    has two parts: the prompts' keys and values, one copy per prompt, prompt_k, prompt_v (layer,
+    prompt, kv head, slot, head dim) with prompt_valid (prompt, 1, 1, slot) marking each prompt's
+    own slots; and the rows' new tokens, reply_k, reply_v (layer, prompt, kv head, sample, slot,
+    head dim), where every row writes its token at slot `step` (an int, or a (1,) long tensor under
+    compile) and attends over slots 0 .. step of width. The model's forward in fewer, larger ops, as
+    a small model's CPU step is bound by per-op overhead: q, k, v in one matmul against
+    pre-transposed weights, q and k rotated together."""
     c, eps, dtype = model.config, model.config.norm_eps, weights["dtype"]
     H, K, D, N, Q = c.n_head, c.n_kv_head, c.head_dim, token.size(0), prompt_k.size(1)
     S, G = N // Q, c.n_head // c.n_kv_head
@@ -72,16 +81,19 @@ def decode_step(model, weights, token, pos, step, prompt_k, prompt_v, prompt_val
 
     def mm(x, w):  # x @ w in the compute dtype, fp32 out
         return (quantize(x).to(dtype) @ w).float()
-    if dtype == torch.float32 and not c.bitnet:  # no casts: each is an op, and a small model's step is its ops
+    # no casts: each is an op, and a small model's step is its ops
+    if dtype == torch.float32 and not c.bitnet:
         mm = torch.matmul
 
     cos, sin = weights["cos"][pos].view(N, 1, D), weights["sin"][pos].view(N, 1, D)
     P, masked = prompt_k.size(3), prompt_k.size(3) > 0 or not isinstance(step, int)
     if masked:  # a prompt's padding, or (compiled) the slots past `step`
-        valid = torch.cat([prompt_valid, (torch.arange(width, device=token.device) <= step).expand(Q, 1, 1, width)],
+        valid = torch.cat([prompt_valid, (torch.arange(
+                width, device=token.device) <= step).expand(Q, 1, 1, width)],
                           -1)
     x = x0 = model.wte(token)
-    for i, (wqkv, wo, wup, wgate, wdown, n_attn, n_mlp, n_q, n_k, w_ve) in enumerate(weights["blocks"]):
+    for i, (wqkv, wo, wup, wgate, wdown, n_attn, n_mlp, n_q, n_k, w_ve) in enumerate(weights[
+                                                                                             "blocks"]):
         x = model.mix_embedding(i, x, x0)
         h = norm(x, n_attn)
         qkv = mm(h, wqkv)
@@ -93,48 +105,65 @@ def decode_step(model, weights, token, pos, step, prompt_k, prompt_v, prompt_val
             q_k = norm(q_k, None)
         elif c.qk_norm:
             q_k = torch.cat([norm(q_k[:, :H], n_q), norm(q_k[:, H:], n_k)], 1)
-        # apply_rotary's (x1 cos + x2 sin, x2 cos - x1 sin) as x * (cos, cos) + (x2, x1) * (sin, -sin): the same bits
-        q_k = (q_k * cos + torch.cat([q_k[..., D // 2:], q_k[..., :D // 2]], -1) * sin).to(reply_k.dtype)
-        # (prompt, sample, kv head, ...) -> (prompt, kv head, sample, ...): a prompt's rows side by side per head
-        new_k, new_v = q_k[:, H:].view(Q, S, K, 1, D).transpose(1, 2), v.to(reply_v.dtype).view(Q, S, K, 1, D)
-        if isinstance(step, int):  # eager: a plain slice copy (index_copy_ cost 10x more on the CPU)
-            reply_k[i, :, :, :, step:step + 1], reply_v[i, :, :, :, step:step + 1] = new_k, new_v.transpose(1, 2)
+        # apply_rotary's (x1 cos + x2 sin, x2 cos - x1 sin) as x * (cos, cos) + (x2, x1) * (sin,
+        # -sin): the same bits
+        q_k = (q_k * cos + torch.cat([q_k[..., D // 2:], q_k[..., :D // 2]],
+                                     -1) * sin).to(reply_k.dtype)
+        # (prompt, sample, kv head, ...) -> (prompt, kv head, sample, ...): a prompt's rows side by
+        # side per head
+        new_k, new_v = q_k[:, H:].view(Q, S, K, 1, D).transpose(1, 2), v.to(reply_v.dtype).view(
+                Q, S, K, 1, D)
+        # eager: a plain slice copy (index_copy_ cost 10x more on the CPU)
+        if isinstance(step, int):
+            reply_k[i, :, :, :, step:step + 1], reply_v[
+                    i, :, :, :, step:step + 1] = new_k, new_v.transpose(1, 2)
         else:  # compiled: the slot is a tensor, so the graph is not specialized on it
             reply_k[i].index_copy_(3, step, new_k)
             reply_v[i].index_copy_(3, step, new_v.transpose(1, 2))
         if masked:
-            q = q_k[:, :H].view(Q, S, K, G, D).transpose(1, 2)  # (prompt, kv head, sample, query head of group, D)
+            # (prompt, kv head, sample, query head of group, D)
+            q = q_k[:, :H].view(Q, S, K, G, D).transpose(1, 2)
             scores = torch.cat([(q.reshape(Q, K, S * G, D) @ prompt_k[i].transpose(-2, -1)),
-                                (q @ reply_k[i, :, :, :, :width].transpose(-2, -1)).view(Q, K, S * G, width)], -1)
-            p = (scores.float() * D ** -0.5).masked_fill(~valid, float("-inf")).softmax(-1).to(reply_v.dtype)
-            y = (p[..., :P] @ prompt_v[i]).view(Q, K, S, G, D) + p[..., P:].reshape(Q, K, S, G, width) @ \
+                                (q @ reply_k[i, :, :, :, :width].transpose(-2, -1)).view(
+                                        Q, K, S * G, width)], -1)
+            p = (scores.float() * D ** -0.5).masked_fill(
+                    ~valid, float("-inf")).softmax(-1).to(reply_v.dtype)
+            y = (p[..., :P] @ prompt_v[i]).view(Q, K, S, G, D) + p[..., P:].reshape(Q, K, S, G,
+                                                                                    width) @ \
                 reply_v[i, :, :, :, :width]
             y = y.transpose(1, 2)
-        else:  # no prompt part, eager (chat.py's conversation): every slot up to `step` is attended, in one fused
+        # no prompt part, eager (chat.py's conversation): every slot up to `step` is attended, in
+        # one fused
+        else:
             # SDPA (4-D: a 5-D query takes its slow math path)
-            k, v = (r[i, :, :, :, :width].transpose(1, 2).reshape(N, K, width, D) for r in (reply_k, reply_v))
+            k, v = (r[i, :, :, :, :width].transpose(1, 2).reshape(N, K, width, D) for r in (
+                    reply_k, reply_v))
             y = F.scaled_dot_product_attention(q_k[:, :H].view(N, H, 1, D), k, v, enable_gqa=True)
         x = x + mm(y.reshape(N, H * D), wo)
         h = norm(x, n_mlp)
-        h = F.silu(mm(h, wgate)) * mm(h, wup) if wgate is not None else F.relu_(mm(h, wup)).square_()
+        h = F.silu(mm(h, wgate)) * mm(h, wup) if wgate is not None else F.relu_(mm(h,
+                                                                                   wup)).square_()
         x = x + mm(h, wdown)
     return softcap_logits(mm(norm(x, weights["norm_f"]), weights["head"]), c.logit_softcap)
 
 
 @torch.no_grad()
 def last_logits(model, rows, pad_id, dtype, kv_cache=None):
-    """fp32 logits (len(rows), vocab) at each row's last token. Several rows: one forward over them right-padded with
-    pad_id, as nanochat batches them, and a hook on the final norm keeps each row's last real position, so the head
-    runs on one position per row. kv_cache: where the forward leaves its keys and values."""
+    """fp32 logits (len(rows), vocab) at each row's last token. Several rows: one forward over them
+    right-padded with pad_id, as nanochat batches them, and a hook on the final norm keeps each
+    row's last real position, so the head runs on one position per row. kv_cache: where the forward
+    leaves its keys and values."""
     device = model.cos.device
     if len(rows) == 1:
         with autocast_context(device.type, dtype):
-            return model(torch.tensor(rows, device=device), kv_cache=kv_cache, last_only=True)[:, -1]
+            return model(torch.tensor(rows, device=device), kv_cache=kv_cache, last_only=True)[:,
+                                                                                               -1]
     x = torch.full((len(rows), max(map(len, rows))), pad_id, dtype=torch.long)
     for r, ids in enumerate(rows):
         x[r, :len(ids)] = torch.tensor(ids)
     last = torch.tensor([len(ids) - 1 for ids in rows], device=device)
-    hook = model.norm_f.register_forward_hook(lambda _, __, out: out[torch.arange(len(rows), device=device), last,
+    hook = model.norm_f.register_forward_hook(lambda _, __, out: out[torch.arange(
+            len(rows), device=device), last,
                                                                      None])
     try:
         with autocast_context(device.type, dtype):
@@ -144,51 +173,66 @@ def last_logits(model, rows, pad_id, dtype, kv_cache=None):
 
 
 def sample_rows(logits, temperature, top_k, generator):
-    """Next ids (B,) from logits (B, vocab): temperature 0 is greedy; else a draw from softmax(logits / temperature)
-    over the top_k likeliest (None or 0: all), taken first: a draw over the whole vocabulary costs like a step."""
+    """Next ids (B,) from logits (B, vocab): temperature 0 is greedy; else a draw from
+    softmax(logits / temperature) over the top_k likeliest (None or 0: all), taken first: a draw
+    over the whole vocabulary costs like a step."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     if top_k and top_k < logits.size(-1):
         values, indices = torch.topk(logits, top_k, dim=-1, sorted=False)
-        drawn = torch.multinomial(torch.softmax(values / temperature, dim=-1), 1, generator=generator)
+        drawn = torch.multinomial(torch.softmax(values / temperature, dim=-1), 1,
+                                  generator=generator)
         return indices.gather(-1, drawn).view(-1)
-    return torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator).view(-1)
+    return torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1,
+                             generator=generator).view(-1)
 
 
 @functools.cache
 def compiled_step():
-    """decode_step under torch.compile, made once per process: its shapes are fixed but the batch (the whole cache
-    is attended, masked), and torch.compile marks the batch dimension dynamic after its first change."""
+    """decode_step under torch.compile, made once per process: its shapes are fixed but the batch
+    (the whole cache is attended, masked), and torch.compile marks the batch dimension dynamic after
+    its first change."""
     return torch.compile(decode_step, fullgraph=True)
 
 
 @torch.inference_mode()
-def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=None, seed=None, dtype="float32",
+def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=None, seed=None, dtype=
+           "float32",
            tools=None, stop=(), compiled="auto", weights=None):
-    """(tokens, sampled) per row, len(prompts) * samples rows, prompt by prompt: each row's new tokens, up to and with
-    the stop token it sampled (a token in `stop`), at most max_new_tokens (an int, or one per prompt; the calculator's
-    output counts), and per token whether the model sampled it (True) or the calculator's output was fed (False).
-    tools: None, or one calculator.ToolUse per row. temperature 0 is greedy; sampling draws from one torch.Generator
-    seeded with `seed` (None: a random seed). compiled: "auto" (on CUDA), True or False. weights: decode_weights(), to
-    reuse across calls. A sharded (FSDP) model is gathered into a plain copy first: a collective, so all ranks call."""
-    if is_sharded(model):  # gathered outside inference mode: FSDP2's state_dict made there leaves its parameters
-        with torch.inference_mode(False), torch.no_grad():  # inference tensors, which the next checkpoint cannot save
-            plain = build_model(model.config, model.cos.device, init=False)  # every weight loaded next
+    """(tokens, sampled) per row, len(prompts) * samples rows, prompt by prompt: each row's new
+    tokens, up to and with the stop token it sampled (a token in `stop`), at most max_new_tokens (an
+    int, or one per prompt; the calculator's output counts), and per token whether the model sampled
+    it (True) or the calculator's output was fed (False). tools: None, or one calculator.ToolUse per
+    row. temperature 0 is greedy; sampling draws from one torch.Generator seeded with `seed` (None:
+    a random seed). compiled: "auto" (on CUDA), True or False. weights: decode_weights(), to reuse
+    across calls. A sharded (FSDP) model is gathered into a plain copy first: a collective, so all
+    ranks call."""
+    # gathered outside inference mode: FSDP2's state_dict made there leaves its parameters
+    if is_sharded(model):
+        # inference tensors, which the next checkpoint cannot save
+        with torch.inference_mode(False), torch.no_grad():
+            # every weight loaded next
+            plain = build_model(model.config, model.cos.device, init=False)
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-            plain.load_state_dict(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
+            plain.load_state_dict(get_model_state_dict(
+                    model, options=StateDictOptions(full_state_dict=True)))
         model = plain
     device, c = model.cos.device, model.config
-    budgets = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)
+    budgets = list(max_new_tokens) if isinstance(max_new_tokens, (
+            list, tuple)) else [max_new_tokens] * len(prompts)
     if not prompts or len(budgets) != len(prompts) or samples < 1:
-        raise ValueError("decode() needs at least one prompt, one max_new_tokens per prompt and samples >= 1")
+        raise ValueError("decode() needs at least one prompt, one max_new_tokens per prompt and "
+                         "samples >= 1")
     for p, budget in zip(prompts, budgets):
         if not p or budget < 1 or len(p) + budget > c.sequence_len:
-            raise ValueError(f"a prompt of {len(p)} tokens with max_new_tokens {budget}: each prompt needs at least "
-                             f"one token, max_new_tokens >= 1, and both together at most sequence_len="
-                             f"{c.sequence_len}; crop the prompt or lower max_new_tokens")
+            raise ValueError(f"a prompt of {len(p)} tokens with max_new_tokens {budget}: each "
+                             "prompt needs at least one token, max_new_tokens >= 1, and both "
+                             f"together at most sequence_len={c.sequence_len}; crop the prompt or "
+                             "lower max_new_tokens")
     n = len(prompts) * samples
     if tools is not None and len(tools) != n:
-        raise ValueError(f"tools: {len(tools)} given for {n} rows; pass one ToolUse per row, or None")
+        raise ValueError(f"tools: {len(tools)} given for {n} rows; pass one ToolUse per row, or "
+                         "None")
     compiled = device.type == "cuda" if compiled == "auto" else compiled
     weights = weights if weights is not None else decode_weights(model, dtype)
     step_fn = compiled_step() if compiled else decode_step
@@ -196,7 +240,8 @@ def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=Non
     generator.manual_seed(seed if seed is not None else generator.seed())
     stop = set(stop)
 
-    cache = KVCache(c, len(prompts), max(map(len, prompts)))  # keys, values: (layer, prompt, kv head, slot, dim)
+    # keys, values: (layer, prompt, kv head, slot, dim)
+    cache = KVCache(c, len(prompts), max(map(len, prompts)))
     logits = last_logits(model, prompts, 0, dtype, cache)
     keys, values = cache.k, cache.v
     lengths = torch.tensor([len(p) for p in prompts], device=device)
@@ -204,19 +249,24 @@ def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=Non
     if compiled:  # the compiled step attends whole caches: a few lengths, so few recompilations
         prompt_width, reply_width = -(-prompt_width // 64) * 64, -(-reply_width // 64) * 64
     shape = keys.shape[:3] + (prompt_width,) + keys.shape[4:]
-    prompt_k, prompt_v = keys.new_zeros(shape, dtype=weights["dtype"]), keys.new_zeros(shape, dtype=weights["dtype"])
+    prompt_k, prompt_v = keys.new_zeros(shape, dtype=weights["dtype"]), keys.new_zeros(
+            shape, dtype=weights[
+                                                                                                            "dtype"])
     prompt_k[:, :, :, :keys.size(3)], prompt_v[:, :, :, :keys.size(3)] = keys, values
-    prompt_valid = (torch.arange(prompt_width, device=device) < lengths.view(-1, 1)).view(-1, 1, 1, prompt_width)
+    prompt_valid = (torch.arange(prompt_width, device=device) < lengths.view(-1, 1)).view(
+            -1, 1, 1, prompt_width)
     del keys, values
     shape = prompt_k.shape[:3] + (samples, reply_width) + prompt_k.shape[4:]
-    # eager reads only the slots written so far; the compiled step reads them all, masked, and 0 x NaN is NaN
+    # eager reads only the slots written so far; the compiled step reads them all, masked, and 0 x
+    # NaN is NaN
     reply_k, reply_v = (prompt_k.new_zeros(shape), prompt_k.new_zeros(shape)) if compiled else \
         (prompt_k.new_empty(shape), prompt_k.new_empty(shape))
     logits = logits.repeat_interleave(samples, 0)
 
     tokens, sampled, forced = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
     done = [False] * n
-    live = list(range(len(prompts)))  # the prompts in the cache, in its order; their rows follow the same order
+    # the prompts in the cache, in its order; their rows follow the same order
+    live = list(range(len(prompts)))
     for step in range(max(budgets)):
         drawn = sample_rows(logits, temperature, top_k, generator).tolist()
         for j, r in enumerate(r for q in live for r in range(q * samples, (q + 1) * samples)):
@@ -232,34 +282,43 @@ def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=Non
         running = [j for j, q in enumerate(live) if not all(done[q * samples:(q + 1) * samples])]
         if not running:
             break
-        if len(running) <= len(live) // 2:  # half the prompts have ended: the cache keeps the others only
+        # half the prompts have ended: the cache keeps the others only
+        if len(running) <= len(live) // 2:
             keep = torch.tensor(running, device=device)
-            prompt_k, prompt_v, prompt_valid = prompt_k[:, keep], prompt_v[:, keep], prompt_valid[keep]
+            prompt_k, prompt_v, prompt_valid = prompt_k[:, keep], prompt_v[:,
+                                                                           keep], prompt_valid[keep]
             reply_k, reply_v = reply_k[:, keep], reply_v[:, keep]
             live = [live[j] for j in running]
         rows = [r for q in live for r in range(q * samples, (q + 1) * samples)]
-        # every row feeds its last token at reply slot `step` (an ended row repeats its last one: its results are
+        # every row feeds its last token at reply slot `step` (an ended row repeats its last one:
+        # its results are
         # dropped, and its position stays inside the rotary table)
         feed = torch.tensor([tokens[r][-1] for r in rows], device=device)
-        pos = torch.tensor([min(len(prompts[r // samples]) + step, c.sequence_len - 1) for r in rows], device=device)
-        width = reply_width if compiled else step + 1  # eager: attend over the filled reply slots only
-        logits = step_fn(model, weights, feed, pos, torch.tensor([step], device=device) if compiled else step,
+        pos = torch.tensor([min(len(prompts[r // samples]) + step,
+                                c.sequence_len - 1) for r in rows], device=device)
+        # eager: attend over the filled reply slots only
+        width = reply_width if compiled else step + 1
+        logits = step_fn(model, weights, feed, pos, torch.tensor(
+                [step], device=device) if compiled else step,
                          prompt_k, prompt_v, prompt_valid, reply_k, reply_v, width)
     return tokens, sampled
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="tiny", help="model preset, random weights (default: %(default)s)")
-    parser.add_argument("--prompts", type=int, default=8, help="prompts decoded together (default: %(default)s)")
-    parser.add_argument("--max_new_tokens", type=int, default=32, help="greedy tokens per prompt (default: "
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="tiny", help="model preset, random weights (default: "
                         "%(default)s)")
-    parser.add_argument("--compared", type=int, default=4, help="prompts also decoded alone, one row each, the "
-                        "rest of the check's time (default: %(default)s)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype "
+    parser.add_argument("--prompts", type=int, default=8, help="prompts decoded together (default: "
+                        "%(default)s)")
+    parser.add_argument("--max_new_tokens", type=int, default=32, help="greedy tokens per prompt "
                         "(default: %(default)s)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="device (default: "
-                        "%(default)s)")
+    parser.add_argument("--compared", type=int, default=4, help="prompts also decoded alone, one "
+                        "row each, the rest of the check's time (default: %(default)s)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help=
+                        "compute dtype (default: %(default)s)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help=
+                        "device (default: %(default)s)")
     args = parser.parse_args(argv)
     if min(args.prompts, args.max_new_tokens, args.compared) < 1:
         parser.error("--prompts, --max_new_tokens and --compared must be >= 1")
@@ -271,10 +330,12 @@ def main(argv=None):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     compared = prompts[:args.compared]
     weights = decode_weights(model, args.dtype)
-    decode(model, prompts, args.max_new_tokens, dtype=args.dtype, weights=weights)  # compiles on CUDA
+    # compiles on CUDA
+    decode(model, prompts, args.max_new_tokens, dtype=args.dtype, weights=weights)
     sync()
     start = time.perf_counter()
-    alone = [decode(model, [p], args.max_new_tokens, dtype=args.dtype, weights=weights)[0][0] for p in compared]
+    alone = [decode(model, [p], args.max_new_tokens, dtype=args.dtype,
+                    weights=weights)[0][0] for p in compared]
     sync()
     alone_s = time.perf_counter() - start
     start = time.perf_counter()
@@ -283,9 +344,9 @@ def main(argv=None):
     batch_s = time.perf_counter() - start
     same = sum(a == b for a, b in zip(rows, alone))
     print(f"{args.preset} {args.dtype} on {device}: decode() one prompt at a time "
-          f"{len(compared) * args.max_new_tokens / alone_s:,.0f} tok/s; {len(prompts)} prompts together "
-          f"{len(prompts) * args.max_new_tokens / batch_s:,.0f} tok/s; greedy rows equal to one at a time: "
-          f"{same}/{len(compared)}")
+          f"{len(compared) * args.max_new_tokens / alone_s:,.0f} tok/s; {len(prompts)} prompts "
+          f"together {len(prompts) * args.max_new_tokens / batch_s:,.0f} tok/s; greedy rows equal "
+          f"to one at a time: {same}/{len(compared)}")
     return 0 if args.dtype != "float32" or same == len(compared) else 1
 
 

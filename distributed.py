@@ -1,9 +1,10 @@
-"""Distributed: setup and teardown under torchrun (NCCL on CUDA, gloo on CPU), workers that die with their launcher,
-a stage's exit (run_main), the ranks that died or hung when a collective fails (mark_progress, stopped_ranks),
-all-reduce helpers, FSDP2 sharding (shard_model, is_sharded, local), and speedrun.sh's NCCL check (the probe).
+"""Distributed: setup and teardown under torchrun (NCCL on CUDA, gloo on CPU), workers that die with
+their launcher, a stage's exit (run_main), the ranks that died or hung when a collective fails
+(mark_progress, stopped_ranks), all-reduce helpers, FSDP2 sharding (shard_model, is_sharded, local),
+and speedrun.sh's NCCL check (the probe).
 
-Not a stage: import it. One command line, speedrun.sh's NCCL check, run under torchrun with one process per GPU
-(`python distributed.py probe` alone has no peers and says so):
+Not a stage: import it. One command line, speedrun.sh's NCCL check, run under torchrun with one
+process per GPU (`python distributed.py probe` alone has no peers and says so):
 
     python -m torch.distributed.run --standalone --nproc_per_node=8 distributed.py probe --timeout 60
 """
@@ -29,27 +30,31 @@ from model import memory_estimate
 
 
 def keep_freed_memory(keep=True):
-    """Have glibc keep freed memory for reuse: a step allocates the same large tensors every time, and glibc's fresh
-    mmap pages for each cost a quarter of a CPU step in page faults (dev/LOG.md); the price is the peak heap kept.
-    keep=False restores glibc's thresholds and trims the heap: shard_model's, as a sharded run is short of memory.
-    A no-op without glibc's mallopt (macOS, musl)."""
+    """Have glibc keep freed memory for reuse: a step allocates the same large tensors every time,
+    and glibc's fresh mmap pages for each cost a quarter of a CPU step in page faults (dev/LOG.md);
+    the price is the peak heap kept. keep=False restores glibc's thresholds and trims the heap:
+    shard_model's, as a sharded run is short of memory. A no-op without glibc's mallopt (macOS,
+    musl)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        libc.mallopt(-3, 1 << 30 if keep else 128 * 1024)  # M_MMAP_THRESHOLD: allocations under 1 GiB from the heap...
-        libc.mallopt(-1, 2 ** 31 - 1 if keep else 128 * 1024)  # M_TRIM_THRESHOLD: ...which is not trimmed (a C int)
+        # M_MMAP_THRESHOLD: allocations under 1 GiB from the heap...
+        libc.mallopt(-3, 1 << 30 if keep else 128 * 1024)
+        # M_TRIM_THRESHOLD: ...which is not trimmed (a C int)
+        libc.mallopt(-1, 2 ** 31 - 1 if keep else 128 * 1024)
         if not keep:
             libc.malloc_trim(0)
     except (OSError, AttributeError, TypeError):
         pass
 
 
-WORLD = "unknown"  # the world as setup_distributed printed it: each stage's JSON records it, where report.py reads it
+# the world as setup_distributed printed it: each stage's JSON records it, where report.py reads it
+WORLD = "unknown"
 
 
 def setup_distributed(timeout_s=600):
-    """Initialize from torchrun's environment (or run as one process); returns (rank, local_rank, world_size, device).
-    A collective waiting past timeout_s (a dead or hung peer) raises. Prints each rank's host and device first (a run
-    once passed one GPU off as four)."""
+    """Initialize from torchrun's environment (or run as one process); returns (rank, local_rank,
+    world_size, device). A collective waiting past timeout_s (a dead or hung peer) raises. Prints
+    each rank's host and device first (a run once passed one GPU off as four)."""
     if not torch.cuda.is_available():
         keep_freed_memory()
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun (other launchers set RANK too)
@@ -60,43 +65,53 @@ def setup_distributed(timeout_s=600):
         WORLD = f"single process, device {device_name(device)}"
         print(f"distributed: {WORLD}")
         return 0, 0, 1, device
-    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ[
+                                                                                                          "WORLD_SIZE"])
     device = init_process_group(local_rank, timeout_s)
     names = [None] * world_size
     dist.all_gather_object(names, f"{device} ({device_name(device)}) on {platform.node()}")
-    WORLD = f"world size {dist.get_world_size()} ({dist.get_backend()}): " + ", ".join(f"rank {r} {n}"
-                                                                                         for r, n in enumerate(names))
+    WORLD = f"world size {dist.get_world_size()} ({dist.get_backend()}): " + ", ".join(
+                                                                                       f"rank {r} "
+                                                                                       f"{n}"
+                                                                                         for r,
+                                                                                         n in enumerate(names))
     if rank == 0:
         print(f"distributed: {WORLD}", flush=True)
-        # ranks compile at their own speed (a cold cache on one node): the others wait in the first all-reduce
-        print(f"distributed: a collective waits at most {timeout_s:.0f} s for the other ranks (--dist_timeout), the "
-              f"slowest rank's first compile included", flush=True)
+        # ranks compile at their own speed (a cold cache on one node): the others wait in the first
+        # all-reduce
+        print(f"distributed: a collective waits at most {timeout_s:.0f} s for the other ranks "
+              "(--dist_timeout), the slowest rank's first compile included", flush=True)
     return rank, local_rank, world_size, device
 
 
 def die_with_launcher():
-    """Under torchrun: this worker gets SIGKILL when its launcher dies. Each worker has a session of its own, so a
-    kill of torchrun's process group misses it, and a stuck worker would keep its GPU. (The kernel signals when the
-    starting thread ends: torchrun's main thread.) Linux only (prctl)."""
+    """Under torchrun: this worker gets SIGKILL when its launcher dies. Each worker has a session of
+    its own, so a kill of torchrun's process group misses it, and a stuck worker would keep its GPU.
+    (The kernel signals when the starting thread ends: torchrun's main thread.) Linux only
+    (prctl)."""
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    try:  # the launcher died before the line above (we were handed to init): nobody would ever stop us
+    # the launcher died before the line above (we were handed to init): nobody would ever stop us
+    try:
         orphaned = os.getppid() != parent or b"torch" not in Path(f"/proc/{parent}/cmdline").read_bytes()
     except OSError:
         orphaned = True
-    if orphaned and (parent == 1 or os.getppid() != parent):  # (torchrun itself may be pid 1 in a container)
-        raise RuntimeError("the launcher (torchrun) that started this worker has already exited: nothing to run for")
+    # (torchrun itself may be pid 1 in a container)
+    if orphaned and (parent == 1 or os.getppid() != parent):
+        raise RuntimeError("the launcher (torchrun) that started this worker has already exited: "
+                           "nothing to run for")
 
 
 def init_process_group(local_rank, timeout_s):
-    """The process group of torchrun's ranks (NCCL on CUDA, gloo on CPU); returns this rank's device. Unused here,
-    torch.distributed.nn.functional is imported first: its defaults bind `group.WORLD` at import (torch.optim imports
-    it later), and bound to a live group they keep gloo's threads alive past destroy_process_group, so a rank now and
-    then aborted at exit ("terminate called without an active exception"). (Other holders: see run_main.)"""
+    """The process group of torchrun's ranks (NCCL on CUDA, gloo on CPU); returns this rank's
+    device. Unused here, torch.distributed.nn.functional is imported first: its defaults bind
+    `group.WORLD` at import (torch.optim imports it later), and bound to a live group they keep
+    gloo's threads alive past destroy_process_group, so a rank now and then aborted at exit
+    ("terminate called without an active exception"). (Other holders: see run_main.)"""
     from datetime import timedelta
 
     import torch.distributed.nn.functional
@@ -111,22 +126,26 @@ def init_process_group(local_rank, timeout_s):
 
 
 def teardown_distributed():
-    """Barrier, then destroy the process group: exiting without it can abort torch at exit or strand workers."""
+    """Barrier, then destroy the process group: exiting without it can abort torch at exit or strand
+    workers."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
 
 
-PROBE_MBYTES = 64  # the probe's message: a DDP gradient bucket is 25 MB; NVLS and P2P over NVSwitch start near here
+# the probe's message: a DDP gradient bucket is 25 MB; NVLS and P2P over NVSwitch start near here
+PROBE_MBYTES = 64
 
 
 def probe_all_reduce(timeout_s, mbytes=PROBE_MBYTES, iters=5, out=None):
-    """speedrun.sh's check (docs/speedrun.md): a 4-byte all-reduce, then one of `mbytes` MB (the large-message path)
-    timed over `iters`, its bus bandwidth printed and written to `out` as JSON. Returns 0 when every sum was right."""
+    """speedrun.sh's check (docs/speedrun.md): a 4-byte all-reduce, then one of `mbytes` MB (the
+    large-message path) timed over `iters`, its bus bandwidth printed and written to `out` as JSON.
+    Returns 0 when every sum was right."""
     if "RANK" not in os.environ:
         print("probe: not under torchrun: one process, nothing to all-reduce")
         return 0
-    rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ[
+                                                                                                     "WORLD_SIZE"])
     device = init_process_group(local_rank, timeout_s)
     expected = world * (world + 1) / 2
     t = torch.full((1,), float(rank + 1), device=device)
@@ -134,7 +153,8 @@ def probe_all_reduce(timeout_s, mbytes=PROBE_MBYTES, iters=5, out=None):
     ok = t.item() == expected
     where = f"{world} ranks ({dist.get_backend()}, {device_name(device)})"
     if rank == 0:
-        print(f"probe: 4-byte all-reduce over {where}: {'ok' if ok else f'wrong sum {t.item()}'}", flush=True)
+        print(f"probe: 4-byte all-reduce over {where}: {'ok' if ok else f'wrong sum {t.item()}'}",
+              flush=True)
     numel = int(mbytes * 1e6) // 4
     big = torch.full((numel,), float(rank + 1), device=device)  # small integers: exact sums in fp32
     dist.all_reduce(big)  # warm-up: connections and buffers of the large-message path
@@ -147,13 +167,16 @@ def probe_all_reduce(timeout_s, mbytes=PROBE_MBYTES, iters=5, out=None):
     for _ in range(iters):
         dist.all_reduce(big)
     sync(device)
-    seconds = all_reduce((time.perf_counter() - start) / iters, dist.ReduceOp.MAX)  # the slowest rank's time
+    # the slowest rank's time
+    seconds = all_reduce((time.perf_counter() - start) / iters, dist.ReduceOp.MAX)
     good = good and bool(torch.isfinite(big).all())
     if rank == 0:
-        bus = numel * 4 / seconds * 2 * (world - 1) / world / 1e9  # 2(n-1)/n: 0 on one rank, nothing crosses a link
+        # 2(n-1)/n: 0 on one rank, nothing crosses a link
+        bus = numel * 4 / seconds * 2 * (world - 1) / world / 1e9
         bandwidth = f"{bus:.2f} GB/s" if world > 1 else "n/a: one GPU"
-        print(f"probe: {numel * 4 / 1e6:.0f} MB all-reduce over {where}: {'ok' if good else 'wrong sums'}, "
-              f"{seconds * 1e3:.1f} ms each ({iters} timed), bus bandwidth {bandwidth}", flush=True)
+        print(f"probe: {numel * 4 / 1e6:.0f} MB all-reduce over {where}: "
+              f"{'ok' if good else 'wrong sums'}, {seconds * 1e3:.1f} ms each ({iters} timed), bus "
+              f"bandwidth {bandwidth}", flush=True)
         if out and good:
             Path(out).write_text(json.dumps({"bus_bandwidth": bandwidth}) + "\n")
     dist.destroy_process_group()
@@ -161,8 +184,9 @@ def probe_all_reduce(timeout_s, mbytes=PROBE_MBYTES, iters=5, out=None):
 
 
 def fetch_everywhere(fetch, rank, world):
-    """fetch() on rank 0 first (it downloads), then on the others (they find the cache); rank 0's failure is raised
-    on every rank rather than leaving the others waiting for files that will not come."""
+    """fetch() on rank 0 first (it downloads), then on the others (they find the cache); rank 0's
+    failure is raised on every rank rather than leaving the others waiting for files that will not
+    come."""
     result = failure = None
     if rank == 0:
         try:
@@ -179,17 +203,21 @@ def fetch_everywhere(fetch, rank, world):
 
 
 def run_main(main):
-    """A stage's exit: 0 when main() finished, 128 + signal when a signal stopped it after its checkpoint (so a
-    chain of stages stops), 1 with a one-line error naming the fix (a traceback too where it was raised outside this
-    project). Every rank tears the process group down, without the barrier after an error (the others may never reach
-    it). A process under torchrun, or a script (after its atexit handlers), then ends at once (os._exit): in the
-    interpreter's finalization, gloo threads kept alive by what holds the group (a DeviceMesh after fully_shard; see
-    init_process_group) made a rank abort now and then, and it costs up to 1.1 s of CPU for nothing (dev/LOG.md)."""
+    """A stage's exit: 0 when main() finished, 128 + signal when a signal stopped it after its
+    checkpoint (so a chain of stages stops), 1 with a one-line error naming the fix (a traceback too
+    where it was raised outside this project). Every rank tears the process group down, without the
+    barrier after an error (the others may never reach it). A process under torchrun, or a script
+    (after its atexit handlers), then ends at once (os._exit): in the interpreter's finalization,
+    gloo threads kept alive by what holds the group (a DeviceMesh after fully_shard; see
+    init_process_group) made a rank abort now and then, and it costs up to 1.1 s of CPU for nothing
+    (dev/LOG.md)."""
     code = stage_code(main)
     torchrun = "TORCHELASTIC_RUN_ID" in os.environ
-    if torchrun or getattr(main, "__module__", None) == "__main__":  # not a test calling run_main in its process
+    # not a test calling run_main in its process
+    if torchrun or getattr(main, "__module__", None) == "__main__":
         if not torchrun:
-            atexit._run_exitfuncs()  # the interpreter's own first step of an exit: logging, multiprocessing's children
+            # the interpreter's own first step of an exit: logging, multiprocessing's children
+            atexit._run_exitfuncs()
         with contextlib.suppress(OSError):  # a reader that left (| head): nothing more to say to it
             sys.stdout.flush()
             sys.stderr.flush()
@@ -203,14 +231,16 @@ def stage_code(main):
         signum = main()
     except (ValueError, FileNotFoundError, RuntimeError, ImportError) as e:
         stopped = stopped_ranks()
-        if stopped:  # a collective failed: its peer died (connection reset) or hung (--dist_timeout)
-            print(f"{script}: error on rank {dist.get_rank()}: a collective failed ({str(e).splitlines()[0][:160]}): "
-                  f"{stopped}", file=sys.stderr, flush=True)
+        # a collective failed: its peer died (connection reset) or hung (--dist_timeout)
+        if stopped:
+            print(f"{script}: error on rank {dist.get_rank()}: a collective failed "
+                  f"({str(e).splitlines()[0][:160]}): {stopped}", file=sys.stderr, flush=True)
             return 1  # no teardown: its barrier would wait for the stopped rank
         frame = traceback.extract_tb(e.__traceback__)[-1]
         ours = Path(frame.filename).resolve().parent == Path(__file__).resolve().parent and \
             (frame.line or "").lstrip().startswith("raise")
-        if not ours:  # raised by torch or another library, or a bug: the traceback is what locates it
+        # raised by torch or another library, or a bug: the traceback is what locates it
+        if not ours:
             traceback.print_exception(e)
         print(f"{script}: error: {e}", file=sys.stderr)
         if dist.is_initialized():
@@ -221,18 +251,22 @@ def stage_code(main):
 
 
 def check_shared_dir(run_dir):
-    """Across nodes, check that run_dir is one filesystem all ranks see (docs/distributed.md): rank 0 writes a token,
-    every rank reads it back, or all raise naming the blind ones. (Testing: NANOCHAT_TEST_NODE_VIEW=RANK:DIR.)"""
+    """Across nodes, check that run_dir is one filesystem all ranks see (docs/distributed.md): rank
+    0 writes a token, every rank reads it back, or all raise naming the blind ones. (Testing:
+    NANOCHAT_TEST_NODE_VIEW=RANK:DIR.)"""
     view = os.environ.get("NANOCHAT_TEST_NODE_VIEW", "")
-    if not dist.is_initialized() or (dist.get_world_size() <= int(os.environ.get("LOCAL_WORLD_SIZE", "1")) and not view):
+    if not dist.is_initialized() or (dist.get_world_size() <= int(os.environ.get(
+            "LOCAL_WORLD_SIZE", "1")) and not view):
         return
     rank, world, path = dist.get_rank(), dist.get_world_size(), Path(run_dir) / ".shared_filesystem_check"
-    mark_progress(0, "start-up")  # every rank has a record: an error now is not mistaken for a stuck rank
+    # every rank has a record: an error now is not mistaken for a stuck rank
+    mark_progress(0, "start-up")
     token = [f"{time.time_ns()} {os.getpid()} {platform.node()}" if rank == 0 else None]
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(token[0])
-    dist.broadcast_object_list(token, src=0)  # after rank 0's write: every rank looks only once it is there
+    # after rank 0's write: every rank looks only once it is there
+    dist.broadcast_object_list(token, src=0)
     viewed_rank, _, viewed_dir = view.partition(":")
     if viewed_rank == str(rank):
         path = Path(viewed_dir) / path.name
@@ -246,20 +280,24 @@ def check_shared_dir(run_dir):
         path.unlink(missing_ok=True)
     blind = [f"rank {r} on {host} ({where})" for r, (ok, host, where) in enumerate(views) if not ok]
     if blind:
-        raise RuntimeError(f"the run directory {run_dir} is not one filesystem shared by every node: a file rank 0 "
-                           f"({views[0][1]}) wrote there is not seen by {', '.join(blind)}. Put --runs_dir on a "
-                           f"filesystem every node mounts at the same path (NFS, a cluster filesystem), then rerun")
+        raise RuntimeError(f"the run directory {run_dir} is not one filesystem shared by every "
+                           f"node: a file rank 0 ({views[0][1]}) wrote there is not seen by "
+                           f"{', '.join(blind)}. Put --runs_dir on a filesystem every node mounts "
+                           "at the same path (NFS, a cluster filesystem), then rerun")
 
 
-PROGRESS = {}  # where this rank keeps its progress record: {"dir": run_dir/progress, "stage": name}, once set
+# where this rank keeps its progress record: {"dir": run_dir/progress, "stage": name}, once set
+PROGRESS = {}
 
 
 def keep_progress(run_dir, stage):
-    """From now on mark_progress also writes run_dir/progress/rankNNN.txt: under NCCL a hung collective ends in the
-    watchdog's abort before Python sees an error, so these files are what tells which rank was where."""
+    """From now on mark_progress also writes run_dir/progress/rankNNN.txt: under NCCL a hung
+    collective ends in the watchdog's abort before Python sees an error, so these files are what
+    tells which rank was where."""
     PROGRESS.update(dir=Path(run_dir) / "progress", stage=stage)
     PROGRESS["dir"].mkdir(parents=True, exist_ok=True)
-    if not dist.is_initialized() or dist.get_rank() == 0:  # the records of ranks an earlier, larger run had
+    # the records of ranks an earlier, larger run had
+    if not dist.is_initialized() or dist.get_rank() == 0:
         world = dist.get_world_size() if dist.is_initialized() else 1
         for old in PROGRESS["dir"].glob("rank*.txt"):
             if old.stem[4:].isdigit() and int(old.stem[4:]) >= world:
@@ -267,21 +305,25 @@ def keep_progress(run_dir, stage):
 
 
 def mark_progress(step, phase="step"):
-    """Record that this rank entered `step` (phase: e.g. checkpoint) in torchrun's store (what stopped_ranks reads)
-    and, after keep_progress, in its progress file (replaced whole: a reader never sees half of one)."""
+    """Record that this rank entered `step` (phase: e.g. checkpoint) in torchrun's store (what
+    stopped_ranks reads) and, after keep_progress, in its progress file (replaced whole: a reader
+    never sees half of one)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.distributed_c10d._get_default_store().set(f"progress/{rank}", f"{step} {os.getpid()} {platform.node()}")
+        dist.distributed_c10d._get_default_store().set(f"progress/{rank}",
+                                                       f"{step} {os.getpid()} {platform.node()}")
     if PROGRESS:
         path = PROGRESS["dir"] / f"rank{rank:03d}.txt"
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(f"rank {rank}: stage {PROGRESS['stage']} step {step} {phase}, process {os.getpid()} on "
-                       f"{platform.node()}, at {time.time():.3f} ({time.strftime('%H:%M:%S')})\n")
+        tmp.write_text(f"rank {rank}: stage {PROGRESS['stage']} step {step} {phase}, process "
+                       f"{os.getpid()} on {platform.node()}, at {time.time():.3f} "
+                       f"({time.strftime('%H:%M:%S')})\n")
         os.replace(tmp, path)
 
 
 def process_alive(pid):
-    """Whether a process of this host runs: not gone, not a zombie (killed, not yet reaped by torchrun)."""
+    """Whether a process of this host runs: not gone, not a zombie (killed, not yet reaped by
+    torchrun)."""
     if not Path("/proc").is_dir():  # macOS: existence only
         try:
             os.kill(pid, 0)
@@ -297,13 +339,15 @@ def process_alive(pid):
 
 
 def stopped_ranks():
-    """After an error under torchrun: the ranks that died (process gone, checked on this host) or did not reach this
-    rank's step (hung, or slower than --dist_timeout), from mark_progress's records; "" when none is behind."""
+    """After an error under torchrun: the ranks that died (process gone, checked on this host) or
+    did not reach this rank's step (hung, or slower than --dist_timeout), from mark_progress's
+    records; "" when none is behind."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return ""
     try:
         store, here = dist.distributed_c10d._get_default_store(), platform.node()
-        records = {r: store.get(f"progress/{r}").decode().split() if store.check([f"progress/{r}"]) else None
+        records = {r: store.get(f"progress/{r}").decode().split() if store.check([f"progress/{r}"])
+                   else None
                    for r in range(dist.get_world_size())}
     except (RuntimeError, ValueError):  # the store went with a node
         return "another rank died or hung (torchrun's store is unreachable; its failure summary names the rank)"
@@ -315,17 +359,19 @@ def stopped_ranks():
             continue
         step, pid, host = int(record[0]), int(record[1]), record[2]
         if host == here and not process_alive(pid):
-            found.append(f"rank {r} died (process {pid} on {host} is gone; it last entered step {step}; a rank "
-                         f"gone without an error of its own was most likely killed by the kernel's out-of-memory "
-                         f"killer: `dmesg | grep -i oom` says, a smaller --micro_batch or --fsdp true needs less)")
+            found.append(f"rank {r} died (process {pid} on {host} is gone; it last entered step "
+                         f"{step}; a rank gone without an error of its own was most likely killed "
+                         "by the kernel's out-of-memory killer: `dmesg | grep -i oom` says, a "
+                         "smaller --micro_batch or --fsdp true needs less)")
         elif step < mine:
-            found.append(f"rank {r} is stuck: it last entered step {step}, this rank is in step {mine} (process "
-                         f"{pid} on {host})")
+            found.append(f"rank {r} is stuck: it last entered step {step}, this rank is in step "
+                         f"{mine} (process {pid} on {host})")
     return "; ".join(found)
 
 
 def all_reduce_tensor(t, op=None):
-    """Sum (or `op`) a tensor over ranks, in place (through the GPU under NCCL); identity when not distributed."""
+    """Sum (or `op`) a tensor over ranks, in place (through the GPU under NCCL); identity when not
+    distributed."""
     if dist.is_initialized():
         on = t.cuda() if dist.get_backend() == "nccl" else t
         dist.all_reduce(on, op=op or dist.ReduceOp.SUM)
@@ -339,7 +385,8 @@ def all_reduce(value, op=None):
     return all_reduce_tensor(torch.tensor(float(value), dtype=torch.float64), op).item()
 
 
-# FSDP2, DTensor and torch.distributed.checkpoint are imported where used (~1.4 s of CPU a process): until then no
+# FSDP2, DTensor and torch.distributed.checkpoint are imported where used (~1.4 s of CPU a process):
+# until then no
 # parameter can be a DTensor
 
 def is_dtensor(tensor):
@@ -348,7 +395,8 @@ def is_dtensor(tensor):
 
 
 def local(tensor):
-    """A tensor's part on this rank: the shard of an FSDP-sharded parameter (a DTensor), else the tensor itself."""
+    """A tensor's part on this rank: the shard of an FSDP-sharded parameter (a DTensor), else the
+    tensor itself."""
     return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
@@ -358,7 +406,8 @@ def is_sharded(model):
 
 
 def device_memory(device):
-    """Bytes one process may use: the GPU's memory, or on a CPU the machine's RAM shared by this node's processes."""
+    """Bytes one process may use: the GPU's memory, or on a CPU the machine's RAM shared by this
+    node's processes."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -374,15 +423,18 @@ def process_memory(device):
 
 
 def shard_model(model, args, world, device):
-    """FSDP2 (each block, then the root) with --fsdp true, or --fsdp auto when the step would not fit one device by
-    model.py's estimate (docs/distributed.md). Returns the line that says whether it did and why."""
+    """FSDP2 (each block, then the root) with --fsdp true, or --fsdp auto when the step would not
+    fit one device by model.py's estimate (docs/distributed.md). Returns the line that says whether
+    it did and why."""
     optimizer = "adam8bit" if args.optimizer == "adamw" and args.adam8bit else args.optimizer
     micro = getattr(args, "micro_batch", None) or 1  # the probe chooses later, and at least 1
-    estimate = memory_estimate(model.config, micro, optimizer=optimizer, bf16=args.dtype == "bfloat16",
+    estimate = memory_estimate(model.config, micro, optimizer=optimizer, bf16=args.dtype ==
+                               "bfloat16",
                                device_type=device.type)
     state = estimate["weights"] + estimate["gradients"] + estimate["optimizer"]
     in_use = process_memory(device)
-    step = in_use + estimate["gradients"] + estimate["optimizer"] + estimate["activations"] + estimate["transient"]
+    step = in_use + estimate["gradients"] + estimate["optimizer"] + estimate["activations"] + estimate[
+                                                                                                       "transient"]
     capacity = device_memory(device)
     fits = f"in use now {fmt_bytes(in_use)} + gradients, optimizer state and micro-batch {micro}'s " \
            f"activations = {fmt_bytes(step)} {'<=' if step <= capacity else '>'} {fmt_bytes(capacity)} per process " \
@@ -394,12 +446,16 @@ def shard_model(model, args, world, device):
         return f"sharding: none, {'DDP' if world > 1 else 'one process'} (--fsdp {args.fsdp}: {fits})"
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     compute = getattr(torch, args.dtype)
-    # fp32 shards, each block gathered in the compute dtype (bf16: half the traffic) and reduced in fp32; inputs not
-    # cast, so the residual stream stays fp32 as under autocast; the root (embedding, norm, head) gathers in fp32
-    block_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    # fp32 shards, each block gathered in the compute dtype (bf16: half the traffic) and reduced in
+    # fp32; inputs not
+    # cast, so the residual stream stays fp32 as under autocast; the root (embedding, norm, head)
+    # gathers in fp32
+    block_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32,
+                                        cast_forward_inputs=False)
     for block in model.blocks:
         fully_shard(block, mp_policy=block_policy)
-    fully_shard(model, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False))
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32,
+                                                      cast_forward_inputs=False))
     if device.type == "cpu":
         keep_freed_memory(False)
     return f"sharding: FSDP2 over {world} ranks (--fsdp {args.fsdp}: {fits}); about {fmt_bytes(state / world)} of it " \
@@ -412,15 +468,17 @@ def barrier():
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="speedrun.sh's NCCL check, under torchrun: a 4-byte and a timed "
-                                     "large all-reduce over torchrun's ranks; otherwise import distributed")
-    parser.add_argument("command", choices=["probe"], help="probe: a 4-byte and a timed large all-reduce over "
-                        "torchrun's ranks")
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a collective counts as hung "
-                        "(default: %(default)s)")
-    parser.add_argument("--mbytes", type=float, default=PROBE_MBYTES, help="size of the timed all-reduce in MB "
-                        "(default: %(default)s)")
-    parser.add_argument("--out", help="a JSON file for the measured bus_bandwidth (speedrun.sh's launch.py reads it)")
+    parser = argparse.ArgumentParser(description="speedrun.sh's NCCL check, under torchrun: a "
+                                     "4-byte and a timed large all-reduce over torchrun's ranks; "
+                                     "otherwise import distributed")
+    parser.add_argument("command", choices=["probe"], help="probe: a 4-byte and a timed large "
+                        "all-reduce over torchrun's ranks")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a collective "
+                        "counts as hung (default: %(default)s)")
+    parser.add_argument("--mbytes", type=float, default=PROBE_MBYTES, help=
+                        "size of the timed all-reduce in MB (default: %(default)s)")
+    parser.add_argument("--out", help="a JSON file for the measured bus_bandwidth (speedrun.sh's "
+                        "launch.py reads it)")
     args = parser.parse_args(argv)
     return probe_all_reduce(args.timeout, args.mbytes, out=args.out)
 

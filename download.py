@@ -1,8 +1,9 @@
-"""Downloads, checked and resumable: a file by URL (download_file) and files of a Hugging Face hub repo
-(list_hub_files, download_hub_files), each under its final name only once its size, hash and (parquet) footer check
-out, retried with backoff, with one progress line. The repo's listing is saved beside the files (.hub_listing.json),
-so a rerun whose files are all on disk and intact needs no hub. The corpora and chat sets (download_shards,
-download_chat) come through it, as do core_eval.py's eval bundle and chat_eval.py's task sets. By hand:
+"""Downloads, checked and resumable: a file by URL (download_file) and files of a Hugging Face hub
+repo (list_hub_files, download_hub_files), each under its final name only once its size, hash and
+(parquet) footer check out, retried with backoff, with one progress line. The repo's listing is
+saved beside the files (.hub_listing.json), so a rerun whose files are all on disk and intact needs
+no hub. The corpora and chat sets (download_shards, download_chat) come through it, as do
+core_eval.py's eval bundle and chat_eval.py's task sets. By hand:
 
     python download.py shards --shards 8            # FineWeb-Edu shards from the hub (+ the last one: validation)
     python download.py chat smoltalk gsm8k          # conversation and task sets (identity: from identity.json)
@@ -36,12 +37,15 @@ from dataset import (
     write_parquet,
 )
 
-# huggingface_hub is imported in the functions that use it, not by every stage importing this file (docs/data.md says
-# what it does itself). hf_hub_download checks no size or hash and gives up on a 500 or a reset mid-body: the checks,
+# huggingface_hub is imported in the functions that use it, not by every stage importing this file
+# (docs/data.md says
+# what it does itself). hf_hub_download checks no size or hash and gives up on a 500 or a reset
+# mid-body: the checks,
 # the retries and the one-line errors are this file's (tests/test_download.py).
 
 DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
-RETRIES = 8  # attempts per file; with the backoff below they wait ~60 s in all: enough to ride out a hub hiccup
+# attempts per file; with the backoff below they wait ~60 s in all: enough to ride out a hub hiccup
+RETRIES = 8
 BACKOFF_BASE, BACKOFF_MAX = 0.5, 30.0
 
 
@@ -50,7 +54,8 @@ class _Transient(Exception):
 
 
 def hub_endpoint():
-    """$HF_ENDPOINT or the public hub, read per call: huggingface_hub reads it once, at import, so it is passed."""
+    """$HF_ENDPOINT or the public hub, read per call: huggingface_hub reads it once, at import, so
+    it is passed."""
     return os.environ.get("HF_ENDPOINT", DEFAULT_HUB_ENDPOINT).rstrip("/")
 
 
@@ -64,8 +69,9 @@ def _first_line(error):
 
 
 def _transient(error):
-    """Worth another attempt: network errors, 408/429/5xx answers (left over after huggingface_hub's own retries),
-    bodies short of their size, failed checks. Any other HTTP answer (401, 404, ...) is a mistake to report."""
+    """Worth another attempt: network errors, 408/429/5xx answers (left over after huggingface_hub's
+    own retries), bodies short of their size, failed checks. Any other HTTP answer (401, 404, ...)
+    is a mistake to report."""
     from huggingface_hub.utils import HfHubHTTPError, httpx
     if isinstance(error, HfHubHTTPError):
         code = _status(error)
@@ -74,8 +80,9 @@ def _transient(error):
 
 
 def _retrying(attempt, retries, gave_up):
-    """attempt() until it returns, at most `retries` times, with exponential backoff between tries; raises at once what
-    a retry cannot fix, and after the last try gave_up(the last error's first line), the error that says what to do."""
+    """attempt() until it returns, at most `retries` times, with exponential backoff between tries;
+    raises at once what a retry cannot fix, and after the last try gave_up(the last error's first
+    line), the error that says what to do."""
     for i in range(retries):
         try:
             return attempt()
@@ -96,20 +103,22 @@ def _hash_file(path, digest):
 
 
 def _mismatch(path, size=None, sha256=None, git_sha1=None):
-    """How path differs from the expected size, sha256 or git blob id (the hub's for a file kept in git), or None."""
+    """How path differs from the expected size, sha256 or git blob id (the hub's for a file kept in
+    git), or None."""
     got = path.stat().st_size
     if size is not None and got != size:
         return f"size {got} bytes, expected {size}"
     if sha256 and (digest := _hash_file(path, hashlib.sha256())) != sha256.lower():
         return f"sha256 {digest} does not match the expected {sha256}"
-    if git_sha1 and (digest := _hash_file(path, hashlib.sha1(b"blob %d\0" % got, usedforsecurity=False))) != git_sha1:
+    if git_sha1 and (digest := _hash_file(path, hashlib.sha1(b"blob %d\0" % got,
+                                                             usedforsecurity=False))) != git_sha1:
         return f"git blob id {digest} does not match the expected {git_sha1}"
     return None
 
 
 def _check(path, size=None, sha256=None, git_sha1=None, verify=None):
-    """Raise _Transient, deleting path (a bad prefix would poison every resume), unless path matches and passes
-    verify(path), which raises ValueError on bad content."""
+    """Raise _Transient, deleting path (a bad prefix would poison every resume), unless path matches
+    and passes verify(path), which raises ValueError on bad content."""
     problem = _mismatch(path, size, sha256, git_sha1)
     if not problem and verify:
         try:
@@ -144,9 +153,10 @@ class _Bar:
 
 
 def download_file(url, dest, size=None, sha256=None, verify=None, retries=RETRIES):
-    """Stream a plain URL (the eval bundle: not a hub repo, no token) to dest + ".partial", which http_get resumes
-    within an attempt, and later attempts and runs resume too. dest appears only once the size, the sha256 and
-    verify(partial) (ValueError on bad content) pass; an existing dest of the expected size is kept."""
+    """Stream a plain URL (the eval bundle: not a hub repo, no token) to dest + ".partial", which
+    http_get resumes within an attempt, and later attempts and runs resume too. dest appears only
+    once the size, the sha256 and verify(partial) (ValueError on bad content) pass; an existing dest
+    of the expected size is kept."""
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import HfHubHTTPError
     dest = Path(dest)
@@ -171,8 +181,8 @@ def download_file(url, dest, size=None, sha256=None, verify=None, retries=RETRIE
 
     def gave_up(error):
         kept = f"; the {partial.stat().st_size} bytes so far are kept in {partial}" if partial.exists() else ""
-        return RuntimeError(f"could not download {dest.name} from {url} after {max(1, retries)} attempts (last error: "
-                            f"{error}){kept}: re-run the command to resume")
+        return RuntimeError(f"could not download {dest.name} from {url} after {max(1, retries)} "
+                            f"attempts (last error: {error}){kept}: re-run the command to resume")
     try:
         return _retrying(attempt, max(1, retries), gave_up)
     except HfHubHTTPError as e:
@@ -185,36 +195,44 @@ def _hub_failure(what, error):
     code = _status(error)
     if code in (401, 403) or isinstance(error, RepositoryNotFoundError):
         # the hub answers 401 for a repo that does not exist as well as for one that is private
-        return RuntimeError(f"{what}: HTTP {code}: the repo is private or gated, or does not exist: set HF_TOKEN to a "
-                            f"token that can read it (and accept the dataset's terms on its page if it is gated)")
+        return RuntimeError(f"{what}: HTTP {code}: the repo is private or gated, or does not "
+                            "exist: "
+                            "set HF_TOKEN to a token that can read it (and accept the dataset's "
+                            "terms on its page if it is gated)")
     if code == 404:
-        return RuntimeError(f"{what}: HTTP 404: not found: check the repo id, the revision and the file path")
+        return RuntimeError(f"{what}: HTTP 404: not found: check the repo id, the revision and the "
+                            "file path")
     return RuntimeError(f"{what}: {_first_line(error)}")
 
 
 def list_hub_files(repo, revision="main", repo_type="dataset"):
-    """Every file of a repo: {"path", "size", "sha256" (LFS files), "git_sha1" (files kept in git)}."""
+    """Every file of a repo: {"path", "size", "sha256" (LFS files), "git_sha1" (files kept in
+    git)}."""
     from huggingface_hub import HfApi, RepoFile
     from huggingface_hub.utils import HfHubHTTPError, httpx
     api = HfApi(endpoint=hub_endpoint())
     try:
-        entries = list(api.list_repo_tree(repo, recursive=True, revision=revision, repo_type=repo_type))
+        entries = list(api.list_repo_tree(repo, recursive=True, revision=revision,
+                                          repo_type=repo_type))
     except httpx.HTTPError as e:  # HfHubHTTPError is one
         if isinstance(e, HfHubHTTPError) and not _transient(e):
             raise _hub_failure(f"listing {repo} (revision {revision})", e) from None
         # a network error, or a 429/5xx that huggingface_hub retried five times already
-        raise RuntimeError(f"could not list {repo} at {hub_endpoint()} ({_first_line(e)}): check the network (and "
-                           f"HF_ENDPOINT if set) and re-run the command, later if the hub is failing") from None
+        raise RuntimeError(f"could not list {repo} at {hub_endpoint()} ({_first_line(e)}): check "
+                           "the network (and HF_ENDPOINT if set) and re-run the command, later if "
+                           "the hub is failing") from None
     return [{"path": e.path, "size": e.size, "sha256": e.lfs.sha256 if e.lfs else None,
              "git_sha1": None if e.lfs else e.blob_id} for e in entries if isinstance(e, RepoFile)]
 
 
 def _fetch_hub_file(repo, entry, dest, staging, revision, repo_type, bar):
-    """One listed file: hf_hub_download into the staging dir, checked against the listing, then renamed to dest."""
+    """One listed file: hf_hub_download into the staging dir, checked against the listing, then
+    renamed to dest."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.utils import HfHubHTTPError
     def attempt():
-        path = Path(hf_hub_download(repo, entry["path"], repo_type=repo_type, revision=revision, local_dir=staging,
+        path = Path(hf_hub_download(repo, entry["path"], repo_type=repo_type, revision=revision,
+                                    local_dir=staging,
                                     endpoint=hub_endpoint(), tqdm_class=bar))
         verify = verify_parquet if dest.suffix == ".parquet" else None
         _check(path, entry["size"], entry["sha256"], entry["git_sha1"], verify)
@@ -222,9 +240,10 @@ def _fetch_hub_file(repo, entry, dest, staging, revision, repo_type, bar):
         return dest
 
     def gave_up(error):
-        return RuntimeError(f"could not download {entry['path']} from {repo} after {RETRIES} attempts (last error: "
-                            f"{error}): check the network (and HF_ENDPOINT if set) and re-run the command; complete "
-                            f"files are kept")
+        return RuntimeError(f"could not download {entry['path']} from {repo} after {RETRIES} "
+                            f"attempts (last error: {error}): check the network (and HF_ENDPOINT "
+                            "if "
+                            "set) and re-run the command; complete files are kept")
     try:
         return _retrying(attempt, RETRIES, gave_up)
     except HfHubHTTPError as e:
@@ -232,8 +251,9 @@ def _fetch_hub_file(repo, entry, dest, staging, revision, repo_type, bar):
 
 
 def verify_parquet(path):
-    """A shard is usable if its footer parses and it has rows. Reading the footer catches truncation and non-parquet
-    bodies (an HTML error page saved as .parquet) in milliseconds; bit flips inside are the sha256's job."""
+    """A shard is usable if its footer parses and it has rows. Reading the footer catches truncation
+    and non-parquet bodies (an HTML error page saved as .parquet) in milliseconds; bit flips inside
+    are the sha256's job."""
     try:
         num_rows = pq.ParquetFile(path).metadata.num_rows
     except (pa.ArrowInvalid, OSError) as e:
@@ -243,8 +263,9 @@ def verify_parquet(path):
 
 
 def _progress_line(total, already):
-    """A tqdm_class per file for hf_hub_download, all feeding one stderr line: MB done of total, MB/s, ETA. On a
-    terminal the line rewrites itself twice a second; in a log file it is a new line every 30 s."""
+    """A tqdm_class per file for hf_hub_download, all feeding one stderr line: MB done of total,
+    MB/s, ETA. On a terminal the line rewrites itself twice a second; in a log file it is a new line
+    every 30 s."""
     tty = sys.stderr.isatty()
     lock, done, start, last = threading.Lock(), {}, time.time(), [0.0]
 
@@ -258,10 +279,12 @@ def _progress_line(total, already):
         left = int((total - total_done) / rate) if rate > 0 else None
         eta = f"{left // 3600}:{left % 3600 // 60:02d}:{left % 60:02d}" if left is not None else "unknown"
         line = f"download: {total_done / 1e6:.1f}/{total / 1e6:.1f} MB, {rate / 1e6:.1f} MB/s, ETA {eta}"
-        print(("\r" if tty else "") + line + "   ", end="\n" if final or not tty else "", file=sys.stderr, flush=True)
+        print(("\r" if tty else "") + line + "   ", end="\n" if final or not tty else "",
+              file=sys.stderr, flush=True)
 
     def for_file(key):
-        class FileBar(_Bar):  # a new one per attempt, starting from the bytes it resumes from: done[key] is on disk
+        # a new one per attempt, starting from the bytes it resumes from: done[key] is on disk
+        class FileBar(_Bar):
             def update(self, n=1):
                 super().update(n)
                 with lock:
@@ -272,51 +295,62 @@ def _progress_line(total, already):
 
 
 def download_entries(repo, entries, out_dir, revision, repo_type, workers):
-    """Download listed entries into out_dir, flat (by file name), in parallel. hf_hub_download writes into a staging
-    dir inside out_dir (same disk: the rename is atomic), which is removed at the end."""
+    """Download listed entries into out_dir, flat (by file name), in parallel. hf_hub_download
+    writes into a staging dir inside out_dir (same disk: the rename is atomic), which is removed at
+    the end."""
     out_dir = Path(out_dir)
     names = [Path(e["path"]).name for e in entries]
     if len(set(names)) != len(names):
-        raise ValueError(f"two requested files share a name and would overwrite each other in {out_dir}: {names}")
+        raise ValueError("two requested files share a name and would overwrite each other in "
+                         f"{out_dir}: {names}")
     dests = [out_dir / name for name in names]
-    todo = [(e, d) for e, d in zip(entries, dests) if not (d.exists() and d.stat().st_size == e["size"])]
+    todo = [(e, d) for e, d in zip(entries, dests) if not (d.exists() and d.stat().st_size == e[
+                                                                                                "size"])]
     total = sum(e["size"] or 0 for e in entries)
     for_file, show = _progress_line(total, total - sum(e["size"] or 0 for e, _ in todo))
     out_dir.mkdir(parents=True, exist_ok=True)
     staging, errors = out_dir / ".hub_download", []
     with ThreadPoolExecutor(max(1, workers)) as pool:
-        futures = [pool.submit(_fetch_hub_file, repo, e, d, staging, revision, repo_type, for_file(d)) for e, d in todo]
+        futures = [pool.submit(_fetch_hub_file, repo, e, d, staging, revision, repo_type,
+                               for_file(d)) for e, d in todo]
         for future in as_completed(futures):
             try:
                 future.result()
-            except (RuntimeError, ValueError, OSError) as e:  # let the others finish: a re-run then has less to fetch
+            # let the others finish: a re-run then has less to fetch
+            except (RuntimeError, ValueError, OSError) as e:
                 errors.append(e)
-    shutil.rmtree(staging, ignore_errors=True)  # nothing to resume in it: hf_hub_download deletes what it cut short
+    # nothing to resume in it: hf_hub_download deletes what it cut short
+    shutil.rmtree(staging, ignore_errors=True)
     if todo:
         show(final=True)
     if len(errors) == 1:
         raise errors[0]
     if errors:
-        raise RuntimeError(f"{len(errors)} of {len(todo)} downloads failed:\n" + "\n".join(map(str, errors)))
+        raise RuntimeError(f"{len(errors)} of {len(todo)} downloads failed:\n" + "\n".join(map(
+                str, errors)))
     return dests
 
 
 def download_hub_files(repo, paths, out_dir, revision="main", repo_type="dataset", workers=4):
-    """Download `paths` of a hub repo into out_dir (flat, by file name), `workers` at a time; the repo is listed once
-    for sizes and sha256s. Files already complete are skipped, parquet files are checked with verify_parquet."""
+    """Download `paths` of a hub repo into out_dir (flat, by file name), `workers` at a time; the
+    repo is listed once for sizes and sha256s. Files already complete are skipped, parquet files are
+    checked with verify_parquet."""
     by_path = {f["path"]: f for f in list_hub_files(repo, revision, repo_type)}
     missing = [p for p in paths if p not in by_path]
     if missing:
         raise ValueError(f"{repo} (revision {revision}) has no file {', '.join(missing)}")
-    return download_entries(repo, [by_path[p] for p in paths], out_dir, revision, repo_type, workers)
+    return download_entries(repo, [by_path[p] for p in paths], out_dir, revision, repo_type,
+                            workers)
 
 
-LISTING = ".hub_listing.json"  # in a download directory: the repo's listing (sizes, hashes) its files were checked with
+# in a download directory: the repo's listing (sizes, hashes) its files were checked with
+LISTING = ".hub_listing.json"
 
 
 def _complete_on_disk(entries, out_dir, workers=4):
-    """True when every entry is in out_dir (flat, by file name) with its listed size and sha256 or git blob id: a rerun
-    then needs no hub. Hashing is what makes it safe: ~20 GB of shards take tens of seconds, a hub outage hours."""
+    """True when every entry is in out_dir (flat, by file name) with its listed size and sha256 or
+    git blob id: a rerun then needs no hub. Hashing is what makes it safe: ~20 GB of shards take
+    tens of seconds, a hub outage hours."""
     def ok(e):
         path = Path(out_dir) / Path(e["path"]).name
         return path.is_file() and bool(e["sha256"] or e["git_sha1"]) and \
@@ -326,14 +360,17 @@ def _complete_on_disk(entries, out_dir, workers=4):
 
 
 def listed_or_saved(repo, revision, out_dir, select, workers=4):
-    """The entries select(listing) chooses, for download_entries. The listing saved at the last download is tried first:
-    when every chosen file is on disk and matches its stored hashes, no hub call is made (a resume during a hub outage,
-    or offline). Otherwise the hub is listed and its listing saved in out_dir for the next run."""
+    """The entries select(listing) chooses, for download_entries. The listing saved at the last
+    download is tried first: when every chosen file is on disk and matches its stored hashes, no hub
+    call is made (a resume during a hub outage, or offline). Otherwise the hub is listed and its
+    listing saved in out_dir for the next run."""
     listing = Path(out_dir) / LISTING
     try:
         saved = json.loads(listing.read_text())
-        chosen = select(saved["files"]) if (saved.get("repo"), saved.get("revision")) == (repo, revision) else None
-    except (OSError, ValueError):  # no saved listing, or one that cannot answer this request (more shards than it had)
+        chosen = select(saved["files"]) if (saved.get("repo"), saved.get("revision")) == (
+                repo, revision) else None
+    # no saved listing, or one that cannot answer this request (more shards than it had)
+    except (OSError, ValueError):
         chosen = None
     if chosen and _complete_on_disk(chosen, out_dir, workers):
         return chosen
@@ -354,30 +391,33 @@ SHARD_NAME = re.compile(r"shard_(\d+)\.parquet")
 
 
 def download_shards(dataset, num_shards, data_dir, workers=4):
-    """The first num_shards training shards of a FineWeb-Edu-layout dataset (shard_00000.parquet, ...) plus its last
-    shard, the validation split: data_dir ends with num_shards + 1 files, the validation shard last in sorted order.
-    A rerun whose files are all on disk and match the hashes listed at download time makes no hub call."""
+    """The first num_shards training shards of a FineWeb-Edu-layout dataset (shard_00000.parquet,
+    ...) plus its last shard, the validation split: data_dir ends with num_shards + 1 files, the
+    validation shard last in sorted order. A rerun whose files are all on disk and match the hashes
+    listed at download time makes no hub call."""
     def select(files):
         shards = sorted((f for f in files if SHARD_NAME.fullmatch(Path(f["path"]).name)),
                         key=lambda f: int(SHARD_NAME.fullmatch(Path(f["path"]).name).group(1)))
         if len(shards) < 2:
-            raise ValueError(f"{dataset} has {len(shards)} shard_NNNNN.parquet files; a corpus needs training shards "
-                             f"and a validation shard (the last one)")
+            raise ValueError(f"{dataset} has {len(shards)} shard_NNNNN.parquet files; a corpus "
+                             "needs training shards and a validation shard (the last one)")
         available = len(shards) - 1
         if not 1 <= num_shards <= available:
-            raise ValueError(f"--shards {num_shards} is not available: {dataset} has {available} training shards (plus "
-                             f"the validation shard): choose 1..{available}")
+            raise ValueError(f"--shards {num_shards} is not available: {dataset} has {available} "
+                             f"training shards (plus the validation shard): choose 1..{available}")
         return shards[:num_shards] + shards[-1:]
     chosen = listed_or_saved(dataset, "main", data_dir, select, workers)
     return download_entries(dataset, chosen, data_dir, "main", "dataset", workers)
 
 
 def download_chat(name, out_dir=None, workers=4, check_only=False):
-    """Fetch a conversation dataset into out_dir (default: <cache>/chat/<name>); LIMA's jsonl becomes parquet.
-    check_only: only list it (the error a gated or missing dataset gets, in seconds), or find it complete on disk.
-    "identity" is written from the identity file instead (no network; a broken file fails the check too)."""
+    """Fetch a conversation dataset into out_dir (default: <cache>/chat/<name>); LIMA's jsonl
+    becomes parquet. check_only: only list it (the error a gated or missing dataset gets, in
+    seconds), or find it complete on disk. "identity" is written from the identity file instead (no
+    network; a broken file fails the check too)."""
     if name not in CHAT_DATASETS:
-        raise ValueError(f"unknown conversation dataset {name!r}: choose from {', '.join(CHAT_DATASETS)}")
+        raise ValueError(f"unknown conversation dataset {name!r}: choose from "
+                         f"{', '.join(CHAT_DATASETS)}")
     repo, pattern = CHAT_DATASETS[name]
     out_dir = Path(out_dir or CACHE_DIR / "chat" / name)
     if repo is None:
@@ -386,7 +426,8 @@ def download_chat(name, out_dir=None, workers=4, check_only=False):
     def select(files):
         entries = [f for f in files if re.fullmatch(pattern, f["path"])]
         if not entries:
-            raise ValueError(f"{repo} has no files matching {pattern}: the dataset's layout changed; please report it")
+            raise ValueError(f"{repo} has no files matching {pattern}: the dataset's layout "
+                             "changed; please report it")
         return entries
     entries = listed_or_saved(repo, "main", out_dir, select, workers)
     if check_only:
@@ -395,46 +436,61 @@ def download_chat(name, out_dir=None, workers=4, check_only=False):
         if path.suffix == ".jsonl" and not path.with_suffix(".parquet").exists():
             text, _ = decode_utf8(path.read_bytes())
             rows = [json.loads(line)["conversations"] for line in text.splitlines() if line.strip()]
-            write_parquet(path.with_suffix(".parquet"), {"conversations": pa.array(rows, pa.list_(pa.string()))})
+            write_parquet(path.with_suffix(".parquet"), {"conversations": pa.array(
+                    rows, pa.list_(pa.string()))})
     return out_dir
 
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     listing = commands.add_parser("list", help="a hub repo's files with their sizes and hashes")
-    p = commands.add_parser("get", help="files of a hub repo, checked against its listing, into one directory")
+    p = commands.add_parser("get", help="files of a hub repo, checked against its listing, into "
+                                        "one "
+                            "directory")
     for q in (listing, p):
         q.add_argument("repo", help="hub repo id, e.g. openai/gsm8k")
-        q.add_argument("--revision", default="main", help="branch, tag or commit (default: %(default)s)")
-        q.add_argument("--repo_type", default="dataset", choices=["dataset", "model"], help="(default: %(default)s)")
+        q.add_argument("--revision", default="main", help="branch, tag or commit (default: "
+                       "%(default)s)")
+        q.add_argument("--repo_type", default="dataset", choices=["dataset", "model"], help=
+                       "(default: %(default)s)")
     p.add_argument("paths", nargs="+", help="file paths inside the repo (see `list`)")
     p.add_argument("--out", required=True, help="directory to put them in, by file name (required)")
-    p.add_argument("--workers", type=int, default=4, help="parallel downloads (default: %(default)s)")
-    p = commands.add_parser("shards", help="pretraining shards from the hub, plus the last one as validation")
-    p.add_argument("--shards", type=int, required=True, help="number of training shards to fetch (the validation shard comes too)")
-    p.add_argument("--dataset", default="karpathy/fineweb-edu-100b-shuffle", help="hub dataset (default: %(default)s)")
-    p.add_argument("--data_dir", default=None, help="where to put them (default: <cache>/data/<dataset name>; cache: "
-                   f"$NANOCHAT_CACHE or {CACHE_DIR})")
-    p.add_argument("--workers", type=int, default=4, help="parallel downloads (default: %(default)s)")
-    p = commands.add_parser("chat", help="conversation and task datasets from the hub (identity: written "
-                            "from identity.json)")
+    p.add_argument("--workers", type=int, default=4, help="parallel downloads (default: "
+                   "%(default)s)")
+    p = commands.add_parser("shards", help="pretraining shards from the hub, plus the last one as "
+                            "validation")
+    p.add_argument("--shards", type=int, required=True, help="number of training shards to fetch "
+                   "(the validation shard comes too)")
+    p.add_argument("--dataset", default="karpathy/fineweb-edu-100b-shuffle", help=
+                   "hub dataset (default: %(default)s)")
+    p.add_argument("--data_dir", default=None, help="where to put them (default: "
+                   f"<cache>/data/<dataset name>; cache: $NANOCHAT_CACHE or {CACHE_DIR})")
+    p.add_argument("--workers", type=int, default=4, help="parallel downloads (default: "
+                   "%(default)s)")
+    p = commands.add_parser("chat", help="conversation and task datasets from the hub (identity: "
+                            "written from identity.json)")
     p.add_argument("names", nargs="+", choices=sorted(CHAT_DATASETS), help="which ones")
-    p.add_argument("--check", action="store_true", help="only list them on the hub (a gated or missing dataset fails "
-                   "in seconds) unless complete on disk; download nothing (default: off)")
-    p.add_argument("--workers", type=int, default=4, help="parallel downloads (default: %(default)s)")
+    p.add_argument("--check", action="store_true", help="only list them on the hub (a gated or "
+                   "missing dataset fails in seconds) unless complete on disk; download nothing "
+                   "(default: off)")
+    p.add_argument("--workers", type=int, default=4, help="parallel downloads (default: "
+                   "%(default)s)")
     p = commands.add_parser("url", help="one file from a plain URL, resumable")
     p.add_argument("url", help="the file's URL")
     p.add_argument("--out", required=True, help="the file to write (required)")
-    p.add_argument("--size", type=int, default=None, help="expected size in bytes (default: not checked)")
+    p.add_argument("--size", type=int, default=None, help="expected size in bytes (default: not "
+                   "checked)")
     p.add_argument("--sha256", default=None, help="expected sha256 in hex (default: not checked)")
     args = parser.parse_args(argv)
     try:
         if args.command == "shards":
             data_dir = Path(args.data_dir or default_data_dir(args.dataset))
             paths = download_shards(args.dataset, args.shards, data_dir, workers=args.workers)
-            print(f"download.py shards: {len(paths) - 1} training shards + 1 validation shard in {data_dir}")
+            print(f"download.py shards: {len(paths) - 1} training shards + 1 validation shard in "
+                  f"{data_dir}")
         elif args.command == "chat":
             for name in args.names:
                 out = download_chat(name, workers=args.workers, check_only=args.check)
@@ -443,7 +499,8 @@ def main(argv=None):
             for f in list_hub_files(args.repo, args.revision, args.repo_type):
                 print(f"{f['path']}\t{f['size']}\t{f['sha256'] or 'git ' + str(f['git_sha1'])}")
         elif args.command == "get":
-            paths = download_hub_files(args.repo, args.paths, args.out, args.revision, args.repo_type, args.workers)
+            paths = download_hub_files(args.repo, args.paths, args.out, args.revision,
+                                       args.repo_type, args.workers)
             print(f"download.py get: {len(paths)} files of {args.repo} in {args.out}")
         else:
             print(f"download.py url: {download_file(args.url, args.out, args.size, args.sha256)}")

@@ -1,8 +1,9 @@
-"""gpu_plan.py: the gpu plan's numbers in one place, and its rehearsal's. speedrun.sh runs the gpu plan's stages with
-these flags (launch.py setup hands them to it as its arrays), its disk plan (check_disk, which launch.py shards runs
-on pretrain.py --data_plan's data_plan.json) counts their checkpoints, predict_plan (below) predicts their time from the
-rehearsal and launch.py prints the plan from them: a number changed here changes all four (`bash speedrun.sh --print
---plan gpu` shows the plan and every stage's command). The standard library only: launch.py imports it before .venv
+"""gpu_plan.py: the gpu plan's numbers in one place, and its rehearsal's. speedrun.sh runs the gpu
+plan's stages with these flags (launch.py setup hands them to it as its arrays), its disk plan
+(check_disk, which launch.py shards runs on pretrain.py --data_plan's data_plan.json) counts their
+checkpoints, predict_plan (below) predicts their time from the rehearsal and launch.py prints the
+plan from them: a number changed here changes all four (`bash speedrun.sh --print --plan gpu` shows
+the plan and every stage's command). The standard library only: launch.py imports it before .venv
 exists.
 
 What the gpu plan will cost, predicted from its rehearsal before the hours of pretraining are spent:
@@ -10,13 +11,14 @@ What the gpu plan will cost, predicted from its rehearsal before the hours of pr
     python gpu_plan.py runs/speedrun-rehearsal                     # the gpu plan's budgets at the rehearsal's depth
     python gpu_plan.py runs/speedrun-rehearsal --plan_json plan.json --out runs/speedrun/predicted.json
 
-The rehearsal (speedrun.sh --rehearse) runs every stage with the plan's own command lines, data and world size on a
-tiny budget; each stage's predicted wall time is start-up + steps x step time + saves x save time + evaluations x
-evaluation time, its rates measured in the rehearsal (docs/speedrun.md says from which files) and its counts the
-plan's budgets. Where the rehearsal cannot measure a rate at the plan's size, the line says what is assumed; a stage
-whose budget is not known before its data (SFT's epoch) is "unknown" with why. Prints one line per stage and the
-total in hours and GPU-hours, and writes them as JSON (predicted.json, which report.py shows beside each stage's
-actual wall time). Imports no torch: pretrain_steps_for imports model.py when called.
+The rehearsal (speedrun.sh --rehearse) runs every stage with the plan's own command lines, data and
+world size on a tiny budget; each stage's predicted wall time is start-up + steps x step time +
+saves x save time + evaluations x evaluation time, its rates measured in the rehearsal
+(docs/speedrun.md says from which files) and its counts the plan's budgets. Where the rehearsal
+cannot measure a rate at the plan's size, the line says what is assumed; a stage whose budget is not
+known before its data (SFT's epoch) is "unknown" with why. Prints one line per stage and the total
+in hours and GPU-hours, and writes them as JSON (predicted.json, which report.py shows beside each
+stage's actual wall time). Imports no torch: pretrain_steps_for imports model.py when called.
 """
 import argparse
 import json
@@ -28,23 +30,32 @@ from pathlib import Path
 
 from report import read_json, stage_seconds
 
-TOKENS_PER_STEP = 524_288  # a step's tokens over all GPUs (nanochat's); the chat stages inherit pretraining's
-SEQUENCE_LEN = 2048  # the d-presets' (model.py): what midtraining's and SFT's --eval_rows are rows of
-GSM8K_TRAIN = 7_473  # GSM8K's training questions, one epoch of rl.py's (rl.py counts them from the data itself)
-# the conversation datasets the gpu plan's midtraining and SFT read (download.py chat names): checked and
-# fetched at the start, with the CORE bundle and the ChatCORE tasks, so a gated or missing one fails in minutes
+# a step's tokens over all GPUs (nanochat's); the chat stages inherit pretraining's
+TOKENS_PER_STEP = 524_288
+# the d-presets' (model.py): what midtraining's and SFT's --eval_rows are rows of
+SEQUENCE_LEN = 2048
+# GSM8K's training questions, one epoch of rl.py's (rl.py counts them from the data itself)
+GSM8K_TRAIN = 7_473
+# the conversation datasets the gpu plan's midtraining and SFT read (download.py chat names):
+# checked and
+# fetched at the start, with the CORE bundle and the ChatCORE tasks, so a gated or missing one fails
+# in minutes
 CHAT_SOURCES = ["smoltalk", "ultrachat", "mmlu", "arc-easy", "arc-challenge", "gsm8k", "identity"]
 
-# each stage's flags on the gpu plan's command lines, ahead of its *_ARGS (the last of a repeated flag wins); those
-# equal to a default too, so that a changed default cannot leave the prediction and disk plan on another plan
+# each stage's flags on the gpu plan's command lines, ahead of its *_ARGS (the last of a repeated
+# flag wins); those
+# equal to a default too, so that a changed default cannot leave the prediction and disk plan on
+# another plan
 FLAGS = {
     "pretrain": {"tokens_per_param": 20, "total_batch_tokens": TOKENS_PER_STEP, "eval_every": 250,
                  "bpb_tokens": 2 ** 20, "ckpt_every": 1000},
     "midtrain": {"tokens": 500_000_000, "eval_every": 250, "eval_rows": 256, "ckpt_every": 1000},
-    # sft.py's mixture: SmolTalk, MMLU x3, GSM8K x4, ARC, identity; its epoch's steps are counted from the data
+    # sft.py's mixture: SmolTalk, MMLU x3, GSM8K x4, ARC, identity; its epoch's steps are counted
+    # from the data
     "sft": {"epochs": 1, "eval_every": 100, "eval_rows": 256, "ckpt_every": 1000},
     # GSM8K train, held out: GSM8K test (nanochat's chat_rl)
-    "rl": {"demo": "none", "epochs": 1, "questions_per_step": 16, "samples": 16, "max_new_tokens": 256,
+    "rl": {"demo": "none", "epochs": 1, "questions_per_step": 16, "samples": 16,
+           "max_new_tokens": 256,
            "eval_every": 60, "eval_items": 400, "eval_samples": 8, "ckpt_every": 60},
     "core_eval": {"max_items": -1, "bpb_tokens": 2 ** 20},
     "chat_eval": {"demo": "none", "max_items": -1, "max_new_tokens": 512},
@@ -53,7 +64,8 @@ RL_STEPS = math.ceil(FLAGS["rl"]["epochs"] * GSM8K_TRAIN / FLAGS["rl"]["question
 
 
 def command_lines(depth):
-    """speedrun.sh's arrays for the gpu plan at model depth `depth`: {"PRETRAIN": [words], ..., "CORE", "CHAT_EVAL"}."""
+    """speedrun.sh's arrays for the gpu plan at model depth `depth`: {"PRETRAIN": [words], ...,
+    "CORE", "CHAT_EVAL"}."""
     arrays = {{"core_eval": "CORE"}.get(stage, stage.upper()): [w for flag, value in flags.items()
                                                                  for w in (f"--{flag}", value)]
               for stage, flags in FLAGS.items()}
@@ -62,96 +74,115 @@ def command_lines(depth):
 
 
 def plan_lines(depth, gpus, rehearsal=False, on_cpu=False):
-    """The plan in words, from FLAGS, as launch.py prints it before any stage (a rehearsal: on `gpus` GPUs, or CPU
-    processes, with its own budget)."""
+    """The plan in words, from FLAGS, as launch.py prints it before any stage (a rehearsal: on
+    `gpus` GPUs, or CPU processes, with its own budget)."""
     if rehearsal:
         where = "CPU processes" if on_cpu else "GPUs"
         return [f"plan: d{depth} on {gpus} {where}, the rehearsal's budget appended to each stage"]
     pre, rl = FLAGS["pretrain"], FLAGS["rl"]
     shape = [RL_STEPS, rl["questions_per_step"], rl["samples"], rl["max_new_tokens"]]
-    model = (f"plan: d{depth} ('python model.py --preset d{depth}' for its parameters), {pre['tokens_per_param']} "
-             f"tokens per parameter at {pre['total_batch_tokens']:,} tokens a step on {gpus} GPUs; pretrain.py prints "
-             f"the parameters, tokens and steps before step 1, and each step line the expected time left (ETA), "
-             f"measured after this process's first step")
-    rl_line = (f"plan: rl: {rl['epochs']:g} epoch(s) of GSM8K's {GSM8K_TRAIN:,} training questions, {shape[1]} a "
-               f"step, {shape[2]} replies each (up to {shape[3]} tokens): {RL_STEPS} steps, at most "
-               f"{math.prod(shape) / 1e6:.1f}M tokens sampled ({' x '.join(map(str, shape))}). The rehearsal's "
-               f"prediction (gpu_plan.py's, above) gives every stage's expected time; report.md sets each beside its "
-               f"actual wall time")
+    model = (f"plan: d{depth} ('python model.py --preset d{depth}' for its parameters), "
+             f"{pre['tokens_per_param']} tokens per parameter at {pre['total_batch_tokens']:,} "
+             f"tokens a step on {gpus} GPUs; pretrain.py prints the parameters, tokens and steps "
+             "before step 1, and each step line the expected time left (ETA), measured after this "
+             "process's first step")
+    rl_line = (f"plan: rl: {rl['epochs']:g} epoch(s) of GSM8K's {GSM8K_TRAIN:,} training "
+               "questions, "
+               f"{shape[1]} a step, {shape[2]} replies each (up to {shape[3]} tokens): {RL_STEPS} "
+               f"steps, at most {math.prod(shape) / 1e6:.1f}M tokens sampled "
+               f"({' x '.join(map(str, shape))}). The rehearsal's prediction (gpu_plan.py's, "
+               "above) "
+               "gives every stage's expected time; report.md sets each beside its actual wall "
+               "time")
     return [model, rl_line]
 
 
-# --- the rehearsal: every stage of the plan on a tiny budget, before the hours of pretraining ----------------------
+# --- the rehearsal: every stage of the plan on a tiny budget, before the hours of pretraining
+# ----------------------
 
 REHEARSAL_STEPS = (3, 3, 3)  # pretrain, midtrain, sft: each saves one checkpoint, at its last step
 REHEARSAL_PROMPT = "Why do plants need light?"
 
 
 def rehearsal_budgets(nproc, on_cpu):
-    """A rehearsal's flags per stage, appended last (the last of a repeated flag wins): a bug in any stage shows in
-    minutes instead of after hours of pretraining."""
+    """A rehearsal's flags per stage, appended last (the last of a repeated flag wins): a bug in any
+    stage shows in minutes instead of after hours of pretraining."""
     questions = max(nproc, 2)  # rl.py deals each step's questions over the ranks: at least one each
     return {
-        "R_DATA": ["--shards", "2"],  # the first shard (the tokenizer's and the data plan's) and one more
+        # the first shard (the tokenizer's and the data plan's) and one more
+        "R_DATA": ["--shards", "2"],
         "R_TOK": ["--max_chars", "20000000"],
-        # one sample prompt per evaluation, and short samples: generating them is most of a tiny evaluation
-        "R_PRETRAIN": ["--steps", REHEARSAL_STEPS[0], "--eval_every", 0, "--ckpt_every", REHEARSAL_STEPS[0], "--keep", 1,
+        # one sample prompt per evaluation, and short samples: generating them is most of a tiny
+        # evaluation
+        "R_PRETRAIN": ["--steps", REHEARSAL_STEPS[0], "--eval_every", 0, "--ckpt_every",
+                       REHEARSAL_STEPS[0],
+                       "--keep", 1,
                        "--bpb_tokens", 32768, "--sample_prompt", "The capital of France is"],
-        "R_MIDTRAIN": ["--steps", REHEARSAL_STEPS[1], "--eval_every", 0, "--eval_rows", 16, "--ckpt_every",
+        "R_MIDTRAIN": ["--steps", REHEARSAL_STEPS[1], "--eval_every", 0, "--eval_rows", 16,
+                       "--ckpt_every",
                        REHEARSAL_STEPS[1], "--keep", 1, "--sample_prompt", REHEARSAL_PROMPT],
-        "R_SFT": ["--steps", REHEARSAL_STEPS[2], "--eval_every", 0, "--eval_rows", 16, "--ckpt_every",
+        "R_SFT": ["--steps", REHEARSAL_STEPS[2], "--eval_every", 0, "--eval_rows", 16,
+                  "--ckpt_every",
                   REHEARSAL_STEPS[2], "--keep", 1, "--sample_prompt", REHEARSAL_PROMPT],
-        "R_RL": ["--steps", 2, "--questions_per_step", questions, "--samples", 2, "--max_new_tokens", 16,
-                 "--eval_every", 0, "--eval_items", questions, "--eval_samples", 2, "--ckpt_every", 2, "--keep", 1],
+        "R_RL": ["--steps", 2, "--questions_per_step", questions, "--samples", 2,
+                 "--max_new_tokens", 16,
+                 "--eval_every", 0, "--eval_items", questions, "--eval_samples", 2, "--ckpt_every",
+                 2,
+                 "--keep", 1],
         "R_CORE": ["--max_items", 4, "--bpb_tokens", 32768, "--max_new_tokens", 8],
         "R_CHAT_EVAL": ["--max_items", 2, "--max_new_tokens", 32],
-        # on CPU processes: the plan's 256 sequences a step (its data streams per rank), 128 tokens each (inherited)
+        # on CPU processes: the plan's 256 sequences a step (its data streams per rank), 128 tokens
+        # each (inherited)
         "R_SHAPE": ["--sequence_len", 128, "--total_batch_tokens", 32768] if on_cpu else [],
     }
 
 
 def rehearsal_line(budgets):
     shape = f"; on the CPU: {' '.join(map(str, budgets['R_SHAPE']))}" if budgets["R_SHAPE"] else ""
-    return (f"rehearsal: pretrain {REHEARSAL_STEPS[0]} steps, midtrain {REHEARSAL_STEPS[1]}, sft {REHEARSAL_STEPS[2]} "
-            f"(each saving once, at its last step), CORE {budgets['R_CORE'][1]} items a task, ChatCORE "
-            f"{budgets['R_CHAT_EVAL'][1]}{shape}")
+    return (f"rehearsal: pretrain {REHEARSAL_STEPS[0]} steps, midtrain {REHEARSAL_STEPS[1]}, sft "
+            f"{REHEARSAL_STEPS[2]} (each saving once, at its last step), CORE "
+            f"{budgets['R_CORE'][1]} items a task, ChatCORE {budgets['R_CHAT_EVAL'][1]}{shape}")
 
 
-# --- the disk plan: before any download, free disk against the shards and the checkpoints the plan's stages hold --
+# --- the disk plan: before any download, free disk against the shards and the checkpoints the
+# plan's stages hold --
 
 def kept_checkpoints(steps, ckpt_every, keep):
-    """(checkpoints a stage keeps at its end, the most it holds at once): it saves every ckpt_every steps and at its
-    last; a save writes the new one before deleting all but the newest `keep`, so one more exists while it is
-    written."""
+    """(checkpoints a stage keeps at its end, the most it holds at once): it saves every ckpt_every
+    steps and at its last; a save writes the new one before deleting all but the newest `keep`, so
+    one more exists while it is written."""
     saves = math.ceil(steps / ckpt_every) if steps else 0
     return min(keep, saves), min(keep, saves) + (saves > keep)
 
 
 def plan_checkpoints(keep, ckpt_every, steps, tokens_per_step, step_cap=None):
-    """(the most full checkpoints the plan's four stages hold at once, the line that says how), from pretraining's
-    steps, --ckpt_every and --keep: each stage's peak beside the earlier ones' kept; SFT's steps are unknown before
-    its data: --keep, one more while it saves."""
-    # --steps (step_cap: a rehearsal, a short run): the later stages run no more steps than pretraining either
+    """(the most full checkpoints the plan's four stages hold at once, the line that says how), from
+    pretraining's steps, --ckpt_every and --keep: each stage's peak beside the earlier ones' kept;
+    SFT's steps are unknown before its data: --keep, one more while it saves."""
+    # --steps (step_cap: a rehearsal, a short run): the later stages run no more steps than
+    # pretraining either
     cap = (lambda n: min(n, step_cap)) if step_cap else (lambda n: n)
     pre_end, pre_peak = kept_checkpoints(steps, ckpt_every, keep)
     mid_steps = math.ceil(FLAGS["midtrain"]["tokens"] / tokens_per_step)
     mid_end, mid_peak = kept_checkpoints(cap(mid_steps), ckpt_every, keep)
     rl_end, rl_peak = kept_checkpoints(cap(RL_STEPS), FLAGS["rl"]["ckpt_every"], keep)
-    most = max(pre_peak, pre_end + mid_peak, pre_end + mid_end + keep + 1, pre_end + mid_end + keep + rl_peak)
-    return most, (f"pretraining keeps {pre_end} (holding {pre_peak} while it saves), midtraining {mid_end} (holding "
-                  f"{mid_peak}), SFT up to --keep {keep} (one more while it saves), RL {rl_end} (holding "
-                  f"{rl_peak}): at most {most} at once")
+    most = max(pre_peak, pre_end + mid_peak, pre_end + mid_end + keep + 1,
+               pre_end + mid_end + keep + rl_peak)
+    return most, (f"pretraining keeps {pre_end} (holding {pre_peak} while it saves), midtraining "
+                  f"{mid_end} (holding {mid_peak}), SFT up to --keep {keep} (one more while it "
+                  f"saves), RL {rl_end} (holding {rl_peak}): at most {most} at once")
 
 
 def check_disk(plan):
-    """Free disk against pretrain.py --data_plan's plan (data_plan.json, read), before any is spent: the missing
-    shards (listed sizes, else the mean of those on disk) on its data_dir's disk, and plan_checkpoints x its
-    checkpoint_bytes, less those already saved, on its runs_dir's. Returns the line that says so; a ValueError
-    naming the need and the fixes when a disk cannot hold it."""
+    """Free disk against pretrain.py --data_plan's plan (data_plan.json, read), before any is spent:
+    the missing shards (listed sizes, else the mean of those on disk) on its data_dir's disk, and
+    plan_checkpoints x its checkpoint_bytes, less those already saved, on its runs_dir's. Returns
+    the line that says so; a ValueError naming the need and the fixes when a disk cannot hold it."""
     data_dir, runs_dir, shards = Path(plan["data_dir"]), Path(plan["runs_dir"]), plan["shards"]
     have = {p.name: p.stat().st_size for p in data_dir.glob("*.parquet")}
     listing = data_dir / ".hub_listing.json"
-    listed = sorted((f for f in json.loads(listing.read_text())["files"] if f["path"].endswith(".parquet")),
+    listed = sorted((f for f in json.loads(listing.read_text())["files"] if f["path"].endswith(
+                                                                                               ".parquet")),
                     key=lambda f: f["path"]) if listing.is_file() else []
     if listed:
         wanted = listed[:shards] + listed[-1:]
@@ -159,52 +190,62 @@ def check_disk(plan):
     else:
         shard_bytes = max(0, shards + 1 - len(have)) * (sum(have.values()) // max(1, len(have)))
     ckpt = plan["checkpoint_bytes"]
-    count, how = plan_checkpoints(plan["keep"], plan["ckpt_every"], plan["steps"], plan["tokens_per_step"],
+    count, how = plan_checkpoints(plan["keep"], plan["ckpt_every"], plan["steps"], plan[
+                                                                                        "tokens_per_step"],
                                   plan["step_cap"])
     runs_dir.mkdir(parents=True, exist_ok=True)
-    # a rerun that resumes: the checkpoints its finished stages saved are among those counted, and already on disk
+    # a rerun that resumes: the checkpoints its finished stages saved are among those counted, and
+    # already on disk
     saved = sum(f.stat().st_size for f in runs_dir.glob("*/ckpt/step_*/**/*") if f.is_file())
     ckpt_bytes = max(0, count * ckpt - saved)
     needs = {}  # device: [bytes, free, where]
-    for path, size, what in ((data_dir, shard_bytes, "shards"), (runs_dir, ckpt_bytes, "checkpoints")):
+    for path, size, what in ((data_dir, shard_bytes, "shards"), (runs_dir, ckpt_bytes,
+                                                                 "checkpoints")):
         dev = path.stat().st_dev
         needs.setdefault(dev, [0, shutil.disk_usage(path).free, []])
         needs[dev][0] += size
         needs[dev][2].append(f"{what} in {path}")
     for need, free, where in needs.values():
         if need > free:
-            raise ValueError(f"not enough disk: {', '.join(where)} need {need / 1e9:.1f} GB, {free / 1e9:.1f} GB are "
-                             f"free there: free space, keep fewer checkpoints (--keep 1 in PRETRAIN_ARGS, "
-                             f"MIDTRAIN_ARGS, SFT_ARGS and RL_ARGS), or put --data_dir / --runs_dir on a larger disk")
-    return (f"data plan disk: {shard_bytes / 1e9:.1f} GB of shards still to fetch; checkpoints: {how} x "
-            f"{ckpt / 1e9:.2f} GB ({plan['params']:,} parameters: fp32 weights and optimizer state) = "
-            f"{count * ckpt / 1e9:.1f} GB" + (f", {saved / 1e9:.1f} GB of them saved already in {runs_dir}: "
+            raise ValueError(f"not enough disk: {', '.join(where)} need {need / 1e9:.1f} GB, "
+                             f"{free / 1e9:.1f} GB are free there: free space, keep fewer "
+                             "checkpoints (--keep 1 in PRETRAIN_ARGS, MIDTRAIN_ARGS, SFT_ARGS and "
+                             "RL_ARGS), or put --data_dir / --runs_dir on a larger disk")
+    return (f"data plan disk: {shard_bytes / 1e9:.1f} GB of shards still to fetch; checkpoints: "
+            f"{how} x {ckpt / 1e9:.2f} GB ({plan['params']:,} parameters: fp32 weights and "
+            f"optimizer state) = {count * ckpt / 1e9:.1f} "
+            "GB" + (f", {saved / 1e9:.1f} GB of them saved already in {runs_dir}: "
                                              f"{ckpt_bytes / 1e9:.1f} GB to come" if saved else ""))
 
 
 TRAINING = ("pretrain", "midtrain", "sft")
-# validation tokens (fewer in the rehearsal than the plan) at 3x the training tok/s: a forward is a third of a step
+# validation tokens (fewer in the rehearsal than the plan) at 3x the training tok/s: a forward is a
+# third of a step
 FORWARD_SPEEDUP = 3
 SAVE_UNKNOWN = "save time unknown: ckpt/save_seconds is gone (predict before the rehearsal's checkpoints are deleted)"
-# stages that ran before the prediction (data, tokenizer, the plan's disk check) or only in a rehearsal
-NOT_PREDICTED = ("nccl_probe", "preflight", "chatcore_tasks", "data", "tokenizer", "data_plan", "download", "chat",
+# stages that ran before the prediction (data, tokenizer, the plan's disk check) or only in a
+# rehearsal
+NOT_PREDICTED = ("nccl_probe", "preflight", "chatcore_tasks", "data", "tokenizer", "data_plan",
+                 "download", "chat",
                  "rehearsal")
 
 
 def gpu_plan_budgets(pretrain_steps, sft_steps=None):
-    """The gpu plan's budgets: py's flags, pretraining's steps (pretrain_steps_for), and sft_steps: one epoch
-    of sft.py's mixture, which sft.py estimates from the data when it starts; None: unknown."""
+    """The gpu plan's budgets: py's flags, pretraining's steps (pretrain_steps_for), and sft_steps:
+    one epoch of sft.py's mixture, which sft.py estimates from the data when it starts; None:
+    unknown."""
     flags, rows = FLAGS, SEQUENCE_LEN  # midtraining's and SFT's --eval_rows are rows of this
     tokens_per_step = TOKENS_PER_STEP
     return {
-        "pretrain": {**flags["pretrain"], "steps": pretrain_steps, "tokens_per_step": tokens_per_step,
+        "pretrain": {**flags["pretrain"], "steps": pretrain_steps,
+                     "tokens_per_step": tokens_per_step,
                      "val_tokens": flags["pretrain"]["bpb_tokens"]},
         "midtrain": {**flags["midtrain"], "tokens_per_step": tokens_per_step,
                      "val_tokens": flags["midtrain"]["eval_rows"] * rows},
         "sft": {**flags["sft"], "steps": sft_steps, "tokens_per_step": tokens_per_step,
                 "val_tokens": flags["sft"]["eval_rows"] * rows,
-                "why_unknown": "one epoch of sft.py's mixture: sft.py estimates its steps from the chat data when it "
-                               "starts (give --sft_steps, or sft_steps)"},
+                "why_unknown": "one epoch of sft.py's mixture: sft.py estimates its steps from the "
+                               "chat data when it starts (give --sft_steps, or sft_steps)"},
         "rl": {**flags["rl"], "steps": RL_STEPS},
         "core_eval": dict(flags["core_eval"]),
         "chat_eval": dict(flags["chat_eval"]),
@@ -212,32 +253,39 @@ def gpu_plan_budgets(pretrain_steps, sft_steps=None):
 
 
 def pretrain_steps_for(model_config):
-    """pretrain.py's steps for a model config dict (config.json's model_config) in the gpu plan: its tokens_per_param
-    x the parameters it counts / its tokens per step. Imports model.py (and torch) only when called."""
+    """pretrain.py's steps for a model config dict (config.json's model_config) in the gpu plan: its
+    tokens_per_param x the parameters it counts / its tokens per step. Imports model.py (and torch)
+    only when called."""
     from model import GPTConfig, budget_params
     tokens = FLAGS["pretrain"]["tokens_per_param"] * budget_params(GPTConfig(**model_config))
     return math.ceil(tokens / TOKENS_PER_STEP)
 
 
 def rehearsed_steps(run, stage):
-    """A training or rl stage's (metrics.jsonl's records with a step_time, at least 2 as the first holds compilation;
-    config.json; its checkpoint saves; the last save's seconds, or None: the rehearsal's checkpoints deleted)."""
+    """A training or rl stage's (metrics.jsonl's records with a step_time, at least 2 as the first
+    holds compilation; config.json; its checkpoint saves; the last save's seconds, or None: the
+    rehearsal's checkpoints deleted)."""
     stage_dir = Path(run) / stage
     path, saved = stage_dir / "metrics.jsonl", stage_dir / "ckpt" / "save_seconds"
-    records = [r for r in map(json.loads, path.read_text().splitlines()) if "step_time" in r] if path.is_file() else []
+    records = [r for r in map(
+            json.loads,
+            path.read_text().splitlines()) if "step_time" in r] if path.is_file() else []
     if len(records) < 2:
-        raise ValueError(f"{path}: {len(records)} step(s) timed; {stage}'s rate is measured on the steps after the "
-                         f"first (which holds compilation): rehearse it for at least 2 steps")
+        raise ValueError(f"{path}: {len(records)} step(s) timed; {stage}'s rate is measured on the "
+                         "steps after the first (which holds compilation): rehearse it for at "
+                         "least 2 steps")
     config = json.loads((stage_dir / "config.json").read_text())
     saves = math.ceil(len(records) / config["args"]["ckpt_every"])
     return records, config, saves, float(saved.read_text()) if saved.is_file() else None
 
 
 def final_evaluation_seconds(stage_dir, wall):
-    """The final evaluation's seconds: from rank 0's progress mark 'trained: final evaluation ... at T' to done.json's
-    modification time; None where either is missing or the span does not fit in the stage (a copy that lost mtimes)."""
+    """The final evaluation's seconds: from rank 0's progress mark 'trained: final evaluation ... at
+    T' to done.json's modification time; None where either is missing or the span does not fit in
+    the stage (a copy that lost mtimes)."""
     progress, done = stage_dir / "progress" / "rank000.txt", stage_dir / "done.json"
-    mark = re.search(r"trained: final evaluation.* at ([\d.]+)", progress.read_text()) if progress.is_file() else None
+    mark = re.search(r"trained: final evaluation.* at ([\d.]+)",
+                     progress.read_text()) if progress.is_file() else None
     if not mark or not done.is_file():
         return None
     seconds = done.stat().st_mtime - float(mark.group(1))
@@ -245,60 +293,77 @@ def final_evaluation_seconds(stage_dir, wall):
 
 
 def measure_training(run, stage, wall):
-    """A training stage's rates in the rehearsal: seconds per step after the first, tokens per step, checkpoint saves
-    and their seconds, the final evaluation's seconds and validation tokens, and the start-up they leave of the wall."""
+    """A training stage's rates in the rehearsal: seconds per step after the first, tokens per step,
+    checkpoint saves and their seconds, the final evaluation's seconds and validation tokens, and
+    the start-up they leave of the wall."""
     records, config, saves, save_s = rehearsed_steps(run, stage)
     args = config["args"]
     step_s = sum(r["step_time"] for r in records[1:]) / (len(records) - 1)
     final_eval_s = final_evaluation_seconds(Path(run) / stage, wall)
-    val_tokens = args["bpb_tokens"] if stage == "pretrain" else args["eval_rows"] * config["model_config"]["sequence_len"]
+    val_tokens = args["bpb_tokens"] if stage == "pretrain" else args["eval_rows"] * config[
+                                                                                           "model_config"][
+                                                                                                           "sequence_len"]
     start_s = wall - len(records) * step_s - saves * (save_s or 0.0) - (final_eval_s or 0.0)
     return {"kind": "training", "wall_s": wall, "steps": len(records), "step_s": step_s,
-            "first_step_s": records[0]["step_time"], "tokens_per_step": config["tokens_per_step"], "saves": saves,
-            "save_s": save_s, "final_eval_s": final_eval_s, "val_tokens": val_tokens, "start_s": start_s}
+            "first_step_s": records[0]["step_time"], "tokens_per_step": config["tokens_per_step"],
+            "saves": saves,
+            "save_s": save_s, "final_eval_s": final_eval_s, "val_tokens": val_tokens,
+            "start_s": start_s}
 
 
 def measure_rl(run, wall):
-    """rl's rates in the rehearsal: seconds per decode forward (a step's rollout over its reply length and the question
-    groups each rank samples one after another), the update's seconds per step, saves, held-out evaluations."""
+    """rl's rates in the rehearsal: seconds per decode forward (a step's rollout over its reply
+    length and the question groups each rank samples one after another), the update's seconds per
+    step, saves, held-out evaluations."""
     records, config, saves, save_s = rehearsed_steps(run, "rl")
     args, world = config["args"], config["world_size"]
     timed = records[1:]
-    groups = math.ceil(args["questions_per_step"] / world)  # each rank's questions, sampled one group at a time
+    # each rank's questions, sampled one group at a time
+    groups = math.ceil(args["questions_per_step"] / world)
     forwards = groups * sum(r["reply_tokens"] for r in timed) / len(timed)
     rollout_s = sum(r["rollout_time"] for r in timed) / len(timed)
     step_s = sum(r["step_time"] for r in timed) / len(timed)
     forward_s = rollout_s / forwards
-    # held out before step 1, every --eval_every steps and after the last: each rank's questions to the reply limit
+    # held out before step 1, every --eval_every steps and after the last: each rank's questions to
+    # the reply limit
     evals = 2 + evaluations(len(records), args["eval_every"])
     eval_s = math.ceil(args["eval_items"] / world) * args["max_new_tokens"] * forward_s
     start_s = wall - len(records) * step_s - saves * (save_s or 0.0) - evals * eval_s
-    return {"kind": "rl", "wall_s": wall, "steps": len(records), "step_s": step_s, "rollout_s": rollout_s,
+    return {"kind": "rl", "wall_s": wall, "steps": len(records), "step_s": step_s,
+            "rollout_s": rollout_s,
             "forward_s": forward_s, "update_s": step_s - rollout_s,
-            "update_tokens": sum(r["sampled_tokens"] for r in timed) / len(timed), "world": world, "saves": saves,
+            "update_tokens": sum(r["sampled_tokens"] for r in timed) / len(timed), "world": world,
+            "saves": saves,
             "save_s": save_s, "evals": evals, "eval_s": eval_s, "start_s": start_s}
 
 
 def measure_evaluation(run, name, wall):
-    """core_eval's or chat_eval's rates in the rehearsal (the stage evaluations' too): seconds per item (chat_eval's
-    per task, from its results), the items each task holds, and the start-up: the wall time less the items' seconds."""
+    """core_eval's or chat_eval's rates in the rehearsal (the stage evaluations' too): seconds per
+    item (chat_eval's per task, from its results), the items each task holds, and the start-up: the
+    wall time less the items' seconds."""
     run = Path(run)
     core = name.startswith("core_eval")
-    owner = name.split("_", 2)[2] if name.count("_") >= 2 else None  # core_eval_midtrain: midtrain's final model
+    # core_eval_midtrain: midtrain's final model
+    owner = name.split("_", 2)[2] if name.count("_") >= 2 else None
     where = run / "stage_evals" / owner if owner else run
     path = where / "core_eval" / "results.json" if core else where / "chat_eval.json"
     results = read_json(path)
     if results is None:
-        raise FileNotFoundError(f"{path}: missing; stage {name} ran in the rehearsal (logs/stages.tsv) but left no "
-                                f"results: rehearse again")
+        raise FileNotFoundError(f"{path}: missing; stage {name} ran in the rehearsal "
+                                "(logs/stages.tsv) but left no results: rehearse again")
     items = sum(t["items"] for t in results["tasks"])
     per_item = results["seconds"] / items
     tasks = [{"task": t["task"], "kind": t.get("kind", t.get("type")), "items": t["items"],
-              "items_in_task": t["items_in_task"], "item_s": t["seconds"] / t["items"] if t.get("seconds") else per_item}
+              "items_in_task": t["items_in_task"], "item_s": t["seconds"] / t["items"] if t.get(
+                                                                                                "seconds") else per_item}
              for t in results["tasks"]]
-    return {"kind": "core_eval" if core else "chat_eval", "wall_s": wall, "items": items, "seconds": results["seconds"],
-            "item_s": per_item, "tasks": tasks, "per_task": all(t.get("seconds") for t in results["tasks"]),
-            "val_tokens": results.get("val_bpb_tokens") or 0, "max_new_tokens": results.get("max_new_tokens"),
+    return {"kind": "core_eval" if core else "chat_eval", "wall_s": wall, "items": items,
+            "seconds": results[
+                                                                                                             "seconds"],
+            "item_s": per_item, "tasks": tasks, "per_task": all(t.get("seconds") for t in results[
+                                                                                                  "tasks"]),
+            "val_tokens": results.get("val_bpb_tokens") or 0, "max_new_tokens": results.get(
+                                                                                            "max_new_tokens"),
             "start_s": wall - results["seconds"]}
 
 
@@ -307,12 +372,15 @@ def evaluation_kind(name):
 
 
 def measure_rehearsal(rehearsal_dir):
-    """{stage: its measured rates} for every stage of a finished rehearsal that the plan runs again."""
+    """{stage: its measured rates} for every stage of a finished rehearsal that the plan runs
+    again."""
     run = Path(rehearsal_dir)
     measured, times = {}, stage_seconds(run)
     if not times:
-        raise FileNotFoundError(f"{run / 'logs' / 'stages.tsv'}: no stage times; give the directory of a finished "
-                                f"rehearsal (runs/<run>-rehearsal, whose logs/stages.tsv has a `report` line)")
+        raise FileNotFoundError(f"{run / 'logs' / 'stages.tsv'}: no stage times; give the "
+                                "directory "
+                                "of a finished rehearsal (runs/<run>-rehearsal, whose "
+                                "logs/stages.tsv has a `report` line)")
     for name, wall in times.items():
         if name in TRAINING:
             measured[name] = measure_training(run, name, wall)
@@ -326,7 +394,8 @@ def measure_rehearsal(rehearsal_dir):
 
 
 def evaluations(steps, every):
-    """Evaluations a training loop runs between its steps: every `every` steps, never after the last."""
+    """Evaluations a training loop runs between its steps: every `every` steps, never after the
+    last."""
     return (steps - 1) // every if every else 0
 
 
@@ -337,31 +406,34 @@ def predict_training(m, budget):
         steps = math.ceil(budget["tokens"] / tokens_per_step)
     step_s = m["step_s"] * tokens_per_step / m["tokens_per_step"]
     tok_s = m["tokens_per_step"] / m["step_s"]
-    rate = (f"{m['step_s']:.3f} s/step after step 1 ({tok_s:,.0f} tok/s; step 1 {m['first_step_s']:.1f} s); "
-            f"start-up {m['start_s']:.1f} s")
+    rate = (f"{m['step_s']:.3f} s/step after step 1 ({tok_s:,.0f} tok/s; step 1 "
+            f"{m['first_step_s']:.1f} s); start-up {m['start_s']:.1f} s")
     notes = []
     if tokens_per_step != m["tokens_per_step"]:
-        notes.append(f"steps of {tokens_per_step:,} tokens cost the rehearsal's ({m['tokens_per_step']:,}) x their "
-                     f"ratio: {step_s:.3f} s")
+        notes.append(f"steps of {tokens_per_step:,} tokens cost the rehearsal's "
+                     f"({m['tokens_per_step']:,}) x their ratio: {step_s:.3f} s")
     if steps is None:
         return {"budget": "unknown", "rate": rate, "seconds": None,
                 "assumption": budget.get("why_unknown", "no steps or tokens in its budget")}
     if m["save_s"] is None:
-        return {"budget": f"{steps:,} steps", "rate": rate, "seconds": None, "assumption": SAVE_UNKNOWN}
+        return {"budget": f"{steps:,} steps", "rate": rate, "seconds": None,
+                "assumption": SAVE_UNKNOWN}
     saves = math.ceil(steps / budget["ckpt_every"])
     evals = evaluations(steps, budget.get("eval_every", 0))
     extra_val = max(0, budget.get("val_tokens", m["val_tokens"]) - m["val_tokens"])
     eval_s = (m["final_eval_s"] or 0.0) + extra_val / (FORWARD_SPEEDUP * tok_s)
     if extra_val:
-        notes.append(f"each evaluation's {extra_val:,} more validation tokens at {FORWARD_SPEEDUP}x the training "
-                     f"tok/s (a forward only)")
+        notes.append(f"each evaluation's {extra_val:,} more validation tokens at "
+                     f"{FORWARD_SPEEDUP}x "
+                     "the training tok/s (a forward only)")
     if m["final_eval_s"] is None:
-        notes.append("the evaluations' samples: only the final one's, as in the rehearsal (its span was not "
-                     "measurable: progress/rank000.txt or done.json's time missing)")
+        notes.append("the evaluations' samples: only the final one's, as in the rehearsal (its "
+                     "span "
+                     "was not measurable: progress/rank000.txt or done.json's time missing)")
     seconds = m["start_s"] + steps * step_s + saves * m["save_s"] + (evals + 1) * eval_s
     rate += f"; save {m['save_s']:.1f} s; evaluation {eval_s:.1f} s"
-    return {"budget": (f"{steps:,} steps x {tokens_per_step:,} tokens; {saves} save{'s' * (saves != 1)}; {evals} + 1 "
-                       f"evaluations"),
+    return {"budget": (f"{steps:,} steps x {tokens_per_step:,} tokens; {saves} "
+                       f"save{'s' * (saves != 1)}; {evals} + 1 evaluations"),
             "rate": rate, "seconds": seconds, "assumption": "; ".join(notes) or None,
             "parts": {"start_s": m["start_s"], "steps": steps, "step_s": step_s, "saves": saves,
                       "save_s": m["save_s"], "evaluations": evals + 1, "eval_s": eval_s}}
@@ -382,21 +454,28 @@ def predict_rl(m, budget, train_tok_s):
     saves = math.ceil(steps / budget["ckpt_every"])
     evals = 2 + evaluations(steps, budget.get("eval_every", 0))
     eval_s = math.ceil(budget["eval_items"] / m["world"]) * budget["max_new_tokens"] * m["forward_s"]
-    rate = (f"{m['forward_s'] * 1000:.2f} ms per decode forward, update {m['update_s']:.3f} s/step after step 1; "
-            f"start-up {m['start_s']:.1f} s")
-    budget_text = (f"{steps:,} steps x {budget['questions_per_step']} questions x {budget['samples']} samples x up "
-                   f"to {budget['max_new_tokens']} tokens (at most {steps * tokens:,} sampled); {saves} "
-                   f"save{'s' * (saves != 1)}; {evals} held-out evaluations of {budget['eval_items']} questions")
-    assumption = (f"decode is latency-bound: a forward for a question's {budget['samples']} replies costs what one "
-                  f"for the rehearsal's did, and each rank's {groups} question(s) a step and every reply run to "
-                  f"{budget['max_new_tokens']} tokens (the ceiling; GSM8K replies end sooner): an upper bound; {how}")
+    rate = (f"{m['forward_s'] * 1000:.2f} ms per decode forward, update {m['update_s']:.3f} s/step "
+            f"after step 1; start-up {m['start_s']:.1f} s")
+    budget_text = (f"{steps:,} steps x {budget['questions_per_step']} questions x "
+                   f"{budget['samples']} samples x up to {budget['max_new_tokens']} tokens (at "
+                   "most "
+                   f"{steps * tokens:,} sampled); {saves} save{'s' * (saves != 1)}; {evals} "
+                   f"held-out evaluations of {budget['eval_items']} questions")
+    assumption = (f"decode is latency-bound: a forward for a question's {budget['samples']} "
+                  "replies "
+                  f"costs what one for the rehearsal's did, and each rank's {groups} question(s) a "
+                  f"step and every reply run to {budget['max_new_tokens']} tokens (the ceiling; "
+                  f"GSM8K replies end sooner): an upper bound; {how}")
     if m["save_s"] is None:
         return {"budget": budget_text, "rate": rate, "seconds": None, "assumption": SAVE_UNKNOWN}
     seconds = m["start_s"] + steps * step_s + saves * m["save_s"] + evals * eval_s
-    return {"budget": budget_text, "rate": rate + f"; save {m['save_s']:.1f} s; evaluation {eval_s:.1f} s",
+    return {"budget": budget_text, "rate": rate + f"; save {m['save_s']:.1f} s; evaluation "
+            f"{eval_s:.1f} s",
             "seconds": seconds, "assumption": assumption,
-            "parts": {"start_s": m["start_s"], "steps": steps, "step_s": step_s, "rollout_s": rollout_s,
-                      "update_s": update_s, "saves": saves, "save_s": m["save_s"], "evaluations": evals,
+            "parts": {"start_s": m["start_s"], "steps": steps, "step_s": step_s,
+                      "rollout_s": rollout_s,
+                      "update_s": update_s, "saves": saves, "save_s": m["save_s"],
+                      "evaluations": evals,
                       "eval_s": eval_s}}
 
 
@@ -412,21 +491,27 @@ def predict_evaluation(m, budget, train_tok_s):
         item_seconds += n * t["item_s"] * (scale if generated else 1.0)
         items += n
     if m["kind"] == "core_eval":
-        notes.append("every task's items cost the rehearsal's mean per item (its tasks ran equally many items, in "
-                     "batches no larger than that: the plan's fuller batches run faster, an upper bound)")
+        notes.append("every task's items cost the rehearsal's mean per item (its tasks ran equally "
+                     "many items, in batches no larger than that: the plan's fuller batches run "
+                     "faster, an upper bound)")
         extra_val = max(0, budget.get("bpb_tokens", m["val_tokens"]) - m["val_tokens"])
         if extra_val and train_tok_s:
             item_seconds += extra_val / (FORWARD_SPEEDUP * train_tok_s)
-            notes.append(f"{extra_val:,} more validation tokens at {FORWARD_SPEEDUP}x pretraining's tok/s")
+            notes.append(f"{extra_val:,} more validation tokens at {FORWARD_SPEEDUP}x "
+                         "pretraining's "
+                         "tok/s")
         elif extra_val:
-            notes.append(f"{extra_val:,} more validation tokens: not counted (no pretraining rate measured)")
+            notes.append(f"{extra_val:,} more validation tokens: not counted (no pretraining rate "
+                         "measured)")
     else:
-        notes.append("each task at the rehearsal's seconds per item" + ("" if m["per_task"] else " (the mean: its "
-                     "results have no per-task seconds)") + f", its {m['items'] // max(1, len(m['tasks']))} items a task "
+        notes.append("each task at the rehearsal's seconds per item" + ("" if m["per_task"] else " "
+                     "(the mean: its results have no per-task "
+                     "seconds)") + f", its {m['items'] // max(1, len(m['tasks']))} items a task "
                      f"batched together: the plan's fuller batches run faster, an upper bound")
         if scale != 1.0:
-            notes.append(f"generated answers up to {budget['max_new_tokens']} tokens cost the rehearsal's (up to "
-                         f"{m['max_new_tokens']}) x {scale:g}: an upper bound, answers end sooner")
+            notes.append(f"generated answers up to {budget['max_new_tokens']} tokens cost the "
+                         f"rehearsal's (up to {m['max_new_tokens']}) x {scale:g}: an upper bound, "
+                         "answers end sooner")
     rate = f"{m['items'] / m['seconds']:,.1f} items/s ({m['items']} items in {m['seconds']:.1f} s); start-up " \
            f"{m['start_s']:.1f} s"
     return {"budget": f"{items:,} items", "rate": rate, "seconds": m["start_s"] + item_seconds,
@@ -435,14 +520,16 @@ def predict_evaluation(m, budget, train_tok_s):
 
 
 def predict_plan(rehearsal_dir, budgets, gpus):
-    """Each stage's predicted wall time at the plan's budgets, from a finished rehearsal's measured rates. budgets:
-    {"pretrain"|"midtrain"|"sft": {"steps" or "tokens", "tokens_per_step", "eval_every", "ckpt_every",
-    "val_tokens", "why_unknown"}, "rl": {"steps", "questions_per_step", "samples", "max_new_tokens", "eval_every",
-    "ckpt_every", "eval_items", "eval_samples"}, "core_eval": {"max_items", "bpb_tokens"}, "chat_eval": {"max_items",
-    "max_new_tokens"}} (gpu_plan_budgets builds the gpu plan's); core_eval_<stage> and chat_eval_<stage> take
-    core_eval's and chat_eval's. A stage missing from budgets is predicted unknown. gpus: for the GPU-hours.
-    Returns {"rehearsal", "gpus", "stages": {name: {"budget", "rate", "seconds" (None: unknown), "assumption",
-    "parts"}}, "seconds" (the known stages' sum), "unknown" (their names), "hours", "gpu_hours"}."""
+    """Each stage's predicted wall time at the plan's budgets, from a finished rehearsal's measured
+    rates. budgets: {"pretrain"|"midtrain"|"sft": {"steps" or "tokens", "tokens_per_step",
+    "eval_every", "ckpt_every", "val_tokens", "why_unknown"}, "rl": {"steps", "questions_per_step",
+    "samples", "max_new_tokens", "eval_every", "ckpt_every", "eval_items", "eval_samples"},
+    "core_eval": {"max_items", "bpb_tokens"}, "chat_eval": {"max_items", "max_new_tokens"}}
+    (gpu_plan_budgets builds the gpu plan's); core_eval_<stage> and chat_eval_<stage> take
+    core_eval's and chat_eval's. A stage missing from budgets is predicted unknown. gpus: for the
+    GPU-hours. Returns {"rehearsal", "gpus", "stages": {name: {"budget", "rate", "seconds" (None:
+    unknown), "assumption", "parts"}}, "seconds" (the known stages' sum), "unknown" (their names),
+    "hours", "gpu_hours"}."""
     measured = measure_rehearsal(rehearsal_dir)
     pretrain = measured.get("pretrain")
     train_tok_s = pretrain["tokens_per_step"] / pretrain["step_s"] if pretrain else None
@@ -464,17 +551,20 @@ def predict_plan(rehearsal_dir, budgets, gpus):
         stages[name]["rehearsal_s"] = m["wall_s"]
     seconds = sum(s["seconds"] for s in stages.values() if s["seconds"] is not None)
     return {"rehearsal": str(rehearsal_dir), "gpus": gpus, "stages": stages, "seconds": seconds,
-            "unknown": [n for n, s in stages.items() if s["seconds"] is None], "hours": seconds / 3600,
+            "unknown": [n for n, s in stages.items() if s["seconds"] is None],
+            "hours": seconds / 3600,
             "gpu_hours": seconds / 3600 * gpus}
 
 
 def format_prediction(prediction):
-    """The table's lines: one per stage (budget, rate, predicted wall time), its assumption beneath, and the total."""
+    """The table's lines: one per stage (budget, rate, predicted wall time), its assumption beneath,
+    and the total."""
     lines = [f"plan cost predicted from {prediction['rehearsal']} ({prediction['gpus']} GPUs):",
              f"{'stage':<20} {'predicted':>12}  budget | measured rate"]
     for name, s in prediction["stages"].items():
         when = "unknown" if s["seconds"] is None else f"{s['seconds']:,.0f} s"
-        lines.append(f"{name:<20} {when:>12}  {s['budget']}" + (f" | {s['rate']}" if s["rate"] else ""))
+        lines.append(f"{name:<20} {when:>12}  {s['budget']}" + (f" | {s['rate']}" if s["rate"]
+                                                                else ""))
         if s.get("assumption"):
             lines.append(f"{'':<34}assumed: {s['assumption']}")
     unknown = prediction["unknown"]
@@ -485,8 +575,9 @@ def format_prediction(prediction):
 
 
 def write_prediction(rehearsal_dir, budgets, gpus, out=None):
-    """predict_plan, its table printed and its JSON written to out (default: default_out). Call it after the rehearsal,
-    before its checkpoints are deleted (their save_seconds are the save times). Returns the prediction."""
+    """predict_plan, its table printed and its JSON written to out (default: default_out). Call it
+    after the rehearsal, before its checkpoints are deleted (their save_seconds are the save times).
+    Returns the prediction."""
     prediction = predict_plan(rehearsal_dir, budgets, gpus)
     print("\n".join(format_prediction(prediction)), flush=True)
     out = Path(out) if out else default_out(rehearsal_dir)
@@ -497,24 +588,28 @@ def write_prediction(rehearsal_dir, budgets, gpus, out=None):
 
 
 def default_out(rehearsal_dir):
-    """runs/<run>/predicted.json beside runs/<run>-rehearsal (the real run's directory, which report.py reads)."""
+    """runs/<run>/predicted.json beside runs/<run>-rehearsal (the real run's directory, which
+    report.py reads)."""
     path = Path(rehearsal_dir).resolve()
     run = path.with_name(path.name[:-len("-rehearsal")]) if path.name.endswith("-rehearsal") else path
     return run / "predicted.json"
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("rehearsal", help="a finished rehearsal's directory, runs/<run>-rehearsal")
-    p.add_argument("--plan_json", default=None, help="the budgets dict as JSON (predict_plan's keys); default: the gpu "
-                   "plan's (gpu_plan_budgets), pretraining's steps from the rehearsal's model at 20 tokens per "
-                   "parameter")
-    p.add_argument("--gpus", type=int, default=0, help="GPUs of the run, for the GPU-hours; 0 = the rehearsal's world "
-                   "size (default: %(default)s)")
-    p.add_argument("--sft_steps", type=int, default=None, help="SFT's steps when known (sft.py prints its epoch's "
-                   "estimate when it starts); default: unknown")
-    p.add_argument("--out", default=None, help="the JSON written; default: runs/<run>/predicted.json beside "
-                   "runs/<run>-rehearsal")
+    p.add_argument("--plan_json", default=None, help="the budgets dict as JSON (predict_plan's "
+                   "keys); default: the gpu plan's (gpu_plan_budgets), pretraining's steps from "
+                   "the "
+                   "rehearsal's model at 20 tokens per parameter")
+    p.add_argument("--gpus", type=int, default=0, help="GPUs of the run, for the GPU-hours; 0 = "
+                                                       "the "
+                   "rehearsal's world size (default: %(default)s)")
+    p.add_argument("--sft_steps", type=int, default=None, help="SFT's steps when known (sft.py "
+                   "prints its epoch's estimate when it starts); default: unknown")
+    p.add_argument("--out", default=None, help="the JSON written; default: "
+                   "runs/<run>/predicted.json beside runs/<run>-rehearsal")
     args = p.parse_args(argv)
     rehearsal = Path(args.rehearsal)
     try:
@@ -522,9 +617,11 @@ def main(argv=None):
         if args.plan_json:
             budgets = json.loads(Path(args.plan_json).read_text())
         elif config is None:
-            raise FileNotFoundError(f"{rehearsal / 'pretrain' / 'config.json'}: missing; give --plan_json")
+            raise FileNotFoundError(f"{rehearsal / 'pretrain' / 'config.json'}: missing; give "
+                                    "--plan_json")
         else:
-            budgets = gpu_plan_budgets(pretrain_steps_for(config["model_config"]), sft_steps=args.sft_steps)
+            budgets = gpu_plan_budgets(pretrain_steps_for(config["model_config"]),
+                                       sft_steps=args.sft_steps)
         if args.sft_steps is not None:
             budgets.setdefault("sft", {})["steps"] = args.sft_steps
         gpus = args.gpus or (config or {}).get("world_size", 1)

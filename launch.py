@@ -1,4 +1,5 @@
-"""launch.py: what speedrun.sh asks of Python. Not a stage: the recipe is speedrun.sh; this runs its stages.
+"""launch.py: what speedrun.sh asks of Python. Not a stage: the recipe is speedrun.sh; this runs its
+stages.
 
     python launch.py setup ENV_FILE [speedrun.sh's flags]   # the flags, .venv, GPUs, plan: shell variables in ENV_FILE
     python launch.py probe --run RUN TORCHRUN... distributed.py probe   # NCCL, and the safe flags if it hangs
@@ -11,9 +12,10 @@
     python launch.py shards --run RUN [N]               # the shards to download: N, else data_plan.json's count
     python launch.py --print COMMAND ...                # speedrun.sh --print: what would run, printed; nothing runs
 
-The standard library only: python3 runs it before .venv exists; torch is asked through the stages' interpreter. The
-run's state between calls: <run>/logs/launch.json (its processes' mark, the machine, the NCCL flags in force); each
-stage's wall time and exit status: <run>/logs/stages.tsv, which report.py reads.
+The standard library only: python3 runs it before .venv exists; torch is asked through the stages'
+interpreter. The run's state between calls: <run>/logs/launch.json (its processes' mark, the
+machine, the NCCL flags in force); each stage's wall time and exit status: <run>/logs/stages.tsv,
+which report.py reads.
 """
 import argparse
 import contextlib
@@ -37,11 +39,14 @@ from report import read_json, stage_rows
 
 ROOT = Path(__file__).resolve().parent
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what stops a run
-PRINT = False  # speedrun.sh --print: each stage's command line printed, nothing run, checked or written
+# speedrun.sh --print: each stage's command line printed, nothing run, checked or written
+PRINT = False
 
-# --- speedrun.sh's flags ---------------------------------------------------------------------------------------------
+# --- speedrun.sh's flags
+# ---------------------------------------------------------------------------------------------
 
-STOP_AFTER = ["data", "ingest", "tokenizer", "download", "pretrain", "core_eval", "midtrain", "sft", "rl", "chat_eval",
+STOP_AFTER = ["data", "ingest", "tokenizer", "download", "pretrain", "core_eval", "midtrain", "sft",
+              "rl", "chat_eval",
               "report"]
 MODEL_STAGES = ["pretrain", "midtrain", "sft", "rl"]
 ENVIRONMENT = """environment:
@@ -57,7 +62,8 @@ ENVIRONMENT = """environment:
 
 
 class Refused(Exception):
-    """What stops speedrun.sh, with its exit status: 2 for a flag, 1 for the machine, else a stage's own."""
+    """What stops speedrun.sh, with its exit status: 2 for a flag, 1 for the machine, else a stage's
+    own."""
 
     def __init__(self, message, status):
         super().__init__(message)
@@ -67,50 +73,74 @@ class Refused(Exception):
 def flag_parser():
     """speedrun.sh's flags and its --help (a fixed width: the same text in every terminal)."""
     parser = argparse.ArgumentParser(
-        usage="bash speedrun.sh [flags]", add_help=False, allow_abbrev=False, exit_on_error=False, epilog=ENVIRONMENT,
-        formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, width=118, max_help_position=22))
+        usage="bash speedrun.sh [flags]", add_help=False, allow_abbrev=False, exit_on_error=False,
+        epilog=ENVIRONMENT,
+        formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, width=118,
+                                                                          max_help_position=22))
     add, switch = parser.add_argument, functools.partial(parser.add_argument, action="store_true")
-    add("--plan", default="auto", choices=("auto", "gpu", "demo"), metavar="gpu|demo", help="gpu: d20-class model on "
-        "FineWeb-Edu, every stage; demo: the offline demo world, preset tiny, on the CPU (default: gpu when torch sees "
-        "CUDA GPUs, else demo; GPUs that nvidia-smi lists but torch cannot use stop the run, naming the versions)")
-    add("--depth", default="20", metavar="N", help="gpu plan: model depth, the d{N} preset (default: %(default)s)")
-    add("--run_name", default="speedrun", metavar="NAME", help="everything goes to <runs_dir>/NAME/ (default: %(default)s)")
+    add("--plan", default="auto", choices=("auto", "gpu", "demo"), metavar="gpu|demo", help=
+        "gpu: d20-class model on FineWeb-Edu, every stage; demo: the offline demo world, preset "
+        "tiny, on the CPU (default: gpu when torch sees CUDA GPUs, else demo; GPUs that nvidia-smi "
+        "lists but torch cannot use stop the run, naming the versions)")
+    add("--depth", default="20", metavar="N", help="gpu plan: model depth, the d{N} preset "
+        "(default: %(default)s)")
+    add("--run_name", default="speedrun", metavar="NAME", help="everything goes to "
+                                                               "<runs_dir>/NAME/ "
+        "(default: %(default)s)")
     add("--runs_dir", default="runs", metavar="DIR", help="(default: %(default)s)")
-    add("--data_dir", default="", metavar="DIR", help="gpu: the FineWeb-Edu corpus directory (default: dataset.py's "
-        "cache); demo: the demo world (default: <runs_dir>/<run_name>/demo, written by demo.py when missing)")
-    add("--corpus", nargs="+", default=[], metavar="PATH", help="your own text instead of FineWeb-Edu (gpu) or the "
-        "demo world's (demo): .txt and .md (documents split on blank lines), .jsonl (a `text` field), .parquet (a "
-        "`text` column), or directories of them; ingested once into <runs_dir>/<run_name>/corpus (its last shard "
-        "held out), the corpus of the tokenizer, pretraining and midtraining's text (default: none)")
-    add("--chat", default="", metavar="FILE", help="your own conversations, a .jsonl file in the OpenAI chat format "
-        "(docs/own-data.md), added to the plan's: two passes in SFT's mixture, a 0.2 share of midtraining's (the "
-        "others scaled by 0.8); the validation loss stays on the plan's held-out conversations (default: none)")
-    add("--gpus", default="auto", metavar="N", help="processes per stage (default: all CUDA GPUs; 0 = CPU, one)")
-    add("--shards", default="", metavar="N", help="gpu plan: FineWeb-Edu training shards to download (default: what "
-        "the budget needs: its tokens / the first shard's tokens counted with the tokenizer, plus one)")
-    add("--vocab_size", default="", metavar="N", help="tokenizer vocabulary (default: 65536 gpu, 1024 demo)")
-    add("--tokenizer", default="", metavar="DIR", help="use this trained tokenizer (default: train <run>/tokenizer)")
-    add("--stop_after", default="", choices=("", *STOP_AFTER), metavar="STAGE", help=f"stop after this stage: "
-        f"{' '.join(STOP_AFTER)} (download: gpu plan, every shard and the prefetched chat and evaluation data are in)")
-    add("--rl", default="on", choices=("on", "off"), metavar="on|off", help="rl.py after sft (default: on)")
-    add("--stage_evals", default="pretrain,midtrain,sft,rl", metavar="LIST", help="the stages whose final models get "
-        "CORE and ChatCORE for the report's table of what each stage taught, comma-separated, or none (default: "
-        "%(default)s; a column left out says unknown; pretrain's is a base model: CORE only, core_eval's, as nanochat)")
-    switch("--no_chat", help="do not start chat.py at the end (it starts only when stdin is a terminal anyway)")
-    switch("--rehearse", help="every stage of the plan with its own command lines, data and world size on a tiny budget "
-           "(a few steps or items each), into <run_name>-rehearsal, ending with the report, one chat.py answer and each "
-           "stage's time. Without CUDA, --gpus N rehearses the gpu plan on N CPU processes (gloo, 128-token sequences)")
-    switch("--no_rehearse", help="gpu plan: skip the rehearsal before pretraining (default: rehearse once per run)")
-    switch("--print", help="print every stage's command line, in order, for the plan these flags give, and run "
-           "nothing: no .venv, no check of the machine, nothing written (default: off)")
+    add("--data_dir", default="", metavar="DIR", help="gpu: the FineWeb-Edu corpus directory "
+        "(default: dataset.py's cache); demo: the demo world (default: <runs_dir>/<run_name>/demo, "
+        "written by demo.py when missing)")
+    add("--corpus", nargs="+", default=[], metavar="PATH", help="your own text instead of "
+        "FineWeb-Edu (gpu) or the demo world's (demo): .txt and .md (documents split on blank "
+        "lines), .jsonl (a `text` field), .parquet (a `text` column), or directories of them; "
+        "ingested once into <runs_dir>/<run_name>/corpus (its last shard held out), the corpus of "
+        "the tokenizer, pretraining and midtraining's text (default: none)")
+    add("--chat", default="", metavar="FILE", help="your own conversations, a .jsonl file in the "
+        "OpenAI chat format (docs/own-data.md), added to the plan's: two passes in SFT's mixture, "
+        "a "
+        "0.2 share of midtraining's (the others scaled by 0.8); the validation loss stays on the "
+        "plan's held-out conversations (default: none)")
+    add("--gpus", default="auto", metavar="N", help="processes per stage (default: all CUDA GPUs; "
+                                                    "0 "
+        "= CPU, one)")
+    add("--shards", default="", metavar="N", help="gpu plan: FineWeb-Edu training shards to "
+        "download (default: what the budget needs: its tokens / the first shard's tokens counted "
+        "with the tokenizer, plus one)")
+    add("--vocab_size", default="", metavar="N", help="tokenizer vocabulary (default: 65536 gpu, "
+        "1024 demo)")
+    add("--tokenizer", default="", metavar="DIR", help="use this trained tokenizer (default: train "
+        "<run>/tokenizer)")
+    add("--stop_after", default="", choices=("", *STOP_AFTER), metavar="STAGE", help=
+        f"stop after this stage: {' '.join(STOP_AFTER)} (download: gpu plan, every shard and the "
+        "prefetched chat and evaluation data are in)")
+    add("--rl", default="on", choices=("on", "off"), metavar="on|off", help=
+        "rl.py after sft (default: on)")
+    add("--stage_evals", default="pretrain,midtrain,sft,rl", metavar="LIST", help=
+        "the stages whose final models get CORE and ChatCORE for the report's table of what each "
+        "stage taught, comma-separated, or none (default: %(default)s; a column left out says "
+        "unknown; pretrain's is a base model: CORE only, core_eval's, as nanochat)")
+    switch("--no_chat", help="do not start chat.py at the end (it starts only when stdin is a "
+           "terminal anyway)")
+    switch("--rehearse", help="every stage of the plan with its own command lines, data and world "
+           "size on a tiny budget (a few steps or items each), into <run_name>-rehearsal, ending "
+           "with the report, one chat.py answer and each stage's time. Without CUDA, --gpus N "
+           "rehearses the gpu plan on N CPU processes (gloo, 128-token sequences)")
+    switch("--no_rehearse", help="gpu plan: skip the rehearsal before pretraining (default: "
+           "rehearse once per run)")
+    switch("--print", help="print every stage's command line, in order, for the plan these flags "
+           "give, and run nothing: no .venv, no check of the machine, nothing written (default: "
+           "off)")
     switch("--force", help="start although other processes hold the GPUs")
-    switch("--probe_only", help="run the NCCL check, record the transport and its measured bandwidth, and exit")
+    switch("--probe_only", help="run the NCCL check, record the transport and its measured "
+           "bandwidth, and exit")
     switch("-h", "--help", help="this text")
     return parser
 
 
 def parse_flags(argv):
-    """speedrun.sh's flags as {name: value} (switches True/False; "help": True when asked), checked."""
+    """speedrun.sh's flags as {name: value} (switches True/False; "help": True when asked),
+    checked."""
     try:
         flags, unknown = flag_parser().parse_known_args(argv)
     except argparse.ArgumentError as e:  # a flag without its value, or not one of its choices
@@ -121,29 +151,36 @@ def parse_flags(argv):
         raise Refused(f"unknown flag {unknown[0]} (bash speedrun.sh --help lists them)", 2)
     for name in ("gpus", "shards", "depth", "vocab_size"):
         if flags[name] not in ("", "auto") and not flags[name].isdigit():
-            raise Refused(f"--{name} {flags[name]}: use a whole number (bash speedrun.sh --help)", 2)
+            raise Refused(f"--{name} {flags[name]}: use a whole number (bash speedrun.sh --help)",
+                          2)
     flags["stage_evals"] = "" if flags["stage_evals"] == "none" else flags["stage_evals"]
-    if bad := [name for name in flags["stage_evals"].split(",") if flags["stage_evals"] and name not in MODEL_STAGES]:
-        raise Refused(f"--stage_evals {flags['stage_evals']}: {bad[0]} is not a stage with a model (use pretrain, "
-                      f"midtrain, sft, rl, comma-separated, or none)", 2)
+    if bad := [name for name in flags["stage_evals"].split(",") if flags["stage_evals"]
+               and name not in MODEL_STAGES]:
+        raise Refused(f"--stage_evals {flags['stage_evals']}: {bad[0]} is not a stage with a model "
+                      "(use pretrain, midtrain, sft, rl, comma-separated, or none)", 2)
     return flags
 
 
 def run_dir(flags):
-    """<runs_dir>/<run_name>, or <run_name>-rehearsal for a rehearsal (never mixed with the real run's outputs)."""
+    """<runs_dir>/<run_name>, or <run_name>-rehearsal for a rehearsal (never mixed with the real
+    run's outputs)."""
     return f"{flags['runs_dir']}/{flags['run_name']}{'-rehearsal' if flags['rehearse'] else ''}"
 
 
 def shell_assignments(values):
-    """name=value lines for bash (a list becomes an array), every value quoted: nothing in them is run."""
-    return "".join(f"{name}=({' '.join(shlex.quote(str(v)) for v in value)})\n" if isinstance(value, list) else
+    """name=value lines for bash (a list becomes an array), every value quoted: nothing in them is
+    run."""
+    return "".join(f"{name}=({' '.join(shlex.quote(str(v)) for v in value)})\n" if isinstance(
+            value, list) else
                    f"{name}={shlex.quote(str(value))}\n" for name, value in values.items())
 
 
-# --- what speedrun.sh says, and the run's state ----------------------------------------------------------------------
+# --- what speedrun.sh says, and the run's state
+# ----------------------------------------------------------------------
 
 def say(run, text, prefix="speedrun: ", stream=None):
-    """A line of speedrun's own: to the terminal and to logs/speedrun.log (--print: a comment, to the terminal)."""
+    """A line of speedrun's own: to the terminal and to logs/speedrun.log (--print: a comment, to
+    the terminal)."""
     if PRINT:
         return terminal(f"# {text}", stream)
     with open(f"{run}/logs/speedrun.log", "a") as log:
@@ -152,14 +189,16 @@ def say(run, text, prefix="speedrun: ", stream=None):
 
 
 def terminal(data, stream=None):
-    """A line, or a stage's output (bytes), to the terminal unless it is gone (closed, after SIGHUP): logs go on."""
+    """A line, or a stage's output (bytes), to the terminal unless it is gone (closed, after
+    SIGHUP): logs go on."""
     stream = stream or sys.stdout
     try:
         stream.flush()
         stream.buffer.write(data if isinstance(data, bytes) else f"{data}\n".encode())
         stream.buffer.flush()
     except OSError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())  # its buffer must not fail again at exit
+        # its buffer must not fail again at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
 
 
 def read_state(run):
@@ -171,61 +210,78 @@ def write_state(run, state):  # whole or not at all: written beside, then rename
     Path(run, "logs", "launch.tmp").replace(Path(run, "logs", "launch.json"))
 
 
-# --- the interpreter -------------------------------------------------------------------------------------------------
+# --- the interpreter
+# -------------------------------------------------------------------------------------------------
 
 def install_venv(run, venv=ROOT / ".venv", requirements=ROOT / "requirements.txt"):
-    """.venv's python (made by the python3 running this), requirements.txt installed: only the sha256 of a completed
-    pip install says so, so that an interrupted pip or a venv without pip (no python3-venv) is redone, never skipped."""
+    """.venv's python (made by the python3 running this), requirements.txt installed: only the
+    sha256 of a completed pip install says so, so that an interrupted pip or a venv without pip (no
+    python3-venv) is redone, never skipped."""
     want = hashlib.sha256(requirements.read_bytes()).hexdigest()
     record, python = venv / "installed-requirements.sha256", venv / "bin" / "python"
     if (have := record.read_text().strip() if record.is_file() else "") == want:
         return str(python)
-    if not (os.access(python, os.X_OK) and subprocess.run([python, "-m", "pip", "--version"], capture_output=True,
+    if not (os.access(python, os.X_OK) and subprocess.run([python, "-m", "pip", "--version"],
+                                                          capture_output=True,
                                                           check=False).returncode == 0):
-        say(run, f"{venv} has no working python or pip (an interrupted creation, or python3-venv missing): recreating "
-                 f"it" if venv.exists() else f"creating {venv} from requirements.txt")
+        say(run, f"{venv} has no working python or pip (an interrupted creation, or python3-venv "
+                 "missing): recreating "
+                 "it" if venv.exists() else f"creating {venv} from requirements.txt")
         shutil.rmtree(venv, ignore_errors=True)
         if subprocess.run(["python3", "-m", "venv", venv], check=False).returncode != 0:
             shutil.rmtree(venv, ignore_errors=True)
-            raise Refused(f"`python3 -m venv {venv}` failed: install the venv module (Debian/Ubuntu: `apt-get install "
-                          f"python3-venv`), or set SPEEDRUN_PYTHON to one with requirements.txt installed", 1)
+            raise Refused(f"`python3 -m venv {venv}` failed: install the venv module "
+                          "(Debian/Ubuntu: `apt-get install python3-venv`), or set SPEEDRUN_PYTHON "
+                          "to one with requirements.txt installed", 1)
     else:
-        say(run, f"requirements.txt changed since {venv} was installed: installing it again" if have else
-                 f"{venv} is a half install (no record that pip install -r requirements.txt completed): repairing it")
-    if subprocess.run([python, "-m", "pip", "install", "-q", "-r", requirements], check=False).returncode != 0:
-        raise Refused(f"pip install -r {requirements} into {venv} failed (above); fix the cause and rerun: the install "
-                      f"is repaired then (or delete {venv} to start it afresh)", 1)
+        say(run,
+            f"requirements.txt changed since {venv} was installed: installing it again" if have else
+                 f"{venv} is a half install (no record that pip install -r requirements.txt "
+            "completed): repairing it")
+    if subprocess.run([python, "-m", "pip", "install", "-q", "-r", requirements],
+                      check=False).returncode != 0:
+        raise Refused(f"pip install -r {requirements} into {venv} failed (above); fix the cause "
+                      "and "
+                      f"rerun: the install is repaired then (or delete {venv} to start it "
+                      "afresh)", 1)
     record.write_text(want + "\n")
     say(run, f"{venv}: requirements.txt installed (sha256 {want[:12]}... recorded in {record})")
     return str(python)
 
 
 def ask_python(python, program, pythonpath=None):
-    """`python -c program`'s output: torch's answers come from the stages' interpreter, not from this one."""
+    """`python -c program`'s output: torch's answers come from the stages' interpreter, not from
+    this one."""
     env = {**os.environ, "PYTHONPATH": str(pythonpath)} if pythonpath else None
-    done = subprocess.run([python, "-c", program], capture_output=True, text=True, env=env, check=False)
+    done = subprocess.run([python, "-c", program], capture_output=True, text=True, env=env,
+                          check=False)
     if done.returncode != 0:
-        raise Refused(f"`{python} -c '{program}'` failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}", 1)
+        raise Refused(f"`{python} -c '{program}'` failed (exit {done.returncode}): "
+                      f"{done.stderr.strip()[-2000:]}", 1)
     return done.stdout.strip()
 
 
 def check_packages(python):
-    """With SPEEDRUN_PYTHON, a package of requirements.txt it lacks (matplotlib, first imported by the report, the
-    last stage) stops the run now, not hours in. Looked up by import name, not imported; versions are its own."""
+    """With SPEEDRUN_PYTHON, a package of requirements.txt it lacks (matplotlib, first imported by
+    the report, the last stage) stops the run now, not hours in. Looked up by import name, not
+    imported; versions are its own."""
     modules = "torch numpy pyarrow tiktoken rustbpe requests huggingface_hub safetensors yaml matplotlib"
-    if missing := ask_python(python, f"import importlib.util as u; print(' '.join(m for m in {modules!r}.split() if "
-                                     f"u.find_spec(m) is None))").split():
-        raise Refused(f"{python} cannot import {', '.join(missing)} (requirements.txt): install them into it "
-                      f"(`{python} -m pip install -r {ROOT / 'requirements.txt'}`), or leave SPEEDRUN_PYTHON unset "
-                      f"to use .venv", 1)
+    if missing := ask_python(python, "import importlib.util as u; print(' '.join(m for m in "
+                                     f"{modules!r}.split() if u.find_spec(m) is None))").split():
+        raise Refused(f"{python} cannot import {', '.join(missing)} (requirements.txt): install "
+                      f"them into it (`{python} -m pip install -r {ROOT / 'requirements.txt'}`), "
+                      "or "
+                      "leave SPEEDRUN_PYTHON unset to use .venv", 1)
 
 
-# --- setup: the GPUs, the driver, the plan ---------------------------------------------------------------------------
+# --- setup: the GPUs, the driver, the plan
+# ---------------------------------------------------------------------------
 
 def nvidia_smi(*args):
     """nvidia-smi's output, or "" when it is not installed or fails."""
     with contextlib.suppress(OSError, subprocess.CalledProcessError):
-        return subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, check=True).stdout
+        return subprocess.run(["nvidia-smi", *args], capture_output=True, text=True,
+                              check=True).stdout
     return ""
 
 
@@ -235,44 +291,54 @@ def listed_gpus():
 
 
 def explain_driver(python):
-    """torch sees no GPU but nvidia-smi lists some (a driver older than the wheel's CUDA): the versions and the fix,
-    never a silent CPU run on a rented GPU box."""
+    """torch sees no GPU but nvidia-smi lists some (a driver older than the wheel's CUDA): the
+    versions and the fix, never a silent CPU run on a rented GPU box."""
     if not (listed := listed_gpus()):
         return
-    driver = nvidia_smi("--query-gpu=driver_version", "--format=csv,noheader").split("\n")[0].replace(" ", "")
+    driver = nvidia_smi("--query-gpu=driver_version",
+                        "--format=csv,noheader").split("\n")[0].replace(" ", "")
     driver_cuda = (re.search(r"CUDA Version: *([0-9.]*)", nvidia_smi()) or [None, ""])[1]
-    torch_version, torch_cuda = ask_python(python, "import torch; print(torch.__version__, torch.version.cuda)").split()
+    torch_version, torch_cuda = ask_python(python, "import torch; print(torch.__version__, "
+                                           "torch.version.cuda)").split()
     raise Refused(
-        f"nvidia-smi lists {listed} GPU(s) but torch {torch_version} sees none. The driver is {driver or 'unknown'} "
-        f"(it supports CUDA {driver_cuda or 'unknown'}); this torch wheel was built for CUDA "
-        f"{'none (a CPU-only wheel)' if torch_cuda == 'None' else torch_cuda}.\nInstall a torch wheel built for a "
-        f"CUDA the driver supports, e.g. `{python} -m pip install torch=={torch_version.split('+')[0]} --index-url "
-        f"https://download.pytorch.org/whl/cuXYZ` with XYZ at most {driver_cuda or 'that of the driver'} without the "
-        f"dot (pytorch.org lists the builds), or update the driver; --gpus 0 runs on the CPU regardless.", 1)
+        f"nvidia-smi lists {listed} GPU(s) but torch {torch_version} sees none. The driver is "
+        f"{driver or 'unknown'} (it supports CUDA {driver_cuda or 'unknown'}); this torch wheel "
+        "was "
+        "built for CUDA "
+        f"{'none (a CPU-only wheel)' if torch_cuda == 'None' else torch_cuda}.\nInstall a torch "
+        f"wheel built for a CUDA the driver supports, e.g. `{python} -m pip install "
+        f"torch=={torch_version.split('+')[0]} --index-url https://download.pytorch.org/whl/cuXYZ` "
+        f"with XYZ at most {driver_cuda or 'that of the driver'} without the dot (pytorch.org "
+        "lists "
+        "the builds), or update the driver; --gpus 0 runs on the CPU regardless.", 1)
 
 
 def prepare(run, flags):
-    """The run's directory (a rehearsal that passed: deleted, to be redone), the stages' interpreter (.venv installed
-    or repaired, unless SPEEDRUN_PYTHON), and no other process on the GPUs: that interpreter."""
+    """The run's directory (a rehearsal that passed: deleted, to be redone), the stages' interpreter
+    (.venv installed or repaired, unless SPEEDRUN_PYTHON), and no other process on the GPUs: that
+    interpreter."""
     if flags["rehearse"] and Path(run, "rehearsed.json").is_file():
         shutil.rmtree(run)
         Path(run, "logs").mkdir(parents=True)
-        say(run, f"rehearsing again from the start: {run} held a rehearsal that passed (now deleted)")
+        say(run, f"rehearsing again from the start: {run} held a rehearsal that passed (now "
+            "deleted)")
     Path(run, "logs").mkdir(parents=True, exist_ok=True)
     python = os.environ.get("SPEEDRUN_PYTHON") or install_venv(run)
     check_packages(python)
-    # zombie workers of an earlier run hold GPU memory: processes on the GPUs stop the run, with the kill command
+    # zombie workers of an earlier run hold GPU memory: processes on the GPUs stop the run, with the
+    # kill command
     holders = nvidia_smi("--query-compute-apps=pid,process_name", "--format=csv,noheader").strip()
     if holders and not flags["force"]:
         pids = " ".join(line.split(",")[0].strip() for line in holders.splitlines())
-        raise Refused(f"processes hold the GPUs (pid, name):\n{holders}\nThey would leave this run short of memory (a "
-                      f"zombie worker of an earlier run?). Stop them with `kill {pids}` (`kill -9 {pids}` if they "
-                      f"stay), or rerun with --force.", 1)
+        raise Refused(f"processes hold the GPUs (pid, name):\n{holders}\nThey would leave this run "
+                      "short of memory (a zombie worker of an earlier run?). Stop them with `kill "
+                      f"{pids}` (`kill -9 {pids}` if they stay), or rerun with --force.", 1)
     return python
 
 
 def check(run, command):
-    """A check before any stage (pretrain.py --check_batch): its output as speedrun's own lines; its exit status."""
+    """A check before any stage (pretrain.py --check_batch): its output as speedrun's own lines; its
+    exit status."""
     done = subprocess.run(list(map(str, command)), stdout=subprocess.PIPE, text=True, check=False)
     for line in done.stdout.splitlines():
         say(run, line)
@@ -280,11 +346,12 @@ def check(run, command):
 
 
 def setup(env_file, argv):
-    """`setup`: speedrun.sh's flags (a bad one stops it before anything is written), its interpreter, the machine and
-    the plan, checked before any stage; the shell variables it sources to env_file (which removes itself), the run's
-    state to launch.json. A rehearsal that passed is redone (it checks this code); an interrupted one resumes.
-    --print: the flags and the plan alone: PY is SPEEDRUN_PYTHON or .venv's path (nothing installed), the GPUs are
-    those nvidia-smi lists (torch is not asked), the machine is not checked, and nothing is written but env_file."""
+    """`setup`: speedrun.sh's flags (a bad one stops it before anything is written), its
+    interpreter, the machine and the plan, checked before any stage; the shell variables it sources
+    to env_file (which removes itself), the run's state to launch.json. A rehearsal that passed is
+    redone (it checks this code); an interrupted one resumes. --print: the flags and the plan alone:
+    PY is SPEEDRUN_PYTHON or .venv's path (nothing installed), the GPUs are those nvidia-smi lists
+    (torch is not asked), the machine is not checked, and nothing is written but env_file."""
     global PRINT
     flags = parse_flags(argv)
     remove = f"rm -f -- {shlex.quote(env_file)}\n"
@@ -292,19 +359,24 @@ def setup(env_file, argv):
         print(flag_parser().format_help(), end="")
         Path(env_file).write_text(remove + "exit 0\n")
         return
-    run, plan, gpus, rehearse, PRINT = run_dir(flags), flags["plan"], flags["gpus"], flags["rehearse"], flags["print"]
+    run, plan, gpus, rehearse, PRINT = run_dir(flags), flags["plan"], flags["gpus"], flags[
+                                                                                           "rehearse"], flags[
+                                                                                                              "print"]
     if PRINT:  # the interpreter a run would use, as text
         python = os.environ.get("SPEEDRUN_PYTHON") or str(ROOT / ".venv" / "bin" / "python")
     else:
         python = prepare(run, flags)
-    # torch's CUDA (or ROCm) GPUs, asked once if needed; a wheel built for neither has none: no `import torch` (2-3 s)
-    torch_gpus = functools.cache(lambda: int(ask_python(python, "import importlib.util as u, runpy; v = runpy.run_path("
-        "u.find_spec('torch').submodule_search_locations[0] + '/version.py'); print(__import__('torch').cuda."
-        "device_count() if v['cuda'] or v['hip'] else 0)")))
+    # torch's CUDA (or ROCm) GPUs, asked once if needed; a wheel built for neither has none: no
+    # `import torch` (2-3 s)
+    torch_gpus = functools.cache(lambda: int(ask_python(python, "import importlib.util as u, "
+                                                                "runpy; "
+        "v = runpy.run_path(u.find_spec('torch').submodule_search_locations[0] + '/version.py'); "
+        "print(__import__('torch').cuda.device_count() if v['cuda'] or v['hip'] else 0)")))
     if PRINT:  # torch is not asked: the GPUs nvidia-smi lists
         torch_gpus = functools.cache(listed_gpus)
     gpus = torch_gpus() if gpus == "auto" else int(gpus)
-    stand_in_probe = flags["probe_only"] and os.environ.get("SPEEDRUN_PROBE_CMD")  # tests: it uses no GPU
+    # tests: it uses no GPU
+    stand_in_probe = flags["probe_only"] and os.environ.get("SPEEDRUN_PROBE_CMD")
     # a CPU box may fetch the data: the stages up to the download train nothing
     nothing_trains = flags["stop_after"] in STOP_AFTER[:STOP_AFTER.index("download") + 1]
     if flags["gpus"] == "auto" and gpus == 0 and not PRINT:
@@ -313,32 +385,41 @@ def setup(env_file, argv):
         if torch_gpus() > 0 or not (plan == "demo" or rehearse):
             if torch_gpus() == 0:
                 explain_driver(python)
-            raise Refused(f"--gpus {gpus}, but torch sees {torch_gpus()} CUDA GPU(s): pass --gpus {torch_gpus()}"
-                          f"{' (the CPU)' if torch_gpus() == 0 else ''}, or make the GPUs visible "
-                          f"(CUDA_VISIBLE_DEVICES)", 1)
-        say(run, f"--gpus {gpus} and torch sees no CUDA GPU: {gpus} CPU processes on gloo (demo plan, rehearsal only)")
+            raise Refused(f"--gpus {gpus}, but torch sees {torch_gpus()} CUDA GPU(s): pass --gpus "
+                          f"{torch_gpus()}{' (the CPU)' if torch_gpus() == 0 else ''}, or make the "
+                          "GPUs visible (CUDA_VISIBLE_DEVICES)", 1)
+        say(run, f"--gpus {gpus} and torch sees no CUDA GPU: {gpus} CPU processes on gloo (demo "
+            "plan, rehearsal only)")
     plan = ("gpu" if gpus > 0 else "demo") if plan == "auto" else plan
-    # only a rehearsal runs the gpu plan on the CPU: there --gpus N without CUDA means N CPU processes on gloo
+    # only a rehearsal runs the gpu plan on the CPU: there --gpus N without CUDA means N CPU
+    # processes on gloo
     on_cpu = plan == "gpu" and rehearse and (gpus == 0 or torch_gpus() == 0)
     if plan == "gpu" and gpus < 1 and not flags["probe_only"] and not rehearse:
-        raise Refused("--plan gpu --print: no GPU here; add --gpus N to print the plan for N GPUs" if PRINT else
-                      "--plan gpu needs CUDA GPUs and torch sees none; use --plan demo on the CPU (or --rehearse "
-                      "--gpus N: the gpu plan's rehearsal on N CPU processes)", 2)
+        raise Refused("--plan gpu --print: no GPU here; add --gpus N to print the plan for N GPUs"
+                      if PRINT else
+                      "--plan gpu needs CUDA GPUs and torch sees none; use --plan demo on the CPU "
+                      "(or --rehearse --gpus N: the gpu plan's rehearsal on N CPU processes)", 2)
     if plan == "demo" and flags["stop_after"] == "download":
         raise Refused("--stop_after download: the demo plan has no download stage (use data)", 2)
     nproc = max(gpus, 1)
-    commit = "" if PRINT else subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                                             capture_output=True, text=True, check=False).stdout.strip()
-    say(run, f"plan {plan}{' (rehearsal)' if rehearse else ''}, run {run}, {nproc} process(es) per stage "
-             f"({f'{gpus} GPUs' if gpus > 0 and not on_cpu else 'CPU'}), " +
+    commit = "" if PRINT else subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short",
+                                              "HEAD"],
+                                             capture_output=True, text=True,
+                                             check=False).stdout.strip()
+    say(run, f"plan {plan}{' (rehearsal)' if rehearse else ''}, run {run}, {nproc} process(es) per "
+             f"stage ({f'{gpus} GPUs' if gpus > 0 and not on_cpu else 'CPU'}), " +
              ("each stage's command line follows, in order; nothing runs (--print)" if PRINT else
               f"commit {commit or 'unknown'}"))
-    for line in gpu_plan.plan_lines(flags["depth"], nproc, rehearse, on_cpu) if plan == "gpu" and not \
+    for line in gpu_plan.plan_lines(flags["depth"], nproc, rehearse,
+                                    on_cpu) if plan == "gpu" and not \
             flags["probe_only"] else []:
         say(run, line)
-    data_dir, vocab = flags["data_dir"], flags["vocab_size"] or ("1024" if plan == "demo" else "65536")
-    own = f"{flags['runs_dir']}/{flags['run_name']}/corpus"  # --corpus's, shared by the run and its rehearsal
-    named = [("corpus", path) for path in flags["corpus"]] + ([("chat", flags["chat"])] if flags["chat"] else [])
+    data_dir, vocab = flags["data_dir"], flags["vocab_size"] or ("1024" if plan == "demo"
+                                                                 else "65536")
+    # --corpus's, shared by the run and its rehearsal
+    own = f"{flags['runs_dir']}/{flags['run_name']}/corpus"
+    named = [("corpus", path) for path in flags["corpus"]] + ([("chat", flags["chat"])] if flags[
+                                                                                                 "chat"] else [])
     for flag, path in [] if PRINT else named:  # --print: the flags alone
         if not Path(path).exists():
             raise Refused(f"--{flag} {path}: no such file or directory", 2)
@@ -350,40 +431,55 @@ def setup(env_file, argv):
         data_dir = "<dataset.py's cache>"  # --print before .venv exists
     elif not data_dir and not flags["probe_only"]:
         data_dir = ask_python(python, "from dataset import default_data_dir as d; "
-                                      "print(d('karpathy/fineweb-edu-100b-shuffle'))", pythonpath=ROOT)
+                                      "print(d('karpathy/fineweb-edu-100b-shuffle'))",
+                                      pythonpath=ROOT)
     if plan == "gpu" and not flags["probe_only"] and not PRINT:
         check_sandbox(os.environ.get("CHAT_EVAL_ARGS", "").split())
-    budgets = {name: words if rehearse else [] for name, words in gpu_plan.rehearsal_budgets(nproc, on_cpu).items()}
+    budgets = {name: words if rehearse else [] for name, words in gpu_plan.rehearsal_budgets(
+            nproc, on_cpu).items()}
     if rehearse:
         say(run, gpu_plan.rehearsal_line(budgets))
     extras = {f"{stage}_EXTRA": os.environ.get(f"{stage}_ARGS", "").split()
-              for stage in ("PRETRAIN", "MIDTRAIN", "SFT", "RL", "CORE", "CHAT_EVAL")}  # words: no globbing, no eval
+              # words: no globbing, no eval
+              for stage in ("PRETRAIN", "MIDTRAIN", "SFT", "RL", "CORE", "CHAT_EVAL")}
     stage_flags = gpu_plan.command_lines(flags["depth"]) if plan == "gpu" else {}
-    if plan == "gpu" and not flags["probe_only"]:  # a step's tokens over the processes: the nearest batch that splits
+    # a step's tokens over the processes: the nearest batch that splits
+    if plan == "gpu" and not flags["probe_only"]:
         # (3 GPUs), or a refusal now, not hours later
-        # with pretraining's words as speedrun.sh passes them: a rehearsal on CPU processes has its own shape
+        # with pretraining's words as speedrun.sh passes them: a rehearsal on CPU processes has its
+        # own shape
         batch = [python, ROOT / "pretrain.py", "--check_batch", nproc, *stage_flags["PRETRAIN"],
                  *extras["PRETRAIN_EXTRA"], *budgets["R_SHAPE"]]
         if PRINT:
             show("check_batch", batch, "before any stage; its output is speedrun's own lines")
         elif status := check(run, batch):
             return status
-    mark = f"speedrun-{os.getppid()}-{time.time_ns()}"  # carried by every process of this run (its stages only)
+    # carried by every process of this run (its stages only)
+    mark = f"speedrun-{os.getppid()}-{time.time_ns()}"
     if not PRINT:
-        write_state(run, {"mark": mark, "plan": plan, "gpus": gpus, "nproc": nproc, "on_cpu": on_cpu, "transport": "",
-                          "stages_before": len(stage_rows(run)), "nccl": {"safe": False, "fallback": False}})
+        write_state(run, {"mark": mark, "plan": plan, "gpus": gpus, "nproc": nproc,
+                          "on_cpu": on_cpu,
+                          "transport": "",
+                          "stages_before": len(stage_rows(run)), "nccl": {"safe": False,
+                                                                          "fallback": False}})
     values = {{"vocab_size": "VOCAB", "rl": "RL_STAGE", "corpus": "INGEST"}.get(name, name.upper()):
               int(value) if isinstance(value, bool) else value for name, value in flags.items()}
     Path(env_file).write_text(remove + shell_assignments({
-        **values, "RUN": run, "LOGS": f"{run}/logs", "PY": python, "PLAN": plan, "GPUS": gpus, "NPROC": nproc,
+        **values, "RUN": run, "LOGS": f"{run}/logs", "PY": python, "PLAN": plan, "GPUS": gpus,
+                                                          "NPROC": nproc,
         "ON_CPU": int(on_cpu), "DATA_DIR": data_dir, "OWN_TEXT": int(bool(flags["corpus"])),
-        "CORPUS": own if flags["corpus"] else f"{data_dir}/pretrain" if plan == "demo" else data_dir,
-        # the gpu plan's rehearsal: the same data (--corpus: the same ingested corpus, its stage skipped)
-        "REHEARSAL_DATA": [*(["--corpus", *flags["corpus"]] if flags["corpus"] else ["--data_dir", data_dir]),
+        "CORPUS": own if flags["corpus"] else f"{data_dir}/pretrain" if plan == "demo"
+        else data_dir,
+        # the gpu plan's rehearsal: the same data (--corpus: the same ingested corpus, its stage
+        # skipped)
+        "REHEARSAL_DATA": [*(["--corpus", *flags["corpus"]] if flags["corpus"] else ["--data_dir",
+                                                                                     data_dir]),
                            *(["--chat", flags["chat"]] if flags["chat"] else [])],
-        # each stage's launcher: torchrun, one process per GPU (or CPU process); one CPU process: the interpreter,
+        # each stage's launcher: torchrun, one process per GPU (or CPU process); one CPU process:
+        # the interpreter,
         # since torchrun's own start would be ~1.4 s of every stage
-        "LAUNCH": [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if gpus else
+        "LAUNCH": [python, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc_per_node={nproc}"] if gpus else
                   [python],
         "VOCAB": vocab, "MARK": mark, "CHAT_SOURCES": gpu_plan.CHAT_SOURCES, **extras, **budgets,
         "REHEARSAL_PROMPT": gpu_plan.REHEARSAL_PROMPT, **stage_flags}))
@@ -401,38 +497,46 @@ def last_value(words, flag):
 
 
 def check_sandbox(chat_eval_words):
-    """The gpu plan's chat_eval runs HumanEval's model-written programs, contained by namespaces. A machine without
-    them (a rented container without user namespaces) is refused here, in one line with the fix, before any
-    download, not hours later at chat_eval."""
+    """The gpu plan's chat_eval runs HumanEval's model-written programs, contained by namespaces. A
+    machine without them (a rented container without user namespaces) is refused here, in one line
+    with the fix, before any download, not hours later at chat_eval."""
     import sandbox  # the standard library only, like this file
     asked = last_value(chat_eval_words, "--tasks")
-    if last_value(chat_eval_words, "--sandbox") == "process" or (asked and "HumanEval" not in asked.split(",")):
+    if last_value(chat_eval_words,
+                  "--sandbox") == "process" or (asked and "HumanEval" not in asked.split(",")):
         return
     level, why = sandbox.sandbox_level()
     if level != "namespaces":
-        others = "ARC-Easy,ARC-Challenge,MMLU,GSM8K"  # tasks.HUB_TASKS but HumanEval (tasks.py imports torch)
-        raise Refused(f"chat_eval's HumanEval runs model-written programs, and this machine gives no namespaces to "
-                      f"contain them ({why}): rerun with CHAT_EVAL_ARGS=\"--sandbox process\" to run them "
-                      f"uncontained, or CHAT_EVAL_ARGS=\"--tasks {others}\" to leave HumanEval out (docs/eval.md, "
-                      f"the sandbox)", 1)
+        # tasks.HUB_TASKS but HumanEval (tasks.py imports torch)
+        others = "ARC-Easy,ARC-Challenge,MMLU,GSM8K"
+        raise Refused("chat_eval's HumanEval runs model-written programs, and this machine gives "
+                      f"no namespaces to contain them ({why}): rerun with "
+                      "CHAT_EVAL_ARGS=\"--sandbox process\" to run them uncontained, or "
+                      f"CHAT_EVAL_ARGS=\"--tasks {others}\" to leave HumanEval out (docs/eval.md, "
+                      "the sandbox)", 1)
 
 
-# --- the processes of a run: found by the mark in their environment --------------------------------------------------
+# --- the processes of a run: found by the mark in their environment
+# --------------------------------------------------
 
 def marked(mark, workers=False):
-    """The live processes carrying this mark (SPEEDRUN_MARK) or its probe's, zombies (no environment) left out;
-    workers: torchrun's workers only (LOCAL_RANK set), which run in sessions of their own."""
+    """The live processes carrying this mark (SPEEDRUN_MARK) or its probe's, zombies (no
+    environment) left out; workers: torchrun's workers only (LOCAL_RANK set), which run in sessions
+    of their own."""
     wanted, found = {f"SPEEDRUN_MARK={mark}".encode(), f"SPEEDRUN_MARK={mark}.probe".encode()}, []
     for entry in os.scandir("/proc"):
         with contextlib.suppress(OSError):
-            environ = Path(entry.path, "environ").read_bytes().split(b"\0") if entry.name.isdigit() else []
-            if wanted.intersection(environ) and (not workers or any(e.startswith(b"LOCAL_RANK=") for e in environ)):
+            environ = Path(entry.path,
+                           "environ").read_bytes().split(b"\0") if entry.name.isdigit() else []
+            if wanted.intersection(environ) and (not workers or any(e.startswith(b"LOCAL_RANK=")
+                                                                    for e in environ)):
                 found.append(int(entry.name))
     return found
 
 
 def signal_all(pids=(), groups=(), signum=signal.SIGTERM):
-    """signum to each process and process group that exists: how many it reached (signal 0: how many are alive)."""
+    """signum to each process and process group that exists: how many it reached (signal 0: how many
+    are alive)."""
     reached = 0
     for send, target in [(os.kill, pid) for pid in pids] + [(os.killpg, group) for group in groups]:
         with contextlib.suppress(OSError):
@@ -446,7 +550,8 @@ def group_of(pid):
 
 
 def kill_marked(mark, groups=()):
-    """SIGKILL for the groups and every process carrying the mark (torchrun's workers are in no group), until gone."""
+    """SIGKILL for the groups and every process carrying the mark (torchrun's workers are in no
+    group), until gone."""
     signal_all(groups=groups, signum=signal.SIGKILL)
     for _ in range(100):
         if not signal_all(marked(mark), signum=signal.SIGKILL):  # none left
@@ -455,15 +560,18 @@ def kill_marked(mark, groups=()):
 
 
 def checkpoint_grace(wait, ckpt):
-    """Seconds a stopped stage gets before SIGKILL: `wait` + twice its last checkpoint save (checkpoint.py's)."""
+    """Seconds a stopped stage gets before SIGKILL: `wait` + twice its last checkpoint save
+    (checkpoint.py's)."""
     with contextlib.suppress(OSError, ValueError, TypeError):
         return math.ceil(wait + 2 * float(Path(ckpt, "save_seconds").read_text()[:32]))
     return wait
 
 
 def writing_checkpoint(ckpt):
-    """A file of a checkpoint in progress (checkpoint.py's ckpt/.tmp_step_*) changed in the last 5 seconds."""
-    for item in [p for tmp in Path(ckpt).glob(".tmp_step_*") for p in (tmp, *tmp.rglob("*"))] if ckpt else []:
+    """A file of a checkpoint in progress (checkpoint.py's ckpt/.tmp_step_*) changed in the last 5
+    seconds."""
+    for item in [p for tmp in Path(ckpt).glob(".tmp_step_*") for p in (
+            tmp, *tmp.rglob("*"))] if ckpt else []:
         with contextlib.suppress(OSError):
             if item.stat().st_mtime > time.time() - 5:
                 return True
@@ -478,15 +586,19 @@ def saved_since(ckpt, since):
 
 
 def end_processes(mark, stage=None, ckpt=None, wait=None):
-    """End every process of the run: SIGTERM to torchrun's workers (not to torchrun, whose own grace would start while
-    rank 0 checkpoints) and every other marked group; after the grace (wait, else SPEEDRUN_KILL_WAIT, plus twice the
-    last checkpoint save, plus while one is written, and that wait again once saved), SIGKILL. stage: its Popen."""
+    """End every process of the run: SIGTERM to torchrun's workers (not to torchrun, whose own grace
+    would start while rank 0 checkpoints) and every other marked group; after the grace (wait, else
+    SPEEDRUN_KILL_WAIT, plus twice the last checkpoint save, plus while one is written, and that
+    wait again once saved), SIGKILL. stage: its Popen."""
     since, wait = time.time(), wait or int(os.environ.get("SPEEDRUN_KILL_WAIT", "30"))
     workers = marked(mark, workers=True)
-    others = {group_of(pid) for pid in marked(mark)} - {group_of(pid) for pid in workers}  # the download's group
-    others -= {None, os.getpgrp(), stage.pid if stage is not None else None}  # never speedrun.sh's own group
+    # the download's group
+    others = {group_of(pid) for pid in marked(mark)} - {group_of(pid) for pid in workers}
+    # never speedrun.sh's own group
+    others -= {None, os.getpgrp(), stage.pid if stage is not None else None}
     groups = others | ({stage.pid} if stage is not None else set())
-    signal_all(workers, others if workers else groups)  # the stage's group ends when its workers have
+    # the stage's group ends when its workers have
+    signal_all(workers, others if workers else groups)
     deadline, exiting = time.monotonic() + (grace := checkpoint_grace(wait, ckpt)), False
     while True:
         if stage is not None:
@@ -496,41 +608,51 @@ def end_processes(mark, stage=None, ckpt=None, wait=None):
         if time.monotonic() >= deadline:
             if writing_checkpoint(ckpt):
                 deadline = time.monotonic() + 5
-            elif not exiting and saved_since(ckpt, since):  # checkpointed: SPEEDRUN_KILL_WAIT more to exit
+            # checkpointed: SPEEDRUN_KILL_WAIT more to exit
+            elif not exiting and saved_since(ckpt, since):
                 exiting, deadline, grace = True, time.monotonic() + wait, grace + wait
             else:
                 break
         time.sleep(0.1)
     if alive:
-        terminal(f"speedrun: stage processes still running after {grace}s: killing them (SIGKILL)", sys.stderr)
+        terminal(f"speedrun: stage processes still running after {grace}s: killing them (SIGKILL)",
+                 sys.stderr)
     kill_marked(mark, groups)
     if stage is not None:
         stage.poll()
 
 
-# --- the NCCL probe --------------------------------------------------------------------------------------------------
+# --- the NCCL probe
+# --------------------------------------------------------------------------------------------------
 
-SAFE_FLAGS = {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo", "NCCL_NET": "Socket",
-              "NCCL_NET_PLUGIN": "none"}  # P2P and InfiniBand off, sockets over loopback: what stopped runs hanging
+SAFE_FLAGS = {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo",
+              "NCCL_NET": "Socket",
+              # P2P and InfiniBand off, sockets over loopback: what stopped runs hanging
+              "NCCL_NET_PLUGIN": "none"}
 SAFE_TEXT = " ".join(f"{name}={value}" for name, value in SAFE_FLAGS.items())
 
 
 def probe_settings():
-    """(seconds before the probe counts as hung, MB of its timed all-reduce): the environment's, else the defaults."""
-    return int(os.environ.get("SPEEDRUN_PROBE_TIMEOUT", "120")), os.environ.get("SPEEDRUN_PROBE_MB", "64")
+    """(seconds before the probe counts as hung, MB of its timed all-reduce): the environment's,
+    else the defaults."""
+    return int(os.environ.get("SPEEDRUN_PROBE_TIMEOUT", "120")), os.environ.get("SPEEDRUN_PROBE_MB",
+                                                                                "64")
 
 
 def run_probe(run, mark, command, safe, timeout, mbytes):
-    """(exit status, its JSON's bus bandwidth, there when its sums were right, or None) of the probe (tests' stand-in:
-    SPEEDRUN_PROBE_CMD, the JSON's path as $1), hung past timeout (124; 137: past SIGTERM too); nothing survives it."""
+    """(exit status, its JSON's bus bandwidth, there when its sums were right, or None) of the probe
+    (tests' stand-in: SPEEDRUN_PROBE_CMD, the JSON's path as $1), hung past timeout (124; 137: past
+    SIGTERM too); nothing survives it."""
     result = Path(run, "logs", "probe.json")
     result.unlink(missing_ok=True)
     stand_in = os.environ.get("SPEEDRUN_PROBE_CMD")
     command = ["bash", "-c", stand_in, "probe", result] if stand_in else [
         *command, "--timeout", str(timeout), "--mbytes", mbytes, "--out", result]
     with open(Path(run, "logs", "probe.log"), "ab") as log:
-        probe = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-                                 env={**os.environ, "SPEEDRUN_MARK": f"{mark}.probe", **(SAFE_FLAGS if safe else {})})
+        probe = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                 start_new_session=True,
+                                 env={**os.environ, "SPEEDRUN_MARK": f"{mark}.probe",
+                                      **(SAFE_FLAGS if safe else {})})
     try:
         status = probe.wait(timeout)
     except subprocess.TimeoutExpired:  # stopped as a stage is, with 5 s to end
@@ -543,9 +665,9 @@ def run_probe(run, mark, command, safe, timeout, mbytes):
 
 
 def probe(run, command, stage=None):
-    """`probe`: the transport the stages use (<run>/transport.txt): with GPUs, NCCL's default flags, or on a hang or
-    failure the safe flags, their cost said. After that fallback, before each torchrun stage (stage: its name), the
-    defaults again: one failed probe (a slow cold start, a transient fault) must not pin the safe flags for hours."""
+    """`probe`: the transport the stages use (<run>/transport.txt): with GPUs, NCCL's default flags,
+    or on a hang or failure the safe flags, their cost said. After that fallback, before each
+    torchrun stage (stage: its name), the defaults again: one failed probe (a slow cold start, a transient fault) must not pin the safe flags for hours."""
     state, log = read_state(run), f"log: {run}/logs/probe.log"
     nccl = state["nccl"] if stage else {"safe": False, "fallback": False, "probe": command}
     timeout, mbytes = probe_settings()
@@ -559,29 +681,35 @@ def probe(run, command, stage=None):
         status, bandwidth = run_probe(run, state["mark"], nccl["probe"], False, timeout, mbytes)
         took, hung = int(time.time()) - int(start), status in (124, 137)
         failure = f"exit {status}{f', hung past {timeout}s' if hung else ''}"
-        default_bw = bandwidth or ("unknown" if status == 0 else f"none: it {'hung' if hung else 'failed'}")
+        default_bw = bandwidth or ("unknown" if status == 0 else "none: it "
+                                   f"{'hung' if hung else 'failed'}")
         if stage and status == 0:
             nccl.update(safe=False, fallback=False)
             transport += f"; from stage {stage} on: nccl default, all-reduce bus bandwidth {default_bw}"
-            say(run, f"NCCL probe before stage {stage} ({took}s): the default flags pass now, all-reduce bus bandwidth "
-                     f"{default_bw} against {nccl['safe_bw']} with the safe flags (what the fallback cost each stage "
-                     f"since): stage {stage} and the later ones use the defaults")
+            say(run, f"NCCL probe before stage {stage} ({took}s): the default flags pass now, "
+                     f"all-reduce bus bandwidth {default_bw} against {nccl['safe_bw']} with the "
+                     f"safe flags (what the fallback cost each stage since): stage {stage} and the "
+                     "later ones use the defaults")
         elif stage:
-            say(run, f"NCCL probe before stage {stage} ({took}s): the default flags fail again ({failure}): stage "
-                     f"{stage} keeps the safe flags, all-reduce bus bandwidth {nccl['safe_bw']} (default flags at the "
-                     f"start: {nccl['default_bw']}); {log}")
+            say(run, f"NCCL probe before stage {stage} ({took}s): the default flags fail again "
+                     f"({failure}): stage {stage} keeps the safe flags, all-reduce bus bandwidth "
+                     f"{nccl['safe_bw']} (default flags at the start: {nccl['default_bw']}); {log}")
         elif status == 0:
             transport = f"nccl default, all-reduce bus bandwidth {default_bw} ({mbytes} MB message)"
         else:
-            say(run, f"NCCL probe failed ({failure}): retrying with the safe flags {SAFE_TEXT}; {log}")
+            say(run, f"NCCL probe failed ({failure}): retrying with the safe flags {SAFE_TEXT}; "
+                f"{log}")
             status, safe_bw = run_probe(run, state["mark"], command, True, timeout, mbytes)
             if status != 0:
-                raise Refused(f"stage nccl_probe failed (exit {status}) even with the safe flags; {log}", status)
-            nccl.update(safe=True, fallback=True, safe_bw=safe_bw or "unknown", default_bw=default_bw)
-            transport = (f"nccl safe flags ({SAFE_TEXT}), all-reduce bus bandwidth {nccl['safe_bw']} ({mbytes} MB "
-                         f"message; default flags: {default_bw})")
-            say(run, f"the safe flags cost: all-reduce bus bandwidth {nccl['safe_bw']} with them (P2P and InfiniBand "
-                     f"off: gradients go through host memory and sockets); with the default flags: {default_bw}")
+                raise Refused(f"stage nccl_probe failed (exit {status}) even with the safe flags; "
+                              f"{log}", status)
+            nccl.update(safe=True, fallback=True, safe_bw=safe_bw or "unknown",
+                        default_bw=default_bw)
+            transport = (f"nccl safe flags ({SAFE_TEXT}), all-reduce bus bandwidth "
+                         f"{nccl['safe_bw']} ({mbytes} MB message; default flags: {default_bw})")
+            say(run, f"the safe flags cost: all-reduce bus bandwidth {nccl['safe_bw']} with them "
+                     "(P2P and InfiniBand off: gradients go through host memory and sockets); with "
+                     f"the default flags: {default_bw}")
     Path(run, "transport.txt").write_text(transport + "\n")
     if not stage:
         say(run, f"transport: {transport}")
@@ -589,17 +717,19 @@ def probe(run, command, stage=None):
     return 0
 
 
-# --- one stage -------------------------------------------------------------------------------------------------------
+# --- one stage
+# -------------------------------------------------------------------------------------------------------
 
 def progress_lines(run, name, now):
-    """Where each rank of a failed stage was last, and how long ago (distributed.py's files): under NCCL a hung
-    collective aborts in C++ and no rank can say which one was stuck."""
+    """Where each rank of a failed stage was last, and how long ago (distributed.py's files): under
+    NCCL a hung collective aborts in C++ and no rank can say which one was stuck."""
     files = sorted(Path(run, name, "progress").glob("rank*.txt"))
     lines = [f"speedrun: where each rank of stage {name} was last ({run}/{name}/progress/):"] if files else []
     for path in files:
         for line in path.read_text().splitlines():  # "... at <time.time()> (<clock time>)"
             at = re.findall(r"\bat (\d+\.?\d*)", line)
-            lines.append(f"speedrun:   {line}" + (f" ({now - float(at[-1]):.0f} s before this)" if at else ""))
+            lines.append(f"speedrun:   {line}" + (f" ({now - float(at[-1]):.0f} s before this)"
+                                                  if at else ""))
     return lines
 
 
@@ -611,11 +741,13 @@ def copy_output(stage, log):
 
 
 def run_stage(run, name, command, train=False, skip_if=None):
-    """`stage`: COMMAND in a session of its own with the run's mark, its output to the terminal and logs/<name>.log,
-    its time to logs/stages.tsv; skipped when skip_if (train: done.json) exists, resumed from a checkpoint."""
+    """`stage`: COMMAND in a session of its own with the run's mark, its output to the terminal and
+    logs/<name>.log, its time to logs/stages.tsv; skipped when skip_if (train: done.json) exists,
+    resumed from a checkpoint."""
     state, stopped = read_state(run), None
 
-    def on_signal(signum, _frame):  # a Python handler, not SIG_IGN: the stage starts with the signals' defaults
+    # a Python handler, not SIG_IGN: the stage starts with the signals' defaults
+    def on_signal(signum, _frame):
         nonlocal stopped
         stopped = stopped or signum
     if (done := f"{run}/{name}/done.json" if train else skip_if) and Path(done).exists():
@@ -629,8 +761,11 @@ def run_stage(run, name, command, train=False, skip_if=None):
         probe(run, None, stage=name)
         state = read_state(run)
     say(run, f"stage {name}: {' '.join(command)}")
-    env = {**os.environ, "SPEEDRUN_MARK": state["mark"], **(SAFE_FLAGS if state["nccl"]["safe"] else {}),
-           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(checkpoint_grace(int(os.environ.get("SPEEDRUN_KILL_WAIT", "30")),
+    env = {**os.environ, "SPEEDRUN_MARK": state["mark"],
+           **(SAFE_FLAGS if state["nccl"]["safe"] else {}),
+           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(checkpoint_grace(int(os.environ.get(
+                                                                                     "SPEEDRUN_KILL_WAIT",
+                                                                                     "30")),
                                                                   ckpt))}
     log_path, start = f"{run}/logs/{name}.log", time.time()
     with open(log_path, "ab", buffering=0) as log:
@@ -652,7 +787,8 @@ def run_stage(run, name, command, train=False, skip_if=None):
             copier.join(10)
             return 128 + stopped
         status = 127 if stage is None else stage.wait()
-    status, took = 128 - status if status < 0 else status, f"{time.time() - start:.1f}"  # signal N: the shell's 128 + N
+    # signal N: the shell's 128 + N
+    status, took = 128 - status if status < 0 else status, f"{time.time() - start:.1f}"
     with open(f"{run}/logs/stages.tsv", "a") as tsv:  # report.py reads it
         tsv.write(f"{name}\t{took}\t{status}\n")
     if status != 0:
@@ -663,13 +799,16 @@ def run_stage(run, name, command, train=False, skip_if=None):
     return 0
 
 
-# --- around the stages ------------------------------------------------------------------------------------------------
+# --- around the stages
+# ------------------------------------------------------------------------------------------------
 
 def reuse_chat_eval(run, name):
-    """chat_eval's result copied into stage_evals/<name>/ when it scored this stage's checkpoint, not run twice."""
+    """chat_eval's result copied into stage_evals/<name>/ when it scored this stage's checkpoint,
+    not run twice."""
     where, result = Path(run, "stage_evals", name), Path(run, "chat_eval.json")
     if (where / "chat_eval.json").is_file() or not result.is_file() or \
-            Path(read_json(result)["checkpoint"]).resolve().parent.parent != Path(run, name).resolve():
+            Path(read_json(result)["checkpoint"]).resolve().parent.parent != Path(run,
+                                                                                  name).resolve():
         return
     where.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(Path(run, "chat_eval_items.jsonl"), where / "chat_eval_items.jsonl")
@@ -678,15 +817,15 @@ def reuse_chat_eval(run, name):
 
 
 def stage_evals(run, name, listed, final):
-    """--stage_evals: NAME's final model gets CORE and ChatCORE when NAME is listed and its checkpoint exists
-    (chat_eval's own result for it copied first, not run twice); --print: when NAME is listed and runs (FINAL: the
-    last that does)."""
+    """--stage_evals: NAME's final model gets CORE and ChatCORE when NAME is listed and its
+    checkpoint exists (chat_eval's own result for it copied first, not run twice); --print: when
+    NAME is listed and runs (FINAL: the last that does)."""
     if name not in listed.split(","):
         return False
     if PRINT:
         if name == final:
-            say(run, f"stage_evals/{name}/chat_eval.json: chat_eval's, of the same checkpoint (copied: "
-                     f"chat_eval_{name} below is skipped)")
+            say(run, f"stage_evals/{name}/chat_eval.json: chat_eval's, of the same checkpoint "
+                     f"(copied: chat_eval_{name} below is skipped)")
         return MODEL_STAGES.index(name) <= MODEL_STAGES.index(final)
     if not any(Path(run, name, "ckpt").glob("step_*")):
         return False
@@ -695,12 +834,13 @@ def stage_evals(run, name, listed, final):
 
 
 def rehearsal_due(run, rehearsal, no_rehearse):
-    """The gpu plan rehearses once, before its pretraining (not with --no_rehearse); a skip is said. --print: the flag
-    alone decides."""
+    """The gpu plan rehearses once, before its pretraining (not with --no_rehearse); a skip is said.
+    --print: the flag alone decides."""
     for skip, why in ((no_rehearse, "--no_rehearse"),
                       (not PRINT and Path(rehearsal, "rehearsed.json").is_file(),
                        f"it passed before ({rehearsal}/rehearsed.json)"),
-                      (not PRINT and Path(run, "pretrain").is_dir(), "pretraining has started already")):
+                      (not PRINT and Path(run, "pretrain").is_dir(), ("pretraining has started "
+                        "already"))):
         if skip:
             say(run, f"stage rehearsal skipped: {why}")
             return False
@@ -708,37 +848,45 @@ def rehearsal_due(run, rehearsal, no_rehearse):
 
 
 def rehearsal_passed(run, rehearsal):
-    """After the rehearsal: its plan_cost.json is the report's predicted.json; its checkpoints deleted (the disk)."""
+    """After the rehearsal: its plan_cost.json is the report's predicted.json; its checkpoints
+    deleted (the disk)."""
     if Path(rehearsal, "plan_cost.json").is_file():
         shutil.copy(Path(rehearsal, "plan_cost.json"), Path(run, "predicted.json"))
     ckpts = sorted(Path(rehearsal).glob("*/ckpt"))
     freed = sum(f.stat().st_size for ckpt in ckpts for f in ckpt.rglob("*") if f.is_file())
     for ckpt in ckpts:
         shutil.rmtree(ckpt)
-    say(run, f"the rehearsal cost {stage_rows(run)[-1][1]} s before pretraining; every stage passed "
+    say(run, f"the rehearsal cost {stage_rows(run)[-1][1]} s before pretraining; every stage "
+             "passed "
              f"({rehearsal}/report.md; its checkpoints deleted: {freed / 1e9:.1f} GB)")
 
 
 def rehearsed(run, seconds):
-    """A rehearsal passed: each stage's time printed (a resumed one's, skipped now, first), and rehearsed.json."""
+    """A rehearsal passed: each stage's time printed (a resumed one's, skipped now, first), and
+    rehearsed.json."""
     state, rows = read_state(run), stage_rows(run)
     now = {name: took for name, took, _ in rows[state["stages_before"]:]}
-    earlier = {name: took for name, took, status in rows[:state["stages_before"]] if status == "0" and name not in now}
+    earlier = {name: took for name, took,
+               status in rows[:state["stages_before"]] if status == "0" and name not in now}
     resumed = f" (resumed: {', '.join(earlier)} passed before it)" if earlier else ""
     say(run, f"rehearsal passed in {seconds} s{resumed}; each stage's time (s):")
     for name, took in {**earlier, **now}.items():
         say(run, f"  {name:<15} {took:>8}", prefix="")
-    record = {"plan": state["plan"], "processes": state["nproc"], "cpu": state["on_cpu"], "seconds": seconds,
-              "stages": {name: float(took) for name, took in {**earlier, **now}.items()}, "resumed_after": [*earlier]}
+    record = {"plan": state["plan"], "processes": state["nproc"], "cpu": state["on_cpu"],
+              "seconds": seconds,
+              "stages": {name: float(took) for name, took in {**earlier, **now}.items()},
+              "resumed_after": [*earlier]}
     Path(run, "rehearsed.json").write_text(json.dumps(record) + "\n")
 
 
-# --- speedrun.sh's calls ---------------------------------------------------------------------------------------------
+# --- speedrun.sh's calls
+# ---------------------------------------------------------------------------------------------
 
 def shards(run, given):
-    """`shards`: the training shards to download, printed for speedrun.sh: --shards, else what data_plan.json counts
-    for the budget; fewer than that is said (to stderr). First the disk plan (gpu_plan.check_disk): the free disk
-    against the shards and the checkpoints to come, said (to stderr); not enough stops the run before any download."""
+    """`shards`: the training shards to download, printed for speedrun.sh: --shards, else what
+    data_plan.json counts for the budget; fewer than that is said (to stderr). First the disk plan
+    (gpu_plan.check_disk): the free disk against the shards and the checkpoints to come, said (to
+    stderr); not enough stops the run before any download."""
     plan = read_json(Path(run, "data_plan.json"))
     try:
         say(run, gpu_plan.check_disk(plan), stream=sys.stderr)
@@ -746,16 +894,18 @@ def shards(run, given):
         raise Refused(str(e), 1) from None
     needed = plan["shards"]
     if given and int(given) < needed:
-        say(run, f"--shards {given} is fewer than the {needed} the budget needs: pretraining will repeat data (it "
-                 f"says so)", stream=sys.stderr)
+        say(run, f"--shards {given} is fewer than the {needed} the budget needs: pretraining will "
+                 "repeat data (it says so)", stream=sys.stderr)
     print(given or needed)
 
 
 def stage_command(run, words, do=run_stage):
     """NAME [--train] [--skip_if PATH] COMMAND..."""
     name, words, options = words[0], words[1:], {}
-    while words[:1] in (["--train"], ["--skip_if"]):  # their values: train True, skip_if the next word
-        options[words[0][2:]], words = (True, words[1:]) if words[0] == "--train" else (words[1], words[2:])
+    # their values: train True, skip_if the next word
+    while words[:1] in (["--train"], ["--skip_if"]):
+        options[words[0][2:]], words = (True, words[1:]) if words[0] == "--train" else (words[1],
+                                                                                        words[2:])
     return do(run, name, words, **options)
 
 
@@ -773,27 +923,34 @@ COMMANDS = {
 }
 
 
-# --- --print: what would run, printed --------------------------------------------------------------------------------
+# --- --print: what would run, printed
+# --------------------------------------------------------------------------------
 
 def show(name, command, note=""):
-    """A step's command line, shell-quoted (copy it to run that step alone), under a comment naming the step."""
+    """A step's command line, shell-quoted (copy it to run that step alone), under a comment naming
+    the step."""
     print(f"# {name}{f' ({note})' if note else ''}\n{shlex.join(map(str, command))}", flush=True)
 
 
 def show_stage(run, name, command, train=False, skip_if=None):
-    show(name, command, f"skipped once {run}/{name}/done.json exists; --resume added when it has a checkpoint" if train
+    show(name, command, f"skipped once {run}/{name}/done.json exists; --resume added when it has a "
+         "checkpoint" if train
          else f"skipped when {skip_if} exists" if skip_if else "")
 
 
 def show_probe(run, command):
-    """The NCCL probe's command line, with the flags launch.py adds; none for one process without torchrun."""
+    """The NCCL probe's command line, with the flags launch.py adds; none for one process without
+    torchrun."""
     if "torch.distributed.run" in command:
         timeout, mbytes = probe_settings()
-        show("probe", [*command, "--timeout", timeout, "--mbytes", mbytes, "--out", f"{run}/logs/probe.json"],
-             "NCCL over CUDA GPUs, not on CPU processes; on a hang or a failure, again with the safe flags")
+        show("probe", [*command, "--timeout", timeout, "--mbytes", mbytes, "--out",
+                       f"{run}/logs/probe.json"],
+             "NCCL over CUDA GPUs, not on CPU processes; on a hang or a failure, again with the "
+             "safe flags")
 
 
-# each command's stand-in under --print: what would run printed, nothing run; rehearsal_due and stage_evals decide
+# each command's stand-in under --print: what would run printed, nothing run; rehearsal_due and
+# stage_evals decide
 # from the flags alone; the others (end, rehearsal_passed, rehearsed: after what ran) do nothing
 PRINTS = {
     "probe": show_probe,
@@ -813,10 +970,13 @@ def main(argv):
         print(__doc__)
         return 0
     run, words = (words[1], words[2:]) if words[:1] == ["--run"] else (None, words)
-    for signum in SIGNALS:  # speedrun.sh passes its signals on; a Ctrl-C reaches this process directly too
-        # end ends the run: a second Ctrl-C must not cut that short; the others exit at once (a probe running ends in
+    # speedrun.sh passes its signals on; a Ctrl-C reaches this process directly too
+    for signum in SIGNALS:
+        # end ends the run: a second Ctrl-C must not cut that short; the others exit at once (a
+        # probe running ends in
         # run_probe's finally; a started stage is ended by run_stage's own handler)
-        signal.signal(signum, signal.SIG_IGN if command == "end" else lambda s, _: sys.exit(128 + s))
+        signal.signal(signum, signal.SIG_IGN if command == "end" else lambda s,
+                      _: sys.exit(128 + s))
     try:
         if command not in COMMANDS:
             raise Refused(f"launch.py: unknown command {command!r} (see its docstring)", 2)

@@ -1,7 +1,8 @@
-"""The streaming loaders: batches of (inputs, targets) on the device, from a text corpus (text_loader), conversations
-(chat_loader) or a mixture of both at token shares (MixtureLoader), each resumable bit-identically from its
-state_dict(). The packing decisions (which pieces fill a row, where one is cropped, padding, targets) are the pure
-functions below PieceBuffer; PackedLoader is the threads and files around them. To see what a batch holds:
+"""The streaming loaders: batches of (inputs, targets) on the device, from a text corpus
+(text_loader), conversations (chat_loader) or a mixture of both at token shares (MixtureLoader),
+each resumable bit-identically from its state_dict(). The packing decisions (which pieces fill a
+row, where one is cropped, padding, targets) are the pure functions below PieceBuffer; PackedLoader
+is the threads and files around them. To see what a batch holds:
 
     python loader.py --data_dir data/demo/pretrain --tokenizer runs/tokenizer   # pretraining rows, decoded
     python loader.py --chat data/demo/conversations --tokenizer runs/tokenizer  # SFT rows: what each row trains on
@@ -36,13 +37,17 @@ from dataset import (
 )
 from tokenizer import Tokenizer
 
-STAT_KEYS = ("batches", "tokens", "supervised", "docs", "doc_tokens", "pieces", "cropped", "padding", "empty",
+STAT_KEYS = ("batches", "tokens", "supervised", "docs", "doc_tokens", "pieces", "cropped",
+             "padding",
+             "empty",
              "no_assistant", "too_long", "malformed", "empty_content")
-REPORT_SKIPPED = 5  # the first few conversations skipped as bad input are printed (file, row, why); the rest counted
+# the first few conversations skipped as bad input are printed (file, row, why); the rest counted
+REPORT_SKIPPED = 5
 
 
 def read_footers(files):
-    """{path: its parquet metadata (or a .jsonl file's index)}: every file's row groups and their sizes, read once."""
+    """{path: its parquet metadata (or a .jsonl file's index)}: every file's row groups and their
+    sizes, read once."""
     return {path: chat_footer(path) for path in files}
 
 
@@ -53,19 +58,22 @@ def unit_rows(unit, footers):
 
 
 def assign_units(files, rank, world_size, footers=None):
-    """What rank `rank` of `world_size` reads, so ranks share no document and none runs out while another has unread
-    data: full-size row groups round robin in whole rounds, the rest dealt by document (rank r takes documents r,
-    r+W, ... in file order): streams differ by at most one document. With fewer documents than ranks, they are
-    repeated until there are W (ranks then share a few). A unit is (path, row group, first doc, doc step).
-    footers: read_footers' where the caller has read them already."""
+    """What rank `rank` of `world_size` reads, so ranks share no document and none runs out while
+    another has unread data: full-size row groups round robin in whole rounds, the rest dealt by
+    document (rank r takes documents r, r+W, ... in file order): streams differ by at most one
+    document. With fewer documents than ranks, they are repeated until there are W (ranks then share
+    a few). A unit is (path, row group, first doc, doc step). footers: read_footers' where the
+    caller has read them already."""
     footers = footers or read_footers(files)
     row_groups = [(path, i, footers[path].row_group(i).num_rows) for path in files
                   for i in range(footers[path].num_row_groups)]
     most = max((n for _, _, n in row_groups), default=0)
     full = [k for k, (_, _, n) in enumerate(row_groups) if n == most]
-    whole = {k: j % world_size for j, k in enumerate(full[:len(full) // world_size * world_size])}  # -> its rank
+    # -> its rank
+    whole = {k: j % world_size for j, k in enumerate(full[:len(full) // world_size * world_size])}
     documents = sum(n for k, (_, _, n) in enumerate(row_groups) if k not in whole)
-    copies = -(-world_size // documents) if documents and not whole else 1  # ceil: every rank gets a document
+    # ceil: every rank gets a document
+    copies = -(-world_size // documents) if documents and not whole else 1
     units, start = [], 0  # start: the index in the dealt sequence of the row group's first document
     for _ in range(copies):
         for k, (path, i, n) in enumerate(row_groups):
@@ -80,13 +88,15 @@ def assign_units(files, rank, world_size, footers=None):
 
 
 def trained_epoch(stats, pass_tokens):
-    """The pass that the tokens in rows are in: 0 until they are a whole pass's (pass_tokens, 0 while unknown)."""
+    """The pass that the tokens in rows are in: 0 until they are a whole pass's (pass_tokens, 0
+    while unknown)."""
     return int(stats["tokens"] // pass_tokens) if pass_tokens else 0
 
 
 def cut_into_pieces(ids, row_len, bos):
-    """A document longer than a row as row-sized pieces, each after the first led by a BOS of its own. Cutting its
-    loss mask the same way, with the mask's value for BOS as `bos`, keeps each piece's mask aligned with its ids."""
+    """A document longer than a row as row-sized pieces, each after the first led by a BOS of its
+    own. Cutting its loss mask the same way, with the mask's value for BOS as `bos`, keeps each
+    piece's mask aligned with its ids."""
     rest = [np.concatenate([[bos], ids[s:s + row_len - 1]]).astype(ids.dtype)
             for s in range(row_len, len(ids), row_len - 1)]
     return [ids[:row_len], *rest]
@@ -98,9 +108,10 @@ def skipped(item):
 
 
 class PieceBuffer:
-    """The packer's buffer: pieces (ids, mask, arrival number) sorted by length, so the largest that fits is a
-    bisect; `live` maps arrival numbers (unique, saved with the state) to lengths and `oldest` is their heap (stale
-    entries dropped lazily), so the oldest piece needs no scan. `tokens`: the tokens buffered."""
+    """The packer's buffer: pieces (ids, mask, arrival number) sorted by length, so the largest that
+    fits is a bisect; `live` maps arrival numbers (unique, saved with the state) to lengths and
+    `oldest` is their heap (stale entries dropped lazily), so the oldest piece needs no scan.
+    `tokens`: the tokens buffered."""
 
     def __init__(self, pieces):
         self.lengths, self.pieces, self.live, self.oldest, self.tokens = [], [], {}, [], 0
@@ -129,8 +140,10 @@ class PieceBuffer:
         while self.oldest[0] not in self.live:
             heapq.heappop(self.oldest)
         arrival = self.oldest[0]
-        first = bisect.bisect_left(self.lengths, self.live[arrival])  # among the pieces of its length
-        return self.take(next(i for i in range(first, len(self.pieces)) if self.pieces[i][2] == arrival))
+        # among the pieces of its length
+        first = bisect.bisect_left(self.lengths, self.live[arrival])
+        return self.take(next(i for i in range(first,
+                                               len(self.pieces)) if self.pieces[i][2] == arrival))
 
     def take_largest(self, space):
         """The largest piece of at most `space` tokens, or None if none is that short."""
@@ -139,15 +152,18 @@ class PieceBuffer:
 
 
 # -----------------------------------------------------------------------------
-# Packing: pure functions, no threads and no I/O; they change only the PieceBuffer, the rows and the stats handed in.
-# A document: ids (text), (ids, mask) (a conversation: mask 1 at targets), or skipped: None (empty) or its stats key.
+# Packing: pure functions, no threads and no I/O; they change only the PieceBuffer, the rows and the
+# stats handed in.
+# A document: ids (text), (ids, mask) (a conversation: mask 1 at targets), or skipped: None (empty)
+# or its stats key.
 
 _END = object()  # next(documents, _END): the documents have run out
 
 
 def add_document(buffer, document, row_len, bos, stats):
-    """Buffer one document (a skipped one is only counted); one longer than a row as row-sized BOS-led pieces, its
-    mask too (pack="pad" renders at most a row), the tokens after the first piece counted as 'cropped'."""
+    """Buffer one document (a skipped one is only counted); one longer than a row as row-sized
+    BOS-led pieces, its mask too (pack="pad" renders at most a row), the tokens after the first
+    piece counted as 'cropped'."""
     if skipped(document):
         stats[document or "empty"] += 1
         return
@@ -157,16 +173,19 @@ def add_document(buffer, document, row_len, bos, stats):
     if len(ids) > row_len:
         stats["cropped"] += len(ids) - row_len
         id_pieces = cut_into_pieces(ids, row_len, bos)
-        mask_pieces = [None] * len(id_pieces) if mask is None else cut_into_pieces(mask, row_len, mask[0])
+        mask_pieces = [None] * len(id_pieces) if mask is None else cut_into_pieces(mask, row_len,
+                                                                                   mask[0])
         pieces = list(zip(id_pieces, mask_pieces, strict=True))
     for piece, piece_mask in pieces:
-        buffer.add(piece, piece_mask, stats["pieces"])  # arrival numbers count pieces: unique, and in order
+        # arrival numbers count pieces: unique, and in order
+        buffer.add(piece, piece_mask, stats["pieces"])
         stats["pieces"] += 1
 
 
 def fill_row(buffer, row, row_mask, bos, crop, stats):
-    """The oldest piece opens the row (pure best-fit starves short documents), then the largest piece that fits,
-    again and again, then pad_or_crop() the rest. row_mask (None: no masks) gets the pieces' masks."""
+    """The oldest piece opens the row (pure best-fit starves short documents), then the largest
+    piece that fits, again and again, then pad_or_crop() the rest. row_mask (None: no masks) gets
+    the pieces' masks."""
     pos, piece = 0, buffer.take_oldest()
     while piece is not None:
         ids, mask, _ = piece
@@ -180,9 +199,10 @@ def fill_row(buffer, row, row_mask, bos, crop, stats):
 
 
 def pad_or_crop(buffer, row, row_mask, pos, bos, crop, stats):
-    """No piece fits the rest of the row from `pos`. pack="pad" pads it (inputs BOS, mask 0). pack="crop" fills it
-    with the smallest piece and puts the remainder back as a BOS-led piece (mask[0]: its BOS's) under the same arrival
-    number, so it opens a row soon: nothing is discarded; the moved tokens count as 'cropped'."""
+    """No piece fits the rest of the row from `pos`. pack="pad" pads it (inputs BOS, mask 0).
+    pack="crop" fills it with the smallest piece and puts the remainder back as a BOS-led piece
+    (mask[0]: its BOS's) under the same arrival number, so it opens a row soon: nothing is
+    discarded; the moved tokens count as 'cropped'."""
     space = len(row) - pos
     if not crop or not len(buffer):  # cropping pads only when the data has ended (max_epochs)
         row[pos:], row_mask[pos:] = bos, 0
@@ -198,14 +218,16 @@ def pad_or_crop(buffer, row, row_mask, pos, bos, crop, stats):
 
 
 def pack_batch(buffer, documents, batch_size, row_len, bos, *, crop, buffer_docs, masked, stats):
-    """(rows, masks) of one batch: up to batch_size int32 rows of row_len tokens (buffered, then fill_row()), and their
-    int8 masks (1: a target), or None when masked=False (text that never pads). Fewer rows, or none, once the
-    documents and the buffer are empty; stats count it (batches, tokens: row_len - 1 targets a row, supervised)."""
+    """(rows, masks) of one batch: up to batch_size int32 rows of row_len tokens (buffered, then
+    fill_row()), and their int8 masks (1: a target), or None when masked=False (text that never
+    pads). Fewer rows, or none, once the documents and the buffer are empty; stats count it
+    (batches, tokens: row_len - 1 targets a row, supervised)."""
     rows = np.empty((batch_size, row_len), dtype=np.int32)
     masks = np.ones((batch_size, row_len), dtype=np.int8) if masked else None
     filled = 0
     for b in range(batch_size):
-        # documents into the buffer until it holds buffer_docs pieces, or they run out (max_epochs); cropping also
+        # documents into the buffer until it holds buffer_docs pieces, or they run out (max_epochs);
+        # cropping also
         # wants a row's worth of tokens, else a row would take every piece and find nothing to crop
         while len(buffer) < buffer_docs or (crop and buffer.tokens < row_len):
             if (document := next(documents, _END)) is _END:
@@ -217,13 +239,15 @@ def pack_batch(buffer, documents, batch_size, row_len, bos, *, crop, buffer_docs
         filled += 1
     if filled:
         stats["batches"], stats["tokens"] = stats["batches"] + 1, stats["tokens"] + filled * (row_len - 1)
-        stats["supervised"] += filled * (row_len - 1) if masks is None else int(masks[:filled, 1:].sum())
+        stats["supervised"] += filled * (row_len - 1) if masks is None else int(masks[:filled,
+                                                                                      1:].sum())
     return rows[:filled], None if masks is None else masks[:filled]
 
 
 def inputs_and_targets(rows, masks):
-    """A batch's rows as one int32 array [inputs, targets] of shape (2, rows, row_len - 1): targets are the inputs
-    shifted by one, -1 where the mask is 0 (padding, or not supervised), which cross-entropy ignores."""
+    """A batch's rows as one int32 array [inputs, targets] of shape (2, rows, row_len - 1): targets
+    are the inputs shifted by one, -1 where the mask is 0 (padding, or not supervised), which
+    cross-entropy ignores."""
     inputs, targets = rows[:, :-1], rows[:, 1:].copy()
     if masks is not None:
         targets[masks[:, 1:] == 0] = -1
@@ -231,8 +255,9 @@ def inputs_and_targets(rows, masks):
 
 
 def to_device(batch, device):
-    """A batch [inputs, targets] as int64 (inputs, targets) on `device`; on CUDA through pinned memory, non_blocking
-    (a PackedLoader's batch is int32 until then: half the bytes on the wire)."""
+    """A batch [inputs, targets] as int64 (inputs, targets) on `device`; on CUDA through pinned
+    memory, non_blocking (a PackedLoader's batch is int32 until then: half the bytes on the
+    wire)."""
     if device.type == "cuda":
         batch = batch.pin_memory().to(device, non_blocking=True)
     batch = batch.long()
@@ -240,9 +265,9 @@ def to_device(batch, device):
 
 
 class Pipe:
-    """A bounded queue between the threads of one started pipeline, with that pipeline's stop event: put() and get()
-    give up once it is set. Each start makes its own event and close() only ever sets it, so a thread that outlives
-    close()'s join still finds its pipeline stopped and exits."""
+    """A bounded queue between the threads of one started pipeline, with that pipeline's stop event:
+    put() and get() give up once it is set. Each start makes its own event and close() only ever
+    sets it, so a thread that outlives close()'s join still finds its pipeline stopped and exits."""
 
     def __init__(self, maxsize, stop, name):
         self.queue, self.stop, self.name = queue.Queue(maxsize=maxsize), stop, name
@@ -259,22 +284,28 @@ class Pipe:
         while not self.stop.is_set():
             with contextlib.suppress(queue.Empty):
                 return self.queue.get(timeout=0.1)
-        raise RuntimeError(f"{self.name} loader was closed while waiting: next() starts it again from its last state")
+        raise RuntimeError(f"{self.name} loader was closed while waiting: next() starts it again "
+                           "from its last state")
 
 
 class PackedLoader:
-    """(inputs, targets) batches of shape (B, T) for one rank: pack="crop" packs without padding (text, midtraining's
-    conversations), pack="pad" pads whole conversations (SFT); supervise picks a conversation's targets (docs/data.md).
-    state_dict() is the exact position after the last batch handed out, buffer included: a resume is bit-identical.
+    """(inputs, targets) batches of shape (B, T) for one rank: pack="crop" packs without padding
+    (text, midtraining's conversations), pack="pad" pads whole conversations (SFT); supervise picks
+    a conversation's targets (docs/data.md). state_dict() is the exact position after the last batch
+    handed out, buffer included: a resume is bit-identical.
 
-    A reader thread reads and tokenizes (on `threads` threads) this rank's row groups ("units"); a packer thread ships
-    each batch to the device `prefetch` ahead, with the state after it. seed=N shuffles units by (N, epoch) and their
-    documents by (N, epoch, unit): the state's positions are in those orders. max_epochs=N stops after N passes
-    (validation: the last rows padded, the last batch maybe short); None cycles forever. A chat file may be .jsonl
-    (dataset.ConversationLines): its first bad line is an error here, or with skip_bad_rows a "malformed" skip."""
+    A reader thread reads and tokenizes (on `threads` threads) this rank's row groups ("units"); a
+    packer thread ships each batch to the device `prefetch` ahead, with the state after it. seed=N
+    shuffles units by (N, epoch) and their documents by (N, epoch, unit): the state's positions are
+    in those orders. max_epochs=N stops after N passes (validation: the last rows padded, the last
+    batch maybe short); None cycles forever. A chat file may be .jsonl (dataset.ConversationLines):
+    its first bad line is an error here, or with skip_bad_rows a "malformed" skip."""
 
-    def __init__(self, files, tokenizer, batch_size, seq_len, kind="text", rank=0, world_size=1, device="cpu",
-                 buffer_docs=1000, threads=None, prefetch=2, name="train", max_epochs=None, pack=None,
+    def __init__(self, files, tokenizer, batch_size, seq_len, kind="text", rank=0, world_size=1,
+                 device=
+                 "cpu",
+                 buffer_docs=1000, threads=None, prefetch=2, name="train", max_epochs=None,
+                 pack=None,
                  supervise=None, seed=None, skip_bad_rows=False):
         if kind not in ("text", "chat"):
             raise ValueError(f"kind={kind!r} is not allowed: choose text or chat")
@@ -282,82 +313,106 @@ class PackedLoader:
         supervise = supervise or ("all" if kind == "text" else "assistant")
         if pack not in ("pad", "crop") or supervise not in ("all", "assistant") or \
                 kind == "text" and (pack, supervise) != ("crop", "all"):
-            raise ValueError(f"{name}: pack={pack!r}, supervise={supervise!r}: choose pack pad or crop, supervise all or "
-                             f"assistant (text: pack='crop' and supervise='all', every token a target)")
-        self.files, self.tokenizer, self.kind, self.name = [Path(f) for f in files], tokenizer, kind, name
+            raise ValueError(f"{name}: pack={pack!r}, supervise={supervise!r}: choose pack pad or "
+                             "crop, supervise all or assistant (text: pack='crop' and "
+                             "supervise='all', every token a target)")
+        self.files, self.tokenizer, self.kind, self.name = [Path(f)
+                                                            for f in files], tokenizer, kind, name
         self.pack, self.crop, self.supervise, self.seed = pack, pack == "crop", supervise, seed
         self.B, self.T, self.rank, self.world_size = batch_size, seq_len, rank, world_size
         self.device = torch.device(device)
         self.threads, self.prefetch, self.max_epochs = threads or os.cpu_count(), prefetch, max_epochs
-        if kind == "chat":  # a bad line of a .jsonl file stops it here, before any batch; skipped ones are "malformed"
+        # a bad line of a .jsonl file stops it here, before any batch; skipped ones are "malformed"
+        if kind == "chat":
             check_chat_files(self.files, skip_bad_rows)
         self._footers = read_footers(self.files)
         self.units = assign_units(self.files, rank, world_size, self._footers)
         if not self.units:
-            raise ValueError(f"{name}: rank {rank} of {world_size} has no data in {', '.join(map(str, self.files))}")
-        # training buffers at most one pass of this rank's documents, else a small set is read a thousand times over
+            raise ValueError(f"{name}: rank {rank} of {world_size} has no data in "
+                             f"{', '.join(map(str, self.files))}")
+        # training buffers at most one pass of this rank's documents, else a small set is read a
+        # thousand times over
         # before the first row (validation, whose data ends, is unchanged)
         pass_docs = sum(len(unit_rows(unit, self._footers)) for unit in self.units)
-        self.buffer_docs = buffer_docs if max_epochs is not None else min(buffer_docs, max(1, pass_docs))
-        # a training pass shorter than buffer_docs (a small source on many streams) is kept encoded after its first
-        # read, as the buffer could hold it anyway. {(unit, row in its row group): _read_unit's}; None: every pass reads
+        self.buffer_docs = buffer_docs if max_epochs is not None else min(buffer_docs, max(
+                1, pass_docs))
+        # a training pass shorter than buffer_docs (a small source on many streams) is kept encoded
+        # after its first
+        # read, as the buffer could hold it anyway. {(unit, row in its row group): _read_unit's};
+        # None: every pass reads
         self._encoded = {} if max_epochs is None and pass_docs < buffer_docs else None
-        # epoch, unit, doc: where the reader goes on; pass_tokens: a pass's document tokens, once read (see epoch)
-        self.state = {"epoch": 0, "unit": 0, "doc": 0, "buffer": [], "stats": dict.fromkeys(STAT_KEYS, 0),
+        # epoch, unit, doc: where the reader goes on; pass_tokens: a pass's document tokens, once
+        # read (see epoch)
+        self.state = {"epoch": 0, "unit": 0, "doc": 0, "buffer": [],
+                      "stats": dict.fromkeys(STAT_KEYS, 0),
                       "pass_tokens": 0}
-        self._threads, self._batches = [], None  # the running pipeline's threads and its Pipe of batches
+        # the running pipeline's threads and its Pipe of batches
+        self._threads, self._batches = [], None
         self._reported = 0  # skipped conversations printed so far
 
-    # --- state ---------------------------------------------------------------------------------------------------
+    # --- state
+    # ---------------------------------------------------------------------------------------------------
     @property
     def epoch(self):
-        """The pass the rows handed out are in (0: the first), by tokens: those in rows over a pass's. (The reader's,
-        state["epoch"], runs ahead by the buffer.)"""
+        """The pass the rows handed out are in (0: the first), by tokens: those in rows over a
+        pass's. (The reader's, state["epoch"], runs ahead by the buffer.)"""
         return trained_epoch(self.state["stats"], self.state["pass_tokens"])
 
     def state_dict(self):
         buffer = self.state["buffer"]
         ids = np.concatenate([x for x, _, _ in buffer]) if buffer else np.zeros(0, np.int32)
-        masks = np.concatenate([m for _, m, _ in buffer]) if buffer and self.kind == "chat" else np.zeros(0, np.int8)
+        masks = np.concatenate([
+                m for _, m, _ in buffer]) if buffer and self.kind == "chat" else np.zeros(0,
+                                                                                          np.int8)
         return {"epoch": self.state["epoch"], "unit": self.state["unit"], "doc": self.state["doc"],
                 "stats": dict(self.state["stats"]), "buffer_ids": torch.from_numpy(ids),
                 "buffer_masks": torch.from_numpy(masks),
                 "buffer_lengths": torch.tensor([len(x) for x, _, _ in buffer], dtype=torch.int64),
                 "buffer_arrivals": torch.tensor([a for _, _, a in buffer], dtype=torch.int64),
-                "rank": self.rank, "world_size": self.world_size, "seq_len": self.T, "kind": self.kind,
-                "pack": self.pack, "supervise": self.supervise, "seed": self.seed, "pass_tokens": self.state["pass_tokens"]}
+                "rank": self.rank, "world_size": self.world_size, "seq_len": self.T,
+                "kind": self.kind,
+                "pack": self.pack, "supervise": self.supervise, "seed": self.seed,
+                "pass_tokens": self.state[
+                                                                                                             "pass_tokens"]}
 
     def load_state_dict(self, sd):
         for key, mine in (("rank", self.rank), ("world_size", self.world_size), ("seq_len", self.T),
-                          ("kind", self.kind), ("pack", self.pack), ("supervise", self.supervise), ("seed", self.seed)):
+                          ("kind", self.kind), ("pack", self.pack), ("supervise", self.supervise), (
+                                                                                                    "seed", self.seed)):
             if sd[key] != mine:
-                raise ValueError(f"{self.name} loader: state was saved with {key}={sd[key]}, this loader has {key}="
-                                 f"{mine}; an exact resume needs the same {key}")
+                raise ValueError(f"{self.name} loader: state was saved with {key}={sd[key]}, this "
+                                 f"loader has {key}={mine}; an exact resume needs the same {key}")
         if self._batches is not None:
-            raise RuntimeError("load_state_dict() must come before the first batch: close() the loader first")
+            raise RuntimeError("load_state_dict() must come before the first batch: close() the "
+                               "loader first")
         bounds = np.cumsum([0, *sd["buffer_lengths"].tolist()])
         ids, masks = sd["buffer_ids"].numpy(), sd["buffer_masks"].numpy()
         buffer = [(ids[a:b].copy(), masks[a:b].copy() if self.kind == "chat" else None, arrival)
-                  for (a, b), arrival in zip(itertools.pairwise(bounds), sd["buffer_arrivals"].tolist(), strict=True)]
+                  for (a, b), arrival in zip(itertools.pairwise(bounds),
+                                             sd["buffer_arrivals"].tolist(), strict=True)]
         self.state = {"epoch": sd["epoch"], "unit": sd["unit"], "doc": sd["doc"], "buffer": buffer,
                       "stats": dict(sd["stats"]), "pass_tokens": sd["pass_tokens"]}
 
     def log_line(self):
         s = self.state["stats"]
-        line = (f"{self.name} loader rank {self.rank}/{self.world_size}: epoch {self.state['epoch']}, "
-                f"{s['batches']:,} batches, {s['tokens']:,} tokens, {s['docs']:,} docs, empty skipped {s['empty']:,}")
+        line = (f"{self.name} loader rank {self.rank}/{self.world_size}: epoch "
+                f"{self.state['epoch']}, {s['batches']:,} batches, {s['tokens']:,} tokens, "
+                f"{s['docs']:,} docs, empty skipped {s['empty']:,}")
         cropped = f"{100 * s['cropped'] / s['doc_tokens']:.1f}%" if s["doc_tokens"] else "n/a"
         cropped = f", cropped {cropped} of document tokens (moved to a later row as a BOS-led piece; none discarded)"
         if self.kind == "text":
             return line + cropped
-        padding = f"{100 * s['padding'] / (s['batches'] * self.B * (self.T + 1)):.1f}%" if s["batches"] else "n/a"
+        padding = f"{100 * s['padding'] / (s['batches'] * self.B * (self.T + 1)):.1f}%" if s[
+                                                                                             "batches"] else "n/a"
         supervised = f"{100 * s['supervised'] / s['tokens']:.1f}%" if s["tokens"] else "n/a"
         cropped = cropped if self.crop else ""
-        return line + (f", supervised {supervised} of targets ({self.supervise}), padding {padding}{cropped}, "
-                       f"skipped: no assistant turn {s['no_assistant']:,}, malformed {s['malformed']:,}, first "
-                       f"exchange longer than a row {s['too_long']:,}, empty content {s['empty_content']:,}")
+        return line + (f", supervised {supervised} of targets ({self.supervise}), padding "
+                       f"{padding}{cropped}, skipped: no assistant turn {s['no_assistant']:,}, "
+                       f"malformed {s['malformed']:,}, first exchange longer than a row "
+                       f"{s['too_long']:,}, empty content {s['empty_content']:,}")
 
-    # --- the pipeline --------------------------------------------------------------------------------------------
+    # --- the pipeline
+    # --------------------------------------------------------------------------------------------
     def __iter__(self):
         return self
 
@@ -374,7 +429,8 @@ class PackedLoader:
     def stop(self):
         """Tell this start's threads to end, without waiting for them (close() waits)."""
         if self._batches is not None:
-            self._batches.stop.set()  # for good: this start's threads hold this event, whether they join in time or not
+            # for good: this start's threads hold this event, whether they join in time or not
+            self._batches.stop.set()
 
     def close(self, timeout=10):
         """Stop the threads; the next batch starts new ones from self.state."""
@@ -387,8 +443,10 @@ class PackedLoader:
         stop = threading.Event()  # this start's own (see Pipe)
         units, batches = Pipe(2, stop, self.name), Pipe(self.prefetch, stop, self.name)
         start = (self.state["epoch"], self.state["unit"], self.state["doc"])
-        self._threads = [threading.Thread(target=self._guard, args=(batches, self._read, start, units), daemon=True),
-                         threading.Thread(target=self._guard, args=(batches, self._pack, units, batches, self.state),
+        self._threads = [threading.Thread(target=self._guard, args=(batches, self._read, start,
+                                                                    units), daemon=True),
+                         threading.Thread(target=self._guard, args=(batches, self._pack, units,
+                                                                    batches, self.state),
                                           daemon=True)]
         self._batches = batches
         for thread in self._threads:
@@ -401,8 +459,9 @@ class PackedLoader:
             batches.put(e)
 
     def _read(self, start, out):
-        """Reader thread: per row group, (epoch, unit, first doc index, [encoded doc, or None/reason if skipped]);
-        unit and doc are positions in the epoch's visiting order (see the class docstring)."""
+        """Reader thread: per row group, (epoch, unit, first doc index, [encoded doc, or None/reason
+        if skipped]); unit and doc are positions in the epoch's visiting order (see the class
+        docstring)."""
         epoch, first_unit, doc = start
         while epoch != self.max_epochs:
             order = list(range(len(self.units)))  # order[k]: the unit visited k-th this epoch
@@ -410,14 +469,16 @@ class PackedLoader:
                 random.Random(f"{self.seed} {epoch}").shuffle(order)
             for unit in range(first_unit, len(self.units)):
                 doc_order = None if self.seed is None else f"{self.seed} {epoch} {order[unit]}"
-                if not out.put((epoch, unit, doc, self._encode(self.units[order[unit]], doc, doc_order))):
+                if not out.put((epoch, unit, doc, self._encode(self.units[order[unit]], doc,
+                                                               doc_order))):
                     return
                 doc = 0
             epoch, first_unit = epoch + 1, 0
         out.put(None)  # the data has ended (max_epochs)
 
     def _encode(self, unit, skip, doc_order=None):
-        """The documents of a unit from position `skip` on, in file order or shuffled with the seed `doc_order`."""
+        """The documents of a unit from position `skip` on, in file order or shuffled with the seed
+        `doc_order`."""
         path, row_group, _, _ = unit
         rows = list(unit_rows(unit, self._footers))  # indices in the row group
         if doc_order is not None:
@@ -443,28 +504,32 @@ class PackedLoader:
         return out
 
     def _read_unit(self, path, row_group, rows):
-        """The rows of a row group, read and encoded: text as BOS-led ids (None: empty), a conversation as _render's
-        (document, why it is skipped or None)."""
+        """The rows of a row group, read and encoded: text as BOS-led ids (None: empty), a
+        conversation as _render's (document, why it is skipped or None)."""
         if self.kind == "text":
             items = read_row_group(path, row_group, "text")
             texts = [items[r] for r in rows]
-            encoded = iter(self.tokenizer.encode_batch([t for t in texts if t], num_threads=self.threads))
+            encoded = iter(self.tokenizer.encode_batch([t for t in texts if t],
+                                                       num_threads=self.threads))
             bos = self.tokenizer.bos_id
             return [np.array([bos, *next(encoded)], dtype=np.int32) if t else None for t in texts]
         return [("malformed", item) if isinstance(item, str) else self._render(item)
                 for item in chat_rows(path, row_group, rows)]
 
     def _render(self, messages):
-        """(ids, mask) arrays of one conversation, or the stats key it is skipped under; then why it is bad input,
-        None if it is not. pack="pad" renders at most a row, cut after the last assistant turn that fits, so a kept
-        conversation always has a supervised token; pack="crop" renders it whole (it is cut into pieces like text)."""
+        """(ids, mask) arrays of one conversation, or the stats key it is skipped under; then why it
+        is bad input, None if it is not. pack="pad" renders at most a row, cut after the last
+        assistant turn that fits, so a kept conversation always has a supervised token; pack="crop"
+        renders it whole (it is cut into pieces like text)."""
         if not messages:
             return None, "no messages"
         try:
-            ids, mask = self.tokenizer.render_conversation(messages, max_tokens=None if self.crop else self.T + 1)
+            ids, mask = self.tokenizer.render_conversation(
+                    messages, max_tokens=None if self.crop else self.T + 1)
         except ValueError as e:  # an unknown role, content that is not a string, roles out of order
             return "malformed", str(e)
-        if empty := [i for i, m in enumerate(messages) if m["role"] != "system" and isinstance(m["content"], str)
+        if empty := [i for i, m in enumerate(messages) if m["role"] != "system" and isinstance(m[
+                                                                                                 "content"], str)
                      and not m["content"].strip()]:
             return "empty_content", f"message {empty[0]} ({messages[empty[0]]['role']}) has empty content"
         if not any(m["role"] == "assistant" for m in messages):
@@ -474,58 +539,71 @@ class PackedLoader:
         mask = np.ones(len(ids), np.int8) if self.supervise == "all" else np.array(mask, np.int8)
         return (np.array(ids, np.int32), mask), None
 
-    # --- packing -------------------------------------------------------------------------------------------------
+    # --- packing
+    # -------------------------------------------------------------------------------------------------
     def _pack(self, units, batches, state):
-        """Packer thread: pack_batch() rows from the buffer, ship each batch to the device with the state after it."""
+        """Packer thread: pack_batch() rows from the buffer, ship each batch to the device with the
+        state after it."""
         stats, buffer = dict(state["stats"]), PieceBuffer(state["buffer"])
         per_pass = [state["pass_tokens"]]  # _documents sets it when the reader starts a pass again
-        # of the next unread document: where a resume reads on; _documents moves it, to None once the data has ended
+        # of the next unread document: where a resume reads on; _documents moves it, to None once
+        # the data has ended
         position = [(state["epoch"], state["unit"], state["doc"])]
         documents = self._documents(units, position, len(buffer), stats, per_pass)
-        masked = self.kind == "chat" or self.max_epochs is not None  # a row that can end in padding needs a mask
+        # a row that can end in padding needs a mask
+        masked = self.kind == "chat" or self.max_epochs is not None
         while len(buffer) or position[0] is not None:
-            rows, masks = pack_batch(buffer, documents, self.B, self.T + 1, self.tokenizer.bos_id, crop=self.crop,
+            rows, masks = pack_batch(buffer, documents, self.B, self.T + 1, self.tokenizer.bos_id,
+                                     crop=self.crop,
                                      buffer_docs=self.buffer_docs, masked=masked, stats=stats)
             if len(rows):  # none: the data ended with every piece already in a row
                 trained = trained_epoch(stats, per_pass[0])
-                if trained > trained_epoch(state["stats"], state["pass_tokens"]) and self.rank == 0 and \
-                        (trained < 4 or str(trained + 1).strip("0") == "1"):  # epochs 2-4, 10, 100, ...
-                    print(f"{self.name} loader, stream {self.rank} of {self.world_size}: epoch {trained + 1} starts "
-                          f"(its data ran out: its rows repeat documents from here on"
-                          f"{'; later epochs: only 10, 100, ... are printed' if trained == 3 else ''})")
-                epoch, unit, doc = position[0] or (self.max_epochs, 0, 0)  # None: the data has ended
-                state = {"epoch": epoch, "unit": unit, "doc": doc, "stats": dict(stats), "buffer": list(buffer.pieces),
-                         "pass_tokens": per_pass[0]}  # the state after this batch: the next one's "before"
-                if not batches.put((to_device(torch.from_numpy(inputs_and_targets(rows, masks)), self.device), state)):
+                if trained > trained_epoch(state["stats"],
+                                           state["pass_tokens"]) and self.rank == 0 and \
+                        (trained < 4
+                         or str(trained + 1).strip("0") == "1"):  # epochs 2-4, 10, 100, ...
+                    print(f"{self.name} loader, stream {self.rank} of {self.world_size}: epoch "
+                          f"{trained + 1} starts (its data ran out: its rows repeat documents from "
+                          "here "
+                          f"on{'; later epochs: only 10, 100, ... are printed' if trained == 3 else ''})")
+                # None: the data has ended
+                epoch, unit, doc = position[0] or (self.max_epochs, 0, 0)
+                state = {"epoch": epoch, "unit": unit, "doc": doc, "stats": dict(stats),
+                         "buffer": list(buffer.pieces),
+                         # the state after this batch: the next one's "before"
+                         "pass_tokens": per_pass[0]}
+                if not batches.put((to_device(torch.from_numpy(inputs_and_targets(rows, masks)),
+                                              self.device), state)):
                     return
         batches.put(StopIteration())  # max_epochs passes are done: __next__ raises it
 
     def _documents(self, units, position, buffered, stats, per_pass):
-        """The documents from position[0] on, each encoded or why it is skipped; before each is handed out,
-        position[0] becomes the next unread one's (None after the last). A pass with no usable document (restored
-        `buffered` pieces count) is an error: the buffer would wait forever. At a new pass, per_pass[0] becomes the
-        document tokens of one."""
+        """The documents from position[0] on, each encoded or why it is skipped; before each is
+        handed out, position[0] becomes the next unread one's (None after the last). A pass with no
+        usable document (restored `buffered` pieces count) is an error: the buffer would wait
+        forever. At a new pass, per_pass[0] becomes the document tokens of one."""
         epoch, usable = position[0][0], buffered
         while (got := units.get()) is not None:
             item_epoch, unit, doc, items = got
             if item_epoch != epoch:
                 if not usable:
-                    raise ValueError(f"{self.name} loader: a whole pass over {len(self.units)} row groups found no "
-                                     f"usable document ({self.log_line()})")
+                    raise ValueError(f"{self.name} loader: a whole pass over {len(self.units)} row "
+                                     f"groups found no usable document ({self.log_line()})")
                 epoch, usable = item_epoch, 0
                 per_pass[0] = stats["doc_tokens"] / item_epoch
             for read, item in enumerate(items, start=1):
                 usable += not skipped(item)
                 position[0] = (epoch, unit, doc + read)
                 if read == len(items):  # the next document is the first of the next row group
-                    position[0] = (epoch + 1, 0, 0) if unit + 1 == len(self.units) else (epoch, unit + 1, 0)
+                    position[0] = (epoch + 1, 0, 0) if unit + 1 == len(self.units) else (
+                            epoch, unit + 1, 0)
                 yield item
         position[0] = None
 
 
 def close_all(loaders, timeout=10):
-    """Close loaders (PackedLoaders or MixtureLoaders), every thread told first: they end together, not one 0.1 s
-    poll after another."""
+    """Close loaders (PackedLoaders or MixtureLoaders), every thread told first: they end together,
+    not one 0.1 s poll after another."""
     for loader in loaders:
         loader.stop()
     for loader in loaders:
@@ -539,30 +617,37 @@ def text_loader(data_dir, split, tokenizer, batch_size, seq_len, **kwargs):
                         **{"name": split, **kwargs})
 
 
-def chat_loader(chat_dir, split, tokenizer, batch_size, seq_len, *, pack="pad", supervise="assistant", seed=None,
+def chat_loader(chat_dir, split, tokenizer, batch_size, seq_len, *, pack="pad", supervise=
+                "assistant", seed=None,
                 files=None, **kwargs):
-    """The conversation loader over a chat directory's train or val files (or a list of files, e.g. mixture_files);
-    pack and supervise: see PackedLoader."""
-    return PackedLoader(files or chat_files(chat_dir, split), tokenizer, batch_size, seq_len, kind="chat", pack=pack,
+    """The conversation loader over a chat directory's train or val files (or a list of files, e.g.
+    mixture_files); pack and supervise: see PackedLoader."""
+    return PackedLoader(files or chat_files(chat_dir, split), tokenizer, batch_size, seq_len, kind=
+                        "chat", pack=pack,
                         supervise=supervise, seed=seed, **{"name": f"chat {split}", **kwargs})
 
 
 class MixtureLoader:
-    """Midtraining's loader: (inputs, targets) batches of shape (B, T) from several sources at token shares. sources:
-    [{"name", "kind": "text"|"chat", "path": corpus or chat dir (train), "share"}]; other kwargs go to every source's
-    one-row PackedLoader (chat: pack="crop"). Each row comes from the source furthest below its share (ties: the first
-    listed), by the sources' token counts, which their states restore: state_dict() is just theirs."""
+    """Midtraining's loader: (inputs, targets) batches of shape (B, T) from several sources at token
+    shares. sources: [{"name", "kind": "text"|"chat", "path": corpus or chat dir (train), "share"}];
+    other kwargs go to every source's one-row PackedLoader (chat: pack="crop"). Each row comes from
+    the source furthest below its share (ties: the first listed), by the sources' token counts,
+    which their states restore: state_dict() is just theirs."""
 
-    def __init__(self, sources, tokenizer, batch_size, seq_len, *, rank=0, world_size=1, device="cpu", seed=0,
+    def __init__(self, sources, tokenizer, batch_size, seq_len, *, rank=0, world_size=1, device=
+                 "cpu", seed=0,
                  supervise="assistant", prefetch=2, name="mixture", **kwargs):
         check_sources(sources)
-        self.names, self.targets = [s["name"] for s in sources], [float(s["share"]) for s in sources]
+        self.names, self.targets = [s["name"] for s in sources], [float(s["share"])
+                                                                  for s in sources]
         self.B, self.T, self.rank, self.world_size = batch_size, seq_len, rank, world_size
         self.device, self.name, self.batches = torch.device(device), name, 0
         # each source keeps a batch's worth of rows ready (prefetch counts its one-row batches)
-        common = {"rank": rank, "world_size": world_size, "seed": seed, "prefetch": prefetch * batch_size, **kwargs}
+        common = {"rank": rank, "world_size": world_size, "seed": seed,
+                  "prefetch": prefetch * batch_size, **kwargs}
         make = {"text": text_loader, "chat": partial(chat_loader, pack="crop", supervise=supervise)}
-        self.loaders = [make[s["kind"]](s["path"], "train", tokenizer, 1, seq_len, name=s["name"], **common)
+        self.loaders = [make[s["kind"]](s["path"], "train", tokenizer, 1, seq_len, name=s["name"],
+                                        **common)
                         for s in sources]
 
     def __iter__(self):
@@ -572,12 +657,15 @@ class MixtureLoader:
         tokens = [loader.state["stats"]["tokens"] for loader in self.loaders]
         rows = []
         for _ in range(self.B):
-            total = sum(tokens) + self.T  # with this row: the first goes to the largest share, not the first listed
-            i = max(range(len(tokens)), key=lambda k: self.targets[k] * total - tokens[k])  # max keeps the first
+            # with this row: the first goes to the largest share, not the first listed
+            total = sum(tokens) + self.T
+            # max keeps the first
+            i = max(range(len(tokens)), key=lambda k: self.targets[k] * total - tokens[k])
             rows.append(next(self.loaders[i]))
             tokens[i] = self.loaders[i].state["stats"]["tokens"]
         self.batches += 1
-        return to_device(torch.stack([torch.cat([x for x, _ in rows]), torch.cat([y for _, y in rows])]), self.device)
+        return to_device(torch.stack([torch.cat([x for x, _ in rows]), torch.cat([
+                y for _, y in rows])]), self.device)
 
     def stop(self):
         for loader in self.loaders:
@@ -588,8 +676,10 @@ class MixtureLoader:
 
     @property
     def state(self):
-        """The sources' counters summed, shaped like a PackedLoader's state["stats"] (what the training loop reads)."""
-        stats = {key: sum(loader.state["stats"][key] for loader in self.loaders) for key in STAT_KEYS}
+        """The sources' counters summed, shaped like a PackedLoader's state["stats"] (what the
+        training loop reads)."""
+        stats = {key: sum(loader.state["stats"][key] for loader in self.loaders)
+                 for key in STAT_KEYS}
         return {"stats": {**stats, "batches": self.batches}}
 
     @property
@@ -598,7 +688,8 @@ class MixtureLoader:
         return max(loader.epoch for loader in self.loaders)
 
     def state_dict(self):
-        return {"kind": "mixture", "names": list(self.names), "shares": list(self.targets), "batches": self.batches,
+        return {"kind": "mixture", "names": list(self.names), "shares": list(self.targets),
+                "batches": self.batches,
                 "sources": [loader.state_dict() for loader in self.loaders]}
 
     def load_state_dict(self, sd):
@@ -606,8 +697,9 @@ class MixtureLoader:
         saved = list(zip(sd["names"], sd["shares"])) if sd.get("kind") == "mixture" else None
         if saved != mine:
             by = f"the mixture {dict(saved)}" if saved else f"a {sd.get('kind')} loader"
-            raise ValueError(f"{self.name} loader: state was saved by {by}, this loader has {dict(mine)}; an exact "
-                             f"resume needs the same sources and shares, in the same order")
+            raise ValueError(f"{self.name} loader: state was saved by {by}, this loader has "
+                             f"{dict(mine)}; an exact resume needs the same sources and shares, in "
+                             "the same order")
         for loader, state in zip(self.loaders, sd["sources"], strict=True):
             loader.load_state_dict(state)
         self.batches = sd["batches"]
@@ -615,7 +707,8 @@ class MixtureLoader:
     def mixture(self):
         """{name: {"tokens", "docs", "share" (realized), "target"}}: for a stage's final summary."""
         total = max(1, sum(loader.state["stats"]["tokens"] for loader in self.loaders))
-        return {name: {"tokens": loader.state["stats"]["tokens"], "docs": loader.state["stats"]["docs"],
+        return {name: {"tokens": loader.state["stats"]["tokens"], "docs": loader.state["stats"][
+                                                                                                "docs"],
                        "share": loader.state["stats"]["tokens"] / total, "target": target}
                 for name, target, loader in zip(self.names, self.targets, self.loaders)}
 
@@ -633,37 +726,50 @@ class MixtureLoader:
 # -----------------------------------------------------------------------------
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--data_dir", help="a text corpus directory (its shards, the last one validation)")
-    source.add_argument("--chat", help="a conversation directory or .jsonl file, or a `download.py chat` name")
-    parser.add_argument("--tokenizer", default="runs/tokenizer", help="directory of tokenizer.json (default: %(default)s)")
-    parser.add_argument("--split", default="train", choices=["train", "val"], help="(default: %(default)s)")
-    parser.add_argument("--batch_size", type=int, default=4, help="rows per batch (default: %(default)s)")
-    parser.add_argument("--seq_len", type=int, default=256, help="tokens per row (default: %(default)s)")
-    parser.add_argument("--pack", default="pad", choices=["pad", "crop"], help="conversations: pad (SFT) or crop "
-                        "(midtraining) (default: %(default)s)")
-    parser.add_argument("--supervise", default="assistant", choices=["assistant", "all"], help="conversations: "
-                        "which tokens are targets (default: %(default)s)")
+    source.add_argument("--data_dir", help="a text corpus directory (its shards, the last one "
+                        "validation)")
+    source.add_argument("--chat", help="a conversation directory or .jsonl file, or a `download.py "
+                        "chat` name")
+    parser.add_argument("--tokenizer", default="runs/tokenizer", help="directory of tokenizer.json "
+                        "(default: %(default)s)")
+    parser.add_argument("--split", default="train", choices=["train", "val"], help=
+                        "(default: %(default)s)")
+    parser.add_argument("--batch_size", type=int, default=4, help="rows per batch (default: "
+                        "%(default)s)")
+    parser.add_argument("--seq_len", type=int, default=256, help="tokens per row (default: "
+                        "%(default)s)")
+    parser.add_argument("--pack", default="pad", choices=["pad", "crop"], help=
+                        "conversations: pad (SFT) or crop (midtraining) (default: %(default)s)")
+    parser.add_argument("--supervise", default="assistant", choices=["assistant", "all"], help=
+                        "conversations: which tokens are targets (default: %(default)s)")
     parser.add_argument("--skip_bad_rows", action="store_true", help=SKIP_BAD_ROWS_HELP)
-    parser.add_argument("--rows", type=int, default=2, help="rows of the first batch to print (default: %(default)s)")
+    parser.add_argument("--rows", type=int, default=2, help="rows of the first batch to print "
+                        "(default: %(default)s)")
     args = parser.parse_args(argv)
     try:
         tokenizer = Tokenizer.load(args.tokenizer)
         if args.data_dir:
-            loader = text_loader(args.data_dir, args.split, tokenizer, args.batch_size, args.seq_len)
+            loader = text_loader(args.data_dir, args.split, tokenizer, args.batch_size,
+                                 args.seq_len)
         else:
-            loader = chat_loader(chat_dir(args.chat), args.split, tokenizer, args.batch_size, args.seq_len,
-                                 pack=args.pack, supervise=args.supervise, skip_bad_rows=args.skip_bad_rows)
+            loader = chat_loader(chat_dir(args.chat), args.split, tokenizer, args.batch_size,
+                                 args.seq_len,
+                                 pack=args.pack, supervise=args.supervise,
+                                 skip_bad_rows=args.skip_bad_rows)
         inputs, targets = next(loader)
         loader.close()
     except (FileNotFoundError, ValueError) as e:
         parser.exit(2, f"loader.py: error: {e}\n")
     for i in range(min(args.rows, len(inputs))):
         trained = targets[i][targets[i] != -1].tolist()
-        print(f"--- row {i}: {len(trained)} of {args.seq_len} targets; inputs:\n{tokenizer.decode(inputs[i].tolist())}")
+        print(f"--- row {i}: {len(trained)} of {args.seq_len} targets; "
+              f"inputs:\n{tokenizer.decode(inputs[i].tolist())}")
         if len(trained) < args.seq_len:
-            print(f"--- row {i}: its targets (the tokens it trains on), joined:\n{tokenizer.decode(trained)}")
+            print(f"--- row {i}: its targets (the tokens it trains on), "
+                  f"joined:\n{tokenizer.decode(trained)}")
     print(loader.log_line())
 
 

@@ -1,6 +1,6 @@
-"""Midtraining: a pretrained checkpoint goes on training on a mixture, by token share, of its pretraining text and
-conversations in the chat template, packed BOS-aligned as text is (no padding), so it learns the template, turns and
-when to stop, and keeps its knowledge.
+"""Midtraining: a pretrained checkpoint goes on training on a mixture, by token share, of its
+pretraining text and conversations in the chat template, packed BOS-aligned as text is (no padding),
+so it learns the template, turns and when to stop, and keeps its knowledge.
 
     python midtrain.py --steps 2000        # newest pretrain checkpoint; 30% its corpus, 70% conversations and tasks
     python midtrain.py --checkpoint runs/base --source text:data/demo/pretrain:0.3 --source chat:data/demo/conversations:0.7
@@ -9,9 +9,9 @@ when to stop, and keeps its knowledge.
     python midtrain.py --run_name NAME --resume                          # continue from the last checkpoint
     python midtrain.py --status runs/NAME
 
-Writes runs/<run_name>/: config.json, metrics.jsonl (every step), samples.jsonl (greedy answers at every eval),
-ckpt/step_XXXXXX/ (meta.json names the parent checkpoint and the sha256 of its weights), done.json (with the realized
-mixture).
+Writes runs/<run_name>/: config.json, metrics.jsonl (every step), samples.jsonl (greedy answers at
+every eval), ckpt/step_XXXXXX/ (meta.json names the parent checkpoint and the sha256 of its
+weights), done.json (with the realized mixture).
 """
 import argparse
 import math
@@ -31,32 +31,40 @@ from dataset import CACHE_DIR, chat_files, check_chat_files
 from loader import MixtureLoader, close_all
 from model import flops_per_token, num_params
 
-# beside the parent's text (0.3): conversation, the shapes chat_eval.py scores, and who the assistant is (identity)
-DEFAULT_CHAT_SHARES = [("smoltalk", 0.3), ("ultrachat", 0.1), ("mmlu", 0.15), ("gsm8k", 0.1), ("arc-easy", 0.02),
+# beside the parent's text (0.3): conversation, the shapes chat_eval.py scores, and who the
+# assistant is (identity)
+DEFAULT_CHAT_SHARES = [("smoltalk", 0.3), ("ultrachat", 0.1), ("mmlu", 0.15), ("gsm8k", 0.1), (
+                                                                                               "arc-easy", 0.02),
                        ("arc-challenge", 0.02), ("identity", 0.01)]
-# warm-started at the parent's full lrs, flat, then a linear warmdown over the last 20% (nanochat's): against a fresh
-# state, better on the demo world and forgot less on real text; half the lrs learned far less there (dev/LOG.md)
+# warm-started at the parent's full lrs, flat, then a linear warmdown over the last 20%
+# (nanochat's): against a fresh
+# state, better on the demo world and forgot less on real text; half the lrs learned far less there
+# (dev/LOG.md)
 MID_LR_SCALE, MID_WARMDOWN = 1.0, 0.2
 MID_WHY = "measured on the demo world and on real text"
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("data")
-    g.add_argument("--source", action="append", default=None, metavar="KIND:PATH:SHARE", help="a data source and its "
-                   "share of the tokens, repeatable; KIND is text (a corpus directory, its train split) or chat (a "
-                   "directory of conversation or task parquet files, or a .jsonl file of conversations: "
-                   "docs/own-data.md) (default: text:<the parent's data_dir>:0.3, "
-                   + ", ".join(f"chat:{CACHE_DIR / 'chat' / name}:{share}" for name, share in DEFAULT_CHAT_SHARES)
+    g.add_argument("--source", action="append", default=None, metavar="KIND:PATH:SHARE", help=
+                   "a data source and its share of the tokens, repeatable; KIND is text (a corpus "
+                   "directory, its train split) or chat (a directory of conversation or task "
+                   "parquet files, or a .jsonl file of conversations: docs/own-data.md) (default: "
+                   "text:<the parent's data_dir>:0.3, "
+                   + ", ".join(f"chat:{CACHE_DIR / 'chat' / name}:{share}" for name,
+                               share in DEFAULT_CHAT_SHARES)
                    + ")")
-    g.add_argument("--add_source", action="append", default=[], metavar="KIND:PATH:SHARE", help="a source added to "
-                   "the mixture above (the --source ones, or the defaults) at SHARE, every other share scaled by 1 - "
-                   "SHARE: speedrun.sh --chat FILE adds chat:FILE:0.2 (default: none)")
-    g.add_argument("--supervise", default="all", choices=["all", "assistant"], help="conversation tokens that carry "
-                   "loss: all of them, as in pretraining, or the assistant's only (default: %(default)s, as nanochat "
-                   "midtrains)")
-    g.add_argument("--seed", type=int, default=0, help="shuffles each source's documents, anew every epoch (default: "
-                   "%(default)s)")
+    g.add_argument("--add_source", action="append", default=[], metavar="KIND:PATH:SHARE", help=
+                   "a source added to the mixture above (the --source ones, or the defaults) at "
+                   "SHARE, every other share scaled by 1 - SHARE: speedrun.sh --chat FILE adds "
+                   "chat:FILE:0.2 (default: none)")
+    g.add_argument("--supervise", default="all", choices=["all", "assistant"], help=
+                   "conversation tokens that carry loss: all of them, as in pretraining, or the "
+                   "assistant's only (default: %(default)s, as nanochat midtrains)")
+    g.add_argument("--seed", type=int, default=0, help="shuffles each source's documents, anew "
+                   "every epoch (default: %(default)s)")
     budgets = [("steps", int, "optimizer steps"), ("tokens", float, "tokens over all ranks")]
     chat_stage.add_chat_stage_args(p, g, "midtrain", ["pretrain"], budgets, eval_every=250,
                                    lr_scale=MID_LR_SCALE, warmdown_frac=MID_WARMDOWN, why=MID_WHY)
@@ -65,8 +73,8 @@ def get_args(argv=None):
 
 
 def parse_sources(specs, parent_data_dir, added=()):
-    """--source KIND:PATH:SHARE values (and --add_source's, the others' shares scaled down to make room) as the
-    mixture loader's source dicts."""
+    """--source KIND:PATH:SHARE values (and --add_source's, the others' shares scaled down to make
+    room) as the mixture loader's source dicts."""
     if added:
         base, extra = parse_sources(specs, parent_data_dir), parse_sources(list(added), None)
         scale = 1 - sum(s["share"] for s in extra)
@@ -82,17 +90,20 @@ def parse_sources(specs, parent_data_dir, added=()):
         except ValueError:
             share = -1.0
         if kind not in ("text", "chat") or not path or not 0 < share <= 1:
-            raise ValueError(f"--source {spec!r}: write KIND:PATH:SHARE with KIND text or chat and 0 < SHARE <= 1, "
-                             f"e.g. --source chat:data/demo/conversations:0.7")
-        sources.append({"name": f"{kind}:{Path(path).name}", "kind": kind, "path": path, "share": share})
+            raise ValueError(f"--source {spec!r}: write KIND:PATH:SHARE with KIND text or chat and "
+                             "0 < SHARE <= 1, e.g. --source chat:data/demo/conversations:0.7")
+        sources.append({"name": f"{kind}:{Path(path).name}", "kind": kind, "path": path,
+                        "share": share})
     return sources
 
 
 def realized_mixture(loaders, sources, step, rank):
     """Tokens and documents per source over every loader of every rank, and the share of the tokens
     each got; rank 0 prints them."""
-    counts = torch.tensor([[loader.mixture()[s["name"]][key] for key in ("tokens", "docs")] for loader in loaders
-                           for s in sources], dtype=torch.float64).view(len(loaders), len(sources), 2).sum(0)
+    counts = torch.tensor([[loader.mixture()[s["name"]][key] for key in (
+            "tokens", "docs")] for loader in loaders
+                           for s in sources], dtype=torch.float64).view(len(loaders), len(sources),
+                                                                        2).sum(0)
     counts = distributed.all_reduce_tensor(counts).tolist()
     total = sum(tokens for tokens, _ in counts) or 1
     mixture = {s["name"]: {"tokens": int(tokens), "docs": int(docs), "share": tokens / total,

@@ -1,12 +1,13 @@
-"""The GPT: configuration, presets, layers, chunked loss, KV cache, parameter/FLOP/memory accounting (generation:
-decode.py). Run alone, it shows a preset without allocating a weight:
+"""The GPT: configuration, presets, layers, chunked loss, KV cache, parameter/FLOP/memory accounting
+(generation: decode.py). Run alone, it shows a preset without allocating a weight:
 
     python model.py --preset llama3-1b                 # prints params: 1241581568
     python model.py --preset d20 --micro_batch 16      # any config field can be overridden: --n_layer 8 ...
 
-Design: fp32 master weights always, bf16 compute from autocast (bf16 parameters froze every RMSNorm scale: 1.0 - 1e-4
-== 1.0 in bf16). Built on the meta device, then materialized, so an FSDP wrapper shards before memory is touched. The
-loss runs head and cross-entropy in row chunks, its gradient in the forward: no (batch, time, vocab) fp32 logits.
+Design: fp32 master weights always, bf16 compute from autocast (bf16 parameters froze every RMSNorm
+scale: 1.0 - 1e-4 == 1.0 in bf16). Built on the meta device, then materialized, so an FSDP wrapper
+shards before memory is touched. The loss runs head and cross-entropy in row chunks, its gradient in
+the forward: no (batch, time, vocab) fp32 logits.
 """
 import argparse
 import functools
@@ -31,18 +32,25 @@ class GPTConfig:
     n_head: int = 4
     n_kv_head: int = 4  # < n_head is grouped-query attention; n_head must be a multiple of it
     head_dim: int = 0  # 0 = n_embd // n_head
-    mlp: str = "relu2"  # 'relu2' (x -> relu(x)^2, two matrices) | 'swiglu' (silu(gate) * up, three matrices)
-    mlp_hidden: int = 0  # 0 = 4*n_embd for relu2, 8/3*n_embd rounded up to a multiple of 64 for swiglu
+    # 'relu2' (x -> relu(x)^2, two matrices) | 'swiglu' (silu(gate) * up, three matrices)
+    mlp: str = "relu2"
+    # 0 = 4*n_embd for relu2, 8/3*n_embd rounded up to a multiple of 64 for swiglu
+    mlp_hidden: int = 0
     rope_theta: float = 10000.0
-    norm_learnable: bool = False  # RMSNorm with a learnable scale (Llama) or without any weight (modern GPT)
+    # RMSNorm with a learnable scale (Llama) or without any weight (modern GPT)
+    norm_learnable: bool = False
     norm_eps: float = 1e-6
     qk_norm: bool = True  # RMSNorm on each head's queries and keys before RoPE
     tie_embeddings: bool = False  # the output head reuses the token embedding matrix
     logit_softcap: float = 15.0  # logits -> cap * tanh(logits / cap); 0 = off
-    bitnet: bool = False  # BitNet b1.58: ternary weights, 8-bit activations in every linear layer of the blocks
-    activation_checkpointing: bool = False  # recompute each block in backward instead of storing its activations
-    value_embeds: bool = False  # a second token embedding per layer on alternating layers, gated into the values
-    resid_lambdas: bool = False  # block i reads resid_lambdas[i] * x + x0_lambdas[i] * (the token embedding), learned
+    # BitNet b1.58: ternary weights, 8-bit activations in every linear layer of the blocks
+    bitnet: bool = False
+    # recompute each block in backward instead of storing its activations
+    activation_checkpointing: bool = False
+    # a second token embedding per layer on alternating layers, gated into the values
+    value_embeds: bool = False
+    # block i reads resid_lambdas[i] * x + x0_lambdas[i] * (the token embedding), learned
+    resid_lambdas: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "sequence_len", "n_layer", "n_embd", "n_head", "n_kv_head"):
@@ -52,14 +60,17 @@ class GPTConfig:
             raise ValueError(f"mlp={self.mlp!r} is not allowed: choose one of relu2, swiglu")
         if self.head_dim == 0:
             if self.n_embd % self.n_head:
-                raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: allowed n_head for "
-                                 f"this width are {_divisors(self.n_embd)} (or set head_dim explicitly)")
+                raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
+                                 f"allowed n_head for this width are {_divisors(self.n_embd)} (or "
+                                 "set head_dim explicitly)")
             self.head_dim = self.n_embd // self.n_head
         if self.head_dim < 2 or self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even (rotary embeddings rotate pairs of channels)")
+            raise ValueError(f"head_dim={self.head_dim} must be even (rotary embeddings rotate "
+                             "pairs of channels)")
         if self.n_head % self.n_kv_head:
-            raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}: allowed n_kv_head "
-                             f"are {_divisors(self.n_head)}")
+            raise ValueError(f"n_head={self.n_head} is not divisible by "
+                             f"n_kv_head={self.n_kv_head}: "
+                             f"allowed n_kv_head are {_divisors(self.n_head)}")
         if self.mlp_hidden == 0:
             self.mlp_hidden = 4 * self.n_embd if self.mlp == "relu2" else 64 * math.ceil(8 * self.n_embd / 3 / 64)
         if self.logit_softcap < 0 or self.norm_eps <= 0 or self.rope_theta <= 0:
@@ -74,32 +85,44 @@ def _divisors(n):
 # Presets. Each is a set of GPTConfig fields; any field can be overridden afterwards.
 
 PRESETS = {
-    # the offline CPU demo and the tests: 4.2M parameters; vocab 1024: the demo world supports at most ~1,690 BPE tokens
-    "tiny": {"vocab_size": 1024, "sequence_len": 256, "n_layer": 4, "n_embd": 256, "n_head": 4, "n_kv_head": 4,
+    # the offline CPU demo and the tests: 4.2M parameters; vocab 1024: the demo world supports at
+    # most ~1,690 BPE tokens
+    "tiny": {"vocab_size": 1024, "sequence_len": 256, "n_layer": 4, "n_embd": 256, "n_head": 4,
+             "n_kv_head": 4,
              "value_embeds": True, "resid_lambdas": True},
     # A measured Llama-3-style 1.2B run's model, exactly: 1,241,581,568 parameters.
-    "llama3-1b": {"vocab_size": 131072, "sequence_len": 2048, "n_layer": 16, "n_embd": 2048, "n_head": 32,
+    "llama3-1b": {"vocab_size": 131072, "sequence_len": 2048, "n_layer": 16, "n_embd": 2048,
+                  "n_head": 32,
                   "n_kv_head": 8, "mlp": "swiglu", "mlp_hidden": 8192, "rope_theta": 500000.0,
-                  "norm_learnable": True, "norm_eps": 1e-5, "qk_norm": False, "tie_embeddings": True,
+                  "norm_learnable": True, "norm_eps": 1e-5, "qk_norm": False,
+                  "tie_embeddings": True,
                   "logit_softcap": 0.0},
-    # A measured BitNet b1.58 run's model, exactly: 95,367,936 parameters (sequence 256 as in its 12 GB run).
-    "bitnet-95m": {"vocab_size": 32000, "sequence_len": 256, "n_layer": 8, "n_embd": 768, "n_head": 12,
-                   "n_kv_head": 6, "mlp": "swiglu", "mlp_hidden": 3072, "norm_learnable": True, "norm_eps": 1e-5,
+    # A measured BitNet b1.58 run's model, exactly: 95,367,936 parameters (sequence 256 as in its 12
+    # GB run).
+    "bitnet-95m": {"vocab_size": 32000, "sequence_len": 256, "n_layer": 8, "n_embd": 768,
+                   "n_head": 12,
+                   "n_kv_head": 6, "mlp": "swiglu", "mlp_hidden": 3072, "norm_learnable": True,
+                   "norm_eps": 1e-5,
                    "qk_norm": False, "tie_embeddings": True, "logit_softcap": 0.0, "bitnet": True},
 }
-VE_GATE_CHANNELS = 12  # a value embedding's gate reads the first 12 channels of the block's normalized input
+# a value embedding's gate reads the first 12 channels of the block's normalized input
+VE_GATE_CHANNELS = 12
 DEPTH_HEAD_DIM = 128
 DEPTH_ASPECT = 64
 
 
 def depth_preset(depth):
-    """d{N}: the one-dial family (nanochat's): width 64*N rounded up to a multiple of the 128 head dim, so deeper
-    models are also wider at a fixed aspect ratio. Why each of its choices: docs/model.md (Presets)."""
+    """d{N}: the one-dial family (nanochat's): width 64*N rounded up to a multiple of the 128 head
+    dim, so deeper models are also wider at a fixed aspect ratio. Why each of its choices:
+    docs/model.md (Presets)."""
     width = DEPTH_HEAD_DIM * math.ceil(DEPTH_ASPECT * depth / DEPTH_HEAD_DIM)
     heads = width // DEPTH_HEAD_DIM
-    return {"vocab_size": 65536, "sequence_len": 2048, "n_layer": depth, "n_embd": width, "n_head": heads,
-            "n_kv_head": heads, "mlp": "relu2", "rope_theta": 10000.0, "norm_learnable": False, "qk_norm": True,
-            "tie_embeddings": False, "logit_softcap": 15.0, "value_embeds": True, "resid_lambdas": True}
+    return {"vocab_size": 65536, "sequence_len": 2048, "n_layer": depth, "n_embd": width,
+            "n_head": heads,
+            "n_kv_head": heads, "mlp": "relu2", "rope_theta": 10000.0, "norm_learnable": False,
+            "qk_norm": True,
+            "tie_embeddings": False, "logit_softcap": 15.0, "value_embeds": True,
+            "resid_lambdas": True}
 
 
 def preset_names():
@@ -131,9 +154,12 @@ def parse_bool(text):
 
 
 def add_model_args(parser, default_preset="tiny"):
-    """Adds --preset and one flag per GPTConfig field (default: the preset's value) to a stage's parser."""
+    """Adds --preset and one flag per GPTConfig field (default: the preset's value) to a stage's
+    parser."""
     group = parser.add_argument_group("model (a preset, then any field overridden)")
-    group.add_argument("--preset", default=default_preset, help=f"one of {preset_names()} (default: %(default)s)")
+    group.add_argument("--preset", default=default_preset, help=f"one of {preset_names()} "
+                                                                "(default: "
+                       "%(default)s)")
     for f in fields(GPTConfig):
         kind = parse_bool if f.type is bool else f.type
         group.add_argument(f"--{f.name}", type=kind, default=None, metavar=f.name.upper(),
@@ -141,19 +167,22 @@ def add_model_args(parser, default_preset="tiny"):
 
 
 def parse_args(parser, argv=None):
-    """parse_args that names the model fields when it meets an option it does not know. argv may hold paths."""
+    """parse_args that names the model fields when it meets an option it does not know. argv may
+    hold paths."""
     def fail(message):  # one line, without argparse's usage dump above it
         parser.exit(2, f"{parser.prog}: error: {message}\n")
     parser.error = fail
     args, unknown = parser.parse_known_args(None if argv is None else [str(a) for a in argv])
     if unknown:
         allowed = ", ".join(f.name for f in fields(GPTConfig))
-        fail(f"unknown option {' '.join(unknown)}: model fields are {allowed}; see --help for the rest")
+        fail(f"unknown option {' '.join(unknown)}: model fields are {allowed}; see --help for the "
+             "rest")
     return args
 
 
 def config_from_args(args):
-    overrides = {f.name: getattr(args, f.name) for f in fields(GPTConfig) if getattr(args, f.name, None) is not None}
+    overrides = {f.name: getattr(args, f.name) for f in fields(GPTConfig) if getattr(
+            args, f.name, None) is not None}
     return config_from_preset(args.preset, overrides)
 
 
@@ -161,20 +190,25 @@ def config_from_args(args):
 # Accounting from the config alone: no tensor is allocated, so this is instant for any size.
 
 def value_embed_layers(c):
-    """The layers with a value embedding: every other one, counted back from the last (which always has one)."""
+    """The layers with a value embedding: every other one, counted back from the last (which always
+    has one)."""
     return [i for i in range(c.n_layer) if c.value_embeds and i % 2 == (c.n_layer - 1) % 2]
 
 
 def param_breakdown(c):
     d, q_dim, kv_dim = c.n_embd, c.n_head * c.head_dim, c.n_kv_head * c.head_dim
     ve_layers = len(value_embed_layers(c))
-    # q, o and k, v projections, no biases; a value embedding's gate reads VE_GATE_CHANNELS channels per KV head
+    # q, o and k, v projections, no biases; a value embedding's gate reads VE_GATE_CHANNELS channels
+    # per KV head
     attention = c.n_layer * (2 * d * q_dim + 2 * d * kv_dim) + ve_layers * VE_GATE_CHANNELS * c.n_kv_head
     mlp = c.n_layer * (3 if c.mlp == "swiglu" else 2) * d * c.mlp_hidden
-    # learnable norms: two per block + final, and a per-head-dim scale for q and k when QK-norm is on
-    norms = c.n_layer * (2 * d + (2 * c.head_dim if c.qk_norm else 0)) + d if c.norm_learnable else 0
+    # learnable norms: two per block + final, and a per-head-dim scale for q and k when QK-norm is
+    # on
+    norms = c.n_layer * (2 * d + (2 * c.head_dim if c.qk_norm
+                                  else 0)) + d if c.norm_learnable else 0
     counts = {"embeddings": c.vocab_size * d, "value_embeds": ve_layers * c.vocab_size * kv_dim,
-              "attention": attention, "mlp": mlp, "norms": norms, "head": 0 if c.tie_embeddings else c.vocab_size * d,
+              "attention": attention, "mlp": mlp, "norms": norms,
+              "head": 0 if c.tie_embeddings else c.vocab_size * d,
               "scalars": 2 * c.n_layer if c.resid_lambdas else 0}
     counts["total"] = sum(counts.values())
     return counts
@@ -185,13 +219,15 @@ def num_params(c):
 
 
 def budget_params(c):
-    """The parameters --tokens_per_param counts: all but the value-embedding tables. Those are per-token lookups that
-    cost no FLOPs (60% of d20's parameters); counting them would multiply d20's training tokens by 2.5x."""
+    """The parameters --tokens_per_param counts: all but the value-embedding tables. Those are
+    per-token lookups that cost no FLOPs (60% of d20's parameters); counting them would multiply
+    d20's training tokens by 2.5x."""
     return num_params(c) - param_breakdown(c)["value_embeds"]
 
 
 def muon_neurons(c):
-    """Neurons of the block matrices as NorMuon counts them, the longer side of each: its state per matrix."""
+    """Neurons of the block matrices as NorMuon counts them, the longer side of each: its state per
+    matrix."""
     d, q_dim, kv_dim = c.n_embd, c.n_head * c.head_dim, c.n_kv_head * c.head_dim
     mlp = (3 if c.mlp == "swiglu" else 2) * max(d, c.mlp_hidden)
     gates = len(value_embed_layers(c)) * max(VE_GATE_CHANNELS, c.n_kv_head)
@@ -199,8 +235,9 @@ def muon_neurons(c):
 
 
 def flops_per_token(c, seq_len=None):
-    """Training FLOPs per token, PaLM's and nanochat's convention (docs/model.md): 6 x the matmul parameters (the
-    value embeddings' gates count, lookups and norms do not) + 12 * n_layer * n_head * head_dim * T."""
+    """Training FLOPs per token, PaLM's and nanochat's convention (docs/model.md): 6 x the matmul
+    parameters (the value embeddings' gates count, lookups and norms do not) + 12 * n_layer * n_head
+    * head_dim * T."""
     b = param_breakdown(c)
     matmul_params = b["attention"] + b["mlp"] + c.vocab_size * c.n_embd
     T = seq_len or c.sequence_len
@@ -208,59 +245,80 @@ def flops_per_token(c, seq_len=None):
 
 
 def memory_estimate(c, micro_batch, seq_len=None, optimizer="muon", bf16=True, device_type="cuda"):
-    """Training memory per device in bytes (docs/model.md): fp32 weights and gradients, optimizer state,
-    'activations' (what autograd holds after the forward) and 'transient' (the largest short-lived buffers: the loss
-    chunk's depend on device_type, loss_chunk_elements)."""
+    """Training memory per device in bytes (docs/model.md): fp32 weights and gradients, optimizer
+    state, 'activations' (what autograd holds after the forward) and 'transient' (the largest
+    short-lived buffers: the loss chunk's depend on device_type, loss_chunk_elements)."""
     T = seq_len or c.sequence_len
     P = num_params(c)
     b = param_breakdown(c)
     block_matrices = b["attention"] + b["mlp"]
-    if optimizer == "muon":  # + NorMuon's fp32 second moment per neuron (optim.Muon.neuron_normalized)
+    # + NorMuon's fp32 second moment per neuron (optim.Muon.neuron_normalized)
+    if optimizer == "muon":
         opt = 4 * block_matrices + 4 * muon_neurons(c) + 8 * (P - block_matrices)
     else:  # AdamW: two fp32 moments; 8-bit AdamW: two 1-byte moments
         opt = {"adamw": 8, "adam8bit": 2}[optimizer] * P
     tokens = micro_batch * T
     per_layer = activation_bytes_per_token_layer(c, bf16)
-    weight_copies = (2 if bf16 else (4 if c.bitnet else 0)) * block_matrices  # bf16 casts / BitNet's quantized W
+    # bf16 casts / BitNet's quantized W
+    weight_copies = (2 if bf16 else (4 if c.bitnet else 0)) * block_matrices
     ve_layers, kv_dim = len(value_embed_layers(c)), c.n_kv_head * c.head_dim
-    # a value embedding: its lookup in the compute dtype and the gate (sigmoid's output, and 3x it) for the product
-    per_ve_layer = (2 if bf16 else 4) * (kv_dim + 2 * c.n_kv_head + (VE_GATE_CHANNELS if c.bitnet else 0))
-    if c.activation_checkpointing:  # only each block's fp32 inputs (x, a value embedding) are kept; blocks are
-        blocks = tokens * (c.n_layer * 4 * c.n_embd + ve_layers * 4 * kv_dim)  # recomputed one at a time
-        recompute = tokens * (per_layer + (per_ve_layer if ve_layers else 0)) + weight_copies // c.n_layer
+    # a value embedding: its lookup in the compute dtype and the gate (sigmoid's output, and 3x it)
+    # for the product
+    per_ve_layer = (2 if bf16 else 4) * (kv_dim + 2 * c.n_kv_head + (VE_GATE_CHANNELS if c.bitnet
+                                                                     else 0))
+    # only each block's fp32 inputs (x, a value embedding) are kept; blocks are
+    if c.activation_checkpointing:
+        # recomputed one at a time
+        blocks = tokens * (c.n_layer * 4 * c.n_embd + ve_layers * 4 * kv_dim)
+        recompute = tokens * (per_layer + (per_ve_layer if ve_layers
+                                           else 0)) + weight_copies // c.n_layer
     else:
         blocks = tokens * (c.n_layer * per_layer + ve_layers * per_ve_layer) + weight_copies
         recompute = 0
     final_norm = 4 * c.n_embd + 4 + (4 * c.n_embd if c.norm_learnable else 0)
-    # the loss keeps grad_x (fp32, one row per token) and grad_weight (fp32, vocab x n_embd) until backward
+    # the loss keeps grad_x (fp32, one row per token) and grad_weight (fp32, vocab x n_embd) until
+    # backward
     loss = tokens * 4 * c.n_embd + 4 * c.vocab_size * c.n_embd
-    # the residual scalars' products keep each block's fp32 input before the mix (block 0's is the embedding) for
+    # the residual scalars' products keep each block's fp32 input before the mix (block 0's is the
+    # embedding) for
     # their gradients: outside any checkpointed block, so with checkpointing too
     mixes = tokens * c.n_layer * 4 * c.n_embd if c.resid_lambdas else 0
-    acts = blocks + mixes + tokens * (8 + final_norm) + loss  # 8: the int64 token ids the embedding's backward needs
+    # 8: the int64 token ids the embedding's backward needs
+    acts = blocks + mixes + tokens * (8 + final_norm) + loss
     chunk_rows = min(tokens, max(1, loss_chunk_elements(device_type) // c.vocab_size))
-    # in the loss: a chunk's logits, probabilities and tanh, with the head gradient's running sum held twice while the
-    # chunk's share is added (out of place); at its end the row gradients' chunks and their concatenation
-    loss_transient = max(3 * 4 * chunk_rows * c.vocab_size + 4 * c.vocab_size * c.n_embd, tokens * 4 * c.n_embd)
+    # in the loss: a chunk's logits, probabilities and tanh, with the head gradient's running sum
+    # held twice while the
+    # chunk's share is added (out of place); at its end the row gradients' chunks and their
+    # concatenation
+    loss_transient = max(3 * 4 * chunk_rows * c.vocab_size + 4 * c.vocab_size * c.n_embd,
+                         tokens * 4 * c.n_embd)
     transient = max(recompute, loss_transient)
-    return {"weights": 4 * P, "gradients": 4 * P, "optimizer": opt, "activations": acts, "transient": transient,
+    return {"weights": 4 * P, "gradients": 4 * P, "optimizer": opt, "activations": acts,
+            "transient": transient,
             "total": 8 * P + opt + acts + transient}
 
 
 def activation_bytes_per_token_layer(c, bf16):
-    """Bytes autograd keeps per token per block. a = 2 (bf16 autocast) or 4 (fp32) for matmul inputs/outputs; norms
-    run in fp32 under autocast, so their inputs and 1/rms are 4-byte whatever the compute dtype."""
+    """Bytes autograd keeps per token per block. a = 2 (bf16 autocast) or 4 (fp32) for matmul
+    inputs/outputs; norms run in fp32 under autocast, so their inputs and 1/rms are 4-byte whatever
+    the compute dtype."""
     a = 2 if bf16 else 4
     d, q_dim, kv_dim, h = c.n_embd, c.n_head * c.head_dim, c.n_kv_head * c.head_dim, c.mlp_hidden
-    norm = 4 * d + 4 + (4 * d if c.norm_learnable else 0)  # input, 1/rms, and the normalized x a scale multiplies
+    # input, 1/rms, and the normalized x a scale multiplies
+    norm = 4 * d + 4 + (4 * d if c.norm_learnable else 0)
     attn = norm + a * d  # the q/k/v projections' shared input in the compute dtype
-    if c.qk_norm:  # q and k projection outputs (fp32 for the norm), 1/rms per head, normalized copies if learnable
+    # q and k projection outputs (fp32 for the norm), 1/rms per head, normalized copies if learnable
+    if c.qk_norm:
         attn += 4 * (q_dim + kv_dim) * (2 if c.norm_learnable else 1) + 4 * (c.n_head + c.n_kv_head)
-    attn += a * (2 * q_dim + 2 * kv_dim) + 4 * c.n_head  # SDPA's q, k, v, output (= o_proj's input), logsumexp
-    mlp = norm + a * d + a * h * (4 if c.mlp == "swiglu" else 2)  # swiglu: gate, silu(gate), up, product
+    # SDPA's q, k, v, output (= o_proj's input), logsumexp
+    attn += a * (2 * q_dim + 2 * kv_dim) + 4 * c.n_head
+    # swiglu: gate, silu(gate), up, product
+    mlp = norm + a * d + a * h * (4 if c.mlp == "swiglu" else 2)
     if c.bitnet:  # each linear layer saves its own 8-bit-quantized input in place of a shared one
-        attn += a * (2 * d + q_dim)  # q, k, v quantize the same input three times; o copies SDPA's saved output
-        mlp += a * d if c.mlp == "swiglu" else 0  # gate and up both quantize the input (down's replaces the product)
+        # q, k, v quantize the same input three times; o copies SDPA's saved output
+        attn += a * (2 * d + q_dim)
+        # gate and up both quantize the input (down's replaces the product)
+        mlp += a * d if c.mlp == "swiglu" else 0
     return attn + mlp
 
 
@@ -268,8 +326,9 @@ def activation_bytes_per_token_layer(c, bf16):
 # Layers
 
 def tanh(x):
-    """tanh through the logistic function, which is exact algebra (tanh x = 2 sigmoid(2x) - 1, within 2e-7 in fp32):
-    on CPU torch.tanh's kernel is ~4x slower than exp, and the softcap applies it to every logit (dev/LOG.md)."""
+    """tanh through the logistic function, which is exact algebra (tanh x = 2 sigmoid(2x) - 1,
+    within 2e-7 in fp32): on CPU torch.tanh's kernel is ~4x slower than exp, and the softcap applies
+    it to every logit (dev/LOG.md)."""
     return 2 * torch.sigmoid(2 * x) - 1
 
 
@@ -278,7 +337,8 @@ def softcap_logits(logits, cap):
 
 
 def causal_attention(q, k, v):
-    """Causal SDPA; on CPU in fp32 even under bf16 autocast, which is faster there, casts included (dev/LOG.md)."""
+    """Causal SDPA; on CPU in fp32 even under bf16 autocast, which is faster there, casts included
+    (dev/LOG.md)."""
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
                                               enable_gqa=True).to(q.dtype)
@@ -286,8 +346,8 @@ def causal_attention(q, k, v):
 
 
 def to_compute_dtype(x):
-    """Under autocast, cast a block's normalized input once: otherwise each projection reading it (q, k, v; gate,
-    up) makes and saves its own bf16 copy."""
+    """Under autocast, cast a block's normalized input once: otherwise each projection reading it
+    (q, k, v; gate, up) makes and saves its own bf16 copy."""
     return x.to(torch.get_autocast_dtype(x.device.type)) if torch.is_autocast_enabled(x.device.type) else x
 
 
@@ -300,7 +360,8 @@ def apply_rotary(x, cos, sin):
 
 
 def bitnet_weight(weight):
-    """BitNet b1.58 absmean quantization: W -> round(W / mean|W|) clipped to {-1, 0, +1}, times mean|W|."""
+    """BitNet b1.58 absmean quantization: W -> round(W / mean|W|) clipped to {-1, 0, +1}, times
+    mean|W|."""
     scale = weight.abs().mean().clamp(min=1e-5)
     return (weight / scale).round().clamp(-1, 1) * scale
 
@@ -312,8 +373,9 @@ def bitnet_activation(x):
 
 
 class Linear(nn.Linear):
-    """A bias-free linear layer; with bitnet=True, BitNet b1.58: fp32 latent weights quantized on the fly with
-    straight-through gradients. No extra parameter: the norms in front already normalize the inputs."""
+    """A bias-free linear layer; with bitnet=True, BitNet b1.58: fp32 latent weights quantized on
+    the fly with straight-through gradients. No extra parameter: the norms in front already
+    normalize the inputs."""
 
     def __init__(self, fan_in, fan_out, bitnet=False):
         super().__init__(fan_in, fan_out, bias=False)
@@ -322,7 +384,8 @@ class Linear(nn.Linear):
     def effective_weight(self):
         if not self.bitnet:
             return self.weight
-        # + (w - w), exactly 0: the forward sees three values, the gradient passes straight through to w
+        # + (w - w), exactly 0: the forward sees three values, the gradient passes straight through
+        # to w
         w = self.weight.detach()
         return bitnet_weight(w) + (self.weight - w)
 
@@ -340,7 +403,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # under autocast q and k arrive in bf16: a bf16 copy of the fp32 scale keeps the fused kernel
+        # under autocast q and k arrive in bf16: a bf16 copy of the fp32 scale keeps the fused
+        # kernel
         weight = self.weight.to(x.dtype) if self.weight is not None else None
         return F.rms_norm(x, (x.size(-1),), weight, self.eps)
 
@@ -355,8 +419,10 @@ class Attention(nn.Module):
         self.o_proj = Linear(c.n_head * c.head_dim, c.n_embd, c.bitnet)
         self.q_norm = RMSNorm(c.head_dim, c.norm_learnable, c.norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.norm_learnable, c.norm_eps) if c.qk_norm else None
-        # value embedding gate: per KV head, how much of the token's value embedding joins v, in (0, 3)
-        self.ve_gate = Linear(VE_GATE_CHANNELS, c.n_kv_head, c.bitnet) if layer_idx in value_embed_layers(c) else None
+        # value embedding gate: per KV head, how much of the token's value embedding joins v, in (0,
+        # 3)
+        self.ve_gate = Linear(VE_GATE_CHANNELS, c.n_kv_head,
+                              c.bitnet) if layer_idx in value_embed_layers(c) else None
 
     def forward(self, x, cos, sin, kv_cache=None, value_embed=None):
         B, T, _ = x.shape
@@ -366,7 +432,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim)
         if value_embed is not None:
             gate = 3 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
-            v = v + gate.unsqueeze(-1) * value_embed.view(B, T, self.n_kv_head, self.head_dim).to(v.dtype)
+            v = v + gate.unsqueeze(-1) * value_embed.view(B, T, self.n_kv_head,
+                                                          self.head_dim).to(v.dtype)
         if self.q_norm is not None:  # autocast may return fp32 from the norm; SDPA wants one dtype
             q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -379,7 +446,8 @@ class Attention(nn.Module):
             if T == 1:  # one new query sees the whole cache
                 y = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
             else:  # query i sits at position start + i and sees keys 0 .. start + i
-                mask = torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(diagonal=start)
+                mask = torch.ones(T, k.size(2), dtype=torch.bool,
+                                  device=x.device).tril(diagonal=start)
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -413,11 +481,13 @@ class Block(nn.Module):
 
 
 class KVCache:
-    """Keys and values of every layer for positions 0 .. pos-1; allocated on first use in the compute dtype."""
+    """Keys and values of every layer for positions 0 .. pos-1; allocated on first use in the
+    compute dtype."""
 
     def __init__(self, config, batch_size, max_len):
         if max_len > config.sequence_len:
-            raise ValueError(f"KV cache of {max_len} positions exceeds sequence_len={config.sequence_len}")
+            raise ValueError(f"KV cache of {max_len} positions exceeds "
+                             f"sequence_len={config.sequence_len}")
         self.shape = (config.n_layer, batch_size, config.n_kv_head, max_len, config.head_dim)
         self.k = self.v = None
         self.pos = 0
@@ -437,21 +507,26 @@ class KVCache:
 # -----------------------------------------------------------------------------
 # The loss, chunked
 
-# logits per chunk of the loss by device type (rows = this // vocab_size). CUDA: 2^28 (1 GiB in fp32): at vocabulary
-# 65,536, 4,096-row chunks whose matmuls stay large, and 8x fewer chunk calls than at 2^25, each a read and a write
-# of the fp32 head gradient (335 MB at d20); ~3 GiB of temporaries (memory_estimate's transient). Else 2^25 (128 MiB)
+# logits per chunk of the loss by device type (rows = this // vocab_size). CUDA: 2^28 (1 GiB in
+# fp32): at vocabulary
+# 65,536, 4,096-row chunks whose matmuls stay large, and 8x fewer chunk calls than at 2^25, each a
+# read and a write
+# of the fp32 head gradient (335 MB at d20); ~3 GiB of temporaries (memory_estimate's transient).
+# Else 2^25 (128 MiB)
 LOSS_CHUNK_ELEMENTS = {"cuda": 2 ** 28, "cpu": 2 ** 25}
 
 
 def loss_chunk_elements(device_type):
-    """Logits per chunk of the loss on this device type (LOSS_CHUNK_ELEMENTS; the CPU's for any other)."""
+    """Logits per chunk of the loss on this device type (LOSS_CHUNK_ELEMENTS; the CPU's for any
+    other)."""
     return LOSS_CHUNK_ELEMENTS.get(device_type, LOSS_CHUNK_ELEMENTS["cpu"])
 
 
 def loss_chunk(xc, w, tc, softcap, need_grad, grad_w=None):
-    """One chunk's sum of cross-entropies; with need_grad also its gradient for xc, and grad_w plus its gradient for
-    w: the logits' gradient (softmax - onehot) is pushed through the head here, so the logits die with the chunk.
-    Summing grad_w here, compiled, makes cast and sum one pass over (vocab x n_embd) a chunk, not three."""
+    """One chunk's sum of cross-entropies; with need_grad also its gradient for xc, and grad_w plus
+    its gradient for w: the logits' gradient (softmax - onehot) is pushed through the head here, so
+    the logits die with the chunk. Summing grad_w here, compiled, makes cast and sum one pass over
+    (vocab x n_embd) a chunk, not three."""
     logits = (xc @ w.t()).float()
     if softcap:
         capped = tanh(logits / softcap)
@@ -462,9 +537,12 @@ def loss_chunk(xc, w, tc, softcap, need_grad, grad_w=None):
     loss = ((lse - logits.gather(1, safe_targets).squeeze(1)) * valid).sum()
     if not need_grad:
         return loss, None, None
-    dlogits = torch.exp(logits - lse.unsqueeze(1))  # softmax, then minus the onehot: the same bits either way below
-    if torch.compiler.is_compiling():  # one expression fuses exp, onehot and masks: one pass, not three (dev/LOG.md)
-        dlogits = dlogits - (torch.arange(logits.size(1), device=logits.device) == safe_targets).to(dlogits.dtype)
+    # softmax, then minus the onehot: the same bits either way below
+    dlogits = torch.exp(logits - lse.unsqueeze(1))
+    # one expression fuses exp, onehot and masks: one pass, not three (dev/LOG.md)
+    if torch.compiler.is_compiling():
+        dlogits = dlogits - (torch.arange(logits.size(1),
+                                          device=logits.device) == safe_targets).to(dlogits.dtype)
     else:  # eager: in place at the targets (the expression above would be three passes more)
         dlogits.scatter_add_(1, safe_targets, -torch.ones_like(safe_targets, dtype=dlogits.dtype))
     dlogits = dlogits * valid.unsqueeze(1)
@@ -476,31 +554,37 @@ def loss_chunk(xc, w, tc, softcap, need_grad, grad_w=None):
 
 @functools.cache
 def compiled_loss_chunk():
-    """loss_chunk compiled on its own: dynamo sees one chunk whatever the count (unrolled, compiling took 3.6x as long;
-    dev/LOG.md). torch's default shapes: it serves rl.py's compiled model too, whose replies vary in length (with
-    dynamic=False each new length would compile the chunk again); a fixed-shape stage's chunks have two shapes at most."""
+    """loss_chunk compiled on its own: dynamo sees one chunk whatever the count (unrolled, compiling
+    took 3.6x as long; dev/LOG.md). torch's default shapes: it serves rl.py's compiled model too,
+    whose replies vary in length (with dynamic=False each new length would compile the chunk again);
+    a fixed-shape stage's chunks have two shapes at most."""
     return torch.compile(loss_chunk)
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """Sum of cross-entropies of the head's logits in chunks of about loss_chunk_elements logits (loss_chunk): only
-    grad_x and grad_weight are kept, no logits survive a chunk, and nothing is recomputed in backward."""
+    """Sum of cross-entropies of the head's logits in chunks of about loss_chunk_elements logits
+    (loss_chunk): only grad_x and grad_weight are kept, no logits survive a chunk, and nothing is
+    recomputed in backward."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, softcap, compute_dtype, grad_enabled, compiled):
-        # grad_enabled from the caller: grad mode is off in here and needs_input_grad ignores no_grad, so an evaluation
+        # grad_enabled from the caller: grad mode is off in here and needs_input_grad ignores
+        # no_grad, so an evaluation
         # would pay for the gradient (3x the head's cost)
         need_grad = grad_enabled and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         chunks = max(1, math.ceil(x.size(0) * weight.size(0) / loss_chunk_elements(x.device.type)))
-        rows = math.ceil(x.size(0) / chunks)  # equal chunks where they divide: one shape for the compiled chunk
+        # equal chunks where they divide: one shape for the compiled chunk
+        rows = math.ceil(x.size(0) / chunks)
         chunk_fn = compiled_loss_chunk() if compiled else loss_chunk
         loss_sum, grad_x_chunks = torch.zeros((), dtype=torch.float32, device=x.device), []
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_grad else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32,
+                             device=x.device) if need_grad else None
         with torch.autocast(x.device.type, enabled=False):
             w = weight.to(compute_dtype)
             for start in range(0, x.size(0), rows):
                 loss, grad_xc, grad_w = chunk_fn(x[start:start + rows].to(compute_dtype), w,
-                                                 targets[start:start + rows], softcap, need_grad, grad_w)
+                                                 targets[start:start + rows], softcap, need_grad,
+                                                 grad_w)
                 loss_sum = loss_sum + loss
                 if need_grad:
                     grad_x_chunks.append(grad_xc)
@@ -516,12 +600,15 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
 def chunked_cross_entropy(x, weight, targets, softcap, compute_dtype, grad_enabled, compiled):
     args = (x, weight, targets, softcap, compute_dtype, grad_enabled, compiled)
-    if torch.compiler.is_compiling():  # traced in a compiled model: a graph break keeps the chunk loop out of its graph
+    # traced in a compiled model: a graph break keeps the chunk loop out of its graph
+    if torch.compiler.is_compiling():
         return chunked_cross_entropy_outside_graph(*args)
-    return ChunkedCrossEntropy.apply(*args)  # eager: no dynamo to import (~1.1 s of CPU at each stage start)
+    # eager: no dynamo to import (~1.1 s of CPU at each stage start)
+    return ChunkedCrossEntropy.apply(*args)
 
 
-# torch's lazy form of torch.compiler.disable, which would import dynamo (~3 s) with this file (chat needs none)
+# torch's lazy form of torch.compiler.disable, which would import dynamo (~3 s) with this file (chat
+# needs none)
 @torch._disable_dynamo
 def chunked_cross_entropy_outside_graph(*args):
     return ChunkedCrossEntropy.apply(*args)
@@ -537,23 +624,32 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.norm_f = RMSNorm(config.n_embd, config.norm_learnable, config.norm_eps)
-        self.lm_head = None if config.tie_embeddings else nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        # value embeddings (modded-nanogpt, after ResFormer): a per-token vector added to attention's values on
-        # alternating layers, so the stream need not carry what a token is; next to no FLOPs (dev/LOG.md)
-        self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(config.vocab_size, config.n_kv_head * config.head_dim)
+        self.lm_head = None if config.tie_embeddings else nn.Linear(config.n_embd,
+                                                                    config.vocab_size, bias=False)
+        # value embeddings (modded-nanogpt, after ResFormer): a per-token vector added to
+        # attention's values on
+        # alternating layers, so the stream need not carry what a token is; next to no FLOPs
+        # (dev/LOG.md)
+        self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(config.vocab_size,
+                                                                config.n_kv_head * config.head_dim)
                                            for i in value_embed_layers(config)})
-        # residual scalars (modded-nanogpt, nanochat): block i reads resid * x + x0 * (the embedding) (dev/LOG.md)
+        # residual scalars (modded-nanogpt, nanochat): block i reads resid * x + x0 * (the
+        # embedding) (dev/LOG.md)
         self.resid_lambdas = nn.Parameter(torch.ones(config.n_layer)) if config.resid_lambdas else None
         self.x0_lambdas = nn.Parameter(torch.zeros(config.n_layer)) if config.resid_lambdas else None
-        # rotary tables are derived, not learned: never saved, recomputed by init_weights() on the real device
-        self.register_buffer("cos", torch.empty(config.sequence_len, config.head_dim // 2), persistent=False)
-        self.register_buffer("sin", torch.empty(config.sequence_len, config.head_dim // 2), persistent=False)
+        # rotary tables are derived, not learned: never saved, recomputed by init_weights() on the
+        # real device
+        self.register_buffer("cos", torch.empty(config.sequence_len, config.head_dim // 2),
+                             persistent=False)
+        self.register_buffer("sin", torch.empty(config.sequence_len, config.head_dim // 2),
+                             persistent=False)
 
     @torch.no_grad()
     def init_weights(self):
-        """The init scheme (docs/model.md: why each std). Projections reading the residual stream: N(0, 1/fan_in);
-        writing to it (o, down): that over sqrt(2 * n_layer). Untied: embedding N(0, 1), head N(0, 0.001); tied:
-        N(0, 0.3 / sqrt(n_embd)). Norm scales 1. BitNet latent weights too: absmean quantization is scale-free."""
+        """The init scheme (docs/model.md: why each std). Projections reading the residual stream:
+        N(0, 1/fan_in); writing to it (o, down): that over sqrt(2 * n_layer). Untied: embedding N(0,
+        1), head N(0, 0.001); tied: N(0, 0.3 / sqrt(n_embd)). Norm scales 1. BitNet latent weights
+        too: absmean quantization is scale-free."""
         c = self.config
         for block in self.blocks:
             for name, module in block.named_modules():
@@ -570,7 +666,8 @@ class GPT(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm) and module.weight is not None:
                 nn.init.ones_(module.weight)
-        for i, table in self.value_embeds.items():  # std 1/sqrt(n_embd), as v_proj's outputs; gates start near 1.5
+        # std 1/sqrt(n_embd), as v_proj's outputs; gates start near 1.5
+        for i, table in self.value_embeds.items():
             nn.init.uniform_(table.weight, -(3 / c.n_embd) ** 0.5, (3 / c.n_embd) ** 0.5)
             nn.init.uniform_(self.blocks[int(i)].attn.ve_gate.weight, 0.0, 0.02)
         if c.resid_lambdas:  # at init the stream as it is, plus a tenth of the embedding
@@ -580,11 +677,14 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_rotary(self):
-        """The rotary tables: derived from the config, never saved, so a loaded model computes them too."""
+        """The rotary tables: derived from the config, never saved, so a loaded model computes them
+        too."""
         c = self.config
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32, device=self.cos.device)
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32,
+                                                        device=self.cos.device)
                                            / c.head_dim))
-        angles = torch.outer(torch.arange(c.sequence_len, dtype=torch.float32, device=self.cos.device), inv_freq)
+        angles = torch.outer(torch.arange(c.sequence_len, dtype=torch.float32,
+                                          device=self.cos.device), inv_freq)
         self.cos.copy_(angles.cos())
         self.sin.copy_(angles.sin())
 
@@ -597,15 +697,19 @@ class GPT(nn.Module):
     def head_weight(self):
         return self.wte.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, idx, targets=None, kv_cache=None, reduction="mean", last_only=False, predictions=False):
-        """idx (B, T). With targets (B, T) (-1: ignored): cross-entropy reduced by 'mean' (0 without targets), 'sum'
-        or 'none' ((B, T), 0 where ignored; predictions=True: also the argmax, -1 where ignored). Without: fp32 logits
-        (B, T, vocab), or (B, 1, vocab) with last_only. kv_cache: continue from kv_cache.pos, then advance it."""
+    def forward(self, idx, targets=None, kv_cache=None, reduction="mean", last_only=False,
+                predictions=False):
+        """idx (B, T). With targets (B, T) (-1: ignored): cross-entropy reduced by 'mean' (0 without
+        targets), 'sum' or 'none' ((B, T), 0 where ignored; predictions=True: also the argmax, -1
+        where ignored). Without: fp32 logits (B, T, vocab), or (B, 1, vocab) with last_only.
+        kv_cache: continue from kv_cache.pos, then advance it."""
         B, T = idx.shape
         start = kv_cache.pos if kv_cache is not None else 0
         if start + T > self.config.sequence_len:
-            raise ValueError(f"positions {start}..{start + T - 1} exceed sequence_len={self.config.sequence_len}")
-        cos, sin = self.cos[None, start:start + T, None, :], self.sin[None, start:start + T, None, :]
+            raise ValueError(f"positions {start}..{start + T - 1} exceed "
+                             f"sequence_len={self.config.sequence_len}")
+        cos, sin = self.cos[None, start:start + T, None, :], self.sin[None, start:start + T, None,
+                                                                      :]
         x = x0 = self.wte(idx)
         for i, block in enumerate(self.blocks):
             x, value_embed = self.mix_embedding(i, x, x0), self.value_embed(i, idx)
@@ -618,7 +722,8 @@ class GPT(nn.Module):
         x = self.norm_f(x)
         softcap = self.config.logit_softcap
         if targets is None:
-            return softcap_logits(F.linear(x[:, -1:] if last_only else x, self.head_weight()).float(), softcap)
+            return softcap_logits(F.linear(x[:, -1:] if last_only else x,
+                                           self.head_weight()).float(), softcap)
         x, targets = x.reshape(B * T, -1), targets.reshape(B * T)
         if reduction == "none":
             losses, argmax = self._per_token_loss(x, targets)
@@ -630,25 +735,26 @@ class GPT(nn.Module):
         return loss_sum if reduction == "sum" else loss_sum / (targets != -1).sum().clamp(min=1)
 
     def _per_token_loss(self, x, targets):
-        """Loss and argmax at the positions with a target, computed in chunks; an evaluation that scores a few
-        continuation tokens per row pays the head for those only."""
+        """Loss and argmax at the positions with a target, computed in chunks; an evaluation that
+        scores a few continuation tokens per row pays the head for those only."""
         valid = (targets != -1).nonzero().squeeze(1)
         losses = torch.zeros(targets.shape, device=x.device)
         argmax = torch.full(targets.shape, -1, dtype=torch.long, device=x.device)
         rows = max(1, loss_chunk_elements(x.device.type) // self.config.vocab_size)
         for start in range(0, valid.numel(), rows):
             at = valid[start:start + rows]
-            logits = softcap_logits(F.linear(x[at], self.head_weight()).float(), self.config.logit_softcap)
+            logits = softcap_logits(F.linear(x[at], self.head_weight()).float(),
+                                    self.config.logit_softcap)
             losses[at] = F.cross_entropy(logits, targets[at], reduction="none")
             argmax[at] = logits.argmax(-1)
         return losses, argmax
 
 
 class _NoInitOnMeta(torch.overrides.TorchFunctionMode):
-    """The modules' own initializations skipped on the meta device (init_weights() sets every value later): on meta,
-    torch runs them through reference kernels that import torch._dynamo (~2 s of chat.py's start). Weights and random
-    stream are the same either way. empty_like gets the contiguous format explicitly: else working out a meta
-    tensor's layout imports sympy (~0.4 s)."""
+    """The modules' own initializations skipped on the meta device (init_weights() sets every value
+    later): on meta, torch runs them through reference kernels that import torch._dynamo (~2 s of
+    chat.py's start). Weights and random stream are the same either way. empty_like gets the
+    contiguous format explicitly: else working out a meta tensor's layout imports sympy (~0.4 s)."""
 
     SKIPPED = (torch.Tensor.normal_, torch.Tensor.uniform_)
 
@@ -662,8 +768,9 @@ class _NoInitOnMeta(torch.overrides.TorchFunctionMode):
 
 
 def build_model(config, device="cpu", init=True):
-    """Construct on the meta device, then allocate on `device` and initialize there; init=False (a checkpoint's
-    weights come next): only the rotary tables, skipping init_weights' slow random draws."""
+    """Construct on the meta device, then allocate on `device` and initialize there; init=False (a
+    checkpoint's weights come next): only the rotary tables, skipping init_weights' slow random
+    draws."""
     with torch.device("meta"), _NoInitOnMeta():
         model = GPT(config)
     with _NoInitOnMeta():
@@ -673,20 +780,24 @@ def build_model(config, device="cpu", init=True):
 
 
 def check_master_weights(model):
-    """Raise if any parameter is not fp32 (bf16 norms once froze). bf16 compute belongs in autocast, not in the weights."""
-    wrong = [f"{name} ({p.dtype})" for name, p in model.named_parameters() if p.dtype != torch.float32]
+    """Raise if any parameter is not fp32 (bf16 norms once froze). bf16 compute belongs in autocast,
+    not in the weights."""
+    wrong = [f"{name} ({p.dtype})" for name,
+             p in model.named_parameters() if p.dtype != torch.float32]
     if wrong:
-        raise ValueError(f"parameters must stay fp32 master weights, use autocast for bf16 compute; not fp32: "
-                         f"{', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}")
+        raise ValueError("parameters must stay fp32 master weights, use autocast for bf16 compute; "
+                         f"not fp32: {', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}")
 
 
 def score_rows(model, rows, dtype, device, predictions=False):
-    """(model(..., reduction="none"), targets) of rows [(ids, index of the first scored token)] right-padded into one
-    forward: each row reads ids[:-1] and is scored on ids[start:] only (targets -1 elsewhere)."""
+    """(model(..., reduction="none"), targets) of rows [(ids, index of the first scored token)]
+    right-padded into one forward: each row reads ids[:-1] and is scored on ids[start:] only
+    (targets -1 elsewhere)."""
     x = torch.zeros(len(rows), max(len(ids) for ids, _ in rows) - 1, dtype=torch.long)
     y = torch.full_like(x, -1)
     for r, (ids, start) in enumerate(rows):
-        x[r, :len(ids) - 1], y[r, start - 1:len(ids) - 1] = torch.tensor(ids[:-1]), torch.tensor(ids[start:])
+        x[r, :len(ids) - 1], y[
+                r, start - 1:len(ids) - 1] = torch.tensor(ids[:-1]), torch.tensor(ids[start:])
     y = y.to(device)
     with autocast_context(device.type, dtype):
         return model(x.to(device), y, reduction="none", predictions=predictions), y
@@ -704,16 +815,19 @@ def autocast_context(device_type, dtype):
 # -----------------------------------------------------------------------------
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Print a preset's config, exact parameter count, FLOPs and memory.")
+    parser = argparse.ArgumentParser(description="Print a preset's config, exact parameter count, "
+                                     "FLOPs and memory.")
     add_model_args(parser)
-    parser.add_argument("--micro_batch", type=int, default=8, help="sequences per device for the memory estimate "
-                        "(default: %(default)s)")
+    parser.add_argument("--micro_batch", type=int, default=8, help="sequences per device for the "
+                        "memory estimate (default: %(default)s)")
     parser.add_argument("--optimizer", default="muon", choices=["adam8bit", "adamw", "muon"],
-                        help="optimizer whose state the memory estimate counts (default: %(default)s)")
+                        help="optimizer whose state the memory estimate counts (default: "
+                        "%(default)s)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="compute dtype for the activation estimate (default: %(default)s)")
-    parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"], help="device type for the memory "
-                        "estimate (the loss's chunk size depends on it) (default: %(default)s)")
+    parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"], help=
+                        "device type for the memory estimate (the loss's chunk size depends on it) "
+                        "(default: %(default)s)")
     args = parse_args(parser, argv)
     try:
         config = config_from_args(args)
@@ -727,12 +841,14 @@ def main(argv=None):
     for key in ("embeddings", "value_embeds", "attention", "mlp", "norms", "head", "scalars"):
         print(f"  {key}: {b[key]:,} ({100 * b[key] / b['total']:.1f}%)")
     fpt = flops_per_token(config)
-    print(f"FLOPs/token (train, T={config.sequence_len}): {fpt:.4e} (6 x matmul params + 12 x layers x heads x "
-          f"head_dim x T)")
-    mem = memory_estimate(config, args.micro_batch, optimizer=args.optimizer, bf16=args.dtype == "bfloat16",
+    print(f"FLOPs/token (train, T={config.sequence_len}): {fpt:.4e} (6 x matmul params + 12 x "
+          "layers x heads x head_dim x T)")
+    mem = memory_estimate(config, args.micro_batch, optimizer=args.optimizer, bf16=args.dtype ==
+                          "bfloat16",
                           device_type=args.device)
-    print(f"training memory per {args.device} device, micro-batch {args.micro_batch} x {config.sequence_len}, "
-          f"{args.optimizer}, {args.dtype} compute, activation checkpointing "
+    print(f"training memory per {args.device} device, micro-batch {args.micro_batch} x "
+          f"{config.sequence_len}, {args.optimizer}, {args.dtype} compute, activation "
+          "checkpointing "
           f"{'on' if config.activation_checkpointing else 'off'}:")
     for key in ("weights", "gradients", "optimizer", "activations", "transient", "total"):
         print(f"  {key}: {mem[key] / 2**30:.2f} GiB")

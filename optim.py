@@ -1,7 +1,9 @@
-"""Optimizers and their schedules: parameter groups and the learning-rate rule (build_optimizers), Muon with Polar
-Express's Newton-Schulz and NorMuon, what runs in which dtype (precision_line), and the schedules (apply_schedule).
+"""Optimizers and their schedules: parameter groups and the learning-rate rule (build_optimizers),
+Muon with Polar Express's Newton-Schulz and NorMuon, what runs in which dtype (precision_line), and
+the schedules (apply_schedule).
 
-Not a stage: import it (`import optim`). One command line, a schedule as the training stages apply it:
+Not a stage: import it (`import optim`). One command line, a schedule as the training stages apply
+it:
 
     python optim.py --steps 1000 --schedule wsd --warmdown_frac 0.2    # lr multiplier, weight decay, Muon momentum
 """
@@ -16,23 +18,31 @@ from common import device_name, matmul_dtype, precision
 from distributed import is_dtensor, local
 
 # -----------------------------------------------------------------------------
-# Optimizers. Base lrs are set for width 768 and a batch of 2^19 tokens (nanochat's). AdamW groups scale with
-# 1/sqrt(width/768) and (batch/2^19)^(1/8): nanochat's square-root batch rule starved the embedding and head at CPU
-# batches, and 1/8 keeps its tuned lrs at 2^19 while matching the optimum measured at 2^11 (dev/LOG.md). Muon's
-# orthogonalized update depends on neither width nor gradient noise: its lr is not scaled (scaling it cost bpb).
+# Optimizers. Base lrs are set for width 768 and a batch of 2^19 tokens (nanochat's). AdamW groups
+# scale with
+# 1/sqrt(width/768) and (batch/2^19)^(1/8): nanochat's square-root batch rule starved the embedding
+# and head at CPU
+# batches, and 1/8 keeps its tuned lrs at 2^19 while matching the optimum measured at 2^11
+# (dev/LOG.md). Muon's
+# orthogonalized update depends on neither width nor gradient noise: its lr is not scaled (scaling
+# it cost bpb).
 
 REF_WIDTH, REF_BATCH, BATCH_EXPONENT = 768, 2 ** 19, 1 / 8
 
-# torch.optim imports torch._dynamo (1.1 s of CPU) at an optimizer's first add_param_group and step, to keep those
-# methods out of compiled graphs; nothing here calls them in one, so an eager stage starts without it
+# torch.optim imports torch._dynamo (1.1 s of CPU) at an optimizer's first add_param_group and step,
+# to keep those
+# methods out of compiled graphs; nothing here calls them in one, so an eager stage starts without
+# it
 for method in (torch.optim.Optimizer.add_param_group, torch.optim.Optimizer.state_dict,
                torch.optim.Optimizer.load_state_dict, torch.optim.Optimizer.zero_grad):
-    if hasattr(method, "__wrapped__"):  # torch._disable_dynamo's lazy wrapper: it calls what this attribute holds
+    # torch._disable_dynamo's lazy wrapper: it calls what this attribute holds
+    if hasattr(method, "__wrapped__"):
         setattr(method.__wrapped__, "__dynamo_disable", method.__wrapped__)
 
 
 class AdamW(torch.optim.AdamW):
-    """torch's AdamW, its step under no_grad without torch's wrapper, whose `import torch._dynamo` is the above's."""
+    """torch's AdamW, its step under no_grad without torch's wrapper, whose `import torch._dynamo`
+    is the above's."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -40,10 +50,12 @@ class AdamW(torch.optim.AdamW):
 
 
 def param_groups(model):
-    """Split parameters by role: 'matrix' (2D weights inside the blocks), 'embedding', 'value_embedding', 'head',
-    'resid_lambdas', 'x0_lambdas', 'scalar' (other 1D parameters). A tied embedding is in 'head': its gradient is
-    mostly the output's, and the embedding's lr (50x) would move every logit's weights by that lr each step."""
-    groups = {"matrix": [], "embedding": [], "value_embedding": [], "head": [], "resid_lambdas": [], "x0_lambdas": [],
+    """Split parameters by role: 'matrix' (2D weights inside the blocks), 'embedding',
+    'value_embedding', 'head', 'resid_lambdas', 'x0_lambdas', 'scalar' (other 1D parameters). A tied
+    embedding is in 'head': its gradient is mostly the output's, and the embedding's lr (50x) would
+    move every logit's weights by that lr each step."""
+    groups = {"matrix": [], "embedding": [], "value_embedding": [], "head": [], "resid_lambdas": [],
+              "x0_lambdas": [],
               "scalar": []}
     tied = model.config.tie_embeddings
     for name, p in model.named_parameters():
@@ -63,53 +75,67 @@ def param_groups(model):
 
 
 def build_optimizers(model, args, width, batch_tokens, device, lr_scale=1.0):
-    """Muon for the block matrices and AdamW for the rest ('muon'), or AdamW everywhere ('adamw'); args.adam8bit:
-    bitsandbytes' AdamW8bit. Every lr is multiplied by lr_scale (a chat stage's fraction of its parent's). Every
-    param group carries 'name', 'base_lr' (the lr at multiplier 1) and 'wd_on' (whether weight decay applies)."""
+    """Muon for the block matrices and AdamW for the rest ('muon'), or AdamW everywhere ('adamw');
+    args.adam8bit: bitsandbytes' AdamW8bit. Every lr is multiplied by lr_scale (a chat stage's
+    fraction of its parent's). Every param group carries 'name', 'base_lr' (the lr at multiplier 1)
+    and 'wd_on' (whether weight decay applies)."""
     width_factor, batch_factor = (width / REF_WIDTH) ** -0.5, (batch_tokens / REF_BATCH) ** BATCH_EXPONENT
     # AdamW on the block matrices keeps the square-root rule: 1/8 cost bpb there (dev/LOG.md)
     sqrt_factor = (batch_tokens / REF_BATCH) ** 0.5
-    lrs = {"matrix": args.matrix_lr * (1 if args.optimizer == "muon" else width_factor * sqrt_factor),
+    lrs = {"matrix": args.matrix_lr * (1 if args.optimizer == "muon"
+                                       else width_factor * sqrt_factor),
            "embedding": args.embedding_lr * width_factor * batch_factor,
            "head": args.head_lr * width_factor * batch_factor,
            "scalar": args.scalar_lr * width_factor * batch_factor,
-           "value_embedding": args.embedding_lr * width_factor * batch_factor / 2,  # nanochat's: half the embedding's
-           # nanochat's, not scaled: scaled by the batch rule, one seed in three diverged (dev/LOG.md)
+           # nanochat's: half the embedding's
+           "value_embedding": args.embedding_lr * width_factor * batch_factor / 2,
+           # nanochat's, not scaled: scaled by the batch rule, one seed in three diverged
+           # (dev/LOG.md)
            "resid_lambdas": 0.005, "x0_lambdas": 0.5}
     lrs = {name: lr * lr_scale for name, lr in lrs.items()}
     groups = param_groups(model)
-    adam_groups = [{"params": ps, "name": k, "base_lr": lrs[k], "lr": lrs[k], "wd_on": k == "matrix",
-                    **({"betas": (0.96, 0.95)} if k == "x0_lambdas" else {})}  # nanochat's, for the x0 mix
+    adam_groups = [{"params": ps, "name": k, "base_lr": lrs[k], "lr": lrs[k],
+                    "wd_on": k == "matrix",
+                    # nanochat's, for the x0 mix
+                    **({"betas": (0.96, 0.95)} if k == "x0_lambdas" else {})}
                    for k, ps in groups.items() if k != "matrix" or args.optimizer == "adamw"]
     if args.adam8bit:
         try:
             import bitsandbytes
         except ImportError as e:
-            raise ImportError("--adam8bit needs bitsandbytes: `pip install bitsandbytes` (CUDA only), or drop the "
-                             "flag to use torch's AdamW") from e
-        adam = bitsandbytes.optim.AdamW8bit(adam_groups, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0)
+            raise ImportError("--adam8bit needs bitsandbytes: `pip install bitsandbytes` (CUDA "
+                             "only), or drop the flag to use torch's AdamW") from e
+        adam = bitsandbytes.optim.AdamW8bit(adam_groups, betas=(0.8, 0.95), eps=1e-10,
+                                            weight_decay=0.0)
     else:
-        # fused on CPU too: 3-5x faster than foreach or torch's CPU default; it takes FSDP2's DTensors (dev/LOG.md)
+        # fused on CPU too: 3-5x faster than foreach or torch's CPU default; it takes FSDP2's
+        # DTensors (dev/LOG.md)
         adam = AdamW(adam_groups, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0, fused=True)
     optimizers = [adam]
     if args.optimizer == "muon":
-        optimizers.append(Muon([{"params": groups["matrix"], "name": "matrix", "base_lr": lrs["matrix"],
-                                 "lr": lrs["matrix"], "wd_on": True}], ns_dtype=matmul_dtype(device, width)))
+        optimizers.append(Muon([{"params": groups["matrix"], "name": "matrix", "base_lr": lrs[
+                                                                                              "matrix"],
+                                 "lr": lrs["matrix"], "wd_on": True}], ns_dtype=matmul_dtype(
+                                         device, width)))
     return optimizers
 
 
 def precision_line(args, device, optimizers, width):
-    """What runs in which dtype, and why: printed before step 1. Muon's Newton-Schulz takes the device's choice
-    (common.precision) whatever --dtype says: --dtype is the model's numerics, the optimizer's matmuls need only speed."""
+    """What runs in which dtype, and why: printed before step 1. Muon's Newton-Schulz takes the
+    device's choice (common.precision) whatever --dtype says: --dtype is the model's numerics, the
+    optimizer's matmuls need only speed."""
     muon = [g["ns_dtype"] for opt in optimizers if isinstance(opt, Muon) for g in opt.param_groups]
     chosen, why = precision(device, width)
     how = why if args.dtype == chosen else f"given or inherited; the choice here would be {chosen}, {why}"
-    return (f"precision: fp32 weights, compute {args.dtype}" + (f", Muon Newton-Schulz {muon[0]}" if muon else "")
+    return (f"precision: fp32 weights, compute {args.dtype}" + (f", Muon Newton-Schulz {muon[0]}"
+                                                                if muon else "")
             + f" ({how}) on {device_name(device)}")
 
 
-# Polar Express (Amsel et al. 2025, as modded-nanogpt and nanochat): a quintic a x + b x^3 + c x^5 per step, each the
-# best for the singular values the steps before can leave (2% margin: x / (1.02 |x|_F)); later steps reuse the last.
+# Polar Express (Amsel et al. 2025, as modded-nanogpt and nanochat): a quintic a x + b x^3 + c x^5
+# per step, each the
+# best for the singular values the steps before can leave (2% margin: x / (1.02 |x|_F)); later steps
+# reuse the last.
 POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
                  (4.042929935166739, -2.808917465908714, 0.5000178451051316),
                  (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
@@ -122,28 +148,34 @@ def quintic_coefficients(steps):
 
 
 def newton_schulz(stack, steps, dtype):
-    """Approximately orthogonalize a stack of same-shape matrices, rows <= columns (U S V^T -> U S' V^T, S' ~ 1), with
-    matmuls in `dtype` (not torch.optim.Muon's fixed bf16, which CPUs without native bf16 emulate): X <- a X + (b G +
-    c G^2) X, G = X X^T, Polar Express's (a, b, c) at each step. Where it takes fewer FLOPs (wide matrices) the Gram
-    form, newton_schulz_gram; only in fp32 or fp64, as in bf16 it loses the small singular values."""
-    x = stack.to(getattr(torch, dtype))  # in place from here on: `stack` itself when it is in `dtype` already
-    x.div_(x.norm(dim=(-2, -1), keepdim=True).mul_(1.02).clamp_(min=1e-7))  # spectral norm < Frobenius norm: the basin
+    """Approximately orthogonalize a stack of same-shape matrices, rows <= columns (U S V^T -> U S'
+    V^T, S' ~ 1), with matmuls in `dtype` (not torch.optim.Muon's fixed bf16, which CPUs without
+    native bf16 emulate): X <- a X + (b G + c G^2) X, G = X X^T, Polar Express's (a, b, c) at each
+    step. Where it takes fewer FLOPs (wide matrices) the Gram form, newton_schulz_gram; only in fp32
+    or fp64, as in bf16 it loses the small singular values."""
+    # in place from here on: `stack` itself when it is in `dtype` already
+    x = stack.to(getattr(torch, dtype))
+    # spectral norm < Frobenius norm: the basin
+    x.div_(x.norm(dim=(-2, -1), keepdim=True).mul_(1.02).clamp_(min=1e-7))
     rows, columns = x.shape[-2:]
-    gram_flops = 4 * rows * rows * columns + (8 * steps - 6) * rows ** 3  # each form's, as newton_schulz_gram counts
+    # each form's, as newton_schulz_gram counts
+    gram_flops = 4 * rows * rows * columns + (8 * steps - 6) * rows ** 3
     direct_flops = steps * (4 * rows * rows * columns + 2 * rows ** 3)
     if x.dtype in (torch.float32, torch.float64) and gram_flops < direct_flops:
         return newton_schulz_gram(x, steps)
     for a, b, c in quintic_coefficients(steps):
         gram = x @ x.mT  # rows x rows: the smaller Gram matrix
-        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # a x + (b G + c G^2) x
+        # a x + (b G + c G^2) x
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x
 
 
 def newton_schulz_gram(x, steps):
-    """newton_schulz's iteration for normalized wide x (m rows, n columns): every step multiplies X on the left by
-    P = p(G) = aI + bG + cG^2, so X_k = Q X_0 with Q = P_k ... P_1, and G_k+1 = P G_k P (P commutes with G_k). Only the
-    m x m matrices G, P, Q are iterated; X is touched twice: 4m^2n + (8 steps - 6) m^3 FLOPs against steps x (4m^2n +
-    2m^3). In fp32 within 1.1e-3 of an fp64 iteration even where the singular values span 1e-4 (tested)."""
+    """newton_schulz's iteration for normalized wide x (m rows, n columns): every step multiplies X
+    on the left by P = p(G) = aI + bG + cG^2, so X_k = Q X_0 with Q = P_k ... P_1, and G_k+1 = P G_k
+    P (P commutes with G_k). Only the m x m matrices G, P, Q are iterated; X is touched twice: 4m^2n
+    + (8 steps - 6) m^3 FLOPs against steps x (4m^2n + 2m^3). In fp32 within 1.1e-3 of an fp64
+    iteration even where the singular values span 1e-4 (tested)."""
     gram, product = x @ x.mT, None
     for step, (a, b, c) in enumerate(quintic_coefficients(steps)):
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
@@ -155,7 +187,8 @@ def newton_schulz_gram(x, steps):
 
 
 def whole(shard, param):
-    """The whole matrix of a sharded parameter's update from each rank's shard (an all-gather); else the update."""
+    """The whole matrix of a sharded parameter's update from each rank's shard (an all-gather); else
+    the update."""
     if not is_dtensor(param):
         return shard
     return type(param).from_local(shard, param.device_mesh, param.placements, shape=param.shape,
@@ -163,34 +196,41 @@ def whole(shard, param):
 
 
 def shard_of(matrix, param):
-    """This rank's rows of a whole matrix that every rank holds, laid out as `param` is sharded (no communication)."""
+    """This rank's rows of a whole matrix that every rank holds, laid out as `param` is sharded (no
+    communication)."""
     if not is_dtensor(param):
         return matrix
     from torch.distributed.tensor import distribute_tensor
-    return distribute_tensor(matrix, param.device_mesh, param.placements, src_data_rank=None).to_local()
+    return distribute_tensor(matrix, param.device_mesh, param.placements,
+                             src_data_rank=None).to_local()
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon for 2D weights: momentum (Nesterov by default; the schedule sets it, muon_momentum), the update
-    orthogonalized by newton_schulz (Polar Express) in ns_dtype, then NorMuon's per-neuron normalization
-    (neuron_normalized), scaled by sqrt(max(1, rows/cols)) (Keller's shape scaling, torch.optim.Muon's "original"),
-    decoupled weight decay lr x wd (tests/test_train.py: against the rule in fp64). Matrices of one shape up to a
-    transpose are orthogonalized as one stack (one batched matmul: half the step). FSDP-sharded: momentum on each
-    rank's shard, then rounds of one matrix per rank: each all-gathered, rank i orthogonalizes the round's i-th and
-    broadcasts it, every rank keeps its rows (at most `world size` whole matrices in memory). Under DDP each rank
-    orthogonalizes its share of a shape's stack and an all-gather gives every rank all (divide_work=False: each
-    computes every matrix, for comparison)."""
+    """Muon for 2D weights: momentum (Nesterov by default; the schedule sets it, muon_momentum), the
+    update orthogonalized by newton_schulz (Polar Express) in ns_dtype, then NorMuon's per-neuron
+    normalization (neuron_normalized), scaled by sqrt(max(1, rows/cols)) (Keller's shape scaling,
+    torch.optim.Muon's "original"), decoupled weight decay lr x wd (tests/test_train.py: against the
+    rule in fp64). Matrices of one shape up to a transpose are orthogonalized as one stack (one
+    batched matmul: half the step). FSDP-sharded: momentum on each rank's shard, then rounds of one
+    matrix per rank: each all-gathered, rank i orthogonalizes the round's i-th and broadcasts it,
+    every rank keeps its rows (at most `world size` whole matrices in memory). Under DDP each rank
+    orthogonalizes its share of a shape's stack and an all-gather gives every rank all
+    (divide_work=False: each computes every matrix, for comparison)."""
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0, ns_steps=5,
                  ns_dtype="bfloat16", neuron_beta2=0.95, divide_work=True):
-        super().__init__(params, {"lr": lr, "momentum": momentum, "nesterov": nesterov, "weight_decay": weight_decay,
-                                  "ns_steps": ns_steps, "ns_dtype": ns_dtype, "neuron_beta2": neuron_beta2})
+        super().__init__(params, {"lr": lr, "momentum": momentum, "nesterov": nesterov,
+                                  "weight_decay": weight_decay,
+                                  "ns_steps": ns_steps, "ns_dtype": ns_dtype,
+                                  "neuron_beta2": neuron_beta2})
         self.divide_work = divide_work
 
     @torch.no_grad()
-    def step(self, closure=None):  # closure: torch.distributed.checkpoint initializes state with step(closure=None)
+    # closure: torch.distributed.checkpoint initializes state with step(closure=None)
+    def step(self, closure=None):
         for group in self.param_groups:
-            by_shape = {}  # (rows, columns) with rows <= columns -> the parameters of that shape or its transpose
+            # (rows, columns) with rows <= columns -> the parameters of that shape or its transpose
+            by_shape = {}
             for p in group["params"]:
                 if p.grad is not None:
                     by_shape.setdefault((min(p.shape), max(p.shape)), []).append(p)
@@ -201,44 +241,59 @@ class Muon(torch.optim.Optimizer):
                     self.update(group, same_shape[start:start + size], sharded)
 
     def update(self, group, params, sharded):
-        """Momentum, Newton-Schulz and the step for matrices of one shape up to a transpose. Sharded: rank i
-        orthogonalizes params[i] and broadcasts it; every rank keeps its rows of each."""
+        """Momentum, Newton-Schulz and the step for matrices of one shape up to a transpose.
+        Sharded: rank i orthogonalizes params[i] and broadcasts it; every rank keeps its rows of
+        each."""
         for p in params:
             if not self.state[p]:
-                self.state[p]["momentum_buffer"] = torch.zeros_like(p)  # a DTensor shard for a sharded p
+                # a DTensor shard for a sharded p
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p)
         buffers = [local(self.state[p]["momentum_buffer"]) for p in params]
         grads = [local(p.grad) for p in params]
         torch._foreach_lerp_(buffers, grads, 1 - group["momentum"])
-        updates = torch._foreach_lerp(grads, buffers, group["momentum"]) if group["nesterov"] else buffers
-        updates = [whole(u, p) for u, p in zip(updates, params, strict=True)]  # all-gathered when sharded
-        talls, shape = [p.size(0) > p.size(1) for p in params], min(params[0].shape, params[0].shape[::-1])
+        updates = torch._foreach_lerp(grads, buffers,
+                                      group["momentum"]) if group["nesterov"] else buffers
+        # all-gathered when sharded
+        updates = [whole(u, p) for u, p in zip(updates, params, strict=True)]
+        talls, shape = [p.size(0) > p.size(1) for p in params], min(params[0].shape,
+                                                                    params[0].shape[::-1])
         share = 0  # under DDP: matrices per rank, each rank the next `share` of the stack
         if not sharded and self.divide_work and dist.is_initialized() and dist.get_world_size() > 1:
             share = math.ceil(len(params) / dist.get_world_size())
             mine = range(dist.get_rank() * share, min(len(params), (dist.get_rank() + 1) * share))
         else:
-            mine = [i for i in ([dist.get_rank()] if sharded else range(len(params))) if i < len(params)]
-        wide = torch.empty((len(mine), *shape), device=updates[0].device, dtype=getattr(torch, group["ns_dtype"]))
+            mine = [i for i in ([dist.get_rank()] if sharded else range(len(params)))
+                    if i < len(params)]
+        wide = torch.empty((len(mine), *shape), device=updates[0].device, dtype=getattr(torch,
+                                                                                        group[
+                                                                                                     "ns_dtype"]))
         done = {}
-        if mine:  # sharded, a round with fewer matrices than ranks (one value-embedding gate) leaves some rank none
+        # sharded, a round with fewer matrices than ranks (one value-embedding gate) leaves some
+        # rank none
+        if mine:
             torch._foreach_copy_([w.mT if talls[i] else w for w, i in zip(wide, mine, strict=True)],
                                  [updates[i] for i in mine])  # stacked and cast in one pass
-            done = dict(zip(mine, newton_schulz(wide, group["ns_steps"], group["ns_dtype"]).unbind(0), strict=True))
-        for i in range(len(params)) if sharded else ():  # each result from the rank that computed it
+            done = dict(zip(mine, newton_schulz(wide, group["ns_steps"],
+                                                group["ns_dtype"]).unbind(0), strict=True))
+        # each result from the rank that computed it
+        for i in range(len(params)) if sharded else ():
             done[i] = done.get(i, torch.empty(shape, device=wide.device, dtype=wide.dtype))
             dist.broadcast(done[i], src=i)
-        if share:  # every rank's share, padded to `share` matrices (the last rank's may be short or empty)
+        # every rank's share, padded to `share` matrices (the last rank's may be short or empty)
+        if share:
             padded = torch.zeros((share, *shape), device=wide.device, dtype=wide.dtype)
             padded[:len(mine)] = torch.stack([done[i] for i in mine]) if mine else padded[:0]
             gathered = [torch.empty_like(padded) for _ in range(dist.get_world_size())]
             dist.all_gather(gathered, padded)
             done = dict(enumerate(torch.cat(gathered)[:len(params)].unbind(0)))
-        fulls = [self.neuron_normalized(done[i].mT if talls[i] else done[i], p, group) for i, p in enumerate(params)]
+        fulls = [self.neuron_normalized(done[i].mT if talls[i] else done[i], p, group) for i,
+                 p in enumerate(params)]
         shards = [shard_of(full, p) for full, p in zip(fulls, params, strict=True)]
         rows, columns = params[0].shape  # the first's: the others are the same or its transpose
         params = [local(p) for p in params]
         torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
-        for tall in (False, True):  # shape scale sqrt(max(1, rows/cols)), folded into the step as torch does
+        # shape scale sqrt(max(1, rows/cols)), folded into the step as torch does
+        for tall in (False, True):
             chosen = [i for i, t in enumerate(talls) if t == tall]
             if chosen:
                 scale = (max(rows, columns) / min(rows, columns)) ** 0.5 if tall else 1
@@ -246,12 +301,14 @@ class Muon(torch.optim.Optimizer):
                                     alpha=-group["lr"] * scale)
 
     def neuron_normalized(self, update, param, group):
-        """NorMuon (Li et al. 2025), on the whole orthogonalized update in the parameter's orientation: each neuron's
-        step (the longer side's rows or columns) is divided by the root of the running mean (beta2) of its mean
-        square, then the whole is rescaled to its old norm: even neuron steps, the same update size. The state, one
-        number per neuron, is the same on every rank."""
+        """NorMuon (Li et al. 2025), on the whole orthogonalized update in the parameter's
+        orientation: each neuron's step (the longer side's rows or columns) is divided by the root
+        of the running mean (beta2) of its mean square, then the whole is rescaled to its old norm:
+        even neuron steps, the same update size. The state, one number per neuron, is the same on
+        every rank."""
         reduce = -1 if update.size(0) >= update.size(1) else -2
-        precise = update.to(torch.promote_types(update.dtype, torch.float32))  # bf16 -> fp32; fp64 stays
+        # bf16 -> fp32; fp64 stays
+        precise = update.to(torch.promote_types(update.dtype, torch.float32))
         mean_square = precise.square().mean(dim=reduce, keepdim=True)
         state = self.state[param]
         if "neuron_second_moment" not in state:
@@ -264,7 +321,8 @@ class Muon(torch.optim.Optimizer):
 
 
 # -----------------------------------------------------------------------------
-# Schedules: the learning-rate multiplier and the weight decay at each step, a pure function of (step, args), so a
+# Schedules: the learning-rate multiplier and the weight decay at each step, a pure function of
+# (step, args), so a
 # resumed run needs no schedule state beyond the step.
 
 def decay(progress, start, end, shape, warmdown_frac):
@@ -281,17 +339,19 @@ def decay(progress, start, end, shape, warmdown_frac):
 
 
 def lr_multiplier(step, total, args):
-    """Warmup, then one decay segment; with a stage boundary (a two-stage schedule) a second segment that
-    restarts the decay at the boundary."""
+    """Warmup, then one decay segment; with a stage boundary (a two-stage schedule) a second segment
+    that restarts the decay at the boundary."""
     if step < args.warmup_steps:
         return (step + 1) / args.warmup_steps
     boundary = args.stage2_step
     if boundary and step >= boundary:
-        return decay((step - boundary) / max(1, total - boundary), args.stage2_lr_frac, args.min_lr_frac,
+        return decay((step - boundary) / max(1, total - boundary), args.stage2_lr_frac,
+                     args.min_lr_frac,
                      args.schedule, args.warmdown_frac)
     end = boundary or total
     return decay((step - args.warmup_steps) / max(1, end - args.warmup_steps), 1.0,
-                 args.stage1_end_frac if boundary else args.min_lr_frac, args.schedule, args.warmdown_frac)
+                 args.stage1_end_frac if boundary else args.min_lr_frac, args.schedule,
+                 args.warmdown_frac)
 
 
 def weight_decay_at(step, args):
@@ -299,7 +359,8 @@ def weight_decay_at(step, args):
 
 
 def muon_momentum(step, args):
-    """Muon's momentum: 0.85 to 0.95, linearly over the first --muon_momentum_warmup steps (nanochat's; dev/LOG.md)."""
+    """Muon's momentum: 0.85 to 0.95, linearly over the first --muon_momentum_warmup steps
+    (nanochat's; dev/LOG.md)."""
     return 0.95 if step >= args.muon_momentum_warmup else 0.85 + 0.10 * step / args.muon_momentum_warmup
 
 
@@ -317,47 +378,59 @@ def apply_schedule(optimizers, step, total, args):
 def add_schedule_args(parser):
     g = parser.add_argument_group("optimization")
     g.add_argument("--optimizer", default="muon", choices=["muon", "adamw"],
-                   help="muon: Muon for block matrices + AdamW for the rest; adamw: AdamW everywhere (default: "
-                        "%(default)s)")
-    g.add_argument("--adam8bit", action="store_true", help="bitsandbytes AdamW8bit instead of AdamW (less optimizer memory)")
-    g.add_argument("--matrix_lr", type=float, default=None, help="block matrices, at width 768 and batch 2^19 tokens "
-                   "(default: 0.02 with muon, 0.003 with adamw)")
-    g.add_argument("--embedding_lr", type=float, default=0.2, help="token embedding, same reference (default: "
-                   "%(default)s)")
-    g.add_argument("--head_lr", type=float, default=0.004, help="output head, same reference (default: %(default)s)")
-    g.add_argument("--scalar_lr", type=float, default=0.04, help="norms and other 1D parameters, same reference "
+                   help="muon: Muon for block matrices + AdamW for the rest; adamw: AdamW "
+                        "everywhere (default: %(default)s)")
+    g.add_argument("--adam8bit", action="store_true", help="bitsandbytes AdamW8bit instead of "
+                                                           "AdamW "
+                   "(less optimizer memory)")
+    g.add_argument("--matrix_lr", type=float, default=None, help="block matrices, at width 768 and "
+                   "batch 2^19 tokens (default: 0.02 with muon, 0.003 with adamw)")
+    g.add_argument("--embedding_lr", type=float, default=0.2, help="token embedding, same "
+                                                                   "reference "
                    "(default: %(default)s)")
-    g.add_argument("--muon_momentum_warmup", type=int, default=300, help="Muon's momentum rises from 0.85 to 0.95 "
-                   "over this many steps of the stage; 0 = 0.95 throughout (default: %(default)s)")
-    g.add_argument("--weight_decay", type=float, default=0.0, help="decoupled weight decay of the block matrices "
+    g.add_argument("--head_lr", type=float, default=0.004, help="output head, same reference "
                    "(default: %(default)s)")
-    g.add_argument("--grad_clip", type=float, default=1.0, help="clip the global gradient norm; 0 = off (default: "
-                   "%(default)s)")
+    g.add_argument("--scalar_lr", type=float, default=0.04, help="norms and other 1D parameters, "
+                   "same reference (default: %(default)s)")
+    g.add_argument("--muon_momentum_warmup", type=int, default=300, help="Muon's momentum rises "
+                   "from 0.85 to 0.95 over this many steps of the stage; 0 = 0.95 throughout "
+                   "(default: %(default)s)")
+    g.add_argument("--weight_decay", type=float, default=0.0, help="decoupled weight decay of the "
+                   "block matrices (default: %(default)s)")
+    g.add_argument("--grad_clip", type=float, default=1.0, help="clip the global gradient norm; 0 "
+                                                                "= "
+                   "off (default: %(default)s)")
     g.add_argument("--schedule", default="wsd", choices=["cosine", "linear", "wsd", "constant"],
                    help="decay shape after warmup (default: %(default)s)")
-    g.add_argument("--warmup_steps", type=int, default=0, help="linear warmup steps (default: %(default)s)")
-    g.add_argument("--warmdown_frac", type=float, default=0.2, help="wsd: share of the segment spent decaying "
-                   "(default: %(default)s)")
-    g.add_argument("--min_lr_frac", type=float, default=0.0, help="final lr as a fraction of the peak (default: "
+    g.add_argument("--warmup_steps", type=int, default=0, help="linear warmup steps (default: "
                    "%(default)s)")
-    g.add_argument("--stage2_step", type=int, default=0, help="two-stage schedule: step where the decay "
-                   "restarts and weight decay changes; 0 = one stage (default: %(default)s)")
-    g.add_argument("--stage1_end_frac", type=float, default=0.667, help="two-stage: lr fraction reached at the "
-                   "boundary (default: %(default)s)")
-    g.add_argument("--stage2_lr_frac", type=float, default=0.667, help="two-stage: lr fraction the second stage "
-                   "starts from (default: %(default)s)")
-    g.add_argument("--stage2_weight_decay", type=float, default=0.0, help="two-stage: weight decay from the boundary "
-                   "on (default: %(default)s)")
+    g.add_argument("--warmdown_frac", type=float, default=0.2, help="wsd: share of the segment "
+                   "spent decaying (default: %(default)s)")
+    g.add_argument("--min_lr_frac", type=float, default=0.0, help="final lr as a fraction of the "
+                   "peak (default: %(default)s)")
+    g.add_argument("--stage2_step", type=int, default=0, help="two-stage schedule: step where the "
+                   "decay restarts and weight decay changes; 0 = one stage (default: %(default)s)")
+    g.add_argument("--stage1_end_frac", type=float, default=0.667, help="two-stage: lr fraction "
+                   "reached at the boundary (default: %(default)s)")
+    g.add_argument("--stage2_lr_frac", type=float, default=0.667, help="two-stage: lr fraction the "
+                   "second stage starts from (default: %(default)s)")
+    g.add_argument("--stage2_weight_decay", type=float, default=0.0, help=
+                   "two-stage: weight decay from the boundary on (default: %(default)s)")
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="a schedule as the training stages apply it: the lr multiplier, the "
-                                     "weight decay and Muon's momentum at evenly spaced steps")
-    parser.add_argument("--steps", type=int, default=1000, help="the stage's steps (default: %(default)s)")
-    parser.add_argument("--points", type=int, default=11, help="how many steps to show (default: %(default)s)")
+    parser = argparse.ArgumentParser(description="a schedule as the training stages apply it: the "
+                                     "lr multiplier, the weight decay and Muon's momentum at "
+                                     "evenly "
+                                     "spaced steps")
+    parser.add_argument("--steps", type=int, default=1000, help="the stage's steps (default: "
+                        "%(default)s)")
+    parser.add_argument("--points", type=int, default=11, help="how many steps to show (default: "
+                        "%(default)s)")
     add_schedule_args(parser)
     args = parser.parse_args(argv)
-    for step in sorted({round(i * (args.steps - 1) / max(1, args.points - 1)) for i in range(args.points)}):
+    for step in sorted({round(i * (args.steps - 1) / max(
+            1, args.points - 1)) for i in range(args.points)}):
         print(f"step {step + 1}: lr x{lr_multiplier(step, args.steps, args):.4f}, weight decay "
               f"{weight_decay_at(step, args):g}, Muon momentum {muon_momentum(step, args):.4f}")
     return 0

@@ -5,8 +5,8 @@
     python pretrain.py --run_name NAME --resume                                    # continue from the last checkpoint
     python pretrain.py --status runs/NAME                                          # a live or finished run
 
-Writes runs/<run_name>/: config.json, metrics.jsonl (every step), samples.jsonl (every eval), ckpt/step_XXXXXX/,
-done.json (the final figures).
+Writes runs/<run_name>/: config.json, metrics.jsonl (every step), samples.jsonl (every eval),
+ckpt/step_XXXXXX/, done.json (the final figures).
 """
 import argparse
 import json
@@ -41,49 +41,63 @@ from model import (
 )
 from tokenizer import Tokenizer
 
-PROMPTS = ["The capital of", "Once upon a time,", "Two plus three is", "The first day of the week is"]
+PROMPTS = ["The capital of", "Once upon a time,", "Two plus three is", ("The first day of the week "
+            "is")]
 
 
 def get_args(argv=None):
     cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p, default_preset="d20" if cuda else "tiny")
     g = p.add_argument_group("data")
     g.add_argument("--data_dir", default=str(default_data_dir("karpathy/fineweb-edu-100b-shuffle")),
                    help="corpus directory (default: %(default)s)")
-    g.add_argument("--tokenizer", default="runs/tokenizer", help="tokenizer directory (default: %(default)s)")
-    g.add_argument("--seed", type=int, default=0, help="init seed, the same on every rank (default: %(default)s)")
-    g.add_argument("--data_plan", action="store_true", help="print the training shards the budget needs (its "
-                   "tokens / the tokens of --data_dir's first training shard, counted with --tokenizer, plus one) and "
-                   "exit; needs --total_batch_tokens (default: off)")
+    g.add_argument("--tokenizer", default="runs/tokenizer", help="tokenizer directory (default: "
+                   "%(default)s)")
+    g.add_argument("--seed", type=int, default=0, help="init seed, the same on every rank "
+                                                       "(default: "
+                   "%(default)s)")
+    g.add_argument("--data_plan", action="store_true", help="print the training shards the budget "
+                   "needs (its tokens / the tokens of --data_dir's first training shard, counted "
+                   "with --tokenizer, plus one) and exit; needs --total_batch_tokens (default: "
+                   "off)")
     train_loop.add_loader_threads_arg(g)
-    g = p.add_argument_group("budget: one of; given several, the last one is in force (a later --steps replaces a "
-                             "plan's --tokens_per_param)")
+    g = p.add_argument_group("budget: one of; given several, the last one is in force (a later "
+                             "--steps replaces a plan's --tokens_per_param)")
     train_loop.add_budget_args(g, [("steps", int, "optimizer steps"),
-                                   ("target_flops", float, "total training FLOPs (model.py's FLOPs/token x tokens)"),
-                                   ("tokens_per_param", float, ("tokens per parameter, value-embedding tables not "
+                                   ("target_flops", float, ("total training FLOPs (model.py's "
+                                     "FLOPs/token x tokens)")),
+                                   ("tokens_per_param", float, ("tokens per parameter, "
+                                                                 "value-embedding tables not "
                                                                  "counted (Chinchilla: 20)"))])
     g = p.add_argument_group("batch and precision")
-    g.add_argument("--total_batch_tokens", type=int, default=None, help="tokens per optimizer step over all ranks "
-                   "(default: micro_batch x sequence_len x world size, no accumulation)")
-    g.add_argument("--check_batch", type=int, default=0, metavar="N", help="check that --total_batch_tokens splits "
-                   "over N processes x --sequence_len (x --micro_batch when given) and exit; speedrun.sh runs it before "
-                   "any download (default: off)")
+    g.add_argument("--total_batch_tokens", type=int, default=None, help="tokens per optimizer step "
+                   "over all ranks (default: micro_batch x sequence_len x world size, no "
+                   "accumulation)")
+    g.add_argument("--check_batch", type=int, default=0, metavar="N", help=
+                   "check that --total_batch_tokens splits over N processes x --sequence_len (x "
+                   "--micro_batch when given) and exit; speedrun.sh runs it before any download "
+                   "(default: off)")
     train_loop.add_micro_batch_arg(g)
-    g.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="compute dtype (autocast); weights "
-                   "stay fp32 (default: bfloat16 on a GPU that supports it; on the CPU the faster of the two at the "
-                   "model's width, measured once per CPU model and torch version, fp32 untimed where bf16 is emulated)")
-    g.add_argument("--compile", type=parse_bool, default=cuda, help="torch.compile the model (default: %(default)s)")
+    g.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help=
+                   "compute dtype (autocast); weights stay fp32 (default: bfloat16 on a GPU that "
+                   "supports it; on the CPU the faster of the two at the model's width, measured "
+                   "once per CPU model and torch version, fp32 untimed where bf16 is emulated)")
+    g.add_argument("--compile", type=parse_bool, default=cuda, help="torch.compile the model "
+                   "(default: %(default)s)")
     g = p.add_argument_group("evaluation")
-    g.add_argument("--eval_every", type=int, default=250, help="validation bpb + samples every N steps; 0 = only at "
-                   "the end (default: %(default)s)")
-    g.add_argument("--bpb_tokens", type=int, default=2 ** 20, help="validation tokens per evaluation: the split's "
-                   "first N, in BOS-led rows (default: %(default)s)")
-    g.add_argument("--sample_prompt", action="append", default=None, help=f"sample prompt, repeatable (default: {PROMPTS})")
+    g.add_argument("--eval_every", type=int, default=250, help="validation bpb + samples every N "
+                   "steps; 0 = only at the end (default: %(default)s)")
+    g.add_argument("--bpb_tokens", type=int, default=2 ** 20, help="validation tokens per "
+                   "evaluation: the split's first N, in BOS-led rows (default: %(default)s)")
+    g.add_argument("--sample_prompt", action="append", default=None, help=
+                   f"sample prompt, repeatable (default: {PROMPTS})")
     runs.add_run_args(p, "pretrain")
-    p.add_argument("--final_checkpoint", type=parse_bool, default=True, help="save a checkpoint at the last step; "
-                   "false: only the --ckpt_every ones (a benchmark: bench.py gpu; nothing can continue from the end "
-                   "of such a run) (default: %(default)s)")
+    p.add_argument("--final_checkpoint", type=parse_bool, default=True, help=
+                   "save a checkpoint at the last step; false: only the --ckpt_every ones (a "
+                   "benchmark: bench.py gpu; nothing can continue from the end of such a run) "
+                   "(default: %(default)s)")
     optim.add_schedule_args(p)
     args = train_loop.parse_stage_args(p, argv, ["steps", "target_flops", "tokens_per_param"])
     if args.matrix_lr is None:
@@ -92,34 +106,44 @@ def get_args(argv=None):
 
 
 def data_plan(args, config, tokenizer):
-    """--data_plan: the training shards a budget needs, from the first shard's token count, written to
-    <runs_dir>/data_plan.json (speedrun.sh downloads that many) with the steps and a checkpoint's bytes (the gpu
-    plan's disk check reads them)."""
+    """--data_plan: the training shards a budget needs, from the first shard's token count, written
+    to <runs_dir>/data_plan.json (speedrun.sh downloads that many) with the steps and a checkpoint's
+    bytes (the gpu plan's disk check reads them)."""
     if not args.total_batch_tokens:
-        raise ValueError("--data_plan needs --total_batch_tokens (the tokens per step the run will use)")
+        raise ValueError("--data_plan needs --total_batch_tokens (the tokens per step the run will "
+                         "use)")
     steps = plan_steps(args, config, args.total_batch_tokens)
     print(args.budget_line)
     budget = steps * args.total_batch_tokens
     first = split_shards(args.data_dir, "train")[0]
     per_shard, docs = shard_tokens(first, tokenizer)
-    shards = math.ceil(budget / per_shard) + 1  # one spare: the other shards' documents vary a little in length
-    print(f"data plan: budget {steps:,} steps x {args.total_batch_tokens:,} tokens = {budget:,} tokens; "
-          f"{per_shard:,} tokens in {first.name} ({docs:,} documents, counted with this tokenizer)")
+    # one spare: the other shards' documents vary a little in length
+    shards = math.ceil(budget / per_shard) + 1
+    print(f"data plan: budget {steps:,} steps x {args.total_batch_tokens:,} tokens = {budget:,} "
+          f"tokens; {per_shard:,} tokens in {first.name} ({docs:,} documents, counted with this "
+          "tokenizer)")
     epochs = None
-    if (ingested := Path(args.data_dir, "ingest.json")).is_file():  # your own corpus (dataset.py ingest): all here
+    # your own corpus (dataset.py ingest): all here
+    if (ingested := Path(args.data_dir, "ingest.json")).is_file():
         record = json.loads(ingested.read_text())
         train_docs = record["documents"] - record["val_documents"]
         epochs = budget / (per_shard * train_docs / docs)
-        print(f"data plan: your corpus: about {per_shard * train_docs / docs:,.0f} training tokens ({train_docs:,} "
-              f"documents), so the budget is {epochs:.2f} epochs of it" + (
-                  ": pretraining repeats its documents (it says so at each pass); fewer steps: PRETRAIN_ARGS=--steps N"
+        print(f"data plan: your corpus: about {per_shard * train_docs / docs:,.0f} training tokens "
+              f"({train_docs:,} documents), so the budget is {epochs:.2f} epochs of it" + (
+                  ": pretraining repeats its documents (it says so at each pass); fewer steps: "
+                                                                                           "PRETRAIN_ARGS=--steps "
+                                                                                           "N"
                   if epochs > 1 else ""))
     out = Path(args.runs_dir) / "data_plan.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    # with what the gpu plan's disk check (gpu_plan.check_disk, launch.py shards) counts the checkpoints by
-    out.write_text(json.dumps({"shards": shards, "budget_tokens": budget, "first_shard_tokens": per_shard,
-                               "steps": steps, "tokens_per_step": args.total_batch_tokens, "step_cap": args.steps,
-                               "ckpt_every": args.ckpt_every, "keep": args.keep, "params": num_params(config),
+    # with what the gpu plan's disk check (gpu_plan.check_disk, launch.py shards) counts the
+    # checkpoints by
+    out.write_text(json.dumps({"shards": shards, "budget_tokens": budget,
+                               "first_shard_tokens": per_shard,
+                               "steps": steps, "tokens_per_step": args.total_batch_tokens,
+                               "step_cap": args.steps,
+                               "ckpt_every": args.ckpt_every, "keep": args.keep,
+                               "params": num_params(config),
                                "checkpoint_bytes": checkpoint_bytes(config, args.optimizer),
                                "data_dir": str(Path(args.data_dir).resolve()),
                                "runs_dir": str(Path(args.runs_dir).resolve()), "epochs": epochs}))
@@ -127,11 +151,13 @@ def data_plan(args, config, tokenizer):
 
 
 def checkpoint_bytes(config, optimizer):
-    """The bytes of one full checkpoint (model.pt + optimizers.pt): fp32 weights (4 a parameter), AdamW's moments
-    (8); with Muon, its momentum (4) for the block matrices (its per-neuron second moments, a row each, left out)."""
+    """The bytes of one full checkpoint (model.pt + optimizers.pt): fp32 weights (4 a parameter),
+    AdamW's moments (8); with Muon, its momentum (4) for the block matrices (its per-neuron second
+    moments, a row each, left out)."""
     counts = param_breakdown(config)
     matrices = counts["attention"] + counts["mlp"]
-    return 4 * counts["total"] + 8 * (counts["total"] - matrices) + (4 if optimizer == "muon" else 8) * matrices
+    return 4 * counts["total"] + 8 * (counts["total"] - matrices) + (4 if optimizer == "muon"
+                                                                     else 8) * matrices
 
 
 def plan_steps(args, config, tokens_per_step):
@@ -144,8 +170,9 @@ def plan_steps(args, config, tokens_per_step):
 
 @torch.no_grad()
 def greedy_completion(model, ids, new_tokens, dtype, device):
-    """The most likely next token, new_tokens times; the whole row again each time: for a few samples of 32 tokens
-    that costs less than a KV cache's set-up (chat.py's decode.py keeps one)."""
+    """The most likely next token, new_tokens times; the whole row again each time: for a few
+    samples of 32 tokens that costs less than a KV cache's set-up (chat.py's decode.py keeps
+    one)."""
     row = torch.tensor([ids], device=device)
     for _ in range(new_tokens):
         with autocast_context(device.type, dtype):
@@ -156,19 +183,23 @@ def greedy_completion(model, ids, new_tokens, dtype, device):
 
 @torch.no_grad()
 def evaluate(model, tokenizer, args, rank, world, device, run_dir, val_rows, step):
-    """Validation bits per byte (validation.val_bpb: the first --bpb_tokens of the split in BOS-led rows, the same
-    figure core_eval.py reports) and greedy samples; prints them and returns the metrics fields."""
-    bpb, _ = validation.val_bpb(model, val_rows, tokenizer.token_bytes, 8, args.dtype, rank, world, device)
+    """Validation bits per byte (validation.val_bpb: the first --bpb_tokens of the split in BOS-led
+    rows, the same figure core_eval.py reports) and greedy samples; prints them and returns the
+    metrics fields."""
+    bpb, _ = validation.val_bpb(model, val_rows, tokenizer.token_bytes, 8, args.dtype, rank, world,
+                                device)
     if rank == 0 or distributed.is_sharded(model):  # a sharded model is gathered by every rank
         samples = []
         for prompt in args.sample_prompt or PROMPTS:
             ids = [tokenizer.bos_id, *tokenizer.encode(prompt)]
             new_tokens = min(32, model.config.sequence_len - len(ids))
             completion = greedy_completion(model, ids, new_tokens, args.dtype, device)
-            samples.append({"step": step, "prompt": prompt, "completion": tokenizer.decode(completion)})
+            samples.append({"step": step, "prompt": prompt,
+                            "completion": tokenizer.decode(completion)})
     if rank == 0:
         common.append_jsonl(run_dir / "samples.jsonl", *samples)
-        print(f"eval step {step}: val bpb {bpb:.4f}; " + " | ".join(f"{s['prompt']!r} -> {s['completion']!r}"
+        print(f"eval step {step}: val bpb {bpb:.4f}; " + " | ".join(f"{s['prompt']!r} -> "
+                                                                    f"{s['completion']!r}"
                                                                    for s in samples))
     return {"val_bpb": bpb}
 
@@ -179,13 +210,16 @@ def main(argv=None):
         return train_loop.print_status(Path(args.status))
     if args.check_batch:
         config = config_from_args(args)
-        return print(train_loop.check_batch_divides(args.total_batch_tokens or config.sequence_len * args.check_batch,
-                                                    config.sequence_len, args.check_batch, args.micro_batch))
+        return print(train_loop.check_batch_divides(args.total_batch_tokens
+                                                    or config.sequence_len * args.check_batch,
+                                                    config.sequence_len, args.check_batch,
+                                                    args.micro_batch))
     rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
     master = rank == 0
     tokenizer = Tokenizer.load(args.tokenizer)
     if args.vocab_size not in (None, tokenizer.vocab_size):
-        parser.error(f"--vocab_size {args.vocab_size} differs from the tokenizer's {tokenizer.vocab_size}")
+        parser.error(f"--vocab_size {args.vocab_size} differs from the tokenizer's "
+                     f"{tokenizer.vocab_size}")
     args.vocab_size = tokenizer.vocab_size
     try:
         config = config_from_args(args)
@@ -205,14 +239,19 @@ def main(argv=None):
     tokens_per_step = micro * seq_len * world * accum
     total_steps = plan_steps(args, config, tokens_per_step)
     optimizers = optim.build_optimizers(model, args, config.n_embd, tokens_per_step, device)
-    # one loader per accumulation micro-step, as virtual rank rank*accum + j of world*accum: the rows of a global
+    # one loader per accumulation micro-step, as virtual rank rank*accum + j of world*accum: the
+    # rows of a global
     # batch are the same however it is split into processes and micro-steps
     loaders = [text_loader(args.data_dir, "train", tokenizer, micro, seq_len, rank=rank * accum + j,
-                           world_size=world * accum, device=device, threads=train_loop.loader_threads(args, device))
+                           world_size=world * accum, device=device,
+                           threads=train_loop.loader_threads(args, device))
                for j in range(accum)]
-    # does the corpus hold the budget? (rank 0 counts; the others need not wait for it before their next collective)
-    data = corpus_budget(args.data_dir, tokenizer, total_steps * tokens_per_step) if master else None
-    layout, run, ckpt_meta = runs.record_run(args, "pretrain", asdict(config), seq_len, micro, accum, world,
+    # does the corpus hold the budget? (rank 0 counts; the others need not wait for it before their
+    # next collective)
+    data = corpus_budget(args.data_dir, tokenizer,
+                         total_steps * tokens_per_step) if master else None
+    layout, run, ckpt_meta = runs.record_run(args, "pretrain", asdict(config), seq_len, micro,
+                                             accum, world,
                                              total_steps, tokens_per_step, tokenizer, params,
                                              {"data": data, "data_dir": args.data_dir})
     if master:
@@ -220,22 +259,26 @@ def main(argv=None):
             f"model: {args.preset}, params: {params}; FLOPs/token {fpt:.4e}", sharding,
             runs.batch_line(micro, seq_len, world, accum), args.budget_line,
             (f"budget: {total_steps:,} steps, {total_steps * tokens_per_step:,} tokens, "
-             f"{fpt * total_steps * tokens_per_step:.3e} FLOPs, {total_steps * tokens_per_step / counted:.2f} tokens "
-             f"per parameter (value-embedding tables not counted)"), budget_line(data, total_steps * tokens_per_step)],
+             f"{fpt * total_steps * tokens_per_step:.3e} FLOPs, "
+             f"{total_steps * tokens_per_step / counted:.2f} tokens per parameter (value-embedding "
+             "tables not counted)"), budget_line(data, total_steps * tokens_per_step)],
             optimizers, device)
-    start = (checkpoint.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank, device) if resume_from
+    start = (checkpoint.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank,
+                               device) if resume_from
              else 0)
 
     train_model = train_loop.wrap_model(model, args, world, local_rank, device)
     val_rows = validation.val_rows(args.data_dir, tokenizer, args.bpb_tokens, seq_len)
     evaluator = partial(evaluate, model, tokenizer, args, rank, world, device, run_dir, val_rows)
-    signum = train_loop.train(args, model, train_model, optimizers, loaders, run_dir=run_dir, start=start,
+    signum = train_loop.train(args, model, train_model, optimizers, loaders, run_dir=run_dir,
+                              start=start,
                               total_steps=total_steps, ckpt_meta=ckpt_meta, evaluate=evaluator,
                               flops_per_token=fpt, rank=rank, world=world, device=device)
     if signum is None:
         bpb = evaluator(total_steps)["val_bpb"]
         if master:
-            common.append_jsonl(run_dir / "metrics.jsonl", {"step": total_steps, "final_val_bpb": bpb})
+            common.append_jsonl(run_dir / "metrics.jsonl", {"step": total_steps,
+                                                            "final_val_bpb": bpb})
             (run_dir / "done.json").write_text(json.dumps({"step": total_steps, "val_bpb": bpb}))
             print(f"done: {total_steps} steps, val bpb {bpb:.4f}, run dir {run_dir}")
     close_all(loaders)

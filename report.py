@@ -1,13 +1,16 @@
-"""The report of a speedrun: runs/<run>/report.md and its PNG curves, every figure read from the run's own files.
+"""The report of a speedrun: runs/<run>/report.md and its PNG curves, every figure read from the
+run's own files.
 
     python report.py runs/speedrun          # what speedrun.sh runs after the last stage
 
-Reads, for each stage run under the speedrun directory (pretrain/, midtrain/, sft/): config.json, metrics.jsonl,
-done.json and samples.jsonl; core_eval/results.json; chat_eval.json; transport.txt (the NCCL decision and the bandwidth its probe measured);
-logs/stages.tsv (each stage's wall time, written by speedrun.sh); stage_evals/<stage>/ (core_eval and chat_eval of
-each stage's final model, for the table of what each stage taught); predicted.json (each stage's wall time predicted
-from the rehearsal before the run, gpu_plan.py's: shown beside the actual). A figure that is not there is "unknown".
-Writes report.md, loss.png (training loss per stage) and val_bpb.png (pretraining validation bits per byte).
+Reads, for each stage run under the speedrun directory (pretrain/, midtrain/, sft/): config.json,
+metrics.jsonl, done.json and samples.jsonl; core_eval/results.json; chat_eval.json; transport.txt
+(the NCCL decision and the bandwidth its probe measured); logs/stages.tsv (each stage's wall time,
+written by speedrun.sh); stage_evals/<stage>/ (core_eval and chat_eval of each stage's final model,
+for the table of what each stage taught); predicted.json (each stage's wall time predicted from the
+rehearsal before the run, gpu_plan.py's: shown beside the actual). A figure that is not there is
+"unknown". Writes report.md, loss.png (training loss per stage) and val_bpb.png (pretraining
+validation bits per byte).
 """
 import argparse
 import json
@@ -16,10 +19,12 @@ import sys
 from pathlib import Path
 
 TRAIN_STAGES = ["pretrain", "midtrain", "sft"]
-# the stages whose final models get a column in the per-stage table, in training order, where they left a checkpoint
+# the stages whose final models get a column in the per-stage table, in training order, where they
+# left a checkpoint
 MODEL_STAGES = ["pretrain", "midtrain", "sft", "rl"]
 UNKNOWN = "unknown"
-SAMPLE_QUESTIONS = 2  # per generated task in the per-stage table: its first item and its first with a numeric answer
+# per generated task in the per-stage table: its first item and its first with a numeric answer
+SAMPLE_QUESTIONS = 2
 
 
 def read_json(path):
@@ -28,8 +33,8 @@ def read_json(path):
 
 
 def stage_rows(run):
-    """logs/stages.tsv's rows, one per stage launch.py ran: [name, seconds, exit status] (strings, as
-    launch.py wrote them), oldest first."""
+    """logs/stages.tsv's rows, one per stage launch.py ran: [name, seconds, exit status] (strings,
+    as launch.py wrote them), oldest first."""
     path = Path(run, "logs", "stages.tsv")
     return [line.split("\t") for line in path.read_text().splitlines()] if path.is_file() else []
 
@@ -40,17 +45,20 @@ def stage_seconds(run):
 
 
 def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    return [json.loads(line) for line in path.read_text().splitlines()
+            if line.strip()] if path.is_file() else []
 
 
 def hardware(run, name):
-    """The world a stage ran in, as recorded: 'single process, device ...' or 'world size 8 (nccl): rank 0 ...'."""
+    """The world a stage ran in, as recorded: 'single process, device ...' or 'world size 8 (nccl):
+    rank 0 ...'."""
     files = {"core_eval": run / "core_eval" / "results.json", "chat_eval": run / "chat_eval.json"}
     return (read_json(files.get(name, run / name / "config.json")) or {}).get("hardware", UNKNOWN)
 
 
 def data_of(config):
-    """What a training stage trained on, from its config.json: the corpus, its shards, and whether it is the demo."""
+    """What a training stage trained on, from its config.json: the corpus, its shards, and whether
+    it is the demo."""
     if config is None:
         return UNKNOWN
     if config["stage"] == "pretrain":
@@ -58,7 +66,8 @@ def data_of(config):
     elif config["stage"] == "rl":  # its questions, as rl.py names them
         return f"{config['tasks']}; {config['train_questions']:,} training questions"
     elif config.get("sources"):
-        # the sources it trained on, defaults included (config["args"]["source"] is only what was passed)
+        # the sources it trained on, defaults included (config["args"]["source"] is only what was
+        # passed)
         paths = [(Path(s["path"]), s.get("epochs", 1)) for s in config["sources"]]
     else:
         paths = [(Path(config["chat_dir"]), 1)]
@@ -70,7 +79,9 @@ def data_of(config):
                      + (f" x{passes}" if passes > 1 else ""))
     budget = config.get("data") if config["stage"] == "pretrain" else None
     if budget:  # pretrain.py's check of the budget against the corpus
-        parts.append(f"{budget['epochs']:.2f} epochs of it" + (" (this run REPEATED data)" if budget["epochs"] > 1
+        parts.append(f"{budget['epochs']:.2f} epochs of it" + (" (this run REPEATED data)"
+                                                               if budget[
+                                                                                                     "epochs"] > 1
                                                                else ""))
     return "; ".join(parts)
 
@@ -82,8 +93,8 @@ def predicted_cell(predicted, name):
 
 
 def stage_figures(run, name, times, predicted=None):
-    """The figures of one training stage, as strings, each read from its files ("unknown" where absent); with a
-    prediction (predicted.json), its predicted wall time beside the actual."""
+    """The figures of one training stage, as strings, each read from its files ("unknown" where
+    absent); with a prediction (predicted.json), its predicted wall time beside the actual."""
     run_dir = run / name
     config, done = read_json(run_dir / "config.json"), read_json(run_dir / "done.json")
     steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
@@ -104,8 +115,10 @@ def stage_figures(run, name, times, predicted=None):
         "wall time (s)": f"{times[name]:.1f}" if name in times else UNKNOWN,
         **({"predicted (s)": predicted_cell(predicted, name)} if predicted else {}),
         "tokens": f"{steps[-1]['tokens']:,}" if steps else UNKNOWN,
-        "tok/s": f"{steps[-1]['tokens'] / train_seconds:,.0f}" if steps and train_seconds else UNKNOWN,
-        "MFU": f"{100 * sum(mfus) / len(mfus):.1f}%" if mfus and len(mfus) == len(steps) else UNKNOWN,
+        "tok/s": f"{steps[-1]['tokens'] / train_seconds:,.0f}" if steps and train_seconds
+        else UNKNOWN,
+        "MFU": f"{100 * sum(mfus) / len(mfus):.1f}%" if mfus and len(mfus) == len(steps)
+        else UNKNOWN,
         "parameters": f"{config['params']:,}" if config and "params" in config else UNKNOWN,
         "validation": validation,
     }
@@ -115,35 +128,41 @@ SAMPLES_PER_TASK = 4
 
 
 def contained_answers(items_path):
-    """{task: (replies containing an accepted answer as a whole word, replies)} for the generated tasks whose items
-    carry accepted answers (the demo world's demo-answer): a reply in a sentence ("It's Pelmo.") counts here."""
+    """{task: (replies containing an accepted answer as a whole word, replies)} for the generated
+    tasks whose items carry accepted answers (the demo world's demo-answer): a reply in a sentence
+    ("It's Pelmo.") counts here."""
     counts = {}
     for item in read_jsonl(items_path):
         if "answers" in item and "reply" in item:
-            hit = any(re.search(rf"\b{re.escape(a.lower())}\b", item["reply"].lower()) for a in item["answers"])
+            hit = any(re.search(rf"\b{re.escape(a.lower())}\b",
+                                item["reply"].lower()) for a in item[
+                                                                                                     "answers"])
             hits, n = counts.get(item["task"], (0, 0))
             counts[item["task"]] = (hits + hit, n + 1)
     return counts
 
 
 def marked_answers(items_path, per_task=SAMPLES_PER_TASK):
-    """A line for each of the first few items of each task: right or wrong, question, answer given, expected."""
+    """A line for each of the first few items of each task: right or wrong, question, answer given,
+    expected."""
     lines, shown = [], {}
     for item in read_jsonl(items_path):
         if shown.get(item["task"], 0) >= per_task:
             continue
         shown[item["task"]] = shown.get(item["task"], 0) + 1
-        given = item.get("predicted") if "reply" not in item or item["task"] == "GSM8K" else item["reply"]
+        given = item.get("predicted") if "reply" not in item or item["task"] == "GSM8K" else item[
+                                                                                                  "reply"]
         expected = item.get("answer", " | ".join(item.get("answers", [])) or UNKNOWN)
         question = " ".join(str(item.get("question", UNKNOWN)).split())[:120]
-        lines.append(f"- [{'x' if item['correct'] else ' '}] {item['task']}: {question!r} -> {given!r} (expected "
-                     f"{expected!r})")
+        lines.append(f"- [{'x' if item['correct'] else ' '}] {item['task']}: {question!r} -> "
+                     f"{given!r} (expected {expected!r})")
     return lines
 
 
 def stage_eval_files(run, name):
-    """(core_eval results.json, chat_eval.json, its items) of one stage's final model: runs/<run>/stage_evals/<stage>/;
-    the pretrained model's CORE is core_eval/'s, the same command on the same checkpoint."""
+    """(core_eval results.json, chat_eval.json, its items) of one stage's final model:
+    runs/<run>/stage_evals/<stage>/; the pretrained model's CORE is core_eval/'s, the same command
+    on the same checkpoint."""
     where = run / "stage_evals" / name
     core = run / "core_eval" / "results.json" if name == "pretrain" else where / "core_eval" / "results.json"
     return core, where / "chat_eval.json", where / "chat_eval_items.jsonl"
@@ -155,28 +174,33 @@ def cell(text):
 
 
 def sample_reply(item):
-    """A greedy reply as the model gave it, its calculator calls shown in GSM8K's <<expr=result>> form."""
+    """A greedy reply as the model gave it, its calculator calls shown in GSM8K's <<expr=result>>
+    form."""
     calls = "".join(f"<<{expr}={result}>>" for expr, result in item.get("calculator", []))
     return calls + item.get("reply", item.get("predicted", ""))
 
 
 def sample_items(items):
-    """[(task, question)] the sample-answer rows ask: for each generated task (whose items carry a reply), its first
-    item and its first whose answer is a number (where the calculator should be called)."""
+    """[(task, question)] the sample-answer rows ask: for each generated task (whose items carry a
+    reply), its first item and its first whose answer is a number (where the calculator should be
+    called)."""
     chosen = {}
     for item in items:
         if "reply" not in item:
             continue
         task_items = chosen.setdefault(item["task"], [])
-        numeric = any(re.fullmatch(r"-?\d+", a) for a in item.get("answers", [item.get("answer", "")]))
-        if not task_items or (numeric and len(task_items) < SAMPLE_QUESTIONS and not any(n for _, n in task_items)):
+        numeric = any(re.fullmatch(r"-?\d+", a) for a in item.get("answers", [item.get("answer",
+                                                                                       "")]))
+        if not task_items or (numeric and len(task_items) < SAMPLE_QUESTIONS and not any(
+                n for _, n in task_items)):
             task_items.append((item["question"], numeric))
     return [(task, q) for task, qs in chosen.items() for q, _ in qs]
 
 
 def per_stage_table(run):
-    """What each stage taught: a row per ability, a column per stage's final model. Every cell is read from that
-    model's own evaluation files (stage_eval_files), computed by the same commands; "unknown" where absent."""
+    """What each stage taught: a row per ability, a column per stage's final model. Every cell is
+    read from that model's own evaluation files (stage_eval_files), computed by the same commands;
+    "unknown" where absent."""
     stages = [name for name in MODEL_STAGES if any((run / name / "ckpt").glob("step_*"))]
     if not stages:
         return [f"No stage has a checkpoint under {run}/<stage>/ckpt/: nothing to tabulate."]
@@ -193,40 +217,49 @@ def per_stage_table(run):
 
     row("pretraining val bpb", lambda s: figure((core[s] or {}).get("val_bpb")))
     row("CORE", lambda s: figure((core[s] or {}).get("core")))
-    core_tasks = list(dict.fromkeys(t["task"] for s in stages for t in (core[s] or {}).get("tasks", [])))
+    core_tasks = list(dict.fromkeys(t["task"] for s in stages for t in (core[s] or {}).get("tasks",
+                                                                                           [])))
     for task in core_tasks:
         row(f"CORE: {task} (accuracy)", lambda s, task=task: next(
-            (figure(t["accuracy"]) for t in (core[s] or {}).get("tasks", []) if t["task"] == task), UNKNOWN))
-    not_asked = "not asked (a base model)"  # pretrain's: CORE only, as nanochat (speedrun.sh runs no ChatCORE on it)
+            (figure(t["accuracy"]) for t in (core[s] or {}).get("tasks", []) if t["task"] == task),
+            UNKNOWN))
+    # pretrain's: CORE only, as nanochat (speedrun.sh runs no ChatCORE on it)
+    not_asked = "not asked (a base model)"
 
     def chat_cell(s, value):
         return not_asked if s == "pretrain" and chat[s] is None else value
 
     row("ChatCORE", lambda s: chat_cell(s, figure((chat[s] or {}).get("chatcore"))))
-    chat_tasks = list(dict.fromkeys(t["task"] for s in stages for t in (chat[s] or {}).get("tasks", [])))
+    chat_tasks = list(dict.fromkeys(t["task"] for s in stages for t in (chat[s] or {}).get("tasks",
+                                                                                           [])))
     for task in chat_tasks:
         def task_cell(s, task=task):
             found = [t for t in (chat[s] or {}).get("tasks", []) if t["task"] == task]
             return chat_cell(s, f"{found[0]['correct']}/{found[0]['items']}" if found else UNKNOWN)
         extra = " (not in ChatCORE)" if any(t["task"] == task and t["centered"] is None
-                                            for s in stages for t in (chat[s] or {}).get("tasks", [])) else ""
+                                            for s in stages for t in (chat[s] or {}).get(
+                                                    "tasks", [])) else ""
         row(f"{task}{extra}", task_cell)
     asked = list(dict.fromkeys(q for s in stages for q in sample_items(items[s])))
     for task, question in asked:
-        row(f"sample, {task}: {question}", lambda s, task=task, question=question: chat_cell(s, next(
-            (repr(sample_reply(i)) for i in items[s] if i["task"] == task and i["question"] == question), UNKNOWN)))
+        row(f"sample, {task}: {question}", lambda s, task=task, question=question: chat_cell(s,
+                                                                                             next(
+            (repr(sample_reply(i)) for i in items[s] if i["task"] == task
+             and i["question"] == question), UNKNOWN)))
     lines = ["| ability | " + " | ".join(stages) + " |", "|---|" + "---|" * len(stages)]
     return lines + ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows]
 
 
 def forgetting_lines(run):
-    """The pretraining val bpb of the pretrained, midtrained and SFT models side by side: pretrain's final evaluation
-    (done.json) and the figure each chat stage computed at its end on the same rows (done.json's pretrain_val_bpb)."""
+    """The pretraining val bpb of the pretrained, midtrained and SFT models side by side: pretrain's
+    final evaluation (done.json) and the figure each chat stage computed at its end on the same rows
+    (done.json's pretrain_val_bpb)."""
     lines = ["| model | pretraining val bpb | change from the pretrained |", "|---|---|---|"]
     pretrained = (read_json(run / "pretrain" / "done.json") or {}).get("val_bpb")
     for name, label in [("pretrain", "pretrained"), ("midtrain", "midtrained"), ("sft", "SFT")]:
         done = read_json(run / name / "done.json") or {}
-        kept = {"val_bpb": done.get("val_bpb")} if name == "pretrain" else done.get("pretrain_val_bpb") or {}
+        kept = {"val_bpb": done.get("val_bpb")} if name == "pretrain" else done.get(
+                                                                                    "pretrain_val_bpb") or {}
         bpb = kept.get("val_bpb")
         change = f"{bpb - pretrained:+.4f}" if bpb is not None and pretrained is not None else UNKNOWN
         figure = f"{bpb:.4f}" if bpb is not None else f"{UNKNOWN}{' (' + kept['note'] + ')' if 'note' in kept else ''}"
@@ -235,10 +268,12 @@ def forgetting_lines(run):
 
 
 def reward_panel(ax, records):
-    """RL's panel of the loss figure: each step's mean reward and held-out pass@1 at each evaluation."""
+    """RL's panel of the loss figure: each step's mean reward and held-out pass@1 at each
+    evaluation."""
     steps = [r for r in records if "reward" in r]
     evals = [(r["step"], r["held_out"]["all"]["pass@1"]) for r in records if "held_out" in r]
-    ax.plot([r["step"] for r in steps], [r["reward"] for r in steps], lw=1, label="mean reward (training)")
+    ax.plot([r["step"] for r in steps], [r["reward"] for r in steps], lw=1, label=
+            "mean reward (training)")
     ax.plot([s for s, _ in evals], [v for _, v in evals], marker="o", label="held-out pass@1")
     ax.set_title("rl: reward")
     ax.set_xlabel("step")
@@ -246,7 +281,8 @@ def reward_panel(ax, records):
 
 
 def plot(run, out):
-    """loss.png: each stage's training loss against step, and RL's reward; val_bpb.png: pretraining's val bpb."""
+    """loss.png: each stage's training loss against step, and RL's reward; val_bpb.png:
+    pretraining's val bpb."""
     import matplotlib
     matplotlib.use("Agg")  # no display
     import matplotlib.pyplot as plt
@@ -281,72 +317,97 @@ def write_report(run):
     if not run.is_dir():
         raise FileNotFoundError(f"{run}: no such speedrun directory (runs/<run>/)")
     times = stage_seconds(run)
-    predicted = read_json(run / "predicted.json")  # gpu_plan.py's, written before the run (the gpu plan's)
+    # gpu_plan.py's, written before the run (the gpu plan's)
+    predicted = read_json(run / "predicted.json")
     # rl joins the table when it ran (the demo plan skips it unless --rl on)
-    rows = [stage_figures(run, name, times, predicted) for name in TRAIN_STAGES + ["rl"] * (run / "rl").is_dir()]
+    rows = [stage_figures(run, name, times,
+                          predicted) for name in TRAIN_STAGES + ["rl"] * (run / "rl").is_dir()]
     core, chat = read_json(run / "core_eval" / "results.json"), read_json(run / "chat_eval.json")
     config = read_json(run / "pretrain" / "config.json") or {}
     code = config.get("code", {})
     transport = (run / "transport.txt").read_text().strip() if (run / "transport.txt").is_file() else UNKNOWN
     lines = [f"# Speedrun report: {run}", "",
-             f"- code: commit {code.get('commit', UNKNOWN)}, uncommitted changes: {code.get('dirty', UNKNOWN)}",
+             (f"- code: commit {code.get('commit', UNKNOWN)}, uncommitted changes: "
+              f"{code.get('dirty', UNKNOWN)}"),
              f"- transport: {transport}"]
     lines += [f"- hardware, {name}: {hardware(run, name)}"
-              for name in ["pretrain", "core_eval", "midtrain", "sft"] + ["rl"] * (run / "rl").is_dir() + ["chat_eval"]]
+              for name in ["pretrain", "core_eval", "midtrain",
+                           "sft"] + ["rl"] * (run / "rl").is_dir() + [
+                                                                                                           "chat_eval"]]
     lines += ["", "## Stages", "", "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
     lines += ["| " + " | ".join(row.values()) + " |" for row in rows]
-    lines += ["", ("Wall time: speedrun.sh's clock around the stage (logs/stages.tsv), start-up and evaluation included. "
-              "tok/s: tokens / the summed step times in metrics.jsonl. MFU: the mean of the per-step MFU; unknown "
-              "where the device has no rated peak (any CPU) or the compute is fp32."), "",
+    lines += ["", ("Wall time: speedrun.sh's clock around the stage (logs/stages.tsv), start-up "
+                   "and "
+              "evaluation included. tok/s: tokens / the summed step times in metrics.jsonl. MFU: "
+              "the mean of the per-step MFU; unknown where the device has no rated peak (any CPU) "
+              "or the compute is fp32."), "",
               "Other stages' wall time (s): " + ", ".join(
-                  f"{k} {v:.1f}" + (f" (predicted {predicted_cell(predicted, k)})" if predicted else "")
+                  f"{k} {v:.1f}" + (f" (predicted {predicted_cell(predicted, k)})" if predicted
+                                    else "")
                   for k, v in times.items() if k not in TRAIN_STAGES + ["rl"]), ""]
     if predicted:  # the prediction's total beside the actual time of the same stages
         actual = sum(times[k] for k in predicted["stages"] if k in times)
-        lines += [(f"Predicted before the run from its rehearsal ({predicted['rehearsal']}; predicted.json, "
-                   f"gpu_plan.py): {predicted['hours']:.2f} h, {predicted['gpu_hours']:.1f} GPU-hours"
-                   + (f", unknown: {', '.join(predicted['unknown'])}" if predicted["unknown"] else "")
+        lines += [(f"Predicted before the run from its rehearsal ({predicted['rehearsal']}; "
+                   f"predicted.json, gpu_plan.py): {predicted['hours']:.2f} h, "
+                   f"{predicted['gpu_hours']:.1f} GPU-hours"
+                   + (f", unknown: {', '.join(predicted['unknown'])}" if predicted["unknown"]
+                      else "")
                    + f"; actual, the same stages: {actual / 3600:.2f} h."), ""]
-    lines += ["## What each stage taught", "", ("Each column is a stage's final model, each cell computed from that "
-              "model by the same command (core_eval.py, chat_eval.py; runs/<run>/stage_evals/<stage>/, the "
-              "pretrained model's CORE in core_eval/; a base model is asked CORE only, as nanochat asks it: it never ends "
-              "a reply, so ChatCORE's generated answers would run to their token cap on every item). Sample answers are greedy, with the calculator's calls shown as "
+    lines += ["## What each stage taught", "", ("Each column is a stage's final model, each cell "
+              "computed from that model by the same command (core_eval.py, chat_eval.py; "
+              "runs/<run>/stage_evals/<stage>/, the pretrained model's CORE in core_eval/; a base "
+              "model is asked CORE only, as nanochat asks it: it never ends a reply, so ChatCORE's "
+              "generated answers would run to their token cap on every item). Sample answers are "
+              "greedy, with the calculator's calls shown as "
               "<<expr=result>>."), "", *per_stage_table(run), ""]
     lines += ["## Evaluation", ""]
     if core:
         bpb = f"{core['val_bpb']:.4f}" if core.get("val_bpb") is not None else UNKNOWN
-        lines += [(f"CORE {core['core']:.4f} ({len(core['tasks'])} tasks, protocol {core['protocol']}); val bpb {bpb} "
-                  f"(core_eval/results.json)"), "", "| task | accuracy | centered |", "|---|---|---|"]
-        lines += [f"| {t['task']} | {t['accuracy']:.4f} | {t['centered']:.4f} |" for t in core["tasks"]]
+        lines += [(f"CORE {core['core']:.4f} ({len(core['tasks'])} tasks, protocol "
+                  f"{core['protocol']}); val bpb {bpb} "
+                  "(core_eval/results.json)"), "", "| task | accuracy | centered |",
+                  "|---|---|---|"]
+        lines += [f"| {t['task']} | {t['accuracy']:.4f} | {t['centered']:.4f} |" for t in core[
+                                                                                               "tasks"]]
     else:
         lines.append(f"CORE {UNKNOWN} (no core_eval/results.json)")
     rl_done = read_json(run / "rl" / "done.json")
     if rl_done:  # the reward beside held-out accuracy, and what they say together (rl.py's verdict)
-        lines += [(f"RL: mean reward {rl_done['reward_first_fifth']:.3f} -> {rl_done['reward_last_fifth']:.3f} (first and "
-                  f"last fifth of its steps), held-out pass@1 {rl_done['held_out_pass@1_first']:.3f} -> "
+        lines += [(f"RL: mean reward {rl_done['reward_first_fifth']:.3f} -> "
+                  f"{rl_done['reward_last_fifth']:.3f} (first and last fifth of its steps), "
+                  f"held-out pass@1 {rl_done['held_out_pass@1_first']:.3f} -> "
                   f"{rl_done['held_out_pass@1_last']:.3f}: {rl_done['note']} (rl/done.json)"), ""]
-    lines += ["", ("How much each chat stage forgets: the pretraining val bpb of each stage's final model, on the rows "
-                   "of pretraining's final evaluation (pretrain/done.json; midtrain/ and sft/done.json: "
+    lines += ["", ("How much each chat stage forgets: the pretraining val bpb of each stage's "
+                   "final "
+                   "model, on the rows of pretraining's final evaluation (pretrain/done.json; "
+                   "midtrain/ and sft/done.json: "
                    "pretrain_val_bpb)."), "", *forgetting_lines(run), ""]
     if chat:
-        lines += [f"ChatCORE {chat['chatcore']:.4f} (tasks from {chat['tasks_from']}; chat_eval.json)", "",
+        lines += [(f"ChatCORE {chat['chatcore']:.4f} (tasks from {chat['tasks_from']}; "
+                   "chat_eval.json)"), "",
                   "| task | correct | accuracy | centered |", "|---|---|---|---|"]
         lines += [f"| {t['task']} | {t['correct']}/{t['items']} | {t['accuracy']:.4f} | "
-                  f"{'not in ChatCORE' if t['centered'] is None else format(t['centered'], '.4f')} |"
+                  f"{'not in ChatCORE' if t['centered'] is None else format(t['centered'], '.4f')} "
+                  "|"
                   for t in chat["tasks"]]
         for task, (hits, n) in contained_answers(run / "chat_eval_items.jsonl").items():
-            lines += ["", (f"{task}: {hits}/{n} replies contain an accepted answer as a word (chat_eval_items.jsonl; "
-                          f"not ChatCORE's rule, under which the reply must be the answer)")]
-        lines += ["", "ChatCORE sample answers (the first items of each task; [x] right, [ ] wrong):", ""]
+            lines += ["", (f"{task}: {hits}/{n} replies contain an accepted answer as a word "
+                          "(chat_eval_items.jsonl; not ChatCORE's rule, under which the reply must "
+                          "be the answer)")]
+        lines += ["", ("ChatCORE sample answers (the first items of each task; [x] right, [ ] "
+                   "wrong):"), ""]
         lines += marked_answers(run / "chat_eval_items.jsonl")
     else:
         lines.append(f"ChatCORE {UNKNOWN} (no chat_eval.json)")
     lines += ["", "## Sample answers", ""]
     samples = read_jsonl(run / "sft" / "samples.jsonl")
     last = [s for s in samples if s["step"] == samples[-1]["step"]] if samples else []
-    lines += [f"- {s['question']!r} -> {s['answer']!r}" for s in last] or [f"- {UNKNOWN} (no sft/samples.jsonl)"]
+    lines += [f"- {s['question']!r} -> {s['answer']!r}" for s in last] or [
+                                                                           (f"- {UNKNOWN} (no "
+                                                                            "sft/samples.jsonl)")]
     if core:
-        lines += [f"- (pretrain) {s['prompt']!r} -> {s['completion']!r}" for s in core.get("samples", [])[:6]
+        lines += [f"- (pretrain) {s['prompt']!r} -> {s['completion']!r}"
+                  for s in core.get("samples", [])[:6]
                   if isinstance(s, dict) and "prompt" in s]
     written = plot(run, run)
     lines += ["", "## Curves", ""] + [f"![{name}]({name})" for name in written] + [""]
@@ -355,7 +416,8 @@ def write_report(run):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run", help="the speedrun directory, runs/<run>")
     args = parser.parse_args(argv)
     try:

@@ -1,8 +1,8 @@
-"""Reinforcement learning on answers that can be checked: an SFT checkpoint samples several replies to each question
-with the calculator live, a reply whose checked answer is right gets reward 1 (else 0), and the model is updated on
-policy, on the tokens it sampled only (nanochat's simplified GRPO: advantage = reward - the mean reward of the
-question's replies, the loss normalized per sampled token, no KL penalty, no ratio clipping; the prompt and the
-calculator's output carry no loss).
+"""Reinforcement learning on answers that can be checked: an SFT checkpoint samples several replies
+to each question with the calculator live, a reply whose checked answer is right gets reward 1 (else
+0), and the model is updated on policy, on the tokens it sampled only (nanochat's simplified GRPO:
+advantage = reward - the mean reward of the question's replies, the loss normalized per sampled
+token, no KL penalty, no ratio clipping; the prompt and the calculator's output carry no loss).
 
     python rl.py                        # the newest SFT checkpoint; GSM8K train, held out: GSM8K test
     python rl.py --checkpoint runs/speedrun/sft --demo runs/speedrun/demo --steps 60 --max_new_tokens 48
@@ -10,11 +10,12 @@ calculator's output carry no loss).
     python rl.py --run_name NAME --resume                              # continue from the last checkpoint
     python rl.py --status runs/NAME
 
-Tasks. The demo world (--demo; by default the parent's world when it was trained on one): its word problems
-(problems/, GSM8K's shape); held out: chat_eval's demo-problems. Otherwise GSM8K's train split; held out: GSM8K's test
-split. Either way a reply is right when the number after '####' is the answer (no '####' is wrong, nanochat's rule).
-Writes runs/<run_name>/: config.json, metrics.jsonl (every step: mean reward, reply length, tokens sampled per
-second; at each evaluation held-out pass@1 and pass@k), ckpt/step_XXXXXX/ (as every stage's), done.json.
+Tasks. The demo world (--demo; by default the parent's world when it was trained on one): its word
+problems (problems/, GSM8K's shape); held out: chat_eval's demo-problems. Otherwise GSM8K's train
+split; held out: GSM8K's test split. Either way a reply is right when the number after '####' is the
+answer (no '####' is wrong, nanochat's rule). Writes runs/<run_name>/: config.json, metrics.jsonl
+(every step: mean reward, reply length, tokens sampled per second; at each evaluation held-out
+pass@1 and pass@k), ckpt/step_XXXXXX/ (as every stage's), done.json.
 """
 import argparse
 import gc
@@ -43,58 +44,72 @@ from decode import decode
 from model import autocast_context, num_params
 from tasks import demo_world, gsm8k_items, load_items, prompt_ids, reward
 
-# every lr is this fraction of the SFT parent's (0.3 of pretraining's), decaying linearly to 0: 0.06 of pretraining's,
+# every lr is this fraction of the SFT parent's (0.3 of pretraining's), decaying linearly to 0: 0.06
+# of pretraining's,
 # about nanochat's RL start (0.05); on the demo's word problems 0.2 beat 0.05 (dev/LOG.md)
 RL_LR_SCALE = 0.2
 RL_WHY = "about nanochat's chat_rl start, 0.05 of the pretraining lrs; beat 0.05 on the demo's word problems"
-# sampling on a CPU: one thread, as a small model's decode step is per-op overhead that more threads only make wait
+# sampling on a CPU: one thread, as a small model's decode step is per-op overhead that more threads
+# only make wait
 CPU_ROLLOUT_THREADS = 1
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("tasks")
-    g.add_argument("--demo", default="auto", help="a demo world directory (python demo.py --out DIR) whose problems/ "
-                   "are trained on and chat_eval/demo-problems.jsonl held out; auto = the parent's world when it "
-                   "was trained on one, else GSM8K; none = GSM8K (default: %(default)s)")
-    g.add_argument("--train_dir", default=str(CACHE_DIR / "chat" / "gsm8k"), help="GSM8K's train split (columns "
-                   "question, answer), without a demo world (default: %(default)s, `python dataset.py download-chat "
-                   "gsm8k`)")
-    g.add_argument("--cache_dir", default=str(CACHE_DIR / "chat_eval"), help="chat_eval.py's task cache, where GSM8K's "
-                   "test split is held out from (default: %(default)s)")
-    g.add_argument("--seed", type=int, default=0, help="the order of the questions (a new one every epoch) and the "
-                   "sampling, seeded per step and group of questions decoded together (default: %(default)s)")
+    g.add_argument("--demo", default="auto", help="a demo world directory (python demo.py --out "
+                   "DIR) whose problems/ are trained on and chat_eval/demo-problems.jsonl held "
+                   "out; "
+                   "auto = the parent's world when it was trained on one, else GSM8K; none = GSM8K "
+                   "(default: %(default)s)")
+    g.add_argument("--train_dir", default=str(CACHE_DIR / "chat" / "gsm8k"), help=
+                   "GSM8K's train split (columns question, answer), without a demo world (default: "
+                   "%(default)s, `python dataset.py download-chat gsm8k`)")
+    g.add_argument("--cache_dir", default=str(CACHE_DIR / "chat_eval"), help=
+                   "chat_eval.py's task cache, where GSM8K's test split is held out from (default: "
+                   "%(default)s)")
+    g.add_argument("--seed", type=int, default=0, help="the order of the questions (a new one "
+                                                       "every "
+                   "epoch) and the sampling, seeded per step and group of questions decoded "
+                   "together (default: %(default)s)")
     g = p.add_argument_group("rollouts")
-    g.add_argument("--questions_per_step", type=int, default=16, help="questions per optimizer step over all ranks, "
-                   "at least the world size (default: %(default)s, nanochat's)")
-    g.add_argument("--samples", type=int, default=16, help="replies sampled per question: the group whose mean reward "
-                   "is its baseline (default: %(default)s, nanochat's)")
-    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: %(default)s)")
-    g.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest tokens, 0 = all (default: "
+    g.add_argument("--questions_per_step", type=int, default=16, help="questions per optimizer "
+                                                                      "step "
+                   "over all ranks, at least the world size (default: %(default)s, nanochat's)")
+    g.add_argument("--samples", type=int, default=16, help="replies sampled per question: the "
+                                                           "group "
+                   "whose mean reward is its baseline (default: %(default)s, nanochat's)")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: "
                    "%(default)s)")
-    g.add_argument("--max_new_tokens", type=int, default=256, help="most tokens per reply, the calculator's output "
-                   "included (default: %(default)s)")
-    g.add_argument("--rollout_questions", type=int, default=16, help="questions whose replies are decoded together, "
-                   "every reply a row of one batch (decode.py); fewer rows per forward use less memory (default: "
-                   "%(default)s)")
+    g.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest tokens, 0 = "
+                   "all (default: %(default)s)")
+    g.add_argument("--max_new_tokens", type=int, default=256, help="most tokens per reply, the "
+                   "calculator's output included (default: %(default)s)")
+    g.add_argument("--rollout_questions", type=int, default=16, help="questions whose replies are "
+                   "decoded together, every reply a row of one batch (decode.py); fewer rows per "
+                   "forward use less memory (default: %(default)s)")
     g = p.add_argument_group("budget: one of; given both, the last one is in force")
-    train_loop.add_budget_args(g, [("epochs", float, "passes over the training questions (default: 1, as nanochat)"),
+    train_loop.add_budget_args(g, [("epochs", float, ("passes over the training questions (default: "
+                                     "1, as nanochat)")),
                                    ("steps", int, "optimizer steps")])
     g = p.add_argument_group("evaluation")
-    g.add_argument("--eval_every", type=int, default=60, help="held-out pass@1 and pass@k every N steps, and before "
-                   "the first and after the last; 0 = only those two (default: %(default)s)")
-    g.add_argument("--eval_items", type=int, default=400, help="held-out questions, the first N in chat_eval.py's "
-                   "order; -1 = all (default: %(default)s)")
-    g.add_argument("--eval_samples", type=int, default=8, help="k: replies sampled per held-out question (default: "
+    g.add_argument("--eval_every", type=int, default=60, help="held-out pass@1 and pass@k every N "
+                   "steps, and before the first and after the last; 0 = only those two (default: "
                    "%(default)s)")
+    g.add_argument("--eval_items", type=int, default=400, help="held-out questions, the first N in "
+                   "chat_eval.py's order; -1 = all (default: %(default)s)")
+    g.add_argument("--eval_samples", type=int, default=8, help="k: replies sampled per held-out "
+                   "question (default: %(default)s)")
     runs.add_run_args(p, "rl")
     chat_stage.add_init_args(p, ["sft"], lr_scale=RL_LR_SCALE, schedule="linear", warmdown_frac=0.2,
                              why=RL_WHY)
     args = train_loop.parse_stage_args(p, argv, ["epochs", "steps"], default=("epochs", 1.0))
-    if min(args.questions_per_step, args.samples, args.max_new_tokens, args.eval_samples, args.rollout_questions) < 1 \
+    if min(args.questions_per_step, args.samples, args.max_new_tokens, args.eval_samples,
+           args.rollout_questions) < 1 \
             or args.temperature < 0:
-        p.error("--questions_per_step, --samples, --max_new_tokens, --eval_samples and --rollout_questions must be "
-                ">= 1, --temperature >= 0")
+        p.error("--questions_per_step, --samples, --max_new_tokens, --eval_samples and "
+                "--rollout_questions must be >= 1, --temperature >= 0")
     return p, args
 
 
@@ -102,27 +117,32 @@ def get_args(argv=None):
 # Rewards to advantages, and the order of the questions
 
 def advantages(rewards, samples):
-    """Each reward minus the mean reward of its question's group of `samples` replies (consecutive)."""
+    """Each reward minus the mean reward of its question's group of `samples` replies
+    (consecutive)."""
     grouped = torch.tensor(rewards, dtype=torch.float64).view(-1, samples)
     return (grouped - grouped.mean(dim=1, keepdim=True)).view(-1).float()
 
 
 def step_items(step, per_step, total, seed):
-    """The indices of the step's questions in the training set: one stream of every question, shuffled anew each
-    epoch, a pure function of the step (a resumed run takes the same questions)."""
+    """The indices of the step's questions in the training set: one stream of every question,
+    shuffled anew each epoch, a pure function of the step (a resumed run takes the same
+    questions)."""
     positions = range(step * per_step, (step + 1) * per_step)
-    orders = {e: np.random.default_rng([seed, e]).permutation(total) for e in {p // total for p in positions}}
+    orders = {e: np.random.default_rng([
+            seed, e]).permutation(total) for e in {p // total for p in positions}}
     return [int(orders[p // total][p % total]) for p in positions]
 
 
 def sampling_seed(*keys):
-    return hash(keys) % 2 ** 62  # a tuple of ints hashes the same in every process (no PYTHONHASHSEED for ints)
+    # a tuple of ints hashes the same in every process (no PYTHONHASHSEED for ints)
+    return hash(keys) % 2 ** 62
 
 
 def eta_seconds(step, total_steps, eval_every, step_s, eval_s):
-    """Seconds left after `step` steps: the steps left at step_s each, and the held-out evaluations left at eval_s
-    each (one every eval_every steps before the last, and the final one)."""
-    between = len(range((step // eval_every + 1) * eval_every, total_steps, eval_every)) if eval_every else 0
+    """Seconds left after `step` steps: the steps left at step_s each, and the held-out evaluations
+    left at eval_s each (one every eval_every steps before the last, and the final one)."""
+    between = len(range((step // eval_every + 1) * eval_every, total_steps,
+                        eval_every)) if eval_every else 0
     return (total_steps - step) * step_s + (between + 1) * eval_s
 
 
@@ -130,38 +150,44 @@ def eta_seconds(step, total_steps, eval_every, step_s, eval_s):
 # Rollouts
 
 def sample_groups(model, tokenizer, prompts, n, max_new_tokens, temperature, top_k, seed, dtype):
-    """n replies to each prompt, every reply a row of one batch (decode.py), sampling seeded by `seed`. Returns
-    (replies, sampled), n rows per prompt in order: each row's tokens up to and with its <|assistant_end|>, and per
-    token whether the model sampled it (True) or the calculator's output was fed (False)."""
+    """n replies to each prompt, every reply a row of one batch (decode.py), sampling seeded by
+    `seed`. Returns (replies, sampled), n rows per prompt in order: each row's tokens up to and with
+    its <|assistant_end|>, and per token whether the model sampled it (True) or the calculator's
+    output was fed (False)."""
     budgets = [min(max_new_tokens, model.config.sequence_len - len(p)) for p in prompts]
     stop = {tokenizer.special_id("<|assistant_end|>"), tokenizer.bos_id}
     tools = [ToolUse(tokenizer) for _ in range(n * len(prompts))]
-    return decode(model, prompts, budgets, samples=n, temperature=temperature, top_k=top_k, seed=seed, dtype=dtype,
+    return decode(model, prompts, budgets, samples=n, temperature=temperature, top_k=top_k,
+                  seed=seed, dtype=dtype,
                   tools=tools, stop=stop)
 
 
 def training_rows(prompt, replies, sampled, pad_id):
-    """(inputs, targets) per reply: prompt + reply shifted by one, the target -1 (no loss) on the prompt and on every
-    token the model did not sample."""
+    """(inputs, targets) per reply: prompt + reply shifted by one, the target -1 (no loss) on the
+    prompt and on every token the model did not sample."""
     rows = []
     for reply, own in zip(replies, sampled, strict=True):
         ids = prompt + reply
-        targets = [-1] * (len(prompt) - 1) + [t if s else -1 for t, s in zip(reply, own, strict=True)]
+        targets = [-1] * (len(prompt) - 1) + [t if s else -1 for t, s in zip(reply, own,
+                                                                             strict=True)]
         rows.append((ids[:-1] or [pad_id], targets or [-1]))
     return rows
 
 
 def pad(rows, pad_id, device):
     width = max(len(inputs) for inputs, _ in rows)
-    inputs = torch.tensor([x + [pad_id] * (width - len(x)) for x, _ in rows], dtype=torch.long, device=device)
-    targets = torch.tensor([y + [-1] * (width - len(y)) for _, y in rows], dtype=torch.long, device=device)
+    inputs = torch.tensor([x + [pad_id] * (width - len(x)) for x, _ in rows], dtype=torch.long,
+                          device=device)
+    targets = torch.tensor([y + [-1] * (width - len(y)) for _, y in rows], dtype=torch.long,
+                           device=device)
     return inputs, targets
 
 
 def policy_gradient(train_model, rows, weights, micro_batch, dtype, device, world):
-    """Backward of the loss -sum(advantage x log p(token)) / (tokens sampled over all ranks), over the sampled tokens
-    of every row, micro_batch rows per forward; DDP averages over ranks, so each rank scales by world / count.
-    Returns (the summed loss, the sampled-token count), both over all ranks (the loss: their ratio)."""
+    """Backward of the loss -sum(advantage x log p(token)) / (tokens sampled over all ranks), over
+    the sampled tokens of every row, micro_batch rows per forward; DDP averages over ranks, so each
+    rank scales by world / count. Returns (the summed loss, the sampled-token count), both over all
+    ranks (the loss: their ratio)."""
     count = distributed.all_reduce(sum(sum(t != -1 for t in y) for _, y in rows))
     scale, loss_sum = world / max(count, 1.0), torch.zeros((), dtype=torch.float64, device=device)
     chunks = range(0, len(rows), micro_batch)
@@ -169,7 +195,8 @@ def policy_gradient(train_model, rows, weights, micro_batch, dtype, device, worl
         inputs, targets = pad(rows[start:start + micro_batch], 0, device)
         advantage = weights[start:start + micro_batch].to(device).view(-1, 1)
         sync = start == chunks[-1] or not hasattr(train_model, "no_sync")
-        with train_model.no_sync() if not sync else nullcontext(), autocast_context(device.type, dtype):
+        with train_model.no_sync() if not sync else nullcontext(), autocast_context(device.type,
+                                                                                    dtype):
             nll = train_model(inputs, targets, reduction="none")  # -log p, 0 where the target is -1
             loss = (nll.float() * advantage).sum()
             (loss * scale).backward()
@@ -179,17 +206,20 @@ def policy_gradient(train_model, rows, weights, micro_batch, dtype, device, worl
 
 @torch.no_grad()
 def evaluate(model, tokenizer, items, args, rank, world, step, stopping=lambda: False):
-    """Held-out pass@1 (the share of right replies, averaged over questions) and pass@k (the share of questions with
-    a right reply among k = --eval_samples) at the training temperature, seeded by the questions' positions so that
-    evaluations differ by the model only; rank 0 prints them. None when stopping() said so
-    between groups."""
+    """Held-out pass@1 (the share of right replies, averaged over questions) and pass@k (the share
+    of questions with a right reply among k = --eval_samples) at the training temperature, seeded by
+    the questions' positions so that evaluations differ by the model only; rank 0 prints them. None
+    when stopping() said so between groups."""
     right = torch.zeros(len(items), dtype=torch.float64)  # each question's right replies
     mine, k = list(range(rank, len(items), world)), args.eval_samples
-    for chunk in [mine[c:c + args.rollout_questions] for c in range(0, len(mine), args.rollout_questions)]:
+    for chunk in [mine[c:c + args.rollout_questions] for c in range(0, len(mine),
+                                                                    args.rollout_questions)]:
         if stopping():
             return None
-        prompts = [prompt_ids(tokenizer, items[i]["prompt"], model.config.sequence_len, 1)[0] for i in chunk]
-        replies, _ = sample_groups(model, tokenizer, prompts, k, args.max_new_tokens, args.temperature, args.top_k,
+        prompts = [prompt_ids(tokenizer, items[i]["prompt"], model.config.sequence_len,
+                              1)[0] for i in chunk]
+        replies, _ = sample_groups(model, tokenizer, prompts, k, args.max_new_tokens,
+                                   args.temperature, args.top_k,
                                    sampling_seed(args.seed, -1, chunk[0]), args.dtype)
         for j, i in enumerate(chunk):
             right[i] = sum(reward(items[i], reply_text(tokenizer, strip_end(r, tokenizer)))
@@ -204,7 +234,8 @@ def evaluate(model, tokenizer, items, args, rank, world, step, stopping=lambda: 
 
 
 def strip_end(reply, tokenizer):
-    return reply[:-1] if reply and reply[-1] in (tokenizer.special_id("<|assistant_end|>"), tokenizer.bos_id) else reply
+    return reply[:-1] if reply and reply[-1] in (tokenizer.special_id("<|assistant_end|>"),
+                                                 tokenizer.bos_id) else reply
 
 
 class Cursor:
@@ -223,17 +254,21 @@ class Cursor:
 
 
 def verdict(records):
-    """The reward's change (first fifth of the steps against the last fifth) beside held-out pass@1's (first evaluation
-    against the last), and what they say together: a reward that rose while held-out accuracy fell is said so."""
-    steps, evals = [r for r in records if "reward" in r], [r["held_out"] for r in records if "held_out" in r]
+    """The reward's change (first fifth of the steps against the last fifth) beside held-out
+    pass@1's (first evaluation against the last), and what they say together: a reward that rose
+    while held-out accuracy fell is said so."""
+    steps, evals = [r for r in records if "reward" in r], [r["held_out"] for r in records
+                                                           if "held_out" in r]
     fifth = max(1, len(steps) // 5)
-    before, after = (sum(r["reward"] for r in part) / len(part) for part in (steps[:fifth], steps[-fifth:]))
+    before, after = (sum(r["reward"] for r in part) / len(part) for part in (steps[:fifth],
+                                                                             steps[-fifth:]))
     held = (evals[0]["all"]["pass@1"], evals[-1]["all"]["pass@1"])
     rose, fell = after > before, held[1] < held[0]
     held_change = "fell" if fell else "rose" if held[1] > held[0] else "did not change"
     note = "the reward ROSE while held-out accuracy FELL: the model learned the training questions, not the task" \
         if rose and fell else f"the reward {'rose' if rose else 'did not rise'}, held-out accuracy {held_change}"
-    return {"reward_first_fifth": before, "reward_last_fifth": after, "held_out_pass@1_first": held[0],
+    return {"reward_first_fifth": before, "reward_last_fifth": after,
+            "held_out_pass@1_first": held[0],
             "held_out_pass@1_last": held[1], "note": note}
 
 
@@ -291,7 +326,8 @@ def rl_step(args, model, train_model, optimizers, cursor, tokenizer, items, step
     train_loop.stop_if_not_finite(loss, grad_norm, step + 1, run_dir)
     dt = time.perf_counter() - t0
     return {"step": step + 1, "loss": loss, "targets": int(count), "lr_mult": lr_mult,
-            "weight_decay": wd, "lr": {g["name"]: g["lr"] for opt in optimizers for g in opt.param_groups},
+            "weight_decay": wd,
+            "lr": {g["name"]: g["lr"] for opt in optimizers for g in opt.param_groups},
             "grad_norm": grad_norm,
             "tokens": int(distributed.all_reduce(cursor.state["stats"]["tokens"])),
             "tok_per_s": sums[3] / dt, "data_wait": 0.0,
@@ -304,11 +340,13 @@ def rl_step(args, model, train_model, optimizers, cursor, tokenizer, items, step
 @train_loop.frozen_heap
 def train(args, model, train_model, optimizers, cursor, tokenizer, items, held_out, stop, *,
           micro_batch, run_dir, start, total_steps, ckpt_meta, rank, world, device):
-    """rl_step's steps start..total_steps-1 with the training loop's records, health checks, signals and
-    checkpoints (train_loop's pieces), and a held-out evaluation before step 1 and every --eval_every steps.
-    Returns None when every step ran, else the signal that stopped the run after its checkpoint."""
+    """rl_step's steps start..total_steps-1 with the training loop's records, health checks, signals
+    and checkpoints (train_loop's pieces), and a held-out evaluation before step 1 and every
+    --eval_every steps. Returns None when every step ran, else the signal that stopped the run after
+    its checkpoint."""
     log = train_loop.Log(args, run_dir, start, total_steps, rank == 0)
-    saver = train_loop.Saver(args, run_dir, model, optimizers, [cursor], ckpt_meta, rank, start, log, stop)
+    saver = train_loop.Saver(args, run_dir, model, optimizers, [cursor], ckpt_meta, rank, start,
+                             log, stop)
     # no frozen-parameter check: a step changes nothing when every reply scores alike
     health = train_loop.Health(model, optimizers, args, start, rank == 0, frozen_check=False)
     step_seconds, eval_seconds = [], []  # the ETA's: steps and evaluations take their own times
@@ -345,7 +383,8 @@ def train(args, model, train_model, optimizers, cursor, tokenizer, items, held_o
                 log.write(record)
                 return saver.stopped(step + 1, f"in the evaluation after step {step + 1}")
             record.update(evaluated)
-        log.step(record, progress_line(record, total_steps, args.eval_every, step_seconds, eval_seconds))
+        log.step(record, progress_line(record, total_steps, args.eval_every, step_seconds,
+                                       eval_seconds))
         if stop.requested():
             return saver.stopped(step + 1, f"at step {step + 1}")
         if (step + 1) % args.ckpt_every == 0 or last_step:

@@ -1,22 +1,26 @@
-"""Run untrusted Python (a model's HumanEval program) in a separate, limited process and say how it ended.
+"""Run untrusted Python (a model's HumanEval program) in a separate, limited process and say how it
+ended.
 
     python sandbox.py --probe                 # the level this machine gives, what it contains and what it cannot
     python sandbox.py program.py              # run a file in the sandbox: its status and output
 
-Every run, at either level: a fresh `python -I` reading the program from stdin, in an empty working directory; its
-own session, whose process group is killed when the run ends, its timeout passes, or the evaluator itself dies (a
-thread of the program's own waits on a pipe whose other end only the evaluator holds); the environment PATH and LANG
-only; setrlimit limits (CPU, address space, processes, file size, which also caps its output, no core dumps, 64 open
-files); socket.socket replaced by a class that raises (best effort: __mro__ or ctypes reach the original).
+Every run, at either level: a fresh `python -I` reading the program from stdin, in an empty working
+directory; its own session, whose process group is killed when the run ends, its timeout passes, or
+the evaluator itself dies (a thread of the program's own waits on a pipe whose other end only the
+evaluator holds); the environment PATH and LANG only; setrlimit limits (CPU, address space,
+processes, file size, which also caps its output, no core dumps, 64 open files); socket.socket
+replaced by a class that raises (best effort: __mro__ or ctypes reach the original).
 
-Level "namespaces" (Linux, where `unshare` can create them; probed once per process) adds a network namespace with
-no interface up, a pid namespace whose first process is the program (all it started die with it), and a mount
-namespace in which every top-level directory but SYSTEM_DIRS, and /dev/shm, is an empty tmpfs, top-level files read
-as empty and the interpreter's prefix is bound back read-only; as root it then runs as nobody with no capability,
-otherwise a nested user namespace locks those mounts. Level "process" is the common part alone (as root still run as
-nobody), only where the caller asks for it (--sandbox process), never a silent fallback: it does not stop reading
-what its user can read by absolute path, or the network through the original socket class or ctypes. describe()
-says which level runs and why; docs/eval.md (the sandbox) has the full account of what each level contains.
+Level "namespaces" (Linux, where `unshare` can create them; probed once per process) adds a network
+namespace with no interface up, a pid namespace whose first process is the program (all it started
+die with it), and a mount namespace in which every top-level directory but SYSTEM_DIRS, and
+/dev/shm, is an empty tmpfs, top-level files read as empty and the interpreter's prefix is bound
+back read-only; as root it then runs as nobody with no capability, otherwise a nested user namespace
+locks those mounts. Level "process" is the common part alone (as root still run as nobody), only
+where the caller asks for it (--sandbox process), never a silent fallback: it does not stop reading
+what its user can read by absolute path, or the network through the original socket class or ctypes.
+describe() says which level runs and why; docs/eval.md (the sandbox) has the full account of what
+each level contains.
 """
 import argparse
 import contextlib
@@ -32,13 +36,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-SYSTEM_DIRS = {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "dev", "proc"}  # stay visible
+# stay visible
+SYSTEM_DIRS = {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "dev", "proc"}
 NOBODY = 65534
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
-OUTPUT_BYTES = 1 << 20  # RLIMIT_FSIZE: a program printing forever is stopped here (and any file it writes)
+# RLIMIT_FSIZE: a program printing forever is stopped here (and any file it writes)
+OUTPUT_BYTES = 1 << 20
 
-# Runs first inside the sandbox, as the interpreter's own code (trusted): reads the program, builds the namespace
-# level's view of the file system and gives up the power to change it, patches socket, then runs the program.
+# Runs first inside the sandbox, as the interpreter's own code (trusted): reads the program, builds
+# the namespace
+# level's view of the file system and gives up the power to change it, patches socket, then runs the
+# program.
 BOOTSTRAP = r"""
 import ctypes, json, os, sys
 cfg = json.loads(sys.argv[1])
@@ -105,7 +113,8 @@ exec(compile(source, "<program>", "exec"), {"__name__": "__sandbox__", "__builti
 
 @dataclass
 class Result:
-    status: str  # "ok" (exit 0), "error" (exit != 0), "killed" (by a signal: a limit, or the timeout), "timeout"
+    # "ok" (exit 0), "error" (exit != 0), "killed" (by a signal: a limit, or the timeout), "timeout"
+    status: str
     returncode: int | None
     output: str  # the tail of stdout and stderr together
     seconds: float
@@ -115,18 +124,21 @@ _LEVEL = None  # (level, why), probed once
 
 
 def interpreter():
-    """The base interpreter (a venv's python needs its pyvenv.cfg, hidden at the namespace level) and its prefix."""
+    """The base interpreter (a venv's python needs its pyvenv.cfg, hidden at the namespace level)
+    and its prefix."""
     exe = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
     return exe, sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix)})
 
 
 def hidden_paths():
-    """Every top-level directory but the system ones, every top-level file, and /dev/shm; /tmp always (it is the
-    working directory). Symbolic links lead into what is hidden or into the system directories."""
+    """Every top-level directory but the system ones, every top-level file, and /dev/shm; /tmp
+    always (it is the working directory). Symbolic links lead into what is hidden or into the system
+    directories."""
     hide = {"/tmp", "/dev/shm"}
     for name in os.listdir("/"):
         path = "/" + name
-        if name not in SYSTEM_DIRS and not os.path.islink(path) and (os.path.isdir(path) or os.path.isfile(path)):
+        if name not in SYSTEM_DIRS and not os.path.islink(path) and (os.path.isdir(path)
+                                                                     or os.path.isfile(path)):
             hide.add(path)
     return sorted(p for p in hide if os.path.exists(p))
 
@@ -142,57 +154,75 @@ def command(level):
     exe, prefixes = interpreter()
     run = [exe, "-I", "-c", BOOTSTRAP]
     root = os.geteuid() == 0 and sys.platform.startswith("linux")
-    if level != "namespaces":  # as root the program still runs as nobody: the process limit holds, root's files
+    # as root the program still runs as nobody: the process limit holds, root's files
+    if level != "namespaces":
         return run, {"hide": [], "keep": [], "drop": root,  # (not world-readable) do not open
                      "reach": [p for p in prefixes if root and not world_reachable(p)]}
     hide = hidden_paths()
     keep = [p for p in prefixes if any(p == h or p.startswith(h + "/") for h in hide)]
-    unshare = [shutil.which("unshare") or "unshare", *([] if root else ["--user", "--map-root-user"]), "--mount",
+    unshare = [shutil.which("unshare") or "unshare", *([] if root else ["--user",
+                                                                        "--map-root-user"]),
+               "--mount",
                "--net", "--pid", "--fork", "--kill-child", "--mount-proc", "--"]
     return unshare + run, {"hide": hide, "keep": keep, "drop": root, "reach": []}
 
 
 def tasks_of(uid):
-    """Processes and threads that uid runs now: what RLIMIT_NPROC counts, on the whole machine (and at each level of
-    user namespaces), so a limit of n for a user already running m tasks allows n - m more. 0 without /proc."""
+    """Processes and threads that uid runs now: what RLIMIT_NPROC counts, on the whole machine (and
+    at each level of user namespaces), so a limit of n for a user already running m tasks allows n -
+    m more. 0 without /proc."""
     count = 0
     for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
         with contextlib.suppress(OSError, KeyError, ValueError):  # a process gone meanwhile
-            fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+            fields = dict(line.split(
+                    ":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                           if ":" in line)
             count += int(fields["Threads"]) if int(fields["Uid"].split()[0]) == uid else 0
     return count
 
 
 def set_limits(cpu_s, memory_bytes, nproc, fsize):
-    """preexec_fn: runs in the child between fork and exec. The CPU limit's soft and hard values are equal: a soft
-    limit's SIGXCPU is ignored by the first process of a pid namespace, the hard limit's SIGKILL is not."""
-    for limit, value in ((resource.RLIMIT_CPU, cpu_s), (resource.RLIMIT_AS, memory_bytes), (resource.RLIMIT_NPROC, nproc),
-                         (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NOFILE, 64)):
+    """preexec_fn: runs in the child between fork and exec. The CPU limit's soft and hard values are
+    equal: a soft limit's SIGXCPU is ignored by the first process of a pid namespace, the hard
+    limit's SIGKILL is not."""
+    for limit, value in ((resource.RLIMIT_CPU, cpu_s), (resource.RLIMIT_AS, memory_bytes),
+                         (resource.RLIMIT_NPROC, nproc),
+                         (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_CORE, 0),
+                         (resource.RLIMIT_NOFILE, 64)):
         resource.setrlimit(limit, (value, value))
 
 
 def run(program, timeout_s=5.0, cpu_s=None, memory_mb=512, nproc=16, level=None):
-    """Run `program` (Python source) in the sandbox; returns a Result, never raising for what the program does. nproc:
-    processes (and threads) it may add to its user's (as root: nobody's). level: None = namespaces, RuntimeError where
-    this machine gives none (choose); "process" only where the user accepted what it does not contain."""
+    """Run `program` (Python source) in the sandbox; returns a Result, never raising for what the
+    program does. nproc: processes (and threads) it may add to its user's (as root: nobody's).
+    level: None = namespaces, RuntimeError where this machine gives none (choose); "process" only
+    where the user accepted what it does not contain."""
     level = level or choose("auto")[0]
     argv, cfg = command(level)
     cpu_s = max(1, int(cpu_s if cpu_s is not None else timeout_s + 0.999))
-    uid = NOBODY if cfg["drop"] else os.getuid()  # root is not limited: only the nobody the program runs as
+    # root is not limited: only the nobody the program runs as
+    uid = NOBODY if cfg["drop"] else os.getuid()
     limits = (cpu_s, memory_mb << 20, tasks_of(uid) + nproc, OUTPUT_BYTES)
-    with tempfile.TemporaryDirectory(prefix="sandbox_") as private, tempfile.TemporaryDirectory(prefix="work_") as work:
-        (Path(private) / "program.py").write_text(program)  # kept apart from its (empty) working directory
+    with tempfile.TemporaryDirectory(prefix="sandbox_") as private, tempfile.TemporaryDirectory(prefix=
+                                                                                                "work_") as work:
+        # kept apart from its (empty) working directory
+        (Path(private) / "program.py").write_text(program)
         if cfg["drop"]:
-            os.chown(work, NOBODY, NOBODY)  # the process level's working directory, nobody's to list and write
+            # the process level's working directory, nobody's to list and write
+            os.chown(work, NOBODY, NOBODY)
         start = time.perf_counter()
-        watch, alive = os.pipe()  # the program's end sees EOF when ours closes: when this process ends
-        with open(Path(private) / "program.py") as stdin, open(Path(private) / "output", "wb") as out:
-            # preexec_fn in a threaded parent (torch's) is safe here: between fork and exec it only calls setrlimit,
+        # the program's end sees EOF when ours closes: when this process ends
+        watch, alive = os.pipe()
+        with open(Path(private) / "program.py") as stdin, open(Path(private) / "output",
+                                                               "wb") as out:
+            # preexec_fn in a threaded parent (torch's) is safe here: between fork and exec it only
+            # calls setrlimit,
             # a system call that takes no lock another thread could hold
             try:
-                proc = subprocess.Popen([*argv, json.dumps({**cfg, "watch": watch})], stdin=stdin, stdout=out,
-                                        stderr=subprocess.STDOUT, cwd=work, env=ENV, start_new_session=True,
+                proc = subprocess.Popen([*argv, json.dumps({**cfg, "watch": watch})], stdin=stdin,
+                                        stdout=out,
+                                        stderr=subprocess.STDOUT, cwd=work, env=ENV,
+                                        start_new_session=True,
                                         close_fds=True, pass_fds=(watch,),
                                         preexec_fn=lambda: set_limits(*limits))  # noqa: PLW1509
             finally:
@@ -203,7 +233,8 @@ def run(program, timeout_s=5.0, cpu_s=None, memory_mb=512, nproc=16, level=None)
             except subprocess.TimeoutExpired:
                 code, status = None, "timeout"
             finally:
-                # everything left in its process group (the pid namespace, where there is one, dies with it)
+                # everything left in its process group (the pid namespace, where there is one, dies
+                # with it)
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
@@ -214,7 +245,8 @@ def run(program, timeout_s=5.0, cpu_s=None, memory_mb=512, nproc=16, level=None)
 
 
 def sandbox_level():
-    """("namespaces" or "process", why), probed once: namespaces where a trivial program runs through them."""
+    """("namespaces" or "process", why), probed once: namespaces where a trivial program runs
+    through them."""
     global _LEVEL
     if _LEVEL is None:
         if not sys.platform.startswith("linux") or not shutil.which("unshare"):
@@ -222,7 +254,8 @@ def sandbox_level():
         else:
             r = run("print('sandbox-probe-ok')", timeout_s=20, level="namespaces")
             ok = r.status == "ok" and r.output.strip() == "sandbox-probe-ok"
-            made = "mount, network and pid namespaces" + ("" if os.geteuid() == 0 else " in a user namespace")
+            made = "mount, network and pid namespaces" + ("" if os.geteuid() == 0 else " in a user "
+                                                          "namespace")
             why = f"unshare created {made}" if ok else \
                 f"unshare failed ({r.status}: {(r.output.strip().splitlines() or ['no output'])[-1][:200]})"
             _LEVEL = ("namespaces" if ok else "process", why)
@@ -230,15 +263,17 @@ def sandbox_level():
 
 
 def choose(requested="auto"):
-    """(level, why) for model-written code: "auto" or "namespaces", the namespaces level or a RuntimeError naming the
-    choice where this machine gives none (never uncontained unless asked); "process", where the caller accepted it."""
+    """(level, why) for model-written code: "auto" or "namespaces", the namespaces level or a
+    RuntimeError naming the choice where this machine gives none (never uncontained unless asked);
+    "process", where the caller accepted it."""
     if requested == "process":
         return "process", "--sandbox process: the user accepted what it does not contain"
     level, why = sandbox_level()
     if level != "namespaces":
-        raise RuntimeError(f"--sandbox {requested}: this machine gives no namespaces to contain model-written code "
-                           f"({why}); at the process level it could {uncontained()}. Allow namespaces (docs/eval.md, "
-                           f"the sandbox), accept that with --sandbox process, or leave HumanEval out (--tasks)")
+        raise RuntimeError(f"--sandbox {requested}: this machine gives no namespaces to contain "
+                           f"model-written code ({why}); at the process level it could "
+                           f"{uncontained()}. Allow namespaces (docs/eval.md, the sandbox), accept "
+                           "that with --sandbox process, or leave HumanEval out (--tasks)")
     return level, why
 
 
@@ -254,20 +289,27 @@ def describe(level=None, why=None):
     level, why = (level, why) if level else sandbox_level()
     if level == "namespaces":
         who = "nobody (uid 65534)" if os.geteuid() == 0 else "this user, in a nested user namespace"
-        return (f"sandbox: namespaces ({why}); runs as {who}; no network; hidden: {', '.join(hidden_paths())}; "
-                f"readable: the system directories")
+        return (f"sandbox: namespaces ({why}); runs as {who}; no network; hidden: "
+                f"{', '.join(hidden_paths())}; readable: the system directories")
     return f"sandbox: process only ({why}); NOT contained: it can {uncontained()}"
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("program", nargs="?", help="a Python file to run in the sandbox")
-    parser.add_argument("--probe", action="store_true", help="print the level this machine gives and exit")
-    parser.add_argument("--timeout", type=float, default=5.0, help="wall-clock seconds (default: %(default)s)")
-    parser.add_argument("--memory_mb", type=int, default=512, help="address space limit (default: %(default)s)")
-    parser.add_argument("--sandbox", default="auto", choices=["auto", "namespaces", "process"], help="auto or "
-                        "namespaces: the namespaces level, refused where this machine gives none; process: the "
-                        "process level, accepting what it does not contain (default: %(default)s)")
+    parser.add_argument("--probe", action="store_true", help="print the level this machine gives "
+                        "and exit")
+    parser.add_argument("--timeout", type=float, default=5.0, help="wall-clock seconds (default: "
+                        "%(default)s)")
+    parser.add_argument("--memory_mb", type=int, default=512, help="address space limit (default: "
+                        "%(default)s)")
+    parser.add_argument("--sandbox", default="auto", choices=["auto", "namespaces", "process"],
+                        help=
+                        "auto or namespaces: the namespaces level, refused where this machine "
+                        "gives "
+                        "none; process: the process level, accepting what it does not contain "
+                        "(default: %(default)s)")
     args = parser.parse_args(argv)
     if not args.probe and not args.program:
         parser.error("give a program to run, or --probe")
@@ -280,8 +322,10 @@ def main(argv=None):
         print(f"sandbox.py: error: {e}", file=sys.stderr)
         return 1
     print(describe(level, why))
-    result = run(Path(args.program).read_text(), args.timeout, memory_mb=args.memory_mb, level=level)
-    print(f"status: {result.status} (exit code {result.returncode}), {result.seconds:.2f} s; output:")
+    result = run(Path(args.program).read_text(), args.timeout, memory_mb=args.memory_mb,
+                 level=level)
+    print(f"status: {result.status} (exit code {result.returncode}), {result.seconds:.2f} s; "
+          "output:")
     print(result.output)
     return 0
 

@@ -1,5 +1,6 @@
-"""Supervised fine-tuning: a midtrained (or pretrained) checkpoint learns to answer, on conversations, with the loss on
-assistant content, its tool calls and <|assistant_end|> only (not on the user's turns, nor on the calculator's output).
+"""Supervised fine-tuning: a midtrained (or pretrained) checkpoint learns to answer, on
+conversations, with the loss on assistant content, its tool calls and <|assistant_end|> only (not on
+the user's turns, nor on the calculator's output).
 
     python sft.py                       # SmolTalk + MMLU auxiliary_train x3 + GSM8K x4 + ARC + identity, one pass
     python sft.py --source smoltalk:1 --source gsm8k:2 --source data/my_chats:3       # DIR (or a dataset name):EPOCHS
@@ -9,8 +10,9 @@ assistant content, its tool calls and <|assistant_end|> only (not on the user's 
     python sft.py --run_name NAME --resume                              # continue from the last checkpoint
     python sft.py --status runs/NAME
 
-Writes runs/<run_name>/: config.json, metrics.jsonl (every step), samples.jsonl (greedy answers at every eval),
-ckpt/step_XXXXXX/ (meta.json names the parent checkpoint and the sha256 of its weights), done.json.
+Writes runs/<run_name>/: config.json, metrics.jsonl (every step), samples.jsonl (greedy answers at
+every eval), ckpt/step_XXXXXX/ (meta.json names the parent checkpoint and the sha256 of its
+weights), done.json.
 """
 import argparse
 import math
@@ -41,28 +43,34 @@ from loader import (
 )
 from model import flops_per_token, num_params
 
-# nanochat's SFT epochs (SmolTalk 1, MMLU auxiliary_train 3, GSM8K 4), plus ARC's training questions and identity
+# nanochat's SFT epochs (SmolTalk 1, MMLU auxiliary_train 3, GSM8K 4), plus ARC's training questions
+# and identity
 DEFAULT_SOURCES = ["smoltalk:1", "mmlu:3", "gsm8k:4", "arc-easy:1", "arc-challenge:1", "identity:2"]
-# warm-started at 0.3 of the parent's lrs, flat, then a linear warmdown over the second half: on the demo chain it
+# warm-started at 0.3 of the parent's lrs, flat, then a linear warmdown over the second half: on the
+# demo chain it
 # forgot far less than a fresh state at full lrs, or than nanochat's 0.8 (dev/LOG.md)
 SFT_LR_SCALE, SFT_WARMDOWN = 0.3, 0.5
 SFT_WHY = "measured on the demo world; nanochat's chat_sft uses 0.8"
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("data")
-    g.add_argument("--source", action="append", default=None, metavar="DIR:EPOCHS", help="a chat directory (or a "
-                   "`dataset.py download-chat` name, for its cache directory, or a .jsonl file of conversations in "
-                   "the OpenAI chat format: docs/own-data.md) and how many times one pass of the "
-                   "mixture goes over it, repeatable; its files named test*/val* are held out (default: "
+    g.add_argument("--source", action="append", default=None, metavar="DIR:EPOCHS", help=
+                   "a chat directory (or a `dataset.py download-chat` name, for its cache "
+                   "directory, or a .jsonl file of conversations in the OpenAI chat format: "
+                   "docs/own-data.md) and how many times one pass of the mixture goes over it, "
+                   "repeatable; its files named test*/val* are held out (default: "
                    f"{' '.join(DEFAULT_SOURCES)}, nanochat's epochs for SmolTalk, MMLU and GSM8K)")
-    g.add_argument("--add_source", action="append", default=[], metavar="DIR:EPOCHS", help="a source added to the "
-                   "--source ones (or the defaults): speedrun.sh --chat FILE adds FILE:2 (default: none)")
-    g.add_argument("--chat_dir", default=None, help="one chat directory, once per pass: the same as --source DIR:1 "
-                   "(default: the --source mixture)")
-    g.add_argument("--seed", type=int, default=0, help="shuffles the conversations, anew every epoch (default: "
-                   "%(default)s)")
+    g.add_argument("--add_source", action="append", default=[], metavar="DIR:EPOCHS", help=
+                   "a source added to the --source ones (or the defaults): speedrun.sh --chat FILE "
+                   "adds FILE:2 (default: none)")
+    g.add_argument("--chat_dir", default=None, help="one chat directory, once per pass: the same "
+                                                    "as "
+                   "--source DIR:1 (default: the --source mixture)")
+    g.add_argument("--seed", type=int, default=0, help="shuffles the conversations, anew every "
+                   "epoch (default: %(default)s)")
     budgets = [("epochs", float, "passes over the mixture (default: 1, as nanochat)"),
                ("steps", int, "optimizer steps")]
     chat_stage.add_chat_stage_args(p, g, "sft", ["midtrain", "pretrain"], budgets, eval_every=100,
@@ -83,15 +91,18 @@ SAMPLE_PACKED = 4000  # of those, packed together in the mixture's proportions: 
 
 
 def estimate_epoch_batches(args, tokenizer, micro, seq_len, streams):
-    """Batches one pass over the mixture packs into on the fullest data stream: an epoch, estimated, as counting
-    means rendering and packing every conversation before step 1 (1.4M for the gpu plan's, at every resume). Each
-    stream's conversations come from the parquet footers, each file's rendered length and skipped share from its first
-    SAMPLE_ROWS, row fill from those packed together. Returns (batches, the line that says how)."""
+    """Batches one pass over the mixture packs into on the fullest data stream: an epoch, estimated,
+    as counting means rendering and packing every conversation before step 1 (1.4M for the gpu
+    plan's, at every resume). Each stream's conversations come from the parquet footers, each file's
+    rendered length and skipped share from its first SAMPLE_ROWS, row fill from those packed
+    together. Returns (batches, the line that says how)."""
     files = mixture_files(args.sources)
     # only renders: bad lines of a .jsonl file (main has stopped at them, or is skipping them)
     # render as skipped
-    renderer = chat_loader(None, "train", tokenizer, micro, seq_len, files=files[:1], threads=1, skip_bad_rows=True)
-    per_file, kept = {}, {}  # path: (share of its conversations kept, their mean rendered tokens); the kept ones
+    renderer = chat_loader(None, "train", tokenizer, micro, seq_len, files=files[:1], threads=1,
+                           skip_bad_rows=True)
+    # path: (share of its conversations kept, their mean rendered tokens); the kept ones
+    per_file, kept = {}, {}
     footers = read_footers(files)
     for path, footer in footers.items():
         rows, group = [], 0
@@ -102,16 +113,20 @@ def estimate_epoch_batches(args, tokenizer, micro, seq_len, streams):
         kept[path] = [r for r in rendered if isinstance(r, tuple)]
         per_file[path] = (len(kept[path]) / max(1, len(rendered)),
                           sum(len(ids) for ids, _ in kept[path]) / max(1, len(kept[path])))
-    # the samples packed together in the mixture's proportions (SAMPLE_PACKED of them, drawn with a fixed seed)
+    # the samples packed together in the mixture's proportions (SAMPLE_PACKED of them, drawn with a
+    # fixed seed)
     weights = [footers[path].num_rows * per_file[path][0] if kept[path] else 0 for path in files]
     rng = random.Random(0)
-    sample = [rng.choice(kept[path]) for path in rng.choices(files, weights, k=SAMPLE_PACKED)] if any(weights) else []
+    sample = [rng.choice(kept[path]) for path in rng.choices(
+            files, weights, k=SAMPLE_PACKED)] if any(weights) else []
     # per stream: the rendered tokens of the conversations it keeps in one pass
     tokens = [sum(len(unit_rows(unit, footers)) * math.prod(per_file[unit[0]])
-                  for unit in assign_units(files, stream, streams, footers)) for stream in range(streams)]
+                  for unit in assign_units(files, stream, streams,
+                                           footers)) for stream in range(streams)]
     stats, buffer, rows, documents = dict.fromkeys(STAT_KEYS, 0), PieceBuffer([]), 0, iter(sample)
     while True:  # the sample packed as training packs it: how full a row gets
-        packed, _ = pack_batch(buffer, documents, 64, seq_len + 1, tokenizer.bos_id, crop=False, buffer_docs=1000,
+        packed, _ = pack_batch(buffer, documents, 64, seq_len + 1, tokenizer.bos_id, crop=False,
+                               buffer_docs=1000,
                                masked=True, stats=stats)
         if not len(packed):
             break
@@ -120,17 +135,19 @@ def estimate_epoch_batches(args, tokenizer, micro, seq_len, streams):
     batches = max(1, math.ceil(max(tokens) / (fill * (seq_len + 1)) / micro))
     conversations = sum(footers[path].num_rows for path in files)
     return batches, (f"estimated: {conversations:,} conversations in the files' footers, about "
-                     f"{sum(tokens) / max(1, conversations):,.0f} tokens each as rendered (measured on "
-                     f"{sum(map(len, kept.values())):,}), "
-                     f"rows {fill:.1%} full, the fullest of {streams} data streams")
+                     f"{sum(tokens) / max(1, conversations):,.0f} tokens each as rendered "
+                     "(measured "
+                     f"on {sum(map(len, kept.values())):,}), rows {fill:.1%} full, the fullest of "
+                     f"{streams} data streams")
 
 
 def packing(loaders):
-    """Over every loader of every rank: token positions trained on, the shares that were supervised and padding, and
-    the conversations skipped by reason."""
+    """Over every loader of every rank: token positions trained on, the shares that were supervised
+    and padding, and the conversations skipped by reason."""
     reasons = ["no_assistant", "malformed", "empty_content", "too_long", "empty"]
     keys = ["tokens", "supervised", "padding", "batches", *reasons]
-    counts = torch.tensor([[loader.state["stats"].get(k, 0) for k in keys] for loader in loaders], dtype=torch.float64)
+    counts = torch.tensor([[loader.state["stats"].get(k, 0) for k in keys] for loader in loaders],
+                          dtype=torch.float64)
     totals = distributed.all_reduce_tensor(counts.sum(0)).tolist()
     stats = dict(zip(keys, totals, strict=True))
     positions = stats["tokens"] or 1

@@ -1,7 +1,8 @@
-"""The chat tasks, each one's loading, rendering and scoring: ARC, MMLU, GSM8K, HumanEval and the demo world's, which
-chat_eval.py evaluates and rl.py trains on and holds out. An item has the fields its kind needs: categorical {prompt,
-letters, answer, options, question}, gsm8k {prompt, answer}, humaneval {prompt, test, entry_point, id}, exact and
-contains {prompt, answers}. Not a stage: import it (`import tasks`).
+"""The chat tasks, each one's loading, rendering and scoring: ARC, MMLU, GSM8K, HumanEval and the
+demo world's, which chat_eval.py evaluates and rl.py trains on and holds out. An item has the fields
+its kind needs: categorical {prompt, letters, answer, options, question}, gsm8k {prompt, answer},
+humaneval {prompt, test, entry_point, id}, exact and contains {prompt, answers}. Not a stage: import
+it (`import tasks`).
 
     python tasks.py GSM8K --max_items 2                 # a task's first items in nanochat's order, as scored
     python tasks.py demo-answer --demo data/demo
@@ -20,27 +21,37 @@ from dataset import CACHE_DIR, chat_files, multiple_choice
 from distributed import run_main
 from download import download_hub_files, list_hub_files
 
-# task: (hub repo, its test split's files, kind, random baseline). Kinds: categorical (a letter's logit), gsm8k (the
-# number after '#### '), humaneval (the program passes the task's tests), exact (the answer, after normalization).
-HUB_TASKS = {"ARC-Easy": ("allenai/ai2_arc", r"ARC-Easy/test-\d+-of-\d+\.parquet", "categorical", 0.25),
-             "ARC-Challenge": ("allenai/ai2_arc", r"ARC-Challenge/test-\d+-of-\d+\.parquet", "categorical", 0.25),
+# task: (hub repo, its test split's files, kind, random baseline). Kinds: categorical (a letter's
+# logit), gsm8k (the
+# number after '#### '), humaneval (the program passes the task's tests), exact (the answer, after
+# normalization).
+HUB_TASKS = {"ARC-Easy": ("allenai/ai2_arc", r"ARC-Easy/test-\d+-of-\d+\.parquet", "categorical",
+                          0.25),
+             "ARC-Challenge": ("allenai/ai2_arc", r"ARC-Challenge/test-\d+-of-\d+\.parquet",
+                               "categorical", 0.25),
              "MMLU": ("cais/mmlu", r"all/test-\d+-of-\d+\.parquet", "categorical", 0.25),
              "GSM8K": ("openai/gsm8k", r"main/test-\d+-of-\d+\.parquet", "gsm8k", 0.0),
-             "HumanEval": ("openai/openai_humaneval", r"openai_humaneval/test-\d+-of-\d+\.parquet", "humaneval", 0.0)}
-DEMO_TASKS = {"demo-choice": (None, None, "categorical", 0.25), "demo-answer": (None, None, "exact", 0.0),
+             "HumanEval": ("openai/openai_humaneval", r"openai_humaneval/test-\d+-of-\d+\.parquet",
+                           "humaneval", 0.0)}
+DEMO_TASKS = {"demo-choice": (None, None, "categorical", 0.25), "demo-answer": (None, None, "exact",
+                                                                                0.0),
               "demo-problems": (None, None, "gsm8k", 0.0)}
-# Asked only by name (--tasks), never in ChatCORE: demo questions in words no template uses, no form asked for, right
+# Asked only by name (--tasks), never in ChatCORE: demo questions in words no template uses, no form
+# asked for, right
 # when the reply contains the answer as a word: does the model still answer in its own words?
 DEMO_EXTRA = {"demo-words": (None, None, "contains", None)}
 ALL_TASKS = HUB_TASKS | DEMO_TASKS | DEMO_EXTRA
-SHUFFLE_SEED = 42  # nanochat's order: datasets' shuffle(seed=42) is np.random.default_rng(42).permutation(n)
+# nanochat's order: datasets' shuffle(seed=42) is np.random.default_rng(42).permutation(n)
+SHUFFLE_SEED = 42
 
 
 # -----------------------------------------------------------------------------
-# Loading a task's rows (hub parquet, cached, or the demo world's jsonl) as items in nanochat's order; the prompt
+# Loading a task's rows (hub parquet, cached, or the demo world's jsonl) as items in nanochat's
+# order; the prompt
 
 def hub_files(task, cache_dir):
-    """The task's test files, downloaded once: a files.json written after the download lets later runs skip the hub."""
+    """The task's test files, downloaded once: a files.json written after the download lets later
+    runs skip the hub."""
     repo, pattern = HUB_TASKS[task][:2]
     out_dir = Path(cache_dir) / task
     done = out_dir / "files.json"
@@ -48,7 +59,8 @@ def hub_files(task, cache_dir):
         return [out_dir / name for name in json.loads(done.read_text())]
     paths = sorted(f["path"] for f in list_hub_files(repo) if re.fullmatch(pattern, f["path"]))
     if not paths:
-        raise ValueError(f"{repo} has no file matching {pattern}: the dataset's layout changed; please report it")
+        raise ValueError(f"{repo} has no file matching {pattern}: the dataset's layout changed; "
+                         "please report it")
     files = download_hub_files(repo, paths, out_dir)
     done.write_text(json.dumps([f.name for f in files]))
     return files
@@ -59,22 +71,26 @@ def read_rows(task, cache_dir, demo_dir):
     if demo_dir is not None:
         path = Path(demo_dir) / "chat_eval" / f"{task}.jsonl"
         if not path.is_file():
-            raise FileNotFoundError(f"{path} does not exist: write the demo world again (python demo.py --out "
-                                    f"{demo_dir}), which writes chat_eval/")
+            raise FileNotFoundError(f"{path} does not exist: write the demo world again (python "
+                                    f"demo.py --out {demo_dir}), which writes chat_eval/")
         lines = path.read_text().splitlines()
         try:
-            return [(f"{path}, line {i + 1}", json.loads(line)) for i, line in enumerate(lines) if line.strip()]
+            return [(f"{path}, line {i + 1}", json.loads(line)) for i,
+                    line in enumerate(lines) if line.strip()]
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: a line is not valid JSON ({e}): write the demo world again") from None
-    return [(f"{f}, row {i}", row) for f in hub_files(task, cache_dir) for i, row in enumerate(pq.read_table(f)
+    return [(f"{f}, row {i}", row) for f in hub_files(task, cache_dir) for i,
+            row in enumerate(pq.read_table(f)
                                                                                               .to_pylist())]
 
 
 def make_item(task, row, where):
-    """The fields its kind needs ({"prompt", ...}), from a row in the layout the hub (or demo.py) gives it."""
+    """The fields its kind needs ({"prompt", ...}), from a row in the layout the hub (or demo.py)
+    gives it."""
     try:
         if task.startswith("ARC") or task in ("MMLU", "demo-choice"):
-            prompt, letters, answer, options = multiple_choice(row, "gold" if task == "demo-choice" else "answer")
+            prompt, letters, answer, options = multiple_choice(
+                    row, "gold" if task == "demo-choice" else "answer")
             return {"prompt": prompt, "letters": letters, "answer": answer, "options": options,
                     "question": row["question"]}
         if task in ("GSM8K", "demo-problems"):
@@ -87,13 +103,15 @@ def make_item(task, row, where):
                     "id": row["task_id"]}
         return {"prompt": row["question"], "answers": list(row["answers"])}
     except (KeyError, TypeError, IndexError, ValueError) as e:
-        raise ValueError(f"{where}: not in {task}'s layout ({type(e).__name__}: {e}): the file is damaged or its "
-                         f"layout changed; delete it (a hub file is fetched again, the demo world's written again by "
-                         f"demo.py), or report the change") from None
+        raise ValueError(f"{where}: not in {task}'s layout ({type(e).__name__}: {e}): the file is "
+                         "damaged or its layout changed; delete it (a hub file is fetched again, "
+                         "the demo world's written again by demo.py), or report the "
+                         "change") from None
 
 
 def load_items(task, cache_dir, demo_dir, max_items):
-    """(items, rows in the task): the first max_items rows in nanochat's order, each with its row index."""
+    """(items, rows in the task): the first max_items rows in nanochat's order, each with its row
+    index."""
     rows = read_rows(task, cache_dir, demo_dir)
     order = np.random.default_rng(SHUFFLE_SEED).permutation(len(rows)).tolist()
     order = order[:max_items] if max_items > 0 else order
@@ -101,33 +119,38 @@ def load_items(task, cache_dir, demo_dir, max_items):
 
 
 def prompt_ids(tokenizer, question, seq_len, room):
-    """(ids, cut): the question as a user message, then <|assistant_start|>; a prompt longer than seq_len - room
-    keeps its BOS and loses the tokens after it (as core_eval.py's windows do)."""
+    """(ids, cut): the question as a user message, then <|assistant_start|>; a prompt longer than
+    seq_len - room keeps its BOS and loses the tokens after it (as core_eval.py's windows do)."""
     ids = tokenizer.render_for_completion([{"role": "user", "content": question}])
     keep = seq_len - room
     return (ids, False) if len(ids) <= keep else ([ids[0], *ids[len(ids) - keep + 1:]], True)
 
 
 # -----------------------------------------------------------------------------
-# GSM8K: nanochat's rule (what counts) and a lenient reading (a diagnostic); rl.py's training questions
+# GSM8K: nanochat's rule (what counts) and a lenient reading (a diagnostic); rl.py's training
+# questions
 
 NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
 GSM_RE = re.compile(r"#### (\-?[0-9\.\,]+)")  # nanochat's tasks/gsm8k.py, character for character
 
 
 def gsm8k_answer(text):
-    """nanochat's GSM8K answer (its extract_answer): the digits, dots and commas (a '-' first) after the first
-    '#### ', commas dropped, as a string; None where there is no '#### '. A reply is right when this string equals
-    the reference's: '18.00' is not '18', and a reply without the marker is wrong. ChatCORE counts by this rule."""
+    """nanochat's GSM8K answer (its extract_answer): the digits, dots and commas (a '-' first) after
+    the first '#### ', commas dropped, as a string; None where there is no '#### '. A reply is right
+    when this string equals the reference's: '18.00' is not '18', and a reply without the marker is
+    wrong. ChatCORE counts by this rule."""
     match = GSM_RE.search(text)
     return match.group(1).strip().replace(",", "") if match else None
 
 
 def final_number(text, marker_only=False):
-    """The lenient reading, a diagnostic outside ChatCORE: a Decimal or None, the number after the first '####'
-    (spaces and a '$' allowed), else (not marker_only) the text's last number, compared as numbers (18.00 is 18)."""
-    found = re.findall(r"####\s*\$?\s*(" + NUMBER + ")", text)[:1] or ([] if marker_only else re.findall(NUMBER, text))
-    return Decimal(found[-1].replace(",", "")) if found else None  # NUMBER without commas: always a valid Decimal
+    """The lenient reading, a diagnostic outside ChatCORE: a Decimal or None, the number after the
+    first '####' (spaces and a '$' allowed), else (not marker_only) the text's last number, compared
+    as numbers (18.00 is 18)."""
+    found = re.findall(r"####\s*\$?\s*(" + NUMBER + ")",
+                       text)[:1] or ([] if marker_only else re.findall(NUMBER, text))
+    # NUMBER without commas: always a valid Decimal
+    return Decimal(found[-1].replace(",", "")) if found else None
 
 
 def same_number(lenient, answer):
@@ -138,13 +161,15 @@ def same_number(lenient, answer):
 
 
 def gsm8k_items(train_dir):
-    """rl.py's items from training questions in GSM8K's columns: GSM8K's train split or a demo world's problems/."""
+    """rl.py's items from training questions in GSM8K's columns: GSM8K's train split or a demo
+    world's problems/."""
     return [make_item("GSM8K", row, f"{path}, row {i}") for path in chat_files(train_dir, "train")
             for i, row in enumerate(pq.read_table(path).to_pylist())]
 
 
 def reward(item, reply):
-    """rl.py's reward: 1.0 when the number after the reply's first '####' equals the item's answer, else 0.0."""
+    """rl.py's reward: 1.0 when the number after the reply's first '####' equals the item's answer,
+    else 0.0."""
     number = final_number(reply, marker_only=True)
     return float(number is not None and number == Decimal(item["answer"]))
 
@@ -153,9 +178,10 @@ def reward(item, reply):
 # HumanEval: the reply's program against the task's tests (chat_eval.py runs it in sandbox.py)
 
 def humaneval_program(item, reply, marker):
-    """nanochat's program: the prompt's imports, the reply's code (its first ``` block, else all of it), the tests,
-    check(entry_point). The code continues the prompt when it does not define the entry point itself (a model that
-    wrote only the body). The marker, printed last, says check() returned: an early exit(0) passes nothing."""
+    """nanochat's program: the prompt's imports, the reply's code (its first ``` block, else all of
+    it), the tests, check(entry_point). The code continues the prompt when it does not define the
+    entry point itself (a model that wrote only the body). The marker, printed last, says check()
+    returned: an early exit(0) passes nothing."""
     blocks = re.findall(r"```(?:python)?\s*\n(.*?)\n```", reply, re.DOTALL)
     code = (blocks[0] if blocks else reply).lstrip("\n").rstrip()
     if not re.search(rf"^\s*def\s+{re.escape(item['entry_point'])}\s*\(", code, re.MULTILINE):
@@ -174,37 +200,44 @@ def humaneval_program(item, reply, marker):
 # The demo world: short answers compared normalized
 
 def demo_world(arg, data_dir, part):
-    """The demo world a --demo flag names, or None for the hub's tasks: none; auto, the world of the checkpoint's
-    pretraining data (<world>/pretrain) when it has `part` (chat_eval/, calc/); or DIR, which must have it."""
+    """The demo world a --demo flag names, or None for the hub's tasks: none; auto, the world of the
+    checkpoint's pretraining data (<world>/pretrain) when it has `part` (chat_eval/, calc/); or DIR,
+    which must have it."""
     if arg == "none":
         return None
     if arg == "auto":
         world = Path(data_dir).parent if data_dir else None
         return world if world is not None and (world / part).is_dir() else None
     if not (Path(arg) / part).is_dir():
-        raise FileNotFoundError(f"--demo {arg}: no {part}/ in it: write the demo world there with `python demo.py "
-                                f"--out {arg}`")
+        raise FileNotFoundError(f"--demo {arg}: no {part}/ in it: write the demo world there with "
+                                f"`python demo.py --out {arg}`")
     return Path(arg)
 
 
 def normalize(text):
-    """The demo's exact-match form: lower case, punctuation dropped, spaces collapsed, a leading article dropped."""
+    """The demo's exact-match form: lower case, punctuation dropped, spaces collapsed, a leading
+    article dropped."""
     words = re.sub(r"[^\w\s-]", " ", text.lower()).split()
     return " ".join(words[1:] if words[:1] in (["the"], ["a"], ["an"]) else words)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("task", choices=list(ALL_TASKS), help="the task whose first items to print")
-    p.add_argument("--demo", default=None, help="the demo world (python demo.py --out DIR), for its tasks; the hub's "
-                   "are downloaded once into the cache chat_eval.py uses (default: none)")
-    p.add_argument("--max_items", type=int, default=3, help="items, the first in nanochat's order (default: "
-                   "%(default)s)")
+    p.add_argument("--demo", default=None, help="the demo world (python demo.py --out DIR), for "
+                                                "its "
+                   "tasks; the hub's are downloaded once into the cache chat_eval.py uses "
+                   "(default: "
+                   "none)")
+    p.add_argument("--max_items", type=int, default=3, help="items, the first in nanochat's order "
+                   "(default: %(default)s)")
     args = p.parse_args(argv)
     if (args.demo is None) == (args.task in DEMO_TASKS | DEMO_EXTRA):
         p.error("--demo DIR is what the demo tasks are read from, and only they")
     items, rows = load_items(args.task, CACHE_DIR / "chat_eval", args.demo, args.max_items)
-    print(f"{args.task}: {rows:,} items; the first {len(items)}:\n" + "\n".join(json.dumps(item) for item in items))
+    print(f"{args.task}: {rows:,} items; the first {len(items)}:\n" + "\n".join(json.dumps(item)
+                                                                                for item in items))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
-"""Byte-level BPE tokenizer: train it on a corpus's training split, measure it on the validation split, and render chat
-conversations into token ids plus a loss mask.
+"""Byte-level BPE tokenizer: train it on a corpus's training split, measure it on the validation
+split, and render chat conversations into token ids plus a loss mask.
 
     python tokenizer.py train --data_dir DIR --vocab_size 65536     # -> runs/tokenizer/tokenizer.json
     python tokenizer.py eval --data_dir DIR                         # bytes/token of runs/tokenizer on the val split
 
-Training is rustbpe (Rust, parallel), printing what it read every 10 s and its merge loop every 10%; encoding is
-tiktoken. The vocabulary is the 256 single bytes, then the merges, then SPECIAL_TOKENS, so `--vocab_size V` is the
-final size including the special tokens, and the special ids are V-9 .. V-1. Saved as one JSON file: nothing in it is
-executable, unlike a pickle, so a tokenizer downloaded from someone else cannot run code when it is loaded.
+Training is rustbpe (Rust, parallel), printing what it read every 10 s and its merge loop every 10%;
+encoding is tiktoken. The vocabulary is the 256 single bytes, then the merges, then SPECIAL_TOKENS,
+so `--vocab_size V` is the final size including the special tokens, and the special ids are V-9 ..
+V-1. Saved as one JSON file: nothing in it is executable, unlike a pickle, so a tokenizer downloaded
+from someone else cannot run code when it is loaded.
 """
 import argparse
 import base64
@@ -26,27 +27,36 @@ import tiktoken
 
 from dataset import iter_texts
 
-# GPT-4's (cl100k) pattern: a pre-token is a word with its leading space, 1-3 digits, punctuation or whitespace, and
-# merges never cross those. nanochat's \p{N}{1,2} differs by 0.03% in bytes/token at vocab 8192 on the real text.
+# GPT-4's (cl100k) pattern: a pre-token is a word with its leading space, 1-3 digits, punctuation or
+# whitespace, and
+# merges never cross those. nanochat's \p{N}{1,2} differs by 0.03% in bytes/token at vocab 8192 on
+# the real text.
 SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|"""
                  r"""\s*[\r\n]|\s+(?!\S)|\s+""")
-# The chat template's, then the calculator's: <|python_start|>expr<|python_end|> is a tool call the assistant writes,
-# <|output_start|>result<|output_end|> its result, inserted by generation (calculator.py) and never trained on.
-SPECIAL_TOKENS = ["<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>",
+# The chat template's, then the calculator's: <|python_start|>expr<|python_end|> is a tool call the
+# assistant writes,
+# <|output_start|>result<|output_end|> its result, inserted by generation (calculator.py) and never
+# trained on.
+SPECIAL_TOKENS = ["<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>",
+                  "<|assistant_end|>",
                   "<|python_start|>", "<|python_end|>", "<|output_start|>", "<|output_end|>"]
 CHAT_SPECIALS = SPECIAL_TOKENS[1:5]
 FILE_NAME = "tokenizer.json"
 FORMAT = "nanochat-bpe-v1"
-# rustbpe logs its training (set-up steps, then "Progress: N% (i/n merges)" every 1%) into Python's logging through
-# pyo3_log, which caches the level it finds at its first message: INFO is set here, before any training, and the
-# messages print only where train_tokenizer(progress=True) adds a handler (warnings still reach stderr).
+# rustbpe logs its training (set-up steps, then "Progress: N% (i/n merges)" every 1%) into Python's
+# logging through
+# pyo3_log, which caches the level it finds at its first message: INFO is set here, before any
+# training, and the
+# messages print only where train_tokenizer(progress=True) adds a handler (warnings still reach
+# stderr).
 RUSTBPE_LOG = logging.getLogger("rustbpe")
 RUSTBPE_LOG.setLevel(logging.INFO)
 RUSTBPE_LOG.propagate = False
 
 
 class Tokenizer:
-    """tiktoken encoding of byte-level BPE merges + SPECIAL_TOKENS, with the token byte lengths bits per byte needs."""
+    """tiktoken encoding of byte-level BPE merges + SPECIAL_TOKENS, with the token byte lengths bits
+    per byte needs."""
 
     def __init__(self, mergeable_ranks, pattern):
         n = len(mergeable_ranks)
@@ -57,18 +67,21 @@ class Tokenizer:
         self.mergeable_ranks = dict(mergeable_ranks)
         self.pattern = pattern
         self.special_tokens = {name: n + i for i, name in enumerate(SPECIAL_TOKENS)}
-        self.enc = tiktoken.Encoding("nanochat", pat_str=pattern, mergeable_ranks=self.mergeable_ranks,
+        self.enc = tiktoken.Encoding("nanochat", pat_str=pattern,
+                                     mergeable_ranks=self.mergeable_ranks,
                                      special_tokens=self.special_tokens)
         self.vocab_size = n + len(SPECIAL_TOKENS)
         self.bos_id = self.special_tokens["<|bos|>"]
-        # byte length of every id (0 for special tokens) for bits per byte, comparable across vocabulary sizes
+        # byte length of every id (0 for special tokens) for bits per byte, comparable across
+        # vocabulary sizes
         self.token_bytes = [0] * self.vocab_size
         for token, rank in self.mergeable_ranks.items():
             self.token_bytes[rank] = len(token)
 
     def fingerprint(self):
-        """sha256 of what defines the encoding (pattern, merges, specials): checkpoints record it, so a model is never
-        used with a tokenizer it was not trained with (a retrained one of the same size would load, giving nonsense)."""
+        """sha256 of what defines the encoding (pattern, merges, specials): checkpoints record it,
+        so a model is never used with a tokenizer it was not trained with (a retrained one of the
+        same size would load, giving nonsense)."""
         digest = hashlib.sha256(self.pattern.encode())
         for token, rank in sorted(self.mergeable_ranks.items(), key=lambda item: item[1]):
             digest.update(len(token).to_bytes(2, "little") + token)
@@ -77,11 +90,13 @@ class Tokenizer:
 
     def special_id(self, name):
         if name not in self.special_tokens:
-            raise ValueError(f"unknown special token {name!r}: allowed are {', '.join(SPECIAL_TOKENS)}")
+            raise ValueError(f"unknown special token {name!r}: allowed are "
+                             f"{', '.join(SPECIAL_TOKENS)}")
         return self.special_tokens[name]
 
     def encode(self, text):
-        # encode_ordinary: "<|bos|>" typed by a user (or found in web text) is plain text, never a control token.
+        # encode_ordinary: "<|bos|>" typed by a user (or found in web text) is plain text, never a
+        # control token.
         return self.enc.encode_ordinary(text)
 
     def encode_batch(self, texts, num_threads=8):
@@ -96,7 +111,8 @@ class Tokenizer:
         ranks = sorted(self.mergeable_ranks.items(), key=lambda item: item[1])
         state = {"format": FORMAT, "pattern": self.pattern, "vocab_size": self.vocab_size,
                  "special_tokens": self.special_tokens, "token_bytes": self.token_bytes,
-                 "mergeable_ranks": [[base64.b64encode(token).decode("ascii"), rank] for token, rank in ranks]}
+                 "mergeable_ranks": [[base64.b64encode(token).decode("ascii"), rank] for token,
+                                     rank in ranks]}
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(state))
         os.replace(tmp, path)  # a reader never sees a half-written tokenizer
@@ -112,27 +128,34 @@ class Tokenizer:
             state = json.loads(path.read_text())
             if state.get("format") != FORMAT:
                 raise ValueError(f"format is {state.get('format')!r}, expected {FORMAT!r}")
-            ranks = {base64.b64decode(token, validate=True): rank for token, rank in state["mergeable_ranks"]}
+            ranks = {base64.b64decode(token, validate=True): rank for token, rank in state[
+                                                                                           "mergeable_ranks"]}
             tokenizer = cls(ranks, state["pattern"])
             stored = list(state.get("special_tokens") or {})
             if stored != SPECIAL_TOKENS and stored == SPECIAL_TOKENS[:len(stored)]:
-                raise ValueError(f"it was trained before the special tokens {', '.join(SPECIAL_TOKENS[len(stored):])} "
-                                 f"(the calculator's tool calls) existed; a model pretrained with it cannot use them")
-            for key in ("vocab_size", "special_tokens", "token_bytes"):  # stored for readers; must agree with merges
+                raise ValueError("it was trained before the special tokens "
+                                 f"{', '.join(SPECIAL_TOKENS[len(stored):])} (the calculator's "
+                                 "tool "
+                                 "calls) existed; a model pretrained with it cannot use them")
+            # stored for readers; must agree with merges
+            for key in ("vocab_size", "special_tokens", "token_bytes"):
                 if state[key] != getattr(tokenizer, key):
                     raise ValueError(f"stored {key} disagrees with the merges")
-        except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError and binascii.Error included
+        # JSONDecodeError and binascii.Error included
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{path} is not a valid tokenizer ({e}): delete it and {how}") from e
         return tokenizer
 
     # --- chat rendering (the rules are in _turns below) ---
     def render_conversation(self, messages, max_tokens=None):
-        """(ids, mask) of a conversation; mask is 1 on the tokens the model learns to produce: assistant content and
-        <|assistant_end|> (so it learns to stop). With max_tokens, a conversation that is too long is cut after its last
-        complete assistant turn that fits, never mid-answer; ([], []) if not even the first exchange fits."""
+        """(ids, mask) of a conversation; mask is 1 on the tokens the model learns to produce:
+        assistant content and <|assistant_end|> (so it learns to stop). With max_tokens, a
+        conversation that is too long is cut after its last complete assistant turn that fits, never
+        mid-answer; ([], []) if not even the first exchange fits."""
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens={max_tokens} must be at least 1 (or None for no limit)")
-        user_start, user_end, assistant_start, assistant_end = (self.special_id(name) for name in CHAT_SPECIALS)
+        user_start, user_end, assistant_start, assistant_end = (self.special_id(name)
+                                                                for name in CHAT_SPECIALS)
         ids, mask, turn_ends = [self.bos_id], [0], []
         for role, content, _ in _turns(messages):
             if role == "user":
@@ -150,9 +173,10 @@ class Tokenizer:
         return ids, mask
 
     def render_parts(self, content):
-        """(ids, mask) of an assistant message's content: a string, or a list of parts {"type": "text" | "python" |
-        "python_output", "text"}. A python part is a tool call the model learns to write (mask 1); a python_output
-        part is the calculator's answer, which generation inserts, so it is not trained on (mask 0)."""
+        """(ids, mask) of an assistant message's content: a string, or a list of parts {"type":
+        "text" | "python" | "python_output", "text"}. A python part is a tool call the model learns
+        to write (mask 1); a python_output part is the calculator's answer, which generation
+        inserts, so it is not trained on (mask 0)."""
         if isinstance(content, str):
             tokens = self.encode(content)
             return tokens, [1] * len(tokens)
@@ -162,25 +186,29 @@ class Tokenizer:
             if part["type"] == "text":
                 ids, mask = ids + tokens, mask + [1] * len(tokens)
             elif part["type"] == "python":
-                ids += [self.special_id("<|python_start|>"), *tokens, self.special_id("<|python_end|>")]
+                ids += [self.special_id("<|python_start|>"), *tokens, self.special_id(
+                                                                                      "<|python_end|>")]
                 mask += [1] * (len(tokens) + 2)
             else:
-                ids += [self.special_id("<|output_start|>"), *tokens, self.special_id("<|output_end|>")]
+                ids += [self.special_id("<|output_start|>"), *tokens, self.special_id(
+                                                                                      "<|output_end|>")]
                 mask += [0] * (len(tokens) + 2)
         return ids, mask
 
     def render_for_completion(self, messages):
-        """The prompt for generating the next assistant turn: the conversation, then <|assistant_start|>."""
+        """The prompt for generating the next assistant turn: the conversation, then
+        <|assistant_start|>."""
         turns = _turns(messages)
         if turns[-1][0] != "user":
-            raise ValueError(f"message {len(messages) - 1}: a conversation to complete must end with a user message, "
-                             f"got {messages[-1]['role']!r}")
+            raise ValueError(f"message {len(messages) - 1}: a conversation to complete must end "
+                             f"with a user message, got {messages[-1]['role']!r}")
         return self.render_conversation(messages)[0] + [self.special_id("<|assistant_start|>")]
 
 
 def rustbpe_printer(start, every_percent=10):
-    """A logging handler printing rustbpe's messages to stdout (flushed), each with the seconds since start: all of
-    its set-up steps, and of its merge loop's progress (logged every 1%) every every_percent."""
+    """A logging handler printing rustbpe's messages to stdout (flushed), each with the seconds
+    since start: all of its set-up steps, and of its merge loop's progress (logged every 1%) every
+    every_percent."""
     handler = logging.StreamHandler(sys.stdout)
 
     def keep(record):
@@ -195,11 +223,13 @@ def rustbpe_printer(start, every_percent=10):
 
 
 def train_tokenizer(texts, vocab_size, progress=False):
-    """BPE on an iterable of strings: exactly vocab_size ids including SPECIAL_TOKENS. progress: print rustbpe's log."""
+    """BPE on an iterable of strings: exactly vocab_size ids including SPECIAL_TOKENS. progress:
+    print rustbpe's log."""
     n_merged = vocab_size - len(SPECIAL_TOKENS)
     if n_merged < 256:
-        raise ValueError(f"vocab_size={vocab_size} is too small: byte-level BPE needs 256 byte tokens + "
-                         f"{len(SPECIAL_TOKENS)} special tokens, so at least {256 + len(SPECIAL_TOKENS)}")
+        raise ValueError(f"vocab_size={vocab_size} is too small: byte-level BPE needs 256 byte "
+                         f"tokens + {len(SPECIAL_TOKENS)} special tokens, so at least "
+                         f"{256 + len(SPECIAL_TOKENS)}")
     bpe = rustbpe.Tokenizer()
     printer = rustbpe_printer(time.perf_counter()) if progress else None
     if printer:
@@ -210,16 +240,19 @@ def train_tokenizer(texts, vocab_size, progress=False):
         if printer:
             RUSTBPE_LOG.removeHandler(printer)
     ranks = dict(bpe.get_mergeable_ranks())
-    if len(ranks) != n_merged:  # rustbpe stops early, silently, when no pair of tokens is left to merge
-        raise ValueError(f"the training text only allows {len(ranks) - 256} merges, vocab_size={vocab_size} needs "
-                         f"{n_merged - 256}: use more text or a smaller --vocab_size")
+    # rustbpe stops early, silently, when no pair of tokens is left to merge
+    if len(ranks) != n_merged:
+        raise ValueError(f"the training text only allows {len(ranks) - 256} merges, "
+                         f"vocab_size={vocab_size} needs {n_merged - 256}: use more text or a "
+                         "smaller --vocab_size")
     return Tokenizer(ranks, SPLIT_PATTERN)
 
 
 def counting(texts, stats, every_s=None):
-    """Yield texts unchanged while adding documents, characters and UTF-8 bytes to stats (a dict of those keys); with
-    every_s, print what was read and its rate at most every every_s seconds (rustbpe reads 8,192 texts, then splits
-    and counts them in parallel before reading on: the rate is both together)."""
+    """Yield texts unchanged while adding documents, characters and UTF-8 bytes to stats (a dict of
+    those keys); with every_s, print what was read and its rate at most every every_s seconds
+    (rustbpe reads 8,192 texts, then splits and counts them in parallel before reading on: the rate
+    is both together)."""
     start = printed = time.perf_counter()
     for text in texts:
         stats["docs"] += 1
@@ -228,7 +261,8 @@ def counting(texts, stats, every_s=None):
         now = time.perf_counter()
         if every_s is not None and now - printed >= every_s:
             printed = now
-            print(f"tokenizer: {now - start:.1f} s, read {stats['docs']:,} documents, {stats['bytes'] / 1e6:,.1f} MB "
+            print(f"tokenizer: {now - start:.1f} s, read {stats['docs']:,} documents, "
+                  f"{stats['bytes'] / 1e6:,.1f} MB "
                   f"({stats['bytes'] / 1e6 / max(now - start, 1e-9):.1f} MB/s)", flush=True)
         yield text
 
@@ -264,27 +298,32 @@ def is_parts(content):
 
 
 def _turns(messages):
-    """Validated (role, content, index of its message) turns, a leading system message merged into the first user's."""
+    """Validated (role, content, index of its message) turns, a leading system message merged into
+    the first user's."""
     if not messages:
         raise ValueError("a conversation needs at least one message")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") or \
-                not (isinstance(m.get("content"), str) or m.get("role") == "assistant" and is_parts(m["content"])):
-            raise ValueError(f"message {i}: must be {{'role': 'system'|'user'|'assistant', 'content': str (or, for "
-                             f"the assistant, a list of {{'type': 'text'|'python'|'python_output', 'text': str}})}}, "
-                             f"got {str(m)[:80]}")
+                not (isinstance(m.get("content"),
+                                str) or m.get("role") == "assistant" and is_parts(m[
+                                                                                                      "content"])):
+            raise ValueError(f"message {i}: must be {{'role': 'system'|'user'|'assistant', "
+                             "'content': str (or, for the assistant, a list of {'type': "
+                             "'text'|'python'|'python_output', 'text': str})}, got "
+                             f"{str(m)[:80]}")
     turns = [(m["role"], m["content"], i) for i, m in enumerate(messages)]
     if turns[0][0] == "system":
         if len(turns) < 2 or turns[1][0] != "user":
             got = f"message 1 is {turns[1][0]!r}" if len(turns) > 1 else "there is none"
-            raise ValueError(f"message {min(1, len(turns) - 1)}: a system message must be followed by a user "
-                             f"message, {got}")
+            raise ValueError(f"message {min(1, len(turns) - 1)}: a system message must be followed "
+                             f"by a user message, {got}")
         turns = [("user", turns[0][1] + "\n\n" + turns[1][1], 1)] + turns[2:]
     for j, (role, _, i) in enumerate(turns):
         expected = "user" if j % 2 == 0 else "assistant"
         if role != expected:
-            raise ValueError(f"message {i}: expected role {expected!r}, got {role!r} (after an optional leading system "
-                             f"message, roles alternate user, assistant, user, ... starting with user)")
+            raise ValueError(f"message {i}: expected role {expected!r}, got {role!r} (after an "
+                             "optional leading system message, roles alternate user, assistant, "
+                             "user, ... starting with user)")
     return turns
 
 
@@ -292,20 +331,26 @@ def _turns(messages):
 # Command line
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train a tokenizer on the training split of a corpus")
-    train.add_argument("--data_dir", required=True, help="corpus directory of parquet shards (required)")
+    train.add_argument("--data_dir", required=True, help="corpus directory of parquet shards "
+                       "(required)")
     train.add_argument("--vocab_size", type=int, default=65536,
                        help="final vocabulary size, special tokens included (default: %(default)s)")
     train.add_argument("--max_chars", type=int, default=2_000_000_000,
-                       help="stop reading the training split after this many characters (default: %(default)s)")
-    train.add_argument("--out", default="runs/tokenizer", help="directory to save tokenizer.json in (default: "
+                       help="stop reading the training split after this many characters (default: "
                        "%(default)s)")
-    evaluate = commands.add_parser("eval", help="bytes/token of a tokenizer on the validation split")
-    evaluate.add_argument("--data_dir", required=True, help="corpus directory of parquet shards (required)")
-    evaluate.add_argument("--tokenizer", default="runs/tokenizer", help="directory of tokenizer.json (default: "
-                          "%(default)s)")
+    train.add_argument("--out", default="runs/tokenizer", help="directory to save tokenizer.json "
+                                                               "in "
+                       "(default: %(default)s)")
+    evaluate = commands.add_parser("eval",
+                                   help="bytes/token of a tokenizer on the validation split")
+    evaluate.add_argument("--data_dir", required=True, help="corpus directory of parquet shards "
+                          "(required)")
+    evaluate.add_argument("--tokenizer", default="runs/tokenizer", help="directory of "
+                          "tokenizer.json (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
@@ -314,18 +359,20 @@ def main(argv=None):
             texts = counting(iter_texts(args.data_dir, "train", args.max_chars), stats, every_s=10)
             tokenizer = train_tokenizer(texts, args.vocab_size, progress=True)
             seconds = time.perf_counter() - start
-            print(f"training text: {stats['docs']:,} documents, {stats['chars']:,} characters, {stats['bytes']:,} "
-                  f"UTF-8 bytes (train split of {args.data_dir})")
+            print(f"training text: {stats['docs']:,} documents, {stats['chars']:,} characters, "
+                  f"{stats['bytes']:,} UTF-8 bytes (train split of {args.data_dir})")
             print(f"trained in {seconds:.2f} s ({stats['bytes'] / 1e6 / seconds:.1f} MB/s)")
-            print(f"vocab size: {tokenizer.vocab_size} (256 bytes + {len(tokenizer.mergeable_ranks) - 256} merges + "
-                  f"{len(SPECIAL_TOKENS)} special tokens)")
+            print(f"vocab size: {tokenizer.vocab_size} (256 bytes + "
+                  f"{len(tokenizer.mergeable_ranks) - 256} merges + {len(SPECIAL_TOKENS)} special "
+                  "tokens)")
             print(f"saved to {tokenizer.save(args.out)}")
         else:
             tokenizer = Tokenizer.load(args.tokenizer)
             docs, n_bytes, n_tokens = text_stats(tokenizer, iter_texts(args.data_dir, "val"))
             if n_tokens == 0:
                 raise ValueError(f"the validation split of {args.data_dir} has no text")
-            print(f"val split of {args.data_dir}: {docs:,} documents, {n_bytes:,} bytes, {n_tokens:,} tokens")
+            print(f"val split of {args.data_dir}: {docs:,} documents, {n_bytes:,} bytes, "
+                  f"{n_tokens:,} tokens")
             print(f"bytes/token: {n_bytes / n_tokens:.6f} (tokenizer {args.tokenizer}, vocab size "
                   f"{tokenizer.vocab_size})")
     except (FileNotFoundError, ValueError) as e:  # a runtime error: 1 (argparse gives a bad flag 2)

@@ -1,6 +1,7 @@
-"""The training loop every training stage shares (train): a stage hands over its model, optimizers and loaders; the
-policies (exact loss over masked targets, NaN stop, signals, health checks, metrics, checkpoints) live here once.
-With it: batch planning (plan_batch), the model's wrapping (DDP, torch.compile), and a run's status (print_status).
+"""The training loop every training stage shares (train): a stage hands over its model, optimizers
+and loaders; the policies (exact loss over masked targets, NaN stop, signals, health checks,
+metrics, checkpoints) live here once. With it: batch planning (plan_batch), the model's wrapping
+(DDP, torch.compile), and a run's status (print_status).
 
 Not a stage: import it. One command line, a run's status (of any stage, live or finished):
 
@@ -41,8 +42,8 @@ from optim import apply_schedule, build_optimizers
 # Health
 
 def sample(p, n=4096):
-    """A strided sample of up to n elements of a parameter (the same ones each time): AdamW's and Muon's updates
-    change every element, so an unchanged sample means an unchanged tensor."""
+    """A strided sample of up to n elements of a parameter (the same ones each time): AdamW's and
+    Muon's updates change every element, so an unchanged sample means an unchanged tensor."""
     p = local(p).detach()  # a sharded parameter: this rank's shard
     return p.reshape(-1)[::max(1, p.numel() // n)][:n]
 
@@ -68,21 +69,23 @@ def update_ratios(optimizers, before):
 
 
 def samples_by_id(optimizers):
-    return {id(p): sample(p).clone() for opt in optimizers for g in opt.param_groups for p in g["params"]}
+    return {id(p): sample(p).clone() for opt in optimizers for g in opt.param_groups for p in g[
+                                                                                                "params"]}
 
 
 def memory_growing(history, min_steps=50, min_growth=64 * 2**20):
-    """Steadily growing CUDA memory (a leak seen in a real run): allocated never fell over the last min_steps and
-    grew by more than min_growth bytes."""
+    """Steadily growing CUDA memory (a leak seen in a real run): allocated never fell over the last
+    min_steps and grew by more than min_growth bytes."""
     if len(history) < min_steps:
         return False
     window = history[-min_steps:]
-    return all(b >= a for a, b in itertools.pairwise(window)) and window[-1] - window[0] > min_growth
+    return all(b >= a for a,
+               b in itertools.pairwise(window)) and window[-1] - window[0] > min_growth
 
 
 def health_warning(model, initial, mem_history, record, steps_done, args):
-    """Frozen parameters (checked once, frozen_check_step steps after the start) and a steadily growing CUDA
-    memory leak (once per 50 steps of growth); None when healthy."""
+    """Frozen parameters (checked once, frozen_check_step steps after the start) and a steadily
+    growing CUDA memory leak (once per 50 steps of growth); None when healthy."""
     if record["cuda_mem_alloc"] is not None:
         mem_history.append(record["cuda_mem_alloc"])
         if memory_growing(mem_history):
@@ -91,19 +94,21 @@ def health_warning(model, initial, mem_history, record, steps_done, args):
     if initial is not None and steps_done == args.frozen_check_step:
         frozen = frozen_parameters(model, initial)
         if frozen and len(frozen) == sum(1 for sample in initial.values() if sample.numel()):
-            # nothing learns (an H100 run compiled under torch 2.11 got every gradient 0): hours of plausible MFU
-            raise RuntimeError(f"no parameter changed in {args.frozen_check_step} steps: every gradient is zero or no "
-                               f"optimizer steps; stopped. Rerun with --compile false to tell whether compilation "
-                               f"is the cause")
+            # nothing learns (an H100 run compiled under torch 2.11 got every gradient 0): hours of
+            # plausible MFU
+            raise RuntimeError(f"no parameter changed in {args.frozen_check_step} steps: every "
+                               "gradient is zero or no optimizer steps; stopped. Rerun with "
+                               "--compile false to tell whether compilation is the cause")
         if frozen:
             return f"parameters unchanged after {args.frozen_check_step} steps: {', '.join(frozen)}"
     return None
 
 
 class Health:
-    """The run's health checks, one call a step (check): every health_every steps each param group's update RMS over
-    its parameters' (samples of the parameters taken after the step before: nothing moves them in between), and
-    health_warning's frozen parameters and growing memory, printed on rank 0."""
+    """The run's health checks, one call a step (check): every health_every steps each param group's
+    update RMS over its parameters' (samples of the parameters taken after the step before: nothing
+    moves them in between), and health_warning's frozen parameters and growing memory, printed on
+    rank 0."""
 
     def __init__(self, model, optimizers, args, start, master, frozen_check=True):
         self.model, self.optimizers, self.args, self.start, self.master = model, optimizers, args, start, master
@@ -112,14 +117,16 @@ class Health:
         self.before = self.samples(start)
 
     def samples(self, step):
-        """The parameters before step `step`'s update (counted from 0), where its update ratios are due."""
+        """The parameters before step `step`'s update (counted from 0), where its update ratios are
+        due."""
         return samples_by_id(self.optimizers) if step % self.args.health_every == 0 else None
 
     def check(self, record):
         step = record["step"]
         if self.before is not None:
             record["update_rms_ratio"] = update_ratios(self.optimizers, self.before)
-        warning = health_warning(self.model, self.initial, self.memory, record, step - self.start, self.args)
+        warning = health_warning(self.model, self.initial, self.memory, record, step - self.start,
+                                 self.args)
         if warning:
             record["warning"] = warning
             if self.master:
@@ -128,8 +135,8 @@ class Health:
 
 
 class StopSignal:
-    """SIGTERM/SIGINT/SIGHUP (torchrun forwards each; SIGHUP: the terminal closed) set a flag; the training loop
-    finishes its step, checkpoints and exits with a resume line."""
+    """SIGTERM/SIGINT/SIGHUP (torchrun forwards each; SIGHUP: the terminal closed) set a flag; the
+    training loop finishes its step, checkpoints and exits with a resume line."""
 
     def __init__(self):
         self.signum = None
@@ -140,20 +147,26 @@ class StopSignal:
         self.signum = signum
 
     def requested(self):
-        """True on every rank if any rank got a signal (torchrun forwards it to all, but not always at once)."""
-        return all_reduce(1.0 if self.signum else 0.0, dist.ReduceOp.MAX if dist.is_initialized() else None) > 0
+        """True on every rank if any rank got a signal (torchrun forwards it to all, but not always
+        at once)."""
+        return all_reduce(1.0 if self.signum else 0.0,
+                          dist.ReduceOp.MAX if dist.is_initialized() else None) > 0
 
 
 # -----------------------------------------------------------------------------
-# Budget flags (--steps, --tokens, --epochs, ...): the last one given is in force, so an override appended to a plan's
-# command line (speedrun.sh's PRETRAIN_ARGS="--steps 100") replaces the plan's budget instead of failing
+# Budget flags (--steps, --tokens, --epochs, ...): the last one given is in force, so an override
+# appended to a plan's
+# command line (speedrun.sh's PRETRAIN_ARGS="--steps 100") replaces the plan's budget instead of
+# failing
 
 class BudgetFlag(argparse.Action):
-    """Stores a budget flag's value and its place among the budget flags given (args.budget_order, last: in force)."""
+    """Stores a budget flag's value and its place among the budget flags given (args.budget_order,
+    last: in force)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         setattr(namespace, self.dest, values)
-        namespace.budget_order = [d for d in getattr(namespace, "budget_order", None) or [] if d != self.dest] + \
+        namespace.budget_order = [d for d in getattr(namespace, "budget_order",
+                                                     None) or [] if d != self.dest] + \
             [self.dest]
 
 
@@ -164,8 +177,9 @@ def add_budget_args(group, flags):
 
 
 def resolve_budget(args, names, default=None):
-    """Keep the budget flag given last (of `names`) and set the others to None; with none given, `default` (name,
-    value), or an error naming the flags. Returns the line that says which budget is in force and what it replaced."""
+    """Keep the budget flag given last (of `names`) and set the others to None; with none given,
+    `default` (name, value), or an error naming the flags. Returns the line that says which budget
+    is in force and what it replaced."""
     given = [d for d in getattr(args, "budget_order", None) or [] if d in names]
     if not given and default is None:
         raise ValueError("give a budget: " + " or ".join(f"--{n}" for n in names))
@@ -177,35 +191,40 @@ def resolve_budget(args, names, default=None):
         if d != used:
             setattr(args, d, None)
     args.budget_order = [used]
-    why = (f", given after {' and '.join(replaced)}, which it replaces (the last budget flag given wins)" if replaced
+    why = (f", given after {' and '.join(replaced)}, which it replaces (the last budget flag given "
+           "wins)" if replaced
            else "" if given else " (the default: no budget flag given)")
     return f"budget in force: --{used} {getattr(args, used):g}{why}"
 
 
 def parse_stage_args(parser, argv, budgets, default=None):
-    """A training stage's flags (model.parse_args) and its budget in force (resolve_budget, a bad one a usage error),
-    unless --status only reads a run."""
+    """A training stage's flags (model.parse_args) and its budget in force (resolve_budget, a bad
+    one a usage error), unless --status only reads a run."""
     args = parse_args(parser, argv)
     if args.status is None:
         try:
             args.budget_line = resolve_budget(args, budgets, default)
         except ValueError as e:
             parser.error(str(e))
-        if args.ckpt_every < 1:  # before any step: a stage that divided by it after its training lost the training
-            parser.error(f"--ckpt_every {args.ckpt_every}: give N >= 1 (the last step saves too, so an N above the "
-                         f"stage's steps saves there only)")
+        # before any step: a stage that divided by it after its training lost the training
+        if args.ckpt_every < 1:
+            parser.error(f"--ckpt_every {args.ckpt_every}: give N >= 1 (the last step saves too, "
+                         "so "
+                         "an N above the stage's steps saves there only)")
     return args
 
 
 # -----------------------------------------------------------------------------
-# Batch planning: the micro-batch that fits, and the accumulation steps that make up the global batch
+# Batch planning: the micro-batch that fits, and the accumulation steps that make up the global
+# batch
 
-MAX_MICRO_BATCH = 1024  # the probe's ceiling without --total_batch_tokens: sequences per rank per forward
+# the probe's ceiling without --total_batch_tokens: sequences per rank per forward
+MAX_MICRO_BATCH = 1024
 
 
 def micro_batch_candidates(total, seq_len, world):
-    """The micro-batches plan_batch probes: with --total_batch_tokens, the divisors of its per-rank sequences; without,
-    the powers of two up to MAX_MICRO_BATCH."""
+    """The micro-batches plan_batch probes: with --total_batch_tokens, the divisors of its per-rank
+    sequences; without, the powers of two up to MAX_MICRO_BATCH."""
     if total:
         per_rank = max(1, total // (seq_len * world))
         return [m for m in range(1, per_rank + 1) if per_rank % m == 0]
@@ -220,13 +239,14 @@ def find_micro_batch(try_step, candidates):
             return micro
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()
-    raise RuntimeError(f"even micro_batch={min(candidates)} runs out of memory: lower --sequence_len, use "
-                       f"--activation_checkpointing true, or a smaller model")
+    raise RuntimeError(f"even micro_batch={min(candidates)} runs out of memory: lower "
+                       "--sequence_len, use --activation_checkpointing true, or a smaller model")
 
 
 def probe_step(model, optimizers, seq_len, vocab_size, dtype, device):
-    """try_step for find_micro_batch that allocates a real step's peak: activations, gradients (DDP's buckets are the
-    gradients: gradient_as_bucket_view) and the optimizer state, made by a step at lr 0 (throw-away optimizers)."""
+    """try_step for find_micro_batch that allocates a real step's peak: activations, gradients
+    (DDP's buckets are the gradients: gradient_as_bucket_view) and the optimizer state, made by a
+    step at lr 0 (throw-away optimizers)."""
     def try_step(micro):
         idx = torch.randint(0, vocab_size, (micro, seq_len), device=device)
         try:
@@ -242,16 +262,18 @@ def probe_step(model, optimizers, seq_len, vocab_size, dtype, device):
 
 
 def nearest_batch(total, seq_len, world, micro=0, within=0.03):
-    """The tokens a step nearest --total_batch_tokens that split into micro-batches of `micro` sequences (0: to be
-    chosen) over `world` ranks: total when it does; else, within `within`, the nearest for a given micro-batch, or
-    without one the per-rank sequences with the largest power-of-two divisor (few accumulation steps), the nearer on
-    a tie; None when none is that near. E.g. 524,288 over 3 x 2048: 84 sequences a rank, 516,096 (-1.6%)."""
+    """The tokens a step nearest --total_batch_tokens that split into micro-batches of `micro`
+    sequences (0: to be chosen) over `world` ranks: total when it does; else, within `within`, the
+    nearest for a given micro-batch, or without one the per-rank sequences with the largest
+    power-of-two divisor (few accumulation steps), the nearer on a tie; None when none is that near.
+    E.g. 524,288 over 3 x 2048: 84 sequences a rank, 516,096 (-1.6%)."""
     unit = (micro or 1) * seq_len * world
     if total % unit == 0:
         return total
     want = total / unit
     options = range(max(1, math.ceil(want * (1 - within))), math.floor(want * (1 + within)) + 1)
-    return max(options, key=lambda s: (0 if micro else s & -s, -abs(s - want))) * unit if options else None
+    return max(options, key=lambda s: (0 if micro else s & -s,
+                                       -abs(s - want))) * unit if options else None
 
 
 def processes(world):
@@ -263,16 +285,18 @@ def batch_line(total, used, seq_len, world, micro=0):
     from optim import BATCH_EXPONENT
     what = f"{f'micro_batch {micro} x ' if micro else ''}sequence_len {seq_len} x {processes(world)}"
     steps = f", {used // (micro * seq_len * world)} accumulation steps" if micro else ""
-    return (f"batch: --total_batch_tokens {total:,} is not a whole number of {what}: {used:,} tokens a step instead "
-            f"({100 * (used / total - 1):+.1f}%, {used // (seq_len * world)} sequences a process{steps}); a token "
-            f"budget takes proportionally {'fewer' if used > total else 'more'} steps, and the AdamW lrs of the "
-            f"embeddings, head and scalars follow the batch (x{(used / total) ** BATCH_EXPONENT:.4f}, optim.py)")
+    return (f"batch: --total_batch_tokens {total:,} is not a whole number of {what}: {used:,} "
+            f"tokens a step instead ({100 * (used / total - 1):+.1f}%, {used // (seq_len * world)} "
+            f"sequences a process{steps}); a token budget takes proportionally "
+            f"{'fewer' if used > total else 'more'} steps, and the AdamW lrs of the embeddings, "
+            f"head and scalars follow the batch (x{(used / total) ** BATCH_EXPONENT:.4f}, "
+            "optim.py)")
 
 
 def check_batch_divides(total, seq_len, world, micro=0):
-    """--total_batch_tokens must split into (micro_batch x) sequence_len x world, checked before the downloads. Returns
-    the line saying what a step is (or the nearest batch plan_batch takes instead); else a ValueError naming the
-    process counts and totals that work."""
+    """--total_batch_tokens must split into (micro_batch x) sequence_len x world, checked before the
+    downloads. Returns the line saying what a step is (or the nearest batch plan_batch takes
+    instead); else a ValueError naming the process counts and totals that work."""
     used = nearest_batch(total, seq_len, world, micro)
     if used not in (None, total):
         return batch_line(total, used, seq_len, world, micro)
@@ -285,34 +309,43 @@ def check_batch_divides(total, seq_len, world, micro=0):
                f"(a process's {sequences}: micro-batch x accumulation steps, the micro-batch chosen when pretraining starts)"
     unit = (micro or 1) * seq_len * world
     what = f"{f'micro_batch {micro} x ' if micro else ''}sequence_len {seq_len} x {processes(world)} = {unit:,}"
-    counts = [str(n) for n in range(1, world) if total % ((micro or 1) * seq_len * n) == 0]  # fewer GPUs that work
+    # fewer GPUs that work
+    counts = [str(n) for n in range(1, world) if total % ((micro or 1) * seq_len * n) == 0]
     lo, hi = total // unit * unit, (total // unit + 1) * unit
-    fixes = [f"--gpus {', '.join(counts[:-1])} or {counts[-1]}" if len(counts) > 1 else f"--gpus {counts[0]}"] \
+    fixes = [f"--gpus {', '.join(counts[:-1])} or {counts[-1]}" if len(counts) > 1 else "--gpus "
+             f"{counts[0]}"] \
         if counts else []
-    fixes.append(f"PRETRAIN_ARGS=\"--total_batch_tokens {lo or hi}\"" + (f" (or {hi})" if lo else "")
+    fixes.append(f"PRETRAIN_ARGS=\"--total_batch_tokens {lo or hi}\"" + (f" (or {hi})" if lo
+                                                                         else "")
                  + f" with {world} processes")
-    raise ValueError(f"--total_batch_tokens {total:,} is not a multiple of {what}{'' if micro else ': no micro-batch fits'}"
-                     f", so pretraining would fail at its start. Use {', or '.join(fixes)}")
+    raise ValueError(f"--total_batch_tokens {total:,} is not a multiple of "
+                     f"{what}{'' if micro else ': no micro-batch fits'}, so pretraining would fail "
+                     f"at its start. Use {', or '.join(fixes)}")
 
 
 def add_micro_batch_arg(group):
-    """--micro_batch, the same flag and help in every training stage; plan_batch is its one reader."""
-    group.add_argument("--micro_batch", type=int, default=0, help="sequences per rank per forward (rl.py: replies); 0 "
-                       "= the checkpoint's when resuming (--resume), else the parent checkpoint's (midtrain, sft, rl), "
-                       "else the largest that fits on CUDA (a divisor of the per-rank batch; without "
-                       "--total_batch_tokens a power of two up to 1024), on the CPU the whole per-rank batch (8 "
-                       "without --total_batch_tokens) (default: %(default)s)")
+    """--micro_batch, the same flag and help in every training stage; plan_batch is its one
+    reader."""
+    group.add_argument("--micro_batch", type=int, default=0, help="sequences per rank per forward "
+                       "(rl.py: replies); 0 = the checkpoint's when resuming (--resume), else the "
+                       "parent checkpoint's (midtrain, sft, rl), else the largest that fits on "
+                       "CUDA "
+                       "(a divisor of the per-rank batch; without --total_batch_tokens a power of "
+                       "two up to 1024), on the CPU the whole per-rank batch (8 without "
+                       "--total_batch_tokens) (default: %(default)s)")
 
 
-def plan_batch(args, config, world, model, device, resume_from=None, parent_meta=None, accumulate=True):
-    """(micro_batch, accumulation steps, where the micro-batch came from): --micro_batch read as its help says (a
-    resume needs its checkpoint's: the data streams). The accumulation steps make --total_batch_tokens;
-    accumulate=False (rl.py): none, its batch is its replies."""
+def plan_batch(args, config, world, model, device, resume_from=None, parent_meta=None,
+               accumulate=True):
+    """(micro_batch, accumulation steps, where the micro-batch came from): --micro_batch read as its
+    help says (a resume needs its checkpoint's: the data streams). The accumulation steps make
+    --total_batch_tokens; accumulate=False (rl.py): none, its batch is its replies."""
     seq_len, total = config.sequence_len, args.total_batch_tokens if accumulate else None
     master = not dist.is_initialized() or dist.get_rank() == 0
     resumed = saved_layout(resume_from)["micro_batch"] if resume_from else None
     parents = ((parent_meta or {}).get("hparams") or {}).get("micro_batch")
-    micro, source = 0, ""  # 0: chosen below, once the batch is known (the probe on CUDA, the CPU's choice)
+    # 0: chosen below, once the batch is known (the probe on CUDA, the CPU's choice)
+    micro, source = 0, ""
     if args.micro_batch:
         micro, source = args.micro_batch, "flag"
     elif resumed:
@@ -322,63 +355,78 @@ def plan_batch(args, config, world, model, device, resume_from=None, parent_meta
     elif parents:
         micro, source = parents, "parent (meta.json)"
     nearest = nearest_batch(total, seq_len, world, micro) if total else None
-    if nearest not in (None, total):  # 3, 5, 6 or 7 GPUs: the nearest batch that splits, said (none: refused below)
+    # 3, 5, 6 or 7 GPUs: the nearest batch that splits, said (none: refused below)
+    if nearest not in (None, total):
         if master:
             print(batch_line(total, nearest, seq_len, world, micro))
         total = nearest
     if not micro and device.type == "cuda":
         throwaway = build_optimizers(model, args, config.n_embd, 1, device)
-        micro = find_micro_batch(probe_step(model, throwaway, seq_len, config.vocab_size, args.dtype, device),
+        micro = find_micro_batch(probe_step(model, throwaway, seq_len, config.vocab_size,
+                                            args.dtype, device),
                                  micro_batch_candidates(total, seq_len, world))
         del throwaway
         torch.cuda.empty_cache()
-        if master:  # the probe's tries are not the run's: its peak is said once here, then forgotten
-            print(f"batch: the probe's peak CUDA memory {fmt_bytes(torch.cuda.max_memory_allocated(device))}")
-        torch.cuda.reset_peak_memory_stats(device)
-        micro, source = int(all_reduce(micro, dist.ReduceOp.MIN if dist.is_initialized() else None)), "probed"
+        # the probe's tries are not the run's: its peak is said once here, then forgotten
         if master:
-            print(f"batch: micro_batch {micro} is the largest that fits on every rank (probed with optimizer state)")
+            print("batch: the probe's peak CUDA memory "
+                  f"{fmt_bytes(torch.cuda.max_memory_allocated(device))}")
+        torch.cuda.reset_peak_memory_stats(device)
+        micro, source = int(all_reduce(
+                micro, dist.ReduceOp.MIN if dist.is_initialized() else None)), "probed"
+        if master:
+            print(f"batch: micro_batch {micro} is the largest that fits on every rank (probed with "
+                  "optimizer state)")
     elif not micro:  # the CPU: no memory probe; 8 sequences keep a step short
-        micro, source = max(micro_batch_candidates(total, seq_len, world)) if total else 8, "the CPU's choice"
+        micro, source = max(micro_batch_candidates(total, seq_len,
+                                                   world)) if total else 8, "the CPU's choice"
     step_unit = micro * seq_len * world
     total = total or step_unit
     if total % step_unit:
         lo, hi = total // step_unit * step_unit, (total // step_unit + 1) * step_unit
-        raise ValueError(f"--total_batch_tokens {total} is not a multiple of micro_batch {micro} x sequence_len "
-                         f"{seq_len} x world size {world} = {step_unit}: nearest valid values are {lo or hi} and {hi}")
+        raise ValueError(f"--total_batch_tokens {total} is not a multiple of micro_batch {micro} x "
+                         f"sequence_len {seq_len} x world size {world} = {step_unit}: nearest "
+                         "valid "
+                         f"values are {lo or hi} and {hi}")
     return micro, total // step_unit, source
 
 
 def add_loader_threads_arg(group):
-    """--loader_threads, the same flag and help in every stage that tokenizes its data; loader_threads reads it."""
-    group.add_argument("--loader_threads", type=int, default=0, help="tokenizer threads per loader; 0 = 1 when "
-                       "training on the CPU (its cores do the training), else the cores per process (default: "
-                       "%(default)s)")
+    """--loader_threads, the same flag and help in every stage that tokenizes its data;
+    loader_threads reads it."""
+    group.add_argument("--loader_threads", type=int, default=0, help="tokenizer threads per "
+                                                                     "loader; "
+                       "0 = 1 when training on the CPU (its cores do the training), else the cores "
+                       "per process (default: %(default)s)")
 
 
 def loader_threads(args, device):
-    """Tokenizer threads for a loader: on the CPU one (the cores run the step, and one keeps up), on a GPU this
-    process's share of the cores."""
+    """Tokenizer threads for a loader: on the CPU one (the cores run the step, and one keeps up), on
+    a GPU this process's share of the cores."""
     if args.loader_threads:
         return args.loader_threads
-    return 1 if device.type == "cpu" else max(1, os.cpu_count() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return 1 if device.type == "cpu" else max(1, os.cpu_count() // int(os.environ.get(
+                                                                                      "LOCAL_WORLD_SIZE", "1")))
 
 
-# the user's choice, read at import: torch._dynamo's import (the first optimizer's) writes its own default there
+# the user's choice, read at import: torch._dynamo's import (the first optimizer's) writes its own
+# default there
 USER_COMPILE_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 
 
 def compile_cache():
-    """torch.compile's cache, shared by every stage so later ones start warm (docs/training.md): the user's
-    $TORCHINDUCTOR_CACHE_DIR, else a directory per torch version (another version's is never read)."""
+    """torch.compile's cache, shared by every stage so later ones start warm (docs/training.md): the
+    user's $TORCHINDUCTOR_CACHE_DIR, else a directory per torch version (another version's is never
+    read)."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = USER_COMPILE_CACHE or str(CACHE_DIR / "compile" / f"torch-{torch.__version__}")
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
 def wrap_model(model, args, world, local_rank, device, dynamic=False):
-    """DDP (gradients are views into its all-reduce buckets: no second copy) unless shard_model sharded it, then
-    torch.compile (after DDP, not before): with static shapes (dynamic=False) where every micro-batch has one shape
-    (the loaders' B x T); rl.py's replies vary in length: dynamic=None, torch's default."""
+    """DDP (gradients are views into its all-reduce buckets: no second copy) unless shard_model
+    sharded it, then torch.compile (after DDP, not before): with static shapes (dynamic=False) where
+    every micro-batch has one shape (the loaders' B x T); rl.py's replies vary in length:
+    dynamic=None, torch's default."""
     train_model = model
     if world > 1 and not is_sharded(model):
         train_model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
@@ -387,7 +435,8 @@ def wrap_model(model, args, world, local_rank, device, dynamic=False):
         return train_model
     cache = compile_cache()
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"compile: torch.compile, cache {cache} (warm where a stage compiled the same shapes before)")
+        print(f"compile: torch.compile, cache {cache} (warm where a stage compiled the same shapes "
+              "before)")
     return torch.compile(train_model, dynamic=dynamic)
 
 
@@ -395,16 +444,19 @@ def wrap_model(model, args, world, local_rank, device, dynamic=False):
 # The training loop
 
 def forward_backward(train_model, batches, dtype, device, world):
-    """Forward and backward over one step's micro-batches [(inputs, targets), ...]; returns (summed token loss,
-    number of targets) over every micro-batch and rank. Exact for masked targets (-1): each backward takes its loss
-    sum over the whole global batch's target count (a mean per micro-batch would weigh a token by how full its
-    micro-batch is: the gradient-accumulation bug of 2024). DDP averages over ranks: the local scale is world/count."""
-    count = all_reduce_tensor(torch.stack([(targets != -1).sum() for _, targets in batches]).sum().double())
+    """Forward and backward over one step's micro-batches [(inputs, targets), ...]; returns (summed
+    token loss, number of targets) over every micro-batch and rank. Exact for masked targets (-1):
+    each backward takes its loss sum over the whole global batch's target count (a mean per
+    micro-batch would weigh a token by how full its micro-batch is: the gradient-accumulation bug of
+    2024). DDP averages over ranks: the local scale is world/count."""
+    count = all_reduce_tensor(torch.stack([(targets != -1).sum() for _,
+                                           targets in batches]).sum().double())
     scale = world / count.clamp(min=1)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for j, (inputs, targets) in enumerate(batches):
         last = j == len(batches) - 1
-        with (train_model.no_sync() if not last and hasattr(train_model, "no_sync") else nullcontext()), \
+        with (train_model.no_sync() if not last and hasattr(train_model,
+                                                            "no_sync") else nullcontext()), \
                 autocast_context(device.type, dtype):
             loss = train_model(inputs, targets, reduction="sum")
             (loss * scale).backward()
@@ -413,52 +465,65 @@ def forward_backward(train_model, batches, dtype, device, world):
 
 
 def clip_grad_norm(parameters, max_norm, host_branches=None):
-    """torch.nn.utils.clip_grad_norm_'s scaling, with the squares summed in fp64: summed shard by shard in fp32, the
-    other order moved the clip factor's last bit, so a resume at another world size drifted. What is summed is each
-    row's fp32 norm (last dimension), squared: FSDP2 shards dim 0, so a row's norm is the same bits at any world size
-    (and cheaper than fp64 norms of whole gradients, dev/LOG.md). Returns the norm (fp32), a tensor on the device.
-    Off the CPU nothing is read from the device (train's one read comes after the optimizer step): the fp64 fallback is
-    computed every step and chosen on the device, and the gradients are multiplied by the factor even when it is 1 (the
-    same bits). On the CPU, where a read waits for nothing, both stay branches: each saves a pass over the gradients
-    (host_branches: None = on the CPU; False makes a test run the device's form there)."""
+    """torch.nn.utils.clip_grad_norm_'s scaling, with the squares summed in fp64: summed shard by
+    shard in fp32, the other order moved the clip factor's last bit, so a resume at another world
+    size drifted. What is summed is each row's fp32 norm (last dimension), squared: FSDP2 shards dim
+    0, so a row's norm is the same bits at any world size (and cheaper than fp64 norms of whole
+    gradients, dev/LOG.md). Returns the norm (fp32), a tensor on the device. Off the CPU nothing is
+    read from the device (train's one read comes after the optimizer step): the fp64 fallback is
+    computed every step and chosen on the device, and the gradients are multiplied by the factor
+    even when it is 1 (the same bits). On the CPU, where a read waits for nothing, both stay
+    branches: each saves a pass over the gradients (host_branches: None = on the CPU; False makes a
+    test run the device's form there)."""
     grads = [p.grad for p in parameters if p.grad is not None]
-    shards = [local(g) for g in grads]  # this rank's part of each (the whole gradient unless sharded)
+    # this rank's part of each (the whole gradient unless sharded)
+    shards = [local(g) for g in grads]
     if host_branches is None:
         host_branches = shards[0].device.type == "cpu"
-    rows = [torch.linalg.vector_norm(g, dim=-1).flatten() if g.ndim > 1 else g.abs().flatten() for g in shards]
+    rows = [torch.linalg.vector_norm(
+            g, dim=-1).flatten() if g.ndim > 1 else g.abs().flatten() for g in shards]
     squares = torch.cat(rows).double().square().sum()
 
-    def whole():  # where a row's squares passed fp32's range (|g| > ~1e19): fp64 norms of whole gradients
-        return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for g in shards]).sum()
+    # where a row's squares passed fp32's range (|g| > ~1e19): fp64 norms of whole gradients
+    def whole():
+        return torch.stack([torch.linalg.vector_norm(
+                g, dtype=torch.float64) ** 2 for g in shards]).sum()
     if not host_branches:
         squares = torch.where(torch.isfinite(squares), squares, whole())
     elif not torch.isfinite(squares):
         squares = whole()
-    if any(is_dtensor(g) for g in grads):  # FSDP2 shards every parameter: add the other ranks' shards
+    # FSDP2 shards every parameter: add the other ranks' shards
+    if any(is_dtensor(g) for g in grads):
         squares = all_reduce_tensor(squares)
     norm = squares.sqrt().float()
-    factor = (max_norm / (norm + 1e-6)).clamp(max=1.0).nan_to_num(nan=1.0)  # a NaN norm: the gradients untouched
+    # a NaN norm: the gradients untouched
+    factor = (max_norm / (norm + 1e-6)).clamp(max=1.0).nan_to_num(nan=1.0)
     if not host_branches or factor < 1:
         torch._foreach_mul_(shards, factor)
     return norm
 
 
 def read_step(loss_sum, count, norm, device):
-    """The step's one read from the device, after the optimizer step: loss, targets and grad norm in one transfer,
-    which waits for the step's queued work (so it also ends the step's time). Returns (loss, targets, grad norm)."""
-    loss_sum, count, grad_norm = torch.stack([torch.as_tensor(loss_sum, dtype=torch.float64, device=device),
-                                              torch.as_tensor(count, dtype=torch.float64, device=device),
+    """The step's one read from the device, after the optimizer step: loss, targets and grad norm in
+    one transfer, which waits for the step's queued work (so it also ends the step's time). Returns
+    (loss, targets, grad norm)."""
+    loss_sum, count, grad_norm = torch.stack([torch.as_tensor(loss_sum, dtype=torch.float64,
+                                                              device=device),
+                                              torch.as_tensor(count, dtype=torch.float64,
+                                                              device=device),
                                               norm.double()]).tolist()
     return loss_sum / max(1.0, count), count, grad_norm
 
 
 def stop_if_not_finite(loss, grad_norm, step, run_dir):
-    """A NaN or infinite loss or grad norm stops the run: the step's update is in memory only, never saved."""
+    """A NaN or infinite loss or grad norm stops the run: the step's update is in memory only, never
+    saved."""
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         last = list_checkpoints(run_dir / "ckpt")
-        raise RuntimeError(f"step {step}: loss {loss} / grad norm {grad_norm} is not finite: run stopped before its "
-                           f"checkpoint; last good checkpoint: {last[-1] if last else 'none'} (resume with --resume, "
-                           f"perhaps a lower lr)")
+        raise RuntimeError(f"step {step}: loss {loss} / grad norm {grad_norm} is not finite: run "
+                           "stopped before its checkpoint; last good checkpoint: "
+                           f"{last[-1] if last else 'none'} (resume with --resume, perhaps a lower "
+                           "lr)")
 
 
 def cuda_memory(device):
@@ -481,16 +546,19 @@ def open_wandb(args, master):
 
 
 class Log:
-    """Rank 0's records of the run: metrics.jsonl, wandb, and a progress line every log_every steps, its ETA timed from
-    the end of this process's first step (which holds compilation and warm-up). Other ranks write nothing."""
+    """Rank 0's records of the run: metrics.jsonl, wandb, and a progress line every log_every steps,
+    its ETA timed from the end of this process's first step (which holds compilation and warm-up).
+    Other ranks write nothing."""
 
     def __init__(self, args, run_dir, start, total_steps, master):
         if master and start == 0:
-            # a restart before the first checkpoint starts over: the earlier lines would count its steps twice
+            # a restart before the first checkpoint starts over: the earlier lines would count its
+            # steps twice
             for name in ("metrics.jsonl", "samples.jsonl"):
                 if (run_dir / name).is_file():
                     (run_dir / name).unlink()
-                    print(f"run dir: {run_dir / name} of an earlier start without a checkpoint removed: starting over")
+                    print(f"run dir: {run_dir / name} of an earlier start without a checkpoint "
+                          "removed: starting over")
         self.metrics = run_dir / "metrics.jsonl" if master else None
         self.wandb = open_wandb(args, master)
         self.args, self.start, self.total_steps, self.master = args, start, total_steps, master
@@ -501,36 +569,43 @@ class Log:
             append_jsonl(self.metrics, record)
 
     def step(self, record, line=None):
-        """A step's record: written, logged to wandb, and its progress line when due: `line` (rl.py's own), else
-        progress_line's."""
+        """A step's record: written, logged to wandb, and its progress line when due: `line`
+        (rl.py's own), else progress_line's."""
         step = record["step"]
         self.write(record)
         if self.wandb:
-            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
+            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))},
+                           step=step)
         if step == self.start + 1:
             self.first_done = now()
-        if self.master and (step % self.args.log_every == 0 or step in (self.start + 1, self.total_steps)):
-            timed = step - 1 - self.start  # steps since the first of this process (0: none yet, the ETA is unknown)
+        if self.master and (step % self.args.log_every == 0 or step in (self.start + 1,
+                                                                        self.total_steps)):
+            # steps since the first of this process (0: none yet, the ETA is unknown)
+            timed = step - 1 - self.start
             per_step = (now() - self.first_done) / timed if timed else None
             print(line or progress_line(record, self.total_steps, per_step), flush=True)
 
 
 class Saver:
-    """The run's checkpoints: save(step) writes one once every rank's parameters are finite; stopped(step, when) ends
-    the run on a signal: the last finished step saved (unless it is already), then the line saying how to resume."""
+    """The run's checkpoints: save(step) writes one once every rank's parameters are finite;
+    stopped(step, when) ends the run on a signal: the last finished step saved (unless it is
+    already), then the line saying how to resume."""
 
-    def __init__(self, args, run_dir, model, optimizers, loaders, ckpt_meta, rank, start, log, stop):
+    def __init__(self, args, run_dir, model, optimizers, loaders, ckpt_meta, rank, start, log,
+                 stop):
         self.args, self.run_dir, self.model, self.optimizers, self.loaders = args, run_dir, model, optimizers, loaders
         self.meta, self.rank, self.log, self.stop = ckpt_meta, rank, log, stop
         self.saved = start  # the step of the newest checkpoint on disk (a resume's; 0: none)
 
     def save(self, step, last=False):
         mark_progress(step, "checkpoint")
-        finite = all(torch.isfinite(local(p)).all() for p in self.model.parameters())  # each rank checks its shards
+        # each rank checks its shards
+        finite = all(torch.isfinite(local(p)).all() for p in self.model.parameters())
         if all_reduce(0.0 if finite else 1.0, dist.ReduceOp.MAX if dist.is_initialized() else None):
             raise RuntimeError(f"step {step}: parameters are not finite; not writing a checkpoint")
         path = save_checkpoint(self.run_dir / "ckpt", step, self.model, self.optimizers,
-                               [ld.state_dict() for ld in self.loaders], self.meta, self.rank, self.args.keep,
+                               [ld.state_dict() for ld in self.loaders], self.meta, self.rank,
+                               self.args.keep,
                                consolidate=last, metrics=self.log.metrics)
         self.saved = step
         return path
@@ -539,16 +614,18 @@ class Saver:
         """The signal that stopped the run `when` (its words), after step `step`'s checkpoint."""
         path = self.save(step) if step > self.saved else None
         if self.rank == 0:
-            print(f"stopped by signal {when}; " + (f"checkpoint {path}" if path else f"step {step}'s checkpoint is "
-                  f"on disk" if step else "no step finished, nothing to resume: a rerun starts over") +
+            print(f"stopped by signal {when}; " + (f"checkpoint {path}" if path else "step "
+                  f"{step}'s checkpoint is on "
+                  "disk" if step else "no step finished, nothing to resume: a rerun starts over") +
                   (f". Resume with: {resume_command(self.args)}" if step else ""), flush=True)
         return self.stop.signum or signal.SIGTERM
 
 
 def frozen_heap(train_fn):
-    """train with start-up's objects (modules, optimizers, loaders, imported code) collected once and frozen (gc.freeze)
-    before its loop, so the collector's full passes during the steps do not walk them again; unfrozen when train
-    returns or raises, for a process that goes on (a test's in-process runs)."""
+    """train with start-up's objects (modules, optimizers, loaders, imported code) collected once
+    and frozen (gc.freeze) before its loop, so the collector's full passes during the steps do not
+    walk them again; unfrozen when train returns or raises, for a process that goes on (a test's
+    in-process runs)."""
     @functools.wraps(train_fn)
     def wrapped(*args, **kwargs):
         try:
@@ -559,39 +636,48 @@ def frozen_heap(train_fn):
 
 
 @frozen_heap
-def train(args, model, train_model, optimizers, loaders, *, run_dir, start, total_steps, ckpt_meta, evaluate,
+def train(args, model, train_model, optimizers, loaders, *, run_dir, start, total_steps, ckpt_meta,
+          evaluate,
           flops_per_token, rank, world, device):
-    """Steps start..total_steps-1; returns None when every step ran, else the signal that stopped the run after its
-    checkpoint. evaluate(step): fields for the step's record."""
+    """Steps start..total_steps-1; returns None when every step ran, else the signal that stopped
+    the run after its checkpoint. evaluate(step): fields for the step's record."""
     tokens_per_step = sum(ld.B * ld.T for ld in loaders) * world
     log, stop = Log(args, run_dir, start, total_steps, rank == 0), StopSignal()
     saver = Saver(args, run_dir, model, optimizers, loaders, ckpt_meta, rank, start, log, stop)
     peak = peak_flops(device_name(device), args.dtype)
     health = Health(model, optimizers, args, start, rank == 0)
-    keep_progress(run_dir, ckpt_meta.get("stage", "train"))  # each rank's last step and phase, in run_dir/progress/
+    # each rank's last step and phase, in run_dir/progress/
+    keep_progress(run_dir, ckpt_meta.get("stage", "train"))
     mark_progress(start, "starting")
-    gc.collect()  # start-up's garbage, then what survives it out of every later collection (frozen_heap)
+    # start-up's garbage, then what survives it out of every later collection (frozen_heap)
+    gc.collect()
     gc.freeze()
     for step in range(start, total_steps):
         t0 = now()
         lr_mult, wd = apply_schedule(optimizers, step, total_steps, args)
         batches = [next(loader) for loader in loaders]
-        data_wait = now() - t0  # the loaders prefetch: this is time the step stood still waiting for data
+        # the loaders prefetch: this is time the step stood still waiting for data
+        data_wait = now() - t0
         mark_progress(step + 1, "forward/backward")
         loss_sum, count = forward_backward(train_model, batches, args.dtype, device, world)
-        norm = clip_grad_norm(model.parameters(), args.grad_clip or float("inf"))  # on the device: nothing read
+        # on the device: nothing read
+        norm = clip_grad_norm(model.parameters(), args.grad_clip or float("inf"))
         for opt in optimizers:
             opt.step()
-        model.zero_grad(set_to_none=world == 1 or is_sharded(model))  # DDP's gradients are views into its buckets
+        # DDP's gradients are views into its buckets
+        model.zero_grad(set_to_none=world == 1 or is_sharded(model))
         loss, count, grad_norm = read_step(loss_sum, count, norm, device)
         stop_if_not_finite(loss, grad_norm, step + 1, run_dir)
         dt = now() - t0
-        record = {"step": step + 1, "loss": loss, "targets": int(count), "lr_mult": lr_mult, "weight_decay": wd,
-                  "lr": {g["name"]: g["lr"] for opt in optimizers for g in opt.param_groups}, "grad_norm": grad_norm,
+        record = {"step": step + 1, "loss": loss, "targets": int(count), "lr_mult": lr_mult,
+                  "weight_decay": wd,
+                  "lr": {g["name"]: g["lr"] for opt in optimizers for g in opt.param_groups},
+                  "grad_norm": grad_norm,
                   "tokens": int(all_reduce(sum(ld.state["stats"]["tokens"] for ld in loaders))),
                   "tok_per_s": tokens_per_step / dt, "data_wait": data_wait / dt,
                   "epoch": max(ld.epoch for ld in loaders) + 1,  # this rank's; 1: the first pass
-                  "mfu": tokens_per_step * flops_per_token / dt / (peak * world) if peak else "unknown",
+                  "mfu": tokens_per_step * flops_per_token / dt / (peak * world) if peak
+                  else "unknown",
                   "step_time": dt, **cuda_memory(device)}
         health.check(record)
         last_step = step + 1 == total_steps
@@ -601,9 +687,12 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
         log.step(record)
         if stop.requested():
             return saver.stopped(step + 1, f"at step {step + 1}")
-        # --final_checkpoint is pretrain.py's (false in bench.py gpu: d20's is ~9 GB); the other stages always save
-        if (step + 1) % args.ckpt_every == 0 or (last_step and getattr(args, "final_checkpoint", True)):
-            saver.save(step + 1, last_step)  # the final checkpoint comes before the final evaluation (nanochat #446)
+        # --final_checkpoint is pretrain.py's (false in bench.py gpu: d20's is ~9 GB); the other
+        # stages always save
+        if (step + 1) % args.ckpt_every == 0 or (last_step and getattr(args, "final_checkpoint",
+                                                                       True)):
+            # the final checkpoint comes before the final evaluation (nanochat #446)
+            saver.save(step + 1, last_step)
     mark_progress(total_steps, "trained: final evaluation")
     return None
 
@@ -611,31 +700,38 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
 def progress_line(record, total_steps, seconds_per_step):
     mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] != "unknown" else "unknown"
     eta = seconds_per_step * (total_steps - record["step"]) if seconds_per_step is not None else None
-    return (f"step {record['step']}/{total_steps} loss {record['loss']:.4f} lr x{record['lr_mult']:.3f} gnorm "
-            f"{record['grad_norm']:.3f} {record['tok_per_s']:,.0f} tok/s MFU {mfu} data wait "
-            f"{100 * record['data_wait']:.0f}% tokens {record['tokens']:,} epoch {record['epoch']}"
-            f"{' (repeating data)' if record['epoch'] > 1 else ''} ETA {fmt_duration(eta)}")
+    return (f"step {record['step']}/{total_steps} loss {record['loss']:.4f} lr "
+            f"x{record['lr_mult']:.3f} gnorm {record['grad_norm']:.3f} {record['tok_per_s']:,.0f} "
+            f"tok/s MFU {mfu} data wait {100 * record['data_wait']:.0f}% tokens "
+            f"{record['tokens']:,} epoch "
+            f"{record['epoch']}{' (repeating data)' if record['epoch'] > 1 else ''} ETA "
+            f"{fmt_duration(eta)}")
 
 
 def print_status(run_dir):
-    """What a run has done so far, from its files: works while it runs and after it ends, for every stage."""
+    """What a run has done so far, from its files: works while it runs and after it ends, for every
+    stage."""
     if not (run_dir / "metrics.jsonl").is_file():
         raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: not a run directory (runs/<run>/)")
     config = json.loads((run_dir / "config.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     total, last = config["total_steps"], steps[-1]
-    print(f"run {run_dir} ({config.get('stage')}): {'finished' if (run_dir / 'done.json').is_file() else 'not finished'}"
-          f"; step {last['step']}/{total}, tokens {last['tokens']:,}")
-    window, key = max(1, len(steps) // 5), "reward" if "reward" in last else "loss"  # rl.py's: its mean reward
+    print(f"run {run_dir} ({config.get('stage')}): "
+          f"{'finished' if (run_dir / 'done.json').is_file() else 'not finished'}; step "
+          f"{last['step']}/{total}, tokens {last['tokens']:,}")
+    # rl.py's: its mean reward
+    window, key = max(1, len(steps) // 5), "reward" if "reward" in last else "loss"
     trend = [sum(r[key] for r in steps[i:i + window]) / len(steps[i:i + window])
              for i in range(0, len(steps), window)]
     print(f"{'mean reward' if key == 'reward' else 'loss trend'} (means of fifths): "
           + " -> ".join(f"{v:.3f}" for v in trend))
     recent = steps[-20:]
     rate = sum(r["tok_per_s"] for r in recent) / len(recent)
-    step_s = sum(r["step_time"] for r in recent) / len(recent)  # rl.py's tokens a step vary: steps left x step time
-    print(f"speed {rate:,.0f} tok/s, MFU {last['mfu']}; ETA {fmt_duration((total - last['step']) * step_s)}")
+    # rl.py's tokens a step vary: steps left x step time
+    step_s = sum(r["step_time"] for r in recent) / len(recent)
+    print(f"speed {rate:,.0f} tok/s, MFU {last['mfu']}; ETA "
+          f"{fmt_duration((total - last['step']) * step_s)}")
     vals = [r for r in records if {"val_bpb", "final_val_bpb", "held_out"} & r.keys()]
     print(f"last validation: {vals[-1] if vals else 'none yet'}")
     warnings = [f"step {r['step']}: {r['warning']}" for r in records if "warning" in r]
@@ -650,9 +746,10 @@ def print_status(run_dir):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="a run's status from its files, for every stage, live or finished "
-                                     "(as each stage's --status)")
-    parser.add_argument("command", choices=["status"], help="status: what the run in RUN_DIR has done so far")
+    parser = argparse.ArgumentParser(description="a run's status from its files, for every stage, "
+                                     "live or finished (as each stage's --status)")
+    parser.add_argument("command", choices=["status"], help="status: what the run in RUN_DIR has "
+                        "done so far")
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (runs/<run>/)")
     args = parser.parse_args(argv)
     print_status(Path(args.run_dir))

@@ -1,19 +1,26 @@
-"""The config of a nanochat model that a plain Llama cannot represent: LlamaConfig's fields plus the five features
-modeling_nanochat_gpt.py adds. export.py copies this file next to the weights; transformers loads it with
-trust_remote_code=True (written for transformers 5.x, tested with 5.23.0)."""
+"""The config of a nanochat model that a plain Llama cannot represent: LlamaConfig's fields plus the
+five features modeling_nanochat_gpt.py adds. export.py copies this file next to the weights;
+transformers loads it with trust_remote_code=True (written for transformers 5.x, tested with
+5.23.0)."""
 from huggingface_hub.dataclasses import strict
 from transformers import LlamaConfig
 
 
 @strict
 class NanochatGPTConfig(LlamaConfig):
-    # its own model_type, so nothing that knows only Llama loads these weights as a plain Llama and runs without the
-    # features below (silently wrong logits); without trust_remote_code transformers refuses it instead. Not
-    # "nanochat": transformers has its own model of that name (karpathy/nanochat), which normalizes the embeddings and
-    # has no learnable scales, so it cannot run this model, and would load these weights with only a warning.
+    # its own model_type, so nothing that knows only Llama loads these weights as a plain Llama and
+    # runs without the
+    # features below (silently wrong logits); without trust_remote_code transformers refuses it
+    # instead. Not
+    # "nanochat": transformers has its own model of that name (karpathy/nanochat), which normalizes
+    # the embeddings and
+    # has no learnable scales, so it cannot run this model, and would load these weights with only a
+    # warning.
     model_type = "nanochat_gpt"
     qk_norm: bool = False  # RMSNorm over each head's queries and keys, before RoPE
     mlp: str = "swiglu"  # 'swiglu' (Llama's gated MLP) | 'relu2': down(relu(up(x))^2), no gate
     logit_softcap: float = 0.0  # logits -> cap * tanh(logits / cap); 0 = off
-    value_embeds: bool = False  # a token embedding gated into the values of every other layer, the last included
-    resid_lambdas: bool = False  # layer i reads resid_lambdas[i] * hidden + x0_lambdas[i] * (the token embedding)
+    # a token embedding gated into the values of every other layer, the last included
+    value_embeds: bool = False
+    # layer i reads resid_lambdas[i] * hidden + x0_lambdas[i] * (the token embedding)
+    resid_lambdas: bool = False
