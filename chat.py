@@ -26,9 +26,8 @@ import torch
 import checkpoint
 import common
 import distributed
-from calculator import ToolUse
 from checkpoint import add_checkpoint_args, pick_checkpoint
-from decode import compiled_step, decode_step, decode_weights, sample_rows
+from decode import ToolUse, compiled_step, decode_step, decode_weights, sample_rows
 from model import KVCache, autocast_context, num_params
 
 HELP = ("/clear  forget the conversation (back to <|bos|>)\n/stats  tokens in the cache, context, "

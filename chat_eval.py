@@ -32,9 +32,8 @@ import common
 import distributed
 import sandbox
 import tasks
-from calculator import ToolUse, reply_text
 from dataset import CACHE_DIR
-from decode import decode, last_logits
+from decode import ToolUse, decode, last_logits, reply_text
 from model import num_params, score_rows
 from tasks import ALL_TASKS, final_number, gsm8k_answer, humaneval_program, normalize, prompt_ids, same_number
 

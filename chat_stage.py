@@ -17,10 +17,9 @@ import torch
 import checkpoint
 import optim
 import train_loop
-from calculator import ToolUse, reply_text
 from common import append_jsonl
 from dataset import SKIP_BAD_ROWS_HELP
-from decode import decode
+from decode import ToolUse, decode, reply_text
 from distributed import is_sharded, run_main
 from loader import chat_loader
 from model import autocast_context, parse_bool

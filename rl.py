@@ -38,9 +38,8 @@ import distributed
 import optim
 import runs
 import train_loop
-from calculator import ToolUse, reply_text
 from dataset import CACHE_DIR
-from decode import decode
+from decode import ToolUse, decode, reply_text
 from model import autocast_context, num_params
 from tasks import demo_world, gsm8k_items, load_items, prompt_ids, reward
 

@@ -35,7 +35,7 @@ SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}|
                  r"""\s*[\r\n]|\s+(?!\S)|\s+""")
 # The chat template's, then the calculator's: <|python_start|>expr<|python_end|> is a tool call the
 # assistant writes,
-# <|output_start|>result<|output_end|> its result, inserted by generation (calculator.py) and never
+# <|output_start|>result<|output_end|> its result, inserted by generation (decode.py) and never
 # trained on.
 SPECIAL_TOKENS = ["<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>",
                   "<|assistant_end|>",

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import rl
-from calculator import reply_text
+from decode import reply_text
 from model import GPTConfig, build_model
 from tasks import normalize
 from tokenizer import train_tokenizer

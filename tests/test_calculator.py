@@ -1,12 +1,11 @@
-"""calculator.py: exact arithmetic by an ast walk (never eval), hostile expressions refused fast, and the calculator
+"""The calculator (decode.py): exact arithmetic by an ast walk (never eval), hostile expressions refused fast, and the calculator
 inside generation: a tool call's result is fed to the model as if generated, and scoring leaves calls out."""
 import time
 
 import pytest
 import torch
 
-from calculator import MAX_CHARS, CalculatorError, ToolUse, calculate, reply_text
-from decode import decode
+from decode import MAX_CHARS, CalculatorError, ToolUse, calculate, decode, reply_text
 from model import GPTConfig, build_model
 from tokenizer import train_tokenizer
 
@@ -98,3 +97,13 @@ def test_generation_feeds_the_result_and_continues_as_a_full_forward_would(tok):
         with torch.no_grad():
             logits = model(torch.tensor([prompt + out[:i]]))[0, -1]
         assert out[i] == int(logits.argmax()), i
+
+
+def test_the_calculate_flag_prints_the_answer_or_one_line_naming_the_refusal(capsys):
+    import decode
+    assert decode.main(["--calculate", "12/60*50"]) == 0
+    assert capsys.readouterr().out == "10\n"
+    with pytest.raises(SystemExit) as exit_info:
+        decode.main(["--calculate", "__import__('os')"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("decode.py --calculate: error: ") and err.count("\n") == 1

@@ -8,8 +8,8 @@ import re
 import pyarrow.parquet as pq
 import pytest
 
-from calculator import calculate
 from dataset import chat_format, chat_rows
+from decode import calculate
 from demo import ANIMALS, COLOURS, COUNTRIES, DAYS, DEMO_ASSISTANT_NAME, MONTHS, number_word, write_demo
 
 CAPITAL = {row[0]: row[1] for row in COUNTRIES}

@@ -480,7 +480,7 @@ def test_kv_cache_prefill_in_pieces():
 
 
 class Forcing:
-    """A stand-in for calculator.ToolUse with the same contract: after each sampled `trigger` it returns `forced`,
+    """A stand-in for decode.ToolUse with the same contract: after each sampled `trigger` it returns `forced`,
     the tokens generation must feed next (a tool call's result)."""
 
     def __init__(self, trigger, forced):
