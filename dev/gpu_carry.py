@@ -1,11 +1,12 @@
 """The offline GPU machine's carry tooling for bench.py's GPU battery (bench_gpu.py), kept out of the product.
 
-    python dev/gpu_carry.py prepare --nanochat_mirror DIR --corpus DIR   # on a machine with both: fills .bench/
+    python dev/gpu_carry.py prepare --nanochat_mirror DIR --corpus DIR   # on a machine with both: .bench/ and .whl/
     python dev/gpu_carry.py merge A/gpu_bench.json B/gpu_bench.json      # the device calls' files into one table
 
 prepare: a lent GPU machine has no network, so what the battery's nanochat side needs travels with the working tree in
 .bench/ (ignored by git; the device tool's `carry`): nanochat's tree at a pinned commit, the corpus shards, both
-tokenizers trained on the corpus's training split, a wandb stub and wheels of nanochat's pure dependencies. Then, on
+tokenizers trained on the corpus's training split, a wandb stub and wheels of nanochat's pure dependencies; and .whl/,
+the wheels of this repository's packages the machine's image lacks, which dev/gpu_session.sh installs. Then, on
 the GPU machine, one call per row group: `bash dev/gpu_session.sh bench ROWS...` (or `python3 dev/bench.py gpu --rows
 ROWS... --out $OUT`). merge: each call brings back its own gpu_bench.json; this writes them as one gpu_bench.json +
 gpu_bench.md to --out.
@@ -29,6 +30,11 @@ from tokenizer import train_tokenizer
 NANOCHAT_COMMIT = "92d63d4e8bb4df75c3b71618f31ddde2378b2bcd"  # the commit the CPU side-by-side measured
 NANOCHAT_PIP = ["tiktoken", "rustbpe", "regex", "filelock", "jinja2", "markupsafe", "pyyaml", "requests", "urllib3",
                 "idna", "certifi", "charset-normalizer"]
+# this repository's packages the GPU machine's image lacks (rustbpe) or has at another version (huggingface_hub
+# 1.33.0), with their needs; the image's own filelock, fsspec, packaging, pyyaml and tqdm serve (2026-11-27's run)
+DEVICE_WHEELS = ["huggingface_hub==2.4.0", "rustbpe==0.1.0"]
+DEVICE_HAS = ("filelock", "fsspec", "packaging", "pyyaml", "tqdm")
+WHEEL_PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
 WANDB_STUB = '''"""Stand-in for wandb (dev/gpu_carry.py prepare): nanochat's base_train imports it unconditionally and, with
 --run dummy, never calls it."""
 
@@ -96,6 +102,8 @@ def gpu_prepare(args):
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(bench / "pylib"), "--no-deps",
                         "--only-binary=:all:", "--platform", "manylinux2014_x86_64", "--python-version",
                         args.wheels_python, *NANOCHAT_PIP], check=True)
+    if args.whl_dir != "none":
+        device_wheels(Path(args.whl_dir), args.wheels_python)
     size = sum(f.stat().st_size for f in bench.rglob("*") if f.is_file())
     record = {"nanochat_commit": args.nanochat_commit, "vocab": vocab, "corpus": str(corpus),
               "wheels_python": args.wheels_python, "bytes": size, "code": common.code_version(),
@@ -105,6 +113,21 @@ def gpu_prepare(args):
     print("then, on the GPU machine, one call each (carry: [\"" + os.path.relpath(bench) + "\"]):")
     for rows in GPU_CALLS:
         print(f"    python3 dev/bench.py gpu --rows {' '.join(rows)} --out $OUT")
+
+
+def device_wheels(whl_dir, python):
+    """The wheels dev/gpu_session.sh installs on the GPU machine (no network there): DEVICE_WHEELS and their needs
+    for its Python, less what its image has, one version of each, into whl_dir (the device tool's carry: .whl)."""
+    shutil.rmtree(whl_dir, ignore_errors=True)
+    platforms = [flag for platform in WHEEL_PLATFORMS for flag in ("--platform", platform)]
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "--python-version",
+                    python, "--implementation", "cp", *platforms, "-d", str(whl_dir), *DEVICE_WHEELS], check=True)
+    for wheel in whl_dir.glob("*.whl"):
+        if wheel.name.split("-")[0].lower() in DEVICE_HAS:
+            wheel.unlink()
+    wheels = sorted(w.name for w in whl_dir.glob("*.whl"))
+    size = sum(w.stat().st_size for w in whl_dir.glob("*.whl"))
+    print(f"prepare: {len(wheels)} wheels in {whl_dir} ({size / 2**20:.1f} MiB): {', '.join(wheels)}")
 
 
 def merge_gpu_results(results):
@@ -132,6 +155,9 @@ def main(argv=None):
                         "(default: %(default)s, nanochat's)")
     parser.add_argument("--wheels_python", default="3.12", help="prepare: Python version of the GPU machine, for the "
                         "wheels of nanochat's dependencies it may lack; none = no wheels (default: %(default)s)")
+    parser.add_argument("--whl_dir", default=str(Path(__file__).resolve().parent.parent / ".whl"), help="prepare: "
+                        "where the wheels of this repository's packages the GPU machine lacks go (DEVICE_WHEELS); "
+                        "none = skip (default: %(default)s)")
     parser.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu_bench", help="merge: where gpu_bench.json "
                         "and gpu_bench.md go (default: $OUT when set, else runs/gpu_bench; now: %(default)s)")
     args = parser.parse_args(argv)
