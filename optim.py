@@ -14,8 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from common import device_name, matmul_dtype, precision
-from distributed import is_dtensor, local
+from distributed import device_name, is_dtensor, local, matmul_dtype, precision
 
 # -----------------------------------------------------------------------------
 # Optimizers. Base lrs are set for width 768 and a batch of 2^19 tokens (nanochat's). AdamW groups
@@ -122,7 +121,7 @@ def build_optimizers(model, args, width, batch_tokens, device, lr_scale=1.0):
 
 def precision_line(args, device, optimizers, width):
     """What runs in which dtype, and why: printed before step 1. Muon's Newton-Schulz takes the
-    device's choice (common.precision) whatever --dtype says: --dtype is the model's numerics, the
+    device's choice (distributed.precision) whatever --dtype says: --dtype is the model's numerics, the
     optimizer's matmuls need only speed."""
     muon = [g["ns_dtype"] for opt in optimizers if isinstance(opt, Muon) for g in opt.param_groups]
     chosen, why = precision(device, width)

@@ -24,17 +24,24 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from checkpoint import list_checkpoints, resume_command, save_checkpoint, saved_layout
-from common import CACHE_DIR, append_jsonl, device_name, fmt_bytes, fmt_duration, now, peak_flops
 from distributed import (
+    CACHE_DIR,
     all_reduce,
     all_reduce_tensor,
+    append_jsonl,
+    device_name,
+    fmt_bytes,
+    fmt_duration,
     is_dtensor,
     is_sharded,
     keep_progress,
     local,
     mark_progress,
+    now,
+    peak_flops,
     run_main,
 )
+from loader import text_loader
 from model import autocast_context, parse_args
 from optim import apply_schedule, build_optimizers
 
@@ -438,6 +445,70 @@ def wrap_model(model, args, world, local_rank, device, dynamic=False):
         print(f"compile: torch.compile, cache {cache} (warm where a stage compiled the same shapes "
               "before)")
     return torch.compile(train_model, dynamic=dynamic)
+
+
+# -----------------------------------------------------------------------------
+# Validation bits per byte (val_rows, val_bpb): pretrain.py's, core_eval.py's, the chat stages'
+# forgetting figure; the same on 1 or N processes (dealt_sums)
+
+def val_rows(data_dir, tokenizer, max_tokens, seq_len):
+    """Validation rows of seq_len + 1 tokens for up to max_tokens targets, packed as training packs
+    (one pass, one virtual rank): each starts with BOS (a window from mid-document scores tokens
+    without their context), the same in every process and stage. A last, partly filled row has -1
+    targets after its text."""
+    n_rows = max(1, math.ceil(max_tokens / seq_len))
+    loader = text_loader(data_dir, "val", tokenizer, min(n_rows, 64), seq_len, max_epochs=1, name=
+                         "val")
+    rows, have = [], 0
+    try:
+        for inputs, targets in loader:
+            rows.append(torch.cat([inputs[:, :1], targets], dim=1))
+            have += len(inputs)
+            if have >= n_rows:
+                break
+    finally:
+        loader.close()
+    return torch.cat(rows)[:n_rows]
+
+
+def val_bpb(model, rows, token_bytes, batch_rows, dtype, rank, world, device):
+    """(bits per byte, tokens scored) over val_rows, in batches of batch_rows (dealt_sums). Special
+    (BOS) and -1 targets stand for no text: out of loss and bytes."""
+    token_bytes = torch.as_tensor(token_bytes, device=device)
+
+    def batch_sums(b):
+        batch = rows[b * batch_rows:(b + 1) * batch_rows].to(device)
+        # -1 padding would index out of the embedding; it follows the text and has -1 targets: any
+        # id serves
+        x, y = batch[:, :-1].clamp(min=0), batch[:, 1:]
+        nbytes = token_bytes[y.clamp(min=0)] * (y != -1)
+        text = nbytes > 0
+        with autocast_context(device.type, dtype):
+            losses = model(x, torch.where(text, y, -1), reduction="none")
+        return torch.stack([losses.sum().double(), nbytes.sum().double(),
+                            text.sum().double()]).cpu()
+    nats, total_bytes, scored = dealt_sums(model, math.ceil(len(rows) / batch_rows), 3, rank, world,
+                                           batch_sums)
+    return nats / (math.log(2) * total_bytes), int(scored)
+
+
+@torch.no_grad()
+def dealt_sums(model, n_batches, width, rank, world, batch_sums):
+    """The sums over batches of batch_sums(b) (`width` float64 sums of batch b, in eval mode), the
+    batches dealt to the ranks round robin and summed in batch order after the all-reduce: bitwise
+    the same on 1 or N processes. A sharded model's every forward needs every rank (a rank with one
+    batch fewer would leave the others waiting in an all-gather): the rounds go up to a multiple of
+    world, a rank past the last batch redoing one, not counted."""
+    sums = torch.zeros(n_batches, width, dtype=torch.float64)
+    was_training = model.training
+    model.eval()
+    for b in range(rank, math.ceil(n_batches / world) * world if is_sharded(model) else n_batches,
+                   world):
+        row = batch_sums(b % n_batches)
+        if b < n_batches:
+            sums[b] = row
+    model.train(was_training)
+    return all_reduce_tensor(sums).sum(0).tolist()
 
 
 # -----------------------------------------------------------------------------
