@@ -193,11 +193,9 @@ def load_named_optimizer_state(model, optimizers, merged):
 
 
 def load_state(path, model, optimizers, device, keep=("foreach", "fused", "ns_dtype")):
-    """Model and optimizer state from a checkpoint (any world size, sharded or not) into `model`
-    (sharded or not) and `optimizers`. A loaded param group brings the writer's keys; this run's are
-    kept for those in `keep`, even when the load fails: by default the device's choices (AdamW's
-    kernel, Muon's dtype), as the writer may have run on another device; keep=None keeps every key
-    but the params (a warm start: the new stage's hyperparameters)."""
+    """Model and optimizer state from a checkpoint (any world size, sharded or not) into `model` and
+    `optimizers`. This run's values of the param group keys in `keep` stay (the device's
+    choices); keep=None keeps all but the params (a warm start)."""
     path = Path(path)
     kept = [[{
             k: v for k,
@@ -403,9 +401,8 @@ def saved_layout(path):
 
 def resume(path, run_dir, model, optimizers, loaders, layout, rank, device):
     """Restore model, optimizers, loaders and RNG from a checkpoint whose model, micro-batch and
-    virtual ranks (world size x accumulation: one data stream each) agree with `layout`: 2 processes
-    x 1 micro-step resume as 1 x 2. Newer checkpoints of an abandoned branch are set aside. Returns
-    its step."""
+    virtual ranks (world size x accumulation) agree with `layout`; newer checkpoints are set
+    aside. Returns its step."""
     meta = saved_layout(path)
     for key in ("model_config", "micro_batch"):
         if meta.get(key) != layout[key]:

@@ -258,11 +258,9 @@ def conversation_line(line):
 
 
 class ConversationLines:
-    """A JSON-lines conversation file indexed once: its non-blank lines' offsets and numbers, and
-    each bad line's number and what is wrong with it. It answers as a parquet footer does (num_rows,
-    num_row_groups, row_group(i).num_rows), a row group being ROW_GROUP_DOCS lines, so the loader
-    deals, shuffles and resumes its rows as a parquet file's: a position is (row group, row),
-    whatever the rows hold."""
+    """A JSON-lines conversation file indexed once (line offsets, bad lines and why). It answers as
+    a parquet footer does, ROW_GROUP_DOCS lines a row group, so the loader deals, shuffles and
+    resumes it as parquet."""
 
     def __init__(self, path):
         self.path, self.offsets, self.numbers, self.bad = Path(path), array("q"), array("q"), []
@@ -418,10 +416,8 @@ def shard_tokens(path, tokenizer):
 
 
 def corpus_budget(data_dir, tokenizer, budget_tokens):
-    """A corpus's training split against a token budget: {"shards", "docs", "measured_shard",
-    "tokens_per_doc", "tokens", "epochs" (budget / tokens)}; tokens: the first shard's tokens per
-    document (counted) x every shard's documents (footers), as FineWeb's shards are one shuffled
-    stream cut in pieces."""
+    """A corpus's training split against a token budget: shards, docs, tokens (the first shard's
+    tokens per document x all documents), epochs."""
     train = split_shards(data_dir, "train")
     tokens0, docs0 = shard_tokens(train[0], tokenizer)
     docs = sum(open_parquet(p).metadata.num_rows for p in train)
@@ -600,10 +596,8 @@ def input_files(paths):
 
 
 def ingest(paths, out_dir, seed=0, column="text", one_per_file=False, val_fraction=0.05):
-    """Turn .txt/.md/.jsonl/.parquet files (or directories of them) into a corpus (shuffled with
-    `seed`, last shard = validation); shards of an earlier ingest beyond the new ones removed;
-    <out_dir>/ingest.json, written last, says it is whole (speedrun.sh's ingest stage is skipped
-    once it exists)."""
+    """Turn .txt/.md/.jsonl/.parquet files or directories into a corpus (shuffled with `seed`, last
+    shard validation); <out_dir>/ingest.json, written last, says it is whole."""
     if not paths:
         raise ValueError("no input files given")
     files = input_files(paths)

@@ -91,10 +91,9 @@ def pick_precision(seconds):
 
 
 def precision(device, width=256):
-    """(compute dtype, why) for matmuls on `device` at width `width`. CUDA: bf16 where supported. A
-    CPU with emulated bf16: fp32, untimed (timing it takes seconds). Native bf16: the faster here
-    (time_linear; native alone is not enough, dev/LOG.md), measured once and kept in
-    <cache>/precision.json under CPU, torch, threads and width."""
+    """(compute dtype, why) for matmuls on `device` at `width`. CUDA: bf16 where supported. Emulated
+    bf16: fp32, untimed. Native bf16: the faster here (dev/LOG.md), kept in
+    <cache>/precision.json per CPU, torch, threads and width."""
     if device.type == "cuda":
         native = native_bf16(device)
         return ("bfloat16" if native
@@ -199,11 +198,8 @@ def append_jsonl(path, *records):
 # Processes and ranks
 
 def keep_freed_memory(keep=True):
-    """Have glibc keep freed memory for reuse: a step allocates the same large tensors every time,
-    and glibc's fresh mmap pages for each cost a quarter of a CPU step in page faults (dev/LOG.md);
-    the price is the peak heap kept. keep=False restores glibc's thresholds and trims the heap:
-    shard_model's, as a sharded run is short of memory. A no-op without glibc's mallopt (macOS,
-    musl)."""
+    """Have glibc keep freed memory: fresh mmap pages for each step's tensors cost a quarter of a
+    CPU step (dev/LOG.md). keep=False restores it and trims the heap (a sharded run)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
         # M_MMAP_THRESHOLD: allocations under 1 GiB from the heap...
@@ -254,10 +250,8 @@ def setup_distributed(timeout_s=600):
 
 
 def die_with_launcher():
-    """Under torchrun: this worker gets SIGKILL when its launcher dies. Each worker has a session of
-    its own, so a kill of torchrun's process group misses it, and a stuck worker would keep its GPU.
-    (The kernel signals when the starting thread ends: torchrun's main thread.) Linux only
-    (prctl)."""
+    """Under torchrun: SIGKILL this worker when its launcher dies (it has a session of its own, and
+    a stuck one would keep its GPU). Linux only."""
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
@@ -276,11 +270,9 @@ def die_with_launcher():
 
 
 def init_process_group(local_rank, timeout_s):
-    """The process group of torchrun's ranks (NCCL on CUDA, gloo on CPU); returns this rank's
-    device. Unused here, torch.distributed.nn.functional is imported first: its defaults bind
-    `group.WORLD` at import (torch.optim imports it later), and bound to a live group they keep
-    gloo's threads alive past destroy_process_group, so a rank now and then aborted at exit
-    ("terminate called without an active exception"). (Other holders: see run_main.)"""
+    """The process group (NCCL on CUDA, gloo on CPU); returns this rank's device.
+    torch.distributed.nn.functional is imported first: bound to a live group at import, it kept
+    gloo's threads alive past destroy_process_group and a rank aborted at exit."""
     from datetime import timedelta
 
     import torch.distributed.nn.functional
@@ -372,14 +364,10 @@ def fetch_everywhere(fetch, rank, world):
 
 
 def run_main(main):
-    """A stage's exit: 0 when main() finished, 128 + signal when a signal stopped it after its
-    checkpoint (so a chain of stages stops), 1 with a one-line error naming the fix (a traceback too
-    where it was raised outside this project). Every rank tears the process group down, without the
-    barrier after an error (the others may never reach it). A process under torchrun, or a script
-    (after its atexit handlers), then ends at once (os._exit): in the interpreter's finalization,
-    gloo threads kept alive by what holds the group (a DeviceMesh after fully_shard; see
-    init_process_group) made a rank abort now and then, and it costs up to 1.1 s of CPU for nothing
-    (dev/LOG.md)."""
+    """A stage's exit: 0 when main() finished, 128 + signal when a signal stopped it, 1 with a one-
+    line error naming the fix (and a traceback if raised outside this project). Under torchrun,
+    or as a script, the process then ends at once (os._exit): gloo threads in finalization made
+    ranks abort (dev/LOG.md)."""
     code = stage_code(main)
     torchrun = "TORCHELASTIC_RUN_ID" in os.environ
     # not a test calling run_main in its process

@@ -58,12 +58,10 @@ def unit_rows(unit, footers):
 
 
 def assign_units(files, rank, world_size, footers=None):
-    """What rank `rank` of `world_size` reads, so ranks share no document and none runs out while
-    another has unread data: full-size row groups round robin in whole rounds, the rest dealt by
-    document (rank r takes documents r, r+W, ... in file order): streams differ by at most one
-    document. With fewer documents than ranks, they are repeated until there are W (ranks then share
-    a few). A unit is (path, row group, first doc, doc step). footers: read_footers' where the
-    caller has read them already."""
+    """What rank `rank` of `world_size` reads, with no document shared and none running out while
+    another has data: full-size row groups round robin in whole rounds, the rest dealt by
+    document. Fewer documents than ranks are repeated. A unit is (path, row group, first doc, doc
+    step)."""
     footers = footers or read_footers(files)
     row_groups = [(path, i, footers[path].row_group(i).num_rows) for path in files
                   for i in range(footers[path].num_row_groups)]
@@ -108,10 +106,8 @@ def skipped(item):
 
 
 class PieceBuffer:
-    """The packer's buffer: pieces (ids, mask, arrival number) sorted by length, so the largest that
-    fits is a bisect; `live` maps arrival numbers (unique, saved with the state) to lengths and
-    `oldest` is their heap (stale entries dropped lazily), so the oldest piece needs no scan.
-    `tokens`: the tokens buffered."""
+    """The packer's buffer: pieces (ids, mask, arrival) sorted by length, so the largest that fits
+    is a bisect; a heap of arrivals finds the oldest without a scan."""
 
     def __init__(self, pieces):
         self.lengths, self.pieces, self.live, self.oldest, self.tokens = [], [], {}, [], 0
@@ -199,10 +195,8 @@ def fill_row(buffer, row, row_mask, bos, crop, stats):
 
 
 def pad_or_crop(buffer, row, row_mask, pos, bos, crop, stats):
-    """No piece fits the rest of the row from `pos`. pack="pad" pads it (inputs BOS, mask 0).
-    pack="crop" fills it with the smallest piece and puts the remainder back as a BOS-led piece
-    (mask[0]: its BOS's) under the same arrival number, so it opens a row soon: nothing is
-    discarded; the moved tokens count as 'cropped'."""
+    """No piece fits the rest of the row: pack="pad" pads it (BOS, mask 0); pack="crop" fills it
+    with the smallest piece and puts its remainder back, BOS-led, under the same arrival."""
     space = len(row) - pos
     if not crop or not len(buffer):  # cropping pads only when the data has ended (max_epochs)
         row[pos:], row_mask[pos:] = bos, 0
@@ -218,10 +212,8 @@ def pad_or_crop(buffer, row, row_mask, pos, bos, crop, stats):
 
 
 def pack_batch(buffer, documents, batch_size, row_len, bos, *, crop, buffer_docs, masked, stats):
-    """(rows, masks) of one batch: up to batch_size int32 rows of row_len tokens (buffered, then
-    fill_row()), and their int8 masks (1: a target), or None when masked=False (text that never
-    pads). Fewer rows, or none, once the documents and the buffer are empty; stats count it
-    (batches, tokens: row_len - 1 targets a row, supervised)."""
+    """(rows, masks or None) of one batch: up to batch_size rows of row_len tokens; fewer, or none,
+    once documents and buffer are empty."""
     rows = np.empty((batch_size, row_len), dtype=np.int32)
     masks = np.ones((batch_size, row_len), dtype=np.int8) if masked else None
     filled = 0
@@ -265,9 +257,8 @@ def to_device(batch, device):
 
 
 class Pipe:
-    """A bounded queue between the threads of one started pipeline, with that pipeline's stop event:
-    put() and get() give up once it is set. Each start makes its own event and close() only ever
-    sets it, so a thread that outlives close()'s join still finds its pipeline stopped and exits."""
+    """A bounded queue between one started pipeline's threads, with its stop event: a thread that
+    outlives close()'s join still finds its pipeline stopped."""
 
     def __init__(self, maxsize, stop, name):
         self.queue, self.stop, self.name = queue.Queue(maxsize=maxsize), stop, name
@@ -289,17 +280,12 @@ class Pipe:
 
 
 class PackedLoader:
-    """(inputs, targets) batches of shape (B, T) for one rank: pack="crop" packs without padding
-    (text, midtraining's conversations), pack="pad" pads whole conversations (SFT); supervise picks
-    a conversation's targets (docs/data.md). state_dict() is the exact position after the last batch
-    handed out, buffer included: a resume is bit-identical.
-
-    A reader thread reads and tokenizes (on `threads` threads) this rank's row groups ("units"); a
-    packer thread ships each batch to the device `prefetch` ahead, with the state after it. seed=N
-    shuffles units by (N, epoch) and their documents by (N, epoch, unit): the state's positions are
-    in those orders. max_epochs=N stops after N passes (validation: the last rows padded, the last
-    batch maybe short); None cycles forever. A chat file may be .jsonl (dataset.ConversationLines):
-    its first bad line is an error here, or with skip_bad_rows a "malformed" skip."""
+    """(inputs, targets) batches (B, T) for one rank: pack="crop" packs without padding, pack="pad"
+    pads whole conversations (SFT); supervise picks a conversation's targets (docs/data.md).
+    state_dict() is the exact position after the last batch handed out: a resume is bit-
+    identical. A reader thread tokenizes this rank's units; a packer thread ships batches
+    `prefetch` ahead. seed shuffles units by (seed, epoch) and documents by (seed, epoch, unit).
+    max_epochs=N stops after N passes; None cycles forever."""
 
     def __init__(self, files, tokenizer, batch_size, seq_len, kind="text", rank=0, world_size=1,
                  device=
@@ -517,10 +503,8 @@ class PackedLoader:
                 for item in chat_rows(path, row_group, rows)]
 
     def _render(self, messages):
-        """(ids, mask) arrays of one conversation, or the stats key it is skipped under; then why it
-        is bad input, None if it is not. pack="pad" renders at most a row, cut after the last
-        assistant turn that fits, so a kept conversation always has a supervised token; pack="crop"
-        renders it whole (it is cut into pieces like text)."""
+        """(ids, mask) of one conversation, or the stats key it is skipped under; then why it is bad
+        input, or None. pack="pad" cuts it after the last assistant turn that fits a row."""
         if not messages:
             return None, "no messages"
         try:
@@ -578,10 +562,8 @@ class PackedLoader:
         batches.put(StopIteration())  # max_epochs passes are done: __next__ raises it
 
     def _documents(self, units, position, buffered, stats, per_pass):
-        """The documents from position[0] on, each encoded or why it is skipped; before each is
-        handed out, position[0] becomes the next unread one's (None after the last). A pass with no
-        usable document (restored `buffered` pieces count) is an error: the buffer would wait
-        forever. At a new pass, per_pass[0] becomes the document tokens of one."""
+        """The documents from position[0] on, encoded or why skipped; position[0] moves to the next
+        unread before each is handed out. A pass with no usable document is an error."""
         epoch, usable = position[0][0], buffered
         while (got := units.get()) is not None:
             item_epoch, unit, doc, items = got
@@ -628,11 +610,9 @@ def chat_loader(chat_dir, split, tokenizer, batch_size, seq_len, *, pack="pad", 
 
 
 class MixtureLoader:
-    """Midtraining's loader: (inputs, targets) batches of shape (B, T) from several sources at token
-    shares. sources: [{"name", "kind": "text"|"chat", "path": corpus or chat dir (train), "share"}];
-    other kwargs go to every source's one-row PackedLoader (chat: pack="crop"). Each row comes from
-    the source furthest below its share (ties: the first listed), by the sources' token counts,
-    which their states restore: state_dict() is just theirs."""
+    """Midtraining's loader: batches from several sources at token shares. sources: [{"name",
+    "kind": "text"|"chat", "path", "share"}]; each row comes from the source furthest below its
+    share, by token counts their states restore."""
 
     def __init__(self, sources, tokenizer, batch_size, seq_len, *, rank=0, world_size=1, device=
                  "cpu", seed=0,

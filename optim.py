@@ -49,10 +49,9 @@ class AdamW(torch.optim.AdamW):
 
 
 def param_groups(model):
-    """Split parameters by role: 'matrix' (2D weights inside the blocks), 'embedding',
-    'value_embedding', 'head', 'resid_lambdas', 'x0_lambdas', 'scalar' (other 1D parameters). A tied
-    embedding is in 'head': its gradient is mostly the output's, and the embedding's lr (50x) would
-    move every logit's weights by that lr each step."""
+    """Parameters by role: matrix (2D, in the blocks), embedding, value_embedding, head,
+    resid_lambdas, x0_lambdas, scalar. A tied embedding is the head: its gradient is mostly the
+    output's."""
     groups = {"matrix": [], "embedding": [], "value_embedding": [], "head": [], "resid_lambdas": [],
               "x0_lambdas": [],
               "scalar": []}
@@ -74,10 +73,8 @@ def param_groups(model):
 
 
 def build_optimizers(model, args, width, batch_tokens, device, lr_scale=1.0):
-    """Muon for the block matrices and AdamW for the rest ('muon'), or AdamW everywhere ('adamw');
-    args.adam8bit: bitsandbytes' AdamW8bit. Every lr is multiplied by lr_scale (a chat stage's
-    fraction of its parent's). Every param group carries 'name', 'base_lr' (the lr at multiplier 1)
-    and 'wd_on' (whether weight decay applies)."""
+    """Muon for the block matrices and AdamW for the rest, or AdamW everywhere (adam8bit:
+    bitsandbytes'); lrs times lr_scale. Each group has name, base_lr and wd_on."""
     width_factor, batch_factor = (width / REF_WIDTH) ** -0.5, (batch_tokens / REF_BATCH) ** BATCH_EXPONENT
     # AdamW on the block matrices keeps the square-root rule: 1/8 cost bpb there (dev/LOG.md)
     sqrt_factor = (batch_tokens / REF_BATCH) ** 0.5
@@ -147,11 +144,8 @@ def quintic_coefficients(steps):
 
 
 def newton_schulz(stack, steps, dtype):
-    """Approximately orthogonalize a stack of same-shape matrices, rows <= columns (U S V^T -> U S'
-    V^T, S' ~ 1), with matmuls in `dtype` (not torch.optim.Muon's fixed bf16, which CPUs without
-    native bf16 emulate): X <- a X + (b G + c G^2) X, G = X X^T, Polar Express's (a, b, c) at each
-    step. Where it takes fewer FLOPs (wide matrices) the Gram form, newton_schulz_gram; only in fp32
-    or fp64, as in bf16 it loses the small singular values."""
+    """Approximately orthogonalize a stack of matrices, rows <= columns, with Polar Express's steps
+    in `dtype`; wide ones in fp32 or fp64 by the Gram form (fewer FLOPs)."""
     # in place from here on: `stack` itself when it is in `dtype` already
     x = stack.to(getattr(torch, dtype))
     # spectral norm < Frobenius norm: the basin
@@ -170,11 +164,8 @@ def newton_schulz(stack, steps, dtype):
 
 
 def newton_schulz_gram(x, steps):
-    """newton_schulz's iteration for normalized wide x (m rows, n columns): every step multiplies X
-    on the left by P = p(G) = aI + bG + cG^2, so X_k = Q X_0 with Q = P_k ... P_1, and G_k+1 = P G_k
-    P (P commutes with G_k). Only the m x m matrices G, P, Q are iterated; X is touched twice: 4m^2n
-    + (8 steps - 6) m^3 FLOPs against steps x (4m^2n + 2m^3). In fp32 within 1.1e-3 of an fp64
-    iteration even where the singular values span 1e-4 (tested)."""
+    """newton_schulz's iteration for wide x: X_k = Q X_0, only the m x m matrices G, P, Q iterated.
+    In fp32 within 1.1e-3 of fp64 (tested)."""
     gram, product = x @ x.mT, None
     for step, (a, b, c) in enumerate(quintic_coefficients(steps)):
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
@@ -205,16 +196,11 @@ def shard_of(matrix, param):
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon for 2D weights: momentum (Nesterov by default; the schedule sets it, muon_momentum), the
-    update orthogonalized by newton_schulz (Polar Express) in ns_dtype, then NorMuon's per-neuron
-    normalization (neuron_normalized), scaled by sqrt(max(1, rows/cols)) (Keller's shape scaling,
-    torch.optim.Muon's "original"), decoupled weight decay lr x wd (tests/test_train.py: against the
-    rule in fp64). Matrices of one shape up to a transpose are orthogonalized as one stack (one
-    batched matmul: half the step). FSDP-sharded: momentum on each rank's shard, then rounds of one
-    matrix per rank: each all-gathered, rank i orthogonalizes the round's i-th and broadcasts it,
-    every rank keeps its rows (at most `world size` whole matrices in memory). Under DDP each rank
-    orthogonalizes its share of a shape's stack and an all-gather gives every rank all
-    (divide_work=False: each computes every matrix, for comparison)."""
+    """Muon for 2D weights: momentum, the update orthogonalized (newton_schulz) in ns_dtype,
+    NorMuon's per-neuron normalization, scaled by sqrt(max(1, rows/cols)), decoupled weight
+    decay. Matrices of one shape are one stack. FSDP: each round, rank i orthogonalizes the i-th
+    gathered matrix and broadcasts it. DDP: each rank its share, then an all-gather
+    (divide_work)."""
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0, ns_steps=5,
                  ns_dtype="bfloat16", neuron_beta2=0.95, divide_work=True):
@@ -300,11 +286,8 @@ class Muon(torch.optim.Optimizer):
                                     alpha=-group["lr"] * scale)
 
     def neuron_normalized(self, update, param, group):
-        """NorMuon (Li et al. 2025), on the whole orthogonalized update in the parameter's
-        orientation: each neuron's step (the longer side's rows or columns) is divided by the root
-        of the running mean (beta2) of its mean square, then the whole is rescaled to its old norm:
-        even neuron steps, the same update size. The state, one number per neuron, is the same on
-        every rank."""
+        """NorMuon (Li et al. 2025): each neuron's step divided by the root of its running mean
+        square, then rescaled to the update's old norm."""
         reduce = -1 if update.size(0) >= update.size(1) else -2
         # bf16 -> fp32; fp64 stays
         precise = update.to(torch.promote_types(update.dtype, torch.float32))

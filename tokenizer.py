@@ -148,10 +148,8 @@ class Tokenizer:
 
     # --- chat rendering (the rules are in _turns below) ---
     def render_conversation(self, messages, max_tokens=None):
-        """(ids, mask) of a conversation; mask is 1 on the tokens the model learns to produce:
-        assistant content and <|assistant_end|> (so it learns to stop). With max_tokens, a
-        conversation that is too long is cut after its last complete assistant turn that fits, never
-        mid-answer; ([], []) if not even the first exchange fits."""
+        """(ids, mask) of a conversation, mask 1 on assistant content and <|assistant_end|>. With
+        max_tokens, cut after the last whole assistant turn that fits; ([], []) if none does."""
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens={max_tokens} must be at least 1 (or None for no limit)")
         user_start, user_end, assistant_start, assistant_end = (self.special_id(name)
@@ -173,10 +171,8 @@ class Tokenizer:
         return ids, mask
 
     def render_parts(self, content):
-        """(ids, mask) of an assistant message's content: a string, or a list of parts {"type":
-        "text" | "python" | "python_output", "text"}. A python part is a tool call the model learns
-        to write (mask 1); a python_output part is the calculator's answer, which generation
-        inserts, so it is not trained on (mask 0)."""
+        """(ids, mask) of an assistant message's content: a string or parts of type text, python (a
+        tool call, trained on) or python_output (inserted by generation, mask 0)."""
         if isinstance(content, str):
             tokens = self.encode(content)
             return tokens, [1] * len(tokens)
@@ -249,10 +245,8 @@ def train_tokenizer(texts, vocab_size, progress=False):
 
 
 def counting(texts, stats, every_s=None):
-    """Yield texts unchanged while adding documents, characters and UTF-8 bytes to stats (a dict of
-    those keys); with every_s, print what was read and its rate at most every every_s seconds
-    (rustbpe reads 8,192 texts, then splits and counts them in parallel before reading on: the rate
-    is both together)."""
+    """Yield texts while counting documents, characters and bytes into stats; with every_s, print
+    the rate at most that often."""
     start = printed = time.perf_counter()
     for text in texts:
         stats["docs"] += 1

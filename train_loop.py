@@ -112,10 +112,8 @@ def health_warning(model, initial, mem_history, record, steps_done, args):
 
 
 class Health:
-    """The run's health checks, one call a step (check): every health_every steps each param group's
-    update RMS over its parameters' (samples of the parameters taken after the step before: nothing
-    moves them in between), and health_warning's frozen parameters and growing memory, printed on
-    rank 0."""
+    """The run's health checks, one call a step: every health_every steps each param group's update
+    RMS over its parameters', and health_warning's, printed on rank 0."""
 
     def __init__(self, model, optimizers, args, start, master, frozen_check=True):
         self.model, self.optimizers, self.args, self.start, self.master = model, optimizers, args, start, master
@@ -269,11 +267,9 @@ def probe_step(model, optimizers, seq_len, vocab_size, dtype, device):
 
 
 def nearest_batch(total, seq_len, world, micro=0, within=0.03):
-    """The tokens a step nearest --total_batch_tokens that split into micro-batches of `micro`
-    sequences (0: to be chosen) over `world` ranks: total when it does; else, within `within`, the
-    nearest for a given micro-batch, or without one the per-rank sequences with the largest
-    power-of-two divisor (few accumulation steps), the nearer on a tie; None when none is that near.
-    E.g. 524,288 over 3 x 2048: 84 sequences a rank, 516,096 (-1.6%)."""
+    """The tokens a step nearest `total` that split into micro-batches of `micro` (0: to be chosen)
+    over `world` ranks, within `within`; without a micro-batch, the per-rank sequences with the
+    largest power-of-two divisor. None when none is that near."""
     unit = (micro or 1) * seq_len * world
     if total % unit == 0:
         return total
@@ -430,10 +426,8 @@ def compile_cache():
 
 
 def wrap_model(model, args, world, local_rank, device, dynamic=False):
-    """DDP (gradients are views into its all-reduce buckets: no second copy) unless shard_model
-    sharded it, then torch.compile (after DDP, not before): with static shapes (dynamic=False) where
-    every micro-batch has one shape (the loaders' B x T); rl.py's replies vary in length:
-    dynamic=None, torch's default."""
+    """DDP unless shard_model sharded it, then torch.compile: static shapes, but for rl.py's replies
+    of varying length (dynamic=None)."""
     train_model = model
     if world > 1 and not is_sharded(model):
         train_model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
@@ -453,9 +447,7 @@ def wrap_model(model, args, world, local_rank, device, dynamic=False):
 
 def val_rows(data_dir, tokenizer, max_tokens, seq_len):
     """Validation rows of seq_len + 1 tokens for up to max_tokens targets, packed as training packs
-    (one pass, one virtual rank): each starts with BOS (a window from mid-document scores tokens
-    without their context), the same in every process and stage. A last, partly filled row has -1
-    targets after its text."""
+    them (one pass, one virtual rank): BOS-led, the same in every process and stage."""
     n_rows = max(1, math.ceil(max_tokens / seq_len))
     loader = text_loader(data_dir, "val", tokenizer, min(n_rows, 64), seq_len, max_epochs=1, name=
                          "val")
@@ -494,11 +486,9 @@ def val_bpb(model, rows, token_bytes, batch_rows, dtype, rank, world, device):
 
 @torch.no_grad()
 def dealt_sums(model, n_batches, width, rank, world, batch_sums):
-    """The sums over batches of batch_sums(b) (`width` float64 sums of batch b, in eval mode), the
-    batches dealt to the ranks round robin and summed in batch order after the all-reduce: bitwise
-    the same on 1 or N processes. A sharded model's every forward needs every rank (a rank with one
-    batch fewer would leave the others waiting in an all-gather): the rounds go up to a multiple of
-    world, a rank past the last batch redoing one, not counted."""
+    """The sums of batch_sums(b) over batches dealt round robin, summed in batch order after the
+    all-reduce: bitwise the same on 1 or N processes. A sharded model's forwards need every rank:
+    rounds go up to a multiple of world, a rank past the last batch redoing one uncounted."""
     sums = torch.zeros(n_batches, width, dtype=torch.float64)
     was_training = model.training
     model.eval()
@@ -515,11 +505,9 @@ def dealt_sums(model, n_batches, width, rank, world, batch_sums):
 # The training loop
 
 def forward_backward(train_model, batches, dtype, device, world):
-    """Forward and backward over one step's micro-batches [(inputs, targets), ...]; returns (summed
-    token loss, number of targets) over every micro-batch and rank. Exact for masked targets (-1):
-    each backward takes its loss sum over the whole global batch's target count (a mean per
-    micro-batch would weigh a token by how full its micro-batch is: the gradient-accumulation bug of
-    2024). DDP averages over ranks: the local scale is world/count."""
+    """Forward and backward over one step's micro-batches; returns (summed token loss, targets) over
+    all of them and all ranks. Each backward takes its loss over the whole batch's target count:
+    a mean per micro-batch would weigh tokens by how full it is."""
     count = all_reduce_tensor(torch.stack([(targets != -1).sum() for _,
                                            targets in batches]).sum().double())
     scale = world / count.clamp(min=1)
@@ -536,16 +524,10 @@ def forward_backward(train_model, batches, dtype, device, world):
 
 
 def clip_grad_norm(parameters, max_norm, host_branches=None):
-    """torch.nn.utils.clip_grad_norm_'s scaling, with the squares summed in fp64: summed shard by
-    shard in fp32, the other order moved the clip factor's last bit, so a resume at another world
-    size drifted. What is summed is each row's fp32 norm (last dimension), squared: FSDP2 shards dim
-    0, so a row's norm is the same bits at any world size (and cheaper than fp64 norms of whole
-    gradients, dev/LOG.md). Returns the norm (fp32), a tensor on the device. Off the CPU nothing is
-    read from the device (train's one read comes after the optimizer step): the fp64 fallback is
-    computed every step and chosen on the device, and the gradients are multiplied by the factor
-    even when it is 1 (the same bits). On the CPU, where a read waits for nothing, both stay
-    branches: each saves a pass over the gradients (host_branches: None = on the CPU; False makes a
-    test run the device's form there)."""
+    """clip_grad_norm_'s scaling, the squares of each row's fp32 norm summed in fp64: the same bits
+    at any world size (FSDP2 shards dim 0; dev/LOG.md). Returns the norm on the device. Off the
+    CPU nothing is read from the device: both branches are computed and chosen there. On the CPU
+    (host_branches None) they stay branches."""
     grads = [p.grad for p in parameters if p.grad is not None]
     # this rank's part of each (the whole gradient unless sharded)
     shards = [local(g) for g in grads]
@@ -693,10 +675,8 @@ class Saver:
 
 
 def frozen_heap(train_fn):
-    """train with start-up's objects (modules, optimizers, loaders, imported code) collected once
-    and frozen (gc.freeze) before its loop, so the collector's full passes during the steps do not
-    walk them again; unfrozen when train returns or raises, for a process that goes on (a test's
-    in-process runs)."""
+    """train with start-up's objects frozen (gc.freeze) so the collector's full passes skip them;
+    unfrozen when it returns or raises."""
     @functools.wraps(train_fn)
     def wrapped(*args, **kwargs):
         try:
