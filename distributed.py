@@ -6,8 +6,8 @@ and speedrun.sh's NCCL check (the probe).
 Not a stage: import it. One command line, speedrun.sh's NCCL check, run under torchrun with one
 process per GPU (`python distributed.py probe` alone has no peers and says so):
 
-    python -m torch.distributed.run --standalone --nproc_per_node=8 distributed.py probe --timeout 60
-    python distributed.py machine     # the device, bf16, matmul dtype, versions, commit: as stages record them
+    python -m torch.distributed.run --standalone --nproc_per_node=8 distributed.py probe
+    python distributed.py machine    # device, bf16, matmul dtype, versions, commit
 """
 import argparse
 import atexit
@@ -87,7 +87,8 @@ def pick_precision(seconds):
     less."""
     fast, slow = sorted(("float32", "bfloat16"), key=lambda d: (seconds[d], d != "float32"))
     short = {"float32": "fp32", "bfloat16": "bf16"}
-    return fast, f"{short[fast]}: {seconds[slow] / seconds[fast]:.1f}x faster than {short[slow]} here, measured"
+    ratio = seconds[slow] / seconds[fast]
+    return fast, f"{short[fast]}: {ratio:.1f}x faster than {short[slow]} here, measured"
 
 
 def precision(device, width=256):
@@ -101,7 +102,8 @@ def precision(device, width=256):
     if not native_bf16(device):
         return "float32", "bf16 is not native on this CPU (emulated), so not timed"
     path = CACHE_DIR / "precision.json"
-    key = f"{device_name(device)} | torch {torch.__version__} | {torch.get_num_threads()} threads | width {width}"
+    key = (f"{device_name(device)} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+           f" | width {width}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.with_suffix(".lock").touch()
@@ -230,16 +232,13 @@ def setup_distributed(timeout_s=600):
         WORLD = f"single process, device {device_name(device)}"
         print(f"distributed: {WORLD}")
         return 0, 0, 1, device
-    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ[
-                                                                                                          "WORLD_SIZE"])
+    rank, local_rank, world_size = (int(os.environ[k])
+                                    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     device = init_process_group(local_rank, timeout_s)
     names = [None] * world_size
     dist.all_gather_object(names, f"{device} ({device_name(device)}) on {platform.node()}")
-    WORLD = f"world size {dist.get_world_size()} ({dist.get_backend()}): " + ", ".join(
-                                                                                       f"rank {r} "
-                                                                                       f"{n}"
-                                                                                         for r,
-                                                                                         n in enumerate(names))
+    ranks = ", ".join(f"rank {r} {n}" for r, n in enumerate(names))
+    WORLD = f"world size {dist.get_world_size()} ({dist.get_backend()}): {ranks}"
     if rank == 0:
         print(f"distributed: {WORLD}", flush=True)
         # ranks compile at their own speed (a cold cache on one node): the others wait in the first
@@ -260,7 +259,8 @@ def die_with_launcher():
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     # the launcher died before the line above (we were handed to init): nobody would ever stop us
     try:
-        orphaned = os.getppid() != parent or b"torch" not in Path(f"/proc/{parent}/cmdline").read_bytes()
+        command = Path(f"/proc/{parent}/cmdline").read_bytes()
+        orphaned = os.getppid() != parent or b"torch" not in command
     except OSError:
         orphaned = True
     # (torchrun itself may be pid 1 in a container)
@@ -305,8 +305,7 @@ def probe_all_reduce(timeout_s, mbytes=PROBE_MBYTES, iters=5, out=None):
     if "RANK" not in os.environ:
         print("probe: not under torchrun: one process, nothing to all-reduce")
         return 0
-    rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ[
-                                                                                                     "WORLD_SIZE"])
+    rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     device = init_process_group(local_rank, timeout_s)
     expected = world * (world + 1) / 2
     t = torch.full((1,), float(rank + 1), device=device)
@@ -415,7 +414,8 @@ def check_shared_dir(run_dir):
     if not dist.is_initialized() or (dist.get_world_size() <= int(os.environ.get(
             "LOCAL_WORLD_SIZE", "1")) and not view):
         return
-    rank, world, path = dist.get_rank(), dist.get_world_size(), Path(run_dir) / ".shared_filesystem_check"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    path = Path(run_dir) / ".shared_filesystem_check"
     # every rank has a record: an error now is not mistaken for a stuck rank
     mark_progress(0, "start-up")
     token = [f"{time.time_ns()} {os.getpid()} {platform.node()}" if rank == 0 else None]
@@ -507,7 +507,8 @@ def stopped_ranks():
                    else None
                    for r in range(dist.get_world_size())}
     except (RuntimeError, ValueError):  # the store went with a node
-        return "another rank died or hung (torchrun's store is unreachable; its failure summary names the rank)"
+        return ("another rank died or hung (torchrun's store is unreachable; its failure summary "
+                "names the rank)")
     mine = int(records[dist.get_rank()][0]) if records[dist.get_rank()] else 0
     found = []
     for r, record in records.items():
@@ -585,28 +586,25 @@ def shard_model(model, args, world, device):
     it did and why."""
     optimizer = "adam8bit" if args.optimizer == "adamw" and args.adam8bit else args.optimizer
     micro = getattr(args, "micro_batch", None) or 1  # the probe chooses later, and at least 1
-    estimate = memory_estimate(model.config, micro, optimizer=optimizer, bf16=args.dtype ==
-                               "bfloat16",
-                               device_type=device.type)
+    estimate = memory_estimate(model.config, micro, optimizer=optimizer,
+                               bf16=args.dtype == "bfloat16", device_type=device.type)
     state = estimate["weights"] + estimate["gradients"] + estimate["optimizer"]
     in_use = process_memory(device)
-    step = in_use + estimate["gradients"] + estimate["optimizer"] + estimate["activations"] + estimate[
-                                                                                                       "transient"]
+    step = in_use + sum(estimate[k] for k in ("gradients", "optimizer", "activations", "transient"))
     capacity = device_memory(device)
-    fits = f"in use now {fmt_bytes(in_use)} + gradients, optimizer state and micro-batch {micro}'s " \
-           f"activations = {fmt_bytes(step)} {'<=' if step <= capacity else '>'} {fmt_bytes(capacity)} per process " \
-           f"({device_name(device)})"
+    fits = (f"in use now {fmt_bytes(in_use)} + gradients, optimizer state and micro-batch "
+            f"{micro}'s activations = {fmt_bytes(step)} {'<=' if step <= capacity else '>'} "
+            f"{fmt_bytes(capacity)} per process ({device_name(device)})")
     shard = args.fsdp == "true" or (args.fsdp == "auto" and step > capacity)
     if shard and world == 1:
         return f"sharding: none: one process has nothing to shard with ({fits})"
     if not shard:
-        return f"sharding: none, {'DDP' if world > 1 else 'one process'} (--fsdp {args.fsdp}: {fits})"
+        how = "DDP" if world > 1 else "one process"
+        return f"sharding: none, {how} (--fsdp {args.fsdp}: {fits})"
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     compute = getattr(torch, args.dtype)
-    # fp32 shards, each block gathered in the compute dtype (bf16: half the traffic) and reduced in
-    # fp32; inputs not
-    # cast, so the residual stream stays fp32 as under autocast; the root (embedding, norm, head)
-    # gathers in fp32
+    # blocks gathered in the compute dtype (half the traffic), reduced in fp32; inputs not cast:
+    # the residual stream stays fp32 as under autocast; the root gathers in fp32
     block_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32,
                                         cast_forward_inputs=False)
     for block in model.blocks:
@@ -615,8 +613,8 @@ def shard_model(model, args, world, device):
                                                       cast_forward_inputs=False))
     if device.type == "cpu":
         keep_freed_memory(False)
-    return f"sharding: FSDP2 over {world} ranks (--fsdp {args.fsdp}: {fits}); about {fmt_bytes(state / world)} of it " \
-        "per rank"
+    return (f"sharding: FSDP2 over {world} ranks (--fsdp {args.fsdp}: {fits}); about "
+            f"{fmt_bytes(state / world)} of it per rank")
 
 
 def barrier():
@@ -625,8 +623,8 @@ def barrier():
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="speedrun.sh's NCCL check (probe, under torchrun), "
-                                     "or what this machine and code are (machine)")
+    parser = argparse.ArgumentParser(description="speedrun.sh's NCCL check (probe, under "
+                                     "torchrun), or what this machine and code are (machine)")
     parser.add_argument("command", choices=["probe", "machine"], help="probe: a 4-byte and a timed "
                         "large all-reduce over torchrun's ranks; machine: the device, whether bf16 "
                         "is native, the matmul dtype, the versions, the code's commit")

@@ -4,8 +4,8 @@ each resumable bit-identically from its state_dict(). The packing decisions (whi
 row, where one is cropped, padding, targets) are the pure functions below PieceBuffer; PackedLoader
 is the threads and files around them. To see what a batch holds:
 
-    python loader.py --data_dir data/demo/pretrain --tokenizer runs/tokenizer   # pretraining rows, decoded
-    python loader.py --chat data/demo/conversations --tokenizer runs/tokenizer  # SFT rows: what each row trains on
+    python loader.py --data_dir data/demo/pretrain --tokenizer runs/tokenizer   # pretraining rows
+    python loader.py --chat data/demo/conversations --tokenizer runs/tokenizer  # SFT rows, targets
 
 In code: `inputs, targets = next(text_loader(data_dir, "train", tokenizer, batch_size, seq_len))`.
 """
@@ -230,9 +230,10 @@ def pack_batch(buffer, documents, batch_size, row_len, bos, *, crop, buffer_docs
         fill_row(buffer, rows[b], None if masks is None else masks[b], bos, crop, stats)
         filled += 1
     if filled:
-        stats["batches"], stats["tokens"] = stats["batches"] + 1, stats["tokens"] + filled * (row_len - 1)
-        stats["supervised"] += filled * (row_len - 1) if masks is None else int(masks[:filled,
-                                                                                      1:].sum())
+        stats["batches"] += 1
+        stats["tokens"] += filled * (row_len - 1)
+        supervised = filled * (row_len - 1) if masks is None else int(masks[:filled, 1:].sum())
+        stats["supervised"] += supervised
     return rows[:filled], None if masks is None else masks[:filled]
 
 
@@ -307,7 +308,8 @@ class PackedLoader:
         self.pack, self.crop, self.supervise, self.seed = pack, pack == "crop", supervise, seed
         self.B, self.T, self.rank, self.world_size = batch_size, seq_len, rank, world_size
         self.device = torch.device(device)
-        self.threads, self.prefetch, self.max_epochs = threads or os.cpu_count(), prefetch, max_epochs
+        self.threads = threads or os.cpu_count()
+        self.prefetch, self.max_epochs = prefetch, max_epochs
         # a bad line of a .jsonl file stops it here, before any batch; skipped ones are "malformed"
         if kind == "chat":
             check_chat_files(self.files, skip_bad_rows)
@@ -337,7 +339,6 @@ class PackedLoader:
         self._reported = 0  # skipped conversations printed so far
 
     # --- state
-    # ---------------------------------------------------------------------------------------------------
     @property
     def epoch(self):
         """The pass the rows handed out are in (0: the first), by tokens: those in rows over a
@@ -358,13 +359,12 @@ class PackedLoader:
                 "rank": self.rank, "world_size": self.world_size, "seq_len": self.T,
                 "kind": self.kind,
                 "pack": self.pack, "supervise": self.supervise, "seed": self.seed,
-                "pass_tokens": self.state[
-                                                                                                             "pass_tokens"]}
+                "pass_tokens": self.state["pass_tokens"]}
 
     def load_state_dict(self, sd):
         for key, mine in (("rank", self.rank), ("world_size", self.world_size), ("seq_len", self.T),
-                          ("kind", self.kind), ("pack", self.pack), ("supervise", self.supervise), (
-                                                                                                    "seed", self.seed)):
+                          ("kind", self.kind), ("pack", self.pack), ("supervise", self.supervise),
+                          ("seed", self.seed)):
             if sd[key] != mine:
                 raise ValueError(f"{self.name} loader: state was saved with {key}={sd[key]}, this "
                                  f"loader has {key}={mine}; an exact resume needs the same {key}")
@@ -385,11 +385,12 @@ class PackedLoader:
                 f"{self.state['epoch']}, {s['batches']:,} batches, {s['tokens']:,} tokens, "
                 f"{s['docs']:,} docs, empty skipped {s['empty']:,}")
         cropped = f"{100 * s['cropped'] / s['doc_tokens']:.1f}%" if s["doc_tokens"] else "n/a"
-        cropped = f", cropped {cropped} of document tokens (moved to a later row as a BOS-led piece; none discarded)"
+        cropped = (f", cropped {cropped} of document tokens (moved to a later row as a BOS-led "
+                   "piece; none discarded)")
         if self.kind == "text":
             return line + cropped
-        padding = f"{100 * s['padding'] / (s['batches'] * self.B * (self.T + 1)):.1f}%" if s[
-                                                                                             "batches"] else "n/a"
+        slots = s["batches"] * self.B * (self.T + 1)
+        padding = f"{100 * s['padding'] / slots:.1f}%" if slots else "n/a"
         supervised = f"{100 * s['supervised'] / s['tokens']:.1f}%" if s["tokens"] else "n/a"
         cropped = cropped if self.crop else ""
         return line + (f", supervised {supervised} of targets ({self.supervise}), padding "
@@ -441,7 +442,7 @@ class PackedLoader:
     def _guard(self, batches, fn, *args):
         try:
             fn(*args)
-        except BaseException as e:  # noqa: BLE001 -- handed to the consumer, who raises it, instead of dying silently
+        except BaseException as e:  # noqa: BLE001 -- the consumer raises it: no silent death
             batches.put(e)
 
     def _read(self, start, out):
@@ -483,8 +484,10 @@ class PackedLoader:
             if why and self.rank == 0 and self._reported < REPORT_SKIPPED:
                 self._reported += 1
                 row = sum(self._footers[path].row_group(g).num_rows for g in range(row_group)) + r
-                more = f" (only the first {REPORT_SKIPPED} are printed; log_line() counts them all)" \
-                    if self._reported == REPORT_SKIPPED else ""
+                more = ""
+                if self._reported == REPORT_SKIPPED:
+                    more = (f" (only the first {REPORT_SKIPPED} are printed; log_line() counts "
+                            "them all)")
                 print(f"{self.name} loader: skipping {path} row {row}: {why}{more}")
             out.append(conversation)
         return out
@@ -512,10 +515,11 @@ class PackedLoader:
                     messages, max_tokens=None if self.crop else self.T + 1)
         except ValueError as e:  # an unknown role, content that is not a string, roles out of order
             return "malformed", str(e)
-        if empty := [i for i, m in enumerate(messages) if m["role"] != "system" and isinstance(m[
-                                                                                                 "content"], str)
-                     and not m["content"].strip()]:
-            return "empty_content", f"message {empty[0]} ({messages[empty[0]]['role']}) has empty content"
+        empty = [i for i, m in enumerate(messages) if m["role"] != "system"
+                 and isinstance(m["content"], str) and not m["content"].strip()]
+        if empty:
+            role = messages[empty[0]]["role"]
+            return "empty_content", f"message {empty[0]} ({role}) has empty content"
         if not any(m["role"] == "assistant" for m in messages):
             return "no_assistant", "no assistant turn"
         if not ids:
@@ -524,7 +528,6 @@ class PackedLoader:
         return (np.array(ids, np.int32), mask), None
 
     # --- packing
-    # -------------------------------------------------------------------------------------------------
     def _pack(self, units, batches, state):
         """Packer thread: pack_batch() rows from the buffer, ship each batch to the device with the
         state after it."""
@@ -542,14 +545,13 @@ class PackedLoader:
                                      buffer_docs=self.buffer_docs, masked=masked, stats=stats)
             if len(rows):  # none: the data ended with every piece already in a row
                 trained = trained_epoch(stats, per_pass[0])
-                if trained > trained_epoch(state["stats"],
-                                           state["pass_tokens"]) and self.rank == 0 and \
-                        (trained < 4
-                         or str(trained + 1).strip("0") == "1"):  # epochs 2-4, 10, 100, ...
+                new = trained > trained_epoch(state["stats"], state["pass_tokens"])
+                # epochs 2-4, 10, 100, ...
+                if new and self.rank == 0 and (trained < 4 or str(trained + 1).strip("0") == "1"):
+                    later = "; later epochs: only 10, 100, ... are printed" if trained == 3 else ""
                     print(f"{self.name} loader, stream {self.rank} of {self.world_size}: epoch "
                           f"{trained + 1} starts (its data ran out: its rows repeat documents from "
-                          "here "
-                          f"on{'; later epochs: only 10, 100, ... are printed' if trained == 3 else ''})")
+                          f"here on{later})")
                 # None: the data has ended
                 epoch, unit, doc = position[0] or (self.max_epochs, 0, 0)
                 state = {"epoch": epoch, "unit": unit, "doc": doc, "stats": dict(stats),
@@ -687,8 +689,8 @@ class MixtureLoader:
     def mixture(self):
         """{name: {"tokens", "docs", "share" (realized), "target"}}: for a stage's final summary."""
         total = max(1, sum(loader.state["stats"]["tokens"] for loader in self.loaders))
-        return {name: {"tokens": loader.state["stats"]["tokens"], "docs": loader.state["stats"][
-                                                                                                "docs"],
+        return {name: {"tokens": loader.state["stats"]["tokens"],
+                       "docs": loader.state["stats"]["docs"],
                        "share": loader.state["stats"]["tokens"] / total, "target": target}
                 for name, target, loader in zip(self.names, self.targets, self.loaders)}
 
@@ -700,7 +702,8 @@ class MixtureLoader:
                 if loader.kind == "chat" and s["tokens"] else ""
             parts.append(f"{name}: {m['tokens']:,} tokens, {m['docs']:,} docs{supervised}, share "
                          f"{100 * m['share']:.1f}% (target {100 * m['target']:.1f}%)")
-        return f"{self.name} loader rank {self.rank}/{self.world_size}: {self.batches:,} batches; " + "; ".join(parts)
+        head = f"{self.name} loader rank {self.rank}/{self.world_size}: {self.batches:,} batches"
+        return "; ".join([head, *parts])
 
 
 # -----------------------------------------------------------------------------

@@ -76,8 +76,8 @@ def update_ratios(optimizers, before):
 
 
 def samples_by_id(optimizers):
-    return {id(p): sample(p).clone() for opt in optimizers for g in opt.param_groups for p in g[
-                                                                                                "params"]}
+    return {id(p): sample(p).clone() for opt in optimizers for g in opt.param_groups
+            for p in g["params"]}
 
 
 def memory_growing(history, min_steps=50, min_growth=64 * 2**20):
@@ -116,7 +116,8 @@ class Health:
     RMS over its parameters', and health_warning's, printed on rank 0."""
 
     def __init__(self, model, optimizers, args, start, master, frozen_check=True):
-        self.model, self.optimizers, self.args, self.start, self.master = model, optimizers, args, start, master
+        self.model, self.optimizers, self.args = model, optimizers, args
+        self.start, self.master = start, master
         self.initial = param_samples(model) if frozen_check else None
         self.memory = []  # CUDA memory allocated, step by step
         self.before = self.samples(start)
@@ -286,7 +287,8 @@ def processes(world):
 def batch_line(total, used, seq_len, world, micro=0):
     """What plan_batch says when it uses `used` tokens a step for --total_batch_tokens `total`."""
     from optim import BATCH_EXPONENT
-    what = f"{f'micro_batch {micro} x ' if micro else ''}sequence_len {seq_len} x {processes(world)}"
+    micro_x = f"micro_batch {micro} x " if micro else ""
+    what = f"{micro_x}sequence_len {seq_len} x {processes(world)}"
     steps = f", {used // (micro * seq_len * world)} accumulation steps" if micro else ""
     return (f"batch: --total_batch_tokens {total:,} is not a whole number of {what}: {used:,} "
             f"tokens a step instead ({100 * (used / total - 1):+.1f}%, {used // (seq_len * world)} "
@@ -305,13 +307,15 @@ def check_batch_divides(total, seq_len, world, micro=0):
         return batch_line(total, used, seq_len, world, micro)
     sequences = total // (seq_len * world)
     if used and micro:
-        return f"batch: {total:,} tokens a step = micro-batch {micro} x sequence {seq_len:,} x {processes(world)} x " \
-               f"{sequences // micro} accumulation steps"
+        return (f"batch: {total:,} tokens a step = micro-batch {micro} x sequence {seq_len:,} x "
+                f"{processes(world)} x {sequences // micro} accumulation steps")
     if used:
-        return f"batch: {total:,} tokens a step = {sequences} sequences x sequence {seq_len:,} x {processes(world)} " \
-               f"(a process's {sequences}: micro-batch x accumulation steps, the micro-batch chosen when pretraining starts)"
+        return (f"batch: {total:,} tokens a step = {sequences} sequences x sequence {seq_len:,} x "
+                f"{processes(world)} (a process's {sequences}: micro-batch x accumulation steps, "
+                "the micro-batch chosen when pretraining starts)")
     unit = (micro or 1) * seq_len * world
-    what = f"{f'micro_batch {micro} x ' if micro else ''}sequence_len {seq_len} x {processes(world)} = {unit:,}"
+    micro_x = f"micro_batch {micro} x " if micro else ""
+    what = f"{micro_x}sequence_len {seq_len} x {processes(world)} = {unit:,}"
     # fewer GPUs that work
     counts = [str(n) for n in range(1, world) if total % ((micro or 1) * seq_len * n) == 0]
     lo, hi = total // unit * unit, (total // unit + 1) * unit
@@ -408,8 +412,9 @@ def loader_threads(args, device):
     a GPU this process's share of the cores."""
     if args.loader_threads:
         return args.loader_threads
-    return 1 if device.type == "cpu" else max(1, os.cpu_count() // int(os.environ.get(
-                                                                                      "LOCAL_WORLD_SIZE", "1")))
+    if device.type == "cpu":
+        return 1
+    return max(1, os.cpu_count() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 # the user's choice, read at import: torch._dynamo's import (the first optimizer's) writes its own
@@ -421,7 +426,8 @@ def compile_cache():
     """torch.compile's cache, shared by every stage so later ones start warm (docs/training.md): the
     user's $TORCHINDUCTOR_CACHE_DIR, else a directory per torch version (another version's is never
     read)."""
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = USER_COMPILE_CACHE or str(CACHE_DIR / "compile" / f"torch-{torch.__version__}")
+    ours = CACHE_DIR / "compile" / f"torch-{torch.__version__}"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = USER_COMPILE_CACHE or str(ours)
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
@@ -646,7 +652,8 @@ class Saver:
 
     def __init__(self, args, run_dir, model, optimizers, loaders, ckpt_meta, rank, start, log,
                  stop):
-        self.args, self.run_dir, self.model, self.optimizers, self.loaders = args, run_dir, model, optimizers, loaders
+        self.args, self.run_dir, self.model = args, run_dir, model
+        self.optimizers, self.loaders = optimizers, loaders
         self.meta, self.rank, self.log, self.stop = ckpt_meta, rank, log, stop
         self.saved = start  # the step of the newest checkpoint on disk (a resume's; 0: none)
 
@@ -750,7 +757,7 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
 
 def progress_line(record, total_steps, seconds_per_step):
     mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] != "unknown" else "unknown"
-    eta = seconds_per_step * (total_steps - record["step"]) if seconds_per_step is not None else None
+    eta = None if seconds_per_step is None else seconds_per_step * (total_steps - record["step"])
     return (f"step {record['step']}/{total_steps} loss {record['loss']:.4f} lr "
             f"x{record['lr_mult']:.3f} gnorm {record['grad_norm']:.3f} {record['tok_per_s']:,.0f} "
             f"tok/s MFU {mfu} data wait {100 * record['data_wait']:.0f}% tokens "
@@ -763,7 +770,8 @@ def print_status(run_dir):
     """What a run has done so far, from its files: works while it runs and after it ends, for every
     stage."""
     if not (run_dir / "metrics.jsonl").is_file():
-        raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: not a run directory (runs/<run>/)")
+        raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: not a run directory "
+                                "(runs/<run>/)")
     config = json.loads((run_dir / "config.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
