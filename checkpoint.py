@@ -3,7 +3,7 @@ sharded or not), their tokenizer checks, resuming from one; a run's directory, i
 (config.json, meta.json) and first lines. Not a stage: import it. Its command line:
 
     python checkpoint.py consolidate runs/<run>[/ckpt/step_N]   # a sharded one's model.pt
-    python checkpoint.py lineage runs/<run>[/ckpt/step_N]       # stage, step, hparams; its parent's...
+    python checkpoint.py lineage runs/<run>[/ckpt/step_N]       # stage, step, hparams; parents
 """
 import argparse
 import json
@@ -35,21 +35,15 @@ from model import GPTConfig, build_model
 from optim import precision_line
 from tokenizer import SPECIAL_TOKENS, Tokenizer
 
-# torch.distributed.checkpoint warns at every save and load without torch.distributed, which is
-# meant here
+# torch.distributed.checkpoint without a process group is meant here
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
                         "uninitialized")
 
 
 # -----------------------------------------------------------------------------
-# Checkpoints: runs/<run>/ckpt/step_XXXXXX/, renamed into place when complete; all loads use
-# weights_only=True.
-# state/ a sharded model's and optimizers' state (torch.distributed.checkpoint: any world size reads
-# it)
-# model.pt the whole model (what chat, evaluation, export and the next stage read): unsharded, by
-# rank 0;
-# sharded, at the last step or by `python checkpoint.py consolidate`; optimizers.pt beside it
-# unsharded
+# Checkpoints: runs/<run>/ckpt/step_XXXXXX/, renamed into place when complete:
+#   state/      a sharded model's and optimizers' state (any world size reads it)
+#   model.pt    the whole model; optimizers.pt beside it when unsharded
 #   rankNNN.pt  that rank's data-loader positions and RNG state
 #   meta.json   what the run is, the step, the versions
 
@@ -79,8 +73,8 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank,
                     consolidate=False,
                     metrics=None):
     """Write the checkpoint of `step` as laid out above (`consolidate`: a sharded model's model.pt
-    too), keep the newest `keep`, and record the save's seconds in ckpt_dir/save_seconds (what
-    speedrun.sh gives a stopped stage to save before it kills it), printed and in `metrics`."""
+    too), keep the newest `keep`, record the save's seconds in ckpt_dir/save_seconds
+    (speedrun.sh's grace before a kill)."""
     started = time.perf_counter()
     final = Path(ckpt_dir) / f"step_{step:06d}"
     tmp = Path(ckpt_dir) / f".tmp_step_{step:06d}"
@@ -91,7 +85,11 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank,
     torch.save({"loader": loader_state, "rng": rng_state()}, tmp / f"rank{rank:03d}.pt")
     if is_sharded(model):
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_state_dict,
+        )
         model_state, optimizer_state = get_state_dict(model, optimizers)
         dcp.save({"model": model_state, "optimizers": optimizer_state}, checkpoint_id=tmp / "state")
         if consolidate:  # gathered to rank 0, shard by shard, into CPU memory
@@ -115,8 +113,8 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank,
             shutil.rmtree(old)
     barrier()
     if rank == 0:
-        seconds, size = time.perf_counter() - started, sum(f.stat().st_size
-                                                           for f in final.rglob("*") if f.is_file())
+        seconds = time.perf_counter() - started
+        size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
         (Path(ckpt_dir) / "save_seconds").write_text(f"{seconds:.1f}\n")
         print(f"checkpoint: saved {size / 1e9:.2f} GB in {seconds:.1f} s to {final}", flush=True)
         if metrics:
@@ -153,17 +151,16 @@ def set_aside_newer(ckpt_dir, step):
 
 
 def optimizer_layout(optimizers):
-    """[[class name, [param group names]], ...], in meta.json: a child stage's check that the state
-    fits its own optimizers before loading it (chat_stage.warm_start)."""
-    return [[type(opt).__name__,
-             [group.get("name") for group in opt.param_groups]] for opt in optimizers]
+    """[[class name, [param group names]], ...]: what chat_stage.warm_start checks."""
+    return [[type(opt).__name__, [group.get("name") for group in opt.param_groups]]
+            for opt in optimizers]
 
 
 def named_optimizer_state(model, optimizers):
     """The optimizers' state dicts as one, keyed by parameter name instead of position: the form of
     torch.distributed.checkpoint's full optimizer state dict, which a sharded run loads too."""
-    names, merged = {id(p): name for name, p in model.named_parameters()}, {"state": {},
-                                                                            "param_groups": []}
+    names = {id(p): name for name, p in model.named_parameters()}
+    merged = {"state": {}, "param_groups": []}
     for opt in optimizers:
         state, params = opt.state_dict(), [p for group in opt.param_groups for p in group["params"]]
         merged["state"].update({names[id(params[i])]: s for i, s in state["state"].items()})
@@ -175,8 +172,8 @@ def named_optimizer_state(model, optimizers):
 def load_named_optimizer_state(model, optimizers, merged):
     """named_optimizer_state's dict back into unsharded optimizers (positions from this run's
     parameter order)."""
-    names, groups = {id(p): name for name, p in model.named_parameters()}, iter(merged[
-                                                                                       "param_groups"])
+    names = {id(p): name for name, p in model.named_parameters()}
+    groups = iter(merged["param_groups"])
     for opt in optimizers:
         saved = [next(groups) for _ in opt.param_groups]
         order = [name for group in saved for name in group["params"]]
@@ -184,12 +181,9 @@ def load_named_optimizer_state(model, optimizers, merged):
             raise ValueError("the checkpoint's optimizer holds other parameters than this run's: "
                              "resume with the same --optimizer and model")
         index = {name: i for i, name in enumerate(order)}
-        opt.load_state_dict({"state": {index[name]: s for name,
-                                       s in merged["state"].items() if name in index},
-                             "param_groups": [{
-                                     **g,
-                                     "params": [index[name] for name in g["params"]]}
-                                     for g in saved]})
+        state = {index[name]: s for name, s in merged["state"].items() if name in index}
+        param_groups = [{**g, "params": [index[name] for name in g["params"]]} for g in saved]
+        opt.load_state_dict({"state": state, "param_groups": param_groups})
 
 
 def load_state(path, model, optimizers, device, keep=("foreach", "fused", "ns_dtype")):
@@ -197,14 +191,15 @@ def load_state(path, model, optimizers, device, keep=("foreach", "fused", "ns_dt
     `optimizers`. This run's values of the param group keys in `keep` stay (the device's
     choices); keep=None keeps all but the params (a warm start)."""
     path = Path(path)
-    kept = [[{
-            k: v for k,
-            v in g.items() if k != "params" and (keep is None or k in keep)}
-            for g in opt.param_groups]
-            for opt in optimizers]
+    kept = [[{k: v for k, v in g.items() if k != "params" and (keep is None or k in keep)}
+             for g in opt.param_groups] for opt in optimizers]
     if (path / "state").is_dir() or is_sharded(model):
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_state_dict,
+            set_state_dict,
+        )
     try:
         if (path / "state").is_dir():
             model_state, optimizer_state = get_state_dict(model, optimizers)
@@ -313,12 +308,9 @@ def add_checkpoint_args(parser, picked=None, eval_dtype=False):
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the one "
                         "the checkpoint records)")
     if eval_dtype:
-        parser.add_argument(
-                "--dtype",
-                default=matmul_dtype(torch.device("cuda" if torch.cuda.is_available() else
-                                                                         "cpu")), choices=[
-                                                                                           "bfloat16",
-                                                                                           "float32"],
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        parser.add_argument("--dtype", default=matmul_dtype(device),
+                            choices=["bfloat16", "float32"],
                             help="compute dtype (default: %(default)s: bfloat16 where this device "
                             "runs it natively, as in the training stages)")
 
@@ -550,14 +542,12 @@ def resolve_run(args, stage):
 # what a stage after pretraining inherits from its parent checkpoint, recorded in every
 # checkpoint's meta.json ("hparams"; chat_stage.inherit)
 INHERITED = ["tokenizer", "sequence_len", "micro_batch", "total_batch_tokens", "optimizer",
-             "matrix_lr",
-             "embedding_lr", "head_lr", "scalar_lr", "weight_decay", "grad_clip", "dtype",
-             "compile"]
+             "matrix_lr", "embedding_lr", "head_lr", "scalar_lr", "weight_decay", "grad_clip",
+             "dtype", "compile"]
 
 
 def record_run(args, stage, model_config, seq_len, micro, accum, world, total_steps,
-               tokens_per_step, tokenizer,
-               params, record):
+               tokens_per_step, tokenizer, params, record):
     """(layout, run, ckpt_meta), every training stage's: the layout a resume must match; what the
     run is, for config.json; that, its argv and what a child stage inherits (hparams), for every
     checkpoint's meta.json."""
@@ -576,15 +566,12 @@ def announce(args, run_dir, run, lines, optimizers, device):
     """Rank 0's start of a run: config.json (rewritten by a resume with its own command line), then
     `lines`, the code's commit and the precision."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps({**run, "args": vars(args),
-                                                     "hardware": distributed.WORLD,
-                                                     "argv": sys.argv,
-                                                     "versions": versions()}, indent=1,
-                                                    default=str))
-    print("\n".join([*lines, (f"code: commit {run['code']['commit']}, uncommitted changes: "
-                      f"{run['code']['dirty']}"),
-                     precision_line(args, device, optimizers,
-                                          run["model_config"]["n_embd"])]))
+    config = {**run, "args": vars(args), "hardware": distributed.WORLD, "argv": sys.argv,
+              "versions": versions()}
+    (run_dir / "config.json").write_text(json.dumps(config, indent=1, default=str))
+    code = f"code: commit {run['code']['commit']}, uncommitted changes: {run['code']['dirty']}"
+    precision = precision_line(args, device, optimizers, run["model_config"]["n_embd"])
+    print("\n".join([*lines, code, precision]))
 
 
 def batch_line(micro, seq_len, world, accum):
@@ -593,8 +580,8 @@ def batch_line(micro, seq_len, world, accum):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="a sharded checkpoint's model.pt (consolidate), or "
-                                     "a checkpoint's lineage; otherwise import checkpoint")
+    parser = argparse.ArgumentParser(description="a sharded checkpoint's model.pt (consolidate), "
+                                     "or a checkpoint's lineage; otherwise import checkpoint")
     parser.add_argument("command", choices=["consolidate", "lineage"], help="consolidate: write "
                         "CHECKPOINT/model.pt from its shards, in one process; lineage: its stage, "
                         "step and hparams, then its parent's, ...")

@@ -1,7 +1,7 @@
 """The corpora and conversation sets on disk (download.py fetches them): reading them, their token
 counts against a budget, and writing your own text as a corpus. loader.py streams them into batches.
 
-    python dataset.py ingest --out DIR PATHS...      # your own .txt/.md/.jsonl/.parquet (or directories of them)
+    python dataset.py ingest --out DIR PATHS...      # your own .txt/.md/.jsonl/.parquet, or folders
 
 Layout of a text corpus (FineWeb-Edu's on the hub, and everything this file writes): a directory of
 parquet shards named shard_00000.parquet, ..., one string column `text`, row groups of 1024
@@ -29,10 +29,8 @@ def default_data_dir(dataset):
     return CACHE_DIR / "data" / dataset.split("/")[-1]
 
 
-# Conversations: parquet files with a `messages` column (SmolTalk, UltraChat), a `conversations`
-# column (LIMA), or a
-# task's columns rendered as they are read (chat_rows: MMLU, ARC, GSM8K). Files named test* or val*
-# are validation.
+# Conversations: parquet files with `messages` (SmolTalk, UltraChat), `conversations` (LIMA), or
+# a task's columns (chat_rows: MMLU, ARC, GSM8K). Files named test* or val* are validation.
 CHAT_DATASETS = {  # name: (hub repo, the files to fetch)
     "smoltalk": ("HuggingFaceTB/smoltalk", r"data/all/(train|test)-\d+-of-\d+\.parquet"),
     "ultrachat": ("HuggingFaceH4/ultrachat_200k", r"data/(train|test)_sft-.+\.parquet"),
@@ -80,7 +78,9 @@ def write_identity(out_dir, path=IDENTITY_FILE):
 
 
 def chat_dir(spec):
-    return CACHE_DIR / "chat" / spec if spec in CHAT_DATASETS and not Path(spec).exists() else Path(spec)
+    if spec in CHAT_DATASETS and not Path(spec).exists():
+        return CACHE_DIR / "chat" / spec
+    return Path(spec)
 
 
 def render_mc(question, letters, choices):
@@ -198,12 +198,8 @@ def chat_files(chat_dir, split):
     return chosen
 
 
-# Your own conversations: JSON lines in the OpenAI chat format, one conversation a line
-# (docs/own-data.md):
-# {"messages": [{"role": "system", "content": "..."}, {"role": "user", ...}, {"role": "assistant",
-# ...}]}
-# read through the same loader as the parquet files: a ConversationLines index answers as a parquet
-# footer does
+# Your own conversations: JSON lines in the OpenAI chat format (docs/own-data.md), read through
+# the same loader: a ConversationLines index answers as a parquet footer does
 CHAT_ROLES = ("system", "user", "assistant")
 LINE_FORMAT = ('each line is one conversation, {"messages": [{"role": "user", "content": "..."}, '
                '{"role": "assistant", "content": "..."}]}, roles system (first, optional), user '
@@ -234,9 +230,7 @@ def conversation_line(line):
     if not isinstance(messages, list) or not messages:
         return '"messages" is not a non-empty list of messages'
     for i, m in enumerate(messages):
-        missing = [key for key in ("role", "content") if key not in m] if isinstance(m, dict) else [
-                                                                                                    "role",
-                                                                                                    "content"]
+        missing = [key for key in ("role", "content") if not isinstance(m, dict) or key not in m]
         if missing:
             return f'message {i} has no {" or ".join(missing)} (each message is {{"role": ..., ' \
                    f'"content": ...}})'
@@ -538,9 +532,8 @@ def decode_utf8(data):
 
 
 def read_documents(path, column="text", one_per_file=False):
-    """Documents of one input file and the number of invalid UTF-8 sequences replaced in it.
-    .txt, .md: documents separated by blank lines (or the whole file, one_per_file); .jsonl: the
-    `column` field of each line; .parquet: the `column` column."""
+    """Documents of one input file and the count of invalid UTF-8 replaced. .txt, .md: separated by
+    blank lines (or one_per_file); .jsonl and .parquet: the `column` field."""
     path = Path(path)
     if path.suffix == ".parquet":
         parquet = open_parquet(path, column)

@@ -219,9 +219,9 @@ WORLD = "unknown"
 
 
 def setup_distributed(timeout_s=600):
-    """Initialize from torchrun's environment (or run as one process); returns (rank, local_rank,
-    world_size, device). A collective waiting past timeout_s (a dead or hung peer) raises. Prints
-    each rank's host and device first (a run once passed one GPU off as four)."""
+    """From torchrun's environment, or one process: (rank, local_rank, world_size, device). A
+    collective waiting past timeout_s raises. Prints each rank's host and device (a run once
+    passed one GPU off as four)."""
     if not torch.cuda.is_available():
         keep_freed_memory()
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun (other launchers set RANK too)
@@ -363,8 +363,8 @@ def fetch_everywhere(fetch, rank, world):
 
 
 def run_main(main):
-    """A stage's exit: 0 when main() finished, 128 + signal when a signal stopped it, 1 with a one-
-    line error naming the fix (and a traceback if raised outside this project). Under torchrun,
+    """A stage's exit: 0 when main() finished, 128 + signal when a signal stopped it, 1 with a
+    one-line error naming the fix (a traceback if raised outside this project). Under torchrun,
     or as a script, the process then ends at once (os._exit): gloo threads in finalization made
     ranks abort (dev/LOG.md)."""
     code = stage_code(main)

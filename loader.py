@@ -283,8 +283,8 @@ class Pipe:
 class PackedLoader:
     """(inputs, targets) batches (B, T) for one rank: pack="crop" packs without padding, pack="pad"
     pads whole conversations (SFT); supervise picks a conversation's targets (docs/data.md).
-    state_dict() is the exact position after the last batch handed out: a resume is bit-
-    identical. A reader thread tokenizes this rank's units; a packer thread ships batches
+    state_dict() is the exact position after the last batch handed out: a resume is
+    bit-identical. A reader thread tokenizes this rank's units; a packer thread ships batches
     `prefetch` ahead. seed shuffles units by (seed, epoch) and documents by (seed, epoch, unit).
     max_epochs=N stops after N passes; None cycles forever."""
 

@@ -1,9 +1,9 @@
 """Pretraining: a GPT from model.py on a corpus from dataset.py, tokenized by tokenizer.py.
 
-    python pretrain.py --data_dir data/demo/pretrain --steps 400                   # one process (CPU or one GPU)
+    python pretrain.py --data_dir data/demo/pretrain --steps 400                   # one process
     torchrun --standalone --nproc_per_node=8 pretrain.py --preset d20 --tokens_per_param 20
-    python pretrain.py --run_name NAME --resume                                    # continue from the last checkpoint
-    python pretrain.py --status runs/NAME                                          # a live or finished run
+    python pretrain.py --run_name NAME --resume                                    # continue
+    python pretrain.py --status runs/NAME                                          # its progress
 
 Writes runs/<run_name>/: config.json, metrics.jsonl (every step), samples.jsonl (every eval),
 ckpt/step_XXXXXX/, done.json (the final figures).
@@ -103,9 +103,8 @@ def get_args(argv=None):
 
 
 def data_plan(args, config, tokenizer):
-    """--data_plan: the training shards a budget needs, from the first shard's token count, written
-    to <runs_dir>/data_plan.json (speedrun.sh downloads that many) with the steps and a checkpoint's
-    bytes (the gpu plan's disk check reads them)."""
+    """--data_plan: the training shards a budget needs, the steps and a checkpoint's bytes, written
+    to <runs_dir>/data_plan.json (speedrun.sh and the gpu plan read it)."""
     if not args.total_batch_tokens:
         raise ValueError("--data_plan needs --total_batch_tokens (the tokens per step the run will "
                          "use)")
@@ -128,13 +127,10 @@ def data_plan(args, config, tokenizer):
         print(f"data plan: your corpus: about {per_shard * train_docs / docs:,.0f} training tokens "
               f"({train_docs:,} documents), so the budget is {epochs:.2f} epochs of it" + (
                   ": pretraining repeats its documents (it says so at each pass); fewer steps: "
-                                                                                           "PRETRAIN_ARGS=--steps "
-                                                                                           "N"
-                  if epochs > 1 else ""))
+                  "PRETRAIN_ARGS=--steps N" if epochs > 1 else ""))
     out = Path(args.runs_dir) / "data_plan.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    # with what the gpu plan's disk check (gpu_plan.check_disk, launch.py shards) counts the
-    # checkpoints by
+    # what the gpu plan's disk check counts checkpoints by
     out.write_text(json.dumps({"shards": shards, "budget_tokens": budget,
                                "first_shard_tokens": per_shard,
                                "steps": steps, "tokens_per_step": args.total_batch_tokens,
@@ -236,17 +232,13 @@ def main(argv=None):
     tokens_per_step = micro * seq_len * world * accum
     total_steps = plan_steps(args, config, tokens_per_step)
     optimizers = optim.build_optimizers(model, args, config.n_embd, tokens_per_step, device)
-    # one loader per accumulation micro-step, as virtual rank rank*accum + j of world*accum: the
-    # rows of a global
-    # batch are the same however it is split into processes and micro-steps
+    # one loader per micro-step, virtual rank rank*accum + j: a batch's rows whatever the split
     loaders = [text_loader(args.data_dir, "train", tokenizer, micro, seq_len, rank=rank * accum + j,
                            world_size=world * accum, device=device,
                            threads=train_loop.loader_threads(args, device))
                for j in range(accum)]
-    # does the corpus hold the budget? (rank 0 counts; the others need not wait for it before their
-    # next collective)
-    data = corpus_budget(args.data_dir, tokenizer,
-                         total_steps * tokens_per_step) if master else None
+    # does the corpus hold the budget? (rank 0 counts)
+    data = corpus_budget(args.data_dir, tokenizer, total_steps * tokens_per_step) if master else None
     layout, run, ckpt_meta = checkpoint.record_run(args, "pretrain", asdict(config), seq_len, micro,
                                              accum, world,
                                              total_steps, tokens_per_step, tokenizer, params,

@@ -160,10 +160,8 @@ class StopSignal:
 
 
 # -----------------------------------------------------------------------------
-# Budget flags (--steps, --tokens, --epochs, ...): the last one given is in force, so an override
-# appended to a plan's
-# command line (speedrun.sh's PRETRAIN_ARGS="--steps 100") replaces the plan's budget instead of
-# failing
+# Budget flags (--steps, --tokens, ...): the last one given is in force, so an override appended
+# to a plan's command line replaces its budget
 
 class BudgetFlag(argparse.Action):
     """Stores a budget flag's value and its place among the budget flags given (args.budget_order,
@@ -221,8 +219,7 @@ def parse_stage_args(parser, argv, budgets, default=None):
 
 
 # -----------------------------------------------------------------------------
-# Batch planning: the micro-batch that fits, and the accumulation steps that make up the global
-# batch
+# Batch planning: the micro-batch that fits, the accumulation steps that make the batch
 
 # the probe's ceiling without --total_batch_tokens: sequences per rank per forward
 MAX_MICRO_BATCH = 1024
@@ -300,8 +297,8 @@ def batch_line(total, used, seq_len, world, micro=0):
 
 def check_batch_divides(total, seq_len, world, micro=0):
     """--total_batch_tokens must split into (micro_batch x) sequence_len x world, checked before the
-    downloads. Returns the line saying what a step is (or the nearest batch plan_batch takes
-    instead); else a ValueError naming the process counts and totals that work."""
+    downloads. Returns the line saying what a step is; else a ValueError naming process counts
+    and totals that work."""
     used = nearest_batch(total, seq_len, world, micro)
     if used not in (None, total):
         return batch_line(total, used, seq_len, world, micro)
@@ -344,9 +341,8 @@ def add_micro_batch_arg(group):
 
 def plan_batch(args, config, world, model, device, resume_from=None, parent_meta=None,
                accumulate=True):
-    """(micro_batch, accumulation steps, where the micro-batch came from): --micro_batch read as its
-    help says (a resume needs its checkpoint's: the data streams). The accumulation steps make
-    --total_batch_tokens; accumulate=False (rl.py): none, its batch is its replies."""
+    """(micro_batch, accumulation steps, where the micro-batch came from): --micro_batch as its help
+    says (a resume takes its checkpoint's); accumulate=False (rl.py): no accumulation."""
     seq_len, total = config.sequence_len, args.total_batch_tokens if accumulate else None
     master = not dist.is_initialized() or dist.get_rank() == 0
     resumed = saved_layout(resume_from)["micro_batch"] if resume_from else None
@@ -448,8 +444,7 @@ def wrap_model(model, args, world, local_rank, device, dynamic=False):
 
 
 # -----------------------------------------------------------------------------
-# Validation bits per byte (val_rows, val_bpb): pretrain.py's, core_eval.py's, the chat stages'
-# forgetting figure; the same on 1 or N processes (dealt_sums)
+# Validation bits per byte, the same on 1 or N processes
 
 def val_rows(data_dir, tokenizer, max_tokens, seq_len):
     """Validation rows of seq_len + 1 tokens for up to max_tokens targets, packed as training packs
