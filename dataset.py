@@ -191,7 +191,7 @@ def chat_files(chat_dir, split):
     val = [f for f in files if f.name.startswith(("test", "val"))]
     chosen = val if split == "val" else [f for f in files if f not in val]
     if not chosen:
-        which = "*.parquet named test* or val*" if split == "val" else "*.parquet not named test* or val*"
+        which = "*.parquet " + ("named" if split == "val" else "not named") + " test* or val*"
         raise FileNotFoundError(f"no {split} conversation files ({which}) in {chat_dir}: run "
                                 "`python download.py chat NAME` (one of "
                                 f"{', '.join(CHAT_DATASETS)}) or `python demo.py --out DIR`")
@@ -217,7 +217,8 @@ def conversation_line(line):
         # a BOM: some editors write one
         text = line.decode("utf-8").removeprefix("\ufeff").rstrip("\r\n")
     except UnicodeDecodeError as e:
-        return f"not UTF-8 (byte 0x{line[e.start]:02x} at byte {e.start + 1} of the line): save the file as UTF-8"
+        return (f"not UTF-8 (byte 0x{line[e.start]:02x} at byte {e.start + 1} of the line): save "
+                "the file as UTF-8")
     try:
         record = json.loads(text)
     except json.JSONDecodeError as e:
@@ -247,7 +248,8 @@ def conversation_line(line):
     for i, role in enumerate(roles[start:], start=start):
         expected = "user" if (i - start) % 2 == 0 else "assistant"
         if role != expected:
-            return f"message {i} is {role!r} where {expected!r} comes (roles alternate user, assistant, ...)"
+            return (f"message {i} is {role!r} where {expected!r} comes (roles alternate user, "
+                    "assistant, ...)")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
@@ -325,7 +327,9 @@ def check_chat_files(files, skip_bad_rows=False):
             raise ValueError(f"{path}, line {number}: {why}; every one of its {count:,} lines is "
                              f"bad: {LINE_FORMAT}")
         if not skip_bad_rows:
-            more = f" ({count:,} bad lines of {index.num_rows:,}; this is the first)" if count > 1 else ""
+            more = ""
+            if count > 1:
+                more = f" ({count:,} bad lines of {index.num_rows:,}; this is the first)"
             raise ValueError(f"{path}, line {number}: {why}{more}: {LINE_FORMAT}; fix it, or pass "
                              "--skip_bad_rows to skip bad lines (they are counted)")
         shown = "; ".join(f"line {n}: {w}" for n,

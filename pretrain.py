@@ -238,7 +238,8 @@ def main(argv=None):
                            threads=train_loop.loader_threads(args, device))
                for j in range(accum)]
     # does the corpus hold the budget? (rank 0 counts)
-    data = corpus_budget(args.data_dir, tokenizer, total_steps * tokens_per_step) if master else None
+    budget = total_steps * tokens_per_step
+    data = corpus_budget(args.data_dir, tokenizer, budget) if master else None
     layout, run, ckpt_meta = checkpoint.record_run(args, "pretrain", asdict(config), seq_len, micro,
                                              accum, world,
                                              total_steps, tokens_per_step, tokenizer, params,
@@ -247,10 +248,10 @@ def main(argv=None):
         checkpoint.announce(args, run_dir, run, [
             f"model: {args.preset}, params: {params}; FLOPs/token {fpt:.4e}", sharding,
             checkpoint.batch_line(micro, seq_len, world, accum), args.budget_line,
-            (f"budget: {total_steps:,} steps, {total_steps * tokens_per_step:,} tokens, "
+            (f"budget: {total_steps:,} steps, {budget:,} tokens, "
              f"{fpt * total_steps * tokens_per_step:.3e} FLOPs, "
              f"{total_steps * tokens_per_step / counted:.2f} tokens per parameter (value-embedding "
-             "tables not counted)"), budget_line(data, total_steps * tokens_per_step)],
+             "tables not counted)"), budget_line(data, budget)],
             optimizers, device)
     start = (checkpoint.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank,
                                device) if resume_from

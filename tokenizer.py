@@ -1,7 +1,7 @@
 """Byte-level BPE tokenizer: train it on a corpus's training split, measure it on the validation
 split, and render chat conversations into token ids plus a loss mask.
 
-    python tokenizer.py train --data_dir DIR --vocab_size 65536     # -> runs/tokenizer/tokenizer.json
+    python tokenizer.py train --data_dir DIR --vocab_size 65536     # -> runs/tokenizer/
     python tokenizer.py eval --data_dir DIR                         # bytes/token on the val split
 
 Training is rustbpe (Rust, parallel), printing what it read every 10 s and its merge loop every 10%;
@@ -32,7 +32,8 @@ SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}|
                  r"""\s*[\r\n]|\s+(?!\S)|\s+""")
 # the chat template's, then the calculator's: a tool call and its result (never trained on)
 SPECIAL_TOKENS = ["<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>",
-                  "<|assistant_end|>", "<|python_start|>", "<|python_end|>", "<|output_start|>", "<|output_end|>"]
+                  "<|assistant_end|>", "<|python_start|>", "<|python_end|>", "<|output_start|>",
+                  "<|output_end|>"]
 CHAT_SPECIALS = SPECIAL_TOKENS[1:5]
 FILE_NAME = "tokenizer.json"
 FORMAT = "nanochat-bpe-v1"
