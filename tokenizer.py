@@ -28,7 +28,8 @@ import tiktoken
 from dataset import iter_texts
 
 # GPT-4's (cl100k) pre-token pattern; nanochat's \p{N}{1,2} differs by 0.03% in bytes/token
-SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|"""
+SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}|"""
+                 r""" ?[^\s\p{L}\p{N}]++[\r\n]*|"""
                  r"""\s*[\r\n]|\s+(?!\S)|\s+""")
 # the chat template's, then the calculator's: a tool call and its result (never trained on)
 SPECIAL_TOKENS = ["<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>",
