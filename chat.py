@@ -24,7 +24,6 @@ from contextlib import contextmanager
 import torch
 
 import checkpoint
-import common
 import distributed
 from checkpoint import add_checkpoint_args, pick_checkpoint
 from decode import ToolUse, compiled_step, decode_step, decode_weights, sample_rows
@@ -337,7 +336,7 @@ def main(argv=None):
     chat = stage != "pretrain"
     if chat:
         checkpoint.check_chat_tokenizer(tokenizer, tokenizer_path)
-    dtype = args.dtype or (common.matmul_dtype(device) if device.type == "cuda" else "float32")
+    dtype = args.dtype or (distributed.matmul_dtype(device) if device.type == "cuda" else "float32")
     decode = decode_path(args.decode, device.type, args.prompt is not None)
     seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -346,7 +345,7 @@ def main(argv=None):
           f"{num_params(model.config):,} parameters, context {conv.capacity:,} tokens; tokenizer "
           f"{tokenizer_path}",
           file=out)
-    print(f"device: {common.device_name(device)}; dtype {dtype}; decode {decode}", file=out)
+    print(f"device: {distributed.device_name(device)}; dtype {dtype}; decode {decode}", file=out)
     print("mode: chat (the chat template; special tokens only by id)" if chat else "mode: "
           "completion (a pretraining checkpoint: no chat template, each input is continued as "
           "plain "

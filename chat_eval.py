@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 
 import checkpoint
-import common
 import distributed
 import sandbox
 import tasks
@@ -265,7 +264,7 @@ def evaluate_task(task, items, model, tokenizer, args, rank, world, device, mark
             whose = f" (rank 0's share of {len(items):,}, {world} ranks)" if world > 1 else ""
             print(f"{task}: {done:,}/{share:,} items{whose}, {right:,} right ({right / done:.1%}), "
                   f"{rate:.2f} items/s, ETA "
-                  f"{common.fmt_duration((share - done) / rate)}", flush=True)
+                  f"{distributed.fmt_duration((share - done) / rate)}", flush=True)
     torch.set_num_threads(threads)
     distributed.all_reduce_tensor(table)
     if not table[:, 0].eq(1).all():
@@ -386,7 +385,7 @@ def write_outputs(report, records, out, run_dir):
     written = f"{out}, {items_path}"
     # a run directory: its history gets the scores at this step
     if (run_dir / "metrics.jsonl").is_file():
-        common.append_jsonl(run_dir / "metrics.jsonl", {"step": report["step"], "chatcore": report[
+        distributed.append_jsonl(run_dir / "metrics.jsonl", {"step": report["step"], "chatcore": report[
                                                                                                    "chatcore"],
                                                         "chat_eval": {r["task"]: r["accuracy"]
                                                                       for r in report[
@@ -474,10 +473,10 @@ def main(argv=None):
                   "sandbox": None if level is None else {"level": level, "description": contained,
                                                          "timeout_s": args.timeout,
                                                          "memory_mb": args.memory_mb},
-                  "world_size": world, "device": common.device_name(device),
+                  "world_size": world, "device": distributed.device_name(device),
                   "hardware": distributed.WORLD,
                   "dtype": args.dtype, "seconds": seconds,
-                  "argv": sys.argv, "versions": common.versions()}
+                  "argv": sys.argv, "versions": distributed.versions()}
         print_summary(report)
         write_outputs(report, records, Path(args.out or ckpt.parent.parent / "chat_eval.json"),
                       ckpt.parent.parent)

@@ -17,14 +17,13 @@ import torch
 import checkpoint
 import optim
 import train_loop
-from common import append_jsonl
+from checkpoint import INHERITED, add_run_args
 from dataset import SKIP_BAD_ROWS_HELP
 from decode import ToolUse, decode, reply_text
-from distributed import is_sharded, run_main
+from distributed import append_jsonl, is_sharded, run_main
 from loader import chat_loader
 from model import autocast_context, parse_bool
-from runs import INHERITED, add_run_args
-from validation import dealt_sums, val_bpb, val_rows
+from train_loop import dealt_sums, val_bpb, val_rows
 
 # -----------------------------------------------------------------------------
 # The start from a parent checkpoint. Every checkpoint's meta records its stage, its

@@ -1,8 +1,9 @@
-"""Checkpoints: saving, listing, finding and loading them (any world size, sharded or not), their
-tokenizer checks, and resuming a run from one. Not a stage: import it. One command line, for a
-sharded checkpoint:
+"""Runs and their checkpoints: saving, listing, finding and loading checkpoints (any world size,
+sharded or not), their tokenizer checks, resuming from one; a run's directory, its record
+(config.json, meta.json) and first lines. Not a stage: import it. Its command line:
 
-    python checkpoint.py consolidate runs/<run>[/ckpt/step_N]     # write its model.pt, in one process
+    python checkpoint.py consolidate runs/<run>[/ckpt/step_N]   # a sharded one's model.pt
+    python checkpoint.py lineage runs/<run>[/ckpt/step_N]       # stage, step, hparams; parents
 """
 import argparse
 import json
@@ -19,26 +20,30 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common import append_jsonl, matmul_dtype, versions
-from distributed import barrier, is_sharded, run_main
+import distributed
+from distributed import (
+    append_jsonl,
+    barrier,
+    check_shared_dir,
+    code_version,
+    is_sharded,
+    matmul_dtype,
+    run_main,
+    versions,
+)
 from model import GPTConfig, build_model
+from optim import precision_line
 from tokenizer import SPECIAL_TOKENS, Tokenizer
 
-# torch.distributed.checkpoint warns at every save and load without torch.distributed, which is
-# meant here
+# torch.distributed.checkpoint without a process group is meant here
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
                         "uninitialized")
 
 
 # -----------------------------------------------------------------------------
-# Checkpoints: runs/<run>/ckpt/step_XXXXXX/, renamed into place when complete; all loads use
-# weights_only=True.
-# state/ a sharded model's and optimizers' state (torch.distributed.checkpoint: any world size reads
-# it)
-# model.pt the whole model (what chat, evaluation, export and the next stage read): unsharded, by
-# rank 0;
-# sharded, at the last step or by `python checkpoint.py consolidate`; optimizers.pt beside it
-# unsharded
+# Checkpoints: runs/<run>/ckpt/step_XXXXXX/, renamed into place when complete:
+#   state/      a sharded model's and optimizers' state (any world size reads it)
+#   model.pt    the whole model; optimizers.pt beside it when unsharded
 #   rankNNN.pt  that rank's data-loader positions and RNG state
 #   meta.json   what the run is, the step, the versions
 
@@ -68,8 +73,8 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank,
                     consolidate=False,
                     metrics=None):
     """Write the checkpoint of `step` as laid out above (`consolidate`: a sharded model's model.pt
-    too), keep the newest `keep`, and record the save's seconds in ckpt_dir/save_seconds (what
-    speedrun.sh gives a stopped stage to save before it kills it), printed and in `metrics`."""
+    too), keep the newest `keep`, record the save's seconds in ckpt_dir/save_seconds
+    (speedrun.sh's grace before a kill)."""
     started = time.perf_counter()
     final = Path(ckpt_dir) / f"step_{step:06d}"
     tmp = Path(ckpt_dir) / f".tmp_step_{step:06d}"
@@ -80,7 +85,11 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank,
     torch.save({"loader": loader_state, "rng": rng_state()}, tmp / f"rank{rank:03d}.pt")
     if is_sharded(model):
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_state_dict,
+        )
         model_state, optimizer_state = get_state_dict(model, optimizers)
         dcp.save({"model": model_state, "optimizers": optimizer_state}, checkpoint_id=tmp / "state")
         if consolidate:  # gathered to rank 0, shard by shard, into CPU memory
@@ -104,8 +113,8 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank,
             shutil.rmtree(old)
     barrier()
     if rank == 0:
-        seconds, size = time.perf_counter() - started, sum(f.stat().st_size
-                                                           for f in final.rglob("*") if f.is_file())
+        seconds = time.perf_counter() - started
+        size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
         (Path(ckpt_dir) / "save_seconds").write_text(f"{seconds:.1f}\n")
         print(f"checkpoint: saved {size / 1e9:.2f} GB in {seconds:.1f} s to {final}", flush=True)
         if metrics:
@@ -142,17 +151,16 @@ def set_aside_newer(ckpt_dir, step):
 
 
 def optimizer_layout(optimizers):
-    """[[class name, [param group names]], ...], in meta.json: a child stage's check that the state
-    fits its own optimizers before loading it (chat_stage.warm_start)."""
-    return [[type(opt).__name__,
-             [group.get("name") for group in opt.param_groups]] for opt in optimizers]
+    """[[class name, [param group names]], ...]: what chat_stage.warm_start checks."""
+    return [[type(opt).__name__, [group.get("name") for group in opt.param_groups]]
+            for opt in optimizers]
 
 
 def named_optimizer_state(model, optimizers):
     """The optimizers' state dicts as one, keyed by parameter name instead of position: the form of
     torch.distributed.checkpoint's full optimizer state dict, which a sharded run loads too."""
-    names, merged = {id(p): name for name, p in model.named_parameters()}, {"state": {},
-                                                                            "param_groups": []}
+    names = {id(p): name for name, p in model.named_parameters()}
+    merged = {"state": {}, "param_groups": []}
     for opt in optimizers:
         state, params = opt.state_dict(), [p for group in opt.param_groups for p in group["params"]]
         merged["state"].update({names[id(params[i])]: s for i, s in state["state"].items()})
@@ -164,8 +172,8 @@ def named_optimizer_state(model, optimizers):
 def load_named_optimizer_state(model, optimizers, merged):
     """named_optimizer_state's dict back into unsharded optimizers (positions from this run's
     parameter order)."""
-    names, groups = {id(p): name for name, p in model.named_parameters()}, iter(merged[
-                                                                                       "param_groups"])
+    names = {id(p): name for name, p in model.named_parameters()}
+    groups = iter(merged["param_groups"])
     for opt in optimizers:
         saved = [next(groups) for _ in opt.param_groups]
         order = [name for group in saved for name in group["params"]]
@@ -173,29 +181,25 @@ def load_named_optimizer_state(model, optimizers, merged):
             raise ValueError("the checkpoint's optimizer holds other parameters than this run's: "
                              "resume with the same --optimizer and model")
         index = {name: i for i, name in enumerate(order)}
-        opt.load_state_dict({"state": {index[name]: s for name,
-                                       s in merged["state"].items() if name in index},
-                             "param_groups": [{
-                                     **g,
-                                     "params": [index[name] for name in g["params"]]}
-                                     for g in saved]})
+        state = {index[name]: s for name, s in merged["state"].items() if name in index}
+        param_groups = [{**g, "params": [index[name] for name in g["params"]]} for g in saved]
+        opt.load_state_dict({"state": state, "param_groups": param_groups})
 
 
 def load_state(path, model, optimizers, device, keep=("foreach", "fused", "ns_dtype")):
-    """Model and optimizer state from a checkpoint (any world size, sharded or not) into `model`
-    (sharded or not) and `optimizers`. A loaded param group brings the writer's keys; this run's are
-    kept for those in `keep`, even when the load fails: by default the device's choices (AdamW's
-    kernel, Muon's dtype), as the writer may have run on another device; keep=None keeps every key
-    but the params (a warm start: the new stage's hyperparameters)."""
+    """Model and optimizer state from a checkpoint (any world size, sharded or not) into `model` and
+    `optimizers`. This run's values of the param group keys in `keep` stay (the device's
+    choices); keep=None keeps all but the params (a warm start)."""
     path = Path(path)
-    kept = [[{
-            k: v for k,
-            v in g.items() if k != "params" and (keep is None or k in keep)}
-            for g in opt.param_groups]
-            for opt in optimizers]
+    kept = [[{k: v for k, v in g.items() if k != "params" and (keep is None or k in keep)}
+             for g in opt.param_groups] for opt in optimizers]
     if (path / "state").is_dir() or is_sharded(model):
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_state_dict,
+            set_state_dict,
+        )
     try:
         if (path / "state").is_dir():
             model_state, optimizer_state = get_state_dict(model, optimizers)
@@ -304,12 +308,9 @@ def add_checkpoint_args(parser, picked=None, eval_dtype=False):
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the one "
                         "the checkpoint records)")
     if eval_dtype:
-        parser.add_argument(
-                "--dtype",
-                default=matmul_dtype(torch.device("cuda" if torch.cuda.is_available() else
-                                                                         "cpu")), choices=[
-                                                                                           "bfloat16",
-                                                                                           "float32"],
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        parser.add_argument("--dtype", default=matmul_dtype(device),
+                            choices=["bfloat16", "float32"],
                             help="compute dtype (default: %(default)s: bfloat16 where this device "
                             "runs it natively, as in the training stages)")
 
@@ -392,9 +393,8 @@ def saved_layout(path):
 
 def resume(path, run_dir, model, optimizers, loaders, layout, rank, device):
     """Restore model, optimizers, loaders and RNG from a checkpoint whose model, micro-batch and
-    virtual ranks (world size x accumulation: one data stream each) agree with `layout`: 2 processes
-    x 1 micro-step resume as 1 x 2. Newer checkpoints of an abandoned branch are set aside. Returns
-    its step."""
+    virtual ranks (world size x accumulation) agree with `layout`; newer checkpoints are set
+    aside. Returns its step."""
     meta = saved_layout(path)
     for key in ("model_config", "micro_batch"):
         if meta.get(key) != layout[key]:
@@ -464,18 +464,143 @@ def truncate_metrics(path, last_step):
         path.write_text("".join(line + "\n" for line in lines))
 
 
+# -----------------------------------------------------------------------------
+# The run directory: runs/<run>/ with config.json, metrics.jsonl, samples.jsonl, ckpt/step_XXXXXX/
+
+def add_run_args(parser, stage):
+    """Every training stage's flags for its run directory, checkpoints, health checks, ranks."""
+    g = parser.add_argument_group("run directory, checkpoints, health")
+    g.add_argument("--run_name", default=None, help="outputs go to <runs_dir>/<run_name>/ "
+                   f"(default: {stage}_<preset>_<time>; not --run, which torchrun would take for "
+                   "its own --run-path)")
+    g.add_argument("--runs_dir", default="runs", help="where runs live (default: %(default)s)")
+    g.add_argument("--resume", nargs="?", const="latest", default=None, help=
+                   "continue from the newest checkpoint of --run_name (or of the newest run of "
+                   "this "
+                   "stage), or from the checkpoint directory given")
+    g.add_argument("--ckpt_every", type=int, default=500, help="checkpoint every N >= 1 steps, and "
+                   "at the last step (default: %(default)s)")
+    g.add_argument("--keep", type=int, default=3, help="checkpoints kept, newest first; at least 1 "
+                   "(default: %(default)s)")
+    g.add_argument("--frozen_check_step", type=int, default=10, help="steps after the start at "
+                   "which unchanged parameters are named (default: %(default)s)")
+    g.add_argument("--health_every", type=int, default=50, help="log update/parameter RMS ratios "
+                   "every N steps (default: %(default)s)")
+    g.add_argument("--log_every", type=int, default=10, help="progress line every N steps "
+                                                             "(default: "
+                   "%(default)s)")
+    g.add_argument("--wandb", default=None, help="wandb project to log to (needs `pip install "
+                   "wandb`)")
+    g.add_argument("--status", default=None, metavar="RUN_DIR",
+                   help="print a run's status and exit")
+    g = parser.add_argument_group("distributed (under torchrun)")
+    g.add_argument("--fsdp", default="auto", choices=["auto", "true", "false"], help=
+                   "shard weights, gradients and optimizer state over the ranks with FSDP2; auto: "
+                   "when they would not fit one device by model.py's estimate (default: "
+                   "%(default)s)")
+    g.add_argument("--dist_timeout", type=float, default=600, help="seconds a collective may wait "
+                   "for the other ranks before the run stops with an error (a dead or hung rank); "
+                   "it must outlast the slowest rank's first compile (default: %(default)s)")
+
+
+def resolve_run(args, stage):
+    """(run directory, checkpoint to resume from or None) from --runs_dir, --run_name and --resume
+    [PATH]; sets args.runs_dir and args.run_name to the run's, so the resume command and config.json
+    name it."""
+    if args.keep < 1:
+        raise ValueError(f"--keep {args.keep}: keep at least 1 checkpoint (the newest is the one a "
+                         "resume needs)")
+    # a checkpoint path: <runs_dir>/<run_name>/ckpt/step_XXXXXX
+    if args.resume not in (None, "latest"):
+        path = Path(args.resume)
+        if not (path / "meta.json").is_file() or checkpoint_step(path) is None:
+            raise FileNotFoundError(f"--resume {path}: not a checkpoint (runs/<run>/ckpt/step_*/ "
+                                    "with meta.json)")
+        args.runs_dir, args.run_name = str(path.parent.parent.parent), path.parent.parent.name
+        check_shared_dir(path.parent.parent)
+        return path.parent.parent, path
+    if args.resume and args.run_name is None:
+        newest = newest_checkpoint(args.runs_dir, stage=stage)
+        if newest is None:
+            raise FileNotFoundError(f"--resume: no {stage} checkpoint in {args.runs_dir}/*/ckpt/ "
+                                    "or "
+                                    "*/*/ckpt/")
+        run = newest.parent.parent  # runs/<run>, or speedrun.sh's runs/<run>/<stage>
+        args.runs_dir, args.run_name = str(run.parent), run.name
+    args.run_name = args.run_name or f"{stage}_{args.preset}_{time.strftime('%Y%m%d_%H%M%S')}"
+    run_dir = Path(args.runs_dir) / args.run_name
+    # several nodes: every rank must see what rank 0 writes there
+    check_shared_dir(run_dir)
+    if not args.resume:
+        return run_dir, None
+    found = list_checkpoints(run_dir / "ckpt")
+    if not found:
+        raise FileNotFoundError(f"--resume: {run_dir}/ckpt has no checkpoint yet")
+    return run_dir, found[-1]
+
+
+# what a stage after pretraining inherits from its parent checkpoint, recorded in every
+# checkpoint's meta.json ("hparams"; chat_stage.inherit)
+INHERITED = ["tokenizer", "sequence_len", "micro_batch", "total_batch_tokens", "optimizer",
+             "matrix_lr", "embedding_lr", "head_lr", "scalar_lr", "weight_decay", "grad_clip",
+             "dtype", "compile"]
+
+
+def record_run(args, stage, model_config, seq_len, micro, accum, world, total_steps,
+               tokens_per_step, tokenizer, params, record):
+    """(layout, run, ckpt_meta), every training stage's: the layout a resume must match; what the
+    run is, for config.json; that, its argv and what a child stage inherits (hparams), for every
+    checkpoint's meta.json."""
+    layout = {"model_config": model_config, "world_size": world, "micro_batch": micro,
+              "accum": accum}
+    run = {"stage": stage, "run": args.run_name, **layout, "total_steps": total_steps,
+           "tokens_per_step": tokens_per_step, "code": code_version(),
+           "tokenizer": args.tokenizer,
+           "tokenizer_sha256": tokenizer.fingerprint(), "params": params, **record}
+    inherited = {**{name: getattr(args, name, None) for name in INHERITED}, "sequence_len": seq_len,
+                 "micro_batch": micro, "total_batch_tokens": tokens_per_step}
+    return layout, run, {**run, "argv": sys.argv, "hparams": inherited}
+
+
+def announce(args, run_dir, run, lines, optimizers, device):
+    """Rank 0's start of a run: config.json (rewritten by a resume with its own command line), then
+    `lines`, the code's commit and the precision."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config = {**run, "args": vars(args), "hardware": distributed.WORLD, "argv": sys.argv,
+              "versions": versions()}
+    (run_dir / "config.json").write_text(json.dumps(config, indent=1, default=str))
+    code = f"code: commit {run['code']['commit']}, uncommitted changes: {run['code']['dirty']}"
+    precision = precision_line(args, device, optimizers, run["model_config"]["n_embd"])
+    print("\n".join([*lines, code, precision]))
+
+
+def batch_line(micro, seq_len, world, accum):
+    return (f"batch: tokens per step = micro_batch {micro} x sequence_len {seq_len} x world size "
+            f"{world} x accumulation {accum} = {micro * seq_len * world * accum:,}")
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="a sharded checkpoint's model.pt (consolidate); "
-                                     "otherwise import checkpoint")
-    parser.add_argument("command", choices=["consolidate"], help="consolidate: write "
-                        "CHECKPOINT/model.pt from its shards, in one process")
+    parser = argparse.ArgumentParser(description="a sharded checkpoint's model.pt (consolidate), "
+                                     "or a checkpoint's lineage; otherwise import checkpoint")
+    parser.add_argument("command", choices=["consolidate", "lineage"], help="consolidate: write "
+                        "CHECKPOINT/model.pt from its shards, in one process; lineage: its stage, "
+                        "step and hparams, then its parent's, ...")
     parser.add_argument("checkpoint", nargs="?", help="a step_* directory or a run directory (its "
                         "newest)")
     args = parser.parse_args(argv)
     if args.checkpoint is None:
-        parser.error("consolidate needs a checkpoint: python checkpoint.py consolidate "
+        parser.error(f"{args.command} needs a checkpoint: python checkpoint.py {args.command} "
                      "runs/<run>[/ckpt/step_N]")
-    written = consolidate(find_checkpoint(args.checkpoint))
+    path = find_checkpoint(args.checkpoint)
+    if args.command == "lineage":
+        # to pretraining, or a parent moved or deleted
+        while path is not None and (Path(path) / "meta.json").is_file():
+            meta = json.loads((Path(path) / "meta.json").read_text())
+            print(f"{path}: {meta.get('stage')}, step {meta.get('step')}, "
+                  f"hparams {meta.get('hparams')}")
+            path = (meta.get("parent") or {}).get("path")
+        return 0
+    written = consolidate(path)
     count = sum(t.numel() for t in torch.load(written, weights_only=True).values())
     print(f"consolidate: wrote {written} ({count:,} parameters)")
     return 0

@@ -30,9 +30,8 @@ import torch
 import yaml
 
 import checkpoint
-import common
 import distributed
-import validation
+import train_loop
 from dataset import CACHE_DIR
 from decode import decode
 from download import download_file
@@ -494,9 +493,9 @@ def bits_per_byte(args, meta, model, tokenizer, rank, world, device):
     if not (out["val_data_dir"] and Path(out["val_data_dir"]).is_dir()):
         return {**out, "val_bpb_note": f"unknown: no corpus at {out['val_data_dir']} (pass "
                 "--data_dir)"}
-    rows = validation.val_rows(out["val_data_dir"], tokenizer, args.bpb_tokens,
+    rows = train_loop.val_rows(out["val_data_dir"], tokenizer, args.bpb_tokens,
                                model.config.sequence_len)
-    out["val_bpb"], out["val_bpb_tokens"] = validation.val_bpb(model, rows, tokenizer.token_bytes,
+    out["val_bpb"], out["val_bpb_tokens"] = train_loop.val_bpb(model, rows, tokenizer.token_bytes,
                                                                8, args.dtype, rank,
                                                                world, device)
     return out
@@ -582,11 +581,11 @@ def main(argv=None):
                   "complete": n_items == sum(r["items_in_task"] for r in rows) and not args.tasks,
                   "sequence_len": model.config.sequence_len, **bpb, "world_size": world,
                   "samples": completions(model, tokenizer, args.max_new_tokens, args.dtype),
-                  "device": common.device_name(device), "hardware": distributed.WORLD,
+                  "device": distributed.device_name(device), "hardware": distributed.WORLD,
                   "dtype": args.dtype,
                   "seconds": seconds,
                   "items_per_second": n_items / seconds, "argv": sys.argv,
-                  "versions": common.versions()}
+                  "versions": distributed.versions()}
         print_summary(report)
         write_results(Path(args.out or ckpt.parent.parent / "core_eval" / ckpt.name), report, tasks,
                       results)

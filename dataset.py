@@ -1,7 +1,7 @@
 """The corpora and conversation sets on disk (download.py fetches them): reading them, their token
 counts against a budget, and writing your own text as a corpus. loader.py streams them into batches.
 
-    python dataset.py ingest --out DIR PATHS...      # your own .txt/.md/.jsonl/.parquet (or directories of them)
+    python dataset.py ingest --out DIR PATHS...      # your own .txt/.md/.jsonl/.parquet, or folders
 
 Layout of a text corpus (FineWeb-Edu's on the hub, and everything this file writes): a directory of
 parquet shards named shard_00000.parquet, ..., one string column `text`, row groups of 1024
@@ -29,10 +29,8 @@ def default_data_dir(dataset):
     return CACHE_DIR / "data" / dataset.split("/")[-1]
 
 
-# Conversations: parquet files with a `messages` column (SmolTalk, UltraChat), a `conversations`
-# column (LIMA), or a
-# task's columns rendered as they are read (chat_rows: MMLU, ARC, GSM8K). Files named test* or val*
-# are validation.
+# Conversations: parquet files with `messages` (SmolTalk, UltraChat), `conversations` (LIMA), or
+# a task's columns (chat_rows: MMLU, ARC, GSM8K). Files named test* or val* are validation.
 CHAT_DATASETS = {  # name: (hub repo, the files to fetch)
     "smoltalk": ("HuggingFaceTB/smoltalk", r"data/all/(train|test)-\d+-of-\d+\.parquet"),
     "ultrachat": ("HuggingFaceH4/ultrachat_200k", r"data/(train|test)_sft-.+\.parquet"),
@@ -80,7 +78,9 @@ def write_identity(out_dir, path=IDENTITY_FILE):
 
 
 def chat_dir(spec):
-    return CACHE_DIR / "chat" / spec if spec in CHAT_DATASETS and not Path(spec).exists() else Path(spec)
+    if spec in CHAT_DATASETS and not Path(spec).exists():
+        return CACHE_DIR / "chat" / spec
+    return Path(spec)
 
 
 def render_mc(question, letters, choices):
@@ -191,19 +191,15 @@ def chat_files(chat_dir, split):
     val = [f for f in files if f.name.startswith(("test", "val"))]
     chosen = val if split == "val" else [f for f in files if f not in val]
     if not chosen:
-        which = "*.parquet named test* or val*" if split == "val" else "*.parquet not named test* or val*"
+        which = "*.parquet " + ("named" if split == "val" else "not named") + " test* or val*"
         raise FileNotFoundError(f"no {split} conversation files ({which}) in {chat_dir}: run "
                                 "`python download.py chat NAME` (one of "
                                 f"{', '.join(CHAT_DATASETS)}) or `python demo.py --out DIR`")
     return chosen
 
 
-# Your own conversations: JSON lines in the OpenAI chat format, one conversation a line
-# (docs/own-data.md):
-# {"messages": [{"role": "system", "content": "..."}, {"role": "user", ...}, {"role": "assistant",
-# ...}]}
-# read through the same loader as the parquet files: a ConversationLines index answers as a parquet
-# footer does
+# Your own conversations: JSON lines in the OpenAI chat format (docs/own-data.md), read through
+# the same loader: a ConversationLines index answers as a parquet footer does
 CHAT_ROLES = ("system", "user", "assistant")
 LINE_FORMAT = ('each line is one conversation, {"messages": [{"role": "user", "content": "..."}, '
                '{"role": "assistant", "content": "..."}]}, roles system (first, optional), user '
@@ -221,7 +217,8 @@ def conversation_line(line):
         # a BOM: some editors write one
         text = line.decode("utf-8").removeprefix("\ufeff").rstrip("\r\n")
     except UnicodeDecodeError as e:
-        return f"not UTF-8 (byte 0x{line[e.start]:02x} at byte {e.start + 1} of the line): save the file as UTF-8"
+        return (f"not UTF-8 (byte 0x{line[e.start]:02x} at byte {e.start + 1} of the line): save "
+                "the file as UTF-8")
     try:
         record = json.loads(text)
     except json.JSONDecodeError as e:
@@ -234,9 +231,7 @@ def conversation_line(line):
     if not isinstance(messages, list) or not messages:
         return '"messages" is not a non-empty list of messages'
     for i, m in enumerate(messages):
-        missing = [key for key in ("role", "content") if key not in m] if isinstance(m, dict) else [
-                                                                                                    "role",
-                                                                                                    "content"]
+        missing = [key for key in ("role", "content") if not isinstance(m, dict) or key not in m]
         if missing:
             return f'message {i} has no {" or ".join(missing)} (each message is {{"role": ..., ' \
                    f'"content": ...}})'
@@ -253,16 +248,15 @@ def conversation_line(line):
     for i, role in enumerate(roles[start:], start=start):
         expected = "user" if (i - start) % 2 == 0 else "assistant"
         if role != expected:
-            return f"message {i} is {role!r} where {expected!r} comes (roles alternate user, assistant, ...)"
+            return (f"message {i} is {role!r} where {expected!r} comes (roles alternate user, "
+                    "assistant, ...)")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 class ConversationLines:
-    """A JSON-lines conversation file indexed once: its non-blank lines' offsets and numbers, and
-    each bad line's number and what is wrong with it. It answers as a parquet footer does (num_rows,
-    num_row_groups, row_group(i).num_rows), a row group being ROW_GROUP_DOCS lines, so the loader
-    deals, shuffles and resumes its rows as a parquet file's: a position is (row group, row),
-    whatever the rows hold."""
+    """A JSON-lines conversation file indexed once (line offsets, bad lines and why). It answers as
+    a parquet footer does, ROW_GROUP_DOCS lines a row group, so the loader deals, shuffles and
+    resumes it as parquet."""
 
     def __init__(self, path):
         self.path, self.offsets, self.numbers, self.bad = Path(path), array("q"), array("q"), []
@@ -333,7 +327,9 @@ def check_chat_files(files, skip_bad_rows=False):
             raise ValueError(f"{path}, line {number}: {why}; every one of its {count:,} lines is "
                              f"bad: {LINE_FORMAT}")
         if not skip_bad_rows:
-            more = f" ({count:,} bad lines of {index.num_rows:,}; this is the first)" if count > 1 else ""
+            more = ""
+            if count > 1:
+                more = f" ({count:,} bad lines of {index.num_rows:,}; this is the first)"
             raise ValueError(f"{path}, line {number}: {why}{more}: {LINE_FORMAT}; fix it, or pass "
                              "--skip_bad_rows to skip bad lines (they are counted)")
         shown = "; ".join(f"line {n}: {w}" for n,
@@ -418,10 +414,8 @@ def shard_tokens(path, tokenizer):
 
 
 def corpus_budget(data_dir, tokenizer, budget_tokens):
-    """A corpus's training split against a token budget: {"shards", "docs", "measured_shard",
-    "tokens_per_doc", "tokens", "epochs" (budget / tokens)}; tokens: the first shard's tokens per
-    document (counted) x every shard's documents (footers), as FineWeb's shards are one shuffled
-    stream cut in pieces."""
+    """A corpus's training split against a token budget: shards, docs, tokens (the first shard's
+    tokens per document x all documents), epochs."""
     train = split_shards(data_dir, "train")
     tokens0, docs0 = shard_tokens(train[0], tokenizer)
     docs = sum(open_parquet(p).metadata.num_rows for p in train)
@@ -542,9 +536,8 @@ def decode_utf8(data):
 
 
 def read_documents(path, column="text", one_per_file=False):
-    """Documents of one input file and the number of invalid UTF-8 sequences replaced in it.
-    .txt, .md: documents separated by blank lines (or the whole file, one_per_file); .jsonl: the
-    `column` field of each line; .parquet: the `column` column."""
+    """Documents of one input file and the count of invalid UTF-8 replaced. .txt, .md: separated by
+    blank lines (or one_per_file); .jsonl and .parquet: the `column` field."""
     path = Path(path)
     if path.suffix == ".parquet":
         parquet = open_parquet(path, column)
@@ -600,10 +593,8 @@ def input_files(paths):
 
 
 def ingest(paths, out_dir, seed=0, column="text", one_per_file=False, val_fraction=0.05):
-    """Turn .txt/.md/.jsonl/.parquet files (or directories of them) into a corpus (shuffled with
-    `seed`, last shard = validation); shards of an earlier ingest beyond the new ones removed;
-    <out_dir>/ingest.json, written last, says it is whole (speedrun.sh's ingest stage is skipped
-    once it exists)."""
+    """Turn .txt/.md/.jsonl/.parquet files or directories into a corpus (shuffled with `seed`, last
+    shard validation); <out_dir>/ingest.json, written last, says it is whole."""
     if not paths:
         raise ValueError("no input files given")
     files = input_files(paths)

@@ -6,35 +6,202 @@ and speedrun.sh's NCCL check (the probe).
 Not a stage: import it. One command line, speedrun.sh's NCCL check, run under torchrun with one
 process per GPU (`python distributed.py probe` alone has no peers and says so):
 
-    python -m torch.distributed.run --standalone --nproc_per_node=8 distributed.py probe --timeout 60
+    python -m torch.distributed.run --standalone --nproc_per_node=8 distributed.py probe
+    python distributed.py machine    # device, bf16, matmul dtype, versions, commit
 """
 import argparse
 import atexit
 import contextlib
 import ctypes
 import ctypes.util
+import fcntl
 import json
+import math
 import os
 import platform
 import signal
+import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from common import device_name, fmt_bytes
 from model import memory_estimate
 
+# -----------------------------------------------------------------------------
+# The machine and the code
+
+
+def device_name(device):
+    """The GPU's name, or the CPU's model (from /proc/cpuinfo on Linux) and the vector ISA torch's
+    kernels use."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or "cpu"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        model = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                      if line.startswith("model name")), model)
+    return f"{model}, {torch.backends.cpu.get_cpu_capability()}"
+
+
+def native_bf16(device):
+    """Whether bf16 matmuls run natively: CUDA with bf16 support, or a CPU with AVX512-BF16 or AMX
+    (emulated, ~20-100x slower than fp32). torch's CPU flags are private functions: if missing, no
+    (fp32 is never slow)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    flags = [getattr(torch.cpu, name, lambda: False) for name in ("_is_avx512_bf16_supported",
+                                                                  "_is_amx_tile_supported")]
+    return device.type == "cpu" and any(flag() for flag in flags)
+
+
+# dataset.py's cache dir, by the same rule (its own line there: dataset.py runs without torch, which
+# this loads)
+CACHE_DIR = Path(os.environ.get("NANOCHAT_CACHE", Path.home() / ".cache" / "nanochat"))
+
+
+def time_linear(dtype, width, rows=1024, reps=3):
+    """Seconds of forward and backward of a (rows x width) @ (width x 4 width) linear layer under
+    `dtype`'s autocast, best of `reps`: weight casts included, with which native bf16 can still lose
+    to fp32."""
+    x = torch.randn(rows, width, requires_grad=True)
+    w = torch.randn(4 * width, width, requires_grad=True)
+    times = []
+    for _ in range(reps + 1):  # the first call pays for oneDNN's kernel selection: not timed
+        start = time.perf_counter()
+        with torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bfloat16"):
+            y = torch.nn.functional.linear(x, w)
+        # a scalar's backward: a given gradient tensor makes autograd import sympy
+        y.sum().backward()
+        times.append(time.perf_counter() - start)
+    return min(times[1:])
+
+
+def pick_precision(seconds):
+    """(dtype, why) from {"float32": s, "bfloat16": s}: the faster; a tie goes to fp32, which rounds
+    less."""
+    fast, slow = sorted(("float32", "bfloat16"), key=lambda d: (seconds[d], d != "float32"))
+    short = {"float32": "fp32", "bfloat16": "bf16"}
+    ratio = seconds[slow] / seconds[fast]
+    return fast, f"{short[fast]}: {ratio:.1f}x faster than {short[slow]} here, measured"
+
+
+def precision(device, width=256):
+    """(compute dtype, why) for matmuls on `device` at `width`. CUDA: bf16 where supported. Emulated
+    bf16: fp32, untimed. Native bf16: the faster here (dev/LOG.md), kept in
+    <cache>/precision.json per CPU, torch, threads and width."""
+    if device.type == "cuda":
+        native = native_bf16(device)
+        return ("bfloat16" if native
+                else "float32"), f"bf16 is {'' if native else 'not '}supported on this GPU"
+    if not native_bf16(device):
+        return "float32", "bf16 is not native on this CPU (emulated), so not timed"
+    path = CACHE_DIR / "precision.json"
+    key = (f"{device_name(device)} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+           f" | width {width}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.with_suffix(".lock").touch()
+    except OSError as e:
+        dtype, why = pick_precision({d: time_linear(d, width) for d in ("float32", "bfloat16")})
+        return dtype, f"{why} (not kept: {e}; set $NANOCHAT_CACHE to a writable directory)"
+    with open(path.with_suffix(".lock")) as lock:
+        # ranks starting together: one measures, the others read its answer
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            stored, note = json.loads(path.read_text()), f" earlier ({path})"
+        except (OSError, ValueError):  # none yet, or damaged: measured again
+            stored = {}
+        if key not in stored:
+            stored[key], note = {d: time_linear(d, width) for d in (
+                    "float32", "bfloat16")}, f" (kept in {path})"
+            path.with_suffix(".tmp").write_text(json.dumps(stored, indent=1))
+            # whole or not at all: a reader without the lock sees either
+            path.with_suffix(".tmp").replace(path)
+    dtype, why = pick_precision(stored[key])
+    return dtype, why + note
+
+
+def matmul_dtype(device, width=256):
+    """The compute dtype a stage and Muon's Newton-Schulz use unless --dtype says otherwise:
+    precision()'s choice."""
+    return precision(device, width)[0]
+
+
+def versions():
+    return {"python": sys.version.split()[0], "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "numpy": np.__version__}
+
+
+def code_version():
+    """The git commit of the code that runs and whether tracked files differ from it; "unknown"
+    outside a git checkout (a copied tree), never a guess."""
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True,
+                                text=True,
+                                timeout=10, check=True).stdout.strip()
+        changes = subprocess.run(["git", "-C", str(here), "status", "--porcelain",
+                                  "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": "unknown", "dirty": "unknown"}
+    return {"commit": commit, "dirty": bool(changes.strip())}
+
+
+# -----------------------------------------------------------------------------
+# Measurement and formatting
+
+# Dense bf16 peak FLOP/s by device name (first match wins: a variant before its family; unlisted:
+# MFU "unknown").
+# NVIDIA's datasheets give BF16 with sparsity, twice these (H200 NVL 1,671 TFLOP/s, B200 4.5
+# PFLOP/s)
+PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200 NVL",
+                                                                                   836e12),
+                   ("H200", 989e12), ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("A10G",
+                                                                                             70e12),
+                   ("L4", 121e12)]
+
+
+def peak_flops(name, dtype):
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name),
+                None) if dtype == "bfloat16" else None
+
+
+def fmt_bytes(count):
+    return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
+
+
+def fmt_duration(seconds):
+    if seconds is None or not math.isfinite(seconds):
+        return "unknown"
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def now():
+    """The training loop's clock, a name of its own: tests step it (train_loop.now)."""
+    return time.perf_counter()
+
+
+def append_jsonl(path, *records):
+    """Records as lines of JSON at the end of a file: a run's metrics.jsonl, samples.jsonl."""
+    with open(path, "a") as f:
+        f.writelines(json.dumps(record) + "\n" for record in records)
+
+
+# -----------------------------------------------------------------------------
+# Processes and ranks
 
 def keep_freed_memory(keep=True):
-    """Have glibc keep freed memory for reuse: a step allocates the same large tensors every time,
-    and glibc's fresh mmap pages for each cost a quarter of a CPU step in page faults (dev/LOG.md);
-    the price is the peak heap kept. keep=False restores glibc's thresholds and trims the heap:
-    shard_model's, as a sharded run is short of memory. A no-op without glibc's mallopt (macOS,
-    musl)."""
+    """Have glibc keep freed memory: fresh mmap pages for each step's tensors cost a quarter of a
+    CPU step (dev/LOG.md). keep=False restores it and trims the heap (a sharded run)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
         # M_MMAP_THRESHOLD: allocations under 1 GiB from the heap...
@@ -52,9 +219,9 @@ WORLD = "unknown"
 
 
 def setup_distributed(timeout_s=600):
-    """Initialize from torchrun's environment (or run as one process); returns (rank, local_rank,
-    world_size, device). A collective waiting past timeout_s (a dead or hung peer) raises. Prints
-    each rank's host and device first (a run once passed one GPU off as four)."""
+    """From torchrun's environment, or one process: (rank, local_rank, world_size, device). A
+    collective waiting past timeout_s raises. Prints each rank's host and device (a run once
+    passed one GPU off as four)."""
     if not torch.cuda.is_available():
         keep_freed_memory()
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun (other launchers set RANK too)
@@ -65,16 +232,13 @@ def setup_distributed(timeout_s=600):
         WORLD = f"single process, device {device_name(device)}"
         print(f"distributed: {WORLD}")
         return 0, 0, 1, device
-    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ[
-                                                                                                          "WORLD_SIZE"])
+    rank, local_rank, world_size = (int(os.environ[k])
+                                    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     device = init_process_group(local_rank, timeout_s)
     names = [None] * world_size
     dist.all_gather_object(names, f"{device} ({device_name(device)}) on {platform.node()}")
-    WORLD = f"world size {dist.get_world_size()} ({dist.get_backend()}): " + ", ".join(
-                                                                                       f"rank {r} "
-                                                                                       f"{n}"
-                                                                                         for r,
-                                                                                         n in enumerate(names))
+    ranks = ", ".join(f"rank {r} {n}" for r, n in enumerate(names))
+    WORLD = f"world size {dist.get_world_size()} ({dist.get_backend()}): {ranks}"
     if rank == 0:
         print(f"distributed: {WORLD}", flush=True)
         # ranks compile at their own speed (a cold cache on one node): the others wait in the first
@@ -85,10 +249,8 @@ def setup_distributed(timeout_s=600):
 
 
 def die_with_launcher():
-    """Under torchrun: this worker gets SIGKILL when its launcher dies. Each worker has a session of
-    its own, so a kill of torchrun's process group misses it, and a stuck worker would keep its GPU.
-    (The kernel signals when the starting thread ends: torchrun's main thread.) Linux only
-    (prctl)."""
+    """Under torchrun: SIGKILL this worker when its launcher dies (it has a session of its own, and
+    a stuck one would keep its GPU). Linux only."""
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
@@ -97,7 +259,8 @@ def die_with_launcher():
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     # the launcher died before the line above (we were handed to init): nobody would ever stop us
     try:
-        orphaned = os.getppid() != parent or b"torch" not in Path(f"/proc/{parent}/cmdline").read_bytes()
+        command = Path(f"/proc/{parent}/cmdline").read_bytes()
+        orphaned = os.getppid() != parent or b"torch" not in command
     except OSError:
         orphaned = True
     # (torchrun itself may be pid 1 in a container)
@@ -107,11 +270,9 @@ def die_with_launcher():
 
 
 def init_process_group(local_rank, timeout_s):
-    """The process group of torchrun's ranks (NCCL on CUDA, gloo on CPU); returns this rank's
-    device. Unused here, torch.distributed.nn.functional is imported first: its defaults bind
-    `group.WORLD` at import (torch.optim imports it later), and bound to a live group they keep
-    gloo's threads alive past destroy_process_group, so a rank now and then aborted at exit
-    ("terminate called without an active exception"). (Other holders: see run_main.)"""
+    """The process group (NCCL on CUDA, gloo on CPU); returns this rank's device.
+    torch.distributed.nn.functional is imported first: bound to a live group at import, it kept
+    gloo's threads alive past destroy_process_group and a rank aborted at exit."""
     from datetime import timedelta
 
     import torch.distributed.nn.functional
@@ -144,8 +305,7 @@ def probe_all_reduce(timeout_s, mbytes=PROBE_MBYTES, iters=5, out=None):
     if "RANK" not in os.environ:
         print("probe: not under torchrun: one process, nothing to all-reduce")
         return 0
-    rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ[
-                                                                                                     "WORLD_SIZE"])
+    rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     device = init_process_group(local_rank, timeout_s)
     expected = world * (world + 1) / 2
     t = torch.full((1,), float(rank + 1), device=device)
@@ -203,14 +363,10 @@ def fetch_everywhere(fetch, rank, world):
 
 
 def run_main(main):
-    """A stage's exit: 0 when main() finished, 128 + signal when a signal stopped it after its
-    checkpoint (so a chain of stages stops), 1 with a one-line error naming the fix (a traceback too
-    where it was raised outside this project). Every rank tears the process group down, without the
-    barrier after an error (the others may never reach it). A process under torchrun, or a script
-    (after its atexit handlers), then ends at once (os._exit): in the interpreter's finalization,
-    gloo threads kept alive by what holds the group (a DeviceMesh after fully_shard; see
-    init_process_group) made a rank abort now and then, and it costs up to 1.1 s of CPU for nothing
-    (dev/LOG.md)."""
+    """A stage's exit: 0 when main() finished, 128 + signal when a signal stopped it, 1 with a
+    one-line error naming the fix (a traceback if raised outside this project). Under torchrun,
+    or as a script, the process then ends at once (os._exit): gloo threads in finalization made
+    ranks abort (dev/LOG.md)."""
     code = stage_code(main)
     torchrun = "TORCHELASTIC_RUN_ID" in os.environ
     # not a test calling run_main in its process
@@ -258,7 +414,8 @@ def check_shared_dir(run_dir):
     if not dist.is_initialized() or (dist.get_world_size() <= int(os.environ.get(
             "LOCAL_WORLD_SIZE", "1")) and not view):
         return
-    rank, world, path = dist.get_rank(), dist.get_world_size(), Path(run_dir) / ".shared_filesystem_check"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    path = Path(run_dir) / ".shared_filesystem_check"
     # every rank has a record: an error now is not mistaken for a stuck rank
     mark_progress(0, "start-up")
     token = [f"{time.time_ns()} {os.getpid()} {platform.node()}" if rank == 0 else None]
@@ -350,7 +507,8 @@ def stopped_ranks():
                    else None
                    for r in range(dist.get_world_size())}
     except (RuntimeError, ValueError):  # the store went with a node
-        return "another rank died or hung (torchrun's store is unreachable; its failure summary names the rank)"
+        return ("another rank died or hung (torchrun's store is unreachable; its failure summary "
+                "names the rank)")
     mine = int(records[dist.get_rank()][0]) if records[dist.get_rank()] else 0
     found = []
     for r, record in records.items():
@@ -428,28 +586,25 @@ def shard_model(model, args, world, device):
     it did and why."""
     optimizer = "adam8bit" if args.optimizer == "adamw" and args.adam8bit else args.optimizer
     micro = getattr(args, "micro_batch", None) or 1  # the probe chooses later, and at least 1
-    estimate = memory_estimate(model.config, micro, optimizer=optimizer, bf16=args.dtype ==
-                               "bfloat16",
-                               device_type=device.type)
+    estimate = memory_estimate(model.config, micro, optimizer=optimizer,
+                               bf16=args.dtype == "bfloat16", device_type=device.type)
     state = estimate["weights"] + estimate["gradients"] + estimate["optimizer"]
     in_use = process_memory(device)
-    step = in_use + estimate["gradients"] + estimate["optimizer"] + estimate["activations"] + estimate[
-                                                                                                       "transient"]
+    step = in_use + sum(estimate[k] for k in ("gradients", "optimizer", "activations", "transient"))
     capacity = device_memory(device)
-    fits = f"in use now {fmt_bytes(in_use)} + gradients, optimizer state and micro-batch {micro}'s " \
-           f"activations = {fmt_bytes(step)} {'<=' if step <= capacity else '>'} {fmt_bytes(capacity)} per process " \
-           f"({device_name(device)})"
+    fits = (f"in use now {fmt_bytes(in_use)} + gradients, optimizer state and micro-batch "
+            f"{micro}'s activations = {fmt_bytes(step)} {'<=' if step <= capacity else '>'} "
+            f"{fmt_bytes(capacity)} per process ({device_name(device)})")
     shard = args.fsdp == "true" or (args.fsdp == "auto" and step > capacity)
     if shard and world == 1:
         return f"sharding: none: one process has nothing to shard with ({fits})"
     if not shard:
-        return f"sharding: none, {'DDP' if world > 1 else 'one process'} (--fsdp {args.fsdp}: {fits})"
+        how = "DDP" if world > 1 else "one process"
+        return f"sharding: none, {how} (--fsdp {args.fsdp}: {fits})"
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     compute = getattr(torch, args.dtype)
-    # fp32 shards, each block gathered in the compute dtype (bf16: half the traffic) and reduced in
-    # fp32; inputs not
-    # cast, so the residual stream stays fp32 as under autocast; the root (embedding, norm, head)
-    # gathers in fp32
+    # blocks gathered in the compute dtype (half the traffic), reduced in fp32; inputs not cast:
+    # the residual stream stays fp32 as under autocast; the root gathers in fp32
     block_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32,
                                         cast_forward_inputs=False)
     for block in model.blocks:
@@ -458,8 +613,8 @@ def shard_model(model, args, world, device):
                                                       cast_forward_inputs=False))
     if device.type == "cpu":
         keep_freed_memory(False)
-    return f"sharding: FSDP2 over {world} ranks (--fsdp {args.fsdp}: {fits}); about {fmt_bytes(state / world)} of it " \
-        "per rank"
+    return (f"sharding: FSDP2 over {world} ranks (--fsdp {args.fsdp}: {fits}); about "
+            f"{fmt_bytes(state / world)} of it per rank")
 
 
 def barrier():
@@ -468,19 +623,28 @@ def barrier():
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="speedrun.sh's NCCL check, under torchrun: a "
-                                     "4-byte and a timed large all-reduce over torchrun's ranks; "
-                                     "otherwise import distributed")
-    parser.add_argument("command", choices=["probe"], help="probe: a 4-byte and a timed large "
-                        "all-reduce over torchrun's ranks")
+    parser = argparse.ArgumentParser(description="speedrun.sh's NCCL check (probe, under "
+                                     "torchrun), or what this machine and code are (machine)")
+    parser.add_argument("command", choices=["probe", "machine"], help="probe: a 4-byte and a timed "
+                        "large all-reduce over torchrun's ranks; machine: the device, whether bf16 "
+                        "is native, the matmul dtype, the versions, the code's commit")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a collective "
                         "counts as hung (default: %(default)s)")
-    parser.add_argument("--mbytes", type=float, default=PROBE_MBYTES, help=
-                        "size of the timed all-reduce in MB (default: %(default)s)")
+    parser.add_argument("--mbytes", type=float, default=PROBE_MBYTES,
+                        help="size of the timed all-reduce in MB (default: %(default)s)")
     parser.add_argument("--out", help="a JSON file for the measured bus_bandwidth (speedrun.sh's "
                         "launch.py reads it)")
     args = parser.parse_args(argv)
-    return probe_all_reduce(args.timeout, args.mbytes, out=args.out)
+    if args.command == "probe":
+        return probe_all_reduce(args.timeout, args.mbytes, out=args.out)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    peak = peak_flops(device_name(device), "bfloat16")
+    dtype, why = precision(device)
+    print(f"device: {device_name(device)}; bf16 "
+          f"{'native' if native_bf16(device) else 'not native (emulated)'}; matmuls in {dtype} "
+          f"({why}); dense bf16 peak {f'{peak:.3g} FLOP/s' if peak else 'unknown'}")
+    print(f"versions: {versions()}; code: {code_version()}")
+    return 0
 
 
 if __name__ == "__main__":

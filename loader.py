@@ -4,8 +4,8 @@ each resumable bit-identically from its state_dict(). The packing decisions (whi
 row, where one is cropped, padding, targets) are the pure functions below PieceBuffer; PackedLoader
 is the threads and files around them. To see what a batch holds:
 
-    python loader.py --data_dir data/demo/pretrain --tokenizer runs/tokenizer   # pretraining rows, decoded
-    python loader.py --chat data/demo/conversations --tokenizer runs/tokenizer  # SFT rows: what each row trains on
+    python loader.py --data_dir data/demo/pretrain --tokenizer runs/tokenizer   # pretraining rows
+    python loader.py --chat data/demo/conversations --tokenizer runs/tokenizer  # SFT rows, targets
 
 In code: `inputs, targets = next(text_loader(data_dir, "train", tokenizer, batch_size, seq_len))`.
 """
@@ -58,12 +58,10 @@ def unit_rows(unit, footers):
 
 
 def assign_units(files, rank, world_size, footers=None):
-    """What rank `rank` of `world_size` reads, so ranks share no document and none runs out while
-    another has unread data: full-size row groups round robin in whole rounds, the rest dealt by
-    document (rank r takes documents r, r+W, ... in file order): streams differ by at most one
-    document. With fewer documents than ranks, they are repeated until there are W (ranks then share
-    a few). A unit is (path, row group, first doc, doc step). footers: read_footers' where the
-    caller has read them already."""
+    """What rank `rank` of `world_size` reads, with no document shared and none running out while
+    another has data: full-size row groups round robin in whole rounds, the rest dealt by
+    document. Fewer documents than ranks are repeated. A unit is (path, row group, first doc, doc
+    step)."""
     footers = footers or read_footers(files)
     row_groups = [(path, i, footers[path].row_group(i).num_rows) for path in files
                   for i in range(footers[path].num_row_groups)]
@@ -108,10 +106,8 @@ def skipped(item):
 
 
 class PieceBuffer:
-    """The packer's buffer: pieces (ids, mask, arrival number) sorted by length, so the largest that
-    fits is a bisect; `live` maps arrival numbers (unique, saved with the state) to lengths and
-    `oldest` is their heap (stale entries dropped lazily), so the oldest piece needs no scan.
-    `tokens`: the tokens buffered."""
+    """The packer's buffer: pieces (ids, mask, arrival) sorted by length, so the largest that fits
+    is a bisect; a heap of arrivals finds the oldest without a scan."""
 
     def __init__(self, pieces):
         self.lengths, self.pieces, self.live, self.oldest, self.tokens = [], [], {}, [], 0
@@ -199,10 +195,8 @@ def fill_row(buffer, row, row_mask, bos, crop, stats):
 
 
 def pad_or_crop(buffer, row, row_mask, pos, bos, crop, stats):
-    """No piece fits the rest of the row from `pos`. pack="pad" pads it (inputs BOS, mask 0).
-    pack="crop" fills it with the smallest piece and puts the remainder back as a BOS-led piece
-    (mask[0]: its BOS's) under the same arrival number, so it opens a row soon: nothing is
-    discarded; the moved tokens count as 'cropped'."""
+    """No piece fits the rest of the row: pack="pad" pads it (BOS, mask 0); pack="crop" fills it
+    with the smallest piece and puts its remainder back, BOS-led, under the same arrival."""
     space = len(row) - pos
     if not crop or not len(buffer):  # cropping pads only when the data has ended (max_epochs)
         row[pos:], row_mask[pos:] = bos, 0
@@ -218,10 +212,8 @@ def pad_or_crop(buffer, row, row_mask, pos, bos, crop, stats):
 
 
 def pack_batch(buffer, documents, batch_size, row_len, bos, *, crop, buffer_docs, masked, stats):
-    """(rows, masks) of one batch: up to batch_size int32 rows of row_len tokens (buffered, then
-    fill_row()), and their int8 masks (1: a target), or None when masked=False (text that never
-    pads). Fewer rows, or none, once the documents and the buffer are empty; stats count it
-    (batches, tokens: row_len - 1 targets a row, supervised)."""
+    """(rows, masks or None) of one batch: up to batch_size rows of row_len tokens; fewer, or none,
+    once documents and buffer are empty."""
     rows = np.empty((batch_size, row_len), dtype=np.int32)
     masks = np.ones((batch_size, row_len), dtype=np.int8) if masked else None
     filled = 0
@@ -238,9 +230,10 @@ def pack_batch(buffer, documents, batch_size, row_len, bos, *, crop, buffer_docs
         fill_row(buffer, rows[b], None if masks is None else masks[b], bos, crop, stats)
         filled += 1
     if filled:
-        stats["batches"], stats["tokens"] = stats["batches"] + 1, stats["tokens"] + filled * (row_len - 1)
-        stats["supervised"] += filled * (row_len - 1) if masks is None else int(masks[:filled,
-                                                                                      1:].sum())
+        stats["batches"] += 1
+        stats["tokens"] += filled * (row_len - 1)
+        supervised = filled * (row_len - 1) if masks is None else int(masks[:filled, 1:].sum())
+        stats["supervised"] += supervised
     return rows[:filled], None if masks is None else masks[:filled]
 
 
@@ -265,9 +258,8 @@ def to_device(batch, device):
 
 
 class Pipe:
-    """A bounded queue between the threads of one started pipeline, with that pipeline's stop event:
-    put() and get() give up once it is set. Each start makes its own event and close() only ever
-    sets it, so a thread that outlives close()'s join still finds its pipeline stopped and exits."""
+    """A bounded queue between one started pipeline's threads, with its stop event: a thread that
+    outlives close()'s join still finds its pipeline stopped."""
 
     def __init__(self, maxsize, stop, name):
         self.queue, self.stop, self.name = queue.Queue(maxsize=maxsize), stop, name
@@ -289,17 +281,12 @@ class Pipe:
 
 
 class PackedLoader:
-    """(inputs, targets) batches of shape (B, T) for one rank: pack="crop" packs without padding
-    (text, midtraining's conversations), pack="pad" pads whole conversations (SFT); supervise picks
-    a conversation's targets (docs/data.md). state_dict() is the exact position after the last batch
-    handed out, buffer included: a resume is bit-identical.
-
-    A reader thread reads and tokenizes (on `threads` threads) this rank's row groups ("units"); a
-    packer thread ships each batch to the device `prefetch` ahead, with the state after it. seed=N
-    shuffles units by (N, epoch) and their documents by (N, epoch, unit): the state's positions are
-    in those orders. max_epochs=N stops after N passes (validation: the last rows padded, the last
-    batch maybe short); None cycles forever. A chat file may be .jsonl (dataset.ConversationLines):
-    its first bad line is an error here, or with skip_bad_rows a "malformed" skip."""
+    """(inputs, targets) batches (B, T) for one rank: pack="crop" packs without padding, pack="pad"
+    pads whole conversations (SFT); supervise picks a conversation's targets (docs/data.md).
+    state_dict() is the exact position after the last batch handed out: a resume is
+    bit-identical. A reader thread tokenizes this rank's units; a packer thread ships batches
+    `prefetch` ahead. seed shuffles units by (seed, epoch) and documents by (seed, epoch, unit).
+    max_epochs=N stops after N passes; None cycles forever."""
 
     def __init__(self, files, tokenizer, batch_size, seq_len, kind="text", rank=0, world_size=1,
                  device=
@@ -321,7 +308,8 @@ class PackedLoader:
         self.pack, self.crop, self.supervise, self.seed = pack, pack == "crop", supervise, seed
         self.B, self.T, self.rank, self.world_size = batch_size, seq_len, rank, world_size
         self.device = torch.device(device)
-        self.threads, self.prefetch, self.max_epochs = threads or os.cpu_count(), prefetch, max_epochs
+        self.threads = threads or os.cpu_count()
+        self.prefetch, self.max_epochs = prefetch, max_epochs
         # a bad line of a .jsonl file stops it here, before any batch; skipped ones are "malformed"
         if kind == "chat":
             check_chat_files(self.files, skip_bad_rows)
@@ -351,7 +339,6 @@ class PackedLoader:
         self._reported = 0  # skipped conversations printed so far
 
     # --- state
-    # ---------------------------------------------------------------------------------------------------
     @property
     def epoch(self):
         """The pass the rows handed out are in (0: the first), by tokens: those in rows over a
@@ -372,13 +359,12 @@ class PackedLoader:
                 "rank": self.rank, "world_size": self.world_size, "seq_len": self.T,
                 "kind": self.kind,
                 "pack": self.pack, "supervise": self.supervise, "seed": self.seed,
-                "pass_tokens": self.state[
-                                                                                                             "pass_tokens"]}
+                "pass_tokens": self.state["pass_tokens"]}
 
     def load_state_dict(self, sd):
         for key, mine in (("rank", self.rank), ("world_size", self.world_size), ("seq_len", self.T),
-                          ("kind", self.kind), ("pack", self.pack), ("supervise", self.supervise), (
-                                                                                                    "seed", self.seed)):
+                          ("kind", self.kind), ("pack", self.pack), ("supervise", self.supervise),
+                          ("seed", self.seed)):
             if sd[key] != mine:
                 raise ValueError(f"{self.name} loader: state was saved with {key}={sd[key]}, this "
                                  f"loader has {key}={mine}; an exact resume needs the same {key}")
@@ -399,11 +385,12 @@ class PackedLoader:
                 f"{self.state['epoch']}, {s['batches']:,} batches, {s['tokens']:,} tokens, "
                 f"{s['docs']:,} docs, empty skipped {s['empty']:,}")
         cropped = f"{100 * s['cropped'] / s['doc_tokens']:.1f}%" if s["doc_tokens"] else "n/a"
-        cropped = f", cropped {cropped} of document tokens (moved to a later row as a BOS-led piece; none discarded)"
+        cropped = (f", cropped {cropped} of document tokens (moved to a later row as a BOS-led "
+                   "piece; none discarded)")
         if self.kind == "text":
             return line + cropped
-        padding = f"{100 * s['padding'] / (s['batches'] * self.B * (self.T + 1)):.1f}%" if s[
-                                                                                             "batches"] else "n/a"
+        slots = s["batches"] * self.B * (self.T + 1)
+        padding = f"{100 * s['padding'] / slots:.1f}%" if slots else "n/a"
         supervised = f"{100 * s['supervised'] / s['tokens']:.1f}%" if s["tokens"] else "n/a"
         cropped = cropped if self.crop else ""
         return line + (f", supervised {supervised} of targets ({self.supervise}), padding "
@@ -455,7 +442,7 @@ class PackedLoader:
     def _guard(self, batches, fn, *args):
         try:
             fn(*args)
-        except BaseException as e:  # noqa: BLE001 -- handed to the consumer, who raises it, instead of dying silently
+        except BaseException as e:  # noqa: BLE001 -- the consumer raises it: no silent death
             batches.put(e)
 
     def _read(self, start, out):
@@ -497,8 +484,10 @@ class PackedLoader:
             if why and self.rank == 0 and self._reported < REPORT_SKIPPED:
                 self._reported += 1
                 row = sum(self._footers[path].row_group(g).num_rows for g in range(row_group)) + r
-                more = f" (only the first {REPORT_SKIPPED} are printed; log_line() counts them all)" \
-                    if self._reported == REPORT_SKIPPED else ""
+                more = ""
+                if self._reported == REPORT_SKIPPED:
+                    more = (f" (only the first {REPORT_SKIPPED} are printed; log_line() counts "
+                            "them all)")
                 print(f"{self.name} loader: skipping {path} row {row}: {why}{more}")
             out.append(conversation)
         return out
@@ -517,10 +506,8 @@ class PackedLoader:
                 for item in chat_rows(path, row_group, rows)]
 
     def _render(self, messages):
-        """(ids, mask) arrays of one conversation, or the stats key it is skipped under; then why it
-        is bad input, None if it is not. pack="pad" renders at most a row, cut after the last
-        assistant turn that fits, so a kept conversation always has a supervised token; pack="crop"
-        renders it whole (it is cut into pieces like text)."""
+        """(ids, mask) of one conversation, or the stats key it is skipped under; then why it is bad
+        input, or None. pack="pad" cuts it after the last assistant turn that fits a row."""
         if not messages:
             return None, "no messages"
         try:
@@ -528,10 +515,11 @@ class PackedLoader:
                     messages, max_tokens=None if self.crop else self.T + 1)
         except ValueError as e:  # an unknown role, content that is not a string, roles out of order
             return "malformed", str(e)
-        if empty := [i for i, m in enumerate(messages) if m["role"] != "system" and isinstance(m[
-                                                                                                 "content"], str)
-                     and not m["content"].strip()]:
-            return "empty_content", f"message {empty[0]} ({messages[empty[0]]['role']}) has empty content"
+        empty = [i for i, m in enumerate(messages) if m["role"] != "system"
+                 and isinstance(m["content"], str) and not m["content"].strip()]
+        if empty:
+            role = messages[empty[0]]["role"]
+            return "empty_content", f"message {empty[0]} ({role}) has empty content"
         if not any(m["role"] == "assistant" for m in messages):
             return "no_assistant", "no assistant turn"
         if not ids:
@@ -540,7 +528,6 @@ class PackedLoader:
         return (np.array(ids, np.int32), mask), None
 
     # --- packing
-    # -------------------------------------------------------------------------------------------------
     def _pack(self, units, batches, state):
         """Packer thread: pack_batch() rows from the buffer, ship each batch to the device with the
         state after it."""
@@ -558,14 +545,13 @@ class PackedLoader:
                                      buffer_docs=self.buffer_docs, masked=masked, stats=stats)
             if len(rows):  # none: the data ended with every piece already in a row
                 trained = trained_epoch(stats, per_pass[0])
-                if trained > trained_epoch(state["stats"],
-                                           state["pass_tokens"]) and self.rank == 0 and \
-                        (trained < 4
-                         or str(trained + 1).strip("0") == "1"):  # epochs 2-4, 10, 100, ...
+                new = trained > trained_epoch(state["stats"], state["pass_tokens"])
+                # epochs 2-4, 10, 100, ...
+                if new and self.rank == 0 and (trained < 4 or str(trained + 1).strip("0") == "1"):
+                    later = "; later epochs: only 10, 100, ... are printed" if trained == 3 else ""
                     print(f"{self.name} loader, stream {self.rank} of {self.world_size}: epoch "
                           f"{trained + 1} starts (its data ran out: its rows repeat documents from "
-                          "here "
-                          f"on{'; later epochs: only 10, 100, ... are printed' if trained == 3 else ''})")
+                          f"here on{later})")
                 # None: the data has ended
                 epoch, unit, doc = position[0] or (self.max_epochs, 0, 0)
                 state = {"epoch": epoch, "unit": unit, "doc": doc, "stats": dict(stats),
@@ -578,10 +564,8 @@ class PackedLoader:
         batches.put(StopIteration())  # max_epochs passes are done: __next__ raises it
 
     def _documents(self, units, position, buffered, stats, per_pass):
-        """The documents from position[0] on, each encoded or why it is skipped; before each is
-        handed out, position[0] becomes the next unread one's (None after the last). A pass with no
-        usable document (restored `buffered` pieces count) is an error: the buffer would wait
-        forever. At a new pass, per_pass[0] becomes the document tokens of one."""
+        """The documents from position[0] on, encoded or why skipped; position[0] moves to the next
+        unread before each is handed out. A pass with no usable document is an error."""
         epoch, usable = position[0][0], buffered
         while (got := units.get()) is not None:
             item_epoch, unit, doc, items = got
@@ -628,11 +612,9 @@ def chat_loader(chat_dir, split, tokenizer, batch_size, seq_len, *, pack="pad", 
 
 
 class MixtureLoader:
-    """Midtraining's loader: (inputs, targets) batches of shape (B, T) from several sources at token
-    shares. sources: [{"name", "kind": "text"|"chat", "path": corpus or chat dir (train), "share"}];
-    other kwargs go to every source's one-row PackedLoader (chat: pack="crop"). Each row comes from
-    the source furthest below its share (ties: the first listed), by the sources' token counts,
-    which their states restore: state_dict() is just theirs."""
+    """Midtraining's loader: batches from several sources at token shares. sources: [{"name",
+    "kind": "text"|"chat", "path", "share"}]; each row comes from the source furthest below its
+    share, by token counts their states restore."""
 
     def __init__(self, sources, tokenizer, batch_size, seq_len, *, rank=0, world_size=1, device=
                  "cpu", seed=0,
@@ -707,8 +689,8 @@ class MixtureLoader:
     def mixture(self):
         """{name: {"tokens", "docs", "share" (realized), "target"}}: for a stage's final summary."""
         total = max(1, sum(loader.state["stats"]["tokens"] for loader in self.loaders))
-        return {name: {"tokens": loader.state["stats"]["tokens"], "docs": loader.state["stats"][
-                                                                                                "docs"],
+        return {name: {"tokens": loader.state["stats"]["tokens"],
+                       "docs": loader.state["stats"]["docs"],
                        "share": loader.state["stats"]["tokens"] / total, "target": target}
                 for name, target, loader in zip(self.names, self.targets, self.loaders)}
 
@@ -720,7 +702,8 @@ class MixtureLoader:
                 if loader.kind == "chat" and s["tokens"] else ""
             parts.append(f"{name}: {m['tokens']:,} tokens, {m['docs']:,} docs{supervised}, share "
                          f"{100 * m['share']:.1f}% (target {100 * m['target']:.1f}%)")
-        return f"{self.name} loader rank {self.rank}/{self.world_size}: {self.batches:,} batches; " + "; ".join(parts)
+        head = f"{self.name} loader rank {self.rank}/{self.world_size}: {self.batches:,} batches"
+        return "; ".join([head, *parts])
 
 
 # -----------------------------------------------------------------------------

@@ -25,7 +25,6 @@ import chat_stage
 import checkpoint
 import distributed
 import optim
-import runs
 import train_loop
 from dataset import CACHE_DIR, chat_files, check_chat_files
 from loader import MixtureLoader, close_all
@@ -127,7 +126,7 @@ def main(argv=None):
     seq_len = args.sequence_len
     # the rows' length; the model keeps the parent's rotary tables
     config = replace(model.config, sequence_len=seq_len)
-    run_dir, resume_from = runs.resolve_run(args, "midtrain")
+    run_dir, resume_from = checkpoint.resolve_run(args, "midtrain")
     micro, accum, source = train_loop.plan_batch(args, config, world, model, device, resume_from,
                                                  parent_meta)
     tokens_per_step = micro * seq_len * world * accum
@@ -151,15 +150,15 @@ def main(argv=None):
     record = {"sources": sources, "supervise": args.supervise,
               "data_dir": texts[0] if texts else parent_meta.get("data_dir"),
               "parent": chat_stage.parent_record(parent, parent_meta, sha256.result())}
-    layout, run, ckpt_meta = runs.record_run(
+    layout, run, ckpt_meta = checkpoint.record_run(
         args, "midtrain", parent_meta["model_config"], seq_len, micro, accum, world, total_steps,
         tokens_per_step, tokenizer, num_params(config), record)
     if rank == 0:
         mixture = ", ".join(f"{s['name']} {s['share']:.0%} ({s['path']})" for s in sources)
-        runs.announce(args, run_dir, run, [
+        checkpoint.announce(args, run_dir, run, [
             *chat_stage.parent_lines(parent, parent_meta, run["params"], inherited,
                                      (micro, source)),
-            sharding, runs.batch_line(micro, seq_len, world, accum),
+            sharding, checkpoint.batch_line(micro, seq_len, world, accum),
             f"mixture (share of tokens): {mixture}; loss on {args.supervise} conversation tokens",
             *skipped, args.budget_line,
             f"budget: {total_steps:,} steps, {total_steps * tokens_per_step:,} tokens"],

@@ -2,12 +2,10 @@
 (generation: decode.py). Run alone, it shows a preset without allocating a weight:
 
     python model.py --preset llama3-1b                 # prints params: 1241581568
-    python model.py --preset d20 --micro_batch 16      # any config field can be overridden: --n_layer 8 ...
+    python model.py --preset d20 --micro_batch 16      # any field can be overridden: --n_layer 8
 
-Design: fp32 master weights always, bf16 compute from autocast (bf16 parameters froze every RMSNorm
-scale: 1.0 - 1e-4 == 1.0 in bf16). Built on the meta device, then materialized, so an FSDP wrapper
-shards before memory is touched. The loss runs head and cross-entropy in row chunks, its gradient in
-the forward: no (batch, time, vocab) fp32 logits.
+fp32 master weights, bf16 compute from autocast (bf16 weights froze RMSNorm scales). The loss runs
+in row chunks with its gradient in the forward: no (batch, time, vocab) fp32 logits.
 """
 import argparse
 import functools
@@ -32,25 +30,18 @@ class GPTConfig:
     n_head: int = 4
     n_kv_head: int = 4  # < n_head is grouped-query attention; n_head must be a multiple of it
     head_dim: int = 0  # 0 = n_embd // n_head
-    # 'relu2' (x -> relu(x)^2, two matrices) | 'swiglu' (silu(gate) * up, three matrices)
-    mlp: str = "relu2"
-    # 0 = 4*n_embd for relu2, 8/3*n_embd rounded up to a multiple of 64 for swiglu
-    mlp_hidden: int = 0
+    mlp: str = "relu2"  # relu(x)^2 | swiglu: silu(gate) * up
+    mlp_hidden: int = 0  # 0 = 4*n_embd (relu2), 8/3*n_embd up to a multiple of 64 (swiglu)
     rope_theta: float = 10000.0
-    # RMSNorm with a learnable scale (Llama) or without any weight (modern GPT)
-    norm_learnable: bool = False
+    norm_learnable: bool = False  # RMSNorm with a scale (Llama) or without (modern GPT)
     norm_eps: float = 1e-6
     qk_norm: bool = True  # RMSNorm on each head's queries and keys before RoPE
     tie_embeddings: bool = False  # the output head reuses the token embedding matrix
     logit_softcap: float = 15.0  # logits -> cap * tanh(logits / cap); 0 = off
-    # BitNet b1.58: ternary weights, 8-bit activations in every linear layer of the blocks
-    bitnet: bool = False
-    # recompute each block in backward instead of storing its activations
-    activation_checkpointing: bool = False
-    # a second token embedding per layer on alternating layers, gated into the values
-    value_embeds: bool = False
-    # block i reads resid_lambdas[i] * x + x0_lambdas[i] * (the token embedding), learned
-    resid_lambdas: bool = False
+    bitnet: bool = False  # BitNet b1.58: ternary weights, 8-bit activations in the blocks
+    activation_checkpointing: bool = False  # recompute each block in backward
+    value_embeds: bool = False  # a token embedding on alternating layers, gated into the values
+    resid_lambdas: bool = False  # block i reads resid[i] * x + x0[i] * (the token embedding)
 
     def __post_init__(self):
         for name in ("vocab_size", "sequence_len", "n_layer", "n_embd", "n_head", "n_kv_head"):
@@ -72,7 +63,8 @@ class GPTConfig:
                              f"n_kv_head={self.n_kv_head}: "
                              f"allowed n_kv_head are {_divisors(self.n_head)}")
         if self.mlp_hidden == 0:
-            self.mlp_hidden = 4 * self.n_embd if self.mlp == "relu2" else 64 * math.ceil(8 * self.n_embd / 3 / 64)
+            hidden = 64 * math.ceil(8 * self.n_embd / 3 / 64)
+            self.mlp_hidden = 4 * self.n_embd if self.mlp == "relu2" else hidden
         if self.logit_softcap < 0 or self.norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("logit_softcap must be >= 0, norm_eps and rope_theta > 0")
 
@@ -85,25 +77,19 @@ def _divisors(n):
 # Presets. Each is a set of GPTConfig fields; any field can be overridden afterwards.
 
 PRESETS = {
-    # the offline CPU demo and the tests: 4.2M parameters; vocab 1024: the demo world supports at
-    # most ~1,690 BPE tokens
+    # the offline demo and the tests: 4.2M parameters; the demo world has at most ~1,690 BPE tokens
     "tiny": {"vocab_size": 1024, "sequence_len": 256, "n_layer": 4, "n_embd": 256, "n_head": 4,
-             "n_kv_head": 4,
-             "value_embeds": True, "resid_lambdas": True},
-    # A measured Llama-3-style 1.2B run's model, exactly: 1,241,581,568 parameters.
+             "n_kv_head": 4, "value_embeds": True, "resid_lambdas": True},
+    # a measured Llama-3-style run's model, exactly: 1,241,581,568 parameters
     "llama3-1b": {"vocab_size": 131072, "sequence_len": 2048, "n_layer": 16, "n_embd": 2048,
-                  "n_head": 32,
-                  "n_kv_head": 8, "mlp": "swiglu", "mlp_hidden": 8192, "rope_theta": 500000.0,
-                  "norm_learnable": True, "norm_eps": 1e-5, "qk_norm": False,
-                  "tie_embeddings": True,
-                  "logit_softcap": 0.0},
-    # A measured BitNet b1.58 run's model, exactly: 95,367,936 parameters (sequence 256 as in its 12
-    # GB run).
+                  "n_head": 32, "n_kv_head": 8, "mlp": "swiglu", "mlp_hidden": 8192,
+                  "rope_theta": 500000.0, "norm_learnable": True, "norm_eps": 1e-5,
+                  "qk_norm": False, "tie_embeddings": True, "logit_softcap": 0.0},
+    # a measured BitNet b1.58 run's model, exactly: 95,367,936 parameters
     "bitnet-95m": {"vocab_size": 32000, "sequence_len": 256, "n_layer": 8, "n_embd": 768,
-                   "n_head": 12,
-                   "n_kv_head": 6, "mlp": "swiglu", "mlp_hidden": 3072, "norm_learnable": True,
-                   "norm_eps": 1e-5,
-                   "qk_norm": False, "tie_embeddings": True, "logit_softcap": 0.0, "bitnet": True},
+                   "n_head": 12, "n_kv_head": 6, "mlp": "swiglu", "mlp_hidden": 3072,
+                   "norm_learnable": True, "norm_eps": 1e-5, "qk_norm": False,
+                   "tie_embeddings": True, "logit_softcap": 0.0, "bitnet": True},
 }
 # a value embedding's gate reads the first 12 channels of the block's normalized input
 VE_GATE_CHANNELS = 12
@@ -112,17 +98,14 @@ DEPTH_ASPECT = 64
 
 
 def depth_preset(depth):
-    """d{N}: the one-dial family (nanochat's): width 64*N rounded up to a multiple of the 128 head
-    dim, so deeper models are also wider at a fixed aspect ratio. Why each of its choices:
-    docs/model.md (Presets)."""
+    """d{N}: nanochat's one-dial family, width 64*N up to a multiple of the 128 head dim
+    (docs/model.md)."""
     width = DEPTH_HEAD_DIM * math.ceil(DEPTH_ASPECT * depth / DEPTH_HEAD_DIM)
     heads = width // DEPTH_HEAD_DIM
     return {"vocab_size": 65536, "sequence_len": 2048, "n_layer": depth, "n_embd": width,
-            "n_head": heads,
-            "n_kv_head": heads, "mlp": "relu2", "rope_theta": 10000.0, "norm_learnable": False,
-            "qk_norm": True,
-            "tie_embeddings": False, "logit_softcap": 15.0, "value_embeds": True,
-            "resid_lambdas": True}
+            "n_head": heads, "n_kv_head": heads, "mlp": "relu2", "rope_theta": 10000.0,
+            "norm_learnable": False, "qk_norm": True, "tie_embeddings": False,
+            "logit_softcap": 15.0, "value_embeds": True, "resid_lambdas": True}
 
 
 def preset_names():
@@ -140,7 +123,8 @@ def config_from_preset(name, overrides=None):
     allowed = [f.name for f in fields(GPTConfig)]
     for key, value in (overrides or {}).items():
         if key not in allowed:
-            raise ValueError(f"unknown model field {key!r}: allowed fields are {', '.join(allowed)}")
+            raise ValueError(f"unknown model field {key!r}: allowed fields are "
+                             f"{', '.join(allowed)}")
         values[key] = value
     return GPTConfig(**values)
 
@@ -154,12 +138,10 @@ def parse_bool(text):
 
 
 def add_model_args(parser, default_preset="tiny"):
-    """Adds --preset and one flag per GPTConfig field (default: the preset's value) to a stage's
-    parser."""
+    """--preset and one flag per GPTConfig field (default: the preset's value)."""
     group = parser.add_argument_group("model (a preset, then any field overridden)")
-    group.add_argument("--preset", default=default_preset, help=f"one of {preset_names()} "
-                                                                "(default: "
-                       "%(default)s)")
+    group.add_argument("--preset", default=default_preset,
+                       help=f"one of {preset_names()} (default: %(default)s)")
     for f in fields(GPTConfig):
         kind = parse_bool if f.type is bool else f.type
         group.add_argument(f"--{f.name}", type=kind, default=None, metavar=f.name.upper(),
@@ -167,8 +149,7 @@ def add_model_args(parser, default_preset="tiny"):
 
 
 def parse_args(parser, argv=None):
-    """parse_args that names the model fields when it meets an option it does not know. argv may
-    hold paths."""
+    """parse_args that names the model fields at an unknown option; argv may hold paths."""
     def fail(message):  # one line, without argparse's usage dump above it
         parser.exit(2, f"{parser.prog}: error: {message}\n")
     parser.error = fail
@@ -181,31 +162,28 @@ def parse_args(parser, argv=None):
 
 
 def config_from_args(args):
-    overrides = {f.name: getattr(args, f.name) for f in fields(GPTConfig) if getattr(
-            args, f.name, None) is not None}
+    overrides = {f.name: getattr(args, f.name, None) for f in fields(GPTConfig)}
+    overrides = {name: value for name, value in overrides.items() if value is not None}
     return config_from_preset(args.preset, overrides)
 
 
 # -----------------------------------------------------------------------------
-# Accounting from the config alone: no tensor is allocated, so this is instant for any size.
+# Accounting from the config alone: no tensor is allocated
 
 def value_embed_layers(c):
-    """The layers with a value embedding: every other one, counted back from the last (which always
-    has one)."""
+    """Every other layer, counted back from the last."""
     return [i for i in range(c.n_layer) if c.value_embeds and i % 2 == (c.n_layer - 1) % 2]
 
 
 def param_breakdown(c):
     d, q_dim, kv_dim = c.n_embd, c.n_head * c.head_dim, c.n_kv_head * c.head_dim
     ve_layers = len(value_embed_layers(c))
-    # q, o and k, v projections, no biases; a value embedding's gate reads VE_GATE_CHANNELS channels
-    # per KV head
-    attention = c.n_layer * (2 * d * q_dim + 2 * d * kv_dim) + ve_layers * VE_GATE_CHANNELS * c.n_kv_head
+    gates = ve_layers * VE_GATE_CHANNELS * c.n_kv_head
+    attention = c.n_layer * (2 * d * q_dim + 2 * d * kv_dim) + gates  # no biases
     mlp = c.n_layer * (3 if c.mlp == "swiglu" else 2) * d * c.mlp_hidden
-    # learnable norms: two per block + final, and a per-head-dim scale for q and k when QK-norm is
-    # on
-    norms = c.n_layer * (2 * d + (2 * c.head_dim if c.qk_norm
-                                  else 0)) + d if c.norm_learnable else 0
+    # two per block, q and k's, the final one
+    qk = 2 * c.head_dim if c.qk_norm else 0
+    norms = c.n_layer * (2 * d + qk) + d if c.norm_learnable else 0
     counts = {"embeddings": c.vocab_size * d, "value_embeds": ve_layers * c.vocab_size * kv_dim,
               "attention": attention, "mlp": mlp, "norms": norms,
               "head": 0 if c.tie_embeddings else c.vocab_size * d,
@@ -219,15 +197,13 @@ def num_params(c):
 
 
 def budget_params(c):
-    """The parameters --tokens_per_param counts: all but the value-embedding tables. Those are
-    per-token lookups that cost no FLOPs (60% of d20's parameters); counting them would multiply
-    d20's training tokens by 2.5x."""
+    """What --tokens_per_param counts: all but the value-embedding tables, lookups without FLOPs
+    (60% of d20's parameters)."""
     return num_params(c) - param_breakdown(c)["value_embeds"]
 
 
 def muon_neurons(c):
-    """Neurons of the block matrices as NorMuon counts them, the longer side of each: its state per
-    matrix."""
+    """NorMuon's state: the longer side of each block matrix."""
     d, q_dim, kv_dim = c.n_embd, c.n_head * c.head_dim, c.n_kv_head * c.head_dim
     mlp = (3 if c.mlp == "swiglu" else 2) * max(d, c.mlp_hidden)
     gates = len(value_embed_layers(c)) * max(VE_GATE_CHANNELS, c.n_kv_head)
@@ -235,9 +211,7 @@ def muon_neurons(c):
 
 
 def flops_per_token(c, seq_len=None):
-    """Training FLOPs per token, PaLM's and nanochat's convention (docs/model.md): 6 x the matmul
-    parameters (the value embeddings' gates count, lookups and norms do not) + 12 * n_layer * n_head
-    * head_dim * T."""
+    """Training FLOPs per token as PaLM and nanochat count them (docs/model.md)."""
     b = param_breakdown(c)
     matmul_params = b["attention"] + b["mlp"] + c.vocab_size * c.n_embd
     T = seq_len or c.sequence_len
@@ -245,9 +219,8 @@ def flops_per_token(c, seq_len=None):
 
 
 def memory_estimate(c, micro_batch, seq_len=None, optimizer="muon", bf16=True, device_type="cuda"):
-    """Training memory per device in bytes (docs/model.md): fp32 weights and gradients, optimizer
-    state, 'activations' (what autograd holds after the forward) and 'transient' (the largest
-    short-lived buffers: the loss chunk's depend on device_type, loss_chunk_elements)."""
+    """Training memory per device in bytes (docs/model.md): weights, gradients, optimizer,
+    activations (what autograd holds after the forward), transient (the largest short-lived)."""
     T = seq_len or c.sequence_len
     P = num_params(c)
     b = param_breakdown(c)
@@ -266,42 +239,31 @@ def memory_estimate(c, micro_batch, seq_len=None, optimizer="muon", bf16=True, d
     # for the product
     per_ve_layer = (2 if bf16 else 4) * (kv_dim + 2 * c.n_kv_head + (VE_GATE_CHANNELS if c.bitnet
                                                                      else 0))
-    # only each block's fp32 inputs (x, a value embedding) are kept; blocks are
-    if c.activation_checkpointing:
-        # recomputed one at a time
+    if c.activation_checkpointing:  # only each block's fp32 inputs kept; one recomputed at a time
         blocks = tokens * (c.n_layer * 4 * c.n_embd + ve_layers * 4 * kv_dim)
-        recompute = tokens * (per_layer + (per_ve_layer if ve_layers
-                                           else 0)) + weight_copies // c.n_layer
+        recompute = tokens * (per_layer + (per_ve_layer if ve_layers else 0))
+        recompute += weight_copies // c.n_layer
     else:
         blocks = tokens * (c.n_layer * per_layer + ve_layers * per_ve_layer) + weight_copies
         recompute = 0
     final_norm = 4 * c.n_embd + 4 + (4 * c.n_embd if c.norm_learnable else 0)
-    # the loss keeps grad_x (fp32, one row per token) and grad_weight (fp32, vocab x n_embd) until
-    # backward
+    # the loss keeps grad_x and grad_weight (fp32) until backward
     loss = tokens * 4 * c.n_embd + 4 * c.vocab_size * c.n_embd
-    # the residual scalars' products keep each block's fp32 input before the mix (block 0's is the
-    # embedding) for
-    # their gradients: outside any checkpointed block, so with checkpointing too
+    # the residual scalars keep each block's input before the mix, checkpointing or not
     mixes = tokens * c.n_layer * 4 * c.n_embd if c.resid_lambdas else 0
     # 8: the int64 token ids the embedding's backward needs
     acts = blocks + mixes + tokens * (8 + final_norm) + loss
     chunk_rows = min(tokens, max(1, loss_chunk_elements(device_type) // c.vocab_size))
-    # in the loss: a chunk's logits, probabilities and tanh, with the head gradient's running sum
-    # held twice while the
-    # chunk's share is added (out of place); at its end the row gradients' chunks and their
-    # concatenation
+    # a chunk's logits, probabilities and tanh, the head gradient's sum twice; or grad_x's concat
     loss_transient = max(3 * 4 * chunk_rows * c.vocab_size + 4 * c.vocab_size * c.n_embd,
                          tokens * 4 * c.n_embd)
     transient = max(recompute, loss_transient)
     return {"weights": 4 * P, "gradients": 4 * P, "optimizer": opt, "activations": acts,
-            "transient": transient,
-            "total": 8 * P + opt + acts + transient}
+            "transient": transient, "total": 8 * P + opt + acts + transient}
 
 
 def activation_bytes_per_token_layer(c, bf16):
-    """Bytes autograd keeps per token per block. a = 2 (bf16 autocast) or 4 (fp32) for matmul
-    inputs/outputs; norms run in fp32 under autocast, so their inputs and 1/rms are 4-byte whatever
-    the compute dtype."""
+    """Bytes autograd keeps per token per block; norms run in fp32 under autocast too."""
     a = 2 if bf16 else 4
     d, q_dim, kv_dim, h = c.n_embd, c.n_head * c.head_dim, c.n_kv_head * c.head_dim, c.mlp_hidden
     # input, 1/rms, and the normalized x a scale multiplies
@@ -326,9 +288,7 @@ def activation_bytes_per_token_layer(c, bf16):
 # Layers
 
 def tanh(x):
-    """tanh through the logistic function, which is exact algebra (tanh x = 2 sigmoid(2x) - 1,
-    within 2e-7 in fp32): on CPU torch.tanh's kernel is ~4x slower than exp, and the softcap applies
-    it to every logit (dev/LOG.md)."""
+    """tanh as 2 sigmoid(2x) - 1: on CPU torch.tanh is ~4x slower than exp (dev/LOG.md)."""
     return 2 * torch.sigmoid(2 * x) - 1
 
 
@@ -337,8 +297,7 @@ def softcap_logits(logits, cap):
 
 
 def causal_attention(q, k, v):
-    """Causal SDPA; on CPU in fp32 even under bf16 autocast, which is faster there, casts included
-    (dev/LOG.md)."""
+    """Causal SDPA; on CPU in fp32 even under bf16 autocast: faster there (dev/LOG.md)."""
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
                                               enable_gqa=True).to(q.dtype)
@@ -346,9 +305,10 @@ def causal_attention(q, k, v):
 
 
 def to_compute_dtype(x):
-    """Under autocast, cast a block's normalized input once: otherwise each projection reading it
-    (q, k, v; gate, up) makes and saves its own bf16 copy."""
-    return x.to(torch.get_autocast_dtype(x.device.type)) if torch.is_autocast_enabled(x.device.type) else x
+    """Cast a block's input once: else each projection saves its own bf16 copy."""
+    if not torch.is_autocast_enabled(x.device.type):
+        return x
+    return x.to(torch.get_autocast_dtype(x.device.type))
 
 
 def apply_rotary(x, cos, sin):
@@ -360,8 +320,7 @@ def apply_rotary(x, cos, sin):
 
 
 def bitnet_weight(weight):
-    """BitNet b1.58 absmean quantization: W -> round(W / mean|W|) clipped to {-1, 0, +1}, times
-    mean|W|."""
+    """BitNet b1.58: W -> round(W / mean|W|) clipped to {-1, 0, 1}, times mean|W|."""
     scale = weight.abs().mean().clamp(min=1e-5)
     return (weight / scale).round().clamp(-1, 1) * scale
 
@@ -373,9 +332,7 @@ def bitnet_activation(x):
 
 
 class Linear(nn.Linear):
-    """A bias-free linear layer; with bitnet=True, BitNet b1.58: fp32 latent weights quantized on
-    the fly with straight-through gradients. No extra parameter: the norms in front already
-    normalize the inputs."""
+    """A bias-free linear layer; bitnet: quantized on the fly, straight-through gradients."""
 
     def __init__(self, fan_in, fan_out, bitnet=False):
         super().__init__(fan_in, fan_out, bias=False)
@@ -384,8 +341,7 @@ class Linear(nn.Linear):
     def effective_weight(self):
         if not self.bitnet:
             return self.weight
-        # + (w - w), exactly 0: the forward sees three values, the gradient passes straight through
-        # to w
+        # + (w - w), exactly 0: the gradient passes straight through
         w = self.weight.detach()
         return bitnet_weight(w) + (self.weight - w)
 
@@ -403,8 +359,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # under autocast q and k arrive in bf16: a bf16 copy of the fp32 scale keeps the fused
-        # kernel
+        # q and k arrive in bf16: a bf16 scale keeps the fused kernel
         weight = self.weight.to(x.dtype) if self.weight is not None else None
         return F.rms_norm(x, (x.size(-1),), weight, self.eps)
 
@@ -412,17 +367,17 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, c, layer_idx):
         super().__init__()
-        self.layer_idx, self.n_head, self.n_kv_head, self.head_dim = layer_idx, c.n_head, c.n_kv_head, c.head_dim
+        self.layer_idx, self.n_head, self.n_kv_head = layer_idx, c.n_head, c.n_kv_head
+        self.head_dim = c.head_dim
         self.q_proj = Linear(c.n_embd, c.n_head * c.head_dim, c.bitnet)
         self.k_proj = Linear(c.n_embd, c.n_kv_head * c.head_dim, c.bitnet)
         self.v_proj = Linear(c.n_embd, c.n_kv_head * c.head_dim, c.bitnet)
         self.o_proj = Linear(c.n_head * c.head_dim, c.n_embd, c.bitnet)
         self.q_norm = RMSNorm(c.head_dim, c.norm_learnable, c.norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.norm_learnable, c.norm_eps) if c.qk_norm else None
-        # value embedding gate: per KV head, how much of the token's value embedding joins v, in (0,
-        # 3)
-        self.ve_gate = Linear(VE_GATE_CHANNELS, c.n_kv_head,
-                              c.bitnet) if layer_idx in value_embed_layers(c) else None
+        # per KV head, how much of the value embedding joins v, in (0, 3)
+        has_gate = layer_idx in value_embed_layers(c)
+        self.ve_gate = Linear(VE_GATE_CHANNELS, c.n_kv_head, c.bitnet) if has_gate else None
 
     def forward(self, x, cos, sin, kv_cache=None, value_embed=None):
         B, T, _ = x.shape
@@ -432,8 +387,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim)
         if value_embed is not None:
             gate = 3 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
-            v = v + gate.unsqueeze(-1) * value_embed.view(B, T, self.n_kv_head,
-                                                          self.head_dim).to(v.dtype)
+            value_embed = value_embed.view(B, T, self.n_kv_head, self.head_dim)
+            v = v + gate.unsqueeze(-1) * value_embed.to(v.dtype)
         if self.q_norm is not None:  # autocast may return fp32 from the norm; SDPA wants one dtype
             q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -481,8 +436,7 @@ class Block(nn.Module):
 
 
 class KVCache:
-    """Keys and values of every layer for positions 0 .. pos-1; allocated on first use in the
-    compute dtype."""
+    """Keys and values of every layer for positions 0 .. pos-1, in the compute dtype."""
 
     def __init__(self, config, batch_size, max_len):
         if max_len > config.sequence_len:
@@ -498,7 +452,8 @@ class KVCache:
             self.k = torch.zeros(self.shape, dtype=k.dtype, device=k.device)
             self.v = torch.zeros(self.shape, dtype=v.dtype, device=v.device)
         if self.pos + T > self.shape[3]:
-            raise ValueError(f"KV cache full: {self.pos} + {T} positions > capacity {self.shape[3]}")
+            raise ValueError(f"KV cache full: {self.pos} + {T} positions > capacity "
+                             f"{self.shape[3]}")
         self.k[layer_idx, :, :, self.pos:self.pos + T] = k
         self.v[layer_idx, :, :, self.pos:self.pos + T] = v
         return self.k[layer_idx, :, :, :self.pos + T], self.v[layer_idx, :, :, :self.pos + T]
@@ -507,26 +462,17 @@ class KVCache:
 # -----------------------------------------------------------------------------
 # The loss, chunked
 
-# logits per chunk of the loss by device type (rows = this // vocab_size). CUDA: 2^28 (1 GiB in
-# fp32): at vocabulary
-# 65,536, 4,096-row chunks whose matmuls stay large, and 8x fewer chunk calls than at 2^25, each a
-# read and a write
-# of the fp32 head gradient (335 MB at d20); ~3 GiB of temporaries (memory_estimate's transient).
-# Else 2^25 (128 MiB)
+# logits per chunk of the loss; CUDA: large matmuls, 8x fewer passes over the fp32 head gradient
 LOSS_CHUNK_ELEMENTS = {"cuda": 2 ** 28, "cpu": 2 ** 25}
 
 
 def loss_chunk_elements(device_type):
-    """Logits per chunk of the loss on this device type (LOSS_CHUNK_ELEMENTS; the CPU's for any
-    other)."""
     return LOSS_CHUNK_ELEMENTS.get(device_type, LOSS_CHUNK_ELEMENTS["cpu"])
 
 
 def loss_chunk(xc, w, tc, softcap, need_grad, grad_w=None):
-    """One chunk's sum of cross-entropies; with need_grad also its gradient for xc, and grad_w plus
-    its gradient for w: the logits' gradient (softmax - onehot) is pushed through the head here, so
-    the logits die with the chunk. Summing grad_w here, compiled, makes cast and sum one pass over
-    (vocab x n_embd) a chunk, not three."""
+    """One chunk's summed cross-entropy; need_grad: also its gradients for xc and w (added to
+    grad_w), so the logits die with the chunk."""
     logits = (xc @ w.t()).float()
     if softcap:
         capped = tanh(logits / softcap)
@@ -537,7 +483,6 @@ def loss_chunk(xc, w, tc, softcap, need_grad, grad_w=None):
     loss = ((lse - logits.gather(1, safe_targets).squeeze(1)) * valid).sum()
     if not need_grad:
         return loss, None, None
-    # softmax, then minus the onehot: the same bits either way below
     dlogits = torch.exp(logits - lse.unsqueeze(1))
     # one expression fuses exp, onehot and masks: one pass, not three (dev/LOG.md)
     if torch.compiler.is_compiling():
@@ -554,31 +499,28 @@ def loss_chunk(xc, w, tc, softcap, need_grad, grad_w=None):
 
 @functools.cache
 def compiled_loss_chunk():
-    """loss_chunk compiled on its own: dynamo sees one chunk whatever the count (unrolled, compiling
-    took 3.6x as long; dev/LOG.md). torch's default shapes: it serves rl.py's compiled model too,
-    whose replies vary in length (with dynamic=False each new length would compile the chunk again);
-    a fixed-shape stage's chunks have two shapes at most."""
+    """loss_chunk compiled alone: unrolled, compiling took 3.6x as long (dev/LOG.md). Default
+    shapes: rl.py's replies vary in length."""
     return torch.compile(loss_chunk)
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """Sum of cross-entropies of the head's logits in chunks of about loss_chunk_elements logits
-    (loss_chunk): only grad_x and grad_weight are kept, no logits survive a chunk, and nothing is
-    recomputed in backward."""
+    """Summed cross-entropy of the head's logits in chunks (loss_chunk): only grad_x and
+    grad_weight are kept; nothing is recomputed in backward."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, softcap, compute_dtype, grad_enabled, compiled):
-        # grad_enabled from the caller: grad mode is off in here and needs_input_grad ignores
-        # no_grad, so an evaluation
-        # would pay for the gradient (3x the head's cost)
+        # grad mode is off in here and needs_input_grad ignores no_grad: the caller's
         need_grad = grad_enabled and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
-        chunks = max(1, math.ceil(x.size(0) * weight.size(0) / loss_chunk_elements(x.device.type)))
+        logits = x.size(0) * weight.size(0)
+        chunks = max(1, math.ceil(logits / loss_chunk_elements(x.device.type)))
         # equal chunks where they divide: one shape for the compiled chunk
         rows = math.ceil(x.size(0) / chunks)
         chunk_fn = compiled_loss_chunk() if compiled else loss_chunk
         loss_sum, grad_x_chunks = torch.zeros((), dtype=torch.float32, device=x.device), []
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32,
-                             device=x.device) if need_grad else None
+        grad_w = None
+        if need_grad:
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
         with torch.autocast(x.device.type, enabled=False):
             w = weight.to(compute_dtype)
             for start in range(0, x.size(0), rows):
@@ -607,8 +549,7 @@ def chunked_cross_entropy(x, weight, targets, softcap, compute_dtype, grad_enabl
     return ChunkedCrossEntropy.apply(*args)
 
 
-# torch's lazy form of torch.compiler.disable, which would import dynamo (~3 s) with this file (chat
-# needs none)
+# torch.compiler.disable would import dynamo (~3 s) with this file
 @torch._disable_dynamo
 def chunked_cross_entropy_outside_graph(*args):
     return ChunkedCrossEntropy.apply(*args)
@@ -626,30 +567,22 @@ class GPT(nn.Module):
         self.norm_f = RMSNorm(config.n_embd, config.norm_learnable, config.norm_eps)
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.n_embd,
                                                                     config.vocab_size, bias=False)
-        # value embeddings (modded-nanogpt, after ResFormer): a per-token vector added to
-        # attention's values on
-        # alternating layers, so the stream need not carry what a token is; next to no FLOPs
-        # (dev/LOG.md)
-        self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(config.vocab_size,
-                                                                config.n_kv_head * config.head_dim)
+        # value embeddings (modded-nanogpt): the stream need not carry what a token is
+        kv_dim = config.n_kv_head * config.head_dim
+        self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(config.vocab_size, kv_dim)
                                            for i in value_embed_layers(config)})
-        # residual scalars (modded-nanogpt, nanochat): block i reads resid * x + x0 * (the
-        # embedding) (dev/LOG.md)
-        self.resid_lambdas = nn.Parameter(torch.ones(config.n_layer)) if config.resid_lambdas else None
-        self.x0_lambdas = nn.Parameter(torch.zeros(config.n_layer)) if config.resid_lambdas else None
-        # rotary tables are derived, not learned: never saved, recomputed by init_weights() on the
-        # real device
-        self.register_buffer("cos", torch.empty(config.sequence_len, config.head_dim // 2),
-                             persistent=False)
-        self.register_buffer("sin", torch.empty(config.sequence_len, config.head_dim // 2),
-                             persistent=False)
+        self.resid_lambdas = self.x0_lambdas = None  # residual scalars (modded-nanogpt, nanochat)
+        if config.resid_lambdas:
+            self.resid_lambdas = nn.Parameter(torch.ones(config.n_layer))
+            self.x0_lambdas = nn.Parameter(torch.zeros(config.n_layer))
+        # rotary tables: derived, never saved
+        rotary = (config.sequence_len, config.head_dim // 2)
+        self.register_buffer("cos", torch.empty(rotary), persistent=False)
+        self.register_buffer("sin", torch.empty(rotary), persistent=False)
 
     @torch.no_grad()
     def init_weights(self):
-        """The init scheme (docs/model.md: why each std). Projections reading the residual stream:
-        N(0, 1/fan_in); writing to it (o, down): that over sqrt(2 * n_layer). Untied: embedding N(0,
-        1), head N(0, 0.001); tied: N(0, 0.3 / sqrt(n_embd)). Norm scales 1. BitNet latent weights
-        too: absmean quantization is scale-free."""
+        """The init scheme; docs/model.md says why each std."""
         c = self.config
         for block in self.blocks:
             for name, module in block.named_modules():
@@ -677,43 +610,42 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_rotary(self):
-        """The rotary tables: derived from the config, never saved, so a loaded model computes them
-        too."""
-        c = self.config
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32,
-                                                        device=self.cos.device)
-                                           / c.head_dim))
-        angles = torch.outer(torch.arange(c.sequence_len, dtype=torch.float32,
-                                          device=self.cos.device), inv_freq)
+        c, device = self.config, self.cos.device
+        channels = torch.arange(0, c.head_dim, 2, dtype=torch.float32, device=device)
+        inv_freq = 1.0 / (c.rope_theta ** (channels / c.head_dim))
+        positions = torch.arange(c.sequence_len, dtype=torch.float32, device=device)
+        angles = torch.outer(positions, inv_freq)
         self.cos.copy_(angles.cos())
         self.sin.copy_(angles.sin())
 
     def value_embed(self, layer_idx, ids):
-        return self.value_embeds[str(layer_idx)](ids) if str(layer_idx) in self.value_embeds else None
+        if str(layer_idx) not in self.value_embeds:
+            return None
+        return self.value_embeds[str(layer_idx)](ids)
 
     def mix_embedding(self, layer_idx, x, x0):
-        return x if self.resid_lambdas is None else self.resid_lambdas[layer_idx] * x + self.x0_lambdas[layer_idx] * x0
+        if self.resid_lambdas is None:
+            return x
+        return self.resid_lambdas[layer_idx] * x + self.x0_lambdas[layer_idx] * x0
 
     def head_weight(self):
         return self.wte.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean", last_only=False,
                 predictions=False):
-        """idx (B, T). With targets (B, T) (-1: ignored): cross-entropy reduced by 'mean' (0 without
-        targets), 'sum' or 'none' ((B, T), 0 where ignored; predictions=True: also the argmax, -1
-        where ignored). Without: fp32 logits (B, T, vocab), or (B, 1, vocab) with last_only.
-        kv_cache: continue from kv_cache.pos, then advance it."""
+        """idx (B, T). With targets (B, T) (-1: ignored): cross-entropy reduced by 'mean', 'sum' or
+        'none' ((B, T); predictions: also the argmax). Without: fp32 logits (B, T or 1, vocab)."""
         B, T = idx.shape
         start = kv_cache.pos if kv_cache is not None else 0
         if start + T > self.config.sequence_len:
             raise ValueError(f"positions {start}..{start + T - 1} exceed "
                              f"sequence_len={self.config.sequence_len}")
-        cos, sin = self.cos[None, start:start + T, None, :], self.sin[None, start:start + T, None,
-                                                                      :]
+        cos, sin = (table[None, start:start + T, None, :] for table in (self.cos, self.sin))
         x = x0 = self.wte(idx)
         for i, block in enumerate(self.blocks):
             x, value_embed = self.mix_embedding(i, x, x0), self.value_embed(i, idx)
-            if self.config.activation_checkpointing and torch.is_grad_enabled() and kv_cache is None:
+            recompute = self.config.activation_checkpointing and torch.is_grad_enabled()
+            if recompute and kv_cache is None:
                 x = checkpoint(block, x, cos, sin, None, value_embed, use_reentrant=False)
             else:
                 x = block(x, cos, sin, kv_cache, value_embed)
@@ -728,15 +660,15 @@ class GPT(nn.Module):
         if reduction == "none":
             losses, argmax = self._per_token_loss(x, targets)
             return (losses.view(B, T), argmax.view(B, T)) if predictions else losses.view(B, T)
-        compute_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) \
-            else self.head_weight().dtype
+        compute_dtype = self.head_weight().dtype
+        if torch.is_autocast_enabled(x.device.type):
+            compute_dtype = torch.get_autocast_dtype(x.device.type)
         loss_sum = chunked_cross_entropy(x, self.head_weight(), targets, softcap, compute_dtype,
                                          torch.is_grad_enabled(), torch.compiler.is_compiling())
         return loss_sum if reduction == "sum" else loss_sum / (targets != -1).sum().clamp(min=1)
 
     def _per_token_loss(self, x, targets):
-        """Loss and argmax at the positions with a target, computed in chunks; an evaluation that
-        scores a few continuation tokens per row pays the head for those only."""
+        """Loss and argmax at the positions with a target only, in chunks."""
         valid = (targets != -1).nonzero().squeeze(1)
         losses = torch.zeros(targets.shape, device=x.device)
         argmax = torch.full(targets.shape, -1, dtype=torch.long, device=x.device)
@@ -751,10 +683,8 @@ class GPT(nn.Module):
 
 
 class _NoInitOnMeta(torch.overrides.TorchFunctionMode):
-    """The modules' own initializations skipped on the meta device (init_weights() sets every value
-    later): on meta, torch runs them through reference kernels that import torch._dynamo (~2 s of
-    chat.py's start). Weights and random stream are the same either way. empty_like gets the
-    contiguous format explicitly: else working out a meta tensor's layout imports sympy (~0.4 s)."""
+    """The modules' own initializations skipped on meta (init_weights sets every value): there they
+    import torch._dynamo (~2 s). empty_like's explicit format spares importing sympy."""
 
     SKIPPED = (torch.Tensor.normal_, torch.Tensor.uniform_)
 
@@ -768,9 +698,7 @@ class _NoInitOnMeta(torch.overrides.TorchFunctionMode):
 
 
 def build_model(config, device="cpu", init=True):
-    """Construct on the meta device, then allocate on `device` and initialize there; init=False (a
-    checkpoint's weights come next): only the rotary tables, skipping init_weights' slow random
-    draws."""
+    """Built on meta, then allocated on `device`; init=False (weights come next): rotary only."""
     with torch.device("meta"), _NoInitOnMeta():
         model = GPT(config)
     with _NoInitOnMeta():
@@ -780,24 +708,22 @@ def build_model(config, device="cpu", init=True):
 
 
 def check_master_weights(model):
-    """Raise if any parameter is not fp32 (bf16 norms once froze). bf16 compute belongs in autocast,
-    not in the weights."""
-    wrong = [f"{name} ({p.dtype})" for name,
-             p in model.named_parameters() if p.dtype != torch.float32]
+    """Raise if any parameter is not fp32 (bf16 norms once froze)."""
+    wrong = [f"{name} ({p.dtype})" for name, p in model.named_parameters()
+             if p.dtype != torch.float32]
     if wrong:
         raise ValueError("parameters must stay fp32 master weights, use autocast for bf16 compute; "
                          f"not fp32: {', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}")
 
 
 def score_rows(model, rows, dtype, device, predictions=False):
-    """(model(..., reduction="none"), targets) of rows [(ids, index of the first scored token)]
-    right-padded into one forward: each row reads ids[:-1] and is scored on ids[start:] only
-    (targets -1 elsewhere)."""
+    """(model(..., reduction="none"), targets) of rows [(ids, first scored index)], right-padded
+    into one forward."""
     x = torch.zeros(len(rows), max(len(ids) for ids, _ in rows) - 1, dtype=torch.long)
     y = torch.full_like(x, -1)
     for r, (ids, start) in enumerate(rows):
-        x[r, :len(ids) - 1], y[
-                r, start - 1:len(ids) - 1] = torch.tensor(ids[:-1]), torch.tensor(ids[start:])
+        x[r, :len(ids) - 1] = torch.tensor(ids[:-1])
+        y[r, start - 1:len(ids) - 1] = torch.tensor(ids[start:])
     y = y.to(device)
     with autocast_context(device.type, dtype):
         return model(x.to(device), y, reduction="none", predictions=predictions), y
@@ -825,9 +751,8 @@ def main(argv=None):
                         "%(default)s)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="compute dtype for the activation estimate (default: %(default)s)")
-    parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"], help=
-                        "device type for the memory estimate (the loss's chunk size depends on it) "
-                        "(default: %(default)s)")
+    parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"],
+                        help="device type for the memory estimate (default: %(default)s)")
     args = parse_args(parser, argv)
     try:
         config = config_from_args(args)
@@ -843,13 +768,11 @@ def main(argv=None):
     fpt = flops_per_token(config)
     print(f"FLOPs/token (train, T={config.sequence_len}): {fpt:.4e} (6 x matmul params + 12 x "
           "layers x heads x head_dim x T)")
-    mem = memory_estimate(config, args.micro_batch, optimizer=args.optimizer, bf16=args.dtype ==
-                          "bfloat16",
-                          device_type=args.device)
+    mem = memory_estimate(config, args.micro_batch, optimizer=args.optimizer,
+                          bf16=args.dtype == "bfloat16", device_type=args.device)
     print(f"training memory per {args.device} device, micro-batch {args.micro_batch} x "
           f"{config.sequence_len}, {args.optimizer}, {args.dtype} compute, activation "
-          "checkpointing "
-          f"{'on' if config.activation_checkpointing else 'off'}:")
+          f"checkpointing {'on' if config.activation_checkpointing else 'off'}:")
     for key in ("weights", "gradients", "optimizer", "activations", "transient", "total"):
         print(f"  {key}: {mem[key] / 2**30:.2f} GiB")
 

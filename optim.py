@@ -5,7 +5,7 @@ the schedules (apply_schedule).
 Not a stage: import it (`import optim`). One command line, a schedule as the training stages apply
 it:
 
-    python optim.py --steps 1000 --schedule wsd --warmdown_frac 0.2    # lr multiplier, weight decay, Muon momentum
+    python optim.py --steps 1000 --schedule wsd --warmdown_frac 0.2    # lr, weight decay, momentum
 """
 import argparse
 import math
@@ -14,25 +14,16 @@ import sys
 import torch
 import torch.distributed as dist
 
-from common import device_name, matmul_dtype, precision
-from distributed import is_dtensor, local
+from distributed import device_name, is_dtensor, local, matmul_dtype, precision
 
 # -----------------------------------------------------------------------------
-# Optimizers. Base lrs are set for width 768 and a batch of 2^19 tokens (nanochat's). AdamW groups
-# scale with
-# 1/sqrt(width/768) and (batch/2^19)^(1/8): nanochat's square-root batch rule starved the embedding
-# and head at CPU
-# batches, and 1/8 keeps its tuned lrs at 2^19 while matching the optimum measured at 2^11
-# (dev/LOG.md). Muon's
-# orthogonalized update depends on neither width nor gradient noise: its lr is not scaled (scaling
-# it cost bpb).
+# Optimizers. Base lrs for width 768 and 2^19-token batches (nanochat's); AdamW's scale with
+# 1/sqrt(width/768) and (batch/2^19)^(1/8), measured (dev/LOG.md). Muon's lr is not scaled.
 
 REF_WIDTH, REF_BATCH, BATCH_EXPONENT = 768, 2 ** 19, 1 / 8
 
-# torch.optim imports torch._dynamo (1.1 s of CPU) at an optimizer's first add_param_group and step,
-# to keep those
-# methods out of compiled graphs; nothing here calls them in one, so an eager stage starts without
-# it
+# torch.optim imports torch._dynamo (1.1 s) at an optimizer's first add_param_group and step;
+# nothing here compiles them
 for method in (torch.optim.Optimizer.add_param_group, torch.optim.Optimizer.state_dict,
                torch.optim.Optimizer.load_state_dict, torch.optim.Optimizer.zero_grad):
     # torch._disable_dynamo's lazy wrapper: it calls what this attribute holds
@@ -50,10 +41,9 @@ class AdamW(torch.optim.AdamW):
 
 
 def param_groups(model):
-    """Split parameters by role: 'matrix' (2D weights inside the blocks), 'embedding',
-    'value_embedding', 'head', 'resid_lambdas', 'x0_lambdas', 'scalar' (other 1D parameters). A tied
-    embedding is in 'head': its gradient is mostly the output's, and the embedding's lr (50x) would
-    move every logit's weights by that lr each step."""
+    """Parameters by role: matrix (2D, in the blocks), embedding, value_embedding, head,
+    resid_lambdas, x0_lambdas, scalar. A tied embedding is the head: its gradient is mostly the
+    output's."""
     groups = {"matrix": [], "embedding": [], "value_embedding": [], "head": [], "resid_lambdas": [],
               "x0_lambdas": [],
               "scalar": []}
@@ -75,11 +65,10 @@ def param_groups(model):
 
 
 def build_optimizers(model, args, width, batch_tokens, device, lr_scale=1.0):
-    """Muon for the block matrices and AdamW for the rest ('muon'), or AdamW everywhere ('adamw');
-    args.adam8bit: bitsandbytes' AdamW8bit. Every lr is multiplied by lr_scale (a chat stage's
-    fraction of its parent's). Every param group carries 'name', 'base_lr' (the lr at multiplier 1)
-    and 'wd_on' (whether weight decay applies)."""
-    width_factor, batch_factor = (width / REF_WIDTH) ** -0.5, (batch_tokens / REF_BATCH) ** BATCH_EXPONENT
+    """Muon for the block matrices and AdamW for the rest, or AdamW everywhere (adam8bit:
+    bitsandbytes'); lrs times lr_scale. Each group has name, base_lr and wd_on."""
+    width_factor = (width / REF_WIDTH) ** -0.5
+    batch_factor = (batch_tokens / REF_BATCH) ** BATCH_EXPONENT
     # AdamW on the block matrices keeps the square-root rule: 1/8 cost bpb there (dev/LOG.md)
     sqrt_factor = (batch_tokens / REF_BATCH) ** 0.5
     lrs = {"matrix": args.matrix_lr * (1 if args.optimizer == "muon"
@@ -113,29 +102,26 @@ def build_optimizers(model, args, width, batch_tokens, device, lr_scale=1.0):
         adam = AdamW(adam_groups, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0, fused=True)
     optimizers = [adam]
     if args.optimizer == "muon":
-        optimizers.append(Muon([{"params": groups["matrix"], "name": "matrix", "base_lr": lrs[
-                                                                                              "matrix"],
-                                 "lr": lrs["matrix"], "wd_on": True}], ns_dtype=matmul_dtype(
-                                         device, width)))
+        matrix = {"params": groups["matrix"], "name": "matrix", "base_lr": lrs["matrix"],
+                  "lr": lrs["matrix"], "wd_on": True}
+        optimizers.append(Muon([matrix], ns_dtype=matmul_dtype(device, width)))
     return optimizers
 
 
 def precision_line(args, device, optimizers, width):
-    """What runs in which dtype, and why: printed before step 1. Muon's Newton-Schulz takes the
-    device's choice (common.precision) whatever --dtype says: --dtype is the model's numerics, the
-    optimizer's matmuls need only speed."""
+    """What runs in which dtype, and why. Newton-Schulz takes the device's choice whatever --dtype
+    says: its matmuls need only speed."""
     muon = [g["ns_dtype"] for opt in optimizers if isinstance(opt, Muon) for g in opt.param_groups]
     chosen, why = precision(device, width)
-    how = why if args.dtype == chosen else f"given or inherited; the choice here would be {chosen}, {why}"
+    how = why if args.dtype == chosen else (f"given or inherited; the choice here would be "
+                                            f"{chosen}, {why}")
     return (f"precision: fp32 weights, compute {args.dtype}" + (f", Muon Newton-Schulz {muon[0]}"
                                                                 if muon else "")
             + f" ({how}) on {device_name(device)}")
 
 
-# Polar Express (Amsel et al. 2025, as modded-nanogpt and nanochat): a quintic a x + b x^3 + c x^5
-# per step, each the
-# best for the singular values the steps before can leave (2% margin: x / (1.02 |x|_F)); later steps
-# reuse the last.
+# Polar Express (Amsel et al. 2025, as nanochat): a quintic per step, each best for what the
+# steps before leave (2% margin); later steps reuse the last
 POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
                  (4.042929935166739, -2.808917465908714, 0.5000178451051316),
                  (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
@@ -148,11 +134,8 @@ def quintic_coefficients(steps):
 
 
 def newton_schulz(stack, steps, dtype):
-    """Approximately orthogonalize a stack of same-shape matrices, rows <= columns (U S V^T -> U S'
-    V^T, S' ~ 1), with matmuls in `dtype` (not torch.optim.Muon's fixed bf16, which CPUs without
-    native bf16 emulate): X <- a X + (b G + c G^2) X, G = X X^T, Polar Express's (a, b, c) at each
-    step. Where it takes fewer FLOPs (wide matrices) the Gram form, newton_schulz_gram; only in fp32
-    or fp64, as in bf16 it loses the small singular values."""
+    """Approximately orthogonalize a stack of matrices, rows <= columns, with Polar Express's steps
+    in `dtype`; wide ones in fp32 or fp64 by the Gram form (fewer FLOPs)."""
     # in place from here on: `stack` itself when it is in `dtype` already
     x = stack.to(getattr(torch, dtype))
     # spectral norm < Frobenius norm: the basin
@@ -171,11 +154,8 @@ def newton_schulz(stack, steps, dtype):
 
 
 def newton_schulz_gram(x, steps):
-    """newton_schulz's iteration for normalized wide x (m rows, n columns): every step multiplies X
-    on the left by P = p(G) = aI + bG + cG^2, so X_k = Q X_0 with Q = P_k ... P_1, and G_k+1 = P G_k
-    P (P commutes with G_k). Only the m x m matrices G, P, Q are iterated; X is touched twice: 4m^2n
-    + (8 steps - 6) m^3 FLOPs against steps x (4m^2n + 2m^3). In fp32 within 1.1e-3 of an fp64
-    iteration even where the singular values span 1e-4 (tested)."""
+    """newton_schulz's iteration for wide x: X_k = Q X_0, only the m x m matrices G, P, Q iterated.
+    In fp32 within 1.1e-3 of fp64 (tested)."""
     gram, product = x @ x.mT, None
     for step, (a, b, c) in enumerate(quintic_coefficients(steps)):
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
@@ -206,16 +186,11 @@ def shard_of(matrix, param):
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon for 2D weights: momentum (Nesterov by default; the schedule sets it, muon_momentum), the
-    update orthogonalized by newton_schulz (Polar Express) in ns_dtype, then NorMuon's per-neuron
-    normalization (neuron_normalized), scaled by sqrt(max(1, rows/cols)) (Keller's shape scaling,
-    torch.optim.Muon's "original"), decoupled weight decay lr x wd (tests/test_train.py: against the
-    rule in fp64). Matrices of one shape up to a transpose are orthogonalized as one stack (one
-    batched matmul: half the step). FSDP-sharded: momentum on each rank's shard, then rounds of one
-    matrix per rank: each all-gathered, rank i orthogonalizes the round's i-th and broadcasts it,
-    every rank keeps its rows (at most `world size` whole matrices in memory). Under DDP each rank
-    orthogonalizes its share of a shape's stack and an all-gather gives every rank all
-    (divide_work=False: each computes every matrix, for comparison)."""
+    """Muon for 2D weights: momentum, the update orthogonalized (newton_schulz) in ns_dtype,
+    NorMuon's per-neuron normalization, scaled by sqrt(max(1, rows/cols)), decoupled weight
+    decay. Matrices of one shape are one stack. FSDP: each round, rank i orthogonalizes the i-th
+    gathered matrix and broadcasts it. DDP: each rank its share, then an all-gather
+    (divide_work)."""
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0, ns_steps=5,
                  ns_dtype="bfloat16", neuron_beta2=0.95, divide_work=True):
@@ -264,9 +239,8 @@ class Muon(torch.optim.Optimizer):
         else:
             mine = [i for i in ([dist.get_rank()] if sharded else range(len(params)))
                     if i < len(params)]
-        wide = torch.empty((len(mine), *shape), device=updates[0].device, dtype=getattr(torch,
-                                                                                        group[
-                                                                                                     "ns_dtype"]))
+        wide = torch.empty((len(mine), *shape), device=updates[0].device,
+                           dtype=getattr(torch, group["ns_dtype"]))
         done = {}
         # sharded, a round with fewer matrices than ranks (one value-embedding gate) leaves some
         # rank none
@@ -301,11 +275,8 @@ class Muon(torch.optim.Optimizer):
                                     alpha=-group["lr"] * scale)
 
     def neuron_normalized(self, update, param, group):
-        """NorMuon (Li et al. 2025), on the whole orthogonalized update in the parameter's
-        orientation: each neuron's step (the longer side's rows or columns) is divided by the root
-        of the running mean (beta2) of its mean square, then the whole is rescaled to its old norm:
-        even neuron steps, the same update size. The state, one number per neuron, is the same on
-        every rank."""
+        """NorMuon (Li et al. 2025): each neuron's step divided by the root of its running mean
+        square, then rescaled to the update's old norm."""
         reduce = -1 if update.size(0) >= update.size(1) else -2
         # bf16 -> fp32; fp64 stays
         precise = update.to(torch.promote_types(update.dtype, torch.float32))
@@ -316,14 +287,13 @@ class Muon(torch.optim.Optimizer):
         second_moment = state["neuron_second_moment"]
         second_moment.lerp_(mean_square, 1 - group["neuron_beta2"])
         scale = second_moment.clamp(min=1e-10).rsqrt()
-        norm_ratio = (mean_square.sum() / (mean_square * scale.square()).sum().clamp(min=1e-20)).sqrt()
+        scaled = (mean_square * scale.square()).sum().clamp(min=1e-20)
+        norm_ratio = (mean_square.sum() / scaled).sqrt()
         return (precise * (scale * norm_ratio)).to(update.dtype)
 
 
 # -----------------------------------------------------------------------------
-# Schedules: the learning-rate multiplier and the weight decay at each step, a pure function of
-# (step, args), so a
-# resumed run needs no schedule state beyond the step.
+# Schedules: pure functions of (step, args), so a resume needs no schedule state
 
 def decay(progress, start, end, shape, warmdown_frac):
     """Multiplier going from `start` to `end` as progress goes 0 -> 1."""
@@ -334,7 +304,9 @@ def decay(progress, start, end, shape, warmdown_frac):
         return start + (end - start) * progress
     if shape == "wsd":  # constant, then a linear warmdown over the last warmdown_frac
         flat = 1 - warmdown_frac
-        return start if progress <= flat else start + (end - start) * (progress - flat) / warmdown_frac
+        if progress <= flat:
+            return start
+        return start + (end - start) * (progress - flat) / warmdown_frac
     return start  # constant
 
 
@@ -355,13 +327,16 @@ def lr_multiplier(step, total, args):
 
 
 def weight_decay_at(step, args):
-    return args.stage2_weight_decay if args.stage2_step and step >= args.stage2_step else args.weight_decay
+    if args.stage2_step and step >= args.stage2_step:
+        return args.stage2_weight_decay
+    return args.weight_decay
 
 
 def muon_momentum(step, args):
     """Muon's momentum: 0.85 to 0.95, linearly over the first --muon_momentum_warmup steps
     (nanochat's; dev/LOG.md)."""
-    return 0.95 if step >= args.muon_momentum_warmup else 0.85 + 0.10 * step / args.muon_momentum_warmup
+    warmup = args.muon_momentum_warmup
+    return 0.95 if step >= warmup else 0.85 + 0.10 * step / warmup
 
 
 def apply_schedule(optimizers, step, total, args):

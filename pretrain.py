@@ -1,9 +1,9 @@
 """Pretraining: a GPT from model.py on a corpus from dataset.py, tokenized by tokenizer.py.
 
-    python pretrain.py --data_dir data/demo/pretrain --steps 400                   # one process (CPU or one GPU)
+    python pretrain.py --data_dir data/demo/pretrain --steps 400                   # one process
     torchrun --standalone --nproc_per_node=8 pretrain.py --preset d20 --tokens_per_param 20
-    python pretrain.py --run_name NAME --resume                                    # continue from the last checkpoint
-    python pretrain.py --status runs/NAME                                          # a live or finished run
+    python pretrain.py --run_name NAME --resume                                    # continue
+    python pretrain.py --status runs/NAME                                          # its progress
 
 Writes runs/<run_name>/: config.json, metrics.jsonl (every step), samples.jsonl (every eval),
 ckpt/step_XXXXXX/, done.json (the final figures).
@@ -19,12 +19,9 @@ from pathlib import Path
 import torch
 
 import checkpoint
-import common
 import distributed
 import optim
-import runs
 import train_loop
-import validation
 from dataset import budget_line, corpus_budget, default_data_dir, shard_tokens, split_shards
 from loader import close_all, text_loader
 from model import (
@@ -93,7 +90,7 @@ def get_args(argv=None):
                    "evaluation: the split's first N, in BOS-led rows (default: %(default)s)")
     g.add_argument("--sample_prompt", action="append", default=None, help=
                    f"sample prompt, repeatable (default: {PROMPTS})")
-    runs.add_run_args(p, "pretrain")
+    checkpoint.add_run_args(p, "pretrain")
     p.add_argument("--final_checkpoint", type=parse_bool, default=True, help=
                    "save a checkpoint at the last step; false: only the --ckpt_every ones (a "
                    "benchmark: bench.py gpu; nothing can continue from the end of such a run) "
@@ -106,9 +103,8 @@ def get_args(argv=None):
 
 
 def data_plan(args, config, tokenizer):
-    """--data_plan: the training shards a budget needs, from the first shard's token count, written
-    to <runs_dir>/data_plan.json (speedrun.sh downloads that many) with the steps and a checkpoint's
-    bytes (the gpu plan's disk check reads them)."""
+    """--data_plan: the training shards a budget needs, the steps and a checkpoint's bytes, written
+    to <runs_dir>/data_plan.json (speedrun.sh and the gpu plan read it)."""
     if not args.total_batch_tokens:
         raise ValueError("--data_plan needs --total_batch_tokens (the tokens per step the run will "
                          "use)")
@@ -131,13 +127,10 @@ def data_plan(args, config, tokenizer):
         print(f"data plan: your corpus: about {per_shard * train_docs / docs:,.0f} training tokens "
               f"({train_docs:,} documents), so the budget is {epochs:.2f} epochs of it" + (
                   ": pretraining repeats its documents (it says so at each pass); fewer steps: "
-                                                                                           "PRETRAIN_ARGS=--steps "
-                                                                                           "N"
-                  if epochs > 1 else ""))
+                  "PRETRAIN_ARGS=--steps N" if epochs > 1 else ""))
     out = Path(args.runs_dir) / "data_plan.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    # with what the gpu plan's disk check (gpu_plan.check_disk, launch.py shards) counts the
-    # checkpoints by
+    # what the gpu plan's disk check counts checkpoints by
     out.write_text(json.dumps({"shards": shards, "budget_tokens": budget,
                                "first_shard_tokens": per_shard,
                                "steps": steps, "tokens_per_step": args.total_batch_tokens,
@@ -183,10 +176,10 @@ def greedy_completion(model, ids, new_tokens, dtype, device):
 
 @torch.no_grad()
 def evaluate(model, tokenizer, args, rank, world, device, run_dir, val_rows, step):
-    """Validation bits per byte (validation.val_bpb: the first --bpb_tokens of the split in BOS-led
+    """Validation bits per byte (train_loop.val_bpb: the first --bpb_tokens of the split in BOS-led
     rows, the same figure core_eval.py reports) and greedy samples; prints them and returns the
     metrics fields."""
-    bpb, _ = validation.val_bpb(model, val_rows, tokenizer.token_bytes, 8, args.dtype, rank, world,
+    bpb, _ = train_loop.val_bpb(model, val_rows, tokenizer.token_bytes, 8, args.dtype, rank, world,
                                 device)
     if rank == 0 or distributed.is_sharded(model):  # a sharded model is gathered by every rank
         samples = []
@@ -197,7 +190,7 @@ def evaluate(model, tokenizer, args, rank, world, device, run_dir, val_rows, ste
             samples.append({"step": step, "prompt": prompt,
                             "completion": tokenizer.decode(completion)})
     if rank == 0:
-        common.append_jsonl(run_dir / "samples.jsonl", *samples)
+        distributed.append_jsonl(run_dir / "samples.jsonl", *samples)
         print(f"eval step {step}: val bpb {bpb:.4f}; " + " | ".join(f"{s['prompt']!r} -> "
                                                                     f"{s['completion']!r}"
                                                                    for s in samples))
@@ -227,48 +220,45 @@ def main(argv=None):
         parser.error(str(e))
     if args.data_plan:
         return data_plan(args, config, tokenizer)
-    args.dtype = args.dtype or common.matmul_dtype(device, config.n_embd)
+    args.dtype = args.dtype or distributed.matmul_dtype(device, config.n_embd)
     torch.manual_seed(args.seed)
     model = build_model(config, device)
     check_master_weights(model)
     sharding = distributed.shard_model(model, args, world, device)
-    run_dir, resume_from = runs.resolve_run(args, "pretrain")
+    run_dir, resume_from = checkpoint.resolve_run(args, "pretrain")
     micro, accum, _ = train_loop.plan_batch(args, config, world, model, device, resume_from)
     seq_len, params, fpt = config.sequence_len, num_params(config), flops_per_token(config)
     counted = budget_params(config)  # what --tokens_per_param counts
     tokens_per_step = micro * seq_len * world * accum
     total_steps = plan_steps(args, config, tokens_per_step)
     optimizers = optim.build_optimizers(model, args, config.n_embd, tokens_per_step, device)
-    # one loader per accumulation micro-step, as virtual rank rank*accum + j of world*accum: the
-    # rows of a global
-    # batch are the same however it is split into processes and micro-steps
+    # one loader per micro-step, virtual rank rank*accum + j: a batch's rows whatever the split
     loaders = [text_loader(args.data_dir, "train", tokenizer, micro, seq_len, rank=rank * accum + j,
                            world_size=world * accum, device=device,
                            threads=train_loop.loader_threads(args, device))
                for j in range(accum)]
-    # does the corpus hold the budget? (rank 0 counts; the others need not wait for it before their
-    # next collective)
-    data = corpus_budget(args.data_dir, tokenizer,
-                         total_steps * tokens_per_step) if master else None
-    layout, run, ckpt_meta = runs.record_run(args, "pretrain", asdict(config), seq_len, micro,
+    # does the corpus hold the budget? (rank 0 counts)
+    budget = total_steps * tokens_per_step
+    data = corpus_budget(args.data_dir, tokenizer, budget) if master else None
+    layout, run, ckpt_meta = checkpoint.record_run(args, "pretrain", asdict(config), seq_len, micro,
                                              accum, world,
                                              total_steps, tokens_per_step, tokenizer, params,
                                              {"data": data, "data_dir": args.data_dir})
     if master:
-        runs.announce(args, run_dir, run, [
+        checkpoint.announce(args, run_dir, run, [
             f"model: {args.preset}, params: {params}; FLOPs/token {fpt:.4e}", sharding,
-            runs.batch_line(micro, seq_len, world, accum), args.budget_line,
-            (f"budget: {total_steps:,} steps, {total_steps * tokens_per_step:,} tokens, "
+            checkpoint.batch_line(micro, seq_len, world, accum), args.budget_line,
+            (f"budget: {total_steps:,} steps, {budget:,} tokens, "
              f"{fpt * total_steps * tokens_per_step:.3e} FLOPs, "
              f"{total_steps * tokens_per_step / counted:.2f} tokens per parameter (value-embedding "
-             "tables not counted)"), budget_line(data, total_steps * tokens_per_step)],
+             "tables not counted)"), budget_line(data, budget)],
             optimizers, device)
     start = (checkpoint.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank,
                                device) if resume_from
              else 0)
 
     train_model = train_loop.wrap_model(model, args, world, local_rank, device)
-    val_rows = validation.val_rows(args.data_dir, tokenizer, args.bpb_tokens, seq_len)
+    val_rows = train_loop.val_rows(args.data_dir, tokenizer, args.bpb_tokens, seq_len)
     evaluator = partial(evaluate, model, tokenizer, args, rank, world, device, run_dir, val_rows)
     signum = train_loop.train(args, model, train_model, optimizers, loaders, run_dir=run_dir,
                               start=start,
@@ -277,7 +267,7 @@ def main(argv=None):
     if signum is None:
         bpb = evaluator(total_steps)["val_bpb"]
         if master:
-            common.append_jsonl(run_dir / "metrics.jsonl", {"step": total_steps,
+            distributed.append_jsonl(run_dir / "metrics.jsonl", {"step": total_steps,
                                                             "final_val_bpb": bpb})
             (run_dir / "done.json").write_text(json.dumps({"step": total_steps, "val_bpb": bpb}))
             print(f"done: {total_steps} steps, val bpb {bpb:.4f}, run dir {run_dir}")

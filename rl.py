@@ -33,10 +33,8 @@ import torch
 
 import chat_stage
 import checkpoint
-import common
 import distributed
 import optim
-import runs
 import train_loop
 from dataset import CACHE_DIR
 from decode import ToolUse, decode, reply_text
@@ -100,7 +98,7 @@ def get_args(argv=None):
                    "chat_eval.py's order; -1 = all (default: %(default)s)")
     g.add_argument("--eval_samples", type=int, default=8, help="k: replies sampled per held-out "
                    "question (default: %(default)s)")
-    runs.add_run_args(p, "rl")
+    checkpoint.add_run_args(p, "rl")
     chat_stage.add_init_args(p, ["sft"], lr_scale=RL_LR_SCALE, schedule="linear", warmdown_frac=0.2,
                              why=RL_WHY)
     args = train_loop.parse_stage_args(p, argv, ["epochs", "steps"], default=("epochs", 1.0))
@@ -400,7 +398,7 @@ def progress_line(record, total_steps, eval_every, step_seconds, eval_seconds):
     return (f"step {record['step']}/{total_steps} reward {record['reward']:.3f} loss "
             f"{record['loss']:+.5f} reply {record['reply_tokens']:.1f} tokens, "
             f"{record['sampled_tok_per_s']:,.0f} sampled tok/s, lr x{record['lr_mult']:.3f} gnorm "
-            f"{record['grad_norm']:.3f} ETA {common.fmt_duration(eta)}")
+            f"{record['grad_norm']:.3f} ETA {distributed.fmt_duration(eta)}")
 
 
 def load_tasks(args, parent, parent_meta, rank, world):
@@ -422,7 +420,7 @@ def load_tasks(args, parent, parent_meta, rank, world):
 def finish(run_dir, total_steps, final):
     """Rank 0's end: the final held-out figures in metrics.jsonl, done.json with the verdict."""
     metrics = run_dir / "metrics.jsonl"
-    common.append_jsonl(metrics, {"step": total_steps, "final": True, "held_out": final})
+    distributed.append_jsonl(metrics, {"step": total_steps, "final": True, "held_out": final})
     summary = verdict([json.loads(line) for line in metrics.read_text().splitlines()])
     (run_dir / "done.json").write_text(json.dumps({"step": total_steps, **summary,
                                                    "held_out": final}))
@@ -450,7 +448,7 @@ def main(argv=None):
                  for name, value, where in inherited]
     # the rows' length; the model keeps the parent's rotary tables
     config = replace(model.config, sequence_len=args.sequence_len)
-    run_dir, resume_from = runs.resolve_run(args, "rl")
+    run_dir, resume_from = checkpoint.resolve_run(args, "rl")
     # a step's batch is its replies: no accumulation; --total_batch_tokens only scales the lrs
     micro, _, source = train_loop.plan_batch(args, config, world, model, device, resume_from,
                                              parent_meta, accumulate=False)
@@ -465,7 +463,7 @@ def main(argv=None):
     record = {"data_dir": data_dir, "tasks": tasks, "train_questions": len(train_items),
               "held_out_questions": len(held_out),
               "parent": chat_stage.parent_record(parent, parent_meta, sha256.result())}
-    layout, run, ckpt_meta = runs.record_run(
+    layout, run, ckpt_meta = checkpoint.record_run(
         args, "rl", parent_meta["model_config"], args.sequence_len, micro, 1, world, total_steps,
         args.total_batch_tokens, tokenizer, num_params(config), record)
     if rank == 0:
@@ -475,7 +473,7 @@ def main(argv=None):
                     f"{args.rollout_questions} questions' replies decoded together; {micro} rows "
                     f"per training forward; compile off (the rows' lengths change every step)")
         in_epochs = f" = {args.epochs:g} epochs" if args.epochs else ""
-        runs.announce(args, run_dir, run, [
+        checkpoint.announce(args, run_dir, run, [
             *chat_stage.parent_lines(parent, parent_meta, run["params"], inherited,
                                      (micro, source)),
             f"tasks: {tasks}: {len(train_items):,} training questions, {len(held_out):,} held out",

@@ -28,7 +28,6 @@ import chat_stage
 import checkpoint
 import distributed
 import optim
-import runs
 import train_loop
 from dataset import chat_rows, check_chat_files, mixture_files, parse_chat_sources
 from loader import (
@@ -168,7 +167,7 @@ def main(argv=None):
     seq_len = args.sequence_len
     # the rows' length; the model keeps the parent's rotary tables
     config = replace(model.config, sequence_len=seq_len)
-    run_dir, resume_from = runs.resolve_run(args, "sft")
+    run_dir, resume_from = checkpoint.resolve_run(args, "sft")
     micro, accum, source = train_loop.plan_batch(args, config, world, model, device, resume_from,
                                                  parent_meta)
     tokens_per_step = micro * seq_len * world * accum
@@ -192,17 +191,17 @@ def main(argv=None):
     record = {"chat_dir": str(args.sources[0][0]),
               "sources": [{"path": str(path), "epochs": epochs} for path, epochs in args.sources],
               "parent": chat_stage.parent_record(parent, parent_meta, sha256.result())}
-    layout, run, ckpt_meta = runs.record_run(
+    layout, run, ckpt_meta = checkpoint.record_run(
         args, "sft", parent_meta["model_config"], seq_len, micro, accum, world, total_steps,
         tokens_per_step, tokenizer, num_params(config), record)
     if rank == 0:
         passes = ", ".join(f"{path} x{epochs}" for path, epochs in args.sources)
         in_epochs = (f" = {args.epochs:g} epochs of about {epoch_batches:,} batches ({estimate}); "
                      f"the loader says when each epoch ends" if args.epochs else "")
-        runs.announce(args, run_dir, run, [
+        checkpoint.announce(args, run_dir, run, [
             *chat_stage.parent_lines(parent, parent_meta, run["params"], inherited,
                                      (micro, source)),
-            sharding, runs.batch_line(micro, seq_len, world, accum),
+            sharding, checkpoint.batch_line(micro, seq_len, world, accum),
             f"mixture (passes per epoch): {passes}; tokens per step count the padding", *skipped,
             args.budget_line, f"budget: {total_steps:,} steps{in_epochs}"], optimizers, device)
     if resume_from:

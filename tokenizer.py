@@ -1,8 +1,8 @@
 """Byte-level BPE tokenizer: train it on a corpus's training split, measure it on the validation
 split, and render chat conversations into token ids plus a loss mask.
 
-    python tokenizer.py train --data_dir DIR --vocab_size 65536     # -> runs/tokenizer/tokenizer.json
-    python tokenizer.py eval --data_dir DIR                         # bytes/token of runs/tokenizer on the val split
+    python tokenizer.py train --data_dir DIR --vocab_size 65536     # -> runs/tokenizer/
+    python tokenizer.py eval --data_dir DIR                         # bytes/token on the val split
 
 Training is rustbpe (Rust, parallel), printing what it read every 10 s and its merge loop every 10%;
 encoding is tiktoken. The vocabulary is the 256 single bytes, then the merges, then SPECIAL_TOKENS,
@@ -27,28 +27,19 @@ import tiktoken
 
 from dataset import iter_texts
 
-# GPT-4's (cl100k) pattern: a pre-token is a word with its leading space, 1-3 digits, punctuation or
-# whitespace, and
-# merges never cross those. nanochat's \p{N}{1,2} differs by 0.03% in bytes/token at vocab 8192 on
-# the real text.
-SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|"""
+# GPT-4's (cl100k) pre-token pattern; nanochat's \p{N}{1,2} differs by 0.03% in bytes/token
+SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}|"""
+                 r""" ?[^\s\p{L}\p{N}]++[\r\n]*|"""
                  r"""\s*[\r\n]|\s+(?!\S)|\s+""")
-# The chat template's, then the calculator's: <|python_start|>expr<|python_end|> is a tool call the
-# assistant writes,
-# <|output_start|>result<|output_end|> its result, inserted by generation (decode.py) and never
-# trained on.
+# the chat template's, then the calculator's: a tool call and its result (never trained on)
 SPECIAL_TOKENS = ["<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>",
-                  "<|assistant_end|>",
-                  "<|python_start|>", "<|python_end|>", "<|output_start|>", "<|output_end|>"]
+                  "<|assistant_end|>", "<|python_start|>", "<|python_end|>", "<|output_start|>",
+                  "<|output_end|>"]
 CHAT_SPECIALS = SPECIAL_TOKENS[1:5]
 FILE_NAME = "tokenizer.json"
 FORMAT = "nanochat-bpe-v1"
-# rustbpe logs its training (set-up steps, then "Progress: N% (i/n merges)" every 1%) into Python's
-# logging through
-# pyo3_log, which caches the level it finds at its first message: INFO is set here, before any
-# training, and the
-# messages print only where train_tokenizer(progress=True) adds a handler (warnings still reach
-# stderr).
+# rustbpe logs through pyo3_log, which caches the level at its first message: INFO here, printed
+# only where train_tokenizer(progress=True) adds a handler
 RUSTBPE_LOG = logging.getLogger("rustbpe")
 RUSTBPE_LOG.setLevel(logging.INFO)
 RUSTBPE_LOG.propagate = False
@@ -128,8 +119,8 @@ class Tokenizer:
             state = json.loads(path.read_text())
             if state.get("format") != FORMAT:
                 raise ValueError(f"format is {state.get('format')!r}, expected {FORMAT!r}")
-            ranks = {base64.b64decode(token, validate=True): rank for token, rank in state[
-                                                                                           "mergeable_ranks"]}
+            ranks = {base64.b64decode(token, validate=True): rank
+                     for token, rank in state["mergeable_ranks"]}
             tokenizer = cls(ranks, state["pattern"])
             stored = list(state.get("special_tokens") or {})
             if stored != SPECIAL_TOKENS and stored == SPECIAL_TOKENS[:len(stored)]:
@@ -148,10 +139,8 @@ class Tokenizer:
 
     # --- chat rendering (the rules are in _turns below) ---
     def render_conversation(self, messages, max_tokens=None):
-        """(ids, mask) of a conversation; mask is 1 on the tokens the model learns to produce:
-        assistant content and <|assistant_end|> (so it learns to stop). With max_tokens, a
-        conversation that is too long is cut after its last complete assistant turn that fits, never
-        mid-answer; ([], []) if not even the first exchange fits."""
+        """(ids, mask) of a conversation, mask 1 on assistant content and <|assistant_end|>. With
+        max_tokens, cut after the last whole assistant turn that fits; ([], []) if none does."""
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens={max_tokens} must be at least 1 (or None for no limit)")
         user_start, user_end, assistant_start, assistant_end = (self.special_id(name)
@@ -173,10 +162,8 @@ class Tokenizer:
         return ids, mask
 
     def render_parts(self, content):
-        """(ids, mask) of an assistant message's content: a string, or a list of parts {"type":
-        "text" | "python" | "python_output", "text"}. A python part is a tool call the model learns
-        to write (mask 1); a python_output part is the calculator's answer, which generation
-        inserts, so it is not trained on (mask 0)."""
+        """(ids, mask) of an assistant message's content: a string or parts of type text, python (a
+        tool call, trained on) or python_output (inserted by generation, mask 0)."""
         if isinstance(content, str):
             tokens = self.encode(content)
             return tokens, [1] * len(tokens)
@@ -186,12 +173,12 @@ class Tokenizer:
             if part["type"] == "text":
                 ids, mask = ids + tokens, mask + [1] * len(tokens)
             elif part["type"] == "python":
-                ids += [self.special_id("<|python_start|>"), *tokens, self.special_id(
-                                                                                      "<|python_end|>")]
+                ids += [self.special_id("<|python_start|>"), *tokens,
+                        self.special_id("<|python_end|>")]
                 mask += [1] * (len(tokens) + 2)
             else:
-                ids += [self.special_id("<|output_start|>"), *tokens, self.special_id(
-                                                                                      "<|output_end|>")]
+                ids += [self.special_id("<|output_start|>"), *tokens,
+                        self.special_id("<|output_end|>")]
                 mask += [0] * (len(tokens) + 2)
         return ids, mask
 
@@ -216,7 +203,8 @@ def rustbpe_printer(start, every_percent=10):
         percent = re.match(r"Progress: (\d+)%", message)
         if percent and int(percent.group(1)) % every_percent:
             return False
-        record.msg, record.args = f"tokenizer: {time.perf_counter() - start:.1f} s, rustbpe: {message}", ()
+        seconds = time.perf_counter() - start
+        record.msg, record.args = f"tokenizer: {seconds:.1f} s, rustbpe: {message}", ()
         return True
     handler.addFilter(keep)
     return handler
@@ -249,10 +237,8 @@ def train_tokenizer(texts, vocab_size, progress=False):
 
 
 def counting(texts, stats, every_s=None):
-    """Yield texts unchanged while adding documents, characters and UTF-8 bytes to stats (a dict of
-    those keys); with every_s, print what was read and its rate at most every every_s seconds
-    (rustbpe reads 8,192 texts, then splits and counts them in parallel before reading on: the rate
-    is both together)."""
+    """Yield texts while counting documents, characters and bytes into stats; with every_s, print
+    the rate at most that often."""
     start = printed = time.perf_counter()
     for text in texts:
         stats["docs"] += 1
@@ -303,10 +289,9 @@ def _turns(messages):
     if not messages:
         raise ValueError("a conversation needs at least one message")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") or \
-                not (isinstance(m.get("content"),
-                                str) or m.get("role") == "assistant" and is_parts(m[
-                                                                                                      "content"])):
+        role, content = (m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None)
+        content_ok = isinstance(content, str) or role == "assistant" and is_parts(content)
+        if role not in ("system", "user", "assistant") or not content_ok:
             raise ValueError(f"message {i}: must be {{'role': 'system'|'user'|'assistant', "
                              "'content': str (or, for the assistant, a list of {'type': "
                              "'text'|'python'|'python_output', 'text': str})}, got "

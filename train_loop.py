@@ -24,17 +24,24 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from checkpoint import list_checkpoints, resume_command, save_checkpoint, saved_layout
-from common import CACHE_DIR, append_jsonl, device_name, fmt_bytes, fmt_duration, now, peak_flops
 from distributed import (
+    CACHE_DIR,
     all_reduce,
     all_reduce_tensor,
+    append_jsonl,
+    device_name,
+    fmt_bytes,
+    fmt_duration,
     is_dtensor,
     is_sharded,
     keep_progress,
     local,
     mark_progress,
+    now,
+    peak_flops,
     run_main,
 )
+from loader import text_loader
 from model import autocast_context, parse_args
 from optim import apply_schedule, build_optimizers
 
@@ -69,8 +76,8 @@ def update_ratios(optimizers, before):
 
 
 def samples_by_id(optimizers):
-    return {id(p): sample(p).clone() for opt in optimizers for g in opt.param_groups for p in g[
-                                                                                                "params"]}
+    return {id(p): sample(p).clone() for opt in optimizers for g in opt.param_groups
+            for p in g["params"]}
 
 
 def memory_growing(history, min_steps=50, min_growth=64 * 2**20):
@@ -105,13 +112,12 @@ def health_warning(model, initial, mem_history, record, steps_done, args):
 
 
 class Health:
-    """The run's health checks, one call a step (check): every health_every steps each param group's
-    update RMS over its parameters' (samples of the parameters taken after the step before: nothing
-    moves them in between), and health_warning's frozen parameters and growing memory, printed on
-    rank 0."""
+    """The run's health checks, one call a step: every health_every steps each param group's update
+    RMS over its parameters', and health_warning's, printed on rank 0."""
 
     def __init__(self, model, optimizers, args, start, master, frozen_check=True):
-        self.model, self.optimizers, self.args, self.start, self.master = model, optimizers, args, start, master
+        self.model, self.optimizers, self.args = model, optimizers, args
+        self.start, self.master = start, master
         self.initial = param_samples(model) if frozen_check else None
         self.memory = []  # CUDA memory allocated, step by step
         self.before = self.samples(start)
@@ -154,10 +160,8 @@ class StopSignal:
 
 
 # -----------------------------------------------------------------------------
-# Budget flags (--steps, --tokens, --epochs, ...): the last one given is in force, so an override
-# appended to a plan's
-# command line (speedrun.sh's PRETRAIN_ARGS="--steps 100") replaces the plan's budget instead of
-# failing
+# Budget flags (--steps, --tokens, ...): the last one given is in force, so an override appended
+# to a plan's command line replaces its budget
 
 class BudgetFlag(argparse.Action):
     """Stores a budget flag's value and its place among the budget flags given (args.budget_order,
@@ -215,8 +219,7 @@ def parse_stage_args(parser, argv, budgets, default=None):
 
 
 # -----------------------------------------------------------------------------
-# Batch planning: the micro-batch that fits, and the accumulation steps that make up the global
-# batch
+# Batch planning: the micro-batch that fits, the accumulation steps that make the batch
 
 # the probe's ceiling without --total_batch_tokens: sequences per rank per forward
 MAX_MICRO_BATCH = 1024
@@ -262,11 +265,9 @@ def probe_step(model, optimizers, seq_len, vocab_size, dtype, device):
 
 
 def nearest_batch(total, seq_len, world, micro=0, within=0.03):
-    """The tokens a step nearest --total_batch_tokens that split into micro-batches of `micro`
-    sequences (0: to be chosen) over `world` ranks: total when it does; else, within `within`, the
-    nearest for a given micro-batch, or without one the per-rank sequences with the largest
-    power-of-two divisor (few accumulation steps), the nearer on a tie; None when none is that near.
-    E.g. 524,288 over 3 x 2048: 84 sequences a rank, 516,096 (-1.6%)."""
+    """The tokens a step nearest `total` that split into micro-batches of `micro` (0: to be chosen)
+    over `world` ranks, within `within`; without a micro-batch, the per-rank sequences with the
+    largest power-of-two divisor. None when none is that near."""
     unit = (micro or 1) * seq_len * world
     if total % unit == 0:
         return total
@@ -283,7 +284,8 @@ def processes(world):
 def batch_line(total, used, seq_len, world, micro=0):
     """What plan_batch says when it uses `used` tokens a step for --total_batch_tokens `total`."""
     from optim import BATCH_EXPONENT
-    what = f"{f'micro_batch {micro} x ' if micro else ''}sequence_len {seq_len} x {processes(world)}"
+    micro_x = f"micro_batch {micro} x " if micro else ""
+    what = f"{micro_x}sequence_len {seq_len} x {processes(world)}"
     steps = f", {used // (micro * seq_len * world)} accumulation steps" if micro else ""
     return (f"batch: --total_batch_tokens {total:,} is not a whole number of {what}: {used:,} "
             f"tokens a step instead ({100 * (used / total - 1):+.1f}%, {used // (seq_len * world)} "
@@ -295,20 +297,22 @@ def batch_line(total, used, seq_len, world, micro=0):
 
 def check_batch_divides(total, seq_len, world, micro=0):
     """--total_batch_tokens must split into (micro_batch x) sequence_len x world, checked before the
-    downloads. Returns the line saying what a step is (or the nearest batch plan_batch takes
-    instead); else a ValueError naming the process counts and totals that work."""
+    downloads. Returns the line saying what a step is; else a ValueError naming process counts
+    and totals that work."""
     used = nearest_batch(total, seq_len, world, micro)
     if used not in (None, total):
         return batch_line(total, used, seq_len, world, micro)
     sequences = total // (seq_len * world)
     if used and micro:
-        return f"batch: {total:,} tokens a step = micro-batch {micro} x sequence {seq_len:,} x {processes(world)} x " \
-               f"{sequences // micro} accumulation steps"
+        return (f"batch: {total:,} tokens a step = micro-batch {micro} x sequence {seq_len:,} x "
+                f"{processes(world)} x {sequences // micro} accumulation steps")
     if used:
-        return f"batch: {total:,} tokens a step = {sequences} sequences x sequence {seq_len:,} x {processes(world)} " \
-               f"(a process's {sequences}: micro-batch x accumulation steps, the micro-batch chosen when pretraining starts)"
+        return (f"batch: {total:,} tokens a step = {sequences} sequences x sequence {seq_len:,} x "
+                f"{processes(world)} (a process's {sequences}: micro-batch x accumulation steps, "
+                "the micro-batch chosen when pretraining starts)")
     unit = (micro or 1) * seq_len * world
-    what = f"{f'micro_batch {micro} x ' if micro else ''}sequence_len {seq_len} x {processes(world)} = {unit:,}"
+    micro_x = f"micro_batch {micro} x " if micro else ""
+    what = f"{micro_x}sequence_len {seq_len} x {processes(world)} = {unit:,}"
     # fewer GPUs that work
     counts = [str(n) for n in range(1, world) if total % ((micro or 1) * seq_len * n) == 0]
     lo, hi = total // unit * unit, (total // unit + 1) * unit
@@ -337,9 +341,8 @@ def add_micro_batch_arg(group):
 
 def plan_batch(args, config, world, model, device, resume_from=None, parent_meta=None,
                accumulate=True):
-    """(micro_batch, accumulation steps, where the micro-batch came from): --micro_batch read as its
-    help says (a resume needs its checkpoint's: the data streams). The accumulation steps make
-    --total_batch_tokens; accumulate=False (rl.py): none, its batch is its replies."""
+    """(micro_batch, accumulation steps, where the micro-batch came from): --micro_batch as its help
+    says (a resume takes its checkpoint's); accumulate=False (rl.py): no accumulation."""
     seq_len, total = config.sequence_len, args.total_batch_tokens if accumulate else None
     master = not dist.is_initialized() or dist.get_rank() == 0
     resumed = saved_layout(resume_from)["micro_batch"] if resume_from else None
@@ -405,8 +408,9 @@ def loader_threads(args, device):
     a GPU this process's share of the cores."""
     if args.loader_threads:
         return args.loader_threads
-    return 1 if device.type == "cpu" else max(1, os.cpu_count() // int(os.environ.get(
-                                                                                      "LOCAL_WORLD_SIZE", "1")))
+    if device.type == "cpu":
+        return 1
+    return max(1, os.cpu_count() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 # the user's choice, read at import: torch._dynamo's import (the first optimizer's) writes its own
@@ -418,15 +422,14 @@ def compile_cache():
     """torch.compile's cache, shared by every stage so later ones start warm (docs/training.md): the
     user's $TORCHINDUCTOR_CACHE_DIR, else a directory per torch version (another version's is never
     read)."""
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = USER_COMPILE_CACHE or str(CACHE_DIR / "compile" / f"torch-{torch.__version__}")
+    ours = CACHE_DIR / "compile" / f"torch-{torch.__version__}"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = USER_COMPILE_CACHE or str(ours)
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
 def wrap_model(model, args, world, local_rank, device, dynamic=False):
-    """DDP (gradients are views into its all-reduce buckets: no second copy) unless shard_model
-    sharded it, then torch.compile (after DDP, not before): with static shapes (dynamic=False) where
-    every micro-batch has one shape (the loaders' B x T); rl.py's replies vary in length:
-    dynamic=None, torch's default."""
+    """DDP unless shard_model sharded it, then torch.compile: static shapes, but for rl.py's replies
+    of varying length (dynamic=None)."""
     train_model = model
     if world > 1 and not is_sharded(model):
         train_model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
@@ -441,14 +444,71 @@ def wrap_model(model, args, world, local_rank, device, dynamic=False):
 
 
 # -----------------------------------------------------------------------------
+# Validation bits per byte, the same on 1 or N processes
+
+def val_rows(data_dir, tokenizer, max_tokens, seq_len):
+    """Validation rows of seq_len + 1 tokens for up to max_tokens targets, packed as training packs
+    them (one pass, one virtual rank): BOS-led, the same in every process and stage."""
+    n_rows = max(1, math.ceil(max_tokens / seq_len))
+    loader = text_loader(data_dir, "val", tokenizer, min(n_rows, 64), seq_len, max_epochs=1, name=
+                         "val")
+    rows, have = [], 0
+    try:
+        for inputs, targets in loader:
+            rows.append(torch.cat([inputs[:, :1], targets], dim=1))
+            have += len(inputs)
+            if have >= n_rows:
+                break
+    finally:
+        loader.close()
+    return torch.cat(rows)[:n_rows]
+
+
+def val_bpb(model, rows, token_bytes, batch_rows, dtype, rank, world, device):
+    """(bits per byte, tokens scored) over val_rows, in batches of batch_rows (dealt_sums). Special
+    (BOS) and -1 targets stand for no text: out of loss and bytes."""
+    token_bytes = torch.as_tensor(token_bytes, device=device)
+
+    def batch_sums(b):
+        batch = rows[b * batch_rows:(b + 1) * batch_rows].to(device)
+        # -1 padding would index out of the embedding; it follows the text and has -1 targets: any
+        # id serves
+        x, y = batch[:, :-1].clamp(min=0), batch[:, 1:]
+        nbytes = token_bytes[y.clamp(min=0)] * (y != -1)
+        text = nbytes > 0
+        with autocast_context(device.type, dtype):
+            losses = model(x, torch.where(text, y, -1), reduction="none")
+        return torch.stack([losses.sum().double(), nbytes.sum().double(),
+                            text.sum().double()]).cpu()
+    nats, total_bytes, scored = dealt_sums(model, math.ceil(len(rows) / batch_rows), 3, rank, world,
+                                           batch_sums)
+    return nats / (math.log(2) * total_bytes), int(scored)
+
+
+@torch.no_grad()
+def dealt_sums(model, n_batches, width, rank, world, batch_sums):
+    """The sums of batch_sums(b) over batches dealt round robin, summed in batch order after the
+    all-reduce: bitwise the same on 1 or N processes. A sharded model's forwards need every rank:
+    rounds go up to a multiple of world, a rank past the last batch redoing one uncounted."""
+    sums = torch.zeros(n_batches, width, dtype=torch.float64)
+    was_training = model.training
+    model.eval()
+    for b in range(rank, math.ceil(n_batches / world) * world if is_sharded(model) else n_batches,
+                   world):
+        row = batch_sums(b % n_batches)
+        if b < n_batches:
+            sums[b] = row
+    model.train(was_training)
+    return all_reduce_tensor(sums).sum(0).tolist()
+
+
+# -----------------------------------------------------------------------------
 # The training loop
 
 def forward_backward(train_model, batches, dtype, device, world):
-    """Forward and backward over one step's micro-batches [(inputs, targets), ...]; returns (summed
-    token loss, number of targets) over every micro-batch and rank. Exact for masked targets (-1):
-    each backward takes its loss sum over the whole global batch's target count (a mean per
-    micro-batch would weigh a token by how full its micro-batch is: the gradient-accumulation bug of
-    2024). DDP averages over ranks: the local scale is world/count."""
+    """Forward and backward over one step's micro-batches; returns (summed token loss, targets) over
+    all of them and all ranks. Each backward takes its loss over the whole batch's target count:
+    a mean per micro-batch would weigh tokens by how full it is."""
     count = all_reduce_tensor(torch.stack([(targets != -1).sum() for _,
                                            targets in batches]).sum().double())
     scale = world / count.clamp(min=1)
@@ -465,16 +525,10 @@ def forward_backward(train_model, batches, dtype, device, world):
 
 
 def clip_grad_norm(parameters, max_norm, host_branches=None):
-    """torch.nn.utils.clip_grad_norm_'s scaling, with the squares summed in fp64: summed shard by
-    shard in fp32, the other order moved the clip factor's last bit, so a resume at another world
-    size drifted. What is summed is each row's fp32 norm (last dimension), squared: FSDP2 shards dim
-    0, so a row's norm is the same bits at any world size (and cheaper than fp64 norms of whole
-    gradients, dev/LOG.md). Returns the norm (fp32), a tensor on the device. Off the CPU nothing is
-    read from the device (train's one read comes after the optimizer step): the fp64 fallback is
-    computed every step and chosen on the device, and the gradients are multiplied by the factor
-    even when it is 1 (the same bits). On the CPU, where a read waits for nothing, both stay
-    branches: each saves a pass over the gradients (host_branches: None = on the CPU; False makes a
-    test run the device's form there)."""
+    """clip_grad_norm_'s scaling, the squares of each row's fp32 norm summed in fp64: the same bits
+    at any world size (FSDP2 shards dim 0; dev/LOG.md). Returns the norm on the device. Off the
+    CPU nothing is read from the device: both branches are computed and chosen there. On the CPU
+    (host_branches None) they stay branches."""
     grads = [p.grad for p in parameters if p.grad is not None]
     # this rank's part of each (the whole gradient unless sharded)
     shards = [local(g) for g in grads]
@@ -593,7 +647,8 @@ class Saver:
 
     def __init__(self, args, run_dir, model, optimizers, loaders, ckpt_meta, rank, start, log,
                  stop):
-        self.args, self.run_dir, self.model, self.optimizers, self.loaders = args, run_dir, model, optimizers, loaders
+        self.args, self.run_dir, self.model = args, run_dir, model
+        self.optimizers, self.loaders = optimizers, loaders
         self.meta, self.rank, self.log, self.stop = ckpt_meta, rank, log, stop
         self.saved = start  # the step of the newest checkpoint on disk (a resume's; 0: none)
 
@@ -622,10 +677,8 @@ class Saver:
 
 
 def frozen_heap(train_fn):
-    """train with start-up's objects (modules, optimizers, loaders, imported code) collected once
-    and frozen (gc.freeze) before its loop, so the collector's full passes during the steps do not
-    walk them again; unfrozen when train returns or raises, for a process that goes on (a test's
-    in-process runs)."""
+    """train with start-up's objects frozen (gc.freeze) so the collector's full passes skip them;
+    unfrozen when it returns or raises."""
     @functools.wraps(train_fn)
     def wrapped(*args, **kwargs):
         try:
@@ -699,7 +752,7 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
 
 def progress_line(record, total_steps, seconds_per_step):
     mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] != "unknown" else "unknown"
-    eta = seconds_per_step * (total_steps - record["step"]) if seconds_per_step is not None else None
+    eta = None if seconds_per_step is None else seconds_per_step * (total_steps - record["step"])
     return (f"step {record['step']}/{total_steps} loss {record['loss']:.4f} lr "
             f"x{record['lr_mult']:.3f} gnorm {record['grad_norm']:.3f} {record['tok_per_s']:,.0f} "
             f"tok/s MFU {mfu} data wait {100 * record['data_wait']:.0f}% tokens "
@@ -712,7 +765,8 @@ def print_status(run_dir):
     """What a run has done so far, from its files: works while it runs and after it ends, for every
     stage."""
     if not (run_dir / "metrics.jsonl").is_file():
-        raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: not a run directory (runs/<run>/)")
+        raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: not a run directory "
+                                "(runs/<run>/)")
     config = json.loads((run_dir / "config.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]

@@ -18,7 +18,7 @@ chat_eval  `chat_eval.py --tasks demo-choice` (132 items), the letters alone at 
 generate   `chat_eval.py --tasks demo-answer` (--generate_items, --generate_tokens each) at --batch_items 1, 8 and 32
            (decode.py's batched generation): items/s, every item's record compared. Target: 8 >= 4x 1.
 cpu        `pretrain.py` at nanochat's tiny CPU shape (4 layers, width 256, T 256, 8 x 256 tokens a step, vocab 8192),
-           40 steps: Muon and AdamW, eager and compiled, in common.precision's dtype, and compiled Muon in the other:
+           40 steps: Muon and AdamW, eager and compiled, in distributed.precision's dtype, and compiled Muon in the other:
            tok/s, the share of the step waiting for data; then the Muon step's share of the compiled Muon step.
            Targets (2 cores): compiled Muon >= 2x nanochat's tok/s (dev/LOG.md); the Muon step <= 15% of the step.
 decode     (in this process, chat.py's dtype) greedy tok/s after a prompt filling the preset's sequence but
@@ -53,7 +53,6 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the repository's modules
 import bench_gpu
-import common
 import distributed
 import optim
 from bench_gpu import sync
@@ -170,7 +169,7 @@ def stage_plan(args, device, name):
     corpus = any("{corpus" in row[2] for row in rows)
     if corpus and not Path(args.corpus).is_dir():
         return None
-    dtype, why = common.precision(device)
+    dtype, why = distributed.precision(device)
     places = {"work": Path(args.work) if corpus else demo_files(args), "preset": args.preset, "bundle": args.bundle or
               f"{args.work}/demo/eval_bundle", "generate_items": args.generate_items, "generate_tokens":
               args.generate_tokens, "corpus": args.corpus, "corpus_tokenizer": corpus_tokenizer(args) if corpus else "",
@@ -228,7 +227,7 @@ def muon_share(device, step_seconds, vocab, dry_run):
     the AdamW step beside it), and its share of step_seconds, pretrain.py's median step in the same configuration."""
     config = config_from_preset("tiny", {"vocab_size": vocab})
     model = build_model(config, device)
-    train_model, dtype = model if dry_run else torch.compile(model, dynamic=False), common.matmul_dtype(device)
+    train_model, dtype = model if dry_run else torch.compile(model, dynamic=False), distributed.matmul_dtype(device)
     steps, untimed = (1, 0) if dry_run else (10, 3)  # the dry run times its one step: no figure of it is a measurement
     adam, muon = optim.build_optimizers(model, bench_gpu.MUON_RUN, config.n_embd, 2048, device)
     idx = torch.randint(0, vocab, (8, 256), device=device)
@@ -256,7 +255,7 @@ def muon_share(device, step_seconds, vocab, dry_run):
 def chat_decode_paths(device):
     """(dtype, decode path, the paths to time) as chat.py chooses them here by default: dtype matmul_dtype on CUDA
     (bf16 where native) else fp32, decode "auto" = compiled on CUDA else eager."""
-    dtype = common.matmul_dtype(device) if device.type == "cuda" else "float32"
+    dtype = distributed.matmul_dtype(device) if device.type == "cuda" else "float32"
     return dtype, "compiled" if device.type == "cuda" else "eager", ("eager", "compiled")
 
 
@@ -427,7 +426,7 @@ def main(argv=None):
     device = torch.device("cpu" if args.dry_run else args.device)
     if device.type == "cpu":
         distributed.keep_freed_memory()  # as every stage does on CPU
-    print(f"device: {common.device_name(device)}; bf16 native: {common.native_bf16(device)}; torch "
+    print(f"device: {distributed.device_name(device)}; bf16 native: {distributed.native_bf16(device)}; torch "
           f"{torch.__version__}, {torch.get_num_threads()} CPU threads, {os.cpu_count()} cores")
     if args.which == ["gpu_probe"]:  # the battery's micro-batch probe, in a process of its own
         return bench_gpu.gpu_probe(args, device)

@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import common
 import distributed
 import train_loop
 from bench_gpu import sync
@@ -59,7 +58,7 @@ def bench_compile(args):
     """The first compiled training step at vocabulary 512 (one loss chunk) and 65,536 (several), cold (empty compile
     caches) then warm (a second process on the same caches, as a run's next stage starts)."""
     device = torch.device(args.device)
-    dtype, rows = common.matmul_dtype(device), args.compile_batch * 256
+    dtype, rows = distributed.matmul_dtype(device), args.compile_batch * 256
     compilation = {}
     for vocab in (512, 65536):
         chunks = math.ceil(rows * vocab / loss_chunk_elements(device.type))
@@ -75,7 +74,7 @@ def bench_compile(args):
                 compilation.setdefault(vocab, r["first"] - r["steady"])  # the cold one
                 print(f"compile vocab {vocab:6d} ({chunks} loss chunks of {args.compile_batch} x 256 rows, {dtype}) "
                       f"{label}: step 1 {r['first']:6.1f} s, steady step {r['steady']:.3f} s (median of 3), "
-                      f"compilation {r['first'] - r['steady']:6.1f} s, peak memory {common.fmt_bytes(r['peak'])}")
+                      f"compilation {r['first'] - r['steady']:6.1f} s, peak memory {distributed.fmt_bytes(r['peak'])}")
     ratio = compilation[65536] / compilation[512]
     print(f"compile: vocab 65536 / vocab 512 compilation ratio {ratio:.2f} (target <= 1.5: "
           f"{'met' if ratio <= 1.5 else 'MISSED'})")
@@ -93,7 +92,7 @@ def main(argv=None):
     if args.case is None:
         return bench_compile(args)
     device = torch.device(args.device)
-    compile_case(args.case, args.compile_batch, 256, args.device, common.matmul_dtype(device), 3)
+    compile_case(args.case, args.compile_batch, 256, args.device, distributed.matmul_dtype(device), 3)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import common
 import dataset
+import distributed
 
 OLD_DOWNLOAD_CLIENT = "1d71acd"  # the last commit whose dataset.py downloads with its own HTTP code on requests
 
@@ -111,7 +111,7 @@ def bench_download(trials):
         median = sorted(times)[len(times) // 2]
         print(f"download {label:26s}: {len(files) / median:6.1f} shards/s, {total_mb / median:7.1f} MB/s (median of "
               f"{trials}; {len(files)} shards, {total_mb:.0f} MB, 4 workers, loopback)")
-    print(f"download: CPU {common.device_name(torch.device('cpu'))}, {os.cpu_count()} cores")
+    print(f"download: CPU {distributed.device_name(torch.device('cpu'))}, {os.cpu_count()} cores")
 
 
 def main(argv=None):

@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import common
 import distributed
 import optim
 import train_loop
@@ -58,7 +57,7 @@ def bench_fsdp_rank(args):
     start = time.perf_counter()
     torch.manual_seed(0)
     model = build_model(config, device)
-    dtype = common.matmul_dtype(device)
+    dtype = distributed.matmul_dtype(device)
     run = argparse.Namespace(fsdp="true", optimizer="muon", adam8bit=False, dtype=dtype, compile=False, matrix_lr=0.02,
                              embedding_lr=0.2, head_lr=0.004, scalar_lr=0.04)
     sharding = distributed.shard_model(model, run, world, device)

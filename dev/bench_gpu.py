@@ -31,7 +31,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the repository's modules
-import common
+import distributed
 import model
 import optim
 import train_loop
@@ -165,8 +165,8 @@ class GpuBattery:
         self.deadline = time.perf_counter() + args.deadline_s if args.deadline_s else math.inf
         # bf16 on the GPU, as nanochat there; fp32 in the dry run, as nanochat on a CPU
         self.dtype = "bfloat16" if device.type == "cuda" else "float32"
-        self.peak = common.peak_flops(common.device_name(device), self.dtype)
-        self.peak_source = "rated dense bf16 peak (common.PEAK_BF16_FLOPS)"
+        self.peak = distributed.peak_flops(distributed.device_name(device), self.dtype)
+        self.peak_source = "rated dense bf16 peak (distributed.PEAK_BF16_FLOPS)"
         if self.peak is None:  # a CPU, or a GPU the table lacks: this device's own measured matmul throughput
             self.peak = matmul_peak(device, getattr(torch, self.dtype))
             self.peak_source = f"measured 2048x2048 {self.dtype} matmul throughput of this device"
@@ -389,14 +389,14 @@ class GpuBattery:
 
 def gpu_environment(device, bench_dir):
     """Device, driver, torch and the code, for the battery's header."""
-    driver, code, prepared = "none (CPU)", common.code_version(), read_json(Path(bench_dir) / "PREPARED.json")
+    driver, code, prepared = "none (CPU)", distributed.code_version(), read_json(Path(bench_dir) / "PREPARED.json")
     try:
         driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                 capture_output=True, text=True, timeout=30, check=True).stdout.strip() \
             if device.type == "cuda" else driver
     except (OSError, subprocess.SubprocessError):
         driver = "unknown (nvidia-smi did not answer)"
-    return {"device": common.device_name(device), "driver": driver, "torch": torch.__version__,
+    return {"device": distributed.device_name(device), "driver": driver, "torch": torch.__version__,
             "cuda": torch.version.cuda or "none", "python": sys.version.split()[0], "commit": code["commit"],
             "dirty": code["dirty"], "prepared_at_commit": prepared["code"]["commit"] if prepared else "unknown",
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}

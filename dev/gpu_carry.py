@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import common  # the repository root, put on the path above
+import distributed  # the repository root, put on the path above
 from bench_gpu import GPU_CALLS, GPU_VOCAB, gpu_markdown, nanochat_data, nanochat_env
 from dataset import iter_texts
 from tokenizer import train_tokenizer
@@ -106,7 +106,7 @@ def gpu_prepare(args):
         device_wheels(Path(args.whl_dir), args.wheels_python)
     size = sum(f.stat().st_size for f in bench.rglob("*") if f.is_file())
     record = {"nanochat_commit": args.nanochat_commit, "vocab": vocab, "corpus": str(corpus),
-              "wheels_python": args.wheels_python, "bytes": size, "code": common.code_version(),
+              "wheels_python": args.wheels_python, "bytes": size, "code": distributed.code_version(),
               "prepared": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     (bench / "PREPARED.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"prepare: {bench} holds {size / 2**20:.1f} MiB (the device tool carries at most 64 MiB)")

@@ -138,9 +138,9 @@ def test_a_phase_past_its_timeout_is_stopped_with_its_children_and_reported_with
 
 def test_the_decode_benchmark_times_chat_py_s_dtype(monkeypatch):
     """On a GPU chat.py decodes in bf16 (its compiled path): the benchmark times that dtype, not fp32."""
-    import common
+    import distributed
     assert bench.chat_decode_paths(torch.device("cpu")) == ("float32", "eager", ("eager", "compiled"))
-    monkeypatch.setattr(common, "native_bf16", lambda device: True)  # an H100 / H200
+    monkeypatch.setattr(distributed, "native_bf16", lambda device: True)  # an H100 / H200
     assert bench.chat_decode_paths(torch.device("cuda")) == ("bfloat16", "compiled", ("eager", "compiled"))
 
 
@@ -179,7 +179,7 @@ def test_a_battery_stopped_mid_phase_stops_the_phase_s_processes_with_it(tmp_pat
 
 
 def test_h200_nvl_and_b200_have_their_dense_bf16_peaks():
-    from common import peak_flops
+    from distributed import peak_flops
     assert peak_flops("NVIDIA H200 NVL", "bfloat16") == 836e12  # not the SXM's 989e12: MFU 15% too low
     assert peak_flops("NVIDIA H200", "bfloat16") == 989e12
     assert peak_flops("NVIDIA B200", "bfloat16") == 2250e12

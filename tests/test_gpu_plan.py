@@ -485,7 +485,7 @@ def test_the_probe_on_one_gpu_says_bus_bandwidth_does_not_apply(monkeypatch, cap
 
 
 def test_h100_nvl_pcie_and_sxm_each_get_their_own_peak():
-    from common import peak_flops
+    from distributed import peak_flops
     assert peak_flops("NVIDIA H100 NVL", "bfloat16") == 835e12  # was the SXM's 989e12: MFU 18% too low
     assert peak_flops("NVIDIA H100 PCIe", "bfloat16") == 756e12
     assert peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 989e12

@@ -346,7 +346,7 @@ def test_muon_momentum_rises_from_0_85_to_0_95_over_the_warmup_and_is_applied_by
 
 def test_optimizer_groups_and_lr_rule(monkeypatch):
     # Newton-Schulz's dtype is not what this test is about: on a CPU with native bf16 and no precision.json entry for
-    # width 3072 yet, common.precision would time that width's matmuls first (~12 s on a 2-core Xeon with AMX, more
+    # width 3072 yet, distributed.precision would time that width's matmuls first (~12 s on a 2-core Xeon with AMX, more
     # where bf16 is the slower)
     monkeypatch.setattr(optim, "matmul_dtype", lambda device, width=256: "float32")
     model = build_model(config_from_preset("tiny", {"norm_learnable": True}))

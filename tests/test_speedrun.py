@@ -31,7 +31,6 @@ from helpers import (
 import chat_stage
 import checkpoint
 import gpu_plan
-import runs
 from tokenizer import Tokenizer
 
 TRAIN_STAGES = ["pretrain", "midtrain", "sft", "rl"]
@@ -143,7 +142,7 @@ def test_after_the_speedrun_chat_export_and_chat_eval_take_its_final_model_with_
     # a stage's --resume without --run_name finds the newest run of its stage in speedrun.sh's layout too
     args = Namespace(keep=1, resume="latest", run_name=None, runs_dir=str(tmp_path / "runs"), preset="tiny")
     sft = tmp_path / "runs" / "speedrun" / "sft"
-    assert runs.resolve_run(args, "sft") == (sft, checkpoint.list_checkpoints(sft / "ckpt")[-1])
+    assert checkpoint.resolve_run(args, "sft") == (sft, checkpoint.list_checkpoints(sft / "ckpt")[-1])
     assert (args.runs_dir, args.run_name) == (str(sft.parent), "sft")  # what its resume command names
 
 

@@ -15,10 +15,8 @@ import torch
 from helpers import ROOT, assert_same, global_batch, step, tiny_model
 
 import checkpoint
-import common
 import distributed
 import optim
-import runs
 import train_loop
 
 
@@ -126,7 +124,7 @@ def test_a_loaded_optimizer_keeps_this_runs_kernel_and_newton_schulz_dtype_and_t
 def test_keep_must_leave_at_least_one_checkpoint(tmp_path):
     args = Namespace(keep=0, resume=None, run_name="r", runs_dir=str(tmp_path), preset="tiny")
     with pytest.raises(ValueError, match="--keep 0: keep at least 1"):
-        runs.resolve_run(args, "pretrain")
+        checkpoint.resolve_run(args, "pretrain")
 
 
 @pytest.mark.parametrize("argv", [["--steps", "9", "--resume", "runs/old/ckpt/step_000004", "--seed", "1"],
@@ -235,13 +233,13 @@ def test_a_cpu_picks_fp32_untimed_where_bf16_is_emulated_and_by_timing_where_nat
     AVX512-BF16 or AMX the faster one as timed here wins (here bf16, 2x), and Muon's Newton-Schulz follows it."""
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
-    monkeypatch.setattr(common, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(distributed, "CACHE_DIR", tmp_path)
     timed = []
-    monkeypatch.setattr(common, "time_linear", lambda dtype, width: timed.append(dtype) or
+    monkeypatch.setattr(distributed, "time_linear", lambda dtype, width: timed.append(dtype) or
                         {"float32": 0.5, "bfloat16": 0.25}[dtype])
     cpu, native = torch.device("cpu"), avx512_bf16 or amx
     expected = "bfloat16" if native else "float32"
-    assert common.matmul_dtype(cpu, 32) == expected
+    assert distributed.matmul_dtype(cpu, 32) == expected
     assert timed == (["float32", "bfloat16"] if native else [])
     optimizers = optim.build_optimizers(tiny_model(), muon_args(expected), 32, 2048, cpu)
     assert optimizers[1].param_groups[0]["ns_dtype"] == expected
@@ -249,46 +247,46 @@ def test_a_cpu_picks_fp32_untimed_where_bf16_is_emulated_and_by_timing_where_nat
            else "bf16 is not native on this CPU (emulated), so not timed")
     assert optim.precision_line(muon_args(expected), cpu, optimizers, 32) == (
         f"precision: fp32 weights, compute {expected}, Muon Newton-Schulz {expected} ({why}) on "
-        f"{common.device_name(cpu)}")
+        f"{distributed.device_name(cpu)}")
     if native:  # --dtype float32 against the measured bf16: the line says both
         assert optim.precision_line(muon_args("float32"), cpu, optimizers, 32).endswith(
-            f"(given or inherited; the choice here would be bfloat16, {why}) on {common.device_name(cpu)}")
+            f"(given or inherited; the choice here would be bfloat16, {why}) on {distributed.device_name(cpu)}")
 
 
 def test_the_probe_picks_the_faster_precision_and_a_tie_goes_to_fp32():
-    slower_bf16 = common.pick_precision({"float32": 0.1, "bfloat16": 0.19})
+    slower_bf16 = distributed.pick_precision({"float32": 0.1, "bfloat16": 0.19})
     assert slower_bf16 == ("float32", "fp32: 1.9x faster than bf16 here, measured")
-    faster_bf16 = common.pick_precision({"float32": 0.3, "bfloat16": 0.1})
+    faster_bf16 = distributed.pick_precision({"float32": 0.3, "bfloat16": 0.1})
     assert faster_bf16 == ("bfloat16", "bf16: 3.0x faster than fp32 here, measured")
-    assert common.pick_precision({"float32": 0.2, "bfloat16": 0.2})[0] == "float32"
+    assert distributed.pick_precision({"float32": 0.2, "bfloat16": 0.2})[0] == "float32"
 
 
 def test_the_measured_precision_is_kept_per_cpu_model_and_torch_version_and_not_trusted_across_them(tmp_path,
                                                                                                   monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
-    monkeypatch.setattr(common, "CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setattr(distributed, "CACHE_DIR", tmp_path / "cache")
     timings = {"float32": 0.1, "bfloat16": 0.2}
     timed = []
-    monkeypatch.setattr(common, "time_linear", lambda dtype, width: timed.append((dtype, width)) or timings[dtype])
+    monkeypatch.setattr(distributed, "time_linear", lambda dtype, width: timed.append((dtype, width)) or timings[dtype])
     cpu = torch.device("cpu")
     kept = tmp_path / "cache" / "precision.json"
-    assert common.precision(cpu, 64) == ("float32", f"fp32: 2.0x faster than bf16 here, measured (kept in {kept})")
+    assert distributed.precision(cpu, 64) == ("float32", f"fp32: 2.0x faster than bf16 here, measured (kept in {kept})")
     assert timed == [("float32", 64), ("bfloat16", 64)]
     timings.update(float32=0.4)  # a second stage on this machine reads the first one's answer, it does not re-time
-    assert common.precision(cpu, 64) == ("float32", f"fp32: 2.0x faster than bf16 here, measured earlier ({kept})")
+    assert distributed.precision(cpu, 64) == ("float32", f"fp32: 2.0x faster than bf16 here, measured earlier ({kept})")
     assert len(timed) == 2
     monkeypatch.setattr(torch, "__version__", "9.9.9")  # another torch: measured again, and now bf16 wins
-    assert common.precision(cpu, 64)[0] == "bfloat16" and len(timed) == 4
-    monkeypatch.setattr(common, "device_name", lambda device: "another CPU")  # another CPU model: again
-    assert common.precision(cpu, 64)[0] == "bfloat16" and len(timed) == 6
+    assert distributed.precision(cpu, 64)[0] == "bfloat16" and len(timed) == 4
+    monkeypatch.setattr(distributed, "device_name", lambda device: "another CPU")  # another CPU model: again
+    assert distributed.precision(cpu, 64)[0] == "bfloat16" and len(timed) == 6
     assert len(json.loads(kept.read_text())) == 3
     kept.write_text("{damaged")  # a damaged file is measured over, not an error
-    assert common.precision(cpu, 64)[0] == "bfloat16" and len(timed) == 8
+    assert distributed.precision(cpu, 64)[0] == "bfloat16" and len(timed) == 8
 
 
 def test_the_probe_times_a_real_linear_layer_in_either_precision():
     for dtype in ("float32", "bfloat16"):
-        seconds = common.time_linear(dtype, 16, rows=32, reps=2)
+        seconds = distributed.time_linear(dtype, 16, rows=32, reps=2)
         assert 0 < seconds < 1
 
 

@@ -15,7 +15,7 @@ import midtrain
 import optim
 import report
 import sft
-import validation
+import train_loop
 from model import PRESETS, GPTConfig, autocast_context, build_model
 from tokenizer import Tokenizer
 
@@ -119,13 +119,13 @@ def test_each_chat_stage_reports_the_pretraining_val_bpb_its_model_kept(speedrun
     meta = json.loads((chat_chain["pretrain"] / "meta.json").read_text())
     dtype = meta["hparams"]["dtype"]
     # the pretraining run's final evaluation: LEARN_ARGS' --bpb_tokens 20000 of the demo corpus in rows of 128
-    rows = validation.val_rows(demo_world / "demo" / "pretrain", tokenizer, 20000, 128)
+    rows = train_loop.val_rows(demo_world / "demo" / "pretrain", tokenizer, 20000, 128)
     figures = {"pretrain": pretrained}
     for stage in ("midtrain", "sft"):
         kept = json.loads((run / stage / "done.json").read_text())["pretrain_val_bpb"]
         assert (kept["data_dir"], kept["sequence_len"]) == (str(demo_world / "demo" / "pretrain"), 128)
         model, _ = checkpoint.load_model(chat_chain[stage], CPU)
-        again, scored = validation.val_bpb(model, rows, tokenizer.token_bytes, 8, dtype, 0, 1, CPU)
+        again, scored = train_loop.val_bpb(model, rows, tokenizer.token_bytes, 8, dtype, 0, 1, CPU)
         assert kept["tokens"] == scored
         assert abs(kept["val_bpb"] - again) < 1e-6, (stage, kept, again)
         figures[stage] = kept["val_bpb"]
