@@ -5,7 +5,7 @@ stages.
     python launch.py probe --run RUN TORCHRUN... distributed.py probe  # NCCL, safe flags on a hang
     python launch.py stage --run RUN NAME [--train] [--skip_if PATH] COMMAND...  # logged, recorded
     python launch.py end --run RUN                     # end the run's live processes (at exit)
-    python launch.py rehearsal_due --run RUN REHEARSAL_DIR 0|1  # exit 0: rehearse (--no_rehearse: 1)
+    python launch.py rehearsal_due --run RUN REHEARSAL_DIR 0|1  # exit 0: rehearse (--no_rehearse 1)
     python launch.py rehearsal_passed --run RUN REHEARSAL_DIR  # its checkpoints deleted, cost said
     python launch.py stage_evals --run RUN STAGE LIST FINAL  # exit 0: --stage_evals has STAGE
     python launch.py rehearsed --run RUN SECONDS       # stage times: <run>/rehearsed.json
