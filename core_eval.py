@@ -208,7 +208,7 @@ def read_items(path, kind):
                 raise ValueError(f"{where}: a {kind} item needs {', '.join(TASK_KEYS[kind])}; "
                                  f"missing {', '.join(missing)}")
             options = item.get("choices", item.get("context_options"))
-            gold = item["gold"]
+            gold = item.get("gold")
             if kind != "language_modeling" and not (
                     isinstance(options, list) and len(options) >= 2 and isinstance(gold, int)
                     and 0 <= gold < len(options)):

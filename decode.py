@@ -1,34 +1,23 @@
-"""Generation, the one path: chat.py's replies (decode_step on its conversation's cache, token by
-token), and decode() for rl.py's rollouts, chat_eval.py's generated answers, core_eval.py's and
-validation.py's samples.
+"""Generation, the one path: chat.py's replies (decode_step on its conversation's cache), and
+decode() for rl.py's rollouts, chat_eval.py's answers, core_eval.py's and validation.py's samples.
 
-decode() prefills several prompts in one forward and decodes N replies to each, every row in one
-forward per step, each at its own position (a greedy row equals its prompt decoded alone, token for
-token) with its own calculator; the cache is compacted when half the prompts have ended. On CUDA the
-step is compiled, on the CPU eager; the stages' few samples ask for eager on CUDA too: a first
-compilation costs more than their few hundred tokens (dev/LOG.md). docs/model.md (generation) says
-how it works.
-
-Run alone it checks itself on a random-init model: greedy rows decoded together against each prompt
-decoded alone, and the tokens per second of each.
+decode() prefills the prompts in one forward and decodes N replies to each, every row in one forward
+per step at its own position (a greedy row equals its prompt decoded alone), each with its own
+calculator; the cache is compacted when half the prompts have ended. Compiled on CUDA, eager on the
+CPU and for the stages' few samples, where a first compilation costs more (dev/LOG.md).
+docs/model.md (generation) says how it works. Run alone it checks greedy rows decoded together
+against each prompt alone on a random-init model, and times both.
 
     python decode.py                              # tiny, 8 prompts of 5 to 60 tokens, 32 new each
     python decode.py --preset d12 --prompts 64 --dtype bfloat16 --device cuda
 
-The calculator (below, the chat model's tool): arithmetic on numbers, evaluated by walking the
-expression's syntax tree, never by eval(). The model writes <|python_start|>expr<|python_end|> while
-answering; generation (chat.py, chat_eval.py) calls calculate(expr) and inserts
-<|output_start|>result<|output_end|> after it, as GSM8K's <<expr=result>> annotations are taught in
-SFT.
+The calculator, the chat model's tool: the model writes <|python_start|>expr<|python_end|>; the
+generation inserts <|output_start|>calculate(expr)<|output_end|>, as SFT teaches GSM8K's
+<<expr=result>>. Arithmetic on the syntax tree, never eval(): numbers, + - * / // % ** and unary
++ -, parentheses; anything else is refused. Exact (fractions) and bounded, so a hostile expression
+costs microseconds: MAX_CHARS, MAX_DEPTH, MAX_DIGITS per number, MAX_EXPONENT, MAX_SECONDS.
 
     python decode.py --calculate "12/60*50"            # 10
-
-Allowed: numbers (ints and decimals), + - * / // % ** and unary + -, parentheses. Nothing else:
-names, calls, attributes, subscripts, strings, comparisons are refused. Every step is exact
-(fractions), and bounded, so a hostile expression costs microseconds and a little memory before it
-is refused: at most MAX_CHARS characters, MAX_DEPTH levels of nesting, numbers of at most MAX_DIGITS
-digits (operands, intermediate results and the result alike), exponents of at most MAX_EXPONENT, and
-MAX_SECONDS of wall time.
 """
 import argparse
 import ast

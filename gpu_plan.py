@@ -1,24 +1,22 @@
 """gpu_plan.py: the gpu plan's numbers in one place, and its rehearsal's. speedrun.sh runs the gpu
-plan's stages with these flags (launch.py setup hands them to it as its arrays), its disk plan
-(check_disk, which launch.py shards runs on pretrain.py --data_plan's data_plan.json) counts their
-checkpoints, predict_plan (below) predicts their time from the rehearsal and launch.py prints the
-plan from them: a number changed here changes all four (`bash speedrun.sh --print --plan gpu` shows
-the plan and every stage's command). The standard library only: launch.py imports it before .venv
-exists.
+plan's stages with these flags (from launch.py setup), check_disk (launch.py shards, on pretrain.py
+--data_plan's data_plan.json) counts their checkpoints, predict_plan predicts their time from the
+rehearsal and launch.py prints the plan from them: a number changed here changes all four (`bash
+speedrun.sh --print --plan gpu` shows them). The standard library only: launch.py imports it before
+.venv.
 
 What the gpu plan will cost, predicted from its rehearsal before the hours of pretraining are spent:
 
     python gpu_plan.py runs/speedrun-rehearsal   # the gpu plan's budgets at the rehearsal's depth
     python gpu_plan.py runs/speedrun-rehearsal --plan_json plan.json --out runs/NAME/predicted.json
 
-The rehearsal (speedrun.sh --rehearse) runs every stage with the plan's own command lines, data and
-world size on a tiny budget; each stage's predicted wall time is start-up + steps x step time +
-saves x save time + evaluations x evaluation time, its rates measured in the rehearsal
-(docs/speedrun.md says from which files) and its counts the plan's budgets. Where the rehearsal
-cannot measure a rate at the plan's size, the line says what is assumed; a stage whose budget is not
-known before its data (SFT's epoch) is "unknown" with why. Prints one line per stage and the total
-in hours and GPU-hours, and writes them as JSON (predicted.json, which report.py shows beside each
-stage's actual wall time). Imports no torch: pretrain_steps_for imports model.py when called.
+The rehearsal (speedrun.sh --rehearse) runs every stage with the plan's command lines, data and
+world size on a tiny budget; a stage's predicted wall time is start-up + steps x step time + saves x
+save time + evaluations x evaluation time: rates measured in the rehearsal (docs/speedrun.md),
+counts the plan's. Where a rate cannot be measured at the plan's size the line says what is assumed;
+a budget unknown before its data (SFT's epoch) is "unknown" with why. Prints a line per stage and
+the total in hours and GPU-hours, written as JSON (predicted.json, which report.py shows beside each
+stage's actual time). Imports no torch: pretrain_steps_for imports model.py when called.
 """
 import argparse
 import json

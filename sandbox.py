@@ -1,26 +1,23 @@
 """Run untrusted Python (a model's HumanEval program) in a separate, limited process and say how it
 ended.
 
-    python sandbox.py --probe  # the level this machine gives, what it contains and what it cannot
-    python sandbox.py program.py              # run a file in the sandbox: its status and output
+    python sandbox.py --probe     # the level this machine gives, what it contains and cannot
+    python sandbox.py program.py  # run a file in the sandbox: its status and output
 
-Every run, at either level: a fresh `python -I` reading the program from stdin, in an empty working
-directory; its own session, whose process group is killed when the run ends, its timeout passes, or
-the evaluator itself dies (a thread of the program's own waits on a pipe whose other end only the
-evaluator holds); the environment PATH and LANG only; setrlimit limits (CPU, address space,
-processes, file size, which also caps its output, no core dumps, 64 open files); socket.socket
-replaced by a class that raises (best effort: __mro__ or ctypes reach the original).
+At either level: a fresh `python -I` reading the program from stdin in an empty working directory;
+its own session, whose group is killed at the end, at the timeout, or when the evaluator dies (a
+thread waits on a pipe only the evaluator holds); PATH and LANG only; setrlimit limits (CPU, address
+space, processes, file size, which caps its output, no core dumps, 64 open files); socket.socket
+raising (best effort: __mro__ or ctypes reach the original).
 
-Level "namespaces" (Linux, where `unshare` can create them; probed once per process) adds a network
-namespace with no interface up, a pid namespace whose first process is the program (all it started
-die with it), and a mount namespace in which every top-level directory but SYSTEM_DIRS, and
-/dev/shm, is an empty tmpfs, top-level files read as empty and the interpreter's prefix is bound
-back read-only; as root it then runs as nobody with no capability, otherwise a nested user namespace
-locks those mounts. Level "process" is the common part alone (as root still run as nobody), only
-where the caller asks for it (--sandbox process), never a silent fallback: it does not stop reading
-what its user can read by absolute path, or the network through the original socket class or ctypes.
-describe() says which level runs and why; docs/eval.md (the sandbox) has the full account of what
-each level contains.
+Level "namespaces" (where `unshare` can create them; probed once) adds a network namespace with no
+interface up, a pid namespace the program leads (all it started die with it), and a mount namespace
+where every top-level directory but SYSTEM_DIRS, and /dev/shm, is an empty tmpfs and the
+interpreter's prefix is bound back read-only; as root it then runs as nobody, otherwise a nested
+user namespace locks those mounts. Level "process" is the common part alone, only when asked for
+(--sandbox process), never a silent fallback: it still reads what its user can, and reaches the
+network through ctypes. describe() says which level runs and why; docs/eval.md (the sandbox) has
+the full account.
 """
 import argparse
 import contextlib
