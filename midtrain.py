@@ -4,9 +4,9 @@ so it learns the template, turns and when to stop, and keeps its knowledge.
 
     python midtrain.py --steps 2000
         # newest pretrain checkpoint; 30% its corpus, 70% conversations and tasks
-    python midtrain.py --checkpoint runs/base --source text:data/demo/pretrain:0.3 \
+    python midtrain.py --checkpoint runs/base --source text:data/demo/pretrain:0.3 \\
         --source chat:data/demo/conversations:0.7
-    python midtrain.py --source text:data/mine:0.3 --source chat:my_chats.jsonl:0.7 \
+    python midtrain.py --source text:data/mine:0.3 --source chat:my_chats.jsonl:0.7 \\
         --val_chat_dir held_out.jsonl
     torchrun --standalone --nproc_per_node=8 midtrain.py --tokens 500000000
     python midtrain.py --run_name NAME --resume  # continue from the last checkpoint

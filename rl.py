@@ -5,7 +5,7 @@ advantage = reward - the mean reward of the question's replies, the loss normali
 token, no KL penalty, no ratio clipping; the prompt and the calculator's output carry no loss).
 
     python rl.py  # the newest SFT checkpoint; GSM8K train, held out: GSM8K test
-    python rl.py --checkpoint runs/speedrun/sft --demo runs/speedrun/demo --steps 60 \
+    python rl.py --checkpoint runs/speedrun/sft --demo runs/speedrun/demo --steps 60 \\
         --max_new_tokens 48
     torchrun --standalone --nproc_per_node=8 rl.py
     python rl.py --run_name NAME --resume  # continue from the last checkpoint
