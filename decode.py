@@ -91,15 +91,12 @@ def attend(q, i, prompt_k, prompt_v, reply_k, reply_v, valid, width):
 
 def decode_step(model, weights, token, pos, step, prompt_k, prompt_v, prompt_valid, reply_k,
                 reply_v, width):
-    """fp32 logits (N, vocab) of one token per row: token (N,) at pos (N,), each row its own
-    position, rows grouped by prompt (N = prompts x samples, a prompt's rows together). The cache
-    has two parts: the prompts' keys and values, one copy per prompt, prompt_k, prompt_v (layer,
-    prompt, kv head, slot, head dim) with prompt_valid (prompt, 1, 1, slot) marking each prompt's
-    own slots; and the rows' new tokens, reply_k, reply_v (layer, prompt, kv head, sample, slot,
-    head dim), where every row writes its token at slot `step` (an int, or a (1,) long tensor under
-    compile) and attends over slots 0 .. step of width. The model's forward in fewer, larger ops, as
-    a small model's CPU step is bound by per-op overhead: q, k, v in one matmul against
-    pre-transposed weights, q and k rotated together."""
+    """fp32 logits (N, vocab) of token (N,) at pos (N,), rows grouped by prompt (N = prompts x
+    samples). The cache: the prompts' keys and values once per prompt, prompt_k, prompt_v (layer,
+    prompt, kv head, slot, head dim), prompt_valid (prompt, 1, 1, slot) marking each one's slots;
+    the rows' new tokens, reply_k, reply_v (layer, prompt, kv head, sample, slot, head dim), each
+    row writing at slot `step` (an int, or a (1,) tensor compiled) and attending over 0 .. step of
+    width. The forward in fewer, larger ops, as a small model's CPU step is per-op overhead."""
     c, eps, dtype = model.config, model.config.norm_eps, weights["dtype"]
     H, K, D, N, Q = c.n_head, c.n_kv_head, c.head_dim, token.size(0), prompt_k.size(1)
     S = N // Q
@@ -262,10 +259,9 @@ def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=Non
     """(tokens, sampled) per row, len(prompts) * samples rows, prompt by prompt: each row's new
     tokens, up to and with the stop token it sampled (a token in `stop`), at most max_new_tokens (an
     int, or one per prompt; the calculator's output counts), and per token whether the model sampled
-    it (True) or the calculator's output was fed (False). tools: None, or one decode.ToolUse per
-    row. temperature 0 is greedy; sampling draws from one torch.Generator seeded with `seed` (None:
-    a random seed). compiled: "auto" (on CUDA), True or False. weights: decode_weights(), to reuse
-    across calls. A sharded (FSDP) model is gathered into a plain copy first (plain_copy)."""
+    it (True) or the calculator's output was fed (False). tools: None, or one ToolUse per row.
+    temperature 0 is greedy; draws come from one torch.Generator seeded with `seed` (None: random).
+    compiled: "auto" (on CUDA), True or False. weights: decode_weights(), reused across calls."""
     model = plain_copy(model) if is_sharded(model) else model
     device, c = model.cos.device, model.config
     budgets = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else \

@@ -261,8 +261,7 @@ def ask_python(python, program, pythonpath=None):
 
 def check_packages(python):
     """With SPEEDRUN_PYTHON, a package of requirements.txt it lacks (matplotlib, first imported by
-    the report, the last stage) stops the run now, not hours in. Looked up by import name, not
-    imported; versions are its own."""
+    the report, the last stage) stops the run now, not hours in."""
     modules = ("torch numpy pyarrow tiktoken rustbpe requests huggingface_hub safetensors yaml "
                "matplotlib")
     if missing := ask_python(python, "import importlib.util as u; print(' '.join(m for m in "
@@ -440,12 +439,10 @@ def check_batch(run, python, nproc, words):
 
 
 def setup(env_file, argv):
-    """`setup`: speedrun.sh's flags (a bad one stops it before anything is written), its
-    interpreter, the machine and the plan, checked before any stage; the shell variables it sources
-    to env_file (which removes itself), the run's state to launch.json. A rehearsal that passed is
-    redone (it checks this code); an interrupted one resumes. --print: the flags and the plan alone:
-    PY is SPEEDRUN_PYTHON or .venv's path (nothing installed), the GPUs are those nvidia-smi lists
-    (torch is not asked), the machine is not checked, and nothing is written but env_file."""
+    """`setup`: speedrun.sh's flags, interpreter, machine and plan, checked before any stage; the
+    shell variables it sources to env_file (which removes itself), the run's state to launch.json.
+    A rehearsal that passed is redone (it checks this code); an interrupted one resumes. --print:
+    the flags and the plan alone, nothing checked, nothing written but env_file."""
     global PRINT
     flags = parse_flags(argv)
     remove = f"rm -f -- {shlex.quote(env_file)}\n"
