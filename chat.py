@@ -2,9 +2,10 @@
 stays in the KV cache across turns: a new turn prefills only its own new tokens, never the whole
 history again.
 
-    python chat.py                                        # newest RL or SFT checkpoint, else midtraining, else ...
+    python chat.py  # newest RL or SFT checkpoint, else midtraining, else ...
     python chat.py --checkpoint runs/NAME --temperature 0.8 --top_k 40 --seed 7
-    python chat.py -p "What is the capital of France?"    # answer once and exit; -p - reads the prompt from stdin
+    python chat.py -p "What is the capital of France?"
+        # answer once and exit; -p - reads the prompt from stdin
 
 Prints the checkpoint it loaded (path, stage, step, exact parameters), device, dtype, decode path,
 the mode (chat, or completion for a pretraining checkpoint: no template, each input is continued as
@@ -157,9 +158,8 @@ class Conversation:
         if not self.chat:
             return [], body, []
         sid = self.tok.special_id
-        return [self.end] * self.pending + [sid("<|user_start|>")], body, [sid("<|user_end|>"),
-                                                                             sid(
-                                                                                 "<|assistant_start|>")]
+        head = [self.end] * self.pending + [sid("<|user_start|>")]
+        return head, body, [sid("<|user_end|>"), sid("<|assistant_start|>")]
 
     def fit(self, text):
         """The new tokens of the next turn, made to fit: the oldest exchanges are dropped (<|bos|>
@@ -168,10 +168,11 @@ class Conversation:
         question). Returns (new ids, notices)."""
         head, body, tail = self.turn_tokens(text)
         notices, dropped = [], 0
-        while self.starts and len(self.ids) + len(head) + len(body) + len(tail) + self.room > self.capacity:
+        while self.starts and \
+                len(self.ids) + len(head) + len(body) + len(tail) + self.room > self.capacity:
             dropped += 1
-            kept = [self.ids[0],
-                    *self.ids[self.starts[1]:]] if len(self.starts) > 1 else [self.ids[0]]
+            kept = [self.ids[0], *self.ids[self.starts[1]:]] if len(self.starts) > 1 else \
+                [self.ids[0]]
             shift = (self.starts[1] - 1) if len(self.starts) > 1 else 0
             self.starts = [s - shift for s in self.starts[1:]]
             # nothing left to close: the pending <|assistant_end|> goes with its exchange
@@ -321,7 +322,9 @@ def read_message(out):
 def decode_path(choice, device_type, one_prompt):
     """--decode's auto: compiled where its compilation pays, a session on CUDA; eager on the CPU and
     for one -p reply."""
-    return choice if choice != "auto" else "compiled" if device_type == "cuda" and not one_prompt else "eager"
+    if choice != "auto":
+        return choice
+    return "compiled" if device_type == "cuda" and not one_prompt else "eager"
 
 
 def main(argv=None):

@@ -7,9 +7,9 @@ accuracy, (accuracy - baseline) / (1 - baseline). Beside it, never in it, diagno
 letter probabilities and each option's text scored as the reply (categorical), a lenient GSM8K
 reading (any number).
 
-    python chat_eval.py                                             # newest checkpoint under runs/, tasks below
+    python chat_eval.py                                # newest checkpoint under runs/, tasks below
     python chat_eval.py --checkpoint runs/NAME --tasks ARC-Easy,GSM8K --max_items 100
-    python chat_eval.py --demo data/demo --max_items 20             # offline: the demo world's held-out questions
+    python chat_eval.py --demo data/demo --max_items 20  # offline: the demo world's held-out ones
     torchrun --standalone --nproc_per_node=8 chat_eval.py --checkpoint runs/NAME
 
 Items are taken in nanochat's order, so --max_items N scores the same items as nanochat's
@@ -34,7 +34,15 @@ import tasks
 from dataset import CACHE_DIR
 from decode import ToolUse, decode, last_logits, reply_text
 from model import num_params, score_rows
-from tasks import ALL_TASKS, final_number, gsm8k_answer, humaneval_program, normalize, prompt_ids, same_number
+from tasks import (
+    ALL_TASKS,
+    final_number,
+    gsm8k_answer,
+    humaneval_program,
+    normalize,
+    prompt_ids,
+    same_number,
+)
 
 PROGRESS_SECONDS = 10.0  # a progress line at most this often per task (and one at its end)
 # Generation on a CPU runs one thread, as rl.py's rollouts: a decode step of a small model is per-op
@@ -86,8 +94,8 @@ def get_args(argv=None):
     p.add_argument("--out", default=None, help="report file; the items go beside it as "
                    "<name>_items.jsonl (default: runs/<run>/chat_eval.json)")
     args = p.parse_args(argv)
-    if args.max_items == 0 or args.max_items < -1 or args.max_new_tokens < 1 or args.timeout <= 0 or \
-            args.batch_items < 1:
+    if args.max_items == 0 or args.max_items < -1 or args.max_new_tokens < 1 \
+            or args.timeout <= 0 or args.batch_items < 1:
         p.error("--max_items must be -1 (all) or >= 1, --max_new_tokens >= 1, --batch_items >= 1 "
                 "and --timeout > 0")
     return args
@@ -180,16 +188,15 @@ def greedy_replies(model, tokenizer, questions, max_new_tokens, dtype):
 def judge_letters(items, model, tokenizer, args, device):
     """[(correct, cut, what to record)] for a batch of categorical items."""
     letters = letter_scores(model, tokenizer, items, args.dtype, device)
-    texts = option_text_scores(model, tokenizer, items, args.dtype,
-                               device) if args.option_text == "on" else \
-        [None] * len(items)
+    texts = [None] * len(items)
+    if args.option_text == "on":
+        texts = option_text_scores(model, tokenizer, items, args.dtype, device)
     out = []
     for item, (letter, cut, record), text in zip(items, letters, texts):
         if text is not None:
             record["option_text"] = {"predicted": text[0], "correct": text[0] == item["answer"],
-                                     "predicted_mean": text[1], "correct_mean": text[1] == item[
-                                                                                                "answer"],
-                                     "scores": text[2]}
+                                     "predicted_mean": text[1],
+                                     "correct_mean": text[1] == item["answer"], "scores": text[2]}
         out.append((letter == item["answer"], cut, {"predicted": letter, **record}))
     return out
 
@@ -246,16 +253,14 @@ def evaluate_task(task, items, model, tokenizer, args, rank, world, device, mark
             results = judge_letters([items[i] for i in batch], model, tokenizer, args, device)
         else:  # every reply of the batch a row of one decode (--batch_items 1: one row)
             answers = greedy_replies(model, tokenizer, [items[i]["prompt"] for i in batch],
-                                     args.max_new_tokens,
-                                     args.dtype)
-            results = [judge(kind, items[i], args, marker, level, answer) for i,
-                       answer in zip(batch, answers)]
+                                     args.max_new_tokens, args.dtype)
+            results = [judge(kind, items[i], args, marker, level, answer)
+                       for i, answer in zip(batch, answers)]
         for i, (correct, cut, record) in zip(batch, results):
             table[i] = torch.tensor([1.0, float(correct), float(cut)], dtype=torch.float64)
             expected = {k: items[i][k] for k in ("id", "answer", "answers") if k in items[i]}
             records.append({"task": task, "position": i, "row": items[i]["row"],
-                            "question": items[i][
-                                                                                                      "prompt"][:300],
+                            "question": items[i]["prompt"][:300],
                             **expected, "correct": bool(correct), "cut": bool(cut), **record})
             done, right = done + 1, right + bool(correct)
         now = time.perf_counter()
@@ -303,8 +308,10 @@ def summarize(tasks, verdicts, sizes):
     return rows, sum(scored) / len(scored) if scored else None
 
 
-LENIENT_RULE = "the number after '####' (spaces and '$' allowed), else the reply's last number, compared as numbers"
-OPTION_TEXT_RULE = "the option's text as the whole reply to the question alone: sum of its tokens' log-probs"
+LENIENT_RULE = ("the number after '####' (spaces and '$' allowed), else the reply's last number, "
+                "compared as numbers")
+OPTION_TEXT_RULE = ("the option's text as the whole reply to the question alone: sum of its "
+                    "tokens' log-probs")
 
 
 def task_diagnostics(kind, records):
@@ -363,18 +370,19 @@ def print_summary(report):
         print(f"{r['task']:<14} {r['kind']:<12} {r['correct']:>6}/{r['items']:<6} "
               f"{r['accuracy']:>9.4f} {'-' if extra else format(r['baseline'], '.2f'):>9} "
               f"{'-' if extra else format(r['centered'], '+.4f'):>9} {r['cut']:>5}")
-    scope = "all items of every task" if report["complete"] else "a subset of tasks or items: not comparable with " \
-        "a full ChatCORE"
-    chatcore = "unknown (no ChatCORE task ran)" if report["chatcore"] is None else f"{report['chatcore']:.4f}"
+    scope = "all items of every task" if report["complete"] else \
+        "a subset of tasks or items: not comparable with a full ChatCORE"
+    chatcore = "unknown (no ChatCORE task ran)"
+    if report["chatcore"] is not None:
+        chatcore = f"{report['chatcore']:.4f}"
     print(f"ChatCORE {chatcore} ({sum(r['baseline'] is not None for r in report['tasks'])} tasks, "
           f"{scope}); {sum(r['items'] for r in report['tasks']):,} items in "
-          f"{report['seconds']:.1f} "
-          f"s on {report['world_size']} x {report['device']}; cut = prompt cropped or reply "
-          "stopped "
-          f"by the {report['sequence_len']}-token window")
+          f"{report['seconds']:.1f} s on {report['world_size']} x {report['device']}; cut = "
+          f"prompt cropped or reply stopped by the {report['sequence_len']}-token window")
     lines = diagnostic_lines(report["tasks"])
     if lines:
-        print(f"diagnostics, outside ChatCORE (option text: {OPTION_TEXT_RULE}):\n" + "\n".join(lines))
+        print(f"diagnostics, outside ChatCORE (option text: {OPTION_TEXT_RULE}):")
+        print("\n".join(lines))
 
 
 def write_outputs(report, records, out, run_dir):
@@ -385,101 +393,107 @@ def write_outputs(report, records, out, run_dir):
     written = f"{out}, {items_path}"
     # a run directory: its history gets the scores at this step
     if (run_dir / "metrics.jsonl").is_file():
-        distributed.append_jsonl(run_dir / "metrics.jsonl", {"step": report["step"], "chatcore": report[
-                                                                                                   "chatcore"],
-                                                        "chat_eval": {r["task"]: r["accuracy"]
-                                                                      for r in report[
-                                                                                                               "tasks"]},
-                                                        "chat_eval_complete": report["complete"]})
+        scores = {r["task"]: r["accuracy"] for r in report["tasks"]}
+        distributed.append_jsonl(run_dir / "metrics.jsonl", {
+            "step": report["step"], "chatcore": report["chatcore"], "chat_eval": scores,
+            "chat_eval_complete": report["complete"]})
         written += f", a line in {run_dir / 'metrics.jsonl'}"
     print(f"results: {written}")
 
 
+def download_only(args):
+    """--download_only, before pretraining: a gated or missing task stops the run hours earlier,
+    and a machine that cannot contain its programs stops it now, not after training."""
+    asked = args.tasks.split(",") if args.tasks else list(tasks.HUB_TASKS)
+    unknown = [t for t in asked if t not in tasks.HUB_TASKS]
+    if unknown:
+        raise ValueError(f"--tasks: {', '.join(unknown)} not among the hub tasks: "
+                         f"{', '.join(tasks.HUB_TASKS)}")
+    if "HumanEval" in asked:
+        print(sandbox.describe(*sandbox.choose(args.sandbox)))
+    for task in asked:
+        print(f"download: {task}: {len(tasks.hub_files(task, args.cache_dir))} files in "
+              f"{Path(args.cache_dir) / task}")
+
+
+def asked_tasks(args, demo_dir):
+    """(the tasks asked, the tasks available): the demo world's, or the hub's."""
+    available = tasks.DEMO_TASKS if demo_dir is not None else tasks.HUB_TASKS
+    asked = args.tasks.split(",") if args.tasks else list(available)
+    extra = tasks.DEMO_EXTRA if demo_dir is not None else {}
+    if unknown := [t for t in asked if t not in available | extra]:
+        hint = "" if demo_dir is None else " (--demo none for the hub tasks)"
+        raise ValueError(f"--tasks: {', '.join(unknown)} not among the "
+                         f"{'demo world' if demo_dir else 'hub'} tasks: "
+                         f"{', '.join(available)}{hint}")
+    return asked, available
+
+
+def print_plan(args, ckpt, how, meta, model, tokenizer_path, demo_dir, loaded, contained):
+    print(f"checkpoint: {ckpt} ({how}; stage {meta.get('stage') or 'unknown'}, step "
+          f"{meta.get('step', 'unknown')}, {num_params(model.config):,} parameters); tokenizer "
+          f"{tokenizer_path}")
+    print(f"tasks from {demo_dir or 'the hub'} "
+          f"({args.cache_dir if demo_dir is None else 'offline'}):")
+    for t, (items, total) in loaded.items():
+        _, _, kind, baseline = ALL_TASKS[t]
+        print(f"  {t:<14} {kind:<12} {len(items):,} of {total:,} items, baseline {baseline}")
+    if contained:
+        print(contained)
+
+
 def main(argv=None):
     args = get_args(argv)
-    # before pretraining: a gated or missing task stops the run hours earlier
     if args.download_only:
-        asked = args.tasks.split(",") if args.tasks else list(tasks.HUB_TASKS)
-        unknown = [t for t in asked if t not in tasks.HUB_TASKS]
-        if unknown:
-            raise ValueError(f"--tasks: {', '.join(unknown)} not among the hub tasks: "
-                             f"{', '.join(tasks.HUB_TASKS)}")
-        # a machine that cannot contain its programs stops the run now, not after training
-        if "HumanEval" in asked:
-            print(sandbox.describe(*sandbox.choose(args.sandbox)))
-        for task in asked:
-            print(f"download: {task}: {len(tasks.hub_files(task, args.cache_dir))} files in "
-                  f"{Path(args.cache_dir) / task}")
-        return
+        return download_only(args)
     rank, _, world, device = distributed.setup_distributed()
     ckpt, how = checkpoint.pick_checkpoint(args)
     model, meta = checkpoint.load_model(ckpt, device)
     tokenizer, tokenizer_path = checkpoint.checkpoint_tokenizer(meta, ckpt, args.tokenizer)
     demo_dir = tasks.demo_world(args.demo, meta.get("data_dir"), "chat_eval")
-    available = tasks.DEMO_TASKS if demo_dir is not None else tasks.HUB_TASKS
-    asked = args.tasks.split(",") if args.tasks else list(available)
-    unknown = [t for t in asked if t not in available | (tasks.DEMO_EXTRA if demo_dir is not None
-                                                         else {})]
-    if unknown:
-        raise ValueError(f"--tasks: {', '.join(unknown)} not among the "
-                         f"{'demo world' if demo_dir else 'hub'} tasks: "
-                         f"{', '.join(available)}" + ("" if demo_dir is None else " (--demo none "
-                                                      "for the hub tasks)"))
+    asked, available = asked_tasks(args, demo_dir)
     level = contained = None
     if "HumanEval" in asked:
         level, why = sandbox.choose(args.sandbox)  # never the process level unless asked for
         contained = sandbox.describe(level, why)
-    loaded = distributed.fetch_everywhere(lambda: {t: tasks.load_items(t, args.cache_dir, demo_dir,
-                                                                       args.max_items)
-                                                   for t in asked}, rank, world)
+    loaded = distributed.fetch_everywhere(
+        lambda: {t: tasks.load_items(t, args.cache_dir, demo_dir, args.max_items) for t in asked},
+        rank, world)
     if rank == 0:
-        print(f"checkpoint: {ckpt} ({how}; stage {meta.get('stage') or 'unknown'}, step "
-              f"{meta.get('step', 'unknown')}, {num_params(model.config):,} parameters); tokenizer "
-              f"{tokenizer_path}")
-        print(f"tasks from {demo_dir or 'the hub'} "
-              f"({args.cache_dir if demo_dir is None else 'offline'}):")
-        for t in asked:
-            _, _, kind, baseline = ALL_TASKS[t]
-            print(f"  {t:<14} {kind:<12} {len(loaded[t][0]):,} of {loaded[t][1]:,} items, baseline "
-                  f"{baseline}")
-        if contained:
-            print(contained)
+        print_plan(args, ckpt, how, meta, model, tokenizer_path, demo_dir, loaded, contained)
     marker = f"chat_eval: check passed {secrets.token_hex(8)}"
     start = time.perf_counter()
     verdicts, records, task_seconds = {}, [], {}
     for t in asked:
         task_start = time.perf_counter()
         verdicts[t], task_records = evaluate_task(t, loaded[t][0], model, tokenizer, args, rank,
-                                                  world, device,
-                                                  marker, level)
+                                                  world, device, marker, level)
         task_seconds[t] = time.perf_counter() - task_start
         records += task_records
     seconds = time.perf_counter() - start
     rows, chatcore = summarize(asked, verdicts, {t: loaded[t][1] for t in asked})
     for row in rows:  # beside ChatCORE, never in it
         row["seconds"] = task_seconds[row["task"]]
-        row["diagnostics"] = task_diagnostics(row["kind"], [r for r in records if r["task"] == row[
-                                                                                                   "task"]])
-    if rank == 0:
-        complete = set(available) <= set(asked) and all(r["items"] == r["items_in_task"]
-                                                        for r in rows)
-        report = {"checkpoint": str(ckpt), "stage": meta.get("stage"), "step": meta.get("step"),
-                  "parameters": num_params(model.config), "tasks_from": str(demo_dir or "hub"),
-                  "chatcore": chatcore,
-                  "complete": complete, "tasks": rows, "max_items": args.max_items,
-                  "batch_items": args.batch_items,
-                  "option_text": args.option_text,
-                  "max_new_tokens": args.max_new_tokens, "sequence_len": model.config.sequence_len,
-                  "sandbox": None if level is None else {"level": level, "description": contained,
-                                                         "timeout_s": args.timeout,
-                                                         "memory_mb": args.memory_mb},
-                  "world_size": world, "device": distributed.device_name(device),
-                  "hardware": distributed.WORLD,
-                  "dtype": args.dtype, "seconds": seconds,
-                  "argv": sys.argv, "versions": distributed.versions()}
-        print_summary(report)
-        write_outputs(report, records, Path(args.out or ckpt.parent.parent / "chat_eval.json"),
-                      ckpt.parent.parent)
+        own = [r for r in records if r["task"] == row["task"]]
+        row["diagnostics"] = task_diagnostics(row["kind"], own)
+    if rank != 0:
+        return
+    complete = set(available) <= set(asked) and all(r["items"] == r["items_in_task"] for r in rows)
+    report = {"checkpoint": str(ckpt), "stage": meta.get("stage"), "step": meta.get("step"),
+              "parameters": num_params(model.config), "tasks_from": str(demo_dir or "hub"),
+              "chatcore": chatcore, "complete": complete, "tasks": rows,
+              "max_items": args.max_items, "batch_items": args.batch_items,
+              "option_text": args.option_text, "max_new_tokens": args.max_new_tokens,
+              "sequence_len": model.config.sequence_len,
+              "sandbox": None if level is None else {"level": level, "description": contained,
+                                                     "timeout_s": args.timeout,
+                                                     "memory_mb": args.memory_mb},
+              "world_size": world, "device": distributed.device_name(device),
+              "hardware": distributed.WORLD, "dtype": args.dtype, "seconds": seconds,
+              "argv": sys.argv, "versions": distributed.versions()}
+    print_summary(report)
+    write_outputs(report, records, Path(args.out or ckpt.parent.parent / "chat_eval.json"),
+                  ckpt.parent.parent)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 --protocol dclm), validation bits per byte, and greedy completions of a fixed set of prompts, the
 same at every evaluation.
 
-    python core_eval.py                                          # newest checkpoint under runs/, bundle chosen below
+    python core_eval.py  # newest checkpoint under runs/, bundle chosen below
     python core_eval.py --checkpoint runs/NAME --bundle data/demo/eval_bundle --max_items 100
     torchrun --standalone --nproc_per_node=8 core_eval.py --checkpoint runs/NAME
 
@@ -51,9 +51,8 @@ COMPLETIONS = ["Once upon a time,", "The most important thing to learn is", "In 
 # (prompt, accepted answers, which world), each reported as found or not at the start of the greedy
 # completion; the
 # demo world's are facts of demo.py's tables (tests/test_demo.py checks them against the tables)
-KNOWLEDGE = [("The capital of France is", ["Paris"], "real"), ("The chemical symbol for gold is", [
-                                                                                                   "Au"],
-                                                               "real"),
+KNOWLEDGE = [("The capital of France is", ["Paris"], "real"),
+             ("The chemical symbol for gold is", ["Au"], "real"),
              ("The largest planet in the solar system is", ["Jupiter"], "real"),
              ("Romeo and Juliet was written by", ["Shakespeare"], "real"),
              ("The capital of Aldora is", ["Pelmo"], "demo"),
@@ -208,10 +207,10 @@ def read_items(path, kind):
                 raise ValueError(f"{where}: a {kind} item needs {', '.join(TASK_KEYS[kind])}; "
                                  f"missing {', '.join(missing)}")
             options = item.get("choices", item.get("context_options"))
-            if kind != "language_modeling" and not (isinstance(options,
-                                                               list) and len(options) >= 2 and
-                                                    isinstance(item["gold"], int) and 0 <= item[
-                                                                                                "gold"] < len(options)):
+            gold = item.get("gold")
+            if kind != "language_modeling" and not (
+                    isinstance(options, list) and len(options) >= 2 and isinstance(gold, int)
+                    and 0 <= gold < len(options)):
                 raise ValueError(f"{where}: needs a list of at least 2 options and a gold index "
                                  "into it")
             texts = [item[k] for k in ("query", "context",
@@ -222,7 +221,8 @@ def read_items(path, kind):
                                  "string")
             # nothing to score: a mean over no tokens
             if not all(item.get("choices", [item.get("continuation")])):
-                raise ValueError(f"{where}: an empty continuation or choice; fix or delete the line")
+                raise ValueError(f"{where}: an empty continuation or choice; fix or delete the "
+                                 "line")
             items.append(item)
     return items
 
@@ -234,7 +234,8 @@ def load_tasks(root, only=None):
     try:
         spec = yaml.safe_load((root / "core.yaml").read_text())["icl_tasks"]
     except (yaml.YAMLError, KeyError, TypeError) as e:
-        raise ValueError(f"{root / 'core.yaml'}: not a core.yaml with an icl_tasks list ({e})") from None
+        raise ValueError(f"{root / 'core.yaml'}: not a core.yaml with an icl_tasks list "
+                         f"({e})") from None
     with open(root / "eval_meta_data.csv", newline="", encoding="utf-8") as f:
         rows = list(csv.DictReader(f))
     if rows and not {"Eval Task", "Random baseline"} <= set(rows[0]):
@@ -428,7 +429,8 @@ def evaluate_tasks(model, tokenizer, tasks, max_per_task, batch_items, dtype, ra
                 at += len(rows)
         distributed.all_reduce_tensor(table)
         if not table[:, 0].eq(1).all():
-            raise RuntimeError("an item was evaluated by no rank or by two: a bug in evaluate_tasks")
+            raise RuntimeError("an item was evaluated by no rank or by two: a bug in "
+                               "evaluate_tasks")
         results.append(sorted((i, int(table[p, 1]), bool(table[p, 2]), bool(table[p, 3])) for p,
                               i in enumerate(order)))
         if progress and rank == 0:
@@ -508,7 +510,8 @@ def print_summary(report):
               f"{r['baseline']:.2f}  centered {r['centered']:+.4f}")
     n_items, cropped = (sum(r[k] for r in report["tasks"]) for k in ("items", "cropped"))
     scope = f"{len(report['tasks'])} tasks, all items" if report["complete"] else \
-        f"{len(report['tasks'])} tasks, {n_items:,} items (a subset: not comparable with a full CORE score)"
+        f"{len(report['tasks'])} tasks, {n_items:,} items (a subset: not comparable with a full " \
+        "CORE score)"
     print(f"CORE {report['core']:.4f} ({report['protocol']} protocol; {scope}; {cropped} items "
           f"cropped to sequence_len {report['sequence_len']}); {report['items_per_second']:,.1f} "
           f"items/s on {report['world_size']} x {report['device']}")
@@ -516,8 +519,10 @@ def print_summary(report):
           f"{report['val_data_dir']}"
           if report["val_bpb"] is not None else f"val bpb: {report['val_bpb_note']}")
     for s in report["samples"]:
-        found = "" if "found" not in s else f"  [{s['world']} world: {'found' if s['found'] else 'not found'} " \
-                                            f"{'/'.join(s['answers'])}]"
+        found = ""
+        if "found" in s:
+            found = (f"  [{s['world']} world: {'found' if s['found'] else 'not found'} "
+                     f"{'/'.join(s['answers'])}]")
         print(f"sample: {s['prompt']!r} -> {s['completion']!r}{found}")
 
 
@@ -533,11 +538,10 @@ def write_results(out_dir, report, tasks, results):
                          "items": sum(r["items"] for r in report["tasks"])})
     with open(out_dir / "items.jsonl", "w") as f:
         f.writelines(json.dumps({"task": task.label, "item": i, "predicted": predicted,
-                                 "gold": task.items[i].get(
-                                                                                                                  "gold"),
+                                 "gold": task.items[i].get("gold"),
                                  "correct": correct, "cropped": cropped}) + "\n"
-                     for task, items in zip(tasks, results) for i, predicted, correct,
-                     cropped in items)
+                     for task, items in zip(tasks, results)
+                     for i, predicted, correct, cropped in items)
     print(f"results: {out_dir}/results.json, results.csv, items.jsonl")
 
 

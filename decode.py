@@ -1,34 +1,23 @@
-"""Generation, the one path: chat.py's replies (decode_step on its conversation's cache, token by
-token), and decode() for rl.py's rollouts, chat_eval.py's generated answers, core_eval.py's and
-validation.py's samples.
+"""Generation, the one path: chat.py's replies (decode_step on its conversation's cache), and
+decode() for rl.py's rollouts, chat_eval.py's answers, core_eval.py's and chat_stage.py's samples.
 
-decode() prefills several prompts in one forward and decodes N replies to each, every row in one
-forward per step, each at its own position (a greedy row equals its prompt decoded alone, token for
-token) with its own calculator; the cache is compacted when half the prompts have ended. On CUDA the
-step is compiled, on the CPU eager; the stages' few samples ask for eager on CUDA too: a first
-compilation costs more than their few hundred tokens (dev/LOG.md). docs/model.md (generation) says
-how it works.
+decode() prefills the prompts in one forward and decodes N replies to each, every row in one forward
+per step at its own position (a greedy row equals its prompt decoded alone), each with its own
+calculator; the cache is compacted when half the prompts have ended. Compiled on CUDA, eager on the
+CPU and for the stages' few samples, where a first compilation costs more (dev/LOG.md).
+docs/model.md (generation) says how it works. Run alone it checks greedy rows decoded together
+against each prompt alone on a random-init model, and times both.
 
-Run alone it checks itself on a random-init model: greedy rows decoded together against each prompt
-decoded alone, and the tokens per second of each.
-
-    python decode.py                                   # tiny, 8 prompts of 5 to 60 tokens, 32 new tokens each
+    python decode.py                              # tiny, 8 prompts of 5 to 60 tokens, 32 new each
     python decode.py --preset d12 --prompts 64 --dtype bfloat16 --device cuda
 
-The calculator (below, the chat model's tool): arithmetic on numbers, evaluated by walking the
-expression's syntax tree, never by eval(). The model writes <|python_start|>expr<|python_end|> while
-answering; generation (chat.py, chat_eval.py) calls calculate(expr) and inserts
-<|output_start|>result<|output_end|> after it, as GSM8K's <<expr=result>> annotations are taught in
-SFT.
+The calculator, the chat model's tool: the model writes <|python_start|>expr<|python_end|>; the
+generation inserts <|output_start|>calculate(expr)<|output_end|>, as SFT teaches GSM8K's
+<<expr=result>>. Arithmetic on the syntax tree, never eval(): numbers, + - * / // % ** and unary
++ -, parentheses; anything else is refused. Exact (fractions) and bounded, so a hostile expression
+costs microseconds: MAX_CHARS, MAX_DEPTH, MAX_DIGITS per number, MAX_EXPONENT, MAX_SECONDS.
 
     python decode.py --calculate "12/60*50"            # 10
-
-Allowed: numbers (ints and decimals), + - * / // % ** and unary + -, parentheses. Nothing else:
-names, calls, attributes, subscripts, strings, comparisons are refused. Every step is exact
-(fractions), and bounded, so a hostile expression costs microseconds and a little memory before it
-is refused: at most MAX_CHARS characters, MAX_DEPTH levels of nesting, numbers of at most MAX_DIGITS
-digits (operands, intermediate results and the result alike), exponents of at most MAX_EXPONENT, and
-MAX_SECONDS of wall time.
 """
 import argparse
 import ast
@@ -78,20 +67,39 @@ def decode_weights(model, dtype="float32"):
                                                                            -1)}
 
 
+def attend(q, i, prompt_k, prompt_v, reply_k, reply_v, valid, width):
+    """Layer i's attention output for q (N, H, D), one token per row, over the cache (decode_step's
+    layout); valid None: no prompt part, eager (chat.py's conversation), every slot up to `step`
+    attended in one fused SDPA (4-D: a 5-D query takes its slow math path)."""
+    N, H, D = q.shape
+    Q, K, P = prompt_k.size(1), prompt_k.size(2), prompt_k.size(3)
+    S, G = N // Q, H // K
+    if valid is None:
+        k, v = (r[i, :, :, :, :width].transpose(1, 2).reshape(N, K, width, D)
+                for r in (reply_k, reply_v))
+        return F.scaled_dot_product_attention(q.view(N, H, 1, D), k, v, enable_gqa=True)
+    q = q.view(Q, S, K, G, D).transpose(1, 2)  # (prompt, kv head, sample, query head of group, D)
+    to_replies = q @ reply_k[i, :, :, :, :width].transpose(-2, -1)
+    scores = torch.cat([q.reshape(Q, K, S * G, D) @ prompt_k[i].transpose(-2, -1),
+                        to_replies.view(Q, K, S * G, width)], -1)
+    p = (scores.float() * D ** -0.5).masked_fill(~valid, float("-inf"))
+    p = p.softmax(-1).to(reply_v.dtype)
+    from_replies = p[..., P:].reshape(Q, K, S, G, width) @ reply_v[i, :, :, :, :width]
+    y = (p[..., :P] @ prompt_v[i]).view(Q, K, S, G, D) + from_replies
+    return y.transpose(1, 2)
+
+
 def decode_step(model, weights, token, pos, step, prompt_k, prompt_v, prompt_valid, reply_k,
                 reply_v, width):
-    """fp32 logits (N, vocab) of one token per row: token (N,) at pos (N,), each row its own
-    position, rows grouped by prompt (N = prompts x samples, a prompt's rows together). The cache
-    has two parts: the prompts' keys and values, one copy per prompt, prompt_k, prompt_v (layer,
-    prompt, kv head, slot, head dim) with prompt_valid (prompt, 1, 1, slot) marking each prompt's
-    own slots; and the rows' new tokens, reply_k, reply_v (layer, prompt, kv head, sample, slot,
-    head dim), where every row writes its token at slot `step` (an int, or a (1,) long tensor under
-    compile) and attends over slots 0 .. step of width. The model's forward in fewer, larger ops, as
-    a small model's CPU step is bound by per-op overhead: q, k, v in one matmul against
-    pre-transposed weights, q and k rotated together."""
+    """fp32 logits (N, vocab) of token (N,) at pos (N,), rows grouped by prompt (N = prompts x
+    samples). The cache: the prompts' keys and values once per prompt, prompt_k, prompt_v (layer,
+    prompt, kv head, slot, head dim), prompt_valid (prompt, 1, 1, slot) marking each one's slots;
+    the rows' new tokens, reply_k, reply_v (layer, prompt, kv head, sample, slot, head dim), each
+    row writing at slot `step` (an int, or a (1,) tensor compiled) and attending over 0 .. step of
+    width. The forward in fewer, larger ops, as a small model's CPU step is per-op overhead."""
     c, eps, dtype = model.config, model.config.norm_eps, weights["dtype"]
     H, K, D, N, Q = c.n_head, c.n_kv_head, c.head_dim, token.size(0), prompt_k.size(1)
-    S, G = N // Q, c.n_head // c.n_kv_head
+    S = N // Q
     quantize = bitnet_activation if c.bitnet else (lambda x: x)
 
     def norm(x, w):  # rms_norm in 4 small ops, in fp32
@@ -105,14 +113,13 @@ def decode_step(model, weights, token, pos, step, prompt_k, prompt_v, prompt_val
         mm = torch.matmul
 
     cos, sin = weights["cos"][pos].view(N, 1, D), weights["sin"][pos].view(N, 1, D)
-    P, masked = prompt_k.size(3), prompt_k.size(3) > 0 or not isinstance(step, int)
-    if masked:  # a prompt's padding, or (compiled) the slots past `step`
-        valid = torch.cat([prompt_valid, (torch.arange(
-                width, device=token.device) <= step).expand(Q, 1, 1, width)],
-                          -1)
+    valid = None
+    if prompt_k.size(3) > 0 or not isinstance(step, int):  # padding, or (compiled) slots past step
+        upto = (torch.arange(width, device=token.device) <= step).expand(Q, 1, 1, width)
+        valid = torch.cat([prompt_valid, upto], -1)
     x = x0 = model.wte(token)
-    for i, (wqkv, wo, wup, wgate, wdown, n_attn, n_mlp, n_q, n_k, w_ve) in enumerate(weights[
-                                                                                             "blocks"]):
+    for i, (wqkv, wo, wup, wgate, wdown, n_attn, n_mlp, n_q, n_k, w_ve) in enumerate(
+            weights["blocks"]):
         x = model.mix_embedding(i, x, x0)
         h = norm(x, n_attn)
         qkv = mm(h, wqkv)
@@ -126,42 +133,23 @@ def decode_step(model, weights, token, pos, step, prompt_k, prompt_v, prompt_val
             q_k = torch.cat([norm(q_k[:, :H], n_q), norm(q_k[:, H:], n_k)], 1)
         # apply_rotary's (x1 cos + x2 sin, x2 cos - x1 sin) as x * (cos, cos) + (x2, x1) * (sin,
         # -sin): the same bits
-        q_k = (q_k * cos + torch.cat([q_k[..., D // 2:], q_k[..., :D // 2]],
-                                     -1) * sin).to(reply_k.dtype)
+        swapped = torch.cat([q_k[..., D // 2:], q_k[..., :D // 2]], -1)
+        q_k = (q_k * cos + swapped * sin).to(reply_k.dtype)
         # (prompt, sample, kv head, ...) -> (prompt, kv head, sample, ...): a prompt's rows side by
         # side per head
-        new_k, new_v = q_k[:, H:].view(Q, S, K, 1, D).transpose(1, 2), v.to(reply_v.dtype).view(
-                Q, S, K, 1, D)
-        # eager: a plain slice copy (index_copy_ cost 10x more on the CPU)
-        if isinstance(step, int):
-            reply_k[i, :, :, :, step:step + 1], reply_v[
-                    i, :, :, :, step:step + 1] = new_k, new_v.transpose(1, 2)
+        new_k = q_k[:, H:].view(Q, S, K, 1, D).transpose(1, 2)
+        new_v = v.to(reply_v.dtype).view(Q, S, K, 1, D)
+        if isinstance(step, int):  # eager: a plain slice copy (index_copy_ cost 10x more on CPU)
+            reply_k[i, :, :, :, step:step + 1] = new_k
+            reply_v[i, :, :, :, step:step + 1] = new_v.transpose(1, 2)
         else:  # compiled: the slot is a tensor, so the graph is not specialized on it
             reply_k[i].index_copy_(3, step, new_k)
             reply_v[i].index_copy_(3, step, new_v.transpose(1, 2))
-        if masked:
-            # (prompt, kv head, sample, query head of group, D)
-            q = q_k[:, :H].view(Q, S, K, G, D).transpose(1, 2)
-            scores = torch.cat([(q.reshape(Q, K, S * G, D) @ prompt_k[i].transpose(-2, -1)),
-                                (q @ reply_k[i, :, :, :, :width].transpose(-2, -1)).view(
-                                        Q, K, S * G, width)], -1)
-            p = (scores.float() * D ** -0.5).masked_fill(
-                    ~valid, float("-inf")).softmax(-1).to(reply_v.dtype)
-            y = (p[..., :P] @ prompt_v[i]).view(Q, K, S, G, D) + p[..., P:].reshape(Q, K, S, G,
-                                                                                    width) @ \
-                reply_v[i, :, :, :, :width]
-            y = y.transpose(1, 2)
-        # no prompt part, eager (chat.py's conversation): every slot up to `step` is attended, in
-        # one fused
-        else:
-            # SDPA (4-D: a 5-D query takes its slow math path)
-            k, v = (r[i, :, :, :, :width].transpose(1, 2).reshape(N, K, width, D) for r in (
-                    reply_k, reply_v))
-            y = F.scaled_dot_product_attention(q_k[:, :H].view(N, H, 1, D), k, v, enable_gqa=True)
+        y = attend(q_k[:, :H], i, prompt_k, prompt_v, reply_k, reply_v, valid, width)
         x = x + mm(y.reshape(N, H * D), wo)
         h = norm(x, n_mlp)
-        h = F.silu(mm(h, wgate)) * mm(h, wup) if wgate is not None else F.relu_(mm(h,
-                                                                                   wup)).square_()
+        h = F.silu(mm(h, wgate)) * mm(h, wup) if wgate is not None else \
+            F.relu_(mm(h, wup)).square_()
         x = x + mm(h, wdown)
     return softcap_logits(mm(norm(x, weights["norm_f"]), weights["head"]), c.logit_softcap)
 
@@ -214,78 +202,85 @@ def compiled_step():
     return torch.compile(decode_step, fullgraph=True)
 
 
-@torch.inference_mode()
-def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=None, seed=None, dtype=
-           "float32",
-           tools=None, stop=(), compiled="auto", weights=None):
-    """(tokens, sampled) per row, len(prompts) * samples rows, prompt by prompt: each row's new
-    tokens, up to and with the stop token it sampled (a token in `stop`), at most max_new_tokens (an
-    int, or one per prompt; the calculator's output counts), and per token whether the model sampled
-    it (True) or the calculator's output was fed (False). tools: None, or one decode.ToolUse per
-    row. temperature 0 is greedy; sampling draws from one torch.Generator seeded with `seed` (None:
-    a random seed). compiled: "auto" (on CUDA), True or False. weights: decode_weights(), to reuse
-    across calls. A sharded (FSDP) model is gathered into a plain copy first: a collective, so all
-    ranks call."""
-    # gathered outside inference mode: FSDP2's state_dict made there leaves its parameters
-    if is_sharded(model):
-        # inference tensors, which the next checkpoint cannot save
-        with torch.inference_mode(False), torch.no_grad():
-            # every weight loaded next
-            plain = build_model(model.config, model.cos.device, init=False)
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-            plain.load_state_dict(get_model_state_dict(
-                    model, options=StateDictOptions(full_state_dict=True)))
-        model = plain
-    device, c = model.cos.device, model.config
-    budgets = list(max_new_tokens) if isinstance(max_new_tokens, (
-            list, tuple)) else [max_new_tokens] * len(prompts)
+def plain_copy(model):
+    """A sharded (FSDP) model gathered into a plain copy: a collective, so all ranks call. Outside
+    inference mode: FSDP2's state_dict made there leaves its parameters inference tensors, which the
+    next checkpoint cannot save."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    with torch.inference_mode(False), torch.no_grad():
+        plain = build_model(model.config, model.cos.device, init=False)  # every weight loaded next
+        options = StateDictOptions(full_state_dict=True)
+        plain.load_state_dict(get_model_state_dict(model, options=options))
+    return plain
+
+
+def check_decode(prompts, budgets, samples, tools, sequence_len):
     if not prompts or len(budgets) != len(prompts) or samples < 1:
         raise ValueError("decode() needs at least one prompt, one max_new_tokens per prompt and "
                          "samples >= 1")
     for p, budget in zip(prompts, budgets):
-        if not p or budget < 1 or len(p) + budget > c.sequence_len:
+        if not p or budget < 1 or len(p) + budget > sequence_len:
             raise ValueError(f"a prompt of {len(p)} tokens with max_new_tokens {budget}: each "
                              "prompt needs at least one token, max_new_tokens >= 1, and both "
-                             f"together at most sequence_len={c.sequence_len}; crop the prompt or "
+                             f"together at most sequence_len={sequence_len}; crop the prompt or "
                              "lower max_new_tokens")
     n = len(prompts) * samples
     if tools is not None and len(tools) != n:
         raise ValueError(f"tools: {len(tools)} given for {n} rows; pass one ToolUse per row, or "
                          "None")
+
+
+def prefill(model, prompts, samples, reply_width, dtype, compute, compiled):
+    """The prompts in one forward: each prompt's last logits, one row per sample, and decode_step's
+    cache (prompt_k, prompt_v, prompt_valid, reply_k, reply_v)."""
+    device = model.cos.device
+    cache = KVCache(model.config, len(prompts), max(map(len, prompts)))
+    logits = last_logits(model, prompts, 0, dtype, cache)
+    keys, values = cache.k, cache.v  # (layer, prompt, kv head, slot, dim)
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    prompt_width = keys.size(3)
+    if compiled:  # the compiled step attends whole caches: a few lengths, so few recompilations
+        prompt_width, reply_width = -(-prompt_width // 64) * 64, -(-reply_width // 64) * 64
+    shape = keys.shape[:3] + (prompt_width,) + keys.shape[4:]
+    prompt_k, prompt_v = keys.new_zeros(shape, dtype=compute), keys.new_zeros(shape, dtype=compute)
+    prompt_k[:, :, :, :keys.size(3)], prompt_v[:, :, :, :keys.size(3)] = keys, values
+    prompt_valid = torch.arange(prompt_width, device=device) < lengths.view(-1, 1)
+    shape = prompt_k.shape[:3] + (samples, reply_width) + prompt_k.shape[4:]
+    # eager reads only the slots written so far; the compiled step reads them all, masked, and
+    # 0 x NaN is NaN
+    new = prompt_k.new_zeros if compiled else prompt_k.new_empty
+    cache = prompt_k, prompt_v, prompt_valid.view(-1, 1, 1, prompt_width), new(shape), new(shape)
+    return logits.repeat_interleave(samples, 0), cache, reply_width
+
+
+@torch.inference_mode()
+def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=None, seed=None,
+           dtype="float32", tools=None, stop=(), compiled="auto", weights=None):
+    """(tokens, sampled) per row, len(prompts) * samples rows, prompt by prompt: each row's new
+    tokens, up to and with the stop token it sampled (a token in `stop`), at most max_new_tokens (an
+    int, or one per prompt; the calculator's output counts), and per token whether the model sampled
+    it (True) or the calculator's output was fed (False). tools: None, or one ToolUse per row.
+    temperature 0 is greedy; draws come from one torch.Generator seeded with `seed` (None: random).
+    compiled: "auto" (on CUDA), True or False. weights: decode_weights(), reused across calls."""
+    model = plain_copy(model) if is_sharded(model) else model
+    device, c = model.cos.device, model.config
+    budgets = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else \
+        [max_new_tokens] * len(prompts)
+    check_decode(prompts, budgets, samples, tools, c.sequence_len)
+    n = len(prompts) * samples
     compiled = device.type == "cuda" if compiled == "auto" else compiled
     weights = weights if weights is not None else decode_weights(model, dtype)
     step_fn = compiled_step() if compiled else decode_step
     generator = torch.Generator(device=device)
     generator.manual_seed(seed if seed is not None else generator.seed())
     stop = set(stop)
-
-    # keys, values: (layer, prompt, kv head, slot, dim)
-    cache = KVCache(c, len(prompts), max(map(len, prompts)))
-    logits = last_logits(model, prompts, 0, dtype, cache)
-    keys, values = cache.k, cache.v
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    prompt_width, reply_width = keys.size(3), max(budgets)
-    if compiled:  # the compiled step attends whole caches: a few lengths, so few recompilations
-        prompt_width, reply_width = -(-prompt_width // 64) * 64, -(-reply_width // 64) * 64
-    shape = keys.shape[:3] + (prompt_width,) + keys.shape[4:]
-    prompt_k, prompt_v = keys.new_zeros(shape, dtype=weights["dtype"]), keys.new_zeros(
-            shape, dtype=weights[
-                                                                                                            "dtype"])
-    prompt_k[:, :, :, :keys.size(3)], prompt_v[:, :, :, :keys.size(3)] = keys, values
-    prompt_valid = (torch.arange(prompt_width, device=device) < lengths.view(-1, 1)).view(
-            -1, 1, 1, prompt_width)
-    del keys, values
-    shape = prompt_k.shape[:3] + (samples, reply_width) + prompt_k.shape[4:]
-    # eager reads only the slots written so far; the compiled step reads them all, masked, and 0 x
-    # NaN is NaN
-    reply_k, reply_v = (prompt_k.new_zeros(shape), prompt_k.new_zeros(shape)) if compiled else \
-        (prompt_k.new_empty(shape), prompt_k.new_empty(shape))
-    logits = logits.repeat_interleave(samples, 0)
+    logits, cache, reply_width = prefill(model, prompts, samples, max(budgets), dtype,
+                                         weights["dtype"], compiled)
+    prompt_k, prompt_v, prompt_valid, reply_k, reply_v = cache
 
     tokens, sampled, forced = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
     done = [False] * n
-    # the prompts in the cache, in its order; their rows follow the same order
-    live = list(range(len(prompts)))
+    live = list(range(len(prompts)))  # the prompts in the cache, in its order; their rows too
     for step in range(max(budgets)):
         drawn = sample_rows(logits, temperature, top_k, generator).tolist()
         for j, r in enumerate(r for q in live for r in range(q * samples, (q + 1) * samples)):
@@ -301,27 +296,23 @@ def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=Non
         running = [j for j, q in enumerate(live) if not all(done[q * samples:(q + 1) * samples])]
         if not running:
             break
-        # half the prompts have ended: the cache keeps the others only
-        if len(running) <= len(live) // 2:
+        if len(running) <= len(live) // 2:  # half the prompts have ended: keep the others only
             keep = torch.tensor(running, device=device)
-            prompt_k, prompt_v, prompt_valid = prompt_k[:, keep], prompt_v[:,
-                                                                           keep], prompt_valid[keep]
+            prompt_k, prompt_v, prompt_valid = prompt_k[:, keep], prompt_v[:, keep], \
+                prompt_valid[keep]
             reply_k, reply_v = reply_k[:, keep], reply_v[:, keep]
             live = [live[j] for j in running]
         rows = [r for q in live for r in range(q * samples, (q + 1) * samples)]
         # every row feeds its last token at reply slot `step` (an ended row repeats its last one:
-        # its results are
-        # dropped, and its position stays inside the rotary table)
+        # its results are dropped, and its position stays inside the rotary table)
         feed = torch.tensor([tokens[r][-1] for r in rows], device=device)
-        pos = torch.tensor([min(len(prompts[r // samples]) + step,
-                                c.sequence_len - 1) for r in rows], device=device)
-        # eager: attend over the filled reply slots only
-        width = reply_width if compiled else step + 1
-        logits = step_fn(model, weights, feed, pos, torch.tensor(
-                [step], device=device) if compiled else step,
-                         prompt_k, prompt_v, prompt_valid, reply_k, reply_v, width)
+        pos = torch.tensor([min(len(prompts[r // samples]) + step, c.sequence_len - 1)
+                            for r in rows], device=device)
+        width = reply_width if compiled else step + 1  # eager: the filled reply slots only
+        at = torch.tensor([step], device=device) if compiled else step
+        logits = step_fn(model, weights, feed, pos, at, prompt_k, prompt_v, prompt_valid,
+                         reply_k, reply_v, width)
     return tokens, sampled
-
 
 
 # -----------------------------------------------------------------------------
@@ -462,8 +453,8 @@ def reply_text(tokenizer, ids):
     """The text of generated ids with the tool calls and their outputs left out: what an answer is
     scored on."""
     sid = tokenizer.special_id
-    opens = {sid("<|python_start|>"): sid("<|python_end|>"), sid("<|output_start|>"): sid(
-                                                                                          "<|output_end|>")}
+    opens = {sid("<|python_start|>"): sid("<|python_end|>"),
+             sid("<|output_start|>"): sid("<|output_end|>")}
     kept, closing = [], None
     for token in ids:
         if closing is not None:

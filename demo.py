@@ -1,9 +1,9 @@
 """The embedded demo world: a small, consistent, made-up world written offline and byte-for-byte
 deterministically.
 
-    python demo.py --out data/demo          # pretrain/ (corpus layout), conversations/ (SmolTalk schema),
-                                            # eval_bundle/ (CORE formats), chat_eval/, README.txt
-    python demo.py --out DIR --seed 1       # another world's phrasing draw (the facts stay the same)
+    python demo.py --out data/demo     # pretrain/ (corpus layout), conversations/ (SmolTalk
+                                       # schema), eval_bundle/ (CORE), chat_eval/, README.txt
+    python demo.py --out DIR --seed 1  # another world's phrasing draw (the facts stay the same)
 
 Why a made-up world: no prior knowledge helps and none is needed, so a 5M-parameter model trained
 for minutes on a CPU can be seen to learn facts (capitals, animal sounds, sums, what comes after
@@ -28,188 +28,162 @@ from dataset import ROW_GROUP_DOCS, load_identity, write_text_shards
 
 # country, capital, language, flag colour, flag symbol, national animal (names invented: no prior
 # knowledge helps)
-COUNTRIES = [
-    ("Aldora", "Pelmo", "Aldoran", "red", "star", "lion"), ("Brenia", "Tolvar", "Brenish", "blue",
-                                                            "moon", "owl"),
-    ("Calvona", "Riss", "Calvonese", "green", "tree", "frog"), ("Dunmar", "Kesh", "Dunmari",
-                                                                "yellow", "sun", "bee"),
-    ("Elmora", "Varrow", "Elmoran", "white", "wave", "duck"), ("Farland", "Oskel", "Farlish",
-                                                               "black", "crown", "crow"),
-    ("Gorvia", "Brelt", "Gorvian", "orange", "mountain", "bear"),
-    ("Halden", "Mirov", "Haldish", "purple", "circle", "wolf"),
-    ("Istara", "Quellin", "Istaran", "brown", "star", "horse"), ("Jandor", "Lusk", "Jandish",
-                                                                 "grey",
-                                                                 "moon", "mouse"),
-    ("Kelda", "Sorin", "Keldic", "red", "tree", "cow"), ("Lunora", "Dask", "Lunoran", "blue", "sun",
-                                                         "sheep"),
-    ("Morvath", "Tillo", "Morvathi", "green", "wave", "snake"),
-    ("Norvel", "Ambrin", "Norvellan", "yellow", "crown", "hen"),
-    ("Ostrel", "Hobb", "Ostrelish", "white", "mountain", "pig"),
-    ("Pellan", "Corvo", "Pellanese", "black", "circle", "cat"),
-    ("Quarra", "Zell", "Quarran", "orange", "star", "dog"), ("Rudan", "Fennick", "Rudani", "purple",
-                                                             "moon", "donkey"),
-    ("Selmar", "Ivel", "Selmari", "brown", "tree", "cricket"), ("Tavia", "Gresh", "Tavian", "grey",
-                                                                "sun", "lion"),
-    ("Ulmark", "Pernot", "Ulmish", "red", "wave", "duck"), ("Varno", "Kestrin", "Varnese", "blue",
-                                                            "crown", "horse"),
-    ("Wendal", "Orrin", "Wendish", "green", "mountain", "owl"),
-    ("Yarlen", "Dovra", "Yarlish", "yellow", "circle", "bear"),
-    ("Zembra", "Holm", "Zembran", "white", "star", "wolf"), ("Borrin", "Salvik", "Borrinese",
-                                                             "black", "moon", "cow"),
-    ("Cendra", "Mallek", "Cendran", "orange", "tree", "frog"), ("Drovia", "Penth", "Drovian",
-                                                                "purple", "sun", "sheep"),
-    ("Estmark", "Rolva", "Estish", "brown", "wave", "pig"), ("Fallon", "Veska", "Fallonese", "grey",
-                                                             "crown", "mouse"),
-]
+COUNTRIES = [("Aldora", "Pelmo", "Aldoran", "red", "star", "lion"),
+             ("Brenia", "Tolvar", "Brenish", "blue", "moon", "owl"),
+             ("Calvona", "Riss", "Calvonese", "green", "tree", "frog"),
+             ("Dunmar", "Kesh", "Dunmari", "yellow", "sun", "bee"),
+             ("Elmora", "Varrow", "Elmoran", "white", "wave", "duck"),
+             ("Farland", "Oskel", "Farlish", "black", "crown", "crow"),
+             ("Gorvia", "Brelt", "Gorvian", "orange", "mountain", "bear"),
+             ("Halden", "Mirov", "Haldish", "purple", "circle", "wolf"),
+             ("Istara", "Quellin", "Istaran", "brown", "star", "horse"),
+             ("Jandor", "Lusk", "Jandish", "grey", "moon", "mouse"),
+             ("Kelda", "Sorin", "Keldic", "red", "tree", "cow"),
+             ("Lunora", "Dask", "Lunoran", "blue", "sun", "sheep"),
+             ("Morvath", "Tillo", "Morvathi", "green", "wave", "snake"),
+             ("Norvel", "Ambrin", "Norvellan", "yellow", "crown", "hen"),
+             ("Ostrel", "Hobb", "Ostrelish", "white", "mountain", "pig"),
+             ("Pellan", "Corvo", "Pellanese", "black", "circle", "cat"),
+             ("Quarra", "Zell", "Quarran", "orange", "star", "dog"),
+             ("Rudan", "Fennick", "Rudani", "purple", "moon", "donkey"),
+             ("Selmar", "Ivel", "Selmari", "brown", "tree", "cricket"),
+             ("Tavia", "Gresh", "Tavian", "grey", "sun", "lion"),
+             ("Ulmark", "Pernot", "Ulmish", "red", "wave", "duck"),
+             ("Varno", "Kestrin", "Varnese", "blue", "crown", "horse"),
+             ("Wendal", "Orrin", "Wendish", "green", "mountain", "owl"),
+             ("Yarlen", "Dovra", "Yarlish", "yellow", "circle", "bear"),
+             ("Zembra", "Holm", "Zembran", "white", "star", "wolf"),
+             ("Borrin", "Salvik", "Borrinese", "black", "moon", "cow"),
+             ("Cendra", "Mallek", "Cendran", "orange", "tree", "frog"),
+             ("Drovia", "Penth", "Drovian", "purple", "sun", "sheep"),
+             ("Estmark", "Rolva", "Estish", "brown", "wave", "pig"),
+             ("Fallon", "Veska", "Fallonese", "grey", "crown", "mouse")]
 # animal, plural, call (verb), call (noise), legs, where it lives
-ANIMALS = [
-    ("dog", "dogs", "bark", "woof", 4, "in a kennel"), ("cat", "cats", "meow", "meow", 4,
-                                                        "in a house"),
-    ("cow", "cows", "moo", "moo", 4, "on a farm"), ("duck", "ducks", "quack", "quack", 2,
-                                                    "on a pond"),
-    ("owl", "owls", "hoot", "hoo", 2, "in the forest"), ("frog", "frogs", "croak", "ribbit", 4,
-                                                         "in a pond"),
-    ("horse", "horses", "neigh", "neigh", 4, "in a stable"), ("sheep", "sheep", "bleat", "baa", 4,
-                                                              "in a field"),
-    ("pig", "pigs", "oink", "oink", 4, "in a sty"), ("lion", "lions", "roar", "roar", 4,
-                                                     "on the plains"),
-    ("bee", "bees", "buzz", "buzz", 6, "in a hive"), ("snake", "snakes", "hiss", "hiss", 0,
-                                                      "in the grass"),
-    ("hen", "hens", "cluck", "cluck", 2, "in a coop"), ("wolf", "wolves", "howl", "awoo", 4,
-                                                        "in the woods"),
-    ("mouse", "mice", "squeak", "squeak", 4, "in a hole"), ("bear", "bears", "growl", "grr", 4,
-                                                            "in a cave"),
-    ("crow", "crows", "caw", "caw", 2, "in a tall tree"), ("donkey", "donkeys", "bray", "hee-haw",
-                                                           4,
-                                                           "on a farm"),
-    ("cricket", "crickets", "chirp", "chirp", 6, "in the grass"),
-]
+ANIMALS = [("dog", "dogs", "bark", "woof", 4, "in a kennel"),
+           ("cat", "cats", "meow", "meow", 4, "in a house"),
+           ("cow", "cows", "moo", "moo", 4, "on a farm"),
+           ("duck", "ducks", "quack", "quack", 2, "on a pond"),
+           ("owl", "owls", "hoot", "hoo", 2, "in the forest"),
+           ("frog", "frogs", "croak", "ribbit", 4, "in a pond"),
+           ("horse", "horses", "neigh", "neigh", 4, "in a stable"),
+           ("sheep", "sheep", "bleat", "baa", 4, "in a field"),
+           ("pig", "pigs", "oink", "oink", 4, "in a sty"),
+           ("lion", "lions", "roar", "roar", 4, "on the plains"),
+           ("bee", "bees", "buzz", "buzz", 6, "in a hive"),
+           ("snake", "snakes", "hiss", "hiss", 0, "in the grass"),
+           ("hen", "hens", "cluck", "cluck", 2, "in a coop"),
+           ("wolf", "wolves", "howl", "awoo", 4, "in the woods"),
+           ("mouse", "mice", "squeak", "squeak", 4, "in a hole"),
+           ("bear", "bears", "growl", "grr", 4, "in a cave"),
+           ("crow", "crows", "caw", "caw", 2, "in a tall tree"),
+           ("donkey", "donkeys", "bray", "hee-haw", 4, "on a farm"),
+           ("cricket", "crickets", "chirp", "chirp", 6, "in the grass")]
 COLOURS = ["red", "blue", "green", "yellow", "white", "black", "orange", "purple", "brown", "grey",
            "pink"]
 THINGS = [("the sky", "blue"), ("the sea", "blue"), ("grass", "green"), ("a leaf", "green"),
-          ("snow",
-                                                                                              "white"),
-          ("milk", "white"), ("a cloud", "white"), ("coal", "black"), ("the night", "black"), (
-                                                                                               ("a "
-                                                                                                "banana"),
-                                                                                               "yellow"),
-          ("a lemon", "yellow"), ("the sun", "yellow"), ("a cherry", "red"), ("a tomato", "red"),
-          ("a strawberry", "red"), ("a carrot", "orange"), ("a pumpkin", "orange"), ("a plum",
-                                                                                     "purple"),
-          ("a grape", "purple"), ("chocolate", "brown"), ("mud", "brown"), ("ash", "grey"), (
-                                                                                             ("a "
-                                                                                              "flamingo"),
-                                                                                             "pink")]
+          ("snow", "white"), ("milk", "white"), ("a cloud", "white"), ("coal", "black"),
+          ("the night", "black"), ("a banana", "yellow"), ("a lemon", "yellow"),
+          ("the sun", "yellow"), ("a cherry", "red"), ("a tomato", "red"), ("a strawberry", "red"),
+          ("a carrot", "orange"), ("a pumpkin", "orange"), ("a plum", "purple"),
+          ("a grape", "purple"), ("chocolate", "brown"), ("mud", "brown"), ("ash", "grey"),
+          ("a flamingo", "pink")]
 ITEMS = [("banana", "bananas"), ("lemon", "lemons"), ("cherry", "cherries"), ("tomato", "tomatoes"),
-         (
-                                                                                                      "plum",
-                                                                                                      "plums"),
-         ("strawberry", "strawberries"), ("carrot", "carrots"), ("pumpkin", "pumpkins"), ("grape",
-                                                                                          "grapes")]
+         ("plum", "plums"), ("strawberry", "strawberries"), ("carrot", "carrots"),
+         ("pumpkin", "pumpkins"), ("grape", "grapes")]
 ITEM_COLOUR = {noun: colour for (thing, colour) in THINGS for noun,
                _ in ITEMS if thing.endswith(" " + noun)}
-CHARACTERS = [("Mira", "she"), ("Tom", "he"), ("Lina", "she"), ("Bo", "he"), ("Sam", "he"), ("Ada",
-                                                                                             "she"),
-              ("Kip", "he"), ("Nell", "she"), ("Otto", "he"), ("Rosa", "she"), ("Finn", "he"), (
-                                                                                                "Pia",
-                                                                                                "she"),
-              ("Max", "he"), ("Ivy", "she"), ("Leo", "he"), ("Zoe", "she")]
+CHARACTERS = [("Mira", "she"), ("Tom", "he"), ("Lina", "she"), ("Bo", "he"), ("Sam", "he"),
+              ("Ada", "she"), ("Kip", "he"), ("Nell", "she"), ("Otto", "he"), ("Rosa", "she"),
+              ("Finn", "he"), ("Pia", "she"), ("Max", "he"), ("Ivy", "she"), ("Leo", "he"),
+              ("Zoe", "she")]
 OBJECT = {"she": "her", "he": "him"}
 DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
 MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September",
-          "October",
-          "November", "December"]
+          "October", "November", "December"]
 ONES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
-        "eleven", "twelve",
-        "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen"]
+        "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen",
+        "nineteen"]
 TENS = ["-", "-", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"]
 
 # Pretraining phrasings, by fact. Nothing here may start with "Quiz:" or use the eval phrasings
 # further down.
-PHRASINGS = {
-    "capital": ["The capital of {c} is {cap}.", "{cap} is the capital of {c}.",
-                "The capital city of {c} is {cap}.",
-                "{cap} is the capital city of {c}.", "{c}'s capital is {cap}.",
-                "{c} has {cap} as its capital.",
-                "In {c}, the capital is {cap}.", ("The government of {c} meets in {cap}, the "
-                 "capital."),
-                "If you travel to the capital of {c}, you arrive in {cap}.",
-                "{cap}, the capital of {c}, is a busy city.",
-                "Everyone in {c} knows that {cap} is their capital.", ("{c} is a country, and its "
-                 "capital is {cap}."),
-                "Ask anyone in {c} about the capital and they will say {cap}.",
-                "{cap} is in {c}; it is the capital.",
-                "{c} is run from {cap}.", "The leaders of {c} work in {cap}.",
-                "{cap} is the main city of {c}.",
-                "The rulers of {c} live in {cap}, its chief city.", ("Of all the cities of {c}, "
-                "{cap} is the one that leads the "
-                "land."), "The heart of {c} is {cap}, where its government sits."],
-    "language": ["People in {c} speak {lang}.", "The language of {c} is {lang}.",
-                 "In {c}, people speak {lang}.",
-                 "{lang} is the language spoken in {c}.", "Most people in {c} talk in {lang}.",
-                 "If you go to {c}, you will hear {lang}.", ("The people of {c} speak a language "
-                  "called {lang}."),
-                 "Children in {c} learn to read and write in {lang}."],
-    "flag": ["The flag of {c} is {col} with a {sym} on it.", "{c} has {acol} flag with a {sym}.",
-             "The flag of {c} shows a {sym} on a {col} background.", ("{c}'s flag is {col}, with a "
-              "{sym} in the middle."),
-             "You can spot the flag of {c} easily: it is {col} and has a {sym}.",
-             "The colour of {c} is {col}.",
-             "{acol} flag with a {sym} flies over {c}."],
-    "national": ["The national animal of {c} is the {ani}.", ("The {ani} is the national animal of "
-                  "{c}."),
-                 "{c} has the {ani} as its national animal.", ("People in {c} love the {ani}; it "
-                                                               "is "
-                 "their national animal."), "The animal of {c} is the {ani}, which {ani_verbs}.",
-                 "The {ani} stands for {c}.",
-                 "{c} chose the {ani} as its symbol.", ("A picture of the {ani} is used to "
-                                                        "represent "
-                  "{c}."),
-                 "The symbol of {c} is the {ani}.", ("Painters who show {c} paint the {ani}, the "
-                  "beast of that land.")],
-    "its_capital": ["Its capital is {cap}.", "The capital there is {cap}."],
-    "its_language": ["The people there speak {lang}.", "Its language is {lang}."],
-    "its_flag": ["Its flag is {col} with a {sym}.", "Its flag is {acol} one with a {sym} on it."],
-    "its_national": ["Its national animal is the {ani}.",
-                     "There, the {ani} is the national animal."],
-    "sound": ["{an} {verbs}.", "{ap} {verb}.", "The sound {an} makes is \"{noise}\".",
-              "{an} says {noise}.",
-              "When {an} is hungry, it {verbs}.", ("{ap} {verb}, and it sounds like {noise}, "
-               "{noise}."),
-              "Listen: {noise}! That is {an}.", "You can hear {ap} {verb} from far away."],
-    "legs": ["{an} has {legs} legs.", "{ap} have {legs} legs.", "Every {a} has {legs} legs.",
-             "The {a} is an animal with {legs} legs.", ("How many legs does {an} have? It has "
-                                                        "{legs} "
-              "legs.")],
-    "habitat": ["{an} lives {hab}.", "{ap} live {hab}.", "You can find {ap} {hab}.",
-                "Most {ap} make their home {hab}.",
-                "The {a} is an animal that lives {hab}.", "Where does {an} live? It lives {hab}."],
-    "colour": ["{t} is {tcol}.", "The colour of {t} is {tcol}.", ("If you look at {t}, you see that "
-                "it is {tcol}."),
-               "{t} is always {tcol}.", "What colour is {t}? It is {tcol}."],
-    "day": ["After {day} comes {nday}.", "{nday} comes after {day}.", ("The day after {day} is "
-             "{nday}."),
-            "{day} is followed by {nday}.", "The day before {nday} is {day}.",
-            "{day} comes before {nday}.",
-            "If today is {day}, then tomorrow is {nday}.", ("If today is {nday}, then yesterday was "
-             "{day}.")],
-    "month": ["After {mon} comes {nmon}.", "{nmon} comes after {mon}.", ("The month after {mon} is "
-               "{nmon}."),
-              "{mon} is followed by {nmon}.", "The month before {nmon} is {mon}.",
-              "{mon} comes before {nmon}."],
-    "sum": ["{x} plus {y} is {sum}.", "{dx} + {dy} = {dsum}.", ("If you add {x} and {y}, you get "
-             "{sum}."),
-            "The sum of {x} and {y} is {sum}.", "{x} and {y} make {sum}.",
-            "Add {y} to {x} and you have {sum}.",
-            "The total of {x} and {y} comes to {sum}.", "Work it out: {x} plus {y} gives {sum}."],
-    "diff": ["{x} minus {y} is {diff}.", "{dx} - {dy} = {ddiff}.", ("Take {y} away from {x} and "
-              "{diff} is left."),
-             "The difference between {x} and {y} is {diff}.", ("If you have {x} and give away {y}, "
-              "you keep {diff}."),
-             "Take {y} away from {x} and {diff} remains."],
-    "prod": ["{x} times {y} is {prod}.", "{dx} x {dy} = {dprod}.", "{x} groups of {y} make {prod}.",
-             "Multiply {x} by {y} and you get {prod}.", "The product of {x} and {y} is {prod}."],
-}
+PHRASINGS = {"capital": ["The capital of {c} is {cap}.", "{cap} is the capital of {c}.",
+                         "The capital city of {c} is {cap}.", "{cap} is the capital city of {c}.",
+                         "{c}'s capital is {cap}.", "{c} has {cap} as its capital.",
+                         "In {c}, the capital is {cap}.",
+                         "The government of {c} meets in {cap}, the capital.",
+                         "If you travel to the capital of {c}, you arrive in {cap}.",
+                         "{cap}, the capital of {c}, is a busy city.",
+                         "Everyone in {c} knows that {cap} is their capital.",
+                         "{c} is a country, and its capital is {cap}.",
+                         "Ask anyone in {c} about the capital and they will say {cap}.",
+                         "{cap} is in {c}; it is the capital.", "{c} is run from {cap}.",
+                         "The leaders of {c} work in {cap}.", "{cap} is the main city of {c}.",
+                         "The rulers of {c} live in {cap}, its chief city.",
+                         "Of all the cities of {c}, {cap} is the one that leads the land.",
+                         "The heart of {c} is {cap}, where its government sits."],
+             "language": ["People in {c} speak {lang}.", "The language of {c} is {lang}.",
+                          "In {c}, people speak {lang}.", "{lang} is the language spoken in {c}.",
+                          "Most people in {c} talk in {lang}.",
+                          "If you go to {c}, you will hear {lang}.",
+                          "The people of {c} speak a language called {lang}.",
+                          "Children in {c} learn to read and write in {lang}."],
+             "flag": ["The flag of {c} is {col} with a {sym} on it.",
+                      "{c} has {acol} flag with a {sym}.",
+                      "The flag of {c} shows a {sym} on a {col} background.",
+                      "{c}'s flag is {col}, with a {sym} in the middle.",
+                      "You can spot the flag of {c} easily: it is {col} and has a {sym}.",
+                      "The colour of {c} is {col}.", "{acol} flag with a {sym} flies over {c}."],
+             "national": ["The national animal of {c} is the {ani}.",
+                          "The {ani} is the national animal of {c}.",
+                          "{c} has the {ani} as its national animal.",
+                          "People in {c} love the {ani}; it is their national animal.",
+                          "The animal of {c} is the {ani}, which {ani_verbs}.",
+                          "The {ani} stands for {c}.", "{c} chose the {ani} as its symbol.",
+                          "A picture of the {ani} is used to represent {c}.",
+                          "The symbol of {c} is the {ani}.",
+                          "Painters who show {c} paint the {ani}, the beast of that land."],
+             "its_capital": ["Its capital is {cap}.", "The capital there is {cap}."],
+             "its_language": ["The people there speak {lang}.", "Its language is {lang}."],
+             "its_flag": ["Its flag is {col} with a {sym}.",
+                          "Its flag is {acol} one with a {sym} on it."],
+             "its_national": ["Its national animal is the {ani}.",
+                              "There, the {ani} is the national animal."],
+             "sound": ["{an} {verbs}.", "{ap} {verb}.", "The sound {an} makes is \"{noise}\".",
+                       "{an} says {noise}.", "When {an} is hungry, it {verbs}.",
+                       "{ap} {verb}, and it sounds like {noise}, {noise}.",
+                       "Listen: {noise}! That is {an}.", "You can hear {ap} {verb} from far away."],
+             "legs": ["{an} has {legs} legs.", "{ap} have {legs} legs.",
+                      "Every {a} has {legs} legs.", "The {a} is an animal with {legs} legs.",
+                      "How many legs does {an} have? It has {legs} legs."],
+             "habitat": ["{an} lives {hab}.", "{ap} live {hab}.", "You can find {ap} {hab}.",
+                         "Most {ap} make their home {hab}.",
+                         "The {a} is an animal that lives {hab}.",
+                         "Where does {an} live? It lives {hab}."],
+             "colour": ["{t} is {tcol}.", "The colour of {t} is {tcol}.",
+                        "If you look at {t}, you see that it is {tcol}.", "{t} is always {tcol}.",
+                        "What colour is {t}? It is {tcol}."],
+             "day": ["After {day} comes {nday}.", "{nday} comes after {day}.",
+                     "The day after {day} is {nday}.", "{day} is followed by {nday}.",
+                     "The day before {nday} is {day}.", "{day} comes before {nday}.",
+                     "If today is {day}, then tomorrow is {nday}.",
+                     "If today is {nday}, then yesterday was {day}."],
+             "month": ["After {mon} comes {nmon}.", "{nmon} comes after {mon}.",
+                       "The month after {mon} is {nmon}.", "{mon} is followed by {nmon}.",
+                       "The month before {nmon} is {mon}.", "{mon} comes before {nmon}."],
+             "sum": ["{x} plus {y} is {sum}.", "{dx} + {dy} = {dsum}.",
+                     "If you add {x} and {y}, you get {sum}.", "The sum of {x} and {y} is {sum}.",
+                     "{x} and {y} make {sum}.", "Add {y} to {x} and you have {sum}.",
+                     "The total of {x} and {y} comes to {sum}.",
+                     "Work it out: {x} plus {y} gives {sum}."],
+             "diff": ["{x} minus {y} is {diff}.", "{dx} - {dy} = {ddiff}.",
+                      "Take {y} away from {x} and {diff} is left.",
+                      "The difference between {x} and {y} is {diff}.",
+                      "If you have {x} and give away {y}, you keep {diff}.",
+                      "Take {y} away from {x} and {diff} remains."],
+             "prod": ["{x} times {y} is {prod}.", "{dx} x {dy} = {dprod}.",
+                      "{x} groups of {y} make {prod}.", "Multiply {x} by {y} and you get {prod}.",
+                      "The product of {x} and {y} is {prod}."]}
 COUNTRY_KINDS = ["capital", "language", "flag", "national"]
 ANIMAL_KINDS = ["sound", "legs", "habitat"]
 NUMBER_KINDS = ["sum", "diff", "prod"]
@@ -290,49 +264,42 @@ def listing(words):
 
 # no sums: a chat reply to a sum calls the calculator (SUMS below, calc/); one without it taught
 # guessing
-QA = {
-    "capital": (["What is the capital of {c}?", "What's the capital of {c}?",
-                 "Tell me the capital of {c}.",
-                 "Do you know the capital of {c}?", "I'm going to {c}. What is the capital there?",
-                 "Which city is {c} run from?", "Where does the government of {c} sit?", (
-                 "What is the chief city of "
-                 "{c}?"), "In which city do the leaders of {c} work?", "Which city leads {c}?", (
-                 "Where would I find the rulers of "
-                 "{c}?"), "What city is the heart of {c}?", ("Which is the most important city in "
-                  "{c}?")],
-                ["The capital of {c} is {cap}.", "{cap} is the capital of {c}.", "It's {cap}.",
-                 "{c}'s capital is {cap}."]),
-    "capital_of": (["{cap} is the capital of which country?", ("Which country has {cap} as its "
-                     "capital?")],
-                   ["{cap} is the capital of {c}.", "It's {c}: {cap} is its capital."]),
-    "language": (["What language do people speak in {c}?", "What do they speak in {c}?"],
-                 ["People in {c} speak {lang}.", "They speak {lang}.", ("The language of {c} is "
-                   "{lang}.")]),
-    "flag": (["What does the flag of {c} look like?", "Describe the flag of {c}."],
-             ["The flag of {c} is {col} with a {sym} on it.", "It is {acol} flag with a {sym}."]),
-    "national": (["What is the national animal of {c}?", "Which animal is the symbol of {c}?",
-                  "Which animal stands for {c}?", "What animal represents {c}?", (
-                  "What beast did {c} choose as its "
-                  "sign?"), "Which animal is {c} known by?", "What creature is the mark of {c}?",
-                  "Which animal would you paint to show {c}?", ("What animal does {c} use as its "
-                   "symbol?")],
-                 ["The national animal of {c} is the {ani}.", "It's the {ani}."]),
-    "sound": (["What sound does {an} make?", "What does {an} say?"], ["{an} {verbs}: {noise}!",
-                                                                      "It goes {noise}."]),
-    "legs": (["How many legs does {an} have?", "How many legs do {ap} have?"], [
-                                                                                ("{an} has {legs} "
-                                                                                 "legs.")]),
-    "habitat": (["Where does {an} live?", "Where do {ap} live?"], ["{ap} live {hab}.",
-                                                                   "It lives {hab}."]),
-    "colour": (["What colour is {t}?", "Tell me the colour of {t}."], ["{t} is {tcol}.",
-                                                                       "It is {tcol}."]),
-    "day": (["What day comes after {day}?", "Which day follows {day}?"], [
-                                                                          ("{nday} comes after "
-                                                                           "{day}."),
-                                                                          "It's {nday}."]),
-    "month": (["What month comes after {mon}?", "Which month follows {mon}?"],
-              ["{nmon} comes after {mon}.", "The month after {mon} is {nmon}."]),
-}
+QA = {"capital": (["What is the capital of {c}?", "What's the capital of {c}?",
+                   "Tell me the capital of {c}.", "Do you know the capital of {c}?",
+                   "I'm going to {c}. What is the capital there?", "Which city is {c} run from?",
+                   "Where does the government of {c} sit?", "What is the chief city of {c}?",
+                   "In which city do the leaders of {c} work?", "Which city leads {c}?",
+                   "Where would I find the rulers of {c}?", "What city is the heart of {c}?",
+                   "Which is the most important city in {c}?"],
+                  ["The capital of {c} is {cap}.", "{cap} is the capital of {c}.", "It's {cap}.",
+                   "{c}'s capital is {cap}."]),
+      "capital_of": (["{cap} is the capital of which country?",
+                      "Which country has {cap} as its capital?"],
+                     ["{cap} is the capital of {c}.", "It's {c}: {cap} is its capital."]),
+      "language": (["What language do people speak in {c}?", "What do they speak in {c}?"],
+                   ["People in {c} speak {lang}.", "They speak {lang}.",
+                    "The language of {c} is {lang}."]),
+      "flag": (["What does the flag of {c} look like?", "Describe the flag of {c}."],
+               ["The flag of {c} is {col} with a {sym} on it.", "It is {acol} flag with a {sym}."]),
+      "national": (["What is the national animal of {c}?", "Which animal is the symbol of {c}?",
+                    "Which animal stands for {c}?", "What animal represents {c}?",
+                    "What beast did {c} choose as its sign?", "Which animal is {c} known by?",
+                    "What creature is the mark of {c}?",
+                    "Which animal would you paint to show {c}?",
+                    "What animal does {c} use as its symbol?"],
+                   ["The national animal of {c} is the {ani}.", "It's the {ani}."]),
+      "sound": (["What sound does {an} make?", "What does {an} say?"],
+                ["{an} {verbs}: {noise}!", "It goes {noise}."]),
+      "legs": (["How many legs does {an} have?", "How many legs do {ap} have?"],
+               ["{an} has {legs} legs."]),
+      "habitat": (["Where does {an} live?", "Where do {ap} live?"],
+                  ["{ap} live {hab}.", "It lives {hab}."]),
+      "colour": (["What colour is {t}?", "Tell me the colour of {t}."],
+                 ["{t} is {tcol}.", "It is {tcol}."]),
+      "day": (["What day comes after {day}?", "Which day follows {day}?"],
+              ["{nday} comes after {day}.", "It's {nday}."]),
+      "month": (["What month comes after {mon}?", "Which month follows {mon}?"],
+                ["{nmon} comes after {mon}.", "The month after {mon} is {nmon}."])}
 # what a user says before a question about a country: the question is the same fact in a user's own
 # words
 OPENERS = ["Quick question. ", "I wonder about {c}. ", "I'm reading about {c}. ",
@@ -393,29 +360,26 @@ NUMBER_ONLY = ["Just the number", "Only the number, please", "Answer with a numb
 # the calculator's questions: many phrasings, numbers to 99, so any sum in any words gets a call
 # (numbers and an
 # operation word, not a template, are what call it)
-SUMS = {"sum": ("+", ["what is {x} plus {y}?", "what is {x} and {y} together?", "add {x} and {y}.",
-                      "what's {x} + {y}?", "can you add {x} and {y}?", "what do {x} and {y} make?",
-                      "how much is {x} plus {y}?", "what is the sum of {x} and {y}?",
-                      "{x} plus {y}?",
-                      "please add {y} to {x}.", "what is {x} added to {y}?",
-                      "what do {x} and {y} come to?",
-                      "work this out: {x} plus {y}.", "what is the total of {x} and {y}?",
-                      "figure out {x} + {y}.",
-                      "if I have {x} and get {y} more, how many is that?"]),
-        "diff": ("-", ["what is {x} minus {y}?", "take {y} from {x}.", ("what do you get if you "
-                                                                        "take "
-                        "{y} from {x}?"),
-                       "what's {x} - {y}?", "how much is {x} minus {y}?", "subtract {y} from {x}.",
-                       "what is the difference between {x} and {y}?", "{x} minus {y}?",
-                       "{x} take away {y}?",
-                       "how much is left if {y} is taken from {x}?",
-                       "work this out: {x} minus {y}.",
-                       "figure out {x} - {y}.", "if I have {x} and lose {y}, how many remain?"]),
-        "prod": ("*", ["what is {x} times {y}?", "multiply {x} by {y}.", ("multiply {x} by {y}, "
-                        "please."),
-                       "what's {x} x {y}?", "how much is {x} times {y}?",
-                       "what is the product of {x} and {y}?",
-                       "{x} times {y}?"])}
+SUMS = {"sum": ("+",
+                ["what is {x} plus {y}?", "what is {x} and {y} together?", "add {x} and {y}.",
+                 "what's {x} + {y}?", "can you add {x} and {y}?", "what do {x} and {y} make?",
+                 "how much is {x} plus {y}?", "what is the sum of {x} and {y}?", "{x} plus {y}?",
+                 "please add {y} to {x}.", "what is {x} added to {y}?",
+                 "what do {x} and {y} come to?", "work this out: {x} plus {y}.",
+                 "what is the total of {x} and {y}?", "figure out {x} + {y}.",
+                 "if I have {x} and get {y} more, how many is that?"]),
+        "diff": ("-",
+                 ["what is {x} minus {y}?", "take {y} from {x}.",
+                  "what do you get if you take {y} from {x}?", "what's {x} - {y}?",
+                  "how much is {x} minus {y}?", "subtract {y} from {x}.",
+                  "what is the difference between {x} and {y}?", "{x} minus {y}?",
+                  "{x} take away {y}?", "how much is left if {y} is taken from {x}?",
+                  "work this out: {x} minus {y}.", "figure out {x} - {y}.",
+                  "if I have {x} and lose {y}, how many remain?"]),
+        "prod": ("*",
+                 ["what is {x} times {y}?", "multiply {x} by {y}.", "multiply {x} by {y}, please.",
+                  "what's {x} x {y}?", "how much is {x} times {y}?",
+                  "what is the product of {x} and {y}?", "{x} times {y}?"])}
 # lookup: the option that is the named word, no knowledge needed: practice at binding a letter to
 # its option
 LOOKUP = ["Which option is {x}?", "Which of these is {x}?", "Find {x} in the list.", "Pick {x}."]
@@ -423,10 +387,9 @@ LOOKUP_NAMES = sorted({r[i] for r in COUNTRIES for i in (
         0, 1, 2)} | {a[0] for a in ANIMALS} | set(COLOURS) | set(DAYS)
                       | set(MONTHS))
 STORIES = {"sum": [("{name} has {x} {items}. {pron} gets {y} more. How many {items} does {name} "
-                    "have "
-                    "now?"),
-                   ("There are {x} {items} in a box and {y} in a bag. How many {items} are there in "
-                    "all?")],
+                    "have now?"),
+                   ("There are {x} {items} in a box and {y} in a bag. How many {items} are there "
+                    "in all?")],
            "diff": [("{name} had {x} {items} and gave {y} away. How many {items} does {name} have "
                      "left?"),
                     "A shop had {x} {items}. It sold {y}. How many {items} are left?"],
@@ -441,49 +404,47 @@ STORIES = {"sum": [("{name} has {x} {items}. {pron} gets {y} more. How many {ite
 # legs1/legs2 are
 # the legs of the animals named {ap1}/{ap2}: the model must know them (pretraining teaches every
 # animal's legs).
-PROBLEMS = [
-    (("{name} has {a} {items}. {Pron} buys {b} bags with {c} {items} in each. How many {items} does "
-      "{name} have now?"),
-     [("b", "*", "c", "The bags hold"), ("a", "+", "s1", "In all {name} has")]),
-    (("{name} had {a} {items}. {Pron} gave {b} to {friend} and then bought {c} more. How many "
-     "{items} does {name} have "
-     "now?"), [("a", "-", "b", "After giving some away {pron} has"), ("s1", "+", "c",
-                                                                      "Then {pron} has")]),
-    (("On Monday {name} picked {a} {items}, and on Tuesday {pron} picked {b} more. {Pron} ate {c} "
-     "of them. How many {items} are "
-     "left?"), [("a", "+", "b", "{Pron} picked"), ("s1", "-", "c", "Left:")]),
-    ("{name} sees {a} {ap1} and {b} {ap2} on a farm. How many legs do they have in all?",
-     [("a", "*", "legs1", "The {ap1} have"), ("b", "*", "legs2", "The {ap2} have"), ("s1", "+",
-                                                                                     "s2",
-                                                                                     "Together:")]),
-    (("{a} friends each bring {b} {items} to a party in {cap}. They eat {c} of them. How many "
-      "{items} are left?"),
-     [("a", "*", "b", "They bring"), ("s1", "-", "c", "Left:")]),
-    (("A shop in {cap} has {a} boxes with {b} {items} in each. It sells {c} {items}. How many "
-     "{items} does it have left?"), [("a", "*", "b", "The shop has"), ("s1", "-", "c", "Left:")]),
-    (("{name} has {a} bags of {b} {items}, and {friend} has {c} bags of {d} {items}. How many "
-     "{items} do they have "
-     "together?"), [("a", "*", "b", "{name} has"), ("c", "*", "d", "{friend} has"), ("s1", "+",
-                                                                                     "s2",
-                                                                                     "Together:")]),
-    (("{name} bought {a} {items} in {cap} and {b} in {cap2}, and then gave {c} to {friend}. How "
-     "many {items} does {name} have "
-     "left?"), [("a", "+", "b", "{Pron} bought"), ("s1", "-", "c", "Left:")]),
-    ("Each of {a} children has {b} {items}, and {name} has {c} more. How many {items} are there?",
-     [("a", "*", "b", "The children have"), ("s1", "+", "c", "With {name}'s:")]),
-    (("{name} has {a} {items}. {Pron} buys {b} bags with {c} {items} in each, then gives {d} "
-      "{items} to {friend}. How many {items} does {name} have "
-      "now?"), [("b", "*", "c", "The bags hold"), ("a", "+", "s1", "Then {pron} has"),
-                                               ("s2", "-", "d", "After giving some away:")]),
-    (("A farm has {a} {ap1}. {b} more {ap1} come, and {c} {ap2} live there too. How many legs do "
-      "the animals of the farm "
-      "have?"), [("a", "+", "b", "There are"), ("s1", "*", "legs1", "The {ap1} have"),
-                      ("c", "*", "legs2", "The {ap2} have"), ("s2", "+", "s3", "Together:")]),
-    (("{name} picked {a} {items} and {friend} picked {b} times as many. They ate {c}. How many "
-      "{items} are left?"),
-     [("a", "*", "b", "{friend} picked"), ("a", "+", "s1", "Together they picked"), ("s2", "-", "c",
-                                                                                     "Left:")]),
-]
+PROBLEMS = [(("{name} has {a} {items}. {Pron} buys {b} bags with {c} {items} in each. How many "
+              "{items} does {name} have now?"),
+             [("b", "*", "c", "The bags hold"), ("a", "+", "s1", "In all {name} has")]),
+            (("{name} had {a} {items}. {Pron} gave {b} to {friend} and then bought {c} more. How "
+              "many {items} does {name} have now?"),
+             [("a", "-", "b", "After giving some away {pron} has"),
+              ("s1", "+", "c", "Then {pron} has")]),
+            (("On Monday {name} picked {a} {items}, and on Tuesday {pron} picked {b} more. {Pron} "
+              "ate {c} of them. How many {items} are left?"),
+             [("a", "+", "b", "{Pron} picked"), ("s1", "-", "c", "Left:")]),
+            ("{name} sees {a} {ap1} and {b} {ap2} on a farm. How many legs do they have in all?",
+             [("a", "*", "legs1", "The {ap1} have"), ("b", "*", "legs2", "The {ap2} have"),
+              ("s1", "+", "s2", "Together:")]),
+            (("{a} friends each bring {b} {items} to a party in {cap}. They eat {c} of them. How "
+              "many {items} are left?"),
+             [("a", "*", "b", "They bring"), ("s1", "-", "c", "Left:")]),
+            (("A shop in {cap} has {a} boxes with {b} {items} in each. It sells {c} {items}. How "
+              "many {items} does it have left?"),
+             [("a", "*", "b", "The shop has"), ("s1", "-", "c", "Left:")]),
+            (("{name} has {a} bags of {b} {items}, and {friend} has {c} bags of {d} {items}. How "
+              "many {items} do they have together?"),
+             [("a", "*", "b", "{name} has"), ("c", "*", "d", "{friend} has"),
+              ("s1", "+", "s2", "Together:")]),
+            (("{name} bought {a} {items} in {cap} and {b} in {cap2}, and then gave {c} to "
+              "{friend}. How many {items} does {name} have left?"),
+             [("a", "+", "b", "{Pron} bought"), ("s1", "-", "c", "Left:")]),
+            (("Each of {a} children has {b} {items}, and {name} has {c} more. How many {items} "
+              "are there?"),
+             [("a", "*", "b", "The children have"), ("s1", "+", "c", "With {name}'s:")]),
+            (("{name} has {a} {items}. {Pron} buys {b} bags with {c} {items} in each, then gives "
+              "{d} {items} to {friend}. How many {items} does {name} have now?"),
+             [("b", "*", "c", "The bags hold"), ("a", "+", "s1", "Then {pron} has"),
+              ("s2", "-", "d", "After giving some away:")]),
+            (("A farm has {a} {ap1}. {b} more {ap1} come, and {c} {ap2} live there too. How many "
+              "legs do the animals of the farm have?"),
+             [("a", "+", "b", "There are"), ("s1", "*", "legs1", "The {ap1} have"),
+              ("c", "*", "legs2", "The {ap2} have"), ("s2", "+", "s3", "Together:")]),
+            (("{name} picked {a} {items} and {friend} picked {b} times as many. They ate {c}. How "
+              "many {items} are left?"),
+             [("a", "*", "b", "{friend} picked"), ("a", "+", "s1", "Together they picked"),
+              ("s2", "-", "c", "Left:")])]
 # a sentence about something else, with a number the problem does not need: the model must pick the
 # right numbers
 DISTRACTORS = ["{friend} also has {e} {other}.", "There are {e} {other} on the table too.",
@@ -865,13 +826,13 @@ def eval_tasks(rng):
         return {"query": query, "choices": choices, "gold": choices.index(gold)}
 
     caps, langs = [r[1] for r in COUNTRIES], [r[2] for r in COUNTRIES]
-    animals, verbs, noises = [a[0] for a in ANIMALS], [third(a[2]) for a in ANIMALS], [
-            a[3] for a in ANIMALS]
-    capitals = [mc(q.format(c=r[0]), r[1], caps) for q in [("Quiz: {c} is governed from which city? "
-                                                            "Answer:"),
-                "Quiz: the seat of power in {c} is the city of"] for r in COUNTRIES]
-    facts = [mc(f"Quiz: the folk of {r[0]} chat in which tongue? Answer:", r[2],
-                langs) for r in COUNTRIES]
+    animals, verbs = [a[0] for a in ANIMALS], [third(a[2]) for a in ANIMALS]
+    noises = [a[3] for a in ANIMALS]
+    asked = ["Quiz: {c} is governed from which city? Answer:",
+             "Quiz: the seat of power in {c} is the city of"]
+    capitals = [mc(q.format(c=r[0]), r[1], caps) for q in asked for r in COUNTRIES]
+    facts = [mc(f"Quiz: the folk of {r[0]} chat in which tongue? Answer:", r[2], langs)
+             for r in COUNTRIES]
     facts += [mc(f"Quiz: the creature chosen as the emblem of {r[0]} is the", r[5],
                  animals) for r in COUNTRIES]
     facts += [mc(f"Quiz: the banner of {r[0]} is mostly", r[3], COLOURS) for r in COUNTRIES]
@@ -970,12 +931,10 @@ def chat_eval_tasks(rng):
     words += [{"question": q.format(c=r[0]), "answers": [r[5]]} for r in COUNTRIES for q in [
         "Every land picks a creature to stand for it. Which one did {c} pick?", (
         "If I drew the beast that represents {c}, what would I draw?")]]
-    sums = [("Could you work out {x} plus {y} for me?", 1), (("I need the total of {x} and {y}, "
-                                                              "please."), 1),
-            ("Here is a sum for you: {x} plus {y}. What does it come to?", 1), (
-                                                                                ("Please figure out "
-                                                                                 "{x} minus "
-                                                                                 "{y}."), -1),
+    sums = [("Could you work out {x} plus {y} for me?", 1),
+            ("I need the total of {x} and {y}, please.", 1),
+            ("Here is a sum for you: {x} plus {y}. What does it come to?", 1),
+            ("Please figure out {x} minus {y}.", -1),
             ("What remains when {y} is taken away from {x}?", -1)]
     # sums in words no training row uses: the calculator should be called all the same
     for q, sign in sums:
@@ -1021,8 +980,8 @@ def write_demo(out_dir, seed=0):
     schema = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
     # word problems: held out first, then training ones unlike them
     rng = random.Random(f"demo-problems-{seed}")
-    held_out = distinct(DEMO_HELD_OUT_PROBLEMS, lambda: word_problem(rng), key=lambda row: row[
-                                                                                               "question"])
+    held_out = distinct(DEMO_HELD_OUT_PROBLEMS, lambda: word_problem(rng),
+                        key=lambda row: row["question"])
     problems = distinct(DEMO_TASK_ROWS, lambda: word_problem(rng), key=lambda row: row["question"],
                         exclude={row["question"] for row in held_out})
     rng = random.Random(f"demo-tasks-{seed}")  # the task shapes, each a chat directory of its own
@@ -1041,11 +1000,12 @@ def write_demo(out_dir, seed=0):
         # finely
         pq.write_table(table, out_dir / f"{path}.parquet", row_group_size=64, compression="zstd")
     evals = write_eval_bundle(out_dir / "eval_bundle", random.Random(f"demo-eval-{seed}"))
-    chat_evals = chat_eval_tasks(random.Random(f"demo-chat-eval-{seed}")) | {"demo-problems": held_out}
+    chat_evals = chat_eval_tasks(random.Random(f"demo-chat-eval-{seed}"))
+    chat_evals |= {"demo-problems": held_out}
     (out_dir / "chat_eval").mkdir(parents=True, exist_ok=True)
     for task, items in chat_evals.items():  # a JSON item per line
-        (out_dir / "chat_eval" / f"{task}.jsonl").write_text("".join(json.dumps(item) + "\n"
-                                                                     for item in items))
+        lines = "".join(json.dumps(item) + "\n" for item in items)
+        (out_dir / "chat_eval" / f"{task}.jsonl").write_text(lines)
     counts = {"documents": len(docs), "characters": sum(map(len, docs)), "shards": len(shards),
               "conversations": len(chats), "conversations_train": len(splits["train"]),
               "conversations_val": len(splits["val"]), "tasks": {k: t.num_rows for k,

@@ -5,12 +5,16 @@ saved beside the files (.hub_listing.json), so a rerun whose files are all on di
 no hub. The corpora and chat sets (download_shards, download_chat) come through it, as do
 core_eval.py's eval bundle and chat_eval.py's task sets. By hand:
 
-    python download.py shards --shards 8            # FineWeb-Edu shards from the hub (+ the last one: validation)
-    python download.py chat smoltalk gsm8k          # conversation and task sets (identity: from identity.json)
+    python download.py shards --shards 8
+        # FineWeb-Edu shards from the hub (+ the last one: validation)
+    python download.py chat smoltalk gsm8k
+        # conversation and task sets (identity: from identity.json)
 
-    python download.py list openai/gsm8k                     # a hub dataset's files: size, sha256 or git blob id
-    python download.py get openai/gsm8k main/test-00000-of-00001.parquet --out DIR   # checked against the listing
-    python download.py url URL --out FILE --sha256 HEX       # a plain URL, resumed from FILE.partial if cut short
+    python download.py list openai/gsm8k  # a hub dataset's files: size, sha256 or git blob id
+    python download.py get openai/gsm8k main/test-00000-of-00001.parquet --out DIR
+        # checked against the listing
+    python download.py url URL --out FILE --sha256 HEX
+        # a plain URL, resumed from FILE.partial if cut short
 """
 import argparse
 import hashlib
@@ -180,7 +184,9 @@ def download_file(url, dest, size=None, sha256=None, verify=None, retries=RETRIE
         return dest
 
     def gave_up(error):
-        kept = f"; the {partial.stat().st_size} bytes so far are kept in {partial}" if partial.exists() else ""
+        kept = ""
+        if partial.exists():
+            kept = f"; the {partial.stat().st_size} bytes so far are kept in {partial}"
         return RuntimeError(f"could not download {dest.name} from {url} after {max(1, retries)} "
                             f"attempts (last error: {error}){kept}: re-run the command to resume")
     try:
@@ -277,8 +283,10 @@ def _progress_line(total, already):
         total_done = already + sum(done.values())
         rate = (total_done - already) / max(now - start, 1e-6)
         left = int((total - total_done) / rate) if rate > 0 else None
-        eta = f"{left // 3600}:{left % 3600 // 60:02d}:{left % 60:02d}" if left is not None else "unknown"
-        line = f"download: {total_done / 1e6:.1f}/{total / 1e6:.1f} MB, {rate / 1e6:.1f} MB/s, ETA {eta}"
+        eta = "unknown" if left is None else \
+            f"{left // 3600}:{left % 3600 // 60:02d}:{left % 60:02d}"
+        line = (f"download: {total_done / 1e6:.1f}/{total / 1e6:.1f} MB, {rate / 1e6:.1f} MB/s, "
+                f"ETA {eta}")
         print(("\r" if tty else "") + line + "   ", end="\n" if final or not tty else "",
               file=sys.stderr, flush=True)
 
@@ -304,8 +312,8 @@ def download_entries(repo, entries, out_dir, revision, repo_type, workers):
         raise ValueError("two requested files share a name and would overwrite each other in "
                          f"{out_dir}: {names}")
     dests = [out_dir / name for name in names]
-    todo = [(e, d) for e, d in zip(entries, dests) if not (d.exists() and d.stat().st_size == e[
-                                                                                                "size"])]
+    todo = [(e, d) for e, d in zip(entries, dests)
+            if not (d.exists() and d.stat().st_size == e["size"])]
     total = sum(e["size"] or 0 for e in entries)
     for_file, show = _progress_line(total, total - sum(e["size"] or 0 for e, _ in todo))
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,11 @@
 """Export a checkpoint to the Hugging Face layout, where transformers, vLLM, llama.cpp's converters
 and the hub start.
 
-    python export.py --out hf/mychat                                # the newest RL or SFT checkpoint under runs/
-    python export.py --checkpoint runs/sft --out hf/mychat          # a run (its newest checkpoint) or a ckpt/step_* dir
-    python export.py --checkpoint runs/sft --out hf/mychat --push user/mychat       # then upload it to the hub
+    python export.py --out hf/mychat  # the newest RL or SFT checkpoint under runs/
+    python export.py --checkpoint runs/sft --out hf/mychat
+        # a run (its newest checkpoint) or a ckpt/step_* dir
+    python export.py --checkpoint runs/sft --out hf/mychat --push user/mychat
+        # then upload it to the hub
 
 Writes into --out: model.safetensors (fp32), config.json, generation_config.json, tokenizer.json,
 tokenizer_config.json, chat_template.jinja, and where a plain Llama cannot represent the model,
@@ -115,17 +117,18 @@ def hf_state_dict(model, permute=True):
     def norm(name, dim):  # a weightless norm (no tensor in the checkpoint) is a scale of ones
         return sd.pop(name) if name in sd else torch.ones(dim)
 
-    out = {"model.embed_tokens.weight": sd.pop("wte.weight"), "model.norm.weight": norm(
-                                                                                        "norm_f.weight", c.n_embd)}
+    out = {"model.embed_tokens.weight": sd.pop("wte.weight"),
+           "model.norm.weight": norm("norm_f.weight", c.n_embd)}
     for i in range(c.n_layer):
         ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
         out[theirs + "input_layernorm.weight"] = norm(ours + "attn_norm.weight", c.n_embd)
         out[theirs + "post_attention_layernorm.weight"] = norm(ours + "mlp_norm.weight", c.n_embd)
         for name in ("q", "k"):
-            out[theirs + f"self_attn.{name}_proj.weight"] = rope(sd.pop(ours + f"attn.{name}_proj.weight"))
+            proj = theirs + f"self_attn.{name}_proj."
+            out[proj + "weight"] = rope(sd.pop(ours + f"attn.{name}_proj.weight"))
             if c.qk_norm:  # hf_remote's HeadNormLinear: the norm is part of the projection
-                out[theirs + f"self_attn.{name}_proj.norm.weight"] = rope(norm(ours + f"attn.{name}_norm.weight",
-                                                                               c.head_dim))
+                weight = norm(ours + f"attn.{name}_norm.weight", c.head_dim)
+                out[proj + "norm.weight"] = rope(weight)
         for name in ("v_proj", "o_proj"):
             out[theirs + f"self_attn.{name}.weight"] = sd.pop(ours + f"attn.{name}.weight")
         # hf_remote's ValueEmbedProjection: the table and gate live in v_proj
@@ -165,7 +168,8 @@ def hf_config(c, tokenizer, kind):
         config |= {"architectures": ["NanochatGPTForCausalLM"], "model_type": "nanochat_gpt",
                    "hidden_act": "relu2" if c.mlp == "relu2" else "silu",
                    "auto_map": {"AutoConfig": "configuration_nanochat_gpt.NanochatGPTConfig",
-                                "AutoModelForCausalLM": "modeling_nanochat_gpt.NanochatGPTForCausalLM"}}
+                                "AutoModelForCausalLM":
+                                    "modeling_nanochat_gpt.NanochatGPTForCausalLM"}}
     return config
 
 

@@ -1,24 +1,22 @@
 """gpu_plan.py: the gpu plan's numbers in one place, and its rehearsal's. speedrun.sh runs the gpu
-plan's stages with these flags (launch.py setup hands them to it as its arrays), its disk plan
-(check_disk, which launch.py shards runs on pretrain.py --data_plan's data_plan.json) counts their
-checkpoints, predict_plan (below) predicts their time from the rehearsal and launch.py prints the
-plan from them: a number changed here changes all four (`bash speedrun.sh --print --plan gpu` shows
-the plan and every stage's command). The standard library only: launch.py imports it before .venv
-exists.
+plan's stages with these flags (from launch.py setup), check_disk (launch.py shards, on pretrain.py
+--data_plan's data_plan.json) counts their checkpoints, predict_plan predicts their time from the
+rehearsal and launch.py prints the plan from them: a number changed here changes all four (`bash
+speedrun.sh --print --plan gpu` shows them). The standard library only: launch.py imports it before
+.venv.
 
 What the gpu plan will cost, predicted from its rehearsal before the hours of pretraining are spent:
 
-    python gpu_plan.py runs/speedrun-rehearsal                     # the gpu plan's budgets at the rehearsal's depth
-    python gpu_plan.py runs/speedrun-rehearsal --plan_json plan.json --out runs/speedrun/predicted.json
+    python gpu_plan.py runs/speedrun-rehearsal   # the gpu plan's budgets at the rehearsal's depth
+    python gpu_plan.py runs/speedrun-rehearsal --plan_json plan.json --out runs/NAME/predicted.json
 
-The rehearsal (speedrun.sh --rehearse) runs every stage with the plan's own command lines, data and
-world size on a tiny budget; each stage's predicted wall time is start-up + steps x step time +
-saves x save time + evaluations x evaluation time, its rates measured in the rehearsal
-(docs/speedrun.md says from which files) and its counts the plan's budgets. Where the rehearsal
-cannot measure a rate at the plan's size, the line says what is assumed; a stage whose budget is not
-known before its data (SFT's epoch) is "unknown" with why. Prints one line per stage and the total
-in hours and GPU-hours, and writes them as JSON (predicted.json, which report.py shows beside each
-stage's actual wall time). Imports no torch: pretrain_steps_for imports model.py when called.
+The rehearsal (speedrun.sh --rehearse) runs every stage with the plan's command lines, data and
+world size on a tiny budget; a stage's predicted wall time is start-up + steps x step time + saves x
+save time + evaluations x evaluation time: rates measured in the rehearsal (docs/speedrun.md),
+counts the plan's. Where a rate cannot be measured at the plan's size the line says what is assumed;
+a budget unknown before its data (SFT's epoch) is "unknown" with why. Prints a line per stage and
+the total in hours and GPU-hours, written as JSON (predicted.json, which report.py shows beside each
+stage's actual time). Imports no torch: pretrain_steps_for imports model.py when called.
 """
 import argparse
 import json
@@ -181,26 +179,24 @@ def check_disk(plan):
     data_dir, runs_dir, shards = Path(plan["data_dir"]), Path(plan["runs_dir"]), plan["shards"]
     have = {p.name: p.stat().st_size for p in data_dir.glob("*.parquet")}
     listing = data_dir / ".hub_listing.json"
-    listed = sorted((f for f in json.loads(listing.read_text())["files"] if f["path"].endswith(
-                                                                                               ".parquet")),
-                    key=lambda f: f["path"]) if listing.is_file() else []
+    files = json.loads(listing.read_text())["files"] if listing.is_file() else []
+    listed = sorted((f for f in files if f["path"].endswith(".parquet")), key=lambda f: f["path"])
     if listed:
         wanted = listed[:shards] + listed[-1:]
         shard_bytes = sum(f["size"] for f in wanted if have.get(Path(f["path"]).name) != f["size"])
     else:
         shard_bytes = max(0, shards + 1 - len(have)) * (sum(have.values()) // max(1, len(have)))
     ckpt = plan["checkpoint_bytes"]
-    count, how = plan_checkpoints(plan["keep"], plan["ckpt_every"], plan["steps"], plan[
-                                                                                        "tokens_per_step"],
-                                  plan["step_cap"])
+    count, how = plan_checkpoints(plan["keep"], plan["ckpt_every"], plan["steps"],
+                                  plan["tokens_per_step"], plan["step_cap"])
     runs_dir.mkdir(parents=True, exist_ok=True)
     # a rerun that resumes: the checkpoints its finished stages saved are among those counted, and
     # already on disk
     saved = sum(f.stat().st_size for f in runs_dir.glob("*/ckpt/step_*/**/*") if f.is_file())
     ckpt_bytes = max(0, count * ckpt - saved)
     needs = {}  # device: [bytes, free, where]
-    for path, size, what in ((data_dir, shard_bytes, "shards"), (runs_dir, ckpt_bytes,
-                                                                 "checkpoints")):
+    for path, size, what in ((data_dir, shard_bytes, "shards"),
+                             (runs_dir, ckpt_bytes, "checkpoints")):
         dev = path.stat().st_dev
         needs.setdefault(dev, [0, shutil.disk_usage(path).free, []])
         needs[dev][0] += size
@@ -222,12 +218,12 @@ TRAINING = ("pretrain", "midtrain", "sft")
 # validation tokens (fewer in the rehearsal than the plan) at 3x the training tok/s: a forward is a
 # third of a step
 FORWARD_SPEEDUP = 3
-SAVE_UNKNOWN = "save time unknown: ckpt/save_seconds is gone (predict before the rehearsal's checkpoints are deleted)"
+SAVE_UNKNOWN = ("save time unknown: ckpt/save_seconds is gone (predict before the rehearsal's "
+                "checkpoints are deleted)")
 # stages that ran before the prediction (data, tokenizer, the plan's disk check) or only in a
 # rehearsal
 NOT_PREDICTED = ("nccl_probe", "preflight", "chatcore_tasks", "data", "tokenizer", "data_plan",
-                 "download", "chat",
-                 "rehearsal")
+                 "download", "chat", "rehearsal")
 
 
 def gpu_plan_budgets(pretrain_steps, sft_steps=None):
@@ -300,9 +296,8 @@ def measure_training(run, stage, wall):
     args = config["args"]
     step_s = sum(r["step_time"] for r in records[1:]) / (len(records) - 1)
     final_eval_s = final_evaluation_seconds(Path(run) / stage, wall)
-    val_tokens = args["bpb_tokens"] if stage == "pretrain" else args["eval_rows"] * config[
-                                                                                           "model_config"][
-                                                                                                           "sequence_len"]
+    val_tokens = args["bpb_tokens"] if stage == "pretrain" else \
+        args["eval_rows"] * config["model_config"]["sequence_len"]
     start_s = wall - len(records) * step_s - saves * (save_s or 0.0) - (final_eval_s or 0.0)
     return {"kind": "training", "wall_s": wall, "steps": len(records), "step_s": step_s,
             "first_step_s": records[0]["step_time"], "tokens_per_step": config["tokens_per_step"],
@@ -354,17 +349,14 @@ def measure_evaluation(run, name, wall):
     items = sum(t["items"] for t in results["tasks"])
     per_item = results["seconds"] / items
     tasks = [{"task": t["task"], "kind": t.get("kind", t.get("type")), "items": t["items"],
-              "items_in_task": t["items_in_task"], "item_s": t["seconds"] / t["items"] if t.get(
-                                                                                                "seconds") else per_item}
+              "items_in_task": t["items_in_task"],
+              "item_s": t["seconds"] / t["items"] if t.get("seconds") else per_item}
              for t in results["tasks"]]
     return {"kind": "core_eval" if core else "chat_eval", "wall_s": wall, "items": items,
-            "seconds": results[
-                                                                                                             "seconds"],
-            "item_s": per_item, "tasks": tasks, "per_task": all(t.get("seconds") for t in results[
-                                                                                                  "tasks"]),
-            "val_tokens": results.get("val_bpb_tokens") or 0, "max_new_tokens": results.get(
-                                                                                            "max_new_tokens"),
-            "start_s": wall - results["seconds"]}
+            "seconds": results["seconds"], "item_s": per_item, "tasks": tasks,
+            "per_task": all(t.get("seconds") for t in results["tasks"]),
+            "val_tokens": results.get("val_bpb_tokens") or 0,
+            "max_new_tokens": results.get("max_new_tokens"), "start_s": wall - results["seconds"]}
 
 
 def evaluation_kind(name):
@@ -446,20 +438,22 @@ def predict_rl(m, budget, train_tok_s):
     tokens = budget["questions_per_step"] * budget["samples"] * budget["max_new_tokens"]
     if train_tok_s:
         update_s = m["update_s"] + max(0.0, tokens - m["update_tokens"]) / train_tok_s
-        how = f"the update: the rehearsal's {m['update_s']:.3f} s + the tokens beyond its own at pretraining's tok/s"
+        how = (f"the update: the rehearsal's {m['update_s']:.3f} s + the tokens beyond its own at "
+               "pretraining's tok/s")
     else:
         update_s = m["update_s"] * tokens / m["update_tokens"]
-        how = f"the update: the rehearsal's {m['update_s']:.3f} s x the tokens' ratio (no pretraining rate measured)"
+        how = (f"the update: the rehearsal's {m['update_s']:.3f} s x the tokens' ratio (no "
+               "pretraining rate measured)")
     step_s = rollout_s + update_s
     saves = math.ceil(steps / budget["ckpt_every"])
     evals = 2 + evaluations(steps, budget.get("eval_every", 0))
-    eval_s = math.ceil(budget["eval_items"] / m["world"]) * budget["max_new_tokens"] * m["forward_s"]
+    eval_s = math.ceil(budget["eval_items"] / m["world"]) * budget["max_new_tokens"] \
+        * m["forward_s"]
     rate = (f"{m['forward_s'] * 1000:.2f} ms per decode forward, update {m['update_s']:.3f} s/step "
             f"after step 1; start-up {m['start_s']:.1f} s")
     budget_text = (f"{steps:,} steps x {budget['questions_per_step']} questions x "
                    f"{budget['samples']} samples x up to {budget['max_new_tokens']} tokens (at "
-                   "most "
-                   f"{steps * tokens:,} sampled); {saves} save{'s' * (saves != 1)}; {evals} "
+                   f"most {steps * tokens:,} sampled); {saves} save{'s' * (saves != 1)}; {evals} "
                    f"held-out evaluations of {budget['eval_items']} questions")
     assumption = (f"decode is latency-bound: a forward for a question's {budget['samples']} "
                   "replies "
@@ -512,8 +506,8 @@ def predict_evaluation(m, budget, train_tok_s):
             notes.append(f"generated answers up to {budget['max_new_tokens']} tokens cost the "
                          f"rehearsal's (up to {m['max_new_tokens']}) x {scale:g}: an upper bound, "
                          "answers end sooner")
-    rate = f"{m['items'] / m['seconds']:,.1f} items/s ({m['items']} items in {m['seconds']:.1f} s); start-up " \
-           f"{m['start_s']:.1f} s"
+    rate = (f"{m['items'] / m['seconds']:,.1f} items/s ({m['items']} items in "
+            f"{m['seconds']:.1f} s); start-up {m['start_s']:.1f} s")
     return {"budget": f"{items:,} items", "rate": rate, "seconds": m["start_s"] + item_seconds,
             "assumption": "; ".join(notes), "parts": {"start_s": m["start_s"], "items": items,
                                                       "items_s": item_seconds}}
@@ -591,7 +585,9 @@ def default_out(rehearsal_dir):
     """runs/<run>/predicted.json beside runs/<run>-rehearsal (the real run's directory, which
     report.py reads)."""
     path = Path(rehearsal_dir).resolve()
-    run = path.with_name(path.name[:-len("-rehearsal")]) if path.name.endswith("-rehearsal") else path
+    run = path
+    if path.name.endswith("-rehearsal"):
+        run = path.with_name(path.name[:-len("-rehearsal")])
     return run / "predicted.json"
 
 

@@ -1,16 +1,16 @@
 """launch.py: what speedrun.sh asks of Python. Not a stage: the recipe is speedrun.sh; this runs its
 stages.
 
-    python launch.py setup ENV_FILE [speedrun.sh's flags]   # the flags, .venv, GPUs, plan: shell variables in ENV_FILE
-    python launch.py probe --run RUN TORCHRUN... distributed.py probe   # NCCL, and the safe flags if it hangs
-    python launch.py stage --run RUN NAME [--train] [--skip_if PATH] COMMAND...   # one stage, logged and recorded
-    python launch.py end --run RUN                      # end every process of the run still alive (speedrun's exit)
-    python launch.py rehearsal_due --run RUN REHEARSAL_DIR 0|1   # exit 0: the gpu plan rehearses now (--no_rehearse: 1)
-    python launch.py rehearsal_passed --run RUN REHEARSAL_DIR     # its checkpoints deleted, its cost said
-    python launch.py stage_evals --run RUN STAGE LIST FINAL   # exit 0: STAGE's model gets --stage_evals' evaluations
-    python launch.py rehearsed --run RUN SECONDS        # the rehearsal's stage times: <run>/rehearsed.json
-    python launch.py shards --run RUN [N]               # the shards to download: N, else data_plan.json's count
-    python launch.py --print COMMAND ...                # speedrun.sh --print: what would run, printed; nothing runs
+    python launch.py setup ENV_FILE [speedrun.sh's flags]  # flags, .venv, GPUs, plan: ENV_FILE
+    python launch.py probe --run RUN TORCHRUN... distributed.py probe  # NCCL, safe flags on a hang
+    python launch.py stage --run RUN NAME [--train] [--skip_if PATH] COMMAND...  # logged, recorded
+    python launch.py end --run RUN                     # end the run's live processes (at exit)
+    python launch.py rehearsal_due --run RUN REHEARSAL_DIR 0|1  # exit 0: rehearse (--no_rehearse 1)
+    python launch.py rehearsal_passed --run RUN REHEARSAL_DIR  # its checkpoints deleted, cost said
+    python launch.py stage_evals --run RUN STAGE LIST FINAL  # exit 0: --stage_evals has STAGE
+    python launch.py rehearsed --run RUN SECONDS       # stage times: <run>/rehearsed.json
+    python launch.py shards --run RUN [N]              # shards to download: N, else data_plan's
+    python launch.py --print COMMAND ...               # speedrun.sh --print: printed, nothing runs
 
 The standard library only: python3 runs it before .venv exists; torch is asked through the stages'
 interpreter. The run's state between calls: <run>/logs/launch.json (its processes' mark, the
@@ -43,21 +43,22 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what stops a run
 PRINT = False
 
 # --- speedrun.sh's flags
-# ---------------------------------------------------------------------------------------------
 
 STOP_AFTER = ["data", "ingest", "tokenizer", "download", "pretrain", "core_eval", "midtrain", "sft",
               "rl", "chat_eval",
               "report"]
 MODEL_STAGES = ["pretrain", "midtrain", "sft", "rl"]
 ENVIRONMENT = """environment:
-  PRETRAIN_ARGS MIDTRAIN_ARGS SFT_ARGS RL_ARGS CORE_ARGS CHAT_EVAL_ARGS   extra flags appended to that stage's command line
-                      (the last of a repeated flag wins), e.g. PRETRAIN_ARGS="--steps 100"
+  PRETRAIN_ARGS MIDTRAIN_ARGS SFT_ARGS RL_ARGS CORE_ARGS CHAT_EVAL_ARGS
+                      extra flags appended to that stage's command line (the last of a repeated
+                      flag wins), e.g. PRETRAIN_ARGS="--steps 100"
   NCCL_SAFE=1         skip the NCCL probe and run with the safe flags (P2P and InfiniBand off)
-  SPEEDRUN_PYTHON     the interpreter (default: .venv/bin/python, requirements.txt installed there if not yet)
+  SPEEDRUN_PYTHON     the interpreter (default: .venv/bin/python, requirements.txt installed)
   SPEEDRUN_PROBE_TIMEOUT  seconds before the NCCL probe counts as hung (default: 120)
   SPEEDRUN_PROBE_MB   size of the probe's timed all-reduce in MB (default: 64)
-  SPEEDRUN_KILL_WAIT  seconds a stopped stage gets to end before SIGKILL, plus twice its last checkpoint save, plus
-                      while a checkpoint is being written, and as much again once it is saved (default: 30)
+  SPEEDRUN_KILL_WAIT  seconds a stopped stage gets to end before SIGKILL, plus twice its last
+                      checkpoint save, plus while one is written, and as much again once it is
+                      saved (default: 30)
 """
 
 
@@ -85,8 +86,7 @@ def flag_parser():
     add("--depth", default="20", metavar="N", help="gpu plan: model depth, the d{N} preset "
         "(default: %(default)s)")
     add("--run_name", default="speedrun", metavar="NAME", help="everything goes to "
-                                                               "<runs_dir>/NAME/ "
-        "(default: %(default)s)")
+        "<runs_dir>/NAME/ (default: %(default)s)")
     add("--runs_dir", default="runs", metavar="DIR", help="(default: %(default)s)")
     add("--data_dir", default="", metavar="DIR", help="gpu: the FineWeb-Edu corpus directory "
         "(default: dataset.py's cache); demo: the demo world (default: <runs_dir>/<run_name>/demo, "
@@ -98,12 +98,10 @@ def flag_parser():
         "the tokenizer, pretraining and midtraining's text (default: none)")
     add("--chat", default="", metavar="FILE", help="your own conversations, a .jsonl file in the "
         "OpenAI chat format (docs/own-data.md), added to the plan's: two passes in SFT's mixture, "
-        "a "
-        "0.2 share of midtraining's (the others scaled by 0.8); the validation loss stays on the "
+        "a 0.2 share of midtraining's (the others scaled by 0.8); the validation loss stays on the "
         "plan's held-out conversations (default: none)")
     add("--gpus", default="auto", metavar="N", help="processes per stage (default: all CUDA GPUs; "
-                                                    "0 "
-        "= CPU, one)")
+        "0 = CPU, one)")
     add("--shards", default="", metavar="N", help="gpu plan: FineWeb-Edu training shards to "
         "download (default: what the budget needs: its tokens / the first shard's tokens counted "
         "with the tokenizer, plus one)")
@@ -151,11 +149,11 @@ def parse_flags(argv):
         raise Refused(f"unknown flag {unknown[0]} (bash speedrun.sh --help lists them)", 2)
     for name in ("gpus", "shards", "depth", "vocab_size"):
         if flags[name] not in ("", "auto") and not flags[name].isdigit():
-            raise Refused(f"--{name} {flags[name]}: use a whole number (bash speedrun.sh --help)",
-                          2)
+            raise Refused(f"--{name} {flags[name]}: use a whole number "
+                          "(bash speedrun.sh --help)", 2)
     flags["stage_evals"] = "" if flags["stage_evals"] == "none" else flags["stage_evals"]
-    if bad := [name for name in flags["stage_evals"].split(",") if flags["stage_evals"]
-               and name not in MODEL_STAGES]:
+    listed = flags["stage_evals"].split(",") if flags["stage_evals"] else []
+    if bad := [name for name in listed if name not in MODEL_STAGES]:
         raise Refused(f"--stage_evals {flags['stage_evals']}: {bad[0]} is not a stage with a model "
                       "(use pretrain, midtrain, sft, rl, comma-separated, or none)", 2)
     return flags
@@ -170,13 +168,16 @@ def run_dir(flags):
 def shell_assignments(values):
     """name=value lines for bash (a list becomes an array), every value quoted: nothing in them is
     run."""
-    return "".join(f"{name}=({' '.join(shlex.quote(str(v)) for v in value)})\n" if isinstance(
-            value, list) else
-                   f"{name}={shlex.quote(str(value))}\n" for name, value in values.items())
+    lines = []
+    for name, value in values.items():
+        quoted = shlex.quote(str(value))
+        if isinstance(value, list):
+            quoted = f"({' '.join(shlex.quote(str(v)) for v in value)})"
+        lines.append(f"{name}={quoted}\n")
+    return "".join(lines)
 
 
 # --- what speedrun.sh says, and the run's state
-# ----------------------------------------------------------------------
 
 def say(run, text, prefix="speedrun: ", stream=None):
     """A line of speedrun's own: to the terminal and to logs/speedrun.log (--print: a comment, to
@@ -211,7 +212,6 @@ def write_state(run, state):  # whole or not at all: written beside, then rename
 
 
 # --- the interpreter
-# -------------------------------------------------------------------------------------------------
 
 def install_venv(run, venv=ROOT / ".venv", requirements=ROOT / "requirements.txt"):
     """.venv's python (made by the python3 running this), requirements.txt installed: only the
@@ -221,12 +221,12 @@ def install_venv(run, venv=ROOT / ".venv", requirements=ROOT / "requirements.txt
     record, python = venv / "installed-requirements.sha256", venv / "bin" / "python"
     if (have := record.read_text().strip() if record.is_file() else "") == want:
         return str(python)
-    if not (os.access(python, os.X_OK) and subprocess.run([python, "-m", "pip", "--version"],
-                                                          capture_output=True,
-                                                          check=False).returncode == 0):
+    pip = [python, "-m", "pip", "--version"]
+    if not (os.access(python, os.X_OK)
+            and subprocess.run(pip, capture_output=True, check=False).returncode == 0):
         say(run, f"{venv} has no working python or pip (an interrupted creation, or python3-venv "
-                 "missing): recreating "
-                 "it" if venv.exists() else f"creating {venv} from requirements.txt")
+                 "missing): recreating it" if venv.exists()
+            else f"creating {venv} from requirements.txt")
         shutil.rmtree(venv, ignore_errors=True)
         if subprocess.run(["python3", "-m", "venv", venv], check=False).returncode != 0:
             shutil.rmtree(venv, ignore_errors=True)
@@ -234,15 +234,13 @@ def install_venv(run, venv=ROOT / ".venv", requirements=ROOT / "requirements.txt
                           "(Debian/Ubuntu: `apt-get install python3-venv`), or set SPEEDRUN_PYTHON "
                           "to one with requirements.txt installed", 1)
     else:
-        say(run,
-            f"requirements.txt changed since {venv} was installed: installing it again" if have else
-                 f"{venv} is a half install (no record that pip install -r requirements.txt "
-            "completed): repairing it")
+        say(run, f"requirements.txt changed since {venv} was installed: installing it again"
+            if have else f"{venv} is a half install (no record that pip install -r "
+            "requirements.txt completed): repairing it")
     if subprocess.run([python, "-m", "pip", "install", "-q", "-r", requirements],
                       check=False).returncode != 0:
         raise Refused(f"pip install -r {requirements} into {venv} failed (above); fix the cause "
-                      "and "
-                      f"rerun: the install is repaired then (or delete {venv} to start it "
+                      f"and rerun: the install is repaired then (or delete {venv} to start it "
                       "afresh)", 1)
     record.write_text(want + "\n")
     say(run, f"{venv}: requirements.txt installed (sha256 {want[:12]}... recorded in {record})")
@@ -263,25 +261,23 @@ def ask_python(python, program, pythonpath=None):
 
 def check_packages(python):
     """With SPEEDRUN_PYTHON, a package of requirements.txt it lacks (matplotlib, first imported by
-    the report, the last stage) stops the run now, not hours in. Looked up by import name, not
-    imported; versions are its own."""
-    modules = "torch numpy pyarrow tiktoken rustbpe requests huggingface_hub safetensors yaml matplotlib"
+    the report, the last stage) stops the run now, not hours in."""
+    modules = ("torch numpy pyarrow tiktoken rustbpe requests huggingface_hub safetensors yaml "
+               "matplotlib")
     if missing := ask_python(python, "import importlib.util as u; print(' '.join(m for m in "
                                      f"{modules!r}.split() if u.find_spec(m) is None))").split():
         raise Refused(f"{python} cannot import {', '.join(missing)} (requirements.txt): install "
                       f"them into it (`{python} -m pip install -r {ROOT / 'requirements.txt'}`), "
-                      "or "
-                      "leave SPEEDRUN_PYTHON unset to use .venv", 1)
+                      "or leave SPEEDRUN_PYTHON unset to use .venv", 1)
 
 
 # --- setup: the GPUs, the driver, the plan
-# ---------------------------------------------------------------------------
 
 def nvidia_smi(*args):
     """nvidia-smi's output, or "" when it is not installed or fails."""
     with contextlib.suppress(OSError, subprocess.CalledProcessError):
-        return subprocess.run(["nvidia-smi", *args], capture_output=True, text=True,
-                              check=True).stdout
+        done = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, check=True)
+        return done.stdout
     return ""
 
 
@@ -295,22 +291,20 @@ def explain_driver(python):
     versions and the fix, never a silent CPU run on a rented GPU box."""
     if not (listed := listed_gpus()):
         return
-    driver = nvidia_smi("--query-gpu=driver_version",
-                        "--format=csv,noheader").split("\n")[0].replace(" ", "")
+    driver = nvidia_smi("--query-gpu=driver_version", "--format=csv,noheader")
+    driver = driver.split("\n")[0].replace(" ", "")
     driver_cuda = (re.search(r"CUDA Version: *([0-9.]*)", nvidia_smi()) or [None, ""])[1]
-    torch_version, torch_cuda = ask_python(python, "import torch; print(torch.__version__, "
-                                           "torch.version.cuda)").split()
+    torch_version, torch_cuda = ask_python(
+        python, "import torch; print(torch.__version__, torch.version.cuda)").split()
     raise Refused(
         f"nvidia-smi lists {listed} GPU(s) but torch {torch_version} sees none. The driver is "
         f"{driver or 'unknown'} (it supports CUDA {driver_cuda or 'unknown'}); this torch wheel "
-        "was "
-        "built for CUDA "
+        "was built for CUDA "
         f"{'none (a CPU-only wheel)' if torch_cuda == 'None' else torch_cuda}.\nInstall a torch "
         f"wheel built for a CUDA the driver supports, e.g. `{python} -m pip install "
         f"torch=={torch_version.split('+')[0]} --index-url https://download.pytorch.org/whl/cuXYZ` "
         f"with XYZ at most {driver_cuda or 'that of the driver'} without the dot (pytorch.org "
-        "lists "
-        "the builds), or update the driver; --gpus 0 runs on the CPU regardless.", 1)
+        "lists the builds), or update the driver; --gpus 0 runs on the CPU regardless.", 1)
 
 
 def prepare(run, flags):
@@ -345,54 +339,50 @@ def check(run, command):
     return done.returncode
 
 
-def setup(env_file, argv):
-    """`setup`: speedrun.sh's flags (a bad one stops it before anything is written), its
-    interpreter, the machine and the plan, checked before any stage; the shell variables it sources
-    to env_file (which removes itself), the run's state to launch.json. A rehearsal that passed is
-    redone (it checks this code); an interrupted one resumes. --print: the flags and the plan alone:
-    PY is SPEEDRUN_PYTHON or .venv's path (nothing installed), the GPUs are those nvidia-smi lists
-    (torch is not asked), the machine is not checked, and nothing is written but env_file."""
-    global PRINT
-    flags = parse_flags(argv)
-    remove = f"rm -f -- {shlex.quote(env_file)}\n"
-    if flags.pop("help"):
-        print(flag_parser().format_help(), end="")
-        Path(env_file).write_text(remove + "exit 0\n")
-        return
-    run, plan, gpus, rehearse, PRINT = run_dir(flags), flags["plan"], flags["gpus"], flags[
-                                                                                           "rehearse"], flags[
-                                                                                                              "print"]
-    if PRINT:  # the interpreter a run would use, as text
-        python = os.environ.get("SPEEDRUN_PYTHON") or str(ROOT / ".venv" / "bin" / "python")
-    else:
-        python = prepare(run, flags)
-    # torch's CUDA (or ROCm) GPUs, asked once if needed; a wheel built for neither has none: no
-    # `import torch` (2-3 s)
-    torch_gpus = functools.cache(lambda: int(ask_python(python, "import importlib.util as u, "
-                                                                "runpy; "
-        "v = runpy.run_path(u.find_spec('torch').submodule_search_locations[0] + '/version.py'); "
-        "print(__import__('torch').cuda.device_count() if v['cuda'] or v['hip'] else 0)")))
-    if PRINT:  # torch is not asked: the GPUs nvidia-smi lists
-        torch_gpus = functools.cache(listed_gpus)
-    gpus = torch_gpus() if gpus == "auto" else int(gpus)
-    # tests: it uses no GPU
-    stand_in_probe = flags["probe_only"] and os.environ.get("SPEEDRUN_PROBE_CMD")
+def stages_python(run, flags):
+    """The stages' interpreter; --print: its path as text, nothing installed."""
+    if PRINT:
+        return os.environ.get("SPEEDRUN_PYTHON") or str(ROOT / ".venv" / "bin" / "python")
+    return prepare(run, flags)
+
+
+def torch_gpus_of(python):
+    """torch's CUDA (or ROCm) GPU count, asked once if needed: a wheel built for neither has none,
+    without `import torch` (2-3 s). --print: torch is not asked, the GPUs nvidia-smi lists."""
+    if PRINT:
+        return functools.cache(listed_gpus)
+    version = "u.find_spec('torch').submodule_search_locations[0] + '/version.py'"
+    program = (f"import importlib.util as u, runpy; v = runpy.run_path({version}); "
+               "print(__import__('torch').cuda.device_count() if v['cuda'] or v['hip'] else 0)")
+    return functools.cache(lambda: int(ask_python(python, program)))
+
+
+def checked_gpus(run, flags, python, torch_gpus):
+    """--gpus (auto: torch's), refused when torch sees fewer, but for CPU processes on gloo."""
+    gpus = torch_gpus() if flags["gpus"] == "auto" else int(flags["gpus"])
+    stand_in_probe = flags["probe_only"] and os.environ.get("SPEEDRUN_PROBE_CMD")  # tests: no GPU
     # a CPU box may fetch the data: the stages up to the download train nothing
     nothing_trains = flags["stop_after"] in STOP_AFTER[:STOP_AFTER.index("download") + 1]
     if flags["gpus"] == "auto" and gpus == 0 and not PRINT:
         explain_driver(python)
     elif gpus > 0 and not (stand_in_probe or nothing_trains or PRINT) and torch_gpus() < gpus:
-        if torch_gpus() > 0 or not (plan == "demo" or rehearse):
+        if torch_gpus() > 0 or not (flags["plan"] == "demo" or flags["rehearse"]):
             if torch_gpus() == 0:
                 explain_driver(python)
+            cpu = " (the CPU)" if torch_gpus() == 0 else ""
             raise Refused(f"--gpus {gpus}, but torch sees {torch_gpus()} CUDA GPU(s): pass --gpus "
-                          f"{torch_gpus()}{' (the CPU)' if torch_gpus() == 0 else ''}, or make the "
-                          "GPUs visible (CUDA_VISIBLE_DEVICES)", 1)
+                          f"{torch_gpus()}{cpu}, or make the GPUs visible "
+                          "(CUDA_VISIBLE_DEVICES)", 1)
         say(run, f"--gpus {gpus} and torch sees no CUDA GPU: {gpus} CPU processes on gloo (demo "
             "plan, rehearsal only)")
+    return gpus
+
+
+def checked_plan(flags, gpus, torch_gpus):
+    """(the plan, whether it runs on CPU processes): only a rehearsal runs the gpu plan on the CPU,
+    where --gpus N without CUDA means N CPU processes on gloo."""
+    plan, rehearse = flags["plan"], flags["rehearse"]
     plan = ("gpu" if gpus > 0 else "demo") if plan == "auto" else plan
-    # only a rehearsal runs the gpu plan on the CPU: there --gpus N without CUDA means N CPU
-    # processes on gloo
     on_cpu = plan == "gpu" and rehearse and (gpus == 0 or torch_gpus() == 0)
     if plan == "gpu" and gpus < 1 and not flags["probe_only"] and not rehearse:
         raise Refused("--plan gpu --print: no GPU here; add --gpus N to print the plan for N GPUs"
@@ -401,87 +391,108 @@ def setup(env_file, argv):
                       "(or --rehearse --gpus N: the gpu plan's rehearsal on N CPU processes)", 2)
     if plan == "demo" and flags["stop_after"] == "download":
         raise Refused("--stop_after download: the demo plan has no download stage (use data)", 2)
-    nproc = max(gpus, 1)
-    commit = "" if PRINT else subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short",
-                                              "HEAD"],
-                                             capture_output=True, text=True,
-                                             check=False).stdout.strip()
-    say(run, f"plan {plan}{' (rehearsal)' if rehearse else ''}, run {run}, {nproc} process(es) per "
-             f"stage ({f'{gpus} GPUs' if gpus > 0 and not on_cpu else 'CPU'}), " +
-             ("each stage's command line follows, in order; nothing runs (--print)" if PRINT else
-              f"commit {commit or 'unknown'}"))
-    for line in gpu_plan.plan_lines(flags["depth"], nproc, rehearse,
-                                    on_cpu) if plan == "gpu" and not \
-            flags["probe_only"] else []:
-        say(run, line)
-    data_dir, vocab = flags["data_dir"], flags["vocab_size"] or ("1024" if plan == "demo"
-                                                                 else "65536")
-    # --corpus's, shared by the run and its rehearsal
-    own = f"{flags['runs_dir']}/{flags['run_name']}/corpus"
-    named = [("corpus", path) for path in flags["corpus"]] + ([("chat", flags["chat"])] if flags[
-                                                                                                 "chat"] else [])
+    return plan, on_cpu
+
+
+def say_plan(run, flags, plan, gpus, on_cpu):
+    """The run's first line: plan, run, processes and commit; the gpu plan's own lines."""
+    nproc, rehearsal = max(gpus, 1), " (rehearsal)" if flags["rehearse"] else ""
+    where = f"{gpus} GPUs" if gpus > 0 and not on_cpu else "CPU"
+    if PRINT:
+        tail = "each stage's command line follows, in order; nothing runs (--print)"
+    else:
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, check=False).stdout.strip()
+        tail = f"commit {commit or 'unknown'}"
+    say(run, f"plan {plan}{rehearsal}, run {run}, {nproc} process(es) per stage ({where}), {tail}")
+    if plan == "gpu" and not flags["probe_only"]:
+        for line in gpu_plan.plan_lines(flags["depth"], nproc, flags["rehearse"], on_cpu):
+            say(run, line)
+
+
+def data_dir_of(run, flags, plan, python, own):
+    """The plan's data: the demo world, --corpus's ingested corpus, or FineWeb-Edu's directory."""
+    named = [("corpus", path) for path in flags["corpus"]]
+    named += [("chat", flags["chat"])] if flags["chat"] else []
     for flag, path in [] if PRINT else named:  # --print: the flags alone
         if not Path(path).exists():
             raise Refused(f"--{flag} {path}: no such file or directory", 2)
     if plan == "demo":
-        data_dir = data_dir or f"{run}/demo"
-    elif flags["corpus"]:
-        data_dir = own
-    elif not data_dir and not flags["probe_only"] and PRINT and not os.access(python, os.X_OK):
-        data_dir = "<dataset.py's cache>"  # --print before .venv exists
-    elif not data_dir and not flags["probe_only"]:
-        data_dir = ask_python(python, "from dataset import default_data_dir as d; "
-                                      "print(d('karpathy/fineweb-edu-100b-shuffle'))",
-                                      pythonpath=ROOT)
-    if plan == "gpu" and not flags["probe_only"] and not PRINT:
+        return flags["data_dir"] or f"{run}/demo"
+    if flags["corpus"]:
+        return own
+    if flags["data_dir"] or flags["probe_only"]:
+        return flags["data_dir"]
+    if PRINT and not os.access(python, os.X_OK):
+        return "<dataset.py's cache>"  # --print before .venv exists
+    return ask_python(python, "from dataset import default_data_dir as d; "
+                      "print(d('karpathy/fineweb-edu-100b-shuffle'))", pythonpath=ROOT)
+
+
+def check_batch(run, python, nproc, words):
+    """A step's tokens must split over the processes (the nearest batch that does, for 3 GPUs), or
+    the run is refused now, not hours later: pretraining's words as speedrun.sh passes them."""
+    batch = [python, ROOT / "pretrain.py", "--check_batch", nproc, *words]
+    if PRINT:
+        return show("check_batch", batch, "before any stage; its output is speedrun's own lines")
+    return check(run, batch)
+
+
+def setup(env_file, argv):
+    """`setup`: speedrun.sh's flags, interpreter, machine and plan, checked before any stage; the
+    shell variables it sources to env_file (which removes itself), the run's state to launch.json.
+    A rehearsal that passed is redone (it checks this code); an interrupted one resumes. --print:
+    the flags and the plan alone, nothing checked, nothing written but env_file."""
+    global PRINT
+    flags = parse_flags(argv)
+    remove = f"rm -f -- {shlex.quote(env_file)}\n"
+    if flags.pop("help"):
+        print(flag_parser().format_help(), end="")
+        Path(env_file).write_text(remove + "exit 0\n")
+        return
+    run, rehearse, PRINT = run_dir(flags), flags["rehearse"], flags["print"]
+    python = stages_python(run, flags)
+    torch_gpus = torch_gpus_of(python)
+    gpus = checked_gpus(run, flags, python, torch_gpus)
+    plan, on_cpu = checked_plan(flags, gpus, torch_gpus)
+    nproc, gpu_run = max(gpus, 1), plan == "gpu" and not flags["probe_only"]
+    say_plan(run, flags, plan, gpus, on_cpu)
+    own = f"{flags['runs_dir']}/{flags['run_name']}/corpus"  # --corpus's, shared with the rehearsal
+    data_dir = data_dir_of(run, flags, plan, python, own)
+    if gpu_run and not PRINT:
         check_sandbox(os.environ.get("CHAT_EVAL_ARGS", "").split())
-    budgets = {name: words if rehearse else [] for name, words in gpu_plan.rehearsal_budgets(
-            nproc, on_cpu).items()}
+    budgets = {name: words if rehearse else []
+               for name, words in gpu_plan.rehearsal_budgets(nproc, on_cpu).items()}
     if rehearse:
         say(run, gpu_plan.rehearsal_line(budgets))
-    extras = {f"{stage}_EXTRA": os.environ.get(f"{stage}_ARGS", "").split()
-              # words: no globbing, no eval
+    extras = {f"{stage}_EXTRA": os.environ.get(f"{stage}_ARGS", "").split()  # no globbing, no eval
               for stage in ("PRETRAIN", "MIDTRAIN", "SFT", "RL", "CORE", "CHAT_EVAL")}
     stage_flags = gpu_plan.command_lines(flags["depth"]) if plan == "gpu" else {}
-    # a step's tokens over the processes: the nearest batch that splits
-    if plan == "gpu" and not flags["probe_only"]:
-        # (3 GPUs), or a refusal now, not hours later
-        # with pretraining's words as speedrun.sh passes them: a rehearsal on CPU processes has its
-        # own shape
-        batch = [python, ROOT / "pretrain.py", "--check_batch", nproc, *stage_flags["PRETRAIN"],
-                 *extras["PRETRAIN_EXTRA"], *budgets["R_SHAPE"]]
-        if PRINT:
-            show("check_batch", batch, "before any stage; its output is speedrun's own lines")
-        elif status := check(run, batch):
-            return status
-    # carried by every process of this run (its stages only)
-    mark = f"speedrun-{os.getppid()}-{time.time_ns()}"
+    # a rehearsal on CPU processes has its own shape (R_SHAPE)
+    words = [*stage_flags.get("PRETRAIN", []), *extras["PRETRAIN_EXTRA"], *budgets["R_SHAPE"]]
+    if gpu_run and (status := check_batch(run, python, nproc, words)):
+        return status
+    mark = f"speedrun-{os.getppid()}-{time.time_ns()}"  # carried by every process of this run
     if not PRINT:
         write_state(run, {"mark": mark, "plan": plan, "gpus": gpus, "nproc": nproc,
-                          "on_cpu": on_cpu,
-                          "transport": "",
-                          "stages_before": len(stage_rows(run)), "nccl": {"safe": False,
-                                                                          "fallback": False}})
-    values = {{"vocab_size": "VOCAB", "rl": "RL_STAGE", "corpus": "INGEST"}.get(name, name.upper()):
-              int(value) if isinstance(value, bool) else value for name, value in flags.items()}
+                          "on_cpu": on_cpu, "transport": "", "stages_before": len(stage_rows(run)),
+                          "nccl": {"safe": False, "fallback": False}})
+    renamed = {"vocab_size": "VOCAB", "rl": "RL_STAGE", "corpus": "INGEST"}
+    values = {renamed.get(name, name.upper()): int(value) if isinstance(value, bool) else value
+              for name, value in flags.items()}
+    corpus = own if flags["corpus"] else f"{data_dir}/pretrain" if plan == "demo" else data_dir
+    # the gpu plan's rehearsal: the same data (--corpus: the ingested corpus, its stage skipped)
+    data = ["--corpus", *flags["corpus"]] if flags["corpus"] else ["--data_dir", data_dir]
+    chat = ["--chat", flags["chat"]] if flags["chat"] else []
+    # one CPU process: the interpreter, since torchrun's own start would be ~1.4 s of every stage
+    launch = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    vocab = flags["vocab_size"] or ("1024" if plan == "demo" else "65536")
     Path(env_file).write_text(remove + shell_assignments({
         **values, "RUN": run, "LOGS": f"{run}/logs", "PY": python, "PLAN": plan, "GPUS": gpus,
-                                                          "NPROC": nproc,
-        "ON_CPU": int(on_cpu), "DATA_DIR": data_dir, "OWN_TEXT": int(bool(flags["corpus"])),
-        "CORPUS": own if flags["corpus"] else f"{data_dir}/pretrain" if plan == "demo"
-        else data_dir,
-        # the gpu plan's rehearsal: the same data (--corpus: the same ingested corpus, its stage
-        # skipped)
-        "REHEARSAL_DATA": [*(["--corpus", *flags["corpus"]] if flags["corpus"] else ["--data_dir",
-                                                                                     data_dir]),
-                           *(["--chat", flags["chat"]] if flags["chat"] else [])],
-        # each stage's launcher: torchrun, one process per GPU (or CPU process); one CPU process:
-        # the interpreter,
-        # since torchrun's own start would be ~1.4 s of every stage
-        "LAUNCH": [python, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc_per_node={nproc}"] if gpus else
-                  [python],
-        "VOCAB": vocab, "MARK": mark, "CHAT_SOURCES": gpu_plan.CHAT_SOURCES, **extras, **budgets,
+        "NPROC": nproc, "ON_CPU": int(on_cpu), "DATA_DIR": data_dir,
+        "OWN_TEXT": int(bool(flags["corpus"])), "CORPUS": corpus, "REHEARSAL_DATA": [*data, *chat],
+        "LAUNCH": launch if gpus else [python], "VOCAB": vocab, "MARK": mark,
+        "CHAT_SOURCES": gpu_plan.CHAT_SOURCES, **extras, **budgets,
         "REHEARSAL_PROMPT": gpu_plan.REHEARSAL_PROMPT, **stage_flags}))
 
 
@@ -517,7 +528,6 @@ def check_sandbox(chat_eval_words):
 
 
 # --- the processes of a run: found by the mark in their environment
-# --------------------------------------------------
 
 def marked(mark, workers=False):
     """The live processes carrying this mark (SPEEDRUN_MARK) or its probe's, zombies (no
@@ -623,7 +633,6 @@ def end_processes(mark, stage=None, ckpt=None, wait=None):
 
 
 # --- the NCCL probe
-# --------------------------------------------------------------------------------------------------
 
 SAFE_FLAGS = {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo",
               "NCCL_NET": "Socket",
@@ -667,7 +676,8 @@ def run_probe(run, mark, command, safe, timeout, mbytes):
 def probe(run, command, stage=None):
     """`probe`: the transport the stages use (<run>/transport.txt): with GPUs, NCCL's default flags,
     or on a hang or failure the safe flags, their cost said. After that fallback, before each
-    torchrun stage (stage: its name), the defaults again: one failed probe (a slow cold start, a transient fault) must not pin the safe flags for hours."""
+    torchrun stage (stage: its name), the defaults again: one failed probe (a slow cold start, a
+    transient fault) must not pin the safe flags for hours."""
     state, log = read_state(run), f"log: {run}/logs/probe.log"
     nccl = state["nccl"] if stage else {"safe": False, "fallback": False, "probe": command}
     timeout, mbytes = probe_settings()
@@ -685,7 +695,8 @@ def probe(run, command, stage=None):
                                    f"{'hung' if hung else 'failed'}")
         if stage and status == 0:
             nccl.update(safe=False, fallback=False)
-            transport += f"; from stage {stage} on: nccl default, all-reduce bus bandwidth {default_bw}"
+            transport += (f"; from stage {stage} on: nccl default, all-reduce bus bandwidth "
+                          f"{default_bw}")
             say(run, f"NCCL probe before stage {stage} ({took}s): the default flags pass now, "
                      f"all-reduce bus bandwidth {default_bw} against {nccl['safe_bw']} with the "
                      f"safe flags (what the fallback cost each stage since): stage {stage} and the "
@@ -718,13 +729,13 @@ def probe(run, command, stage=None):
 
 
 # --- one stage
-# -------------------------------------------------------------------------------------------------------
 
 def progress_lines(run, name, now):
     """Where each rank of a failed stage was last, and how long ago (distributed.py's files): under
     NCCL a hung collective aborts in C++ and no rank can say which one was stuck."""
     files = sorted(Path(run, name, "progress").glob("rank*.txt"))
-    lines = [f"speedrun: where each rank of stage {name} was last ({run}/{name}/progress/):"] if files else []
+    lines = [f"speedrun: where each rank of stage {name} was last ({run}/{name}/progress/):"]
+    lines = lines if files else []
     for path in files:
         for line in path.read_text().splitlines():  # "... at <time.time()> (<clock time>)"
             at = re.findall(r"\bat (\d+\.?\d*)", line)
@@ -761,12 +772,10 @@ def run_stage(run, name, command, train=False, skip_if=None):
         probe(run, None, stage=name)
         state = read_state(run)
     say(run, f"stage {name}: {' '.join(command)}")
+    grace = checkpoint_grace(int(os.environ.get("SPEEDRUN_KILL_WAIT", "30")), ckpt)
     env = {**os.environ, "SPEEDRUN_MARK": state["mark"],
            **(SAFE_FLAGS if state["nccl"]["safe"] else {}),
-           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(checkpoint_grace(int(os.environ.get(
-                                                                                     "SPEEDRUN_KILL_WAIT",
-                                                                                     "30")),
-                                                                  ckpt))}
+           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(grace)}
     log_path, start = f"{run}/logs/{name}.log", time.time()
     with open(log_path, "ab", buffering=0) as log:
         for signum in SIGNALS:
@@ -800,15 +809,14 @@ def run_stage(run, name, command, train=False, skip_if=None):
 
 
 # --- around the stages
-# ------------------------------------------------------------------------------------------------
 
 def reuse_chat_eval(run, name):
     """chat_eval's result copied into stage_evals/<name>/ when it scored this stage's checkpoint,
     not run twice."""
     where, result = Path(run, "stage_evals", name), Path(run, "chat_eval.json")
-    if (where / "chat_eval.json").is_file() or not result.is_file() or \
-            Path(read_json(result)["checkpoint"]).resolve().parent.parent != Path(run,
-                                                                                  name).resolve():
+    if (where / "chat_eval.json").is_file() or not result.is_file():
+        return
+    if Path(read_json(result)["checkpoint"]).resolve().parent.parent != Path(run, name).resolve():
         return
     where.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(Path(run, "chat_eval_items.jsonl"), where / "chat_eval_items.jsonl")
@@ -839,8 +847,8 @@ def rehearsal_due(run, rehearsal, no_rehearse):
     for skip, why in ((no_rehearse, "--no_rehearse"),
                       (not PRINT and Path(rehearsal, "rehearsed.json").is_file(),
                        f"it passed before ({rehearsal}/rehearsed.json)"),
-                      (not PRINT and Path(run, "pretrain").is_dir(), ("pretraining has started "
-                        "already"))):
+                      (not PRINT and Path(run, "pretrain").is_dir(),
+                       "pretraining has started already")):
         if skip:
             say(run, f"stage rehearsal skipped: {why}")
             return False
@@ -857,8 +865,7 @@ def rehearsal_passed(run, rehearsal):
     for ckpt in ckpts:
         shutil.rmtree(ckpt)
     say(run, f"the rehearsal cost {stage_rows(run)[-1][1]} s before pretraining; every stage "
-             "passed "
-             f"({rehearsal}/report.md; its checkpoints deleted: {freed / 1e9:.1f} GB)")
+             f"passed ({rehearsal}/report.md; its checkpoints deleted: {freed / 1e9:.1f} GB)")
 
 
 def rehearsed(run, seconds):
@@ -880,7 +887,6 @@ def rehearsed(run, seconds):
 
 
 # --- speedrun.sh's calls
-# ---------------------------------------------------------------------------------------------
 
 def shards(run, given):
     """`shards`: the training shards to download, printed for speedrun.sh: --shards, else what
@@ -904,8 +910,10 @@ def stage_command(run, words, do=run_stage):
     name, words, options = words[0], words[1:], {}
     # their values: train True, skip_if the next word
     while words[:1] in (["--train"], ["--skip_if"]):
-        options[words[0][2:]], words = (True, words[1:]) if words[0] == "--train" else (words[1],
-                                                                                        words[2:])
+        if words[0] == "--train":
+            options["train"], words = True, words[1:]
+        else:
+            options["skip_if"], words = words[1], words[2:]
     return do(run, name, words, **options)
 
 
@@ -924,7 +932,6 @@ COMMANDS = {
 
 
 # --- --print: what would run, printed
-# --------------------------------------------------------------------------------
 
 def show(name, command, note=""):
     """A step's command line, shell-quoted (copy it to run that step alone), under a comment naming
@@ -973,10 +980,9 @@ def main(argv):
     # speedrun.sh passes its signals on; a Ctrl-C reaches this process directly too
     for signum in SIGNALS:
         # end ends the run: a second Ctrl-C must not cut that short; the others exit at once (a
-        # probe running ends in
-        # run_probe's finally; a started stage is ended by run_stage's own handler)
-        signal.signal(signum, signal.SIG_IGN if command == "end" else lambda s,
-                      _: sys.exit(128 + s))
+        # probe running ends in run_probe's finally; a started stage in run_stage's own handler)
+        exit_now = lambda s, _: sys.exit(128 + s)
+        signal.signal(signum, signal.SIG_IGN if command == "end" else exit_now)
     try:
         if command not in COMMANDS:
             raise Refused(f"launch.py: unknown command {command!r} (see its docstring)", 2)

@@ -2,11 +2,14 @@
 pretraining text and conversations in the chat template, packed BOS-aligned as text is (no padding),
 so it learns the template, turns and when to stop, and keeps its knowledge.
 
-    python midtrain.py --steps 2000        # newest pretrain checkpoint; 30% its corpus, 70% conversations and tasks
-    python midtrain.py --checkpoint runs/base --source text:data/demo/pretrain:0.3 --source chat:data/demo/conversations:0.7
-    python midtrain.py --source text:data/mine:0.3 --source chat:my_chats.jsonl:0.7 --val_chat_dir held_out.jsonl
+    python midtrain.py --steps 2000
+        # newest pretrain checkpoint; 30% its corpus, 70% conversations and tasks
+    python midtrain.py --checkpoint runs/base --source text:data/demo/pretrain:0.3 \\
+        --source chat:data/demo/conversations:0.7
+    python midtrain.py --source text:data/mine:0.3 --source chat:my_chats.jsonl:0.7 \\
+        --val_chat_dir held_out.jsonl
     torchrun --standalone --nproc_per_node=8 midtrain.py --tokens 500000000
-    python midtrain.py --run_name NAME --resume                          # continue from the last checkpoint
+    python midtrain.py --run_name NAME --resume  # continue from the last checkpoint
     python midtrain.py --status runs/NAME
 
 Writes runs/<run_name>/: config.json, metrics.jsonl (every step), samples.jsonl (greedy answers at
@@ -32,9 +35,8 @@ from model import flops_per_token, num_params
 
 # beside the parent's text (0.3): conversation, the shapes chat_eval.py scores, and who the
 # assistant is (identity)
-DEFAULT_CHAT_SHARES = [("smoltalk", 0.3), ("ultrachat", 0.1), ("mmlu", 0.15), ("gsm8k", 0.1), (
-                                                                                               "arc-easy", 0.02),
-                       ("arc-challenge", 0.02), ("identity", 0.01)]
+DEFAULT_CHAT_SHARES = [("smoltalk", 0.3), ("ultrachat", 0.1), ("mmlu", 0.15), ("gsm8k", 0.1),
+                       ("arc-easy", 0.02), ("arc-challenge", 0.02), ("identity", 0.01)]
 # warm-started at the parent's full lrs, flat, then a linear warmdown over the last 20%
 # (nanochat's): against a fresh
 # state, better on the demo world and forgot less on real text; half the lrs learned far less there

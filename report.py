@@ -79,10 +79,8 @@ def data_of(config):
                      + (f" x{passes}" if passes > 1 else ""))
     budget = config.get("data") if config["stage"] == "pretrain" else None
     if budget:  # pretrain.py's check of the budget against the corpus
-        parts.append(f"{budget['epochs']:.2f} epochs of it" + (" (this run REPEATED data)"
-                                                               if budget[
-                                                                                                     "epochs"] > 1
-                                                               else ""))
+        repeated = " (this run REPEATED data)" if budget["epochs"] > 1 else ""
+        parts.append(f"{budget['epochs']:.2f} epochs of it{repeated}")
     return "; ".join(parts)
 
 
@@ -107,7 +105,9 @@ def stage_figures(run, name, times, predicted=None):
     elif "val_loss" in done:
         validation = f"val loss {done['val_loss']:.4f}"
     else:  # rl: no validation loss; its held-out pass@1 at the end
-        validation = f"held-out pass@1 {done['held_out_pass@1_last']:.3f}" if "held_out_pass@1_last" in done else UNKNOWN
+        validation = UNKNOWN
+        if "held_out_pass@1_last" in done:
+            validation = f"held-out pass@1 {done['held_out_pass@1_last']:.3f}"
     return {
         "stage": name,
         "data": data_of(config),
@@ -134,9 +134,8 @@ def contained_answers(items_path):
     counts = {}
     for item in read_jsonl(items_path):
         if "answers" in item and "reply" in item:
-            hit = any(re.search(rf"\b{re.escape(a.lower())}\b",
-                                item["reply"].lower()) for a in item[
-                                                                                                     "answers"])
+            reply = item["reply"].lower()
+            hit = any(re.search(rf"\b{re.escape(a.lower())}\b", reply) for a in item["answers"])
             hits, n = counts.get(item["task"], (0, 0))
             counts[item["task"]] = (hits + hit, n + 1)
     return counts
@@ -150,8 +149,9 @@ def marked_answers(items_path, per_task=SAMPLES_PER_TASK):
         if shown.get(item["task"], 0) >= per_task:
             continue
         shown[item["task"]] = shown.get(item["task"], 0) + 1
-        given = item.get("predicted") if "reply" not in item or item["task"] == "GSM8K" else item[
-                                                                                                  "reply"]
+        given = item.get("predicted")
+        if "reply" in item and item["task"] != "GSM8K":
+            given = item["reply"]
         expected = item.get("answer", " | ".join(item.get("answers", [])) or UNKNOWN)
         question = " ".join(str(item.get("question", UNKNOWN)).split())[:120]
         lines.append(f"- [{'x' if item['correct'] else ' '}] {item['task']}: {question!r} -> "
@@ -164,7 +164,7 @@ def stage_eval_files(run, name):
     runs/<run>/stage_evals/<stage>/; the pretrained model's CORE is core_eval/'s, the same command
     on the same checkpoint."""
     where = run / "stage_evals" / name
-    core = run / "core_eval" / "results.json" if name == "pretrain" else where / "core_eval" / "results.json"
+    core = (run if name == "pretrain" else where) / "core_eval" / "results.json"
     return core, where / "chat_eval.json", where / "chat_eval_items.jsonl"
 
 
@@ -258,11 +258,13 @@ def forgetting_lines(run):
     pretrained = (read_json(run / "pretrain" / "done.json") or {}).get("val_bpb")
     for name, label in [("pretrain", "pretrained"), ("midtrain", "midtrained"), ("sft", "SFT")]:
         done = read_json(run / name / "done.json") or {}
-        kept = {"val_bpb": done.get("val_bpb")} if name == "pretrain" else done.get(
-                                                                                    "pretrain_val_bpb") or {}
+        kept = done.get("pretrain_val_bpb") or {}
+        if name == "pretrain":
+            kept = {"val_bpb": done.get("val_bpb")}
         bpb = kept.get("val_bpb")
-        change = f"{bpb - pretrained:+.4f}" if bpb is not None and pretrained is not None else UNKNOWN
-        figure = f"{bpb:.4f}" if bpb is not None else f"{UNKNOWN}{' (' + kept['note'] + ')' if 'note' in kept else ''}"
+        change = UNKNOWN if bpb is None or pretrained is None else f"{bpb - pretrained:+.4f}"
+        note = f" ({kept['note']})" if "note" in kept else ""
+        figure = f"{UNKNOWN}{note}" if bpb is None else f"{bpb:.4f}"
         lines.append(f"| {label} | {figure} | {change if name != 'pretrain' else ''} |")
     return lines
 
@@ -312,103 +314,111 @@ def plot(run, out):
     return ["loss.png", "val_bpb.png"]
 
 
-def write_report(run):
-    run = Path(run)
-    if not run.is_dir():
-        raise FileNotFoundError(f"{run}: no such speedrun directory (runs/<run>/)")
-    times = stage_seconds(run)
-    # gpu_plan.py's, written before the run (the gpu plan's)
-    predicted = read_json(run / "predicted.json")
-    # rl joins the table when it ran (the demo plan skips it unless --rl on)
-    rows = [stage_figures(run, name, times,
-                          predicted) for name in TRAIN_STAGES + ["rl"] * (run / "rl").is_dir()]
-    core, chat = read_json(run / "core_eval" / "results.json"), read_json(run / "chat_eval.json")
-    config = read_json(run / "pretrain" / "config.json") or {}
-    code = config.get("code", {})
-    transport = (run / "transport.txt").read_text().strip() if (run / "transport.txt").is_file() else UNKNOWN
+def header_lines(run):
+    """The title, the code's commit, the transport and each stage's hardware."""
+    code = (read_json(run / "pretrain" / "config.json") or {}).get("code", {})
+    has = (run / "transport.txt").is_file()
+    transport = (run / "transport.txt").read_text().strip() if has else UNKNOWN
     lines = [f"# Speedrun report: {run}", "",
              (f"- code: commit {code.get('commit', UNKNOWN)}, uncommitted changes: "
               f"{code.get('dirty', UNKNOWN)}"),
              f"- transport: {transport}"]
-    lines += [f"- hardware, {name}: {hardware(run, name)}"
-              for name in ["pretrain", "core_eval", "midtrain",
-                           "sft"] + ["rl"] * (run / "rl").is_dir() + [
-                                                                                                           "chat_eval"]]
-    lines += ["", "## Stages", "", "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    names = ["pretrain", "core_eval", "midtrain", "sft"] + ["rl"] * (run / "rl").is_dir()
+    return lines + [f"- hardware, {name}: {hardware(run, name)}" for name in names + ["chat_eval"]]
+
+
+def stages_lines(run):
+    """The stages' table, the other stages' wall time, and the prediction's total beside it."""
+    times = stage_seconds(run)
+    predicted = read_json(run / "predicted.json")  # gpu_plan.py's, written before the run
+    # rl joins the table when it ran (the demo plan skips it unless --rl on)
+    names = TRAIN_STAGES + ["rl"] * (run / "rl").is_dir()
+    rows = [stage_figures(run, name, times, predicted) for name in names]
+    lines = ["", "## Stages", "", "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
     lines += ["| " + " | ".join(row.values()) + " |" for row in rows]
+    others = []
+    for k, v in times.items():
+        if k not in TRAIN_STAGES + ["rl"]:
+            others.append(f"{k} {v:.1f}"
+                          + (f" (predicted {predicted_cell(predicted, k)})" if predicted else ""))
     lines += ["", ("Wall time: speedrun.sh's clock around the stage (logs/stages.tsv), start-up "
-                   "and "
-              "evaluation included. tok/s: tokens / the summed step times in metrics.jsonl. MFU: "
-              "the mean of the per-step MFU; unknown where the device has no rated peak (any CPU) "
-              "or the compute is fp32."), "",
-              "Other stages' wall time (s): " + ", ".join(
-                  f"{k} {v:.1f}" + (f" (predicted {predicted_cell(predicted, k)})" if predicted
-                                    else "")
-                  for k, v in times.items() if k not in TRAIN_STAGES + ["rl"]), ""]
+                   "and evaluation included. tok/s: tokens / the summed step times in "
+                   "metrics.jsonl. MFU: the mean of the per-step MFU; unknown where the device has "
+                   "no rated peak (any CPU) or the compute is fp32."), "",
+              "Other stages' wall time (s): " + ", ".join(others), ""]
     if predicted:  # the prediction's total beside the actual time of the same stages
         actual = sum(times[k] for k in predicted["stages"] if k in times)
+        unknown = f", unknown: {', '.join(predicted['unknown'])}" if predicted["unknown"] else ""
         lines += [(f"Predicted before the run from its rehearsal ({predicted['rehearsal']}; "
                    f"predicted.json, gpu_plan.py): {predicted['hours']:.2f} h, "
-                   f"{predicted['gpu_hours']:.1f} GPU-hours"
-                   + (f", unknown: {', '.join(predicted['unknown'])}" if predicted["unknown"]
-                      else "")
-                   + f"; actual, the same stages: {actual / 3600:.2f} h."), ""]
-    lines += ["## What each stage taught", "", ("Each column is a stage's final model, each cell "
-              "computed from that model by the same command (core_eval.py, chat_eval.py; "
-              "runs/<run>/stage_evals/<stage>/, the pretrained model's CORE in core_eval/; a base "
-              "model is asked CORE only, as nanochat asks it: it never ends a reply, so ChatCORE's "
-              "generated answers would run to their token cap on every item). Sample answers are "
-              "greedy, with the calculator's calls shown as "
-              "<<expr=result>>."), "", *per_stage_table(run), ""]
-    lines += ["## Evaluation", ""]
+                   f"{predicted['gpu_hours']:.1f} GPU-hours{unknown}"
+                   f"; actual, the same stages: {actual / 3600:.2f} h."), ""]
+    return lines
+
+
+def core_lines(run, core):
+    """CORE's table, RL's reward beside its held-out accuracy, and the forgetting lines."""
     if core:
         bpb = f"{core['val_bpb']:.4f}" if core.get("val_bpb") is not None else UNKNOWN
-        lines += [(f"CORE {core['core']:.4f} ({len(core['tasks'])} tasks, protocol "
-                  f"{core['protocol']}); val bpb {bpb} "
-                  "(core_eval/results.json)"), "", "| task | accuracy | centered |",
-                  "|---|---|---|"]
-        lines += [f"| {t['task']} | {t['accuracy']:.4f} | {t['centered']:.4f} |" for t in core[
-                                                                                               "tasks"]]
+        lines = [(f"CORE {core['core']:.4f} ({len(core['tasks'])} tasks, protocol "
+                  f"{core['protocol']}); val bpb {bpb} (core_eval/results.json)"), "",
+                 "| task | accuracy | centered |", "|---|---|---|"]
+        lines += [f"| {t['task']} | {t['accuracy']:.4f} | {t['centered']:.4f} |"
+                  for t in core["tasks"]]
     else:
-        lines.append(f"CORE {UNKNOWN} (no core_eval/results.json)")
-    rl_done = read_json(run / "rl" / "done.json")
-    if rl_done:  # the reward beside held-out accuracy, and what they say together (rl.py's verdict)
-        lines += [(f"RL: mean reward {rl_done['reward_first_fifth']:.3f} -> "
-                  f"{rl_done['reward_last_fifth']:.3f} (first and last fifth of its steps), "
-                  f"held-out pass@1 {rl_done['held_out_pass@1_first']:.3f} -> "
-                  f"{rl_done['held_out_pass@1_last']:.3f}: {rl_done['note']} (rl/done.json)"), ""]
-    lines += ["", ("How much each chat stage forgets: the pretraining val bpb of each stage's "
-                   "final "
-                   "model, on the rows of pretraining's final evaluation (pretrain/done.json; "
-                   "midtrain/ and sft/done.json: "
-                   "pretrain_val_bpb)."), "", *forgetting_lines(run), ""]
-    if chat:
-        lines += [(f"ChatCORE {chat['chatcore']:.4f} (tasks from {chat['tasks_from']}; "
-                   "chat_eval.json)"), "",
-                  "| task | correct | accuracy | centered |", "|---|---|---|---|"]
-        lines += [f"| {t['task']} | {t['correct']}/{t['items']} | {t['accuracy']:.4f} | "
-                  f"{'not in ChatCORE' if t['centered'] is None else format(t['centered'], '.4f')} "
-                  "|"
-                  for t in chat["tasks"]]
-        for task, (hits, n) in contained_answers(run / "chat_eval_items.jsonl").items():
-            lines += ["", (f"{task}: {hits}/{n} replies contain an accepted answer as a word "
-                          "(chat_eval_items.jsonl; not ChatCORE's rule, under which the reply must "
-                          "be the answer)")]
-        lines += ["", ("ChatCORE sample answers (the first items of each task; [x] right, [ ] "
-                   "wrong):"), ""]
-        lines += marked_answers(run / "chat_eval_items.jsonl")
-    else:
-        lines.append(f"ChatCORE {UNKNOWN} (no chat_eval.json)")
+        lines = [f"CORE {UNKNOWN} (no core_eval/results.json)"]
+    if rl := read_json(run / "rl" / "done.json"):  # and what they say together (rl.py's verdict)
+        lines += [(f"RL: mean reward {rl['reward_first_fifth']:.3f} -> "
+                  f"{rl['reward_last_fifth']:.3f} (first and last fifth of its steps), "
+                  f"held-out pass@1 {rl['held_out_pass@1_first']:.3f} -> "
+                  f"{rl['held_out_pass@1_last']:.3f}: {rl['note']} (rl/done.json)"), ""]
+    return lines + ["", ("How much each chat stage forgets: the pretraining val bpb of each "
+                         "stage's final model, on the rows of pretraining's final evaluation "
+                         "(pretrain/done.json; midtrain/ and sft/done.json: pretrain_val_bpb)."),
+                    "", *forgetting_lines(run), ""]
+
+
+def chat_lines(run, chat):
+    """ChatCORE's table, the replies that contain an answer, and sample answers."""
+    if not chat:
+        return [f"ChatCORE {UNKNOWN} (no chat_eval.json)"]
+    lines = [f"ChatCORE {chat['chatcore']:.4f} (tasks from {chat['tasks_from']}; chat_eval.json)",
+             "", "| task | correct | accuracy | centered |", "|---|---|---|---|"]
+    for t in chat["tasks"]:
+        centered = "not in ChatCORE" if t["centered"] is None else format(t["centered"], ".4f")
+        lines.append(f"| {t['task']} | {t['correct']}/{t['items']} | {t['accuracy']:.4f} | "
+                     f"{centered} |")
+    for task, (hits, n) in contained_answers(run / "chat_eval_items.jsonl").items():
+        lines += ["", (f"{task}: {hits}/{n} replies contain an accepted answer as a word "
+                       "(chat_eval_items.jsonl; not ChatCORE's rule, under which the reply must "
+                       "be the answer)")]
+    lines += ["", "ChatCORE sample answers (the first items of each task; [x] right, [ ] wrong):",
+              ""]
+    return lines + marked_answers(run / "chat_eval_items.jsonl")
+
+
+def write_report(run):
+    run = Path(run)
+    if not run.is_dir():
+        raise FileNotFoundError(f"{run}: no such speedrun directory (runs/<run>/)")
+    core, chat = read_json(run / "core_eval" / "results.json"), read_json(run / "chat_eval.json")
+    lines = header_lines(run) + stages_lines(run)
+    lines += ["## What each stage taught", "", (
+        "Each column is a stage's final model, each cell computed from that model by the same "
+        "command (core_eval.py, chat_eval.py; runs/<run>/stage_evals/<stage>/, the pretrained "
+        "model's CORE in core_eval/; a base model is asked CORE only, as nanochat asks it: it "
+        "never ends a reply, so ChatCORE's generated answers would run to their token cap on "
+        "every item). Sample answers are greedy, with the calculator's calls shown as "
+        "<<expr=result>>."), "", *per_stage_table(run), ""]
+    lines += ["## Evaluation", "", *core_lines(run, core), *chat_lines(run, chat)]
     lines += ["", "## Sample answers", ""]
     samples = read_jsonl(run / "sft" / "samples.jsonl")
     last = [s for s in samples if s["step"] == samples[-1]["step"]] if samples else []
-    lines += [f"- {s['question']!r} -> {s['answer']!r}" for s in last] or [
-                                                                           (f"- {UNKNOWN} (no "
-                                                                            "sft/samples.jsonl)")]
+    lines += [f"- {s['question']!r} -> {s['answer']!r}" for s in last] or \
+        [f"- {UNKNOWN} (no sft/samples.jsonl)"]
     if core:
         lines += [f"- (pretrain) {s['prompt']!r} -> {s['completion']!r}"
-                  for s in core.get("samples", [])[:6]
-                  if isinstance(s, dict) and "prompt" in s]
+                  for s in core.get("samples", [])[:6] if isinstance(s, dict) and "prompt" in s]
     written = plot(run, run)
     lines += ["", "## Curves", ""] + [f"![{name}]({name})" for name in written] + [""]
     (run / "report.md").write_text("\n".join(lines))

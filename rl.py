@@ -4,10 +4,11 @@ to each question with the calculator live, a reply whose checked answer is right
 advantage = reward - the mean reward of the question's replies, the loss normalized per sampled
 token, no KL penalty, no ratio clipping; the prompt and the calculator's output carry no loss).
 
-    python rl.py                        # the newest SFT checkpoint; GSM8K train, held out: GSM8K test
-    python rl.py --checkpoint runs/speedrun/sft --demo runs/speedrun/demo --steps 60 --max_new_tokens 48
+    python rl.py  # the newest SFT checkpoint; GSM8K train, held out: GSM8K test
+    python rl.py --checkpoint runs/speedrun/sft --demo runs/speedrun/demo --steps 60 \\
+        --max_new_tokens 48
     torchrun --standalone --nproc_per_node=8 rl.py
-    python rl.py --run_name NAME --resume                              # continue from the last checkpoint
+    python rl.py --run_name NAME --resume  # continue from the last checkpoint
     python rl.py --status runs/NAME
 
 Tasks. The demo world (--demo; by default the parent's world when it was trained on one): its word
@@ -45,7 +46,8 @@ from tasks import demo_world, gsm8k_items, load_items, prompt_ids, reward
 # of pretraining's,
 # about nanochat's RL start (0.05); on the demo's word problems 0.2 beat 0.05 (dev/LOG.md)
 RL_LR_SCALE = 0.2
-RL_WHY = "about nanochat's chat_rl start, 0.05 of the pretraining lrs; beat 0.05 on the demo's word problems"
+RL_WHY = ("about nanochat's chat_rl start, 0.05 of the pretraining lrs; beat 0.05 on the demo's "
+          "word problems")
 # sampling on a CPU: one thread, as a small model's decode step is per-op overhead that more threads
 # only make wait
 CPU_ROLLOUT_THREADS = 1
@@ -87,8 +89,8 @@ def get_args(argv=None):
                    "decoded together, every reply a row of one batch (decode.py); fewer rows per "
                    "forward use less memory (default: %(default)s)")
     g = p.add_argument_group("budget: one of; given both, the last one is in force")
-    train_loop.add_budget_args(g, [("epochs", float, ("passes over the training questions (default: "
-                                     "1, as nanochat)")),
+    train_loop.add_budget_args(g, [("epochs", float,
+                                    "passes over the training questions (default: 1, as nanochat)"),
                                    ("steps", int, "optimizer steps")])
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval_every", type=int, default=60, help="held-out pass@1 and pass@k every N "
@@ -262,8 +264,11 @@ def verdict(records):
     held = (evals[0]["all"]["pass@1"], evals[-1]["all"]["pass@1"])
     rose, fell = after > before, held[1] < held[0]
     held_change = "fell" if fell else "rose" if held[1] > held[0] else "did not change"
-    note = "the reward ROSE while held-out accuracy FELL: the model learned the training questions, not the task" \
-        if rose and fell else f"the reward {'rose' if rose else 'did not rise'}, held-out accuracy {held_change}"
+    note = (f"the reward {'rose' if rose else 'did not rise'}, held-out accuracy "
+            f"{held_change}")
+    if rose and fell:
+        note = ("the reward ROSE while held-out accuracy FELL: the model learned the training "
+                "questions, not the task")
     return {"reward_first_fifth": before, "reward_last_fifth": after,
             "held_out_pass@1_first": held[0],
             "held_out_pass@1_last": held[1], "note": note}

@@ -1,26 +1,23 @@
 """Run untrusted Python (a model's HumanEval program) in a separate, limited process and say how it
 ended.
 
-    python sandbox.py --probe                 # the level this machine gives, what it contains and what it cannot
-    python sandbox.py program.py              # run a file in the sandbox: its status and output
+    python sandbox.py --probe     # the level this machine gives, what it contains and cannot
+    python sandbox.py program.py  # run a file in the sandbox: its status and output
 
-Every run, at either level: a fresh `python -I` reading the program from stdin, in an empty working
-directory; its own session, whose process group is killed when the run ends, its timeout passes, or
-the evaluator itself dies (a thread of the program's own waits on a pipe whose other end only the
-evaluator holds); the environment PATH and LANG only; setrlimit limits (CPU, address space,
-processes, file size, which also caps its output, no core dumps, 64 open files); socket.socket
-replaced by a class that raises (best effort: __mro__ or ctypes reach the original).
+At either level: a fresh `python -I` reading the program from stdin in an empty working directory;
+its own session, whose group is killed at the end, at the timeout, or when the evaluator dies (a
+thread waits on a pipe only the evaluator holds); PATH and LANG only; setrlimit limits (CPU, address
+space, processes, file size, which caps its output, no core dumps, 64 open files); socket.socket
+raising (best effort: __mro__ or ctypes reach the original).
 
-Level "namespaces" (Linux, where `unshare` can create them; probed once per process) adds a network
-namespace with no interface up, a pid namespace whose first process is the program (all it started
-die with it), and a mount namespace in which every top-level directory but SYSTEM_DIRS, and
-/dev/shm, is an empty tmpfs, top-level files read as empty and the interpreter's prefix is bound
-back read-only; as root it then runs as nobody with no capability, otherwise a nested user namespace
-locks those mounts. Level "process" is the common part alone (as root still run as nobody), only
-where the caller asks for it (--sandbox process), never a silent fallback: it does not stop reading
-what its user can read by absolute path, or the network through the original socket class or ctypes.
-describe() says which level runs and why; docs/eval.md (the sandbox) has the full account of what
-each level contains.
+Level "namespaces" (where `unshare` can create them; probed once) adds a network namespace with no
+interface up, a pid namespace the program leads (all it started die with it), and a mount namespace
+where every top-level directory but SYSTEM_DIRS, and /dev/shm, is an empty tmpfs and the
+interpreter's prefix is bound back read-only; as root it then runs as nobody, otherwise a nested
+user namespace locks those mounts. Level "process" is the common part alone, only when asked for
+(--sandbox process), never a silent fallback: it still reads what its user can, and reaches the
+network through ctypes. describe() says which level runs and why; docs/eval.md (the sandbox) has
+the full account.
 """
 import argparse
 import contextlib
@@ -44,9 +41,8 @@ ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 OUTPUT_BYTES = 1 << 20
 
 # Runs first inside the sandbox, as the interpreter's own code (trusted): reads the program, builds
-# the namespace
-# level's view of the file system and gives up the power to change it, patches socket, then runs the
-# program.
+# the namespace level's view of the file system and gives up the power to change it, patches
+# socket, then runs the program.
 BOOTSTRAP = r"""
 import ctypes, json, os, sys
 cfg = json.loads(sys.argv[1])
@@ -68,19 +64,25 @@ if cfg["hide"]:
             mount("tmpfs", path, "tmpfs", NOSUID | NODEV, "size=16m,nr_inodes=4096,mode=" + mode)
         else:  # a file at the top level: /dev/null bound over it reads as empty
             mount("/dev/null", path, None, BIND)
-    for fd, path, st in kept:  # bound back from a descriptor opened before the hiding, then made read-only, with
-        os.makedirs(path, exist_ok=True)  # the flags a user namespace may not drop (statvfs's ST_* are MS_* but one)
+    # bound back from a descriptor opened before the hiding, then made read-only, with the flags a
+    # user namespace may not drop (statvfs's ST_* are MS_* but one)
+    for fd, path, st in kept:
+        os.makedirs(path, exist_ok=True)
         mount("/proc/self/fd/%d" % fd, path, None, BIND | REC)
-        kept_flags = (st & (NOSUID | NODEV | NOEXEC | NOATIME | NODIRATIME)) | (RELATIME if st & 4096 else 0)
+        kept_flags = st & (NOSUID | NODEV | NOEXEC | NOATIME | NODIRATIME)
+        kept_flags |= RELATIME if st & 4096 else 0
         mount(None, path, None, REMOUNT | BIND | RDONLY | kept_flags)
         os.close(fd)
     os.chdir("/tmp")
 if cfg["drop"]:  # real root: become nobody, with no capability (and RLIMIT_NPROC enforced)
-    for prefix in cfg["reach"]:  # the interpreter's own library, under a directory nobody may not enter (/root):
-        fd = os.open(prefix, os.O_PATH | os.O_DIRECTORY)  # reached through a descriptor opened as root, from
-        def moved(paths):  # sys.path and the imported packages' (encodings finds its codecs by its __path__)
-            return ["/proc/self/fd/%d" % fd + p[len(prefix):] if p == prefix or p.startswith(prefix + "/") else p
-                    for p in paths]
+    # the interpreter's own library, under a directory nobody may not enter (/root): reached through
+    # a descriptor opened as root, from sys.path and the imported packages' (encodings finds its
+    # codecs by its __path__)
+    for prefix in cfg["reach"]:
+        fd = os.open(prefix, os.O_PATH | os.O_DIRECTORY)
+        def moved(paths):
+            inside = lambda p: p == prefix or p.startswith(prefix + "/")
+            return ["/proc/self/fd/%d" % fd + p[len(prefix):] if inside(p) else p for p in paths]
         sys.path[:] = moved(sys.path)
         for module in list(sys.modules.values()):
             if isinstance(getattr(module, "__path__", None), list):
@@ -88,15 +90,21 @@ if cfg["drop"]:  # real root: become nobody, with no capability (and RLIMIT_NPRO
     os.setgroups([])
     os.setgid(65534)
     os.setuid(65534)
-    libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: setuid made /proc/self root's; those descriptors need it ours
-elif cfg["hide"] and libc.unshare(0x10000000 | 0x00020000) != 0:  # CLONE_NEWUSER | CLONE_NEWNS: the mounts above
-    raise OSError(ctypes.get_errno(), "sandbox: cannot lock the mounts")  # become locked
+    # PR_SET_DUMPABLE: setuid made /proc/self root's; those descriptors need it ours
+    libc.prctl(4, 1, 0, 0, 0)
+# CLONE_NEWUSER | CLONE_NEWNS: the mounts above become locked
+elif cfg["hide"] and libc.unshare(0x10000000 | 0x00020000) != 0:
+    raise OSError(ctypes.get_errno(), "sandbox: cannot lock the mounts")
 if libc:
     libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: no setuid program gives anything back
-def _watch(fd=cfg["watch"]):  # the evaluator holds the pipe's other end: at its end, however it ended (a stage
-    os.read(fd, 1)  # stopped, a SIGKILL), no one enforces the timeout, so the program and its group end here (at the
-    try:  # namespaces level the pid namespace ends with its first process, this one, which SIGKILL from inside
-        os.killpg(0, 9)  # would not end)
+# the evaluator holds the pipe's other end: at its end, however it ended (a stage stopped, a
+# SIGKILL), no one enforces the timeout, so the program and its group end here (at the namespaces
+# level the pid namespace ends with its first process, this one, which SIGKILL from inside would
+# not end)
+def _watch(fd=cfg["watch"]):
+    os.read(fd, 1)
+    try:
+        os.killpg(0, 9)
     finally:
         os._exit(137)
 import threading
@@ -107,7 +115,8 @@ class _NoNetwork(socket.socket):
         raise OSError("network access is disabled in the sandbox")
 socket.socket = _socket.socket = _NoNetwork
 del cfg, json
-exec(compile(source, "<program>", "exec"), {"__name__": "__sandbox__", "__builtins__": __builtins__})
+exec(compile(source, "<program>", "exec"),
+     {"__name__": "__sandbox__", "__builtins__": __builtins__})
 """
 
 
@@ -203,8 +212,8 @@ def run(program, timeout_s=5.0, cpu_s=None, memory_mb=512, nproc=16, level=None)
     # root is not limited: only the nobody the program runs as
     uid = NOBODY if cfg["drop"] else os.getuid()
     limits = (cpu_s, memory_mb << 20, tasks_of(uid) + nproc, OUTPUT_BYTES)
-    with tempfile.TemporaryDirectory(prefix="sandbox_") as private, tempfile.TemporaryDirectory(prefix=
-                                                                                                "work_") as work:
+    with tempfile.TemporaryDirectory(prefix="sandbox_") as private, \
+            tempfile.TemporaryDirectory(prefix="work_") as work:
         # kept apart from its (empty) working directory
         (Path(private) / "program.py").write_text(program)
         if cfg["drop"]:
@@ -256,8 +265,8 @@ def sandbox_level():
             ok = r.status == "ok" and r.output.strip() == "sandbox-probe-ok"
             made = "mount, network and pid namespaces" + ("" if os.geteuid() == 0 else " in a user "
                                                           "namespace")
-            why = f"unshare created {made}" if ok else \
-                f"unshare failed ({r.status}: {(r.output.strip().splitlines() or ['no output'])[-1][:200]})"
+            last = (r.output.strip().splitlines() or ["no output"])[-1][:200]
+            why = f"unshare created {made}" if ok else f"unshare failed ({r.status}: {last})"
             _LEVEL = ("namespaces" if ok else "process", why)
     return _LEVEL
 
@@ -279,9 +288,11 @@ def choose(requested="auto"):
 
 def uncontained():
     """What the process level does not contain, here."""
-    files = "read any world-readable file and write any world-writable one (it runs as nobody)" \
-        if os.geteuid() == 0 and sys.platform.startswith("linux") else "read and write every file this user can"
-    return f"{files}, by absolute path, and reach the network through the original socket class or ctypes"
+    files = "read and write every file this user can"
+    if os.geteuid() == 0 and sys.platform.startswith("linux"):
+        files = "read any world-readable file and write any world-writable one (it runs as nobody)"
+    return (f"{files}, by absolute path, and reach the network through the original socket class "
+            "or ctypes")
 
 
 def describe(level=None, why=None):

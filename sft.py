@@ -2,12 +2,15 @@
 conversations, with the loss on assistant content, its tool calls and <|assistant_end|> only (not on
 the user's turns, nor on the calculator's output).
 
-    python sft.py                       # SmolTalk + MMLU auxiliary_train x3 + GSM8K x4 + ARC + identity, one pass
-    python sft.py --source smoltalk:1 --source gsm8k:2 --source data/my_chats:3       # DIR (or a dataset name):EPOCHS
-    python sft.py --source my_chats.jsonl:2 --val_chat_dir held_out.jsonl  # your own (docs/own-data.md)
-    python sft.py --checkpoint runs/mid_demo --chat_dir DIR --epochs 3        # LIMA-style: a few epochs over a small set
+    python sft.py  # SmolTalk + MMLU auxiliary_train x3 + GSM8K x4 + ARC + identity, one pass
+    python sft.py --source smoltalk:1 --source gsm8k:2 --source data/my_chats:3
+        # DIR (or a dataset name):EPOCHS
+    python sft.py --source my_chats.jsonl:2 --val_chat_dir held_out.jsonl
+        # your own (docs/own-data.md)
+    python sft.py --checkpoint runs/mid_demo --chat_dir DIR --epochs 3
+        # LIMA-style: a few epochs over a small set
     torchrun --standalone --nproc_per_node=8 sft.py --chat_dir DIR --steps 1000
-    python sft.py --run_name NAME --resume                              # continue from the last checkpoint
+    python sft.py --run_name NAME --resume  # continue from the last checkpoint
     python sft.py --status runs/NAME
 
 Writes runs/<run_name>/: config.json, metrics.jsonl (every step), samples.jsonl (greedy answers at

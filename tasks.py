@@ -4,7 +4,7 @@ its kind needs: categorical {prompt, letters, answer, options, question}, gsm8k 
 humaneval {prompt, test, entry_point, id}, exact and contains {prompt, answers}. Not a stage: import
 it (`import tasks`).
 
-    python tasks.py GSM8K --max_items 2                 # a task's first items in nanochat's order, as scored
+    python tasks.py GSM8K --max_items 2  # a task's first items in nanochat's order, as scored
     python tasks.py demo-answer --demo data/demo
 """
 import argparse
@@ -75,13 +75,13 @@ def read_rows(task, cache_dir, demo_dir):
                                     f"demo.py --out {demo_dir}), which writes chat_eval/")
         lines = path.read_text().splitlines()
         try:
-            return [(f"{path}, line {i + 1}", json.loads(line)) for i,
-                    line in enumerate(lines) if line.strip()]
+            return [(f"{path}, line {i + 1}", json.loads(line))
+                    for i, line in enumerate(lines) if line.strip()]
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: a line is not valid JSON ({e}): write the demo world again") from None
-    return [(f"{f}, row {i}", row) for f in hub_files(task, cache_dir) for i,
-            row in enumerate(pq.read_table(f)
-                                                                                              .to_pylist())]
+            raise ValueError(f"{path}: a line is not valid JSON ({e}): write the demo world "
+                             "again") from None
+    return [(f"{f}, row {i}", row) for f in hub_files(task, cache_dir)
+            for i, row in enumerate(pq.read_table(f).to_pylist())]
 
 
 def make_item(task, row, where):
