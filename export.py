@@ -52,13 +52,14 @@ EXACT_FIELDS = {"norm_learnable", "activation_checkpointing"}
 REFUSED = {"bitnet": "BitNet b1.58 quantizes weights to {-1, 0, +1} and activations to 8 bits "
                      "inside every layer, which neither Llama nor hf_remote/ does; its fp32 latent "
                      "weights would be another model"}
-CHAT_TEMPLATE = r"""{#- tokenizer.py's render_conversation: a system message joins the first user message -#}
+CHAT_TEMPLATE = r"""{#- tokenizer.py's render_conversation: a system message joins the first user's -#}
 {%- set system = messages[0]['content'] + '\n\n' if messages[0]['role'] == 'system' else '' -%}
 {%- set turns = messages[1:] if messages[0]['role'] == 'system' else messages -%}
 {{- '<|bos|>' -}}
 {%- for message in turns -%}
 {%- if message['role'] != ['user', 'assistant'][loop.index0 % 2] -%}
-{{- raise_exception('roles alternate user, assistant, user, ... after an optional leading system message') -}}
+{{- raise_exception('roles alternate user, assistant, user, ... after an optional leading '
+    ~ 'system message') -}}
 {%- elif message['role'] == 'user' -%}
 {{- '<|user_start|>' + (system if loop.first else '') + message['content'] + '<|user_end|>' -}}
 {%- else -%}

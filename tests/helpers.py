@@ -28,7 +28,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "dev"))  # workers run without pytest.ini
 import demo
 import train_loop
-from hub_stand_in import COMMIT, STALL_S, git_blob_id, hub_handler, resolve_headers, serve, tree_entry  # noqa: F401
+from hub_stand_in import (  # noqa: F401
+    COMMIT,
+    STALL_S,
+    git_blob_id,
+    hub_handler,
+    resolve_headers,
+    serve,
+    tree_entry,
+)
 from model import GPTConfig, build_model
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,7 +11,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import CORE_YAML, ECHO, META_CSV, PICK, QUIZ, bundle_zip, jsonl, run_in_process, run_script
+from helpers import (
+    CORE_YAML,
+    ECHO,
+    META_CSV,
+    PICK,
+    QUIZ,
+    bundle_zip,
+    jsonl,
+    run_in_process,
+    run_script,
+)
 
 import checkpoint
 import core_eval as E

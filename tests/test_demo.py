@@ -10,7 +10,16 @@ import pytest
 
 from dataset import chat_format, chat_rows
 from decode import calculate
-from demo import ANIMALS, COLOURS, COUNTRIES, DAYS, DEMO_ASSISTANT_NAME, MONTHS, number_word, write_demo
+from demo import (
+    ANIMALS,
+    COLOURS,
+    COUNTRIES,
+    DAYS,
+    DEMO_ASSISTANT_NAME,
+    MONTHS,
+    number_word,
+    write_demo,
+)
 
 CAPITAL = {row[0]: row[1] for row in COUNTRIES}
 COUNTRY_OF = {row[1]: row[0] for row in COUNTRIES}
