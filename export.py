@@ -52,7 +52,9 @@ EXACT_FIELDS = {"norm_learnable", "activation_checkpointing"}
 REFUSED = {"bitnet": "BitNet b1.58 quantizes weights to {-1, 0, +1} and activations to 8 bits "
                      "inside every layer, which neither Llama nor hf_remote/ does; its fp32 latent "
                      "weights would be another model"}
-CHAT_TEMPLATE = r"""{#- tokenizer.py's render_conversation: a system message joins the first user's -#}
+# tokenizer.py's render_conversation as Jinja: a system message joins the first user message (the
+# leading newline is stripped by the first tag's '-')
+CHAT_TEMPLATE = r"""
 {%- set system = messages[0]['content'] + '\n\n' if messages[0]['role'] == 'system' else '' -%}
 {%- set turns = messages[1:] if messages[0]['role'] == 'system' else messages -%}
 {{- '<|bos|>' -}}
