@@ -32,7 +32,6 @@ from distributed import (
     versions,
 )
 from model import GPTConfig, build_model
-from optim import precision_line
 from tokenizer import SPECIAL_TOKENS, Tokenizer
 
 # torch.distributed.checkpoint without a process group is meant here
@@ -562,15 +561,14 @@ def record_run(args, stage, model_config, seq_len, micro, accum, world, total_st
     return layout, run, {**run, "argv": sys.argv, "hparams": inherited}
 
 
-def announce(args, run_dir, run, lines, optimizers, device):
+def announce(args, run_dir, run, lines, precision):
     """Rank 0's start of a run: config.json (rewritten by a resume with its own command line), then
-    `lines`, the code's commit and the precision."""
+    `lines`, the code's commit and the precision (optim.precision_line's)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     config = {**run, "args": vars(args), "hardware": distributed.WORLD, "argv": sys.argv,
               "versions": versions()}
     (run_dir / "config.json").write_text(json.dumps(config, indent=1, default=str))
     code = f"code: commit {run['code']['commit']}, uncommitted changes: {run['code']['dirty']}"
-    precision = precision_line(args, device, optimizers, run["model_config"]["n_embd"])
     print("\n".join([*lines, code, precision]))
 
 

@@ -157,6 +157,7 @@ def main(argv=None):
         tokens_per_step, tokenizer, num_params(config), record)
     if rank == 0:
         mixture = ", ".join(f"{s['name']} {s['share']:.0%} ({s['path']})" for s in sources)
+        precision = optim.precision_line(args, device, optimizers, run["model_config"]["n_embd"])
         checkpoint.announce(args, run_dir, run, [
             *chat_stage.parent_lines(parent, parent_meta, run["params"], inherited,
                                      (micro, source)),
@@ -164,7 +165,7 @@ def main(argv=None):
             f"mixture (share of tokens): {mixture}; loss on {args.supervise} conversation tokens",
             *skipped, args.budget_line,
             f"budget: {total_steps:,} steps, {total_steps * tokens_per_step:,} tokens"],
-            optimizers, device)
+            precision)
     if resume_from:
         step = checkpoint.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank,
                                  device)

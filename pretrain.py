@@ -245,6 +245,7 @@ def main(argv=None):
                                              total_steps, tokens_per_step, tokenizer, params,
                                              {"data": data, "data_dir": args.data_dir})
     if master:
+        precision = optim.precision_line(args, device, optimizers, run["model_config"]["n_embd"])
         checkpoint.announce(args, run_dir, run, [
             f"model: {args.preset}, params: {params}; FLOPs/token {fpt:.4e}", sharding,
             checkpoint.batch_line(micro, seq_len, world, accum), args.budget_line,
@@ -252,7 +253,7 @@ def main(argv=None):
              f"{fpt * total_steps * tokens_per_step:.3e} FLOPs, "
              f"{total_steps * tokens_per_step / counted:.2f} tokens per parameter (value-embedding "
              "tables not counted)"), budget_line(data, budget)],
-            optimizers, device)
+            precision)
     start = (checkpoint.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank,
                                device) if resume_from
              else 0)

@@ -478,12 +478,13 @@ def main(argv=None):
                     f"{args.rollout_questions} questions' replies decoded together; {micro} rows "
                     f"per training forward; compile off (the rows' lengths change every step)")
         in_epochs = f" = {args.epochs:g} epochs" if args.epochs else ""
+        precision = optim.precision_line(args, device, optimizers, run["model_config"]["n_embd"])
         checkpoint.announce(args, run_dir, run, [
             *chat_stage.parent_lines(parent, parent_meta, run["params"], inherited,
                                      (micro, source)),
             f"tasks: {tasks}: {len(train_items):,} training questions, {len(held_out):,} held out",
             rollouts, args.budget_line, f"budget: {total_steps:,} steps{in_epochs}"],
-            optimizers, device)
+            precision)
     cursor = Cursor()
     if resume_from:
         step = checkpoint.resume(resume_from, run_dir, model, optimizers, [cursor], layout, rank,

@@ -201,12 +201,13 @@ def main(argv=None):
         passes = ", ".join(f"{path} x{epochs}" for path, epochs in args.sources)
         in_epochs = (f" = {args.epochs:g} epochs of about {epoch_batches:,} batches ({estimate}); "
                      f"the loader says when each epoch ends" if args.epochs else "")
+        precision = optim.precision_line(args, device, optimizers, run["model_config"]["n_embd"])
         checkpoint.announce(args, run_dir, run, [
             *chat_stage.parent_lines(parent, parent_meta, run["params"], inherited,
                                      (micro, source)),
             sharding, checkpoint.batch_line(micro, seq_len, world, accum),
             f"mixture (passes per epoch): {passes}; tokens per step count the padding", *skipped,
-            args.budget_line, f"budget: {total_steps:,} steps{in_epochs}"], optimizers, device)
+            args.budget_line, f"budget: {total_steps:,} steps{in_epochs}"], precision)
     if resume_from:
         step = checkpoint.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank,
                                  device)
