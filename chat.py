@@ -46,13 +46,11 @@ def get_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_args(p)
     p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature, 0 = "
-                                                                  "greedy "
-                   "(default: %(default)s)")
+                   "greedy (default: %(default)s)")
     p.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest tokens, 0 = "
                    "all (default: %(default)s)")
     p.add_argument("--max_new_tokens", type=int, default=256, help="most tokens per reply "
-                                                                   "(default: "
-                   "%(default)s)")
+                   "(default: %(default)s)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a random one, "
                    "printed so it can be passed back)")
     p.add_argument("-p", "--prompt", default=None, help="answer this one prompt and exit; - reads "
@@ -68,8 +66,7 @@ def get_args(argv=None):
                    "(torch.compile, the whole cache attended, masked: fixed shapes); auto = "
                    "compiled for a session on CUDA, eager for one -p prompt (compiling costs more "
                    "than one reply: decode.py's step took ~35 s in chat_eval at d20 on an H200) "
-                   "and "
-                   "on the CPU (default: %(default)s)")
+                   "and on the CPU (default: %(default)s)")
     args = p.parse_args(None if argv is None else [str(a) for a in argv])  # argv may hold paths
     if args.max_new_tokens < 1 or args.top_k < 0 or args.temperature < 0:
         p.error("--max_new_tokens must be >= 1, --top_k >= 0 and --temperature >= 0")
@@ -183,8 +180,7 @@ class Conversation:
             self.forward(kept)
         if dropped:
             notices.append(f"[context full: dropped the {dropped} oldest "
-                           f"turn{'s' * (dropped > 1)}, "
-                           f"kept <|bos|> and {len(self.starts)} "
+                           f"turn{'s' * (dropped > 1)}, kept <|bos|> and {len(self.starts)} "
                            f"turn{'s' * (len(self.starts) != 1)}; cache rebuilt, {len(self.ids):,} "
                            "tokens]")
         space = self.capacity - self.room - len(self.ids) - len(head) - len(tail)
@@ -351,8 +347,7 @@ def main(argv=None):
     print(f"device: {distributed.device_name(device)}; dtype {dtype}; decode {decode}", file=out)
     print("mode: chat (the chat template; special tokens only by id)" if chat else "mode: "
           "completion (a pretraining checkpoint: no chat template, each input is continued as "
-          "plain "
-          "text)", file=out)
+          "plain text)", file=out)
     print(f"sampling: temperature {args.temperature}, top_k {args.top_k}, max_new_tokens "
           f"{args.max_new_tokens}, seed {seed} (--seed {seed} to reproduce)", file=out)
 
@@ -415,8 +410,7 @@ def talk(conv, turn, cut, out):
         last, line = line.endswith(SEND_AND_END), line.removesuffix(SEND_AND_END)
         if cut and len(line) >= cut:
             print(f"[the terminal cut this line at {cut:,} characters (its limit without "
-                  "readline): "
-                  "pass longer text with -p - < FILE]", file=out)
+                  "readline): pass longer text with -p - < FILE]", file=out)
         command = line.strip()
         if command in ("/quit", "/exit"):
             break

@@ -61,20 +61,17 @@ def get_args(argv=None):
                    "was trained on one, else the hub tasks; none = the hub tasks "
                    f"({', '.join(tasks.HUB_TASKS)}) (default: %(default)s)")
     p.add_argument("--tasks", default=None, help="comma-separated tasks to run (default: all of "
-                                                 "the "
-                   "chosen set)")
+                   "the chosen set)")
     p.add_argument("--max_items", type=int, default=-1, help="items per task, the first N in "
                    "nanochat's order; -1 = all (default: %(default)s)")
     p.add_argument("--batch_items", type=int, default=8, help="items per forward: multiple-choice "
                    "prompts right-padded (nanochat's 8), generated answers decoded together as the "
                    "rows of one batch (decode.py: greedy tokens equal to one at a time); 1 = one "
-                   "at "
-                   "a time (default: %(default)s)")
+                   "at a time (default: %(default)s)")
     p.add_argument("--option_text", default="on", choices=["on", "off"], help=
                    "also score each option's text as the reply (a diagnostic outside ChatCORE: "
-                   "does "
-                   "the model know the answer but miss its letter?); costs a forward per option "
-                   "(default: %(default)s)")
+                   "does the model know the answer but miss its letter?); costs a forward per "
+                   "option (default: %(default)s)")
     p.add_argument("--max_new_tokens", type=int, default=512, help="greedy tokens per generated "
                    "answer, fewer where the model's window ends first (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=5.0, help="wall-clock (and CPU) seconds per "
@@ -352,9 +349,8 @@ def diagnostic_lines(rows):
                              f"{k} {v}" for k, v in d["predicted_letters"].items()) + "; " +
                          ("option text off" if text is None else "option text "
                           f"{text['correct']}/{text['items']} = {text['accuracy']:.4f} (by the "
-                          "mean "
-                          f"per token {text['accuracy_by_mean']:.4f}), right text but wrong letter "
-                          f"{text['right_text_wrong_letter']}"))
+                          f"mean per token {text['accuracy_by_mean']:.4f}), right text but wrong "
+                          f"letter {text['right_text_wrong_letter']}"))
         elif d and "lenient" in d:
             lines.append(f"  {r['task']:<14} lenient reading ({d['lenient']['rule']}): "
                          f"{d['lenient']['correct']}/{d['lenient']['items']} = "

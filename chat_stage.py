@@ -211,10 +211,10 @@ def held_out_dir(val_chat_dir, first_source):
     if first_source is None:
         raise ValueError("no chat source to hold conversations out of: pass --val_chat_dir")
     if Path(first_source).suffix in (".jsonl", ".parquet"):
-        raise ValueError(f"{first_source} is one file of training conversations, none of them "
-                         f"held out for the validation loss: pass --val_chat_dir VAL.jsonl (other "
-                         f"conversations, in the same format) or a directory of test*/val* "
-                         f"parquet files")
+        raise ValueError(f"{first_source} is one file of training conversations, none of them held "
+                         "out for the validation loss: pass --val_chat_dir VAL.jsonl (other "
+                         "conversations, in the same format) or a directory of test*/val* parquet "
+                         "files")
     return first_source
 
 

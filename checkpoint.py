@@ -475,8 +475,7 @@ def add_run_args(parser, stage):
     g.add_argument("--runs_dir", default="runs", help="where runs live (default: %(default)s)")
     g.add_argument("--resume", nargs="?", const="latest", default=None, help=
                    "continue from the newest checkpoint of --run_name (or of the newest run of "
-                   "this "
-                   "stage), or from the checkpoint directory given")
+                   "this stage), or from the checkpoint directory given")
     g.add_argument("--ckpt_every", type=int, default=500, help="checkpoint every N >= 1 steps, and "
                    "at the last step (default: %(default)s)")
     g.add_argument("--keep", type=int, default=3, help="checkpoints kept, newest first; at least 1 "
@@ -486,8 +485,7 @@ def add_run_args(parser, stage):
     g.add_argument("--health_every", type=int, default=50, help="log update/parameter RMS ratios "
                    "every N steps (default: %(default)s)")
     g.add_argument("--log_every", type=int, default=10, help="progress line every N steps "
-                                                             "(default: "
-                   "%(default)s)")
+                   "(default: %(default)s)")
     g.add_argument("--wandb", default=None, help="wandb project to log to (needs `pip install "
                    "wandb`)")
     g.add_argument("--status", default=None, metavar="RUN_DIR",
@@ -522,8 +520,7 @@ def resolve_run(args, stage):
         newest = newest_checkpoint(args.runs_dir, stage=stage)
         if newest is None:
             raise FileNotFoundError(f"--resume: no {stage} checkpoint in {args.runs_dir}/*/ckpt/ "
-                                    "or "
-                                    "*/*/ckpt/")
+                                    "or */*/ckpt/")
         run = newest.parent.parent  # runs/<run>, or speedrun.sh's runs/<run>/<stage>
         args.runs_dir, args.run_name = str(run.parent), run.name
     args.run_name = args.run_name or f"{stage}_{args.preset}_{time.strftime('%Y%m%d_%H%M%S')}"

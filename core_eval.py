@@ -66,9 +66,9 @@ def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     checkpoint.add_checkpoint_args(p, "the newest checkpoint under --runs_dir", eval_dtype=True)
-    p.add_argument("--bundle", default="auto", help="eval bundle directory or URL; auto = the demo "
-                   f"world's when the checkpoint was trained on it, else {BUNDLE_URL} (default: "
-                   "%(default)s)")
+    p.add_argument("--bundle", default="auto", help="eval bundle directory or URL; auto = the "
+                   f"demo world's when the checkpoint was trained on it, else {BUNDLE_URL} "
+                   "(default: %(default)s)")
     p.add_argument("--bundle_sha256", default=None, help="expected sha256 of a downloaded "
                    "eval_bundle.zip (default: not pinned; the sha256 found is printed and saved "
                    "with the results)")
@@ -83,8 +83,7 @@ def get_args(argv=None):
                    "(default: %(default)s)")
     p.add_argument("--batch_items", type=int, default=16 if cuda else 1, help=
                    "items per forward pass, each with all its choices; on a CPU a larger batch "
-                   "only "
-                   "adds padding (default: %(default)s)")
+                   "only adds padding (default: %(default)s)")
     p.add_argument("--data_dir", default=None, help="corpus whose validation split gives bits per "
                    "byte (default: the checkpoint's)")
     p.add_argument("--bpb_tokens", type=int, default=2 ** 20, help="validation tokens for bits per "
@@ -95,8 +94,7 @@ def get_args(argv=None):
                    "runs/<run>/core_eval/step_XXXXXX)")
     p.add_argument("--download_only", action="store_true", help="fetch and check the bundle "
                    "(--bundle; auto: the hub bundle) into the cache and exit, no checkpoint "
-                   "needed: "
-                   "speedrun.sh does it at the start (default: off)")
+                   "needed: speedrun.sh does it at the start (default: off)")
     args = p.parse_args(None if argv is None else [str(a) for a in argv])  # argv may hold paths
     if args.batch_items < 1 or args.max_items == 0 or args.max_items < -1:
         p.error("--batch_items must be >= 1 and --max_items -1 (all) or >= 1")
@@ -128,8 +126,7 @@ def find_bundle_root(directory):
     found = sorted(Path(directory).rglob("core.yaml"), key=lambda p: len(p.parts))
     if not found:
         raise FileNotFoundError(f"--bundle {directory}: no core.yaml in it or below: a bundle "
-                                "holds "
-                         "core.yaml, eval_meta_data.csv and eval_data/")
+                                "holds core.yaml, eval_meta_data.csv and eval_data/")
     return found[0].parent
 
 
@@ -217,8 +214,7 @@ def read_items(path, kind):
                                        "continuation") if k in item] + list(options or [])
             if not all(isinstance(text, str) for text in texts):
                 raise ValueError(f"{where}: every query, context, choice and continuation must be "
-                                 "a "
-                                 "string")
+                                 "a string")
             # nothing to score: a mean over no tokens
             if not all(item.get("choices", [item.get("continuation")])):
                 raise ValueError(f"{where}: an empty continuation or choice; fix or delete the "
@@ -240,8 +236,7 @@ def load_tasks(root, only=None):
         rows = list(csv.DictReader(f))
     if rows and not {"Eval Task", "Random baseline"} <= set(rows[0]):
         raise ValueError(f"{root / 'eval_meta_data.csv'}: needs the columns 'Eval Task' and "
-                         "'Random "
-                         "baseline'")
+                         "'Random baseline'")
     baselines = {r["Eval Task"]: r["Random baseline"] for r in rows}
     labels = [t.get("label") for t in spec]
     unknown = sorted(set(only or []) - set(labels))
@@ -436,8 +431,7 @@ def evaluate_tasks(model, tokenizer, tasks, max_per_task, batch_items, dtype, ra
         if progress and rank == 0:
             accuracy, seconds = table[:, 2].mean().item(), time.perf_counter() - start
             print(f"core_eval: {task.label:<32} {len(order):>5} items  acc {accuracy:.4f}  "
-                  "centered "
-                  f"{centered(accuracy, task.baseline):+.4f}  {seconds:.1f} s", flush=True)
+                  f"centered {centered(accuracy, task.baseline):+.4f}  {seconds:.1f} s", flush=True)
     return results
 
 
@@ -567,8 +561,7 @@ def main(argv=None):
     if rank == 0:
         print(f"checkpoint: {ckpt} ({meta.get('stage')}, step {meta.get('step')}); tokenizer "
               f"{tokenizer_path}; {len(tasks)} tasks, {sum(len(t.items) for t in tasks):,} items "
-              "in "
-              f"{bundle}")
+              f"in {bundle}")
     start = time.perf_counter()
     results = evaluate_tasks(model, tokenizer, tasks, args.max_items, args.batch_items, args.dtype,
                              rank, world,

@@ -203,8 +203,7 @@ def chat_files(chat_dir, split):
 CHAT_ROLES = ("system", "user", "assistant")
 LINE_FORMAT = ('each line is one conversation, {"messages": [{"role": "user", "content": "..."}, '
                '{"role": "assistant", "content": "..."}]}, roles system (first, optional), user '
-               'and '
-               'assistant in turn (docs/own-data.md)')
+               'and assistant in turn (docs/own-data.md)')
 SKIP_BAD_ROWS_HELP = ("skip the bad lines of .jsonl conversation files (invalid JSON or UTF-8, no "
                       "messages, a wrong role, no assistant message), counted in a printed line, "
                       "instead of stopping at the first (default: off)")
@@ -368,10 +367,8 @@ def list_shards(data_dir):
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise FileNotFoundError(f"data directory {data_dir} does not exist: run `python "
-                                "download.py "
-                                f"shards --shards N --data_dir {data_dir}` or `python demo.py "
-                                "--out "
-                                "DIR` (its DIR/pretrain)")
+                                f"download.py shards --shards N --data_dir {data_dir}` or `python "
+                                "demo.py --out DIR` (its DIR/pretrain)")
     shards = sorted(data_dir.glob("*.parquet"))
     if not shards:
         raise FileNotFoundError(f"no .parquet shards in {data_dir}: run `python download.py shards "
@@ -471,8 +468,7 @@ def read_row_group(path, index, column="text"):
         return table.to_pylist() if column is None else table.column(column).to_pylist()
     except (pa.ArrowInvalid, OSError) as e:
         raise ValueError(f"{path}: row group {index} is unreadable ({e}): delete the file and "
-                         "fetch "
-                         "it again") from e
+                         "fetch it again") from e
 
 
 def iter_texts(data_dir, split, max_chars=None):
@@ -496,8 +492,8 @@ def write_text_shards(texts, out_dir, seed=0, shard_docs=8 * ROW_GROUP_DOCS, val
     documents (at least one). Returns the paths."""
     texts = list(texts)
     if len(texts) < 2:
-        raise ValueError("need at least 2 documents to make a training and a validation split, got "
-                         f"{len(texts)}")
+        raise ValueError("need at least 2 documents to make a training and a validation split, "
+                         f"got {len(texts)}")
     random.Random(seed).shuffle(texts)
     n_val = max(1, round(len(texts) * val_fraction))
     train, val = texts[:-n_val], texts[-n_val:]

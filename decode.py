@@ -386,8 +386,7 @@ def _walk(node, depth, deadline):
         a, b = _walk(node.left, depth + 1, deadline), _walk(node.right, depth + 1, deadline)
         return _check(_binary(node.op, a, b))
     raise CalculatorError(f"{type(node).__name__} is not allowed: only numbers, + - * / // % ** "
-                          "and "
-                          "parentheses")
+                          "and parentheses")
 
 
 def calculate(expr):

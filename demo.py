@@ -430,8 +430,8 @@ PROBLEMS = [(("{name} has {a} {items}. {Pron} buys {b} bags with {c} {items} in 
             (("{name} bought {a} {items} in {cap} and {b} in {cap2}, and then gave {c} to "
               "{friend}. How many {items} does {name} have left?"),
              [("a", "+", "b", "{Pron} bought"), ("s1", "-", "c", "Left:")]),
-            (("Each of {a} children has {b} {items}, and {name} has {c} more. How many {items} "
-              "are there?"),
+            (("Each of {a} children has {b} {items}, and {name} has {c} more. How many {items} are "
+              "there?"),
              [("a", "*", "b", "The children have"), ("s1", "+", "c", "With {name}'s:")]),
             (("{name} has {a} {items}. {Pron} buys {b} bags with {c} {items} in each, then gives "
               "{d} {items} to {friend}. How many {items} does {name} have now?"),
@@ -570,8 +570,8 @@ def doc_calendar(rng):
         parts.append(f"{MONTHS[m]} is month number {number_word(m + 1)} of the year.")
     elif extra == 3:
         parts.append(rng.choice(["There are seven days in a week.", "A year has twelve months.",
-                                 "Saturday and Sunday are the weekend.", ("The week starts on "
-                                  "Monday.")]))
+                                 "Saturday and Sunday are the weekend.", (
+                                  "The week starts on Monday.")]))
     rng.shuffle(parts)
     return " ".join(parts)
 
@@ -620,8 +620,7 @@ def doc_story(rng, name=None):
             [f"{number_word(n)} from {cap}" for n, cap in bought]) + ".")
     if met:
         parts.append(rng.choice([f"{name} met {met[0]} in {met[1]}.", (f"Who gave {name} the "
-                                                                       f"{item}? "
-                                  f"It was {met[0]}."),
+                                                                       f"{item}? It was {met[0]}."),
                                  f"{name} kept the {ITEM_COLOUR[item]} {item} from {met[0]}."]))
     return " ".join(p for p in parts if p)
 
@@ -760,8 +759,7 @@ def calculation_row(rng):
         said = number_word(v) if words and v <= 100 else v
         return {"question": sentence(rng.choice(questions).format(**shown)),
                 "answer": f"{call}{sentence(str(shown['x']))} "
-                          f"{['plus', 'minus', 'times'][list(SUMS).index(op)]} {shown['y']} is "
-                          f"{said}."}
+                f"{['plus', 'minus', 'times'][list(SUMS).index(op)]} {shown['y']} is {said}."}
     (name, pron), (_, items) = rng.choice(CHARACTERS), rng.choice(ITEMS)
     story = rng.choice(STORIES[op]).format(name=name, pron=sentence(pron), x=x, y=y, items=items)
     return {"question": story, "answer": f"{x} {symbol} {y} = {call}{v} {items}.\n#### {v}"}
@@ -798,8 +796,7 @@ def word_problem(rng):
     shown = {k: number_word(v) if rng.random() < 0.5 else v for k,
              v in values.items() if k in "abcde"}
     return {"question": sentence(question.format(**words, **shown)),
-            "answer": " ".join(said) + "\n#### "
-            f"{v}"}
+            "answer": " ".join(said) + f"\n#### {v}"}
 
 
 def distinct(n, draw, key=lambda row: row, exclude=()):
@@ -1020,8 +1017,7 @@ def write_demo(out_dir, seed=0):
         f"characters, {len(shards)} parquet shards (column `text`, row groups of {ROW_GROUP_DOCS}, "
         "zstd); the last shard is validation\nconversations/        train.parquet "
         f"({counts['conversations_train']}) and val.parquet ({counts['conversations_val']}): "
-        "column "
-        "`messages`, a list of {role, content} as in SmolTalk\nchoice/               "
+        "column `messages`, a list of {role, content} as in SmolTalk\nchoice/               "
         f"{DEMO_TASK_ROWS} multiple-choice questions answered by a letter, in MMLU's columns "
         f"(question, choices, answer, subject)\nanswers/              {DEMO_TASK_ROWS} "
         "conversations whose reply is the answer alone (`messages`)\ncalc/                 "
@@ -1031,9 +1027,8 @@ def write_demo(out_dir, seed=0):
         "columns: binding a letter to its option, no knowledge needed\nproblems/             "
         f"{DEMO_TASK_ROWS} word problems of two to four steps in GSM8K's columns, none of them "
         f"among chat_eval/demo-problems' {DEMO_HELD_OUT_PROBLEMS}\neval_bundle/          "
-        "core.yaml, "
-        "eval_meta_data.csv, eval_data/demo/*.jsonl in the CORE formats; their phrasings never "
-        "occur in pretrain/ or conversations/\n"
+        "core.yaml, eval_meta_data.csv, eval_data/demo/*.jsonl in the CORE formats; their "
+        "phrasings never occur in pretrain/ or conversations/\n"
         + "".join(f"    {k}: {v} items\n" for k, v in evals.items())
         + "chat_eval/            chat questions for chat_eval.py, in phrasings reserved for it "
                                         "too\n"

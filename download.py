@@ -202,9 +202,8 @@ def _hub_failure(what, error):
     if code in (401, 403) or isinstance(error, RepositoryNotFoundError):
         # the hub answers 401 for a repo that does not exist as well as for one that is private
         return RuntimeError(f"{what}: HTTP {code}: the repo is private or gated, or does not "
-                            "exist: "
-                            "set HF_TOKEN to a token that can read it (and accept the dataset's "
-                            "terms on its page if it is gated)")
+                            "exist: set HF_TOKEN to a token that can read it (and accept the "
+                            "dataset's terms on its page if it is gated)")
     if code == 404:
         return RuntimeError(f"{what}: HTTP 404: not found: check the repo id, the revision and the "
                             "file path")
@@ -248,8 +247,7 @@ def _fetch_hub_file(repo, entry, dest, staging, revision, repo_type, bar):
     def gave_up(error):
         return RuntimeError(f"could not download {entry['path']} from {repo} after {RETRIES} "
                             f"attempts (last error: {error}): check the network (and HF_ENDPOINT "
-                            "if "
-                            "set) and re-run the command; complete files are kept")
+                            "if set) and re-run the command; complete files are kept")
     try:
         return _retrying(attempt, RETRIES, gave_up)
     except HfHubHTTPError as e:
@@ -456,8 +454,7 @@ def main(argv=None):
     commands = parser.add_subparsers(dest="command", required=True)
     listing = commands.add_parser("list", help="a hub repo's files with their sizes and hashes")
     p = commands.add_parser("get", help="files of a hub repo, checked against its listing, into "
-                                        "one "
-                            "directory")
+                            "one directory")
     for q in (listing, p):
         q.add_argument("repo", help="hub repo id, e.g. openai/gsm8k")
         q.add_argument("--revision", default="main", help="branch, tag or commit (default: "

@@ -262,8 +262,7 @@ def push(out, repo):
         raise RuntimeError(f"could not push {out} to {repo} at {hub_endpoint()} "
                            f"({str(e).splitlines()[0]}): it needs a token with write access "
                            f"(HF_TOKEN, or `hf auth login`) and the network; the export in {out} "
-                           "is "
-                           "complete: run the same command again to push it") from None
+                           "is complete: run the same command again to push it") from None
 
 
 def main(argv=None):

@@ -85,13 +85,11 @@ def plan_lines(depth, gpus, rehearsal=False, on_cpu=False):
              "before step 1, and each step line the expected time left (ETA), measured after this "
              "process's first step")
     rl_line = (f"plan: rl: {rl['epochs']:g} epoch(s) of GSM8K's {GSM8K_TRAIN:,} training "
-               "questions, "
-               f"{shape[1]} a step, {shape[2]} replies each (up to {shape[3]} tokens): {RL_STEPS} "
-               f"steps, at most {math.prod(shape) / 1e6:.1f}M tokens sampled "
+               f"questions, {shape[1]} a step, {shape[2]} replies each (up to {shape[3]} tokens): "
+               f"{RL_STEPS} steps, at most {math.prod(shape) / 1e6:.1f}M tokens sampled "
                f"({' x '.join(map(str, shape))}). The rehearsal's prediction (gpu_plan.py's, "
-               "above) "
-               "gives every stage's expected time; report.md sets each beside its actual wall "
-               "time")
+               "above) gives every stage's expected time; report.md sets each beside its actual "
+               "wall time")
     return [model, rl_line]
 
 
@@ -370,8 +368,7 @@ def measure_rehearsal(rehearsal_dir):
     measured, times = {}, stage_seconds(run)
     if not times:
         raise FileNotFoundError(f"{run / 'logs' / 'stages.tsv'}: no stage times; give the "
-                                "directory "
-                                "of a finished rehearsal (runs/<run>-rehearsal, whose "
+                                "directory of a finished rehearsal (runs/<run>-rehearsal, whose "
                                 "logs/stages.tsv has a `report` line)")
     for name, wall in times.items():
         if name in TRAINING:
@@ -420,8 +417,7 @@ def predict_training(m, budget):
                      "the training tok/s (a forward only)")
     if m["final_eval_s"] is None:
         notes.append("the evaluations' samples: only the final one's, as in the rehearsal (its "
-                     "span "
-                     "was not measurable: progress/rank000.txt or done.json's time missing)")
+                     "span was not measurable: progress/rank000.txt or done.json's time missing)")
     seconds = m["start_s"] + steps * step_s + saves * m["save_s"] + (evals + 1) * eval_s
     rate += f"; save {m['save_s']:.1f} s; evaluation {eval_s:.1f} s"
     return {"budget": (f"{steps:,} steps x {tokens_per_step:,} tokens; {saves} "
@@ -456,10 +452,9 @@ def predict_rl(m, budget, train_tok_s):
                    f"most {steps * tokens:,} sampled); {saves} save{'s' * (saves != 1)}; {evals} "
                    f"held-out evaluations of {budget['eval_items']} questions")
     assumption = (f"decode is latency-bound: a forward for a question's {budget['samples']} "
-                  "replies "
-                  f"costs what one for the rehearsal's did, and each rank's {groups} question(s) a "
-                  f"step and every reply run to {budget['max_new_tokens']} tokens (the ceiling; "
-                  f"GSM8K replies end sooner): an upper bound; {how}")
+                  f"replies costs what one for the rehearsal's did, and each rank's {groups} "
+                  f"question(s) a step and every reply run to {budget['max_new_tokens']} tokens "
+                  f"(the ceiling; GSM8K replies end sooner): an upper bound; {how}")
     if m["save_s"] is None:
         return {"budget": budget_text, "rate": rate, "seconds": None, "assumption": SAVE_UNKNOWN}
     seconds = m["start_s"] + steps * step_s + saves * m["save_s"] + evals * eval_s
@@ -492,8 +487,7 @@ def predict_evaluation(m, budget, train_tok_s):
         if extra_val and train_tok_s:
             item_seconds += extra_val / (FORWARD_SPEEDUP * train_tok_s)
             notes.append(f"{extra_val:,} more validation tokens at {FORWARD_SPEEDUP}x "
-                         "pretraining's "
-                         "tok/s")
+                         "pretraining's tok/s")
         elif extra_val:
             notes.append(f"{extra_val:,} more validation tokens: not counted (no pretraining rate "
                          "measured)")
@@ -597,11 +591,9 @@ def main(argv=None):
     p.add_argument("rehearsal", help="a finished rehearsal's directory, runs/<run>-rehearsal")
     p.add_argument("--plan_json", default=None, help="the budgets dict as JSON (predict_plan's "
                    "keys); default: the gpu plan's (gpu_plan_budgets), pretraining's steps from "
-                   "the "
-                   "rehearsal's model at 20 tokens per parameter")
+                   "the rehearsal's model at 20 tokens per parameter")
     p.add_argument("--gpus", type=int, default=0, help="GPUs of the run, for the GPU-hours; 0 = "
-                                                       "the "
-                   "rehearsal's world size (default: %(default)s)")
+                   "the rehearsal's world size (default: %(default)s)")
     p.add_argument("--sft_steps", type=int, default=None, help="SFT's steps when known (sft.py "
                    "prints its epoch's estimate when it starts); default: unknown")
     p.add_argument("--out", default=None, help="the JSON written; default: "

@@ -356,13 +356,11 @@ def add_schedule_args(parser):
                    help="muon: Muon for block matrices + AdamW for the rest; adamw: AdamW "
                         "everywhere (default: %(default)s)")
     g.add_argument("--adam8bit", action="store_true", help="bitsandbytes AdamW8bit instead of "
-                                                           "AdamW "
-                   "(less optimizer memory)")
+                   "AdamW (less optimizer memory)")
     g.add_argument("--matrix_lr", type=float, default=None, help="block matrices, at width 768 and "
                    "batch 2^19 tokens (default: 0.02 with muon, 0.003 with adamw)")
     g.add_argument("--embedding_lr", type=float, default=0.2, help="token embedding, same "
-                                                                   "reference "
-                   "(default: %(default)s)")
+                   "reference (default: %(default)s)")
     g.add_argument("--head_lr", type=float, default=0.004, help="output head, same reference "
                    "(default: %(default)s)")
     g.add_argument("--scalar_lr", type=float, default=0.04, help="norms and other 1D parameters, "
@@ -373,8 +371,7 @@ def add_schedule_args(parser):
     g.add_argument("--weight_decay", type=float, default=0.0, help="decoupled weight decay of the "
                    "block matrices (default: %(default)s)")
     g.add_argument("--grad_clip", type=float, default=1.0, help="clip the global gradient norm; 0 "
-                                                                "= "
-                   "off (default: %(default)s)")
+                   "= off (default: %(default)s)")
     g.add_argument("--schedule", default="wsd", choices=["cosine", "linear", "wsd", "constant"],
                    help="decay shape after warmup (default: %(default)s)")
     g.add_argument("--warmup_steps", type=int, default=0, help="linear warmup steps (default: "
@@ -396,8 +393,7 @@ def add_schedule_args(parser):
 def main(argv=None):
     parser = argparse.ArgumentParser(description="a schedule as the training stages apply it: the "
                                      "lr multiplier, the weight decay and Muon's momentum at "
-                                     "evenly "
-                                     "spaced steps")
+                                     "evenly spaced steps")
     parser.add_argument("--steps", type=int, default=1000, help="the stage's steps (default: "
                         "%(default)s)")
     parser.add_argument("--points", type=int, default=11, help="how many steps to show (default: "

@@ -53,8 +53,7 @@ def get_args(argv=None):
     g.add_argument("--tokenizer", default="runs/tokenizer", help="tokenizer directory (default: "
                    "%(default)s)")
     g.add_argument("--seed", type=int, default=0, help="init seed, the same on every rank "
-                                                       "(default: "
-                   "%(default)s)")
+                   "(default: %(default)s)")
     g.add_argument("--data_plan", action="store_true", help="print the training shards the budget "
                    "needs (its tokens / the tokens of --data_dir's first training shard, counted "
                    "with --tokenizer, plus one) and exit; needs --total_batch_tokens (default: "

@@ -59,9 +59,8 @@ def get_args(argv=None):
     g = p.add_argument_group("tasks")
     g.add_argument("--demo", default="auto", help="a demo world directory (python demo.py --out "
                    "DIR) whose problems/ are trained on and chat_eval/demo-problems.jsonl held "
-                   "out; "
-                   "auto = the parent's world when it was trained on one, else GSM8K; none = GSM8K "
-                   "(default: %(default)s)")
+                   "out; auto = the parent's world when it was trained on one, else GSM8K; none = "
+                   "GSM8K (default: %(default)s)")
     g.add_argument("--train_dir", default=str(CACHE_DIR / "chat" / "gsm8k"), help=
                    "GSM8K's train split (columns question, answer), without a demo world (default: "
                    "%(default)s, `python dataset.py download-chat gsm8k`)")
@@ -69,16 +68,14 @@ def get_args(argv=None):
                    "chat_eval.py's task cache, where GSM8K's test split is held out from (default: "
                    "%(default)s)")
     g.add_argument("--seed", type=int, default=0, help="the order of the questions (a new one "
-                                                       "every "
-                   "epoch) and the sampling, seeded per step and group of questions decoded "
+                   "every epoch) and the sampling, seeded per step and group of questions decoded "
                    "together (default: %(default)s)")
     g = p.add_argument_group("rollouts")
     g.add_argument("--questions_per_step", type=int, default=16, help="questions per optimizer "
-                                                                      "step "
-                   "over all ranks, at least the world size (default: %(default)s, nanochat's)")
+                   "step over all ranks, at least the world size (default: %(default)s, "
+                   "nanochat's)")
     g.add_argument("--samples", type=int, default=16, help="replies sampled per question: the "
-                                                           "group "
-                   "whose mean reward is its baseline (default: %(default)s, nanochat's)")
+                   "group whose mean reward is its baseline (default: %(default)s, nanochat's)")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: "
                    "%(default)s)")
     g.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest tokens, 0 = "
@@ -264,8 +261,7 @@ def verdict(records):
     held = (evals[0]["all"]["pass@1"], evals[-1]["all"]["pass@1"])
     rose, fell = after > before, held[1] < held[0]
     held_change = "fell" if fell else "rose" if held[1] > held[0] else "did not change"
-    note = (f"the reward {'rose' if rose else 'did not rise'}, held-out accuracy "
-            f"{held_change}")
+    note = (f"the reward {'rose' if rose else 'did not rise'}, held-out accuracy {held_change}")
     if rose and fell:
         note = ("the reward ROSE while held-out accuracy FELL: the model learned the training "
                 "questions, not the task")

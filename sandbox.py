@@ -318,9 +318,8 @@ def main(argv=None):
     parser.add_argument("--sandbox", default="auto", choices=["auto", "namespaces", "process"],
                         help=
                         "auto or namespaces: the namespaces level, refused where this machine "
-                        "gives "
-                        "none; process: the process level, accepting what it does not contain "
-                        "(default: %(default)s)")
+                        "gives none; process: the process level, accepting what it does not "
+                        "contain (default: %(default)s)")
     args = parser.parse_args(argv)
     if not args.probe and not args.program:
         parser.error("give a program to run, or --probe")

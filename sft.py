@@ -69,8 +69,7 @@ def get_args(argv=None):
                    "a source added to the --source ones (or the defaults): speedrun.sh --chat FILE "
                    "adds FILE:2 (default: none)")
     g.add_argument("--chat_dir", default=None, help="one chat directory, once per pass: the same "
-                                                    "as "
-                   "--source DIR:1 (default: the --source mixture)")
+                   "as --source DIR:1 (default: the --source mixture)")
     g.add_argument("--seed", type=int, default=0, help="shuffles the conversations, anew every "
                    "epoch (default: %(default)s)")
     budgets = [("epochs", float, "passes over the mixture (default: 1, as nanochat)"),
@@ -138,9 +137,8 @@ def estimate_epoch_batches(args, tokenizer, micro, seq_len, streams):
     conversations = sum(footers[path].num_rows for path in files)
     return batches, (f"estimated: {conversations:,} conversations in the files' footers, about "
                      f"{sum(tokens) / max(1, conversations):,.0f} tokens each as rendered "
-                     "(measured "
-                     f"on {sum(map(len, kept.values())):,}), rows {fill:.1%} full, the fullest of "
-                     f"{streams} data streams")
+                     f"(measured on {sum(map(len, kept.values())):,}), rows {fill:.1%} full, the "
+                     f"fullest of {streams} data streams")
 
 
 def packing(loaders):

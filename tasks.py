@@ -226,10 +226,8 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("task", choices=list(ALL_TASKS), help="the task whose first items to print")
     p.add_argument("--demo", default=None, help="the demo world (python demo.py --out DIR), for "
-                                                "its "
-                   "tasks; the hub's are downloaded once into the cache chat_eval.py uses "
-                   "(default: "
-                   "none)")
+                   "its tasks; the hub's are downloaded once into the cache chat_eval.py uses "
+                   "(default: none)")
     p.add_argument("--max_items", type=int, default=3, help="items, the first in nanochat's order "
                    "(default: %(default)s)")
     args = p.parse_args(argv)

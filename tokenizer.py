@@ -126,8 +126,7 @@ class Tokenizer:
             if stored != SPECIAL_TOKENS and stored == SPECIAL_TOKENS[:len(stored)]:
                 raise ValueError("it was trained before the special tokens "
                                  f"{', '.join(SPECIAL_TOKENS[len(stored):])} (the calculator's "
-                                 "tool "
-                                 "calls) existed; a model pretrained with it cannot use them")
+                                 "tool calls) existed; a model pretrained with it cannot use them")
             # stored for readers; must agree with merges
             for key in ("vocab_size", "special_tokens", "token_bytes"):
                 if state[key] != getattr(tokenizer, key):
@@ -328,8 +327,7 @@ def main(argv=None):
                        help="stop reading the training split after this many characters (default: "
                        "%(default)s)")
     train.add_argument("--out", default="runs/tokenizer", help="directory to save tokenizer.json "
-                                                               "in "
-                       "(default: %(default)s)")
+                       "in (default: %(default)s)")
     evaluate = commands.add_parser("eval",
                                    help="bytes/token of a tokenizer on the validation split")
     evaluate.add_argument("--data_dir", required=True, help="corpus directory of parquet shards "

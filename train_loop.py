@@ -213,8 +213,7 @@ def parse_stage_args(parser, argv, budgets, default=None):
         # before any step: a stage that divided by it after its training lost the training
         if args.ckpt_every < 1:
             parser.error(f"--ckpt_every {args.ckpt_every}: give N >= 1 (the last step saves too, "
-                         "so "
-                         "an N above the stage's steps saves there only)")
+                         "so an N above the stage's steps saves there only)")
     return args
 
 
@@ -333,9 +332,8 @@ def add_micro_batch_arg(group):
     group.add_argument("--micro_batch", type=int, default=0, help="sequences per rank per forward "
                        "(rl.py: replies); 0 = the checkpoint's when resuming (--resume), else the "
                        "parent checkpoint's (midtrain, sft, rl), else the largest that fits on "
-                       "CUDA "
-                       "(a divisor of the per-rank batch; without --total_batch_tokens a power of "
-                       "two up to 1024), on the CPU the whole per-rank batch (8 without "
+                       "CUDA (a divisor of the per-rank batch; without --total_batch_tokens a "
+                       "power of two up to 1024), on the CPU the whole per-rank batch (8 without "
                        "--total_batch_tokens) (default: %(default)s)")
 
 
@@ -389,8 +387,7 @@ def plan_batch(args, config, world, model, device, resume_from=None, parent_meta
         lo, hi = total // step_unit * step_unit, (total // step_unit + 1) * step_unit
         raise ValueError(f"--total_batch_tokens {total} is not a multiple of micro_batch {micro} x "
                          f"sequence_len {seq_len} x world size {world} = {step_unit}: nearest "
-                         "valid "
-                         f"values are {lo or hi} and {hi}")
+                         f"valid values are {lo or hi} and {hi}")
     return micro, total // step_unit, source
 
 
@@ -398,9 +395,8 @@ def add_loader_threads_arg(group):
     """--loader_threads, the same flag and help in every stage that tokenizes its data;
     loader_threads reads it."""
     group.add_argument("--loader_threads", type=int, default=0, help="tokenizer threads per "
-                                                                     "loader; "
-                       "0 = 1 when training on the CPU (its cores do the training), else the cores "
-                       "per process (default: %(default)s)")
+                       "loader; 0 = 1 when training on the CPU (its cores do the training), else "
+                       "the cores per process (default: %(default)s)")
 
 
 def loader_threads(args, device):
