@@ -164,8 +164,7 @@ def main(argv=None):
             sharding, checkpoint.batch_line(micro, seq_len, world, accum),
             f"mixture (share of tokens): {mixture}; loss on {args.supervise} conversation tokens",
             *skipped, args.budget_line,
-            f"budget: {total_steps:,} steps, {total_steps * tokens_per_step:,} tokens"],
-            precision)
+            f"budget: {total_steps:,} steps, {total_steps * tokens_per_step:,} tokens"], precision)
     if resume_from:
         step = checkpoint.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank,
                                  device)
