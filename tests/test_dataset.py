@@ -438,4 +438,4 @@ def test_cli_ingest_then_bad_input_is_one_line(tmp_path, capsys):
         if args[-1].endswith(".csv"):
             (tmp_path / "a.csv").write_text("x")
         code, _, err = run_in_process(D.main, args, capsys)  # in-process: a new interpreter costs ~3 s
-        assert code == 2 and err.count("\n") == 1 and message in err
+        assert code == 1 and err.count("\n") == 1 and message in err
