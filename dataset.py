@@ -432,7 +432,7 @@ def budget_line(b, budget_tokens):
             f"{b['epochs']:.2f} epochs")
     if b["epochs"] > 1:
         line += (f". This run REPEATS data: {b['epochs']:.2f} passes over the corpus (more shards: "
-                 "`python dataset.py download --shards N`; N ~ "
+                 "`python download.py shards --shards N`; N ~ "
                  f"{math.ceil(budget_tokens / max(1, b['tokens_per_shard'])) + 1})")
     return line
 
