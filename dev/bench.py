@@ -455,4 +455,6 @@ def main(argv=None):
 if __name__ == "__main__":
     # a SIGTERM (a device call's limit) unwinds like Ctrl-C: run_logged's finally ends the phase's processes with it
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    # started in the background (nohup ... &), a process inherits SIGINT ignored: timeout --signal=INT must still stop it
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     main()

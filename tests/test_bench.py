@@ -163,7 +163,10 @@ def test_a_battery_stopped_mid_phase_stops_the_phase_s_processes_with_it(tmp_pat
     """A device call's limit stops bench.py (Ctrl-C or SIGTERM) while a phase runs in a session of its own: the phase
     and what it started end with it, not left running on the lent machine."""
     marker = tmp_path / "child_alive"
+    # as bench.py's __main__: SIGTERM exits, SIGINT raises KeyboardInterrupt even where this suite runs with SIGINT
+    # ignored (a background job inherits it so)
     program = ("import signal, sys, bench_gpu; signal.signal(signal.SIGTERM, lambda s, f: sys.exit(128 + s)); "
+               "signal.signal(signal.SIGINT, signal.default_int_handler); "
                f"bench_gpu.run_logged(['bash', '-c', 'echo started; (sleep 4; touch {marker}) & sleep 60'], "
                f"'{tmp_path / 'phase.log'}', 'row phase', timeout=120)")
     battery = subprocess.Popen([sys.executable, "-c", program], cwd=ROOT, stdout=subprocess.PIPE, text=True,
