@@ -316,12 +316,8 @@ def rl_step(args, model, train_model, optimizers, cursor, tokenizer, items, step
     rollout = distributed.all_reduce(rollout, torch.distributed.ReduceOp.MAX if world > 1 else None)
     cursor.state["questions"] = (step + 1) * args.questions_per_step
     cursor.state["stats"]["tokens"] += tokens
-    norm = train_loop.clip_grad_norm(model.parameters(), args.grad_clip or float("inf"))
-    for opt in optimizers:
-        opt.step()
-    model.zero_grad(set_to_none=world == 1)  # DDP's gradients are views into its buckets
-    loss, count, grad_norm = train_loop.read_step(loss_sum, count, norm, device)
-    train_loop.stop_if_not_finite(loss, grad_norm, step + 1, run_dir)
+    loss, count, grad_norm = train_loop.optimizer_step(model, optimizers, args, loss_sum, count,
+                                                       world, device, step + 1, run_dir)
     dt = time.perf_counter() - t0
     return {"step": step + 1, "loss": loss, "targets": int(count), "lr_mult": lr_mult,
             "weight_decay": wd,

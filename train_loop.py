@@ -553,6 +553,19 @@ def clip_grad_norm(parameters, max_norm, host_branches=None):
     return norm
 
 
+def optimizer_step(model, optimizers, args, loss_sum, count, world, device, step, run_dir):
+    """Clip, step, zero the gradients, then the step's one read (read_step) and the NaN stop:
+    train's and rl.py's. Returns (loss, targets, grad norm)."""
+    norm = clip_grad_norm(model.parameters(), args.grad_clip or float("inf"))
+    for opt in optimizers:
+        opt.step()
+    # DDP's gradients are views into its buckets
+    model.zero_grad(set_to_none=world == 1 or is_sharded(model))
+    loss, count, grad_norm = read_step(loss_sum, count, norm, device)
+    stop_if_not_finite(loss, grad_norm, step, run_dir)
+    return loss, count, grad_norm
+
+
 def read_step(loss_sum, count, norm, device):
     """The step's one read from the device, after the optimizer step: loss, targets and grad norm in
     one transfer, which waits for the step's queued work (so it also ends the step's time). Returns
@@ -710,13 +723,8 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
         mark_progress(step + 1, "forward/backward")
         loss_sum, count = forward_backward(train_model, batches, args.dtype, device, world)
         # on the device: nothing read
-        norm = clip_grad_norm(model.parameters(), args.grad_clip or float("inf"))
-        for opt in optimizers:
-            opt.step()
-        # DDP's gradients are views into its buckets
-        model.zero_grad(set_to_none=world == 1 or is_sharded(model))
-        loss, count, grad_norm = read_step(loss_sum, count, norm, device)
-        stop_if_not_finite(loss, grad_norm, step + 1, run_dir)
+        loss, count, grad_norm = optimizer_step(model, optimizers, args, loss_sum, count, world,
+                                                device, step + 1, run_dir)
         dt = now() - t0
         record = {"step": step + 1, "loss": loss, "targets": int(count), "lr_mult": lr_mult,
                   "weight_decay": wd,
