@@ -374,7 +374,7 @@ def check_chat_tokenizer(tokenizer, tokenizer_path):
     missing = [name for name in SPECIAL_TOKENS if name not in tokenizer.special_tokens]
     if missing:
         raise ValueError(f"tokenizer {tokenizer_path} lacks the chat special tokens "
-                         f"{', '.join(missing)}: train one with tokenizer.py (it adds "
+                         f"{', '.join(missing)}: train one with `dataset.py tokenizer` (it adds "
                          f"{', '.join(SPECIAL_TOKENS)}) and pretrain with it")
 
 

@@ -1,7 +1,11 @@
 """The corpora and conversation sets on disk (download.py fetches them): reading them, their token
-counts against a budget, and writing your own text as a corpus. loader.py streams them into batches.
+counts against a budget, writing your own text as a corpus, and training the tokenizer on one
+(printing what it read every 10 s and rustbpe's merge loop every 10%). loader.py streams them into
+batches.
 
     python dataset.py ingest --out DIR PATHS...      # your own .txt/.md/.jsonl/.parquet, or folders
+    python dataset.py tokenizer --data_dir DIR --vocab_size 65536   # -> runs/tokenizer/
+    python dataset.py bytes_per_token --data_dir DIR                # the tokenizer on the val split
 
 Layout of a text corpus (FineWeb-Edu's on the hub, and everything this file writes): a directory of
 parquet shards named shard_00000.parquet, ..., one string column `text`, row groups of 1024
@@ -9,17 +13,24 @@ documents, zstd; the last shard is the validation split, all others are training
 """
 import argparse
 import codecs
+import itertools
 import json
+import logging
 import math
 import os
 import random
 import re
+import sys
+import time
 from array import array
 from pathlib import Path
 from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import rustbpe
+
+from tokenizer import SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer
 
 CACHE_DIR = Path(os.environ.get("NANOCHAT_CACHE", Path.home() / ".cache" / "nanochat"))
 ROW_GROUP_DOCS = 1024
@@ -618,28 +629,96 @@ def ingest(paths, out_dir, seed=0, column="text", one_per_file=False, val_fracti
     return {**summary, "shards": paths}
 
 
-def check_sources(sources):
-    """A ValueError naming what is wrong with a mixture's sources and how to fix it."""
-    if not sources:
-        raise ValueError("a mixture needs at least one source")
-    for i, source in enumerate(sources):
-        missing = {"name", "kind", "path", "share"} - set(source)
-        if missing:
-            raise ValueError(f"mixture source {i} ({source}) lacks {', '.join(sorted(missing))}: "
-                             "each source is {'name', 'kind': 'text'|'chat', 'path', 'share'}")
-        if source["kind"] not in ("text", "chat"):
-            raise ValueError(f"mixture source {source['name']!r}: kind={source['kind']!r}: choose "
-                             "text or chat")
-    shares = {source["name"]: source["share"] for source in sources}
-    if len(shares) < len(sources):
-        raise ValueError("mixture sources need distinct names, got "
-                         f"{[source['name'] for source in sources]}")
-    if any(share < 0 for share in shares.values()) or abs(sum(shares.values()) - 1) > 1e-6:
-        raise ValueError(f"mixture shares {shares} sum to {sum(shares.values()):.6g}: they must be "
-                         "non-negative and sum to 1")
-
-
 # -----------------------------------------------------------------------------
+# The tokenizer trained on a corpus's training split (rustbpe, parallel), measured on its
+# validation split
+
+# rustbpe logs through pyo3_log, which caches the level at its first message: INFO here, printed
+# only where train_tokenizer(progress=True) adds a handler
+RUSTBPE_LOG = logging.getLogger("rustbpe")
+RUSTBPE_LOG.setLevel(logging.INFO)
+RUSTBPE_LOG.propagate = False
+
+
+def rustbpe_printer(start, every_percent=10):
+    """A logging handler printing rustbpe's messages to stdout (flushed), each with the seconds
+    since start: all of its set-up steps, and of its merge loop's progress (logged every 1%) every
+    every_percent."""
+    handler = logging.StreamHandler(sys.stdout)
+
+    def keep(record):
+        message = record.getMessage()
+        percent = re.match(r"Progress: (\d+)%", message)
+        if percent and int(percent.group(1)) % every_percent:
+            return False
+        seconds = time.perf_counter() - start
+        record.msg, record.args = f"tokenizer: {seconds:.1f} s, rustbpe: {message}", ()
+        return True
+    handler.addFilter(keep)
+    return handler
+
+
+def train_tokenizer(texts, vocab_size, progress=False):
+    """BPE on an iterable of strings: exactly vocab_size ids including SPECIAL_TOKENS. progress:
+    print rustbpe's log."""
+    n_merged = vocab_size - len(SPECIAL_TOKENS)
+    if n_merged < 256:
+        raise ValueError(f"vocab_size={vocab_size} is too small: byte-level BPE needs 256 byte "
+                         f"tokens + {len(SPECIAL_TOKENS)} special tokens, so at least "
+                         f"{256 + len(SPECIAL_TOKENS)}")
+    bpe = rustbpe.Tokenizer()
+    printer = rustbpe_printer(time.perf_counter()) if progress else None
+    if printer:
+        RUSTBPE_LOG.addHandler(printer)
+    try:
+        bpe.train_from_iterator(iter(texts), n_merged, pattern=SPLIT_PATTERN)
+    finally:
+        if printer:
+            RUSTBPE_LOG.removeHandler(printer)
+    ranks = dict(bpe.get_mergeable_ranks())
+    # rustbpe stops early, silently, when no pair of tokens is left to merge
+    if len(ranks) != n_merged:
+        raise ValueError(f"the training text only allows {len(ranks) - 256} merges, "
+                         f"vocab_size={vocab_size} needs {n_merged - 256}: use more text or a "
+                         "smaller --vocab_size")
+    return Tokenizer(ranks, SPLIT_PATTERN)
+
+
+def counting(texts, stats, every_s=None):
+    """Yield texts while counting documents, characters and bytes into stats; with every_s, print
+    the rate at most that often."""
+    start = printed = time.perf_counter()
+    for text in texts:
+        stats["docs"] += 1
+        stats["chars"] += len(text)
+        stats["bytes"] += len(text.encode("utf-8"))
+        now = time.perf_counter()
+        if every_s is not None and now - printed >= every_s:
+            printed = now
+            print(f"tokenizer: {now - start:.1f} s, read {stats['docs']:,} documents, "
+                  f"{stats['bytes'] / 1e6:,.1f} MB "
+                  f"({stats['bytes'] / 1e6 / max(now - start, 1e-9):.1f} MB/s)", flush=True)
+        yield text
+
+
+def text_stats(tokenizer, texts, batch_docs=1024):
+    """(documents, UTF-8 bytes, tokens) of an iterable of strings, encoded in parallel batches."""
+    docs = n_bytes = n_tokens = 0
+    texts = iter(texts)
+    while batch := list(itertools.islice(texts, batch_docs)):
+        docs += len(batch)
+        n_bytes += sum(len(text.encode("utf-8")) for text in batch)
+        n_tokens += sum(len(ids) for ids in tokenizer.encode_batch(batch))
+    return docs, n_bytes, n_tokens
+
+
+def bytes_per_token(tokenizer, texts):
+    """Total UTF-8 bytes / total tokens: the compression ratio, higher is better."""
+    _, n_bytes, n_tokens = text_stats(tokenizer, texts)
+    if n_tokens == 0:
+        raise ValueError("no tokens: bytes/token needs at least one non-empty text")
+    return n_bytes / n_tokens
+
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
@@ -656,11 +735,48 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help="shuffle seed (default: %(default)s)")
     p.add_argument("--val_fraction", type=float, default=0.05, help="share of documents in the "
                    "validation shard (default: %(default)s)")
+    train = commands.add_parser("tokenizer", help="train a tokenizer on a corpus's training split")
+    train.add_argument("--data_dir", required=True, help="corpus directory of parquet shards")
+    train.add_argument("--vocab_size", type=int, default=65536,
+                       help="final vocabulary size, special tokens included (default: %(default)s)")
+    train.add_argument("--max_chars", type=int, default=2_000_000_000,
+                       help="stop reading the training split after this many characters (default: "
+                       "%(default)s)")
+    train.add_argument("--out", default="runs/tokenizer", help="directory to save tokenizer.json "
+                       "in (default: %(default)s)")
+    measure = commands.add_parser("bytes_per_token", help="a tokenizer's bytes per token on a "
+                                  "corpus's validation split")
+    measure.add_argument("--data_dir", required=True, help="corpus directory of parquet shards")
+    measure.add_argument("--tokenizer", default="runs/tokenizer", help="directory of "
+                         "tokenizer.json (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
-        ingest(args.files, args.out, seed=args.seed, column=args.column,
-               one_per_file=args.one_per_file,
-               val_fraction=args.val_fraction)
+        if args.command == "ingest":
+            ingest(args.files, args.out, seed=args.seed, column=args.column,
+                   one_per_file=args.one_per_file, val_fraction=args.val_fraction)
+        elif args.command == "tokenizer":
+            stats = {"docs": 0, "chars": 0, "bytes": 0}
+            start = time.perf_counter()
+            texts = counting(iter_texts(args.data_dir, "train", args.max_chars), stats, every_s=10)
+            tokenizer = train_tokenizer(texts, args.vocab_size, progress=True)
+            seconds = time.perf_counter() - start
+            print(f"training text: {stats['docs']:,} documents, {stats['chars']:,} characters, "
+                  f"{stats['bytes']:,} UTF-8 bytes (train split of {args.data_dir})")
+            print(f"trained in {seconds:.2f} s ({stats['bytes'] / 1e6 / seconds:.1f} MB/s)")
+            print(f"vocab size: {tokenizer.vocab_size} (256 bytes + "
+                  f"{len(tokenizer.mergeable_ranks) - 256} merges + {len(SPECIAL_TOKENS)} special "
+                  "tokens)")
+            print(f"saved to {tokenizer.save(args.out)}")
+        else:
+            tokenizer = Tokenizer.load(args.tokenizer)
+            docs, n_bytes, n_tokens = text_stats(tokenizer, iter_texts(args.data_dir, "val"))
+            if n_tokens == 0:
+                raise ValueError(f"the validation split of {args.data_dir} has no text")
+            print(f"val split of {args.data_dir}: {docs:,} documents, {n_bytes:,} bytes, "
+                  f"{n_tokens:,} tokens")
+            print(f"bytes/token: {n_bytes / n_tokens:.6f} (tokenizer {args.tokenizer}, vocab size "
+                  f"{tokenizer.vocab_size})")
+    # a runtime error: 1 (argparse gives a bad flag 2)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
         parser.exit(1, f"dataset.py {args.command}: error: {e}\n")
 

@@ -1,6 +1,6 @@
 """Distributed: setup and teardown under torchrun (NCCL on CUDA, gloo on CPU), workers that die with
 their launcher, a stage's exit (run_main), the ranks that died or hung when a collective fails
-(mark_progress, stopped_ranks), all-reduce helpers, FSDP2 sharding (shard_model, is_sharded, local),
+(mark_progress, stopped_ranks), all-reduce helpers, FSDP2 sharded models (is_sharded, local),
 and speedrun.sh's NCCL check (the probe).
 
 Not a stage: import it. One command line, speedrun.sh's NCCL check, run under torchrun with one
@@ -29,8 +29,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-
-from model import memory_estimate
 
 # -----------------------------------------------------------------------------
 # The machine and the code
@@ -561,60 +559,6 @@ def local(tensor):
 def is_sharded(model):
     module = sys.modules.get("torch.distributed.fsdp")
     return module is not None and isinstance(model, module.FSDPModule)
-
-
-def device_memory(device):
-    """Bytes one process may use: the GPU's memory, or on a CPU the machine's RAM shared by this
-    node's processes."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return ram // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-
-
-def process_memory(device):
-    """Bytes in use now: on CUDA the device's, on a CPU this process's resident set."""
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return total - free
-    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def shard_model(model, args, world, device):
-    """FSDP2 (each block, then the root) with --fsdp true, or --fsdp auto when the step would not
-    fit one device by model.py's estimate (docs/distributed.md). Returns the line that says whether
-    it did and why."""
-    optimizer = "adam8bit" if args.optimizer == "adamw" and args.adam8bit else args.optimizer
-    micro = getattr(args, "micro_batch", None) or 1  # the probe chooses later, and at least 1
-    estimate = memory_estimate(model.config, micro, optimizer=optimizer,
-                               bf16=args.dtype == "bfloat16", device_type=device.type)
-    state = estimate["weights"] + estimate["gradients"] + estimate["optimizer"]
-    in_use = process_memory(device)
-    step = in_use + sum(estimate[k] for k in ("gradients", "optimizer", "activations", "transient"))
-    capacity = device_memory(device)
-    fits = (f"in use now {fmt_bytes(in_use)} + gradients, optimizer state and micro-batch "
-            f"{micro}'s activations = {fmt_bytes(step)} {'<=' if step <= capacity else '>'} "
-            f"{fmt_bytes(capacity)} per process ({device_name(device)})")
-    shard = args.fsdp == "true" or (args.fsdp == "auto" and step > capacity)
-    if shard and world == 1:
-        return f"sharding: none: one process has nothing to shard with ({fits})"
-    if not shard:
-        how = "DDP" if world > 1 else "one process"
-        return f"sharding: none, {how} (--fsdp {args.fsdp}: {fits})"
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    compute = getattr(torch, args.dtype)
-    # blocks gathered in the compute dtype (half the traffic), reduced in fp32; inputs not cast:
-    # the residual stream stays fp32 as under autocast; the root gathers in fp32
-    block_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32,
-                                        cast_forward_inputs=False)
-    for block in model.blocks:
-        fully_shard(block, mp_policy=block_policy)
-    fully_shard(model, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32,
-                                                      cast_forward_inputs=False))
-    if device.type == "cpu":
-        keep_freed_memory(False)
-    return (f"sharding: FSDP2 over {world} ranks (--fsdp {args.fsdp}: {fits}); about "
-            f"{fmt_bytes(state / world)} of it per rank")
 
 
 def barrier():

@@ -20,6 +20,7 @@ import argparse
 import math
 import sys
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ import distributed
 import optim
 import train_loop
 from dataset import CACHE_DIR, chat_files, check_chat_files
-from loader import MixtureLoader, close_all
+from loader import STAT_KEYS, chat_loader, close_all, text_loader, to_device
 from model import flops_per_token, num_params
 
 # beside the parent's text (0.3): conversation, the shapes chat_eval.py scores, and who the
@@ -44,6 +45,127 @@ DEFAULT_CHAT_SHARES = [("smoltalk", 0.3), ("ultrachat", 0.1), ("mmlu", 0.15), ("
 MID_LR_SCALE, MID_WARMDOWN = 1.0, 0.2
 MID_WHY = "measured on the demo world and on real text"
 
+
+# -----------------------------------------------------------------------------
+# The mixture: each row from the source furthest below its token share
+
+def check_sources(sources):
+    """A ValueError naming what is wrong with a mixture's sources and how to fix it."""
+    if not sources:
+        raise ValueError("a mixture needs at least one source")
+    for i, source in enumerate(sources):
+        missing = {"name", "kind", "path", "share"} - set(source)
+        if missing:
+            raise ValueError(f"mixture source {i} ({source}) lacks {', '.join(sorted(missing))}: "
+                             "each source is {'name', 'kind': 'text'|'chat', 'path', 'share'}")
+        if source["kind"] not in ("text", "chat"):
+            raise ValueError(f"mixture source {source['name']!r}: kind={source['kind']!r}: choose "
+                             "text or chat")
+    shares = {source["name"]: source["share"] for source in sources}
+    if len(shares) < len(sources):
+        raise ValueError("mixture sources need distinct names, got "
+                         f"{[source['name'] for source in sources]}")
+    if any(share < 0 for share in shares.values()) or abs(sum(shares.values()) - 1) > 1e-6:
+        raise ValueError(f"mixture shares {shares} sum to {sum(shares.values()):.6g}: they must be "
+                         "non-negative and sum to 1")
+
+
+class MixtureLoader:
+    """Midtraining's loader: batches from several sources at token shares. sources: [{"name",
+    "kind": "text"|"chat", "path", "share"}]; each row comes from the source furthest below its
+    share, by token counts their states restore."""
+
+    def __init__(self, sources, tokenizer, batch_size, seq_len, *, rank=0, world_size=1, device=
+                 "cpu", seed=0,
+                 supervise="assistant", prefetch=2, name="mixture", **kwargs):
+        check_sources(sources)
+        self.names, self.targets = [s["name"] for s in sources], [float(s["share"])
+                                                                  for s in sources]
+        self.B, self.T, self.rank, self.world_size = batch_size, seq_len, rank, world_size
+        self.device, self.name, self.batches = torch.device(device), name, 0
+        # each source keeps a batch's worth of rows ready (prefetch counts its one-row batches)
+        common = {"rank": rank, "world_size": world_size, "seed": seed,
+                  "prefetch": prefetch * batch_size, **kwargs}
+        make = {"text": text_loader, "chat": partial(chat_loader, pack="crop", supervise=supervise)}
+        self.loaders = [make[s["kind"]](s["path"], "train", tokenizer, 1, seq_len, name=s["name"],
+                                        **common)
+                        for s in sources]
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        tokens = [loader.state["stats"]["tokens"] for loader in self.loaders]
+        rows = []
+        for _ in range(self.B):
+            # with this row: the first goes to the largest share, not the first listed
+            total = sum(tokens) + self.T
+            # max keeps the first
+            i = max(range(len(tokens)), key=lambda k: self.targets[k] * total - tokens[k])
+            rows.append(next(self.loaders[i]))
+            tokens[i] = self.loaders[i].state["stats"]["tokens"]
+        self.batches += 1
+        return to_device(torch.stack([torch.cat([x for x, _ in rows]), torch.cat([
+                y for _, y in rows])]), self.device)
+
+    def stop(self):
+        for loader in self.loaders:
+            loader.stop()
+
+    def close(self, timeout=10):
+        close_all([self], timeout)
+
+    @property
+    def state(self):
+        """The sources' counters summed, shaped like a PackedLoader's state["stats"] (what the
+        training loop reads)."""
+        stats = {key: sum(loader.state["stats"][key] for loader in self.loaders)
+                 for key in STAT_KEYS}
+        return {"stats": {**stats, "batches": self.batches}}
+
+    @property
+    def epoch(self):
+        """The furthest pass any source is in (0: the first)."""
+        return max(loader.epoch for loader in self.loaders)
+
+    def state_dict(self):
+        return {"kind": "mixture", "names": list(self.names), "shares": list(self.targets),
+                "batches": self.batches,
+                "sources": [loader.state_dict() for loader in self.loaders]}
+
+    def load_state_dict(self, sd):
+        mine = list(zip(self.names, self.targets))
+        saved = list(zip(sd["names"], sd["shares"])) if sd.get("kind") == "mixture" else None
+        if saved != mine:
+            by = f"the mixture {dict(saved)}" if saved else f"a {sd.get('kind')} loader"
+            raise ValueError(f"{self.name} loader: state was saved by {by}, this loader has "
+                             f"{dict(mine)}; an exact resume needs the same sources and shares, in "
+                             "the same order")
+        for loader, state in zip(self.loaders, sd["sources"], strict=True):
+            loader.load_state_dict(state)
+        self.batches = sd["batches"]
+
+    def mixture(self):
+        """{name: {"tokens", "docs", "share" (realized), "target"}}: for a stage's final summary."""
+        total = max(1, sum(loader.state["stats"]["tokens"] for loader in self.loaders))
+        return {name: {"tokens": loader.state["stats"]["tokens"],
+                       "docs": loader.state["stats"]["docs"],
+                       "share": loader.state["stats"]["tokens"] / total, "target": target}
+                for name, target, loader in zip(self.names, self.targets, self.loaders)}
+
+    def log_line(self):
+        parts = []
+        for (name, m), loader in zip(self.mixture().items(), self.loaders):
+            s = loader.state["stats"]
+            supervised = f", supervised {100 * s['supervised'] / s['tokens']:.1f}%" \
+                if loader.kind == "chat" and s["tokens"] else ""
+            parts.append(f"{name}: {m['tokens']:,} tokens, {m['docs']:,} docs{supervised}, share "
+                         f"{100 * m['share']:.1f}% (target {100 * m['target']:.1f}%)")
+        head = f"{self.name} loader rank {self.rank}/{self.world_size}: {self.batches:,} batches"
+        return "; ".join([head, *parts])
+
+
+# -----------------------------------------------------------------------------
 
 def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
@@ -124,7 +246,7 @@ def main(argv=None):
     rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
     parent, parent_meta, model, tokenizer, inherited, sha256 = chat_stage.load_parent(
         args, "midtrain", ["pretrain"], device)
-    sharding = distributed.shard_model(model, args, world, device)
+    sharding = train_loop.shard_model(model, args, world, device)
     seq_len = args.sequence_len
     # the rows' length; the model keeps the parent's rotary tables
     config = replace(model.config, sequence_len=seq_len)

@@ -73,8 +73,8 @@ def get_args(argv=None):
                    "accumulation)")
     g.add_argument("--check_batch", type=int, default=0, metavar="N", help=
                    "check that --total_batch_tokens splits over N processes x --sequence_len (x "
-                   "--micro_batch when given) and exit; speedrun.sh runs it before any download "
-                   "(default: off)")
+                   "--micro_batch when given), on a machine without CUDA that N CPU processes fit "
+                   "its memory, and exit; speedrun.sh runs it before any download (default: off)")
     train_loop.add_micro_batch_arg(g)
     g.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help=
                    "compute dtype (autocast); weights stay fp32 (default: bfloat16 on a GPU that "
@@ -202,10 +202,13 @@ def main(argv=None):
         return train_loop.print_status(Path(args.status))
     if args.check_batch:
         config = config_from_args(args)
-        return print(train_loop.check_batch_divides(args.total_batch_tokens
-                                                    or config.sequence_len * args.check_batch,
-                                                    config.sequence_len, args.check_batch,
-                                                    args.micro_batch))
+        print(train_loop.check_batch_divides(args.total_batch_tokens
+                                             or config.sequence_len * args.check_batch,
+                                             config.sequence_len, args.check_batch,
+                                             args.micro_batch))
+        if not torch.cuda.is_available():  # the processes are CPU processes sharing its memory
+            print(train_loop.check_cpu_memory(args, args.check_batch))
+        return None
     rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
     master = rank == 0
     tokenizer = Tokenizer.load(args.tokenizer)
@@ -223,7 +226,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     model = build_model(config, device)
     check_master_weights(model)
-    sharding = distributed.shard_model(model, args, world, device)
+    sharding = train_loop.shard_model(model, args, world, device)
     run_dir, resume_from = checkpoint.resolve_run(args, "pretrain")
     micro, accum, _ = train_loop.plan_batch(args, config, world, model, device, resume_from)
     seq_len, params, fpt = config.sequence_len, num_params(config), flops_per_token(config)

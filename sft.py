@@ -164,7 +164,7 @@ def main(argv=None):
     rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
     parent, parent_meta, model, tokenizer, inherited, sha256 = chat_stage.load_parent(
         args, "sft", ["midtrain", "pretrain"], device)
-    sharding = distributed.shard_model(model, args, world, device)
+    sharding = train_loop.shard_model(model, args, world, device)
     seq_len = args.sequence_len
     # the rows' length; the model keeps the parent's rotary tables
     config = replace(model.config, sequence_len=seq_len)

@@ -91,7 +91,7 @@ wait_prefetch() {  # [WHERE]: the chat data and the CORE bundle are in; a failed
         "$LOGS/prefetch.log; fix its cause and rerun (what finished is kept)" >&2; exit "$rc"; }; PREFETCH=""; fi
 }
 if [ -n "$TOKENIZER" ]; then skip tokenizer "using --tokenizer $TOK"; else stage tokenizer --skip_if \
-    "$TOK/tokenizer.json" "$PY" "$ROOT/tokenizer.py" train --data_dir "$CORPUS" --vocab_size "$VOCAB" --out "$TOK" \
+    "$TOK/tokenizer.json" "$PY" "$ROOT/dataset.py" tokenizer --data_dir "$CORPUS" --vocab_size "$VOCAB" --out "$TOK" \
     "${R_TOK[@]}"; fi
 if [ "$PLAN" = gpu ]; then  # the shards the budget needs, counted with this tokenizer; and the disk they need
     stage data_plan "$PY" "$ROOT/pretrain.py" --data_plan --data_dir "$CORPUS" --tokenizer "$TOK" --runs_dir "$RUN" \

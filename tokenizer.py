@@ -1,31 +1,22 @@
-"""Byte-level BPE tokenizer: train it on a corpus's training split, measure it on the validation
-split, and render chat conversations into token ids plus a loss mask.
+"""The byte-level BPE tokenizer a model is trained with: loaded from its JSON file, encoding with
+tiktoken, and rendering chat conversations into token ids plus a loss mask. dataset.py trains one
+on a corpus (`python dataset.py tokenizer`). One command line, how a text splits into tokens:
 
-    python tokenizer.py train --data_dir DIR --vocab_size 65536     # -> runs/tokenizer/
-    python tokenizer.py eval --data_dir DIR                         # bytes/token on the val split
+    python tokenizer.py "Hello, world" --tokenizer runs/tokenizer   # each token's id and bytes
 
-Training is rustbpe (Rust, parallel), printing what it read every 10 s and its merge loop every 10%;
-encoding is tiktoken. The vocabulary is the 256 single bytes, then the merges, then SPECIAL_TOKENS,
-so `--vocab_size V` is the final size including the special tokens, and the special ids are V-9 ..
-V-1. Saved as one JSON file: nothing in it is executable, unlike a pickle, so a tokenizer downloaded
-from someone else cannot run code when it is loaded.
+The vocabulary is the 256 single bytes, then the merges, then SPECIAL_TOKENS, so a vocabulary size
+V includes the special tokens, and the special ids are V-9 .. V-1. Saved as one JSON file: nothing
+in it is executable, unlike a pickle, so a tokenizer downloaded from someone else cannot run code
+when it is loaded.
 """
 import argparse
 import base64
 import hashlib
-import itertools
 import json
-import logging
 import os
-import re
-import sys
-import time
 from pathlib import Path
 
-import rustbpe
 import tiktoken
-
-from dataset import iter_texts
 
 # GPT-4's (cl100k) pre-token pattern; nanochat's \p{N}{1,2} differs by 0.03% in bytes/token
 SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}|"""
@@ -38,11 +29,6 @@ SPECIAL_TOKENS = ["<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_star
 CHAT_SPECIALS = SPECIAL_TOKENS[1:5]
 FILE_NAME = "tokenizer.json"
 FORMAT = "nanochat-bpe-v1"
-# rustbpe logs through pyo3_log, which caches the level at its first message: INFO here, printed
-# only where train_tokenizer(progress=True) adds a handler
-RUSTBPE_LOG = logging.getLogger("rustbpe")
-RUSTBPE_LOG.setLevel(logging.INFO)
-RUSTBPE_LOG.propagate = False
 
 
 class Tokenizer:
@@ -112,7 +98,7 @@ class Tokenizer:
     @classmethod
     def load(cls, directory):
         path = Path(directory) / FILE_NAME
-        how = f"run `python tokenizer.py train --data_dir DIR --out {directory}` to create it"
+        how = f"run `python dataset.py tokenizer --data_dir DIR --out {directory}` to create it"
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer at {path}: {how}")
         try:
@@ -191,86 +177,6 @@ class Tokenizer:
         return self.render_conversation(messages)[0] + [self.special_id("<|assistant_start|>")]
 
 
-def rustbpe_printer(start, every_percent=10):
-    """A logging handler printing rustbpe's messages to stdout (flushed), each with the seconds
-    since start: all of its set-up steps, and of its merge loop's progress (logged every 1%) every
-    every_percent."""
-    handler = logging.StreamHandler(sys.stdout)
-
-    def keep(record):
-        message = record.getMessage()
-        percent = re.match(r"Progress: (\d+)%", message)
-        if percent and int(percent.group(1)) % every_percent:
-            return False
-        seconds = time.perf_counter() - start
-        record.msg, record.args = f"tokenizer: {seconds:.1f} s, rustbpe: {message}", ()
-        return True
-    handler.addFilter(keep)
-    return handler
-
-
-def train_tokenizer(texts, vocab_size, progress=False):
-    """BPE on an iterable of strings: exactly vocab_size ids including SPECIAL_TOKENS. progress:
-    print rustbpe's log."""
-    n_merged = vocab_size - len(SPECIAL_TOKENS)
-    if n_merged < 256:
-        raise ValueError(f"vocab_size={vocab_size} is too small: byte-level BPE needs 256 byte "
-                         f"tokens + {len(SPECIAL_TOKENS)} special tokens, so at least "
-                         f"{256 + len(SPECIAL_TOKENS)}")
-    bpe = rustbpe.Tokenizer()
-    printer = rustbpe_printer(time.perf_counter()) if progress else None
-    if printer:
-        RUSTBPE_LOG.addHandler(printer)
-    try:
-        bpe.train_from_iterator(iter(texts), n_merged, pattern=SPLIT_PATTERN)
-    finally:
-        if printer:
-            RUSTBPE_LOG.removeHandler(printer)
-    ranks = dict(bpe.get_mergeable_ranks())
-    # rustbpe stops early, silently, when no pair of tokens is left to merge
-    if len(ranks) != n_merged:
-        raise ValueError(f"the training text only allows {len(ranks) - 256} merges, "
-                         f"vocab_size={vocab_size} needs {n_merged - 256}: use more text or a "
-                         "smaller --vocab_size")
-    return Tokenizer(ranks, SPLIT_PATTERN)
-
-
-def counting(texts, stats, every_s=None):
-    """Yield texts while counting documents, characters and bytes into stats; with every_s, print
-    the rate at most that often."""
-    start = printed = time.perf_counter()
-    for text in texts:
-        stats["docs"] += 1
-        stats["chars"] += len(text)
-        stats["bytes"] += len(text.encode("utf-8"))
-        now = time.perf_counter()
-        if every_s is not None and now - printed >= every_s:
-            printed = now
-            print(f"tokenizer: {now - start:.1f} s, read {stats['docs']:,} documents, "
-                  f"{stats['bytes'] / 1e6:,.1f} MB "
-                  f"({stats['bytes'] / 1e6 / max(now - start, 1e-9):.1f} MB/s)", flush=True)
-        yield text
-
-
-def text_stats(tokenizer, texts, batch_docs=1024):
-    """(documents, UTF-8 bytes, tokens) of an iterable of strings, encoded in parallel batches."""
-    docs = n_bytes = n_tokens = 0
-    texts = iter(texts)
-    while batch := list(itertools.islice(texts, batch_docs)):
-        docs += len(batch)
-        n_bytes += sum(len(text.encode("utf-8")) for text in batch)
-        n_tokens += sum(len(ids) for ids in tokenizer.encode_batch(batch))
-    return docs, n_bytes, n_tokens
-
-
-def bytes_per_token(tokenizer, texts):
-    """Total UTF-8 bytes / total tokens: the compression ratio, higher is better."""
-    _, n_bytes, n_tokens = text_stats(tokenizer, texts)
-    if n_tokens == 0:
-        raise ValueError("no tokens: bytes/token needs at least one non-empty text")
-    return n_bytes / n_tokens
-
-
 # -----------------------------------------------------------------------------
 # Chat rendering
 
@@ -311,55 +217,21 @@ def _turns(messages):
     return turns
 
 
-# -----------------------------------------------------------------------------
-# Command line
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True)
-    train = commands.add_parser("train", help="train a tokenizer on the training split of a corpus")
-    train.add_argument("--data_dir", required=True, help="corpus directory of parquet shards "
-                       "(required)")
-    train.add_argument("--vocab_size", type=int, default=65536,
-                       help="final vocabulary size, special tokens included (default: %(default)s)")
-    train.add_argument("--max_chars", type=int, default=2_000_000_000,
-                       help="stop reading the training split after this many characters (default: "
-                       "%(default)s)")
-    train.add_argument("--out", default="runs/tokenizer", help="directory to save tokenizer.json "
-                       "in (default: %(default)s)")
-    evaluate = commands.add_parser("eval",
-                                   help="bytes/token of a tokenizer on the validation split")
-    evaluate.add_argument("--data_dir", required=True, help="corpus directory of parquet shards "
-                          "(required)")
-    evaluate.add_argument("--tokenizer", default="runs/tokenizer", help="directory of "
-                          "tokenizer.json (default: %(default)s)")
+    parser.add_argument("text", help="the text to encode")
+    parser.add_argument("--tokenizer", default="runs/tokenizer", help="directory of tokenizer.json "
+                        "(default: %(default)s)")
     args = parser.parse_args(argv)
     try:
-        if args.command == "train":
-            stats = {"docs": 0, "chars": 0, "bytes": 0}
-            start = time.perf_counter()
-            texts = counting(iter_texts(args.data_dir, "train", args.max_chars), stats, every_s=10)
-            tokenizer = train_tokenizer(texts, args.vocab_size, progress=True)
-            seconds = time.perf_counter() - start
-            print(f"training text: {stats['docs']:,} documents, {stats['chars']:,} characters, "
-                  f"{stats['bytes']:,} UTF-8 bytes (train split of {args.data_dir})")
-            print(f"trained in {seconds:.2f} s ({stats['bytes'] / 1e6 / seconds:.1f} MB/s)")
-            print(f"vocab size: {tokenizer.vocab_size} (256 bytes + "
-                  f"{len(tokenizer.mergeable_ranks) - 256} merges + {len(SPECIAL_TOKENS)} special "
-                  "tokens)")
-            print(f"saved to {tokenizer.save(args.out)}")
-        else:
-            tokenizer = Tokenizer.load(args.tokenizer)
-            docs, n_bytes, n_tokens = text_stats(tokenizer, iter_texts(args.data_dir, "val"))
-            if n_tokens == 0:
-                raise ValueError(f"the validation split of {args.data_dir} has no text")
-            print(f"val split of {args.data_dir}: {docs:,} documents, {n_bytes:,} bytes, "
-                  f"{n_tokens:,} tokens")
-            print(f"bytes/token: {n_bytes / n_tokens:.6f} (tokenizer {args.tokenizer}, vocab size "
-                  f"{tokenizer.vocab_size})")
-    except (FileNotFoundError, ValueError) as e:  # a runtime error: 1 (argparse gives a bad flag 2)
-        parser.exit(1, f"{parser.prog} {args.command}: error: {e}\n")
+        tokenizer = Tokenizer.load(args.tokenizer)
+    except (FileNotFoundError, ValueError) as e:
+        parser.exit(1, f"tokenizer.py: error: {e}\n")
+    ids = tokenizer.encode(args.text)
+    print(f"{len(ids)} tokens, {len(args.text.encode())} UTF-8 bytes")
+    for token in ids:  # bytes: a token may hold part of a character
+        print(token, tokenizer.enc.decode_single_token_bytes(token))
 
 
 if __name__ == "__main__":

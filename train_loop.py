@@ -14,9 +14,10 @@ import itertools
 import json
 import math
 import os
+import re
 import signal
 import sys
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ from distributed import (
     fmt_duration,
     is_dtensor,
     is_sharded,
+    keep_freed_memory,
     keep_progress,
     local,
     mark_progress,
@@ -42,7 +44,13 @@ from distributed import (
     run_main,
 )
 from loader import text_loader
-from model import autocast_context, parse_args
+from model import (
+    autocast_context,
+    config_from_args,
+    memory_estimate,
+    param_breakdown,
+    parse_args,
+)
 from optim import apply_schedule, build_optimizers
 
 # -----------------------------------------------------------------------------
@@ -215,6 +223,138 @@ def parse_stage_args(parser, argv, budgets, default=None):
             parser.error(f"--ckpt_every {args.ckpt_every}: give N >= 1 (the last step saves too, "
                          "so an N above the stage's steps saves there only)")
     return args
+
+
+# -----------------------------------------------------------------------------
+# Memory: what a step holds, whether to shard it, whether N CPU processes fit
+
+def device_memory(device):
+    """Bytes one process may use: the GPU's memory, or on a CPU the machine's RAM shared by this
+    node's processes."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ram // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def available_memory():
+    """Bytes the kernel can give now (/proc/meminfo's MemAvailable), else the machine's RAM."""
+    with suppress(OSError, StopIteration):
+        lines = Path("/proc/meminfo").read_text().splitlines()
+        return next(int(line.split()[1]) * 1024 for line in lines
+                    if line.startswith("MemAvailable:"))
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def process_memory(device):
+    """Bytes in use now: on CUDA the device's, on a CPU this process's resident set."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return total - free
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# A CPU rank's resident memory beside the model's: torch, gloo and the loader; an unsharded
+# process also keeps what it frees (keep_freed_memory). Fitted to each rank's peak resident set
+# of pretrain.py at d4 and d8 on 1, 2 and 3 CPU processes (dev/LOG.md, 2026-11-29)
+CPU_RUNTIME = {"sharded": 0.4 * 2**30, "unsharded": 1.3 * 2**30}
+
+
+def step_estimate(config, args, micro, device_type):
+    """model.py's estimate of a step at these flags (bf16 unless --dtype float32)."""
+    optimizer = "adam8bit" if args.optimizer == "adamw" and args.adam8bit else args.optimizer
+    return memory_estimate(config, micro, optimizer=optimizer, bf16=args.dtype != "float32",
+                           device_type=device_type)
+
+
+def rank_memory(config, estimate, world, sharded, device_type):
+    """Bytes one rank holds at its peak. Unsharded: the whole step (DDP: and its gradient buckets,
+    a second gradient). FSDP2: the weights and optimizer state over the ranks, while the root
+    module (embeddings, value embeddings, head) is gathered whole in fp32 beside its whole
+    gradient and a collective's buffer, 12 bytes a root parameter; then the activations."""
+    runtime = CPU_RUNTIME["sharded" if sharded else "unsharded"] if device_type == "cpu" else 0
+    in_flight = estimate["activations"] + estimate["transient"]
+    if not sharded:
+        buckets = estimate["gradients"] if world > 1 else 0
+        return runtime + estimate["total"] + buckets
+    counts = param_breakdown(config)
+    root = counts["total"] - counts["attention"] - counts["mlp"]
+    shared = (estimate["weights"] + estimate["optimizer"]) / world
+    return runtime + shared + 12 * root + in_flight
+
+
+def shard_model(model, args, world, device):
+    """FSDP2 (each block, then the root) with --fsdp true, or --fsdp auto when the step would not
+    fit one device by model.py's estimate (docs/distributed.md). Returns the line that says whether
+    it did and why."""
+    micro = getattr(args, "micro_batch", None) or 1  # the probe chooses later, and at least 1
+    estimate = step_estimate(model.config, args, micro, device.type)
+    in_use = process_memory(device)
+    step = in_use + sum(estimate[k] for k in ("gradients", "optimizer", "activations", "transient"))
+    capacity = device_memory(device)
+    fits = (f"in use now {fmt_bytes(in_use)} + gradients, optimizer state and micro-batch "
+            f"{micro}'s activations = {fmt_bytes(step)} {'<=' if step <= capacity else '>'} "
+            f"{fmt_bytes(capacity)} per process ({device_name(device)})")
+    shard = args.fsdp == "true" or (args.fsdp == "auto" and step > capacity)
+    if shard and world == 1:
+        return f"sharding: none: one process has nothing to shard with ({fits})"
+    if not shard:
+        how = "DDP" if world > 1 else "one process"
+        return f"sharding: none, {how} (--fsdp {args.fsdp}: {fits})"
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    compute = getattr(torch, args.dtype)
+    # blocks gathered in the compute dtype (half the traffic), reduced in fp32; inputs not cast:
+    # the residual stream stays fp32 as under autocast; the root gathers in fp32
+    block_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32,
+                                        cast_forward_inputs=False)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=block_policy)
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32,
+                                                      cast_forward_inputs=False))
+    if device.type == "cpu":
+        keep_freed_memory(False)
+    peak = rank_memory(model.config, estimate, world, True, device.type)
+    return (f"sharding: FSDP2 over {world} ranks (--fsdp {args.fsdp}: {fits}); about "
+            f"{fmt_bytes(peak)} per rank at its peak")
+
+
+def cpu_processes_fit(config, args, nproc):
+    """(fits, a rank's peak, how, the memory available) for nproc CPU processes here."""
+    capacity = available_memory()
+    estimate = step_estimate(config, args, args.micro_batch or 1, "cpu")
+    whole = rank_memory(config, estimate, nproc, False, "cpu")
+    sharded = nproc > 1 and (args.fsdp == "true" or
+                             (args.fsdp == "auto" and whole > capacity / nproc))
+    peak = rank_memory(config, estimate, nproc, True, "cpu") if sharded else whole
+    how = "FSDP2" if sharded else "DDP" if nproc > 1 else "one process"
+    # a tenth spare: the estimate's error against the peaks measured
+    return nproc * peak * 1.1 <= capacity, peak, how, capacity
+
+
+def check_cpu_memory(args, nproc):
+    """The line saying what each of nproc CPU processes will hold, or a ValueError naming a depth
+    or a process count that fits."""
+    def config_for(preset):  # the stage's model at another preset, its other flags kept
+        return config_from_args(argparse.Namespace(**{**vars(args), "preset": preset}))
+    config = config_for(args.preset)
+    fits, peak, how, capacity = cpu_processes_fit(config, args, nproc)
+    said = (f"{processes(nproc)} on this CPU x about {fmt_bytes(peak)} each at its peak ({how}, "
+            f"micro-batch {args.micro_batch or 1}) = {fmt_bytes(nproc * peak)}, of "
+            f"{fmt_bytes(capacity)} available now")
+    if fits:
+        return f"memory: {said}"
+    fixes = []
+    depth = int(args.preset[1:]) if re.fullmatch(r"d\d+", args.preset) else 0
+    smaller = [d for d in range(depth - 1, 0, -1)
+               if cpu_processes_fit(config_for(f"d{d}"), args, nproc)[0]]
+    if smaller:
+        fixes.append(f"--depth {smaller[0]}")
+    fewer = [n for n in range(nproc - 1, 0, -1) if cpu_processes_fit(config, args, n)[0]]
+    if fewer:
+        fixes.append(f"--gpus {fewer[0]}")
+    fix = " or ".join(fixes) if fixes else "a machine with more memory"
+    raise ValueError(f"{said}: they would not fit with a tenth to spare, and the out-of-memory "
+                     f"killer would end a rank. Rehearse with {fix}")
 
 
 # -----------------------------------------------------------------------------

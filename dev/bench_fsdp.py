@@ -60,7 +60,7 @@ def bench_fsdp_rank(args):
     dtype = distributed.matmul_dtype(device)
     run = argparse.Namespace(fsdp="true", optimizer="muon", adam8bit=False, dtype=dtype, compile=False, matrix_lr=0.02,
                              embedding_lr=0.2, head_lr=0.004, scalar_lr=0.04)
-    sharding = distributed.shard_model(model, run, world, device)
+    sharding = train_loop.shard_model(model, run, world, device)
     optimizers = optim.build_optimizers(model, run, config.n_embd, world * args.fsdp_seq, device)
     built, times = time.perf_counter() - start, []
     for _ in range(args.fsdp_steps):

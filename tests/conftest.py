@@ -31,8 +31,8 @@ from helpers import ROOT, RUNNING_PYTHON, resolve_requirements, run_script, star
 import checkpoint
 import dataset as D
 import distributed
+from dataset import train_tokenizer
 from demo import write_demo
-from tokenizer import train_tokenizer
 
 distributed.keep_freed_memory()  # as the stages do on CPU: tests that train in this process get the same speed
 

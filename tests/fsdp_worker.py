@@ -1,5 +1,5 @@
 """Run under torchrun by tests/test_distributed.py: 20 steps of the shared loop's pieces (train_loop.forward_backward,
-gradient clipping, the optimizers, distributed.shard_model) on the same model and global batches, once through DDP and
+gradient clipping, the optimizers, train_loop.shard_model) on the same model and global batches, once through DDP and
 once sharded by FSDP2: Muon in fp32 and bf16 (FSDP2's MixedPrecisionPolicy against DDP's autocast), AdamW in fp32
 (FSDP2 with activation checkpointing). Also one step's loss and gradients through DDP with 2 micro-batches a rank
 (no_sync accumulation) on test_train's masked global batch. After each run, greedy rows of the trained model through
@@ -27,7 +27,7 @@ def losses(wrap, optimizer, dtype, rank, world, local_rank, device, activation_c
     args = Namespace(compile=False, fsdp="true" if wrap == "fsdp" else "false", optimizer=optimizer, adam8bit=False,
                      dtype=dtype, matrix_lr=0.02 if optimizer == "muon" else 0.003, embedding_lr=0.3, head_lr=0.004,
                      scalar_lr=0.5)
-    distributed.shard_model(model, args, world, device)
+    train_loop.shard_model(model, args, world, device)
     train_model = train_loop.wrap_model(model, args, world, local_rank, device)
     optimizers = optim.build_optimizers(model, args, 64, 8 * 16, device)
     inputs, targets = global_batch()

@@ -16,6 +16,7 @@ from helpers import same, take
 
 import dataset as D
 import loader as L
+from midtrain import MixtureLoader
 from tokenizer import Tokenizer
 
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "small", "birds"]
@@ -287,7 +288,7 @@ def test_mixture_shares_hold_from_the_first_batches(world, tmp_path):
     sources = three_sources(world, tmp_path)
     two = [{**sources[0], "share": 0.3}, {**sources[1], "share": 0.7}]
     for mix in (two, sources):
-        loader = L.MixtureLoader(mix, tok, 4, 64, buffer_docs=20, threads=1)
+        loader = MixtureLoader(mix, tok, 4, 64, buffer_docs=20, threads=1)
         for n in range(1, 21):
             x, y = next(loader)
             assert x.shape == y.shape == (4, 64) and x.dtype == torch.int64
@@ -301,7 +302,7 @@ def test_mixture_shares_hold_from_the_first_batches(world, tmp_path):
         assert all(f"{name}: {m['tokens']:,} tokens, {m['docs']:,} docs" in loader.log_line()
                    for name, m in mixture.items())
     assert "share 30.0% (target 30.0%)" in loader.log_line()
-    first = L.MixtureLoader(two, tok, 1, 64, buffer_docs=20)
+    first = MixtureLoader(two, tok, 1, 64, buffer_docs=20)
     take(first, 1)
     assert first.mixture()["smol"]["tokens"] == 64  # the first row goes to the largest share, not the first listed
 
@@ -310,7 +311,7 @@ def test_mixture_rows_supervise_as_asked(world, tmp_path):
     _, tok, _ = world
     sources = three_sources(world, tmp_path)[:2]
     for supervise in ("all", "assistant"):
-        loader = L.MixtureLoader([{**sources[0], "share": 0.5}, {**sources[1], "share": 0.5}], tok, 4, 64,
+        loader = MixtureLoader([{**sources[0], "share": 0.5}, {**sources[1], "share": 0.5}], tok, 4, 64,
                                  supervise=supervise, buffer_docs=20)
         batches = take(loader, 5)
         text, chat = (source.state["stats"] for source in loader.loaders)
@@ -325,7 +326,7 @@ def test_mixture_resume_is_bit_identical_and_refuses_another_mixture(world, tmp_
     sources = three_sources(world, tmp_path)
 
     def loader(mix=sources):  # as one accumulation micro-step of rank 0: rank = rank * accum + j
-        return L.MixtureLoader(mix, tok, 4, 64, rank=1, world_size=2, buffer_docs=10, seed=3)
+        return MixtureLoader(mix, tok, 4, 64, rank=1, world_size=2, buffer_docs=10, seed=3)
     expected = take(loader(), 12)
     first = loader()
     resumed = [next(first) for _ in range(5)]
@@ -344,9 +345,9 @@ def test_mixture_shares_must_sum_to_one(world, tmp_path):
     _, tok, _ = world
     sources = three_sources(world, tmp_path)
     with pytest.raises(ValueError, match=r"mixture shares \{'pretrain': 0.3, 'smol': 0.5, 'extra': 0.3\} sum to 1.1"):
-        L.MixtureLoader([*sources[:2], {**sources[2], "share": 0.3}], tok, 4, 64)
+        MixtureLoader([*sources[:2], {**sources[2], "share": 0.3}], tok, 4, 64)
     with pytest.raises(ValueError, match="kind='image': choose text or chat"):
-        L.MixtureLoader([{**sources[0], "kind": "image", "share": 1.0}], tok, 4, 64)
+        MixtureLoader([{**sources[0], "kind": "image", "share": 1.0}], tok, 4, 64)
 
 
 def test_one_pass_of_an_sft_mixture_sees_each_source_its_number_of_epochs(world, tmp_path):

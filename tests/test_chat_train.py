@@ -14,9 +14,10 @@ import dataset as D
 import loader as L
 import midtrain
 import sft
+from dataset import train_tokenizer
 from decode import decode
 from model import GPTConfig, build_model
-from tokenizer import Tokenizer, train_tokenizer
+from tokenizer import Tokenizer
 
 
 def score(path, tokenizer, questions, chat):

@@ -28,8 +28,9 @@ import core_eval as E
 import dataset as D
 import download
 import train_loop
+from dataset import train_tokenizer
 from model import build_model, config_from_preset
-from tokenizer import SPLIT_PATTERN, Tokenizer, train_tokenizer
+from tokenizer import SPLIT_PATTERN, Tokenizer
 
 BYTES = Tokenizer({bytes([b]): b for b in range(256)}, SPLIT_PATTERN)  # no merges: one token per byte
 

@@ -18,7 +18,7 @@ from helpers import run_in_process, same, take
 
 import dataset as D
 import loader as L
-from tokenizer import train_tokenizer
+from dataset import train_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "small", "birds",

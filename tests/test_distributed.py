@@ -84,16 +84,81 @@ def test_fsdp_auto_counts_the_process_and_the_activations_not_only_the_state(mon
     shard with); with room for the whole step it is not."""
     from types import SimpleNamespace
 
-    import distributed
+    import train_loop
     from model import build_model, config_from_preset, memory_estimate
     config = config_from_preset("tiny", {"vocab_size": 256})
     model = build_model(config, torch.device("cpu"))
     args = SimpleNamespace(optimizer="muon", adam8bit=False, dtype="float32", fsdp="auto", micro_batch=4)
     estimate = memory_estimate(config, 4, optimizer="muon", bf16=False, device_type="cpu")
     state = estimate["weights"] + estimate["gradients"] + estimate["optimizer"]
-    monkeypatch.setattr(distributed, "device_memory", lambda device: state + 1)
-    line = distributed.shard_model(model, args, 1, torch.device("cpu"))
+    monkeypatch.setattr(train_loop, "device_memory", lambda device: state + 1)
+    line = train_loop.shard_model(model, args, 1, torch.device("cpu"))
     assert line.startswith("sharding: none: one process has nothing to shard with (in use now ")
-    assert "micro-batch 4's activations = " in line and f" > {distributed.fmt_bytes(state + 1)} per process" in line
-    monkeypatch.setattr(distributed, "device_memory", lambda device: 2 ** 40)
-    assert distributed.shard_model(model, args, 1, torch.device("cpu")).startswith("sharding: none, one process")
+    assert "micro-batch 4's activations = " in line and f" > {train_loop.fmt_bytes(state + 1)} per process" in line
+    monkeypatch.setattr(train_loop, "device_memory", lambda device: 2 ** 40)
+    assert train_loop.shard_model(model, args, 1, torch.device("cpu")).startswith("sharding: none, one process")
+
+
+# peak resident GiB per rank of pretrain.py (dev/rank_memory.py: vocabulary 65,536, sequence 128, micro-batch 2,
+# Muon, bf16, 3 steps, a checkpoint and the final evaluation; 2 and 3 ranks with --fsdp true), dev/LOG.md 2026-11-29:
+# the estimate's constants were fitted to d4 and d8; d6 was measured after, to check it
+MEASURED = {(4, 1): [2.43, 2.55, 2.99], (4, 2): [1.93, 1.93, 1.90, 1.93], (4, 3): [1.67, 1.69, 1.72],
+            (8, 1): [5.32], (8, 2): [4.33, 4.39], (8, 3): [4.02, 4.08, 4.13],
+            (6, 1): [3.49], (6, 2): [2.85, 2.86], (6, 3): [2.64, 2.66, 2.67]}
+
+
+def test_the_per_rank_estimate_is_within_a_tenth_of_each_measured_peak():
+    """The figure a sharded run prints per rank, and the rehearsal's memory check counts, against each rank's peak
+    resident set measured at three depths on 1, 2 and 3 CPU processes (medians of the runs). The state alone (weights,
+    gradients and optimizer over the ranks) was the line's figure before: 0.35 GiB against 1.69 for d4 on 3."""
+    import statistics
+    from types import SimpleNamespace
+
+    import train_loop
+    from model import config_from_preset
+    args = SimpleNamespace(optimizer="muon", adam8bit=False, dtype="bfloat16")
+    for (depth, ranks), peaks in MEASURED.items():
+        config = config_from_preset(f"d{depth}", {"sequence_len": 128})
+        estimate = train_loop.step_estimate(config, args, 2, "cpu")
+        figure = train_loop.rank_memory(config, estimate, ranks, ranks > 1, "cpu") / 2 ** 30
+        assert abs(figure / statistics.median(peaks) - 1) <= 0.10, (depth, ranks, figure, peaks)
+    config = config_from_preset("d8", {"sequence_len": 128})
+    estimate = train_loop.step_estimate(config, args, 2, "cpu")
+    state = (estimate["weights"] + estimate["gradients"] + estimate["optimizer"]) / 3 / 2 ** 30
+    assert abs(state / statistics.median(MEASURED[8, 3]) - 1) > 0.5  # what the line said before
+
+
+def test_cpu_processes_that_cannot_fit_are_refused_naming_a_depth_and_a_count_that_fit(monkeypatch):
+    """pretrain.py --check_batch N on a machine without CUDA (the gpu plan's rehearsal on CPU processes) adds up what
+    N ranks hold against the memory available: d64 on 8 fits no machine this runs on; the depth it names fits and the
+    next one up does not; the process count it names fits; the line for a plan that fits says each rank's figure."""
+    import argparse
+
+    import pretrain
+    import train_loop
+    from model import config_from_preset
+    assert 0 < train_loop.available_memory() <= train_loop.device_memory(torch.device("cpu"))  # MemAvailable <= RAM
+    monkeypatch.setattr(train_loop, "available_memory", lambda: 24 * 2 ** 30)  # a 24 GiB machine, whatever runs here
+
+    def args(preset, nproc):
+        return argparse.Namespace(preset=preset, sequence_len=128, micro_batch=0, optimizer="muon", adam8bit=False,
+                                  dtype=None, fsdp="auto", check_batch=nproc)
+    with pytest.raises(ValueError) as refused:
+        train_loop.check_cpu_memory(args("d64", 8), 8)
+    said = str(refused.value)
+    assert re.match(r"8 processes on this CPU x about [\d.]+ GiB each at its peak \(FSDP2, micro-batch 1\) = [\d.]+ GiB, of "
+                    r"[\d.]+ GiB available now: they would not fit with a tenth to spare, and the out-of-memory killer "
+                    r"would end a rank. Rehearse with --depth \d+", said), said
+    depth = int(re.search(r"--depth (\d+)", said).group(1))
+    assert depth == 6 and said.endswith("Rehearse with --depth 6")  # 8 x 2.31 GiB (x1.1: 20.3) fits; d7: 8 x 3.36
+    for d, fits in ((depth, True), (depth + 1, False)):
+        config = config_from_preset(f"d{d}", {"sequence_len": 128})
+        assert train_loop.cpu_processes_fit(config, args(f"d{d}", 8), 8)[0] is fits
+    line = train_loop.check_cpu_memory(args(f"d{depth}", 8), 8)
+    assert line.startswith("memory: 8 processes on this CPU x about ") and line.endswith(" available now")
+    if (fewer := re.search(r"--gpus (\d+)", said)) is not None:
+        n = int(fewer.group(1))
+        assert train_loop.check_cpu_memory(args("d64", n), n).startswith(f"memory: {n} process")
+    with pytest.raises(ValueError, match=re.escape(said)):  # the same through pretrain.py's flags
+        pretrain.main(["--preset", "d64", "--sequence_len", "128", "--total_batch_tokens", "32768",
+                       "--tokens_per_param", "20", "--check_batch", "8"])

@@ -19,9 +19,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 import checkpoint
 import dataset as D
 import export
+from dataset import train_tokenizer
 from decode import decode
 from model import build_model, config_from_preset
-from tokenizer import Tokenizer, train_tokenizer
+from tokenizer import Tokenizer
 
 SMALL = {"sequence_len": 64, "n_layer": 2, "n_embd": 64, "n_head": 4, "n_kv_head": 2}
 RANDOM_MODELS = {  # what each export path must get right, at a size that loads in a second

@@ -248,10 +248,17 @@ def test_a_given_micro_batch_that_cannot_split_over_3_gpus_is_refused_before_any
     assert "stage preflight" not in result.stdout and "NCCL" not in result.stdout  # before the probe, too
 
 
-def test_on_3_5_6_or_7_gpus_the_plan_takes_the_nearest_batch_that_splits_and_says_so(capsys):
+def gpus(monkeypatch):
+    """pretrain.py --check_batch as on a GPU machine: CUDA processes, so no check of this CPU's memory."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def test_on_3_5_6_or_7_gpus_the_plan_takes_the_nearest_batch_that_splits_and_says_so(capsys, monkeypatch):
     """524,288 tokens a step is not a whole number of 2048-token sequences over 3, 5, 6 or 7 processes: the plan uses
     the nearest total within 3% whose per-process sequences have the largest power-of-two divisor, says so with the lr
     consequence, and plan_batch (CPU: the whole per-rank batch) runs it; 1, 2, 4 and 8 keep 524,288."""
+    gpus(monkeypatch)  # the gpu plan's check on a machine with GPUs (without: tests/test_distributed.py)
     from types import SimpleNamespace
 
     import torch
@@ -274,10 +281,11 @@ def test_on_3_5_6_or_7_gpus_the_plan_takes_the_nearest_batch_that_splits_and_say
     assert capsys.readouterr().out == said
 
 
-def test_a_given_micro_batch_takes_the_nearest_batch_that_splits_as_a_chosen_one_does(capsys):
+def test_a_given_micro_batch_takes_the_nearest_batch_that_splits_as_a_chosen_one_does(capsys, monkeypatch):
     """PRETRAIN_ARGS="--micro_batch 2" on 3 GPUs: 524,288 is 42.67 x (2 x 2048 x 3 = 12,288); 43 of them (528,384,
     +0.8%) is the nearest within the plan's 3%, said with its lr change by the check and by plan_batch, which runs it
     (before: refused, while the same run without --micro_batch took 516,096)."""
+    gpus(monkeypatch)  # the gpu plan's check on a machine with GPUs (without: tests/test_distributed.py)
     from types import SimpleNamespace
 
     import torch
@@ -299,7 +307,8 @@ def test_a_given_micro_batch_takes_the_nearest_batch_that_splits_as_a_chosen_one
     assert capsys.readouterr().out == said
 
 
-def test_the_batch_check_passes_the_totals_it_names_and_counts_a_given_micro_batch(capsys):
+def test_the_batch_check_passes_the_totals_it_names_and_counts_a_given_micro_batch(capsys, monkeypatch):
+    gpus(monkeypatch)  # the gpu plan's check on a machine with GPUs (without: tests/test_distributed.py)
     args = ["--preset", "d20", "--tokens_per_param", "20", "--total_batch_tokens", "522240", "--check_batch", "3"]
     pretrain.main(args)  # the fix the refusal above names
     assert capsys.readouterr().out == "batch: 522,240 tokens a step = 85 sequences x sequence 2,048 x 3 processes (a " \

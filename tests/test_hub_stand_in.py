@@ -9,22 +9,23 @@ from urllib.parse import urlsplit
 
 import pyarrow.parquet as pq
 
+import dataset
 import hub_stand_in
 import tokenizer
 from download import download_hub_files
 
 
 def test_one_stand_in_shard_trains_the_default_65536_vocabulary(tmp_path, capsys):
-    """The rehearsal's tokenizer stage as speedrun.sh runs it (`tokenizer.py train`, its default --vocab_size, the
+    """The rehearsal's tokenizer stage as speedrun.sh runs it (`dataset.py tokenizer`, its default --vocab_size, the
     rehearsal's --max_chars) on the first shard and the validation shard, the two the rehearsal downloads first: all
-    65,536 ids are trained (rustbpe stops early, and tokenizer.py refuses, when the text allows fewer merges), and a
+    65,536 ids are trained (rustbpe stops early, and dataset.py refuses, when the text allows fewer merges), and a
     made-up place name is one token."""
     files = hub_stand_in.build_files(shards=2, chat_rows=8)
     data = tmp_path / "corpus"
     data.mkdir()
     for i in range(2):
         (data / f"shard_{i:05d}.parquet").write_bytes(files[f"{hub_stand_in.FINEWEB}/shard_{i:05d}.parquet"])
-    tokenizer.main(["train", "--data_dir", str(data), "--out", str(tmp_path / "tok"), "--max_chars", "20000000"])
+    dataset.main(["tokenizer", "--data_dir", str(data), "--out", str(tmp_path / "tok"), "--max_chars", "20000000"])
     assert "vocab size: 65536 (256 bytes + 65271 merges + 9 special tokens)" in capsys.readouterr().out
     tok = tokenizer.Tokenizer.load(tmp_path / "tok")
     assert tok.vocab_size == 65536

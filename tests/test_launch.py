@@ -385,3 +385,21 @@ def test_a_machine_without_namespaces_is_refused_in_one_line_before_any_download
         launch.check_sandbox(accepted)  # no refusal
     with pytest.raises(launch.Refused, match="--sandbox process"):
         launch.check_sandbox(["--tasks", "GSM8K,HumanEval", "--sandbox", "auto"])
+
+
+def test_a_rehearsal_that_cannot_fit_this_machine_is_refused_before_any_stage(tmp_path):
+    """The gpu plan's rehearsal on 3 CPU processes of a model no machine here holds (d64): refused in setup, with
+    each rank's figure and a depth that fits, before any download or stage; nothing left running. Before, a d20
+    rehearsal here was killed by the kernel at pretraining's step 1."""
+    env = {**os.environ, "SPEEDRUN_PYTHON": sys.executable, "CHAT_EVAL_ARGS": "--sandbox process"}
+    done = subprocess.run(["bash", str(launch.ROOT / "speedrun.sh"), "--plan", "gpu", "--rehearse", "--gpus", "3",
+                           "--depth", "64", "--no_chat", "--runs_dir", str(tmp_path / "runs")], env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert re.search(r"pretrain.py: error: 3 processes on this CPU x about [\d.]+ GiB each at its peak \(FSDP2, micro-batch "
+                     r"1\) = [\d.]+ GiB, of [\d.]+ GiB available now: they would not fit with a tenth to "
+                     r"spare, and the out-of-memory killer would end a rank. Rehearse with (--depth \d+|a machine with more memory)",
+                     done.stderr), done.stderr  # the latter where what runs beside leaves little memory
+    logs = [path.name for path in (tmp_path / "runs").glob("*/logs/*")]
+    assert logs == ["speedrun.log"] and "speedrun: stage" not in done.stdout, (logs, done.stdout)  # nothing ran
+    assert processes_mentioning(str(tmp_path)) == []

@@ -106,7 +106,7 @@ def documented_commands():
             if not words[0].endswith(".py") or not (ROOT / words[0]).is_file():
                 continue
             flags = [re.match(r"--[\w-]+", w).group() for w in words if re.match(r"--[\w-]+", w)]
-            head = [w for w in words[1:] if not w.startswith("-")][:1]  # a subcommand (tokenizer.py train), if any
+            head = [w for w in words[1:] if not w.startswith("-")][:1]  # a subcommand (dataset.py tokenizer), if any
             found.append((page.name, words[0], head, flags))
     return found
 

@@ -784,7 +784,7 @@ def test_print_with_corpus_and_chat_shows_the_ingest_and_every_stage_reading_it(
     assert [name for name, _ in demo][:4] == ["data", "ingest", "tokenizer", "pretrain"]
     words, corpus = dict(demo), "runs/speedrun/corpus"
     assert words["ingest"] == [py, str(ROOT / "dataset.py"), "ingest", "--out", corpus, "/data/text", "notes.md"]
-    assert words["tokenizer"][:5] == [py, str(ROOT / "tokenizer.py"), "train", "--data_dir", corpus]
+    assert words["tokenizer"][:5] == [py, str(ROOT / "dataset.py"), "tokenizer", "--data_dir", corpus]
     assert words["pretrain"][2:4] == ["--data_dir", corpus]
     assert words["core_eval"][-2:] == ["--bundle", "runs/speedrun/demo/eval_bundle"]  # the demo world's bundle
     mid = words["midtrain"]

@@ -41,7 +41,7 @@ def parent_losses(run_dir, n):
     sources = [(s["path"], s["epochs"]) for s in config["sources"]] if config["stage"] == "sft" else None
     loader = L.chat_loader(None, "train", *shape, files=D.mixture_files(sources), seed=args["seed"], threads=1) \
         if config["stage"] == "sft" else \
-        L.MixtureLoader(config["sources"], *shape, seed=args["seed"], supervise=config["supervise"], threads=1)
+        midtrain.MixtureLoader(config["sources"], *shape, seed=args["seed"], supervise=config["supervise"], threads=1)
     found = []
     with torch.no_grad():
         for _ in range(n):
