@@ -34,6 +34,7 @@ from tokenizer import SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer
 
 CACHE_DIR = Path(os.environ.get("NANOCHAT_CACHE", Path.home() / ".cache" / "nanochat"))
 ROW_GROUP_DOCS = 1024
+FINEWEB = "karpathy/fineweb-edu-100b-shuffle"  # pretraining's corpus, download.py's default
 
 
 def default_data_dir(dataset):
@@ -429,7 +430,8 @@ def corpus_budget(data_dir, tokenizer, budget_tokens):
     docs = sum(open_parquet(p).metadata.num_rows for p in train)
     per_doc = tokens0 / max(1, docs0)
     tokens = int(per_doc * docs)
-    return {"shards": len(train), "docs": docs, "measured_shard": train[0].name,
+    fineweb = Path(data_dir).resolve() == default_data_dir(FINEWEB).resolve()
+    return {"shards": len(train), "docs": docs, "measured_shard": train[0].name, "fineweb": fineweb,
             "tokens_per_doc": per_doc,
             "tokens_per_shard": tokens0, "tokens": tokens, "epochs": budget_tokens / max(1, tokens)}
 
@@ -442,9 +444,11 @@ def budget_line(b, budget_tokens):
             f"{b['measured_shard']}, counted with this tokenizer) = ~{b['tokens']:,} tokens: "
             f"{b['epochs']:.2f} epochs")
     if b["epochs"] > 1:
-        line += (f". This run REPEATS data: {b['epochs']:.2f} passes over the corpus (more shards: "
-                 "`python download.py shards --shards N`; N ~ "
-                 f"{math.ceil(budget_tokens / max(1, b['tokens_per_shard'])) + 1})")
+        shards = math.ceil(budget_tokens / max(1, b["tokens_per_shard"])) + 1
+        # only FineWeb-Edu's directory is download.py's to fill
+        more = (f"more shards: `python download.py shards --shards N`; N ~ {shards}" if b["fineweb"]
+                else "fewer --steps, or more text in the corpus")
+        line += f". This run REPEATS data: {b['epochs']:.2f} passes over the corpus ({more})"
     return line
 
 

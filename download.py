@@ -35,6 +35,7 @@ import pyarrow.parquet as pq
 from dataset import (
     CACHE_DIR,
     CHAT_DATASETS,
+    FINEWEB,
     decode_utf8,
     default_data_dir,
     write_identity,
@@ -469,7 +470,7 @@ def main(argv=None):
                             "validation")
     p.add_argument("--shards", type=int, required=True, help="number of training shards to fetch "
                    "(the validation shard comes too)")
-    p.add_argument("--dataset", default="karpathy/fineweb-edu-100b-shuffle", help=
+    p.add_argument("--dataset", default=FINEWEB, help=
                    "hub dataset (default: %(default)s)")
     p.add_argument("--data_dir", default=None, help="where to put them (default: "
                    f"<cache>/data/<dataset name>; cache: $NANOCHAT_CACHE or {CACHE_DIR})")

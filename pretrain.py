@@ -22,7 +22,14 @@ import checkpoint
 import distributed
 import optim
 import train_loop
-from dataset import budget_line, corpus_budget, default_data_dir, shard_tokens, split_shards
+from dataset import (
+    FINEWEB,
+    budget_line,
+    corpus_budget,
+    default_data_dir,
+    shard_tokens,
+    split_shards,
+)
 from loader import close_all, text_loader
 from model import (
     add_model_args,
@@ -48,7 +55,7 @@ def get_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p, default_preset="d20" if cuda else "tiny")
     g = p.add_argument_group("data")
-    g.add_argument("--data_dir", default=str(default_data_dir("karpathy/fineweb-edu-100b-shuffle")),
+    g.add_argument("--data_dir", default=str(default_data_dir(FINEWEB)),
                    help="corpus directory (default: %(default)s)")
     g.add_argument("--tokenizer", default="runs/tokenizer", help="tokenizer directory (default: "
                    "%(default)s)")

@@ -57,6 +57,23 @@ def test_write_text_shards_layout(tmp_path):
     assert D.split_shards(tmp_path, "val") == paths[-1:]
 
 
+def test_a_budget_that_repeats_the_corpus_names_the_fix_that_applies_to_it(corpus, monkeypatch):
+    """More shards is the fix only for FineWeb-Edu's directory, which download.py fills; for the demo world or your
+    own corpus it is fewer steps or more text."""
+    directory, tok = corpus
+    budget = 3 * D.corpus_budget(directory, tok, 1)["tokens"]
+    mine = D.corpus_budget(directory, tok, budget)
+    assert mine["fineweb"] is False and mine["epochs"] == pytest.approx(3, rel=1e-3)
+    assert D.budget_line(mine, budget).endswith(f": {mine['epochs']:.2f} epochs. This run REPEATS data: "
+                                                f"{mine['epochs']:.2f} passes over the corpus (fewer --steps, or more "
+                                                "text in the corpus)")
+    monkeypatch.setattr(D, "default_data_dir", lambda dataset: directory if dataset == D.FINEWEB else None)
+    fineweb = D.corpus_budget(directory, tok, budget)
+    shards = -(-budget // fineweb["tokens_per_shard"]) + 1
+    assert fineweb["fineweb"] is True and D.budget_line(fineweb, budget).endswith(
+        f"(more shards: `python download.py shards --shards N`; N ~ {shards})")
+
+
 def test_missing_or_corrupt_data_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist.*download.py shards"):
         D.list_shards(tmp_path / "nope")

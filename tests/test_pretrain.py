@@ -429,6 +429,7 @@ def test_a_budget_larger_than_the_corpus_says_so_in_the_plan_every_log_line_and_
                                         "--ckpt_every", "1000"], tmp_path)
     line = next(x for x in result.stdout.splitlines() if x.startswith("data: budget"))
     epochs = float(re.search(r": ([\d.]+) epochs\. This run REPEATS data", line).group(1))
+    assert line.endswith("passes over the corpus (fewer --steps, or more text in the corpus)")  # not FineWeb's
     assert epochs == pytest.approx(steps * 256 / corpus_tokens, rel=0.05)  # the estimate: shard 0's mean length
     progress = [x for x in result.stdout.splitlines() if x.startswith("step ")]
     assert len(progress) == steps and all(re.search(r" epoch [12]( \(repeating data\))? ETA", x) for x in progress)
