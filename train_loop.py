@@ -1,9 +1,6 @@
-"""The training loop every training stage shares (train): a stage hands over its model, optimizers
-and loaders; the policies (exact loss over masked targets, NaN stop, signals, health checks,
-metrics, checkpoints) live here once. With it: batch planning (plan_batch), the model's wrapping
-(DDP, torch.compile), and a run's status (print_status).
-
-Not a stage: import it. One command line, a run's status (of any stage, live or finished):
+"""The training loop all stages share (train): a stage gives its model, optimizers and loaders;
+loss, NaN stop, signals, health checks, metrics and checkpoints live here once. Also batch
+planning (plan_batch), wrapping (DDP, torch.compile) and a run's status:
 
     python train_loop.py status runs/<run>
 """
@@ -57,9 +54,9 @@ from optim import apply_schedule, build_optimizers
 # Health
 
 def sample(p, n=4096):
-    """A strided sample of up to n elements of a parameter (the same ones each time): AdamW's and
-    Muon's updates change every element, so an unchanged sample means an unchanged tensor."""
-    p = local(p).detach()  # a sharded parameter: this rank's shard
+    """Up to n fixed elements of a parameter: AdamW and Muon change every element, so an unchanged
+    sample means an unchanged tensor."""
+    p = local(p).detach()  # sharded: this rank's shard
     return p.reshape(-1)[::max(1, p.numel() // n)][:n]
 
 
@@ -68,13 +65,13 @@ def param_samples(model):
 
 
 def frozen_parameters(model, samples):
-    """Names of parameters whose sample has not changed (bf16 norm weights that never move, say)."""
+    """Parameters whose sample has not changed (bf16 norm weights that never move, say)."""
     return [name for name, p in model.named_parameters()
             if samples[name].numel() and torch.equal(sample(p), samples[name])]
 
 
 def update_ratios(optimizers, before):
-    """RMS(update) / RMS(param) per param group, from samples taken just before optimizer.step()."""
+    """RMS(update) / RMS(param) per param group, from samples taken before the step."""
     ratios = {}
     for group in (group for opt in optimizers for group in opt.param_groups):
         num = sum((sample(p) - before[id(p)]).float().pow(2).sum().item() for p in group["params"])
@@ -89,8 +86,7 @@ def samples_by_id(optimizers):
 
 
 def memory_growing(history, min_steps=50, min_growth=64 * 2**20):
-    """Steadily growing CUDA memory (a leak seen in a real run): allocated never fell over the last
-    min_steps and grew by more than min_growth bytes."""
+    """A leak (seen in a real run): allocated never fell over min_steps and grew > min_growth."""
     if len(history) < min_steps:
         return False
     window = history[-min_steps:]
@@ -99,18 +95,17 @@ def memory_growing(history, min_steps=50, min_growth=64 * 2**20):
 
 
 def health_warning(model, initial, mem_history, record, steps_done, args):
-    """Frozen parameters (checked once, frozen_check_step steps after the start) and a steadily
-    growing CUDA memory leak (once per 50 steps of growth); None when healthy."""
+    """Frozen parameters (checked once, at frozen_check_step) or a memory leak; None when
+    healthy."""
     if record["cuda_mem_alloc"] is not None:
         mem_history.append(record["cuda_mem_alloc"])
         if memory_growing(mem_history):
-            mem_history.clear()  # warned once; a later warning needs another 50 steps of growth
+            mem_history.clear()  # warn again only after another 50 steps of growth
             return "CUDA memory allocated grew every step for the last 50 steps: a leak?"
     if initial is not None and steps_done == args.frozen_check_step:
         frozen = frozen_parameters(model, initial)
         if frozen and len(frozen) == sum(1 for sample in initial.values() if sample.numel()):
-            # nothing learns (an H100 run compiled under torch 2.11 got every gradient 0): hours of
-            # plausible MFU
+            # an H100 run compiled under torch 2.11 got every gradient 0: hours of plausible MFU
             raise RuntimeError(f"no parameter changed in {args.frozen_check_step} steps: every "
                                "gradient is zero or no optimizer steps; stopped. Rerun with "
                                "--compile false to tell whether compilation is the cause")
@@ -120,8 +115,8 @@ def health_warning(model, initial, mem_history, record, steps_done, args):
 
 
 class Health:
-    """The run's health checks, one call a step: every health_every steps each param group's update
-    RMS over its parameters', and health_warning's, printed on rank 0."""
+    """Health checks, one call a step: update ratios every health_every steps, and
+    health_warning's warnings, printed on rank 0."""
 
     def __init__(self, model, optimizers, args, start, master, frozen_check=True):
         self.model, self.optimizers, self.args = model, optimizers, args
@@ -131,8 +126,7 @@ class Health:
         self.before = self.samples(start)
 
     def samples(self, step):
-        """The parameters before step `step`'s update (counted from 0), where its update ratios are
-        due."""
+        """Samples before step `step` (from 0) where its update ratios are due."""
         return samples_by_id(self.optimizers) if step % self.args.health_every == 0 else None
 
     def check(self, record):
@@ -149,8 +143,8 @@ class Health:
 
 
 class StopSignal:
-    """SIGTERM/SIGINT/SIGHUP (torchrun forwards each; SIGHUP: the terminal closed) set a flag; the
-    training loop finishes its step, checkpoints and exits with a resume line."""
+    """SIGTERM/SIGINT/SIGHUP (terminal closed) set a flag; the loop finishes its step,
+    checkpoints and exits with a resume line."""
 
     def __init__(self):
         self.signum = None
@@ -161,19 +155,17 @@ class StopSignal:
         self.signum = signum
 
     def requested(self):
-        """True on every rank if any rank got a signal (torchrun forwards it to all, but not always
-        at once)."""
+        """True on every rank if any got a signal (torchrun forwards it, not always at once)."""
         return all_reduce(1.0 if self.signum else 0.0,
                           dist.ReduceOp.MAX if dist.is_initialized() else None) > 0
 
 
 # -----------------------------------------------------------------------------
-# Budget flags (--steps, --tokens, ...): the last one given is in force, so an override appended
-# to a plan's command line replaces its budget
+# Budget flags (--steps, --tokens, ...): the last one given wins, so one appended to a plan's
+# command line replaces its budget
 
 class BudgetFlag(argparse.Action):
-    """Stores a budget flag's value and its place among the budget flags given (args.budget_order,
-    last: in force)."""
+    """Stores the value and its order among budget flags (args.budget_order)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         setattr(namespace, self.dest, values)
@@ -183,15 +175,14 @@ class BudgetFlag(argparse.Action):
 
 
 def add_budget_args(group, flags):
-    """flags: [(name, type, help)]; each a BudgetFlag in the argparse group."""
+    """flags: [(name, type, help)], each a BudgetFlag."""
     for name, kind, text in flags:
         group.add_argument(f"--{name}", type=kind, action=BudgetFlag, help=text)
 
 
 def resolve_budget(args, names, default=None):
-    """Keep the budget flag given last (of `names`) and set the others to None; with none given,
-    `default` (name, value), or an error naming the flags. Returns the line that says which budget
-    is in force and what it replaced."""
+    """Keep the last budget flag of `names`, the others None; none given: `default` (name, value)
+    or an error. Returns the line saying which budget is in force."""
     given = [d for d in getattr(args, "budget_order", None) or [] if d in names]
     if not given and default is None:
         raise ValueError("give a budget: " + " or ".join(f"--{n}" for n in names))
@@ -210,15 +201,14 @@ def resolve_budget(args, names, default=None):
 
 
 def parse_stage_args(parser, argv, budgets, default=None):
-    """A training stage's flags (model.parse_args) and its budget in force (resolve_budget, a bad
-    one a usage error), unless --status only reads a run."""
+    """A stage's flags and its budget (a bad one a usage error), unless --status."""
     args = parse_args(parser, argv)
     if args.status is None:
         try:
             args.budget_line = resolve_budget(args, budgets, default)
         except ValueError as e:
             parser.error(str(e))
-        # before any step: a stage that divided by it after its training lost the training
+        # before any step: a stage that divided by 0 after training lost the training
         if args.ckpt_every < 1:
             parser.error(f"--ckpt_every {args.ckpt_every}: give N >= 1 (the last step saves too, "
                          "so an N above the stage's steps saves there only)")
@@ -226,11 +216,10 @@ def parse_stage_args(parser, argv, budgets, default=None):
 
 
 # -----------------------------------------------------------------------------
-# Memory: what a step holds, whether to shard it, whether N CPU processes fit
+# Memory: what a step holds, whether to shard, whether N CPU processes fit
 
 def device_memory(device):
-    """Bytes one process may use: the GPU's memory, or on a CPU the machine's RAM shared by this
-    node's processes."""
+    """Bytes one process may use: the GPU's, or the RAM shared by this node's processes."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -238,7 +227,7 @@ def device_memory(device):
 
 
 def available_memory():
-    """Bytes the kernel can give now (/proc/meminfo's MemAvailable), else the machine's RAM."""
+    """MemAvailable from /proc/meminfo, else the machine's RAM."""
     with suppress(OSError, StopIteration):
         lines = Path("/proc/meminfo").read_text().splitlines()
         return next(int(line.split()[1]) * 1024 for line in lines
@@ -247,31 +236,30 @@ def available_memory():
 
 
 def process_memory(device):
-    """Bytes in use now: on CUDA the device's, on a CPU this process's resident set."""
+    """Bytes in use: the CUDA device's, or this process's resident set."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return total - free
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-# A CPU rank's resident memory beside the model's: torch, gloo and the loader; an unsharded
-# process also keeps what it frees (keep_freed_memory). Fitted to each rank's peak resident set
-# of pretrain.py at d4 and d8 on 1, 2 and 3 CPU processes (dev/LOG.md, 2026-11-29)
+# A CPU rank's memory beside the model: torch, gloo, the loader; unsharded it also keeps what
+# it frees (keep_freed_memory). Fitted to peaks of pretrain.py at d4 and d8 on 1-3 processes
+# (dev/LOG.md, 2026-11-29)
 CPU_RUNTIME = {"sharded": 0.4 * 2**30, "unsharded": 1.3 * 2**30}
 
 
 def step_estimate(config, args, micro, device_type):
-    """model.py's estimate of a step at these flags (bf16 unless --dtype float32)."""
+    """model.py's estimate of a step at these flags."""
     optimizer = "adam8bit" if args.optimizer == "adamw" and args.adam8bit else args.optimizer
     return memory_estimate(config, micro, optimizer=optimizer, bf16=args.dtype != "float32",
                            device_type=device_type)
 
 
 def rank_memory(config, estimate, world, sharded, device_type):
-    """Bytes one rank holds at its peak. Unsharded: the whole step (DDP: and its gradient buckets,
-    a second gradient). FSDP2: the weights and optimizer state over the ranks, while the root
-    module (embeddings, value embeddings, head) is gathered whole in fp32 beside its whole
-    gradient and a collective's buffer, 12 bytes a root parameter; then the activations."""
+    """A rank's peak bytes. Unsharded: the whole step (DDP adds its buckets, a second gradient).
+    FSDP2: weights and optimizer state split over ranks, plus the root module (embeddings, head)
+    whole in fp32 with its gradient and a buffer, 12 bytes a parameter, plus activations."""
     runtime = CPU_RUNTIME["sharded" if sharded else "unsharded"] if device_type == "cpu" else 0
     in_flight = estimate["activations"] + estimate["transient"]
     if not sharded:
@@ -284,10 +272,9 @@ def rank_memory(config, estimate, world, sharded, device_type):
 
 
 def shard_model(model, args, world, device):
-    """FSDP2 (each block, then the root) with --fsdp true, or --fsdp auto when the step would not
-    fit one device by model.py's estimate (docs/distributed.md). Returns the line that says whether
-    it did and why."""
-    micro = getattr(args, "micro_batch", None) or 1  # the probe chooses later, and at least 1
+    """FSDP2 (each block, then the root) with --fsdp true, or auto when the step would not fit
+    one device (docs/distributed.md). Returns the line saying whether and why."""
+    micro = getattr(args, "micro_batch", None) or 1  # the probe chooses later
     estimate = step_estimate(model.config, args, micro, device.type)
     in_use = process_memory(device)
     step = in_use + sum(estimate[k] for k in ("gradients", "optimizer", "activations", "transient"))
@@ -303,8 +290,8 @@ def shard_model(model, args, world, device):
         return f"sharding: none, {how} (--fsdp {args.fsdp}: {fits})"
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     compute = getattr(torch, args.dtype)
-    # blocks gathered in the compute dtype (half the traffic), reduced in fp32; inputs not cast:
-    # the residual stream stays fp32 as under autocast; the root gathers in fp32
+    # blocks gathered in the compute dtype (half the traffic), reduced in fp32; inputs not cast,
+    # so the residual stream stays fp32 as under autocast
     block_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32,
                                         cast_forward_inputs=False)
     for block in model.blocks:
@@ -319,7 +306,7 @@ def shard_model(model, args, world, device):
 
 
 def cpu_processes_fit(config, args, nproc):
-    """(fits, a rank's peak, how, the memory available) for nproc CPU processes here."""
+    """(fits, a rank's peak, how, memory available) for nproc CPU processes."""
     capacity = available_memory()
     estimate = step_estimate(config, args, args.micro_batch or 1, "cpu")
     whole = rank_memory(config, estimate, nproc, False, "cpu")
@@ -327,14 +314,13 @@ def cpu_processes_fit(config, args, nproc):
                              (args.fsdp == "auto" and whole > capacity / nproc))
     peak = rank_memory(config, estimate, nproc, True, "cpu") if sharded else whole
     how = "FSDP2" if sharded else "DDP" if nproc > 1 else "one process"
-    # a tenth spare: the estimate's error against the peaks measured
+    # a tenth spare: the estimate's error against measured peaks
     return nproc * peak * 1.1 <= capacity, peak, how, capacity
 
 
 def check_cpu_memory(args, nproc):
-    """The line saying what each of nproc CPU processes will hold, or a ValueError naming a depth
-    or a process count that fits."""
-    def config_for(preset):  # the stage's model at another preset, its other flags kept
+    """The line saying what each CPU process will hold, or a ValueError naming a fit."""
+    def config_for(preset):  # the model at another preset
         return config_from_args(argparse.Namespace(**{**vars(args), "preset": preset}))
     config = config_for(args.preset)
     fits, peak, how, capacity = cpu_processes_fit(config, args, nproc)
@@ -360,13 +346,12 @@ def check_cpu_memory(args, nproc):
 # -----------------------------------------------------------------------------
 # Batch planning: the micro-batch that fits, the accumulation steps that make the batch
 
-# the probe's ceiling without --total_batch_tokens: sequences per rank per forward
+# the probe's ceiling without --total_batch_tokens
 MAX_MICRO_BATCH = 1024
 
 
 def micro_batch_candidates(total, seq_len, world):
-    """The micro-batches plan_batch probes: with --total_batch_tokens, the divisors of its per-rank
-    sequences; without, the powers of two up to MAX_MICRO_BATCH."""
+    """Divisors of the per-rank sequences, or without a total powers of two up to the max."""
     if total:
         per_rank = max(1, total // (seq_len * world))
         return [m for m in range(1, per_rank + 1) if per_rank % m == 0]
@@ -374,7 +359,7 @@ def micro_batch_candidates(total, seq_len, world):
 
 
 def find_micro_batch(try_step, candidates):
-    """The largest candidate for which try_step(micro_batch) does not run out of CUDA memory."""
+    """The largest candidate that try_step runs without running out of memory."""
     for micro in sorted(candidates, reverse=True):
         try:
             try_step(micro)
@@ -386,9 +371,8 @@ def find_micro_batch(try_step, candidates):
 
 
 def probe_step(model, optimizers, seq_len, vocab_size, dtype, device):
-    """try_step for find_micro_batch that allocates a real step's peak: activations, gradients
-    (DDP's buckets are the gradients: gradient_as_bucket_view) and the optimizer state, made by a
-    step at lr 0 (throw-away optimizers)."""
+    """try_step reaching a real step's peak: activations, gradients (DDP buckets are views) and
+    optimizer state, from a step at lr 0 of throw-away optimizers."""
     def try_step(micro):
         idx = torch.randint(0, vocab_size, (micro, seq_len), device=device)
         try:
@@ -404,9 +388,8 @@ def probe_step(model, optimizers, seq_len, vocab_size, dtype, device):
 
 
 def nearest_batch(total, seq_len, world, micro=0, within=0.03):
-    """The tokens a step nearest `total` that split into micro-batches of `micro` (0: to be chosen)
-    over `world` ranks, within `within`; without a micro-batch, the per-rank sequences with the
-    largest power-of-two divisor. None when none is that near."""
+    """Tokens a step nearest `total` (within `within`) that split into micro-batches of `micro`
+    over `world` ranks; micro 0 prefers the largest power-of-two divisor. None if none."""
     unit = (micro or 1) * seq_len * world
     if total % unit == 0:
         return total
@@ -421,7 +404,7 @@ def processes(world):
 
 
 def batch_line(total, used, seq_len, world, micro=0):
-    """What plan_batch says when it uses `used` tokens a step for --total_batch_tokens `total`."""
+    """plan_batch's line when it uses `used` tokens a step instead of `total`."""
     from optim import BATCH_EXPONENT
     micro_x = f"micro_batch {micro} x " if micro else ""
     what = f"{micro_x}sequence_len {seq_len} x {processes(world)}"
@@ -435,9 +418,8 @@ def batch_line(total, used, seq_len, world, micro=0):
 
 
 def check_batch_divides(total, seq_len, world, micro=0):
-    """--total_batch_tokens must split into (micro_batch x) sequence_len x world, checked before the
-    downloads. Returns the line saying what a step is; else a ValueError naming process counts
-    and totals that work."""
+    """Checked before the downloads. Returns the line saying what a step is, else a ValueError
+    naming process counts and totals that work."""
     used = nearest_batch(total, seq_len, world, micro)
     if used not in (None, total):
         return batch_line(total, used, seq_len, world, micro)
@@ -452,7 +434,6 @@ def check_batch_divides(total, seq_len, world, micro=0):
     unit = (micro or 1) * seq_len * world
     micro_x = f"micro_batch {micro} x " if micro else ""
     what = f"{micro_x}sequence_len {seq_len} x {processes(world)} = {unit:,}"
-    # fewer GPUs that work
     counts = [str(n) for n in range(1, world) if total % ((micro or 1) * seq_len * n) == 0]
     lo, hi = total // unit * unit, (total // unit + 1) * unit
     fixes = [f"--gpus {', '.join(counts[:-1])} or {counts[-1]}" if len(counts) > 1 else "--gpus "
@@ -467,8 +448,7 @@ def check_batch_divides(total, seq_len, world, micro=0):
 
 
 def add_micro_batch_arg(group):
-    """--micro_batch, the same flag and help in every training stage; plan_batch is its one
-    reader."""
+    """--micro_batch, the same in every stage; plan_batch reads it."""
     group.add_argument("--micro_batch", type=int, default=0, help="sequences per rank per forward "
                        "(rl.py: replies); 0 = the checkpoint's when resuming (--resume), else the "
                        "parent checkpoint's (midtrain, sft, rl), else the largest that fits on "
@@ -479,13 +459,12 @@ def add_micro_batch_arg(group):
 
 def plan_batch(args, config, world, model, device, resume_from=None, parent_meta=None,
                accumulate=True):
-    """(micro_batch, accumulation steps, where the micro-batch came from): --micro_batch as its help
-    says (a resume takes its checkpoint's); accumulate=False (rl.py): no accumulation."""
+    """(micro_batch, accumulation steps, its source), as --micro_batch's help says;
+    accumulate=False (rl.py): no accumulation."""
     seq_len, total = config.sequence_len, args.total_batch_tokens if accumulate else None
     master = not dist.is_initialized() or dist.get_rank() == 0
     resumed = saved_layout(resume_from)["micro_batch"] if resume_from else None
     parents = ((parent_meta or {}).get("hparams") or {}).get("micro_batch")
-    # 0: chosen below, once the batch is known (the probe on CUDA, the CPU's choice)
     micro, source = 0, ""
     if args.micro_batch:
         micro, source = args.micro_batch, "flag"
@@ -496,7 +475,7 @@ def plan_batch(args, config, world, model, device, resume_from=None, parent_meta
     elif parents:
         micro, source = parents, "parent (meta.json)"
     nearest = nearest_batch(total, seq_len, world, micro) if total else None
-    # 3, 5, 6 or 7 GPUs: the nearest batch that splits, said (none: refused below)
+    # 3, 5, 6 or 7 GPUs: the nearest batch that splits (none: refused below)
     if nearest not in (None, total):
         if master:
             print(batch_line(total, nearest, seq_len, world, micro))
@@ -508,7 +487,7 @@ def plan_batch(args, config, world, model, device, resume_from=None, parent_meta
                                  micro_batch_candidates(total, seq_len, world))
         del throwaway
         torch.cuda.empty_cache()
-        # the probe's tries are not the run's: its peak is said once here, then forgotten
+        # the probe's peak is not the run's: said once, then reset
         if master:
             print("batch: the probe's peak CUDA memory "
                   f"{fmt_bytes(torch.cuda.max_memory_allocated(device))}")
@@ -518,7 +497,7 @@ def plan_batch(args, config, world, model, device, resume_from=None, parent_meta
         if master:
             print(f"batch: micro_batch {micro} is the largest that fits on every rank (probed with "
                   "optimizer state)")
-    elif not micro:  # the CPU: no memory probe; 8 sequences keep a step short
+    elif not micro:  # CPU: no probe; 8 sequences keep a step short
         micro, source = max(micro_batch_candidates(total, seq_len,
                                                    world)) if total else 8, "the CPU's choice"
     step_unit = micro * seq_len * world
@@ -532,16 +511,14 @@ def plan_batch(args, config, world, model, device, resume_from=None, parent_meta
 
 
 def add_loader_threads_arg(group):
-    """--loader_threads, the same flag and help in every stage that tokenizes its data;
-    loader_threads reads it."""
+    """--loader_threads, the same in every stage that tokenizes."""
     group.add_argument("--loader_threads", type=int, default=0, help="tokenizer threads per "
                        "loader; 0 = 1 when training on the CPU (its cores do the training), else "
                        "the cores per process (default: %(default)s)")
 
 
 def loader_threads(args, device):
-    """Tokenizer threads for a loader: on the CPU one (the cores run the step, and one keeps up), on
-    a GPU this process's share of the cores."""
+    """On the CPU one (the cores run the step; one keeps up), else this process's share."""
     if args.loader_threads:
         return args.loader_threads
     if device.type == "cpu":
@@ -549,23 +526,21 @@ def loader_threads(args, device):
     return max(1, os.cpu_count() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
-# the user's choice, read at import: torch._dynamo's import (the first optimizer's) writes its own
-# default there
+# read at import: importing torch._dynamo (the first optimizer does) writes its own default
 USER_COMPILE_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 
 
 def compile_cache():
-    """torch.compile's cache, shared by every stage so later ones start warm (docs/training.md): the
-    user's $TORCHINDUCTOR_CACHE_DIR, else a directory per torch version (another version's is never
-    read)."""
+    """torch.compile's cache, shared so later stages start warm (docs/training.md): the user's
+    $TORCHINDUCTOR_CACHE_DIR, else one per torch version."""
     ours = CACHE_DIR / "compile" / f"torch-{torch.__version__}"
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = USER_COMPILE_CACHE or str(ours)
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
 def wrap_model(model, args, world, local_rank, device, dynamic=False):
-    """DDP unless shard_model sharded it, then torch.compile: static shapes, but for rl.py's replies
-    of varying length (dynamic=None)."""
+    """DDP unless sharded, then torch.compile: static shapes, but rl.py's replies vary
+    (dynamic=None)."""
     train_model = model
     if world > 1 and not is_sharded(model):
         train_model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
@@ -583,8 +558,8 @@ def wrap_model(model, args, world, local_rank, device, dynamic=False):
 # Validation bits per byte, the same on 1 or N processes
 
 def val_rows(data_dir, tokenizer, max_tokens, seq_len):
-    """Validation rows of seq_len + 1 tokens for up to max_tokens targets, packed as training packs
-    them (one pass, one virtual rank): BOS-led, the same in every process and stage."""
+    """Rows of seq_len + 1 tokens for max_tokens targets, packed as in training: the same in
+    every process and stage."""
     n_rows = max(1, math.ceil(max_tokens / seq_len))
     loader = text_loader(data_dir, "val", tokenizer, min(n_rows, 64), seq_len, max_epochs=1, name=
                          "val")
@@ -601,14 +576,13 @@ def val_rows(data_dir, tokenizer, max_tokens, seq_len):
 
 
 def val_bpb(model, rows, token_bytes, batch_rows, dtype, rank, world, device):
-    """(bits per byte, tokens scored) over val_rows, in batches of batch_rows (dealt_sums). Special
-    (BOS) and -1 targets stand for no text: out of loss and bytes."""
+    """(bits per byte, tokens scored) over val_rows. Special (BOS) and -1 targets are no text:
+    out of loss and bytes."""
     token_bytes = torch.as_tensor(token_bytes, device=device)
 
     def batch_sums(b):
         batch = rows[b * batch_rows:(b + 1) * batch_rows].to(device)
-        # -1 padding would index out of the embedding; it follows the text and has -1 targets: any
-        # id serves
+        # -1 padding would index out of the embedding; its targets are -1, so any id serves
         x, y = batch[:, :-1].clamp(min=0), batch[:, 1:]
         nbytes = token_bytes[y.clamp(min=0)] * (y != -1)
         text = nbytes > 0
@@ -623,9 +597,9 @@ def val_bpb(model, rows, token_bytes, batch_rows, dtype, rank, world, device):
 
 @torch.no_grad()
 def dealt_sums(model, n_batches, width, rank, world, batch_sums):
-    """The sums of batch_sums(b) over batches dealt round robin, summed in batch order after the
-    all-reduce: bitwise the same on 1 or N processes. A sharded model's forwards need every rank:
-    rounds go up to a multiple of world, a rank past the last batch redoing one uncounted."""
+    """Sums of batch_sums(b) over batches dealt round robin, added in batch order after the
+    all-reduce: the same bits on 1 or N processes. Sharded forwards need every rank, so a rank
+    past the last batch redoes one, uncounted."""
     sums = torch.zeros(n_batches, width, dtype=torch.float64)
     was_training = model.training
     model.eval()
@@ -642,9 +616,9 @@ def dealt_sums(model, n_batches, width, rank, world, batch_sums):
 # The training loop
 
 def forward_backward(train_model, batches, dtype, device, world):
-    """Forward and backward over one step's micro-batches; returns (summed token loss, targets) over
-    all of them and all ranks. Each backward takes its loss over the whole batch's target count:
-    a mean per micro-batch would weigh tokens by how full it is."""
+    """Forward and backward over a step's micro-batches; returns (summed loss, targets) over all
+    ranks. Each loss is over the whole batch's target count: a mean per micro-batch would weigh
+    tokens by how full it is."""
     count = all_reduce_tensor(torch.stack([(targets != -1).sum() for _,
                                            targets in batches]).sum().double())
     scale = world / count.clamp(min=1)
@@ -661,12 +635,10 @@ def forward_backward(train_model, batches, dtype, device, world):
 
 
 def clip_grad_norm(parameters, max_norm, host_branches=None):
-    """clip_grad_norm_'s scaling, the squares of each row's fp32 norm summed in fp64: the same bits
-    at any world size (FSDP2 shards dim 0; dev/LOG.md). Returns the norm on the device. Off the
-    CPU nothing is read from the device: both branches are computed and chosen there. On the CPU
-    (host_branches None) they stay branches."""
+    """clip_grad_norm_, with each row's fp32 norm squared and summed in fp64: the same bits at any
+    world size (FSDP2 shards dim 0; dev/LOG.md). Returns the norm on the device. Off the CPU
+    nothing is read back: both branches are computed, chosen on the device."""
     grads = [p.grad for p in parameters if p.grad is not None]
-    # this rank's part of each (the whole gradient unless sharded)
     shards = [local(g) for g in grads]
     if host_branches is None:
         host_branches = shards[0].device.type == "cpu"
@@ -682,7 +654,7 @@ def clip_grad_norm(parameters, max_norm, host_branches=None):
         squares = torch.where(torch.isfinite(squares), squares, whole())
     elif not torch.isfinite(squares):
         squares = whole()
-    # FSDP2 shards every parameter: add the other ranks' shards
+    # FSDP2: add the other ranks' shards
     if any(is_dtensor(g) for g in grads):
         squares = all_reduce_tensor(squares)
     norm = squares.sqrt().float()
@@ -694,8 +666,8 @@ def clip_grad_norm(parameters, max_norm, host_branches=None):
 
 
 def optimizer_step(model, optimizers, args, loss_sum, count, world, device, step, run_dir):
-    """Clip, step, zero the gradients, then the step's one read (read_step) and the NaN stop:
-    train's and rl.py's. Returns (loss, targets, grad norm)."""
+    """Clip, step, zero gradients, the step's one read and the NaN stop (train's and rl.py's).
+    Returns (loss, targets, grad norm)."""
     norm = clip_grad_norm(model.parameters(), args.grad_clip or float("inf"))
     for opt in optimizers:
         opt.step()
@@ -707,9 +679,8 @@ def optimizer_step(model, optimizers, args, loss_sum, count, world, device, step
 
 
 def read_step(loss_sum, count, norm, device):
-    """The step's one read from the device, after the optimizer step: loss, targets and grad norm in
-    one transfer, which waits for the step's queued work (so it also ends the step's time). Returns
-    (loss, targets, grad norm)."""
+    """The step's one read from the device, in one transfer that waits for the step's queued
+    work (so it ends the step's time). Returns (loss, targets, grad norm)."""
     loss_sum, count, grad_norm = torch.stack([torch.as_tensor(loss_sum, dtype=torch.float64,
                                                               device=device),
                                               torch.as_tensor(count, dtype=torch.float64,
@@ -719,8 +690,7 @@ def read_step(loss_sum, count, norm, device):
 
 
 def stop_if_not_finite(loss, grad_norm, step, run_dir):
-    """A NaN or infinite loss or grad norm stops the run: the step's update is in memory only, never
-    saved."""
+    """A non-finite loss or grad norm stops the run; that update is never saved."""
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         last = list_checkpoints(run_dir / "ckpt")
         raise RuntimeError(f"step {step}: loss {loss} / grad norm {grad_norm} is not finite: run "
@@ -730,7 +700,7 @@ def stop_if_not_finite(loss, grad_norm, step, run_dir):
 
 
 def cuda_memory(device):
-    """The record's CUDA memory fields: allocated, reserved and peak bytes (None off CUDA)."""
+    """Allocated, reserved and peak CUDA bytes (None off CUDA)."""
     cuda = device.type == "cuda"
     return {"cuda_mem_alloc": torch.cuda.memory_allocated(device) if cuda else None,
             "cuda_mem_reserved": torch.cuda.memory_reserved(device) if cuda else None,
@@ -749,14 +719,12 @@ def open_wandb(args, master):
 
 
 class Log:
-    """Rank 0's records of the run: metrics.jsonl, wandb, and a progress line every log_every steps,
-    its ETA timed from the end of this process's first step (which holds compilation and warm-up).
-    Other ranks write nothing."""
+    """Rank 0's records: metrics.jsonl, wandb, a progress line every log_every steps, its ETA
+    timed from the end of the first step (which holds compilation)."""
 
     def __init__(self, args, run_dir, start, total_steps, master):
         if master and start == 0:
-            # a restart before the first checkpoint starts over: the earlier lines would count its
-            # steps twice
+            # a restart before the first checkpoint starts over: old lines would count twice
             for name in ("metrics.jsonl", "samples.jsonl"):
                 if (run_dir / name).is_file():
                     (run_dir / name).unlink()
@@ -772,8 +740,7 @@ class Log:
             append_jsonl(self.metrics, record)
 
     def step(self, record, line=None):
-        """A step's record: written, logged to wandb, and its progress line when due: `line`
-        (rl.py's own), else progress_line's."""
+        """Write a step's record; print `line` (rl.py's) or progress_line's when due."""
         step = record["step"]
         self.write(record)
         if self.wandb:
@@ -783,23 +750,21 @@ class Log:
             self.first_done = now()
         if self.master and (step % self.args.log_every == 0 or step in (self.start + 1,
                                                                         self.total_steps)):
-            # steps since the first of this process (0: none yet, the ETA is unknown)
             timed = step - 1 - self.start
             per_step = (now() - self.first_done) / timed if timed else None
             print(line or progress_line(record, self.total_steps, per_step), flush=True)
 
 
 class Saver:
-    """The run's checkpoints: save(step) writes one once every rank's parameters are finite;
-    stopped(step, when) ends the run on a signal: the last finished step saved (unless it is
-    already), then the line saying how to resume."""
+    """save(step) writes a checkpoint if every rank's parameters are finite; stopped() saves the
+    last step on a signal and says how to resume."""
 
     def __init__(self, args, run_dir, model, optimizers, loaders, ckpt_meta, rank, start, log,
                  stop):
         self.args, self.run_dir, self.model = args, run_dir, model
         self.optimizers, self.loaders = optimizers, loaders
         self.meta, self.rank, self.log, self.stop = ckpt_meta, rank, log, stop
-        self.saved = start  # the step of the newest checkpoint on disk (a resume's; 0: none)
+        self.saved = start  # step of the newest checkpoint on disk (0: none)
 
     def save(self, step, last=False):
         mark_progress(step, "checkpoint")
@@ -815,7 +780,7 @@ class Saver:
         return path
 
     def stopped(self, step, when):
-        """The signal that stopped the run `when` (its words), after step `step`'s checkpoint."""
+        """Save step `step` if needed; return the signal."""
         path = self.save(step) if step > self.saved else None
         if self.rank == 0:
             print(f"stopped by signal {when}; " + (f"checkpoint {path}" if path else "step "
@@ -826,8 +791,7 @@ class Saver:
 
 
 def frozen_heap(train_fn):
-    """train with start-up's objects frozen (gc.freeze) so the collector's full passes skip them;
-    unfrozen when it returns or raises."""
+    """train with start-up's objects frozen (gc.freeze) so full collections skip them."""
     @functools.wraps(train_fn)
     def wrapped(*args, **kwargs):
         try:
@@ -841,28 +805,26 @@ def frozen_heap(train_fn):
 def train(args, model, train_model, optimizers, loaders, *, run_dir, start, total_steps, ckpt_meta,
           evaluate,
           flops_per_token, rank, world, device):
-    """Steps start..total_steps-1; returns None when every step ran, else the signal that stopped
-    the run after its checkpoint. evaluate(step): fields for the step's record."""
+    """Steps start..total_steps-1; returns None, or the signal that stopped the run.
+    evaluate(step): fields for the step's record."""
     tokens_per_step = sum(ld.B * ld.T for ld in loaders) * world
     log, stop = Log(args, run_dir, start, total_steps, rank == 0), StopSignal()
     saver = Saver(args, run_dir, model, optimizers, loaders, ckpt_meta, rank, start, log, stop)
     peak = peak_flops(device_name(device), args.dtype)
     health = Health(model, optimizers, args, start, rank == 0)
-    # each rank's last step and phase, in run_dir/progress/
     keep_progress(run_dir, ckpt_meta.get("stage", "train"))
     mark_progress(start, "starting")
-    # start-up's garbage, then what survives it out of every later collection (frozen_heap)
+    # start-up's garbage collected, the survivors frozen (frozen_heap)
     gc.collect()
     gc.freeze()
     for step in range(start, total_steps):
         t0 = now()
         lr_mult, wd = apply_schedule(optimizers, step, total_steps, args)
         batches = [next(loader) for loader in loaders]
-        # the loaders prefetch: this is time the step stood still waiting for data
+        # the loaders prefetch: time spent waiting for data
         data_wait = now() - t0
         mark_progress(step + 1, "forward/backward")
         loss_sum, count = forward_backward(train_model, batches, args.dtype, device, world)
-        # on the device: nothing read
         loss, count, grad_norm = optimizer_step(model, optimizers, args, loss_sum, count, world,
                                                 device, step + 1, run_dir)
         dt = now() - t0
@@ -884,8 +846,7 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
         log.step(record)
         if stop.requested():
             return saver.stopped(step + 1, f"at step {step + 1}")
-        # --final_checkpoint is pretrain.py's (false in bench.py gpu: d20's is ~9 GB); the other
-        # stages always save
+        # --final_checkpoint: pretrain.py's (false in bench.py gpu: d20's is ~9 GB)
         if (step + 1) % args.ckpt_every == 0 or (last_step and getattr(args, "final_checkpoint",
                                                                        True)):
             # the final checkpoint comes before the final evaluation (nanochat #446)
@@ -906,8 +867,7 @@ def progress_line(record, total_steps, seconds_per_step):
 
 
 def print_status(run_dir):
-    """What a run has done so far, from its files: works while it runs and after it ends, for every
-    stage."""
+    """What a run of any stage has done, from its files, live or finished."""
     if not (run_dir / "metrics.jsonl").is_file():
         raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: not a run directory "
                                 "(runs/<run>/)")
@@ -926,7 +886,7 @@ def print_status(run_dir):
           + " -> ".join(f"{v:.3f}" for v in trend))
     recent = steps[-20:]
     rate = sum(r["tok_per_s"] for r in recent) / len(recent)
-    # rl.py's tokens a step vary: steps left x step time
+    # rl.py's tokens a step vary: use step time
     step_s = sum(r["step_time"] for r in recent) / len(recent)
     print(f"speed {rate:,.0f} tok/s, MFU {last['mfu']}; ETA "
           f"{fmt_duration((total - last['step']) * step_s)}")
