@@ -1,13 +1,9 @@
-"""The streaming loaders: batches of (inputs, targets) on the device, from a text corpus
-(text_loader) or conversations (chat_loader; midtrain.py mixes both at token shares), each
-resumable bit-identically from its state_dict(). The packing decisions (which pieces fill a
-row, where one is cropped, padding, targets) are the pure functions below PieceBuffer; PackedLoader
-is the threads and files around them. To see what a batch holds:
+"""Streaming loaders: (inputs, targets) batches on the device from a text corpus (text_loader)
+or conversations (chat_loader), resumable bit-identically from state_dict(). Packing is pure
+functions below PieceBuffer; PackedLoader adds threads and files. To see a batch:
 
     python loader.py --data_dir data/demo/pretrain --tokenizer runs/tokenizer   # pretraining rows
     python loader.py --chat data/demo/conversations --tokenizer runs/tokenizer  # SFT rows, targets
-
-In code: `inputs, targets = next(text_loader(data_dir, "train", tokenizer, batch_size, seq_len))`.
 """
 import argparse
 import bisect
@@ -39,44 +35,40 @@ STAT_KEYS = ("batches", "tokens", "supervised", "docs", "doc_tokens", "pieces", 
              "padding",
              "empty",
              "no_assistant", "too_long", "malformed", "empty_content")
-# the first few conversations skipped as bad input are printed (file, row, why); the rest counted
+# the first skipped conversations are printed (file, row, why); the rest only counted
 REPORT_SKIPPED = 5
 
 
 def read_footers(files):
-    """{path: its parquet metadata (or a .jsonl file's index)}: every file's row groups and their
-    sizes, read once."""
+    """{path: its parquet metadata or .jsonl index}, read once."""
     return {path: chat_footer(path) for path in files}
 
 
 def unit_rows(unit, footers):
-    """The rows of its row group that a unit (assign_units') holds, in file order."""
+    """The rows of its row group that a unit holds, in file order."""
     path, row_group, first, step = unit
     return range(first, footers[path].row_group(row_group).num_rows, step)
 
 
 def assign_units(files, rank, world_size, footers=None):
-    """What rank `rank` of `world_size` reads, with no document shared and none running out while
-    another has data: full-size row groups round robin in whole rounds, the rest dealt by
-    document. Fewer documents than ranks are repeated. A unit is (path, row group, first doc, doc
-    step)."""
+    """What rank `rank` reads, no document shared and no rank running out before another: full
+    row groups round robin in whole rounds, the rest dealt by document (repeated if fewer than
+    ranks). A unit is (path, row group, first doc, doc step)."""
     footers = footers or read_footers(files)
     row_groups = [(path, i, footers[path].row_group(i).num_rows) for path in files
                   for i in range(footers[path].num_row_groups)]
     most = max((n for _, _, n in row_groups), default=0)
     full = [k for k, (_, _, n) in enumerate(row_groups) if n == most]
-    # -> its rank
     whole = {k: j % world_size for j, k in enumerate(full[:len(full) // world_size * world_size])}
     documents = sum(n for k, (_, _, n) in enumerate(row_groups) if k not in whole)
-    # ceil: every rank gets a document
     copies = -(-world_size // documents) if documents and not whole else 1
-    units, start = [], 0  # start: the index in the dealt sequence of the row group's first document
+    units, start = [], 0  # start: the dealt index of the row group's first document
     for _ in range(copies):
         for k, (path, i, n) in enumerate(row_groups):
             if k in whole:
                 units += [(path, i, 0, 1)] if whole[k] == rank else []
                 continue
-            first = (rank - start) % world_size  # this rank's first document in the row group
+            first = (rank - start) % world_size
             if first < n:
                 units.append((path, i, first, world_size))
             start += n
@@ -84,28 +76,26 @@ def assign_units(files, rank, world_size, footers=None):
 
 
 def trained_epoch(stats, pass_tokens):
-    """The pass that the tokens in rows are in: 0 until they are a whole pass's (pass_tokens, 0
-    while unknown)."""
+    """The pass the tokens in rows are in (pass_tokens 0: unknown, so 0)."""
     return int(stats["tokens"] // pass_tokens) if pass_tokens else 0
 
 
 def cut_into_pieces(ids, row_len, bos):
-    """A document longer than a row as row-sized pieces, each after the first led by a BOS of its
-    own. Cutting its loss mask the same way, with the mask's value for BOS as `bos`, keeps each
-    piece's mask aligned with its ids."""
+    """A long document as row-sized pieces, each after the first led by `bos`; cutting its mask
+    the same way keeps mask and ids aligned."""
     rest = [np.concatenate([[bos], ids[s:s + row_len - 1]]).astype(ids.dtype)
             for s in range(row_len, len(ids), row_len - 1)]
     return [ids[:row_len], *rest]
 
 
 def skipped(item):
-    """An item the reader could not use: None (an empty document) or the reason it was skipped."""
+    """None (an empty document) or the reason an item was skipped."""
     return item is None or isinstance(item, str)
 
 
 class PieceBuffer:
-    """The packer's buffer: pieces (ids, mask, arrival) sorted by length, so the largest that fits
-    is a bisect; a heap of arrivals finds the oldest without a scan."""
+    """Pieces (ids, mask, arrival) sorted by length, so the largest that fits is a bisect; a
+    heap of arrivals finds the oldest."""
 
     def __init__(self, pieces):
         self.lengths, self.pieces, self.live, self.oldest, self.tokens = [], [], {}, [], 0
@@ -134,30 +124,26 @@ class PieceBuffer:
         while self.oldest[0] not in self.live:
             heapq.heappop(self.oldest)
         arrival = self.oldest[0]
-        # among the pieces of its length
         first = bisect.bisect_left(self.lengths, self.live[arrival])
         return self.take(next(i for i in range(first,
                                                len(self.pieces)) if self.pieces[i][2] == arrival))
 
     def take_largest(self, space):
-        """The largest piece of at most `space` tokens, or None if none is that short."""
+        """The largest piece of at most `space` tokens, or None."""
         i = bisect.bisect_right(self.lengths, space) - 1
         return self.take(i) if i >= 0 else None
 
 
 # -----------------------------------------------------------------------------
-# Packing: pure functions, no threads and no I/O; they change only the PieceBuffer, the rows and the
-# stats handed in.
-# A document: ids (text), (ids, mask) (a conversation: mask 1 at targets), or skipped: None (empty)
-# or its stats key.
+# Packing: pure functions, no threads or I/O. A document: ids (text), (ids, mask) (a
+# conversation, mask 1 at targets), or skipped: None (empty) or its stats key.
 
-_END = object()  # next(documents, _END): the documents have run out
+_END = object()  # the documents have run out
 
 
 def add_document(buffer, document, row_len, bos, stats):
-    """Buffer one document (a skipped one is only counted); one longer than a row as row-sized
-    BOS-led pieces, its mask too (pack="pad" renders at most a row), the tokens after the first
-    piece counted as 'cropped'."""
+    """Buffer one document (a skipped one is counted); a long one as BOS-led pieces, tokens past
+    the first piece counted as 'cropped'."""
     if skipped(document):
         stats[document or "empty"] += 1
         return
@@ -171,15 +157,13 @@ def add_document(buffer, document, row_len, bos, stats):
                                                                                    mask[0])
         pieces = list(zip(id_pieces, mask_pieces, strict=True))
     for piece, piece_mask in pieces:
-        # arrival numbers count pieces: unique, and in order
         buffer.add(piece, piece_mask, stats["pieces"])
         stats["pieces"] += 1
 
 
 def fill_row(buffer, row, row_mask, bos, crop, stats):
     """The oldest piece opens the row (pure best-fit starves short documents), then the largest
-    piece that fits, again and again, then pad_or_crop() the rest. row_mask (None: no masks) gets
-    the pieces' masks."""
+    that fits, repeatedly, then pad_or_crop() the rest."""
     pos, piece = 0, buffer.take_oldest()
     while piece is not None:
         ids, mask, _ = piece
@@ -193,10 +177,10 @@ def fill_row(buffer, row, row_mask, bos, crop, stats):
 
 
 def pad_or_crop(buffer, row, row_mask, pos, bos, crop, stats):
-    """No piece fits the rest of the row: pack="pad" pads it (BOS, mask 0); pack="crop" fills it
-    with the smallest piece and puts its remainder back, BOS-led, under the same arrival."""
+    """No piece fits: "pad" pads (BOS, mask 0); "crop" fills with the smallest piece and puts
+    its BOS-led remainder back under the same arrival."""
     space = len(row) - pos
-    if not crop or not len(buffer):  # cropping pads only when the data has ended (max_epochs)
+    if not crop or not len(buffer):  # crop pads only once the data has ended
         row[pos:], row_mask[pos:] = bos, 0
         stats["padding"] += space
         return
@@ -210,20 +194,18 @@ def pad_or_crop(buffer, row, row_mask, pos, bos, crop, stats):
 
 
 def pack_batch(buffer, documents, batch_size, row_len, bos, *, crop, buffer_docs, masked, stats):
-    """(rows, masks or None) of one batch: up to batch_size rows of row_len tokens; fewer, or none,
-    once documents and buffer are empty."""
+    """(rows, masks or None): up to batch_size rows; fewer once the data has ended."""
     rows = np.empty((batch_size, row_len), dtype=np.int32)
     masks = np.ones((batch_size, row_len), dtype=np.int8) if masked else None
     filled = 0
     for b in range(batch_size):
-        # documents into the buffer until it holds buffer_docs pieces, or they run out (max_epochs);
-        # cropping also
-        # wants a row's worth of tokens, else a row would take every piece and find nothing to crop
+        # fill to buffer_docs pieces; cropping also wants a row's worth of tokens, else a row
+        # would take every piece and find nothing to crop
         while len(buffer) < buffer_docs or (crop and buffer.tokens < row_len):
             if (document := next(documents, _END)) is _END:
                 break
             add_document(buffer, document, row_len, bos, stats)
-        if not len(buffer):  # the data has ended and every piece is in a row: a short last batch
+        if not len(buffer):  # the data has ended: a short last batch
             break
         fill_row(buffer, rows[b], None if masks is None else masks[b], bos, crop, stats)
         filled += 1
@@ -236,9 +218,8 @@ def pack_batch(buffer, documents, batch_size, row_len, bos, *, crop, buffer_docs
 
 
 def inputs_and_targets(rows, masks):
-    """A batch's rows as one int32 array [inputs, targets] of shape (2, rows, row_len - 1): targets
-    are the inputs shifted by one, -1 where the mask is 0 (padding, or not supervised), which
-    cross-entropy ignores."""
+    """int32 [inputs, targets], shape (2, rows, row_len - 1); targets -1 (ignored) where the
+    mask is 0."""
     inputs, targets = rows[:, :-1], rows[:, 1:].copy()
     if masks is not None:
         targets[masks[:, 1:] == 0] = -1
@@ -246,9 +227,7 @@ def inputs_and_targets(rows, masks):
 
 
 def to_device(batch, device):
-    """A batch [inputs, targets] as int64 (inputs, targets) on `device`; on CUDA through pinned
-    memory, non_blocking (a PackedLoader's batch is int32 until then: half the bytes on the
-    wire)."""
+    """int64 (inputs, targets) on `device`; int32 until here, half the bytes on the wire."""
     if device.type == "cuda":
         batch = batch.pin_memory().to(device, non_blocking=True)
     batch = batch.long()
@@ -256,14 +235,14 @@ def to_device(batch, device):
 
 
 class Pipe:
-    """A bounded queue between one started pipeline's threads, with its stop event: a thread that
-    outlives close()'s join still finds its pipeline stopped."""
+    """A bounded queue with its start's stop event: a thread outliving close()'s join still
+    finds its pipeline stopped."""
 
     def __init__(self, maxsize, stop, name):
         self.queue, self.stop, self.name = queue.Queue(maxsize=maxsize), stop, name
 
     def put(self, item):
-        """Hand `item` on; False if the pipeline was stopped first."""
+        """False if the pipeline was stopped first."""
         while not self.stop.is_set():
             with contextlib.suppress(queue.Full):
                 self.queue.put(item, timeout=0.1)
@@ -279,12 +258,11 @@ class Pipe:
 
 
 class PackedLoader:
-    """(inputs, targets) batches (B, T) for one rank: pack="crop" packs without padding, pack="pad"
-    pads whole conversations (SFT); supervise picks a conversation's targets (docs/data.md).
-    state_dict() is the exact position after the last batch handed out: a resume is
-    bit-identical. A reader thread tokenizes this rank's units; a packer thread ships batches
-    `prefetch` ahead. seed shuffles units by (seed, epoch) and documents by (seed, epoch, unit).
-    max_epochs=N stops after N passes; None cycles forever."""
+    """(inputs, targets) batches (B, T) for one rank: pack="crop" packs without padding, "pad"
+    pads whole conversations (SFT); supervise picks the targets (docs/data.md). state_dict() is
+    the exact position after the last batch: resumes are bit-identical. A reader thread
+    tokenizes, a packer thread ships batches `prefetch` ahead. seed shuffles units by (seed,
+    epoch), documents by (seed, epoch, unit). max_epochs None cycles forever."""
 
     def __init__(self, files, tokenizer, batch_size, seq_len, kind="text", rank=0, world_size=1,
                  device=
@@ -308,7 +286,7 @@ class PackedLoader:
         self.device = torch.device(device)
         self.threads = threads or os.cpu_count()
         self.prefetch, self.max_epochs = prefetch, max_epochs
-        # a bad line of a .jsonl file stops it here, before any batch; skipped ones are "malformed"
+        # a bad .jsonl line stops here, before any batch; skipped ones are "malformed"
         if kind == "chat":
             check_chat_files(self.files, skip_bad_rows)
         self._footers = read_footers(self.files)
@@ -316,31 +294,26 @@ class PackedLoader:
         if not self.units:
             raise ValueError(f"{name}: rank {rank} of {world_size} has no data in "
                              f"{', '.join(map(str, self.files))}")
-        # training buffers at most one pass of this rank's documents, else a small set is read a
-        # thousand times over
-        # before the first row (validation, whose data ends, is unchanged)
+        # training buffers at most one pass, else a small set is read a thousand times before
+        # the first row
         pass_docs = sum(len(unit_rows(unit, self._footers)) for unit in self.units)
         self.buffer_docs = buffer_docs if max_epochs is not None else min(buffer_docs, max(
                 1, pass_docs))
-        # a training pass shorter than buffer_docs (a small source on many streams) is kept encoded
-        # after its first
-        # read, as the buffer could hold it anyway. {(unit, row in its row group): _read_unit's};
-        # None: every pass reads
+        # a training pass shorter than buffer_docs stays encoded after its first read (the
+        # buffer could hold it anyway). {(unit, row): _read_unit's}; None: every pass reads
         self._encoded = {} if max_epochs is None and pass_docs < buffer_docs else None
-        # epoch, unit, doc: where the reader goes on; pass_tokens: a pass's document tokens, once
-        # read (see epoch)
+        # epoch, unit, doc: where the reader goes on; pass_tokens: a pass's tokens, once known
         self.state = {"epoch": 0, "unit": 0, "doc": 0, "buffer": [],
                       "stats": dict.fromkeys(STAT_KEYS, 0),
                       "pass_tokens": 0}
-        # the running pipeline's threads and its Pipe of batches
         self._threads, self._batches = [], None
         self._reported = 0  # skipped conversations printed so far
 
     # --- state
     @property
     def epoch(self):
-        """The pass the rows handed out are in (0: the first), by tokens: those in rows over a
-        pass's. (The reader's, state["epoch"], runs ahead by the buffer.)"""
+        """The pass the rows handed out are in (0: the first), by tokens; state["epoch"] runs
+        ahead by the buffer."""
         return trained_epoch(self.state["stats"], self.state["pass_tokens"])
 
     def state_dict(self):
@@ -397,7 +370,6 @@ class PackedLoader:
                        f"{s['too_long']:,}, empty content {s['empty_content']:,}")
 
     # --- the pipeline
-    # --------------------------------------------------------------------------------------------
     def __iter__(self):
         return self
 
@@ -412,9 +384,9 @@ class PackedLoader:
         return batch
 
     def stop(self):
-        """Tell this start's threads to end, without waiting for them (close() waits)."""
+        """Tell this start's threads to end without waiting (close() waits)."""
         if self._batches is not None:
-            # for good: this start's threads hold this event, whether they join in time or not
+            # for good: this start's threads hold this event, joined in time or not
             self._batches.stop.set()
 
     def close(self, timeout=10):
@@ -444,9 +416,8 @@ class PackedLoader:
             batches.put(e)
 
     def _read(self, start, out):
-        """Reader thread: per row group, (epoch, unit, first doc index, [encoded doc, or None/reason
-        if skipped]); unit and doc are positions in the epoch's visiting order (see the class
-        docstring)."""
+        """Reader thread: per row group, (epoch, unit, first doc, [encoded doc or skip reason]),
+        positions in the epoch's shuffled order."""
         epoch, first_unit, doc = start
         while epoch != self.max_epochs:
             order = list(range(len(self.units)))  # order[k]: the unit visited k-th this epoch
@@ -462,8 +433,7 @@ class PackedLoader:
         out.put(None)  # the data has ended (max_epochs)
 
     def _encode(self, unit, skip, doc_order=None):
-        """The documents of a unit from position `skip` on, in file order or shuffled with the seed
-        `doc_order`."""
+        """A unit's documents from `skip` on, in file order or shuffled by `doc_order`."""
         path, row_group, _, _ = unit
         rows = list(unit_rows(unit, self._footers))  # indices in the row group
         if doc_order is not None:
@@ -491,8 +461,7 @@ class PackedLoader:
         return out
 
     def _read_unit(self, path, row_group, rows):
-        """The rows of a row group, read and encoded: text as BOS-led ids (None: empty), a
-        conversation as _render's (document, why it is skipped or None)."""
+        """Rows encoded: text as BOS-led ids (None: empty), a conversation as _render's."""
         if self.kind == "text":
             items = read_row_group(path, row_group, "text")
             texts = [items[r] for r in rows]
@@ -504,14 +473,14 @@ class PackedLoader:
                 for item in chat_rows(path, row_group, rows)]
 
     def _render(self, messages):
-        """(ids, mask) of one conversation, or the stats key it is skipped under; then why it is bad
-        input, or None. pack="pad" cuts it after the last assistant turn that fits a row."""
+        """((ids, mask) or a stats key, why it is bad input or None). pack="pad" cuts after the
+        last assistant turn that fits a row."""
         if not messages:
             return None, "no messages"
         try:
             ids, mask = self.tokenizer.render_conversation(
                     messages, max_tokens=None if self.crop else self.T + 1)
-        except ValueError as e:  # an unknown role, content that is not a string, roles out of order
+        except ValueError as e:  # unknown role, non-string content, roles out of order
             return "malformed", str(e)
         empty = [i for i, m in enumerate(messages) if m["role"] != "system"
                  and isinstance(m["content"], str) and not m["content"].strip()]
@@ -527,12 +496,10 @@ class PackedLoader:
 
     # --- packing
     def _pack(self, units, batches, state):
-        """Packer thread: pack_batch() rows from the buffer, ship each batch to the device with the
-        state after it."""
+        """Packer thread: ship each batch to the device with the state after it."""
         stats, buffer = dict(state["stats"]), PieceBuffer(state["buffer"])
-        per_pass = [state["pass_tokens"]]  # _documents sets it when the reader starts a pass again
-        # of the next unread document: where a resume reads on; _documents moves it, to None once
-        # the data has ended
+        per_pass = [state["pass_tokens"]]  # set by _documents when a second pass starts
+        # the next unread document, where a resume reads on; None once the data has ended
         position = [(state["epoch"], state["unit"], state["doc"])]
         documents = self._documents(units, position, len(buffer), stats, per_pass)
         # a row that can end in padding needs a mask
@@ -541,7 +508,7 @@ class PackedLoader:
             rows, masks = pack_batch(buffer, documents, self.B, self.T + 1, self.tokenizer.bos_id,
                                      crop=self.crop,
                                      buffer_docs=self.buffer_docs, masked=masked, stats=stats)
-            if len(rows):  # none: the data ended with every piece already in a row
+            if len(rows):
                 trained = trained_epoch(stats, per_pass[0])
                 new = trained > trained_epoch(state["stats"], state["pass_tokens"])
                 # epochs 2-4, 10, 100, ...
@@ -550,20 +517,18 @@ class PackedLoader:
                     print(f"{self.name} loader, stream {self.rank} of {self.world_size}: epoch "
                           f"{trained + 1} starts (its data ran out: its rows repeat documents from "
                           f"here on{later})")
-                # None: the data has ended
                 epoch, unit, doc = position[0] or (self.max_epochs, 0, 0)
                 state = {"epoch": epoch, "unit": unit, "doc": doc, "stats": dict(stats),
                          "buffer": list(buffer.pieces),
-                         # the state after this batch: the next one's "before"
                          "pass_tokens": per_pass[0]}
                 if not batches.put((to_device(torch.from_numpy(inputs_and_targets(rows, masks)),
                                               self.device), state)):
                     return
-        batches.put(StopIteration())  # max_epochs passes are done: __next__ raises it
+        batches.put(StopIteration())  # max_epochs done: __next__ raises it
 
     def _documents(self, units, position, buffered, stats, per_pass):
-        """The documents from position[0] on, encoded or why skipped; position[0] moves to the next
-        unread before each is handed out. A pass with no usable document is an error."""
+        """Documents from position[0] on, which moves to the next unread before each is yielded.
+        A pass with no usable document is an error."""
         epoch, usable = position[0][0], buffered
         while (got := units.get()) is not None:
             item_epoch, unit, doc, items = got
@@ -576,7 +541,7 @@ class PackedLoader:
             for read, item in enumerate(items, start=1):
                 usable += not skipped(item)
                 position[0] = (epoch, unit, doc + read)
-                if read == len(items):  # the next document is the first of the next row group
+                if read == len(items):
                     position[0] = (epoch + 1, 0, 0) if unit + 1 == len(self.units) else (
                             epoch, unit + 1, 0)
                 yield item
@@ -584,8 +549,8 @@ class PackedLoader:
 
 
 def close_all(loaders, timeout=10):
-    """Close loaders (PackedLoaders or MixtureLoaders), every thread told first: they end together,
-    not one 0.1 s poll after another."""
+    """Close loaders, every thread told first, so they end together, not one 0.1 s poll after
+    another."""
     for loader in loaders:
         loader.stop()
     for loader in loaders:
@@ -594,7 +559,7 @@ def close_all(loaders, timeout=10):
 
 
 def text_loader(data_dir, split, tokenizer, batch_size, seq_len, **kwargs):
-    """The pretraining loader over a corpus directory's train or val split."""
+    """The pretraining loader over a corpus split."""
     return PackedLoader(split_shards(data_dir, split), tokenizer, batch_size, seq_len, kind="text",
                         **{"name": split, **kwargs})
 
@@ -602,8 +567,7 @@ def text_loader(data_dir, split, tokenizer, batch_size, seq_len, **kwargs):
 def chat_loader(chat_dir, split, tokenizer, batch_size, seq_len, *, pack="pad", supervise=
                 "assistant", seed=None,
                 files=None, **kwargs):
-    """The conversation loader over a chat directory's train or val files (or a list of files, e.g.
-    mixture_files); pack and supervise: see PackedLoader."""
+    """The conversation loader over a chat split, or `files`; see PackedLoader."""
     return PackedLoader(files or chat_files(chat_dir, split), tokenizer, batch_size, seq_len, kind=
                         "chat", pack=pack,
                         supervise=supervise, seed=seed, **{"name": f"chat {split}", **kwargs})
