@@ -1,6 +1,5 @@
-"""Runs and their checkpoints: saving, listing, finding and loading checkpoints (any world size,
-sharded or not), their tokenizer checks, resuming from one; a run's directory, its record
-(config.json, meta.json) and first lines. Not a stage: import it. Its command line:
+"""Runs and checkpoints: saving, finding and loading checkpoints (any world size, sharded or
+not), tokenizer checks, resuming; a run's directory and record. Not a stage: import it.
 
     python checkpoint.py consolidate runs/<run>[/ckpt/step_N]   # a sharded one's model.pt
     python checkpoint.py lineage runs/<run>[/ckpt/step_N]       # stage, step, hparams; parents
@@ -51,8 +50,7 @@ def rng_state():
     return {"python": list(random.getstate()[1]), "python_pos": random.getstate()[2],
             "numpy_key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
             "numpy_pos": np_state["state"]["pos"], "torch": torch.get_rng_state(),
-            # this rank's GPU only: all GPUs' states made a resume on fewer GPUs index past the last
-            # (IndexError)
+            # this rank's GPU only: all GPUs' states broke a resume on fewer GPUs (IndexError)
             "cuda_device": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
 
@@ -64,16 +62,14 @@ def set_rng_state(s):
                          "has_gauss": 0, "gauss": 0.0})
     torch.set_rng_state(s["torch"])
     if torch.cuda.is_available() and s["cuda_device"] is not None:
-        # this rank's device (setup_distributed made it the current one)
         torch.cuda.set_rng_state(s["cuda_device"])
 
 
 def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank, keep,
                     consolidate=False,
                     metrics=None):
-    """Write the checkpoint of `step` as laid out above (`consolidate`: a sharded model's model.pt
-    too), keep the newest `keep`, record the save's seconds in ckpt_dir/save_seconds
-    (speedrun.sh's grace before a kill)."""
+    """Write step `step`'s checkpoint as laid out above, keep the newest `keep`, and record the
+    save's seconds in ckpt_dir/save_seconds (speedrun.sh's grace before a kill)."""
     started = time.perf_counter()
     final = Path(ckpt_dir) / f"step_{step:06d}"
     tmp = Path(ckpt_dir) / f".tmp_step_{step:06d}"
@@ -91,7 +87,7 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank,
         )
         model_state, optimizer_state = get_state_dict(model, optimizers)
         dcp.save({"model": model_state, "optimizers": optimizer_state}, checkpoint_id=tmp / "state")
-        if consolidate:  # gathered to rank 0, shard by shard, into CPU memory
+        if consolidate:  # gathered to rank 0's CPU memory, shard by shard
             model_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                                cpu_offload=True))
             if rank == 0:
@@ -122,23 +118,21 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank,
 
 
 def checkpoint_step(path):
-    """The step of a checkpoint directory step_N; None for anything else."""
+    """N of a directory step_N; else None."""
     name = Path(path).name
     return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
 
 
 def list_checkpoints(ckpt_dir):
-    """Complete checkpoints, oldest first by step (by name, step_1000000 would sort before
-    step_999999)."""
+    """Complete checkpoints by step (by name, step_1000000 sorts before step_999999)."""
     found = [p for p in Path(ckpt_dir).glob("step_*") if p.is_dir()
              and checkpoint_step(p) is not None]
     return sorted(found, key=checkpoint_step)
 
 
 def set_aside_newer(ckpt_dir, step):
-    """Resuming from an older checkpoint abandons the newer ones (another branch of the run): move
-    them, never delete them, into ckpt_dir/../ckpt_abandoned/<time>/ where no --resume looks.
-    Returns where they went, or None."""
+    """Resuming from an older checkpoint abandons newer ones: move them (never delete) to
+    ckpt_dir/../ckpt_abandoned/<time>/, where no --resume looks. Returns where, or None."""
     newer = [c for c in list_checkpoints(ckpt_dir) if checkpoint_step(c) > step]
     if not newer:
         return None
@@ -150,14 +144,14 @@ def set_aside_newer(ckpt_dir, step):
 
 
 def optimizer_layout(optimizers):
-    """[[class name, [param group names]], ...]: what chat_stage.warm_start checks."""
+    """[[class name, [group names]], ...], checked by chat_stage.warm_start."""
     return [[type(opt).__name__, [group.get("name") for group in opt.param_groups]]
             for opt in optimizers]
 
 
 def named_optimizer_state(model, optimizers):
-    """The optimizers' state dicts as one, keyed by parameter name instead of position: the form of
-    torch.distributed.checkpoint's full optimizer state dict, which a sharded run loads too."""
+    """The optimizers' state as one dict keyed by parameter name: the form of dcp's full
+    optimizer state dict, so a sharded run loads it too."""
     names = {id(p): name for name, p in model.named_parameters()}
     merged = {"state": {}, "param_groups": []}
     for opt in optimizers:
@@ -169,8 +163,7 @@ def named_optimizer_state(model, optimizers):
 
 
 def load_named_optimizer_state(model, optimizers, merged):
-    """named_optimizer_state's dict back into unsharded optimizers (positions from this run's
-    parameter order)."""
+    """named_optimizer_state's dict back into unsharded optimizers."""
     names = {id(p): name for name, p in model.named_parameters()}
     groups = iter(merged["param_groups"])
     for opt in optimizers:
@@ -186,9 +179,8 @@ def load_named_optimizer_state(model, optimizers, merged):
 
 
 def load_state(path, model, optimizers, device, keep=("foreach", "fused", "ns_dtype")):
-    """Model and optimizer state from a checkpoint (any world size, sharded or not) into `model` and
-    `optimizers`. This run's values of the param group keys in `keep` stay (the device's
-    choices); keep=None keeps all but the params (a warm start)."""
+    """Load model and optimizer state (any world size, sharded or not). This run's param group
+    values for `keep` stay (the device's choices); keep=None keeps all (a warm start)."""
     path = Path(path)
     kept = [[{k: v for k, v in g.items() if k != "params" and (keep is None or k in keep)}
              for g in opt.param_groups] for opt in optimizers]
@@ -208,8 +200,7 @@ def load_state(path, model, optimizers, device, keep=("foreach", "fused", "ns_dt
             set_state_dict(model, optimizers, model_state_dict=model_state,
                            optim_state_dict=optimizer_state)
             return
-        # the weights mmap'd (load_model); not the optimizer state, kept as loaded: step 1's writes
-        # would copy its pages
+        # weights mmap'd; not the optimizer state: step 1's writes would copy its pages
         model_state = torch.load(path / "model.pt", map_location=device, weights_only=True,
                                  mmap=True)
         optimizer_state = torch.load(path / "optimizers.pt", map_location=device, weights_only=True)
@@ -227,11 +218,10 @@ def load_state(path, model, optimizers, device, keep=("foreach", "fused", "ns_dt
 
 
 def consolidate(path):
-    """Write model.pt from a sharded checkpoint's state/, in this one process. Returns its path."""
+    """Write model.pt from a sharded checkpoint's state/, in one process. Returns its path."""
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
     import torch.distributed.checkpoint as dcp
-    # dcp.load fills every tensor
     model = build_model(GPTConfig(**meta["model_config"]), "cpu", init=False)
     model_state = model.state_dict()
     dcp.load({"model": model_state}, checkpoint_id=path / "state", no_dist=True)
@@ -241,9 +231,8 @@ def consolidate(path):
 
 
 def newest_checkpoint(runs_dir, stage=None):
-    """The most recently written checkpoint in runs_dir/*/ckpt/ or runs_dir/*/*/ckpt/ (of that stage
-    only, if given), or None: a stage run alone writes runs/<run>/ckpt/, speedrun.sh
-    runs/<run>/<stage>/ckpt/."""
+    """The newest checkpoint (of `stage`, if given) in runs_dir/*/ckpt/ (a stage run alone) or
+    runs_dir/*/*/ckpt/ (speedrun.sh), or None."""
     runs = [*Path(runs_dir).glob("*/ckpt"), *Path(runs_dir).glob("*/*/ckpt")]
     found = [c for run in runs for c in list_checkpoints(run)
              if stage is None or json.loads((c / "meta.json").read_text()).get("stage") == stage]
@@ -251,9 +240,8 @@ def newest_checkpoint(runs_dir, stage=None):
 
 
 def find_checkpoint(path=None, runs_dir="runs"):
-    """A checkpoint directory from a checkpoint path, a run directory (its newest checkpoint), or
-    nothing (the newest checkpoint of any run under runs_dir): how each stage picks up the output of
-    the one before it."""
+    """A checkpoint from a checkpoint path, a run directory (its newest), or nothing (the newest
+    under runs_dir): how each stage finds the one before it."""
     if path is None:
         found = newest_checkpoint(runs_dir)
         if found is None:
@@ -272,15 +260,13 @@ def find_checkpoint(path=None, runs_dir="runs"):
     return found[-1]
 
 
-# chat.py's and export.py's pick without --checkpoint: the newer of RL's and SFT's, else
-# midtraining's, ...
+# chat.py's and export.py's pick without --checkpoint: the newer of RL's and SFT's, else ...
 PICK_ORDER = [("rl", "sft"), ("midtrain",), ("pretrain",)]
 
 
 def pick_checkpoint(args, order=PICK_ORDER):
-    """(checkpoint, how it was chosen): --checkpoint, else the newest checkpoint of the first group
-    of stages in `order` that has one: chat.py and export.py pick by PICK_ORDER, a stage after
-    pretraining among its parents."""
+    """(checkpoint, how chosen): --checkpoint, else the newest of the first group of stages in
+    `order` that has one."""
     if args.checkpoint is not None:
         return find_checkpoint(args.checkpoint, args.runs_dir), "--checkpoint"
     for stages in order:
@@ -296,9 +282,8 @@ def pick_checkpoint(args, order=PICK_ORDER):
 
 
 def add_checkpoint_args(parser, picked=None, eval_dtype=False):
-    """--checkpoint, --runs_dir and --tokenizer of a script that loads one checkpoint; `picked` says
-    which it loads without --checkpoint (default: PICK_ORDER's). eval_dtype: also --dtype
-    (chat_eval.py, core_eval.py)."""
+    """--checkpoint, --runs_dir, --tokenizer; `picked`: what loads without --checkpoint.
+    eval_dtype: also --dtype."""
     picked = picked or "the newest under --runs_dir of stage " + ", else ".join(" or ".join(s)
                                                                                 for s in PICK_ORDER)
     parser.add_argument("--checkpoint", default=None, help="a checkpoint (runs/<run>/ckpt/step_*) "
@@ -315,8 +300,8 @@ def add_checkpoint_args(parser, picked=None, eval_dtype=False):
 
 
 def pretraining_run(checkpoint, meta):
-    """(data_dir, sequence_len, eval_tokens) of the pretraining run a checkpoint descends from,
-    following each meta.json's parent; None where a link is missing (a parent moved or deleted)."""
+    """(data_dir, sequence_len, eval_tokens) of the pretraining run a checkpoint descends from;
+    None where a parent moved or was deleted."""
     while meta.get("stage") != "pretrain":
         path = (meta.get("parent") or {}).get("path")
         if path is None or not (Path(path) / "meta.json").is_file():
@@ -330,15 +315,13 @@ def pretraining_run(checkpoint, meta):
 
 
 def load_model(path, device):
-    """(model in eval mode, meta) from a checkpoint's model.pt and meta.json, on any number of
-    processes (the rank files, which a resume needs, are not read)."""
+    """(model in eval mode, meta) from model.pt and meta.json, on any number of processes."""
     meta = json.loads((Path(path) / "meta.json").read_text())
     if not (Path(path) / "model.pt").is_file():
         raise FileNotFoundError(f"{path} holds a sharded model (state/) and no model.pt yet: write "
                                 f"it with `python checkpoint.py consolidate {path}`")
     model = build_model(GPTConfig(**meta["model_config"]), device, init=False)
-    # mmap: the pages are read as the weights are copied into place, not into a buffer first (d12:
-    # ~3x faster)
+    # mmap: pages read as the weights are copied into place, not buffered first (d12: ~3x faster)
     model.load_state_dict(torch.load(Path(path) / "model.pt", map_location=device,
                                      weights_only=True, mmap=True))
     model.eval()
@@ -346,9 +329,8 @@ def load_model(path, device):
 
 
 def checkpoint_tokenizer(meta, checkpoint, flag=None):
-    """(tokenizer, its path): --tokenizer's, else the one meta records (else runs/tokenizer),
-    refused unless the checkpoint was trained with it: ids would mean other strings and every score
-    be silently wrong."""
+    """(tokenizer, its path): --tokenizer's, else meta's, refused unless the checkpoint was
+    trained with it: otherwise every score would be silently wrong."""
     path = flag or meta.get("tokenizer") or "runs/tokenizer"
     try:
         tokenizer = Tokenizer.load(path)
@@ -369,8 +351,7 @@ def checkpoint_tokenizer(meta, checkpoint, flag=None):
 
 
 def check_chat_tokenizer(tokenizer, tokenizer_path):
-    """A chat stage needs the chat special tokens; a tokenizer without them cannot render a
-    conversation."""
+    """A chat stage needs the chat special tokens to render a conversation."""
     missing = [name for name in SPECIAL_TOKENS if name not in tokenizer.special_tokens]
     if missing:
         raise ValueError(f"tokenizer {tokenizer_path} lacks the chat special tokens "
@@ -379,21 +360,18 @@ def check_chat_tokenizer(tokenizer, tokenizer_path):
 
 
 # -----------------------------------------------------------------------------
-# Resuming: a checkpoint's layout, the run's state restored from it, and the exact command that
-# resumes a run
+# Resuming: a checkpoint's layout, the state restored, the command that resumes
 
 def saved_layout(path):
-    """What a resume must match (and plan_batch's micro-batch on --resume), read here only: the
-    meta.json layout."""
+    """The meta.json layout a resume must match."""
     meta = json.loads((Path(path) / "meta.json").read_text())
     return {key: meta.get(key) for key in ("model_config", "world_size", "micro_batch", "accum",
                                            "step", "sharded")}
 
 
 def resume(path, run_dir, model, optimizers, loaders, layout, rank, device):
-    """Restore model, optimizers, loaders and RNG from a checkpoint whose model, micro-batch and
-    virtual ranks (world size x accumulation) agree with `layout`; newer checkpoints are set
-    aside. Returns its step."""
+    """Restore model, optimizers, loaders and RNG if model, micro-batch and world size x
+    accumulation agree with `layout`; newer checkpoints set aside. Returns its step."""
     meta = saved_layout(path)
     for key in ("model_config", "micro_batch"):
         if meta.get(key) != layout[key]:
@@ -408,8 +386,7 @@ def resume(path, run_dir, model, optimizers, loaders, layout, rank, device):
                          "--total_batch_tokens and the process count so that processes x "
                          f"accumulation = {virtual}")
     load_state(path, model, optimizers, device)
-    # this rank's virtual ranks rank * accum + j, each from the writer's rank file that holds it
-    # (each file read once)
+    # this rank's virtual ranks rank * accum + j, each from the rank file that holds it
     old_accum, virtuals = meta["accum"], range(rank * layout["accum"], (rank + 1) * layout["accum"])
     files = {old: torch.load(Path(path) / f"rank{old:03d}.pt", weights_only=True)
              for old in sorted({virtual // old_accum for virtual in virtuals})}
@@ -431,12 +408,10 @@ def resume(path, run_dir, model, optimizers, loaders, layout, rank, device):
 
 
 def resume_command(args):
-    """The exact command that continues this run: this one's arguments without --resume [PATH],
-    --run_name and --runs_dir, then the run's own; under torchrun, the same launch (the workers see
-    its world, not its argv)."""
+    """The command that continues this run: its arguments with the run's own --run_name,
+    --runs_dir and --resume; under torchrun the same launch, rebuilt from its environment."""
     words, dropped = sys.argv[1:], ("--run_name", "--runs_dir", "--resume")
-    # each word with the one before it: a dropped flag's value is the next word (--resume's is
-    # optional: not a flag)
+    # a dropped flag's value is the next word (--resume's is optional: not a flag)
     argv = [arg for before, arg in zip(["", *words], words) if arg.split("=", 1)[0] not in dropped
             and not (before in dropped and (before != "--resume" or not arg.startswith("-")))]
     command = [sys.argv[0], *argv, "--runs_dir", args.runs_dir, "--run_name", args.run_name,
@@ -454,8 +429,7 @@ def resume_command(args):
 
 
 def truncate_metrics(path, last_step):
-    """After a resume from `last_step`, drop the lines a killed run logged past it, so each step
-    appears once."""
+    """Drop lines logged past `last_step`, so each step appears once after a resume."""
     path = Path(path)
     if path.is_file():
         lines = [line for line in path.read_text().splitlines() if json.loads(line).get(
@@ -467,7 +441,7 @@ def truncate_metrics(path, last_step):
 # The run directory: runs/<run>/ with config.json, metrics.jsonl, samples.jsonl, ckpt/step_XXXXXX/
 
 def add_run_args(parser, stage):
-    """Every training stage's flags for its run directory, checkpoints, health checks, ranks."""
+    """Every stage's flags for its run directory, checkpoints, health checks, ranks."""
     g = parser.add_argument_group("run directory, checkpoints, health")
     g.add_argument("--run_name", default=None, help="outputs go to <runs_dir>/<run_name>/ "
                    f"(default: {stage}_<preset>_<time>; not --run, which torchrun would take for "
@@ -501,13 +475,11 @@ def add_run_args(parser, stage):
 
 
 def resolve_run(args, stage):
-    """(run directory, checkpoint to resume from or None) from --runs_dir, --run_name and --resume
-    [PATH]; sets args.runs_dir and args.run_name to the run's, so the resume command and config.json
-    name it."""
+    """(run directory, checkpoint to resume or None); sets args.runs_dir and args.run_name to
+    the run's, for the resume command and config.json."""
     if args.keep < 1:
         raise ValueError(f"--keep {args.keep}: keep at least 1 checkpoint (the newest is the one a "
                          "resume needs)")
-    # a checkpoint path: <runs_dir>/<run_name>/ckpt/step_XXXXXX
     if args.resume not in (None, "latest"):
         path = Path(args.resume)
         if not (path / "meta.json").is_file() or checkpoint_step(path) is None:
@@ -535,8 +507,7 @@ def resolve_run(args, stage):
     return run_dir, found[-1]
 
 
-# what a stage after pretraining inherits from its parent checkpoint, recorded in every
-# checkpoint's meta.json ("hparams"; chat_stage.inherit)
+# what a later stage inherits from its parent (meta.json "hparams"; chat_stage.inherit)
 INHERITED = ["tokenizer", "sequence_len", "micro_batch", "total_batch_tokens", "optimizer",
              "matrix_lr", "embedding_lr", "head_lr", "scalar_lr", "weight_decay", "grad_clip",
              "dtype", "compile"]
@@ -544,9 +515,8 @@ INHERITED = ["tokenizer", "sequence_len", "micro_batch", "total_batch_tokens", "
 
 def record_run(args, stage, model_config, seq_len, micro, accum, world, total_steps,
                tokens_per_step, tokenizer, params, record):
-    """(layout, run, ckpt_meta), every training stage's: the layout a resume must match; what the
-    run is, for config.json; that, its argv and what a child stage inherits (hparams), for every
-    checkpoint's meta.json."""
+    """(layout a resume must match, run for config.json, meta for each checkpoint: run, argv
+    and the hparams a child stage inherits)."""
     layout = {"model_config": model_config, "world_size": world, "micro_batch": micro,
               "accum": accum}
     run = {"stage": stage, "run": args.run_name, **layout, "total_steps": total_steps,
@@ -559,8 +529,8 @@ def record_run(args, stage, model_config, seq_len, micro, accum, world, total_st
 
 
 def announce(args, run_dir, run, lines, precision):
-    """Rank 0's start of a run: config.json (rewritten by a resume with its own command line), then
-    `lines`, the code's commit and the precision (optim.precision_line's)."""
+    """Rank 0 writes config.json (a resume rewrites it) and prints `lines`, the commit and the
+    precision."""
     run_dir.mkdir(parents=True, exist_ok=True)
     config = {**run, "args": vars(args), "hardware": distributed.WORLD, "argv": sys.argv,
               "versions": versions()}
@@ -588,7 +558,6 @@ def main(argv=None):
                      "runs/<run>[/ckpt/step_N]")
     path = find_checkpoint(args.checkpoint)
     if args.command == "lineage":
-        # to pretraining, or a parent moved or deleted
         while path is not None and (Path(path) / "meta.json").is_file():
             meta = json.loads((Path(path) / "meta.json").read_text())
             print(f"{path}: {meta.get('stage')}, step {meta.get('step')}, "
@@ -602,4 +571,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))  # an error that names its fix: one line, exit 1
+    sys.exit(run_main(main))
