@@ -1,21 +1,19 @@
-"""Generation, the one path: chat.py's replies (decode_step on its conversation's cache), and
-decode() for rl.py's rollouts, chat_eval.py's answers, core_eval.py's and chat_stage.py's samples.
+"""Generation, the one path: chat.py's replies (decode_step), and decode() for rl.py's
+rollouts, chat_eval.py's answers and the stages' samples.
 
-decode() prefills the prompts in one forward and decodes N replies to each, every row in one forward
-per step at its own position (a greedy row equals its prompt decoded alone), each with its own
-calculator; the cache is compacted when half the prompts have ended. Compiled on CUDA, eager on the
-CPU and for the stages' few samples, where a first compilation costs more (dev/LOG.md).
-docs/model.md (generation) says how it works. Run alone it checks greedy rows decoded together
-against each prompt alone on a random-init model, and times both.
+decode() prefills the prompts in one forward, then decodes N replies to each, all rows in one
+forward per step, each at its own position (a greedy row equals its prompt decoded alone) with
+its own calculator; the cache is compacted when half the prompts have ended. Compiled on CUDA,
+eager on the CPU and for few samples, where compiling costs more (dev/LOG.md; docs/model.md).
+Run alone, it checks batched greedy rows against each prompt alone, and times both.
 
     python decode.py                              # tiny, 8 prompts of 5 to 60 tokens, 32 new each
     python decode.py --preset d12 --prompts 64 --dtype bfloat16 --device cuda
 
-The calculator, the chat model's tool: the model writes <|python_start|>expr<|python_end|>; the
-generation inserts <|output_start|>calculate(expr)<|output_end|>, as SFT teaches GSM8K's
-<<expr=result>>. Arithmetic on the syntax tree, never eval(): numbers, + - * / // % ** and unary
-+ -, parentheses; anything else is refused. Exact (fractions) and bounded, so a hostile expression
-costs microseconds: MAX_CHARS, MAX_DEPTH, MAX_DIGITS per number, MAX_EXPONENT, MAX_SECONDS.
+The calculator, the chat model's tool: after <|python_start|>expr<|python_end|> generation
+inserts <|output_start|>calculate(expr)<|output_end|> (SFT teaches it from GSM8K's
+<<expr=result>>). Exact arithmetic on the syntax tree, never eval(): numbers, + - * / // % **,
+unary + -, parentheses. Bounded (MAX_*), so a hostile expression costs microseconds.
 
     python decode.py --calculate "12/60*50"            # 10
 """
@@ -44,10 +42,9 @@ from model import (
 
 
 def decode_weights(model, dtype="float32"):
-    """An inference-only copy of the step's weights, in the compute dtype: per block (q|k|v stacked,
-    o, up, gate or None, down, value-embedding gate or None) transposed to (in, out), the head's
-    likewise, the norms' scales (None when weightless), the rotary tables as (cos, cos) and (sin,
-    -sin). BitNet's weights are quantized once, here."""
+    """An inference copy of the weights in the compute dtype: matrices transposed to (in, out),
+    q|k|v stacked, norm scales (None: weightless), rotary tables as (cos, cos) and (sin, -sin).
+    BitNet's weights are quantized once, here."""
     compute = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     t = lambda linear: linear.effective_weight().detach().t().to(compute).contiguous()
     scale = lambda norm: None if norm is None or norm.weight is None else norm.weight.detach()
@@ -68,9 +65,8 @@ def decode_weights(model, dtype="float32"):
 
 
 def attend(q, i, prompt_k, prompt_v, reply_k, reply_v, valid, width):
-    """Layer i's attention output for q (N, H, D), one token per row, over the cache (decode_step's
-    layout); valid None: no prompt part, eager (chat.py's conversation), every slot up to `step`
-    attended in one fused SDPA (4-D: a 5-D query takes its slow math path)."""
+    """Layer i's attention for q (N, H, D), one token per row, over decode_step's cache. valid
+    None (chat.py, eager, no prompt part): one fused 4-D SDPA (5-D takes the slow math path)."""
     N, H, D = q.shape
     Q, K, P = prompt_k.size(1), prompt_k.size(2), prompt_k.size(3)
     S, G = N // Q, H // K
@@ -78,7 +74,7 @@ def attend(q, i, prompt_k, prompt_v, reply_k, reply_v, valid, width):
         k, v = (r[i, :, :, :, :width].transpose(1, 2).reshape(N, K, width, D)
                 for r in (reply_k, reply_v))
         return F.scaled_dot_product_attention(q.view(N, H, 1, D), k, v, enable_gqa=True)
-    q = q.view(Q, S, K, G, D).transpose(1, 2)  # (prompt, kv head, sample, query head of group, D)
+    q = q.view(Q, S, K, G, D).transpose(1, 2)  # (prompt, kv head, sample, group head, D)
     to_replies = q @ reply_k[i, :, :, :, :width].transpose(-2, -1)
     scores = torch.cat([q.reshape(Q, K, S * G, D) @ prompt_k[i].transpose(-2, -1),
                         to_replies.view(Q, K, S * G, width)], -1)
@@ -91,30 +87,29 @@ def attend(q, i, prompt_k, prompt_v, reply_k, reply_v, valid, width):
 
 def decode_step(model, weights, token, pos, step, prompt_k, prompt_v, prompt_valid, reply_k,
                 reply_v, width):
-    """fp32 logits (N, vocab) of token (N,) at pos (N,), rows grouped by prompt (N = prompts x
-    samples). The cache: the prompts' keys and values once per prompt, prompt_k, prompt_v (layer,
-    prompt, kv head, slot, head dim), prompt_valid (prompt, 1, 1, slot) marking each one's slots;
-    the rows' new tokens, reply_k, reply_v (layer, prompt, kv head, sample, slot, head dim), each
-    row writing at slot `step` (an int, or a (1,) tensor compiled) and attending over 0 .. step of
-    width. The forward in fewer, larger ops, as a small model's CPU step is per-op overhead."""
+    """fp32 logits (N, vocab) of token (N,) at pos (N,), rows grouped by prompt. Cache: prompt_k,
+    prompt_v (layer, prompt, kv head, slot, dim) once per prompt, prompt_valid (prompt, 1, 1,
+    slot); reply_k, reply_v (layer, prompt, kv head, sample, slot, dim), written at slot `step`
+    (an int, or a (1,) tensor compiled). Few, large ops: a small model's CPU step is per-op
+    overhead."""
     c, eps, dtype = model.config, model.config.norm_eps, weights["dtype"]
     H, K, D, N, Q = c.n_head, c.n_kv_head, c.head_dim, token.size(0), prompt_k.size(1)
     S = N // Q
     quantize = bitnet_activation if c.bitnet else (lambda x: x)
 
-    def norm(x, w):  # rms_norm in 4 small ops, in fp32
+    def norm(x, w):  # rms_norm in fp32
         x = x * (x * x).sum(-1, keepdim=True).mul_(1 / x.size(-1)).add_(eps).rsqrt_()
         return x if w is None else x * w
 
-    def mm(x, w):  # x @ w in the compute dtype, fp32 out
+    def mm(x, w):  # in the compute dtype, fp32 out
         return (quantize(x).to(dtype) @ w).float()
-    # no casts: each is an op, and a small model's step is its ops
+    # no casts: each is an op
     if dtype == torch.float32 and not c.bitnet:
         mm = torch.matmul
 
     cos, sin = weights["cos"][pos].view(N, 1, D), weights["sin"][pos].view(N, 1, D)
     valid = None
-    if prompt_k.size(3) > 0 or not isinstance(step, int):  # padding, or (compiled) slots past step
+    if prompt_k.size(3) > 0 or not isinstance(step, int):  # padding, or compiled slots past step
         upto = (torch.arange(width, device=token.device) <= step).expand(Q, 1, 1, width)
         valid = torch.cat([prompt_valid, upto], -1)
     x = x0 = model.wte(token)
@@ -124,25 +119,23 @@ def decode_step(model, weights, token, pos, step, prompt_k, prompt_v, prompt_val
         h = norm(x, n_attn)
         qkv = mm(h, wqkv)
         q_k, v = qkv[:, :(H + K) * D].view(N, H + K, D), qkv[:, (H + K) * D:].view(N, K, D)
-        if w_ve is not None:  # the value embedding, gated per KV head, joins the values
+        if w_ve is not None:  # value embedding, gated per KV head
             gate = 3 * torch.sigmoid(mm(h[:, :VE_GATE_CHANNELS], w_ve))
             v = v + model.value_embed(i, token).view(N, K, D) * gate.view(N, K, 1)
-        if c.qk_norm and n_q is None:  # weightless: one norm over q and k rows together
+        if c.qk_norm and n_q is None:  # weightless: q and k in one norm
             q_k = norm(q_k, None)
         elif c.qk_norm:
             q_k = torch.cat([norm(q_k[:, :H], n_q), norm(q_k[:, H:], n_k)], 1)
-        # apply_rotary's (x1 cos + x2 sin, x2 cos - x1 sin) as x * (cos, cos) + (x2, x1) * (sin,
-        # -sin): the same bits
+        # apply_rotary as x * (cos, cos) + (x2, x1) * (sin, -sin): the same bits
         swapped = torch.cat([q_k[..., D // 2:], q_k[..., :D // 2]], -1)
         q_k = (q_k * cos + swapped * sin).to(reply_k.dtype)
-        # (prompt, sample, kv head, ...) -> (prompt, kv head, sample, ...): a prompt's rows side by
-        # side per head
+        # -> (prompt, kv head, sample, ...): a prompt's rows side by side per head
         new_k = q_k[:, H:].view(Q, S, K, 1, D).transpose(1, 2)
         new_v = v.to(reply_v.dtype).view(Q, S, K, 1, D)
-        if isinstance(step, int):  # eager: a plain slice copy (index_copy_ cost 10x more on CPU)
+        if isinstance(step, int):  # eager: a slice copy (index_copy_ cost 10x more on CPU)
             reply_k[i, :, :, :, step:step + 1] = new_k
             reply_v[i, :, :, :, step:step + 1] = new_v.transpose(1, 2)
-        else:  # compiled: the slot is a tensor, so the graph is not specialized on it
+        else:  # compiled: a tensor slot, so the graph is not specialized on it
             reply_k[i].index_copy_(3, step, new_k)
             reply_v[i].index_copy_(3, step, new_v.transpose(1, 2))
         y = attend(q_k[:, :H], i, prompt_k, prompt_v, reply_k, reply_v, valid, width)
@@ -156,10 +149,9 @@ def decode_step(model, weights, token, pos, step, prompt_k, prompt_v, prompt_val
 
 @torch.no_grad()
 def last_logits(model, rows, pad_id, dtype, kv_cache=None):
-    """fp32 logits (len(rows), vocab) at each row's last token. Several rows: one forward over them
-    right-padded with pad_id, as nanochat batches them, and a hook on the final norm keeps each
-    row's last real position, so the head runs on one position per row. kv_cache: where the forward
-    leaves its keys and values."""
+    """fp32 logits (len(rows), vocab) at each row's last token: one forward, right-padded with
+    pad_id; a hook on the final norm keeps each row's last position, so the head runs once per
+    row. kv_cache: where keys and values go."""
     device = model.cos.device
     if len(rows) == 1:
         with autocast_context(device.type, dtype):
@@ -180,9 +172,8 @@ def last_logits(model, rows, pad_id, dtype, kv_cache=None):
 
 
 def sample_rows(logits, temperature, top_k, generator):
-    """Next ids (B,) from logits (B, vocab): temperature 0 is greedy; else a draw from
-    softmax(logits / temperature) over the top_k likeliest (None or 0: all), taken first: a draw
-    over the whole vocabulary costs like a step."""
+    """Next ids (B,): temperature 0 is greedy, else a draw over the top_k likeliest (None or 0:
+    all), cut first: a draw over the whole vocabulary costs like a step."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     if top_k and top_k < logits.size(-1):
@@ -196,19 +187,17 @@ def sample_rows(logits, temperature, top_k, generator):
 
 @functools.cache
 def compiled_step():
-    """decode_step under torch.compile, made once per process: its shapes are fixed but the batch
-    (the whole cache is attended, masked), and torch.compile marks the batch dimension dynamic after
-    its first change."""
+    """decode_step compiled once per process: shapes are fixed but the batch, which
+    torch.compile makes dynamic after its first change."""
     return torch.compile(decode_step, fullgraph=True)
 
 
 def plain_copy(model):
-    """A sharded (FSDP) model gathered into a plain copy: a collective, so all ranks call. Outside
-    inference mode: FSDP2's state_dict made there leaves its parameters inference tensors, which the
-    next checkpoint cannot save."""
+    """A sharded model gathered into a plain copy; all ranks call. Outside inference mode: there
+    FSDP2's state_dict leaves inference tensors the next checkpoint cannot save."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     with torch.inference_mode(False), torch.no_grad():
-        plain = build_model(model.config, model.cos.device, init=False)  # every weight loaded next
+        plain = build_model(model.config, model.cos.device, init=False)
         options = StateDictOptions(full_state_dict=True)
         plain.load_state_dict(get_model_state_dict(model, options=options))
     return plain
@@ -231,23 +220,21 @@ def check_decode(prompts, budgets, samples, tools, sequence_len):
 
 
 def prefill(model, prompts, samples, reply_width, dtype, compute, compiled):
-    """The prompts in one forward: each prompt's last logits, one row per sample, and decode_step's
-    cache (prompt_k, prompt_v, prompt_valid, reply_k, reply_v)."""
+    """The prompts in one forward: last logits, one row per sample, and decode_step's cache."""
     device = model.cos.device
     cache = KVCache(model.config, len(prompts), max(map(len, prompts)))
     logits = last_logits(model, prompts, 0, dtype, cache)
     keys, values = cache.k, cache.v  # (layer, prompt, kv head, slot, dim)
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     prompt_width = keys.size(3)
-    if compiled:  # the compiled step attends whole caches: a few lengths, so few recompilations
+    if compiled:  # widths rounded up to 64: few recompilations
         prompt_width, reply_width = -(-prompt_width // 64) * 64, -(-reply_width // 64) * 64
     shape = keys.shape[:3] + (prompt_width,) + keys.shape[4:]
     prompt_k, prompt_v = keys.new_zeros(shape, dtype=compute), keys.new_zeros(shape, dtype=compute)
     prompt_k[:, :, :, :keys.size(3)], prompt_v[:, :, :, :keys.size(3)] = keys, values
     prompt_valid = torch.arange(prompt_width, device=device) < lengths.view(-1, 1)
     shape = prompt_k.shape[:3] + (samples, reply_width) + prompt_k.shape[4:]
-    # eager reads only the slots written so far; the compiled step reads them all, masked, and
-    # 0 x NaN is NaN
+    # the compiled step reads every slot, masked, and 0 x NaN is NaN: zeros
     new = prompt_k.new_zeros if compiled else prompt_k.new_empty
     cache = prompt_k, prompt_v, prompt_valid.view(-1, 1, 1, prompt_width), new(shape), new(shape)
     return logits.repeat_interleave(samples, 0), cache, reply_width
@@ -256,12 +243,11 @@ def prefill(model, prompts, samples, reply_width, dtype, compute, compiled):
 @torch.inference_mode()
 def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=None, seed=None,
            dtype="float32", tools=None, stop=(), compiled="auto", weights=None):
-    """(tokens, sampled) per row, len(prompts) * samples rows, prompt by prompt: each row's new
-    tokens, up to and with the stop token it sampled (a token in `stop`), at most max_new_tokens (an
-    int, or one per prompt; the calculator's output counts), and per token whether the model sampled
-    it (True) or the calculator's output was fed (False). tools: None, or one ToolUse per row.
-    temperature 0 is greedy; draws come from one torch.Generator seeded with `seed` (None: random).
-    compiled: "auto" (on CUDA), True or False. weights: decode_weights(), reused across calls."""
+    """(tokens, sampled) for len(prompts) * samples rows: each row's new tokens, through a stop
+    token it sampled, at most max_new_tokens (an int or one per prompt; tool output counts), and
+    per token whether the model sampled it (False: the calculator's). tools: None or a ToolUse per
+    row. Draws from one generator seeded with `seed` (None: random). compiled: "auto" = on CUDA.
+    weights: decode_weights(), reusable."""
     model = plain_copy(model) if is_sharded(model) else model
     device, c = model.cos.device, model.config
     budgets = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else \
@@ -280,11 +266,11 @@ def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=Non
 
     tokens, sampled, forced = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
     done = [False] * n
-    live = list(range(len(prompts)))  # the prompts in the cache, in its order; their rows too
+    live = list(range(len(prompts)))  # the prompts in the cache, in order
     for step in range(max(budgets)):
         drawn = sample_rows(logits, temperature, top_k, generator).tolist()
         for j, r in enumerate(r for q in live for r in range(q * samples, (q + 1) * samples)):
-            if done[r]:  # ended, its prompt's other rows not yet: its draws are dropped
+            if done[r]:  # ended: its draws are dropped
                 continue
             own = not forced[r]
             token = drawn[j] if own else forced[r].pop(0)
@@ -296,19 +282,18 @@ def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=Non
         running = [j for j, q in enumerate(live) if not all(done[q * samples:(q + 1) * samples])]
         if not running:
             break
-        if len(running) <= len(live) // 2:  # half the prompts have ended: keep the others only
+        if len(running) <= len(live) // 2:  # half have ended: compact
             keep = torch.tensor(running, device=device)
             prompt_k, prompt_v, prompt_valid = prompt_k[:, keep], prompt_v[:, keep], \
                 prompt_valid[keep]
             reply_k, reply_v = reply_k[:, keep], reply_v[:, keep]
             live = [live[j] for j in running]
         rows = [r for q in live for r in range(q * samples, (q + 1) * samples)]
-        # every row feeds its last token at reply slot `step` (an ended row repeats its last one:
-        # its results are dropped, and its position stays inside the rotary table)
+        # an ended row repeats its last token (dropped); its position stays in the rotary table
         feed = torch.tensor([tokens[r][-1] for r in rows], device=device)
         pos = torch.tensor([min(len(prompts[r // samples]) + step, c.sequence_len - 1)
                             for r in rows], device=device)
-        width = reply_width if compiled else step + 1  # eager: the filled reply slots only
+        width = reply_width if compiled else step + 1
         at = torch.tensor([step], device=device) if compiled else step
         logits = step_fn(model, weights, feed, pos, at, prompt_k, prompt_v, prompt_valid,
                          reply_k, reply_v, width)
@@ -320,16 +305,16 @@ def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=Non
 
 
 MAX_CHARS = 200  # GSM8K's longest annotation is under 100 characters
-# syntax-tree levels; ast.parse itself recurses, so deep nesting is refused before parsing too
+# ast.parse itself recurses, so deep nesting is refused before parsing too
 MAX_DEPTH = 20
-MAX_DIGITS = 30  # numerator and denominator of every value, in decimal digits
+MAX_DIGITS = 30  # of every numerator and denominator
 MAX_EXPONENT = 100
 MAX_SECONDS = 0.1
 DIGITS_LIMIT = 10 ** MAX_DIGITS
 
 
 class CalculatorError(ValueError):
-    """An expression the calculator refuses or cannot evaluate; the message says why."""
+    """An expression refused or not evaluable; the message says why."""
 
 
 def _check(value):
@@ -346,8 +331,7 @@ def _power(base, exponent):
         raise CalculatorError(f"exponent {e} is larger than {MAX_EXPONENT}")
     if base == 0 and e < 0:
         raise CalculatorError("division by zero")
-    # digits of the result before computing it: |e| * digits(base) bounds them, so 9**100 is refused
-    # without work
+    # |e| * digits(base) bounds the result's digits: 9**100 is refused without work
     size = max(len(str(abs(base.numerator))), len(str(base.denominator)))
     if base not in (0, 1, -1) and abs(e) * (size - 1) > MAX_DIGITS:
         raise CalculatorError(f"a value has more than {MAX_DIGITS} digits")
@@ -390,16 +374,15 @@ def _walk(node, depth, deadline):
 
 
 def calculate(expr):
-    """The value of an arithmetic expression as text: an integer ("10"), else a decimal of at most
-    10 significant digits ("0.2", "3.333333333"). GSM8K writes thousands with commas (1,000), so
-    commas are dropped first."""
+    """The value as text: "10", else up to 10 significant digits ("3.333333333"). Commas are
+    dropped first: GSM8K writes 1,000."""
     if not isinstance(expr, str):
         raise CalculatorError(f"an expression is a string, got {type(expr).__name__}")
     if len(expr) > MAX_CHARS:
         raise CalculatorError(f"expression of {len(expr)} characters: at most {MAX_CHARS}")
     expr = expr.replace(",", "").strip()
     depth = 0
-    # parentheses nest before ast.parse sees them: refuse deep nesting without recursing into it
+    # refuse deep nesting without recursing into it
     for ch in expr:
         depth += (ch == "(") - (ch == ")")
         if depth > MAX_DEPTH:
@@ -419,14 +402,12 @@ def calculate(expr):
 
 
 class ToolUse:
-    """Follows the tokens a chat model generates; after a tool call's <|python_end|>, returns the
-    tokens generation must feed next: <|output_start|>result<|output_end|> (none when the calculator
-    refuses the expression, so the model goes on without a result). `calls` records (expression,
-    result or why it was refused)."""
+    """Follows generated tokens; after <|python_end|> returns the tokens to feed next,
+    <|output_start|>result<|output_end|> (none if refused: the model goes on without). `calls`
+    records (expression, result or why refused)."""
 
     def __init__(self, tokenizer):
         sid = tokenizer.special_id
-        # expr: the call's tokens so far, None outside one
         self.tokenizer, self.calls, self.expr = tokenizer, [], None
         self.start, self.end = sid("<|python_start|>"), sid("<|python_end|>")
         self.output = sid("<|output_start|>"), sid("<|output_end|>")
@@ -449,8 +430,7 @@ class ToolUse:
 
 
 def reply_text(tokenizer, ids):
-    """The text of generated ids with the tool calls and their outputs left out: what an answer is
-    scored on."""
+    """Generated text without tool calls and outputs: what an answer is scored on."""
     sid = tokenizer.special_id
     opens = {sid("<|python_start|>"): sid("<|python_end|>"),
              sid("<|output_start|>"): sid("<|output_end|>")}
@@ -499,7 +479,7 @@ def main(argv=None):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     compared = prompts[:args.compared]
     weights = decode_weights(model, args.dtype)
-    # compiles on CUDA
+    # warm-up, untimed: compiles on CUDA
     decode(model, prompts, args.max_new_tokens, dtype=args.dtype, weights=weights)
     sync()
     start = time.perf_counter()
