@@ -1,7 +1,6 @@
-"""What the stages after pretraining share: the start from a parent checkpoint (midtrain.py,
-sft.py, rl.py), and midtrain.py's and sft.py's flags, chat validation and end (forgetting: the
-pretraining val bpb their model kept). Not a stage; one command line, a checkpoint's forgetting
-figure (val bpb in its pretraining run's rows), in one process:
+"""What the stages after pretraining share: the start from a parent checkpoint, and
+midtrain.py's and sft.py's flags, chat validation and end (forgetting: the pretraining val bpb
+their model kept). Not a stage; its command line prints a checkpoint's forgetting figure:
 
     python chat_stage.py runs/<run> --bpb_tokens 20000
 """
@@ -26,13 +25,12 @@ from model import autocast_context, parse_bool
 from train_loop import dealt_sums, val_bpb, val_rows
 
 # -----------------------------------------------------------------------------
-# The start from a parent checkpoint. Every checkpoint's meta records its stage, its
-# hyperparameters ("hparams") and its parent (path and the sha256 of its model.pt).
+# The start from a parent checkpoint. Each meta.json records its stage, "hparams" and parent
+# (path and model.pt's sha256).
 
 def add_init_args(parser, parents, lr_scale, schedule, warmdown_frac, why):
-    """A stage's start from a checkpoint of one of `parents` (in that order): --checkpoint, the
-    warm start and the schedule (`why`: where the stage's defaults come from), and the inherited
-    flags (None: the parent's value)."""
+    """--checkpoint (of `parents`, in order), warm start, schedule (`why`: where the defaults
+    come from) and the inherited flags (None: the parent's)."""
     optim.add_schedule_args(parser)
     g = parser.add_argument_group("warm start: the parent's optimizer state and this stage's lrs")
     g.add_argument("--warm_start", type=parse_bool, default=True,
@@ -60,17 +58,17 @@ def add_init_args(parser, parents, lr_scale, schedule, warmdown_frac, why):
     g.add_argument("--compile", type=parse_bool, default=None,
                    help="torch.compile the model: true or false (default: the parent's)")
     own = ("tokenizer", "sequence_len", "micro_batch", "total_batch_tokens", "dtype", "compile")
-    for action in parser._actions:  # the schedule's lr flags: the parent's value unless given
+    for action in parser._actions:  # the schedule's lr flags: the parent's unless given
         if action.dest in INHERITED and action.dest not in own:
             action.default = None
             action.help = action.help.split(" (default")[0] + " (default: the parent's)"
 
 
 def inherit(args, meta, parent):
-    """Fill every inherited flag left at None from the parent's recorded hparams; returns the
-    table of (name, value, where it came from) (--micro_batch's row: parent_lines adds it)."""
+    """Fill inherited flags left at None from the parent's hparams; returns rows of (name,
+    value, source), all but micro_batch's (parent_lines adds it)."""
     recorded = meta.get("hparams") or {}
-    # checkpoints from before hparams were recorded: their run's config.json
+    # checkpoints older than hparams: their run's config.json
     config_file = Path(parent).parent.parent / "config.json"
     older = {}
     if not recorded and config_file.is_file():
@@ -94,27 +92,25 @@ def inherit(args, meta, parent):
 
 
 def weights_sha256(parent):
-    """sha256 of a checkpoint's model.pt (what a child's checkpoints record of its parent's
-    weights)."""
+    """sha256 of a checkpoint's model.pt, recorded by its children."""
     digest = hashlib.sha256()
     with open(Path(parent) / "model.pt", "rb") as f:
         for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)  # hashlib lets go of the GIL over a block this large
+            digest.update(block)  # hashlib releases the GIL on a block this large
     return digest.hexdigest()
 
 
 def parent_record(parent, meta, sha256):
-    """The parent as a child's checkpoints record it: path, stage, step, and its weights' sha256
-    (weights_sha256's)."""
+    """The parent as a child records it: path, stage, step, weights' sha256."""
     return {"path": str(parent), "stage": meta.get("stage"), "step": meta.get("step"),
             "sha256": sha256}
 
 
 def warm_start(parent, parent_meta, model, optimizers, args, device):
-    """The parent checkpoint's optimizer state with this stage's hyperparameters put back: warm
-    moments keep the first steps the size of the parent's last ones, where a fresh AdamW moves
-    every embedding coordinate by about the lr (its first update is sign(gradient)). A state that
-    does not fit stays fresh. Returns the line saying which."""
+    """The parent's optimizer state with this stage's hyperparameters: warm moments keep the
+    first steps the size of the parent's last, where a fresh AdamW moves every embedding
+    coordinate by about the lr (its first update is sign(gradient)). A state that does not fit
+    stays fresh. Returns the line saying which."""
     if not args.warm_start:
         return "optimizer: fresh state (--warm_start false)"
     recorded, mine = parent_meta.get("optimizers"), checkpoint.optimizer_layout(optimizers)
@@ -126,7 +122,6 @@ def warm_start(parent, parent_meta, model, optimizers, args, device):
         return (f"optimizer: fresh state: the parent's optimizers {recorded} are not this stage's "
                 f"{mine} (another --optimizer or --adam8bit, or another model)")
     try:
-        # this stage's hyperparameters
         checkpoint.load_state(parent, model, optimizers, device, keep=None)
     except (ValueError, KeyError, RuntimeError, FileNotFoundError) as error:
         for opt in optimizers:  # a partly loaded state is no state
@@ -139,18 +134,16 @@ def warm_start(parent, parent_meta, model, optimizers, args, device):
 
 
 def load_parent(args, stage, parents, device):
-    """(path, meta, model, tokenizer, inherit's table, a future of weights_sha256) of the parent
-    checkpoint: --checkpoint, else the newest of `parents`' (in that order). A tokenizer other
-    than the parent's is refused."""
+    """(path, meta, model, tokenizer, inherit's table, a future of weights_sha256) of the
+    parent. A tokenizer other than the parent's is refused."""
     parent, _ = checkpoint.pick_checkpoint(args, [(name,) for name in parents])
-    # hashed while the stage loads the model and builds the rest: in line, a third of its start
+    # hashed while the stage starts: in line it took a third of the start
     hashing = concurrent.futures.ThreadPoolExecutor(1)
     sha256 = hashing.submit(weights_sha256, parent)
     hashing.shutdown(wait=False)  # its thread ends with the hash
     model, meta = checkpoint.load_model(parent, device)
     model.train()
     inherited = inherit(args, meta, parent)
-    # the parent's tokenizer, or refused
     tokenizer, _ = checkpoint.checkpoint_tokenizer(meta, parent, args.tokenizer)
     checkpoint.check_chat_tokenizer(tokenizer, args.tokenizer)
     args.preset = meta.get("run", stage)  # names the default run directory
@@ -158,7 +151,7 @@ def load_parent(args, stage, parents, device):
 
 
 def parent_lines(parent, meta, params, inherited, micro_batch):
-    """The parent and the inherited table, with plan_batch's micro_batch: (value, where from)."""
+    """The parent and the inherited table; micro_batch: plan_batch's (value, source)."""
     rows = list(inherited)
     rows.insert(INHERITED.index("micro_batch"), ("micro_batch", *micro_batch))
     table = "\n".join(f"  {name:<18} {value!s:<14} {where}" for name, value, where in rows)
@@ -167,13 +160,11 @@ def parent_lines(parent, meta, params, inherited, micro_batch):
 
 
 # -----------------------------------------------------------------------------
-# midtrain.py's and sft.py's flags, validation (the loss per supervised token and greedy
-# answers) and end
+# midtrain.py's and sft.py's flags, validation and end
 
 def add_chat_stage_args(parser, data, stage, parents, budgets, eval_every, lr_scale,
                         warmdown_frac, why):
-    """midtrain.py's and sft.py's shared flags, after the stage's own data flags in its group
-    `data`."""
+    """midtrain.py's and sft.py's shared flags; `data`: the stage's data group."""
     data.add_argument("--val_chat_dir", default=None,
                       help="held-out conversations for the validation loss: a directory (its "
                       "test*/val* files) or a .jsonl file (default: the first chat source's "
@@ -203,9 +194,8 @@ CHAT_QUESTIONS = ["What is the capital of France?", "How many legs does a spider
 
 
 def held_out_dir(val_chat_dir, first_source):
-    """Where a chat stage's held-out conversations are: --val_chat_dir, else its first chat
-    source (its test*/val* files). A source that is one file (.jsonl) holds none: a ValueError
-    that says to give them."""
+    """--val_chat_dir, else the first chat source's test*/val* files; a one-file source has
+    none: a ValueError."""
     if val_chat_dir:
         return val_chat_dir
     if first_source is None:
@@ -219,8 +209,8 @@ def held_out_dir(val_chat_dir, first_source):
 
 
 def chat_val_batches(chat_dir, tokenizer, seq_len, max_rows, skip_bad_rows=False):
-    """The first max_rows rows of a chat directory's held-out (test*/val*) conversations (or a
-    .jsonl file's), padded whole as sft.py packs them, the same on every rank."""
+    """The first max_rows rows of held-out conversations, padded as sft.py packs them, the same
+    on every rank."""
     batches, rows = [], 0
     for inputs, targets in chat_loader(chat_dir, "val", tokenizer, 8, seq_len, max_epochs=1,
                                        threads=1, skip_bad_rows=skip_bad_rows):
@@ -232,10 +222,8 @@ def chat_val_batches(chat_dir, tokenizer, seq_len, max_rows, skip_bad_rows=False
 
 
 def chat_validation(model, tokenizer, batches, args, rank, world, device, run_dir, step):
-    """A chat stage's evaluation: the validation loss per supervised token over `batches`
-    [(inputs, targets)] (dealt_sums: the same on 1 or N processes), and greedy answers to
-    --sample_prompt (rank 0: printed and appended to samples.jsonl). Returns {"val_loss": the
-    loss}."""
+    """Validation loss per supervised token over `batches` (the same on 1 or N processes), and
+    greedy answers to --sample_prompt, printed and saved by rank 0. Returns {"val_loss": ...}."""
     def batch_sums(b):
         inputs, targets = (t.to(device) for t in batches[b])
         with autocast_context(device.type, args.dtype):
@@ -257,16 +245,15 @@ def chat_validation(model, tokenizer, batches, args, rank, world, device, run_di
 
 @torch.no_grad()
 def chat_answers(model, tokenizer, questions, dtype, max_tokens=64):
-    """Greedy answers to one-turn questions, each up to <|assistant_end|> (whether it came is
-    recorded), decoded together with the calculator on, as in chat.py (a sharded model gathered
-    on every rank first: decode.py)."""
+    """Greedy answers to one-turn questions, with the calculator, as in chat.py; "ended": whether
+    <|assistant_end|> came."""
     end = tokenizer.special_id("<|assistant_end|>")
     prompts = [tokenizer.render_for_completion([{"role": "user", "content": q}])
                for q in questions]
     tools = [ToolUse(tokenizer) for _ in questions]
     budgets = [min(max_tokens, model.config.sequence_len - len(p)) for p in prompts]
     rows, _ = decode(model, prompts, budgets, dtype=dtype, tools=tools, stop={end},
-                     compiled=False)  # a few samples: eager (decode.py's docstring says why)
+                     compiled=False)  # a few samples: eager (decode.py says why)
     return [{"question": q, "answer": reply_text(tokenizer, row[:-1] if row[-1] == end else row),
              "ended": row[-1] == end,
              **({"calculator": [list(c) for c in t.calls]} if t.calls else {})}
@@ -286,9 +273,8 @@ def add_forgetting_args(parser):
 
 
 def forgetting(model, tokenizer, parent, parent_meta, args, rank, world, device):
-    """How much of its pretraining the stage's model kept: val_bpb in the pretraining run's rows
-    and token count (unless --bpb_tokens), as a dict for done.json; val_bpb None with a note
-    saying why where it cannot be computed."""
+    """Pretraining val_bpb of this model in the pretraining run's rows, a dict for done.json;
+    None with a note saying why where it cannot be computed."""
     found = checkpoint.pretraining_run(parent, parent_meta)
     if args.bpb_tokens == 0:
         return {"val_bpb": None, "note": "skipped (--bpb_tokens 0)"}
@@ -315,9 +301,8 @@ def forgetting_line(kept):
 
 
 def finish(run_dir, step, figures, kept, done, lines):
-    """Rank 0's end of midtrain.py or sft.py: the final `figures` (chat_validation's and the
-    stage's) and forgetting's `kept` in metrics.jsonl and done.json (`done`: there only), then
-    `lines` and the done line printed."""
+    """Rank 0's end of midtrain.py or sft.py: final `figures` and `kept` into metrics.jsonl and
+    done.json (`done`: only there), then `lines` and the done line."""
     loss = figures.pop("val_loss")
     append_jsonl(run_dir / "metrics.jsonl", {"step": step, "final_val_loss": loss, **figures,
                                              "pretrain_val_bpb": kept["val_bpb"]})
