@@ -1,10 +1,6 @@
-"""Distributed: setup and teardown under torchrun (NCCL on CUDA, gloo on CPU), workers that die with
-their launcher, a stage's exit (run_main), the ranks that died or hung when a collective fails
-(mark_progress, stopped_ranks), all-reduce helpers, FSDP2 sharded models (is_sharded, local),
-and speedrun.sh's NCCL check (the probe).
-
-Not a stage: import it. One command line, speedrun.sh's NCCL check, run under torchrun with one
-process per GPU (`python distributed.py probe` alone has no peers and says so):
+"""Distributed: setup and teardown under torchrun, a stage's exit (run_main), naming the ranks
+that died or hung when a collective fails, all-reduce helpers, FSDP2 helpers, and speedrun.sh's
+NCCL check. Not a stage: import it. Its command lines (probe: under torchrun):
 
     python -m torch.distributed.run --standalone --nproc_per_node=8 distributed.py probe
     python distributed.py machine    # device, bf16, matmul dtype, versions, commit
@@ -35,8 +31,7 @@ import torch.distributed as dist
 
 
 def device_name(device):
-    """The GPU's name, or the CPU's model (from /proc/cpuinfo on Linux) and the vector ISA torch's
-    kernels use."""
+    """The GPU's name, or the CPU's model and the vector ISA torch uses."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     model = platform.processor() or "cpu"
@@ -48,9 +43,8 @@ def device_name(device):
 
 
 def native_bf16(device):
-    """Whether bf16 matmuls run natively: CUDA with bf16 support, or a CPU with AVX512-BF16 or AMX
-    (emulated, ~20-100x slower than fp32). torch's CPU flags are private functions: if missing, no
-    (fp32 is never slow)."""
+    """Whether bf16 matmuls are native: CUDA with bf16, or a CPU with AVX512-BF16 or AMX (else
+    emulated, ~20-100x slower than fp32). torch's CPU flags are private: if missing, no."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     flags = [getattr(torch.cpu, name, lambda: False) for name in ("_is_avx512_bf16_supported",
@@ -58,31 +52,28 @@ def native_bf16(device):
     return device.type == "cpu" and any(flag() for flag in flags)
 
 
-# dataset.py's cache dir, by the same rule (its own line there: dataset.py runs without torch, which
-# this loads)
+# dataset.py's cache dir, same rule (its own copy: dataset.py runs without torch)
 CACHE_DIR = Path(os.environ.get("NANOCHAT_CACHE", Path.home() / ".cache" / "nanochat"))
 
 
 def time_linear(dtype, width, rows=1024, reps=3):
-    """Seconds of forward and backward of a (rows x width) @ (width x 4 width) linear layer under
-    `dtype`'s autocast, best of `reps`: weight casts included, with which native bf16 can still lose
-    to fp32."""
+    """Best seconds of a linear layer's forward and backward under `dtype`, weight casts
+    included: with them native bf16 can still lose to fp32."""
     x = torch.randn(rows, width, requires_grad=True)
     w = torch.randn(4 * width, width, requires_grad=True)
     times = []
-    for _ in range(reps + 1):  # the first call pays for oneDNN's kernel selection: not timed
+    for _ in range(reps + 1):  # the first pays for oneDNN's kernel selection: untimed
         start = time.perf_counter()
         with torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bfloat16"):
             y = torch.nn.functional.linear(x, w)
-        # a scalar's backward: a given gradient tensor makes autograd import sympy
+        # a scalar's backward: a gradient tensor makes autograd import sympy
         y.sum().backward()
         times.append(time.perf_counter() - start)
     return min(times[1:])
 
 
 def pick_precision(seconds):
-    """(dtype, why) from {"float32": s, "bfloat16": s}: the faster; a tie goes to fp32, which rounds
-    less."""
+    """(the faster dtype, why); a tie goes to fp32, which rounds less."""
     fast, slow = sorted(("float32", "bfloat16"), key=lambda d: (seconds[d], d != "float32"))
     short = {"float32": "fp32", "bfloat16": "bf16"}
     ratio = seconds[slow] / seconds[fast]
@@ -90,9 +81,8 @@ def pick_precision(seconds):
 
 
 def precision(device, width=256):
-    """(compute dtype, why) for matmuls on `device` at `width`. CUDA: bf16 where supported. Emulated
-    bf16: fp32, untimed. Native bf16: the faster here (dev/LOG.md), kept in
-    <cache>/precision.json per CPU, torch, threads and width."""
+    """(compute dtype, why). CUDA: bf16 where supported. Emulated bf16: fp32. Native bf16 on a
+    CPU: the faster, measured (dev/LOG.md), kept in <cache>/precision.json."""
     if device.type == "cuda":
         native = native_bf16(device)
         return ("bfloat16" if native
@@ -113,21 +103,19 @@ def precision(device, width=256):
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             stored, note = json.loads(path.read_text()), f" earlier ({path})"
-        except (OSError, ValueError):  # none yet, or damaged: measured again
+        except (OSError, ValueError):  # none yet, or damaged
             stored = {}
         if key not in stored:
             stored[key], note = {d: time_linear(d, width) for d in (
                     "float32", "bfloat16")}, f" (kept in {path})"
             path.with_suffix(".tmp").write_text(json.dumps(stored, indent=1))
-            # whole or not at all: a reader without the lock sees either
             path.with_suffix(".tmp").replace(path)
     dtype, why = pick_precision(stored[key])
     return dtype, why + note
 
 
 def matmul_dtype(device, width=256):
-    """The compute dtype a stage and Muon's Newton-Schulz use unless --dtype says otherwise:
-    precision()'s choice."""
+    """The compute dtype unless --dtype says otherwise: precision()'s choice."""
     return precision(device, width)[0]
 
 
@@ -138,8 +126,7 @@ def versions():
 
 
 def code_version():
-    """The git commit of the code that runs and whether tracked files differ from it; "unknown"
-    outside a git checkout (a copied tree), never a guess."""
+    """The git commit and whether tracked files differ; "unknown" outside a git checkout."""
     here = Path(__file__).resolve().parent
     try:
         commit = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True,
@@ -156,10 +143,8 @@ def code_version():
 # -----------------------------------------------------------------------------
 # Measurement and formatting
 
-# Dense bf16 peak FLOP/s by device name (first match wins: a variant before its family; unlisted:
-# MFU "unknown").
-# NVIDIA's datasheets give BF16 with sparsity, twice these (H200 NVL 1,671 TFLOP/s, B200 4.5
-# PFLOP/s)
+# Dense bf16 peak FLOP/s by device name, first match wins (unlisted: MFU "unknown"). NVIDIA's
+# datasheets give twice these: with sparsity
 PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200 NVL",
                                                                                    836e12),
                    ("H200", 989e12), ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("A10G",
@@ -184,12 +169,12 @@ def fmt_duration(seconds):
 
 
 def now():
-    """The training loop's clock, a name of its own: tests step it (train_loop.now)."""
+    """The training loop's clock: tests step it (train_loop.now)."""
     return time.perf_counter()
 
 
 def append_jsonl(path, *records):
-    """Records as lines of JSON at the end of a file: a run's metrics.jsonl, samples.jsonl."""
+    """Append records as JSON lines."""
     with open(path, "a") as f:
         f.writelines(json.dumps(record) + "\n" for record in records)
 
@@ -198,8 +183,8 @@ def append_jsonl(path, *records):
 # Processes and ranks
 
 def keep_freed_memory(keep=True):
-    """Have glibc keep freed memory: fresh mmap pages for each step's tensors cost a quarter of a
-    CPU step (dev/LOG.md). keep=False restores it and trims the heap (a sharded run)."""
+    """Have glibc keep freed memory: fresh mmap pages each step cost a quarter of a CPU step
+    (dev/LOG.md). keep=False restores the defaults and trims the heap."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
         # M_MMAP_THRESHOLD: allocations under 1 GiB from the heap...
@@ -212,17 +197,16 @@ def keep_freed_memory(keep=True):
         pass
 
 
-# the world as setup_distributed printed it: each stage's JSON records it, where report.py reads it
+# the world as setup_distributed printed it, recorded for report.py
 WORLD = "unknown"
 
 
 def setup_distributed(timeout_s=600):
-    """From torchrun's environment, or one process: (rank, local_rank, world_size, device). A
-    collective waiting past timeout_s raises. Prints each rank's host and device (a run once
-    passed one GPU off as four)."""
+    """(rank, local_rank, world_size, device) from torchrun's environment, or one process.
+    Prints each rank's host and device (a run once passed one GPU off as four)."""
     if not torch.cuda.is_available():
         keep_freed_memory()
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun (other launchers set RANK too)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun (other launchers set RANK too)
         die_with_launcher()
     global WORLD
     if "RANK" not in os.environ:
@@ -239,23 +223,21 @@ def setup_distributed(timeout_s=600):
     WORLD = f"world size {dist.get_world_size()} ({dist.get_backend()}): {ranks}"
     if rank == 0:
         print(f"distributed: {WORLD}", flush=True)
-        # ranks compile at their own speed (a cold cache on one node): the others wait in the first
-        # all-reduce
+        # ranks compile at their own speed: the others wait in the first all-reduce
         print(f"distributed: a collective waits at most {timeout_s:.0f} s for the other ranks "
               "(--dist_timeout), the slowest rank's first compile included", flush=True)
     return rank, local_rank, world_size, device
 
 
 def die_with_launcher():
-    """Under torchrun: SIGKILL this worker when its launcher dies (it has a session of its own, and
-    a stuck one would keep its GPU). Linux only."""
+    """SIGKILL this worker when its launcher dies: a stuck one would keep its GPU. Linux only."""
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    # the launcher died before the line above (we were handed to init): nobody would ever stop us
+    # the launcher died before the line above: nobody would ever stop us
     try:
         command = Path(f"/proc/{parent}/cmdline").read_bytes()
         orphaned = os.getppid() != parent or b"torch" not in command
@@ -268,9 +250,9 @@ def die_with_launcher():
 
 
 def init_process_group(local_rank, timeout_s):
-    """The process group (NCCL on CUDA, gloo on CPU); returns this rank's device.
-    torch.distributed.nn.functional is imported first: bound to a live group at import, it kept
-    gloo's threads alive past destroy_process_group and a rank aborted at exit."""
+    """NCCL on CUDA, gloo on CPU; returns this rank's device. torch.distributed.nn.functional is
+    imported first: imported with a live group, it kept gloo's threads alive and a rank aborted
+    at exit."""
     from datetime import timedelta
 
     import torch.distributed.nn.functional
@@ -285,8 +267,7 @@ def init_process_group(local_rank, timeout_s):
 
 
 def teardown_distributed():
-    """Barrier, then destroy the process group: exiting without it can abort torch at exit or strand
-    workers."""
+    """Barrier, then destroy the group: without it exit can abort or strand workers."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -297,9 +278,8 @@ PROBE_MBYTES = 64
 
 
 def probe_all_reduce(timeout_s, mbytes=PROBE_MBYTES, iters=5, out=None):
-    """speedrun.sh's check (docs/speedrun.md): a 4-byte all-reduce, then one of `mbytes` MB (the
-    large-message path) timed over `iters`, its bus bandwidth printed and written to `out` as JSON.
-    Returns 0 when every sum was right."""
+    """speedrun.sh's check (docs/speedrun.md): a 4-byte all-reduce, then an `mbytes` MB one
+    timed, its bus bandwidth printed and written to `out`. Returns 0 when every sum was right."""
     if "RANK" not in os.environ:
         print("probe: not under torchrun: one process, nothing to all-reduce")
         return 0
@@ -314,8 +294,8 @@ def probe_all_reduce(timeout_s, mbytes=PROBE_MBYTES, iters=5, out=None):
         print(f"probe: 4-byte all-reduce over {where}: {'ok' if ok else f'wrong sum {t.item()}'}",
               flush=True)
     numel = int(mbytes * 1e6) // 4
-    big = torch.full((numel,), float(rank + 1), device=device)  # small integers: exact sums in fp32
-    dist.all_reduce(big)  # warm-up: connections and buffers of the large-message path
+    big = torch.full((numel,), float(rank + 1), device=device)  # exact sums in fp32
+    dist.all_reduce(big)  # warm-up
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
     sync(device)
     good = bool((big == expected).all())
@@ -325,11 +305,9 @@ def probe_all_reduce(timeout_s, mbytes=PROBE_MBYTES, iters=5, out=None):
     for _ in range(iters):
         dist.all_reduce(big)
     sync(device)
-    # the slowest rank's time
     seconds = all_reduce((time.perf_counter() - start) / iters, dist.ReduceOp.MAX)
     good = good and bool(torch.isfinite(big).all())
     if rank == 0:
-        # 2(n-1)/n: 0 on one rank, nothing crosses a link
         bus = numel * 4 / seconds * 2 * (world - 1) / world / 1e9
         bandwidth = f"{bus:.2f} GB/s" if world > 1 else "n/a: one GPU"
         print(f"probe: {numel * 4 / 1e6:.0f} MB all-reduce over {where}: "
@@ -342,9 +320,8 @@ def probe_all_reduce(timeout_s, mbytes=PROBE_MBYTES, iters=5, out=None):
 
 
 def fetch_everywhere(fetch, rank, world):
-    """fetch() on rank 0 first (it downloads), then on the others (they find the cache); rank 0's
-    failure is raised on every rank rather than leaving the others waiting for files that will not
-    come."""
+    """fetch() on rank 0 (it downloads), then the others (they find the cache); rank 0's failure
+    is raised on every rank, so none waits for files that will not come."""
     result = failure = None
     if rank == 0:
         try:
@@ -361,18 +338,16 @@ def fetch_everywhere(fetch, rank, world):
 
 
 def run_main(main):
-    """A stage's exit: 0 when main() finished, 128 + signal when a signal stopped it, 1 with a
-    one-line error naming the fix (a traceback if raised outside this project). Under torchrun,
-    or as a script, the process then ends at once (os._exit): gloo threads in finalization made
-    ranks abort (dev/LOG.md)."""
+    """A stage's exit code: 0, 128 + signal, or 1 with a one-line error (and a traceback if
+    raised outside this project). Under torchrun or as a script, os._exit at once: gloo threads
+    in finalization made ranks abort (dev/LOG.md)."""
     code = stage_code(main)
     torchrun = "TORCHELASTIC_RUN_ID" in os.environ
-    # not a test calling run_main in its process
     if torchrun or getattr(main, "__module__", None) == "__main__":
         if not torchrun:
-            # the interpreter's own first step of an exit: logging, multiprocessing's children
+            # what a normal exit runs first: logging, multiprocessing's children
             atexit._run_exitfuncs()
-        with contextlib.suppress(OSError):  # a reader that left (| head): nothing more to say to it
+        with contextlib.suppress(OSError):  # a reader that left (| head)
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
@@ -393,7 +368,7 @@ def stage_code(main):
         frame = traceback.extract_tb(e.__traceback__)[-1]
         ours = Path(frame.filename).resolve().parent == Path(__file__).resolve().parent and \
             (frame.line or "").lstrip().startswith("raise")
-        # raised by torch or another library, or a bug: the traceback is what locates it
+        # raised by a library, or a bug: the traceback locates it
         if not ours:
             traceback.print_exception(e)
         print(f"{script}: error: {e}", file=sys.stderr)
@@ -405,9 +380,8 @@ def stage_code(main):
 
 
 def check_shared_dir(run_dir):
-    """Across nodes, check that run_dir is one filesystem all ranks see (docs/distributed.md): rank
-    0 writes a token, every rank reads it back, or all raise naming the blind ones. (Testing:
-    NANOCHAT_TEST_NODE_VIEW=RANK:DIR.)"""
+    """Across nodes, check every rank sees rank 0's file in run_dir (docs/distributed.md), or
+    raise naming the blind ones. Tests: NANOCHAT_TEST_NODE_VIEW=RANK:DIR."""
     view = os.environ.get("NANOCHAT_TEST_NODE_VIEW", "")
     if not dist.is_initialized() or (dist.get_world_size() <= int(os.environ.get(
             "LOCAL_WORLD_SIZE", "1")) and not view):
@@ -420,7 +394,7 @@ def check_shared_dir(run_dir):
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(token[0])
-    # after rank 0's write: every rank looks only once it is there
+    # after rank 0's write
     dist.broadcast_object_list(token, src=0)
     viewed_rank, _, viewed_dir = view.partition(":")
     if viewed_rank == str(rank):
@@ -441,17 +415,16 @@ def check_shared_dir(run_dir):
                            "at the same path (NFS, a cluster filesystem), then rerun")
 
 
-# where this rank keeps its progress record: {"dir": run_dir/progress, "stage": name}, once set
+# {"dir": run_dir/progress, "stage": name}, once keep_progress is called
 PROGRESS = {}
 
 
 def keep_progress(run_dir, stage):
-    """From now on mark_progress also writes run_dir/progress/rankNNN.txt: under NCCL a hung
-    collective ends in the watchdog's abort before Python sees an error, so these files are what
-    tells which rank was where."""
+    """mark_progress also writes run_dir/progress/rankNNN.txt from now on: under NCCL a hung
+    collective aborts before Python sees an error, so these files tell which rank was where."""
     PROGRESS.update(dir=Path(run_dir) / "progress", stage=stage)
     PROGRESS["dir"].mkdir(parents=True, exist_ok=True)
-    # the records of ranks an earlier, larger run had
+    # remove records of ranks an earlier, larger run had
     if not dist.is_initialized() or dist.get_rank() == 0:
         world = dist.get_world_size() if dist.is_initialized() else 1
         for old in PROGRESS["dir"].glob("rank*.txt"):
@@ -460,9 +433,8 @@ def keep_progress(run_dir, stage):
 
 
 def mark_progress(step, phase="step"):
-    """Record that this rank entered `step` (phase: e.g. checkpoint) in torchrun's store (what
-    stopped_ranks reads) and, after keep_progress, in its progress file (replaced whole: a reader
-    never sees half of one)."""
+    """Record that this rank entered `step` in torchrun's store (for stopped_ranks) and in its
+    progress file, replaced whole."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.distributed_c10d._get_default_store().set(f"progress/{rank}",
@@ -477,8 +449,7 @@ def mark_progress(step, phase="step"):
 
 
 def process_alive(pid):
-    """Whether a process of this host runs: not gone, not a zombie (killed, not yet reaped by
-    torchrun)."""
+    """Whether a local process runs: not gone, not a zombie (killed, not yet reaped)."""
     if not Path("/proc").is_dir():  # macOS: existence only
         try:
             os.kill(pid, 0)
@@ -494,9 +465,8 @@ def process_alive(pid):
 
 
 def stopped_ranks():
-    """After an error under torchrun: the ranks that died (process gone, checked on this host) or
-    did not reach this rank's step (hung, or slower than --dist_timeout), from mark_progress's
-    records; "" when none is behind."""
+    """After an error under torchrun: the ranks that died (checked on this host) or are behind
+    this rank's step, from mark_progress's records; "" when none."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return ""
     try:
@@ -526,8 +496,7 @@ def stopped_ranks():
 
 
 def all_reduce_tensor(t, op=None):
-    """Sum (or `op`) a tensor over ranks, in place (through the GPU under NCCL); identity when not
-    distributed."""
+    """Sum (or `op`) a tensor over ranks, in place; identity when not distributed."""
     if dist.is_initialized():
         on = t.cuda() if dist.get_backend() == "nccl" else t
         dist.all_reduce(on, op=op or dist.ReduceOp.SUM)
@@ -541,9 +510,8 @@ def all_reduce(value, op=None):
     return all_reduce_tensor(torch.tensor(float(value), dtype=torch.float64), op).item()
 
 
-# FSDP2, DTensor and torch.distributed.checkpoint are imported where used (~1.4 s of CPU a process):
-# until then no
-# parameter can be a DTensor
+# FSDP2, DTensor and dcp are imported where used (~1.4 s a process): until then no parameter
+# can be a DTensor
 
 def is_dtensor(tensor):
     module = sys.modules.get("torch.distributed.tensor")
@@ -551,8 +519,7 @@ def is_dtensor(tensor):
 
 
 def local(tensor):
-    """A tensor's part on this rank: the shard of an FSDP-sharded parameter (a DTensor), else the
-    tensor itself."""
+    """This rank's shard of a DTensor, else the tensor itself."""
     return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
