@@ -1,9 +1,6 @@
-"""Optimizers and their schedules: parameter groups and the learning-rate rule (build_optimizers),
-Muon with Polar Express's Newton-Schulz and NorMuon, what runs in which dtype (precision_line), and
-the schedules (apply_schedule).
-
-Not a stage: import it (`import optim`). One command line, a schedule as the training stages apply
-it:
+"""Optimizers and schedules: parameter groups and lrs (build_optimizers), Muon with Polar
+Express and NorMuon, and the schedules (apply_schedule). Not a stage: import it. To see a
+schedule:
 
     python optim.py --steps 1000 --schedule wsd --warmdown_frac 0.2    # lr, weight decay, momentum
 """
@@ -23,17 +20,15 @@ from distributed import device_name, is_dtensor, local, matmul_dtype, precision
 REF_WIDTH, REF_BATCH, BATCH_EXPONENT = 768, 2 ** 19, 1 / 8
 
 # torch.optim imports torch._dynamo (1.1 s) at an optimizer's first add_param_group and step;
-# nothing here compiles them
+# nothing here compiles them. torch._disable_dynamo's lazy wrapper calls what this attribute holds
 for method in (torch.optim.Optimizer.add_param_group, torch.optim.Optimizer.state_dict,
                torch.optim.Optimizer.load_state_dict, torch.optim.Optimizer.zero_grad):
-    # torch._disable_dynamo's lazy wrapper: it calls what this attribute holds
     if hasattr(method, "__wrapped__"):
         setattr(method.__wrapped__, "__dynamo_disable", method.__wrapped__)
 
 
 class AdamW(torch.optim.AdamW):
-    """torch's AdamW, its step under no_grad without torch's wrapper, whose `import torch._dynamo`
-    is the above's."""
+    """torch's AdamW without the step's wrapper, which imports torch._dynamo."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -41,9 +36,7 @@ class AdamW(torch.optim.AdamW):
 
 
 def param_groups(model):
-    """Parameters by role: matrix (2D, in the blocks), embedding, value_embedding, head,
-    resid_lambdas, x0_lambdas, scalar. A tied embedding is the head: its gradient is mostly the
-    output's."""
+    """Parameters by role. A tied embedding is the head: its gradient is mostly the output's."""
     groups = {"matrix": [], "embedding": [], "value_embedding": [], "head": [], "resid_lambdas": [],
               "x0_lambdas": [],
               "scalar": []}
@@ -65,8 +58,8 @@ def param_groups(model):
 
 
 def build_optimizers(model, args, width, batch_tokens, device, lr_scale=1.0):
-    """Muon for the block matrices and AdamW for the rest, or AdamW everywhere (adam8bit:
-    bitsandbytes'); lrs times lr_scale. Each group has name, base_lr and wd_on."""
+    """Muon for the block matrices and AdamW for the rest, or AdamW everywhere; lrs times
+    lr_scale. Each group has name, base_lr and wd_on."""
     width_factor = (width / REF_WIDTH) ** -0.5
     batch_factor = (batch_tokens / REF_BATCH) ** BATCH_EXPONENT
     # AdamW on the block matrices keeps the square-root rule: 1/8 cost bpb there (dev/LOG.md)
@@ -78,8 +71,7 @@ def build_optimizers(model, args, width, batch_tokens, device, lr_scale=1.0):
            "scalar": args.scalar_lr * width_factor * batch_factor,
            # nanochat's: half the embedding's
            "value_embedding": args.embedding_lr * width_factor * batch_factor / 2,
-           # nanochat's, not scaled: scaled by the batch rule, one seed in three diverged
-           # (dev/LOG.md)
+           # not scaled: scaled by the batch rule, one seed in three diverged (dev/LOG.md)
            "resid_lambdas": 0.005, "x0_lambdas": 0.5}
     lrs = {name: lr * lr_scale for name, lr in lrs.items()}
     groups = param_groups(model)
@@ -97,8 +89,7 @@ def build_optimizers(model, args, width, batch_tokens, device, lr_scale=1.0):
         adam = bitsandbytes.optim.AdamW8bit(adam_groups, betas=(0.8, 0.95), eps=1e-10,
                                             weight_decay=0.0)
     else:
-        # fused on CPU too: 3-5x faster than foreach or torch's CPU default; it takes FSDP2's
-        # DTensors (dev/LOG.md)
+        # fused on CPU too: 3-5x faster than foreach; takes DTensors (dev/LOG.md)
         adam = AdamW(adam_groups, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0, fused=True)
     optimizers = [adam]
     if args.optimizer == "muon":
@@ -109,8 +100,8 @@ def build_optimizers(model, args, width, batch_tokens, device, lr_scale=1.0):
 
 
 def precision_line(args, device, optimizers, width):
-    """What runs in which dtype, and why. Newton-Schulz takes the device's choice whatever --dtype
-    says: its matmuls need only speed."""
+    """What runs in which dtype, and why. Newton-Schulz takes the device's choice whatever
+    --dtype says: it needs only speed."""
     muon = [g["ns_dtype"] for opt in optimizers if isinstance(opt, Muon) for g in opt.param_groups]
     chosen, why = precision(device, width)
     how = why if args.dtype == chosen else (f"given or inherited; the choice here would be "
@@ -121,7 +112,7 @@ def precision_line(args, device, optimizers, width):
 
 
 # Polar Express (Amsel et al. 2025, as nanochat): a quintic per step, each best for what the
-# steps before leave (2% margin); later steps reuse the last
+# steps before leave; later steps reuse the last
 POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
                  (4.042929935166739, -2.808917465908714, 0.5000178451051316),
                  (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
@@ -134,41 +125,38 @@ def quintic_coefficients(steps):
 
 
 def newton_schulz(stack, steps, dtype):
-    """Approximately orthogonalize a stack of matrices, rows <= columns, with Polar Express's steps
-    in `dtype`; wide ones in fp32 or fp64 by the Gram form (fewer FLOPs)."""
-    # in place from here on: `stack` itself when it is in `dtype` already
-    x = stack.to(getattr(torch, dtype))
+    """Approximately orthogonalize a stack of matrices (rows <= columns) in `dtype`; wide ones in
+    fp32 or fp64 by the Gram form (fewer FLOPs)."""
+    x = stack.to(getattr(torch, dtype))  # may be `stack` itself: in place from here
     # spectral norm < Frobenius norm: the basin
     x.div_(x.norm(dim=(-2, -1), keepdim=True).mul_(1.02).clamp_(min=1e-7))
     rows, columns = x.shape[-2:]
-    # each form's, as newton_schulz_gram counts
     gram_flops = 4 * rows * rows * columns + (8 * steps - 6) * rows ** 3
     direct_flops = steps * (4 * rows * rows * columns + 2 * rows ** 3)
     if x.dtype in (torch.float32, torch.float64) and gram_flops < direct_flops:
         return newton_schulz_gram(x, steps)
     for a, b, c in quintic_coefficients(steps):
-        gram = x @ x.mT  # rows x rows: the smaller Gram matrix
+        gram = x @ x.mT  # rows x rows: the smaller one
         # a x + (b G + c G^2) x
         x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x
 
 
 def newton_schulz_gram(x, steps):
-    """newton_schulz's iteration for wide x: X_k = Q X_0, only the m x m matrices G, P, Q iterated.
-    In fp32 within 1.1e-3 of fp64 (tested)."""
+    """newton_schulz for wide x: X_k = Q X_0, iterating only m x m matrices. In fp32 within
+    1.1e-3 of fp64 (tested)."""
     gram, product = x @ x.mT, None
     for step, (a, b, c) in enumerate(quintic_coefficients(steps)):
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         poly.diagonal(dim1=-2, dim2=-1).add_(a)
         product = poly if product is None else poly @ product
-        if step + 1 < steps:  # the last step's Gram matrix is never used
+        if step + 1 < steps:
             gram = poly @ gram @ poly
     return product @ x
 
 
 def whole(shard, param):
-    """The whole matrix of a sharded parameter's update from each rank's shard (an all-gather); else
-    the update."""
+    """A sharded update all-gathered whole; else the update."""
     if not is_dtensor(param):
         return shard
     return type(param).from_local(shard, param.device_mesh, param.placements, shape=param.shape,
@@ -176,8 +164,7 @@ def whole(shard, param):
 
 
 def shard_of(matrix, param):
-    """This rank's rows of a whole matrix that every rank holds, laid out as `param` is sharded (no
-    communication)."""
+    """This rank's rows of a whole matrix, sharded as `param` (no communication)."""
     if not is_dtensor(param):
         return matrix
     from torch.distributed.tensor import distribute_tensor
@@ -186,11 +173,10 @@ def shard_of(matrix, param):
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon for 2D weights: momentum, the update orthogonalized (newton_schulz) in ns_dtype,
-    NorMuon's per-neuron normalization, scaled by sqrt(max(1, rows/cols)), decoupled weight
-    decay. Matrices of one shape are one stack. FSDP: each round, rank i orthogonalizes the i-th
-    gathered matrix and broadcasts it. DDP: each rank its share, then an all-gather
-    (divide_work)."""
+    """Muon for 2D weights: momentum, orthogonalized in ns_dtype, NorMuon's per-neuron
+    normalization, scaled by sqrt(max(1, rows/cols)), decoupled weight decay. One stack per
+    shape. FSDP: rank i orthogonalizes the i-th matrix of a round and broadcasts it. DDP: each
+    rank its share, then an all-gather (divide_work)."""
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0, ns_steps=5,
                  ns_dtype="bfloat16", neuron_beta2=0.95, divide_work=True):
@@ -204,35 +190,31 @@ class Muon(torch.optim.Optimizer):
     # closure: torch.distributed.checkpoint initializes state with step(closure=None)
     def step(self, closure=None):
         for group in self.param_groups:
-            # (rows, columns) with rows <= columns -> the parameters of that shape or its transpose
+            # (rows <= columns) -> parameters of that shape or its transpose
             by_shape = {}
             for p in group["params"]:
                 if p.grad is not None:
                     by_shape.setdefault((min(p.shape), max(p.shape)), []).append(p)
             for same_shape in by_shape.values():
-                sharded = is_dtensor(same_shape[0])  # then in rounds of one matrix per rank
+                sharded = is_dtensor(same_shape[0])  # rounds of one matrix per rank
                 size = dist.get_world_size() if sharded else len(same_shape)
                 for start in range(0, len(same_shape), size):
                     self.update(group, same_shape[start:start + size], sharded)
 
     def update(self, group, params, sharded):
-        """Momentum, Newton-Schulz and the step for matrices of one shape up to a transpose.
-        Sharded: rank i orthogonalizes params[i] and broadcasts it; every rank keeps its rows of
-        each."""
+        """Momentum, Newton-Schulz and the step for matrices of one shape, up to a transpose."""
         for p in params:
             if not self.state[p]:
-                # a DTensor shard for a sharded p
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p)
         buffers = [local(self.state[p]["momentum_buffer"]) for p in params]
         grads = [local(p.grad) for p in params]
         torch._foreach_lerp_(buffers, grads, 1 - group["momentum"])
         updates = torch._foreach_lerp(grads, buffers,
                                       group["momentum"]) if group["nesterov"] else buffers
-        # all-gathered when sharded
         updates = [whole(u, p) for u, p in zip(updates, params, strict=True)]
         talls, shape = [p.size(0) > p.size(1) for p in params], min(params[0].shape,
                                                                     params[0].shape[::-1])
-        share = 0  # under DDP: matrices per rank, each rank the next `share` of the stack
+        share = 0  # DDP: matrices per rank
         if not sharded and self.divide_work and dist.is_initialized() and dist.get_world_size() > 1:
             share = math.ceil(len(params) / dist.get_world_size())
             mine = range(dist.get_rank() * share, min(len(params), (dist.get_rank() + 1) * share))
@@ -242,18 +224,16 @@ class Muon(torch.optim.Optimizer):
         wide = torch.empty((len(mine), *shape), device=updates[0].device,
                            dtype=getattr(torch, group["ns_dtype"]))
         done = {}
-        # sharded, a round with fewer matrices than ranks (one value-embedding gate) leaves some
-        # rank none
+        # sharded, a round with fewer matrices than ranks leaves some rank none
         if mine:
             torch._foreach_copy_([w.mT if talls[i] else w for w, i in zip(wide, mine, strict=True)],
                                  [updates[i] for i in mine])  # stacked and cast in one pass
             done = dict(zip(mine, newton_schulz(wide, group["ns_steps"],
                                                 group["ns_dtype"]).unbind(0), strict=True))
-        # each result from the rank that computed it
         for i in range(len(params)) if sharded else ():
             done[i] = done.get(i, torch.empty(shape, device=wide.device, dtype=wide.dtype))
             dist.broadcast(done[i], src=i)
-        # every rank's share, padded to `share` matrices (the last rank's may be short or empty)
+        # every rank's share, padded (the last rank's may be short or empty)
         if share:
             padded = torch.zeros((share, *shape), device=wide.device, dtype=wide.dtype)
             padded[:len(mine)] = torch.stack([done[i] for i in mine]) if mine else padded[:0]
@@ -263,10 +243,9 @@ class Muon(torch.optim.Optimizer):
         fulls = [self.neuron_normalized(done[i].mT if talls[i] else done[i], p, group) for i,
                  p in enumerate(params)]
         shards = [shard_of(full, p) for full, p in zip(fulls, params, strict=True)]
-        rows, columns = params[0].shape  # the first's: the others are the same or its transpose
+        rows, columns = params[0].shape
         params = [local(p) for p in params]
         torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
-        # shape scale sqrt(max(1, rows/cols)), folded into the step as torch does
         for tall in (False, True):
             chosen = [i for i, t in enumerate(talls) if t == tall]
             if chosen:
@@ -275,10 +254,9 @@ class Muon(torch.optim.Optimizer):
                                     alpha=-group["lr"] * scale)
 
     def neuron_normalized(self, update, param, group):
-        """NorMuon (Li et al. 2025): each neuron's step divided by the root of its running mean
-        square, then rescaled to the update's old norm."""
+        """NorMuon (Li et al. 2025): each neuron's step divided by its running RMS, then rescaled
+        to the update's old norm."""
         reduce = -1 if update.size(0) >= update.size(1) else -2
-        # bf16 -> fp32; fp64 stays
         precise = update.to(torch.promote_types(update.dtype, torch.float32))
         mean_square = precise.square().mean(dim=reduce, keepdim=True)
         state = self.state[param]
@@ -311,8 +289,8 @@ def decay(progress, start, end, shape, warmdown_frac):
 
 
 def lr_multiplier(step, total, args):
-    """Warmup, then one decay segment; with a stage boundary (a two-stage schedule) a second segment
-    that restarts the decay at the boundary."""
+    """Warmup, then one decay segment; a two-stage schedule restarts the decay at the
+    boundary."""
     if step < args.warmup_steps:
         return (step + 1) / args.warmup_steps
     boundary = args.stage2_step
@@ -333,8 +311,7 @@ def weight_decay_at(step, args):
 
 
 def muon_momentum(step, args):
-    """Muon's momentum: 0.85 to 0.95, linearly over the first --muon_momentum_warmup steps
-    (nanochat's; dev/LOG.md)."""
+    """0.85 to 0.95 over --muon_momentum_warmup steps (nanochat's; dev/LOG.md)."""
     warmup = args.muon_momentum_warmup
     return 0.95 if step >= warmup else 0.85 + 0.10 * step / warmup
 
