@@ -1,15 +1,12 @@
-"""The corpora and conversation sets on disk (download.py fetches them): reading them, their token
-counts against a budget, writing your own text as a corpus, and training the tokenizer on one
-(printing what it read every 10 s and rustbpe's merge loop every 10%). loader.py streams them into
-batches.
+"""Corpora and conversation sets on disk (download.py fetches them): reading them, token counts
+against a budget, your own text as a corpus, and training the tokenizer.
 
     python dataset.py ingest --out DIR PATHS...      # your own .txt/.md/.jsonl/.parquet, or folders
     python dataset.py tokenizer --data_dir DIR --vocab_size 65536   # -> runs/tokenizer/
     python dataset.py bytes_per_token --data_dir DIR                # the tokenizer on the val split
 
-Layout of a text corpus (FineWeb-Edu's on the hub, and everything this file writes): a directory of
-parquet shards named shard_00000.parquet, ..., one string column `text`, row groups of 1024
-documents, zstd; the last shard is the validation split, all others are training.
+A text corpus (FineWeb-Edu's layout): parquet shards shard_00000.parquet, ..., one column
+`text`, row groups of 1024 documents, zstd; the last shard is validation, the rest training.
 """
 import argparse
 import codecs
@@ -41,28 +38,26 @@ def default_data_dir(dataset):
     return CACHE_DIR / "data" / dataset.split("/")[-1]
 
 
-# Conversations: parquet files with `messages` (SmolTalk, UltraChat), `conversations` (LIMA), or
-# a task's columns (chat_rows: MMLU, ARC, GSM8K). Files named test* or val* are validation.
+# Conversations: parquet with `messages`, `conversations` (LIMA), or a task's columns (MMLU,
+# ARC, GSM8K). Files named test* or val* are validation.
 CHAT_DATASETS = {  # name: (hub repo, the files to fetch)
     "smoltalk": ("HuggingFaceTB/smoltalk", r"data/all/(train|test)-\d+-of-\d+\.parquet"),
     "ultrachat": ("HuggingFaceH4/ultrachat_200k", r"data/(train|test)_sft-.+\.parquet"),
-    # gated: accept its terms on the hub, set HF_TOKEN; its test.jsonl has prompts without answers,
-    # so train only
+    # gated: accept its terms on the hub, set HF_TOKEN; its test.jsonl has no answers
     "lima": ("GAIR/lima", r"train\.jsonl"),
     # training splits only: their test splits are chat_eval.py's
     "mmlu": ("cais/mmlu", r"all/auxiliary_train-\d+-of-\d+\.parquet"),
     "arc-easy": ("allenai/ai2_arc", r"ARC-Easy/train-\d+-of-\d+\.parquet"),
     "arc-challenge": ("allenai/ai2_arc", r"ARC-Challenge/train-\d+-of-\d+\.parquet"),
     "gsm8k": ("openai/gsm8k", r"main/train-\d+-of-\d+\.parquet"),
-    # no download: written from identity.json (IDENTITY_FILE), the file you edit
+    # no download: written from identity.json, the file you edit
     "identity": (None, None),
 }
 IDENTITY_FILE = Path(__file__).resolve().parent / "identity.json"
 
 
 def load_identity(path=IDENTITY_FILE):
-    """(name, [(question, answer)]) from the identity file: the assistant's name and what it says
-    about itself."""
+    """(the assistant's name, [(question, answer)]) from the identity file."""
     try:
         spec = json.loads(Path(path).read_text())
         name, pairs = spec["name"], [(q, a.format(name=spec["name"])) for q in spec["questions"]
@@ -78,8 +73,7 @@ def load_identity(path=IDENTITY_FILE):
 
 
 def write_identity(out_dir, path=IDENTITY_FILE):
-    """Every question of the identity file with every answer, as a conversation set:
-    out_dir/train.parquet."""
+    """Every question with every answer, as out_dir/train.parquet."""
     _, pairs = load_identity(path)
     rows = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}] for q, a in pairs]
     out_dir = Path(out_dir)
@@ -96,16 +90,16 @@ def chat_dir(spec):
 
 
 def render_mc(question, letters, choices):
-    """nanochat's multiple-choice message: each choice followed by '=' and its letter, with no space
-    between, so the letter in the prompt is the same token as the bare letter the answer is."""
+    """nanochat's multiple-choice message: each choice then '=' and its letter, no space, so the
+    prompt's letter is the same token as the answer's bare letter."""
     return (f"Multiple Choice question: {question}\n" + "".join(f"- {c}={x}\n" for x,
                                                                 c in zip(letters, choices))
             + "\nRespond only with the letter of the correct answer.")
 
 
 def calculator_parts(answer):
-    """GSM8K's answer text as assistant parts: each <<expr=result>> annotation becomes a tool call
-    (python) and its result (python_output), the text between them text parts."""
+    """GSM8K's answer as assistant parts: each <<expr=result>> becomes a python call and its
+    python_output."""
     parts = []
     for piece in re.split(r"(<<[^<>]*>>)", answer):
         if piece.startswith("<<") and piece.endswith(">>"):
@@ -118,7 +112,7 @@ def calculator_parts(answer):
 
 
 def chat_format(path):
-    """How a chat file's rows become conversations: its column(s) decide."""
+    """How a chat file's rows become conversations, by its columns."""
     names = set(open_parquet(path, column=None).schema_arrow.names)
     for fmt, needs in (("messages", {"messages"}), ("conversations", {"conversations"}),
                        ("arc", {"question", "choices", "answerKey"}), ("mmlu", {"question",
@@ -134,9 +128,8 @@ def chat_format(path):
 
 
 def multiple_choice(row, answer="answer"):
-    """(prompt, letters, the answer's letter, options) of an ARC row (labelled choices, answerKey)
-    or an MMLU-layout one (choices, the answer's index under `answer`); a ValueError where the
-    answerKey is not among the labels."""
+    """(prompt, letters, answer letter, options) of an ARC or MMLU row; a ValueError where the
+    answerKey is not a label."""
     arc = isinstance(row["choices"], dict)
     options = list(row["choices"]["text"] if arc else row["choices"])
     letters = list(row["choices"]["label"] if arc else MC_LETTERS[:len(options)])
@@ -147,8 +140,7 @@ def multiple_choice(row, answer="answer"):
 
 
 def task_messages(fmt, row):
-    """A task row (chat_format's mmlu, arc, gsm8k) as a conversation, or why it cannot be one (a
-    string)."""
+    """A task row as a conversation, or why it cannot be one (a string)."""
     try:
         if fmt in ("mmlu", "arc"):
             # auxiliary_train nests its rows
@@ -167,8 +159,7 @@ MC_LETTERS = "ABCDEFGHIJ"
 
 
 def conversation_messages(item):
-    """SmolTalk/UltraChat rows are lists of {role, content}; LIMA rows are lists of strings, user
-    first, alternating."""
+    """Lists of {role, content}, or LIMA's lists of strings, user first, alternating."""
     if item and isinstance(item[0], str):
         return [{"role": "user" if i % 2 == 0 else "assistant", "content": text} for i,
                 text in enumerate(item)]
@@ -176,9 +167,8 @@ def conversation_messages(item):
 
 
 def chat_rows(path, row_group, rows=None):
-    """A row group of a chat file as conversations (lists of messages), or for a row that cannot be
-    one, why; rows: only those indices, in that order (None: all), as a stream of W reads 1/W of a
-    row group."""
+    """A row group as conversations, or why a row is not one; rows: only those indices, in
+    order (a stream of W reads 1/W of a row group)."""
     if Path(path).suffix == ".jsonl":
         return conversation_lines(path).rows(row_group, rows)
     fmt = chat_format(path)
@@ -190,9 +180,8 @@ def chat_rows(path, row_group, rows=None):
 
 
 def chat_files(chat_dir, split):
-    """The train or val files of a chat directory (its *.parquet; test* and val* are val), or [a
-    .jsonl or .parquet file] for either split: a file given as a source is what it is used as (a
-    stage picks its held-out one)."""
+    """A chat directory's train or val files (test*, val*), or [the file] for either split when
+    one file is given."""
     if Path(chat_dir).suffix in (".jsonl", ".parquet"):
         if not Path(chat_dir).is_file():
             raise FileNotFoundError(f"{chat_dir}: no such file (a conversation source is a "
@@ -210,8 +199,8 @@ def chat_files(chat_dir, split):
     return chosen
 
 
-# Your own conversations: JSON lines in the OpenAI chat format (docs/own-data.md), read through
-# the same loader: a ConversationLines index answers as a parquet footer does
+# Your own conversations: JSON lines in the OpenAI chat format (docs/own-data.md), indexed to
+# answer as a parquet footer does
 CHAT_ROLES = ("system", "user", "assistant")
 LINE_FORMAT = ('each line is one conversation, {"messages": [{"role": "user", "content": "..."}, '
                '{"role": "assistant", "content": "..."}]}, roles system (first, optional), user '
@@ -222,10 +211,8 @@ SKIP_BAD_ROWS_HELP = ("skip the bad lines of .jsonl conversation files (invalid 
 
 
 def conversation_line(line):
-    """One line (bytes) of a JSON-lines conversation file as its messages ({role, content} only), or
-    what is wrong with it (a string)."""
+    """One line's messages ({role, content} only), or what is wrong with it (a string)."""
     try:
-        # a BOM: some editors write one
         text = line.decode("utf-8").removeprefix("\ufeff").rstrip("\r\n")
     except UnicodeDecodeError as e:
         return (f"not UTF-8 (byte 0x{line[e.start]:02x} at byte {e.start + 1} of the line): save "
@@ -265,9 +252,8 @@ def conversation_line(line):
 
 
 class ConversationLines:
-    """A JSON-lines conversation file indexed once (line offsets, bad lines and why). It answers as
-    a parquet footer does, ROW_GROUP_DOCS lines a row group, so the loader deals, shuffles and
-    resumes it as parquet."""
+    """A .jsonl conversation file indexed once (line offsets, bad lines). It answers as a parquet
+    footer, ROW_GROUP_DOCS lines a row group, so the loader treats it as parquet."""
 
     def __init__(self, path):
         self.path, self.offsets, self.numbers, self.bad = Path(path), array("q"), array("q"), []
@@ -287,8 +273,7 @@ class ConversationLines:
         return SimpleNamespace(num_rows=min(ROW_GROUP_DOCS, self.num_rows - index * ROW_GROUP_DOCS))
 
     def rows(self, row_group, rows=None):
-        """The conversations of a row group (rows: only those indices, in that order), a bad line as
-        "line N: why"."""
+        """A row group's conversations (rows: those indices), a bad line as "line N: why"."""
         first = row_group * ROW_GROUP_DOCS
         out = []
         with open(self.path, "rb") as f:
@@ -300,32 +285,30 @@ class ConversationLines:
         return out
 
 
-# (path, size, mtime): its ConversationLines, so every loader of a stage reads a file through once
+# (path, size, mtime): ConversationLines, so a stage's loaders index a file once
 _INDEXED = {}
 
 
 def conversation_lines(path):
-    """A .jsonl file's ConversationLines, indexed again only when the file has changed."""
+    """A .jsonl file's ConversationLines, indexed again only if the file changed."""
     stat = os.stat(path)
     key = (str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
     if key not in _INDEXED:
-        if len(_INDEXED) >= 64:  # a long-lived process (the tests) meets many files
+        if len(_INDEXED) >= 64:  # the tests meet many files
             _INDEXED.clear()
         _INDEXED[key] = ConversationLines(path)
     return _INDEXED[key]
 
 
 def chat_footer(path):
-    """A chat file's row groups and their sizes: a parquet footer, or a .jsonl file's
-    ConversationLines."""
+    """A parquet footer, or a .jsonl file's ConversationLines."""
     return conversation_lines(path) if Path(path).suffix == ".jsonl" else open_parquet(
             path, column=None).metadata
 
 
 def check_chat_files(files, skip_bad_rows=False):
-    """A ValueError naming the file, line and fix at a .jsonl file's first bad line (or an empty
-    file, or one with only bad lines); with skip_bad_rows, the lines that say how many are skipped
-    in each file instead."""
+    """A ValueError naming file, line and fix at a .jsonl file's first bad line (or an empty or
+    all-bad file); with skip_bad_rows, lines saying how many are skipped instead."""
     lines = []
     for path in dict.fromkeys(Path(f) for f in files if Path(f).suffix == ".jsonl"):
         index = conversation_lines(path)
@@ -351,8 +334,8 @@ def check_chat_files(files, skip_bad_rows=False):
 
 
 def parse_chat_sources(specs):
-    """--source DIR:EPOCHS values as [(directory, epochs)]; DIR may be a CHAT_DATASETS name (its
-    cache directory) or a .jsonl file."""
+    """--source DIR:EPOCHS as [(directory, epochs)]; DIR may be a CHAT_DATASETS name or a
+    .jsonl file."""
     sources = []
     for spec in specs:
         path, _, epochs = spec.rpartition(":")
@@ -365,9 +348,8 @@ def parse_chat_sources(specs):
 
 
 def mixture_files(sources):
-    """The training files of [(chat dir, epochs)], each listed once per epoch: one pass over the
-    list is one pass of the mixture, every source its number of times, their row groups shuffled
-    together by the loader's seed."""
+    """The training files of [(chat dir, epochs)], each once per epoch: one pass over the list
+    is one pass of the mixture."""
     return [f for directory, epochs in sources for _ in range(epochs) for f in chat_files(directory,
                                                                                           "train")]
 
@@ -394,9 +376,8 @@ TOKEN_COUNTS = ".token_counts.json"
 
 
 def shard_tokens(path, tokenizer):
-    """(tokens, documents) of one shard as the pretraining loader trains on them: each non-empty
-    document's tokens plus its BOS. Counted once per (shard, tokenizer) and kept in the corpus
-    directory's .token_counts.json."""
+    """(tokens, documents) of a shard as trained on: each document's tokens plus BOS. Counted
+    once per tokenizer, kept in .token_counts.json."""
     path = Path(path)
     cache = path.parent / TOKEN_COUNTS
     key = tokenizer.fingerprint()
@@ -417,14 +398,14 @@ def shard_tokens(path, tokenizer):
     try:
         tmp.write_text(json.dumps(counts))
         os.replace(tmp, cache)
-    except OSError:  # a read-only corpus: counted again next time, nothing else lost
+    except OSError:  # a read-only corpus: counted again next time
         tmp.unlink(missing_ok=True)
     return tokens, docs
 
 
 def corpus_budget(data_dir, tokenizer, budget_tokens):
-    """A corpus's training split against a token budget: shards, docs, tokens (the first shard's
-    tokens per document x all documents), epochs."""
+    """A training split against a token budget: shards, docs, tokens (estimated from the first
+    shard), epochs."""
     train = split_shards(data_dir, "train")
     tokens0, docs0 = shard_tokens(train[0], tokenizer)
     docs = sum(open_parquet(p).metadata.num_rows for p in train)
@@ -437,8 +418,7 @@ def corpus_budget(data_dir, tokenizer, budget_tokens):
 
 
 def budget_line(b, budget_tokens):
-    """The plan's data line: what the budget needs against what the corpus holds; says so when data
-    repeats."""
+    """The plan's data line: budget against corpus; says so when data repeats."""
     line = (f"data: budget {budget_tokens:,} tokens; corpus {b['shards']} training shards, "
             f"{b['docs']:,} documents x {b['tokens_per_doc']:,.0f} tokens (the mean of "
             f"{b['measured_shard']}, counted with this tokenizer) = ~{b['tokens']:,} tokens: "
@@ -476,7 +456,7 @@ def open_parquet(path, column="text"):
 
 
 def read_row_group(path, index, column="text"):
-    """One column's values of a row group, or with column=None its rows as dicts."""
+    """A row group's column, or with column=None its rows as dicts."""
     try:
         table = open_parquet(path, column).read_row_group(
                 index, columns=None if column is None else [column])
@@ -487,8 +467,7 @@ def read_row_group(path, index, column="text"):
 
 
 def iter_texts(data_dir, split, max_chars=None):
-    """Documents of a split in order, empty ones skipped; stops once max_chars characters have been
-    yielded."""
+    """A split's non-empty documents in order, up to max_chars characters."""
     total = 0
     for path in split_shards(data_dir, split):
         for index in range(open_parquet(path).num_row_groups):
@@ -502,9 +481,8 @@ def iter_texts(data_dir, split, max_chars=None):
 
 
 def write_text_shards(texts, out_dir, seed=0, shard_docs=8 * ROW_GROUP_DOCS, val_fraction=0.05):
-    """Shuffle documents with `seed` and write them in the corpus layout: training shards of
-    `shard_docs` documents, then one validation shard (the last file) of val_fraction of the
-    documents (at least one). Returns the paths."""
+    """Shuffle documents and write the corpus layout, the last shard val_fraction of them (at
+    least one). Returns the paths."""
     texts = list(texts)
     if len(texts) < 2:
         raise ValueError("need at least 2 documents to make a training and a validation split, "
@@ -521,8 +499,7 @@ def write_text_shards(texts, out_dir, seed=0, shard_docs=8 * ROW_GROUP_DOCS, val
 
 
 def write_parquet(path, columns, **kwargs):
-    """The table of `columns` as zstd parquet at path, written under path + ".tmp" and then renamed:
-    a file is visible under its name only once it is complete."""
+    """zstd parquet, written to path + ".tmp" then renamed: visible only once complete."""
     tmp = path.with_name(path.name + ".tmp")
     pq.write_table(pa.table(columns), tmp, compression="zstd", **kwargs)
     os.replace(tmp, path)
@@ -533,8 +510,7 @@ def write_parquet(path, columns, **kwargs):
 # Ingest: your own text as a corpus
 
 def decode_utf8(data):
-    """Decode bytes as UTF-8, replacing each invalid sequence with U+FFFD; returns (text, number
-    replaced)."""
+    """(text, invalid sequences replaced with U+FFFD)."""
     replaced = 0
 
     def count(err):
@@ -547,8 +523,8 @@ def decode_utf8(data):
 
 
 def read_documents(path, column="text", one_per_file=False):
-    """Documents of one input file and the count of invalid UTF-8 replaced. .txt, .md: separated by
-    blank lines (or one_per_file); .jsonl and .parquet: the `column` field."""
+    """(documents, invalid UTF-8 replaced) of a file. .txt, .md: split at blank lines (or
+    one_per_file); .jsonl, .parquet: the `column` field."""
     path = Path(path)
     if path.suffix == ".parquet":
         parquet = open_parquet(path, column)
@@ -586,8 +562,7 @@ INGEST_SUFFIXES = (".txt", ".md", ".jsonl", ".parquet")
 
 
 def input_files(paths):
-    """The files to ingest: each path that is a file, and each directory's files of INGEST_SUFFIXES
-    (recursively, in sorted order; others in it are left out)."""
+    """Each file given, and each directory's INGEST_SUFFIXES files, recursively, sorted."""
     files = []
     for path in map(Path, paths):
         if path.is_dir():
@@ -604,8 +579,8 @@ def input_files(paths):
 
 
 def ingest(paths, out_dir, seed=0, column="text", one_per_file=False, val_fraction=0.05):
-    """Turn .txt/.md/.jsonl/.parquet files or directories into a corpus (shuffled with `seed`, last
-    shard validation); <out_dir>/ingest.json, written last, says it is whole."""
+    """Files or directories into a corpus; <out_dir>/ingest.json, written last, says it is
+    whole."""
     if not paths:
         raise ValueError("no input files given")
     files = input_files(paths)
@@ -634,20 +609,18 @@ def ingest(paths, out_dir, seed=0, column="text", one_per_file=False, val_fracti
 
 
 # -----------------------------------------------------------------------------
-# The tokenizer trained on a corpus's training split (rustbpe, parallel), measured on its
-# validation split
+# The tokenizer, trained on a training split (rustbpe), measured on the validation split
 
-# rustbpe logs through pyo3_log, which caches the level at its first message: INFO here, printed
-# only where train_tokenizer(progress=True) adds a handler
+# pyo3_log caches the level at rustbpe's first message: INFO here, printed only where
+# train_tokenizer(progress=True) adds a handler
 RUSTBPE_LOG = logging.getLogger("rustbpe")
 RUSTBPE_LOG.setLevel(logging.INFO)
 RUSTBPE_LOG.propagate = False
 
 
 def rustbpe_printer(start, every_percent=10):
-    """A logging handler printing rustbpe's messages to stdout (flushed), each with the seconds
-    since start: all of its set-up steps, and of its merge loop's progress (logged every 1%) every
-    every_percent."""
+    """A handler printing rustbpe's messages with seconds since start: every set-up step, and
+    merge progress every every_percent."""
     handler = logging.StreamHandler(sys.stdout)
 
     def keep(record):
@@ -663,8 +636,7 @@ def rustbpe_printer(start, every_percent=10):
 
 
 def train_tokenizer(texts, vocab_size, progress=False):
-    """BPE on an iterable of strings: exactly vocab_size ids including SPECIAL_TOKENS. progress:
-    print rustbpe's log."""
+    """BPE: exactly vocab_size ids including SPECIAL_TOKENS. progress: print rustbpe's log."""
     n_merged = vocab_size - len(SPECIAL_TOKENS)
     if n_merged < 256:
         raise ValueError(f"vocab_size={vocab_size} is too small: byte-level BPE needs 256 byte "
@@ -689,8 +661,7 @@ def train_tokenizer(texts, vocab_size, progress=False):
 
 
 def counting(texts, stats, every_s=None):
-    """Yield texts while counting documents, characters and bytes into stats; with every_s, print
-    the rate at most that often."""
+    """Yield texts, counting documents, characters and bytes; print the rate every every_s."""
     start = printed = time.perf_counter()
     for text in texts:
         stats["docs"] += 1
@@ -706,7 +677,7 @@ def counting(texts, stats, every_s=None):
 
 
 def text_stats(tokenizer, texts, batch_docs=1024):
-    """(documents, UTF-8 bytes, tokens) of an iterable of strings, encoded in parallel batches."""
+    """(documents, UTF-8 bytes, tokens), encoded in parallel batches."""
     docs = n_bytes = n_tokens = 0
     texts = iter(texts)
     while batch := list(itertools.islice(texts, batch_docs)):
@@ -717,7 +688,7 @@ def text_stats(tokenizer, texts, batch_docs=1024):
 
 
 def bytes_per_token(tokenizer, texts):
-    """Total UTF-8 bytes / total tokens: the compression ratio, higher is better."""
+    """UTF-8 bytes per token: higher compresses better."""
     _, n_bytes, n_tokens = text_stats(tokenizer, texts)
     if n_tokens == 0:
         raise ValueError("no tokens: bytes/token needs at least one non-empty text")
