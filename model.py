@@ -1,11 +1,11 @@
-"""The GPT: configuration, presets, layers, chunked loss, KV cache, parameter/FLOP/memory accounting
-(generation: decode.py). Run alone, it shows a preset without allocating a weight:
+"""The GPT: config, presets, layers, chunked loss, KV cache, parameter/FLOP/memory accounting.
+Run alone, it shows a preset without allocating a weight:
 
     python model.py --preset llama3-1b                 # prints params: 1241581568
     python model.py --preset d20 --micro_batch 16      # any field can be overridden: --n_layer 8
 
-fp32 master weights, bf16 compute from autocast (bf16 weights froze RMSNorm scales). The loss runs
-in row chunks with its gradient in the forward: no (batch, time, vocab) fp32 logits.
+fp32 master weights, bf16 compute by autocast (bf16 weights froze RMSNorm scales). The loss runs
+in chunks, its gradient in the forward: no (batch, time, vocab) fp32 logits.
 """
 import argparse
 import functools
@@ -28,19 +28,19 @@ class GPTConfig:
     n_layer: int = 4
     n_embd: int = 256
     n_head: int = 4
-    n_kv_head: int = 4  # < n_head is grouped-query attention; n_head must be a multiple of it
+    n_kv_head: int = 4  # < n_head: grouped-query attention, dividing n_head
     head_dim: int = 0  # 0 = n_embd // n_head
     mlp: str = "relu2"  # relu(x)^2 | swiglu: silu(gate) * up
     mlp_hidden: int = 0  # 0 = 4*n_embd (relu2), 8/3*n_embd up to a multiple of 64 (swiglu)
     rope_theta: float = 10000.0
     norm_learnable: bool = False  # RMSNorm with a scale (Llama) or without (modern GPT)
     norm_eps: float = 1e-6
-    qk_norm: bool = True  # RMSNorm on each head's queries and keys before RoPE
+    qk_norm: bool = True  # RMSNorm on queries and keys before RoPE
     tie_embeddings: bool = False  # the output head reuses the token embedding matrix
     logit_softcap: float = 15.0  # logits -> cap * tanh(logits / cap); 0 = off
-    bitnet: bool = False  # BitNet b1.58: ternary weights, 8-bit activations in the blocks
+    bitnet: bool = False  # BitNet b1.58: ternary weights, 8-bit activations
     activation_checkpointing: bool = False  # recompute each block in backward
-    value_embeds: bool = False  # a token embedding on alternating layers, gated into the values
+    value_embeds: bool = False  # token embeddings gated into the values, alternate layers
     resid_lambdas: bool = False  # block i reads resid[i] * x + x0[i] * (the token embedding)
 
     def __post_init__(self):
@@ -74,32 +74,31 @@ def _divisors(n):
 
 
 # -----------------------------------------------------------------------------
-# Presets. Each is a set of GPTConfig fields; any field can be overridden afterwards.
+# Presets: sets of GPTConfig fields, each overridable.
 
 PRESETS = {
-    # the offline demo and the tests: 4.2M parameters; the demo world has at most ~1,690 BPE tokens
+    # the demo and the tests: 4.2M parameters; the demo world has at most ~1,690 BPE tokens
     "tiny": {"vocab_size": 1024, "sequence_len": 256, "n_layer": 4, "n_embd": 256, "n_head": 4,
              "n_kv_head": 4, "value_embeds": True, "resid_lambdas": True},
-    # a measured Llama-3-style run's model, exactly: 1,241,581,568 parameters
+    # a measured Llama-3-style run's model: 1,241,581,568 parameters
     "llama3-1b": {"vocab_size": 131072, "sequence_len": 2048, "n_layer": 16, "n_embd": 2048,
                   "n_head": 32, "n_kv_head": 8, "mlp": "swiglu", "mlp_hidden": 8192,
                   "rope_theta": 500000.0, "norm_learnable": True, "norm_eps": 1e-5,
                   "qk_norm": False, "tie_embeddings": True, "logit_softcap": 0.0},
-    # a measured BitNet b1.58 run's model, exactly: 95,367,936 parameters
+    # a measured BitNet b1.58 run's model: 95,367,936 parameters
     "bitnet-95m": {"vocab_size": 32000, "sequence_len": 256, "n_layer": 8, "n_embd": 768,
                    "n_head": 12, "n_kv_head": 6, "mlp": "swiglu", "mlp_hidden": 3072,
                    "norm_learnable": True, "norm_eps": 1e-5, "qk_norm": False,
                    "tie_embeddings": True, "logit_softcap": 0.0, "bitnet": True},
 }
-# a value embedding's gate reads the first 12 channels of the block's normalized input
+# a value embedding's gate reads the block's first 12 normalized channels
 VE_GATE_CHANNELS = 12
 DEPTH_HEAD_DIM = 128
 DEPTH_ASPECT = 64
 
 
 def depth_preset(depth):
-    """d{N}: nanochat's one-dial family, width 64*N up to a multiple of the 128 head dim
-    (docs/model.md)."""
+    """d{N}: nanochat's one-dial family, width 64*N rounded up to 128s (docs/model.md)."""
     width = DEPTH_HEAD_DIM * math.ceil(DEPTH_ASPECT * depth / DEPTH_HEAD_DIM)
     heads = width // DEPTH_HEAD_DIM
     return {"vocab_size": 65536, "sequence_len": 2048, "n_layer": depth, "n_embd": width,
@@ -150,7 +149,7 @@ def add_model_args(parser, default_preset="tiny"):
 
 def parse_args(parser, argv=None):
     """parse_args that names the model fields at an unknown option; argv may hold paths."""
-    def fail(message):  # one line, without argparse's usage dump above it
+    def fail(message):  # one line, without argparse's usage dump
         parser.exit(2, f"{parser.prog}: error: {message}\n")
     parser.error = fail
     args, unknown = parser.parse_known_args(None if argv is None else [str(a) for a in argv])
@@ -168,7 +167,7 @@ def config_from_args(args):
 
 
 # -----------------------------------------------------------------------------
-# Accounting from the config alone: no tensor is allocated
+# Accounting from the config alone
 
 def value_embed_layers(c):
     """Every other layer, counted back from the last."""
@@ -181,7 +180,6 @@ def param_breakdown(c):
     gates = ve_layers * VE_GATE_CHANNELS * c.n_kv_head
     attention = c.n_layer * (2 * d * q_dim + 2 * d * kv_dim) + gates  # no biases
     mlp = c.n_layer * (3 if c.mlp == "swiglu" else 2) * d * c.mlp_hidden
-    # two per block, q and k's, the final one
     qk = 2 * c.head_dim if c.qk_norm else 0
     norms = c.n_layer * (2 * d + qk) + d if c.norm_learnable else 0
     counts = {"embeddings": c.vocab_size * d, "value_embeds": ve_layers * c.vocab_size * kv_dim,
@@ -197,7 +195,7 @@ def num_params(c):
 
 
 def budget_params(c):
-    """What --tokens_per_param counts: all but the value-embedding tables, lookups without FLOPs
+    """What --tokens_per_param counts: not the value-embedding tables, lookups without FLOPs
     (60% of d20's parameters)."""
     return num_params(c) - param_breakdown(c)["value_embeds"]
 
@@ -219,8 +217,8 @@ def flops_per_token(c, seq_len=None):
 
 
 def memory_estimate(c, micro_batch, seq_len=None, optimizer="muon", bf16=True, device_type="cuda"):
-    """Training memory per device in bytes (docs/model.md): weights, gradients, optimizer,
-    activations (what autograd holds after the forward), transient (the largest short-lived)."""
+    """Training bytes per device (docs/model.md): weights, gradients, optimizer, activations
+    (held after the forward), transient (the largest short-lived)."""
     T = seq_len or c.sequence_len
     P = num_params(c)
     b = param_breakdown(c)
@@ -235,11 +233,10 @@ def memory_estimate(c, micro_batch, seq_len=None, optimizer="muon", bf16=True, d
     # bf16 casts / BitNet's quantized W
     weight_copies = (2 if bf16 else (4 if c.bitnet else 0)) * block_matrices
     ve_layers, kv_dim = len(value_embed_layers(c)), c.n_kv_head * c.head_dim
-    # a value embedding: its lookup in the compute dtype and the gate (sigmoid's output, and 3x it)
-    # for the product
+    # a value embedding: its lookup and the gate (sigmoid's output, and 3x it)
     per_ve_layer = (2 if bf16 else 4) * (kv_dim + 2 * c.n_kv_head + (VE_GATE_CHANNELS if c.bitnet
                                                                      else 0))
-    if c.activation_checkpointing:  # only each block's fp32 inputs kept; one recomputed at a time
+    if c.activation_checkpointing:  # block inputs kept; one block recomputed at a time
         blocks = tokens * (c.n_layer * 4 * c.n_embd + ve_layers * 4 * kv_dim)
         recompute = tokens * (per_layer + (per_ve_layer if ve_layers else 0))
         recompute += weight_copies // c.n_layer
@@ -249,9 +246,9 @@ def memory_estimate(c, micro_batch, seq_len=None, optimizer="muon", bf16=True, d
     final_norm = 4 * c.n_embd + 4 + (4 * c.n_embd if c.norm_learnable else 0)
     # the loss keeps grad_x and grad_weight (fp32) until backward
     loss = tokens * 4 * c.n_embd + 4 * c.vocab_size * c.n_embd
-    # the residual scalars keep each block's input before the mix, checkpointing or not
+    # the residual scalars keep each block's input, checkpointing or not
     mixes = tokens * c.n_layer * 4 * c.n_embd if c.resid_lambdas else 0
-    # 8: the int64 token ids the embedding's backward needs
+    # 8: int64 token ids for the embedding's backward
     acts = blocks + mixes + tokens * (8 + final_norm) + loss
     chunk_rows = min(tokens, max(1, loss_chunk_elements(device_type) // c.vocab_size))
     # a chunk's logits, probabilities and tanh, the head gradient's sum twice; or grad_x's concat
@@ -263,23 +260,23 @@ def memory_estimate(c, micro_batch, seq_len=None, optimizer="muon", bf16=True, d
 
 
 def activation_bytes_per_token_layer(c, bf16):
-    """Bytes autograd keeps per token per block; norms run in fp32 under autocast too."""
+    """Bytes autograd keeps per token per block; norms run in fp32 under autocast."""
     a = 2 if bf16 else 4
     d, q_dim, kv_dim, h = c.n_embd, c.n_head * c.head_dim, c.n_kv_head * c.head_dim, c.mlp_hidden
-    # input, 1/rms, and the normalized x a scale multiplies
+    # input, 1/rms, normalized x
     norm = 4 * d + 4 + (4 * d if c.norm_learnable else 0)
     attn = norm + a * d  # the q/k/v projections' shared input in the compute dtype
-    # q and k projection outputs (fp32 for the norm), 1/rms per head, normalized copies if learnable
+    # q and k outputs (fp32 for the norm), 1/rms per head, normalized copies if learnable
     if c.qk_norm:
         attn += 4 * (q_dim + kv_dim) * (2 if c.norm_learnable else 1) + 4 * (c.n_head + c.n_kv_head)
     # SDPA's q, k, v, output (= o_proj's input), logsumexp
     attn += a * (2 * q_dim + 2 * kv_dim) + 4 * c.n_head
     # swiglu: gate, silu(gate), up, product
     mlp = norm + a * d + a * h * (4 if c.mlp == "swiglu" else 2)
-    if c.bitnet:  # each linear layer saves its own 8-bit-quantized input in place of a shared one
-        # q, k, v quantize the same input three times; o copies SDPA's saved output
+    if c.bitnet:  # each linear layer saves its own 8-bit input instead of a shared one
+        # q, k, v quantize the same input three times
         attn += a * (2 * d + q_dim)
-        # gate and up both quantize the input (down's replaces the product)
+        # gate and up both quantize the input
         mlp += a * d if c.mlp == "swiglu" else 0
     return attn + mlp
 
@@ -305,14 +302,14 @@ def causal_attention(q, k, v):
 
 
 def to_compute_dtype(x):
-    """Cast a block's input once: else each projection saves its own bf16 copy."""
+    """Cast once: else each projection saves its own bf16 copy."""
     if not torch.is_autocast_enabled(x.device.type):
         return x
     return x.to(torch.get_autocast_dtype(x.device.type))
 
 
 def apply_rotary(x, cos, sin):
-    # x: (B, T, H, D); rotate the pair (x[i], x[i + D/2]) by the position's angle for channel i
+    # x: (B, T, H, D); rotate each pair (x[i], x[i + D/2]) by its position's angle
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
@@ -389,7 +386,7 @@ class Attention(nn.Module):
             gate = 3 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
             value_embed = value_embed.view(B, T, self.n_kv_head, self.head_dim)
             v = v + gate.unsqueeze(-1) * value_embed.to(v.dtype)
-        if self.q_norm is not None:  # autocast may return fp32 from the norm; SDPA wants one dtype
+        if self.q_norm is not None:  # the norm may return fp32; SDPA wants one dtype
             q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, head_dim)
@@ -400,7 +397,7 @@ class Attention(nn.Module):
             k, v = kv_cache.update(self.layer_idx, k, v)
             if T == 1:  # one new query sees the whole cache
                 y = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-            else:  # query i sits at position start + i and sees keys 0 .. start + i
+            else:  # query i at start + i sees keys 0 .. start + i
                 mask = torch.ones(T, k.size(2), dtype=torch.bool,
                                   device=x.device).tril(diagonal=start)
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
@@ -462,7 +459,7 @@ class KVCache:
 # -----------------------------------------------------------------------------
 # The loss, chunked
 
-# logits per chunk of the loss; CUDA: large matmuls, 8x fewer passes over the fp32 head gradient
+# logits per loss chunk; CUDA: large matmuls, 8x fewer passes over the fp32 head gradient
 LOSS_CHUNK_ELEMENTS = {"cuda": 2 ** 28, "cpu": 2 ** 25}
 
 
@@ -471,8 +468,8 @@ def loss_chunk_elements(device_type):
 
 
 def loss_chunk(xc, w, tc, softcap, need_grad, grad_w=None):
-    """One chunk's summed cross-entropy; need_grad: also its gradients for xc and w (added to
-    grad_w), so the logits die with the chunk."""
+    """One chunk's summed cross-entropy; need_grad: also gradients for xc and w (into grad_w),
+    so the logits die with the chunk."""
     logits = (xc @ w.t()).float()
     if softcap:
         capped = tanh(logits / softcap)
@@ -488,7 +485,7 @@ def loss_chunk(xc, w, tc, softcap, need_grad, grad_w=None):
     if torch.compiler.is_compiling():
         dlogits = dlogits - (torch.arange(logits.size(1),
                                           device=logits.device) == safe_targets).to(dlogits.dtype)
-    else:  # eager: in place at the targets (the expression above would be three passes more)
+    else:  # eager: in place at the targets (the expression above is three passes more)
         dlogits.scatter_add_(1, safe_targets, -torch.ones_like(safe_targets, dtype=dlogits.dtype))
     dlogits = dlogits * valid.unsqueeze(1)
     if softcap:
@@ -499,18 +496,17 @@ def loss_chunk(xc, w, tc, softcap, need_grad, grad_w=None):
 
 @functools.cache
 def compiled_loss_chunk():
-    """loss_chunk compiled alone: unrolled, compiling took 3.6x as long (dev/LOG.md). Default
-    shapes: rl.py's replies vary in length."""
+    """loss_chunk compiled alone: unrolled, compiling took 3.6x as long (dev/LOG.md)."""
     return torch.compile(loss_chunk)
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of the head's logits in chunks (loss_chunk): only grad_x and
-    grad_weight are kept; nothing is recomputed in backward."""
+    """Summed cross-entropy in chunks: only grad_x and grad_weight are kept; nothing is
+    recomputed in backward."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, softcap, compute_dtype, grad_enabled, compiled):
-        # grad mode is off in here and needs_input_grad ignores no_grad: the caller's
+        # grad mode is off here and needs_input_grad ignores no_grad: the caller's
         need_grad = grad_enabled and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         logits = x.size(0) * weight.size(0)
         chunks = max(1, math.ceil(logits / loss_chunk_elements(x.device.type)))
@@ -545,7 +541,7 @@ def chunked_cross_entropy(x, weight, targets, softcap, compute_dtype, grad_enabl
     # traced in a compiled model: a graph break keeps the chunk loop out of its graph
     if torch.compiler.is_compiling():
         return chunked_cross_entropy_outside_graph(*args)
-    # eager: no dynamo to import (~1.1 s of CPU at each stage start)
+    # eager: no dynamo to import (~1.1 s at each stage start)
     return ChunkedCrossEntropy.apply(*args)
 
 
@@ -567,7 +563,7 @@ class GPT(nn.Module):
         self.norm_f = RMSNorm(config.n_embd, config.norm_learnable, config.norm_eps)
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.n_embd,
                                                                     config.vocab_size, bias=False)
-        # value embeddings (modded-nanogpt): the stream need not carry what a token is
+        # value embeddings (modded-nanogpt): the stream need not carry token identity
         kv_dim = config.n_kv_head * config.head_dim
         self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(config.vocab_size, kv_dim)
                                            for i in value_embed_layers(config)})
@@ -603,7 +599,7 @@ class GPT(nn.Module):
         for i, table in self.value_embeds.items():
             nn.init.uniform_(table.weight, -(3 / c.n_embd) ** 0.5, (3 / c.n_embd) ** 0.5)
             nn.init.uniform_(self.blocks[int(i)].attn.ve_gate.weight, 0.0, 0.02)
-        if c.resid_lambdas:  # at init the stream as it is, plus a tenth of the embedding
+        if c.resid_lambdas:  # at init: the stream plus a tenth of the embedding
             self.resid_lambdas.fill_(1.0)
             self.x0_lambdas.fill_(0.1)
         self.init_rotary()
@@ -633,8 +629,8 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, kv_cache=None, reduction="mean", last_only=False,
                 predictions=False):
-        """idx (B, T). With targets (B, T) (-1: ignored): cross-entropy reduced by 'mean', 'sum' or
-        'none' ((B, T); predictions: also the argmax). Without: fp32 logits (B, T or 1, vocab)."""
+        """idx (B, T). With targets (-1: ignored): cross-entropy by 'mean', 'sum' or 'none'
+        ((B, T); predictions: also the argmax). Without: fp32 logits (B, T or 1, vocab)."""
         B, T = idx.shape
         start = kv_cache.pos if kv_cache is not None else 0
         if start + T > self.config.sequence_len:
@@ -683,8 +679,8 @@ class GPT(nn.Module):
 
 
 class _NoInitOnMeta(torch.overrides.TorchFunctionMode):
-    """The modules' own initializations skipped on meta (init_weights sets every value): there they
-    import torch._dynamo (~2 s). empty_like's explicit format spares importing sympy."""
+    """Skip modules' own inits on meta (init_weights sets every value): they import
+    torch._dynamo (~2 s). empty_like's explicit format spares importing sympy."""
 
     SKIPPED = (torch.Tensor.normal_, torch.Tensor.uniform_)
 
@@ -698,7 +694,7 @@ class _NoInitOnMeta(torch.overrides.TorchFunctionMode):
 
 
 def build_model(config, device="cpu", init=True):
-    """Built on meta, then allocated on `device`; init=False (weights come next): rotary only."""
+    """Built on meta, allocated on `device`; init=False (weights load next): rotary only."""
     with torch.device("meta"), _NoInitOnMeta():
         model = GPT(config)
     with _NoInitOnMeta():
@@ -717,8 +713,7 @@ def check_master_weights(model):
 
 
 def score_rows(model, rows, dtype, device, predictions=False):
-    """(model(..., reduction="none"), targets) of rows [(ids, first scored index)], right-padded
-    into one forward."""
+    """(per-token losses, targets) of rows [(ids, first scored index)] in one padded forward."""
     x = torch.zeros(len(rows), max(len(ids) for ids, _ in rows) - 1, dtype=torch.long)
     y = torch.full_like(x, -1)
     for r, (ids, start) in enumerate(rows):
@@ -730,7 +725,7 @@ def score_rows(model, rows, dtype, device, predictions=False):
 
 
 def autocast_context(device_type, dtype):
-    """dtype 'bfloat16': matmuls in bf16 (fp32 weights untouched); 'float32': plain fp32."""
+    """'bfloat16': bf16 matmuls, fp32 weights; 'float32': plain fp32."""
     if dtype == "bfloat16":
         return torch.autocast(device_type, dtype=torch.bfloat16)
     if dtype == "float32":
