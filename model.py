@@ -496,7 +496,8 @@ def loss_chunk(xc, w, tc, softcap, need_grad, grad_w=None):
 
 @functools.cache
 def compiled_loss_chunk():
-    """loss_chunk compiled alone: unrolled, compiling took 3.6x as long (dev/LOG.md)."""
+    """loss_chunk compiled alone: unrolled, compiling took 3.6x as long (dev/LOG.md).
+    Dynamic shapes: rl.py's replies vary in length."""
     return torch.compile(loss_chunk)
 
 
