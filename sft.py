@@ -1,6 +1,5 @@
-"""Supervised fine-tuning: a midtrained (or pretrained) checkpoint learns to answer, on
-conversations, with the loss on assistant content, its tool calls and <|assistant_end|> only (not on
-the user's turns, nor on the calculator's output).
+"""Supervised fine-tuning: a midtrained (or pretrained) checkpoint learns to answer, the loss on
+assistant content, tool calls and <|assistant_end|> only.
 
     python sft.py  # SmolTalk + MMLU auxiliary_train x3 + GSM8K x4 + ARC + identity, one pass
     python sft.py --source smoltalk:1 --source gsm8k:2 --source data/my_chats:3
@@ -13,9 +12,8 @@ the user's turns, nor on the calculator's output).
     python sft.py --run_name NAME --resume  # continue from the last checkpoint
     python sft.py --status runs/NAME
 
-Writes runs/<run_name>/: config.json, metrics.jsonl (every step), samples.jsonl (greedy answers at
-every eval), ckpt/step_XXXXXX/ (meta.json names the parent checkpoint and the sha256 of its
-weights), done.json.
+Writes runs/<run_name>/: config.json, metrics.jsonl, samples.jsonl (greedy answers at each
+eval), ckpt/step_XXXXXX/ (meta.json names the parent and its weights' sha256), done.json.
 """
 import argparse
 import math
@@ -45,12 +43,10 @@ from loader import (
 )
 from model import flops_per_token, num_params
 
-# nanochat's SFT epochs (SmolTalk 1, MMLU auxiliary_train 3, GSM8K 4), plus ARC's training questions
-# and identity
+# nanochat's SFT epochs, plus ARC's training questions and identity
 DEFAULT_SOURCES = ["smoltalk:1", "mmlu:3", "gsm8k:4", "arc-easy:1", "arc-challenge:1", "identity:2"]
-# warm-started at 0.3 of the parent's lrs, flat, then a linear warmdown over the second half: on the
-# demo chain it
-# forgot far less than a fresh state at full lrs, or than nanochat's 0.8 (dev/LOG.md)
+# warm-started at 0.3 of the parent's lrs, warmdown over the second half: on the demo chain it
+# forgot far less than a fresh state at full lrs, or nanochat's 0.8 (dev/LOG.md)
 SFT_LR_SCALE, SFT_WARMDOWN = 0.3, 0.5
 SFT_WHY = "measured on the demo world; nanochat's chat_sft uses 0.8"
 
@@ -87,22 +83,20 @@ def get_args(argv=None):
     return p, args
 
 
-SAMPLE_ROWS = 1024  # conversations rendered per file to estimate an epoch (its first ones)
-SAMPLE_PACKED = 4000  # of those, packed together in the mixture's proportions: how full a row gets
+SAMPLE_ROWS = 1024  # a file's first conversations, rendered to estimate an epoch
+SAMPLE_PACKED = 4000  # of those, packed in the mixture's proportions: how full a row gets
 
 
 def estimate_epoch_batches(args, tokenizer, micro, seq_len, streams):
-    """Batches one pass over the mixture packs into on the fullest data stream: an epoch, estimated,
-    as counting means rendering and packing every conversation before step 1 (1.4M for the gpu
-    plan's, at every resume). Each stream's conversations come from the parquet footers, each file's
-    rendered length and skipped share from its first SAMPLE_ROWS, row fill from those packed
-    together. Returns (batches, the line that says how)."""
+    """Batches in one pass of the mixture on the fullest stream, estimated: counting would render
+    and pack every conversation before step 1 (1.4M in the gpu plan, at every resume). Counts from
+    the footers, lengths and skips from SAMPLE_ROWS per file, row fill from packing a sample.
+    Returns (batches, the line that says how)."""
     files = mixture_files(args.sources)
-    # only renders: bad lines of a .jsonl file (main has stopped at them, or is skipping them)
-    # render as skipped
+    # only renders; bad .jsonl lines render as skipped (main already stopped or skips them)
     renderer = chat_loader(None, "train", tokenizer, micro, seq_len, files=files[:1], threads=1,
                            skip_bad_rows=True)
-    # path: (share of its conversations kept, their mean rendered tokens); the kept ones
+    # path: (share kept, mean rendered tokens); the kept ones
     per_file, kept = {}, {}
     footers = read_footers(files)
     for path, footer in footers.items():
@@ -114,18 +108,17 @@ def estimate_epoch_batches(args, tokenizer, micro, seq_len, streams):
         kept[path] = [r for r in rendered if isinstance(r, tuple)]
         per_file[path] = (len(kept[path]) / max(1, len(rendered)),
                           sum(len(ids) for ids, _ in kept[path]) / max(1, len(kept[path])))
-    # the samples packed together in the mixture's proportions (SAMPLE_PACKED of them, drawn with a
-    # fixed seed)
+    # a sample in the mixture's proportions, fixed seed
     weights = [footers[path].num_rows * per_file[path][0] if kept[path] else 0 for path in files]
     rng = random.Random(0)
     sample = [rng.choice(kept[path]) for path in rng.choices(
             files, weights, k=SAMPLE_PACKED)] if any(weights) else []
-    # per stream: the rendered tokens of the conversations it keeps in one pass
+    # per stream: rendered tokens kept in one pass
     tokens = [sum(len(unit_rows(unit, footers)) * math.prod(per_file[unit[0]])
                   for unit in assign_units(files, stream, streams,
                                            footers)) for stream in range(streams)]
     stats, buffer, rows, documents = dict.fromkeys(STAT_KEYS, 0), PieceBuffer([]), 0, iter(sample)
-    while True:  # the sample packed as training packs it: how full a row gets
+    while True:  # packed as in training: how full a row gets
         packed, _ = pack_batch(buffer, documents, 64, seq_len + 1, tokenizer.bos_id, crop=False,
                                buffer_docs=1000,
                                masked=True, stats=stats)
@@ -142,8 +135,8 @@ def estimate_epoch_batches(args, tokenizer, micro, seq_len, streams):
 
 
 def packing(loaders):
-    """Over every loader of every rank: token positions trained on, the shares that were supervised
-    and padding, and the conversations skipped by reason."""
+    """Over all ranks' loaders: positions trained, supervised and padding shares, skips by
+    reason."""
     reasons = ["no_assistant", "malformed", "empty_content", "too_long", "empty"]
     keys = ["tokens", "supervised", "padding", "batches", *reasons]
     counts = torch.tensor([[loader.state["stats"].get(k, 0) for k in keys] for loader in loaders],
@@ -176,14 +169,14 @@ def main(argv=None):
                                         lr_scale=args.lr_scale)
 
     files = mixture_files(args.sources)
-    # a .jsonl source's bad lines: an error now, before any step (--skip_bad_rows: counted)
+    # bad .jsonl lines: an error now, before any step (--skip_bad_rows: counted)
     skipped = check_chat_files(files, args.skip_bad_rows)
     epoch_batches, estimate = None, None
     if args.epochs:
         epoch_batches, estimate = estimate_epoch_batches(args, tokenizer, micro, seq_len,
                                                          world * accum)
     total_steps = args.steps or math.ceil(args.epochs * epoch_batches)
-    # one loader per accumulation micro-step, as virtual rank rank * accum + j (pretrain.py's)
+    # one loader per micro-step, virtual rank rank * accum + j (as pretrain.py)
     loaders = [chat_loader(None, "train", tokenizer, micro, seq_len, files=files,
                            rank=rank * accum + j, world_size=world * accum, device=device,
                            seed=args.seed, threads=train_loop.loader_threads(args, device),
@@ -224,8 +217,8 @@ def main(argv=None):
                               evaluate=evaluate, flops_per_token=flops_per_token(config),
                               rank=rank, world=world, device=device)
     if signum is None:
-        figures = evaluate(total_steps)  # once: a second call would run the whole validation again
-        rows = packing(loaders)  # on every rank: it gathers from all of them
+        figures = evaluate(total_steps)  # once: a second call reruns the validation
+        rows = packing(loaders)  # on every rank: it gathers
         kept = chat_stage.forgetting(model, tokenizer, parent, parent_meta, args, rank, world,
                                      device)
         if rank == 0:

@@ -1,13 +1,10 @@
-"""The byte-level BPE tokenizer a model is trained with: loaded from its JSON file, encoding with
-tiktoken, and rendering chat conversations into token ids plus a loss mask. dataset.py trains one
-on a corpus (`python dataset.py tokenizer`). One command line, how a text splits into tokens:
+"""The byte-level BPE tokenizer: loaded from JSON, encoding with tiktoken, and rendering
+conversations as ids plus a loss mask (dataset.py trains one). How a text splits into tokens:
 
     python tokenizer.py "Hello, world" --tokenizer runs/tokenizer   # each token's id and bytes
 
-The vocabulary is the 256 single bytes, then the merges, then SPECIAL_TOKENS, so a vocabulary size
-V includes the special tokens, and the special ids are V-9 .. V-1. Saved as one JSON file: nothing
-in it is executable, unlike a pickle, so a tokenizer downloaded from someone else cannot run code
-when it is loaded.
+The vocabulary: 256 bytes, the merges, then SPECIAL_TOKENS (ids V-9 .. V-1 of size V). Saved
+as JSON, not a pickle, so a downloaded tokenizer cannot run code when loaded.
 """
 import argparse
 import base64
@@ -22,7 +19,7 @@ import tiktoken
 SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}|"""
                  r""" ?[^\s\p{L}\p{N}]++[\r\n]*|"""
                  r"""\s*[\r\n]|\s+(?!\S)|\s+""")
-# the chat template's, then the calculator's: a tool call and its result (never trained on)
+# the chat template's, then the calculator's call and result (never trained on)
 SPECIAL_TOKENS = ["<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>",
                   "<|assistant_end|>", "<|python_start|>", "<|python_end|>", "<|output_start|>",
                   "<|output_end|>"]
@@ -32,8 +29,7 @@ FORMAT = "nanochat-bpe-v1"
 
 
 class Tokenizer:
-    """tiktoken encoding of byte-level BPE merges + SPECIAL_TOKENS, with the token byte lengths bits
-    per byte needs."""
+    """tiktoken over BPE merges + SPECIAL_TOKENS, with token byte lengths for bits per byte."""
 
     def __init__(self, mergeable_ranks, pattern):
         n = len(mergeable_ranks)
@@ -49,16 +45,14 @@ class Tokenizer:
                                      special_tokens=self.special_tokens)
         self.vocab_size = n + len(SPECIAL_TOKENS)
         self.bos_id = self.special_tokens["<|bos|>"]
-        # byte length of every id (0 for special tokens) for bits per byte, comparable across
-        # vocabulary sizes
+        # bytes per id (0: special), for bits per byte, comparable across vocabulary sizes
         self.token_bytes = [0] * self.vocab_size
         for token, rank in self.mergeable_ranks.items():
             self.token_bytes[rank] = len(token)
 
     def fingerprint(self):
-        """sha256 of what defines the encoding (pattern, merges, specials): checkpoints record it,
-        so a model is never used with a tokenizer it was not trained with (a retrained one of the
-        same size would load, giving nonsense)."""
+        """sha256 of pattern, merges, specials: checkpoints record it, so a model is never used
+        with another tokenizer (a retrained one of the same size would load, giving nonsense)."""
         digest = hashlib.sha256(self.pattern.encode())
         for token, rank in sorted(self.mergeable_ranks.items(), key=lambda item: item[1]):
             digest.update(len(token).to_bytes(2, "little") + token)
@@ -72,8 +66,7 @@ class Tokenizer:
         return self.special_tokens[name]
 
     def encode(self, text):
-        # encode_ordinary: "<|bos|>" typed by a user (or found in web text) is plain text, never a
-        # control token.
+        # encode_ordinary: "<|bos|>" typed by a user or in web text is plain text
         return self.enc.encode_ordinary(text)
 
     def encode_batch(self, texts, num_threads=8):
@@ -92,7 +85,7 @@ class Tokenizer:
                                      rank in ranks]}
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(state))
-        os.replace(tmp, path)  # a reader never sees a half-written tokenizer
+        os.replace(tmp, path)  # never half-written
         return path
 
     @classmethod
@@ -124,8 +117,8 @@ class Tokenizer:
 
     # --- chat rendering (the rules are in _turns below) ---
     def render_conversation(self, messages, max_tokens=None):
-        """(ids, mask) of a conversation, mask 1 on assistant content and <|assistant_end|>. With
-        max_tokens, cut after the last whole assistant turn that fits; ([], []) if none does."""
+        """(ids, mask), mask 1 on assistant content and <|assistant_end|>. max_tokens: cut after
+        the last whole assistant turn that fits; ([], []) if none."""
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens={max_tokens} must be at least 1 (or None for no limit)")
         user_start, user_end, assistant_start, assistant_end = (self.special_id(name)
@@ -147,8 +140,8 @@ class Tokenizer:
         return ids, mask
 
     def render_parts(self, content):
-        """(ids, mask) of an assistant message's content: a string or parts of type text, python (a
-        tool call, trained on) or python_output (inserted by generation, mask 0)."""
+        """(ids, mask) of assistant content: a string or parts text, python (a tool call) or
+        python_output (inserted by generation, mask 0)."""
         if isinstance(content, str):
             tokens = self.encode(content)
             return tokens, [1] * len(tokens)
@@ -168,8 +161,7 @@ class Tokenizer:
         return ids, mask
 
     def render_for_completion(self, messages):
-        """The prompt for generating the next assistant turn: the conversation, then
-        <|assistant_start|>."""
+        """The conversation, then <|assistant_start|>."""
         turns = _turns(messages)
         if turns[-1][0] != "user":
             raise ValueError(f"message {len(messages) - 1}: a conversation to complete must end "
@@ -189,8 +181,8 @@ def is_parts(content):
 
 
 def _turns(messages):
-    """Validated (role, content, index of its message) turns, a leading system message merged into
-    the first user's."""
+    """Validated (role, content, message index) turns, a system message merged into the first
+    user's."""
     if not messages:
         raise ValueError("a conversation needs at least one message")
     for i, m in enumerate(messages):
