@@ -179,7 +179,9 @@ def check_disk(plan):
     listing = data_dir / ".hub_listing.json"
     files = json.loads(listing.read_text())["files"] if listing.is_file() else []
     listed = sorted((f for f in files if f["path"].endswith(".parquet")), key=lambda f: f["path"])
-    if listed:
+    if (data_dir / "ingest.json").is_file():  # your corpus (--corpus): all of it is here
+        shard_bytes = 0
+    elif listed:
         wanted = listed[:shards] + listed[-1:]
         shard_bytes = sum(f["size"] for f in wanted if have.get(Path(f["path"]).name) != f["size"])
     else:

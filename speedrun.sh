@@ -97,8 +97,8 @@ if [ "$PLAN" = gpu ]; then  # the shards the budget needs, counted with this tok
     stage data_plan "$PY" "$ROOT/pretrain.py" --data_plan --data_dir "$CORPUS" --tokenizer "$TOK" --runs_dir "$RUN" \
         "${PRETRAIN[@]}" "${PRETRAIN_EXTRA[@]}" "${R_PRETRAIN[@]}" "${R_SHAPE[@]}"
     # the disk plan (not enough disk stops here), then --shards, else data_plan.json's count (fewer is said)
-    if [ "$OWN_TEXT" = 0 ]; then NEEDED=$("${L[@]}" shards --run "$RUN" "$SHARDS")  # --corpus: all of it is here
-        launch stage download "$PY" "$ROOT/download.py" shards --shards "$NEEDED" --data_dir "$CORPUS"; fi
+    NEEDED=$("${L[@]}" shards --run "$RUN" "$SHARDS")  # the disk plan; --corpus: all of its text is here
+    [ "$OWN_TEXT" = 1 ] || launch stage download "$PY" "$ROOT/download.py" shards --shards "$NEEDED" --data_dir "$CORPUS"
     # pretraining does not wait for the prefetch, but if it has failed already, stop before the hours
     if ! kill -0 "$PREFETCH" 2>/dev/null || [ "$STOP_AFTER" = download ]; then wait_prefetch " before pretraining"; fi
     if [ "$STOP_AFTER" = download ]; then

@@ -473,6 +473,33 @@ def test_the_data_plan_stops_when_the_disk_cannot_hold_the_checkpoints(world, tm
     assert need == pytest.approx(shards + ckpts, abs=0.11)
 
 
+
+def test_your_own_corpus_has_no_shards_to_fetch_in_the_disk_plan(world, tmp_path, monkeypatch, capsys):
+    """speedrun.sh --corpus on the gpu plan: the disk plan still counts the checkpoints to come, and no shard to fetch,
+    though the budget wants more shards than the corpus has (it repeats instead; before, the check was skipped)."""
+    import shutil
+    from collections import namedtuple
+
+    import dataset as D
+    import gpu_plan
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 ** 12, 0, 10 ** 12))
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(3):
+        (texts / f"{i}.txt").write_text("\n\n".join(f"Document {i}.{j} about rivers and hills." for j in range(60)))
+    D.ingest([texts], tmp_path / "corpus")
+    args = ["--data_dir", str(tmp_path / "corpus"), "--tokenizer", str(world / "tokenizer"), "--runs_dir",
+            str(tmp_path / "runs"), "--preset", "tiny", "--steps", "50", "--total_batch_tokens", "8192", "--data_plan"]
+    pretrain.main(args)
+    plan = json.loads((tmp_path / "runs" / "data_plan.json").read_text())
+    assert plan["shards"] > len(D.split_shards(tmp_path / "corpus", "train")) and plan["epochs"] > 1
+    assert gpu_plan.check_disk(plan).startswith("data plan disk: 0.0 GB of shards still to fetch; checkpoints: ")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 ** 12, 0, 10 ** 3))
+    with pytest.raises(ValueError, match=rf"not enough disk: shards in {tmp_path / 'corpus'}, checkpoints in "):
+        gpu_plan.check_disk(plan)
+    capsys.readouterr()
+
 def test_a_resumed_runs_saved_checkpoints_count_as_space_it_holds_already(world, tmp_path, monkeypatch, capsys):
     """A rerun after three stages finished: their checkpoints are on disk and among those the plan counts, so the data
     plan needs only the rest (a resume of the d20 rehearsal on one GPU box was refused: 4 x 15.2 GB counted, 3 saved)."""
