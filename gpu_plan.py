@@ -1,7 +1,7 @@
 """gpu_plan.py: the gpu plan's numbers in one place, and its rehearsal's. speedrun.sh's flags
-(launch.py setup), the disk plan (check_disk), the time prediction (predict_plan) and the printed
-plan all come from here (`bash speedrun.sh --print --plan gpu` shows them). Standard library only:
-launch.py imports it before .venv.
+(launch.py setup), the disk plan (check_disk, on pretrain.py --data_plan's output), the time
+prediction (predict_plan) and the printed plan all come from here (`bash speedrun.sh --print
+--plan gpu` shows them). Standard library only: launch.py imports it before .venv.
 
 Predict the gpu plan's cost from its rehearsal, before hours of pretraining:
 
