@@ -1,17 +1,14 @@
-"""Chat with a checkpoint in the terminal. Tokens stream as they are generated, and the conversation
-stays in the KV cache across turns: a new turn prefills only its own new tokens, never the whole
-history again.
+"""Chat with a checkpoint in the terminal. Tokens stream as generated; the conversation stays in the
+KV cache across turns, so a new turn prefills only its own tokens.
 
     python chat.py  # newest RL or SFT checkpoint, else midtraining, else ...
     python chat.py --checkpoint runs/NAME --temperature 0.8 --top_k 40 --seed 7
     python chat.py -p "What is the capital of France?"
         # answer once and exit; -p - reads the prompt from stdin
 
-Prints the checkpoint it loaded (path, stage, step, exact parameters), device, dtype, decode path,
-the mode (chat, or completion for a pretraining checkpoint: no template, each input is continued as
-plain text) and the seed; after each reply a line [tokens, prefill N tok in S s (tok/s), decode
-tok/s]. Commands: /clear /stats /help /quit. With -p the reply alone goes to stdout, everything else
-to stderr.
+Prints the checkpoint, device, dtype, decode path, mode (chat, or completion for a pretraining
+checkpoint: input continued as plain text) and seed; after each reply, token and speed stats.
+Commands: /clear /stats /help /quit. With -p the reply alone goes to stdout, the rest to stderr.
 """
 import argparse
 import codecs
@@ -34,9 +31,9 @@ HELP = ("/clear  forget the conversation (back to <|bos|>)\n/stats  tokens in th
         "turns, last turn's prefill and decode\n/help   this list\n/quit   exit (also Ctrl-D; "
         "Ctrl-C at the prompt)\nCtrl-D after text (a paste of any length) sends it, then exits. "
         "Ctrl-C during a reply stops that reply; the conversation goes on.")
-# a terminal's line limit in canonical mode (Linux): what input() gets without readline
+# a terminal's line limit in canonical mode (Linux): input() without readline
 CANONICAL_LIMIT = 4095
-# ends a line read through readline when Ctrl-D was pressed after text (see main)
+# ends a line read through readline after Ctrl-D following text (see main)
 SEND_AND_END = "\x04"
 
 
@@ -74,9 +71,8 @@ def get_args(argv=None):
 
 
 def utf8_stream(tokenizer):
-    """feed(token_id) -> the text completed by its bytes ('' while a character is still split across
-    tokens); feed(None) flushes what is left at the end of a reply (an incomplete character becomes
-    U+FFFD, once)."""
+    """feed(token_id) -> the text its bytes complete ('' mid-character); feed(None) flushes at the
+    end of a reply (an incomplete character becomes U+FFFD)."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(token_id):
@@ -89,9 +85,9 @@ def utf8_stream(tokenizer):
 
 
 class Conversation:
-    """The token ids in the KV cache (cache.pos == len(ids); ids[0] is <|bos|>), the index in ids
-    where each exchange starts, and whether the last reply's closing <|assistant_end|> (sampled, or
-    added to a cut reply) is still to be fed: it enters the cache with the next turn's tokens."""
+    """The token ids in the KV cache (cache.pos == len(ids); ids[0] is <|bos|>), where each
+    exchange starts, and whether the last reply's <|assistant_end|> is still to be fed: it enters
+    the cache with the next turn."""
 
     def __init__(self, model, tokenizer, chat, decode="eager", dtype="float32", max_tokens=256):
         self.model, self.tok, self.chat, self.dtype = model, tokenizer, chat, dtype
@@ -113,10 +109,9 @@ class Conversation:
                 self.cache.pos -= 1
 
     def _make_step(self, compiled):
-        """step(token (1,)) -> logits (1, vocab) after feeding the token at cache.pos; advances
-        cache.pos. decode.py's step, one row whose reply slots are the whole conversation cache (no
-        prompt part): eager, it attends over the filled slots only; compiled, over the whole cache,
-        masked, so that its shapes never change."""
+        """step(token (1,)) -> logits (1, vocab), feeding the token at cache.pos. decode.py's step
+        with the conversation as the reply slots: eager attends over filled slots only; compiled
+        over the whole cache, masked, so its shapes never change."""
         model, cache = self.model, self.cache
         weights, fn = decode_weights(model,
                                      self.dtype), compiled_step() if compiled else decode_step
@@ -136,7 +131,7 @@ class Conversation:
         return step
 
     def forward(self, ids):
-        """Prefill ids after what the cache holds, in one forward; logits of the last position."""
+        """Prefill ids after the cache in one forward; the last position's logits."""
         with torch.inference_mode(), autocast_context(self.device.type, self.dtype):
             logits = self.model(torch.tensor([ids], device=self.device), kv_cache=self.cache,
                                 last_only=True)[:, -1]
@@ -149,8 +144,7 @@ class Conversation:
         self.forward([self.tok.bos_id])
 
     def turn_tokens(self, text):
-        """(head, body, tail): the tokens a message adds; only body (the text as plain text) may be
-        cut."""
+        """(head, body, tail): the tokens a message adds; only body may be cut."""
         body = self.tok.encode(text)
         if not self.chat:
             return [], body, []
@@ -159,10 +153,9 @@ class Conversation:
         return head, body, [sid("<|user_end|>"), sid("<|assistant_start|>")]
 
     def fit(self, text):
-        """The new tokens of the next turn, made to fit: the oldest exchanges are dropped (<|bos|>
-        kept, the cache rebuilt) until the turn and room for a reply fit the context; a message that
-        cannot fit even alone keeps its last tokens (the end of a long paste is usually the
-        question). Returns (new ids, notices)."""
+        """The next turn's new tokens, made to fit: the oldest exchanges are dropped (cache rebuilt)
+        until the turn and a reply fit; a message too long alone keeps its last tokens (the end of a
+        long paste is usually the question). Returns (new ids, notices)."""
         head, body, tail = self.turn_tokens(text)
         notices, dropped = [], 0
         while self.starts and \
@@ -192,14 +185,13 @@ class Conversation:
 
     def respond(self, text, write, temperature, top_k, max_tokens, generator, stop=lambda: False,
                 notify=None):
-        """One turn: prefill the new tokens, then sample until an end token, max_tokens, a full
-        cache or stop(). write(str) gets the reply's text as it completes, notify(str) each notice
-        (default: write). Returns stats."""
+        """One turn: prefill, then sample until an end token, max_tokens, a full cache or stop().
+        write(str) gets the reply's text, notify(str) each notice. Returns stats."""
         notify = notify or (lambda line: write(line + "\n"))
         new, notices = self.fit(text)
         for notice in notices:
             notify(notice)
-        if not new:  # completion mode, nothing typed that survived: nothing to continue from
+        if not new:  # completion mode with nothing to continue from
             self.last = {"prefill": 0, "prefill_s": 0.0, "decode": 0, "decode_s": 0.0,
                          "why": "empty"}
             return self.last
@@ -209,7 +201,7 @@ class Conversation:
         prefill_s = time.perf_counter() - t0
         self.starts.append(start + (1 if self.chat and new[0] == self.end else 0))
         feed, count, why = utf8_stream(self.tok), 0, "max_new_tokens"
-        # the calculator: its call is shown, its result fed in
+        # the calculator: its call shown, its result fed in
         tools = ToolUse(self.tok) if self.chat else None
         calls = {tools.start, tools.end} if tools else set()
         t1 = time.perf_counter()
@@ -269,10 +261,9 @@ def print_stats(conv, out):
 
 @contextmanager
 def during_reply(fd):
-    """Ctrl-C (SIGINT) only appends to the yielded list, which the decode loop reads between tokens,
-    so the cache is never left half-written. The terminal on fd (None: not one) without echo, so
-    what is typed or pasted meanwhile waits unseen for the next prompt, where readline shows it. The
-    previous handler and mode come back after."""
+    """Ctrl-C only appends to the yielded list, read between tokens, so the cache is never left
+    half-written. The terminal (fd) without echo, so typing meanwhile waits unseen for the next
+    prompt. Handler and mode are restored after."""
     hits = []
     saved = None if fd is None else termios.tcgetattr(fd)
     previous = signal.signal(signal.SIGINT, lambda signum, frame: hits.append(signum))
@@ -289,12 +280,10 @@ def during_reply(fd):
 
 @contextmanager
 def typeahead_kept(fd):
-    """The terminal on fd (None: not a terminal with readline) out of canonical mode for the whole
-    session; readline's prompts run in a mode of their own and give this one back. In canonical mode
-    the kernel silently drops what passes a line's 4,095 characters (a paste while a reply streams),
-    and turns a Ctrl-D typed between two prompts into a NUL that readline does not take for EOF.
-    Ctrl-C stays a signal, Enter (CR) still becomes a newline. The terminal's mode comes back at the
-    end."""
+    """The terminal (fd) out of canonical mode for the session (readline's prompts use their own
+    mode). In canonical mode the kernel silently drops past a line's 4,095 characters (a paste
+    while a reply streams), and Ctrl-D between prompts becomes a NUL readline does not take for
+    EOF. Ctrl-C stays a signal, Enter still a newline. The mode is restored at the end."""
     saved = None if fd is None else termios.tcgetattr(fd)
     try:
         if saved:
@@ -316,8 +305,8 @@ def read_message(out):
 
 
 def decode_path(choice, device_type, one_prompt):
-    """--decode's auto: compiled where its compilation pays, a session on CUDA; eager on the CPU and
-    for one -p reply."""
+    """--decode auto: compiled where it pays (a session on CUDA); eager on CPU and for one -p
+    reply."""
     if choice != "auto":
         return choice
     return "compiled" if device_type == "cuda" and not one_prompt else "eager"
@@ -354,7 +343,7 @@ def main(argv=None):
     def write(text):
         print(text, end="", flush=True)
 
-    # the terminal a reply keeps quiet and a session out of canonical mode (set below)
+    # the terminal quiet during replies and out of canonical mode (set below)
     typeahead_fd = None
 
     def turn(text):
@@ -365,7 +354,7 @@ def main(argv=None):
             if s["why"] not in ("interrupted", "context full"):
                 print(file=sys.stdout)
             print(stats_line(s), file=out, flush=True)
-        if hits and s["why"] != "interrupted":  # it came after the last token: said, not lost
+        if hits and s["why"] != "interrupted":  # came after the last token: said, not lost
             print("[Ctrl-C came as the reply ended: nothing to stop; Ctrl-C again or Ctrl-D to "
                   "leave]", file=out)
 
@@ -380,15 +369,12 @@ def main(argv=None):
         return 0
     # invalid UTF-8 typed or piped in becomes U+FFFD, not a crash
     sys.stdin.reconfigure(errors="replace")
-    cut = None  # the line limit input() runs under: none with readline (it reads key by key)
+    cut = None  # input()'s line limit: none with readline (it reads key by key)
     if sys.stdin.isatty():
         try:
             import readline  # line editing and history for input()
-            # readline takes Ctrl-D after text for delete-char (a bell: a pasted document was never
-            # sent); bound to:
-            # end of line, a literal Ctrl-D, accept (on an empty line readline still returns EOF
-            # first)
-            # macOS's stand-in has a syntax of its own
+            # readline takes Ctrl-D after text as delete-char (a bell; the paste is never sent):
+            # bind it to end of line, a literal Ctrl-D, accept. macOS's libedit differs
             if "libedit" not in (readline.__doc__ or ""):
                 readline.parse_and_bind(r'"\C-d": "\C-e\C-v\C-d\C-j"')
             typeahead_fd = sys.stdin.fileno()
@@ -398,14 +384,14 @@ def main(argv=None):
     try:
         with typeahead_kept(typeahead_fd):
             talk(conv, turn, cut, out)
-    # a Ctrl-C outside input() and a reply, or one that came with a Ctrl-D: the end
+    # a Ctrl-C outside input() and a reply, or with a Ctrl-D: the end
     except KeyboardInterrupt:
         print(file=out)
     return 0
 
 
 def talk(conv, turn, cut, out):
-    """The prompt's loop: commands, or a turn, until /quit, Ctrl-D or Ctrl-C at the prompt."""
+    """The prompt loop: commands or turns until /quit, Ctrl-D or Ctrl-C at the prompt."""
     while (line := read_message(out)) is not None:
         last, line = line.endswith(SEND_AND_END), line.removesuffix(SEND_AND_END)
         if cut and len(line) >= cut:

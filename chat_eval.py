@@ -1,20 +1,17 @@
-"""Evaluate a chat model: nanochat's ChatCORE. ARC-Easy, ARC-Challenge and MMLU are categorical (one
-forward; the answer letter with the highest logit after <|assistant_start|> is the prediction;
-several prompts share a forward, as nanochat batches them), GSM8K and HumanEval are generated
-greedily and checked (the number after the reply's '#### ', nanochat's rule; the program against the
-task's tests, run in sandbox.py's sandbox). ChatCORE is the mean over tasks of the centered
-accuracy, (accuracy - baseline) / (1 - baseline). Beside it, never in it, diagnostics per task: the
-letter probabilities and each option's text scored as the reply (categorical), a lenient GSM8K
-reading (any number).
+"""Evaluate a chat model: nanochat's ChatCORE. ARC-Easy, ARC-Challenge and MMLU are categorical
+(the answer letter with the highest logit after <|assistant_start|>); GSM8K and HumanEval are
+generated greedily and checked (the number after '#### '; the program against the tests, in
+sandbox.py). ChatCORE is the mean centered accuracy, (accuracy - baseline) / (1 - baseline).
+Diagnostics beside it, never in it: letter probabilities, option texts scored as the reply, a
+lenient GSM8K reading.
 
     python chat_eval.py                                # newest checkpoint under runs/, tasks below
     python chat_eval.py --checkpoint runs/NAME --tasks ARC-Easy,GSM8K --max_items 100
     python chat_eval.py --demo data/demo --max_items 20  # offline: the demo world's held-out ones
     torchrun --standalone --nproc_per_node=8 chat_eval.py --checkpoint runs/NAME
 
-Items are taken in nanochat's order, so --max_items N scores the same items as nanochat's
---max-problems N. Writes runs/<run>/chat_eval.json and chat_eval_items.jsonl (each item's
-prediction); docs/eval.md has the details.
+--max_items N scores the same items as nanochat's --max-problems N. Writes
+runs/<run>/chat_eval.json and chat_eval_items.jsonl; details in docs/eval.md.
 """
 import argparse
 import json
@@ -45,9 +42,8 @@ from tasks import (
 )
 
 PROGRESS_SECONDS = 10.0  # a progress line at most this often per task (and one at its end)
-# Generation on a CPU runs one thread, as rl.py's rollouts: a decode step of a small model is per-op
-# overhead, and on a
-# shared machine a second OpenMP thread waits on the first (two threads measured ~5x slower)
+# CPU generation runs one thread, as rl.py's rollouts: a small model's decode step is per-op
+# overhead, and on a shared machine a second OpenMP thread waits (two threads measured ~5x slower)
 CPU_GENERATE_THREADS = 1
 
 
@@ -102,8 +98,7 @@ def get_args(argv=None):
 # The model's answers
 
 def letter_token_ids(tokenizer, letters):
-    """The answer letters' token ids; each must be one token (with byte-level BPE a lone letter
-    always is)."""
+    """The answer letters' token ids, one token each (always so with byte-level BPE)."""
     ids = []
     for letter in letters:
         encoded = tokenizer.encode(letter)
@@ -116,10 +111,9 @@ def letter_token_ids(tokenizer, letters):
 
 @torch.no_grad()
 def letter_scores(model, tokenizer, items, dtype, device):
-    """Per item (letter, cut, what to record): the prompts in one forward; only the item's letters
-    compete at its last position (ties to the first, as nanochat's argmax). Recorded: the letters'
-    probabilities (a softmax over them: what decided) and their mass (their share of the whole
-    vocabulary's: does the model answer with a letter at all?)."""
+    """Per item (letter, cut, record), prompts in one forward; only the item's letters compete
+    (ties to the first, as nanochat's argmax). Recorded: the letters' softmax (what decided) and
+    their share of the whole vocabulary (does the model answer with a letter at all?)."""
     prompts = [prompt_ids(tokenizer, item["prompt"], model.config.sequence_len,
                           0) for item in items]
     logits = last_logits(model, [ids for ids, _ in prompts], tokenizer.bos_id, dtype).float()
@@ -137,10 +131,9 @@ def letter_scores(model, tokenizer, items, dtype, device):
 
 @torch.no_grad()
 def option_text_scores(model, tokenizer, items, dtype, device):
-    """Per item (the likeliest option text as the reply by the sum of its log-probs, the same by
-    their mean, per option [sum of log-probs, tokens]): the question alone as the user message, each
-    option's tokens after <|assistant_start|>; ties to the first, an empty option never. Outside
-    ChatCORE: right text, wrong letter means the model knows."""
+    """Per item (the likeliest option text as the reply by summed log-probs, by mean, per option
+    [sum, tokens]); ties to the first, an empty option never. Outside ChatCORE: right text, wrong
+    letter means the model knows."""
     rows, owner = [], []  # (ids, first scored index) per option; the item it belongs to
     for n, item in enumerate(items):
         for text in item["options"]:
@@ -163,10 +156,9 @@ def option_text_scores(model, tokenizer, items, dtype, device):
 
 
 def greedy_replies(model, tokenizer, questions, max_new_tokens, dtype):
-    """(text, cut, calculator calls) per question: greedy tokens until <|assistant_end|> (or
-    <|bos|>) or max_new_tokens, the calculator on as in nanochat's engine, its calls left out of the
-    text; cut when the window ended the reply first or the prompt was cropped. Every reply a row of
-    one decode(), with its own calculator."""
+    """(text, cut, calculator calls) per question: greedy until <|assistant_end|> (or <|bos|>) or
+    max_new_tokens, the calculator on as in nanochat's engine, calls left out of the text; cut when
+    the window ended the reply or the prompt was cropped."""
     prompts = [prompt_ids(tokenizer, q, model.config.sequence_len, 1) for q in questions]
     budgets = [min(max_new_tokens, model.config.sequence_len - len(ids)) for ids, _ in prompts]
     tools = [ToolUse(tokenizer) for _ in questions]
@@ -199,8 +191,7 @@ def judge_letters(items, model, tokenizer, args, device):
 
 
 def judge(kind, item, args, marker, level, answer):
-    """(correct, cut, what to record) for one generated item; answer: greedy_replies's (reply, cut,
-    calls) for it."""
+    """(correct, cut, record) for one generated item; answer: (reply, cut, calls)."""
     reply, cut, calls = answer
     calls = {"calculator": [list(c) for c in calls]} if calls else {}
     if kind == "gsm8k":  # nanochat's rule decides; the lenient reading is kept beside it
@@ -223,9 +214,9 @@ def judge(kind, item, args, marker, level, answer):
 
 
 def work_batches(kind, items, tokenizer, batch_items, world=1):
-    """Lists of item positions judged together, which the ranks take round robin: categorical items
-    sorted by prompt length (less padding), generated items in order, in groups of batch_items
-    (fewer where a rank would have none)."""
+    """Batches of item positions, dealt to ranks round robin: categorical items sorted by prompt
+    length (less padding), generated items in order; batch_items each (fewer where a rank would
+    have none)."""
     if kind != "categorical":
         size = max(1, min(batch_items, -(-len(items) // world)))
         return [list(range(b, min(b + size, len(items)))) for b in range(0, len(items), size)]
@@ -234,8 +225,8 @@ def work_batches(kind, items, tokenizer, batch_items, world=1):
 
 
 def evaluate_task(task, items, model, tokenizer, args, rank, world, device, marker, level):
-    """(per item (correct, cut), records in item order), over every rank's batches (work_batches).
-    Rank 0 prints its count and an ETA every PROGRESS_SECONDS, and the task's line at its end."""
+    """(per item (correct, cut), records in item order) over every rank's batches. Rank 0 prints
+    progress with an ETA every PROGRESS_SECONDS, and the task's line at its end."""
     kind = ALL_TASKS[task][2]
     table, records = torch.zeros(len(items), 3, dtype=torch.float64), []  # (done, correct, cut)
     mine = [b for k, b in enumerate(work_batches(kind, items, tokenizer, args.batch_items,
@@ -312,9 +303,8 @@ OPTION_TEXT_RULE = ("the option's text as the whole reply to the question alone:
 
 
 def task_diagnostics(kind, records):
-    """A task's `diagnostics` in chat_eval.json (docs/eval.md), never part of ChatCORE: for
-    categorical tasks, why a letter is wrong (not knowing, or knowing the option but not its
-    letter?); GSM8K's lenient reading; else None."""
+    """A task's `diagnostics` (docs/eval.md), never part of ChatCORE: categorical, why a letter is
+    wrong (not knowing, or not its letter?); GSM8K's lenient reading; else None."""
     n = max(len(records), 1)
     if kind == "categorical":
         predicted = Counter(r["predicted"] for r in records)
@@ -398,8 +388,8 @@ def write_outputs(report, records, out, run_dir):
 
 
 def download_only(args):
-    """--download_only, before pretraining: a gated or missing task stops the run hours earlier,
-    and a machine that cannot contain its programs stops it now, not after training."""
+    """--download_only, before pretraining: a gated or missing task, or a machine that cannot
+    contain its programs, stops the run now, not after training."""
     asked = args.tasks.split(",") if args.tasks else list(tasks.HUB_TASKS)
     unknown = [t for t in asked if t not in tasks.HUB_TASKS]
     if unknown:
@@ -413,7 +403,7 @@ def download_only(args):
 
 
 def asked_tasks(args, demo_dir):
-    """(the tasks asked, the tasks available): the demo world's, or the hub's."""
+    """(tasks asked, tasks available): the demo world's or the hub's."""
     available = tasks.DEMO_TASKS if demo_dir is not None else tasks.HUB_TASKS
     asked = args.tasks.split(",") if args.tasks else list(available)
     extra = tasks.DEMO_EXTRA if demo_dir is not None else {}

@@ -1,15 +1,13 @@
-"""Evaluate a checkpoint: the CORE score (DCLM's 22 in-context tasks, by nanochat's rules unless
---protocol dclm), validation bits per byte, and greedy completions of a fixed set of prompts, the
-same at every evaluation.
+"""Evaluate a checkpoint: the CORE score (DCLM's 22 in-context tasks, nanochat's rules unless
+--protocol dclm), validation bits per byte, and greedy completions of fixed prompts.
 
     python core_eval.py  # newest checkpoint under runs/, bundle chosen below
     python core_eval.py --checkpoint runs/NAME --bundle data/demo/eval_bundle --max_items 100
     torchrun --standalone --nproc_per_node=8 core_eval.py --checkpoint runs/NAME
 
 A --bundle URL is downloaded, checked and unzipped once into the cache (docs/eval.md). Writes
-runs/<run>/core_eval/step_XXXXXX/: results.json (everything), results.csv (a row per task),
-items.jsonl (each item's prediction). Bad input stops before any model time is spent, with a message
-naming what to fix.
+runs/<run>/core_eval/step_XXXXXX/: results.json, results.csv (a row per task), items.jsonl (each
+item's prediction). Bad input stops before any model time is spent.
 """
 import argparse
 import csv
@@ -41,16 +39,15 @@ from model import score_rows
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 TASK_KEYS = {"multiple_choice": ("query", "choices", "gold"), "schema": ("context_options",
                                                                          "continuation", "gold"),
-             # task type: the keys each of its items needs
+             # task type: the keys its items need
              "language_modeling": ("context", "continuation")}
-# which tokens are scored; the items, order and few-shot examples are nanochat's in both
+# which tokens are scored; items, order and few-shot examples are nanochat's in both
 PROTOCOLS = ("nanochat", "dclm")
 FEWSHOT_SEED, SUBSET_SEED = 1234, 1337  # nanochat's: the same items and examples as its CORE runs
 COMPLETIONS = ["Once upon a time,", "The most important thing to learn is", "In the morning, the",
                "When the rain stopped,"]
-# (prompt, accepted answers, which world), each reported as found or not at the start of the greedy
-# completion; the
-# demo world's are facts of demo.py's tables (tests/test_demo.py checks them against the tables)
+# (prompt, accepted answers, world): found or not at the start of the greedy completion; the demo
+# world's are facts of demo.py's tables (tests/test_demo.py checks them)
 KNOWLEDGE = [("The capital of France is", ["Paris"], "real"),
              ("The chemical symbol for gold is", ["Au"], "real"),
              ("The largest planet in the solar system is", ["Jupiter"], "real"),
@@ -105,8 +102,7 @@ def get_args(argv=None):
 # The bundle: download, verify, unzip once
 
 def verify_zip(path):
-    """download_file's content check: a zip whose every member passes its CRC and which holds a
-    core.yaml."""
+    """download_file's content check: every member passes its CRC and core.yaml is there."""
     try:
         with zipfile.ZipFile(path) as z:
             bad = z.testzip()
@@ -121,8 +117,7 @@ def verify_zip(path):
 
 
 def find_bundle_root(directory):
-    """The shallowest directory under `directory` holding core.yaml (the zip has an eval_bundle/
-    folder at the top)."""
+    """The shallowest directory under `directory` holding core.yaml."""
     found = sorted(Path(directory).rglob("core.yaml"), key=lambda p: len(p.parts))
     if not found:
         raise FileNotFoundError(f"--bundle {directory}: no core.yaml in it or below: a bundle "
@@ -131,9 +126,8 @@ def find_bundle_root(directory):
 
 
 def fetch_bundle(url, expected_sha256=None, cache_dir=None):
-    """(bundle root, provenance): download url into the cache (resumable, verified), unzip once into
-    a directory that only appears, by rename, when complete; later calls find it and touch no
-    network."""
+    """(bundle root, provenance): download url into the cache, unzip once into a directory that
+    appears, by rename, only when complete; later calls touch no network."""
     cache = Path(cache_dir or CACHE_DIR) / "eval_bundle" / sha256(url.encode()).hexdigest()[:16]
     done_file = cache / "unzipped.json"
     if done_file.is_file():
@@ -175,7 +169,7 @@ def resolve_bundle(arg, meta, expected_sha256=None):
 
 
 # -----------------------------------------------------------------------------
-# Tasks: core.yaml + eval_meta_data.csv + the jsonl files, checked before any model time is spent
+# Tasks: core.yaml + eval_meta_data.csv + jsonl files, checked before any model time is spent
 
 @dataclass
 class Task:
@@ -224,8 +218,7 @@ def read_items(path, kind):
 
 
 def load_tasks(root, only=None):
-    """Every task of core.yaml (or those named in `only`) with its items, few-shot count, delimiter
-    and baseline."""
+    """core.yaml's tasks (or those in `only`) with items, few-shot count, delimiter, baseline."""
     root = Path(root)
     try:
         spec = yaml.safe_load((root / "core.yaml").read_text())["icl_tasks"]
@@ -282,30 +275,26 @@ def task_from_spec(root, t, baselines):
 # Prompts and scored tokens
 
 def task_order(n_items, max_per_task):
-    """Item indices in nanochat's order: the task shuffled by random.Random(1337), then cut to
-    max_per_task. The few-shot seeds are positions in this list and the examples come from it, so
-    the cut changes the examples too."""
+    """Item indices in nanochat's order: shuffled by random.Random(1337), cut to max_per_task.
+    Few-shot examples come from this list, so the cut changes them too."""
     order = list(range(n_items))
     random.Random(SUBSET_SEED).shuffle(order)
     return order[:max_per_task] if max_per_task > 0 else order
 
 
 def fewshot_positions(n, position, k):
-    """nanochat's draw: k positions of an n-long (shuffled, cut) list, never `position`, by
-    random.Random(1234 + position); a list too short for k gives every other position (nanochat's
-    random.sample raises there)."""
+    """nanochat's draw: k positions of n, never `position`, by random.Random(1234 + position); too
+    short a list gives every other position (nanochat's random.sample raises there)."""
     others = [p for p in range(n) if p != position]
     return random.Random(FEWSHOT_SEED + position).sample(others, min(k, len(others)))
 
 
 def prompt_pairs(task, order, position):
-    """(context, continuation) per row of the item at `position` of `order`, as nanochat renders
-    them: the solved few-shot examples, each followed by a blank line, then the item, one row per
-    choice (multiple choice), per context option (schema), or its one answer (language modelling,
-    whose contexts are stripped)."""
+    """(context, continuation) per row of the item, as nanochat renders them: the solved few-shot
+    examples, each followed by a blank line, then the item, one row per choice (multiple choice),
+    per context option (schema), or its answer (language modelling, contexts stripped)."""
     d = task.delimiter
-    # (context, continuation) per row of an item or a few-shot example, the delimiter not yet
-    # between
+    # (context, continuation) per row of an item or few-shot example, no delimiter yet
     def rows(ex):
         if task.kind == "multiple_choice":
             return [(ex["query"], choice) for choice in ex["choices"]]
@@ -313,7 +302,6 @@ def prompt_pairs(task, order, position):
             return [(option, ex["continuation"]) for option in ex["context_options"]]
         return [(ex["context"].strip(), ex["continuation"])]
     examples = [task.items[order[p]] for p in fewshot_positions(len(order), position, task.fewshot)]
-    # their gold rows
     solved = [rows(ex)[0 if task.kind == "language_modeling" else ex["gold"]] for ex in examples]
     prefix = "".join(context + d + continuation + "\n\n" for context, continuation in solved)
     return [(prefix + context + d, continuation) for context,
@@ -327,12 +315,11 @@ def shared_length(rows):
 
 
 def nanochat_rows(kind, pairs, tokenizer):
-    """[(ids, index of the first scored token)] by nanochat's rules: a row is BOS + context +
-    continuation tokenized at once. Multiple choice: scored from the end of the rows' common token
-    prefix; schema: from the start of their common token suffix; language modelling: the tokens
-    after the stripped context's. Where nanochat's span is empty (a mean over nothing, NaN) the
-    boundary moves by one token, and where BPE merges across the context's end (nanochat asserts it
-    cannot) the answer is scored from where the two tokenizations part (docs/eval.md)."""
+    """[(ids, first scored index)] by nanochat's rules: BOS + context + continuation tokenized at
+    once. Multiple choice: scored after the rows' common prefix; schema: from their common suffix;
+    language modelling: after the stripped context. Where nanochat's span is empty (NaN) the
+    boundary moves one token; where BPE merges across the context's end (nanochat asserts it
+    cannot) scoring starts where the tokenizations part (docs/eval.md)."""
     rows = [[tokenizer.bos_id, *tokenizer.encode(context + continuation)] for context,
             continuation in pairs]
     shortest = min(map(len, rows))
@@ -347,10 +334,9 @@ def nanochat_rows(kind, pairs, tokenizer):
 
 
 def dclm_rows(pairs, tokenizer):
-    """[(ids, index of the first scored token)], every continuation token scored: context and
-    continuation are tokenized apart, BOS first, and the context's trailing spaces move to the
-    continuation, where BPE puts them (' Paris' is one token; ' ' + 'Paris' is not what the model
-    saw in training)."""
+    """[(ids, first scored index)], every continuation token scored: tokenized apart, BOS first,
+    the context's trailing spaces moved to the continuation, where BPE puts them (' Paris' is one
+    token)."""
     rows = []
     for context, continuation in pairs:
         kept = context.rstrip(" ")
@@ -360,16 +346,15 @@ def dclm_rows(pairs, tokenizer):
 
 
 def fit_window(ids, start, seq_len):
-    """(ids, start, cropped): the model reads a row's first len - 1 tokens, and its rotary tables
-    end at seq_len, so a longer row keeps its BOS and loses the tokens after it (as training cuts a
-    long document into BOS-led pieces); a scored span longer than the window is scored where it
-    fits. nanochat never crops: its tables are 10x longer."""
+    """(ids, start, cropped): the rotary tables end at seq_len, so a longer row keeps its BOS and
+    loses the tokens after it (as training cuts long documents); a scored span longer than the
+    window is scored where it fits. nanochat never crops: its tables are 10x longer."""
     crop = max(0, len(ids) - 1 - seq_len)
     return ([ids[0], *ids[crop + 1:]], max(1, start - crop), True) if crop else (ids, start, False)
 
 
 def item_rows(task, order, position, tokenizer, seq_len, protocol="nanochat"):
-    """[(ids, first scored index, cropped)] per row of the item at `position` of `order`."""
+    """[(ids, first scored index, cropped)] per row of the item."""
     pairs = prompt_pairs(task, order, position)
     rows = nanochat_rows(task.kind, pairs,
                          tokenizer) if protocol == "nanochat" else dclm_rows(pairs, tokenizer)
@@ -381,8 +366,7 @@ def item_rows(task, order, position, tokenizer, seq_len, protocol="nanochat"):
 
 @torch.no_grad()
 def score_batch(model, batch_rows, device, dtype):
-    """Per row (ids, start, ...): (mean loss over ids[start:], whether every greedy prediction there
-    is right)."""
+    """Per row: (mean loss over ids[start:], whether every greedy prediction there is right)."""
     (losses, predicted), y = score_rows(model, [row[:2] for row in batch_rows], dtype, device,
                                         predictions=True)
     scored = y != -1
@@ -393,9 +377,8 @@ def score_batch(model, batch_rows, device, dtype):
 
 def evaluate_tasks(model, tokenizer, tasks, max_per_task, batch_items, dtype, rank, world, device,
                    protocol="nanochat", progress=False):
-    """Per task: (item index, predicted option or -1, correct, cropped) per evaluated item,
-    identical on every rank: items sorted by prompt length (less padding), in batches dealt round
-    robin, joined by a sum over ranks."""
+    """Per task: (item, predicted option or -1, correct, cropped) per item, the same on every rank:
+    sorted by prompt length (less padding), batches dealt round robin, summed over ranks."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
     results = []
@@ -436,14 +419,13 @@ def evaluate_tasks(model, tokenizer, tasks, max_per_task, batch_items, dtype, ra
 
 
 def centered(accuracy, baseline):
-    """0 at the random baseline, 1 at perfect: (acc - baseline) / (1 - baseline)."""
+    """(acc - baseline) / (1 - baseline): 0 at the random baseline, 1 at perfect."""
     return (accuracy - baseline) / (1 - baseline)
 
 
 def summarize(tasks, results):
-    """A row per task, and CORE: the mean centered accuracy. fewshot is the count used (fewer than
-    core.yaml's only when --max_items leaves too few items to draw from); cropped counts the items
-    cut to fit the window."""
+    """A row per task, and CORE, the mean centered accuracy. fewshot: the count used (fewer when
+    --max_items leaves too few items); cropped: items cut to fit the window."""
     rows = []
     for task, items in zip(tasks, results):
         correct = sum(c for _, _, c, _ in items)
@@ -460,8 +442,7 @@ def summarize(tasks, results):
 @torch.no_grad()
 def completions(model, tokenizer, max_new_tokens, dtype):
     """Greedy completions of COMPLETIONS and KNOWLEDGE (found: the completion begins with an
-    accepted answer; a mention further on, as in 'Monday. The days are Monday, Wednesday', does not
-    count)."""
+    accepted answer; a later mention does not count)."""
     asked = [(p, None, None) for p in COMPLETIONS] + KNOWLEDGE
     prompts = [[tokenizer.bos_id, *tokenizer.encode(prompt)] for prompt, _, _ in asked]
     budgets = [min(max_new_tokens, model.config.sequence_len - len(ids)) for ids in prompts]
@@ -480,8 +461,7 @@ def completions(model, tokenizer, max_new_tokens, dtype):
 
 
 def bits_per_byte(args, meta, model, tokenizer, rank, world, device):
-    """The report's val_* entries: bits per byte and tokens scored, or a note saying why there are
-    none."""
+    """The report's val_* entries: bits per byte and tokens scored, or why there are none."""
     out = {"val_bpb": None, "val_bpb_tokens": None, "val_bpb_note": None,
            "val_data_dir": args.data_dir or meta.get("data_dir")}
     if not args.bpb_tokens:
@@ -541,7 +521,7 @@ def write_results(out_dir, report, tasks, results):
 
 def main(argv=None):
     args = get_args(argv)
-    # before pretraining: a bundle that cannot be fetched stops the run hours earlier
+    # before pretraining: an unfetchable bundle stops the run hours earlier
     if args.download_only:
         bundle, _ = resolve_bundle(BUNDLE_URL if args.bundle == "auto" else args.bundle, {},
                                    args.bundle_sha256)
@@ -552,8 +532,7 @@ def main(argv=None):
     ckpt = checkpoint.find_checkpoint(args.checkpoint, args.runs_dir)
     model, meta = checkpoint.load_model(ckpt, device)
     tokenizer, tokenizer_path = checkpoint.checkpoint_tokenizer(meta, ckpt, args.tokenizer)
-    # rank 0 downloads the bundle, then the other ranks find it in the cache; rank 0's failure is
-    # raised on every rank
+    # rank 0 downloads, the others find it cached; rank 0's failure is raised on every rank
     bundle, provenance = distributed.fetch_everywhere(lambda: resolve_bundle(args.bundle, meta,
                                                                              args.bundle_sha256),
                                                       rank, world)

@@ -1,16 +1,14 @@
-"""The embedded demo world: a small, consistent, made-up world written offline and byte-for-byte
+"""The embedded demo world: a small, consistent, made-up world, written offline and
 deterministically.
 
     python demo.py --out data/demo     # pretrain/ (corpus layout), conversations/ (SmolTalk
                                        # schema), eval_bundle/ (CORE), chat_eval/, README.txt
-    python demo.py --out DIR --seed 1  # another world's phrasing draw (the facts stay the same)
+    python demo.py --out DIR --seed 1  # another phrasing draw (the facts stay the same)
 
-Why a made-up world: no prior knowledge helps and none is needed, so a 5M-parameter model trained
-for minutes on a CPU can be seen to learn facts (capitals, animal sounds, sums, what comes after
-Tuesday), to chat about them, and to beat the random baseline on tasks. Every fact is stated in many
-phrasings and mixed with others, so memorizing sentences does not suffice; the evaluation items use
-phrasings reserved for evaluation, so a score measures the fact. The fact tables and phrasings are
-in py, the single source, which core_eval.py's demo prompts read too.
+Why made up: no prior knowledge helps, so a 5M-parameter model trained for minutes on a CPU can be
+seen to learn facts, chat about them and beat the random baseline. Each fact comes in many
+phrasings, so memorizing sentences does not suffice; evaluation uses phrasings reserved for it, so
+a score measures the fact. core_eval.py's demo prompts read the tables here too.
 """
 import argparse
 import csv
@@ -23,11 +21,9 @@ import pyarrow.parquet as pq
 
 from dataset import ROW_GROUP_DOCS, load_identity, write_text_shards
 
-# --- the world's facts and the words it is told in: fact tables, phrasings, and the helpers that
-# fill them
+# --- the world's facts and phrasings, and the helpers that fill them
 
-# country, capital, language, flag colour, flag symbol, national animal (names invented: no prior
-# knowledge helps)
+# country, capital, language, flag colour, flag symbol, national animal (invented names)
 COUNTRIES = [("Aldora", "Pelmo", "Aldoran", "red", "star", "lion"),
              ("Brenia", "Tolvar", "Brenish", "blue", "moon", "owl"),
              ("Calvona", "Riss", "Calvonese", "green", "tree", "frog"),
@@ -105,8 +101,7 @@ ONES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", 
         "nineteen"]
 TENS = ["-", "-", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"]
 
-# Pretraining phrasings, by fact. Nothing here may start with "Quiz:" or use the eval phrasings
-# further down.
+# Pretraining phrasings. None may start with "Quiz:" or use the eval phrasings below.
 PHRASINGS = {"capital": ["The capital of {c} is {cap}.", "{cap} is the capital of {c}.",
                          "The capital city of {c} is {cap}.", "{cap} is the capital city of {c}.",
                          "{c}'s capital is {cap}.", "{c} has {cap} as its capital.",
@@ -237,9 +232,8 @@ def animal_fields(row):
 
 
 def fields(rng, words=None):
-    """Every slot a template may name, filled from one random country, animal, thing, day, month and
-    sum; a document keeps one such dict while it talks about one country, so its sentences agree
-    with each other."""
+    """Every template slot, filled from one random country, animal, thing, day, month and sum; a
+    document keeps one dict per country so its sentences agree."""
     t, tcol = rng.choice(THINGS)
     d, m, x, y = rng.randrange(7), rng.randrange(12), rng.randint(0, 10), rng.randint(0, 10)
     x, y = max(x, y), min(x, y)
@@ -262,8 +256,7 @@ def listing(words):
 
 # Conversations: questions and answers in the chat's own words
 
-# no sums: a chat reply to a sum calls the calculator (SUMS below, calc/); one without it taught
-# guessing
+# no sums: a chat reply to a sum calls the calculator (SUMS, calc/); without it, it taught guessing
 QA = {"capital": (["What is the capital of {c}?", "What's the capital of {c}?",
                    "Tell me the capital of {c}.", "Do you know the capital of {c}?",
                    "I'm going to {c}. What is the capital there?", "Which city is {c} run from?",
@@ -300,8 +293,7 @@ QA = {"capital": (["What is the capital of {c}?", "What's the capital of {c}?",
               ["{nday} comes after {day}.", "It's {nday}."]),
       "month": (["What month comes after {mon}?", "Which month follows {mon}?"],
                 ["{nmon} comes after {mon}.", "The month after {mon} is {nmon}."])}
-# what a user says before a question about a country: the question is the same fact in a user's own
-# words
+# what a user says before a question about a country
 OPENERS = ["Quick question. ", "I wonder about {c}. ", "I'm reading about {c}. ",
            "My friend lives in {c}. ",
            "We are learning about {c} at school. ", "I have a question about {c}. ", "Hello! ",
@@ -316,9 +308,9 @@ SYSTEMS = ["You are {bot}, a helpful assistant.", "You are {bot}. Answer briefly
            "You are a friendly assistant called {bot}. Keep your answers short."]
 
 
-# The shapes ChatCORE asks for: multiple choice, short answers, sums through the calculator
+# ChatCORE's shapes: multiple choice, short answers, sums through the calculator
 
-# kind: (question phrasings, the field that answers it, the pool the wrong choices come from)
+# kind: (question phrasings, the answering field, the pool of wrong choices)
 CHOICE = {
     "capital": (["What is the capital of {c}?", "Which city is the capital of {c}?",
                  "The capital of {c} is which city?"], "cap", [r[1] for r in COUNTRIES]),
@@ -357,9 +349,8 @@ ONE_WORD = ["Answer in one word", "One word only", "Just the answer", "Give only
             "Say only the answer", "Only the name, please", "Answer with a single word"]
 NUMBER_ONLY = ["Just the number", "Only the number, please", "Answer with a number",
                "Give only the result"]
-# the calculator's questions: many phrasings, numbers to 99, so any sum in any words gets a call
-# (numbers and an
-# operation word, not a template, are what call it)
+# calculator questions: many phrasings, numbers to 99, so numbers and an operation word, not a
+# template, are what trigger a call
 SUMS = {"sum": ("+",
                 ["what is {x} plus {y}?", "what is {x} and {y} together?", "add {x} and {y}.",
                  "what's {x} + {y}?", "can you add {x} and {y}?", "what do {x} and {y} make?",
@@ -380,8 +371,7 @@ SUMS = {"sum": ("+",
                  ["what is {x} times {y}?", "multiply {x} by {y}.", "multiply {x} by {y}, please.",
                   "what's {x} x {y}?", "how much is {x} times {y}?",
                   "what is the product of {x} and {y}?", "{x} times {y}?"])}
-# lookup: the option that is the named word, no knowledge needed: practice at binding a letter to
-# its option
+# lookup: the option is named, no knowledge needed: practice binding a letter to its option
 LOOKUP = ["Which option is {x}?", "Which of these is {x}?", "Find {x} in the list.", "Pick {x}."]
 LOOKUP_NAMES = sorted({r[i] for r in COUNTRIES for i in (
         0, 1, 2)} | {a[0] for a in ANIMALS} | set(COLOURS) | set(DAYS)
@@ -396,14 +386,9 @@ STORIES = {"sum": [("{name} has {x} {items}. {pron} gets {y} more. How many {ite
            "prod": ["{name} has {x} bags with {y} {items} in each. How many {items} is that?",
                     "Each of {x} friends brings {y} {items}. How many {items} do they bring?"]}
 
-# Word problems in GSM8K's shape, two to four operations on the world's quantities, a worked step
-# per operation:
-# (question, steps); a step (left, op, right, words) computes the next of s1-s4 from the numbers a-e
-# drawn for
-# the question and the steps before it, and is said "{words} {left} {op} {right} = <<...>>{value}.".
-# legs1/legs2 are
-# the legs of the animals named {ap1}/{ap2}: the model must know them (pretraining teaches every
-# animal's legs).
+# Word problems in GSM8K's shape: (question, steps). A step (left, op, right, words) computes the
+# next of s1-s4 from the numbers a-e and earlier steps, said "{words} {left} {op} {right} =
+# <<...>>{value}.". legs1/legs2 are the legs of animals {ap1}/{ap2}: the model must know them.
 PROBLEMS = [(("{name} has {a} {items}. {Pron} buys {b} bags with {c} {items} in each. How many "
               "{items} does {name} have now?"),
              [("b", "*", "c", "The bags hold"), ("a", "+", "s1", "In all {name} has")]),
@@ -445,16 +430,14 @@ PROBLEMS = [(("{name} has {a} {items}. {Pron} buys {b} bags with {c} {items} in 
               "many {items} are left?"),
              [("a", "*", "b", "{friend} picked"), ("a", "+", "s1", "Together they picked"),
               ("s2", "-", "c", "Left:")])]
-# a sentence about something else, with a number the problem does not need: the model must pick the
-# right numbers
+# an unneeded number: the model must pick the right ones
 DISTRACTORS = ["{friend} also has {e} {other}.", "There are {e} {other} on the table too.",
                "It is {day}, and {e} {other} are in the basket."]
 
 
 # --- the world's files
 
-# the assistant's name and what it says about itself: identity.json, the one file to edit (SFT on
-# hub data reads it too)
+# the assistant's identity: identity.json, the one file to edit (SFT on hub data reads it too)
 DEMO_ASSISTANT_NAME, IDENTITY_PAIRS = load_identity()
 DEMO_TASK_ROWS = 3000  # rows in each of choice/, answers/, calc/, lookup/, problems/
 DEMO_HELD_OUT_PROBLEMS = 120  # chat_eval's demo-problems: word problems no training row asks
@@ -463,7 +446,7 @@ DEMO_TARGET_CHARS = 5_000_000
 
 
 # -----------------------------------------------------------------------------
-# Pretraining documents: each generator returns one paragraph (or a few) of prose
+# Pretraining documents: each generator returns a paragraph or a few
 
 def doc_country(rng):
     f = fields(rng)
@@ -577,8 +560,8 @@ def doc_calendar(rng):
 
 
 def doc_story(rng, name=None):
-    """A trip through a few capitals, in order, on consecutive days, with things bought and friends
-    met: who went where, had what, in which order; every place fact agrees with the tables."""
+    """A trip through a few capitals on consecutive days, with things bought and friends met;
+    every place fact agrees with the tables."""
     name, pr = next(c for c in CHARACTERS if c[0] == name) if name else rng.choice(CHARACTERS)
     pron, obj = pr, OBJECT[pr]
     trip, day = rng.sample(COUNTRIES, rng.randint(2, 4)), rng.randrange(7)
@@ -649,8 +632,7 @@ def pick(rng, pair, f):
 
 
 def exchange(rng):
-    """One user question and its answer: a fact, a country profile, a story, or a fact on
-    request."""
+    """One user question and its answer."""
     f, roll = {**fields(rng), "bot": DEMO_ASSISTANT_NAME}, rng.random()
     if roll < 0.08:
         kinds = rng.sample(COUNTRY_KINDS, 3)
@@ -666,7 +648,6 @@ def exchange(rng):
                                                                                       "day"]), f)
     kind = rng.choice(list(QA))
     user, assistant = pick(rng, QA[kind], f)
-    # a user's words around the question
     if kind in COUNTRY_KINDS + ["capital_of"] and rng.random() < 0.35:
         user = rng.choice(OPENERS).format(**f) + user
     return user, assistant
@@ -691,12 +672,9 @@ def conversation(rng):
 
 
 # -----------------------------------------------------------------------------
-# The shapes ChatCORE asks for, in the layouts of the hub sets that teach them on real data
-# (dataset.py renders all
-# of them alike): multiple choice answered by a letter (MMLU's columns), short answers that are the
-# whole reply
-# (conversations), arithmetic through the calculator (GSM8K's columns, <<expr=result>> and a final
-# '#### N').
+# ChatCORE's shapes in the layouts of the hub sets that teach them: multiple choice by letter
+# (MMLU's columns), short answers (conversations), arithmetic via the calculator (GSM8K's
+# columns, <<expr=result>> and '#### N').
 
 
 def ask(rng, instructions, question):
@@ -707,8 +685,7 @@ def ask(rng, instructions, question):
 
 
 def choice_row(rng):
-    """A multiple-choice question in MMLU's columns: question, choices, answer (the gold index),
-    subject."""
+    """Multiple choice in MMLU's columns: question, choices, answer (gold index), subject."""
     kind = rng.choice(list(CHOICE))
     questions, key, pool = CHOICE[kind]
     f = fields(rng)
@@ -721,8 +698,7 @@ def choice_row(rng):
 
 
 def lookup_row(rng):
-    """Multiple choice that names its answer ("Which option is Pelmo?"), in MMLU's columns: the
-    letter binding alone."""
+    """Multiple choice that names its answer ("Which option is Pelmo?"): letter binding alone."""
     choices = rng.sample(LOOKUP_NAMES, 4)
     gold = rng.randrange(4)
     return {"question": rng.choice(LOOKUP).format(x=choices[gold]), "choices": choices,
@@ -740,8 +716,7 @@ def short_answer(rng):
 
 
 def calculation_row(rng):
-    """Arithmetic in GSM8K's columns: the calculator's result alone, a sentence, or a problem worked
-    to '#### N'."""
+    """Arithmetic in GSM8K's columns: the result alone, a sentence, or worked to '#### N'."""
     op, roll = rng.choice(list(SUMS)), rng.random()
     # the calculator knows no range
     top = 20 if roll > 0.6 else 12 if op == "prod" else rng.choice([10, 99])
@@ -766,9 +741,8 @@ def calculation_row(rng):
 
 
 def word_problem(rng):
-    """A word problem in GSM8K's columns: two to four operations, each a worked step with its
-    calculator call, then '#### N'. Numbers 2 to 20 (half in words), step values 0 to 300; half the
-    questions hold an unneeded number."""
+    """A GSM8K-style word problem: two to four worked steps with calculator calls, then '#### N'.
+    Numbers 2 to 20 (half in words); half hold an unneeded number."""
     question, steps = rng.choice(PROBLEMS)
     (name, pron), ((item, items), (_, other)) = rng.choice(CHARACTERS), rng.sample(ITEMS, 2)
     (_, ap1, *_, legs1, _), (_, ap2, *_, legs2, _) = rng.sample([a for a in ANIMALS if a[4]], 2)
@@ -800,8 +774,7 @@ def word_problem(rng):
 
 
 def distinct(n, draw, key=lambda row: row, exclude=()):
-    """n of draw()'s results, in the order drawn, no two with the same key and none with a key in
-    exclude."""
+    """n distinct-keyed results of draw(), in draw order, none keyed in exclude."""
     rows, seen = [], set(exclude)
     while len(rows) < n:
         row = draw()
@@ -812,8 +785,7 @@ def distinct(n, draw, key=lambda row: row, exclude=()):
 
 
 # -----------------------------------------------------------------------------
-# Evaluation tasks (CORE formats), phrased ONLY in the reserved forms below: none occurs in the
-# training data
+# Evaluation tasks (CORE formats), phrased ONLY in reserved forms absent from training data
 
 def eval_tasks(rng):
     """(label, type, fewshot, category, baseline %, items) for each task."""
@@ -888,10 +860,9 @@ def eval_tasks(rng):
 
 
 def chat_eval_tasks(rng):
-    """{task: items} for chat_eval.py, in phrasings reserved for it (none occurs in the documents,
-    the conversations or eval_tasks): demo-choice and demo-answer, ChatCORE's multiple choice and
-    short answers (every accepted form), and demo-words, questions with no instruction on the
-    reply's form: does the model still answer in its own words?"""
+    """{task: items} for chat_eval.py in reserved phrasings: demo-choice and demo-answer
+    (ChatCORE's shapes, every accepted form), and demo-words (no instruction on the reply's form:
+    does the model still answer in its own words?)."""
     def mc(question, gold, pool):
         choices = [gold] + rng.sample(sorted(p for p in set(pool) if p != gold), 3)
         rng.shuffle(choices)
@@ -933,7 +904,7 @@ def chat_eval_tasks(rng):
             ("Here is a sum for you: {x} plus {y}. What does it come to?", 1),
             ("Please figure out {x} minus {y}.", -1),
             ("What remains when {y} is taken away from {x}?", -1)]
-    # sums in words no training row uses: the calculator should be called all the same
+    # sums in unseen words: the calculator should still be called
     for q, sign in sums:
         for _ in range(4):
             x, y = sorted((rng.randint(11, 60), rng.randint(11, 60)), reverse=True)
@@ -942,8 +913,7 @@ def chat_eval_tasks(rng):
 
 
 def write_eval_bundle(out_dir, rng):
-    """core.yaml (plain text: no yaml library needed to write it), eval_meta_data.csv and
-    eval_data/demo/*.jsonl."""
+    """core.yaml (plain text, no yaml library), eval_meta_data.csv, eval_data/demo/*.jsonl."""
     data_dir = out_dir / "eval_data" / "demo"
     data_dir.mkdir(parents=True, exist_ok=True)
     yaml, counts = ["icl_tasks:"], {}
@@ -963,7 +933,7 @@ def write_eval_bundle(out_dir, rng):
 
 
 def write_demo(out_dir, seed=0):
-    """Write the demo world under out_dir (its files: README.txt, written last); returns counts."""
+    """Write the demo world under out_dir (README.txt last); returns counts."""
     out_dir = Path(out_dir)
     # an old last shard would pose as val
     for stale in sorted((out_dir / "pretrain").glob("shard_*.parquet")):
@@ -981,7 +951,7 @@ def write_demo(out_dir, seed=0):
                         key=lambda row: row["question"])
     problems = distinct(DEMO_TASK_ROWS, lambda: word_problem(rng), key=lambda row: row["question"],
                         exclude={row["question"] for row in held_out})
-    rng = random.Random(f"demo-tasks-{seed}")  # the task shapes, each a chat directory of its own
+    rng = random.Random(f"demo-tasks-{seed}")  # each task shape a chat directory of its own
     tasks = {"choice": pa.Table.from_pylist([choice_row(rng) for _ in range(DEMO_TASK_ROWS)]),
              "answers": pa.table({"messages": pa.array([short_answer(rng)
                                                         for _ in range(DEMO_TASK_ROWS)], schema)}),
@@ -993,8 +963,7 @@ def write_demo(out_dir, seed=0):
                                                     table in tasks.items()}
     for path, table in tables.items():
         (out_dir / path).parent.mkdir(parents=True, exist_ok=True)
-        # small row groups: the loader shuffles row groups, so the sources of a mixture interleave
-        # finely
+        # small row groups: the loader shuffles row groups, so mixture sources interleave finely
         pq.write_table(table, out_dir / f"{path}.parquet", row_group_size=64, compression="zstd")
     evals = write_eval_bundle(out_dir / "eval_bundle", random.Random(f"demo-eval-{seed}"))
     chat_evals = chat_eval_tasks(random.Random(f"demo-chat-eval-{seed}"))

@@ -1,20 +1,12 @@
-"""Downloads, checked and resumable: a file by URL (download_file) and files of a Hugging Face hub
-repo (list_hub_files, download_hub_files), each under its final name only once its size, hash and
-(parquet) footer check out, retried with backoff, with one progress line. The repo's listing is
-saved beside the files (.hub_listing.json), so a rerun whose files are all on disk and intact needs
-no hub. The corpora and chat sets (download_shards, download_chat) come through it, as do
-core_eval.py's eval bundle and chat_eval.py's task sets. By hand:
+"""Checked, resumable downloads from a URL or a Hugging Face hub repo: a file gets its final name
+only once size, hash and (parquet) footer check out; retried with backoff. The listing is saved
+beside the files (.hub_listing.json), so a rerun with intact files needs no hub.
 
-    python download.py shards --shards 8
-        # FineWeb-Edu shards from the hub (+ the last one: validation)
+    python download.py shards --shards 8  # FineWeb-Edu shards + the last one (validation)
     python download.py chat smoltalk gsm8k
-        # conversation and task sets (identity: from identity.json)
-
     python download.py list openai/gsm8k  # a hub dataset's files: size, sha256 or git blob id
     python download.py get openai/gsm8k main/test-00000-of-00001.parquet --out DIR
-        # checked against the listing
-    python download.py url URL --out FILE --sha256 HEX
-        # a plain URL, resumed from FILE.partial if cut short
+    python download.py url URL --out FILE --sha256 HEX  # resumes from FILE.partial
 """
 import argparse
 import hashlib
@@ -42,11 +34,9 @@ from dataset import (
     write_parquet,
 )
 
-# huggingface_hub is imported in the functions that use it, not by every stage importing this file
-# (docs/data.md says
-# what it does itself). hf_hub_download checks no size or hash and gives up on a 500 or a reset
-# mid-body: the checks,
-# the retries and the one-line errors are this file's (tests/test_download.py).
+# huggingface_hub is imported inside functions, not by every stage (docs/data.md).
+# hf_hub_download checks no size or hash and gives up on a 500 or a reset mid-body: the checks,
+# retries and one-line errors are this file's (tests/test_download.py).
 
 DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
 # attempts per file; with the backoff below they wait ~60 s in all: enough to ride out a hub hiccup
@@ -59,8 +49,7 @@ class _Transient(Exception):
 
 
 def hub_endpoint():
-    """$HF_ENDPOINT or the public hub, read per call: huggingface_hub reads it once, at import, so
-    it is passed."""
+    """$HF_ENDPOINT or the public hub, read per call (huggingface_hub reads it only at import)."""
     return os.environ.get("HF_ENDPOINT", DEFAULT_HUB_ENDPOINT).rstrip("/")
 
 
@@ -74,9 +63,8 @@ def _first_line(error):
 
 
 def _transient(error):
-    """Worth another attempt: network errors, 408/429/5xx answers (left over after huggingface_hub's
-    own retries), bodies short of their size, failed checks. Any other HTTP answer (401, 404, ...)
-    is a mistake to report."""
+    """Worth retrying: network errors, 408/429/5xx, short bodies, failed checks. Other HTTP answers
+    (401, 404, ...) are mistakes to report."""
     from huggingface_hub.utils import HfHubHTTPError, httpx
     if isinstance(error, HfHubHTTPError):
         code = _status(error)
@@ -85,9 +73,8 @@ def _transient(error):
 
 
 def _retrying(attempt, retries, gave_up):
-    """attempt() until it returns, at most `retries` times, with exponential backoff between tries;
-    raises at once what a retry cannot fix, and after the last try gave_up(the last error's first
-    line), the error that says what to do."""
+    """attempt() up to `retries` times with exponential backoff; non-transient errors raise at
+    once, and after the last try gave_up(first line of the error)."""
     for i in range(retries):
         try:
             return attempt()
@@ -108,8 +95,7 @@ def _hash_file(path, digest):
 
 
 def _mismatch(path, size=None, sha256=None, git_sha1=None):
-    """How path differs from the expected size, sha256 or git blob id (the hub's for a file kept in
-    git), or None."""
+    """How path differs from the expected size, sha256 or git blob id, or None."""
     got = path.stat().st_size
     if size is not None and got != size:
         return f"size {got} bytes, expected {size}"
@@ -122,8 +108,8 @@ def _mismatch(path, size=None, sha256=None, git_sha1=None):
 
 
 def _check(path, size=None, sha256=None, git_sha1=None, verify=None):
-    """Raise _Transient, deleting path (a bad prefix would poison every resume), unless path matches
-    and passes verify(path), which raises ValueError on bad content."""
+    """Raise _Transient and delete path (a bad prefix would poison every resume) unless it matches
+    and verify(path) raises no ValueError."""
     problem = _mismatch(path, size, sha256, git_sha1)
     if not problem and verify:
         try:
@@ -136,7 +122,7 @@ def _check(path, size=None, sha256=None, git_sha1=None, verify=None):
 
 
 class _Bar:
-    """The part of tqdm's interface that huggingface_hub calls on a tqdm_class: silent."""
+    """The silent part of tqdm's interface that huggingface_hub calls."""
 
     def __init__(self, initial=0, **kwargs):
         self.n = initial
@@ -153,15 +139,13 @@ class _Bar:
     def set_postfix_str(self, *args, **kwargs):
         pass
 
-    # update_transfer: hf_xet's network bytes; update() counts the bytes written, that is enough
+    # update_transfer: hf_xet's network bytes; update() counts bytes written, enough
     update_transfer = set_transfer_postfix_str = refresh = close = set_postfix_str
 
 
 def download_file(url, dest, size=None, sha256=None, verify=None, retries=RETRIES):
-    """Stream a plain URL (the eval bundle: not a hub repo, no token) to dest + ".partial", which
-    http_get resumes within an attempt, and later attempts and runs resume too. dest appears only
-    once the size, the sha256 and verify(partial) (ValueError on bad content) pass; an existing dest
-    of the expected size is kept."""
+    """Stream a plain URL to dest + ".partial", resumed by later attempts and runs. dest appears
+    once size, sha256 and verify(partial) pass; an existing dest of the right size is kept."""
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import HfHubHTTPError
     dest = Path(dest)
@@ -178,7 +162,7 @@ def download_file(url, dest, size=None, sha256=None, verify=None, retries=RETRIE
         except HfHubHTTPError as e:
             if _status(e) != 416:
                 raise
-            partial.unlink()  # the partial is not a prefix of what the server has now: start over
+            partial.unlink()  # not a prefix of the server's file now: start over
             raise _Transient(f"server refused to resume at byte {offset} (HTTP 416)") from e
         _check(partial, size, sha256, verify=verify)
         os.replace(partial, dest)
@@ -197,11 +181,11 @@ def download_file(url, dest, size=None, sha256=None, verify=None, retries=RETRIE
 
 
 def _hub_failure(what, error):
-    """The one line for a hub answer a retry cannot fix."""
+    """The error for a hub answer a retry cannot fix."""
     from huggingface_hub.utils import RepositoryNotFoundError
     code = _status(error)
     if code in (401, 403) or isinstance(error, RepositoryNotFoundError):
-        # the hub answers 401 for a repo that does not exist as well as for one that is private
+        # the hub answers 401 for a missing repo as well as a private one
         return RuntimeError(f"{what}: HTTP {code}: the repo is private or gated, or does not "
                             "exist: set HF_TOKEN to a token that can read it (and accept the "
                             "dataset's terms on its page if it is gated)")
@@ -212,8 +196,7 @@ def _hub_failure(what, error):
 
 
 def list_hub_files(repo, revision="main", repo_type="dataset"):
-    """Every file of a repo: {"path", "size", "sha256" (LFS files), "git_sha1" (files kept in
-    git)}."""
+    """A repo's files: {"path", "size", "sha256" (LFS), "git_sha1" (git)}."""
     from huggingface_hub import HfApi, RepoFile
     from huggingface_hub.utils import HfHubHTTPError, httpx
     api = HfApi(endpoint=hub_endpoint())
@@ -223,7 +206,7 @@ def list_hub_files(repo, revision="main", repo_type="dataset"):
     except httpx.HTTPError as e:  # HfHubHTTPError is one
         if isinstance(e, HfHubHTTPError) and not _transient(e):
             raise _hub_failure(f"listing {repo} (revision {revision})", e) from None
-        # a network error, or a 429/5xx that huggingface_hub retried five times already
+        # network error, or a 429/5xx huggingface_hub already retried five times
         raise RuntimeError(f"could not list {repo} at {hub_endpoint()} ({_first_line(e)}): check "
                            "the network (and HF_ENDPOINT if set) and re-run the command, later if "
                            "the hub is failing") from None
@@ -232,8 +215,7 @@ def list_hub_files(repo, revision="main", repo_type="dataset"):
 
 
 def _fetch_hub_file(repo, entry, dest, staging, revision, repo_type, bar):
-    """One listed file: hf_hub_download into the staging dir, checked against the listing, then
-    renamed to dest."""
+    """One listed file: downloaded to staging, checked, renamed to dest."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.utils import HfHubHTTPError
     def attempt():
@@ -256,9 +238,8 @@ def _fetch_hub_file(repo, entry, dest, staging, revision, repo_type, bar):
 
 
 def verify_parquet(path):
-    """A shard is usable if its footer parses and it has rows. Reading the footer catches truncation
-    and non-parquet bodies (an HTML error page saved as .parquet) in milliseconds; bit flips inside
-    are the sha256's job."""
+    """The footer parses and there are rows: catches truncation and HTML error pages in
+    milliseconds; bit flips are the sha256's job."""
     try:
         num_rows = pq.ParquetFile(path).metadata.num_rows
     except (pa.ArrowInvalid, OSError) as e:
@@ -268,9 +249,8 @@ def verify_parquet(path):
 
 
 def _progress_line(total, already):
-    """A tqdm_class per file for hf_hub_download, all feeding one stderr line: MB done of total,
-    MB/s, ETA. On a terminal the line rewrites itself twice a second; in a log file it is a new line
-    every 30 s."""
+    """Per-file tqdm_classes feeding one stderr line (MB, MB/s, ETA): rewritten twice a second on
+    a terminal, a new line every 30 s in a log."""
     tty = sys.stderr.isatty()
     lock, done, start, last = threading.Lock(), {}, time.time(), [0.0]
 
@@ -290,7 +270,7 @@ def _progress_line(total, already):
               file=sys.stderr, flush=True)
 
     def for_file(key):
-        # a new one per attempt, starting from the bytes it resumes from: done[key] is on disk
+        # one per attempt, from the resumed bytes: done[key] is on disk
         class FileBar(_Bar):
             def update(self, n=1):
                 super().update(n)
@@ -302,9 +282,8 @@ def _progress_line(total, already):
 
 
 def download_entries(repo, entries, out_dir, revision, repo_type, workers):
-    """Download listed entries into out_dir, flat (by file name), in parallel. hf_hub_download
-    writes into a staging dir inside out_dir (same disk: the rename is atomic), which is removed at
-    the end."""
+    """Download listed entries into out_dir by file name, in parallel, via a staging dir inside
+    out_dir (same disk: the rename is atomic)."""
     out_dir = Path(out_dir)
     names = [Path(e["path"]).name for e in entries]
     if len(set(names)) != len(names):
@@ -323,7 +302,7 @@ def download_entries(repo, entries, out_dir, revision, repo_type, workers):
         for future in as_completed(futures):
             try:
                 future.result()
-            # let the others finish: a re-run then has less to fetch
+            # let the others finish: a rerun has less to fetch
             except (RuntimeError, ValueError, OSError) as e:
                 errors.append(e)
     # nothing to resume in it: hf_hub_download deletes what it cut short
@@ -339,9 +318,7 @@ def download_entries(repo, entries, out_dir, revision, repo_type, workers):
 
 
 def download_hub_files(repo, paths, out_dir, revision="main", repo_type="dataset", workers=4):
-    """Download `paths` of a hub repo into out_dir (flat, by file name), `workers` at a time; the
-    repo is listed once for sizes and sha256s. Files already complete are skipped, parquet files are
-    checked with verify_parquet."""
+    """Download `paths` of a hub repo into out_dir by file name; complete files are skipped."""
     by_path = {f["path"]: f for f in list_hub_files(repo, revision, repo_type)}
     missing = [p for p in paths if p not in by_path]
     if missing:
@@ -350,14 +327,13 @@ def download_hub_files(repo, paths, out_dir, revision="main", repo_type="dataset
                             workers)
 
 
-# in a download directory: the repo's listing (sizes, hashes) its files were checked with
+# the listing (sizes, hashes) a download directory's files were checked with
 LISTING = ".hub_listing.json"
 
 
 def _complete_on_disk(entries, out_dir, workers=4):
-    """True when every entry is in out_dir (flat, by file name) with its listed size and sha256 or
-    git blob id: a rerun then needs no hub. Hashing is what makes it safe: ~20 GB of shards take
-    tens of seconds, a hub outage hours."""
+    """True when every entry is in out_dir with its listed size and hash. Hashing ~20 GB of shards
+    takes tens of seconds, a hub outage hours."""
     def ok(e):
         path = Path(out_dir) / Path(e["path"]).name
         return path.is_file() and bool(e["sha256"] or e["git_sha1"]) and \
@@ -367,16 +343,15 @@ def _complete_on_disk(entries, out_dir, workers=4):
 
 
 def listed_or_saved(repo, revision, out_dir, select, workers=4):
-    """The entries select(listing) chooses, for download_entries. The listing saved at the last
-    download is tried first: when every chosen file is on disk and matches its stored hashes, no hub
-    call is made (a resume during a hub outage, or offline). Otherwise the hub is listed and its
-    listing saved in out_dir for the next run."""
+    """The entries select(listing) chooses. The saved listing is tried first: if every chosen file
+    is on disk and matches, no hub call is made (offline, or a hub outage). Otherwise the hub is
+    listed and the listing saved."""
     listing = Path(out_dir) / LISTING
     try:
         saved = json.loads(listing.read_text())
         chosen = select(saved["files"]) if (saved.get("repo"), saved.get("revision")) == (
                 repo, revision) else None
-    # no saved listing, or one that cannot answer this request (more shards than it had)
+    # no saved listing, or one that cannot answer (more shards than it had)
     except (OSError, ValueError):
         chosen = None
     if chosen and _complete_on_disk(chosen, out_dir, workers):
@@ -398,10 +373,8 @@ SHARD_NAME = re.compile(r"shard_(\d+)\.parquet")
 
 
 def download_shards(dataset, num_shards, data_dir, workers=4):
-    """The first num_shards training shards of a FineWeb-Edu-layout dataset (shard_00000.parquet,
-    ...) plus its last shard, the validation split: data_dir ends with num_shards + 1 files, the
-    validation shard last in sorted order. A rerun whose files are all on disk and match the hashes
-    listed at download time makes no hub call."""
+    """The first num_shards shards of a FineWeb-Edu-layout dataset plus its last (validation)
+    shard, which sorts last in data_dir."""
     def select(files):
         shards = sorted((f for f in files if SHARD_NAME.fullmatch(Path(f["path"]).name)),
                         key=lambda f: int(SHARD_NAME.fullmatch(Path(f["path"]).name).group(1)))
@@ -419,9 +392,8 @@ def download_shards(dataset, num_shards, data_dir, workers=4):
 
 def download_chat(name, out_dir=None, workers=4, check_only=False):
     """Fetch a conversation dataset into out_dir (default: <cache>/chat/<name>); LIMA's jsonl
-    becomes parquet. check_only: only list it (the error a gated or missing dataset gets, in
-    seconds), or find it complete on disk. "identity" is written from the identity file instead (no
-    network; a broken file fails the check too)."""
+    becomes parquet. check_only: only list it, failing fast if gated or missing. "identity" is
+    written from identity.json."""
     if name not in CHAT_DATASETS:
         raise ValueError(f"unknown conversation dataset {name!r}: choose from "
                          f"{', '.join(CHAT_DATASETS)}")

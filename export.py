@@ -1,5 +1,5 @@
-"""Export a checkpoint to the Hugging Face layout, where transformers, vLLM, llama.cpp's converters
-and the hub start.
+"""Export a checkpoint to the Hugging Face layout (transformers, vLLM, llama.cpp's converters, the
+hub).
 
     python export.py --out hf/mychat  # the newest RL or SFT checkpoint under runs/
     python export.py --checkpoint runs/sft --out hf/mychat
@@ -8,15 +8,10 @@ and the hub start.
         # then upload it to the hub
 
 Writes into --out: model.safetensors (fp32), config.json, generation_config.json, tokenizer.json,
-tokenizer_config.json, chat_template.jinja, and where a plain Llama cannot represent the model,
-configuration_nanochat_gpt.py and modeling_nanochat_gpt.py (from hf_remote/). Prints what it read
-and wrote.
-
-Load it with AutoModelForCausalLM.from_pretrained("hf/mychat", trust_remote_code=True), and
-AutoTokenizer the same way; a plain Llama export (swiglu, no QK-norm, no softcap: the llama3-1b
-preset) needs no trust_remote_code, and is the one vLLM and llama.cpp's converters take as it is.
-BitNet is refused, and so is any GPTConfig field this file does not know unless it is off (False, 0,
-empty). What maps how, RoPE's direction included: docs/export.md.
+tokenizer_config.json, chat_template.jinja, and, where a plain Llama cannot represent the model,
+hf_remote/'s code. Load with from_pretrained(..., trust_remote_code=True); a plain Llama export
+(the llama3-1b preset) needs no remote code and is what vLLM and llama.cpp take. BitNet, and any
+unknown GPTConfig field that is on, is refused. Mapping details, RoPE included: docs/export.md.
 """
 import argparse
 import json
@@ -52,8 +47,7 @@ EXACT_FIELDS = {"norm_learnable", "activation_checkpointing"}
 REFUSED = {"bitnet": "BitNet b1.58 quantizes weights to {-1, 0, +1} and activations to 8 bits "
                      "inside every layer, which neither Llama nor hf_remote/ does; its fp32 latent "
                      "weights would be another model"}
-# tokenizer.py's render_conversation as Jinja: a system message joins the first user message (the
-# leading newline is stripped by the first tag's '-')
+# tokenizer.py's render_conversation as Jinja: a system message joins the first user message
 CHAT_TEMPLATE = r"""
 {%- set system = messages[0]['content'] + '\n\n' if messages[0]['role'] == 'system' else '' -%}
 {%- set turns = messages[1:] if messages[0]['role'] == 'system' else messages -%}
@@ -85,8 +79,7 @@ def get_args(argv=None):
 
 
 def export_kind(config):
-    """'llama' (a plain LlamaForCausalLM) or 'custom' (hf_remote/'s code) for a dict of GPTConfig
-    fields."""
+    """'llama' (plain LlamaForCausalLM) or 'custom' (hf_remote/'s code) for GPTConfig fields."""
     for name, value in config.items():
         if name in REFUSED and value:
             raise ValueError(f"{name}={value} cannot be exported: {REFUSED[name]}")
@@ -102,16 +95,14 @@ def export_kind(config):
 
 
 def swap_halves(weight, head_dim):
-    """Swap the two halves of every head's rows: model.py rotates each pair (x[i], x[i + D/2]) by
-    -angle, transformers' Llama by +angle, and the swap turns one into the other (q . k
-    unchanged)."""
+    """Swap the two halves of every head's rows: model.py rotates by -angle, transformers' Llama by
+    +angle; the swap turns one into the other (q . k unchanged)."""
     return weight.reshape(-1, 2, head_dim // 2, *weight.shape[1:]).flip(1).reshape(weight.shape)
 
 
 def hf_state_dict(model, permute=True):
-    """model.py's tensors under transformers' Llama names: q and k rows (and their norm scales) in
-    its RoPE layout, ones for weightless norms. Refuses a checkpoint holding a tensor that has no
-    place in the export."""
+    """model.py's tensors under transformers' Llama names, q and k in its RoPE layout, ones for
+    weightless norms. Refuses a tensor with no place in the export."""
     c, sd = model.config, {name: t.detach() for name, t in model.state_dict().items()}
 
     def rope(weight):
@@ -154,8 +145,7 @@ def hf_state_dict(model, permute=True):
 
 
 def hf_config(c, tokenizer, kind):
-    """config.json: LlamaConfig's fields (LlamaForCausalLM), or NanochatGPTConfig's (hf_remote/,
-    with auto_map)."""
+    """config.json: LlamaConfig's fields, or NanochatGPTConfig's (hf_remote/, with auto_map)."""
     config = {LLAMA_FIELDS[name]: value for name,
               value in asdict(c).items() if name in LLAMA_FIELDS}
     # generation stops at the end of a reply, or where a base model starts the next document
@@ -177,8 +167,8 @@ def hf_config(c, tokenizer, kind):
 
 
 def bytes_to_unicode():
-    """GPT-2's reversible map of the 256 bytes to printable characters: how byte-level BPE files
-    spell tokens."""
+    """GPT-2's reversible map of bytes to printable characters, as byte-level BPE files spell
+    tokens."""
     kept = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"),
                                                                                    ord("ÿ") + 1)}
     others = iter(range(256, 512))
@@ -186,10 +176,9 @@ def bytes_to_unicode():
 
 
 def tokenizer_json(tokenizer):
-    """tokenizers' byte-level BPE with tiktoken's ranks as ids. Merges: every split of a token into
-    two tokens, in the token's rank order (as transformers' tiktoken converter), so the BPE merges
-    first the pair whose result tiktoken ranks first; ignore_merges takes a pre-token that is a
-    token whole, as tiktoken. No <|bos|> added."""
+    """tokenizers' byte-level BPE with tiktoken's ranks as ids. Merges: every two-token split of a
+    token, in rank order (as transformers' tiktoken converter); ignore_merges keeps a whole-token
+    pre-token, as tiktoken. No <|bos|> added."""
     spell = bytes_to_unicode()
 
     def text(token):
@@ -240,7 +229,7 @@ def write_export(out, tensors, model, tokenizer, kind):
                write_json(out / "tokenizer_config.json", tokenizer_config)]
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
     written.append(out / "chat_template.jinja")
-    # copied for custom code; removed if a previous export into --out left them
+    # custom code copied; stale copies from an earlier export removed
     for name in REMOTE_FILES:
         (out / name).unlink(missing_ok=True)
         if kind == "custom":

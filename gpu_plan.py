@@ -1,22 +1,17 @@
-"""gpu_plan.py: the gpu plan's numbers in one place, and its rehearsal's. speedrun.sh runs the gpu
-plan's stages with these flags (from launch.py setup), check_disk (launch.py shards, on pretrain.py
---data_plan's data_plan.json) counts their checkpoints, predict_plan predicts their time from the
-rehearsal and launch.py prints the plan from them: a number changed here changes all four (`bash
-speedrun.sh --print --plan gpu` shows them). The standard library only: launch.py imports it before
-.venv.
+"""gpu_plan.py: the gpu plan's numbers in one place, and its rehearsal's. speedrun.sh's flags
+(launch.py setup), the disk plan (check_disk, on pretrain.py --data_plan's output), the time
+prediction (predict_plan) and the printed plan all come from here (`bash speedrun.sh --print
+--plan gpu` shows them). Standard library only: launch.py imports it before .venv.
 
-What the gpu plan will cost, predicted from its rehearsal before the hours of pretraining are spent:
+Predict the gpu plan's cost from its rehearsal, before hours of pretraining:
 
     python gpu_plan.py runs/speedrun-rehearsal   # the gpu plan's budgets at the rehearsal's depth
     python gpu_plan.py runs/speedrun-rehearsal --plan_json plan.json --out runs/NAME/predicted.json
 
-The rehearsal (speedrun.sh --rehearse) runs every stage with the plan's command lines, data and
-world size on a tiny budget; a stage's predicted wall time is start-up + steps x step time + saves x
-save time + evaluations x evaluation time: rates measured in the rehearsal (docs/speedrun.md),
-counts the plan's. Where a rate cannot be measured at the plan's size the line says what is assumed;
-a budget unknown before its data (SFT's epoch) is "unknown" with why. Prints a line per stage and
-the total in hours and GPU-hours, written as JSON (predicted.json, which report.py shows beside each
-stage's actual time). Imports no torch: pretrain_steps_for imports model.py when called.
+The rehearsal (speedrun.sh --rehearse) runs every stage as planned on a tiny budget. A stage's
+time = start-up + steps x step time + saves x save time + evaluations x evaluation time, rates
+from the rehearsal (docs/speedrun.md), counts from the plan. Assumptions and unknown budgets (SFT's
+epoch) are said. Prints per stage and total hours and GPU-hours; writes predicted.json (report.py).
 """
 import argparse
 import json
@@ -30,26 +25,21 @@ from report import read_json, stage_seconds
 
 # a step's tokens over all GPUs (nanochat's); the chat stages inherit pretraining's
 TOKENS_PER_STEP = 524_288
-# the d-presets' (model.py): what midtraining's and SFT's --eval_rows are rows of
+# the d-presets' (model.py) sequence length: midtraining's and SFT's --eval_rows are rows of it
 SEQUENCE_LEN = 2048
-# GSM8K's training questions, one epoch of rl.py's (rl.py counts them from the data itself)
+# GSM8K's training questions (rl.py counts them from the data itself)
 GSM8K_TRAIN = 7_473
-# the conversation datasets the gpu plan's midtraining and SFT read (download.py chat names):
-# checked and
-# fetched at the start, with the CORE bundle and the ChatCORE tasks, so a gated or missing one fails
-# in minutes
+# midtraining's and SFT's datasets (download.py chat names): checked at the start, with the CORE
+# bundle and ChatCORE tasks, so a gated or missing one fails in minutes
 CHAT_SOURCES = ["smoltalk", "ultrachat", "mmlu", "arc-easy", "arc-challenge", "gsm8k", "identity"]
 
-# each stage's flags on the gpu plan's command lines, ahead of its *_ARGS (the last of a repeated
-# flag wins); those
-# equal to a default too, so that a changed default cannot leave the prediction and disk plan on
-# another plan
+# each stage's flags, ahead of its *_ARGS (the last repeated flag wins); defaults included, so a
+# changed default cannot leave the prediction and disk plan on another plan
 FLAGS = {
     "pretrain": {"tokens_per_param": 20, "total_batch_tokens": TOKENS_PER_STEP, "eval_every": 250,
                  "bpb_tokens": 2 ** 20, "ckpt_every": 1000},
     "midtrain": {"tokens": 500_000_000, "eval_every": 250, "eval_rows": 256, "ckpt_every": 1000},
-    # sft.py's mixture: SmolTalk, MMLU x3, GSM8K x4, ARC, identity; its epoch's steps are counted
-    # from the data
+    # sft.py's mixture: SmolTalk, MMLU x3, GSM8K x4, ARC, identity
     "sft": {"epochs": 1, "eval_every": 100, "eval_rows": 256, "ckpt_every": 1000},
     # GSM8K train, held out: GSM8K test (nanochat's chat_rl)
     "rl": {"demo": "none", "epochs": 1, "questions_per_step": 16, "samples": 16,
@@ -62,8 +52,7 @@ RL_STEPS = math.ceil(FLAGS["rl"]["epochs"] * GSM8K_TRAIN / FLAGS["rl"]["question
 
 
 def command_lines(depth):
-    """speedrun.sh's arrays for the gpu plan at model depth `depth`: {"PRETRAIN": [words], ...,
-    "CORE", "CHAT_EVAL"}."""
+    """speedrun.sh's arrays for the gpu plan at `depth`: {"PRETRAIN": [words], ...}."""
     arrays = {{"core_eval": "CORE"}.get(stage, stage.upper()): [w for flag, value in flags.items()
                                                                  for w in (f"--{flag}", value)]
               for stage, flags in FLAGS.items()}
@@ -72,8 +61,7 @@ def command_lines(depth):
 
 
 def plan_lines(depth, gpus, rehearsal=False, on_cpu=False):
-    """The plan in words, from FLAGS, as launch.py prints it before any stage (a rehearsal: on
-    `gpus` GPUs, or CPU processes, with its own budget)."""
+    """The plan in words, as launch.py prints it (a rehearsal: on `gpus` GPUs or CPU processes)."""
     if rehearsal:
         where = "CPU processes" if on_cpu else "GPUs"
         return [f"plan: d{depth} on {gpus} {where}, the rehearsal's budget appended to each stage"]
@@ -96,20 +84,19 @@ def plan_lines(depth, gpus, rehearsal=False, on_cpu=False):
 # --- the rehearsal: every stage of the plan on a tiny budget, before the hours of pretraining
 # ----------------------
 
-REHEARSAL_STEPS = (3, 3, 3)  # pretrain, midtrain, sft: each saves one checkpoint, at its last step
+REHEARSAL_STEPS = (3, 3, 3)  # pretrain, midtrain, sft: one checkpoint each, at the last step
 REHEARSAL_PROMPT = "Why do plants need light?"
 
 
 def rehearsal_budgets(nproc, on_cpu):
-    """A rehearsal's flags per stage, appended last (the last of a repeated flag wins): a bug in any
-    stage shows in minutes instead of after hours of pretraining."""
-    questions = max(nproc, 2)  # rl.py deals each step's questions over the ranks: at least one each
+    """A rehearsal's flags per stage, appended last: a bug in any stage shows in minutes, not after
+    hours of pretraining."""
+    questions = max(nproc, 2)  # rl.py needs at least one question per rank
     return {
         # the first shard (the tokenizer's and the data plan's) and one more
         "R_DATA": ["--shards", "2"],
         "R_TOK": ["--max_chars", "20000000"],
-        # one sample prompt per evaluation, and short samples: generating them is most of a tiny
-        # evaluation
+        # one sample prompt, short: generating samples is most of a tiny evaluation
         "R_PRETRAIN": ["--steps", REHEARSAL_STEPS[0], "--eval_every", 0, "--ckpt_every",
                        REHEARSAL_STEPS[0],
                        "--keep", 1,
@@ -127,8 +114,7 @@ def rehearsal_budgets(nproc, on_cpu):
                  "--keep", 1],
         "R_CORE": ["--max_items", 4, "--bpb_tokens", 32768, "--max_new_tokens", 8],
         "R_CHAT_EVAL": ["--max_items", 2, "--max_new_tokens", 32],
-        # on CPU processes: the plan's 256 sequences a step (its data streams per rank), 128 tokens
-        # each (inherited)
+        # on CPU: the plan's 256 sequences a step (data streams per rank), 128 tokens each
         "R_SHAPE": ["--sequence_len", 128, "--total_batch_tokens", 32768] if on_cpu else [],
     }
 
@@ -140,23 +126,19 @@ def rehearsal_line(budgets):
             f"{budgets['R_CORE'][1]} items a task, ChatCORE {budgets['R_CHAT_EVAL'][1]}{shape}")
 
 
-# --- the disk plan: before any download, free disk against the shards and the checkpoints the
-# plan's stages hold --
+# --- the disk plan: free disk against the shards and checkpoints, before any download --
 
 def kept_checkpoints(steps, ckpt_every, keep):
-    """(checkpoints a stage keeps at its end, the most it holds at once): it saves every ckpt_every
-    steps and at its last; a save writes the new one before deleting all but the newest `keep`, so
-    one more exists while it is written."""
+    """(checkpoints kept at the end, the most held at once): a save writes the new one before
+    deleting all but the newest `keep`."""
     saves = math.ceil(steps / ckpt_every) if steps else 0
     return min(keep, saves), min(keep, saves) + (saves > keep)
 
 
 def plan_checkpoints(keep, ckpt_every, steps, tokens_per_step, step_cap=None):
-    """(the most full checkpoints the plan's four stages hold at once, the line that says how), from
-    pretraining's steps, --ckpt_every and --keep: each stage's peak beside the earlier ones' kept;
-    SFT's steps are unknown before its data: --keep, one more while it saves."""
-    # --steps (step_cap: a rehearsal, a short run): the later stages run no more steps than
-    # pretraining either
+    """(the most checkpoints the four stages hold at once, the line saying how): each stage's peak
+    beside the earlier ones' kept; SFT's steps are unknown: --keep + 1."""
+    # --steps (step_cap: a rehearsal, a short run) caps the later stages too
     cap = (lambda n: min(n, step_cap)) if step_cap else (lambda n: n)
     pre_end, pre_peak = kept_checkpoints(steps, ckpt_every, keep)
     mid_steps = math.ceil(FLAGS["midtrain"]["tokens"] / tokens_per_step)
@@ -170,10 +152,9 @@ def plan_checkpoints(keep, ckpt_every, steps, tokens_per_step, step_cap=None):
 
 
 def check_disk(plan):
-    """Free disk against pretrain.py --data_plan's plan (data_plan.json, read), before any is spent:
-    the missing shards (listed sizes, else the mean of those on disk) on its data_dir's disk, and
-    plan_checkpoints x its checkpoint_bytes, less those already saved, on its runs_dir's. Returns
-    the line that says so; a ValueError naming the need and the fixes when a disk cannot hold it."""
+    """Free disk against data_plan.json before any is spent: missing shards on data_dir's disk,
+    plan_checkpoints x checkpoint_bytes (less those saved) on runs_dir's. Returns the line that
+    says so; ValueError with the fixes when a disk is too small."""
     data_dir, runs_dir, shards = Path(plan["data_dir"]), Path(plan["runs_dir"]), plan["shards"]
     have = {p.name: p.stat().st_size for p in data_dir.glob("*.parquet")}
     listing = data_dir / ".hub_listing.json"
@@ -190,8 +171,7 @@ def check_disk(plan):
     count, how = plan_checkpoints(plan["keep"], plan["ckpt_every"], plan["steps"],
                                   plan["tokens_per_step"], plan["step_cap"])
     runs_dir.mkdir(parents=True, exist_ok=True)
-    # a rerun that resumes: the checkpoints its finished stages saved are among those counted, and
-    # already on disk
+    # a resumed run: finished stages' checkpoints are counted and already on disk
     saved = sum(f.stat().st_size for f in runs_dir.glob("*/ckpt/step_*/**/*") if f.is_file())
     ckpt_bytes = max(0, count * ckpt - saved)
     needs = {}  # device: [bytes, free, where]
@@ -215,21 +195,18 @@ def check_disk(plan):
 
 
 TRAINING = ("pretrain", "midtrain", "sft")
-# validation tokens (fewer in the rehearsal than the plan) at 3x the training tok/s: a forward is a
-# third of a step
+# validation tokens at 3x the training tok/s: a forward is a third of a step
 FORWARD_SPEEDUP = 3
 SAVE_UNKNOWN = ("save time unknown: ckpt/save_seconds is gone (predict before the rehearsal's "
                 "checkpoints are deleted)")
-# stages that ran before the prediction (data, tokenizer, the plan's disk check) or only in a
-# rehearsal
+# stages that ran before the prediction, or only in a rehearsal
 NOT_PREDICTED = ("nccl_probe", "preflight", "chatcore_tasks", "data", "tokenizer", "data_plan",
                  "download", "chat", "rehearsal")
 
 
 def gpu_plan_budgets(pretrain_steps, sft_steps=None):
-    """The gpu plan's budgets: py's flags, pretraining's steps (pretrain_steps_for), and sft_steps:
-    one epoch of sft.py's mixture, which sft.py estimates from the data when it starts; None:
-    unknown."""
+    """The gpu plan's budgets: flags, pretraining's steps, and sft_steps (one epoch of the mixture,
+    which sft.py counts at start; None: unknown)."""
     flags, rows = FLAGS, SEQUENCE_LEN  # midtraining's and SFT's --eval_rows are rows of this
     tokens_per_step = TOKENS_PER_STEP
     return {
@@ -249,18 +226,16 @@ def gpu_plan_budgets(pretrain_steps, sft_steps=None):
 
 
 def pretrain_steps_for(model_config):
-    """pretrain.py's steps for a model config dict (config.json's model_config) in the gpu plan: its
-    tokens_per_param x the parameters it counts / its tokens per step. Imports model.py (and torch)
-    only when called."""
+    """pretrain.py's steps for a model_config in the gpu plan: tokens_per_param x parameters /
+    tokens per step. Imports model.py (and torch) when called."""
     from model import GPTConfig, budget_params
     tokens = FLAGS["pretrain"]["tokens_per_param"] * budget_params(GPTConfig(**model_config))
     return math.ceil(tokens / TOKENS_PER_STEP)
 
 
 def rehearsed_steps(run, stage):
-    """A training or rl stage's (metrics.jsonl's records with a step_time, at least 2 as the first
-    holds compilation; config.json; its checkpoint saves; the last save's seconds, or None: the
-    rehearsal's checkpoints deleted)."""
+    """A stage's (step records, at least 2 as the first holds compilation; config.json; saves; the
+    last save's seconds or None if the checkpoints were deleted)."""
     stage_dir = Path(run) / stage
     path, saved = stage_dir / "metrics.jsonl", stage_dir / "ckpt" / "save_seconds"
     records = [r for r in map(
@@ -276,9 +251,8 @@ def rehearsed_steps(run, stage):
 
 
 def final_evaluation_seconds(stage_dir, wall):
-    """The final evaluation's seconds: from rank 0's progress mark 'trained: final evaluation ... at
-    T' to done.json's modification time; None where either is missing or the span does not fit in
-    the stage (a copy that lost mtimes)."""
+    """The final evaluation's seconds, from rank 0's 'trained: final evaluation' mark to done.json's
+    mtime; None if either is missing or the span does not fit."""
     progress, done = stage_dir / "progress" / "rank000.txt", stage_dir / "done.json"
     mark = re.search(r"trained: final evaluation.* at ([\d.]+)",
                      progress.read_text()) if progress.is_file() else None
@@ -289,9 +263,8 @@ def final_evaluation_seconds(stage_dir, wall):
 
 
 def measure_training(run, stage, wall):
-    """A training stage's rates in the rehearsal: seconds per step after the first, tokens per step,
-    checkpoint saves and their seconds, the final evaluation's seconds and validation tokens, and
-    the start-up they leave of the wall."""
+    """A training stage's rehearsal rates: step seconds after the first, tokens per step, saves,
+    final evaluation, and the start-up left of the wall time."""
     records, config, saves, save_s = rehearsed_steps(run, stage)
     args = config["args"]
     step_s = sum(r["step_time"] for r in records[1:]) / (len(records) - 1)
@@ -307,9 +280,8 @@ def measure_training(run, stage, wall):
 
 
 def measure_rl(run, wall):
-    """rl's rates in the rehearsal: seconds per decode forward (a step's rollout over its reply
-    length and the question groups each rank samples one after another), the update's seconds per
-    step, saves, held-out evaluations."""
+    """rl's rehearsal rates: seconds per decode forward, update seconds per step, saves, held-out
+    evaluations."""
     records, config, saves, save_s = rehearsed_steps(run, "rl")
     args, world = config["args"], config["world_size"]
     timed = records[1:]
@@ -319,8 +291,7 @@ def measure_rl(run, wall):
     rollout_s = sum(r["rollout_time"] for r in timed) / len(timed)
     step_s = sum(r["step_time"] for r in timed) / len(timed)
     forward_s = rollout_s / forwards
-    # held out before step 1, every --eval_every steps and after the last: each rank's questions to
-    # the reply limit
+    # held out before step 1, every --eval_every steps and after the last
     evals = 2 + evaluations(len(records), args["eval_every"])
     eval_s = math.ceil(args["eval_items"] / world) * args["max_new_tokens"] * forward_s
     start_s = wall - len(records) * step_s - saves * (save_s or 0.0) - evals * eval_s
@@ -333,9 +304,8 @@ def measure_rl(run, wall):
 
 
 def measure_evaluation(run, name, wall):
-    """core_eval's or chat_eval's rates in the rehearsal (the stage evaluations' too): seconds per
-    item (chat_eval's per task, from its results), the items each task holds, and the start-up: the
-    wall time less the items' seconds."""
+    """core_eval's or chat_eval's rehearsal rates: seconds per item (per task for chat_eval), items
+    per task, and start-up (wall less the items' seconds)."""
     run = Path(run)
     core = name.startswith("core_eval")
     # core_eval_midtrain: midtrain's final model
@@ -364,8 +334,7 @@ def evaluation_kind(name):
 
 
 def measure_rehearsal(rehearsal_dir):
-    """{stage: its measured rates} for every stage of a finished rehearsal that the plan runs
-    again."""
+    """{stage: measured rates} for each rehearsal stage the plan runs again."""
     run = Path(rehearsal_dir)
     measured, times = {}, stage_seconds(run)
     if not times:
@@ -385,8 +354,7 @@ def measure_rehearsal(rehearsal_dir):
 
 
 def evaluations(steps, every):
-    """Evaluations a training loop runs between its steps: every `every` steps, never after the
-    last."""
+    """Evaluations between steps: every `every` steps, never after the last."""
     return (steps - 1) // every if every else 0
 
 
@@ -510,16 +478,13 @@ def predict_evaluation(m, budget, train_tok_s):
 
 
 def predict_plan(rehearsal_dir, budgets, gpus):
-    """Each stage's predicted wall time at the plan's budgets, from a finished rehearsal's measured
-    rates. budgets: {"pretrain"|"midtrain"|"sft": {"steps" or "tokens", "tokens_per_step",
-    "eval_every", "ckpt_every", "val_tokens", "why_unknown"}, "rl": {"steps", "questions_per_step",
-    "samples", "max_new_tokens", "eval_every", "ckpt_every", "eval_items", "eval_samples"},
-    "core_eval": {"max_items", "bpb_tokens"}, "chat_eval": {"max_items", "max_new_tokens"}}
-    (gpu_plan_budgets builds the gpu plan's); core_eval_<stage> and chat_eval_<stage> take
-    core_eval's and chat_eval's. A stage missing from budgets is predicted unknown. gpus: for the
-    GPU-hours. Returns {"rehearsal", "gpus", "stages": {name: {"budget", "rate", "seconds" (None:
-    unknown), "assumption", "parts"}}, "seconds" (the known stages' sum), "unknown" (their names),
-    "hours", "gpu_hours"}."""
+    """Each stage's predicted wall time at the plan's budgets from a rehearsal's rates. budgets:
+    {"pretrain"|"midtrain"|"sft": {"steps" or "tokens", "tokens_per_step", "eval_every",
+    "ckpt_every", "val_tokens", "why_unknown"}, "rl": {"steps", "questions_per_step", "samples",
+    "max_new_tokens", "eval_every", "ckpt_every", "eval_items", "eval_samples"}, "core_eval":
+    {"max_items", "bpb_tokens"}, "chat_eval": {"max_items", "max_new_tokens"}}; a missing stage is
+    unknown. Returns {"rehearsal", "gpus", "stages": {name: {"budget", "rate", "seconds",
+    "assumption", "parts"}}, "seconds", "unknown", "hours", "gpu_hours"}."""
     measured = measure_rehearsal(rehearsal_dir)
     pretrain = measured.get("pretrain")
     train_tok_s = pretrain["tokens_per_step"] / pretrain["step_s"] if pretrain else None
@@ -547,8 +512,7 @@ def predict_plan(rehearsal_dir, budgets, gpus):
 
 
 def format_prediction(prediction):
-    """The table's lines: one per stage (budget, rate, predicted wall time), its assumption beneath,
-    and the total."""
+    """The table: per stage budget, rate, wall time and assumption; the total."""
     lines = [f"plan cost predicted from {prediction['rehearsal']} ({prediction['gpus']} GPUs):",
              f"{'stage':<20} {'predicted':>12}  budget | measured rate"]
     for name, s in prediction["stages"].items():
@@ -565,9 +529,8 @@ def format_prediction(prediction):
 
 
 def write_prediction(rehearsal_dir, budgets, gpus, out=None):
-    """predict_plan, its table printed and its JSON written to out (default: default_out). Call it
-    after the rehearsal, before its checkpoints are deleted (their save_seconds are the save times).
-    Returns the prediction."""
+    """predict_plan, printed and written to out. Call it before the rehearsal's checkpoints are
+    deleted (their save_seconds are the save times)."""
     prediction = predict_plan(rehearsal_dir, budgets, gpus)
     print("\n".join(format_prediction(prediction)), flush=True)
     out = Path(out) if out else default_out(rehearsal_dir)
@@ -578,8 +541,7 @@ def write_prediction(rehearsal_dir, budgets, gpus, out=None):
 
 
 def default_out(rehearsal_dir):
-    """runs/<run>/predicted.json beside runs/<run>-rehearsal (the real run's directory, which
-    report.py reads)."""
+    """runs/<run>/predicted.json beside runs/<run>-rehearsal (report.py reads it)."""
     path = Path(rehearsal_dir).resolve()
     run = path
     if path.name.endswith("-rehearsal"):

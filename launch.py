@@ -12,10 +12,8 @@ stages.
     python launch.py shards --run RUN [N]              # shards to download: N, else data_plan's
     python launch.py --print COMMAND ...               # speedrun.sh --print: printed, nothing runs
 
-The standard library only: python3 runs it before .venv exists; torch is asked through the stages'
-interpreter. The run's state between calls: <run>/logs/launch.json (its processes' mark, the
-machine, the NCCL flags in force); each stage's wall time and exit status: <run>/logs/stages.tsv,
-which report.py reads.
+Standard library only: python3 runs it before .venv exists. State between calls:
+<run>/logs/launch.json; each stage's wall time and exit status: <run>/logs/stages.tsv (report.py).
 """
 import argparse
 import contextlib
@@ -39,7 +37,7 @@ from report import read_json, stage_rows
 
 ROOT = Path(__file__).resolve().parent
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what stops a run
-# speedrun.sh --print: each stage's command line printed, nothing run, checked or written
+# speedrun.sh --print: each stage's command printed, nothing run
 PRINT = False
 
 # --- speedrun.sh's flags
@@ -63,8 +61,7 @@ ENVIRONMENT = """environment:
 
 
 class Refused(Exception):
-    """What stops speedrun.sh, with its exit status: 2 for a flag, 1 for the machine, else a stage's
-    own."""
+    """What stops speedrun.sh; exit status 2 for a flag, 1 for the machine, else the stage's."""
 
     def __init__(self, message, status):
         super().__init__(message)
@@ -72,7 +69,7 @@ class Refused(Exception):
 
 
 def flag_parser():
-    """speedrun.sh's flags and its --help (a fixed width: the same text in every terminal)."""
+    """speedrun.sh's flags and --help (fixed width: the same text in every terminal)."""
     parser = argparse.ArgumentParser(
         usage="bash speedrun.sh [flags]", add_help=False, allow_abbrev=False, exit_on_error=False,
         epilog=ENVIRONMENT,
@@ -137,8 +134,7 @@ def flag_parser():
 
 
 def parse_flags(argv):
-    """speedrun.sh's flags as {name: value} (switches True/False; "help": True when asked),
-    checked."""
+    """speedrun.sh's flags as {name: value}, checked."""
     try:
         flags, unknown = flag_parser().parse_known_args(argv)
     except argparse.ArgumentError as e:  # a flag without its value, or not one of its choices
@@ -160,14 +156,12 @@ def parse_flags(argv):
 
 
 def run_dir(flags):
-    """<runs_dir>/<run_name>, or <run_name>-rehearsal for a rehearsal (never mixed with the real
-    run's outputs)."""
+    """<runs_dir>/<run_name>, or <run_name>-rehearsal (never mixed with the real run)."""
     return f"{flags['runs_dir']}/{flags['run_name']}{'-rehearsal' if flags['rehearse'] else ''}"
 
 
 def shell_assignments(values):
-    """name=value lines for bash (a list becomes an array), every value quoted: nothing in them is
-    run."""
+    """name=value lines for bash, every value quoted: nothing in them is run."""
     lines = []
     for name, value in values.items():
         quoted = shlex.quote(str(value))
@@ -180,8 +174,7 @@ def shell_assignments(values):
 # --- what speedrun.sh says, and the run's state
 
 def say(run, text, prefix="speedrun: ", stream=None):
-    """A line of speedrun's own: to the terminal and to logs/speedrun.log (--print: a comment, to
-    the terminal)."""
+    """speedrun's own line: to the terminal and logs/speedrun.log (--print: a comment)."""
     if PRINT:
         return terminal(f"# {text}", stream)
     with open(f"{run}/logs/speedrun.log", "a") as log:
@@ -190,8 +183,7 @@ def say(run, text, prefix="speedrun: ", stream=None):
 
 
 def terminal(data, stream=None):
-    """A line, or a stage's output (bytes), to the terminal unless it is gone (closed, after
-    SIGHUP): logs go on."""
+    """A line or stage output (bytes) to the terminal unless it is gone (after SIGHUP)."""
     stream = stream or sys.stdout
     try:
         stream.flush()
@@ -206,7 +198,7 @@ def read_state(run):
     return read_json(Path(run, "logs", "launch.json"))
 
 
-def write_state(run, state):  # whole or not at all: written beside, then renamed
+def write_state(run, state):  # atomic: written beside, then renamed
     Path(run, "logs", "launch.tmp").write_text(json.dumps(state, indent=1))
     Path(run, "logs", "launch.tmp").replace(Path(run, "logs", "launch.json"))
 
@@ -214,9 +206,8 @@ def write_state(run, state):  # whole or not at all: written beside, then rename
 # --- the interpreter
 
 def install_venv(run, venv=ROOT / ".venv", requirements=ROOT / "requirements.txt"):
-    """.venv's python (made by the python3 running this), requirements.txt installed: only the
-    sha256 of a completed pip install says so, so that an interrupted pip or a venv without pip (no
-    python3-venv) is redone, never skipped."""
+    """.venv's python with requirements.txt installed. Only the sha256 of a completed pip install
+    marks it done, so an interrupted pip or a venv without pip is redone, never skipped."""
     want = hashlib.sha256(requirements.read_bytes()).hexdigest()
     record, python = venv / "installed-requirements.sha256", venv / "bin" / "python"
     if (have := record.read_text().strip() if record.is_file() else "") == want:
@@ -248,8 +239,7 @@ def install_venv(run, venv=ROOT / ".venv", requirements=ROOT / "requirements.txt
 
 
 def ask_python(python, program, pythonpath=None):
-    """`python -c program`'s output: torch's answers come from the stages' interpreter, not from
-    this one."""
+    """`python -c program`'s output: torch's answers come from the stages' interpreter."""
     env = {**os.environ, "PYTHONPATH": str(pythonpath)} if pythonpath else None
     done = subprocess.run([python, "-c", program], capture_output=True, text=True, env=env,
                           check=False)
@@ -260,8 +250,8 @@ def ask_python(python, program, pythonpath=None):
 
 
 def check_packages(python):
-    """With SPEEDRUN_PYTHON, a package of requirements.txt it lacks (matplotlib, first imported by
-    the report, the last stage) stops the run now, not hours in."""
+    """With SPEEDRUN_PYTHON, a missing requirement (matplotlib, first imported by the last stage)
+    stops the run now, not hours in."""
     modules = ("torch numpy pyarrow tiktoken rustbpe requests huggingface_hub safetensors yaml "
                "matplotlib")
     if missing := ask_python(python, "import importlib.util as u; print(' '.join(m for m in "
@@ -287,7 +277,7 @@ def listed_gpus():
 
 
 def explain_driver(python):
-    """torch sees no GPU but nvidia-smi lists some (a driver older than the wheel's CUDA): the
+    """torch sees no GPU but nvidia-smi lists some (driver older than the wheel's CUDA): the
     versions and the fix, never a silent CPU run on a rented GPU box."""
     if not (listed := listed_gpus()):
         return
@@ -308,9 +298,8 @@ def explain_driver(python):
 
 
 def prepare(run, flags):
-    """The run's directory (a rehearsal that passed: deleted, to be redone), the stages' interpreter
-    (.venv installed or repaired, unless SPEEDRUN_PYTHON), and no other process on the GPUs: that
-    interpreter."""
+    """The run's directory (a passed rehearsal deleted, to be redone) and the stages' interpreter
+    (.venv installed or repaired); refuses if other processes use the GPUs."""
     if flags["rehearse"] and Path(run, "rehearsed.json").is_file():
         shutil.rmtree(run)
         Path(run, "logs").mkdir(parents=True)
@@ -319,8 +308,7 @@ def prepare(run, flags):
     Path(run, "logs").mkdir(parents=True, exist_ok=True)
     python = os.environ.get("SPEEDRUN_PYTHON") or install_venv(run)
     check_packages(python)
-    # zombie workers of an earlier run hold GPU memory: processes on the GPUs stop the run, with the
-    # kill command
+    # zombie workers of an earlier run hold GPU memory: stop, with the kill command
     holders = nvidia_smi("--query-compute-apps=pid,process_name", "--format=csv,noheader").strip()
     if holders and not flags["force"]:
         pids = " ".join(line.split(",")[0].strip() for line in holders.splitlines())
@@ -331,8 +319,8 @@ def prepare(run, flags):
 
 
 def check(run, command):
-    """A check before any stage (pretrain.py --check_batch): its output as speedrun's own lines; its
-    exit status."""
+    """A check before any stage (pretrain.py --check_batch), its output as speedrun's; its exit
+    status."""
     done = subprocess.run(list(map(str, command)), stdout=subprocess.PIPE, text=True, check=False)
     for line in done.stdout.splitlines():
         say(run, line)
@@ -340,15 +328,15 @@ def check(run, command):
 
 
 def stages_python(run, flags):
-    """The stages' interpreter; --print: its path as text, nothing installed."""
+    """The stages' interpreter; --print: its path, nothing installed."""
     if PRINT:
         return os.environ.get("SPEEDRUN_PYTHON") or str(ROOT / ".venv" / "bin" / "python")
     return prepare(run, flags)
 
 
 def torch_gpus_of(python):
-    """torch's CUDA (or ROCm) GPU count, asked once if needed: a wheel built for neither has none,
-    without `import torch` (2-3 s). --print: torch is not asked, the GPUs nvidia-smi lists."""
+    """torch's CUDA (or ROCm) GPU count, asked once if needed, without `import torch` (2-3 s).
+    --print: the GPUs nvidia-smi lists."""
     if PRINT:
         return functools.cache(listed_gpus)
     version = "u.find_spec('torch').submodule_search_locations[0] + '/version.py'"
@@ -358,7 +346,7 @@ def torch_gpus_of(python):
 
 
 def checked_gpus(run, flags, python, torch_gpus):
-    """--gpus (auto: torch's), refused when torch sees fewer, but for CPU processes on gloo."""
+    """--gpus (auto: torch's), refused when torch sees fewer, except CPU processes on gloo."""
     gpus = torch_gpus() if flags["gpus"] == "auto" else int(flags["gpus"])
     stand_in_probe = flags["probe_only"] and os.environ.get("SPEEDRUN_PROBE_CMD")  # tests: no GPU
     # a CPU box may fetch the data: the stages up to the download train nothing
@@ -379,8 +367,8 @@ def checked_gpus(run, flags, python, torch_gpus):
 
 
 def checked_plan(flags, gpus, torch_gpus):
-    """(the plan, whether it runs on CPU processes): only a rehearsal runs the gpu plan on the CPU,
-    where --gpus N without CUDA means N CPU processes on gloo."""
+    """(plan, on CPU processes?): only a rehearsal runs the gpu plan on the CPU, where --gpus N
+    means N CPU processes on gloo."""
     plan, rehearse = flags["plan"], flags["rehearse"]
     plan = ("gpu" if gpus > 0 else "demo") if plan == "auto" else plan
     on_cpu = plan == "gpu" and rehearse and (gpus == 0 or torch_gpus() == 0)
@@ -395,7 +383,7 @@ def checked_plan(flags, gpus, torch_gpus):
 
 
 def say_plan(run, flags, plan, gpus, on_cpu):
-    """The run's first line: plan, run, processes and commit; the gpu plan's own lines."""
+    """The run's first line (plan, run, processes, commit) and the gpu plan's lines."""
     nproc, rehearsal = max(gpus, 1), " (rehearsal)" if flags["rehearse"] else ""
     where = f"{gpus} GPUs" if gpus > 0 and not on_cpu else "CPU"
     if PRINT:
@@ -430,8 +418,8 @@ def data_dir_of(run, flags, plan, python, own):
 
 
 def check_batch(run, python, nproc, words):
-    """A step's tokens must split over the processes (the nearest batch that does, for 3 GPUs), or
-    the run is refused now, not hours later: pretraining's words as speedrun.sh passes them."""
+    """A step's tokens must split over the processes (for 3 GPUs, the nearest batch that does),
+    else the run is refused now, not hours later."""
     batch = [python, ROOT / "pretrain.py", "--check_batch", nproc, *words]
     if PRINT:
         return show("check_batch", batch, "before any stage; its output is speedrun's own lines")
@@ -439,10 +427,9 @@ def check_batch(run, python, nproc, words):
 
 
 def setup(env_file, argv):
-    """`setup`: speedrun.sh's flags, interpreter, machine and plan, checked before any stage; the
-    shell variables it sources to env_file (which removes itself), the run's state to launch.json.
-    A rehearsal that passed is redone (it checks this code); an interrupted one resumes. --print:
-    the flags and the plan alone, nothing checked, nothing written but env_file."""
+    """`setup`: check flags, interpreter, machine and plan before any stage; write the shell
+    variables to env_file (which removes itself) and the state to launch.json. A passed rehearsal
+    is redone (it checks this code); an interrupted one resumes. --print: flags and plan only."""
     global PRINT
     flags = parse_flags(argv)
     remove = f"rm -f -- {shlex.quote(env_file)}\n"
@@ -481,10 +468,10 @@ def setup(env_file, argv):
     values = {renamed.get(name, name.upper()): int(value) if isinstance(value, bool) else value
               for name, value in flags.items()}
     corpus = own if flags["corpus"] else f"{data_dir}/pretrain" if plan == "demo" else data_dir
-    # the gpu plan's rehearsal: the same data (--corpus: the ingested corpus, its stage skipped)
+    # the gpu plan's rehearsal: the same data (--corpus: its ingest stage skipped)
     data = ["--corpus", *flags["corpus"]] if flags["corpus"] else ["--data_dir", data_dir]
     chat = ["--chat", flags["chat"]] if flags["chat"] else []
-    # one CPU process: the interpreter, since torchrun's own start would be ~1.4 s of every stage
+    # one CPU process: no torchrun, whose start costs ~1.4 s per stage
     launch = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     vocab = flags["vocab_size"] or ("1024" if plan == "demo" else "65536")
     Path(env_file).write_text(remove + shell_assignments({
@@ -508,9 +495,8 @@ def last_value(words, flag):
 
 
 def check_sandbox(chat_eval_words):
-    """The gpu plan's chat_eval runs HumanEval's model-written programs, contained by namespaces. A
-    machine without them (a rented container without user namespaces) is refused here, in one line
-    with the fix, before any download, not hours later at chat_eval."""
+    """The gpu plan's chat_eval runs model-written programs contained by namespaces. A machine
+    without user namespaces is refused here with the fix, before any download, not hours later."""
     import sandbox  # the standard library only, like this file
     asked = last_value(chat_eval_words, "--tasks")
     if last_value(chat_eval_words,
@@ -530,9 +516,8 @@ def check_sandbox(chat_eval_words):
 # --- the processes of a run: found by the mark in their environment
 
 def marked(mark, workers=False):
-    """The live processes carrying this mark (SPEEDRUN_MARK) or its probe's, zombies (no
-    environment) left out; workers: torchrun's workers only (LOCAL_RANK set), which run in sessions
-    of their own."""
+    """Live processes carrying this mark (SPEEDRUN_MARK) or its probe's, zombies left out; workers:
+    torchrun's workers only (LOCAL_RANK set), which run in their own sessions."""
     wanted, found = {f"SPEEDRUN_MARK={mark}".encode(), f"SPEEDRUN_MARK={mark}.probe".encode()}, []
     for entry in os.scandir("/proc"):
         with contextlib.suppress(OSError):
@@ -545,8 +530,7 @@ def marked(mark, workers=False):
 
 
 def signal_all(pids=(), groups=(), signum=signal.SIGTERM):
-    """signum to each process and process group that exists: how many it reached (signal 0: how many
-    are alive)."""
+    """signum to each existing process and group: how many it reached (signal 0: how many live)."""
     reached = 0
     for send, target in [(os.kill, pid) for pid in pids] + [(os.killpg, group) for group in groups]:
         with contextlib.suppress(OSError):
@@ -560,8 +544,8 @@ def group_of(pid):
 
 
 def kill_marked(mark, groups=()):
-    """SIGKILL for the groups and every process carrying the mark (torchrun's workers are in no
-    group), until gone."""
+    """SIGKILL the groups and every marked process (torchrun's workers have no group) until
+    gone."""
     signal_all(groups=groups, signum=signal.SIGKILL)
     for _ in range(100):
         if not signal_all(marked(mark), signum=signal.SIGKILL):  # none left
@@ -570,16 +554,14 @@ def kill_marked(mark, groups=()):
 
 
 def checkpoint_grace(wait, ckpt):
-    """Seconds a stopped stage gets before SIGKILL: `wait` + twice its last checkpoint save
-    (checkpoint.py's)."""
+    """Seconds a stopped stage gets before SIGKILL: `wait` + twice its last checkpoint save."""
     with contextlib.suppress(OSError, ValueError, TypeError):
         return math.ceil(wait + 2 * float(Path(ckpt, "save_seconds").read_text()[:32]))
     return wait
 
 
 def writing_checkpoint(ckpt):
-    """A file of a checkpoint in progress (checkpoint.py's ckpt/.tmp_step_*) changed in the last 5
-    seconds."""
+    """A file of a checkpoint in progress (ckpt/.tmp_step_*) changed in the last 5 seconds."""
     for item in [p for tmp in Path(ckpt).glob(".tmp_step_*") for p in (
             tmp, *tmp.rglob("*"))] if ckpt else []:
         with contextlib.suppress(OSError):
@@ -589,17 +571,16 @@ def writing_checkpoint(ckpt):
 
 
 def saved_since(ckpt, since):
-    """A checkpoint of the stage was saved since `since` (its save_seconds is newer)."""
+    """The stage saved a checkpoint since `since`."""
     with contextlib.suppress(OSError):
         return bool(ckpt) and Path(ckpt, "save_seconds").stat().st_mtime > since
     return False
 
 
 def end_processes(mark, stage=None, ckpt=None, wait=None):
-    """End every process of the run: SIGTERM to torchrun's workers (not to torchrun, whose own grace
-    would start while rank 0 checkpoints) and every other marked group; after the grace (wait, else
-    SPEEDRUN_KILL_WAIT, plus twice the last checkpoint save, plus while one is written, and that
-    wait again once saved), SIGKILL. stage: its Popen."""
+    """End every process of the run: SIGTERM to torchrun's workers (not torchrun, whose own grace
+    would start while rank 0 checkpoints) and other marked groups; SIGKILL after the grace (wait or
+    SPEEDRUN_KILL_WAIT, plus twice the last save, plus while one is written). stage: its Popen."""
     since, wait = time.time(), wait or int(os.environ.get("SPEEDRUN_KILL_WAIT", "30"))
     workers = marked(mark, workers=True)
     # the download's group
@@ -642,16 +623,14 @@ SAFE_TEXT = " ".join(f"{name}={value}" for name, value in SAFE_FLAGS.items())
 
 
 def probe_settings():
-    """(seconds before the probe counts as hung, MB of its timed all-reduce): the environment's,
-    else the defaults."""
+    """(seconds before the probe counts as hung, MB of its all-reduce), from the environment."""
     return int(os.environ.get("SPEEDRUN_PROBE_TIMEOUT", "120")), os.environ.get("SPEEDRUN_PROBE_MB",
                                                                                 "64")
 
 
 def run_probe(run, mark, command, safe, timeout, mbytes):
-    """(exit status, its JSON's bus bandwidth, there when its sums were right, or None) of the probe
-    (tests' stand-in: SPEEDRUN_PROBE_CMD, the JSON's path as $1), hung past timeout (124; 137: past
-    SIGTERM too); nothing survives it."""
+    """(exit status, bus bandwidth or None) of the probe (tests: SPEEDRUN_PROBE_CMD, JSON path as
+    $1); hung past timeout: 124 (137 past SIGTERM too). Nothing survives it."""
     result = Path(run, "logs", "probe.json")
     result.unlink(missing_ok=True)
     stand_in = os.environ.get("SPEEDRUN_PROBE_CMD")
@@ -674,10 +653,9 @@ def run_probe(run, mark, command, safe, timeout, mbytes):
 
 
 def probe(run, command, stage=None):
-    """`probe`: the transport the stages use (<run>/transport.txt): with GPUs, NCCL's default flags,
-    or on a hang or failure the safe flags, their cost said. After that fallback, before each
-    torchrun stage (stage: its name), the defaults again: one failed probe (a slow cold start, a
-    transient fault) must not pin the safe flags for hours."""
+    """`probe`: the transport for the stages (<run>/transport.txt): NCCL's defaults, or on a hang
+    or failure the safe flags, their cost said. After a fallback, each torchrun stage retries the
+    defaults: one failed probe (slow cold start) must not pin the safe flags for hours."""
     state, log = read_state(run), f"log: {run}/logs/probe.log"
     nccl = state["nccl"] if stage else {"safe": False, "fallback": False, "probe": command}
     timeout, mbytes = probe_settings()
@@ -731,8 +709,8 @@ def probe(run, command, stage=None):
 # --- one stage
 
 def progress_lines(run, name, now):
-    """Where each rank of a failed stage was last, and how long ago (distributed.py's files): under
-    NCCL a hung collective aborts in C++ and no rank can say which one was stuck."""
+    """Where each rank of a failed stage was last, and when: under NCCL a hung collective aborts in
+    C++ and no rank can say which one was stuck."""
     files = sorted(Path(run, name, "progress").glob("rank*.txt"))
     lines = [f"speedrun: where each rank of stage {name} was last ({run}/{name}/progress/):"]
     lines = lines if files else []
@@ -745,16 +723,15 @@ def progress_lines(run, name, now):
 
 
 def copy_output(stage, log):
-    """The stage's output (its pipe), as it comes, to its log and the terminal."""
+    """The stage's output, as it comes, to its log and the terminal."""
     while stage and (chunk := os.read(stage.stdout.fileno(), 1 << 16)):
         log.write(chunk)
         terminal(chunk)
 
 
 def run_stage(run, name, command, train=False, skip_if=None):
-    """`stage`: COMMAND in a session of its own with the run's mark, its output to the terminal and
-    logs/<name>.log, its time to logs/stages.tsv; skipped when skip_if (train: done.json) exists,
-    resumed from a checkpoint."""
+    """`stage`: COMMAND in its own session with the run's mark, output to the terminal and
+    logs/<name>.log, time to logs/stages.tsv; skipped when skip_if exists."""
     state, stopped = read_state(run), None
 
     # a Python handler, not SIG_IGN: the stage starts with the signals' defaults
@@ -811,8 +788,7 @@ def run_stage(run, name, command, train=False, skip_if=None):
 # --- around the stages
 
 def reuse_chat_eval(run, name):
-    """chat_eval's result copied into stage_evals/<name>/ when it scored this stage's checkpoint,
-    not run twice."""
+    """Copy chat_eval's result into stage_evals/<name>/ when it scored this checkpoint."""
     where, result = Path(run, "stage_evals", name), Path(run, "chat_eval.json")
     if (where / "chat_eval.json").is_file() or not result.is_file():
         return
@@ -825,9 +801,8 @@ def reuse_chat_eval(run, name):
 
 
 def stage_evals(run, name, listed, final):
-    """--stage_evals: NAME's final model gets CORE and ChatCORE when NAME is listed and its
-    checkpoint exists (chat_eval's own result for it copied first, not run twice); --print: when
-    NAME is listed and runs (FINAL: the last that does)."""
+    """--stage_evals: CORE and ChatCORE of NAME's final model when listed and its checkpoint exists;
+    --print: when NAME is listed and runs (FINAL: the last that does)."""
     if name not in listed.split(","):
         return False
     if PRINT:
@@ -842,8 +817,8 @@ def stage_evals(run, name, listed, final):
 
 
 def rehearsal_due(run, rehearsal, no_rehearse):
-    """The gpu plan rehearses once, before its pretraining (not with --no_rehearse); a skip is said.
-    --print: the flag alone decides."""
+    """The gpu plan rehearses once before pretraining (not with --no_rehearse). --print: the flag
+    decides."""
     for skip, why in ((no_rehearse, "--no_rehearse"),
                       (not PRINT and Path(rehearsal, "rehearsed.json").is_file(),
                        f"it passed before ({rehearsal}/rehearsed.json)"),
@@ -856,8 +831,7 @@ def rehearsal_due(run, rehearsal, no_rehearse):
 
 
 def rehearsal_passed(run, rehearsal):
-    """After the rehearsal: its plan_cost.json is the report's predicted.json; its checkpoints
-    deleted (the disk)."""
+    """After the rehearsal: plan_cost.json becomes predicted.json; its checkpoints deleted."""
     if Path(rehearsal, "plan_cost.json").is_file():
         shutil.copy(Path(rehearsal, "plan_cost.json"), Path(run, "predicted.json"))
     ckpts = sorted(Path(rehearsal).glob("*/ckpt"))
@@ -869,8 +843,7 @@ def rehearsal_passed(run, rehearsal):
 
 
 def rehearsed(run, seconds):
-    """A rehearsal passed: each stage's time printed (a resumed one's, skipped now, first), and
-    rehearsed.json."""
+    """A passed rehearsal: each stage's time printed, and rehearsed.json."""
     state, rows = read_state(run), stage_rows(run)
     now = {name: took for name, took, _ in rows[state["stages_before"]:]}
     earlier = {name: took for name, took,
@@ -889,10 +862,8 @@ def rehearsed(run, seconds):
 # --- speedrun.sh's calls
 
 def shards(run, given):
-    """`shards`: the training shards to download, printed for speedrun.sh: --shards, else what
-    data_plan.json counts for the budget; fewer than that is said (to stderr). First the disk plan
-    (gpu_plan.check_disk): the free disk against the shards and the checkpoints to come, said (to
-    stderr); not enough stops the run before any download."""
+    """`shards`: the training shards to download: --shards, else data_plan.json's count (fewer is
+    said on stderr). First gpu_plan.check_disk: too little disk stops the run before downloading."""
     plan = read_json(Path(run, "data_plan.json"))
     try:
         say(run, gpu_plan.check_disk(plan), stream=sys.stderr)
@@ -917,7 +888,7 @@ def stage_command(run, words, do=run_stage):
     return do(run, name, words, **options)
 
 
-# each command: (RUN of `--run RUN` or None, the words after it) -> its exit status (None: 0)
+# each command: (RUN of `--run RUN` or None, the words after it) -> exit status (None: 0)
 COMMANDS = {
     "setup": lambda run, words: setup(words[0], words[1:]),  # ENV_FILE [flags]
     "probe": probe,
@@ -934,8 +905,7 @@ COMMANDS = {
 # --- --print: what would run, printed
 
 def show(name, command, note=""):
-    """A step's command line, shell-quoted (copy it to run that step alone), under a comment naming
-    the step."""
+    """A step's command line, shell-quoted, under a comment naming the step."""
     print(f"# {name}{f' ({note})' if note else ''}\n{shlex.join(map(str, command))}", flush=True)
 
 
@@ -946,8 +916,7 @@ def show_stage(run, name, command, train=False, skip_if=None):
 
 
 def show_probe(run, command):
-    """The NCCL probe's command line, with the flags launch.py adds; none for one process without
-    torchrun."""
+    """The NCCL probe's command line; none for one process without torchrun."""
     if "torch.distributed.run" in command:
         timeout, mbytes = probe_settings()
         show("probe", [*command, "--timeout", timeout, "--mbytes", mbytes, "--out",
@@ -956,9 +925,8 @@ def show_probe(run, command):
              "safe flags")
 
 
-# each command's stand-in under --print: what would run printed, nothing run; rehearsal_due and
-# stage_evals decide
-# from the flags alone; the others (end, rehearsal_passed, rehearsed: after what ran) do nothing
+# --print stand-ins: nothing runs; rehearsal_due and stage_evals decide from the flags alone; end,
+# rehearsal_passed and rehearsed do nothing
 PRINTS = {
     "probe": show_probe,
     "stage": lambda run, words: stage_command(run, words, show_stage),
@@ -979,8 +947,8 @@ def main(argv):
     run, words = (words[1], words[2:]) if words[:1] == ["--run"] else (None, words)
     # speedrun.sh passes its signals on; a Ctrl-C reaches this process directly too
     for signum in SIGNALS:
-        # end ends the run: a second Ctrl-C must not cut that short; the others exit at once (a
-        # probe running ends in run_probe's finally; a started stage in run_stage's own handler)
+        # end must not be cut short by a second Ctrl-C; others exit at once (a probe ends in
+        # run_probe's finally, a stage in run_stage's handler)
         exit_now = lambda s, _: sys.exit(128 + s)
         signal.signal(signum, signal.SIG_IGN if command == "end" else exit_now)
     try:

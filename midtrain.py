@@ -1,6 +1,6 @@
-"""Midtraining: a pretrained checkpoint goes on training on a mixture, by token share, of its
-pretraining text and conversations in the chat template, packed BOS-aligned as text is (no padding),
-so it learns the template, turns and when to stop, and keeps its knowledge.
+"""Midtraining: a pretrained checkpoint keeps training on a token-share mixture of its pretraining
+text and chat-template conversations, packed BOS-aligned (no padding), so it learns the template,
+turns and when to stop, and keeps its knowledge.
 
     python midtrain.py --steps 2000
         # newest pretrain checkpoint; 30% its corpus, 70% conversations and tasks
@@ -12,9 +12,9 @@ so it learns the template, turns and when to stop, and keeps its knowledge.
     python midtrain.py --run_name NAME --resume  # continue from the last checkpoint
     python midtrain.py --status runs/NAME
 
-Writes runs/<run_name>/: config.json, metrics.jsonl (every step), samples.jsonl (greedy answers at
-every eval), ckpt/step_XXXXXX/ (meta.json names the parent checkpoint and the sha256 of its
-weights), done.json (with the realized mixture).
+Writes runs/<run_name>/: config.json, metrics.jsonl, samples.jsonl (greedy answers per eval),
+ckpt/step_XXXXXX/ (meta.json names the parent and its weights' sha256), done.json (the realized
+mixture).
 """
 import argparse
 import math
@@ -34,14 +34,12 @@ from dataset import CACHE_DIR, chat_files, check_chat_files
 from loader import STAT_KEYS, chat_loader, close_all, text_loader, to_device
 from model import flops_per_token, num_params
 
-# beside the parent's text (0.3): conversation, the shapes chat_eval.py scores, and who the
-# assistant is (identity)
+# beside the parent's text (0.3): conversation, chat_eval.py's shapes, and identity
 DEFAULT_CHAT_SHARES = [("smoltalk", 0.3), ("ultrachat", 0.1), ("mmlu", 0.15), ("gsm8k", 0.1),
                        ("arc-easy", 0.02), ("arc-challenge", 0.02), ("identity", 0.01)]
-# warm-started at the parent's full lrs, flat, then a linear warmdown over the last 20%
-# (nanochat's): against a fresh
-# state, better on the demo world and forgot less on real text; half the lrs learned far less there
-# (dev/LOG.md)
+# the parent's full lrs, flat, then a linear warmdown over the last 20% (nanochat's): against a
+# fresh state, better on the demo world and forgot less on real text; half the lrs learned far
+# less (dev/LOG.md)
 MID_LR_SCALE, MID_WARMDOWN = 1.0, 0.2
 MID_WHY = "measured on the demo world and on real text"
 
@@ -71,9 +69,8 @@ def check_sources(sources):
 
 
 class MixtureLoader:
-    """Midtraining's loader: batches from several sources at token shares. sources: [{"name",
-    "kind": "text"|"chat", "path", "share"}]; each row comes from the source furthest below its
-    share, by token counts their states restore."""
+    """Batches from several sources at token shares. sources: [{"name", "kind": "text"|"chat",
+    "path", "share"}]; each row comes from the source furthest below its share."""
 
     def __init__(self, sources, tokenizer, batch_size, seq_len, *, rank=0, world_size=1, device=
                  "cpu", seed=0,
@@ -100,7 +97,6 @@ class MixtureLoader:
         for _ in range(self.B):
             # with this row: the first goes to the largest share, not the first listed
             total = sum(tokens) + self.T
-            # max keeps the first
             i = max(range(len(tokens)), key=lambda k: self.targets[k] * total - tokens[k])
             rows.append(next(self.loaders[i]))
             tokens[i] = self.loaders[i].state["stats"]["tokens"]
@@ -117,8 +113,7 @@ class MixtureLoader:
 
     @property
     def state(self):
-        """The sources' counters summed, shaped like a PackedLoader's state["stats"] (what the
-        training loop reads)."""
+        """The sources' counters summed, shaped like a PackedLoader's state["stats"]."""
         stats = {key: sum(loader.state["stats"][key] for loader in self.loaders)
                  for key in STAT_KEYS}
         return {"stats": {**stats, "batches": self.batches}}
@@ -146,7 +141,7 @@ class MixtureLoader:
         self.batches = sd["batches"]
 
     def mixture(self):
-        """{name: {"tokens", "docs", "share" (realized), "target"}}: for a stage's final summary."""
+        """{name: {"tokens", "docs", "share" (realized), "target"}} for the final summary."""
         total = max(1, sum(loader.state["stats"]["tokens"] for loader in self.loaders))
         return {name: {"tokens": loader.state["stats"]["tokens"],
                        "docs": loader.state["stats"]["docs"],
@@ -196,8 +191,8 @@ def get_args(argv=None):
 
 
 def parse_sources(specs, parent_data_dir, added=()):
-    """--source KIND:PATH:SHARE values (and --add_source's, the others' shares scaled down to make
-    room) as the mixture loader's source dicts."""
+    """--source KIND:PATH:SHARE values (and --add_source's, scaling the others down) as source
+    dicts."""
     if added:
         base, extra = parse_sources(specs, parent_data_dir), parse_sources(list(added), None)
         scale = 1 - sum(s["share"] for s in extra)
@@ -221,8 +216,7 @@ def parse_sources(specs, parent_data_dir, added=()):
 
 
 def realized_mixture(loaders, sources, step, rank):
-    """Tokens and documents per source over every loader of every rank, and the share of the tokens
-    each got; rank 0 prints them."""
+    """Tokens and documents per source over all loaders and ranks, with shares; rank 0 prints."""
     counts = torch.tensor([[loader.mixture()[s["name"]][key] for key in (
             "tokens", "docs")] for loader in loaders
                            for s in sources], dtype=torch.float64).view(len(loaders), len(sources),
@@ -308,7 +302,7 @@ def main(argv=None):
                               evaluate=evaluate, flops_per_token=flops_per_token(config),
                               rank=rank, world=world, device=device)
     if signum is None:
-        figures = evaluate(total_steps)  # once: a second call would run the whole validation again
+        figures = evaluate(total_steps)  # once: a second call reruns the whole validation
         kept = chat_stage.forgetting(model, tokenizer, parent, parent_meta, args, rank, world,
                                      device)
         if rank == 0:

@@ -109,8 +109,8 @@ def get_args(argv=None):
 
 
 def data_plan(args, config, tokenizer):
-    """--data_plan: the training shards a budget needs, the steps and a checkpoint's bytes, written
-    to <runs_dir>/data_plan.json (speedrun.sh and the gpu plan read it)."""
+    """--data_plan: shards, steps and checkpoint bytes for a budget, to <runs_dir>/data_plan.json
+    (read by speedrun.sh and the gpu plan)."""
     if not args.total_batch_tokens:
         raise ValueError("--data_plan needs --total_batch_tokens (the tokens per step the run will "
                          "use)")
@@ -150,9 +150,8 @@ def data_plan(args, config, tokenizer):
 
 
 def checkpoint_bytes(config, optimizer):
-    """The bytes of one full checkpoint (model.pt + optimizers.pt): fp32 weights (4 a parameter),
-    AdamW's moments (8); with Muon, its momentum (4) for the block matrices (its per-neuron second
-    moments, a row each, left out)."""
+    """Bytes of one checkpoint: fp32 weights (4 a parameter), AdamW's moments (8); with Muon, its
+    momentum (4) for the block matrices (small second moments left out)."""
     counts = param_breakdown(config)
     matrices = counts["attention"] + counts["mlp"]
     return 4 * counts["total"] + 8 * (counts["total"] - matrices) + (4 if optimizer == "muon"
@@ -169,9 +168,8 @@ def plan_steps(args, config, tokens_per_step):
 
 @torch.no_grad()
 def greedy_completion(model, ids, new_tokens, dtype, device):
-    """The most likely next token, new_tokens times; the whole row again each time: for a few
-    samples of 32 tokens that costs less than a KV cache's set-up (chat.py's decode.py keeps
-    one)."""
+    """Greedy tokens, the whole row again each step: for a few 32-token samples that costs less
+    than setting up a KV cache."""
     row = torch.tensor([ids], device=device)
     for _ in range(new_tokens):
         with autocast_context(device.type, dtype):
@@ -182,9 +180,8 @@ def greedy_completion(model, ids, new_tokens, dtype, device):
 
 @torch.no_grad()
 def evaluate(model, tokenizer, args, rank, world, device, run_dir, val_rows, step):
-    """Validation bits per byte (train_loop.val_bpb: the first --bpb_tokens of the split in BOS-led
-    rows, the same figure core_eval.py reports) and greedy samples; prints them and returns the
-    metrics fields."""
+    """Validation bits per byte (train_loop.val_bpb, as core_eval.py reports) and greedy samples;
+    prints and returns the metrics fields."""
     bpb, _ = train_loop.val_bpb(model, val_rows, tokenizer.token_bytes, 8, args.dtype, rank, world,
                                 device)
     if rank == 0 or distributed.is_sharded(model):  # a sharded model is gathered by every rank

@@ -1,16 +1,12 @@
-"""The report of a speedrun: runs/<run>/report.md and its PNG curves, every figure read from the
-run's own files.
+"""The report of a speedrun: runs/<run>/report.md and PNG curves, every figure read from the run's
+own files.
 
     python report.py runs/speedrun          # what speedrun.sh runs after the last stage
 
-Reads, for each stage run under the speedrun directory (pretrain/, midtrain/, sft/): config.json,
-metrics.jsonl, done.json and samples.jsonl; core_eval/results.json; chat_eval.json; transport.txt
-(the NCCL decision and the bandwidth its probe measured); logs/stages.tsv (each stage's wall time,
-written by speedrun.sh); stage_evals/<stage>/ (core_eval and chat_eval of each stage's final model,
-for the table of what each stage taught); predicted.json (each stage's wall time predicted from the
-rehearsal before the run, gpu_plan.py's: shown beside the actual). A figure that is not there is
-"unknown". Writes report.md, loss.png (training loss per stage) and val_bpb.png (pretraining
-validation bits per byte).
+Reads each stage's config.json, metrics.jsonl, done.json and samples.jsonl; core_eval and chat_eval
+results; transport.txt (NCCL decision, probed bandwidth); logs/stages.tsv (wall times);
+stage_evals/<stage>/ (what each stage taught); predicted.json (gpu_plan.py's prediction, beside the
+actual). A missing figure is "unknown". Writes report.md, loss.png and val_bpb.png.
 """
 import argparse
 import json
@@ -19,11 +15,10 @@ import sys
 from pathlib import Path
 
 TRAIN_STAGES = ["pretrain", "midtrain", "sft"]
-# the stages whose final models get a column in the per-stage table, in training order, where they
-# left a checkpoint
+# the stages whose final models get a column in the per-stage table, in training order
 MODEL_STAGES = ["pretrain", "midtrain", "sft", "rl"]
 UNKNOWN = "unknown"
-# per generated task in the per-stage table: its first item and its first with a numeric answer
+# per generated task in the per-stage table: its first item and first with a numeric answer
 SAMPLE_QUESTIONS = 2
 
 
@@ -33,8 +28,7 @@ def read_json(path):
 
 
 def stage_rows(run):
-    """logs/stages.tsv's rows, one per stage launch.py ran: [name, seconds, exit status] (strings,
-    as launch.py wrote them), oldest first."""
+    """logs/stages.tsv's rows, [name, seconds, exit status] as strings, oldest first."""
     path = Path(run, "logs", "stages.tsv")
     return [line.split("\t") for line in path.read_text().splitlines()] if path.is_file() else []
 
@@ -50,15 +44,13 @@ def read_jsonl(path):
 
 
 def hardware(run, name):
-    """The world a stage ran in, as recorded: 'single process, device ...' or 'world size 8 (nccl):
-    rank 0 ...'."""
+    """The recorded world: 'single process, device ...' or 'world size 8 (nccl): rank 0 ...'."""
     files = {"core_eval": run / "core_eval" / "results.json", "chat_eval": run / "chat_eval.json"}
     return (read_json(files.get(name, run / name / "config.json")) or {}).get("hardware", UNKNOWN)
 
 
 def data_of(config):
-    """What a training stage trained on, from its config.json: the corpus, its shards, and whether
-    it is the demo."""
+    """What a training stage trained on (config.json): corpus, shards, whether demo."""
     if config is None:
         return UNKNOWN
     if config["stage"] == "pretrain":
@@ -66,8 +58,7 @@ def data_of(config):
     elif config["stage"] == "rl":  # its questions, as rl.py names them
         return f"{config['tasks']}; {config['train_questions']:,} training questions"
     elif config.get("sources"):
-        # the sources it trained on, defaults included (config["args"]["source"] is only what was
-        # passed)
+        # the sources, defaults included (config["args"]["source"] is only what was passed)
         paths = [(Path(s["path"]), s.get("epochs", 1)) for s in config["sources"]]
     else:
         paths = [(Path(config["chat_dir"]), 1)]
@@ -85,14 +76,14 @@ def data_of(config):
 
 
 def predicted_cell(predicted, name):
-    """A stage's predicted wall time from predicted.json, "unknown" where it has none."""
+    """A stage's predicted wall time, "unknown" where none."""
     seconds = predicted["stages"].get(name, {}).get("seconds")
     return UNKNOWN if seconds is None else f"{seconds:.1f}"
 
 
 def stage_figures(run, name, times, predicted=None):
-    """The figures of one training stage, as strings, each read from its files ("unknown" where
-    absent); with a prediction (predicted.json), its predicted wall time beside the actual."""
+    """One training stage's figures as strings ("unknown" where absent), with the predicted wall
+    time beside the actual."""
     run_dir = run / name
     config, done = read_json(run_dir / "config.json"), read_json(run_dir / "done.json")
     steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
@@ -128,9 +119,8 @@ SAMPLES_PER_TASK = 4
 
 
 def contained_answers(items_path):
-    """{task: (replies containing an accepted answer as a whole word, replies)} for the generated
-    tasks whose items carry accepted answers (the demo world's demo-answer): a reply in a sentence
-    ("It's Pelmo.") counts here."""
+    """{task: (replies containing an accepted answer as a whole word, replies)} for generated tasks
+    with accepted answers: a reply in a sentence ("It's Pelmo.") counts here."""
     counts = {}
     for item in read_jsonl(items_path):
         if "answers" in item and "reply" in item:
@@ -142,8 +132,7 @@ def contained_answers(items_path):
 
 
 def marked_answers(items_path, per_task=SAMPLES_PER_TASK):
-    """A line for each of the first few items of each task: right or wrong, question, answer given,
-    expected."""
+    """A line per first few items of each task: right or wrong, question, answer, expected."""
     lines, shown = [], {}
     for item in read_jsonl(items_path):
         if shown.get(item["task"], 0) >= per_task:
@@ -160,9 +149,8 @@ def marked_answers(items_path, per_task=SAMPLES_PER_TASK):
 
 
 def stage_eval_files(run, name):
-    """(core_eval results.json, chat_eval.json, its items) of one stage's final model:
-    runs/<run>/stage_evals/<stage>/; the pretrained model's CORE is core_eval/'s, the same command
-    on the same checkpoint."""
+    """(core_eval results.json, chat_eval.json, its items) of a stage's final model; pretrain's
+    CORE is core_eval/'s (the same command on the same checkpoint)."""
     where = run / "stage_evals" / name
     core = (run if name == "pretrain" else where) / "core_eval" / "results.json"
     return core, where / "chat_eval.json", where / "chat_eval_items.jsonl"
@@ -174,16 +162,14 @@ def cell(text):
 
 
 def sample_reply(item):
-    """A greedy reply as the model gave it, its calculator calls shown in GSM8K's <<expr=result>>
-    form."""
+    """A greedy reply with its calculator calls shown as <<expr=result>>."""
     calls = "".join(f"<<{expr}={result}>>" for expr, result in item.get("calculator", []))
     return calls + item.get("reply", item.get("predicted", ""))
 
 
 def sample_items(items):
-    """[(task, question)] the sample-answer rows ask: for each generated task (whose items carry a
-    reply), its first item and its first whose answer is a number (where the calculator should be
-    called)."""
+    """[(task, question)] for the sample answers: per generated task, its first item and first with
+    a numeric answer (where the calculator should be called)."""
     chosen = {}
     for item in items:
         if "reply" not in item:
@@ -198,9 +184,8 @@ def sample_items(items):
 
 
 def per_stage_table(run):
-    """What each stage taught: a row per ability, a column per stage's final model. Every cell is
-    read from that model's own evaluation files (stage_eval_files), computed by the same commands;
-    "unknown" where absent."""
+    """What each stage taught: a row per ability, a column per stage's final model, each cell from
+    that model's evaluation files; "unknown" where absent."""
     stages = [name for name in MODEL_STAGES if any((run / name / "ckpt").glob("step_*"))]
     if not stages:
         return [f"No stage has a checkpoint under {run}/<stage>/ckpt/: nothing to tabulate."]
@@ -251,9 +236,8 @@ def per_stage_table(run):
 
 
 def forgetting_lines(run):
-    """The pretraining val bpb of the pretrained, midtrained and SFT models side by side: pretrain's
-    final evaluation (done.json) and the figure each chat stage computed at its end on the same rows
-    (done.json's pretrain_val_bpb)."""
+    """Pretraining val bpb of the pretrained, midtrained and SFT models side by side, each computed
+    on the same rows (done.json)."""
     lines = ["| model | pretraining val bpb | change from the pretrained |", "|---|---|---|"]
     pretrained = (read_json(run / "pretrain" / "done.json") or {}).get("val_bpb")
     for name, label in [("pretrain", "pretrained"), ("midtrain", "midtrained"), ("sft", "SFT")]:
@@ -270,8 +254,7 @@ def forgetting_lines(run):
 
 
 def reward_panel(ax, records):
-    """RL's panel of the loss figure: each step's mean reward and held-out pass@1 at each
-    evaluation."""
+    """RL's panel: mean reward per step and held-out pass@1 per evaluation."""
     steps = [r for r in records if "reward" in r]
     evals = [(r["step"], r["held_out"]["all"]["pass@1"]) for r in records if "held_out" in r]
     ax.plot([r["step"] for r in steps], [r["reward"] for r in steps], lw=1, label=
@@ -283,8 +266,7 @@ def reward_panel(ax, records):
 
 
 def plot(run, out):
-    """loss.png: each stage's training loss against step, and RL's reward; val_bpb.png:
-    pretraining's val bpb."""
+    """loss.png: each stage's training loss and RL's reward; val_bpb.png: pretraining's."""
     import matplotlib
     matplotlib.use("Agg")  # no display
     import matplotlib.pyplot as plt
@@ -328,7 +310,7 @@ def header_lines(run):
 
 
 def stages_lines(run):
-    """The stages' table, the other stages' wall time, and the prediction's total beside it."""
+    """The stages' table, other stages' wall time, and the predicted total."""
     times = stage_seconds(run)
     predicted = read_json(run / "predicted.json")  # gpu_plan.py's, written before the run
     # rl joins the table when it ran (the demo plan skips it unless --rl on)
@@ -346,7 +328,7 @@ def stages_lines(run):
                    "metrics.jsonl. MFU: the mean of the per-step MFU; unknown where the device has "
                    "no rated peak (any CPU) or the compute is fp32."), "",
               "Other stages' wall time (s): " + ", ".join(others), ""]
-    if predicted:  # the prediction's total beside the actual time of the same stages
+    if predicted:  # the predicted total beside the same stages' actual time
         actual = sum(times[k] for k in predicted["stages"] if k in times)
         unknown = f", unknown: {', '.join(predicted['unknown'])}" if predicted["unknown"] else ""
         lines += [(f"Predicted before the run from its rehearsal ({predicted['rehearsal']}; "
@@ -357,7 +339,7 @@ def stages_lines(run):
 
 
 def core_lines(run, core):
-    """CORE's table, RL's reward beside its held-out accuracy, and the forgetting lines."""
+    """CORE's table, RL's reward beside held-out accuracy, and forgetting."""
     if core:
         bpb = f"{core['val_bpb']:.4f}" if core.get("val_bpb") is not None else UNKNOWN
         lines = [(f"CORE {core['core']:.4f} ({len(core['tasks'])} tasks, protocol "
@@ -379,7 +361,7 @@ def core_lines(run, core):
 
 
 def chat_lines(run, chat):
-    """ChatCORE's table, the replies that contain an answer, and sample answers."""
+    """ChatCORE's table, replies that contain an answer, and sample answers."""
     if not chat:
         return [f"ChatCORE {UNKNOWN} (no chat_eval.json)"]
     lines = [f"ChatCORE {chat['chatcore']:.4f} (tasks from {chat['tasks_from']}; chat_eval.json)",

@@ -1,8 +1,7 @@
-"""Reinforcement learning on answers that can be checked: an SFT checkpoint samples several replies
-to each question with the calculator live, a reply whose checked answer is right gets reward 1 (else
-0), and the model is updated on policy, on the tokens it sampled only (nanochat's simplified GRPO:
-advantage = reward - the mean reward of the question's replies, the loss normalized per sampled
-token, no KL penalty, no ratio clipping; the prompt and the calculator's output carry no loss).
+"""Reinforcement learning on checkable answers: an SFT checkpoint samples several replies per
+question with the calculator live; a right answer gets reward 1, else 0. The update is on policy,
+on the sampled tokens only (nanochat's simplified GRPO: advantage = reward - the group's mean
+reward, loss normalized per sampled token, no KL penalty, no ratio clipping).
 
     python rl.py  # the newest SFT checkpoint; GSM8K train, held out: GSM8K test
     python rl.py --checkpoint runs/speedrun/sft --demo runs/speedrun/demo --steps 60 \\
@@ -11,12 +10,10 @@ token, no KL penalty, no ratio clipping; the prompt and the calculator's output 
     python rl.py --run_name NAME --resume  # continue from the last checkpoint
     python rl.py --status runs/NAME
 
-Tasks. The demo world (--demo; by default the parent's world when it was trained on one): its word
-problems (problems/, GSM8K's shape); held out: chat_eval's demo-problems. Otherwise GSM8K's train
-split; held out: GSM8K's test split. Either way a reply is right when the number after '####' is the
-answer (no '####' is wrong, nanochat's rule). Writes runs/<run_name>/: config.json, metrics.jsonl
-(every step: mean reward, reply length, tokens sampled per second; at each evaluation held-out
-pass@1 and pass@k), ckpt/step_XXXXXX/ (as every stage's), done.json.
+Tasks: the demo world's word problems (--demo; held out: chat_eval's demo-problems), else
+GSM8K train (held out: GSM8K test). A reply is right when the number after '####' is the answer.
+Writes runs/<run_name>/: config.json, metrics.jsonl (reward, reply length, sampled tok/s; held-out
+pass@1 and pass@k), ckpt/step_XXXXXX/, done.json.
 """
 import argparse
 import gc
@@ -42,14 +39,12 @@ from decode import ToolUse, decode, reply_text
 from model import autocast_context, num_params
 from tasks import demo_world, gsm8k_items, load_items, prompt_ids, reward
 
-# every lr is this fraction of the SFT parent's (0.3 of pretraining's), decaying linearly to 0: 0.06
-# of pretraining's,
-# about nanochat's RL start (0.05); on the demo's word problems 0.2 beat 0.05 (dev/LOG.md)
+# x the SFT parent's lrs (0.3 of pretraining's) = 0.06, near nanochat's RL start (0.05); on the
+# demo's word problems 0.2 beat 0.05 (dev/LOG.md)
 RL_LR_SCALE = 0.2
 RL_WHY = ("about nanochat's chat_rl start, 0.05 of the pretraining lrs; beat 0.05 on the demo's "
           "word problems")
-# sampling on a CPU: one thread, as a small model's decode step is per-op overhead that more threads
-# only make wait
+# a small model's CPU decode step is per-op overhead: more threads only wait
 CPU_ROLLOUT_THREADS = 1
 
 
@@ -113,16 +108,14 @@ def get_args(argv=None):
 # Rewards to advantages, and the order of the questions
 
 def advantages(rewards, samples):
-    """Each reward minus the mean reward of its question's group of `samples` replies
-    (consecutive)."""
+    """Each reward minus its group's mean (groups of `samples` consecutive replies)."""
     grouped = torch.tensor(rewards, dtype=torch.float64).view(-1, samples)
     return (grouped - grouped.mean(dim=1, keepdim=True)).view(-1).float()
 
 
 def step_items(step, per_step, total, seed):
-    """The indices of the step's questions in the training set: one stream of every question,
-    shuffled anew each epoch, a pure function of the step (a resumed run takes the same
-    questions)."""
+    """The step's question indices: reshuffled each epoch, a pure function of the step so a
+    resumed run takes the same questions."""
     positions = range(step * per_step, (step + 1) * per_step)
     orders = {e: np.random.default_rng([
             seed, e]).permutation(total) for e in {p // total for p in positions}}
@@ -135,8 +128,7 @@ def sampling_seed(*keys):
 
 
 def eta_seconds(step, total_steps, eval_every, step_s, eval_s):
-    """Seconds left after `step` steps: the steps left at step_s each, and the held-out evaluations
-    left at eval_s each (one every eval_every steps before the last, and the final one)."""
+    """Seconds left after `step`: the steps and held-out evaluations still to run."""
     between = len(range((step // eval_every + 1) * eval_every, total_steps,
                         eval_every)) if eval_every else 0
     return (total_steps - step) * step_s + (between + 1) * eval_s
@@ -146,10 +138,8 @@ def eta_seconds(step, total_steps, eval_every, step_s, eval_s):
 # Rollouts
 
 def sample_groups(model, tokenizer, prompts, n, max_new_tokens, temperature, top_k, seed, dtype):
-    """n replies to each prompt, every reply a row of one batch (decode.py), sampling seeded by
-    `seed`. Returns (replies, sampled), n rows per prompt in order: each row's tokens up to and with
-    its <|assistant_end|>, and per token whether the model sampled it (True) or the calculator's
-    output was fed (False)."""
+    """n replies per prompt, all rows of one batch. Returns (replies, sampled), n rows per prompt:
+    tokens through <|assistant_end|>, and per token True if sampled, False if calculator output."""
     budgets = [min(max_new_tokens, model.config.sequence_len - len(p)) for p in prompts]
     stop = {tokenizer.special_id("<|assistant_end|>"), tokenizer.bos_id}
     tools = [ToolUse(tokenizer) for _ in range(n * len(prompts))]
@@ -159,8 +149,7 @@ def sample_groups(model, tokenizer, prompts, n, max_new_tokens, temperature, top
 
 
 def training_rows(prompt, replies, sampled, pad_id):
-    """(inputs, targets) per reply: prompt + reply shifted by one, the target -1 (no loss) on the
-    prompt and on every token the model did not sample."""
+    """(inputs, targets) per reply; target -1 (no loss) on the prompt and unsampled tokens."""
     rows = []
     for reply, own in zip(replies, sampled, strict=True):
         ids = prompt + reply
@@ -180,10 +169,8 @@ def pad(rows, pad_id, device):
 
 
 def policy_gradient(train_model, rows, weights, micro_batch, dtype, device, world):
-    """Backward of the loss -sum(advantage x log p(token)) / (tokens sampled over all ranks), over
-    the sampled tokens of every row, micro_batch rows per forward; DDP averages over ranks, so each
-    rank scales by world / count. Returns (the summed loss, the sampled-token count), both over all
-    ranks (the loss: their ratio)."""
+    """Backward of -sum(advantage x log p) / (sampled tokens over all ranks). DDP averages over
+    ranks, so each rank scales by world / count. Returns (summed loss, count) over all ranks."""
     count = distributed.all_reduce(sum(sum(t != -1 for t in y) for _, y in rows))
     scale, loss_sum = world / max(count, 1.0), torch.zeros((), dtype=torch.float64, device=device)
     chunks = range(0, len(rows), micro_batch)
@@ -202,10 +189,8 @@ def policy_gradient(train_model, rows, weights, micro_batch, dtype, device, worl
 
 @torch.no_grad()
 def evaluate(model, tokenizer, items, args, rank, world, step, stopping=lambda: False):
-    """Held-out pass@1 (the share of right replies, averaged over questions) and pass@k (the share
-    of questions with a right reply among k = --eval_samples) at the training temperature, seeded by
-    the questions' positions so that evaluations differ by the model only; rank 0 prints them. None
-    when stopping() said so between groups."""
+    """Held-out pass@1 and pass@k (k = --eval_samples), seeded by question position so evaluations
+    differ by the model only. None when stopping() said so."""
     right = torch.zeros(len(items), dtype=torch.float64)  # each question's right replies
     mine, k = list(range(rank, len(items), world)), args.eval_samples
     for chunk in [mine[c:c + args.rollout_questions] for c in range(0, len(mine),
@@ -235,9 +220,8 @@ def strip_end(reply, tokenizer):
 
 
 class Cursor:
-    """RL's data position in a checkpoint (the other stages' loader state, which
-    checkpoint.resume restores): the questions taken and this rank's sampled tokens. The
-    questions and seeds are a function of the step, so this only records it."""
+    """RL's data position in a checkpoint (the other stages save loader state). Questions and
+    seeds follow from the step, so this only records counts."""
 
     def __init__(self):
         self.state = {"questions": 0, "stats": {"tokens": 0}}
@@ -250,9 +234,8 @@ class Cursor:
 
 
 def verdict(records):
-    """The reward's change (first fifth of the steps against the last fifth) beside held-out
-    pass@1's (first evaluation against the last), and what they say together: a reward that rose
-    while held-out accuracy fell is said so."""
+    """Reward (first fifth vs last fifth of steps) beside held-out pass@1 (first vs last
+    evaluation); flags a reward that rose while held-out accuracy fell."""
     steps, evals = [r for r in records if "reward" in r], [r["held_out"] for r in records
                                                            if "held_out" in r]
     fifth = max(1, len(steps) // 5)
@@ -272,7 +255,7 @@ def verdict(records):
 
 @contextmanager
 def sampling_threads(device):
-    """CPU_ROLLOUT_THREADS while sampling on the CPU, then the training's threads again."""
+    """CPU_ROLLOUT_THREADS while sampling on the CPU."""
     train_threads = torch.get_num_threads()
     torch.set_num_threads(CPU_ROLLOUT_THREADS if device.type == "cpu" else train_threads)
     try:
@@ -283,9 +266,8 @@ def sampling_threads(device):
 
 def rl_step(args, model, train_model, optimizers, cursor, tokenizer, items, step, total_steps,
             micro_batch, rank, world, device, run_dir, stopping):
-    """One step: rollouts of this rank's share of the step's questions, rewards, the policy
-    gradient, and the optimizer step as train_loop.train takes it. Returns the step's record, or
-    None when stopping() said so during the rollouts (between groups of questions)."""
+    """One step: rollouts of this rank's questions, rewards, policy gradient, optimizer step.
+    Returns the step's record, or None when stopping() said so during the rollouts."""
     t0 = time.perf_counter()
     lr_mult, wd = optim.apply_schedule(optimizers, step, total_steps, args)
     chosen = step_items(step, args.questions_per_step, len(items), args.seed)
@@ -334,20 +316,18 @@ def rl_step(args, model, train_model, optimizers, cursor, tokenizer, items, step
 @train_loop.frozen_heap
 def train(args, model, train_model, optimizers, cursor, tokenizer, items, held_out, stop, *,
           micro_batch, run_dir, start, total_steps, ckpt_meta, rank, world, device):
-    """rl_step's steps start..total_steps-1 with the training loop's records, health checks, signals
-    and checkpoints (train_loop's pieces), and a held-out evaluation before step 1 and every
-    --eval_every steps. Returns None when every step ran, else the signal that stopped the run after
-    its checkpoint."""
+    """rl_step from start to total_steps with train_loop's logging, health checks, signals and
+    checkpoints, and held-out evaluations. Returns None when done, else the stopping signal."""
     log = train_loop.Log(args, run_dir, start, total_steps, rank == 0)
     saver = train_loop.Saver(args, run_dir, model, optimizers, [cursor], ckpt_meta, rank, start,
                              log, stop)
     # no frozen-parameter check: a step changes nothing when every reply scores alike
     health = train_loop.Health(model, optimizers, args, start, rank == 0, frozen_check=False)
-    step_seconds, eval_seconds = [], []  # the ETA's: steps and evaluations take their own times
+    step_seconds, eval_seconds = [], []  # for the ETA
     distributed.keep_progress(run_dir, "rl")
     distributed.mark_progress(start, "starting")
 
-    def held_out_eval(step):  # None: a signal on some rank between groups of questions
+    def held_out_eval(step):  # None: a signal arrived
         t0 = time.perf_counter()
         with sampling_threads(device):
             result = evaluate(model, tokenizer, held_out, args, rank, world, step, stop.requested)
@@ -359,13 +339,13 @@ def train(args, model, train_model, optimizers, cursor, tokenizer, items, held_o
         if first is None:
             return saver.stopped(0, "in the evaluation before step 1")
         log.write({"step": 0, **first})
-    gc.collect()  # start-up's garbage, then what survives it out of every later collection
+    gc.collect()  # then keep start-up's survivors out of later collections
     gc.freeze()
     for step in range(start, total_steps):
         distributed.mark_progress(step + 1, "forward/backward")
         record = rl_step(args, model, train_model, optimizers, cursor, tokenizer, items, step,
                          total_steps, micro_batch, rank, world, device, run_dir, stop.requested)
-        if record is None:  # rollouts can take minutes: the step is dropped, the last one saved
+        if record is None:  # rollouts take minutes: drop the step, keep the last save
             return saver.stopped(step, f"during step {step + 1}'s rollouts")
         health.check(record)
         step_seconds.append(record["step_time"])
@@ -388,7 +368,7 @@ def train(args, model, train_model, optimizers, cursor, tokenizer, items, held_o
 
 
 def progress_line(record, total_steps, eval_every, step_seconds, eval_seconds):
-    """The step's line, its ETA from the mean seconds of a step and of a held-out evaluation."""
+    """The step's progress line with its ETA."""
     eval_s = sum(eval_seconds) / len(eval_seconds) if eval_seconds else 0.0
     eta = eta_seconds(record["step"], total_steps, eval_every,
                       sum(step_seconds) / len(step_seconds), eval_s)
@@ -399,8 +379,7 @@ def progress_line(record, total_steps, eval_every, step_seconds, eval_seconds):
 
 
 def load_tasks(args, parent, parent_meta, rank, world):
-    """(training questions, held-out ones, the pretraining corpus, what they are in words): the
-    demo world's where --demo says so (by default the world the parent was trained on), else
+    """(train items, held-out items, pretraining data dir, description): the demo world's, else
     GSM8K's."""
     data_dir = (checkpoint.pretraining_run(parent, parent_meta) or [None])[0]
     world_dir = demo_world(args.demo, data_dir, "problems")
@@ -415,7 +394,7 @@ def load_tasks(args, parent, parent_meta, rank, world):
 
 
 def finish(run_dir, total_steps, final):
-    """Rank 0's end: the final held-out figures in metrics.jsonl, done.json with the verdict."""
+    """Rank 0: final held-out figures to metrics.jsonl, done.json with the verdict."""
     metrics = run_dir / "metrics.jsonl"
     distributed.append_jsonl(metrics, {"step": total_steps, "final": True, "held_out": final})
     summary = verdict([json.loads(line) for line in metrics.read_text().splitlines()])

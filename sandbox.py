@@ -4,20 +4,16 @@ ended.
     python sandbox.py --probe     # the level this machine gives, what it contains and cannot
     python sandbox.py program.py  # run a file in the sandbox: its status and output
 
-At either level: a fresh `python -I` reading the program from stdin in an empty working directory;
-its own session, whose group is killed at the end, at the timeout, or when the evaluator dies (a
-thread waits on a pipe only the evaluator holds); PATH and LANG only; setrlimit limits (CPU, address
-space, processes, file size, which caps its output, no core dumps, 64 open files); socket.socket
+Both levels: a fresh `python -I` reading the program from stdin in an empty directory; its own
+session, killed at the end, the timeout, or when the evaluator dies; PATH and LANG only; setrlimit
+limits (CPU, address space, processes, file size, no core dumps, 64 open files); socket.socket
 raising (best effort: __mro__ or ctypes reach the original).
 
-Level "namespaces" (where `unshare` can create them; probed once) adds a network namespace with no
-interface up, a pid namespace the program leads (all it started die with it), and a mount namespace
-where every top-level directory but SYSTEM_DIRS, and /dev/shm, is an empty tmpfs and the
-interpreter's prefix is bound back read-only; as root it then runs as nobody, otherwise a nested
-user namespace locks those mounts. Level "process" is the common part alone, only when asked for
-(--sandbox process), never a silent fallback: it still reads what its user can, and reaches the
-network through ctypes. describe() says which level runs and why; docs/eval.md (the sandbox) has
-the full account.
+Level "namespaces" (where `unshare` works; probed once) adds a network namespace with no interface
+up, a pid namespace the program leads, and a mount namespace hiding every top-level directory but
+SYSTEM_DIRS (the interpreter's prefix bound back read-only); as root it runs as nobody, else a
+nested user namespace locks the mounts. Level "process" is the common part alone, only when asked
+for (--sandbox process), never a silent fallback. Full account: docs/eval.md (the sandbox).
 """
 import argparse
 import contextlib
@@ -37,12 +33,11 @@ from pathlib import Path
 SYSTEM_DIRS = {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "dev", "proc"}
 NOBODY = 65534
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
-# RLIMIT_FSIZE: a program printing forever is stopped here (and any file it writes)
+# RLIMIT_FSIZE: stops a program printing forever (and any file it writes)
 OUTPUT_BYTES = 1 << 20
 
-# Runs first inside the sandbox, as the interpreter's own code (trusted): reads the program, builds
-# the namespace level's view of the file system and gives up the power to change it, patches
-# socket, then runs the program.
+# Runs first inside the sandbox, as trusted code: reads the program, builds the namespace level's
+# file system view and gives up the power to change it, patches socket, runs the program.
 BOOTSTRAP = r"""
 import ctypes, json, os, sys
 cfg = json.loads(sys.argv[1])
@@ -133,16 +128,15 @@ _LEVEL = None  # (level, why), probed once
 
 
 def interpreter():
-    """The base interpreter (a venv's python needs its pyvenv.cfg, hidden at the namespace level)
-    and its prefix."""
+    """The base interpreter (a venv's pyvenv.cfg is hidden at the namespace level) and its
+    prefix."""
     exe = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
     return exe, sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix)})
 
 
 def hidden_paths():
-    """Every top-level directory but the system ones, every top-level file, and /dev/shm; /tmp
-    always (it is the working directory). Symbolic links lead into what is hidden or into the system
-    directories."""
+    """Every top-level directory but the system ones, every top-level file, /dev/shm and /tmp (the
+    working directory)."""
     hide = {"/tmp", "/dev/shm"}
     for name in os.listdir("/"):
         path = "/" + name
@@ -177,9 +171,8 @@ def command(level):
 
 
 def tasks_of(uid):
-    """Processes and threads that uid runs now: what RLIMIT_NPROC counts, on the whole machine (and
-    at each level of user namespaces), so a limit of n for a user already running m tasks allows n -
-    m more. 0 without /proc."""
+    """Processes and threads uid runs now, machine-wide: RLIMIT_NPROC counts them, so a limit of n
+    allows n - m more. 0 without /proc."""
     count = 0
     for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
         with contextlib.suppress(OSError, KeyError, ValueError):  # a process gone meanwhile
@@ -191,9 +184,8 @@ def tasks_of(uid):
 
 
 def set_limits(cpu_s, memory_bytes, nproc, fsize):
-    """preexec_fn: runs in the child between fork and exec. The CPU limit's soft and hard values are
-    equal: a soft limit's SIGXCPU is ignored by the first process of a pid namespace, the hard
-    limit's SIGKILL is not."""
+    """preexec_fn, between fork and exec. CPU soft limit = hard: the first process of a pid
+    namespace ignores SIGXCPU, not SIGKILL."""
     for limit, value in ((resource.RLIMIT_CPU, cpu_s), (resource.RLIMIT_AS, memory_bytes),
                          (resource.RLIMIT_NPROC, nproc),
                          (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_CORE, 0),
@@ -203,9 +195,8 @@ def set_limits(cpu_s, memory_bytes, nproc, fsize):
 
 def run(program, timeout_s=5.0, cpu_s=None, memory_mb=512, nproc=16, level=None):
     """Run `program` (Python source) in the sandbox; returns a Result, never raising for what the
-    program does. nproc: processes (and threads) it may add to its user's (as root: nobody's).
-    level: None = namespaces, RuntimeError where this machine gives none (choose); "process" only
-    where the user accepted what it does not contain."""
+    program does. nproc: processes (and threads) it may add. level: None = namespaces
+    (RuntimeError where there are none); "process" only where the user accepted it."""
     level = level or choose("auto")[0]
     argv, cfg = command(level)
     cpu_s = max(1, int(cpu_s if cpu_s is not None else timeout_s + 0.999))
@@ -220,13 +211,12 @@ def run(program, timeout_s=5.0, cpu_s=None, memory_mb=512, nproc=16, level=None)
             # the process level's working directory, nobody's to list and write
             os.chown(work, NOBODY, NOBODY)
         start = time.perf_counter()
-        # the program's end sees EOF when ours closes: when this process ends
+        # the program sees EOF when this process ends
         watch, alive = os.pipe()
         with open(Path(private) / "program.py") as stdin, open(Path(private) / "output",
                                                                "wb") as out:
-            # preexec_fn in a threaded parent (torch's) is safe here: between fork and exec it only
-            # calls setrlimit,
-            # a system call that takes no lock another thread could hold
+            # preexec_fn in a threaded parent (torch's) is safe: it only calls setrlimit, which
+            # takes no lock another thread could hold
             try:
                 proc = subprocess.Popen([*argv, json.dumps({**cfg, "watch": watch})], stdin=stdin,
                                         stdout=out,
@@ -242,8 +232,7 @@ def run(program, timeout_s=5.0, cpu_s=None, memory_mb=512, nproc=16, level=None)
             except subprocess.TimeoutExpired:
                 code, status = None, "timeout"
             finally:
-                # everything left in its process group (the pid namespace, where there is one, dies
-                # with it)
+                # everything left in its group (the pid namespace dies with it)
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
@@ -254,8 +243,7 @@ def run(program, timeout_s=5.0, cpu_s=None, memory_mb=512, nproc=16, level=None)
 
 
 def sandbox_level():
-    """("namespaces" or "process", why), probed once: namespaces where a trivial program runs
-    through them."""
+    """("namespaces" or "process", why), probed once by running a trivial program."""
     global _LEVEL
     if _LEVEL is None:
         if not sys.platform.startswith("linux") or not shutil.which("unshare"):
@@ -272,9 +260,8 @@ def sandbox_level():
 
 
 def choose(requested="auto"):
-    """(level, why) for model-written code: "auto" or "namespaces", the namespaces level or a
-    RuntimeError naming the choice where this machine gives none (never uncontained unless asked);
-    "process", where the caller accepted it."""
+    """(level, why) for model-written code: "auto"/"namespaces" gives namespaces or a RuntimeError
+    naming the choice (never uncontained unless asked); "process" where the caller accepted it."""
     if requested == "process":
         return "process", "--sandbox process: the user accepted what it does not contain"
     level, why = sandbox_level()
@@ -296,7 +283,7 @@ def uncontained():
 
 
 def describe(level=None, why=None):
-    """One line: the level (default: the probed one), and what it does and does not contain."""
+    """One line: the level (default: probed) and what it does and does not contain."""
     level, why = (level, why) if level else sandbox_level()
     if level == "namespaces":
         who = "nobody (uid 65534)" if os.geteuid() == 0 else "this user, in a nested user namespace"

@@ -1,8 +1,7 @@
-"""The chat tasks, each one's loading, rendering and scoring: ARC, MMLU, GSM8K, HumanEval and the
-demo world's, which chat_eval.py evaluates and rl.py trains on and holds out. An item has the fields
-its kind needs: categorical {prompt, letters, answer, options, question}, gsm8k {prompt, answer},
-humaneval {prompt, test, entry_point, id}, exact and contains {prompt, answers}. Not a stage: import
-it (`import tasks`).
+"""The chat tasks' loading, rendering and scoring (ARC, MMLU, GSM8K, HumanEval, the demo
+world's) for chat_eval.py and rl.py. Item fields by kind: categorical {prompt, letters, answer,
+options, question}, gsm8k {prompt, answer}, humaneval {prompt, test, entry_point, id}, exact and
+contains {prompt, answers}. Not a stage.
 
     python tasks.py GSM8K --max_items 2  # a task's first items in nanochat's order, as scored
     python tasks.py demo-answer --demo data/demo
@@ -21,10 +20,8 @@ from dataset import CACHE_DIR, chat_files, multiple_choice
 from distributed import run_main
 from download import download_hub_files, list_hub_files
 
-# task: (hub repo, its test split's files, kind, random baseline). Kinds: categorical (a letter's
-# logit), gsm8k (the
-# number after '#### '), humaneval (the program passes the task's tests), exact (the answer, after
-# normalization).
+# task: (hub repo, test files, kind, random baseline). Kinds: categorical (a letter's logit), gsm8k
+# (the number after '#### '), humaneval (passes the tests), exact (normalized answer).
 HUB_TASKS = {"ARC-Easy": ("allenai/ai2_arc", r"ARC-Easy/test-\d+-of-\d+\.parquet", "categorical",
                           0.25),
              "ARC-Challenge": ("allenai/ai2_arc", r"ARC-Challenge/test-\d+-of-\d+\.parquet",
@@ -36,9 +33,8 @@ HUB_TASKS = {"ARC-Easy": ("allenai/ai2_arc", r"ARC-Easy/test-\d+-of-\d+\.parquet
 DEMO_TASKS = {"demo-choice": (None, None, "categorical", 0.25), "demo-answer": (None, None, "exact",
                                                                                 0.0),
               "demo-problems": (None, None, "gsm8k", 0.0)}
-# Asked only by name (--tasks), never in ChatCORE: demo questions in words no template uses, no form
-# asked for, right
-# when the reply contains the answer as a word: does the model still answer in its own words?
+# Only by name (--tasks), not in ChatCORE: untemplated questions, right when the reply contains
+# the answer: does the model still answer in its own words?
 DEMO_EXTRA = {"demo-words": (None, None, "contains", None)}
 ALL_TASKS = HUB_TASKS | DEMO_TASKS | DEMO_EXTRA
 # nanochat's order: datasets' shuffle(seed=42) is np.random.default_rng(42).permutation(n)
@@ -46,12 +42,10 @@ SHUFFLE_SEED = 42
 
 
 # -----------------------------------------------------------------------------
-# Loading a task's rows (hub parquet, cached, or the demo world's jsonl) as items in nanochat's
-# order; the prompt
+# Loading a task's items in nanochat's order; the prompt
 
 def hub_files(task, cache_dir):
-    """The task's test files, downloaded once: a files.json written after the download lets later
-    runs skip the hub."""
+    """The task's test files; files.json, written after the download, lets reruns skip the hub."""
     repo, pattern = HUB_TASKS[task][:2]
     out_dir = Path(cache_dir) / task
     done = out_dir / "files.json"
@@ -85,8 +79,7 @@ def read_rows(task, cache_dir, demo_dir):
 
 
 def make_item(task, row, where):
-    """The fields its kind needs ({"prompt", ...}), from a row in the layout the hub (or demo.py)
-    gives it."""
+    """The item's fields, from a hub (or demo.py) row."""
     try:
         if task.startswith("ARC") or task in ("MMLU", "demo-choice"):
             prompt, letters, answer, options = multiple_choice(
@@ -110,8 +103,7 @@ def make_item(task, row, where):
 
 
 def load_items(task, cache_dir, demo_dir, max_items):
-    """(items, rows in the task): the first max_items rows in nanochat's order, each with its row
-    index."""
+    """(items, row count): the first max_items rows in nanochat's order."""
     rows = read_rows(task, cache_dir, demo_dir)
     order = np.random.default_rng(SHUFFLE_SEED).permutation(len(rows)).tolist()
     order = order[:max_items] if max_items > 0 else order
@@ -119,34 +111,30 @@ def load_items(task, cache_dir, demo_dir, max_items):
 
 
 def prompt_ids(tokenizer, question, seq_len, room):
-    """(ids, cut): the question as a user message, then <|assistant_start|>; a prompt longer than
-    seq_len - room keeps its BOS and loses the tokens after it (as core_eval.py's windows do)."""
+    """(ids, cut): the question as a user message, then <|assistant_start|>; past seq_len - room,
+    tokens after the BOS are dropped (as core_eval.py's windows do)."""
     ids = tokenizer.render_for_completion([{"role": "user", "content": question}])
     keep = seq_len - room
     return (ids, False) if len(ids) <= keep else ([ids[0], *ids[len(ids) - keep + 1:]], True)
 
 
 # -----------------------------------------------------------------------------
-# GSM8K: nanochat's rule (what counts) and a lenient reading (a diagnostic); rl.py's training
-# questions
+# GSM8K: nanochat's rule and a lenient diagnostic reading; rl.py's questions
 
 NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
 GSM_RE = re.compile(r"#### (\-?[0-9\.\,]+)")  # nanochat's tasks/gsm8k.py, character for character
 
 
 def gsm8k_answer(text):
-    """nanochat's GSM8K answer (its extract_answer): the digits, dots and commas (a '-' first) after
-    the first '#### ', commas dropped, as a string; None where there is no '#### '. A reply is right
-    when this string equals the reference's: '18.00' is not '18', and a reply without the marker is
-    wrong. ChatCORE counts by this rule."""
+    """nanochat's extract_answer: the number after the first '#### ' as a string, commas dropped;
+    None without the marker. ChatCORE compares strings: '18.00' is not '18'."""
     match = GSM_RE.search(text)
     return match.group(1).strip().replace(",", "") if match else None
 
 
 def final_number(text, marker_only=False):
-    """The lenient reading, a diagnostic outside ChatCORE: a Decimal or None, the number after the
-    first '####' (spaces and a '$' allowed), else (not marker_only) the text's last number, compared
-    as numbers (18.00 is 18)."""
+    """Lenient diagnostic outside ChatCORE: a Decimal after the first '####' ('$' and spaces
+    allowed), else (not marker_only) the last number; 18.00 is 18."""
     found = re.findall(r"####\s*\$?\s*(" + NUMBER + ")",
                        text)[:1] or ([] if marker_only else re.findall(NUMBER, text))
     # NUMBER without commas: always a valid Decimal
@@ -161,27 +149,24 @@ def same_number(lenient, answer):
 
 
 def gsm8k_items(train_dir):
-    """rl.py's items from training questions in GSM8K's columns: GSM8K's train split or a demo
-    world's problems/."""
+    """rl.py's items from GSM8K-shaped training files."""
     return [make_item("GSM8K", row, f"{path}, row {i}") for path in chat_files(train_dir, "train")
             for i, row in enumerate(pq.read_table(path).to_pylist())]
 
 
 def reward(item, reply):
-    """rl.py's reward: 1.0 when the number after the reply's first '####' equals the item's answer,
-    else 0.0."""
+    """rl.py's reward: 1.0 when the number after '####' equals the answer, else 0.0."""
     number = final_number(reply, marker_only=True)
     return float(number is not None and number == Decimal(item["answer"]))
 
 
 # -----------------------------------------------------------------------------
-# HumanEval: the reply's program against the task's tests (chat_eval.py runs it in sandbox.py)
+# HumanEval (chat_eval.py runs the program in sandbox.py)
 
 def humaneval_program(item, reply, marker):
-    """nanochat's program: the prompt's imports, the reply's code (its first ``` block, else all of
-    it), the tests, check(entry_point). The code continues the prompt when it does not define the
-    entry point itself (a model that wrote only the body). The marker, printed last, says check()
-    returned: an early exit(0) passes nothing."""
+    """nanochat's program: the prompt's imports, the reply's code (first ``` block, else all), the
+    tests, check(entry_point). Code without the entry point's def continues the prompt. The marker,
+    printed last, proves check() returned: an early exit(0) passes nothing."""
     blocks = re.findall(r"```(?:python)?\s*\n(.*?)\n```", reply, re.DOTALL)
     code = (blocks[0] if blocks else reply).lstrip("\n").rstrip()
     if not re.search(rf"^\s*def\s+{re.escape(item['entry_point'])}\s*\(", code, re.MULTILINE):
@@ -200,9 +185,8 @@ def humaneval_program(item, reply, marker):
 # The demo world: short answers compared normalized
 
 def demo_world(arg, data_dir, part):
-    """The demo world a --demo flag names, or None for the hub's tasks: none; auto, the world of the
-    checkpoint's pretraining data (<world>/pretrain) when it has `part` (chat_eval/, calc/); or DIR,
-    which must have it."""
+    """The demo world --demo names, or None: none; auto = the pretraining data's world if it has
+    `part`; or DIR, which must have it."""
     if arg == "none":
         return None
     if arg == "auto":
@@ -215,8 +199,7 @@ def demo_world(arg, data_dir, part):
 
 
 def normalize(text):
-    """The demo's exact-match form: lower case, punctuation dropped, spaces collapsed, a leading
-    article dropped."""
+    """Lower case, no punctuation or leading article, spaces collapsed."""
     words = re.sub(r"[^\w\s-]", " ", text.lower()).split()
     return " ".join(words[1:] if words[:1] in (["the"], ["a"], ["an"]) else words)
 
