@@ -42,9 +42,8 @@ skip() { say "stage $1 skipped: $2"; if [ "$STOP_AFTER" = "$1" ]; then exit 0; f
 # --- the plan: each stage's flags (the gpu plan's: gpu_plan.py), then *_EXTRA, then R_* (the last repeated flag wins)
 if [ "$PLAN" = demo ]; then  # about 10 minutes on a 2-core Xeon with AMX, 22 on one without bf16 (dev/LOG.md)
     PRETRAIN=(--preset tiny --steps 400 --micro_batch 16 --compile true --eval_every 200 --ckpt_every 100)
-    # conversations, and the shapes ChatCORE asks for: letters (choice), bare answers (answers), the calculator (calc),
-    # word problems (problems: in midtraining only, so that SFT's model gets about half of them right and RL has right
-    # and wrong replies to learn from; dev/LOG.md); the samples the chat stages print: questions the demo world answers
+    # conversations, the shapes ChatCORE asks for: letters (choice), bare answers (answers), the calculator (calc), word
+    # problems (SFT without them lost 30-50 of 120 held out: dev/LOG.md); the samples: questions the demo world answers
     ASK=(--sample_prompt "What is the capital of Pellan?" --sample_prompt "Which animal stands for Brenia?"
          --sample_prompt "What is 17 plus 25?" --sample_prompt
          "Mira has 5 plums. She buys 3 bags with 4 plums in each. How many plums does Mira have now?"
@@ -54,8 +53,9 @@ if [ "$PLAN" = demo ]; then  # about 10 minutes on a 2-core Xeon with AMX, 22 on
               --source "chat:$DATA_DIR/calc:0.1" --source "chat:$DATA_DIR/problems:0.1"
               --supervise assistant --steps 200 --eval_every 0 --ckpt_every 100 "${ASK[@]}")
     SFT=(--source "$DATA_DIR/conversations:1" --source "$DATA_DIR/choice:1" --source "$DATA_DIR/answers:1"
-         --source "$DATA_DIR/calc:1" --steps 200 --eval_every 0 --ckpt_every 100 "${ASK[@]}")
-    # RL on the world's word problems: held-out demo-problems 54/120 -> 77 and 75 (2 seeds; dev/LOG.md, 2026-11-27)
+         --source "$DATA_DIR/calc:1" --source "$DATA_DIR/problems:1" --steps 200 --eval_every 0 --ckpt_every 100
+         "${ASK[@]}")
+    # RL on the world's word problems: after SFT on them it holds them (105 -> 102-107 of 120; dev/LOG.md, 2026-11-29)
     RL=(--demo "$DATA_DIR" --steps 20 --questions_per_step 8 --samples 8 --max_new_tokens 96 --micro_batch 32
         --eval_every 0 --eval_items 40 --eval_samples 2 --ckpt_every 10)
     CHAT_EVAL=(--demo "$DATA_DIR" --max_new_tokens 96 --tasks demo-choice,demo-answer,demo-problems,demo-words)
