@@ -9,6 +9,7 @@ stage_evals/<stage>/ (what each stage taught); predicted.json (gpu_plan.py's pre
 actual). A missing figure is "unknown". Writes report.md, loss.png and val_bpb.png.
 """
 import argparse
+import itertools
 import json
 import re
 import sys
@@ -232,7 +233,24 @@ def per_stage_table(run):
             (repr(sample_reply(i)) for i in items[s] if i["task"] == task
              and i["question"] == question), UNKNOWN)))
     lines = ["| ability | " + " | ".join(stages) + " |", "|---|" + "---|" * len(stages)]
-    return lines + ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows]
+    lines += ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows]
+    return lines + ["", *stage_changes(stages, chat)]
+
+
+def stage_changes(stages, chat):
+    """Under the table: whether each chat stage added to or lost from the one before, by ChatCORE
+    and by each task's items right."""
+    asked = [s for s in stages if (chat[s] or {}).get("chatcore") is not None]
+    lines = []
+    for before, after in itertools.pairwise(asked):
+        change = chat[after]["chatcore"] - chat[before]["chatcore"]
+        verdict = "added" if change > 0 else "lost" if change < 0 else "held"
+        right = {t["task"]: t["correct"] for t in chat[before]["tasks"]}
+        tasks = [f"{t['task']} {t['correct'] - right[t['task']]:+d}"
+                 for t in chat[after]["tasks"] if t["task"] in right]
+        lines.append(f"- {after} against {before}: ChatCORE {change:+.4f} ({verdict}); items "
+                     f"right: {', '.join(tasks)}")
+    return lines
 
 
 def forgetting_lines(run):

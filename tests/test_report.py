@@ -87,6 +87,14 @@ def test_the_per_stage_table_cells_equal_each_stage_models_own_evaluations(speed
             item = next(i for i in items if i["task"] == task and " ".join(i["question"].split()) == question)
             calls = "".join(f"<<{e}={r}>>" for e, r in item.get("calculator", []))
             assert cells[stage] == " ".join(repr(calls + item["reply"]).split()).replace("|", "\\|")
+    # under the table, from the stages ChatCORE asked (midtrain left out): rl against sft, by the two files' figures
+    sft, rl = (json.loads((run / "stage_evals" / s / "chat_eval.json").read_text()) for s in ("sft", "rl"))
+    change = rl["chatcore"] - sft["chatcore"]
+    right = {t["task"]: t["correct"] for t in sft["tasks"]}
+    under = [line for line in (run / "report.md").read_text().splitlines() if " against " in line]
+    assert under == [f"- rl against sft: ChatCORE {change:+.4f} ("
+                     f"{'added' if change > 0 else 'lost' if change < 0 else 'held'}); items right: "
+                     + ", ".join(f"{t['task']} {t['correct'] - right[t['task']]:+d}" for t in rl["tasks"])]
 
 
 def test_a_later_stage_gets_its_column_by_itself(tmp_path):
@@ -144,3 +152,18 @@ def test_rl_has_its_row_in_the_stages_table_and_its_hardware_line(tmp_path):
     write_report(run)
     md = (run / "report.md").read_text()
     assert "| rl |" not in md and "hardware, rl" not in md
+
+
+def test_under_the_table_each_chat_stage_is_said_to_add_lose_or_hold():
+    """From the stages ChatCORE asked, in order: the change and each task's change in items right."""
+    from report import stage_changes
+
+    def figures(chatcore, x, y):
+        return {"chatcore": chatcore, "tasks": [{"task": "x", "correct": x}, {"task": "y", "correct": y}]}
+    chat = {"pretrain": None, "midtrain": figures(0.25, 3, 5), "sft": figures(0.5, 7, 4), "rl": figures(0.375, 6, 4)}
+    assert stage_changes(list(chat), chat) == [
+        "- sft against midtrain: ChatCORE +0.2500 (added); items right: x +4, y -1",
+        "- rl against sft: ChatCORE -0.1250 (lost); items right: x -1, y +0"]
+    chat["rl"] = figures(0.5, 6, 5)
+    assert stage_changes(list(chat), chat)[1] == "- rl against sft: ChatCORE +0.0000 (held); items right: x -1, y +1"
+    assert stage_changes(["pretrain", "sft"], {"pretrain": None, "sft": figures(0.5, 1, 1)}) == []
