@@ -222,8 +222,11 @@ def device_memory(device):
     """Bytes one process may use: the GPU's, or the RAM shared by this node's processes."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return ram // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return machine_memory() // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def machine_memory():
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def available_memory():
@@ -232,7 +235,7 @@ def available_memory():
         lines = Path("/proc/meminfo").read_text().splitlines()
         return next(int(line.split()[1]) * 1024 for line in lines
                     if line.startswith("MemAvailable:"))
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return machine_memory()
 
 
 def process_memory(device):
@@ -305,9 +308,8 @@ def shard_model(model, args, world, device):
             f"{fmt_bytes(peak)} per rank at its peak")
 
 
-def cpu_processes_fit(config, args, nproc):
-    """(fits, a rank's peak, how, memory available) for nproc CPU processes."""
-    capacity = available_memory()
+def cpu_processes_fit(config, args, nproc, capacity):
+    """(fits in capacity bytes, a rank's peak, how) for nproc CPU processes."""
     estimate = step_estimate(config, args, args.micro_batch or 1, "cpu")
     whole = rank_memory(config, estimate, nproc, False, "cpu")
     sharded = nproc > 1 and (args.fsdp == "true" or
@@ -315,7 +317,7 @@ def cpu_processes_fit(config, args, nproc):
     peak = rank_memory(config, estimate, nproc, True, "cpu") if sharded else whole
     how = "FSDP2" if sharded else "DDP" if nproc > 1 else "one process"
     # a tenth spare: the estimate's error against measured peaks
-    return nproc * peak * 1.1 <= capacity, peak, how, capacity
+    return nproc * peak * 1.1 <= capacity, peak, how
 
 
 def check_cpu_memory(args, nproc):
@@ -323,7 +325,8 @@ def check_cpu_memory(args, nproc):
     def config_for(preset):  # the model at another preset
         return config_from_args(argparse.Namespace(**{**vars(args), "preset": preset}))
     config = config_for(args.preset)
-    fits, peak, how, capacity = cpu_processes_fit(config, args, nproc)
+    capacity = available_memory()  # read once: every plan below is weighed against the same
+    fits, peak, how = cpu_processes_fit(config, args, nproc, capacity)
     said = (f"{processes(nproc)} on this CPU x about {fmt_bytes(peak)} each at its peak ({how}, "
             f"micro-batch {args.micro_batch or 1}) = {fmt_bytes(nproc * peak)}, of "
             f"{fmt_bytes(capacity)} available now")
@@ -331,13 +334,14 @@ def check_cpu_memory(args, nproc):
         return f"memory: {said}"
     fixes = []
     depth = int(args.preset[1:]) if re.fullmatch(r"d\d+", args.preset) else 0
-    smaller = [d for d in range(depth - 1, 0, -1)
-               if cpu_processes_fit(config_for(f"d{d}"), args, nproc)[0]]
+    smaller = next((d for d in range(depth - 1, 0, -1)
+                    if cpu_processes_fit(config_for(f"d{d}"), args, nproc, capacity)[0]), None)
     if smaller:
-        fixes.append(f"--depth {smaller[0]}")
-    fewer = [n for n in range(nproc - 1, 0, -1) if cpu_processes_fit(config, args, n)[0]]
+        fixes.append(f"--depth {smaller}")
+    fewer = next((n for n in range(nproc - 1, 0, -1)
+                  if cpu_processes_fit(config, args, n, capacity)[0]), None)
     if fewer:
-        fixes.append(f"--gpus {fewer[0]}")
+        fixes.append(f"--gpus {fewer}")
     fix = " or ".join(fixes) if fixes else "a machine with more memory"
     raise ValueError(f"{said}: they would not fit with a tenth to spare, and the out-of-memory "
                      f"killer would end a rank. Rehearse with {fix}")

@@ -153,7 +153,7 @@ def test_cpu_processes_that_cannot_fit_are_refused_naming_a_depth_and_a_count_th
     assert depth == 6 and said.endswith("Rehearse with --depth 6")  # 8 x 2.31 GiB (x1.1: 20.3) fits; d7: 8 x 3.36
     for d, fits in ((depth, True), (depth + 1, False)):
         config = config_from_preset(f"d{d}", {"sequence_len": 128})
-        assert train_loop.cpu_processes_fit(config, args(f"d{d}", 8), 8)[0] is fits
+        assert train_loop.cpu_processes_fit(config, args(f"d{d}", 8), 8, 24 * 2 ** 30)[0] is fits
     line = train_loop.check_cpu_memory(args(f"d{depth}", 8), 8)
     assert line.startswith("memory: 8 processes on this CPU x about ") and line.endswith(" available now")
     if (fewer := re.search(r"--gpus (\d+)", said)) is not None:
