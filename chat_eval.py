@@ -30,6 +30,7 @@ import sandbox
 import tasks
 from dataset import CACHE_DIR
 from decode import ToolUse, decode, last_logits, reply_text
+from download import download_hub_files, list_hub_files
 from model import num_params, score_rows
 from tasks import (
     ALL_TASKS,
@@ -387,6 +388,24 @@ def write_outputs(report, records, out, run_dir):
     print(f"results: {written}")
 
 
+def download_task(task, cache_dir):
+    """The hub task's test files into cache_dir/task; files.json, written after the download,
+    lets reruns (and tasks.py, which reads only this cache) skip the hub."""
+    try:
+        return tasks.hub_files(task, cache_dir)
+    except FileNotFoundError:
+        pass
+    repo, pattern = tasks.HUB_TASKS[task][:2]
+    out_dir = Path(cache_dir) / task
+    paths = sorted(f["path"] for f in list_hub_files(repo) if re.fullmatch(pattern, f["path"]))
+    if not paths:
+        raise ValueError(f"{repo} has no file matching {pattern}: the dataset's layout changed; "
+                         "please report it")
+    files = download_hub_files(repo, paths, out_dir)
+    (out_dir / "files.json").write_text(json.dumps([f.name for f in files]))
+    return files
+
+
 def download_only(args):
     """--download_only, before pretraining: a gated or missing task, or a machine that cannot
     contain its programs, stops the run now, not after training."""
@@ -398,7 +417,7 @@ def download_only(args):
     if "HumanEval" in asked:
         print(sandbox.describe(*sandbox.choose(args.sandbox)))
     for task in asked:
-        print(f"download: {task}: {len(tasks.hub_files(task, args.cache_dir))} files in "
+        print(f"download: {task}: {len(download_task(task, args.cache_dir))} files in "
               f"{Path(args.cache_dir) / task}")
 
 
@@ -442,9 +461,13 @@ def main(argv=None):
     if "HumanEval" in asked:
         level, why = sandbox.choose(args.sandbox)  # never the process level unless asked for
         contained = sandbox.describe(level, why)
-    loaded = distributed.fetch_everywhere(
-        lambda: {t: tasks.load_items(t, args.cache_dir, demo_dir, args.max_items) for t in asked},
-        rank, world)
+
+    def load_tasks():  # rank 0 downloads the hub's; the others then find them in the cache
+        if demo_dir is None:
+            for task in asked:
+                download_task(task, args.cache_dir)
+        return {t: tasks.load_items(t, args.cache_dir, demo_dir, args.max_items) for t in asked}
+    loaded = distributed.fetch_everywhere(load_tasks, rank, world)
     if rank == 0:
         print_plan(args, ckpt, how, meta, model, tokenizer_path, demo_dir, loaded, contained)
     marker = f"chat_eval: check passed {secrets.token_hex(8)}"

@@ -61,7 +61,7 @@ def get_args(argv=None):
                    "%(default)s, `python download.py chat gsm8k`)")
     g.add_argument("--cache_dir", default=str(CACHE_DIR / "chat_eval"), help=
                    "chat_eval.py's task cache, where GSM8K's test split is held out from (default: "
-                   "%(default)s)")
+                   "%(default)s, `python chat_eval.py --download_only --tasks GSM8K`)")
     g.add_argument("--seed", type=int, default=0, help="the order of the questions (a new one "
                    "every epoch) and the sampling, seeded per step and group of questions decoded "
                    "together (default: %(default)s)")

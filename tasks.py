@@ -18,7 +18,6 @@ import pyarrow.parquet as pq
 
 from dataset import CACHE_DIR, chat_files, multiple_choice
 from distributed import run_main
-from download import download_hub_files, list_hub_files
 
 # task: (hub repo, test files, kind, random baseline). Kinds: categorical (a letter's logit), gsm8k
 # (the number after '#### '), humaneval (passes the tests), exact (normalized answer).
@@ -45,19 +44,15 @@ SHUFFLE_SEED = 42
 # Loading a task's items in nanochat's order; the prompt
 
 def hub_files(task, cache_dir):
-    """The task's test files; files.json, written after the download, lets reruns skip the hub."""
-    repo, pattern = HUB_TASKS[task][:2]
+    """The task's test files, as chat_eval.py downloaded them (files.json lists them)."""
     out_dir = Path(cache_dir) / task
     done = out_dir / "files.json"
-    if done.is_file() and all((out_dir / name).is_file() for name in json.loads(done.read_text())):
-        return [out_dir / name for name in json.loads(done.read_text())]
-    paths = sorted(f["path"] for f in list_hub_files(repo) if re.fullmatch(pattern, f["path"]))
-    if not paths:
-        raise ValueError(f"{repo} has no file matching {pattern}: the dataset's layout changed; "
-                         "please report it")
-    files = download_hub_files(repo, paths, out_dir)
-    done.write_text(json.dumps([f.name for f in files]))
-    return files
+    names = json.loads(done.read_text()) if done.is_file() else []
+    if not names or not all((out_dir / name).is_file() for name in names):
+        raise FileNotFoundError(f"{task}'s test files are not in {out_dir}: download them with "
+                                f"`python chat_eval.py --download_only --tasks {task} "
+                                f"--cache_dir {cache_dir}`")
+    return [out_dir / name for name in names]
 
 
 def read_rows(task, cache_dir, demo_dir):

@@ -390,6 +390,12 @@ def hub(tmp_path, monkeypatch):
 
 def test_the_five_tasks_come_from_the_hub_in_their_real_layouts_and_then_from_the_cache(hub, tmp_path):
     cache = tmp_path / "cache"
+    with pytest.raises(FileNotFoundError, match=r"GSM8K's test files are not in .*: download them with "
+                       r"`python chat_eval.py --download_only --tasks GSM8K --cache_dir "):
+        tasks.load_items("GSM8K", cache, None, -1)  # rl.py reads the cache only
+    assert len(hub.log) == 0
+    for task in tasks.HUB_TASKS:
+        E.download_task(task, cache)
     loaded = {task: tasks.load_items(task, cache, None, -1) for task in tasks.HUB_TASKS}
     for task, (repo, pattern, _, _) in tasks.HUB_TASKS.items():
         (path,) = [p for p in LAYOUTS[repo] if re.fullmatch(pattern, p)]
@@ -408,6 +414,7 @@ def test_the_five_tasks_come_from_the_hub_in_their_real_layouts_and_then_from_th
     assert {i["row"]: (i["id"], i["entry_point"]) for i in loaded["HumanEval"][0]} == {
         0: ("HumanEval/0", "add"), 1: ("HumanEval/1", "add")}
     requests = len(hub.log)
+    assert all(E.download_task(t, cache) == tasks.hub_files(t, cache) for t in tasks.HUB_TASKS)
     again = {task: tasks.load_items(task, cache, None, 2) for task in tasks.HUB_TASKS}
     assert len(hub.log) == requests  # the cache answered
     assert all(again[t][0] == loaded[t][0][:2] for t in tasks.HUB_TASKS)
@@ -416,6 +423,7 @@ def test_the_five_tasks_come_from_the_hub_in_their_real_layouts_and_then_from_th
 def test_a_row_out_of_its_layout_names_the_file_and_row(hub, tmp_path):
     pq.write_table(pa.Table.from_pylist([{"question": "q", "choices": ["a"], "answer": 3}]), tmp_path / "bad.parquet")
     hub.files["cais/mmlu/all/test-00000-of-00001.parquet"] = (tmp_path / "bad.parquet").read_bytes()
+    E.download_task("MMLU", tmp_path / "cache")
     with pytest.raises(ValueError, match=r"test-00000-of-00001.parquet, row 0: not in MMLU's layout \(IndexError"):
         tasks.load_items("MMLU", tmp_path / "cache", None, -1)
 
