@@ -1,12 +1,10 @@
-"""What the stages after pretraining share: the start from a parent checkpoint, and
-midtrain.py's and sft.py's flags, chat validation and end (forgetting: the pretraining val bpb
-their model kept). Not a stage; its command line prints a checkpoint's forgetting figure:
+"""What midtrain.py and sft.py share: their flags, chat validation and end (forgetting: the
+pretraining val bpb their model kept). Their start from a parent checkpoint is checkpoint.py's
+(load_parent, warm_start). Not a stage; its command line prints a checkpoint's forgetting figure:
 
     python chat_stage.py runs/<run> --bpb_tokens 20000
 """
 import argparse
-import concurrent.futures
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -14,150 +12,14 @@ from pathlib import Path
 import torch
 
 import checkpoint
-import optim
 import train_loop
-from checkpoint import INHERITED, add_run_args
+from checkpoint import add_run_args
 from dataset import SKIP_BAD_ROWS_HELP
 from decode import ToolUse, decode, reply_text
 from distributed import append_jsonl, is_sharded, run_main
-from loader import chat_loader
-from model import autocast_context, parse_bool
-from train_loop import dealt_sums, val_bpb, val_rows
-
-# -----------------------------------------------------------------------------
-# The start from a parent checkpoint. Each meta.json records its stage, "hparams" and parent
-# (path and model.pt's sha256).
-
-def add_init_args(parser, parents, lr_scale, schedule, warmdown_frac, why):
-    """--checkpoint (of `parents`, in order), warm start, schedule (`why`: where the defaults
-    come from) and the inherited flags (None: the parent's)."""
-    optim.add_schedule_args(parser)
-    g = parser.add_argument_group("warm start: the parent's optimizer state and this stage's lrs")
-    g.add_argument("--warm_start", type=parse_bool, default=True,
-                   help="continue from the parent checkpoint's optimizer state (AdamW moments, "
-                   "Muon momentum) with the lrs reset to this stage's; a state that does not fit "
-                   "this stage's optimizers is reported and replaced by a fresh one; false: fresh "
-                   "(default: %(default)s)")
-    g.add_argument("--lr_scale", type=float, default=lr_scale,
-                   help="every lr is this fraction of the parent's (its base lrs at this stage's "
-                   f"batch; {why}) (default: %(default)s)")
-    parser.set_defaults(schedule=schedule, warmdown_frac=warmdown_frac)
-    g = parser.add_argument_group("start: the parent checkpoint and what is inherited from it")
-    g.add_argument("--checkpoint", default=None,
-                   help=f"checkpoint to start from: a step_* directory or a run directory "
-                   f"(default: the newest {' checkpoint, else the newest '.join(parents)} "
-                   f"checkpoint under --runs_dir)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the parent's)")
-    g.add_argument("--sequence_len", type=int, default=None,
-                   help="row length, at most the parent's (default: the parent's)")
-    train_loop.add_micro_batch_arg(g)
-    g.add_argument("--total_batch_tokens", type=int, default=None,
-                   help="tokens per optimizer step over all ranks (default: the parent's)")
-    g.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
-                   help="compute dtype (default: the parent's)")
-    g.add_argument("--compile", type=parse_bool, default=None,
-                   help="torch.compile the model: true or false (default: the parent's)")
-    own = ("tokenizer", "sequence_len", "micro_batch", "total_batch_tokens", "dtype", "compile")
-    for action in parser._actions:  # the schedule's lr flags: the parent's unless given
-        if action.dest in INHERITED and action.dest not in own:
-            action.default = None
-            action.help = action.help.split(" (default")[0] + " (default: the parent's)"
-
-
-def inherit(args, meta, parent):
-    """Fill inherited flags left at None from the parent's hparams; returns rows of (name,
-    value, source), all but micro_batch's (parent_lines adds it)."""
-    recorded = meta.get("hparams") or {}
-    # checkpoints older than hparams: their run's config.json
-    config_file = Path(parent).parent.parent / "config.json"
-    older = {}
-    if not recorded and config_file.is_file():
-        older = json.loads(config_file.read_text()).get("args", {})
-    table = []
-    for name in (n for n in INHERITED if n != "micro_batch"):
-        if getattr(args, name) is not None:
-            table.append((name, getattr(args, name), "flag"))
-            continue
-        value = recorded.get(name, older.get(name))
-        if value is None:
-            raise ValueError(f"{parent}: its meta.json records no {name}; pass --{name}")
-        setattr(args, name, value)
-        where = "meta.json" if name in recorded else "its run config.json"
-        table.append((name, value, f"parent ({where})"))
-    if args.sequence_len > meta["model_config"]["sequence_len"]:
-        raise ValueError(f"--sequence_len {args.sequence_len} exceeds the parent's "
-                         f"{meta['model_config']['sequence_len']} (its rotary tables end there): "
-                         f"pass at most that")
-    return table
-
-
-def weights_sha256(parent):
-    """sha256 of a checkpoint's model.pt, recorded by its children."""
-    digest = hashlib.sha256()
-    with open(Path(parent) / "model.pt", "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)  # hashlib releases the GIL on a block this large
-    return digest.hexdigest()
-
-
-def parent_record(parent, meta, sha256):
-    """The parent as a child records it: path, stage, step, weights' sha256."""
-    return {"path": str(parent), "stage": meta.get("stage"), "step": meta.get("step"),
-            "sha256": sha256}
-
-
-def warm_start(parent, parent_meta, model, optimizers, args, device):
-    """The parent's optimizer state with this stage's hyperparameters: warm moments keep the
-    first steps the size of the parent's last, where a fresh AdamW moves every embedding
-    coordinate by about the lr (its first update is sign(gradient)). A state that does not fit
-    stays fresh. Returns the line saying which."""
-    if not args.warm_start:
-        return "optimizer: fresh state (--warm_start false)"
-    recorded, mine = parent_meta.get("optimizers"), checkpoint.optimizer_layout(optimizers)
-    if recorded is None:
-        return (f"optimizer: fresh state: {parent}/meta.json does not record its optimizers "
-                f"(written by an older version of this code), so its state cannot be checked "
-                f"against this stage's")
-    if recorded != mine:
-        return (f"optimizer: fresh state: the parent's optimizers {recorded} are not this stage's "
-                f"{mine} (another --optimizer or --adam8bit, or another model)")
-    try:
-        checkpoint.load_state(parent, model, optimizers, device, keep=None)
-    except (ValueError, KeyError, RuntimeError, FileNotFoundError) as error:
-        for opt in optimizers:  # a partly loaded state is no state
-            opt.state.clear()
-        return (f"optimizer: fresh state: the parent's could not be loaded "
-                f"({type(error).__name__}: {error})")
-    tensors = sum(len(opt.state) for opt in optimizers)
-    return (f"optimizer: warm start from {parent}'s state ({tensors} parameters' moments, step "
-            f"{parent_meta['step']}), lrs reset to {args.lr_scale:g} x the parent's")
-
-
-def load_parent(args, stage, parents, device):
-    """(path, meta, model, tokenizer, inherit's table, a future of weights_sha256) of the
-    parent. A tokenizer other than the parent's is refused."""
-    parent, _ = checkpoint.pick_checkpoint(args, [(name,) for name in parents])
-    # hashed while the stage starts: in line it took a third of the start
-    hashing = concurrent.futures.ThreadPoolExecutor(1)
-    sha256 = hashing.submit(weights_sha256, parent)
-    hashing.shutdown(wait=False)  # its thread ends with the hash
-    model, meta = checkpoint.load_model(parent, device)
-    model.train()
-    inherited = inherit(args, meta, parent)
-    tokenizer, _ = checkpoint.checkpoint_tokenizer(meta, parent, args.tokenizer)
-    checkpoint.check_chat_tokenizer(tokenizer, args.tokenizer)
-    args.preset = meta.get("run", stage)  # names the default run directory
-    return parent, meta, model, tokenizer, inherited, sha256
-
-
-def parent_lines(parent, meta, params, inherited, micro_batch):
-    """The parent and the inherited table; micro_batch: plan_batch's (value, source)."""
-    rows = list(inherited)
-    rows.insert(INHERITED.index("micro_batch"), ("micro_batch", *micro_batch))
-    table = "\n".join(f"  {name:<18} {value!s:<14} {where}" for name, value, where in rows)
-    init = f"init: {parent} ({meta.get('stage')}, step {meta.get('step')}), params: {params}"
-    return [init, "inherited:\n" + table]
-
+from loader import chat_loader, val_rows
+from model import autocast_context
+from train_loop import dealt_sums, val_bpb
 
 # -----------------------------------------------------------------------------
 # midtrain.py's and sft.py's flags, validation and end
@@ -185,8 +47,8 @@ def add_chat_stage_args(parser, data, stage, parents, budgets, eval_every, lr_sc
                    f"{CHAT_QUESTIONS})")
     add_run_args(parser, stage)
     add_forgetting_args(parser)
-    add_init_args(parser, parents, lr_scale=lr_scale, schedule="wsd", warmdown_frac=warmdown_frac,
-                  why=why)
+    train_loop.add_init_args(parser, parents, lr_scale=lr_scale, schedule="wsd",
+                             warmdown_frac=warmdown_frac, why=why)
 
 
 CHAT_QUESTIONS = ["What is the capital of France?", "How many legs does a spider have?",

@@ -1,10 +1,13 @@
 """Runs and checkpoints: saving, finding and loading checkpoints (any world size, sharded or
-not), tokenizer checks, resuming; a run's directory and record. Not a stage: import it.
+not), tokenizer checks, resuming, a chat stage's start from its parent (inherited flags, warm
+start); a run's directory and record. Not a stage: import it.
 
     python checkpoint.py consolidate runs/<run>[/ckpt/step_N]   # a sharded one's model.pt
     python checkpoint.py lineage runs/<run>[/ckpt/step_N]       # stage, step, hparams; parents
 """
 import argparse
+import concurrent.futures
+import hashlib
 import json
 import os
 import random
@@ -542,6 +545,105 @@ def announce(args, run_dir, run, lines, precision):
 def batch_line(micro, seq_len, world, accum):
     return (f"batch: tokens per step = micro_batch {micro} x sequence_len {seq_len} x world size "
             f"{world} x accumulation {accum} = {micro * seq_len * world * accum:,}")
+
+
+# -----------------------------------------------------------------------------
+# The start of a chat stage from its parent checkpoint. Each meta.json records its stage,
+# "hparams" and parent (path and model.pt's sha256).
+
+def inherit(args, meta, parent):
+    """Fill inherited flags left at None from the parent's hparams; returns rows of (name,
+    value, source), all but micro_batch's (parent_lines adds it)."""
+    recorded = meta.get("hparams") or {}
+    # checkpoints older than hparams: their run's config.json
+    config_file = Path(parent).parent.parent / "config.json"
+    older = {}
+    if not recorded and config_file.is_file():
+        older = json.loads(config_file.read_text()).get("args", {})
+    table = []
+    for name in (n for n in INHERITED if n != "micro_batch"):
+        if getattr(args, name) is not None:
+            table.append((name, getattr(args, name), "flag"))
+            continue
+        value = recorded.get(name, older.get(name))
+        if value is None:
+            raise ValueError(f"{parent}: its meta.json records no {name}; pass --{name}")
+        setattr(args, name, value)
+        where = "meta.json" if name in recorded else "its run config.json"
+        table.append((name, value, f"parent ({where})"))
+    if args.sequence_len > meta["model_config"]["sequence_len"]:
+        raise ValueError(f"--sequence_len {args.sequence_len} exceeds the parent's "
+                         f"{meta['model_config']['sequence_len']} (its rotary tables end there): "
+                         f"pass at most that")
+    return table
+
+
+def weights_sha256(parent):
+    """sha256 of a checkpoint's model.pt, recorded by its children."""
+    digest = hashlib.sha256()
+    with open(Path(parent) / "model.pt", "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)  # hashlib releases the GIL on a block this large
+    return digest.hexdigest()
+
+
+def parent_record(parent, meta, sha256):
+    """The parent as a child records it: path, stage, step, weights' sha256."""
+    return {"path": str(parent), "stage": meta.get("stage"), "step": meta.get("step"),
+            "sha256": sha256}
+
+
+def warm_start(parent, parent_meta, model, optimizers, args, device):
+    """The parent's optimizer state with this stage's hyperparameters: warm moments keep the
+    first steps the size of the parent's last, where a fresh AdamW moves every embedding
+    coordinate by about the lr (its first update is sign(gradient)). A state that does not fit
+    stays fresh. Returns the line saying which."""
+    if not args.warm_start:
+        return "optimizer: fresh state (--warm_start false)"
+    recorded, mine = parent_meta.get("optimizers"), optimizer_layout(optimizers)
+    if recorded is None:
+        return (f"optimizer: fresh state: {parent}/meta.json does not record its optimizers "
+                f"(written by an older version of this code), so its state cannot be checked "
+                f"against this stage's")
+    if recorded != mine:
+        return (f"optimizer: fresh state: the parent's optimizers {recorded} are not this stage's "
+                f"{mine} (another --optimizer or --adam8bit, or another model)")
+    try:
+        load_state(parent, model, optimizers, device, keep=None)
+    except (ValueError, KeyError, RuntimeError, FileNotFoundError) as error:
+        for opt in optimizers:  # a partly loaded state is no state
+            opt.state.clear()
+        return (f"optimizer: fresh state: the parent's could not be loaded "
+                f"({type(error).__name__}: {error})")
+    tensors = sum(len(opt.state) for opt in optimizers)
+    return (f"optimizer: warm start from {parent}'s state ({tensors} parameters' moments, step "
+            f"{parent_meta['step']}), lrs reset to {args.lr_scale:g} x the parent's")
+
+
+def load_parent(args, stage, parents, device):
+    """(path, meta, model, tokenizer, inherit's table, a future of weights_sha256) of the
+    parent. A tokenizer other than the parent's is refused."""
+    parent, _ = pick_checkpoint(args, [(name,) for name in parents])
+    # hashed while the stage starts: in line it took a third of the start
+    hashing = concurrent.futures.ThreadPoolExecutor(1)
+    sha256 = hashing.submit(weights_sha256, parent)
+    hashing.shutdown(wait=False)  # its thread ends with the hash
+    model, meta = load_model(parent, device)
+    model.train()
+    inherited = inherit(args, meta, parent)
+    tokenizer, _ = checkpoint_tokenizer(meta, parent, args.tokenizer)
+    check_chat_tokenizer(tokenizer, args.tokenizer)
+    args.preset = meta.get("run", stage)  # names the default run directory
+    return parent, meta, model, tokenizer, inherited, sha256
+
+
+def parent_lines(parent, meta, params, inherited, micro_batch):
+    """The parent and the inherited table; micro_batch: plan_batch's (value, source)."""
+    rows = list(inherited)
+    rows.insert(INHERITED.index("micro_batch"), ("micro_batch", *micro_batch))
+    table = "\n".join(f"  {name:<18} {value!s:<14} {where}" for name, value, where in rows)
+    init = f"init: {parent} ({meta.get('stage')}, step {meta.get('step')}), params: {params}"
+    return [init, "inherited:\n" + table]
 
 
 def main(argv=None):

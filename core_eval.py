@@ -33,6 +33,7 @@ import train_loop
 from dataset import CACHE_DIR
 from decode import decode
 from download import download_file
+from loader import val_rows
 from model import score_rows
 
 # the bundle nanochat uses
@@ -469,7 +470,7 @@ def bits_per_byte(args, meta, model, tokenizer, rank, world, device):
     if not (out["val_data_dir"] and Path(out["val_data_dir"]).is_dir()):
         return {**out, "val_bpb_note": f"unknown: no corpus at {out['val_data_dir']} (pass "
                 "--data_dir)"}
-    rows = train_loop.val_rows(out["val_data_dir"], tokenizer, args.bpb_tokens,
+    rows = val_rows(out["val_data_dir"], tokenizer, args.bpb_tokens,
                                model.config.sequence_len)
     out["val_bpb"], out["val_bpb_tokens"] = train_loop.val_bpb(model, rows, tokenizer.token_bytes,
                                                                8, args.dtype, rank,

@@ -10,6 +10,7 @@ import bisect
 import contextlib
 import heapq
 import itertools
+import math
 import os
 import queue
 import random
@@ -574,6 +575,24 @@ def chat_loader(chat_dir, split, tokenizer, batch_size, seq_len, *, pack="pad", 
 
 
 # -----------------------------------------------------------------------------
+
+def val_rows(data_dir, tokenizer, max_tokens, seq_len):
+    """Rows of seq_len + 1 tokens for max_tokens targets, packed as in training: the same in
+    every process and stage."""
+    n_rows = max(1, math.ceil(max_tokens / seq_len))
+    loader = text_loader(data_dir, "val", tokenizer, min(n_rows, 64), seq_len, max_epochs=1, name=
+                         "val")
+    rows, have = [], 0
+    try:
+        for inputs, targets in loader:
+            rows.append(torch.cat([inputs[:, :1], targets], dim=1))
+            have += len(inputs)
+            if have >= n_rows:
+                break
+    finally:
+        loader.close()
+    return torch.cat(rows)[:n_rows]
+
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,

@@ -238,7 +238,7 @@ def main(argv=None):
     if args.status:
         return train_loop.print_status(Path(args.status))
     rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
-    parent, parent_meta, model, tokenizer, inherited, sha256 = chat_stage.load_parent(
+    parent, parent_meta, model, tokenizer, inherited, sha256 = checkpoint.load_parent(
         args, "midtrain", ["pretrain"], device)
     sharding = train_loop.shard_model(model, args, world, device)
     seq_len = args.sequence_len
@@ -267,7 +267,7 @@ def main(argv=None):
     texts = [s["path"] for s in sources if s["kind"] == "text"]
     record = {"sources": sources, "supervise": args.supervise,
               "data_dir": texts[0] if texts else parent_meta.get("data_dir"),
-              "parent": chat_stage.parent_record(parent, parent_meta, sha256.result())}
+              "parent": checkpoint.parent_record(parent, parent_meta, sha256.result())}
     layout, run, ckpt_meta = checkpoint.record_run(
         args, "midtrain", parent_meta["model_config"], seq_len, micro, accum, world, total_steps,
         tokens_per_step, tokenizer, num_params(config), record)
@@ -275,7 +275,7 @@ def main(argv=None):
         mixture = ", ".join(f"{s['name']} {s['share']:.0%} ({s['path']})" for s in sources)
         precision = optim.precision_line(args, device, optimizers, run["model_config"]["n_embd"])
         checkpoint.announce(args, run_dir, run, [
-            *chat_stage.parent_lines(parent, parent_meta, run["params"], inherited,
+            *checkpoint.parent_lines(parent, parent_meta, run["params"], inherited,
                                      (micro, source)),
             sharding, checkpoint.batch_line(micro, seq_len, world, accum),
             f"mixture (share of tokens): {mixture}; loss on {args.supervise} conversation tokens",
@@ -285,7 +285,7 @@ def main(argv=None):
         step = checkpoint.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank,
                                  device)
     else:
-        step, line = 0, chat_stage.warm_start(parent, parent_meta, model, optimizers, args, device)
+        step, line = 0, checkpoint.warm_start(parent, parent_meta, model, optimizers, args, device)
         if rank == 0:
             print(line)
 

@@ -30,7 +30,7 @@ from dataset import (
     shard_tokens,
     split_shards,
 )
-from loader import close_all, text_loader
+from loader import close_all, text_loader, val_rows
 from model import (
     add_model_args,
     autocast_context,
@@ -265,8 +265,8 @@ def main(argv=None):
              else 0)
 
     train_model = train_loop.wrap_model(model, args, world, local_rank, device)
-    val_rows = train_loop.val_rows(args.data_dir, tokenizer, args.bpb_tokens, seq_len)
-    evaluator = partial(evaluate, model, tokenizer, args, rank, world, device, run_dir, val_rows)
+    rows = val_rows(args.data_dir, tokenizer, args.bpb_tokens, seq_len)
+    evaluator = partial(evaluate, model, tokenizer, args, rank, world, device, run_dir, rows)
     signum = train_loop.train(args, model, train_model, optimizers, loaders, run_dir=run_dir,
                               start=start,
                               total_steps=total_steps, ckpt_meta=ckpt_meta, evaluate=evaluator,

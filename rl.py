@@ -29,7 +29,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import chat_stage
 import checkpoint
 import distributed
 import optim
@@ -93,7 +92,7 @@ def get_args(argv=None):
     g.add_argument("--eval_samples", type=int, default=8, help="k: replies sampled per held-out "
                    "question (default: %(default)s)")
     checkpoint.add_run_args(p, "rl")
-    chat_stage.add_init_args(p, ["sft"], lr_scale=RL_LR_SCALE, schedule="linear", warmdown_frac=0.2,
+    train_loop.add_init_args(p, ["sft"], lr_scale=RL_LR_SCALE, schedule="linear", warmdown_frac=0.2,
                              why=RL_WHY)
     args = train_loop.parse_stage_args(p, argv, ["epochs", "steps"], default=("epochs", 1.0))
     if min(args.questions_per_step, args.samples, args.max_new_tokens, args.eval_samples,
@@ -416,7 +415,7 @@ def main(argv=None):
                          "of its own length, which FSDP's per-layer gathers cannot follow); use a "
                          "model that fits one device")
     rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
-    parent, parent_meta, model, tokenizer, inherited, sha256 = chat_stage.load_parent(
+    parent, parent_meta, model, tokenizer, inherited, sha256 = checkpoint.load_parent(
         args, "rl", ["sft"], device)
     args.compile = False  # every step's rows have other lengths: a compiled model would recompile
     off = (False, "off in rl.py: the rows change length every step")
@@ -438,7 +437,7 @@ def main(argv=None):
     total_steps = args.steps or math.ceil(args.epochs * len(train_items) / args.questions_per_step)
     record = {"data_dir": data_dir, "tasks": tasks, "train_questions": len(train_items),
               "held_out_questions": len(held_out),
-              "parent": chat_stage.parent_record(parent, parent_meta, sha256.result())}
+              "parent": checkpoint.parent_record(parent, parent_meta, sha256.result())}
     layout, run, ckpt_meta = checkpoint.record_run(
         args, "rl", parent_meta["model_config"], args.sequence_len, micro, 1, world, total_steps,
         args.total_batch_tokens, tokenizer, num_params(config), record)
@@ -451,7 +450,7 @@ def main(argv=None):
         in_epochs = f" = {args.epochs:g} epochs" if args.epochs else ""
         precision = optim.precision_line(args, device, optimizers, run["model_config"]["n_embd"])
         checkpoint.announce(args, run_dir, run, [
-            *chat_stage.parent_lines(parent, parent_meta, run["params"], inherited,
+            *checkpoint.parent_lines(parent, parent_meta, run["params"], inherited,
                                      (micro, source)),
             f"tasks: {tasks}: {len(train_items):,} training questions, {len(held_out):,} held out",
             rollouts, args.budget_line, f"budget: {total_steps:,} steps{in_epochs}"],
@@ -461,7 +460,7 @@ def main(argv=None):
         step = checkpoint.resume(resume_from, run_dir, model, optimizers, [cursor], layout, rank,
                                  device)
     else:
-        step, line = 0, chat_stage.warm_start(parent, parent_meta, model, optimizers, args, device)
+        step, line = 0, checkpoint.warm_start(parent, parent_meta, model, optimizers, args, device)
         if rank == 0:
             print(line)
 

@@ -155,7 +155,7 @@ def main(argv=None):
     # before the model loads
     val_chat_dir = chat_stage.held_out_dir(args.val_chat_dir, args.sources[0][0])
     rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
-    parent, parent_meta, model, tokenizer, inherited, sha256 = chat_stage.load_parent(
+    parent, parent_meta, model, tokenizer, inherited, sha256 = checkpoint.load_parent(
         args, "sft", ["midtrain", "pretrain"], device)
     sharding = train_loop.shard_model(model, args, world, device)
     seq_len = args.sequence_len
@@ -184,7 +184,7 @@ def main(argv=None):
                for j in range(accum)]
     record = {"chat_dir": str(args.sources[0][0]),
               "sources": [{"path": str(path), "epochs": epochs} for path, epochs in args.sources],
-              "parent": chat_stage.parent_record(parent, parent_meta, sha256.result())}
+              "parent": checkpoint.parent_record(parent, parent_meta, sha256.result())}
     layout, run, ckpt_meta = checkpoint.record_run(
         args, "sft", parent_meta["model_config"], seq_len, micro, accum, world, total_steps,
         tokens_per_step, tokenizer, num_params(config), record)
@@ -194,7 +194,7 @@ def main(argv=None):
                      f"the loader says when each epoch ends" if args.epochs else "")
         precision = optim.precision_line(args, device, optimizers, run["model_config"]["n_embd"])
         checkpoint.announce(args, run_dir, run, [
-            *chat_stage.parent_lines(parent, parent_meta, run["params"], inherited,
+            *checkpoint.parent_lines(parent, parent_meta, run["params"], inherited,
                                      (micro, source)),
             sharding, checkpoint.batch_line(micro, seq_len, world, accum),
             f"mixture (passes per epoch): {passes}; tokens per step count the padding", *skipped,
@@ -203,7 +203,7 @@ def main(argv=None):
         step = checkpoint.resume(resume_from, run_dir, model, optimizers, loaders, layout, rank,
                                  device)
     else:
-        step, line = 0, chat_stage.warm_start(parent, parent_meta, model, optimizers, args, device)
+        step, line = 0, checkpoint.warm_start(parent, parent_meta, model, optimizers, args, device)
         if rank == 0:
             print(line)
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import list_checkpoints, resume_command, save_checkpoint, saved_layout
+from checkpoint import INHERITED, list_checkpoints, resume_command, save_checkpoint, saved_layout
 from distributed import (
     CACHE_DIR,
     all_reduce,
@@ -40,15 +40,15 @@ from distributed import (
     peak_flops,
     run_main,
 )
-from loader import text_loader
 from model import (
     autocast_context,
     config_from_args,
     memory_estimate,
     param_breakdown,
     parse_args,
+    parse_bool,
 )
-from optim import apply_schedule, build_optimizers
+from optim import add_schedule_args, apply_schedule, build_optimizers
 
 # -----------------------------------------------------------------------------
 # Health
@@ -514,6 +514,42 @@ def plan_batch(args, config, world, model, device, resume_from=None, parent_meta
     return micro, total // step_unit, source
 
 
+def add_init_args(parser, parents, lr_scale, schedule, warmdown_frac, why):
+    """--checkpoint (of `parents`, in order), warm start, schedule (`why`: where the defaults
+    come from) and the inherited flags (None: the parent's)."""
+    add_schedule_args(parser)
+    g = parser.add_argument_group("warm start: the parent's optimizer state and this stage's lrs")
+    g.add_argument("--warm_start", type=parse_bool, default=True,
+                   help="continue from the parent checkpoint's optimizer state (AdamW moments, "
+                   "Muon momentum) with the lrs reset to this stage's; a state that does not fit "
+                   "this stage's optimizers is reported and replaced by a fresh one; false: fresh "
+                   "(default: %(default)s)")
+    g.add_argument("--lr_scale", type=float, default=lr_scale,
+                   help="every lr is this fraction of the parent's (its base lrs at this stage's "
+                   f"batch; {why}) (default: %(default)s)")
+    parser.set_defaults(schedule=schedule, warmdown_frac=warmdown_frac)
+    g = parser.add_argument_group("start: the parent checkpoint and what is inherited from it")
+    g.add_argument("--checkpoint", default=None,
+                   help=f"checkpoint to start from: a step_* directory or a run directory "
+                   f"(default: the newest {' checkpoint, else the newest '.join(parents)} "
+                   f"checkpoint under --runs_dir)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the parent's)")
+    g.add_argument("--sequence_len", type=int, default=None,
+                   help="row length, at most the parent's (default: the parent's)")
+    add_micro_batch_arg(g)
+    g.add_argument("--total_batch_tokens", type=int, default=None,
+                   help="tokens per optimizer step over all ranks (default: the parent's)")
+    g.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                   help="compute dtype (default: the parent's)")
+    g.add_argument("--compile", type=parse_bool, default=None,
+                   help="torch.compile the model: true or false (default: the parent's)")
+    own = ("tokenizer", "sequence_len", "micro_batch", "total_batch_tokens", "dtype", "compile")
+    for action in parser._actions:  # the schedule's lr flags: the parent's unless given
+        if action.dest in INHERITED and action.dest not in own:
+            action.default = None
+            action.help = action.help.split(" (default")[0] + " (default: the parent's)"
+
+
 def add_loader_threads_arg(group):
     """--loader_threads, the same in every stage that tokenizes."""
     group.add_argument("--loader_threads", type=int, default=0, help="tokenizer threads per "
@@ -560,24 +596,6 @@ def wrap_model(model, args, world, local_rank, device, dynamic=False):
 
 # -----------------------------------------------------------------------------
 # Validation bits per byte, the same on 1 or N processes
-
-def val_rows(data_dir, tokenizer, max_tokens, seq_len):
-    """Rows of seq_len + 1 tokens for max_tokens targets, packed as in training: the same in
-    every process and stage."""
-    n_rows = max(1, math.ceil(max_tokens / seq_len))
-    loader = text_loader(data_dir, "val", tokenizer, min(n_rows, 64), seq_len, max_epochs=1, name=
-                         "val")
-    rows, have = [], 0
-    try:
-        for inputs, targets in loader:
-            rows.append(torch.cat([inputs[:, :1], targets], dim=1))
-            have += len(inputs)
-            if have >= n_rows:
-                break
-    finally:
-        loader.close()
-    return torch.cat(rows)[:n_rows]
-
 
 def val_bpb(model, rows, token_bytes, batch_rows, dtype, rank, world, device):
     """(bits per byte, tokens scored) over val_rows. Special (BOS) and -1 targets are no text:

@@ -53,7 +53,7 @@ def test_each_checkpoint_names_its_stage_and_parent_with_the_parents_weights_has
     assert sft_meta["parent"]["path"] == str(chat_chain["midtrain"])
     assert mid_meta["parent"]["path"] == str(chat_chain["pretrain"])
     weights = hashlib.sha256((chat_chain["pretrain"] / "model.pt").read_bytes()).hexdigest()
-    assert mid_meta["parent"] == chat_stage.parent_record(chat_chain["pretrain"], json.loads(
+    assert mid_meta["parent"] == checkpoint.parent_record(chat_chain["pretrain"], json.loads(
         (chat_chain["pretrain"] / "meta.json").read_text()), weights)
     assert mid_meta["parent"]["stage"] == "pretrain" and len(mid_meta["parent"]["sha256"]) == 64
 

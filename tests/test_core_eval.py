@@ -29,6 +29,7 @@ import dataset as D
 import download
 import train_loop
 from dataset import train_tokenizer
+from loader import val_rows
 from model import build_model, config_from_preset
 from tokenizer import SPLIT_PATTERN, Tokenizer
 
@@ -342,7 +343,7 @@ def test_one_and_two_processes_give_identical_results(demo):
                         (out / "items.jsonl").read_text(), (out / "results.csv").read_text()))
     assert outputs[0] == outputs[1]
     tok = Tokenizer.load(demo / "tokenizer")
-    rows = train_loop.val_rows(demo / "demo" / "pretrain", tok, 5000, 256)  # BOS-led rows as in training
+    rows = val_rows(demo / "demo" / "pretrain", tok, 5000, 256)  # BOS-led rows as in training
     targets = rows[:, 1:]
     assert rows.shape == (20, 257) and outputs[0][3] == int(((targets != -1) & (targets != tok.bos_id)).sum())
 
@@ -398,7 +399,7 @@ def test_a_trained_model_beats_chance_on_the_demo_tasks(learned, demo, capsys):
 def test_val_bpb_equals_a_direct_computation(demo_world):
     tok = Tokenizer.load(demo_world / "tokenizer")
     docs = list(D.iter_texts(demo_world / "demo" / "pretrain", "val"))
-    rows = train_loop.val_rows(demo_world / "demo" / "pretrain", tok, 3000, 100)
+    rows = val_rows(demo_world / "demo" / "pretrain", tok, 3000, 100)
     first = tok.encode(docs[0])[:100]
     assert rows.shape == (30, 101) and (rows[:, 0] == tok.bos_id).all()  # BOS-led, like every training row
     assert rows[0, 1:1 + len(first)].tolist() == first  # the oldest piece, the split's first document, opens row 0

@@ -70,10 +70,10 @@ def stage_optimizers(stage, parent, extra=()):
     model, meta = checkpoint.load_model(parent, CPU)
     model.train()
     _, args = stage.get_args(["--checkpoint", str(parent), "--steps", "1", *extra])
-    chat_stage.inherit(args, meta, parent)
+    checkpoint.inherit(args, meta, parent)
     optimizers, fresh = (optim.build_optimizers(model, args, model.config.n_embd, 2048, CPU, lr_scale=args.lr_scale)
                          for _ in range(2))
-    line = chat_stage.warm_start(parent, meta, model, optimizers, args, CPU)
+    line = checkpoint.warm_start(parent, meta, model, optimizers, args, CPU)
     return optimizers, line, fresh, model, args
 
 
@@ -119,7 +119,7 @@ def test_each_chat_stage_reports_the_pretraining_val_bpb_its_model_kept(speedrun
     meta = json.loads((chat_chain["pretrain"] / "meta.json").read_text())
     dtype = meta["hparams"]["dtype"]
     # the pretraining run's final evaluation: LEARN_ARGS' --bpb_tokens 20000 of the demo corpus in rows of 128
-    rows = train_loop.val_rows(demo_world / "demo" / "pretrain", tokenizer, 20000, 128)
+    rows = L.val_rows(demo_world / "demo" / "pretrain", tokenizer, 20000, 128)
     figures = {"pretrain": pretrained}
     for stage in ("midtrain", "sft"):
         kept = json.loads((run / stage / "done.json").read_text())["pretrain_val_bpb"]
