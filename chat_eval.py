@@ -30,8 +30,8 @@ import sandbox
 import tasks
 from dataset import CACHE_DIR
 from decode import ToolUse, decode, last_logits, reply_text
-from download import download_hub_files, list_hub_files
 from model import num_params, score_rows
+from prepare import download_hub_files, list_hub_files
 from tasks import (
     ALL_TASKS,
     final_number,

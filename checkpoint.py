@@ -358,7 +358,7 @@ def check_chat_tokenizer(tokenizer, tokenizer_path):
     missing = [name for name in SPECIAL_TOKENS if name not in tokenizer.special_tokens]
     if missing:
         raise ValueError(f"tokenizer {tokenizer_path} lacks the chat special tokens "
-                         f"{', '.join(missing)}: train one with `dataset.py tokenizer` (it adds "
+                         f"{', '.join(missing)}: train one with `prepare.py tokenizer` (it adds "
                          f"{', '.join(SPECIAL_TOKENS)}) and pretrain with it")
 
 

@@ -32,9 +32,9 @@ import distributed
 import train_loop
 from dataset import CACHE_DIR
 from decode import decode
-from download import download_file
 from loader import val_rows
 from model import score_rows
+from prepare import download_file
 
 # the bundle nanochat uses
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"

@@ -19,7 +19,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dataset import ROW_GROUP_DOCS, load_identity, write_text_shards
+from dataset import ROW_GROUP_DOCS
+from prepare import load_identity, write_text_shards
 
 # --- the world's facts and phrasings, and the helpers that fill them
 

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 import checkpoint
 import distributed
 from checkpoint import add_checkpoint_args, pick_checkpoint
-from download import hub_endpoint
+from prepare import hub_endpoint
 from tokenizer import SPECIAL_TOKENS
 
 REMOTE_CODE = Path(__file__).resolve().parent / "hf_remote"

@@ -29,7 +29,7 @@ TOKENS_PER_STEP = 524_288
 SEQUENCE_LEN = 2048
 # GSM8K's training questions (rl.py counts them from the data itself)
 GSM8K_TRAIN = 7_473
-# midtraining's and SFT's datasets (download.py chat names): checked at the start, with the CORE
+# midtraining's and SFT's datasets (prepare.py chat names): checked at the start, with the CORE
 # bundle and ChatCORE tasks, so a gated or missing one fails in minutes
 CHAT_SOURCES = ["smoltalk", "ultrachat", "mmlu", "arc-easy", "arc-challenge", "gsm8k", "identity"]
 

@@ -600,7 +600,7 @@ def main(argv=None):
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--data_dir", help="a text corpus directory (its shards, the last one "
                         "validation)")
-    source.add_argument("--chat", help="a conversation directory or .jsonl file, or a `download.py "
+    source.add_argument("--chat", help="a conversation directory or .jsonl file, or a `prepare.py "
                         "chat` name")
     parser.add_argument("--tokenizer", default="runs/tokenizer", help="directory of tokenizer.json "
                         "(default: %(default)s)")

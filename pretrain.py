@@ -125,7 +125,7 @@ def data_plan(args, config, tokenizer):
           f"tokens; {per_shard:,} tokens in {first.name} ({docs:,} documents, counted with this "
           "tokenizer)")
     epochs = None
-    # your own corpus (dataset.py ingest): all here
+    # your own corpus (prepare.py ingest): all here
     if (ingested := Path(args.data_dir, "ingest.json")).is_file():
         record = json.loads(ingested.read_text())
         train_docs = record["documents"] - record["val_documents"]

@@ -57,7 +57,7 @@ def get_args(argv=None):
                    "GSM8K (default: %(default)s)")
     g.add_argument("--train_dir", default=str(CACHE_DIR / "chat" / "gsm8k"), help=
                    "GSM8K's train split (columns question, answer), without a demo world (default: "
-                   "%(default)s, `python download.py chat gsm8k`)")
+                   "%(default)s, `python prepare.py chat gsm8k`)")
     g.add_argument("--cache_dir", default=str(CACHE_DIR / "chat_eval"), help=
                    "chat_eval.py's task cache, where GSM8K's test split is held out from (default: "
                    "%(default)s, `python chat_eval.py --download_only --tasks GSM8K`)")

@@ -56,7 +56,7 @@ def get_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("data")
     g.add_argument("--source", action="append", default=None, metavar="DIR:EPOCHS", help=
-                   "a chat directory (or a `download.py chat` name, for its cache "
+                   "a chat directory (or a `prepare.py chat` name, for its cache "
                    "directory, or a .jsonl file of conversations in the OpenAI chat format: "
                    "docs/own-data.md) and how many times one pass of the mixture goes over it, "
                    "repeatable; its files named test*/val* are held out (default: "

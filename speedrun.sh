@@ -72,18 +72,18 @@ if [ "$PLAN" = demo ] && [ "$PRINT" = 0 ] && compgen -G "$DATA_DIR/pretrain/shar
 elif [ "$PLAN" = demo ]; then stage data "$PY" "$ROOT/demo.py" --out "$DATA_DIR"
 else  # fail in minutes, not hours: a gated or missing chat source stops the run here; then the chat data and the CORE
     # bundle in the background, and 8 shards (the tokenizer's, and what the budget's shard count is measured on)
-    stage preflight "$PY" "$ROOT/download.py" chat --check "${CHAT_SOURCES[@]}"
+    stage preflight "$PY" "$ROOT/prepare.py" chat --check "${CHAT_SOURCES[@]}"
     stage chatcore_tasks "$PY" "$ROOT/chat_eval.py" --download_only "${CHAT_EVAL_EXTRA[@]}"
     say "fetching ${CHAT_SOURCES[*]} and the CORE bundle in the background (log: $LOGS/prefetch.log)"
     # each fetch in a session of its own (no Ctrl-C of the terminal reaches it) carrying the run's MARK: the run's end
     # stops it; its log only, no row in stages.tsv
-    prefetch() { "$@" "$PY" "$ROOT/download.py" chat "${CHAT_SOURCES[@]}" &&
+    prefetch() { "$@" "$PY" "$ROOT/prepare.py" chat "${CHAT_SOURCES[@]}" &&
                  "$@" "$PY" "$ROOT/core_eval.py" --download_only "${CORE_EXTRA[@]}"; }
     if [ "$PRINT" = 1 ]; then prefetch "${L[@]}" stage --run "$RUN" prefetch; PREFETCH=""
     else prefetch env "SPEEDRUN_MARK=$MARK" setsid --wait >> "$LOGS/prefetch.log" 2>&1 < /dev/null & PREFETCH=$!; fi
-    [ "$OWN_TEXT" = 1 ] || stage data "$PY" "$ROOT/download.py" shards --shards 8 --data_dir "$CORPUS" "${R_DATA[@]}"
+    [ "$OWN_TEXT" = 1 ] || stage data "$PY" "$ROOT/prepare.py" shards --shards 8 --data_dir "$CORPUS" "${R_DATA[@]}"
 fi  # --corpus: ingested once (its ingest.json says whole), for the tokenizer, pretraining and midtraining's text
-[ "$OWN_TEXT" = 0 ] || stage ingest --skip_if "$CORPUS/ingest.json" "$PY" "$ROOT/dataset.py" ingest --out "$CORPUS" \
+[ "$OWN_TEXT" = 0 ] || stage ingest --skip_if "$CORPUS/ingest.json" "$PY" "$ROOT/prepare.py" ingest --out "$CORPUS" \
     "${INGEST[@]}"
 wait_prefetch() {  # [WHERE]: the chat data and the CORE bundle are in; a failed fetch stops the run
     if [ -n "${PREFETCH:-}" ]; then say "waiting for the prefetch of the chat data and the CORE bundle (log:" \
@@ -91,14 +91,14 @@ wait_prefetch() {  # [WHERE]: the chat data and the CORE bundle are in; a failed
         "$LOGS/prefetch.log; fix its cause and rerun (what finished is kept)" >&2; exit "$rc"; }; PREFETCH=""; fi
 }
 if [ -n "$TOKENIZER" ]; then skip tokenizer "using --tokenizer $TOK"; else stage tokenizer --skip_if \
-    "$TOK/tokenizer.json" "$PY" "$ROOT/dataset.py" tokenizer --data_dir "$CORPUS" --vocab_size "$VOCAB" --out "$TOK" \
+    "$TOK/tokenizer.json" "$PY" "$ROOT/prepare.py" tokenizer --data_dir "$CORPUS" --vocab_size "$VOCAB" --out "$TOK" \
     "${R_TOK[@]}"; fi
 if [ "$PLAN" = gpu ]; then  # the shards the budget needs, counted with this tokenizer; and the disk they need
     stage data_plan "$PY" "$ROOT/pretrain.py" --data_plan --data_dir "$CORPUS" --tokenizer "$TOK" --runs_dir "$RUN" \
         "${PRETRAIN[@]}" "${PRETRAIN_EXTRA[@]}" "${R_PRETRAIN[@]}" "${R_SHAPE[@]}"
     # the disk plan (not enough disk stops here), then --shards, else data_plan.json's count (fewer is said)
     NEEDED=$("${L[@]}" shards --run "$RUN" "$SHARDS")  # the disk plan; --corpus: all of its text is here
-    [ "$OWN_TEXT" = 1 ] || launch stage download "$PY" "$ROOT/download.py" shards --shards "$NEEDED" --data_dir "$CORPUS"
+    [ "$OWN_TEXT" = 1 ] || launch stage download "$PY" "$ROOT/prepare.py" shards --shards "$NEEDED" --data_dir "$CORPUS"
     # pretraining does not wait for the prefetch, but if it has failed already, stop before the hours
     if ! kill -0 "$PREFETCH" 2>/dev/null || [ "$STOP_AFTER" = download ]; then wait_prefetch " before pretraining"; fi
     if [ "$STOP_AFTER" = download ]; then

@@ -1,5 +1,5 @@
 """The byte-level BPE tokenizer: loaded from JSON, encoding with tiktoken, and rendering
-conversations as ids plus a loss mask (dataset.py trains one). How a text splits into tokens:
+conversations as ids plus a loss mask (prepare.py trains one). How a text splits into tokens:
 
     python tokenizer.py "Hello, world" --tokenizer runs/tokenizer   # each token's id and bytes
 
@@ -91,7 +91,7 @@ class Tokenizer:
     @classmethod
     def load(cls, directory):
         path = Path(directory) / FILE_NAME
-        how = f"run `python dataset.py tokenizer --data_dir DIR --out {directory}` to create it"
+        how = f"run `python prepare.py tokenizer --data_dir DIR --out {directory}` to create it"
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer at {path}: {how}")
         try:

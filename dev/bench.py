@@ -56,10 +56,10 @@ import bench_gpu
 import distributed
 import optim
 from bench_gpu import sync
-from dataset import bytes_per_token, counting, iter_texts, train_tokenizer
 from demo import write_demo
 from loader import text_loader
 from model import KVCache, autocast_context, build_model, config_from_preset
+from prepare import bytes_per_token, counting, iter_texts, train_tokenizer
 from tokenizer import Tokenizer
 
 # The stage rows: (benchmark, row, command, figure); each {name} filled in by bench_stages, the figure stage_figure's
@@ -364,7 +364,7 @@ def bench_tokenizer(args, device):
     if not corpus.is_dir():
         return print(f"tokenizer: skipped, no corpus at {corpus}")
     stats = {"docs": 0, "chars": 0, "bytes": 0}
-    start = time.perf_counter()  # streaming the shards is part of training, as in `python dataset.py tokenizer`
+    start = time.perf_counter()  # streaming the shards is part of training, as in `python prepare.py tokenizer`
     tokenizer = train_tokenizer(counting(iter_texts(corpus, "train"), stats), args.corpus_vocab)
     seconds, mb = time.perf_counter() - start, stats["bytes"] / 1e6
     print(f"tokenizer: trained vocab {tokenizer.vocab_size} on {stats['docs']:,} documents, {stats['chars']:,} "

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import distributed  # the repository root, put on the path above
 from bench_gpu import GPU_CALLS, GPU_VOCAB, gpu_markdown, nanochat_data, nanochat_env
-from dataset import iter_texts, train_tokenizer
+from prepare import iter_texts, train_tokenizer
 
 NANOCHAT_COMMIT = "92d63d4e8bb4df75c3b71618f31ddde2378b2bcd"  # the commit the CPU side-by-side measured
 NANOCHAT_PIP = ["tiktoken", "rustbpe", "regex", "filelock", "jinja2", "markupsafe", "pyyaml", "requests", "urllib3",

@@ -24,7 +24,7 @@ port of this one) and refuses an answer without X-Repo-Commit. What it serves:
   openai_humaneval (task_id, prompt, canonical_solution, test, entry_point: each canonical solution passes its test);
 - /eval_bundle.zip: the CORE bundle in nanochat's layout (eval_bundle/core.yaml, eval_meta_data.csv, eval_data/
   <category>/<task>.jsonl) with its 22 task names, types and few-shot counts, each task's items generated.
-The identity conversations are no download: dataset.py writes them from identity.json.
+The identity conversations are no download: prepare.py writes them from identity.json.
 
 Tests import it (build_files, start, hub_handler, ...): one server per test, on a free port."""
 import argparse
@@ -49,7 +49,7 @@ import pyarrow.parquet as pq
 FINEWEB = "karpathy/fineweb-edu-100b-shuffle"
 ROW_GROUP_DOCS = 1024  # FineWeb-Edu's shards as nanochat repackaged them (dataset.py writes the same)
 COMMIT = "c0ffee" * 6 + "c0ff"  # the X-Repo-Commit every resolve answer carries, as the hub's do
-STALL_S = 1.0  # how long a "stall" fault keeps the socket silent; test_download sets the read timeout below it
+STALL_S = 1.0  # how long a "stall" fault keeps the socket silent; test_prepare sets the read timeout below it
 
 # -----------------------------------------------------------------------------
 # English text: sentences of a small school-book vocabulary, so a tokenizer learns real words and merges
@@ -324,7 +324,7 @@ def build_files(shards=10, shard_docs=1536, chat_rows=240, seed=0):
 
 
 # -----------------------------------------------------------------------------
-# The hub's protocol (also used by tests/test_download.py and tests/test_chat_eval.py, through tests/helpers.py)
+# The hub's protocol (also used by tests/test_prepare.py and tests/test_chat_eval.py, through tests/helpers.py)
 
 def git_blob_id(data):
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()

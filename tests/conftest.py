@@ -29,10 +29,10 @@ import torch
 from helpers import ROOT, RUNNING_PYTHON, resolve_requirements, run_script, start_bench_dry_run
 
 import checkpoint
-import dataset as D
 import distributed
-from dataset import train_tokenizer
+import prepare as P
 from demo import write_demo
+from prepare import train_tokenizer
 
 distributed.keep_freed_memory()  # as the stages do on CPU: tests that train in this process get the same speed
 
@@ -51,7 +51,7 @@ def demo_world(tmp_path_factory):
     """The demo world and a vocab-1024 tokenizer trained on it, in a directory runs can work in."""
     root = tmp_path_factory.mktemp("demo_world")
     write_demo(root / "demo")
-    train_tokenizer(D.iter_texts(root / "demo" / "pretrain", "train"), 1024).save(root / "tokenizer")
+    train_tokenizer(P.iter_texts(root / "demo" / "pretrain", "train"), 1024).save(root / "tokenizer")
     return root
 
 

@@ -236,7 +236,7 @@ def held_out_questions():
     return capitals + languages
 
 
-# --- a hub on localhost (test_download, test_chat_eval, test_speedrun): the protocol is dev/hub_stand_in.py's, the
+# --- a hub on localhost (test_prepare, test_chat_eval, test_speedrun): the protocol is dev/hub_stand_in.py's, the
 # stand-in a user starts alone; here, the ChatCORE tasks' real layouts with hand-written rows
 
 def arc(q, answer, labels="ABCD"):

@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import rl
-from dataset import train_tokenizer
 from decode import reply_text
 from model import GPTConfig, build_model
+from prepare import train_tokenizer
 from tasks import normalize
 
 LIKED = 7.0  # the logit of a token's liked successor, the others 0: p = e^7 / (e^7 + 299) = 0.79 in a vocab of 300

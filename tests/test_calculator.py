@@ -5,9 +5,9 @@ import time
 import pytest
 import torch
 
-from dataset import train_tokenizer
 from decode import MAX_CHARS, CalculatorError, ToolUse, calculate, decode, reply_text
 from model import GPTConfig, build_model
+from prepare import train_tokenizer
 
 
 @pytest.mark.parametrize("expr, value", [

@@ -25,7 +25,7 @@ from huggingface_hub import constants as hf_constants
 
 import chat_eval as E
 import checkpoint
-import download
+import prepare
 import sandbox
 import tasks
 from model import GPTConfig, KVCache, build_model, config_from_preset
@@ -381,7 +381,7 @@ def hub(tmp_path, monkeypatch):
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hf_cache"))
-    monkeypatch.setattr(download, "BACKOFF_BASE", 0.0)
+    monkeypatch.setattr(prepare, "BACKOFF_BASE", 0.0)
     yield hub
     for server in servers:
         server.shutdown()

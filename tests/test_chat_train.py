@@ -10,13 +10,13 @@ from helpers import held_out_questions, run_in_process
 
 import chat_stage
 import checkpoint
-import dataset as D
 import loader as L
 import midtrain
+import prepare as P
 import sft
-from dataset import train_tokenizer
 from decode import decode
 from model import GPTConfig, build_model
+from prepare import train_tokenizer
 from tokenizer import Tokenizer
 
 
@@ -76,7 +76,7 @@ def test_midtraining_prints_what_it_inherits_and_the_realized_mixture_within_two
 def test_a_parent_trained_with_another_tokenizer_is_refused_before_training(stage, chat_chain, demo_world, tmp_path,
                                                                              capsys):
     other = tmp_path / "other_tokenizer"  # the same size, trained on other text: other merges
-    train_tokenizer(D.iter_texts(demo_world / "demo" / "pretrain", "val"), 1024).save(other)
+    train_tokenizer(P.iter_texts(demo_world / "demo" / "pretrain", "val"), 1024).save(other)
     args = ["--checkpoint", chat_chain["pretrain"], "--tokenizer", other, "--runs_dir", tmp_path / "runs", "--steps", "1"]
     args += ["--source", f"chat:{demo_world / 'demo' / 'conversations'}:1"] if stage is midtrain else \
         ["--chat_dir", demo_world / "demo" / "conversations"]

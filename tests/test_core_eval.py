@@ -25,12 +25,12 @@ from helpers import (
 
 import checkpoint
 import core_eval as E
-import dataset as D
-import download
+import prepare
+import prepare as P
 import train_loop
-from dataset import train_tokenizer
 from loader import val_rows
 from model import build_model, config_from_preset
+from prepare import train_tokenizer
 from tokenizer import SPLIT_PATTERN, Tokenizer
 
 BYTES = Tokenizer({bytes([b]): b for b in range(256)}, SPLIT_PATTERN)  # no merges: one token per byte
@@ -83,7 +83,7 @@ def test_bundle_is_downloaded_verified_unzipped_once_then_cached(server, tmp_pat
 
 
 def test_a_corrupt_bundle_is_refused_and_never_unzipped(server, tmp_path, monkeypatch):
-    monkeypatch.setattr(download, "BACKOFF_BASE", 0.0)
+    monkeypatch.setattr(prepare, "BACKOFF_BASE", 0.0)
     data = bytearray(bundle_zip())
     data[60] ^= 0xFF  # inside the first member's compressed bytes: its CRC fails
     server["files"]["/bad.zip"] = bytes(data)
@@ -361,11 +361,11 @@ def test_a_tokenizer_the_checkpoint_was_not_trained_with_is_refused(demo, tmp_pa
                                       capsys, stage="core_eval.py")
         assert code == 1
         return err
-    other = train_tokenizer(D.iter_texts(demo / "demo" / "pretrain", "train", max_chars=2_000_000), 1024)  # other merges
+    other = train_tokenizer(P.iter_texts(demo / "demo" / "pretrain", "train", max_chars=2_000_000), 1024)  # other merges
     other.save(tmp_path / "other")
     err = refusal(tmp_path / "other")
     assert err.startswith("core_eval.py: error: tokenizer") and "is not the one" in err and "was trained with" in err
-    small = train_tokenizer(D.iter_texts(demo / "demo" / "pretrain", "val"), 512)
+    small = train_tokenizer(P.iter_texts(demo / "demo" / "pretrain", "val"), 512)
     small.save(tmp_path / "small")
     assert "has 512 tokens, the model" in (err := refusal(tmp_path / "small")) and "has 1024" in err
 
@@ -398,7 +398,7 @@ def test_a_trained_model_beats_chance_on_the_demo_tasks(learned, demo, capsys):
 
 def test_val_bpb_equals_a_direct_computation(demo_world):
     tok = Tokenizer.load(demo_world / "tokenizer")
-    docs = list(D.iter_texts(demo_world / "demo" / "pretrain", "val"))
+    docs = list(P.iter_texts(demo_world / "demo" / "pretrain", "val"))
     rows = val_rows(demo_world / "demo" / "pretrain", tok, 3000, 100)
     first = tok.encode(docs[0])[:100]
     assert rows.shape == (30, 101) and (rows[:, 0] == tok.bos_id).all()  # BOS-led, like every training row

@@ -18,7 +18,8 @@ from helpers import run_in_process, same, take
 
 import dataset as D
 import loader as L
-from dataset import train_tokenizer
+import prepare as P
+from prepare import train_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "small", "birds",
@@ -36,7 +37,7 @@ def corpus(tmp_path_factory):
     """A corpus of 1,100 documents: a training shard (one row group of 990) and a validation shard of 110."""
     out = tmp_path_factory.mktemp("corpus")
     docs = make_docs(1100)
-    D.write_text_shards(docs, out, seed=0, shard_docs=2048, val_fraction=0.1)
+    P.write_text_shards(docs, out, seed=0, shard_docs=2048, val_fraction=0.1)
     tok = train_tokenizer(docs, 400)
     return out, tok
 
@@ -45,20 +46,20 @@ def corpus(tmp_path_factory):
 
 def test_write_text_shards_layout(tmp_path):
     docs = make_docs(3000)
-    paths = D.write_text_shards(docs, tmp_path, seed=1, shard_docs=2048, val_fraction=0.1)
+    paths = P.write_text_shards(docs, tmp_path, seed=1, shard_docs=2048, val_fraction=0.1)
     assert [p.name for p in paths] == ["shard_00000.parquet", "shard_00001.parquet", "shard_00002.parquet"]
     metas = [pq.ParquetFile(p).metadata for p in paths]
     assert [m.num_rows for m in metas] == [2048, 652, 300]
     assert [m.row_group(0).num_rows for m in metas] == [1024, 652, 300]
     assert pq.ParquetFile(paths[0]).schema_arrow.names == ["text"]
     assert metas[0].row_group(0).column(0).compression == "ZSTD"
-    read = [t for split in ("train", "val") for t in D.iter_texts(tmp_path, split)]
+    read = [t for split in ("train", "val") for t in P.iter_texts(tmp_path, split)]
     assert sorted(read) == sorted(docs) and read != docs  # every document once, shuffled
     assert D.split_shards(tmp_path, "val") == paths[-1:]
 
 
 def test_a_budget_that_repeats_the_corpus_names_the_fix_that_applies_to_it(corpus, monkeypatch):
-    """More shards is the fix only for FineWeb-Edu's directory, which download.py fills; for the demo world or your
+    """More shards is the fix only for FineWeb-Edu's directory, which prepare.py fills; for the demo world or your
     own corpus it is fewer steps or more text."""
     directory, tok = corpus
     budget = 3 * D.corpus_budget(directory, tok, 1)["tokens"]
@@ -71,19 +72,19 @@ def test_a_budget_that_repeats_the_corpus_names_the_fix_that_applies_to_it(corpu
     fineweb = D.corpus_budget(directory, tok, budget)
     shards = -(-budget // fineweb["tokens_per_shard"]) + 1
     assert fineweb["fineweb"] is True and D.budget_line(fineweb, budget).endswith(
-        f"(more shards: `python download.py shards --shards N`; N ~ {shards})")
+        f"(more shards: `python prepare.py shards --shards N`; N ~ {shards})")
 
 
 def test_missing_or_corrupt_data_is_named(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist.*download.py shards"):
+    with pytest.raises(FileNotFoundError, match="does not exist.*prepare.py shards"):
         D.list_shards(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match="no .parquet shards"):
         D.list_shards(tmp_path)
-    D.write_text_shards(make_docs(10), tmp_path)
+    P.write_text_shards(make_docs(10), tmp_path)
     bad = tmp_path / "shard_00000.parquet"
     bad.write_bytes(bad.read_bytes()[:-100])
     with pytest.raises(ValueError, match="shard_00000.parquet is not a readable parquet file.*fetch it again"):
-        list(D.iter_texts(tmp_path, "train"))
+        list(P.iter_texts(tmp_path, "train"))
 
 
 # --- ingest -----------------------------------------------------------------------------------------------------
@@ -93,15 +94,15 @@ def test_ingest_txt_jsonl_parquet(tmp_path, capsys):
     (tmp_path / "b.jsonl").write_text('{"text": "from jsonl"}\n\n{"text": ""}\n{"text": "another"}\n')
     pq.write_table(pa.table({"text": ["from parquet", None]}), tmp_path / "c.parquet")
     files = [tmp_path / "a.txt", tmp_path / "b.jsonl", tmp_path / "c.parquet"]
-    result = D.ingest(files, tmp_path / "out", seed=3)
-    docs = sorted(t for split in ("train", "val") for t in D.iter_texts(tmp_path / "out", split))
+    result = P.ingest(files, tmp_path / "out", seed=3)
+    docs = sorted(t for split in ("train", "val") for t in P.iter_texts(tmp_path / "out", split))
     assert docs == sorted(["first doc\nstill first", "second doc café bad\ufffd\ufffdbyte", "from jsonl", "another",
                            "from parquet"])
     assert (result["documents"], result["empty"], result["replaced"]) == (5, 3, 2)  # \xff, \xfe: one each
     assert "empty documents skipped: 3" in capsys.readouterr().out
     (tmp_path / "d.txt").write_text("para one\n\npara two\n")
-    whole = D.ingest([tmp_path / "a.txt", tmp_path / "d.txt"], tmp_path / "whole", one_per_file=True)
-    docs = sorted(t for split in ("train", "val") for t in D.iter_texts(tmp_path / "whole", split))
+    whole = P.ingest([tmp_path / "a.txt", tmp_path / "d.txt"], tmp_path / "whole", one_per_file=True)
+    docs = sorted(t for split in ("train", "val") for t in P.iter_texts(tmp_path / "whole", split))
     assert docs == ["first doc\nstill first\n\n\n\nsecond doc café bad\ufffd\ufffdbyte", "para one\n\npara two"]
     assert whole["documents"] == 2
 
@@ -111,39 +112,39 @@ def test_ingest_md_and_a_directory_and_a_smaller_reingest_leaves_no_stale_shard(
     (tmp_path / "in" / "notes.md").write_text("# Title\n\nA paragraph.\n")
     (tmp_path / "in" / "sub" / "more.txt").write_text("one\n\ntwo\n")
     (tmp_path / "in" / "skip.csv").write_text("left out")
-    result = D.ingest([tmp_path / "in"], tmp_path / "out", seed=1)
-    docs = sorted(t for split in ("train", "val") for t in D.iter_texts(tmp_path / "out", split))
+    result = P.ingest([tmp_path / "in"], tmp_path / "out", seed=1)
+    docs = sorted(t for split in ("train", "val") for t in P.iter_texts(tmp_path / "out", split))
     assert docs == ["# Title", "A paragraph.", "one", "two"] and result["documents"] == 4
     assert json.loads((tmp_path / "out" / "ingest.json").read_text())["documents"] == 4
-    big = D.write_text_shards([f"d{i}" for i in range(20)], tmp_path / "out", shard_docs=4)  # 5 + 1 shards
+    big = P.write_text_shards([f"d{i}" for i in range(20)], tmp_path / "out", shard_docs=4)  # 5 + 1 shards
     assert len(big) == 6
-    D.ingest([tmp_path / "in" / "notes.md"], tmp_path / "out")
+    P.ingest([tmp_path / "in" / "notes.md"], tmp_path / "out")
     assert len(D.list_shards(tmp_path / "out")) == 2  # the earlier shards beyond the new ones are gone
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no .txt, .md, .jsonl, .parquet files"):
-        D.ingest([tmp_path / "empty"], tmp_path / "o2")
+        P.ingest([tmp_path / "empty"], tmp_path / "o2")
 
 
 def test_ingest_bad_jsonl_names_file_and_line(tmp_path, capsys):
     (tmp_path / "x.jsonl").write_text('{"text": "ok"}\n{"text": oops}\n')
     with pytest.raises(ValueError, match=r"x.jsonl:2: not valid JSON"):
-        D.ingest([tmp_path / "x.jsonl"], tmp_path / "out")
+        P.ingest([tmp_path / "x.jsonl"], tmp_path / "out")
     (tmp_path / "y.jsonl").write_text('{"text": "ok"}\n{"text": 5}\n')
     with pytest.raises(ValueError, match=r"y.jsonl:2: not a string field 'text': each line must be one JSON object "
                                          r"with a string 'text' field \(--column NAME reads another field\)"):
-        D.ingest([tmp_path / "y.jsonl"], tmp_path / "out")
+        P.ingest([tmp_path / "y.jsonl"], tmp_path / "out")
     (tmp_path / "z.jsonl").write_text('{"text": "ok"}\n\n{"body": "no text field"}\n')  # line 3: a missing field
     with pytest.raises(ValueError, match=r"z.jsonl:3: no field 'text': each line"):
-        D.ingest([tmp_path / "z.jsonl"], tmp_path / "out")
+        P.ingest([tmp_path / "z.jsonl"], tmp_path / "out")
     with pytest.raises(SystemExit) as exit_info:  # the command line: that one line, exit 1, nothing written
-        D.main(["ingest", str(tmp_path / "z.jsonl"), "--out", str(tmp_path / "cli")])
+        P.main(["ingest", str(tmp_path / "z.jsonl"), "--out", str(tmp_path / "cli")])
     err = capsys.readouterr().err
-    assert exit_info.value.code == 1 and err.startswith("dataset.py ingest: error: ") and "z.jsonl:3: " in err
+    assert exit_info.value.code == 1 and err.startswith("prepare.py ingest: error: ") and "z.jsonl:3: " in err
     assert err.count("\n") == 1 and not (tmp_path / "cli").exists()
     for empty in ("e.txt", "e.md", "e.jsonl"):  # an empty file (or only blank lines) is named, not a silent nothing
         (tmp_path / empty).write_text("\n \n")
         with pytest.raises(ValueError, match=rf"{empty}: empty: it holds no text; leave it out of the corpus"):
-            D.ingest([tmp_path / empty], tmp_path / "out")
+            P.ingest([tmp_path / empty], tmp_path / "out")
 
 
 # --- the text loader --------------------------------------------------------------------------------------------
@@ -302,7 +303,7 @@ def test_ranks_never_share_a_document(corpus, split, world_size):
         for j in range(i + 1, world_size):
             assert not assigned[i] & assigned[j] and not seen[i] & seen[j]
         assert seen[i] <= assigned[i] and len(seen[i]) > 0.9 * len(assigned[i])  # a crop can split a marker
-    assert set().union(*assigned) == doc_markers(D.iter_texts(data, split))
+    assert set().union(*assigned) == doc_markers(P.iter_texts(data, split))
 
 
 def test_packing_conserves_every_token_and_starts_rows_with_bos(corpus):
@@ -314,7 +315,7 @@ def test_packing_conserves_every_token_and_starts_rows_with_bos(corpus):
     for x, y in batches:
         assert (x[:, 0] == tok.bos_id).all() and torch.equal(x[:, 1:], y[:, :-1]) and (y >= 0).all()
     # what went in: the first `docs` documents of the split, in order, each BOS + tokens
-    texts = list(D.iter_texts(data, "train"))[:state["stats"]["docs"]]
+    texts = list(P.iter_texts(data, "train"))[:state["stats"]["docs"]]
     went_in = Counter(t for ids in tok.encode_batch(texts) for t in ids)
     # what came out: every row (its T+1 tokens) plus what is still buffered; BOS excluded (pieces add their own)
     came_out = Counter(t for x, y in batches for row in torch.cat([x, y[:, -1:]], 1).tolist() for t in row)
@@ -337,7 +338,7 @@ def test_one_pass_yields_every_token_once_then_stops(corpus):
         loader.close()
     rows = passes[1]
     assert torch.equal(rows, passes[7]) and (rows[:, 0] == tok.bos_id).all()
-    went_in = Counter(t for ids in tok.encode_batch(list(D.iter_texts(data, "val"))) for t in ids)
+    went_in = Counter(t for ids in tok.encode_batch(list(P.iter_texts(data, "val"))) for t in ids)
     came_out = Counter(t for row in rows.tolist() for t in row if t not in (-1, tok.bos_id))
     assert came_out == went_in
     assert (rows[:-1] != -1).all() and (rows[-1] == -1).any()  # only the last row is padded
@@ -446,7 +447,7 @@ def test_chat_rows_mask_pad_and_never_crop(tmp_path, corpus):
 
 def test_cli_ingest_then_bad_input_is_one_line(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("one\n\ntwo\n\nthree\n")
-    run = [sys.executable, str(ROOT / "dataset.py")]
+    run = [sys.executable, str(ROOT / "prepare.py")]
     out = subprocess.run([*run, "ingest", "--out", str(tmp_path / "c"), str(tmp_path / "a.txt")], capture_output=True,
                          text=True, check=True).stdout
     assert "1 files -> 3 documents" in out and len(D.list_shards(tmp_path / "c")) == 2
@@ -454,5 +455,5 @@ def test_cli_ingest_then_bad_input_is_one_line(tmp_path, capsys):
                           (["ingest", "--out", str(tmp_path / "d"), str(tmp_path / "a.csv")], "unsupported file")):
         if args[-1].endswith(".csv"):
             (tmp_path / "a.csv").write_text("x")
-        code, _, err = run_in_process(D.main, args, capsys)  # in-process: a new interpreter costs ~3 s
+        code, _, err = run_in_process(P.main, args, capsys)  # in-process: a new interpreter costs ~3 s
         assert code == 1 and err.count("\n") == 1 and message in err

@@ -17,11 +17,11 @@ from jinja2 import TemplateError
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 import checkpoint
-import dataset as D
 import export
-from dataset import train_tokenizer
+import prepare as P
 from decode import decode
 from model import build_model, config_from_preset
+from prepare import train_tokenizer
 from tokenizer import Tokenizer
 
 SMALL = {"sequence_len": 64, "n_layer": 2, "n_embd": 64, "n_head": 4, "n_kv_head": 2}
@@ -158,7 +158,7 @@ def trained_export(demo_world, tmp_path_factory):
     root, tokenizer = tmp_path_factory.mktemp("trained"), Tokenizer.load(demo_world / "tokenizer")
     torch.manual_seed(0)
     model = build_model(config_from_preset("tiny", {**SMALL, "n_kv_head": 1}))
-    texts = islice(D.iter_texts(demo_world / "demo" / "pretrain", "train"), 100)
+    texts = islice(P.iter_texts(demo_world / "demo" / "pretrain", "train"), 100)
     ids = torch.tensor([i for text in texts for i in [tokenizer.bos_id, *tokenizer.encode(text)]])
     rows = ids[:len(ids) // 65 * 65].view(-1, 65)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

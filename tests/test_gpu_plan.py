@@ -199,14 +199,14 @@ def executable(path, text):
 
 def python_seeing_gpus(tmp_path, gpus, torchrun="exit 0"):
     """An interpreter for speedrun.sh that says torch sees `gpus` CUDA GPUs, runs `torchrun` (shell) for a torchrun
-    stage and fails download.py at once (no stage reaches a network); everything else is this Python."""
+    stage and fails prepare.py at once (no stage reaches a network); everything else is this Python."""
     import sys
     return executable(tmp_path / "bin" / "python", f"""#!/bin/bash
 case "$*" in
     *device_count*) echo {gpus}; exit 0 ;;
     *torch.version.cuda*) echo 2.13.0+cpu None; exit 0 ;;
     *"-m torch.distributed.run"*) {torchrun} ;;
-    *download.py*) echo "stand-in: no network" >&2; exit 9 ;;
+    *prepare.py*) echo "stand-in: no network" >&2; exit 9 ;;
 esac
 exec {sys.executable} "$@"
 """)

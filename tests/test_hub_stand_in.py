@@ -9,14 +9,14 @@ from urllib.parse import urlsplit
 
 import pyarrow.parquet as pq
 
-import dataset
 import hub_stand_in
+import prepare
 import tokenizer
-from download import download_hub_files
+from prepare import download_hub_files
 
 
 def test_one_stand_in_shard_trains_the_default_65536_vocabulary(tmp_path, capsys):
-    """The rehearsal's tokenizer stage as speedrun.sh runs it (`dataset.py tokenizer`, its default --vocab_size, the
+    """The rehearsal's tokenizer stage as speedrun.sh runs it (`prepare.py tokenizer`, its default --vocab_size, the
     rehearsal's --max_chars) on the first shard and the validation shard, the two the rehearsal downloads first: all
     65,536 ids are trained (rustbpe stops early, and dataset.py refuses, when the text allows fewer merges), and a
     made-up place name is one token."""
@@ -25,7 +25,7 @@ def test_one_stand_in_shard_trains_the_default_65536_vocabulary(tmp_path, capsys
     data.mkdir()
     for i in range(2):
         (data / f"shard_{i:05d}.parquet").write_bytes(files[f"{hub_stand_in.FINEWEB}/shard_{i:05d}.parquet"])
-    dataset.main(["tokenizer", "--data_dir", str(data), "--out", str(tmp_path / "tok"), "--max_chars", "20000000"])
+    prepare.main(["tokenizer", "--data_dir", str(data), "--out", str(tmp_path / "tok"), "--max_chars", "20000000"])
     assert "vocab size: 65536 (256 bytes + 65271 merges + 9 special tokens)" in capsys.readouterr().out
     tok = tokenizer.Tokenizer.load(tmp_path / "tok")
     assert tok.vocab_size == 65536
@@ -52,7 +52,7 @@ def request(url, method):
 def test_every_resolve_answer_carries_the_repo_commit_and_the_file_s_headers(tmp_path, monkeypatch):
     """HEAD and GET of every repository file's resolve URL, and of the redirect's target: X-Repo-Commit, an ETag and
     Content-Length on each; an LFS file's sha256 and size (X-Linked-Etag, X-Linked-Size) on each of its answers, its
-    bytes from the target; a git file's bytes from the resolve URL, its blob id as ETag. Then download.py fetches
+    bytes from the target; a git file's bytes from the resolve URL, its blob id as ETag. Then prepare.py fetches
     ARC's test file through huggingface_hub, checked against the listing's sha256."""
     files = hub_stand_in.build_files(shards=2, chat_rows=8)
     hub, servers, url = hub_stand_in.start(files)

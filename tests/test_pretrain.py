@@ -20,6 +20,7 @@ import checkpoint
 import dataset as D
 import model as M
 import optim
+import prepare as P
 import pretrain
 import train_loop
 from model import autocast_context, build_model, config_from_preset
@@ -55,8 +56,8 @@ def test_a_small_model_learns_the_demo_world(world, learned):
     run_dir, out = learned
     bpb = json.loads((run_dir / "done.json").read_text())["val_bpb"]
     tok = pretrain.Tokenizer.load(world / "tokenizer")
-    from dataset import bytes_per_token
-    uniform = math.log2(tok.vocab_size) / bytes_per_token(tok, D.iter_texts(world / "demo" / "pretrain", "val"))
+    from prepare import bytes_per_token
+    uniform = math.log2(tok.vocab_size) / bytes_per_token(tok, P.iter_texts(world / "demo" / "pretrain", "val"))
     assert bpb < 0.25 * uniform, (bpb, uniform)  # measured: 0.305 at 100 steps against 2.65 for a uniform guess
     assert "params: 1572890" in out and "tokens per step = micro_batch 32 x sequence_len 128 x world size 1 x " \
         "accumulation 1 = 4,096" in out
@@ -404,8 +405,8 @@ def test_a_budget_larger_than_the_corpus_says_so_in_the_plan_every_log_line_and_
     words = ["river", "stone", "light", "garden", "music", "winter", "paper", "market"]
     texts = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 6))) for _ in range(2520)]
     corpus = tmp_path / "corpus"
-    D.write_text_shards(texts, corpus, shard_docs=1200, val_fraction=0.05)
-    (corpus / "ingest.json").write_text(json.dumps({"documents": 2520, "val_documents": 126}))  # dataset.py ingest's
+    P.write_text_shards(texts, corpus, shard_docs=1200, val_fraction=0.05)
+    (corpus / "ingest.json").write_text(json.dumps({"documents": 2520, "val_documents": 126}))  # prepare.py ingest's
     tok = Tokenizer.load(world / "tokenizer")
 
     def tokens(path):
@@ -488,7 +489,7 @@ def test_your_own_corpus_has_no_shards_to_fetch_in_the_disk_plan(world, tmp_path
     texts.mkdir()
     for i in range(3):
         (texts / f"{i}.txt").write_text("\n\n".join(f"Document {i}.{j} about rivers and hills." for j in range(60)))
-    D.ingest([texts], tmp_path / "corpus")
+    P.ingest([texts], tmp_path / "corpus")
     args = ["--data_dir", str(tmp_path / "corpus"), "--tokenizer", str(world / "tokenizer"), "--runs_dir",
             str(tmp_path / "runs"), "--preset", "tiny", "--steps", "50", "--total_batch_tokens", "8192", "--data_plan"]
     pretrain.main(args)

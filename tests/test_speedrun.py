@@ -307,7 +307,7 @@ def test_print_shows_every_stages_command_line_in_order_and_starts_nothing(tmp_p
     assert words["check_batch"] == [py, str(ROOT / "pretrain.py"), "--check_batch", "8", *map(str, plan["PRETRAIN"])]
     assert words["probe"] == [*torchrun, str(ROOT / "distributed.py"), "probe", "--timeout", "120", "--mbytes", "64",
                               "--out", "runs/speedrun/logs/probe.json"]
-    assert words["download"] == [py, str(ROOT / "download.py"), "shards", "--shards", "<shards from data_plan.json>",
+    assert words["download"] == [py, str(ROOT / "prepare.py"), "shards", "--shards", "<shards from data_plan.json>",
                                  "--data_dir", "/data/fineweb"]
     assert words["rehearsal"][:5] == ["env", f"SPEEDRUN_PYTHON={py}", "bash", str(ROOT / "speedrun.sh"), "--rehearse"]
     assert words["pretrain"] == [*torchrun, str(ROOT / "pretrain.py"), "--data_dir", "/data/fineweb", "--tokenizer",
@@ -783,8 +783,8 @@ def test_print_with_corpus_and_chat_shows_the_ingest_and_every_stage_reading_it(
     py, demo = print_plan(tmp_path / "demo", ["--plan", "demo", "--gpus", "0", *args])
     assert [name for name, _ in demo][:4] == ["data", "ingest", "tokenizer", "pretrain"]
     words, corpus = dict(demo), "runs/speedrun/corpus"
-    assert words["ingest"] == [py, str(ROOT / "dataset.py"), "ingest", "--out", corpus, "/data/text", "notes.md"]
-    assert words["tokenizer"][:5] == [py, str(ROOT / "dataset.py"), "tokenizer", "--data_dir", corpus]
+    assert words["ingest"] == [py, str(ROOT / "prepare.py"), "ingest", "--out", corpus, "/data/text", "notes.md"]
+    assert words["tokenizer"][:5] == [py, str(ROOT / "prepare.py"), "tokenizer", "--data_dir", corpus]
     assert words["pretrain"][2:4] == ["--data_dir", corpus]
     assert words["core_eval"][-2:] == ["--bundle", "runs/speedrun/demo/eval_bundle"]  # the demo world's bundle
     mid = words["midtrain"]

@@ -1,4 +1,4 @@
-"""tokenizer.py (and its training in dataset.py): exact vocab size and special ids, round trips, JSON save/load, chat rendering and masks, the CLI."""
+"""tokenizer.py (and its training in prepare.py): exact vocab size and special ids, round trips, JSON save/load, chat rendering and masks, the CLI."""
 import ast
 import json
 import random
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from helpers import run_in_process
 
-import dataset as D
+import prepare as P
 import tokenizer as T
-from dataset import iter_texts, train_tokenizer, write_text_shards
+from prepare import iter_texts, train_tokenizer, write_text_shards
 from tokenizer import SPECIAL_TOKENS, Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,12 +100,12 @@ def test_save_load_round_trip_is_json(tok, tmp_path):
 
 
 def test_load_errors_name_the_path(tok, tmp_path):
-    with pytest.raises(FileNotFoundError, match="python dataset.py tokenizer") as missing:
+    with pytest.raises(FileNotFoundError, match="python prepare.py tokenizer") as missing:
         Tokenizer.load(tmp_path / "nowhere")
     assert str(tmp_path / "nowhere" / T.FILE_NAME) in str(missing.value)
     path = tok.save(tmp_path / "tk")
     path.write_text('{"format": "nanochat-bpe-v1", "pattern": ')  # truncated
-    with pytest.raises(ValueError, match="python dataset.py tokenizer") as corrupt:
+    with pytest.raises(ValueError, match="python prepare.py tokenizer") as corrupt:
         Tokenizer.load(tmp_path / "tk")
     assert str(path) in str(corrupt.value)
     tok.save(tmp_path / "tk")
@@ -119,10 +119,10 @@ def test_load_errors_name_the_path(tok, tmp_path):
 def test_bytes_per_token(tok):
     texts = [t for t in SAMPLES if t]
     expected = sum(len(t.encode("utf-8")) for t in texts) / sum(len(tok.encode(t)) for t in texts)
-    assert D.bytes_per_token(tok, texts) == pytest.approx(expected, rel=1e-12)
-    assert D.bytes_per_token(tok, iter(texts)) == pytest.approx(expected, rel=1e-12)
+    assert P.bytes_per_token(tok, texts) == pytest.approx(expected, rel=1e-12)
+    assert P.bytes_per_token(tok, iter(texts)) == pytest.approx(expected, rel=1e-12)
     with pytest.raises(ValueError):
-        D.bytes_per_token(tok, [""])
+        P.bytes_per_token(tok, [""])
 
 
 # -----------------------------------------------------------------------------
@@ -167,7 +167,7 @@ def test_a_tokenizer_from_before_the_calculator_tokens_names_the_command_to_retr
                  token_bytes=state["token_bytes"][:ranks + 5])
     path.write_text(json.dumps(state))
     with pytest.raises(ValueError, match=r"trained before the special tokens <\|python_start\|>.*"
-                                         r"python dataset.py tokenizer --data_dir DIR --out "):
+                                         r"python prepare.py tokenizer --data_dir DIR --out "):
         Tokenizer.load(tmp_path)
 
 
@@ -220,7 +220,7 @@ def test_render_for_completion(tok):
 # Command line
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "dataset.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "prepare.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True,
                           check=False, timeout=60)
 
 
@@ -234,13 +234,13 @@ def test_cli_train_then_eval(corpus, tmp_path):
     assert f"saved to {out / T.FILE_NAME}" in result.stdout
     result = run_cli("bytes_per_token", "--data_dir", corpus, "--tokenizer", out)
     assert result.returncode == 0, result.stderr
-    expected = D.bytes_per_token(Tokenizer.load(out), iter_texts(corpus, "val"))
+    expected = P.bytes_per_token(Tokenizer.load(out), iter_texts(corpus, "val"))
     assert f"bytes/token: {expected:.6f}" in result.stdout
     assert f"{len(list(iter_texts(corpus, 'val'))):,} documents" in result.stdout
 
 
 def test_cli_max_chars_and_help(corpus, tmp_path, capsys):
-    code, out, err = run_in_process(D.main, ["tokenizer", "--data_dir", corpus, "--vocab_size", 300, "--max_chars", 5000,
+    code, out, err = run_in_process(P.main, ["tokenizer", "--data_dir", corpus, "--vocab_size", 300, "--max_chars", 5000,
                                              "--out", tmp_path], capsys)
     assert code == 0, err
     docs, total = 0, 0
@@ -249,7 +249,7 @@ def test_cli_max_chars_and_help(corpus, tmp_path, capsys):
         if total >= 5000:
             break
     assert f"training text: {docs:,} documents, {total:,} characters" in out
-    help_text = run_in_process(D.main, ["tokenizer", "--help"], capsys)[1]
+    help_text = run_in_process(P.main, ["tokenizer", "--help"], capsys)[1]
     assert "65536" in help_text and "2000000000" in help_text and "runs/tokenizer" in help_text
 
 
@@ -264,18 +264,18 @@ def test_the_command_line_shows_each_token_of_a_text(tok, tmp_path, capsys):
     shown = [(int(line.split(" ", 1)[0]), ast.literal_eval(line.split(" ", 1)[1])) for line in lines[1:]]
     assert [i for i, _ in shown] == ids and b"".join(b for _, b in shown) == text.encode()
     code, _, err = run_in_process(T.main, [text, "--tokenizer", tmp_path / "none"], capsys)
-    assert code == 1 and "python dataset.py tokenizer" in err
+    assert code == 1 and "python prepare.py tokenizer" in err
 
 
 def test_cli_bad_input(tmp_path, capsys):
-    code, _, err = run_in_process(D.main, ["tokenizer", "--data_dir", tmp_path / "missing", "--vocab_size", 300, "--out",
+    code, _, err = run_in_process(P.main, ["tokenizer", "--data_dir", tmp_path / "missing", "--vocab_size", 300, "--out",
                                            tmp_path / "tk"], capsys)
     assert code == 1 and err.count("\n") == 1  # a runtime error: 1, as every script; 2 is argparse's, a bad flag
     assert f"data directory {tmp_path / 'missing'} does not exist" in err  # dataset.list_shards' message
-    code, _, err = run_in_process(D.main, ["bytes_per_token", "--data_dir", tmp_path, "--tokenizer", tmp_path / "no_tokenizer"],
+    code, _, err = run_in_process(P.main, ["bytes_per_token", "--data_dir", tmp_path, "--tokenizer", tmp_path / "no_tokenizer"],
                                   capsys)
-    assert code == 1 and str(tmp_path / "no_tokenizer" / T.FILE_NAME) in err and "python dataset.py tokenizer" in err
-    code, _, err = run_in_process(D.main, ["tokenizer", "--data_dir", tmp_path, "--vocab_size", "many"], capsys)
+    assert code == 1 and str(tmp_path / "no_tokenizer" / T.FILE_NAME) in err and "python prepare.py tokenizer" in err
+    code, _, err = run_in_process(P.main, ["tokenizer", "--data_dir", tmp_path, "--vocab_size", "many"], capsys)
     assert code == 2 and "invalid int value: 'many'" in err
 
 
@@ -286,7 +286,7 @@ def test_training_prints_what_it_read_and_rustbpes_merge_progress(corpus, capsys
     assert capsys.readouterr().out == ""
     stats = {"docs": 0, "chars": 0, "bytes": 0}
     texts = make_texts()
-    tok = train_tokenizer(D.counting(iter(texts), stats, every_s=0), V, progress=True)
+    tok = train_tokenizer(P.counting(iter(texts), stats, every_s=0), V, progress=True)
     out = capsys.readouterr().out.splitlines()
     merges = V - len(SPECIAL_TOKENS) - 256
     assert tok.vocab_size == V and stats["docs"] == len(texts)

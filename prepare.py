@@ -1,16 +1,24 @@
-"""Checked, resumable downloads from a URL or a Hugging Face hub repo: a file gets its final name
-only once size, hash and (parquet) footer check out; retried with backoff. The listing is saved
-beside the files (.hub_listing.json), so a rerun with intact files needs no hub.
+"""Getting data ready for training: checked, resumable downloads (FineWeb-Edu shards,
+conversation sets, any hub or URL file), your own text ingested as a corpus, and the tokenizer
+trained on a corpus. A file gets its final name only once size, hash and (parquet) footer check
+out; retried with backoff. The hub's listing is saved beside the files (.hub_listing.json), so a
+rerun with intact files needs no hub.
 
-    python download.py shards --shards 8  # FineWeb-Edu shards + the last one (validation)
-    python download.py chat smoltalk gsm8k
-    python download.py list openai/gsm8k  # a hub dataset's files: size, sha256 or git blob id
-    python download.py get openai/gsm8k main/test-00000-of-00001.parquet --out DIR
-    python download.py url URL --out FILE --sha256 HEX  # resumes from FILE.partial
+    python prepare.py shards --shards 8  # FineWeb-Edu shards + the last one (validation)
+    python prepare.py chat smoltalk gsm8k
+    python prepare.py ingest --out DIR PATHS...      # your own .txt/.md/.jsonl/.parquet, or folders
+    python prepare.py tokenizer --data_dir DIR --vocab_size 65536   # -> runs/tokenizer/
+    python prepare.py bytes_per_token --data_dir DIR                # the tokenizer on the val split
+    python prepare.py list openai/gsm8k  # a hub dataset's files: size, sha256 or git blob id
+    python prepare.py get openai/gsm8k main/test-00000-of-00001.parquet --out DIR
+    python prepare.py url URL --out FILE --sha256 HEX  # resumes from FILE.partial
 """
 import argparse
+import codecs
 import hashlib
+import itertools
 import json
+import logging
 import os
 import random
 import re
@@ -23,20 +31,23 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import rustbpe
 
 from dataset import (
     CACHE_DIR,
     CHAT_DATASETS,
     FINEWEB,
-    decode_utf8,
+    ROW_GROUP_DOCS,
     default_data_dir,
-    write_identity,
-    write_parquet,
+    open_parquet,
+    read_row_group,
+    split_shards,
 )
+from tokenizer import SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer
 
 # huggingface_hub is imported inside functions, not by every stage (docs/data.md).
 # hf_hub_download checks no size or hash and gives up on a 500 or a reset mid-body: the checks,
-# retries and one-line errors are this file's (tests/test_download.py).
+# retries and one-line errors are this file's (tests/test_prepare.py).
 
 DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
 # attempts per file; with the backoff below they wait ~60 s in all: enough to ride out a hub hiccup
@@ -420,8 +431,269 @@ def download_chat(name, out_dir=None, workers=4, check_only=False):
     return out_dir
 
 
+# -----------------------------------------------------------------------------
+# Writing shards, and the identity conversations
 
-def main(argv=None):
+def iter_texts(data_dir, split, max_chars=None):
+    """A split's non-empty documents in order, up to max_chars characters."""
+    total = 0
+    for path in split_shards(data_dir, split):
+        for index in range(open_parquet(path).num_row_groups):
+            for text in read_row_group(path, index):
+                if not text:
+                    continue
+                yield text
+                total += len(text)
+                if max_chars is not None and total >= max_chars:
+                    return
+
+
+def write_text_shards(texts, out_dir, seed=0, shard_docs=8 * ROW_GROUP_DOCS, val_fraction=0.05):
+    """Shuffle documents and write the corpus layout, the last shard val_fraction of them (at
+    least one). Returns the paths."""
+    texts = list(texts)
+    if len(texts) < 2:
+        raise ValueError("need at least 2 documents to make a training and a validation split, "
+                         f"got {len(texts)}")
+    random.Random(seed).shuffle(texts)
+    n_val = max(1, round(len(texts) * val_fraction))
+    train, val = texts[:-n_val], texts[-n_val:]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    chunks = [train[i:i + shard_docs] for i in range(0, len(train), shard_docs)] + [val]
+    return [write_parquet(out_dir / f"shard_{i:05d}.parquet", {"text": pa.array(chunk,
+                                                                                pa.string())},
+                          row_group_size=ROW_GROUP_DOCS) for i, chunk in enumerate(chunks)]
+
+
+def write_parquet(path, columns, **kwargs):
+    """zstd parquet, written to path + ".tmp" then renamed: visible only once complete."""
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(pa.table(columns), tmp, compression="zstd", **kwargs)
+    os.replace(tmp, path)
+    return path
+
+
+IDENTITY_FILE = Path(__file__).resolve().parent / "identity.json"
+
+
+def load_identity(path=IDENTITY_FILE):
+    """(the assistant's name, [(question, answer)]) from the identity file."""
+    try:
+        spec = json.loads(Path(path).read_text())
+        name, pairs = spec["name"], [(q, a.format(name=spec["name"])) for q in spec["questions"]
+                                     for a in spec["answers"]]
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise ValueError(f"{path} is not a usable identity file ({type(e).__name__}: {e}): it is "
+                         "JSON with \"name\", \"questions\" and \"answers\" (each answer may say "
+                         "{name})") from None
+    if not isinstance(name, str) or not name or not pairs:
+        raise ValueError(f"{path}: \"name\" must be a non-empty string and \"questions\", "
+                         "\"answers\" non-empty lists")
+    return name, pairs
+
+
+def write_identity(out_dir, path=IDENTITY_FILE):
+    """Every question with every answer, as out_dir/train.parquet."""
+    _, pairs = load_identity(path)
+    rows = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}] for q, a in pairs]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    schema = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+    write_parquet(out_dir / "train.parquet", {"messages": pa.array(rows, schema)})
+    return out_dir
+
+
+# -----------------------------------------------------------------------------
+# Ingest: your own text as a corpus
+
+def decode_utf8(data):
+    """(text, invalid sequences replaced with U+FFFD)."""
+    replaced = 0
+
+    def count(err):
+        nonlocal replaced
+        replaced += 1
+        return "\ufffd", err.end
+    # re-registered per call: the closure holds this call's counter
+    codecs.register_error("dataset.count", count)
+    return data.decode("utf-8", errors="dataset.count"), replaced
+
+
+def read_documents(path, column="text", one_per_file=False):
+    """(documents, invalid UTF-8 replaced) of a file. .txt, .md: split at blank lines (or
+    one_per_file); .jsonl, .parquet: the `column` field."""
+    path = Path(path)
+    if path.suffix == ".parquet":
+        parquet = open_parquet(path, column)
+        return [t for i in range(parquet.num_row_groups) for t in read_row_group(path, i,
+                                                                                 column)], 0
+    if path.suffix not in (".txt", ".md", ".jsonl"):
+        raise ValueError(f"{path}: unsupported file type {path.suffix!r}: use .txt, .md, .jsonl or "
+                         ".parquet")
+    text, replaced = decode_utf8(path.read_bytes())
+    if not text.strip():
+        raise ValueError(f"{path}: empty: it holds no text; leave it out of the corpus")
+    if path.suffix in (".txt", ".md"):
+        return ([text] if one_per_file else re.split(r"\n\s*\n", text)), replaced
+    docs = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number}: not valid JSON ({e.msg}); each line must be one "
+                             f"JSON object with a {column!r} field") from e
+        if not isinstance(record, dict) or column not in record or not isinstance(
+                record[column], (str, type(None))):
+            what = "no field" if isinstance(record,
+                                            dict) and column not in record else "not a string field"
+            raise ValueError(f"{path}:{number}: {what} {column!r}: each line must be one JSON "
+                             f"object with a string {column!r} field (--column NAME reads another "
+                             "field)")
+        docs.append(record[column])
+    return docs, replaced
+
+
+INGEST_SUFFIXES = (".txt", ".md", ".jsonl", ".parquet")
+
+
+def input_files(paths):
+    """Each file given, and each directory's INGEST_SUFFIXES files, recursively, sorted."""
+    files = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file()
+                           and p.suffix in INGEST_SUFFIXES)
+            if not found:
+                raise FileNotFoundError(f"{path}: no {', '.join(INGEST_SUFFIXES)} files in it")
+            files += found
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"{path}: no such file or directory")
+    return files
+
+
+def ingest(paths, out_dir, seed=0, column="text", one_per_file=False, val_fraction=0.05):
+    """Files or directories into a corpus; <out_dir>/ingest.json, written last, says it is
+    whole."""
+    if not paths:
+        raise ValueError("no input files given")
+    files = input_files(paths)
+    docs, empty, replaced = [], 0, 0
+    for path in files:
+        file_docs, file_replaced = read_documents(path, column, one_per_file)
+        stripped = [(doc or "").strip() for doc in file_docs]
+        docs += [doc for doc in stripped if doc]
+        empty += stripped.count("")
+        replaced += file_replaced
+    Path(out_dir, "ingest.json").unlink(missing_ok=True)
+    paths = write_text_shards(docs, out_dir, seed=seed, val_fraction=val_fraction)
+    for stale in set(Path(out_dir).glob("shard_*.parquet")) - set(paths):
+        stale.unlink()
+    summary = {"inputs": [str(p) for p in files], "documents": len(docs), "characters": sum(map(
+            len, docs)),
+               "val_documents": pq.ParquetFile(paths[-1]).metadata.num_rows, "empty": empty,
+               "replaced": replaced,
+               "shards": len(paths)}
+    Path(out_dir, "ingest.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"ingest: {len(files)} files -> {len(docs):,} documents ({summary['characters']:,} "
+          f"characters) in {len(paths)} shards under {out_dir} (last = validation: "
+          f"{summary['val_documents']:,} documents); empty documents skipped: {empty:,}; invalid "
+          f"UTF-8 sequences replaced with U+FFFD: {replaced:,}")
+    return {**summary, "shards": paths}
+
+
+# -----------------------------------------------------------------------------
+# The tokenizer, trained on a training split (rustbpe), measured on the validation split
+
+# pyo3_log caches the level at rustbpe's first message: INFO here, printed only where
+# train_tokenizer(progress=True) adds a handler
+RUSTBPE_LOG = logging.getLogger("rustbpe")
+RUSTBPE_LOG.setLevel(logging.INFO)
+RUSTBPE_LOG.propagate = False
+
+
+def rustbpe_printer(start, every_percent=10):
+    """A handler printing rustbpe's messages with seconds since start: every set-up step, and
+    merge progress every every_percent."""
+    handler = logging.StreamHandler(sys.stdout)
+
+    def keep(record):
+        message = record.getMessage()
+        percent = re.match(r"Progress: (\d+)%", message)
+        if percent and int(percent.group(1)) % every_percent:
+            return False
+        seconds = time.perf_counter() - start
+        record.msg, record.args = f"tokenizer: {seconds:.1f} s, rustbpe: {message}", ()
+        return True
+    handler.addFilter(keep)
+    return handler
+
+
+def train_tokenizer(texts, vocab_size, progress=False):
+    """BPE: exactly vocab_size ids including SPECIAL_TOKENS. progress: print rustbpe's log."""
+    n_merged = vocab_size - len(SPECIAL_TOKENS)
+    if n_merged < 256:
+        raise ValueError(f"vocab_size={vocab_size} is too small: byte-level BPE needs 256 byte "
+                         f"tokens + {len(SPECIAL_TOKENS)} special tokens, so at least "
+                         f"{256 + len(SPECIAL_TOKENS)}")
+    bpe = rustbpe.Tokenizer()
+    printer = rustbpe_printer(time.perf_counter()) if progress else None
+    if printer:
+        RUSTBPE_LOG.addHandler(printer)
+    try:
+        bpe.train_from_iterator(iter(texts), n_merged, pattern=SPLIT_PATTERN)
+    finally:
+        if printer:
+            RUSTBPE_LOG.removeHandler(printer)
+    ranks = dict(bpe.get_mergeable_ranks())
+    # rustbpe stops early, silently, when no pair of tokens is left to merge
+    if len(ranks) != n_merged:
+        raise ValueError(f"the training text only allows {len(ranks) - 256} merges, "
+                         f"vocab_size={vocab_size} needs {n_merged - 256}: use more text or a "
+                         "smaller --vocab_size")
+    return Tokenizer(ranks, SPLIT_PATTERN)
+
+
+def counting(texts, stats, every_s=None):
+    """Yield texts, counting documents, characters and bytes; print the rate every every_s."""
+    start = printed = time.perf_counter()
+    for text in texts:
+        stats["docs"] += 1
+        stats["chars"] += len(text)
+        stats["bytes"] += len(text.encode("utf-8"))
+        now = time.perf_counter()
+        if every_s is not None and now - printed >= every_s:
+            printed = now
+            print(f"tokenizer: {now - start:.1f} s, read {stats['docs']:,} documents, "
+                  f"{stats['bytes'] / 1e6:,.1f} MB "
+                  f"({stats['bytes'] / 1e6 / max(now - start, 1e-9):.1f} MB/s)", flush=True)
+        yield text
+
+
+def text_stats(tokenizer, texts, batch_docs=1024):
+    """(documents, UTF-8 bytes, tokens), encoded in parallel batches."""
+    docs = n_bytes = n_tokens = 0
+    texts = iter(texts)
+    while batch := list(itertools.islice(texts, batch_docs)):
+        docs += len(batch)
+        n_bytes += sum(len(text.encode("utf-8")) for text in batch)
+        n_tokens += sum(len(ids) for ids in tokenizer.encode_batch(batch))
+    return docs, n_bytes, n_tokens
+
+
+def bytes_per_token(tokenizer, texts):
+    """UTF-8 bytes per token: higher compresses better."""
+    _, n_bytes, n_tokens = text_stats(tokenizer, texts)
+    if n_tokens == 0:
+        raise ValueError("no tokens: bytes/token needs at least one non-empty text")
+    return n_bytes / n_tokens
+
+
+def get_parser():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -462,28 +734,83 @@ def main(argv=None):
     p.add_argument("--size", type=int, default=None, help="expected size in bytes (default: not "
                    "checked)")
     p.add_argument("--sha256", default=None, help="expected sha256 in hex (default: not checked)")
+    p = commands.add_parser("ingest", help="your own .txt/.md/.jsonl/.parquet files as a corpus")
+    p.add_argument("files", nargs="+", help=".txt, .md (documents split on blank lines), .jsonl, "
+                   ".parquet, or a directory of them")
+    p.add_argument("--out", required=True, help="output corpus directory")
+    p.add_argument("--column", default="text", help="jsonl field / parquet column (default: "
+                   "%(default)s)")
+    p.add_argument("--one_per_file", action="store_true", help="each .txt/.md file is one document "
+                   "(default: split on blank lines)")
+    p.add_argument("--seed", type=int, default=0, help="shuffle seed (default: %(default)s)")
+    p.add_argument("--val_fraction", type=float, default=0.05, help="share of documents in the "
+                   "validation shard (default: %(default)s)")
+    train = commands.add_parser("tokenizer", help="train a tokenizer on a corpus's training split")
+    train.add_argument("--data_dir", required=True, help="corpus directory of parquet shards")
+    train.add_argument("--vocab_size", type=int, default=65536,
+                       help="final vocabulary size, special tokens included (default: %(default)s)")
+    train.add_argument("--max_chars", type=int, default=2_000_000_000,
+                       help="stop reading the training split after this many characters (default: "
+                       "%(default)s)")
+    train.add_argument("--out", default="runs/tokenizer", help="directory to save tokenizer.json "
+                       "in (default: %(default)s)")
+    measure = commands.add_parser("bytes_per_token", help="a tokenizer's bytes per token on a "
+                                  "corpus's validation split")
+    measure.add_argument("--data_dir", required=True, help="corpus directory of parquet shards")
+    measure.add_argument("--tokenizer", default="runs/tokenizer", help="directory of "
+                         "tokenizer.json (default: %(default)s)")
+    return parser
+
+
+def main(argv=None):
+    parser = get_parser()
     args = parser.parse_args(argv)
     try:
         if args.command == "shards":
             data_dir = Path(args.data_dir or default_data_dir(args.dataset))
             paths = download_shards(args.dataset, args.shards, data_dir, workers=args.workers)
-            print(f"download.py shards: {len(paths) - 1} training shards + 1 validation shard in "
+            print(f"prepare.py shards: {len(paths) - 1} training shards + 1 validation shard in "
                   f"{data_dir}")
         elif args.command == "chat":
             for name in args.names:
                 out = download_chat(name, workers=args.workers, check_only=args.check)
-                print(f"download.py chat: {name} {'is available' if args.check else 'in'} {out}")
+                print(f"prepare.py chat: {name} {'is available' if args.check else 'in'} {out}")
         elif args.command == "list":
             for f in list_hub_files(args.repo, args.revision, args.repo_type):
                 print(f"{f['path']}\t{f['size']}\t{f['sha256'] or 'git ' + str(f['git_sha1'])}")
         elif args.command == "get":
             paths = download_hub_files(args.repo, args.paths, args.out, args.revision,
                                        args.repo_type, args.workers)
-            print(f"download.py get: {len(paths)} files of {args.repo} in {args.out}")
+            print(f"prepare.py get: {len(paths)} files of {args.repo} in {args.out}")
+        elif args.command == "ingest":
+            ingest(args.files, args.out, seed=args.seed, column=args.column,
+                   one_per_file=args.one_per_file, val_fraction=args.val_fraction)
+        elif args.command == "tokenizer":
+            stats = {"docs": 0, "chars": 0, "bytes": 0}
+            start = time.perf_counter()
+            texts = counting(iter_texts(args.data_dir, "train", args.max_chars), stats, every_s=10)
+            tokenizer = train_tokenizer(texts, args.vocab_size, progress=True)
+            seconds = time.perf_counter() - start
+            print(f"training text: {stats['docs']:,} documents, {stats['chars']:,} characters, "
+                  f"{stats['bytes']:,} UTF-8 bytes (train split of {args.data_dir})")
+            print(f"trained in {seconds:.2f} s ({stats['bytes'] / 1e6 / seconds:.1f} MB/s)")
+            print(f"vocab size: {tokenizer.vocab_size} (256 bytes + "
+                  f"{len(tokenizer.mergeable_ranks) - 256} merges + {len(SPECIAL_TOKENS)} special "
+                  "tokens)")
+            print(f"saved to {tokenizer.save(args.out)}")
+        elif args.command == "bytes_per_token":
+            tokenizer = Tokenizer.load(args.tokenizer)
+            docs, n_bytes, n_tokens = text_stats(tokenizer, iter_texts(args.data_dir, "val"))
+            if n_tokens == 0:
+                raise ValueError(f"the validation split of {args.data_dir} has no text")
+            print(f"val split of {args.data_dir}: {docs:,} documents, {n_bytes:,} bytes, "
+                  f"{n_tokens:,} tokens")
+            print(f"bytes/token: {n_bytes / n_tokens:.6f} (tokenizer {args.tokenizer}, vocab size "
+                  f"{tokenizer.vocab_size})")
         else:
-            print(f"download.py url: {download_file(args.url, args.out, args.size, args.sha256)}")
-    except (ValueError, TypeError, RuntimeError, OSError) as e:
-        parser.exit(2, f"download.py {args.command}: error: {e}\n")
+            print(f"prepare.py url: {download_file(args.url, args.out, args.size, args.sha256)}")
+    except (ValueError, TypeError, RuntimeError, OSError) as e:  # a bad flag: argparse's 2
+        parser.exit(1, f"prepare.py {args.command}: error: {e}\n")
 
 
 if __name__ == "__main__":

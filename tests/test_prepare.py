@@ -24,7 +24,8 @@ from huggingface_hub import constants as hf_constants
 from huggingface_hub.utils import http_backoff
 
 import dataset as D
-import download as dl
+import prepare as P
+import prepare as dl
 
 REPO = "org/fineweb-mini"
 NUM_SHARDS = 5  # shard_00000 .. shard_00004: four training shards, then the validation shard
@@ -365,17 +366,17 @@ def test_download_chat_fetches_only_the_dataset_files_and_converts_lima(hub, tmp
         dl.download_chat("alpaca", tmp_path / "x")
 
 
-def test_the_cli_exits_2_with_one_line_that_says_what_to_do(hub, tmp_path, capsys):
+def test_the_cli_exits_1_with_one_line_that_says_what_to_do(hub, tmp_path, capsys):
     hub.status = 401
     with pytest.raises(SystemExit) as exit_info:
         dl.main(["shards", "--shards", "2", "--dataset", REPO, "--data_dir", str(tmp_path / "data")])
     err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and err.startswith("download.py shards: error: ") and "HF_TOKEN" in err
+    assert exit_info.value.code == 1 and err.startswith("prepare.py shards: error: ") and "HF_TOKEN" in err
     assert err.count("\n") == 1 and not (tmp_path / "data").exists()
 
 
 def test_download_py_lists_a_repo_with_its_hashes_and_gets_the_files_named_byte_identical(hub, tmp_path, capsys):
-    """`python download.py list REPO` prints each file's path, size and sha256 (git blob id for a file kept in git);
+    """`python prepare.py list REPO` prints each file's path, size and sha256 (git blob id for a file kept in git);
     `get REPO PATHS --out DIR` puts exactly those files in DIR."""
     dl.main(["list", REPO])
     listed = sorted(line.split("\t") for line in capsys.readouterr().out.splitlines())
@@ -383,7 +384,7 @@ def test_download_py_lists_a_repo_with_its_hashes_and_gets_the_files_named_byte_
                              else f"git {git_blob_id(data)}"] for path, data in hub.files.items())
     names = ["shard_00003.parquet", "README.md"]
     dl.main(["get", REPO, *names, "--out", str(tmp_path / "out")])
-    assert capsys.readouterr().out == f"download.py get: 2 files of {REPO} in {tmp_path / 'out'}\n"
+    assert capsys.readouterr().out == f"prepare.py get: 2 files of {REPO} in {tmp_path / 'out'}\n"
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(names)
     assert all((tmp_path / "out" / name).read_bytes() == hub.files[name] for name in names)
 
@@ -484,11 +485,11 @@ def test_the_identity_set_is_every_question_with_every_answer_of_the_one_file(tm
     spec = tmp_path / "identity.json"
     spec.write_text(json.dumps({"name": "Quill", "questions": ["Who are you?", "Your name?"],
                                 "answers": ["I am {name}.", "{name} here, a small model."]}))
-    out = D.write_identity(tmp_path / "identity", spec)
+    out = P.write_identity(tmp_path / "identity", spec)
     rows = pq.read_table(out / "train.parquet").column("messages").to_pylist()
     assert [(r[0]["content"], r[1]["content"]) for r in rows] == [
         ("Who are you?", "I am Quill."), ("Who are you?", "Quill here, a small model."), ("Your name?", "I am Quill."),
         ("Your name?", "Quill here, a small model.")]
     spec.write_text(json.dumps({"name": "Quill", "questions": ["Who?"]}))
     with pytest.raises(ValueError, match="not a usable identity file .*\"answers\""):
-        D.write_identity(tmp_path / "identity", spec)
+        P.write_identity(tmp_path / "identity", spec)
