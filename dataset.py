@@ -6,7 +6,6 @@ A text corpus (FineWeb-Edu's layout): parquet shards shard_00000.parquet, ..., o
 `text`, row groups of 1024 documents, zstd; the last shard is validation, the rest training.
 """
 import json
-import math
 import os
 import re
 from array import array
@@ -326,67 +325,6 @@ def list_shards(data_dir):
                                 f"--shards N --data_dir {data_dir}` or `python prepare.py ingest "
                                 f"--out {data_dir} FILES...`")
     return shards
-
-
-# in a corpus directory: {tokenizer fingerprint: {shard name: [tokens, docs]}}
-TOKEN_COUNTS = ".token_counts.json"
-
-
-def shard_tokens(path, tokenizer):
-    """(tokens, documents) of a shard as trained on: each document's tokens plus BOS. Counted
-    once per tokenizer, kept in .token_counts.json."""
-    path = Path(path)
-    cache = path.parent / TOKEN_COUNTS
-    key = tokenizer.fingerprint()
-    try:
-        counts = json.loads(cache.read_text())
-    except (OSError, ValueError):
-        counts = {}
-    if path.name in counts.get(key, {}):
-        return tuple(counts[key][path.name])
-    tokens = docs = 0
-    for index in range(open_parquet(path).num_row_groups):
-        texts = [t for t in read_row_group(path, index) if t]
-        tokens += sum(len(ids) + 1 for ids in tokenizer.encode_batch(texts,
-                                                                     num_threads=os.cpu_count()))
-        docs += len(texts)
-    counts.setdefault(key, {})[path.name] = [tokens, docs]
-    tmp = cache.with_name(cache.name + f".{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(counts))
-        os.replace(tmp, cache)
-    except OSError:  # a read-only corpus: counted again next time
-        tmp.unlink(missing_ok=True)
-    return tokens, docs
-
-
-def corpus_budget(data_dir, tokenizer, budget_tokens):
-    """A training split against a token budget: shards, docs, tokens (estimated from the first
-    shard), epochs."""
-    train = split_shards(data_dir, "train")
-    tokens0, docs0 = shard_tokens(train[0], tokenizer)
-    docs = sum(open_parquet(p).metadata.num_rows for p in train)
-    per_doc = tokens0 / max(1, docs0)
-    tokens = int(per_doc * docs)
-    fineweb = Path(data_dir).resolve() == default_data_dir(FINEWEB).resolve()
-    return {"shards": len(train), "docs": docs, "measured_shard": train[0].name, "fineweb": fineweb,
-            "tokens_per_doc": per_doc,
-            "tokens_per_shard": tokens0, "tokens": tokens, "epochs": budget_tokens / max(1, tokens)}
-
-
-def budget_line(b, budget_tokens):
-    """The plan's data line: budget against corpus; says so when data repeats."""
-    line = (f"data: budget {budget_tokens:,} tokens; corpus {b['shards']} training shards, "
-            f"{b['docs']:,} documents x {b['tokens_per_doc']:,.0f} tokens (the mean of "
-            f"{b['measured_shard']}, counted with this tokenizer) = ~{b['tokens']:,} tokens: "
-            f"{b['epochs']:.2f} epochs")
-    if b["epochs"] > 1:
-        shards = math.ceil(budget_tokens / max(1, b["tokens_per_shard"])) + 1
-        # only FineWeb-Edu's directory is prepare.py's to fill
-        more = (f"more shards: `python prepare.py shards --shards N`; N ~ {shards}" if b["fineweb"]
-                else "fewer --steps, or more text in the corpus")
-        line += f". This run REPEATS data: {b['epochs']:.2f} passes over the corpus ({more})"
-    return line
 
 
 def split_shards(data_dir, split):

@@ -5,10 +5,7 @@ decode() prefills the prompts in one forward, then decodes N replies to each, al
 forward per step, each at its own position (a greedy row equals its prompt decoded alone) with
 its own calculator; the cache is compacted when half the prompts have ended. Compiled on CUDA,
 eager on the CPU and for few samples, where compiling costs more (dev/LOG.md; docs/model.md).
-Run alone, it checks batched greedy rows against each prompt alone, and times both.
-
-    python decode.py                              # tiny, 8 prompts of 5 to 60 tokens, 32 new each
-    python decode.py --preset d12 --prompts 64 --dtype bfloat16 --device cuda
+dev/bench_decode.py checks batched greedy rows against each prompt alone, and times both.
 
 The calculator, the chat model's tool: after <|python_start|>expr<|python_end|> generation
 inserts <|output_start|>calculate(expr)<|output_end|> (SFT teaches it from GSM8K's
@@ -36,7 +33,6 @@ from model import (
     autocast_context,
     bitnet_activation,
     build_model,
-    config_from_preset,
     softcap_logits,
 )
 
@@ -446,57 +442,15 @@ def reply_text(tokenizer, ids):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="tiny", help="model preset, random weights (default: "
-                        "%(default)s)")
-    parser.add_argument("--prompts", type=int, default=8, help="prompts decoded together (default: "
-                        "%(default)s)")
-    parser.add_argument("--max_new_tokens", type=int, default=32, help="greedy tokens per prompt "
-                        "(default: %(default)s)")
-    parser.add_argument("--compared", type=int, default=4, help="prompts also decoded alone, one "
-                        "row each, the rest of the check's time (default: %(default)s)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help=
-                        "compute dtype (default: %(default)s)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help=
-                        "device (default: %(default)s)")
-    parser.add_argument("--calculate", metavar="EXPR", default=None, help="only the calculator: "
-                        "print what it answers to EXPR, e.g. '12/60*50' (default: the check)")
+    parser = argparse.ArgumentParser(description="the calculator: what it answers to EXPR")
+    parser.add_argument("--calculate", metavar="EXPR", required=True,
+                        help="an expression, e.g. '12/60*50'")
     args = parser.parse_args(argv)
-    if args.calculate is not None:
-        try:
-            print(calculate(args.calculate))
-        except CalculatorError as e:
-            parser.exit(2, f"decode.py --calculate: error: {e}\n")
-        return 0
-    if min(args.prompts, args.max_new_tokens, args.compared) < 1:
-        parser.error("--prompts, --max_new_tokens and --compared must be >= 1")
-    device = torch.device(args.device)
-    torch.manual_seed(0)
-    model = build_model(config_from_preset(args.preset), device).eval()
-    lengths = torch.randint(5, 61, (args.prompts,)).tolist()
-    prompts = [torch.randint(0, model.config.vocab_size, (n,)).tolist() for n in lengths]
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    compared = prompts[:args.compared]
-    weights = decode_weights(model, args.dtype)
-    # warm-up, untimed: compiles on CUDA
-    decode(model, prompts, args.max_new_tokens, dtype=args.dtype, weights=weights)
-    sync()
-    start = time.perf_counter()
-    alone = [decode(model, [p], args.max_new_tokens, dtype=args.dtype,
-                    weights=weights)[0][0] for p in compared]
-    sync()
-    alone_s = time.perf_counter() - start
-    start = time.perf_counter()
-    rows, _ = decode(model, prompts, args.max_new_tokens, dtype=args.dtype, weights=weights)
-    sync()
-    batch_s = time.perf_counter() - start
-    same = sum(a == b for a, b in zip(rows, alone))
-    print(f"{args.preset} {args.dtype} on {device}: decode() one prompt at a time "
-          f"{len(compared) * args.max_new_tokens / alone_s:,.0f} tok/s; {len(prompts)} prompts "
-          f"together {len(prompts) * args.max_new_tokens / batch_s:,.0f} tok/s; greedy rows equal "
-          f"to one at a time: {same}/{len(compared)}")
-    return 0 if args.dtype != "float32" or same == len(compared) else 1
+    try:
+        print(calculate(args.calculate))
+    except CalculatorError as e:
+        parser.exit(2, f"decode.py --calculate: error: {e}\n")
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,11 +1,8 @@
 """Streaming loaders: (inputs, targets) batches on the device from a text corpus (text_loader)
 or conversations (chat_loader), resumable bit-identically from state_dict(). Packing is pure
-functions below PieceBuffer; PackedLoader adds threads and files. To see a batch:
-
-    python loader.py --data_dir data/demo/pretrain --tokenizer runs/tokenizer   # pretraining rows
-    python loader.py --chat data/demo/conversations --tokenizer runs/tokenizer  # SFT rows, targets
+functions below PieceBuffer; PackedLoader adds threads and files. Not a stage; `python
+prepare.py rows` shows the rows a batch makes.
 """
-import argparse
 import bisect
 import contextlib
 import heapq
@@ -21,8 +18,6 @@ import numpy as np
 import torch
 
 from dataset import (
-    SKIP_BAD_ROWS_HELP,
-    chat_dir,
     chat_files,
     chat_footer,
     chat_rows,
@@ -30,7 +25,6 @@ from dataset import (
     read_row_group,
     split_shards,
 )
-from tokenizer import Tokenizer
 
 STAT_KEYS = ("batches", "tokens", "supervised", "docs", "doc_tokens", "pieces", "cropped",
              "padding",
@@ -592,55 +586,3 @@ def val_rows(data_dir, tokenizer, max_tokens, seq_len):
     finally:
         loader.close()
     return torch.cat(rows)[:n_rows]
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--data_dir", help="a text corpus directory (its shards, the last one "
-                        "validation)")
-    source.add_argument("--chat", help="a conversation directory or .jsonl file, or a `prepare.py "
-                        "chat` name")
-    parser.add_argument("--tokenizer", default="runs/tokenizer", help="directory of tokenizer.json "
-                        "(default: %(default)s)")
-    parser.add_argument("--split", default="train", choices=["train", "val"], help=
-                        "(default: %(default)s)")
-    parser.add_argument("--batch_size", type=int, default=4, help="rows per batch (default: "
-                        "%(default)s)")
-    parser.add_argument("--seq_len", type=int, default=256, help="tokens per row (default: "
-                        "%(default)s)")
-    parser.add_argument("--pack", default="pad", choices=["pad", "crop"], help=
-                        "conversations: pad (SFT) or crop (midtraining) (default: %(default)s)")
-    parser.add_argument("--supervise", default="assistant", choices=["assistant", "all"], help=
-                        "conversations: which tokens are targets (default: %(default)s)")
-    parser.add_argument("--skip_bad_rows", action="store_true", help=SKIP_BAD_ROWS_HELP)
-    parser.add_argument("--rows", type=int, default=2, help="rows of the first batch to print "
-                        "(default: %(default)s)")
-    args = parser.parse_args(argv)
-    try:
-        tokenizer = Tokenizer.load(args.tokenizer)
-        if args.data_dir:
-            loader = text_loader(args.data_dir, args.split, tokenizer, args.batch_size,
-                                 args.seq_len)
-        else:
-            loader = chat_loader(chat_dir(args.chat), args.split, tokenizer, args.batch_size,
-                                 args.seq_len,
-                                 pack=args.pack, supervise=args.supervise,
-                                 skip_bad_rows=args.skip_bad_rows)
-        inputs, targets = next(loader)
-        loader.close()
-    except (FileNotFoundError, ValueError) as e:
-        parser.exit(2, f"loader.py: error: {e}\n")
-    for i in range(min(args.rows, len(inputs))):
-        trained = targets[i][targets[i] != -1].tolist()
-        print(f"--- row {i}: {len(trained)} of {args.seq_len} targets; "
-              f"inputs:\n{tokenizer.decode(inputs[i].tolist())}")
-        if len(trained) < args.seq_len:
-            print(f"--- row {i}: its targets (the tokens it trains on), "
-                  f"joined:\n{tokenizer.decode(trained)}")
-    print(loader.log_line())
-
-
-if __name__ == "__main__":
-    main()

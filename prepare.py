@@ -9,6 +9,7 @@ rerun with intact files needs no hub.
     python prepare.py ingest --out DIR PATHS...      # your own .txt/.md/.jsonl/.parquet, or folders
     python prepare.py tokenizer --data_dir DIR --vocab_size 65536   # -> runs/tokenizer/
     python prepare.py bytes_per_token --data_dir DIR                # the tokenizer on the val split
+    python prepare.py rows --chat my_chats.jsonl --tokenizer runs/tokenizer   # a batch's rows
     python prepare.py list openai/gsm8k  # a hub dataset's files: size, sha256 or git blob id
     python prepare.py get openai/gsm8k main/test-00000-of-00001.parquet --out DIR
     python prepare.py url URL --out FILE --sha256 HEX  # resumes from FILE.partial
@@ -38,6 +39,8 @@ from dataset import (
     CHAT_DATASETS,
     FINEWEB,
     ROW_GROUP_DOCS,
+    SKIP_BAD_ROWS_HELP,
+    chat_dir,
     default_data_dir,
     open_parquet,
     read_row_group,
@@ -693,6 +696,79 @@ def bytes_per_token(tokenizer, texts):
     return n_bytes / n_tokens
 
 
+def show_rows(args):
+    """`rows`: the first batch's rows decoded, and the tokens each trains on."""
+    from loader import chat_loader, text_loader  # torch: only this command needs it
+    tokenizer = Tokenizer.load(args.tokenizer)
+    if args.data_dir:
+        loader = text_loader(args.data_dir, args.split, tokenizer, args.batch_size, args.seq_len)
+    else:
+        loader = chat_loader(chat_dir(args.chat), args.split, tokenizer, args.batch_size,
+                             args.seq_len, pack=args.pack, supervise=args.supervise,
+                             skip_bad_rows=args.skip_bad_rows)
+    inputs, targets = next(loader)
+    loader.close()
+    for i in range(min(args.rows, len(inputs))):
+        trained = targets[i][targets[i] != -1].tolist()
+        print(f"--- row {i}: {len(trained)} of {args.seq_len} targets; "
+              f"inputs:\n{tokenizer.decode(inputs[i].tolist())}")
+        if len(trained) < args.seq_len:
+            print(f"--- row {i}: its targets (the tokens it trains on), "
+                  f"joined:\n{tokenizer.decode(trained)}")
+    print(loader.log_line())
+
+
+def add_corpus_commands(commands):
+    """ingest, tokenizer, bytes_per_token, rows: your text as a corpus, and what it becomes."""
+    p = commands.add_parser("ingest", help="your own .txt/.md/.jsonl/.parquet files as a corpus")
+    p.add_argument("files", nargs="+", help=".txt, .md (documents split on blank lines), .jsonl, "
+                   ".parquet, or a directory of them")
+    p.add_argument("--out", required=True, help="output corpus directory")
+    p.add_argument("--column", default="text", help="jsonl field / parquet column (default: "
+                   "%(default)s)")
+    p.add_argument("--one_per_file", action="store_true", help="each .txt/.md file is one document "
+                   "(default: split on blank lines)")
+    p.add_argument("--seed", type=int, default=0, help="shuffle seed (default: %(default)s)")
+    p.add_argument("--val_fraction", type=float, default=0.05, help="share of documents in the "
+                   "validation shard (default: %(default)s)")
+    train = commands.add_parser("tokenizer", help="train a tokenizer on a corpus's training split")
+    train.add_argument("--data_dir", required=True, help="corpus directory of parquet shards")
+    train.add_argument("--vocab_size", type=int, default=65536,
+                       help="final vocabulary size, special tokens included (default: %(default)s)")
+    train.add_argument("--max_chars", type=int, default=2_000_000_000,
+                       help="stop reading the training split after this many characters (default: "
+                       "%(default)s)")
+    train.add_argument("--out", default="runs/tokenizer", help="directory to save tokenizer.json "
+                       "in (default: %(default)s)")
+    measure = commands.add_parser("bytes_per_token", help="a tokenizer's bytes per token on a "
+                                  "corpus's validation split")
+    measure.add_argument("--data_dir", required=True, help="corpus directory of parquet shards")
+    measure.add_argument("--tokenizer", default="runs/tokenizer", help="directory of "
+                         "tokenizer.json (default: %(default)s)")
+    rows = commands.add_parser("rows", help="the rows a batch of a corpus or of conversations "
+                               "makes, decoded, and the tokens each trains on")
+    source = rows.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data_dir", help="a text corpus directory (its shards, the last one "
+                        "validation)")
+    source.add_argument("--chat", help="a conversation directory or .jsonl file, or a `prepare.py "
+                        "chat` name")
+    rows.add_argument("--tokenizer", default="runs/tokenizer", help="directory of tokenizer.json "
+                      "(default: %(default)s)")
+    rows.add_argument("--split", default="train", choices=["train", "val"], help=
+                      "(default: %(default)s)")
+    rows.add_argument("--batch_size", type=int, default=4, help="rows per batch (default: "
+                      "%(default)s)")
+    rows.add_argument("--seq_len", type=int, default=256, help="tokens per row (default: "
+                      "%(default)s)")
+    rows.add_argument("--pack", default="pad", choices=["pad", "crop"], help=
+                      "conversations: pad (SFT) or crop (midtraining) (default: %(default)s)")
+    rows.add_argument("--supervise", default="assistant", choices=["assistant", "all"], help=
+                      "conversations: which tokens are targets (default: %(default)s)")
+    rows.add_argument("--skip_bad_rows", action="store_true", help=SKIP_BAD_ROWS_HELP)
+    rows.add_argument("--rows", type=int, default=2, help="rows of the first batch to print "
+                      "(default: %(default)s)")
+
+
 def get_parser():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -734,31 +810,7 @@ def get_parser():
     p.add_argument("--size", type=int, default=None, help="expected size in bytes (default: not "
                    "checked)")
     p.add_argument("--sha256", default=None, help="expected sha256 in hex (default: not checked)")
-    p = commands.add_parser("ingest", help="your own .txt/.md/.jsonl/.parquet files as a corpus")
-    p.add_argument("files", nargs="+", help=".txt, .md (documents split on blank lines), .jsonl, "
-                   ".parquet, or a directory of them")
-    p.add_argument("--out", required=True, help="output corpus directory")
-    p.add_argument("--column", default="text", help="jsonl field / parquet column (default: "
-                   "%(default)s)")
-    p.add_argument("--one_per_file", action="store_true", help="each .txt/.md file is one document "
-                   "(default: split on blank lines)")
-    p.add_argument("--seed", type=int, default=0, help="shuffle seed (default: %(default)s)")
-    p.add_argument("--val_fraction", type=float, default=0.05, help="share of documents in the "
-                   "validation shard (default: %(default)s)")
-    train = commands.add_parser("tokenizer", help="train a tokenizer on a corpus's training split")
-    train.add_argument("--data_dir", required=True, help="corpus directory of parquet shards")
-    train.add_argument("--vocab_size", type=int, default=65536,
-                       help="final vocabulary size, special tokens included (default: %(default)s)")
-    train.add_argument("--max_chars", type=int, default=2_000_000_000,
-                       help="stop reading the training split after this many characters (default: "
-                       "%(default)s)")
-    train.add_argument("--out", default="runs/tokenizer", help="directory to save tokenizer.json "
-                       "in (default: %(default)s)")
-    measure = commands.add_parser("bytes_per_token", help="a tokenizer's bytes per token on a "
-                                  "corpus's validation split")
-    measure.add_argument("--data_dir", required=True, help="corpus directory of parquet shards")
-    measure.add_argument("--tokenizer", default="runs/tokenizer", help="directory of "
-                         "tokenizer.json (default: %(default)s)")
+    add_corpus_commands(commands)
     return parser
 
 
@@ -798,6 +850,8 @@ def main(argv=None):
                   f"{len(tokenizer.mergeable_ranks) - 256} merges + {len(SPECIAL_TOKENS)} special "
                   "tokens)")
             print(f"saved to {tokenizer.save(args.out)}")
+        elif args.command == "rows":
+            show_rows(args)
         elif args.command == "bytes_per_token":
             tokenizer = Tokenizer.load(args.tokenizer)
             docs, n_bytes, n_tokens = text_stats(tokenizer, iter_texts(args.data_dir, "val"))

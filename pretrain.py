@@ -11,7 +11,10 @@ ckpt/step_XXXXXX/, done.json (the final figures).
 import argparse
 import json
 import math
+import os
+import re
 import sys
+from contextlib import suppress
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
@@ -22,14 +25,7 @@ import checkpoint
 import distributed
 import optim
 import train_loop
-from dataset import (
-    FINEWEB,
-    budget_line,
-    corpus_budget,
-    default_data_dir,
-    shard_tokens,
-    split_shards,
-)
+from dataset import FINEWEB, default_data_dir, open_parquet, read_row_group, split_shards
 from loader import close_all, text_loader, val_rows
 from model import (
     add_model_args,
@@ -108,6 +104,67 @@ def get_args(argv=None):
     return p, args
 
 
+# in a corpus directory: {tokenizer fingerprint: {shard name: [tokens, docs]}}
+TOKEN_COUNTS = ".token_counts.json"
+
+
+def shard_tokens(path, tokenizer):
+    """(tokens, documents) of a shard as trained on: each document's tokens plus BOS. Counted
+    once per tokenizer, kept in .token_counts.json."""
+    path = Path(path)
+    cache = path.parent / TOKEN_COUNTS
+    key = tokenizer.fingerprint()
+    try:
+        counts = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        counts = {}
+    if path.name in counts.get(key, {}):
+        return tuple(counts[key][path.name])
+    tokens = docs = 0
+    for index in range(open_parquet(path).num_row_groups):
+        texts = [t for t in read_row_group(path, index) if t]
+        tokens += sum(len(ids) + 1 for ids in tokenizer.encode_batch(texts,
+                                                                     num_threads=os.cpu_count()))
+        docs += len(texts)
+    counts.setdefault(key, {})[path.name] = [tokens, docs]
+    tmp = cache.with_name(cache.name + f".{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(counts))
+        os.replace(tmp, cache)
+    except OSError:  # a read-only corpus: counted again next time
+        tmp.unlink(missing_ok=True)
+    return tokens, docs
+
+
+def corpus_budget(data_dir, tokenizer, budget_tokens):
+    """A training split against a token budget: shards, docs, tokens (estimated from the first
+    shard), epochs."""
+    train = split_shards(data_dir, "train")
+    tokens0, docs0 = shard_tokens(train[0], tokenizer)
+    docs = sum(open_parquet(p).metadata.num_rows for p in train)
+    per_doc = tokens0 / max(1, docs0)
+    tokens = int(per_doc * docs)
+    fineweb = Path(data_dir).resolve() == default_data_dir(FINEWEB).resolve()
+    return {"shards": len(train), "docs": docs, "measured_shard": train[0].name, "fineweb": fineweb,
+            "tokens_per_doc": per_doc,
+            "tokens_per_shard": tokens0, "tokens": tokens, "epochs": budget_tokens / max(1, tokens)}
+
+
+def budget_line(b, budget_tokens):
+    """The plan's data line: budget against corpus; says so when data repeats."""
+    line = (f"data: budget {budget_tokens:,} tokens; corpus {b['shards']} training shards, "
+            f"{b['docs']:,} documents x {b['tokens_per_doc']:,.0f} tokens (the mean of "
+            f"{b['measured_shard']}, counted with this tokenizer) = ~{b['tokens']:,} tokens: "
+            f"{b['epochs']:.2f} epochs")
+    if b["epochs"] > 1:
+        shards = math.ceil(budget_tokens / max(1, b["tokens_per_shard"])) + 1
+        # only FineWeb-Edu's directory is prepare.py's to fill
+        more = (f"more shards: `python prepare.py shards --shards N`; N ~ {shards}" if b["fineweb"]
+                else "fewer --steps, or more text in the corpus")
+        line += f". This run REPEATS data: {b['epochs']:.2f} passes over the corpus ({more})"
+    return line
+
+
 def data_plan(args, config, tokenizer):
     """--data_plan: shards, steps and checkpoint bytes for a budget, to <runs_dir>/data_plan.json
     (read by speedrun.sh and the gpu plan)."""
@@ -166,6 +223,88 @@ def plan_steps(args, config, tokens_per_step):
     return math.ceil(args.tokens_per_param * budget_params(config) / tokens_per_step)
 
 
+# -----------------------------------------------------------------------------
+# --check_batch: the rehearsal's first check, before any process starts
+
+def check_batch_divides(total, seq_len, world, micro=0):
+    """Checked before the downloads. Returns the line saying what a step is, else a ValueError
+    naming process counts and totals that work."""
+    used = train_loop.nearest_batch(total, seq_len, world, micro)
+    if used not in (None, total):
+        return train_loop.batch_line(total, used, seq_len, world, micro)
+    sequences = total // (seq_len * world)
+    if used and micro:
+        return (f"batch: {total:,} tokens a step = micro-batch {micro} x sequence {seq_len:,} x "
+                f"{train_loop.processes(world)} x {sequences // micro} accumulation steps")
+    if used:
+        return (f"batch: {total:,} tokens a step = {sequences} sequences x sequence {seq_len:,} x "
+                f"{train_loop.processes(world)} (a process's {sequences}: micro-batch x "
+                "accumulation steps, the micro-batch chosen when pretraining starts)")
+    unit = (micro or 1) * seq_len * world
+    micro_x = f"micro_batch {micro} x " if micro else ""
+    what = f"{micro_x}sequence_len {seq_len} x {train_loop.processes(world)} = {unit:,}"
+    counts = [str(n) for n in range(1, world) if total % ((micro or 1) * seq_len * n) == 0]
+    lo, hi = total // unit * unit, (total // unit + 1) * unit
+    fixes = [f"--gpus {', '.join(counts[:-1])} or {counts[-1]}" if len(counts) > 1 else "--gpus "
+             f"{counts[0]}"] \
+        if counts else []
+    fixes.append(f"PRETRAIN_ARGS=\"--total_batch_tokens {lo or hi}\"" + (f" (or {hi})" if lo
+                                                                         else "")
+                 + f" with {world} processes")
+    raise ValueError(f"--total_batch_tokens {total:,} is not a multiple of "
+                     f"{what}{'' if micro else ': no micro-batch fits'}, so pretraining would fail "
+                     f"at its start. Use {', or '.join(fixes)}")
+
+
+def available_memory():
+    """MemAvailable from /proc/meminfo, else the machine's RAM."""
+    with suppress(OSError, StopIteration):
+        lines = Path("/proc/meminfo").read_text().splitlines()
+        return next(int(line.split()[1]) * 1024 for line in lines
+                    if line.startswith("MemAvailable:"))
+    return train_loop.machine_memory()
+
+
+def cpu_processes_fit(config, args, nproc, capacity):
+    """(fits in capacity bytes, a rank's peak, how) for nproc CPU processes."""
+    estimate = train_loop.step_estimate(config, args, args.micro_batch or 1, "cpu")
+    whole = train_loop.rank_memory(config, estimate, nproc, False, "cpu")
+    sharded = nproc > 1 and (args.fsdp == "true" or
+                             (args.fsdp == "auto" and whole > capacity / nproc))
+    peak = train_loop.rank_memory(config, estimate, nproc, True, "cpu") if sharded else whole
+    how = "FSDP2" if sharded else "DDP" if nproc > 1 else "one process"
+    # a tenth spare: the estimate's error against measured peaks
+    return nproc * peak * 1.1 <= capacity, peak, how
+
+
+def check_cpu_memory(args, nproc):
+    """The line saying what each CPU process will hold, or a ValueError naming a fit."""
+    def config_for(preset):  # the model at another preset
+        return config_from_args(argparse.Namespace(**{**vars(args), "preset": preset}))
+    config = config_for(args.preset)
+    capacity = available_memory()  # read once: every plan below is weighed against the same
+    fits, peak, how = cpu_processes_fit(config, args, nproc, capacity)
+    fmt_bytes = distributed.fmt_bytes
+    said = (f"{train_loop.processes(nproc)} on this CPU x about {fmt_bytes(peak)} each at its peak "
+            f"({how}, micro-batch {args.micro_batch or 1}) = {fmt_bytes(nproc * peak)}, of "
+            f"{fmt_bytes(capacity)} available now")
+    if fits:
+        return f"memory: {said}"
+    fixes = []
+    depth = int(args.preset[1:]) if re.fullmatch(r"d\d+", args.preset) else 0
+    smaller = next((d for d in range(depth - 1, 0, -1)
+                    if cpu_processes_fit(config_for(f"d{d}"), args, nproc, capacity)[0]), None)
+    if smaller:
+        fixes.append(f"--depth {smaller}")
+    fewer = next((n for n in range(nproc - 1, 0, -1)
+                  if cpu_processes_fit(config, args, n, capacity)[0]), None)
+    if fewer:
+        fixes.append(f"--gpus {fewer}")
+    fix = " or ".join(fixes) if fixes else "a machine with more memory"
+    raise ValueError(f"{said}: they would not fit with a tenth to spare, and the out-of-memory "
+                     f"killer would end a rank. Rehearse with {fix}")
+
+
 @torch.no_grad()
 def greedy_completion(model, ids, new_tokens, dtype, device):
     """Greedy tokens, the whole row again each step: for a few 32-token samples that costs less
@@ -206,12 +345,12 @@ def main(argv=None):
         return train_loop.print_status(Path(args.status))
     if args.check_batch:
         config = config_from_args(args)
-        print(train_loop.check_batch_divides(args.total_batch_tokens
+        print(check_batch_divides(args.total_batch_tokens
                                              or config.sequence_len * args.check_batch,
                                              config.sequence_len, args.check_batch,
                                              args.micro_batch))
         if not torch.cuda.is_available():  # the processes are CPU processes sharing its memory
-            print(train_loop.check_cpu_memory(args, args.check_batch))
+            print(check_cpu_memory(args, args.check_batch))
         return None
     rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
     master = rank == 0

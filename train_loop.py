@@ -11,10 +11,9 @@ import itertools
 import json
 import math
 import os
-import re
 import signal
 import sys
-from contextlib import nullcontext, suppress
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -42,7 +41,6 @@ from distributed import (
 )
 from model import (
     autocast_context,
-    config_from_args,
     memory_estimate,
     param_breakdown,
     parse_args,
@@ -229,15 +227,6 @@ def machine_memory():
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def available_memory():
-    """MemAvailable from /proc/meminfo, else the machine's RAM."""
-    with suppress(OSError, StopIteration):
-        lines = Path("/proc/meminfo").read_text().splitlines()
-        return next(int(line.split()[1]) * 1024 for line in lines
-                    if line.startswith("MemAvailable:"))
-    return machine_memory()
-
-
 def process_memory(device):
     """Bytes in use: the CUDA device's, or this process's resident set."""
     if device.type == "cuda":
@@ -306,45 +295,6 @@ def shard_model(model, args, world, device):
     peak = rank_memory(model.config, estimate, world, True, device.type)
     return (f"sharding: FSDP2 over {world} ranks (--fsdp {args.fsdp}: {fits}); about "
             f"{fmt_bytes(peak)} per rank at its peak")
-
-
-def cpu_processes_fit(config, args, nproc, capacity):
-    """(fits in capacity bytes, a rank's peak, how) for nproc CPU processes."""
-    estimate = step_estimate(config, args, args.micro_batch or 1, "cpu")
-    whole = rank_memory(config, estimate, nproc, False, "cpu")
-    sharded = nproc > 1 and (args.fsdp == "true" or
-                             (args.fsdp == "auto" and whole > capacity / nproc))
-    peak = rank_memory(config, estimate, nproc, True, "cpu") if sharded else whole
-    how = "FSDP2" if sharded else "DDP" if nproc > 1 else "one process"
-    # a tenth spare: the estimate's error against measured peaks
-    return nproc * peak * 1.1 <= capacity, peak, how
-
-
-def check_cpu_memory(args, nproc):
-    """The line saying what each CPU process will hold, or a ValueError naming a fit."""
-    def config_for(preset):  # the model at another preset
-        return config_from_args(argparse.Namespace(**{**vars(args), "preset": preset}))
-    config = config_for(args.preset)
-    capacity = available_memory()  # read once: every plan below is weighed against the same
-    fits, peak, how = cpu_processes_fit(config, args, nproc, capacity)
-    said = (f"{processes(nproc)} on this CPU x about {fmt_bytes(peak)} each at its peak ({how}, "
-            f"micro-batch {args.micro_batch or 1}) = {fmt_bytes(nproc * peak)}, of "
-            f"{fmt_bytes(capacity)} available now")
-    if fits:
-        return f"memory: {said}"
-    fixes = []
-    depth = int(args.preset[1:]) if re.fullmatch(r"d\d+", args.preset) else 0
-    smaller = next((d for d in range(depth - 1, 0, -1)
-                    if cpu_processes_fit(config_for(f"d{d}"), args, nproc, capacity)[0]), None)
-    if smaller:
-        fixes.append(f"--depth {smaller}")
-    fewer = next((n for n in range(nproc - 1, 0, -1)
-                  if cpu_processes_fit(config, args, n, capacity)[0]), None)
-    if fewer:
-        fixes.append(f"--gpus {fewer}")
-    fix = " or ".join(fixes) if fixes else "a machine with more memory"
-    raise ValueError(f"{said}: they would not fit with a tenth to spare, and the out-of-memory "
-                     f"killer would end a rank. Rehearse with {fix}")
 
 
 # -----------------------------------------------------------------------------
@@ -419,36 +369,6 @@ def batch_line(total, used, seq_len, world, micro=0):
             f"{'fewer' if used > total else 'more'} steps, and the AdamW lrs of the embeddings, "
             f"head and scalars follow the batch (x{(used / total) ** BATCH_EXPONENT:.4f}, "
             "optim.py)")
-
-
-def check_batch_divides(total, seq_len, world, micro=0):
-    """Checked before the downloads. Returns the line saying what a step is, else a ValueError
-    naming process counts and totals that work."""
-    used = nearest_batch(total, seq_len, world, micro)
-    if used not in (None, total):
-        return batch_line(total, used, seq_len, world, micro)
-    sequences = total // (seq_len * world)
-    if used and micro:
-        return (f"batch: {total:,} tokens a step = micro-batch {micro} x sequence {seq_len:,} x "
-                f"{processes(world)} x {sequences // micro} accumulation steps")
-    if used:
-        return (f"batch: {total:,} tokens a step = {sequences} sequences x sequence {seq_len:,} x "
-                f"{processes(world)} (a process's {sequences}: micro-batch x accumulation steps, "
-                "the micro-batch chosen when pretraining starts)")
-    unit = (micro or 1) * seq_len * world
-    micro_x = f"micro_batch {micro} x " if micro else ""
-    what = f"{micro_x}sequence_len {seq_len} x {processes(world)} = {unit:,}"
-    counts = [str(n) for n in range(1, world) if total % ((micro or 1) * seq_len * n) == 0]
-    lo, hi = total // unit * unit, (total // unit + 1) * unit
-    fixes = [f"--gpus {', '.join(counts[:-1])} or {counts[-1]}" if len(counts) > 1 else "--gpus "
-             f"{counts[0]}"] \
-        if counts else []
-    fixes.append(f"PRETRAIN_ARGS=\"--total_batch_tokens {lo or hi}\"" + (f" (or {hi})" if lo
-                                                                         else "")
-                 + f" with {world} processes")
-    raise ValueError(f"--total_batch_tokens {total:,} is not a multiple of "
-                     f"{what}{'' if micro else ': no micro-batch fits'}, so pretraining would fail "
-                     f"at its start. Use {', or '.join(fixes)}")
 
 
 def add_micro_batch_arg(group):

@@ -19,6 +19,7 @@ from helpers import run_in_process, same, take
 import dataset as D
 import loader as L
 import prepare as P
+import pretrain
 from prepare import train_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,16 +63,16 @@ def test_a_budget_that_repeats_the_corpus_names_the_fix_that_applies_to_it(corpu
     """More shards is the fix only for FineWeb-Edu's directory, which prepare.py fills; for the demo world or your
     own corpus it is fewer steps or more text."""
     directory, tok = corpus
-    budget = 3 * D.corpus_budget(directory, tok, 1)["tokens"]
-    mine = D.corpus_budget(directory, tok, budget)
+    budget = 3 * pretrain.corpus_budget(directory, tok, 1)["tokens"]
+    mine = pretrain.corpus_budget(directory, tok, budget)
     assert mine["fineweb"] is False and mine["epochs"] == pytest.approx(3, rel=1e-3)
-    assert D.budget_line(mine, budget).endswith(f": {mine['epochs']:.2f} epochs. This run REPEATS data: "
+    assert pretrain.budget_line(mine, budget).endswith(f": {mine['epochs']:.2f} epochs. This run REPEATS data: "
                                                 f"{mine['epochs']:.2f} passes over the corpus (fewer --steps, or more "
                                                 "text in the corpus)")
-    monkeypatch.setattr(D, "default_data_dir", lambda dataset: directory if dataset == D.FINEWEB else None)
-    fineweb = D.corpus_budget(directory, tok, budget)
+    monkeypatch.setattr(pretrain, "default_data_dir", lambda dataset: directory if dataset == D.FINEWEB else None)
+    fineweb = pretrain.corpus_budget(directory, tok, budget)
     shards = -(-budget // fineweb["tokens_per_shard"]) + 1
-    assert fineweb["fineweb"] is True and D.budget_line(fineweb, budget).endswith(
+    assert fineweb["fineweb"] is True and pretrain.budget_line(fineweb, budget).endswith(
         f"(more shards: `python prepare.py shards --shards N`; N ~ {shards})")
 
 

@@ -137,14 +137,14 @@ def test_cpu_processes_that_cannot_fit_are_refused_naming_a_depth_and_a_count_th
     import pretrain
     import train_loop
     from model import config_from_preset
-    assert 0 < train_loop.available_memory() <= train_loop.device_memory(torch.device("cpu"))  # MemAvailable <= RAM
-    monkeypatch.setattr(train_loop, "available_memory", lambda: 24 * 2 ** 30)  # a 24 GiB machine, whatever runs here
+    assert 0 < pretrain.available_memory() <= train_loop.device_memory(torch.device("cpu"))  # MemAvailable <= RAM
+    monkeypatch.setattr(pretrain, "available_memory", lambda: 24 * 2 ** 30)  # a 24 GiB machine, whatever runs here
 
     def args(preset, nproc):
         return argparse.Namespace(preset=preset, sequence_len=128, micro_batch=0, optimizer="muon", adam8bit=False,
                                   dtype=None, fsdp="auto", check_batch=nproc)
     with pytest.raises(ValueError) as refused:
-        train_loop.check_cpu_memory(args("d64", 8), 8)
+        pretrain.check_cpu_memory(args("d64", 8), 8)
     said = str(refused.value)
     assert re.match(r"8 processes on this CPU x about [\d.]+ GiB each at its peak \(FSDP2, micro-batch 1\) = [\d.]+ GiB, of "
                     r"[\d.]+ GiB available now: they would not fit with a tenth to spare, and the out-of-memory killer "
@@ -153,12 +153,12 @@ def test_cpu_processes_that_cannot_fit_are_refused_naming_a_depth_and_a_count_th
     assert depth == 6 and said.endswith("Rehearse with --depth 6")  # 8 x 2.31 GiB (x1.1: 20.3) fits; d7: 8 x 3.36
     for d, fits in ((depth, True), (depth + 1, False)):
         config = config_from_preset(f"d{d}", {"sequence_len": 128})
-        assert train_loop.cpu_processes_fit(config, args(f"d{d}", 8), 8, 24 * 2 ** 30)[0] is fits
-    line = train_loop.check_cpu_memory(args(f"d{depth}", 8), 8)
+        assert pretrain.cpu_processes_fit(config, args(f"d{d}", 8), 8, 24 * 2 ** 30)[0] is fits
+    line = pretrain.check_cpu_memory(args(f"d{depth}", 8), 8)
     assert line.startswith("memory: 8 processes on this CPU x about ") and line.endswith(" available now")
     if (fewer := re.search(r"--gpus (\d+)", said)) is not None:
         n = int(fewer.group(1))
-        assert train_loop.check_cpu_memory(args("d64", n), n).startswith(f"memory: {n} process")
+        assert pretrain.check_cpu_memory(args("d64", n), n).startswith(f"memory: {n} process")
     with pytest.raises(ValueError, match=re.escape(said)):  # the same through pretrain.py's flags
         pretrain.main(["--preset", "d64", "--sequence_len", "128", "--total_batch_tokens", "32768",
                        "--tokens_per_param", "20", "--check_batch", "8"])

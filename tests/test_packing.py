@@ -6,6 +6,7 @@ import torch
 
 import dataset as D
 import loader as L
+import prepare
 from tokenizer import Tokenizer
 
 BOS = 0
@@ -124,11 +125,11 @@ def test_the_loader_gives_exactly_the_rows_pack_batch_makes_from_the_same_docume
     assert loader.state["stats"] == stats
 
 
-def test_loader_py_prints_a_batchs_first_row_and_exactly_the_tokens_it_trains_on(demo_world, capsys):
-    """`python loader.py --chat DIR`: the first row's inputs decoded, then its supervised targets (the assistant's
+def test_prepare_rows_prints_a_batchs_first_row_and_exactly_the_tokens_it_trains_on(demo_world, capsys):
+    """`python prepare.py rows --chat DIR`: the first row's inputs decoded, then its supervised targets (the assistant's
     answers and <|assistant_end|>), as chat_loader itself makes them."""
     tok, chat = Tokenizer.load(demo_world / "tokenizer"), demo_world / "demo" / "conversations"
-    L.main(["--chat", str(chat), "--tokenizer", str(demo_world / "tokenizer"), "--seq_len", "64", "--rows", "1"])
+    prepare.main(["rows", "--chat", str(chat), "--tokenizer", str(demo_world / "tokenizer"), "--seq_len", "64", "--rows", "1"])
     out = capsys.readouterr().out
     loader = L.chat_loader(chat, "train", tok, 4, 64)
     x, y = next(loader)

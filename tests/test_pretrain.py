@@ -542,14 +542,14 @@ def test_a_shards_token_count_is_cached_and_a_read_only_corpus_still_counts(worl
     first = min(corpus.glob("*.parquet"))
     texts = [t for i in range(D.open_parquet(first).num_row_groups) for t in D.read_row_group(first, i) if t]
     counted = (sum(len(tok.encode(t)) + 1 for t in texts), len(texts))
-    assert D.shard_tokens(first, tok) == counted
-    assert json.loads((corpus / D.TOKEN_COUNTS).read_text())[tok.fingerprint()][first.name] == list(counted)
-    (corpus / D.TOKEN_COUNTS).unlink()
+    assert pretrain.shard_tokens(first, tok) == counted
+    assert json.loads((corpus / pretrain.TOKEN_COUNTS).read_text())[tok.fingerprint()][first.name] == list(counted)
+    (corpus / pretrain.TOKEN_COUNTS).unlink()
     corpus.chmod(0o555)
     try:
         if os.access(corpus, os.W_OK):  # root ignores the mode: make the cache write fail another way
-            (corpus / D.TOKEN_COUNTS).mkdir()
-        assert D.shard_tokens(first, tok) == counted
+            (corpus / pretrain.TOKEN_COUNTS).mkdir()
+        assert pretrain.shard_tokens(first, tok) == counted
         assert not list(corpus.glob("*.tmp"))  # no temporary file left behind
     finally:
         corpus.chmod(0o755)
