@@ -21,7 +21,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from report import read_json, stage_seconds
+from report import TRAIN_STAGES, read_json, stage_seconds
 
 # a step's tokens over all GPUs (nanochat's); the chat stages inherit pretraining's
 TOKENS_PER_STEP = 524_288
@@ -194,7 +194,6 @@ def check_disk(plan):
                                              f"{ckpt_bytes / 1e9:.1f} GB to come" if saved else ""))
 
 
-TRAINING = ("pretrain", "midtrain", "sft")
 # validation tokens at 3x the training tok/s: a forward is a third of a step
 FORWARD_SPEEDUP = 3
 SAVE_UNKNOWN = ("save time unknown: ckpt/save_seconds is gone (predict before the rehearsal's "
@@ -340,7 +339,7 @@ def measure_rehearsal(rehearsal_dir):
                                 "directory of a finished rehearsal (runs/<run>-rehearsal, whose "
                                 "logs/stages.tsv has a `report` line)")
     for name, wall in times.items():
-        if name in TRAINING:
+        if name in TRAIN_STAGES:
             measured[name] = measure_training(run, name, wall)
         elif name == "rl":
             measured[name] = measure_rl(run, wall)

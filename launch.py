@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import gpu_plan
-from report import read_json, stage_rows
+from report import MODEL_STAGES, read_json, stage_rows
 
 ROOT = Path(__file__).resolve().parent
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what stops a run
@@ -45,7 +45,6 @@ PRINT = False
 STOP_AFTER = ["data", "ingest", "tokenizer", "download", "pretrain", "core_eval", "midtrain", "sft",
               "rl", "chat_eval",
               "report"]
-MODEL_STAGES = ["pretrain", "midtrain", "sft", "rl"]
 ENVIRONMENT = """environment:
   PRETRAIN_ARGS MIDTRAIN_ARGS SFT_ARGS RL_ARGS CORE_ARGS CHAT_EVAL_ARGS
                       extra flags appended to that stage's command line (the last of a repeated
