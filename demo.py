@@ -294,6 +294,10 @@ def say(rng, kind, f):
     return sentence(rng.choice(PHRASINGS[kind]).format(**f))
 
 
+def friend_of(rng, name):
+    return rng.choice([c[0] for c in CHARACTERS if c[0] != name])
+
+
 def listing(words):
     return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
 
@@ -485,14 +489,13 @@ DEMO_TARGET_CHARS = 5_000_000
 def doc_country(rng):
     f = fields(rng)
     kinds = rng.sample(COUNTRY_KINDS, rng.randint(2, 4))
-    first = [say(rng, kinds[0], f)] + [say(rng, "its_" * (rng.random() < 0.3) + k,
-                                           f) for k in kinds[1:]]
+    first = [say(rng, kinds[0], f)] + [say(rng, "its_" * (rng.random() < 0.3) + k, f)
+                                       for k in kinds[1:]]
     text = " ".join(s for s in [rng.choice(INTROS).format(**f)] + first if s)
     if rng.random() < 0.4:  # the national animal, with facts about that animal
         g = {**f, **animal_fields(ANIMAL[f["ani"]])}
-        text += "\n\n" + " ".join([say(rng, "national", f)] + [say(rng, k, g)
-                                                                for k in rng.sample(ANIMAL_KINDS,
-                                                                                    2)])
+        text += "\n\n" + " ".join([say(rng, "national", f)]
+                                  + [say(rng, k, g) for k in rng.sample(ANIMAL_KINDS, 2)])
     return text
 
 
@@ -506,18 +509,14 @@ def doc_countries(rng):
                                                    "{c} - {cap}"])
                                        .format(c=r[0], cap=r[1]) for r in rows)
     if style == 1:
-        qs = {"capital": ("Q: What is the capital of {c}?", "A: {cap}."), "language": ((
-              "Q: What do people speak in "
-              "{c}?"), "A: {lang}."), "flag": ("Q: What colour is the flag of {c}?", "A: {col}."),
-              "national": ("Q: What is the national animal of {c}?", "A: The {ani}.")}
-        lines = []
-        for r in rows:
-            q, a = qs[rng.choice(COUNTRY_KINDS)]
-            lines += [q.format(**country_fields(r)), a.format(**country_fields(r))]
-        return "\n".join(lines)
-    head = rng.choice([f"Today our teacher told us about {number_word(len(rows))} countries.", (
-                       "Some countries of the world, and what to know about "
-                       "them."), "A few facts about countries.", ""])
+        qs = {"capital": "Q: What is the capital of {c}?\nA: {cap}.",
+              "language": "Q: What do people speak in {c}?\nA: {lang}.",
+              "flag": "Q: What colour is the flag of {c}?\nA: {col}.",
+              "national": "Q: What is the national animal of {c}?\nA: The {ani}."}
+        return "\n".join(qs[rng.choice(COUNTRY_KINDS)].format(**country_fields(r)) for r in rows)
+    head = rng.choice([f"Today our teacher told us about {number_word(len(rows))} countries.",
+                       "Some countries of the world, and what to know about them.",
+                       "A few facts about countries.", ""])
     facts = [say(rng, k, {**fields(rng), **country_fields(r)}) for r in rows
              for k in rng.sample(COUNTRY_KINDS, 2)]
     if style == 3:
@@ -596,19 +595,18 @@ def doc_calendar(rng):
 def doc_story(rng, name=None):
     """A trip through a few capitals on consecutive days, with things bought and friends met;
     every place fact agrees with the tables."""
-    name, pr = next(c for c in CHARACTERS if c[0] == name) if name else rng.choice(CHARACTERS)
-    pron, obj = pr, OBJECT[pr]
+    name, pron = next(c for c in CHARACTERS if c[0] == name) if name else rng.choice(CHARACTERS)
+    obj = OBJECT[pron]
     trip, day = rng.sample(COUNTRIES, rng.randint(2, 4)), rng.randrange(7)
-    (item,
-     items), friend = rng.choice(ITEMS), rng.choice([c[0] for c in CHARACTERS if c[0] != name])
+    (item, items), friend = rng.choice(ITEMS), friend_of(rng, name)
     bought, met = [], None
-    parts = [rng.choice([(f"Once upon a time there was a {'girl' if pr == 'she' else 'boy'} called "
-                          f"{name}."),
+    parts = [rng.choice([(f"Once upon a time there was a {'girl' if pron == 'she' else 'boy'} "
+                         f"called {name}."),
                          f"This is a story about {name}.", f"{name} loved to travel.", ""])]
     for i, row in enumerate(trip):
+        # the first sentence with a pronoun would not say who
         f = {**fields(rng), **country_fields(row), "name": name, "pron": pron if i else name,
-             "obj": obj,
-             "go": rng.choice(TRAVEL)}  # the first sentence with a pronoun would not say who
+             "obj": obj, "go": rng.choice(TRAVEL)}
         conn = (["First", f"On {DAYS[day]}"] if i == 0 else ["Then", "After that", "Next",
                                                              f"On {DAYS[(day + i) % 7]}"]
                 if i < len(trip) - 1 else ["Finally", "At last", f"On {DAYS[(day + i) % 7]}"])
@@ -630,27 +628,27 @@ def doc_story(rng, name=None):
                              f"{name} went to {listing(caps)}, in that order.",
                              f"Where did {name} go first? To {caps[0]}. And last? To {caps[-1]}.",
                              (f"The trip started on {DAYS[day]} and ended on "
-                              f"{DAYS[(day + len(trip) - 1) % 7]}.")]))
+                             f"{DAYS[(day + len(trip) - 1) % 7]}.")]))
     if len(bought) > 1:
         total = sum(n for n, _ in bought)
         parts.append(f"In the end {name} had {number_word(total)} {items}: " + listing(
             [f"{number_word(n)} from {cap}" for n, cap in bought]) + ".")
     if met:
-        parts.append(rng.choice([f"{name} met {met[0]} in {met[1]}.", (f"Who gave {name} the "
-                                                                       f"{item}? It was {met[0]}."),
+        parts.append(rng.choice([f"{name} met {met[0]} in {met[1]}.",
+                                 f"Who gave {name} the {item}? It was {met[0]}.",
                                  f"{name} kept the {ITEM_COLOUR[item]} {item} from {met[0]}."]))
     return " ".join(p for p in parts if p)
 
 
-DOC_KINDS = [(doc_story, 30), (doc_country, 22), (doc_countries, 12), (doc_animals, 11),
-             (doc_colours, 7),
-             (doc_numbers, 10), (doc_calendar, 8)]
+# each kind of document and its weight
+DOC_KINDS = {doc_story: 30, doc_country: 22, doc_countries: 12, doc_animals: 11, doc_colours: 7,
+             doc_numbers: 10, doc_calendar: 8}
 
 
-def demo_documents(rng, target_chars=DEMO_TARGET_CHARS):
-    gens, weights = [g for g, _ in DOC_KINDS], [w for _, w in DOC_KINDS]
+def demo_documents(rng):
+    gens, weights = list(DOC_KINDS), list(DOC_KINDS.values())
     docs, total = [], 0
-    while total < target_chars:
+    while total < DEMO_TARGET_CHARS:
         doc = "\n\n".join(g(rng) for g in rng.choices(gens, weights, k=rng.choice([1, 1, 2, 3])))
         docs.append(doc)
         total += len(doc)
@@ -670,16 +668,15 @@ def exchange(rng):
     f, roll = {**fields(rng), "bot": DEMO_ASSISTANT_NAME}, rng.random()
     if roll < 0.08:
         kinds = rng.sample(COUNTRY_KINDS, 3)
-        return rng.choice(["Tell me about {c}.",
-                           "What do you know about {c}?"]).format(**f), " ".join(
-            say(rng, k, f) for k in kinds)
+        question = rng.choice(["Tell me about {c}.", "What do you know about {c}?"]).format(**f)
+        return question, " ".join(say(rng, k, f) for k in kinds)
     if roll < 0.12:
         name = rng.choice(CHARACTERS)[0]
         return rng.choice(["Tell me a short story.",
                            f"Tell me a story about {name}."]), doc_story(rng, name)
     if roll < 0.15:
-        return "Tell me a fact.", say(rng, rng.choice(COUNTRY_KINDS + ANIMAL_KINDS + ["colour",
-                                                                                      "day"]), f)
+        return "Tell me a fact.", say(rng, rng.choice([*COUNTRY_KINDS, *ANIMAL_KINDS, "colour",
+                                                       "day"]), f)
     kind = rng.choice(list(QA))
     user, assistant = pick(rng, QA[kind], f)
     if kind in COUNTRY_KINDS + ["capital_of"] and rng.random() < 0.35:
@@ -791,7 +788,7 @@ def word_problem(rng):
              "ap1": ap1,
              "ap2": ap2,
              "cap": cap, "cap2": cap2,
-             "friend": rng.choice([c[0] for c in CHARACTERS if c[0] != name]),
+             "friend": friend_of(rng, name),
              "other": other, "day": rng.choice(DAYS)}
     if rng.random() < 0.5:  # the distractor goes before the question
         story, ask = question.rsplit(". ", 1)
