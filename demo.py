@@ -483,8 +483,7 @@ DEMO_HELD_OUT_PROBLEMS = 120  # chat_eval's demo-problems: word problems no trai
 DEMO_TARGET_CHARS = 5_000_000
 
 
-# -----------------------------------------------------------------------------
-# Pretraining documents: each generator returns a paragraph or a few
+# --- pretraining documents: each generator returns a paragraph or a few
 
 def doc_country(rng):
     f = fields(rng)
@@ -655,8 +654,7 @@ def demo_documents(rng):
     return docs
 
 
-# -----------------------------------------------------------------------------
-# Conversations (SmolTalk schema)
+# --- conversations (SmolTalk schema)
 
 
 def pick(rng, pair, f):
@@ -702,8 +700,7 @@ def conversation(rng):
     return messages
 
 
-# -----------------------------------------------------------------------------
-# ChatCORE's shapes in the layouts of the hub sets that teach them: multiple choice by letter
+# --- ChatCORE's shapes in the layouts of the hub sets that teach them: multiple choice by letter
 # (MMLU's columns), short answers (conversations), arithmetic via the calculator (GSM8K's
 # columns, <<expr=result>> and '#### N').
 
@@ -822,8 +819,7 @@ def distinct(n, draw, key=lambda row: row, exclude=()):
     return rows
 
 
-# -----------------------------------------------------------------------------
-# Evaluation tasks (CORE formats), phrased ONLY in reserved forms absent from training data
+# --- evaluation tasks (CORE formats), phrased ONLY in reserved forms absent from training data
 
 def eval_tasks(rng):
     """(label, type, fewshot, category, baseline %, items) for each task."""
@@ -1035,8 +1031,6 @@ def write_demo(out_dir, seed=0):
         + "".join(f"    {k}: {v} items\n" for k, v in counts["chat_eval_items"].items()))
     return counts
 
-
-# -----------------------------------------------------------------------------
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,

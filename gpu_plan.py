@@ -82,7 +82,6 @@ def plan_lines(depth, gpus, rehearsal=False, on_cpu=False):
 
 
 # --- the rehearsal: every stage of the plan on a tiny budget, before the hours of pretraining
-# ----------------------
 
 REHEARSAL_STEPS = (3, 3, 3)  # pretrain, midtrain, sft: one checkpoint each, at the last step
 REHEARSAL_PROMPT = "Why do plants need light?"
@@ -126,7 +125,7 @@ def rehearsal_line(budgets):
             f"{budgets['R_CORE'][1]} items a task, ChatCORE {budgets['R_CHAT_EVAL'][1]}{shape}")
 
 
-# --- the disk plan: free disk against the shards and checkpoints, before any download --
+# --- the disk plan: free disk against the shards and checkpoints, before any download
 
 def kept_checkpoints(steps, ckpt_every, keep):
     """(checkpoints kept at the end, the most held at once): a save writes the new one before

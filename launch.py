@@ -748,9 +748,9 @@ def run_stage(run, name, command, train=False, skip_if=None):
             stage = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, env=env, start_new_session=True)
         except OSError as e:
-            log.write(f"speedrun: cannot run {command[0]}: {e}\n".encode())
-            terminal(f"speedrun: cannot run {command[0]}: {e}", sys.stderr)
-            stage = None
+            message, stage = f"speedrun: cannot run {command[0]}: {e}", None
+            log.write(f"{message}\n".encode())
+            terminal(message, sys.stderr)
         copier = threading.Thread(target=copy_output, args=(stage, log), daemon=True)
         copier.start()
         while not stopped and (copier.is_alive() or (stage is not None and stage.poll() is None)):
@@ -833,15 +833,15 @@ def rehearsed(run, seconds):
     """A passed rehearsal: each stage's time printed, and rehearsed.json."""
     state, rows = read_state(run), stage_rows(run)
     now = {name: took for name, took, _ in rows[state["stages_before"]:]}
-    earlier = {name: took for name, took,
-               status in rows[:state["stages_before"]] if status == "0" and name not in now}
+    earlier = {name: took for name, took, status in rows[:state["stages_before"]]
+               if status == "0" and name not in now}
     resumed = f" (resumed: {', '.join(earlier)} passed before it)" if earlier else ""
     say(run, f"rehearsal passed in {seconds} s{resumed}; each stage's time (s):")
-    for name, took in {**earlier, **now}.items():
+    times = {**earlier, **now}
+    for name, took in times.items():
         say(run, f"  {name:<15} {took:>8}", prefix="")
     record = {"plan": state["plan"], "processes": state["nproc"], "cpu": state["on_cpu"],
-              "seconds": seconds,
-              "stages": {name: float(took) for name, took in {**earlier, **now}.items()},
+              "seconds": seconds, "stages": {name: float(took) for name, took in times.items()},
               "resumed_after": [*earlier]}
     Path(run, "rehearsed.json").write_text(json.dumps(record) + "\n")
 
