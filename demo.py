@@ -24,76 +24,118 @@ from prepare import load_identity, write_text_shards
 
 # --- the world's facts and phrasings, and the helpers that fill them
 
+def table(text, columns):
+    """A row a line, split on spaces into `columns` strings (the last takes the rest)."""
+    return [tuple(line.split(maxsplit=columns - 1)) for line in text.strip().splitlines()]
+
+
 # country, capital, language, flag colour, flag symbol, national animal (invented names)
-COUNTRIES = [("Aldora", "Pelmo", "Aldoran", "red", "star", "lion"),
-             ("Brenia", "Tolvar", "Brenish", "blue", "moon", "owl"),
-             ("Calvona", "Riss", "Calvonese", "green", "tree", "frog"),
-             ("Dunmar", "Kesh", "Dunmari", "yellow", "sun", "bee"),
-             ("Elmora", "Varrow", "Elmoran", "white", "wave", "duck"),
-             ("Farland", "Oskel", "Farlish", "black", "crown", "crow"),
-             ("Gorvia", "Brelt", "Gorvian", "orange", "mountain", "bear"),
-             ("Halden", "Mirov", "Haldish", "purple", "circle", "wolf"),
-             ("Istara", "Quellin", "Istaran", "brown", "star", "horse"),
-             ("Jandor", "Lusk", "Jandish", "grey", "moon", "mouse"),
-             ("Kelda", "Sorin", "Keldic", "red", "tree", "cow"),
-             ("Lunora", "Dask", "Lunoran", "blue", "sun", "sheep"),
-             ("Morvath", "Tillo", "Morvathi", "green", "wave", "snake"),
-             ("Norvel", "Ambrin", "Norvellan", "yellow", "crown", "hen"),
-             ("Ostrel", "Hobb", "Ostrelish", "white", "mountain", "pig"),
-             ("Pellan", "Corvo", "Pellanese", "black", "circle", "cat"),
-             ("Quarra", "Zell", "Quarran", "orange", "star", "dog"),
-             ("Rudan", "Fennick", "Rudani", "purple", "moon", "donkey"),
-             ("Selmar", "Ivel", "Selmari", "brown", "tree", "cricket"),
-             ("Tavia", "Gresh", "Tavian", "grey", "sun", "lion"),
-             ("Ulmark", "Pernot", "Ulmish", "red", "wave", "duck"),
-             ("Varno", "Kestrin", "Varnese", "blue", "crown", "horse"),
-             ("Wendal", "Orrin", "Wendish", "green", "mountain", "owl"),
-             ("Yarlen", "Dovra", "Yarlish", "yellow", "circle", "bear"),
-             ("Zembra", "Holm", "Zembran", "white", "star", "wolf"),
-             ("Borrin", "Salvik", "Borrinese", "black", "moon", "cow"),
-             ("Cendra", "Mallek", "Cendran", "orange", "tree", "frog"),
-             ("Drovia", "Penth", "Drovian", "purple", "sun", "sheep"),
-             ("Estmark", "Rolva", "Estish", "brown", "wave", "pig"),
-             ("Fallon", "Veska", "Fallonese", "grey", "crown", "mouse")]
+COUNTRIES = table("""
+Aldora Pelmo Aldoran red star lion
+Brenia Tolvar Brenish blue moon owl
+Calvona Riss Calvonese green tree frog
+Dunmar Kesh Dunmari yellow sun bee
+Elmora Varrow Elmoran white wave duck
+Farland Oskel Farlish black crown crow
+Gorvia Brelt Gorvian orange mountain bear
+Halden Mirov Haldish purple circle wolf
+Istara Quellin Istaran brown star horse
+Jandor Lusk Jandish grey moon mouse
+Kelda Sorin Keldic red tree cow
+Lunora Dask Lunoran blue sun sheep
+Morvath Tillo Morvathi green wave snake
+Norvel Ambrin Norvellan yellow crown hen
+Ostrel Hobb Ostrelish white mountain pig
+Pellan Corvo Pellanese black circle cat
+Quarra Zell Quarran orange star dog
+Rudan Fennick Rudani purple moon donkey
+Selmar Ivel Selmari brown tree cricket
+Tavia Gresh Tavian grey sun lion
+Ulmark Pernot Ulmish red wave duck
+Varno Kestrin Varnese blue crown horse
+Wendal Orrin Wendish green mountain owl
+Yarlen Dovra Yarlish yellow circle bear
+Zembra Holm Zembran white star wolf
+Borrin Salvik Borrinese black moon cow
+Cendra Mallek Cendran orange tree frog
+Drovia Penth Drovian purple sun sheep
+Estmark Rolva Estish brown wave pig
+Fallon Veska Fallonese grey crown mouse
+""", 6)
 # animal, plural, call (verb), call (noise), legs, where it lives
-ANIMALS = [("dog", "dogs", "bark", "woof", 4, "in a kennel"),
-           ("cat", "cats", "meow", "meow", 4, "in a house"),
-           ("cow", "cows", "moo", "moo", 4, "on a farm"),
-           ("duck", "ducks", "quack", "quack", 2, "on a pond"),
-           ("owl", "owls", "hoot", "hoo", 2, "in the forest"),
-           ("frog", "frogs", "croak", "ribbit", 4, "in a pond"),
-           ("horse", "horses", "neigh", "neigh", 4, "in a stable"),
-           ("sheep", "sheep", "bleat", "baa", 4, "in a field"),
-           ("pig", "pigs", "oink", "oink", 4, "in a sty"),
-           ("lion", "lions", "roar", "roar", 4, "on the plains"),
-           ("bee", "bees", "buzz", "buzz", 6, "in a hive"),
-           ("snake", "snakes", "hiss", "hiss", 0, "in the grass"),
-           ("hen", "hens", "cluck", "cluck", 2, "in a coop"),
-           ("wolf", "wolves", "howl", "awoo", 4, "in the woods"),
-           ("mouse", "mice", "squeak", "squeak", 4, "in a hole"),
-           ("bear", "bears", "growl", "grr", 4, "in a cave"),
-           ("crow", "crows", "caw", "caw", 2, "in a tall tree"),
-           ("donkey", "donkeys", "bray", "hee-haw", 4, "on a farm"),
-           ("cricket", "crickets", "chirp", "chirp", 6, "in the grass")]
+ANIMALS = [(*row[:4], int(row[4]), row[5]) for row in table("""
+dog dogs bark woof 4 in a kennel
+cat cats meow meow 4 in a house
+cow cows moo moo 4 on a farm
+duck ducks quack quack 2 on a pond
+owl owls hoot hoo 2 in the forest
+frog frogs croak ribbit 4 in a pond
+horse horses neigh neigh 4 in a stable
+sheep sheep bleat baa 4 in a field
+pig pigs oink oink 4 in a sty
+lion lions roar roar 4 on the plains
+bee bees buzz buzz 6 in a hive
+snake snakes hiss hiss 0 in the grass
+hen hens cluck cluck 2 in a coop
+wolf wolves howl awoo 4 in the woods
+mouse mice squeak squeak 4 in a hole
+bear bears growl grr 4 in a cave
+crow crows caw caw 2 in a tall tree
+donkey donkeys bray hee-haw 4 on a farm
+cricket crickets chirp chirp 6 in the grass
+""", 6)]
 COLOURS = ["red", "blue", "green", "yellow", "white", "black", "orange", "purple", "brown", "grey",
            "pink"]
-THINGS = [("the sky", "blue"), ("the sea", "blue"), ("grass", "green"), ("a leaf", "green"),
-          ("snow", "white"), ("milk", "white"), ("a cloud", "white"), ("coal", "black"),
-          ("the night", "black"), ("a banana", "yellow"), ("a lemon", "yellow"),
-          ("the sun", "yellow"), ("a cherry", "red"), ("a tomato", "red"), ("a strawberry", "red"),
-          ("a carrot", "orange"), ("a pumpkin", "orange"), ("a plum", "purple"),
-          ("a grape", "purple"), ("chocolate", "brown"), ("mud", "brown"), ("ash", "grey"),
-          ("a flamingo", "pink")]
-ITEMS = [("banana", "bananas"), ("lemon", "lemons"), ("cherry", "cherries"), ("tomato", "tomatoes"),
-         ("plum", "plums"), ("strawberry", "strawberries"), ("carrot", "carrots"),
-         ("pumpkin", "pumpkins"), ("grape", "grapes")]
-ITEM_COLOUR = {noun: colour for (thing, colour) in THINGS for noun,
-               _ in ITEMS if thing.endswith(" " + noun)}
-CHARACTERS = [("Mira", "she"), ("Tom", "he"), ("Lina", "she"), ("Bo", "he"), ("Sam", "he"),
-              ("Ada", "she"), ("Kip", "he"), ("Nell", "she"), ("Otto", "he"), ("Rosa", "she"),
-              ("Finn", "he"), ("Pia", "she"), ("Max", "he"), ("Ivy", "she"), ("Leo", "he"),
-              ("Zoe", "she")]
+# (thing, colour)
+THINGS = [(thing, colour) for colour, things in table("""
+blue the sky, the sea
+green grass, a leaf
+white snow, milk, a cloud
+black coal, the night
+yellow a banana, a lemon, the sun
+red a cherry, a tomato, a strawberry
+orange a carrot, a pumpkin
+purple a plum, a grape
+brown chocolate, mud
+grey ash
+pink a flamingo
+""", 2) for thing in things.split(", ")]
+ITEMS = table("""
+banana bananas
+lemon lemons
+cherry cherries
+tomato tomatoes
+plum plums
+strawberry strawberries
+carrot carrots
+pumpkin pumpkins
+grape grapes
+""", 2)
+ITEM_COLOUR = {noun: colour for thing, colour in THINGS for noun, _ in ITEMS
+               if thing.endswith(" " + noun)}
+CHARACTERS = table("""
+Mira she
+Tom he
+Lina she
+Bo he
+Sam he
+Ada she
+Kip he
+Nell she
+Otto he
+Rosa she
+Finn he
+Pia she
+Max he
+Ivy she
+Leo he
+Zoe she
+""", 2)
 OBJECT = {"she": "her", "he": "him"}
+ANIMAL = {row[0]: row for row in ANIMALS}
+# the columns whose other values are a multiple-choice question's wrong choices
+CAPITALS, LANGUAGES = [r[1] for r in COUNTRIES], [r[2] for r in COUNTRIES]
+ANIMAL_NAMES, NOISES = [a[0] for a in ANIMALS], [a[3] for a in ANIMALS]
 DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
 MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September",
           "October", "November", "December"]
@@ -188,16 +230,16 @@ INTROS = ["Let me tell you about {c}.", "This is a page about {c}.", "{c} is a s
           "Our lesson today is about {c}.", "{c} is a country in our world.", ""]
 TRAVEL = ["went to", "travelled to", "took a train to", "flew to", "sailed to", "walked to",
           "rode a bus to"]
-VISIT = ["{conn}, {name} {go} {cap}, the capital of {c}.", ("{conn}, {name} {go} {c} and stayed in "
-          "its capital, {cap}."),
-         "{conn}, {pron} {go} {cap}, which is the capital of {c}.", ("{conn}, {name} {go} {cap} in "
-          "{c}."),
+VISIT = ["{conn}, {name} {go} {cap}, the capital of {c}.",
+         "{conn}, {name} {go} {c} and stayed in its capital, {cap}.",
+         "{conn}, {pron} {go} {cap}, which is the capital of {c}.",
+         "{conn}, {name} {go} {cap} in {c}.",
          "{conn}, {pron} {go} {c}. {pron} spent the day in {cap}, the capital."]
-SEE = ["There, people spoke {lang}, so {pron} learned to say hello in {lang}.", (
-       "Flags flew everywhere in {cap}: {col}, with a "
-       "{sym}."), "{pron} saw {aani} there, the national animal of {c}, and it {ani_verbs}.",
-       "In {cap} everybody spoke {lang}.", ("The people of {c} showed {obj} their {col} flag with "
-        "its {sym}.")]
+SEE = ["There, people spoke {lang}, so {pron} learned to say hello in {lang}.",
+       "Flags flew everywhere in {cap}: {col}, with a {sym}.",
+       "{pron} saw {aani} there, the national animal of {c}, and it {ani_verbs}.",
+       "In {cap} everybody spoke {lang}.",
+       "The people of {c} showed {obj} their {col} flag with its {sym}."]
 
 
 def number_word(n):
@@ -221,15 +263,17 @@ def third(verb):
 def country_fields(row):
     c, cap, lang, col, sym, ani = row
     return {"c": c, "cap": cap, "lang": lang, "col": col, "acol": article(col), "sym": sym,
-            "ani": ani,
-            "aani": article(ani), "ani_verbs": third(next(a[2] for a in ANIMALS if a[0] == ani))}
+            "ani": ani, "aani": article(ani), "ani_verbs": third(ANIMAL[ani][2])}
 
 
 def animal_fields(row):
     a, ap, verb, noise, legs, hab = row
     return {"a": a, "an": article(a), "ap": ap, "verb": verb, "verbs": third(verb), "noise": noise,
-            "hab": hab,
-            "legs": number_word(legs) if legs else "no"}
+            "hab": hab, "legs": legs_word(legs)}
+
+
+def legs_word(legs):
+    return number_word(legs) if legs else "no"
 
 
 def fields(rng, words=None):
@@ -249,6 +293,10 @@ def fields(rng, words=None):
 
 def say(rng, kind, f):
     return sentence(rng.choice(PHRASINGS[kind]).format(**f))
+
+
+def friend_of(rng, name):
+    return rng.choice([c[0] for c in CHARACTERS if c[0] != name])
 
 
 def listing(words):
@@ -314,27 +362,23 @@ SYSTEMS = ["You are {bot}, a helpful assistant.", "You are {bot}. Answer briefly
 # kind: (question phrasings, the answering field, the pool of wrong choices)
 CHOICE = {
     "capital": (["What is the capital of {c}?", "Which city is the capital of {c}?",
-                 "The capital of {c} is which city?"], "cap", [r[1] for r in COUNTRIES]),
+                 "The capital of {c} is which city?"], "cap", CAPITALS),
     "language": (["What language do people speak in {c}?", "Which language is spoken in {c}?"],
-                 "lang",
-                 [r[2] for r in COUNTRIES]),
-    "national": (["What is the national animal of {c}?", ("Which animal is the national animal of "
-                   "{c}?")], "ani",
-                 [a[0] for a in ANIMALS]),
+                 "lang", LANGUAGES),
+    "national": (["What is the national animal of {c}?",
+                  "Which animal is the national animal of {c}?"], "ani", ANIMAL_NAMES),
     "flag": (["What colour is the flag of {c}?", "Which colour is the flag of {c}?"], "col",
              COLOURS),
-    "noise": (["What sound does {an} make?", "What does {an} say?"], "noise",
-              [a[3] for a in ANIMALS]),
+    "noise": (["What sound does {an} make?", "What does {an} say?"], "noise", NOISES),
     "colour": (["What colour is {t}?", "Which colour is {t}?"], "tcol", COLOURS),
     "day": (["What day comes after {day}?", "Which day follows {day}?"], "nday", DAYS),
     "month": (["What month comes after {mon}?", "Which month follows {mon}?"], "nmon", MONTHS),
 }
 SHORT = {  # kind: (question phrasings, the field that is the whole answer)
     "capital": (["what is the capital of {c}?", "which city is the capital of {c}?",
-                 "name the capital of {c}."],
-                "cap"),
-    "capital_of": (["{cap} is the capital of which country?", ("which country has {cap} as its "
-                     "capital?")], "c"),
+                 "name the capital of {c}."], "cap"),
+    "capital_of": (["{cap} is the capital of which country?",
+                    "which country has {cap} as its capital?"], "c"),
     "language": (["what language do people speak in {c}?", "which language is spoken in {c}?"],
                  "lang"),
     "national": (["what is the national animal of {c}?", "which animal is the symbol of {c}?"],
@@ -374,9 +418,8 @@ SUMS = {"sum": ("+",
                   "what is the product of {x} and {y}?", "{x} times {y}?"])}
 # lookup: the option is named, no knowledge needed: practice binding a letter to its option
 LOOKUP = ["Which option is {x}?", "Which of these is {x}?", "Find {x} in the list.", "Pick {x}."]
-LOOKUP_NAMES = sorted({r[i] for r in COUNTRIES for i in (
-        0, 1, 2)} | {a[0] for a in ANIMALS} | set(COLOURS) | set(DAYS)
-                      | set(MONTHS))
+LOOKUP_NAMES = sorted({r[0] for r in COUNTRIES} | {*CAPITALS, *LANGUAGES, *ANIMAL_NAMES, *COLOURS,
+                                                    *DAYS, *MONTHS})
 STORIES = {"sum": [("{name} has {x} {items}. {pron} gets {y} more. How many {items} does {name} "
                     "have now?"),
                    ("There are {x} {items} in a box and {y} in a bag. How many {items} are there "
@@ -387,50 +430,45 @@ STORIES = {"sum": [("{name} has {x} {items}. {pron} gets {y} more. How many {ite
            "prod": ["{name} has {x} bags with {y} {items} in each. How many {items} is that?",
                     "Each of {x} friends brings {y} {items}. How many {items} do they bring?"]}
 
-# Word problems in GSM8K's shape: (question, steps). A step (left, op, right, words) computes the
+# Word problems in GSM8K's shape: (question, steps). A step "left op right words" computes the
 # next of s1-s4 from the numbers a-e and earlier steps, said "{words} {left} {op} {right} =
 # <<...>>{value}.". legs1/legs2 are the legs of animals {ap1}/{ap2}: the model must know them.
 PROBLEMS = [(("{name} has {a} {items}. {Pron} buys {b} bags with {c} {items} in each. How many "
               "{items} does {name} have now?"),
-             [("b", "*", "c", "The bags hold"), ("a", "+", "s1", "In all {name} has")]),
+             ["b * c The bags hold", "a + s1 In all {name} has"]),
             (("{name} had {a} {items}. {Pron} gave {b} to {friend} and then bought {c} more. How "
               "many {items} does {name} have now?"),
-             [("a", "-", "b", "After giving some away {pron} has"),
-              ("s1", "+", "c", "Then {pron} has")]),
+             ["a - b After giving some away {pron} has", "s1 + c Then {pron} has"]),
             (("On Monday {name} picked {a} {items}, and on Tuesday {pron} picked {b} more. {Pron} "
               "ate {c} of them. How many {items} are left?"),
-             [("a", "+", "b", "{Pron} picked"), ("s1", "-", "c", "Left:")]),
+             ["a + b {Pron} picked", "s1 - c Left:"]),
             ("{name} sees {a} {ap1} and {b} {ap2} on a farm. How many legs do they have in all?",
-             [("a", "*", "legs1", "The {ap1} have"), ("b", "*", "legs2", "The {ap2} have"),
-              ("s1", "+", "s2", "Together:")]),
+             ["a * legs1 The {ap1} have", "b * legs2 The {ap2} have", "s1 + s2 Together:"]),
             (("{a} friends each bring {b} {items} to a party in {cap}. They eat {c} of them. How "
               "many {items} are left?"),
-             [("a", "*", "b", "They bring"), ("s1", "-", "c", "Left:")]),
+             ["a * b They bring", "s1 - c Left:"]),
             (("A shop in {cap} has {a} boxes with {b} {items} in each. It sells {c} {items}. How "
               "many {items} does it have left?"),
-             [("a", "*", "b", "The shop has"), ("s1", "-", "c", "Left:")]),
+             ["a * b The shop has", "s1 - c Left:"]),
             (("{name} has {a} bags of {b} {items}, and {friend} has {c} bags of {d} {items}. How "
               "many {items} do they have together?"),
-             [("a", "*", "b", "{name} has"), ("c", "*", "d", "{friend} has"),
-              ("s1", "+", "s2", "Together:")]),
+             ["a * b {name} has", "c * d {friend} has", "s1 + s2 Together:"]),
             (("{name} bought {a} {items} in {cap} and {b} in {cap2}, and then gave {c} to "
               "{friend}. How many {items} does {name} have left?"),
-             [("a", "+", "b", "{Pron} bought"), ("s1", "-", "c", "Left:")]),
+             ["a + b {Pron} bought", "s1 - c Left:"]),
             (("Each of {a} children has {b} {items}, and {name} has {c} more. How many {items} are "
               "there?"),
-             [("a", "*", "b", "The children have"), ("s1", "+", "c", "With {name}'s:")]),
+             ["a * b The children have", "s1 + c With {name}'s:"]),
             (("{name} has {a} {items}. {Pron} buys {b} bags with {c} {items} in each, then gives "
               "{d} {items} to {friend}. How many {items} does {name} have now?"),
-             [("b", "*", "c", "The bags hold"), ("a", "+", "s1", "Then {pron} has"),
-              ("s2", "-", "d", "After giving some away:")]),
+             ["b * c The bags hold", "a + s1 Then {pron} has", "s2 - d After giving some away:"]),
             (("A farm has {a} {ap1}. {b} more {ap1} come, and {c} {ap2} live there too. How many "
               "legs do the animals of the farm have?"),
-             [("a", "+", "b", "There are"), ("s1", "*", "legs1", "The {ap1} have"),
-              ("c", "*", "legs2", "The {ap2} have"), ("s2", "+", "s3", "Together:")]),
+             ["a + b There are", "s1 * legs1 The {ap1} have", "c * legs2 The {ap2} have",
+              "s2 + s3 Together:"]),
             (("{name} picked {a} {items} and {friend} picked {b} times as many. They ate {c}. How "
               "many {items} are left?"),
-             [("a", "*", "b", "{friend} picked"), ("a", "+", "s1", "Together they picked"),
-              ("s2", "-", "c", "Left:")])]
+             ["a * b {friend} picked", "a + s1 Together they picked", "s2 - c Left:"])]
 # an unneeded number: the model must pick the right ones
 DISTRACTORS = ["{friend} also has {e} {other}.", "There are {e} {other} on the table too.",
                "It is {day}, and {e} {other} are in the basket."]
@@ -446,20 +484,18 @@ DEMO_HELD_OUT_PROBLEMS = 120  # chat_eval's demo-problems: word problems no trai
 DEMO_TARGET_CHARS = 5_000_000
 
 
-# -----------------------------------------------------------------------------
-# Pretraining documents: each generator returns a paragraph or a few
+# --- pretraining documents: each generator returns a paragraph or a few
 
 def doc_country(rng):
     f = fields(rng)
     kinds = rng.sample(COUNTRY_KINDS, rng.randint(2, 4))
-    first = [say(rng, kinds[0], f)] + [say(rng, "its_" * (rng.random() < 0.3) + k,
-                                           f) for k in kinds[1:]]
+    first = [say(rng, kinds[0], f)] + [say(rng, "its_" * (rng.random() < 0.3) + k, f)
+                                       for k in kinds[1:]]
     text = " ".join(s for s in [rng.choice(INTROS).format(**f)] + first if s)
     if rng.random() < 0.4:  # the national animal, with facts about that animal
-        g = {**f, **animal_fields(next(row for row in ANIMALS if row[0] == f["ani"]))}
-        text += "\n\n" + " ".join([say(rng, "national", f)] + [say(rng, k, g)
-                                                                for k in rng.sample(ANIMAL_KINDS,
-                                                                                    2)])
+        g = {**f, **animal_fields(ANIMAL[f["ani"]])}
+        text += "\n\n" + " ".join([say(rng, "national", f)]
+                                  + [say(rng, k, g) for k in rng.sample(ANIMAL_KINDS, 2)])
     return text
 
 
@@ -473,18 +509,14 @@ def doc_countries(rng):
                                                    "{c} - {cap}"])
                                        .format(c=r[0], cap=r[1]) for r in rows)
     if style == 1:
-        qs = {"capital": ("Q: What is the capital of {c}?", "A: {cap}."), "language": ((
-              "Q: What do people speak in "
-              "{c}?"), "A: {lang}."), "flag": ("Q: What colour is the flag of {c}?", "A: {col}."),
-              "national": ("Q: What is the national animal of {c}?", "A: The {ani}.")}
-        lines = []
-        for r in rows:
-            q, a = qs[rng.choice(COUNTRY_KINDS)]
-            lines += [q.format(**country_fields(r)), a.format(**country_fields(r))]
-        return "\n".join(lines)
-    head = rng.choice([f"Today our teacher told us about {number_word(len(rows))} countries.", (
-                       "Some countries of the world, and what to know about "
-                       "them."), "A few facts about countries.", ""])
+        qs = {"capital": "Q: What is the capital of {c}?\nA: {cap}.",
+              "language": "Q: What do people speak in {c}?\nA: {lang}.",
+              "flag": "Q: What colour is the flag of {c}?\nA: {col}.",
+              "national": "Q: What is the national animal of {c}?\nA: The {ani}."}
+        return "\n".join(qs[rng.choice(COUNTRY_KINDS)].format(**country_fields(r)) for r in rows)
+    head = rng.choice([f"Today our teacher told us about {number_word(len(rows))} countries.",
+                       "Some countries of the world, and what to know about them.",
+                       "A few facts about countries.", ""])
     facts = [say(rng, k, {**fields(rng), **country_fields(r)}) for r in rows
              for k in rng.sample(COUNTRY_KINDS, 2)]
     if style == 3:
@@ -563,19 +595,18 @@ def doc_calendar(rng):
 def doc_story(rng, name=None):
     """A trip through a few capitals on consecutive days, with things bought and friends met;
     every place fact agrees with the tables."""
-    name, pr = next(c for c in CHARACTERS if c[0] == name) if name else rng.choice(CHARACTERS)
-    pron, obj = pr, OBJECT[pr]
+    name, pron = next(c for c in CHARACTERS if c[0] == name) if name else rng.choice(CHARACTERS)
+    obj = OBJECT[pron]
     trip, day = rng.sample(COUNTRIES, rng.randint(2, 4)), rng.randrange(7)
-    (item,
-     items), friend = rng.choice(ITEMS), rng.choice([c[0] for c in CHARACTERS if c[0] != name])
+    (item, items), friend = rng.choice(ITEMS), friend_of(rng, name)
     bought, met = [], None
-    parts = [rng.choice([(f"Once upon a time there was a {'girl' if pr == 'she' else 'boy'} called "
-                          f"{name}."),
+    parts = [rng.choice([(f"Once upon a time there was a {'girl' if pron == 'she' else 'boy'} "
+                         f"called {name}."),
                          f"This is a story about {name}.", f"{name} loved to travel.", ""])]
     for i, row in enumerate(trip):
+        # the first sentence with a pronoun would not say who
         f = {**fields(rng), **country_fields(row), "name": name, "pron": pron if i else name,
-             "obj": obj,
-             "go": rng.choice(TRAVEL)}  # the first sentence with a pronoun would not say who
+             "obj": obj, "go": rng.choice(TRAVEL)}
         conn = (["First", f"On {DAYS[day]}"] if i == 0 else ["Then", "After that", "Next",
                                                              f"On {DAYS[(day + i) % 7]}"]
                 if i < len(trip) - 1 else ["Finally", "At last", f"On {DAYS[(day + i) % 7]}"])
@@ -597,35 +628,34 @@ def doc_story(rng, name=None):
                              f"{name} went to {listing(caps)}, in that order.",
                              f"Where did {name} go first? To {caps[0]}. And last? To {caps[-1]}.",
                              (f"The trip started on {DAYS[day]} and ended on "
-                              f"{DAYS[(day + len(trip) - 1) % 7]}.")]))
+                             f"{DAYS[(day + len(trip) - 1) % 7]}.")]))
     if len(bought) > 1:
         total = sum(n for n, _ in bought)
         parts.append(f"In the end {name} had {number_word(total)} {items}: " + listing(
             [f"{number_word(n)} from {cap}" for n, cap in bought]) + ".")
     if met:
-        parts.append(rng.choice([f"{name} met {met[0]} in {met[1]}.", (f"Who gave {name} the "
-                                                                       f"{item}? It was {met[0]}."),
+        parts.append(rng.choice([f"{name} met {met[0]} in {met[1]}.",
+                                 f"Who gave {name} the {item}? It was {met[0]}.",
                                  f"{name} kept the {ITEM_COLOUR[item]} {item} from {met[0]}."]))
     return " ".join(p for p in parts if p)
 
 
-DOC_KINDS = [(doc_story, 30), (doc_country, 22), (doc_countries, 12), (doc_animals, 11),
-             (doc_colours, 7),
-             (doc_numbers, 10), (doc_calendar, 8)]
+# each kind of document and its weight
+DOC_KINDS = {doc_story: 30, doc_country: 22, doc_countries: 12, doc_animals: 11, doc_colours: 7,
+             doc_numbers: 10, doc_calendar: 8}
 
 
-def demo_documents(rng, target_chars=DEMO_TARGET_CHARS):
-    gens, weights = [g for g, _ in DOC_KINDS], [w for _, w in DOC_KINDS]
+def demo_documents(rng):
+    gens, weights = list(DOC_KINDS), list(DOC_KINDS.values())
     docs, total = [], 0
-    while total < target_chars:
+    while total < DEMO_TARGET_CHARS:
         doc = "\n\n".join(g(rng) for g in rng.choices(gens, weights, k=rng.choice([1, 1, 2, 3])))
         docs.append(doc)
         total += len(doc)
     return docs
 
 
-# -----------------------------------------------------------------------------
-# Conversations (SmolTalk schema)
+# --- conversations (SmolTalk schema)
 
 
 def pick(rng, pair, f):
@@ -637,16 +667,15 @@ def exchange(rng):
     f, roll = {**fields(rng), "bot": DEMO_ASSISTANT_NAME}, rng.random()
     if roll < 0.08:
         kinds = rng.sample(COUNTRY_KINDS, 3)
-        return rng.choice(["Tell me about {c}.",
-                           "What do you know about {c}?"]).format(**f), " ".join(
-            say(rng, k, f) for k in kinds)
+        question = rng.choice(["Tell me about {c}.", "What do you know about {c}?"]).format(**f)
+        return question, " ".join(say(rng, k, f) for k in kinds)
     if roll < 0.12:
         name = rng.choice(CHARACTERS)[0]
         return rng.choice(["Tell me a short story.",
                            f"Tell me a story about {name}."]), doc_story(rng, name)
     if roll < 0.15:
-        return "Tell me a fact.", say(rng, rng.choice(COUNTRY_KINDS + ANIMAL_KINDS + ["colour",
-                                                                                      "day"]), f)
+        return "Tell me a fact.", say(rng, rng.choice([*COUNTRY_KINDS, *ANIMAL_KINDS, "colour",
+                                                       "day"]), f)
     kind = rng.choice(list(QA))
     user, assistant = pick(rng, QA[kind], f)
     if kind in COUNTRY_KINDS + ["capital_of"] and rng.random() < 0.35:
@@ -672,8 +701,7 @@ def conversation(rng):
     return messages
 
 
-# -----------------------------------------------------------------------------
-# ChatCORE's shapes in the layouts of the hub sets that teach them: multiple choice by letter
+# --- ChatCORE's shapes in the layouts of the hub sets that teach them: multiple choice by letter
 # (MMLU's columns), short answers (conversations), arithmetic via the calculator (GSM8K's
 # columns, <<expr=result>> and '#### N').
 
@@ -685,14 +713,20 @@ def ask(rng, instructions, question):
             f"{how}. {sentence(question)}"][order]
 
 
+def shuffled_choices(rng, gold, pool):
+    """gold and three other values of pool, shuffled."""
+    choices = [gold] + rng.sample(sorted(set(pool) - {gold}), 3)
+    rng.shuffle(choices)
+    return choices
+
+
 def choice_row(rng):
     """Multiple choice in MMLU's columns: question, choices, answer (gold index), subject."""
     kind = rng.choice(list(CHOICE))
     questions, key, pool = CHOICE[kind]
     f = fields(rng)
     gold = f[key]
-    choices = [gold] + rng.sample(sorted(set(pool) - {gold}), 3)
-    rng.shuffle(choices)
+    choices = shuffled_choices(rng, gold, pool)
     return {"question": rng.choice(questions).format(**f), "choices": choices,
             "answer": choices.index(gold),
             "subject": kind}
@@ -752,7 +786,7 @@ def word_problem(rng):
              "ap1": ap1,
              "ap2": ap2,
              "cap": cap, "cap2": cap2,
-             "friend": rng.choice([c[0] for c in CHARACTERS if c[0] != name]),
+             "friend": friend_of(rng, name),
              "other": other, "day": rng.choice(DAYS)}
     if rng.random() < 0.5:  # the distractor goes before the question
         story, ask = question.rsplit(". ", 1)
@@ -760,7 +794,8 @@ def word_problem(rng):
     while True:
         values = {k: rng.randint(2, 20) for k in "abcde"} | {"legs1": legs1, "legs2": legs2}
         said, ok = [], True
-        for i, (left, op, right, lead) in enumerate(steps):
+        for i, step in enumerate(steps):
+            left, op, right, lead = step.split(maxsplit=3)
             x, y = values[left], values[right]
             v = {"+": x + y, "-": x - y, "*": x * y}[op]
             ok = ok and 0 <= v <= 300
@@ -785,41 +820,37 @@ def distinct(n, draw, key=lambda row: row, exclude=()):
     return rows
 
 
-# -----------------------------------------------------------------------------
-# Evaluation tasks (CORE formats), phrased ONLY in reserved forms absent from training data
+# --- evaluation tasks (CORE formats), phrased ONLY in reserved forms absent from training data
 
 def eval_tasks(rng):
     """(label, type, fewshot, category, baseline %, items) for each task."""
     def mc(query, gold, pool):
-        choices = [gold] + rng.sample(sorted(p for p in set(pool) if p != gold), 3)
-        rng.shuffle(choices)
+        choices = shuffled_choices(rng, gold, pool)
         return {"query": query, "choices": choices, "gold": choices.index(gold)}
 
-    caps, langs = [r[1] for r in COUNTRIES], [r[2] for r in COUNTRIES]
-    animals, verbs = [a[0] for a in ANIMALS], [third(a[2]) for a in ANIMALS]
-    noises = [a[3] for a in ANIMALS]
+    verbs, calls = [third(a[2]) for a in ANIMALS], [a[2] for a in ANIMALS]
     asked = ["Quiz: {c} is governed from which city? Answer:",
              "Quiz: the seat of power in {c} is the city of"]
-    capitals = [mc(q.format(c=r[0]), r[1], caps) for q in asked for r in COUNTRIES]
-    facts = [mc(f"Quiz: the folk of {r[0]} chat in which tongue? Answer:", r[2], langs)
+    capitals = [mc(q.format(c=r[0]), r[1], CAPITALS) for q in asked for r in COUNTRIES]
+    facts = [mc(f"Quiz: the folk of {r[0]} chat in which tongue? Answer:", r[2], LANGUAGES)
              for r in COUNTRIES]
-    facts += [mc(f"Quiz: the creature chosen as the emblem of {r[0]} is the", r[5],
-                 animals) for r in COUNTRIES]
+    facts += [mc(f"Quiz: the creature chosen as the emblem of {r[0]} is the", r[5], ANIMAL_NAMES)
+              for r in COUNTRIES]
     facts += [mc(f"Quiz: the banner of {r[0]} is mostly", r[3], COLOURS) for r in COUNTRIES]
     sounds = [mc(f"Quiz: when {article(a[0])} calls out, it", third(a[2]), verbs)
               for a in ANIMALS]
-    sounds += [mc(f"Quiz: a group of {a[1]} can be heard. They", a[2],
-                  [b[2] for b in ANIMALS]) for a in ANIMALS]
-    sounds += [mc(f"Quiz: the noise {article(a[0])} makes, written down, is", a[3],
-                  noises) for a in ANIMALS]
-    colours = [mc(q.format(t=t), c, COLOURS) for q in ["Quiz: {t} has the colour", (
-               "Quiz: to paint {t} true to life, the paint to use "
-               "is"), "Quiz: the usual shade of {t} is"] for t, c in THINGS]
+    sounds += [mc(f"Quiz: a group of {a[1]} can be heard. They", a[2], calls) for a in ANIMALS]
+    sounds += [mc(f"Quiz: the noise {article(a[0])} makes, written down, is", a[3], NOISES)
+               for a in ANIMALS]
+    colours = [mc(q.format(t=t), c, COLOURS)
+               for q in ["Quiz: {t} has the colour",
+                         "Quiz: to paint {t} true to life, the paint to use is",
+                         "Quiz: the usual shade of {t} is"] for t, c in THINGS]
     calendar = [{"context": q.format(x=seq[i]), "continuation": seq[(i + 1) % len(seq)]}
                 for seq, unit in [(DAYS, "day"), (MONTHS, "month")]
-                for q in [f"Quiz: name the {unit} right after {{x}}. Answer:", (
-                          f"Quiz: we are in {{x}}, so the next {unit} will "
-                          "be"), f"Quiz: the {unit} that directly follows {{x}} is"]
+                for q in [f"Quiz: name the {unit} right after {{x}}. Answer:",
+                          f"Quiz: we are in {{x}}, so the next {unit} will be",
+                          f"Quiz: the {unit} that directly follows {{x}} is"]
                 for i in range(len(seq))]
     def arithmetic_item():
         x, y, op = rng.randint(0, 10), rng.randint(0, 10), rng.randrange(3)
@@ -832,22 +863,22 @@ def eval_tasks(rng):
     places, legs = [], []
     for i in range(60):
         (name, pr), row = rng.choice(CHARACTERS), COUNTRIES[i % len(COUNTRIES)]
-        options = [row[1]] + rng.sample([c for c in caps if c != row[1]], 3)
+        options = [row[1]] + rng.sample([c for c in CAPITALS if c != row[1]], 3)
         rng.shuffle(options)
-        q = [f"{name} woke up in {{cap}} this morning, so {pr} was in", (
-             f"Standing in the main square of {{cap}}, {name} knew that {pr} was "
-             "in")][i // len(COUNTRIES) % 2]
+        q = [f"{name} woke up in {{cap}} this morning, so {pr} was in",
+             f"Standing in the main square of {{cap}}, {name} knew that {pr} was in"
+             ][i // len(COUNTRIES) % 2]
         places.append({"context_options": [q.format(cap=c) for c in options],
                        "continuation": f"{row[0]}.",
                        "gold": options.index(row[1])})
         gold = rng.choice(ANIMALS)
         other = rng.choice([a for a in ANIMALS if a[4] != gold[4]])
         options = rng.sample([gold, other], 2)
-        q = rng.choice([f"{name} looked closely at the {{a}} and saw that", (
-                        f"In the picture book, the {{a}} on page {i + 1} was drawn so that")])
+        q = rng.choice([f"{name} looked closely at the {{a}} and saw that",
+                        f"In the picture book, the {{a}} on page {i + 1} was drawn so that"])
         legs.append({"context_options": [q.format(a=a[0]) for a in options],
                      "gold": options.index(gold),
-                     "continuation": f"it had {number_word(gold[4]) if gold[4] else 'no'} legs."})
+                     "continuation": f"it had {legs_word(gold[4])} legs."})
     return [("demo_capitals_mc", "multiple_choice", 3, "world knowledge", 25.0, capitals),
             ("demo_country_facts_mc", "multiple_choice", 3, "world knowledge", 25.0, facts),
             ("demo_animal_sounds_mc", "multiple_choice", 3, "world knowledge", 25.0, sounds),
@@ -865,20 +896,16 @@ def chat_eval_tasks(rng):
     (ChatCORE's shapes, every accepted form), and demo-words (no instruction on the reply's form:
     does the model still answer in its own words?)."""
     def mc(question, gold, pool):
-        choices = [gold] + rng.sample(sorted(p for p in set(pool) if p != gold), 3)
-        rng.shuffle(choices)
+        choices = shuffled_choices(rng, gold, pool)
         return {"question": question, "choices": choices, "gold": choices.index(gold)}
 
-    caps, langs, animals = [r[1] for r in COUNTRIES], [r[2] for r in COUNTRIES], [a[0]
-                                                                                  for a in ANIMALS]
-    choice = [mc(f"Pick the city that serves as the seat of {r[0]}.", r[1],
-                 caps) for r in COUNTRIES]
-    choice += [mc(f"Pick the tongue that most folk in {r[0]} use every day.", r[2],
-                  langs) for r in COUNTRIES]
-    choice += [mc(f"Pick the creature that stands as the emblem of {r[0]}.", r[5],
-                  animals) for r in COUNTRIES]
-    choice += [mc(f"Pick the noise you would hear from {article(a[0])}.", a[3],
-                  [b[3] for b in ANIMALS])
+    choice = [mc(f"Pick the city that serves as the seat of {r[0]}.", r[1], CAPITALS)
+              for r in COUNTRIES]
+    choice += [mc(f"Pick the tongue that most folk in {r[0]} use every day.", r[2], LANGUAGES)
+               for r in COUNTRIES]
+    choice += [mc(f"Pick the creature that stands as the emblem of {r[0]}.", r[5], ANIMAL_NAMES)
+               for r in COUNTRIES]
+    choice += [mc(f"Pick the noise you would hear from {article(a[0])}.", a[3], NOISES)
                for a in ANIMALS]
     choice += [mc(f"Pick the shade that {t} usually has.", c, COLOURS) for t, c in THINGS]
     answer = [{"question": f"Reply with one word: which city is the seat of {r[0]}?",
@@ -1005,8 +1032,6 @@ def write_demo(out_dir, seed=0):
         + "".join(f"    {k}: {v} items\n" for k, v in counts["chat_eval_items"].items()))
     return counts
 
-
-# -----------------------------------------------------------------------------
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,

@@ -21,7 +21,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from report import read_json, stage_seconds
+from report import TRAIN_STAGES, read_json, stage_seconds
 
 # a step's tokens over all GPUs (nanochat's); the chat stages inherit pretraining's
 TOKENS_PER_STEP = 524_288
@@ -82,7 +82,6 @@ def plan_lines(depth, gpus, rehearsal=False, on_cpu=False):
 
 
 # --- the rehearsal: every stage of the plan on a tiny budget, before the hours of pretraining
-# ----------------------
 
 REHEARSAL_STEPS = (3, 3, 3)  # pretrain, midtrain, sft: one checkpoint each, at the last step
 REHEARSAL_PROMPT = "Why do plants need light?"
@@ -92,21 +91,21 @@ def rehearsal_budgets(nproc, on_cpu):
     """A rehearsal's flags per stage, appended last: a bug in any stage shows in minutes, not after
     hours of pretraining."""
     questions = max(nproc, 2)  # rl.py needs at least one question per rank
+
+    def training(steps, middle, last):  # one checkpoint, at the last step
+        return ["--steps", steps, "--eval_every", 0, *middle, "--ckpt_every", steps, "--keep", 1,
+                *last]
     return {
         # the first shard (the tokenizer's and the data plan's) and one more
         "R_DATA": ["--shards", "2"],
         "R_TOK": ["--max_chars", "20000000"],
         # one sample prompt, short: generating samples is most of a tiny evaluation
-        "R_PRETRAIN": ["--steps", REHEARSAL_STEPS[0], "--eval_every", 0, "--ckpt_every",
-                       REHEARSAL_STEPS[0],
-                       "--keep", 1,
-                       "--bpb_tokens", 32768, "--sample_prompt", "The capital of France is"],
-        "R_MIDTRAIN": ["--steps", REHEARSAL_STEPS[1], "--eval_every", 0, "--eval_rows", 16,
-                       "--ckpt_every",
-                       REHEARSAL_STEPS[1], "--keep", 1, "--sample_prompt", REHEARSAL_PROMPT],
-        "R_SFT": ["--steps", REHEARSAL_STEPS[2], "--eval_every", 0, "--eval_rows", 16,
-                  "--ckpt_every",
-                  REHEARSAL_STEPS[2], "--keep", 1, "--sample_prompt", REHEARSAL_PROMPT],
+        "R_PRETRAIN": training(REHEARSAL_STEPS[0], [], ["--bpb_tokens", 32768, "--sample_prompt",
+                                                        "The capital of France is"]),
+        "R_MIDTRAIN": training(REHEARSAL_STEPS[1], ["--eval_rows", 16],
+                               ["--sample_prompt", REHEARSAL_PROMPT]),
+        "R_SFT": training(REHEARSAL_STEPS[2], ["--eval_rows", 16],
+                          ["--sample_prompt", REHEARSAL_PROMPT]),
         "R_RL": ["--steps", 2, "--questions_per_step", questions, "--samples", 2,
                  "--max_new_tokens", 16,
                  "--eval_every", 0, "--eval_items", questions, "--eval_samples", 2, "--ckpt_every",
@@ -126,7 +125,7 @@ def rehearsal_line(budgets):
             f"{budgets['R_CORE'][1]} items a task, ChatCORE {budgets['R_CHAT_EVAL'][1]}{shape}")
 
 
-# --- the disk plan: free disk against the shards and checkpoints, before any download --
+# --- the disk plan: free disk against the shards and checkpoints, before any download
 
 def kept_checkpoints(steps, ckpt_every, keep):
     """(checkpoints kept at the end, the most held at once): a save writes the new one before
@@ -194,7 +193,6 @@ def check_disk(plan):
                                              f"{ckpt_bytes / 1e9:.1f} GB to come" if saved else ""))
 
 
-TRAINING = ("pretrain", "midtrain", "sft")
 # validation tokens at 3x the training tok/s: a forward is a third of a step
 FORWARD_SPEEDUP = 3
 SAVE_UNKNOWN = ("save time unknown: ckpt/save_seconds is gone (predict before the rehearsal's "
@@ -207,16 +205,14 @@ NOT_PREDICTED = ("nccl_probe", "preflight", "chatcore_tasks", "data", "tokenizer
 def gpu_plan_budgets(pretrain_steps, sft_steps=None):
     """The gpu plan's budgets: flags, pretraining's steps, and sft_steps (one epoch of the mixture,
     which sft.py counts at start; None: unknown)."""
-    flags, rows = FLAGS, SEQUENCE_LEN  # midtraining's and SFT's --eval_rows are rows of this
-    tokens_per_step = TOKENS_PER_STEP
+    flags, step = FLAGS, {"tokens_per_step": TOKENS_PER_STEP}
     return {
-        "pretrain": {**flags["pretrain"], "steps": pretrain_steps,
-                     "tokens_per_step": tokens_per_step,
+        "pretrain": {**flags["pretrain"], "steps": pretrain_steps, **step,
                      "val_tokens": flags["pretrain"]["bpb_tokens"]},
-        "midtrain": {**flags["midtrain"], "tokens_per_step": tokens_per_step,
-                     "val_tokens": flags["midtrain"]["eval_rows"] * rows},
-        "sft": {**flags["sft"], "steps": sft_steps, "tokens_per_step": tokens_per_step,
-                "val_tokens": flags["sft"]["eval_rows"] * rows,
+        "midtrain": {**flags["midtrain"], **step,
+                     "val_tokens": flags["midtrain"]["eval_rows"] * SEQUENCE_LEN},
+        "sft": {**flags["sft"], "steps": sft_steps, **step,
+                "val_tokens": flags["sft"]["eval_rows"] * SEQUENCE_LEN,
                 "why_unknown": "one epoch of sft.py's mixture: sft.py estimates its steps from the "
                                "chat data when it starts (give --sft_steps, or sft_steps)"},
         "rl": {**flags["rl"], "steps": RL_STEPS},
@@ -342,7 +338,7 @@ def measure_rehearsal(rehearsal_dir):
                                 "directory of a finished rehearsal (runs/<run>-rehearsal, whose "
                                 "logs/stages.tsv has a `report` line)")
     for name, wall in times.items():
-        if name in TRAINING:
+        if name in TRAIN_STAGES:
             measured[name] = measure_training(run, name, wall)
         elif name == "rl":
             measured[name] = measure_rl(run, wall)
@@ -543,10 +539,7 @@ def write_prediction(rehearsal_dir, budgets, gpus, out=None):
 def default_out(rehearsal_dir):
     """runs/<run>/predicted.json beside runs/<run>-rehearsal (report.py reads it)."""
     path = Path(rehearsal_dir).resolve()
-    run = path
-    if path.name.endswith("-rehearsal"):
-        run = path.with_name(path.name[:-len("-rehearsal")])
-    return run / "predicted.json"
+    return path.with_name(path.name.removesuffix("-rehearsal")) / "predicted.json"
 
 
 def main(argv=None):

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import gpu_plan
-from report import read_json, stage_rows
+from report import MODEL_STAGES, read_json, stage_rows
 
 ROOT = Path(__file__).resolve().parent
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what stops a run
@@ -45,7 +45,6 @@ PRINT = False
 STOP_AFTER = ["data", "ingest", "tokenizer", "download", "pretrain", "core_eval", "midtrain", "sft",
               "rl", "chat_eval",
               "report"]
-MODEL_STAGES = ["pretrain", "midtrain", "sft", "rl"]
 ENVIRONMENT = """environment:
   PRETRAIN_ARGS MIDTRAIN_ARGS SFT_ARGS RL_ARGS CORE_ARGS CHAT_EVAL_ARGS
                       extra flags appended to that stage's command line (the last of a repeated
@@ -162,13 +161,11 @@ def run_dir(flags):
 
 def shell_assignments(values):
     """name=value lines for bash, every value quoted: nothing in them is run."""
-    lines = []
-    for name, value in values.items():
-        quoted = shlex.quote(str(value))
+    def quoted(value):  # a list: a bash array
         if isinstance(value, list):
-            quoted = f"({' '.join(shlex.quote(str(v)) for v in value)})"
-        lines.append(f"{name}={quoted}\n")
-    return "".join(lines)
+            return f"({' '.join(map(quoted, value))})"
+        return shlex.quote(str(value))
+    return "".join(f"{name}={quoted(value)}\n" for name, value in values.items())
 
 
 # --- what speedrun.sh says, and the run's state
@@ -318,22 +315,6 @@ def prepare(run, flags):
     return python
 
 
-def check(run, command):
-    """A check before any stage (pretrain.py --check_batch), its output as speedrun's; its exit
-    status."""
-    done = subprocess.run(list(map(str, command)), stdout=subprocess.PIPE, text=True, check=False)
-    for line in done.stdout.splitlines():
-        say(run, line)
-    return done.returncode
-
-
-def stages_python(run, flags):
-    """The stages' interpreter; --print: its path, nothing installed."""
-    if PRINT:
-        return os.environ.get("SPEEDRUN_PYTHON") or str(ROOT / ".venv" / "bin" / "python")
-    return prepare(run, flags)
-
-
 def torch_gpus_of(python):
     """torch's CUDA (or ROCm) GPU count, asked once if needed, without `import torch` (2-3 s).
     --print: the GPUs nvidia-smi lists."""
@@ -423,7 +404,10 @@ def check_batch(run, python, nproc, words):
     batch = [python, ROOT / "pretrain.py", "--check_batch", nproc, *words]
     if PRINT:
         return show("check_batch", batch, "before any stage; its output is speedrun's own lines")
-    return check(run, batch)
+    done = subprocess.run(list(map(str, batch)), stdout=subprocess.PIPE, text=True, check=False)
+    for line in done.stdout.splitlines():
+        say(run, line)
+    return done.returncode
 
 
 def setup(env_file, argv):
@@ -438,7 +422,9 @@ def setup(env_file, argv):
         Path(env_file).write_text(remove + "exit 0\n")
         return
     run, rehearse, PRINT = run_dir(flags), flags["rehearse"], flags["print"]
-    python = stages_python(run, flags)
+    # --print: the stages' interpreter's path, nothing installed
+    python = os.environ.get("SPEEDRUN_PYTHON") or str(ROOT / ".venv" / "bin" / "python")
+    python = python if PRINT else prepare(run, flags)
     torch_gpus = torch_gpus_of(python)
     gpus = checked_gpus(run, flags, python, torch_gpus)
     plan, on_cpu = checked_plan(flags, gpus, torch_gpus)
@@ -712,8 +698,9 @@ def progress_lines(run, name, now):
     """Where each rank of a failed stage was last, and when: under NCCL a hung collective aborts in
     C++ and no rank can say which one was stuck."""
     files = sorted(Path(run, name, "progress").glob("rank*.txt"))
+    if not files:
+        return []
     lines = [f"speedrun: where each rank of stage {name} was last ({run}/{name}/progress/):"]
-    lines = lines if files else []
     for path in files:
         for line in path.read_text().splitlines():  # "... at <time.time()> (<clock time>)"
             at = re.findall(r"\bat (\d+\.?\d*)", line)
@@ -761,9 +748,9 @@ def run_stage(run, name, command, train=False, skip_if=None):
             stage = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, env=env, start_new_session=True)
         except OSError as e:
-            log.write(f"speedrun: cannot run {command[0]}: {e}\n".encode())
-            terminal(f"speedrun: cannot run {command[0]}: {e}", sys.stderr)
-            stage = None
+            message, stage = f"speedrun: cannot run {command[0]}: {e}", None
+            log.write(f"{message}\n".encode())
+            terminal(message, sys.stderr)
         copier = threading.Thread(target=copy_output, args=(stage, log), daemon=True)
         copier.start()
         while not stopped and (copier.is_alive() or (stage is not None and stage.poll() is None)):
@@ -846,15 +833,15 @@ def rehearsed(run, seconds):
     """A passed rehearsal: each stage's time printed, and rehearsed.json."""
     state, rows = read_state(run), stage_rows(run)
     now = {name: took for name, took, _ in rows[state["stages_before"]:]}
-    earlier = {name: took for name, took,
-               status in rows[:state["stages_before"]] if status == "0" and name not in now}
+    earlier = {name: took for name, took, status in rows[:state["stages_before"]]
+               if status == "0" and name not in now}
     resumed = f" (resumed: {', '.join(earlier)} passed before it)" if earlier else ""
     say(run, f"rehearsal passed in {seconds} s{resumed}; each stage's time (s):")
-    for name, took in {**earlier, **now}.items():
+    times = {**earlier, **now}
+    for name, took in times.items():
         say(run, f"  {name:<15} {took:>8}", prefix="")
     record = {"plan": state["plan"], "processes": state["nproc"], "cpu": state["on_cpu"],
-              "seconds": seconds,
-              "stages": {name: float(took) for name, took in {**earlier, **now}.items()},
+              "seconds": seconds, "stages": {name: float(took) for name, took in times.items()},
               "resumed_after": [*earlier]}
     Path(run, "rehearsed.json").write_text(json.dumps(record) + "\n")
 

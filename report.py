@@ -17,7 +17,7 @@ from pathlib import Path
 
 TRAIN_STAGES = ["pretrain", "midtrain", "sft"]
 # the stages whose final models get a column in the per-stage table, in training order
-MODEL_STAGES = ["pretrain", "midtrain", "sft", "rl"]
+MODEL_STAGES = [*TRAIN_STAGES, "rl"]
 UNKNOWN = "unknown"
 # per generated task in the per-stage table: its first item and first with a numeric answer
 SAMPLE_QUESTIONS = 2
@@ -190,48 +190,42 @@ def per_stage_table(run):
     stages = [name for name in MODEL_STAGES if any((run / name / "ckpt").glob("step_*"))]
     if not stages:
         return [f"No stage has a checkpoint under {run}/<stage>/ckpt/: nothing to tabulate."]
-    core = {s: read_json(stage_eval_files(run, s)[0]) for s in stages}
+    core = {s: read_json(stage_eval_files(run, s)[0]) or {} for s in stages}
     chat = {s: read_json(stage_eval_files(run, s)[1]) for s in stages}
     items = {s: read_jsonl(stage_eval_files(run, s)[2]) for s in stages}
+    # {stage: {task: its results}}
+    core_tasks = {s: {t["task"]: t for t in core[s].get("tasks", [])} for s in stages}
+    chat_tasks = {s: {t["task"]: t for t in (chat[s] or {}).get("tasks", [])} for s in stages}
     rows = []
 
     def row(label, value_of):
         rows.append([label] + [value_of(s) for s in stages])
 
-    def figure(value, fmt=".4f"):
-        return UNKNOWN if value is None else format(value, fmt)
+    def figure(value):
+        return UNKNOWN if value is None else f"{value:.4f}"
 
-    row("pretraining val bpb", lambda s: figure((core[s] or {}).get("val_bpb")))
-    row("CORE", lambda s: figure((core[s] or {}).get("core")))
-    core_tasks = list(dict.fromkeys(t["task"] for s in stages for t in (core[s] or {}).get("tasks",
-                                                                                           [])))
-    for task in core_tasks:
-        row(f"CORE: {task} (accuracy)", lambda s, task=task: next(
-            (figure(t["accuracy"]) for t in (core[s] or {}).get("tasks", []) if t["task"] == task),
-            UNKNOWN))
+    row("pretraining val bpb", lambda s: figure(core[s].get("val_bpb")))
+    row("CORE", lambda s: figure(core[s].get("core")))
+    for task in dict.fromkeys(task for s in stages for task in core_tasks[s]):
+        row(f"CORE: {task} (accuracy)",
+            lambda s, task=task: figure(core_tasks[s].get(task, {}).get("accuracy")))
+
     # pretrain's: CORE only, as nanochat (speedrun.sh runs no ChatCORE on it)
-    not_asked = "not asked (a base model)"
-
     def chat_cell(s, value):
-        return not_asked if s == "pretrain" and chat[s] is None else value
+        return "not asked (a base model)" if s == "pretrain" and chat[s] is None else value
 
     row("ChatCORE", lambda s: chat_cell(s, figure((chat[s] or {}).get("chatcore"))))
-    chat_tasks = list(dict.fromkeys(t["task"] for s in stages for t in (chat[s] or {}).get("tasks",
-                                                                                           [])))
-    for task in chat_tasks:
+    for task in dict.fromkeys(task for s in stages for task in chat_tasks[s]):
         def task_cell(s, task=task):
-            found = [t for t in (chat[s] or {}).get("tasks", []) if t["task"] == task]
-            return chat_cell(s, f"{found[0]['correct']}/{found[0]['items']}" if found else UNKNOWN)
-        extra = " (not in ChatCORE)" if any(t["task"] == task and t["centered"] is None
-                                            for s in stages for t in (chat[s] or {}).get(
-                                                    "tasks", [])) else ""
+            found = chat_tasks[s].get(task)
+            return chat_cell(s, f"{found['correct']}/{found['items']}" if found else UNKNOWN)
+        centered = [chat_tasks[s][task]["centered"] for s in stages if task in chat_tasks[s]]
+        extra = " (not in ChatCORE)" if None in centered else ""
         row(f"{task}{extra}", task_cell)
-    asked = list(dict.fromkeys(q for s in stages for q in sample_items(items[s])))
-    for task, question in asked:
-        row(f"sample, {task}: {question}", lambda s, task=task, question=question: chat_cell(s,
-                                                                                             next(
-            (repr(sample_reply(i)) for i in items[s] if i["task"] == task
-             and i["question"] == question), UNKNOWN)))
+    for task, question in dict.fromkeys(q for s in stages for q in sample_items(items[s])):
+        row(f"sample, {task}: {question}", lambda s, task=task, question=question: chat_cell(
+            s, next((repr(sample_reply(i)) for i in items[s]
+                     if i["task"] == task and i["question"] == question), UNKNOWN)))
     lines = ["| ability | " + " | ".join(stages) + " |", "|---|" + "---|" * len(stages)]
     lines += ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows]
     return lines + ["", *stage_changes(stages, chat)]
@@ -336,11 +330,8 @@ def stages_lines(run):
     rows = [stage_figures(run, name, times, predicted) for name in names]
     lines = ["", "## Stages", "", "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
     lines += ["| " + " | ".join(row.values()) + " |" for row in rows]
-    others = []
-    for k, v in times.items():
-        if k not in TRAIN_STAGES + ["rl"]:
-            others.append(f"{k} {v:.1f}"
-                          + (f" (predicted {predicted_cell(predicted, k)})" if predicted else ""))
+    others = [f"{k} {v:.1f}" + (f" (predicted {predicted_cell(predicted, k)})" if predicted else "")
+              for k, v in times.items() if k not in MODEL_STAGES]
     lines += ["", ("Wall time: speedrun.sh's clock around the stage (logs/stages.tsv), start-up "
                    "and evaluation included. tok/s: tokens / the summed step times in "
                    "metrics.jsonl. MFU: the mean of the per-step MFU; unknown where the device has "
