@@ -1,15 +1,15 @@
 """launch.py: what speedrun.sh asks of Python; it runs the recipe's stages.
 
-    python launch.py setup ENV_FILE [speedrun.sh's flags]  # flags, .venv, GPUs, plan: ENV_FILE
+    python launch.py setup ENV_FILE [speedrun.sh's flags]  # checks; shell variables: ENV_FILE
     python launch.py probe --run RUN TORCHRUN... distributed.py probe  # NCCL, safe flags on a hang
-    python launch.py stage --run RUN NAME [--train] [--skip_if PATH] COMMAND...  # logged, recorded
-    python launch.py end --run RUN                     # end the run's live processes (at exit)
+    python launch.py stage --run RUN NAME [--train] [--skip_if PATH] COMMAND...
+    python launch.py end --run RUN                     # end the run's live processes
     python launch.py rehearsal_due --run RUN REHEARSAL_DIR 0|1  # exit 0: rehearse (--no_rehearse 1)
-    python launch.py rehearsal_passed --run RUN REHEARSAL_DIR  # its checkpoints deleted, cost said
+    python launch.py rehearsal_passed --run RUN REHEARSAL_DIR
     python launch.py stage_evals --run RUN STAGE LIST FINAL  # exit 0: --stage_evals has STAGE
     python launch.py rehearsed --run RUN SECONDS       # stage times: <run>/rehearsed.json
-    python launch.py shards --run RUN [N]              # shards to download: N, else data_plan's
-    python launch.py --print COMMAND ...               # speedrun.sh --print: printed, nothing runs
+    python launch.py shards --run RUN [N]              # shards to download
+    python launch.py --print COMMAND ...               # speedrun.sh --print: nothing runs
 
 Standard library only: python3 runs it before .venv exists. State between calls:
 <run>/logs/launch.json; each stage's wall time and exit status: <run>/logs/stages.tsv (report.py).
@@ -51,14 +51,13 @@ ENVIRONMENT = """environment:
   SPEEDRUN_PYTHON     the interpreter (default: .venv/bin/python, requirements.txt installed)
   SPEEDRUN_PROBE_TIMEOUT  seconds before the NCCL probe counts as hung (default: 120)
   SPEEDRUN_PROBE_MB   size of the probe's timed all-reduce in MB (default: 64)
-  SPEEDRUN_KILL_WAIT  seconds a stopped stage gets to end before SIGKILL, plus twice its last
-                      checkpoint save, plus while one is written, and as much again once it is
-                      saved (default: 30)
+  SPEEDRUN_KILL_WAIT  seconds a stopped stage gets before SIGKILL, plus twice its last checkpoint
+                      save, plus while one is written, and as much again once saved (default: 30)
 """
 
 
 class Refused(Exception):
-    """What stops speedrun.sh; exit status 2 for a flag, 1 for the machine, else the stage's."""
+    """What stops speedrun.sh: exit status 2 for a flag, 1 for the machine, else the stage's."""
 
     def __init__(self, message, status):
         super().__init__(message)
@@ -66,7 +65,7 @@ class Refused(Exception):
 
 
 def flag_parser():
-    """speedrun.sh's flags and --help (fixed width: the same text in every terminal)."""
+    """speedrun.sh's flags (fixed width: the same --help in every terminal)."""
     parser = argparse.ArgumentParser(
         usage="bash speedrun.sh [flags]", add_help=False, allow_abbrev=False, exit_on_error=False,
         epilog=ENVIRONMENT,
@@ -129,7 +128,6 @@ def flag_parser():
 
 
 def parse_flags(argv):
-    """speedrun.sh's flags as {name: value}, checked."""
     try:
         flags, unknown = flag_parser().parse_known_args(argv)
     except argparse.ArgumentError as e:  # a flag without its value, or not one of its choices
@@ -151,12 +149,12 @@ def parse_flags(argv):
 
 
 def run_dir(flags):
-    """<runs_dir>/<run_name>, or <run_name>-rehearsal (never mixed with the real run)."""
+    """<runs_dir>/<run_name>, or <run_name>-rehearsal."""
     return f"{flags['runs_dir']}/{flags['run_name']}{'-rehearsal' if flags['rehearse'] else ''}"
 
 
 def shell_assignments(values):
-    """name=value lines for bash, every value quoted: nothing in them is run."""
+    """name=value lines for bash, every value quoted."""
     def quoted(value):  # a list: a bash array
         if isinstance(value, list):
             return f"({' '.join(map(quoted, value))})"
@@ -167,7 +165,7 @@ def shell_assignments(values):
 # --- what speedrun.sh says, and the run's state
 
 def say(run, text, prefix="speedrun: ", stream=None):
-    """speedrun's own line: to the terminal and logs/speedrun.log (--print: a comment)."""
+    """speedrun's own line, to the terminal and logs/speedrun.log (--print: a comment)."""
     if PRINT:
         return terminal(f"# {text}", stream)
     with open(f"{run}/logs/speedrun.log", "a") as log:
@@ -325,7 +323,7 @@ def checked_gpus(run, flags, python, torch_gpus):
     """--gpus (auto: torch's), refused when torch sees fewer, except CPU processes on gloo."""
     gpus = torch_gpus() if flags["gpus"] == "auto" else int(flags["gpus"])
     stand_in_probe = flags["probe_only"] and os.environ.get("SPEEDRUN_PROBE_CMD")  # tests: no GPU
-    # a CPU box may fetch the data: the stages up to the download train nothing
+    # a CPU box may fetch the data
     nothing_trains = flags["stop_after"] in STOP_AFTER[:STOP_AFTER.index("download") + 1]
     if flags["gpus"] == "auto" and gpus == 0 and not PRINT:
         explain_driver(python)
@@ -451,7 +449,7 @@ def setup(env_file, argv):
     # the gpu plan's rehearsal: the same data
     data = ["--corpus", *flags["corpus"]] if flags["corpus"] else ["--data_dir", data_dir]
     chat = ["--chat", flags["chat"]] if flags["chat"] else []
-    # one CPU process: no torchrun, whose start costs ~1.4 s per stage
+    # one CPU process: no torchrun (its start costs ~1.4 s per stage)
     launch = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     vocab = flags["vocab_size"] or ("1024" if plan == "demo" else "65536")
     Path(env_file).write_text(remove + shell_assignments({
@@ -510,7 +508,7 @@ def marked(mark, workers=False):
 
 
 def signal_all(pids=(), groups=(), signum=signal.SIGTERM):
-    """signum to each existing process and group: how many it reached (signal 0: how many live)."""
+    """signum to each process and group: how many it reached (signal 0: how many live)."""
     reached = 0
     for send, target in [(os.kill, pid) for pid in pids] + [(os.killpg, group) for group in groups]:
         with contextlib.suppress(OSError):
@@ -533,14 +531,14 @@ def kill_marked(mark, groups=()):
 
 
 def checkpoint_grace(wait, ckpt):
-    """Seconds a stopped stage gets before SIGKILL: `wait` + twice its last checkpoint save."""
+    """`wait` + twice the last checkpoint save."""
     with contextlib.suppress(OSError, ValueError, TypeError):
         return math.ceil(wait + 2 * float(Path(ckpt, "save_seconds").read_text()[:32]))
     return wait
 
 
 def writing_checkpoint(ckpt):
-    """A file of a checkpoint in progress (ckpt/.tmp_step_*) changed in the last 5 seconds."""
+    """A file of a checkpoint in progress (.tmp_step_*) changed in the last 5 seconds."""
     for item in [p for tmp in Path(ckpt).glob(".tmp_step_*") for p in (
             tmp, *tmp.rglob("*"))] if ckpt else []:
         with contextlib.suppress(OSError):
@@ -608,7 +606,7 @@ def probe_settings():
 
 def run_probe(run, mark, command, safe, timeout, mbytes):
     """(exit status, bus bandwidth or None) of the probe (tests: SPEEDRUN_PROBE_CMD, JSON path as
-    $1); hung past timeout: 124 (137 past SIGTERM too). Nothing survives it."""
+    $1); hung: 124 (137 past SIGTERM too). Nothing survives it."""
     result = Path(run, "logs", "probe.json")
     result.unlink(missing_ok=True)
     stand_in = os.environ.get("SPEEDRUN_PROBE_CMD")
@@ -709,7 +707,7 @@ def copy_output(stage, log):
 
 def run_stage(run, name, command, train=False, skip_if=None):
     """`stage`: COMMAND in its own session with the run's mark, output to the terminal and
-    logs/<name>.log, time to logs/stages.tsv; skipped when skip_if exists."""
+    logs/<name>.log, time to logs/stages.tsv."""
     state, stopped = read_state(run), None
 
     # a Python handler, not SIG_IGN: the stage starts with the signals' defaults
@@ -746,7 +744,7 @@ def run_stage(run, name, command, train=False, skip_if=None):
         copier.start()
         while not stopped and (copier.is_alive() or (stage is not None and stage.poll() is None)):
             copier.join(0.1)
-        if stopped:  # speedrun.sh prints why and exits with the signal's status
+        if stopped:
             end_processes(state["mark"], stage, ckpt)
             copier.join(10)
             return 128 + stopped
@@ -779,8 +777,8 @@ def reuse_chat_eval(run, name):
 
 
 def stage_evals(run, name, listed, final):
-    """--stage_evals: CORE and ChatCORE of NAME's final model when listed and its checkpoint exists;
-    --print: when NAME is listed and runs (FINAL: the last that does)."""
+    """--stage_evals: whether NAME is listed and has a checkpoint (--print: listed and runs, FINAL
+    being the last that does)."""
     if name not in listed.split(","):
         return False
     if PRINT:
@@ -808,7 +806,7 @@ def rehearsal_due(run, rehearsal, no_rehearse):
 
 
 def rehearsal_passed(run, rehearsal):
-    """After the rehearsal: plan_cost.json becomes predicted.json; its checkpoints deleted."""
+    """plan_cost.json becomes predicted.json; the rehearsal's checkpoints are deleted."""
     if Path(rehearsal, "plan_cost.json").is_file():
         shutil.copy(Path(rehearsal, "plan_cost.json"), Path(run, "predicted.json"))
     ckpts = sorted(Path(rehearsal).glob("*/ckpt"))
@@ -820,7 +818,7 @@ def rehearsal_passed(run, rehearsal):
 
 
 def rehearsed(run, seconds):
-    """A passed rehearsal: each stage's time printed, and rehearsed.json."""
+    """A passed rehearsal's stage times: printed, and rehearsed.json."""
     state, rows = read_state(run), stage_rows(run)
     now = {name: took for name, took, _ in rows[state["stages_before"]:]}
     earlier = {name: took for name, took, status in rows[:state["stages_before"]]
@@ -864,7 +862,7 @@ def stage_command(run, words, do=run_stage):
     return do(run, name, words, **options)
 
 
-# each command: (RUN of `--run RUN` or None, the words after it) -> exit status (None: 0)
+# (RUN of `--run RUN` or None, the words after it) -> exit status (None: 0)
 COMMANDS = {
     "setup": lambda run, words: setup(words[0], words[1:]),  # ENV_FILE [flags]
     "probe": probe,
@@ -899,8 +897,8 @@ def show_probe(run, command):
              "safe flags")
 
 
-# --print stand-ins: nothing runs; rehearsal_due and stage_evals decide from the flags alone; end,
-# rehearsal_passed and rehearsed do nothing
+# --print stand-ins: rehearsal_due and stage_evals decide from the flags alone; the others missing
+# here do nothing
 PRINTS = {
     "probe": show_probe,
     "stage": lambda run, words: stage_command(run, words, show_stage),
