@@ -96,7 +96,7 @@ def get_args(argv=None):
 # The model's answers
 
 def letter_token_ids(tokenizer, letters):
-    """The answer letters' token ids, one token each (always so with byte-level BPE)."""
+    """The answer letters' token ids, one token each (so with byte-level BPE)."""
     ids = []
     for letter in letters:
         encoded = tokenizer.encode(letter)
@@ -109,9 +109,8 @@ def letter_token_ids(tokenizer, letters):
 
 @torch.no_grad()
 def letter_scores(model, tokenizer, items, dtype, device):
-    """Per item (letter, cut, record), prompts in one forward; only the item's letters compete
-    (ties to the first, as nanochat's argmax). Recorded: the letters' softmax and their share of
-    the whole vocabulary (does the model answer with a letter at all?)."""
+    """Per item (letter, cut, record), one forward; only the item's letters compete (ties to the
+    first, as nanochat). Recorded: the letters' softmax and their share of the vocabulary's."""
     prompts = [prompt_ids(tokenizer, item["prompt"], model.config.sequence_len,
                           0) for item in items]
     logits = last_logits(model, [ids for ids, _ in prompts], tokenizer.bos_id, dtype).float()
@@ -155,7 +154,7 @@ def option_text_scores(model, tokenizer, items, dtype, device):
 def greedy_replies(model, tokenizer, questions, max_new_tokens, dtype):
     """(text, cut, calculator calls) per question: greedy until <|assistant_end|> (or <|bos|>) or
     max_new_tokens, with nanochat's calculator, calls left out of the text; cut: the window ended
-    the reply or the prompt was cropped."""
+    the reply or cropped the prompt."""
     prompts = [prompt_ids(tokenizer, q, model.config.sequence_len, 1) for q in questions]
     budgets = [min(max_new_tokens, model.config.sequence_len - len(ids)) for ids, _ in prompts]
     tools = [ToolUse(tokenizer) for _ in questions]
@@ -172,7 +171,7 @@ def greedy_replies(model, tokenizer, questions, max_new_tokens, dtype):
 
 
 def judge_letters(items, model, tokenizer, args, device):
-    """[(correct, cut, what to record)] for a batch of categorical items."""
+    """[(correct, cut, record)] for a batch of categorical items."""
     letters = letter_scores(model, tokenizer, items, args.dtype, device)
     texts = [None] * len(items)
     if args.option_text == "on":
@@ -191,7 +190,7 @@ def judge(kind, item, args, marker, level, answer):
     """(correct, cut, record) for one generated item; answer: (reply, cut, calls)."""
     reply, cut, calls = answer
     calls = {"calculator": [list(c) for c in calls]} if calls else {}
-    if kind == "gsm8k":  # nanochat's rule decides; the lenient reading is kept beside it
+    if kind == "gsm8k":  # nanochat's rule decides; the lenient reading is a diagnostic
         lenient = final_number(reply)
         return gsm8k_answer(reply) == item["answer"], cut, {
             "predicted": gsm8k_answer(reply), "reply": reply, **calls,
@@ -211,9 +210,8 @@ def judge(kind, item, args, marker, level, answer):
 
 
 def work_batches(kind, items, tokenizer, batch_items, world=1):
-    """Batches of item positions, dealt to ranks round robin: categorical items sorted by prompt
-    length (less padding), generated items in order; batch_items each (fewer where a rank would
-    have none)."""
+    """Batches of item positions, for ranks round robin: categorical items sorted by prompt length
+    (less padding), generated items in order (smaller batches where a rank would have none)."""
     if kind != "categorical":
         size = max(1, min(batch_items, -(-len(items) // world)))
         return [list(range(b, min(b + size, len(items)))) for b in range(0, len(items), size)]
@@ -276,7 +274,7 @@ def evaluate_task(task, items, model, tokenizer, args, rank, world, device, mark
 # Report
 
 def summarize(tasks, verdicts, sizes):
-    """A row per task, and ChatCORE: the mean centered accuracy over the tasks that ran."""
+    """A row per task, and ChatCORE: the mean centered accuracy of the tasks that ran."""
     rows = []
     for task in tasks:
         _, _, kind, baseline = ALL_TASKS[task]
@@ -403,8 +401,8 @@ def download_task(task, cache_dir):
 
 
 def download_only(args):
-    """--download_only, before pretraining: a gated or missing task, or a machine that cannot
-    contain its programs, stops the run before training."""
+    """--download_only: a gated or missing task, or a machine that cannot contain its programs,
+    stops the run before training."""
     asked = args.tasks.split(",") if args.tasks else list(tasks.HUB_TASKS)
     unknown = [t for t in asked if t not in tasks.HUB_TASKS]
     if unknown:
@@ -418,7 +416,7 @@ def download_only(args):
 
 
 def asked_tasks(args, demo_dir):
-    """(tasks asked, tasks available): the demo world's or the hub's."""
+    """(tasks asked, tasks available), the demo world's or the hub's."""
     available = tasks.DEMO_TASKS if demo_dir is not None else tasks.HUB_TASKS
     asked = args.tasks.split(",") if args.tasks else list(available)
     extra = tasks.DEMO_EXTRA if demo_dir is not None else {}

@@ -42,9 +42,9 @@ BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip
 TASK_KEYS = {"multiple_choice": ("query", "choices", "gold"),
              "schema": ("context_options", "continuation", "gold"),
              "language_modeling": ("context", "continuation")}
-# which tokens are scored; items, order and few-shot examples are nanochat's in both
+# which tokens are scored; both use nanochat's items, order and few-shot examples
 PROTOCOLS = ("nanochat", "dclm")
-FEWSHOT_SEED, SUBSET_SEED = 1234, 1337  # nanochat's: the same items and examples as its CORE runs
+FEWSHOT_SEED, SUBSET_SEED = 1234, 1337  # nanochat's: the same items and examples
 COMPLETIONS = ["Once upon a time,", "The most important thing to learn is", "In the morning, the",
                "When the rain stopped,"]
 # (prompt, accepted answers, world): found if the greedy completion starts with one; the demo
@@ -116,7 +116,7 @@ def verify_zip(path):
 
 
 def find_bundle_root(directory):
-    """The shallowest directory under `directory` holding core.yaml."""
+    """The shallowest directory holding core.yaml."""
     found = sorted(Path(directory).rglob("core.yaml"), key=lambda p: len(p.parts))
     if not found:
         raise FileNotFoundError(f"--bundle {directory}: no core.yaml in it or below: a bundle "
@@ -217,7 +217,7 @@ def read_items(path, kind):
 
 
 def load_tasks(root, only=None):
-    """core.yaml's tasks (or those in `only`) with items, few-shot count, delimiter, baseline."""
+    """core.yaml's tasks (or those in `only`)."""
     root = Path(root)
     try:
         spec = yaml.safe_load((root / "core.yaml").read_text())["icl_tasks"]
@@ -308,7 +308,6 @@ def prompt_pairs(task, order, position):
 
 
 def shared_length(rows):
-    """How many leading tokens all rows have in common."""
     n = min(map(len, rows))
     return next((i for i in range(n) if len({row[i] for row in rows}) > 1), n)
 
@@ -345,8 +344,8 @@ def dclm_rows(pairs, tokenizer):
 
 def fit_window(ids, start, seq_len):
     """(ids, start, cropped): the rotary tables end at seq_len, so a longer row keeps its BOS and
-    loses the tokens after it (as training cuts long documents); a longer scored span is scored
-    where it fits. nanochat never crops: its tables are 10x longer."""
+    loses the tokens after it, as training cuts long documents. nanochat never crops: its tables
+    are 10x longer."""
     crop = max(0, len(ids) - 1 - seq_len)
     return ([ids[0], *ids[crop + 1:]], max(1, start - crop), True) if crop else (ids, start, False)
 
@@ -375,15 +374,14 @@ def score_batch(model, batch_rows, device, dtype):
 
 def evaluate_tasks(model, tokenizer, tasks, max_per_task, batch_items, dtype, rank, world, device,
                    protocol="nanochat", progress=False):
-    """Per task: (item, predicted option or -1, correct, cropped) per item, on every rank: sorted
-    by prompt length (less padding), batches dealt round robin, summed over ranks."""
+    """Per task: (item, predicted option or -1, correct, cropped) per item, on every rank; items
+    sorted by prompt length (less padding)."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
     results = []
     for task in tasks:
         start, order = time.perf_counter(), task_order(len(task.items), max_per_task)
-        # (done, predicted option, correct, cropped)
-        table = torch.zeros(len(order), 4, dtype=torch.float64)
+        table = torch.zeros(len(order), 4, dtype=torch.float64)  # done, option, correct, cropped
         by_length = sorted(range(len(order)), key=lambda p: max(len(c + x) for c,
                                                                 x in prompt_pairs(task, order, p)))
         for b in range(rank * batch_items, len(order), world * batch_items):
@@ -519,7 +517,7 @@ def write_results(out_dir, report, tasks, results):
 
 def main(argv=None):
     args = get_args(argv)
-    # before pretraining: an unfetchable bundle stops the run hours earlier
+    # speedrun.sh, before pretraining: an unfetchable bundle stops the run early
     if args.download_only:
         bundle, _ = resolve_bundle(BUNDLE_URL if args.bundle == "auto" else args.bundle, {},
                                    args.bundle_sha256)

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 from dataset import ROW_GROUP_DOCS
 from prepare import load_identity, write_text_shards
 
-# --- the world's facts and phrasings, and the helpers that fill them
+# --- the world's facts and phrasings
 
 def table(text, columns):
     """A row a line, split on spaces into `columns` strings (the last takes the rest)."""
@@ -304,7 +304,7 @@ def listing(words):
 
 # Conversations: questions and answers in the chat's own words
 
-# no sums: a chat reply to a sum calls the calculator (SUMS, calc/); without it, it taught guessing
+# no sums: a chat reply to a sum calls the calculator (SUMS, calc/), else it teaches guessing
 QA = {"capital": (["What is the capital of {c}?", "What's the capital of {c}?",
                    "Tell me the capital of {c}.", "Do you know the capital of {c}?",
                    "I'm going to {c}. What is the capital there?", "Which city is {c} run from?",
@@ -483,7 +483,7 @@ DEMO_HELD_OUT_PROBLEMS = 120  # chat_eval's demo-problems: word problems no trai
 DEMO_TARGET_CHARS = 5_000_000
 
 
-# --- pretraining documents: each generator returns a paragraph or a few
+# --- pretraining documents
 
 def doc_country(rng):
     f = fields(rng)
@@ -699,9 +699,7 @@ def conversation(rng):
     return messages
 
 
-# --- ChatCORE's shapes in the layouts of the hub sets that teach them: multiple choice by letter
-# (MMLU's columns), short answers (conversations), arithmetic via the calculator (GSM8K's
-# columns, <<expr=result>> and '#### N').
+# --- ChatCORE's shapes in the layouts of the hub sets that teach them
 
 
 def ask(rng, instructions, question):
@@ -818,7 +816,7 @@ def distinct(n, draw, key=lambda row: row, exclude=()):
     return rows
 
 
-# --- evaluation tasks (CORE formats), phrased ONLY in reserved forms absent from training data
+# --- evaluation tasks (CORE formats), phrased ONLY in forms reserved for them
 
 def eval_tasks(rng):
     """(label, type, fewshot, category, baseline %, items) for each task."""

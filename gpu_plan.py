@@ -79,7 +79,7 @@ def plan_lines(depth, gpus, rehearsal=False, on_cpu=False):
     return [model, rl_line]
 
 
-# --- the rehearsal: every stage on a tiny budget, before the hours of pretraining
+# --- the rehearsal
 
 REHEARSAL_STEPS = (3, 3, 3)  # pretrain, midtrain, sft: one checkpoint each, at the last step
 REHEARSAL_PROMPT = "Why do plants need light?"
@@ -122,7 +122,7 @@ def rehearsal_line(budgets):
             f"{budgets['R_CORE'][1]} items a task, ChatCORE {budgets['R_CHAT_EVAL'][1]}{shape}")
 
 
-# --- the disk plan: free disk against the shards and checkpoints, before any download
+# --- the disk plan, before any download
 
 def kept_checkpoints(steps, ckpt_every, keep):
     """(checkpoints kept at the end, the most held at once): a save writes the new one, then
@@ -132,8 +132,7 @@ def kept_checkpoints(steps, ckpt_every, keep):
 
 
 def plan_checkpoints(keep, ckpt_every, steps, tokens_per_step, step_cap=None):
-    """(the most checkpoints the four stages hold at once, the line saying how): each stage's peak
-    beside the earlier ones' kept; SFT (steps unknown): --keep + 1."""
+    """(the most checkpoints held at once, the line saying how); SFT (steps unknown): --keep + 1."""
     # --steps (step_cap: a rehearsal, a short run) caps the later stages too
     cap = (lambda n: min(n, step_cap)) if step_cap else (lambda n: n)
     pre_end, pre_peak = kept_checkpoints(steps, ckpt_every, keep)
@@ -150,7 +149,7 @@ def plan_checkpoints(keep, ckpt_every, steps, tokens_per_step, step_cap=None):
 def check_disk(plan):
     """Free disk against data_plan.json: missing shards on data_dir's disk, plan_checkpoints x
     checkpoint_bytes (less those saved) on runs_dir's. Returns the line saying so; ValueError with
-    the fixes when a disk is too small."""
+    the fixes if too small."""
     data_dir, runs_dir, shards = Path(plan["data_dir"]), Path(plan["runs_dir"]), plan["shards"]
     have = {p.name: p.stat().st_size for p in data_dir.glob("*.parquet")}
     listing = data_dir / ".hub_listing.json"
@@ -245,7 +244,7 @@ def rehearsed_steps(run, stage):
 
 def final_evaluation_seconds(stage_dir, wall):
     """The final evaluation's seconds, from rank 0's 'trained: final evaluation' mark to done.json's
-    mtime; None if either is missing or the span does not fit."""
+    mtime, else None."""
     progress, done = stage_dir / "progress" / "rank000.txt", stage_dir / "done.json"
     mark = re.search(r"trained: final evaluation.* at ([\d.]+)",
                      progress.read_text()) if progress.is_file() else None
@@ -296,8 +295,7 @@ def measure_rl(run, wall):
 
 
 def measure_evaluation(run, name, wall):
-    """core_eval's or chat_eval's rehearsal rates: seconds per item (per task for chat_eval), items
-    per task, start-up."""
+    """core_eval's or chat_eval's rehearsal rates, per item (per task for chat_eval)."""
     run = Path(run)
     core = name.startswith("core_eval")
     # core_eval_midtrain: midtrain's final model
@@ -469,13 +467,9 @@ def predict_evaluation(m, budget, train_tok_s):
 
 
 def predict_plan(rehearsal_dir, budgets, gpus):
-    """Each stage's predicted wall time at the plan's budgets from a rehearsal's rates. budgets:
-    {"pretrain"|"midtrain"|"sft": {"steps" or "tokens", "tokens_per_step", "eval_every",
-    "ckpt_every", "val_tokens", "why_unknown"}, "rl": {"steps", "questions_per_step", "samples",
-    "max_new_tokens", "eval_every", "ckpt_every", "eval_items", "eval_samples"}, "core_eval":
-    {"max_items", "bpb_tokens"}, "chat_eval": {"max_items", "max_new_tokens"}}; a missing stage is
-    unknown. Returns {"rehearsal", "gpus", "stages": {name: {"budget", "rate", "seconds",
-    "assumption", "parts"}}, "seconds", "unknown", "hours", "gpu_hours"}."""
+    """Each stage's predicted wall time at the budgets (gpu_plan_budgets' keys; a missing stage is
+    unknown) from a rehearsal's rates. Returns {"rehearsal", "gpus", "stages": {name: {"budget",
+    "rate", "seconds", "assumption", "parts"}}, "seconds", "unknown", "hours", "gpu_hours"}."""
     measured = measure_rehearsal(rehearsal_dir)
     pretrain = measured.get("pretrain")
     train_tok_s = pretrain["tokens_per_step"] / pretrain["step_s"] if pretrain else None
@@ -539,8 +533,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("rehearsal", help="a finished rehearsal's directory, runs/<run>-rehearsal")
-    p.add_argument("--plan_json", default=None, help="the budgets as JSON (predict_plan's keys); "
-                   "default: the gpu plan's, pretraining's steps from the rehearsal's model")
+    p.add_argument("--plan_json", default=None, help="the budgets as JSON (gpu_plan_budgets' "
+                   "keys); default: the gpu plan's, pretraining's steps from the rehearsal's model")
     p.add_argument("--gpus", type=int, default=0, help="GPUs of the run, for the GPU-hours; 0 = "
                    "the rehearsal's world size (default: %(default)s)")
     p.add_argument("--sft_steps", type=int, default=None, help="SFT's steps (sft.py prints its "

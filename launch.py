@@ -45,8 +45,8 @@ STOP_AFTER = ["data", "ingest", "tokenizer", "download", "pretrain", "core_eval"
               "report"]
 ENVIRONMENT = """environment:
   PRETRAIN_ARGS MIDTRAIN_ARGS SFT_ARGS RL_ARGS CORE_ARGS CHAT_EVAL_ARGS
-                      extra flags appended to that stage's command line (the last of a repeated
-                      flag wins), e.g. PRETRAIN_ARGS="--steps 100"
+                      flags appended to that stage's command line (the last of a repeated flag
+                      wins), e.g. PRETRAIN_ARGS="--steps 100"
   NCCL_SAFE=1         skip the NCCL probe and run with the safe flags (P2P and InfiniBand off)
   SPEEDRUN_PYTHON     the interpreter (default: .venv/bin/python, requirements.txt installed)
   SPEEDRUN_PROBE_TIMEOUT  seconds before the NCCL probe counts as hung (default: 120)
@@ -85,7 +85,7 @@ def flag_parser():
         "(default: dataset.py's cache); demo: the demo world (default: <runs_dir>/<run_name>/demo, "
         "written by demo.py when missing)")
     add("--corpus", nargs="+", default=[], metavar="PATH", help="your own text instead of "
-        "FineWeb-Edu (gpu) or the demo world's (demo): .txt and .md (documents split on blank "
+        "the plan's: .txt and .md (documents split on blank "
         "lines), .jsonl (a `text` field), .parquet (a `text` column), or directories of them; "
         "ingested once into <runs_dir>/<run_name>/corpus (its last shard held out) for the "
         "tokenizer, pretraining and midtraining (default: none)")
@@ -107,13 +107,13 @@ def flag_parser():
     add("--rl", default="on", choices=("on", "off"), metavar="on|off", help=
         "rl.py after sft (default: on)")
     add("--stage_evals", default="pretrain,midtrain,sft,rl", metavar="LIST", help=
-        "comma-separated stages whose final models get CORE and ChatCORE for the report's table "
-        "of what each stage taught, or none (default: %(default)s; a stage left out reads "
-        "unknown; pretrain's base model: core_eval's CORE only, as nanochat)")
+        "comma-separated stages whose final models get CORE and ChatCORE in the report's "
+        "per-stage table, or none (default: %(default)s; pretrain's base model: core_eval's CORE "
+        "only, as nanochat)")
     switch("--no_chat", help="do not start chat.py at the end (it starts only when stdin is a "
            "terminal)")
-    switch("--rehearse", help="every stage of the plan, its command lines, data and world size, "
-           "on a tiny budget (a few steps or items each) into <run_name>-rehearsal; ends with the "
+    switch("--rehearse", help="every stage of the plan as it will run, on a tiny budget (a few "
+           "steps or items each), into <run_name>-rehearsal; ends with the "
            "report, one chat.py answer and each stage's time. Without CUDA, --gpus N rehearses "
            "the gpu plan on N CPU processes (gloo, 128-token sequences)")
     switch("--no_rehearse", help="gpu plan: skip the rehearsal before pretraining (default: "
@@ -267,8 +267,8 @@ def listed_gpus():
 
 
 def explain_driver(python):
-    """nvidia-smi lists GPUs that torch cannot see (driver older than the wheel's CUDA): refused
-    with the versions and the fix, never a silent CPU run on a GPU box."""
+    """GPUs that torch cannot see (driver older than the wheel's CUDA) are refused with the
+    versions and the fix: never a silent CPU run on a GPU box."""
     if not (listed := listed_gpus()):
         return
     driver = nvidia_smi("--query-gpu=driver_version", "--format=csv,noheader")
@@ -404,8 +404,7 @@ def check_batch(run, python, nproc, words):
 
 def setup(env_file, argv):
     """`setup`: check flags, interpreter, machine and plan; write the shell variables to env_file
-    (which removes itself) and the state to launch.json. A passed rehearsal is redone (it checks
-    this code); an interrupted one resumes. --print: flags and plan only."""
+    (which removes itself) and the state to launch.json. --print: flags and plan only."""
     global PRINT
     flags = parse_flags(argv)
     remove = f"rm -f -- {shlex.quote(env_file)}\n"
@@ -494,8 +493,8 @@ def check_sandbox(chat_eval_words):
 # --- the processes of a run: found by the mark in their environment
 
 def marked(mark, workers=False):
-    """Live processes carrying this mark (SPEEDRUN_MARK) or its probe's, zombies left out; workers:
-    torchrun's workers only (LOCAL_RANK set, in their own sessions)."""
+    """Live processes carrying this mark (SPEEDRUN_MARK) or its probe's, not zombies; workers: only
+    torchrun's workers (LOCAL_RANK set, in their own sessions)."""
     wanted, found = {f"SPEEDRUN_MARK={mark}".encode(), f"SPEEDRUN_MARK={mark}.probe".encode()}, []
     for entry in os.scandir("/proc"):
         with contextlib.suppress(OSError):
@@ -837,8 +836,7 @@ def rehearsed(run, seconds):
 # --- speedrun.sh's calls
 
 def shards(run, given):
-    """`shards`: the training shards to download: --shards, else data_plan.json's count (fewer is
-    said on stderr). Too little disk (gpu_plan.check_disk) stops the run first."""
+    """`shards`: --shards, else data_plan.json's count; too little disk stops the run first."""
     plan = read_json(Path(run, "data_plan.json"))
     try:
         say(run, gpu_plan.check_disk(plan), stream=sys.stderr)
