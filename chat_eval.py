@@ -1,9 +1,8 @@
 """Evaluate a chat model: nanochat's ChatCORE. ARC-Easy, ARC-Challenge and MMLU are categorical
 (the answer letter with the highest logit after <|assistant_start|>); GSM8K and HumanEval are
 generated greedily and checked (the number after '#### '; the program against the tests, in
-sandbox.py). ChatCORE is the mean centered accuracy, (accuracy - baseline) / (1 - baseline).
-Diagnostics beside it, never in it: letter probabilities, option texts scored as the reply, a
-lenient GSM8K reading.
+sandbox.py). ChatCORE is the mean centered accuracy. Diagnostics beside it, never in it: letter
+probabilities, option texts scored as the reply, a lenient GSM8K reading.
 
     python chat_eval.py                                # newest checkpoint under runs/, tasks below
     python chat_eval.py --checkpoint runs/NAME --tasks ARC-Easy,GSM8K --max_items 100
@@ -11,7 +10,7 @@ lenient GSM8K reading.
     torchrun --standalone --nproc_per_node=8 chat_eval.py --checkpoint runs/NAME
 
 --max_items N scores the same items as nanochat's --max-problems N. Writes
-runs/<run>/chat_eval.json and chat_eval_items.jsonl; details in docs/eval.md.
+runs/<run>/chat_eval.json and chat_eval_items.jsonl (docs/eval.md).
 """
 import argparse
 import json
@@ -42,9 +41,9 @@ from tasks import (
     same_number,
 )
 
-PROGRESS_SECONDS = 10.0  # a progress line at most this often per task (and one at its end)
+PROGRESS_SECONDS = 10.0  # a progress line at most this often per task
 # CPU generation runs one thread, as rl.py's rollouts: a small model's decode step is per-op
-# overhead, and on a shared machine a second OpenMP thread waits (two threads measured ~5x slower)
+# overhead, and on a shared machine a second OpenMP thread waits (dev/LOG.md)
 CPU_GENERATE_THREADS = 1
 
 
@@ -54,38 +53,36 @@ def get_args(argv=None):
     # chat.py's pick: the final model of the newest run
     checkpoint.add_checkpoint_args(p, eval_dtype=True)
     p.add_argument("--demo", default="auto", help="a demo world directory (python demo.py --out "
-                   "DIR) whose chat_eval/ questions to ask; auto = the checkpoint's world when it "
-                   "was trained on one, else the hub tasks; none = the hub tasks "
-                   f"({', '.join(tasks.HUB_TASKS)}) (default: %(default)s)")
-    p.add_argument("--tasks", default=None, help="comma-separated tasks to run (default: all of "
-                   "the chosen set)")
+                   "DIR) whose chat_eval/ questions to ask; auto = the checkpoint's world if it "
+                   f"has one; none = the hub tasks ({', '.join(tasks.HUB_TASKS)}) "
+                   "(default: %(default)s)")
+    p.add_argument("--tasks", default=None, help="comma-separated tasks (default: all of the "
+                   "chosen set)")
     p.add_argument("--max_items", type=int, default=-1, help="items per task, the first N in "
                    "nanochat's order; -1 = all (default: %(default)s)")
     p.add_argument("--batch_items", type=int, default=8, help="items per forward: multiple-choice "
-                   "prompts right-padded (nanochat's 8), generated answers decoded together as the "
-                   "rows of one batch (decode.py: greedy tokens equal to one at a time); 1 = one "
-                   "at a time (default: %(default)s)")
+                   "prompts right-padded (nanochat's 8), generated answers decoded as rows of one "
+                   "batch (the same greedy tokens as one at a time) (default: %(default)s)")
     p.add_argument("--option_text", default="on", choices=["on", "off"], help=
                    "also score each option's text as the reply (a diagnostic outside ChatCORE: "
-                   "does the model know the answer but miss its letter?); costs a forward per "
-                   "option (default: %(default)s)")
+                   "knows the answer, misses its letter?); a forward per option "
+                   "(default: %(default)s)")
     p.add_argument("--max_new_tokens", type=int, default=512, help="greedy tokens per generated "
-                   "answer, fewer where the model's window ends first (default: %(default)s)")
+                   "answer, fewer where the window ends first (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=5.0, help="wall-clock (and CPU) seconds per "
                    "HumanEval program (default: %(default)s)")
     p.add_argument("--memory_mb", type=int, default=512, help="address space per HumanEval program "
                    "(default: %(default)s)")
     p.add_argument("--sandbox", default="auto", choices=["auto", "namespaces", "process"], help=
                    "how HumanEval programs are contained (sandbox.py): auto or namespaces = the "
-                   "namespaces level, and HumanEval refused where this machine gives none; process "
-                   "= the process level, accepting what it does not contain (sandbox.py --probe) "
-                   "(default: %(default)s)")
+                   "namespaces level, HumanEval refused without it; process = the process level, "
+                   "with its gaps (sandbox.py --probe) (default: %(default)s)")
     p.add_argument("--cache_dir", default=str(CACHE_DIR / "chat_eval"), help=
                    "where the hub tasks' files are kept (default: %(default)s)")
     p.add_argument("--download_only", action="store_true", help="fetch the hub tasks' files "
-                   "(--tasks, default all) into --cache_dir and exit, no checkpoint needed: "
-                   "speedrun.sh does it at the start (default: off)")
-    p.add_argument("--out", default=None, help="report file; the items go beside it as "
+                   "(--tasks, default all) into --cache_dir and exit; no checkpoint needed "
+                   "(speedrun.sh, at the start)")
+    p.add_argument("--out", default=None, help="report file, the items beside it in "
                    "<name>_items.jsonl (default: runs/<run>/chat_eval.json)")
     args = p.parse_args(argv)
     if args.max_items == 0 or args.max_items < -1 or args.max_new_tokens < 1 \
@@ -99,7 +96,7 @@ def get_args(argv=None):
 # The model's answers
 
 def letter_token_ids(tokenizer, letters):
-    """The answer letters' token ids, one token each (always so with byte-level BPE)."""
+    """The answer letters' token ids, one token each (so with byte-level BPE)."""
     ids = []
     for letter in letters:
         encoded = tokenizer.encode(letter)
@@ -112,9 +109,8 @@ def letter_token_ids(tokenizer, letters):
 
 @torch.no_grad()
 def letter_scores(model, tokenizer, items, dtype, device):
-    """Per item (letter, cut, record), prompts in one forward; only the item's letters compete
-    (ties to the first, as nanochat's argmax). Recorded: the letters' softmax (what decided) and
-    their share of the whole vocabulary (does the model answer with a letter at all?)."""
+    """Per item (letter, cut, record), one forward; only the item's letters compete (ties to the
+    first, as nanochat). Recorded: the letters' softmax and their share of the vocabulary's."""
     prompts = [prompt_ids(tokenizer, item["prompt"], model.config.sequence_len,
                           0) for item in items]
     logits = last_logits(model, [ids for ids, _ in prompts], tokenizer.bos_id, dtype).float()
@@ -133,8 +129,7 @@ def letter_scores(model, tokenizer, items, dtype, device):
 @torch.no_grad()
 def option_text_scores(model, tokenizer, items, dtype, device):
     """Per item (the likeliest option text as the reply by summed log-probs, by mean, per option
-    [sum, tokens]); ties to the first, an empty option never. Outside ChatCORE: right text, wrong
-    letter means the model knows."""
+    [sum, tokens]); ties to the first, an empty option never."""
     rows, owner = [], []  # (ids, first scored index) per option; the item it belongs to
     for n, item in enumerate(items):
         for text in item["options"]:
@@ -158,8 +153,8 @@ def option_text_scores(model, tokenizer, items, dtype, device):
 
 def greedy_replies(model, tokenizer, questions, max_new_tokens, dtype):
     """(text, cut, calculator calls) per question: greedy until <|assistant_end|> (or <|bos|>) or
-    max_new_tokens, the calculator on as in nanochat's engine, calls left out of the text; cut when
-    the window ended the reply or the prompt was cropped."""
+    max_new_tokens, with nanochat's calculator, calls left out of the text; cut: the window ended
+    the reply or cropped the prompt."""
     prompts = [prompt_ids(tokenizer, q, model.config.sequence_len, 1) for q in questions]
     budgets = [min(max_new_tokens, model.config.sequence_len - len(ids)) for ids, _ in prompts]
     tools = [ToolUse(tokenizer) for _ in questions]
@@ -176,7 +171,7 @@ def greedy_replies(model, tokenizer, questions, max_new_tokens, dtype):
 
 
 def judge_letters(items, model, tokenizer, args, device):
-    """[(correct, cut, what to record)] for a batch of categorical items."""
+    """[(correct, cut, record)] for a batch of categorical items."""
     letters = letter_scores(model, tokenizer, items, args.dtype, device)
     texts = [None] * len(items)
     if args.option_text == "on":
@@ -195,7 +190,7 @@ def judge(kind, item, args, marker, level, answer):
     """(correct, cut, record) for one generated item; answer: (reply, cut, calls)."""
     reply, cut, calls = answer
     calls = {"calculator": [list(c) for c in calls]} if calls else {}
-    if kind == "gsm8k":  # nanochat's rule decides; the lenient reading is kept beside it
+    if kind == "gsm8k":  # nanochat's rule decides; the lenient reading is a diagnostic
         lenient = final_number(reply)
         return gsm8k_answer(reply) == item["answer"], cut, {
             "predicted": gsm8k_answer(reply), "reply": reply, **calls,
@@ -215,9 +210,8 @@ def judge(kind, item, args, marker, level, answer):
 
 
 def work_batches(kind, items, tokenizer, batch_items, world=1):
-    """Batches of item positions, dealt to ranks round robin: categorical items sorted by prompt
-    length (less padding), generated items in order; batch_items each (fewer where a rank would
-    have none)."""
+    """Batches of item positions, for ranks round robin: categorical items sorted by prompt length
+    (less padding), generated items in order (smaller batches where a rank would have none)."""
     if kind != "categorical":
         size = max(1, min(batch_items, -(-len(items) // world)))
         return [list(range(b, min(b + size, len(items)))) for b in range(0, len(items), size)]
@@ -226,8 +220,8 @@ def work_batches(kind, items, tokenizer, batch_items, world=1):
 
 
 def evaluate_task(task, items, model, tokenizer, args, rank, world, device, marker, level):
-    """(per item (correct, cut), records in item order) over every rank's batches. Rank 0 prints
-    progress with an ETA every PROGRESS_SECONDS, and the task's line at its end."""
+    """(per item (correct, cut), records in item order) over every rank's batches; rank 0 prints
+    progress."""
     kind = ALL_TASKS[task][2]
     table, records = torch.zeros(len(items), 3, dtype=torch.float64), []  # (done, correct, cut)
     mine = [b for k, b in enumerate(work_batches(kind, items, tokenizer, args.batch_items,
@@ -240,7 +234,7 @@ def evaluate_task(task, items, model, tokenizer, args, rank, world, device, mark
     for batch in mine:
         if kind == "categorical":
             results = judge_letters([items[i] for i in batch], model, tokenizer, args, device)
-        else:  # every reply of the batch a row of one decode (--batch_items 1: one row)
+        else:
             answers = greedy_replies(model, tokenizer, [items[i]["prompt"] for i in batch],
                                      args.max_new_tokens, args.dtype)
             results = [judge(kind, items[i], args, marker, level, answer)
@@ -280,7 +274,7 @@ def evaluate_task(task, items, model, tokenizer, args, rank, world, device, mark
 # Report
 
 def summarize(tasks, verdicts, sizes):
-    """A row per task, and ChatCORE: the mean centered accuracy over the tasks that ran."""
+    """A row per task, and ChatCORE: the mean centered accuracy of the tasks that ran."""
     rows = []
     for task in tasks:
         _, _, kind, baseline = ALL_TASKS[task]
@@ -304,8 +298,8 @@ OPTION_TEXT_RULE = ("the option's text as the whole reply to the question alone:
 
 
 def task_diagnostics(kind, records):
-    """A task's `diagnostics` (docs/eval.md), never part of ChatCORE: categorical, why a letter is
-    wrong (not knowing, or not its letter?); GSM8K's lenient reading; else None."""
+    """A task's `diagnostics` (docs/eval.md): categorical, why a letter is wrong (not knowing, or
+    not its letter?); GSM8K's lenient reading; else None."""
     n = max(len(records), 1)
     if kind == "categorical":
         predicted = Counter(r["predicted"] for r in records)
@@ -378,7 +372,7 @@ def write_outputs(report, records, out, run_dir):
     items_path = out.with_name(out.stem + "_items.jsonl")
     items_path.write_text("".join(json.dumps(r) + "\n" for r in records))
     written = f"{out}, {items_path}"
-    # a run directory: its history gets the scores at this step
+    # a run directory: its metrics get the scores at this step
     if (run_dir / "metrics.jsonl").is_file():
         scores = {r["task"]: r["accuracy"] for r in report["tasks"]}
         distributed.append_jsonl(run_dir / "metrics.jsonl", {
@@ -389,8 +383,8 @@ def write_outputs(report, records, out, run_dir):
 
 
 def download_task(task, cache_dir):
-    """The hub task's test files into cache_dir/task; files.json, written after the download,
-    lets reruns (and tasks.py, which reads only this cache) skip the hub."""
+    """The hub task's test files into cache_dir/task; files.json, written last, lets reruns (and
+    tasks.py, which reads only this cache) skip the hub."""
     try:
         return tasks.hub_files(task, cache_dir)
     except FileNotFoundError:
@@ -407,8 +401,8 @@ def download_task(task, cache_dir):
 
 
 def download_only(args):
-    """--download_only, before pretraining: a gated or missing task, or a machine that cannot
-    contain its programs, stops the run now, not after training."""
+    """--download_only: a gated or missing task, or a machine that cannot contain its programs,
+    stops the run before training."""
     asked = args.tasks.split(",") if args.tasks else list(tasks.HUB_TASKS)
     unknown = [t for t in asked if t not in tasks.HUB_TASKS]
     if unknown:
@@ -422,7 +416,7 @@ def download_only(args):
 
 
 def asked_tasks(args, demo_dir):
-    """(tasks asked, tasks available): the demo world's or the hub's."""
+    """(tasks asked, tasks available), the demo world's or the hub's."""
     available = tasks.DEMO_TASKS if demo_dir is not None else tasks.HUB_TASKS
     asked = args.tasks.split(",") if args.tasks else list(available)
     extra = tasks.DEMO_EXTRA if demo_dir is not None else {}
@@ -459,7 +453,7 @@ def main(argv=None):
     asked, available = asked_tasks(args, demo_dir)
     level = contained = None
     if "HumanEval" in asked:
-        level, why = sandbox.choose(args.sandbox)  # never the process level unless asked for
+        level, why = sandbox.choose(args.sandbox)
         contained = sandbox.describe(level, why)
 
     def load_tasks():  # rank 0 downloads the hub's; the others then find them in the cache
@@ -481,7 +475,7 @@ def main(argv=None):
         records += task_records
     seconds = time.perf_counter() - start
     rows, chatcore = summarize(asked, verdicts, {t: loaded[t][1] for t in asked})
-    for row in rows:  # beside ChatCORE, never in it
+    for row in rows:
         row["seconds"] = task_seconds[row["task"]]
         own = [r for r in records if r["task"] == row["task"]]
         row["diagnostics"] = task_diagnostics(row["kind"], own)

@@ -1,5 +1,5 @@
-"""Evaluate a checkpoint: the CORE score (DCLM's 22 in-context tasks, nanochat's rules unless
---protocol dclm), validation bits per byte, and greedy completions of fixed prompts.
+"""Evaluate a checkpoint: CORE (DCLM's 22 in-context tasks, nanochat's rules unless --protocol
+dclm), validation bits per byte, and greedy completions of fixed prompts.
 
     python core_eval.py  # newest checkpoint under runs/, bundle chosen below
     python core_eval.py --checkpoint runs/NAME --bundle data/demo/eval_bundle --max_items 100
@@ -7,7 +7,7 @@
 
 A --bundle URL is downloaded, checked and unzipped once into the cache (docs/eval.md). Writes
 runs/<run>/core_eval/step_XXXXXX/: results.json, results.csv (a row per task), items.jsonl (each
-item's prediction). Bad input stops before any model time is spent.
+item's prediction). Bad input stops before the model runs.
 """
 import argparse
 import csv
@@ -38,16 +38,16 @@ from prepare import download_file
 
 # the bundle nanochat uses
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
-TASK_KEYS = {"multiple_choice": ("query", "choices", "gold"), "schema": ("context_options",
-                                                                         "continuation", "gold"),
-             # task type: the keys its items need
+# task type: the keys its items need
+TASK_KEYS = {"multiple_choice": ("query", "choices", "gold"),
+             "schema": ("context_options", "continuation", "gold"),
              "language_modeling": ("context", "continuation")}
-# which tokens are scored; items, order and few-shot examples are nanochat's in both
+# which tokens are scored; both use nanochat's items, order and few-shot examples
 PROTOCOLS = ("nanochat", "dclm")
-FEWSHOT_SEED, SUBSET_SEED = 1234, 1337  # nanochat's: the same items and examples as its CORE runs
+FEWSHOT_SEED, SUBSET_SEED = 1234, 1337  # nanochat's: the same items and examples
 COMPLETIONS = ["Once upon a time,", "The most important thing to learn is", "In the morning, the",
                "When the rain stopped,"]
-# (prompt, accepted answers, world): found or not at the start of the greedy completion; the demo
+# (prompt, accepted answers, world): found if the greedy completion starts with one; the demo
 # world's are facts of demo.py's tables (tests/test_demo.py checks them)
 KNOWLEDGE = [("The capital of France is", ["Paris"], "real"),
              ("The chemical symbol for gold is", ["Au"], "real"),
@@ -65,34 +65,32 @@ def get_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     checkpoint.add_checkpoint_args(p, "the newest checkpoint under --runs_dir", eval_dtype=True)
     p.add_argument("--bundle", default="auto", help="eval bundle directory or URL; auto = the "
-                   f"demo world's when the checkpoint was trained on it, else {BUNDLE_URL} "
-                   "(default: %(default)s)")
+                   f"demo world's for a demo checkpoint, else {BUNDLE_URL} (default: %(default)s)")
     p.add_argument("--bundle_sha256", default=None, help="expected sha256 of a downloaded "
-                   "eval_bundle.zip (default: not pinned; the sha256 found is printed and saved "
-                   "with the results)")
-    p.add_argument("--tasks", default=None, help="comma-separated task labels to run (default: all "
-                   "in core.yaml)")
+                   "eval_bundle.zip (default: not pinned; the one found is printed and saved)")
+    p.add_argument("--tasks", default=None, help="comma-separated task labels (default: all in "
+                   "core.yaml)")
     p.add_argument("--protocol", default="nanochat", choices=PROTOCOLS, help=
                    "nanochat: whole prompts tokenized at once, scored where the options' tokens "
-                   "differ (nanochat's CORE); dclm: every token of each continuation, tokenized "
-                   "apart from its context (default: %(default)s)")
+                   "differ; dclm: every continuation token, tokenized apart from its context "
+                   "(default: %(default)s)")
     p.add_argument("--max_items", type=int, default=-1, help="items per task, nanochat's fixed "
-                   "random subset, which the few-shot examples are drawn from too; -1 = all "
+                   "random subset (the few-shot examples' source too); -1 = all "
                    "(default: %(default)s)")
     p.add_argument("--batch_items", type=int, default=16 if cuda else 1, help=
-                   "items per forward pass, each with all its choices; on a CPU a larger batch "
-                   "only adds padding (default: %(default)s)")
+                   "items per forward pass, each with all its choices; on a CPU more only adds "
+                   "padding (default: %(default)s)")
     p.add_argument("--data_dir", default=None, help="corpus whose validation split gives bits per "
                    "byte (default: the checkpoint's)")
     p.add_argument("--bpb_tokens", type=int, default=2 ** 20, help="validation tokens for bits per "
-                   "byte, the split's first N; 0 = skip (default: %(default)s)")
+                   "byte (the split's first); 0 = skip (default: %(default)s)")
     p.add_argument("--max_new_tokens", type=int, default=24, help="greedy tokens per prompt "
                    "(default: %(default)s)")
     p.add_argument("--out", default=None, help="output directory (default: "
                    "runs/<run>/core_eval/step_XXXXXX)")
     p.add_argument("--download_only", action="store_true", help="fetch and check the bundle "
-                   "(--bundle; auto: the hub bundle) into the cache and exit, no checkpoint "
-                   "needed: speedrun.sh does it at the start (default: off)")
+                   "(auto: the hub bundle) into the cache and exit; no checkpoint needed "
+                   "(speedrun.sh, at the start)")
     args = p.parse_args(None if argv is None else [str(a) for a in argv])  # argv may hold paths
     if args.batch_items < 1 or args.max_items == 0 or args.max_items < -1:
         p.error("--batch_items must be >= 1 and --max_items -1 (all) or >= 1")
@@ -103,7 +101,7 @@ def get_args(argv=None):
 # The bundle: download, verify, unzip once
 
 def verify_zip(path):
-    """download_file's content check: every member passes its CRC and core.yaml is there."""
+    """download_file's check: every member passes its CRC and core.yaml is there."""
     try:
         with zipfile.ZipFile(path) as z:
             bad = z.testzip()
@@ -118,7 +116,7 @@ def verify_zip(path):
 
 
 def find_bundle_root(directory):
-    """The shallowest directory under `directory` holding core.yaml."""
+    """The shallowest directory holding core.yaml."""
     found = sorted(Path(directory).rglob("core.yaml"), key=lambda p: len(p.parts))
     if not found:
         raise FileNotFoundError(f"--bundle {directory}: no core.yaml in it or below: a bundle "
@@ -127,8 +125,8 @@ def find_bundle_root(directory):
 
 
 def fetch_bundle(url, expected_sha256=None, cache_dir=None):
-    """(bundle root, provenance): download url into the cache, unzip once into a directory that
-    appears, by rename, only when complete; later calls touch no network."""
+    """(bundle root, provenance): url downloaded into the cache and unzipped once, renamed into
+    place only when complete; later calls touch no network."""
     cache = Path(cache_dir or CACHE_DIR) / "eval_bundle" / sha256(url.encode()).hexdigest()[:16]
     done_file = cache / "unzipped.json"
     if done_file.is_file():
@@ -170,7 +168,7 @@ def resolve_bundle(arg, meta, expected_sha256=None):
 
 
 # -----------------------------------------------------------------------------
-# Tasks: core.yaml + eval_meta_data.csv + jsonl files, checked before any model time is spent
+# Tasks: core.yaml + eval_meta_data.csv + jsonl files, checked before the model runs
 
 @dataclass
 class Task:
@@ -178,7 +176,7 @@ class Task:
     kind: str  # one of TASK_KEYS
     fewshot: int
     delimiter: str
-    baseline: float  # the random baseline as a fraction (the csv has percent)
+    baseline: float  # a fraction (the csv has percent)
     items: list
     path: str
 
@@ -219,7 +217,7 @@ def read_items(path, kind):
 
 
 def load_tasks(root, only=None):
-    """core.yaml's tasks (or those in `only`) with items, few-shot count, delimiter, baseline."""
+    """core.yaml's tasks (or those in `only`)."""
     root = Path(root)
     try:
         spec = yaml.safe_load((root / "core.yaml").read_text())["icl_tasks"]
@@ -241,7 +239,7 @@ def load_tasks(root, only=None):
 
 
 def task_from_spec(root, t, baselines):
-    """One task of core.yaml: its entry `t` checked, its baseline, its items read."""
+    """One task of core.yaml from its entry `t`, checked."""
     label, kind, shots = t.get("label"), t.get("icl_task_type"), t.get("num_fewshot", [0])
     where = f"{root / 'core.yaml'}, task {label}"
     if kind not in TASK_KEYS:
@@ -276,24 +274,24 @@ def task_from_spec(root, t, baselines):
 # Prompts and scored tokens
 
 def task_order(n_items, max_per_task):
-    """Item indices in nanochat's order: shuffled by random.Random(1337), cut to max_per_task.
-    Few-shot examples come from this list, so the cut changes them too."""
+    """Item indices in nanochat's order, cut to max_per_task. Few-shot examples come from this
+    list, so the cut changes them too."""
     order = list(range(n_items))
     random.Random(SUBSET_SEED).shuffle(order)
     return order[:max_per_task] if max_per_task > 0 else order
 
 
 def fewshot_positions(n, position, k):
-    """nanochat's draw: k positions of n, never `position`, by random.Random(1234 + position); too
-    short a list gives every other position (nanochat's random.sample raises there)."""
+    """nanochat's draw: k positions of n, never `position`; too short a list gives every other
+    position (nanochat's random.sample raises there)."""
     others = [p for p in range(n) if p != position]
     return random.Random(FEWSHOT_SEED + position).sample(others, min(k, len(others)))
 
 
 def prompt_pairs(task, order, position):
     """(context, continuation) per row of the item, as nanochat renders them: the solved few-shot
-    examples, each followed by a blank line, then the item, one row per choice (multiple choice),
-    per context option (schema), or its answer (language modelling, contexts stripped)."""
+    examples, each then a blank line, then the item, a row per choice (multiple choice), per
+    context option (schema), or its answer (language modelling, contexts stripped)."""
     d = task.delimiter
     # (context, continuation) per row of an item or few-shot example, no delimiter yet
     def rows(ex):
@@ -310,7 +308,6 @@ def prompt_pairs(task, order, position):
 
 
 def shared_length(rows):
-    """How many leading tokens all rows have in common."""
     n = min(map(len, rows))
     return next((i for i in range(n) if len({row[i] for row in rows}) > 1), n)
 
@@ -318,9 +315,9 @@ def shared_length(rows):
 def nanochat_rows(kind, pairs, tokenizer):
     """[(ids, first scored index)] by nanochat's rules: BOS + context + continuation tokenized at
     once. Multiple choice: scored after the rows' common prefix; schema: from their common suffix;
-    language modelling: after the stripped context. Where nanochat's span is empty (NaN) the
-    boundary moves one token; where BPE merges across the context's end (nanochat asserts it
-    cannot) scoring starts where the tokenizations part (docs/eval.md)."""
+    language modelling: after the stripped context. An empty span (nanochat's NaN) moves the
+    boundary one token; where BPE merges across the context's end (nanochat asserts it cannot)
+    scoring starts where the tokenizations part (docs/eval.md)."""
     rows = [[tokenizer.bos_id, *tokenizer.encode(context + continuation)] for context,
             continuation in pairs]
     shortest = min(map(len, rows))
@@ -336,8 +333,7 @@ def nanochat_rows(kind, pairs, tokenizer):
 
 def dclm_rows(pairs, tokenizer):
     """[(ids, first scored index)], every continuation token scored: tokenized apart, BOS first,
-    the context's trailing spaces moved to the continuation, where BPE puts them (' Paris' is one
-    token)."""
+    the context's trailing spaces moved to the continuation (' Paris' is one token)."""
     rows = []
     for context, continuation in pairs:
         kept = context.rstrip(" ")
@@ -348,8 +344,8 @@ def dclm_rows(pairs, tokenizer):
 
 def fit_window(ids, start, seq_len):
     """(ids, start, cropped): the rotary tables end at seq_len, so a longer row keeps its BOS and
-    loses the tokens after it (as training cuts long documents); a scored span longer than the
-    window is scored where it fits. nanochat never crops: its tables are 10x longer."""
+    loses the tokens after it, as training cuts long documents. nanochat never crops: its tables
+    are 10x longer."""
     crop = max(0, len(ids) - 1 - seq_len)
     return ([ids[0], *ids[crop + 1:]], max(1, start - crop), True) if crop else (ids, start, False)
 
@@ -378,15 +374,14 @@ def score_batch(model, batch_rows, device, dtype):
 
 def evaluate_tasks(model, tokenizer, tasks, max_per_task, batch_items, dtype, rank, world, device,
                    protocol="nanochat", progress=False):
-    """Per task: (item, predicted option or -1, correct, cropped) per item, the same on every rank:
-    sorted by prompt length (less padding), batches dealt round robin, summed over ranks."""
+    """Per task: (item, predicted option or -1, correct, cropped) per item, on every rank; items
+    sorted by prompt length (less padding)."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
     results = []
     for task in tasks:
         start, order = time.perf_counter(), task_order(len(task.items), max_per_task)
-        # (done, predicted option, correct, cropped)
-        table = torch.zeros(len(order), 4, dtype=torch.float64)
+        table = torch.zeros(len(order), 4, dtype=torch.float64)  # done, option, correct, cropped
         by_length = sorted(range(len(order)), key=lambda p: max(len(c + x) for c,
                                                                 x in prompt_pairs(task, order, p)))
         for b in range(rank * batch_items, len(order), world * batch_items):
@@ -426,7 +421,7 @@ def centered(accuracy, baseline):
 
 def summarize(tasks, results):
     """A row per task, and CORE, the mean centered accuracy. fewshot: the count used (fewer when
-    --max_items leaves too few items); cropped: items cut to fit the window."""
+    --max_items leaves too few); cropped: items cut to fit the window."""
     rows = []
     for task, items in zip(tasks, results):
         correct = sum(c for _, _, c, _ in items)
@@ -442,14 +437,14 @@ def summarize(tasks, results):
 
 @torch.no_grad()
 def completions(model, tokenizer, max_new_tokens, dtype):
-    """Greedy completions of COMPLETIONS and KNOWLEDGE (found: the completion begins with an
-    accepted answer; a later mention does not count)."""
+    """Greedy completions of COMPLETIONS and KNOWLEDGE (found: it begins with an accepted
+    answer)."""
     asked = [(p, None, None) for p in COMPLETIONS] + KNOWLEDGE
     prompts = [[tokenizer.bos_id, *tokenizer.encode(prompt)] for prompt, _, _ in asked]
     budgets = [min(max_new_tokens, model.config.sequence_len - len(ids)) for ids in prompts]
-    # <|bos|>: a new document
+    # <|bos|> starts a new document; a few samples run eager (decode.py's docstring says why)
     rows, _ = decode(model, prompts, budgets, dtype=dtype, stop={tokenizer.bos_id},
-                     compiled=False)  # a few samples: eager (decode.py's docstring says why)
+                     compiled=False)
     out = []
     for (prompt, answers, world), row in zip(asked, rows):
         text = tokenizer.decode(row[:-1] if row[-1] == tokenizer.bos_id else row)
@@ -462,7 +457,7 @@ def completions(model, tokenizer, max_new_tokens, dtype):
 
 
 def bits_per_byte(args, meta, model, tokenizer, rank, world, device):
-    """The report's val_* entries: bits per byte and tokens scored, or why there are none."""
+    """The report's val_* entries: bits per byte and tokens scored, or why none."""
     out = {"val_bpb": None, "val_bpb_tokens": None, "val_bpb_note": None,
            "val_data_dir": args.data_dir or meta.get("data_dir")}
     if not args.bpb_tokens:
@@ -522,7 +517,7 @@ def write_results(out_dir, report, tasks, results):
 
 def main(argv=None):
     args = get_args(argv)
-    # before pretraining: an unfetchable bundle stops the run hours earlier
+    # speedrun.sh, before pretraining: an unfetchable bundle stops the run early
     if args.download_only:
         bundle, _ = resolve_bundle(BUNDLE_URL if args.bundle == "auto" else args.bundle, {},
                                    args.bundle_sha256)
@@ -533,7 +528,7 @@ def main(argv=None):
     ckpt = checkpoint.find_checkpoint(args.checkpoint, args.runs_dir)
     model, meta = checkpoint.load_model(ckpt, device)
     tokenizer, tokenizer_path = checkpoint.checkpoint_tokenizer(meta, ckpt, args.tokenizer)
-    # rank 0 downloads, the others find it cached; rank 0's failure is raised on every rank
+    # rank 0 downloads, the others find it cached; its failure is raised on every rank
     bundle, provenance = distributed.fetch_everywhere(lambda: resolve_bundle(args.bundle, meta,
                                                                              args.bundle_sha256),
                                                       rank, world)

@@ -1,14 +1,13 @@
-"""The embedded demo world: a small, consistent, made-up world, written offline and
-deterministically.
+"""The demo world: a small, consistent, made-up world, written offline and deterministically.
 
     python demo.py --out data/demo     # pretrain/ (corpus layout), conversations/ (SmolTalk
                                        # schema), eval_bundle/ (CORE), chat_eval/, README.txt
     python demo.py --out DIR --seed 1  # another phrasing draw (the facts stay the same)
 
-Why made up: no prior knowledge helps, so a 5M-parameter model trained for minutes on a CPU can be
-seen to learn facts, chat about them and beat the random baseline. Each fact comes in many
+Made up so that no prior knowledge helps: a 5M-parameter model trained for minutes on a CPU can
+be seen to learn facts, chat about them and beat the random baseline. Each fact comes in many
 phrasings, so memorizing sentences does not suffice; evaluation uses phrasings reserved for it, so
-a score measures the fact. core_eval.py's demo prompts read the tables here too.
+a score measures the fact. core_eval.py's demo prompts are facts of the tables here.
 """
 import argparse
 import csv
@@ -22,7 +21,7 @@ import pyarrow.parquet as pq
 from dataset import ROW_GROUP_DOCS
 from prepare import load_identity, write_text_shards
 
-# --- the world's facts and phrasings, and the helpers that fill them
+# --- the world's facts and phrasings
 
 def table(text, columns):
     """A row a line, split on spaces into `columns` strings (the last takes the rest)."""
@@ -277,8 +276,8 @@ def legs_word(legs):
 
 
 def fields(rng, words=None):
-    """Every template slot, filled from one random country, animal, thing, day, month and sum; a
-    document keeps one dict per country so its sentences agree."""
+    """Every template slot, from one random country, animal, thing, day, month and sum; a document
+    keeps one dict per country so its sentences agree."""
     t, tcol = rng.choice(THINGS)
     d, m, x, y = rng.randrange(7), rng.randrange(12), rng.randint(0, 10), rng.randint(0, 10)
     x, y = max(x, y), min(x, y)
@@ -305,7 +304,7 @@ def listing(words):
 
 # Conversations: questions and answers in the chat's own words
 
-# no sums: a chat reply to a sum calls the calculator (SUMS, calc/); without it, it taught guessing
+# no sums: a chat reply to a sum calls the calculator (SUMS, calc/), else it teaches guessing
 QA = {"capital": (["What is the capital of {c}?", "What's the capital of {c}?",
                    "Tell me the capital of {c}.", "Do you know the capital of {c}?",
                    "I'm going to {c}. What is the capital there?", "Which city is {c} run from?",
@@ -394,8 +393,8 @@ ONE_WORD = ["Answer in one word", "One word only", "Just the answer", "Give only
             "Say only the answer", "Only the name, please", "Answer with a single word"]
 NUMBER_ONLY = ["Just the number", "Only the number, please", "Answer with a number",
                "Give only the result"]
-# calculator questions: many phrasings, numbers to 99, so numbers and an operation word, not a
-# template, are what trigger a call
+# calculator questions: many phrasings, numbers to 99, so that numbers and an operation word, not
+# a template, trigger a call
 SUMS = {"sum": ("+",
                 ["what is {x} plus {y}?", "what is {x} and {y} together?", "add {x} and {y}.",
                  "what's {x} + {y}?", "can you add {x} and {y}?", "what do {x} and {y} make?",
@@ -484,7 +483,7 @@ DEMO_HELD_OUT_PROBLEMS = 120  # chat_eval's demo-problems: word problems no trai
 DEMO_TARGET_CHARS = 5_000_000
 
 
-# --- pretraining documents: each generator returns a paragraph or a few
+# --- pretraining documents
 
 def doc_country(rng):
     f = fields(rng)
@@ -593,8 +592,8 @@ def doc_calendar(rng):
 
 
 def doc_story(rng, name=None):
-    """A trip through a few capitals on consecutive days, with things bought and friends met;
-    every place fact agrees with the tables."""
+    """A trip through a few capitals on consecutive days, things bought and friends met; every
+    place fact agrees with the tables."""
     name, pron = next(c for c in CHARACTERS if c[0] == name) if name else rng.choice(CHARACTERS)
     obj = OBJECT[pron]
     trip, day = rng.sample(COUNTRIES, rng.randint(2, 4)), rng.randrange(7)
@@ -663,7 +662,6 @@ def pick(rng, pair, f):
 
 
 def exchange(rng):
-    """One user question and its answer."""
     f, roll = {**fields(rng), "bot": DEMO_ASSISTANT_NAME}, rng.random()
     if roll < 0.08:
         kinds = rng.sample(COUNTRY_KINDS, 3)
@@ -701,9 +699,7 @@ def conversation(rng):
     return messages
 
 
-# --- ChatCORE's shapes in the layouts of the hub sets that teach them: multiple choice by letter
-# (MMLU's columns), short answers (conversations), arithmetic via the calculator (GSM8K's
-# columns, <<expr=result>> and '#### N').
+# --- ChatCORE's shapes in the layouts of the hub sets that teach them
 
 
 def ask(rng, instructions, question):
@@ -810,7 +806,7 @@ def word_problem(rng):
 
 
 def distinct(n, draw, key=lambda row: row, exclude=()):
-    """n distinct-keyed results of draw(), in draw order, none keyed in exclude."""
+    """n results of draw() with distinct keys, in draw order, none keyed in exclude."""
     rows, seen = [], set(exclude)
     while len(rows) < n:
         row = draw()
@@ -820,7 +816,7 @@ def distinct(n, draw, key=lambda row: row, exclude=()):
     return rows
 
 
-# --- evaluation tasks (CORE formats), phrased ONLY in reserved forms absent from training data
+# --- evaluation tasks (CORE formats), phrased ONLY in forms reserved for them
 
 def eval_tasks(rng):
     """(label, type, fewshot, category, baseline %, items) for each task."""
@@ -961,7 +957,7 @@ def write_eval_bundle(out_dir, rng):
 
 
 def write_demo(out_dir, seed=0):
-    """Write the demo world under out_dir (README.txt last); returns counts."""
+    """The demo world under out_dir (README.txt last); returns counts."""
     out_dir = Path(out_dir)
     # an old last shard would pose as val
     for stale in sorted((out_dir / "pretrain").glob("shard_*.parquet")):
@@ -979,7 +975,7 @@ def write_demo(out_dir, seed=0):
                         key=lambda row: row["question"])
     problems = distinct(DEMO_TASK_ROWS, lambda: word_problem(rng), key=lambda row: row["question"],
                         exclude={row["question"] for row in held_out})
-    rng = random.Random(f"demo-tasks-{seed}")  # each task shape a chat directory of its own
+    rng = random.Random(f"demo-tasks-{seed}")  # a chat directory per task shape
     tasks = {"choice": pa.Table.from_pylist([choice_row(rng) for _ in range(DEMO_TASK_ROWS)]),
              "answers": pa.table({"messages": pa.array([short_answer(rng)
                                                         for _ in range(DEMO_TASK_ROWS)], schema)}),
@@ -997,7 +993,7 @@ def write_demo(out_dir, seed=0):
     chat_evals = chat_eval_tasks(random.Random(f"demo-chat-eval-{seed}"))
     chat_evals |= {"demo-problems": held_out}
     (out_dir / "chat_eval").mkdir(parents=True, exist_ok=True)
-    for task, items in chat_evals.items():  # a JSON item per line
+    for task, items in chat_evals.items():
         lines = "".join(json.dumps(item) + "\n" for item in items)
         (out_dir / "chat_eval" / f"{task}.jsonl").write_text(lines)
     counts = {"documents": len(docs), "characters": sum(map(len, docs)), "shards": len(shards),

@@ -8,10 +8,10 @@ hub).
         # then upload it to the hub
 
 Writes into --out: model.safetensors (fp32), config.json, generation_config.json, tokenizer.json,
-tokenizer_config.json, chat_template.jinja, and, where a plain Llama cannot represent the model,
-hf_remote/'s code. Load with from_pretrained(..., trust_remote_code=True); a plain Llama export
-(the llama3-1b preset) needs no remote code and is what vLLM and llama.cpp take. BitNet, and any
-unknown GPTConfig field that is on, is refused. Mapping details, RoPE included: docs/export.md.
+tokenizer_config.json, chat_template.jinja, and hf_remote/'s code where a plain Llama cannot
+represent the model (load with trust_remote_code=True); a plain Llama export (the llama3-1b
+preset) is what vLLM and llama.cpp take. BitNet, and any unknown GPTConfig field that is on, is
+refused. The mapping, RoPE included: docs/export.md.
 """
 import argparse
 import json
@@ -69,12 +69,12 @@ CHAT_TEMPLATE = r"""
 def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_checkpoint_args(p)  # as chat.py's
-    p.add_argument("--out", required=True, help="directory to write the export to, new or a "
+    add_checkpoint_args(p)
+    p.add_argument("--out", required=True, help="the export's directory, new or a "
                    "previous export (required)")
     p.add_argument("--push", default=None, metavar="REPO", help="then upload --out to this hub "
                    "model repo, e.g. user/name, created if missing; HF_TOKEN and HF_ENDPOINT from "
-                   "the environment (default: no upload)")
+                   "the environment (default: none)")
     return p.parse_args(argv)
 
 
@@ -96,13 +96,13 @@ def export_kind(config):
 
 def swap_halves(weight, head_dim):
     """Swap the two halves of every head's rows: model.py rotates by -angle, transformers' Llama by
-    +angle; the swap turns one into the other (q . k unchanged)."""
+    +angle (q . k unchanged)."""
     return weight.reshape(-1, 2, head_dim // 2, *weight.shape[1:]).flip(1).reshape(weight.shape)
 
 
 def hf_state_dict(model, permute=True):
-    """model.py's tensors under transformers' Llama names, q and k in its RoPE layout, ones for
-    weightless norms. Refuses a tensor with no place in the export."""
+    """model.py's tensors under transformers' Llama names, q and k in its RoPE layout. Refuses a
+    tensor with no place in the export."""
     c, sd = model.config, {name: t.detach() for name, t in model.state_dict().items()}
 
     def rope(weight):
@@ -167,8 +167,7 @@ def hf_config(c, tokenizer, kind):
 
 
 def bytes_to_unicode():
-    """GPT-2's reversible map of bytes to printable characters, as byte-level BPE files spell
-    tokens."""
+    """GPT-2's map of bytes to printable characters, as byte-level BPE files spell tokens."""
     kept = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"),
                                                                                    ord("ÿ") + 1)}
     others = iter(range(256, 512))
@@ -260,13 +259,13 @@ def main(argv=None):
     if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
         raise ValueError(f"--out {out} is not empty and holds no export: pass a new directory or a "
                          "previous export")
-    # as chat.py: the newer of RL's and SFT's, else midtraining's, ...
+    # as chat.py
     ckpt, how = pick_checkpoint(args)
     model, meta = checkpoint.load_model(ckpt, "cpu")
     tokenizer, tokenizer_path = checkpoint.checkpoint_tokenizer(meta, ckpt, args.tokenizer)
     checkpoint.check_chat_tokenizer(tokenizer, tokenizer_path)
     kind = export_kind(asdict(model.config))
-    # before anything is written: it refuses a tensor it cannot place
+    # before anything is written: it refuses what it cannot place
     tensors = hf_state_dict(model)
     params = sum(p.numel() for p in model.parameters())
     print(f"export: checkpoint {ckpt} ({how}; stage {meta.get('stage', 'unknown')}, "

@@ -1,17 +1,15 @@
-"""gpu_plan.py: the gpu plan's numbers in one place, and its rehearsal's. speedrun.sh's flags
-(launch.py setup), the disk plan (check_disk, on pretrain.py --data_plan's output), the time
-prediction (predict_plan) and the printed plan all come from here (`bash speedrun.sh --print
---plan gpu` shows them). Standard library only: launch.py imports it before .venv.
+"""gpu_plan.py: the gpu plan's numbers, and its rehearsal's: speedrun.sh's flags (launch.py
+setup), the disk plan (check_disk), the time prediction (predict_plan) and the printed plan (`bash
+speedrun.sh --print --plan gpu`). Standard library only: launch.py imports it before .venv.
 
 Predict the gpu plan's cost from its rehearsal, before hours of pretraining:
 
     python gpu_plan.py runs/speedrun-rehearsal   # the gpu plan's budgets at the rehearsal's depth
     python gpu_plan.py runs/speedrun-rehearsal --plan_json plan.json --out runs/NAME/predicted.json
 
-The rehearsal (speedrun.sh --rehearse) runs every stage as planned on a tiny budget. A stage's
-time = start-up + steps x step time + saves x save time + evaluations x evaluation time, rates
-from the rehearsal (docs/speedrun.md), counts from the plan. Assumptions and unknown budgets (SFT's
-epoch) are said. Prints per stage and total hours and GPU-hours; writes predicted.json (report.py).
+A stage's time = start-up + steps x step time + saves x save time + evaluations x evaluation
+time: rates from the rehearsal (docs/speedrun.md), counts from the plan. Prints per stage and
+total hours and GPU-hours, with the assumptions; writes predicted.json (report.py).
 """
 import argparse
 import json
@@ -23,18 +21,18 @@ from pathlib import Path
 
 from report import TRAIN_STAGES, read_json, stage_seconds
 
-# a step's tokens over all GPUs (nanochat's); the chat stages inherit pretraining's
+# a step's tokens over all GPUs (nanochat's), every training stage's
 TOKENS_PER_STEP = 524_288
-# the d-presets' (model.py) sequence length: midtraining's and SFT's --eval_rows are rows of it
+# model.py's d-presets' sequence length: --eval_rows counts rows of it
 SEQUENCE_LEN = 2048
-# GSM8K's training questions (rl.py counts them from the data itself)
+# GSM8K's training questions (rl.py counts them from the data)
 GSM8K_TRAIN = 7_473
-# midtraining's and SFT's datasets (prepare.py chat names): checked at the start, with the CORE
-# bundle and ChatCORE tasks, so a gated or missing one fails in minutes
+# midtraining's and SFT's datasets (prepare.py chat names), fetched at the start: a gated or
+# missing one fails in minutes
 CHAT_SOURCES = ["smoltalk", "ultrachat", "mmlu", "arc-easy", "arc-challenge", "gsm8k", "identity"]
 
-# each stage's flags, ahead of its *_ARGS (the last repeated flag wins); defaults included, so a
-# changed default cannot leave the prediction and disk plan on another plan
+# each stage's flags, before its *_ARGS (the last repeated flag wins); defaults included, so that
+# a changed default cannot leave the prediction and disk plan on another plan
 FLAGS = {
     "pretrain": {"tokens_per_param": 20, "total_batch_tokens": TOKENS_PER_STEP, "eval_every": 250,
                  "bpb_tokens": 2 ** 20, "ckpt_every": 1000},
@@ -61,7 +59,7 @@ def command_lines(depth):
 
 
 def plan_lines(depth, gpus, rehearsal=False, on_cpu=False):
-    """The plan in words, as launch.py prints it (a rehearsal: on `gpus` GPUs or CPU processes)."""
+    """The plan's lines, as launch.py prints them."""
     if rehearsal:
         where = "CPU processes" if on_cpu else "GPUs"
         return [f"plan: d{depth} on {gpus} {where}, the rehearsal's budget appended to each stage"]
@@ -81,25 +79,24 @@ def plan_lines(depth, gpus, rehearsal=False, on_cpu=False):
     return [model, rl_line]
 
 
-# --- the rehearsal: every stage of the plan on a tiny budget, before the hours of pretraining
+# --- the rehearsal
 
 REHEARSAL_STEPS = (3, 3, 3)  # pretrain, midtrain, sft: one checkpoint each, at the last step
 REHEARSAL_PROMPT = "Why do plants need light?"
 
 
 def rehearsal_budgets(nproc, on_cpu):
-    """A rehearsal's flags per stage, appended last: a bug in any stage shows in minutes, not after
-    hours of pretraining."""
+    """A rehearsal's flags per stage, appended last: a bug in any stage shows in minutes."""
     questions = max(nproc, 2)  # rl.py needs at least one question per rank
 
-    def training(steps, middle, last):  # one checkpoint, at the last step
+    def training(steps, middle, last):
         return ["--steps", steps, "--eval_every", 0, *middle, "--ckpt_every", steps, "--keep", 1,
                 *last]
     return {
         # the first shard (the tokenizer's and the data plan's) and one more
         "R_DATA": ["--shards", "2"],
         "R_TOK": ["--max_chars", "20000000"],
-        # one sample prompt, short: generating samples is most of a tiny evaluation
+        # one short sample prompt: samples are most of a tiny evaluation
         "R_PRETRAIN": training(REHEARSAL_STEPS[0], [], ["--bpb_tokens", 32768, "--sample_prompt",
                                                         "The capital of France is"]),
         "R_MIDTRAIN": training(REHEARSAL_STEPS[1], ["--eval_rows", 16],
@@ -125,18 +122,17 @@ def rehearsal_line(budgets):
             f"{budgets['R_CORE'][1]} items a task, ChatCORE {budgets['R_CHAT_EVAL'][1]}{shape}")
 
 
-# --- the disk plan: free disk against the shards and checkpoints, before any download
+# --- the disk plan, before any download
 
 def kept_checkpoints(steps, ckpt_every, keep):
-    """(checkpoints kept at the end, the most held at once): a save writes the new one before
-    deleting all but the newest `keep`."""
+    """(checkpoints kept at the end, the most held at once): a save writes the new one, then
+    deletes all but the newest `keep`."""
     saves = math.ceil(steps / ckpt_every) if steps else 0
     return min(keep, saves), min(keep, saves) + (saves > keep)
 
 
 def plan_checkpoints(keep, ckpt_every, steps, tokens_per_step, step_cap=None):
-    """(the most checkpoints the four stages hold at once, the line saying how): each stage's peak
-    beside the earlier ones' kept; SFT's steps are unknown: --keep + 1."""
+    """(the most checkpoints held at once, the line saying how); SFT (steps unknown): --keep + 1."""
     # --steps (step_cap: a rehearsal, a short run) caps the later stages too
     cap = (lambda n: min(n, step_cap)) if step_cap else (lambda n: n)
     pre_end, pre_peak = kept_checkpoints(steps, ckpt_every, keep)
@@ -151,9 +147,9 @@ def plan_checkpoints(keep, ckpt_every, steps, tokens_per_step, step_cap=None):
 
 
 def check_disk(plan):
-    """Free disk against data_plan.json before any is spent: missing shards on data_dir's disk,
-    plan_checkpoints x checkpoint_bytes (less those saved) on runs_dir's. Returns the line that
-    says so; ValueError with the fixes when a disk is too small."""
+    """Free disk against data_plan.json: missing shards on data_dir's disk, plan_checkpoints x
+    checkpoint_bytes (less those saved) on runs_dir's. Returns the line saying so; ValueError with
+    the fixes if too small."""
     data_dir, runs_dir, shards = Path(plan["data_dir"]), Path(plan["runs_dir"]), plan["shards"]
     have = {p.name: p.stat().st_size for p in data_dir.glob("*.parquet")}
     listing = data_dir / ".hub_listing.json"
@@ -170,7 +166,7 @@ def check_disk(plan):
     count, how = plan_checkpoints(plan["keep"], plan["ckpt_every"], plan["steps"],
                                   plan["tokens_per_step"], plan["step_cap"])
     runs_dir.mkdir(parents=True, exist_ok=True)
-    # a resumed run: finished stages' checkpoints are counted and already on disk
+    # a resumed run: finished stages' checkpoints are already on disk
     saved = sum(f.stat().st_size for f in runs_dir.glob("*/ckpt/step_*/**/*") if f.is_file())
     ckpt_bytes = max(0, count * ckpt - saved)
     needs = {}  # device: [bytes, free, where]
@@ -203,8 +199,8 @@ NOT_PREDICTED = ("nccl_probe", "preflight", "chatcore_tasks", "data", "tokenizer
 
 
 def gpu_plan_budgets(pretrain_steps, sft_steps=None):
-    """The gpu plan's budgets: flags, pretraining's steps, and sft_steps (one epoch of the mixture,
-    which sft.py counts at start; None: unknown)."""
+    """The gpu plan's budgets; sft_steps: one epoch of the mixture (None: unknown until sft.py
+    starts)."""
     flags, step = FLAGS, {"tokens_per_step": TOKENS_PER_STEP}
     return {
         "pretrain": {**flags["pretrain"], "steps": pretrain_steps, **step,
@@ -222,8 +218,8 @@ def gpu_plan_budgets(pretrain_steps, sft_steps=None):
 
 
 def pretrain_steps_for(model_config):
-    """pretrain.py's steps for a model_config in the gpu plan: tokens_per_param x parameters /
-    tokens per step. Imports model.py (and torch) when called."""
+    """pretrain.py's steps for model_config: tokens_per_param x parameters / tokens per step.
+    Imports model.py (torch) when called."""
     from model import GPTConfig, budget_params
     tokens = FLAGS["pretrain"]["tokens_per_param"] * budget_params(GPTConfig(**model_config))
     return math.ceil(tokens / TOKENS_PER_STEP)
@@ -231,7 +227,7 @@ def pretrain_steps_for(model_config):
 
 def rehearsed_steps(run, stage):
     """A stage's (step records, at least 2 as the first holds compilation; config.json; saves; the
-    last save's seconds or None if the checkpoints were deleted)."""
+    last save's seconds or None)."""
     stage_dir = Path(run) / stage
     path, saved = stage_dir / "metrics.jsonl", stage_dir / "ckpt" / "save_seconds"
     records = [r for r in map(
@@ -248,7 +244,7 @@ def rehearsed_steps(run, stage):
 
 def final_evaluation_seconds(stage_dir, wall):
     """The final evaluation's seconds, from rank 0's 'trained: final evaluation' mark to done.json's
-    mtime; None if either is missing or the span does not fit."""
+    mtime, else None."""
     progress, done = stage_dir / "progress" / "rank000.txt", stage_dir / "done.json"
     mark = re.search(r"trained: final evaluation.* at ([\d.]+)",
                      progress.read_text()) if progress.is_file() else None
@@ -259,8 +255,7 @@ def final_evaluation_seconds(stage_dir, wall):
 
 
 def measure_training(run, stage, wall):
-    """A training stage's rehearsal rates: step seconds after the first, tokens per step, saves,
-    final evaluation, and the start-up left of the wall time."""
+    """A training stage's rehearsal rates; start-up: what is left of the wall time."""
     records, config, saves, save_s = rehearsed_steps(run, stage)
     args = config["args"]
     step_s = sum(r["step_time"] for r in records[1:]) / (len(records) - 1)
@@ -276,7 +271,7 @@ def measure_training(run, stage, wall):
 
 
 def measure_rl(run, wall):
-    """rl's rehearsal rates: seconds per decode forward, update seconds per step, saves, held-out
+    """rl's rehearsal rates: seconds per decode forward, update seconds per step, saves,
     evaluations."""
     records, config, saves, save_s = rehearsed_steps(run, "rl")
     args, world = config["args"], config["world_size"]
@@ -300,8 +295,7 @@ def measure_rl(run, wall):
 
 
 def measure_evaluation(run, name, wall):
-    """core_eval's or chat_eval's rehearsal rates: seconds per item (per task for chat_eval), items
-    per task, and start-up (wall less the items' seconds)."""
+    """core_eval's or chat_eval's rehearsal rates, per item (per task for chat_eval)."""
     run = Path(run)
     core = name.startswith("core_eval")
     # core_eval_midtrain: midtrain's final model
@@ -330,7 +324,6 @@ def evaluation_kind(name):
 
 
 def measure_rehearsal(rehearsal_dir):
-    """{stage: measured rates} for each rehearsal stage the plan runs again."""
     run = Path(rehearsal_dir)
     measured, times = {}, stage_seconds(run)
     if not times:
@@ -350,7 +343,7 @@ def measure_rehearsal(rehearsal_dir):
 
 
 def evaluations(steps, every):
-    """Evaluations between steps: every `every` steps, never after the last."""
+    """Evaluations every `every` steps, never after the last."""
     return (steps - 1) // every if every else 0
 
 
@@ -474,13 +467,9 @@ def predict_evaluation(m, budget, train_tok_s):
 
 
 def predict_plan(rehearsal_dir, budgets, gpus):
-    """Each stage's predicted wall time at the plan's budgets from a rehearsal's rates. budgets:
-    {"pretrain"|"midtrain"|"sft": {"steps" or "tokens", "tokens_per_step", "eval_every",
-    "ckpt_every", "val_tokens", "why_unknown"}, "rl": {"steps", "questions_per_step", "samples",
-    "max_new_tokens", "eval_every", "ckpt_every", "eval_items", "eval_samples"}, "core_eval":
-    {"max_items", "bpb_tokens"}, "chat_eval": {"max_items", "max_new_tokens"}}; a missing stage is
-    unknown. Returns {"rehearsal", "gpus", "stages": {name: {"budget", "rate", "seconds",
-    "assumption", "parts"}}, "seconds", "unknown", "hours", "gpu_hours"}."""
+    """Each stage's predicted wall time at the budgets (gpu_plan_budgets' keys; a missing stage is
+    unknown) from a rehearsal's rates. Returns {"rehearsal", "gpus", "stages": {name: {"budget",
+    "rate", "seconds", "assumption", "parts"}}, "seconds", "unknown", "hours", "gpu_hours"}."""
     measured = measure_rehearsal(rehearsal_dir)
     pretrain = measured.get("pretrain")
     train_tok_s = pretrain["tokens_per_step"] / pretrain["step_s"] if pretrain else None
@@ -508,7 +497,6 @@ def predict_plan(rehearsal_dir, budgets, gpus):
 
 
 def format_prediction(prediction):
-    """The table: per stage budget, rate, wall time and assumption; the total."""
     lines = [f"plan cost predicted from {prediction['rehearsal']} ({prediction['gpus']} GPUs):",
              f"{'stage':<20} {'predicted':>12}  budget | measured rate"]
     for name, s in prediction["stages"].items():
@@ -525,8 +513,8 @@ def format_prediction(prediction):
 
 
 def write_prediction(rehearsal_dir, budgets, gpus, out=None):
-    """predict_plan, printed and written to out. Call it before the rehearsal's checkpoints are
-    deleted (their save_seconds are the save times)."""
+    """predict_plan, printed and written to out, before the rehearsal's checkpoints are deleted
+    (their save_seconds are the save times)."""
     prediction = predict_plan(rehearsal_dir, budgets, gpus)
     print("\n".join(format_prediction(prediction)), flush=True)
     out = Path(out) if out else default_out(rehearsal_dir)
@@ -537,7 +525,6 @@ def write_prediction(rehearsal_dir, budgets, gpus, out=None):
 
 
 def default_out(rehearsal_dir):
-    """runs/<run>/predicted.json beside runs/<run>-rehearsal (report.py reads it)."""
     path = Path(rehearsal_dir).resolve()
     return path.with_name(path.name.removesuffix("-rehearsal")) / "predicted.json"
 
@@ -546,15 +533,14 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("rehearsal", help="a finished rehearsal's directory, runs/<run>-rehearsal")
-    p.add_argument("--plan_json", default=None, help="the budgets dict as JSON (predict_plan's "
-                   "keys); default: the gpu plan's (gpu_plan_budgets), pretraining's steps from "
-                   "the rehearsal's model at 20 tokens per parameter")
+    p.add_argument("--plan_json", default=None, help="the budgets as JSON (gpu_plan_budgets' "
+                   "keys); default: the gpu plan's, pretraining's steps from the rehearsal's model")
     p.add_argument("--gpus", type=int, default=0, help="GPUs of the run, for the GPU-hours; 0 = "
                    "the rehearsal's world size (default: %(default)s)")
-    p.add_argument("--sft_steps", type=int, default=None, help="SFT's steps when known (sft.py "
-                   "prints its epoch's estimate when it starts); default: unknown")
+    p.add_argument("--sft_steps", type=int, default=None, help="SFT's steps (sft.py prints its "
+                   "estimate when it starts); default: unknown")
     p.add_argument("--out", default=None, help="the JSON written; default: "
-                   "runs/<run>/predicted.json beside runs/<run>-rehearsal")
+                   "runs/<run>/predicted.json")
     args = p.parse_args(argv)
     rehearsal = Path(args.rehearsal)
     try:

@@ -1,16 +1,15 @@
-"""launch.py: what speedrun.sh asks of Python. Not a stage: the recipe is speedrun.sh; this runs its
-stages.
+"""launch.py: what speedrun.sh asks of Python; it runs the recipe's stages.
 
-    python launch.py setup ENV_FILE [speedrun.sh's flags]  # flags, .venv, GPUs, plan: ENV_FILE
+    python launch.py setup ENV_FILE [speedrun.sh's flags]  # checks; shell variables: ENV_FILE
     python launch.py probe --run RUN TORCHRUN... distributed.py probe  # NCCL, safe flags on a hang
-    python launch.py stage --run RUN NAME [--train] [--skip_if PATH] COMMAND...  # logged, recorded
-    python launch.py end --run RUN                     # end the run's live processes (at exit)
+    python launch.py stage --run RUN NAME [--train] [--skip_if PATH] COMMAND...
+    python launch.py end --run RUN                     # end the run's live processes
     python launch.py rehearsal_due --run RUN REHEARSAL_DIR 0|1  # exit 0: rehearse (--no_rehearse 1)
-    python launch.py rehearsal_passed --run RUN REHEARSAL_DIR  # its checkpoints deleted, cost said
+    python launch.py rehearsal_passed --run RUN REHEARSAL_DIR
     python launch.py stage_evals --run RUN STAGE LIST FINAL  # exit 0: --stage_evals has STAGE
     python launch.py rehearsed --run RUN SECONDS       # stage times: <run>/rehearsed.json
-    python launch.py shards --run RUN [N]              # shards to download: N, else data_plan's
-    python launch.py --print COMMAND ...               # speedrun.sh --print: printed, nothing runs
+    python launch.py shards --run RUN [N]              # shards to download
+    python launch.py --print COMMAND ...               # speedrun.sh --print: nothing runs
 
 Standard library only: python3 runs it before .venv exists. State between calls:
 <run>/logs/launch.json; each stage's wall time and exit status: <run>/logs/stages.tsv (report.py).
@@ -37,8 +36,7 @@ from report import MODEL_STAGES, read_json, stage_rows
 
 ROOT = Path(__file__).resolve().parent
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what stops a run
-# speedrun.sh --print: each stage's command printed, nothing run
-PRINT = False
+PRINT = False  # speedrun.sh --print: commands printed, nothing run
 
 # --- speedrun.sh's flags
 
@@ -47,20 +45,19 @@ STOP_AFTER = ["data", "ingest", "tokenizer", "download", "pretrain", "core_eval"
               "report"]
 ENVIRONMENT = """environment:
   PRETRAIN_ARGS MIDTRAIN_ARGS SFT_ARGS RL_ARGS CORE_ARGS CHAT_EVAL_ARGS
-                      extra flags appended to that stage's command line (the last of a repeated
-                      flag wins), e.g. PRETRAIN_ARGS="--steps 100"
+                      flags appended to that stage's command line (the last of a repeated flag
+                      wins), e.g. PRETRAIN_ARGS="--steps 100"
   NCCL_SAFE=1         skip the NCCL probe and run with the safe flags (P2P and InfiniBand off)
   SPEEDRUN_PYTHON     the interpreter (default: .venv/bin/python, requirements.txt installed)
   SPEEDRUN_PROBE_TIMEOUT  seconds before the NCCL probe counts as hung (default: 120)
   SPEEDRUN_PROBE_MB   size of the probe's timed all-reduce in MB (default: 64)
-  SPEEDRUN_KILL_WAIT  seconds a stopped stage gets to end before SIGKILL, plus twice its last
-                      checkpoint save, plus while one is written, and as much again once it is
-                      saved (default: 30)
+  SPEEDRUN_KILL_WAIT  seconds a stopped stage gets before SIGKILL, plus twice its last checkpoint
+                      save, plus while one is written, and as much again once saved (default: 30)
 """
 
 
 class Refused(Exception):
-    """What stops speedrun.sh; exit status 2 for a flag, 1 for the machine, else the stage's."""
+    """What stops speedrun.sh: exit status 2 for a flag, 1 for the machine, else the stage's."""
 
     def __init__(self, message, status):
         super().__init__(message)
@@ -68,7 +65,7 @@ class Refused(Exception):
 
 
 def flag_parser():
-    """speedrun.sh's flags and --help (fixed width: the same text in every terminal)."""
+    """speedrun.sh's flags (fixed width: the same --help in every terminal)."""
     parser = argparse.ArgumentParser(
         usage="bash speedrun.sh [flags]", add_help=False, allow_abbrev=False, exit_on_error=False,
         epilog=ENVIRONMENT,
@@ -78,7 +75,7 @@ def flag_parser():
     add("--plan", default="auto", choices=("auto", "gpu", "demo"), metavar="gpu|demo", help=
         "gpu: d20-class model on FineWeb-Edu, every stage; demo: the offline demo world, preset "
         "tiny, on the CPU (default: gpu when torch sees CUDA GPUs, else demo; GPUs that nvidia-smi "
-        "lists but torch cannot use stop the run, naming the versions)")
+        "lists but torch cannot use stop the run)")
     add("--depth", default="20", metavar="N", help="gpu plan: model depth, the d{N} preset "
         "(default: %(default)s)")
     add("--run_name", default="speedrun", metavar="NAME", help="everything goes to "
@@ -88,52 +85,49 @@ def flag_parser():
         "(default: dataset.py's cache); demo: the demo world (default: <runs_dir>/<run_name>/demo, "
         "written by demo.py when missing)")
     add("--corpus", nargs="+", default=[], metavar="PATH", help="your own text instead of "
-        "FineWeb-Edu (gpu) or the demo world's (demo): .txt and .md (documents split on blank "
+        "the plan's: .txt and .md (documents split on blank "
         "lines), .jsonl (a `text` field), .parquet (a `text` column), or directories of them; "
-        "ingested once into <runs_dir>/<run_name>/corpus (its last shard held out), the corpus of "
-        "the tokenizer, pretraining and midtraining's text (default: none)")
-    add("--chat", default="", metavar="FILE", help="your own conversations, a .jsonl file in the "
-        "OpenAI chat format (docs/own-data.md), added to the plan's: two passes in SFT's mixture, "
-        "a 0.2 share of midtraining's (the others scaled by 0.8); the validation loss stays on the "
-        "plan's held-out conversations (default: none)")
+        "ingested once into <runs_dir>/<run_name>/corpus (its last shard held out) for the "
+        "tokenizer, pretraining and midtraining (default: none)")
+    add("--chat", default="", metavar="FILE", help="your own conversations, .jsonl in the OpenAI "
+        "chat format (docs/own-data.md), added to the plan's: two passes in SFT's mixture, a 0.2 "
+        "share of midtraining's (the others scaled by 0.8); validation stays on the plan's "
+        "held-out conversations (default: none)")
     add("--gpus", default="auto", metavar="N", help="processes per stage (default: all CUDA GPUs; "
         "0 = CPU, one)")
     add("--shards", default="", metavar="N", help="gpu plan: FineWeb-Edu training shards to "
-        "download (default: what the budget needs: its tokens / the first shard's tokens counted "
-        "with the tokenizer, plus one)")
+        "download (default: the budget's tokens / the first shard's, plus one)")
     add("--vocab_size", default="", metavar="N", help="tokenizer vocabulary (default: 65536 gpu, "
         "1024 demo)")
-    add("--tokenizer", default="", metavar="DIR", help="use this trained tokenizer (default: train "
+    add("--tokenizer", default="", metavar="DIR", help="a trained tokenizer (default: train "
         "<run>/tokenizer)")
     add("--stop_after", default="", choices=("", *STOP_AFTER), metavar="STAGE", help=
         f"stop after this stage: {' '.join(STOP_AFTER)} (download: gpu plan, every shard and the "
-        "prefetched chat and evaluation data are in)")
+        "chat and evaluation data fetched)")
     add("--rl", default="on", choices=("on", "off"), metavar="on|off", help=
         "rl.py after sft (default: on)")
     add("--stage_evals", default="pretrain,midtrain,sft,rl", metavar="LIST", help=
-        "the stages whose final models get CORE and ChatCORE for the report's table of what each "
-        "stage taught, comma-separated, or none (default: %(default)s; a column left out says "
-        "unknown; pretrain's is a base model: CORE only, core_eval's, as nanochat)")
+        "comma-separated stages whose final models get CORE and ChatCORE in the report's "
+        "per-stage table, or none (default: %(default)s; pretrain's base model: core_eval's CORE "
+        "only, as nanochat)")
     switch("--no_chat", help="do not start chat.py at the end (it starts only when stdin is a "
-           "terminal anyway)")
-    switch("--rehearse", help="every stage of the plan with its own command lines, data and world "
-           "size on a tiny budget (a few steps or items each), into <run_name>-rehearsal, ending "
-           "with the report, one chat.py answer and each stage's time. Without CUDA, --gpus N "
-           "rehearses the gpu plan on N CPU processes (gloo, 128-token sequences)")
+           "terminal)")
+    switch("--rehearse", help="every stage of the plan as it will run, on a tiny budget (a few "
+           "steps or items each), into <run_name>-rehearsal; ends with the "
+           "report, one chat.py answer and each stage's time. Without CUDA, --gpus N rehearses "
+           "the gpu plan on N CPU processes (gloo, 128-token sequences)")
     switch("--no_rehearse", help="gpu plan: skip the rehearsal before pretraining (default: "
            "rehearse once per run)")
-    switch("--print", help="print every stage's command line, in order, for the plan these flags "
-           "give, and run nothing: no .venv, no check of the machine, nothing written (default: "
-           "off)")
+    switch("--print", help="print every stage's command line for the plan these flags give, and "
+           "run nothing: no .venv, no machine check, nothing written")
     switch("--force", help="start although other processes hold the GPUs")
-    switch("--probe_only", help="run the NCCL check, record the transport and its measured "
-           "bandwidth, and exit")
+    switch("--probe_only", help="run the NCCL check, record the transport and its bandwidth, and "
+           "exit")
     switch("-h", "--help", help="this text")
     return parser
 
 
 def parse_flags(argv):
-    """speedrun.sh's flags as {name: value}, checked."""
     try:
         flags, unknown = flag_parser().parse_known_args(argv)
     except argparse.ArgumentError as e:  # a flag without its value, or not one of its choices
@@ -155,12 +149,12 @@ def parse_flags(argv):
 
 
 def run_dir(flags):
-    """<runs_dir>/<run_name>, or <run_name>-rehearsal (never mixed with the real run)."""
+    """<runs_dir>/<run_name>, or <run_name>-rehearsal."""
     return f"{flags['runs_dir']}/{flags['run_name']}{'-rehearsal' if flags['rehearse'] else ''}"
 
 
 def shell_assignments(values):
-    """name=value lines for bash, every value quoted: nothing in them is run."""
+    """name=value lines for bash, every value quoted."""
     def quoted(value):  # a list: a bash array
         if isinstance(value, list):
             return f"({' '.join(map(quoted, value))})"
@@ -171,7 +165,7 @@ def shell_assignments(values):
 # --- what speedrun.sh says, and the run's state
 
 def say(run, text, prefix="speedrun: ", stream=None):
-    """speedrun's own line: to the terminal and logs/speedrun.log (--print: a comment)."""
+    """speedrun's own line, to the terminal and logs/speedrun.log (--print: a comment)."""
     if PRINT:
         return terminal(f"# {text}", stream)
     with open(f"{run}/logs/speedrun.log", "a") as log:
@@ -180,7 +174,7 @@ def say(run, text, prefix="speedrun: ", stream=None):
 
 
 def terminal(data, stream=None):
-    """A line or stage output (bytes) to the terminal unless it is gone (after SIGHUP)."""
+    """A line or stage output (bytes) to the terminal unless it is gone (SIGHUP)."""
     stream = stream or sys.stdout
     try:
         stream.flush()
@@ -204,7 +198,7 @@ def write_state(run, state):  # atomic: written beside, then renamed
 
 def install_venv(run, venv=ROOT / ".venv", requirements=ROOT / "requirements.txt"):
     """.venv's python with requirements.txt installed. Only the sha256 of a completed pip install
-    marks it done, so an interrupted pip or a venv without pip is redone, never skipped."""
+    marks it done: an interrupted pip or a venv without pip is redone."""
     want = hashlib.sha256(requirements.read_bytes()).hexdigest()
     record, python = venv / "installed-requirements.sha256", venv / "bin" / "python"
     if (have := record.read_text().strip() if record.is_file() else "") == want:
@@ -236,7 +230,7 @@ def install_venv(run, venv=ROOT / ".venv", requirements=ROOT / "requirements.txt
 
 
 def ask_python(python, program, pythonpath=None):
-    """`python -c program`'s output: torch's answers come from the stages' interpreter."""
+    """`python -c program`'s output, from the stages' interpreter."""
     env = {**os.environ, "PYTHONPATH": str(pythonpath)} if pythonpath else None
     done = subprocess.run([python, "-c", program], capture_output=True, text=True, env=env,
                           check=False)
@@ -247,8 +241,8 @@ def ask_python(python, program, pythonpath=None):
 
 
 def check_packages(python):
-    """With SPEEDRUN_PYTHON, a missing requirement (matplotlib, first imported by the last stage)
-    stops the run now, not hours in."""
+    """With SPEEDRUN_PYTHON, a missing requirement (matplotlib: first imported by the last stage)
+    stops the run now."""
     modules = ("torch numpy pyarrow tiktoken rustbpe requests huggingface_hub safetensors yaml "
                "matplotlib")
     if missing := ask_python(python, "import importlib.util as u; print(' '.join(m for m in "
@@ -261,7 +255,7 @@ def check_packages(python):
 # --- setup: the GPUs, the driver, the plan
 
 def nvidia_smi(*args):
-    """nvidia-smi's output, or "" when it is not installed or fails."""
+    """nvidia-smi's output, or "" without it."""
     with contextlib.suppress(OSError, subprocess.CalledProcessError):
         done = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, check=True)
         return done.stdout
@@ -269,13 +263,12 @@ def nvidia_smi(*args):
 
 
 def listed_gpus():
-    """How many GPUs nvidia-smi lists (0 without it)."""
     return len(nvidia_smi("--query-gpu=name", "--format=csv,noheader").strip().splitlines())
 
 
 def explain_driver(python):
-    """torch sees no GPU but nvidia-smi lists some (driver older than the wheel's CUDA): the
-    versions and the fix, never a silent CPU run on a rented GPU box."""
+    """GPUs that torch cannot see (driver older than the wheel's CUDA) are refused with the
+    versions and the fix: never a silent CPU run on a GPU box."""
     if not (listed := listed_gpus()):
         return
     driver = nvidia_smi("--query-gpu=driver_version", "--format=csv,noheader")
@@ -295,8 +288,8 @@ def explain_driver(python):
 
 
 def prepare(run, flags):
-    """The run's directory (a passed rehearsal deleted, to be redone) and the stages' interpreter
-    (.venv installed or repaired); refuses if other processes use the GPUs."""
+    """The run's directory (a passed rehearsal deleted) and the stages' interpreter (.venv
+    installed or repaired); refuses if other processes use the GPUs."""
     if flags["rehearse"] and Path(run, "rehearsed.json").is_file():
         shutil.rmtree(run)
         Path(run, "logs").mkdir(parents=True)
@@ -305,7 +298,7 @@ def prepare(run, flags):
     Path(run, "logs").mkdir(parents=True, exist_ok=True)
     python = os.environ.get("SPEEDRUN_PYTHON") or install_venv(run)
     check_packages(python)
-    # zombie workers of an earlier run hold GPU memory: stop, with the kill command
+    # zombie workers of an earlier run hold GPU memory
     holders = nvidia_smi("--query-compute-apps=pid,process_name", "--format=csv,noheader").strip()
     if holders and not flags["force"]:
         pids = " ".join(line.split(",")[0].strip() for line in holders.splitlines())
@@ -317,7 +310,7 @@ def prepare(run, flags):
 
 def torch_gpus_of(python):
     """torch's CUDA (or ROCm) GPU count, asked once if needed, without `import torch` (2-3 s).
-    --print: the GPUs nvidia-smi lists."""
+    --print: nvidia-smi's."""
     if PRINT:
         return functools.cache(listed_gpus)
     version = "u.find_spec('torch').submodule_search_locations[0] + '/version.py'"
@@ -330,7 +323,7 @@ def checked_gpus(run, flags, python, torch_gpus):
     """--gpus (auto: torch's), refused when torch sees fewer, except CPU processes on gloo."""
     gpus = torch_gpus() if flags["gpus"] == "auto" else int(flags["gpus"])
     stand_in_probe = flags["probe_only"] and os.environ.get("SPEEDRUN_PROBE_CMD")  # tests: no GPU
-    # a CPU box may fetch the data: the stages up to the download train nothing
+    # a CPU box may fetch the data
     nothing_trains = flags["stop_after"] in STOP_AFTER[:STOP_AFTER.index("download") + 1]
     if flags["gpus"] == "auto" and gpus == 0 and not PRINT:
         explain_driver(python)
@@ -348,8 +341,8 @@ def checked_gpus(run, flags, python, torch_gpus):
 
 
 def checked_plan(flags, gpus, torch_gpus):
-    """(plan, on CPU processes?): only a rehearsal runs the gpu plan on the CPU, where --gpus N
-    means N CPU processes on gloo."""
+    """(plan, on CPU processes?): only a rehearsal runs the gpu plan on the CPU (--gpus N: N CPU
+    processes on gloo)."""
     plan, rehearse = flags["plan"], flags["rehearse"]
     plan = ("gpu" if gpus > 0 else "demo") if plan == "auto" else plan
     on_cpu = plan == "gpu" and rehearse and (gpus == 0 or torch_gpus() == 0)
@@ -364,7 +357,6 @@ def checked_plan(flags, gpus, torch_gpus):
 
 
 def say_plan(run, flags, plan, gpus, on_cpu):
-    """The run's first line (plan, run, processes, commit) and the gpu plan's lines."""
     nproc, rehearsal = max(gpus, 1), " (rehearsal)" if flags["rehearse"] else ""
     where = f"{gpus} GPUs" if gpus > 0 and not on_cpu else "CPU"
     if PRINT:
@@ -380,7 +372,7 @@ def say_plan(run, flags, plan, gpus, on_cpu):
 
 
 def data_dir_of(run, flags, plan, python, own):
-    """The plan's data: the demo world, --corpus's ingested corpus, or FineWeb-Edu's directory."""
+    """The demo world, --corpus's ingested corpus, or FineWeb-Edu's directory."""
     named = [("corpus", path) for path in flags["corpus"]]
     named += [("chat", flags["chat"])] if flags["chat"] else []
     for flag, path in [] if PRINT else named:  # --print: the flags alone
@@ -400,7 +392,7 @@ def data_dir_of(run, flags, plan, python, own):
 
 def check_batch(run, python, nproc, words):
     """A step's tokens must split over the processes (for 3 GPUs, the nearest batch that does),
-    else the run is refused now, not hours later."""
+    else the run is refused now."""
     batch = [python, ROOT / "pretrain.py", "--check_batch", nproc, *words]
     if PRINT:
         return show("check_batch", batch, "before any stage; its output is speedrun's own lines")
@@ -411,9 +403,8 @@ def check_batch(run, python, nproc, words):
 
 
 def setup(env_file, argv):
-    """`setup`: check flags, interpreter, machine and plan before any stage; write the shell
-    variables to env_file (which removes itself) and the state to launch.json. A passed rehearsal
-    is redone (it checks this code); an interrupted one resumes. --print: flags and plan only."""
+    """`setup`: check flags, interpreter, machine and plan; write the shell variables to env_file
+    (which removes itself) and the state to launch.json. --print: flags and plan only."""
     global PRINT
     flags = parse_flags(argv)
     remove = f"rm -f -- {shlex.quote(env_file)}\n"
@@ -438,7 +429,7 @@ def setup(env_file, argv):
                for name, words in gpu_plan.rehearsal_budgets(nproc, on_cpu).items()}
     if rehearse:
         say(run, gpu_plan.rehearsal_line(budgets))
-    extras = {f"{stage}_EXTRA": os.environ.get(f"{stage}_ARGS", "").split()  # no globbing, no eval
+    extras = {f"{stage}_EXTRA": os.environ.get(f"{stage}_ARGS", "").split()  # no glob, no eval
               for stage in ("PRETRAIN", "MIDTRAIN", "SFT", "RL", "CORE", "CHAT_EVAL")}
     stage_flags = gpu_plan.command_lines(flags["depth"]) if plan == "gpu" else {}
     # a rehearsal on CPU processes has its own shape (R_SHAPE)
@@ -454,10 +445,10 @@ def setup(env_file, argv):
     values = {renamed.get(name, name.upper()): int(value) if isinstance(value, bool) else value
               for name, value in flags.items()}
     corpus = own if flags["corpus"] else f"{data_dir}/pretrain" if plan == "demo" else data_dir
-    # the gpu plan's rehearsal: the same data (--corpus: its ingest stage skipped)
+    # the gpu plan's rehearsal: the same data
     data = ["--corpus", *flags["corpus"]] if flags["corpus"] else ["--data_dir", data_dir]
     chat = ["--chat", flags["chat"]] if flags["chat"] else []
-    # one CPU process: no torchrun, whose start costs ~1.4 s per stage
+    # one CPU process: no torchrun (its start costs ~1.4 s per stage)
     launch = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     vocab = flags["vocab_size"] or ("1024" if plan == "demo" else "65536")
     Path(env_file).write_text(remove + shell_assignments({
@@ -470,7 +461,7 @@ def setup(env_file, argv):
 
 
 def last_value(words, flag):
-    """The value the last `flag` among `words` gives (`--flag value` or `--flag=value`), or None."""
+    """The last `--flag value` or `--flag=value` among words: its value, or None."""
     value = None
     for i, word in enumerate(words):
         if word == flag and i + 1 < len(words):
@@ -481,8 +472,8 @@ def last_value(words, flag):
 
 
 def check_sandbox(chat_eval_words):
-    """The gpu plan's chat_eval runs model-written programs contained by namespaces. A machine
-    without user namespaces is refused here with the fix, before any download, not hours later."""
+    """chat_eval's HumanEval runs model-written programs contained by namespaces: a machine
+    without them is refused here with the fix, before any download."""
     import sandbox  # the standard library only, like this file
     asked = last_value(chat_eval_words, "--tasks")
     if last_value(chat_eval_words,
@@ -502,8 +493,8 @@ def check_sandbox(chat_eval_words):
 # --- the processes of a run: found by the mark in their environment
 
 def marked(mark, workers=False):
-    """Live processes carrying this mark (SPEEDRUN_MARK) or its probe's, zombies left out; workers:
-    torchrun's workers only (LOCAL_RANK set), which run in their own sessions."""
+    """Live processes carrying this mark (SPEEDRUN_MARK) or its probe's, not zombies; workers: only
+    torchrun's workers (LOCAL_RANK set, in their own sessions)."""
     wanted, found = {f"SPEEDRUN_MARK={mark}".encode(), f"SPEEDRUN_MARK={mark}.probe".encode()}, []
     for entry in os.scandir("/proc"):
         with contextlib.suppress(OSError):
@@ -516,7 +507,7 @@ def marked(mark, workers=False):
 
 
 def signal_all(pids=(), groups=(), signum=signal.SIGTERM):
-    """signum to each existing process and group: how many it reached (signal 0: how many live)."""
+    """signum to each process and group: how many it reached (signal 0: how many live)."""
     reached = 0
     for send, target in [(os.kill, pid) for pid in pids] + [(os.killpg, group) for group in groups]:
         with contextlib.suppress(OSError):
@@ -530,8 +521,7 @@ def group_of(pid):
 
 
 def kill_marked(mark, groups=()):
-    """SIGKILL the groups and every marked process (torchrun's workers have no group) until
-    gone."""
+    """SIGKILL the groups and every marked process (torchrun's workers have no group)."""
     signal_all(groups=groups, signum=signal.SIGKILL)
     for _ in range(100):
         if not signal_all(marked(mark), signum=signal.SIGKILL):  # none left
@@ -540,14 +530,14 @@ def kill_marked(mark, groups=()):
 
 
 def checkpoint_grace(wait, ckpt):
-    """Seconds a stopped stage gets before SIGKILL: `wait` + twice its last checkpoint save."""
+    """`wait` + twice the last checkpoint save."""
     with contextlib.suppress(OSError, ValueError, TypeError):
         return math.ceil(wait + 2 * float(Path(ckpt, "save_seconds").read_text()[:32]))
     return wait
 
 
 def writing_checkpoint(ckpt):
-    """A file of a checkpoint in progress (ckpt/.tmp_step_*) changed in the last 5 seconds."""
+    """A file of a checkpoint in progress (.tmp_step_*) changed in the last 5 seconds."""
     for item in [p for tmp in Path(ckpt).glob(".tmp_step_*") for p in (
             tmp, *tmp.rglob("*"))] if ckpt else []:
         with contextlib.suppress(OSError):
@@ -557,7 +547,6 @@ def writing_checkpoint(ckpt):
 
 
 def saved_since(ckpt, since):
-    """The stage saved a checkpoint since `since`."""
     with contextlib.suppress(OSError):
         return bool(ckpt) and Path(ckpt, "save_seconds").stat().st_mtime > since
     return False
@@ -565,8 +554,8 @@ def saved_since(ckpt, since):
 
 def end_processes(mark, stage=None, ckpt=None, wait=None):
     """End every process of the run: SIGTERM to torchrun's workers (not torchrun, whose own grace
-    would start while rank 0 checkpoints) and other marked groups; SIGKILL after the grace (wait or
-    SPEEDRUN_KILL_WAIT, plus twice the last save, plus while one is written). stage: its Popen."""
+    would start while rank 0 checkpoints) and other marked groups; SIGKILL after the grace (see
+    ENVIRONMENT's SPEEDRUN_KILL_WAIT). stage: its Popen."""
     since, wait = time.time(), wait or int(os.environ.get("SPEEDRUN_KILL_WAIT", "30"))
     workers = marked(mark, workers=True)
     # the download's group
@@ -609,14 +598,14 @@ SAFE_TEXT = " ".join(f"{name}={value}" for name, value in SAFE_FLAGS.items())
 
 
 def probe_settings():
-    """(seconds before the probe counts as hung, MB of its all-reduce), from the environment."""
+    """(SPEEDRUN_PROBE_TIMEOUT, SPEEDRUN_PROBE_MB)."""
     return int(os.environ.get("SPEEDRUN_PROBE_TIMEOUT", "120")), os.environ.get("SPEEDRUN_PROBE_MB",
                                                                                 "64")
 
 
 def run_probe(run, mark, command, safe, timeout, mbytes):
     """(exit status, bus bandwidth or None) of the probe (tests: SPEEDRUN_PROBE_CMD, JSON path as
-    $1); hung past timeout: 124 (137 past SIGTERM too). Nothing survives it."""
+    $1); hung: 124 (137 past SIGTERM too). Nothing survives it."""
     result = Path(run, "logs", "probe.json")
     result.unlink(missing_ok=True)
     stand_in = os.environ.get("SPEEDRUN_PROBE_CMD")
@@ -639,9 +628,9 @@ def run_probe(run, mark, command, safe, timeout, mbytes):
 
 
 def probe(run, command, stage=None):
-    """`probe`: the transport for the stages (<run>/transport.txt): NCCL's defaults, or on a hang
-    or failure the safe flags, their cost said. After a fallback, each torchrun stage retries the
-    defaults: one failed probe (slow cold start) must not pin the safe flags for hours."""
+    """`probe`: the stages' transport (<run>/transport.txt): NCCL's defaults, or on a hang or
+    failure the safe flags, their cost said. After a fallback, each torchrun stage retries the
+    defaults: one failed probe (a slow cold start) must not pin the safe flags for hours."""
     state, log = read_state(run), f"log: {run}/logs/probe.log"
     nccl = state["nccl"] if stage else {"safe": False, "fallback": False, "probe": command}
     timeout, mbytes = probe_settings()
@@ -695,8 +684,8 @@ def probe(run, command, stage=None):
 # --- one stage
 
 def progress_lines(run, name, now):
-    """Where each rank of a failed stage was last, and when: under NCCL a hung collective aborts in
-    C++ and no rank can say which one was stuck."""
+    """Where each rank of a failed stage was last, and when: a hung NCCL collective aborts in C++
+    and no rank can say which one was stuck."""
     files = sorted(Path(run, name, "progress").glob("rank*.txt"))
     if not files:
         return []
@@ -710,7 +699,6 @@ def progress_lines(run, name, now):
 
 
 def copy_output(stage, log):
-    """The stage's output, as it comes, to its log and the terminal."""
     while stage and (chunk := os.read(stage.stdout.fileno(), 1 << 16)):
         log.write(chunk)
         terminal(chunk)
@@ -718,7 +706,7 @@ def copy_output(stage, log):
 
 def run_stage(run, name, command, train=False, skip_if=None):
     """`stage`: COMMAND in its own session with the run's mark, output to the terminal and
-    logs/<name>.log, time to logs/stages.tsv; skipped when skip_if exists."""
+    logs/<name>.log, time to logs/stages.tsv."""
     state, stopped = read_state(run), None
 
     # a Python handler, not SIG_IGN: the stage starts with the signals' defaults
@@ -755,7 +743,7 @@ def run_stage(run, name, command, train=False, skip_if=None):
         copier.start()
         while not stopped and (copier.is_alive() or (stage is not None and stage.poll() is None)):
             copier.join(0.1)
-        if stopped:  # speedrun.sh prints why and exits with the signal's status
+        if stopped:
             end_processes(state["mark"], stage, ckpt)
             copier.join(10)
             return 128 + stopped
@@ -775,7 +763,7 @@ def run_stage(run, name, command, train=False, skip_if=None):
 # --- around the stages
 
 def reuse_chat_eval(run, name):
-    """Copy chat_eval's result into stage_evals/<name>/ when it scored this checkpoint."""
+    """chat_eval's result into stage_evals/<name>/ when it scored this checkpoint."""
     where, result = Path(run, "stage_evals", name), Path(run, "chat_eval.json")
     if (where / "chat_eval.json").is_file() or not result.is_file():
         return
@@ -788,8 +776,8 @@ def reuse_chat_eval(run, name):
 
 
 def stage_evals(run, name, listed, final):
-    """--stage_evals: CORE and ChatCORE of NAME's final model when listed and its checkpoint exists;
-    --print: when NAME is listed and runs (FINAL: the last that does)."""
+    """--stage_evals: whether NAME is listed and has a checkpoint (--print: listed and runs, FINAL
+    being the last that does)."""
     if name not in listed.split(","):
         return False
     if PRINT:
@@ -804,8 +792,7 @@ def stage_evals(run, name, listed, final):
 
 
 def rehearsal_due(run, rehearsal, no_rehearse):
-    """The gpu plan rehearses once before pretraining (not with --no_rehearse). --print: the flag
-    decides."""
+    """The gpu plan rehearses once before pretraining. --print: the flag decides."""
     for skip, why in ((no_rehearse, "--no_rehearse"),
                       (not PRINT and Path(rehearsal, "rehearsed.json").is_file(),
                        f"it passed before ({rehearsal}/rehearsed.json)"),
@@ -818,7 +805,7 @@ def rehearsal_due(run, rehearsal, no_rehearse):
 
 
 def rehearsal_passed(run, rehearsal):
-    """After the rehearsal: plan_cost.json becomes predicted.json; its checkpoints deleted."""
+    """plan_cost.json becomes predicted.json; the rehearsal's checkpoints are deleted."""
     if Path(rehearsal, "plan_cost.json").is_file():
         shutil.copy(Path(rehearsal, "plan_cost.json"), Path(run, "predicted.json"))
     ckpts = sorted(Path(rehearsal).glob("*/ckpt"))
@@ -830,7 +817,7 @@ def rehearsal_passed(run, rehearsal):
 
 
 def rehearsed(run, seconds):
-    """A passed rehearsal: each stage's time printed, and rehearsed.json."""
+    """A passed rehearsal's stage times: printed, and rehearsed.json."""
     state, rows = read_state(run), stage_rows(run)
     now = {name: took for name, took, _ in rows[state["stages_before"]:]}
     earlier = {name: took for name, took, status in rows[:state["stages_before"]]
@@ -849,8 +836,7 @@ def rehearsed(run, seconds):
 # --- speedrun.sh's calls
 
 def shards(run, given):
-    """`shards`: the training shards to download: --shards, else data_plan.json's count (fewer is
-    said on stderr). First gpu_plan.check_disk: too little disk stops the run before downloading."""
+    """`shards`: --shards, else data_plan.json's count; too little disk stops the run first."""
     plan = read_json(Path(run, "data_plan.json"))
     try:
         say(run, gpu_plan.check_disk(plan), stream=sys.stderr)
@@ -866,7 +852,6 @@ def shards(run, given):
 def stage_command(run, words, do=run_stage):
     """NAME [--train] [--skip_if PATH] COMMAND..."""
     name, words, options = words[0], words[1:], {}
-    # their values: train True, skip_if the next word
     while words[:1] in (["--train"], ["--skip_if"]):
         if words[0] == "--train":
             options["train"], words = True, words[1:]
@@ -875,7 +860,7 @@ def stage_command(run, words, do=run_stage):
     return do(run, name, words, **options)
 
 
-# each command: (RUN of `--run RUN` or None, the words after it) -> exit status (None: 0)
+# (RUN of `--run RUN` or None, the words after it) -> exit status (None: 0)
 COMMANDS = {
     "setup": lambda run, words: setup(words[0], words[1:]),  # ENV_FILE [flags]
     "probe": probe,
@@ -892,7 +877,6 @@ COMMANDS = {
 # --- --print: what would run, printed
 
 def show(name, command, note=""):
-    """A step's command line, shell-quoted, under a comment naming the step."""
     print(f"# {name}{f' ({note})' if note else ''}\n{shlex.join(map(str, command))}", flush=True)
 
 
@@ -903,7 +887,6 @@ def show_stage(run, name, command, train=False, skip_if=None):
 
 
 def show_probe(run, command):
-    """The NCCL probe's command line; none for one process without torchrun."""
     if "torch.distributed.run" in command:
         timeout, mbytes = probe_settings()
         show("probe", [*command, "--timeout", timeout, "--mbytes", mbytes, "--out",
@@ -912,8 +895,8 @@ def show_probe(run, command):
              "safe flags")
 
 
-# --print stand-ins: nothing runs; rehearsal_due and stage_evals decide from the flags alone; end,
-# rehearsal_passed and rehearsed do nothing
+# --print stand-ins: rehearsal_due and stage_evals decide from the flags alone; the others missing
+# here do nothing
 PRINTS = {
     "probe": show_probe,
     "stage": lambda run, words: stage_command(run, words, show_stage),
@@ -932,7 +915,6 @@ def main(argv):
         print(__doc__)
         return 0
     run, words = (words[1], words[2:]) if words[:1] == ["--run"] else (None, words)
-    # speedrun.sh passes its signals on; a Ctrl-C reaches this process directly too
     for signum in SIGNALS:
         # end must not be cut short by a second Ctrl-C; others exit at once (a probe ends in
         # run_probe's finally, a stage in run_stage's handler)

@@ -1,12 +1,10 @@
-"""The report of a speedrun: runs/<run>/report.md and PNG curves, every figure read from the run's
-own files.
+"""The report of a speedrun: runs/<run>/report.md and PNG curves, from the run's own files.
 
     python report.py runs/speedrun          # what speedrun.sh runs after the last stage
 
 Reads each stage's config.json, metrics.jsonl, done.json and samples.jsonl; core_eval and chat_eval
-results; transport.txt (NCCL decision, probed bandwidth); logs/stages.tsv (wall times);
-stage_evals/<stage>/ (what each stage taught); predicted.json (gpu_plan.py's prediction, beside the
-actual). A missing figure is "unknown". Writes report.md, loss.png and val_bpb.png.
+results; transport.txt; logs/stages.tsv (wall times); stage_evals/<stage>/ (what each stage
+taught); predicted.json (gpu_plan.py's). A missing figure is "unknown".
 """
 import argparse
 import itertools
@@ -16,7 +14,7 @@ import sys
 from pathlib import Path
 
 TRAIN_STAGES = ["pretrain", "midtrain", "sft"]
-# the stages whose final models get a column in the per-stage table, in training order
+# the stages whose final models get a column in the per-stage table
 MODEL_STAGES = [*TRAIN_STAGES, "rl"]
 UNKNOWN = "unknown"
 # per generated task in the per-stage table: its first item and first with a numeric answer
@@ -24,18 +22,18 @@ SAMPLE_QUESTIONS = 2
 
 
 def read_json(path):
-    """A JSON file's value, or None where the stage left none."""
+    """A JSON file's value, or None without it."""
     return json.loads(Path(path).read_text()) if Path(path).is_file() else None
 
 
 def stage_rows(run):
-    """logs/stages.tsv's rows, [name, seconds, exit status] as strings, oldest first."""
+    """logs/stages.tsv's rows: [name, seconds, exit status] as strings."""
     path = Path(run, "logs", "stages.tsv")
     return [line.split("\t") for line in path.read_text().splitlines()] if path.is_file() else []
 
 
 def stage_seconds(run):
-    """{stage: wall seconds}: the last successful run of each stage."""
+    """{stage: wall seconds} of each stage's last successful run."""
     return {name: float(seconds) for name, seconds, rc in stage_rows(run) if rc == "0"}
 
 
@@ -45,21 +43,21 @@ def read_jsonl(path):
 
 
 def hardware(run, name):
-    """The recorded world: 'single process, device ...' or 'world size 8 (nccl): rank 0 ...'."""
+    """The recorded world, e.g. 'world size 8 (nccl): rank 0 ...'."""
     files = {"core_eval": run / "core_eval" / "results.json", "chat_eval": run / "chat_eval.json"}
     return (read_json(files.get(name, run / name / "config.json")) or {}).get("hardware", UNKNOWN)
 
 
 def data_of(config):
-    """What a training stage trained on (config.json): corpus, shards, whether demo."""
+    """What a training stage trained on: corpus, shards, whether demo."""
     if config is None:
         return UNKNOWN
     if config["stage"] == "pretrain":
         paths = [(Path(config["data_dir"]), 1)]
-    elif config["stage"] == "rl":  # its questions, as rl.py names them
+    elif config["stage"] == "rl":
         return f"{config['tasks']}; {config['train_questions']:,} training questions"
     elif config.get("sources"):
-        # the sources, defaults included (config["args"]["source"] is only what was passed)
+        # defaults included (config["args"]["source"] is only what was passed)
         paths = [(Path(s["path"]), s.get("epochs", 1)) for s in config["sources"]]
     else:
         paths = [(Path(config["chat_dir"]), 1)]
@@ -70,21 +68,19 @@ def data_of(config):
         parts.append(f"{path} ({shards} shards{', synthetic demo data' if demo else ''})"
                      + (f" x{passes}" if passes > 1 else ""))
     budget = config.get("data") if config["stage"] == "pretrain" else None
-    if budget:  # pretrain.py's check of the budget against the corpus
+    if budget:  # pretrain.py's budget against the corpus
         repeated = " (this run REPEATED data)" if budget["epochs"] > 1 else ""
         parts.append(f"{budget['epochs']:.2f} epochs of it{repeated}")
     return "; ".join(parts)
 
 
 def predicted_cell(predicted, name):
-    """A stage's predicted wall time, "unknown" where none."""
     seconds = predicted["stages"].get(name, {}).get("seconds")
     return UNKNOWN if seconds is None else f"{seconds:.1f}"
 
 
 def stage_figures(run, name, times, predicted=None):
-    """One training stage's figures as strings ("unknown" where absent), with the predicted wall
-    time beside the actual."""
+    """One training stage's figures as strings, the predicted wall time beside the actual."""
     run_dir = run / name
     config, done = read_json(run_dir / "config.json"), read_json(run_dir / "done.json")
     steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
@@ -96,7 +92,7 @@ def stage_figures(run, name, times, predicted=None):
         validation = f"val bpb {done['val_bpb']:.4f}"
     elif "val_loss" in done:
         validation = f"val loss {done['val_loss']:.4f}"
-    else:  # rl: no validation loss; its held-out pass@1 at the end
+    else:  # rl: its held-out pass@1 at the end
         validation = UNKNOWN
         if "held_out_pass@1_last" in done:
             validation = f"held-out pass@1 {done['held_out_pass@1_last']:.3f}"
@@ -120,8 +116,8 @@ SAMPLES_PER_TASK = 4
 
 
 def contained_answers(items_path):
-    """{task: (replies containing an accepted answer as a whole word, replies)} for generated tasks
-    with accepted answers: a reply in a sentence ("It's Pelmo.") counts here."""
+    """{task: (replies containing an accepted answer as a whole word, replies)}: a reply in a
+    sentence ("It's Pelmo.") counts here."""
     counts = {}
     for item in read_jsonl(items_path):
         if "answers" in item and "reply" in item:
@@ -151,7 +147,7 @@ def marked_answers(items_path, per_task=SAMPLES_PER_TASK):
 
 def stage_eval_files(run, name):
     """(core_eval results.json, chat_eval.json, its items) of a stage's final model; pretrain's
-    CORE is core_eval/'s (the same command on the same checkpoint)."""
+    CORE is core_eval/'s (the same checkpoint)."""
     where = run / "stage_evals" / name
     core = (run if name == "pretrain" else where) / "core_eval" / "results.json"
     return core, where / "chat_eval.json", where / "chat_eval_items.jsonl"
@@ -169,8 +165,7 @@ def sample_reply(item):
 
 
 def sample_items(items):
-    """[(task, question)] for the sample answers: per generated task, its first item and first with
-    a numeric answer (where the calculator should be called)."""
+    """[(task, question)] for the sample answers (SAMPLE_QUESTIONS)."""
     chosen = {}
     for item in items:
         if "reply" not in item:
@@ -185,15 +180,13 @@ def sample_items(items):
 
 
 def per_stage_table(run):
-    """What each stage taught: a row per ability, a column per stage's final model, each cell from
-    that model's evaluation files; "unknown" where absent."""
+    """What each stage taught: a row per ability, a column per stage's final model."""
     stages = [name for name in MODEL_STAGES if any((run / name / "ckpt").glob("step_*"))]
     if not stages:
         return [f"No stage has a checkpoint under {run}/<stage>/ckpt/: nothing to tabulate."]
     core = {s: read_json(stage_eval_files(run, s)[0]) or {} for s in stages}
     chat = {s: read_json(stage_eval_files(run, s)[1]) for s in stages}
     items = {s: read_jsonl(stage_eval_files(run, s)[2]) for s in stages}
-    # {stage: {task: its results}}
     core_tasks = {s: {t["task"]: t for t in core[s].get("tasks", [])} for s in stages}
     chat_tasks = {s: {t["task"]: t for t in (chat[s] or {}).get("tasks", [])} for s in stages}
     rows = []
@@ -210,7 +203,7 @@ def per_stage_table(run):
         row(f"CORE: {task} (accuracy)",
             lambda s, task=task: figure(core_tasks[s].get(task, {}).get("accuracy")))
 
-    # pretrain's: CORE only, as nanochat (speedrun.sh runs no ChatCORE on it)
+    # pretrain's: CORE only, as nanochat
     def chat_cell(s, value):
         return "not asked (a base model)" if s == "pretrain" and chat[s] is None else value
 
@@ -232,8 +225,7 @@ def per_stage_table(run):
 
 
 def stage_changes(stages, chat):
-    """Under the table: whether each chat stage added to or lost from the one before, by ChatCORE
-    and by each task's items right."""
+    """Whether each chat stage added to or lost from the one before: ChatCORE, items right."""
     asked = [s for s in stages if (chat[s] or {}).get("chatcore") is not None]
     lines = []
     for before, after in itertools.pairwise(asked):
@@ -248,8 +240,7 @@ def stage_changes(stages, chat):
 
 
 def forgetting_lines(run):
-    """Pretraining val bpb of the pretrained, midtrained and SFT models side by side, each computed
-    on the same rows (done.json)."""
+    """Pretraining val bpb of the pretrained, midtrained and SFT models, on the same rows."""
     lines = ["| model | pretraining val bpb | change from the pretrained |", "|---|---|---|"]
     pretrained = (read_json(run / "pretrain" / "done.json") or {}).get("val_bpb")
     for name, label in [("pretrain", "pretrained"), ("midtrain", "midtrained"), ("sft", "SFT")]:
@@ -266,7 +257,6 @@ def forgetting_lines(run):
 
 
 def reward_panel(ax, records):
-    """RL's panel: mean reward per step and held-out pass@1 per evaluation."""
     steps = [r for r in records if "reward" in r]
     evals = [(r["step"], r["held_out"]["all"]["pass@1"]) for r in records if "held_out" in r]
     ax.plot([r["step"] for r in steps], [r["reward"] for r in steps], lw=1, label=
@@ -309,7 +299,6 @@ def plot(run, out):
 
 
 def header_lines(run):
-    """The title, the code's commit, the transport and each stage's hardware."""
     code = (read_json(run / "pretrain" / "config.json") or {}).get("code", {})
     has = (run / "transport.txt").is_file()
     transport = (run / "transport.txt").read_text().strip() if has else UNKNOWN
@@ -322,10 +311,9 @@ def header_lines(run):
 
 
 def stages_lines(run):
-    """The stages' table, other stages' wall time, and the predicted total."""
     times = stage_seconds(run)
     predicted = read_json(run / "predicted.json")  # gpu_plan.py's, written before the run
-    # rl joins the table when it ran (the demo plan skips it unless --rl on)
+    # rl only when it ran
     names = TRAIN_STAGES + ["rl"] * (run / "rl").is_dir()
     rows = [stage_figures(run, name, times, predicted) for name in names]
     lines = ["", "## Stages", "", "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
@@ -337,7 +325,7 @@ def stages_lines(run):
                    "metrics.jsonl. MFU: the mean of the per-step MFU; unknown where the device has "
                    "no rated peak (any CPU) or the compute is fp32."), "",
               "Other stages' wall time (s): " + ", ".join(others), ""]
-    if predicted:  # the predicted total beside the same stages' actual time
+    if predicted:
         actual = sum(times[k] for k in predicted["stages"] if k in times)
         unknown = f", unknown: {', '.join(predicted['unknown'])}" if predicted["unknown"] else ""
         lines += [(f"Predicted before the run from its rehearsal ({predicted['rehearsal']}; "
@@ -348,7 +336,6 @@ def stages_lines(run):
 
 
 def core_lines(run, core):
-    """CORE's table, RL's reward beside held-out accuracy, and forgetting."""
     if core:
         bpb = f"{core['val_bpb']:.4f}" if core.get("val_bpb") is not None else UNKNOWN
         lines = [(f"CORE {core['core']:.4f} ({len(core['tasks'])} tasks, protocol "
@@ -358,7 +345,7 @@ def core_lines(run, core):
                   for t in core["tasks"]]
     else:
         lines = [f"CORE {UNKNOWN} (no core_eval/results.json)"]
-    if rl := read_json(run / "rl" / "done.json"):  # and what they say together (rl.py's verdict)
+    if rl := read_json(run / "rl" / "done.json"):
         lines += [(f"RL: mean reward {rl['reward_first_fifth']:.3f} -> "
                   f"{rl['reward_last_fifth']:.3f} (first and last fifth of its steps), "
                   f"held-out pass@1 {rl['held_out_pass@1_first']:.3f} -> "
@@ -370,7 +357,6 @@ def core_lines(run, core):
 
 
 def chat_lines(run, chat):
-    """ChatCORE's table, replies that contain an answer, and sample answers."""
     if not chat:
         return [f"ChatCORE {UNKNOWN} (no chat_eval.json)"]
     lines = [f"ChatCORE {chat['chatcore']:.4f} (tasks from {chat['tasks_from']}; chat_eval.json)",

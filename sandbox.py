@@ -1,5 +1,4 @@
-"""Run untrusted Python (a model's HumanEval program) in a separate, limited process and say how it
-ended.
+"""Run untrusted Python (a model's HumanEval program) in a separate, limited process.
 
     python sandbox.py --probe     # the level this machine gives, what it contains and cannot
     python sandbox.py program.py  # run a file in the sandbox: its status and output
@@ -13,7 +12,7 @@ Level "namespaces" (where `unshare` works; probed once) adds a network namespace
 up, a pid namespace the program leads, and a mount namespace hiding every top-level directory but
 SYSTEM_DIRS (the interpreter's prefix bound back read-only); as root it runs as nobody, else a
 nested user namespace locks the mounts. Level "process" is the common part alone, only when asked
-for (--sandbox process), never a silent fallback. Full account: docs/eval.md (the sandbox).
+for (--sandbox process), never a silent fallback. docs/eval.md (the sandbox) has the full account.
 """
 import argparse
 import contextlib
@@ -29,11 +28,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# stay visible
+# the top-level directories the namespaces level leaves visible
 SYSTEM_DIRS = {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "dev", "proc"}
 NOBODY = 65534
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
-# RLIMIT_FSIZE: stops a program printing forever (and any file it writes)
+# RLIMIT_FSIZE: stops a program printing forever
 OUTPUT_BYTES = 1 << 20
 
 # Runs first inside the sandbox, as trusted code: reads the program, builds the namespace level's
@@ -128,15 +127,13 @@ _LEVEL = None  # (level, why), probed once
 
 
 def interpreter():
-    """The base interpreter (a venv's pyvenv.cfg is hidden at the namespace level) and its
-    prefix."""
+    """The base interpreter (a venv's pyvenv.cfg is hidden at the namespace level), its prefix."""
     exe = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
     return exe, sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix)})
 
 
 def hidden_paths():
-    """Every top-level directory but the system ones, every top-level file, /dev/shm and /tmp (the
-    working directory)."""
+    """Every top-level directory but SYSTEM_DIRS, every top-level file, /dev/shm and /tmp."""
     hide = {"/tmp", "/dev/shm"}
     for name in os.listdir("/"):
         path = "/" + name
@@ -147,7 +144,7 @@ def hidden_paths():
 
 
 def world_reachable(path):
-    """Whether any user may enter `path` (every directory on the way searchable by others)."""
+    """Whether every directory on the way to `path` is searchable by others."""
     path = Path(path)
     return all(os.stat(p).st_mode & 0o001 for p in [path, *path.parents])
 
@@ -157,9 +154,9 @@ def command(level):
     exe, prefixes = interpreter()
     run = [exe, "-I", "-c", BOOTSTRAP]
     root = os.geteuid() == 0 and sys.platform.startswith("linux")
-    # as root the program still runs as nobody: the process limit holds, root's files
     if level != "namespaces":
-        return run, {"hide": [], "keep": [], "drop": root,  # (not world-readable) do not open
+        # as root the program runs as nobody: the process limit holds, and so do file permissions
+        return run, {"hide": [], "keep": [], "drop": root,
                      "reach": [p for p in prefixes if root and not world_reachable(p)]}
     hide = hidden_paths()
     keep = [p for p in prefixes if any(p == h or p.startswith(h + "/") for h in hide)]
@@ -171,8 +168,8 @@ def command(level):
 
 
 def tasks_of(uid):
-    """Processes and threads uid runs now, machine-wide: RLIMIT_NPROC counts them, so a limit of n
-    allows n - m more. 0 without /proc."""
+    """Processes and threads uid runs now, machine-wide (RLIMIT_NPROC counts them); 0 without
+    /proc."""
     count = 0
     for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
         with contextlib.suppress(OSError, KeyError, ValueError):  # a process gone meanwhile
@@ -194,18 +191,17 @@ def set_limits(cpu_s, memory_bytes, nproc, fsize):
 
 
 def run(program, timeout_s=5.0, cpu_s=None, memory_mb=512, nproc=16, level=None):
-    """Run `program` (Python source) in the sandbox; returns a Result, never raising for what the
-    program does. nproc: processes (and threads) it may add. level: None = namespaces
-    (RuntimeError where there are none); "process" only where the user accepted it."""
+    """Run `program` (Python source) in the sandbox: a Result, never raising for what the program
+    does. nproc: processes (and threads) it may add. level: None = choose("auto")."""
     level = level or choose("auto")[0]
     argv, cfg = command(level)
     cpu_s = max(1, int(cpu_s if cpu_s is not None else timeout_s + 0.999))
-    # root is not limited: only the nobody the program runs as
+    # root is not limited by RLIMIT_NPROC: the program runs as nobody
     uid = NOBODY if cfg["drop"] else os.getuid()
     limits = (cpu_s, memory_mb << 20, tasks_of(uid) + nproc, OUTPUT_BYTES)
     with tempfile.TemporaryDirectory(prefix="sandbox_") as private, \
             tempfile.TemporaryDirectory(prefix="work_") as work:
-        # kept apart from its (empty) working directory
+        # apart from its (empty) working directory
         (Path(private) / "program.py").write_text(program)
         if cfg["drop"]:
             # the process level's working directory, nobody's to list and write
@@ -243,7 +239,7 @@ def run(program, timeout_s=5.0, cpu_s=None, memory_mb=512, nproc=16, level=None)
 
 
 def sandbox_level():
-    """("namespaces" or "process", why), probed once by running a trivial program."""
+    """("namespaces" or "process", why), probed once with a trivial program."""
     global _LEVEL
     if _LEVEL is None:
         if not sys.platform.startswith("linux") or not shutil.which("unshare"):
@@ -260,8 +256,8 @@ def sandbox_level():
 
 
 def choose(requested="auto"):
-    """(level, why) for model-written code: "auto"/"namespaces" gives namespaces or a RuntimeError
-    naming the choice (never uncontained unless asked); "process" where the caller accepted it."""
+    """(level, why): "auto"/"namespaces" gives namespaces or a RuntimeError naming the choices
+    (never uncontained unless asked); "process" where the caller accepted it."""
     if requested == "process":
         return "process", "--sandbox process: the user accepted what it does not contain"
     level, why = sandbox_level()
@@ -274,7 +270,7 @@ def choose(requested="auto"):
 
 
 def uncontained():
-    """What the process level does not contain, here."""
+    """What the process level does not contain here."""
     files = "read and write every file this user can"
     if os.geteuid() == 0 and sys.platform.startswith("linux"):
         files = "read any world-readable file and write any world-writable one (it runs as nobody)"
@@ -305,8 +301,8 @@ def main(argv=None):
     parser.add_argument("--sandbox", default="auto", choices=["auto", "namespaces", "process"],
                         help=
                         "auto or namespaces: the namespaces level, refused where this machine "
-                        "gives none; process: the process level, accepting what it does not "
-                        "contain (default: %(default)s)")
+                        "gives none; process: the process level, with its gaps "
+                        "(default: %(default)s)")
     args = parser.parse_args(argv)
     if not args.probe and not args.program:
         parser.error("give a program to run, or --probe")
