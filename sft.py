@@ -13,7 +13,7 @@ assistant content, tool calls and <|assistant_end|> only.
     python sft.py --status runs/NAME
 
 Writes runs/<run_name>/: config.json, metrics.jsonl, samples.jsonl (greedy answers at each
-eval), ckpt/step_XXXXXX/ (meta.json names the parent and its weights' sha256), done.json.
+eval), ckpt/step_XXXXXX/ (meta.json names the parent), done.json.
 """
 import argparse
 import math
@@ -56,14 +56,13 @@ def get_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("data")
     g.add_argument("--source", action="append", default=None, metavar="DIR:EPOCHS", help=
-                   "a chat directory (or a `prepare.py chat` name, for its cache "
-                   "directory, or a .jsonl file of conversations in the OpenAI chat format: "
-                   "docs/own-data.md) and how many times one pass of the mixture goes over it, "
-                   "repeatable; its files named test*/val* are held out (default: "
+                   "a chat directory (or a `prepare.py chat` name, or a .jsonl file of "
+                   "conversations in the OpenAI chat format) and how many times one pass of the "
+                   "mixture goes over it, repeatable; files named test*/val* are held out "
+                   "(default: "
                    f"{' '.join(DEFAULT_SOURCES)}, nanochat's epochs for SmolTalk, MMLU and GSM8K)")
     g.add_argument("--add_source", action="append", default=[], metavar="DIR:EPOCHS", help=
-                   "a source added to the --source ones (or the defaults): speedrun.sh --chat FILE "
-                   "adds FILE:2 (default: none)")
+                   "a source added to the --source ones (or the defaults) (default: none)")
     g.add_argument("--chat_dir", default=None, help="one chat directory, once per pass: the same "
                    "as --source DIR:1 (default: the --source mixture)")
     g.add_argument("--seed", type=int, default=0, help="shuffles the conversations, anew every "
