@@ -40,8 +40,7 @@ def add_chat_stage_args(parser, data, stage, parents, budgets, eval_every, lr_sc
                    help="validation loss + greedy answers every N steps; 0 = only at the end "
                    "(default: %(default)s)")
     g.add_argument("--eval_rows", type=int, default=256,
-                   help="validation rows of held-out conversations, packed as in training "
-                   "(default: %(default)s)")
+                   help="validation rows of held-out conversations (default: %(default)s)")
     g.add_argument("--sample_prompt", action="append", default=None,
                    help=f"question answered greedily at every eval, repeatable (default: "
                    f"{CHAT_QUESTIONS})")

@@ -146,7 +146,7 @@ def set_aside_newer(ckpt_dir, step):
 
 
 def optimizer_layout(optimizers):
-    """[[class name, [group names]], ...], checked by chat_stage.warm_start."""
+    """[[class name, [group names]], ...], checked by warm_start."""
     return [[type(opt).__name__, [group.get("name") for group in opt.param_groups]]
             for opt in optimizers]
 
@@ -440,7 +440,7 @@ def truncate_metrics(path, last_step):
 
 
 # -----------------------------------------------------------------------------
-# The run directory: runs/<run>/ with config.json, metrics.jsonl, samples.jsonl, ckpt/step_XXXXXX/
+# The run directory: runs/<run>/ with config.json, metrics.jsonl, samples.jsonl, ckpt/
 
 def add_run_args(parser, stage):
     """Every stage's run directory, checkpoint, health and rank flags."""
@@ -469,8 +469,7 @@ def add_run_args(parser, stage):
     g = parser.add_argument_group("distributed (under torchrun)")
     g.add_argument("--fsdp", default="auto", choices=["auto", "true", "false"], help=
                    "shard weights, gradients and optimizer state over the ranks with FSDP2; auto: "
-                   "when they would not fit one device by model.py's estimate (default: "
-                   "%(default)s)")
+                   "when they would not fit one device (default: %(default)s)")
     g.add_argument("--dist_timeout", type=float, default=600, help="seconds a collective waits for "
                    "the other ranks (a dead or hung rank) before the run stops with an error; it "
                    "must outlast the slowest rank's first compile (default: %(default)s)")
@@ -508,7 +507,7 @@ def resolve_run(args, stage):
     return run_dir, found[-1]
 
 
-# what a later stage inherits from its parent (meta.json "hparams"; chat_stage.inherit)
+# what a later stage inherits from its parent (meta.json "hparams")
 INHERITED = ["tokenizer", "sequence_len", "micro_batch", "total_batch_tokens", "optimizer",
              "matrix_lr", "embedding_lr", "head_lr", "scalar_lr", "weight_decay", "grad_clip",
              "dtype", "compile"]
@@ -576,7 +575,6 @@ def inherit(args, meta, parent):
 
 
 def weights_sha256(parent):
-    """sha256 of a checkpoint's model.pt."""
     digest = hashlib.sha256()
     with open(Path(parent) / "model.pt", "rb") as f:
         for block in iter(lambda: f.read(1 << 24), b""):
@@ -585,7 +583,6 @@ def weights_sha256(parent):
 
 
 def parent_record(parent, meta, sha256):
-    """The parent as a child records it."""
     return {"path": str(parent), "stage": meta.get("stage"), "step": meta.get("step"),
             "sha256": sha256}
 

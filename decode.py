@@ -215,7 +215,7 @@ def check_decode(prompts, budgets, samples, tools, sequence_len):
 
 
 def prefill(model, prompts, samples, reply_width, dtype, compute, compiled):
-    """The prompts in one forward: last logits, one row per sample, and decode_step's cache."""
+    """The prompts in one forward: last logits, a row per sample, and decode_step's cache."""
     device = model.cos.device
     cache = KVCache(model.config, len(prompts), max(map(len, prompts)))
     logits = last_logits(model, prompts, 0, dtype, cache)
@@ -425,7 +425,7 @@ class ToolUse:
 
 
 def reply_text(tokenizer, ids):
-    """Generated text without tool calls and outputs: what an answer is scored on."""
+    """Generated text without tool calls and outputs, as answers are scored."""
     sid = tokenizer.special_id
     opens = {sid("<|python_start|>"): sid("<|python_end|>"),
              sid("<|output_start|>"): sid("<|output_end|>")}

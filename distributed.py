@@ -115,7 +115,6 @@ def precision(device, width=256):
 
 
 def matmul_dtype(device, width=256):
-    """precision()'s compute dtype."""
     return precision(device, width)[0]
 
 
@@ -414,7 +413,7 @@ def check_shared_dir(run_dir):
                            "at the same path (NFS, a cluster filesystem), then rerun")
 
 
-# {"dir": run_dir/progress, "stage": name}, once keep_progress is called
+# {"dir": run_dir/progress, "stage": name}, set by keep_progress
 PROGRESS = {}
 
 
@@ -495,7 +494,7 @@ def stopped_ranks():
 
 
 def all_reduce_tensor(t, op=None):
-    """Sum (or `op`) a tensor over ranks, in place; identity when not distributed."""
+    """Sum (or `op`) a tensor over ranks, in place."""
     if dist.is_initialized():
         on = t.cuda() if dist.get_backend() == "nccl" else t
         dist.all_reduce(on, op=op or dist.ReduceOp.SUM)
@@ -505,7 +504,7 @@ def all_reduce_tensor(t, op=None):
 
 
 def all_reduce(value, op=None):
-    """Sum (or `op`) a float over ranks; identity when not distributed."""
+    """Sum (or `op`) a float over ranks."""
     return all_reduce_tensor(torch.tensor(float(value), dtype=torch.float64), op).item()
 
 
@@ -518,7 +517,6 @@ def is_dtensor(tensor):
 
 
 def local(tensor):
-    """This rank's shard of a DTensor, else the tensor itself."""
     return tensor.to_local() if is_dtensor(tensor) else tensor
 
 

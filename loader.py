@@ -279,7 +279,7 @@ class PackedLoader:
         self.device = torch.device(device)
         self.threads = threads or os.cpu_count()
         self.prefetch, self.max_epochs = prefetch, max_epochs
-        # a bad .jsonl line stops here, before any batch; skipped ones are "malformed"
+        # a bad .jsonl line stops here, before any batch (skipped: "malformed")
         if kind == "chat":
             check_chat_files(self.files, skip_bad_rows)
         self._footers = read_footers(self.files)
@@ -556,7 +556,7 @@ def text_loader(data_dir, split, tokenizer, batch_size, seq_len, **kwargs):
 def chat_loader(chat_dir, split, tokenizer, batch_size, seq_len, *, pack="pad", supervise=
                 "assistant", seed=None,
                 files=None, **kwargs):
-    """The conversation loader over a chat split, or `files`; see PackedLoader."""
+    """The conversation loader over a chat split, or `files`."""
     return PackedLoader(files or chat_files(chat_dir, split), tokenizer, batch_size, seq_len, kind=
                         "chat", pack=pack,
                         supervise=supervise, seed=seed, **{"name": f"chat {split}", **kwargs})

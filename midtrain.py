@@ -289,7 +289,7 @@ def main(argv=None):
     batches = chat_stage.chat_val_batches(val_chat_dir, tokenizer, seq_len, args.eval_rows,
                                           args.skip_bad_rows)
 
-    def evaluate(step):  # the chat validation and the mixture so far (on every rank: it gathers)
+    def evaluate(step):  # on every rank: it gathers
         figures = chat_stage.chat_validation(model, tokenizer, batches, args, rank, world, device,
                                              run_dir, step)
         return {**figures, "mixture": realized_mixture(loaders, sources, step, rank)}
@@ -299,7 +299,7 @@ def main(argv=None):
                               evaluate=evaluate, flops_per_token=flops_per_token(config),
                               rank=rank, world=world, device=device)
     if signum is None:
-        figures = evaluate(total_steps)  # once: a second call reruns the whole validation
+        figures = evaluate(total_steps)  # once: each call reruns the validation
         kept = chat_stage.forgetting(model, tokenizer, parent, parent_meta, args, rank, world,
                                      device)
         if rank == 0:

@@ -544,7 +544,7 @@ def chunked_cross_entropy(x, weight, targets, softcap, compute_dtype, grad_enabl
     return ChunkedCrossEntropy.apply(*args)
 
 
-# torch.compiler.disable would import dynamo (~3 s) with this file
+# torch.compiler.disable would import dynamo with this file
 @torch._disable_dynamo
 def chunked_cross_entropy_outside_graph(*args):
     return ChunkedCrossEntropy.apply(*args)
@@ -663,7 +663,7 @@ class GPT(nn.Module):
         return loss_sum if reduction == "sum" else loss_sum / (targets != -1).sum().clamp(min=1)
 
     def _per_token_loss(self, x, targets):
-        """Loss and argmax at the positions with a target only, in chunks."""
+        """Loss and argmax only where there is a target, in chunks."""
         valid = (targets != -1).nonzero().squeeze(1)
         losses = torch.zeros(targets.shape, device=x.device)
         argmax = torch.full(targets.shape, -1, dtype=torch.long, device=x.device)
@@ -712,7 +712,7 @@ def check_master_weights(model):
 
 
 def score_rows(model, rows, dtype, device, predictions=False):
-    """(per-token losses, targets) of rows [(ids, first scored index)] in one padded forward."""
+    """(per-token losses, targets) of rows [(ids, first scored index)], one padded forward."""
     x = torch.zeros(len(rows), max(len(ids) for ids, _ in rows) - 1, dtype=torch.long)
     y = torch.full_like(x, -1)
     for r, (ids, start) in enumerate(rows):

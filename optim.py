@@ -154,7 +154,7 @@ def newton_schulz_gram(x, steps):
 
 
 def whole(shard, param):
-    """A sharded update all-gathered whole; else the update."""
+    """A sharded update all-gathered whole."""
     if not is_dtensor(param):
         return shard
     return type(param).from_local(shard, param.device_mesh, param.placements, shape=param.shape,
@@ -185,7 +185,7 @@ class Muon(torch.optim.Optimizer):
         self.divide_work = divide_work
 
     @torch.no_grad()
-    # closure: torch.distributed.checkpoint initializes state with step(closure=None)
+    # closure: dcp initializes state with step(closure=None)
     def step(self, closure=None):
         for group in self.param_groups:
             # (rows <= columns) -> parameters of that shape or its transpose

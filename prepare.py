@@ -134,7 +134,7 @@ def _check(path, size=None, sha256=None, git_sha1=None, verify=None):
 
 
 class _Bar:
-    """The silent part of tqdm's interface that huggingface_hub calls."""
+    """The part of tqdm's interface huggingface_hub calls, silent."""
 
     def __init__(self, initial=0, **kwargs):
         self.n = initial
@@ -330,7 +330,7 @@ def download_entries(repo, entries, out_dir, revision, repo_type, workers):
 
 
 def download_hub_files(repo, paths, out_dir, revision="main", repo_type="dataset", workers=4):
-    """Download `paths` of a hub repo into out_dir by file name; complete files are skipped."""
+    """Download `paths` of a hub repo into out_dir; complete files are skipped."""
     by_path = {f["path"]: f for f in list_hub_files(repo, revision, repo_type)}
     missing = [p for p in paths if p not in by_path]
     if missing:
@@ -558,7 +558,7 @@ INGEST_SUFFIXES = (".txt", ".md", ".jsonl", ".parquet")
 
 
 def input_files(paths):
-    """Each file given, and each directory's INGEST_SUFFIXES files, recursively, sorted."""
+    """Each file given, and each directory's INGEST_SUFFIXES files, sorted."""
     files = []
     for path in map(Path, paths):
         if path.is_dir():
@@ -656,7 +656,7 @@ def train_tokenizer(texts, vocab_size, progress=False):
 
 
 def counting(texts, stats, every_s=None):
-    """Yield texts, counting documents, characters and bytes; print the rate every every_s."""
+    """Yield texts, counting documents, characters and bytes; the rate printed every every_s."""
     start = printed = time.perf_counter()
     for text in texts:
         stats["docs"] += 1

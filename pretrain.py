@@ -280,7 +280,7 @@ def check_cpu_memory(args, nproc):
     def config_for(preset):  # the model at another preset
         return config_from_args(argparse.Namespace(**{**vars(args), "preset": preset}))
     config = config_for(args.preset)
-    capacity = available_memory()  # read once: every plan below is weighed against the same
+    capacity = available_memory()  # read once: every plan below is weighed against it
     fits, peak, how = cpu_processes_fit(config, args, nproc, capacity)
     fmt_bytes = distributed.fmt_bytes
     said = (f"{train_loop.processes(nproc)} on this CPU x about {fmt_bytes(peak)} each at its peak "
@@ -374,7 +374,7 @@ def main(argv=None):
     tokens_per_step = micro * seq_len * world * accum
     total_steps = plan_steps(args, config, tokens_per_step)
     optimizers = optim.build_optimizers(model, args, config.n_embd, tokens_per_step, device)
-    # one loader per micro-step, virtual rank rank*accum + j: a batch's rows whatever the split
+    # one loader per micro-step, virtual rank rank * accum + j: the same rows at any split
     loaders = [text_loader(args.data_dir, "train", tokenizer, micro, seq_len, rank=rank * accum + j,
                            world_size=world * accum, device=device,
                            threads=train_loop.loader_threads(args, device))

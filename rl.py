@@ -104,7 +104,7 @@ def get_args(argv=None):
 # Rewards to advantages, and the order of the questions
 
 def advantages(rewards, samples):
-    """Each reward minus its group's mean (groups of `samples` consecutive replies)."""
+    """Each reward minus its group's mean (`samples` consecutive replies)."""
     grouped = torch.tensor(rewards, dtype=torch.float64).view(-1, samples)
     return (grouped - grouped.mean(dim=1, keepdim=True)).view(-1).float()
 
@@ -412,7 +412,7 @@ def main(argv=None):
     rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
     parent, parent_meta, model, tokenizer, inherited, sha256 = checkpoint.load_parent(
         args, "rl", ["sft"], device)
-    args.compile = False  # every step's rows have other lengths: a compiled model would recompile
+    args.compile = False
     off = (False, "off in rl.py: the rows change length every step")
     inherited = [(name, *off) if name == "compile" else (name, value, where)
                  for name, value, where in inherited]

@@ -87,12 +87,11 @@ SAMPLE_PACKED = 4000  # of those, packed in the mixture's proportions: how full 
 
 
 def estimate_epoch_batches(args, tokenizer, micro, seq_len, streams):
-    """Batches in one pass of the mixture on the fullest stream, estimated: counting would render
-    and pack every conversation before step 1 (1.4M in the gpu plan, at every resume). Counts from
-    the footers, lengths and skips from SAMPLE_ROWS per file, row fill from packing a sample.
-    Returns (batches, the line that says how)."""
+    """Batches in one pass of the mixture on the fullest stream, estimated (counting would render
+    and pack every conversation before step 1): counts from the footers, lengths and skips from
+    SAMPLE_ROWS per file, row fill from packing a sample. Returns (batches, the line saying how)."""
     files = mixture_files(args.sources)
-    # only renders; bad .jsonl lines render as skipped (main already stopped or skips them)
+    # only renders; bad .jsonl lines render as skipped
     renderer = chat_loader(None, "train", tokenizer, micro, seq_len, files=files[:1], threads=1,
                            skip_bad_rows=True)
     # path: (share kept, mean rendered tokens); the kept ones
@@ -134,8 +133,7 @@ def estimate_epoch_batches(args, tokenizer, micro, seq_len, streams):
 
 
 def packing(loaders):
-    """Over all ranks' loaders: positions trained, supervised and padding shares, skips by
-    reason."""
+    """Over all ranks: positions trained, supervised and padding shares, skips by reason."""
     reasons = ["no_assistant", "malformed", "empty_content", "too_long", "empty"]
     keys = ["tokens", "supervised", "padding", "batches", *reasons]
     counts = torch.tensor([[loader.state["stats"].get(k, 0) for k in keys] for loader in loaders],
@@ -175,7 +173,7 @@ def main(argv=None):
         epoch_batches, estimate = estimate_epoch_batches(args, tokenizer, micro, seq_len,
                                                          world * accum)
     total_steps = args.steps or math.ceil(args.epochs * epoch_batches)
-    # one loader per micro-step, virtual rank rank * accum + j (as pretrain.py)
+    # one loader per micro-step, virtual rank rank * accum + j
     loaders = [chat_loader(None, "train", tokenizer, micro, seq_len, files=files,
                            rank=rank * accum + j, world_size=world * accum, device=device,
                            seed=args.seed, threads=train_loop.loader_threads(args, device),

@@ -63,7 +63,6 @@ def param_samples(model):
 
 
 def frozen_parameters(model, samples):
-    """Parameters whose sample has not changed."""
     return [name for name, p in model.named_parameters()
             if samples[name].numel() and torch.equal(sample(p), samples[name])]
 
@@ -158,8 +157,8 @@ class StopSignal:
 
 
 # -----------------------------------------------------------------------------
-# Budget flags (--steps, --tokens, ...): the last one given wins, so one appended to a plan's
-# command line replaces its budget
+# Budget flags (--steps, --tokens, ...): the last one given wins, so one appended to a command
+# line replaces its budget
 
 class BudgetFlag(argparse.Action):
     """Stores the value and its order among budget flags."""
@@ -240,7 +239,6 @@ CPU_RUNTIME = {"sharded": 0.4 * 2**30, "unsharded": 1.3 * 2**30}
 
 
 def step_estimate(config, args, micro, device_type):
-    """model.py's estimate of a step at these flags."""
     optimizer = "adam8bit" if args.optimizer == "adamw" and args.adam8bit else args.optimizer
     return memory_estimate(config, micro, optimizer=optimizer, bf16=args.dtype != "float32",
                            device_type=device_type)
@@ -311,7 +309,6 @@ def micro_batch_candidates(total, seq_len, world):
 
 
 def find_micro_batch(try_step, candidates):
-    """The largest candidate that try_step runs without running out of memory."""
     for micro in sorted(candidates, reverse=True):
         try:
             try_step(micro)
@@ -370,7 +367,7 @@ def batch_line(total, used, seq_len, world, micro=0):
 
 
 def add_micro_batch_arg(group):
-    """--micro_batch, the same in every stage; plan_batch reads it."""
+    """--micro_batch, the same in every stage."""
     group.add_argument("--micro_batch", type=int, default=0, help="sequences per rank per forward "
                        "(rl.py: replies); 0 = the checkpoint's when resuming (--resume), else the "
                        "parent checkpoint's, else the largest that fits on CUDA (a divisor of "
@@ -467,7 +464,6 @@ def add_init_args(parser, parents, lr_scale, schedule, warmdown_frac, why):
 
 
 def add_loader_threads_arg(group):
-    """--loader_threads, for every stage that tokenizes."""
     group.add_argument("--loader_threads", type=int, default=0, help="tokenizer threads per "
                        "loader; 0 = 1 when training on the CPU, else the cores per process "
                        "(default: %(default)s)")
@@ -637,7 +633,6 @@ def stop_if_not_finite(loss, grad_norm, step, run_dir):
 
 
 def cuda_memory(device):
-    """Allocated, reserved and peak CUDA bytes (None off CUDA)."""
     cuda = device.type == "cuda"
     return {"cuda_mem_alloc": torch.cuda.memory_allocated(device) if cuda else None,
             "cuda_mem_reserved": torch.cuda.memory_reserved(device) if cuda else None,
@@ -677,7 +672,7 @@ class Log:
             append_jsonl(self.metrics, record)
 
     def step(self, record, line=None):
-        """Write a step's record; print `line` (rl.py's) or progress_line's when due."""
+        """Write a step's record; print `line` or progress_line's when due."""
         step = record["step"]
         self.write(record)
         if self.wandb:
