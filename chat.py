@@ -7,8 +7,8 @@ KV cache across turns, so a new turn prefills only its own tokens.
         # answer once and exit; -p - reads the prompt from stdin
 
 Prints the checkpoint, device, dtype, decode path, mode (chat, or completion for a pretraining
-checkpoint: input continued as plain text) and seed; after each reply, token and speed stats.
-Commands: /clear /stats /help /quit. With -p the reply alone goes to stdout, the rest to stderr.
+checkpoint) and seed; after each reply, token and speed stats. Commands: /clear /stats /help
+/quit. With -p the reply alone goes to stdout, the rest to stderr.
 """
 import argparse
 import codecs
@@ -56,14 +56,12 @@ def get_args(argv=None):
                    "%(default)s)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help=
                    "compute dtype (default: bfloat16 on a GPU that runs it natively, else float32; "
-                   "on CPU always float32: a 1-token step under bf16 autocast re-casts every "
-                   "weight, measured ~7x slower per matmul: docs/chat.md)")
+                   "on CPU float32: a 1-token step under bf16 autocast re-casts every weight)")
     p.add_argument("--decode", default="auto", choices=["auto", "eager", "compiled"],
                    help="decode.py's step: eager (attends over the filled cache only), compiled "
                    "(torch.compile, the whole cache attended, masked: fixed shapes); auto = "
                    "compiled for a session on CUDA, eager for one -p prompt (compiling costs more "
-                   "than one reply: decode.py's step took ~35 s in chat_eval at d20 on an H200) "
-                   "and on the CPU (default: %(default)s)")
+                   "than one reply) and on the CPU (default: %(default)s)")
     args = p.parse_args(None if argv is None else [str(a) for a in argv])  # argv may hold paths
     if args.max_new_tokens < 1 or args.top_k < 0 or args.temperature < 0:
         p.error("--max_new_tokens must be >= 1, --top_k >= 0 and --temperature >= 0")
@@ -86,8 +84,8 @@ def utf8_stream(tokenizer):
 
 class Conversation:
     """The token ids in the KV cache (cache.pos == len(ids); ids[0] is <|bos|>), where each
-    exchange starts, and whether the last reply's <|assistant_end|> is still to be fed: it enters
-    the cache with the next turn."""
+    exchange starts, and whether the last reply's <|assistant_end|> is still to be fed (with the
+    next turn)."""
 
     def __init__(self, model, tokenizer, chat, decode="eager", dtype="float32", max_tokens=256):
         self.model, self.tok, self.chat, self.dtype = model, tokenizer, chat, dtype
@@ -109,9 +107,8 @@ class Conversation:
                 self.cache.pos -= 1
 
     def _make_step(self, compiled):
-        """step(token (1,)) -> logits (1, vocab), feeding the token at cache.pos. decode.py's step
-        with the conversation as the reply slots: eager attends over filled slots only; compiled
-        over the whole cache, masked, so its shapes never change."""
+        """step(token (1,)) -> logits (1, vocab), feeding the token at cache.pos: decode.py's step
+        with the conversation as the reply slots."""
         model, cache = self.model, self.cache
         weights, fn = decode_weights(model,
                                      self.dtype), compiled_step() if compiled else decode_step
@@ -154,8 +151,8 @@ class Conversation:
 
     def fit(self, text):
         """The next turn's new tokens, made to fit: the oldest exchanges are dropped (cache rebuilt)
-        until the turn and a reply fit; a message too long alone keeps its last tokens (the end of a
-        long paste is usually the question). Returns (new ids, notices)."""
+        until the turn and a reply fit; a message too long alone keeps its last tokens (a paste's
+        question is usually at its end). Returns (new ids, notices)."""
         head, body, tail = self.turn_tokens(text)
         notices, dropped = [], 0
         while self.starts and \
@@ -262,8 +259,8 @@ def print_stats(conv, out):
 @contextmanager
 def during_reply(fd):
     """Ctrl-C only appends to the yielded list, read between tokens, so the cache is never left
-    half-written. The terminal (fd) without echo, so typing meanwhile waits unseen for the next
-    prompt. Handler and mode are restored after."""
+    half-written. The terminal (fd) without echo: typing meanwhile waits unseen for the next
+    prompt."""
     hits = []
     saved = None if fd is None else termios.tcgetattr(fd)
     previous = signal.signal(signal.SIGINT, lambda signum, frame: hits.append(signum))
@@ -280,10 +277,10 @@ def during_reply(fd):
 
 @contextmanager
 def typeahead_kept(fd):
-    """The terminal (fd) out of canonical mode for the session (readline's prompts use their own
-    mode). In canonical mode the kernel silently drops past a line's 4,095 characters (a paste
+    """The terminal (fd) out of canonical mode for the session (readline's prompts set their
+    own): in canonical mode the kernel silently drops past a line's 4,095 characters (a paste
     while a reply streams), and Ctrl-D between prompts becomes a NUL readline does not take for
-    EOF. Ctrl-C stays a signal, Enter still a newline. The mode is restored at the end."""
+    EOF. Ctrl-C stays a signal, Enter a newline."""
     saved = None if fd is None else termios.tcgetattr(fd)
     try:
         if saved:
@@ -305,8 +302,7 @@ def read_message(out):
 
 
 def decode_path(choice, device_type, one_prompt):
-    """--decode auto: compiled where it pays (a session on CUDA); eager on CPU and for one -p
-    reply."""
+    """--decode auto: compiled for a session on CUDA, else eager."""
     if choice != "auto":
         return choice
     return "compiled" if device_type == "cuda" and not one_prompt else "eager"

@@ -1,6 +1,6 @@
 """What midtrain.py and sft.py share: their flags, chat validation and end (forgetting: the
-pretraining val bpb their model kept). Their start from a parent checkpoint is checkpoint.py's
-(load_parent, warm_start). Not a stage; its command line prints a checkpoint's forgetting figure:
+pretraining val bpb their model kept); their start is checkpoint.py's. Not a stage; its command
+line prints a checkpoint's forgetting figure:
 
     python chat_stage.py runs/<run> --bpb_tokens 20000
 """
@@ -22,15 +22,15 @@ from model import autocast_context
 from train_loop import dealt_sums, val_bpb
 
 # -----------------------------------------------------------------------------
-# midtrain.py's and sft.py's flags, validation and end
+# Flags, validation and end
 
 def add_chat_stage_args(parser, data, stage, parents, budgets, eval_every, lr_scale,
                         warmdown_frac, why):
-    """midtrain.py's and sft.py's shared flags; `data`: the stage's data group."""
+    """The shared flags; `data`: the stage's data group."""
     data.add_argument("--val_chat_dir", default=None,
                       help="held-out conversations for the validation loss: a directory (its "
                       "test*/val* files) or a .jsonl file (default: the first chat source's "
-                      "test*/val* files; a .jsonl source has none: give one)")
+                      "test*/val* files)")
     data.add_argument("--skip_bad_rows", action="store_true", help=SKIP_BAD_ROWS_HELP)
     train_loop.add_loader_threads_arg(data)
     train_loop.add_budget_args(
@@ -40,8 +40,7 @@ def add_chat_stage_args(parser, data, stage, parents, budgets, eval_every, lr_sc
                    help="validation loss + greedy answers every N steps; 0 = only at the end "
                    "(default: %(default)s)")
     g.add_argument("--eval_rows", type=int, default=256,
-                   help="validation rows of held-out conversations, packed as in training "
-                   "(default: %(default)s)")
+                   help="validation rows of held-out conversations (default: %(default)s)")
     g.add_argument("--sample_prompt", action="append", default=None,
                    help=f"question answered greedily at every eval, repeatable (default: "
                    f"{CHAT_QUESTIONS})")
@@ -56,8 +55,8 @@ CHAT_QUESTIONS = ["What is the capital of France?", "How many legs does a spider
 
 
 def held_out_dir(val_chat_dir, first_source):
-    """--val_chat_dir, else the first chat source's test*/val* files; a one-file source has
-    none: a ValueError."""
+    """--val_chat_dir, else the first chat source's test*/val* files (a one-file source has
+    none)."""
     if val_chat_dir:
         return val_chat_dir
     if first_source is None:
@@ -71,8 +70,7 @@ def held_out_dir(val_chat_dir, first_source):
 
 
 def chat_val_batches(chat_dir, tokenizer, seq_len, max_rows, skip_bad_rows=False):
-    """The first max_rows rows of held-out conversations, padded as sft.py packs them, the same
-    on every rank."""
+    """The first max_rows rows of held-out conversations, padded as sft.py packs them."""
     batches, rows = [], 0
     for inputs, targets in chat_loader(chat_dir, "val", tokenizer, 8, seq_len, max_epochs=1,
                                        threads=1, skip_bad_rows=skip_bad_rows):
@@ -85,7 +83,7 @@ def chat_val_batches(chat_dir, tokenizer, seq_len, max_rows, skip_bad_rows=False
 
 def chat_validation(model, tokenizer, batches, args, rank, world, device, run_dir, step):
     """Validation loss per supervised token over `batches` (the same on 1 or N processes), and
-    greedy answers to --sample_prompt, printed and saved by rank 0. Returns {"val_loss": ...}."""
+    greedy answers to --sample_prompt, printed and saved by rank 0."""
     def batch_sums(b):
         inputs, targets = (t.to(device) for t in batches[b])
         with autocast_context(device.type, args.dtype):
@@ -107,7 +105,7 @@ def chat_validation(model, tokenizer, batches, args, rank, world, device, run_di
 
 @torch.no_grad()
 def chat_answers(model, tokenizer, questions, dtype, max_tokens=64):
-    """Greedy answers to one-turn questions, with the calculator, as in chat.py; "ended": whether
+    """Greedy answers to one-turn questions, with the calculator; "ended": whether
     <|assistant_end|> came."""
     end = tokenizer.special_id("<|assistant_end|>")
     prompts = [tokenizer.render_for_completion([{"role": "user", "content": q}])
@@ -115,7 +113,7 @@ def chat_answers(model, tokenizer, questions, dtype, max_tokens=64):
     tools = [ToolUse(tokenizer) for _ in questions]
     budgets = [min(max_tokens, model.config.sequence_len - len(p)) for p in prompts]
     rows, _ = decode(model, prompts, budgets, dtype=dtype, tools=tools, stop={end},
-                     compiled=False)  # a few samples: eager (decode.py says why)
+                     compiled=False)  # a few samples: eager
     return [{"question": q, "answer": reply_text(tokenizer, row[:-1] if row[-1] == end else row),
              "ended": row[-1] == end,
              **({"calculator": [list(c) for c in t.calls]} if t.calls else {})}
@@ -129,14 +127,14 @@ def add_forgetting_args(parser):
     g = parser.add_argument_group("forgetting")
     g.add_argument("--bpb_tokens", type=int, default=None,
                    help="at the end, the pretraining val bpb of this stage's model on the first N "
-                   "tokens of the pretraining corpus's val split, in the rows the pretraining "
-                   "run's final evaluation used, so the figures of the stages compare; 0 = skip "
-                   "(default: the pretraining run's --bpb_tokens)")
+                   "tokens of the pretraining corpus's val split, in the pretraining run's rows, "
+                   "so the stages compare; 0 = skip (default: the pretraining run's "
+                   "--bpb_tokens)")
 
 
 def forgetting(model, tokenizer, parent, parent_meta, args, rank, world, device):
-    """Pretraining val_bpb of this model in the pretraining run's rows, a dict for done.json;
-    None with a note saying why where it cannot be computed."""
+    """Pretraining val_bpb of this model in the pretraining run's rows, for done.json; None
+    with a note where it cannot be computed."""
     found = checkpoint.pretraining_run(parent, parent_meta)
     if args.bpb_tokens == 0:
         return {"val_bpb": None, "note": "skipped (--bpb_tokens 0)"}
@@ -163,8 +161,8 @@ def forgetting_line(kept):
 
 
 def finish(run_dir, step, figures, kept, done, lines):
-    """Rank 0's end of midtrain.py or sft.py: final `figures` and `kept` into metrics.jsonl and
-    done.json (`done`: only there), then `lines` and the done line."""
+    """Rank 0's end: final `figures` and `kept` into metrics.jsonl and done.json (`done`: only
+    there), then `lines` and the done line."""
     loss = figures.pop("val_loss")
     append_jsonl(run_dir / "metrics.jsonl", {"step": step, "final_val_loss": loss, **figures,
                                              "pretrain_val_bpb": kept["val_bpb"]})
@@ -175,9 +173,8 @@ def finish(run_dir, step, figures, kept, done, lines):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="a checkpoint's val bpb on the val split of the "
-                                     "pretraining corpus it descends from, in that run's rows, in "
-                                     "one process")
+    parser = argparse.ArgumentParser(description="a checkpoint's val bpb on its pretraining "
+                                     "corpus's val split, in that run's rows, in one process")
     parser.add_argument("checkpoint", nargs="?",
                         help="a step_* directory or a run directory (its newest) (default: the "
                         "newest checkpoint under --runs_dir)")

@@ -1,6 +1,5 @@
-"""Runs and checkpoints: saving, finding and loading checkpoints (any world size, sharded or
-not), tokenizer checks, resuming, a chat stage's start from its parent (inherited flags, warm
-start); a run's directory and record. Not a stage: import it.
+"""Checkpoints (saved, found and loaded at any world size, sharded or not), tokenizer checks,
+resuming, a chat stage's start from its parent; a run's directory and record. Not a stage.
 
     python checkpoint.py consolidate runs/<run>[/ckpt/step_N]   # a sharded one's model.pt
     python checkpoint.py lineage runs/<run>[/ckpt/step_N]       # stage, step, hparams; parents
@@ -36,7 +35,7 @@ from distributed import (
 from model import GPTConfig, build_model
 from tokenizer import SPECIAL_TOKENS, Tokenizer
 
-# torch.distributed.checkpoint without a process group is meant here
+# dcp without a process group is meant here
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
                         "uninitialized")
 
@@ -53,7 +52,7 @@ def rng_state():
     return {"python": list(random.getstate()[1]), "python_pos": random.getstate()[2],
             "numpy_key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
             "numpy_pos": np_state["state"]["pos"], "torch": torch.get_rng_state(),
-            # this rank's GPU only: all GPUs' states broke a resume on fewer GPUs (IndexError)
+            # this rank's GPU only: all GPUs' states break a resume on fewer GPUs
             "cuda_device": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
 
@@ -71,8 +70,8 @@ def set_rng_state(s):
 def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank, keep,
                     consolidate=False,
                     metrics=None):
-    """Write step `step`'s checkpoint as laid out above, keep the newest `keep`, and record the
-    save's seconds in ckpt_dir/save_seconds (speedrun.sh's grace before a kill)."""
+    """Write step `step`'s checkpoint, keep the newest `keep`; the save's seconds go to
+    ckpt_dir/save_seconds (speedrun.sh's grace before a kill)."""
     started = time.perf_counter()
     final = Path(ckpt_dir) / f"step_{step:06d}"
     tmp = Path(ckpt_dir) / f".tmp_step_{step:06d}"
@@ -127,15 +126,15 @@ def checkpoint_step(path):
 
 
 def list_checkpoints(ckpt_dir):
-    """Complete checkpoints by step (by name, step_1000000 sorts before step_999999)."""
+    """Complete checkpoints by step (not by name: step_1000000 sorts before step_999999)."""
     found = [p for p in Path(ckpt_dir).glob("step_*") if p.is_dir()
              and checkpoint_step(p) is not None]
     return sorted(found, key=checkpoint_step)
 
 
 def set_aside_newer(ckpt_dir, step):
-    """Resuming from an older checkpoint abandons newer ones: move them (never delete) to
-    ckpt_dir/../ckpt_abandoned/<time>/, where no --resume looks. Returns where, or None."""
+    """Move checkpoints newer than `step` (never delete) to ckpt_dir/../ckpt_abandoned/<time>/,
+    where no --resume looks. Returns where, or None."""
     newer = [c for c in list_checkpoints(ckpt_dir) if checkpoint_step(c) > step]
     if not newer:
         return None
@@ -147,14 +146,14 @@ def set_aside_newer(ckpt_dir, step):
 
 
 def optimizer_layout(optimizers):
-    """[[class name, [group names]], ...], checked by chat_stage.warm_start."""
+    """[[class name, [group names]], ...], checked by warm_start."""
     return [[type(opt).__name__, [group.get("name") for group in opt.param_groups]]
             for opt in optimizers]
 
 
 def named_optimizer_state(model, optimizers):
-    """The optimizers' state as one dict keyed by parameter name: the form of dcp's full
-    optimizer state dict, so a sharded run loads it too."""
+    """The optimizers' state keyed by parameter name, as dcp's full optimizer state dict is, so
+    a sharded run loads it too."""
     names = {id(p): name for name, p in model.named_parameters()}
     merged = {"state": {}, "param_groups": []}
     for opt in optimizers:
@@ -182,8 +181,8 @@ def load_named_optimizer_state(model, optimizers, merged):
 
 
 def load_state(path, model, optimizers, device, keep=("foreach", "fused", "ns_dtype")):
-    """Load model and optimizer state (any world size, sharded or not). This run's param group
-    values for `keep` stay (the device's choices); keep=None keeps all (a warm start)."""
+    """Load model and optimizer state. This run's param group values for `keep` stay (the
+    device's choices); keep=None keeps all (a warm start)."""
     path = Path(path)
     kept = [[{k: v for k, v in g.items() if k != "params" and (keep is None or k in keep)}
              for g in opt.param_groups] for opt in optimizers]
@@ -203,7 +202,7 @@ def load_state(path, model, optimizers, device, keep=("foreach", "fused", "ns_dt
             set_state_dict(model, optimizers, model_state_dict=model_state,
                            optim_state_dict=optimizer_state)
             return
-        # weights mmap'd; not the optimizer state: step 1's writes would copy its pages
+        # not the optimizer state mmap'd: step 1's writes would copy its pages
         model_state = torch.load(path / "model.pt", map_location=device, weights_only=True,
                                  mmap=True)
         optimizer_state = torch.load(path / "optimizers.pt", map_location=device, weights_only=True)
@@ -234,8 +233,8 @@ def consolidate(path):
 
 
 def newest_checkpoint(runs_dir, stage=None):
-    """The newest checkpoint (of `stage`, if given) in runs_dir/*/ckpt/ (a stage run alone) or
-    runs_dir/*/*/ckpt/ (speedrun.sh), or None."""
+    """The newest checkpoint (of `stage`, if given) in runs_dir/*/ckpt/ or runs_dir/*/*/ckpt/
+    (speedrun.sh), or None."""
     runs = [*Path(runs_dir).glob("*/ckpt"), *Path(runs_dir).glob("*/*/ckpt")]
     found = [c for run in runs for c in list_checkpoints(run)
              if stage is None or json.loads((c / "meta.json").read_text()).get("stage") == stage]
@@ -243,8 +242,8 @@ def newest_checkpoint(runs_dir, stage=None):
 
 
 def find_checkpoint(path=None, runs_dir="runs"):
-    """A checkpoint from a checkpoint path, a run directory (its newest), or nothing (the newest
-    under runs_dir): how each stage finds the one before it."""
+    """A checkpoint path, a run directory's newest, or with no path the newest under
+    runs_dir."""
     if path is None:
         found = newest_checkpoint(runs_dir)
         if found is None:
@@ -263,7 +262,7 @@ def find_checkpoint(path=None, runs_dir="runs"):
     return found[-1]
 
 
-# chat.py's and export.py's pick without --checkpoint: the newer of RL's and SFT's, else ...
+# chat.py's and export.py's pick without --checkpoint, group by group
 PICK_ORDER = [("rl", "sft"), ("midtrain",), ("pretrain",)]
 
 
@@ -285,8 +284,8 @@ def pick_checkpoint(args, order=PICK_ORDER):
 
 
 def add_checkpoint_args(parser, picked=None, eval_dtype=False):
-    """--checkpoint, --runs_dir, --tokenizer; `picked`: what loads without --checkpoint.
-    eval_dtype: also --dtype."""
+    """--checkpoint, --runs_dir, --tokenizer, and --dtype if eval_dtype; `picked`: what loads
+    without --checkpoint."""
     picked = picked or "the newest under --runs_dir of stage " + ", else ".join(" or ".join(s)
                                                                                 for s in PICK_ORDER)
     parser.add_argument("--checkpoint", default=None, help="a checkpoint (runs/<run>/ckpt/step_*) "
@@ -299,12 +298,12 @@ def add_checkpoint_args(parser, picked=None, eval_dtype=False):
         parser.add_argument("--dtype", default=matmul_dtype(device),
                             choices=["bfloat16", "float32"],
                             help="compute dtype (default: %(default)s: bfloat16 where this device "
-                            "runs it natively, as in the training stages)")
+                            "runs it natively)")
 
 
 def pretraining_run(checkpoint, meta):
-    """(data_dir, sequence_len, eval_tokens) of the pretraining run a checkpoint descends from;
-    None where a parent moved or was deleted."""
+    """(data_dir, sequence_len, eval_tokens) of the checkpoint's pretraining run; None where a
+    parent moved or was deleted."""
     while meta.get("stage") != "pretrain":
         path = (meta.get("parent") or {}).get("path")
         if path is None or not (Path(path) / "meta.json").is_file():
@@ -324,7 +323,7 @@ def load_model(path, device):
         raise FileNotFoundError(f"{path} holds a sharded model (state/) and no model.pt yet: write "
                                 f"it with `python checkpoint.py consolidate {path}`")
     model = build_model(GPTConfig(**meta["model_config"]), device, init=False)
-    # mmap: pages read as the weights are copied into place, not buffered first (d12: ~3x faster)
+    # mmap: pages read as the weights are copied, not buffered first (dev/LOG.md)
     model.load_state_dict(torch.load(Path(path) / "model.pt", map_location=device,
                                      weights_only=True, mmap=True))
     model.eval()
@@ -333,7 +332,7 @@ def load_model(path, device):
 
 def checkpoint_tokenizer(meta, checkpoint, flag=None):
     """(tokenizer, its path): --tokenizer's, else meta's, refused unless the checkpoint was
-    trained with it: otherwise every score would be silently wrong."""
+    trained with it (every score would be silently wrong)."""
     path = flag or meta.get("tokenizer") or "runs/tokenizer"
     try:
         tokenizer = Tokenizer.load(path)
@@ -374,7 +373,7 @@ def saved_layout(path):
 
 def resume(path, run_dir, model, optimizers, loaders, layout, rank, device):
     """Restore model, optimizers, loaders and RNG if model, micro-batch and world size x
-    accumulation agree with `layout`; newer checkpoints set aside. Returns its step."""
+    accumulation match `layout`; newer checkpoints set aside. Returns the step."""
     meta = saved_layout(path)
     for key in ("model_config", "micro_batch"):
         if meta.get(key) != layout[key]:
@@ -411,8 +410,8 @@ def resume(path, run_dir, model, optimizers, loaders, layout, rank, device):
 
 
 def resume_command(args):
-    """The command that continues this run: its arguments with the run's own --run_name,
-    --runs_dir and --resume; under torchrun the same launch, rebuilt from its environment."""
+    """The command that continues this run: its arguments with its --run_name, --runs_dir and
+    --resume; under torchrun the same launch, rebuilt from the environment."""
     words, dropped = sys.argv[1:], ("--run_name", "--runs_dir", "--resume")
     # a dropped flag's value is the next word (--resume's is optional: not a flag)
     argv = [arg for before, arg in zip(["", *words], words) if arg.split("=", 1)[0] not in dropped
@@ -441,10 +440,10 @@ def truncate_metrics(path, last_step):
 
 
 # -----------------------------------------------------------------------------
-# The run directory: runs/<run>/ with config.json, metrics.jsonl, samples.jsonl, ckpt/step_XXXXXX/
+# The run directory: runs/<run>/ with config.json, metrics.jsonl, samples.jsonl, ckpt/
 
 def add_run_args(parser, stage):
-    """Every stage's flags for its run directory, checkpoints, health checks, ranks."""
+    """Every stage's run directory, checkpoint, health and rank flags."""
     g = parser.add_argument_group("run directory, checkpoints, health")
     g.add_argument("--run_name", default=None, help="outputs go to <runs_dir>/<run_name>/ "
                    f"(default: {stage}_<preset>_<time>; not --run, which torchrun would take for "
@@ -470,16 +469,14 @@ def add_run_args(parser, stage):
     g = parser.add_argument_group("distributed (under torchrun)")
     g.add_argument("--fsdp", default="auto", choices=["auto", "true", "false"], help=
                    "shard weights, gradients and optimizer state over the ranks with FSDP2; auto: "
-                   "when they would not fit one device by model.py's estimate (default: "
-                   "%(default)s)")
-    g.add_argument("--dist_timeout", type=float, default=600, help="seconds a collective may wait "
-                   "for the other ranks before the run stops with an error (a dead or hung rank); "
-                   "it must outlast the slowest rank's first compile (default: %(default)s)")
+                   "when they would not fit one device (default: %(default)s)")
+    g.add_argument("--dist_timeout", type=float, default=600, help="seconds a collective waits for "
+                   "the other ranks (a dead or hung rank) before the run stops with an error; it "
+                   "must outlast the slowest rank's first compile (default: %(default)s)")
 
 
 def resolve_run(args, stage):
-    """(run directory, checkpoint to resume or None); sets args.runs_dir and args.run_name to
-    the run's, for the resume command and config.json."""
+    """(run directory, checkpoint to resume or None); sets args.runs_dir and args.run_name."""
     if args.keep < 1:
         raise ValueError(f"--keep {args.keep}: keep at least 1 checkpoint (the newest is the one a "
                          "resume needs)")
@@ -510,7 +507,7 @@ def resolve_run(args, stage):
     return run_dir, found[-1]
 
 
-# what a later stage inherits from its parent (meta.json "hparams"; chat_stage.inherit)
+# what a later stage inherits from its parent (meta.json "hparams")
 INHERITED = ["tokenizer", "sequence_len", "micro_batch", "total_batch_tokens", "optimizer",
              "matrix_lr", "embedding_lr", "head_lr", "scalar_lr", "weight_decay", "grad_clip",
              "dtype", "compile"]
@@ -518,8 +515,8 @@ INHERITED = ["tokenizer", "sequence_len", "micro_batch", "total_batch_tokens", "
 
 def record_run(args, stage, model_config, seq_len, micro, accum, world, total_steps,
                tokens_per_step, tokenizer, params, record):
-    """(layout a resume must match, run for config.json, meta for each checkpoint: run, argv
-    and the hparams a child stage inherits)."""
+    """(layout a resume must match, run for config.json, meta for each checkpoint: run, argv,
+    the hparams a child inherits)."""
     layout = {"model_config": model_config, "world_size": world, "micro_batch": micro,
               "accum": accum}
     run = {"stage": stage, "run": args.run_name, **layout, "total_steps": total_steps,
@@ -532,8 +529,7 @@ def record_run(args, stage, model_config, seq_len, micro, accum, world, total_st
 
 
 def announce(args, run_dir, run, lines, precision):
-    """Rank 0 writes config.json (a resume rewrites it) and prints `lines`, the commit and the
-    precision."""
+    """Write config.json (a resume rewrites it); print `lines`, the commit and the precision."""
     run_dir.mkdir(parents=True, exist_ok=True)
     config = {**run, "args": vars(args), "hardware": distributed.WORLD, "argv": sys.argv,
               "versions": versions()}
@@ -548,12 +544,12 @@ def batch_line(micro, seq_len, world, accum):
 
 
 # -----------------------------------------------------------------------------
-# The start of a chat stage from its parent checkpoint. Each meta.json records its stage,
+# A chat stage's start from its parent checkpoint. Each meta.json records its stage,
 # "hparams" and parent (path and model.pt's sha256).
 
 def inherit(args, meta, parent):
-    """Fill inherited flags left at None from the parent's hparams; returns rows of (name,
-    value, source), all but micro_batch's (parent_lines adds it)."""
+    """Fill inherited flags left at None from the parent's hparams; returns (name, value,
+    source) rows, but micro_batch's (parent_lines adds it)."""
     recorded = meta.get("hparams") or {}
     # checkpoints older than hparams: their run's config.json
     config_file = Path(parent).parent.parent / "config.json"
@@ -579,7 +575,6 @@ def inherit(args, meta, parent):
 
 
 def weights_sha256(parent):
-    """sha256 of a checkpoint's model.pt, recorded by its children."""
     digest = hashlib.sha256()
     with open(Path(parent) / "model.pt", "rb") as f:
         for block in iter(lambda: f.read(1 << 24), b""):
@@ -588,16 +583,15 @@ def weights_sha256(parent):
 
 
 def parent_record(parent, meta, sha256):
-    """The parent as a child records it: path, stage, step, weights' sha256."""
     return {"path": str(parent), "stage": meta.get("stage"), "step": meta.get("step"),
             "sha256": sha256}
 
 
 def warm_start(parent, parent_meta, model, optimizers, args, device):
     """The parent's optimizer state with this stage's hyperparameters: warm moments keep the
-    first steps the size of the parent's last, where a fresh AdamW moves every embedding
-    coordinate by about the lr (its first update is sign(gradient)). A state that does not fit
-    stays fresh. Returns the line saying which."""
+    first steps the size of the parent's last; a fresh AdamW's first update, sign(gradient),
+    moves every embedding coordinate by about the lr. A state that does not fit stays fresh.
+    Returns the line saying which."""
     if not args.warm_start:
         return "optimizer: fresh state (--warm_start false)"
     recorded, mine = parent_meta.get("optimizers"), optimizer_layout(optimizers)
@@ -621,10 +615,10 @@ def warm_start(parent, parent_meta, model, optimizers, args, device):
 
 
 def load_parent(args, stage, parents, device):
-    """(path, meta, model, tokenizer, inherit's table, a future of weights_sha256) of the
-    parent. A tokenizer other than the parent's is refused."""
+    """The parent's (path, meta, model, tokenizer, inherit's table, a future of its
+    weights_sha256); a tokenizer other than the parent's is refused."""
     parent, _ = pick_checkpoint(args, [(name,) for name in parents])
-    # hashed while the stage starts: in line it took a third of the start
+    # hashed while the stage starts: in line it takes a third of the start
     hashing = concurrent.futures.ThreadPoolExecutor(1)
     sha256 = hashing.submit(weights_sha256, parent)
     hashing.shutdown(wait=False)  # its thread ends with the hash

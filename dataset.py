@@ -1,6 +1,6 @@
-"""Corpora and conversation sets on disk, as the stages read them: text shards and their token
-counts against a budget, conversations in every format the stages take (parquet sets, JSON lines).
-prepare.py fetches or makes them; not a stage.
+"""Corpora and conversation sets on disk, as the stages read them: text shards, and
+conversations in every format the stages take (parquet sets, JSON lines). prepare.py fetches or
+makes them; not a stage.
 
 A text corpus (FineWeb-Edu's layout): parquet shards shard_00000.parquet, ..., one column
 `text`, row groups of 1024 documents, zstd; the last shard is validation, the rest training.
@@ -46,16 +46,15 @@ def chat_dir(spec):
 
 
 def render_mc(question, letters, choices):
-    """nanochat's multiple-choice message: each choice then '=' and its letter, no space, so the
-    prompt's letter is the same token as the answer's bare letter."""
+    """nanochat's multiple-choice message: each choice then '=' and its letter, no space: the
+    same token as the answer's bare letter."""
     return (f"Multiple Choice question: {question}\n" + "".join(f"- {c}={x}\n" for x,
                                                                 c in zip(letters, choices))
             + "\nRespond only with the letter of the correct answer.")
 
 
 def calculator_parts(answer):
-    """GSM8K's answer as assistant parts: each <<expr=result>> becomes a python call and its
-    python_output."""
+    """GSM8K's answer as assistant parts, each <<expr=result>> a python call and its output."""
     parts = []
     for piece in re.split(r"(<<[^<>]*>>)", answer):
         if piece.startswith("<<") and piece.endswith(">>"):
@@ -123,8 +122,7 @@ def conversation_messages(item):
 
 
 def chat_rows(path, row_group, rows=None):
-    """A row group as conversations, or why a row is not one; rows: only those indices, in
-    order (a stream of W reads 1/W of a row group)."""
+    """A row group as conversations, or why a row is not one; rows: only those indices."""
     if Path(path).suffix == ".jsonl":
         return conversation_lines(path).rows(row_group, rows)
     fmt = chat_format(path)
@@ -136,8 +134,7 @@ def chat_rows(path, row_group, rows=None):
 
 
 def chat_files(chat_dir, split):
-    """A chat directory's train or val files (test*, val*), or [the file] for either split when
-    one file is given."""
+    """A chat directory's train or val files (test*, val*), or [the file] given."""
     if Path(chat_dir).suffix in (".jsonl", ".parquet"):
         if not Path(chat_dir).is_file():
             raise FileNotFoundError(f"{chat_dir}: no such file (a conversation source is a "
@@ -155,8 +152,8 @@ def chat_files(chat_dir, split):
     return chosen
 
 
-# Your own conversations: JSON lines in the OpenAI chat format (docs/own-data.md), indexed to
-# answer as a parquet footer does
+# Your own conversations: JSON lines in the OpenAI chat format, indexed to answer as a parquet
+# footer does
 CHAT_ROLES = ("system", "user", "assistant")
 LINE_FORMAT = ('each line is one conversation, {"messages": [{"role": "user", "content": "..."}, '
                '{"role": "assistant", "content": "..."}]}, roles system (first, optional), user '
@@ -208,8 +205,8 @@ def conversation_line(line):
 
 
 class ConversationLines:
-    """A .jsonl conversation file indexed once (line offsets, bad lines). It answers as a parquet
-    footer, ROW_GROUP_DOCS lines a row group, so the loader treats it as parquet."""
+    """A .jsonl conversation file indexed once (line offsets, bad lines), answering as a parquet
+    footer, ROW_GROUP_DOCS lines a row group."""
 
     def __init__(self, path):
         self.path, self.offsets, self.numbers, self.bad = Path(path), array("q"), array("q"), []
@@ -264,7 +261,7 @@ def chat_footer(path):
 
 def check_chat_files(files, skip_bad_rows=False):
     """A ValueError naming file, line and fix at a .jsonl file's first bad line (or an empty or
-    all-bad file); with skip_bad_rows, lines saying how many are skipped instead."""
+    all-bad file); with skip_bad_rows, lines saying how many are skipped."""
     lines = []
     for path in dict.fromkeys(Path(f) for f in files if Path(f).suffix == ".jsonl"):
         index = conversation_lines(path)
@@ -290,8 +287,8 @@ def check_chat_files(files, skip_bad_rows=False):
 
 
 def parse_chat_sources(specs):
-    """--source DIR:EPOCHS as [(directory, epochs)]; DIR may be a CHAT_DATASETS name or a
-    .jsonl file."""
+    """--source DIR:EPOCHS as [(directory, epochs)]; DIR may be a dataset name or a .jsonl
+    file."""
     sources = []
     for spec in specs:
         path, _, epochs = spec.rpartition(":")
@@ -304,8 +301,7 @@ def parse_chat_sources(specs):
 
 
 def mixture_files(sources):
-    """The training files of [(chat dir, epochs)], each once per epoch: one pass over the list
-    is one pass of the mixture."""
+    """The training files of [(chat dir, epochs)], each once per epoch."""
     return [f for directory, epochs in sources for _ in range(epochs) for f in chat_files(directory,
                                                                                           "train")]
 

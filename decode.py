@@ -4,13 +4,12 @@ rollouts, chat_eval.py's answers and the stages' samples.
 decode() prefills the prompts in one forward, then decodes N replies to each, all rows in one
 forward per step, each at its own position (a greedy row equals its prompt decoded alone) with
 its own calculator; the cache is compacted when half the prompts have ended. Compiled on CUDA,
-eager on the CPU and for few samples, where compiling costs more (dev/LOG.md; docs/model.md).
-dev/bench_decode.py checks batched greedy rows against each prompt alone, and times both.
+eager on the CPU and for few samples, where compiling costs more (dev/LOG.md).
 
 The calculator, the chat model's tool: after <|python_start|>expr<|python_end|> generation
 inserts <|output_start|>calculate(expr)<|output_end|> (SFT teaches it from GSM8K's
 <<expr=result>>). Exact arithmetic on the syntax tree, never eval(): numbers, + - * / // % **,
-unary + -, parentheses. Bounded (MAX_*), so a hostile expression costs microseconds.
+unary + -, parentheses; bounded (MAX_*), so a hostile expression costs microseconds.
 
     python decode.py --calculate "12/60*50"            # 10
 """
@@ -38,8 +37,8 @@ from model import (
 
 
 def decode_weights(model, dtype="float32"):
-    """An inference copy of the weights in the compute dtype: matrices transposed to (in, out),
-    q|k|v stacked, norm scales (None: weightless), rotary tables as (cos, cos) and (sin, -sin).
+    """An inference copy of the weights in the compute dtype: matrices as (in, out), q|k|v
+    stacked, norm scales (None: weightless), rotary tables as (cos, cos) and (sin, -sin).
     BitNet's weights are quantized once, here."""
     compute = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     t = lambda linear: linear.effective_weight().detach().t().to(compute).contiguous()
@@ -62,7 +61,7 @@ def decode_weights(model, dtype="float32"):
 
 def attend(q, i, prompt_k, prompt_v, reply_k, reply_v, valid, width):
     """Layer i's attention for q (N, H, D), one token per row, over decode_step's cache. valid
-    None (chat.py, eager, no prompt part): one fused 4-D SDPA (5-D takes the slow math path)."""
+    None (eager, no prompt part): one fused 4-D SDPA (5-D takes the slow math path)."""
     N, H, D = q.shape
     Q, K, P = prompt_k.size(1), prompt_k.size(2), prompt_k.size(3)
     S, G = N // Q, H // K
@@ -128,7 +127,7 @@ def decode_step(model, weights, token, pos, step, prompt_k, prompt_v, prompt_val
         # -> (prompt, kv head, sample, ...): a prompt's rows side by side per head
         new_k = q_k[:, H:].view(Q, S, K, 1, D).transpose(1, 2)
         new_v = v.to(reply_v.dtype).view(Q, S, K, 1, D)
-        if isinstance(step, int):  # eager: a slice copy (index_copy_ cost 10x more on CPU)
+        if isinstance(step, int):  # eager: a slice copy (index_copy_ costs more on CPU)
             reply_k[i, :, :, :, step:step + 1] = new_k
             reply_v[i, :, :, :, step:step + 1] = new_v.transpose(1, 2)
         else:  # compiled: a tensor slot, so the graph is not specialized on it
@@ -146,8 +145,8 @@ def decode_step(model, weights, token, pos, step, prompt_k, prompt_v, prompt_val
 @torch.no_grad()
 def last_logits(model, rows, pad_id, dtype, kv_cache=None):
     """fp32 logits (len(rows), vocab) at each row's last token: one forward, right-padded with
-    pad_id; a hook on the final norm keeps each row's last position, so the head runs once per
-    row. kv_cache: where keys and values go."""
+    pad_id; a hook on the final norm keeps each row's last position for the head. kv_cache: where
+    keys and values go."""
     device = model.cos.device
     if len(rows) == 1:
         with autocast_context(device.type, dtype):
@@ -169,7 +168,7 @@ def last_logits(model, rows, pad_id, dtype, kv_cache=None):
 
 def sample_rows(logits, temperature, top_k, generator):
     """Next ids (B,): temperature 0 is greedy, else a draw over the top_k likeliest (None or 0:
-    all), cut first: a draw over the whole vocabulary costs like a step."""
+    all), cut first (a draw over the whole vocabulary costs like a step)."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     if top_k and top_k < logits.size(-1):
@@ -183,14 +182,14 @@ def sample_rows(logits, temperature, top_k, generator):
 
 @functools.cache
 def compiled_step():
-    """decode_step compiled once per process: shapes are fixed but the batch, which
-    torch.compile makes dynamic after its first change."""
+    """decode_step compiled once per process; the batch turns dynamic after its first
+    change."""
     return torch.compile(decode_step, fullgraph=True)
 
 
 def plain_copy(model):
-    """A sharded model gathered into a plain copy; all ranks call. Outside inference mode: there
-    FSDP2's state_dict leaves inference tensors the next checkpoint cannot save."""
+    """A sharded model gathered into a plain copy; all ranks call. Outside inference mode, where
+    FSDP2's state_dict leaves tensors the next checkpoint cannot save."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     with torch.inference_mode(False), torch.no_grad():
         plain = build_model(model.config, model.cos.device, init=False)
@@ -216,7 +215,7 @@ def check_decode(prompts, budgets, samples, tools, sequence_len):
 
 
 def prefill(model, prompts, samples, reply_width, dtype, compute, compiled):
-    """The prompts in one forward: last logits, one row per sample, and decode_step's cache."""
+    """The prompts in one forward: last logits, a row per sample, and decode_step's cache."""
     device = model.cos.device
     cache = KVCache(model.config, len(prompts), max(map(len, prompts)))
     logits = last_logits(model, prompts, 0, dtype, cache)
@@ -242,8 +241,8 @@ def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=Non
     """(tokens, sampled) for len(prompts) * samples rows: each row's new tokens, through a stop
     token it sampled, at most max_new_tokens (an int or one per prompt; tool output counts), and
     per token whether the model sampled it (False: the calculator's). tools: None or a ToolUse per
-    row. Draws from one generator seeded with `seed` (None: random). compiled: "auto" = on CUDA.
-    weights: decode_weights(), reusable."""
+    row. seed: the generator's (None: random). compiled: "auto" = on CUDA. weights:
+    decode_weights(), reusable."""
     model = plain_copy(model) if is_sharded(model) else model
     device, c = model.cos.device, model.config
     budgets = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else \
@@ -301,7 +300,7 @@ def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=Non
 
 
 MAX_CHARS = 200  # GSM8K's longest annotation is under 100 characters
-# ast.parse itself recurses, so deep nesting is refused before parsing too
+# ast.parse recurses, so deep nesting is refused before parsing too
 MAX_DEPTH = 20
 MAX_DIGITS = 30  # of every numerator and denominator
 MAX_EXPONENT = 100
@@ -310,7 +309,7 @@ DIGITS_LIMIT = 10 ** MAX_DIGITS
 
 
 class CalculatorError(ValueError):
-    """An expression refused or not evaluable; the message says why."""
+    """An expression refused or not evaluable."""
 
 
 def _check(value):
@@ -327,7 +326,7 @@ def _power(base, exponent):
         raise CalculatorError(f"exponent {e} is larger than {MAX_EXPONENT}")
     if base == 0 and e < 0:
         raise CalculatorError("division by zero")
-    # |e| * digits(base) bounds the result's digits: 9**100 is refused without work
+    # |e| * digits(base) bounds the result's digits: refused without work
     size = max(len(str(abs(base.numerator))), len(str(base.denominator)))
     if base not in (0, 1, -1) and abs(e) * (size - 1) > MAX_DIGITS:
         raise CalculatorError(f"a value has more than {MAX_DIGITS} digits")
@@ -370,8 +369,8 @@ def _walk(node, depth, deadline):
 
 
 def calculate(expr):
-    """The value as text: "10", else up to 10 significant digits ("3.333333333"). Commas are
-    dropped first: GSM8K writes 1,000."""
+    """The value as text: "10", else up to 10 significant digits. Commas are dropped first:
+    GSM8K writes 1,000."""
     if not isinstance(expr, str):
         raise CalculatorError(f"an expression is a string, got {type(expr).__name__}")
     if len(expr) > MAX_CHARS:
@@ -383,7 +382,7 @@ def calculate(expr):
         depth += (ch == "(") - (ch == ")")
         if depth > MAX_DEPTH:
             raise CalculatorError(f"nesting deeper than {MAX_DEPTH}")
-    # 1_000 is a Python literal, not arithmetic anyone writes; and no dunder reaches the parser
+    # 1_000 is not arithmetic anyone writes; and no dunder reaches the parser
     if "_" in expr:
         raise CalculatorError("'_' is not allowed")
     try:
@@ -399,8 +398,8 @@ def calculate(expr):
 
 class ToolUse:
     """Follows generated tokens; after <|python_end|> returns the tokens to feed next,
-    <|output_start|>result<|output_end|> (none if refused: the model goes on without). `calls`
-    records (expression, result or why refused)."""
+    <|output_start|>result<|output_end|> (none if refused). `calls` records (expression, result
+    or why refused)."""
 
     def __init__(self, tokenizer):
         sid = tokenizer.special_id
@@ -426,7 +425,7 @@ class ToolUse:
 
 
 def reply_text(tokenizer, ids):
-    """Generated text without tool calls and outputs: what an answer is scored on."""
+    """Generated text without tool calls and outputs, as answers are scored."""
     sid = tokenizer.special_id
     opens = {sid("<|python_start|>"): sid("<|python_end|>"),
              sid("<|output_start|>"): sid("<|output_end|>")}

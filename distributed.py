@@ -1,6 +1,6 @@
-"""Distributed: setup and teardown under torchrun, a stage's exit (run_main), naming the ranks
-that died or hung when a collective fails, all-reduce helpers, FSDP2 helpers, and speedrun.sh's
-NCCL check. Not a stage: import it. Its command lines (probe: under torchrun):
+"""Setup and teardown under torchrun, a stage's exit (run_main), naming the ranks that died or
+hung when a collective fails, all-reduce and FSDP2 helpers, and speedrun.sh's NCCL check. Not a
+stage. Its command lines (probe: under torchrun):
 
     python -m torch.distributed.run --standalone --nproc_per_node=8 distributed.py probe
     python distributed.py machine    # device, bf16, matmul dtype, versions, commit
@@ -44,7 +44,7 @@ def device_name(device):
 
 def native_bf16(device):
     """Whether bf16 matmuls are native: CUDA with bf16, or a CPU with AVX512-BF16 or AMX (else
-    emulated, ~20-100x slower than fp32). torch's CPU flags are private: if missing, no."""
+    emulated, far slower than fp32). torch's CPU flags are private: if missing, no."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     flags = [getattr(torch.cpu, name, lambda: False) for name in ("_is_avx512_bf16_supported",
@@ -52,13 +52,13 @@ def native_bf16(device):
     return device.type == "cpu" and any(flag() for flag in flags)
 
 
-# dataset.py's cache dir, same rule (its own copy: dataset.py runs without torch)
+# dataset.py's cache dir (its own copy: dataset.py runs without torch)
 CACHE_DIR = Path(os.environ.get("NANOCHAT_CACHE", Path.home() / ".cache" / "nanochat"))
 
 
 def time_linear(dtype, width, rows=1024, reps=3):
     """Best seconds of a linear layer's forward and backward under `dtype`, weight casts
-    included: with them native bf16 can still lose to fp32."""
+    included (with them native bf16 can lose to fp32)."""
     x = torch.randn(rows, width, requires_grad=True)
     w = torch.randn(4 * width, width, requires_grad=True)
     times = []
@@ -82,7 +82,7 @@ def pick_precision(seconds):
 
 def precision(device, width=256):
     """(compute dtype, why). CUDA: bf16 where supported. Emulated bf16: fp32. Native bf16 on a
-    CPU: the faster, measured (dev/LOG.md), kept in <cache>/precision.json."""
+    CPU: the faster, measured, kept in <cache>/precision.json."""
     if device.type == "cuda":
         native = native_bf16(device)
         return ("bfloat16" if native
@@ -115,7 +115,6 @@ def precision(device, width=256):
 
 
 def matmul_dtype(device, width=256):
-    """The compute dtype unless --dtype says otherwise: precision()'s choice."""
     return precision(device, width)[0]
 
 
@@ -126,7 +125,7 @@ def versions():
 
 
 def code_version():
-    """The git commit and whether tracked files differ; "unknown" outside a git checkout."""
+    """The git commit and whether tracked files differ; "unknown" outside git."""
     here = Path(__file__).resolve().parent
     try:
         commit = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True,
@@ -143,8 +142,8 @@ def code_version():
 # -----------------------------------------------------------------------------
 # Measurement and formatting
 
-# Dense bf16 peak FLOP/s by device name, first match wins (unlisted: MFU "unknown"). NVIDIA's
-# datasheets give twice these: with sparsity
+# Dense bf16 peak FLOP/s by device name, first match wins (unlisted: MFU "unknown"); NVIDIA's
+# datasheets give twice these, with sparsity
 PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200 NVL",
                                                                                    836e12),
                    ("H200", 989e12), ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("A10G",
@@ -174,7 +173,6 @@ def now():
 
 
 def append_jsonl(path, *records):
-    """Append records as JSON lines."""
     with open(path, "a") as f:
         f.writelines(json.dumps(record) + "\n" for record in records)
 
@@ -183,8 +181,8 @@ def append_jsonl(path, *records):
 # Processes and ranks
 
 def keep_freed_memory(keep=True):
-    """Have glibc keep freed memory: fresh mmap pages each step cost a quarter of a CPU step
-    (dev/LOG.md). keep=False restores the defaults and trims the heap."""
+    """Have glibc keep freed memory: fresh mmap pages each step slow a CPU step (dev/LOG.md).
+    keep=False restores the defaults and trims the heap."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
         # M_MMAP_THRESHOLD: allocations under 1 GiB from the heap...
@@ -203,7 +201,7 @@ WORLD = "unknown"
 
 def setup_distributed(timeout_s=600):
     """(rank, local_rank, world_size, device) from torchrun's environment, or one process.
-    Prints each rank's host and device (a run once passed one GPU off as four)."""
+    Prints each rank's host and device, so one GPU cannot pass as four."""
     if not torch.cuda.is_available():
         keep_freed_memory()
     if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun (other launchers set RANK too)
@@ -237,7 +235,7 @@ def die_with_launcher():
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    # the launcher died before the line above: nobody would ever stop us
+    # the launcher died before the line above: nobody would stop us
     try:
         command = Path(f"/proc/{parent}/cmdline").read_bytes()
         orphaned = os.getppid() != parent or b"torch" not in command
@@ -251,7 +249,7 @@ def die_with_launcher():
 
 def init_process_group(local_rank, timeout_s):
     """NCCL on CUDA, gloo on CPU; returns this rank's device. torch.distributed.nn.functional is
-    imported first: imported with a live group, it kept gloo's threads alive and a rank aborted
+    imported first: imported with a live group, it keeps gloo's threads alive and a rank aborts
     at exit."""
     from datetime import timedelta
 
@@ -267,7 +265,7 @@ def init_process_group(local_rank, timeout_s):
 
 
 def teardown_distributed():
-    """Barrier, then destroy the group: without it exit can abort or strand workers."""
+    """Barrier, then destroy the group, else exit can abort or strand workers."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -278,8 +276,8 @@ PROBE_MBYTES = 64
 
 
 def probe_all_reduce(timeout_s, mbytes=PROBE_MBYTES, iters=5, out=None):
-    """speedrun.sh's check (docs/speedrun.md): a 4-byte all-reduce, then an `mbytes` MB one
-    timed, its bus bandwidth printed and written to `out`. Returns 0 when every sum was right."""
+    """speedrun.sh's check: a 4-byte all-reduce, then an `mbytes` MB one timed, its bus
+    bandwidth printed and written to `out`. Returns 0 when every sum was right."""
     if "RANK" not in os.environ:
         print("probe: not under torchrun: one process, nothing to all-reduce")
         return 0
@@ -321,7 +319,7 @@ def probe_all_reduce(timeout_s, mbytes=PROBE_MBYTES, iters=5, out=None):
 
 def fetch_everywhere(fetch, rank, world):
     """fetch() on rank 0 (it downloads), then the others (they find the cache); rank 0's failure
-    is raised on every rank, so none waits for files that will not come."""
+    is raised on every rank."""
     result = failure = None
     if rank == 0:
         try:
@@ -340,7 +338,7 @@ def fetch_everywhere(fetch, rank, world):
 def run_main(main):
     """A stage's exit code: 0, 128 + signal, or 1 with a one-line error (and a traceback if
     raised outside this project). Under torchrun or as a script, os._exit at once: gloo threads
-    in finalization made ranks abort (dev/LOG.md)."""
+    in finalization make ranks abort (dev/LOG.md)."""
     code = stage_code(main)
     torchrun = "TORCHELASTIC_RUN_ID" in os.environ
     if torchrun or getattr(main, "__module__", None) == "__main__":
@@ -380,15 +378,15 @@ def stage_code(main):
 
 
 def check_shared_dir(run_dir):
-    """Across nodes, check every rank sees rank 0's file in run_dir (docs/distributed.md), or
-    raise naming the blind ones. Tests: NANOCHAT_TEST_NODE_VIEW=RANK:DIR."""
+    """Across nodes, check every rank sees rank 0's file in run_dir, or raise naming the blind
+    ones. Tests: NANOCHAT_TEST_NODE_VIEW=RANK:DIR."""
     view = os.environ.get("NANOCHAT_TEST_NODE_VIEW", "")
     if not dist.is_initialized() or (dist.get_world_size() <= int(os.environ.get(
             "LOCAL_WORLD_SIZE", "1")) and not view):
         return
     rank, world = dist.get_rank(), dist.get_world_size()
     path = Path(run_dir) / ".shared_filesystem_check"
-    # every rank has a record: an error now is not mistaken for a stuck rank
+    # an error now is not mistaken for a stuck rank
     mark_progress(0, "start-up")
     token = [f"{time.time_ns()} {os.getpid()} {platform.node()}" if rank == 0 else None]
     if rank == 0:
@@ -415,13 +413,13 @@ def check_shared_dir(run_dir):
                            "at the same path (NFS, a cluster filesystem), then rerun")
 
 
-# {"dir": run_dir/progress, "stage": name}, once keep_progress is called
+# {"dir": run_dir/progress, "stage": name}, set by keep_progress
 PROGRESS = {}
 
 
 def keep_progress(run_dir, stage):
-    """mark_progress also writes run_dir/progress/rankNNN.txt from now on: under NCCL a hung
-    collective aborts before Python sees an error, so these files tell which rank was where."""
+    """mark_progress also writes run_dir/progress/rankNNN.txt: under NCCL a hung collective
+    aborts before Python sees an error, so these files tell which rank was where."""
     PROGRESS.update(dir=Path(run_dir) / "progress", stage=stage)
     PROGRESS["dir"].mkdir(parents=True, exist_ok=True)
     # remove records of ranks an earlier, larger run had
@@ -433,8 +431,8 @@ def keep_progress(run_dir, stage):
 
 
 def mark_progress(step, phase="step"):
-    """Record that this rank entered `step` in torchrun's store (for stopped_ranks) and in its
-    progress file, replaced whole."""
+    """Record that this rank entered `step` in torchrun's store (for stopped_ranks) and its
+    progress file."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.distributed_c10d._get_default_store().set(f"progress/{rank}",
@@ -449,7 +447,7 @@ def mark_progress(step, phase="step"):
 
 
 def process_alive(pid):
-    """Whether a local process runs: not gone, not a zombie (killed, not yet reaped)."""
+    """Whether a local process runs: not gone, not a zombie."""
     if not Path("/proc").is_dir():  # macOS: existence only
         try:
             os.kill(pid, 0)
@@ -465,8 +463,8 @@ def process_alive(pid):
 
 
 def stopped_ranks():
-    """After an error under torchrun: the ranks that died (checked on this host) or are behind
-    this rank's step, from mark_progress's records; "" when none."""
+    """After an error under torchrun: the ranks that died (on this host) or are behind this
+    rank's step, by mark_progress's records; "" when none."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return ""
     try:
@@ -496,7 +494,7 @@ def stopped_ranks():
 
 
 def all_reduce_tensor(t, op=None):
-    """Sum (or `op`) a tensor over ranks, in place; identity when not distributed."""
+    """Sum (or `op`) a tensor over ranks, in place."""
     if dist.is_initialized():
         on = t.cuda() if dist.get_backend() == "nccl" else t
         dist.all_reduce(on, op=op or dist.ReduceOp.SUM)
@@ -506,12 +504,12 @@ def all_reduce_tensor(t, op=None):
 
 
 def all_reduce(value, op=None):
-    """Sum (or `op`) a float over ranks; identity when not distributed."""
+    """Sum (or `op`) a float over ranks."""
     return all_reduce_tensor(torch.tensor(float(value), dtype=torch.float64), op).item()
 
 
-# FSDP2, DTensor and dcp are imported where used (~1.4 s a process): until then no parameter
-# can be a DTensor
+# FSDP2, DTensor and dcp are imported where used (a second a process): until then no parameter
+# is a DTensor
 
 def is_dtensor(tensor):
     module = sys.modules.get("torch.distributed.tensor")
@@ -519,7 +517,6 @@ def is_dtensor(tensor):
 
 
 def local(tensor):
-    """This rank's shard of a DTensor, else the tensor itself."""
     return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
@@ -537,8 +534,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="speedrun.sh's NCCL check (probe, under "
                                      "torchrun), or what this machine and code are (machine)")
     parser.add_argument("command", choices=["probe", "machine"], help="probe: a 4-byte and a timed "
-                        "large all-reduce over torchrun's ranks; machine: the device, whether bf16 "
-                        "is native, the matmul dtype, the versions, the code's commit")
+                        "large all-reduce over torchrun's ranks; machine: the device, bf16, the "
+                        "matmul dtype, the versions, the commit")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a collective "
                         "counts as hung (default: %(default)s)")
     parser.add_argument("--mbytes", type=float, default=PROBE_MBYTES,

@@ -1,7 +1,6 @@
 """Streaming loaders: (inputs, targets) batches on the device from a text corpus (text_loader)
-or conversations (chat_loader), resumable bit-identically from state_dict(). Packing is pure
-functions below PieceBuffer; PackedLoader adds threads and files. Not a stage; `python
-prepare.py rows` shows the rows a batch makes.
+or conversations (chat_loader), resumable bit-identically. Packing is pure functions;
+PackedLoader adds threads and files. Not a stage; `python prepare.py rows` shows a batch's rows.
 """
 import bisect
 import contextlib
@@ -46,9 +45,9 @@ def unit_rows(unit, footers):
 
 
 def assign_units(files, rank, world_size, footers=None):
-    """What rank `rank` reads, no document shared and no rank running out before another: full
-    row groups round robin in whole rounds, the rest dealt by document (repeated if fewer than
-    ranks). A unit is (path, row group, first doc, doc step)."""
+    """Rank `rank`'s units (path, row group, first doc, doc step), no document shared and no
+    rank running out first: full row groups round robin in whole rounds, the rest dealt by
+    document (repeated if fewer than ranks)."""
     footers = footers or read_footers(files)
     row_groups = [(path, i, footers[path].row_group(i).num_rows) for path in files
                   for i in range(footers[path].num_row_groups)]
@@ -76,8 +75,8 @@ def trained_epoch(stats, pass_tokens):
 
 
 def cut_into_pieces(ids, row_len, bos):
-    """A long document as row-sized pieces, each after the first led by `bos`; cutting its mask
-    the same way keeps mask and ids aligned."""
+    """A long document as row-sized pieces, each after the first led by `bos` (a mask is cut
+    the same way)."""
     rest = [np.concatenate([[bos], ids[s:s + row_len - 1]]).astype(ids.dtype)
             for s in range(row_len, len(ids), row_len - 1)]
     return [ids[:row_len], *rest]
@@ -89,8 +88,8 @@ def skipped(item):
 
 
 class PieceBuffer:
-    """Pieces (ids, mask, arrival) sorted by length, so the largest that fits is a bisect; a
-    heap of arrivals finds the oldest."""
+    """Pieces (ids, mask, arrival) sorted by length: the largest that fits is a bisect; a heap
+    of arrivals finds the oldest."""
 
     def __init__(self, pieces):
         self.lengths, self.pieces, self.live, self.oldest, self.tokens = [], [], {}, [], 0
@@ -137,8 +136,8 @@ _END = object()  # the documents have run out
 
 
 def add_document(buffer, document, row_len, bos, stats):
-    """Buffer one document (a skipped one is counted); a long one as BOS-led pieces, tokens past
-    the first piece counted as 'cropped'."""
+    """Buffer one document (a skipped one is counted); a long one as pieces, tokens past the
+    first counted as 'cropped'."""
     if skipped(document):
         stats[document or "empty"] += 1
         return
@@ -194,8 +193,7 @@ def pack_batch(buffer, documents, batch_size, row_len, bos, *, crop, buffer_docs
     masks = np.ones((batch_size, row_len), dtype=np.int8) if masked else None
     filled = 0
     for b in range(batch_size):
-        # fill to buffer_docs pieces; cropping also wants a row's worth of tokens, else a row
-        # would take every piece and find nothing to crop
+        # fill to buffer_docs pieces; cropping also wants a row's worth of tokens to crop from
         while len(buffer) < buffer_docs or (crop and buffer.tokens < row_len):
             if (document := next(documents, _END)) is _END:
                 break
@@ -222,7 +220,7 @@ def inputs_and_targets(rows, masks):
 
 
 def to_device(batch, device):
-    """int64 (inputs, targets) on `device`; int32 until here, half the bytes on the wire."""
+    """int64 (inputs, targets) on `device`; int32 until here: half the bytes on the wire."""
     if device.type == "cuda":
         batch = batch.pin_memory().to(device, non_blocking=True)
     batch = batch.long()
@@ -230,8 +228,8 @@ def to_device(batch, device):
 
 
 class Pipe:
-    """A bounded queue with its start's stop event: a thread outliving close()'s join still
-    finds its pipeline stopped."""
+    """A bounded queue with its start's stop event, so a thread outliving close()'s join still
+    finds it stopped."""
 
     def __init__(self, maxsize, stop, name):
         self.queue, self.stop, self.name = queue.Queue(maxsize=maxsize), stop, name
@@ -254,10 +252,10 @@ class Pipe:
 
 class PackedLoader:
     """(inputs, targets) batches (B, T) for one rank: pack="crop" packs without padding, "pad"
-    pads whole conversations (SFT); supervise picks the targets (docs/data.md). state_dict() is
-    the exact position after the last batch: resumes are bit-identical. A reader thread
-    tokenizes, a packer thread ships batches `prefetch` ahead. seed shuffles units by (seed,
-    epoch), documents by (seed, epoch, unit). max_epochs None cycles forever."""
+    pads whole conversations (SFT); supervise picks the targets (docs/data.md). state_dict():
+    the position after the last batch. A reader thread tokenizes, a packer thread ships batches
+    `prefetch` ahead. seed shuffles units by (seed, epoch), documents by (seed, epoch, unit).
+    max_epochs None cycles forever."""
 
     def __init__(self, files, tokenizer, batch_size, seq_len, kind="text", rank=0, world_size=1,
                  device=
@@ -281,7 +279,7 @@ class PackedLoader:
         self.device = torch.device(device)
         self.threads = threads or os.cpu_count()
         self.prefetch, self.max_epochs = prefetch, max_epochs
-        # a bad .jsonl line stops here, before any batch; skipped ones are "malformed"
+        # a bad .jsonl line stops here, before any batch (skipped: "malformed")
         if kind == "chat":
             check_chat_files(self.files, skip_bad_rows)
         self._footers = read_footers(self.files)
@@ -289,13 +287,12 @@ class PackedLoader:
         if not self.units:
             raise ValueError(f"{name}: rank {rank} of {world_size} has no data in "
                              f"{', '.join(map(str, self.files))}")
-        # training buffers at most one pass, else a small set is read a thousand times before
-        # the first row
+        # training buffers at most one pass, else a small set is read many times before a row
         pass_docs = sum(len(unit_rows(unit, self._footers)) for unit in self.units)
         self.buffer_docs = buffer_docs if max_epochs is not None else min(buffer_docs, max(
                 1, pass_docs))
-        # a training pass shorter than buffer_docs stays encoded after its first read (the
-        # buffer could hold it anyway). {(unit, row): _read_unit's}; None: every pass reads
+        # a training pass shorter than buffer_docs stays encoded after its first read:
+        # {(unit, row): _read_unit's}; None: every pass reads
         self._encoded = {} if max_epochs is None and pass_docs < buffer_docs else None
         # epoch, unit, doc: where the reader goes on; pass_tokens: a pass's tokens, once known
         self.state = {"epoch": 0, "unit": 0, "doc": 0, "buffer": [],
@@ -307,8 +304,7 @@ class PackedLoader:
     # --- state
     @property
     def epoch(self):
-        """The pass the rows handed out are in (0: the first), by tokens; state["epoch"] runs
-        ahead by the buffer."""
+        """The pass the rows handed out are in (0: the first); state["epoch"] runs ahead."""
         return trained_epoch(self.state["stats"], self.state["pass_tokens"])
 
     def state_dict(self):
@@ -381,7 +377,6 @@ class PackedLoader:
     def stop(self):
         """Tell this start's threads to end without waiting (close() waits)."""
         if self._batches is not None:
-            # for good: this start's threads hold this event, joined in time or not
             self._batches.stop.set()
 
     def close(self, timeout=10):
@@ -411,8 +406,8 @@ class PackedLoader:
             batches.put(e)
 
     def _read(self, start, out):
-        """Reader thread: per row group, (epoch, unit, first doc, [encoded doc or skip reason]),
-        positions in the epoch's shuffled order."""
+        """Reader thread: per unit in the epoch's order, (epoch, unit, first doc, [encoded doc
+        or skip reason])."""
         epoch, first_unit, doc = start
         while epoch != self.max_epochs:
             order = list(range(len(self.units)))  # order[k]: the unit visited k-th this epoch
@@ -469,7 +464,7 @@ class PackedLoader:
 
     def _render(self, messages):
         """((ids, mask) or a stats key, why it is bad input or None). pack="pad" cuts after the
-        last assistant turn that fits a row."""
+        last assistant turn that fits."""
         if not messages:
             return None, "no messages"
         try:
@@ -522,8 +517,8 @@ class PackedLoader:
         batches.put(StopIteration())  # max_epochs done: __next__ raises it
 
     def _documents(self, units, position, buffered, stats, per_pass):
-        """Documents from position[0] on, which moves to the next unread before each is yielded.
-        A pass with no usable document is an error."""
+        """Documents from position[0] on, moved to the next unread before each is yielded. A
+        pass with no usable document is an error."""
         epoch, usable = position[0][0], buffered
         while (got := units.get()) is not None:
             item_epoch, unit, doc, items = got
@@ -544,8 +539,7 @@ class PackedLoader:
 
 
 def close_all(loaders, timeout=10):
-    """Close loaders, every thread told first, so they end together, not one 0.1 s poll after
-    another."""
+    """Close loaders, every thread told first, so they end together, not poll after poll."""
     for loader in loaders:
         loader.stop()
     for loader in loaders:
@@ -562,7 +556,7 @@ def text_loader(data_dir, split, tokenizer, batch_size, seq_len, **kwargs):
 def chat_loader(chat_dir, split, tokenizer, batch_size, seq_len, *, pack="pad", supervise=
                 "assistant", seed=None,
                 files=None, **kwargs):
-    """The conversation loader over a chat split, or `files`; see PackedLoader."""
+    """The conversation loader over a chat split, or `files`."""
     return PackedLoader(files or chat_files(chat_dir, split), tokenizer, batch_size, seq_len, kind=
                         "chat", pack=pack,
                         supervise=supervise, seed=seed, **{"name": f"chat {split}", **kwargs})
@@ -571,7 +565,7 @@ def chat_loader(chat_dir, split, tokenizer, batch_size, seq_len, *, pack="pad", 
 # -----------------------------------------------------------------------------
 
 def val_rows(data_dir, tokenizer, max_tokens, seq_len):
-    """Rows of seq_len + 1 tokens for max_tokens targets, packed as in training: the same in
+    """Rows of seq_len + 1 tokens for max_tokens targets, packed as in training, the same in
     every process and stage."""
     n_rows = max(1, math.ceil(max_tokens / seq_len))
     loader = text_loader(data_dir, "val", tokenizer, min(n_rows, 64), seq_len, max_epochs=1, name=

@@ -13,8 +13,7 @@ turns and when to stop, and keeps its knowledge.
     python midtrain.py --status runs/NAME
 
 Writes runs/<run_name>/: config.json, metrics.jsonl, samples.jsonl (greedy answers per eval),
-ckpt/step_XXXXXX/ (meta.json names the parent and its weights' sha256), done.json (the realized
-mixture).
+ckpt/step_XXXXXX/ (meta.json names the parent), done.json (the realized mixture).
 """
 import argparse
 import math
@@ -37,9 +36,9 @@ from model import flops_per_token, num_params
 # beside the parent's text (0.3): conversation, chat_eval.py's shapes, and identity
 DEFAULT_CHAT_SHARES = [("smoltalk", 0.3), ("ultrachat", 0.1), ("mmlu", 0.15), ("gsm8k", 0.1),
                        ("arc-easy", 0.02), ("arc-challenge", 0.02), ("identity", 0.01)]
-# the parent's full lrs, flat, then a linear warmdown over the last 20% (nanochat's): against a
-# fresh state, better on the demo world and forgot less on real text; half the lrs learned far
-# less (dev/LOG.md)
+# the parent's full lrs, flat, then a linear warmdown over the last 20% (nanochat's): better on
+# the demo world and forgot less on real text than a fresh state; half the lrs learned far less
+# (dev/LOG.md)
 MID_LR_SCALE, MID_WARMDOWN = 1.0, 0.2
 MID_WHY = "measured on the demo world and on real text"
 
@@ -48,7 +47,7 @@ MID_WHY = "measured on the demo world and on real text"
 # The mixture: each row from the source furthest below its token share
 
 def check_sources(sources):
-    """A ValueError naming what is wrong with a mixture's sources and how to fix it."""
+    """A ValueError naming what is wrong with a mixture's sources."""
     if not sources:
         raise ValueError("a mixture needs at least one source")
     for i, source in enumerate(sources):
@@ -69,8 +68,8 @@ def check_sources(sources):
 
 
 class MixtureLoader:
-    """Batches from several sources at token shares. sources: [{"name", "kind": "text"|"chat",
-    "path", "share"}]; each row comes from the source furthest below its share."""
+    """Batches from sources [{"name", "kind": "text"|"chat", "path", "share"}] at token shares:
+    each row from the source furthest below its share."""
 
     def __init__(self, sources, tokenizer, batch_size, seq_len, *, rank=0, world_size=1, device=
                  "cpu", seed=0,
@@ -80,7 +79,7 @@ class MixtureLoader:
                                                                   for s in sources]
         self.B, self.T, self.rank, self.world_size = batch_size, seq_len, rank, world_size
         self.device, self.name, self.batches = torch.device(device), name, 0
-        # each source keeps a batch's worth of rows ready (prefetch counts its one-row batches)
+        # each source keeps a batch's worth of rows ready (its batches are one row)
         common = {"rank": rank, "world_size": world_size, "seed": seed,
                   "prefetch": prefetch * batch_size, **kwargs}
         make = {"text": text_loader, "chat": partial(chat_loader, pack="crop", supervise=supervise)}
@@ -141,7 +140,7 @@ class MixtureLoader:
         self.batches = sd["batches"]
 
     def mixture(self):
-        """{name: {"tokens", "docs", "share" (realized), "target"}} for the final summary."""
+        """{name: {"tokens", "docs", "share" (realized), "target"}}."""
         total = max(1, sum(loader.state["stats"]["tokens"] for loader in self.loaders))
         return {name: {"tokens": loader.state["stats"]["tokens"],
                        "docs": loader.state["stats"]["docs"],
@@ -168,16 +167,15 @@ def get_args(argv=None):
     g = p.add_argument_group("data")
     g.add_argument("--source", action="append", default=None, metavar="KIND:PATH:SHARE", help=
                    "a data source and its share of the tokens, repeatable; KIND is text (a corpus "
-                   "directory, its train split) or chat (a directory of conversation or task "
-                   "parquet files, or a .jsonl file of conversations: docs/own-data.md) (default: "
+                   "directory) or chat (a directory of conversation or task parquet files, or a "
+                   ".jsonl file of conversations) (default: "
                    "text:<the parent's data_dir>:0.3, "
                    + ", ".join(f"chat:{CACHE_DIR / 'chat' / name}:{share}" for name,
                                share in DEFAULT_CHAT_SHARES)
                    + ")")
     g.add_argument("--add_source", action="append", default=[], metavar="KIND:PATH:SHARE", help=
-                   "a source added to the mixture above (the --source ones, or the defaults) at "
-                   "SHARE, every other share scaled by 1 - SHARE: speedrun.sh --chat FILE adds "
-                   "chat:FILE:0.2 (default: none)")
+                   "a source added to the mixture (the --source ones, or the defaults) at SHARE, "
+                   "every other share scaled by 1 - SHARE (default: none)")
     g.add_argument("--supervise", default="all", choices=["all", "assistant"], help=
                    "conversation tokens that carry loss: all of them, as in pretraining, or the "
                    "assistant's only (default: %(default)s, as nanochat midtrains)")
@@ -191,8 +189,7 @@ def get_args(argv=None):
 
 
 def parse_sources(specs, parent_data_dir, added=()):
-    """--source KIND:PATH:SHARE values (and --add_source's, scaling the others down) as source
-    dicts."""
+    """--source values (and --add_source's, scaling the others down) as source dicts."""
     if added:
         base, extra = parse_sources(specs, parent_data_dir), parse_sources(list(added), None)
         scale = 1 - sum(s["share"] for s in extra)
@@ -258,7 +255,7 @@ def main(argv=None):
                                args.skip_bad_rows)
     val_chat_dir = chat_stage.held_out_dir(args.val_chat_dir, chats[0] if chats else None)
     total_steps = args.steps or math.ceil(args.tokens / tokens_per_step)
-    # one loader per accumulation micro-step, as virtual rank rank * accum + j (pretrain.py's)
+    # one loader per accumulation micro-step, as virtual rank rank * accum + j
     loaders = [MixtureLoader(sources, tokenizer, micro, seq_len, device=device,
                              rank=rank * accum + j, world_size=world * accum, seed=args.seed,
                              supervise=args.supervise, skip_bad_rows=args.skip_bad_rows,
@@ -292,7 +289,7 @@ def main(argv=None):
     batches = chat_stage.chat_val_batches(val_chat_dir, tokenizer, seq_len, args.eval_rows,
                                           args.skip_bad_rows)
 
-    def evaluate(step):  # the chat validation and the mixture so far (on every rank: it gathers)
+    def evaluate(step):  # on every rank: it gathers
         figures = chat_stage.chat_validation(model, tokenizer, batches, args, rank, world, device,
                                              run_dir, step)
         return {**figures, "mixture": realized_mixture(loaders, sources, step, rank)}
@@ -302,7 +299,7 @@ def main(argv=None):
                               evaluate=evaluate, flops_per_token=flops_per_token(config),
                               rank=rank, world=world, device=device)
     if signum is None:
-        figures = evaluate(total_steps)  # once: a second call reruns the whole validation
+        figures = evaluate(total_steps)  # once: each call reruns the validation
         kept = chat_stage.forgetting(model, tokenizer, parent, parent_meta, args, rank, world,
                                      device)
         if rank == 0:

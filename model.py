@@ -4,8 +4,8 @@ Run alone, it shows a preset without allocating a weight:
     python model.py --preset llama3-1b                 # prints params: 1241581568
     python model.py --preset d20 --micro_batch 16      # any field can be overridden: --n_layer 8
 
-fp32 master weights, bf16 compute by autocast (bf16 weights froze RMSNorm scales). The loss runs
-in chunks, its gradient in the forward: no (batch, time, vocab) fp32 logits.
+fp32 master weights, bf16 compute by autocast (bf16 weights freeze RMSNorm scales). The loss
+runs in chunks, its gradient in the forward: no (batch, time, vocab) fp32 logits.
 """
 import argparse
 import functools
@@ -74,7 +74,7 @@ def _divisors(n):
 
 
 # -----------------------------------------------------------------------------
-# Presets: sets of GPTConfig fields, each overridable.
+# Presets: GPTConfig fields, each overridable
 
 PRESETS = {
     # the demo and the tests: 4.2M parameters; the demo world has at most ~1,690 BPE tokens
@@ -148,8 +148,8 @@ def add_model_args(parser, default_preset="tiny"):
 
 
 def parse_args(parser, argv=None):
-    """parse_args that names the model fields at an unknown option; argv may hold paths."""
-    def fail(message):  # one line, without argparse's usage dump
+    """parse_args naming the model fields at an unknown option; argv may hold paths."""
+    def fail(message):  # one line, no usage dump
         parser.exit(2, f"{parser.prog}: error: {message}\n")
     parser.error = fail
     args, unknown = parser.parse_known_args(None if argv is None else [str(a) for a in argv])
@@ -196,7 +196,7 @@ def num_params(c):
 
 def budget_params(c):
     """What --tokens_per_param counts: not the value-embedding tables, lookups without FLOPs
-    (60% of d20's parameters)."""
+    (most of d20's parameters)."""
     return num_params(c) - param_breakdown(c)["value_embeds"]
 
 
@@ -223,7 +223,7 @@ def memory_estimate(c, micro_batch, seq_len=None, optimizer="muon", bf16=True, d
     P = num_params(c)
     b = param_breakdown(c)
     block_matrices = b["attention"] + b["mlp"]
-    # + NorMuon's fp32 second moment per neuron (optim.Muon.neuron_normalized)
+    # + NorMuon's fp32 second moment per neuron
     if optimizer == "muon":
         opt = 4 * block_matrices + 4 * muon_neurons(c) + 8 * (P - block_matrices)
     else:  # AdamW: two fp32 moments; 8-bit AdamW: two 1-byte moments
@@ -251,7 +251,7 @@ def memory_estimate(c, micro_batch, seq_len=None, optimizer="muon", bf16=True, d
     # 8: int64 token ids for the embedding's backward
     acts = blocks + mixes + tokens * (8 + final_norm) + loss
     chunk_rows = min(tokens, max(1, loss_chunk_elements(device_type) // c.vocab_size))
-    # a chunk's logits, probabilities and tanh, the head gradient's sum twice; or grad_x's concat
+    # a chunk's logits, probabilities, tanh, the head gradient's sum twice; or grad_x's concat
     loss_transient = max(3 * 4 * chunk_rows * c.vocab_size + 4 * c.vocab_size * c.n_embd,
                          tokens * 4 * c.n_embd)
     transient = max(recompute, loss_transient)
@@ -266,17 +266,15 @@ def activation_bytes_per_token_layer(c, bf16):
     # input, 1/rms, normalized x
     norm = 4 * d + 4 + (4 * d if c.norm_learnable else 0)
     attn = norm + a * d  # the q/k/v projections' shared input in the compute dtype
-    # q and k outputs (fp32 for the norm), 1/rms per head, normalized copies if learnable
+    # q and k (fp32 for the norm), 1/rms per head, normalized copies if learnable
     if c.qk_norm:
         attn += 4 * (q_dim + kv_dim) * (2 if c.norm_learnable else 1) + 4 * (c.n_head + c.n_kv_head)
     # SDPA's q, k, v, output (= o_proj's input), logsumexp
     attn += a * (2 * q_dim + 2 * kv_dim) + 4 * c.n_head
     # swiglu: gate, silu(gate), up, product
     mlp = norm + a * d + a * h * (4 if c.mlp == "swiglu" else 2)
-    if c.bitnet:  # each linear layer saves its own 8-bit input instead of a shared one
-        # q, k, v quantize the same input three times
+    if c.bitnet:  # each linear layer saves its own 8-bit input: q, k, v three, gate and up two
         attn += a * (2 * d + q_dim)
-        # gate and up both quantize the input
         mlp += a * d if c.mlp == "swiglu" else 0
     return attn + mlp
 
@@ -302,7 +300,7 @@ def causal_attention(q, k, v):
 
 
 def to_compute_dtype(x):
-    """Cast once: else each projection saves its own bf16 copy."""
+    """Cast once, not a bf16 copy per projection."""
     if not torch.is_autocast_enabled(x.device.type):
         return x
     return x.to(torch.get_autocast_dtype(x.device.type))
@@ -329,7 +327,7 @@ def bitnet_activation(x):
 
 
 class Linear(nn.Linear):
-    """A bias-free linear layer; bitnet: quantized on the fly, straight-through gradients."""
+    """Bias-free; bitnet: quantized on the fly, straight-through gradients."""
 
     def __init__(self, fan_in, fan_out, bitnet=False):
         super().__init__(fan_in, fan_out, bias=False)
@@ -338,7 +336,7 @@ class Linear(nn.Linear):
     def effective_weight(self):
         if not self.bitnet:
             return self.weight
-        # + (w - w), exactly 0: the gradient passes straight through
+        # + (w - w), exactly 0: a straight-through gradient
         w = self.weight.detach()
         return bitnet_weight(w) + (self.weight - w)
 
@@ -468,7 +466,7 @@ def loss_chunk_elements(device_type):
 
 
 def loss_chunk(xc, w, tc, softcap, need_grad, grad_w=None):
-    """One chunk's summed cross-entropy; need_grad: also gradients for xc and w (into grad_w),
+    """One chunk's summed cross-entropy; need_grad: also xc's and w's gradients (into grad_w),
     so the logits die with the chunk."""
     logits = (xc @ w.t()).float()
     if softcap:
@@ -485,7 +483,7 @@ def loss_chunk(xc, w, tc, softcap, need_grad, grad_w=None):
     if torch.compiler.is_compiling():
         dlogits = dlogits - (torch.arange(logits.size(1),
                                           device=logits.device) == safe_targets).to(dlogits.dtype)
-    else:  # eager: in place at the targets (the expression above is three passes more)
+    else:  # eager: in place at the targets (the expression is three passes more)
         dlogits.scatter_add_(1, safe_targets, -torch.ones_like(safe_targets, dtype=dlogits.dtype))
     dlogits = dlogits * valid.unsqueeze(1)
     if softcap:
@@ -496,8 +494,8 @@ def loss_chunk(xc, w, tc, softcap, need_grad, grad_w=None):
 
 @functools.cache
 def compiled_loss_chunk():
-    """loss_chunk compiled alone: unrolled, compiling took 3.6x as long (dev/LOG.md).
-    Dynamic shapes: rl.py's replies vary in length."""
+    """loss_chunk compiled alone: unrolled, compiling takes far longer (dev/LOG.md). Dynamic
+    shapes: rl.py's replies vary in length."""
     return torch.compile(loss_chunk)
 
 
@@ -507,7 +505,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, targets, softcap, compute_dtype, grad_enabled, compiled):
-        # grad mode is off here and needs_input_grad ignores no_grad: the caller's
+        # grad mode is off here and needs_input_grad ignores no_grad: the caller's decides
         need_grad = grad_enabled and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         logits = x.size(0) * weight.size(0)
         chunks = max(1, math.ceil(logits / loss_chunk_elements(x.device.type)))
@@ -542,11 +540,11 @@ def chunked_cross_entropy(x, weight, targets, softcap, compute_dtype, grad_enabl
     # traced in a compiled model: a graph break keeps the chunk loop out of its graph
     if torch.compiler.is_compiling():
         return chunked_cross_entropy_outside_graph(*args)
-    # eager: no dynamo to import (~1.1 s at each stage start)
+    # eager: no dynamo to import (a second at each stage start)
     return ChunkedCrossEntropy.apply(*args)
 
 
-# torch.compiler.disable would import dynamo (~3 s) with this file
+# torch.compiler.disable would import dynamo with this file
 @torch._disable_dynamo
 def chunked_cross_entropy_outside_graph(*args):
     return ChunkedCrossEntropy.apply(*args)
@@ -665,7 +663,7 @@ class GPT(nn.Module):
         return loss_sum if reduction == "sum" else loss_sum / (targets != -1).sum().clamp(min=1)
 
     def _per_token_loss(self, x, targets):
-        """Loss and argmax at the positions with a target only, in chunks."""
+        """Loss and argmax only where there is a target, in chunks."""
         valid = (targets != -1).nonzero().squeeze(1)
         losses = torch.zeros(targets.shape, device=x.device)
         argmax = torch.full(targets.shape, -1, dtype=torch.long, device=x.device)
@@ -681,7 +679,7 @@ class GPT(nn.Module):
 
 class _NoInitOnMeta(torch.overrides.TorchFunctionMode):
     """Skip modules' own inits on meta (init_weights sets every value): they import
-    torch._dynamo (~2 s). empty_like's explicit format spares importing sympy."""
+    torch._dynamo. empty_like's explicit format spares importing sympy."""
 
     SKIPPED = (torch.Tensor.normal_, torch.Tensor.uniform_)
 
@@ -705,7 +703,7 @@ def build_model(config, device="cpu", init=True):
 
 
 def check_master_weights(model):
-    """Raise if any parameter is not fp32 (bf16 norms once froze)."""
+    """Raise if any parameter is not fp32 (bf16 norms freeze)."""
     wrong = [f"{name} ({p.dtype})" for name, p in model.named_parameters()
              if p.dtype != torch.float32]
     if wrong:
@@ -714,7 +712,7 @@ def check_master_weights(model):
 
 
 def score_rows(model, rows, dtype, device, predictions=False):
-    """(per-token losses, targets) of rows [(ids, first scored index)] in one padded forward."""
+    """(per-token losses, targets) of rows [(ids, first scored index)], one padded forward."""
     x = torch.zeros(len(rows), max(len(ids) for ids, _ in rows) - 1, dtype=torch.long)
     y = torch.full_like(x, -1)
     for r, (ids, start) in enumerate(rows):
@@ -743,12 +741,11 @@ def main(argv=None):
     parser.add_argument("--micro_batch", type=int, default=8, help="sequences per device for the "
                         "memory estimate (default: %(default)s)")
     parser.add_argument("--optimizer", default="muon", choices=["adam8bit", "adamw", "muon"],
-                        help="optimizer whose state the memory estimate counts (default: "
-                        "%(default)s)")
+                        help="optimizer whose state the estimate counts (default: %(default)s)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="compute dtype for the activation estimate (default: %(default)s)")
     parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"],
-                        help="device type for the memory estimate (default: %(default)s)")
+                        help="device type for the estimate (default: %(default)s)")
     args = parse_args(parser, argv)
     try:
         config = config_from_args(args)

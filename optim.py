@@ -1,6 +1,5 @@
-"""Optimizers and schedules: parameter groups and lrs (build_optimizers), Muon with Polar
-Express and NorMuon, and the schedules (apply_schedule). Not a stage: import it. To see a
-schedule:
+"""Optimizers and schedules: parameter groups and lrs, Muon with Polar Express and NorMuon, and
+the lr schedules. Not a stage. To see a schedule:
 
     python optim.py --steps 1000 --schedule wsd --warmdown_frac 0.2    # lr, weight decay, momentum
 """
@@ -19,7 +18,7 @@ from distributed import device_name, is_dtensor, local, matmul_dtype, precision
 
 REF_WIDTH, REF_BATCH, BATCH_EXPONENT = 768, 2 ** 19, 1 / 8
 
-# torch.optim imports torch._dynamo (1.1 s) at an optimizer's first add_param_group and step;
+# torch.optim imports torch._dynamo (a second) at an optimizer's first add_param_group and step;
 # nothing here compiles them. torch._disable_dynamo's lazy wrapper calls what this attribute holds
 for method in (torch.optim.Optimizer.add_param_group, torch.optim.Optimizer.state_dict,
                torch.optim.Optimizer.load_state_dict, torch.optim.Optimizer.zero_grad):
@@ -59,7 +58,7 @@ def param_groups(model):
 
 def build_optimizers(model, args, width, batch_tokens, device, lr_scale=1.0):
     """Muon for the block matrices and AdamW for the rest, or AdamW everywhere; lrs times
-    lr_scale. Each group has name, base_lr and wd_on."""
+    lr_scale. Groups carry name, base_lr and wd_on."""
     width_factor = (width / REF_WIDTH) ** -0.5
     batch_factor = (batch_tokens / REF_BATCH) ** BATCH_EXPONENT
     # AdamW on the block matrices keeps the square-root rule: 1/8 cost bpb there (dev/LOG.md)
@@ -89,7 +88,7 @@ def build_optimizers(model, args, width, batch_tokens, device, lr_scale=1.0):
         adam = bitsandbytes.optim.AdamW8bit(adam_groups, betas=(0.8, 0.95), eps=1e-10,
                                             weight_decay=0.0)
     else:
-        # fused on CPU too: 3-5x faster than foreach; takes DTensors (dev/LOG.md)
+        # fused on CPU too: faster than foreach; takes DTensors (dev/LOG.md)
         adam = AdamW(adam_groups, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0, fused=True)
     optimizers = [adam]
     if args.optimizer == "muon":
@@ -101,7 +100,7 @@ def build_optimizers(model, args, width, batch_tokens, device, lr_scale=1.0):
 
 def precision_line(args, device, optimizers, width):
     """What runs in which dtype, and why. Newton-Schulz takes the device's choice whatever
-    --dtype says: it needs only speed."""
+    --dtype says: it needs speed only."""
     muon = [g["ns_dtype"] for opt in optimizers if isinstance(opt, Muon) for g in opt.param_groups]
     chosen, why = precision(device, width)
     how = why if args.dtype == chosen else (f"given or inherited; the choice here would be "
@@ -143,8 +142,7 @@ def newton_schulz(stack, steps, dtype):
 
 
 def newton_schulz_gram(x, steps):
-    """newton_schulz for wide x: X_k = Q X_0, iterating only m x m matrices. In fp32 within
-    1.1e-3 of fp64 (tested)."""
+    """newton_schulz for wide x: X_k = Q X_0, iterating only m x m matrices."""
     gram, product = x @ x.mT, None
     for step, (a, b, c) in enumerate(quintic_coefficients(steps)):
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
@@ -156,7 +154,7 @@ def newton_schulz_gram(x, steps):
 
 
 def whole(shard, param):
-    """A sharded update all-gathered whole; else the update."""
+    """A sharded update all-gathered whole."""
     if not is_dtensor(param):
         return shard
     return type(param).from_local(shard, param.device_mesh, param.placements, shape=param.shape,
@@ -174,9 +172,9 @@ def shard_of(matrix, param):
 
 class Muon(torch.optim.Optimizer):
     """Muon for 2D weights: momentum, orthogonalized in ns_dtype, NorMuon's per-neuron
-    normalization, scaled by sqrt(max(1, rows/cols)), decoupled weight decay. One stack per
-    shape. FSDP: rank i orthogonalizes the i-th matrix of a round and broadcasts it. DDP: each
-    rank its share, then an all-gather (divide_work)."""
+    normalization, scaled by sqrt(max(1, rows/cols)), decoupled weight decay; one stack per
+    shape. FSDP: rank i orthogonalizes a round's i-th matrix and broadcasts it. DDP: each rank
+    its share, then an all-gather."""
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0, ns_steps=5,
                  ns_dtype="bfloat16", neuron_beta2=0.95, divide_work=True):
@@ -187,7 +185,7 @@ class Muon(torch.optim.Optimizer):
         self.divide_work = divide_work
 
     @torch.no_grad()
-    # closure: torch.distributed.checkpoint initializes state with step(closure=None)
+    # closure: dcp initializes state with step(closure=None)
     def step(self, closure=None):
         for group in self.param_groups:
             # (rows <= columns) -> parameters of that shape or its transpose
@@ -274,7 +272,7 @@ class Muon(torch.optim.Optimizer):
 # Schedules: pure functions of (step, args), so a resume needs no schedule state
 
 def decay(progress, start, end, shape, warmdown_frac):
-    """Multiplier going from `start` to `end` as progress goes 0 -> 1."""
+    """From `start` to `end` as progress goes 0 -> 1."""
     progress = min(max(progress, 0.0), 1.0)
     if shape == "cosine":
         return end + (start - end) * 0.5 * (1 + math.cos(math.pi * progress))
@@ -289,8 +287,7 @@ def decay(progress, start, end, shape, warmdown_frac):
 
 
 def lr_multiplier(step, total, args):
-    """Warmup, then one decay segment; a two-stage schedule restarts the decay at the
-    boundary."""
+    """Warmup, then a decay; a two-stage schedule restarts the decay at the boundary."""
     if step < args.warmup_steps:
         return (step + 1) / args.warmup_steps
     boundary = args.stage2_step
@@ -343,8 +340,8 @@ def add_schedule_args(parser):
     g.add_argument("--scalar_lr", type=float, default=0.04, help="norms and other 1D parameters, "
                    "same reference (default: %(default)s)")
     g.add_argument("--muon_momentum_warmup", type=int, default=300, help="Muon's momentum rises "
-                   "from 0.85 to 0.95 over this many steps of the stage; 0 = 0.95 throughout "
-                   "(default: %(default)s)")
+                   "from 0.85 to 0.95 over this many steps; 0 = 0.95 throughout (default: "
+                   "%(default)s)")
     g.add_argument("--weight_decay", type=float, default=0.0, help="decoupled weight decay of the "
                    "block matrices (default: %(default)s)")
     g.add_argument("--grad_clip", type=float, default=1.0, help="clip the global gradient norm; 0 "
@@ -368,9 +365,8 @@ def add_schedule_args(parser):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="a schedule as the training stages apply it: the "
-                                     "lr multiplier, the weight decay and Muon's momentum at "
-                                     "evenly spaced steps")
+    parser = argparse.ArgumentParser(description="a schedule: the lr multiplier, the weight decay "
+                                     "and Muon's momentum at evenly spaced steps")
     parser.add_argument("--steps", type=int, default=1000, help="the stage's steps (default: "
                         "%(default)s)")
     parser.add_argument("--points", type=int, default=11, help="how many steps to show (default: "

@@ -1,8 +1,7 @@
-"""Getting data ready for training: checked, resumable downloads (FineWeb-Edu shards,
-conversation sets, any hub or URL file), your own text ingested as a corpus, and the tokenizer
-trained on a corpus. A file gets its final name only once size, hash and (parquet) footer check
-out; retried with backoff. The hub's listing is saved beside the files (.hub_listing.json), so a
-rerun with intact files needs no hub.
+"""Data for training: checked, resumable downloads (FineWeb-Edu shards, conversation sets,
+any hub or URL file), your own text ingested as a corpus, and the tokenizer trained on a corpus.
+A file gets its final name once size, hash and (parquet) footer check out. The hub's listing is
+saved beside the files, so a rerun with intact files needs no hub.
 
     python prepare.py shards --shards 8  # FineWeb-Edu shards + the last one (validation)
     python prepare.py chat smoltalk gsm8k
@@ -48,18 +47,17 @@ from dataset import (
 )
 from tokenizer import SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer
 
-# huggingface_hub is imported inside functions, not by every stage (docs/data.md).
-# hf_hub_download checks no size or hash and gives up on a 500 or a reset mid-body: the checks,
-# retries and one-line errors are this file's (tests/test_prepare.py).
+# huggingface_hub is imported inside functions, not by every stage. hf_hub_download checks no
+# size or hash and gives up on a 500 or a reset mid-body: the checks and retries are this file's.
 
 DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
-# attempts per file; with the backoff below they wait ~60 s in all: enough to ride out a hub hiccup
+# attempts per file: with the backoff, ~60 s in all, enough to ride out a hub hiccup
 RETRIES = 8
 BACKOFF_BASE, BACKOFF_MAX = 0.5, 30.0
 
 
 class _Transient(Exception):
-    """A downloaded file failed a check (size, hash, content); a fresh download can fix it."""
+    """A downloaded file failed a check; a fresh download can fix it."""
 
 
 def hub_endpoint():
@@ -77,8 +75,8 @@ def _first_line(error):
 
 
 def _transient(error):
-    """Worth retrying: network errors, 408/429/5xx, short bodies, failed checks. Other HTTP answers
-    (401, 404, ...) are mistakes to report."""
+    """Worth retrying: network errors, 408/429/5xx, short bodies, failed checks; not 401, 404,
+    ..."""
     from huggingface_hub.utils import HfHubHTTPError, httpx
     if isinstance(error, HfHubHTTPError):
         code = _status(error)
@@ -87,8 +85,8 @@ def _transient(error):
 
 
 def _retrying(attempt, retries, gave_up):
-    """attempt() up to `retries` times with exponential backoff; non-transient errors raise at
-    once, and after the last try gave_up(first line of the error)."""
+    """attempt() up to `retries` times with backoff; non-transient errors raise at once, and
+    after the last try gave_up(the error's first line)."""
     for i in range(retries):
         try:
             return attempt()
@@ -122,8 +120,8 @@ def _mismatch(path, size=None, sha256=None, git_sha1=None):
 
 
 def _check(path, size=None, sha256=None, git_sha1=None, verify=None):
-    """Raise _Transient and delete path (a bad prefix would poison every resume) unless it matches
-    and verify(path) raises no ValueError."""
+    """Unless path matches and verify(path) passes, delete it (a bad prefix would poison every
+    resume) and raise _Transient."""
     problem = _mismatch(path, size, sha256, git_sha1)
     if not problem and verify:
         try:
@@ -136,7 +134,7 @@ def _check(path, size=None, sha256=None, git_sha1=None, verify=None):
 
 
 class _Bar:
-    """The silent part of tqdm's interface that huggingface_hub calls."""
+    """The part of tqdm's interface huggingface_hub calls, silent."""
 
     def __init__(self, initial=0, **kwargs):
         self.n = initial
@@ -153,13 +151,13 @@ class _Bar:
     def set_postfix_str(self, *args, **kwargs):
         pass
 
-    # update_transfer: hf_xet's network bytes; update() counts bytes written, enough
+    # update_transfer: hf_xet's network bytes; update() counts bytes written
     update_transfer = set_transfer_postfix_str = refresh = close = set_postfix_str
 
 
 def download_file(url, dest, size=None, sha256=None, verify=None, retries=RETRIES):
-    """Stream a plain URL to dest + ".partial", resumed by later attempts and runs. dest appears
-    once size, sha256 and verify(partial) pass; an existing dest of the right size is kept."""
+    """Stream a URL to dest + ".partial", resumed by later attempts and runs; renamed to dest
+    once size, sha256 and verify pass. An existing dest of the right size is kept."""
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import HfHubHTTPError
     dest = Path(dest)
@@ -220,7 +218,7 @@ def list_hub_files(repo, revision="main", repo_type="dataset"):
     except httpx.HTTPError as e:  # HfHubHTTPError is one
         if isinstance(e, HfHubHTTPError) and not _transient(e):
             raise _hub_failure(f"listing {repo} (revision {revision})", e) from None
-        # network error, or a 429/5xx huggingface_hub already retried five times
+        # network error, or a 429/5xx huggingface_hub already retried
         raise RuntimeError(f"could not list {repo} at {hub_endpoint()} ({_first_line(e)}): check "
                            "the network (and HF_ENDPOINT if set) and re-run the command, later if "
                            "the hub is failing") from None
@@ -252,8 +250,8 @@ def _fetch_hub_file(repo, entry, dest, staging, revision, repo_type, bar):
 
 
 def verify_parquet(path):
-    """The footer parses and there are rows: catches truncation and HTML error pages in
-    milliseconds; bit flips are the sha256's job."""
+    """The footer parses and there are rows: catches truncation and HTML error pages; bit flips
+    are the sha256's job."""
     try:
         num_rows = pq.ParquetFile(path).metadata.num_rows
     except (pa.ArrowInvalid, OSError) as e:
@@ -263,8 +261,8 @@ def verify_parquet(path):
 
 
 def _progress_line(total, already):
-    """Per-file tqdm_classes feeding one stderr line (MB, MB/s, ETA): rewritten twice a second on
-    a terminal, a new line every 30 s in a log."""
+    """Per-file tqdm_classes feeding one stderr line: rewritten twice a second on a terminal, a
+    new line every 30 s in a log."""
     tty = sys.stderr.isatty()
     lock, done, start, last = threading.Lock(), {}, time.time(), [0.0]
 
@@ -297,7 +295,7 @@ def _progress_line(total, already):
 
 def download_entries(repo, entries, out_dir, revision, repo_type, workers):
     """Download listed entries into out_dir by file name, in parallel, via a staging dir inside
-    out_dir (same disk: the rename is atomic)."""
+    out_dir (the rename is atomic)."""
     out_dir = Path(out_dir)
     names = [Path(e["path"]).name for e in entries]
     if len(set(names)) != len(names):
@@ -332,7 +330,7 @@ def download_entries(repo, entries, out_dir, revision, repo_type, workers):
 
 
 def download_hub_files(repo, paths, out_dir, revision="main", repo_type="dataset", workers=4):
-    """Download `paths` of a hub repo into out_dir by file name; complete files are skipped."""
+    """Download `paths` of a hub repo into out_dir; complete files are skipped."""
     by_path = {f["path"]: f for f in list_hub_files(repo, revision, repo_type)}
     missing = [p for p in paths if p not in by_path]
     if missing:
@@ -346,8 +344,8 @@ LISTING = ".hub_listing.json"
 
 
 def _complete_on_disk(entries, out_dir, workers=4):
-    """True when every entry is in out_dir with its listed size and hash. Hashing ~20 GB of shards
-    takes tens of seconds, a hub outage hours."""
+    """Every entry is in out_dir with its listed size and hash (hashing takes seconds, a hub
+    outage hours)."""
     def ok(e):
         path = Path(out_dir) / Path(e["path"]).name
         return path.is_file() and bool(e["sha256"] or e["git_sha1"]) and \
@@ -357,9 +355,8 @@ def _complete_on_disk(entries, out_dir, workers=4):
 
 
 def listed_or_saved(repo, revision, out_dir, select, workers=4):
-    """The entries select(listing) chooses. The saved listing is tried first: if every chosen file
-    is on disk and matches, no hub call is made (offline, or a hub outage). Otherwise the hub is
-    listed and the listing saved."""
+    """The entries select(listing) chooses: from the saved listing if every chosen file is on
+    disk and matches (no hub call), else from the hub's, which is saved."""
     listing = Path(out_dir) / LISTING
     try:
         saved = json.loads(listing.read_text())
@@ -380,15 +377,14 @@ def listed_or_saved(repo, revision, out_dir, select, workers=4):
 
 
 # -----------------------------------------------------------------------------
-
-# --- the corpora and chat sets this project trains on
+# The corpora and chat sets this project trains on
 
 SHARD_NAME = re.compile(r"shard_(\d+)\.parquet")
 
 
 def download_shards(dataset, num_shards, data_dir, workers=4):
     """The first num_shards shards of a FineWeb-Edu-layout dataset plus its last (validation)
-    shard, which sorts last in data_dir."""
+    shard."""
     def select(files):
         shards = sorted((f for f in files if SHARD_NAME.fullmatch(Path(f["path"]).name)),
                         key=lambda f: int(SHARD_NAME.fullmatch(Path(f["path"]).name).group(1)))
@@ -405,9 +401,8 @@ def download_shards(dataset, num_shards, data_dir, workers=4):
 
 
 def download_chat(name, out_dir=None, workers=4, check_only=False):
-    """Fetch a conversation dataset into out_dir (default: <cache>/chat/<name>); LIMA's jsonl
-    becomes parquet. check_only: only list it, failing fast if gated or missing. "identity" is
-    written from identity.json."""
+    """Fetch a conversation dataset into out_dir (default: <cache>/chat/<name>); jsonl becomes
+    parquet. check_only: only list it. "identity" is written from identity.json."""
     if name not in CHAT_DATASETS:
         raise ValueError(f"unknown conversation dataset {name!r}: choose from "
                          f"{', '.join(CHAT_DATASETS)}")
@@ -452,8 +447,8 @@ def iter_texts(data_dir, split, max_chars=None):
 
 
 def write_text_shards(texts, out_dir, seed=0, shard_docs=8 * ROW_GROUP_DOCS, val_fraction=0.05):
-    """Shuffle documents and write the corpus layout, the last shard val_fraction of them (at
-    least one). Returns the paths."""
+    """Shuffled documents as corpus shards, the last holding val_fraction of them (at least
+    one). Returns the paths."""
     texts = list(texts)
     if len(texts) < 2:
         raise ValueError("need at least 2 documents to make a training and a validation split, "
@@ -470,7 +465,7 @@ def write_text_shards(texts, out_dir, seed=0, shard_docs=8 * ROW_GROUP_DOCS, val
 
 
 def write_parquet(path, columns, **kwargs):
-    """zstd parquet, written to path + ".tmp" then renamed: visible only once complete."""
+    """zstd parquet, written to path + ".tmp" then renamed."""
     tmp = path.with_name(path.name + ".tmp")
     pq.write_table(pa.table(columns), tmp, compression="zstd", **kwargs)
     os.replace(tmp, path)
@@ -481,7 +476,7 @@ IDENTITY_FILE = Path(__file__).resolve().parent / "identity.json"
 
 
 def load_identity(path=IDENTITY_FILE):
-    """(the assistant's name, [(question, answer)]) from the identity file."""
+    """(the assistant's name, [(question, answer)])."""
     try:
         spec = json.loads(Path(path).read_text())
         name, pairs = spec["name"], [(q, a.format(name=spec["name"])) for q in spec["questions"]
@@ -563,7 +558,7 @@ INGEST_SUFFIXES = (".txt", ".md", ".jsonl", ".parquet")
 
 
 def input_files(paths):
-    """Each file given, and each directory's INGEST_SUFFIXES files, recursively, sorted."""
+    """Each file given, and each directory's INGEST_SUFFIXES files, sorted."""
     files = []
     for path in map(Path, paths):
         if path.is_dir():
@@ -580,8 +575,7 @@ def input_files(paths):
 
 
 def ingest(paths, out_dir, seed=0, column="text", one_per_file=False, val_fraction=0.05):
-    """Files or directories into a corpus; <out_dir>/ingest.json, written last, says it is
-    whole."""
+    """Files or directories into a corpus; ingest.json, written last, says it is whole."""
     if not paths:
         raise ValueError("no input files given")
     files = input_files(paths)
@@ -620,8 +614,8 @@ RUSTBPE_LOG.propagate = False
 
 
 def rustbpe_printer(start, every_percent=10):
-    """A handler printing rustbpe's messages with seconds since start: every set-up step, and
-    merge progress every every_percent."""
+    """A handler printing rustbpe's messages with seconds since start, merge progress every
+    every_percent."""
     handler = logging.StreamHandler(sys.stdout)
 
     def keep(record):
@@ -637,7 +631,7 @@ def rustbpe_printer(start, every_percent=10):
 
 
 def train_tokenizer(texts, vocab_size, progress=False):
-    """BPE: exactly vocab_size ids including SPECIAL_TOKENS. progress: print rustbpe's log."""
+    """BPE with exactly vocab_size ids, SPECIAL_TOKENS included."""
     n_merged = vocab_size - len(SPECIAL_TOKENS)
     if n_merged < 256:
         raise ValueError(f"vocab_size={vocab_size} is too small: byte-level BPE needs 256 byte "
@@ -662,7 +656,7 @@ def train_tokenizer(texts, vocab_size, progress=False):
 
 
 def counting(texts, stats, every_s=None):
-    """Yield texts, counting documents, characters and bytes; print the rate every every_s."""
+    """Yield texts, counting documents, characters and bytes; the rate printed every every_s."""
     start = printed = time.perf_counter()
     for text in texts:
         stats["docs"] += 1
@@ -697,7 +691,7 @@ def bytes_per_token(tokenizer, texts):
 
 
 def show_rows(args):
-    """`rows`: the first batch's rows decoded, and the tokens each trains on."""
+    """The first batch's rows decoded, and the tokens each trains on."""
     from loader import chat_loader, text_loader  # torch: only this command needs it
     tokenizer = Tokenizer.load(args.tokenizer)
     if args.data_dir:
@@ -719,7 +713,7 @@ def show_rows(args):
 
 
 def add_corpus_commands(commands):
-    """ingest, tokenizer, bytes_per_token, rows: your text as a corpus, and what it becomes."""
+    """ingest, tokenizer, bytes_per_token, rows."""
     p = commands.add_parser("ingest", help="your own .txt/.md/.jsonl/.parquet files as a corpus")
     p.add_argument("files", nargs="+", help=".txt, .md (documents split on blank lines), .jsonl, "
                    ".parquet, or a directory of them")
@@ -738,18 +732,17 @@ def add_corpus_commands(commands):
     train.add_argument("--max_chars", type=int, default=2_000_000_000,
                        help="stop reading the training split after this many characters (default: "
                        "%(default)s)")
-    train.add_argument("--out", default="runs/tokenizer", help="directory to save tokenizer.json "
-                       "in (default: %(default)s)")
+    train.add_argument("--out", default="runs/tokenizer", help="directory for tokenizer.json "
+                       "(default: %(default)s)")
     measure = commands.add_parser("bytes_per_token", help="a tokenizer's bytes per token on a "
                                   "corpus's validation split")
     measure.add_argument("--data_dir", required=True, help="corpus directory of parquet shards")
     measure.add_argument("--tokenizer", default="runs/tokenizer", help="directory of "
                          "tokenizer.json (default: %(default)s)")
-    rows = commands.add_parser("rows", help="the rows a batch of a corpus or of conversations "
-                               "makes, decoded, and the tokens each trains on")
+    rows = commands.add_parser("rows", help="a batch's rows from a corpus or conversations, "
+                               "decoded, and the tokens each trains on")
     source = rows.add_mutually_exclusive_group(required=True)
-    source.add_argument("--data_dir", help="a text corpus directory (its shards, the last one "
-                        "validation)")
+    source.add_argument("--data_dir", help="a text corpus directory")
     source.add_argument("--chat", help="a conversation directory or .jsonl file, or a `prepare.py "
                         "chat` name")
     rows.add_argument("--tokenizer", default="runs/tokenizer", help="directory of tokenizer.json "
@@ -774,8 +767,7 @@ def get_parser():
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     listing = commands.add_parser("list", help="a hub repo's files with their sizes and hashes")
-    p = commands.add_parser("get", help="files of a hub repo, checked against its listing, into "
-                            "one directory")
+    p = commands.add_parser("get", help="files of a hub repo, checked against its listing")
     for q in (listing, p):
         q.add_argument("repo", help="hub repo id, e.g. openai/gsm8k")
         q.add_argument("--revision", default="main", help="branch, tag or commit (default: "
@@ -783,7 +775,7 @@ def get_parser():
         q.add_argument("--repo_type", default="dataset", choices=["dataset", "model"], help=
                        "(default: %(default)s)")
     p.add_argument("paths", nargs="+", help="file paths inside the repo (see `list`)")
-    p.add_argument("--out", required=True, help="directory to put them in, by file name (required)")
+    p.add_argument("--out", required=True, help="directory to put them in (required)")
     p.add_argument("--workers", type=int, default=4, help="parallel downloads (default: "
                    "%(default)s)")
     p = commands.add_parser("shards", help="pretraining shards from the hub, plus the last one as "
@@ -799,9 +791,8 @@ def get_parser():
     p = commands.add_parser("chat", help="conversation and task datasets from the hub (identity: "
                             "written from identity.json)")
     p.add_argument("names", nargs="+", choices=sorted(CHAT_DATASETS), help="which ones")
-    p.add_argument("--check", action="store_true", help="only list them on the hub (a gated or "
-                   "missing dataset fails in seconds) unless complete on disk; download nothing "
-                   "(default: off)")
+    p.add_argument("--check", action="store_true", help="only list them on the hub unless complete "
+                   "on disk (a gated or missing one fails fast); download nothing (default: off)")
     p.add_argument("--workers", type=int, default=4, help="parallel downloads (default: "
                    "%(default)s)")
     p = commands.add_parser("url", help="one file from a plain URL, resumable")

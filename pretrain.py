@@ -58,9 +58,8 @@ def get_args(argv=None):
     g.add_argument("--seed", type=int, default=0, help="init seed, the same on every rank "
                    "(default: %(default)s)")
     g.add_argument("--data_plan", action="store_true", help="print the training shards the budget "
-                   "needs (its tokens / the tokens of --data_dir's first training shard, counted "
-                   "with --tokenizer, plus one) and exit; needs --total_batch_tokens (default: "
-                   "off)")
+                   "needs (by the tokens of --data_dir's first shard) and exit; needs "
+                   "--total_batch_tokens (default: off)")
     train_loop.add_loader_threads_arg(g)
     g = p.add_argument_group("budget: one of; given several, the last one is in force (a later "
                              "--steps replaces a plan's --tokens_per_param)")
@@ -76,13 +75,13 @@ def get_args(argv=None):
                    "accumulation)")
     g.add_argument("--check_batch", type=int, default=0, metavar="N", help=
                    "check that --total_batch_tokens splits over N processes x --sequence_len (x "
-                   "--micro_batch when given), on a machine without CUDA that N CPU processes fit "
-                   "its memory, and exit; speedrun.sh runs it before any download (default: off)")
+                   "--micro_batch when given) and, without CUDA, that N CPU processes fit in "
+                   "memory, and exit (default: off)")
     train_loop.add_micro_batch_arg(g)
     g.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help=
                    "compute dtype (autocast); weights stay fp32 (default: bfloat16 on a GPU that "
-                   "supports it; on the CPU the faster of the two at the model's width, measured "
-                   "once per CPU model and torch version, fp32 untimed where bf16 is emulated)")
+                   "supports it; on the CPU the faster of the two, measured once, fp32 where bf16 "
+                   "is emulated)")
     g.add_argument("--compile", type=parse_bool, default=cuda, help="torch.compile the model "
                    "(default: %(default)s)")
     g = p.add_argument_group("evaluation")
@@ -95,8 +94,7 @@ def get_args(argv=None):
     checkpoint.add_run_args(p, "pretrain")
     p.add_argument("--final_checkpoint", type=parse_bool, default=True, help=
                    "save a checkpoint at the last step; false: only the --ckpt_every ones (a "
-                   "benchmark: bench.py gpu; nothing can continue from the end of such a run) "
-                   "(default: %(default)s)")
+                   "benchmark) (default: %(default)s)")
     optim.add_schedule_args(p)
     args = train_loop.parse_stage_args(p, argv, ["steps", "target_flops", "tokens_per_param"])
     if args.matrix_lr is None:
@@ -109,8 +107,8 @@ TOKEN_COUNTS = ".token_counts.json"
 
 
 def shard_tokens(path, tokenizer):
-    """(tokens, documents) of a shard as trained on: each document's tokens plus BOS. Counted
-    once per tokenizer, kept in .token_counts.json."""
+    """(tokens, documents) of a shard as trained on (each document plus BOS), counted once per
+    tokenizer."""
     path = Path(path)
     cache = path.parent / TOKEN_COUNTS
     key = tokenizer.fingerprint()
@@ -151,7 +149,7 @@ def corpus_budget(data_dir, tokenizer, budget_tokens):
 
 
 def budget_line(b, budget_tokens):
-    """The plan's data line: budget against corpus; says so when data repeats."""
+    """The data line: budget against corpus, and whether data repeats."""
     line = (f"data: budget {budget_tokens:,} tokens; corpus {b['shards']} training shards, "
             f"{b['docs']:,} documents x {b['tokens_per_doc']:,.0f} tokens (the mean of "
             f"{b['measured_shard']}, counted with this tokenizer) = ~{b['tokens']:,} tokens: "
@@ -167,7 +165,7 @@ def budget_line(b, budget_tokens):
 
 def data_plan(args, config, tokenizer):
     """--data_plan: shards, steps and checkpoint bytes for a budget, to <runs_dir>/data_plan.json
-    (read by speedrun.sh and the gpu plan)."""
+    (speedrun.sh's and the gpu plan's)."""
     if not args.total_batch_tokens:
         raise ValueError("--data_plan needs --total_batch_tokens (the tokens per step the run will "
                          "use)")
@@ -207,8 +205,8 @@ def data_plan(args, config, tokenizer):
 
 
 def checkpoint_bytes(config, optimizer):
-    """Bytes of one checkpoint: fp32 weights (4 a parameter), AdamW's moments (8); with Muon, its
-    momentum (4) for the block matrices (small second moments left out)."""
+    """Bytes of one checkpoint: fp32 weights (4 a parameter), AdamW's moments (8); for the block
+    matrices with Muon, its momentum (4)."""
     counts = param_breakdown(config)
     matrices = counts["attention"] + counts["mlp"]
     return 4 * counts["total"] + 8 * (counts["total"] - matrices) + (4 if optimizer == "muon"
@@ -224,11 +222,11 @@ def plan_steps(args, config, tokens_per_step):
 
 
 # -----------------------------------------------------------------------------
-# --check_batch: the rehearsal's first check, before any process starts
+# --check_batch: checked before any process starts
 
 def check_batch_divides(total, seq_len, world, micro=0):
-    """Checked before the downloads. Returns the line saying what a step is, else a ValueError
-    naming process counts and totals that work."""
+    """The line saying what a step is, else a ValueError naming process counts and totals that
+    work."""
     used = train_loop.nearest_batch(total, seq_len, world, micro)
     if used not in (None, total):
         return train_loop.batch_line(total, used, seq_len, world, micro)
@@ -282,7 +280,7 @@ def check_cpu_memory(args, nproc):
     def config_for(preset):  # the model at another preset
         return config_from_args(argparse.Namespace(**{**vars(args), "preset": preset}))
     config = config_for(args.preset)
-    capacity = available_memory()  # read once: every plan below is weighed against the same
+    capacity = available_memory()  # read once: every plan below is weighed against it
     fits, peak, how = cpu_processes_fit(config, args, nproc, capacity)
     fmt_bytes = distributed.fmt_bytes
     said = (f"{train_loop.processes(nproc)} on this CPU x about {fmt_bytes(peak)} each at its peak "
@@ -307,8 +305,8 @@ def check_cpu_memory(args, nproc):
 
 @torch.no_grad()
 def greedy_completion(model, ids, new_tokens, dtype, device):
-    """Greedy tokens, the whole row again each step: for a few 32-token samples that costs less
-    than setting up a KV cache."""
+    """Greedy tokens, the whole row again each step: for a few short samples cheaper than a KV
+    cache."""
     row = torch.tensor([ids], device=device)
     for _ in range(new_tokens):
         with autocast_context(device.type, dtype):
@@ -319,8 +317,7 @@ def greedy_completion(model, ids, new_tokens, dtype, device):
 
 @torch.no_grad()
 def evaluate(model, tokenizer, args, rank, world, device, run_dir, val_rows, step):
-    """Validation bits per byte (train_loop.val_bpb, as core_eval.py reports) and greedy samples;
-    prints and returns the metrics fields."""
+    """Validation bits per byte and greedy samples; prints and returns the metrics fields."""
     bpb, _ = train_loop.val_bpb(model, val_rows, tokenizer.token_bytes, 8, args.dtype, rank, world,
                                 device)
     if rank == 0 or distributed.is_sharded(model):  # a sharded model is gathered by every rank
@@ -377,7 +374,7 @@ def main(argv=None):
     tokens_per_step = micro * seq_len * world * accum
     total_steps = plan_steps(args, config, tokens_per_step)
     optimizers = optim.build_optimizers(model, args, config.n_embd, tokens_per_step, device)
-    # one loader per micro-step, virtual rank rank*accum + j: a batch's rows whatever the split
+    # one loader per micro-step, virtual rank rank * accum + j: the same rows at any split
     loaders = [text_loader(args.data_dir, "train", tokenizer, micro, seq_len, rank=rank * accum + j,
                            world_size=world * accum, device=device,
                            threads=train_loop.loader_threads(args, device))

@@ -10,10 +10,10 @@ reward, loss normalized per sampled token, no KL penalty, no ratio clipping).
     python rl.py --run_name NAME --resume  # continue from the last checkpoint
     python rl.py --status runs/NAME
 
-Tasks: the demo world's word problems (--demo; held out: chat_eval's demo-problems), else
-GSM8K train (held out: GSM8K test). A reply is right when the number after '####' is the answer.
-Writes runs/<run_name>/: config.json, metrics.jsonl (reward, reply length, sampled tok/s; held-out
-pass@1 and pass@k), ckpt/step_XXXXXX/, done.json.
+Tasks: the demo world's word problems (--demo; held out: demo-problems), else GSM8K train
+(held out: GSM8K test). A reply is right when the number after '####' is the answer. Writes
+runs/<run_name>/: config.json, metrics.jsonl (reward, reply length, held-out pass@1 and pass@k),
+ckpt/step_XXXXXX/, done.json.
 """
 import argparse
 import gc
@@ -41,8 +41,7 @@ from tasks import demo_world, gsm8k_items, load_items, prompt_ids, reward
 # x the SFT parent's lrs (0.3 of pretraining's) = 0.06, near nanochat's RL start (0.05); on the
 # demo's word problems 0.2 beat 0.05 (dev/LOG.md)
 RL_LR_SCALE = 0.2
-RL_WHY = ("about nanochat's chat_rl start, 0.05 of the pretraining lrs; beat 0.05 on the demo's "
-          "word problems")
+RL_WHY = "near nanochat's chat_rl start; beat 0.05 on the demo's word problems"
 # a small model's CPU decode step is per-op overhead: more threads only wait
 CPU_ROLLOUT_THREADS = 1
 
@@ -51,19 +50,17 @@ def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("tasks")
-    g.add_argument("--demo", default="auto", help="a demo world directory (python demo.py --out "
-                   "DIR) whose problems/ are trained on and chat_eval/demo-problems.jsonl held "
-                   "out; auto = the parent's world when it was trained on one, else GSM8K; none = "
-                   "GSM8K (default: %(default)s)")
+    g.add_argument("--demo", default="auto", help="a demo world directory whose problems/ are "
+                   "trained on and chat_eval/demo-problems.jsonl held out; auto = the parent's "
+                   "world if it had one, else GSM8K; none = GSM8K (default: %(default)s)")
     g.add_argument("--train_dir", default=str(CACHE_DIR / "chat" / "gsm8k"), help=
                    "GSM8K's train split (columns question, answer), without a demo world (default: "
                    "%(default)s, `python prepare.py chat gsm8k`)")
     g.add_argument("--cache_dir", default=str(CACHE_DIR / "chat_eval"), help=
                    "chat_eval.py's task cache, where GSM8K's test split is held out from (default: "
                    "%(default)s, `python chat_eval.py --download_only --tasks GSM8K`)")
-    g.add_argument("--seed", type=int, default=0, help="the order of the questions (a new one "
-                   "every epoch) and the sampling, seeded per step and group of questions decoded "
-                   "together (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=0, help="the questions' order (new every epoch) "
+                   "and the sampling (default: %(default)s)")
     g = p.add_argument_group("rollouts")
     g.add_argument("--questions_per_step", type=int, default=16, help="questions per optimizer "
                    "step over all ranks, at least the world size (default: %(default)s, "
@@ -77,8 +74,8 @@ def get_args(argv=None):
     g.add_argument("--max_new_tokens", type=int, default=256, help="most tokens per reply, the "
                    "calculator's output included (default: %(default)s)")
     g.add_argument("--rollout_questions", type=int, default=16, help="questions whose replies are "
-                   "decoded together, every reply a row of one batch (decode.py); fewer rows per "
-                   "forward use less memory (default: %(default)s)")
+                   "decoded together, each reply a row of one batch; fewer use less memory "
+                   "(default: %(default)s)")
     g = p.add_argument_group("budget: one of; given both, the last one is in force")
     train_loop.add_budget_args(g, [("epochs", float,
                                     "passes over the training questions (default: 1, as nanochat)"),
@@ -107,14 +104,14 @@ def get_args(argv=None):
 # Rewards to advantages, and the order of the questions
 
 def advantages(rewards, samples):
-    """Each reward minus its group's mean (groups of `samples` consecutive replies)."""
+    """Each reward minus its group's mean (`samples` consecutive replies)."""
     grouped = torch.tensor(rewards, dtype=torch.float64).view(-1, samples)
     return (grouped - grouped.mean(dim=1, keepdim=True)).view(-1).float()
 
 
 def step_items(step, per_step, total, seed):
-    """The step's question indices: reshuffled each epoch, a pure function of the step so a
-    resumed run takes the same questions."""
+    """The step's question indices, reshuffled each epoch: a function of the step, so a resume
+    takes the same questions."""
     positions = range(step * per_step, (step + 1) * per_step)
     orders = {e: np.random.default_rng([
             seed, e]).permutation(total) for e in {p // total for p in positions}}
@@ -137,8 +134,7 @@ def eta_seconds(step, total_steps, eval_every, step_s, eval_s):
 # Rollouts
 
 def sample_groups(model, tokenizer, prompts, n, max_new_tokens, temperature, top_k, seed, dtype):
-    """n replies per prompt, all rows of one batch. Returns (replies, sampled), n rows per prompt:
-    tokens through <|assistant_end|>, and per token True if sampled, False if calculator output."""
+    """n replies per prompt, all rows of one batch: (replies, sampled) as decode() returns."""
     budgets = [min(max_new_tokens, model.config.sequence_len - len(p)) for p in prompts]
     stop = {tokenizer.special_id("<|assistant_end|>"), tokenizer.bos_id}
     tools = [ToolUse(tokenizer) for _ in range(n * len(prompts))]
@@ -168,8 +164,8 @@ def pad(rows, pad_id, device):
 
 
 def policy_gradient(train_model, rows, weights, micro_batch, dtype, device, world):
-    """Backward of -sum(advantage x log p) / (sampled tokens over all ranks). DDP averages over
-    ranks, so each rank scales by world / count. Returns (summed loss, count) over all ranks."""
+    """Backward of -sum(advantage x log p) / (sampled tokens over all ranks); DDP averages over
+    ranks, so each scales by world / count. Returns (summed loss, count) over all ranks."""
     count = distributed.all_reduce(sum(sum(t != -1 for t in y) for _, y in rows))
     scale, loss_sum = world / max(count, 1.0), torch.zeros((), dtype=torch.float64, device=device)
     chunks = range(0, len(rows), micro_batch)
@@ -189,7 +185,7 @@ def policy_gradient(train_model, rows, weights, micro_batch, dtype, device, worl
 @torch.no_grad()
 def evaluate(model, tokenizer, items, args, rank, world, step, stopping=lambda: False):
     """Held-out pass@1 and pass@k (k = --eval_samples), seeded by question position so evaluations
-    differ by the model only. None when stopping() said so."""
+    differ by the model only. None when stopping()."""
     right = torch.zeros(len(items), dtype=torch.float64)  # each question's right replies
     mine, k = list(range(rank, len(items), world)), args.eval_samples
     for chunk in [mine[c:c + args.rollout_questions] for c in range(0, len(mine),
@@ -219,8 +215,8 @@ def strip_end(reply, tokenizer):
 
 
 class Cursor:
-    """RL's data position in a checkpoint (the other stages save loader state). Questions and
-    seeds follow from the step, so this only records counts."""
+    """RL's data position in a checkpoint: questions and seeds follow from the step, so only
+    counts."""
 
     def __init__(self):
         self.state = {"questions": 0, "stats": {"tokens": 0}}
@@ -233,8 +229,8 @@ class Cursor:
 
 
 def verdict(records):
-    """Reward (first fifth vs last fifth of steps) beside held-out pass@1 (first vs last
-    evaluation); flags a reward that rose while held-out accuracy fell."""
+    """Reward (first vs last fifth of steps) beside held-out pass@1 (first vs last evaluation);
+    flags a reward that rose while held-out accuracy fell."""
     steps, evals = [r for r in records if "reward" in r], [r["held_out"] for r in records
                                                            if "held_out" in r]
     fifth = max(1, len(steps) // 5)
@@ -265,8 +261,8 @@ def sampling_threads(device):
 
 def rl_step(args, model, train_model, optimizers, cursor, tokenizer, items, step, total_steps,
             micro_batch, rank, world, device, run_dir, stopping):
-    """One step: rollouts of this rank's questions, rewards, policy gradient, optimizer step.
-    Returns the step's record, or None when stopping() said so during the rollouts."""
+    """Rollouts of this rank's questions, rewards, policy gradient, optimizer step. Returns the
+    step's record, or None when stopping() during the rollouts."""
     t0 = time.perf_counter()
     lr_mult, wd = optim.apply_schedule(optimizers, step, total_steps, args)
     chosen = step_items(step, args.questions_per_step, len(items), args.seed)
@@ -315,8 +311,8 @@ def rl_step(args, model, train_model, optimizers, cursor, tokenizer, items, step
 @train_loop.frozen_heap
 def train(args, model, train_model, optimizers, cursor, tokenizer, items, held_out, stop, *,
           micro_batch, run_dir, start, total_steps, ckpt_meta, rank, world, device):
-    """rl_step from start to total_steps with train_loop's logging, health checks, signals and
-    checkpoints, and held-out evaluations. Returns None when done, else the stopping signal."""
+    """rl_step to total_steps with train_loop's logging, health checks, signals, checkpoints, and
+    held-out evaluations. Returns None when done, else the stopping signal."""
     log = train_loop.Log(args, run_dir, start, total_steps, rank == 0)
     saver = train_loop.Saver(args, run_dir, model, optimizers, [cursor], ckpt_meta, rank, start,
                              log, stop)
@@ -367,7 +363,6 @@ def train(args, model, train_model, optimizers, cursor, tokenizer, items, held_o
 
 
 def progress_line(record, total_steps, eval_every, step_seconds, eval_seconds):
-    """The step's progress line with its ETA."""
     eval_s = sum(eval_seconds) / len(eval_seconds) if eval_seconds else 0.0
     eta = eta_seconds(record["step"], total_steps, eval_every,
                       sum(step_seconds) / len(step_seconds), eval_s)
@@ -393,7 +388,7 @@ def load_tasks(args, parent, parent_meta, rank, world):
 
 
 def finish(run_dir, total_steps, final):
-    """Rank 0: final held-out figures to metrics.jsonl, done.json with the verdict."""
+    """Final held-out figures to metrics.jsonl, done.json with the verdict."""
     metrics = run_dir / "metrics.jsonl"
     distributed.append_jsonl(metrics, {"step": total_steps, "final": True, "held_out": final})
     summary = verdict([json.loads(line) for line in metrics.read_text().splitlines()])
@@ -417,7 +412,7 @@ def main(argv=None):
     rank, local_rank, world, device = distributed.setup_distributed(args.dist_timeout)
     parent, parent_meta, model, tokenizer, inherited, sha256 = checkpoint.load_parent(
         args, "rl", ["sft"], device)
-    args.compile = False  # every step's rows have other lengths: a compiled model would recompile
+    args.compile = False
     off = (False, "off in rl.py: the rows change length every step")
     inherited = [(name, *off) if name == "compile" else (name, value, where)
                  for name, value, where in inherited]
@@ -465,7 +460,7 @@ def main(argv=None):
             print(line)
 
     stop = train_loop.StopSignal()
-    # dynamic=None: the replies' lengths vary, so torch marks the shapes dynamic after a change
+    # dynamic=None: the replies' lengths vary; shapes turn dynamic after a change
     train_model = train_loop.wrap_model(model, args, world, local_rank, device, dynamic=None)
     signum = train(args, model, train_model, optimizers, cursor, tokenizer, train_items, held_out,
                    stop, micro_batch=micro, run_dir=run_dir, start=step, total_steps=total_steps,

@@ -13,7 +13,7 @@ assistant content, tool calls and <|assistant_end|> only.
     python sft.py --status runs/NAME
 
 Writes runs/<run_name>/: config.json, metrics.jsonl, samples.jsonl (greedy answers at each
-eval), ckpt/step_XXXXXX/ (meta.json names the parent and its weights' sha256), done.json.
+eval), ckpt/step_XXXXXX/ (meta.json names the parent), done.json.
 """
 import argparse
 import math
@@ -56,14 +56,13 @@ def get_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("data")
     g.add_argument("--source", action="append", default=None, metavar="DIR:EPOCHS", help=
-                   "a chat directory (or a `prepare.py chat` name, for its cache "
-                   "directory, or a .jsonl file of conversations in the OpenAI chat format: "
-                   "docs/own-data.md) and how many times one pass of the mixture goes over it, "
-                   "repeatable; its files named test*/val* are held out (default: "
+                   "a chat directory (or a `prepare.py chat` name, or a .jsonl file of "
+                   "conversations in the OpenAI chat format) and how many times one pass of the "
+                   "mixture goes over it, repeatable; files named test*/val* are held out "
+                   "(default: "
                    f"{' '.join(DEFAULT_SOURCES)}, nanochat's epochs for SmolTalk, MMLU and GSM8K)")
     g.add_argument("--add_source", action="append", default=[], metavar="DIR:EPOCHS", help=
-                   "a source added to the --source ones (or the defaults): speedrun.sh --chat FILE "
-                   "adds FILE:2 (default: none)")
+                   "a source added to the --source ones (or the defaults) (default: none)")
     g.add_argument("--chat_dir", default=None, help="one chat directory, once per pass: the same "
                    "as --source DIR:1 (default: the --source mixture)")
     g.add_argument("--seed", type=int, default=0, help="shuffles the conversations, anew every "
@@ -88,12 +87,11 @@ SAMPLE_PACKED = 4000  # of those, packed in the mixture's proportions: how full 
 
 
 def estimate_epoch_batches(args, tokenizer, micro, seq_len, streams):
-    """Batches in one pass of the mixture on the fullest stream, estimated: counting would render
-    and pack every conversation before step 1 (1.4M in the gpu plan, at every resume). Counts from
-    the footers, lengths and skips from SAMPLE_ROWS per file, row fill from packing a sample.
-    Returns (batches, the line that says how)."""
+    """Batches in one pass of the mixture on the fullest stream, estimated (counting would render
+    and pack every conversation before step 1): counts from the footers, lengths and skips from
+    SAMPLE_ROWS per file, row fill from packing a sample. Returns (batches, the line saying how)."""
     files = mixture_files(args.sources)
-    # only renders; bad .jsonl lines render as skipped (main already stopped or skips them)
+    # only renders; bad .jsonl lines render as skipped
     renderer = chat_loader(None, "train", tokenizer, micro, seq_len, files=files[:1], threads=1,
                            skip_bad_rows=True)
     # path: (share kept, mean rendered tokens); the kept ones
@@ -135,8 +133,7 @@ def estimate_epoch_batches(args, tokenizer, micro, seq_len, streams):
 
 
 def packing(loaders):
-    """Over all ranks' loaders: positions trained, supervised and padding shares, skips by
-    reason."""
+    """Over all ranks: positions trained, supervised and padding shares, skips by reason."""
     reasons = ["no_assistant", "malformed", "empty_content", "too_long", "empty"]
     keys = ["tokens", "supervised", "padding", "batches", *reasons]
     counts = torch.tensor([[loader.state["stats"].get(k, 0) for k in keys] for loader in loaders],
@@ -176,7 +173,7 @@ def main(argv=None):
         epoch_batches, estimate = estimate_epoch_batches(args, tokenizer, micro, seq_len,
                                                          world * accum)
     total_steps = args.steps or math.ceil(args.epochs * epoch_batches)
-    # one loader per micro-step, virtual rank rank * accum + j (as pretrain.py)
+    # one loader per micro-step, virtual rank rank * accum + j
     loaders = [chat_loader(None, "train", tokenizer, micro, seq_len, files=files,
                            rank=rank * accum + j, world_size=world * accum, device=device,
                            seed=args.seed, threads=train_loop.loader_threads(args, device),

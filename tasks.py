@@ -1,7 +1,5 @@
 """The chat tasks' loading, rendering and scoring (ARC, MMLU, GSM8K, HumanEval, the demo
-world's) for chat_eval.py and rl.py. Item fields by kind: categorical {prompt, letters, answer,
-options, question}, gsm8k {prompt, answer}, humaneval {prompt, test, entry_point, id}, exact and
-contains {prompt, answers}. Not a stage.
+world's) for chat_eval.py and rl.py. Not a stage.
 
     python tasks.py GSM8K --max_items 2  # a task's first items in nanochat's order, as scored
     python tasks.py demo-answer --demo data/demo
@@ -33,7 +31,7 @@ DEMO_TASKS = {"demo-choice": (None, None, "categorical", 0.25), "demo-answer": (
                                                                                 0.0),
               "demo-problems": (None, None, "gsm8k", 0.0)}
 # Only by name (--tasks), not in ChatCORE: untemplated questions, right when the reply contains
-# the answer: does the model still answer in its own words?
+# the answer
 DEMO_EXTRA = {"demo-words": (None, None, "contains", None)}
 ALL_TASKS = HUB_TASKS | DEMO_TASKS | DEMO_EXTRA
 # nanochat's order: datasets' shuffle(seed=42) is np.random.default_rng(42).permutation(n)
@@ -44,7 +42,7 @@ SHUFFLE_SEED = 42
 # Loading a task's items in nanochat's order; the prompt
 
 def hub_files(task, cache_dir):
-    """The task's test files, as chat_eval.py downloaded them (files.json lists them)."""
+    """The task's test files, as chat_eval.py downloaded them."""
     out_dir = Path(cache_dir) / task
     done = out_dir / "files.json"
     names = json.loads(done.read_text()) if done.is_file() else []
@@ -74,7 +72,9 @@ def read_rows(task, cache_dir, demo_dir):
 
 
 def make_item(task, row, where):
-    """The item's fields, from a hub (or demo.py) row."""
+    """An item from a hub (or demo.py) row. Fields by kind: categorical {prompt, letters,
+    answer, options, question}, gsm8k {prompt, answer}, humaneval {prompt, test, entry_point,
+    id}, exact and contains {prompt, answers}."""
     try:
         if task.startswith("ARC") or task in ("MMLU", "demo-choice"):
             prompt, letters, answer, options = multiple_choice(
@@ -107,7 +107,7 @@ def load_items(task, cache_dir, demo_dir, max_items):
 
 def prompt_ids(tokenizer, question, seq_len, room):
     """(ids, cut): the question as a user message, then <|assistant_start|>; past seq_len - room,
-    tokens after the BOS are dropped (as core_eval.py's windows do)."""
+    tokens after the BOS are dropped."""
     ids = tokenizer.render_for_completion([{"role": "user", "content": question}])
     keep = seq_len - room
     return (ids, False) if len(ids) <= keep else ([ids[0], *ids[len(ids) - keep + 1:]], True)
@@ -128,8 +128,8 @@ def gsm8k_answer(text):
 
 
 def final_number(text, marker_only=False):
-    """Lenient diagnostic outside ChatCORE: a Decimal after the first '####' ('$' and spaces
-    allowed), else (not marker_only) the last number; 18.00 is 18."""
+    """Lenient, outside ChatCORE: a Decimal after the first '####' ('$' and spaces allowed),
+    else (not marker_only) the last number; 18.00 is 18."""
     found = re.findall(r"####\s*\$?\s*(" + NUMBER + ")",
                        text)[:1] or ([] if marker_only else re.findall(NUMBER, text))
     # NUMBER without commas: always a valid Decimal
@@ -159,9 +159,9 @@ def reward(item, reply):
 # HumanEval (chat_eval.py runs the program in sandbox.py)
 
 def humaneval_program(item, reply, marker):
-    """nanochat's program: the prompt's imports, the reply's code (first ``` block, else all), the
-    tests, check(entry_point). Code without the entry point's def continues the prompt. The marker,
-    printed last, proves check() returned: an early exit(0) passes nothing."""
+    """nanochat's program: the prompt's imports, the reply's code (first ``` block, else all;
+    without the entry point's def it continues the prompt), the tests, check(entry_point). The
+    marker, printed last, proves check() returned: an early exit(0) passes nothing."""
     blocks = re.findall(r"```(?:python)?\s*\n(.*?)\n```", reply, re.DOTALL)
     code = (blocks[0] if blocks else reply).lstrip("\n").rstrip()
     if not re.search(rf"^\s*def\s+{re.escape(item['entry_point'])}\s*\(", code, re.MULTILINE):
@@ -203,9 +203,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("task", choices=list(ALL_TASKS), help="the task whose first items to print")
-    p.add_argument("--demo", default=None, help="the demo world (python demo.py --out DIR), for "
-                   "its tasks; the hub's are downloaded once into the cache chat_eval.py uses "
-                   "(default: none)")
+    p.add_argument("--demo", default=None, help="the demo world, for its tasks; the hub's are "
+                   "read from chat_eval.py's cache (default: none)")
     p.add_argument("--max_items", type=int, default=3, help="items, the first in nanochat's order "
                    "(default: %(default)s)")
     args = p.parse_args(argv)

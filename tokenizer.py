@@ -1,5 +1,5 @@
-"""The byte-level BPE tokenizer: loaded from JSON, encoding with tiktoken, and rendering
-conversations as ids plus a loss mask (prepare.py trains one). How a text splits into tokens:
+"""The byte-level BPE tokenizer: loaded from JSON, encoding with tiktoken, rendering
+conversations as ids and a loss mask (prepare.py trains one). How a text splits into tokens:
 
     python tokenizer.py "Hello, world" --tokenizer runs/tokenizer   # each token's id and bytes
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import tiktoken
 
-# GPT-4's (cl100k) pre-token pattern; nanochat's \p{N}{1,2} differs by 0.03% in bytes/token
+# GPT-4's (cl100k) pre-token pattern; nanochat's \p{N}{1,2} differs little in bytes/token
 SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}|"""
                  r""" ?[^\s\p{L}\p{N}]++[\r\n]*|"""
                  r"""\s*[\r\n]|\s+(?!\S)|\s+""")
@@ -29,7 +29,7 @@ FORMAT = "nanochat-bpe-v1"
 
 
 class Tokenizer:
-    """tiktoken over BPE merges + SPECIAL_TOKENS, with token byte lengths for bits per byte."""
+    """tiktoken over BPE merges + SPECIAL_TOKENS, with token byte lengths."""
 
     def __init__(self, mergeable_ranks, pattern):
         n = len(mergeable_ranks)
@@ -45,14 +45,14 @@ class Tokenizer:
                                      special_tokens=self.special_tokens)
         self.vocab_size = n + len(SPECIAL_TOKENS)
         self.bos_id = self.special_tokens["<|bos|>"]
-        # bytes per id (0: special), for bits per byte, comparable across vocabulary sizes
+        # bytes per id (0: special): bits per byte compare across vocabulary sizes
         self.token_bytes = [0] * self.vocab_size
         for token, rank in self.mergeable_ranks.items():
             self.token_bytes[rank] = len(token)
 
     def fingerprint(self):
         """sha256 of pattern, merges, specials: checkpoints record it, so a model is never used
-        with another tokenizer (a retrained one of the same size would load, giving nonsense)."""
+        with another tokenizer of the same size."""
         digest = hashlib.sha256(self.pattern.encode())
         for token, rank in sorted(self.mergeable_ranks.items(), key=lambda item: item[1]):
             digest.update(len(token).to_bytes(2, "little") + token)
@@ -115,7 +115,7 @@ class Tokenizer:
             raise ValueError(f"{path} is not a valid tokenizer ({e}): delete it and {how}") from e
         return tokenizer
 
-    # --- chat rendering (the rules are in _turns below) ---
+    # --- chat rendering (the rules: _turns) ---
     def render_conversation(self, messages, max_tokens=None):
         """(ids, mask), mask 1 on assistant content and <|assistant_end|>. max_tokens: cut after
         the last whole assistant turn that fits; ([], []) if none."""
@@ -141,7 +141,7 @@ class Tokenizer:
 
     def render_parts(self, content):
         """(ids, mask) of assistant content: a string or parts text, python (a tool call) or
-        python_output (inserted by generation, mask 0)."""
+        python_output (mask 0)."""
         if isinstance(content, str):
             tokens = self.encode(content)
             return tokens, [1] * len(tokens)

@@ -1,6 +1,6 @@
 """The training loop all stages share (train): a stage gives its model, optimizers and loaders;
-loss, NaN stop, signals, health checks, metrics and checkpoints live here once. Also batch
-planning (plan_batch), wrapping (DDP, torch.compile) and a run's status:
+loss, NaN stop, signals, health checks, metrics and checkpoints live here. Also batch planning,
+wrapping (DDP, torch.compile) and a run's status:
 
     python train_loop.py status runs/<run>
 """
@@ -52,8 +52,8 @@ from optim import add_schedule_args, apply_schedule, build_optimizers
 # Health
 
 def sample(p, n=4096):
-    """Up to n fixed elements of a parameter: AdamW and Muon change every element, so an unchanged
-    sample means an unchanged tensor."""
+    """Up to n fixed elements of a parameter: the optimizers change every element, so an
+    unchanged sample means an unchanged tensor."""
     p = local(p).detach()  # sharded: this rank's shard
     return p.reshape(-1)[::max(1, p.numel() // n)][:n]
 
@@ -63,7 +63,6 @@ def param_samples(model):
 
 
 def frozen_parameters(model, samples):
-    """Parameters whose sample has not changed (bf16 norm weights that never move, say)."""
     return [name for name, p in model.named_parameters()
             if samples[name].numel() and torch.equal(sample(p), samples[name])]
 
@@ -84,7 +83,7 @@ def samples_by_id(optimizers):
 
 
 def memory_growing(history, min_steps=50, min_growth=64 * 2**20):
-    """A leak (seen in a real run): allocated never fell over min_steps and grew > min_growth."""
+    """A leak: allocated never fell over min_steps and grew > min_growth."""
     if len(history) < min_steps:
         return False
     window = history[-min_steps:]
@@ -93,8 +92,7 @@ def memory_growing(history, min_steps=50, min_growth=64 * 2**20):
 
 
 def health_warning(model, initial, mem_history, record, steps_done, args):
-    """Frozen parameters (checked once, at frozen_check_step) or a memory leak; None when
-    healthy."""
+    """Frozen parameters (checked at frozen_check_step) or a memory leak; None when healthy."""
     if record["cuda_mem_alloc"] is not None:
         mem_history.append(record["cuda_mem_alloc"])
         if memory_growing(mem_history):
@@ -103,7 +101,7 @@ def health_warning(model, initial, mem_history, record, steps_done, args):
     if initial is not None and steps_done == args.frozen_check_step:
         frozen = frozen_parameters(model, initial)
         if frozen and len(frozen) == sum(1 for sample in initial.values() if sample.numel()):
-            # an H100 run compiled under torch 2.11 got every gradient 0: hours of plausible MFU
+            # a compiled run can get every gradient 0 and show hours of plausible MFU
             raise RuntimeError(f"no parameter changed in {args.frozen_check_step} steps: every "
                                "gradient is zero or no optimizer steps; stopped. Rerun with "
                                "--compile false to tell whether compilation is the cause")
@@ -113,8 +111,8 @@ def health_warning(model, initial, mem_history, record, steps_done, args):
 
 
 class Health:
-    """Health checks, one call a step: update ratios every health_every steps, and
-    health_warning's warnings, printed on rank 0."""
+    """One call a step: update ratios every health_every steps, and health_warning's warnings,
+    printed on rank 0."""
 
     def __init__(self, model, optimizers, args, start, master, frozen_check=True):
         self.model, self.optimizers, self.args = model, optimizers, args
@@ -124,7 +122,7 @@ class Health:
         self.before = self.samples(start)
 
     def samples(self, step):
-        """Samples before step `step` (from 0) where its update ratios are due."""
+        """Samples before step `step` where its update ratios are due."""
         return samples_by_id(self.optimizers) if step % self.args.health_every == 0 else None
 
     def check(self, record):
@@ -141,8 +139,8 @@ class Health:
 
 
 class StopSignal:
-    """SIGTERM/SIGINT/SIGHUP (terminal closed) set a flag; the loop finishes its step,
-    checkpoints and exits with a resume line."""
+    """SIGTERM/SIGINT/SIGHUP set a flag; the loop finishes its step, checkpoints and exits with
+    a resume line."""
 
     def __init__(self):
         self.signum = None
@@ -159,11 +157,11 @@ class StopSignal:
 
 
 # -----------------------------------------------------------------------------
-# Budget flags (--steps, --tokens, ...): the last one given wins, so one appended to a plan's
-# command line replaces its budget
+# Budget flags (--steps, --tokens, ...): the last one given wins, so one appended to a command
+# line replaces its budget
 
 class BudgetFlag(argparse.Action):
-    """Stores the value and its order among budget flags (args.budget_order)."""
+    """Stores the value and its order among budget flags."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         setattr(namespace, self.dest, values)
@@ -180,7 +178,7 @@ def add_budget_args(group, flags):
 
 def resolve_budget(args, names, default=None):
     """Keep the last budget flag of `names`, the others None; none given: `default` (name, value)
-    or an error. Returns the line saying which budget is in force."""
+    or an error. Returns the line saying which is in force."""
     given = [d for d in getattr(args, "budget_order", None) or [] if d in names]
     if not given and default is None:
         raise ValueError("give a budget: " + " or ".join(f"--{n}" for n in names))
@@ -206,7 +204,7 @@ def parse_stage_args(parser, argv, budgets, default=None):
             args.budget_line = resolve_budget(args, budgets, default)
         except ValueError as e:
             parser.error(str(e))
-        # before any step: a stage that divided by 0 after training lost the training
+        # before any step, not a division by 0 after training
         if args.ckpt_every < 1:
             parser.error(f"--ckpt_every {args.ckpt_every}: give N >= 1 (the last step saves too, "
                          "so an N above the stage's steps saves there only)")
@@ -236,13 +234,11 @@ def process_memory(device):
 
 
 # A CPU rank's memory beside the model: torch, gloo, the loader; unsharded it also keeps what
-# it frees (keep_freed_memory). Fitted to peaks of pretrain.py at d4 and d8 on 1-3 processes
-# (dev/LOG.md, 2026-11-29)
+# it frees (keep_freed_memory). Fitted to pretrain.py's peaks (dev/LOG.md)
 CPU_RUNTIME = {"sharded": 0.4 * 2**30, "unsharded": 1.3 * 2**30}
 
 
 def step_estimate(config, args, micro, device_type):
-    """model.py's estimate of a step at these flags."""
     optimizer = "adam8bit" if args.optimizer == "adamw" and args.adam8bit else args.optimizer
     return memory_estimate(config, micro, optimizer=optimizer, bf16=args.dtype != "float32",
                            device_type=device_type)
@@ -251,7 +247,7 @@ def step_estimate(config, args, micro, device_type):
 def rank_memory(config, estimate, world, sharded, device_type):
     """A rank's peak bytes. Unsharded: the whole step (DDP adds its buckets, a second gradient).
     FSDP2: weights and optimizer state split over ranks, plus the root module (embeddings, head)
-    whole in fp32 with its gradient and a buffer, 12 bytes a parameter, plus activations."""
+    whole, 12 bytes a parameter (fp32, gradient, buffer), plus activations."""
     runtime = CPU_RUNTIME["sharded" if sharded else "unsharded"] if device_type == "cpu" else 0
     in_flight = estimate["activations"] + estimate["transient"]
     if not sharded:
@@ -265,7 +261,7 @@ def rank_memory(config, estimate, world, sharded, device_type):
 
 def shard_model(model, args, world, device):
     """FSDP2 (each block, then the root) with --fsdp true, or auto when the step would not fit
-    one device (docs/distributed.md). Returns the line saying whether and why."""
+    one device. Returns the line saying whether and why."""
     micro = getattr(args, "micro_batch", None) or 1  # the probe chooses later
     estimate = step_estimate(model.config, args, micro, device.type)
     in_use = process_memory(device)
@@ -305,7 +301,7 @@ MAX_MICRO_BATCH = 1024
 
 
 def micro_batch_candidates(total, seq_len, world):
-    """Divisors of the per-rank sequences, or without a total powers of two up to the max."""
+    """Divisors of the per-rank sequences, or without a total powers of two."""
     if total:
         per_rank = max(1, total // (seq_len * world))
         return [m for m in range(1, per_rank + 1) if per_rank % m == 0]
@@ -313,7 +309,6 @@ def micro_batch_candidates(total, seq_len, world):
 
 
 def find_micro_batch(try_step, candidates):
-    """The largest candidate that try_step runs without running out of memory."""
     for micro in sorted(candidates, reverse=True):
         try:
             try_step(micro)
@@ -325,8 +320,8 @@ def find_micro_batch(try_step, candidates):
 
 
 def probe_step(model, optimizers, seq_len, vocab_size, dtype, device):
-    """try_step reaching a real step's peak: activations, gradients (DDP buckets are views) and
-    optimizer state, from a step at lr 0 of throw-away optimizers."""
+    """try_step reaching a real step's peak: activations, gradients and optimizer state, from a
+    step at lr 0 of throw-away optimizers."""
     def try_step(micro):
         idx = torch.randint(0, vocab_size, (micro, seq_len), device=device)
         try:
@@ -372,19 +367,18 @@ def batch_line(total, used, seq_len, world, micro=0):
 
 
 def add_micro_batch_arg(group):
-    """--micro_batch, the same in every stage; plan_batch reads it."""
+    """--micro_batch, the same in every stage."""
     group.add_argument("--micro_batch", type=int, default=0, help="sequences per rank per forward "
                        "(rl.py: replies); 0 = the checkpoint's when resuming (--resume), else the "
-                       "parent checkpoint's (midtrain, sft, rl), else the largest that fits on "
-                       "CUDA (a divisor of the per-rank batch; without --total_batch_tokens a "
-                       "power of two up to 1024), on the CPU the whole per-rank batch (8 without "
-                       "--total_batch_tokens) (default: %(default)s)")
+                       "parent checkpoint's, else the largest that fits on CUDA (a divisor of "
+                       "the per-rank batch, or a power of two), on the CPU the whole per-rank "
+                       "batch (8 without --total_batch_tokens) (default: %(default)s)")
 
 
 def plan_batch(args, config, world, model, device, resume_from=None, parent_meta=None,
                accumulate=True):
     """(micro_batch, accumulation steps, its source), as --micro_batch's help says;
-    accumulate=False (rl.py): no accumulation."""
+    accumulate=False: no accumulation."""
     seq_len, total = config.sequence_len, args.total_batch_tokens if accumulate else None
     master = not dist.is_initialized() or dist.get_rank() == 0
     resumed = saved_layout(resume_from)["micro_batch"] if resume_from else None
@@ -436,14 +430,13 @@ def plan_batch(args, config, world, model, device, resume_from=None, parent_meta
 
 def add_init_args(parser, parents, lr_scale, schedule, warmdown_frac, why):
     """--checkpoint (of `parents`, in order), warm start, schedule (`why`: where the defaults
-    come from) and the inherited flags (None: the parent's)."""
+    come from) and the inherited flags."""
     add_schedule_args(parser)
     g = parser.add_argument_group("warm start: the parent's optimizer state and this stage's lrs")
     g.add_argument("--warm_start", type=parse_bool, default=True,
-                   help="continue from the parent checkpoint's optimizer state (AdamW moments, "
-                   "Muon momentum) with the lrs reset to this stage's; a state that does not fit "
-                   "this stage's optimizers is reported and replaced by a fresh one; false: fresh "
-                   "(default: %(default)s)")
+                   help="continue from the parent checkpoint's optimizer state with the lrs "
+                   "reset to this stage's; a state that does not fit is reported and replaced by "
+                   "a fresh one; false: fresh (default: %(default)s)")
     g.add_argument("--lr_scale", type=float, default=lr_scale,
                    help="every lr is this fraction of the parent's (its base lrs at this stage's "
                    f"batch; {why}) (default: %(default)s)")
@@ -471,14 +464,13 @@ def add_init_args(parser, parents, lr_scale, schedule, warmdown_frac, why):
 
 
 def add_loader_threads_arg(group):
-    """--loader_threads, the same in every stage that tokenizes."""
     group.add_argument("--loader_threads", type=int, default=0, help="tokenizer threads per "
-                       "loader; 0 = 1 when training on the CPU (its cores do the training), else "
-                       "the cores per process (default: %(default)s)")
+                       "loader; 0 = 1 when training on the CPU, else the cores per process "
+                       "(default: %(default)s)")
 
 
 def loader_threads(args, device):
-    """On the CPU one (the cores run the step; one keeps up), else this process's share."""
+    """On the CPU one (the cores run the step), else this process's share."""
     if args.loader_threads:
         return args.loader_threads
     if device.type == "cpu":
@@ -491,8 +483,8 @@ USER_COMPILE_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 
 
 def compile_cache():
-    """torch.compile's cache, shared so later stages start warm (docs/training.md): the user's
-    $TORCHINDUCTOR_CACHE_DIR, else one per torch version."""
+    """torch.compile's cache, shared so later stages start warm: $TORCHINDUCTOR_CACHE_DIR, else
+    one per torch version."""
     ours = CACHE_DIR / "compile" / f"torch-{torch.__version__}"
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = USER_COMPILE_CACHE or str(ours)
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
@@ -518,8 +510,8 @@ def wrap_model(model, args, world, local_rank, device, dynamic=False):
 # Validation bits per byte, the same on 1 or N processes
 
 def val_bpb(model, rows, token_bytes, batch_rows, dtype, rank, world, device):
-    """(bits per byte, tokens scored) over val_rows. Special (BOS) and -1 targets are no text:
-    out of loss and bytes."""
+    """(bits per byte, tokens scored) over val_rows; special (BOS) and -1 targets are left
+    out."""
     token_bytes = torch.as_tensor(token_bytes, device=device)
 
     def batch_sums(b):
@@ -540,8 +532,8 @@ def val_bpb(model, rows, token_bytes, batch_rows, dtype, rank, world, device):
 @torch.no_grad()
 def dealt_sums(model, n_batches, width, rank, world, batch_sums):
     """Sums of batch_sums(b) over batches dealt round robin, added in batch order after the
-    all-reduce: the same bits on 1 or N processes. Sharded forwards need every rank, so a rank
-    past the last batch redoes one, uncounted."""
+    all-reduce: the same bits on 1 or N processes. Sharded forwards need every rank: one past
+    the last batch redoes one, uncounted."""
     sums = torch.zeros(n_batches, width, dtype=torch.float64)
     was_training = model.training
     model.eval()
@@ -559,8 +551,7 @@ def dealt_sums(model, n_batches, width, rank, world, batch_sums):
 
 def forward_backward(train_model, batches, dtype, device, world):
     """Forward and backward over a step's micro-batches; returns (summed loss, targets) over all
-    ranks. Each loss is over the whole batch's target count: a mean per micro-batch would weigh
-    tokens by how full it is."""
+    ranks. Each loss is over the whole batch's target count, not a mean per micro-batch."""
     count = all_reduce_tensor(torch.stack([(targets != -1).sum() for _,
                                            targets in batches]).sum().double())
     scale = world / count.clamp(min=1)
@@ -577,9 +568,9 @@ def forward_backward(train_model, batches, dtype, device, world):
 
 
 def clip_grad_norm(parameters, max_norm, host_branches=None):
-    """clip_grad_norm_, with each row's fp32 norm squared and summed in fp64: the same bits at any
-    world size (FSDP2 shards dim 0; dev/LOG.md). Returns the norm on the device. Off the CPU
-    nothing is read back: both branches are computed, chosen on the device."""
+    """clip_grad_norm_, each row's fp32 norm squared and summed in fp64: the same bits at any
+    world size (FSDP2 shards dim 0). Returns the norm on the device. Off the CPU nothing is read
+    back: both branches are computed, chosen on the device."""
     grads = [p.grad for p in parameters if p.grad is not None]
     shards = [local(g) for g in grads]
     if host_branches is None:
@@ -608,8 +599,8 @@ def clip_grad_norm(parameters, max_norm, host_branches=None):
 
 
 def optimizer_step(model, optimizers, args, loss_sum, count, world, device, step, run_dir):
-    """Clip, step, zero gradients, the step's one read and the NaN stop (train's and rl.py's).
-    Returns (loss, targets, grad norm)."""
+    """Clip, step, zero gradients, the step's one read and the NaN stop. Returns (loss, targets,
+    grad norm)."""
     norm = clip_grad_norm(model.parameters(), args.grad_clip or float("inf"))
     for opt in optimizers:
         opt.step()
@@ -622,7 +613,7 @@ def optimizer_step(model, optimizers, args, loss_sum, count, world, device, step
 
 def read_step(loss_sum, count, norm, device):
     """The step's one read from the device, in one transfer that waits for the step's queued
-    work (so it ends the step's time). Returns (loss, targets, grad norm)."""
+    work. Returns (loss, targets, grad norm)."""
     loss_sum, count, grad_norm = torch.stack([torch.as_tensor(loss_sum, dtype=torch.float64,
                                                               device=device),
                                               torch.as_tensor(count, dtype=torch.float64,
@@ -642,7 +633,6 @@ def stop_if_not_finite(loss, grad_norm, step, run_dir):
 
 
 def cuda_memory(device):
-    """Allocated, reserved and peak CUDA bytes (None off CUDA)."""
     cuda = device.type == "cuda"
     return {"cuda_mem_alloc": torch.cuda.memory_allocated(device) if cuda else None,
             "cuda_mem_reserved": torch.cuda.memory_reserved(device) if cuda else None,
@@ -662,7 +652,7 @@ def open_wandb(args, master):
 
 class Log:
     """Rank 0's records: metrics.jsonl, wandb, a progress line every log_every steps, its ETA
-    timed from the end of the first step (which holds compilation)."""
+    timed from the end of the first step (compilation)."""
 
     def __init__(self, args, run_dir, start, total_steps, master):
         if master and start == 0:
@@ -682,7 +672,7 @@ class Log:
             append_jsonl(self.metrics, record)
 
     def step(self, record, line=None):
-        """Write a step's record; print `line` (rl.py's) or progress_line's when due."""
+        """Write a step's record; print `line` or progress_line's when due."""
         step = record["step"]
         self.write(record)
         if self.wandb:
@@ -698,8 +688,8 @@ class Log:
 
 
 class Saver:
-    """save(step) writes a checkpoint if every rank's parameters are finite; stopped() saves the
-    last step on a signal and says how to resume."""
+    """save(step) writes a checkpoint if every rank's parameters are finite; stopped() saves on
+    a signal and says how to resume."""
 
     def __init__(self, args, run_dir, model, optimizers, loaders, ckpt_meta, rank, start, log,
                  stop):
@@ -733,7 +723,7 @@ class Saver:
 
 
 def frozen_heap(train_fn):
-    """train with start-up's objects frozen (gc.freeze) so full collections skip them."""
+    """train with start-up's objects frozen so full collections skip them."""
     @functools.wraps(train_fn)
     def wrapped(*args, **kwargs):
         try:
@@ -788,7 +778,7 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
         log.step(record)
         if stop.requested():
             return saver.stopped(step + 1, f"at step {step + 1}")
-        # --final_checkpoint: pretrain.py's (false in bench.py gpu: d20's is ~9 GB)
+        # --final_checkpoint: pretrain.py's
         if (step + 1) % args.ckpt_every == 0 or (last_step and getattr(args, "final_checkpoint",
                                                                        True)):
             # the final checkpoint comes before the final evaluation (nanochat #446)
