@@ -13,6 +13,7 @@ import argparse
 import csv
 import json
 import random
+from operator import itemgetter
 from pathlib import Path
 
 import pyarrow as pa
@@ -468,6 +469,27 @@ PROBLEMS = [(("{name} has {a} {items}. {Pron} buys {b} bags with {c} {items} in 
             (("{name} picked {a} {items} and {friend} picked {b} times as many. They ate {c}. How "
               "many {items} are left?"),
              ["a * b {friend} picked", "a + s1 Together they picked", "s2 - c Left:"])]
+# Four and five steps, in new orders of the steps above: SFT sees few of them, RL many (its
+# problems_rl/), and half of demo-problems asks them, so RL has something to add (dev/LOG.md)
+HARD_PROBLEMS = [
+    (("{name} has {a} {items}. {Pron} buys {b} bags with {c} {items} in each, then gives {d} "
+      "{items} to {friend}, and {friend} gives {e} back. How many {items} does {name} have now?"),
+     ["b * c The bags hold", "a + s1 Then {pron} has", "s2 - d After giving some away:",
+      "s3 + e With the ones given back:"]),
+    (("A farm has {a} {ap1} and {b} {ap2}. {c} more {ap1} come, and {d} more {ap2} come. How "
+      "many legs do the animals of the farm have?"),
+     ["a + c There are", "b + d And", "s1 * legs1 The {ap1} have", "s2 * legs2 The {ap2} have",
+      "s3 + s4 Together:"]),
+    (("{name} has {a} bags of {b} {items}, and {friend} has {c} bags of {d} {items}. They eat {e} "
+      "of them. How many {items} are left?"),
+     ["a * b {name} has", "c * d {friend} has", "s1 + s2 Together:", "s3 - e Left:"]),
+    (("On Monday {name} picked {a} {items}, on Tuesday {b} more, and on Wednesday {c} times as "
+      "many as on Monday. {Pron} ate {d} of them. How many {items} are left?"),
+     ["a + b On Monday and Tuesday {pron} picked", "a * c On Wednesday {pron} picked",
+      "s1 + s2 In all:", "s3 - d Left:"]),
+    (("{a} friends each bring {b} {items} to a party in {cap}, and {name} brings {c} bags with "
+      "{d} {items} in each. They eat {e} of them. How many {items} are left?"),
+     ["a * b The friends bring", "c * d {name} brings", "s1 + s2 Together:", "s3 - e Left:"])]
 # an unneeded number: the model must pick the right ones
 DISTRACTORS = ["{friend} also has {e} {other}.", "There are {e} {other} on the table too.",
                "It is {day}, and {e} {other} are in the basket."]
@@ -771,10 +793,10 @@ def calculation_row(rng):
     return {"question": story, "answer": f"{x} {symbol} {y} = {call}{v} {items}.\n#### {v}"}
 
 
-def word_problem(rng):
-    """A GSM8K-style word problem: two to four worked steps with calculator calls, then '#### N'.
-    Numbers 2 to 20 (half in words); half hold an unneeded number."""
-    question, steps = rng.choice(PROBLEMS)
+def word_problem(rng, templates=PROBLEMS):
+    """A GSM8K-style word problem: worked steps with calculator calls, then '#### N'. Numbers 2
+    to 20 (half in words); half hold an unneeded number."""
+    question, steps = rng.choice(templates)
     (name, pron), ((item, items), (_, other)) = rng.choice(CHARACTERS), rng.sample(ITEMS, 2)
     (_, ap1, *_, legs1, _), (_, ap2, *_, legs2, _) = rng.sample([a for a in ANIMALS if a[4]], 2)
     cap, cap2 = (row[1] for row in rng.sample(COUNTRIES, 2))
@@ -969,19 +991,29 @@ def write_demo(out_dir, seed=0):
     chats = [conversation(rng) for _ in range(4000)]
     splits = {"train": [c for i, c in enumerate(chats) if i % 20], "val": chats[::20]}
     schema = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
-    # word problems: held out first, then training ones unlike them
+    # word problems: held out first, then training ones unlike them; a tenth of SFT's and three
+    # quarters of RL's are of four and five steps, as half of those held out
     rng = random.Random(f"demo-problems-{seed}")
-    held_out = distinct(DEMO_HELD_OUT_PROBLEMS, lambda: word_problem(rng),
-                        key=lambda row: row["question"])
-    problems = distinct(DEMO_TASK_ROWS, lambda: word_problem(rng), key=lambda row: row["question"],
-                        exclude={row["question"] for row in held_out})
+    question = itemgetter("question")
+    held_out = distinct(DEMO_HELD_OUT_PROBLEMS // 2, lambda: word_problem(rng), key=question)
+    held_out += distinct(DEMO_HELD_OUT_PROBLEMS // 2, lambda: word_problem(rng, HARD_PROBLEMS),
+                         key=question)
+    seen = {row["question"] for row in held_out}
+    problems = distinct(DEMO_TASK_ROWS, lambda: word_problem(rng), key=question, exclude=seen)
+    hard = distinct(DEMO_TASK_ROWS, lambda: word_problem(rng, HARD_PROBLEMS), key=question,
+                    exclude=seen)
+    problems_rl = hard[300:] + problems[:DEMO_TASK_ROWS // 4]
+    problems += hard[:300]
+    rng.shuffle(problems)
+    rng.shuffle(problems_rl)
     rng = random.Random(f"demo-tasks-{seed}")  # a chat directory per task shape
     tasks = {"choice": pa.Table.from_pylist([choice_row(rng) for _ in range(DEMO_TASK_ROWS)]),
              "answers": pa.table({"messages": pa.array([short_answer(rng)
                                                         for _ in range(DEMO_TASK_ROWS)], schema)}),
              "calc": pa.Table.from_pylist([calculation_row(rng) for _ in range(DEMO_TASK_ROWS)]),
              "lookup": pa.Table.from_pylist([lookup_row(rng) for _ in range(DEMO_TASK_ROWS)]),
-             "problems": pa.Table.from_pylist(problems)}
+             "problems": pa.Table.from_pylist(problems),
+             "problems_rl": pa.Table.from_pylist(problems_rl)}
     tables = {f"conversations/{split}": pa.table({"messages": pa.array(rows, schema)})
               for split, rows in splits.items()} | {f"{name}/train": table for name,
                                                     table in tasks.items()}
@@ -1018,8 +1050,10 @@ def write_demo(out_dir, seed=0):
         f"<<expr=result>> and a final '#### N')\nlookup/               {DEMO_TASK_ROWS} "
         "multiple-choice questions that name their answer (\"Which option is Pelmo?\"), in MMLU's "
         "columns: binding a letter to its option, no knowledge needed\nproblems/             "
-        f"{DEMO_TASK_ROWS} word problems of two to four steps in GSM8K's columns, none of them "
-        f"among chat_eval/demo-problems' {DEMO_HELD_OUT_PROBLEMS}\neval_bundle/          "
+        f"{len(problems)} word problems of two to four steps (300 of four or five) in GSM8K's "
+        f"columns, none among chat_eval/demo-problems' {DEMO_HELD_OUT_PROBLEMS} (half of four or "
+        f"five)\nproblems_rl/          {len(problems_rl)} more for RL, three quarters of four or "
+        "five steps\neval_bundle/          "
         "core.yaml, eval_meta_data.csv, eval_data/demo/*.jsonl in the CORE formats; their "
         "phrasings never occur in pretrain/ or conversations/\n"
         + "".join(f"    {k}: {v} items\n" for k, v in evals.items())

@@ -50,7 +50,7 @@ def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("tasks")
-    g.add_argument("--demo", default="auto", help="a demo world directory whose problems/ are "
+    g.add_argument("--demo", default="auto", help="a demo world directory whose problems_rl/ are "
                    "trained on and chat_eval/demo-problems.jsonl held out; auto = the parent's "
                    "world if it had one, else GSM8K; none = GSM8K (default: %(default)s)")
     g.add_argument("--train_dir", default=str(CACHE_DIR / "chat" / "gsm8k"), help=
@@ -376,14 +376,14 @@ def load_tasks(args, parent, parent_meta, rank, world):
     """(train items, held-out items, pretraining data dir, description): the demo world's, else
     GSM8K's."""
     data_dir = (checkpoint.pretraining_run(parent, parent_meta) or [None])[0]
-    world_dir = demo_world(args.demo, data_dir, "problems")
-    train_items = gsm8k_items(world_dir / "problems" if world_dir else args.train_dir)
+    world_dir = demo_world(args.demo, data_dir, "problems_rl")
+    train_items = gsm8k_items(world_dir / "problems_rl" if world_dir else args.train_dir)
     name = "demo-problems" if world_dir else "GSM8K"
     held_out = distributed.fetch_everywhere(
         lambda: load_items(name, args.cache_dir, world_dir, args.eval_items)[0], rank, world)
     tasks = f"GSM8K {args.train_dir} (held out: GSM8K test from {args.cache_dir})"
     if world_dir:
-        tasks = f"the demo world {world_dir} (problems/ word problems; held out: demo-problems)"
+        tasks = f"the demo world {world_dir} (problems_rl/ word problems; held out: demo-problems)"
     return train_items, held_out, data_dir, tasks
 
 

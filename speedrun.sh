@@ -55,10 +55,10 @@ if [ "$PLAN" = demo ]; then  # about 10 minutes on a 2-core Xeon with AMX, 22 on
     SFT=(--source "$DATA_DIR/conversations:1" --source "$DATA_DIR/choice:1" --source "$DATA_DIR/answers:1"
          --source "$DATA_DIR/calc:1" --source "$DATA_DIR/problems:1" --steps 200 --eval_every 0 --ckpt_every 100
          "${ASK[@]}")
-    # RL on the world's word problems: after SFT on them it holds them (105 -> 102-107 of 120; dev/LOG.md, 2026-11-29)
-    RL=(--demo "$DATA_DIR" --steps 20 --questions_per_step 8 --samples 8 --max_new_tokens 96 --micro_batch 32
+    # RL on problems_rl/, mostly of four and five steps, which SFT stops short of; 160 tokens: their whole answers
+    RL=(--demo "$DATA_DIR" --steps 20 --questions_per_step 8 --samples 8 --max_new_tokens 160 --micro_batch 32
         --eval_every 0 --eval_items 40 --eval_samples 2 --ckpt_every 10)
-    CHAT_EVAL=(--demo "$DATA_DIR" --max_new_tokens 96 --tasks demo-choice,demo-answer,demo-problems,demo-words)
+    CHAT_EVAL=(--demo "$DATA_DIR" --max_new_tokens 160 --tasks demo-choice,demo-answer,demo-problems,demo-words)
     CORE=(--bundle "$DATA_DIR/eval_bundle")  # the demo world's, whatever corpus pretraining read
 fi  # --chat: the file beside the plan's conversations, held out: the plan's (docs/own-data.md)
 if [ -n "$CHAT" ]; then SFT+=(--add_source "$CHAT:2"); MIDTRAIN+=(--add_source "chat:$CHAT:0.2"); fi
