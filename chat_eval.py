@@ -383,8 +383,8 @@ def write_outputs(report, records, out, run_dir):
 
 
 def download_task(task, cache_dir):
-    """The hub task's test files into cache_dir/task; files.json, written last, lets reruns (and
-    tasks.py, which reads only this cache) skip the hub."""
+    """The hub task's test files into cache_dir/task, where tasks.py reads them; files.json,
+    written last, says they are whole."""
     try:
         return tasks.hub_files(task, cache_dir)
     except FileNotFoundError:

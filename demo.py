@@ -469,8 +469,6 @@ PROBLEMS = [(("{name} has {a} {items}. {Pron} buys {b} bags with {c} {items} in 
             (("{name} picked {a} {items} and {friend} picked {b} times as many. They ate {c}. How "
               "many {items} are left?"),
              ["a * b {friend} picked", "a + s1 Together they picked", "s2 - c Left:"])]
-# Four and five steps, in new orders of the steps above: SFT sees few of them, RL many (its
-# problems_rl/), and half of demo-problems asks them, so RL has something to add (dev/LOG.md)
 HARD_PROBLEMS = [
     (("{name} has {a} {items}. {Pron} buys {b} bags with {c} {items} in each, then gives {d} "
       "{items} to {friend}, and {friend} gives {e} back. How many {items} does {name} have now?"),
@@ -499,7 +497,7 @@ DISTRACTORS = ["{friend} also has {e} {other}.", "There are {e} {other} on the t
 
 # the assistant's identity: identity.json, the one file to edit (SFT on hub data reads it too)
 DEMO_ASSISTANT_NAME, IDENTITY_PAIRS = load_identity()
-DEMO_TASK_ROWS = 3000  # rows in each of choice/, answers/, calc/, lookup/, problems/
+DEMO_TASK_ROWS = 3000  # rows in each of choice/, answers/, calc/, lookup/; problems/: 300 more
 DEMO_HELD_OUT_PROBLEMS = 120  # chat_eval's demo-problems: word problems no training row asks
 # 1.27M training tokens at vocab 1024: an epoch is minutes of CPU training
 DEMO_TARGET_CHARS = 5_000_000
@@ -827,6 +825,24 @@ def word_problem(rng, templates=PROBLEMS):
             "answer": " ".join(said) + f"\n#### {v}"}
 
 
+def word_problem_sets(rng):
+    """(held out, SFT's, RL's) word problems, none trained on held out; HARD_PROBLEMS: half of
+    those held out, 300 of SFT's, most of RL's (dev/LOG.md)."""
+    question = itemgetter("question")
+    held_out = distinct(DEMO_HELD_OUT_PROBLEMS // 2, lambda: word_problem(rng), key=question)
+    held_out += distinct(DEMO_HELD_OUT_PROBLEMS // 2, lambda: word_problem(rng, HARD_PROBLEMS),
+                         key=question)
+    seen = {row["question"] for row in held_out}
+    problems = distinct(DEMO_TASK_ROWS, lambda: word_problem(rng), key=question, exclude=seen)
+    hard = distinct(DEMO_TASK_ROWS, lambda: word_problem(rng, HARD_PROBLEMS), key=question,
+                    exclude=seen)
+    problems_rl = hard[300:] + problems[:DEMO_TASK_ROWS // 4]
+    problems += hard[:300]
+    rng.shuffle(problems)
+    rng.shuffle(problems_rl)
+    return held_out, problems, problems_rl
+
+
 def distinct(n, draw, key=lambda row: row, exclude=()):
     """n results of draw() with distinct keys, in draw order, none keyed in exclude."""
     rows, seen = [], set(exclude)
@@ -991,21 +1007,7 @@ def write_demo(out_dir, seed=0):
     chats = [conversation(rng) for _ in range(4000)]
     splits = {"train": [c for i, c in enumerate(chats) if i % 20], "val": chats[::20]}
     schema = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
-    # word problems: held out first, then training ones unlike them; a tenth of SFT's and three
-    # quarters of RL's are of four and five steps, as half of those held out
-    rng = random.Random(f"demo-problems-{seed}")
-    question = itemgetter("question")
-    held_out = distinct(DEMO_HELD_OUT_PROBLEMS // 2, lambda: word_problem(rng), key=question)
-    held_out += distinct(DEMO_HELD_OUT_PROBLEMS // 2, lambda: word_problem(rng, HARD_PROBLEMS),
-                         key=question)
-    seen = {row["question"] for row in held_out}
-    problems = distinct(DEMO_TASK_ROWS, lambda: word_problem(rng), key=question, exclude=seen)
-    hard = distinct(DEMO_TASK_ROWS, lambda: word_problem(rng, HARD_PROBLEMS), key=question,
-                    exclude=seen)
-    problems_rl = hard[300:] + problems[:DEMO_TASK_ROWS // 4]
-    problems += hard[:300]
-    rng.shuffle(problems)
-    rng.shuffle(problems_rl)
+    held_out, problems, problems_rl = word_problem_sets(random.Random(f"demo-problems-{seed}"))
     rng = random.Random(f"demo-tasks-{seed}")  # a chat directory per task shape
     tasks = {"choice": pa.Table.from_pylist([choice_row(rng) for _ in range(DEMO_TASK_ROWS)]),
              "answers": pa.table({"messages": pa.array([short_answer(rng)
@@ -1037,25 +1039,24 @@ def write_demo(out_dir, seed=0):
     (out_dir / "README.txt").write_text(
         f"The demo world (seed {seed}): a small made-up world of {len(COUNTRIES)} countries "
         f"(capital, language, flag, national animal), {len(ANIMALS)} animals, colours of things, "
-        "small arithmetic, days and months, and short stories, all consistent with each "
-        f"other.\n\npretrain/             {counts['documents']} documents, {counts['characters']} "
+        "small arithmetic, days and months, and short stories, all consistent.\n\npretrain/      "
+        f"       {counts['documents']} documents, {counts['characters']} "
         f"characters, {len(shards)} parquet shards (column `text`, row groups of {ROW_GROUP_DOCS}, "
         "zstd); the last shard is validation\nconversations/        train.parquet "
         f"({counts['conversations_train']}) and val.parquet ({counts['conversations_val']}): "
         "column `messages`, a list of {role, content} as in SmolTalk\nchoice/               "
-        f"{DEMO_TASK_ROWS} multiple-choice questions answered by a letter, in MMLU's columns "
-        f"(question, choices, answer, subject)\nanswers/              {DEMO_TASK_ROWS} "
+        f"{DEMO_TASK_ROWS} multiple-choice questions answered by a letter, in MMLU's columns\n"
+        f"answers/              {DEMO_TASK_ROWS} "
         "conversations whose reply is the answer alone (`messages`)\ncalc/                 "
-        f"{DEMO_TASK_ROWS} sums through the calculator, in GSM8K's columns (question, answer with "
-        f"<<expr=result>> and a final '#### N')\nlookup/               {DEMO_TASK_ROWS} "
-        "multiple-choice questions that name their answer (\"Which option is Pelmo?\"), in MMLU's "
-        "columns: binding a letter to its option, no knowledge needed\nproblems/             "
+        f"{DEMO_TASK_ROWS} sums through the calculator, in GSM8K's columns (<<expr=result>>, "
+        f"'#### N')\nlookup/               {DEMO_TASK_ROWS} "
+        "multiple-choice questions that name their answer: a letter bound to its option\n"
+        "problems/             "
         f"{len(problems)} word problems of two to four steps (300 of four or five) in GSM8K's "
-        f"columns, none among chat_eval/demo-problems' {DEMO_HELD_OUT_PROBLEMS} (half of four or "
-        f"five)\nproblems_rl/          {len(problems_rl)} more for RL, three quarters of four or "
-        "five steps\neval_bundle/          "
-        "core.yaml, eval_meta_data.csv, eval_data/demo/*.jsonl in the CORE formats; their "
-        "phrasings never occur in pretrain/ or conversations/\n"
+        f"columns, none among chat_eval/demo-problems' {DEMO_HELD_OUT_PROBLEMS}\nproblems_rl/   "
+        f"       {len(problems_rl)} more, for RL\neval_bundle/          "
+        "the CORE formats (core.yaml, eval_meta_data.csv, eval_data/demo/*.jsonl), in phrasings "
+        "no training file has\n"
         + "".join(f"    {k}: {v} items\n" for k, v in evals.items())
         + "chat_eval/            chat questions for chat_eval.py, in phrasings reserved for it "
                                         "too\n"

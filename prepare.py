@@ -682,14 +682,6 @@ def text_stats(tokenizer, texts, batch_docs=1024):
     return docs, n_bytes, n_tokens
 
 
-def bytes_per_token(tokenizer, texts):
-    """UTF-8 bytes per token: higher compresses better."""
-    _, n_bytes, n_tokens = text_stats(tokenizer, texts)
-    if n_tokens == 0:
-        raise ValueError("no tokens: bytes/token needs at least one non-empty text")
-    return n_bytes / n_tokens
-
-
 def show_rows(args):
     """The first batch's rows decoded, and the tokens each trains on."""
     from loader import chat_loader, text_loader  # torch: only this command needs it

@@ -42,8 +42,7 @@ skip() { say "stage $1 skipped: $2"; if [ "$STOP_AFTER" = "$1" ]; then exit 0; f
 # --- the plan: each stage's flags (the gpu plan's: gpu_plan.py), then *_EXTRA, then R_* (the last repeated flag wins)
 if [ "$PLAN" = demo ]; then  # about 10 minutes on a 2-core Xeon with AMX, 22 on one without bf16 (dev/LOG.md)
     PRETRAIN=(--preset tiny --steps 400 --micro_batch 16 --compile true --eval_every 200 --ckpt_every 100)
-    # conversations, the shapes ChatCORE asks for: letters (choice), bare answers (answers), the calculator (calc), word
-    # problems (SFT without them lost 30-50 of 120 held out: dev/LOG.md); the samples: questions the demo world answers
+    # the shapes ChatCORE asks for: letters (choice), bare answers, the calculator (calc), word problems
     ASK=(--sample_prompt "What is the capital of Pellan?" --sample_prompt "Which animal stands for Brenia?"
          --sample_prompt "What is 17 plus 25?" --sample_prompt
          "Mira has 5 plums. She buys 3 bags with 4 plums in each. How many plums does Mira have now?"

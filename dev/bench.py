@@ -59,7 +59,7 @@ from bench_gpu import sync
 from demo import write_demo
 from loader import text_loader
 from model import KVCache, autocast_context, build_model, config_from_preset
-from prepare import bytes_per_token, counting, iter_texts, train_tokenizer
+from prepare import counting, iter_texts, text_stats, train_tokenizer
 from tokenizer import Tokenizer
 
 # The stage rows: (benchmark, row, command, figure); each {name} filled in by bench_stages, the figure stage_figure's
@@ -370,7 +370,8 @@ def bench_tokenizer(args, device):
     print(f"tokenizer: trained vocab {tokenizer.vocab_size} on {stats['docs']:,} documents, {stats['chars']:,} "
           f"characters, {mb:.1f} MB in {seconds:.2f} s: {mb / seconds:.1f} MB/s; projected for 50 MB: "
           f"{versus(50 * seconds / mb, 10, ' s', 1, most=True)}")
-    per_token = bytes_per_token(tokenizer, iter_texts(corpus, "val"))
+    _, n_bytes, n_tokens = text_stats(tokenizer, iter_texts(corpus, "val"))
+    per_token = n_bytes / n_tokens
     print(f"tokenizer: bytes/token on the validation split: {per_token:.3f}")
 
 

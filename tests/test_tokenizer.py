@@ -116,13 +116,11 @@ def test_load_errors_name_the_path(tok, tmp_path):
         Tokenizer.load(tmp_path / "tk")
 
 
-def test_bytes_per_token(tok):
+def test_text_stats_count_documents_bytes_and_tokens(tok):
     texts = [t for t in SAMPLES if t]
-    expected = sum(len(t.encode("utf-8")) for t in texts) / sum(len(tok.encode(t)) for t in texts)
-    assert P.bytes_per_token(tok, texts) == pytest.approx(expected, rel=1e-12)
-    assert P.bytes_per_token(tok, iter(texts)) == pytest.approx(expected, rel=1e-12)
-    with pytest.raises(ValueError):
-        P.bytes_per_token(tok, [""])
+    expected = (len(texts), sum(len(t.encode("utf-8")) for t in texts), sum(len(tok.encode(t)) for t in texts))
+    assert P.text_stats(tok, texts) == expected == P.text_stats(tok, iter(texts), batch_docs=2)
+    assert P.text_stats(tok, [""]) == (1, 0, 0)
 
 
 # -----------------------------------------------------------------------------
@@ -234,7 +232,8 @@ def test_cli_train_then_eval(corpus, tmp_path):
     assert f"saved to {out / T.FILE_NAME}" in result.stdout
     result = run_cli("bytes_per_token", "--data_dir", corpus, "--tokenizer", out)
     assert result.returncode == 0, result.stderr
-    expected = P.bytes_per_token(Tokenizer.load(out), iter_texts(corpus, "val"))
+    _, n_bytes, n_tokens = P.text_stats(Tokenizer.load(out), iter_texts(corpus, "val"))
+    expected = n_bytes / n_tokens
     assert f"bytes/token: {expected:.6f}" in result.stdout
     assert f"{len(list(iter_texts(corpus, 'val'))):,} documents" in result.stdout
 
