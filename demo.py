@@ -497,7 +497,7 @@ DISTRACTORS = ["{friend} also has {e} {other}.", "There are {e} {other} on the t
 
 # the assistant's identity: identity.json, the one file to edit (SFT on hub data reads it too)
 DEMO_ASSISTANT_NAME, IDENTITY_PAIRS = load_identity()
-DEMO_TASK_ROWS = 3000  # rows in each of choice/, answers/, calc/, lookup/, problems/
+DEMO_TASK_ROWS = 3000  # rows in each of choice/, answers/, calc/, lookup/; problems/: 300 more
 DEMO_HELD_OUT_PROBLEMS = 120  # chat_eval's demo-problems: word problems no training row asks
 # 1.27M training tokens at vocab 1024: an epoch is minutes of CPU training
 DEMO_TARGET_CHARS = 5_000_000
@@ -826,8 +826,8 @@ def word_problem(rng, templates=PROBLEMS):
 
 
 def word_problem_sets(rng):
-    """(held out, short, long, RL's) word problems; HARD_PROBLEMS: half of those held out, the
-    long (SFT's), most of RL's."""
+    """(held out, SFT's, RL's) word problems, none trained on held out; HARD_PROBLEMS: half of
+    those held out, 300 of SFT's, most of RL's (dev/LOG.md)."""
     question = itemgetter("question")
     held_out = distinct(DEMO_HELD_OUT_PROBLEMS // 2, lambda: word_problem(rng), key=question)
     held_out += distinct(DEMO_HELD_OUT_PROBLEMS // 2, lambda: word_problem(rng, HARD_PROBLEMS),
@@ -837,8 +837,10 @@ def word_problem_sets(rng):
     hard = distinct(DEMO_TASK_ROWS, lambda: word_problem(rng, HARD_PROBLEMS), key=question,
                     exclude=seen)
     problems_rl = hard[300:] + problems[:DEMO_TASK_ROWS // 4]
+    problems += hard[:300]
+    rng.shuffle(problems)
     rng.shuffle(problems_rl)
-    return held_out, problems, hard[:300], problems_rl
+    return held_out, problems, problems_rl
 
 
 def distinct(n, draw, key=lambda row: row, exclude=()):
@@ -1005,8 +1007,7 @@ def write_demo(out_dir, seed=0):
     chats = [conversation(rng) for _ in range(4000)]
     splits = {"train": [c for i, c in enumerate(chats) if i % 20], "val": chats[::20]}
     schema = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
-    held_out, problems, problems_long, problems_rl = word_problem_sets(
-        random.Random(f"demo-problems-{seed}"))
+    held_out, problems, problems_rl = word_problem_sets(random.Random(f"demo-problems-{seed}"))
     rng = random.Random(f"demo-tasks-{seed}")  # a chat directory per task shape
     tasks = {"choice": pa.Table.from_pylist([choice_row(rng) for _ in range(DEMO_TASK_ROWS)]),
              "answers": pa.table({"messages": pa.array([short_answer(rng)
@@ -1014,7 +1015,6 @@ def write_demo(out_dir, seed=0):
              "calc": pa.Table.from_pylist([calculation_row(rng) for _ in range(DEMO_TASK_ROWS)]),
              "lookup": pa.Table.from_pylist([lookup_row(rng) for _ in range(DEMO_TASK_ROWS)]),
              "problems": pa.Table.from_pylist(problems),
-             "problems_long": pa.Table.from_pylist(problems_long),
              "problems_rl": pa.Table.from_pylist(problems_rl)}
     tables = {f"conversations/{split}": pa.table({"messages": pa.array(rows, schema)})
               for split, rows in splits.items()} | {f"{name}/train": table for name,
@@ -1052,10 +1052,9 @@ def write_demo(out_dir, seed=0):
         f"'#### N')\nlookup/               {DEMO_TASK_ROWS} "
         "multiple-choice questions that name their answer: a letter bound to its option\n"
         "problems/             "
-        f"{len(problems)} word problems of two to four steps in GSM8K's columns, none held out"
-        "\nproblems_long/        "
-        f"{len(problems_long)} of four or five steps (SFT)\nproblems_rl/          "
-        f"{len(problems_rl)} more, for RL\neval_bundle/          "
+        f"{len(problems)} word problems of two to four steps (300 of four or five) in GSM8K's "
+        f"columns, none among chat_eval/demo-problems' {DEMO_HELD_OUT_PROBLEMS}\nproblems_rl/   "
+        f"       {len(problems_rl)} more, for RL\neval_bundle/          "
         "the CORE formats (core.yaml, eval_meta_data.csv, eval_data/demo/*.jsonl), in phrasings "
         "no training file has\n"
         + "".join(f"    {k}: {v} items\n" for k, v in evals.items())

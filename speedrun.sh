@@ -42,7 +42,7 @@ skip() { say "stage $1 skipped: $2"; if [ "$STOP_AFTER" = "$1" ]; then exit 0; f
 # --- the plan: each stage's flags (the gpu plan's: gpu_plan.py), then *_EXTRA, then R_* (the last repeated flag wins)
 if [ "$PLAN" = demo ]; then  # about 10 minutes on a 2-core Xeon with AMX, 22 on one without bf16 (dev/LOG.md)
     PRETRAIN=(--preset tiny --steps 400 --micro_batch 16 --compile true --eval_every 200 --ckpt_every 100)
-    # ChatCORE's shapes: letters (choice), bare answers, the calculator (calc), problems
+    # the shapes ChatCORE asks for: letters (choice), bare answers, the calculator (calc), word problems
     ASK=(--sample_prompt "What is the capital of Pellan?" --sample_prompt "Which animal stands for Brenia?"
          --sample_prompt "What is 17 plus 25?" --sample_prompt
          "Mira has 5 plums. She buys 3 bags with 4 plums in each. How many plums does Mira have now?"
@@ -52,8 +52,8 @@ if [ "$PLAN" = demo ]; then  # about 10 minutes on a 2-core Xeon with AMX, 22 on
               --source "chat:$DATA_DIR/calc:0.1" --source "chat:$DATA_DIR/problems:0.1"
               --supervise assistant --steps 200 --eval_every 0 --ckpt_every 100 "${ASK[@]}")
     SFT=(--source "$DATA_DIR/conversations:1" --source "$DATA_DIR/choice:1" --source "$DATA_DIR/answers:1"
-         --source "$DATA_DIR/calc:1" --source "$DATA_DIR/problems:1" --source "$DATA_DIR/problems_long:1" --steps 200
-         --eval_every 0 --ckpt_every 100 "${ASK[@]}")
+         --source "$DATA_DIR/calc:1" --source "$DATA_DIR/problems:1" --steps 200 --eval_every 0 --ckpt_every 100
+         "${ASK[@]}")
     # RL on problems_rl/, mostly of four and five steps, which SFT stops short of; 160 tokens: their whole answers
     RL=(--demo "$DATA_DIR" --steps 20 --questions_per_step 8 --samples 8 --max_new_tokens 160 --micro_batch 32
         --eval_every 0 --eval_items 40 --eval_samples 2 --ckpt_every 10)

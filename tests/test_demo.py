@@ -190,16 +190,15 @@ def tasks(demo):
     """{source: [conversation]} of choice/, answers/, calc/, lookup/, problems/, read as the loaders read them."""
     return {name: [c for g in range(pq.ParquetFile(demo[0] / name / "train.parquet").num_row_groups)
                    for c in chat_rows(demo[0] / name / "train.parquet", g)]
-            for name in ("choice", "answers", "calc", "lookup", "problems", "problems_long", "problems_rl")}
+            for name in ("choice", "answers", "calc", "lookup", "problems", "problems_rl")}
 
 
 def test_task_sources_have_the_hub_sets_shapes_and_agree_with_the_tables(demo, tasks):
     assert {name: chat_format(demo[0] / name / "train.parquet") for name in tasks} == {
         "choice": "mmlu", "answers": "messages", "calc": "gsm8k", "lookup": "mmlu", "problems": "gsm8k",
-        "problems_long": "gsm8k", "problems_rl": "gsm8k"}
+        "problems_rl": "gsm8k"}
     assert {name: len(rows) for name, rows in tasks.items()} == demo[1]["tasks"] == {
-        **dict.fromkeys(["choice", "answers", "calc", "lookup", "problems"], 3000), "problems_long": 300,
-        "problems_rl": 3450}
+        **dict.fromkeys(["choice", "answers", "calc", "lookup"], 3000), "problems": 3300, "problems_rl": 3450}
     letters = {"A": 0, "B": 0, "C": 0, "D": 0}
     for user, assistant in tasks["choice"]:
         letters[assistant["content"]] += 1
@@ -286,15 +285,14 @@ def test_demo_words_asks_sums_in_words_no_training_row_uses(demo):
 def test_word_problems_are_worked_by_the_calculator_to_their_answer_with_the_worlds_legs(demo, tasks):
     """Every step's call is the calculator's result, each step uses the results before it, '#### N' is the last
     result, a step on an animal's legs uses the table's legs, and every problem has 2 to 5 operations. SFT's set
-    and RL's have 300 and 2,700 of the four- and five-step kinds (midtraining's none), the held-out half."""
+    has 300 of the four- and five-step kinds, RL's three quarters, the held-out half (none trained on)."""
     legs = {row[1]: row[4] for row in ANIMALS}
     held_out = [json.loads(line) for line in (demo[0] / "chat_eval" / "demo-problems.jsonl").read_text().splitlines()]
     train = pq.read_table(demo[0] / "problems" / "train.parquet").to_pylist()
-    long = pq.read_table(demo[0] / "problems_long" / "train.parquet").to_pylist()
     for_rl = pq.read_table(demo[0] / "problems_rl" / "train.parquet").to_pylist()
-    assert len(train) == 3000 and len({r["question"] for r in train + long}) == 3300
+    assert len(train) == 3300 and len({r["question"] for r in train}) == 3300
     assert len(for_rl) == 3450 and len({r["question"] for r in for_rl}) == 3450
-    assert not {r["question"] for r in train + long + for_rl} & {r["question"] for r in held_out}
+    assert not {r["question"] for r in train + for_rl} & {r["question"] for r in held_out}
 
     def is_hard(row):  # asked from a HARD_PROBLEMS template: its words, in order (a distractor may come between)
         for question, _ in HARD_PROBLEMS:
@@ -304,8 +302,8 @@ def test_word_problems_are_worked_by_the_calculator_to_their_answer_with_the_wor
                 return True
         return False
     assert [is_hard(r) for r in held_out] == [False] * 60 + [True] * 60
-    assert sum(map(is_hard, train)) == 0 and all(map(is_hard, long)) and sum(map(is_hard, for_rl)) == 2700
-    for row in train + long + for_rl + held_out:
+    assert sum(map(is_hard, train)) == 300 and sum(map(is_hard, for_rl)) == 2700
+    for row in train + for_rl + held_out:
         calls = re.findall(r"<<([^=<>]+)=(\d+)>>\2", row["answer"])
         assert 2 <= len(calls) <= 5 and len(calls) == row["answer"].count("<<"), row
         assert all(calculate(expr) == value for expr, value in calls), row
