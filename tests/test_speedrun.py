@@ -651,7 +651,7 @@ def rehearsal(tmp_path_factory):
 @pytest.mark.two_processes  # its fixture runs the rehearsal: after the pipeline, on free cores
 def test_a_chat_source_missing_from_the_hub_stops_the_rehearsal_at_the_preflight(rehearsal):
     _, _, missing, _, _, _ = rehearsal
-    assert missing.returncode == 2 and "speedrun: stage preflight failed (exit 2)" in missing.stderr
+    assert missing.returncode == 1 and "speedrun: stage preflight failed (exit 1)" in missing.stderr  # prepare.py's error
     assert "HuggingFaceH4/ultrachat_200k has no files matching" in missing.stdout
     assert "stage tokenizer" not in missing.stdout and not missing.corpus_made
 
