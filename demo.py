@@ -827,7 +827,7 @@ def word_problem(rng, templates=PROBLEMS):
 
 def word_problem_sets(rng):
     """(held out, SFT's, RL's) word problems, none trained on held out; HARD_PROBLEMS: half of
-    those held out, 300 of SFT's, most of RL's (dev/LOG.md)."""
+    those held out, 300 of SFT's, half of RL's (dev/LOG.md)."""
     question = itemgetter("question")
     held_out = distinct(DEMO_HELD_OUT_PROBLEMS // 2, lambda: word_problem(rng), key=question)
     held_out += distinct(DEMO_HELD_OUT_PROBLEMS // 2, lambda: word_problem(rng, HARD_PROBLEMS),
@@ -836,7 +836,7 @@ def word_problem_sets(rng):
     problems = distinct(DEMO_TASK_ROWS, lambda: word_problem(rng), key=question, exclude=seen)
     hard = distinct(DEMO_TASK_ROWS, lambda: word_problem(rng, HARD_PROBLEMS), key=question,
                     exclude=seen)
-    problems_rl = hard[300:] + problems[:DEMO_TASK_ROWS // 4]
+    problems_rl = hard[300:] + problems[:2700]
     problems += hard[:300]
     rng.shuffle(problems)
     rng.shuffle(problems_rl)

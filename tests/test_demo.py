@@ -198,7 +198,7 @@ def test_task_sources_have_the_hub_sets_shapes_and_agree_with_the_tables(demo, t
         "choice": "mmlu", "answers": "messages", "calc": "gsm8k", "lookup": "mmlu", "problems": "gsm8k",
         "problems_rl": "gsm8k"}
     assert {name: len(rows) for name, rows in tasks.items()} == demo[1]["tasks"] == {
-        **dict.fromkeys(["choice", "answers", "calc", "lookup"], 3000), "problems": 3300, "problems_rl": 3450}
+        **dict.fromkeys(["choice", "answers", "calc", "lookup"], 3000), "problems": 3300, "problems_rl": 5400}
     letters = {"A": 0, "B": 0, "C": 0, "D": 0}
     for user, assistant in tasks["choice"]:
         letters[assistant["content"]] += 1
@@ -285,13 +285,13 @@ def test_demo_words_asks_sums_in_words_no_training_row_uses(demo):
 def test_word_problems_are_worked_by_the_calculator_to_their_answer_with_the_worlds_legs(demo, tasks):
     """Every step's call is the calculator's result, each step uses the results before it, '#### N' is the last
     result, a step on an animal's legs uses the table's legs, and every problem has 2 to 5 operations. SFT's set
-    has 300 of the four- and five-step kinds, RL's three quarters, the held-out half (none trained on)."""
+    has 300 of the four- and five-step kinds, RL's half, the held-out half (none trained on)."""
     legs = {row[1]: row[4] for row in ANIMALS}
     held_out = [json.loads(line) for line in (demo[0] / "chat_eval" / "demo-problems.jsonl").read_text().splitlines()]
     train = pq.read_table(demo[0] / "problems" / "train.parquet").to_pylist()
     for_rl = pq.read_table(demo[0] / "problems_rl" / "train.parquet").to_pylist()
     assert len(train) == 3300 and len({r["question"] for r in train}) == 3300
-    assert len(for_rl) == 3450 and len({r["question"] for r in for_rl}) == 3450
+    assert len(for_rl) == 5400 and len({r["question"] for r in for_rl}) == 5400
     assert not {r["question"] for r in train + for_rl} & {r["question"] for r in held_out}
 
     def is_hard(row):  # asked from a HARD_PROBLEMS template: its words, in order (a distractor may come between)
