@@ -836,7 +836,7 @@ def word_problem_sets(rng):
     problems = distinct(DEMO_TASK_ROWS, lambda: word_problem(rng), key=question, exclude=seen)
     hard = distinct(DEMO_TASK_ROWS, lambda: word_problem(rng, HARD_PROBLEMS), key=question,
                     exclude=seen)
-    problems_rl = hard[300:] + problems[:2700]
+    problems_rl = hard[300:] + problems[:len(hard) - 300]
     problems += hard[:300]
     rng.shuffle(problems)
     rng.shuffle(problems_rl)
