@@ -1,7 +1,8 @@
 """Reinforcement learning on checkable answers: an SFT checkpoint samples several replies per
 question with the calculator live; a right answer gets reward 1, else 0. The update is on policy,
 on the sampled tokens only (nanochat's simplified GRPO: advantage = reward - the group's mean
-reward, loss normalized per sampled token, no KL penalty, no ratio clipping).
+reward, no KL penalty, no ratio clipping), normalized per sampled token of the questions whose
+replies differ.
 
     python rl.py  # the newest SFT checkpoint; GSM8K train, held out: GSM8K test
     python rl.py --checkpoint runs/speedrun/sft --demo runs/speedrun/demo --steps 60 \\
@@ -107,6 +108,14 @@ def advantages(rewards, samples):
     """Each reward minus its group's mean (`samples` consecutive replies)."""
     grouped = torch.tensor(rewards, dtype=torch.float64).view(-1, samples)
     return (grouped - grouped.mean(dim=1, keepdim=True)).view(-1).float()
+
+
+def teaching_rows(rows, weights):
+    """The rows whose advantage is not 0, and their weights: a question whose replies all scored
+    alike adds no gradient, and the loss is normalized over the tokens of the rest (DAPO's dynamic
+    sampling, without its resampling). With none, one row at 0: each rank's backward still syncs."""
+    keep = [i for i, weight in enumerate(weights.tolist()) if weight != 0] or [0]
+    return [rows[i] for i in keep], weights[keep]
 
 
 def step_items(step, per_step, total, seed):
@@ -286,8 +295,9 @@ def rl_step(args, model, train_model, optimizers, cursor, tokenizer, items, step
                 tokens += sum(map(sum, sampled))
                 rows += training_rows(prompt, replies, sampled, tokenizer.bos_id)
     rollout = time.perf_counter() - t0
-    loss_sum, count = policy_gradient(train_model, rows, advantages(rewards, n), micro_batch,
-                                      args.dtype, device, world)
+    rows, weights = teaching_rows(rows, advantages(rewards, n))
+    loss_sum, count = policy_gradient(train_model, rows, weights, micro_batch, args.dtype, device,
+                                      world)
     sums = distributed.all_reduce_tensor(torch.tensor([sum(rewards), len(rewards), sum(lengths),
                                                        tokens], dtype=torch.float64)).tolist()
     rollout = distributed.all_reduce(rollout, torch.distributed.ReduceOp.MAX if world > 1 else None)

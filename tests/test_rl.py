@@ -37,6 +37,25 @@ def test_the_reward_is_the_number_after_the_marker_and_advantages_are_reward_min
     assert [rl.reward(items[1], r) for r in ["<<9-4=5>>5.\n#### 5", "5", "#### 6"]] == [1.0, 0.0, 0.0]
 
 
+def test_a_question_whose_replies_all_scored_alike_is_left_out_and_the_update_is_unchanged_but_its_count():
+    rows = [([1, 2, 3], [-1, 3, 4]), ([1, 2], [-1, 5]), ([1, 6], [-1, 7]), ([1, 8, 9], [-1, 9, 2])]
+    kept, weights = rl.teaching_rows(rows, rl.advantages([1, 1, 1, 0], 2))
+    assert kept == rows[2:] and weights.tolist() == [0.5, -0.5]
+    kept, weights = rl.teaching_rows(rows[:2], rl.advantages([0, 0], 2))
+    assert kept == rows[:1] and weights.tolist() == [0.0]  # one row at 0, so that each rank's backward syncs
+    model, _ = hand_made_policy(tokenizer())
+    gradients = []
+    for part, part_weights in [(rows, rl.advantages([1, 1, 1, 0], 2)),
+                               rl.teaching_rows(rows, rl.advantages([1, 1, 1, 0], 2))]:
+        model.zero_grad()
+        _, count = rl.policy_gradient(model, part, part_weights, 2, "float32", torch.device("cpu"), 1)
+        gradients.append((model.lm_head.weight.grad.clone(), count))
+    (all_rows, all_count), (taught, taught_count) = gradients
+    assert (all_count, taught_count) == (6, 3)  # sampled tokens: every row's, then the two taught rows'
+    assert taught.abs().sum() > 0
+    torch.testing.assert_close(all_rows * all_count, taught * taught_count)
+
+
 def test_questions_are_a_function_of_the_step_and_each_epoch_takes_every_question_once():
     steps = [rl.step_items(step, 4, 10, seed=3) for step in range(5)]  # 20 questions: two epochs of 10
     stream = [i for items in steps for i in items]
