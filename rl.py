@@ -1,8 +1,7 @@
 """Reinforcement learning on checkable answers: an SFT checkpoint samples several replies per
-question with the calculator live; a right answer gets reward 1, else 0. The update is on policy,
-on the sampled tokens only (nanochat's simplified GRPO: advantage = reward - the group's mean
-reward, no KL penalty, no ratio clipping), normalized per sampled token of the questions whose
-replies differ.
+question with the calculator live; a right answer gets reward 1, else 0. The update is on policy
+(nanochat's simplified GRPO: advantage = reward - the group's mean, no KL penalty, no ratio
+clipping), on the sampled tokens of the questions whose replies differ.
 
     python rl.py  # the newest SFT checkpoint; GSM8K train, held out: GSM8K test
     python rl.py --checkpoint runs/speedrun/sft --demo runs/speedrun/demo --steps 60 \\
@@ -39,8 +38,7 @@ from decode import ToolUse, decode, reply_text
 from model import autocast_context, num_params
 from tasks import demo_world, gsm8k_items, load_items, prompt_ids, reward
 
-# x the SFT parent's lrs (0.3 of pretraining's) = 0.06, near nanochat's RL start (0.05); untuned
-# on GSM8K
+# x SFT's lrs (0.3 of pretraining's) = 0.06; untuned on GSM8K
 RL_LR_SCALE = 0.2
 RL_WHY = "near nanochat's chat_rl start; the demo plan passes 0.1"
 # a small model's CPU decode step is per-op overhead: more threads only wait
@@ -51,8 +49,8 @@ def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("tasks")
-    g.add_argument("--demo", default="auto", help="a demo world directory whose problems_rl/ are "
-                   "trained on and chat_eval/demo-problems.jsonl held out; auto = the parent's "
+    g.add_argument("--demo", default="auto", help="a demo world: its problems_rl/ trained on, "
+                   "chat_eval/demo-problems.jsonl held out; auto = the parent's "
                    "world if it had one, else GSM8K; none = GSM8K (default: %(default)s)")
     g.add_argument("--train_dir", default=str(CACHE_DIR / "chat" / "gsm8k"), help=
                    "GSM8K's train split (columns question, answer), without a demo world (default: "
@@ -111,9 +109,8 @@ def advantages(rewards, samples):
 
 
 def teaching_rows(rows, weights):
-    """The rows whose advantage is not 0, and their weights: a question whose replies all scored
-    alike adds no gradient, and the loss is normalized over the tokens of the rest (DAPO's dynamic
-    sampling, without its resampling). With none, one row at 0: each rank's backward still syncs."""
+    """The rows whose advantage is not 0 and their weights (DAPO's dynamic sampling, without
+    resampling); with none, one row at 0, so that the backward syncs."""
     keep = [i for i, weight in enumerate(weights.tolist()) if weight != 0] or [0]
     return [rows[i] for i in keep], weights[keep]
 

@@ -6,13 +6,11 @@
 Both levels: a fresh `python -I` reading the program from stdin in an empty directory; its own
 session, killed at the end, the timeout, or when the evaluator dies; PATH and LANG only; setrlimit
 limits (CPU, address space, processes, file size, no core dumps, 64 open files); socket.socket
-raising (best effort: __mro__ or ctypes reach the original).
+raising (best effort).
 
-Level "namespaces" (where `unshare` works; probed once) adds a network namespace with no interface
-up, a pid namespace the program leads, and a mount namespace hiding every top-level directory but
-SYSTEM_DIRS (the interpreter's prefix bound back read-only); as root it runs as nobody, else a
-nested user namespace locks the mounts. Level "process" is the common part alone, only when asked
-for (--sandbox process), never a silent fallback. docs/eval.md (the sandbox) has the full account.
+Level "namespaces" (where `unshare` works) adds network, pid and mount namespaces: no interface
+up, only SYSTEM_DIRS visible (read-only), as nobody when root. Level "process", the common part
+alone, runs only when asked for (--sandbox process), never as a fallback. More: docs/eval.md.
 """
 import argparse
 import contextlib
