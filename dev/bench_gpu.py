@@ -101,11 +101,19 @@ def run_logged(command, log, phase, timeout, cwd=None, env=None):
     start = time.perf_counter()
     with open(log, "w") as out:
         print("$", *command, file=out, flush=True)
+        # a stop signal while Popen runs is held until the try below, whose finally stops the phase: raised in
+        # Popen, it would leave the phase running with no one to stop it
+        held = []
+        handlers = {s: signal.signal(s, lambda signum, _: held.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
         # its own session: a timeout stops it and whatever it started (torch.compile's workers), not this process
         process = subprocess.Popen(list(map(str, command)), stdout=out, stderr=subprocess.STDOUT, cwd=cwd, env=env,
                                    start_new_session=True)
         stopped_at, waited = None, (0, 0, None)
         try:
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+            for signum in held:
+                signal.raise_signal(signum)
             while not (waited := os.wait4(process.pid, os.WNOHANG))[0]:
                 elapsed = time.perf_counter() - start
                 if stopped_at is None and elapsed > timeout:

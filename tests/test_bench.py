@@ -183,6 +183,29 @@ def test_a_battery_stopped_mid_phase_stops_the_phase_s_processes_with_it(tmp_pat
     assert not marker.exists()  # the phase's background child was stopped with it
 
 
+def test_a_stop_signal_while_popen_starts_the_phase_still_stops_the_phase(tmp_path):
+    """The signal lands after the phase started but before Popen returned its pid: run_logged holds it until its
+    finally can stop the phase, rather than dying with the phase left running."""
+    marker, log = tmp_path / "child_alive", tmp_path / "phase.log"
+    program = ("import os, signal, subprocess, sys, time, bench_gpu\n"
+               "signal.signal(signal.SIGTERM, lambda s, f: sys.exit(128 + s))\n"
+               "real = subprocess.Popen\n"
+               "def popen(*args, **kwargs):\n"
+               "    process = real(*args, **kwargs)\n"
+               f"    while 'started' not in open({str(log)!r}).read().split():\n"
+               "        time.sleep(0.05)\n"
+               "    os.kill(os.getpid(), signal.SIGTERM)\n"
+               "    return process\n"
+               "bench_gpu.subprocess.Popen = popen\n"
+               f"bench_gpu.run_logged(['bash', '-c', 'echo started; (sleep 4; touch {marker}) & sleep 60'], "
+               f"{str(log)!r}, 'row phase', timeout=120)\n")
+    battery = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "PYTHONPATH": str(ROOT / "dev")})
+    assert battery.returncode == 128 + signal.SIGTERM, battery.stderr
+    time.sleep(4.5)
+    assert not marker.exists()  # the phase's background child was stopped with it
+
+
 def test_h200_nvl_and_b200_have_their_dense_bf16_peaks():
     from distributed import peak_flops
     assert peak_flops("NVIDIA H200 NVL", "bfloat16") == 836e12  # not the SXM's 989e12: MFU 15% too low
