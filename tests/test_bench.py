@@ -199,8 +199,8 @@ def test_a_stop_signal_while_popen_starts_the_phase_still_stops_the_phase(tmp_pa
                "bench_gpu.subprocess.Popen = popen\n"
                f"bench_gpu.run_logged(['bash', '-c', 'echo started; (sleep 4; touch {marker}) & sleep 60'], "
                f"{str(log)!r}, 'row phase', timeout=120)\n")
-    battery = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
-                             env={**os.environ, "PYTHONPATH": str(ROOT / "dev")})
+    battery = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                             check=False, env={**os.environ, "PYTHONPATH": str(ROOT / "dev")})
     assert battery.returncode == 128 + signal.SIGTERM, battery.stderr
     time.sleep(4.5)
     assert not marker.exists()  # the phase's background child was stopped with it
