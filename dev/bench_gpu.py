@@ -105,13 +105,14 @@ def run_logged(command, log, phase, timeout, cwd=None, env=None):
         # Popen, it would leave the phase running with no one to stop it
         held = []
         handlers = {s: signal.signal(s, lambda signum, _: held.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
-        # its own session: a timeout stops it and whatever it started (torch.compile's workers), not this process
-        process = subprocess.Popen(list(map(str, command)), stdout=out, stderr=subprocess.STDOUT, cwd=cwd, env=env,
-                                   start_new_session=True)
-        stopped_at, waited = None, (0, 0, None)
-        try:
+        try:  # its own session: a timeout stops it and what it started (torch.compile's workers), not this process
+            process = subprocess.Popen(list(map(str, command)), stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
+                                       env=env, start_new_session=True)
+        finally:  # also when Popen fails: the handlers must not stay holding
             for signum, handler in handlers.items():
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        stopped_at, waited = None, (0, 0, None)
+        try:
             for signum in held:
                 signal.raise_signal(signum)
             while not (waited := os.wait4(process.pid, os.WNOHANG))[0]:
