@@ -7,7 +7,7 @@
 Made up so that no prior knowledge helps: a 5M-parameter model trained for minutes on a CPU can
 be seen to learn facts, chat about them and beat the random baseline. Each fact comes in many
 phrasings, so memorizing sentences does not suffice; evaluation uses phrasings reserved for it, so
-a score measures the fact. core_eval.py's demo prompts are facts of the tables here.
+a score measures the fact.
 """
 import argparse
 import csv

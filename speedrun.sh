@@ -36,7 +36,7 @@ launch() {
     wait "$LAUNCHER" || exit
     LAUNCHER=""
 }
-stopped() {  # SIGNAL STATUS: passed on to the running launch.py and waited for; then exit
+stopped() {  # SIGNAL STATUS
     trap '' INT TERM HUP  # a second Ctrl-C must not cut the checkpoint short
     echo "speedrun: stopped by SIG$1: ending every stage (each training stage checkpoints first);" \
         "rerun the same command to resume" >&2 || true  # the terminal may be gone (SIGHUP)
