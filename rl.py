@@ -115,6 +115,12 @@ def teaching_rows(rows, weights):
     return [rows[i] for i in keep], weights[keep]
 
 
+def teaching_questions(rewards, samples):
+    """How many questions' replies scored differently: the questions that teach."""
+    grouped = torch.tensor(rewards, dtype=torch.float64).view(-1, samples)
+    return int((grouped != grouped[:, :1]).any(dim=1).sum())
+
+
 def step_items(step, per_step, total, seed):
     """The step's question indices, reshuffled each epoch: a function of the step, so a resume
     takes the same questions."""
@@ -295,15 +301,24 @@ def rl_step(args, model, train_model, optimizers, cursor, tokenizer, items, step
     rows, weights = teaching_rows(rows, advantages(rewards, n))
     loss_sum, count = policy_gradient(train_model, rows, weights, micro_batch, args.dtype, device,
                                       world)
+    teaching = teaching_questions(rewards, n)
     sums = distributed.all_reduce_tensor(torch.tensor([sum(rewards), len(rewards), sum(lengths),
-                                                       tokens], dtype=torch.float64)).tolist()
+                                                       tokens, teaching], dtype=torch.float64))
+    sums = sums.tolist()
+    # Muon and Adam take a full-size step however few questions taught: a step where one of
+    # eight taught would move the model as far as one where all did (dev/LOG.md, 2026-11-29)
+    teaching = sums[4] * n / sums[1]
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] *= teaching
     rollout = distributed.all_reduce(rollout, torch.distributed.ReduceOp.MAX if world > 1 else None)
     cursor.state["questions"] = (step + 1) * args.questions_per_step
     cursor.state["stats"]["tokens"] += tokens
     loss, count, grad_norm = train_loop.optimizer_step(model, optimizers, args, loss_sum, count,
                                                        world, device, step + 1, run_dir)
     dt = time.perf_counter() - t0
-    return {"step": step + 1, "loss": loss, "targets": int(count), "lr_mult": lr_mult,
+    return {"step": step + 1, "loss": loss, "targets": int(count),
+            "lr_mult": lr_mult * teaching, "teaching": teaching,
             "weight_decay": wd,
             "lr": {g["name"]: g["lr"] for opt in optimizers for g in opt.param_groups},
             "grad_norm": grad_norm,
