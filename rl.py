@@ -115,12 +115,6 @@ def teaching_rows(rows, weights):
     return [rows[i] for i in keep], weights[keep]
 
 
-def teaching_questions(rewards, samples):
-    """How many questions' replies scored differently: the questions that teach."""
-    grouped = torch.tensor(rewards, dtype=torch.float64).view(-1, samples)
-    return int((grouped != grouped[:, :1]).any(dim=1).sum())
-
-
 def step_items(step, per_step, total, seed):
     """The step's question indices, reshuffled each epoch: a function of the step, so a resume
     takes the same questions."""
@@ -298,15 +292,15 @@ def rl_step(args, model, train_model, optimizers, cursor, tokenizer, items, step
                 tokens += sum(map(sum, sampled))
                 rows += training_rows(prompt, replies, sampled, tokenizer.bos_id)
     rollout = time.perf_counter() - t0
-    rows, weights = teaching_rows(rows, advantages(rewards, n))
+    weights = advantages(rewards, n)
+    taught = int((weights.view(-1, n) != 0).any(dim=1).sum())  # questions whose replies differ
+    rows, weights = teaching_rows(rows, weights)
     loss_sum, count = policy_gradient(train_model, rows, weights, micro_batch, args.dtype, device,
                                       world)
-    teaching = teaching_questions(rewards, n)
     sums = distributed.all_reduce_tensor(torch.tensor([sum(rewards), len(rewards), sum(lengths),
-                                                       tokens, teaching], dtype=torch.float64))
+                                                       tokens, taught], dtype=torch.float64))
     sums = sums.tolist()
-    # Muon and Adam take a full-size step however few questions taught: a step where one of
-    # eight taught would move the model as far as one where all did (dev/LOG.md, 2026-11-29)
+    # Muon and Adam normalize the step's size: scaled by the share of questions that taught
     teaching = sums[4] * n / sums[1]
     for opt in optimizers:
         for group in opt.param_groups:

@@ -77,7 +77,6 @@ def test_a_steps_lrs_are_the_schedules_times_the_share_of_its_questions_that_tea
     assert record["lr_mult"] == pytest.approx(schedule / 3)
     assert record["lr"] == pytest.approx({g["name"]: g["base_lr"] * schedule / 3
                                           for opt in optimizers for g in opt.param_groups})
-    assert rl.teaching_questions([1, 1, 0, 1, 1, 0, 1, 1], 2) == 2  # the second and third pairs
 
 
 def test_questions_are_a_function_of_the_step_and_each_epoch_takes_every_question_once():
