@@ -60,8 +60,8 @@ def get_args(argv=None):
     p.add_argument("--decode", default="auto", choices=["auto", "eager", "compiled"],
                    help="decode.py's step: eager (attends over the filled cache only), compiled "
                    "(torch.compile, the whole cache attended, masked: fixed shapes); auto = "
-                   "compiled for a session on CUDA, eager for one -p prompt (compiling costs more "
-                   "than one reply) and on the CPU (default: %(default)s)")
+                   "compiled for a session on CUDA, eager for one -p prompt and on the CPU "
+                   "(default: %(default)s)")
     args = p.parse_args(None if argv is None else [str(a) for a in argv])  # argv may hold paths
     if args.max_new_tokens < 1 or args.top_k < 0 or args.temperature < 0:
         p.error("--max_new_tokens must be >= 1, --top_k >= 0 and --temperature >= 0")

@@ -80,8 +80,7 @@ def get_args(argv=None):
     p.add_argument("--cache_dir", default=str(CACHE_DIR / "chat_eval"), help=
                    "where the hub tasks' files are kept (default: %(default)s)")
     p.add_argument("--download_only", action="store_true", help="fetch the hub tasks' files "
-                   "(--tasks, default all) into --cache_dir and exit; no checkpoint needed "
-                   "(speedrun.sh, at the start)")
+                   "(--tasks, default all) into --cache_dir and exit; no checkpoint needed")
     p.add_argument("--out", default=None, help="report file, the items beside it in "
                    "<name>_items.jsonl (default: runs/<run>/chat_eval.json)")
     args = p.parse_args(argv)
@@ -456,7 +455,7 @@ def main(argv=None):
         level, why = sandbox.choose(args.sandbox)
         contained = sandbox.describe(level, why)
 
-    def load_tasks():  # rank 0 downloads the hub's; the others then find them in the cache
+    def load_tasks():
         if demo_dir is None:
             for task in asked:
                 download_task(task, args.cache_dir)
@@ -500,5 +499,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    # errors from the library name their fix: one line, exit 1, on every rank
     sys.exit(distributed.run_main(main))

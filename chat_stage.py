@@ -126,10 +126,9 @@ def chat_answers(model, tokenizer, questions, dtype, max_tokens=64):
 def add_forgetting_args(parser):
     g = parser.add_argument_group("forgetting")
     g.add_argument("--bpb_tokens", type=int, default=None,
-                   help="at the end, the pretraining val bpb of this stage's model on the first N "
-                   "tokens of the pretraining corpus's val split, in the pretraining run's rows, "
-                   "so the stages compare; 0 = skip (default: the pretraining run's "
-                   "--bpb_tokens)")
+                   help="at the end, this stage's model's val bpb on the first N tokens of the "
+                   "pretraining run's val split, in its rows, so the stages compare; 0 = skip "
+                   "(default: the pretraining run's --bpb_tokens)")
 
 
 def forgetting(model, tokenizer, parent, parent_meta, args, rank, world, device):

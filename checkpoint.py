@@ -446,8 +446,7 @@ def add_run_args(parser, stage):
     """Every stage's run directory, checkpoint, health and rank flags."""
     g = parser.add_argument_group("run directory, checkpoints, health")
     g.add_argument("--run_name", default=None, help="outputs go to <runs_dir>/<run_name>/ "
-                   f"(default: {stage}_<preset>_<time>; not --run, which torchrun would take for "
-                   "its own --run-path)")
+                   f"(default: {stage}_<preset>_<time>)")
     g.add_argument("--runs_dir", default="runs", help="where runs live (default: %(default)s)")
     g.add_argument("--resume", nargs="?", const="latest", default=None, help=
                    "continue from the newest checkpoint of --run_name (or of the newest run of "
@@ -471,8 +470,8 @@ def add_run_args(parser, stage):
                    "shard weights, gradients and optimizer state over the ranks with FSDP2; auto: "
                    "when they would not fit one device (default: %(default)s)")
     g.add_argument("--dist_timeout", type=float, default=600, help="seconds a collective waits for "
-                   "the other ranks (a dead or hung rank) before the run stops with an error; it "
-                   "must outlast the slowest rank's first compile (default: %(default)s)")
+                   "the other ranks (a dead or hung rank) before the run stops; it must outlast "
+                   "the slowest rank's first compile (default: %(default)s)")
 
 
 def resolve_run(args, stage):
@@ -497,7 +496,6 @@ def resolve_run(args, stage):
         args.runs_dir, args.run_name = str(run.parent), run.name
     args.run_name = args.run_name or f"{stage}_{args.preset}_{time.strftime('%Y%m%d_%H%M%S')}"
     run_dir = Path(args.runs_dir) / args.run_name
-    # several nodes: every rank must see what rank 0 writes there
     check_shared_dir(run_dir)
     if not args.resume:
         return run_dir, None
@@ -641,8 +639,8 @@ def parent_lines(parent, meta, params, inherited, micro_batch):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="a sharded checkpoint's model.pt (consolidate), "
-                                     "or a checkpoint's lineage; otherwise import checkpoint")
+    parser = argparse.ArgumentParser(description="a sharded checkpoint's model.pt, or a "
+                                     "checkpoint's lineage")
     parser.add_argument("command", choices=["consolidate", "lineage"], help="consolidate: write "
                         "CHECKPOINT/model.pt from its shards, in one process; lineage: its stage, "
                         "step and hparams, then its parent's, ...")

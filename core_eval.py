@@ -89,8 +89,7 @@ def get_args(argv=None):
     p.add_argument("--out", default=None, help="output directory (default: "
                    "runs/<run>/core_eval/step_XXXXXX)")
     p.add_argument("--download_only", action="store_true", help="fetch and check the bundle "
-                   "(auto: the hub bundle) into the cache and exit; no checkpoint needed "
-                   "(speedrun.sh, at the start)")
+                   "(auto: the hub bundle) into the cache and exit; no checkpoint needed")
     args = p.parse_args(None if argv is None else [str(a) for a in argv])  # argv may hold paths
     if args.batch_items < 1 or args.max_items == 0 or args.max_items < -1:
         p.error("--batch_items must be >= 1 and --max_items -1 (all) or >= 1")
@@ -528,7 +527,6 @@ def main(argv=None):
     ckpt = checkpoint.find_checkpoint(args.checkpoint, args.runs_dir)
     model, meta = checkpoint.load_model(ckpt, device)
     tokenizer, tokenizer_path = checkpoint.checkpoint_tokenizer(meta, ckpt, args.tokenizer)
-    # rank 0 downloads, the others find it cached; its failure is raised on every rank
     bundle, provenance = distributed.fetch_everywhere(lambda: resolve_bundle(args.bundle, meta,
                                                                              args.bundle_sha256),
                                                       rank, world)
@@ -564,5 +562,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    # errors from the library name their fix: one line, exit 1, on every rank
     sys.exit(distributed.run_main(main))

@@ -531,8 +531,8 @@ def barrier():
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="speedrun.sh's NCCL check (probe, under "
-                                     "torchrun), or what this machine and code are (machine)")
+    parser = argparse.ArgumentParser(description="speedrun.sh's NCCL check, or what this "
+                                     "machine and code are")
     parser.add_argument("command", choices=["probe", "machine"], help="probe: a 4-byte and a timed "
                         "large all-reduce over torchrun's ranks; machine: the device, bf16, the "
                         "matmul dtype, the versions, the commit")
@@ -540,8 +540,7 @@ def main(argv=None):
                         "counts as hung (default: %(default)s)")
     parser.add_argument("--mbytes", type=float, default=PROBE_MBYTES,
                         help="size of the timed all-reduce in MB (default: %(default)s)")
-    parser.add_argument("--out", help="a JSON file for the measured bus_bandwidth (speedrun.sh's "
-                        "launch.py reads it)")
+    parser.add_argument("--out", help="a JSON file for the measured bus_bandwidth")
     args = parser.parse_args(argv)
     if args.command == "probe":
         return probe_all_reduce(args.timeout, args.mbytes, out=args.out)

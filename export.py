@@ -71,7 +71,7 @@ def get_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_args(p)
     p.add_argument("--out", required=True, help="the export's directory, new or a "
-                   "previous export (required)")
+                   "previous export")
     p.add_argument("--push", default=None, metavar="REPO", help="then upload --out to this hub "
                    "model repo, e.g. user/name, created if missing; HF_TOKEN and HF_ENDPOINT from "
                    "the environment (default: none)")
@@ -259,7 +259,6 @@ def main(argv=None):
     if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
         raise ValueError(f"--out {out} is not empty and holds no export: pass a new directory or a "
                          "previous export")
-    # as chat.py
     ckpt, how = pick_checkpoint(args)
     model, meta = checkpoint.load_model(ckpt, "cpu")
     tokenizer, tokenizer_path = checkpoint.checkpoint_tokenizer(meta, ckpt, args.tokenizer)

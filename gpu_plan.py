@@ -218,8 +218,7 @@ def gpu_plan_budgets(pretrain_steps, sft_steps=None):
 
 
 def pretrain_steps_for(model_config):
-    """pretrain.py's steps for model_config: tokens_per_param x parameters / tokens per step.
-    Imports model.py (torch) when called."""
+    """pretrain.py's steps for model_config; imports model.py (torch) when called."""
     from model import GPTConfig, budget_params
     tokens = FLAGS["pretrain"]["tokens_per_param"] * budget_params(GPTConfig(**model_config))
     return math.ceil(tokens / TOKENS_PER_STEP)

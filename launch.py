@@ -91,7 +91,7 @@ def flag_parser():
         "tokenizer, pretraining and midtraining (default: none)")
     add("--chat", default="", metavar="FILE", help="your own conversations, .jsonl in the OpenAI "
         "chat format (docs/own-data.md), added to the plan's: two passes in SFT's mixture, a 0.2 "
-        "share of midtraining's (the others scaled by 0.8); validation stays on the plan's "
+        "share of midtraining's; validation stays on the plan's "
         "held-out conversations (default: none)")
     add("--gpus", default="auto", metavar="N", help="processes per stage (default: all CUDA GPUs; "
         "0 = CPU, one)")
@@ -112,14 +112,14 @@ def flag_parser():
         "only, as nanochat)")
     switch("--no_chat", help="do not start chat.py at the end (it starts only when stdin is a "
            "terminal)")
-    switch("--rehearse", help="every stage of the plan as it will run, on a tiny budget (a few "
-           "steps or items each), into <run_name>-rehearsal; ends with the "
-           "report, one chat.py answer and each stage's time. Without CUDA, --gpus N rehearses "
+    switch("--rehearse", help="every stage of the plan as it will run, on a tiny budget, into "
+           "<run_name>-rehearsal; ends with the report, one chat.py answer and each stage's "
+           "time. Without CUDA, --gpus N rehearses "
            "the gpu plan on N CPU processes (gloo, 128-token sequences)")
     switch("--no_rehearse", help="gpu plan: skip the rehearsal before pretraining (default: "
            "rehearse once per run)")
-    switch("--print", help="print every stage's command line for the plan these flags give, and "
-           "run nothing: no .venv, no machine check, nothing written")
+    switch("--print", help="print every stage's command line and run nothing: no .venv, no "
+           "machine check, nothing written")
     switch("--force", help="start although other processes hold the GPUs")
     switch("--probe_only", help="run the NCCL check, record the transport and its bandwidth, and "
            "exit")
@@ -189,7 +189,7 @@ def read_state(run):
     return read_json(Path(run, "logs", "launch.json"))
 
 
-def write_state(run, state):  # atomic: written beside, then renamed
+def write_state(run, state):
     Path(run, "logs", "launch.tmp").write_text(json.dumps(state, indent=1))
     Path(run, "logs", "launch.tmp").replace(Path(run, "logs", "launch.json"))
 
@@ -298,7 +298,6 @@ def prepare(run, flags):
     Path(run, "logs").mkdir(parents=True, exist_ok=True)
     python = os.environ.get("SPEEDRUN_PYTHON") or install_venv(run)
     check_packages(python)
-    # zombie workers of an earlier run hold GPU memory
     holders = nvidia_smi("--query-compute-apps=pid,process_name", "--format=csv,noheader").strip()
     if holders and not flags["force"]:
         pids = " ".join(line.split(",")[0].strip() for line in holders.splitlines())
@@ -472,8 +471,8 @@ def last_value(words, flag):
 
 
 def check_sandbox(chat_eval_words):
-    """chat_eval's HumanEval runs model-written programs contained by namespaces: a machine
-    without them is refused here with the fix, before any download."""
+    """A machine without namespaces to contain HumanEval's model-written programs is refused
+    here with the fix, before any download."""
     import sandbox  # the standard library only, like this file
     asked = last_value(chat_eval_words, "--tasks")
     if last_value(chat_eval_words,

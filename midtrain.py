@@ -68,8 +68,8 @@ def check_sources(sources):
 
 
 class MixtureLoader:
-    """Batches from sources [{"name", "kind": "text"|"chat", "path", "share"}] at token shares:
-    each row from the source furthest below its share."""
+    """Batches from sources [{"name", "kind": "text"|"chat", "path", "share"}] at token
+    shares."""
 
     def __init__(self, sources, tokenizer, batch_size, seq_len, *, rank=0, world_size=1, device=
                  "cpu", seed=0,

@@ -759,37 +759,34 @@ def get_parser():
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     listing = commands.add_parser("list", help="a hub repo's files with their sizes and hashes")
-    p = commands.add_parser("get", help="files of a hub repo, checked against its listing")
-    for q in (listing, p):
+    get = commands.add_parser("get", help="files of a hub repo, checked against its listing")
+    for q in (listing, get):
         q.add_argument("repo", help="hub repo id, e.g. openai/gsm8k")
         q.add_argument("--revision", default="main", help="branch, tag or commit (default: "
                        "%(default)s)")
         q.add_argument("--repo_type", default="dataset", choices=["dataset", "model"], help=
                        "(default: %(default)s)")
-    p.add_argument("paths", nargs="+", help="file paths inside the repo (see `list`)")
-    p.add_argument("--out", required=True, help="directory to put them in (required)")
-    p.add_argument("--workers", type=int, default=4, help="parallel downloads (default: "
-                   "%(default)s)")
-    p = commands.add_parser("shards", help="pretraining shards from the hub, plus the last one as "
-                            "validation")
-    p.add_argument("--shards", type=int, required=True, help="number of training shards to fetch "
-                   "(the validation shard comes too)")
-    p.add_argument("--dataset", default=FINEWEB, help=
-                   "hub dataset (default: %(default)s)")
-    p.add_argument("--data_dir", default=None, help="where to put them (default: "
-                   f"<cache>/data/<dataset name>; cache: $NANOCHAT_CACHE or {CACHE_DIR})")
-    p.add_argument("--workers", type=int, default=4, help="parallel downloads (default: "
-                   "%(default)s)")
-    p = commands.add_parser("chat", help="conversation and task datasets from the hub (identity: "
-                            "written from identity.json)")
-    p.add_argument("names", nargs="+", choices=sorted(CHAT_DATASETS), help="which ones")
-    p.add_argument("--check", action="store_true", help="only list them on the hub unless complete "
-                   "on disk (a gated or missing one fails fast); download nothing (default: off)")
-    p.add_argument("--workers", type=int, default=4, help="parallel downloads (default: "
-                   "%(default)s)")
+    get.add_argument("paths", nargs="+", help="file paths inside the repo (see `list`)")
+    get.add_argument("--out", required=True, help="directory to put them in")
+    shards = commands.add_parser("shards", help="pretraining shards from the hub, plus the last "
+                                 "one as validation")
+    shards.add_argument("--shards", type=int, required=True, help="number of training shards to "
+                        "fetch (the validation shard comes too)")
+    shards.add_argument("--dataset", default=FINEWEB, help="hub dataset (default: %(default)s)")
+    shards.add_argument("--data_dir", default=None, help="where to put them (default: "
+                        f"<cache>/data/<dataset name>; cache: $NANOCHAT_CACHE or {CACHE_DIR})")
+    chat = commands.add_parser("chat", help="conversation and task datasets from the hub "
+                               "(identity: written from identity.json)")
+    chat.add_argument("names", nargs="+", choices=sorted(CHAT_DATASETS), help="which ones")
+    chat.add_argument("--check", action="store_true", help="only list them on the hub unless "
+                      "complete on disk (a gated or missing one fails fast); download nothing "
+                      "(default: off)")
+    for q in (get, shards, chat):
+        q.add_argument("--workers", type=int, default=4, help="parallel downloads (default: "
+                       "%(default)s)")
     p = commands.add_parser("url", help="one file from a plain URL, resumable")
     p.add_argument("url", help="the file's URL")
-    p.add_argument("--out", required=True, help="the file to write (required)")
+    p.add_argument("--out", required=True, help="the file to write")
     p.add_argument("--size", type=int, default=None, help="expected size in bytes (default: not "
                    "checked)")
     p.add_argument("--sha256", default=None, help="expected sha256 in hex (default: not checked)")

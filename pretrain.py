@@ -61,8 +61,7 @@ def get_args(argv=None):
                    "needs (by the tokens of --data_dir's first shard) and exit; needs "
                    "--total_batch_tokens (default: off)")
     train_loop.add_loader_threads_arg(g)
-    g = p.add_argument_group("budget: one of; given several, the last one is in force (a later "
-                             "--steps replaces a plan's --tokens_per_param)")
+    g = p.add_argument_group("budget: one of; given several, the last one is in force")
     train_loop.add_budget_args(g, [("steps", int, "optimizer steps"),
                                    ("target_flops", float, ("total training FLOPs (model.py's "
                                      "FLOPs/token x tokens)")),

@@ -434,9 +434,9 @@ def add_init_args(parser, parents, lr_scale, schedule, warmdown_frac, why):
     add_schedule_args(parser)
     g = parser.add_argument_group("warm start: the parent's optimizer state and this stage's lrs")
     g.add_argument("--warm_start", type=parse_bool, default=True,
-                   help="continue from the parent checkpoint's optimizer state with the lrs "
-                   "reset to this stage's; a state that does not fit is reported and replaced by "
-                   "a fresh one; false: fresh (default: %(default)s)")
+                   help="continue from the parent checkpoint's optimizer state, the lrs reset to "
+                   "this stage's (a state that does not fit: fresh, said); false: fresh "
+                   "(default: %(default)s)")
     g.add_argument("--lr_scale", type=float, default=lr_scale,
                    help="every lr is this fraction of the parent's (its base lrs at this stage's "
                    f"batch; {why}) (default: %(default)s)")

@@ -8,14 +8,10 @@ from transformers import LlamaConfig
 
 @strict
 class NanochatGPTConfig(LlamaConfig):
-    # its own model_type, so nothing that knows only Llama loads these weights as a plain Llama and
-    # runs without the
-    # features below (silently wrong logits); without trust_remote_code transformers refuses it
-    # instead. Not
-    # "nanochat": transformers has its own model of that name (karpathy/nanochat), which normalizes
-    # the embeddings and
-    # has no learnable scales, so it cannot run this model, and would load these weights with only a
-    # warning.
+    # its own model_type: nothing that knows only Llama runs these weights without the features
+    # below (silently wrong logits); without trust_remote_code transformers refuses it. Not
+    # "nanochat": transformers' model of that name (karpathy/nanochat) normalizes the embeddings
+    # and has no learnable scales, yet would load these weights with only a warning.
     model_type = "nanochat_gpt"
     qk_norm: bool = False  # RMSNorm over each head's queries and keys, before RoPE
     mlp: str = "swiglu"  # 'swiglu' (Llama's gated MLP) | 'relu2': down(relu(up(x))^2), no gate
