@@ -455,7 +455,7 @@ def main(argv=None):
         level, why = sandbox.choose(args.sandbox)
         contained = sandbox.describe(level, why)
 
-    def load_tasks():
+    def load_tasks():  # rank 0 downloads the hub's; the others then find them in the cache
         if demo_dir is None:
             for task in asked:
                 download_task(task, args.cache_dir)

@@ -496,6 +496,7 @@ def resolve_run(args, stage):
         args.runs_dir, args.run_name = str(run.parent), run.name
     args.run_name = args.run_name or f"{stage}_{args.preset}_{time.strftime('%Y%m%d_%H%M%S')}"
     run_dir = Path(args.runs_dir) / args.run_name
+    # several nodes: every rank must see what rank 0 writes there
     check_shared_dir(run_dir)
     if not args.resume:
         return run_dir, None

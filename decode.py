@@ -296,7 +296,7 @@ def decode(model, prompts, max_new_tokens, samples=1, temperature=0.0, top_k=Non
 
 
 # -----------------------------------------------------------------------------
-# The calculator
+# The calculator: the chat model's tool, exact arithmetic on the syntax tree
 
 
 MAX_CHARS = 200  # GSM8K's longest annotation is under 100 characters

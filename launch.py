@@ -189,7 +189,7 @@ def read_state(run):
     return read_json(Path(run, "logs", "launch.json"))
 
 
-def write_state(run, state):
+def write_state(run, state):  # atomic: written beside, then renamed
     Path(run, "logs", "launch.tmp").write_text(json.dumps(state, indent=1))
     Path(run, "logs", "launch.tmp").replace(Path(run, "logs", "launch.json"))
 
@@ -298,6 +298,7 @@ def prepare(run, flags):
     Path(run, "logs").mkdir(parents=True, exist_ok=True)
     python = os.environ.get("SPEEDRUN_PYTHON") or install_venv(run)
     check_packages(python)
+    # zombie workers of an earlier run hold GPU memory
     holders = nvidia_smi("--query-compute-apps=pid,process_name", "--format=csv,noheader").strip()
     if holders and not flags["force"]:
         pids = " ".join(line.split(",")[0].strip() for line in holders.splitlines())
