@@ -13,6 +13,7 @@ import argparse
 import csv
 import json
 import random
+from functools import partial
 from operator import itemgetter
 from pathlib import Path
 
@@ -492,6 +493,25 @@ HARD_PROBLEMS = [
     (("{a} friends each bring {b} {items} to a party in {cap}, and {name} brings {c} bags with "
       "{d} {items} in each. They eat {e} of them. How many {items} are left?"),
      ["a * b The friends bring", "c * d {name} brings", "s1 + s2 Together:", "s3 - e Left:"])]
+# RL's forms: SFT sees 60 of them (SFT's own forms all multiply before they take away), so RL has
+# right and wrong replies to learn from; a third of the held-out problems (dev/LOG.md)
+RL_PROBLEMS = [
+    (("{name} buys {a} bags with {b} {items} in each, and eats {c} {items} from each bag. How many "
+      "{items} are left?"),
+     ["b - c Each bag has", "a * s1 Left:"]),
+    (("A shop in {cap} has {a} boxes with {b} {items} in each. It sells {c} of the boxes. How many "
+      "{items} does it have left?"),
+     ["a - c Boxes left:", "s1 * b In them:"]),
+    (("A farm has {a} {ap1}. {b} of them go away, and {c} {ap2} come. How many legs do the animals "
+      "of the farm have?"),
+     ["a - b There are", "s1 * legs1 The {ap1} have", "c * legs2 The {ap2} have",
+      "s2 + s3 Together:"]),
+    (("{name} has {a} {items}, and {friend} has {b} times as many. {friend} gives {c} to {name}. "
+      "How many {items} does {friend} have now?"),
+     ["a * b {friend} has", "s1 - c Now {friend} has"]),
+    (("{a} friends each bring {b} {items} to a party in {cap}, and each of them eats {c}. How many "
+      "{items} are left?"),
+     ["b - c Each friend has", "a * s1 Left:"])]
 # an unneeded number: the model must pick the right ones
 DISTRACTORS = ["{friend} also has {e} {other}.", "There are {e} {other} on the table too.",
                "It is {day}, and {e} {other} are in the basket."]
@@ -830,21 +850,25 @@ def word_problem(rng, templates=PROBLEMS):
 
 
 def word_problem_sets(rng):
-    """(held out, SFT's, RL's) word problems, none trained on held out; HARD_PROBLEMS: half of
-    those held out, 300 of SFT's, half of RL's (dev/LOG.md)."""
+    """(held out, SFT's, RL's) word problems, none trained on held out. Held out: PROBLEMS,
+    HARD_PROBLEMS and RL_PROBLEMS in turn; SFT's: PROBLEMS, 300 HARD_PROBLEMS and 60
+    RL_PROBLEMS; RL's: the other RL_PROBLEMS."""
     question = itemgetter("question")
-    held_out = distinct(DEMO_HELD_OUT_PROBLEMS // 2, lambda: word_problem(rng), key=question)
-    held_out += distinct(DEMO_HELD_OUT_PROBLEMS // 2, lambda: word_problem(rng, HARD_PROBLEMS),
-                         key=question)
+    kinds = []
+    for templates in (PROBLEMS, HARD_PROBLEMS, RL_PROBLEMS):
+        kinds.append(distinct(DEMO_HELD_OUT_PROBLEMS // 3, partial(word_problem, rng, templates),
+                              key=question))
+    # in turn: RL's held-out evaluation takes the first --eval_items
+    held_out = [row for rows in zip(*kinds, strict=True) for row in rows]
     seen = {row["question"] for row in held_out}
-    problems = distinct(DEMO_TASK_ROWS, lambda: word_problem(rng), key=question, exclude=seen)
-    hard = distinct(DEMO_TASK_ROWS, lambda: word_problem(rng, HARD_PROBLEMS), key=question,
-                    exclude=seen)
-    problems_rl = hard[300:] + problems[:len(hard) - 300]
-    problems += hard[:300]
+    problems = distinct(DEMO_TASK_ROWS, partial(word_problem, rng), key=question, exclude=seen)
+    problems += distinct(300, partial(word_problem, rng, HARD_PROBLEMS), key=question,
+                         exclude=seen)
+    problems_rl = distinct(DEMO_TASK_ROWS, partial(word_problem, rng, RL_PROBLEMS), key=question,
+                           exclude=seen)
+    problems += problems_rl[:60]
     rng.shuffle(problems)
-    rng.shuffle(problems_rl)
-    return held_out, problems, problems_rl
+    return held_out, problems, problems_rl[60:]
 
 
 def distinct(n, draw, key=lambda row: row, exclude=()):
@@ -1056,9 +1080,10 @@ def write_demo(out_dir, seed=0):
         f"'#### N')\nlookup/               {DEMO_TASK_ROWS} "
         "multiple-choice questions that name their answer: a letter bound to its option\n"
         "problems/             "
-        f"{len(problems)} word problems of two to four steps (300 of four or five) in GSM8K's "
-        f"columns, none among chat_eval/demo-problems' {DEMO_HELD_OUT_PROBLEMS}\nproblems_rl/   "
-        f"       {len(problems_rl)} more, for RL\neval_bundle/          "
+        f"{len(problems)} word problems of two to four steps (300 of four or five, 60 of RL's "
+        f"forms) in GSM8K's columns, none among chat_eval/demo-problems' "
+        f"{DEMO_HELD_OUT_PROBLEMS}\nproblems_rl/          {len(problems_rl)} more of RL's "
+        "forms, for RL\neval_bundle/          "
         "the CORE formats (core.yaml, eval_meta_data.csv, eval_data/demo/*.jsonl), in phrasings "
         "no training file has\n"
         + "".join(f"    {k}: {v} items\n" for k, v in evals.items())
