@@ -493,8 +493,7 @@ HARD_PROBLEMS = [
     (("{a} friends each bring {b} {items} to a party in {cap}, and {name} brings {c} bags with "
       "{d} {items} in each. They eat {e} of them. How many {items} are left?"),
      ["a * b The friends bring", "c * d {name} brings", "s1 + s2 Together:", "s3 - e Left:"])]
-# RL's forms: SFT sees 60 of them (SFT's own forms all multiply before they take away), so RL has
-# right and wrong replies to learn from; a third of the held-out problems (dev/LOG.md)
+# RL's forms: SFT sees 60, so that RL has right and wrong replies to learn from (dev/LOG.md)
 RL_PROBLEMS = [
     (("{name} buys {a} bags with {b} {items} in each, and eats {c} {items} from each bag. How many "
       "{items} are left?"),
@@ -850,9 +849,7 @@ def word_problem(rng, templates=PROBLEMS):
 
 
 def word_problem_sets(rng):
-    """(held out, SFT's, RL's) word problems, none trained on held out. Held out: PROBLEMS,
-    HARD_PROBLEMS and RL_PROBLEMS in turn; SFT's: PROBLEMS, 300 HARD_PROBLEMS and 60
-    RL_PROBLEMS; RL's: the other RL_PROBLEMS."""
+    """(held out, SFT's, RL's) word problems, none trained on held out."""
     question = itemgetter("question")
     kinds = []
     for templates in (PROBLEMS, HARD_PROBLEMS, RL_PROBLEMS):
