@@ -865,7 +865,10 @@ def word_problem_sets(rng):
                            exclude=seen)
     problems += problems_rl[:60]
     rng.shuffle(problems)
-    return held_out, problems, problems_rl[60:]
+    # a third of RL's of four or five steps: on RL's forms alone, RL forgot those (dev/LOG.md)
+    hard = distinct(1000, partial(word_problem, rng, HARD_PROBLEMS), key=question,
+                    exclude=seen | {row["question"] for row in problems})
+    return held_out, problems, problems_rl[60:2060] + hard
 
 
 def distinct(n, draw, key=lambda row: row, exclude=()):
@@ -1079,8 +1082,8 @@ def write_demo(out_dir, seed=0):
         "problems/             "
         f"{len(problems)} word problems of two to four steps (300 of four or five, 60 of RL's "
         f"forms) in GSM8K's columns, none among chat_eval/demo-problems' "
-        f"{DEMO_HELD_OUT_PROBLEMS}\nproblems_rl/          {len(problems_rl)} more of RL's "
-        "forms, for RL\neval_bundle/          "
+        f"{DEMO_HELD_OUT_PROBLEMS}\nproblems_rl/          {len(problems_rl)} more for RL, a third "
+        "of four or five steps, the rest of RL's forms\neval_bundle/          "
         "the CORE formats (core.yaml, eval_meta_data.csv, eval_data/demo/*.jsonl), in phrasings "
         "no training file has\n"
         + "".join(f"    {k}: {v} items\n" for k, v in evals.items())

@@ -77,8 +77,7 @@ if [ "$PLAN" = demo ]; then
     SFT=(--source "$DATA_DIR/conversations:1" --source "$DATA_DIR/choice:1"
          --source "$DATA_DIR/answers:1" --source "$DATA_DIR/calc:1" --source "$DATA_DIR/problems:1"
          --steps 200 --eval_every 0 --ckpt_every 100 "${ASK[@]}")
-    # RL on problems_rl/: forms SFT saw 60 of, a third of those held out; 160 tokens: whole
-    # answers
+    # RL on problems_rl/: forms SFT saw 60 of, and four or five steps; 160 tokens: whole answers
     RL=(--demo "$DATA_DIR" --steps 26 --questions_per_step 8 --samples 8 --max_new_tokens 160
         --micro_batch 32 --eval_every 0 --eval_items 40 --eval_samples 2 --ckpt_every 10)
     CHAT_EVAL=(--demo "$DATA_DIR" --max_new_tokens 160

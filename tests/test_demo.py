@@ -201,7 +201,7 @@ def test_task_sources_have_the_hub_sets_shapes_and_agree_with_the_tables(demo, t
         "choice": "mmlu", "answers": "messages", "calc": "gsm8k", "lookup": "mmlu", "problems": "gsm8k",
         "problems_rl": "gsm8k"}
     assert {name: len(rows) for name, rows in tasks.items()} == demo[1]["tasks"] == {
-        **dict.fromkeys(["choice", "answers", "calc", "lookup"], 3000), "problems": 3360, "problems_rl": 2940}
+        **dict.fromkeys(["choice", "answers", "calc", "lookup"], 3000), "problems": 3360, "problems_rl": 3000}
     letters = {"A": 0, "B": 0, "C": 0, "D": 0}
     for user, assistant in tasks["choice"]:
         letters[assistant["content"]] += 1
@@ -288,14 +288,15 @@ def test_demo_words_asks_sums_in_words_no_training_row_uses(demo):
 def test_word_problems_are_worked_by_the_calculator_to_their_answer_with_the_worlds_legs(demo, tasks):
     """Every step's call is the calculator's result, each step uses the results before it, '#### N' is the last
     result, a step on an animal's legs uses the table's legs, and every problem has 2 to 5 operations. Held out: the
-    plain, hard and RL forms in turn (none trained on); SFT's set has 300 hard and 60 of RL's forms, RL's only those."""
+    plain, hard and RL forms in turn (none trained on); SFT's set has 300 hard and 60 of RL's forms, RL's 1,000 hard and 2,000 of RL's forms."""
     legs = {row[1]: row[4] for row in ANIMALS}
     held_out = [json.loads(line) for line in (demo[0] / "chat_eval" / "demo-problems.jsonl").read_text().splitlines()]
     train = pq.read_table(demo[0] / "problems" / "train.parquet").to_pylist()
     for_rl = pq.read_table(demo[0] / "problems_rl" / "train.parquet").to_pylist()
     assert len(train) == 3360 and len({r["question"] for r in train}) == 3360
-    assert len(for_rl) == 2940 and len({r["question"] for r in for_rl}) == 2940
-    assert not {r["question"] for r in train + for_rl} & {r["question"] for r in held_out}
+    assert len(for_rl) == 3000 and len({r["question"] for r in for_rl}) == 3000
+    assert not {r["question"] for r in train} & {r["question"] for r in for_rl + held_out}
+    assert not {r["question"] for r in for_rl} & {r["question"] for r in held_out}
 
     def form(row):  # the kind of template it was asked from: its words, in order (a distractor may come between)
         for kind, templates in (("rl", RL_PROBLEMS), ("hard", HARD_PROBLEMS), ("plain", PROBLEMS)):
@@ -306,7 +307,7 @@ def test_word_problems_are_worked_by_the_calculator_to_their_answer_with_the_wor
         return None
     assert [form(r) for r in held_out] == ["plain", "hard", "rl"] * 40
     assert Counter(map(form, train)) == {"plain": 3000, "hard": 300, "rl": 60}
-    assert Counter(map(form, for_rl)) == {"rl": 2940}
+    assert Counter(map(form, for_rl)) == {"rl": 2000, "hard": 1000}
     for row in train + for_rl + held_out:
         calls = re.findall(r"<<([^=<>]+)=(\d+)>>\2", row["answer"])
         assert 2 <= len(calls) <= 5 and len(calls) == row["answer"].count("<<"), row
