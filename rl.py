@@ -476,8 +476,7 @@ def main(argv=None):
             print(line)
 
     stop = train_loop.StopSignal()
-    # dynamic=None: the replies' lengths vary; shapes turn dynamic after a change
-    train_model = train_loop.wrap_model(model, args, world, local_rank, device, dynamic=None)
+    train_model = train_loop.wrap_model(model, args, world, local_rank, device)
     signum = train(args, model, train_model, optimizers, cursor, tokenizer, train_items, held_out,
                    stop, micro_batch=micro, run_dir=run_dir, start=step, total_steps=total_steps,
                    ckpt_meta=ckpt_meta, rank=rank, world=world, device=device)

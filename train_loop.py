@@ -490,9 +490,8 @@ def compile_cache():
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
-def wrap_model(model, args, world, local_rank, device, dynamic=False):
-    """DDP unless sharded, then torch.compile: static shapes, but rl.py's replies vary
-    (dynamic=None)."""
+def wrap_model(model, args, world, local_rank, device):
+    """DDP unless sharded, then torch.compile with static shapes."""
     train_model = model
     if world > 1 and not is_sharded(model):
         train_model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
@@ -503,7 +502,7 @@ def wrap_model(model, args, world, local_rank, device, dynamic=False):
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"compile: torch.compile, cache {cache} (warm where a stage compiled the same shapes "
               "before)")
-    return torch.compile(train_model, dynamic=dynamic)
+    return torch.compile(train_model, dynamic=False)
 
 
 # -----------------------------------------------------------------------------
