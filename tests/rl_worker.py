@@ -1,5 +1,5 @@
 """For tests/test_rl.py, run under torchrun by tests/two_rank_worker.py: one step of rl.py's update on 2 gloo processes
-with a hand-made policy.
+with a hand-made policy; then one rl_step whose questions teach on one rank only.
 
 The policy is a bigram table: every block's output projections are zero, so the residual stream is the token's
 embedding, a one-hot row; the weightless final norm scales it to sqrt(n_embd); the head's column for token i is row i of
@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import optim
 import rl
 from decode import reply_text
 from model import GPTConfig, build_model
@@ -71,4 +72,25 @@ def results(rank, world):
     dist.all_gather_object(gathered, [{**r, "advantage": float(a)} for r, a in zip(rollouts, weights, strict=True)])
     return {"rollouts": [r for part in gathered for r in part], "prompt": prompt, "count": count, "loss": loss,
             "head": model.lm_head.weight.detach().clone(), "wte": model.wte.weight.detach().clone(),
-            "grad": model.lm_head.weight.grad.clone(), "eps": model.config.norm_eps}
+            "grad": model.lm_head.weight.grad.clone(), "eps": model.config.norm_eps,
+            "teaching": teaching_step(rank, world, tok)}
+
+
+def teaching_step(rank, world, tok):
+    """rl.rl_step with the rewards patched: of the step's 3 questions rank 0 takes the first (4 replies all right) and
+    the third (all wrong), rank 1 the second (2 of 4 right). Every rank's (teaching, lr_mult, lrs, base lrs)."""
+    model, _ = hand_made_policy(tok)
+    scores = iter([1.0] * 4 + [0.0] * 4 if rank == 0 else [0.0, 1.0, 0.0, 1.0])
+    rl.reward = lambda item, text: next(scores)
+    _, args = rl.get_args(["--questions_per_step", "3", "--samples", "4", "--max_new_tokens", "6"])
+    args.__dict__.update(sequence_len=64, dtype="float32", optimizer="muon", matrix_lr=0.02, embedding_lr=0.2,
+                         head_lr=0.004, scalar_lr=0.04, weight_decay=0.0, grad_clip=1.0)
+    optimizers = optim.build_optimizers(model, args, model.config.n_embd, 2 ** 19, torch.device("cpu"))
+    items = [{"prompt": QUESTION, "answer": "7"}] * 3
+    record = rl.rl_step(args, model, DDP(model), optimizers, rl.Cursor(), tok, items, 0, 10, 4, rank, world,
+                        torch.device("cpu"), None, lambda: False)
+    mine = (record["teaching"], record["lr_mult"], record["lr"],
+            {g["name"]: g["base_lr"] for opt in optimizers for g in opt.param_groups})
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    return gathered

@@ -79,6 +79,15 @@ def test_a_steps_lrs_are_the_schedules_times_the_share_of_its_questions_that_tea
                                           for opt in optimizers for g in opt.param_groups})
 
 
+@pytest.mark.two_processes
+def test_the_share_of_questions_that_teach_is_counted_over_every_rank(two_rank_results):
+    """Rank 0's two questions teach nothing, rank 1's one does: both ranks scale their lrs by 1/3 (step 1 of 10's
+    schedule is 1), not by their own share (0 and 1)."""
+    for teaching, lr_mult, lrs, base in two_rank_results["rl"]["teaching"]:
+        assert teaching == pytest.approx(1 / 3) and lr_mult == pytest.approx(1 / 3)
+        assert lrs == pytest.approx({name: lr / 3 for name, lr in base.items()})
+
+
 def test_questions_are_a_function_of_the_step_and_each_epoch_takes_every_question_once():
     steps = [rl.step_items(step, 4, 10, seed=3) for step in range(5)]  # 20 questions: two epochs of 10
     stream = [i for items in steps for i in items]
