@@ -313,8 +313,11 @@ def muon_momentum(step, args):
     return 0.95 if step >= warmup else 0.85 + 0.10 * step / warmup
 
 
-def apply_schedule(optimizers, step, total, args):
-    multiplier, wd = lr_multiplier(step, total, args), weight_decay_at(step, args)
+def apply_schedule(optimizers, step, total, args, scale=1.0):
+    """The step's lrs (the schedule's times scale), weight decay and Muon momentum. Returns (lr
+    multiplier, weight decay)."""
+    multiplier = lr_multiplier(step, total, args) * scale
+    wd = weight_decay_at(step, args)
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = group["base_lr"] * multiplier

@@ -270,7 +270,6 @@ def rl_step(args, model, train_model, optimizers, cursor, tokenizer, items, step
     """Rollouts of this rank's questions, rewards, policy gradient, optimizer step. Returns the
     step's record, or None when stopping() during the rollouts."""
     t0 = time.perf_counter()
-    lr_mult, wd = optim.apply_schedule(optimizers, step, total_steps, args)
     chosen = step_items(step, args.questions_per_step, len(items), args.seed)
     rows, rewards, lengths, tokens = [], [], [], 0
     mine, n, group = list(range(rank, len(chosen), world)), args.samples, args.rollout_questions
@@ -300,11 +299,9 @@ def rl_step(args, model, train_model, optimizers, cursor, tokenizer, items, step
     sums = distributed.all_reduce_tensor(torch.tensor([sum(rewards), len(rewards), sum(lengths),
                                                        tokens, taught], dtype=torch.float64))
     sums = sums.tolist()
+    teaching = sums[4] / args.questions_per_step
     # Muon and Adam normalize the step's size: scaled by the share of questions that taught
-    teaching = sums[4] * n / sums[1]
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["lr"] *= teaching
+    lr_mult, wd = optim.apply_schedule(optimizers, step, total_steps, args, scale=teaching)
     rollout = distributed.all_reduce(rollout, torch.distributed.ReduceOp.MAX if world > 1 else None)
     cursor.state["questions"] = (step + 1) * args.questions_per_step
     cursor.state["stats"]["tokens"] += tokens
@@ -312,7 +309,7 @@ def rl_step(args, model, train_model, optimizers, cursor, tokenizer, items, step
                                                        world, device, step + 1, run_dir)
     dt = time.perf_counter() - t0
     return {"step": step + 1, "loss": loss, "targets": int(count),
-            "lr_mult": lr_mult * teaching, "teaching": teaching,
+            "lr_mult": lr_mult, "teaching": teaching,
             "weight_decay": wd,
             "lr": {g["name"]: g["lr"] for opt in optimizers for g in opt.param_groups},
             "grad_norm": grad_norm,

@@ -79,18 +79,23 @@ def results(rank, world):
 def teaching_step(rank, world, tok):
     """rl.rl_step with the rewards patched: of the step's 3 questions rank 0 takes the first (4 replies all right) and
     the third (all wrong), rank 1 the second (2 of 4 right). Every rank's (teaching, lr_mult, lrs, base lrs)."""
-    model, _ = hand_made_policy(tok)
     scores = iter([1.0] * 4 + [0.0] * 4 if rank == 0 else [0.0, 1.0, 0.0, 1.0])
     rl.reward = lambda item, text: next(scores)
+    record, base, _ = scored_step(tok, 0, rank, world, DDP)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (record["teaching"], record["lr_mult"], record["lr"], base))
+    return gathered
+
+
+def scored_step(tok, step, rank, world, wrap=lambda model: model):
+    """One rl.rl_step of 3 questions x 4 replies on the hand-made policy, the train model wrap(model), rl.reward
+    replaced by the caller. Returns (the step's record, {group: base lr}, args)."""
+    model, _ = hand_made_policy(tok)
     _, args = rl.get_args(["--questions_per_step", "3", "--samples", "4", "--max_new_tokens", "6"])
     args.__dict__.update(sequence_len=64, dtype="float32", optimizer="muon", matrix_lr=0.02, embedding_lr=0.2,
                          head_lr=0.004, scalar_lr=0.04, weight_decay=0.0, grad_clip=1.0)
     optimizers = optim.build_optimizers(model, args, model.config.n_embd, 2 ** 19, torch.device("cpu"))
     items = [{"prompt": QUESTION, "answer": "7"}] * 3
-    record = rl.rl_step(args, model, DDP(model), optimizers, rl.Cursor(), tok, items, 0, 10, 4, rank, world,
+    record = rl.rl_step(args, model, wrap(model), optimizers, rl.Cursor(), tok, items, step, 10, 4, rank, world,
                         torch.device("cpu"), None, lambda: False)
-    mine = (record["teaching"], record["lr_mult"], record["lr"],
-            {g["name"]: g["base_lr"] for opt in optimizers for g in opt.param_groups})
-    gathered = [None] * world
-    dist.all_gather_object(gathered, mine)
-    return gathered
+    return record, {g["name"]: g["base_lr"] for opt in optimizers for g in opt.param_groups}, args

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from helpers import run_in_process
-from rl_worker import QUESTION, hand_made_policy, tokenizer
+from rl_worker import hand_made_policy, scored_step, tokenizer
 
 import chat
 import export
@@ -57,26 +57,17 @@ def test_a_question_whose_replies_all_scored_alike_is_left_out_and_the_update_is
     torch.testing.assert_close(all_rows * all_count, taught * taught_count)
 
 
-def test_a_steps_lrs_are_the_schedules_times_the_share_of_its_questions_that_teach(tmp_path, monkeypatch):
+def test_a_steps_lrs_are_the_schedules_times_the_share_of_its_questions_that_teach(monkeypatch):
     """Muon and Adam normalize a step's size: rl_step scales every lr by the share of its questions whose replies
     scored differently. Of three questions, the first's four replies all right, the second's differ, the third's all
     wrong: a third of the schedule's lrs."""
-    tok = tokenizer()
-    model, _ = hand_made_policy(tok)
     scores = iter([1.0] * 4 + [0.0, 1.0, 0.0, 1.0] + [0.0] * 4)
     monkeypatch.setattr(rl, "reward", lambda item, text: next(scores))
-    _, args = rl.get_args(["--questions_per_step", "3", "--samples", "4", "--max_new_tokens", "6"])
-    args.__dict__.update(sequence_len=64, dtype="float32", optimizer="muon", matrix_lr=0.02, embedding_lr=0.2,
-                         head_lr=0.004, scalar_lr=0.04, weight_decay=0.0, grad_clip=1.0)
-    optimizers = optim.build_optimizers(model, args, model.config.n_embd, 2 ** 19, torch.device("cpu"))
-    items = [{"prompt": QUESTION, "answer": "7"}] * 3
-    record = rl.rl_step(args, model, model, optimizers, rl.Cursor(), tok, items, 4, 10, 4, 0, 1,
-                        torch.device("cpu"), tmp_path, lambda: False)
+    record, base, args = scored_step(tokenizer(), 4, 0, 1)
     schedule = optim.lr_multiplier(4, 10, args)  # linear decay to 0: 1 - 4 / 10
     assert schedule == pytest.approx(0.6) and record["teaching"] == pytest.approx(1 / 3)
     assert record["lr_mult"] == pytest.approx(schedule / 3)
-    assert record["lr"] == pytest.approx({g["name"]: g["base_lr"] * schedule / 3
-                                          for opt in optimizers for g in opt.param_groups})
+    assert record["lr"] == pytest.approx({name: lr * schedule / 3 for name, lr in base.items()})
 
 
 @pytest.mark.two_processes
