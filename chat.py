@@ -302,7 +302,6 @@ def read_message(out):
 
 
 def decode_path(choice, device_type, one_prompt):
-    """--decode auto: compiled for a session on CUDA, else eager."""
     if choice != "auto":
         return choice
     return "compiled" if device_type == "cuda" and not one_prompt else "eager"

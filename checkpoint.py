@@ -120,7 +120,6 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank,
 
 
 def checkpoint_step(path):
-    """N of a directory step_N; else None."""
     name = Path(path).name
     return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
 
@@ -220,7 +219,6 @@ def load_state(path, model, optimizers, device, keep=("foreach", "fused", "ns_dt
 
 
 def consolidate(path):
-    """Write model.pt from a sharded checkpoint's state/, in one process. Returns its path."""
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
     import torch.distributed.checkpoint as dcp
@@ -284,8 +282,7 @@ def pick_checkpoint(args, order=PICK_ORDER):
 
 
 def add_checkpoint_args(parser, picked=None, eval_dtype=False):
-    """--checkpoint, --runs_dir, --tokenizer, and --dtype if eval_dtype; `picked`: what loads
-    without --checkpoint."""
+    """`picked`: what loads without --checkpoint."""
     picked = picked or "the newest under --runs_dir of stage " + ", else ".join(" or ".join(s)
                                                                                 for s in PICK_ORDER)
     parser.add_argument("--checkpoint", default=None, help="a checkpoint (runs/<run>/ckpt/step_*) "
@@ -443,7 +440,6 @@ def truncate_metrics(path, last_step):
 # The run directory: runs/<run>/ with config.json, metrics.jsonl, samples.jsonl, ckpt/
 
 def add_run_args(parser, stage):
-    """Every stage's run directory, checkpoint, health and rank flags."""
     g = parser.add_argument_group("run directory, checkpoints, health")
     g.add_argument("--run_name", default=None, help="outputs go to <runs_dir>/<run_name>/ "
                    f"(default: {stage}_<preset>_<time>)")

@@ -115,7 +115,6 @@ def verify_zip(path):
 
 
 def find_bundle_root(directory):
-    """The shallowest directory holding core.yaml."""
     found = sorted(Path(directory).rglob("core.yaml"), key=lambda p: len(p.parts))
     if not found:
         raise FileNotFoundError(f"--bundle {directory}: no core.yaml in it or below: a bundle "

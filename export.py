@@ -213,7 +213,6 @@ def write_json(path, obj):
 
 
 def write_export(out, tensors, model, tokenizer, kind):
-    """Every file of the export; returns their paths."""
     c = model.config
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     config = hf_config(c, tokenizer, kind)

@@ -149,7 +149,6 @@ def parse_flags(argv):
 
 
 def run_dir(flags):
-    """<runs_dir>/<run_name>, or <run_name>-rehearsal."""
     return f"{flags['runs_dir']}/{flags['run_name']}{'-rehearsal' if flags['rehearse'] else ''}"
 
 
@@ -230,7 +229,6 @@ def install_venv(run, venv=ROOT / ".venv", requirements=ROOT / "requirements.txt
 
 
 def ask_python(python, program, pythonpath=None):
-    """`python -c program`'s output, from the stages' interpreter."""
     env = {**os.environ, "PYTHONPATH": str(pythonpath)} if pythonpath else None
     done = subprocess.run([python, "-c", program], capture_output=True, text=True, env=env,
                           check=False)
@@ -255,7 +253,6 @@ def check_packages(python):
 # --- setup: the GPUs, the driver, the plan
 
 def nvidia_smi(*args):
-    """nvidia-smi's output, or "" without it."""
     with contextlib.suppress(OSError, subprocess.CalledProcessError):
         done = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, check=True)
         return done.stdout
@@ -530,7 +527,6 @@ def kill_marked(mark, groups=()):
 
 
 def checkpoint_grace(wait, ckpt):
-    """`wait` + twice the last checkpoint save."""
     with contextlib.suppress(OSError, ValueError, TypeError):
         return math.ceil(wait + 2 * float(Path(ckpt, "save_seconds").read_text()[:32]))
     return wait
@@ -598,7 +594,6 @@ SAFE_TEXT = " ".join(f"{name}={value}" for name, value in SAFE_FLAGS.items())
 
 
 def probe_settings():
-    """(SPEEDRUN_PROBE_TIMEOUT, SPEEDRUN_PROBE_MB)."""
     return int(os.environ.get("SPEEDRUN_PROBE_TIMEOUT", "120")), os.environ.get("SPEEDRUN_PROBE_MB",
                                                                                 "64")
 

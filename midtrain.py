@@ -47,7 +47,6 @@ MID_WHY = "measured on the demo world and on real text"
 # The mixture: each row from the source furthest below its token share
 
 def check_sources(sources):
-    """A ValueError naming what is wrong with a mixture's sources."""
     if not sources:
         raise ValueError("a mixture needs at least one source")
     for i, source in enumerate(sources):

@@ -137,7 +137,6 @@ def parse_bool(text):
 
 
 def add_model_args(parser, default_preset="tiny"):
-    """--preset and one flag per GPTConfig field (default: the preset's value)."""
     group = parser.add_argument_group("model (a preset, then any field overridden)")
     group.add_argument("--preset", default=default_preset,
                        help=f"one of {preset_names()} (default: %(default)s)")

@@ -227,7 +227,6 @@ def list_hub_files(repo, revision="main", repo_type="dataset"):
 
 
 def _fetch_hub_file(repo, entry, dest, staging, revision, repo_type, bar):
-    """One listed file: downloaded to staging, checked, renamed to dest."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.utils import HfHubHTTPError
     def attempt():
@@ -465,7 +464,6 @@ def write_text_shards(texts, out_dir, seed=0, shard_docs=8 * ROW_GROUP_DOCS, val
 
 
 def write_parquet(path, columns, **kwargs):
-    """zstd parquet, written to path + ".tmp" then renamed."""
     tmp = path.with_name(path.name + ".tmp")
     pq.write_table(pa.table(columns), tmp, compression="zstd", **kwargs)
     os.replace(tmp, path)
@@ -683,7 +681,6 @@ def text_stats(tokenizer, texts, batch_docs=1024):
 
 
 def show_rows(args):
-    """The first batch's rows decoded, and the tokens each trains on."""
     from loader import chat_loader, text_loader  # torch: only this command needs it
     tokenizer = Tokenizer.load(args.tokenizer)
     if args.data_dir:
@@ -705,7 +702,6 @@ def show_rows(args):
 
 
 def add_corpus_commands(commands):
-    """ingest, tokenizer, bytes_per_token, rows."""
     p = commands.add_parser("ingest", help="your own .txt/.md/.jsonl/.parquet files as a corpus")
     p.add_argument("files", nargs="+", help=".txt, .md (documents split on blank lines), .jsonl, "
                    ".parquet, or a directory of them")
@@ -779,8 +775,7 @@ def get_parser():
                                "(identity: written from identity.json)")
     chat.add_argument("names", nargs="+", choices=sorted(CHAT_DATASETS), help="which ones")
     chat.add_argument("--check", action="store_true", help="only list them on the hub unless "
-                      "complete on disk (a gated or missing one fails fast); download nothing "
-                      "(default: off)")
+                      "complete on disk (a gated or missing one fails fast); download nothing")
     for q in (get, shards, chat):
         q.add_argument("--workers", type=int, default=4, help="parallel downloads (default: "
                        "%(default)s)")

@@ -254,7 +254,6 @@ def check_batch_divides(total, seq_len, world, micro=0):
 
 
 def available_memory():
-    """MemAvailable from /proc/meminfo, else the machine's RAM."""
     with suppress(OSError, StopIteration):
         lines = Path("/proc/meminfo").read_text().splitlines()
         return next(int(line.split()[1]) * 1024 for line in lines

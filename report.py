@@ -22,7 +22,6 @@ SAMPLE_QUESTIONS = 2
 
 
 def read_json(path):
-    """A JSON file's value, or None without it."""
     return json.loads(Path(path).read_text()) if Path(path).is_file() else None
 
 

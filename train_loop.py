@@ -161,8 +161,6 @@ class StopSignal:
 # line replaces its budget
 
 class BudgetFlag(argparse.Action):
-    """Stores the value and its order among budget flags."""
-
     def __call__(self, parser, namespace, values, option_string=None):
         setattr(namespace, self.dest, values)
         namespace.budget_order = [d for d in getattr(namespace, "budget_order",
@@ -367,7 +365,6 @@ def batch_line(total, used, seq_len, world, micro=0):
 
 
 def add_micro_batch_arg(group):
-    """--micro_batch, the same in every stage."""
     group.add_argument("--micro_batch", type=int, default=0, help="sequences per rank per forward "
                        "(rl.py: replies); 0 = the checkpoint's when resuming (--resume), else the "
                        "parent checkpoint's, else the largest that fits on CUDA (a divisor of "
@@ -671,7 +668,6 @@ class Log:
             append_jsonl(self.metrics, record)
 
     def step(self, record, line=None):
-        """Write a step's record; print `line` or progress_line's when due."""
         step = record["step"]
         self.write(record)
         if self.wandb:
@@ -711,7 +707,6 @@ class Saver:
         return path
 
     def stopped(self, step, when):
-        """Save step `step` if needed; return the signal."""
         path = self.save(step) if step > self.saved else None
         if self.rank == 0:
             print(f"stopped by signal {when}; " + (f"checkpoint {path}" if path else "step "
@@ -798,7 +793,6 @@ def progress_line(record, total_steps, seconds_per_step):
 
 
 def print_status(run_dir):
-    """What a run of any stage has done, from its files, live or finished."""
     if not (run_dir / "metrics.jsonl").is_file():
         raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: not a run directory "
                                 "(runs/<run>/)")
