@@ -74,12 +74,15 @@ if [ "$PLAN" = demo ]; then
               --source "chat:$DATA_DIR/choice:0.1" --source "chat:$DATA_DIR/answers:0.1"
               --source "chat:$DATA_DIR/calc:0.1" --source "chat:$DATA_DIR/problems:0.1"
               --supervise assistant --steps 200 --eval_every 0 --ckpt_every 100 "${ASK[@]}")
+    # SFT: about one epoch of its sources; at 200 steps it solved up to 20 fewer problems (dev/LOG.md)
     SFT=(--source "$DATA_DIR/conversations:1" --source "$DATA_DIR/choice:1"
          --source "$DATA_DIR/answers:1" --source "$DATA_DIR/calc:1" --source "$DATA_DIR/problems:1"
-         --steps 200 --eval_every 0 --ckpt_every 100 "${ASK[@]}")
-    # RL on problems_rl/: forms SFT saw 60 of, and four or five steps; 160 tokens: whole answers
+         --steps 300 --eval_every 0 --ckpt_every 100 "${ASK[@]}")
+    # RL on problems_rl/: forms SFT saw 60 of, and four or five steps; 160 tokens: whole answers;
+    # lrs 0.3 of SFT's: more problems than 0.2 or 0.4 (dev/LOG.md)
     RL=(--demo "$DATA_DIR" --steps 26 --questions_per_step 8 --samples 8 --max_new_tokens 160
-        --micro_batch 32 --eval_every 0 --eval_items 40 --eval_samples 2 --ckpt_every 10)
+        --lr_scale 0.3 --micro_batch 32 --eval_every 0 --eval_items 40 --eval_samples 2
+        --ckpt_every 10)
     CHAT_EVAL=(--demo "$DATA_DIR" --max_new_tokens 160
                --tasks demo-choice,demo-answer,demo-problems,demo-words)
     CORE=(--bundle "$DATA_DIR/eval_bundle")  # the demo world's, whatever corpus pretraining read
