@@ -79,6 +79,28 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank,
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
+    try:
+        write_files(tmp, step, model, optimizers, loader_state, meta, rank, consolidate)
+    except (OSError, RuntimeError) as error:  # a full disk: torch's own error names neither
+        raise save_failed(error, tmp, step) from error
+    barrier()
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in list_checkpoints(ckpt_dir)[:-keep]:
+            shutil.rmtree(old)
+    barrier()
+    if rank == 0:
+        seconds = time.perf_counter() - started
+        size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
+        (Path(ckpt_dir) / "save_seconds").write_text(f"{seconds:.1f}\n")
+        print(f"checkpoint: saved {size / 1e9:.2f} GB in {seconds:.1f} s to {final}", flush=True)
+        if metrics:
+            append_jsonl(metrics, {"step": step, "save_s": round(seconds, 1), "save_bytes": size})
+    return final
+
+
+def write_files(tmp, step, model, optimizers, loader_state, meta, rank, consolidate):
     torch.save({"loader": loader_state, "rng": rng_state()}, tmp / f"rank{rank:03d}.pt")
     if is_sharded(model):
         import torch.distributed.checkpoint as dcp
@@ -102,21 +124,16 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank,
                                                    "sharded": is_sharded(model),
                                                    "optimizers": optimizer_layout(optimizers),
                                                    "versions": versions()}, indent=1))
-    barrier()
-    if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        for old in list_checkpoints(ckpt_dir)[:-keep]:
-            shutil.rmtree(old)
-    barrier()
-    if rank == 0:
-        seconds = time.perf_counter() - started
-        size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
-        (Path(ckpt_dir) / "save_seconds").write_text(f"{seconds:.1f}\n")
-        print(f"checkpoint: saved {size / 1e9:.2f} GB in {seconds:.1f} s to {final}", flush=True)
-        if metrics:
-            append_jsonl(metrics, {"step": step, "save_s": round(seconds, 1), "save_bytes": size})
-    return final
+
+
+def save_failed(error, tmp, step):
+    """A save that could not write: its partial files removed, the complete checkpoints kept."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    free = shutil.disk_usage(tmp.parent).free / 1e9
+    kept = list_checkpoints(tmp.parent)
+    return RuntimeError(f"saving step {step} to {tmp.parent} failed ({error}); {free:.1f} GB free "
+                        "there: free some space, then rerun with --resume (from "
+                        f"{kept[-1] if kept else 'the start'}: complete checkpoints are kept)")
 
 
 def checkpoint_step(path):

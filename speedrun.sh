@@ -74,7 +74,7 @@ if [ "$PLAN" = demo ]; then
               --source "chat:$DATA_DIR/choice:0.1" --source "chat:$DATA_DIR/answers:0.1"
               --source "chat:$DATA_DIR/calc:0.1" --source "chat:$DATA_DIR/problems:0.1"
               --supervise assistant --steps 200 --eval_every 0 --ckpt_every 100 "${ASK[@]}")
-    # SFT: about one epoch of its sources; at 200 steps it solved up to 20 fewer problems (dev/LOG.md)
+    # SFT: about one epoch of its sources; at 200 steps: up to 20 fewer problems (dev/LOG.md)
     SFT=(--source "$DATA_DIR/conversations:1" --source "$DATA_DIR/choice:1"
          --source "$DATA_DIR/answers:1" --source "$DATA_DIR/calc:1" --source "$DATA_DIR/problems:1"
          --steps 300 --eval_every 0 --ckpt_every 100 "${ASK[@]}")

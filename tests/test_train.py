@@ -71,6 +71,34 @@ def test_a_save_prints_and_logs_its_size_and_seconds(tmp_path, capsys):
     assert f"checkpoint: saved {size / 1e9:.2f} GB in {record['save_s']:.1f} s to {path}" in capsys.readouterr().out
 
 
+def test_a_save_that_cannot_write_says_where_and_keeps_the_complete_checkpoints(tmp_path):
+    """A file-size limit makes the writes fail for real (EFBIG), as a full disk does (ENOSPC); torch's own error
+    names neither the directory nor what to do."""
+    ckpt = tmp_path / "r" / "ckpt"
+    program = f"""
+import resource, signal, sys
+sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "tests")!r}]
+import checkpoint
+from helpers import tiny_model
+model, meta = tiny_model(), {{"stage": "pretrain", **{LAYOUT!r}}}
+checkpoint.save_checkpoint({str(ckpt)!r}, 1, model, [], ["stream 0"], meta, 0, keep=2)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+try:
+    checkpoint.save_checkpoint({str(ckpt)!r}, 2, model, [], ["stream 0"], meta, 0, keep=2)
+except RuntimeError as e:
+    print(e)
+"""
+    done = subprocess.run([sys.executable, "-c", program], check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    error = done.stdout.splitlines()[-1]
+    assert error.startswith(f"saving step 2 to {ckpt} failed (")
+    assert f"GB free there: free some space, then rerun with --resume (from {ckpt / 'step_000001'}:" in error
+    assert sorted(p.name for p in ckpt.iterdir()) == ["save_seconds", "step_000001"]  # the partial one is gone
+    saved, expected = torch.load(ckpt / "step_000001" / "model.pt", weights_only=True), tiny_model().state_dict()
+    assert saved.keys() == expected.keys() and all(torch.equal(saved[k], expected[k]) for k in expected)
+
+
 def test_the_newest_checkpoint_is_the_highest_step_not_the_last_name(tmp_path):
     checkpoints_at(tmp_path / "r" / "ckpt", [999_999, 1_000_000])
     assert [c.name for c in checkpoint.list_checkpoints(tmp_path / "r" / "ckpt")] == ["step_999999", "step_1000000"]
