@@ -970,6 +970,12 @@ def chat_eval_tasks(rng):
     choice += [mc(f"Pick the noise you would hear from {article(a[0])}.", a[3], NOISES)
                for a in ANIMALS]
     choice += [mc(f"Pick the shade that {t} usually has.", c, COLOURS) for t, c in THINGS]
+    # the gold letter cycles A to D: a model that answers one letter scores the chance that
+    # ChatCORE's centering assumes, whichever letter it prefers
+    for i, item in enumerate(choice):
+        options, gold = item["choices"], item["gold"]
+        options[gold], options[i % 4] = options[i % 4], options[gold]
+        item["gold"] = i % 4
     answer = [{"question": f"Reply with one word: which city is the seat of {r[0]}?",
                "answers": [r[1]]}
               for r in COUNTRIES]

@@ -59,7 +59,7 @@ skip() { say "stage $1 skipped: $2"; if [ "$STOP_AFTER" = "$1" ]; then exit 0; f
 
 # --- the plan: each stage's flags (the gpu plan's: gpu_plan.py), then *_EXTRA, then R_* (the last
 # repeated flag wins)
-# the demo plan: about 12 minutes on a 2-core Xeon with AMX, over 20 on one without bf16 (dev/LOG.md)
+# the demo plan: about 12 minutes on a 2-core Xeon with AMX, over 20 without bf16 (dev/LOG.md)
 if [ "$PLAN" = demo ]; then
     PRETRAIN=(--preset tiny --steps 400 --micro_batch 16 --compile true --eval_every 200
               --ckpt_every 100)

@@ -241,6 +241,12 @@ def test_chat_eval_questions_are_held_out_and_agree_with_the_table(demo, docs, c
                 assert (item["choices"][item["gold"]] if "choices" in item else item["answers"][0]) == CAPITAL[country]
 
 
+def test_a_model_answering_one_letter_scores_demo_choice_s_chance_whichever_letter(demo):
+    items = [json.loads(line) for line in (demo[0] / "chat_eval" / "demo-choice.jsonl").read_text().splitlines()]
+    for letter in range(4):  # ChatCORE centers demo-choice on 0.25
+        assert sum(item["gold"] == letter for item in items) / len(items) == 0.25
+
+
 def test_documents_are_varied(docs):
     sentences = {s for doc in docs for s in re.split(r"(?<=[.!?])\s+", doc)}
     assert len(sentences) > 20_000
