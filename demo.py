@@ -1064,12 +1064,10 @@ def write_demo(out_dir, seed=0):
     for task, items in chat_evals.items():
         lines = "".join(json.dumps(item) + "\n" for item in items)
         (out_dir / "chat_eval" / f"{task}.jsonl").write_text(lines)
-    counts = {"documents": len(docs), "characters": sum(map(len, docs)), "shards": len(shards),
-              "conversations": len(chats), "conversations_train": len(splits["train"]),
-              "conversations_val": len(splits["val"]), "tasks": {k: t.num_rows for k,
-                                                                 t in tasks.items()},
-              "eval_items": evals, "chat_eval_items": {task: len(items) for task,
-                                                       items in chat_evals.items()}}
+    chat_eval_items = {task: len(items) for task, items in chat_evals.items()}
+    counts = {"documents": len(docs), "characters": sum(map(len, docs)),
+              "conversations": len(chats), "eval_items": evals,
+              "chat_eval_items": chat_eval_items}
     (out_dir / "README.txt").write_text(
         f"The demo world (seed {seed}): a small made-up world of {len(COUNTRIES)} countries "
         f"(capital, language, flag, national animal), {len(ANIMALS)} animals, colours of things, "
@@ -1077,7 +1075,7 @@ def write_demo(out_dir, seed=0):
         f"       {counts['documents']} documents, {counts['characters']} "
         f"characters, {len(shards)} parquet shards (column `text`, row groups of {ROW_GROUP_DOCS}, "
         "zstd); the last shard is validation\nconversations/        train.parquet "
-        f"({counts['conversations_train']}) and val.parquet ({counts['conversations_val']}): "
+        f"({len(splits['train'])}) and val.parquet ({len(splits['val'])}): "
         "column `messages`, a list of {role, content} as in SmolTalk\nchoice/               "
         f"{DEMO_TASK_ROWS} multiple-choice questions answered by a letter, in MMLU's columns\n"
         f"answers/              {DEMO_TASK_ROWS} "
@@ -1093,9 +1091,8 @@ def write_demo(out_dir, seed=0):
         "the CORE formats (core.yaml, eval_meta_data.csv, eval_data/demo/*.jsonl), in phrasings "
         "no training file has\n"
         + "".join(f"    {k}: {v} items\n" for k, v in evals.items())
-        + "chat_eval/            chat questions for chat_eval.py, in phrasings reserved for it "
-                                        "too\n"
-        + "".join(f"    {k}: {v} items\n" for k, v in counts["chat_eval_items"].items()))
+        + "chat_eval/            chat questions for chat_eval.py, in phrasings reserved for it\n"
+        + "".join(f"    {k}: {v} items\n" for k, v in chat_eval_items.items()))
     return counts
 
 
