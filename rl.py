@@ -236,15 +236,20 @@ class Cursor:
 
 def verdict(records):
     """Reward (first vs last fifth of steps) beside held-out pass@1 (first vs last evaluation);
-    flags a reward that rose while held-out accuracy fell."""
+    flags a reward that rose while held-out accuracy fell beyond its noise."""
     steps, evals = [r for r in records if "reward" in r], [r["held_out"] for r in records
                                                            if "held_out" in r]
     fifth = max(1, len(steps) // 5)
     before, after = (sum(r["reward"] for r in part) / len(part) for part in (steps[:fifth],
                                                                              steps[-fifth:]))
     held = (evals[0]["all"]["pass@1"], evals[-1]["all"]["pass@1"])
-    rose, fell = after > before, held[1] < held[0]
-    held_change = "fell" if fell else "rose" if held[1] > held[0] else "did not change"
+    questions = evals[-1]["all"]["items"]
+    # two standard errors (pass@1's variance is at most p(1 - p) / questions): a smaller change
+    # may come from which questions were drawn
+    noise = 2 * math.sqrt(sum(p * (1 - p) for p in held) / questions)
+    rose, fell = after > before, held[1] < held[0] - noise
+    held_change = "fell" if fell else "rose" if held[1] > held[0] + noise else (
+        f"did not change beyond its noise (±{noise:.3f} over {questions} questions)")
     note = (f"the reward {'rose' if rose else 'did not rise'}, held-out accuracy {held_change}")
     if rose and fell:
         note = ("the reward ROSE while held-out accuracy FELL: the model learned the training "

@@ -220,16 +220,22 @@ def test_chat_and_export_pick_the_newer_of_the_rl_and_sft_checkpoints_unless_tol
 
 
 def test_a_reward_that_rose_while_held_out_accuracy_fell_is_said_so_and_the_report_draws_it(tmp_path):
-    evals = [{"step": s, "held_out": {"k": 4, "all": {"pass@1": p, "pass@4": 1.0, "items": 10}}}
-             for s, p in [(0, 0.5), (10, 0.25)]]
+    def held_out(step, pass1, items=100):
+        return {"step": step, "held_out": {"k": 4, "all": {"pass@1": pass1, "pass@4": 1.0, "items": items}}}
+    evals = [held_out(0, 0.5), held_out(10, 0.25)]
     records = [evals[0], *({"step": s, "reward": 0.1 * (s > 5)} for s in range(1, 11)), evals[1]]
     summary = rl.verdict(records)
     assert (summary["reward_first_fifth"], summary["reward_last_fifth"]) == (0.0, 0.1)  # steps 1-2 and 9-10
     assert (summary["held_out_pass@1_first"], summary["held_out_pass@1_last"]) == (0.5, 0.25)
     assert summary["note"].startswith("the reward ROSE while held-out accuracy FELL")
-    assert rl.verdict(records[:-1])["note"] == "the reward rose, held-out accuracy did not change"  # one evaluation
-    assert rl.verdict([*records, {"held_out": {"all": {"pass@1": 0.75}}}])["note"] == \
-        "the reward rose, held-out accuracy rose"
+    # one evaluation: 2 * sqrt(2 * 0.25 / 100)
+    assert rl.verdict(records[:-1])["note"] == \
+        "the reward rose, held-out accuracy did not change beyond its noise (±0.141 over 100 questions)"
+    assert rl.verdict([*records, held_out(20, 0.75)])["note"] == "the reward rose, held-out accuracy rose"
+    # the demo's RL: 0.812 -> 0.800 over 40 questions is noise, not forgetting
+    fewer = [held_out(0, 0.8125, 40), *records[1:-1], held_out(10, 0.8, 40)]
+    assert rl.verdict(fewer)["note"] == \
+        "the reward rose, held-out accuracy did not change beyond its noise (±0.177 over 40 questions)"
     import report
     (tmp_path / "rl").mkdir()
     (tmp_path / "rl" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
