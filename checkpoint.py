@@ -541,7 +541,6 @@ def record_run(args, stage, model_config, seq_len, micro, accum, world, total_st
 
 
 def announce(args, run_dir, run, lines, precision):
-    """Write config.json (a resume rewrites it); print `lines`, the commit and the precision."""
     run_dir.mkdir(parents=True, exist_ok=True)
     config = {**run, "args": vars(args), "hardware": distributed.WORLD, "argv": sys.argv,
               "versions": versions()}

@@ -291,7 +291,7 @@ def prompt_pairs(task, order, position):
     examples, each then a blank line, then the item, a row per choice (multiple choice), per
     context option (schema), or its answer (language modelling, contexts stripped)."""
     d = task.delimiter
-    # (context, continuation) per row of an item or few-shot example, no delimiter yet
+    # the pairs of an item or few-shot example, no delimiter yet
     def rows(ex):
         if task.kind == "multiple_choice":
             return [(ex["query"], choice) for choice in ex["choices"]]
@@ -413,7 +413,7 @@ def evaluate_tasks(model, tokenizer, tasks, max_per_task, batch_items, dtype, ra
 
 
 def centered(accuracy, baseline):
-    """(acc - baseline) / (1 - baseline): 0 at the random baseline, 1 at perfect."""
+    """0 at the random baseline, 1 at perfect."""
     return (accuracy - baseline) / (1 - baseline)
 
 

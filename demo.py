@@ -682,7 +682,6 @@ def doc_story(rng, name=None):
     return " ".join(p for p in parts if p)
 
 
-# each kind of document and its weight
 DOC_KINDS = {doc_story: 30, doc_country: 22, doc_countries: 12, doc_animals: 11, doc_colours: 7,
              doc_numbers: 10, doc_calendar: 8}
 
@@ -746,14 +745,12 @@ def conversation(rng):
 
 
 def ask(rng, instructions, question):
-    """An instruction and a question, in one of three orders."""
     how, order = rng.choice(instructions), rng.randrange(3)
     return [f"{how}: {question}", f"{sentence(question)} {how}.",
             f"{how}. {sentence(question)}"][order]
 
 
 def shuffled_choices(rng, gold, pool):
-    """gold and three other values of pool, shuffled."""
     choices = [gold] + rng.sample(sorted(set(pool) - {gold}), 3)
     rng.shuffle(choices)
     return choices

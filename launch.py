@@ -189,8 +189,9 @@ def read_state(run):
 
 
 def write_state(run, state):  # atomic: written beside, then renamed
-    Path(run, "logs", "launch.tmp").write_text(json.dumps(state, indent=1))
-    Path(run, "logs", "launch.tmp").replace(Path(run, "logs", "launch.json"))
+    tmp = Path(run, "logs", "launch.tmp")
+    tmp.write_text(json.dumps(state, indent=1))
+    tmp.replace(Path(run, "logs", "launch.json"))
 
 
 # --- the interpreter

@@ -142,7 +142,8 @@ def add_document(buffer, document, row_len, bos, stats):
         stats[document or "empty"] += 1
         return
     ids, mask = document if isinstance(document, tuple) else (document, None)
-    stats["docs"], stats["doc_tokens"] = stats["docs"] + 1, stats["doc_tokens"] + len(ids)
+    stats["docs"] += 1
+    stats["doc_tokens"] += len(ids)
     pieces = [(ids, mask)]
     if len(ids) > row_len:
         stats["cropped"] += len(ids) - row_len
@@ -548,18 +549,14 @@ def close_all(loaders, timeout=10):
 
 
 def text_loader(data_dir, split, tokenizer, batch_size, seq_len, **kwargs):
-    """The pretraining loader over a corpus split."""
     return PackedLoader(split_shards(data_dir, split), tokenizer, batch_size, seq_len, kind="text",
                         **{"name": split, **kwargs})
 
 
-def chat_loader(chat_dir, split, tokenizer, batch_size, seq_len, *, pack="pad", supervise=
-                "assistant", seed=None,
-                files=None, **kwargs):
+def chat_loader(chat_dir, split, tokenizer, batch_size, seq_len, *, files=None, **kwargs):
     """The conversation loader over a chat split, or `files`."""
-    return PackedLoader(files or chat_files(chat_dir, split), tokenizer, batch_size, seq_len, kind=
-                        "chat", pack=pack,
-                        supervise=supervise, seed=seed, **{"name": f"chat {split}", **kwargs})
+    return PackedLoader(files or chat_files(chat_dir, split), tokenizer, batch_size, seq_len,
+                        kind="chat", **{"name": f"chat {split}", **kwargs})
 
 
 # -----------------------------------------------------------------------------

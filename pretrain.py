@@ -275,7 +275,7 @@ def cpu_processes_fit(config, args, nproc, capacity):
 
 def check_cpu_memory(args, nproc):
     """The line saying what each CPU process will hold, or a ValueError naming a fit."""
-    def config_for(preset):  # the model at another preset
+    def config_for(preset):
         return config_from_args(argparse.Namespace(**{**vars(args), "preset": preset}))
     config = config_for(args.preset)
     capacity = available_memory()  # read once: every plan below is weighed against it

@@ -91,10 +91,10 @@ def stage_figures(run, name, times, predicted=None):
         validation = f"val bpb {done['val_bpb']:.4f}"
     elif "val_loss" in done:
         validation = f"val loss {done['val_loss']:.4f}"
-    else:  # rl: its held-out pass@1 at the end
+    elif "held_out_pass@1_last" in done:  # rl
+        validation = f"held-out pass@1 {done['held_out_pass@1_last']:.3f}"
+    else:
         validation = UNKNOWN
-        if "held_out_pass@1_last" in done:
-            validation = f"held-out pass@1 {done['held_out_pass@1_last']:.3f}"
     return {
         "stage": name,
         "data": data_of(config),
@@ -312,7 +312,6 @@ def header_lines(run):
 def stages_lines(run):
     times = stage_seconds(run)
     predicted = read_json(run / "predicted.json")  # gpu_plan.py's, written before the run
-    # rl only when it ran
     names = TRAIN_STAGES + ["rl"] * (run / "rl").is_dir()
     rows = [stage_figures(run, name, times, predicted) for name in names]
     lines = ["", "## Stages", "", "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]

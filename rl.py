@@ -261,7 +261,6 @@ def verdict(records):
 
 @contextmanager
 def sampling_threads(device):
-    """CPU_ROLLOUT_THREADS while sampling on the CPU."""
     train_threads = torch.get_num_threads()
     torch.set_num_threads(CPU_ROLLOUT_THREADS if device.type == "cpu" else train_threads)
     try:
@@ -307,7 +306,7 @@ def rl_step(args, model, train_model, optimizers, cursor, tokenizer, items, step
     teaching = sums[4] / args.questions_per_step
     # Muon and Adam normalize the step's size: scaled by the share of questions that taught
     lr_mult, wd = optim.apply_schedule(optimizers, step, total_steps, args, scale=teaching)
-    rollout = distributed.all_reduce(rollout, torch.distributed.ReduceOp.MAX if world > 1 else None)
+    rollout = distributed.all_reduce(rollout, torch.distributed.ReduceOp.MAX)
     cursor.state["questions"] = (step + 1) * args.questions_per_step
     cursor.state["stats"]["tokens"] += tokens
     loss, count, grad_norm = train_loop.optimizer_step(model, optimizers, args, loss_sum, count,

@@ -23,7 +23,7 @@ say() {
 # any stage, and writes the variables: the flags (DEPTH ... PRINT; INGEST: --corpus), RUN LOGS PY
 # (SPEEDRUN_PYTHON, else .venv) PLAN GPUS NPROC ON_CPU LAUNCH DATA_DIR CORPUS OWN_TEXT VOCAB MARK,
 # *_EXTRA (*_ARGS' words), R_*, gpu_plan.py's arrays
-SETUP=$(mktemp)  # launch.py writes the variables there; the file removes itself
+SETUP=$(mktemp)  # the file removes itself
 "${L[@]}" setup "$SETUP" "$@" || { rc=$?; rm -f "$SETUP"; exit "$rc"; }
 . "$SETUP"
 if [ "$PRINT" = 1 ]; then L+=(--print); fi  # launch.py prints each stage's command line instead

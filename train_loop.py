@@ -152,8 +152,7 @@ class StopSignal:
 
     def requested(self):
         """True on every rank if any got a signal (torchrun forwards it, not always at once)."""
-        return all_reduce(1.0 if self.signum else 0.0,
-                          dist.ReduceOp.MAX if dist.is_initialized() else None) > 0
+        return all_reduce(1.0 if self.signum else 0.0, dist.ReduceOp.MAX) > 0
 
 
 # -----------------------------------------------------------------------------
@@ -407,8 +406,7 @@ def plan_batch(args, config, world, model, device, resume_from=None, parent_meta
             print("batch: the probe's peak CUDA memory "
                   f"{fmt_bytes(torch.cuda.max_memory_allocated(device))}")
         torch.cuda.reset_peak_memory_stats(device)
-        micro, source = int(all_reduce(
-                micro, dist.ReduceOp.MIN if dist.is_initialized() else None)), "probed"
+        micro, source = int(all_reduce(micro, dist.ReduceOp.MIN)), "probed"
         if master:
             print(f"batch: micro_batch {micro} is the largest that fits on every rank (probed with "
                   "optimizer state)")
@@ -697,7 +695,7 @@ class Saver:
         mark_progress(step, "checkpoint")
         # each rank checks its shards
         finite = all(torch.isfinite(local(p)).all() for p in self.model.parameters())
-        if all_reduce(0.0 if finite else 1.0, dist.ReduceOp.MAX if dist.is_initialized() else None):
+        if all_reduce(0.0 if finite else 1.0, dist.ReduceOp.MAX):
             raise RuntimeError(f"step {step}: parameters are not finite; not writing a checkpoint")
         path = save_checkpoint(self.run_dir / "ckpt", step, self.model, self.optimizers,
                                [ld.state_dict() for ld in self.loaders], self.meta, self.rank,
@@ -740,7 +738,6 @@ def train(args, model, train_model, optimizers, loaders, *, run_dir, start, tota
     health = Health(model, optimizers, args, start, rank == 0)
     keep_progress(run_dir, ckpt_meta.get("stage", "train"))
     mark_progress(start, "starting")
-    # start-up's garbage collected, the survivors frozen (frozen_heap)
     gc.collect()
     gc.freeze()
     for step in range(start, total_steps):
