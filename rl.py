@@ -249,7 +249,7 @@ def verdict(records):
     noise = 2 * math.sqrt(sum(p * (1 - p) for p in held) / questions)
     rose, fell = after > before, held[1] < held[0] - noise
     held_change = "fell" if fell else "rose" if held[1] > held[0] + noise else (
-        f"did not change beyond its noise (±{noise:.3f} over {questions} questions)")
+        f"did not change beyond its noise ({noise:.3f} over {questions} questions)")
     note = (f"the reward {'rose' if rose else 'did not rise'}, held-out accuracy {held_change}")
     if rose and fell:
         note = ("the reward ROSE while held-out accuracy FELL: the model learned the training "

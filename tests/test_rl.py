@@ -230,12 +230,12 @@ def test_a_reward_that_rose_while_held_out_accuracy_fell_is_said_so_and_the_repo
     assert summary["note"].startswith("the reward ROSE while held-out accuracy FELL")
     # one evaluation: 2 * sqrt(2 * 0.25 / 100)
     assert rl.verdict(records[:-1])["note"] == \
-        "the reward rose, held-out accuracy did not change beyond its noise (±0.141 over 100 questions)"
+        "the reward rose, held-out accuracy did not change beyond its noise (0.141 over 100 questions)"
     assert rl.verdict([*records, held_out(20, 0.75)])["note"] == "the reward rose, held-out accuracy rose"
     # the demo's RL: 0.812 -> 0.800 over 40 questions is noise, not forgetting
     fewer = [held_out(0, 0.8125, 40), *records[1:-1], held_out(10, 0.8, 40)]
     assert rl.verdict(fewer)["note"] == \
-        "the reward rose, held-out accuracy did not change beyond its noise (±0.177 over 40 questions)"
+        "the reward rose, held-out accuracy did not change beyond its noise (0.177 over 40 questions)"
     import report
     (tmp_path / "rl").mkdir()
     (tmp_path / "rl" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
