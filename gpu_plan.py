@@ -488,6 +488,13 @@ def predict_plan(rehearsal_dir, budgets, gpus):
         else:
             stages[name] = predict_evaluation(m, budget, train_tok_s)
         stages[name]["rehearsal_s"] = m["wall_s"]
+    timed = {evaluation_kind(name) or name for name in measured}
+    for name in budgets:
+        # it ran (its directory is there) but a stop ended the run before its time was written
+        if name not in timed and Path(rehearsal_dir, name).is_dir():
+            stages[name] = {"budget": "unknown", "rate": "", "seconds": None,
+                            "assumption": f"{name}/ is there but logs/stages.tsv has no time for "
+                                          "it: rehearse again"}
     seconds = sum(s["seconds"] for s in stages.values() if s["seconds"] is not None)
     return {"rehearsal": str(rehearsal_dir), "gpus": gpus, "stages": stages, "seconds": seconds,
             "unknown": [n for n, s in stages.items() if s["seconds"] is None],

@@ -138,6 +138,18 @@ def test_a_stage_without_its_save_time_or_its_timed_steps_says_so(tmp_path):
     assert gpu_plan.predict_plan(run, budgets, gpus=1)["stages"]["rl"]["seconds"] is None
 
 
+def test_a_stage_that_ran_without_a_time_in_stages_tsv_is_unknown_not_left_out(tmp_path):
+    run = rehearsal(tmp_path)  # a timeout stopped the rehearsal as sft finished: its row was never written
+    rows = (run / "logs" / "stages.tsv").read_text().splitlines()
+    (run / "logs" / "stages.tsv").write_text("".join(f"{r}\n" for r in rows if not r.startswith("midtrain\t")))
+    prediction = gpu_plan.predict_plan(run, BUDGETS, gpus=2)
+    assert prediction["stages"]["midtrain"]["seconds"] is None
+    assert prediction["stages"]["midtrain"]["assumption"] == \
+        "midtrain/ is there but logs/stages.tsv has no time for it: rehearse again"
+    assert prediction["unknown"] == ["sft", "midtrain"]
+    assert gpu_plan.format_prediction(prediction)[-1].endswith("GPU-hours (2 GPUs); unknown: sft, midtrain")
+
+
 def test_the_command_line_writes_the_prediction_beside_the_run_and_report_shows_it(tmp_path, capsys):
     from report import write_report
     run = rehearsal(tmp_path)
