@@ -8,8 +8,8 @@ slower than fp32 on an AVX2-only CPU, so a bf16 run of the demo plan takes days 
 
     PYTHONPATH=$PWD/dev/bf16_emulation bash speedrun.sh --no_chat
 
-The products are torch custom ops, opaque to torch.compile: inductor would otherwise drop the
-bf16 rounding (it folds fp32 -> bf16 -> fp32 casts away). Attention in bf16 (decoding's cache)
+The products are torch custom ops, opaque to torch.compile: written as casts around an fp32
+matmul under autocast disabled, a compiled linear gave other values than the eager one. Attention in bf16 (decoding's cache)
 runs in fp32 with a bf16 result; native kernels also round its probabilities to bf16 before
 P @ V. Time figures of such a run are not a bf16 CPU's. Records: dev/LOG.md, 2026-11-30.
 """
