@@ -742,6 +742,9 @@ def run_stage(run, name, command, train=False, skip_if=None):
         if stopped:
             end_processes(state["mark"], stage, ckpt)
             copier.join(10)
+            if train and Path(done).exists():  # done as the stop came: keep its time
+                with open(f"{run}/logs/stages.tsv", "a") as tsv:
+                    tsv.write(f"{name}\t{Path(done).stat().st_mtime - start:.1f}\t0\n")
             return 128 + stopped
         status = 127 if stage is None else stage.wait()
     # signal N: the shell's 128 + N
@@ -891,8 +894,7 @@ def show_probe(run, command):
              "safe flags")
 
 
-# --print stand-ins: rehearsal_due and stage_evals decide from the flags alone; the others missing
-# here do nothing
+# --print stand-ins; a command missing here does nothing
 PRINTS = {
     "probe": show_probe,
     "stage": lambda run, words: stage_command(run, words, show_stage),

@@ -293,6 +293,28 @@ def test_a_signal_to_the_launcher_ends_its_stage_and_nothing_of_it_is_left(tmp_p
     assert processes_mentioning(marker) == [] and not (run / "logs" / "stages.tsv").exists()
 
 
+def test_a_stage_stopped_after_its_done_json_keeps_its_time_up_to_it(tmp_path):
+    """A stop landing as a training stage ends (done.json written, the process not yet gone): its
+    row in stages.tsv is kept, timed to done.json, so a resumed rehearsal still counts it."""
+    run = start_run(tmp_path)
+    code = (f"import pathlib, time; pathlib.Path({str(run / 'sft')!r}).mkdir(); time.sleep(1); "
+            f"pathlib.Path({str(run / 'sft' / 'done.json')!r}).write_text('{{}}'); "
+            "print('done', flush=True); time.sleep(60)")
+    start = time.time()
+    launcher = subprocess.Popen([sys.executable, str(launch.ROOT / "launch.py"), "stage", "--run", str(run),
+                                 "sft", "--train", sys.executable, "-c", code],
+                                env={**os.environ, "SPEEDRUN_KILL_WAIT": "1"}, stdout=subprocess.PIPE, text=True)
+    assert launcher.stdout.readline().startswith("speedrun: stage sft: ")
+    assert launcher.stdout.readline() == "done\n"
+    finished = time.time() - start
+    time.sleep(2)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(20) == 143
+    name, took, status = (run / "logs" / "stages.tsv").read_text().split()
+    assert (name, status) == ("sft", "0")
+    assert 1 <= float(took) <= finished  # to done.json, not to the stop 2 s later
+
+
 def test_pretrainings_step_lines_reach_the_terminal_and_its_log_unchanged_with_their_own_eta(tmp_path, capsys):
     """The expected time left is train_loop's, at the end of each step line: launch.py adds none of its own."""
     run = start_run(tmp_path)
