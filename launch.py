@@ -742,7 +742,7 @@ def run_stage(run, name, command, train=False, skip_if=None):
         if stopped:
             end_processes(state["mark"], stage, ckpt)
             copier.join(10)
-            if train and Path(done).exists():  # done as the stop came: keep its time
+            if train and Path(done).exists():  # done before the stop
                 with open(f"{run}/logs/stages.tsv", "a") as tsv:
                     tsv.write(f"{name}\t{Path(done).stat().st_mtime - start:.1f}\t0\n")
             return 128 + stopped

@@ -9,9 +9,10 @@ slower than fp32 on an AVX2-only CPU, so a bf16 run of the demo plan takes days 
     PYTHONPATH=$PWD/dev/bf16_emulation bash speedrun.sh --no_chat
 
 The products are torch custom ops, opaque to torch.compile: written as casts around an fp32
-matmul under autocast disabled, a compiled linear gave other values than the eager one. Attention in bf16 (decoding's cache)
-runs in fp32 with a bf16 result; native kernels also round its probabilities to bf16 before
-P @ V. Time figures of such a run are not a bf16 CPU's. Records: dev/LOG.md, 2026-11-30.
+matmul under autocast disabled, a compiled linear gave other values than the eager one. bf16
+attention (autocast's, decoding's cache) runs in fp32 with a bf16 result; native kernels also
+round its probabilities to bf16 before P @ V. Time figures of such a run are not a bf16 CPU's.
+Records: dev/LOG.md, 2026-11-30.
 """
 import importlib.abc
 import importlib.util
@@ -32,10 +33,17 @@ def fp32(*tensors):
     return [t.float() for t in tensors]
 
 
+def plain():
+    """Inside an op: no torch function mode, no autocast (it would cast the fp32 operands back
+    to bf16 and run torch's slow kernel)."""
+    return torch._C.DisableTorchFunction(), torch.autocast("cpu", enabled=False)
+
+
 if torch is not None:
     @torch.library.custom_op("bf16_emulation::matmul", mutates_args=())
     def emulated_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        with torch._C.DisableTorchFunction():
+        no_mode, no_autocast = plain()
+        with no_mode, no_autocast:
             return torch.matmul(*fp32(a, b)).to(BF16)
 
     @emulated_matmul.register_fake
@@ -67,7 +75,8 @@ if torch is not None:
     @torch.library.custom_op("bf16_emulation::baddbmm", mutates_args=())
     def emulated_baddbmm(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float,
                          alpha: float) -> torch.Tensor:
-        with torch._C.DisableTorchFunction():
+        no_mode, no_autocast = plain()
+        with no_mode, no_autocast:
             return torch.baddbmm(*fp32(base, a, b), beta=beta, alpha=alpha).to(BF16)
 
     @emulated_baddbmm.register_fake
@@ -77,7 +86,8 @@ if torch is not None:
     @torch.library.custom_op("bf16_emulation::attention", mutates_args=())
     def emulated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            is_causal: bool, enable_gqa: bool) -> torch.Tensor:
-        with torch._C.DisableTorchFunction():
+        no_mode, no_autocast = plain()
+        with no_mode, no_autocast:
             return F.scaled_dot_product_attention(*fp32(q, k, v), is_causal=is_causal,
                                                   enable_gqa=enable_gqa).to(BF16)
 
@@ -111,9 +121,10 @@ if torch is not None:
                 base, a, b = (t.to(BF16) for t in args[:3])
                 return emulated_baddbmm(base, a, b, float(kwargs.get("beta", 1)),
                                         float(kwargs.get("alpha", 1)))
-            if (func is F.scaled_dot_product_attention and all(t.dtype == BF16 for t in args[:3])
-                    and set(kwargs) <= {"is_causal", "enable_gqa"} and len(args) == 3):
-                return emulated_attention(*args, kwargs.get("is_causal", False),
+            if (func is F.scaled_dot_product_attention and bf16 and len(args) == 3
+                    and set(kwargs) <= {"is_causal", "enable_gqa"}):
+                return emulated_attention(*(t.to(BF16) for t in args),
+                                          kwargs.get("is_causal", False),
                                           kwargs.get("enable_gqa", False))
             if bf16 and func in UNHANDLED:
                 print(f"bf16 emulation: {func.__name__} is not emulated (torch's slow bf16 kernel)",
