@@ -290,15 +290,6 @@ def softcap_logits(logits, cap):
     return cap * tanh(logits / cap) if cap else logits
 
 
-def causal_attention(q, k, v):
-    """Causal SDPA; on CPU in fp32, autocast off (it casts to bf16): faster (dev/LOG.md)."""
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
-        with torch.autocast("cpu", enabled=False):
-            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
-                                                  enable_gqa=True).to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-
-
 def to_compute_dtype(x):
     """Cast once, not a bf16 copy per projection."""
     if not torch.is_autocast_enabled(x.device.type):
@@ -389,7 +380,7 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, head_dim)
         if kv_cache is None:
-            y = causal_attention(q, k, v)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
             start = kv_cache.pos
             k, v = kv_cache.update(self.layer_idx, k, v)

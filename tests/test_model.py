@@ -287,16 +287,6 @@ def test_bf16_compute_updates_every_parameter():
         M.check_master_weights(broken)
 
 
-def test_cpu_attention_under_bf16_autocast_runs_in_fp32():
-    """Autocast casts SDPA's inputs to bf16: causal_attention's fp32 needs it off."""
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 32, 16).bfloat16() for _ in range(3))
-    in_fp32 = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = M.causal_attention(q, k, v)
-    assert torch.equal(got, in_fp32.bfloat16())
-
-
 # --- the loss ---------------------------------------------------------------------------------------------------
 
 def test_compiling_the_model_leaves_the_loss_chunks_out_of_its_graph(monkeypatch):
