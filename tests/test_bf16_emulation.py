@@ -27,6 +27,9 @@ with torch._C.DisableTorchFunction():  # torch's own bf16 kernels: slow, exact h
 # every product of two bf16 numbers is exact in fp64, and so are these sums
 exact = (x.bfloat16().double() @ w.detach().bfloat16().double().t()).bfloat16()
 compiled = torch.compile(linear)(x, w)
+q = torch.randn(1, 2, 8, 16, requires_grad=True)
+with torch.autocast("cpu", dtype=torch.bfloat16):  # attention that trains: torch's own kernel
+    F.scaled_dot_product_attention(q, q, q, is_causal=True).float().sum().backward()
 print(json.dumps({
     "dtype": str(emulated.dtype),
     "probe": distributed.precision(torch.device("cpu"))[0],
@@ -35,6 +38,7 @@ print(json.dumps({
     "off_fp32": (emulated != (x @ w.detach().t()).bfloat16()).float().mean().item(),
     "grad_off_native": ((grad - w.grad).abs() / w.grad.abs().clamp(min=1e-3)).max().item(),
     "compiled_equal": bool(torch.equal(compiled, emulated)),
+    "attention_grad": q.grad is not None,
 }))
 """
 
@@ -55,3 +59,4 @@ def test_bf16_emulation_rounds_as_a_bf16_cpu_compiled_too():
     assert result["grad_off_native"] < 0.02  # the backward's products are bf16's too
     # casts around an fp32 matmul with autocast off inside: compiled, other values than eager
     assert result["compiled_equal"]
+    assert result["attention_grad"]

@@ -10,8 +10,9 @@ slower than fp32 on an AVX2-only CPU, so a bf16 run of the demo plan takes days 
 
 The products are torch custom ops, opaque to torch.compile: written as casts around an fp32
 matmul under autocast disabled, a compiled linear gave other values than the eager one. bf16
-attention (autocast's, decoding's cache) runs in fp32 with a bf16 result; native kernels also
-round its probabilities to bf16 before P @ V. Time figures of such a run are not a bf16 CPU's.
+attention without gradients (evaluation, decoding) runs in fp32 with a bf16 result (native kernels
+also round its probabilities to bf16 before P @ V); attention that trains runs torch's bf16
+kernel. Time figures of such a run are not a bf16 CPU's.
 Records: dev/LOG.md, 2026-11-30.
 """
 import importlib.abc
@@ -121,7 +122,9 @@ if torch is not None:
                 base, a, b = (t.to(BF16) for t in args[:3])
                 return emulated_baddbmm(base, a, b, float(kwargs.get("beta", 1)),
                                         float(kwargs.get("alpha", 1)))
-            if (func is F.scaled_dot_product_attention and bf16 and len(args) == 3
+            # attention that trains keeps torch's bf16 kernel: this op has no backward
+            grad = torch.is_grad_enabled() and any(t.requires_grad for t in cpu)
+            if (func is F.scaled_dot_product_attention and bf16 and not grad and len(args) == 3
                     and set(kwargs) <= {"is_causal", "enable_gqa"}):
                 return emulated_attention(*(t.to(BF16) for t in args),
                                           kwargs.get("is_causal", False),
