@@ -15,9 +15,9 @@ also round its probabilities to bf16 before P @ V); attention that trains runs t
 kernel. Time figures of such a run are not a bf16 CPU's.
 Records: dev/LOG.md, 2026-11-30.
 """
+import contextlib
 import importlib.abc
 import importlib.util
-import os
 import sys
 
 try:
@@ -34,17 +34,18 @@ def fp32(*tensors):
     return [t.float() for t in tensors]
 
 
+@contextlib.contextmanager
 def plain():
     """Inside an op: no torch function mode, no autocast (it would cast the fp32 operands back
     to bf16 and run torch's slow kernel)."""
-    return torch._C.DisableTorchFunction(), torch.autocast("cpu", enabled=False)
+    with torch._C.DisableTorchFunction(), torch.autocast("cpu", enabled=False):
+        yield
 
 
 if torch is not None:
     @torch.library.custom_op("bf16_emulation::matmul", mutates_args=())
     def emulated_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        no_mode, no_autocast = plain()
-        with no_mode, no_autocast:
+        with plain():
             return torch.matmul(*fp32(a, b)).to(BF16)
 
     @emulated_matmul.register_fake
@@ -76,8 +77,7 @@ if torch is not None:
     @torch.library.custom_op("bf16_emulation::baddbmm", mutates_args=())
     def emulated_baddbmm(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float,
                          alpha: float) -> torch.Tensor:
-        no_mode, no_autocast = plain()
-        with no_mode, no_autocast:
+        with plain():
             return torch.baddbmm(*fp32(base, a, b), beta=beta, alpha=alpha).to(BF16)
 
     @emulated_baddbmm.register_fake
@@ -87,8 +87,7 @@ if torch is not None:
     @torch.library.custom_op("bf16_emulation::attention", mutates_args=())
     def emulated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            is_causal: bool, enable_gqa: bool) -> torch.Tensor:
-        no_mode, no_autocast = plain()
-        with no_mode, no_autocast:
+        with plain():
             return F.scaled_dot_product_attention(*fp32(q, k, v), is_causal=is_causal,
                                                   enable_gqa=enable_gqa).to(BF16)
 
@@ -102,10 +101,13 @@ if torch is not None:
     # the rest of autocast's CPU bf16 list that a bf16 tensor can reach: not emulated, said once
     UNHANDLED = {torch.addmm, torch.Tensor.addmm, torch.addbmm, torch.einsum,
                  torch.Tensor.__rmatmul__}
+    LOOKED_AT = MATMULS | BADDBMMS | UNHANDLED | {F.linear, F.scaled_dot_product_attention}
 
     class EmulatedBf16(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            if func not in LOOKED_AT:  # every other torch call passes here: return at once
+                return func(*args, **kwargs)
             cpu = [a for a in args if isinstance(a, torch.Tensor) and a.device.type == "cpu"]
             if not cpu:
                 return func(*args, **kwargs)
@@ -123,9 +125,9 @@ if torch is not None:
                 return emulated_baddbmm(base, a, b, float(kwargs.get("beta", 1)),
                                         float(kwargs.get("alpha", 1)))
             # attention that trains keeps torch's bf16 kernel: this op has no backward
-            grad = torch.is_grad_enabled() and any(t.requires_grad for t in cpu)
-            if (func is F.scaled_dot_product_attention and bf16 and not grad and len(args) == 3
-                    and set(kwargs) <= {"is_causal", "enable_gqa"}):
+            if (func is F.scaled_dot_product_attention and bf16 and len(args) == 3
+                    and set(kwargs) <= {"is_causal", "enable_gqa"}
+                    and not (torch.is_grad_enabled() and any(t.requires_grad for t in cpu))):
                 return emulated_attention(*(t.to(BF16) for t in args),
                                           kwargs.get("is_causal", False),
                                           kwargs.get("enable_gqa", False))
@@ -161,6 +163,5 @@ if torch is not None:
             spec.loader.exec_module = exec_module
             return spec
 
-    if os.environ.get("BF16_EMULATION", "1") != "0":
-        sys.meta_path.insert(0, PatchDistributed())
-        EmulatedBf16().__enter__()
+    sys.meta_path.insert(0, PatchDistributed())
+    EmulatedBf16().__enter__()
