@@ -79,11 +79,14 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank,
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
+    error = None
     try:
         write_files(tmp, step, model, optimizers, loader_state, meta, rank, consolidate)
-    except (OSError, RuntimeError) as error:  # a full disk: torch's own error names neither
-        raise save_failed(error, tmp, step) from error
-    barrier()
+    except (OSError, RuntimeError) as e:  # a full disk: torch's own error names neither
+        error = e
+    # every rank raises, not only the one whose write failed (a barrier would wait for it)
+    if distributed.all_reduce(1.0 if error else 0.0, dist.ReduceOp.MAX):
+        raise save_failed(error or "on another rank", tmp, step, rank) from error
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -101,8 +104,7 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, loader_state, meta, rank,
 
 
 def write_files(tmp, step, model, optimizers, loader_state, meta, rank, consolidate):
-    torch.save({"loader": loader_state, "rng": rng_state()}, tmp / f"rank{rank:03d}.pt")
-    if is_sharded(model):
+    if is_sharded(model):  # first: a write that fails in dcp.save fails on every rank
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -119,6 +121,8 @@ def write_files(tmp, step, model, optimizers, loader_state, meta, rank, consolid
     elif rank == 0:
         torch.save(model.state_dict(), tmp / "model.pt")
         torch.save(named_optimizer_state(model, optimizers), tmp / "optimizers.pt")
+    # after the collectives: a failure here reaches save_checkpoint's all_reduce
+    torch.save({"loader": loader_state, "rng": rng_state()}, tmp / f"rank{rank:03d}.pt")
     if rank == 0:
         (tmp / "meta.json").write_text(json.dumps({**meta, "step": step,
                                                    "sharded": is_sharded(model),
@@ -126,9 +130,10 @@ def write_files(tmp, step, model, optimizers, loader_state, meta, rank, consolid
                                                    "versions": versions()}, indent=1))
 
 
-def save_failed(error, tmp, step):
+def save_failed(error, tmp, step, rank):
     """A save that could not write: its partial files removed, the complete checkpoints kept."""
-    shutil.rmtree(tmp, ignore_errors=True)
+    if rank == 0:  # once no rank writes
+        shutil.rmtree(tmp, ignore_errors=True)
     free = shutil.disk_usage(tmp.parent).free / 1e9
     kept = list_checkpoints(tmp.parent)
     return RuntimeError(f"saving step {step} to {tmp.parent} failed ({error}); {free:.1f} GB free "

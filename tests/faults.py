@@ -7,12 +7,14 @@ what train_loop and checkpoint call is wrapped, so a run fails as real runs do. 
     signal_at_step  each rank SIGTERMs itself as the step starts: it stops after the step (rl.py: in its rollouts)
     inject_nan_step the step's loss is NaN (times NaN before the backward: its gradients are NaN too)
     checkpoint_delay  seconds rank 0 waits before each checkpoint's meta.json, its last file: a slower save
+    save_fails_at_step  the last rank's checkpoint write at that step fails as on a full disk (ENOSPC)
 
 The step is the one the run marks as starting its forward/backward (distributed.mark_progress), the fault coming
 before the mark, so a hung rank's progress file still names the step before. A test's subprocess takes its faults
 from the environment (helpers.faults_env): NANOCHAT_FAULTS, a JSON object of the faults above, and tests/faults_site/
 on PYTHONPATH, whose sitecustomize.py calls from_environment() as the interpreter starts; the modules are wrapped as
 they are imported. A test that trains in its own process calls install(faults, monkeypatch.setattr) instead."""
+import errno
 import importlib.abc
 import importlib.machinery
 import json
@@ -81,8 +83,15 @@ def wrappers(faults):
             return versions()
         return late
 
+    def full_disk(write_files):
+        def write(tmp, at, *args):
+            if at == faults.get("save_fails_at_step") and last_rank():
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return write_files(tmp, at, *args)
+        return write
+
     return {("distributed", "mark_progress"): marked, ("train_loop", "forward_backward"): poisoned,
-            ("checkpoint", "versions"): slower}
+            ("checkpoint", "versions"): slower, ("checkpoint", "write_files"): full_disk}
 
 
 def install(faults, patch=setattr):

@@ -66,6 +66,23 @@ def test_a_rank_that_hangs_stops_the_others_within_a_minute_naming_it(demo_world
 
 
 @pytest.mark.two_processes
+def test_a_save_that_fails_on_one_rank_stops_every_rank_with_the_save_error(demo_world):
+    """Rank 1's write of step 4's checkpoint fails (ENOSPC) while rank 0 writes the weights: every rank raises the
+    save's error (none reads as a dead peer), and the partial checkpoint goes once no rank writes to it."""
+    ckpt = demo_world / "runs" / "save_fails" / "ckpt"
+    result = run_script("pretrain.py", pretrain_args(demo_world, ["--steps", "6", "--ckpt_every", "2", "--run_name",
+                                                                  "save_fails"]),
+                        demo_world, nproc=2, check=False, faults={"save_fails_at_step": 4})
+    assert result.returncode != 0
+    error = f"pretrain.py: error: saving step 4 to {ckpt} failed ("
+    assert f"{error}[Errno 28] No space left on device); " in result.stderr, result.stderr[-3000:]
+    assert f"{error}on another rank); " in result.stderr
+    assert "a collective failed" not in result.stderr
+    assert sorted(p.name for p in ckpt.iterdir()) == ["save_seconds", "step_000002"]
+    assert processes_mentioning("--run_name save_fails ") == []
+
+
+@pytest.mark.two_processes
 def test_the_nccl_probe_times_a_gradient_bucket_sized_all_reduce(tmp_path):
     """speedrun.sh's probe (distributed.py probe) on gloo, 2 processes: after the 4-byte check it all-reduces 25 MB, a
     DDP bucket, checks the sums and prints the time and bus bandwidth it measured."""
