@@ -357,15 +357,15 @@ def stage_code(main):
     try:
         signum = main()
     except (ValueError, FileNotFoundError, RuntimeError, ImportError) as e:
-        stopped = stopped_ranks()
-        # a collective failed: its peer died (connection reset) or hung (--dist_timeout)
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        ours = Path(frame.filename).resolve().parent == Path(__file__).resolve().parent and \
+            (frame.line or "").lstrip().startswith("raise")
+        # torch's error: a collective failed, its peer died (connection reset) or hung
+        stopped = not ours and stopped_ranks()
         if stopped:
             print(f"{script}: error on rank {dist.get_rank()}: a collective failed "
                   f"({str(e).splitlines()[0][:160]}): {stopped}", file=sys.stderr, flush=True)
             return 1  # no teardown: its barrier would wait for the stopped rank
-        frame = traceback.extract_tb(e.__traceback__)[-1]
-        ours = Path(frame.filename).resolve().parent == Path(__file__).resolve().parent and \
-            (frame.line or "").lstrip().startswith("raise")
         # raised by a library, or a bug: the traceback locates it
         if not ours:
             traceback.print_exception(e)

@@ -7,7 +7,8 @@ what train_loop and checkpoint call is wrapped, so a run fails as real runs do. 
     signal_at_step  each rank SIGTERMs itself as the step starts: it stops after the step (rl.py: in its rollouts)
     inject_nan_step the step's loss is NaN (times NaN before the backward: its gradients are NaN too)
     checkpoint_delay  seconds rank 0 waits before each checkpoint's meta.json, its last file: a slower save
-    save_fails_at_step  the last rank's checkpoint write at that step fails as on a full disk (ENOSPC)
+    save_fails_at_step  the last rank's checkpoint write at that step fails as on a full disk (ENOSPC); the
+                    others raise the save's error 2 s later, when the failing rank has most likely exited
 
 The step is the one the run marks as starting its forward/backward (distributed.mark_progress), the fault coming
 before the mark, so a hung rank's progress file still names the step before. A test's subprocess takes its faults
@@ -90,8 +91,16 @@ def wrappers(faults):
             return write_files(tmp, at, *args)
         return write
 
+    def late_elsewhere(save_failed):
+        def failed(*args):
+            if not last_rank():
+                time.sleep(2)
+            return save_failed(*args)
+        return failed
+
     return {("distributed", "mark_progress"): marked, ("train_loop", "forward_backward"): poisoned,
-            ("checkpoint", "versions"): slower, ("checkpoint", "write_files"): full_disk}
+            ("checkpoint", "versions"): slower, ("checkpoint", "write_files"): full_disk,
+            ("checkpoint", "save_failed"): late_elsewhere}
 
 
 def install(faults, patch=setattr):

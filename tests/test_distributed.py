@@ -68,7 +68,8 @@ def test_a_rank_that_hangs_stops_the_others_within_a_minute_naming_it(demo_world
 @pytest.mark.two_processes
 def test_a_save_that_fails_on_one_rank_stops_every_rank_with_the_save_error(demo_world):
     """Rank 1's write of step 4's checkpoint fails (ENOSPC) while rank 0 writes the weights: every rank raises the
-    save's error (none reads as a dead peer), and the partial checkpoint goes once no rank writes to it."""
+    save's error, rank 0 after rank 1 has exited (its error is its own, not a dead peer's), and the partial checkpoint
+    goes once no rank writes to it."""
     ckpt = demo_world / "runs" / "save_fails" / "ckpt"
     result = run_script("pretrain.py", pretrain_args(demo_world, ["--steps", "6", "--ckpt_every", "2", "--run_name",
                                                                   "save_fails"]),
